@@ -1,0 +1,1 @@
+"""quant part of trtedge."""

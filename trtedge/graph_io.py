@@ -1,0 +1,62 @@
+"""The contract between emitted graphs and the runtime: input names and decode-state tensors.
+
+Build records, per flavor, which state tensors a graph carries and how each is updated;
+the runtime feeds whichever control inputs the graph declares. Shared by build and runtime.
+
+Control inputs (a graph declares the subset it needs):
+  input_ids            int64 [batch, seq]
+  position_ids         int64 [batch, seq]              absolute positions of the new tokens
+  attention_mask       int64 [batch, past_seq + seq]   1 = attend (the ``append`` KV layout)
+  seqlens_k            int32 [batch]                   past + new − 1 per row (GroupQueryAttention)
+  total_sequence_length int32 []                       max(past + new) over the batch
+  past_lengths         int64 [batch]                   tokens already in the cache per row
+  logits_positions     int64 [batch, n_logits]         which of the ``seq`` new positions get logits
+Output: ``logits`` float32 [batch, n_logits, vocab].
+
+Symbolic dims in state shapes: ``batch``, ``max_seq`` (the bundle's max_seq_len),
+``past_seq`` (the past length fed this step), ``seq`` (new tokens this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CONTROL_INPUTS = (
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "seqlens_k",
+    "total_sequence_length",
+    "past_lengths",
+    "logits_positions",
+)
+
+# How a state output relates to its input.
+INPLACE = "inplace"  # output aliases the input buffer (cpu flavor: GroupQueryAttention shares past/present)
+APPEND = "append"  # output holds only the new ``seq`` entries along ``seq_axis``; runtime writes them at past_len
+REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
+
+
+@dataclass
+class StateTensor:
+    """One decode-state tensor the runtime owns between steps (KV cache, V4 compressor state, ...)."""
+
+    input: str
+    output: str
+    shape: list[Any]
+    dtype: str = "float32"
+    update: str = INPLACE
+    seq_axis: int = 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StateTensor:
+        return cls(**d)
+
+
+def resolve_shape(shape: list[Any], dims: dict[str, int]) -> tuple[int, ...]:
+    """Replace symbolic dims with numbers."""
+    return tuple(int(dims[s]) if isinstance(s, str) else int(s) for s in shape)

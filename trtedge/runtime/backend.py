@@ -1,0 +1,65 @@
+"""The backend interface: what the runtime needs from onnxruntime or TensorRT.
+
+A backend owns the model's decode state (the KV cache arena and any other state tensors)
+as ``num_slots`` fixed slots; the scheduler maps requests to slots. One ``forward`` call
+runs one step for a batch of slots and returns logits for the requested positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class StepBatch:
+    """One model step. Rows are right-padded to ``input_ids.shape[1]``; ``new_lengths`` says how many are real.
+
+    ``logits_positions[b]`` indexes row b's new tokens (0 .. new_lengths[b]-1) whose logits are wanted.
+    """
+
+    slots: list[int]
+    input_ids: np.ndarray  # int64 [B, S]
+    past_lengths: np.ndarray  # int64 [B]: tokens already in each slot's cache
+    new_lengths: np.ndarray  # int64 [B]: real tokens in each row (≤ S)
+    logits_positions: np.ndarray  # int64 [B, K]
+
+    @staticmethod
+    def single(slot: int, token_ids: list[int] | np.ndarray, past_length: int, all_logits: bool = False) -> StepBatch:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
+        pos = np.arange(n, dtype=np.int64) if all_logits else np.array([n - 1], dtype=np.int64)
+        return StepBatch(
+            slots=[slot],
+            input_ids=ids,
+            past_lengths=np.array([past_length], dtype=np.int64),
+            new_lengths=np.array([n], dtype=np.int64),
+            logits_positions=pos.reshape(1, -1),
+        )
+
+
+class Backend(Protocol):
+    """Implemented by OnnxRuntimeBackend (CPU) and TensorRTBackend (GPU)."""
+
+    name: str  # "onnxruntime" | "tensorrt"
+    flavor: str  # which bundle graph it runs: "cpu" | "trt"
+    num_slots: int
+    max_seq_len: int
+    vocab_size: int
+
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        """Run one step; writes the new tokens' state into the slots; returns float32 logits [B, K, vocab]."""
+        ...
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` into ``dst`` (prefix reuse)."""
+        ...
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot's state (a new request will start from position 0)."""
+        ...
+
+    def close(self) -> None:
+        ...
