@@ -20,6 +20,7 @@ app = typer.Typer(
 # Each part registers its commands in its own module (keeps this file small and the parts apart).
 _COMMAND_MODULES = (
     "trtedge.build.commands",
+    "trtedge.build.engine.commands",
     "trtedge.runtime.commands",
     "trtedge.server.commands",
     "trtedge.bench.commands",
