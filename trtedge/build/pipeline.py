@@ -1,0 +1,172 @@
+"""checkpoint → bundle: read lazily, quantize per tensor, emit each flavor's graph, write the manifest.
+
+The bundle is assembled in ``<out>.partial`` and renamed into place at the end, so a failed
+or interrupted build never leaves a half-written bundle where a good one is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trtedge import __version__
+from trtedge.build.checkpoint import open_checkpoint
+from trtedge.build.models import family_module
+from trtedge.build.quant.spec import QuantSpec
+from trtedge.build.tensors import GGMLBlocks
+from trtedge.bundle import write_manifest
+from trtedge.config import ModelConfig
+from trtedge.errors import CheckpointError, TrtedgeError
+
+FLAVORS = ("cpu", "trt")
+CARRYABLE = {"Q4_0", "Q4_1", "Q8_0"}
+
+
+@dataclass
+class BuildOptions:
+    """What `trtedge build` was asked for (plain data, so build_engine.py and tests share it)."""
+
+    quant: str = "w4a16"
+    group_size: int = 128
+    method: str = "rtn"
+    calib: Path | None = None
+    flavors: tuple[str, ...] = ("cpu",)
+    max_seq_len: int | None = None
+    requantize: bool = False  # force re-quantizing a GGUF that is already 4-bit
+    accuracy_level: int = 4
+    force: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
+            raise TrtedgeError(f"--quant {self.quant!r} is not one of fp32, fp16, w8a16, w4a16")
+        if self.method not in ("rtn", "awq"):
+            raise TrtedgeError(f"--method {self.method!r} is not one of rtn, awq")
+        bad = [f for f in self.flavors if f not in FLAVORS]
+        if bad or not self.flavors:
+            raise TrtedgeError(f"--flavors {','.join(self.flavors)!r}: choose from {', '.join(FLAVORS)}")
+        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise TrtedgeError(f"--group-size {self.group_size} must be a power of two ≥ 16 (64 or 128 for trt)")
+        if "trt" in self.flavors and self.quant == "w4a16" and self.group_size not in (64, 128):
+            raise TrtedgeError(f"--group-size {self.group_size}: TensorRT INT4 needs 64 or 128 for the trt flavor")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise TrtedgeError("--max-seq-len must be at least 2")
+        if self.calib is not None and not Path(self.calib).is_file():
+            raise TrtedgeError(f"--calib {self.calib}: file not found")
+
+
+ProgressFactory = Callable[[str, int], Callable[[int], None]]
+
+
+def _no_progress(_desc: str, _total: int) -> Callable[[int], None]:
+    return lambda _n: None
+
+
+def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
+                 progress: ProgressFactory = _no_progress, log: Callable[[str], None] = lambda _m: None) -> Path:
+    """Build a bundle directory from a HF checkpoint directory or a GGUF file; returns its path."""
+    opts.validate()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not opts.force:
+        raise TrtedgeError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
+    t0 = time.time()
+    ckpt = open_checkpoint(checkpoint)
+    try:
+        cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
+        family = family_module(cfg.architecture)
+        missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
+        if missing:
+            raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
+        spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
+                         accuracy_level=opts.accuracy_level)
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        awq_scales = None
+        if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
+            from trtedge.build.calibrate import awq_scales_for
+
+            awq_scales = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
+        carried: dict[str, str] = {}
+        flavors: dict[str, Any] = {}
+        for flavor in opts.flavors:
+            getter = _weight_getter(ckpt, spec, flavor, opts, carried)
+            rel = f"graphs/{flavor}/model.onnx"
+            tick = progress(f"emit {flavor} graph", cfg.num_layers)
+            entry = family.emit_graph(cfg, getter, spec, flavor, tmp / rel, max_seq, progress=tick,
+                                      **({"awq_scales": awq_scales} if awq_scales else {}))
+            entry["graph"] = rel
+            flavors[flavor] = entry
+        tok = ckpt.write_tokenizer(tmp / "tokenizer")
+        (tmp / "config.json").write_text(cfg.to_json())
+        manifest = {
+            "trtedge_version": __version__,
+            "architecture": cfg.architecture,
+            "model_name": cfg.name,
+            "source": {"path": str(checkpoint), "format": "gguf" if str(checkpoint).endswith(".gguf") else "hf"},
+            "quantization": _quant_record(spec, carried, cfg),
+            "flavors": flavors,
+            "max_seq_len": max_seq,
+            "config": "config.json",
+            "tokenizer": {"dir": "tokenizer", **tok},
+            "build_seconds": round(time.time() - t0, 2),
+        }
+        write_manifest(tmp, manifest)
+    finally:
+        ckpt.close()
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"bundle written to {out} in {time.time() - t0:.1f}s")
+    return out
+
+
+def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
+                   carried: dict[str, str]) -> Callable[[str], Any]:
+    """The cpu flavor takes GGUF 4/8-bit blocks as they are (no second quantization) when it can."""
+    carry = flavor == "cpu" and spec.scheme == "w4a16" and spec.method == "rtn" and not opts.requantize
+
+    def get(name: str) -> Any:
+        if carry:
+            raw = ckpt.get_raw(name)
+            if isinstance(raw, GGMLBlocks) and raw.ggml_type in CARRYABLE:
+                carried[name] = raw.ggml_type
+                return raw
+        return ckpt.get(name)
+
+    return get
+
+
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig) -> dict[str, Any]:
+    kept = [
+        {"name": "*norm*.weight", "dtype": "float32", "reason": "RMSNorm gains are tiny and precision-sensitive"},
+        {"name": "rope_cos/rope_sin", "dtype": "float32", "reason": "position tables, not weights"},
+    ]
+    if spec.scheme in ("w4a16", "w8a16"):
+        kept.append({"name": "model.embed_tokens.weight", "dtype": "int8 per-32 blocks" if carried else "see emit",
+                     "reason": "embedding rows are gathered, not multiplied: 8 bits keep them exact enough"})
+    return {
+        "scheme": spec.scheme, "group_size": spec.group_size, "method": spec.method,
+        "accuracy_level": spec.accuracy_level,
+        "carried_from_source": dict(sorted(carried.items())),
+        "kept_high_precision": kept,
+        "symmetric": True, "zero_point": 0,
+    }
+
+
+def _model_name(checkpoint: str | Path, hf_config: dict[str, Any]) -> str:
+    p = Path(checkpoint)
+    return hf_config.get("_name_or_path") or (p.stem if p.suffix == ".gguf" else p.name)
+
+
+def describe(bundle_dir: Path) -> str:
+    m = json.loads((bundle_dir / "manifest.json").read_text())
+    size = sum(f["size"] for f in m["files"].values())
+    return f"{m['architecture']} {m['quantization']['scheme']} flavors={','.join(m['flavors'])} {size / 1e6:.1f} MB"

@@ -1,0 +1,75 @@
+"""`trtedge logits` and `trtedge generate`: the direct single-stream paths."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from trtedge.errors import TrtedgeError
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise TrtedgeError(f"--ids {text!r}: give comma-separated integers, e.g. 1,2,3") from None
+
+
+def logits(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory")],
+    ids: Annotated[str, typer.Option(help="comma-separated token ids")],
+    output: Annotated[Path, typer.Option("-o", "--output", help=".npy file for float32 logits [T, vocab]")],
+    mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
+    flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+) -> None:
+    """Write float32 logits for every position (parity checks against a reference)."""
+    from trtedge.bundle import open_bundle
+    from trtedge.runtime.generate import compute_logits
+    from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    token_ids = _parse_ids(ids)
+    b = open_bundle(bundle)
+    be = OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=threads,
+                            accuracy_level=0 if flavor == "trt" else None)
+    out = compute_logits(be, token_ids, mode)
+    np.save(output, out.astype(np.float32))
+    print(f"{output}: logits {list(out.shape)} ({mode}, {flavor})")
+
+
+def generate(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory")],
+    prompt: Annotated[str, typer.Option(help="prompt text")],
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
+    max_tokens: Annotated[int, typer.Option(help="maximum new tokens")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="random seed (same seed, same output)")] = None,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+) -> None:
+    """Generate text from a prompt, streaming it to stdout."""
+    from trtedge.runtime.detokenize import IncrementalDetokenizer
+    from trtedge.runtime.generate import Generator
+    from trtedge.runtime.sampling import SamplingParams
+
+    if max_tokens < 1:
+        raise TrtedgeError("--max-tokens must be at least 1")
+    gen = Generator(bundle, threads=threads)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    tok = gen.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    detok = IncrementalDetokenizer(tok)
+    for t in gen.stream(ids, max_tokens, params):
+        sys.stdout.write(detok.add(t))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("logits")(logits)
+    app.command("generate")(generate)
