@@ -1,1 +1,17 @@
-"""quant part of trtedge."""
+"""quant part of trtedge: QuantSpec, RTN and AWQ quantizers, GGUF block decoding, packing, sizes."""
+
+from trtedge.build.quant.awq import awq_search
+from trtedge.build.quant.rtn import dequantize_rtn, fake_quantize, quantize_rtn
+from trtedge.build.quant.size import KEPT_HIGH_PRECISION, kept_high_precision_note, quantized_bytes
+from trtedge.build.quant.spec import QuantSpec
+
+__all__ = [
+    "KEPT_HIGH_PRECISION",
+    "QuantSpec",
+    "awq_search",
+    "dequantize_rtn",
+    "fake_quantize",
+    "kept_high_precision_note",
+    "quantize_rtn",
+    "quantized_bytes",
+]

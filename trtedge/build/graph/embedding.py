@@ -1,0 +1,76 @@
+"""Emit a token-embedding lookup that keeps quantized tables quantized and dequantizes only gathered rows.
+
+fp32: Gather on a float32 table; fp16: Gather on float16 then Cast. w8a16/w4a16: an int8 code table plus
+per-block float32 scales (int8 even for w4a16 — Gather can't address nibbles with standard ops, and the
+embedding is worth the extra precision); rows are dequantized with Gather, Cast, Mul (Add for Q4_1's
+offsets). GGUF Q4_0/Q4_1/Q8_0 tables are carried exactly (same arithmetic as gguf's dequantize).
+Both flavors use the same standard ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from trtedge.build.graph.builder import GraphBuilder
+from trtedge.build.graph.linear import float_weight, weight_shape
+from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
+from trtedge.build.quant.rtn import quantize_rtn
+from trtedge.build.quant.spec import FLAVORS, QuantSpec
+from trtedge.build.tensors import GGMLBlocks
+from trtedge.errors import TrtedgeError
+
+
+def embedding_block(hidden: int, spec: QuantSpec) -> int | None:
+    """Block of the int8 embedding table: the spec's group size if it divides hidden, else a smaller power of two."""
+    for g in (spec.group_size, 128, 64, 32, 16):
+        if hidden % g == 0:
+            return g
+    return None  # one scale per row
+
+
+def _rows(gb: GraphBuilder, ids: str, name: str, codes: np.ndarray, scales: np.ndarray, block: int | None,
+          offsets: np.ndarray | None) -> str:
+    v, h = codes.shape
+    c = gb.op("Gather", [gb.weight(f"{name}.qweight", codes), ids], axis=0, name=f"{name}/gather_codes")
+    c = gb.op("Cast", [c], to=TensorProto.FLOAT, name=f"{name}/cast")
+    lead = gb.op("Shape", [ids], name=f"{name}/ids_shape")
+    if block is not None:
+        c = gb.op("Reshape", [c, gb.op("Concat", [lead, gb.const([h // block, block])], axis=0,
+                                       name=f"{name}/block_dims")], name=f"{name}/to_blocks")
+    sc = gb.op("Gather", [gb.weight(f"{name}.scales", scales), ids], axis=0, name=f"{name}/gather_scales")
+    if block is not None:  # [..., H/block] -> [..., H/block, 1]; per-row scales [..., 1] broadcast as they are
+        sc = gb.op("Unsqueeze", [sc, gb.const([-1])], name=f"{name}/scales_1")
+    y = gb.op("Mul", [c, sc], name=f"{name}/scale")
+    if offsets is not None:
+        off = gb.op("Gather", [gb.weight(f"{name}.offsets", offsets), ids], axis=0, name=f"{name}/gather_offsets")
+        y = gb.op("Add", [y, gb.op("Unsqueeze", [off, gb.const([-1])], name=f"{name}/offsets_1")],
+                  name=f"{name}/offset")
+    if block is not None:
+        y = gb.op("Reshape", [y, gb.op("Concat", [lead, gb.const([h])], axis=0, name=f"{name}/row_dims")],
+                  name=f"{name}/to_rows")
+    return y
+
+
+def emit_embedding(gb: GraphBuilder, ids: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,
+                   name: str = "embed_tokens") -> str:
+    """``ids`` (int64, any shape) → float32 ``[*ids.shape, hidden]`` rows of ``weight [vocab, hidden]``."""
+    spec.check()
+    if flavor not in FLAVORS:
+        raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
+    v, h = weight_shape(weight, name)
+    if spec.quantized and isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED:
+        dec = decode_blocks(weight, name)
+        codes = dec.codes.astype(np.int8)
+        if dec.ggml_type == "Q4_0":
+            codes -= 8
+        return _rows(gb, ids, name, codes, dec.d, BLOCK, dec.m)
+    w = float_weight(weight)
+    if spec.scheme == "fp32":
+        return gb.op("Gather", [gb.weight(f"{name}.weight", w), ids], axis=0, name=f"{name}/Gather")
+    if spec.scheme == "fp16":
+        g = gb.op("Gather", [gb.weight(f"{name}.weight", w.astype(np.float16)), ids], axis=0, name=f"{name}/Gather")
+        return gb.op("Cast", [g], to=TensorProto.FLOAT, name=f"{name}/cast")
+    block = embedding_block(h, spec)
+    codes, scales = quantize_rtn(w, 8, block)
+    return _rows(gb, ids, name, codes, scales, block, None)

@@ -1,0 +1,194 @@
+"""Emit one linear layer ``y = x @ W^T + b`` into an ONNX graph, quantized per a QuantSpec and flavor.
+
+cpu flavor: com.microsoft ``MatMulNBits`` (4 or 8 bits, symmetric: codes + 2^(bits-1), the default
+zero point). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]`` weight (axis 0,
+``block_size`` 64/128, no zero point) or an INT8 per-channel weight (axis 1), then ``MatMul``.
+With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the dequantized weight and
+the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
+x is cast to fp16 before and y back to float32 after. Float schemes keep float32 activations.
+GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+
+import numpy as np
+from onnx import TensorProto
+
+from trtedge.build.graph.builder import MS_DOMAIN, GraphBuilder
+from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
+from trtedge.build.quant.pack import pack_int4_kn, pack_matmulnbits
+from trtedge.build.quant.rtn import quantize_rtn
+from trtedge.build.quant.spec import FLAVORS, QuantSpec
+from trtedge.build.tensors import GGMLBlocks
+from trtedge.errors import TrtedgeError
+
+# Per-builder cache of tensors derived from an activation (fp16 casts, GGUF Q4_1 block sums), so
+# q/k/v or gate/up reading the same x share one node.
+_DERIVED: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, str]] = weakref.WeakKeyDictionary()
+
+
+def _derived(gb: GraphBuilder) -> dict[tuple, str]:
+    return _DERIVED.setdefault(gb, {})
+
+
+def weight_shape(weight: np.ndarray | GGMLBlocks, name: str) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a float array or GGMLBlocks (TrtedgeError if not 2-D)."""
+    shape = tuple(int(v) for v in (weight.shape if isinstance(weight, GGMLBlocks) else np.shape(weight)))
+    if len(shape) != 2 or min(shape) <= 0:
+        raise TrtedgeError(f"weight {name} has shape {shape}; a linear weight must be [out_features, in_features]")
+    return shape  # type: ignore[return-value]
+
+
+def float_weight(weight: np.ndarray | GGMLBlocks) -> np.ndarray:
+    """float32 ``[out, in]`` of either source (GGUF blocks dequantized the llama.cpp way)."""
+    if isinstance(weight, GGMLBlocks):
+        return weight.dequantize()
+    return np.asarray(weight, dtype=np.float32)
+
+
+def cast_fp16(gb: GraphBuilder, x: str) -> str:
+    key = ("fp16", x)
+    cache = _derived(gb)
+    if key not in cache:
+        cache[key] = gb.op("Cast", [x], to=TensorProto.FLOAT16, name=gb.fresh("cast_fp16"))
+    return cache[key]
+
+
+def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int) -> str:
+    """``x [..., K]`` → ``[..., K/block]``, the sum of each block of inputs (any rank of x)."""
+    key = ("blocksum", x, block)
+    cache = _derived(gb)
+    if key not in cache:
+        lead = gb.op("Shape", [x], end=-1, name=gb.fresh("blocksum_shape"))
+        target = gb.op("Concat", [lead, gb.const([in_features // block, block])], axis=0, name=gb.fresh("blocksum_dims"))
+        blocks = gb.op("Reshape", [x, target], name=gb.fresh("blocksum_reshape"))
+        cache[key] = gb.op("ReduceSum", [blocks, gb.const([-1])], keepdims=0, name=gb.fresh("blocksum"))
+    return cache[key]
+
+
+def _matmulnbits(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, bits: int,
+                 block: int, accuracy_level: int, bias: np.ndarray | None) -> str:
+    n, k = u.shape
+    b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, bits, block))
+    s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
+    inputs = [x, b, s]
+    if bias is not None:
+        inputs += ["", "", gb.weight(f"{name}.bias", bias)]
+    return gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits",
+                 K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
+
+
+def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec: QuantSpec,
+                   bias: np.ndarray | None) -> str:
+    """GGUF grid kept exactly: Q4_0/Q8_0 straight onto MatMulNBits, Q4_1 plus a per-block correction."""
+    dec = decode_blocks(weight, name)
+    n, k = dec.codes.shape
+    if dec.ggml_type == "Q8_0":
+        u = (dec.codes.astype(np.int16) + 128).astype(np.uint8)
+        return _matmulnbits(gb, x, name, u, dec.d, 8, BLOCK, spec.accuracy_level, bias)
+    y = _matmulnbits(gb, x, name, dec.codes, dec.d, 4, BLOCK, spec.accuracy_level, bias)
+    if dec.m is None:
+        return y
+    # Q4_1: w = d*u + m = d*(u-8) + (8d+m), so y += blocksum(x) @ C with C [K/32, N] = (8d+m)^T.
+    corr = np.ascontiguousarray((np.float32(8) * dec.d + dec.m).T)
+    c = gb.op("MatMul", [blocksum(gb, x, k, BLOCK), gb.weight(f"{name}.block_offset", corr)],
+              name=f"{name}/q4_1_offset")
+    return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
+
+
+def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec,
+              bias: np.ndarray | None) -> tuple[str, bool]:
+    n, k = w.shape
+    if spec.scheme == "w4a16":
+        codes, scales = quantize_rtn(w, 4, spec.group_size)
+        u = (codes + 8).view(np.uint8)
+        return _matmulnbits(gb, x, name, u, scales, 4, spec.group_size, spec.accuracy_level, bias), True
+    # w8a16: per-output-channel scale; MatMulNBits repeats it over blocks (block sets acc-4 activation groups).
+    codes, scales = quantize_rtn(w, 8, None)
+    blocks = [g for g in (spec.group_size, 128, 64, 32, 16) if k % g == 0]
+    if blocks:
+        u = (codes.astype(np.int16) + 128).astype(np.uint8)
+        rep = np.repeat(scales, k // blocks[0], axis=1)
+        return _matmulnbits(gb, x, name, u, rep, 8, blocks[0], spec.accuracy_level, bias), True
+    qw = gb.weight(f"{name}.qweight", np.ascontiguousarray(codes.T))
+    wd = gb.op("DequantizeLinear", [qw, gb.weight(f"{name}.scales", scales[:, 0].copy())], axis=1,
+               name=f"{name}/DequantizeLinear")
+    return gb.op("MatMul", [x, wd], name=f"{name}/MatMul"), False
+
+
+def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec) -> str:
+    n, k = w.shape
+    sdt = np.float16 if spec.trt_dtype == "fp16" else np.float32
+    if spec.scheme == "w4a16":
+        gs = spec.group_size
+        codes, scales = quantize_rtn(w, 4, gs, sdt)
+        qw = gb.raw_weight(f"{name}.qweight", TensorProto.INT4, [k, n], pack_int4_kn(codes))
+        sc = gb.weight(f"{name}.scales", np.ascontiguousarray(scales.T))  # [K/gs, N]
+        wd = gb.op("DequantizeLinear", [qw, sc], axis=0, block_size=gs, name=f"{name}/DequantizeLinear")
+    else:
+        codes, scales = quantize_rtn(w, 8, None, sdt)
+        qw = gb.weight(f"{name}.qweight", np.ascontiguousarray(codes.T))  # int8 [K, N]
+        wd = gb.op("DequantizeLinear", [qw, gb.weight(f"{name}.scales", scales[:, 0].copy())], axis=1,
+                   name=f"{name}/DequantizeLinear")
+    if sdt == np.float16:
+        yh = gb.op("MatMul", [cast_fp16(gb, x), wd], name=f"{name}/MatMul")
+        return gb.op("Cast", [yh], to=TensorProto.FLOAT, name=f"{name}/cast_fp32")
+    return gb.op("MatMul", [x, wd], name=f"{name}/MatMul")
+
+
+def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
+                flavor: str, bias: np.ndarray | None = None, awq_scale: np.ndarray | None = None) -> str:
+    """Append ``x [..., in] @ W^T (+ bias)`` to ``gb``; returns the float32 output ``[..., out]``.
+
+    ``weight`` is float ``[out, in]`` (HF layout) or GGMLBlocks. ``awq_scale`` s (from ``awq_search``):
+    the graph computes ``(x * 1/s) @ Q(W diag(s))^T``. GGUF blocks with awq_scale are re-quantized.
+    """
+    spec.check()
+    if flavor not in FLAVORS:
+        raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
+    n, k = weight_shape(weight, name)
+    if bias is not None:
+        bias = np.asarray(bias, dtype=np.float32).reshape(-1)
+        if bias.size != n:
+            raise TrtedgeError(f"bias of {name} has {bias.size} values but the layer has {n} outputs")
+    s = None
+    if awq_scale is not None:
+        s = np.asarray(awq_scale, dtype=np.float32).reshape(-1)
+        if s.size != k or not np.all(np.isfinite(s)) or np.any(s <= 0):
+            raise TrtedgeError(f"AWQ scale of {name} must be {k} positive finite values; rerun the AWQ search")
+        x = gb.op("Mul", [x, gb.weight(f"{name}.awq_inv_scale", (1.0 / s).astype(np.float32))],
+                  name=f"{name}/awq_mul")
+    if (isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED and flavor == "cpu"
+            and spec.quantized and s is None):
+        return _emit_ggml_cpu(gb, x, name, weight, spec, bias)
+    spec.validate(k, name, flavor)
+    w = float_weight(weight)
+    if s is not None:
+        w = w * s
+    has_bias = False
+    if spec.scheme in ("fp32", "fp16"):
+        wt = gb.weight(f"{name}.weight", np.ascontiguousarray(w.T, dtype=np.float32 if spec.scheme == "fp32" else np.float16))
+        if spec.scheme == "fp16":
+            wt = gb.op("Cast", [wt], to=TensorProto.FLOAT, name=f"{name}/cast_weight")
+        y = gb.op("MatMul", [x, wt], name=f"{name}/MatMul")
+    elif flavor == "cpu":
+        y, has_bias = _emit_cpu(gb, x, name, w, spec, bias)
+    else:
+        y = _emit_trt(gb, x, name, w, spec)
+    if bias is not None and not has_bias:
+        y = gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
+    return y
+
+
+def emit_lm_head(gb: GraphBuilder, x: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,
+                 name: str = "lm_head", bias: np.ndarray | None = None, keep_8bit: bool = True) -> str:
+    """The LM head (for tied embeddings, the embedding matrix): w4a16 builds keep it at 8 bits by default.
+
+    Logits are the most quantization-sensitive output; GGUF blocks are carried as they are (Q8_0 stays 8-bit).
+    """
+    if keep_8bit and spec.scheme == "w4a16":
+        spec = replace(spec, scheme="w8a16")
+    return emit_linear(gb, x, name, weight, spec, flavor, bias=bias)
