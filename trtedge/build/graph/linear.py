@@ -192,3 +192,11 @@ def emit_lm_head(gb: GraphBuilder, x: str, weight: np.ndarray | GGMLBlocks, spec
     if keep_8bit and spec.scheme == "w4a16":
         spec = replace(spec, scheme="w8a16")
     return emit_linear(gb, x, name, weight, spec, flavor, bias=bias)
+
+
+def __getattr__(attr: str) -> object:  # PEP 562: emit_embedding lives in embedding.py (which imports this module)
+    if attr == "emit_embedding":
+        from trtedge.build.graph.embedding import emit_embedding
+
+        return emit_embedding
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

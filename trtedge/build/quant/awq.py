@@ -37,12 +37,13 @@ def awq_search(
     Quantize ``weight * scale`` and feed the layer ``x / scale`` (``emit_linear(awq_scale=scale)``).
     """
     w = np.asarray(weight, dtype=np.float32)
-    x = np.asarray(x_samples, dtype=np.float32).reshape(-1, w.shape[1] if w.ndim == 2 else -1)
-    if w.ndim != 2 or x.shape[1] != w.shape[1]:
+    x = np.asarray(x_samples, dtype=np.float32)
+    if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
         raise TrtedgeError(
-            f"AWQ calibration activations have {x.shape[-1]} features but the weight is {w.shape}; "
-            "collect activations at this layer's input"
+            f"AWQ calibration activations of shape {x.shape} don't match weight {w.shape} "
+            "(need [..., in_features]); collect activations at this layer's input"
         )
+    x = x.reshape(-1, w.shape[1])
     if x.shape[0] == 0:
         raise TrtedgeError("AWQ got no calibration activations; give --calib a non-empty text file")
     ref = 0.0

@@ -1,0 +1,71 @@
+"""AWQ: the searched scale beats RTN on activations with outlier channels, and emit_linear applies it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.quant.conftest import build_one, run_graph
+from trtedge.build.graph.linear import emit_linear
+from trtedge.build.quant.awq import awq_search
+from trtedge.build.quant.rtn import fake_quantize
+from trtedge.build.quant.spec import QuantSpec
+from trtedge.errors import TrtedgeError
+
+N, K = 128, 256
+
+
+def outlier_activations(rng, n: int) -> np.ndarray:
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    x[:, [3, 50, 77, 130, 200, 201, 250]] *= 40.0  # a few channels carry most of the activation energy
+    return x
+
+
+def output_err(x, w, w_eff) -> float:
+    return float(np.linalg.norm(x @ (w - w_eff).T) / np.linalg.norm(x @ w.T))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 128), (8, 128)])
+def test_awq_beats_rtn(rng, bits, group):
+    w = rng.standard_normal((N, K)).astype(np.float32) * 0.02
+    x = outlier_activations(rng, 256)
+    s, err_rtn, err_awq = awq_search(w, x, group, bits)
+    assert s.shape == (K,) and s.dtype == np.float32 and np.all(s > 0)
+    assert err_awq <= err_rtn
+    if bits == 4:
+        assert err_awq < 0.8 * err_rtn
+    # the reported errors are what the quantized layers really do, on the calibration set
+    assert err_rtn == pytest.approx(output_err(x, w, fake_quantize(w, bits, group)), rel=1e-3)
+    assert err_awq == pytest.approx(output_err(x, w, fake_quantize(w * s, bits, group) / s), rel=1e-3)
+    # and the gain holds on held-out activations of the same distribution
+    xt = outlier_activations(rng, 64)
+    assert output_err(xt, w, fake_quantize(w * s, bits, group) / s) < output_err(xt, w, fake_quantize(w, bits, group))
+
+
+def test_uniform_activations_fall_back_to_rtn(rng):
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    x = np.ones((8, K), np.float32)
+    s, err_rtn, err_awq = awq_search(w, x, 64, 4)
+    np.testing.assert_allclose(s, 1.0)
+    assert err_awq == err_rtn
+
+
+@pytest.mark.parametrize("flavor", ["cpu", "trt"])
+def test_emit_with_awq_scale(tmp_path, rng, flavor):
+    w = rng.standard_normal((N, K)).astype(np.float32) * 0.02
+    s, _, err_awq = awq_search(w, outlier_activations(rng, 128), 64, 4)
+    spec = QuantSpec("w4a16", 64, method="awq", accuracy_level=0)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, spec, flavor, awq_scale=s), K, ["b", "t", N])
+    x = outlier_activations(rng, 6).reshape(2, 3, K)
+    y = run_graph(path, {"x": x})
+    sdt = np.float16 if flavor == "trt" else np.float32
+    ref = x @ (fake_quantize(w * s, 4, 64, sdt) / s).T
+    assert np.abs(y - ref).max() / np.abs(ref).max() < (3e-3 if flavor == "trt" else 1e-5)
+
+
+def test_awq_bad_calibration_is_one_line(rng):
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    for x in (np.zeros((0, K), np.float32), np.zeros((4, K + 1), np.float32)):
+        with pytest.raises(TrtedgeError) as e:
+            awq_search(w, x, 64, 4)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,1 @@
+"""TensorRT engine part: op-support check, engine key, profiles, the engine builder."""

@@ -1,0 +1,120 @@
+"""Lazy imports of TensorRT and cuda-python, and the one-line messages when they (or a GPU) are missing."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from trtedge.errors import BackendUnavailable
+
+NO_TENSORRT = (
+    "TensorRT is not installed (import tensorrt failed: {err}); on Jetson install JetPack's python3-libnvinfer, "
+    "elsewhere `pip install trtedge[tensorrt]`, or use --backend onnxruntime"
+)
+NO_CUDA_PYTHON = (
+    "cuda-python is not installed (import cuda.bindings failed: {err}); `pip install 'cuda-python>=12.6'` "
+    "or use --backend onnxruntime"
+)
+NO_DRIVER = (
+    "the NVIDIA driver is missing or too old for this CUDA runtime (cudaErrorInsufficientDriver); "
+    "install/update the driver (JetPack on Jetson) or use --backend onnxruntime"
+)
+NO_GPU = "no CUDA GPU found ({err}); run on a machine with an NVIDIA GPU or use --backend onnxruntime"
+
+
+def import_tensorrt() -> ModuleType:
+    """``import tensorrt`` or raise BackendUnavailable with one line saying how to get it."""
+    try:
+        return importlib.import_module("tensorrt")
+    except Exception as e:  # ImportError, or OSError from a missing libnvinfer
+        raise BackendUnavailable(NO_TENSORRT.format(err=_short(e))) from None
+
+
+def import_cudart() -> ModuleType:
+    """``cuda.bindings.runtime`` (cuda-python ≥ 12.6), falling back to the older ``cuda.cudart`` name."""
+    try:
+        return importlib.import_module("cuda.bindings.runtime")
+    except Exception as e:
+        try:
+            return importlib.import_module("cuda.cudart")
+        except Exception:
+            raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+
+
+def import_nvrtc() -> ModuleType:
+    try:
+        return importlib.import_module("cuda.bindings.nvrtc")
+    except Exception as e:
+        try:
+            return importlib.import_module("cuda.nvrtc")
+        except Exception:
+            raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+
+
+def import_driver() -> ModuleType:
+    try:
+        return importlib.import_module("cuda.bindings.driver")
+    except Exception as e:
+        try:
+            return importlib.import_module("cuda.cuda")
+        except Exception:
+            raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+
+
+def _short(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120] or type(e).__name__
+
+
+def err_name(cudart: Any, err: Any) -> str:
+    return getattr(err, "name", str(err))
+
+
+def check(cudart: Any, result: Any, what: str) -> Any:
+    """Unpack a cuda-python ``(err, values...)`` tuple; raise one line naming the call on error."""
+    if isinstance(result, tuple):
+        err, rest = result[0], result[1:]
+    else:
+        err, rest = result, ()
+    if int(err) != 0:
+        name = err_name(cudart, err)
+        if "InsufficientDriver" in name:
+            raise BackendUnavailable(NO_DRIVER)
+        if "NoDevice" in name:
+            raise BackendUnavailable(NO_GPU.format(err=name))
+        raise BackendUnavailable(f"CUDA call {what} failed with {name}; check the GPU with nvidia-smi / tegrastats")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else rest
+
+
+@dataclass
+class GpuInfo:
+    name: str
+    sm: str  # compute capability "8.7"
+    cuda_runtime: str  # "12.6"
+    driver: str  # CUDA version the driver supports, "12.6"
+    total_mem: int
+
+
+def _ver(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def probe_gpu(device: int = 0) -> GpuInfo:
+    """Name, SM, CUDA runtime/driver versions of GPU ``device``; one clear line if there is none."""
+    cudart = import_cudart()
+    n = check(cudart, cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
+    if not n:
+        raise BackendUnavailable(NO_GPU.format(err="cudaGetDeviceCount returned 0"))
+    props = check(cudart, cudart.cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+    rt = check(cudart, cudart.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion")
+    drv = check(cudart, cudart.cudaDriverGetVersion(), "cudaDriverGetVersion")
+    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+    return GpuInfo(name=name.strip("\x00").strip(), sm=f"{props.major}.{props.minor}", cuda_runtime=_ver(int(rt)),
+                   driver=_ver(int(drv)), total_mem=int(props.totalGlobalMem))
+
+
+def tensorrt_version() -> str:
+    return str(import_tensorrt().__version__)
