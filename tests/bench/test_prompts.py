@@ -1,0 +1,81 @@
+"""Prompt sources: seeded synthetic lengths (exact with a tokenizer), JSONL parsing and its errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from trtedge.bench import prompts as P
+from trtedge.errors import TrtedgeError
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer():
+    """A tiny word-level tokenizer: one token per known word, punctuation split off."""
+    vocab = {w: i for i, w in enumerate(sorted(set(P._WORDS)) + ["[UNK]"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def test_synthetic_lengths_seeded_and_in_range():
+    a = P.synthetic(200, (16, 64), seed=5)
+    assert a == P.synthetic(200, (16, 64), seed=5)
+    assert a != P.synthetic(200, (16, 64), seed=6)
+    lens = np.array([p.tokens for p in a])
+    assert lens.min() >= 16 and lens.max() <= 64
+    assert abs(lens.mean() - 40) < 4  # uniform on [16, 64]: mean 40, sd of the mean ~1
+    assert all(len(p.text.split()) == p.tokens for p in a)  # no tokenizer: one word per token
+
+
+def test_synthetic_exact_token_count_with_tokenizer(word_tokenizer):
+    for p in P.synthetic(30, (5, 40), seed=1, tokenizer=word_tokenizer):
+        assert len(word_tokenizer.encode(p.text, add_special_tokens=False).ids) == p.tokens
+
+
+def test_parse_range():
+    assert P.parse_range("128:512", "x") == (128, 512)
+    assert P.parse_range("64", "x") == (64, 64)
+    for bad in ("0:4", "9:3", "a:b", "1:2:3", ""):
+        with pytest.raises(TrtedgeError):
+            P.parse_range(bad, "--prompt-len")
+
+
+def test_jsonl_forms(tmp_path, word_tokenizer):
+    f = tmp_path / "p.jsonl"
+    lines = [{"prompt": "the city of light"}, {"text": "water power", "max_tokens": 7},
+             {"messages": [{"role": "user", "content": "hello robot"}]}, "plain string line"]
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    ps = P.from_jsonl(f, word_tokenizer)
+    assert [p.text for p in ps] == ["the city of light", "water power", "hello robot", "plain string line"]
+    assert ps[0].tokens == 4 and ps[1].max_tokens == 7
+    assert ps[2].messages == ({"role": "user", "content": "hello robot"},)
+
+
+@pytest.mark.parametrize("content, msg", [
+    ("{not json}\n", ":1: not valid JSON"),
+    ('{"prompt": "a"}\n[1, 2]\n', ":2: expected an object"),
+    ('{"other": 1}\n', "no \"prompt\""),
+    ("\n\n", "holds no prompts"),
+])
+def test_jsonl_errors_name_the_line(tmp_path, content, msg):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(TrtedgeError, match=msg.replace("[", r"\[")):
+        P.from_jsonl(f)
+
+
+def test_missing_files_are_user_errors(tmp_path):
+    with pytest.raises(TrtedgeError, match="does not exist"):
+        P.from_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(TrtedgeError, match="no tokenizer.json"):
+        P.load_tokenizer(tmp_path)
+
+
+def test_pool_wraps_around():
+    pool = P.PromptPool([P.Prompt("a"), P.Prompt("b"), P.Prompt("c")])
+    assert [p.text for p in pool.take(2)] == ["a", "b"]
+    assert [p.text for p in pool.take(3)] == ["c", "a", "b"]
