@@ -38,7 +38,9 @@ def latency_distribution(path: Path, records: list[RequestRecord]) -> Path:
         if not vals:
             ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
             continue
-        ax.hist(vals, bins=min(50, max(5, len(vals) // 4)), color="#4C72B0", alpha=0.85)
+        lo, hi = min(vals), max(vals)
+        span = (lo - 0.5, hi + 0.5) if hi - lo < 1e-3 else (lo, hi)  # all equal: numpy can't bin a zero range
+        ax.hist(vals, bins=min(50, max(5, len(vals) // 4)), range=span, color="#4C72B0", alpha=0.85)
         for p, color in ((50, "green"), (90, "orange"), (99, "red")):
             v = float(np.percentile(vals, p))
             ax.axvline(v, color=color, linestyle="--", linewidth=1, label=f"p{p} {v:.1f}")
@@ -50,9 +52,11 @@ def latency_distribution(path: Path, records: list[RequestRecord]) -> Path:
     return path
 
 
-def throughput_over_time(path: Path, records: list[RequestRecord], bin_s: float = 1.0) -> Path:
-    """Output tokens/s per time bin, with requests in flight on a second axis."""
+def throughput_over_time(path: Path, records: list[RequestRecord], bin_s: float | None = None) -> Path:
+    """Output tokens/s per time bin (about 60 bins over the run), with requests in flight on a second axis."""
     plt = _plt()
+    if bin_s is None:
+        bin_s = max(0.1, round(max((r.end for r in records), default=0.0) / 60, 1))
     t, rate = throughput_timeline(records, bin_s)
     fig, ax = plt.subplots(figsize=(11, 4.5))
     if len(t):
@@ -62,7 +66,9 @@ def throughput_over_time(path: Path, records: list[RequestRecord], bin_s: float 
     if records:
         end = max(r.end for r in records)
         grid = np.linspace(0.0, end, 400)
-        inflight = [sum(1 for r in records if r.start <= g < r.end) for g in grid]
+        starts = np.array([r.start for r in records])[:, None]
+        ends = np.array([r.end for r in records])[:, None]
+        inflight = ((starts <= grid) & (grid < ends)).sum(axis=0)
         ax2 = ax.twinx()
         ax2.plot(grid, inflight, color="#C44E52", linewidth=1.2, label="requests in flight")
         ax2.set_ylabel("requests in flight")

@@ -1,0 +1,79 @@
+"""A tiny fake OpenAI-compatible SSE server with known timings, for the bench's end-to-end tests.
+
+Every choice streams `max_tokens` chunks of one token: the first after `ttft` seconds, then one per
+`step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model") -> FastAPI:
+    app = FastAPI()
+    app.state.inflight = 0
+    app.state.max_inflight = 0
+    app.state.requests = 0
+
+    @app.get("/health/ready")
+    async def ready():
+        return {"status": "ready"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model"}]}
+
+    def _sse(obj) -> str:
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    async def _stream(prompts: list[str], max_tokens: int, chat: bool, include_usage: bool):
+        app.state.inflight += 1
+        app.state.max_inflight = max(app.state.max_inflight, app.state.inflight)
+        try:
+            slow = any("SLOW" in p for p in prompts)
+            created = int(time.time())
+            if chat:  # a role-only first delta carries no token and must not be counted
+                yield _sse({"object": "chat.completion.chunk", "created": created,
+                            "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            await asyncio.sleep(1.0 if slow else ttft)
+            for s in range(max_tokens):
+                if s:
+                    await asyncio.sleep(1.0 if slow else step)
+                for i in range(len(prompts)):
+                    choice = {"index": i, "delta": {"content": f" t{s}"}} if chat else {"index": i, "text": f" t{s}"}
+                    yield _sse({"object": "text_completion", "created": created, "choices": [choice]})
+            if include_usage:
+                yield _sse({"choices": [], "usage": {"prompt_tokens": sum(len(p.split()) for p in prompts),
+                                                    "completion_tokens": max_tokens * len(prompts)}})
+            yield "data: [DONE]\n\n"
+        finally:
+            app.state.inflight -= 1
+
+    async def _handle(request: Request, chat: bool):
+        app.state.requests += 1
+        body = await request.json()
+        if chat:
+            prompts = [" ".join(m["content"] for m in body["messages"])]
+        else:
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+        if any("FAIL" in p for p in prompts):
+            return JSONResponse({"error": {"message": "injected failure", "type": "server_error", "code": 500}},
+                                status_code=500)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(prompts, int(body.get("max_tokens", 16)), chat, usage),
+                                 media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _handle(request, chat=True)
+
+    return app

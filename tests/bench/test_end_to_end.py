@@ -1,0 +1,137 @@
+"""The bench against a fake OpenAI-compatible SSE server on 127.0.0.1 (free port), through the real
+HTTP client, runner, CLI and report writer. Runs are bounded to a few seconds."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import typer
+from fake_server import make_app
+from typer.testing import CliRunner
+
+from trtedge.bench import load
+from trtedge.bench.client import ClientConfig
+from trtedge.bench.commands import register
+from trtedge.bench.inprocess import BackgroundServer
+from trtedge.bench.metrics import summarize, tpot, ttft
+from trtedge.bench.prompts import Prompt, PromptPool, synthetic
+from trtedge.bench.runner import run
+
+TTFT, STEP = 0.03, 0.005
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = make_app(TTFT, STEP)
+    with BackgroundServer(app, startup_timeout=20) as srv:
+        srv.app = app
+        yield srv
+
+
+def cli_app() -> typer.Typer:
+    app = typer.Typer(pretty_exceptions_enable=False)
+    register(app)
+
+    @app.callback()
+    def _root() -> None:  # keep `bench` a subcommand
+        pass
+
+    return app
+
+
+def test_burst_against_server_completions(server):
+    sched = load.burst(per_second=3, duration=2, seed=0)
+    cfg = ClientConfig(base_url="", max_tokens=8, timeout=10)
+    res = run(server.url, sched, PromptPool(synthetic(20, (4, 12), seed=0)), cfg, deadline=10)
+    assert res.model == "fake-model" and len(res.records) == 6
+    for a, r in zip(sorted(sched.arrivals, key=lambda a: a.time), sorted(res.records, key=lambda r: r.start),
+                    strict=True):
+        assert r.ok, r.error
+        assert r.start == pytest.approx(a.time, abs=0.15)  # sent on schedule
+        assert r.prompts == a.prompts and len(r.chunk_times) == a.prompts  # one choice per prompt
+        assert r.output_tokens == 8 * a.prompts  # from the server's usage
+        assert ttft(r) >= TTFT
+        assert STEP * 0.8 <= tpot(r) < 0.1
+    s = summarize(res.records, res.duration)
+    assert s.completed == 6 and s.failed == 0
+    assert s.ttft["p50"] >= TTFT
+
+
+def test_chat_multi_prompt_request_is_one_record(server):
+    sched = load.Schedule("burst", (load.Arrival(0.0, 3),), duration=1.0, max_requests=1)
+    cfg = ClientConfig(base_url="", endpoint="chat", max_tokens=5, timeout=10)
+    res = run(server.url, sched, PromptPool([Prompt("a b"), Prompt("c"), Prompt("d e f")]), cfg, deadline=10)
+    (r,) = res.records
+    assert r.ok and sorted(r.chunk_times) == [0, 1, 2]
+    assert r.choice_tokens == {0: 5, 1: 5, 2: 5} and r.output_tokens == 15  # role-only delta not counted
+    assert r.prompt_tokens == 2 + 1 + 3
+
+
+def test_closed_loop_concurrency_is_respected(server):
+    server.app.state.max_inflight = 0
+    sched = load.concurrency(2, max_requests=7)
+    cfg = ClientConfig(base_url="", max_tokens=4, timeout=10)
+    res = run(server.url, sched, PromptPool([Prompt("x y")]), cfg, deadline=10)
+    assert len(res.records) == 7 and all(r.ok for r in res.records)
+    assert server.app.state.max_inflight == 2
+
+
+def test_failures_and_deadline_are_recorded(server):
+    sched = load.Schedule("poisson", (load.Arrival(0.0), load.Arrival(0.05), load.Arrival(0.1)),
+                          duration=1.0, max_requests=3)
+    pool = PromptPool([Prompt("ok"), Prompt("FAIL please"), Prompt("SLOW one")])
+    res = run(server.url, sched, pool, ClientConfig(base_url="", max_tokens=3, timeout=10), deadline=0.8)
+    errors = sorted(r.error or "" for r in res.records)
+    assert errors == ["", "HTTP 500: injected failure", "cancelled at the run's deadline"]
+    assert res.duration < 3.0
+    s = summarize(res.records, res.duration)
+    assert (s.completed, s.failed) == (1, 2)
+
+
+def test_cli_url_report_and_compare(server, tmp_path):
+    runner = CliRunner()
+    outs = []
+    for i, rate in enumerate((2, 4)):
+        out = tmp_path / f"run{i}"
+        r = runner.invoke(cli_app(), ["bench", "--url", server.url, "--pattern", "burst", "--rate", str(rate),
+                                      "--duration", "2", "--max-tokens", "6", "--prompt-len", "4:16",
+                                      "--ttft-ms", "500", "--tpot-ms", "50", "--out", str(out), "--seed", "3"])
+        assert r.exit_code == 0, r.output
+        assert "TTFT" in r.output and "Goodput" in r.output
+        for name in ("report.json", "report.md", "latency_distribution.png", "throughput_over_time.png",
+                     "latency_over_time.png"):
+            assert (out / name).stat().st_size > 0, name
+        outs.append(out)
+    data = json.loads((outs[1] / "report.json").read_text())
+    assert data["summary"]["requests"] == 8 and data["summary"]["failed"] == 0
+    assert data["meta"]["pattern"] == "burst" and data["meta"]["prompts_per_request"] == "1:3"
+    assert data["summary"]["goodput"] == pytest.approx(8 / data["summary"]["duration"])
+    md = (outs[1] / "report.md").read_text()
+    assert "![latency_distribution](latency_distribution.png)" in md and "| TTFT |" in md
+    assert (outs[0] / "latency_distribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = runner.invoke(cli_app(), ["bench", "--compare", str(outs[0] / "report.json"), str(outs[1] / "report.json")])
+    assert r.exit_code == 0, r.output
+    assert "Request throughput" in r.output and "TTFT p99 (ms)" in r.output and "%" in r.output
+
+
+def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    seen = {}
+
+    def create_app(path):
+        seen["path"] = path
+        return make_app(0.01, 0.002, model="bundle-model")
+
+    monkeypatch.setitem(sys.modules, "trtedge.server.app", types.SimpleNamespace(create_app=create_app))
+    r = CliRunner().invoke(cli_app(), ["bench", "--bundle", str(bundle), "--pattern", "concurrency",
+                                       "--concurrency", "2", "--num-requests", "4", "--duration", "0",
+                                       "--max-tokens", "3", "--out", str(tmp_path / "o"), "--no-plots"])
+    assert r.exit_code == 0, r.output
+    assert seen["path"] == str(bundle)
+    data = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert data["meta"]["model"] == "bundle-model" and data["summary"]["completed"] == 4
+    assert not (tmp_path / "o" / "latency_distribution.png").exists()

@@ -1,0 +1,75 @@
+"""Report files from hand-made timings, JSON round trip, and the compare arithmetic (better/worse)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from trtedge.bench.metrics import RequestRecord, summarize
+from trtedge.bench.report import compare, compare_rows, load_json, write_json, write_report
+from trtedge.errors import TrtedgeError
+
+
+def records(scale: float) -> list[RequestRecord]:
+    """Six requests, one per 0.5 s; each streams 5 tokens every 0.1*scale s after a 0.2*scale s TTFT."""
+    out = []
+    for i in range(6):
+        s = i * 0.5
+        chunks = [s + 0.2 * scale + k * 0.1 * scale for k in range(5)]
+        out.append(RequestRecord(start=s, end=chunks[-1], prompt_tokens=12, output_tokens=5,
+                                 chunk_times={0: chunks}, choice_tokens={0: 5}))
+    out.append(RequestRecord(start=3.0, end=3.1, error="HTTP 503: draining"))
+    return out
+
+
+def test_report_files_and_round_trip(tmp_path):
+    recs = records(1.0)
+    s = summarize(recs, ttft_target=0.3)
+    written = write_report(tmp_path, recs, s, {"target": "http://127.0.0.1:1", "model": "m", "started_at": 0})
+    assert set(written) == {"json", "markdown", "latency_distribution", "throughput_over_time",
+                            "latency_over_time"}
+    for p in written.values():
+        assert p.stat().st_size > 0
+    back_recs, back_s, meta = load_json(tmp_path / "report.json")
+    assert back_recs == recs and back_s == s and meta["model"] == "m"
+    md = (tmp_path / "report.md").read_text()
+    assert "| TTFT | 200.0 | 200.0 | 200.0 | 200.0 |" in md  # TTFT exactly 0.2 s for every request
+    assert "| TPOT | 100.0 |" in md
+    assert "| 1 | HTTP 503: draining |" in md  # errors listed with counts
+    assert "TTFT ≤ 300.0 ms" in md
+
+
+def test_compare_rows_direction():
+    a = summarize(records(1.0))
+    b = summarize(records(0.5))  # everything twice as fast
+    rows = {r[0]: r for r in compare_rows(a, b)}
+    label, va, vb, change, better = rows["TTFT p50 (ms)"]
+    assert (va, vb) == pytest.approx((0.2, 0.1)) and change == pytest.approx(-0.5) and better is True
+    _, va, vb, change, better = rows["Effective throughput (sum tokens / sum E2E)"]
+    assert change == pytest.approx(1.0) and better is True  # 5/0.6 -> 5/0.3 tokens per second
+    worse = {r[0]: r for r in compare_rows(b, a)}
+    assert worse["E2E p99 (ms)"][4] is False
+    assert rows["Goodput (requests meeting targets)"][3] is None  # no targets: nothing to compare
+
+
+def test_compare_prints_table(tmp_path):
+    write_json(tmp_path / "a.json", records(1.0), summarize(records(1.0)), {})
+    write_json(tmp_path / "b.json", records(0.5), summarize(records(0.5)), {})
+    buf = io.StringIO()
+    compare(tmp_path / "a.json", tmp_path / "b.json", Console(file=buf, width=140))
+    text = buf.getvalue()
+    assert "TTFT p50 (ms)" in text and "200.0" in text and "100.0" in text and "-50.0%" in text
+
+
+def test_load_json_rejects_foreign_files(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
+    (tmp_path / "y.json").write_text("{")
+    with pytest.raises(TrtedgeError, match="not a trtedge bench result"):
+        load_json(tmp_path / "x.json")
+    with pytest.raises(TrtedgeError, match="is not JSON"):
+        load_json(tmp_path / "y.json")
+    with pytest.raises(TrtedgeError, match="does not exist"):
+        load_json(tmp_path / "z.json")
