@@ -21,7 +21,7 @@ DENSE_VARIANTS = {
     "llama-headdim": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32)),
     "qwen2-bias-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-yarn": ("qwen2", dict(
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32})),
 }

@@ -116,6 +116,7 @@ class OnnxRuntimeBackend:
 
         io = self.session.io_binding()
         self._bound_outputs: list[str] = []
+        self._keep_alive: list[np.ndarray] = []
         for name, arr in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, arr)
@@ -156,9 +157,11 @@ class OnnxRuntimeBackend:
                     a[slot][tuple(dst)] = new[r][tuple(src)]
             else:
                 a[slots] = outs[st.output].numpy()
+        self._keep_alive.clear()
         return outs["logits"].numpy()
 
     def _bind(self, io: Any, name: str, arr: np.ndarray, output: bool) -> None:
+        self._keep_alive.append(arr)  # IOBinding holds a raw pointer: the array must outlive the run
         args = (name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         if output:
             io.bind_output(*args)

@@ -18,6 +18,7 @@ from onnx import TensorProto
 from trtedge.build.graph.builder import MS_DOMAIN, GraphBuilder
 from trtedge.build.models.rope import rope_cache
 from trtedge.config import ModelConfig
+from trtedge.errors import ConfigError
 from trtedge.graph_io import APPEND, INPLACE, StateTensor
 
 F32 = TensorProto.FLOAT
@@ -56,7 +57,8 @@ class DenseEmitter:
 
     def __init__(self, cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
-        from trtedge.build.graph.linear import emit_embedding, emit_linear
+        from trtedge.build.graph.embedding import emit_embedding
+        from trtedge.build.graph.linear import emit_linear
 
         self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
         self.max_seq = max_seq_len
@@ -64,6 +66,9 @@ class DenseEmitter:
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
         self._emit_linear, self._emit_embedding = emit_linear, emit_embedding
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
+        if flavor == "cpu" and cfg.head_dim % 16:
+            raise ConfigError(f"head_dim {cfg.head_dim} is not a multiple of 16, which onnxruntime's "
+                              "GroupQueryAttention needs; build the trt flavor (--flavors trt) for this model")
 
     # ---- small pieces ----------------------------------------------------------------
     def linear(self, x: str, name: str, bias_name: str | None = None) -> str:
@@ -160,7 +165,7 @@ class DenseEmitter:
                                          rotary_interleaved=0, scale=float(d) ** -0.5)
             if cfg.sliding_window:
                 attrs["local_window_size"] = int(cfg.sliding_window)
-            out = g.op("GroupQueryAttention",
+            out, _, _ = g.op("GroupQueryAttention",
                        [q, k, v, pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
                        domain=MS_DOMAIN, outputs=[g.fresh("gqa_out"), ok, ov], **attrs)
             states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),

