@@ -1,0 +1,64 @@
+"""Build progress: TensorRT's IProgressMonitor phases shown as rich progress bars.
+
+``PhaseBars`` holds the logic (testable without TensorRT); ``make_monitor`` wraps it in a
+``trt.IProgressMonitor`` subclass, created only when TensorRT is importable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class PhaseBars:
+    """One bar per active TensorRT build phase, indented under its parent phase."""
+
+    def __init__(self, console: Console | None = None):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=console or Console(stderr=True), transient=True)
+        self.tasks: dict[str, Any] = {}
+        self.depth: dict[str, int] = {}
+        self.finished: list[str] = []
+        self.cancelled = False
+
+    def start(self, phase: str, parent: str | None, steps: int) -> None:
+        if not self.tasks:
+            self.progress.start()
+        d = self.depth.get(parent, -1) + 1 if parent else 0
+        self.depth[phase] = d
+        self.tasks[phase] = self.progress.add_task("  " * d + phase, total=max(steps, 1))
+
+    def step(self, phase: str, step: int) -> bool:
+        if phase in self.tasks:
+            self.progress.update(self.tasks[phase], completed=step + 1)
+        return not self.cancelled
+
+    def finish(self, phase: str) -> None:
+        task = self.tasks.pop(phase, None)
+        if task is not None:
+            self.progress.remove_task(task)
+        self.finished.append(phase)
+        if not self.tasks:
+            self.progress.stop()
+
+
+def make_monitor(trt: Any, console: Console | None = None) -> Any:
+    """A trt.IProgressMonitor that drives PhaseBars (TensorRT ≥ 10.0)."""
+
+    class RichMonitor(trt.IProgressMonitor):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self.bars = PhaseBars(console)
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            self.bars.start(phase_name, parent_phase, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return self.bars.step(phase_name, step)
+
+        def phase_finish(self, phase_name: str) -> None:
+            self.bars.finish(phase_name)
+
+    return RichMonitor()
