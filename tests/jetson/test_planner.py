@@ -1,0 +1,203 @@
+"""Planner numbers against hand-computed values for the shipped configs, and against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtedge.bundle import write_manifest
+from trtedge.config import ModelConfig
+from trtedge.errors import TrtedgeError
+from trtedge.jetson.devices import DEVICES, device_for_board
+from trtedge.jetson.planner import CONFIGS_DIR, fit_table, load_model, plan, shipped_configs
+from trtedge.jetson.sizes import dense_weights
+from trtedge.jetson.sizes_v4 import V4Shape, v4_kv, v4_weights
+
+GIB = 1 << 30
+
+
+def lin4(k: int, n: int) -> int:
+    """Hand rule: 4 bits per weight + one fp16 scale per 128 input rows."""
+    return k * n // 2 + (k // 128) * n * 2
+
+
+# Hand-computed weights (bytes). Linears per layer: q (h x H*hd), k, v (h x KV*hd), o, gate, up (h x I),
+# down (I x h); Qwen2 adds q/k/v biases (fp16); norms 2h per layer + h; embedding and untied LM head
+# vocab x h fp16 each. E.g. R1-Distill-Qwen-1.5B w4a16:
+#   per layer: lin4(1536,1536)*2 + lin4(1536,256)*2 + lin4(1536,8960)*2 + lin4(8960,1536) = 24,127,488
+#   x 28 = 675,569,664; biases (1536+512)*2*28 = 114,688; norms (2*1536*28+1536)*2 = 175,104;
+#   embedding + head 2 * 151936*1536*2 = 933,494,784; total 1,609,354,240.
+DENSE_WEIGHTS = {
+    ("DeepSeek-R1-Distill-Qwen-1.5B", "w4a16"): 1_609_354_240,
+    ("DeepSeek-R1-Distill-Qwen-1.5B", "fp16"): 3_554_176_000,
+    ("DeepSeek-R1-Distill-Qwen-7B", "w4a16"): 5_545_257_984,
+    ("DeepSeek-R1-Distill-Qwen-14B", "w4a16"): 9_928_419_328,
+    ("DeepSeek-R1-Distill-Qwen-32B", "w4a16"): 19_206_907_904,
+    ("DeepSeek-R1-Distill-Qwen-32B", "w8a16"): 34_809_718_784,
+    ("DeepSeek-R1-Distill-Llama-8B", "w4a16"): 5_700_591_616,
+    ("DeepSeek-R1-Distill-Llama-8B", "fp16"): 16_060_522_496,  # 8.03B params x 2 bytes
+}
+
+
+def test_shipped_configs_are_the_seven_models():
+    assert shipped_configs() == sorted([
+        "DeepSeek-R1-Distill-Qwen-1.5B", "DeepSeek-R1-Distill-Qwen-7B", "DeepSeek-R1-Distill-Qwen-14B",
+        "DeepSeek-R1-Distill-Qwen-32B", "DeepSeek-R1-Distill-Llama-8B", "DeepSeek-V4-Flash", "DeepSeek-V4-Pro",
+    ])
+
+
+@pytest.mark.parametrize(("model", "quant"), list(DENSE_WEIGHTS))
+def test_dense_weights_match_hand_computation(model, quant):
+    p = plan(model, "agx-orin-64", quant, ctx=4096, batch=1)
+    assert p.weights_bytes == DENSE_WEIGHTS[(model, quant)]
+    assert p.weights_breakdown["embedding"] + p.weights_breakdown["lm_head"] > 0  # fp16, said in notes
+    assert any("stay fp16" in n for n in p.notes)
+
+
+def test_dense_kv_formula():
+    # 2 x layers x kv_heads x head_dim x bytes x ctx x batch
+    assert plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nano-8", ctx=4096).kv_cache_bytes == 2 * 28 * 2 * 128 * 2 * 4096
+    p = plan("DeepSeek-R1-Distill-Qwen-32B", "h100-80", "w4a16", ctx=32768, batch=4, kv_dtype="int8")
+    assert p.kv_cache_bytes == 2 * 64 * 8 * 128 * 1 * 32768 * 4 == 16 * GIB
+    p = plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", ctx=131072, kv_dtype="fp8")
+    assert p.kv_cache_bytes == 2 * 32 * 8 * 128 * 1 * 131072
+
+
+def test_v4_flash_weights_by_component():
+    h, q_lora, heads, hd, og, ol, inter, experts, vocab = 4096, 1024, 64, 512, 8, 1024, 2048, 256, 129280
+    base = lin4(h, q_lora) + lin4(q_lora, heads * hd) + lin4(h, hd) + og * lin4(heads * hd // og, ol) + lin4(og * ol, h)
+    csa = 2 * lin4(h, 2 * hd) + 2 * lin4(h, 2 * 128) + lin4(q_lora, 64 * 128) + lin4(h, 64)
+    hca = 2 * lin4(h, hd)
+    p = plan("DeepSeek-V4-Flash", "h100-80", "w4a16", ctx=4096)
+    b = p.weights_breakdown
+    assert b["routed_experts"] == 43 * experts * (lin4(h, 2 * inter) + lin4(inter, h)) == 142_841_217_024
+    assert b["shared_experts"] == 43 * (2 * lin4(h, inter) + lin4(inter, h))
+    assert b["attention"] == 43 * base + 21 * csa + 20 * hca  # 2 sliding, 21 CSA, 20 HCA layers
+    assert b["embedding"] == b["lm_head"] == vocab * h * 2
+    assert b["router"] == 43 * experts * h * 2
+    assert b["hash_tables"] == 3 * vocab * 6 * 4
+    assert p.weights_bytes == 148_381_700_444  # ~138 GiB: no Jetson holds V4-Flash
+    assert not p.fits and p.max_context_at_batch == 0
+
+
+def test_v4_flash_kv_at_one_million_tokens():
+    ctx = 1 << 20
+    p = plan("DeepSeek-V4-Flash", "h100-80", "w4a16", ctx=ctx)
+    kv = p.kv_breakdown
+    assert kv["window"] == 43 * 128 * 512 * 2  # every layer keeps a 128-token window, one KV head, K = V
+    assert kv["compressed"] == 21 * (ctx // 4) * 512 * 2 + 20 * (ctx // 128) * 512 * 2
+    assert kv["indexer_keys"] == 21 * (ctx // 4) * 128 * 2
+    assert p.kv_cache_bytes == 7_225_565_696  # 6.7 GiB for 1M tokens (a dense 8B model needs 128 GiB)
+
+
+def test_v4_pro_layer_types_match_transformers():
+    transformers = pytest.importorskip("transformers")
+    for name in ("DeepSeek-V4-Flash", "DeepSeek-V4-Pro"):
+        raw = json.loads((CONFIGS_DIR / name / "config.json").read_text())
+        ref = transformers.DeepseekV4Config(**raw)
+        s = V4Shape.from_raw(raw)
+        assert s.layer_types == list(ref.layer_types)
+        assert s.mlp_types == list(ref.mlp_layer_types)
+        assert s.rates == dict(ref.compress_rates)
+
+
+def _param_bytes(model, fp16_names=("embed_tokens", "lm_head", "mlp.gate.weight")) -> int:
+    """Bytes of every parameter / persistent buffer with the planner's dtype rules in the fp32 scheme."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "rotary" in name or "inv_freq" in name:
+            continue
+        total += t.numel() * (2 if any(k in name for k in fp16_names) else 4)
+    return total
+
+
+def test_v4_weight_count_matches_transformers_module_tree():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    raw = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"], "vocab_size": 320,
+           "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4,
+           "head_dim": 32, "q_lora_rank": 48, "o_groups": 2, "o_lora_rank": 24, "n_routed_experts": 6,
+           "num_experts_per_tok": 2, "index_n_heads": 3, "index_head_dim": 16, "index_topk": 4,
+           "sliding_window": 8, "compress_ratios": [0, 4, 128, 4, 128], "num_hash_layers": 2}
+    with torch.device("meta"):
+        model = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**raw))
+    assert v4_weights(V4Shape.from_raw(raw), "fp32").total == _param_bytes(model)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dense_weight_count_matches_transformers(arch):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    d = {"model_type": arch, "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+         "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    conf = transformers.LlamaConfig(**d) if arch == "llama" else transformers.Qwen2Config(**d)
+    with torch.device("meta"):
+        model = cls(conf)
+    n = sum(t.numel() for name, t in model.named_parameters())
+    assert dense_weights(ModelConfig.from_hf_dict(d), "fp16").total == 2 * n
+
+
+def test_totals_and_max_context_are_consistent():
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", "w4a16", ctx=8192, batch=1)
+    assert p.total_bytes == p.weights_bytes + p.kv_cache_bytes + p.activation_bytes + p.runtime_overhead_bytes
+    assert p.device_bytes == DEVICES["orin-nano-8"].usable_bytes and p.unified_memory
+    assert not p.fits
+    best = p.max_context_at_batch
+    assert 0 < best < 8192
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best).fits
+    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best + 1).fits
+    # int8 KV halves the cache and lets a longer context fit
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=8192, kv_dtype="int8").max_context_at_batch > best
+
+
+def test_model_forms_checkpoint_bundle_and_config(tmp_path):
+    raw = json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-1.5B" / "config.json").read_text())
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(ModelConfig.from_hf_dict(raw, name="r1-1.5b").to_json())
+    write_manifest(bundle, {"architecture": "qwen2", "config": "config.json", "max_seq_len": 4096,
+                            "flavors": {}, "quantization": {"scheme": "w8a16"}})
+    expected = plan("DeepSeek-R1-Distill-Qwen-1.5B", "l4-24", "w4a16").weights_bytes
+    assert plan(str(ckpt), "l4-24", "w4a16").weights_bytes == expected
+    assert plan(str(ckpt / "config.json"), "l4-24", "w4a16").weights_bytes == expected
+    assert plan(str(bundle), "l4-24", "w4a16").weights_bytes == expected
+    assert plan(str(bundle), "l4-24").quant == "w8a16"  # the bundle's own scheme by default
+    assert load_model("deepseek-ai/DeepSeek-V4-Flash").architecture == "deepseek_v4"
+
+
+def test_user_errors_are_one_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    for call in (lambda: plan("no-such-model", "agx-orin-64"),
+                 lambda: plan("DeepSeek-V4-Flash", "jetson-tx2"),
+                 lambda: plan("DeepSeek-V4-Flash", "h100-80", "int3"),
+                 lambda: plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="bf8"),
+                 lambda: plan(str(bad), "h100-80")):
+        with pytest.raises(TrtedgeError) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_fit_table_and_board_mapping():
+    table = fit_table(["orin-nano-8", "agx-orin-64"])
+    lines = table.splitlines()
+    assert lines[0].startswith("| model |") and len(lines) == 2 + 7
+    row = next(line for line in lines if line.startswith("| DeepSeek-R1-Distill-Qwen-1.5B |"))
+    assert row.count("yes") == 2
+    row = next(line for line in lines if line.startswith("| DeepSeek-V4-Flash |"))
+    assert "yes" not in row
+    assert device_for_board("NVIDIA Jetson AGX Orin Developer Kit", 64335836 * 1024) == "agx-orin-64"
+    assert device_for_board("NVIDIA Jetson AGX Orin", 30 * GIB) == "agx-orin-32"
+    assert device_for_board("NVIDIA Jetson Orin Nano Developer Kit", 7802756 * 1024) == "orin-nano-8"
+    assert device_for_board("OptiPlex", 32 * GIB) is None
+
+
+def test_v4_kv_without_compression_is_window_only():
+    s = V4Shape.from_raw({"num_hidden_layers": 2, "compress_ratios": [0, 0], "sliding_window": 16})
+    assert v4_kv(s, 1000, 3, 2).total == 3 * 2 * 16 * 512 * 2
