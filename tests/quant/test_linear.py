@@ -58,12 +58,27 @@ def test_scheme_flavor(tmp_path, rng, scheme, flavor, tol, group):
         assert rel_err(y, x @ w.T + b) > 10 * tol or scheme == "w8a16"  # it really is quantized
 
 
-def test_cpu_accuracy_level_4(tmp_path, rng):
+@pytest.mark.parametrize("scheme,bits", [("w4a16", 4), ("w8a16", 8)])
+def test_cpu_accuracy_level_4(tmp_path, rng, scheme, bits):
     w = rng.standard_normal((N, K)).astype(np.float32) * 0.05
-    spec = QuantSpec("w4a16", 64, accuracy_level=4)
+    spec = QuantSpec(scheme, 64, accuracy_level=4)
     path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, spec, "cpu"), K, ["b", "t", N])
+    node = next(n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits")
+    assert {a.name: a.i for a in node.attribute}["bits"] == bits
     x = rng.standard_normal((1, 7, K)).astype(np.float32)
-    assert rel_err(run_graph(path, {"x": x}), x @ ref_dequant(w, "w4a16", 64).T) < 2e-2
+    assert rel_err(run_graph(path, {"x": x}), x @ ref_dequant(w, scheme, 64).T) < 2e-2
+
+
+def test_cpu_w8_below_accuracy_4_is_float(tmp_path, rng):
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    spec = QuantSpec("w8a16", accuracy_level=0)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, spec, "cpu"), K, ["b", "t", N])
+    model = onnx.load(str(path))
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Identity"]
+    wt = numpy_helper.to_array(model.graph.initializer[0])
+    assert wt.dtype == np.float32 and wt.shape == (K, N)
+    np.testing.assert_allclose(wt.T, ref_dequant(w, "w8a16", 0), rtol=1e-6)
+    assert quantized_bytes((N, K), spec, flavor="cpu") == wt.nbytes
 
 
 def test_trt_graph_is_tensorrt_int4(tmp_path, rng):
@@ -129,7 +144,7 @@ def test_w8a16_cpu_without_power_of_two_block(tmp_path, rng):
 
 def test_lm_head_stays_8bit(tmp_path, rng):
     w = rng.standard_normal((N, K)).astype(np.float32)
-    path = build_one(tmp_path, lambda gb, x: emit_lm_head(gb, x, w, QuantSpec("w4a16", 64, accuracy_level=0), "cpu"),
+    path = build_one(tmp_path, lambda gb, x: emit_lm_head(gb, x, w, QuantSpec("w4a16", 64), "cpu"),
                      K, ["b", "t", N])
     node = next(n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits")
     assert next(a.i for a in node.attribute if a.name == "bits") == 8

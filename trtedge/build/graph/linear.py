@@ -1,7 +1,7 @@
 """Emit one linear layer ``y = x @ W^T + b`` into an ONNX graph, quantized per a QuantSpec and flavor.
 
 cpu flavor: com.microsoft ``MatMulNBits`` (4 or 8 bits, symmetric: codes + 2^(bits-1), the default
-zero point). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]`` weight (axis 0,
+zero point; 8-bit layers below accuracy level 4 become float32 weights on the same grid, see _matmulnbits). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]`` weight (axis 0,
 ``block_size`` 64/128, no zero point) or an INT8 per-channel weight (axis 1), then ``MatMul``.
 With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the dequantized weight and
 the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
@@ -72,6 +72,13 @@ def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int) -> str:
 def _matmulnbits(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, bits: int,
                  block: int, accuracy_level: int, bias: np.ndarray | None) -> str:
     n, k = u.shape
+    if bits == 8 and accuracy_level < 4:
+        # onnxruntime 1.32 has no fast 8-bit kernel for float activations (30-60x slower than a float32
+        # MatMul, benchmarks/quant_linear.py): use the same grid values as a float32 weight instead.
+        w = (u.reshape(n, k // block, block).astype(np.float32) - 128) * scales[..., None]
+        y = gb.op("MatMul", [x, gb.weight(f"{name}.weight", np.ascontiguousarray(w.reshape(n, k).T))],
+                  name=f"{name}/MatMul")
+        return y if bias is None else gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
     b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, bits, block))
     s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
     inputs = [x, b, s]

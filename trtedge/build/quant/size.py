@@ -30,7 +30,7 @@ def quantized_bytes(shape: tuple[int, ...] | list[int], spec: QuantSpec, *, flav
     """Bytes of a linear weight ``[out, in]`` (codes + scales) as emitted by ``emit_linear``.
 
     trt: fp16 scales when ``spec.trt_dtype == "fp16"``; cpu: float32 scales, and w8a16's per-channel
-    scale repeated per block (MatMulNBits has no per-channel mode).
+    scale repeated per block (MatMulNBits has no per-channel mode), or float32 below accuracy level 4.
     """
     out_f, in_f = (int(v) for v in shape[-2:])
     lead = math.prod(int(v) for v in shape[:-2])
@@ -45,6 +45,8 @@ def quantized_bytes(shape: tuple[int, ...] | list[int], spec: QuantSpec, *, flav
             per = (n + 1) // 2 + out_f * math.ceil(in_f / spec.group_size) * scale_bytes
         elif flavor == "trt":
             per = n + out_f * scale_bytes
+        elif spec.accuracy_level < 4:  # emit_linear stores 8-bit grids as float32 there (speed)
+            per = 4 * n
         else:
             block = next((g for g in (spec.group_size, 128, 64, 32, 16) if in_f % g == 0), in_f)
             per = n + out_f * (in_f // block) * scale_bytes
