@@ -1,0 +1,196 @@
+"""GGUF files: HF names, un-permuted q/k (floats and GGML blocks), config synthesis, truncation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from ckpt_gguf_writer import llama_permute, write_model_gguf
+from conftest import needs_smollm2, smollm2_gguf
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from trtedge.build.checkpoint import open_checkpoint
+from trtedge.build.checkpoint.gguf_names import permute_rows, unpermute_rows
+from trtedge.build.tensors import GGMLBlocks
+from trtedge.config import ModelConfig
+from trtedge.errors import CheckpointError
+
+QTYPES = {
+    "model.layers.0.self_attn.q_proj.weight": "Q4_0",
+    "model.layers.0.self_attn.k_proj.weight": "Q4_1",
+    "model.layers.1.self_attn.q_proj.weight": "Q8_0",
+    "model.layers.1.self_attn.k_proj.weight": "Q8_0",
+    "model.layers.0.mlp.up_proj.weight": "Q4_1",
+    "model.embed_tokens.weight": "Q8_0",
+    "model.layers.1.mlp.down_proj.weight": "F16",
+}
+
+
+def _hf_cfg(path):
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def llama_gguf(tiny_llama, tmp_path_factory):
+    path, state = tiny_llama
+    out = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    write_model_gguf(out, "llama", _hf_cfg(path), state, QTYPES)
+    return out, state
+
+
+def _qdq(a: np.ndarray, q: str) -> np.ndarray:
+    if q == "F16":
+        return a.astype(np.float16).astype(np.float32)
+    t = GGMLQuantizationType[q]
+    return dequantize(quantize(a, t), t).reshape(a.shape)
+
+
+def test_permute_roundtrip():
+    x = np.arange(8 * 64 * 3).reshape(8 * 64, 3)
+    for heads in (1, 2, 8):
+        np.testing.assert_array_equal(unpermute_rows(permute_rows(x, heads), heads), x)
+        np.testing.assert_array_equal(permute_rows(x, heads), llama_permute(x, heads, None))
+
+
+def test_llama_gguf_equals_hf(llama_gguf, tiny_llama):
+    path, state = llama_gguf
+    ck = open_checkpoint(path)
+    assert sorted(ck.names()) == sorted(state)
+    for name, want in state.items():
+        assert ck.shape(name) == want.shape, name
+        got = ck.get(name)
+        assert got.dtype == np.float32
+        q = QTYPES.get(name)
+        if q is None:
+            np.testing.assert_array_equal(got, want, err_msg=name)  # F32: exact, so un-permute is exact
+        else:
+            np.testing.assert_array_equal(got, _qdq(want, q), err_msg=name)
+
+
+def test_gguf_blocks_unpermuted(llama_gguf):
+    path, state = llama_gguf
+    ck = open_checkpoint(path)
+    for name, q in QTYPES.items():
+        raw = ck.get_raw(name)
+        if q == "F16":
+            assert isinstance(raw, np.ndarray) and raw.dtype == np.float32
+            continue
+        assert isinstance(raw, GGMLBlocks), name
+        assert raw.ggml_type == q and raw.shape == state[name].shape
+        assert raw.data.dtype == np.uint8 and raw.data.shape[0] == state[name].shape[0]
+        # Blocks run along in_features: quantizing the HF-layout weight gives the same bytes.
+        want = quantize(state[name], GGMLQuantizationType[q])
+        np.testing.assert_array_equal(raw.data, want.reshape(raw.data.shape), err_msg=name)
+
+
+def test_gguf_config(llama_gguf, tiny_llama):
+    path, _ = llama_gguf
+    hf_path, _ = tiny_llama
+    ck = open_checkpoint(path)
+    got = ModelConfig.from_hf_dict(ck.hf_config)
+    want = ModelConfig.from_hf_dict(_hf_cfg(hf_path))
+    for f in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(got, f) == getattr(want, f), f
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)
+    assert ck.hf_config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_qwen2_gguf_not_permuted_and_tied(tiny_qwen2, tmp_path):
+    path, state = tiny_qwen2
+    out = tmp_path / "tiny-qwen2.gguf"
+    write_model_gguf(out, "qwen2", _hf_cfg(path), state)
+    ck = open_checkpoint(out)
+    assert "lm_head.weight" not in ck.names()
+    assert ck.hf_config["tie_word_embeddings"] is True
+    cfg = ModelConfig.from_hf_dict(ck.hf_config)
+    assert cfg.architecture == "qwen2" and cfg.attention_bias
+    for name in ck.names():
+        np.testing.assert_array_equal(ck.get(name), state[name], err_msg=name)
+
+
+def test_truncated_gguf(llama_gguf, tmp_path):
+    path, _ = llama_gguf
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 200, len(data) - 10):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError) as e:
+            open_checkpoint(bad)
+        msg = str(e.value)
+        assert "\n" not in msg and ("truncated" in msg or "corrupt" in msg), msg
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(p)
+    assert "not a GGUF" in str(e.value)
+
+
+def test_unsupported_arch(tmp_path, tiny_llama):
+    path, state = tiny_llama
+    out = tmp_path / "phi.gguf"
+    write_model_gguf(out, "phi3", _hf_cfg(path), {})
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(out)
+    assert "phi3" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_tokenizer(llama_gguf, tmp_path):
+    path, _ = llama_gguf
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path).write_tokenizer(tmp_path / "tok")
+    assert "tokenizer" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return open_checkpoint(smollm2_gguf())
+
+
+@needs_smollm2
+def test_smollm2_names_shapes_config(smollm2):
+    ck = smollm2
+    names = ck.names()
+    assert len(names) == 2 + 30 * 9  # embed + final norm, 9 per layer, tied head
+    assert "lm_head.weight" not in names
+    assert ck.shape("model.embed_tokens.weight") == (49152, 576)
+    assert ck.shape("model.layers.0.self_attn.q_proj.weight") == (576, 576)
+    assert ck.shape("model.layers.0.self_attn.k_proj.weight") == (192, 576)
+    assert ck.shape("model.layers.29.mlp.down_proj.weight") == (576, 1536)
+    cfg = ModelConfig.from_hf_dict(ck.hf_config)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.bos_token_id == 1
+    assert 2 in cfg.eos_token_ids
+    emb = ck.get_raw("model.embed_tokens.weight")
+    assert isinstance(emb, GGMLBlocks) and emb.ggml_type == "Q8_0"
+    q = ck.get_raw("model.layers.0.self_attn.q_proj.weight")
+    assert isinstance(q, GGMLBlocks) and q.ggml_type == "Q4_1"
+    assert ck.get("model.norm.weight").shape == (576,)
+
+
+@needs_smollm2
+def test_smollm2_qk_unpermuted(smollm2):
+    """Un-permuting the Q4_1 blocks equals un-permuting the dequantized rows (3 KV heads)."""
+    ck = smollm2
+    name = "model.layers.3.self_attn.k_proj.weight"
+    t = next(t for t in ck._reader.tensors if t.name == "blk.3.attn_k.weight")
+    permuted = dequantize(t.data, t.tensor_type).reshape(192, 576)
+    np.testing.assert_array_equal(ck.get(name), unpermute_rows(permuted, 3))
+    np.testing.assert_array_equal(permute_rows(ck.get(name), 3), permuted)
+
+
+@needs_smollm2
+def test_smollm2_truncated(tmp_path):
+    src = smollm2_gguf()
+    bad = tmp_path / "half.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(src.stat().st_size // 2))
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(bad)
+    assert "truncated" in str(e.value) and "\n" not in str(e.value)
+
