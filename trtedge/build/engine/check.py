@@ -196,18 +196,20 @@ def _check_node(node: onnx.NodeProto, g: _Graphs, table: dict[str, Any], opset: 
         bad(f"{node.op_type} is not supported by TensorRT {ver}'s ONNX parser")
         return
     allowed = set(entry["types"])
+    flagged: set[str] = set()
     for tname, dt in seen.items():
         if dt is None or dt in allowed:
             continue
         if dt == "UINT8" and node.op_type in ("Cast", "Identity"):
             continue  # UINT8 graph I/O is converted on entry/exit
+        flagged.add(tname)
         bad(f"{'input' if tname in ins else 'output'} {tname!r} is {dt}; TensorRT {ver} takes "
             f"{', '.join(entry['types'])} for {node.op_type}", dt)
     # quantized tensors reach only (De)QuantizeLinear
     if node.op_type not in ("DequantizeLinear", "QuantizeLinear", "Constant", "Identity"):
         for i in node.input:
             dt = _dtype(g, i) if i else None
-            if dt in QUANTIZED:
+            if dt in QUANTIZED and i not in flagged:
                 bad(f"input {i!r} is {dt}: TensorRT takes {dt} only through DequantizeLinear", dt)
     _check_restrictions(node, g, entry, opset, bad)
 
