@@ -48,7 +48,7 @@ def build(
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level, force=force)
-    with rich_progress(not quiet) as progress:
+    with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)
     print(f"{out}: {describe(out)}")

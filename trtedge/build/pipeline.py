@@ -86,6 +86,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level)
+        _check_shapes(ckpt, family.required_tensors(cfg), spec, opts.flavors)
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -126,6 +127,15 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     tmp.rename(out)
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
+
+
+def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
+    """Fail before any work if the group size cannot tile a linear layer (checked on shapes only)."""
+    for name in names:
+        shape = ckpt.shape(name)
+        if len(shape) == 2 and name.endswith("proj.weight"):
+            for flavor in flavors:
+                spec.validate(int(shape[1]), name, flavor)
 
 
 def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,

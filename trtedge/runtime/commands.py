@@ -70,6 +70,51 @@ def generate(
     sys.stdout.write(detok.flush() + "\n")
 
 
+def chat(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory")],
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    max_tokens: Annotated[int, typer.Option(help="maximum new tokens per answer")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+) -> None:
+    """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
+    from trtedge.runtime.detokenize import IncrementalDetokenizer
+    from trtedge.runtime.generate import Generator
+    from trtedge.runtime.sampling import SamplingParams
+
+    gen = Generator(bundle, threads=threads)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    params = SamplingParams(temperature=temperature)
+    print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        ids = gen.tokenizer.encode_chat(messages)
+        room = gen.backend.max_seq_len - len(ids) - 1
+        while room < 16 and len(messages) > 2:  # forget the oldest turns when the context fills up
+            messages = messages[:1] + messages[3:] if system else messages[2:]
+            ids = gen.tokenizer.encode_chat(messages)
+            room = gen.backend.max_seq_len - len(ids) - 1
+        detok = IncrementalDetokenizer(gen.tokenizer)
+        sys.stdout.write("model> ")
+        answer = []
+        for t in gen.stream(ids, min(max_tokens, max(room, 1)), params):
+            piece = detok.add(t)
+            answer.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        tail = detok.flush()
+        answer.append(tail)
+        sys.stdout.write(tail + "\n")
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
 def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)
     app.command("logits")(logits)
     app.command("generate")(generate)

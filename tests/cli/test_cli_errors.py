@@ -1,0 +1,139 @@
+"""Bad input gets one clear line on stderr and a non-zero exit — never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtedge.build.pipeline import BuildOptions, build_bundle
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trtedge", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n.lower() in err.lower(), (n, err)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dense):
+    return tiny_dense("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def bundle(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("b") / "bundle"
+    build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
+    return out
+
+
+def _copy_ckpt(ckpt: Path, dst: Path) -> Path:
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_missing_config(ckpt, tmp_path):
+    d = _copy_ckpt(ckpt, tmp_path / "c")
+    (d / "config.json").unlink()
+    assert_one_line_error(run_cli("build", str(d), "-o", str(tmp_path / "o")), "config.json")
+
+
+def test_malformed_config(ckpt, tmp_path):
+    d = _copy_ckpt(ckpt, tmp_path / "c")
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": ')
+    assert_one_line_error(run_cli("build", str(d), "-o", str(tmp_path / "o")), "config.json")
+
+
+def test_unsupported_architecture(ckpt, tmp_path):
+    d = _copy_ckpt(ckpt, tmp_path / "c")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("build", str(d), "-o", str(tmp_path / "o")), "unsupported architecture",
+                          "GPT2LMHeadModel")
+
+
+def test_truncated_safetensors(ckpt, tmp_path):
+    d = _copy_ckpt(ckpt, tmp_path / "c")
+    st = d / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) // 2])
+    proc = run_cli("build", str(d), "-o", str(tmp_path / "o"))
+    assert_one_line_error(proc, "model.safetensors")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_missing_tensor_named(ckpt, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = _copy_ckpt(ckpt, tmp_path / "c")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line_error(run_cli("build", str(d), "-o", str(tmp_path / "o")), "model.layers.1.mlp.up_proj.weight")
+
+
+def test_truncated_gguf(smollm2_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(3_000_000))
+    assert_one_line_error(run_cli("build", str(cut), "-o", str(tmp_path / "o")), "cut.gguf")
+
+
+def test_group_size_not_dividing(ckpt, tmp_path):
+    # hidden size 64: a group of 128 cannot tile the in_features of q/k/v/gate/up.
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), "--group-size", "128"),
+                          "group")
+
+
+def test_bad_options(ckpt, tmp_path):
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), "--quant", "int3"), "--quant")
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), "--flavors", "gpu"), "flavors")
+
+
+def test_output_exists_not_overwritten(ckpt, bundle):
+    before = (bundle / "manifest.json").read_bytes()
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(bundle)), "exists", "--force")
+    assert (bundle / "manifest.json").read_bytes() == before
+
+
+def test_bundle_file_changed_after_build(bundle, tmp_path):
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    data = b / "graphs/cpu/model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = run_cli("logits", str(b), "--ids", "1,2,3", "-o", str(tmp_path / "x.npy"))
+    assert_one_line_error(proc, "graphs/cpu/model.onnx.data", "sha256")
+
+
+def test_ids_out_of_vocab(bundle, tmp_path):
+    proc = run_cli("logits", str(bundle), "--ids", "1,2,99999", "-o", str(tmp_path / "x.npy"))
+    assert_one_line_error(proc, "99999", "vocab")
+    assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,a", "-o", str(tmp_path / "x.npy")), "--ids")
+
+
+def test_not_a_bundle(tmp_path):
+    assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "manifest")
+
+
+def test_logits_cli_writes_npy(bundle, tmp_path):
+    import numpy as np
+
+    out = tmp_path / "x.npy"
+    proc = run_cli("logits", str(bundle), "--ids", "1,2,3,4", "--mode", "decode", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert np.load(out).shape == (4, 300)
