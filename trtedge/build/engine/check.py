@@ -237,7 +237,7 @@ def _check_restrictions(node: onnx.NodeProto, g: _Graphs, entry: dict[str, Any],
             if x_dt == "UINT4":
                 bad("UINT4 weights: TensorRT takes signed INT4 with a zero point of 0", x_dt)
             if bs not in (64, 128):
-                bad(f"INT4 block_size {bs}: TensorRT's INT4 weight-only path takes block 64 or 128", x_dt)
+                bad(f"{x_dt} block_size {bs}: TensorRT's INT4 weight-only path takes block 64 or 128", x_dt)
             if node.input[0] not in g.constant:
                 bad("INT4 DequantizeLinear input must be a constant weight", x_dt)
     if node.op_type == "TopK":
