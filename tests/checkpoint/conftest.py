@@ -59,7 +59,7 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**TINY, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257)
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
     out = _save_hf(model, tmp_path_factory.mktemp("llama"))
     return out, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}

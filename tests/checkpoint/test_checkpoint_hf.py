@@ -211,7 +211,9 @@ def test_not_a_checkpoint(tmp_path):
 
 
 def test_hf_write_tokenizer(tiny_llama, tmp_path):
-    path, _ = tiny_llama
+    src, _ = tiny_llama
+    path = tmp_path / "ck"
+    shutil.copytree(src, path)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": [257, 5]}))
     info = open_checkpoint(path).write_tokenizer(tmp_path / "tok")
     assert info == {

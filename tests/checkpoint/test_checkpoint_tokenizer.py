@@ -210,3 +210,64 @@ def _freeze() -> None:
 
 if __name__ == "__main__" and "--freeze" in sys.argv:
     _freeze()
+
+
+def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-like vocabulary: <unk> <s> </s>, 256 byte tokens, then BPE pieces trained
+    on the test texts with ▁ for spaces, scored by training order (earlier = better)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.train_from_iterator(list(TEXTS.values()) * 3, trainers.BpeTrainer(vocab_size=700, show_progress=False))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types, scores = [2, 3, 3] + [6] * 256, [0.0] * len(tokens)
+    for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(i))
+    return tokens, types, scores
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tiny_llama, tmp_path_factory):
+    tokens, types, scores = _spm_vocab()
+    d = tmp_path_factory.mktemp("spm")
+    path = _tiny_gguf(d, tiny_llama, tokens=tokens, types=types, scores=scores, merges=[], pre="default",
+                      model="llama", bos=1, eos=2)
+    info = open_checkpoint(path).write_tokenizer(d / "out")
+    return path, info, _load(d / "out")
+
+
+def _spm_texts() -> list[str]:
+    swap = {"<|im_start|>": "<s>", "<|im_end|>": "</s>"}
+    out = []
+    for t in [*TEXTS.values(), *_random_texts(300, seed=2), " leading", "a  b", "</s>  x<s>"]:
+        for a, b in swap.items():
+            t = t.replace(a, b)
+        out.append(t)
+    return out
+
+
+def test_spm_rules(spm_gguf):
+    _, info, tok = spm_gguf
+    assert info["add_bos_token"] is True and info["bos_token_id"] == 1 and info["eos_token_ids"][0] == 2
+    enc = tok.encode("Hi  there</s> x 😀")
+    assert enc.ids[0] == 1  # BOS, as llama.cpp adds for SPM vocabularies
+    assert enc.tokens[1].startswith("\u2581")  # space prefix on the first fragment ...
+    i = enc.tokens.index("</s>")
+    assert enc.tokens[i + 1].startswith("\u2581")  # ... and after every special token
+    assert enc.tokens[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]  # byte fallback
+    plain = "Hi  there, x 😀 über"
+    assert tok.decode(tok.encode(plain).ids, skip_special_tokens=True) == plain
+
+
+@needs_llama_cpp
+def test_spm_vs_llamacpp(spm_gguf):
+    from llama_cpp import Llama
+
+    path, _, tok = spm_gguf
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in _spm_texts():
+        assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
