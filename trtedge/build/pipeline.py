@@ -86,7 +86,9 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level)
-        _check_shapes(ckpt, family.required_tensors(cfg), spec, opts.flavors)
+        carry_cpu = _carries(opts, spec)
+        _check_shapes(ckpt, family.required_tensors(cfg), spec,
+                      tuple(f for f in opts.flavors if not (f == "cpu" and carry_cpu and _is_gguf(checkpoint))))
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -111,7 +113,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
             "trtedge_version": __version__,
             "architecture": cfg.architecture,
             "model_name": cfg.name,
-            "source": {"path": str(checkpoint), "format": "gguf" if str(checkpoint).endswith(".gguf") else "hf"},
+            "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
             "quantization": _quant_record(spec, carried, cfg),
             "flavors": flavors,
             "max_seq_len": max_seq,
@@ -138,10 +140,18 @@ def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[s
                 spec.validate(int(shape[1]), name, flavor)
 
 
+def _carries(opts: BuildOptions, spec: QuantSpec) -> bool:
+    return spec.scheme == "w4a16" and spec.method == "rtn" and not opts.requantize
+
+
+def _is_gguf(checkpoint: str | Path) -> bool:
+    return str(checkpoint).lower().endswith(".gguf")
+
+
 def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
                    carried: dict[str, str]) -> Callable[[str], Any]:
     """The cpu flavor takes GGUF 4/8-bit blocks as they are (no second quantization) when it can."""
-    carry = flavor == "cpu" and spec.scheme == "w4a16" and spec.method == "rtn" and not opts.requantize
+    carry = flavor == "cpu" and _carries(opts, spec)
 
     def get(name: str) -> Any:
         if carry:

@@ -1,0 +1,45 @@
+"""A 4-bit GGUF keeps its own grid in the cpu flavor: equal to the dequantized float reference."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from trtedge.build.pipeline import BuildOptions, build_bundle
+from trtedge.bundle import open_bundle
+from trtedge.runtime.generate import compute_logits
+from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+IDS = [1, 504, 3458, 314, 260, 1345, 282, 4649, 30, 2, 216, 33, 30, 216, 34, 17]
+
+
+@pytest.fixture(scope="module")
+def bundles(smollm2_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("smol")
+    carry = build_bundle(smollm2_path, d / "carry", BuildOptions(quant="w4a16", max_seq_len=64, accuracy_level=0))
+    ref = build_bundle(smollm2_path, d / "fp32", BuildOptions(quant="fp32", max_seq_len=64))
+    return open_bundle(carry), open_bundle(ref)
+
+
+def test_carried_grid_equals_dequantized_reference(bundles):
+    carry, ref = bundles
+    q = carry.manifest["quantization"]["carried_from_source"]
+    assert len(q) == 30 * 7 + 1 and set(q.values()) == {"Q4_1", "Q8_0"}
+    a = compute_logits(OnnxRuntimeBackend(carry), IDS, "decode")
+    b = compute_logits(OnnxRuntimeBackend(ref), IDS, "prefill")
+    err = np.abs(a - b).max() / np.abs(b).max()
+    assert err < 1e-4, err
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_carried_graph_has_no_float_zero_points(bundles):
+    import onnx
+
+    carry, _ = bundles
+    m = onnx.load(str(carry.file("graphs/cpu/model.onnx")), load_external_data=False)
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) >= 30 * 7
+    assert all(len(n.input) < 4 or n.input[3] == "" for n in nbits), "MatMulNBits with zero points"
+    assert json.loads((carry.path / "manifest.json").read_text())["quantization"]["scheme"] == "w4a16"
