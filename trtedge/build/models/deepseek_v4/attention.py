@@ -68,7 +68,7 @@ class CompressorEmitter:
         base = o.sub(o.i64(L), o.unsqueeze(self.ctx.past, [1]))  # cat index = p - past + L
         j = o.add(p, o.unsqueeze(base, [2]))
         n_cat = o.add(self.ctx.seq, o.i64(L))
-        j = o.op("Clip", j, o.i64(0), o.sub(n_cat, o.i64(1)))
+        j = o.op("Max", o.op("Min", j, o.sub(n_cat, o.i64(1))), o.i64(0))  # TRT 10.3: no INT64 Clip
         bidx = o.op("Range", o.i64(0), o.dim(self.ctx.past, 0), o.i64(1))
         flat_j = o.add(j, o.unsqueeze(o.mul(bidx, n_cat), [1, 2]))  # [B, K, M]
         c = 2 * d if self.overlap else d

@@ -1,0 +1,217 @@
+"""Tiny random-weight DeepSeek-V4 checkpoints (made with transformers) and an onnxruntime step loop.
+
+The loop plays the runtime's part for V4 graphs: it zero-initialises the decode state, feeds
+``input_ids`` / ``past_lengths`` / ``logits_positions`` and swaps in each "replace" state output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Two layer schedules: together all three attention types, both MLP types, every scoring function.
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "a": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+              mlp_layer_types=["hash_moe", "moe", "moe"], scoring_func="sqrtsoftplus", hc_mult=2),
+    "b": dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                           "compressed_sparse_attention"],
+              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], scoring_func="sigmoid", hc_mult=3,
+              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                               "beta_fast": 8, "beta_slow": 1}),
+}
+BASE = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, head_dim=32,
+            q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            sliding_window=8, o_groups=2, o_lora_rank=32, index_n_heads=8, index_head_dim=16, index_topk=3,
+            hc_sinkhorn_iters=6, max_position_embeddings=64, swiglu_limit=1.0)
+SEQ_LEN = 30  # > 3 × the largest compression rate (8) and > the window (8)
+MAX_SEQ = 32
+
+
+def make_model(schedule: str, seed: int = 0) -> Any:
+    """A DeepseekV4ForCausalLM with every parameter random (sinks, biases, position biases too)."""
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    kw = {**BASE, **SCHEDULES[schedule]}
+    cfg = DeepseekV4Config(num_hidden_layers=len(kw["layer_types"]), **kw)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                        for _ in range(p.shape[0])]
+                p.copy_(torch.stack(rows))
+            elif "inv_freq" in name:
+                continue
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.ndim >= 2 and "position_bias" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            elif p.is_floating_point():
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_model(model: Any, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def token_ids(seed: int = 3, n: int = SEQ_LEN, vocab: int = 128) -> np.ndarray:
+    return np.random.default_rng(seed).integers(2, vocab, size=n).astype(np.int64)
+
+
+def reference(model: Any, ids: np.ndarray) -> tuple[np.ndarray, float]:
+    """transformers' float32 logits [T, vocab] and the smallest relative gap at any indexer top-k cut."""
+    import torch
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mdl
+
+    gaps: list[float] = []
+    k = model.config.index_topk
+    m = model.config.compress_rates["compressed_sparse_attention"]
+
+    def hook(_mod: Any, _inp: Any, out: Any) -> None:
+        s = out[0].detach().double().numpy()  # [S, T]
+        for q in range(s.shape[0]):
+            n_valid = min((q + 1) // m, s.shape[1])
+            if n_valid > k:
+                v = np.sort(s[q, :n_valid])[::-1]
+                gaps.append(float((v[k - 1] - v[k]) / (abs(v[k - 1]) + 1e-12)))
+
+    hs = [mod.register_forward_hook(hook) for mod in model.modules() if isinstance(mod, mdl.DeepseekV4IndexerScorer)]
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids)[None]).logits[0].float().numpy()
+    for h in hs:
+        h.remove()
+    return logits, (min(gaps) if gaps else float("inf"))
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+class V4Runner:
+    """Feeds a V4 graph the way the runtime will: prefill (batch 1) and decode (seq 1) with replace-state."""
+
+    def __init__(self, onnx_path: Path, entry: dict[str, Any], max_seq: int = MAX_SEQ) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        self.entry, self.max_seq = entry, max_seq
+
+    def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
+        from trtedge.graph_io import resolve_shape
+
+        return {s["input"]: np.zeros(resolve_shape(s["shape"], {"batch": batch, "max_seq": self.max_seq}), np.float32)
+                for s in self.entry["state"]}
+
+    def step(self, ids: np.ndarray, past: np.ndarray, state: dict[str, np.ndarray],
+             positions: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        feeds = {"input_ids": ids, "past_lengths": past, "logits_positions": positions, **state}
+        outs = ["logits"] + [s["output"] for s in self.entry["state"]]
+        res = self.sess.run(outs, feeds)
+        return res[0], {s["input"]: v for s, v in zip(self.entry["state"], res[1:], strict=True)}
+
+    def prefill(self, ids: np.ndarray, state: dict[str, np.ndarray] | None = None, past: int = 0):
+        state = state or self.zero_state()
+        n = len(ids)
+        return self.step(ids[None], np.array([past], np.int64), state, np.arange(n, dtype=np.int64)[None])
+
+    def decode(self, ids: np.ndarray, state: dict[str, np.ndarray] | None = None, past: int = 0) -> tuple[np.ndarray, dict]:
+        state = state or self.zero_state()
+        rows = []
+        for t, tok in enumerate(ids):
+            lg, state = self.step(np.array([[tok]], np.int64), np.array([past + t], np.int64), state,
+                                  np.zeros((1, 1), np.int64))
+            rows.append(lg[0, 0])
+        return np.stack(rows), state
+
+
+def write_official(src_dir: Path, dst_dir: Path, fp8: str | None = None, mxfp4: bool = False) -> Path:
+    """Re-save an HF-named float checkpoint under DeepSeek's official names, optionally as FP8/MXFP4.
+
+    fp8: None (float32), "ue8m0" or "float" block scales for every 2-D non-expert linear weight;
+    mxfp4: routed experts as packed e2m1 with ue8m0 scales per 32 inputs.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from trtedge.build.checkpoint.fp8_mxfp4 import quantize_fp8_blocks, quantize_mxfp4
+    from trtedge.build.models.deepseek_v4 import hf_to_official
+
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    sd = load_file(str(src_dir / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, w: torch.Tensor, linear: bool, expert: bool = False) -> None:
+        a = w.float().numpy()
+        if expert and mxfp4:
+            q, s = quantize_mxfp4(a)
+            out[name] = torch.from_numpy(q)
+            out[name[: -len(".weight")] + ".scale"] = torch.from_numpy(s.view(np.uint8)).view(torch.float8_e8m0fnu)
+        elif linear and fp8 is not None:
+            q, s = quantize_fp8_blocks(a, 128, ue8m0=fp8 == "ue8m0")
+            out[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+            out[name[: -len(".weight")] + ".scale"] = (torch.from_numpy(s.view(np.uint8)).view(torch.float8_e8m0fnu)
+                                                       if fp8 == "ue8m0" else torch.from_numpy(s))
+        else:
+            out[name] = w.contiguous()
+
+    for name, w in sd.items():
+        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+            layer = name.split(".")[2]
+            inter = w.shape[1] // 2 if name.endswith("gate_up_proj") else w.shape[2]
+            for e in range(w.shape[0]):
+                p = f"layers.{layer}.ffn.experts.{e}"
+                if name.endswith("gate_up_proj"):
+                    put(f"{p}.w1.weight", w[e, :inter], True, True)
+                    put(f"{p}.w3.weight", w[e, inter:], True, True)
+                else:
+                    put(f"{p}.w2.weight", w[e], True, True)
+            continue
+        off = hf_to_official(name)
+        linear = w.ndim == 2 and off.endswith(".weight") and not off.startswith(("embed", "head")) \
+            and ".compressor." not in off and "weights_proj" not in off and ".gate.weight" not in off
+        put(off, w, linear)
+    save_file(out, str(dst_dir / "model.safetensors"))
+    cfg = json.loads((src_dir / "config.json").read_text())
+    (dst_dir / "config.json").write_text(json.dumps(cfg))
+    return dst_dir
+
+
+def dequantized_reference_model(official_dir: Path, schedule: str) -> Any:
+    """The transformers model holding exactly the dequantized official weights (the FP8/MXFP4 reference)."""
+    import torch
+
+    from trtedge.build.checkpoint import open_checkpoint
+    from trtedge.build.models.deepseek_v4 import V4Source
+
+    model = make_model(schedule)
+    src = V4Source(open_checkpoint(official_dir))
+    sd = model.state_dict()
+    new = {}
+    for name, t in sd.items():
+        if "inv_freq" in name:
+            continue
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            layer = int(name.split(".")[2])
+            inter = model.config.moe_intermediate_size
+            ws = [src.expert(layer, e, inter) for e in range(t.shape[0])]
+            arr = np.stack([np.concatenate([g, u]) for g, u, _ in ws]) if name.endswith("gate_up_proj") \
+                else np.stack([d for _, _, d in ws])
+        elif name.endswith("tid2eid"):
+            arr = src.get_int(name)
+        else:
+            arr = src.get(name)
+        new[name] = torch.from_numpy(np.asarray(arr)).to(t.dtype)
+    model.load_state_dict(new, strict=False)
+    return model
