@@ -64,6 +64,14 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
     total = sum(int(m["size"]) for m in manifest["files"].values()) + (src / MANIFEST).stat().st_size
 
     t = open_target(target, ssh)
+    try:
+        return _push(t, src, manifest, digest, expected, files, total, progress)
+    finally:
+        t.close()
+
+
+def _push(t: LocalTarget | SshTarget, src: Path, manifest: dict[str, Any], digest: str,
+          expected: dict[str, str], files: list[str], total: int, progress: Progress | None) -> PushResult:
     t.prepare()
     for name, sha in t.installed_versions().items():
         if sha == digest:
@@ -98,10 +106,13 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
 def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:
     """Swap current and previous; returns (new current, new previous)."""
     t = open_target(target, ssh)
-    current, previous = t.links()
-    if previous is None:
-        raise TrtedgeError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
-    if not t.exists(previous):
-        raise TrtedgeError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
-    t.switch(previous, current)
-    return previous, current or ""
+    try:
+        current, previous = t.links()
+        if previous is None:
+            raise TrtedgeError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
+        if not t.exists(previous):
+            raise TrtedgeError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
+        t.switch(previous, current)
+        return previous, current or ""
+    finally:
+        t.close()

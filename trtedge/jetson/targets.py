@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,9 @@ class LocalTarget:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.label = str(self.root)
+
+    def close(self) -> None:
+        pass
 
     def prepare(self) -> None:
         if self.root.exists() and not self.root.is_dir():
@@ -121,7 +125,10 @@ class SshTarget:
     def __init__(self, host: str, root: str, ssh: str = "ssh") -> None:
         self.host = host
         self.root = root[2:] if root.startswith("~/") else root
-        self.ssh = shlex.split(ssh) + ["-o", "BatchMode=yes"]
+        # One multiplexed connection for the ~10 commands of a push (each new one costs a handshake).
+        control = os.path.join(tempfile.gettempdir(), "trtedge-ssh-%C")
+        self.ssh = shlex.split(ssh) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
+                                       "-o", f"ControlPath={control}", "-o", "ControlPersist=30"]
         self.label = f"{host}:{root}"
         self._q = shlex.quote(self.root)
 
@@ -143,6 +150,10 @@ class SshTarget:
 
     def prepare(self) -> None:
         self._run(f"mkdir -p -- {self._q}/versions")
+
+    def close(self) -> None:
+        """Stop the shared connection (it would otherwise linger ControlPersist seconds)."""
+        subprocess.run([*self.ssh, "-O", "exit", self.host], capture_output=True, timeout=30)
 
     def installed_versions(self) -> dict[str, str]:
         script = (f"cd {self._q}/versions && for d in */; do [ -f \"$d/manifest.json\" ] || continue; "
@@ -205,7 +216,7 @@ class SshTarget:
                 continue
             parts.append(f"if [ -e {name} ] && [ ! -L {name} ]; then echo '{name} is not a symlink' >&2; exit 3; fi")
             parts.append(f"ln -sfn -- {shlex.quote(target)} .{name}.tmp && mv -Tf -- .{name}.tmp {name}")
-        parts.append("sync")
+        parts.append("(sync . 2>/dev/null || sync)")
         self._run(" && ".join(parts))
 
 

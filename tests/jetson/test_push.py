@@ -1,0 +1,167 @@
+"""Push / rollback to a local directory and to an ssh target on loopback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trtedge.bundle import open_bundle
+from trtedge.errors import BundleError, TrtedgeError
+from trtedge.jetson.push import push, rollback
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupt_after(limit: int):
+    seen = 0
+
+    def progress(n: int) -> None:
+        nonlocal seen
+        seen += n
+        if seen >= limit:
+            raise Interrupted
+
+    return progress
+
+
+def _corrupt(path: Path, offset: int = 100) -> None:
+    """Flip one byte, keeping the size (a size check alone would miss it)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_local_push_activates_and_keeps_previous(tmp_path, bundle_factory):
+    a, b = bundle_factory(tmp_path / "a", 1, name="model-a"), bundle_factory(tmp_path / "b", 2, name="model-b")
+    target = tmp_path / "device"
+    r1 = push(a, str(target))
+    assert not r1.already_installed and r1.bytes_sent == r1.bytes_total and r1.previous is None
+    assert os.readlink(target / "current") == f"versions/{r1.version}"
+    assert r1.version.startswith("model-a-")
+    assert open_bundle(target / "current").config.name == "model-a"  # every sha256 re-checked
+
+    r2 = push(b, str(target))
+    assert r2.previous == f"versions/{r1.version}"
+    assert os.readlink(target / "current") == f"versions/{r2.version}"
+    assert os.readlink(target / "previous") == f"versions/{r1.version}"
+
+    again = push(b, str(target))  # same bundle: nothing copied, stays current
+    assert again.already_installed and again.bytes_sent == 0 and again.version == r2.version
+
+    cur, prev = rollback(str(target))
+    assert open_bundle(target / "current").config.name == "model-a"
+    assert (cur, prev) == (f"versions/{r1.version}", f"versions/{r2.version}")
+    rollback(str(target))  # rolling back twice returns to the newer one
+    assert open_bundle(target / "current").config.name == "model-b"
+    assert sorted(p.name for p in (target / "versions").iterdir()) == sorted([r1.version, r2.version])
+
+
+def test_local_push_resumes_an_interrupted_copy(tmp_path, bundle_factory):
+    a = bundle_factory(tmp_path / "a", 3, weight_bytes=6 << 20)
+    target = tmp_path / "device"
+    with pytest.raises(Interrupted):
+        push(a, str(target), progress=_interrupt_after(3 << 20))
+    assert not (target / "current").exists()
+    staged = list((target / "versions").glob(".incoming-*/model.onnx.data"))
+    assert len(staged) == 1 and 0 < staged[0].stat().st_size < 6 << 20
+    already = sum(f.stat().st_size for f in staged[0].parent.rglob("*") if f.is_file())
+
+    r = push(a, str(target))
+    assert r.resumed_files == 1
+    assert r.bytes_sent == r.bytes_total - already  # only the rest was copied
+    assert open_bundle(target / "current").config.name == "tiny"
+    assert not list((target / "versions").glob(".incoming-*"))
+
+
+def test_local_push_recopies_a_corrupted_partial_file(tmp_path, bundle_factory):
+    a = bundle_factory(tmp_path / "a", 4, weight_bytes=4 << 20)
+    target = tmp_path / "device"
+    with pytest.raises(Interrupted):
+        push(a, str(target), progress=_interrupt_after(2 << 20))
+    _corrupt(next((target / "versions").glob(".incoming-*/model.onnx.data")))
+    r = push(a, str(target))  # the appended file fails its sha256, is fetched again, then passes
+    assert open_bundle(target / "current") is not None
+    assert r.bytes_sent > r.bytes_total - (2 << 20)
+
+
+def test_local_push_refuses_a_corrupt_bundle_and_keeps_current(tmp_path, bundle_factory):
+    good, bad = bundle_factory(tmp_path / "good", 5), bundle_factory(tmp_path / "bad", 6, name="bad")
+    target = tmp_path / "device"
+    r = push(good, str(target))
+    _corrupt(bad / "model.onnx.data")
+    with pytest.raises(BundleError) as e:
+        push(bad, str(target))
+    assert "model.onnx.data" in str(e.value) and "nothing was activated" in str(e.value)
+    assert os.readlink(target / "current") == f"versions/{r.version}"
+    assert [p.name for p in (target / "versions").iterdir() if not p.name.startswith(".")] == [r.version]
+
+
+def test_rollback_without_previous_and_bad_inputs(tmp_path, bundle_factory):
+    target = tmp_path / "device"
+    push(bundle_factory(tmp_path / "a", 7), str(target))
+    with pytest.raises(TrtedgeError, match="no previous version"):
+        rollback(str(target))
+    with pytest.raises(BundleError, match="not a trtedge bundle"):
+        push(tmp_path, str(target))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TrtedgeError, match="not a directory"):
+        push(tmp_path / "a", str(tmp_path / "file"))
+
+
+def test_cli_push_and_rollback_errors(tmp_path, bundle_factory):
+    a = bundle_factory(tmp_path / "a", 8)
+    run = [sys.executable, "-m", "trtedge", "jetson"]
+    p = subprocess.run([*run, "push", str(a), str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "current -> versions/tiny-" in p.stdout, p.stderr
+    p = subprocess.run([*run, "rollback", str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ")
+
+
+def test_ssh_push_resume_verify_and_rollback(tmp_path, sshd, bundle_factory):
+    host, ssh = sshd
+    a = bundle_factory(tmp_path / "a", 9, weight_bytes=4 << 20, name="model-a")
+    b = bundle_factory(tmp_path / "b", 10, name="model-b")
+    device = tmp_path / "device"
+    target = f"{host}:{device}"
+
+    # An interrupted rsync --partial leaves the first part of a file in the staging dir; fake that.
+    r_probe = push(a, str(tmp_path / "scratch"))  # learn the staging name (manifest hash) locally
+    staging = device / "versions" / f".incoming-{r_probe.version.split('-')[-2]}"
+    staging.mkdir(parents=True)
+    data = (a / "model.onnx.data").read_bytes()
+    (staging / "model.onnx.data").write_bytes(data[: len(data) // 2])
+
+    r1 = push(a, target, ssh=ssh)
+    assert r1.bytes_sent < r1.bytes_total - len(data) // 3  # the first half was not sent again
+    assert os.readlink(device / "current") == f"versions/{r1.version}"
+    assert open_bundle(device / "current").config.name == "model-a"
+
+    bad = bundle_factory(tmp_path / "bad", 11, name="bad")
+    _corrupt(bad / "model.onnx.data")
+    with pytest.raises(BundleError, match="model.onnx.data"):
+        push(bad, target, ssh=ssh)
+    assert os.readlink(device / "current") == f"versions/{r1.version}"
+
+    r2 = push(b, target, ssh=ssh)
+    assert r2.previous == f"versions/{r1.version}"
+    assert open_bundle(device / "current").config.name == "model-b"
+    assert push(b, target, ssh=ssh).already_installed
+
+    rollback(target, ssh=ssh)
+    assert open_bundle(device / "current").config.name == "model-a"
+    assert os.readlink(device / "previous") == f"versions/{r2.version}"
+
+
+def test_ssh_unreachable_is_one_line(tmp_path, bundle_factory):
+    a = bundle_factory(tmp_path / "a", 12)
+    with pytest.raises(TrtedgeError) as e:
+        push(a, "nobody@127.0.0.1:/tmp/x", ssh="ssh -p 1 -o ConnectTimeout=3")
+    assert "cannot reach" in str(e.value) and "\n" not in str(e.value)
