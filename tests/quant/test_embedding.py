@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
 from tests.quant.conftest import build_one, run_graph
 from tests.quant.test_ggml import make_blocks
+from trtedge.build.graph.builder import GraphBuilder
 from trtedge.build.graph.embedding import emit_embedding
+from trtedge.build.graph.linear import emit_lm_head
 from trtedge.build.quant.spec import QuantSpec
 
 V, H = 300, 576
@@ -34,10 +37,15 @@ def test_float_source(tmp_path, rng, flavor, scheme, tol):
     if scheme.startswith("w"):
         model = onnx.load(str(path), load_external_data=False)
         table = next(t for t in model.graph.initializer if t.name.endswith(".qweight"))
-        assert table.data_type == TensorProto.INT8 and list(table.dims) == [V, H]
-        # w4a16 and w8a16 both keep 8-bit codes per 64 block: error bound scale/2 = amax/254
-        amax = np.abs(w[ids].reshape(2, 5, H // 64, 64)).max(-1, keepdims=True)
-        assert np.all(np.abs(y - ref).reshape(2, 5, H // 64, 64) <= amax / 254 * (1 + 1e-5))
+        # w4a16 and w8a16 both keep 8-bit codes: error bound scale/2 = amax/254 per row (cpu) or block (trt)
+        if flavor == "cpu":  # MatMulNBits 8-bit layout, per-row scale (the w8a16 grid, shareable with the head)
+            assert table.data_type == TensorProto.UINT8 and list(table.dims) == [V, H // 64, 64]
+            amax = np.abs(w[ids]).max(-1, keepdims=True)
+            assert np.all(np.abs(y - ref) <= amax / 254 * (1 + 1e-5))
+        else:
+            assert table.data_type == TensorProto.INT8 and list(table.dims) == [V, H]
+            amax = np.abs(w[ids].reshape(2, 5, H // 64, 64)).max(-1, keepdims=True)
+            assert np.all(np.abs(y - ref).reshape(2, 5, H // 64, 64) <= amax / 254 * (1 + 1e-5))
 
 
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
@@ -47,6 +55,44 @@ def test_ggml_carried_exactly(tmp_path, rng, ggml_type, flavor):
     ids = rng.integers(0, V, size=(3, 4))
     _, y = run_embedding(tmp_path, blocks, QuantSpec("w4a16"), flavor, ids)
     np.testing.assert_array_equal(y, blocks.dequantize()[ids])
+
+
+@pytest.mark.parametrize("source", ["Q8_0", "float"])
+@pytest.mark.parametrize("head_first", [False, True])
+def test_tied_embedding_shares_lm_head_table(tmp_path, rng, source, head_first):
+    w = make_blocks(rng, "Q8_0", n=V, k=H) if source == "Q8_0" else rng.standard_normal((V, H)).astype(np.float32)
+    spec = QuantSpec("w4a16", 64)  # accuracy level 4; the head stays 8-bit
+    gb = GraphBuilder(tmp_path / "tied.onnx")
+    ids = gb.input("ids", TensorProto.INT64, ["b", "t"])
+    x = gb.input("x", TensorProto.FLOAT, ["b", "t", H])
+    if head_first:
+        logits = emit_lm_head(gb, x, w, spec, "cpu")
+        emb = emit_embedding(gb, ids, w, spec, "cpu")
+    else:
+        emb = emit_embedding(gb, ids, w, spec, "cpu")
+        logits = emit_lm_head(gb, x, w, spec, "cpu")
+    gb.op("Identity", [emb], outputs=["emb"])
+    gb.op("Identity", [logits], outputs=["logits"])
+    gb.output("emb", TensorProto.FLOAT, ["b", "t", H])
+    gb.output("logits", TensorProto.FLOAT, ["b", "t", V])
+    path = gb.save()
+    model = onnx.load(str(path), load_external_data=False)
+    big = [t for t in model.graph.initializer if t.dims and t.dims[0] == V]
+    assert len(big) == 2  # one uint8 table + one scale table, read by both Gather and MatMulNBits
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    idv = rng.integers(0, V, size=(1, 5))
+    xv = rng.standard_normal((1, 2, H)).astype(np.float32)
+    e, lg = sess.run(["emb", "logits"], {"ids": idv, "x": xv})
+    if source == "Q8_0":
+        full = w.dequantize()
+        np.testing.assert_array_equal(e, full[idv])
+    else:
+        s = np.abs(w).max(-1, keepdims=True) / 127
+        full = np.clip(np.rint(w / s), -127, 127) * s
+        e_ref = full[idv]
+        np.testing.assert_allclose(e, e_ref, rtol=1e-6, atol=1e-7)
+    ref = xv @ full.T
+    assert np.abs(lg - ref).max() / np.abs(ref).max() < 2e-2
 
 
 def test_rank1_ids_and_per_row_scales(tmp_path, rng):

@@ -1,10 +1,12 @@
 """Emit a token-embedding lookup that keeps quantized tables quantized and dequantizes only gathered rows.
 
-fp32: Gather on a float32 table; fp16: Gather on float16 then Cast. w8a16/w4a16: an int8 code table plus
-per-block float32 scales (int8 even for w4a16 — Gather can't address nibbles with standard ops, and the
-embedding is worth the extra precision); rows are dequantized with Gather, Cast, Mul (Add for Q4_1's
-offsets). GGUF Q4_0/Q4_1/Q8_0 tables are carried exactly (same arithmetic as gguf's dequantize).
-Both flavors use the same standard ops.
+fp32: Gather on a float32 table; fp16: Gather on float16 then Cast. w8a16/w4a16 keep 8-bit codes even
+for w4a16 (Gather can't address nibbles with standard ops, and the embedding is worth the precision);
+rows are dequantized with Gather, Cast, (Sub,) Mul (Add for Q4_1's offsets):
+- cpu flavor, float or GGUF Q8_0 source: the MatMulNBits 8-bit table (table8.py), shared with an 8-bit
+  LM head of the same weight (emit_lm_head), so tied embeddings are stored once;
+- otherwise int8 codes + per-block float32 scales; GGUF Q4_0/Q4_1/Q8_0 tables exactly (same arithmetic
+  as gguf's dequantize).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.linear import float_weight, weight_shape
+from trtedge.build.graph.table8 import Table8, float_weight, int8_table, weight_shape
 from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
 from trtedge.build.quant.rtn import quantize_rtn
 from trtedge.build.quant.spec import FLAVORS, QuantSpec
@@ -52,6 +54,18 @@ def _rows(gb: GraphBuilder, ids: str, name: str, codes: np.ndarray, scales: np.n
     return y
 
 
+def _rows_table8(gb: GraphBuilder, ids: str, name: str, t: Table8) -> str:
+    """Rows of a MatMulNBits 8-bit table (uint8 codes + 128, [V, H/block, block]) shared with the LM head."""
+    c = gb.op("Gather", [t.qweight, ids], axis=0, name=f"{name}/gather_codes")  # [..., H/block, block]
+    c = gb.op("Sub", [gb.op("Cast", [c], to=TensorProto.FLOAT, name=f"{name}/cast"), gb.const(128.0, np.float32)],
+              name=f"{name}/center")
+    sc = gb.op("Gather", [t.scales, ids], axis=0, name=f"{name}/gather_scales")
+    y = gb.op("Mul", [c, gb.op("Unsqueeze", [sc, gb.const([-1])], name=f"{name}/scales_1")], name=f"{name}/scale")
+    lead = gb.op("Shape", [ids], name=f"{name}/ids_shape")
+    return gb.op("Reshape", [y, gb.op("Concat", [lead, gb.const([t.k])], axis=0, name=f"{name}/row_dims")],
+                 name=f"{name}/to_rows")
+
+
 def emit_embedding(gb: GraphBuilder, ids: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,
                    name: str = "embed_tokens") -> str:
     """``ids`` (int64, any shape) → float32 ``[*ids.shape, hidden]`` rows of ``weight [vocab, hidden]``."""
@@ -59,6 +73,10 @@ def emit_embedding(gb: GraphBuilder, ids: str, weight: np.ndarray | GGMLBlocks, 
     if flavor not in FLAVORS:
         raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
     v, h = weight_shape(weight, name)
+    if flavor == "cpu" and spec.quantized and (not isinstance(weight, GGMLBlocks) or weight.ggml_type == "Q8_0"):
+        table = int8_table(gb, name, weight, spec, share=True)
+        if table is not None:
+            return _rows_table8(gb, ids, name, table)
     if spec.quantized and isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED:
         dec = decode_blocks(weight, name)
         codes = dec.codes.astype(np.int8)

@@ -18,6 +18,7 @@ import numpy as np
 from onnx import TensorProto
 
 from trtedge.build.graph.builder import MS_DOMAIN, GraphBuilder
+from trtedge.build.graph.table8 import float_weight, grid_to_float, int8_table, w8_grid, weight_shape
 from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
 from trtedge.build.quant.pack import pack_int4_kn, pack_matmulnbits
 from trtedge.build.quant.rtn import quantize_rtn
@@ -32,21 +33,6 @@ _DERIVED: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, str]] = weakref.We
 
 def _derived(gb: GraphBuilder) -> dict[tuple, str]:
     return _DERIVED.setdefault(gb, {})
-
-
-def weight_shape(weight: np.ndarray | GGMLBlocks, name: str) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a float array or GGMLBlocks (TrtedgeError if not 2-D)."""
-    shape = tuple(int(v) for v in (weight.shape if isinstance(weight, GGMLBlocks) else np.shape(weight)))
-    if len(shape) != 2 or min(shape) <= 0:
-        raise TrtedgeError(f"weight {name} has shape {shape}; a linear weight must be [out_features, in_features]")
-    return shape  # type: ignore[return-value]
-
-
-def float_weight(weight: np.ndarray | GGMLBlocks) -> np.ndarray:
-    """float32 ``[out, in]`` of either source (GGUF blocks dequantized the llama.cpp way)."""
-    if isinstance(weight, GGMLBlocks):
-        return weight.dequantize()
-    return np.asarray(weight, dtype=np.float32)
 
 
 def cast_fp16(gb: GraphBuilder, x: str) -> str:
@@ -69,18 +55,8 @@ def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int) -> str:
     return cache[key]
 
 
-def _matmulnbits(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, bits: int,
-                 block: int, accuracy_level: int, bias: np.ndarray | None) -> str:
-    n, k = u.shape
-    if bits == 8 and accuracy_level < 4:
-        # onnxruntime 1.32 has no fast 8-bit kernel for float activations (30-60x slower than a float32
-        # MatMul, benchmarks/quant_linear.py): use the same grid values as a float32 weight instead.
-        w = (u.reshape(n, k // block, block).astype(np.float32) - 128) * scales[..., None]
-        y = gb.op("MatMul", [x, gb.weight(f"{name}.weight", np.ascontiguousarray(w.reshape(n, k).T))],
-                  name=f"{name}/MatMul")
-        return y if bias is None else gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
-    b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, bits, block))
-    s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
+def _matmulnbits(gb: GraphBuilder, x: str, name: str, b: str, s: str, n: int, k: int, bits: int, block: int,
+                 accuracy_level: int, bias: np.ndarray | None) -> str:
     inputs = [x, b, s]
     if bias is not None:
         inputs += ["", "", gb.weight(f"{name}.bias", bias)]
@@ -88,15 +64,42 @@ def _matmulnbits(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.
                  K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
 
 
+def _matmulnbits4(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, block: int,
+                  accuracy_level: int, bias: np.ndarray | None) -> str:
+    n, k = u.shape
+    b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, 4, block))
+    s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
+    return _matmulnbits(gb, x, name, b, s, n, k, 4, block, accuracy_level, bias)
+
+
+def _emit_8bit_cpu(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
+                   bias: np.ndarray | None, share: bool) -> str | None:
+    """8-bit grid (w8a16 or GGUF Q8_0) on MatMulNBits; None if no MatMulNBits block divides in_features."""
+    if spec.accuracy_level < 4:
+        # onnxruntime 1.32 has no fast 8-bit kernel for float activations (30-60x slower than a float32
+        # MatMul, benchmarks/quant_linear.py): the same grid values go in as a float32 weight instead.
+        grid = w8_grid(weight, spec, name)
+        if grid is None:
+            return None
+        wt = gb.weight(f"{name}.weight", np.ascontiguousarray(grid_to_float(*grid).T))
+        y = gb.op("MatMul", [x, wt], name=f"{name}/MatMul")
+        return y if bias is None else gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
+    t = int8_table(gb, name, weight, spec, share=share)
+    if t is None:
+        return None
+    return _matmulnbits(gb, x, name, t.qweight, t.scales, t.n, t.k, 8, t.block, spec.accuracy_level, bias)
+
+
 def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec: QuantSpec,
-                   bias: np.ndarray | None) -> str:
+                   bias: np.ndarray | None, share: bool) -> str:
     """GGUF grid kept exactly: Q4_0/Q8_0 straight onto MatMulNBits, Q4_1 plus a per-block correction."""
+    if weight.ggml_type == "Q8_0":
+        y8 = _emit_8bit_cpu(gb, x, name, weight, spec, bias, share)
+        assert y8 is not None  # block 32 always fits a Q8_0 weight
+        return y8
     dec = decode_blocks(weight, name)
     n, k = dec.codes.shape
-    if dec.ggml_type == "Q8_0":
-        u = (dec.codes.astype(np.int16) + 128).astype(np.uint8)
-        return _matmulnbits(gb, x, name, u, dec.d, 8, BLOCK, spec.accuracy_level, bias)
-    y = _matmulnbits(gb, x, name, dec.codes, dec.d, 4, BLOCK, spec.accuracy_level, bias)
+    y = _matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias)
     if dec.m is None:
         return y
     # Q4_1: w = d*u + m = d*(u-8) + (8d+m), so y += blocksum(x) @ C with C [K/32, N] = (8d+m)^T.
@@ -106,20 +109,19 @@ def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec
     return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
 
 
-def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec,
-              bias: np.ndarray | None) -> tuple[str, bool]:
+def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec, bias: np.ndarray | None,
+              share: bool) -> tuple[str, bool]:
+    """MatMulNBits for w4a16 / w8a16 from a float32 weight ``w``."""
     n, k = w.shape
     if spec.scheme == "w4a16":
         codes, scales = quantize_rtn(w, 4, spec.group_size)
         u = (codes + 8).view(np.uint8)
-        return _matmulnbits(gb, x, name, u, scales, 4, spec.group_size, spec.accuracy_level, bias), True
-    # w8a16: per-output-channel scale; MatMulNBits repeats it over blocks (block sets acc-4 activation groups).
+        return _matmulnbits4(gb, x, name, u, scales, spec.group_size, spec.accuracy_level, bias), True
+    y = _emit_8bit_cpu(gb, x, name, w, spec, bias, share)
+    if y is not None:
+        return y, True
+    # no power-of-two block divides in_features: per-channel int8 DequantizeLinear -> MatMul
     codes, scales = quantize_rtn(w, 8, None)
-    blocks = [g for g in (spec.group_size, 128, 64, 32, 16) if k % g == 0]
-    if blocks:
-        u = (codes.astype(np.int16) + 128).astype(np.uint8)
-        rep = np.repeat(scales, k // blocks[0], axis=1)
-        return _matmulnbits(gb, x, name, u, rep, 8, blocks[0], spec.accuracy_level, bias), True
     qw = gb.weight(f"{name}.qweight", np.ascontiguousarray(codes.T))
     wd = gb.op("DequantizeLinear", [qw, gb.weight(f"{name}.scales", scales[:, 0].copy())], axis=1,
                name=f"{name}/DequantizeLinear")
@@ -153,6 +155,11 @@ def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBl
     ``weight`` is float ``[out, in]`` (HF layout) or GGMLBlocks. ``awq_scale`` s (from ``awq_search``):
     the graph computes ``(x * 1/s) @ Q(W diag(s))^T``. GGUF blocks with awq_scale are re-quantized.
     """
+    return _emit(gb, x, name, weight, spec, flavor, bias, awq_scale, share=False)
+
+
+def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,
+          bias: np.ndarray | None, awq_scale: np.ndarray | None, share: bool) -> str:
     spec.check()
     if flavor not in FLAVORS:
         raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
@@ -170,7 +177,7 @@ def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBl
                   name=f"{name}/awq_mul")
     if (isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED and flavor == "cpu"
             and spec.quantized and s is None):
-        return _emit_ggml_cpu(gb, x, name, weight, spec, bias)
+        return _emit_ggml_cpu(gb, x, name, weight, spec, bias, share)
     spec.validate(k, name, flavor)
     w = float_weight(weight)
     if s is not None:
@@ -182,7 +189,7 @@ def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBl
             wt = gb.op("Cast", [wt], to=TensorProto.FLOAT, name=f"{name}/cast_weight")
         y = gb.op("MatMul", [x, wt], name=f"{name}/MatMul")
     elif flavor == "cpu":
-        y, has_bias = _emit_cpu(gb, x, name, w, spec, bias)
+        y, has_bias = _emit_cpu(gb, x, name, w, spec, bias, share)
     else:
         y = _emit_trt(gb, x, name, w, spec)
     if bias is not None and not has_bias:
@@ -195,10 +202,12 @@ def emit_lm_head(gb: GraphBuilder, x: str, weight: np.ndarray | GGMLBlocks, spec
     """The LM head (for tied embeddings, the embedding matrix): w4a16 builds keep it at 8 bits by default.
 
     Logits are the most quantization-sensitive output; GGUF blocks are carried as they are (Q8_0 stays 8-bit).
+    On the cpu flavor (accuracy level 4) an 8-bit head shares its table with ``emit_embedding`` of the same
+    weight, so a tied model stores the matrix once.
     """
     if keep_8bit and spec.scheme == "w4a16":
         spec = replace(spec, scheme="w8a16")
-    return emit_linear(gb, x, name, weight, spec, flavor, bias=bias)
+    return _emit(gb, x, name, weight, spec, flavor, bias, None, share=True)
 
 
 def __getattr__(attr: str) -> object:  # PEP 562: emit_embedding lives in embedding.py (which imports this module)

@@ -1,0 +1,111 @@
+"""8-bit weight tables in MatMulNBits layout (cpu flavor), shared by a tied embedding and its LM head.
+
+A tied model's embedding and LM head are one matrix: stored once as MatMulNBits' 8-bit ``B``
+(uint8 ``[N, K/block, block]``, codes + 128) plus float32 ``scales [N, K/block]``, the head reads it
+with MatMulNBits and the embedding with Gather. GGUF Q8_0 tables keep their grid exactly (block 32);
+float weights use the w8a16 grid (symmetric per-output-channel int8, the scale repeated per block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtedge.build.graph.builder import GraphBuilder
+from trtedge.build.quant.ggml import BLOCK, decode_blocks
+from trtedge.build.quant.pack import pack_matmulnbits
+from trtedge.build.quant.rtn import quantize_rtn
+from trtedge.build.quant.spec import QuantSpec
+from trtedge.build.tensors import GGMLBlocks
+from trtedge.errors import TrtedgeError
+
+
+@dataclass(frozen=True)
+class Table8:
+    """Initializer names of a MatMulNBits 8-bit weight and its shape."""
+
+    qweight: str
+    scales: str
+    block: int
+    n: int
+    k: int
+
+
+_TABLES: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, Table8]] = weakref.WeakKeyDictionary()
+
+
+def weight_shape(weight: np.ndarray | GGMLBlocks, name: str) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a float array or GGMLBlocks (TrtedgeError if not 2-D)."""
+    shape = tuple(int(v) for v in (weight.shape if isinstance(weight, GGMLBlocks) else np.shape(weight)))
+    if len(shape) != 2 or min(shape) <= 0:
+        raise TrtedgeError(f"weight {name} has shape {shape}; a linear weight must be [out_features, in_features]")
+    return shape  # type: ignore[return-value]
+
+
+def float_weight(weight: np.ndarray | GGMLBlocks) -> np.ndarray:
+    """float32 ``[out, in]`` of either source (GGUF blocks dequantized the llama.cpp way)."""
+    if isinstance(weight, GGMLBlocks):
+        return weight.dequantize()
+    return np.asarray(weight, dtype=np.float32)
+
+
+def w8_block(in_features: int, spec: QuantSpec) -> int | None:
+    """MatMulNBits block for a per-channel 8-bit weight (it also sets accuracy-level-4 activation groups)."""
+    return next((g for g in (spec.group_size, 128, 64, 32, 16) if in_features % g == 0), None)
+
+
+def w8_grid(weight: np.ndarray | GGMLBlocks, spec: QuantSpec, name: str) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """``(u uint8 [N, K] = codes + 128, scales float32 [N, K/block], block)``, or None if no block fits."""
+    if isinstance(weight, GGMLBlocks):
+        if weight.ggml_type != "Q8_0":
+            return None
+        dec = decode_blocks(weight, name)
+        return (dec.codes.astype(np.int16) + 128).astype(np.uint8), dec.d, BLOCK
+    n, k = weight_shape(weight, name)
+    block = w8_block(k, spec)
+    if block is None:
+        return None
+    codes, scales = quantize_rtn(float_weight(weight), 8, None)
+    return (codes.astype(np.int16) + 128).astype(np.uint8), np.repeat(scales, k // block, axis=1), block
+
+
+def grid_to_float(u: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """float32 ``[N, K]`` of an 8-bit grid (exactly the values MatMulNBits would use)."""
+    n, k = u.shape
+    return ((u.reshape(n, k // block, block).astype(np.float32) - 128) * scales[..., None]).reshape(n, k)
+
+
+def _content_key(weight: np.ndarray | GGMLBlocks, spec: QuantSpec, shape: tuple[int, int]) -> tuple:
+    if isinstance(weight, GGMLBlocks):
+        data, kind = np.ascontiguousarray(weight.data), weight.ggml_type
+    else:
+        data, kind = np.ascontiguousarray(weight, dtype=np.float32), f"f32/{w8_block(shape[1], spec)}"
+    return (kind, shape, hashlib.blake2b(data.reshape(-1).view(np.uint8), digest_size=16).hexdigest())
+
+
+def int8_table(gb: GraphBuilder, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
+               share: bool = False) -> Table8 | None:
+    """The 8-bit table of ``weight`` in ``gb``, written once; None if the weight has no 8-bit grid here.
+
+    ``share=True`` (embeddings, LM heads) registers it by content; other callers look it up only when a
+    registered table has their shape, so ordinary layers are never hashed.
+    """
+    shape = weight_shape(weight, name)
+    reg = _TABLES.setdefault(gb, {})
+    key = None
+    if share or any(k[1] == shape for k in reg):
+        key = _content_key(weight, spec, shape)
+        if key in reg:
+            return reg[key]
+    grid = w8_grid(weight, spec, name)
+    if grid is None:
+        return None
+    u, scales, block = grid
+    table = Table8(gb.weight(f"{name}.qweight", pack_matmulnbits(u, 8, block)),
+                   gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32)), block, *shape)
+    if key is not None:
+        reg[key] = table
+    return table
