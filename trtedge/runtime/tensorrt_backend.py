@@ -151,7 +151,8 @@ class TensorRTBackend:
         shapes = {"input_ids": (bb, s), "position_ids": (bb, s), "attention_mask": (bb, p + s),
                   "logits_positions": (bb, k)}
         for n in self.input_names:
-            ctx.set_input_shape(n, shapes[n])
+            if n in shapes:
+                ctx.set_input_shape(n, shapes[n])
         for lay in self.plan.states:
             if lay.update == APPEND:
                 full = self.plan.buffers[lay.state.input].shape

@@ -88,7 +88,10 @@ def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[Profi
         spec = ProfileSpec(name)
         bs = (1, b_opt, lim.max_batch)
         ps = (p_min, p_opt, p_max)
+        state_inputs = {st.input for st in states}
         for inp in inputs:
+            if inp in state_inputs:
+                continue
             if inp in ("input_ids", "position_ids"):
                 spec.shapes[inp] = tuple((bs[i], s_rng[i]) for i in range(3))  # type: ignore[assignment]
             elif inp == "attention_mask":
