@@ -1,0 +1,156 @@
+"""KV cache arena bookkeeping: which request owns which backend slot, block-granular capacity, prefix reuse.
+
+The backend preallocates ``num_slots`` slots of ``max_seq_len`` positions; nothing is reallocated.
+Capacity is counted in blocks of ``block_size`` positions: a request reserves the blocks for
+prompt + max_tokens when it is admitted, so it can never run out mid-generation (``num_blocks``
+may be set below ``num_slots × blocks_per_slot`` to budget memory). Occupied slots are kept at
+indices 0..n-1 (a freed hole is filled by moving the last slot into it), so the decode batch is a
+contiguous range the cpu backend binds in place. A slot's KV stays valid after its request ends:
+full blocks are hashed (chained, so a hash names the whole prefix) and a new prompt that starts
+with a cached prefix copies those positions instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class SlotOp:
+    """A backend operation the next step runs before its forward calls (in order)."""
+
+    kind: str  # "copy" | "reset"
+    src: int
+    dst: int
+    length: int = 0
+
+
+class KVCacheArena:
+    def __init__(self, num_slots: int, max_seq_len: int, block_size: int = 16, num_blocks: int | None = None,
+                 prefix_cache: bool = True):
+        if block_size < 1:
+            raise ValueError("kv_block_size must be ≥ 1")
+        self.num_slots, self.max_seq_len, self.block_size = num_slots, max_seq_len, block_size
+        self.blocks_per_slot = -(-max_seq_len // block_size)
+        full = num_slots * self.blocks_per_slot
+        self.total_blocks = full if num_blocks is None else max(1, min(int(num_blocks), full))
+        self.prefix_cache = prefix_cache
+        self.owner: list[Any] = [None] * num_slots
+        self.reserved = [0] * num_slots  # blocks reserved by the owner
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV the slot holds
+        self._hashes: list[list[int]] = [[] for _ in range(num_slots)]
+        self._index: dict[int, set[int]] = {}
+        self.pending: list[SlotOp] = []
+        self.prefix_hits = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- capacity -----------------------------------------------------------------------
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-min(n_tokens, self.max_seq_len) // self.block_size)
+
+    @property
+    def occupied(self) -> int:
+        return sum(o is not None for o in self.owner)
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(self.reserved)
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks that hold live KV of running requests."""
+        return sum(self.blocks_for(len(t)) for o, t in zip(self.owner, self.tokens, strict=True) if o is not None)
+
+    def can_admit(self, n_tokens: int) -> bool:
+        """A free slot and enough unreserved blocks for ``n_tokens`` positions."""
+        return self.occupied < self.num_slots and self.reserved_blocks + self.blocks_for(n_tokens) <= self.total_blocks
+
+    def fits_ever(self, n_tokens: int) -> bool:
+        return self.blocks_for(n_tokens) <= self.total_blocks
+
+    # ---- allocation ---------------------------------------------------------------------
+    def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int) -> tuple[int, int]:
+        """Give ``owner`` the lowest free slot; returns (slot, positions reused from the prefix cache)."""
+        slot = self.owner.index(None)
+        src, reuse = self.lookup(tokens, max_reuse) if self.prefix_cache else (-1, 0)
+        self.owner[slot] = owner
+        self.reserved[slot] = self.blocks_for(reserve_tokens)
+        if reuse and src != slot:
+            self.pending.append(SlotOp("copy", src, slot, reuse))
+            self._set_tokens(slot, self.tokens[src][:reuse])
+        else:
+            self._set_tokens(slot, self.tokens[slot][:reuse])
+        if not reuse:
+            self.pending.append(SlotOp("reset", slot, slot))
+        else:
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += reuse
+        return slot, reuse
+
+    def free(self, slot: int) -> tuple[Any, int] | None:
+        """Release ``slot`` (its KV stays cached). Returns (owner, new slot) when another request was moved
+        into the hole to keep occupied slots contiguous."""
+        self.owner[slot], self.reserved[slot] = None, 0
+        last = max((i for i, o in enumerate(self.owner) if o is not None), default=-1)
+        if last <= slot:
+            return None
+        moved = self.owner[last]
+        self.pending.append(SlotOp("copy", last, slot, len(self.tokens[last])))
+        self.owner[slot], self.reserved[slot] = moved, self.reserved[last]
+        self.owner[last], self.reserved[last] = None, 0
+        self._set_tokens(slot, list(self.tokens[last]))
+        return moved, slot
+
+    def take_pending(self) -> list[SlotOp]:
+        ops, self.pending = self.pending, []
+        return ops
+
+    # ---- contents -------------------------------------------------------------------------
+    def append(self, slot: int, new_tokens: list[int]) -> None:
+        """Record that positions len(tokens).. now hold ``new_tokens``' KV."""
+        toks = self.tokens[slot]
+        toks.extend(new_tokens)
+        hs, bs = self._hashes[slot], self.block_size
+        while (len(hs) + 1) * bs <= len(toks):
+            i = len(hs)
+            h = hash((hs[-1] if hs else 0, *toks[i * bs:(i + 1) * bs]))
+            hs.append(h)
+            self._index.setdefault(h, set()).add(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        if length < len(self.tokens[slot]):
+            self._set_tokens(slot, self.tokens[slot][:length])
+
+    def lookup(self, tokens: list[int], max_reuse: int) -> tuple[int, int]:
+        """(slot, length) of the longest cached full-block prefix of ``tokens``, capped at ``max_reuse``."""
+        bs = self.block_size
+        best_slot, best_len, h = -1, 0, 0
+        for i in range(min(len(tokens), max_reuse) // bs):
+            block = tokens[i * bs:(i + 1) * bs]
+            h = hash((h, *block))
+            cands = self._index.get(h)
+            if not cands:
+                break
+            end = (i + 1) * bs
+            good = [s for s in cands if self.tokens[s][:end] == tokens[:end]]  # guard against hash collisions
+            if not good:
+                break
+            best_slot = min(good, key=lambda s: (self.owner[s] is not None, s))
+            best_len = end
+        if best_slot >= 0:  # extend past the last full block where the cached tokens still agree
+            cached = self.tokens[best_slot]
+            limit = min(len(cached), len(tokens), max_reuse)
+            while best_len < limit and cached[best_len] == tokens[best_len]:
+                best_len += 1
+        return best_slot, best_len
+
+    def _set_tokens(self, slot: int, toks: list[int]) -> None:
+        for h in self._hashes[slot]:
+            s = self._index.get(h)
+            if s is not None:
+                s.discard(slot)
+                if not s:
+                    del self._index[h]
+        self.tokens[slot], self._hashes[slot] = [], []
+        self.append(slot, toks)

@@ -1,0 +1,139 @@
+"""Which sequences run in the next step: admission by priority and free KV, chunked prefill, preemption.
+
+Every step is the decode batch (all sequences past prefill, one token each, slots in ascending
+order — contiguous, since the arena compacts) plus at most one prefill chunk of ``prefill_chunk``
+tokens for the one sequence being admitted. Waiting requests are ordered by rank (realtime
+high/normal/low, then batch), lowered by ``aging_s`` per second waited so none starves. When
+the best waiting request does not fit, running requests ranked at least one class below it are
+preempted (their tokens are kept; they are re-admitted later and rebuild their KV, usually from
+the prefix cache) — a realtime request never waits behind a batch job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from trtedge.runtime.backend import StepBatch
+from trtedge.runtime.kv_manager import KVCacheArena, SlotOp
+from trtedge.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
+
+
+@dataclass
+class StepPlan:
+    ops: list[SlotOp] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: Sequence | None = None
+    prefill_start: int = 0
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_last: bool = False  # this chunk completes the fill
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill or self.ops)
+
+    def decode_batch(self) -> StepBatch:
+        b = len(self.decode)
+        return StepBatch(
+            slots=[s.slot for s in self.decode],
+            input_ids=np.array([[s.pending] for s in self.decode], dtype=np.int64),
+            past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
+            new_lengths=np.ones(b, dtype=np.int64),
+            logits_positions=np.zeros((b, 1), dtype=np.int64),
+        )
+
+    def prefill_batch(self) -> StepBatch:
+        assert self.prefill is not None and self.prefill.slot is not None
+        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
+
+
+class Scheduler:
+    def __init__(self, arena: KVCacheArena, prefill_chunk: int = 512, aging_s: float = 10.0, preemption: bool = True):
+        self.arena = arena
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.aging_s = aging_s
+        self.preemption = preemption
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []  # own a slot (prefill or decode)
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished / cancelled sequence out; frees its slot (the KV stays in the prefix cache)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        assert seq.slot is not None
+        self.arena.truncate(seq.slot, seq.computed)
+        moved = self.arena.free(seq.slot)
+        if moved is not None:
+            other, new_slot = moved
+            other.slot = new_slot
+        seq.slot = None
+
+    @property
+    def prefilling(self) -> Sequence | None:
+        return next((s for s in self.running if s.status == PREFILL), None)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> StepPlan:
+        now = time.monotonic() if now is None else now
+        if self.prefilling is None:
+            self._admit(now)
+        plan = StepPlan(ops=self.arena.take_pending())
+        plan.decode = sorted((s for s in self.running if s.status == DECODE), key=lambda s: s.slot)
+        pf = self.prefilling
+        if pf is not None:
+            start = pf.computed
+            plan.prefill, plan.prefill_start = pf, start
+            plan.prefill_tokens = pf.fill[start:start + self.prefill_chunk]
+            plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
+        return plan
+
+    def _admit(self, now: float) -> None:
+        if not self.waiting:
+            return
+        best = min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
+        need = best.reserve_tokens
+        if not self.arena.can_admit(need) and self.preemption:
+            self._preempt_for(best, now)
+        if not self.arena.can_admit(need):
+            return
+        self.waiting.remove(best)
+        fill, max_reuse = best.start_fill()
+        slot, reused = self.arena.allocate(best, fill, need, max_reuse)
+        best.slot, best.computed = slot, reused
+        best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
+        if best.handle.metrics.scheduled is None:
+            best.handle.metrics.scheduled = now
+        best.status = PREFILL if reused < len(fill) else DECODE
+        self.running.append(best)
+
+    def _preempt_for(self, want: Sequence, now: float) -> None:
+        """Preempt running sequences ranked ≥ one class below ``want`` (lowest first) if that makes it fit."""
+        r = want.effective_rank(now, self.aging_s)
+        victims = sorted((s for s in self.running if s.effective_rank(now, self.aging_s) >= r + 1),
+                         key=lambda s: (-s.effective_rank(now, self.aging_s), -s.arrival))
+        a = self.arena
+        free_slots = a.num_slots - a.occupied + len(victims)
+        free_blocks = a.total_blocks - a.reserved_blocks + sum(a.reserved[s.slot] for s in victims)
+        if free_slots < 1 or free_blocks < a.blocks_for(want.reserve_tokens):
+            return
+        for v in victims:
+            if a.can_admit(want.reserve_tokens):
+                break
+            self.running.remove(v)
+            self._release(v)
+            v.status = WAITING
+            v.handle.metrics.preemptions += 1
+            self.preemptions += 1
+            self.waiting.append(v)

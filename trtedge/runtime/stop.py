@@ -1,0 +1,47 @@
+"""Stop strings matched on the decoded text, across token boundaries.
+
+Text that could still be the start of a stop string is held back until the next token decides
+it; once a stop string appears, everything from it on is dropped (OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Feed complete text pieces; get back the part that is safe to emit and whether a stop string hit."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Text safe to emit now; sets ``stopped`` when a stop string completed (the rest is discarded)."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        buf = self.held + text
+        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            self.held = ""
+            return buf[:hit]
+        keep = self._partial_suffix(buf)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end of generation (no stop hit): the held-back text is output after all."""
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
