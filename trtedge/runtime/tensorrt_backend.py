@@ -149,7 +149,7 @@ class TensorRTBackend:
 
     def _set_shapes(self, ctx: Any, bb: int, s: int, p: int, k: int) -> None:
         shapes = {"input_ids": (bb, s), "position_ids": (bb, s), "attention_mask": (bb, p + s),
-                  "logits_positions": (bb, k)}
+                  "logits_positions": (bb, k), "past_lengths": (bb,)}
         for n in self.input_names:
             if n in shapes:
                 ctx.set_input_shape(n, shapes[n])
@@ -196,7 +196,8 @@ class TensorRTBackend:
             cpast = past + np.minimum(ch.offset, new)
             st = self.layout.step_inputs(ch.input_ids, cpast, ch.new_lengths, ch.logits_positions)
             for name, arr in (("input_ids", st.input_ids), ("position_ids", st.position_ids),
-                              ("attention_mask", st.attention_mask), ("logits_positions", st.logits_positions)):
+                              ("attention_mask", st.attention_mask), ("logits_positions", st.logits_positions),
+                              ("past_lengths", st.past_lengths)):
                 if name in self.input_names:
                     self._h2d(name, arr)
             self._h2d("write_pos", st.write_pos)
@@ -206,7 +207,8 @@ class TensorRTBackend:
             self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
             launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
             if st.is_decode and self.cuda_graphs:
-                self.stats[self.graphs.run(st.key, launch)] += 1
+                key = st.key if any(lay.update == APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
+                self.stats[self.graphs.run(key, launch)] += 1
             else:
                 launch()
                 self.stats["eager"] += 1

@@ -45,6 +45,7 @@ class StepInputs:
     logits_positions: np.ndarray  # int64 [Bb, K]
     write_pos: np.ndarray  # int64 [Bb]: past length per row, -1 = do not write this row back
     new_lengths: np.ndarray  # int64 [Bb]
+    past_lengths: np.ndarray  # int64 [Bb] (graphs that take past_lengths instead of a mask)
 
     @property
     def is_decode(self) -> bool:
@@ -144,7 +145,9 @@ class ArenaLayout:
         write[:b] = np.where(new > 0, past, -1)
         nl = np.zeros(bb, dtype=np.int64)
         nl[:b] = new
-        return StepInputs(b, bb, p, s, ids, pos, mask, lp, write, nl)
+        pl = np.zeros(bb, dtype=np.int64)
+        pl[:b] = past
+        return StepInputs(b, bb, p, s, ids, pos, mask, lp, write, nl, pl)
 
     def commit(self, slots: list[int], totals: np.ndarray) -> None:
         self.lengths[slots] = totals

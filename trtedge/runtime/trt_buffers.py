@@ -114,7 +114,7 @@ def plan_buffers(states: list[StateTensor], cfg: Any, *, num_slots: int, max_seq
     b, s = num_slots, max_prefill
     i64 = np.dtype(np.int64)
     for name, shape in (("input_ids", (b, s)), ("position_ids", (b, s)), ("attention_mask", (b, max_seq + s)),
-                        ("logits_positions", (b, max_logits))):
+                        ("logits_positions", (b, max_logits)), ("past_lengths", (b,))):
         if name in input_names:
             plan.add(BufferSpec(name, "input", i64, shape))
     plan.add(BufferSpec("write_pos", "control", i64, (b,)))

@@ -96,6 +96,8 @@ def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[Profi
                 spec.shapes[inp] = tuple((bs[i], s_rng[i]) for i in range(3))  # type: ignore[assignment]
             elif inp == "attention_mask":
                 spec.shapes[inp] = tuple((bs[i], ps[i] + s_rng[i]) for i in range(3))  # type: ignore[assignment]
+            elif inp == "past_lengths":
+                spec.shapes[inp] = tuple((bs[i],) for i in range(3))  # type: ignore[assignment]
             elif inp == "logits_positions":
                 spec.shapes[inp] = tuple((bs[i], k_rng[i]) for i in range(3))  # type: ignore[assignment]
             else:
