@@ -92,19 +92,21 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        awq_scales = None
+        plan = None
         if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
             from trtedge.build.calibrate import awq_scales_for
 
-            awq_scales = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
+            plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
         carried: dict[str, str] = {}
         flavors: dict[str, Any] = {}
         for flavor in opts.flavors:
             getter = _weight_getter(ckpt, spec, flavor, opts, carried)
+            if plan is not None:
+                getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
             rel = f"graphs/{flavor}/model.onnx"
             tick = progress(f"emit {flavor} graph", cfg.num_layers)
             entry = family.emit_graph(cfg, getter, spec, flavor, tmp / rel, max_seq, progress=tick,
-                                      **({"awq_scales": awq_scales} if awq_scales else {}))
+                                      **({"awq_scales": plan.input_scale} if plan else {}))
             entry["graph"] = rel
             flavors[flavor] = entry
         tok = ckpt.write_tokenizer(tmp / "tokenizer")
@@ -114,7 +116,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
             "architecture": cfg.architecture,
             "model_name": cfg.name,
             "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
-            "quantization": _quant_record(spec, carried, cfg),
+            "quantization": _quant_record(spec, carried, cfg, plan),
             "flavors": flavors,
             "max_seq_len": max_seq,
             "config": "config.json",
@@ -164,7 +166,7 @@ def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
     return get
 
 
-def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig) -> dict[str, Any]:
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None) -> dict[str, Any]:
     kept = [
         {"name": "*norm*.weight", "dtype": "float32", "reason": "RMSNorm gains are tiny and precision-sensitive"},
         {"name": "rope_cos/rope_sin", "dtype": "float32", "reason": "position tables, not weights"},
@@ -178,6 +180,8 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig) ->
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
         "symmetric": True, "zero_point": 0,
+        **({"awq_relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
+                                          for k, (a, b) in plan.errors.items()}} if plan else {}),
     }
 
 

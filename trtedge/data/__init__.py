@@ -1,0 +1,1 @@
+"""Data shipped with trtedge: the default AWQ calibration text and model configs."""
