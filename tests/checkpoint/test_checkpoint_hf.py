@@ -239,3 +239,22 @@ def test_hf_chat_template_jinja(tiny_qwen2, tmp_path):
     assert info["eos_token_ids"]  # from config.json or the eos_token text
     tcfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert tcfg["chat_template"] == "{{ messages[0]['content'] }}"
+
+
+def test_mxfp4_with_e8m0_scales(tmp_path):
+    """int8 weights holding two e2m1 codes per byte (low nibble first) × one ue8m0 scale per 32."""
+    rng = np.random.default_rng(0)
+    lut = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+    codes = rng.integers(0, 16, size=(4, 64))
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view(np.int8)
+    exps = rng.integers(-3, 4, size=(4, 2))
+    scale = torch.tensor(2.0 ** exps, dtype=torch.float32).to(torch.float8_e8m0fnu)
+    d = tmp_path / "fp4"
+    d.mkdir()
+    save_file({"e.weight": torch.from_numpy(packed.copy()), "e.scale": scale}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}))
+    ck = open_checkpoint(d)
+    assert ck.get_raw("e.scale").dtype == np.dtype(ml_dtypes.float8_e8m0fnu)
+    assert ck.get_raw("e.weight").dtype == np.int8 and ck.shape("e.weight") == (4, 32)
+    want = lut[codes] * np.repeat(2.0 ** exps, 32, axis=1).astype(np.float32)
+    np.testing.assert_array_equal(ck.get("e.weight"), want)

@@ -33,9 +33,9 @@ def _load(out: Path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_tok(tmp_path_factory):
+def smollm2_tok(smollm2_ck, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2_tok")
-    info = open_checkpoint(smollm2_gguf()).write_tokenizer(out)
+    info = smollm2_ck.write_tokenizer(out)
     return out, info, _load(out)
 
 
@@ -102,10 +102,9 @@ PRE_NAMES = ["default", "gpt-2", "smollm", "starcoder", "llama-bpe", "qwen2", "d
 
 
 @pytest.fixture(scope="module")
-def cut_vocab(smollm2_tok):
+def cut_vocab(smollm2_ck):
     """SmolLM2's first 6000 tokens and the merges that stay inside them: a valid, smaller BPE."""
-    out, _, _ = smollm2_tok
-    ck = open_checkpoint(smollm2_gguf())
+    ck = smollm2_ck
     n = 6000
     tokens = ck.meta("tokenizer.ggml.tokens")[:n]
     types = ck.meta("tokenizer.ggml.token_type")[:n]

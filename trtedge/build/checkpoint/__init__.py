@@ -31,11 +31,12 @@ class CheckpointReader(Protocol):
     def shape(self, name: str) -> tuple[int, ...]: ...
 
     def get(self, name: str) -> np.ndarray:
-        """float32, dequantized, HF layout."""
+        """float32, dequantized, HF layout; may be a read-only view of the file (copy to modify)."""
         ...
 
     def get_raw(self, name: str) -> np.ndarray | GGMLBlocks:
-        """The stored form: safetensors dtype (bf16, fp8 via ml_dtypes ...) or GGMLBlocks for GGUF Q4_0/Q4_1/Q8_0."""
+        """The stored form, read-only: safetensors dtype (bf16, fp8 via ml_dtypes ...), or for GGUF
+        GGMLBlocks (Q4_0/Q4_1/Q8_0, rows un-permuted) and float32 for other GGML types."""
         ...
 
     def write_tokenizer(self, out_dir: Path) -> dict[str, Any]:

@@ -19,6 +19,12 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._reader = _open_reader(self.path)
+        splits = self.meta("split.count")
+        if splits and int(splits) > 1:
+            raise CheckpointError(
+                f"{self.path}: part of a {splits}-file split GGUF; merge it first "
+                "(llama-gguf-split --merge FIRST.gguf OUT.gguf) and pass the merged file"
+            )
         arch = self.meta("general.architecture")
         if arch not in gn.ARCHS:
             raise CheckpointError(
