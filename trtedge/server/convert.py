@@ -1,0 +1,180 @@
+"""OpenAI request bodies → the runtime's GenerationRequests: prompt hygiene, tokenization, limits.
+
+Every refusal is an APIError(400) with one line naming the parameter and what to send instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from trtedge.runtime.request import MODES, PRIORITIES, GenerationRequest
+from trtedge.runtime.sampling import SamplingParams
+from trtedge.server.errors import APIError
+from trtedge.server.schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_STOP = 16
+MAX_PROMPTS = 64
+# BOM, zero-width space, word joiner, Mongolian vowel separator, soft hyphen: invisible, never meant.
+_INVISIBLE = re.compile("[\ufeff\u200b\u2060\u180e\u00ad]")
+# ZWJ / ZWNJ carry meaning inside emoji sequences and Indic / Persian words: removed only where they
+# touch ASCII or the ends of the text (pasted artefacts), kept between two non-ASCII characters.
+_JOINER = re.compile(r"(?:(?<=[\x00-\x7f])|^)[\u200c\u200d]+|[\u200c\u200d]+(?=[\x00-\x7f]|$)")
+
+
+def clean_text(text: str, param: str) -> str:
+    """Strip the BOM and zero-width characters; refuse text that is not valid Unicode (lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{param}' is not valid UTF-8 (it contains a lone surrogate escape); "
+                            "send valid Unicode text", "invalid_utf8", param) from None
+    if text.isascii():
+        return text
+    return _JOINER.sub("", _INVISIBLE.sub("", text))
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code, param)
+
+
+def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse what this server does not do rather than silently ignore it."""
+    if req.n not in (None, 1):
+        raise bad(f"n={req.n} is not supported: this server returns one choice per prompt; send n=1 "
+                  "(or several requests)", "n", "unsupported_value")
+    if req.logprobs not in (None, False, 0):
+        raise bad("logprobs are not supported by this server; remove 'logprobs'", "logprobs", "unsupported_value")
+    if req.logit_bias:
+        raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.top_logprobs:
+        raise bad("top_logprobs is not supported by this server; remove it", "top_logprobs", "unsupported_value")
+    if req.tools or req.functions:
+        raise bad("tool / function calling is not supported by this server; remove 'tools'", "tools",
+                  "unsupported_value")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise bad(f"response_format {fmt!r} is not supported (only 'text')", "response_format", "unsupported_value")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.best_of not in (None, 1):
+        raise bad(f"best_of={req.best_of} is not supported; send best_of=1", "best_of", "unsupported_value")
+    if req.echo:
+        raise bad("echo is not supported by this server; remove it", "echo", "unsupported_value")
+    if req.suffix:
+        raise bad("suffix (fill-in-the-middle) is not supported by this server; remove it", "suffix",
+                  "unsupported_value")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain role/content dicts for the chat template (text parts joined)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        param = f"messages.{i}.content"
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            texts = []
+            for part in m.content:
+                if part.type != "text" or not hasattr(part, "text"):
+                    raise bad(f"content part of type {part.type!r} is not supported (this model reads text only)",
+                              param, "unsupported_value")
+                texts.append(part.text)
+            content = "".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": clean_text(content, param)}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids for each prompt: a string, strings, token ids, or lists of token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [tokenizer.encode(clean_text(p, "prompt"))]
+    if not p:
+        raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"prompt lists {len(p)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    if all(isinstance(x, int) for x in p):
+        return [_ids(p, vocab_size)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in p):
+        return [tokenizer.encode(clean_text(x, f"prompt.{i}")) for i, x in enumerate(p)]  # type: ignore[arg-type]
+    return [_ids(x, vocab_size) for x in p]  # type: ignore[arg-type]
+
+
+def _ids(ids: list[int], vocab_size: int) -> list[int]:
+    bad_ids = [i for i in ids if not 0 <= i < vocab_size]
+    if bad_ids:
+        raise bad(f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})", "prompt")
+    return list(ids)
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    top_k = req.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=0 if top_k < 0 else top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+    )
+
+
+def stop_list(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    s = req.stop
+    stops = [s] if isinstance(s, str) else list(s or [])
+    stops = [x for x in stops if x != ""]
+    if len(stops) > MAX_STOP:
+        raise bad(f"stop lists {len(stops)} sequences; at most {MAX_STOP}", "stop")
+    for x in stops:
+        if len(x) > 256:
+            raise bad("a stop sequence is longer than 256 characters", "stop")
+    return stops
+
+
+def token_budget(prompt_len: int, requested: int | None, default: int | None, context: int, param: str,
+                 prompt_param: str) -> int:
+    """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context."""
+    if prompt_len == 0:
+        raise bad("the prompt is empty after tokenization; give some text", prompt_param)
+    room = context - prompt_len
+    if room < 1:
+        raise bad(f"prompt has {prompt_len} tokens but the model's context is {context} tokens, which leaves "
+                  "no room to generate; shorten the prompt", prompt_param, "context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if prompt_len + requested > context:
+        raise bad(f"prompt ({prompt_len} tokens) + {param} ({requested}) = {prompt_len + requested} tokens "
+                  f"exceeds the model's context of {context} tokens; lower {param} to at most {room} "
+                  "or shorten the prompt", param, "context_length_exceeded")
+    return requested
+
+
+def priority(headers: Any) -> tuple[str, str]:
+    """(priority, mode) from the X-Priority and X-Mode headers."""
+    pr = (headers.get("x-priority") or "normal").strip().lower()
+    mode = (headers.get("x-mode") or "realtime").strip().lower()
+    if pr not in PRIORITIES:
+        raise bad(f"X-Priority {pr!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
+    if mode not in MODES:
+        raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
+    return pr, mode
+
+
+def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest,
+                   stops: list[str], pr: str, mode: str, timeout: float | None, rid: str) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling_params(req), stop=stops,
+                             priority=pr, mode=mode, timeout_s=timeout, request_id=rid)

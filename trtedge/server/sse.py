@@ -1,0 +1,77 @@
+"""Server-sent events exactly as OpenAI streams them: `data: {json}\\n\\n` per chunk, `data: [DONE]` last.
+
+Chat: the first chunk of each choice carries the role, content chunks follow, the last chunk has an
+empty delta and the finish_reason; with stream_options.include_usage every chunk has "usage": null
+and one extra chunk with no choices carries the usage. Text completions stream `text` per choice.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(obj: dict[str, Any]) -> str:
+    """One SSE event carrying a JSON object (compact, UTF-8 kept as is)."""
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def error_event(message: str, type: str, code: str | None) -> str:
+    """A mid-stream error (the openai client raises APIError on it), as OpenAI sends one."""
+    return event({"error": {"message": message, "type": type, "code": code, "param": None}})
+
+
+class ChunkWriter:
+    """Builds the chunks of one streamed response (chat or text completion)."""
+
+    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool,
+                 fingerprint: str | None = None):
+        self.chat = chat
+        self.base: dict[str, Any] = {"id": id, "object": "chat.completion.chunk" if chat else "text_completion",
+                                     "created": created, "model": model, "system_fingerprint": fingerprint}
+        self.include_usage = include_usage
+
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        obj = dict(self.base)
+        obj["choices"] = [choice]
+        if self.include_usage:
+            obj["usage"] = None
+        return event(obj)
+
+    def role(self, index: int) -> str:
+        """Chat only: the first chunk of a choice, announcing the assistant role."""
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def text(self, index: int, text: str) -> str:
+        if self.chat:
+            return self._chunk({"index": index, "delta": {"content": text}, "logprobs": None,
+                                "finish_reason": None})
+        return self._chunk({"index": index, "text": text, "logprobs": None, "finish_reason": None})
+
+    def finish(self, index: int, reason: str) -> str:
+        if self.chat:
+            return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason})
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        obj = dict(self.base)
+        obj["choices"] = []
+        obj["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens}
+        return event(obj)
+
+
+def parse(body: str) -> list[dict[str, Any] | str]:
+    """Split an SSE body back into JSON objects (and the "[DONE]" marker); for tests and the benchmark."""
+    out: list[dict[str, Any] | str] = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        if not block.startswith("data: "):
+            raise ValueError(f"not an SSE data event: {block[:60]!r}")
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
