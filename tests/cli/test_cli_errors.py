@@ -137,3 +137,20 @@ def test_logits_cli_writes_npy(bundle, tmp_path):
     proc = run_cli("logits", str(bundle), "--ids", "1,2,3,4", "--mode", "decode", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert np.load(out).shape == (4, 300)
+
+
+def test_build_engine_script(ckpt, tmp_path):
+    """build_engine.py takes `trtedge build`'s options and says why it skips the engine without TensorRT."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "b"
+    proc = subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(out), "--quant",
+                           "fp16", "--max-seq-len", "32", "-q"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "graphs/trt/model.onnx").is_file() and (out / "graphs/cpu/model.onnx").is_file()
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        assert "skipping the TensorRT engine" in proc.stderr
+    bad = subprocess.run([sys.executable, str(root / "build_engine.py"), str(tmp_path / "nope"), "-o",
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(bad, "nope")

@@ -72,10 +72,11 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     """Build a bundle directory from a HF checkpoint directory or a GGUF file; returns its path."""
     opts.validate()
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not opts.force:
-        raise TrtedgeError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
     t0 = time.time()
     ckpt = open_checkpoint(checkpoint)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
+        ckpt.close()
+        raise TrtedgeError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = family_module(cfg.architecture)
