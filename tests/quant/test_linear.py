@@ -178,3 +178,17 @@ def test_bad_inputs_are_one_line(tmp_path, rng):
         assert needle in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(TrtedgeError):
         emit_linear(gb, "x", "l", w[0], QuantSpec("w4a16", 64), "cpu")
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "fp16", "w8a16", "w4a16"])
+@pytest.mark.parametrize("trt_dtype", ["fp16", "fp32"])
+def test_trt_graph_passes_tensorrt_op_check(tmp_path, rng, scheme, trt_dtype):
+    from trtedge.build.engine.check import check_onnx_file
+
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    spec = QuantSpec(scheme, 128, trt_dtype=trt_dtype)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, spec, "trt", bias=np.ones(N, np.float32),
+                                                         awq_scale=np.full(K, 2.0, np.float32)), K, ["b", "t", N])
+    for version in ("10.3", "10.15"):
+        report = check_onnx_file(path, version)
+        assert report.ok, report.offenders

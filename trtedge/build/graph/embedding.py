@@ -5,8 +5,9 @@ for w4a16 (Gather can't address nibbles with standard ops, and the embedding is 
 rows are dequantized with Gather, Cast, (Sub,) Mul (Add for Q4_1's offsets):
 - cpu flavor, float or GGUF Q8_0 source: the MatMulNBits 8-bit table (table8.py), shared with an 8-bit
   LM head of the same weight (emit_lm_head), so tied embeddings are stored once;
-- otherwise int8 codes + per-block float32 scales; GGUF Q4_0/Q4_1/Q8_0 tables exactly (same arithmetic
-  as gguf's dequantize).
+- other cpu cases: int8 codes + per-block float32 scales; GGUF Q4_0/Q4_1 tables exactly (same arithmetic
+  as gguf's dequantize);
+- trt flavor: a float16 table (TensorRT 10.3's Gather and Cast take no INT8, its Gather no UINT8).
 """
 
 from __future__ import annotations
@@ -73,22 +74,23 @@ def emit_embedding(gb: GraphBuilder, ids: str, weight: np.ndarray | GGMLBlocks, 
     if flavor not in FLAVORS:
         raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
     v, h = weight_shape(weight, name)
-    if flavor == "cpu" and spec.quantized and (not isinstance(weight, GGMLBlocks) or weight.ggml_type == "Q8_0"):
-        table = int8_table(gb, name, weight, spec, share=True)
-        if table is not None:
-            return _rows_table8(gb, ids, name, table)
-    if spec.quantized and isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED:
-        dec = decode_blocks(weight, name)
-        codes = dec.codes.astype(np.int8)
-        if dec.ggml_type == "Q4_0":
-            codes -= 8
-        return _rows(gb, ids, name, codes, dec.d, BLOCK, dec.m)
+    if flavor == "cpu" and spec.quantized:
+        if not isinstance(weight, GGMLBlocks) or weight.ggml_type == "Q8_0":
+            table = int8_table(gb, name, weight, spec, share=True)
+            if table is not None:
+                return _rows_table8(gb, ids, name, table)
+        if isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED:
+            dec = decode_blocks(weight, name)
+            codes = dec.codes.astype(np.int8)
+            if dec.ggml_type == "Q4_0":
+                codes -= 8
+            return _rows(gb, ids, name, codes, dec.d, BLOCK, dec.m)
+        block = embedding_block(h, spec)
+        codes, scales = quantize_rtn(float_weight(weight), 8, block)
+        return _rows(gb, ids, name, codes, scales, block, None)
     w = float_weight(weight)
     if spec.scheme == "fp32":
         return gb.op("Gather", [gb.weight(f"{name}.weight", w), ids], axis=0, name=f"{name}/Gather")
-    if spec.scheme == "fp16":
-        g = gb.op("Gather", [gb.weight(f"{name}.weight", w.astype(np.float16)), ids], axis=0, name=f"{name}/Gather")
-        return gb.op("Cast", [g], to=TensorProto.FLOAT, name=f"{name}/cast")
-    block = embedding_block(h, spec)
-    codes, scales = quantize_rtn(w, 8, block)
-    return _rows(gb, ids, name, codes, scales, block, None)
+    # fp16, and the trt flavor's quantized schemes: TensorRT 10.3 Gathers no INT8/UINT8 (engine/check.py)
+    g = gb.op("Gather", [gb.weight(f"{name}.weight", w.astype(np.float16)), ids], axis=0, name=f"{name}/Gather")
+    return gb.op("Cast", [g], to=TensorProto.FLOAT, name=f"{name}/cast")
