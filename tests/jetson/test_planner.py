@@ -201,3 +201,15 @@ def test_fit_table_and_board_mapping():
 def test_v4_kv_without_compression_is_window_only():
     s = V4Shape.from_raw({"num_hidden_layers": 2, "compress_ratios": [0, 0], "sliding_window": 16})
     assert v4_kv(s, 1000, 3, 2).total == 3 * 2 * 16 * 512 * 2
+
+
+def test_docs_tables_match_the_planner():
+    import re
+    from pathlib import Path
+
+    from trtedge.jetson.devices import TABLE_DEVICES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "jetson.md").read_text()
+    tables = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", doc, re.S))
+    assert tables["w4a16-4096"] == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16")
+    assert tables["w4a16-32768-int8"] == fit_table(list(TABLE_DEVICES), "w4a16", 32768, 1, "int8")

@@ -240,11 +240,13 @@ def format_plan(p: Plan) -> str:
 
 def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: int = 1,
               kv_dtype: str = "fp16") -> str:
-    """Markdown table: weights per shipped model and, per device, fits at ctx (and largest context)."""
+    """Markdown table, smallest model first: weights, KV at ctx, and per device whether ctx x batch fits
+    (with the largest context that fits at that batch)."""
     header = "| model | weights | KV @ ctx | " + " | ".join(devices) + " |"
     rows = [header, "|" + "---|" * (3 + len(devices))]
-    for name in shipped_configs():
-        spec = load_model(name)
+    specs = sorted((load_model(n) for n in shipped_configs()), key=lambda s: s.weights(quant, 128).total)
+    for spec in specs:
+        name = spec.name
         cells = []
         first = None
         for d in devices:
