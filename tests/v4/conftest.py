@@ -33,7 +33,7 @@ class V4Fixtures:
     def official_dir(self, schedule: str, fp8: str | None, mxfp4: bool) -> Path:
         d = self.root / f"official_{schedule}_{fp8}_{int(mxfp4)}"
         if not d.exists():
-            write_official(self.hf_dir(schedule), d, fp8=fp8, mxfp4=mxfp4)
+            write_official(self.model(schedule), self.hf_dir(schedule), d, fp8=fp8, mxfp4=mxfp4)
         return d
 
     def ref(self, schedule: str) -> tuple[Any, Any, float]:

@@ -136,20 +136,20 @@ class V4Runner:
         return np.stack(rows), state
 
 
-def write_official(src_dir: Path, dst_dir: Path, fp8: str | None = None, mxfp4: bool = False) -> Path:
-    """Re-save an HF-named float checkpoint under DeepSeek's official names, optionally as FP8/MXFP4.
+def write_official(model: Any, src_dir: Path, dst_dir: Path, fp8: str | None = None, mxfp4: bool = False) -> Path:
+    """Save ``model`` (config from ``src_dir``) under DeepSeek's official names, optionally as FP8/MXFP4.
 
     fp8: None (float32), "ue8m0" or "float" block scales for every 2-D non-expert linear weight;
     mxfp4: routed experts as packed e2m1 with ue8m0 scales per 32 inputs.
     """
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from trtedge.build.checkpoint.fp8_mxfp4 import quantize_fp8_blocks, quantize_mxfp4
     from trtedge.build.models.deepseek_v4 import hf_to_official
 
     dst_dir.mkdir(parents=True, exist_ok=True)
-    sd = load_file(str(src_dir / "model.safetensors"))
+    sd = {k: v for k, v in model.state_dict().items() if "inv_freq" not in k}
     out: dict[str, torch.Tensor] = {}
 
     def put(name: str, w: torch.Tensor, linear: bool, expert: bool = False) -> None:
@@ -212,6 +212,6 @@ def dequantized_reference_model(official_dir: Path, schedule: str) -> Any:
             arr = src.get_int(name)
         else:
             arr = src.get(name)
-        new[name] = torch.from_numpy(np.asarray(arr)).to(t.dtype)
+        new[name] = torch.from_numpy(np.array(arr)).to(t.dtype)
     model.load_state_dict(new, strict=False)
     return model

@@ -1,0 +1,81 @@
+"""DeepSeek-V4 config parsing: transformers' own folding of legacy fields, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtedge.build.models.deepseek_v4 import parse_config, required_tensors
+from trtedge.build.models.deepseek_v4.config import CSA, HCA, SLIDING
+from trtedge.config import ModelConfig
+from trtedge.errors import ConfigError
+
+BASE = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=128, hidden_size=64,
+            moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32, q_lora_rank=64,
+            num_experts_per_tok=2, n_routed_experts=4, o_groups=2, o_lora_rank=32, index_n_heads=8,
+            index_head_dim=16, index_topk=3, sliding_window=8)
+
+
+def test_saved_config_parses_like_transformers(v4):
+    d = json.loads((v4.hf_dir("b") / "config.json").read_text())
+    c = parse_config(d)
+    m = v4.model("b").config
+    assert c.layer_types == m.layer_types and c.mlp_layer_types == m.mlp_layer_types
+    assert c.compress_rates == m.compress_rates and c.rope_dim == m.qk_rope_head_dim == 8
+    assert c.rope["compress"]["rope_type"] == "yarn" and c.rope["compress"]["attention_factor"] == 1.0
+    assert c.rope["main"]["rope_type"] == "default" and c.scoring_func == "sigmoid" and c.hc_mult == 3
+
+
+def test_legacy_fields_fold_like_transformers():
+    from transformers import DeepseekV4Config
+
+    legacy = dict(BASE, compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, compress_rate_csa=4,
+                  compress_rate_hca=128, qk_rope_head_dim=16, num_nextn_predict_layers=1,
+                  rope_parameters={"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 64})
+    ours = parse_config(legacy)
+    ref = DeepseekV4Config(**{k: v for k, v in legacy.items() if k not in ("model_type", "architectures")})
+    assert ours.layer_types == ref.layer_types == [SLIDING, CSA, HCA, CSA]
+    assert ours.mlp_layer_types == ref.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
+    assert ours.compress_rates == ref.compress_rates
+    assert ours.rope_dim == ref.qk_rope_head_dim == 16
+    assert ours.rope["compress"]["factor"] == ref.rope_parameters["compress"]["factor"] == 16
+    assert ours.rope["compress"]["attention_factor"] == ref.rope_parameters["compress"]["attention_factor"]
+    assert ours.rope["compress"]["rope_theta"] == ref.rope_parameters["compress"]["rope_theta"]
+
+
+def test_defaults_match_transformers():
+    from transformers import DeepseekV4Config
+
+    d = {k: v for k, v in BASE.items() if k not in ("model_type", "architectures")}
+    ours, ref = parse_config(dict(BASE)), DeepseekV4Config(**d)
+    assert ours.layer_types == ref.layer_types and ours.mlp_layer_types == ref.mlp_layer_types
+    assert ours.compress_rates == {CSA: 4, HCA: 128}
+
+
+def test_model_config_route():
+    """The pipeline passes a ModelConfig; the V4 module reads its raw dict."""
+    mc = ModelConfig.from_hf_dict(dict(BASE, layer_types=[SLIDING, CSA, HCA, SLIDING]))
+    names = required_tensors(mc)
+    assert "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight" in names
+    assert "model.layers.2.self_attn.compressor.position_bias" in names
+    assert not any("layers.0.self_attn.compressor" in n for n in names)
+
+
+@pytest.mark.parametrize("patch,words", [
+    (dict(layer_types=[SLIDING, CSA]), "layer_types has 2 entries but num_hidden_layers is 4"),
+    (dict(mlp_layer_types=["moe"] * 5), "mlp_layer_types has 5 entries"),
+    (dict(layer_types=[SLIDING, "full_attention", CSA, HCA]), "'full_attention' is not one of"),
+    (dict(compress_ratios=[0, 4, 16, 0]), "compress_ratios value 16"),
+    (dict(compress_ratios=[0, 4]), "compress_ratios has 2 entries"),
+    (dict(num_key_value_heads=2), "one shared KV head"),
+    (dict(o_groups=3), "o_groups 3 does not divide"),
+    (dict(num_experts_per_tok=8), "exceeds n_routed_experts"),
+    (dict(scoring_func="relu"), "scoring_func 'relu'"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8}), "rope type 'llama3' is not supported"),
+    (dict(hidden_size=0), "'hidden_size' must be a positive integer"),
+])
+def test_inconsistent_configs_are_one_line_errors(patch, words):
+    with pytest.raises(ConfigError) as e:
+        parse_config(dict(BASE, **patch))
+    assert words in str(e.value) and "\n" not in str(e.value)
