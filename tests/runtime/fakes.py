@@ -1,0 +1,62 @@
+"""A deterministic stand-in backend: logits depend on every token in the slot's cache, so any KV mix-up
+(wrong copy, wrong slot, wrong past length) changes the output; scripted prompts emit fixed tokens."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+
+from trtedge.runtime.backend import StepBatch
+
+
+class FakeBackend:
+    name = "fake"
+    flavor = "cpu"
+
+    def __init__(self, num_slots: int, max_seq_len: int = 128, vocab_size: int = 300, text_ids: int = 259,
+                 eos: int = 2, delay: float = 0.0):
+        self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, vocab_size
+        self.kv = np.full((num_slots, max_seq_len), -1, dtype=np.int64)
+        self.text_ids, self.eos, self.delay = text_ids, eos, delay
+        self.scripts: dict[tuple[int, ...], list[int]] = {}
+        self.calls: list[tuple[list[int], list[int], list[int]]] = []  # (slots, past, new) per forward
+
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        if self.delay:
+            time.sleep(self.delay)
+        self.calls.append((list(batch.slots), batch.past_lengths.tolist(), batch.new_lengths.tolist()))
+        out = np.zeros((len(batch.slots), batch.logits_positions.shape[1], self.vocab_size), dtype=np.float32)
+        for r, slot in enumerate(batch.slots):
+            p, n = int(batch.past_lengths[r]), int(batch.new_lengths[r])
+            assert p + n <= self.max_seq_len
+            assert (self.kv[slot, :p] >= 0).all(), "engine attended to positions it never wrote"
+            self.kv[slot, p:p + n] = batch.input_ids[r, :n]
+            self.kv[slot, p + n:] = -1
+            for k, pos in enumerate(batch.logits_positions[r]):
+                out[r, k] = self.logits(self.kv[slot, :p + int(pos) + 1].tolist())
+        return out
+
+    def logits(self, seq: list[int]) -> np.ndarray:
+        for prompt, script in self.scripts.items():
+            if tuple(seq[:len(prompt)]) == prompt and len(seq) >= len(prompt):
+                i = len(seq) - len(prompt)
+                x = np.full(self.vocab_size, -10.0, dtype=np.float32)
+                x[script[i] if i < len(script) else self.eos] = 10.0
+                return x
+        h = zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes())
+        x = np.random.default_rng(h).standard_normal(self.vocab_size).astype(np.float32) * 3
+        x[:3] = -np.inf  # specials never come out of the default mode
+        x[self.text_ids:] = -np.inf
+        return x
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.kv[dst, :length] = self.kv[src, :length]
+        self.kv[dst, length:] = -1
+
+    def reset_slot(self, slot: int) -> None:
+        self.kv[slot] = -1
+
+    def close(self) -> None:
+        pass

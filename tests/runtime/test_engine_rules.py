@@ -1,0 +1,339 @@
+"""Each scheduling rule on a deterministic fake backend (fast, exact)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+
+from tests.runtime.conftest import run
+from tests.runtime.fakes import FakeBackend
+from trtedge.errors import TrtedgeError
+from trtedge.runtime.engine import LLMEngine
+from trtedge.runtime.request import EngineDraining, GenerationRequest, QueueFullError
+from trtedge.runtime.sampling import SamplingParams
+
+
+def engine(bundle, slots=2, delay=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:
+    be = FakeBackend(slots, max_seq_len=kw.pop("max_seq_len", 128), delay=delay)
+    return LLMEngine(bundle, backend=be, **kw), be
+
+
+def req(prompt, n=8, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(prompt), max_tokens=n, **kw)
+
+
+PROMPTS = [[1, 5 + i] + list(range(10 + i, 10 + i + 3 * i)) for i in range(6)]
+
+
+async def alone(bundle, r: GenerationRequest, **kw):
+    eng, _ = engine(bundle, slots=1, **kw)
+    await eng.start()
+    out = await eng.submit(GenerationRequest(**{**r.__dict__, "request_id": r.request_id + "-solo"})).result()
+    await eng.stop()
+    return out
+
+
+def test_batched_equals_one_at_a_time(tiny_bundle):
+    reqs = [req(p, n=3 + 2 * i) for i, p in enumerate(PROMPTS)]
+
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=3, prefill_chunk=4)
+        await eng.start()
+        outs = await asyncio.gather(*(eng.submit(r).result() for r in reqs))
+        st = eng.stats()
+        await eng.stop()
+        solo = [await alone(tiny_bundle, r) for r in reqs]
+        return outs, solo, st
+
+    outs, solo, st = run(main())
+    for (t, ids, last), (t2, ids2, last2) in zip(outs, solo, strict=True):
+        assert ids == ids2 and t == t2 and last.finish_reason == last2.finish_reason == "length"
+    assert st.running == 0 and st.kv_blocks_reserved == 0 and st.requests == {"length": 6}
+    assert st.generated_tokens_total == sum(3 + 2 * i for i in range(6))
+
+
+def test_priority_order_realtime_before_batch(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, aging_s=1e9)
+        order = [("low", "realtime"), ("normal", "batch"), ("normal", "realtime"), ("high", "batch"),
+                 ("high", "realtime")]
+        hs = [eng.submit(req(PROMPTS[i], n=2, priority=p, mode=m)) for i, (p, m) in enumerate(order)]
+        await eng.start()
+        await asyncio.gather(*(h.result() for h in hs))
+        await eng.stop()
+        return [order[i] for i in sorted(range(len(hs)), key=lambda i: hs[i].metrics.scheduled)]
+
+    assert run(main()) == [("high", "realtime"), ("normal", "realtime"), ("low", "realtime"),
+                           ("high", "batch"), ("normal", "batch")]
+
+
+def test_aging_lets_low_priority_through(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.01, aging_s=0.05)
+        await eng.start()
+        busy = eng.submit(req(PROMPTS[0], n=20))
+        low = eng.submit(req(PROMPTS[1], n=2, priority="low"))
+        await asyncio.sleep(0.15)  # low has waited 3 aging periods: it now ranks above a fresh "high"
+        high = eng.submit(req(PROMPTS[2], n=2, priority="high"))
+        await asyncio.gather(busy.result(), low.result(), high.result())
+        await eng.stop()
+        return low.metrics.scheduled < high.metrics.scheduled
+
+    assert run(main())
+
+
+def test_admission_waits_for_free_slot_and_blocks(tiny_bundle):
+    async def main():
+        # 2 slots but only 4 blocks of 16: one request reserving 40 positions (3 blocks) at a time.
+        eng, _ = engine(tiny_bundle, slots=2, delay=0.005, kv_block_size=16, kv_blocks=4)
+        await eng.start()
+        a = eng.submit(req(PROMPTS[0], n=38))
+        b = eng.submit(req(PROMPTS[1], n=37))
+        await asyncio.sleep(0.05)
+        st = eng.stats()
+        await asyncio.gather(a.result(), b.result())
+        await eng.stop()
+        return st, a.metrics, b.metrics
+
+    st, ma, mb = run(main())
+    assert st.running == 1 and st.waiting == 1 and st.kv_blocks_reserved == 3
+    assert mb.scheduled >= ma.finished
+
+
+def test_cancel_frees_capacity(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.002)
+        await eng.start()
+        long = eng.submit(req(PROMPTS[0], n=100))
+        nxt = eng.submit(req(PROMPTS[1], n=3))
+        got = []
+        async for ev in long:
+            got.append(ev)
+            if len(got) == 3:
+                long.cancel()
+        text, ids, last = await nxt.result()
+        st = eng.stats()
+        await eng.stop()
+        return got, last, st
+
+    got, last, st = run(main())
+    assert got[-1].finish_reason == "cancelled" and len(got) <= 5
+    assert last.finish_reason == "length" and last.completion_tokens == 3
+    assert st.requests == {"cancelled": 1, "length": 1} and st.kv_blocks_reserved == 0
+
+
+def test_cancel_while_waiting(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.002)
+        await eng.start()
+        a = eng.submit(req(PROMPTS[0], n=20))
+        b = eng.submit(req(PROMPTS[1], n=20))
+        b.cancel()
+        evs = [ev async for ev in b]
+        await a.result()
+        await eng.stop()
+        return evs, b.metrics
+
+    evs, m = run(main())
+    assert [e.finish_reason for e in evs] == ["cancelled"] and m.scheduled is None
+
+
+def test_timeout_running_and_waiting(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.01)
+        await eng.start()
+        a = eng.submit(req(PROMPTS[0], n=100, timeout_s=0.15))
+        b = eng.submit(req(PROMPTS[1], n=5, timeout_s=0.05))
+        ra, rb = await asyncio.gather(a.result(), b.result())
+        await eng.stop()
+        return ra, rb
+
+    (_, ids_a, last_a), (_, ids_b, last_b) = run(main())
+    assert last_a.finish_reason == "timeout" and 0 < len(ids_a) < 100
+    assert last_b.finish_reason == "timeout" and ids_b == []
+
+
+def scripted(tiny_bundle, text: str, prompt=(1, 40, 41)):
+    eng, be = engine(tiny_bundle, slots=2)
+    be.scripts[tuple(prompt)] = eng.tokenizer.encode(text, add_special=False)
+    return eng, list(prompt)
+
+
+def test_stop_string_split_across_tokens(tiny_bundle):
+    async def main():
+        eng, prompt = scripted(tiny_bundle, "Hello wor<|END|> more")
+        await eng.start()
+        evs = [ev async for ev in eng.submit(req(prompt, n=50, stop=["<|END|>", "zzz"]))]
+        await eng.stop()
+        return evs
+
+    evs = run(main())
+    assert "".join(e.text for e in evs) == "Hello wor"
+    assert not any("<" in e.text for e in evs)
+    assert evs[-1].finish_reason == "stop" and evs[-1].completion_tokens == len("Hello wor<|END|>")
+
+
+def test_held_back_text_released_at_the_end(tiny_bundle):
+    async def main():
+        eng, prompt = scripted(tiny_bundle, "abc <|EN")
+        await eng.start()
+        r1 = await eng.submit(req(prompt, n=50, stop=["<|END|>"])).result()
+        r2 = await eng.submit(req(prompt, n=6, stop=["<|END|>"])).result()
+        await eng.stop()
+        return r1, r2
+
+    (t1, _, l1), (t2, _, l2) = run(main())
+    assert (t1, l1.finish_reason) == ("abc <|EN", "stop")  # EOS after the script: held text is output
+    assert (t2, l2.finish_reason) == ("abc <|", "length")
+
+
+def test_eos_stop_token_ids_and_ignore_eos(tiny_bundle):
+    async def main():
+        eng, prompt = scripted(tiny_bundle, "xyz")
+        await eng.start()
+        tok = eng.tokenizer.encode("y", add_special=False)[0]
+        r1 = await eng.submit(req(prompt, n=10)).result()
+        r2 = await eng.submit(req(prompt, n=10, stop_token_ids=[tok])).result()
+        r3 = await eng.submit(req(prompt, n=6, ignore_eos=True)).result()
+        await eng.stop()
+        return r1, r2, r3
+
+    (t1, i1, l1), (t2, i2, l2), (t3, i3, l3) = run(main())
+    assert (t1, l1.finish_reason, len(i1), l1.completion_tokens) == ("xyz", "stop", 3, 4)
+    assert (t2, l2.finish_reason, len(i2)) == ("x", "stop", 1)
+    assert (l3.finish_reason, len(i3)) == ("length", 6) and t3.startswith("xyz")
+
+
+@pytest.mark.parametrize("text", ["你好，世界", "emoji 😀🚀 ok", "mixed 日本語 ✓ 👩‍👩‍👧"])
+def test_utf8_never_broken(tiny_bundle, text):
+    async def main():
+        eng, prompt = scripted(tiny_bundle, text)
+        await eng.start()
+        evs = [ev async for ev in eng.submit(req(prompt, n=100))]
+        await eng.stop()
+        return evs
+
+    evs = run(main())
+    assert "".join(e.text for e in evs) == text
+    assert all("\ufffd" not in e.text for e in evs)
+    assert sum(e.text == "" for e in evs) > 0  # multi-byte characters were held until complete
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(tiny_bundle):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+
+    async def main(with_others: bool):
+        eng, _ = engine(tiny_bundle, slots=3)
+        await eng.start()
+        others = [eng.submit(req(p, n=12, sampling=SamplingParams(temperature=1.0))) for p in PROMPTS[:2]] \
+            if with_others else []
+        h = eng.submit(req(PROMPTS[3], n=12, sampling=sp))
+        out = await h.result()
+        await asyncio.gather(*(o.result() for o in others))
+        await eng.stop()
+        return out[1]
+
+    a, b, c = run(main(False)), run(main(True)), run(main(True))
+    assert a == b == c
+    sp.seed = 99
+    assert run(main(False)) != a
+
+
+def test_prefix_reuse_hits_and_matches(tiny_bundle):
+    system = list(range(20, 60))  # 40-token shared prefix
+
+    async def main(prefix_cache: bool):
+        eng, be = engine(tiny_bundle, slots=2, prefix_cache=prefix_cache, kv_block_size=8)
+        await eng.start()
+        be.calls.clear()  # drop the warm-up
+        outs = [await eng.submit(req([1, *system, 70 + i], n=5)).result() for i in range(3)]
+        both = await asyncio.gather(*(eng.submit(req([1, *system, 80 + i, 81], n=5)).result() for i in range(2)))
+        st = eng.stats()
+        await eng.stop()
+        prefill_starts = [c[1][0] for c in be.calls if c[2][0] > 1]
+        return [o[1] for o in outs + list(both)], st, prefill_starts
+
+    ids_on, st_on, starts_on = run(main(True))
+    ids_off, st_off, starts_off = run(main(False))
+    assert ids_on == ids_off
+    assert st_off.prefix_cache_hits == 0 and set(starts_off) == {0}
+    assert st_on.prefix_cache_hits == 4 and st_on.prefix_cache_hit_tokens >= 4 * 41
+    assert starts_on.count(0) == 1  # only the first prompt computed the shared prefix
+
+
+def test_chunked_prefill_interleaves_with_decode(tiny_bundle):
+    async def main():
+        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=16)
+        eng.step_log = deque()
+        await eng.start()
+        streams = [eng.submit(req(p, n=40)) for p in PROMPTS[:2]]
+        while eng.stats().running < 2 or eng.scheduler.prefilling is not None:
+            await asyncio.sleep(0.001)
+        eng.step_log.clear()
+        long = eng.submit(req([1] + list(range(3, 100)), n=2))
+        await asyncio.gather(*(s.result() for s in streams), long.result())
+        await eng.stop()
+        return list(eng.step_log), long.metrics
+
+    steps, m = run(main())
+    prefill_steps = [s for s in steps if s[1] > 0]
+    assert [p for _, p in prefill_steps] == [16] * 6 + [2]  # 98 tokens in chunks of 16
+    assert all(d == 2 for d, _ in prefill_steps)  # both streams decoded in every prefill step
+
+
+def test_preemption_resumes_batch_job_with_same_output(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.003)
+        await eng.start()
+        job = eng.submit(req(PROMPTS[2], n=30, mode="batch"))
+        while not job.metrics.token_times:
+            await asyncio.sleep(0.001)
+        rt = eng.submit(req(PROMPTS[3], n=4, priority="high"))
+        r_rt, r_job = await asyncio.gather(rt.result(), job.result())
+        st = eng.stats()
+        await eng.stop()
+        return r_rt, r_job, job.metrics, rt.metrics, st
+
+    r_rt, r_job, mj, mr, st = run(main())
+    assert st.preemptions == 1 and mj.preemptions == 1
+    assert mr.finished < mj.finished
+    solo = run(alone(tiny_bundle, req(PROMPTS[2], n=30, mode="batch")))
+    assert r_job[1] == solo[1] and r_job[0] == solo[0]
+
+
+def test_submit_errors(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, max_waiting=2, max_seq_len=32)
+        with pytest.raises(TrtedgeError, match="out of vocabulary"):
+            eng.submit(req([1, 999]))
+        with pytest.raises(TrtedgeError, match="context is 32"):
+            eng.submit(req([1] * 40))
+        with pytest.raises(TrtedgeError, match="priority"):
+            eng.submit(req([1], priority="urgent"))
+        with pytest.raises(TrtedgeError, match="temperature"):
+            eng.submit(req([1], sampling=SamplingParams(temperature=-1)))
+        hs = [eng.submit(req([1, 5])), eng.submit(req([1, 6]))]
+        with pytest.raises(QueueFullError):
+            eng.submit(req([1, 7]))
+        await eng.start()
+        await eng.stop(drain_timeout=5)
+        with pytest.raises(EngineDraining):
+            eng.submit(req([1, 8]))
+        return [h.finish_reason for h in hs]
+
+    assert run(main()) == ["length", "length"]
+
+
+def test_stop_cancels_what_does_not_drain(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.01)
+        await eng.start()
+        h = eng.submit(req(PROMPTS[0], n=100))
+        await asyncio.sleep(0.05)
+        await eng.stop(drain_timeout=0.05)
+        return await h.result(), eng.ready
+
+    (_, _, last), ready = run(main())
+    assert last.finish_reason == "cancelled" and not ready

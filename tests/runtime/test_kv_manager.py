@@ -1,0 +1,70 @@
+from trtedge.runtime.kv_manager import KVCacheArena
+
+
+def test_block_accounting_and_admission():
+    a = KVCacheArena(num_slots=4, max_seq_len=64, block_size=16, num_blocks=6)
+    assert a.total_blocks == 6 and a.blocks_per_slot == 4
+    assert a.can_admit(40)  # 3 blocks
+    s0, _ = a.allocate("r0", [1] * 10, 40, 9)
+    assert a.reserved_blocks == 3
+    s1, _ = a.allocate("r1", [2] * 10, 48, 9)
+    assert (s0, s1) == (0, 1) and a.reserved_blocks == 6
+    assert not a.can_admit(1)  # slots left, blocks not
+    a.append(s0, [1] * 17)
+    assert a.used_blocks == 2
+    a.free(s1)
+    assert a.can_admit(48) and not a.can_admit(49)
+    assert not KVCacheArena(num_slots=2, max_seq_len=64, block_size=16, num_blocks=3).fits_ever(64)
+
+
+def test_free_compacts_occupied_slots_to_a_prefix():
+    a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4)
+    for name, tok in (("a", 1), ("b", 2), ("c", 3)):
+        s, _ = a.allocate(name, [tok], 8, 0)
+        a.append(s, [tok] * 5)
+    a.take_pending()
+    moved = a.free(0)
+    assert moved == ("c", 0)
+    ops = a.take_pending()
+    assert [(o.kind, o.src, o.dst, o.length) for o in ops] == [("copy", 2, 0, 5)]
+    assert a.owner == ["c", "b", None] and a.tokens[0] == [3] * 5
+    assert a.free(1) is None  # the last slot: nothing to move
+
+
+def test_prefix_lookup_uses_full_block_hashes_and_extends():
+    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=4, prefix_cache=True)
+    sys_prompt = list(range(10, 20))  # 10 tokens: 2 full blocks + 2
+    s, reused = a.allocate("a", sys_prompt + [50, 51], 20, 11)
+    assert reused == 0
+    a.append(s, sys_prompt + [50, 51])
+    a.free(s)  # finished: its KV stays cached
+    slot, n = a.lookup(sys_prompt + [60], max_reuse=10)
+    assert (slot, n) == (0, 10)  # 8 from block hashes + 2 from comparing the rest
+    assert a.lookup([99] + sys_prompt, max_reuse=10) == (-1, 0)
+    assert a.lookup(sys_prompt, max_reuse=5)[1] == 5  # capped (the last prompt token must still run)
+    a.take_pending()
+    s2, reused = a.allocate("b", sys_prompt + [60], 20, 10)
+    assert (s2, reused) == (0, 10) and a.prefix_hits == 1
+    assert a.take_pending() == []  # reused in place: no copy, no reset
+
+
+def test_prefix_copied_from_a_running_slot():
+    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=4)
+    s0, _ = a.allocate("a", list(range(12)), 20, 11)
+    a.append(s0, list(range(12)))
+    a.take_pending()
+    s1, reused = a.allocate("b", list(range(8)) + [77, 78], 20, 9)
+    assert (s1, reused) == (1, 8)
+    ops = a.take_pending()
+    assert [(o.kind, o.src, o.dst, o.length) for o in ops] == [("copy", 0, 1, 8)]
+    assert a.tokens[1] == list(range(8))
+
+
+def test_no_prefix_cache_resets_slot():
+    a = KVCacheArena(num_slots=1, max_seq_len=32, block_size=4, prefix_cache=False)
+    s, _ = a.allocate("a", [1] * 8, 10, 7)
+    a.append(s, [1] * 8)
+    a.free(s)
+    a.take_pending()
+    s, reused = a.allocate("b", [1] * 8, 10, 7)
+    assert reused == 0 and [o.kind for o in a.take_pending()] == ["reset"]

@@ -1,0 +1,42 @@
+from trtedge.runtime.stop import StopMatcher
+
+
+def feed_all(m: StopMatcher, pieces: list[str]) -> list[str]:
+    return [m.feed(p) for p in pieces]
+
+
+def test_stop_split_across_pieces_is_never_emitted():
+    m = StopMatcher(["###"])
+    out = feed_all(m, ["Hello #", "#", "# tail"])
+    assert out == ["Hello ", "", ""]
+    assert m.stopped and m.flush() == ""
+
+
+def test_partial_prefix_released_when_it_stops_matching():
+    m = StopMatcher(["END"])
+    assert m.feed("abcE") == "abc"
+    assert m.feed("N") == ""
+    assert m.feed("x") == "ENx"
+    assert not m.stopped
+    assert m.feed("EN") == ""
+    assert m.flush() == "EN"  # generation ended without the stop string: held text is output
+
+
+def test_earliest_of_several_stop_strings_wins():
+    m = StopMatcher(["world", "o w"])
+    assert m.feed("hello world") == "hell"
+    assert m.stopped
+    assert m.feed("more") == ""
+
+
+def test_overlapping_prefixes_hold_the_longest():
+    m = StopMatcher(["aab"])
+    assert m.feed("xaa") == "x"
+    assert m.feed("a") == "a"  # "aaa": only the last "aa" can still start "aab"
+    assert m.feed("b") == ""
+    assert m.stopped
+
+
+def test_no_stop_strings_pass_through():
+    m = StopMatcher([])
+    assert m.feed("abc") == "abc" and m.flush() == ""
