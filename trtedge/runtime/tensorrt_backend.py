@@ -69,7 +69,7 @@ class TensorRTBackend:
         self.contexts: dict[str, Any] = {}
         for i, n in enumerate(names):
             ctx = self.engine.create_execution_context()
-            ctx.set_optimization_profile_async(i, self.stream)
+            ctx.set_optimization_profile_async(i, int(self.stream))
             self.contexts[n] = ctx
 
         self.plan: BufferPlan = plan_buffers(
@@ -191,6 +191,9 @@ class TensorRTBackend:
         totals = past + new
         self._apply(self.layout.plan_moves(list(batch.slots), totals))
         parts = []
+        if "attention_mask" not in self.input_names and len(set(new.tolist())) > 1:
+            raise TrtedgeError("this model's trt graph has no attention mask, so rows of one step must have the "
+                               "same number of new tokens; send prefills of different lengths in separate steps")
         for ch in chunks(batch.input_ids, new, batch.logits_positions, min(self.max_prefill, self.max_logits)
                          if batch.logits_positions.shape[1] > self.max_logits else self.max_prefill):
             cpast = past + np.minimum(ch.offset, new)
