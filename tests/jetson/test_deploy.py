@@ -71,28 +71,22 @@ def _fake(bindir: Path, name: str, body: str) -> Path:
     return p
 
 
-def test_entrypoint_builds_engine_once_then_serves(tmp_path):
+def test_entrypoint_ensures_engine_then_serves(tmp_path):
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "manifest.json").write_text("{}")
     log = tmp_path / "calls"
     fake = _fake(tmp_path / "bin", "trtedge", f'echo "$@" >> {log}\n')
-    env = {**os.environ, "TRTEDGE_BUNDLE": str(bundle), "TRTEDGE_SYSROOT": str(AGX), "TRTEDGE_BIN": str(fake),
-           "TRTEDGE_PORT": "9001"}
-    script = str(REPO / "docker" / "entrypoint.sh")
-    for _ in range(2):
-        p = subprocess.run(["sh", script, "--backend", "tensorrt"], env=env, capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr
-    calls = log.read_text().splitlines()
-    assert calls == [f"engine {bundle}",
-                     f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt",
-                     f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt"]
-    marker = next((bundle / "engines").glob(".entrypoint-built-*")).read_text()
-    assert "NVIDIA Jetson AGX Orin Developer Kit" in marker and "R36 (release)" in marker
-    # another device (or TensorRT) -> another key -> the engine is built again
-    env["TRTEDGE_SYSROOT"] = str(NANO)
-    subprocess.run(["sh", script], env=env, capture_output=True, text=True, check=True)
-    assert log.read_text().splitlines()[3] == f"engine {bundle}"
+    env = {**os.environ, "TRTEDGE_BUNDLE": str(bundle), "TRTEDGE_BIN": str(fake), "TRTEDGE_PORT": "9001"}
+    p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh"), "--backend", "tensorrt"], env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert log.read_text().splitlines() == [f"jetson ensure-engine {bundle}",
+                                            f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt"]
+    # a failing engine build stops the container before serving (set -e)
+    _fake(tmp_path / "bin", "trtedge", f'echo "$@" >> {log}; [ "$1" != jetson ]\n')
+    p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True)
+    assert p.returncode != 0 and log.read_text().splitlines()[-1] == f"jetson ensure-engine {bundle}"
 
 
 def test_entrypoint_without_bundle_is_one_line(tmp_path):
@@ -144,8 +138,9 @@ def test_systemd_unit(tmp_path):
     assert svc["Restart"] == "on-failure"
     assert int(svc["TimeoutStopSec"]) > 60  # covers the drain
     assert svc["EnvironmentFile"] == "-/etc/trtedge/edge.env"
-    assert svc["ExecStart"].startswith("/usr/local/bin/trtedge serve /opt/trtedge/current --host 0.0.0.0 --port 8080")
-    assert svc["ExecStartPre"] == "/usr/local/bin/trtedge engine /opt/trtedge/current"
+    assert svc["ExecStart"].startswith("/usr/local/bin/trtedge serve /opt/trtedge/current --host 0.0.0.0 --port 8080 "
+                                       "--drain-timeout 60")
+    assert svc["ExecStartPre"] == "/usr/local/bin/trtedge jetson ensure-engine /opt/trtedge/current"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     (tmp_path / "units").mkdir()
     out = write_unit(ServiceSpec(), str(tmp_path / "units"))  # a directory: trtedge.service inside
@@ -164,3 +159,39 @@ def test_cli_service_and_power(tmp_path):
     p = subprocess.run([*run, "power", "--mode", "MAXN", "--sysroot", str(PC)], capture_output=True, text=True,
                        cwd=REPO)
     assert p.returncode == 1 and p.stderr.startswith("error: not a Jetson") and p.stderr.count("\n") == 1
+
+
+def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_factory):
+    from trtedge.build.engine import key as keymod
+    from trtedge.jetson import engine as eng
+
+    bundle = bundle_factory(tmp_path / "b", 1, weight_bytes=1024)
+    here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
+    monkeypatch.setattr(keymod, "machine_key", lambda: here)
+    calls = []
+    monkeypatch.setattr(eng.subprocess, "run", lambda cmd: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    assert eng.ensure_engine(bundle, "--slots 8") == (True, "orin-sm87-trt10.3.0-cuda12.6")
+    assert calls[0][-4:] == ["engine", str(bundle), "--slots", "8"]
+    d = bundle / "engines" / here.key
+    d.mkdir(parents=True)
+    (d / "engine.json").write_text(json.dumps({"machine": here.to_dict()}))
+    (d / "model.engine").write_bytes(b"x")
+    assert eng.ensure_engine(bundle) == (False, here.key) and len(calls) == 1
+    monkeypatch.setattr(eng.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 3))
+    monkeypatch.setattr(keymod, "machine_key", lambda: keymod.MachineKey("Orin", "8.7", "10.4.0", "12.6"))
+    with pytest.raises(TrtedgeError, match="failed"):
+        eng.ensure_engine(bundle)
+
+
+def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
+    from trtedge.jetson.engine import ensure_engine
+
+    bundle = bundle_factory(tmp_path / "b", 2, weight_bytes=1024)
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(TrtedgeError) as e:
+        ensure_engine(bundle)
+    assert "\n" not in str(e.value)

@@ -99,6 +99,19 @@ def rollback_cmd(
     print(f"{target}: current -> {current}; previous -> {previous}")
 
 
+@jetson.command("ensure-engine")
+def ensure_engine_cmd(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory")],
+    engine_args: Annotated[str, typer.Option(envvar="TRTEDGE_ENGINE_ARGS",
+                                             help="options for `trtedge engine`, e.g. '--slots 8'")] = "",
+) -> None:
+    """Build the TensorRT engine only if the bundle has none for this GPU/TensorRT (first start)."""
+    from trtedge.jetson.engine import ensure_engine
+
+    built, key = ensure_engine(bundle, engine_args)
+    print(f"{bundle}: engine {key} " + ("built" if built else "already present"), file=sys.stderr)
+
+
 @jetson.command("power")
 def power_cmd(
     mode: Annotated[str | None, typer.Option(help="nvpmodel mode id or name (MAXN, 30W, 15W, ...)")] = None,
@@ -129,7 +142,7 @@ def service_cmd(
     drain_timeout: Annotated[int, typer.Option(help="server drain timeout in s; TimeoutStopSec adds 15")] = 30,
     exec_path: Annotated[str, typer.Option(help="trtedge on the device (default: found on PATH on a Jetson, "
                                            "else /usr/local/bin/trtedge)")] = "",
-    build_engine: Annotated[bool, typer.Option(help="ExecStartPre builds the engine if needed")] = True,
+    build_engine: Annotated[bool, typer.Option(help="ExecStartPre builds the engine if none matches")] = True,
     sysroot: Annotated[Path, typer.Option(help="device files root (tests)")] = Path("/"),
 ) -> None:
     """Write (or print) a systemd unit running `trtedge serve` with restart and drain-aware stop."""

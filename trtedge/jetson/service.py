@@ -46,11 +46,13 @@ def render_unit(spec: ServiceSpec) -> str:
         f"EnvironmentFile=-{spec.env_file}",
     ]
     if spec.build_engine:
-        # First start on a new device or after a push: build the engine for this GPU (slow, once).
-        lines += [f"ExecStartPre={exe} engine {bundle}", "TimeoutStartSec=3600"]
+        # First start on a new device or after a push: build the engine for this GPU (slow, once);
+        # TRTEDGE_ENGINE_ARGS in the environment file passes options to `trtedge engine`.
+        lines += [f"ExecStartPre={exe} jetson ensure-engine {bundle}", "TimeoutStartSec=3600"]
     lines += [
         # $TRTEDGE_SERVE_ARGS (from the environment file) adds options, e.g. --backend tensorrt
-        f"ExecStart={exe} serve {bundle} --host {spec.host} --port {spec.port} $TRTEDGE_SERVE_ARGS",
+        f"ExecStart={exe} serve {bundle} --host {spec.host} --port {spec.port} "
+        f"--drain-timeout {spec.drain_timeout_s} $TRTEDGE_SERVE_ARGS",
         "Restart=on-failure",
         "RestartSec=5",
         "KillSignal=SIGTERM",
