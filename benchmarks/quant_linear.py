@@ -19,7 +19,7 @@ from gguf.quants import quantize
 from onnx import TensorProto
 
 from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.linear import emit_linear
+from trtedge.build.graph.linear import concat_out_features, emit_linear
 from trtedge.build.quant.spec import QuantSpec
 from trtedge.build.tensors import GGMLBlocks
 
@@ -83,6 +83,29 @@ def main() -> None:
             path = build(tmp / f"{k}_{n}_{i}.onnx", k, n, weight, spec, flavor)
             row = [time_graph(path, rng.standard_normal((1, m, k)).astype(np.float32), a.threads, acc) for m in ms]
             print(f"  {label:34s}" + "".join(f"{t:9.4f}" for t in row))
+    qkv_fusion(a.threads, tmp)
+
+
+def qkv_fusion(threads: int, tmp: Path) -> None:
+    """SmolLM2's q/k/v (576 -> 576/192/192) from GGUF Q4_1: three carried layers vs one fused + Split."""
+    rng = np.random.default_rng(1)
+    ws = [GGMLBlocks("Q4_1", (n, 576), quantize((rng.standard_normal((n, 576)) * 0.05).astype(np.float32),
+                                                 GGMLQuantizationType.Q4_1)) for n in (576, 192, 192)]
+    print("\nSmolLM2 q/k/v, GGUF Q4_1 carry, accuracy level 4  M=   1  M= 128")
+    for fused in (False, True):
+        gb = GraphBuilder(tmp / f"qkv_{fused}.onnx")
+        x = gb.input("x", TensorProto.FLOAT, ["b", "t", 576])
+        spec = QuantSpec(accuracy_level=4)
+        if fused:
+            y = emit_linear(gb, x, "qkv", concat_out_features(ws), spec, "cpu")
+            outs = gb.op("Split", [y, gb.const([576, 192, 192])], n_out=3, axis=-1)
+        else:
+            outs = [emit_linear(gb, x, f"l{i}", w, spec, "cpu") for i, w in enumerate(ws)]
+        gb.op("Concat", outs, axis=-1, outputs=["y"])
+        gb.output("y", TensorProto.FLOAT, ["b", "t", 960])
+        path = gb.save()
+        row = [time_graph(path, rng.standard_normal((1, m, 576)).astype(np.float32), threads) for m in (1, 128)]
+        print(f"  {'fused + Split' if fused else 'three layers':34s}" + "".join(f"{t:9.4f}" for t in row))
 
 
 if __name__ == "__main__":

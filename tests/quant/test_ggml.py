@@ -13,7 +13,7 @@ from trtedge.build.graph.linear import emit_linear
 from trtedge.build.quant.ggml import decode_blocks
 from trtedge.build.quant.spec import QuantSpec
 from trtedge.build.tensors import GGMLBlocks
-from trtedge.errors import CheckpointError
+from trtedge.errors import CheckpointError, TrtedgeError
 
 N, K = 64, 576  # 18 blocks of 32; 576 is SmolLM2's hidden size
 
@@ -82,7 +82,7 @@ def test_q4_1_blocksum_shared(tmp_path, rng):
         return gb.op("Sum", ys)
 
     path = build_one(tmp_path, emit, K, ["b", "t", N])
-    assert sum(n.op_type == "ReduceSum" for n in onnx.load(str(path), load_external_data=False).graph.node) == 1
+    assert sum(n.name.startswith("blocksum") for n in onnx.load(str(path), load_external_data=False).graph.node) == 1
     x = rng.standard_normal((1, 4, K)).astype(np.float32)
     ref = x @ sum(w.dequantize() for w in ws).T
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
@@ -99,3 +99,21 @@ def test_requantized_when_not_carried(tmp_path, rng, flavor, spec):
     # the trt grid is a second quantization of the GGUF grid: close, not exact
     tol = 0.15 if flavor == "trt" else 1e-3
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < tol
+
+
+def test_fused_qkv_concat_keeps_the_carry(tmp_path, rng):
+    from trtedge.build.graph.linear import concat_out_features
+
+    ws = [make_blocks(rng, "Q4_1", n=n, shift=0.02) for n in (64, 32, 32)]
+    fused = concat_out_features(ws, "qkv")
+    assert isinstance(fused, GGMLBlocks) and fused.shape == (128, K)
+    np.testing.assert_array_equal(fused.dequantize(), np.concatenate([w.dequantize() for w in ws]))
+    spec = QuantSpec(accuracy_level=0)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "qkv", fused, spec, "cpu"), K, ["b", "t", 128])
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    ref = x @ fused.dequantize().T
+    assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
+    mixed = concat_out_features([ws[0], np.ones((8, K), np.float32)], "mixed")
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (72, K)
+    with pytest.raises(TrtedgeError):
+        concat_out_features([ws[0], np.ones((8, K + 32), np.float32)], "bad")

@@ -52,6 +52,24 @@ def float_weight(weight: np.ndarray | GGMLBlocks) -> np.ndarray:
     return np.asarray(weight, dtype=np.float32)
 
 
+def concat_out_features(weights: list[np.ndarray | GGMLBlocks], name: str = "weights") -> np.ndarray | GGMLBlocks:
+    """Stack linears that read the same x (q/k/v, gate/up) into one ``[sum(out), in]`` weight.
+
+    GGUF blocks of one type stay blocks (rows are whole blocks, so it is a byte concat and the carry is
+    unchanged); anything else becomes float32. One fused layer + Split saves nodes per decode step.
+    """
+    if not weights:
+        raise TrtedgeError(f"{name}: nothing to concatenate")
+    shapes = [weight_shape(w, name) for w in weights]
+    if len({k for _, k in shapes}) != 1:
+        raise TrtedgeError(f"{name}: in_features differ ({[k for _, k in shapes]}); only layers sharing an input fuse")
+    types = {w.ggml_type if isinstance(w, GGMLBlocks) else None for w in weights}
+    if len(types) == 1 and None not in types:
+        data = np.concatenate([np.asarray(w.data).reshape(w.shape[0], -1) for w in weights], axis=0)  # type: ignore[union-attr]
+        return GGMLBlocks(types.pop(), (sum(n for n, _ in shapes), shapes[0][1]), data)
+    return np.concatenate([float_weight(w) for w in weights], axis=0)
+
+
 def w8_block(in_features: int, spec: QuantSpec) -> int | None:
     """MatMulNBits block for a per-channel 8-bit weight (it also sets accuracy-level-4 activation groups)."""
     return next((g for g in (spec.group_size, 128, 64, 32, 16) if in_features % g == 0), None)

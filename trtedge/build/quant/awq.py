@@ -16,7 +16,7 @@ from trtedge.errors import TrtedgeError
 N_GRID = 20
 
 
-def _output_error(w: np.ndarray, x: np.ndarray, s: np.ndarray, bits: int, group_size: int) -> float:
+def _output_error(w: np.ndarray, x: np.ndarray, s: np.ndarray, bits: int, group_size: int | None) -> float:
     """Squared Frobenius norm of ``x W^T - (x/s) Q(W diag(s))^T``, computed in row chunks of W."""
     err = 0.0
     for r0, r1 in row_chunks(w.shape[0], w.shape[1]):
@@ -29,9 +29,9 @@ def _output_error(w: np.ndarray, x: np.ndarray, s: np.ndarray, bits: int, group_
 
 
 def awq_search(
-    weight: np.ndarray, x_samples: np.ndarray, group_size: int, bits: int = 4, n_grid: int = N_GRID
+    weight: np.ndarray, x_samples: np.ndarray, group_size: int | None, bits: int = 4, n_grid: int = N_GRID
 ) -> tuple[np.ndarray, float, float]:
-    """Search AWQ input scales for ``weight [out, in]`` on ``x_samples [n, in]``.
+    """Search AWQ input scales for ``weight [out, in]`` on ``x_samples [..., in]`` (group_size None: per channel).
 
     Returns ``(scale [in] float32, err_rtn, err_awq)``, errors relative to ``||x W^T||_F``.
     Quantize ``weight * scale`` and feed the layer ``x / scale`` (``emit_linear(awq_scale=scale)``).
