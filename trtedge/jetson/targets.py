@@ -131,6 +131,7 @@ class SshTarget:
                                        "-o", f"ControlPath={control}", "-o", "ControlPersist=30"]
         self.label = f"{host}:{root}"
         self._q = shlex.quote(self.root)
+        self._installed: dict[str, str] = {}
 
     def _run(self, script: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         try:
@@ -149,17 +150,19 @@ class SshTarget:
         return p
 
     def prepare(self) -> None:
-        self._run(f"mkdir -p -- {self._q}/versions")
+        """Create versions/ and list what is installed there (one round trip)."""
+        script = (f"mkdir -p -- {self._q}/versions && cd {self._q}/versions && for d in */; do "
+                  "[ -f \"$d/manifest.json\" ] || continue; "
+                  "printf '%s %s\\n' \"$(sha256sum < \"$d/manifest.json\" | cut -d' ' -f1)\" \"${d%/}\"; done")
+        out = self._run(script).stdout
+        self._installed = {name: sha for sha, name in (ln.split(" ", 1) for ln in out.splitlines() if " " in ln)}
 
     def close(self) -> None:
         """Stop the shared connection (it would otherwise linger ControlPersist seconds)."""
         subprocess.run([*self.ssh, "-O", "exit", self.host], capture_output=True, timeout=30)
 
     def installed_versions(self) -> dict[str, str]:
-        script = (f"cd {self._q}/versions && for d in */; do [ -f \"$d/manifest.json\" ] || continue; "
-                  "printf '%s %s\\n' \"$(sha256sum < \"$d/manifest.json\" | cut -d' ' -f1)\" \"${d%/}\"; done")
-        out = self._run(script, check=False).stdout
-        return {name: sha for sha, name in (line.split(" ", 1) for line in out.splitlines() if " " in line)}
+        return dict(self._installed)
 
     def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
         dest = f"{self.host}:{self.root}/versions/{staging}/"
