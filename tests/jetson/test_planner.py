@@ -169,6 +169,12 @@ def test_model_forms_checkpoint_bundle_and_config(tmp_path):
     assert plan(str(bundle), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(bundle), "l4-24").quant == "w8a16"  # the bundle's own scheme by default
     assert load_model("deepseek-ai/DeepSeek-V4-Flash").architecture == "deepseek_v4"
+    v4 = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
+    vb = tmp_path / "v4bundle"
+    vb.mkdir()
+    (vb / "config.json").write_text(ModelConfig.from_hf_dict(v4, name="v4").to_json())  # raw kept inside
+    write_manifest(vb, {"architecture": "deepseek_v4", "config": "config.json", "max_seq_len": 4096, "flavors": {}})
+    assert plan(str(vb), "h100-80", "w4a16").weights_bytes == 148_381_700_444
 
 
 def test_user_errors_are_one_line(tmp_path):
