@@ -1,0 +1,80 @@
+"""Server fixtures: a tiny fp32 bundle, in-process servers on 127.0.0.1 (free port), a slowed backend."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from trtedge.bench.inprocess import BackgroundServer
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_dense, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256."""
+    from trtedge.build.pipeline import BuildOptions, build_bundle
+
+    out = tmp_path_factory.mktemp("server") / "tiny-llama"
+    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
+
+
+class SlowBackend:
+    """Wraps a backend and sleeps before each step: makes running / waiting states last long enough
+    to observe (cancellation, queue full, timeouts, drain) without a big model."""
+
+    def __init__(self, inner, delay: float):
+        self.inner = inner
+        self.delay = delay
+        for name in ("name", "flavor", "num_slots", "max_seq_len", "vocab_size"):
+            setattr(self, name, getattr(inner, name))
+
+    def forward(self, batch):
+        time.sleep(self.delay)
+        return self.inner.forward(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
+    from trtedge.bundle import open_bundle
+    from trtedge.runtime.engine import LLMEngine
+    from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(bundle)
+    be = OnnxRuntimeBackend(b, num_slots=num_slots, threads=1)
+    if delay:
+        be = SlowBackend(be, delay)
+    return LLMEngine(b, backend=be, num_slots=num_slots, max_waiting=max_waiting, **kw)
+
+
+@contextmanager
+def running_server(source, **app_kw):
+    """create_app(source, **app_kw) under uvicorn on 127.0.0.1:<free port>, ready when yielded."""
+    from trtedge.server.app import create_app
+
+    app = create_app(source, **app_kw)
+    with BackgroundServer(app, startup_timeout=60) as srv:
+        srv.app = app
+        srv.state = app.state.trtedge
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle):
+    """One shared server for the client tests (4 slots, latency log on)."""
+    log = tiny_bundle.parent / "latency.jsonl"
+    with running_server(tiny_bundle, num_slots=4, threads=1, latency_log=log) as srv:
+        srv.latency_log = log
+        yield srv
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from a Prometheus text exposition (0 when absent)."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[-1])
+    return 0.0

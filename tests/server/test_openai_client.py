@@ -1,0 +1,212 @@
+"""The official `openai` client against `trtedge serve`'s app on 127.0.0.1: chat and completions,
+streaming and not, stop sequences, usage, errors; greedy outputs equal the single-stream generator."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import metric
+
+from trtedge.runtime.generate import Generator
+from trtedge.server import sse
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle):
+    """Greedy text from the direct single-stream path (no engine, no server)."""
+    gen = Generator(tiny_bundle, threads=1)
+
+    def ref(prompt: str, max_tokens: int, chat: bool = False):
+        r = gen.generate(prompt, max_tokens=max_tokens, chat=chat)
+        return r.text, len(r.token_ids), r.prompt_tokens, r.finish_reason
+
+    return ref
+
+
+def test_models(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    assert client.models.retrieve("tiny-llama").id == "tiny-llama"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_chat_matches_reference(client, reference):
+    text, n, prompt_tokens, reason = reference("Hello there", 24, chat=True)
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == reason
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.usage.completion_tokens >= n  # an EOS counts as generated but is not text
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_and_max_completion_tokens(client, reference):
+    text, n, prompt_tokens, _ = reference("The factory line", 20)
+    r = client.completions.create(model="x", prompt="The factory line", max_tokens=20, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny-llama"
+    assert r.choices[0].text == text and r.usage.prompt_tokens == prompt_tokens
+    # chat accepts the newer max_completion_tokens
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
+                                       max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+def test_chat_stream_shape_and_usage(client, reference):
+    text, _, prompt_tokens, reason = reference("Stream me", 30, chat=True)
+    chunks = list(client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Stream me"}], max_tokens=30, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_stream_raw_sse(server, reference):
+    text, _, _, _ = reference("raw", 12)
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"prompt": "raw", "max_tokens": 12, "temperature": 0, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("data: [DONE]\n\n")
+    events = sse.parse(r.text)
+    assert events[-1] == "[DONE]"
+    objs = events[:-1]
+    assert all(o["object"] == "text_completion" and "usage" not in o for o in objs)
+    assert "".join(o["choices"][0]["text"] for o in objs) == text
+    assert objs[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_sequences(client, reference):
+    full, _, _, _ = reference("stop test", 40)
+    cut = next((i for i in range(3, len(full)) if full[i].isprintable() and not full[i].isspace()), None)
+    if cut is None:
+        pytest.skip("the random model produced no printable character to stop on")
+    stop = full[cut]
+    expect = full[:full.index(stop)]
+    r = client.completions.create(model="m", prompt="stop test", max_tokens=40, temperature=0, stop=[stop, "\u2603"])
+    assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="m", prompt="stop test", max_tokens=40, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expect
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_prompt_list_and_token_ids(server, reference):
+    a, b = reference("one", 8)[0], reference("two two", 8)[0]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": ["one", "two two"], "max_tokens": 8,
+                                                          "temperature": 0}).json()
+    assert [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])] == [a, b]
+    ids = server.state.engine.tokenizer.encode("one")
+    r2 = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 8, "temperature": 0}).json()
+    assert r2["choices"][0]["text"] == a and r2["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_seeded_sampling_reproducible(client):
+    kw = dict(model="m", prompt="seed", max_tokens=16, temperature=1.0, top_p=0.9, seed=1234,
+              presence_penalty=0.5, frequency_penalty=0.2,
+              extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})  # vLLM-style extras
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_error_objects(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.code == "unsupported_value" and "n=2" in e.value.message and e.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[], max_tokens=2)
+    assert e.value.body["type"] == "invalid_request_error" if isinstance(e.value.body, dict) else True
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x", temperature=5)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x", max_tokens=10_000)
+    assert "10000" in e.value.message and "256" in e.value.message and e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b"{not json", "not valid JSON"),
+    (b'{"prompt": "\xff\xfe"}', "UTF-8"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"prompt": 5}', "'prompt'"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "\\ud800"}', "UTF-8"),
+    (b'{"prompt": [], "max_tokens": 2}', "empty list"),
+    (b'{"prompt": [99999]}', "out of vocabulary"),
+    (b'{"prompt": "", "max_tokens": 2}', None),
+    (b'{"prompt": "x", "seed": -1}', "seed"),
+    (b"", "JSON"),
+])
+def test_bad_input_is_400_in_openai_shape(server, body, needle):
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    if needle is None and r.status_code == 200:  # "" → BOS only: a valid prompt for a BOS model
+        return
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"} and err["type"] == "invalid_request_error"
+    assert "\n" not in err["message"]
+    if needle:
+        assert needle in err["message"]
+
+
+def test_request_id_and_priority_headers(server):
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "abc-123",
+                                                                       "X-Priority": "high", "X-Mode": "batch"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.headers["x-request-id"].startswith("req-")
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Priority": "urgent"})
+    assert r.status_code == 400 and "X-Priority" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Mode": "later"})
+    assert r.status_code == 400
+
+
+def test_hygiene_strips_bom_and_zero_width(server):
+    clean = httpx.post(server.url + "/v1/completions", json={"prompt": "ab cd", "max_tokens": 6, "temperature": 0})
+    dirty = httpx.post(server.url + "/v1/completions",
+                       json={"prompt": "\ufeffa\u200bb\u2060 c\u200dd\u200c", "max_tokens": 6, "temperature": 0})
+    assert dirty.status_code == 200
+    assert dirty.json()["usage"]["prompt_tokens"] == clean.json()["usage"]["prompt_tokens"]
+    assert dirty.json()["choices"][0]["text"] == clean.json()["choices"][0]["text"]
+
+
+def test_health_metrics_and_latency_log(server, client):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    ready = httpx.get(server.url + "/health/ready")
+    assert ready.status_code == 200 and ready.json()["model"] == "tiny-llama"
+    gpu = httpx.get(server.url + "/health/gpu").json()
+    assert "gpu" in gpu and (gpu["gpu"] or gpu["reason"])
+    client.completions.create(model="m", prompt="metrics", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("trtedge_time_to_first_token_seconds_count", "trtedge_e2e_request_latency_seconds_count",
+                 "trtedge_request_queue_time_seconds_count", "trtedge_time_per_output_token_seconds_count"):
+        assert metric(text, name) >= 1, name
+    assert metric(text, "trtedge_generation_tokens_total") >= 5
+    assert metric(text, "trtedge_num_requests_running") == 0
+    assert "trtedge_kv_cache_usage_ratio" in text and "trtedge_num_requests_waiting" in text
+    assert metric(text, "trtedge_requests_total", 'outcome="invalid"') >= 1  # from the bad-input tests
+    lines = [json.loads(x) for x in server.latency_log.read_text().splitlines()]
+    last = lines[-1]
+    assert last["outcome"] in ("stop", "length") and last["completion_tokens"] >= 1
+    assert last["ttft_s"] > 0 and last["e2e_s"] >= last["ttft_s"] and "request_id" in last
