@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 from ckpt_gguf_writer import llama_permute, write_model_gguf
-from conftest import needs_smollm2, smollm2_gguf
+from ckpt_helpers import needs_smollm2, smollm2_gguf
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_gguf_writer import write_model_gguf
-from conftest import needs_smollm2, smollm2_gguf
+from ckpt_helpers import needs_smollm2, smollm2_gguf
 
 from trtedge.build.checkpoint import open_checkpoint
 from trtedge.errors import CheckpointError

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from trtedge.build.checkpoint.fp8_mxfp4 import dequantize
 from trtedge.build.checkpoint.hf_tokenizer import write_hf_tokenizer
 from trtedge.build.checkpoint.safetensors_file import SafetensorsFile
 from trtedge.config import load_hf_config
@@ -61,12 +62,10 @@ class HFCheckpoint:
     def get(self, name: str) -> np.ndarray:
         """float32 in HF layout; FP8 weights with a block-scale companion are dequantized."""
         raw = self.get_raw(name)
-        dtype = self.dtype(name)
-        if dtype in ("F8_E4M3", "F8_E5M2", "I8", "U8") and name.endswith(".weight"):
+        if self.dtype(name) in ("F8_E4M3", "F8_E5M2", "I8", "U8") and name.endswith(".weight"):
             scale = self._scale_for(name)
-            if scale is not None:
-                w = unpack_fp4(raw) if dtype in ("I8", "U8") else raw
-                return _dequant_blocks(w, scale, name)
+            if scale is not None:  # FP8 with block scales, or MXFP4 (int8 e2m1 pairs) with ue8m0 scales
+                return dequantize(raw, scale, name)
         return np.asarray(raw, dtype=np.float32)
 
     def write_tokenizer(self, out_dir: Path) -> dict[str, Any]:
@@ -86,7 +85,7 @@ class HFCheckpoint:
         prefix = name[: -len(".weight")]
         for suf in SCALE_SUFFIXES:
             if prefix + suf in self._where:
-                return np.asarray(self.get_raw(prefix + suf), dtype=np.float32)
+                return self.get_raw(prefix + suf)
         return None
 
 
@@ -117,28 +116,3 @@ def _layout(path: Path) -> dict[str, list[str] | None]:
     other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
     hint = f" (found {', '.join(other[:3])}: re-save the model with safe_serialization=True)" if other else ""
     raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}; trtedge reads safetensors checkpoints{hint}")
-
-
-# e2m1 code → value; two codes per byte, the low nibble first (the layout of DeepSeek-V4's
-# MXFP4 experts, as transformers' Fp8Dequantize._unpack_fp4 reads them).
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    dtype=np.float32)
-
-
-def unpack_fp4(packed: np.ndarray) -> np.ndarray:
-    """int8/uint8 [..., K/2] of packed e2m1 pairs → float32 [..., K]."""
-    u8 = np.asarray(packed).view(np.uint8)
-    out = np.stack([FP4_E2M1[u8 & 0xF], FP4_E2M1[u8 >> 4]], axis=-1)
-    return out.reshape(*u8.shape[:-1], 2 * u8.shape[-1])
-
-
-def _dequant_blocks(w: np.ndarray, scale: np.ndarray, name: str) -> np.ndarray:
-    """Weight × per-block scale; the block is whatever tiles the weight into the scale grid
-    (128×128 for DeepSeek FP8 linears, 1×32 for MXFP4 experts)."""
-    out, inn = w.shape[-2:]
-    so, si = scale.shape[-2:] if scale.ndim >= 2 else (1, scale.shape[-1] if scale.ndim else 1)
-    bo, bi = -(-out // so), -(-inn // si)
-    if -(-out // bo) != so or -(-inn // bi) != si:
-        raise CheckpointError(f"tensor {name!r}: scale shape {list(scale.shape)} does not tile weight {list(w.shape)}")
-    s = np.repeat(np.repeat(scale.reshape(*scale.shape[:-2], so, si), bo, axis=-2), bi, axis=-1)
-    return np.asarray(w, dtype=np.float32) * s[..., :out, :inn]
