@@ -26,7 +26,14 @@ from trtedge.build.engine.key import (
     engine_dir,
     machine_key,
 )
-from trtedge.build.engine.profiles import Limits, ProfileSpec, derive_limits, derive_profiles
+from trtedge.build.engine.profiles import (
+    BUCKET_STEP,
+    FIRST_BUCKET,
+    Limits,
+    ProfileSpec,
+    derive_limits,
+    derive_profiles,
+)
 from trtedge.build.engine.progress import make_monitor
 from trtedge.bundle import Bundle, open_bundle
 from trtedge.errors import TrtedgeError
@@ -45,6 +52,8 @@ class BuildOptions:
     fp16: bool = True
     workspace_gb: float | None = None  # builder memory pool limit; None = TensorRT's default (device memory)
     opt_level: int | None = None  # builder optimization level 0-5 (TensorRT default 3)
+    first_bucket: int = FIRST_BUCKET  # smallest past-length bucket (profiles' past_seq minimum)
+    bucket_step: int = BUCKET_STEP  # past-length buckets grow by doubling up to this, then by this
 
 
 def table_for(trt_version: str) -> str:
@@ -99,7 +108,8 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
         raise EngineBuildError(f"{pre.summary()}; first: node {o.node} ({o.op}, {o.dtypes}): {o.reason} — "
                                f"see `trtedge check {bundle_path} --trt {table_for(key.tensorrt)}`")
     cfg = bundle.config
-    lim = derive_limits(bundle.max_seq_len, cfg.vocab_size, opts.num_slots, opts.max_prefill, opts.max_logits)
+    lim = derive_limits(bundle.max_seq_len, cfg.vocab_size, opts.num_slots, opts.max_prefill, opts.max_logits,
+                        opts.first_bucket, opts.bucket_step)
     profiles = derive_profiles(fl, cfg, lim)
     out = engine_dir(bundle.path, key)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,8 @@ class ProfileSpec:
 
 
 def derive_limits(max_seq: int, vocab: int, num_slots: int, max_prefill: int | None = None,
-                  max_logits: int | None = None) -> Limits:
+                  max_logits: int | None = None, first_bucket: int = FIRST_BUCKET,
+                  bucket_step: int = BUCKET_STEP) -> Limits:
     """Batch, prefill and logits limits; the logits buffer is kept under LOGITS_BUDGET."""
     if num_slots < 1:
         raise TrtedgeError(f"--slots must be at least 1 (got {num_slots})")
@@ -53,8 +54,9 @@ def derive_limits(max_seq: int, vocab: int, num_slots: int, max_prefill: int | N
         raise TrtedgeError(f"--max-prefill must be at least 1 (got {max_prefill})")
     budget = max(1, LOGITS_BUDGET // (num_slots * vocab * 4))
     ml = min(mp, max_logits or budget)
-    first = min(FIRST_BUCKET, max_seq)
-    return Limits(num_slots, max_seq, mp, max(1, ml), first, BUCKET_STEP)
+    if first_bucket < 1 or bucket_step < 1:
+        raise TrtedgeError("length buckets must be at least 1 token")
+    return Limits(num_slots, max_seq, mp, max(1, ml), min(first_bucket, max_seq), bucket_step)
 
 
 def _state_shape(st: StateTensor, dims: dict[str, int], b: int, p: int) -> Dims:
