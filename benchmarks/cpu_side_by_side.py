@@ -122,12 +122,16 @@ def bench_ortgenai(model_dir: Path, threads: int, short: list[int], long: list[i
         gen.get_logits()  # make sure the prompt's logits exist
         return len(long) / (time.perf_counter() - t0)
 
+    out: list[int] = []
+
     def decode_once() -> float:
         gen = generator(len(short) + n_decode + 1)
         gen.append_tokens(short)
-        return timed_decode(gen.generate_next_token, n_decode)
+        tps = timed_decode(gen.generate_next_token, n_decode)
+        out[:] = [int(t) for t in gen.get_sequence(0)][len(short):]
+        return tps
 
-    return measure(pp_once, decode_once, repeats)
+    return {**measure(pp_once, decode_once, repeats), "tokens": out}
 
 
 # ---------------------------------------------------------------- llama.cpp
@@ -145,18 +149,21 @@ def bench_llamacpp(gguf: Path, threads: int, short: list[int], long: list[int], 
         llm.eval(long)
         return len(long) / (time.perf_counter() - t0)
 
+    out: list[int] = []
+
     def decode_once() -> float:
         llm.reset()
         llm.eval(short)
+        out.clear()
 
         def step():
             logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
-            tok = int(np.argmax(logits))
-            llm.eval([tok])
+            out.append(int(np.argmax(logits)))
+            llm.eval([out[-1]])
 
         return timed_decode(step, n_decode)
 
-    return measure(pp_once, decode_once, repeats)
+    return {**measure(pp_once, decode_once, repeats), "tokens": out}
 
 
 # ---------------------------------------------------------------- trtedge
@@ -177,11 +184,14 @@ def bench_trtedge(bundle: Path, threads: int, short: list[int], long: list[int],
         gen.backend.forward(StepBatch.single(0, long, 0))  # logits of the last position only
         return len(long) / (time.perf_counter() - t0)
 
+    out: list[int] = []
+
     def decode_once() -> float:
         it = gen.stream(short, max_tokens=n_decode, params=SamplingParams(temperature=0.0), stop_at_eos=False)
-        return timed_decode(lambda: next(it), n_decode)
+        out.clear()
+        return timed_decode(lambda: out.append(next(it)), n_decode)
 
-    return measure(pp_once, decode_once, repeats)
+    return {**measure(pp_once, decode_once, repeats), "tokens": out}
 
 
 def measure(pp_once, decode_once, repeats: int) -> dict:
@@ -194,6 +204,10 @@ def measure(pp_once, decode_once, repeats: int) -> dict:
     return {"decode_tps": statistics.median(dec), "pp_tps": statistics.median(pp),
             "decode_runs": [round(x, 1) for x in dec], "pp_runs": [round(x, 1) for x in pp],
             "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+def _brief(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "tokens"}
 
 
 def main() -> None:
@@ -236,11 +250,11 @@ def main() -> None:
         model_dir = build_ortgenai(gguf, args.work, args.block_size, args.accuracy_level)
         results["ort-genai"] = bench_ortgenai(model_dir, args.threads, short, long, args.decode_tokens, args.repeats)
         results["ort-genai"]["config"] = f"int4 block {args.block_size}, accuracy level {args.accuracy_level}"
-        print(f"[ort-genai] {results['ort-genai']}", flush=True)
+        print(f"[ort-genai] {_brief(results['ort-genai'])}", flush=True)
     if "llama.cpp" in only:
         results["llama.cpp"] = bench_llamacpp(gguf, args.threads, short, long, args.decode_tokens, args.repeats)
         results["llama.cpp"]["config"] = "GGUF as is (Q4_1, block 32)"
-        print(f"[llama.cpp] {results['llama.cpp']}", flush=True)
+        print(f"[llama.cpp] {_brief(results['llama.cpp'])}", flush=True)
     if "trtedge" in only:
         if args.bundle is None:
             print("[trtedge] skipped: pass --bundle (trtedge build GGUF -o BUNDLE --quant w4a16 --group-size 32)")
@@ -248,7 +262,7 @@ def main() -> None:
             results["trtedge"] = bench_trtedge(args.bundle, args.threads, short, long, args.decode_tokens,
                                                args.repeats)
             results["trtedge"]["config"] = f"bundle {args.bundle}"
-            print(f"[trtedge] {results['trtedge']}", flush=True)
+            print(f"[trtedge] {_brief(results['trtedge'])}", flush=True)
 
     print()
     print(f"{'runtime':<12} {'decode tok/s':>13} {'pp512 tok/s':>12}  config")
@@ -261,6 +275,11 @@ def main() -> None:
                 p = results[peer]
                 print(f"trtedge / {peer}: decode {t['decode_tps'] / p['decode_tps']:.2f}x, "
                       f"prompt {t['pp_tps'] / p['pp_tps']:.2f}x")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_tok))
+    for name, r in results.items():  # greedy text: all should be coherent (weights differ by quantization)
+        print(f"greedy {name:<10} {tok.decode(r['tokens'][:24])!r}")
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "gguf": str(gguf), "results": results}, indent=1))
 

