@@ -212,3 +212,72 @@ def test_split_gguf_refused(tmp_path, tiny_llama):
     with pytest.raises(CheckpointError) as e:
         open_checkpoint(out)
     assert "split" in str(e.value) and "\n" not in str(e.value)
+
+
+def _llama3_rope_freqs(head_dim: int, theta: float, factor=8.0, low=1.0, high=4.0, orig=8192) -> np.ndarray:
+    """convert_hf_to_gguf.py LlamaModel.generate_extra_tensors, in numpy."""
+    import math
+
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / high:
+            out.append(1)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("params", [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (4.0, 1.0, 4.0, 4096)])
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path, params):
+    """Llama-3.x GGUFs carry rope scaling only as the rope_freqs tensor; the reader recovers the config."""
+    import gguf
+
+    out = tmp_path / "llama3.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for k, v in (("block_count", 1), ("context_length", 131072), ("embedding_length", 512),
+                 ("feed_forward_length", 1024), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+        w.add_uint32(f"llama.{k}", v)
+    w.add_float32("llama.rope.freq_base", 500000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_vocab_size(1000)
+    w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(128, 500000.0, *params))
+    w.add_tensor("output_norm.weight", np.ones(512, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ck = open_checkpoint(out)
+    assert ck.names() == ["model.norm.weight"]  # rope_freqs has no HF tensor
+    factor, low, high, orig = params
+    assert ck.hf_config["rope_scaling"] == {
+        "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+        "original_max_position_embeddings": orig,
+    }
+    assert ModelConfig.from_hf_dict(ck.hf_config).rope_scaling["rope_type"] == "llama3"
+
+
+def test_yarn_rope_scaling_from_metadata(tmp_path):
+    import gguf
+
+    out = tmp_path / "qwen2-yarn.gguf"
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    for k, v in (("block_count", 1), ("context_length", 131072), ("embedding_length", 256),
+                 ("feed_forward_length", 512), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+        w.add_uint32(f"qwen2.{k}", v)
+    w.add_vocab_size(1000)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(32768)
+    w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = ModelConfig.from_hf_dict(open_checkpoint(out).hf_config)
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert cfg.architecture == "qwen2" and cfg.rope_theta == 10000.0

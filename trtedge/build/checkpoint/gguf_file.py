@@ -155,13 +155,16 @@ class GGUFCheckpoint:
         shape = self.shape(name)
         heads = gn.permuted_heads(name, self._n_head, self._n_kv) if self._permuted else None
         kind = t.tensor_type.name
-        if kind in GGML_BLOCKS and len(shape) == 2:
-            rows = np.asarray(t.data).reshape(shape[0], -1)
-            if heads:
-                rows = gn.unpermute_rows(rows, heads)
-            return GGMLBlocks(ggml_type=kind, shape=(shape[0], shape[1]), data=rows)
-        w = self._dequant(t).reshape(shape)
-        return gn.unpermute_rows(w, heads) if heads else w
+        try:
+            if kind in GGML_BLOCKS and len(shape) == 2:
+                rows = np.asarray(t.data).reshape(shape[0], -1)
+                if heads:
+                    rows = gn.unpermute_rows(rows, heads)
+                return GGMLBlocks(ggml_type=kind, shape=(shape[0], shape[1]), data=rows)
+            w = self._dequant(t).reshape(shape)
+            return gn.unpermute_rows(w, heads) if heads else w
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: tensor {name!r} {list(shape)} does not match the config ({e})") from None
 
     def get(self, name: str) -> np.ndarray:
         raw = self.get_raw(name)
