@@ -72,6 +72,7 @@ def test_concurrency_is_closed_loop():
     lambda: load.concurrency(2),
     lambda: load.burst(2, 5, prompts_per_request=(3, 1)),
     lambda: load.make_schedule("zipf", rate=1, duration=1, seed=0),
+    lambda: load.make_schedule("burst", rate=2.5, duration=1, seed=0),
 ])
 def test_bad_schedules_are_one_line_errors(call):
     with pytest.raises(TrtedgeError) as e:

@@ -110,6 +110,7 @@ def make_schedule(pattern: str, *, rate: float, duration: float, seed: int, burs
                   prompts_per_request: tuple[int, int] | None = None) -> Schedule:
     """The schedule the CLI asked for (burst carries 1-3 prompts per request unless told otherwise)."""
     if pattern == "burst":
+        _check(float(rate).is_integer(), f"burst sends a whole number of requests each second; --rate {rate} is not one")
         return burst(int(rate), duration, seed, prompts_per_request or (1, 3), max_requests)
     if pattern == "poisson":
         return poisson(rate, duration, seed, max_requests, prompts_per_request or (1, 1))
