@@ -136,3 +136,27 @@ def test_cli_engine_and_auto_backend(trt_bundle, monkeypatch, tmp_path, capsys):
     be = choose_backend(open_bundle(dst), "auto", num_slots=2, say=said.append)
     assert be.name == "tensorrt" and said[0].startswith("backend: tensorrt (engine fake-gpu-sm87")
     be.close()
+
+
+def test_v4_replace_state_graph(monkeypatch, tmp_path):
+    from tests.engine.bundles import v4_bundle
+    from tests.v4.helpers import token_ids
+    from trtedge.bundle import open_bundle
+    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+
+    p = v4_bundle(tmp_path, "fp16")
+    dev = fake_trt.install(monkeypatch)
+    build_engine(p, BuildOptions(num_slots=2, max_prefill=8))
+    b = open_bundle(p)
+    ids = [int(t) for t in token_ids(n=14)]
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), ids, "decode")
+    be = TensorRTBackend(b, num_slots=2)
+    pre = compute_logits(be, ids, "prefill")  # chunks of 8 carry the replace state across
+    dec = compute_logits(be, ids, "decode", slot=1)
+    assert rel(pre, ref) < 1e-4 and rel(dec, ref) < 1e-4
+    assert be.stats["replay"] > 0 and dev.launched_graphs > 0
+    assert set(be.graphs.graphs) <= {(1, 0), (2, 0)}  # no append state: one graph per batch bucket
+    with pytest.raises(TrtedgeError, match="same number of new tokens"):
+        be.forward(StepBatch(slots=[0, 1], input_ids=np.ones((2, 3), np.int64), past_lengths=np.zeros(2, np.int64),
+                             new_lengths=np.array([3, 2]), logits_positions=np.zeros((2, 1), np.int64)))
+    be.close()

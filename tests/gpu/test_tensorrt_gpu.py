@@ -92,20 +92,21 @@ def test_request_served_through_tensorrt(bundles):
     assert len(toks) == 8 and toks[:3] == ref[:3]  # greedy; fp16 may drift later
 
 
-def test_v4_engine_logits_match_onnxruntime(tmp_path):
-    from tests.v4.helpers import make_model, save_model, token_ids
+@pytest.mark.parametrize("quant", ["fp16", "w4a16"])
+def test_v4_engine_logits_match_onnxruntime(tmp_path, quant):
+    from tests.engine.bundles import v4_bundle
+    from tests.v4.helpers import token_ids
 
-    ck = save_model(make_model("a"), tmp_path / "v4ck")
-    p = tmp_path / "v4b"
-    build_bundle(ck, p, BuildOptions(quant="fp16", flavors=("trt",), max_seq_len=32, group_size=64,
-                                     accuracy_level=0))
+    p = v4_bundle(tmp_path, quant)
     build_engine(p, EngineOptions(num_slots=2, max_prefill=32))
     b = open_bundle(p)
     ids = [int(t) for t in token_ids(n=20)]
     ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), ids, "decode")
     be = TensorRTBackend(b, num_slots=2)
     try:
-        got = compute_logits(be, ids, "decode")
+        pre = compute_logits(be, ids, "prefill")
+        dec = compute_logits(be, ids, "decode")
+        assert be.stats["replay"] > 0, be.stats
     finally:
         be.close()
-    assert rel(got, ref) < 2e-2
+    assert rel(pre, ref) < 2e-2 and rel(dec, ref) < 2e-2
