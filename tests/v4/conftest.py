@@ -44,21 +44,23 @@ class V4Fixtures:
             self._refs[schedule] = (ids, logits, gap)
         return self._refs[schedule]
 
-    def runner(self, ckpt_dir: Path, flavor: str, scheme: str = "fp32", group_size: int = 64) -> V4Runner:
-        key = (str(ckpt_dir), flavor, scheme, group_size)
+    def runner(self, ckpt_dir: Path, flavor: str, scheme: str = "fp32", group_size: int = 64,
+               trt_dtype: str = "fp16") -> V4Runner:
+        key = (str(ckpt_dir), flavor, scheme, group_size, trt_dtype)
         if key not in self._graphs:
             from trtedge.build.checkpoint import open_checkpoint
             from trtedge.build.models import deepseek_v4 as v4
             from trtedge.build.quant.spec import QuantSpec
 
-            out = self.root / "graphs" / f"{ckpt_dir.name}_{flavor}_{scheme}_{group_size}" / "model.onnx"
+            out = self.root / "graphs" / f"{ckpt_dir.name}_{flavor}_{scheme}_{group_size}_{trt_dtype}" / "model.onnx"
             ck = open_checkpoint(ckpt_dir)
             try:
-                spec = QuantSpec(scheme=scheme, group_size=group_size, accuracy_level=0)
+                spec = QuantSpec(scheme=scheme, group_size=group_size, accuracy_level=0, trt_dtype=trt_dtype)
                 entry = v4.emit_graph(ck.hf_config, ck, spec, flavor, out, MAX_SEQ)
             finally:
                 ck.close()
             self._graphs[key] = V4Runner(out, entry)
+            self._graphs[key].sess._model_path = str(out)
         return self._graphs[key]
 
 

@@ -105,6 +105,9 @@ class V4Runner:
         so = ort.SessionOptions()
         so.intra_op_num_threads = 2
         so.log_severity_level = 3
+        # onnxruntime fuses the trt flavor's DequantizeLinear → MatMul into MatMulNBits at accuracy level 4
+        # (int8 activations) unless told otherwise; TensorRT keeps float activations, so check at level 0.
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
         self.sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
         self.entry, self.max_seq = entry, max_seq
 
@@ -214,4 +217,28 @@ def dequantized_reference_model(official_dir: Path, schedule: str) -> Any:
             arr = src.get(name)
         new[name] = torch.from_numpy(np.array(arr)).to(t.dtype)
     model.load_state_dict(new, strict=False)
+    return model
+
+
+# Linear weights a W4A16 build quantizes (routers, indexer weights_proj and the embedding stay float).
+QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "gate_proj.weight", "o_a_proj.weight",
+             "o_b_proj.weight", "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
+
+
+def fake_quant_model(schedule: str, group_size: int, scale_dtype: type = np.float32) -> Any:
+    """transformers' model with every weight a W4A16 build quantizes replaced by its RTN round trip."""
+    import torch
+
+    from trtedge.build.quant.rtn import fake_quantize
+
+    model = make_model(schedule)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "lm_head.weight":  # the LM head stays 8-bit per channel (emit_lm_head)
+                p.copy_(torch.from_numpy(fake_quantize(p.numpy(), 8, None, scale_dtype)))
+            elif name.endswith(QUANTIZED):
+                w = p.numpy()
+                q = (np.stack([fake_quantize(x, 4, group_size, scale_dtype) for x in w]) if w.ndim == 3
+                     else fake_quantize(w, 4, group_size, scale_dtype))
+                p.copy_(torch.from_numpy(q))
     return model
