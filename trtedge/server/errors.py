@@ -72,7 +72,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     loc = tuple(e.get("loc", ()))
     param = _loc_param(loc)
     same = [x for x in errs if _loc_param(tuple(x.get("loc", ()))) == param]
-    if kind == "missing":
+    if kind == "missing" and param is None:
+        msg = "request body is empty; send a JSON object"
+    elif kind == "missing":
         msg = f"missing required field '{param}'"
     elif param is None:
         msg = f"request body must be a JSON object ({e.get('msg', 'invalid')})"
