@@ -39,15 +39,17 @@ def test_batched_equals_one_at_a_time(tiny_bundle):
     reqs = [req(p, n=3 + 2 * i) for i, p in enumerate(PROMPTS)]
 
     async def main():
-        eng, _ = engine(tiny_bundle, slots=3, prefill_chunk=4)
+        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=4)
         await eng.start()
         outs = await asyncio.gather(*(eng.submit(r).result() for r in reqs))
         st = eng.stats()
         await eng.stop()
         solo = [await alone(tiny_bundle, r) for r in reqs]
-        return outs, solo, st
+        return outs, solo, st, be.calls
 
-    outs, solo, st = run(main())
+    outs, solo, st, calls = run(main())
+    assert all(slots == list(range(slots[0], slots[0] + len(slots))) for slots, _, _ in calls)  # bound in place
+    assert any(len(slots) >= 2 for slots, _, _ in calls)
     for (t, ids, last), (t2, ids2, last2) in zip(outs, solo, strict=True):
         assert ids == ids2 and t == t2 and last.finish_reason == last2.finish_reason == "length"
     assert st.running == 0 and st.kv_blocks_reserved == 0 and st.requests == {"length": 6}

@@ -17,35 +17,38 @@ def test_block_accounting_and_admission():
     assert not KVCacheArena(num_slots=2, max_seq_len=64, block_size=16, num_blocks=3).fits_ever(64)
 
 
-def test_free_compacts_occupied_slots_to_a_prefix():
+def test_move_relocates_and_keeps_the_source_cached():
     a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4)
     for name, tok in (("a", 1), ("b", 2), ("c", 3)):
         s, _ = a.allocate(name, [tok], 8, 0)
         a.append(s, [tok] * 5)
     a.take_pending()
-    moved = a.free(0)
-    assert moved == ("c", 0)
+    a.free(0)
+    a.move(2, 0)
     ops = a.take_pending()
     assert [(o.kind, o.src, o.dst, o.length) for o in ops] == [("copy", 2, 0, 5)]
-    assert a.owner == ["c", "b", None] and a.tokens[0] == [3] * 5
-    assert a.free(1) is None  # the last slot: nothing to move
+    assert a.owner == ["c", "b", None] and a.reserved == [2, 2, 0] and a.tokens[0] == [3] * 5
+    assert a.lookup([3] * 6, 5) == (2, 5)  # a free slot is preferred: taking it needs no copy
+    a.free(0)
+    assert a.lookup([3] * 6, 5) == (0, 5)
 
 
 def test_prefix_lookup_uses_full_block_hashes_and_extends():
-    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=4, prefix_cache=True)
+    a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4, prefix_cache=True)
+    a.allocate("x", [5] * 3, 8, 2)  # slot 0 stays busy
     sys_prompt = list(range(10, 20))  # 10 tokens: 2 full blocks + 2
     s, reused = a.allocate("a", sys_prompt + [50, 51], 20, 11)
-    assert reused == 0
+    assert (s, reused) == (1, 0)
     a.append(s, sys_prompt + [50, 51])
     a.free(s)  # finished: its KV stays cached
     slot, n = a.lookup(sys_prompt + [60], max_reuse=10)
-    assert (slot, n) == (0, 10)  # 8 from block hashes + 2 from comparing the rest
+    assert (slot, n) == (1, 10)  # 8 from block hashes + 2 from comparing the rest
     assert a.lookup([99] + sys_prompt, max_reuse=10) == (-1, 0)
     assert a.lookup(sys_prompt, max_reuse=5)[1] == 5  # capped (the last prompt token must still run)
     a.take_pending()
-    s2, reused = a.allocate("b", sys_prompt + [60], 20, 10)
-    assert (s2, reused) == (0, 10) and a.prefix_hits == 1
-    assert a.take_pending() == []  # reused in place: no copy, no reset
+    s2, reused = a.allocate("b", sys_prompt + [60], 20, 10, lowest=1)
+    assert (s2, reused) == (1, 10) and a.prefix_hits == 1  # the cached slot is taken as is
+    assert a.take_pending() == []  # no copy, no reset
 
 
 def test_prefix_copied_from_a_running_slot():

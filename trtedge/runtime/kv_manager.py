@@ -3,9 +3,9 @@
 The backend preallocates ``num_slots`` slots of ``max_seq_len`` positions; nothing is reallocated.
 Capacity is counted in blocks of ``block_size`` positions: a request reserves the blocks for
 prompt + max_tokens when it is admitted, so it can never run out mid-generation (``num_blocks``
-may be set below ``num_slots × blocks_per_slot`` to budget memory). Occupied slots are kept at
-indices 0..n-1 (a freed hole is filled by moving the last slot into it), so the decode batch is a
-contiguous range the cpu backend binds in place. A slot's KV stays valid after its request ends:
+may be set below ``num_slots × blocks_per_slot`` to budget memory). ``move`` relocates a request
+so the scheduler can keep the decode batch a contiguous range (the cpu backend binds it in
+place instead of gathering whole slots). A slot's KV stays valid after its request ends:
 full blocks are hashed (chained, so a hash names the whole prefix) and a new prompt that starts
 with a cached prefix copies those positions instead of recomputing them.
 """
@@ -70,10 +70,13 @@ class KVCacheArena:
         return self.blocks_for(n_tokens) <= self.total_blocks
 
     # ---- allocation ---------------------------------------------------------------------
-    def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int) -> tuple[int, int]:
-        """Give ``owner`` the lowest free slot; returns (slot, positions reused from the prefix cache)."""
-        slot = self.owner.index(None)
+    def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int,
+                 lowest: int = 0) -> tuple[int, int]:
+        """Give ``owner`` the lowest free slot (from ``lowest`` on when there is one); returns
+        (slot, positions reused from the prefix cache)."""
+        free = [i for i, o in enumerate(self.owner) if o is None]
         src, reuse = self.lookup(tokens, max_reuse) if self.prefix_cache else (-1, 0)
+        slot = src if reuse and src in free and src >= lowest else next((i for i in free if i >= lowest), free[0])
         self.owner[slot] = owner
         self.reserved[slot] = self.blocks_for(reserve_tokens)
         if reuse and src != slot:
@@ -88,19 +91,17 @@ class KVCacheArena:
             self.prefix_hit_tokens += reuse
         return slot, reuse
 
-    def free(self, slot: int) -> tuple[Any, int] | None:
-        """Release ``slot`` (its KV stays cached). Returns (owner, new slot) when another request was moved
-        into the hole to keep occupied slots contiguous."""
+    def free(self, slot: int) -> None:
+        """Release ``slot``; its KV stays cached for prefix reuse until the slot is given out again."""
         self.owner[slot], self.reserved[slot] = None, 0
-        last = max((i for i, o in enumerate(self.owner) if o is not None), default=-1)
-        if last <= slot:
-            return None
-        moved = self.owner[last]
-        self.pending.append(SlotOp("copy", last, slot, len(self.tokens[last])))
-        self.owner[slot], self.reserved[slot] = moved, self.reserved[last]
-        self.owner[last], self.reserved[last] = None, 0
-        self._set_tokens(slot, list(self.tokens[last]))
-        return moved, slot
+
+    def move(self, src: int, dst: int) -> None:
+        """Move a request (its KV, reservation and ownership) from ``src`` to the free slot ``dst``."""
+        assert self.owner[dst] is None and self.owner[src] is not None
+        self.pending.append(SlotOp("copy", src, dst, len(self.tokens[src])))
+        self.owner[dst], self.reserved[dst] = self.owner[src], self.reserved[src]
+        self.owner[src], self.reserved[src] = None, 0
+        self._set_tokens(dst, list(self.tokens[src]))  # src keeps its tokens: still a valid prefix cache entry
 
     def take_pending(self) -> list[SlotOp]:
         ops, self.pending = self.pending, []

@@ -1,7 +1,7 @@
 """Which sequences run in the next step: admission by priority and free KV, chunked prefill, preemption.
 
 Every step is the decode batch (all sequences past prefill, one token each, slots in ascending
-order — contiguous, since the arena compacts) plus at most one prefill chunk of ``prefill_chunk``
+order, moved to 0..k-1 when a hole opens) plus at most one prefill chunk of ``prefill_chunk``
 tokens for the one sequence being admitted. Waiting requests are ordered by rank (realtime
 high/normal/low, then batch), lowered by ``aging_s`` per second waited so none starves. When
 the best waiting request does not fit, running requests ranked at least one class below it are
@@ -74,11 +74,30 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         assert seq.slot is not None
         self.arena.truncate(seq.slot, seq.computed)
-        moved = self.arena.free(seq.slot)
-        if moved is not None:
-            other, new_slot = moved
-            other.slot = new_slot
+        self.arena.free(seq.slot)
         seq.slot = None
+
+    def _move(self, seq: Sequence, dst: int) -> None:
+        assert seq.slot is not None
+        self.arena.move(seq.slot, dst)
+        seq.slot = dst
+
+    def _compact(self) -> None:
+        """Move decoding sequences into slots 0..k-1 (k = how many decode), the prefilling one out of the way."""
+        a = self.arena
+        decode = [s for s in self.running if s.status == DECODE]
+        k = len(decode)
+        while True:
+            hole = next((h for h in range(k) if a.owner[h] is None or a.owner[h].status != DECODE), None)
+            if hole is None:
+                return
+            if a.owner[hole] is not None:  # the prefilling sequence sits in the decode range
+                free = [i for i in range(k, a.num_slots) if a.owner[i] is None]
+                if not free:
+                    return  # every slot is taken: contiguous again once its prefill ends
+                self._move(a.owner[hole], free[0])
+            outside = max((s for s in decode if s.slot >= k), key=lambda s: s.slot)
+            self._move(outside, hole)
 
     @property
     def prefilling(self) -> Sequence | None:
@@ -87,6 +106,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> StepPlan:
         now = time.monotonic() if now is None else now
+        self._compact()
         if self.prefilling is None:
             self._admit(now)
         plan = StepPlan(ops=self.arena.take_pending())
@@ -110,7 +130,8 @@ class Scheduler:
             return
         self.waiting.remove(best)
         fill, max_reuse = best.start_fill()
-        slot, reused = self.arena.allocate(best, fill, need, max_reuse)
+        lowest = sum(s.status == DECODE for s in self.running)
+        slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest)
         best.slot, best.computed = slot, reused
         best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
         if best.handle.metrics.scheduled is None:
