@@ -270,3 +270,16 @@ def test_spm_vs_llamacpp(spm_gguf):
     llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in _spm_texts():
         assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
+
+
+def test_field_fallback_matches_contents(tmp_path, tiny_llama):
+    """The metadata decoder kept for gguf < 0.11 (no ReaderField.contents) reads the same values."""
+    from trtedge.build.checkpoint.gguf_file import _field_value
+
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="smollm", bos=1, eos=2, add_bos=False,
+                      chat_template="{{ x }}")
+    ck = open_checkpoint(path)
+    fields = ck._reader.fields
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token"} <= set(fields)
+    for f in fields.values():
+        assert _field_value(f) == f.contents(), f.name

@@ -57,7 +57,7 @@ class GGUFCheckpoint:
         if f is None:
             return default
         try:
-            return f.contents()
+            return f.contents() if hasattr(f, "contents") else _field_value(f)
         except (ValueError, IndexError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is unreadable ({e}); re-download it") from None
 
@@ -222,6 +222,18 @@ def _open_reader(path: Path) -> Any:
                 f"but the file has {size} bytes; re-download it"
             )
     return reader
+
+
+def _field_value(f: Any) -> Any:
+    """ReaderField → Python value for gguf versions without ReaderField.contents() (< 0.11)."""
+    from gguf import GGUFValueType
+
+    def one(part: Any, kind: Any) -> Any:
+        return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.tolist()[0]
+
+    if f.types[0] == GGUFValueType.ARRAY:
+        return [one(f.parts[i], f.types[-1]) for i in f.data]
+    return one(f.parts[f.data[0]], f.types[0])
 
 
 def _uniform(v: Any, path: Path, key: str) -> int:
