@@ -1,7 +1,8 @@
 """Emit one linear layer ``y = x @ W^T + b`` into an ONNX graph, quantized per a QuantSpec and flavor.
 
 cpu flavor: com.microsoft ``MatMulNBits`` (4 or 8 bits, symmetric: codes + 2^(bits-1), the default
-zero point; 8-bit layers below accuracy level 4 become float32 weights on the same grid, see _matmulnbits). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]`` weight (axis 0,
+zero point; 8-bit layers below accuracy level 4 become float32 weights on the same grid, see
+_emit_8bit_cpu). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]`` weight (axis 0,
 ``block_size`` 64/128, no zero point) or an INT8 per-channel weight (axis 1), then ``MatMul``.
 With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the dequantized weight and
 the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
