@@ -1,0 +1,106 @@
+"""Bad DeepSeek-V4 inputs fail with one line that names the problem (missing tensor, config, dtype)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trtedge.errors import CheckpointError, ConfigError, TrtedgeError
+
+
+def _edit(src: Path, dst: Path, drop: str | None = None, replace: dict | None = None, config: dict | None = None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    if drop is not None:
+        assert drop in sd, drop
+        del sd[drop]
+    for k, v in (replace or {}).items():
+        sd[k] = v(sd[k]) if callable(v) else v
+    save_file({k: t.contiguous() for k, t in sd.items()}, str(dst / "model.safetensors"))
+    if config:
+        cfg = json.loads((src / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _build(d: Path, tmp: Path) -> None:
+    from trtedge.build.checkpoint import open_checkpoint
+    from trtedge.build.models import deepseek_v4 as v4
+    from trtedge.build.quant.spec import QuantSpec
+
+    ck = open_checkpoint(d)
+    try:
+        v4.emit_graph(ck.hf_config, ck, QuantSpec(scheme="fp32"), "cpu", tmp / "g" / "model.onnx", 32)
+    finally:
+        ck.close()
+
+
+def _one_line(e: pytest.ExceptionInfo, *words: str) -> None:
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("kind,name", [
+    ("hf", "model.layers.1.attn.indexer.wq_b.weight"),  # transformers' save_pretrained naming
+    ("official", "layers.2.ffn.experts.3.w2.weight"),
+    ("official", "layers.0.ffn.gate.tid2eid"),
+    ("official", "head.weight"),
+])
+def test_missing_tensor_is_named(v4, tmp_path, kind, name):
+    src = v4.hf_dir("a") if kind == "hf" else v4.official_dir("a", None, False)
+    d = _edit(src, tmp_path / "ck", drop=name)
+    with pytest.raises(CheckpointError) as e:
+        _build(d, tmp_path)
+    _one_line(e, repr(name), "missing")
+
+
+def test_inconsistent_config(v4, tmp_path):
+    d = _edit(v4.hf_dir("a"), tmp_path / "ck", config={"layer_types": ["sliding_attention"] * 2})
+    with pytest.raises(ConfigError) as e:
+        _build(d, tmp_path)
+    _one_line(e, "layer_types has 2 entries but num_hidden_layers is 3")
+
+
+def test_unsupported_source_dtype(v4, tmp_path):
+    import torch
+
+    name = "layers.1.attn.wq_a.weight"
+    d = _edit(v4.official_dir("a", None, False), tmp_path / "ck", replace={name: lambda t: t.to(torch.int32)})
+    with pytest.raises(CheckpointError) as e:
+        _build(d, tmp_path)
+    _one_line(e, repr(name), "int32")
+
+
+def test_fp8_without_scale(v4, tmp_path):
+    d = _edit(v4.official_dir("a", "ue8m0", False), tmp_path / "ck", drop="layers.0.attn.wq_b.scale")
+    with pytest.raises(CheckpointError) as e:
+        _build(d, tmp_path)
+    _one_line(e, "'layers.0.attn.wq_b.weight'", "no block-scale companion")
+
+
+def test_hash_table_out_of_range(v4, tmp_path):
+    d = _edit(v4.official_dir("a", None, False), tmp_path / "ck",
+              replace={"layers.0.ffn.gate.tid2eid": lambda t: t + 10})
+    with pytest.raises(CheckpointError) as e:
+        _build(d, tmp_path)
+    _one_line(e, "'layers.0.ffn.gate.tid2eid'", "expert ids in [0, 4)")
+
+
+def test_unknown_flavor(v4, tmp_path):
+    from trtedge.build.checkpoint import open_checkpoint
+    from trtedge.build.models import deepseek_v4 as v4m
+    from trtedge.build.quant.spec import QuantSpec
+
+    ck = open_checkpoint(v4.hf_dir("a"))
+    try:
+        with pytest.raises(TrtedgeError) as e:
+            v4m.emit_graph(ck.hf_config, ck, QuantSpec(scheme="fp32"), "gpu", tmp_path / "m.onnx", 32)
+    finally:
+        ck.close()
+    _one_line(e, "flavor 'gpu'")
