@@ -206,6 +206,7 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> types.ModuleType:
 
     m = types.ModuleType("tensorrt")
     m.__version__ = version
+    m.fail = None  # "parse" | "build": make the parser or the builder fail
 
     class Logger:
         WARNING = 2
@@ -260,13 +261,29 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> types.ModuleType:
     class Network:
         graph = None
 
+    class ParserError:
+        def desc(self):
+            return "Assertion failed: unsupported INT8 Gather input"
+
+        def node_name(self):
+            return "embed_tokens/gather_codes"
+
+        def node_operator(self):
+            return "Gather"
+
     class OnnxParser:
         def __init__(self, network, logger):
             self.network, self.num_errors = network, 0
 
         def parse_from_file(self, path):
             self.network.graph = path
+            if m.fail == "parse":
+                self.num_errors = 2
+                return False
             return True
+
+        def get_error(self, i):
+            return ParserError()
 
     class Builder:
         def __init__(self, logger):
@@ -282,6 +299,8 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> types.ModuleType:
             return Profile()
 
         def build_serialized_network(self, network, config):
+            if m.fail == "build":
+                return None
             mon = config.progress_monitor
             mon.phase_start("Building engine", None, 2)
             mon.step_complete("Building engine", 0)

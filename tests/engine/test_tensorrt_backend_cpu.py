@@ -160,3 +160,37 @@ def test_v4_replace_state_graph(monkeypatch, tmp_path):
         be.forward(StepBatch(slots=[0, 1], input_ids=np.ones((2, 3), np.int64), past_lengths=np.zeros(2, np.int64),
                              new_lengths=np.array([3, 2]), logits_positions=np.zeros((2, 1), np.int64)))
     be.close()
+
+
+def test_build_failures_are_one_line(trt_bundle, monkeypatch, tmp_path):
+    import shutil
+    import sys
+
+    from trtedge.build.engine.builder import EngineBuildError
+
+    dst = tmp_path / "b"
+    shutil.copytree(trt_bundle("w4a16").path, dst)
+    fake_trt.install(monkeypatch)
+    trt = sys.modules["tensorrt"]
+    trt.fail = "parse"
+    with pytest.raises(EngineBuildError) as e:
+        build_engine(dst, BuildOptions(num_slots=1))
+    assert str(e.value).startswith("TensorRT could not parse model.onnx: node embed_tokens/gather_codes (Gather)")
+    assert "+1 more" in str(e.value)
+    trt.fail = "build"
+    with pytest.raises(EngineBuildError, match="built no engine for Fake GPU .*--backend onnxruntime"):
+        build_engine(dst, BuildOptions(num_slots=1))
+    trt.fail = None
+    import io
+
+    from rich.console import Console
+
+    from trtedge.build.engine import builder
+    from trtedge.build.engine.check import CheckReport, Offender
+
+    rep = CheckReport("10.3", "model.onnx", nodes=1, offenders=[Offender("embed_tokens/gather_codes", "Gather", "INT8",
+                                                                        "INT8 only through DequantizeLinear")])
+    monkeypatch.setattr(builder, "check_bundle", lambda *a: rep)
+    buf = io.StringIO()
+    build_engine(dst, BuildOptions(num_slots=1), Console(file=buf, width=300))  # pre-check only warns
+    assert "warning: node embed_tokens/gather_codes" in buf.getvalue()

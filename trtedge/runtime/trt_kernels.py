@@ -76,7 +76,8 @@ class StateKernels:
         size = _ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
         ptx = b" " * size
         _ok(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-        self.module = _ok(self.cu.cuModuleLoadData(ptx), "cuModuleLoadData")
+        image = np.char.array(ptx)  # a NUL-terminated copy whose address the driver reads (cuda-python's pattern)
+        self.module = _ok(self.cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
         self.append = _ok(self.cu.cuModuleGetFunction(self.module, b"append_rows"), "cuModuleGetFunction")
         self.copy = _ok(self.cu.cuModuleGetFunction(self.module, b"copy_rows"), "cuModuleGetFunction")
 
