@@ -210,10 +210,10 @@ def _open_reader(path: Path) -> Any:
         raise CheckpointError(f"{path}: not a GGUF file (bad magic {magic!r}); pass a .gguf file or a HF directory")
     try:
         reader = GGUFReader(path, "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on damaged files
+    except Exception:  # the reader raises ValueError/IndexError/struct errors on damaged files
         raise CheckpointError(
-            f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            "re-download it"
+            f"{path}: corrupt or truncated GGUF (its {size} bytes do not hold the header and metadata it "
+            "declares); re-download it"
         ) from None
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > size:
