@@ -14,9 +14,9 @@ try:
 except TrtedgeError as e:
     sys.exit(f'gpu_check: {e}')
 " || exit 2
-timeout 180 python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -15
+timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
-timeout 110 python - "$WORK" "$TESTS_RC" <<'PY'
+timeout 140 python - "$WORK" "$TESTS_RC" <<'PY'
 import sys, time
 from pathlib import Path
 import numpy as np

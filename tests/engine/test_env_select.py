@@ -100,3 +100,25 @@ def test_choose_backend_onnxruntime(trt_bundle):
     assert be.name == "onnxruntime" and be.num_slots == 2
     assert said == ["backend: onnxruntime (asked for with --backend onnxruntime)"]
     be.close()
+
+
+def test_nvrtc_failure_is_one_line(monkeypatch):
+    from trtedge.runtime import trt_kernels
+
+    def boom():
+        raise RuntimeError("Failed to dlopen libnvrtc.so.12\nmore")
+
+    monkeypatch.setattr(trt_kernels, "import_nvrtc", boom)
+    with pytest.raises(BackendUnavailable, match="^cannot compile the KV-append kernels with NVRTC .*libnvrtc"):
+        trt_kernels.StateKernels("8.7")
+
+
+def test_cli_engine_without_tensorrt(trt_bundle, monkeypatch, capsys):
+    from trtedge.cli import main
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    with pytest.raises(SystemExit) as e:
+        main(["engine", str(trt_bundle("fp16").path)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: TensorRT is not installed")

@@ -46,7 +46,7 @@ def bundles(tiny_dense, tmp_path_factory):
         p = tmp_path_factory.mktemp(f"gpu-{quant}") / "bundle"
         build_bundle(tiny_dense("llama-gqa"), p, BuildOptions(quant=quant, flavors=("trt",), max_seq_len=64,
                                                                group_size=64, accuracy_level=0))
-        build_engine(p, EngineOptions(num_slots=4, max_prefill=64))
+        build_engine(p, EngineOptions(num_slots=4, max_prefill=64, opt_level=0))
         out[quant] = open_bundle(p)
     return out
 
@@ -98,7 +98,7 @@ def test_v4_engine_logits_match_onnxruntime(tmp_path, quant):
     from tests.v4.helpers import token_ids
 
     p = v4_bundle(tmp_path, quant)
-    build_engine(p, EngineOptions(num_slots=2, max_prefill=32))
+    build_engine(p, EngineOptions(num_slots=2, max_prefill=32, opt_level=0))
     b = open_bundle(p)
     ids = [int(t) for t in token_ids(n=20)]
     ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), ids, "decode")

@@ -64,6 +64,16 @@ class StateKernels:
     """Compiled ``append_rows`` / ``copy_rows`` for one device."""
 
     def __init__(self, sm: str):
+        try:
+            self._build(sm)
+        except BackendUnavailable:
+            raise
+        except Exception as e:  # e.g. libnvrtc.so missing: cuda-python loads it on first use
+            raise BackendUnavailable(f"cannot compile the KV-append kernels with NVRTC ({str(e).splitlines()[0][:120]}); "
+                                     "install the CUDA runtime's NVRTC (JetPack, or pip nvidia-cuda-nvrtc-cu12) "
+                                     "or use --backend onnxruntime") from None
+
+    def _build(self, sm: str) -> None:
         nvrtc, self.cu = import_nvrtc(), import_driver()
         prog = _ok(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"trtedge_state.cu", 0, [], []), "nvrtcCreateProgram")
         opts = [f"--gpu-architecture=compute_{sm.replace('.', '')}".encode()]
