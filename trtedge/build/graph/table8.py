@@ -75,19 +75,24 @@ def w8_block(in_features: int, spec: QuantSpec) -> int | None:
     return next((g for g in (spec.group_size, 128, 64, 32, 16) if in_features % g == 0), None)
 
 
+def _offset128(codes: np.ndarray) -> np.ndarray:
+    """int8 codes -> uint8 codes + 128 without an int16 temporary (flipping the sign bit adds 128 mod 256)."""
+    return np.bitwise_xor(np.ascontiguousarray(codes, dtype=np.int8).view(np.uint8), np.uint8(0x80))
+
+
 def w8_grid(weight: np.ndarray | GGMLBlocks, spec: QuantSpec, name: str) -> tuple[np.ndarray, np.ndarray, int] | None:
     """``(u uint8 [N, K] = codes + 128, scales float32 [N, K/block], block)``, or None if no block fits."""
     if isinstance(weight, GGMLBlocks):
         if weight.ggml_type != "Q8_0":
             return None
         dec = decode_blocks(weight, name)
-        return (dec.codes.astype(np.int16) + 128).astype(np.uint8), dec.d, BLOCK
+        return _offset128(dec.codes), dec.d, BLOCK
     n, k = weight_shape(weight, name)
     block = w8_block(k, spec)
     if block is None:
         return None
     codes, scales = quantize_rtn(float_weight(weight), 8, None)
-    return (codes.astype(np.int16) + 128).astype(np.uint8), np.repeat(scales, k // block, axis=1), block
+    return _offset128(codes), np.repeat(scales, k // block, axis=1), block
 
 
 def grid_to_float(u: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
