@@ -22,11 +22,14 @@ class FakeBackend:
         self.text_ids, self.eos, self.delay = text_ids, eos, delay
         self.scripts: dict[tuple[int, ...], list[int]] = {}
         self.calls: list[tuple[list[int], list[int], list[int]]] = []  # (slots, past, new) per forward
+        self.poison: int | None = None  # a token whose presence in a step's input makes forward raise
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         if self.delay:
             time.sleep(self.delay)
         self.calls.append((list(batch.slots), batch.past_lengths.tolist(), batch.new_lengths.tolist()))
+        if self.poison is not None and (batch.input_ids == self.poison).any():
+            raise RuntimeError("fake device fault\nsecond line")
         out = np.zeros((len(batch.slots), batch.logits_positions.shape[1], self.vocab_size), dtype=np.float32)
         for r, slot in enumerate(batch.slots):
             p, n = int(batch.past_lengths[r]), int(batch.new_lengths[r])

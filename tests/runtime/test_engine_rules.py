@@ -339,3 +339,22 @@ def test_stop_cancels_what_does_not_drain(tiny_bundle):
 
     (_, _, last), ready = run(main())
     assert last.finish_reason == "cancelled" and not ready
+
+
+def test_backend_failure_fails_only_its_requests(tiny_bundle):
+    async def main():
+        eng, be = engine(tiny_bundle, slots=2)
+        be.poison = 250
+        await eng.start()
+        good = eng.submit(req(PROMPTS[1], n=6))
+        bad = eng.submit(req([1, 250, 3], n=6))
+        rg, rb = await asyncio.gather(good.result(), bad.result())
+        after = await eng.submit(req(PROMPTS[2], n=3)).result()
+        st = eng.stats()
+        await eng.stop()
+        return rg[2], rb[2], after[2], st
+
+    g, b, after, st = run(main())
+    assert g.finish_reason == "length" and after.finish_reason == "length"
+    assert b.finish_reason == "error" and b.error == "model step failed: fake device fault"
+    assert st.requests == {"length": 2, "error": 1} and st.kv_blocks_reserved == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -95,6 +96,8 @@ class LLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._step_lock = threading.Lock()
+        self._closed = False
         self._steps = 0
         self._prompt_total = 0
         self._generated_total = 0
@@ -133,6 +136,14 @@ class LLMEngine:
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
             self._finish(seq, seq.abort("cancelled"))
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Free the backend (after any step still running in the worker thread); ``stop`` calls it."""
+        with self._step_lock:
+            if not self._closed:
+                self._closed = True
+                self.backend.close()
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises TrtedgeError if it is malformed, QueueFullError / EngineDraining if refused."""
@@ -181,23 +192,25 @@ class LLMEngine:
         assert self._wake is not None
         while True:
             self._wake.clear()
-            self._intake()
-            self._expire()
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                await self._wake.wait()
-                continue
             try:
-                out = await asyncio.to_thread(self._execute, plan)
+                self._intake()
+                self._expire()
+                plan = self.scheduler.schedule()
+                if plan.empty:
+                    await self._wake.wait()
+                    continue
+                out, errors = await asyncio.to_thread(self._execute, plan)
+                for seq, msg in errors.items():
+                    self._finish(seq, seq.abort("error", msg))
+                self._apply(plan, out, errors)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # a backend failure ends the requests in this step, not the server
-                log.exception("engine step failed")
-                msg = f"model step failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                for seq in [*plan.decode, *([plan.prefill] if plan.prefill else [])]:
-                    self._finish(seq, seq.abort("error", msg))
-                continue
-            self._apply(plan, out)
+            except Exception as e:  # an engine bug must not leave clients waiting forever
+                msg = _error_line(e)
+                for seq in list(self._seqs.values()):
+                    if seq.status != FINISHED:
+                        with contextlib.suppress(Exception):
+                            self._finish(seq, seq.abort("error", msg))
             await asyncio.sleep(0)  # let the server's tasks run between steps
 
     def _intake(self) -> None:
@@ -225,24 +238,37 @@ class LLMEngine:
         seq.handle._push(ev)
 
     # ---- worker thread: backend calls + sampling ----------------------------------------------------
-    def _execute(self, plan: StepPlan) -> dict[Sequence, int]:
-        be = self.backend
-        for op in plan.ops:
-            if op.kind == "copy":
-                be.copy_slot(op.src, op.dst, op.length)
-            else:
-                be.reset_slot(op.dst)
+    def _execute(self, plan: StepPlan) -> tuple[dict[Sequence, int], dict[Sequence, str]]:
+        """Slot ops, then the decode batch, then the prefill chunk; a failing call fails only its sequences."""
         sampled: dict[Sequence, int] = {}
-        if plan.decode:
-            logits = be.forward(plan.decode_batch())
-            for r, seq in enumerate(plan.decode):
-                sampled[seq] = seq.sampler(logits[r, -1], seq.tokens)
-        if plan.prefill is not None:
-            logits = be.forward(plan.prefill_batch())
+        errors: dict[Sequence, str] = {}
+        with self._step_lock:
+            be = self.backend
+            try:
+                for op in plan.ops:
+                    if op.kind == "copy":
+                        be.copy_slot(op.src, op.dst, op.length)
+                    else:
+                        be.reset_slot(op.dst)
+            except Exception as e:  # the slots these ops touched can't be trusted: fail everything in the step
+                msg = _error_line(e)
+                return {}, {s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]}
+            if plan.decode:
+                try:
+                    logits = be.forward(plan.decode_batch())
+                    for r, seq in enumerate(plan.decode):
+                        sampled[seq] = seq.sampler(logits[r, -1], seq.tokens)
+                except Exception as e:  # a backend failure ends the requests in this call, not the server
+                    errors.update((s, _error_line(e)) for s in plan.decode if s not in sampled)
             seq = plan.prefill
-            if plan.prefill_last and seq.pending is None:
-                sampled[seq] = seq.sampler(logits[0, -1], seq.tokens)
-        return sampled
+            if seq is not None:
+                try:
+                    logits = be.forward(plan.prefill_batch())
+                    if plan.prefill_last and seq.pending is None:
+                        sampled[seq] = seq.sampler(logits[0, -1], seq.tokens)
+                except Exception as e:
+                    errors[seq] = _error_line(e)
+        return sampled, errors
 
     def _warmup(self) -> None:
         """One prefill and one decode step on slot 0, then forget it."""
@@ -254,18 +280,18 @@ class LLMEngine:
         be.reset_slot(0)
 
     # ---- event loop: tokens → events ------------------------------------------------------------
-    def _apply(self, plan: StepPlan, sampled: dict[Sequence, int]) -> None:
+    def _apply(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str]) -> None:
         self._steps += 1
         if self.step_log is not None:
             self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
         now = time.monotonic()
         for seq in plan.decode:
-            if seq.status != DECODE or seq.slot is None:
+            if seq.status != DECODE or seq.slot is None or seq in errors:
                 continue
             self.arena.append(seq.slot, [seq.pending])
             seq.computed += 1
         pf = plan.prefill
-        if pf is not None and pf.slot is not None:
+        if pf is not None and pf.slot is not None and pf not in errors:
             self.arena.append(pf.slot, plan.prefill_tokens)
             pf.computed += len(plan.prefill_tokens)
             if plan.prefill_last:
@@ -282,3 +308,9 @@ class LLMEngine:
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
+
+
+def _error_line(e: Exception) -> str:
+    log.error("engine step failed", exc_info=e)
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"model step failed: {first}"
