@@ -34,6 +34,8 @@ class V4Fixtures:
         d = self.root / f"official_{schedule}_{fp8}_{int(mxfp4)}"
         if not d.exists():
             write_official(self.model(schedule), self.hf_dir(schedule), d, fp8=fp8, mxfp4=mxfp4)
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                (d / f).write_bytes((self.hf_dir(schedule) / f).read_bytes())
         return d
 
     def ref(self, schedule: str) -> tuple[Any, Any, float]:

@@ -26,7 +26,7 @@ BASE = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=64, num_attent
             q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
             sliding_window=8, o_groups=2, o_lora_rank=32, index_n_heads=8, index_head_dim=16, index_topk=3,
-            hc_sinkhorn_iters=6, max_position_embeddings=64, swiglu_limit=1.0)
+            hc_sinkhorn_iters=6, max_position_embeddings=64, swiglu_limit=1.0, bos_token_id=1, eos_token_id=2)
 SEQ_LEN = 30  # > 3 × the largest compression rate (8) and > the window (8)
 MAX_SEQ = 32
 
@@ -59,7 +59,24 @@ def make_model(schedule: str, seed: int = 0) -> Any:
 
 
 def save_model(model: Any, path: Path) -> Path:
+    """save_pretrained plus a small byte-level tokenizer, so bundles built from it can generate text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     model.save_pretrained(path, safe_serialization=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        if len(vocab) >= model.config.vocab_size:
+            break
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true, '
+        '"chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
+        '{% if add_generation_prompt %}assistant:{% endif %}"}')
     return path
 
 
