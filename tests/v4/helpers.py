@@ -242,16 +242,24 @@ QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "gate_proj.
              "o_b_proj.weight", "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
 
 
-def fake_quant_model(schedule: str, group_size: int, scale_dtype: type = np.float32) -> Any:
+def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: type = np.float32) -> Any:
     """transformers' model with every weight a W4A16 build quantizes replaced by its RTN round trip."""
     import torch
 
+    from trtedge.build.graph.embedding import embedding_block
     from trtedge.build.quant.rtn import fake_quantize
+    from trtedge.build.quant.spec import QuantSpec
 
     model = make_model(schedule)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name == "lm_head.weight":  # the LM head stays 8-bit per channel (emit_lm_head)
+            if name == "model.embed_tokens.weight":  # cpu: 8-bit blocks; trt: fp16 (emit_embedding)
+                w = p.numpy()
+                spec = QuantSpec(scheme="w4a16", group_size=group_size)
+                q = fake_quantize(w, 8, embedding_block(w.shape[1], spec)) if flavor == "cpu" else \
+                    w.astype(np.float16).astype(np.float32)
+                p.copy_(torch.from_numpy(q))
+            elif name == "lm_head.weight":  # the LM head stays 8-bit per channel (emit_lm_head)
                 p.copy_(torch.from_numpy(fake_quantize(p.numpy(), 8, None, scale_dtype)))
             elif name.endswith(QUANTIZED):
                 w = p.numpy()

@@ -31,7 +31,7 @@ def _n_linears(cfg) -> int:
 def test_w4a16_cpu_equals_rtn_reference(v4, schedule):
     """cpu flavor (MatMulNBits, accuracy level 0) = transformers with the same RTN-rounded weights."""
     ids, float_ref, _ = v4.ref(schedule)
-    ref, gap = reference(fake_quant_model(schedule, 64), ids)
+    ref, gap = reference(fake_quant_model(schedule, 64, "cpu"), ids)
     assert gap > 1e-4
     r = v4.runner(v4.hf_dir(schedule), "cpu", "w4a16", 64)
     ops = _ops(r)
@@ -49,7 +49,7 @@ def test_w4a16_trt(v4, schedule, trt_dtype):
     """trt flavor: INT4 DequantizeLinear (block 64) → MatMul equals the RTN model with the same scale dtype."""
     ids, _, _ = v4.ref(schedule)
     sdt = np.float16 if trt_dtype == "fp16" else np.float32
-    ref, _ = reference(fake_quant_model(schedule, 64, sdt), ids)
+    ref, _ = reference(fake_quant_model(schedule, 64, "trt", sdt), ids)
     r = v4.runner(v4.hf_dir(schedule), "trt", "w4a16", 64, trt_dtype)
     m = onnx.load(r.sess._model_path, load_external_data=False)
     int4 = {t.name for t in m.graph.initializer if t.data_type == onnx.TensorProto.INT4}

@@ -98,7 +98,7 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: Any, flavor: str, onnx_pat
                   rope={k: rope_tables(o, pos_f, v[0], v[1]) for k, v in inv.items()}, rope_inv=inv)
     attn, hc, moe = AttentionEmitter(o, cfg, ctx, max_seq_len), HyperConnection(o, cfg), MoE(o, cfg)
 
-    emb = o.gather(o.w("embed_tokens", src.get("model.embed_tokens.weight")), ids, 0)  # [B, S, D]
+    emb = o.embedding(ids, src.get("model.embed_tokens.weight"))  # [B, S, D]
     u = o.unsqueeze(emb, [2])
     x = o.concat([u] * cfg.hc_mult, 2) if cfg.hc_mult > 1 else u  # [B, S, N, D]
     outputs: dict[str, str] = {}

@@ -11,6 +11,7 @@ import numpy as np
 from onnx import TensorProto
 
 from trtedge.build.graph.builder import GraphBuilder
+from trtedge.build.graph.embedding import emit_embedding
 from trtedge.build.graph.linear import emit_linear, emit_lm_head
 from trtedge.build.quant.spec import QuantSpec
 
@@ -144,6 +145,11 @@ class Ops:
         """y = x @ weight.T; large weights use the build's quant scheme, small routing ones stay fp32."""
         spec = self.spec if quantize and self.spec is not None else QuantSpec(scheme="fp32")
         return emit_linear(self.gb, x, name, np.asarray(weight, dtype=np.float32), spec, self.flavor)
+
+    def embedding(self, ids: str, weight: np.ndarray) -> str:
+        """Embedding rows (8-bit on the cpu flavor, fp16 on trt for quantized builds; exact for fp32)."""
+        spec = self.spec if self.spec is not None else QuantSpec(scheme="fp32")
+        return emit_embedding(self.gb, ids, np.asarray(weight, dtype=np.float32), spec, self.flavor)
 
     def lm_head(self, x: str, weight: np.ndarray) -> str:
         spec = self.spec if self.spec is not None else QuantSpec(scheme="fp32")
