@@ -1,0 +1,106 @@
+"""SIGTERM to a `trtedge serve` subprocess during generation: in-flight (and queued) requests finish,
+new ones get 503, readiness goes 503, and the process exits 0; past --drain-timeout the rest is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from trtedge.bench.inprocess import free_port
+
+
+def _start(bundle, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRTEDGE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trtedge", "serve", str(bundle), "--host", "127.0.0.1",
+                             "--port", str(port), "--threads", "1", "--log-level", "info", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited early: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail("server not ready within 60 s")
+
+
+async def _stream(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, started: asyncio.Event) -> dict:
+    events = []
+    async with c.stream("POST", url + "/v1/completions", json={"prompt": f"drain {i}", "max_tokens": max_tokens,
+                                                               "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+            started.set()
+    return {"events": events}
+
+
+async def _scenario(url: str, proc: subprocess.Popen, n: int, max_tokens: int):
+    async with httpx.AsyncClient(timeout=60) as c:
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(_stream(c, url, i, max_tokens, started)) for i in range(n)]
+        await asyncio.wait_for(started.wait(), 30)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        refused = await c.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        ready = await c.get(url + "/health/ready")
+        results = await asyncio.gather(*tasks)
+    return refused, ready, results
+
+
+def test_sigterm_drains_in_flight_and_refuses_new(tiny_bundle):
+    # 24 x 230 tokens through one slot: a few seconds of work (the tiny model does ~0.5 ms a token)
+    proc, url = _start(tiny_bundle, "--num-slots", "1", "--drain-timeout", "60")
+    try:
+        refused, ready, results = asyncio.run(_scenario(url, proc, 24, 230))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        assert len(results) == 24
+        for r in results:  # running and queued requests all finished normally
+            ev = r["events"]
+            assert ev[-1] == "[DONE]"
+            assert ev[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+            assert not any("error" in e for e in ev[:-1])
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "draining" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_drain_timeout_cancels_the_rest(tiny_bundle):
+    proc, url = _start(tiny_bundle, "--num-slots", "1", "--drain-timeout", "0.2")
+    try:
+        t0 = time.monotonic()
+        refused, _, results = asyncio.run(_scenario(url, proc, 24, 230))
+        assert refused.status_code == 503
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 20
+        cut = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r["events"])]
+        assert cut, "nothing was cancelled by the drain timeout"
+        for r in cut:
+            assert r["events"][-1] == "[DONE]"
+            err = next(e for e in r["events"] if isinstance(e, dict) and "error" in e)["error"]
+            assert err["code"] == "cancelled"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
