@@ -1,8 +1,10 @@
 """Time one emitted linear layer on onnxruntime CPU: fp32 MatMul vs MatMulNBits (4/8 bits, accuracy 0/4),
-GGUF Q4_1 carry (MatMulNBits + block-offset correction) and the trt flavor's INT4 DequantizeLinear graph.
+GGUF Q4_1 carry (MatMulNBits + block-offset correction) and the trt flavor's INT4 DequantizeLinear graph;
+then SmolLM2-shaped stacks of linears (no attention): Q4_1 carried per layer, carried with q/k/v and
+gate/up fused (concat_out_features), and re-quantized to plain Q4 (no correction nodes).
 
-    python benchmarks/quant_linear.py [--threads 2] [--sizes 576x576,1536x576,576x1536] [--m 1,128]
-Timing only: no pass/fail.
+    python benchmarks/quant_linear.py [--threads 2] [--sizes 576x576,1536x576,576x1536] [--m 1,128] [--stack 10]
+Timing only: no pass/fail. On a shared machine, rerun: the numbers move with the load.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="576x576,576x1536,1536x576", help="KxN list")
     ap.add_argument("--m", default="1,128", help="tokens per call")
+    ap.add_argument("--stack", type=int, default=10, help="layers in the linear-stack comparison (0: skip)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     tmp = Path(tempfile.mkdtemp())
@@ -84,6 +87,51 @@ def main() -> None:
             row = [time_graph(path, rng.standard_normal((1, m, k)).astype(np.float32), a.threads, acc) for m in ms]
             print(f"  {label:34s}" + "".join(f"{t:9.4f}" for t in row))
     qkv_fusion(a.threads, tmp)
+    if a.stack:
+        linear_stack(a.threads, tmp, a.stack)
+
+
+def linear_stack(threads: int, tmp: Path, n_layers: int) -> None:
+    """SmolLM2 linears (576/192/1536) x n_layers: the Q4_1 correction's cost, and what fusing saves."""
+    rng = np.random.default_rng(2)
+    h, f, kv = 576, 1536, 192
+
+    def blk(n: int, k: int) -> GGMLBlocks:
+        return GGMLBlocks("Q4_1", (n, k), quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
+                                                    GGMLQuantizationType.Q4_1))
+
+    shapes = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "gate": (f, h), "up": (f, h), "down": (h, f)}
+    layers = [{name: blk(*shape) for name, shape in shapes.items()} for _ in range(n_layers)]
+    spec = QuantSpec("w4a16", 32, accuracy_level=4)
+    print(f"\nSmolLM2 linear stack, {n_layers} layers, accuracy level 4      nodes   M=   1  M= 128")
+    for mode in ("requantized Q4 (no correction)", "Q4_1 carried", "Q4_1 carried, fused qkv/gate-up"):
+        gb = GraphBuilder(tmp / f"stack_{mode[:8].strip()}_{len(mode)}.onnx")
+        x = gb.input("x", TensorProto.FLOAT, ["b", "t", h])
+        for i, ly in enumerate(layers):
+            w = {k: v.dequantize() for k, v in ly.items()} if mode.startswith("requant") else ly
+
+            def lin(inp: str, key: str, wt, i: int = i, gb: GraphBuilder = gb) -> str:
+                return emit_linear(gb, inp, f"l{i}.{key}", wt, spec, "cpu")
+
+            if "fused" in mode:
+                qq, kk, vv = gb.op("Split", [lin(x, "qkv", concat_out_features([w["q"], w["k"], w["v"]])),
+                                             gb.const([h, kv, kv])], n_out=3, axis=-1)
+            else:
+                qq, kk, vv = (lin(x, n, w[n]) for n in ("q", "k", "v"))
+            kvm = gb.op("ReduceMean", [gb.op("Concat", [kk, vv], axis=-1), gb.const([-1])], keepdims=1)
+            x = gb.op("Add", [x, lin(gb.op("Add", [qq, kvm]), "o", w["o"])])
+            if "fused" in mode:
+                g, u = gb.op("Split", [lin(x, "gu", concat_out_features([w["gate"], w["up"]])), gb.const([f, f])],
+                             n_out=2, axis=-1)
+            else:
+                g, u = lin(x, "gate", w["gate"]), lin(x, "up", w["up"])
+            x = gb.op("Add", [x, lin(gb.op("Mul", [gb.op("Mul", [g, gb.op("Sigmoid", [g])]), u]), "down", w["down"])])
+        gb.op("Identity", [x], outputs=["y"])
+        gb.output("y", TensorProto.FLOAT, ["b", "t", h])
+        n_nodes = len(gb.nodes)
+        path = gb.save()
+        row = [time_graph(path, rng.standard_normal((1, m, h)).astype(np.float32), threads) for m in (1, 128)]
+        print(f"  {mode:44s}{n_nodes:6d}" + "".join(f"{t:9.3f}" for t in row))
 
 
 def qkv_fusion(threads: int, tmp: Path) -> None:
