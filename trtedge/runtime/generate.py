@@ -82,7 +82,7 @@ class Generator:
         history = list(prompt_ids)
         pos = len(prompt_ids)
         for _ in range(max_tokens):
-            tok = sampler(logits, history)
+            tok = sampler(logits, history, len(prompt_ids))
             if stop_at_eos and tok in self.eos_ids:
                 return
             yield tok

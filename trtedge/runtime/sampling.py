@@ -49,18 +49,23 @@ class Sampler:
         self.p = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
+        """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
+        frequency penalties count only the generated part, ``history[prompt_len:]`` (as vLLM does)."""
         p = self.p
         x = np.asarray(logits, dtype=np.float32)
-        if history and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+        if history and p.repetition_penalty != 1.0:
             x = x.copy()
-            ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
-            ids_ok = ids < x.shape[0]
-            ids, counts = ids[ids_ok], counts[ids_ok]
-            if p.repetition_penalty != 1.0:
-                v = x[ids]
-                x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-            x[ids] -= p.presence_penalty + p.frequency_penalty * counts
+            ids = np.unique(np.asarray(history, dtype=np.int64))
+            ids = ids[(ids >= 0) & (ids < x.shape[0])]
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        out = history[prompt_len:] if history else []
+        if len(out) and (p.presence_penalty or p.frequency_penalty):
+            x = x.copy()
+            ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
+            ok = (ids >= 0) & (ids < x.shape[0])
+            x[ids[ok]] -= p.presence_penalty + p.frequency_penalty * counts[ok]
         if p.greedy:
             return int(np.argmax(x))
         x = x.astype(np.float64) / p.temperature
