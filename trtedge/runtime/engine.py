@@ -257,7 +257,7 @@ class LLMEngine:
                 try:
                     logits = be.forward(plan.decode_batch())
                     for r, seq in enumerate(plan.decode):
-                        sampled[seq] = seq.sampler(logits[r, -1], seq.tokens)
+                        sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
                 except Exception as e:  # a backend failure ends the requests in this call, not the server
                     errors.update((s, _error_line(e)) for s in plan.decode if s not in sampled)
             seq = plan.prefill
@@ -265,7 +265,7 @@ class LLMEngine:
                 try:
                     logits = be.forward(plan.prefill_batch())
                     if plan.prefill_last and seq.pending is None:
-                        sampled[seq] = seq.sampler(logits[0, -1], seq.tokens)
+                        sampled[seq] = seq.sampler(logits[0, -1], seq.tokens, len(seq.prompt))
                 except Exception as e:
                     errors[seq] = _error_line(e)
         return sampled, errors
