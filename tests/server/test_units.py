@@ -1,0 +1,210 @@
+"""The server's pure parts without a model: SSE chunk shapes, request conversion and hygiene, token
+budgets, validation messages, metrics and the latency log, and `trtedge serve` argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from trtedge.errors import TrtedgeError
+from trtedge.server import convert, sse
+from trtedge.server.errors import APIError, validation_message
+from trtedge.server.metrics import RequestRecord, ServerMetrics
+from trtedge.server.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def test_sse_chat_sequence_like_openai():
+    w = sse.ChunkWriter(True, "chatcmpl-1", 123, "m", include_usage=True)
+    body = w.role(0) + w.text(0, "héllo") + w.finish(0, "stop") + w.usage(3, 2) + sse.DONE
+    assert body.endswith("data: [DONE]\n\n") and body.count("\n\n") == 5
+    ev = sse.parse(body)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert ev[1]["choices"][0]["delta"] == {"content": "héllo"} and "héllo" in body  # UTF-8 kept, not \u escapes
+    assert ev[2]["choices"][0]["delta"] == {} and ev[2]["choices"][0]["finish_reason"] == "stop"
+    assert all(e["usage"] is None for e in ev[:3])
+    assert ev[3]["choices"] == [] and ev[3]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert {e["object"] for e in ev[:4]} == {"chat.completion.chunk"} and {e["id"] for e in ev[:4]} == {"chatcmpl-1"}
+
+
+def test_sse_text_completion_and_error_event():
+    w = sse.ChunkWriter(False, "cmpl-1", 1, "m", include_usage=False)
+    ev = sse.parse(w.text(1, "a") + w.finish(1, "length"))
+    assert ev[0]["object"] == "text_completion" and ev[0]["choices"][0] == {
+        "index": 1, "text": "a", "logprobs": None, "finish_reason": None}
+    assert "usage" not in ev[0] and ev[1]["choices"][0]["finish_reason"] == "length"
+    err = sse.parse(sse.error_event("too slow", "timeout_error", "request_timeout"))[0]
+    assert err == {"error": {"message": "too slow", "type": "timeout_error", "code": "request_timeout", "param": None}}
+    with pytest.raises(ValueError):
+        sse.parse("event: x\n\n")
+
+
+@pytest.mark.parametrize("raw,clean", [
+    ("\ufeffhello", "hello"),
+    ("a\u200bb\u2060c\u00add", "abcd"),
+    ("\u200dword\u200c", "word"),
+    ("x\u200dy", "xy"),  # joiner next to ASCII: an artefact
+    ("👨\u200d👩\u200d👧", "👨\u200d👩\u200d👧"),  # emoji ZWJ sequence kept
+    ("می\u200cخواهم", "می\u200cخواهم"),  # Persian ZWNJ kept
+    ("plain ascii", "plain ascii"),
+])
+def test_clean_text(raw, clean):
+    assert convert.clean_text(raw, "prompt") == clean
+
+
+def test_clean_text_refuses_lone_surrogate():
+    with pytest.raises(APIError) as e:
+        convert.clean_text("a\ud800b", "prompt")
+    assert e.value.status == 400 and e.value.code == "invalid_utf8"
+
+
+def test_token_budget_numbers():
+    assert convert.token_budget(10, None, None, 256, "max_tokens", "messages") == 246
+    assert convert.token_budget(10, None, 16, 256, "max_tokens", "prompt") == 16
+    assert convert.token_budget(250, None, 16, 256, "max_tokens", "prompt") == 6
+    assert convert.token_budget(10, 246, None, 256, "max_tokens", "prompt") == 246
+    with pytest.raises(APIError) as e:
+        convert.token_budget(10, 247, None, 256, "max_completion_tokens", "messages")
+    assert e.value.message.startswith("prompt (10 tokens) + max_completion_tokens (247) = 257 tokens exceeds")
+    assert "at most 246" in e.value.message and e.value.param == "max_completion_tokens"
+    with pytest.raises(APIError, match="300 tokens but the model's context is 256"):
+        convert.token_budget(300, None, None, 256, "max_tokens", "messages")
+    with pytest.raises(APIError, match="empty"):
+        convert.token_budget(0, 5, None, 256, "max_tokens", "prompt")
+
+
+def test_sampling_defaults_follow_openai():
+    p = convert.sampling_params(CompletionRequest(prompt="x"))
+    assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0 and p.seed is None
+    p = convert.sampling_params(CompletionRequest(prompt="x", temperature=0, top_k=-1, min_p=0.1, seed=5,
+                                                  repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=2))
+    assert (p.temperature, p.top_k, p.min_p, p.seed, p.repetition_penalty, p.presence_penalty,
+            p.frequency_penalty) == (0, 0, 0.1, 5, 1.2, -1, 2)
+
+
+def test_unsupported_parameters_are_refused():
+    for kw, param in ((dict(n=3), "n"), (dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"),
+                      (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
+                      (dict(logit_bias={"1": 5}), "logit_bias")):
+        with pytest.raises(APIError) as e:
+            convert.check_completion(CompletionRequest(prompt="x", **kw))
+        assert e.value.param == param and e.value.status == 400
+    msg = [{"role": "user", "content": "x"}]
+    for kw in (dict(tools=[{"type": "function"}]), dict(response_format={"type": "json_object"}),
+               dict(top_logprobs=3)):
+        with pytest.raises(APIError):
+            convert.check_chat(ChatCompletionRequest(messages=msg, **kw))
+    convert.check_chat(ChatCompletionRequest(messages=msg, response_format={"type": "text"}, n=1, logprobs=False))
+
+
+def test_chat_messages_parts_and_refusal():
+    req = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "\ufeffa"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}])
+    assert convert.chat_messages(req) == [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "ab"},
+                                          {"role": "assistant", "content": ""}]
+    img = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}])
+    with pytest.raises(APIError, match="image_url"):
+        convert.chat_messages(img)
+
+
+def test_stop_and_priority():
+    assert convert.stop_list(CompletionRequest(prompt="x", stop="\n")) == ["\n"]
+    assert convert.stop_list(CompletionRequest(prompt="x", stop=["a", "", "b"])) == ["a", "b"]
+    with pytest.raises(APIError):
+        convert.stop_list(CompletionRequest(prompt="x", stop=[str(i) for i in range(17)]))
+    assert convert.priority({}) == ("normal", "realtime")
+    assert convert.priority({"x-priority": " HIGH ", "x-mode": "batch"}) == ("high", "batch")
+    with pytest.raises(APIError, match="X-Mode"):
+        convert.priority({"x-mode": "now"})
+
+
+def test_completion_prompt_forms():
+    class Tok:
+        def encode(self, text):
+            return [1, *[ord(c) % 50 for c in text]]
+
+    f = convert.completion_prompts
+    assert f(CompletionRequest(prompt="ab"), Tok(), 100) == [[1, 47, 48]]
+    assert f(CompletionRequest(prompt=["a", "\u200bb"]), Tok(), 100) == [[1, 47], [1, 48]]
+    assert f(CompletionRequest(prompt=[5, 6]), Tok(), 100) == [[5, 6]]
+    assert f(CompletionRequest(prompt=[[5], [7, 8]]), Tok(), 100) == [[5], [7, 8]]
+    with pytest.raises(APIError, match="out of vocabulary"):
+        f(CompletionRequest(prompt=[[5], [700]]), Tok(), 100)
+    with pytest.raises(APIError, match="at most 64"):
+        f(CompletionRequest(prompt=["x"] * 65), Tok(), 100)
+
+
+def _validation(model, data) -> RequestValidationError:
+    try:
+        model.model_validate(data)
+    except ValidationError as e:
+        return RequestValidationError([{**x, "loc": ("body", *x["loc"])} for x in e.errors()])
+    raise AssertionError("valid")
+
+
+def test_validation_messages_are_one_line_with_the_parameter():
+    msg, param, code = validation_message(_validation(CompletionRequest, {"prompt": 5}))
+    assert param == "prompt" and "matches none of the accepted types" in msg and code == "invalid_value"
+    msg, param, code = validation_message(_validation(ChatCompletionRequest, {}))
+    assert msg == "missing required field 'messages'" and code == "missing_field"
+    msg, param, _ = validation_message(_validation(ChatCompletionRequest, {"messages": [{"role": "robot"}]}))
+    assert param == "messages.0.role" and "\n" not in msg
+    msg, param, _ = validation_message(_validation(CompletionRequest, {"prompt": "x", "top_p": 0}))
+    assert param == "top_p" and "greater than 0" in msg
+
+
+def test_metrics_observe_and_latency_log(tmp_path):
+    log = tmp_path / "sub" / "lat.jsonl"
+    m = ServerMetrics(log)
+    rec = RequestRecord("r1", "chat", "high", "realtime", True, arrival=10.0, outcome="length", prompt_tokens=7,
+                        completion_tokens=5, first_token=10.1, end=10.5, queue_s=0.02)
+    assert rec.ttft_s == pytest.approx(0.1) and rec.tpot_s == pytest.approx(0.1) and rec.e2e_s == pytest.approx(0.5)
+    m.observe(rec)
+    m.reject("queue_full")
+    m.update_engine({"running": 2, "waiting": 3, "kv_usage": 0.25})
+    text = m.render().decode()
+    assert 'trtedge_requests_total{outcome="length"} 1.0' in text
+    assert 'trtedge_requests_total{outcome="queue_full"} 1.0' in text
+    assert "trtedge_prompt_tokens_total 7.0" in text and "trtedge_generation_tokens_total 5.0" in text
+    assert "trtedge_num_requests_waiting 3.0" in text and "trtedge_kv_cache_usage_ratio 0.25" in text
+    assert 'trtedge_time_to_first_token_seconds_bucket{le="0.1"} 1.0' in text
+    assert "trtedge_request_queue_time_seconds_count 1.0" in text
+    m.close()
+    line = json.loads(log.read_text())
+    assert line["request_id"] == "r1" and line["outcome"] == "length" and line["priority"] == "high"
+    assert line["ttft_s"] == pytest.approx(0.1) and line["e2e_s"] == pytest.approx(0.5) and line["queue_s"] == 0.02
+    assert ServerMetrics().registry is not m.registry  # own registries: two apps never collide
+
+
+def _cli() -> typer.Typer:
+    from trtedge.server.commands import register
+
+    app = typer.Typer(pretty_exceptions_enable=False)
+    register(app)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    return app
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["serve", "/no/such/bundle"], "not a bundle directory"),
+    (["serve", ".", "--backend", "gpu"], "--backend"),
+    (["serve", ".", "--num-slots", "0"], "--num-slots"),
+    (["serve", ".", "--request-timeout", "0"], "--request-timeout"),
+    (["serve", ".", "--port", "70000"], "--port"),
+])
+def test_serve_cli_errors_are_one_line(args, needle):
+    r = CliRunner().invoke(_cli(), args)
+    assert isinstance(r.exception, TrtedgeError) and needle in str(r.exception)
+    assert "\n" not in str(r.exception)
