@@ -140,9 +140,11 @@ class Scheduler:
         self.running.append(best)
 
     def _preempt_for(self, want: Sequence, now: float) -> None:
-        """Preempt running sequences ranked ≥ one class below ``want`` (lowest first) if that makes it fit."""
+        """Preempt running sequences of a lower class than ``want`` and ranked ≥ 1 below it after aging
+        (lowest first), if that makes it fit. Aging lets a request through, it never lets it preempt a better class."""
         r = want.effective_rank(now, self.aging_s)
-        victims = sorted((s for s in self.running if s.effective_rank(now, self.aging_s) >= r + 1),
+        victims = sorted((s for s in self.running
+                          if s.rank > want.rank and s.effective_rank(now, self.aging_s) >= r + 1),
                          key=lambda s: (-s.effective_rank(now, self.aging_s), -s.arrival))
         a = self.arena
         free_slots = a.num_slots - a.occupied + len(victims)
