@@ -79,3 +79,25 @@ def test_inconsistent_configs_are_one_line_errors(patch, words):
     with pytest.raises(ConfigError) as e:
         parse_config(dict(BASE, **patch))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_official_style_config_parses_like_transformers():
+    """DeepSeek's own config.json spelling: compress_ratios (+ MTP entry), flat rope_scaling, num_hash_layers."""
+    from transformers import DeepseekV4Config
+
+    d = dict(vocab_size=512, hidden_size=256, moe_intermediate_size=512, num_hidden_layers=6, num_attention_heads=16,
+             num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, q_lora_rank=128, o_lora_rank=128, o_groups=4,
+             max_position_embeddings=4096, sliding_window=16, rope_theta=10000, compress_rope_theta=160000,
+             rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 256, "beta_fast": 32,
+                           "beta_slow": 1},
+             num_nextn_predict_layers=1, compress_ratios=[0, 0, 4, 128, 4, 128, 0], index_n_heads=64,
+             index_head_dim=128, index_topk=16, hc_mult=4, n_routed_experts=8, num_experts_per_tok=2,
+             scoring_func="sqrtsoftplus", topk_method="noaux_tc", num_hash_layers=2)
+    ref = DeepseekV4Config(**d)
+    ours = parse_config(dict(d, model_type="deepseek_v4"))
+    assert ours.layer_types == ref.layer_types and ours.mlp_layer_types == ref.mlp_layer_types
+    assert ours.rope_dim == ref.qk_rope_head_dim == 64
+    for key in ("rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "rope_theta",
+                "attention_factor"):
+        assert ours.rope["compress"][key] == ref.rope_parameters["compress"][key], key
+    assert ours.rope["main"]["rope_theta"] == ref.rope_parameters["main"]["rope_theta"]

@@ -14,7 +14,7 @@ from trtedge.build.models.deepseek_v4.config import CSA, SLIDING, V4Config, pars
 from trtedge.build.models.deepseek_v4.graph import INPUTS, emit_v4_graph
 from trtedge.build.models.deepseek_v4.naming import V4Source, hf_to_official, official_to_hf
 from trtedge.build.models.deepseek_v4.state import state_bytes, state_tensors
-from trtedge.errors import CheckpointError
+from trtedge.errors import CheckpointError, TrtedgeError
 
 __all__ = ["INPUTS", "V4Config", "V4Source", "check_tensors", "emit_graph", "hf_to_official", "official_to_hf",
            "parse_config", "required_tensors", "state_bytes", "state_tensors"]
@@ -72,5 +72,7 @@ def emit_graph(cfg: Any, ckpt: Any, spec: Any, flavor: str, onnx_path: Path, max
                progress: Callable[[int], None] | None = None, **_: Any) -> dict[str, Any]:
     """Write the ``flavor`` graph to ``onnx_path`` and return its manifest entry."""
     c = _v4(cfg)
+    if _.get("awq_scales") is not None:
+        raise TrtedgeError("AWQ is not supported for DeepSeek-V4 yet; build with --method rtn")
     src = check_tensors(c, ckpt)
     return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress)
