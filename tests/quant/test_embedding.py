@@ -12,7 +12,7 @@ from tests.quant.conftest import build_one, run_graph
 from tests.quant.test_ggml import make_blocks
 from trtedge.build.engine.check import check_onnx_file
 from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.embedding import emit_embedding
+from trtedge.build.graph.embedding import embedding_reference, emit_embedding
 from trtedge.build.graph.linear import emit_lm_head
 from trtedge.build.quant.spec import QuantSpec
 
@@ -109,3 +109,19 @@ def test_rank1_ids_and_per_row_scales(tmp_path, rng):
     y = run_graph(path, {"x": ids})
     amax = np.abs(w[ids]).max(-1, keepdims=True)
     assert y.shape == (4, h) and np.all(np.abs(y - w[ids]) <= amax / 254 * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("source", ["float", "Q8_0", "Q4_1", "float40"])
+@pytest.mark.parametrize("scheme", ["fp32", "fp16", "w8a16", "w4a16"])
+@pytest.mark.parametrize("flavor", ["cpu", "trt"])
+def test_embedding_reference_is_exact(tmp_path, rng, source, scheme, flavor):
+    if source == "float40":
+        w, h = rng.standard_normal((V, 40)).astype(np.float32), 40
+    elif source == "float":
+        w, h = rng.standard_normal((V, H)).astype(np.float32), H
+    else:
+        w, h = make_blocks(rng, source, n=V, k=H, shift=0.02), H
+    ids = rng.integers(0, V, size=(2, 3))
+    path = build_one(tmp_path, lambda gb, x: emit_embedding(gb, x, w, QuantSpec(scheme, 64), flavor), None,
+                     ["b", "t", h], in_type=TensorProto.INT64, in_shape=["b", "t"])
+    np.testing.assert_array_equal(run_graph(path, {"x": ids}), embedding_reference(w, QuantSpec(scheme, 64), flavor)[ids])

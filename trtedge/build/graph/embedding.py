@@ -16,9 +16,9 @@ import numpy as np
 from onnx import TensorProto
 
 from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.table8 import Table8, float_weight, int8_table, weight_shape
+from trtedge.build.graph.table8 import Table8, float_weight, grid_to_float, int8_table, w8_grid, weight_shape
 from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
-from trtedge.build.quant.rtn import quantize_rtn
+from trtedge.build.quant.rtn import fake_quantize, quantize_rtn
 from trtedge.build.quant.spec import FLAVORS, QuantSpec
 from trtedge.build.tensors import GGMLBlocks
 from trtedge.errors import TrtedgeError
@@ -94,3 +94,18 @@ def emit_embedding(gb: GraphBuilder, ids: str, weight: np.ndarray | GGMLBlocks, 
     # fp16, and the trt flavor's quantized schemes: TensorRT 10.3 Gathers no INT8/UINT8 (engine/check.py)
     g = gb.op("Gather", [gb.weight(f"{name}.weight", w.astype(np.float16)), ids], axis=0, name=f"{name}/Gather")
     return gb.op("Cast", [g], to=TensorProto.FLOAT, name=f"{name}/cast")
+
+
+def embedding_reference(weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str) -> np.ndarray:
+    """float32 ``[vocab, hidden]``: exactly the rows ``emit_embedding`` produces (for numerics references)."""
+    if flavor == "cpu" and spec.quantized:
+        if not isinstance(weight, GGMLBlocks) or weight.ggml_type == "Q8_0":
+            grid = w8_grid(weight, spec, "embedding")
+            if grid is not None:
+                return grid_to_float(*grid)
+        if isinstance(weight, GGMLBlocks) and weight.ggml_type in CARRIED:
+            return weight.dequantize()
+        w = float_weight(weight)
+        return fake_quantize(w, 8, embedding_block(w.shape[1], spec))
+    w = float_weight(weight)
+    return w if spec.scheme == "fp32" else w.astype(np.float16).astype(np.float32)
