@@ -42,8 +42,9 @@ def rope_tables(o: Ops, pos_f: str, inv: str, factor: float) -> tuple[str, str]:
 class CompressorEmitter:
     """One compressor (the attention's or the indexer's): raw-token buffer → new compressed entries."""
 
-    def __init__(self, o: Ops, ctx: StepCtx, m: int, dim: int, overlap: bool) -> None:
+    def __init__(self, o: Ops, ctx: StepCtx, m: int, dim: int, overlap: bool, rope_dim: int, eps: float) -> None:
         self.o, self.ctx, self.m, self.dim, self.overlap = o, ctx, m, dim, overlap
+        self.rope_dim, self.eps = rope_dim, eps
         self.buf = 2 * m if overlap else m  # raw tokens kept: enough for the previous + current window
 
     def emit(self, x: str, name: str, w: dict[str, np.ndarray], raw_kv: str, raw_gate: str,
@@ -79,10 +80,10 @@ class CompressorEmitter:
         if self.overlap:  # previous window contributes its first half (Ca), the current one its second (Cb)
             kv_w = o.concat([o.slice(o.slice(kv_w, 0, m, 2), 0, d, 3), o.slice(o.slice(kv_w, m, 2 * m, 2), d, 2 * d, 3)], 2)
             g_w = o.concat([o.slice(o.slice(g_w, 0, m, 2), 0, d, 3), o.slice(o.slice(g_w, m, 2 * m, 2), d, 2 * d, 3)], 2)
-        g_w = o.where(o.unsqueeze(valid, [3]), g_w, o.f32(-np.inf))
+        g_w = o.where(o.unsqueeze(valid, [3]), g_w, o.f32(NEG))
         prob = o.op("Softmax", g_w, axis=2)
         pooled = o.reduce("ReduceSum", o.mul(kv_w, prob), 2, keep=False)  # [B, K, d]
-        pooled = o.rmsnorm(pooled, w["kv_norm"], self.ctx_eps, f"{name}.kv_norm")
+        pooled = o.rmsnorm(pooled, w["kv_norm"], self.eps, f"{name}.kv_norm")
         inv, factor = self.ctx.rope_inv["compress"]
         cos, sin = rope_tables(o, o.cast(o.mul(win, o.i64(m)), TensorProto.FLOAT), inv, factor)
         pooled = o.rope(pooled, cos, sin, self.rope_dim, d)
@@ -93,9 +94,6 @@ class CompressorEmitter:
         upd = o.where(o.unsqueeze(complete, [2]), pooled, old)
         return new_kv, new_gate, o.op("ScatterND", entries, idx, upd)
 
-    ctx_eps: float = 1e-6
-    rope_dim: int = 0
-
 
 class AttentionEmitter:
     """Emits one layer's attention; ``state`` maps state keys to (input name, output name)."""
@@ -104,9 +102,7 @@ class AttentionEmitter:
         self.o, self.cfg, self.ctx, self.max_seq = o, cfg, ctx, max_seq
 
     def _compressor(self, m: int, dim: int, overlap: bool) -> CompressorEmitter:
-        c = CompressorEmitter(self.o, self.ctx, m, dim, overlap)
-        c.ctx_eps, c.rope_dim = self.cfg.rms_norm_eps, self.cfg.rope_dim
-        return c
+        return CompressorEmitter(self.o, self.ctx, m, dim, overlap, self.cfg.rope_dim, self.cfg.rms_norm_eps)
 
     def emit(self, layer: int, x: str, w: dict[str, Any], state: dict[str, tuple[str, str]]) -> tuple[str, dict[str, str]]:
         """Returns (attention output [B, S, hidden], {state key: new value})."""
@@ -177,7 +173,7 @@ class AttentionEmitter:
                   o.f32(di ** -0.5))  # [B, S, Hi, Nc]
         wts = o.mul(o.linear(x, f"{pre}.weights_proj", w["weights_proj"], quantize=False), o.f32(hi ** -0.5))
         score = o.reduce("ReduceSum", o.mul(s, o.unsqueeze(wts, [3])), 2, keep=False)  # [B, S, Nc]
-        score = o.where(visible, score, o.f32(-np.inf))
+        score = o.where(visible, score, o.f32(NEG))
         n_c = n_entries(self.max_seq, m)
         k = min(c.index_topk, n_c)
         _, top = o.gb.op("TopK", [score, o.i64([k])], n_out=2, axis=-1, largest=1, sorted=1)

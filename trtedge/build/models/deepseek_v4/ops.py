@@ -15,8 +15,11 @@ from trtedge.build.graph.embedding import emit_embedding
 from trtedge.build.graph.linear import emit_linear, emit_lm_head
 from trtedge.build.quant.spec import QuantSpec
 
-NEG = -1e30  # masked attention logits: exp() underflows to exactly 0 in float32
-INT_MAX = np.iinfo(np.int64).max
+# Masked logits / gates: exp() underflows to exactly 0 in float32; finite, so a row with nothing
+# valid (a candidate window not yet open) yields uniform weights instead of NaN.
+NEG = -1e30
+ELEM_FLOAT = TensorProto.FLOAT
+ELEM_INT64 = TensorProto.INT64
 
 
 class Ops:
@@ -155,7 +158,3 @@ class Ops:
         spec = self.spec if self.spec is not None else QuantSpec(scheme="fp32")
         return emit_lm_head(self.gb, x, np.asarray(weight, dtype=np.float32), spec, self.flavor)
 
-
-ELEM_FLOAT = TensorProto.FLOAT
-ELEM_INT64 = TensorProto.INT64
-ELEM_BOOL = TensorProto.BOOL
