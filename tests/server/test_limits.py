@@ -103,6 +103,11 @@ def test_request_timeout(tiny_bundle):
         assert r.status_code == 408, r.text
         err = r.json()["error"]
         assert err["code"] == "request_timeout" and "0.3" in err["message"]
+        assert r.headers["x-should-retry"] == "false"
+        with pytest.raises(openai.APIStatusError) as e:  # not retried
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=2).completions.create(
+                model="m", prompt="t", max_tokens=200, temperature=0)
+        assert e.value.status_code == 408
         # streaming: the stream ends with an error event the openai client raises on
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIError, match="timeout"):
@@ -111,7 +116,7 @@ def test_request_timeout(tiny_bundle):
         short = httpx.post(srv.url + "/v1/completions", json={"prompt": "t", "max_tokens": 3, "temperature": 0})
         assert short.status_code == 200
         m = httpx.get(srv.url + "/metrics").text
-        assert metric(m, "trtedge_requests_total", 'outcome="timeout"') == 2
+        assert metric(m, "trtedge_requests_total", 'outcome="timeout"') == 3  # 3, not 5: no retries
 
 
 def test_overlong_prompt_gives_numbers(server):

@@ -210,3 +210,17 @@ def test_health_metrics_and_latency_log(server, client):
     last = lines[-1]
     assert last["outcome"] in ("stop", "length") and last["completion_tokens"] >= 1
     assert last["ttft_s"] > 0 and last["e2e_s"] >= last["ttft_s"] and "request_id" in last
+
+
+def test_reused_request_id_concurrently(server):
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"prompt": "same id", "max_tokens": 20, "temperature": 0}
+            return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body,
+                                                 headers={"X-Request-Id": "dup"}) for _ in range(3)))
+
+    rs = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200, 200, 200]
+    assert {r.json()["choices"][0]["text"] for r in rs} == {rs[0].json()["choices"][0]["text"]}

@@ -113,6 +113,8 @@ def test_chat_messages_parts_and_refusal():
         {"type": "image_url", "image_url": {"url": "http://x"}}]}])
     with pytest.raises(APIError, match="image_url"):
         convert.chat_messages(img)
+    with pytest.raises(APIError, match="no 'text' field"):
+        convert.chat_messages(ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}]))
 
 
 def test_stop_and_priority():

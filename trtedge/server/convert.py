@@ -84,7 +84,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         else:
             texts = []
             for part in m.content:
-                if part.type != "text" or not hasattr(part, "text"):
+                if part.type == "text" and not hasattr(part, "text"):
+                    raise bad("a content part of type 'text' has no 'text' field", param)
+                if part.type != "text":
                     raise bad(f"content part of type {part.type!r} is not supported (this model reads text only)",
                               param, "unsupported_value")
                 texts.append(part.text)

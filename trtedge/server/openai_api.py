@@ -7,6 +7,7 @@ A request becomes one engine request per prompt; their events are merged into on
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,6 +32,7 @@ from trtedge.server.schemas import (
 from trtedge.server.state import ServerState
 
 router = APIRouter()
+_serial = itertools.count()  # engine ids stay unique even when clients reuse an X-Request-Id
 _STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}}
 
 
@@ -109,7 +111,7 @@ async def _serve(request: Request, s: ServerState, body: ChatCompletionRequest |
         for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
             erid = rid if len(prompts) == 1 else f"{rid}-{i}"
             handles.append(s.engine.submit(convert.engine_request(ids, budget, body, stops, pr, mode,
-                                                                  s.request_timeout, erid)))
+                                                                  s.request_timeout, f"{erid}#{next(_serial)}")))
             recs.append(RequestRecord(erid, endpoint, pr, mode, bool(body.stream), arrival,
                                       prompt_tokens=len(ids)))
     except QueueFullError as e:
@@ -194,8 +196,11 @@ _FAILURES = {
 
 def _failure(s: ServerState, ev: Any) -> APIError:
     status, typ, code, msg = _FAILURES[ev.finish_reason]
+    # openai clients retry 408 by default; the same request would time out again
+    headers = {"x-should-retry": "false"} if ev.finish_reason == "timeout" else None
     return APIError(status, msg.format(t=s.request_timeout, n=ev.completion_tokens,
-                                       err=getattr(ev, "error", None) or "unknown error"), code, type=typ)
+                                       err=getattr(ev, "error", None) or "unknown error"), code, type=typ,
+                    headers=headers)
 
 
 async def _stream(s: ServerState, w: sse.ChunkWriter, handles: list[Any], recs: list[RequestRecord]
