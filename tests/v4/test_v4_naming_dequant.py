@@ -86,3 +86,41 @@ def test_bad_source_dtypes(raw, scale, words):
     with pytest.raises(CheckpointError) as e:
         dequantize(raw, scale, "layers.0.attn.wq_a.weight")
     assert words in str(e.value) and "layers.0.attn.wq_a.weight" in str(e.value) and "\n" not in str(e.value)
+
+
+class _DictReader:
+    """The reader interface over a dict of numpy arrays (names as stored)."""
+
+    def __init__(self, d: dict) -> None:
+        self.d = d
+
+    def names(self) -> list[str]:
+        return list(self.d)
+
+    def get_raw(self, name: str) -> np.ndarray:
+        return self.d[name]
+
+
+def test_hf_named_fp8_stacked_experts_dequantize_per_expert():
+    """In-memory HF names with FP8 stacked experts ([E, 2I, D] + ``gate_up_proj_scale_inv``) slice per expert."""
+    from trtedge.build.models.deepseek_v4 import V4Source
+
+    rng = np.random.default_rng(2)
+    e, inter, d = 3, 64, 128
+    gu, dn = rng.standard_normal((e, 2 * inter, d)).astype(np.float32), rng.standard_normal((e, d, inter)).astype(np.float32)
+    q_gu, s_gu = quantize_fp8_blocks(gu, 128, ue8m0=False)
+    q_dn, s_dn = quantize_fp8_blocks(dn, 128, ue8m0=True)
+    p = "model.layers.0.mlp.experts"
+    qw, sw = quantize_fp8_blocks(rng.standard_normal((64, 128)).astype(np.float32), 128)
+    src = V4Source(_DictReader({f"{p}.gate_up_proj": q_gu, f"{p}.gate_up_proj_scale_inv": s_gu,
+                                f"{p}.down_proj": q_dn, f"{p}.down_proj_scale_inv": s_dn,
+                                "model.layers.0.self_attn.q_a_proj.weight": qw,
+                                "model.layers.0.self_attn.q_a_proj.weight_scale_inv": sw}))
+    assert not src.official and src.has("model.layers.0.self_attn.q_a_proj.weight")
+    assert not src.has("model.layers.0.self_attn.q_a_proj.weight_scale_inv")
+    full_gu, full_dn = dequant_fp8_blocks(q_gu, s_gu, "gu"), dequant_fp8_blocks(q_dn, s_dn, "dn")
+    for i in range(e):
+        g, u, dd = src.expert(0, i, inter)
+        assert np.array_equal(g, full_gu[i, :inter]) and np.array_equal(u, full_gu[i, inter:])
+        assert np.array_equal(dd, full_dn[i])
+    assert np.array_equal(src.get("model.layers.0.self_attn.q_a_proj.weight"), dequant_fp8_blocks(qw, sw, "w"))
