@@ -4,7 +4,7 @@ Prints
   1. aggregate decode tokens/s at 1, 2, 4, 8 concurrent streams (steady state: the window in which
      every stream is decoding) and the ratio to one stream;
   2. time between tokens of 4 decoding streams while a 2,000-token prompt arrives, without
-     chunked prefill (the whole prompt in one step) and with chunks of 256 / 512;
+     chunked prefill (the whole prompt in one step) and with chunks of 512 / 128;
   3. TTFT of requests that share a 500-token system prompt, with and without prefix reuse.
 
   python benchmarks/serving_engine.py [--bundle BUNDLE] [--threads 2] [--tokens 64]
@@ -78,7 +78,7 @@ async def scaling(bundle: str, threads: int | None, n_tokens: int) -> None:
 
 async def long_prompt(bundle: str, threads: int | None, n_long: int) -> None:
     print(f"2. time between tokens of 4 decoding streams while a {n_long}-token prompt arrives")
-    for chunk in (4096, 512, 256):
+    for chunk in (4096, 512, 128):
         eng = LLMEngine(bundle, backend="onnxruntime", num_slots=5, threads=threads, prefill_chunk=chunk,
                         prefix_cache=False)
         await eng.start()

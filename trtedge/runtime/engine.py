@@ -87,7 +87,9 @@ class LLMEngine:
         states = getattr(self.backend, "states", [])
         prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, kv_blocks, prefix_ok)
-        self.scheduler = Scheduler(self.arena, prefill_chunk, aging_s, preemption)
+        # A chunk larger than the backend's prefill profile would be split inside one step anyway.
+        chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
+        self.scheduler = Scheduler(self.arena, chunk, aging_s, preemption)
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
