@@ -224,3 +224,16 @@ def test_reused_request_id_concurrently(server):
     rs = asyncio.run(go())
     assert [r.status_code for r in rs] == [200, 200, 200]
     assert {r.json()["choices"][0]["text"] for r in rs} == {rs[0].json()["choices"][0]["text"]}
+
+
+def test_jetson_gauges_in_metrics(server, monkeypatch):
+    """On a Jetson the tegrastats sampler's flat gauges appear in /metrics (faked reader here)."""
+    from trtedge.server import health
+
+    monkeypatch.setattr(health, "gpu_state", lambda: {"gpu": True, "kind": "jetson", "metrics": {
+        "jetson_gpu_load_percent": 42.0, "jetson_rail_VDD_IN_mw": 5100, "bad": "x"}})
+    monkeypatch.setattr(server.state, "tegrastats", True)
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "trtedge_jetson_gpu_load_percent") == 42.0
+    assert metric(text, "trtedge_jetson_rail_VDD_IN_mw") == 5100.0
+    assert "trtedge_bad" not in text

@@ -64,4 +64,8 @@ async def metrics(request: Request) -> Response:
             s.metrics.update_engine(s.engine.stats())
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is stopping
             pass
+    if s.tegrastats:
+        dev = await asyncio.to_thread(gpu_state)
+        s.metrics.update_device({k: float(v) for k, v in (dev.get("metrics") or {}).items()
+                                 if isinstance(v, (int, float))})
     return Response(s.metrics.render(), media_type=CONTENT_TYPE)

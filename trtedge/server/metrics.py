@@ -80,6 +80,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("trtedge_generation_tokens", "Tokens generated", registry=r)
         self.http_inflight = Gauge("trtedge_http_requests_in_flight", "Generation requests being served",
                                    registry=r)
+        self._device: dict[str, Gauge] = {}
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
         self._lock = threading.Lock()
@@ -124,6 +125,15 @@ class ServerMetrics:
         self.running.set(get("running", 0) or 0)
         self.waiting.set(get("waiting", 0) or 0)
         self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
+
+    def update_device(self, values: dict[str, float]) -> None:
+        """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as trtedge_<name>."""
+        for name, v in values.items():
+            key = "trtedge_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+            g = self._device.get(key)
+            if g is None:
+                g = self._device[key] = Gauge(key, f"{name} (tegrastats)", registry=self.registry)
+            g.set(v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -35,6 +35,7 @@ class ServerState:
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
+        self.tegrastats = False
         self.started_at = int(time.time())
         self.on_load_error: Callable[[str], None] | None = None
         self._idle = asyncio.Event()
@@ -50,6 +51,7 @@ class ServerState:
 
     async def start(self) -> None:
         """Begin loading (returns at once; readiness follows when the engine is up and warm)."""
+        self.tegrastats = _start_tegrastats()
         self._load_task = asyncio.create_task(self._load())
 
     async def _load(self) -> None:
@@ -125,4 +127,18 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self.tegrastats:
+            from trtedge.jetson.gpu_health import stop_tegrastats
+
+            stop_tegrastats()
         self.metrics.close()
+
+
+def _start_tegrastats() -> bool:
+    """On a Jetson, sample tegrastats in the background for /health/gpu and /metrics; False elsewhere."""
+    try:
+        from trtedge.jetson.gpu_health import start_tegrastats
+
+        return start_tegrastats()
+    except Exception:  # noqa: BLE001 - device extras must never stop the server
+        return False
