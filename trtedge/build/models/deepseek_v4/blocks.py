@@ -1,7 +1,8 @@
 """mHC hyper-connections and the MoE block (hash / top-k routed experts + shared expert).
 
-MoE strategy per flavor: ``cpu`` gathers each expert's tokens (NonZero → Gather → expert MLP →
-ScatterND add), so per-token cost grows with the selected experts only; ``trt`` runs every expert
+MoE strategy per flavor: ``cpu`` runs each expert inside an ``If`` taken only when some token picked
+it, and there gathers that expert's tokens (NonZero → Gather → expert MLP → ScatterND add), so the
+work per token grows with the selected experts (an idle expert costs two tiny nodes); ``trt`` runs every expert
 densely on all tokens and masks by the combine weight (no data-dependent shapes, so the decode step
 stays CUDA-graph capturable), so its cost grows with the number of experts.
 """
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from onnx import TensorProto, helper
 
 from trtedge.build.models.deepseek_v4.config import V4Config
 from trtedge.build.models.deepseek_v4.ops import Ops
@@ -104,15 +106,36 @@ class MoE:
         combine = o.reduce("ReduceSum", o.mul(onehot, o.unsqueeze(wts, [-1])), 1, keep=False)  # [N, E]
         hit = o.reduce("ReduceSum", onehot, 1, keep=False)
         out = self.mlp(flat, f"{pre}.shared", w["shared_gate"], w["shared_up"], w["shared_down"])
+        if o.flavor == "cpu":
+            routed = o.op("Greater", o.transpose(hit, [1, 0]), o.f32(0.0))  # [E, N]
+            used = o.op("Greater", o.reduce("ReduceSum", hit, 0, keep=False), o.f32(0.0))  # [E]
         for e in range(n_exp):
             g, u, d = expert(e)
             name = f"{pre}.experts.{e}"
-            cw = o.pick(combine, e, 1)  # [N]
             if o.flavor == "cpu":
-                rows = o.reshape(o.op("NonZero", o.op("Greater", o.pick(hit, e, 1), o.f32(0.0))), [-1])
-                y = self.mlp(o.gather(flat, rows, 0), name, g, u, d)
-                y = o.mul(y, o.unsqueeze(o.gather(cw, rows, 0), [1]))
-                out = o.gb.op("ScatterND", [out, o.unsqueeze(rows, [1]), y], reduction="add")
+                out = self._routed_cpu(flat, out, name, (g, u, d), o.pick(routed, e, 0), o.pick(combine, e, 1),
+                                       o.pick(used, e, 0))
             else:
-                out = o.add(out, o.mul(self.mlp(flat, name, g, u, d), o.unsqueeze(cw, [1])))
+                out = o.add(out, o.mul(self.mlp(flat, name, g, u, d), o.unsqueeze(o.pick(combine, e, 1), [1])))
         return o.reshape(out, o.op("Shape", x))
+
+    def _routed_cpu(self, flat: str, acc: str, name: str, w: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    routed: str, cw: str, used: str) -> str:
+        """acc + expert(routed tokens) · weight, inside an If so an unselected expert costs two nodes."""
+        o, gb = self.o, self.o.gb
+        outer = gb.nodes
+        gb.nodes = []
+        try:
+            rows = o.reshape(o.op("NonZero", routed), [-1])
+            y = self.mlp(o.gather(flat, rows, 0), name, *w)
+            y = o.mul(y, o.unsqueeze(o.gather(cw, rows, 0), [1]))
+            then_out = gb.op("ScatterND", [acc, o.unsqueeze(rows, [1]), y], reduction="add")
+            then_nodes = gb.nodes
+        finally:
+            gb.nodes = outer
+        else_node = helper.make_node("Identity", [acc], [f"{name}/skip_out"], name=f"{name}/skip")
+        branch = [helper.make_tensor_value_info(then_out, TensorProto.FLOAT, None)]
+        then_g = helper.make_graph(then_nodes, f"{name}/run", [], branch)
+        else_g = helper.make_graph([else_node], f"{name}/skip",
+                                   [], [helper.make_tensor_value_info(f"{name}/skip_out", TensorProto.FLOAT, None)])
+        return gb.op("If", [used], name=f"{name}/if", then_branch=then_g, else_branch=else_g)
