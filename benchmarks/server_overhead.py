@@ -19,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,10 +28,11 @@ import httpx
 from trtedge.bench.inprocess import free_port
 
 
-def start_server(bundle: Path, threads: int, slots: int) -> tuple[subprocess.Popen, str]:
+def start_server(bundle: Path, threads: int, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "trtedge", "serve", str(bundle), "--host", "127.0.0.1", "--port",
-                             str(port), "--threads", str(threads), "--num-slots", str(slots), "--log-level", "warning"],
+                             str(port), "--threads", str(threads), "--num-slots", str(slots), "--log-level", "warning",
+                             "--latency-log", str(log)],
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -62,10 +64,10 @@ class RawClient:
         sock = self.writer.get_extra_info("socket")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def request_bytes(self, path: str, body: dict) -> bytes:
+    def request_bytes(self, path: str, body: dict, request_id: str) -> bytes:
         data = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n")
+                f"X-Request-Id: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n")
         return head.encode() + data
 
     async def first_token(self, raw: bytes) -> float:
@@ -126,7 +128,9 @@ def summary(xs: list[float]) -> str:
 async def main_async(args: argparse.Namespace) -> None:
     from trtedge.runtime.engine import LLMEngine
 
-    proc, url = start_server(args.bundle, args.threads, args.slots)
+    tmp = tempfile.TemporaryDirectory()
+    log = Path(tmp.name) / "latency.jsonl"
+    proc, url = start_server(args.bundle, args.threads, args.slots, log)
     engine = LLMEngine(args.bundle, backend="onnxruntime", num_slots=args.slots, threads=args.threads)
     await engine.start()
     try:
@@ -134,14 +138,18 @@ async def main_async(args: argparse.Namespace) -> None:
         await client.connect()
         for chat in (False, True):
             name = "chat" if chat else "completions"
-            raw = client.request_bytes(*http_body(args.prompt, chat))
-            for _ in range(args.warmup):
-                await client.first_token(raw)
+            path, body = http_body(args.prompt, chat)
+            for i in range(args.warmup):
+                await client.first_token(client.request_bytes(path, body, f"warm-{name}-{i}"))
                 await engine_ttft(engine, args.prompt, chat)
-            h, e = [], []
-            for _ in range(args.n):
-                h.append(await client.first_token(raw))
+            h, e, ids = [], [], []
+            for i in range(args.n):
+                ids.append(f"{name}-{i}")
+                h.append(await client.first_token(client.request_bytes(path, body, ids[-1])))
                 e.append(await engine_ttft(engine, args.prompt, chat))
+            await asyncio.sleep(0.2)  # the server writes the log line after the last chunk
+            logged = {d["request_id"]: d for d in map(json.loads, log.read_text().splitlines())}
+            same = [a - logged[k]["engine_ttft_s"] for a, k in zip(h, ids, strict=True) if k in logged]
             diff = [a - b for a, b in zip(h, e, strict=True)]
             print(f"{name} (n={args.n}, prompt {args.prompt!r}, 1 token, streaming)")
             print(f"  TTFT through HTTP   {summary(h)}")
@@ -149,6 +157,7 @@ async def main_async(args: argparse.Namespace) -> None:
             print(f"  shim overhead       median(HTTP) - median(in-process) = "
                   f"{(statistics.median(h) - statistics.median(e)) * 1e3:.2f} ms; "
                   f"median of paired differences = {statistics.median(diff) * 1e3:.2f} ms")
+            print(f"  same request        HTTP TTFT - the server engine's own TTFT (latency log): {summary(same)}")
         await client.close()
         async with httpx.AsyncClient(timeout=60) as hc:  # what a Python app using httpx sees, for context
             path, body = http_body(args.prompt, False)
@@ -167,6 +176,7 @@ async def main_async(args: argparse.Namespace) -> None:
         await engine.stop(0)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+        tmp.cleanup()
 
 
 def main() -> None:

@@ -182,6 +182,7 @@ def _note(rec: RequestRecord, handle: Any, ev: Any, now: float) -> None:
         rec.outcome = ev.finish_reason
         rec.end = now
         rec.queue_s = getattr(handle.metrics, "queue_time", None)
+        rec.extra["engine_ttft_s"] = getattr(handle.metrics, "ttft", None)  # submit → token, inside the engine
 
 
 _FAILURES = {
