@@ -237,3 +237,10 @@ def test_jetson_gauges_in_metrics(server, monkeypatch):
     assert metric(text, "trtedge_jetson_gpu_load_percent") == 42.0
     assert metric(text, "trtedge_jetson_rail_VDD_IN_mw") == 5100.0
     assert "trtedge_bad" not in text
+
+
+def test_long_prompt_tokenized_off_the_loop(server, reference):
+    text = "long " * 1700 + "end"  # > 8192 characters: tokenized in a worker thread; over the context
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "8504 tokens" in r.json()["error"]["message"]

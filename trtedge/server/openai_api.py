@@ -32,7 +32,8 @@ from trtedge.server.schemas import (
 from trtedge.server.state import ServerState
 
 router = APIRouter()
-_serial = itertools.count()  # engine ids stay unique even when clients reuse an X-Request-Id
+_serial = itertools.count()
+_INLINE_CHARS = 8192  # engine ids stay unique even when clients reuse an X-Request-Id
 _STREAM_DOC = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream is true"}}
 
 
@@ -66,7 +67,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     try:
         convert.check_chat(body)
         messages = convert.chat_messages(body)
-        ids = s.engine.tokenizer.encode_chat(messages)
+        size = sum(len(m["content"]) for m in messages)
+        ids = await _offload(size, s.engine.tokenizer.encode_chat, messages)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [convert.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]
@@ -81,13 +83,22 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     s = _state(request)
     try:
         convert.check_completion(body)
-        prompts = convert.completion_prompts(body, s.engine.tokenizer, _vocab(s))
+        size = len(body.prompt) if isinstance(body.prompt, str) else sum(
+            len(p) for p in body.prompt if isinstance(p, str))
+        prompts = await _offload(size, convert.completion_prompts, body, s.engine.tokenizer, _vocab(s))
         budgets = [convert.token_budget(len(p), body.max_tokens, 16, s.engine.max_seq_len, "max_tokens", "prompt")
                    for p in prompts]
     except (APIError, TrtedgeError):
         s.metrics.reject("invalid")
         raise
     return await _serve(request, s, body, prompts, budgets, chat=False)
+
+
+async def _offload(size: int, fn: Any, *args: Any) -> Any:
+    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster)."""
+    if size > _INLINE_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _vocab(s: ServerState) -> int:
