@@ -18,12 +18,17 @@ def test_trt_graph_passes_trt_10_3_op_check(v4, schedule, scheme):
     assert "NonZero" not in report.op_counts  # dense masked experts: no data-dependent shapes on TensorRT
 
 
-def test_cpu_moe_gathers_tokens_per_expert(v4):
-    """cpu flavor: each expert runs only on its routed tokens (NonZero → Gather → ScatterND add)."""
+def test_cpu_moe_runs_only_selected_experts(v4):
+    """cpu flavor: each expert is an If taken only when routed to, and gathers just its tokens inside."""
     import onnx
 
     r = v4.runner(v4.hf_dir("a"), "cpu")
     m = onnx.load(r.sess._model_path, load_external_data=False)
     cfg = v4.model("a").config
-    n = sum(1 for x in m.graph.node if x.op_type == "NonZero")
-    assert n == cfg.num_hidden_layers * cfg.n_routed_experts
+    ifs = [x for x in m.graph.node if x.op_type == "If"]
+    assert len(ifs) == cfg.num_hidden_layers * cfg.n_routed_experts
+    for node in ifs:
+        then = next(a.g for a in node.attribute if a.name == "then_branch")
+        ops = [n.op_type for n in then.node]
+        assert "NonZero" in ops and ops[-1] == "ScatterND"
+        assert not any(n.op_type == "MatMul" for n in then.node if "experts" not in n.name)
