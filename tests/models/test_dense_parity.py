@@ -59,24 +59,27 @@ def test_logits_match_transformers(built, tiny_dense, variant, quant, tol):
         assert rel_err(dec, pre) < max(tol, 1e-4), (flavor, "decode vs prefill")
 
 
-def fake_quant_reference(ckpt, ids, group, scale_dtype=np.float32):
-    """transformers with every linear fake-quantized to INT4 (and the embedding table to int8 blocks)."""
+def fake_quant_reference(ckpt, ids, group, flavor):
+    """transformers with every linear fake-quantized to INT4, the head to int8 per channel, and the
+    embedding table exactly as the graph stores it."""
     from transformers import AutoModelForCausalLM
 
-    from trtedge.build.graph.embedding import embedding_block
+    from trtedge.build.graph.embedding import embedding_reference
     from trtedge.build.quant.rtn import fake_quantize
     from trtedge.build.quant.spec import QuantSpec
 
+    spec = QuantSpec(scheme="w4a16", group_size=group)
+    # The trt flavor stores fp16 scales (TensorRT computes in fp16); the cpu flavor float32 ones.
+    sdt = np.float16 if flavor == "trt" else np.float32
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         head_w = model.lm_head.weight.detach().numpy().copy()
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear) and name != "lm_head":
-                mod.weight.copy_(torch.from_numpy(fake_quantize(mod.weight.numpy(), 4, group, scale_dtype)))
-        blk = embedding_block(emb.shape[1], QuantSpec(scheme="w4a16", group_size=group))
-        head_q = fake_quantize(head_w, 4, group, scale_dtype)
-        emb.copy_(torch.from_numpy(fake_quantize(emb.numpy(), 8, blk)))
+                mod.weight.copy_(torch.from_numpy(fake_quantize(mod.weight.numpy(), 4, group, sdt)))
+        head_q = fake_quantize(head_w, 8, None, sdt)
+        emb.copy_(torch.from_numpy(embedding_reference(emb.numpy().copy(), spec, flavor)))
         hidden = model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
     return hidden @ head_q.T
 
@@ -87,9 +90,7 @@ def test_w4a16_graph_equals_fake_quantized_reference(built, tiny_dense, variant)
     ref = reference_logits(tiny_dense(variant), IDS)
     bundle = built(variant, "w4a16")
     for flavor in ("cpu", "trt"):
-        # The trt flavor stores fp16 scales (TensorRT computes in fp16); the cpu flavor float32 ones.
-        ref_q = fake_quant_reference(tiny_dense(variant), IDS, group=64,
-                                     scale_dtype=np.float16 if flavor == "trt" else np.float32)
+        ref_q = fake_quant_reference(tiny_dense(variant), IDS, group=64, flavor=flavor)
         be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0)
         out = compute_logits(be, IDS, "decode")
         assert rel_err(out, ref_q) < 2e-3, (flavor, rel_err(out, ref_q))

@@ -18,11 +18,16 @@ N, K = 96, 256
 
 
 def ref_dequant(w: np.ndarray, scheme: str, group: int, scale_dtype=np.float32) -> np.ndarray:
-    """Independent re-statement of the schemes: symmetric, amax/qmax, round half to even."""
+    """The weight each scheme stands for: int8 re-stated independently (amax/127, round half to even);
+    int4 is the quantizer's own grid (its search is tested in test_rtn.py)."""
     if scheme == "fp32":
         return w
     if scheme == "fp16":
         return w.astype(np.float16).astype(np.float32)
+    if scheme == "w4a16":
+        from trtedge.build.quant.rtn import fake_quantize
+
+        return fake_quantize(w, 4, group, scale_dtype)
     qmax, gs = (7, group) if scheme == "w4a16" else (127, w.shape[1])
     g = w.reshape(w.shape[0], -1, gs)
     s = (np.abs(g).max(-1, keepdims=True) / qmax).astype(scale_dtype).astype(np.float32)
@@ -100,7 +105,7 @@ def test_trt_graph_is_tensorrt_int4(tmp_path, rng):
         assert q.data_type == TensorProto.INT4 and list(q.dims) == [K, N]
         assert s.data_type == TensorProto.FLOAT16 and list(s.dims) == [K // gs, N]
         codes = unpack_int4(q.raw_data, K * N).reshape(K, N)
-        assert codes.min() >= -7 and codes.max() <= 7
+        assert codes.min() >= -8 and codes.max() <= 7
         deq = (codes.reshape(K // gs, gs, N) * numpy_helper.to_array(s).astype(np.float32)[:, None]).reshape(K, N)
         np.testing.assert_allclose(deq.T, ref_dequant(w, "w4a16", gs, np.float16), atol=1e-6)
         assert quantized_bytes((N, K), spec) == len(q.raw_data) + len(s.raw_data)
@@ -150,16 +155,17 @@ def test_lm_head_stays_8bit(tmp_path, rng):
     assert next(a.i for a in node.attribute if a.name == "bits") == 8
 
 
-@pytest.mark.parametrize("flavor", ["cpu", "trt"])
-def test_group_not_dividing_is_one_line(tmp_path, rng, flavor):
+@pytest.mark.parametrize("flavor,k", [("cpu", 577), ("trt", 576)])
+def test_group_not_dividing_is_one_line(tmp_path, rng, flavor, k):
+    """cpu takes a ragged last group of an even K (test_ragged_last_group_cpu); trt needs K % group == 0."""
     from trtedge.build.graph.builder import GraphBuilder
 
     gb = GraphBuilder(tmp_path / "m.onnx")
-    w = rng.standard_normal((N, 576)).astype(np.float32)
+    w = rng.standard_normal((N, k)).astype(np.float32)
     with pytest.raises(TrtedgeError) as e:
         emit_linear(gb, "x", "model.layers.3.self_attn.q_proj", w, QuantSpec("w4a16", 128), flavor)
     msg = str(e.value)
-    assert "\n" not in msg and "q_proj" in msg and "576" in msg and "--group-size 64" in msg
+    assert "\n" not in msg and "q_proj" in msg and str(k) in msg and ("--group-size" in msg or "--quant" in msg)
 
 
 def test_bad_inputs_are_one_line(tmp_path, rng):
@@ -192,3 +198,18 @@ def test_trt_graph_passes_tensorrt_op_check(tmp_path, rng, scheme, trt_dtype):
     for version in ("10.3", "10.15"):
         report = check_onnx_file(path, version)
         assert report.ok, report.offenders
+
+
+def test_ragged_last_group_cpu(tmp_path, rng):
+    """576 inputs in groups of 128 (SmolLM2): MatMulNBits reads a zero-padded last block; trt refuses."""
+    from trtedge.build.quant.rtn import fake_quantize
+
+    w = rng.standard_normal((48, 576)).astype(np.float32)
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    spec = QuantSpec("w4a16", 128, accuracy_level=0)
+    path = build_one(tmp_path, lambda gb, xx: emit_linear(gb, xx, "l", w, spec, "cpu"), 576, [2, 48],
+                     in_shape=[2, 576])
+    y = run_graph(path, {"x": x})
+    assert rel_err(y, x @ fake_quantize(w, 4, 128).T) < 1e-5
+    with pytest.raises(TrtedgeError, match="does not divide"):
+        spec.validate(576, "l", "trt")

@@ -83,6 +83,10 @@ def _matmulnbits(gb: GraphBuilder, x: str, name: str, b: str, s: str, n: int, k:
 def _matmulnbits4(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, block: int,
                   accuracy_level: int, bias: np.ndarray | None) -> str:
     n, k = u.shape
+    if k % block:  # ragged last block: MatMulNBits reads ceil(K/block) blocks; pad with the zero code 8
+        padded = np.full((n, -(-k // block) * block), 8, dtype=np.uint8)
+        padded[:, :k] = u
+        u = padded
     b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, 4, block))
     s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
     return _matmulnbits(gb, x, name, b, s, n, k, 4, block, accuracy_level, bias)

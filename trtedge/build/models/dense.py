@@ -58,13 +58,13 @@ class DenseEmitter:
     def __init__(self, cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
         from trtedge.build.graph.embedding import emit_embedding
-        from trtedge.build.graph.linear import emit_linear
+        from trtedge.build.graph.linear import emit_linear, emit_lm_head
 
         self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
         self.max_seq = max_seq_len
         self.awq = awq_scales or {}
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
-        self._emit_linear, self._emit_embedding = emit_linear, emit_embedding
+        self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
         if flavor == "cpu" and cfg.head_dim % 16:
             raise ConfigError(f"head_dim {cfg.head_dim} is not a multiple of 16, which onnxruntime's "
@@ -134,7 +134,8 @@ class DenseEmitter:
         h = self._gather_positions(h)
         x, _ = self.skip_norm(h, None, self.norm_weight("model.norm.weight"))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = self._emit_linear(g, x, head, self.get(head), self.spec, self.flavor)
+        # The head stays at 8 bits in w4a16 builds (logits are the most sensitive output; see manifest).
+        logits = self._emit_lm_head(g, x, self.get(head), self.spec, self.flavor, name=head)
         g.op("Identity", [logits], outputs=["logits"])
         g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
         g.save()

@@ -1,8 +1,10 @@
 """Round-to-nearest symmetric integer quantization per group (vectorized, chunked by rows).
 
-Symmetric with zero point 0: ``w ≈ scale * q``, ``q`` in [-(2^(b-1)-1), 2^(b-1)-1]
-(±7 for int4, ±127 for int8), ``scale = max|w| / qmax`` per group of ``group_size``
-consecutive input features, so ``|w - scale*q| <= scale/2`` for every element.
+Symmetric with zero point 0: ``w ≈ scale * q``. int8 uses ``q`` in [-127, 127] with
+``scale = max|w| / 127``. int4 uses the whole signed grid [-8, 7] and picks, per group, the scale
+with the least squared error among ``max|w| / d`` for d in [6.5, 8.5] (each refined by least
+squares): plain ``max|w| / 7`` wastes a level and rounds every weight on a coarse grid, which
+costs a small model most of its quality. Still round-to-nearest given the scale, zero point 0.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def _quantize_chunk(w: np.ndarray, bits: int, group_size: int, scale_dtype: np.d
     if not np.isfinite(amax).all():
         raise TrtedgeError("a weight holds NaN or infinite values; the checkpoint is corrupt")
     m = qmax(bits)
-    scale = (amax / np.float32(m)).astype(scale_dtype)
+    if bits == 4:
+        scale = _mse_scale4(g, amax).astype(scale_dtype)
+    else:
+        scale = (amax / np.float32(m)).astype(scale_dtype)
     # A group that is all zero (or whose scale underflows the scale dtype) gets scale 1 and codes 0.
     scale = np.where(scale > 0, scale, np.asarray(1, dtype=scale_dtype))
     if not np.isfinite(scale).all():
@@ -42,8 +47,30 @@ def _quantize_chunk(w: np.ndarray, bits: int, group_size: int, scale_dtype: np.d
             f"a weight is too large for {np.dtype(scale_dtype).name} scales; quantize with float32 scales (trt_dtype fp32)"
         )
     q = np.rint(g / scale.astype(np.float32)[..., None])
-    np.clip(q, -m, m, out=q)
+    np.clip(q, -m - 1 if bits == 4 else -m, m, out=q)
     return q.astype(np.int8).reshape(rows, cols), scale
+
+
+INT4_DIVISORS = np.linspace(6.5, 8.5, 17, dtype=np.float32)
+
+
+def _mse_scale4(g: np.ndarray, amax: np.ndarray) -> np.ndarray:
+    """Per-group int4 scale minimising ||w - s q||² over candidates amax/d (q on [-8, 7])."""
+    safe = np.where(amax > 0, amax, np.float32(1))
+    best_err = np.full(amax.shape, np.inf, dtype=np.float32)
+    best = safe / np.float32(7)
+    w2 = np.einsum("rgk,rgk->rg", g, g)
+    for d in INT4_DIVISORS:
+        s = safe / d
+        q = np.clip(np.rint(g / s[..., None]), -8, 7)
+        wq = np.einsum("rgk,rgk->rg", g, q)
+        qq = np.maximum(np.einsum("rgk,rgk->rg", q, q), np.float32(1e-12))
+        s_ls = np.where(wq > 0, wq / qq, s)  # least-squares scale for these codes
+        err = w2 - np.where(wq > 0, wq * wq / qq, 0)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, s_ls, best)
+    return np.where(amax > 0, best, 0).astype(np.float32)
 
 
 def quantize_rtn(
@@ -60,7 +87,9 @@ def quantize_rtn(
     rows, cols = w.shape
     gs = cols if group_size is None else group_size
     if cols % gs:
-        raise ValueError(f"group size {gs} does not divide {cols}")
+        # A ragged last group (e.g. 576 inputs in groups of 128, as MatMulNBits allows): pad with zeros.
+        codes, scales = quantize_rtn(_pad_cols(w, gs), bits, gs, scale_dtype)
+        return np.ascontiguousarray(codes[:, :cols]), scales
     sdt = np.dtype(scale_dtype)
     codes = np.empty((rows, cols), dtype=np.int8)
     scales = np.empty((rows, cols // gs), dtype=sdt)
@@ -69,10 +98,19 @@ def quantize_rtn(
     return codes, scales
 
 
+def _pad_cols(w: np.ndarray, gs: int) -> np.ndarray:
+    rows, cols = w.shape
+    out = np.zeros((rows, -(-cols // gs) * gs), dtype=w.dtype)
+    out[:, :cols] = w
+    return out
+
+
 def dequantize_rtn(codes: np.ndarray, scales: np.ndarray, group_size: int | None = None) -> np.ndarray:
     """float32 ``[out, in]`` from codes and per-group scales (the inverse of ``quantize_rtn``)."""
     rows, cols = codes.shape
     gs = cols if group_size is None else group_size
+    if cols % gs:
+        return dequantize_rtn(_pad_cols(codes, gs), scales, gs)[:, :cols]
     g = codes.reshape(rows, cols // gs, gs).astype(np.float32) * scales.astype(np.float32)[..., None]
     return g.reshape(rows, cols)
 

@@ -70,6 +70,8 @@ class QuantSpec:
             raise TrtedgeError(
                 f"group size {gs} is not supported by TensorRT INT4 (layer {name}); use --group-size 64 or 128"
             )
+        if in_features % gs and flavor == "cpu" and in_features % 2 == 0:
+            return  # MatMulNBits takes a ragged last block (the quantizer pads it with zeros)
         if in_features % gs:
             ok = [g for g in _pow2_divisors(in_features) if flavor != "trt" or g in TRT_GROUP_SIZES]
             hint = f"use --group-size {' or '.join(map(str, ok))}" if ok else "use --quant w8a16 or fp16"
