@@ -14,7 +14,18 @@ from tests.v4.helpers import fake_quant_model, reference, rel_err
 def _ops(runner) -> Counter:
     """Op counts of the decoder layers' nodes (the LM head is emit_lm_head's business)."""
     m = onnx.load(runner.sess._model_path, load_external_data=False)
-    return Counter(n.op_type for n in m.graph.node if n.name.startswith("layers."))
+    out: Counter = Counter()
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for n in graph.node:
+            if n.name.startswith("layers."):
+                out[n.op_type] += 1
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+
+    walk(m.graph)
+    return out
 
 
 def _n_linears(cfg) -> int:
