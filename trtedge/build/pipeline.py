@@ -168,13 +168,10 @@ def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
 
 
 def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None) -> dict[str, Any]:
-    kept = [
-        {"name": "*norm*.weight", "dtype": "float32", "reason": "RMSNorm gains are tiny and precision-sensitive"},
-        {"name": "rope_cos/rope_sin", "dtype": "float32", "reason": "position tables, not weights"},
-    ]
-    if spec.scheme in ("w4a16", "w8a16"):
-        kept.append({"name": "model.embed_tokens.weight", "dtype": "int8 per-32 blocks" if carried else "see emit",
-                     "reason": "embedding rows are gathered, not multiplied: 8 bits keep them exact enough"})
+    from trtedge.build.quant.size import kept_high_precision_note
+
+    kept = kept_high_precision_note() if spec.quantized else []
+    kept.append({"tensors": "RoPE cos/sin tables", "precision": "float32", "why": "position tables, not weights"})
     return {
         "scheme": spec.scheme, "group_size": spec.group_size, "method": spec.method,
         "accuracy_level": spec.accuracy_level,
