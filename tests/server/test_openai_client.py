@@ -156,6 +156,8 @@ def test_error_objects(client, server):
     (b'{"prompt": "", "max_tokens": 2}', None),
     (b'{"prompt": "x", "seed": -1}', "seed"),
     (b"", "JSON"),
+    (b'{"prompt": [1, "a"]}', "matches none of the accepted types"),
+    (b'{"prompt": "x"}{"prompt": "y"}', "not valid JSON"),
 ])
 def test_bad_input_is_400_in_openai_shape(server, body, needle):
     r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -244,3 +246,15 @@ def test_long_prompt_tokenized_off_the_loop(server, reference):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "8504 tokens" in r.json()["error"]["message"]
+
+
+def test_json_sent_as_form_like_curl_d(server):
+    """`curl -d '{...}'` labels JSON as a form: it is read as JSON all the same."""
+    body = b'{"prompt": "curl", "max_tokens": 2, "temperature": 0}'
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/embeddings", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -71,7 +71,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
                 None, "invalid_json")
     loc = tuple(e.get("loc", ()))
     param = _loc_param(loc)
-    same = [x for x in errs if _loc_param(tuple(x.get("loc", ()))) == param]
+    top = loc[1] if len(loc) > 1 else None  # union members fail at different depths: group by the field
+    same = [x for x in errs if len(x.get("loc", ())) > 1 and x["loc"][1] == top]
+    if len(same) > 1:
+        param = str(top)
     if kind == "missing" and param is None:
         msg = "request body is empty; send a JSON object"
     elif kind == "missing":

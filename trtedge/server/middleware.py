@@ -68,6 +68,11 @@ class ServerMiddleware:
                        else "model is still loading; retry when GET /health/ready answers 200")
                 await _reply(send, 503, msg, "not_ready", rid_header, extra=[(b"retry-after", b"1")])
                 return
+            ctype = headers.get("content-type", "")
+            if "json" not in ctype.lower():
+                # `curl -d` and some clients send JSON labelled as a form (or unlabelled): read it as JSON
+                scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+                scope["headers"].append((b"content-type", b"application/json"))
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 s.metrics.reject("invalid")
