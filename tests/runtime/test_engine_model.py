@@ -14,11 +14,22 @@ from trtedge.runtime.engine import LLMEngine
 from trtedge.runtime.generate import Generator
 from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from trtedge.runtime.request import GenerationRequest
+from trtedge.runtime.sampling import Sampler, SamplingParams
 
 
-def sequential(bundle, prompts: list[list[int]], n: int) -> list[list[int]]:
+def sequential(bundle, prompts: list[list[int]], n: int, params: list | None = None) -> list[list[int]]:
     g = Generator(bundle, threads=2)
-    return [list(g.stream(p, n, stop_at_eos=True)) for p in prompts]
+    return [list(g.stream(p, n, params[i] if params else None, stop_at_eos=True)) for i, p in enumerate(prompts)]
+
+
+class RecordingSampler(Sampler):
+    """Keeps every logits row it samples from, per SamplingParams object (one per request)."""
+
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def __call__(self, logits, history=None, prompt_len=0):
+        self.seen.setdefault(id(self.p), []).append(np.array(logits, copy=True))
+        return super().__call__(logits, history, prompt_len)
 
 
 async def concurrent(bundle, prompts: list[list[int]], n: int, **kw) -> tuple[list[list[int]], object]:
@@ -52,16 +63,43 @@ def test_prefix_copy_gives_same_logits(tiny_bundle):
 
 
 @pytest.mark.slow
-def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle):
+def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle, monkeypatch):
+    """Batching, chunked prefill, a shared system prompt from the prefix cache and a preempted (then
+    resumed) batch job: every request still gets exactly the tokens — and the very logits — it gets alone."""
     from trtedge.runtime.generate import load_tokenizer
 
     tok = load_tokenizer(open_bundle(smol_bundle))
-    questions = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers."]
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
-    want = sequential(smol_bundle, prompts, 16)
-    got, st = run(concurrent(smol_bundle, prompts, 16, num_slots=4))
+    system = "You are a maintenance assistant on a factory floor. Answer in one short sentence."
+    questions = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers.",
+                 "Why do bearings overheat?"]
+    prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    monkeypatch.setattr("trtedge.runtime.generate.Sampler", RecordingSampler)
+    monkeypatch.setattr("trtedge.runtime.sequence.Sampler", RecordingSampler)
+    ref_params = [SamplingParams() for _ in prompts]
+    eng_params = [SamplingParams() for _ in prompts]
+    want = sequential(smol_bundle, prompts, 14, ref_params)
+
+    async def main():
+        eng = LLMEngine(smol_bundle, backend="onnxruntime", threads=2, num_slots=2, prefill_chunk=16,
+                        kv_block_size=8)
+        await eng.start()
+        job = eng.submit(GenerationRequest(prompts[0], max_tokens=14, mode="batch", sampling=eng_params[0]))
+        while len(job.metrics.token_times) < 3:
+            await asyncio.sleep(0.01)
+        hs = [eng.submit(GenerationRequest(p, max_tokens=14, sampling=eng_params[i + 1]))
+              for i, p in enumerate(prompts[1:])]
+        outs = await asyncio.gather(job.result(), *(h.result() for h in hs))
+        st = eng.stats()
+        await eng.stop()
+        return [o[1] for o in outs], st, job.metrics
+
+    got, st, mjob = run(main())
     assert got == want
-    assert st.prefix_cache_hits >= 2  # the chat template's system preamble is shared
+    assert st.prefix_cache_hits >= 3 and st.preemptions >= 1 and mjob.preemptions >= 1
+    for a, b in zip(ref_params, eng_params, strict=True):
+        ref, mine = RecordingSampler.seen[id(a)], RecordingSampler.seen[id(b)]
+        assert len(ref) == len(mine) and all(np.array_equal(x, y) for x, y in zip(ref, mine, strict=True))
 
 
 @pytest.mark.slow

@@ -46,9 +46,23 @@ def test_prefix_lookup_uses_full_block_hashes_and_extends():
     assert a.lookup([99] + sys_prompt, max_reuse=10) == (-1, 0)
     assert a.lookup(sys_prompt, max_reuse=5)[1] == 5  # capped (the last prompt token must still run)
     a.take_pending()
-    s2, reused = a.allocate("b", sys_prompt + [60], 20, 10, lowest=1)
+    s2, reused = a.allocate("b", sys_prompt + [60, 61], 20, 11, lowest=1)
     assert (s2, reused) == (1, 10) and a.prefix_hits == 1  # the cached slot is taken as is
     assert a.take_pending() == []  # no copy, no reset
+    a.free(s2)
+    assert a.allocate("c", sys_prompt + [60], 20, 10)[1] == 9  # never leaves a 1-token prefill
+
+
+def test_only_prefill_written_kv_is_shared():
+    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=4)
+    s, _ = a.allocate("a", list(range(10)), 20, 9)
+    a.append(s, list(range(10)))  # prefill
+    a.append(s, [50, 51, 52, 53, 54, 55], shareable=False)  # decode
+    assert a.lookup(list(range(10)) + [50, 51, 52, 53, 54, 55, 99], 100) == (s, 10)
+    a.move(s, 1)
+    assert a.shared[1] == 10 and a.lookup(list(range(10)) + [50, 51, 52], 100)[1] == 10
+    a.truncate(1, 8)
+    assert a.shared[1] == 8
 
 
 def test_prefix_copied_from_a_running_slot():

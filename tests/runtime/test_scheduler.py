@@ -2,7 +2,7 @@
 
 from trtedge.runtime.kv_manager import KVCacheArena
 from trtedge.runtime.request import GenerationRequest, RequestHandle
-from trtedge.runtime.scheduler import Scheduler
+from trtedge.runtime.scheduler import Scheduler, prefill_take
 from trtedge.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
 
 
@@ -21,7 +21,7 @@ def test_chunk_plan_and_status():
         p = sch.schedule(now=1.0)
         plans.append((p.prefill_start, len(p.prefill_tokens), p.prefill_last))
         a.computed += len(p.prefill_tokens)
-    assert plans == [(0, 3, False), (3, 3, False), (6, 1, True)]
+    assert plans == [(0, 3, False), (3, 2, False), (5, 2, True)]  # no 1-token chunk
     assert a.status == PREFILL and a.slot == 0
 
 
@@ -70,3 +70,8 @@ def test_no_preemption_when_it_would_not_fit_anyway():
     sch.add(big)
     sch.schedule(now=0.0)
     assert job.slot is not None and sch.preemptions == 0 and big.status == WAITING
+
+
+def test_prefill_chunks_never_leave_one_token():
+    assert [prefill_take(r, 4) for r in (10, 6, 5, 4, 3, 2, 1)] == [4, 4, 3, 4, 3, 2, 1]
+    assert prefill_take(3, 2) == 3  # a chunk of 2 would leave 1: take all 3

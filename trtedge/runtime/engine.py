@@ -259,7 +259,8 @@ class LLMEngine:
                 try:
                     logits = be.forward(plan.decode_batch())
                     for r, seq in enumerate(plan.decode):
-                        sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
+                        if seq.samples:
+                            sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
                 except Exception as e:  # a backend failure ends the requests in this call, not the server
                     errors.update((s, _error_line(e)) for s in plan.decode if s not in sampled)
             seq = plan.prefill
@@ -290,11 +291,13 @@ class LLMEngine:
         for seq in plan.decode:
             if seq.status != DECODE or seq.slot is None or seq in errors:
                 continue
-            self.arena.append(seq.slot, [seq.pending])
+            self.arena.append(seq.slot, [seq.pending], shareable=False)
             seq.computed += 1
+            if seq.replay:
+                seq.pending = seq.replay.popleft()
         pf = plan.prefill
         if pf is not None and pf.slot is not None and pf not in errors:
-            self.arena.append(pf.slot, plan.prefill_tokens)
+            self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
             pf.computed += len(plan.prefill_tokens)
             if plan.prefill_last:
                 pf.status = DECODE

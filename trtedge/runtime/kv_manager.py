@@ -39,6 +39,7 @@ class KVCacheArena:
         self.owner: list[Any] = [None] * num_slots
         self.reserved = [0] * num_slots  # blocks reserved by the owner
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV the slot holds
+        self.shared = [0] * num_slots  # leading tokens of ``tokens`` whose KV may be reused
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]
         self._index: dict[int, set[int]] = {}
         self.pending: list[SlotOp] = []
@@ -76,6 +77,10 @@ class KVCacheArena:
         (slot, positions reused from the prefix cache)."""
         free = [i for i, o in enumerate(self.owner) if o is None]
         src, reuse = self.lookup(tokens, max_reuse) if self.prefix_cache else (-1, 0)
+        if len(tokens) - reuse == 1 and len(tokens) > 1:
+            reuse -= 1  # never leave a 1-token prefill: see ``single-token steps`` in the scheduler
+        if reuse <= 0:
+            src, reuse = -1, 0
         slot = src if reuse and src in free and src >= lowest else next((i for i in free if i >= lowest), free[0])
         self.owner[slot] = owner
         self.reserved[slot] = self.blocks_for(reserve_tokens)
@@ -101,19 +106,22 @@ class KVCacheArena:
         self.pending.append(SlotOp("copy", src, dst, len(self.tokens[src])))
         self.owner[dst], self.reserved[dst] = self.owner[src], self.reserved[src]
         self.owner[src], self.reserved[src] = None, 0
-        self._set_tokens(dst, list(self.tokens[src]))  # src keeps its tokens: still a valid prefix cache entry
+        self._set_tokens(dst, list(self.tokens[src]), self.shared[src])  # src keeps its tokens: still cached
 
     def take_pending(self) -> list[SlotOp]:
         ops, self.pending = self.pending, []
         return ops
 
     # ---- contents -------------------------------------------------------------------------
-    def append(self, slot: int, new_tokens: list[int]) -> None:
-        """Record that positions len(tokens).. now hold ``new_tokens``' KV."""
+    def append(self, slot: int, new_tokens: list[int], shareable: bool = True) -> None:
+        """Record that positions len(tokens).. now hold ``new_tokens``' KV. Only a slot's leading
+        ``shareable`` run (KV written by multi-token prefill calls) is offered for prefix reuse."""
         toks = self.tokens[slot]
+        if shareable and self.shared[slot] == len(toks):
+            self.shared[slot] += len(new_tokens)
         toks.extend(new_tokens)
         hs, bs = self._hashes[slot], self.block_size
-        while (len(hs) + 1) * bs <= len(toks):
+        while (len(hs) + 1) * bs <= self.shared[slot]:
             i = len(hs)
             h = hash((hs[-1] if hs else 0, *toks[i * bs:(i + 1) * bs]))
             hs.append(h)
@@ -121,7 +129,7 @@ class KVCacheArena:
 
     def truncate(self, slot: int, length: int) -> None:
         if length < len(self.tokens[slot]):
-            self._set_tokens(slot, self.tokens[slot][:length])
+            self._set_tokens(slot, self.tokens[slot][:length], min(self.shared[slot], length))
 
     def lookup(self, tokens: list[int], max_reuse: int) -> tuple[int, int]:
         """(slot, length) of the longest cached full-block prefix of ``tokens``, capped at ``max_reuse``."""
@@ -141,17 +149,19 @@ class KVCacheArena:
             best_len = end
         if best_slot >= 0:  # extend past the last full block where the cached tokens still agree
             cached = self.tokens[best_slot]
-            limit = min(len(cached), len(tokens), max_reuse)
+            limit = min(self.shared[best_slot], len(tokens), max_reuse)
             while best_len < limit and cached[best_len] == tokens[best_len]:
                 best_len += 1
         return best_slot, best_len
 
-    def _set_tokens(self, slot: int, toks: list[int]) -> None:
+    def _set_tokens(self, slot: int, toks: list[int], shared: int | None = None) -> None:
         for h in self._hashes[slot]:
             s = self._index.get(h)
             if s is not None:
                 s.discard(slot)
                 if not s:
                     del self._index[h]
-        self.tokens[slot], self._hashes[slot] = [], []
-        self.append(slot, toks)
+        self.tokens[slot], self._hashes[slot], self.shared[slot] = [], [], 0
+        n = len(toks) if shared is None else shared
+        self.append(slot, toks[:n], shareable=True)
+        self.append(slot, toks[n:], shareable=False)

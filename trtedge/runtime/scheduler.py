@@ -7,6 +7,15 @@ high/normal/low, then batch), lowered by ``aging_s`` per second waited so none s
 the best waiting request does not fit, running requests ranked at least one class below it are
 preempted (their tokens are kept; they are re-admitted later and rebuild their KV, usually from
 the prefix cache) — a realtime request never waits behind a batch job.
+
+Single-token steps: a backend may compute a 1-token step by another path than a multi-token one
+(onnxruntime's GroupQueryAttention has a token-generation path; with int8-activation MatMulNBits
+(accuracy level 4) its last-bit differences become visible in the logits). So the engine keeps
+each kind for its own job, as one-at-a-time generation does: decode steps are 1 token per row
+(identical whatever the batch), prefill chunks are never a single token (unless the whole prompt
+is), only prefill-written KV is offered for prefix reuse, and a preempted request replays its
+generated tokens through decode steps. Then batching, chunking and prefix reuse give exactly the
+tokens of `Generator`.
 """
 
 from __future__ import annotations
@@ -49,10 +58,18 @@ class StepPlan:
         return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
 
 
+def prefill_take(remaining: int, chunk: int) -> int:
+    """Tokens for the next prefill chunk: at most ``chunk``, never leaving exactly one behind."""
+    n = min(remaining, chunk)
+    if remaining - n == 1:
+        n = n - 1 if n > 2 else n + 1
+    return n
+
+
 class Scheduler:
     def __init__(self, arena: KVCacheArena, prefill_chunk: int = 512, aging_s: float = 10.0, preemption: bool = True):
         self.arena = arena
-        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
         self.preemption = preemption
         self.waiting: list[Sequence] = []
@@ -115,7 +132,7 @@ class Scheduler:
         if pf is not None:
             start = pf.computed
             plan.prefill, plan.prefill_start = pf, start
-            plan.prefill_tokens = pf.fill[start:start + self.prefill_chunk]
+            plan.prefill_tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, self.prefill_chunk)]
             plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
         return plan
 

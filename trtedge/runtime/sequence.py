@@ -7,6 +7,7 @@ tokens), so the engine loop only moves tokens between the backend and these obje
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from trtedge.runtime.detokenize import IncrementalDetokenizer
 from trtedge.runtime.request import GenerationRequest, RequestHandle, TokenEvent, base_rank
@@ -35,6 +36,7 @@ class Sequence:
         self.computed = 0  # positions of ``fill`` whose KV is in the slot
         self.fill: list[int] = []  # tokens to prefill before decoding
         self.pending: int | None = None  # sampled, not yet fed to the model
+        self.replay: deque[int] = deque()  # after a preemption: generated tokens to feed again, one per step
         self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
 
     # ---- scheduling ------------------------------------------------------------------------
@@ -44,13 +46,22 @@ class Sequence:
         return len(self.prompt) + self.max_tokens
 
     def start_fill(self) -> tuple[list[int], int]:
-        """Tokens to prefill on (re)admission and the most of them the prefix cache may supply."""
-        if self.generated:  # resumed after preemption: rebuild the KV of everything but the last token
-            self.fill = self.tokens[:-1]
-            self.pending = self.tokens[-1]
+        """Tokens to prefill on (re)admission and the most of them the prefix cache may supply.
+
+        A request resumed after preemption prefills its prompt again, then feeds its generated tokens
+        back one per decode step (``replay``), so its KV is rebuilt by the same kinds of steps that
+        built it the first time and its continuation is the one it would have had."""
+        self.fill = list(self.prompt)
+        if self.generated:
+            self.pending, self.replay = self.generated[0], deque(self.generated[1:])
             return self.fill, len(self.fill)
-        self.fill, self.pending = list(self.prompt), None
+        self.pending, self.replay = None, deque()
         return self.fill, len(self.fill) - 1  # the last prompt token must run to give logits
+
+    @property
+    def samples(self) -> bool:
+        """Whether the next decode step's logits are sampled (not while replaying)."""
+        return not self.replay
 
     def effective_rank(self, now: float, aging_s: float) -> float:
         """Lower is served first; waiting lowers it so nothing starves."""
