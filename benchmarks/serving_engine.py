@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from trtedge.runtime.engine import LLMEngine  # noqa: E402
+from trtedge.runtime.generate import Generator  # noqa: E402
 from trtedge.runtime.request import GenerationRequest  # noqa: E402
 
 FILLER = (
@@ -64,7 +65,7 @@ async def scaling(bundle: str, threads: int | None, n_tokens: int) -> None:
     for n in (1, 2, 4, 8):
         hs = [eng.submit(GenerationRequest(chat(tok, QUESTIONS[i]), max_tokens=n_tokens, ignore_eos=True))
               for i in range(n)]
-        await asyncio.gather(*(h.result() for h in hs))
+        outs = await asyncio.gather(*(h.result() for h in hs))
         t0 = max(h.metrics.token_times[0] for h in hs)
         t1 = min(h.metrics.token_times[-1] for h in hs)
         count = sum(sum(t0 < t <= t1 for t in h.metrics.token_times) for h in hs)
@@ -74,6 +75,11 @@ async def scaling(bundle: str, threads: int | None, n_tokens: int) -> None:
         print(f"   {n} stream{'s' if n > 1 else ' '}: {rate:7.1f} tok/s  ({rate / base:4.2f}x one stream, "
               f"median time between tokens {itl * 1e3:6.1f} ms)")
     await eng.stop()
+    ref = Generator(bundle, threads=threads)
+    same = sum(ids == list(ref.stream(h.request.prompt_ids, n_tokens, stop_at_eos=False))
+               for h, (_, ids, _) in zip(hs, outs, strict=True))
+    print(f"   greedy tokens of the {len(hs)} concurrent streams equal the same requests run one at a time: "
+          f"{same}/{len(hs)}")
 
 
 async def long_prompt(bundle: str, threads: int | None, n_long: int) -> None:
