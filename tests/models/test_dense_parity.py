@@ -114,3 +114,17 @@ def test_batched_decode_equals_single(built):
         ra = compute_logits(single, a + [7], "prefill")[-1]
         rb = compute_logits(single, b + [9], "prefill")[-1]
         assert rel_err(both[0], ra) < 1e-4 and rel_err(both[1], rb) < 1e-4, flavor
+
+
+def test_chunked_prefill_equals_one_prefill(built):
+    """Prefill in chunks through the cache (past > 0 and several new tokens) equals one prefill."""
+    from trtedge.runtime.backend import StepBatch
+
+    bundle = built("qwen2-bias-tied", "fp32")
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0)
+        ref = compute_logits(be, IDS, "prefill")
+        be.reset_slot(0)
+        parts = [be.forward(StepBatch.single(0, IDS[a:b], a, all_logits=True))[0]
+                 for a, b in ((0, 5), (5, 6), (6, 14))]
+        assert rel_err(np.concatenate(parts), ref) < 1e-5, flavor

@@ -80,16 +80,20 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = family_module(cfg.architecture)
-        missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
-        if missing:
-            raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        # Families with their own naming (V4: official or HF) wrap the reader and check it themselves.
+        source = family.check_tensors(cfg, ckpt) if hasattr(family, "check_tensors") else None
+        if source is None:
+            missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
+            if missing:
+                raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
+                                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level)
         carry_cpu = _carries(opts, spec)
-        _check_shapes(ckpt, family.required_tensors(cfg), spec,
-                      tuple(f for f in opts.flavors if not (f == "cpu" and carry_cpu and _is_gguf(checkpoint))))
+        if source is None:
+            _check_shapes(ckpt, family.required_tensors(cfg), spec,
+                          tuple(f for f in opts.flavors if not (f == "cpu" and carry_cpu and _is_gguf(checkpoint))))
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -106,7 +110,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
                 getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
             rel = f"graphs/{flavor}/model.onnx"
             tick = progress(f"emit {flavor} graph", cfg.num_layers)
-            entry = family.emit_graph(cfg, getter, spec, flavor, tmp / rel, max_seq, progress=tick,
+            entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
+                                      max_seq, progress=tick,
                                       **({"awq_scales": plan.input_scale} if plan else {}))
             entry["graph"] = rel
             flavors[flavor] = entry

@@ -65,7 +65,7 @@ class GraphBuilder:
     # ---- weights -----------------------------------------------------------------------
     def weight(self, name: str, array: np.ndarray) -> str:
         """Add a numpy initializer; large ones are appended to the external-data file now."""
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # (ascontiguousarray would turn a 0-d scalar into shape [1])
         dt = NP_TO_ONNX[array.dtype]
         return self.raw_weight(name, dt, list(array.shape), array.tobytes())
 

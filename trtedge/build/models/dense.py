@@ -77,6 +77,17 @@ class DenseEmitter:
         return self._emit_linear(self.gb, x, name, w, self.spec, self.flavor, bias=bias,
                                  awq_scale=self.awq.get(name))
 
+    def fused_linear(self, x: str, names: list[str], bias_names: list[str | None], fused: str) -> str:
+        """Layers reading the same x (q/k/v, gate/up) as one matmul: fewer kernels per decode step."""
+        from trtedge.build.graph.table8 import concat_out_features
+
+        w = concat_out_features([self.get(n) for n in names], fused)
+        bias = None
+        if any(bias_names):
+            bias = np.concatenate([np.asarray(self.get(b), dtype=np.float32) if b else
+                                   np.zeros(self.get(n).shape[0], np.float32) for n, b in zip(names, bias_names)])
+        return self._emit_linear(self.gb, x, fused, w, self.spec, self.flavor, bias=bias)
+
     def norm_weight(self, name: str) -> str:
         return self.gb.weight(name, np.asarray(self.get(name), dtype=np.float32))
 
@@ -123,8 +134,9 @@ class DenseEmitter:
             x, residual = self.skip_norm(h, residual, self.norm_weight(n["ln1"]))
             attn = self.attention(i, x, n, states)
             x, residual = self.skip_norm(attn, residual, self.norm_weight(n["ln2"]))
-            gate = self.linear(x, n["gate"])
-            up = self.linear(x, n["up"])
+            gate_up = self.fused_linear(x, [n["gate"], n["up"]], [None, None], f"model.layers.{i}.mlp.gate_up_proj")
+            inter = cfg.intermediate_size
+            gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             h = self.linear(act, n["down"])
             if progress:
@@ -152,9 +164,8 @@ class DenseEmitter:
     # ---- attention -------------------------------------------------------------------
     def attention(self, i: int, x: str, n: dict[str, str], states: list[StateTensor]) -> str:
         cfg, g = self.cfg, self.gb
-        q = self.linear(x, n["q"], n.get("qb"))
-        k = self.linear(x, n["k"], n.get("kb"))
-        v = self.linear(x, n["v"], n.get("vb"))
+        qkv = self.fused_linear(x, [n["q"], n["k"], n["v"]], [n.get("qb"), n.get("kb"), n.get("vb")],
+                                f"model.layers.{i}.self_attn.qkv_proj")
         pk, pv, ok, ov = f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}"
         kvh, d = cfg.num_kv_heads, cfg.head_dim
         if self.flavor == "cpu":
@@ -166,14 +177,16 @@ class DenseEmitter:
                                          rotary_interleaved=0, scale=float(d) ** -0.5)
             if cfg.sliding_window:
                 attrs["local_window_size"] = int(cfg.sliding_window)
+            # Packed QKV: GroupQueryAttention splits it itself (key/value inputs left empty).
             out, _, _ = g.op("GroupQueryAttention",
-                       [q, k, v, pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
+                       [qkv, "", "", pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
                        domain=MS_DOMAIN, outputs=[g.fresh("gqa_out"), ok, ov], **attrs)
             states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),
                        StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=INPLACE)]
         else:
             for name in (pk, pv):
                 g.input(name, F32, ["batch", kvh, "past_seq", d])
+            q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
             out = self._trt_attention(q, k, v, pk, pv, ok, ov)
             for name in (ok, ov):
                 g.output(name, F32, ["batch", kvh, "seq", d])
