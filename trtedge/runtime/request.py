@@ -155,11 +155,12 @@ class RequestHandle:
             yield ev
 
     async def result(self) -> tuple[str, list[int], TokenEvent]:
-        """Drain the stream: (all text, all token ids, the final event)."""
+        """Consume the whole stream (once): (all text, all token ids, the final event)."""
         text, ids, last = [], [], None
         async for ev in self:
             text.append(ev.text)
             ids.extend(ev.token_ids)
             last = ev
-        assert last is not None
+        if last is None:
+            raise RuntimeError(f"request {self.request_id}'s events were already consumed")
         return "".join(text), ids, last

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from trtedge.runtime.detokenize import IncrementalDetokenizer
 from trtedge.runtime.request import GenerationRequest, RequestHandle, TokenEvent, base_rank
@@ -18,7 +19,7 @@ WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
 
 
 class Sequence:
-    def __init__(self, handle: RequestHandle, tokenizer, eos_ids: set[int], max_seq_len: int):
+    def __init__(self, handle: RequestHandle, tokenizer: Any, eos_ids: set[int], max_seq_len: int):
         req: GenerationRequest = handle.request
         self.handle, self.req = handle, req
         self.prompt = [int(t) for t in req.prompt_ids]
@@ -33,7 +34,7 @@ class Sequence:
         self.arrival = handle.metrics.arrival
         self.status = WAITING
         self.slot: int | None = None
-        self.computed = 0  # positions of ``fill`` whose KV is in the slot
+        self.computed = 0  # positions whose KV is in the slot (prompt first, then fed tokens)
         self.fill: list[int] = []  # tokens to prefill before decoding
         self.pending: int | None = None  # sampled, not yet fed to the model
         self.replay: deque[int] = deque()  # after a preemption: generated tokens to feed again, one per step
