@@ -341,6 +341,17 @@ def test_stop_cancels_what_does_not_drain(tiny_bundle):
     assert last.finish_reason == "cancelled" and not ready
 
 
+def test_stopped_engine_does_not_restart(tiny_bundle):
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1)
+        await eng.start()
+        await eng.stop()
+        with pytest.raises(TrtedgeError, match="create a new LLMEngine"):
+            await eng.start()
+
+    run(main())
+
+
 def test_backend_failure_fails_only_its_requests(tiny_bundle):
     async def main():
         eng, be = engine(tiny_bundle, slots=2)

@@ -111,6 +111,8 @@ class LLMEngine:
         """Warm the backend up (first runs allocate and pick kernels), then start the step loop."""
         if self._task is not None:
             return
+        if self._closed or self.draining:
+            raise TrtedgeError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         await asyncio.to_thread(self._warmup)
