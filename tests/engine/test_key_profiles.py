@@ -102,7 +102,7 @@ def test_buffer_plan(trt_bundle):
     plan = plan_buffers(states, b.config, num_slots=4, max_seq=64, max_prefill=32, max_logits=8, vocab=300,
                         input_names=fl["inputs"])
     arena = plan.buffers["past_key.0"]
-    assert arena.shape == (4, 2, 64, 16) and arena.nbytes == 4 * 2 * 64 * 16 * 4
+    assert arena.shape == (4, 2, 64, 16) and arena.nbytes == 4 * 2 * 64 * 16 * 2  # fp16 KV in non-fp32 builds
     assert plan.buffers["present_key.0"].shape == (4, 2, 32, 16)
     assert plan.buffers["logits"].shape == (4, 8, 300)
     assert plan.buffers["attention_mask"].shape == (4, 64 + 32)
@@ -111,7 +111,7 @@ def test_buffer_plan(trt_bundle):
     assert all(o % ALIGN == 0 for o, _ in spans)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
     assert plan.total >= spans[-1][1] and plan.address(1 << 20, "past_key.0") == (1 << 20) + arena.offset
-    assert plan.states[0].row_bytes(16) == 2 * 16 * 16 * 4
+    assert plan.states[0].row_bytes(16) == 2 * 16 * 16 * 2
     bad = [StateTensor("s", "o", ["batch", "past_seq", 4], update="inplace")]
     with pytest.raises(BundleError, match="inplace"):
         plan_buffers(bad, b.config, num_slots=1, max_seq=8, max_prefill=4, max_logits=1, vocab=10, input_names=[])

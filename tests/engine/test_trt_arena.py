@@ -32,7 +32,7 @@ class NumpyTrtBackend:
         self.arena = {}
         for st in self.states:
             kv, hd = st.shape[1], st.shape[3]
-            self.arena[st.input] = np.zeros((num_slots, kv, self.layout.pitch, hd), dtype=np.float32)
+            self.arena[st.input] = np.zeros((num_slots, kv, self.layout.pitch, hd), dtype=np.dtype(st.dtype))
         self.moves = []
 
     def _apply(self, moves):

@@ -184,14 +184,17 @@ class DenseEmitter:
             states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),
                        StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=INPLACE)]
         else:
+            # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
+            kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
+            kv_dtype = "float32" if kv_t == F32 else "float16"
             for name in (pk, pv):
-                g.input(name, F32, ["batch", kvh, "past_seq", d])
+                g.input(name, kv_t, ["batch", kvh, "past_seq", d])
             q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
             out = self._trt_attention(q, k, v, pk, pv, ok, ov)
             for name in (ok, ov):
-                g.output(name, F32, ["batch", kvh, "seq", d])
-            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], update=APPEND),
-                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], update=APPEND)]
+                g.output(name, kv_t, ["batch", kvh, "seq", d])
+            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND),
+                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND)]
         return self.linear(out, n["o"])
 
     def _trt_prelude(self) -> None:
@@ -245,8 +248,16 @@ class DenseEmitter:
         qh = self._rope(heads(q, nh), nh)
         kh = self._rope(heads(k, kvh), kvh)
         vh = heads(v, kvh)
-        g.op("Identity", [kh], outputs=[ok])
-        g.op("Identity", [vh], outputs=[ov])
+        if self.spec.scheme == "fp32":
+            g.op("Identity", [kh], outputs=[ok])
+            g.op("Identity", [vh], outputs=[ov])
+        else:  # fp16 cache: new entries are rounded once, and attention reads the rounded values
+            g.op("Cast", [kh], outputs=[ok], to=TensorProto.FLOAT16)
+            g.op("Cast", [vh], outputs=[ov], to=TensorProto.FLOAT16)
+            kh = g.op("Cast", [ok], to=F32)
+            vh = g.op("Cast", [ov], to=F32)
+            pk = g.op("Cast", [pk], to=F32)
+            pv = g.op("Cast", [pv], to=F32)
         kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
         vall = g.op("Concat", [pv, vh], axis=2)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
