@@ -42,12 +42,13 @@ def test_awq_beats_rtn(rng, bits, group):
     assert output_err(xt, w, fake_quantize(w * s, bits, group) / s) < output_err(xt, w, fake_quantize(w, bits, group))
 
 
-def test_uniform_activations_fall_back_to_rtn(rng):
+def test_uniform_activations_never_worse_than_rtn(rng):
+    """With flat activations only the weight-side (duo) scaling can help; a scale is kept only if it does."""
     w = rng.standard_normal((N, K)).astype(np.float32)
     x = np.ones((8, K), np.float32)
     s, err_rtn, err_awq = awq_search(w, x, 64, 4)
-    np.testing.assert_allclose(s, 1.0)
-    assert err_awq == err_rtn
+    assert err_awq <= err_rtn
+    assert np.allclose(s, 1.0) or err_awq < err_rtn
 
 
 @pytest.mark.parametrize("flavor", ["cpu", "trt"])

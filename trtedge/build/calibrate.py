@@ -22,7 +22,8 @@ from trtedge.errors import TrtedgeError
 
 SEQ_LEN = 256
 MAX_SEQS = 4
-SEARCH_ROWS = 384
+SEARCH_ROWS = 256
+AWQ_GRID = 10  # alphas per scaling family (activation-only and duo): 20 candidates per layer group
 
 
 @dataclass
@@ -112,7 +113,7 @@ def awq_plan_dense(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.n
 
     def search(names: list[str], x: np.ndarray, key: str) -> np.ndarray:
         w = np.concatenate([np.asarray(get(n), dtype=np.float32) for n in names], axis=0)
-        s, e_rtn, e_awq = awq_search(w, _sample(x, rng), group_size, bits)
+        s, e_rtn, e_awq = awq_search(w, _sample(x, rng), group_size, bits, n_grid=AWQ_GRID)
         plan.errors[key] = (e_rtn, e_awq)
         return s
 

@@ -28,6 +28,15 @@ def _output_error(w: np.ndarray, x: np.ndarray, s: np.ndarray, bits: int, group_
     return err
 
 
+def _weight_mean(w: np.ndarray, group_size: int | None) -> np.ndarray:
+    """Mean over output rows of |w| relative to its group's max: how much each input channel matters to W."""
+    rows, cols = w.shape
+    gs = cols if group_size is None or cols % group_size else group_size
+    g = np.abs(w).reshape(rows, cols // gs, gs)
+    rel = g / (g.max(-1, keepdims=True) + 1e-6)
+    return rel.reshape(rows, cols).mean(0).astype(np.float32)
+
+
 def awq_search(
     weight: np.ndarray, x_samples: np.ndarray, group_size: int | None, bits: int = 4, n_grid: int = N_GRID
 ) -> tuple[np.ndarray, float, float]:
@@ -56,10 +65,15 @@ def awq_search(
     ones = np.ones(w.shape[1], dtype=np.float32)
     err_rtn = _output_error(w, x, ones, bits, group_size)
     best_err, best_s = err_rtn, ones
-    for alpha in np.linspace(0.0, 1.0, n_grid)[1:]:
-        s = x_mean ** np.float32(alpha)
-        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        err = _output_error(w, x, s, bits, group_size)
-        if err < best_err:
-            best_err, best_s = err, s
+    w_mean = _weight_mean(w, group_size)
+    for alpha in np.linspace(0.0, 1.0, n_grid):
+        # Two families, as AutoAWQ: activations alone, and activations over weights ("duo scaling").
+        for s in (x_mean ** np.float32(alpha), x_mean ** np.float32(alpha) / (w_mean ** np.float32(1 - alpha) + 1e-4)):
+            if alpha == 0 and s is not None and np.allclose(s, 1):
+                continue
+            s = np.maximum(s, 1e-4)
+            s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+            err = _output_error(w, x, s, bits, group_size)
+            if err < best_err:
+                best_err, best_s = err, s
     return best_s, float(np.sqrt(err_rtn / ref)), float(np.sqrt(best_err / ref))
