@@ -85,7 +85,7 @@ class DenseEmitter:
         bias = None
         if any(bias_names):
             bias = np.concatenate([np.asarray(self.get(b), dtype=np.float32) if b else
-                                   np.zeros(self.get(n).shape[0], np.float32) for n, b in zip(names, bias_names)])
+                                   np.zeros(self.get(n).shape[0], np.float32) for n, b in zip(names, bias_names, strict=True)])
         return self._emit_linear(self.gb, x, fused, w, self.spec, self.flavor, bias=bias)
 
     def norm_weight(self, name: str) -> str:
