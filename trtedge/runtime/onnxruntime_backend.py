@@ -57,6 +57,11 @@ class OnnxRuntimeBackend:
             s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
         }
         self.uses_gqa = "seqlens_k" in self.input_names
+        # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
+        self._decode_ready = self.uses_gqa and all(st.update == INPLACE for st in self.states) and \
+            self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
+                                 *(st.input for st in self.states)}
+        self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
         self._ort = ort
 
     # ---- Backend interface ------------------------------------------------------------
@@ -69,7 +74,50 @@ class OnnxRuntimeBackend:
         if self.uses_gqa and b > 1 and s > 1:
             # GroupQueryAttention takes one new length per step for the whole batch: run rows one by one.
             return np.concatenate([self.forward(_row(batch, r)) for r in range(b)], axis=0)
+        if s == 1 and self._decode_ready:
+            slots = list(batch.slots)
+            if slots == list(range(slots[0], slots[0] + b)):
+                return self._decode_fast(batch)
         return self._run(batch)
+
+    def _decode_fast(self, batch: StepBatch) -> np.ndarray:
+        """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
+        (first slot, batch, n_logits); a step only writes a few integers and runs."""
+        b, k = len(batch.slots), batch.logits_positions.shape[1]
+        key = (batch.slots[0], b, k)
+        fast = self._fast.get(key)
+        if fast is None:
+            if len(self._fast) >= 32:
+                self._fast.clear()
+            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k)
+        io, ids, pos, seqlens, total, logits = fast
+        ids[:] = batch.input_ids
+        pos[:] = batch.logits_positions
+        ends = batch.past_lengths + batch.new_lengths
+        seqlens[:] = ends - 1
+        total[...] = int(ends.max())
+        self.session.run_with_iobinding(io)
+        return logits.copy()
+
+    def _bind_decode(self, first: int, b: int, k: int) -> tuple[Any, ...]:
+        io = self.session.io_binding()
+        self._bound_outputs, self._keep_alive = [], []
+        ids = np.zeros((b, 1), np.int64)
+        pos = np.zeros((b, k), np.int64)
+        seqlens = np.zeros((b,), np.int32)
+        total = np.zeros((), np.int32)
+        logits = np.zeros((b, k, self.vocab_size), np.float32)
+        for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
+                          ("total_sequence_length", total)):
+            self._bind(io, name, arr, output=False)
+        for st in self.states:
+            view = self.arena[st.input][first:first + b]
+            self._bind(io, st.input, view, output=False)
+            self._bind(io, st.output, view, output=True)
+        self._bind(io, "logits", logits, output=True)
+        # The arena outlives the binding; the small arrays live in the returned tuple.
+        self._keep_alive = []
+        return io, ids, pos, seqlens, total, logits
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
