@@ -135,3 +135,11 @@ def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "o" / "report.json").read_text())
     assert data["meta"]["model"] == "bundle-model" and data["summary"]["completed"] == 4
     assert not (tmp_path / "o" / "latency_distribution.png").exists()
+
+
+def test_request_timeout_is_recorded(server):
+    sched = load.Schedule("poisson", (load.Arrival(0.0),), duration=1.0, max_requests=1)
+    res = run(server.url, sched, PromptPool([Prompt("SLOW")]), ClientConfig(base_url="", timeout=0.3), deadline=5)
+    (r,) = res.records
+    assert not r.ok and r.error == "ReadTimeout: nothing received for 0.3s (--timeout)"
+    assert 0.25 < r.end - r.start < 1.5

@@ -97,7 +97,10 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Promp
         e = errors[0]
         if isinstance(e, asyncio.CancelledError):
             raise e
-        rec.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+        if isinstance(e, httpx.TimeoutException):
+            rec.error = f"{type(e).__name__}: nothing received for {cfg.timeout:g}s (--timeout)"
+        else:
+            rec.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
     rec.end = time.perf_counter() - t0
     rec.choice_tokens = {i: len(t) for i, t in rec.chunk_times.items()}
     completion = [c for _, c in results]
