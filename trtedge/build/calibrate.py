@@ -22,7 +22,7 @@ from trtedge.errors import TrtedgeError
 
 SEQ_LEN = 256
 MAX_SEQS = 4
-SEARCH_ROWS = 256
+SEARCH_ROWS = 512
 AWQ_GRID = 10  # alphas per scaling family (activation-only and duo): 20 candidates per layer group
 
 
@@ -35,6 +35,9 @@ class AwqPlan:
     norm_div: dict[str, np.ndarray] = field(default_factory=dict)  # gamma /= s
     input_scale: dict[str, np.ndarray] = field(default_factory=dict)  # graph feeds x / s (emit_linear awq_scale)
     errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # group → (rtn, awq) relative error
+    nll_rtn: float | None = None  # calibration loss with RTN weights
+    nll_awq: float | None = None  # ... and with AWQ weights
+    fallback: bool = False  # AWQ did not help: the build uses RTN scales
 
     def transform(self, name: str, w: Any) -> Any:
         if name in self.norm_div:
@@ -93,54 +96,119 @@ def _sample(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
-def awq_plan_dense(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray, group_size: int | None,
-                   bits: int, progress: Callable[[int], None] = lambda _n: None) -> AwqPlan:
-    """Search AWQ scales for every linear of a Llama/Qwen2 model on calibration ids [n_seq, seq]."""
-    from trtedge.build.quant.awq import awq_search
+LinearHook = Callable[[int, str, list[str], np.ndarray, dict[str, str]], None]
 
-    plan = AwqPlan()
-    rng = np.random.default_rng(0)
+
+def dense_forward(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray,
+                  hook: LinearHook | None = None) -> np.ndarray:
+    """float32 forward of a Llama/Qwen2 model over ids [n_seq, seq] → hidden states before the final norm.
+
+    ``hook(layer, group, names, x, names_of_layer)`` sees the input of each group of linears that share it
+    (``qkv``, ``o``, ``gate_up``, ``down``) before they run.
+    """
     nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    rot = cfg.rotary_dim or d
-    cos, sin = rope_cache(rot, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings, ids.shape[1])
+    cos, sin = rope_cache(cfg.rotary_dim or d, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                          ids.shape[1])
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     h = np.asarray(get("model.embed_tokens.weight"), dtype=np.float32)[ids]  # [B, S, H]
     bsz, seq, _ = h.shape
+    hook = hook or (lambda *_: None)
 
     def lin(x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
         y = x @ np.asarray(get(name), dtype=np.float32).T
         return y + np.asarray(get(bias), dtype=np.float32) if bias else y
 
-    def search(names: list[str], x: np.ndarray, key: str) -> np.ndarray:
-        w = np.concatenate([np.asarray(get(n), dtype=np.float32) for n in names], axis=0)
-        s, e_rtn, e_awq = awq_search(w, _sample(x, rng), group_size, bits, n_grid=AWQ_GRID)
-        plan.errors[key] = (e_rtn, e_awq)
-        return s
-
     for i in range(cfg.num_layers):
         n = layer_tensor_names(cfg, i)
         x = _rms(h, np.asarray(get(n["ln1"]), dtype=np.float32), cfg.rms_norm_eps)
-        s = search([n["q"], n["k"], n["v"]], x, f"layers.{i}.qkv")
-        plan.norm_div[n["ln1"]] = s
-        for k in ("q", "k", "v"):
-            plan.col_scale[n[k]] = s
+        hook(i, "qkv", [n["q"], n["k"], n["v"]], x, n)
         q = _rope(lin(x, n["q"], n.get("qb")).reshape(bsz, seq, nh, d), cos, sin)
         kk = _rope(lin(x, n["k"], n.get("kb")).reshape(bsz, seq, kvh, d), cos, sin)
         v = lin(x, n["v"], n.get("vb")).reshape(bsz, seq, kvh, d)
         att = _attention(q, kk, v, cfg.sliding_window)
-        plan.input_scale[n["o"]] = search([n["o"]], att, f"layers.{i}.o")
+        hook(i, "o", [n["o"]], att, n)
         h = h + lin(att, n["o"])
         x = _rms(h, np.asarray(get(n["ln2"]), dtype=np.float32), cfg.rms_norm_eps)
-        s = search([n["gate"], n["up"]], x, f"layers.{i}.gate_up")
-        plan.norm_div[n["ln2"]] = s
-        plan.col_scale[n["gate"]] = plan.col_scale[n["up"]] = s
+        hook(i, "gate_up", [n["gate"], n["up"]], x, n)
         gate = lin(x, n["gate"])
         act = gate / (1 + np.exp(-gate)) * lin(x, n["up"])
-        s = search([n["down"]], act, f"layers.{i}.down")
-        plan.row_div[n["up"]], plan.col_scale[n["down"]] = s, s
+        hook(i, "down", [n["down"]], act, n)
         h = h + lin(act, n["down"])
-        progress(1)
+    return h
+
+
+def calibration_nll(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray) -> float:
+    """Mean next-token negative log-likelihood of the calibration ids under the weights ``get`` returns."""
+    h = _rms(dense_forward(cfg, get, ids), np.asarray(get("model.norm.weight"), np.float32), cfg.rms_norm_eps)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    logits = h[:, :-1] @ np.asarray(get(head), dtype=np.float32).T
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    tgt = ids[:, 1:]
+    return float(-np.take_along_axis(logp, tgt[..., None], -1).mean())
+
+
+def awq_plan_dense(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray, group_size: int | None,
+                   bits: int, progress: Callable[[int], None] = lambda _n: None) -> AwqPlan:
+    """Search AWQ scales for every linear of a Llama/Qwen2 model on calibration ids [n_seq, seq]."""
+    from trtedge.build.quant.awq import _output_error, awq_search
+
+    plan = AwqPlan()
+    rng = np.random.default_rng(0)
+
+    def search(names: list[str], x: np.ndarray, key: str) -> np.ndarray:
+        """Search on half of the calibration rows; keep the scale only if it also wins on the other half."""
+        w = np.concatenate([np.asarray(get(n), dtype=np.float32) for n in names], axis=0)
+        rows = _sample(x, rng)
+        fit, held = rows[0::2], rows[1::2]
+        s, _, _ = awq_search(w, fit, group_size, bits, n_grid=AWQ_GRID)
+        ones = np.ones_like(s)
+        e_rtn, e_awq = (_output_error(w, held, v, bits, group_size) for v in (ones, s))
+        if e_awq >= e_rtn:
+            s, e_awq = ones, e_rtn
+        ref = max(float(np.einsum("ij,ij->", held @ w.T, held @ w.T)), 1e-30)
+        plan.errors[key] = (float(np.sqrt(e_rtn / ref)), float(np.sqrt(e_awq / ref)))
+        return s
+
+    def hook(i: int, group: str, names: list[str], x: np.ndarray, n: dict[str, str]) -> None:
+        s = search(names, x, f"layers.{i}.{group}")
+        if group == "qkv":
+            plan.norm_div[n["ln1"]] = s
+            for k in ("q", "k", "v"):
+                plan.col_scale[n[k]] = s
+        elif group == "o":
+            plan.input_scale[n["o"]] = s
+        elif group == "gate_up":
+            plan.norm_div[n["ln2"]] = s
+            plan.col_scale[n["gate"]] = plan.col_scale[n["up"]] = s
+        else:
+            plan.row_div[n["up"]], plan.col_scale[n["down"]] = s, s
+            progress(1)
+
+    dense_forward(cfg, get, ids, hook)
     return plan
+
+
+def _fake_quant_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], bits: int, group_size: int | None,
+                       plan: AwqPlan | None) -> Callable[[str], np.ndarray]:
+    """Weights as the quantized graph multiplies by them (RTN, or AWQ-transformed then quantized)."""
+    from trtedge.build.quant.rtn import fake_quantize
+
+    linears = {v for i in range(cfg.num_layers) for k, v in layer_tensor_names(cfg, i).items()
+               if k in ("q", "k", "v", "o", "gate", "up", "down")}
+
+    def fq(name: str) -> np.ndarray:
+        w = np.asarray(get(name), dtype=np.float32)
+        if plan is not None:
+            w = np.asarray(plan.transform(name, w), dtype=np.float32)
+        if name not in linears:
+            return w
+        s = plan.input_scale.get(name) if plan is not None else None
+        if s is not None:
+            return fake_quantize(w * s[None, :], bits, group_size) / s[None, :]
+        return fake_quantize(w, bits, group_size)
+
+    return fq
 
 
 def awq_scales_for(cfg: ModelConfig, ckpt: Any, spec: Any, calib: Path | None,
@@ -161,8 +229,13 @@ def awq_scales_for(cfg: ModelConfig, ckpt: Any, spec: Any, calib: Path | None,
     ids = np.clip(ids, 0, cfg.vocab_size - 1)
     bits = 4 if spec.scheme == "w4a16" else 8
     tick = progress("AWQ calibration", cfg.num_layers)
-    plan = awq_plan_dense(cfg, ckpt.get, ids, spec.group_size if bits == 4 else None, bits, tick)
-    rtn = np.mean([e[0] for e in plan.errors.values()])
-    awq = np.mean([e[1] for e in plan.errors.values()])
-    log(f"AWQ on {ids.size} calibration tokens: mean relative output error RTN {rtn:.4f} → AWQ {awq:.4f}")
+    gs = spec.group_size if bits == 4 else None
+    plan = awq_plan_dense(cfg, ckpt.get, ids, gs, bits, tick)
+    # Per-layer output error is only a proxy: keep AWQ only if the whole model's calibration loss improves.
+    plan.nll_rtn = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, None), ids)
+    plan.nll_awq = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, plan), ids)
+    log(f"AWQ on {ids.size} calibration tokens: calibration NLL RTN {plan.nll_rtn:.4f}, AWQ {plan.nll_awq:.4f}")
+    if plan.nll_awq >= plan.nll_rtn:
+        log("AWQ did not lower the calibration loss; using round-to-nearest scales for every layer")
+        return AwqPlan(errors=plan.errors, nll_rtn=plan.nll_rtn, nll_awq=plan.nll_awq, fallback=True)
     return plan

@@ -183,8 +183,10 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
         "symmetric": True, "zero_point": 0,
-        **({"awq_relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
-                                          for k, (a, b) in plan.errors.items()}} if plan else {}),
+        **({"awq": {"calibration_nll_rtn": plan.nll_rtn, "calibration_nll_awq": plan.nll_awq,
+                    "fell_back_to_rtn": plan.fallback,
+                    "relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
+                                              for k, (a, b) in plan.errors.items()}}} if plan else {}),
     }
 
 
