@@ -122,16 +122,17 @@ def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
     bundle.mkdir()
     seen = {}
 
-    def create_app(path):
-        seen["path"] = path
+    def create_app(path, **options):
+        seen["path"], seen["options"] = path, options
         return make_app(0.01, 0.002, model="bundle-model")
 
     monkeypatch.setitem(sys.modules, "trtedge.server.app", types.SimpleNamespace(create_app=create_app))
     r = CliRunner().invoke(cli_app(), ["bench", "--bundle", str(bundle), "--pattern", "concurrency",
                                        "--concurrency", "2", "--num-requests", "4", "--duration", "0",
-                                       "--max-tokens", "3", "--out", str(tmp_path / "o"), "--no-plots"])
+                                       "--max-tokens", "3", "--out", str(tmp_path / "o"), "--no-plots",
+                                       "--num-slots", "4"])
     assert r.exit_code == 0, r.output
-    assert seen["path"] == str(bundle)
+    assert seen["path"] == str(bundle) and seen["options"] == {"num_slots": 4}
     data = json.loads((tmp_path / "o" / "report.json").read_text())
     assert data["meta"]["model"] == "bundle-model" and data["summary"]["completed"] == 4
     assert not (tmp_path / "o" / "latency_distribution.png").exists()

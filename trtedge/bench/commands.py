@@ -53,6 +53,8 @@ def bench(
     timeout: float = typer.Option(60.0, help="Per-request timeout (s)."),
     max_time: float = typer.Option(600.0, help="Hard cap on the whole run (s); in-flight requests are cancelled."),
     warmup: int = typer.Option(1, help="Requests sent (and not counted) before the run."),
+    threads: int = typer.Option(None, help="--bundle only: CPU threads for the in-process runtime."),
+    num_slots: int = typer.Option(None, help="--bundle only: concurrent sequences of the in-process engine."),
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory."),
     no_plots: bool = typer.Option(False, help="Skip the PNG plots."),
 ) -> None:
@@ -95,7 +97,7 @@ def bench(
         from trtedge.bench.inprocess import BackgroundServer, bundle_app
 
         console.print(f"starting trtedge's server for {bundle} in-process ...")
-        with BackgroundServer(bundle_app(bundle)) as server:
+        with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots)) as server:
             result = run(server.url, schedule, pool, cfg, deadline, warmup)
     else:
         result = run(url, schedule, pool, cfg, deadline, warmup)
@@ -105,6 +107,8 @@ def bench(
             "pattern": pattern, "rate": rate, "duration": duration, "num_requests": num_requests,
             "prompts": str(prompts_file) if prompts_file else f"synthetic {prompt_len} tokens",
             "max_tokens": max_tokens, "seed": seed, "started_at": result.started_at}
+    if bundle is not None:
+        meta.update({k: v for k, v in (("threads", threads), ("num_slots", num_slots)) if v is not None})
     if pattern == "gamma":
         meta["burstiness"] = burstiness
     if pattern == "concurrency":

@@ -72,8 +72,9 @@ class BackgroundServer:
         self.stop()
 
 
-def bundle_app(bundle: Path):
-    """trtedge's own server app for a bundle (imported lazily: bench must work without the server part)."""
+def bundle_app(bundle: Path, **options):
+    """trtedge's own server app for a bundle (imported lazily: bench must work without the server part);
+    options that are not None (threads, num_slots, ...) go to create_app."""
     if not Path(bundle).is_dir():
         raise TrtedgeError(f"bundle {bundle} is not a directory; pass the output of `trtedge build`")
     try:
@@ -81,4 +82,4 @@ def bundle_app(bundle: Path):
     except ImportError as e:
         raise TrtedgeError(f"--bundle needs trtedge.server.app.create_app, which this install lacks ({e}); "
                            "start a server and use --url instead") from None
-    return create_app(str(bundle))
+    return create_app(str(bundle), **{k: v for k, v in options.items() if v is not None})
