@@ -217,6 +217,29 @@ def measure(runners: dict[str, Runner], repeats: int) -> dict[str, dict]:
             for name in runners}
 
 
+def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
+    """Bytes read per second by a large numpy copy split over `threads` threads (numpy drops the GIL),
+    best of `repeats`: the memory-speed yardstick for the decode floor. The copy's writes are not counted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(mib << 18, dtype=np.float32)
+    b = np.empty_like(a)
+    parts = list(zip(np.array_split(a, threads), np.array_split(b, threads), strict=True))
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(lambda ab: np.copyto(ab[1], ab[0]), parts))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def weight_bytes(paths: list[Path]) -> int:
+    """Bytes of the weight files (what decode reads once per token, less the unused embedding rows)."""
+    return sum(p.stat().st_size for path in paths for p in ([path] if path.is_file() else path.rglob("*"))
+               if p.is_file() and p.suffix in (".gguf", ".data", ".onnx", ".bin", ".safetensors"))
+
+
 def boost_priority() -> bool:
     """On a shared machine, run in a new session whose autogroup gets nice -20 (root only); True if done.
 
@@ -295,15 +318,24 @@ def main() -> None:
             runners["trtedge"] = load_trtedge(args.bundle, args.threads, short, long, args.decode_tokens)
             configs["trtedge"] = f"bundle {args.bundle}"
     results = measure(runners, args.repeats)
+    files = {"ort-genai": [args.work / f"ortgenai_int4_b{args.block_size}_acc{args.accuracy_level}"],
+             "llama.cpp": [gguf], "trtedge": [args.bundle / "graphs" / "cpu"] if args.bundle else []}
+    bandwidth = copy_bandwidth(args.threads)
     for name, r in results.items():
         r["config"] = configs[name]
+        r["weight_bytes"] = weight_bytes(files[name])
+        r["floor_tps"] = bandwidth / r["weight_bytes"] if r["weight_bytes"] else None
         print(f"[{name}] {_brief(r)}", flush=True)
 
     print()
-    print(f"{'runtime':<12} {'decode tok/s':>13} {'(best)':>8} {'pp tok/s':>10} {'(best)':>8}  config")
+    print(f"memory: numpy copy reads {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); "
+          "decode floor = that / weight bytes")
+    print(f"{'runtime':<12} {'decode tok/s':>13} {'(best)':>8} {'pp tok/s':>10} {'(best)':>8} {'weights MB':>11} "
+          f"{'floor tok/s':>12}  config")
     for name, r in results.items():
+        floor = f"{r['floor_tps']:>12.0f}" if r["floor_tps"] else f"{'-':>12}"
         print(f"{name:<12} {r['decode_tps']:>13.1f} {r['decode_best']:>8.1f} {r['pp_tps']:>10.1f} "
-              f"{r['pp_best']:>8.1f}  {r['config']}")
+              f"{r['pp_best']:>8.1f} {r['weight_bytes'] / 1e6:>11.1f} {floor}  {r['config']}")
     if "trtedge" in results:
         t = results["trtedge"]
         for peer in ("ort-genai", "llama.cpp"):
@@ -317,7 +349,8 @@ def main() -> None:
     for name, r in results.items():  # greedy text: all should be coherent (weights differ by quantization)
         print(f"greedy {name:<10} {tok.decode(r['tokens'][:24])!r}")
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "gguf": str(gguf), "results": results}, indent=1))
+        args.json.write_text(json.dumps({"threads": args.threads, "gguf": str(gguf), "copy_bandwidth": bandwidth,
+                                         "loadavg_1m": os.getloadavg()[0], "results": results}, indent=1))
 
 
 if __name__ == "__main__":
