@@ -9,7 +9,7 @@ import types
 
 import pytest
 import typer
-from fake_server import make_app
+from bench_fake_server import make_app
 from typer.testing import CliRunner
 
 from trtedge.bench import load
