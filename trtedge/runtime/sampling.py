@@ -52,8 +52,11 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
         """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
         frequency penalties count only the generated part, ``history[prompt_len:]`` (as vLLM does)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._sample(np.asarray(logits, dtype=np.float64), logits, history, prompt_len)
+
+    def _sample(self, x: np.ndarray, logits: np.ndarray, history: list[int] | None, prompt_len: int) -> int:
         p = self.p
-        x = np.asarray(logits, dtype=np.float32)
         if history and p.repetition_penalty != 1.0:
             x = x.copy()
             ids = np.unique(np.asarray(history, dtype=np.int64))
@@ -67,8 +70,10 @@ class Sampler:
             ok = (ids >= 0) & (ids < x.shape[0])
             x[ids[ok]] -= p.presence_penalty + p.frequency_penalty * counts[ok]
         if p.greedy:
-            return int(np.argmax(x))
-        x = x.astype(np.float64) / p.temperature
+            return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
+        x = _sanitize(x / p.temperature)
+        if x is None:  # nothing finite left (extreme penalties/temperature): fall back to greedy
+            return int(np.argmax(np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)))
         if p.top_k and p.top_k < x.shape[0]:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x = np.where(x < kth, -np.inf, x)
@@ -86,3 +91,13 @@ class Sampler:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
         return int(self.rng.choice(probs.shape[0], p=probs))
+
+
+def _sanitize(x: np.ndarray) -> np.ndarray | None:
+    """Make extreme-but-valid parameters safe: NaN → -inf; if some logits overflowed to +inf, only those
+    stay (uniformly); None when no candidate is left."""
+    x = np.where(np.isnan(x), -np.inf, x)
+    pos = np.isposinf(x)
+    if pos.any():
+        x = np.where(pos, 0.0, -np.inf)
+    return x if np.isfinite(x).any() else None
