@@ -81,7 +81,7 @@ def trtedge_logits_fn(bundle):
     return fn
 
 
-def genai_logits_fn(model_dir: Path):
+def genai_logits_fn(model_dir: Path, head_dim: int = 64):
     """Run onnxruntime-genai's exported model.onnx directly with onnxruntime (empty past)."""
     import onnxruntime as ort
 
@@ -95,7 +95,8 @@ def genai_logits_fn(model_dir: Path):
             feed["position_ids"] = np.arange(t, dtype=np.int64)[None]
         for name, i in inputs.items():
             if name.startswith("past_key_values"):
-                kvh, d = i.shape[1], i.shape[3]
+                kvh = i.shape[1]
+                d = i.shape[3] if isinstance(i.shape[3], int) else head_dim
                 feed[name] = np.zeros((1, kvh, 0, d), dtype=np.float32)
         return sess.run(["logits"], feed)[0][0]
 
