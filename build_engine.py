@@ -29,13 +29,14 @@ def main(
     max_seq_len: Annotated[int | None, typer.Option(help="context length")] = None,
     requantize: Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF")] = False,
     accuracy_level: Annotated[int, typer.Option(help="MatMulNBits accuracy level (cpu)")] = 4,
+    lm_head_bits: Annotated[int, typer.Option(help="w4a16 LM head bits: 8 or 4")] = 8,
     force: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     engine: Annotated[bool, typer.Option(help="also build the TensorRT engine when TensorRT is importable")] = True,
 ) -> None:
     """Build a bundle, then its TensorRT engine if this machine can."""
     build_command(checkpoint, output, quant, group_size, method, calib, flavors, max_seq_len, requantize,
-                  accuracy_level, force, quiet)
+                  accuracy_level, lm_head_bits, force, quiet)
     if not engine or "trt" not in flavors:
         return
     from trtedge.runtime.trt_env import import_tensorrt

@@ -30,6 +30,8 @@ VARIANTS = {
     "q41": ("Q4_1 grid carried (demo default)", dict(quant="w4a16")),
     "rtn128": ("W4A16 RTN g128", dict(quant="w4a16", requantize=True, group_size=128)),
     "rtn64": ("W4A16 RTN g64", dict(quant="w4a16", requantize=True, group_size=64)),
+    "rtn32": ("W4A16 RTN g32", dict(quant="w4a16", requantize=True, group_size=32)),
+    "rtn32h4": ("W4A16 RTN g32, 4-bit LM head", dict(quant="w4a16", requantize=True, group_size=32, lm_head_bits=4)),
     "awq128": ("W4A16 AWQ g128", dict(quant="w4a16", method="awq", group_size=128)),
     "awq64": ("W4A16 AWQ g64", dict(quant="w4a16", method="awq", group_size=64)),
 }
@@ -107,7 +109,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the evaluation text")
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="fp32,q41,rtn128,rtn64,awq128,awq64")
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai int4 model dir to score on the same text")
     ap.add_argument("--answers", type=int, default=48, help="max tokens of each greedy chat answer (0: skip)")
     args = ap.parse_args()

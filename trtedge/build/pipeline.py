@@ -39,6 +39,7 @@ class BuildOptions:
     max_seq_len: int | None = None
     requantize: bool = False  # force re-quantizing a GGUF that is already 4-bit
     accuracy_level: int = 4
+    lm_head_bits: int = 8
     force: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -54,6 +55,8 @@ class BuildOptions:
             raise TrtedgeError(f"--group-size {self.group_size} must be a power of two ≥ 16 (64 or 128 for trt)")
         if "trt" in self.flavors and self.quant == "w4a16" and self.group_size not in (64, 128):
             raise TrtedgeError(f"--group-size {self.group_size}: TensorRT INT4 needs 64 or 128 for the trt flavor")
+        if self.lm_head_bits not in (4, 8):
+            raise TrtedgeError(f"--lm-head-bits {self.lm_head_bits}: choose 4 or 8")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise TrtedgeError("--max-seq-len must be at least 2")
         if self.calib is not None and not Path(self.calib).is_file():
@@ -89,7 +92,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
                                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
-                         accuracy_level=opts.accuracy_level)
+                         accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits)
+        spec.check()
         carry_cpu = _carries(opts, spec)
         if source is None:
             _check_shapes(ckpt, family.required_tensors(cfg), spec,
@@ -179,7 +183,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
     kept.append({"tensors": "RoPE cos/sin tables", "precision": "float32", "why": "position tables, not weights"})
     return {
         "scheme": spec.scheme, "group_size": spec.group_size, "method": spec.method,
-        "accuracy_level": spec.accuracy_level,
+        "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
         "symmetric": True, "zero_point": 0,

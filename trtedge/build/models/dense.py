@@ -147,7 +147,8 @@ class DenseEmitter:
         x, _ = self.skip_norm(h, None, self.norm_weight("model.norm.weight"))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         # The head stays at 8 bits in w4a16 builds (logits are the most sensitive output; see manifest).
-        logits = self._emit_lm_head(g, x, self.get(head), self.spec, self.flavor, name=head)
+        logits = self._emit_lm_head(g, x, self.get(head), self.spec, self.flavor, name=head,
+                                    keep_8bit=getattr(self.spec, "lm_head_bits", 8) >= 8)
         g.op("Identity", [logits], outputs=["logits"])
         g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
         g.save()

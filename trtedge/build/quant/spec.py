@@ -30,6 +30,7 @@ class QuantSpec:
     method: str = "rtn"
     accuracy_level: int = 4
     trt_dtype: str = "fp16"
+    lm_head_bits: int = 8  # w4a16 keeps the LM head at 8 bits (quality); 4 reads half the bytes per token
 
     @property
     def bits(self) -> int:
@@ -53,6 +54,8 @@ class QuantSpec:
             raise TrtedgeError(
                 f"accuracy level {self.accuracy_level!r} is not 0-4; use 0 (exact fp32) or 4 (int8 activations, faster)"
             )
+        if self.lm_head_bits not in (4, 8):
+            raise TrtedgeError(f"LM head bits {self.lm_head_bits!r} must be 4 or 8")
         if self.trt_dtype not in TRT_DTYPES:
             raise TrtedgeError(f"trt dtype {self.trt_dtype!r} is not one of {', '.join(TRT_DTYPES)}")
 
