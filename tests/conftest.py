@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tiny_tokenizer import write_byte_tokenizer
 
 # Keep torch and onnxruntime from fighting over the two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -47,29 +48,8 @@ def make_tiny_dense(out: Path, family: str, seed: int = 0, **overrides) -> Path:
             elif p.dim() == 1:
                 p.copy_(0.05 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
-    _write_byte_tokenizer(out, base["vocab_size"])
+    write_byte_tokenizer(out, base["vocab_size"])
     return out
-
-
-def _write_byte_tokenizer(out: Path, vocab_size: int) -> None:
-    """A small byte-level BPE tokenizer so text paths work on tiny models."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(alphabet):
-        if len(vocab) >= vocab_size:
-            break
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true, '
-        '"chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
-        '{% if add_generation_prompt %}assistant:{% endif %}"}')
 
 
 @pytest.fixture(scope="session")

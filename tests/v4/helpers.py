@@ -60,23 +60,10 @@ def make_model(schedule: str, seed: int = 0) -> Any:
 
 def save_model(model: Any, path: Path) -> Path:
     """save_pretrained plus a small byte-level tokenizer, so bundles built from it can generate text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tiny_tokenizer import write_byte_tokenizer  # tests/tiny_tokenizer.py, shared by all suites
 
     model.save_pretrained(path, safe_serialization=True)
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        if len(vocab) >= model.config.vocab_size:
-            break
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<pad>", "<s>", "</s>"])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        '{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true, '
-        '"chat_template": "{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\\n{% endfor %}'
-        '{% if add_generation_prompt %}assistant:{% endif %}"}')
+    write_byte_tokenizer(path, model.config.vocab_size)
     return path
 
 
