@@ -7,7 +7,6 @@ sshd, rsync and coreutils.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
@@ -16,18 +15,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from trtedge.bundle import sha256_file
 from trtedge.errors import TrtedgeError
 
 _CHUNK = 1 << 20
 Progress = Callable[[int], None]
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class LocalTarget:
@@ -51,7 +43,7 @@ class LocalTarget:
         vdir = self.root / "versions"
         for d in sorted(vdir.iterdir()) if vdir.is_dir() else []:
             if not d.name.startswith(".") and (d / "manifest.json").is_file():
-                out[d.name] = _sha(d / "manifest.json")
+                out[d.name] = sha256_file(d / "manifest.json")
         return out
 
     def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
@@ -82,7 +74,7 @@ class LocalTarget:
     def verify(self, staging: str, expected: dict[str, str]) -> list[str]:
         """Files in versions/<staging> whose sha256 differs from ``expected`` (or that are missing)."""
         base = self.root / "versions" / staging
-        return [rel for rel, sha in expected.items() if not (base / rel).is_file() or _sha(base / rel) != sha]
+        return [rel for rel, sha in expected.items() if not (base / rel).is_file() or sha256_file(base / rel) != sha]
 
     def discard(self, staging: str, files: list[str]) -> None:
         for rel in files:
