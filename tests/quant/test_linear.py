@@ -155,9 +155,10 @@ def test_lm_head_stays_8bit(tmp_path, rng):
     assert next(a.i for a in node.attribute if a.name == "bits") == 8
 
 
-@pytest.mark.parametrize("flavor,k", [("cpu", 577), ("trt", 576)])
+@pytest.mark.parametrize("flavor,k", [("cpu", 577), ("trt", 96)])
 def test_group_not_dividing_is_one_line(tmp_path, rng, flavor, k):
-    """cpu takes a ragged last group of an even K (test_ragged_last_group_cpu); trt needs K % group == 0."""
+    """cpu takes a ragged last group of an even K (test_ragged_last_group_cpu); trt needs a block of 64 or 128
+    that tiles K (test_trt_group_falls_back_to_64)."""
     from trtedge.build.graph.builder import GraphBuilder
 
     gb = GraphBuilder(tmp_path / "m.onnx")
@@ -211,5 +212,20 @@ def test_ragged_last_group_cpu(tmp_path, rng):
                      in_shape=[2, 576])
     y = run_graph(path, {"x": x})
     assert rel_err(y, x @ fake_quantize(w, 4, 128).T) < 1e-5
-    with pytest.raises(TrtedgeError, match="does not divide"):
-        spec.validate(576, "l", "trt")
+
+
+def test_trt_group_falls_back_to_64(tmp_path, rng):
+    """576 inputs at group 128 on the trt flavor: that layer's DequantizeLinear uses blocks of 64."""
+    import onnx
+
+    from trtedge.build.quant.rtn import fake_quantize
+
+    w = rng.standard_normal((48, 576)).astype(np.float32)
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    spec = QuantSpec("w4a16", 128, trt_dtype="fp32")
+    spec.validate(576, "l", "trt")
+    path = build_one(tmp_path, lambda gb, xx: emit_linear(gb, xx, "l", w, spec, "trt"), 576, [2, 48],
+                     in_shape=[2, 576])
+    dq = [n for n in onnx.load(str(path)).graph.node if n.op_type == "DequantizeLinear"]
+    assert [a.i for n in dq for a in n.attribute if a.name == "block_size"] == [64]
+    assert rel_err(run_graph(path, {"x": x}), x @ fake_quantize(w, 4, 64).T) < 1e-5

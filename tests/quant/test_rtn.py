@@ -97,7 +97,7 @@ def test_quantized_bytes_and_note():
     "spec,k,flavor,needle",
     [
         (QuantSpec("w4a16", 128), 577, "cpu", "group size 128 does not divide in_features 577"),
-        (QuantSpec("w4a16", 128), 576, "trt", "--group-size 64"),
+        (QuantSpec("w4a16", 128), 96, "trt", "does not divide in_features 96"),
         (QuantSpec("w4a16", 32), 576, "trt", "not supported by TensorRT"),
         (QuantSpec("w4a16", 48), 576, None, "power of two"),
         (QuantSpec("int3"), 576, None, "unknown quantization scheme"),

@@ -187,6 +187,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
         "symmetric": True, "zero_point": 0,
+        "trt_group_note": "trt flavor: a layer whose in_features the group size does not divide uses 64",
         **({"awq": {"calibration_nll_rtn": plan.nll_rtn, "calibration_nll_awq": plan.nll_awq,
                     "fell_back_to_rtn": plan.fallback,
                     "relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}

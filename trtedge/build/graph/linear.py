@@ -152,7 +152,7 @@ def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
     n, k = w.shape
     sdt = np.float16 if spec.trt_dtype == "fp16" else np.float32
     if spec.scheme == "w4a16":
-        gs = spec.group_size
+        gs = spec.trt_group(k)
         codes, scales = quantize_rtn(w, 4, gs, sdt)
         qw = gb.raw_weight(f"{name}.qweight", TensorProto.INT4, [k, n], pack_int4_kn(codes))
         sc = gb.weight(f"{name}.scales", np.ascontiguousarray(scales.T))  # [K/gs, N]

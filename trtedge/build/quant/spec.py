@@ -59,6 +59,11 @@ class QuantSpec:
         if self.trt_dtype not in TRT_DTYPES:
             raise TrtedgeError(f"trt dtype {self.trt_dtype!r} is not one of {', '.join(TRT_DTYPES)}")
 
+    def trt_group(self, in_features: int) -> int:
+        """TensorRT INT4 block for a layer: the group size, or 64 where it doesn't tile ``in_features``."""
+        gs = self.group_size
+        return gs if in_features % gs == 0 else 64
+
     def validate(self, in_features: int, name: str, flavor: str | None = None) -> None:
         """Raise a one-line TrtedgeError if this spec can't quantize a layer with ``in_features`` inputs."""
         self.check()
@@ -75,6 +80,8 @@ class QuantSpec:
             )
         if in_features % gs and flavor == "cpu" and in_features % 2 == 0:
             return  # MatMulNBits takes a ragged last block (the quantizer pads it with zeros)
+        if flavor == "trt" and in_features % gs and in_features % 64 == 0:
+            return  # trt_group() falls back to 64 for this layer (e.g. SmolLM2's 576 inputs at 128)
         if in_features % gs:
             ok = [g for g in _pow2_divisors(in_features) if flavor != "trt" or g in TRT_GROUP_SIZES]
             hint = f"use --group-size {' or '.join(map(str, ok))}" if ok else "use --quant w8a16 or fp16"
