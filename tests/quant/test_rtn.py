@@ -113,7 +113,12 @@ def test_validate_errors(spec, k, flavor, needle):
 
 
 def test_validate_accepts():
-    QuantSpec("w4a16", 64).validate(576, "x", "trt")
-    QuantSpec("w4a16", 128).validate(1536, "x", "trt")
-    QuantSpec("w4a16", 32).validate(576, "x", "cpu")
-    QuantSpec("w8a16", 128).validate(576, "x", "trt")  # per-channel: group size unused
+    """Valid layers pass (validate returns None) and the trt block each layer gets is the one expected."""
+    assert QuantSpec("w4a16", 64).validate(576, "x", "trt") is None
+    assert QuantSpec("w4a16", 128).validate(1536, "x", "trt") is None
+    assert QuantSpec("w4a16", 128).validate(576, "x", "trt") is None  # falls back to blocks of 64
+    assert QuantSpec("w4a16", 32).validate(576, "x", "cpu") is None
+    assert QuantSpec("w4a16", 128).validate(576, "x", "cpu") is None  # ragged last group on cpu
+    assert QuantSpec("w8a16", 128).validate(576, "x", "trt") is None  # per-channel: group size unused
+    assert QuantSpec("w4a16", 128).trt_group(1536) == 128
+    assert QuantSpec("w4a16", 128).trt_group(576) == 64
