@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from tests.engine.trt_api import StrictModule, load_api, release_for
+
 ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
              "tensor(int32)": np.int32}
 
@@ -200,7 +202,7 @@ class _Engine:
         return _Ctx(self)
 
 
-def make_tensorrt(dev: Device, version: str = "10.3.0") -> types.ModuleType:
+def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
     """Builder + runtime: the 'engine' is a JSON record of the graph path and the profiles it was built with."""
     import json
 
@@ -322,7 +324,9 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> types.ModuleType:
     m.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
     m.BuilderFlag = types.SimpleNamespace(FP16="FP16")
     m.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-    return m
+    # trtedge sees the fake through the real API of the release it claims to be (tests/engine/trt_api.py);
+    # IProgressMonitor stays a real class because trtedge subclasses it.
+    return StrictModule(m, load_api(release_for(version)), passthrough=("IProgressMonitor", "fail"))
 
 
 def install(monkeypatch: Any, capture_ok: bool = True, gpu: str = "Fake GPU", trt_version: str = "10.3.0") -> Device:
