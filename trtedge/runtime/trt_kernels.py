@@ -60,6 +60,59 @@ def grid_for(total: int, threads: int = THREADS, max_blocks: int = 4096) -> int:
     return max(1, min(max_blocks, -(-total // threads)))
 
 
+def compile_state_kernels(sm: str) -> tuple[bytes, str]:
+    """SOURCE compiled by NVRTC for compute capability ``sm`` ("8.7"): returns (image, target).
+
+    SASS (a cubin for ``sm_87``) when NVRTC knows the GPU, so the driver never has to JIT PTX newer than
+    itself (an NVRTC wheel newer than the driver is common); PTX for the newest architecture NVRTC knows
+    otherwise, which the driver JIT-compiles for a GPU newer than this NVRTC.
+    """
+    try:
+        return _compile(sm)
+    except BackendUnavailable:
+        raise
+    except Exception as e:  # e.g. libnvrtc.so missing: cuda-python loads it on first use
+        raise BackendUnavailable(f"cannot compile the KV-append kernels with NVRTC ({_first_line(e)}); "
+                                 "install the CUDA runtime's NVRTC (JetPack, or pip nvidia-cuda-nvrtc-cu12) "
+                                 "or use --backend onnxruntime") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
+
+
+def _compile(sm: str) -> tuple[bytes, str]:
+    nvrtc = import_nvrtc()
+    arch = int(sm.replace(".", ""))
+    known = [int(a) for a in _ok(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")]
+    if arch in known:
+        target, cubin = f"sm_{arch}", True
+    else:
+        older = [a for a in known if a <= arch]
+        if not older:
+            raise BackendUnavailable(f"this NVRTC cannot compile for SM {sm} (it knows {min(known)}–{max(known)}); "
+                                     "install a CUDA runtime that supports this GPU or use --backend onnxruntime")
+        target, cubin = f"compute_{max(older)}", False
+    prog = _ok(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"trtedge_state.cu", 0, [], []), "nvrtcCreateProgram")
+    try:
+        opts = [f"--gpu-architecture={target}".encode()]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(res[0]) != 0:
+            size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise BackendUnavailable(f"NVRTC could not compile the state kernels for {target}: "
+                                     f"{log.decode(errors='replace').strip()[:200]}")
+        get_size, get = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if cubin else \
+                        (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        size = _ok(get_size(prog), "nvrtcGet" + ("CUBIN" if cubin else "PTX") + "Size")
+        image = b" " * size
+        _ok(get(prog, image), "nvrtcGet" + ("CUBIN" if cubin else "PTX"))
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return (image if cubin else image.rstrip(b"\0") + b"\0"), target
+
+
 class StateKernels:
     """Compiled ``append_rows`` / ``copy_rows`` for one device."""
 
@@ -68,26 +121,16 @@ class StateKernels:
             self._build(sm)
         except BackendUnavailable:
             raise
-        except Exception as e:  # e.g. libnvrtc.so missing: cuda-python loads it on first use
-            raise BackendUnavailable(f"cannot compile the KV-append kernels with NVRTC ({str(e).splitlines()[0][:120]}); "
-                                     "install the CUDA runtime's NVRTC (JetPack, or pip nvidia-cuda-nvrtc-cu12) "
-                                     "or use --backend onnxruntime") from None
+        except Exception as e:  # e.g. the driver library missing: cuda-python loads it on first use
+            raise BackendUnavailable(f"cannot load the KV-append kernels into the CUDA driver ({_first_line(e)}); "
+                                     "check the NVIDIA driver (nvidia-smi / JetPack) or use --backend onnxruntime") \
+                from None
 
     def _build(self, sm: str) -> None:
-        nvrtc, self.cu = import_nvrtc(), import_driver()
-        prog = _ok(nvrtc.nvrtcCreateProgram(SOURCE.encode(), b"trtedge_state.cu", 0, [], []), "nvrtcCreateProgram")
-        opts = [f"--gpu-architecture=compute_{sm.replace('.', '')}".encode()]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        if int(res[0]) != 0:
-            size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-            log = b" " * size
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise BackendUnavailable(f"NVRTC could not compile the state kernels: {log.decode(errors='replace')[:200]}")
-        size = _ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-        ptx = b" " * size
-        _ok(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-        image = np.char.array(ptx)  # a NUL-terminated copy whose address the driver reads (cuda-python's pattern)
-        self.module = _ok(self.cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
+        self.cu = import_driver()
+        image, self.target = compile_state_kernels(sm)
+        self._image = np.frombuffer(image, dtype=np.uint8).copy()  # the driver reads it by address
+        self.module = _ok(self.cu.cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self.append = _ok(self.cu.cuModuleGetFunction(self.module, b"append_rows"), "cuModuleGetFunction")
         self.copy = _ok(self.cu.cuModuleGetFunction(self.module, b"copy_rows"), "cuModuleGetFunction")
 
