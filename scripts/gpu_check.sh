@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
 # All TensorRT GPU checks + a short decode benchmark (tokens/s, TTFT); < 5 minutes on one GPU.
-# Needs: an NVIDIA GPU + driver, TensorRT (python), cuda-python. Prints a short table last.
+# Needs: an NVIDIA GPU + driver, cuda-python + NVRTC, and TensorRT (python) for all but the CUDA-only checks.
+# Prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+# A GPU is required; TensorRT is not: without it the CUDA half (NVRTC kernels, graph capture) still runs.
 python -c "
 import sys
 from trtedge.errors import TrtedgeError
-from trtedge.runtime.trt_env import import_tensorrt, probe_gpu
+from trtedge.runtime.trt_env import probe_gpu
 try:
-    import_tensorrt(); print(probe_gpu())
+    print(probe_gpu())
 except TrtedgeError as e:
     sys.exit(f'gpu_check: {e}')
 " || exit 2
-timeout 150 python -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -15
+HAVE_TRT=1
+python -c "from trtedge.runtime.trt_env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
+timeout 150 python -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
+if [ "$HAVE_TRT" = 0 ]; then
+  python -c "
+from trtedge.runtime.trt_env import import_tensorrt, probe_gpu
+g = probe_gpu()
+try:
+    import_tensorrt()
+except Exception as e:
+    why = str(e)
+print()
+print(f'| GPU {g.name} SM {g.sm} | CUDA {g.cuda_runtime} | gpu tests rc=$TESTS_RC |')
+print(f'| TensorRT: {why} |')
+print('| ran: CUDA kernels + graph capture only; engine build, TensorRT logits and the decode benchmark need TensorRT |')
+"
+  exit $(( TESTS_RC != 0 ))
+fi
 timeout 140 python - "$WORK" "$TESTS_RC" <<'PY'
 import sys, time
 from pathlib import Path
