@@ -107,6 +107,25 @@ def test_rejects_contrib_ops_and_bad_dtypes():
     assert "4 of 3" not in rep.summary() and "would fail" in rep.summary()
 
 
+def test_rejects_int4_shapes_tensorrt_cannot_pack():
+    """INT4 [K, N] with N odd, or K not a whole number of blocks: onnx-tensorrt's DequantizeLinear refuses both."""
+    def dq(name, k, n):
+        raw = np.zeros((k * n + 1) // 2, dtype=np.uint8).tobytes()
+        q = helper.make_tensor(f"{name}_q", TensorProto.INT4, [k, n], raw, raw=True)
+        s = numpy_helper.from_array(np.ones((max(k // 64, 1), n), dtype=np.float16), f"{name}_s")
+        node = helper.make_node("DequantizeLinear", [q.name, s.name], [f"{name}_w"], name=name, axis=0, block_size=64)
+        return node, [q, s], helper.make_tensor_value_info(f"{name}_w", TensorProto.FLOAT16, [k, n])
+    parts = [dq("odd_n", 128, 33), dq("ragged_k", 96, 32), dq("fine", 128, 32)]
+    g = helper.make_graph([p[0] for p in parts], "int4", [], [p[2] for p in parts], [t for p in parts for t in p[1]])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    rep = check_model(m, "10.3", graph_name="int4.onnx")
+    by_node = {o.node: o.reason for o in rep.offenders}
+    assert "odd last dimension 33" in by_node["odd_n"]
+    assert "96 along axis 0 is not a whole number of blocks of 64" in by_node["ragged_k"]
+    assert "fine" not in by_node
+
+
 def test_rejects_runtime_axes_and_unsupported_op():
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
     ax = helper.make_tensor_value_info("axes", TensorProto.INT64, [1])

@@ -229,3 +229,23 @@ def test_trt_group_falls_back_to_64(tmp_path, rng):
     dq = [n for n in onnx.load(str(path)).graph.node if n.op_type == "DequantizeLinear"]
     assert [a.i for n in dq for a in n.attribute if a.name == "block_size"] == [64]
     assert rel_err(run_graph(path, {"x": x}), x @ fake_quantize(w, 4, 64).T) < 1e-5
+
+
+@pytest.mark.parametrize("trt_dtype", ["fp16", "fp32"])
+def test_trt_int4_odd_outputs_padded_to_even(tmp_path, rng, trt_dtype):
+    """TensorRT refuses INT4 with an odd last dimension: 33 outputs become a [K, 34] weight, sliced back."""
+    from trtedge.build.engine.check import check_onnx_file
+    from trtedge.build.quant.rtn import fake_quantize
+
+    w = rng.standard_normal((33, 128)).astype(np.float32)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    spec = QuantSpec("w4a16", 64, trt_dtype=trt_dtype)
+    path = build_one(tmp_path, lambda gb, xx: emit_linear(gb, xx, "l", w, spec, "trt"), 128, [3, 33],
+                     in_shape=[3, 128])
+    model = onnx.load(str(path))
+    [qw] = [t for t in model.graph.initializer if t.data_type == TensorProto.INT4]
+    assert list(qw.dims) == [128, 34]
+    sdt = np.float16 if trt_dtype == "fp16" else np.float32
+    y = run_graph(path, {"x": x})
+    assert y.shape == (3, 33) and rel_err(y, x @ fake_quantize(w, 4, 64, sdt).T) < 3e-3
+    assert check_onnx_file(path, "10.3").ok

@@ -240,6 +240,14 @@ def _check_restrictions(node: onnx.NodeProto, g: _Graphs, entry: dict[str, Any],
                 bad(f"{x_dt} block_size {bs}: TensorRT's INT4 weight-only path takes block 64 or 128", x_dt)
             if node.input[0] not in g.constant:
                 bad("INT4 DequantizeLinear input must be a constant weight", x_dt)
+            dims = list(g.inits[node.input[0]].dims) if node.input[0] in g.inits else []
+            if dims and dims[-1] % 2:  # onnx-tensorrt: "Quantization to INT4 is not supported ... odd last dimension"
+                bad(f"INT4 weight {node.input[0]!r} has an odd last dimension {dims[-1]} (TensorRT packs INT4 "
+                    "in pairs; rebuild with this trtedge, which pads it)", x_dt)
+            axis = int(_attr(node, "axis", 1) or 0) % max(len(dims), 1)
+            if dims and bs and dims[axis] % bs:
+                bad(f"INT4 weight {node.input[0]!r}: {dims[axis]} along axis {axis} is not a whole number of "
+                    f"blocks of {bs}", x_dt)
     if node.op_type == "TopK":
         if "`sorted` must be 1" in text and int(_attr(node, "sorted", 1)) != 1:
             bad("TopK sorted=0 is not supported (must be 1)")

@@ -151,10 +151,15 @@ def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
 def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec) -> str:
     n, k = w.shape
     sdt = np.float16 if spec.trt_dtype == "fp16" else np.float32
+    pad = 0
     if spec.scheme == "w4a16":
         gs = spec.trt_group(k)
-        codes, scales = quantize_rtn(w, 4, gs, sdt)
-        qw = gb.raw_weight(f"{name}.qweight", TensorProto.INT4, [k, n], pack_int4_kn(codes))
+        # TensorRT packs INT4 in pairs along the last dimension and refuses an odd one: an odd number of
+        # outputs (e.g. a 32001-token head) gets one zero output column, sliced off after the MatMul.
+        pad = n % 2
+        wq = np.concatenate([w, np.zeros((pad, k), w.dtype)]) if pad else w
+        codes, scales = quantize_rtn(wq, 4, gs, sdt)
+        qw = gb.raw_weight(f"{name}.qweight", TensorProto.INT4, [k, n + pad], pack_int4_kn(codes))
         sc = gb.weight(f"{name}.scales", np.ascontiguousarray(scales.T))  # [K/gs, N]
         wd = gb.op("DequantizeLinear", [qw, sc], axis=0, block_size=gs, name=f"{name}/DequantizeLinear")
     else:
@@ -163,9 +168,14 @@ def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
         wd = gb.op("DequantizeLinear", [qw, gb.weight(f"{name}.scales", scales[:, 0].copy())], axis=1,
                    name=f"{name}/DequantizeLinear")
     if sdt == np.float16:
-        yh = gb.op("MatMul", [cast_fp16(gb, x), wd], name=f"{name}/MatMul")
-        return gb.op("Cast", [yh], to=TensorProto.FLOAT, name=f"{name}/cast_fp32")
-    return gb.op("MatMul", [x, wd], name=f"{name}/MatMul")
+        y = gb.op("MatMul", [cast_fp16(gb, x), wd], name=f"{name}/MatMul")
+    else:
+        y = gb.op("MatMul", [x, wd], name=f"{name}/MatMul")
+    if pad:
+        y = gb.op("Slice", [y, gb.const([0]), gb.const([n]), gb.const([-1])], name=f"{name}/drop_pad")
+    if sdt == np.float16:
+        return gb.op("Cast", [y], to=TensorProto.FLOAT, name=f"{name}/cast_fp32")
+    return y
 
 
 def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
