@@ -105,10 +105,10 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
         return [tokenizer.encode(clean_text(p, "prompt"))]
     if not p:
         raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
+    if all(isinstance(x, int) for x in p):  # one prompt as token ids: its length is the context's business
+        return [_ids(p, vocab_size)]  # type: ignore[arg-type]
     if len(p) > MAX_PROMPTS:
         raise bad(f"prompt lists {len(p)} prompts; at most {MAX_PROMPTS} per request", "prompt")
-    if all(isinstance(x, int) for x in p):
-        return [_ids(p, vocab_size)]  # type: ignore[arg-type]
     if all(isinstance(x, str) for x in p):
         return [tokenizer.encode(clean_text(x, f"prompt.{i}")) for i, x in enumerate(p)]  # type: ignore[arg-type]
     return [_ids(x, vocab_size) for x in p]  # type: ignore[arg-type]
