@@ -24,6 +24,53 @@ def _err(r: httpx.Response, status: int) -> dict:
     return err
 
 
+# (endpoint, extra fields, expected status, param named by the 400)
+FIELDS = [
+    ("chat", {"n": 1, "user": "u-1", "seed": 7, "stop": [], "logprobs": False, "top_logprobs": 0}, 200, None),
+    ("chat", {"stop": "\n", "temperature": 2, "top_p": 1e-9, "presence_penalty": 2, "frequency_penalty": -2}, 200, None),
+    ("chat", {"max_completion_tokens": 2, "max_tokens": None, "tools": [], "tool_choice": "none"}, 200, None),
+    ("chat", {"response_format": {"type": "text"}, "parallel_tool_calls": False, "logit_bias": {}}, 200, None),
+    ("chat", {"n": 2}, 400, "n"),
+    ("chat", {"stop": [str(i) for i in range(17)]}, 400, "stop"),
+    ("chat", {"max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"max_tokens": -1}, 400, "max_tokens"),
+    ("chat", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat", {"temperature": 2.5}, 400, "temperature"),
+    ("chat", {"top_p": 0}, 400, "top_p"),
+    ("chat", {"presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("chat", {"frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("chat", {"logprobs": True}, 400, "logprobs"),
+    ("chat", {"top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat", {"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("chat", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),
+    ("chat", {"function_call": {"name": "f"}}, 400, "function_call"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages.0.content"),
+    ("completions", {"echo": True}, 400, "echo"),
+    ("completions", {"logprobs": 2}, 400, "logprobs"),
+    ("completions", {"best_of": 3}, 400, "best_of"),
+    ("completions", {"suffix": "end"}, 400, "suffix"),
+]
+
+
+@pytest.mark.parametrize("endpoint,extra,status,param", FIELDS)
+def test_documented_fields_honoured_or_refused(server, endpoint, extra, status, param):
+    base = {"messages": MSGS} if endpoint == "chat" else {"prompt": "hi"}
+    body = {"model": MODEL, **base, "max_tokens": 2, **extra}
+    r = httpx.post(f"{server.url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", json=body,
+                   timeout=30)
+    if status == 200:
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] <= 2
+    else:
+        err = _err(r, 400)
+        assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
 def test_token_id_prompt_longer_than_64_tokens(server):
     """A flat token-id list is ONE prompt: its length is bounded by the context, not by the prompts-per-request cap."""
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 100, "max_tokens": 2, "temperature": 0})
@@ -33,3 +80,12 @@ def test_token_id_prompt_longer_than_64_tokens(server):
     assert err["code"] == "context_length_exceeded" and "300" in err["message"] and "256" in err["message"]
     err = _err(httpx.post(server.url + "/v1/completions", json={"prompt": [[5]] * 65, "max_tokens": 2}), 400)
     assert "65 prompts" in err["message"]
+
+
+def test_tool_choice_without_tools(client):
+    for choice in ("none", "auto"):
+        r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, tool_choice=choice)
+        assert r.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, tool_choice="required")
+    assert e.value.param == "tool_choice" and "tool_choice 'required'" in e.value.message

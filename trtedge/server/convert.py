@@ -56,6 +56,12 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if req.tools or req.functions:
         raise bad("tool / function calling is not supported by this server; remove 'tools'", "tools",
                   "unsupported_value")
+    # "none" / "auto" with no tools means plain text: fine; asking for a tool call cannot be honoured
+    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
+        if choice not in (None, "none", "auto"):
+            shown = repr(choice) if isinstance(choice, str) else "naming a function"
+            raise bad(f"{param} {shown} asks for a tool call, but this server has no tool calling; "
+                      f"send {param} 'none' or 'auto', or leave it out", param, "unsupported_value")
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise bad(f"response_format {fmt!r} is not supported (only 'text')", "response_format", "unsupported_value")
