@@ -82,6 +82,20 @@ def test_token_id_prompt_longer_than_64_tokens(server):
     assert "65 prompts" in err["message"]
 
 
+def test_unknown_model_is_openai_404(server, client):
+    for create in (lambda: client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=2),
+                   lambda: client.completions.create(model="gpt-4o", prompt="x", max_tokens=2),
+                   lambda: client.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=2, stream=True)):
+        with pytest.raises(openai.NotFoundError) as e:
+            create()
+        assert e.value.code == "model_not_found" and e.value.param == "model"
+        assert "'gpt-4o'" in e.value.message and f"'{MODEL}'" in e.value.message
+    # the served name, an empty one, or none at all: served
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).model == MODEL
+    for body in ({"prompt": "x", "max_tokens": 1}, {"model": "", "prompt": "x", "max_tokens": 1}):
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+
+
 def test_tool_choice_without_tools(client):
     for choice in ("none", "auto"):
         r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, tool_choice=choice)

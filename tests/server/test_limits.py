@@ -106,12 +106,12 @@ def test_request_timeout(tiny_bundle):
         assert r.headers["x-should-retry"] == "false"
         with pytest.raises(openai.APIStatusError) as e:  # not retried
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=2).completions.create(
-                model="m", prompt="t", max_tokens=200, temperature=0)
+                model="tiny-llama", prompt="t", max_tokens=200, temperature=0)
         assert e.value.status_code == 408
         # streaming: the stream ends with an error event the openai client raises on
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.APIError, match="timeout"):
-            for _ in c.completions.create(model="m", prompt="t", max_tokens=200, temperature=0, stream=True):
+            for _ in c.completions.create(model="tiny-llama", prompt="t", max_tokens=200, temperature=0, stream=True):
                 pass
         short = httpx.post(srv.url + "/v1/completions", json={"prompt": "t", "max_tokens": 3, "temperature": 0})
         assert short.status_code == 200
@@ -141,7 +141,7 @@ def test_api_key(tiny_bundle, monkeypatch):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
-        assert ok.completions.create(model="m", prompt="k", max_tokens=2).usage.completion_tokens >= 1
+        assert ok.completions.create(model="tiny-llama", prompt="k", max_tokens=2).usage.completion_tokens >= 1
         assert httpx.get(srv.url + "/health/ready").status_code == 200  # probes need no key
         assert httpx.get(srv.url + "/metrics").status_code == 200
 

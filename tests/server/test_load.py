@@ -36,7 +36,7 @@ def _jobs() -> list[dict]:
 
 async def _one(client: openai.AsyncOpenAI, job: dict, t0: float) -> dict:
     headers = {"X-Priority": job["priority"], "X-Request-Id": f"load-{job['i']}"}
-    kw = dict(model="m", max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
+    kw = dict(model="tiny-llama", max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
               extra_headers=headers)
     start = time.perf_counter()
     if job["chat"]:

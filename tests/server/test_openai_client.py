@@ -54,11 +54,11 @@ def test_chat_matches_reference(client, reference):
 
 def test_completion_and_max_completion_tokens(client, reference):
     text, n, prompt_tokens, _ = reference("The factory line", 20)
-    r = client.completions.create(model="x", prompt="The factory line", max_tokens=20, temperature=0)
+    r = client.completions.create(model="tiny-llama", prompt="The factory line", max_tokens=20, temperature=0)
     assert r.object == "text_completion" and r.model == "tiny-llama"
     assert r.choices[0].text == text and r.usage.prompt_tokens == prompt_tokens
     # chat accepts the newer max_completion_tokens
-    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "a"}],
                                        max_completion_tokens=3, temperature=0)
     assert r.usage.completion_tokens <= 3
 
@@ -66,7 +66,7 @@ def test_completion_and_max_completion_tokens(client, reference):
 def test_chat_stream_shape_and_usage(client, reference):
     text, _, prompt_tokens, reason = reference("Stream me", 30, chat=True)
     chunks = list(client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Stream me"}], max_tokens=30, temperature=0,
+        model="tiny-llama", messages=[{"role": "user", "content": "Stream me"}], max_tokens=30, temperature=0,
         stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
@@ -99,9 +99,9 @@ def test_stop_sequences(client, reference):
         pytest.skip("the random model produced no printable character to stop on")
     stop = full[cut]
     expect = full[:full.index(stop)]
-    r = client.completions.create(model="m", prompt="stop test", max_tokens=40, temperature=0, stop=[stop, "\u2603"])
+    r = client.completions.create(model="tiny-llama", prompt="stop test", max_tokens=40, temperature=0, stop=[stop, "\u2603"])
     assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="m", prompt="stop test", max_tokens=40, temperature=0, stop=stop,
+    chunks = list(client.completions.create(model="tiny-llama", prompt="stop test", max_tokens=40, temperature=0, stop=stop,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expect
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -118,7 +118,7 @@ def test_prompt_list_and_token_ids(server, reference):
 
 
 def test_seeded_sampling_reproducible(client):
-    kw = dict(model="m", prompt="seed", max_tokens=16, temperature=1.0, top_p=0.9, seed=1234,
+    kw = dict(model="tiny-llama", prompt="seed", max_tokens=16, temperature=1.0, top_p=0.9, seed=1234,
               presence_penalty=0.5, frequency_penalty=0.2,
               extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})  # vLLM-style extras
     a = client.completions.create(**kw).choices[0].text
@@ -128,19 +128,19 @@ def test_seeded_sampling_reproducible(client):
 
 def test_error_objects(client, server):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}], n=2)
     assert e.value.code == "unsupported_value" and "n=2" in e.value.message and e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=[], max_tokens=2)
+        client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
     assert e.value.body["type"] == "invalid_request_error" if isinstance(e.value.body, dict) else True
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="x", temperature=5)
+        client.completions.create(model="tiny-llama", prompt="x", temperature=5)
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="x", max_tokens=10_000)
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=10_000)
     assert "10000" in e.value.message and "256" in e.value.message and e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
 
 
@@ -199,7 +199,7 @@ def test_health_metrics_and_latency_log(server, client):
     assert ready.status_code == 200 and ready.json()["model"] == "tiny-llama"
     gpu = httpx.get(server.url + "/health/gpu").json()
     assert "gpu" in gpu and (gpu["gpu"] or gpu["reason"])
-    client.completions.create(model="m", prompt="metrics", max_tokens=5, temperature=0)
+    client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=5, temperature=0)
     text = httpx.get(server.url + "/metrics").text
     for name in ("trtedge_time_to_first_token_seconds_count", "trtedge_e2e_request_latency_seconds_count",
                  "trtedge_request_queue_time_seconds_count", "trtedge_time_per_output_token_seconds_count"):

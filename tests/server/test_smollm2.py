@@ -40,7 +40,7 @@ def test_chat_answers_and_matches_generator(smol):
 
 
 def test_stop_on_a_word(smol):
-    kw = dict(model="m", prompt="The days of the week are Monday, Tuesday,", max_tokens=30, temperature=0)
+    kw = dict(model="smollm2", prompt="The days of the week are Monday, Tuesday,", max_tokens=30, temperature=0)
     full = smol.client.completions.create(**kw).choices[0].text
     assert "Thursday" in full
     r = smol.client.completions.create(stop=["Thursday"], **kw)
@@ -52,9 +52,9 @@ def test_stop_on_a_word(smol):
 
 def test_utf8_streamed_whole(smol):
     msgs = [{"role": "user", "content": "Write the word 'café' and a smiley emoji 😀 three times."}]
-    whole = smol.client.chat.completions.create(model="m", messages=msgs, max_tokens=40, temperature=0)
+    whole = smol.client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0)
     pieces = [c.choices[0].delta.content or "" for c in smol.client.chat.completions.create(
-        model="m", messages=msgs, max_tokens=40, temperature=0, stream=True) if c.choices]
+        model="smollm2", messages=msgs, max_tokens=40, temperature=0, stream=True) if c.choices]
     text = "".join(pieces)
     assert text == whole.choices[0].message.content
     assert "\ufffd" not in text and all("\ufffd" not in p for p in pieces)

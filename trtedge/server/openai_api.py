@@ -48,10 +48,17 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[400]})
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     s = _state(request)
-    if model_id != s.model_name:
-        raise APIError(404, f"model {model_id!r} is not served here; this server serves {s.model_name!r}",
-                       "model_not_found", "model")
+    _check_model(s, model_id)
     return _card(s)
+
+
+def _check_model(s: ServerState, model: str | None) -> None:
+    """404 model_not_found (as OpenAI, vLLM and Ollama answer) for a model this server does not serve;
+    an absent or empty model means the one served."""
+    if model and model != s.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {s.model_name!r} "
+                            "(send that name, or leave 'model' out)", "model_not_found", "model",
+                       type="invalid_request_error")
 
 
 def _card(s: ServerState) -> dict[str, Any]:
@@ -63,6 +70,7 @@ def _card(s: ServerState) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     s = _state(request)
     try:
+        _check_model(s, body.model)
         convert.check_chat(body)
         messages = convert.chat_messages(body)
         size = sum(len(m["content"]) for m in messages)
@@ -80,6 +88,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def completions(body: CompletionRequest, request: Request) -> Any:
     s = _state(request)
     try:
+        _check_model(s, body.model)
         convert.check_completion(body)
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))

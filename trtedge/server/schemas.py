@@ -42,7 +42,8 @@ class _Sampling(BaseModel):
     """Parameters shared by chat and text completions."""
 
     model_config = _REQ
-    model: str | None = Field(None, description="ignored beyond echoing: this server serves one model")
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); absent means that one, "
+                                                "any other name is a 404 model_not_found")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -156,6 +157,7 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": desc}
     for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
+                       (404, "the model named is not served here (model_not_found)"),
                        (408, "the request exceeded the server's request timeout"),
                        (413, "request body too large"), (429, "waiting queue full"),
                        (503, "model loading or server draining"))
