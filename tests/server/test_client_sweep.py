@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from conftest import make_engine, running_server
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -103,3 +104,21 @@ def test_tool_choice_without_tools(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, tool_choice="required")
     assert e.value.param == "tool_choice" and "tool_choice 'required'" in e.value.message
+
+
+def test_chunked_body_over_the_limit_is_413(tiny_bundle):
+    """Without a Content-Length the limit is counted while reading, so a chunked upload cannot get past it."""
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(8):
+            yield b"a" * 1024
+        yield b'", "max_tokens": 1}'
+
+    with running_server(make_engine(tiny_bundle, num_slots=1), max_body_bytes=4096) as srv:
+        url = srv.url + "/v1/completions"
+        err = _err(httpx.post(url, content=chunks(), headers={"content-type": "application/json"}), 413)
+        assert err["code"] == "body_too_large" and "4096" in err["message"]
+        ok = httpx.post(url, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
+                        headers={"content-type": "application/json"})
+        assert ok.status_code == 200, ok.text

@@ -113,7 +113,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
-        if status == 400:
+        if status in (400, 413):
             _count_invalid(request)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if status == 400 and "parsing the body" in detail:
@@ -123,7 +123,7 @@ def install(app: FastAPI) -> None:
             detail = "no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/models"
         elif status == 405:
             detail = "method not allowed on this endpoint"
-        return error_response(status, detail, None, headers=exc.headers)
+        return error_response(status, detail, "body_too_large" if status == 413 else None, headers=exc.headers)
 
     @app.exception_handler(TrtedgeError)
     async def _user(_: Request, exc: TrtedgeError) -> JSONResponse:

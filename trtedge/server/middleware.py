@@ -90,9 +90,28 @@ class ServerMiddleware:
             return
         s.enter()
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, _limited(receive, self.max_body), send_with_id)
         finally:
             s.leave()
+
+
+def _limited(receive: Any, limit: int) -> Any:
+    """receive() that enforces the body limit on bodies without a Content-Length (chunked uploads) too:
+    FastAPI re-raises an HTTPException from reading the body, so the client gets the 413."""
+    seen = 0
+
+    async def wrapped() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                from starlette.exceptions import HTTPException
+
+                raise HTTPException(413, f"request body is over the limit of {limit} bytes; send less")
+        return message
+
+    return wrapped
 
 
 def _headers(scope: dict) -> dict[str, str]:
