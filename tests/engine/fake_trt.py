@@ -154,8 +154,13 @@ class FakeKernels:
 
 
 class _Ctx:
-    def __init__(self, eng: _Engine):
+    def __init__(self, eng: _Engine, strategy: int):
         self.eng, self.addr, self.shape, self.profile = eng, {}, {}, None
+        self.strategy, self.memory = strategy, None
+
+    def set_device_memory(self, memory, size):
+        assert self.strategy == 2 and size >= self.eng.device_memory_size_v2  # USER_MANAGED, big enough
+        self.memory = (int(memory), int(size))
 
     def set_optimization_profile_async(self, i, stream):
         assert isinstance(stream, int)
@@ -174,6 +179,7 @@ class _Ctx:
 
     def execute_async_v3(self, stream):
         assert isinstance(stream, int)
+        assert self.strategy != 2 or self.memory is not None, "USER_MANAGED context run without device memory"
         addr, shape = dict(self.addr), dict(self.shape)
 
         def go():
@@ -198,8 +204,12 @@ class _Engine:
     def get_tensor_name(self, i):
         return self.names[i]
 
-    def create_execution_context(self):
-        return _Ctx(self)
+    @property
+    def device_memory_size_v2(self):
+        return 4096
+
+    def create_execution_context(self, strategy=0):
+        return _Ctx(self, strategy)
 
 
 def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
@@ -324,6 +334,7 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
     m.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
     m.BuilderFlag = types.SimpleNamespace(FP16="FP16")
     m.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
+    m.ExecutionContextAllocationStrategy = types.SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=2)
     # trtedge sees the fake through the real API of the release it claims to be (tests/engine/trt_api.py);
     # IProgressMonitor stays a real class because trtedge subclasses it.
     return StrictModule(m, load_api(release_for(version)), passthrough=("IProgressMonitor", "fail"))

@@ -58,6 +58,10 @@ def test_logits_equal_onnxruntime_prefill_decode_and_replay(engine_bundle):
     ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
     be = TensorRTBackend(b, num_slots=4)
     assert be.stats["captured"] == 3  # warm-up captured batch buckets 1, 2, 4 at pitch 8
+    from tests.engine.trt_api import unwrap
+
+    # prefill and decode share one activation block (USER_MANAGED), not one each
+    assert {unwrap(c).memory for c in be.contexts.values()} == {(int(be.context_memory), be.context_memory_bytes)}
     assert be.layout.length_buckets == [8, 16, 32, 48, 64]
     pre = compute_logits(be, IDS, "prefill")  # 63 tokens in chunks of 16
     dec = compute_logits(be, IDS, "decode")

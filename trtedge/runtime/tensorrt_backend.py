@@ -66,9 +66,19 @@ class TensorRTBackend:
         names = [p["name"] for p in meta["profiles"]]
         self.stream = check(self.cr, self.cr.cudaStreamCreateWithFlags(self.cr.cudaStreamNonBlocking),
                             "cudaStreamCreateWithFlags")
+        # The prefill and decode contexts never run at the same time (one stream), so they share one block
+        # of activation memory sized for the larger profile instead of holding one each (Jetson memory is
+        # shared with the CPU; TensorRT-Edge-LLM does the same).
         self.contexts: dict[str, Any] = {}
+        user_managed = self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        self.context_memory_bytes = max(int(self.engine.device_memory_size_v2), 1)
+        self.context_memory = check(self.cr, self.cr.cudaMalloc(self.context_memory_bytes), "cudaMalloc")
         for i, n in enumerate(names):
-            ctx = self.engine.create_execution_context()
+            ctx = self.engine.create_execution_context(user_managed)
+            if ctx is None:
+                raise BackendUnavailable(f"TensorRT could not create an execution context for the {n} profile "
+                                         "(out of GPU memory?); use fewer --slots or --backend onnxruntime")
+            ctx.set_device_memory(int(self.context_memory), self.context_memory_bytes)
             ctx.set_optimization_profile_async(i, int(self.stream))
             self.contexts[n] = ctx
 
@@ -263,9 +273,11 @@ class TensorRTBackend:
     def close(self) -> None:
         if getattr(self, "graphs", None) is not None:
             self.graphs.drop()
-        if getattr(self, "base", None) is not None:
-            self.cr.cudaFree(self.base)
-            self.base = None
+        self.contexts = {}  # contexts go before the memory they use
+        for attr in ("base", "context_memory"):
+            if getattr(self, attr, None) is not None:
+                self.cr.cudaFree(getattr(self, attr))
+                setattr(self, attr, None)
         if getattr(self, "pinned", None) is not None:
             self.cr.cudaFreeHost(self.pinned)
             self.pinned = None
@@ -275,5 +287,6 @@ class TensorRTBackend:
 
     def describe(self) -> str:
         return json.dumps({"slots": self.num_slots, "max_prefill": self.max_prefill, "pitch": self.layout.pitch,
-                           "stats": self.stats, "arena_bytes": self.plan.total})
+                           "stats": self.stats, "arena_bytes": self.plan.total,
+                           "context_memory_bytes": self.context_memory_bytes})
 

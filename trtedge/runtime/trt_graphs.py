@@ -76,6 +76,7 @@ class GraphCache:
             launch()
             return "eager"
         launch()  # the eager run TensorRT needs before capture (allocations, shape-dependent setup)
+        self._check(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         try:
             self.graphs[key] = self._capture(launch)
         except Exception as e:  # capture is an optimization: fall back to eager for this key
