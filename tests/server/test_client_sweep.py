@@ -122,3 +122,29 @@ def test_chunked_body_over_the_limit_is_413(tiny_bundle):
         ok = httpx.post(url, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 1}']),
                         headers={"content-type": "application/json"})
         assert ok.status_code == 200, ok.text
+
+
+def test_assistant_prefill_with_vllms_continue_final_message(server):
+    """By default a trailing assistant message is a closed turn (OpenAI); vLLM's continue_final_message makes
+    the model continue it: the prompt is the rendered chat cut right after that message's text."""
+    url = server.url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    tok = server.state.engine.tokenizer
+    closed = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    cut = closed[:closed.rindex("Sure") + len("Sure")]
+    assert cut != closed  # the template closes the turn after the text: the cut matters
+    want = httpx.post(server.url + "/v1/completions",
+                      json={"prompt": tok.encode(cut), "max_tokens": 6, "temperature": 0}).json()
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        got = httpx.post(url, json={"messages": msgs, "max_tokens": 6, "temperature": 0, **extra}).json()
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] == len(tok.encode(cut))
+        assert got["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+    default = httpx.post(url, json={"messages": msgs, "max_tokens": 1, "temperature": 0}).json()
+    assert default["usage"]["prompt_tokens"] > want["usage"]["prompt_tokens"]  # a new assistant turn was opened
+    err = _err(httpx.post(url, json={"messages": msgs, "max_tokens": 1, "continue_final_message": True,
+                                     "add_generation_prompt": True}), 400)
+    assert err["param"] == "add_generation_prompt"
+    err = _err(httpx.post(url, json={"messages": [*msgs[:1], {"role": "assistant", "content": ""}], "max_tokens": 1,
+                                     "continue_final_message": True}), 400)
+    assert "continue_final_message" in err["message"]
+

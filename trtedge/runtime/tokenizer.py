@@ -101,14 +101,30 @@ class Tokenizer:
         except Exception as e:  # jinja raises many types; the user sees one line
             raise TrtedgeError(f"chat template failed on these messages: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.apply_chat_template(messages)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
+        model continues), cut as transformers' apply_chat_template does."""
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
+        if continue_final_message:
+            text = _cut_after_final(text, str(messages[-1].get("content") or ""))
         # The template already wrote BOS if the model wants one.
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id) \
                 and not (self.bos_token and text.startswith(self.bos_token)):
             ids = [self.bos_token_id, *ids]
         return ids
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text (what follows closes the turn)."""
+    if not final.strip() or final.strip() not in text:
+        raise TrtedgeError("continue_final_message: the chat template does not keep the last message's text "
+                           "(or it is empty), so there is nothing to continue; send it without that option")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final.lstrip():  # the template kept trailing spaces
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
 
 
 def _raise(msg: str) -> None:

@@ -78,6 +78,16 @@ def check_completion(req: CompletionRequest) -> None:
                   "unsupported_value")
 
 
+def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:
+    """vLLM's add_generation_prompt / continue_final_message; continuing implies no new assistant turn."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise bad("continue_final_message and add_generation_prompt cannot both be true: continuing the last "
+                  "message opens no new turn; send add_generation_prompt false", "add_generation_prompt")
+    gen = not cont if req.add_generation_prompt is None else bool(req.add_generation_prompt)
+    return {"add_generation_prompt": gen, "continue_final_message": cont}
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain role/content dicts for the chat template (text parts joined)."""
     out = []

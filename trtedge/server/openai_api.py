@@ -7,6 +7,7 @@ A request becomes one engine request per prompt; their events are merged into on
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from typing import Any
@@ -73,8 +74,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         _check_model(s, body.model)
         convert.check_chat(body)
         messages = convert.chat_messages(body)
+        options = convert.chat_template_options(body)
         size = sum(len(m["content"]) for m in messages)
-        ids = await _offload(size, s.engine.tokenizer.encode_chat, messages)
+        ids = await _offload(size, functools.partial(s.engine.tokenizer.encode_chat, messages, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [convert.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]

@@ -71,6 +71,9 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
+    add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
+    continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")
 
 
 class CompletionRequest(_Sampling):
