@@ -154,7 +154,7 @@ def test_error_objects(client, server):
     (b'{"prompt": [], "max_tokens": 2}', "empty list"),
     (b'{"prompt": [99999]}', "out of vocabulary"),
     (b'{"prompt": "", "max_tokens": 2}', None),
-    (b'{"prompt": "x", "seed": -1}', "seed"),
+    (b'{"prompt": "x", "seed": 9223372036854775808}', "seed"),
     (b"", "JSON"),
     (b'{"prompt": [1, "a"]}', "matches none of the accepted types"),
     (b'{"prompt": "x"}{"prompt": "y"}', "not valid JSON"),

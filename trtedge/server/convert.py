@@ -147,7 +147,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
         repetition_penalty=req.repetition_penalty or 1.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        seed=req.seed,
+        seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
     )
 
 

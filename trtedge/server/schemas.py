@@ -53,7 +53,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="any 64-bit integer, as OpenAI's")
     stop: str | list[str] | None = None
     n: int | None = Field(1, ge=1, le=128, description="only 1 is supported")
     logprobs: Any = None
