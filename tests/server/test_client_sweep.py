@@ -91,6 +91,9 @@ def test_unknown_model_is_openai_404(server, client):
             create()
         assert e.value.code == "model_not_found" and e.value.param == "model"
         assert "'gpt-4o'" in e.value.message and f"'{MODEL}'" in e.value.message
+    for path in ("/v1/models/gpt-4o", "/v1/models/"):  # GET retrieves: the same error
+        err = _err(httpx.get(server.url + path), 404)
+        assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
     # the served name, an empty one, or none at all: served
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).model == MODEL
     for body in ({"prompt": "x", "max_tokens": 1}, {"model": "", "prompt": "x", "max_tokens": 1}):

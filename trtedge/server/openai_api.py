@@ -49,6 +49,9 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[400]})
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     s = _state(request)
+    if not model_id:
+        raise APIError(404, f"no model named; GET /v1/models lists them, GET /v1/models/{s.model_name} shows one",
+                       "model_not_found", "model", type="invalid_request_error")
     _check_model(s, model_id)
     return _card(s)
 
