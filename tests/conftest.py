@@ -21,6 +21,8 @@ DENSE_VARIANTS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
     "llama-headdim": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32)),
     "qwen2-bias-tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Llama with every bias transformers knows (q/k/v/o and gate/up/down) and a large epsilon.
+    "llama-bias": ("llama", dict(attention_bias=True, mlp_bias=True, rms_norm_eps=1e-2)),
     "qwen2-yarn": ("qwen2", dict(
         hidden_size=128, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -62,6 +64,19 @@ def tiny_dense(tmp_path_factory):
             family, over = DENSE_VARIANTS[variant]
             cache[variant] = make_tiny_dense(tmp_path_factory.mktemp(variant), family, **over)
         return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoint(tmp_path_factory):
+    """Factory: (name, family, **config overrides) → a tiny HF checkpoint, made once per name."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str, family: str, **overrides) -> Path:
+        if name not in cache:
+            cache[name] = make_tiny_dense(tmp_path_factory.mktemp(name), family, **overrides)
+        return cache[name]
 
     return get
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from trtedge.build.calibrate import awq_plan_dense, calibration_ids, default_calibration_text
@@ -16,10 +17,11 @@ from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150]
 
 
-def test_folded_scales_preserve_the_float_model(tiny_dense):
+@pytest.mark.parametrize("variant", ["qwen2-bias-tied", "llama-bias"])
+def test_folded_scales_preserve_the_float_model(tiny_dense, variant):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_dense("qwen2-bias-tied")
+    path = tiny_dense(variant)
     ck = open_checkpoint(path)
     cfg = ModelConfig.from_hf_dict(ck.hf_config)
     ids = calibration_ids(lambda t: [b % cfg.vocab_size for b in t.encode()], default_calibration_text())

@@ -44,7 +44,7 @@ def built(tiny_dense, tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied-llama3", "llama-headdim", "qwen2-bias-tied",
-                                     "qwen2-yarn"])
+                                     "qwen2-yarn", "llama-bias"])
 @pytest.mark.parametrize("quant,tol", [("fp32", 1e-4), ("fp16", 1e-2)])
 def test_logits_match_transformers(built, tiny_dense, variant, quant, tol):
     ref = reference_logits(tiny_dense(variant), IDS)
@@ -84,7 +84,7 @@ def fake_quant_reference(ckpt, ids, group, flavor):
     return hidden @ head_q.T
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama-bias"])
 def test_w4a16_graph_equals_fake_quantized_reference(built, tiny_dense, variant):
     """The INT4 graphs compute exactly what their quantized weights say, and drift from float is bounded."""
     ref = reference_logits(tiny_dense(variant), IDS)

@@ -125,15 +125,15 @@ def dense_forward(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.nd
         q = _rope(lin(x, n["q"], n.get("qb")).reshape(bsz, seq, nh, d), cos, sin)
         kk = _rope(lin(x, n["k"], n.get("kb")).reshape(bsz, seq, kvh, d), cos, sin)
         v = lin(x, n["v"], n.get("vb")).reshape(bsz, seq, kvh, d)
-        att = _attention(q, kk, v, cfg.sliding_window)
+        att = _attention(q, kk, v, cfg.layer_window(i))
         hook(i, "o", [n["o"]], att, n)
-        h = h + lin(att, n["o"])
+        h = h + lin(att, n["o"], n.get("ob"))
         x = _rms(h, np.asarray(get(n["ln2"]), dtype=np.float32), cfg.rms_norm_eps)
         hook(i, "gate_up", [n["gate"], n["up"]], x, n)
-        gate = lin(x, n["gate"])
-        act = gate / (1 + np.exp(-gate)) * lin(x, n["up"])
+        gate = lin(x, n["gate"], n.get("gateb"))
+        act = gate / (1 + np.exp(-gate)) * lin(x, n["up"], n.get("upb"))
         hook(i, "down", [n["down"]], act, n)
-        h = h + lin(act, n["down"])
+        h = h + lin(act, n["down"], n.get("downb"))
     return h
 
 
@@ -183,6 +183,8 @@ def awq_plan_dense(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.n
             plan.col_scale[n["gate"]] = plan.col_scale[n["up"]] = s
         else:
             plan.row_div[n["up"]], plan.col_scale[n["down"]] = s, s
+            if "upb" in n:  # up's output is divided by s: its bias too (a 1-D division, like a norm's)
+                plan.norm_div[n["upb"]] = s
             progress(1)
 
     dense_forward(cfg, get, ids, hook)

@@ -80,16 +80,21 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
         ckpt.close()
         raise TrtedgeError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
+    tmp: Path | None = None
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = family_module(cfg.architecture)
         # Families with their own naming (V4: official or HF) wrap the reader and check it themselves.
         source = family.check_tensors(cfg, ckpt) if hasattr(family, "check_tensors") else None
+        if hasattr(family, "check_config"):
+            family.check_config(cfg, opts.flavors)
         if source is None:
             missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
             if missing:
                 raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
                                       + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            if hasattr(family, "check_shapes"):
+                family.check_shapes(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits)
@@ -101,39 +106,12 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         tmp = out.with_name(out.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        plan = None
-        if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
-            from trtedge.build.calibrate import awq_scales_for
-
-            plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
-        carried: dict[str, str] = {}
-        flavors: dict[str, Any] = {}
-        for flavor in opts.flavors:
-            getter = _weight_getter(ckpt, spec, flavor, opts, carried)
-            if plan is not None:
-                getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
-            rel = f"graphs/{flavor}/model.onnx"
-            tick = progress(f"emit {flavor} graph", cfg.num_layers)
-            entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
-                                      max_seq, progress=tick,
-                                      **({"awq_scales": plan.input_scale} if plan else {}))
-            entry["graph"] = rel
-            flavors[flavor] = entry
-        tok = ckpt.write_tokenizer(tmp / "tokenizer")
-        (tmp / "config.json").write_text(cfg.to_json())
-        manifest = {
-            "trtedge_version": __version__,
-            "architecture": cfg.architecture,
-            "model_name": cfg.name,
-            "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
-            "quantization": _quant_record(spec, carried, cfg, plan),
-            "flavors": flavors,
-            "max_seq_len": max_seq,
-            "config": "config.json",
-            "tokenizer": {"dir": "tokenizer", **tok},
-            "build_seconds": round(time.time() - t0, 2),
-        }
-        write_manifest(tmp, manifest)
+        _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
+    except BaseException:
+        # A failed or interrupted build leaves nothing behind (no half-written <out>.partial either).
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         ckpt.close()
     if out.exists():
@@ -141,6 +119,45 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     tmp.rename(out)
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
+
+
+def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: Any, source: Any, spec: QuantSpec,
+                  opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
+                  log: Callable[[str], None]) -> None:
+    """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
+    plan = None
+    if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
+        from trtedge.build.calibrate import awq_scales_for
+
+        plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
+    carried: dict[str, str] = {}
+    flavors: dict[str, Any] = {}
+    for flavor in opts.flavors:
+        getter = _weight_getter(ckpt, spec, flavor, opts, carried)
+        if plan is not None:
+            getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
+        rel = f"graphs/{flavor}/model.onnx"
+        tick = progress(f"emit {flavor} graph", cfg.num_layers)
+        entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
+                                  max_seq, progress=tick,
+                                  **({"awq_scales": plan.input_scale} if plan else {}))
+        entry["graph"] = rel
+        flavors[flavor] = entry
+    tok = ckpt.write_tokenizer(tmp / "tokenizer")
+    (tmp / "config.json").write_text(cfg.to_json())
+    manifest = {
+        "trtedge_version": __version__,
+        "architecture": cfg.architecture,
+        "model_name": cfg.name,
+        "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
+        "quantization": _quant_record(spec, carried, cfg, plan),
+        "flavors": flavors,
+        "max_seq_len": max_seq,
+        "config": "config.json",
+        "tokenizer": {"dir": "tokenizer", **tok},
+        "build_seconds": round(time.time() - t0, 2),
+    }
+    write_manifest(tmp, manifest)
 
 
 def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:

@@ -91,6 +91,7 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "lm_head.weight" not in self._tensors,
             "hidden_act": "silu",
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in self._tensors,
+            "mlp_bias": "model.layers.0.mlp.gate_proj.bias" in self._tensors,
             "torch_dtype": "float32",
         }
         rs = self._rope_scaling(head_dim, cfg["rope_theta"])

@@ -18,7 +18,7 @@ from onnx import TensorProto
 from trtedge.build.graph.builder import MS_DOMAIN, GraphBuilder
 from trtedge.build.models.rope import rope_cache
 from trtedge.config import ModelConfig
-from trtedge.errors import ConfigError
+from trtedge.errors import CheckpointError, ConfigError
 from trtedge.graph_io import APPEND, INPLACE, StateTensor
 
 F32 = TensorProto.FLOAT
@@ -39,7 +39,56 @@ def layer_tensor_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     }
     if cfg.attention_bias:
         names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias", vb=p + "self_attn.v_proj.bias")
+    if cfg.o_proj_bias:
+        names["ob"] = p + "self_attn.o_proj.bias"
+    if cfg.mlp_bias:
+        names.update(gateb=p + "mlp.gate_proj.bias", upb=p + "mlp.up_proj.bias", downb=p + "mlp.down_proj.bias")
     return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for every tensor the graph reads (HF layout)."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    per = dict(ln1=(h,), ln2=(h,), q=(q, h), k=(kv, h), v=(kv, h), o=(h, q), gate=(inter, h), up=(inter, h),
+               down=(h, inter), qb=(q,), kb=(kv,), vb=(kv,), ob=(h,), gateb=(inter,), upb=(inter,), downb=(h,))
+    for i in range(cfg.num_layers):
+        shapes.update({name: per[key] for key, name in layer_tensor_names(cfg, i).items()})
+    return shapes
+
+
+def check_config(cfg: ModelConfig, flavors: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, a config these graphs cannot compute exactly (one line each)."""
+    from trtedge.build.models.rope import check_scaling
+
+    check_scaling(cfg.rope_scaling)
+    rot = cfg.rotary_dim or cfg.head_dim
+    if rot % 2 or rot > cfg.head_dim:
+        raise ConfigError(f"config.json: rotary dimension {rot} must be even and at most head_dim {cfg.head_dim}")
+    if "cpu" in flavors and (cfg.head_dim % 16 or rot % 16):
+        raise ConfigError(f"head_dim {cfg.head_dim} (rotary {rot}) is not a multiple of 16, which onnxruntime's "
+                          "GroupQueryAttention needs; build the trt flavor (--flavors trt) for this model")
+
+
+# safetensors dtypes that are never weights (int8/uint8 are: FP8 companions and MXFP4 pairs).
+_NOT_WEIGHTS = ("BOOL", "I16", "I32", "I64", "U16", "U32", "U64")
+
+
+def check_shapes(cfg: ModelConfig, ckpt: Any, where: str) -> None:
+    """Every tensor has the shape config.json implies and a float dtype, so a bad checkpoint fails here
+    (one line) and not in onnxruntime or, worse, not at all."""
+    dtype = getattr(ckpt, "dtype", None)  # safetensors readers; GGUF types are checked by the reader
+    for name, want in expected_shapes(cfg).items():
+        got = tuple(int(v) for v in ckpt.shape(name))
+        if got != want:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(got)} but config.json implies "
+                                  f"{list(want)}; the checkpoint and its config.json disagree")
+        if dtype is not None and dtype(name) in _NOT_WEIGHTS:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype(name)}, which is not a weight type "
+                                  "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")
 
 
 def required_tensors(cfg: ModelConfig) -> list[str]:
@@ -66,9 +115,7 @@ class DenseEmitter:
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
-        if flavor == "cpu" and cfg.head_dim % 16:
-            raise ConfigError(f"head_dim {cfg.head_dim} is not a multiple of 16, which onnxruntime's "
-                              "GroupQueryAttention needs; build the trt flavor (--flavors trt) for this model")
+        check_config(cfg, (flavor,))
 
     # ---- small pieces ----------------------------------------------------------------
     def linear(self, x: str, name: str, bias_name: str | None = None) -> str:
@@ -134,11 +181,12 @@ class DenseEmitter:
             x, residual = self.skip_norm(h, residual, self.norm_weight(n["ln1"]))
             attn = self.attention(i, x, n, states)
             x, residual = self.skip_norm(attn, residual, self.norm_weight(n["ln2"]))
-            gate_up = self.fused_linear(x, [n["gate"], n["up"]], [None, None], f"model.layers.{i}.mlp.gate_up_proj")
+            gate_up = self.fused_linear(x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")],
+                                        f"model.layers.{i}.mlp.gate_up_proj")
             inter = cfg.intermediate_size
             gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-            h = self.linear(act, n["down"])
+            h = self.linear(act, n["down"], n.get("downb"))
             if progress:
                 progress(1)
         # Only the requested positions go through the final norm and the LM head.
@@ -176,8 +224,8 @@ class DenseEmitter:
                 g.output(name, F32, ["batch", kvh, "max_seq", d])
             attrs: dict[str, Any] = dict(num_heads=cfg.num_heads, kv_num_heads=kvh, do_rotary=1,
                                          rotary_interleaved=0, scale=float(d) ** -0.5)
-            if cfg.sliding_window:
-                attrs["local_window_size"] = int(cfg.sliding_window)
+            if cfg.layer_window(i):
+                attrs["local_window_size"] = int(cfg.layer_window(i))
             # Packed QKV: GroupQueryAttention splits it itself (key/value inputs left empty).
             out, _, _ = g.op("GroupQueryAttention",
                        [qkv, "", "", pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
@@ -191,12 +239,12 @@ class DenseEmitter:
             for name in (pk, pv):
                 g.input(name, kv_t, ["batch", kvh, "past_seq", d])
             q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
-            out = self._trt_attention(q, k, v, pk, pv, ok, ov)
+            out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
             for name in (ok, ov):
                 g.output(name, kv_t, ["batch", kvh, "seq", d])
             states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND),
                        StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND)]
-        return self.linear(out, n["o"])
+        return self.linear(out, n["o"], n.get("ob"))
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
@@ -215,14 +263,17 @@ class DenseEmitter:
         key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
         qp = g.op("Unsqueeze", ["position_ids", g.const([2])])  # [B, S, 1]
         kp = g.op("Unsqueeze", [key_pos, g.const([1])])  # [B, 1, T]
-        allowed = g.op("LessOrEqual", [kp, qp])  # causal
-        if cfg.sliding_window:
-            lo = g.op("Sub", [qp, g.const(int(cfg.sliding_window))])
-            allowed = g.op("And", [allowed, g.op("Greater", [kp, lo])])
+        causal = g.op("LessOrEqual", [kp, qp])
         valid = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", g.const([1])])], to=TensorProto.BOOL)
-        allowed = g.op("And", [allowed, valid])  # [B, S, T]
-        # [B, 1, 1, S, T] to broadcast over (kv_heads, group)
-        self.allowed = g.op("Unsqueeze", [allowed, g.const([1, 2])])
+        # window (None: full attention) -> [B, 1, 1, S, T] mask broadcasting over (kv_heads, group)
+        self.allowed: dict[int | None, str] = {}
+        for window in dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_layers)):
+            allowed = causal
+            if window:
+                lo = g.op("Sub", [qp, g.const(int(window))])
+                allowed = g.op("And", [allowed, g.op("Greater", [kp, lo])])
+            allowed = g.op("And", [allowed, valid])  # [B, S, T]
+            self.allowed[window] = g.op("Unsqueeze", [allowed, g.const([1, 2])])
         self.neg = g.const(-1e30, np.float32)
 
     def _rope(self, x: str, heads: int) -> str:
@@ -238,7 +289,7 @@ class DenseEmitter:
         parts = [a, b] + ([xp] if xp else [])
         return g.op("Concat", parts, axis=-1)
 
-    def _trt_attention(self, q: str, k: str, v: str, pk: str, pv: str, ok: str, ov: str) -> str:
+    def _trt_attention(self, q: str, k: str, v: str, pk: str, pv: str, ok: str, ov: str, allowed: str) -> str:
         cfg, g = self.cfg, self.gb
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         grp = nh // kvh
@@ -264,7 +315,7 @@ class DenseEmitter:
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
         kt = g.op("Unsqueeze", [g.op("Transpose", [kall], perm=[0, 1, 3, 2]), g.const([2])])  # [B,kvh,1,d,T]
         scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])
-        scores = g.op("Where", [self.allowed, scores, self.neg])
+        scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)
         ctx = g.op("MatMul", [probs, g.op("Unsqueeze", [vall, g.const([2])])])  # [B, kvh, grp, S, d]
         ctx = g.op("Transpose", [ctx], perm=[0, 3, 1, 2, 4])  # [B, S, kvh, grp, d]

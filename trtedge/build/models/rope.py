@@ -19,6 +19,7 @@ SUPPORTED = ("default", "linear", "llama3", "yarn")
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
                   max_position_embeddings: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies [dim/2] (float64) and the attention factor applied to cos/sin."""
+    check_scaling(scaling)
     kind = (scaling or {}).get("rope_type", "default")
     base = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if kind == "default":
@@ -42,6 +43,37 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
         f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED)}); "
         "use a checkpoint with static RoPE scaling"
     )
+
+
+# Fields each scaling type needs (transformers' modeling_rope_utils; yarn derives a missing factor from
+# max_position_embeddings), checked before any work.
+_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                "original_max_position_embeddings"), "yarn": ()}
+_OPTIONAL = ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim")
+
+
+def check_scaling(scaling: dict[str, Any] | None) -> None:
+    """One-line ConfigError for an unsupported scaling type or a missing / non-numeric field."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return
+    if kind not in SUPPORTED:
+        raise ConfigError(
+            f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED)}); "
+            "use a checkpoint with static RoPE scaling"
+        )
+    for key in _REQUIRED[kind] + _OPTIONAL:
+        v = scaling.get(key)
+        if v is None and key in _REQUIRED[kind]:
+            raise ConfigError(f"config.json: {kind} rope scaling needs {key!r}; add it to rope_scaling")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v < 0 or (v == 0 and key not in ("mscale", "mscale_all_dim"))):
+            raise ConfigError(f"config.json: rope scaling field {key!r} must be a positive number, got {v!r}")
+    if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ConfigError("config.json: llama3 rope scaling needs high_freq_factor > low_freq_factor")
 
 
 def _yarn(dim: int, theta: float, s: dict[str, Any], max_pos: int) -> tuple[np.ndarray, float]:
