@@ -7,7 +7,8 @@ _emit_8bit_cpu). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]``
 With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the dequantized weight and
 the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
 x is cast to fp16 before and y back to float32 after. Float schemes keep float32 activations.
-GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes).
+GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes), and
+so are ``Int4Grid`` weights (codes + scales a calibrated quantizer such as GPTQ already chose).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from trtedge.build.graph.table8 import (
     weight_shape,
 )
 from trtedge.build.quant.ggml import BLOCK, CARRIED, decode_blocks
+from trtedge.build.quant.grid import Int4Grid
 from trtedge.build.quant.pack import pack_int4_kn, pack_matmulnbits
 from trtedge.build.quant.rtn import quantize_rtn
 from trtedge.build.quant.spec import FLAVORS, QuantSpec
@@ -148,7 +150,18 @@ def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
     return gb.op("MatMul", [x, wd], name=f"{name}/MatMul"), False
 
 
-def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec) -> str:
+def _grid_trt(name: str, grid: Int4Grid, gs: int, sdt: type) -> tuple[np.ndarray, np.ndarray]:
+    """A precomputed grid's codes and scales for the trt flavor (its groups must be the layer's trt block)."""
+    if grid.group_size != gs:
+        raise TrtedgeError(f"{name} was quantized in groups of {grid.group_size} but the trt flavor needs {gs}; "
+                           "rebuild the bundle with both flavors in one build")
+    scales = grid.scales.astype(sdt)
+    if not np.isfinite(scales).all():
+        raise TrtedgeError(f"{name}: a scale overflows {np.dtype(sdt).name}; quantize with float32 scales")
+    return grid.codes, scales
+
+
+def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray | Int4Grid, spec: QuantSpec) -> str:
     n, k = w.shape
     sdt = np.float16 if spec.trt_dtype == "fp16" else np.float32
     pad = 0
@@ -157,8 +170,14 @@ def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
         # TensorRT packs INT4 in pairs along the last dimension and refuses an odd one: an odd number of
         # outputs (e.g. a 32001-token head) gets one zero output column, sliced off after the MatMul.
         pad = n % 2
-        wq = np.concatenate([w, np.zeros((pad, k), w.dtype)]) if pad else w
-        codes, scales = quantize_rtn(wq, 4, gs, sdt)
+        if isinstance(w, Int4Grid):
+            codes, scales = _grid_trt(name, w, gs, sdt)
+            if pad:
+                codes = np.concatenate([codes, np.zeros((pad, k), np.int8)])
+                scales = np.concatenate([scales, np.ones((pad, scales.shape[1]), sdt)])
+        else:
+            wq = np.concatenate([w, np.zeros((pad, k), w.dtype)]) if pad else w
+            codes, scales = quantize_rtn(wq, 4, gs, sdt)
         qw = gb.raw_weight(f"{name}.qweight", TensorProto.INT4, [k, n + pad], pack_int4_kn(codes))
         sc = gb.weight(f"{name}.scales", np.ascontiguousarray(scales.T))  # [K/gs, N]
         wd = gb.op("DequantizeLinear", [qw, sc], axis=0, block_size=gs, name=f"{name}/DequantizeLinear")
@@ -178,18 +197,19 @@ def _emit_trt(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpe
     return y
 
 
-def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
+def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks | Int4Grid, spec: QuantSpec,
                 flavor: str, bias: np.ndarray | None = None, awq_scale: np.ndarray | None = None) -> str:
     """Append ``x [..., in] @ W^T (+ bias)`` to ``gb``; returns the float32 output ``[..., out]``.
 
-    ``weight`` is float ``[out, in]`` (HF layout) or GGMLBlocks. ``awq_scale`` s (from ``awq_search``):
-    the graph computes ``(x * 1/s) @ Q(W diag(s))^T``. GGUF blocks with awq_scale are re-quantized.
+    ``weight`` is float ``[out, in]`` (HF layout), GGMLBlocks or an Int4Grid (written as it is). ``awq_scale``
+    s (from ``awq_search``): the graph computes ``(x * 1/s) @ Q(W diag(s))^T``. GGUF blocks with awq_scale
+    are re-quantized.
     """
     return _emit(gb, x, name, weight, spec, flavor, bias, awq_scale, share=False)
 
 
-def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,
-          bias: np.ndarray | None, awq_scale: np.ndarray | None, share: bool) -> str:
+def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks | Int4Grid, spec: QuantSpec,
+          flavor: str, bias: np.ndarray | None, awq_scale: np.ndarray | None, share: bool) -> str:
     spec.check()
     if flavor not in FLAVORS:
         raise TrtedgeError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")
@@ -209,6 +229,10 @@ def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, 
             and spec.quantized and s is None):
         return _emit_ggml_cpu(gb, x, name, weight, spec, bias, share)
     spec.validate(k, name, flavor)
+    if isinstance(weight, Int4Grid) and spec.scheme == "w4a16":
+        if s is not None:
+            raise TrtedgeError(f"{name}: an AWQ scale can't apply to an already quantized INT4 grid")
+        return _emit_grid(gb, x, name, weight, spec, flavor, bias)
     w = float_weight(weight)
     if s is not None:
         w = w * s
@@ -225,6 +249,17 @@ def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, 
     if bias is not None and not has_bias:
         y = gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
     return y
+
+
+def _emit_grid(gb: GraphBuilder, x: str, name: str, grid: Int4Grid, spec: QuantSpec, flavor: str,
+               bias: np.ndarray | None) -> str:
+    """An INT4 grid written as it is: MatMulNBits with the grid's block (cpu) or INT4 DequantizeLinear (trt)."""
+    if flavor == "cpu":
+        u = (grid.codes + 8).view(np.uint8)
+        return _matmulnbits4(gb, x, name, u, grid.scales.astype(np.float32), grid.group_size, spec.accuracy_level,
+                             bias)
+    y = _emit_trt(gb, x, name, grid, spec)
+    return y if bias is None else gb.op("Add", [y, gb.weight(f"{name}.bias", bias)], name=f"{name}/bias")
 
 
 def emit_lm_head(gb: GraphBuilder, x: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec, flavor: str,

@@ -16,6 +16,7 @@ import numpy as np
 
 from trtedge.build.graph.builder import GraphBuilder
 from trtedge.build.quant.ggml import BLOCK, decode_blocks
+from trtedge.build.quant.grid import Int4Grid, concat_grids
 from trtedge.build.quant.pack import pack_matmulnbits
 from trtedge.build.quant.rtn import quantize_rtn
 from trtedge.build.quant.spec import QuantSpec
@@ -37,32 +38,39 @@ class Table8:
 _TABLES: weakref.WeakKeyDictionary[GraphBuilder, dict[tuple, Table8]] = weakref.WeakKeyDictionary()
 
 
-def weight_shape(weight: np.ndarray | GGMLBlocks, name: str) -> tuple[int, int]:
-    """``(out_features, in_features)`` of a float array or GGMLBlocks (TrtedgeError if not 2-D)."""
-    shape = tuple(int(v) for v in (weight.shape if isinstance(weight, GGMLBlocks) else np.shape(weight)))
+def weight_shape(weight: np.ndarray | GGMLBlocks | Int4Grid, name: str) -> tuple[int, int]:
+    """``(out_features, in_features)`` of a float array, GGMLBlocks or Int4Grid (TrtedgeError if not 2-D)."""
+    shape = tuple(int(v) for v in (weight.shape if isinstance(weight, (GGMLBlocks, Int4Grid)) else np.shape(weight)))
     if len(shape) != 2 or min(shape) <= 0:
         raise TrtedgeError(f"weight {name} has shape {shape}; a linear weight must be [out_features, in_features]")
     return shape  # type: ignore[return-value]
 
 
-def float_weight(weight: np.ndarray | GGMLBlocks) -> np.ndarray:
-    """float32 ``[out, in]`` of either source (GGUF blocks dequantized the llama.cpp way)."""
-    if isinstance(weight, GGMLBlocks):
+def float_weight(weight: np.ndarray | GGMLBlocks | Int4Grid) -> np.ndarray:
+    """float32 ``[out, in]`` of any source (GGUF blocks dequantized the llama.cpp way, grids exactly)."""
+    if isinstance(weight, (GGMLBlocks, Int4Grid)):
         return weight.dequantize()
     return np.asarray(weight, dtype=np.float32)
 
 
-def concat_out_features(weights: list[np.ndarray | GGMLBlocks], name: str = "weights") -> np.ndarray | GGMLBlocks:
+def concat_out_features(weights: list[np.ndarray | GGMLBlocks | Int4Grid],
+                        name: str = "weights") -> np.ndarray | GGMLBlocks | Int4Grid:
     """Stack linears that read the same x (q/k/v, gate/up) into one ``[sum(out), in]`` weight.
 
     GGUF blocks of one type stay blocks (rows are whole blocks, so it is a byte concat and the carry is
-    unchanged); anything else becomes float32. One fused layer + Split saves nodes per decode step.
+    unchanged), INT4 grids stay grids; anything else becomes float32. One fused layer + Split saves nodes
+    per decode step.
     """
     if not weights:
         raise TrtedgeError(f"{name}: nothing to concatenate")
     shapes = [weight_shape(w, name) for w in weights]
     if len({k for _, k in shapes}) != 1:
         raise TrtedgeError(f"{name}: in_features differ ({[k for _, k in shapes]}); only layers sharing an input fuse")
+    grids = [w for w in weights if isinstance(w, Int4Grid)]
+    if grids:
+        if len(grids) != len(weights):
+            raise TrtedgeError(f"{name}: some of its layers are quantized grids and some are not; rebuild")
+        return concat_grids(grids, name)
     types = {w.ggml_type if isinstance(w, GGMLBlocks) else None for w in weights}
     if len(types) == 1 and None not in types:
         data = np.concatenate([np.asarray(w.data).reshape(w.shape[0], -1) for w in weights], axis=0)  # type: ignore[union-attr]
