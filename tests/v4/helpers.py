@@ -21,6 +21,17 @@ SCHEDULES: dict[str, dict[str, Any]] = {
               mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], scoring_func="sigmoid", hc_mult=3,
               rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                "beta_fast": 8, "beta_slow": 1}),
+    # The knobs a and b keep fixed: hidden 96 (INT4 groups of 64 don't tile it), 3 heads of 48 with half of
+    # each rotated, one hyper-connection copy, tied and odd vocabulary, top-1 routing with a routed scale,
+    # window 3, compression rates 2/16, linear rope, a large norm epsilon.
+    "c": dict(layer_types=["compressed_sparse_attention", "sliding_attention", "heavily_compressed_attention",
+                           "compressed_sparse_attention"],
+              mlp_layer_types=["moe", "hash_moe", "moe", "moe"], scoring_func="sqrtsoftplus", hc_mult=1,
+              hidden_size=96, num_attention_heads=3, o_groups=3, head_dim=48, partial_rotary_factor=0.5,
+              index_head_dim=32, index_topk=5, tie_word_embeddings=True, vocab_size=131, sliding_window=3,
+              compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 16},
+              num_experts_per_tok=1, routed_scaling_factor=2.5, swiglu_limit=10.0, rms_norm_eps=1e-2,
+              rope_parameters={"rope_type": "linear", "factor": 2.0}),
 }
 BASE = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, head_dim=32,
             q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
@@ -233,19 +244,16 @@ def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: t
     """transformers' model with every weight a W4A16 build quantizes replaced by its RTN round trip."""
     import torch
 
-    from trtedge.build.graph.embedding import embedding_block
+    from trtedge.build.graph.embedding import embedding_reference
     from trtedge.build.quant.rtn import fake_quantize
     from trtedge.build.quant.spec import QuantSpec
 
     model = make_model(schedule)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name == "model.embed_tokens.weight":  # cpu: 8-bit blocks; trt: fp16 (emit_embedding)
-                w = p.numpy()
+            if name == "model.embed_tokens.weight":  # exactly the rows emit_embedding stores (cpu 8-bit, trt fp16)
                 spec = QuantSpec(scheme="w4a16", group_size=group_size)
-                q = fake_quantize(w, 8, embedding_block(w.shape[1], spec)) if flavor == "cpu" else \
-                    w.astype(np.float16).astype(np.float32)
-                p.copy_(torch.from_numpy(q))
+                p.copy_(torch.from_numpy(embedding_reference(p.numpy().copy(), spec, flavor)))
             elif name == "lm_head.weight":  # the LM head stays 8-bit per channel (emit_lm_head)
                 p.copy_(torch.from_numpy(fake_quantize(p.numpy(), 8, None, scale_dtype)))
             elif name.endswith(QUANTIZED):

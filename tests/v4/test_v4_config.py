@@ -74,6 +74,18 @@ def test_model_config_route():
     (dict(scoring_func="relu"), "scoring_func 'relu'"),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8}), "rope type 'llama3' is not supported"),
     (dict(hidden_size=0), "'hidden_size' must be a positive integer"),
+    # wrong types: one line naming the field, not a ValueError/TypeError traceback or a truthy string
+    (dict(rms_norm_eps="1e-6"), "'rms_norm_eps' must be a positive number"),
+    (dict(hc_eps=None, swiglu_limit=-1.0), "'swiglu_limit' must be a positive number"),
+    (dict(routed_scaling_factor="2.5"), "'routed_scaling_factor' must be a positive number"),
+    (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    (dict(max_position_embeddings="4096"), "'max_position_embeddings' must be a positive integer"),
+    (dict(n_shared_experts="1"), "n_shared_experts is '1'"),
+    (dict(rope_theta="1e4"), "'rope_theta' must be a positive number"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 16}),
+     "'factor' must be a positive number"),
+    (dict(partial_rotary_factor=None, qk_rope_head_dim="8"), "'qk_rope_head_dim' must be a positive integer"),
+    (dict(compress_ratios=[0, 4, 4, 0], num_nextn_predict_layers="1"), "'num_nextn_predict_layers'"),
 ])
 def test_inconsistent_configs_are_one_line_errors(patch, words):
     with pytest.raises(ConfigError) as e:

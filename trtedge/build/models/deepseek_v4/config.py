@@ -67,11 +67,28 @@ def _pos_int(d: dict[str, Any], key: str, default: Any = None) -> int:
     return v
 
 
+def _pos_num(d: dict[str, Any], key: str, default: float) -> float:
+    """A positive number field (absent or null: ``default``)."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise ConfigError(f"config.json: DeepSeek-V4 field {key!r} must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _flag(d: dict[str, Any], key: str) -> bool:
+    v = d.get(key, False)
+    if v is not None and not isinstance(v, bool):
+        raise ConfigError(f"config.json: DeepSeek-V4 field {key!r} must be true or false, got {v!r}")
+    return bool(v)
+
+
 def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
     types = d.get("layer_types")
     if types is None and d.get("compress_ratios") is not None:
         ratios = d["compress_ratios"]
-        extra = int(d.get("num_nextn_predict_layers") or 0)
+        extra = _pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0
         if not isinstance(ratios, list) or len(ratios) not in (n, n + extra):
             raise ConfigError(
                 f"config.json: compress_ratios has {len(ratios) if isinstance(ratios, list) else ratios!r} entries "
@@ -115,8 +132,8 @@ def _rope(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
     rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise ConfigError(f"config.json: rope_parameters must be an object, got {rp!r}")
-    theta = float(d.get("rope_theta") or 10000.0)
-    ctheta = float(d.get("compress_rope_theta") or 160000.0)
+    theta = _pos_num(d, "rope_theta", 10000.0)
+    ctheta = _pos_num(d, "compress_rope_theta", 160000.0)
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         out = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
         out["main"].setdefault("rope_theta", theta)
@@ -133,6 +150,10 @@ def _rope(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["compress"].setdefault("attention_factor", 1.0)
     for label, p in out.items():
         p.setdefault("rope_type", p.pop("type", "default"))
+        for key in ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                    "attention_factor"):
+            if p.get(key) is not None:
+                _pos_num(p, key, 0.0)
         if p["rope_type"] not in ROPE_TYPES:
             raise ConfigError(
                 f"config.json: {label} rope type {p['rope_type']!r} is not supported (use one of {', '.join(ROPE_TYPES)})"
@@ -160,16 +181,16 @@ def parse_config(d: dict[str, Any]) -> V4Config:
         _pos_int(rates, k)
     prf = d.get("partial_rotary_factor")
     if prf is None:
-        qk = d.get("qk_rope_head_dim")
+        qk = _pos_int(d, "qk_rope_head_dim") if d.get("qk_rope_head_dim") is not None else None
         prf = qk / head_dim if qk is not None else 64 / 512
-    rope_dim = int(head_dim * float(prf))
+    rope_dim = int(head_dim * _pos_num({"partial_rotary_factor": prf}, "partial_rotary_factor", 1.0))
     if (d.get("num_key_value_heads") or 1) != 1:
         raise ConfigError(f"config.json: DeepSeek-V4 uses one shared KV head; num_key_value_heads is {d['num_key_value_heads']}")
     if d.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"config.json: hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
-    if d.get("attention_bias") or d.get("mlp_bias"):
+    if _flag(d, "attention_bias") or _flag(d, "mlp_bias"):
         raise ConfigError("config.json: attention_bias / mlp_bias are not used by DeepSeek-V4; set them to false")
-    if int(d.get("n_shared_experts", 1) or 0) != 1:
+    if d.get("n_shared_experts", 1) != 1:
         raise ConfigError(f"config.json: n_shared_experts is {d.get('n_shared_experts')!r}; DeepSeek-V4 has exactly 1")
     cfg = V4Config(
         vocab_size=_pos_int(d, "vocab_size"),
@@ -190,17 +211,17 @@ def parse_config(d: dict[str, Any]) -> V4Config:
         index_topk=_pos_int(d, "index_topk", 512),
         hc_mult=_pos_int(d, "hc_mult", 4),
         hc_sinkhorn_iters=_pos_int(d, "hc_sinkhorn_iters", 20),
-        hc_eps=float(d.get("hc_eps", 1e-6)),
+        hc_eps=_pos_num(d, "hc_eps", 1e-6),
         n_routed_experts=_pos_int(d, "n_routed_experts", 256),
         num_experts_per_tok=_pos_int(d, "num_experts_per_tok", 6),
         moe_intermediate_size=_pos_int(d, "moe_intermediate_size", 2048),
         scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-        swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        routed_scaling_factor=_pos_num(d, "routed_scaling_factor", 1.5),
+        swiglu_limit=_pos_num(d, "swiglu_limit", 10.0),
+        rms_norm_eps=_pos_num(d, "rms_norm_eps", 1e-6),
         rope=_rope(d),
-        max_position_embeddings=int(d.get("max_position_embeddings", 1048576)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=_pos_int(d, "max_position_embeddings", 1048576),
+        tie_word_embeddings=_flag(d, "tie_word_embeddings"),
     )
     _check(cfg)
     return cfg
