@@ -36,8 +36,8 @@ SWEEP = {
     # 96 inputs and 344 MLP features: no INT4 group of 64/128 tiles them.
     "ragged-96x344": ("llama", dict(hidden_size=96, intermediate_size=344, num_attention_heads=6,
                                     num_key_value_heads=2, vocab_size=1001)),
-    "headdim80-mha": ("qwen2", dict(hidden_size=160, intermediate_size=320, num_attention_heads=2,
-                                    num_key_value_heads=2, tie_word_embeddings=True)),
+    "headdim80-mha-tied": ("qwen2", dict(hidden_size=160, intermediate_size=320, num_attention_heads=2,
+                                         num_key_value_heads=2, tie_word_embeddings=True, vocab_size=1001)),
     "headdim112-14heads": ("qwen2", dict(hidden_size=112, intermediate_size=224, num_attention_heads=14,
                                          num_key_value_heads=2, head_dim=112)),
     "headdim256-mqa": ("llama", dict(num_attention_heads=2, num_key_value_heads=1, head_dim=256)),
@@ -120,6 +120,7 @@ def test_fp32_matches_transformers(sweep_ckpt, tmp_path, name):
     ("r1-qwen-1.5b", 128, ("cpu", "trt")),  # 192 inputs: cpu takes a ragged group of 64, trt falls back to 64
     ("r1-llama-8b", 128, ("cpu", "trt")),
     ("ragged-96x344", 64, ("cpu",)),  # ragged groups of 32 and 24 on MatMulNBits
+    ("headdim80-mha-tied", 64, ("cpu",)),  # the tied 8-bit table shared by embedding and head, 160 inputs
     ("qwen2-sliding-upper", 64, ("cpu", "trt")),
 ])
 def test_w4a16_equals_fake_quantized_reference(sweep_ckpt, tmp_path, name, group, flavors):
