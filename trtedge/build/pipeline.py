@@ -46,8 +46,10 @@ class BuildOptions:
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
             raise TrtedgeError(f"--quant {self.quant!r} is not one of fp32, fp16, w8a16, w4a16")
-        if self.method not in ("rtn", "awq"):
-            raise TrtedgeError(f"--method {self.method!r} is not one of rtn, awq")
+        if self.method not in ("rtn", "awq", "gptq"):
+            raise TrtedgeError(f"--method {self.method!r} is not one of rtn, awq, gptq")
+        if self.method == "gptq" and self.quant != "w4a16":
+            raise TrtedgeError(f"--method gptq writes INT4 weights; use it with --quant w4a16, not {self.quant}")
         bad = [f for f in self.flavors if f not in FLAVORS]
         if bad or not self.flavors:
             raise TrtedgeError(f"--flavors {','.join(self.flavors)!r}: choose from {', '.join(FLAVORS)}")
@@ -125,17 +127,23 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
                   opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
                   log: Callable[[str], None]) -> None:
     """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
-    plan = None
+    plan = gplan = None
     if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
         from trtedge.build.calibrate import awq_scales_for
 
         plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
+    elif opts.method == "gptq":
+        from trtedge.build.calibrate_gptq import gptq_plan_for
+
+        gplan = gptq_plan_for(cfg, ckpt, spec, opts.flavors, opts.calib, progress=progress, log=log)
     carried: dict[str, str] = {}
     flavors: dict[str, Any] = {}
     for flavor in opts.flavors:
         getter = _weight_getter(ckpt, spec, flavor, opts, carried)
         if plan is not None:
             getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
+        if gplan is not None and gplan.grids:  # GPTQ's INT4 grids go to the emitters as they are
+            getter = (lambda g: (lambda n: gplan.transform(n, g)))(getter)
         rel = f"graphs/{flavor}/model.onnx"
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
@@ -150,7 +158,7 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
         "architecture": cfg.architecture,
         "model_name": cfg.name,
         "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
-        "quantization": _quant_record(spec, carried, cfg, plan),
+        "quantization": _quant_record(spec, carried, cfg, plan, gplan),
         "flavors": flavors,
         "max_seq_len": max_seq,
         "config": "config.json",
@@ -193,7 +201,8 @@ def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
     return get
 
 
-def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None) -> dict[str, Any]:
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None,
+                  gplan: Any = None) -> dict[str, Any]:
     from trtedge.build.quant.size import kept_high_precision_note
 
     kept = kept_high_precision_note() if spec.quantized else []
@@ -209,6 +218,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
                     "fell_back_to_rtn": plan.fallback,
                     "relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
                                               for k, (a, b) in plan.errors.items()}}} if plan else {}),
+        **({"gptq": gplan.record()} if gplan else {}),
     }
 
 

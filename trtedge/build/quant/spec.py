@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from trtedge.errors import TrtedgeError
 
 SCHEMES = ("fp32", "fp16", "w8a16", "w4a16")
-METHODS = ("rtn", "awq")
+METHODS = ("rtn", "awq", "gptq")
 FLAVORS = ("cpu", "trt")
 TRT_GROUP_SIZES = (64, 128)  # TensorRT INT4 block sizes (REFERENCE.md: TensorRT)
 TRT_DTYPES = ("fp16", "fp32")
