@@ -21,7 +21,7 @@ API_KEY_ENV = "TRTEDGE_API_KEY"
 def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
-               max_body_bytes: int = 32 << 20) -> FastAPI:
+               max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used."""
     source = bundle_path_or_engine
@@ -29,7 +29,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: 
         source = Path(source)
     metrics = ServerMetrics(latency_log)
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
-                        metrics, request_timeout, drain_timeout, api_key or None)
+                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -26,6 +26,9 @@ def serve(
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
     log_level: Annotated[str, typer.Option(help="critical | error | warning | info | debug")] = "info",
     access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="name clients send as 'model' (repeat for aliases; the first is the id shown); default: the "
+             "bundle directory's name and the checkpoint's name")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from trtedge.bundle import read_manifest
@@ -47,7 +50,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                     threads=threads)
+                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()])
     run(app, host, port, log_level=log_level, access_log=access_log)
 
 

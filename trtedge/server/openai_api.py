@@ -43,7 +43,7 @@ def _state(request: Request) -> ServerState:
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     s = _state(request)
-    return {"object": "list", "data": [_card(s)]}
+    return {"object": "list", "data": [_card(s, name) for name in s.listed_names]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[400]})
@@ -53,20 +53,21 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
         raise APIError(404, f"no model named; GET /v1/models lists them, GET /v1/models/{s.model_name} shows one",
                        "model_not_found", "model", type="invalid_request_error")
     _check_model(s, model_id)
-    return _card(s)
+    return _card(s, model_id)
 
 
 def _check_model(s: ServerState, model: str | None) -> None:
     """404 model_not_found (as OpenAI, vLLM and Ollama answer) for a model this server does not serve;
     an absent or empty model means the one served."""
-    if model and model != s.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {s.model_name!r} "
+    if model and model not in s.served_names:
+        served = " or ".join(repr(n) for n in s.served_names)
+        raise APIError(404, f"model {model!r} is not served here; this server serves {served} "
                             "(send that name, or leave 'model' out)", "model_not_found", "model",
                        type="invalid_request_error")
 
 
-def _card(s: ServerState) -> dict[str, Any]:
-    return {"id": s.model_name, "object": "model", "created": s.started_at, "owned_by": "trtedge",
+def _card(s: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": s.started_at, "owned_by": "trtedge",
             "max_model_len": getattr(s.engine, "max_seq_len", None)}
 
 

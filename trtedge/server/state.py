@@ -18,12 +18,34 @@ from trtedge.server.metrics import ServerMetrics
 log = logging.getLogger("trtedge.server")
 
 
+def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None) -> list[str]:
+    """The bundle directory's name (its target's when it is a link, e.g. a Jetson ``current``), then the
+    checkpoint's name from the manifest (``org/model`` and ``model``), so clients may send either."""
+    path = Path(bundle_path)
+    names = [path.resolve().name if path.is_symlink() else path.name]
+    if manifest is None:
+        try:
+            from trtedge.bundle import read_manifest
+
+            manifest = read_manifest(path)
+        except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
+            manifest = {}
+    model = str(manifest.get("model_name") or "")
+    for n in (model, model.rsplit("/", 1)[-1]):
+        if n and n not in names:
+            names.append(n)
+    return names
+
+
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
     def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
-                 request_timeout: float | None, drain_timeout: float, api_key: str | None):
+                 request_timeout: float | None, drain_timeout: float, api_key: str | None,
+                 served_model_names: list[str] | None = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
+        self._names = [n for n in (served_model_names or []) if n]
+        self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
         self.engine: Any = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
@@ -45,9 +67,25 @@ class ServerState:
     # ---- model ---------------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        if self.engine is not None:
-            return str(self.engine.model_name)
-        return Path(str(self.source)).name
+        """The id responses and GET /v1/models show: the first served name."""
+        return self.served_names[0]
+
+    @property
+    def listed_names(self) -> list[str]:
+        """What GET /v1/models lists: the names given with --served-model-name, else only the first."""
+        return self._names if self._given_names else self.served_names[:1]
+
+    @property
+    def served_names(self) -> list[str]:
+        """Names a request's ``model`` may use (vLLM's --served-model-name); the first is the id shown."""
+        if not self._names:
+            if isinstance(self.source, (str, Path)):
+                self._names = default_model_names(Path(str(self.source)), None)
+            else:
+                bundle = getattr(self.engine, "bundle", None)
+                self._names = (default_model_names(bundle.path, bundle.manifest) if bundle is not None
+                                       else [str(self.engine.model_name)])
+        return self._names
 
     async def start(self) -> None:
         """Begin loading (returns at once; readiness follows when the engine is up and warm)."""
