@@ -24,6 +24,10 @@ def test_default_names_follow_links_and_add_the_checkpoint_name(tiny_bundle, tmp
     names = default_model_names(link, {**manifest, "model_name": "org/Tiny-Chat"})
     assert names == ["tiny-llama", "org/Tiny-Chat", "Tiny-Chat"]
     assert default_model_names(tiny_bundle, {"model_name": "tiny-llama"}) == ["tiny-llama"]
+    pushed = tmp_path / "versions" / "smollm2-w4a16-0123456789ab-20261129T181500Z"  # what jetson push installs
+    pushed.mkdir(parents=True)
+    (tmp_path / "cur").symlink_to(pushed, target_is_directory=True)
+    assert default_model_names(tmp_path / "cur", {}) == ["smollm2-w4a16"]  # stable across pushes
 
 
 def test_served_through_a_link_answers_to_the_bundle_name(tiny_bundle, tmp_path):

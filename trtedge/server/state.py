@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,11 +19,15 @@ from trtedge.server.metrics import ServerMetrics
 log = logging.getLogger("trtedge.server")
 
 
+_PUSHED = re.compile(r"-[0-9a-f]{12}-\d{8}T\d{6}Z$")
+
+
 def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None) -> list[str]:
     """The bundle directory's name (its target's when it is a link, e.g. a Jetson ``current``), then the
     checkpoint's name from the manifest (``org/model`` and ``model``), so clients may send either."""
     path = Path(bundle_path)
-    names = [path.resolve().name if path.is_symlink() else path.name]
+    name = path.resolve().name if path.is_symlink() else path.name
+    names = [_PUSHED.sub("", name) or name]  # `trtedge jetson push` names versions <bundle>-<hash12>-<time>
     if manifest is None:
         try:
             from trtedge.bundle import read_manifest
