@@ -23,19 +23,21 @@ def lin4(k: int, n: int) -> int:
 
 
 # Hand-computed weights (bytes). Linears per layer: q (h x H*hd), k, v (h x KV*hd), o, gate, up (h x I),
-# down (I x h); Qwen2 adds q/k/v biases (fp16); norms 2h per layer + h; embedding and untied LM head
-# vocab x h fp16 each. E.g. R1-Distill-Qwen-1.5B w4a16:
+# down (I x h); Qwen2 adds q/k/v biases (fp16); norms 2h per layer + h; embedding vocab x h fp16; the
+# LM head vocab x h fp16 in fp16 builds (untied) but INT8 + one fp16 scale per row in W4A16/W8A16
+# builds (what the builder keeps). E.g. R1-Distill-Qwen-1.5B w4a16:
 #   per layer: lin4(1536,1536)*2 + lin4(1536,256)*2 + lin4(1536,8960)*2 + lin4(8960,1536) = 24,127,488
 #   x 28 = 675,569,664; biases (1536+512)*2*28 = 114,688; norms (2*1536*28+1536)*2 = 175,104;
-#   embedding + head 2 * 151936*1536*2 = 933,494,784; total 1,609,354,240.
+#   embedding 151936*1536*2 = 466,747,392; head 151936*1536 + 151936*2 = 233,677,568;
+#   total 1,376,284,416.
 DENSE_WEIGHTS = {
-    ("DeepSeek-R1-Distill-Qwen-1.5B", "w4a16"): 1_609_354_240,
+    ("DeepSeek-R1-Distill-Qwen-1.5B", "w4a16"): 1_376_284_416,
     ("DeepSeek-R1-Distill-Qwen-1.5B", "fp16"): 3_554_176_000,
-    ("DeepSeek-R1-Distill-Qwen-7B", "w4a16"): 5_545_257_984,
-    ("DeepSeek-R1-Distill-Qwen-14B", "w4a16"): 9_928_419_328,
-    ("DeepSeek-R1-Distill-Qwen-32B", "w4a16"): 19_206_907_904,
-    ("DeepSeek-R1-Distill-Qwen-32B", "w8a16"): 34_809_718_784,
-    ("DeepSeek-R1-Distill-Llama-8B", "w4a16"): 5_700_591_616,
+    ("DeepSeek-R1-Distill-Qwen-7B", "w4a16"): 5_000_564_736,
+    ("DeepSeek-R1-Distill-Qwen-14B", "w4a16"): 9_150_155_776,
+    ("DeepSeek-R1-Distill-Qwen-32B", "w4a16"): 18_428_644_352,
+    ("DeepSeek-R1-Distill-Qwen-32B", "w8a16"): 34_031_455_232,
+    ("DeepSeek-R1-Distill-Llama-8B", "w4a16"): 5_175_511_552,
     ("DeepSeek-R1-Distill-Llama-8B", "fp16"): 16_060_522_496,  # 8.03B params x 2 bytes
 }
 
@@ -219,3 +221,20 @@ def test_docs_tables_match_the_planner():
     tables = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", doc, re.S))
     assert tables["w4a16-4096"] == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16")
     assert tables["w4a16-32768-int8"] == fit_table(list(TABLE_DEVICES), "w4a16", 32768, 1, "int8")
+
+
+def test_lm_head_counted_as_the_builder_stores_it():
+    """8-bit head in quantized builds (even when tied: an INT8 copy beside the fp16 embedding); fp16 head
+    (none when tied) in fp16 builds; Llama's o_proj / MLP biases counted when configured."""
+    base = dict(architecture="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=64)
+    tied, untied = ModelConfig(**base, tie_word_embeddings=True), ModelConfig(**base)
+    for cfg in (tied, untied):
+        assert dense_weights(cfg, "w4a16").breakdown["lm_head"] == 1000 * 256 + 1000 * 2
+        assert dense_weights(cfg, "w8a16").breakdown["lm_head"] == 1000 * 256 + 1000 * 2
+    assert dense_weights(tied, "fp16").breakdown["lm_head"] == 0
+    assert dense_weights(untied, "fp16").breakdown["lm_head"] == 1000 * 256 * 2
+    biased = ModelConfig(**base, o_proj_bias=True, mlp_bias=True)
+    extra = dense_weights(biased, "w4a16").breakdown["norms_biases"] - dense_weights(untied, "w4a16").breakdown[
+        "norms_biases"]
+    assert extra == (256 + 2 * 512 + 256) * 2 * 2  # o_proj h + gate/up 2i + down h, fp16, 2 layers

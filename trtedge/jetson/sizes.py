@@ -4,7 +4,9 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
 - Linear layers (q/k/v/o, gate/up/down) are stored per scheme: W4A16 = 4 bits per weight plus one
   fp16 scale per group of ``group_size`` input rows (symmetric, zero point 0); W8A16 = 8 bits plus
   the same scales; fp16 / fp32 = 2 / 4 bytes.
-- The token embedding, the LM head (unless tied), norms and biases stay in fp16 in every scheme.
+- The token embedding, norms and biases stay in fp16 (TensorRT 10.3 cannot Gather INT8). The LM head
+  is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
+  W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
 - KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × context × batch.
 """
 
@@ -76,10 +78,14 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: int = 128) -> Weight
     linears = per_layer * layers
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
-    biases = (q + 2 * kv) * FP16 * layers if cfg.attention_bias else 0
+    biases = ((q + 2 * kv) * cfg.attention_bias + h * cfg.o_proj_bias
+              + (2 * cfg.intermediate_size + h) * cfg.mlp_bias) * FP16 * layers
     norms = (2 * h * layers + h) * FP16
     embed = cfg.vocab_size * h * FP16
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h * FP16
+    if QUANT_BITS[quant] < 16:  # the builder keeps an 8-bit head (manifest: kept_high_precision)
+        head = cfg.vocab_size * h + cfg.vocab_size * FP16
+    else:
+        head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h * FP16
     small = biases + norms
     return WeightSizes(
         total=linears + embed + head + small,
@@ -87,7 +93,8 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: int = 128) -> Weight
         notes=[
             f"linears in {quant}"
             + (f" (+ fp16 scale per {group_size} weights)" if QUANT_BITS[quant] < 16 else ""),
-            "token embedding, LM head, norms and biases stay fp16",
+            "token embedding, norms and biases stay fp16"
+            + ("; LM head INT8 per channel" if QUANT_BITS[quant] < 16 else ""),
         ],
     )
 
