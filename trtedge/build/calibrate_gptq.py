@@ -38,7 +38,8 @@ class GptqPlan:
     nll_rtn: float | None = None  # calibration loss with RTN weights
     nll_gptq: float | None = None  # ... and with GPTQ weights
     fallback: bool = False  # GPTQ did not help: the build uses RTN
-    calibration_tokens: int = 0
+    calibration_tokens: int = 0  # tokens GPTQ was fitted on
+    guard_tokens: int = 0  # held-out tokens the two losses are measured on (in-sample if only one sequence)
     seconds: float = 0.0
 
     def transform(self, name: str, get: Callable[[str], Any]) -> Any:
@@ -51,6 +52,7 @@ class GptqPlan:
         groups = sorted({g.group_size for g in self.grids.values()})
         return {"calibration_nll_rtn": self.nll_rtn, "calibration_nll_gptq": self.nll_gptq,
                 "fell_back_to_rtn": self.fallback, "calibration_tokens": self.calibration_tokens,
+                "guard_tokens": self.guard_tokens,
                 "seconds": round(self.seconds, 1), "group_sizes": groups, "percdamp": PERCDAMP, "act_order": False,
                 "grid_note": "one INT4 grid serves every flavor: with trt built, a layer whose in_features the "
                              "group size does not divide uses groups of 64 in the cpu flavor too",
@@ -126,7 +128,7 @@ def gptq_ids(ckpt: Any, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
 
 def gptq_plan_for(cfg: ModelConfig, ckpt: Any, spec: Any, flavors: tuple[str, ...], calib: Path | None,
                   progress: Callable[[str, int], Callable[[int], None]], log: Callable[[str], None]) -> GptqPlan:
-    """Run GPTQ for a checkpoint and keep it only if it lowers the calibration loss below RTN's."""
+    """Run GPTQ for a checkpoint; keep it only if its loss on held-out calibration text is below RTN's."""
     if cfg.architecture not in ("llama", "qwen2"):
         raise TrtedgeError(f"--method gptq is not supported for {cfg.architecture} yet; use --method rtn or awq")
     if spec.scheme != "w4a16":
@@ -140,17 +142,21 @@ def gptq_plan_for(cfg: ModelConfig, ckpt: Any, spec: Any, flavors: tuple[str, ..
 
     sdt = np.float16 if trt and spec.trt_dtype == "fp16" else np.float32
     ids = gptq_ids(ckpt, cfg, calib)
-    plan = gptq_plan_dense(cfg, ckpt.get, ids, group_for, sdt, progress("GPTQ calibration", cfg.num_layers))
-    # Per-layer output error is only a proxy: keep GPTQ only if the whole model's calibration loss improves.
-    tick = progress("GPTQ check: calibration loss", 2)
-    plan.nll_rtn = calibration_nll(cfg, rtn_getter(cfg, ckpt.get, group_for, sdt), ids)
+    # GPTQ fits its calibration tokens closely (few tokens: the loss on them drops while other text gets
+    # worse), so the guard compares losses on sequences held out of the fit.
+    n_held = ids.shape[0] // 4 if ids.shape[0] >= 2 else 0
+    fit, held = (ids[:-n_held], ids[-n_held:]) if n_held else (ids, ids)
+    plan = gptq_plan_dense(cfg, ckpt.get, fit, group_for, sdt, progress("GPTQ calibration", cfg.num_layers))
+    plan.guard_tokens = int(held.size)
+    tick = progress("GPTQ check: held-out loss", 2)
+    plan.nll_rtn = calibration_nll(cfg, rtn_getter(cfg, ckpt.get, group_for, sdt), held)
     tick(1)
     plan.nll_gptq = calibration_nll(cfg, lambda n: plan.grids[n].dequantize() if n in plan.grids else ckpt.get(n),
-                                    ids)
+                                    held)
     tick(1)
     plan.seconds = time.time() - t0
-    log(f"GPTQ on {ids.size} calibration tokens in {plan.seconds:.0f}s: calibration NLL RTN {plan.nll_rtn:.4f}, "
-        f"GPTQ {plan.nll_gptq:.4f}")
+    log(f"GPTQ on {fit.size} calibration tokens in {plan.seconds:.0f}s: loss on {held.size} "
+        f"{'held-out' if n_held else 'calibration'} tokens RTN {plan.nll_rtn:.4f}, GPTQ {plan.nll_gptq:.4f}")
     if plan.nll_gptq >= plan.nll_rtn:
         log("GPTQ did not lower the calibration loss; using round-to-nearest for every layer")
         plan.grids.clear()
