@@ -140,6 +140,16 @@ def test_cli_engine_and_auto_backend(trt_bundle, monkeypatch, tmp_path, capsys):
     be = choose_backend(open_bundle(dst), "auto", num_slots=2, say=said.append)
     assert be.name == "tensorrt" and said[0].startswith("backend: tensorrt (engine fake-gpu-sm87")
     be.close()
+    # generate / chat pick the backend the same way, and say which on stderr
+    outs = {}
+    for backend in ("auto", "onnxruntime"):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(dst), "--prompt", "hello", "--max-tokens", "6", "--backend", backend])
+        cap = capsys.readouterr()
+        assert e.value.code == 0, cap.err
+        outs[backend] = cap.out
+        assert ("backend: tensorrt (engine fake-gpu-sm87" in cap.err) == (backend == "auto")
+    assert outs["auto"] == outs["onnxruntime"] and outs["auto"].strip()
 
 
 def test_v4_replace_state_graph(monkeypatch, tmp_path):

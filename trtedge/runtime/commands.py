@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -51,15 +51,16 @@ def generate(
     top_p: Annotated[float, typer.Option()] = 1.0,
     seed: Annotated[int | None, typer.Option(help="random seed (same seed, same output)")] = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
+                                              "onnxruntime | tensorrt")] = "auto",
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""
     from trtedge.runtime.detokenize import IncrementalDetokenizer
-    from trtedge.runtime.generate import Generator
     from trtedge.runtime.sampling import SamplingParams
 
     if max_tokens < 1:
         raise TrtedgeError("--max-tokens must be at least 1")
-    gen = Generator(bundle, threads=threads)
+    gen = _generator(bundle, backend, threads)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     tok = gen.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
@@ -76,13 +77,14 @@ def chat(
     max_tokens: Annotated[int, typer.Option(help="maximum new tokens per answer")] = 256,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
+                                              "onnxruntime | tensorrt")] = "auto",
 ) -> None:
     """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
     from trtedge.runtime.detokenize import IncrementalDetokenizer
-    from trtedge.runtime.generate import Generator
     from trtedge.runtime.sampling import SamplingParams
 
-    gen = Generator(bundle, threads=threads)
+    gen = _generator(bundle, backend, threads)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     params = SamplingParams(temperature=temperature)
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
@@ -112,6 +114,17 @@ def chat(
         answer.append(tail)
         sys.stdout.write(tail + "\n")
         messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _generator(bundle_path: Path, backend: str, threads: int | None) -> Any:
+    """A one-slot Generator on the backend --backend picks (the choice goes to stderr when not asked for)."""
+    from trtedge.bundle import open_bundle
+    from trtedge.runtime.generate import Generator
+    from trtedge.runtime.select import choose_backend
+
+    b = open_bundle(bundle_path)
+    say = (lambda msg: None) if backend == "onnxruntime" else (lambda msg: print(msg, file=sys.stderr))
+    return Generator(b, backend=choose_backend(b, backend, num_slots=1, say=say, threads=threads))
 
 
 def register(app: typer.Typer) -> None:

@@ -56,13 +56,9 @@ class EngineStats:
 
 def make_backend(bundle: Bundle, backend: str, num_slots: int, threads: int | None) -> Backend:
     """The backend for this machine (TensorRT when its engine fits here, else onnxruntime CPU)."""
-    from trtedge.runtime.select import choose_backend, decide_backend
+    from trtedge.runtime.select import choose_backend
 
-    if decide_backend(bundle, backend).backend == "onnxruntime":
-        from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
-
-        return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads)
-    return choose_backend(bundle, backend, num_slots, say=log.info)
+    return choose_backend(bundle, backend, num_slots, say=log.info, threads=threads)
 
 
 class LLMEngine:

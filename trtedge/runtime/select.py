@@ -51,8 +51,9 @@ def _say(msg: str) -> None:
 
 
 def choose_backend(bundle: Any, requested: str = "auto", num_slots: int = 4,
-                   say: Callable[[str], None] = _say) -> Any:
-    """Create the chosen backend; ``say`` gets the one-line decision (stderr by default)."""
+                   say: Callable[[str], None] = _say, threads: int | None = None) -> Any:
+    """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
+    onnxruntime's intra-op threads when it is the one chosen."""
     dec = decide_backend(bundle, requested)
     if dec.backend == "tensorrt":
         from trtedge.runtime.tensorrt_backend import TensorRTBackend
@@ -69,4 +70,4 @@ def choose_backend(bundle: Any, requested: str = "auto", num_slots: int = 4,
     from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     say(dec.message)
-    return OnnxRuntimeBackend(bundle, num_slots=num_slots)
+    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads)
