@@ -1,7 +1,7 @@
 """Quality of the quantized SmolLM2 bundles: perplexity on a fixed English text, and greedy chat answers.
 
-Prints, for the float32 reference (the GGUF dequantized), the carried Q4_1 grid, W4A16 RTN and AWQ
-at group 128 and 64 (re-quantized from the float weights): perplexity, its change against the
+Prints, for the float32 reference (the GGUF dequantized), the carried Q4_1 grid, W4A16 RTN, AWQ and
+GPTQ at group 128 and 64 (re-quantized from the float weights): perplexity, its change against the
 reference, and greedy answers to a few chat prompts. Optionally onnxruntime-genai's int4 model
 (`--genai DIR`, built by benchmarks/cpu_side_by_side.py or its model builder) on the same text.
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ VARIANTS = {
     "rtn32h4": ("W4A16 RTN g32, 4-bit LM head", dict(quant="w4a16", requantize=True, group_size=32, lm_head_bits=4)),
     "awq128": ("W4A16 AWQ g128", dict(quant="w4a16", method="awq", group_size=128)),
     "awq64": ("W4A16 AWQ g64", dict(quant="w4a16", method="awq", group_size=64)),
+    "gptq128": ("W4A16 GPTQ g128", dict(quant="w4a16", method="gptq", group_size=128)),
+    "gptq64": ("W4A16 GPTQ g64", dict(quant="w4a16", method="gptq", group_size=64)),
 }
 PROMPTS = [
     "What is the capital of France?",
@@ -112,15 +116,19 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,q41,rtn128,rtn64,awq128,awq64")
     ap.add_argument("--genai", type=Path, help="onnxruntime-genai int4 model dir to score on the same text")
     ap.add_argument("--answers", type=int, default=48, help="max tokens of each greedy chat answer (0: skip)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    ap.add_argument("--calib", type=Path, default=None, help="calibration text for the AWQ/GPTQ variants")
     args = ap.parse_args()
     gguf = smollm2_gguf()
     rows = []
+    records: list[dict] = []
     with tempfile.TemporaryDirectory() as td:
         ids = None
         for key in args.variants.split(","):
             label, kw = VARIANTS[key]
             t0 = time.time()
-            out = build_bundle(gguf, Path(td) / key, BuildOptions(max_seq_len=2048, **kw))
+            calib = args.calib if kw.get("method") in ("awq", "gptq") else None
+            out = build_bundle(gguf, Path(td) / key, BuildOptions(max_seq_len=2048, calib=calib, **kw))
             build_s = time.time() - t0
             bundle = open_bundle(out)
             if ids is None:
@@ -132,7 +140,12 @@ def main() -> None:
                 answers = [gen.generate(p, args.answers, chat=True).text.strip().replace("\n", " ")
                            for p in PROMPTS]
             rows.append((label, ppl, build_s, answers))
-            print(f"{label:40s} ppl {ppl:8.3f}   (build {build_s:.1f}s)", flush=True)
+            guard = calibration_guard(bundle.manifest["quantization"])
+            records.append({"variant": key, "label": label, "perplexity": ppl, "build_seconds": round(build_s, 1),
+                            **({"guard": guard} if guard else {}), "answers": answers})
+            print(f"{label:40s} ppl {ppl:8.3f}   (build {build_s:.1f}s)"
+                  + (f"   calibration NLL rtn {guard['nll_rtn']:.4f} vs {guard['nll_method']:.4f}"
+                     f"{' → fell back to RTN' if guard['fell_back_to_rtn'] else ''}" if guard else ""), flush=True)
         if args.genai:
             ppl = perplexity(genai_logits_fn(args.genai), ids, args.chunk)
             rows.append((f"onnxruntime-genai int4 ({args.genai.name})", ppl, 0.0, []))
@@ -144,6 +157,21 @@ def main() -> None:
     for label, _, _, answers in rows:
         for p, a in zip(PROMPTS, answers, strict=False):
             print(f"[{label}] {p}\n    → {a}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": gguf.name, "eval_tokens": len(ids), "chunk": args.chunk, "threads": os.cpu_count(),
+            "calibration": str(args.calib) if args.calib else "shipped trtedge/data/calibration.txt",
+            "loadavg_1m": os.getloadavg()[0], "reference": rows[0][0], "results": records}, indent=1) + "\n")
+
+
+def calibration_guard(quant: dict) -> dict | None:
+    """The AWQ/GPTQ guard's calibration losses from a manifest's quantization block (None for RTN)."""
+    for method in ("gptq", "awq"):
+        if method in quant:
+            q = quant[method]
+            return {"nll_rtn": q["calibration_nll_rtn"], "nll_method": q[f"calibration_nll_{method}"],
+                    "fell_back_to_rtn": q["fell_back_to_rtn"]}
+    return None
 
 
 if __name__ == "__main__":
