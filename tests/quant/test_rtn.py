@@ -101,7 +101,7 @@ def test_quantized_bytes_and_note():
         (QuantSpec("w4a16", 32), 576, "trt", "not supported by TensorRT"),
         (QuantSpec("w4a16", 48), 576, None, "power of two"),
         (QuantSpec("int3"), 576, None, "unknown quantization scheme"),
-        (QuantSpec(method="gptq"), 576, None, "unknown quantization method"),
+        (QuantSpec(method="smoothquant"), 576, None, "unknown quantization method"),
         (QuantSpec(accuracy_level=7), 576, None, "accuracy level"),
     ],
 )
