@@ -43,40 +43,30 @@ def strip_comments(src: str) -> str:
 
 def balanced(src: str, i: int, open_: str, close: str) -> int:
     """Index just past the bracket that closes the one at ``src[i]`` (strings skipped)."""
+    depth = 0
+    for j, c, _ in scan(src, i):
+        depth += (c == open_) - (c == close)
+        if c == close and depth == 0:
+            return j + 1
+    raise ValueError("unbalanced source")
+
+
+def scan(src: str, i: int = 0):
+    """(index, char, depth) of each character outside string literals; depth = brackets open before it."""
     depth, n = 0, len(src)
     while i < n:
         c = src[i]
         if c == '"':
-            i += 1
-            while i < n and src[i] != '"':
-                i += 2 if src[i] == "\\" else 1
-        elif c == open_:
-            depth += 1
-        elif c == close:
-            depth -= 1
-            if depth == 0:
-                return i + 1
+            i = balanced_string(src, i)
+            continue
+        yield i, c, depth
+        depth += (c in "([{") - (c in ")]}")
         i += 1
-    raise ValueError("unbalanced source")
 
 
 def statement_end(src: str, i: int) -> int:
     """Index of the ``;`` that ends the statement starting at ``i``, outside brackets and strings."""
-    depth, n = 0, len(src)
-    while i < n:
-        c = src[i]
-        if c == '"':
-            i += 1
-            while i < n and src[i] != '"':
-                i += 2 if src[i] == "\\" else 1
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == ";" and depth == 0:
-            return i
-        i += 1
-    return n
+    return next((j for j, c, depth in scan(src, i) if c == ";" and depth == 0), len(src))
 
 
 def chain_members(chain: str) -> tuple[set[str], dict[str, list[str]], bool, list[str]]:
@@ -84,32 +74,19 @@ def chain_members(chain: str) -> tuple[set[str], dict[str, list[str]], bool, lis
     members: set[str] = set()
     kwargs: dict[str, list[str]] = {}
     init_kwargs: list[str] = []
-    depth, i = 0, 0
-    while i < len(chain):
-        c = chain[i]
-        if c == '"':
-            i = balanced_string(chain, i)
+    for i, c, depth in scan(chain):
+        m = DEF_RE.match(chain, i) if c == "." and depth == 0 else None
+        if not m:
             continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "." and depth == 0:
-            m = DEF_RE.match(chain, i)
-            if m:
-                start = m.end() - 1
-                end = balanced(chain, start, "(", ")")
-                args = chain[start + 1:end - 1].strip()
-                names = [a or b for a, b in KWARG_RE.findall(args)]
-                lit = re.match(r'"(\w+)"', args)
-                if lit:
-                    members.add(lit.group(1))
-                    kwargs.setdefault(lit.group(1), []).extend(x for x in names if x not in kwargs[lit.group(1)])
-                elif args.startswith("py::init"):
-                    init_kwargs = names
-                i = end
-                continue
-        i += 1
+        start = m.end() - 1
+        args = chain[start + 1:balanced(chain, start, "(", ")") - 1].strip()
+        names = [a or b for a, b in KWARG_RE.findall(args)]
+        lit = re.match(r'"(\w+)"', args)
+        if lit:
+            members.add(lit.group(1))
+            kwargs.setdefault(lit.group(1), []).extend(x for x in names if x not in kwargs[lit.group(1)])
+        elif args.startswith("py::init"):
+            init_kwargs = names
     return members, kwargs, ".export_values()" in chain, init_kwargs
 
 
