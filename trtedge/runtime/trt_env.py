@@ -32,35 +32,30 @@ def import_tensorrt() -> ModuleType:
         raise BackendUnavailable(NO_TENSORRT.format(err=_short(e))) from None
 
 
-def import_cudart() -> ModuleType:
-    """``cuda.bindings.runtime`` (cuda-python ≥ 12.6), falling back to the older ``cuda.cudart`` name."""
+def _import_cuda(new: str, old: str) -> ModuleType:
+    """cuda-python's module ``new`` (``cuda.bindings.*``, ≥ 12.6), else its older name ``old``."""
     try:
-        return importlib.import_module("cuda.bindings.runtime")
+        return importlib.import_module(new)
     except Exception as e:
         try:
-            return importlib.import_module("cuda.cudart")
+            return importlib.import_module(old)
         except Exception:
             raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+
+
+def import_cudart() -> ModuleType:
+    """The CUDA runtime API (``cuda.bindings.runtime``, formerly ``cuda.cudart``)."""
+    return _import_cuda("cuda.bindings.runtime", "cuda.cudart")
 
 
 def import_nvrtc() -> ModuleType:
-    try:
-        return importlib.import_module("cuda.bindings.nvrtc")
-    except Exception as e:
-        try:
-            return importlib.import_module("cuda.nvrtc")
-        except Exception:
-            raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+    """NVRTC, the runtime CUDA C compiler (``cuda.bindings.nvrtc``, formerly ``cuda.nvrtc``)."""
+    return _import_cuda("cuda.bindings.nvrtc", "cuda.nvrtc")
 
 
 def import_driver() -> ModuleType:
-    try:
-        return importlib.import_module("cuda.bindings.driver")
-    except Exception as e:
-        try:
-            return importlib.import_module("cuda.cuda")
-        except Exception:
-            raise BackendUnavailable(NO_CUDA_PYTHON.format(err=_short(e))) from None
+    """The CUDA driver API (``cuda.bindings.driver``, formerly ``cuda.cuda``)."""
+    return _import_cuda("cuda.bindings.driver", "cuda.cuda")
 
 
 def _short(e: BaseException) -> str:
