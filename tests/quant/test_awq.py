@@ -70,3 +70,15 @@ def test_awq_bad_calibration_is_one_line(rng):
         with pytest.raises(TrtedgeError) as e:
             awq_search(w, x, 64, 4)
         assert "\n" not in str(e.value)
+
+
+def test_calibration_ids_spread_over_a_long_text():
+    from trtedge.build.calibrate import SEQ_LEN, calibration_ids
+
+    text = " ".join(str(i) for i in range(SEQ_LEN * 10))  # one token per word: 10 sequences
+    ids = calibration_ids(lambda t: [int(w) for w in t.split()], text, max_seqs=4)
+    assert ids.shape == (4, SEQ_LEN) and ids[:, 0].tolist() == [0, 3 * SEQ_LEN, 6 * SEQ_LEN, 9 * SEQ_LEN]
+    short = calibration_ids(lambda t: [int(w) for w in t.split()], "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17")
+    assert short.shape == (1, 17)
+    with pytest.raises(TrtedgeError):
+        calibration_ids(lambda t: [int(w) for w in t.split()], "1 2 3")

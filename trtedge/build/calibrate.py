@@ -55,13 +55,16 @@ def default_calibration_text() -> str:
     return resources.files("trtedge.data").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
-def calibration_ids(tokenize: Callable[[str], list[int]], text: str) -> np.ndarray:
+def calibration_ids(tokenize: Callable[[str], list[int]], text: str, max_seqs: int | None = None) -> np.ndarray:
+    """Token ids [n_seq, SEQ_LEN]; a text longer than max_seqs sequences gives ones spread over all of it."""
     ids = tokenize(text)
     if len(ids) < 16:
         raise TrtedgeError("calibration text is too short (fewer than 16 tokens); give a longer --calib file")
-    n = min(MAX_SEQS, max(1, len(ids) // SEQ_LEN))
     length = min(SEQ_LEN, len(ids))
-    return np.asarray(ids[: n * length], dtype=np.int64).reshape(n, length)
+    seqs = np.asarray(ids[: max(1, len(ids) // length) * length], dtype=np.int64).reshape(-1, length)
+    n = min(MAX_SEQS if max_seqs is None else max_seqs, len(seqs))
+    # The shipped text is a run of short, different sections: a spread keeps that variety in a few sequences.
+    return seqs[np.linspace(0, len(seqs) - 1, n).round().astype(int)]
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from trtedge.build.calibrate import SEQ_LEN, calibration_nll, default_calibration_text, dense_forward
+from trtedge.build.calibrate import calibration_ids, calibration_nll, default_calibration_text, dense_forward
 from trtedge.build.models.dense import layer_tensor_names
 from trtedge.build.quant.gptq import PERCDAMP, gptq_quantize, hessian
 from trtedge.build.quant.grid import Int4Grid
@@ -24,7 +24,7 @@ from trtedge.build.quant.rtn import fake_quantize
 from trtedge.config import ModelConfig
 from trtedge.errors import TrtedgeError
 
-GPTQ_MAX_SEQS = 16  # up to 4096 calibration tokens of a long --calib file (the shipped text gives ~1000)
+GPTQ_MAX_SEQS = 16  # up to 4096 calibration tokens, spread over the text (the shipped one has ~8,000)
 ERROR_ROWS = 512  # calibration rows the per-layer error report is measured on
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -118,12 +118,8 @@ def gptq_ids(ckpt: Any, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
     with tempfile.TemporaryDirectory() as td:
         ckpt.write_tokenizer(Path(td))
         tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = tok.encode(text, add_special_tokens=False).ids
-    if len(ids) < 16:
-        raise TrtedgeError("calibration text is too short (fewer than 16 tokens); give a longer --calib file")
-    n = min(GPTQ_MAX_SEQS, max(1, len(ids) // SEQ_LEN))
-    length = min(SEQ_LEN, len(ids))
-    return np.clip(np.asarray(ids[: n * length], dtype=np.int64).reshape(n, length), 0, cfg.vocab_size - 1)
+    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text, GPTQ_MAX_SEQS)
+    return np.clip(ids, 0, cfg.vocab_size - 1)
 
 
 def gptq_plan_for(cfg: ModelConfig, ckpt: Any, spec: Any, flavors: tuple[str, ...], calib: Path | None,
