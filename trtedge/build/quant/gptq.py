@@ -16,7 +16,7 @@ from trtedge.errors import TrtedgeError
 
 # Dampening, as a fraction of mean(diag H). The paper's 0.01 assumes ~10^5 calibration tokens; with the
 # ~10^3 of a short text it overfits (SmolLM2-135M g128, pydoc perplexity: RTN 16.25, 0.01 → 16.30,
-# 0.1 → 15.10 on the shipped text; 14.78 vs 14.70 on 4096 tokens), so 0.1.
+# 0.1 → 15.10 on the old ~1,100-token shipped text; 14.78 vs 14.70 on 4096 tokens), so 0.1.
 PERCDAMP = 0.1
 BLOCK = 128
 ROW_CHUNK_ELEMENTS = 1 << 23  # rows are independent in GPTQ: bound the float32 working copy (~32 MB)
