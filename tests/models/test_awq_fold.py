@@ -45,7 +45,9 @@ def test_awq_bundle_runs_and_decode_equals_prefill(tiny_dense, tmp_path):
                        BuildOptions(quant="w4a16", method="awq", group_size=64, flavors=("cpu", "trt"),
                                     max_seq_len=32, accuracy_level=0))
     b = open_bundle(out)
-    assert "relative_output_error" in b.manifest["quantization"]["awq"]
+    awq = b.manifest["quantization"]["awq"]
+    assert "relative_output_error" in awq and awq["guard_tokens"] > 0
+    assert isinstance(awq["guard_held_out"], bool)
     for flavor in ("cpu", "trt"):
         be = OnnxRuntimeBackend(b, flavor=flavor, accuracy_level=0)
         pre, dec = compute_logits(be, IDS, "prefill"), compute_logits(be, IDS, "decode")

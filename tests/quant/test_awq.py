@@ -82,3 +82,16 @@ def test_calibration_ids_spread_over_a_long_text():
     assert short.shape == (1, 17)
     with pytest.raises(TrtedgeError):
         calibration_ids(lambda t: [int(w) for w in t.split()], "1 2 3")
+
+
+def test_awq_guard_holds_out_every_third_sequence():
+    """AWQ is judged on sequences its scale search never saw (on SmolLM2 the in-sample loss kept an AWQ
+    that was worse elsewhere); a text of one or two sequences falls back to judging in-sample."""
+    from trtedge.build.calibrate import split_held_out
+
+    ids = np.arange(6)[:, None] * np.ones((1, 4), dtype=np.int64)
+    fit, held = split_held_out(ids)
+    assert fit[:, 0].tolist() == [0, 1, 3, 4] and held[:, 0].tolist() == [2, 5]
+    two = ids[:2]
+    fit, held = split_held_out(two)
+    assert fit is two and held is two

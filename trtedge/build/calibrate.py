@@ -22,6 +22,7 @@ from trtedge.errors import TrtedgeError
 
 SEQ_LEN = 256
 MAX_SEQS = 4
+AWQ_HELD_SEQS = 2  # sequences kept out of AWQ's search to judge it on (every third of the spread)
 SEARCH_ROWS = 512
 AWQ_GRID = 10  # alphas per scaling family (activation-only and duo): 20 candidates per layer group
 
@@ -38,6 +39,8 @@ class AwqPlan:
     nll_rtn: float | None = None  # calibration loss with RTN weights
     nll_awq: float | None = None  # ... and with AWQ weights
     fallback: bool = False  # AWQ did not help: the build uses RTN scales
+    guard_tokens: int = 0  # tokens the two losses are measured on
+    guard_held_out: bool = False  # ... held out of the scale search (in-sample when the text is too short)
 
     def transform(self, name: str, w: Any) -> Any:
         if name in self.norm_div:
@@ -230,17 +233,33 @@ def awq_scales_for(cfg: ModelConfig, ckpt: Any, spec: Any, calib: Path | None,
     with tempfile.TemporaryDirectory() as td:
         ckpt.write_tokenizer(Path(td))
         tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text)
+    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text,
+                          max_seqs=MAX_SEQS + AWQ_HELD_SEQS)
     ids = np.clip(ids, 0, cfg.vocab_size - 1)
+    fit, held = split_held_out(ids)
     bits = 4 if spec.scheme == "w4a16" else 8
     tick = progress("AWQ calibration", cfg.num_layers)
     gs = spec.group_size if bits == 4 else None
-    plan = awq_plan_dense(cfg, ckpt.get, ids, gs, bits, tick)
-    # Per-layer output error is only a proxy: keep AWQ only if the whole model's calibration loss improves.
-    plan.nll_rtn = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, None), ids)
-    plan.nll_awq = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, plan), ids)
-    log(f"AWQ on {ids.size} calibration tokens: calibration NLL RTN {plan.nll_rtn:.4f}, AWQ {plan.nll_awq:.4f}")
+    plan = awq_plan_dense(cfg, ckpt.get, fit, gs, bits, tick)
+    # Per-layer output error is only a proxy, and the loss on the searched text flatters AWQ (on SmolLM2 it
+    # fell while perplexity elsewhere rose): keep AWQ only if the loss on held-out text improves.
+    plan.nll_rtn = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, None), held)
+    plan.nll_awq = calibration_nll(cfg, _fake_quant_getter(cfg, ckpt.get, bits, gs, plan), held)
+    plan.guard_tokens, plan.guard_held_out = int(held.size), held is not fit
+    where = "held-out" if held is not fit else "calibration"
+    log(f"AWQ on {fit.size} calibration tokens: loss on {held.size} {where} tokens RTN {plan.nll_rtn:.4f}, "
+        f"AWQ {plan.nll_awq:.4f}")
     if plan.nll_awq >= plan.nll_rtn:
-        log("AWQ did not lower the calibration loss; using round-to-nearest scales for every layer")
-        return AwqPlan(errors=plan.errors, nll_rtn=plan.nll_rtn, nll_awq=plan.nll_awq, fallback=True)
+        log(f"AWQ did not lower the {where} loss; using round-to-nearest scales for every layer")
+        return AwqPlan(errors=plan.errors, nll_rtn=plan.nll_rtn, nll_awq=plan.nll_awq, fallback=True,
+                       guard_tokens=plan.guard_tokens, guard_held_out=plan.guard_held_out)
     return plan
+
+
+def split_held_out(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fit, held-out) sequences: every third one is held out; with fewer than 3, both are all of them."""
+    if ids.shape[0] < 3:
+        return ids, ids
+    held = np.zeros(ids.shape[0], dtype=bool)
+    held[2::3] = True
+    return ids[~held], ids[held]

@@ -215,7 +215,8 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "symmetric": True, "zero_point": 0,
         "trt_group_note": "trt flavor: a layer whose in_features the group size does not divide uses 64",
         **({"awq": {"calibration_nll_rtn": plan.nll_rtn, "calibration_nll_awq": plan.nll_awq,
-                    "fell_back_to_rtn": plan.fallback,
+                    "fell_back_to_rtn": plan.fallback, "guard_tokens": plan.guard_tokens,
+                    "guard_held_out": plan.guard_held_out,
                     "relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
                                               for k, (a, b) in plan.errors.items()}}} if plan else {}),
         **({"gptq": gplan.record()} if gplan else {}),
