@@ -3,7 +3,8 @@
 Field names and defaults follow transformers' ``configuration_deepseek_v4.py``; the tensors
 counted follow ``modeling_deepseek_v4.py`` (one list per module below).
 - Quantized per scheme: every linear (attention q_a/q_b/kv/o_a/o_b, compressors, indexer, routed
-  and shared experts). Kept in higher precision: embedding and LM head (fp16), router weights
+  and shared experts). Kept in higher precision: embedding (fp16), LM head (INT8 per output channel in
+  quantized builds, fp16 otherwise), router weights
   (fp16), the hash-routing table tid2eid (int32), and in fp32 as transformers keeps them: norms,
   attention sinks, compressor position biases, hyper-connection (mHC) mixers. The MTP layers
   (``num_nextn_predict_layers``) are not loaded and not counted.
@@ -18,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from trtedge.errors import ConfigError
-from trtedge.jetson.sizes import FP16, KVSizes, WeightSizes, check_quant, linear_bytes, step_tokens
+from trtedge.jetson.sizes import (
+    FP16,
+    QUANT_BITS,
+    KVSizes,
+    WeightSizes,
+    check_quant,
+    linear_bytes,
+    step_tokens,
+)
 
 FP32 = 4
 INT32 = 4
@@ -164,7 +173,10 @@ def v4_weights(s: V4Shape, quant: str, group_size: int = 128) -> WeightSizes:
             hash_tables += s.vocab * s.top_k * INT32
     fp32 += (h + s.hc * s.hc * h + s.hc + 1) * FP32  # final norm + hyper head
     embed = s.vocab * h * FP16
-    head = 0 if s.tie else s.vocab * h * FP16
+    if QUANT_BITS[quant] < 16:  # the builder keeps an 8-bit head (per output channel), also when tied
+        head = s.vocab * h + s.vocab * FP16
+    else:
+        head = 0 if s.tie else s.vocab * h * FP16
     parts = {
         "routed_experts": experts,
         "shared_experts": shared,
@@ -180,7 +192,7 @@ def v4_weights(s: V4Shape, quant: str, group_size: int = 128) -> WeightSizes:
         breakdown=parts,
         notes=[
             f"linears (attention, compressors, indexer, experts) in {quant}",
-            "embedding, LM head and router weights stay fp16; tid2eid int32; norms, sinks, "
+            "embedding and router weights stay fp16, the LM head INT8 per channel when quantized; tid2eid int32; norms, sinks, "
             "position biases and mHC mixers fp32; MTP layers not loaded",
         ],
     )
