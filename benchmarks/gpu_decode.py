@@ -10,34 +10,45 @@ Needs a GPU, cuda-python and TensorRT; the CPU tests run it against tests/engine
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from trtedge.build.engine.builder import BuildOptions as EngineOptions
+from trtedge.build.engine.builder import build_engine
+from trtedge.build.pipeline import BuildOptions, build_bundle
+from trtedge.bundle import open_bundle
+from trtedge.runtime.backend import StepBatch
+from trtedge.runtime.tensorrt_backend import TensorRTBackend
+from trtedge.runtime.trt_env import probe_gpu, tensorrt_version
 
-from conftest import DENSE_VARIANTS, make_tiny_dense, smollm2_gguf  # noqa: E402
 
-from trtedge.build.engine.builder import BuildOptions as EngineOptions  # noqa: E402
-from trtedge.build.engine.builder import build_engine  # noqa: E402
-from trtedge.build.pipeline import BuildOptions, build_bundle  # noqa: E402
-from trtedge.bundle import open_bundle  # noqa: E402
-from trtedge.runtime.backend import StepBatch  # noqa: E402
-from trtedge.runtime.tensorrt_backend import TensorRTBackend  # noqa: E402
-from trtedge.runtime.trt_env import probe_gpu, tensorrt_version  # noqa: E402
+def _test_helpers():
+    """tests/conftest.py by path (under pytest, the module named ``conftest`` may be another folder's)."""
+    import importlib.util
+    import sys
+
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))  # conftest.py imports its neighbour tiny_tokenizer.py
+    path = tests / "conftest.py"
+    spec = importlib.util.spec_from_file_location("trtedge_tests_conftest", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 PROMPT, STEPS = 128, 128
 
 
 def run(work: Path, tests_rc: int, tiny: bool, src: Path | None = None) -> str:
     """The table; ``src`` overrides the checkpoint (a tiny one is made in ``work`` when neither is given)."""
-    src = src or (None if tiny else smollm2_gguf())
+    helpers = _test_helpers() if src is None else None
+    src = src or (None if tiny else helpers.smollm2_gguf())
     name = "SmolLM2-135M w4a16" if src is not None and Path(src).suffix == ".gguf" else "tiny llama w4a16"
     if src is None:
-        fam, overrides = DENSE_VARIANTS["llama-gqa"]
-        src = make_tiny_dense(work / "ck", fam, **overrides)
+        fam, overrides = helpers.DENSE_VARIANTS["llama-gqa"]
+        src = helpers.make_tiny_dense(work / "ck", fam, **overrides)
     t = time.time()
     build_bundle(src, work / "b", BuildOptions(quant="w4a16", flavors=("trt",), max_seq_len=1024, group_size=128))
     t_bundle = time.time() - t
