@@ -51,6 +51,22 @@ def test_insufficient_driver(monkeypatch):
     assert "cudaErrorInsufficientDriver" in str(e.value) and "driver" in str(e.value)
 
 
+def test_driver_older_than_cuda_python(monkeypatch):
+    """A CUDA 12.8 driver under cuda-python built for CUDA 13: say which cuda-python to install instead."""
+    _fake_cuda(monkeypatch, (Err.cudaErrorInsufficientDriver, 0))
+    rt = sys.modules["cuda.bindings.runtime"]
+    rt.cudaDriverGetVersion = lambda: (Err.cudaSuccess, 12080)
+    rt.cudaRuntimeGetVersion = lambda: (Err.cudaSuccess, 13000)
+    with pytest.raises(BackendUnavailable) as e:
+        trt_env.probe_gpu()
+    msg = str(e.value)
+    assert msg.startswith("the NVIDIA driver supports CUDA 12.8 but this cuda-python is built for CUDA 13.0")
+    assert "pip install 'cuda-python>=12.0,<13'" in msg and "\n" not in msg
+    rt.cudaDriverGetVersion = lambda: (Err.cudaSuccess, 0)  # no driver at all: the plain message
+    with pytest.raises(BackendUnavailable, match="^the NVIDIA driver is missing or too old"):
+        trt_env.probe_gpu()
+
+
 def test_no_gpu(monkeypatch):
     _fake_cuda(monkeypatch, (Err.cudaErrorNoDevice, 0))
     with pytest.raises(BackendUnavailable, match="^no CUDA GPU found"):

@@ -97,10 +97,36 @@ def _ver(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+DRIVER_OLDER_THAN_CUDA_PYTHON = (
+    "the NVIDIA driver supports CUDA {drv} but this cuda-python is built for CUDA {rt}; install the cuda-python "
+    "of the driver's CUDA major (`pip install 'cuda-python>={major}.0,<{next_major}'`), update the driver, or use "
+    "--backend onnxruntime"
+)
+
+
+def _driver_message(cudart: Any) -> str:
+    """Why cudaErrorInsufficientDriver: no driver at all, or a driver older than cuda-python's CUDA major
+    (an unpinned `pip install cuda-python` on a CUDA 12 machine pulls the CUDA 13 build)."""
+    try:
+        drv = int(check(cudart, cudart.cudaDriverGetVersion(), "cudaDriverGetVersion") or 0)
+        rt = int(check(cudart, cudart.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion") or 0)
+    except Exception:  # noqa: BLE001 - the versions only refine the message
+        return NO_DRIVER
+    if drv and rt and drv // 1000 < rt // 1000:
+        major = drv // 1000
+        return DRIVER_OLDER_THAN_CUDA_PYTHON.format(drv=_ver(drv), rt=_ver(rt), major=major, next_major=major + 1)
+    return NO_DRIVER
+
+
 def probe_gpu(device: int = 0) -> GpuInfo:
     """Name, SM, CUDA runtime/driver versions of GPU ``device``; one clear line if there is none."""
     cudart = import_cudart()
-    n = check(cudart, cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
+    try:
+        n = check(cudart, cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
+    except BackendUnavailable as e:
+        if str(e) == NO_DRIVER:
+            raise BackendUnavailable(_driver_message(cudart)) from None
+        raise
     if not n:
         raise BackendUnavailable(NO_GPU.format(err="cudaGetDeviceCount returned 0"))
     props = check(cudart, cudart.cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
