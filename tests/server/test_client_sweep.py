@@ -31,7 +31,8 @@ FIELDS = [
     ("chat", {"stop": "\n", "temperature": 2, "top_p": 1e-9, "presence_penalty": 2, "frequency_penalty": -2}, 200, None),
     ("chat", {"max_completion_tokens": 2, "max_tokens": None, "tools": [], "tool_choice": "none"}, 200, None),
     ("chat", {"response_format": {"type": "text"}, "parallel_tool_calls": False, "logit_bias": {}}, 200, None),
-    ("chat", {"n": 2}, 400, "n"),
+    ("chat", {"n": 2}, 200, None),
+    ("chat", {"n": 65}, 400, "n"),
     ("chat", {"stop": [str(i) for i in range(17)]}, 400, "stop"),
     ("chat", {"max_tokens": 0}, 400, "max_tokens"),
     ("chat", {"max_tokens": -1}, 400, "max_tokens"),
@@ -66,7 +67,8 @@ def test_documented_fields_honoured_or_refused(server, endpoint, extra, status, 
                    timeout=30)
     if status == 200:
         assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] <= 2
+        assert r.json()["usage"]["completion_tokens"] <= 2 * (extra.get("n") or 1)
+        assert len(r.json()["choices"]) == (extra.get("n") or 1)
     else:
         err = _err(r, 400)
         assert err["param"] == param and err["type"] == "invalid_request_error"

@@ -128,8 +128,8 @@ def test_seeded_sampling_reproducible(client):
 
 def test_error_objects(client, server):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}], n=2)
-    assert e.value.code == "unsupported_value" and "n=2" in e.value.message and e.value.param == "n"
+        client.completions.create(model="tiny-llama", prompt=["a"] * 33, n=2, max_tokens=1)
+    assert e.value.code == "too_many_choices" and "66 choices" in e.value.message and e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
     assert e.value.body["type"] == "invalid_request_error" if isinstance(e.value.body, dict) else True
@@ -258,3 +258,33 @@ def test_json_sent_as_form_like_curl_d(server):
     assert r.status_code == 405 and "error" in r.json()
     r = httpx.post(server.url + "/v1/embeddings", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_n_choices_per_prompt(client, server):
+    """n > 1: independent samples per prompt (seed + j for copy j, so a seeded request repeats), indexed
+    prompt * n + copy; usage counts each prompt once, as OpenAI does."""
+    msgs = [{"role": "user", "content": "Tell me something."}]
+    kw = dict(model="tiny-llama", messages=msgs, max_tokens=8, temperature=1.0, seed=11)
+    r = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) > 1  # different seeds per copy
+    assert texts == [c.message.content for c in client.chat.completions.create(n=3, **kw).choices]
+    singles = [client.chat.completions.create(n=1, **{**kw, "seed": 11 + j}) for j in range(3)]
+    assert [x.choices[0].message.content for x in singles] == texts  # copy j is the n=1 answer at seed + j
+    one = singles[0]
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in singles)
+    seen: dict[int, str] = {}
+    for chunk in client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            seen[c.index] = seen.get(c.index, "") + (c.delta.content or "")
+        if chunk.usage:
+            assert chunk.usage.prompt_tokens == one.usage.prompt_tokens
+    assert [seen[i] for i in range(3)] == texts
+    c = client.completions.create(model="tiny-llama", prompt=["ab", "cd"], n=2, max_tokens=4, temperature=1.0,
+                                  seed=5)
+    assert [ch.index for ch in c.choices] == [0, 1, 2, 3]
+    solo = [client.completions.create(model="tiny-llama", prompt=p, max_tokens=4, temperature=1.0, seed=5)
+            .choices[0].text for p in ("ab", "cd")]
+    assert [c.choices[0].text, c.choices[2].text] == solo  # prompt-major order, copy 0 first

@@ -87,7 +87,7 @@ def test_sampling_defaults_follow_openai():
 
 
 def test_unsupported_parameters_are_refused():
-    for kw, param in ((dict(n=3), "n"), (dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"),
+    for kw, param in ((dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"),
                       (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
                       (dict(logit_bias={"1": 5}), "logit_bias")):
         with pytest.raises(APIError) as e:

@@ -6,6 +6,7 @@ Every refusal is an APIError(400) with one line naming the parameter and what to
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from trtedge.runtime.request import MODES, PRIORITIES, GenerationRequest
@@ -40,9 +41,6 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse what this server does not do rather than silently ignore it."""
-    if req.n not in (None, 1):
-        raise bad(f"n={req.n} is not supported: this server returns one choice per prompt; send n=1 "
-                  "(or several requests)", "n", "unsupported_value")
     if req.logprobs not in (None, False, 0):
         raise bad("logprobs are not supported by this server; remove 'logprobs'", "logprobs", "unsupported_value")
     if req.logit_bias:
@@ -193,6 +191,21 @@ def priority(headers: Any) -> tuple[str, str]:
 
 
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest,
-                   stops: list[str], pr: str, mode: str, timeout: float | None, rid: str) -> GenerationRequest:
-    return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling_params(req), stop=stops,
+                   stops: list[str], pr: str, mode: str, timeout: float | None, rid: str,
+                   copy: int = 0) -> GenerationRequest:
+    """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
+    (and repeat exactly with the same seed)."""
+    sampling = sampling_params(req)
+    if copy and sampling.seed is not None:
+        sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
+    return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                              priority=pr, mode=mode, timeout_s=timeout, request_id=rid)
+
+
+def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:
+    """OpenAI's ``n``: choices per prompt, each an independent sample; at most MAX_PROMPTS in all."""
+    n = int(req.n or 1)
+    if n * prompts > MAX_PROMPTS:
+        raise bad(f"n={n} x {prompts} prompt(s) asks for {n * prompts} choices; at most {MAX_PROMPTS} per request",
+                  "n", "too_many_choices")
+    return n

@@ -126,18 +126,22 @@ async def _serve(request: Request, s: ServerState, body: ChatCompletionRequest |
     try:
         pr, mode = convert.priority(request.headers)
         stops = convert.stop_list(body)
+        n = convert.choices_per_prompt(body, len(prompts))
     except APIError:
         s.metrics.reject("invalid")
         raise
     handles, recs = [], []
     endpoint = "chat" if chat else "completions"
     try:
-        for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            erid = rid if len(prompts) == 1 else f"{rid}-{i}"
+        # choice index = prompt * n + copy, as OpenAI orders them; copies share the prompt's cached prefix
+        for k, (ids, budget, copy) in enumerate((ids, b, j) for ids, b in zip(prompts, budgets, strict=True)
+                                                for j in range(n)):
+            erid = rid if len(prompts) * n == 1 else f"{rid}-{k}"
             handles.append(s.engine.submit(convert.engine_request(ids, budget, body, stops, pr, mode,
-                                                                  s.request_timeout, f"{erid}#{next(_serial)}")))
+                                                                  s.request_timeout, f"{erid}#{next(_serial)}",
+                                                                  copy)))
             recs.append(RequestRecord(erid, endpoint, pr, mode, bool(body.stream), arrival,
-                                      prompt_tokens=len(ids)))
+                                      prompt_tokens=len(ids), extra={"copy": copy} if copy else {}))
     except QueueFullError as e:
         responses.cancel_all(handles)
         s.metrics.reject("queue_full")

@@ -17,6 +17,11 @@ from trtedge.server.metrics import RequestRecord
 from trtedge.server.state import ServerState
 
 
+def prompt_usage(recs: list[RequestRecord]) -> int:
+    """usage.prompt_tokens: each prompt once, however many choices (n) were sampled from it (as OpenAI)."""
+    return sum(r.prompt_tokens for r in recs if not r.extra.get("copy"))
+
+
 def cancel_all(handles: list[Any]) -> None:
     for h in handles:
         h.cancel()
@@ -106,7 +111,7 @@ async def stream_events(s: ServerState, w: sse.ChunkWriter, handles: list[Any], 
             yield sse.DONE
             return
     if w.include_usage:
-        yield w.usage(sum(r.prompt_tokens for r in recs), sum(r.completion_tokens for r in recs))
+        yield w.usage(prompt_usage(recs), sum(r.completion_tokens for r in recs))
     yield sse.DONE
 
 
@@ -175,7 +180,7 @@ async def complete(request: Request, s: ServerState, handles: list[Any], recs: l
     finally:
         watcher.cancel()
         _abandon(s, handles, recs)
-    usage = {"prompt_tokens": sum(r.prompt_tokens for r in recs),
+    usage = {"prompt_tokens": prompt_usage(recs),
              "completion_tokens": sum(r.completion_tokens for r in recs)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     if chat:

@@ -55,7 +55,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="any 64-bit integer, as OpenAI's")
     stop: str | list[str] | None = None
-    n: int | None = Field(1, ge=1, le=128, description="only 1 is supported")
+    n: int | None = Field(1, ge=1, le=64, description="choices per prompt (independent samples; n x prompts <= 64)")
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
