@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from trtedge.bench.inprocess import free_port
+from trtedge.bench.inprocess import free_port, wait_ready
+from trtedge.errors import TrtedgeError
 
 
 def start_server(bundle: Path, threads: int, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -35,18 +36,12 @@ def start_server(bundle: Path, threads: int, slots: int, log: Path) -> tuple[sub
                              "--latency-log", str(log)],
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    sys.exit("server not ready in 300 s")
+    try:
+        wait_ready(url, 300, alive=lambda: proc.poll() is None)
+    except TrtedgeError as e:
+        proc.kill()
+        sys.exit(str(e))
+    return proc, url
 
 
 class RawClient:

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from trtedge.bench.inprocess import free_port
+from trtedge.bench.inprocess import free_port, wait_ready
+from trtedge.errors import TrtedgeError
 
 
 def _start(bundle, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -25,18 +26,12 @@ def _start(bundle, *extra: str) -> tuple[subprocess.Popen, str]:
                              "--port", str(port), "--threads", "1", "--log-level", "info", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited early: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    pytest.fail("server not ready within 60 s")
+    try:
+        wait_ready(url, 60, alive=lambda: proc.poll() is None)
+    except TrtedgeError as e:
+        proc.kill()
+        pytest.fail(f"{e}: {proc.stdout.read()}")
+    return proc, url
 
 
 async def _stream(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, started: asyncio.Event) -> dict:

@@ -23,6 +23,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, timeout: float, alive=lambda: True, ready_path: str = "/health/ready") -> None:
+    """Poll ``url + ready_path`` until it answers 200; TrtedgeError if ``alive()`` turns false or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise TrtedgeError(f"the server at {url} exited before it was ready")
+        try:
+            if httpx.get(url + ready_path, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TrtedgeError(f"the server at {url} was not ready within {timeout:.0f}s ({ready_path} never answered 200)")
+
+
 class BackgroundServer:
     """uvicorn on 127.0.0.1:<free port> in a daemon thread; a context manager that waits until ready."""
 
