@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trtedge.errors import ConfigError
 from trtedge.jetson.sizes import (
     FP16,
     QUANT_BITS,
@@ -32,7 +31,8 @@ from trtedge.jetson.sizes import (
 FP32 = 4
 INT32 = 4
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+# the keys parse_config requires, at V4-Flash's values (the rest have the same defaults there)
+_FLASH_REQUIRED = {"vocab_size": 129280, "hidden_size": 4096, "num_attention_heads": 64, "num_hidden_layers": 43}
 
 
 @dataclass
@@ -64,62 +64,18 @@ class V4Shape:
 
     @classmethod
     def from_raw(cls, d: dict[str, Any]) -> V4Shape:
-        """Parse like DeepseekV4Config.__post_init__ (legacy compress_ratios / num_hash_layers too)."""
+        """The builder's own config parser (legacy compress_ratios / num_hash_layers too); keys a partial
+        config leaves out take V4-Flash's values."""
+        from trtedge.build.models.deepseek_v4.config import parse_config
 
-        def num(key: str, default: int | None = None) -> int:
-            v = d.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"DeepSeek-V4 config: field {key!r} must be a positive integer, got {v!r}")
-            return v
-
-        n = num("num_hidden_layers", 43)
-        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
-        if d.get("compress_rate_csa"):
-            rates[CSA] = int(d["compress_rate_csa"])
-        if d.get("compress_rate_hca"):
-            rates[HCA] = int(d["compress_rate_hca"])
-        types = d.get("layer_types")
-        if types is None and d.get("compress_ratios") is not None:
-            try:
-                types = [_RATIO_TO_TYPE[int(r)] for r in d["compress_ratios"]]
-            except KeyError as e:
-                raise ConfigError(f"DeepSeek-V4 config: compress_ratios holds {e.args[0]}; only 0, 4, 128") from None
-        if types is None:
-            types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        types = list(types[:n])
-        if len(types) != n or any(t not in (SLIDING, CSA, HCA) for t in types):
-            raise ConfigError(f"DeepSeek-V4 config: layer_types must give one of {SLIDING}, {CSA}, {HCA} per layer")
-        mlp = d.get("mlp_layer_types")
-        if mlp is None:
-            n_hash = d.get("num_hash_layers")
-            n_hash = 3 if n_hash is None else int(n_hash)
-            mlp = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-        mlp = list(mlp[:n])
-        if len(mlp) != n or any(t not in ("hash_moe", "moe") for t in mlp):
-            raise ConfigError("DeepSeek-V4 config: mlp_layer_types must give hash_moe or moe per layer")
+        c = parse_config({**_FLASH_REQUIRED, **d})
         return cls(
-            vocab=num("vocab_size", 129280),
-            hidden=num("hidden_size", 4096),
-            layers=n,
-            heads=num("num_attention_heads", 64),
-            head_dim=num("head_dim", 512),
-            q_lora=num("q_lora_rank", 1024),
-            o_groups=num("o_groups", 8),
-            o_lora=num("o_lora_rank", 1024),
-            moe_inter=num("moe_intermediate_size", 2048),
-            experts=num("n_routed_experts", 256),
-            shared=int(d.get("n_shared_experts", 1) or 0),
-            top_k=num("num_experts_per_tok", 6),
-            index_heads=num("index_n_heads", 64),
-            index_head_dim=num("index_head_dim", 128),
-            index_topk=num("index_topk", 512),
-            hc=num("hc_mult", 4),
-            window=num("sliding_window", 128),
-            layer_types=types,
-            mlp_types=mlp,
-            rates=rates,
-            max_positions=num("max_position_embeddings", 1048576),
-            tie=bool(d.get("tie_word_embeddings", False)),
+            vocab=c.vocab_size, hidden=c.hidden_size, layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim,
+            q_lora=c.q_lora_rank, o_groups=c.o_groups, o_lora=c.o_lora_rank, moe_inter=c.moe_intermediate_size,
+            experts=c.n_routed_experts, shared=1, top_k=c.num_experts_per_tok, index_heads=c.index_n_heads,
+            index_head_dim=c.index_head_dim, index_topk=c.index_topk, hc=c.hc_mult, window=c.sliding_window,
+            layer_types=c.layer_types, mlp_types=c.mlp_layer_types, rates=dict(c.compress_rates),
+            max_positions=c.max_position_embeddings, tie=c.tie_word_embeddings,
         )
 
 
