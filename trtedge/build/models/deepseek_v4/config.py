@@ -102,13 +102,7 @@ def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
     if types is None:
         rest = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         return [HCA] * min(n, 2) + rest
-    if not isinstance(types, list) or len(types) != n:
-        got = len(types) if isinstance(types, list) else types
-        raise ConfigError(f"config.json: layer_types has {got!r} entries but num_hidden_layers is {n}; make them agree")
-    bad = [t for t in types if t not in LAYER_TYPES]
-    if bad:
-        raise ConfigError(f"config.json: layer_types entry {bad[0]!r} is not one of {', '.join(LAYER_TYPES)}")
-    return list(types)
+    return _per_layer(types, n, "layer_types", LAYER_TYPES)
 
 
 def _mlp_types(d: dict[str, Any], n: int) -> list[str]:
@@ -119,12 +113,17 @@ def _mlp_types(d: dict[str, Any], n: int) -> list[str]:
         if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
             raise ConfigError(f"config.json: num_hash_layers must be a non-negative integer, got {n_hash!r}")
         return ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    return _per_layer(types, n, "mlp_layer_types", MLP_TYPES)
+
+
+def _per_layer(types: Any, n: int, key: str, allowed: tuple[str, ...]) -> list[str]:
+    """A config list with one entry per layer, each one of ``allowed``."""
     if not isinstance(types, list) or len(types) != n:
         got = len(types) if isinstance(types, list) else types
-        raise ConfigError(f"config.json: mlp_layer_types has {got!r} entries but num_hidden_layers is {n}; make them agree")
-    bad = [t for t in types if t not in MLP_TYPES]
+        raise ConfigError(f"config.json: {key} has {got!r} entries but num_hidden_layers is {n}; make them agree")
+    bad = [t for t in types if t not in allowed]
     if bad:
-        raise ConfigError(f"config.json: mlp_layer_types entry {bad[0]!r} is not one of {', '.join(MLP_TYPES)}")
+        raise ConfigError(f"config.json: {key} entry {bad[0]!r} is not one of {', '.join(allowed)}")
     return list(types)
 
 
