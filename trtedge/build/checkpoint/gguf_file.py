@@ -194,8 +194,10 @@ class GGUFCheckpoint:
 
         try:
             return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError:
-            raise CheckpointError(f"{self.path}: tensor {t.name!r} has GGML type {kind}, which gguf cannot dequantize") from None
+        except NotImplementedError:  # the gguf package has no dequantizer for this GGML type
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} has GGML type {kind}, which gguf cannot dequantize; "
+                                  "re-export the GGUF as F16, Q8_0 or Q4_0, or build from the Hugging Face "
+                                  "checkpoint") from None
 
 
 def _open_reader(path: Path) -> Any:
