@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Workstation entry point: `python build_engine.py CHECKPOINT -o BUNDLE [options]`.
 
-The same options as `trtedge build`; when TensorRT is importable here (and the trt flavor is
+The same options as `lineside build`; when TensorRT is importable here (and the trt flavor is
 built), it also builds the TensorRT engine for this machine's GPU into the bundle.
-Engines are per GPU/TensorRT version, so on Jetson run `trtedge engine BUNDLE` on the device.
+Engines are per GPU/TensorRT version, so on Jetson run `lineside engine BUNDLE` on the device.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from trtedge.build.commands import build as build_command
-from trtedge.errors import TrtedgeError
+from lineside.build.commands import build as build_command
+from lineside.errors import LinesideError
 
 
 def main(
@@ -39,14 +39,14 @@ def main(
                   accuracy_level, lm_head_bits, force, quiet)
     if not engine or "trt" not in flavors:
         return
-    from trtedge.runtime.trt_env import import_tensorrt
+    from lineside.runtime.trt_env import import_tensorrt
 
     try:
         import_tensorrt()
-    except TrtedgeError as e:
+    except LinesideError as e:
         print(f"skipping the TensorRT engine: {e}", file=sys.stderr)
         return
-    from trtedge.build.engine.builder import build_engine
+    from lineside.build.engine.builder import build_engine
 
     path = build_engine(output)
     print(f"engine written to {path}")
@@ -57,6 +57,6 @@ if __name__ == "__main__":
     app.command()(main)
     try:
         app()
-    except TrtedgeError as e:
+    except LinesideError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

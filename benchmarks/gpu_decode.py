@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from trtedge.build.engine.builder import BuildOptions as EngineOptions
-from trtedge.build.engine.builder import build_engine
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.bundle import open_bundle
-from trtedge.runtime.backend import StepBatch
-from trtedge.runtime.tensorrt_backend import TensorRTBackend
-from trtedge.runtime.trt_env import probe_gpu, tensorrt_version
+from lineside.build.engine.builder import BuildOptions as EngineOptions
+from lineside.build.engine.builder import build_engine
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.tensorrt_backend import TensorRTBackend
+from lineside.runtime.trt_env import probe_gpu, tensorrt_version
 
 
 def _test_helpers():
@@ -33,7 +33,7 @@ def _test_helpers():
     if str(tests) not in sys.path:
         sys.path.insert(0, str(tests))  # conftest.py imports its neighbour tiny_tokenizer.py
     path = tests / "conftest.py"
-    spec = importlib.util.spec_from_file_location("trtedge_tests_conftest", path)
+    spec = importlib.util.spec_from_file_location("lineside_tests_conftest", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

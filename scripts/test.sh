@@ -10,7 +10,7 @@ if ! command -v rsync >/dev/null || [ ! -x /usr/sbin/sshd ]; then
       >/dev/null 2>&1 || echo "note: could not install openssh-server/rsync; the ssh push test will skip"
   fi
 fi
-.venv/bin/ruff check trtedge tests build_engine.py benchmarks || exit 1
+.venv/bin/ruff check lineside tests build_engine.py benchmarks || exit 1
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

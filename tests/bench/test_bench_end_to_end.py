@@ -12,13 +12,13 @@ import typer
 from bench_fake_server import make_app
 from typer.testing import CliRunner
 
-from trtedge.bench import load
-from trtedge.bench.client import ClientConfig
-from trtedge.bench.commands import register
-from trtedge.bench.inprocess import BackgroundServer
-from trtedge.bench.metrics import summarize, tpot, ttft
-from trtedge.bench.prompts import Prompt, PromptPool, synthetic
-from trtedge.bench.runner import run
+from lineside.bench import load
+from lineside.bench.client import ClientConfig
+from lineside.bench.commands import register
+from lineside.bench.inprocess import BackgroundServer
+from lineside.bench.metrics import summarize, tpot, ttft
+from lineside.bench.prompts import Prompt, PromptPool, synthetic
+from lineside.bench.runner import run
 
 TTFT, STEP = 0.03, 0.005
 
@@ -126,7 +126,7 @@ def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
         seen["path"], seen["options"] = path, options
         return make_app(0.01, 0.002, model="bundle-model")
 
-    monkeypatch.setitem(sys.modules, "trtedge.server.app", types.SimpleNamespace(create_app=create_app))
+    monkeypatch.setitem(sys.modules, "lineside.server.app", types.SimpleNamespace(create_app=create_app))
     r = CliRunner().invoke(cli_app(), ["bench", "--bundle", str(bundle), "--pattern", "concurrency",
                                        "--concurrency", "2", "--num-requests", "4", "--duration", "0",
                                        "--max-tokens", "3", "--out", str(tmp_path / "o"), "--no-plots",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtedge.bench import load
-from trtedge.errors import TrtedgeError
+from lineside.bench import load
+from lineside.errors import LinesideError
 
 
 def test_burst_exact_times_and_prompt_counts():
@@ -75,6 +75,6 @@ def test_concurrency_is_closed_loop():
     lambda: load.make_schedule("burst", rate=2.5, duration=1, seed=0),
 ])
 def test_bad_schedules_are_one_line_errors(call):
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         call()
     assert "\n" not in str(e.value)

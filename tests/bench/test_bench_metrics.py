@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtedge.bench.metrics import (
+from lineside.bench.metrics import (
     RequestRecord,
     e2e,
     good,

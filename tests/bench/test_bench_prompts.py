@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from trtedge.bench import prompts as P
-from trtedge.errors import TrtedgeError
+from lineside.bench import prompts as P
+from lineside.errors import LinesideError
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_parse_range():
     assert P.parse_range("128:512", "x") == (128, 512)
     assert P.parse_range("64", "x") == (64, 64)
     for bad in ("0:4", "9:3", "a:b", "1:2:3", ""):
-        with pytest.raises(TrtedgeError):
+        with pytest.raises(LinesideError):
             P.parse_range(bad, "--prompt-len")
 
 
@@ -64,14 +64,14 @@ def test_jsonl_forms(tmp_path, word_tokenizer):
 def test_jsonl_errors_name_the_line(tmp_path, content, msg):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
-    with pytest.raises(TrtedgeError, match=msg.replace("[", r"\[")):
+    with pytest.raises(LinesideError, match=msg.replace("[", r"\[")):
         P.from_jsonl(f)
 
 
 def test_missing_files_are_user_errors(tmp_path):
-    with pytest.raises(TrtedgeError, match="does not exist"):
+    with pytest.raises(LinesideError, match="does not exist"):
         P.from_jsonl(tmp_path / "nope.jsonl")
-    with pytest.raises(TrtedgeError, match="no tokenizer.json"):
+    with pytest.raises(LinesideError, match="no tokenizer.json"):
         P.load_tokenizer(tmp_path)
 
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from rich.console import Console
 
-from trtedge.bench.metrics import RequestRecord, summarize
-from trtedge.bench.report import compare, compare_rows, load_json, write_json, write_report
-from trtedge.errors import TrtedgeError
+from lineside.bench.metrics import RequestRecord, summarize
+from lineside.bench.report import compare, compare_rows, load_json, write_json, write_report
+from lineside.errors import LinesideError
 
 
 def records(scale: float) -> list[RequestRecord]:
@@ -67,9 +67,9 @@ def test_compare_prints_table(tmp_path):
 def test_load_json_rejects_foreign_files(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
     (tmp_path / "y.json").write_text("{")
-    with pytest.raises(TrtedgeError, match="not a trtedge bench result"):
+    with pytest.raises(LinesideError, match="not a lineside bench result"):
         load_json(tmp_path / "x.json")
-    with pytest.raises(TrtedgeError, match="is not JSON"):
+    with pytest.raises(LinesideError, match="is not JSON"):
         load_json(tmp_path / "y.json")
-    with pytest.raises(TrtedgeError, match="does not exist"):
+    with pytest.raises(LinesideError, match="does not exist"):
         load_json(tmp_path / "z.json")

@@ -13,7 +13,7 @@ from ckpt_helpers import TINY, smollm2_gguf
 @pytest.fixture(scope="session")
 def smollm2_ck():
     """The SmolLM2 GGUF opened once (GGUFReader takes seconds to parse its 49k-token vocabulary)."""
-    from trtedge.build.checkpoint import open_checkpoint
+    from lineside.build.checkpoint import open_checkpoint
 
     return open_checkpoint(smollm2_gguf())
 

@@ -11,11 +11,11 @@ from ckpt_helpers import needs_smollm2, smollm2_gguf
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from trtedge.build.checkpoint import open_checkpoint
-from trtedge.build.checkpoint.gguf_names import permute_rows, unpermute_rows
-from trtedge.build.tensors import GGMLBlocks
-from trtedge.config import ModelConfig
-from trtedge.errors import CheckpointError
+from lineside.build.checkpoint import open_checkpoint
+from lineside.build.checkpoint.gguf_names import permute_rows, unpermute_rows
+from lineside.build.tensors import GGMLBlocks
+from lineside.config import ModelConfig
+from lineside.errors import CheckpointError
 
 QTYPES = {
     "model.layers.0.self_attn.q_proj.weight": "Q4_0",

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trtedge.build.checkpoint import CheckpointReader, open_checkpoint
-from trtedge.config import ModelConfig
-from trtedge.errors import CheckpointError
+from lineside.build.checkpoint import CheckpointReader, open_checkpoint
+from lineside.config import ModelConfig
+from lineside.errors import CheckpointError
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

@@ -18,8 +18,8 @@ import pytest
 from ckpt_gguf_writer import write_model_gguf
 from ckpt_helpers import needs_smollm2, smollm2_gguf
 
-from trtedge.build.checkpoint import open_checkpoint
-from trtedge.errors import CheckpointError
+from lineside.build.checkpoint import open_checkpoint
+from lineside.errors import CheckpointError
 
 DATA = Path(__file__).parent / "data"
 TEXTS = json.loads((DATA / "tokenizer_texts.json").read_text(encoding="utf-8"))
@@ -274,7 +274,7 @@ def test_spm_vs_llamacpp(spm_gguf):
 
 def test_field_fallback_matches_contents(tmp_path, tiny_llama):
     """The metadata decoder kept for gguf < 0.11 (no ReaderField.contents) reads the same values."""
-    from trtedge.build.checkpoint.gguf_file import _field_value
+    from lineside.build.checkpoint.gguf_file import _field_value
 
     path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="smollm", bos=1, eos=2, add_bos=False,
                       chat_template="{{ x }}")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
+from lineside.build.pipeline import BuildOptions, build_bundle
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trtedge", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "lineside", *args], capture_output=True, text=True, timeout=120)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -141,7 +141,7 @@ def test_logits_cli_writes_npy(bundle, tmp_path):
 
 
 def test_build_engine_script(ckpt, tmp_path):
-    """build_engine.py takes `trtedge build`'s options and says why it skips the engine without TensorRT."""
+    """build_engine.py takes `lineside build`'s options and says why it skips the engine without TensorRT."""
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "b"
     proc = subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(out), "--quant",

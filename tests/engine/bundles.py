@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.errors import CheckpointError
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.errors import CheckpointError
 
 
 def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
@@ -18,11 +18,11 @@ def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
         build_bundle(ck, out, BuildOptions(quant=quant, flavors=("trt",), max_seq_len=MAX_SEQ, group_size=64,
                                            accuracy_level=0))
     except CheckpointError:
-        from trtedge.build.checkpoint import open_checkpoint
-        from trtedge.build.models import deepseek_v4 as v4
-        from trtedge.build.quant.spec import QuantSpec
-        from trtedge.bundle import write_manifest
-        from trtedge.config import ModelConfig
+        from lineside.build.checkpoint import open_checkpoint
+        from lineside.build.models import deepseek_v4 as v4
+        from lineside.build.quant.spec import QuantSpec
+        from lineside.bundle import write_manifest
+        from lineside.config import ModelConfig
 
         reader = open_checkpoint(ck)
         cfg = ModelConfig.from_hf_dict(reader.hf_config)

@@ -7,8 +7,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def trt_bundle(tiny_dense, tmp_path_factory):
-    from trtedge.build.pipeline import BuildOptions, build_bundle
-    from trtedge.bundle import open_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.bundle import open_bundle
 
     cache = {}
 

@@ -335,16 +335,16 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
     m.BuilderFlag = types.SimpleNamespace(FP16="FP16")
     m.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
     m.ExecutionContextAllocationStrategy = types.SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=2)
-    # trtedge sees the fake through the real API of the release it claims to be (tests/engine/trt_api.py);
-    # IProgressMonitor stays a real class because trtedge subclasses it.
+    # lineside sees the fake through the real API of the release it claims to be (tests/engine/trt_api.py);
+    # IProgressMonitor stays a real class because lineside subclasses it.
     return StrictModule(m, load_api(release_for(version)), passthrough=("IProgressMonitor", "fail"))
 
 
 def install(monkeypatch: Any, capture_ok: bool = True, gpu: str = "Fake GPU", trt_version: str = "10.3.0") -> Device:
-    """Put the fakes where trtedge's lazy imports find them."""
+    """Put the fakes where lineside's lazy imports find them."""
     import sys
 
-    import trtedge.runtime.tensorrt_backend as tb
+    import lineside.runtime.tensorrt_backend as tb
 
     dev = Device(capture_ok)
     cuda, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")

@@ -1,4 +1,4 @@
-"""`trtedge check`: op/dtype support against onnx-tensorrt's tables for TensorRT 10.3 and the newest release."""
+"""`lineside check`: op/dtype support against onnx-tensorrt's tables for TensorRT 10.3 and the newest release."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trtedge.build.engine.check import check_bundle, check_model
-from trtedge.build.engine.optable import load_table, parse_operators_md
-from trtedge.cli import main
-from trtedge.errors import TrtedgeError
+from lineside.build.engine.check import check_bundle, check_model
+from lineside.build.engine.optable import load_table, parse_operators_md
+from lineside.cli import main
+from lineside.errors import LinesideError
 
 SAMPLE = """
 TensorRT 10.0 supports operators in the inclusive range of opset 9 to opset 20.
@@ -40,7 +40,7 @@ def test_stored_tables():
     assert "INT4" in old["ops"]["DequantizeLinear"]["types"]
     assert "Attention" not in old["ops"] and new["ops"]["Attention"]["supported"]
     assert "const_inputs" not in old["ops"]["Slice"]  # lifted in 10.3 (changelog)
-    with pytest.raises(TrtedgeError, match="no op-support table"):
+    with pytest.raises(LinesideError, match="no op-support table"):
         load_table("9.9")
 
 

@@ -1,6 +1,6 @@
-"""trtedge's CUDA side against the real cuda-python and NVRTC, which install and run without a GPU.
+"""lineside's CUDA side against the real cuda-python and NVRTC, which install and run without a GPU.
 
-- every cuda-python call in trtedge/runtime has the real function's arity, and the fake runtime the
+- every cuda-python call in lineside/runtime has the real function's arity, and the fake runtime the
   backend tests use only has real names with real arities;
 - on a machine without a driver the real runtime gives our one-line message;
 - NVRTC compiles the KV-append kernels to SASS for Xavier/Orin/H100/B200-class GPUs, and PTX past them;
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from tests.engine import fake_trt
-from trtedge.errors import BackendUnavailable
-from trtedge.runtime import trt_kernels
+from lineside.errors import BackendUnavailable
+from lineside.runtime import trt_kernels
 
 RUNTIME = Path(trt_kernels.__file__).parent
 cudart = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed (dev extra)")
@@ -78,7 +78,7 @@ def test_real_runtime_without_driver_is_one_line():
     err = cudart.cudaGetDeviceCount()[0]
     if int(err) == 0:
         pytest.skip("this machine has a CUDA driver")
-    from trtedge.runtime.trt_env import probe_gpu
+    from lineside.runtime.trt_env import probe_gpu
 
     with pytest.raises(BackendUnavailable) as e:
         probe_gpu()
@@ -112,8 +112,8 @@ def test_nvrtc_gives_ptx_for_a_gpu_newer_than_itself():
 
 
 SHIM = r"""
-struct trtedge_uint3 { unsigned int x, y, z; };
-static trtedge_uint3 blockIdx, blockDim, threadIdx, gridDim;
+struct lineside_uint3 { unsigned int x, y, z; };
+static lineside_uint3 blockIdx, blockDim, threadIdx, gridDim;
 #define __global__
 %s
 extern "C" void run_append(const unsigned char* src, unsigned char* dst, const long long* pos, const long long* nnew,

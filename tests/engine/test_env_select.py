@@ -8,8 +8,8 @@ from enum import IntEnum
 
 import pytest
 
-from trtedge.errors import BackendUnavailable, TrtedgeError
-from trtedge.runtime import select, trt_env
+from lineside.errors import BackendUnavailable, LinesideError
+from lineside.runtime import select, trt_env
 
 
 class Err(IntEnum):
@@ -85,12 +85,12 @@ def test_auto_falls_back_to_onnxruntime_and_says_why(trt_bundle, monkeypatch):
     with pytest.raises(BackendUnavailable, match="InsufficientDriver"):
         select.decide_backend(trt_bundle("fp16"), "tensorrt")
     assert select.decide_backend(trt_bundle("fp16"), "onnxruntime").backend == "onnxruntime"
-    with pytest.raises(TrtedgeError, match="not one of"):
+    with pytest.raises(LinesideError, match="not one of"):
         select.decide_backend(trt_bundle("fp16"), "cuda")
 
 
 def test_auto_picks_tensorrt_when_engine_matches(trt_bundle, monkeypatch, tmp_path):
-    from trtedge.build.engine import key as keymod
+    from lineside.build.engine import key as keymod
 
     b = trt_bundle("fp16")
     here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
@@ -119,7 +119,7 @@ def test_choose_backend_onnxruntime(trt_bundle):
 
 
 def test_nvrtc_failure_is_one_line(monkeypatch):
-    from trtedge.runtime import trt_kernels
+    from lineside.runtime import trt_kernels
 
     def boom():
         raise RuntimeError("Failed to dlopen libnvrtc.so.12\nmore")
@@ -130,7 +130,7 @@ def test_nvrtc_failure_is_one_line(monkeypatch):
 
 
 def test_cli_engine_without_tensorrt(trt_bundle, monkeypatch, capsys):
-    from trtedge.cli import main
+    from lineside.cli import main
 
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(SystemExit) as e:

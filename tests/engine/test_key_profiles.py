@@ -7,8 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from trtedge.build.engine.builder import BuildOptions, engine_meta, table_for
-from trtedge.build.engine.key import (
+from lineside.build.engine.builder import BuildOptions, engine_meta, table_for
+from lineside.build.engine.key import (
     ENGINE_FILE,
     ENGINE_JSON,
     MachineKey,
@@ -17,13 +17,13 @@ from trtedge.build.engine.key import (
     find_engine,
     has_engine_for,
 )
-from trtedge.build.engine.profiles import LOGITS_BUDGET, derive_limits, derive_profiles
-from trtedge.build.engine.progress import PhaseBars
-from trtedge.errors import BundleError, TrtedgeError
-from trtedge.graph_io import StateTensor
-from trtedge.runtime.trt_buffers import ALIGN, plan_buffers
-from trtedge.runtime.trt_graphs import batch_buckets, length_buckets, pick_bucket
-from trtedge.runtime.trt_kvcost import KvShape, kv_bytes_per_decode_step
+from lineside.build.engine.profiles import LOGITS_BUDGET, derive_limits, derive_profiles
+from lineside.build.engine.progress import PhaseBars
+from lineside.errors import BundleError, LinesideError
+from lineside.graph_io import StateTensor
+from lineside.runtime.trt_buffers import ALIGN, plan_buffers
+from lineside.runtime.trt_graphs import batch_buckets, length_buckets, pick_bucket
+from lineside.runtime.trt_kvcost import KvShape, kv_bytes_per_decode_step
 
 ORIN = MachineKey("Orin", "8.7", "10.3.0", "12.6")
 H200 = MachineKey("NVIDIA H200", "9.0", "10.15.1", "12.9")
@@ -48,7 +48,7 @@ def test_key_format_and_differences():
 
 
 def test_find_engine_match_mismatch_missing(tmp_path):
-    with pytest.raises(BundleError, match="no TensorRT engine .* `trtedge engine "):
+    with pytest.raises(BundleError, match="no TensorRT engine .* `lineside engine "):
         find_engine(tmp_path, ORIN)
     d = _fake_engine(tmp_path, ORIN)
     got, meta = find_engine(tmp_path, ORIN, "abc")
@@ -58,7 +58,7 @@ def test_find_engine_match_mismatch_missing(tmp_path):
         find_engine(tmp_path, H200)
     msg = str(e.value)
     assert "TensorRT 10.3.0 (engine) vs 10.15.1 (here)" in msg and "SM 8.7" in msg
-    assert f"trtedge engine {tmp_path}" in msg and "\n" not in msg
+    assert f"lineside engine {tmp_path}" in msg and "\n" not in msg
     with pytest.raises(BundleError, match="older trt graph"):
         find_engine(tmp_path, ORIN, "other-sha")
     (d / ENGINE_FILE).unlink()
@@ -72,7 +72,7 @@ def test_limits_and_profiles(trt_bundle):
     assert (lim.max_batch, lim.max_seq, lim.max_prefill) == (4, 64, 64)
     big = derive_limits(32768, 152064, num_slots=8, max_prefill=1024)
     assert big.max_logits * 8 * 152064 * 4 <= LOGITS_BUDGET and big.max_prefill == 1024
-    with pytest.raises(TrtedgeError, match="--slots"):
+    with pytest.raises(LinesideError, match="--slots"):
         derive_limits(64, 300, 0)
     dec, pre = derive_profiles(b.flavor("trt"), b.config, lim)
     assert (dec.name, pre.name) == ("decode", "prefill")
@@ -91,7 +91,7 @@ def test_limits_and_profiles(trt_bundle):
 def test_profiles_reject_unknown_input(trt_bundle):
     b = trt_bundle("fp16")
     fl = dict(b.flavor("trt"), inputs=["input_ids", "seqlens_k"])
-    with pytest.raises(TrtedgeError, match="seqlens_k"):
+    with pytest.raises(LinesideError, match="seqlens_k"):
         derive_profiles(fl, b.config, derive_limits(64, 300, 1))
 
 

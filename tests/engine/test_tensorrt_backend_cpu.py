@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from tests.engine import fake_trt
-from trtedge.build.engine.builder import BuildOptions, build_engine
-from trtedge.build.engine.key import ENGINE_JSON, TIMING_CACHE
-from trtedge.cli import main
-from trtedge.errors import BundleError, TrtedgeError
-from trtedge.runtime.backend import StepBatch
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.engine.builder import BuildOptions, build_engine
+from lineside.build.engine.key import ENGINE_JSON, TIMING_CACHE
+from lineside.cli import main
+from lineside.errors import BundleError, LinesideError
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 7, 9, 11, 13, 21, 4, 70, 71, 72, 73, 74, 75,
        76, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 100, 101,
@@ -30,7 +30,7 @@ def rel(a, b):
 def engine_bundle(trt_bundle, monkeypatch, tmp_path):
     import shutil
 
-    from trtedge.bundle import open_bundle
+    from lineside.bundle import open_bundle
 
     dst = tmp_path / "bundle"
     shutil.copytree(trt_bundle("fp16").path, dst)
@@ -52,7 +52,7 @@ def test_engine_build_writes_engine_json_and_timing_cache(engine_bundle):
 
 
 def test_logits_equal_onnxruntime_prefill_decode_and_replay(engine_bundle):
-    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+    from lineside.runtime.tensorrt_backend import TensorRTBackend
 
     b, dev = engine_bundle
     ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
@@ -71,7 +71,7 @@ def test_logits_equal_onnxruntime_prefill_decode_and_replay(engine_bundle):
 
 
 def test_capture_failure_falls_back_to_eager(engine_bundle, monkeypatch):
-    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+    from lineside.runtime.tensorrt_backend import TensorRTBackend
 
     b, dev = engine_bundle
     dev.capture_ok = False
@@ -84,7 +84,7 @@ def test_capture_failure_falls_back_to_eager(engine_bundle, monkeypatch):
 
 
 def test_batched_decode_copy_and_reset(engine_bundle):
-    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+    from lineside.runtime.tensorrt_backend import TensorRTBackend
 
     b, _ = engine_bundle
     ort_be = OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0)
@@ -104,13 +104,13 @@ def test_batched_decode_copy_and_reset(engine_bundle):
         got.append(out[:, 0])
     assert rel(np.stack([g[1] for g in got]), ref_a) < 1e-4
     assert rel(np.stack([g[0] for g in got]), ref_c) < 1e-4
-    with pytest.raises(TrtedgeError, match="cannot copy"):
+    with pytest.raises(LinesideError, match="cannot copy"):
         be.copy_slot(3, 2, 4)
     be.close()
 
 
 def test_refuses_engine_of_another_machine(engine_bundle, monkeypatch):
-    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+    from lineside.runtime.tensorrt_backend import TensorRTBackend
 
     b, _ = engine_bundle
     fake_trt.install(monkeypatch, gpu="NVIDIA H200", trt_version="10.15.1")
@@ -118,8 +118,8 @@ def test_refuses_engine_of_another_machine(engine_bundle, monkeypatch):
         TensorRTBackend(b, num_slots=1)
     msg = str(e.value)
     assert "GPU Fake GPU (engine) vs NVIDIA H200 (here)" in msg and "TensorRT 10.3.0 (engine) vs 10.15.1" in msg
-    assert f"trtedge engine {b.path}" in msg
-    with pytest.raises(TrtedgeError, match="at most 4 slots"):
+    assert f"lineside engine {b.path}" in msg
+    with pytest.raises(LinesideError, match="at most 4 slots"):
         fake_trt.install(monkeypatch)
         TensorRTBackend(b, num_slots=8)
 
@@ -127,8 +127,8 @@ def test_refuses_engine_of_another_machine(engine_bundle, monkeypatch):
 def test_cli_engine_and_auto_backend(trt_bundle, monkeypatch, tmp_path, capsys):
     import shutil
 
-    from trtedge.bundle import open_bundle
-    from trtedge.runtime.select import choose_backend
+    from lineside.bundle import open_bundle
+    from lineside.runtime.select import choose_backend
 
     dst = tmp_path / "b"
     shutil.copytree(trt_bundle("fp16").path, dst)
@@ -155,8 +155,8 @@ def test_cli_engine_and_auto_backend(trt_bundle, monkeypatch, tmp_path, capsys):
 def test_v4_replace_state_graph(monkeypatch, tmp_path):
     from tests.engine.bundles import v4_bundle
     from tests.v4.helpers import token_ids
-    from trtedge.bundle import open_bundle
-    from trtedge.runtime.tensorrt_backend import TensorRTBackend
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tensorrt_backend import TensorRTBackend
 
     p = v4_bundle(tmp_path, "fp16")
     dev = fake_trt.install(monkeypatch)
@@ -170,7 +170,7 @@ def test_v4_replace_state_graph(monkeypatch, tmp_path):
     assert rel(pre, ref) < 1e-4 and rel(dec, ref) < 1e-4
     assert be.stats["replay"] > 0 and dev.launched_graphs > 0
     assert set(be.graphs.graphs) <= {(1, 0), (2, 0)}  # no append state: one graph per batch bucket
-    with pytest.raises(TrtedgeError, match="same number of new tokens"):
+    with pytest.raises(LinesideError, match="same number of new tokens"):
         be.forward(StepBatch(slots=[0, 1], input_ids=np.ones((2, 3), np.int64), past_lengths=np.zeros(2, np.int64),
                              new_lengths=np.array([3, 2]), logits_positions=np.zeros((2, 1), np.int64)))
     be.close()
@@ -180,7 +180,7 @@ def test_build_failures_are_one_line(trt_bundle, monkeypatch, tmp_path):
     import shutil
     import sys
 
-    from trtedge.build.engine.builder import EngineBuildError
+    from lineside.build.engine.builder import EngineBuildError
 
     dst = tmp_path / "b"
     shutil.copytree(trt_bundle("w4a16").path, dst)
@@ -199,8 +199,8 @@ def test_build_failures_are_one_line(trt_bundle, monkeypatch, tmp_path):
 
     from rich.console import Console
 
-    from trtedge.build.engine import builder
-    from trtedge.build.engine.check import CheckReport, Offender
+    from lineside.build.engine import builder
+    from lineside.build.engine.check import CheckReport, Offender
 
     rep = CheckReport("10.3", "model.onnx", nodes=1, offenders=[Offender("embed_tokens/gather_codes", "Gather", "INT8",
                                                                         "INT8 only through DequantizeLinear")])

@@ -2,7 +2,7 @@
 
 The API tables come from NVIDIA/TensorRT's pybind11 sources (scripts/trt_api_names.py); the fake module
 wraps every object so that a member or keyword the real release lacks fails the test. So the builder and
-backend tests in this folder also prove trtedge only calls what TensorRT 10.3 / 11.1 define.
+backend tests in this folder also prove lineside only calls what TensorRT 10.3 / 11.1 define.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 from tests.engine import fake_trt
 from tests.engine.trt_api import RELEASES, APIViolation, load_api
-from trtedge.build.engine.builder import BuildOptions, build_engine
-from trtedge.build.engine.key import ENGINE_FILE
+from lineside.build.engine.builder import BuildOptions, build_engine
+from lineside.build.engine.key import ENGINE_FILE
 
-USED = {  # what trtedge's builder and backend call, per class
+USED = {  # what lineside's builder and backend call, per class
     "Builder": ["create_network", "create_builder_config", "create_optimization_profile", "build_serialized_network"],
     "IBuilderConfig": ["set_memory_pool_limit", "create_timing_cache", "set_timing_cache", "get_timing_cache",
                        "progress_monitor", "add_optimization_profile", "builder_optimization_level"],
@@ -36,7 +36,7 @@ USED = {  # what trtedge's builder and backend call, per class
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_api_tables_hold_what_trtedge_calls(release):
+def test_api_tables_hold_what_lineside_calls(release):
     api = load_api(release)
     assert api["tag"].lstrip("v").startswith(release)
     for cls, members in USED.items():
@@ -80,7 +80,7 @@ def test_engine_builds_through_each_release_api(trt_bundle, monkeypatch, tmp_pat
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_progress_monitor_overrides_only_real_methods(release):
-    from trtedge.build.engine.progress import make_monitor
+    from lineside.build.engine.progress import make_monitor
 
     trt = fake_trt.make_tensorrt(fake_trt.Device(), f"{release}.0")
     mon = make_monitor(trt)

@@ -10,11 +10,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from trtedge.errors import TrtedgeError
-from trtedge.graph_io import APPEND, StateTensor
-from trtedge.runtime.backend import StepBatch
-from trtedge.runtime.trt_arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
-from trtedge.runtime.trt_graphs import batch_buckets, length_buckets
+from lineside.errors import LinesideError
+from lineside.graph_io import APPEND, StateTensor
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.trt_arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
+from lineside.runtime.trt_graphs import batch_buckets, length_buckets
 
 
 class NumpyTrtBackend:
@@ -162,11 +162,11 @@ def test_step_inputs_mask_and_positions():
 
 def test_plan_moves_errors_and_shrink():
     lay = ArenaLayout(2, 32, length_buckets(32, 4, 8), batch_buckets(2))
-    with pytest.raises(TrtedgeError, match="max_seq_len"):
+    with pytest.raises(LinesideError, match="max_seq_len"):
         lay.plan_moves([0], np.array([33]))
-    with pytest.raises(TrtedgeError, match="twice"):
+    with pytest.raises(LinesideError, match="twice"):
         lay.plan_moves([0, 0], np.array([1, 1]))
-    with pytest.raises(TrtedgeError, match="out of range"):
+    with pytest.raises(LinesideError, match="out of range"):
         lay.plan_moves([5], np.array([1]))
     lay.plan_moves([0], np.array([30]))
     lay.commit([0], np.array([30]))

@@ -2,7 +2,7 @@
 
 ``tests/engine/data/tensorrt_api_<ver>.json`` lists, per class of TensorRT's Python bindings, the members
 and keyword names (made by scripts/trt_api_names.py from NVIDIA/TensorRT's pybind11 sources at the release
-tag). ``strict_module`` wraps the fake module so that trtedge may only touch names that exist there: an
+tag). ``strict_module`` wraps the fake module so that lineside may only touch names that exist there: an
 attribute or keyword TensorRT doesn't have fails the test instead of passing against the fake.
 """
 

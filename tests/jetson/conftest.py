@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trtedge.bundle import write_manifest
-from trtedge.config import ModelConfig
+from lineside.bundle import write_manifest
+from lineside.config import ModelConfig
 
 
 def make_bundle(path: Path, seed: int, weight_bytes: int = 3 << 20, name: str = "tiny") -> Path:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from trtedge.errors import TrtedgeError
-from trtedge.jetson.power import query_power, resolve_mode, set_power
-from trtedge.jetson.service import ServiceSpec, render_unit, write_unit
+from lineside.errors import LinesideError
+from lineside.jetson.power import query_power, resolve_mode, set_power
+from lineside.jetson.service import ServiceSpec, render_unit, write_unit
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = Path(__file__).parent / "fixtures"
@@ -48,7 +48,7 @@ def test_dockerfile_structure():
     health = [a for k, a in final if k == "HEALTHCHECK"]
     assert health and "/health/ready" in health[0] and "--start-period" in health[0]
     entry = json.loads(next(a for k, a in final if k == "ENTRYPOINT"))
-    assert entry == ["/usr/local/bin/trtedge-entrypoint"]
+    assert entry == ["/usr/local/bin/lineside-entrypoint"]
     assert any(k == "COPY" and a.split()[0] == "docker/entrypoint.sh" for k, a in final)
     assert any(k == "VOLUME" and "/bundle" in a for k, a in final)
     run_build = " ".join(a for k, a in ins if k == "RUN")
@@ -76,21 +76,21 @@ def test_entrypoint_ensures_engine_then_serves(tmp_path):
     bundle.mkdir()
     (bundle / "manifest.json").write_text("{}")
     log = tmp_path / "calls"
-    fake = _fake(tmp_path / "bin", "trtedge", f'echo "$@" >> {log}\n')
-    env = {**os.environ, "TRTEDGE_BUNDLE": str(bundle), "TRTEDGE_BIN": str(fake), "TRTEDGE_PORT": "9001"}
+    fake = _fake(tmp_path / "bin", "lineside", f'echo "$@" >> {log}\n')
+    env = {**os.environ, "LINESIDE_BUNDLE": str(bundle), "LINESIDE_BIN": str(fake), "LINESIDE_PORT": "9001"}
     p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh"), "--backend", "tensorrt"], env=env,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert log.read_text().splitlines() == [f"jetson ensure-engine {bundle}",
                                             f"serve {bundle} --host 0.0.0.0 --port 9001 --backend tensorrt"]
     # a failing engine build stops the container before serving (set -e)
-    _fake(tmp_path / "bin", "trtedge", f'echo "$@" >> {log}; [ "$1" != jetson ]\n')
+    _fake(tmp_path / "bin", "lineside", f'echo "$@" >> {log}; [ "$1" != jetson ]\n')
     p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True)
     assert p.returncode != 0 and log.read_text().splitlines()[-1] == f"jetson ensure-engine {bundle}"
 
 
 def test_entrypoint_without_bundle_is_one_line(tmp_path):
-    env = {**os.environ, "TRTEDGE_BUNDLE": str(tmp_path / "none"), "TRTEDGE_BIN": "false"}
+    env = {**os.environ, "LINESIDE_BUNDLE": str(tmp_path / "none"), "LINESIDE_BIN": "false"}
     p = subprocess.run(["sh", str(REPO / "docker" / "entrypoint.sh")], env=env, capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "mount one" in p.stderr
 
@@ -116,42 +116,42 @@ def test_power_modes_with_fake_tools(fake_l4t_tools):
 
 
 def test_power_errors_are_one_line(tmp_path, fake_l4t_tools, monkeypatch):
-    with pytest.raises(TrtedgeError, match="not a Jetson") as e:
+    with pytest.raises(LinesideError, match="not a Jetson") as e:
         set_power("MAXN", None, str(PC))
     assert "\n" not in str(e.value)
-    with pytest.raises(TrtedgeError, match="0=MAXN, 1=MODE_15W"):
+    with pytest.raises(LinesideError, match="0=MAXN, 1=MODE_15W"):
         set_power("TURBO", None, str(AGX))
     _fake(tmp_path / "bin", "nvpmodel", 'echo "NVPM ERROR: must be run as root" >&2; exit 1\n')
-    with pytest.raises(TrtedgeError, match="sudo"):
+    with pytest.raises(LinesideError, match="sudo"):
         set_power("MAXN", None, str(AGX))
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(TrtedgeError, match="nvpmodel not found"):
+    with pytest.raises(LinesideError, match="nvpmodel not found"):
         set_power("MAXN", None, str(AGX))
 
 
 def test_systemd_unit(tmp_path):
-    text = render_unit(ServiceSpec(drain_timeout_s=60, port=8080, env_file="/etc/trtedge/edge.env"))
+    text = render_unit(ServiceSpec(drain_timeout_s=60, port=8080, env_file="/etc/lineside/edge.env"))
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.optionxform = str  # keep the case of systemd keys
     unit.read_string(text)
     svc = unit["Service"]
     assert svc["Restart"] == "on-failure"
     assert int(svc["TimeoutStopSec"]) > 60  # covers the drain
-    assert svc["EnvironmentFile"] == "-/etc/trtedge/edge.env"
-    assert svc["ExecStart"].startswith("/usr/local/bin/trtedge serve /opt/trtedge/current --host 0.0.0.0 --port 8080 "
+    assert svc["EnvironmentFile"] == "-/etc/lineside/edge.env"
+    assert svc["ExecStart"].startswith("/usr/local/bin/lineside serve /opt/lineside/current --host 0.0.0.0 --port 8080 "
                                        "--drain-timeout 60")
-    assert svc["ExecStartPre"] == "/usr/local/bin/trtedge jetson ensure-engine /opt/trtedge/current"
+    assert svc["ExecStartPre"] == "/usr/local/bin/lineside jetson ensure-engine /opt/lineside/current"
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     (tmp_path / "units").mkdir()
-    out = write_unit(ServiceSpec(), str(tmp_path / "units"))  # a directory: trtedge.service inside
-    assert Path(out).name == "trtedge.service" and "Restart=on-failure" in Path(out).read_text()
+    out = write_unit(ServiceSpec(), str(tmp_path / "units"))  # a directory: lineside.service inside
+    assert Path(out).name == "lineside.service" and "Restart=on-failure" in Path(out).read_text()
     analyze = shutil.which("systemd-analyze")
     if analyze:
         subprocess.run([analyze, "verify", "--man=no", out], capture_output=True, text=True)  # informative only
 
 
 def test_cli_service_and_power(tmp_path):
-    run = [sys.executable, "-m", "trtedge", "jetson"]
+    run = [sys.executable, "-m", "lineside", "jetson"]
     p = subprocess.run([*run, "service", "-o", str(tmp_path / "t.service"), "--drain-timeout", "90",
                         "--sysroot", str(PC)], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0 and "not a Jetson" in p.stderr
@@ -162,8 +162,8 @@ def test_cli_service_and_power(tmp_path):
 
 
 def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_factory):
-    from trtedge.build.engine import key as keymod
-    from trtedge.jetson import engine as eng
+    from lineside.build.engine import key as keymod
+    from lineside.jetson import engine as eng
 
     bundle = bundle_factory(tmp_path / "b", 1, weight_bytes=1024)
     here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
@@ -179,12 +179,12 @@ def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_fa
     assert eng.ensure_engine(bundle) == (False, here.key) and len(calls) == 1
     monkeypatch.setattr(eng.subprocess, "run", lambda cmd: subprocess.CompletedProcess(cmd, 3))
     monkeypatch.setattr(keymod, "machine_key", lambda: keymod.MachineKey("Orin", "8.7", "10.4.0", "12.6"))
-    with pytest.raises(TrtedgeError, match="failed"):
+    with pytest.raises(LinesideError, match="failed"):
         eng.ensure_engine(bundle)
 
 
 def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
-    from trtedge.jetson.engine import ensure_engine
+    from lineside.jetson.engine import ensure_engine
 
     bundle = bundle_factory(tmp_path / "b", 2, weight_bytes=1024)
     try:
@@ -192,6 +192,6 @@ def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
         pytest.skip("TensorRT is installed here")
     except ImportError:
         pass
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         ensure_engine(bundle)
     assert "\n" not in str(e.value)

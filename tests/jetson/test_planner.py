@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from trtedge.bundle import write_manifest
-from trtedge.config import ModelConfig
-from trtedge.errors import TrtedgeError
-from trtedge.jetson.devices import DEVICES, device_for_board
-from trtedge.jetson.planner import CONFIGS_DIR, fit_table, load_model, plan, shipped_configs
-from trtedge.jetson.sizes import dense_weights
-from trtedge.jetson.sizes_v4 import V4Shape, v4_kv, v4_weights
+from lineside.bundle import write_manifest
+from lineside.config import ModelConfig
+from lineside.errors import LinesideError
+from lineside.jetson.devices import DEVICES, device_for_board
+from lineside.jetson.planner import CONFIGS_DIR, fit_table, load_model, plan, shipped_configs
+from lineside.jetson.sizes import dense_weights
+from lineside.jetson.sizes_v4 import V4Shape, v4_kv, v4_weights
 
 GIB = 1 << 30
 
@@ -187,7 +187,7 @@ def test_user_errors_are_one_line(tmp_path):
                  lambda: plan("DeepSeek-V4-Flash", "h100-80", "int3"),
                  lambda: plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="bf8"),
                  lambda: plan(str(bad), "h100-80")):
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             call()
         assert "\n" not in str(e.value)
 
@@ -215,7 +215,7 @@ def test_docs_tables_match_the_planner():
     import re
     from pathlib import Path
 
-    from trtedge.jetson.devices import TABLE_DEVICES
+    from lineside.jetson.devices import TABLE_DEVICES
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "jetson.md").read_text()
     tables = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", doc, re.S))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from trtedge.bundle import open_bundle
-from trtedge.errors import BundleError, TrtedgeError
-from trtedge.jetson.push import push, rollback
+from lineside.bundle import open_bundle
+from lineside.errors import BundleError, LinesideError
+from lineside.jetson.push import push, rollback
 
 
 class Interrupted(Exception):
@@ -107,18 +107,18 @@ def test_local_push_refuses_a_corrupt_bundle_and_keeps_current(tmp_path, bundle_
 def test_rollback_without_previous_and_bad_inputs(tmp_path, bundle_factory):
     target = tmp_path / "device"
     push(bundle_factory(tmp_path / "a", 7), str(target))
-    with pytest.raises(TrtedgeError, match="no previous version"):
+    with pytest.raises(LinesideError, match="no previous version"):
         rollback(str(target))
-    with pytest.raises(BundleError, match="not a trtedge bundle"):
+    with pytest.raises(BundleError, match="not a lineside bundle"):
         push(tmp_path, str(target))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(TrtedgeError, match="not a directory"):
+    with pytest.raises(LinesideError, match="not a directory"):
         push(tmp_path / "a", str(tmp_path / "file"))
 
 
 def test_cli_push_and_rollback_errors(tmp_path, bundle_factory):
     a = bundle_factory(tmp_path / "a", 8)
-    run = [sys.executable, "-m", "trtedge", "jetson"]
+    run = [sys.executable, "-m", "lineside", "jetson"]
     p = subprocess.run([*run, "push", str(a), str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "current -> versions/tiny-" in p.stdout, p.stderr
     p = subprocess.run([*run, "rollback", str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
@@ -161,6 +161,6 @@ def test_ssh_push_resume_verify_and_rollback(tmp_path, sshd, bundle_factory):
 
 def test_ssh_unreachable_is_one_line(tmp_path, bundle_factory):
     a = bundle_factory(tmp_path / "a", 12)
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         push(a, "nobody@127.0.0.1:/tmp/x", ssh="ssh -p 1 -o ConnectTimeout=3")
     assert "cannot reach" in str(e.value) and "\n" not in str(e.value)

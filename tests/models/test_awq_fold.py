@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from trtedge.build.calibrate import awq_plan_dense, calibration_ids, default_calibration_text
-from trtedge.build.checkpoint import open_checkpoint
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.bundle import open_bundle
-from trtedge.config import ModelConfig
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.calibrate import awq_plan_dense, calibration_ids, default_calibration_text
+from lineside.build.checkpoint import open_checkpoint
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.config import ModelConfig
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150]
 

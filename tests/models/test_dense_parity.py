@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.bundle import open_bundle
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33]
 
@@ -64,9 +64,9 @@ def fake_quant_reference(ckpt, ids, group, flavor):
     embedding table exactly as the graph stores it."""
     from transformers import AutoModelForCausalLM
 
-    from trtedge.build.graph.embedding import embedding_reference
-    from trtedge.build.quant.rtn import fake_quantize
-    from trtedge.build.quant.spec import QuantSpec
+    from lineside.build.graph.embedding import embedding_reference
+    from lineside.build.quant.rtn import fake_quantize
+    from lineside.build.quant.spec import QuantSpec
 
     spec = QuantSpec(scheme="w4a16", group_size=group)
     # The trt flavor stores fp16 scales (TensorRT computes in fp16); the cpu flavor float32 ones.
@@ -99,7 +99,7 @@ def test_w4a16_graph_equals_fake_quantized_reference(built, tiny_dense, variant)
 
 def test_batched_decode_equals_single(built):
     """Two slots decoding different sequences in one batch match running them alone."""
-    from trtedge.runtime.backend import StepBatch
+    from lineside.runtime.backend import StepBatch
 
     bundle = built("llama-gqa", "fp32")
     for flavor in ("cpu", "trt"):
@@ -118,7 +118,7 @@ def test_batched_decode_equals_single(built):
 
 def test_chunked_prefill_equals_one_prefill(built):
     """Prefill in chunks through the cache (past > 0 and several new tokens) equals one prefill."""
-    from trtedge.runtime.backend import StepBatch
+    from lineside.runtime.backend import StepBatch
 
     bundle = built("qwen2-bias-tied", "fp32")
     for flavor in ("cpu", "trt"):

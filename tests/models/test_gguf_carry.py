@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.bundle import open_bundle
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 IDS = [1, 504, 3458, 314, 260, 1345, 282, 4649, 30, 2, 216, 33, 30, 216, 34, 17]
 

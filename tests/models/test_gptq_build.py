@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from trtedge.build import calibrate_gptq
-from trtedge.build.checkpoint import open_checkpoint
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.bundle import open_bundle
-from trtedge.config import ModelConfig
-from trtedge.errors import TrtedgeError
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build import calibrate_gptq
+from lineside.build.checkpoint import open_checkpoint
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.build.quant.spec import QuantSpec
+from lineside.bundle import open_bundle
+from lineside.config import ModelConfig
+from lineside.errors import LinesideError
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33]
 SPEC = QuantSpec(scheme="w4a16", group_size=64)
@@ -31,8 +31,8 @@ def grid_reference(path, grids, ids, flavor):
     embedding as the flavor's graph stores them."""
     from transformers import AutoModelForCausalLM
 
-    from trtedge.build.graph.embedding import embedding_reference
-    from trtedge.build.quant.rtn import fake_quantize
+    from lineside.build.graph.embedding import embedding_reference
+    from lineside.build.quant.rtn import fake_quantize
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -100,13 +100,13 @@ def test_guard_falls_back_to_rtn(tiny_dense, tmp_path, monkeypatch):
 
 
 def test_refusals_are_one_line(tiny_dense):
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         BuildOptions(quant="w8a16", method="gptq").validate()
     assert "\n" not in str(e.value) and "w4a16" in str(e.value)
     ck = open_checkpoint(tiny_dense("llama-gqa"))
     try:
         cfg = replace(ModelConfig.from_hf_dict(ck.hf_config), architecture="deepseek_v4")
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             calibrate_gptq.gptq_plan_for(cfg, ck, SPEC, ("cpu",), None, progress=lambda _d, _t: (lambda _n: None),
                                          log=lambda _m: None)
         assert "\n" not in str(e.value) and "--method rtn" in str(e.value)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from trtedge.build.pipeline import BuildOptions, build_bundle
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.bundle import open_bundle
-from trtedge.errors import TrtedgeError
-from trtedge.runtime.generate import compute_logits
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.build.quant.spec import QuantSpec
+from lineside.bundle import open_bundle
+from lineside.errors import LinesideError
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -75,8 +75,8 @@ def _reference(ckpt, ids, quant_group=None, flavor="cpu"):
     embedding table as the graph holds it)."""
     from transformers import AutoModelForCausalLM
 
-    from trtedge.build.graph.embedding import embedding_reference
-    from trtedge.build.quant.rtn import fake_quantize
+    from lineside.build.graph.embedding import embedding_reference
+    from lineside.build.quant.rtn import fake_quantize
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_w4a16_equals_fake_quantized_reference(sweep_ckpt, tmp_path, name, group
 
 def test_trt_refuses_inputs_no_int4_block_tiles(sweep_ckpt, tmp_path):
     """TensorRT's INT4 blocks are 64 or 128: 96 inputs are refused in one line naming the layer, before any work."""
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         build_bundle(sweep_ckpt("ragged-96x344"), tmp_path / "b",
                      BuildOptions(quant="w4a16", flavors=("trt",), max_seq_len=32, group_size=64))
     msg = str(e.value)

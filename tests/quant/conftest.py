@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from trtedge.build.graph.builder import GraphBuilder
+from lineside.build.graph.builder import GraphBuilder
 
 
 def run_graph(path: Path, feeds: dict[str, np.ndarray], qdq_accuracy: int = 0) -> np.ndarray:

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from tests.quant.conftest import build_one, run_graph
-from trtedge.build.graph.linear import emit_linear
-from trtedge.build.quant.awq import awq_search
-from trtedge.build.quant.rtn import fake_quantize
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.errors import TrtedgeError
+from lineside.build.graph.linear import emit_linear
+from lineside.build.quant.awq import awq_search
+from lineside.build.quant.rtn import fake_quantize
+from lineside.build.quant.spec import QuantSpec
+from lineside.errors import LinesideError
 
 N, K = 128, 256
 
@@ -67,27 +67,27 @@ def test_emit_with_awq_scale(tmp_path, rng, flavor):
 def test_awq_bad_calibration_is_one_line(rng):
     w = rng.standard_normal((N, K)).astype(np.float32)
     for x in (np.zeros((0, K), np.float32), np.zeros((4, K + 1), np.float32)):
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             awq_search(w, x, 64, 4)
         assert "\n" not in str(e.value)
 
 
 def test_calibration_ids_spread_over_a_long_text():
-    from trtedge.build.calibrate import SEQ_LEN, calibration_ids
+    from lineside.build.calibrate import SEQ_LEN, calibration_ids
 
     text = " ".join(str(i) for i in range(SEQ_LEN * 10))  # one token per word: 10 sequences
     ids = calibration_ids(lambda t: [int(w) for w in t.split()], text, max_seqs=4)
     assert ids.shape == (4, SEQ_LEN) and ids[:, 0].tolist() == [0, 3 * SEQ_LEN, 6 * SEQ_LEN, 9 * SEQ_LEN]
     short = calibration_ids(lambda t: [int(w) for w in t.split()], "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17")
     assert short.shape == (1, 17)
-    with pytest.raises(TrtedgeError):
+    with pytest.raises(LinesideError):
         calibration_ids(lambda t: [int(w) for w in t.split()], "1 2 3")
 
 
 def test_awq_guard_holds_out_every_third_sequence():
     """AWQ is judged on sequences its scale search never saw (on SmolLM2 the in-sample loss kept an AWQ
     that was worse elsewhere); a text of one or two sequences falls back to judging in-sample."""
-    from trtedge.build.calibrate import split_held_out
+    from lineside.build.calibrate import split_held_out
 
     ids = np.arange(6)[:, None] * np.ones((1, 4), dtype=np.int64)
     fit, held = split_held_out(ids)

@@ -10,11 +10,11 @@ from onnx import TensorProto
 
 from tests.quant.conftest import build_one, run_graph
 from tests.quant.test_ggml import make_blocks
-from trtedge.build.engine.check import check_onnx_file
-from trtedge.build.graph.builder import GraphBuilder
-from trtedge.build.graph.embedding import embedding_reference, emit_embedding
-from trtedge.build.graph.linear import emit_lm_head
-from trtedge.build.quant.spec import QuantSpec
+from lineside.build.engine.check import check_onnx_file
+from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.embedding import embedding_reference, emit_embedding
+from lineside.build.graph.linear import emit_lm_head
+from lineside.build.quant.spec import QuantSpec
 
 V, H = 300, 576
 

@@ -9,11 +9,11 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tests.quant.conftest import build_one, run_graph
-from trtedge.build.graph.linear import emit_linear
-from trtedge.build.quant.ggml import decode_blocks
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.build.tensors import GGMLBlocks
-from trtedge.errors import CheckpointError, TrtedgeError
+from lineside.build.graph.linear import emit_linear
+from lineside.build.quant.ggml import decode_blocks
+from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
+from lineside.errors import CheckpointError, LinesideError
 
 N, K = 64, 576  # 18 blocks of 32; 576 is SmolLM2's hidden size
 
@@ -102,7 +102,7 @@ def test_requantized_when_not_carried(tmp_path, rng, flavor, spec):
 
 
 def test_fused_qkv_concat_keeps_the_carry(tmp_path, rng):
-    from trtedge.build.graph.linear import concat_out_features
+    from lineside.build.graph.linear import concat_out_features
 
     ws = [make_blocks(rng, "Q4_1", n=n, shift=0.02) for n in (64, 32, 32)]
     fused = concat_out_features(ws, "qkv")
@@ -115,5 +115,5 @@ def test_fused_qkv_concat_keeps_the_carry(tmp_path, rng):
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
     mixed = concat_out_features([ws[0], np.ones((8, K), np.float32)], "mixed")
     assert isinstance(mixed, np.ndarray) and mixed.shape == (72, K)
-    with pytest.raises(TrtedgeError):
+    with pytest.raises(LinesideError):
         concat_out_features([ws[0], np.ones((8, K + 32), np.float32)], "bad")

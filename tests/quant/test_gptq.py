@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from tests.quant.conftest import build_one, run_graph
-from trtedge.build.graph.linear import concat_out_features, emit_linear
-from trtedge.build.quant.gptq import gptq_quantize, hessian
-from trtedge.build.quant.grid import Int4Grid
-from trtedge.build.quant.rtn import dequantize_rtn, fake_quantize, quantize_rtn
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.errors import TrtedgeError
+from lineside.build.graph.linear import concat_out_features, emit_linear
+from lineside.build.quant.gptq import gptq_quantize, hessian
+from lineside.build.quant.grid import Int4Grid
+from lineside.build.quant.rtn import dequantize_rtn, fake_quantize, quantize_rtn
+from lineside.build.quant.spec import QuantSpec
+from lineside.errors import LinesideError
 
 N, K = 96, 256
 
@@ -85,10 +85,10 @@ def test_act_order_keeps_static_groups(rng):
 def test_bad_hessian_is_one_line(rng):
     w = rng.standard_normal((N, K)).astype(np.float32)
     for h in (np.eye(K + 1), np.full((K, K), np.nan)):
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             gptq_quantize(w, h, 64)
         assert "\n" not in str(e.value)
-    with pytest.raises(TrtedgeError):
+    with pytest.raises(LinesideError):
         hessian(np.zeros((0, K), np.float32))
 
 
@@ -119,7 +119,7 @@ def test_emitters_write_the_grid_as_it_is(tmp_path, rng, flavor):
 def test_grid_group_must_fit_the_trt_block(tmp_path, rng):
     w = rng.standard_normal((16, 192)).astype(np.float32)
     grid = Int4Grid(*quantize_rtn(w, 4, 32), 32)
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", grid, QuantSpec("w4a16", 64), "trt"), 192,
                   ["b", "t", 16])
     assert "\n" not in str(e.value) and "groups of 32" in str(e.value)

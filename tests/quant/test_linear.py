@@ -8,11 +8,11 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from tests.quant.conftest import build_one, run_graph
-from trtedge.build.graph.linear import emit_linear, emit_lm_head
-from trtedge.build.quant.pack import unpack_int4
-from trtedge.build.quant.size import quantized_bytes
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.errors import TrtedgeError
+from lineside.build.graph.linear import emit_linear, emit_lm_head
+from lineside.build.quant.pack import unpack_int4
+from lineside.build.quant.size import quantized_bytes
+from lineside.build.quant.spec import QuantSpec
+from lineside.errors import LinesideError
 
 N, K = 96, 256
 
@@ -25,7 +25,7 @@ def ref_dequant(w: np.ndarray, scheme: str, group: int, scale_dtype=np.float32) 
     if scheme == "fp16":
         return w.astype(np.float16).astype(np.float32)
     if scheme == "w4a16":
-        from trtedge.build.quant.rtn import fake_quantize
+        from lineside.build.quant.rtn import fake_quantize
 
         return fake_quantize(w, 4, group, scale_dtype)
     qmax, gs = (7, group) if scheme == "w4a16" else (127, w.shape[1])
@@ -159,18 +159,18 @@ def test_lm_head_stays_8bit(tmp_path, rng):
 def test_group_not_dividing_is_one_line(tmp_path, rng, flavor, k):
     """cpu takes a ragged last group of an even K (test_ragged_last_group_cpu); trt needs a block of 64 or 128
     that tiles K (test_trt_group_falls_back_to_64)."""
-    from trtedge.build.graph.builder import GraphBuilder
+    from lineside.build.graph.builder import GraphBuilder
 
     gb = GraphBuilder(tmp_path / "m.onnx")
     w = rng.standard_normal((N, k)).astype(np.float32)
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         emit_linear(gb, "x", "model.layers.3.self_attn.q_proj", w, QuantSpec("w4a16", 128), flavor)
     msg = str(e.value)
     assert "\n" not in msg and "q_proj" in msg and str(k) in msg and ("--group-size" in msg or "--quant" in msg)
 
 
 def test_bad_inputs_are_one_line(tmp_path, rng):
-    from trtedge.build.graph.builder import GraphBuilder
+    from lineside.build.graph.builder import GraphBuilder
 
     gb = GraphBuilder(tmp_path / "m.onnx")
     w = rng.standard_normal((N, K)).astype(np.float32)
@@ -180,17 +180,17 @@ def test_bad_inputs_are_one_line(tmp_path, rng):
         ({"awq_scale": np.zeros(K)}, "AWQ scale of l"),
     ):
         args = {"flavor": "cpu", **kwargs}
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             emit_linear(gb, "x", "l", w, QuantSpec("w4a16", 64), **args)
         assert needle in str(e.value) and "\n" not in str(e.value)
-    with pytest.raises(TrtedgeError):
+    with pytest.raises(LinesideError):
         emit_linear(gb, "x", "l", w[0], QuantSpec("w4a16", 64), "cpu")
 
 
 @pytest.mark.parametrize("scheme", ["fp32", "fp16", "w8a16", "w4a16"])
 @pytest.mark.parametrize("trt_dtype", ["fp16", "fp32"])
 def test_trt_graph_passes_tensorrt_op_check(tmp_path, rng, scheme, trt_dtype):
-    from trtedge.build.engine.check import check_onnx_file
+    from lineside.build.engine.check import check_onnx_file
 
     w = rng.standard_normal((N, K)).astype(np.float32)
     spec = QuantSpec(scheme, 128, trt_dtype=trt_dtype)
@@ -203,7 +203,7 @@ def test_trt_graph_passes_tensorrt_op_check(tmp_path, rng, scheme, trt_dtype):
 
 def test_ragged_last_group_cpu(tmp_path, rng):
     """576 inputs in groups of 128 (SmolLM2): MatMulNBits reads a zero-padded last block; trt refuses."""
-    from trtedge.build.quant.rtn import fake_quantize
+    from lineside.build.quant.rtn import fake_quantize
 
     w = rng.standard_normal((48, 576)).astype(np.float32)
     x = rng.standard_normal((2, 576)).astype(np.float32)
@@ -218,7 +218,7 @@ def test_trt_group_falls_back_to_64(tmp_path, rng):
     """576 inputs at group 128 on the trt flavor: that layer's DequantizeLinear uses blocks of 64."""
     import onnx
 
-    from trtedge.build.quant.rtn import fake_quantize
+    from lineside.build.quant.rtn import fake_quantize
 
     w = rng.standard_normal((48, 576)).astype(np.float32)
     x = rng.standard_normal((2, 576)).astype(np.float32)
@@ -234,8 +234,8 @@ def test_trt_group_falls_back_to_64(tmp_path, rng):
 @pytest.mark.parametrize("trt_dtype", ["fp16", "fp32"])
 def test_trt_int4_odd_outputs_padded_to_even(tmp_path, rng, trt_dtype):
     """TensorRT refuses INT4 with an odd last dimension: 33 outputs become a [K, 34] weight, sliced back."""
-    from trtedge.build.engine.check import check_onnx_file
-    from trtedge.build.quant.rtn import fake_quantize
+    from lineside.build.engine.check import check_onnx_file
+    from lineside.build.quant.rtn import fake_quantize
 
     w = rng.standard_normal((33, 128)).astype(np.float32)
     x = rng.standard_normal((3, 128)).astype(np.float32)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtedge.build.quant import rtn
-from trtedge.build.quant.pack import pack_int4_kn, pack_matmulnbits, unpack_int4
-from trtedge.build.quant.rtn import dequantize_rtn, quantize_rtn
-from trtedge.build.quant.size import kept_high_precision_note, quantized_bytes
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.errors import TrtedgeError
+from lineside.build.quant import rtn
+from lineside.build.quant.pack import pack_int4_kn, pack_matmulnbits, unpack_int4
+from lineside.build.quant.rtn import dequantize_rtn, quantize_rtn
+from lineside.build.quant.size import kept_high_precision_note, quantized_bytes
+from lineside.build.quant.spec import QuantSpec
+from lineside.errors import LinesideError
 
 
 @pytest.mark.parametrize("bits,group,bound", [(4, 128, 0.15), (4, 64, 0.14), (4, 32, 0.13), (8, None, 0.012)])
@@ -56,7 +56,7 @@ def test_fp16_scales_and_zero_groups(rng):
 def test_non_finite_is_one_line_error():
     w = np.ones((2, 64), np.float32)
     w[1, 3] = np.nan
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         quantize_rtn(w, 4, 64)
     assert "\n" not in str(e.value)
 
@@ -106,7 +106,7 @@ def test_quantized_bytes_and_note():
     ],
 )
 def test_validate_errors(spec, k, flavor, needle):
-    with pytest.raises(TrtedgeError) as e:
+    with pytest.raises(LinesideError) as e:
         spec.validate(k, "model.layers.0.mlp.up_proj", flavor)
     msg = str(e.value)
     assert needle in msg and "\n" not in msg

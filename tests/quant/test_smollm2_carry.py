@@ -11,10 +11,10 @@ import pytest
 from onnx import TensorProto
 
 from tests.quant.conftest import build_one, run_graph
-from trtedge.build.graph.embedding import emit_embedding
-from trtedge.build.graph.linear import emit_linear, emit_lm_head
-from trtedge.build.quant.spec import QuantSpec
-from trtedge.build.tensors import GGMLBlocks
+from lineside.build.graph.embedding import emit_embedding
+from lineside.build.graph.linear import emit_linear, emit_lm_head
+from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_dense, tmp_path_factory):
-    from trtedge.build.pipeline import BuildOptions, build_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
 
     out = tmp_path_factory.mktemp("rt-tiny") / "bundle"
     return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=128))
@@ -17,7 +17,7 @@ def tiny_bundle(tiny_dense, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smol_bundle(smollm2_path, tmp_path_factory):
-    from trtedge.build.pipeline import BuildOptions, build_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
 
     out = tmp_path_factory.mktemp("rt-smol") / "bundle"
     return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))

@@ -8,7 +8,7 @@ import zlib
 
 import numpy as np
 
-from trtedge.runtime.backend import StepBatch
+from lineside.runtime.backend import StepBatch
 
 
 class FakeBackend:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trtedge.runtime.detokenize import IncrementalDetokenizer
-from trtedge.runtime.tokenizer import Tokenizer
+from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.tokenizer import Tokenizer
 
 TEXTS = ["plain ascii", "你好，世界", "emoji 😀🚀 and 👩‍👩‍👧", "é è ü ß", "mixed 日本語 ✓ end"]
 

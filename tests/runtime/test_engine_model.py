@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from tests.runtime.conftest import run
-from trtedge.bundle import open_bundle
-from trtedge.runtime.backend import StepBatch
-from trtedge.runtime.engine import LLMEngine
-from trtedge.runtime.generate import Generator
-from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
-from trtedge.runtime.request import GenerationRequest
-from trtedge.runtime.sampling import Sampler, SamplingParams
+from lineside.bundle import open_bundle
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.engine import LLMEngine
+from lineside.runtime.generate import Generator
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.runtime.request import GenerationRequest
+from lineside.runtime.sampling import Sampler, SamplingParams
 
 
 def sequential(bundle, prompts: list[list[int]], n: int, params: list | None = None) -> list[list[int]]:
@@ -66,7 +66,7 @@ def test_prefix_copy_gives_same_logits(tiny_bundle):
 def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle, monkeypatch):
     """Batching, chunked prefill, a shared system prompt from the prefix cache and a preempted (then
     resumed) batch job: every request still gets exactly the tokens — and the very logits — it gets alone."""
-    from trtedge.runtime.generate import load_tokenizer
+    from lineside.runtime.generate import load_tokenizer
 
     tok = load_tokenizer(open_bundle(smol_bundle))
     system = "You are a maintenance assistant on a factory floor. Answer in one short sentence."
@@ -74,8 +74,8 @@ def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle, monkeypatch):
                  "Why do bearings overheat?"]
     prompts = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
                for q in questions]
-    monkeypatch.setattr("trtedge.runtime.generate.Sampler", RecordingSampler)
-    monkeypatch.setattr("trtedge.runtime.sequence.Sampler", RecordingSampler)
+    monkeypatch.setattr("lineside.runtime.generate.Sampler", RecordingSampler)
+    monkeypatch.setattr("lineside.runtime.sequence.Sampler", RecordingSampler)
     ref_params = [SamplingParams() for _ in prompts]
     eng_params = [SamplingParams() for _ in prompts]
     want = sequential(smol_bundle, prompts, 14, ref_params)

@@ -9,10 +9,10 @@ import pytest
 
 from tests.runtime.conftest import run
 from tests.runtime.fakes import FakeBackend
-from trtedge.errors import TrtedgeError
-from trtedge.runtime.engine import LLMEngine
-from trtedge.runtime.request import EngineDraining, GenerationRequest, QueueFullError
-from trtedge.runtime.sampling import SamplingParams
+from lineside.errors import LinesideError
+from lineside.runtime.engine import LLMEngine
+from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
+from lineside.runtime.sampling import SamplingParams
 
 
 def engine(bundle, slots=2, delay=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:
@@ -308,13 +308,13 @@ def test_preemption_resumes_batch_job_with_same_output(tiny_bundle):
 def test_submit_errors(tiny_bundle):
     async def main():
         eng, _ = engine(tiny_bundle, slots=1, max_waiting=2, max_seq_len=32)
-        with pytest.raises(TrtedgeError, match="out of vocabulary"):
+        with pytest.raises(LinesideError, match="out of vocabulary"):
             eng.submit(req([1, 999]))
-        with pytest.raises(TrtedgeError, match="context is 32"):
+        with pytest.raises(LinesideError, match="context is 32"):
             eng.submit(req([1] * 40))
-        with pytest.raises(TrtedgeError, match="priority"):
+        with pytest.raises(LinesideError, match="priority"):
             eng.submit(req([1], priority="urgent"))
-        with pytest.raises(TrtedgeError, match="temperature"):
+        with pytest.raises(LinesideError, match="temperature"):
             eng.submit(req([1], sampling=SamplingParams(temperature=-1)))
         hs = [eng.submit(req([1, 5])), eng.submit(req([1, 6]))]
         with pytest.raises(QueueFullError):
@@ -346,7 +346,7 @@ def test_stopped_engine_does_not_restart(tiny_bundle):
         eng, _ = engine(tiny_bundle, slots=1)
         await eng.start()
         await eng.stop()
-        with pytest.raises(TrtedgeError, match="create a new LLMEngine"):
+        with pytest.raises(LinesideError, match="create a new LLMEngine"):
             await eng.start()
 
     run(main())

@@ -1,4 +1,4 @@
-from trtedge.runtime.kv_manager import KVCacheArena
+from lineside.runtime.kv_manager import KVCacheArena
 
 
 def test_block_accounting_and_admission():

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from trtedge.errors import TrtedgeError
-from trtedge.runtime.sampling import Sampler, SamplingParams
+from lineside.errors import LinesideError
+from lineside.runtime.sampling import Sampler, SamplingParams
 
 
 def test_greedy_and_top_k_one():
@@ -42,5 +42,5 @@ def test_seed_reproduces():
                                     (dict(min_p=2), "min_p"), (dict(top_k=-1), "top_k"),
                                     (dict(repetition_penalty=0), "repetition_penalty")])
 def test_bad_params_one_line(kw, msg):
-    with pytest.raises(TrtedgeError, match=msg):
+    with pytest.raises(LinesideError, match=msg):
         SamplingParams(**kw).validate()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtedge.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.sampling import Sampler, SamplingParams
 
 
 @pytest.mark.parametrize("params", [

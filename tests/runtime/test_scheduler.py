@@ -1,9 +1,9 @@
 """Scheduler policy without a model: admission order, preemption rules, chunk plans."""
 
-from trtedge.runtime.kv_manager import KVCacheArena
-from trtedge.runtime.request import GenerationRequest, RequestHandle
-from trtedge.runtime.scheduler import Scheduler, prefill_take
-from trtedge.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
+from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.request import GenerationRequest, RequestHandle
+from lineside.runtime.scheduler import Scheduler, prefill_take
+from lineside.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
 
 
 def seq(prompt_len=8, n=8, t=0.0, **kw) -> Sequence:

@@ -1,4 +1,4 @@
-from trtedge.runtime.stop import StopMatcher
+from lineside.runtime.stop import StopMatcher
 
 
 def feed_all(m: StopMatcher, pieces: list[str]) -> list[str]:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from trtedge.bench.inprocess import BackgroundServer
+from lineside.bench.inprocess import BackgroundServer
 
 
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_dense, tmp_path_factory) -> Path:
     """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256."""
-    from trtedge.build.pipeline import BuildOptions, build_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
 
     out = tmp_path_factory.mktemp("server") / "tiny-llama"
     return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
@@ -39,9 +39,9 @@ class SlowBackend:
 
 
 def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
-    from trtedge.bundle import open_bundle
-    from trtedge.runtime.engine import LLMEngine
-    from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     b = open_bundle(bundle)
     be = OnnxRuntimeBackend(b, num_slots=num_slots, threads=1)
@@ -53,12 +53,12 @@ def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay:
 @contextmanager
 def running_server(source, **app_kw):
     """create_app(source, **app_kw) under uvicorn on 127.0.0.1:<free port>, ready when yielded."""
-    from trtedge.server.app import create_app
+    from lineside.server.app import create_app
 
     app = create_app(source, **app_kw)
     with BackgroundServer(app, startup_timeout=60) as srv:
         srv.app = app
-        srv.state = app.state.trtedge
+        srv.state = app.state.lineside
         yield srv
 
 

@@ -1,4 +1,4 @@
-"""SIGTERM to a `trtedge serve` subprocess during generation: in-flight (and queued) requests finish,
+"""SIGTERM to a `lineside serve` subprocess during generation: in-flight (and queued) requests finish,
 new ones get 503, readiness goes 503, and the process exits 0; past --drain-timeout the rest is cancelled."""
 
 from __future__ import annotations
@@ -14,21 +14,21 @@ import time
 import httpx
 import pytest
 
-from trtedge.bench.inprocess import free_port, wait_ready
-from trtedge.errors import TrtedgeError
+from lineside.bench.inprocess import free_port, wait_ready
+from lineside.errors import LinesideError
 
 
 def _start(bundle, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TRTEDGE_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "trtedge", "serve", str(bundle), "--host", "127.0.0.1",
+    env.pop("LINESIDE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "lineside", "serve", str(bundle), "--host", "127.0.0.1",
                              "--port", str(port), "--threads", "1", "--log-level", "info", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, 60, alive=lambda: proc.poll() is None)
-    except TrtedgeError as e:
+    except LinesideError as e:
         proc.kill()
         pytest.fail(f"{e}: {proc.stdout.read()}")
     return proc, url

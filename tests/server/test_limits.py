@@ -59,7 +59,7 @@ def test_queue_full_is_429_with_retry_after(slow_server):
     # the cancelled clients free the slot and the queue
     assert _wait(lambda: _stats(slow_server).running == 0 and _stats(slow_server).waiting == 0)
     text = httpx.get(slow_server.url + "/metrics").text
-    assert metric(text, "trtedge_requests_total", 'outcome="queue_full"') >= 1
+    assert metric(text, "lineside_requests_total", 'outcome="queue_full"') >= 1
 
 
 def test_nonstreaming_disconnect_cancels(slow_server):
@@ -81,14 +81,14 @@ def test_streaming_disconnect_frees_slot_in_metrics(slow_server):
             got = [next(lines) for _ in range(6)]  # role chunk + a few tokens
             assert got[0].startswith("data: ")
             m = c.get(url + "/metrics").text
-            assert metric(m, "trtedge_num_requests_running") == 1
-            cancelled = metric(m, "trtedge_requests_total", 'outcome="cancelled"')
+            assert metric(m, "lineside_num_requests_running") == 1
+            cancelled = metric(m, "lineside_requests_total", 'outcome="cancelled"')
         # leaving the block closes the connection mid-stream
 
     def freed():
         m = httpx.get(url + "/metrics").text
-        return (metric(m, "trtedge_num_requests_running") == 0
-                and metric(m, "trtedge_requests_total", 'outcome="cancelled"') == cancelled + 1)
+        return (metric(m, "lineside_num_requests_running") == 0
+                and metric(m, "lineside_requests_total", 'outcome="cancelled"') == cancelled + 1)
 
     assert _wait(freed, 3.0)
     # and the slot serves the next request at once
@@ -116,7 +116,7 @@ def test_request_timeout(tiny_bundle):
         short = httpx.post(srv.url + "/v1/completions", json={"prompt": "t", "max_tokens": 3, "temperature": 0})
         assert short.status_code == 200
         m = httpx.get(srv.url + "/metrics").text
-        assert metric(m, "trtedge_requests_total", 'outcome="timeout"') == 3  # 3, not 5: no retries
+        assert metric(m, "lineside_requests_total", 'outcome="timeout"') == 3  # 3, not 5: no retries
 
 
 def test_overlong_prompt_gives_numbers(server):
@@ -147,8 +147,8 @@ def test_api_key(tiny_bundle, monkeypatch):
 
 
 def test_ready_503_while_loading_and_draining(tiny_bundle):
-    from trtedge.bench.inprocess import BackgroundServer
-    from trtedge.server.app import create_app
+    from lineside.bench.inprocess import BackgroundServer
+    from lineside.server.app import create_app
 
     eng = make_engine(tiny_bundle, num_slots=1, delay=SLOW)
     start = eng.start
@@ -166,7 +166,7 @@ def test_ready_503_while_loading_and_draining(tiny_bundle):
         assert r.status_code == 503 and r.json()["status"] == "loading"
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
-        state = app.state.trtedge  # let the engine start now (the gate lives on the server's loop)
+        state = app.state.lineside  # let the engine start now (the gate lives on the server's loop)
         loop = state._load_task.get_loop()
         loop.call_soon_threadsafe(gate.set)
         assert _wait(lambda: httpx.get(srv.url + "/health/ready").status_code == 200, 10)

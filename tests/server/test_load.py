@@ -14,7 +14,7 @@ import openai
 import pytest
 from conftest import make_engine, metric, running_server
 
-from trtedge.runtime.generate import Generator
+from lineside.runtime.generate import Generator
 
 N_CLIENTS = 64
 MAX_TOKENS = 24
@@ -102,16 +102,16 @@ def test_64_streaming_clients_mixed_priorities(load_server, tiny_bundle):
 
     def settled():
         m = httpx.get(load_server.url + "/metrics").text
-        return m if metric(m, "trtedge_num_requests_running") == 0 else None
+        return m if metric(m, "lineside_num_requests_running") == 0 else None
 
     deadline = time.monotonic() + 5
     while not (m := settled()) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert m, "requests still running after every client finished"
-    finished = sum(metric(m, "trtedge_requests_total", f'outcome="{o}"') for o in ("stop", "length"))
+    finished = sum(metric(m, "lineside_requests_total", f'outcome="{o}"') for o in ("stop", "length"))
     assert finished == N_CLIENTS
-    assert metric(m, "trtedge_requests_total", 'outcome="cancelled"') == 1  # the client that left
-    assert metric(m, "trtedge_num_requests_waiting") == 0
+    assert metric(m, "lineside_requests_total", 'outcome="cancelled"') == 1  # the client that left
+    assert metric(m, "lineside_num_requests_waiting") == 0
     stats = load_server.state.engine.stats()
     print("median TTFT", ttft, "engine", stats)
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_reserved == 0

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import running_server
-from trtedge.server.state import default_model_names
+from lineside.server.state import default_model_names
 
 
 def _chat(url: str, model: str) -> httpx.Response:
@@ -58,11 +58,11 @@ def test_served_model_name_replaces_the_defaults(tiny_bundle, names):
 
 
 def test_cli_passes_served_model_names(tiny_bundle, monkeypatch):
-    import trtedge.server.serve as serve_mod
-    from trtedge.cli import main
+    import lineside.server.serve as serve_mod
+    from lineside.cli import main
 
     got = {}
-    monkeypatch.setattr(serve_mod, "run", lambda app, *a, **k: got.setdefault("state", app.state.trtedge))
+    monkeypatch.setattr(serve_mod, "run", lambda app, *a, **k: got.setdefault("state", app.state.lineside))
     with pytest.raises(SystemExit) as e:
         main(["serve", str(tiny_bundle), "--served-model-name", "a", "--served-model-name", " b ",
               "--served-model-name", ""])

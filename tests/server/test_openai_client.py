@@ -1,4 +1,4 @@
-"""The official `openai` client against `trtedge serve`'s app on 127.0.0.1: chat and completions,
+"""The official `openai` client against `lineside serve`'s app on 127.0.0.1: chat and completions,
 streaming and not, stop sequences, usage, errors; greedy outputs equal the single-stream generator."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import openai
 import pytest
 from conftest import metric
 
-from trtedge.runtime.generate import Generator
-from trtedge.server import sse
+from lineside.runtime.generate import Generator
+from lineside.server import sse
 
 
 @pytest.fixture(scope="module")
@@ -201,13 +201,13 @@ def test_health_metrics_and_latency_log(server, client):
     assert "gpu" in gpu and (gpu["gpu"] or gpu["reason"])
     client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=5, temperature=0)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("trtedge_time_to_first_token_seconds_count", "trtedge_e2e_request_latency_seconds_count",
-                 "trtedge_request_queue_time_seconds_count", "trtedge_time_per_output_token_seconds_count"):
+    for name in ("lineside_time_to_first_token_seconds_count", "lineside_e2e_request_latency_seconds_count",
+                 "lineside_request_queue_time_seconds_count", "lineside_time_per_output_token_seconds_count"):
         assert metric(text, name) >= 1, name
-    assert metric(text, "trtedge_generation_tokens_total") >= 5
-    assert metric(text, "trtedge_num_requests_running") == 0
-    assert "trtedge_kv_cache_usage_ratio" in text and "trtedge_num_requests_waiting" in text
-    assert metric(text, "trtedge_requests_total", 'outcome="invalid"') >= 1  # from the bad-input tests
+    assert metric(text, "lineside_generation_tokens_total") >= 5
+    assert metric(text, "lineside_num_requests_running") == 0
+    assert "lineside_kv_cache_usage_ratio" in text and "lineside_num_requests_waiting" in text
+    assert metric(text, "lineside_requests_total", 'outcome="invalid"') >= 1  # from the bad-input tests
     lines = [json.loads(x) for x in server.latency_log.read_text().splitlines()]
     last = lines[-1]
     assert last["outcome"] in ("stop", "length") and last["completion_tokens"] >= 1
@@ -230,15 +230,15 @@ def test_reused_request_id_concurrently(server):
 
 def test_jetson_gauges_in_metrics(server, monkeypatch):
     """On a Jetson the tegrastats sampler's flat gauges appear in /metrics (faked reader here)."""
-    from trtedge.server import health
+    from lineside.server import health
 
     monkeypatch.setattr(health, "gpu_state", lambda: {"gpu": True, "kind": "jetson", "metrics": {
         "jetson_gpu_load_percent": 42.0, "jetson_rail_VDD_IN_mw": 5100, "bad": "x"}})
     monkeypatch.setattr(server.state, "tegrastats", True)
     text = httpx.get(server.url + "/metrics").text
-    assert metric(text, "trtedge_jetson_gpu_load_percent") == 42.0
-    assert metric(text, "trtedge_jetson_rail_VDD_IN_mw") == 5100.0
-    assert "trtedge_bad" not in text
+    assert metric(text, "lineside_jetson_gpu_load_percent") == 42.0
+    assert metric(text, "lineside_jetson_rail_VDD_IN_mw") == 5100.0
+    assert "lineside_bad" not in text
 
 
 def test_long_prompt_tokenized_off_the_loop(server, reference):

@@ -7,18 +7,18 @@ import openai
 import pytest
 from conftest import running_server
 
-from trtedge.runtime.generate import Generator
+from lineside.runtime.generate import Generator
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path, tmp_path_factory):
-    from trtedge.build.pipeline import BuildOptions, build_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
 
     bundle = build_bundle(smollm2_path, tmp_path_factory.mktemp("srv-smol") / "smollm2",
                           BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
-    from trtedge.runtime.engine import LLMEngine
+    from lineside.runtime.engine import LLMEngine
 
     # Prefix reuse is off: on SmolLM2 W4A16 a reused prefix changes near-tie greedy picks (a runtime
     # matter, reported); here the comparisons between requests must hold exactly.

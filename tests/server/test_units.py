@@ -1,5 +1,5 @@
 """The server's pure parts without a model: SSE chunk shapes, request conversion and hygiene, token
-budgets, validation messages, metrics and the latency log, and `trtedge serve` argument errors."""
+budgets, validation messages, metrics and the latency log, and `lineside serve` argument errors."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from trtedge.errors import TrtedgeError
-from trtedge.server import convert, sse
-from trtedge.server.errors import APIError, validation_message
-from trtedge.server.metrics import RequestRecord, ServerMetrics
-from trtedge.server.schemas import ChatCompletionRequest, CompletionRequest
+from lineside.errors import LinesideError
+from lineside.server import convert, sse
+from lineside.server.errors import APIError, validation_message
+from lineside.server.metrics import RequestRecord, ServerMetrics
+from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def test_sse_chat_sequence_like_openai():
@@ -173,12 +173,12 @@ def test_metrics_observe_and_latency_log(tmp_path):
     m.reject("queue_full")
     m.update_engine({"running": 2, "waiting": 3, "kv_usage": 0.25})
     text = m.render().decode()
-    assert 'trtedge_requests_total{outcome="length"} 1.0' in text
-    assert 'trtedge_requests_total{outcome="queue_full"} 1.0' in text
-    assert "trtedge_prompt_tokens_total 7.0" in text and "trtedge_generation_tokens_total 5.0" in text
-    assert "trtedge_num_requests_waiting 3.0" in text and "trtedge_kv_cache_usage_ratio 0.25" in text
-    assert 'trtedge_time_to_first_token_seconds_bucket{le="0.1"} 1.0' in text
-    assert "trtedge_request_queue_time_seconds_count 1.0" in text
+    assert 'lineside_requests_total{outcome="length"} 1.0' in text
+    assert 'lineside_requests_total{outcome="queue_full"} 1.0' in text
+    assert "lineside_prompt_tokens_total 7.0" in text and "lineside_generation_tokens_total 5.0" in text
+    assert "lineside_num_requests_waiting 3.0" in text and "lineside_kv_cache_usage_ratio 0.25" in text
+    assert 'lineside_time_to_first_token_seconds_bucket{le="0.1"} 1.0' in text
+    assert "lineside_request_queue_time_seconds_count 1.0" in text
     m.close()
     line = json.loads(log.read_text())
     assert line["request_id"] == "r1" and line["outcome"] == "length" and line["priority"] == "high"
@@ -187,7 +187,7 @@ def test_metrics_observe_and_latency_log(tmp_path):
 
 
 def _cli() -> typer.Typer:
-    from trtedge.server.commands import register
+    from lineside.server.commands import register
 
     app = typer.Typer(pretty_exceptions_enable=False)
     register(app)
@@ -208,5 +208,5 @@ def _cli() -> typer.Typer:
 ])
 def test_serve_cli_errors_are_one_line(args, needle):
     r = CliRunner().invoke(_cli(), args)
-    assert isinstance(r.exception, TrtedgeError) and needle in str(r.exception)
+    assert isinstance(r.exception, LinesideError) and needle in str(r.exception)
     assert "\n" not in str(r.exception)

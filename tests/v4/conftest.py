@@ -50,9 +50,9 @@ class V4Fixtures:
                trt_dtype: str = "fp16") -> V4Runner:
         key = (str(ckpt_dir), flavor, scheme, group_size, trt_dtype)
         if key not in self._graphs:
-            from trtedge.build.checkpoint import open_checkpoint
-            from trtedge.build.models import deepseek_v4 as v4
-            from trtedge.build.quant.spec import QuantSpec
+            from lineside.build.checkpoint import open_checkpoint
+            from lineside.build.models import deepseek_v4 as v4
+            from lineside.build.quant.spec import QuantSpec
 
             out = self.root / "graphs" / f"{ckpt_dir.name}_{flavor}_{scheme}_{group_size}_{trt_dtype}" / "model.onnx"
             ck = open_checkpoint(ckpt_dir)

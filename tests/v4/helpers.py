@@ -127,7 +127,7 @@ class V4Runner:
         self.entry, self.max_seq = entry, max_seq
 
     def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
-        from trtedge.graph_io import resolve_shape
+        from lineside.graph_io import resolve_shape
 
         return {s["input"]: np.zeros(resolve_shape(s["shape"], {"batch": batch, "max_seq": self.max_seq}), np.float32)
                 for s in self.entry["state"]}
@@ -163,8 +163,8 @@ def write_official(model: Any, src_dir: Path, dst_dir: Path, fp8: str | None = N
     import torch
     from safetensors.torch import save_file
 
-    from trtedge.build.checkpoint.fp8_mxfp4 import quantize_fp8_blocks, quantize_mxfp4
-    from trtedge.build.models.deepseek_v4 import hf_to_official
+    from lineside.build.checkpoint.fp8_mxfp4 import quantize_fp8_blocks, quantize_mxfp4
+    from lineside.build.models.deepseek_v4 import hf_to_official
 
     dst_dir.mkdir(parents=True, exist_ok=True)
     sd = {k: v for k, v in model.state_dict().items() if "inv_freq" not in k}
@@ -210,8 +210,8 @@ def dequantized_reference_model(official_dir: Path, schedule: str) -> Any:
     """The transformers model holding exactly the dequantized official weights (the FP8/MXFP4 reference)."""
     import torch
 
-    from trtedge.build.checkpoint import open_checkpoint
-    from trtedge.build.models.deepseek_v4 import V4Source
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.models.deepseek_v4 import V4Source
 
     model = make_model(schedule)
     src = V4Source(open_checkpoint(official_dir))
@@ -244,9 +244,9 @@ def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: t
     """transformers' model with every weight a W4A16 build quantizes replaced by its RTN round trip."""
     import torch
 
-    from trtedge.build.graph.embedding import embedding_reference
-    from trtedge.build.quant.rtn import fake_quantize
-    from trtedge.build.quant.spec import QuantSpec
+    from lineside.build.graph.embedding import embedding_reference
+    from lineside.build.quant.rtn import fake_quantize
+    from lineside.build.quant.spec import QuantSpec
 
     model = make_model(schedule)
     with torch.no_grad():

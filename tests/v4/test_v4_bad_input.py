@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trtedge.errors import CheckpointError, ConfigError, TrtedgeError
+from lineside.errors import CheckpointError, ConfigError, LinesideError
 
 
 def _edit(src: Path, dst: Path, drop: str | None = None, replace: dict | None = None, config: dict | None = None) -> Path:
@@ -30,9 +30,9 @@ def _edit(src: Path, dst: Path, drop: str | None = None, replace: dict | None = 
 
 
 def _build(d: Path, tmp: Path) -> None:
-    from trtedge.build.checkpoint import open_checkpoint
-    from trtedge.build.models import deepseek_v4 as v4
-    from trtedge.build.quant.spec import QuantSpec
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.models import deepseek_v4 as v4
+    from lineside.build.quant.spec import QuantSpec
 
     ck = open_checkpoint(d)
     try:
@@ -93,13 +93,13 @@ def test_hash_table_out_of_range(v4, tmp_path):
 
 
 def test_unknown_flavor(v4, tmp_path):
-    from trtedge.build.checkpoint import open_checkpoint
-    from trtedge.build.models import deepseek_v4 as v4m
-    from trtedge.build.quant.spec import QuantSpec
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.models import deepseek_v4 as v4m
+    from lineside.build.quant.spec import QuantSpec
 
     ck = open_checkpoint(v4.hf_dir("a"))
     try:
-        with pytest.raises(TrtedgeError) as e:
+        with pytest.raises(LinesideError) as e:
             v4m.emit_graph(ck.hf_config, ck, QuantSpec(scheme="fp32"), "gpu", tmp_path / "m.onnx", 32)
     finally:
         ck.close()

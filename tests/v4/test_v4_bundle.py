@@ -1,4 +1,4 @@
-"""End to end: `trtedge build` → bundle → the runtime's onnxruntime backend (`trtedge logits`) and `generate`.
+"""End to end: `lineside build` → bundle → the runtime's onnxruntime backend (`lineside logits`) and `generate`.
 
 Skips while the build pipeline does not yet dispatch DeepSeek-V4 checkpoints (the names on disk are
 official-style, so the generic HF-name presence check reports every tensor missing).
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from tests.v4.helpers import rel_err
-from trtedge.errors import CheckpointError
+from lineside.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
 def bundles(v4, tmp_path_factory):
-    from trtedge.build.pipeline import BuildOptions, build_bundle
+    from lineside.build.pipeline import BuildOptions, build_bundle
 
     out = tmp_path_factory.mktemp("v4b")
     made = {}
@@ -36,9 +36,9 @@ def bundles(v4, tmp_path_factory):
 @pytest.mark.parametrize("flavor", ["cpu", "trt"])
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_bundle_logits_match_transformers(v4, bundles, flavor, mode):
-    from trtedge.bundle import open_bundle
-    from trtedge.runtime.generate import compute_logits
-    from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from lineside.bundle import open_bundle
+    from lineside.runtime.generate import compute_logits
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     ids, ref, _ = v4.ref("b")
     be = OnnxRuntimeBackend(open_bundle(bundles["fp32"]), num_slots=1, flavor=flavor, threads=2,
@@ -50,16 +50,16 @@ def test_bundle_logits_match_transformers(v4, bundles, flavor, mode):
 
 
 def test_w4a16_bundle_from_fp8_mxfp4_generates(bundles):
-    proc = subprocess.run([sys.executable, "-m", "trtedge", "generate", str(bundles["w4a16"]), "--prompt", "hello",
+    proc = subprocess.run([sys.executable, "-m", "lineside", "generate", str(bundles["w4a16"]), "--prompt", "hello",
                            "--max-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() != "" or proc.stderr == ""
 
 
 def test_w4a16_bundle_logits_bounded(v4, bundles):
-    from trtedge.bundle import open_bundle
-    from trtedge.runtime.generate import compute_logits
-    from trtedge.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from lineside.bundle import open_bundle
+    from lineside.runtime.generate import compute_logits
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     ids, ref, _ = v4.ref("a")
     be = OnnxRuntimeBackend(open_bundle(bundles["w4a16"]), num_slots=1, flavor="cpu", threads=2)

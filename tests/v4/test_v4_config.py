@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from trtedge.build.models.deepseek_v4 import parse_config, required_tensors
-from trtedge.build.models.deepseek_v4.config import CSA, HCA, SLIDING
-from trtedge.config import ModelConfig
-from trtedge.errors import ConfigError
+from lineside.build.models.deepseek_v4 import parse_config, required_tensors
+from lineside.build.models.deepseek_v4.config import CSA, HCA, SLIDING
+from lineside.config import ModelConfig
+from lineside.errors import ConfigError
 
 BASE = dict(model_type="deepseek_v4", architectures=["DeepseekV4ForCausalLM"], vocab_size=128, hidden_size=64,
             moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32, q_lora_rank=64,

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from trtedge.build.checkpoint.fp8_mxfp4 import (
+from lineside.build.checkpoint.fp8_mxfp4 import (
     dequant_fp8_blocks,
     dequant_mxfp4,
     dequantize,
@@ -14,8 +14,8 @@ from trtedge.build.checkpoint.fp8_mxfp4 import (
     quantize_mxfp4,
     unpack_fp4,
 )
-from trtedge.build.models.deepseek_v4 import hf_to_official, official_to_hf
-from trtedge.errors import CheckpointError
+from lineside.build.models.deepseek_v4 import hf_to_official, official_to_hf
+from lineside.errors import CheckpointError
 
 
 @pytest.mark.parametrize("schedule", ["a", "b"])
@@ -103,7 +103,7 @@ class _DictReader:
 
 def test_hf_named_fp8_stacked_experts_dequantize_per_expert():
     """In-memory HF names with FP8 stacked experts ([E, 2I, D] + ``gate_up_proj_scale_inv``) slice per expert."""
-    from trtedge.build.models.deepseek_v4 import V4Source
+    from lineside.build.models.deepseek_v4 import V4Source
 
     rng = np.random.default_rng(2)
     e, inter, d = 3, 64, 128

@@ -29,7 +29,7 @@ def test_fp8_mxfp4_official_checkpoint(v4, schedule, fp8, flavor):
 
 def test_source_dtypes_are_really_shipped(v4):
     """The official copy holds F8_E4M3 linears with ue8m0 scales and packed MXFP4 experts, as DeepSeek ships."""
-    from trtedge.build.checkpoint import open_checkpoint
+    from lineside.build.checkpoint import open_checkpoint
 
     ck = open_checkpoint(v4.official_dir("a", "ue8m0", True))
     try:

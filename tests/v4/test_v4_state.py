@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trtedge.build.models.deepseek_v4 import parse_config, state_bytes, state_tensors
-from trtedge.graph_io import REPLACE, StateTensor
+from lineside.build.models.deepseek_v4 import parse_config, state_bytes, state_tensors
+from lineside.graph_io import REPLACE, StateTensor
 
 
 def test_state_layout_is_fixed_shape_replace():

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.parametrize("schedule,scheme", [("a", "fp32"), ("b", "w4a16")])
 def test_trt_graph_passes_trt_10_3_op_check(v4, schedule, scheme):
-    from trtedge.build.engine.check import check_onnx_file
+    from lineside.build.engine.check import check_onnx_file
 
     r = v4.runner(v4.hf_dir(schedule), "trt", scheme, 64)
     report = check_onnx_file(Path(r.sess._model_path), "10.3")

@@ -1,0 +1,129 @@
+"""`lineside bench`: load-test an OpenAI-compatible server (--url) or a bundle in-process (--bundle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from lineside.errors import LinesideError
+
+
+def _prompts(prompts_file: Path | None, prompt_len: str, count: int, seed: int, tokenizer):
+    from lineside.bench.prompts import from_jsonl, parse_range, synthetic
+
+    if prompts_file is not None:
+        return from_jsonl(prompts_file, tokenizer)
+    return synthetic(count, parse_range(prompt_len, "--prompt-len"), seed, tokenizer)
+
+
+def _tokenizer(tokenizer: Path | None, bundle: Path | None):
+    from lineside.bench.prompts import load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if bundle is not None and (bundle / "tokenizer" / "tokenizer.json").is_file():
+        return load_tokenizer(bundle / "tokenizer" / "tokenizer.json")
+    return None
+
+
+def bench(
+    url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server."),
+    bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
+    compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two result JSONs: A B."),
+    pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency"),
+    rate: float = typer.Option(1.0, help="burst: requests sent each second; poisson/gamma: mean requests/s."),
+    burstiness: float = typer.Option(1.0, help="gamma shape: 1 = Poisson, < 1 burstier."),
+    concurrency: int = typer.Option(4, help="Requests in flight for --pattern concurrency."),
+    duration: float = typer.Option(20.0, help="Seconds of arrivals (0 = bounded by --num-requests only)."),
+    num_requests: int = typer.Option(0, help="Cap on requests sent (0 = no cap beyond --duration)."),
+    endpoint: str = typer.Option("completions", help="completions | chat"),
+    prompt_len: str = typer.Option("32:192", help="Synthetic prompt length range in tokens, MIN:MAX."),
+    prompts_per_request: str = typer.Option(None, help="MIN:MAX prompts per request (burst default 1:3)."),
+    prompts_file: Path = typer.Option(None, help="JSONL prompts ({\"prompt\"|\"text\"|\"messages\"}) instead."),
+    tokenizer: Path = typer.Option(None, help="tokenizer.json for exact synthetic lengths (default: bundle's)."),
+    max_tokens: int = typer.Option(64, help="max_tokens of every request."),
+    temperature: float = typer.Option(0.0),
+    ignore_eos: bool = typer.Option(False, help="Send ignore_eos=true (servers that support it)."),
+    model: str = typer.Option("", help="Model name to send (default: first of GET /v1/models)."),
+    seed: int = typer.Option(0, help="Seeds arrivals and synthetic prompts."),
+    ttft_ms: float = typer.Option(None, help="Goodput target: TTFT at most this many ms."),
+    tpot_ms: float = typer.Option(None, help="Goodput target: TPOT at most this many ms."),
+    timeout: float = typer.Option(60.0, help="Per-request timeout (s)."),
+    max_time: float = typer.Option(600.0, help="Hard cap on the whole run (s); in-flight requests are cancelled."),
+    warmup: int = typer.Option(1, help="Requests sent (and not counted) before the run."),
+    threads: int = typer.Option(None, help="--bundle only: CPU threads for the in-process runtime."),
+    num_slots: int = typer.Option(None, help="--bundle only: concurrent sequences of the in-process engine."),
+    out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory."),
+    no_plots: bool = typer.Option(False, help="Skip the PNG plots."),
+) -> None:
+    """Load-test a server and report TTFT/TPOT/ITL/E2E percentiles, throughput and goodput."""
+    console = Console()
+    if compare:
+        from lineside.bench.report import compare as do_compare
+
+        do_compare(Path(compare[0]), Path(compare[1]), console)
+        return
+    if (url is None) == (bundle is None):
+        raise LinesideError("give exactly one of --url http://HOST:PORT (a running server) or --bundle DIR")
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise LinesideError(f"--url {url!r} must start with http:// or https://")
+    if endpoint not in ("completions", "chat"):
+        raise LinesideError(f"--endpoint {endpoint!r} is not completions or chat")
+    if max_tokens < 1 or timeout <= 0 or max_time <= 0:
+        raise LinesideError("--max-tokens, --timeout and --max-time must be positive")
+
+    from lineside.bench.client import ClientConfig
+    from lineside.bench.load import make_schedule
+    from lineside.bench.prompts import PromptPool, parse_range
+    from lineside.bench.report import print_summary, summarize_run, write_report
+    from lineside.bench.runner import run
+
+    ppr = parse_range(prompts_per_request, "--prompts-per-request") if prompts_per_request else None
+    schedule = make_schedule(pattern, rate=rate, duration=duration, seed=seed, burstiness=burstiness,
+                             workers=concurrency, max_requests=num_requests or None, prompts_per_request=ppr)
+    if not schedule.closed_loop and not schedule.arrivals:
+        raise LinesideError("the schedule sends no request; raise --rate, --duration or --num-requests")
+    needed = sum(a.prompts for a in schedule.arrivals) or (num_requests or 256)
+    pool = PromptPool(_prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed,
+                               _tokenizer(tokenizer, bundle)))
+    span = schedule.arrivals[-1].time if schedule.arrivals else duration
+    deadline = min(max_time, (span + timeout) if span else max_time)
+    cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
+                       temperature=temperature, ignore_eos=ignore_eos, timeout=timeout)
+
+    if bundle is not None:
+        from lineside.bench.inprocess import BackgroundServer, bundle_app
+
+        console.print(f"starting lineside's server for {bundle} in-process ...")
+        with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots)) as server:
+            result = run(server.url, schedule, pool, cfg, deadline, warmup)
+    else:
+        result = run(url, schedule, pool, cfg, deadline, warmup)
+
+    summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)
+    meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model, "endpoint": endpoint,
+            "pattern": pattern, "rate": rate, "duration": duration, "num_requests": num_requests,
+            "prompts": str(prompts_file) if prompts_file else f"synthetic {prompt_len} tokens",
+            "max_tokens": max_tokens, "seed": seed, "started_at": result.started_at}
+    if bundle is not None:
+        meta.update({k: v for k, v in (("threads", threads), ("num_slots", num_slots)) if v is not None})
+    if pattern == "gamma":
+        meta["burstiness"] = burstiness
+    if pattern == "concurrency":
+        meta["concurrency"] = concurrency
+    if ppr or pattern == "burst":
+        meta["prompts_per_request"] = prompts_per_request or "1:3"
+    print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
+    if out is not None:
+        written = write_report(out, result.records, summary, meta, plots=not no_plots)
+        console.print(f"wrote {', '.join(str(p) for p in written.values())}")
+    if summary.completed == 0:
+        raise LinesideError(f"no request succeeded out of {summary.requests}; first error: "
+                           f"{next((r.error for r in result.records if r.error), 'none')}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `lineside bench` to the CLI."""
+    app.command("bench")(bench)

@@ -1,0 +1,136 @@
+"""Prompts for a load run: synthetic ones with seeded lengths drawn from a range, or a JSONL file.
+
+Synthetic text is common English words; with a tokenizer (the bundle's, or --tokenizer) each
+prompt is cut to exactly the drawn token count, otherwise one word counts as one token (close for
+BPE vocabularies on common words).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lineside.errors import LinesideError
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from his it an were are which this be or has had "
+    "not first one their its new after but who they have her she two been other when there all during into "
+    "school time may years more most only over city some world would where later up such used many can state "
+    "about national out known university united then made under team film year three part well these high "
+    "between both since war number great american world people water power system light river road house "
+    "music market field small large energy model data engine factory machine sensor signal camera robot line"
+).split()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: plain text, or chat messages; token count when known; optional per-prompt max_tokens."""
+
+    text: str
+    tokens: int = 0
+    messages: tuple[dict, ...] = ()
+    max_tokens: int | None = None
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` from a tokenizer.json file or a directory holding one."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise LinesideError(f"no tokenizer.json at {path}; pass --tokenizer PATH/tokenizer.json or leave it out")
+    return Tokenizer.from_file(str(p))
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """'128:512' -> (128, 512); '256' -> (256, 256)."""
+    try:
+        parts = [int(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+        raise LinesideError(f"{what} {text!r} is not MIN:MAX with 1 <= MIN <= MAX (e.g. 128:512)")
+    return parts[0], parts[1]
+
+
+def _cut(tokenizer, ids: list[int], n: int) -> tuple[str, int]:
+    """Text of the first n tokens; decode/encode may not round-trip, so re-check and return the real count."""
+    text = tokenizer.decode(ids[:n])
+    for _ in range(4):
+        again = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(again) <= n:
+            return text, len(again)
+        text = tokenizer.decode(again[:n])
+    return text, len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def synthetic(count: int, length_range: tuple[int, int], seed: int = 0, tokenizer=None) -> list[Prompt]:
+    """`count` prompts whose token lengths are drawn uniformly from length_range (inclusive), seeded."""
+    rng = np.random.default_rng(seed)
+    lo, hi = length_range
+    lengths = rng.integers(lo, hi + 1, size=count)
+    out = []
+    for n in lengths:
+        words = rng.choice(_WORDS, size=int(n))
+        text = " ".join(words)
+        if tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            while len(ids) < n:  # a few words may be single tokens; pad with more words until long enough
+                text += " " + " ".join(rng.choice(_WORDS, size=int(n - len(ids))))
+                ids = tokenizer.encode(text, add_special_tokens=False).ids
+            text, n = _cut(tokenizer, ids, int(n))
+        out.append(Prompt(text=text, tokens=int(n)))
+    return out
+
+
+def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
+    """Each line: {"prompt": "..."} or {"text": "..."} or {"messages": [...]}, optional "max_tokens"."""
+    p = Path(path)
+    if not p.is_file():
+        raise LinesideError(f"prompts file {path} does not exist; pass a JSONL file with one prompt per line")
+    out = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LinesideError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from None
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
+        if not isinstance(obj, dict):
+            raise LinesideError(f"{path}:{lineno}: expected an object with \"prompt\", \"text\" or \"messages\"")
+        messages = tuple(obj.get("messages") or ())
+        text = obj.get("prompt", obj.get("text"))
+        if text is None and messages:
+            text = "\n".join(str(m.get("content", "")) for m in messages)
+        if not isinstance(text, str) or not text:
+            raise LinesideError(f"{path}:{lineno}: no \"prompt\", \"text\" or \"messages\" in this line")
+        n = len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else 0
+        mt = obj.get("max_tokens")
+        out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=int(mt) if mt else None))
+    if not out:
+        raise LinesideError(f"prompts file {path} holds no prompts")
+    return out
+
+
+class PromptPool:
+    """Hands out prompts in order, wrapping around, so any number of requests can draw from a fixed set."""
+
+    def __init__(self, prompts: list[Prompt]) -> None:
+        if not prompts:
+            raise LinesideError("no prompts to send")
+        self._prompts = prompts
+        self._i = 0
+
+    def take(self, n: int) -> list[Prompt]:
+        out = [self._prompts[(self._i + k) % len(self._prompts)] for k in range(n)]
+        self._i += n
+        return out

@@ -1,0 +1,176 @@
+"""Bench outputs: a rich table in the terminal, a JSON file (records + summary), a markdown report with
+PNG plots, and `--compare A.json B.json` (what changed between two runs, better or worse)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from lineside.bench.metrics import RequestRecord, Summary, summarize
+from lineside.errors import LinesideError
+
+FORMAT_VERSION = 1
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
+STATS = ("mean", "p50", "p90", "p99")
+RATES = (  # (key, label, unit); higher is better
+    ("request_throughput", "Request throughput", "req/s"),
+    ("output_throughput", "Output token throughput", "tok/s"),
+    ("effective_throughput", "Effective throughput (sum tokens / sum E2E)", "tok/s"),
+    ("goodput", "Goodput (requests meeting targets)", "req/s"),
+)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def summary_table(s: Summary, title: str = "lineside bench") -> Table:
+    """Counts, throughputs and latency percentiles (ms) as one rich table."""
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    for col in STATS:
+        t.add_column(col, justify="right")
+    for key in LATENCIES:
+        d = getattr(s, key)
+        t.add_row(f"{LATENCY_NAMES[key]} (ms)", *(_ms(d[c]) for c in STATS))
+    t.add_section()
+    for key, label, unit in RATES:
+        t.add_row(f"{label} ({unit})", _num(getattr(s, key)), "", "", "")
+    t.add_row("Requests ok / failed", f"{s.completed} / {s.failed}", "", "", "")
+    t.add_row("Output tokens / duration (s)", f"{s.output_tokens} / {s.duration:.1f}", "", "", "")
+    return t
+
+
+def print_summary(s: Summary, console: Console | None = None, title: str = "lineside bench") -> None:
+    (console or Console()).print(summary_table(s, title))
+
+
+def to_json(records: list[RequestRecord], summary: Summary, meta: dict) -> dict:
+    return {"format": "lineside-bench", "version": FORMAT_VERSION, "meta": meta,
+            "summary": summary.to_dict(), "records": [r.to_dict() for r in records]}
+
+
+def write_json(path: Path, records: list[RequestRecord], summary: Summary, meta: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_json(records, summary, meta), indent=1))
+    return path
+
+
+def load_json(path: Path) -> tuple[list[RequestRecord], Summary, dict]:
+    """Read a bench JSON back (for --compare and for re-rendering reports)."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise LinesideError(f"bench result {path} does not exist; pass a JSON file written by `lineside bench`") from None
+    except json.JSONDecodeError as e:
+        raise LinesideError(f"{path} is not JSON ({e.msg}); pass a file written by `lineside bench`") from None
+    if not isinstance(d, dict) or d.get("format") != "lineside-bench":
+        raise LinesideError(f"{path} is not a lineside bench result (no \"format\": \"lineside-bench\")")
+    return ([RequestRecord.from_dict(r) for r in d.get("records", [])], Summary(**d["summary"]), d.get("meta", {}))
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRecord]) -> str:
+    """The human report: what was run, the numbers, the plots, and the errors if any."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta.get("started_at", time.time())))
+    parts = [f"# lineside bench: {meta.get('model') or meta.get('target', '')}", "",
+             f"Run {when}. Metric definitions as vLLM `bench serve` / NVIDIA AIPerf: TTFT = first token "
+             "time − send time; TPOT = (E2E − TTFT)/(output tokens − 1); ITL = gaps between streamed chunks; "
+             "effective throughput = Σ output tokens / Σ E2E.", "", "## Setup", ""]
+    parts.append(_md_table(["setting", "value"], [[k, f"`{v}`"] for k, v in meta.items() if k != "started_at"]))
+    parts += ["", "## Latency (ms)", ""]
+    parts.append(_md_table(["metric", *STATS],
+                           [[LATENCY_NAMES[k], *(_ms(getattr(s, k)[c]) for c in STATS)] for k in LATENCIES]))
+    parts += ["", "## Throughput", ""]
+    rows = [[label, _num(getattr(s, key)), unit] for key, label, unit in RATES]
+    rows += [["Requests completed / failed", f"{s.completed} / {s.failed}", ""],
+             ["Prompt tokens / output tokens", f"{s.prompt_tokens} / {s.output_tokens}", "tokens"],
+             ["Duration", f"{s.duration:.2f}", "s"]]
+    if s.ttft_target is not None or s.tpot_target is not None:
+        rows.append(["Goodput targets", f"TTFT ≤ {_ms(s.ttft_target)} ms, TPOT ≤ {_ms(s.tpot_target)} ms", ""])
+    parts.append(_md_table(["metric", "value", "unit"], rows))
+    if images:
+        parts += ["", "## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    if errors:
+        parts += ["", "## Errors", ""]
+        parts.append(_md_table(["count", "error"], [[str(n), e.replace("|", "\\|")] for e, n in
+                                                   sorted(errors.items(), key=lambda x: -x[1])[:20]]))
+    return "\n".join(parts) + "\n"
+
+
+def write_report(out_dir: Path, records: list[RequestRecord], summary: Summary, meta: dict,
+                 plots: bool = True) -> dict[str, Path]:
+    """report.json, report.md and the PNGs into out_dir; returns what was written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {"json": write_json(out_dir / "report.json", records, summary, meta)}
+    images: list[Path] = []
+    if plots:
+        from lineside.bench.plots import write_plots
+
+        images = write_plots(out_dir, records)
+        written.update({p.stem: p for p in images})
+    md = out_dir / "report.md"
+    md.write_text(markdown(summary, meta, [p.name for p in images], records))
+    written["markdown"] = md
+    return written
+
+
+def compare_rows(a: Summary, b: Summary) -> list[tuple[str, float | None, float | None, float | None, bool | None]]:
+    """(metric, A, B, relative change B/A-1, B better?) for every throughput and latency percentile."""
+    rows = []
+    for key, label, _ in RATES:
+        rows.append((label, getattr(a, key), getattr(b, key), True))
+    for key in LATENCIES:
+        for st in ("p50", "p90", "p99"):
+            rows.append((f"{LATENCY_NAMES[key]} {st} (ms)", getattr(a, key)[st], getattr(b, key)[st], False))
+    out = []
+    for label, va, vb, higher_better in rows:
+        if va is None or vb is None:
+            out.append((label, va, vb, None, None))
+            continue
+        change = (vb / va - 1.0) if va else None
+        better = None if vb == va else ((vb > va) == higher_better)
+        out.append((label, va, vb, change, better))
+    return out
+
+
+def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[tuple]:
+    """Print how run B differs from run A (green = better, red = worse); returns the rows."""
+    _, a, meta_a = load_json(path_a)
+    _, b, meta_b = load_json(path_b)
+    t = Table(title=f"A = {path_a}  vs  B = {path_b}", header_style="bold")
+    for col, just in (("metric", "left"), ("A", "right"), ("B", "right"), ("B vs A", "right")):
+        t.add_column(col, justify=just)
+    rows = compare_rows(a, b)
+    for label, va, vb, change, better in rows:
+        fmt = _ms if "(ms)" in label else _num
+        ch = "-" if change is None else f"{change * 100:+.1f}%"
+        style = "" if better is None else ("green" if better else "red")
+        t.add_row(label, fmt(va), fmt(vb), f"[{style}]{ch}[/{style}]" if style else ch)
+    (console or Console()).print(t)
+    return rows
+
+
+def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float | None,
+                  tpot_ms: float | None) -> Summary:
+    """summarize() with the CLI's millisecond targets."""
+    return summarize(records, duration, None if ttft_ms is None else ttft_ms / 1000.0,
+                     None if tpot_ms is None else tpot_ms / 1000.0)

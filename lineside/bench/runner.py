@@ -1,0 +1,112 @@
+"""Run a schedule against a server: open-loop arrivals at their times, or N closed-loop workers.
+
+Every run is bounded in count (the schedule) and in time (`deadline`): requests still in flight at
+the deadline are cancelled and recorded as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from lineside.bench.client import ClientConfig, first_model, send
+from lineside.bench.load import Schedule
+from lineside.bench.metrics import RequestRecord
+from lineside.bench.prompts import PromptPool
+from lineside.errors import LinesideError
+
+
+@dataclass
+class RunResult:
+    """Records of one run plus its wall time (seconds) and the model the requests named."""
+
+    records: list[RequestRecord]
+    duration: float
+    model: str
+    started_at: float  # time.time() at the start, for the report header
+
+
+async def _open_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: float,
+                     deadline: float) -> list[asyncio.Task]:
+    tasks = []
+    for a in schedule.arrivals:
+        if a.time >= deadline:
+            break
+        delay = a.time - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(client, cfg, pool.take(a.prompts), t0)))
+    return tasks
+
+
+async def _closed_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: float,
+                       records: list[RequestRecord]) -> None:
+    issued = 0
+
+    def more() -> bool:
+        nonlocal issued
+        if schedule.max_requests and issued >= schedule.max_requests:
+            return False
+        if schedule.duration and time.perf_counter() - t0 >= schedule.duration:
+            return False
+        issued += 1
+        return True
+
+    async def worker() -> None:
+        while more():
+            records.append(await send(client, cfg, pool.take(1), t0))
+
+    await asyncio.gather(*(worker() for _ in range(schedule.concurrency)))
+
+
+async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientConfig,
+                    deadline: float, warmup: int = 0) -> RunResult:
+    """Execute the schedule; `deadline` (s from start) caps the whole run including the drain."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
+        model = cfg.model
+        if not model:
+            try:
+                model = await first_model(client, url)
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                raise LinesideError(f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); "
+                                   "is the server running? or pass --model") from None
+        cfg = ClientConfig(**{**cfg.__dict__, "base_url": url, "model": model})
+        for _ in range(warmup):
+            await send(client, cfg, pool.take(1), time.perf_counter())
+        started = time.time()
+        t0 = time.perf_counter()
+        records: list[RequestRecord] = []
+        if schedule.closed_loop:
+            work = asyncio.ensure_future(_closed_loop(client, cfg, schedule, pool, t0, records))
+            done, _ = await asyncio.wait({work}, timeout=deadline)
+            if not done:
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        else:
+            scheduler = asyncio.ensure_future(_open_loop(client, cfg, schedule, pool, t0, deadline))
+            tasks = await scheduler
+            remaining = max(0.0, deadline - (time.perf_counter() - t0))
+            done, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            now = time.perf_counter() - t0
+            for t in tasks:
+                if t in done:
+                    records.append(t.result())
+            for a, t in zip(schedule.arrivals, tasks, strict=False):
+                if t in pending:
+                    records.append(RequestRecord(start=a.time, end=now, prompts=a.prompts,
+                                                 error="cancelled at the run's deadline"))
+        duration = time.perf_counter() - t0
+    return RunResult(records=records, duration=duration, model=model, started_at=started)
+
+
+def run(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientConfig, deadline: float,
+        warmup: int = 0) -> RunResult:
+    """Blocking wrapper around run_async (a fresh event loop)."""
+    return asyncio.run(run_async(url, schedule, pool, cfg, deadline, warmup))

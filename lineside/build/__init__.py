@@ -1,0 +1,1 @@
+"""build part of lineside."""

@@ -1,0 +1,203 @@
+"""Rebuild a Hugging Face ``tokenizer.json`` from GGUF metadata so it gives llama.cpp's ids.
+
+A GGUF stores the vocabulary, merges and the *name* of the pre-tokenizer (``tokenizer.ggml.pre``);
+llama.cpp maps that name to a list of split regexes in ``src/llama-vocab.cpp``
+(``llm_tokenizer_bpe``). We map the same names to the same regexes, applied one after another
+as ``Split(..., "isolated")`` steps before GPT-2 byte-level encoding. The regexes are written
+in their Hugging Face form (with the trailing ``\\s+`` alternative that llama.cpp's hand-written
+GPT-2 / Llama-3 splitters implement).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lineside.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from lineside.build.checkpoint.gguf_file import GGUFCheckpoint
+
+GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+DEEPSEEK3 = [
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+
+# tokenizer.ggml.pre → (regexes, ignore_merges, add_bos default, clean_up_tokenization_spaces),
+# following llama_vocab::impl::load and llm_tokenizer_bpe in llama.cpp's src/llama-vocab.cpp.
+_LLAMA3 = ([LLAMA3], True, True, True)
+_SMOLLM = ([r"\p{N}", GPT2], False, False, True)
+_GPT2 = ([GPT2], False, False, True)
+_QWEN2 = ([QWEN2], False, False, False)
+PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool, bool]] = {
+    "default": (DEFAULT, False, False, True),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"], _LLAMA3),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], ([LLAMA3], False, False, True)),
+    "smollm": ([r"\p{N}", GPT2], False, False, False),
+    **dict.fromkeys(["starcoder", "refact", "codeshell", "exaone", "minerva-7b"], _SMOLLM),
+    "command-r": ([r"\p{N}", GPT2], False, False, False),
+    **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"], _GPT2),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"], _QWEN2),
+    "deepseek-v3": (DEEPSEEK3, False, False, False),
+}
+# Token texts llama.cpp treats as end-of-generation (llama_vocab::impl::load, special_eog_ids).
+EOG_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+    "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+}
+CONTROL, USER_DEFINED, UNKNOWN = 3, 4, 2
+
+
+def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
+    """Write tokenizer.json, tokenizer_config.json and generation_config.json for a GGUF's vocab."""
+    model = ck.meta("tokenizer.ggml.model")
+    tokens = ck.meta("tokenizer.ggml.tokens")
+    if model is None or not tokens:
+        raise CheckpointError(f"{ck.path}: GGUF has no tokenizer (tokenizer.ggml.model/tokens); it cannot be served")
+    types = ck.meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if model == "gpt2":
+        tok, opts = _bpe_tokenizer(ck, tokens, types)
+    elif model == "llama":
+        from lineside.build.checkpoint.gguf_spm import spm_tokenizer
+
+        tok, opts = spm_tokenizer(ck, tokens, types)
+    else:
+        raise CheckpointError(
+            f"{ck.path}: GGUF tokenizer model {model!r} is not supported (supported: gpt2 BPE, llama SPM)"
+        )
+
+    bos = ck.meta("tokenizer.ggml.bos_token_id", opts.get("default_bos"))
+    eos = ck.meta("tokenizer.ggml.eos_token_id", opts.get("default_eos"))
+    add_bos = bool(ck.meta("tokenizer.ggml.add_bos_token", opts["add_bos"]))
+    add_eos = bool(ck.meta("tokenizer.ggml.add_eos_token", False))
+    if add_bos and bos is None:
+        raise CheckpointError(f"{ck.path}: GGUF sets add_bos_token but has no bos_token_id; re-convert the model")
+    _post_process(tok, tokens, bos if add_bos else None, eos if add_eos else None, model == "gpt2")
+    eos_ids = eog_ids(ck, tokens, eos)
+    chat_template = ck.meta("tokenizer.chat_template")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    text = {i: tokens[i] for i in (bos, eos) if i is not None and 0 <= i < len(tokens)}
+    tcfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": text.get(bos),
+        "eos_token": text.get(eos),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": opts["clean_spaces"],
+        "model_max_length": int(ck.hf_config.get("max_position_embeddings", 4096)),
+    }
+    for key, field in (("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        i = ck.meta(f"tokenizer.ggml.{field}")
+        if i is not None and 0 <= i < len(tokens):
+            tcfg[key] = tokens[i]
+    if chat_template:
+        tcfg["chat_template"] = chat_template
+    _dump(out_dir / "tokenizer_config.json", tcfg)
+    gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    pad = ck.meta("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        gen["pad_token_id"] = pad
+    _dump(out_dir / "generation_config.json", gen)
+    return {"bos_token_id": bos, "eos_token_ids": eos_ids, "chat_template": chat_template, "add_bos_token": add_bos}
+
+
+def _bpe_tokenizer(ck: GGUFCheckpoint, tokens: list[str], types: list[int]) -> tuple[Any, dict[str, Any]]:
+    """GPT-2 style byte-level BPE with llama.cpp's pre-tokenizer for this GGUF's ``tokenizer.ggml.pre``."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = ck.meta("tokenizer.ggml.pre") or "default"
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{ck.path}: GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})"
+        )
+    regexes, ignore_merges, add_bos, clean = PRE_TOKENIZERS[pre]
+    vocab = _vocab(ck, tokens)
+    merges = []
+    for m in ck.meta("tokenizer.ggml.merges") or []:
+        pos = m.find(" ", 1)  # as llama.cpp: the first space after position 0 separates the pair
+        if pos < 0:
+            continue
+        a, b = m[:pos], m[pos + 1 :]
+        if a in vocab and b in vocab and a + b in vocab:
+            merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False))
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    _add_special(tok, tokens, types, AddedToken)
+    return tok, {"add_bos": add_bos, "clean_spaces": clean, "default_bos": None, "default_eos": None}
+
+
+def _vocab(ck: GGUFCheckpoint, tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        t = t or f"[EMPTY_{i}]"  # llama.cpp's name for empty entries
+        if t in vocab:
+            raise CheckpointError(f"{ck.path}: duplicate token {t!r} in the GGUF vocabulary (ids {vocab[t]} and {i})")
+        vocab[t] = i
+    return vocab
+
+
+def _add_special(tok: Any, tokens: list[str], types: list[int], added_token: Any) -> None:
+    """Control/unknown tokens as special, user-defined as non-special; both split out before BPE,
+    like llama.cpp's tokenizer_st_partition with parse_special=true."""
+    if len(types) != len(tokens):
+        raise CheckpointError(f"GGUF token_type has {len(types)} entries for {len(tokens)} tokens; re-convert the model")
+    want = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if t and ty in (CONTROL, USER_DEFINED, UNKNOWN)}
+    if not want:
+        return
+    tok.add_tokens(
+        [added_token(t, special=types[i] != USER_DEFINED, normalized=False) for t, i in want.items()]
+    )
+    bad = [t for t, i in want.items() if tok.token_to_id(t) != i]
+    if bad:
+        raise CheckpointError(f"special token {bad[0]!r} did not keep its GGUF id; the vocabulary is inconsistent")
+
+
+def _post_process(tok: Any, tokens: list[str], bos: int | None, eos: int | None, byte_level: bool) -> None:
+    """Prepend BOS / append EOS on ``encode(..., add_special_tokens=True)`` as llama.cpp's add_special does."""
+    from tokenizers import processors
+
+    if bos is None and eos is None:
+        if byte_level:
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        return
+    b = [tokens[bos]] if bos is not None else []
+    e = [tokens[eos]] if eos is not None else []
+    single = " ".join([*b, "$A", *e])
+    pair = " ".join([*b, "$A", *e, *(f"{t}:1" for t in b), "$B:1", *(f"{t}:1" for t in e)])
+    specials = [(tokens[i], i) for i in sorted({i for i in (bos, eos) if i is not None})]
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def eog_ids(ck: GGUFCheckpoint, tokens: list[str], eos: int | None) -> list[int]:
+    """eos first, then eot/eom and every token llama.cpp stops generation on."""
+    ids: list[int] = [eos] if eos is not None else []
+    for key in ("eot_token_id", "eom_token_id"):
+        v = ck.meta(f"tokenizer.ggml.{key}")
+        if v is not None and v not in ids:
+            ids.append(int(v))
+    for i, t in enumerate(tokens):
+        if t in EOG_TEXTS and i not in ids:
+            ids.append(i)
+    return ids
+
+
+def _dump(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")

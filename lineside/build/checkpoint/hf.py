@@ -1,0 +1,118 @@
+"""Hugging Face checkpoint directories: config.json + safetensors (single file or sharded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lineside.build.checkpoint.fp8_mxfp4 import dequantize
+from lineside.build.checkpoint.hf_tokenizer import write_hf_tokenizer
+from lineside.build.checkpoint.safetensors_file import SafetensorsFile
+from lineside.config import load_hf_config
+from lineside.errors import CheckpointError, ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Companion tensors holding block scales for an FP8 weight ``<prefix>.weight``.
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+
+
+class HFCheckpoint:
+    """Lazy reader over a Hugging Face directory; tensors are memory-mapped, never loaded whole."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.hf_config: dict[str, Any] = load_hf_config(self.path / "config.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}  # tensor name → file name
+        for fname, names in _layout(self.path).items():
+            sf = SafetensorsFile(self.path / fname)
+            self._files[fname] = sf
+            have = set(sf.names())
+            for n in names if names is not None else sf.names():
+                if n not in have:
+                    raise CheckpointError(
+                        f"{self.path / INDEX}: tensor {n!r} is mapped to {fname}, which does not contain it; "
+                        "the index and the shards disagree (re-download the checkpoint)"
+                    )
+                self._where[n] = fname
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file(name).info(name).shape
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string (BF16, F8_E4M3, ...), for callers choosing a path."""
+        return self._file(name).info(name).dtype
+
+    def get_raw(self, name: str) -> np.ndarray:
+        return self._file(name).get_raw(name)
+
+    def get(self, name: str) -> np.ndarray:
+        """float32 in HF layout; FP8 weights with a block-scale companion are dequantized."""
+        raw = self.get_raw(name)
+        if self.dtype(name) in ("F8_E4M3", "F8_E5M2", "I8", "U8") and name.endswith(".weight"):
+            scale = self._scale_for(name)
+            if scale is not None:  # FP8 with block scales, or MXFP4 (int8 e2m1 pairs) with ue8m0 scales
+                return dequantize(raw, scale, name)
+        return np.asarray(raw, dtype=np.float32)
+
+    def write_tokenizer(self, out_dir: Path) -> dict[str, Any]:
+        return write_hf_tokenizer(self.path, Path(out_dir), self.hf_config)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def _file(self, name: str) -> SafetensorsFile:
+        fname = self._where.get(name)
+        if fname is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in this checkpoint")
+        return self._files[fname]
+
+    def _scale_for(self, name: str) -> np.ndarray | None:
+        prefix = name[: -len(".weight")]
+        for suf in SCALE_SUFFIXES:
+            if prefix + suf in self._where:
+                return self.get_raw(prefix + suf)
+        return None
+
+
+def _layout(path: Path) -> dict[str, list[str] | None]:
+    """File name → the tensor names the index assigns to it (None: take all in the file)."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory or a .gguf file")
+    index = path / INDEX
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(wm, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise CheckpointError(f"{index}: malformed index (needs a JSON object with a 'weight_map'); re-download it") from None
+        files: dict[str, list[str] | None] = {}
+        for tname, fname in wm.items():
+            files.setdefault(str(fname), []).append(tname)  # type: ignore[union-attr]
+        for fname in files:
+            if not (path / fname).is_file():
+                raise CheckpointError(f"{index}: names shard {fname}, which does not exist in {path}; download it")
+        return files
+    if (path / SINGLE).is_file():
+        return {SINGLE: None}
+    found = sorted(p.name for p in path.glob("*.safetensors"))
+    if found:
+        return dict.fromkeys(found)
+    other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    hint = f" (found {', '.join(other[:3])}: re-save the model with safe_serialization=True)" if other else ""
+    raise CheckpointError(f"{path}: no {SINGLE} or {INDEX}; lineside reads safetensors checkpoints{hint}")

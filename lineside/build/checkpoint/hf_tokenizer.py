@@ -1,0 +1,130 @@
+"""Copy a Hugging Face directory's tokenizer into a bundle, filling in what the runtime needs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lineside.errors import CheckpointError
+
+
+def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Write tokenizer.json, tokenizer_config.json (+ generation_config.json); return the key facts."""
+    tok_json = src / "tokenizer.json"
+    if not tok_json.is_file():
+        raise CheckpointError(
+            f"{src}: no tokenizer.json; save the tokenizer with a fast tokenizer "
+            "(AutoTokenizer.from_pretrained(...).save_pretrained(dir)) and build again"
+        )
+    tok = _read_json(tok_json)
+    tcfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
+    gen = _read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else {}
+
+    chat_template = _chat_template(src, tcfg)
+    vocab = _token_ids(tok)
+    bos_id = _first_int(gen.get("bos_token_id"), hf_config.get("bos_token_id"), vocab.get(_tok_text(tcfg.get("bos_token"))))
+    eos_ids = _id_list(gen.get("eos_token_id"))
+    if not eos_ids:
+        eos_ids = _id_list(hf_config.get("eos_token_id"))
+    if not eos_ids and _tok_text(tcfg.get("eos_token")) in vocab:
+        eos_ids = [vocab[_tok_text(tcfg.get("eos_token"))]]
+    add_bos = tcfg.get("add_bos_token")
+    if add_bos is None:
+        add_bos = _post_processor_adds_bos(tok)
+
+    id_to_text = {v: k for k, v in vocab.items()}
+    tcfg = dict(tcfg)
+    if chat_template is not None:
+        tcfg["chat_template"] = chat_template
+    if tcfg.get("bos_token") is None and bos_id in id_to_text:
+        tcfg["bos_token"] = id_to_text[bos_id]
+    if tcfg.get("eos_token") is None and eos_ids and eos_ids[0] in id_to_text:
+        tcfg["eos_token"] = id_to_text[eos_ids[0]]
+    tcfg["add_bos_token"] = bool(add_bos)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tok_json, out_dir / "tokenizer.json")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    if gen:
+        shutil.copyfile(src / "generation_config.json", out_dir / "generation_config.json")
+    return {
+        "bos_token_id": bos_id,
+        "eos_token_ids": eos_ids,
+        "chat_template": chat_template,
+        "add_bos_token": bool(add_bos),
+    }
+
+
+def _read_json(p: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{p}: malformed JSON ({e}); re-download or fix the file") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{p}: must hold a JSON object")
+    return d
+
+
+def _chat_template(src: Path, tcfg: dict[str, Any]) -> str | None:
+    """tokenizer_config.json's template (a string or a list of named ones), else chat_template.jinja."""
+    ct = tcfg.get("chat_template")
+    if isinstance(ct, list):
+        named = {t.get("name"): t.get("template") for t in ct if isinstance(t, dict)}
+        ct = named.get("default") or next(iter(named.values()), None)
+    if isinstance(ct, str) and ct:
+        return ct
+    jinja = src / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cj = src / "chat_template.json"
+    if cj.is_file():
+        t = _read_json(cj).get("chat_template")
+        return t if isinstance(t, str) else None
+    return None
+
+
+def _token_ids(tok: dict[str, Any]) -> dict[str, int]:
+    model_vocab = (tok.get("model") or {}).get("vocab")
+    vocab = dict(model_vocab) if isinstance(model_vocab, dict) else {}
+    for at in tok.get("added_tokens") or []:
+        if isinstance(at, dict) and "content" in at and "id" in at:
+            vocab[at["content"]] = int(at["id"])
+    return vocab
+
+
+def _tok_text(t: Any) -> str | None:
+    if isinstance(t, dict):
+        return t.get("content")
+    return t if isinstance(t, str) else None
+
+
+def _first_int(*vals: Any) -> int | None:
+    for v in vals:
+        if isinstance(v, list) and v:
+            v = v[0]
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _id_list(v: Any) -> list[int]:
+    if isinstance(v, bool) or v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    if isinstance(v, list):
+        return [int(x) for x in v if isinstance(x, int)]
+    return []
+
+
+def _post_processor_adds_bos(tok: dict[str, Any]) -> bool:
+    """True when tokenizer.json's post-processor prepends a special token (Llama-3 style)."""
+    pp = tok.get("post_processor") or {}
+    procs = pp.get("processors", [pp]) if pp.get("type") == "Sequence" else [pp]
+    for p in procs:
+        if p.get("type") == "TemplateProcessing":
+            single = p.get("single") or []
+            return bool(single) and "SpecialToken" in single[0]
+    return False

@@ -1,0 +1,329 @@
+"""Dense decoder graphs (Llama, Qwen2 — the DeepSeek-R1-Distill family) for both flavors.
+
+``cpu``: com.microsoft GroupQueryAttention with the KV cache updated in place (past and present
+share one ``[batch, kv_heads, max_seq, head_dim]`` buffer), SkipSimplifiedLayerNormalization.
+``trt``: standard ops only; the cache comes in as ``[batch, kv_heads, past_seq, head_dim]`` with an
+attention mask and only the new K/V go out (the runtime writes them into its arena).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from onnx import TensorProto
+
+from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.models.rope import rope_cache
+from lineside.config import ModelConfig
+from lineside.errors import CheckpointError, ConfigError
+from lineside.graph_io import APPEND, INPLACE, StateTensor
+
+F32 = TensorProto.FLOAT
+
+
+def layer_tensor_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    p = f"model.layers.{i}."
+    names = {
+        "ln1": p + "input_layernorm.weight",
+        "ln2": p + "post_attention_layernorm.weight",
+        "q": p + "self_attn.q_proj.weight",
+        "k": p + "self_attn.k_proj.weight",
+        "v": p + "self_attn.v_proj.weight",
+        "o": p + "self_attn.o_proj.weight",
+        "gate": p + "mlp.gate_proj.weight",
+        "up": p + "mlp.up_proj.weight",
+        "down": p + "mlp.down_proj.weight",
+    }
+    if cfg.attention_bias:
+        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias", vb=p + "self_attn.v_proj.bias")
+    if cfg.o_proj_bias:
+        names["ob"] = p + "self_attn.o_proj.bias"
+    if cfg.mlp_bias:
+        names.update(gateb=p + "mlp.gate_proj.bias", upb=p + "mlp.up_proj.bias", downb=p + "mlp.down_proj.bias")
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for every tensor the graph reads (HF layout)."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    per = dict(ln1=(h,), ln2=(h,), q=(q, h), k=(kv, h), v=(kv, h), o=(h, q), gate=(inter, h), up=(inter, h),
+               down=(h, inter), qb=(q,), kb=(kv,), vb=(kv,), ob=(h,), gateb=(inter,), upb=(inter,), downb=(h,))
+    for i in range(cfg.num_layers):
+        shapes.update({name: per[key] for key, name in layer_tensor_names(cfg, i).items()})
+    return shapes
+
+
+def check_config(cfg: ModelConfig, flavors: tuple[str, ...] = ()) -> None:
+    """Refuse, before any work, a config these graphs cannot compute exactly (one line each)."""
+    from lineside.build.models.rope import check_scaling
+
+    check_scaling(cfg.rope_scaling)
+    rot = cfg.rotary_dim or cfg.head_dim
+    if rot % 2 or rot > cfg.head_dim:
+        raise ConfigError(f"config.json: rotary dimension {rot} must be even and at most head_dim {cfg.head_dim}")
+    if "cpu" in flavors and (cfg.head_dim % 16 or rot % 16):
+        raise ConfigError(f"head_dim {cfg.head_dim} (rotary {rot}) is not a multiple of 16, which onnxruntime's "
+                          "GroupQueryAttention needs; build the trt flavor (--flavors trt) for this model")
+
+
+# safetensors dtypes that are never weights (int8/uint8 are: FP8 companions and MXFP4 pairs).
+_NOT_WEIGHTS = ("BOOL", "I16", "I32", "I64", "U16", "U32", "U64")
+
+
+def check_shapes(cfg: ModelConfig, ckpt: Any, where: str) -> None:
+    """Every tensor has the shape config.json implies and a float dtype, so a bad checkpoint fails here
+    (one line) and not in onnxruntime or, worse, not at all."""
+    dtype = getattr(ckpt, "dtype", None)  # safetensors readers; GGUF types are checked by the reader
+    for name, want in expected_shapes(cfg).items():
+        got = tuple(int(v) for v in ckpt.shape(name))
+        if got != want:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(got)} but config.json implies "
+                                  f"{list(want)}; the checkpoint and its config.json disagree")
+        if dtype is not None and dtype(name) in _NOT_WEIGHTS:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype(name)}, which is not a weight type "
+                                  "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")
+
+
+def required_tensors(cfg: ModelConfig) -> list[str]:
+    """Every tensor the graph reads, so a missing one is reported by name before building."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        names.extend(layer_tensor_names(cfg, i).values())
+    return names
+
+
+class DenseEmitter:
+    """Emits one dense decoder graph; ``weights`` maps HF names to arrays (or GGMLBlocks)."""
+
+    def __init__(self, cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str,
+                 onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
+        from lineside.build.graph.embedding import emit_embedding
+        from lineside.build.graph.linear import emit_linear, emit_lm_head
+
+        self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
+        self.max_seq = max_seq_len
+        self.awq = awq_scales or {}
+        self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
+        self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
+        self.rot_dim = cfg.rotary_dim or cfg.head_dim
+        check_config(cfg, (flavor,))
+
+    # ---- small pieces ----------------------------------------------------------------
+    def linear(self, x: str, name: str, bias_name: str | None = None) -> str:
+        w = self.get(name)
+        bias = np.asarray(self.get(bias_name), dtype=np.float32) if bias_name else None
+        return self._emit_linear(self.gb, x, name, w, self.spec, self.flavor, bias=bias,
+                                 awq_scale=self.awq.get(name))
+
+    def fused_linear(self, x: str, names: list[str], bias_names: list[str | None], fused: str) -> str:
+        """Layers reading the same x (q/k/v, gate/up) as one matmul: fewer kernels per decode step."""
+        from lineside.build.graph.table8 import concat_out_features
+
+        w = concat_out_features([self.get(n) for n in names], fused)
+        bias = None
+        if any(bias_names):
+            bias = np.concatenate([np.asarray(self.get(b), dtype=np.float32) if b else
+                                   np.zeros(self.get(n).shape[0], np.float32) for n, b in zip(names, bias_names, strict=True)])
+        return self._emit_linear(self.gb, x, fused, w, self.spec, self.flavor, bias=bias)
+
+    def norm_weight(self, name: str) -> str:
+        return self.gb.weight(name, np.asarray(self.get(name), dtype=np.float32))
+
+    def rms_norm(self, x: str, w: str) -> str:
+        """RMSNorm from standard ops (trt flavor; TensorRT fuses the pattern)."""
+        g = self.gb
+        sq = g.op("Mul", [x, x])
+        ms = g.op("ReduceMean", [sq, g.const([-1])], keepdims=1)
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(self.cfg.rms_norm_eps, np.float32)])])])
+        return g.op("Mul", [g.op("Mul", [x, inv]), w])
+
+    def skip_norm(self, x: str, residual: str | None, w: str) -> tuple[str, str]:
+        """(normed, new_residual) where new_residual = x + residual."""
+        g = self.gb
+        if self.flavor == "cpu" and residual is not None:
+            out, _, _, summed = g.op("SkipSimplifiedLayerNormalization", [x, residual, w], n_out=4,
+                                     domain=MS_DOMAIN, epsilon=self.cfg.rms_norm_eps)
+            return out, summed
+        summed = x if residual is None else g.op("Add", [x, residual])
+        return self.rms_norm(summed, w), summed
+
+    # ---- graph -----------------------------------------------------------------------
+    def emit(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        cfg, g = self.cfg, self.gb
+        ids = g.input("input_ids", TensorProto.INT64, ["batch", "seq"])
+        g.input("logits_positions", TensorProto.INT64, ["batch", "n_logits"])
+        if self.flavor == "cpu":
+            g.input("seqlens_k", TensorProto.INT32, ["batch"])
+            g.input("total_sequence_length", TensorProto.INT32, [])
+        else:
+            g.input("position_ids", TensorProto.INT64, ["batch", "seq"])
+            g.input("attention_mask", TensorProto.INT64, ["batch", "total_seq"])
+        cos, sin = rope_cache(self.rot_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                              self.max_seq)
+        self.cos, self.sin = g.weight("rope_cos", cos), g.weight("rope_sin", sin)
+        if self.flavor == "trt":
+            self._trt_prelude()
+
+        h = self._emit_embedding(g, ids, self.get("model.embed_tokens.weight"), self.spec, self.flavor)
+        residual = None
+        states = []
+        for i in range(cfg.num_layers):
+            n = layer_tensor_names(cfg, i)
+            x, residual = self.skip_norm(h, residual, self.norm_weight(n["ln1"]))
+            attn = self.attention(i, x, n, states)
+            x, residual = self.skip_norm(attn, residual, self.norm_weight(n["ln2"]))
+            gate_up = self.fused_linear(x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")],
+                                        f"model.layers.{i}.mlp.gate_up_proj")
+            inter = cfg.intermediate_size
+            gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
+            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            h = self.linear(act, n["down"], n.get("downb"))
+            if progress:
+                progress(1)
+        # Only the requested positions go through the final norm and the LM head.
+        h = g.op("Add", [h, residual])
+        h = self._gather_positions(h)
+        x, _ = self.skip_norm(h, None, self.norm_weight("model.norm.weight"))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        # The head stays at 8 bits in w4a16 builds (logits are the most sensitive output; see manifest).
+        logits = self._emit_lm_head(g, x, self.get(head), self.spec, self.flavor, name=head,
+                                    keep_8bit=getattr(self.spec, "lm_head_bits", 8) >= 8)
+        g.op("Identity", [logits], outputs=["logits"])
+        g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
+        g.save()
+        return {"inputs": [v.name for v in g.inputs], "state": [s.to_dict() for s in states],
+                "activation_dtype": "float32"}
+
+    def _gather_positions(self, h: str) -> str:
+        g = self.gb
+        idx = g.op("Unsqueeze", ["logits_positions", g.const([-1])])  # [B, K, 1]
+        shape = g.op("Concat", [g.op("Shape", ["logits_positions"]), g.const([self.cfg.hidden_size])], axis=0)
+        idx = g.op("Expand", [idx, shape])
+        return g.op("GatherElements", [h, idx], axis=1)
+
+    # ---- attention -------------------------------------------------------------------
+    def attention(self, i: int, x: str, n: dict[str, str], states: list[StateTensor]) -> str:
+        cfg, g = self.cfg, self.gb
+        qkv = self.fused_linear(x, [n["q"], n["k"], n["v"]], [n.get("qb"), n.get("kb"), n.get("vb")],
+                                f"model.layers.{i}.self_attn.qkv_proj")
+        pk, pv, ok, ov = f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}"
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
+        if self.flavor == "cpu":
+            for name in (pk, pv):
+                g.input(name, F32, ["batch", kvh, "max_seq", d])
+            for name in (ok, ov):
+                g.output(name, F32, ["batch", kvh, "max_seq", d])
+            attrs: dict[str, Any] = dict(num_heads=cfg.num_heads, kv_num_heads=kvh, do_rotary=1,
+                                         rotary_interleaved=0, scale=float(d) ** -0.5)
+            if cfg.layer_window(i):
+                attrs["local_window_size"] = int(cfg.layer_window(i))
+            # Packed QKV: GroupQueryAttention splits it itself (key/value inputs left empty).
+            out, _, _ = g.op("GroupQueryAttention",
+                       [qkv, "", "", pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
+                       domain=MS_DOMAIN, outputs=[g.fresh("gqa_out"), ok, ov], **attrs)
+            states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),
+                       StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=INPLACE)]
+        else:
+            # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
+            kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
+            kv_dtype = "float32" if kv_t == F32 else "float16"
+            for name in (pk, pv):
+                g.input(name, kv_t, ["batch", kvh, "past_seq", d])
+            q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
+            out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
+            for name in (ok, ov):
+                g.output(name, kv_t, ["batch", kvh, "seq", d])
+            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND),
+                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND)]
+        return self.linear(out, n["o"], n.get("ob"))
+
+    def _trt_prelude(self) -> None:
+        """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
+        cfg, g = self.cfg, self.gb
+        cos = g.op("Gather", [self.cos, "position_ids"], axis=0)  # [B, S, rot/2]
+        sin = g.op("Gather", [self.sin, "position_ids"], axis=0)
+        self.cos_b = g.op("Unsqueeze", [cos, g.const([1])])  # [B, 1, S, rot/2]
+        self.sin_b = g.op("Unsqueeze", [sin, g.const([1])])
+        # Key positions: the past occupies positions 0..P-1, then the new tokens' own positions.
+        total = g.op("Shape", ["attention_mask"], start=1, end=2)
+        seq = g.op("Shape", ["position_ids"], start=1, end=2)
+        past = g.op("Sub", [total, seq])
+        past_pos = g.op("Range", [g.const(0), g.op("Squeeze", [past, g.const([0])]), g.const(1)])  # [P]
+        bsz = g.op("Shape", ["position_ids"], start=0, end=1)
+        past_pos = g.op("Expand", [g.op("Unsqueeze", [past_pos, g.const([0])]), g.op("Concat", [bsz, past], axis=0)])
+        key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
+        qp = g.op("Unsqueeze", ["position_ids", g.const([2])])  # [B, S, 1]
+        kp = g.op("Unsqueeze", [key_pos, g.const([1])])  # [B, 1, T]
+        causal = g.op("LessOrEqual", [kp, qp])
+        valid = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", g.const([1])])], to=TensorProto.BOOL)
+        # window (None: full attention) -> [B, 1, 1, S, T] mask broadcasting over (kv_heads, group)
+        self.allowed: dict[int | None, str] = {}
+        for window in dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_layers)):
+            allowed = causal
+            if window:
+                lo = g.op("Sub", [qp, g.const(int(window))])
+                allowed = g.op("And", [allowed, g.op("Greater", [kp, lo])])
+            allowed = g.op("And", [allowed, valid])  # [B, S, T]
+            self.allowed[window] = g.op("Unsqueeze", [allowed, g.const([1, 2])])
+        self.neg = g.const(-1e30, np.float32)
+
+    def _rope(self, x: str, heads: int) -> str:
+        """rotate-half RoPE on x [B, H, S, D] (first rot_dim dims)."""
+        g, d, r = self.gb, self.cfg.head_dim, self.rot_dim
+        if r < d:
+            xr, xp = g.op("Split", [x, g.const([r, d - r])], n_out=2, axis=-1)
+        else:
+            xr, xp = x, None
+        x1, x2 = g.op("Split", [xr, g.const([r // 2, r // 2])], n_out=2, axis=-1)
+        a = g.op("Sub", [g.op("Mul", [x1, self.cos_b]), g.op("Mul", [x2, self.sin_b])])
+        b = g.op("Add", [g.op("Mul", [x2, self.cos_b]), g.op("Mul", [x1, self.sin_b])])
+        parts = [a, b] + ([xp] if xp else [])
+        return g.op("Concat", parts, axis=-1)
+
+    def _trt_attention(self, q: str, k: str, v: str, pk: str, pv: str, ok: str, ov: str, allowed: str) -> str:
+        cfg, g = self.cfg, self.gb
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        grp = nh // kvh
+
+        def heads(t: str, h: int) -> str:  # [B, S, h*d] -> [B, h, S, d]
+            return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, h, d])])], perm=[0, 2, 1, 3])
+
+        qh = self._rope(heads(q, nh), nh)
+        kh = self._rope(heads(k, kvh), kvh)
+        vh = heads(v, kvh)
+        if self.spec.scheme == "fp32":
+            g.op("Identity", [kh], outputs=[ok])
+            g.op("Identity", [vh], outputs=[ov])
+        else:  # fp16 cache: new entries are rounded once, and attention reads the rounded values
+            g.op("Cast", [kh], outputs=[ok], to=TensorProto.FLOAT16)
+            g.op("Cast", [vh], outputs=[ov], to=TensorProto.FLOAT16)
+            kh = g.op("Cast", [ok], to=F32)
+            vh = g.op("Cast", [ov], to=F32)
+            pk = g.op("Cast", [pk], to=F32)
+            pv = g.op("Cast", [pv], to=F32)
+        kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
+        vall = g.op("Concat", [pv, vh], axis=2)
+        qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
+        kt = g.op("Unsqueeze", [g.op("Transpose", [kall], perm=[0, 1, 3, 2]), g.const([2])])  # [B,kvh,1,d,T]
+        scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])
+        scores = g.op("Where", [allowed, scores, self.neg])
+        probs = g.op("Softmax", [scores], axis=-1)
+        ctx = g.op("MatMul", [probs, g.op("Unsqueeze", [vall, g.const([2])])])  # [B, kvh, grp, S, d]
+        ctx = g.op("Transpose", [ctx], perm=[0, 3, 1, 2, 4])  # [B, S, kvh, grp, d]
+        return g.op("Reshape", [ctx, g.const([0, 0, nh * d])])
+
+
+def emit_graph(cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str, onnx_path: Path,
+               max_seq_len: int, progress: Callable[[int], None] | None = None,
+               awq_scales: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Write the dense graph for ``flavor`` to ``onnx_path``; returns its manifest entry."""
+    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales).emit(progress)

@@ -1,0 +1,234 @@
+"""checkpoint → bundle: read lazily, quantize per tensor, emit each flavor's graph, write the manifest.
+
+The bundle is assembled in ``<out>.partial`` and renamed into place at the end, so a failed
+or interrupted build never leaves a half-written bundle where a good one is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lineside import __version__
+from lineside.build.checkpoint import open_checkpoint
+from lineside.build.models import family_module
+from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
+from lineside.bundle import write_manifest
+from lineside.config import ModelConfig
+from lineside.errors import CheckpointError, LinesideError
+
+FLAVORS = ("cpu", "trt")
+CARRYABLE = {"Q4_0", "Q4_1", "Q8_0"}
+
+
+@dataclass
+class BuildOptions:
+    """What `lineside build` was asked for (plain data, so build_engine.py and tests share it)."""
+
+    quant: str = "w4a16"
+    group_size: int = 128
+    method: str = "rtn"
+    calib: Path | None = None
+    flavors: tuple[str, ...] = ("cpu",)
+    max_seq_len: int | None = None
+    requantize: bool = False  # force re-quantizing a GGUF that is already 4-bit
+    accuracy_level: int = 4
+    lm_head_bits: int = 8
+    force: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
+            raise LinesideError(f"--quant {self.quant!r} is not one of fp32, fp16, w8a16, w4a16")
+        if self.method not in ("rtn", "awq", "gptq"):
+            raise LinesideError(f"--method {self.method!r} is not one of rtn, awq, gptq")
+        if self.method == "gptq" and self.quant != "w4a16":
+            raise LinesideError(f"--method gptq writes INT4 weights; use it with --quant w4a16, not {self.quant}")
+        bad = [f for f in self.flavors if f not in FLAVORS]
+        if bad or not self.flavors:
+            raise LinesideError(f"--flavors {','.join(self.flavors)!r}: choose from {', '.join(FLAVORS)}")
+        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise LinesideError(f"--group-size {self.group_size} must be a power of two ≥ 16 (64 or 128 for trt)")
+        if "trt" in self.flavors and self.quant == "w4a16" and self.group_size not in (64, 128):
+            raise LinesideError(f"--group-size {self.group_size}: TensorRT INT4 needs 64 or 128 for the trt flavor")
+        if self.lm_head_bits not in (4, 8):
+            raise LinesideError(f"--lm-head-bits {self.lm_head_bits}: choose 4 or 8")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise LinesideError("--max-seq-len must be at least 2")
+        if self.calib is not None and not Path(self.calib).is_file():
+            raise LinesideError(f"--calib {self.calib}: file not found")
+
+
+ProgressFactory = Callable[[str, int], Callable[[int], None]]
+
+
+def _no_progress(_desc: str, _total: int) -> Callable[[int], None]:
+    return lambda _n: None
+
+
+def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
+                 progress: ProgressFactory = _no_progress, log: Callable[[str], None] = lambda _m: None) -> Path:
+    """Build a bundle directory from a HF checkpoint directory or a GGUF file; returns its path."""
+    opts.validate()
+    out = Path(out)
+    t0 = time.time()
+    ckpt = open_checkpoint(checkpoint)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
+        ckpt.close()
+        raise LinesideError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
+    tmp: Path | None = None
+    try:
+        cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
+        family = family_module(cfg.architecture)
+        # Families with their own naming (V4: official or HF) wrap the reader and check it themselves.
+        source = family.check_tensors(cfg, ckpt) if hasattr(family, "check_tensors") else None
+        if hasattr(family, "check_config"):
+            family.check_config(cfg, opts.flavors)
+        if source is None:
+            missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
+            if missing:
+                raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
+                                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            if hasattr(family, "check_shapes"):
+                family.check_shapes(cfg, ckpt, str(checkpoint))
+        max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
+        spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
+                         accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits)
+        spec.check()
+        carry_cpu = _carries(opts, spec)
+        if source is None:
+            _check_shapes(ckpt, family.required_tensors(cfg), spec,
+                          tuple(f for f in opts.flavors if not (f == "cpu" and carry_cpu and _is_gguf(checkpoint))))
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
+    except BaseException:
+        # A failed or interrupted build leaves nothing behind (no half-written <out>.partial either).
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log(f"bundle written to {out} in {time.time() - t0:.1f}s")
+    return out
+
+
+def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: Any, source: Any, spec: QuantSpec,
+                  opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
+                  log: Callable[[str], None]) -> None:
+    """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
+    plan = gplan = None
+    if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
+        from lineside.build.calibrate import awq_scales_for
+
+        plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
+    elif opts.method == "gptq":
+        from lineside.build.calibrate_gptq import gptq_plan_for
+
+        gplan = gptq_plan_for(cfg, ckpt, spec, opts.flavors, opts.calib, progress=progress, log=log)
+    carried: dict[str, str] = {}
+    flavors: dict[str, Any] = {}
+    for flavor in opts.flavors:
+        getter = _weight_getter(ckpt, spec, flavor, opts, carried)
+        if plan is not None:
+            getter = (lambda g: (lambda n: plan.transform(n, g(n))))(getter)
+        if gplan is not None and gplan.grids:  # GPTQ's INT4 grids go to the emitters as they are
+            getter = (lambda g: (lambda n: gplan.transform(n, g)))(getter)
+        rel = f"graphs/{flavor}/model.onnx"
+        tick = progress(f"emit {flavor} graph", cfg.num_layers)
+        entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
+                                  max_seq, progress=tick,
+                                  **({"awq_scales": plan.input_scale} if plan else {}))
+        entry["graph"] = rel
+        flavors[flavor] = entry
+    tok = ckpt.write_tokenizer(tmp / "tokenizer")
+    (tmp / "config.json").write_text(cfg.to_json())
+    manifest = {
+        "lineside_version": __version__,
+        "architecture": cfg.architecture,
+        "model_name": cfg.name,
+        "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
+        "quantization": _quant_record(spec, carried, cfg, plan, gplan),
+        "flavors": flavors,
+        "max_seq_len": max_seq,
+        "config": "config.json",
+        "tokenizer": {"dir": "tokenizer", **tok},
+        "build_seconds": round(time.time() - t0, 2),
+    }
+    write_manifest(tmp, manifest)
+
+
+def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
+    """Fail before any work if the group size cannot tile a linear layer (checked on shapes only)."""
+    for name in names:
+        shape = ckpt.shape(name)
+        if len(shape) == 2 and name.endswith("proj.weight"):
+            for flavor in flavors:
+                spec.validate(int(shape[1]), name, flavor)
+
+
+def _carries(opts: BuildOptions, spec: QuantSpec) -> bool:
+    return spec.scheme == "w4a16" and spec.method == "rtn" and not opts.requantize
+
+
+def _is_gguf(checkpoint: str | Path) -> bool:
+    return str(checkpoint).lower().endswith(".gguf")
+
+
+def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
+                   carried: dict[str, str]) -> Callable[[str], Any]:
+    """The cpu flavor takes GGUF 4/8-bit blocks as they are (no second quantization) when it can."""
+    carry = flavor == "cpu" and _carries(opts, spec)
+
+    def get(name: str) -> Any:
+        if carry:
+            raw = ckpt.get_raw(name)
+            if isinstance(raw, GGMLBlocks) and raw.ggml_type in CARRYABLE:
+                carried[name] = raw.ggml_type
+                return raw
+        return ckpt.get(name)
+
+    return get
+
+
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None,
+                  gplan: Any = None) -> dict[str, Any]:
+    from lineside.build.quant.size import kept_high_precision_note
+
+    kept = kept_high_precision_note() if spec.quantized else []
+    kept.append({"tensors": "RoPE cos/sin tables", "precision": "float32", "why": "position tables, not weights"})
+    return {
+        "scheme": spec.scheme, "group_size": spec.group_size, "method": spec.method,
+        "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
+        "carried_from_source": dict(sorted(carried.items())),
+        "kept_high_precision": kept,
+        "symmetric": True, "zero_point": 0,
+        "trt_group_note": "trt flavor: a layer whose in_features the group size does not divide uses 64",
+        **({"awq": {"calibration_nll_rtn": plan.nll_rtn, "calibration_nll_awq": plan.nll_awq,
+                    "fell_back_to_rtn": plan.fallback, "guard_tokens": plan.guard_tokens,
+                    "guard_held_out": plan.guard_held_out,
+                    "relative_output_error": {k: {"rtn": round(a, 5), "awq": round(b, 5)}
+                                              for k, (a, b) in plan.errors.items()}}} if plan else {}),
+        **({"gptq": gplan.record()} if gplan else {}),
+    }
+
+
+def _model_name(checkpoint: str | Path, hf_config: dict[str, Any]) -> str:
+    p = Path(checkpoint)
+    return hf_config.get("_name_or_path") or (p.stem if p.suffix == ".gguf" else p.name)
+
+
+def describe(bundle_dir: Path) -> str:
+    m = json.loads((bundle_dir / "manifest.json").read_text())
+    size = sum(f["size"] for f in m["files"].values())
+    return f"{m['architecture']} {m['quantization']['scheme']} flavors={','.join(m['flavors'])} {size / 1e6:.1f} MB"

@@ -1,0 +1,1 @@
+"""Data shipped with lineside: the default AWQ calibration text and model configs."""

@@ -1,0 +1,1 @@
+"""jetson part of lineside."""

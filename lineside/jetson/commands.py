@@ -1,0 +1,169 @@
+"""`lineside jetson ...`: probe, plan, table, push, rollback, power, service."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lineside.jetson.devices import TABLE_DEVICES
+
+jetson = typer.Typer(help="Jetson deployment: probe, memory plan, push/rollback, power modes, systemd unit.",
+                     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+SSH_HELP = "ssh command for user@host targets, e.g. 'ssh -p 2222 -i key' (env LINESIDE_SSH)"
+
+
+def _ssh(ssh: str | None) -> str:
+    return ssh or os.environ.get("LINESIDE_SSH", "ssh")
+
+
+@jetson.command("probe")
+def probe_cmd(
+    sysroot: Annotated[Path, typer.Option(help="read the device files under this directory")] = Path("/"),
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Board, L4T/JetPack, memory, GPU load, power mode and TensorRT version of this device."""
+    from lineside.jetson.probe import format_probe, probe
+
+    r = probe(sysroot)
+    print(json.dumps(r.to_dict(), indent=2) if as_json else format_probe(r))
+
+
+@jetson.command("plan")
+def plan_cmd(
+    model: Annotated[str, typer.Argument(help="checkpoint dir, bundle dir, config.json, or a shipped config name")],
+    device: Annotated[str, typer.Option(help="agx-orin-64 | agx-orin-32 | orin-nx-16 | orin-nano-8 | h100-80 ...")],
+    quant: Annotated[str | None, typer.Option(help="w4a16 | w8a16 | fp16 | fp32 (default: the bundle's, else w4a16)")] = None,
+    ctx: Annotated[int, typer.Option(help="context length per sequence (prompt + output)")] = 4096,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
+    group_size: Annotated[int, typer.Option(help="quantization group size (weights per fp16 scale)")] = 128,
+    prefill_chunk: Annotated[int, typer.Option(help="prompt tokens processed per step")] = 512,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Memory for weights, KV cache, activations and runtime vs the device; largest context that fits."""
+    from lineside.jetson.planner import format_plan, plan
+
+    p = plan(model, device, quant, ctx, batch, kv_dtype, group_size, prefill_chunk)
+    print(json.dumps(p.to_dict(), indent=2) if as_json else format_plan(p))
+
+
+@jetson.command("table")
+def table_cmd(
+    quant: Annotated[str, typer.Option(help="w4a16 | w8a16 | fp16")] = "w4a16",
+    ctx: Annotated[int, typer.Option(help="context length")] = 4096,
+    batch: Annotated[int, typer.Option(help="batch")] = 1,
+    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
+    devices: Annotated[str, typer.Option(help="comma list of devices")] = ",".join(TABLE_DEVICES),
+) -> None:
+    """Markdown table of what fits where, for the configs shipped with lineside."""
+    from lineside.jetson.planner import fit_table
+
+    print(fit_table([d.strip() for d in devices.split(",") if d.strip()], quant, ctx, batch, kv_dtype))
+
+
+@jetson.command("push")
+def push_cmd(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory (with manifest.json)")],
+    target: Annotated[str, typer.Argument(help="user@host:/dir or a local/mounted directory")],
+    ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Copy a bundle to TARGET/versions/ (resumable), verify every sha256 there, switch TARGET/current."""
+    from lineside.jetson.push import push
+
+    r = push(bundle, target, _ssh(ssh))
+    if as_json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return
+    how = "already installed" if r.already_installed else f"{r.bytes_sent} of {r.bytes_total} bytes sent"
+    print(f"{r.target}: current -> versions/{r.version} ({r.files} files verified, {how})"
+          + (f"; previous -> {r.previous}" if r.previous else ""))
+
+
+@jetson.command("rollback")
+def rollback_cmd(
+    target: Annotated[str, typer.Argument(help="user@host:/dir or a local/mounted directory")],
+    ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
+) -> None:
+    """Point TARGET/current back at the previous version (run again to undo)."""
+    from lineside.jetson.push import rollback
+
+    current, previous = rollback(target, _ssh(ssh))
+    print(f"{target}: current -> {current}; previous -> {previous}")
+
+
+@jetson.command("ensure-engine")
+def ensure_engine_cmd(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory")],
+    engine_args: Annotated[str, typer.Option(envvar="LINESIDE_ENGINE_ARGS",
+                                             help="options for `lineside engine`, e.g. '--slots 8'")] = "",
+) -> None:
+    """Build the TensorRT engine only if the bundle has none for this GPU/TensorRT (first start)."""
+    from lineside.jetson.engine import ensure_engine
+
+    built, key = ensure_engine(bundle, engine_args)
+    print(f"{bundle}: engine {key} " + ("built" if built else "already present"), file=sys.stderr)
+
+
+@jetson.command("power")
+def power_cmd(
+    mode: Annotated[str | None, typer.Option(help="nvpmodel mode id or name (MAXN, 30W, 15W, ...)")] = None,
+    clocks: Annotated[bool | None, typer.Option("--clocks/--no-clocks",
+                                                help="pin clocks to max (jetson_clocks) / restore them")] = None,
+    query: Annotated[bool, typer.Option(help="show the current mode and the modes available")] = False,
+    dry_run: Annotated[bool, typer.Option(help="print the commands without running them")] = False,
+    sysroot: Annotated[Path, typer.Option(help="device files root (tests)")] = Path("/"),
+) -> None:
+    """Set the power mode (nvpmodel -m) and clocks (jetson_clocks); Jetson only."""
+    from lineside.jetson.power import query_power, set_power
+
+    if query or (mode is None and clocks is None):
+        print(query_power(str(sysroot)))
+        return
+    for c in set_power(mode, clocks, str(sysroot), dry_run):
+        print(("would run: " if dry_run else "ran: ") + c)
+
+
+@jetson.command("service")
+def service_cmd(
+    bundle: Annotated[str, typer.Option(help="bundle path on the device (the push symlink)")] = "/opt/lineside/current",
+    output: Annotated[str | None, typer.Option("--output", "-o", help="write the unit here (file or dir)")] = None,
+    user: Annotated[str, typer.Option(help="user the server runs as")] = "lineside",
+    host: Annotated[str, typer.Option(help="listen address")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="listen port")] = 8000,
+    env_file: Annotated[str, typer.Option(help="EnvironmentFile (optional at runtime)")] = "/etc/lineside/lineside.env",
+    drain_timeout: Annotated[int, typer.Option(help="server drain timeout in s; TimeoutStopSec adds 15")] = 30,
+    exec_path: Annotated[str, typer.Option(help="lineside on the device (default: found on PATH on a Jetson, "
+                                           "else /usr/local/bin/lineside)")] = "",
+    build_engine: Annotated[bool, typer.Option(help="ExecStartPre builds the engine if none matches")] = True,
+    sysroot: Annotated[Path, typer.Option(help="device files root (tests)")] = Path("/"),
+) -> None:
+    """Write (or print) a systemd unit running `lineside serve` with restart and drain-aware stop."""
+    from lineside.jetson.service import ServiceSpec, install_hint, on_systemd_jetson, write_unit
+
+    is_jetson, systemd = on_systemd_jetson(str(sysroot))
+    if not exec_path and is_jetson:
+        exec_path = shutil.which("lineside") or ""
+    spec = ServiceSpec(bundle=bundle, user=user, host=host, port=port, env_file=env_file,
+                       drain_timeout_s=drain_timeout, exec_path=exec_path, build_engine=build_engine)
+    result = write_unit(spec, output)
+    if output is None:
+        print(result, end="")
+    else:
+        print(f"wrote {result}; {install_hint(result)}")
+    if not is_jetson:
+        print("note: this machine is not a Jetson; copy the unit to the device's /etc/systemd/system/",
+              file=sys.stderr)
+    elif not systemd:
+        print("note: systemd is not running here (a container?); install the unit on the host", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(jetson, name="jetson")

@@ -1,0 +1,262 @@
+"""The memory planner: will this model, quantization, context and batch fit on that device?
+
+MODEL is a Hugging Face checkpoint directory, a lineside bundle, a config.json, or the name of a
+config shipped in ``lineside/data/configs`` (e.g. ``DeepSeek-R1-Distill-Qwen-7B``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lineside.bundle import MANIFEST, read_manifest
+from lineside.config import ModelConfig, family_of, load_hf_config
+from lineside.errors import ConfigError, LinesideError
+from lineside.jetson.devices import Device, get_device
+from lineside.jetson.sizes import (
+    KVSizes,
+    WeightSizes,
+    check_kv_dtype,
+    check_quant,
+    dense_activations,
+    dense_kv,
+    dense_weights,
+)
+from lineside.jetson.sizes_v4 import V4Shape, v4_activations, v4_kv, v4_weights
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "data" / "configs"
+
+
+@dataclass
+class ModelSpec:
+    """What the planner needs to know about a model, whatever form it came in."""
+
+    name: str
+    architecture: str
+    max_positions: int
+    weights: Callable[[str, int], WeightSizes]
+    kv: Callable[[int, int, int], KVSizes]
+    activations: Callable[[int, int, int], int]
+    quantization: str | None = None  # from a bundle's manifest, when known
+
+
+@dataclass
+class Plan:
+    """The answer to one planning question (all sizes in bytes)."""
+
+    model: str
+    architecture: str
+    device: str
+    device_name: str
+    quant: str
+    kv_dtype: str
+    ctx: int
+    batch: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    runtime_overhead_bytes: int
+    total_bytes: int
+    device_bytes: int
+    device_memory_bytes: int
+    unified_memory: bool
+    fits: bool
+    headroom_bytes: int
+    max_context_at_batch: int
+    max_batch_at_context: int
+    model_max_context: int
+    weights_breakdown: dict[str, int] = field(default_factory=dict)
+    kv_breakdown: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped with lineside."""
+    return sorted(p.name for p in CONFIGS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def _spec_from_hf(d: dict[str, Any], name: str, quantization: str | None = None) -> ModelSpec:
+    family = family_of(d)
+    if family == "deepseek_v4":
+        s = V4Shape.from_raw(d)
+        return ModelSpec(
+            name, family, s.max_positions,
+            lambda q, g: v4_weights(s, q, g),
+            lambda c, b, k: v4_kv(s, c, b, k),
+            lambda c, b, p: v4_activations(s, c, b, p),
+            quantization,
+        )
+    cfg = ModelConfig.from_hf_dict(d, name=name)
+    return _spec_from_config(cfg, quantization)
+
+
+def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> ModelSpec:
+    if cfg.architecture == "deepseek_v4":
+        if not cfg.raw:
+            raise ConfigError("DeepSeek-V4 bundle config has no raw Hugging Face fields; rebuild the bundle")
+        return _spec_from_hf(cfg.raw, cfg.name, quantization)
+    return ModelSpec(
+        cfg.name, cfg.architecture, cfg.max_position_embeddings,
+        lambda q, g: dense_weights(cfg, q, g),
+        lambda c, b, k: dense_kv(cfg, c, b, k),
+        lambda c, b, p: dense_activations(cfg, c, b, p),
+        quantization,
+    )
+
+
+def _bundle_quant(manifest: dict[str, Any]) -> str | None:
+    q = manifest.get("quantization")
+    if isinstance(q, dict):
+        q = q.get("scheme") or q.get("quant") or q.get("name")
+    return q if isinstance(q, str) else None
+
+
+def load_model(model: str) -> ModelSpec:
+    """Resolve MODEL (path or shipped name) to a ModelSpec; one-line errors for everything else."""
+    p = Path(model)
+    if not p.exists():
+        lowered = {n.lower(): n for n in shipped_configs()}
+        key = model.strip().lower().removeprefix("deepseek-ai/")
+        if key in lowered:
+            p = CONFIGS_DIR / lowered[key]
+        else:
+            raise LinesideError(
+                f"{model}: no such file or directory, and not a shipped config "
+                f"({', '.join(shipped_configs())}); pass a checkpoint dir, a bundle or a config.json"
+            )
+    if p.is_dir() and (p / MANIFEST).is_file():
+        manifest = read_manifest(p)
+        cfg_rel = manifest.get("config", "config.json")
+        try:
+            d = json.loads((p / cfg_rel).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise LinesideError(f"{p}: bundle config {cfg_rel} unreadable ({e}); rebuild the bundle") from None
+        if isinstance(d, dict) and "architecture" in d and "architectures" not in d:
+            return _spec_from_config(ModelConfig.from_json_dict(d), _bundle_quant(manifest))
+        return _spec_from_hf(d, p.name, _bundle_quant(manifest))
+    if p.is_dir():
+        return _spec_from_hf(load_hf_config(p / "config.json"), p.name)
+    if p.suffix == ".gguf":
+        raise LinesideError(f"{p}: plan a GGUF through its bundle (`lineside build {p} -o BUNDLE`) or a config.json")
+    d = load_hf_config(p)
+    if "architecture" in d and "architectures" not in d and "model_type" not in d:
+        return _spec_from_config(ModelConfig.from_json_dict(d))
+    name = p.parent.name if p.name == "config.json" else p.stem
+    return _spec_from_hf(d, name)
+
+
+def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: int, chunk: int) -> int:
+    return w + spec.kv(ctx, batch, kvb).total + spec.activations(ctx, batch, chunk) + dev.runtime_overhead_bytes
+
+
+def _largest(fits: Callable[[int], bool], hi: int) -> int:
+    """Largest n in [1, hi] with fits(n) (fits is monotone decreasing), or 0."""
+    if hi < 1 or not fits(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(
+    model: str | ModelSpec,
+    device: str,
+    quant: str | None = None,
+    ctx: int = 4096,
+    batch: int = 1,
+    kv_dtype: str = "fp16",
+    group_size: int = 128,
+    prefill_chunk: int = 512,
+) -> Plan:
+    """Size weights, KV cache, activations and overhead against the device's usable memory."""
+    spec = load_model(model) if isinstance(model, str) else model
+    dev = get_device(device)
+    q = check_quant(quant or spec.quantization or "w4a16")
+    kvb = check_kv_dtype(kv_dtype)
+    if ctx < 1 or batch < 1:
+        raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
+    if group_size < 1 or prefill_chunk < 1:
+        raise LinesideError("--group-size and --prefill-chunk must be at least 1")
+    w = spec.weights(q, group_size)
+    kv = spec.kv(ctx, batch, kvb)
+    act = spec.activations(ctx, batch, prefill_chunk)
+    total = w.total + kv.total + act + dev.runtime_overhead_bytes
+    usable = dev.usable_bytes
+    max_ctx = _largest(lambda c: _total(spec, dev, w.total, c, batch, kvb, prefill_chunk) <= usable,
+                       spec.max_positions)
+    max_batch = _largest(lambda b: _total(spec, dev, w.total, ctx, b, kvb, prefill_chunk) <= usable, 4096)
+    notes = list(w.notes)
+    if ctx > spec.max_positions:
+        notes.append(f"ctx {ctx} exceeds the model's max_position_embeddings {spec.max_positions}")
+    if dev.unified:
+        notes.append("unified memory: CPU and GPU share it; device_bytes excludes the OS/firmware reserve")
+    notes.append("building the engine on the device needs extra memory, about the weights again, once")
+    return Plan(
+        model=spec.name, architecture=spec.architecture, device=dev.key, device_name=dev.name,
+        quant=q, kv_dtype=kv_dtype.lower(), ctx=ctx, batch=batch,
+        weights_bytes=w.total, kv_cache_bytes=kv.total, activation_bytes=act,
+        runtime_overhead_bytes=dev.runtime_overhead_bytes, total_bytes=total,
+        device_bytes=usable, device_memory_bytes=dev.memory_bytes, unified_memory=dev.unified,
+        fits=total <= usable and ctx <= spec.max_positions, headroom_bytes=usable - total,
+        max_context_at_batch=max_ctx, max_batch_at_context=max_batch, model_max_context=spec.max_positions,
+        weights_breakdown=w.breakdown, kv_breakdown=kv.breakdown, notes=notes,
+    )
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def format_plan(p: Plan) -> str:
+    """Human-readable plan (the --json form has every field)."""
+    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    lines = [
+        f"{p.model} ({p.architecture}) on {p.device_name} [{p.device}], {p.quant}, KV {p.kv_dtype}, "
+        f"ctx {p.ctx} x batch {p.batch}: {verdict}",
+        f"  weights      {gib(p.weights_bytes):>12}  "
+        + ", ".join(f"{k} {gib(v)}" for k, v in p.weights_breakdown.items() if v),
+        f"  KV cache     {gib(p.kv_cache_bytes):>12}",
+        f"  activations  {gib(p.activation_bytes):>12}",
+        f"  runtime      {gib(p.runtime_overhead_bytes):>12}",
+        f"  total        {gib(p.total_bytes):>12}  of {gib(p.device_bytes)} usable "
+        f"({gib(p.device_memory_bytes)} {'unified' if p.unified_memory else 'GPU'} memory)",
+        f"  largest context at batch {p.batch}: {p.max_context_at_batch}; "
+        f"largest batch at ctx {p.ctx}: {p.max_batch_at_context}",
+    ]
+    lines += [f"  note: {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: int = 1,
+              kv_dtype: str = "fp16") -> str:
+    """Markdown table, smallest model first: weights, KV at ctx, and per device whether ctx x batch fits
+    (with the largest context that fits at that batch)."""
+    header = "| model | weights | KV @ ctx | " + " | ".join(devices) + " |"
+    rows = [header, "|" + "---|" * (3 + len(devices))]
+    specs = sorted((load_model(n) for n in shipped_configs()), key=lambda s: s.weights(quant, 128).total)
+    for spec in specs:
+        name = spec.name
+        cells = []
+        first = None
+        for d in devices:
+            p = plan(spec, d, quant, ctx, batch, kv_dtype)
+            first = first or p
+            cells.append(f"yes (max ctx {_short(p.max_context_at_batch)})" if p.fits else
+                         (f"no (max ctx {_short(p.max_context_at_batch)})" if p.max_context_at_batch else "no"))
+        rows.append(f"| {name} | {gib(first.weights_bytes)} | {gib(first.kv_cache_bytes)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _short(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 else str(n)

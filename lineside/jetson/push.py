@@ -1,0 +1,118 @@
+"""Push a bundle to a device: resumable copy, sha256 verified on the target, atomic activation.
+
+Layout on the target::
+
+    TARGET/versions/.incoming-<hash12>/     a transfer in progress (a rerun resumes it)
+    TARGET/versions/<name>-<hash12>-<time>/ installed bundles (manifest.json + its files)
+    TARGET/current  -> versions/<...>       the active bundle (switched by rename: atomic)
+    TARGET/previous -> versions/<...>       the one before (what `rollback` returns to)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lineside.bundle import MANIFEST, read_manifest, verify_files
+from lineside.errors import BundleError, LinesideError
+from lineside.jetson.targets import LocalTarget, Progress, SshTarget, open_target
+
+
+@dataclass
+class PushResult:
+    target: str
+    version: str
+    previous: str | None
+    files: int
+    bytes_total: int
+    bytes_sent: int
+    resumed_files: int
+    already_installed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _version_name(bundle: Path, manifest: dict[str, Any], digest: str) -> str:
+    name = manifest.get("name") or bundle.resolve().name
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-.") or "bundle"
+    return f"{name}-{digest[:12]}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+
+
+def _activate(t: LocalTarget | SshTarget, version_rel: str) -> str | None:
+    """Make version_rel current, the old current previous; returns the (new) previous."""
+    current, previous = t.links()
+    if current == version_rel:
+        return previous
+    t.switch(version_rel, current)
+    return current
+
+
+def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress | None = None) -> PushResult:
+    """Install ``bundle`` under ``target`` and make it current; an interrupted push resumes on rerun."""
+    src = Path(bundle)
+    manifest = read_manifest(src)
+    verify_files(src, manifest, check_hash=False)  # sizes here; every sha256 is checked on the target
+    digest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
+    expected = {rel: meta["sha256"] for rel, meta in manifest["files"].items()}
+    expected[MANIFEST] = digest
+    files = [*manifest["files"], MANIFEST]  # the manifest last: a version dir with one is complete
+    total = sum(int(m["size"]) for m in manifest["files"].values()) + (src / MANIFEST).stat().st_size
+
+    t = open_target(target, ssh)
+    try:
+        return _push(t, src, manifest, digest, expected, files, total, progress)
+    finally:
+        t.close()
+
+
+def _push(t: LocalTarget | SshTarget, src: Path, manifest: dict[str, Any], digest: str,
+          expected: dict[str, str], files: list[str], total: int, progress: Progress | None) -> PushResult:
+    t.prepare()
+    for name, sha in t.installed_versions().items():
+        if sha == digest:
+            bad = t.verify(name, expected)
+            if bad:
+                raise BundleError(f"installed copy versions/{name} fails the sha256 check for {bad[0]}; "
+                                  f"remove {t.label}/versions/{name} and push again")
+            previous = _activate(t, f"versions/{name}")
+            return PushResult(t.label, name, previous, len(files), total, 0, 0, True)
+
+    staging = f".incoming-{digest[:12]}"
+    stats = t.upload(src, staging, files, progress)
+    bad = t.verify(staging, expected)
+    if bad:  # a changed or corrupt copy: fetch those files again from scratch, once
+        t.discard(staging, bad)
+        more = t.upload(src, staging, files, progress)
+        stats["bytes_sent"] += more["bytes_sent"]
+        bad = t.verify(staging, expected)
+        if bad:
+            t.discard(staging, bad)
+            raise BundleError(
+                f"bundle file {bad[0]} fails its sha256 check on {t.label} even after copying it again: "
+                f"the bundle at {src} no longer matches its manifest; rebuild it (nothing was activated)"
+            )
+    version = _version_name(src, manifest, digest)
+    t.finalize(staging, version)
+    previous = _activate(t, f"versions/{version}")
+    return PushResult(t.label, version, previous, len(files), total, stats["bytes_sent"],
+                      stats["resumed_files"], False)
+
+
+def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:
+    """Swap current and previous; returns (new current, new previous)."""
+    t = open_target(target, ssh)
+    try:
+        current, previous = t.links()
+        if previous is None:
+            raise LinesideError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
+        if not t.exists(previous):
+            raise LinesideError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
+        t.switch(previous, current)
+        return previous, current or ""
+    finally:
+        t.close()

@@ -1,0 +1,126 @@
+"""Memory sizes of a dense (Llama / Qwen2) model: weights per scheme, KV cache, activations.
+
+Plain arithmetic on the config, so the numbers can be checked by hand:
+- Linear layers (q/k/v/o, gate/up/down) are stored per scheme: W4A16 = 4 bits per weight plus one
+  fp16 scale per group of ``group_size`` input rows (symmetric, zero point 0); W8A16 = 8 bits plus
+  the same scales; fp16 / fp32 = 2 / 4 bytes.
+- The token embedding, norms and biases stay in fp16 (TensorRT 10.3 cannot Gather INT8). The LM head
+  is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
+  W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
+- KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × context × batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lineside.config import ModelConfig
+from lineside.errors import LinesideError
+
+QUANT_BITS = {"w4a16": 4, "w8a16": 8, "fp16": 16, "fp32": 32}
+KV_DTYPE_BYTES = {"fp16": 2, "int8": 1, "fp8": 1}
+FP16 = 2
+
+
+@dataclass
+class WeightSizes:
+    """Weight bytes and how they split (quantized linears vs what stays in higher precision)."""
+
+    total: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVSizes:
+    """KV-cache (decode state) bytes for ``batch`` sequences of ``ctx`` tokens."""
+
+    total: int
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+def check_quant(quant: str) -> str:
+    q = quant.strip().lower()
+    if q not in QUANT_BITS:
+        raise LinesideError(f"unknown quantization {quant!r}; choose one of: {', '.join(QUANT_BITS)}")
+    return q
+
+
+def check_kv_dtype(kv_dtype: str) -> int:
+    k = kv_dtype.strip().lower()
+    if k not in KV_DTYPE_BYTES:
+        raise LinesideError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
+    return KV_DTYPE_BYTES[k]
+
+
+def linear_bytes(k: int, n: int, quant: str, group_size: int = 128) -> int:
+    """Bytes of one [K in, N out] linear weight in ``quant`` (scales: fp16, one per group of K rows)."""
+    bits = QUANT_BITS[quant]
+    if bits >= 16:
+        return k * n * bits // 8
+    return math.ceil(k * n * bits / 8) + math.ceil(k / group_size) * n * FP16
+
+
+def dense_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(K, N) of every linear weight in one decoder layer."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def dense_weights(cfg: ModelConfig, quant: str, group_size: int = 128) -> WeightSizes:
+    """Weight bytes of a dense decoder (Llama / Qwen2) stored in ``quant``."""
+    quant = check_quant(quant)
+    h, layers = cfg.hidden_size, cfg.num_layers
+    per_layer = sum(linear_bytes(k, n, quant, group_size) for k, n in dense_linears(cfg))
+    linears = per_layer * layers
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    biases = ((q + 2 * kv) * cfg.attention_bias + h * cfg.o_proj_bias
+              + (2 * cfg.intermediate_size + h) * cfg.mlp_bias) * FP16 * layers
+    norms = (2 * h * layers + h) * FP16
+    embed = cfg.vocab_size * h * FP16
+    if QUANT_BITS[quant] < 16:  # the builder keeps an 8-bit head (manifest: kept_high_precision)
+        head = cfg.vocab_size * h + cfg.vocab_size * FP16
+    else:
+        head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h * FP16
+    small = biases + norms
+    return WeightSizes(
+        total=linears + embed + head + small,
+        breakdown={"linear": linears, "embedding": embed, "lm_head": head, "norms_biases": small},
+        notes=[
+            f"linears in {quant}"
+            + (f" (+ fp16 scale per {group_size} weights)" if QUANT_BITS[quant] < 16 else ""),
+            "token embedding, norms and biases stay fp16"
+            + ("; LM head INT8 per channel" if QUANT_BITS[quant] < 16 else ""),
+        ],
+    )
+
+
+def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv_bytes: int) -> KVSizes:
+    """2 × layers × kv_heads × head_dim × bytes × ctx × batch (grouped-query attention)."""
+    total = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes * ctx * batch
+    return KVSizes(total=total, breakdown={"kv": total})
+
+
+def step_tokens(ctx: int, batch: int, prefill_chunk: int) -> int:
+    """Tokens one engine step processes at most: a prefill chunk of one sequence, or one per sequence."""
+    return max(batch, min(ctx, prefill_chunk))
+
+
+def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int = 512) -> int:
+    """Peak live intermediate tensors for one step (TensorRT reuses them across layers).
+
+    Upper bound: attention written from MatMul/Softmax keeps fp32 scores + fp16 probabilities for
+    every head over the whole context; logits are fp16 for every position of the step.
+    """
+    t = step_tokens(ctx, batch, prefill_chunk)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    attn = t * (2 * h + 2 * q + 2 * kv) * FP16 + cfg.num_heads * t * ctx * (4 + 2)
+    mlp = t * (2 * h + 3 * i) * FP16
+    logits = t * cfg.vocab_size * FP16
+    return max(attn, mlp) + logits

@@ -1,0 +1,226 @@
+"""Where `lineside jetson push` installs a bundle: a local/mounted directory, or `user@host:/dir` over ssh.
+
+Both targets offer the same few operations; the ssh one runs small POSIX shell commands on the
+device (mkdir, sha256sum --check, mv -T, ln -s) and copies with rsync, so the device needs only
+sshd, rsync and coreutils.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from lineside.bundle import sha256_file
+from lineside.errors import LinesideError
+
+_CHUNK = 1 << 20
+Progress = Callable[[int], None]
+
+
+class LocalTarget:
+    """A directory on this machine (or a mounted device filesystem)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.label = str(self.root)
+
+    def close(self) -> None:
+        pass
+
+    def prepare(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise LinesideError(f"{self.root} is not a directory; pass a directory (or user@host:/dir) as TARGET")
+        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+
+    def installed_versions(self) -> dict[str, str]:
+        """{version dir name: sha256 of its manifest.json}."""
+        out = {}
+        vdir = self.root / "versions"
+        for d in sorted(vdir.iterdir()) if vdir.is_dir() else []:
+            if not d.name.startswith(".") and (d / "manifest.json").is_file():
+                out[d.name] = sha256_file(d / "manifest.json")
+        return out
+
+    def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
+        """Copy files into versions/<staging>, appending to partial files (like rsync --append)."""
+        dst_root = self.root / "versions" / staging
+        sent = resumed = 0
+        for rel in files:
+            s, d = src / rel, dst_root / rel
+            d.parent.mkdir(parents=True, exist_ok=True)
+            size = s.stat().st_size
+            have = d.stat().st_size if d.is_file() else 0
+            if have == size:
+                continue
+            if have > size:
+                have = 0
+            resumed += have > 0
+            with open(s, "rb") as fi, open(d, "ab" if have else "wb") as fo:
+                fi.seek(have)
+                while chunk := fi.read(_CHUNK):
+                    fo.write(chunk)
+                    sent += len(chunk)
+                    if progress:
+                        progress(len(chunk))
+                fo.flush()
+                os.fsync(fo.fileno())
+        return {"bytes_sent": sent, "resumed_files": resumed}
+
+    def verify(self, staging: str, expected: dict[str, str]) -> list[str]:
+        """Files in versions/<staging> whose sha256 differs from ``expected`` (or that are missing)."""
+        base = self.root / "versions" / staging
+        return [rel for rel, sha in expected.items() if not (base / rel).is_file() or sha256_file(base / rel) != sha]
+
+    def discard(self, staging: str, files: list[str]) -> None:
+        for rel in files:
+            (self.root / "versions" / staging / rel).unlink(missing_ok=True)
+
+    def finalize(self, staging: str, version: str) -> None:
+        os.rename(self.root / "versions" / staging, self.root / "versions" / version)
+
+    def links(self) -> tuple[str | None, str | None]:
+        """(current, previous) link targets relative to the root, None where absent."""
+        return tuple(os.readlink(self.root / n) if (self.root / n).is_symlink() else None
+                     for n in ("current", "previous"))  # type: ignore[return-value]
+
+    def exists(self, rel: str) -> bool:
+        return (self.root / rel / "manifest.json").is_file()
+
+    def switch(self, current: str, previous: str | None) -> None:
+        """Point previous, then current, at version dirs; each by symlink + os.replace (atomic)."""
+        for name, target in (("previous", previous), ("current", current)):
+            if target is None:
+                continue
+            link = self.root / name
+            if link.exists() and not link.is_symlink():
+                raise LinesideError(f"{link} exists and is not a symlink; move it away, then push again")
+            tmp = self.root / f".{name}.tmp-{os.getpid()}"
+            if tmp.is_symlink() or tmp.exists():
+                tmp.unlink()
+            os.symlink(target, tmp)
+            os.replace(tmp, link)
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class SshTarget:
+    """`user@host:/dir`: rsync over ssh, verification and activation by remote shell commands."""
+
+    def __init__(self, host: str, root: str, ssh: str = "ssh") -> None:
+        self.host = host
+        self.root = root[2:] if root.startswith("~/") else root
+        # One multiplexed connection for the ~10 commands of a push (each new one costs a handshake).
+        control = os.path.join(tempfile.gettempdir(), "lineside-ssh-%C")
+        self.ssh = shlex.split(ssh) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
+                                       "-o", f"ControlPath={control}", "-o", "ControlPersist=30"]
+        self.label = f"{host}:{root}"
+        self._q = shlex.quote(self.root)
+        self._installed: dict[str, str] = {}
+
+    def _run(self, script: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        try:
+            p = subprocess.run([*self.ssh, self.host, script], input=stdin, capture_output=True, text=True,
+                               timeout=600)
+        except FileNotFoundError:
+            raise LinesideError(f"{self.ssh[0]} not found; install an ssh client (openssh-client)") from None
+        except subprocess.TimeoutExpired:
+            raise LinesideError(f"ssh to {self.host} timed out; check the network and retry (push resumes)") from None
+        if p.returncode == 255:
+            last = (p.stderr.strip().splitlines() or ["no message"])[-1]
+            raise LinesideError(f"cannot reach {self.host} over ssh ({last}); check the address, port and keys")
+        if check and p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or [p.stdout.strip() or "no message"])[-1]
+            raise LinesideError(f"command on {self.host} failed ({last})")
+        return p
+
+    def prepare(self) -> None:
+        """Create versions/ and list what is installed there (one round trip)."""
+        script = (f"mkdir -p -- {self._q}/versions && cd {self._q}/versions && for d in */; do "
+                  "[ -f \"$d/manifest.json\" ] || continue; "
+                  "printf '%s %s\\n' \"$(sha256sum < \"$d/manifest.json\" | cut -d' ' -f1)\" \"${d%/}\"; done")
+        out = self._run(script).stdout
+        self._installed = {name: sha for sha, name in (ln.split(" ", 1) for ln in out.splitlines() if " " in ln)}
+
+    def close(self) -> None:
+        """Stop the shared connection (it would otherwise linger ControlPersist seconds)."""
+        subprocess.run([*self.ssh, "-O", "exit", self.host], capture_output=True, timeout=30)
+
+    def installed_versions(self) -> dict[str, str]:
+        return dict(self._installed)
+
+    def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
+        dest = f"{self.host}:{self.root}/versions/{staging}/"
+        cmd = ["rsync", "--partial", "--append-verify", "--stats", "--files-from=-", "--chmod=Du=rwx,Dgo=rx",
+               "-e", shlex.join(self.ssh), f"{src}/", dest]
+        try:
+            p = subprocess.run(cmd, input="\n".join(files) + "\n", capture_output=True, text=True)
+        except FileNotFoundError:
+            raise LinesideError("rsync not found on this machine; install it (apt-get install rsync)") from None
+        if p.returncode != 0:
+            err = " ".join(p.stderr.strip().splitlines()[-2:]) or f"exit {p.returncode}"
+            hint = " (is rsync installed on the device?)" if "command not found" in p.stderr else ""
+            raise LinesideError(f"rsync to {self.host} failed: {err}{hint}; run push again to resume")
+        m = re.search(r"Literal data: ([\d,]+) bytes", p.stdout)
+        sent = int(m.group(1).replace(",", "")) if m else 0
+        if progress:
+            progress(sent)
+        return {"bytes_sent": sent, "resumed_files": -1}  # rsync does not report appended files
+
+    def verify(self, staging: str, expected: dict[str, str]) -> list[str]:
+        listing = "".join(f"{sha}  {rel}\n" for rel, sha in expected.items())
+        p = self._run(f"cd {self._q}/versions/{shlex.quote(staging)} && sha256sum --check --strict -",
+                      stdin=listing, check=False)
+        bad = []
+        for line in (p.stdout + "\n" + p.stderr).splitlines():
+            m = re.match(r"(?:sha256sum: )?(.+?): (FAILED.*|No such file or directory)$", line)
+            if m and m.group(1) in expected:
+                bad.append(m.group(1))
+        if p.returncode != 0 and not bad:
+            raise LinesideError(f"checksum verification on {self.host} failed: {p.stderr.strip()[-200:]}")
+        return sorted(set(bad))
+
+    def discard(self, staging: str, files: list[str]) -> None:
+        if files:
+            names = " ".join(shlex.quote(f) for f in files)
+            self._run(f"cd {self._q}/versions/{shlex.quote(staging)} && rm -f -- {names}")
+
+    def finalize(self, staging: str, version: str) -> None:
+        self._run(f"cd {self._q}/versions && mv -T -- {shlex.quote(staging)} {shlex.quote(version)}")
+
+    def links(self) -> tuple[str | None, str | None]:
+        out = self._run(f"cd {self._q} && for n in current previous; do readlink \"$n\" || echo; done",
+                        check=False).stdout.split("\n")
+        cur, prev = (out + ["", ""])[:2]
+        return cur.strip() or None, prev.strip() or None
+
+    def exists(self, rel: str) -> bool:
+        return self._run(f"test -f {self._q}/{shlex.quote(rel)}/manifest.json", check=False).returncode == 0
+
+    def switch(self, current: str, previous: str | None) -> None:
+        parts = [f"cd {self._q}"]
+        for name, target in (("previous", previous), ("current", current)):
+            if target is None:
+                continue
+            parts.append(f"if [ -e {name} ] && [ ! -L {name} ]; then echo '{name} is not a symlink' >&2; exit 3; fi")
+            parts.append(f"ln -sfn -- {shlex.quote(target)} .{name}.tmp && mv -Tf -- .{name}.tmp {name}")
+        parts.append("(sync . 2>/dev/null || sync)")
+        self._run(" && ".join(parts))
+
+
+_REMOTE = re.compile(r"^(?P<host>(?:[^@/:\s]+@)?[^@/:\s]+):(?P<path>.+)$")
+
+
+def open_target(target: str, ssh: str = "ssh") -> LocalTarget | SshTarget:
+    """`user@host:/dir` -> SshTarget; anything else is a local or mounted directory."""
+    m = _REMOTE.match(target)
+    if m and not os.path.exists(target):
+        return SshTarget(m.group("host"), m.group("path"), ssh)
+    return LocalTarget(Path(target))

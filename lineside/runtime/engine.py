@@ -1,0 +1,319 @@
+"""LLMEngine: continuous batching over one backend, the API the server uses.
+
+``submit`` queues a request and returns a handle to async-iterate; an asyncio task runs the step
+loop: the scheduler plans a step (decode batch + at most one prefill chunk), a worker thread runs
+the backend calls and samples, and the event loop turns tokens into events. Cancellation and
+timeouts take effect at the next step and free the request's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lineside.bundle import Bundle, open_bundle
+from lineside.errors import LinesideError
+from lineside.graph_io import REPLACE
+from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.request import (
+    EngineDraining,
+    GenerationRequest,
+    QueueFullError,
+    RequestHandle,
+    TokenEvent,
+    validate_request,
+)
+from lineside.runtime.scheduler import Scheduler, StepPlan
+from lineside.runtime.sequence import DECODE, FINISHED, Sequence
+
+log = logging.getLogger("lineside.engine")
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    num_slots: int
+    kv_usage: float  # live KV blocks / total blocks, 0..1
+    kv_blocks_used: int
+    kv_blocks_reserved: int
+    kv_blocks_total: int
+    prefix_cache_hits: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    steps: int
+    preemptions: int
+    requests: dict[str, int] = field(default_factory=dict)  # finished requests by finish_reason
+
+
+def make_backend(bundle: Bundle, backend: str, num_slots: int, threads: int | None) -> Backend:
+    """The backend for this machine (TensorRT when its engine fits here, else onnxruntime CPU)."""
+    from lineside.runtime.select import choose_backend
+
+    return choose_backend(bundle, backend, num_slots, say=log.info, threads=threads)
+
+
+class LLMEngine:
+    def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", num_slots: int = 8,
+                 max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
+                 prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
+                 aging_s: float = 10.0, preemption: bool = True):
+        from lineside.runtime.generate import load_tokenizer
+
+        self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+        if num_slots < 1:
+            raise LinesideError(f"num_slots must be ≥ 1, got {num_slots}")
+        self.backend: Backend = (make_backend(self.bundle, backend, num_slots, threads)
+                                 if isinstance(backend, str) else backend)
+        self.backend_name = self.backend.name
+        self.tokenizer = load_tokenizer(self.bundle)
+        self.max_seq_len = int(self.backend.max_seq_len)
+        self.model_name = self.bundle.path.name
+        self.vocab_size = int(self.backend.vocab_size)
+        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
+        # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
+        states = getattr(self.backend, "states", [])
+        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
+        self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, kv_blocks, prefix_ok)
+        # A chunk larger than the backend's prefill profile would be split inside one step anyway.
+        chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
+        self.scheduler = Scheduler(self.arena, chunk, aging_s, preemption)
+        self.max_waiting = max_waiting
+        self.ready = False
+        self.draining = False
+        self._incoming: deque[Sequence] = deque()
+        self._seqs: dict[str, Sequence] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._step_lock = threading.Lock()
+        self._closed = False
+        self._steps = 0
+        self._prompt_total = 0
+        self._generated_total = 0
+        self._outcomes: dict[str, int] = {}
+        self.step_log: deque[tuple[int, int]] | None = None  # (decode rows, prefill tokens) per step, when set
+
+    # ---- public API -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Warm the backend up (first runs allocate and pick kernels), then start the step loop."""
+        if self._task is not None:
+            return
+        if self._closed or self.draining:
+            raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        await asyncio.to_thread(self._warmup)
+        self.ready = True
+        self._task = asyncio.create_task(self._run(), name="lineside-engine")
+        if self._incoming:
+            self._wake.set()
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_timeout`` s, cancel the rest."""
+        self.draining = True
+        self.ready = False
+        deadline = time.monotonic() + drain_timeout
+        while self._task is not None and self._seqs and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for seq in list(self._seqs.values()):
+            seq.handle.cancel()
+        self._kick()
+        while self._task is not None and self._seqs and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in list(self._seqs.values()):  # never started: finish them here
+            self._finish(seq, seq.abort("cancelled"))
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Free the backend (after any step still running in the worker thread); ``stop`` calls it."""
+        with self._step_lock:
+            if not self._closed:
+                self._closed = True
+                self.backend.close()
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
+        validate_request(req, self.vocab_size, self.max_seq_len)
+        if len(self._incoming) + len(self.scheduler.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
+        if req.request_id in self._seqs:
+            raise LinesideError(f"request id {req.request_id!r} is already running; use a new id")
+        if not self.arena.fits_ever(len(req.prompt_ids) + min(req.max_tokens, self.max_seq_len - len(req.prompt_ids))):
+            raise LinesideError(f"prompt + max_tokens need more KV than the engine's {self.arena.total_blocks} blocks "
+                               f"of {self.arena.block_size}; lower max_tokens")
+        handle = RequestHandle(req, on_cancel=self._kick)
+        seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len)
+        self._seqs[req.request_id] = seq
+        self._incoming.append(seq)
+        self._kick()
+        return handle
+
+    def stats(self) -> EngineStats:
+        a, s = self.arena, self.scheduler
+        used = a.used_blocks
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting) + len(self._incoming), num_slots=a.num_slots,
+            kv_usage=used / a.total_blocks, kv_blocks_used=used, kv_blocks_reserved=a.reserved_blocks,
+            kv_blocks_total=a.total_blocks, prefix_cache_hits=a.prefix_hits, prefix_cache_hit_tokens=a.prefix_hit_tokens,
+            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total, steps=self._steps,
+            preemptions=s.preemptions, requests=dict(self._outcomes))
+
+    # ---- loop -------------------------------------------------------------------------------------
+    def _kick(self) -> None:
+        """Wake the step loop (safe from any thread)."""
+        if self._wake is None or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._wake.set()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            try:
+                self._intake()
+                self._expire()
+                plan = self.scheduler.schedule()
+                if plan.empty:
+                    await self._wake.wait()
+                    continue
+                out, errors = await asyncio.to_thread(self._execute, plan)
+                for seq, msg in errors.items():
+                    self._finish(seq, seq.abort("error", msg))
+                self._apply(plan, out, errors)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # an engine bug must not leave clients waiting forever
+                msg = _error_line(e)
+                for seq in list(self._seqs.values()):
+                    if seq.status != FINISHED:
+                        with contextlib.suppress(Exception):
+                            self._finish(seq, seq.abort("error", msg))
+            await asyncio.sleep(0)  # let the server's tasks run between steps
+
+    def _intake(self) -> None:
+        while self._incoming:
+            seq = self._incoming.popleft()
+            self._prompt_total += len(seq.prompt)
+            self.scheduler.add(seq)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.handle.cancel_requested:
+                self._finish(seq, seq.abort("cancelled"))
+            elif seq.deadline is not None and now >= seq.deadline:
+                self._finish(seq, seq.abort("timeout"))
+
+    def _finish(self, seq: Sequence, ev: TokenEvent) -> None:
+        if seq.status == FINISHED:
+            return
+        self.scheduler.remove(seq)
+        seq.status = FINISHED
+        seq.handle.metrics.finished = time.monotonic()
+        self._outcomes[ev.finish_reason or "stop"] = self._outcomes.get(ev.finish_reason or "stop", 0) + 1
+        self._seqs.pop(seq.req.request_id, None)
+        seq.handle._push(ev)
+
+    # ---- worker thread: backend calls + sampling ----------------------------------------------------
+    def _execute(self, plan: StepPlan) -> tuple[dict[Sequence, int], dict[Sequence, str]]:
+        """Slot ops, then the decode batch, then the prefill chunk; a failing call fails only its sequences."""
+        sampled: dict[Sequence, int] = {}
+        errors: dict[Sequence, str] = {}
+        with self._step_lock:
+            be = self.backend
+            try:
+                for op in plan.ops:
+                    if op.kind == "copy":
+                        be.copy_slot(op.src, op.dst, op.length)
+                    else:
+                        be.reset_slot(op.dst)
+            except Exception as e:  # the slots these ops touched can't be trusted: fail everything in the step
+                msg = _error_line(e)
+                return {}, {s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]}
+            if plan.decode:
+                try:
+                    logits = be.forward(plan.decode_batch())
+                    for r, seq in enumerate(plan.decode):
+                        if seq.samples:
+                            sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
+                except Exception as e:  # a backend failure ends the requests in this call, not the server
+                    errors.update((s, _error_line(e)) for s in plan.decode if s not in sampled)
+            seq = plan.prefill
+            if seq is not None:
+                try:
+                    logits = be.forward(plan.prefill_batch())
+                    if plan.prefill_last and seq.pending is None:
+                        sampled[seq] = seq.sampler(logits[0, -1], seq.tokens, len(seq.prompt))
+                except Exception as e:
+                    errors[seq] = _error_line(e)
+        return sampled, errors
+
+    def _warmup(self) -> None:
+        """One prefill and one decode step on slot 0, then forget it."""
+        be = self.backend
+        ids = [int(self.bundle.config.bos_token_id or 0)] * 4
+        be.reset_slot(0)
+        be.forward(StepBatch.single(0, ids, 0))
+        be.forward(StepBatch.single(0, ids[:1], len(ids)))
+        be.reset_slot(0)
+
+    # ---- event loop: tokens → events ------------------------------------------------------------
+    def _apply(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str]) -> None:
+        self._steps += 1
+        if self.step_log is not None:
+            self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
+        now = time.monotonic()
+        for seq in plan.decode:
+            if seq.status != DECODE or seq.slot is None or seq in errors:
+                continue
+            self.arena.append(seq.slot, [seq.pending], shareable=False)
+            seq.computed += 1
+            if seq.replay:
+                seq.pending = seq.replay.popleft()
+        pf = plan.prefill
+        if pf is not None and pf.slot is not None and pf not in errors:
+            self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
+            pf.computed += len(plan.prefill_tokens)
+            if plan.prefill_last:
+                pf.status = DECODE
+        for seq, tok in sampled.items():
+            if seq.status == FINISHED:
+                continue
+            self._generated_total += 1
+            ev = seq.on_token(tok, now)
+            if ev.finish_reason is not None:
+                self._finish(seq, ev)
+            else:
+                seq.handle._push(ev)
+
+    def __repr__(self) -> str:
+        return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
+
+
+def _error_line(e: Exception) -> str:
+    log.error("engine step failed", exc_info=e)
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return f"model step failed: {first}"

@@ -1,0 +1,106 @@
+"""Single-stream generation and logits: the direct path used by `lineside generate` and `lineside logits`.
+
+Prefill runs the whole prompt in one step (logits at the last position only), then decode
+feeds one token per step through the backend's cache. The serving engine batches the same steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lineside.bundle import Bundle, open_bundle
+from lineside.errors import LinesideError
+from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.tokenizer import Tokenizer
+
+
+def load_tokenizer(bundle: Bundle) -> Tokenizer:
+    return Tokenizer(bundle.tokenizer_dir, bundle.manifest.get("tokenizer"))
+
+
+def check_ids(ids: list[int], vocab_size: int) -> None:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
+
+
+def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", slot: int = 0) -> np.ndarray:
+    """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token."""
+    check_ids(ids, backend.vocab_size)
+    if not ids:
+        raise LinesideError("--ids is empty; give at least one token id")
+    backend.reset_slot(slot)
+    if mode == "prefill":
+        return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True))[0]
+    if mode != "decode":
+        raise LinesideError(f"--mode {mode!r} is not prefill or decode")
+    rows = [backend.forward(StepBatch.single(slot, [t], i))[0, 0] for i, t in enumerate(ids)]
+    return np.stack(rows)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    prompt_tokens: int = 0
+
+
+class Generator:
+    """Loads a bundle and generates for one request at a time (the engine does many at once)."""
+
+    def __init__(self, bundle: Bundle | str | Path, backend: Backend | None = None, threads: int | None = None):
+        self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+        if backend is None:
+            from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+            backend = OnnxRuntimeBackend(self.bundle, num_slots=1, threads=threads)
+        self.backend = backend
+        self.tokenizer = load_tokenizer(self.bundle)
+        eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
+        self.eos_ids = eos
+
+    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None,
+               stop_at_eos: bool = True) -> Iterator[int]:
+        """Yield generated token ids one by one (EOS is not yielded)."""
+        check_ids(prompt_ids, self.backend.vocab_size)
+        if not prompt_ids:
+            raise LinesideError("the prompt is empty after tokenization; give some text")
+        limit = self.backend.max_seq_len
+        if len(prompt_ids) >= limit:
+            raise LinesideError(f"prompt has {len(prompt_ids)} tokens; this bundle's context is {limit}")
+        max_tokens = min(max_tokens, limit - len(prompt_ids))
+        sampler = Sampler(params or SamplingParams())
+        self.backend.reset_slot(0)
+        logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0))[0, -1]
+        history = list(prompt_ids)
+        pos = len(prompt_ids)
+        for _ in range(max_tokens):
+            tok = sampler(logits, history, len(prompt_ids))
+            if stop_at_eos and tok in self.eos_ids:
+                return
+            yield tok
+            history.append(tok)
+            if len(history) - len(prompt_ids) >= max_tokens:
+                return
+            logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
+            pos += 1
+
+    def generate(self, prompt: str, max_tokens: int = 128, params: SamplingParams | None = None,
+                 chat: bool = False) -> GenerationResult:
+        tok = self.tokenizer
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+        out = GenerationResult(prompt_tokens=len(ids))
+        detok = IncrementalDetokenizer(tok)
+        for t in self.stream(ids, max_tokens, params):
+            out.token_ids.append(t)
+            out.text += detok.add(t)
+        out.text += detok.flush()
+        out.finish_reason = "length" if len(out.token_ids) >= max_tokens else "stop"
+        return out

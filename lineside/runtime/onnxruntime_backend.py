@@ -1,0 +1,230 @@
+"""onnxruntime backend: runs a bundle's ``cpu`` (or ``trt``) graph and owns its state arena.
+
+The arena holds every state tensor for ``num_slots`` sequences. For the ``cpu`` flavor the KV
+cache is updated in place: past and present are bound to the same memory with IOBinding, so a
+decode step copies no cache. ``append`` states (the ``trt`` flavor) get the past sliced out and
+the new entries written back; ``replace`` states are swapped whole.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from lineside.bundle import Bundle
+from lineside.errors import LinesideError
+from lineside.graph_io import APPEND, INPLACE, REPLACE, StateTensor, resolve_shape
+from lineside.runtime.backend import StepBatch
+
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+
+
+def default_threads() -> int:
+    """Physical-ish core count: onnxruntime runs as if single-threaded without an explicit value."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
+                 max_seq_len: int | None = None, accuracy_level: int | None = None):
+        import onnxruntime as ort
+
+        flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
+        entry = bundle.flavor(flavor)
+        self.flavor = flavor
+        self.num_slots = int(num_slots)
+        self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
+        self.vocab_size = bundle.config.vocab_size
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(threads or default_threads())
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if accuracy_level is not None:
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
+        try:
+            self.session = ort.InferenceSession(str(bundle.file(entry["graph"])), so,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types for bad graphs
+            raise LinesideError(f"onnxruntime could not load {entry['graph']}: {str(e).splitlines()[0]}") from None
+        self.input_names = {i.name for i in self.session.get_inputs()}
+        self.states = [StateTensor.from_dict(s) for s in entry["state"]]
+        dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
+        self.arena: dict[str, np.ndarray] = {
+            s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
+        }
+        self.uses_gqa = "seqlens_k" in self.input_names
+        # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
+        self._decode_ready = self.uses_gqa and all(st.update == INPLACE for st in self.states) and \
+            self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
+                                 *(st.input for st in self.states)}
+        self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        self._ort = ort
+
+    # ---- Backend interface ------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        b, s = batch.input_ids.shape
+        ends = batch.past_lengths + batch.new_lengths
+        if int(ends.max()) > self.max_seq_len:
+            raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
+                               f"{self.max_seq_len}")
+        if self.uses_gqa and b > 1 and s > 1:
+            # GroupQueryAttention takes one new length per step for the whole batch: run rows one by one.
+            return np.concatenate([self.forward(_row(batch, r)) for r in range(b)], axis=0)
+        if s == 1 and self._decode_ready:
+            slots = list(batch.slots)
+            if slots == list(range(slots[0], slots[0] + b)):
+                return self._decode_fast(batch)
+        return self._run(batch)
+
+    def _decode_fast(self, batch: StepBatch) -> np.ndarray:
+        """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
+        (first slot, batch, n_logits); a step only writes a few integers and runs."""
+        b, k = len(batch.slots), batch.logits_positions.shape[1]
+        key = (batch.slots[0], b, k)
+        fast = self._fast.get(key)
+        if fast is None:
+            if len(self._fast) >= 32:
+                self._fast.clear()
+            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k)
+        io, ids, pos, seqlens, total, logits = fast
+        ids[:] = batch.input_ids
+        pos[:] = batch.logits_positions
+        ends = batch.past_lengths + batch.new_lengths
+        seqlens[:] = ends - 1
+        total[...] = int(ends.max())
+        self.session.run_with_iobinding(io)
+        return logits.copy()
+
+    def _bind_decode(self, first: int, b: int, k: int) -> tuple[Any, ...]:
+        io = self.session.io_binding()
+        self._bound_outputs, self._keep_alive = [], []
+        ids = np.zeros((b, 1), np.int64)
+        pos = np.zeros((b, k), np.int64)
+        seqlens = np.zeros((b,), np.int32)
+        total = np.zeros((), np.int32)
+        logits = np.zeros((b, k, self.vocab_size), np.float32)
+        for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
+                          ("total_sequence_length", total)):
+            self._bind(io, name, arr, output=False)
+        for st in self.states:
+            view = self.arena[st.input][first:first + b]
+            self._bind(io, st.input, view, output=False)
+            self._bind(io, st.output, view, output=True)
+        self._bind(io, "logits", logits, output=True)
+        # The arena outlives the binding; the small arrays live in the returned tuple.
+        self._keep_alive = []
+        return io, ids, pos, seqlens, total, logits
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        for s in self.states:
+            a = self.arena[s.input]
+            if s.update == REPLACE:
+                a[dst] = a[src]
+            else:
+                idx = [slice(None)] * a.ndim
+                idx[0], idx[s.seq_axis] = dst, slice(0, length)
+                src_idx = list(idx)
+                src_idx[0] = src
+                a[tuple(idx)] = a[tuple(src_idx)]
+
+    def reset_slot(self, slot: int) -> None:
+        for s in self.states:
+            if s.update == REPLACE:
+                self.arena[s.input][slot] = 0
+
+    def close(self) -> None:
+        self.session = None  # type: ignore[assignment]
+
+    # ---- one step -----------------------------------------------------------------------
+    def _run(self, batch: StepBatch) -> np.ndarray:
+        b, s = batch.input_ids.shape
+        slots = list(batch.slots)
+        contiguous = slots == list(range(slots[0], slots[0] + b))
+        past = batch.past_lengths.astype(np.int64)
+        feeds: dict[str, Any] = {"input_ids": np.ascontiguousarray(batch.input_ids, dtype=np.int64),
+                                 "logits_positions": np.ascontiguousarray(batch.logits_positions, dtype=np.int64)}
+        p_max = int(past.max()) if b else 0
+        if "position_ids" in self.input_names:
+            feeds["position_ids"] = past[:, None] + np.arange(s, dtype=np.int64)[None, :]
+        if "attention_mask" in self.input_names:
+            mask = np.zeros((b, p_max + s), dtype=np.int64)
+            mask[:, :p_max] = np.arange(p_max)[None, :] < past[:, None]
+            mask[:, p_max:] = np.arange(s)[None, :] < batch.new_lengths[:, None]
+            feeds["attention_mask"] = mask
+        if self.uses_gqa:
+            total = past + batch.new_lengths
+            feeds["seqlens_k"] = (total - 1).astype(np.int32)
+            feeds["total_sequence_length"] = np.array(int(total.max()), dtype=np.int32)
+        if "past_lengths" in self.input_names:
+            feeds["past_lengths"] = past
+
+        io = self.session.io_binding()
+        self._bound_outputs: list[str] = []
+        self._keep_alive: list[np.ndarray] = []
+        for name, arr in feeds.items():
+            if name in self.input_names:
+                io.bind_cpu_input(name, arr)
+        views: dict[str, np.ndarray] = {}
+        for st in self.states:
+            a = self.arena[st.input]
+            if st.update == INPLACE:
+                view = a[slots[0]:slots[0] + b] if contiguous else np.ascontiguousarray(a[slots])
+                views[st.input] = view
+                self._bind(io, st.input, view, output=False)
+                self._bind(io, st.output, view, output=True)
+            elif st.update == APPEND:
+                idx = [slice(None)] * a.ndim
+                idx[st.seq_axis] = slice(0, p_max)
+                view = np.ascontiguousarray(a[slots][tuple(idx)])
+                self._bind(io, st.input, view, output=False)
+                self._bind_new(io, st.output)
+            else:  # REPLACE
+                view = np.ascontiguousarray(a[slots])
+                self._bind(io, st.input, view, output=False)
+                self._bind_new(io, st.output)
+        self._bind_new(io, "logits")
+        self.session.run_with_iobinding(io)
+        outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
+        for st in self.states:
+            a = self.arena[st.input]
+            if st.update == INPLACE:
+                if not contiguous:
+                    a[slots] = views[st.input]
+            elif st.update == APPEND:
+                new = outs[st.output].numpy()
+                for r, slot in enumerate(slots):
+                    n = int(batch.new_lengths[r])
+                    dst = [slice(None)] * (a.ndim - 1)
+                    dst[st.seq_axis - 1] = slice(int(past[r]), int(past[r]) + n)
+                    src = [slice(None)] * (a.ndim - 1)
+                    src[st.seq_axis - 1] = slice(0, n)
+                    a[slot][tuple(dst)] = new[r][tuple(src)]
+            else:
+                a[slots] = outs[st.output].numpy()
+        self._keep_alive.clear()
+        return outs["logits"].numpy()
+
+    def _bind(self, io: Any, name: str, arr: np.ndarray, output: bool) -> None:
+        self._keep_alive.append(arr)  # IOBinding holds a raw pointer: the array must outlive the run
+        args = (name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        if output:
+            io.bind_output(*args)
+            self._bound_outputs.append(name)
+        else:
+            io.bind_input(*args)
+
+
+    def _bind_new(self, io: Any, name: str) -> None:
+        io.bind_output(name, "cpu")
+        self._bound_outputs.append(name)
+
+
+def _row(batch: StepBatch, r: int) -> StepBatch:
+    n = int(batch.new_lengths[r])
+    return StepBatch(slots=[batch.slots[r]], input_ids=batch.input_ids[r:r + 1, :n],
+                     past_lengths=batch.past_lengths[r:r + 1], new_lengths=batch.new_lengths[r:r + 1],
+                     logits_positions=batch.logits_positions[r:r + 1])

@@ -1,0 +1,166 @@
+"""What the server hands the engine and gets back: requests, token events, handles, per-request timings.
+
+Plain data plus one handle per request: the handle is an async iterator of ``TokenEvent``s that
+ends after the event carrying ``finish_reason``, and ``cancel()`` frees the request's KV at the
+next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from uuid import uuid4
+
+from lineside.errors import LinesideError
+from lineside.runtime.sampling import SamplingParams
+
+PRIORITIES = ("high", "normal", "low")
+MODES = ("realtime", "batch")
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+
+class QueueFullError(LinesideError):
+    """The waiting queue is at ``max_waiting``: the server answers 429 / 503 and the client retries later."""
+
+
+class EngineDraining(LinesideError):
+    """The engine is stopping and takes no new requests."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, not in the output
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: str = "normal"  # "high" | "normal" | "low"
+    mode: str = "realtime"  # "realtime" | "batch" (batch ranks below every realtime priority)
+    timeout_s: float | None = None  # from arrival (submit) to the last token
+    request_id: str = field(default_factory=lambda: uuid4().hex)
+
+
+def base_rank(req: GenerationRequest) -> int:
+    """0 is served first: realtime high/normal/low = 0/1/2, batch high/normal/low = 3/4/5."""
+    return PRIORITIES.index(req.priority) + (3 if req.mode == "batch" else 0)
+
+
+def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
+    """Refuse a malformed request at submit with one line (the server turns it into a 400)."""
+    if req.priority not in PRIORITIES:
+        raise LinesideError(f"priority {req.priority!r} is not one of {', '.join(PRIORITIES)}")
+    if req.mode not in MODES:
+        raise LinesideError(f"mode {req.mode!r} is not one of {', '.join(MODES)}")
+    if not req.prompt_ids:
+        raise LinesideError("the prompt is empty after tokenization; give some text")
+    bad = [i for i in req.prompt_ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
+    if len(req.prompt_ids) >= max_seq_len:
+        raise LinesideError(f"prompt has {len(req.prompt_ids)} tokens; this model's context is {max_seq_len} "
+                           "(shorten the prompt)")
+    if req.max_tokens < 1:
+        raise LinesideError(f"max_tokens must be ≥ 1, got {req.max_tokens}")
+    if req.timeout_s is not None and req.timeout_s <= 0:
+        raise LinesideError(f"timeout must be > 0 seconds, got {req.timeout_s}")
+    if any(not isinstance(s, str) or not s for s in req.stop):
+        raise LinesideError("stop strings must be non-empty strings")
+    req.sampling.validate()
+
+
+@dataclass
+class TokenEvent:
+    text: str  # new complete UTF-8 text since the last event (may be "")
+    token_ids: list[int]  # tokens generated since the last event (a final EOS / stop token is not included)
+    finish_reason: str | None  # None while running; "stop" | "length" | "cancelled" | "timeout" | "error"
+    prompt_tokens: int
+    completion_tokens: int  # tokens the model generated so far, counting a final EOS / stop token
+    error: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) for TTFT / TPOT / ITL; ``token_times`` has one entry per token."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None  # first admitted to a slot
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prefix_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+
+class RequestHandle:
+    """One submitted request: ``async for ev in handle`` streams its events; ``cancel()`` stops it."""
+
+    def __init__(self, request: GenerationRequest, on_cancel: Callable[[], None] | None = None):
+        self.request = request
+        self.request_id = request.request_id
+        self.metrics = RequestMetrics()
+        self.finish_reason: str | None = None
+        self.cancel_requested = False
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self._done = False
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its KV is freed at the next step (a no-op once finished)."""
+        if self.finish_reason is None and not self.cancel_requested:
+            self.cancel_requested = True
+            if self._on_cancel is not None:
+                self._on_cancel()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _push(self, ev: TokenEvent) -> None:
+        """Engine side (event-loop thread): queue one event."""
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+        self._queue.put_nowait(ev)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        while not self._done:
+            ev = await self._queue.get()
+            if ev.finish_reason is not None:
+                self._done = True
+            yield ev
+
+    async def result(self) -> tuple[str, list[int], TokenEvent]:
+        """Consume the whole stream (once): (all text, all token ids, the final event)."""
+        text, ids, last = [], [], None
+        async for ev in self:
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+            last = ev
+        if last is None:
+            raise RuntimeError(f"request {self.request_id}'s events were already consumed")
+        return "".join(text), ids, last

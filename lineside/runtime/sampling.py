@@ -1,0 +1,103 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p and the usual penalties, seeded.
+
+Applied on one row of float32 logits in numpy; the order follows vLLM / transformers
+(penalties → temperature → top-k → top-p → min-p), so the same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lineside.errors import LinesideError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 → greedy
+    top_k: int = 0  # 0 → off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0):
+            raise LinesideError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise LinesideError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            raise LinesideError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise LinesideError(f"top_k must be ≥ 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise LinesideError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Per-request sampler: owns the request's random generator so a seed reproduces the output."""
+
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
+        """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
+        frequency penalties count only the generated part, ``history[prompt_len:]`` (as vLLM does)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._sample(np.asarray(logits, dtype=np.float64), logits, history, prompt_len)
+
+    def _sample(self, x: np.ndarray, logits: np.ndarray, history: list[int] | None, prompt_len: int) -> int:
+        p = self.p
+        if history and p.repetition_penalty != 1.0:
+            x = x.copy()
+            ids = np.unique(np.asarray(history, dtype=np.int64))
+            ids = ids[(ids >= 0) & (ids < x.shape[0])]
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        out = history[prompt_len:] if history else []
+        if len(out) and (p.presence_penalty or p.frequency_penalty):
+            x = x.copy()
+            ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
+            ok = (ids >= 0) & (ids < x.shape[0])
+            x[ids[ok]] -= p.presence_penalty + p.frequency_penalty * counts[ok]
+        if p.greedy:
+            return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
+        x = _sanitize(x / p.temperature)
+        if x is None:  # nothing finite left (extreme penalties/temperature): fall back to greedy
+            return int(np.argmax(np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)))
+        if p.top_k and p.top_k < x.shape[0]:
+            kth = np.partition(x, -p.top_k)[-p.top_k]
+            x = np.where(x < kth, -np.inf, x)
+        x = x - x.max()
+        probs = np.exp(x)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            csum = np.cumsum(probs[order])
+            cut = int(np.searchsorted(csum, p.top_p)) + 1  # keep the smallest set reaching top_p
+            keep = np.zeros_like(probs, dtype=bool)
+            keep[order[:cut]] = True
+            probs = np.where(keep, probs, 0.0)
+        if p.min_p > 0:
+            probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+        return int(self.rng.choice(probs.shape[0], p=probs))
+
+
+def _sanitize(x: np.ndarray) -> np.ndarray | None:
+    """Make extreme-but-valid parameters safe: NaN → -inf; if some logits overflowed to +inf, only those
+    stay (uniformly); None when no candidate is left."""
+    x = np.where(np.isnan(x), -np.inf, x)
+    pos = np.isposinf(x)
+    if pos.any():
+        x = np.where(pos, 0.0, -np.inf)
+    return x if np.isfinite(x).any() else None

@@ -1,0 +1,73 @@
+"""`--backend auto|onnxruntime|tensorrt`: pick the backend for a bundle on this machine and say why."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lineside.errors import BackendUnavailable, LinesideError
+
+CHOICES = ("auto", "onnxruntime", "tensorrt")
+
+
+@dataclass
+class Decision:
+    backend: str  # "onnxruntime" | "tensorrt"
+    reason: str  # one line: which and why
+
+    @property
+    def message(self) -> str:
+        return f"backend: {self.backend} ({self.reason})"
+
+
+def decide_backend(bundle: Any, requested: str = "auto") -> Decision:
+    """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run."""
+    from lineside.build.engine.key import find_engine, machine_key
+
+    if requested not in CHOICES:
+        raise LinesideError(f"--backend {requested!r} is not one of {', '.join(CHOICES)}")
+    if requested == "onnxruntime":
+        return Decision("onnxruntime", "asked for with --backend onnxruntime")
+    if "trt" not in bundle.flavors:
+        if requested == "tensorrt":
+            bundle.flavor("trt")  # raises: names the flavors the bundle has and the rebuild option
+        return Decision("onnxruntime", "the bundle has no trt graph")
+    try:
+        here = machine_key()
+        fl = bundle.flavor("trt")
+        sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
+        d, _meta = find_engine(bundle.path, here, sha)
+    except LinesideError as e:
+        if requested == "tensorrt":
+            raise
+        return Decision("onnxruntime", f"TensorRT not used: {e}")
+    return Decision("tensorrt", f"engine {d.name} matches this GPU ({here.gpu_name}, SM {here.compute_capability})")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def choose_backend(bundle: Any, requested: str = "auto", num_slots: int = 4,
+                   say: Callable[[str], None] = _say, threads: int | None = None) -> Any:
+    """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
+    onnxruntime's intra-op threads when it is the one chosen."""
+    dec = decide_backend(bundle, requested)
+    if dec.backend == "tensorrt":
+        from lineside.runtime.tensorrt_backend import TensorRTBackend
+
+        try:
+            backend = TensorRTBackend(bundle, num_slots=num_slots)
+        except BackendUnavailable as e:
+            if requested == "tensorrt":
+                raise
+            dec = Decision("onnxruntime", f"TensorRT engine failed to load: {e}")
+        else:
+            say(dec.message)
+            return backend
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    say(dec.message)
+    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads)

@@ -1,0 +1,100 @@
+"""One request's generation state inside the engine: tokens, slot, sampler, detokenizer, stop matcher.
+
+Turns each sampled token into the next ``TokenEvent`` (EOS / stop tokens, stop strings, max
+tokens), so the engine loop only moves tokens between the backend and these objects.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.request import GenerationRequest, RequestHandle, TokenEvent, base_rank
+from lineside.runtime.sampling import Sampler
+from lineside.runtime.stop import StopMatcher
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+class Sequence:
+    def __init__(self, handle: RequestHandle, tokenizer: Any, eos_ids: set[int], max_seq_len: int):
+        req: GenerationRequest = handle.request
+        self.handle, self.req = handle, req
+        self.prompt = [int(t) for t in req.prompt_ids]
+        self.generated: list[int] = []
+        self.tokens = list(self.prompt)  # prompt + generated: the penalty history
+        self.max_tokens = min(req.max_tokens, max_seq_len - len(self.prompt))
+        self.sampler = Sampler(req.sampling)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stopper = StopMatcher(req.stop)
+        self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_ids))
+        self.rank = base_rank(req)
+        self.arrival = handle.metrics.arrival
+        self.status = WAITING
+        self.slot: int | None = None
+        self.computed = 0  # positions whose KV is in the slot (prompt first, then fed tokens)
+        self.fill: list[int] = []  # tokens to prefill before decoding
+        self.pending: int | None = None  # sampled, not yet fed to the model
+        self.replay: deque[int] = deque()  # after a preemption: generated tokens to feed again, one per step
+        self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
+
+    # ---- scheduling ------------------------------------------------------------------------
+    @property
+    def reserve_tokens(self) -> int:
+        """Positions to reserve at admission: everything it may ever hold."""
+        return len(self.prompt) + self.max_tokens
+
+    def start_fill(self) -> tuple[list[int], int]:
+        """Tokens to prefill on (re)admission and the most of them the prefix cache may supply.
+
+        A request resumed after preemption prefills its prompt again, then feeds its generated tokens
+        back one per decode step (``replay``), so its KV is rebuilt by the same kinds of steps that
+        built it the first time and its continuation is the one it would have had."""
+        self.fill = list(self.prompt)
+        if self.generated:
+            self.pending, self.replay = self.generated[0], deque(self.generated[1:])
+            return self.fill, len(self.fill)
+        self.pending, self.replay = None, deque()
+        return self.fill, len(self.fill) - 1  # the last prompt token must run to give logits
+
+    @property
+    def samples(self) -> bool:
+        """Whether the next decode step's logits are sampled (not while replaying)."""
+        return not self.replay
+
+    def effective_rank(self, now: float, aging_s: float) -> float:
+        """Lower is served first; waiting lowers it so nothing starves."""
+        return self.rank - (now - self.arrival) / aging_s if aging_s > 0 else float(self.rank)
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _event(self, text: str, ids: list[int], reason: str | None, error: str | None = None) -> TokenEvent:
+        return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
+                          completion_tokens=len(self.generated), error=error)
+
+    def on_token(self, tok: int, now: float | None = None) -> TokenEvent:
+        """Record a sampled token; returns its event (with ``finish_reason`` when it ends the request)."""
+        now = time.monotonic() if now is None else now
+        m = self.handle.metrics
+        if m.first_token is None:
+            m.first_token = now
+        m.token_times.append(now)
+        self.generated.append(tok)
+        self.tokens.append(tok)
+        self.pending = tok
+        if tok in self.stop_ids:
+            return self._event(self._flush(), [], "stop")
+        text = self.stopper.feed(self.detok.add(tok))
+        if self.stopper.stopped:
+            return self._event(text, [tok], "stop")
+        if len(self.generated) >= self.max_tokens:
+            return self._event(text + self._flush(), [tok], "length")
+        return self._event(text, [tok], None)
+
+    def abort(self, reason: str, error: str | None = None) -> TokenEvent:
+        """Final event for cancel / timeout / error (text held back so far is released)."""
+        return self._event(self._flush() if reason != "cancelled" else "", [], reason, error)
+
+    def _flush(self) -> str:
+        return self.stopper.feed(self.detok.flush()) + self.stopper.flush()

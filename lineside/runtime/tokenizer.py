@@ -1,0 +1,131 @@
+"""Tokenizer and chat template from a bundle's ``tokenizer/`` directory.
+
+Encoding uses the ``tokenizers`` library on the bundle's tokenizer.json; the chat template is
+the checkpoint's own Jinja template rendered in a sandbox, as transformers does.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from lineside.errors import BundleError, LinesideError
+
+
+class Tokenizer:
+    """Text ↔ ids plus the chat template; plain data in, plain data out."""
+
+    def __init__(self, tok_dir: Path, manifest_tok: dict[str, Any] | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok_dir = Path(tok_dir)
+        tj = tok_dir / "tokenizer.json"
+        if not tj.is_file():
+            raise BundleError(f"{tok_dir}: tokenizer.json missing; rebuild the bundle")
+        self._tok = HFTokenizer.from_file(str(tj))
+        cfg: dict[str, Any] = {}
+        tc = tok_dir / "tokenizer_config.json"
+        if tc.is_file():
+            cfg = json.loads(tc.read_text())
+        info = dict(manifest_tok or {})
+        self.chat_template: str | None = info.get("chat_template") or cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        self.bos_token_id: int | None = info.get("bos_token_id")
+        self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
+        self.add_bos: bool = bool(info.get("add_bos_token", cfg.get("add_bos_token", False)))
+        self.bos_token = self._token_text(cfg.get("bos_token"), self.bos_token_id)
+        eos_first = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.eos_token = self._token_text(cfg.get("eos_token"), eos_first)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._compiled = None
+
+    def _token_text(self, v: Any, tid: int | None) -> str | None:
+        if isinstance(v, dict):
+            return v.get("content")
+        if isinstance(v, str):
+            return v
+        return self._tok.id_to_token(tid) if tid is not None else None
+
+    # ---- encode / decode -----------------------------------------------------------------
+    def encode(self, text: str, add_special: bool | None = None) -> list[int]:
+        """Token ids; BOS prepended when the model wants it (and the text doesn't already start with it)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        add = self.add_bos if add_special is None else add_special
+        if add and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def is_special(self, i: int) -> bool:
+        return i in self._special_ids
+
+    @property
+    def _special_ids(self) -> set[int]:
+        if not hasattr(self, "_special_cache"):
+            self._special_cache = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return self._special_cache
+
+    # ---- chat ------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's template (OpenAI-style role/content dicts)."""
+        if not self.chat_template:
+            # No template: a plain transcript the model can still continue.
+            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+            return text + ("assistant:" if add_generation_prompt else "")
+        if self._compiled is None:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            try:
+                self._compiled = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise BundleError(f"the bundle's chat template does not parse: {e}") from None
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except LinesideError:
+            raise
+        except Exception as e:  # jinja raises many types; the user sees one line
+            raise LinesideError(f"chat template failed on these messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
+        model continues), cut as transformers' apply_chat_template does."""
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
+        if continue_final_message:
+            text = _cut_after_final(text, str(messages[-1].get("content") or ""))
+        # The template already wrote BOS if the model wants one.
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id) \
+                and not (self.bos_token and text.startswith(self.bos_token)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text (what follows closes the turn)."""
+    if not final.strip() or final.strip() not in text:
+        raise LinesideError("continue_final_message: the chat template does not keep the last message's text "
+                           "(or it is empty), so there is nothing to continue; send it without that option")
+    at = text.rindex(final.strip())
+    if text[at:at + len(final.lstrip())] == final.lstrip():  # the template kept trailing spaces
+        return text[:at + len(final.lstrip())]
+    return text[:at + len(final.strip())]
+
+
+def _raise(msg: str) -> None:
+    raise LinesideError(f"chat template: {msg}")

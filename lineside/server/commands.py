@@ -1,0 +1,58 @@
+"""`lineside serve BUNDLE`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lineside.errors import LinesideError
+
+
+def serve(
+    bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
+    host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
+    api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
+                                                help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
+    request_timeout: Annotated[float | None, typer.Option(help="seconds a request may take (default: none)")] = None,
+    max_waiting: Annotated[int, typer.Option(help="waiting-queue bound; beyond it requests get 429")] = 256,
+    num_slots: Annotated[int, typer.Option(help="sequences decoded together (KV slots)")] = 8,
+    drain_timeout: Annotated[float, typer.Option(help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
+    latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    log_level: Annotated[str, typer.Option(help="critical | error | warning | info | debug")] = "info",
+    access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
+    served_model_name: Annotated[list[str] | None, typer.Option(
+        help="name clients send as 'model' (repeat for aliases; the first is the id shown); default: the "
+             "bundle directory's name and the checkpoint's name")] = None,
+) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
+    from lineside.bundle import read_manifest
+    from lineside.server.app import create_app
+    from lineside.server.serve import run
+
+    if backend not in ("auto", "onnxruntime", "tensorrt"):
+        raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
+    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1)):
+        if value < low:
+            raise LinesideError(f"{name} must be at least {low}, got {value}")
+    if request_timeout is not None and request_timeout <= 0:
+        raise LinesideError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    if drain_timeout < 0:
+        raise LinesideError(f"--drain-timeout must be ≥ 0 seconds, got {drain_timeout}")
+    if not 0 < port < 65536:
+        raise LinesideError(f"--port {port} is not a TCP port (1-65535)")
+    read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
+                     latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
+                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()])
+    run(app, host, port, log_level=log_level, access_log=access_log)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

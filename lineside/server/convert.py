@@ -1,0 +1,211 @@
+"""OpenAI request bodies → the runtime's GenerationRequests: prompt hygiene, tokenization, limits.
+
+Every refusal is an APIError(400) with one line naming the parameter and what to send instead.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+from lineside.runtime.request import MODES, PRIORITIES, GenerationRequest
+from lineside.runtime.sampling import SamplingParams
+from lineside.server.errors import APIError
+from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
+
+MAX_STOP = 16
+MAX_PROMPTS = 64
+# BOM, zero-width space, word joiner, Mongolian vowel separator, soft hyphen: invisible, never meant.
+_INVISIBLE = re.compile("[\ufeff\u200b\u2060\u180e\u00ad]")
+# ZWJ / ZWNJ carry meaning inside emoji sequences and Indic / Persian words: removed only where they
+# touch ASCII or the ends of the text (pasted artefacts), kept between two non-ASCII characters.
+_JOINER = re.compile(r"(?:(?<=[\x00-\x7f])|^)[\u200c\u200d]+|[\u200c\u200d]+(?=[\x00-\x7f]|$)")
+
+
+def clean_text(text: str, param: str) -> str:
+    """Strip the BOM and zero-width characters; refuse text that is not valid Unicode (lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{param}' is not valid UTF-8 (it contains a lone surrogate escape); "
+                            "send valid Unicode text", "invalid_utf8", param) from None
+    if text.isascii():
+        return text
+    return _JOINER.sub("", _INVISIBLE.sub("", text))
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, code, param)
+
+
+def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse what this server does not do rather than silently ignore it."""
+    if req.logprobs not in (None, False, 0):
+        raise bad("logprobs are not supported by this server; remove 'logprobs'", "logprobs", "unsupported_value")
+    if req.logit_bias:
+        raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.top_logprobs:
+        raise bad("top_logprobs is not supported by this server; remove it", "top_logprobs", "unsupported_value")
+    if req.tools or req.functions:
+        raise bad("tool / function calling is not supported by this server; remove 'tools'", "tools",
+                  "unsupported_value")
+    # "none" / "auto" with no tools means plain text: fine; asking for a tool call cannot be honoured
+    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
+        if choice not in (None, "none", "auto"):
+            shown = repr(choice) if isinstance(choice, str) else "naming a function"
+            raise bad(f"{param} {shown} asks for a tool call, but this server has no tool calling; "
+                      f"send {param} 'none' or 'auto', or leave it out", param, "unsupported_value")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise bad(f"response_format {fmt!r} is not supported (only 'text')", "response_format", "unsupported_value")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.best_of not in (None, 1):
+        raise bad(f"best_of={req.best_of} is not supported; send best_of=1", "best_of", "unsupported_value")
+    if req.echo:
+        raise bad("echo is not supported by this server; remove it", "echo", "unsupported_value")
+    if req.suffix:
+        raise bad("suffix (fill-in-the-middle) is not supported by this server; remove it", "suffix",
+                  "unsupported_value")
+
+
+def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:
+    """vLLM's add_generation_prompt / continue_final_message; continuing implies no new assistant turn."""
+    cont = bool(req.continue_final_message)
+    if cont and req.add_generation_prompt:
+        raise bad("continue_final_message and add_generation_prompt cannot both be true: continuing the last "
+                  "message opens no new turn; send add_generation_prompt false", "add_generation_prompt")
+    gen = not cont if req.add_generation_prompt is None else bool(req.add_generation_prompt)
+    return {"add_generation_prompt": gen, "continue_final_message": cont}
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as plain role/content dicts for the chat template (text parts joined)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        param = f"messages.{i}.content"
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            texts = []
+            for part in m.content:
+                if part.type == "text" and not hasattr(part, "text"):
+                    raise bad("a content part of type 'text' has no 'text' field", param)
+                if part.type != "text":
+                    raise bad(f"content part of type {part.type!r} is not supported (this model reads text only)",
+                              param, "unsupported_value")
+                texts.append(part.text)
+            content = "".join(texts)
+        d: dict[str, Any] = {"role": m.role, "content": clean_text(content, param)}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids for each prompt: a string, strings, token ids, or lists of token ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [tokenizer.encode(clean_text(p, "prompt"))]
+    if not p:
+        raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
+    if all(isinstance(x, int) for x in p):  # one prompt as token ids: its length is the context's business
+        return [_ids(p, vocab_size)]  # type: ignore[arg-type]
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"prompt lists {len(p)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    if all(isinstance(x, str) for x in p):
+        return [tokenizer.encode(clean_text(x, f"prompt.{i}")) for i, x in enumerate(p)]  # type: ignore[arg-type]
+    return [_ids(x, vocab_size) for x in p]  # type: ignore[arg-type]
+
+
+def _ids(ids: list[int], vocab_size: int) -> list[int]:
+    bad_ids = [i for i in ids if not 0 <= i < vocab_size]
+    if bad_ids:
+        raise bad(f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})", "prompt")
+    return list(ids)
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    top_k = req.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=0 if top_k < 0 else top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
+    )
+
+
+def stop_list(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    s = req.stop
+    stops = [s] if isinstance(s, str) else list(s or [])
+    stops = [x for x in stops if x != ""]
+    if len(stops) > MAX_STOP:
+        raise bad(f"stop lists {len(stops)} sequences; at most {MAX_STOP}", "stop")
+    for x in stops:
+        if len(x) > 256:
+            raise bad("a stop sequence is longer than 256 characters", "stop")
+    return stops
+
+
+def token_budget(prompt_len: int, requested: int | None, default: int | None, context: int, param: str,
+                 prompt_param: str) -> int:
+    """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context."""
+    if prompt_len == 0:
+        raise bad("the prompt is empty after tokenization; give some text", prompt_param)
+    room = context - prompt_len
+    if room < 1:
+        raise bad(f"prompt has {prompt_len} tokens but the model's context is {context} tokens, which leaves "
+                  "no room to generate; shorten the prompt", prompt_param, "context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if prompt_len + requested > context:
+        raise bad(f"prompt ({prompt_len} tokens) + {param} ({requested}) = {prompt_len + requested} tokens "
+                  f"exceeds the model's context of {context} tokens; lower {param} to at most {room} "
+                  "or shorten the prompt", param, "context_length_exceeded")
+    return requested
+
+
+def priority(headers: Any) -> tuple[str, str]:
+    """(priority, mode) from the X-Priority and X-Mode headers."""
+    pr = (headers.get("x-priority") or "normal").strip().lower()
+    mode = (headers.get("x-mode") or "realtime").strip().lower()
+    if pr not in PRIORITIES:
+        raise bad(f"X-Priority {pr!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
+    if mode not in MODES:
+        raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
+    return pr, mode
+
+
+def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest,
+                   stops: list[str], pr: str, mode: str, timeout: float | None, rid: str,
+                   copy: int = 0) -> GenerationRequest:
+    """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
+    (and repeat exactly with the same seed)."""
+    sampling = sampling_params(req)
+    if copy and sampling.seed is not None:
+        sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
+    return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
+                             priority=pr, mode=mode, timeout_s=timeout, request_id=rid)
+
+
+def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:
+    """OpenAI's ``n``: choices per prompt, each an independent sample; at most MAX_PROMPTS in all."""
+    n = int(req.n or 1)
+    if n * prompts > MAX_PROMPTS:
+        raise bad(f"n={n} x {prompts} prompt(s) asks for {n * prompts} choices; at most {MAX_PROMPTS} per request",
+                  "n", "too_many_choices")
+    return n

@@ -1,0 +1,136 @@
+"""OpenAI-shaped errors ({"error": {"message", "type", "code", "param"}}) for every failure.
+
+Bad input of any kind (malformed JSON, invalid UTF-8, schema violations, a user error from the
+runtime) is a 400 with one clear line, never a 500; only a real server bug answers 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lineside.errors import LinesideError
+
+log = logging.getLogger("lineside.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as an OpenAI error body with the given HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    e = APIError(status, message, code, param, headers=headers)
+    return JSONResponse(e.body(), status_code=status, headers=e.headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tagged-union", "union"}
+
+
+def _loc_param(loc: tuple[Any, ...]) -> str | None:
+    """'messages.0.content' from pydantic's location, without the body prefix and union member tags."""
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and (
+        p.lower() in _TYPE_TAGS or "[" in p or p.startswith(("function-", "constrained-")) or p in ("TextPart",
+                                                                                                    "OtherPart")))]
+    return ".".join(parts) or None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """One line from pydantic's error list: the first problem, where it is, and a code."""
+    errs = exc.errors()
+    if not errs:
+        return "invalid request body", None, "invalid_request"
+    e = errs[0]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return (f"request body is not valid JSON ({ctx.get('error', 'parse error')}); send a JSON object",
+                None, "invalid_json")
+    loc = tuple(e.get("loc", ()))
+    param = _loc_param(loc)
+    top = loc[1] if len(loc) > 1 else None  # union members fail at different depths: group by the field
+    same = [x for x in errs if len(x.get("loc", ())) > 1 and x["loc"][1] == top]
+    if len(same) > 1:
+        param = str(top)
+    if kind == "missing" and param is None:
+        msg = "request body is empty; send a JSON object"
+    elif kind == "missing":
+        msg = f"missing required field '{param}'"
+    elif param is None:
+        msg = f"request body must be a JSON object ({e.get('msg', 'invalid')})"
+    elif len(same) > 1:
+        msg = f"invalid value for '{param}': it matches none of the accepted types ({e.get('msg', 'invalid')})"
+    else:
+        msg = f"invalid value for '{param}': {e.get('msg', 'invalid')}"
+    more = len(errs) - len(same)
+    if more > 0:
+        msg += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return msg, param, "invalid_value" if kind != "missing" else "missing_field"
+
+
+def _count_invalid(request: Request) -> None:
+    s = getattr(request.app.state, "lineside", None)
+    if s is not None and request.url.path.startswith("/v1/"):
+        s.metrics.reject("invalid")
+
+
+def install(app: FastAPI) -> None:
+    """Register handlers so every error leaves in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count_invalid(request)
+        msg, param, code = validation_message(exc)
+        return error_response(400, msg, code, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        if status in (400, 413):
+            _count_invalid(request)
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if status == 400 and "parsing the body" in detail:
+            detail = "request body could not be parsed: send UTF-8 JSON"
+            return error_response(400, detail, "invalid_json", headers=exc.headers)
+        if status == 404:
+            detail = "no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/models"
+        elif status == 405:
+            detail = "method not allowed on this endpoint"
+        return error_response(status, detail, "body_too_large" if status == 413 else None, headers=exc.headers)
+
+    @app.exception_handler(LinesideError)
+    async def _user(_: Request, exc: LinesideError) -> JSONResponse:
+        return error_response(400, str(exc), "invalid_request")
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error: %s", exc)
+        return error_response(500, f"internal server error ({type(exc).__name__}); see the server log",
+                              "internal_error")

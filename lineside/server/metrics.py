@@ -1,0 +1,145 @@
+"""Prometheus metrics in the server's own registry, and one JSON line per finished request.
+
+Latencies are measured where the client sees them (from the handler receiving the request to the
+first/last token leaving); the queue time is the engine's. Gauges are read from engine.stats() at scrape.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+         10.0, 20.0, 40.0, 80.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+         0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+        240.0, 480.0)
+_QUEUE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class RequestRecord:
+    """What one finished request did; times are time.perf_counter() values."""
+
+    request_id: str
+    endpoint: str
+    priority: str
+    mode: str
+    stream: bool
+    arrival: float
+    outcome: str = "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None
+    end: float | None = None
+    queue_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end is None else self.end - self.arrival
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_token is None or self.end is None or self.completion_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.completion_tokens - 1)
+
+
+class ServerMetrics:
+    """The server's metric families; `observe` a finished request, `render` for /metrics."""
+
+    def __init__(self, latency_log: str | Path | None = None):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("lineside_time_to_first_token_seconds", "Time to first token", buckets=_TTFT,
+                              registry=r)
+        self.tpot = Histogram("lineside_time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=_TPOT, registry=r)
+        self.e2e = Histogram("lineside_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_E2E, registry=r)
+        self.queue = Histogram("lineside_request_queue_time_seconds", "Time spent waiting for a slot",
+                               buckets=_QUEUE, registry=r)
+        self.running = Gauge("lineside_num_requests_running", "Requests holding a slot", registry=r)
+        self.waiting = Gauge("lineside_num_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.kv_usage = Gauge("lineside_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
+        self.requests = Counter("lineside_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("lineside_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("lineside_generation_tokens", "Tokens generated", registry=r)
+        self.http_inflight = Gauge("lineside_http_requests_in_flight", "Generation requests being served",
+                                   registry=r)
+        self._device: dict[str, Gauge] = {}
+        self._log_path = Path(latency_log) if latency_log else None
+        self._log = None
+        self._lock = threading.Lock()
+
+    def reject(self, outcome: str) -> None:
+        """Count a request refused before generation (invalid, queue_full, unauthorized, draining)."""
+        self.requests.labels(outcome).inc()
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Record a finished generation request in every family and the latency log."""
+        if rec.end is None:
+            rec.end = time.perf_counter()
+        self.requests.labels(rec.outcome).inc()
+        self.prompt_tokens.inc(rec.prompt_tokens)
+        self.generation_tokens.inc(rec.completion_tokens)
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+        if rec.tpot_s is not None:
+            self.tpot.observe(rec.tpot_s)
+        self.e2e.observe(rec.e2e_s or 0.0)
+        if rec.queue_s is not None:
+            self.queue.observe(rec.queue_s)
+        if self._log_path is not None:
+            self._write_log(rec)
+
+    def _write_log(self, rec: RequestRecord) -> None:
+        d = asdict(rec)
+        for k in ("arrival", "first_token", "end", "extra"):
+            d.pop(k)
+        d = {"ts": time.time(), **d, "ttft_s": rec.ttft_s, "tpot_s": rec.tpot_s, "e2e_s": rec.e2e_s,
+             **rec.extra}
+        line = json.dumps(d, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._log is None:
+                self._log_path.parent.mkdir(parents=True, exist_ok=True)
+                self._log = open(self._log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._log.write(line)
+
+    def update_engine(self, stats: Any) -> None:
+        """Copy the engine's live counters into the gauges (called at scrape time)."""
+        get = stats.get if isinstance(stats, dict) else lambda k, d=None: getattr(stats, k, d)
+        self.running.set(get("running", 0) or 0)
+        self.waiting.set(get("waiting", 0) or 0)
+        self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
+
+    def update_device(self, values: dict[str, float]) -> None:
+        """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
+        for name, v in values.items():
+            key = "lineside_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+            g = self._device.get(key)
+            if g is None:
+                g = self._device[key] = Gauge(key, f"{name} (tegrastats)", registry=self.registry)
+            g.set(v)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._log is not None:
+                self._log.close()
+                self._log = None

@@ -1,0 +1,129 @@
+"""One pure-ASGI middleware (no BaseHTTPMiddleware: it costs latency and hides disconnects) for:
+the request id header, the API key, refusing generation while loading or draining, the body size
+limit, and counting requests in flight (what a drain waits for)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from lineside.server.state import ServerState
+
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+
+class ServerMiddleware:
+    def __init__(self, app: Any, state: ServerState, max_body_bytes: int = 32 << 20):
+        self.app = app
+        self.state = state
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        headers = _headers(scope)
+        rid = headers.get("x-request-id")
+        rid_header = [(b"x-request-id", (rid or "").encode("latin-1"))]
+        if rid is not None and not _RID_OK.match(rid):
+            rid_header = []
+            await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces",
+                         "invalid_request_id", rid_header)
+            return
+        if rid is None:
+            rid = "req-" + uuid.uuid4().hex
+            rid_header = [(b"x-request-id", rid.encode())]
+        st = scope.setdefault("state", {})
+        st["request_id"], st["t0"] = rid, t0
+        path: str = scope.get("path", "")
+        s = self.state
+
+        if s.api_key is not None and path.startswith("/v1/"):
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not token or not hmac.compare_digest(token.encode(), s.api_key.encode()):
+                s.metrics.reject("unauthorized")
+                what = "wrong API key" if token else "missing API key"
+                await _reply(send, 401, f"{what}: send the header 'Authorization: Bearer <key>' with the "
+                                        "server's key", "invalid_api_key", rid_header,
+                             extra=[(b"www-authenticate", b"Bearer")])
+                return
+
+        gen = path in GENERATION_PATHS and scope.get("method") == "POST"
+        if gen:
+            if s.draining:
+                s.metrics.reject("draining")
+                await _reply(send, 503, "server is shutting down and takes no new requests; retry on another "
+                                        "instance or after it restarts", "draining", rid_header,
+                             extra=[(b"retry-after", b"5"), (b"connection", b"close")])
+                return
+            if not s.engine_ready:
+                msg = (f"model failed to load: {s.load_error}" if s.load_error
+                       else "model is still loading; retry when GET /health/ready answers 200")
+                await _reply(send, 503, msg, "not_ready", rid_header, extra=[(b"retry-after", b"1")])
+                return
+            ctype = headers.get("content-type", "")
+            if "json" not in ctype.lower():
+                # `curl -d` and some clients send JSON labelled as a form (or unlabelled): read it as JSON
+                scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
+                scope["headers"].append((b"content-type", b"application/json"))
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                s.metrics.reject("invalid")
+                await _reply(send, 413, f"request body has {length} bytes; the limit is {self.max_body}",
+                             "body_too_large", rid_header)
+                return
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = list(message.get("headers", [])) + rid_header
+            await send(message)
+
+        if not gen:
+            await self.app(scope, receive, send_with_id)
+            return
+        s.enter()
+        try:
+            await self.app(scope, _limited(receive, self.max_body), send_with_id)
+        finally:
+            s.leave()
+
+
+def _limited(receive: Any, limit: int) -> Any:
+    """receive() that enforces the body limit on bodies without a Content-Length (chunked uploads) too:
+    FastAPI re-raises an HTTPException from reading the body, so the client gets the 413."""
+    seen = 0
+
+    async def wrapped() -> dict:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                from starlette.exceptions import HTTPException
+
+                raise HTTPException(413, f"request body is over the limit of {limit} bytes; send less")
+        return message
+
+    return wrapped
+
+
+def _headers(scope: dict) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+async def _reply(send: Any, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]],
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    from lineside.server.errors import APIError
+
+    body = json.dumps(APIError(status, message, code).body()).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            *headers, *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,167 @@
+"""Request and response bodies in OpenAI's shapes (pydantic), so the OpenAPI schema documents them.
+
+Requests accept the fields stock OpenAI clients send; unknown extra fields are ignored. Fields the
+runtime cannot honour (n > 1, logprobs, tools, ...) are declared so they can be refused with a clear 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_REQ = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQ
+    include_usage: bool | None = False
+
+
+class TextPart(BaseModel):
+    model_config = _REQ
+    type: Literal["text"] = "text"
+    text: str
+
+
+class OtherPart(BaseModel):
+    """Any non-text content part (image_url, input_audio, ...): refused with a clear message."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQ
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(BaseModel):
+    """Parameters shared by chat and text completions."""
+
+    model_config = _REQ
+    model: str | None = Field(None, description="the served model's name (GET /v1/models); absent means that one, "
+                                                "any other name is a 404 model_not_found")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="any 64-bit integer, as OpenAI's")
+    stop: str | list[str] | None = None
+    n: int | None = Field(1, ge=1, le=64, description="choices per prompt (independent samples; n x prompts <= 64)")
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
+    add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
+    continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(None, ge=1, description="default 16, as OpenAI's")
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+# ---- responses ---------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "lineside"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    code: str | int | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# Documented for every POST endpoint so the schema (and schemathesis) knows them.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": desc}
+    for code, desc in ((400, "invalid request"), (401, "missing or wrong API key"),
+                       (404, "the model named is not served here (model_not_found)"),
+                       (408, "the request exceeded the server's request timeout"),
+                       (413, "request body too large"), (429, "waiting queue full"),
+                       (503, "model loading or server draining"))
+}

@@ -1,0 +1,68 @@
+"""Run the app under uvicorn with a graceful drain: on SIGTERM (or Ctrl-C) the server keeps listening but
+answers 503 to new generation requests, lets in-flight ones finish for up to the drain timeout,
+cancels what is left, then exits 0. A second signal exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from lineside.errors import LinesideError
+from lineside.server.state import ServerState
+
+log = logging.getLogger("lineside.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal drains instead of closing the socket straight away."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self.drain_started = False
+        state.on_load_error = self._load_failed
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_started or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.drain_started
+            return
+        self.drain_started = True
+        log.info("received %s: draining (up to %.1fs)", signal.Signals(sig).name, self.state.drain_timeout)
+        self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _begin_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.state.drain()
+        finally:
+            self.should_exit = True
+
+    def _load_failed(self, msg: str) -> None:
+        self.should_exit = True
+
+
+def run(app: Any, host: str, port: int, log_level: str = "info", access_log: bool = False) -> None:
+    """Serve until drained or stopped; a model that fails to load raises LinesideError (one line)."""
+    state: ServerState = app.state.lineside
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, state)
+    server.run()
+    if state.load_error:
+        raise LinesideError(state.load_error)
+    if not server.started:
+        raise LinesideError(f"could not serve on {host}:{port} (is the port in use? see the log above)")

@@ -1,0 +1,187 @@
+"""The server's lifecycle: loading the engine in the background, readiness, in-flight count, draining.
+
+Loading happens after the socket is open so /health answers (and /health/ready says 503) while a
+large engine loads and warms up; draining refuses new work with 503 and waits for in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lineside.server.metrics import ServerMetrics
+
+log = logging.getLogger("lineside.server")
+
+
+_PUSHED = re.compile(r"-[0-9a-f]{12}-\d{8}T\d{6}Z$")
+
+
+def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None) -> list[str]:
+    """The bundle directory's name (its target's when it is a link, e.g. a Jetson ``current``), then the
+    checkpoint's name from the manifest (``org/model`` and ``model``), so clients may send either."""
+    path = Path(bundle_path)
+    name = path.resolve().name if path.is_symlink() else path.name
+    names = [_PUSHED.sub("", name) or name]  # `lineside jetson push` names versions <bundle>-<hash12>-<time>
+    if manifest is None:
+        try:
+            from lineside.bundle import read_manifest
+
+            manifest = read_manifest(path)
+        except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
+            manifest = {}
+    model = str(manifest.get("model_name") or "")
+    for n in (model, model.rsplit("/", 1)[-1]):
+        if n and n not in names:
+            names.append(n)
+    return names
+
+
+class ServerState:
+    """Everything the handlers share: the engine, readiness, drain flag and metrics."""
+
+    def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+                 request_timeout: float | None, drain_timeout: float, api_key: str | None,
+                 served_model_names: list[str] | None = None):
+        self.source = source  # a bundle path, or an LLMEngine the caller built
+        self._names = [n for n in (served_model_names or []) if n]
+        self._given_names = bool(self._names)
+        self.engine_kwargs = engine_kwargs
+        self.engine: Any = None if isinstance(source, (str, Path)) else source
+        self.owns_engine = self.engine is None
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.drain_timeout = drain_timeout
+        self.api_key = api_key
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.inflight = 0
+        self.tegrastats = False
+        self.started_at = int(time.time())
+        self.on_load_error: Callable[[str], None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._load_task: asyncio.Task | None = None
+
+    # ---- model ---------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The id responses and GET /v1/models show: the first served name."""
+        return self.served_names[0]
+
+    @property
+    def listed_names(self) -> list[str]:
+        """What GET /v1/models lists: the names given with --served-model-name, else only the first."""
+        return self._names if self._given_names else self.served_names[:1]
+
+    @property
+    def served_names(self) -> list[str]:
+        """Names a request's ``model`` may use (vLLM's --served-model-name); the first is the id shown."""
+        if not self._names:
+            if isinstance(self.source, (str, Path)):
+                self._names = default_model_names(Path(str(self.source)), None)
+            else:
+                bundle = getattr(self.engine, "bundle", None)
+                self._names = (default_model_names(bundle.path, bundle.manifest) if bundle is not None
+                                       else [str(self.engine.model_name)])
+        return self._names
+
+    async def start(self) -> None:
+        """Begin loading (returns at once; readiness follows when the engine is up and warm)."""
+        self.tegrastats = _start_tegrastats()
+        self._load_task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        from lineside.errors import LinesideError
+
+        try:
+            if self.engine is None:
+                from lineside.runtime.engine import LLMEngine
+
+                self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
+            await self.engine.start()  # warms the backend up before it reports ready
+            self.ready = True
+            log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
+        except asyncio.CancelledError:
+            raise
+        except LinesideError as e:
+            self._fail(str(e))
+        except Exception as e:  # noqa: BLE001 - the server must report it, not die silently
+            log.exception("loading the model failed")
+            self._fail(f"loading the model failed: {type(e).__name__}: {e}")
+
+    def _fail(self, msg: str) -> None:
+        self.load_error = msg
+        log.error("%s", msg)
+        if self.on_load_error is not None:
+            self.on_load_error(msg)
+
+    @property
+    def engine_ready(self) -> bool:
+        return self.ready and bool(getattr(self.engine, "ready", True))
+
+    # ---- in-flight and drain ---------------------------------------------------------------------
+    def enter(self) -> None:
+        self.inflight += 1
+        self.metrics.http_inflight.set(self.inflight)
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        self.metrics.http_inflight.set(self.inflight)
+        if self.inflight <= 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new work, wait for in-flight requests (up to timeout); True when all finished."""
+        self.draining = True
+        timeout = self.drain_timeout if timeout is None else timeout
+        log.info("draining: %d request(s) in flight, waiting up to %.1fs", self.inflight, timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("drain timeout: %d request(s) still in flight are cancelled", self.inflight)
+        if self.engine is not None:
+            await self.engine.stop(0.0)  # cancels what is left; their responses end with an error
+        try:
+            await asyncio.wait_for(self._idle.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        return False
+
+    async def stop(self) -> None:
+        """Stop the engine (cancelling anything still running) if this server started it."""
+        self.draining = True
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            try:
+                await self._load_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        if self.engine is not None:
+            try:
+                await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
+            except Exception:  # noqa: BLE001 - shutting down: log, keep going
+                log.exception("engine stop failed")
+        if self.tegrastats:
+            from lineside.jetson.gpu_health import stop_tegrastats
+
+            stop_tegrastats()
+        self.metrics.close()
+
+
+def _start_tegrastats() -> bool:
+    """On a Jetson, sample tegrastats in the background for /health/gpu and /metrics; False elsewhere."""
+    try:
+        from lineside.jetson.gpu_health import start_tegrastats
+
+        return start_tegrastats()
+    except Exception:  # noqa: BLE001 - device extras must never stop the server
+        return False

@@ -1,1 +1,0 @@
-"""bench part of trtedge."""

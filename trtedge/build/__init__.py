@@ -1,1 +1,0 @@
-"""build part of trtedge."""

@@ -1,1 +1,0 @@
-"""graph part of trtedge."""

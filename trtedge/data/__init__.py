@@ -1,1 +1,0 @@
-"""Data shipped with trtedge: the default AWQ calibration text and model configs."""

@@ -1,1 +1,0 @@
-"""jetson part of trtedge."""

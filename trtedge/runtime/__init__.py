@@ -1,1 +1,0 @@
-"""runtime part of trtedge."""

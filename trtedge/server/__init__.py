@@ -1,1 +1,0 @@
-"""server part of trtedge."""
