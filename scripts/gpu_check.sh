@@ -10,19 +10,19 @@ trap 'rm -rf "$WORK"' EXIT
 python -c "
 import sys
 from lineside.errors import LinesideError
-from lineside.runtime.trt_env import probe_gpu
+from lineside.runtime.tensorrt.env import probe_gpu
 try:
     print(probe_gpu())
 except LinesideError as e:
     sys.exit(f'gpu_check: {e}')
 " || exit 2
 HAVE_TRT=1
-python -c "from lineside.runtime.trt_env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
+python -c "from lineside.runtime.tensorrt.env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
 timeout 150 python -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
 if [ "$HAVE_TRT" = 0 ]; then
   python -c "
-from lineside.runtime.trt_env import import_tensorrt, probe_gpu
+from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu
 g = probe_gpu()
 try:
     import_tensorrt()

@@ -1,10 +1,10 @@
 """Write the Python API surface of one TensorRT release (class → members, keyword names) as JSON.
 
 The names come from TensorRT's own pybind11 binding sources (python/src/**/*.cpp in NVIDIA/TensorRT at a
-release tag), so the CPU tests can hold the fake TensorRT used by tests/engine to the real API:
+release tag), so the CPU tests can hold the fake TensorRT used by tests/runtime/tensorrt to the real API:
 every attribute lineside touches must exist in the release it claims to support.
 
-    python scripts/trt_api_names.py /path/to/TensorRT.git v10.3.0 > tests/engine/data/tensorrt_api_10.3.json
+    python scripts/trt_api_names.py /path/to/TensorRT.git v10.3.0 > tests/runtime/tensorrt/data/tensorrt_api_10.3.json
 """
 
 from __future__ import annotations

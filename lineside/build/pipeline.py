@@ -129,11 +129,11 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
     """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
     plan = gplan = None
     if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
-        from lineside.build.calibrate import awq_scales_for
+        from lineside.build.quant.calibrate import awq_scales_for
 
         plan = awq_scales_for(cfg, ckpt, spec, opts.calib, progress=progress, log=log)
     elif opts.method == "gptq":
-        from lineside.build.calibrate_gptq import gptq_plan_for
+        from lineside.build.quant.calibrate_gptq import gptq_plan_for
 
         gplan = gptq_plan_for(cfg, ckpt, spec, opts.flavors, opts.calib, progress=progress, log=log)
     carried: dict[str, str] = {}

@@ -106,7 +106,7 @@ def ensure_engine_cmd(
                                              help="options for `lineside engine`, e.g. '--slots 8'")] = "",
 ) -> None:
     """Build the TensorRT engine only if the bundle has none for this GPU/TensorRT (first start)."""
-    from lineside.jetson.engine import ensure_engine
+    from lineside.jetson.ensure_engine import ensure_engine
 
     built, key = ensure_engine(bundle, engine_args)
     print(f"{bundle}: engine {key} " + ("built" if built else "already present"), file=sys.stderr)

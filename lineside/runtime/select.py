@@ -24,7 +24,7 @@ class Decision:
 
 def decide_backend(bundle: Any, requested: str = "auto") -> Decision:
     """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run."""
-    from lineside.build.engine.key import find_engine, machine_key
+    from lineside.runtime.tensorrt.key import find_engine, machine_key
 
     if requested not in CHOICES:
         raise LinesideError(f"--backend {requested!r} is not one of {', '.join(CHOICES)}")
@@ -56,7 +56,7 @@ def choose_backend(bundle: Any, requested: str = "auto", num_slots: int = 4,
     onnxruntime's intra-op threads when it is the one chosen."""
     dec = decide_backend(bundle, requested)
     if dec.backend == "tensorrt":
-        from lineside.runtime.tensorrt_backend import TensorRTBackend
+        from lineside.runtime.tensorrt.backend import TensorRTBackend
 
         try:
             backend = TensorRTBackend(bundle, num_slots=num_slots)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import EngineDraining, QueueFullError
-from lineside.server import convert, responses, sse
+from lineside.server import request_mapping, responses, sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord
 from lineside.server.schemas import (
@@ -76,14 +76,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     s = _state(request)
     try:
         _check_model(s, body.model)
-        convert.check_chat(body)
-        messages = convert.chat_messages(body)
-        options = convert.chat_template_options(body)
+        request_mapping.check_chat(body)
+        messages = request_mapping.chat_messages(body)
+        options = request_mapping.chat_template_options(body)
         size = sum(len(m["content"]) for m in messages)
         ids = await _offload(size, functools.partial(s.engine.tokenizer.encode_chat, messages, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        budgets = [convert.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]
+        budgets = [request_mapping.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]
     except (APIError, LinesideError):
         s.metrics.reject("invalid")
         raise
@@ -95,11 +95,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     s = _state(request)
     try:
         _check_model(s, body.model)
-        convert.check_completion(body)
+        request_mapping.check_completion(body)
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
-        prompts = await _offload(size, convert.completion_prompts, body, s.engine.tokenizer, _vocab(s))
-        budgets = [convert.token_budget(len(p), body.max_tokens, 16, s.engine.max_seq_len, "max_tokens", "prompt")
+        prompts = await _offload(size, request_mapping.completion_prompts, body, s.engine.tokenizer, _vocab(s))
+        budgets = [request_mapping.token_budget(len(p), body.max_tokens, 16, s.engine.max_seq_len, "max_tokens", "prompt")
                    for p in prompts]
     except (APIError, LinesideError):
         s.metrics.reject("invalid")
@@ -124,9 +124,9 @@ async def _serve(request: Request, s: ServerState, body: ChatCompletionRequest |
     rid: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
     try:
-        pr, mode = convert.priority(request.headers)
-        stops = convert.stop_list(body)
-        n = convert.choices_per_prompt(body, len(prompts))
+        pr, mode = request_mapping.priority(request.headers)
+        stops = request_mapping.stop_list(body)
+        n = request_mapping.choices_per_prompt(body, len(prompts))
     except APIError:
         s.metrics.reject("invalid")
         raise
@@ -137,7 +137,7 @@ async def _serve(request: Request, s: ServerState, body: ChatCompletionRequest |
         for k, (ids, budget, copy) in enumerate((ids, b, j) for ids, b in zip(prompts, budgets, strict=True)
                                                 for j in range(n)):
             erid = rid if len(prompts) * n == 1 else f"{rid}-{k}"
-            handles.append(s.engine.submit(convert.engine_request(ids, budget, body, stops, pr, mode,
+            handles.append(s.engine.submit(request_mapping.engine_request(ids, budget, body, stops, pr, mode,
                                                                   s.request_timeout, f"{erid}#{next(_serial)}",
                                                                   copy)))
             recs.append(RequestRecord(erid, endpoint, pr, mode, bool(body.stream), arrival,

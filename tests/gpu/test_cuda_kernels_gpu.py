@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 
 def _ready():
     try:
-        from lineside.runtime.trt_env import probe_gpu
-        from lineside.runtime.trt_kernels import StateKernels
+        from lineside.runtime.tensorrt.env import probe_gpu
+        from lineside.runtime.tensorrt.kernels import StateKernels
 
         gpu = probe_gpu()
         return gpu, StateKernels(gpu.sm), None
@@ -27,8 +27,8 @@ GPU, KERNELS, WHY = _ready()
 if WHY:
     pytest.skip(f"needs a GPU, cuda-python and NVRTC: {WHY}", allow_module_level=True)
 
-from lineside.runtime.trt_env import check, import_cudart  # noqa: E402
-from lineside.runtime.trt_graphs import GraphCache  # noqa: E402
+from lineside.runtime.tensorrt.env import check, import_cudart  # noqa: E402
+from lineside.runtime.tensorrt.graphs import GraphCache  # noqa: E402
 
 cr = import_cudart()
 

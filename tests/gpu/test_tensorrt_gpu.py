@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 def _gpu_ready() -> str | None:
     try:
-        from lineside.runtime.trt_env import import_tensorrt, probe_gpu
+        from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu
 
         import_tensorrt()
         probe_gpu()
@@ -24,13 +24,13 @@ _why = _gpu_ready()
 if _why:
     pytest.skip(f"needs a GPU and TensorRT: {_why}", allow_module_level=True)
 
-from lineside.build.engine.builder import BuildOptions as EngineOptions  # noqa: E402
-from lineside.build.engine.builder import build_engine  # noqa: E402
 from lineside.build.pipeline import BuildOptions, build_bundle  # noqa: E402
+from lineside.build.tensorrt.builder import BuildOptions as EngineOptions  # noqa: E402
+from lineside.build.tensorrt.builder import build_engine  # noqa: E402
 from lineside.bundle import open_bundle  # noqa: E402
 from lineside.runtime.generate import Generator, compute_logits  # noqa: E402
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
-from lineside.runtime.tensorrt_backend import TensorRTBackend  # noqa: E402
+from lineside.runtime.tensorrt.backend import TensorRTBackend  # noqa: E402
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 7, 9, 11]
 
@@ -94,8 +94,8 @@ def test_request_served_through_tensorrt(bundles):
 
 @pytest.mark.parametrize("quant", ["fp16", "w4a16"])
 def test_v4_engine_logits_match_onnxruntime(tmp_path, quant):
-    from tests.engine.bundles import v4_bundle
-    from tests.v4.helpers import token_ids
+    from tests.build.deepseek_v4.helpers import token_ids
+    from tests.runtime.tensorrt.bundles import v4_bundle
 
     p = v4_bundle(tmp_path, quant)
     build_engine(p, EngineOptions(num_slots=2, max_prefill=32, opt_level=0))

@@ -162,8 +162,8 @@ def test_cli_service_and_power(tmp_path):
 
 
 def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_factory):
-    from lineside.build.engine import key as keymod
-    from lineside.jetson import engine as eng
+    from lineside.build.tensorrt import key as keymod
+    from lineside.jetson import ensure_engine as eng
 
     bundle = bundle_factory(tmp_path / "b", 1, weight_bytes=1024)
     here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
@@ -184,7 +184,7 @@ def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_fa
 
 
 def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
-    from lineside.jetson.engine import ensure_engine
+    from lineside.jetson.ensure_engine import ensure_engine
 
     bundle = bundle_factory(tmp_path / "b", 2, weight_bytes=1024)
     try:

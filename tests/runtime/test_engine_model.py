@@ -7,7 +7,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.runtime.conftest import run
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.engine import LLMEngine
@@ -15,6 +14,7 @@ from lineside.runtime.generate import Generator
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from lineside.runtime.request import GenerationRequest
 from lineside.runtime.sampling import Sampler, SamplingParams
+from tests.runtime.conftest import run
 
 
 def sequential(bundle, prompts: list[list[int]], n: int, params: list | None = None) -> list[list[int]]:

@@ -7,12 +7,12 @@ from collections import deque
 
 import pytest
 
-from tests.runtime.conftest import run
-from tests.runtime.fakes import FakeBackend
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
+from tests.runtime.conftest import run
+from tests.runtime.fakes import FakeBackend
 
 
 def engine(bundle, slots=2, delay=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:

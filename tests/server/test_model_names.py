@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import running_server
 from lineside.server.state import default_model_names
+from tests.server.conftest import running_server
 
 
 def _chat(url: str, model: str) -> httpx.Response:

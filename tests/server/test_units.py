@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from lineside.errors import LinesideError
-from lineside.server import convert, sse
+from lineside.server import request_mapping, sse
 from lineside.server.errors import APIError, validation_message
 from lineside.server.metrics import RequestRecord, ServerMetrics
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -53,34 +53,34 @@ def test_sse_text_completion_and_error_event():
     ("plain ascii", "plain ascii"),
 ])
 def test_clean_text(raw, clean):
-    assert convert.clean_text(raw, "prompt") == clean
+    assert request_mapping.clean_text(raw, "prompt") == clean
 
 
 def test_clean_text_refuses_lone_surrogate():
     with pytest.raises(APIError) as e:
-        convert.clean_text("a\ud800b", "prompt")
+        request_mapping.clean_text("a\ud800b", "prompt")
     assert e.value.status == 400 and e.value.code == "invalid_utf8"
 
 
 def test_token_budget_numbers():
-    assert convert.token_budget(10, None, None, 256, "max_tokens", "messages") == 246
-    assert convert.token_budget(10, None, 16, 256, "max_tokens", "prompt") == 16
-    assert convert.token_budget(250, None, 16, 256, "max_tokens", "prompt") == 6
-    assert convert.token_budget(10, 246, None, 256, "max_tokens", "prompt") == 246
+    assert request_mapping.token_budget(10, None, None, 256, "max_tokens", "messages") == 246
+    assert request_mapping.token_budget(10, None, 16, 256, "max_tokens", "prompt") == 16
+    assert request_mapping.token_budget(250, None, 16, 256, "max_tokens", "prompt") == 6
+    assert request_mapping.token_budget(10, 246, None, 256, "max_tokens", "prompt") == 246
     with pytest.raises(APIError) as e:
-        convert.token_budget(10, 247, None, 256, "max_completion_tokens", "messages")
+        request_mapping.token_budget(10, 247, None, 256, "max_completion_tokens", "messages")
     assert e.value.message.startswith("prompt (10 tokens) + max_completion_tokens (247) = 257 tokens exceeds")
     assert "at most 246" in e.value.message and e.value.param == "max_completion_tokens"
     with pytest.raises(APIError, match="300 tokens but the model's context is 256"):
-        convert.token_budget(300, None, None, 256, "max_tokens", "messages")
+        request_mapping.token_budget(300, None, None, 256, "max_tokens", "messages")
     with pytest.raises(APIError, match="empty"):
-        convert.token_budget(0, 5, None, 256, "max_tokens", "prompt")
+        request_mapping.token_budget(0, 5, None, 256, "max_tokens", "prompt")
 
 
 def test_sampling_defaults_follow_openai():
-    p = convert.sampling_params(CompletionRequest(prompt="x"))
+    p = request_mapping.sampling_params(CompletionRequest(prompt="x"))
     assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0 and p.seed is None
-    p = convert.sampling_params(CompletionRequest(prompt="x", temperature=0, top_k=-1, min_p=0.1, seed=5,
+    p = request_mapping.sampling_params(CompletionRequest(prompt="x", temperature=0, top_k=-1, min_p=0.1, seed=5,
                                                   repetition_penalty=1.2, presence_penalty=-1, frequency_penalty=2))
     assert (p.temperature, p.top_k, p.min_p, p.seed, p.repetition_penalty, p.presence_penalty,
             p.frequency_penalty) == (0, 0, 0.1, 5, 1.2, -1, 2)
@@ -91,14 +91,14 @@ def test_unsupported_parameters_are_refused():
                       (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
                       (dict(logit_bias={"1": 5}), "logit_bias")):
         with pytest.raises(APIError) as e:
-            convert.check_completion(CompletionRequest(prompt="x", **kw))
+            request_mapping.check_completion(CompletionRequest(prompt="x", **kw))
         assert e.value.param == param and e.value.status == 400
     msg = [{"role": "user", "content": "x"}]
     for kw in (dict(tools=[{"type": "function"}]), dict(response_format={"type": "json_object"}),
                dict(top_logprobs=3)):
         with pytest.raises(APIError):
-            convert.check_chat(ChatCompletionRequest(messages=msg, **kw))
-    convert.check_chat(ChatCompletionRequest(messages=msg, response_format={"type": "text"}, n=1, logprobs=False))
+            request_mapping.check_chat(ChatCompletionRequest(messages=msg, **kw))
+    request_mapping.check_chat(ChatCompletionRequest(messages=msg, response_format={"type": "text"}, n=1, logprobs=False))
 
 
 def test_chat_messages_parts_and_refusal():
@@ -106,26 +106,26 @@ def test_chat_messages_parts_and_refusal():
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "\ufeffa"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}])
-    assert convert.chat_messages(req) == [{"role": "system", "content": "be brief"},
+    assert request_mapping.chat_messages(req) == [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": "ab"},
                                           {"role": "assistant", "content": ""}]
     img = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}])
     with pytest.raises(APIError, match="image_url"):
-        convert.chat_messages(img)
+        request_mapping.chat_messages(img)
     with pytest.raises(APIError, match="no 'text' field"):
-        convert.chat_messages(ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+        request_mapping.chat_messages(ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}]))
 
 
 def test_stop_and_priority():
-    assert convert.stop_list(CompletionRequest(prompt="x", stop="\n")) == ["\n"]
-    assert convert.stop_list(CompletionRequest(prompt="x", stop=["a", "", "b"])) == ["a", "b"]
+    assert request_mapping.stop_list(CompletionRequest(prompt="x", stop="\n")) == ["\n"]
+    assert request_mapping.stop_list(CompletionRequest(prompt="x", stop=["a", "", "b"])) == ["a", "b"]
     with pytest.raises(APIError):
-        convert.stop_list(CompletionRequest(prompt="x", stop=[str(i) for i in range(17)]))
-    assert convert.priority({}) == ("normal", "realtime")
-    assert convert.priority({"x-priority": " HIGH ", "x-mode": "batch"}) == ("high", "batch")
+        request_mapping.stop_list(CompletionRequest(prompt="x", stop=[str(i) for i in range(17)]))
+    assert request_mapping.priority({}) == ("normal", "realtime")
+    assert request_mapping.priority({"x-priority": " HIGH ", "x-mode": "batch"}) == ("high", "batch")
     with pytest.raises(APIError, match="X-Mode"):
-        convert.priority({"x-mode": "now"})
+        request_mapping.priority({"x-mode": "now"})
 
 
 def test_completion_prompt_forms():
@@ -133,7 +133,7 @@ def test_completion_prompt_forms():
         def encode(self, text):
             return [1, *[ord(c) % 50 for c in text]]
 
-    f = convert.completion_prompts
+    f = request_mapping.completion_prompts
     assert f(CompletionRequest(prompt="ab"), Tok(), 100) == [[1, 47, 48]]
     assert f(CompletionRequest(prompt=["a", "\u200bb"]), Tok(), 100) == [[1, 47], [1, 48]]
     assert f(CompletionRequest(prompt=[5, 6]), Tok(), 100) == [[5, 6]]

@@ -1,0 +1,161 @@
+"""ONNX → TensorRT engine on the target GPU: profiles from the bundle, fp16 + INT4 weight-only,
+a builder memory limit, a timing cache kept in the bundle, progress bars, and the engine.json.
+
+The INT4 weights reach TensorRT as ``DequantizeLinear`` (INT4, block 64/128, zero point 0) in
+front of each MatMul: the parser turns them into IDequantizeLayer with INT4 weights, which
+TensorRT fuses into weight-only GEMMs; no calibration is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from lineside.build.tensorrt.check import check_bundle
+from lineside.build.tensorrt.profiles import (
+    BUCKET_STEP,
+    FIRST_BUCKET,
+    Limits,
+    ProfileSpec,
+    derive_limits,
+    derive_profiles,
+)
+from lineside.build.tensorrt.progress import make_monitor
+from lineside.bundle import Bundle, open_bundle
+from lineside.errors import LinesideError
+from lineside.runtime.tensorrt.env import import_tensorrt
+from lineside.runtime.tensorrt.key import (
+    ENGINE_FILE,
+    ENGINE_JSON,
+    TIMING_CACHE,
+    MachineKey,
+    engine_dir,
+    machine_key,
+)
+
+
+class EngineBuildError(LinesideError):
+    """TensorRT could not parse the graph or build an engine for it."""
+
+
+@dataclass
+class BuildOptions:
+    num_slots: int = 4
+    max_prefill: int | None = None
+    max_logits: int | None = None
+    fp16: bool = True
+    workspace_gb: float | None = None  # builder memory pool limit; None = TensorRT's default (device memory)
+    opt_level: int | None = None  # builder optimization level 0-5 (TensorRT default 3)
+    first_bucket: int = FIRST_BUCKET  # smallest past-length bucket (profiles' past_seq minimum)
+    bucket_step: int = BUCKET_STEP  # past-length buckets grow by doubling up to this, then by this
+
+
+def table_for(trt_version: str) -> str:
+    """Which op-support table to pre-check a graph against for this TensorRT."""
+    return "10.3" if trt_version.startswith("10.3") else "newest"
+
+
+def engine_meta(key: MachineKey, lim: Limits, profiles: list[ProfileSpec], opts: BuildOptions,
+                graph_sha256: str | None, build_s: float) -> dict[str, Any]:
+    """The engine.json written next to the engine (what the runtime checks before loading it)."""
+    return {
+        "key": key.key,
+        "machine": key.to_dict(),
+        "gpu_name": key.gpu_name,
+        "compute_capability": key.compute_capability,
+        "tensorrt": key.tensorrt,
+        "cuda": key.cuda,
+        "limits": lim.to_dict(),
+        "profiles": [p.to_dict() for p in profiles],
+        "fp16": opts.fp16,
+        "graph_sha256": graph_sha256,
+        "build_seconds": round(build_s, 1),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _parse(trt: Any, network: Any, parser: Any, graph: Path) -> None:
+    if parser.parse_from_file(str(graph)):
+        return
+    errs = []
+    for i in range(parser.num_errors):
+        e = parser.get_error(i)
+        node = e.node_name() if hasattr(e, "node_name") else str(e.node())
+        op = e.node_operator() if hasattr(e, "node_operator") else "?"
+        errs.append(f"node {node or '?'} ({op}): {e.desc()}")
+    first = errs[0] if errs else "unknown parser error"
+    more = f" (+{len(errs) - 1} more; run `lineside check` for the full list)" if len(errs) > 1 else ""
+    raise EngineBuildError(f"TensorRT could not parse {graph.name}: {first}{more}")
+
+
+def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: Console | None = None) -> Path:
+    """Build ``engines/<key>/model.engine`` for this machine; returns the engine directory."""
+    opts = opts or BuildOptions()
+    console = console or Console(stderr=True)
+    bundle: Bundle = open_bundle(bundle_path)
+    fl = bundle.flavor("trt")
+    trt = import_tensorrt()
+    key = machine_key()
+    pre = check_bundle(bundle, table_for(key.tensorrt))
+    if not pre.ok:  # advisory: the documented tables can lag the parser, which has the last word below
+        for o in pre.offenders[:5]:
+            console.print(f"[yellow]warning:[/] node {o.node} ({o.op}, {o.dtypes}): {o.reason}")
+        console.print(f"[yellow]warning:[/] {pre.summary()} per onnx-tensorrt's documentation "
+                      f"(`lineside check {bundle_path} --trt {table_for(key.tensorrt)}` lists all); building anyway")
+    cfg = bundle.config
+    lim = derive_limits(bundle.max_seq_len, cfg.vocab_size, opts.num_slots, opts.max_prefill, opts.max_logits,
+                        opts.first_bucket, opts.bucket_step)
+    profiles = derive_profiles(fl, cfg, lim)
+    out = engine_dir(bundle.path, key)
+    out.mkdir(parents=True, exist_ok=True)
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    strongly_typed = int(trt.__version__.split(".")[0]) >= 11  # TensorRT 11: strongly typed only
+    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    _parse(trt, network, parser, bundle.file(fl["graph"]))
+
+    config = builder.create_builder_config()
+    if opts.workspace_gb:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(opts.workspace_gb * (1 << 30)))
+    if opts.fp16 and not strongly_typed:
+        config.set_flag(trt.BuilderFlag.FP16)
+    if opts.opt_level is not None:
+        config.builder_optimization_level = int(opts.opt_level)
+    cache_path = out / TIMING_CACHE
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    config.progress_monitor = make_monitor(trt, console)
+    for spec in profiles:
+        prof = builder.create_optimization_profile()
+        for name, (mn, op, mx) in spec.shapes.items():
+            prof.set_shape(name, mn, op, mx)
+        config.add_optimization_profile(prof)
+
+    t0 = time.time()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EngineBuildError(
+            f"TensorRT {key.tensorrt} built no engine for {key.gpu_name} (SM {key.compute_capability}); the "
+            "log above names the layer — often no INT4 weight-only tactic on this GPU: rebuild the bundle with "
+            "--quant w8a16 or fp16, or use --backend onnxruntime")
+    _atomic_write(out / ENGINE_FILE, bytes(serialized))
+    _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+    sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
+    meta = engine_meta(key, lim, profiles, opts, sha, time.time() - t0)
+    _atomic_write(out / ENGINE_JSON, json.dumps(meta, indent=2).encode())
+    return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

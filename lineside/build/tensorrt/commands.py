@@ -1,0 +1,50 @@
+"""CLI: `lineside engine BUNDLE` (build the TensorRT engine here) and `lineside check BUNDLE --trt 10.3`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lineside.errors import LinesideError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("engine")
+    def engine(
+        bundle: Path = typer.Argument(..., help="bundle directory (with a trt graph)"),
+        slots: int = typer.Option(4, "--slots", help="max batch = number of decode slots the server runs"),
+        max_prefill: int = typer.Option(None, "--max-prefill", help="longest prompt chunk per step (default 512)"),
+        max_logits: int = typer.Option(None, "--max-logits", help="logits positions per step (default: fits 256 MB)"),
+        fp16: bool = typer.Option(True, "--fp16/--no-fp16", help="let TensorRT run layers in fp16"),
+        workspace_gb: float = typer.Option(None, "--workspace-gb", help="builder memory limit in GB"),
+        opt_level: int = typer.Option(None, "--opt-level", help="builder optimization level 0-5"),
+    ) -> None:
+        """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/."""
+        from lineside.build.tensorrt.builder import BuildOptions, build_engine
+
+        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level))
+        typer.echo(f"engine written to {out}")
+
+    @app.command("check")
+    def check(
+        bundle: Path = typer.Argument(..., help="bundle directory, or a .onnx file"),
+        trt: str = typer.Option("10.3", "--trt", help="TensorRT release: 10.3 (JetPack 6) or newest"),
+    ) -> None:
+        """List the trt graph's nodes that TensorRT's ONNX parser would reject (runs without TensorRT)."""
+        from lineside.build.tensorrt.check import check_bundle, check_onnx_file
+        from lineside.bundle import open_bundle
+
+        rep = check_onnx_file(bundle, trt) if bundle.suffix == ".onnx" else check_bundle(open_bundle(bundle), trt)
+        console = Console()
+        for n in rep.notes:
+            console.print(f"note: {n}")
+        if rep.offenders:
+            t = Table("node", "op", "dtype", "why")
+            for o in rep.offenders:
+                t.add_row(o.node, o.op, o.dtypes, o.reason)
+            console.print(t)
+            raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
+        console.print(rep.summary())

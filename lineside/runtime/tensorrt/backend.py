@@ -1,0 +1,292 @@
+"""The TensorRT backend: the bundle's engine for this GPU, one device allocation, CUDA Graphs for decode.
+
+Per step: place the batch's slots in arena rows 0..B-1 at a pitch that fits (arena.py), copy the
+inputs into static buffers, run the engine (``execute_async_v3`` on a non-default stream) and the
+state-append kernels — captured once per (batch bucket, length bucket) for decode and replayed —
+then copy the logits back. Needs tensorrt + cuda-python + a GPU; each missing piece is one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lineside.bundle import Bundle
+from lineside.errors import BackendUnavailable, LinesideError
+from lineside.graph_io import APPEND, StateTensor
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
+from lineside.runtime.tensorrt.buffers import BufferPlan, plan_buffers
+from lineside.runtime.tensorrt.env import check, import_cudart, import_tensorrt, probe_gpu
+from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
+from lineside.runtime.tensorrt.kernels import StateKernels
+from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
+
+
+class TensorRTBackend:
+    """Backend protocol (runtime/backend.py) on TensorRT; ``num_slots`` ≤ the engine's max batch."""
+
+    name = "tensorrt"
+    flavor = "trt"
+
+    def __init__(self, bundle: Bundle, num_slots: int = 4, device: int = 0, cuda_graphs: bool = True,
+                 warmup: bool = True):
+        self.trt = import_tensorrt()
+        self.cr = import_cudart()
+        gpu = probe_gpu(device)
+        check(self.cr, self.cr.cudaSetDevice(device), "cudaSetDevice")
+        check(self.cr, self.cr.cudaFree(0), "cudaFree(0)")  # creates the primary context (NVRTC modules need it)
+        here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
+        fl = bundle.flavor("trt")
+        sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
+        edir, meta = find_engine(bundle.path, here, sha)
+        lim = meta["limits"]
+        if num_slots > int(lim["max_batch"]):
+            raise LinesideError(f"the engine was built for at most {lim['max_batch']} slots, {num_slots} asked; "
+                               f"rebuild with `lineside engine {bundle.path} --slots {num_slots}`")
+        self.bundle, self.num_slots = bundle, num_slots
+        self.max_seq_len = bundle.max_seq_len
+        self.vocab_size = bundle.config.vocab_size
+        self.max_prefill, self.max_logits = int(lim["max_prefill"]), int(lim["max_logits"])
+        self.cuda_graphs = cuda_graphs
+        self.states = [StateTensor.from_dict(s) for s in fl.get("state") or []]
+        self.input_names = list(fl.get("inputs") or [])
+        self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
+
+        logger = self.trt.Logger(self.trt.Logger.WARNING)
+        self.runtime = self.trt.Runtime(logger)
+        self.engine = self.runtime.deserialize_cuda_engine(Path(edir, ENGINE_FILE).read_bytes())
+        if self.engine is None:
+            raise BackendUnavailable(f"TensorRT could not load {edir / ENGINE_FILE} (corrupt, or built by another "
+                                     f"TensorRT); rebuild with `lineside engine {bundle.path}`")
+        names = [p["name"] for p in meta["profiles"]]
+        self.stream = check(self.cr, self.cr.cudaStreamCreateWithFlags(self.cr.cudaStreamNonBlocking),
+                            "cudaStreamCreateWithFlags")
+        # The prefill and decode contexts never run at the same time (one stream), so they share one block
+        # of activation memory sized for the larger profile instead of holding one each (Jetson memory is
+        # shared with the CPU; TensorRT-Edge-LLM does the same).
+        self.contexts: dict[str, Any] = {}
+        user_managed = self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
+        self.context_memory_bytes = max(int(self.engine.device_memory_size_v2), 1)
+        self.context_memory = check(self.cr, self.cr.cudaMalloc(self.context_memory_bytes), "cudaMalloc")
+        for i, n in enumerate(names):
+            ctx = self.engine.create_execution_context(user_managed)
+            if ctx is None:
+                raise BackendUnavailable(f"TensorRT could not create an execution context for the {n} profile "
+                                         "(out of GPU memory?); use fewer --slots or --backend onnxruntime")
+            ctx.set_device_memory(int(self.context_memory), self.context_memory_bytes)
+            ctx.set_optimization_profile_async(i, int(self.stream))
+            self.contexts[n] = ctx
+
+        self.plan: BufferPlan = plan_buffers(
+            self.states, bundle.config, num_slots=num_slots, max_seq=self.max_seq_len, max_prefill=self.max_prefill,
+            max_logits=self.max_logits, vocab=self.vocab_size, input_names=self.input_names)
+        self.base = check(self.cr, self.cr.cudaMalloc(self.plan.total), "cudaMalloc")
+        check(self.cr, self.cr.cudaMemsetAsync(self.base, 0, self.plan.total, self.stream), "cudaMemsetAsync")
+        # pinned staging for the step inputs, one region per buffer (rewritten only after the step's final sync)
+        self.staging: dict[str, int] = {}
+        host_bytes = 0
+        for b in self.plan.buffers.values():
+            if b.role in ("input", "control"):
+                self.staging[b.name] = host_bytes
+                host_bytes += -(-b.nbytes // 256) * 256
+        self.pinned = check(self.cr, self.cr.cudaMallocHost(host_bytes), "cudaMallocHost")
+        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * host_bytes).from_address(int(self.pinned)))
+        self.kernels = StateKernels(gpu.sm)
+        self.layout = ArenaLayout(num_slots, self.max_seq_len,
+                                  length_buckets(self.max_seq_len, int(lim["first_bucket"]), int(lim["bucket_step"])),
+                                  batch_buckets(num_slots))
+        self.graphs = GraphCache(self.cr, self.stream)
+        self._check_engine_io()
+        if warmup:
+            self.warmup()
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _addr(self, name: str) -> int:
+        return self.plan.address(int(self.base), name)
+
+    def _check_engine_io(self) -> None:
+        want = set(self.input_names) | {s.input for s in self.states} | {s.output for s in self.states} | {"logits"}
+        have = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        if want != have:
+            raise BackendUnavailable(f"the engine's tensors {sorted(have ^ want)} do not match the bundle's trt graph; "
+                                     f"rebuild with `lineside engine {self.bundle.path}`")
+        for ctx in self.contexts.values():
+            for n in have:
+                ctx.set_tensor_address(n, self._addr(n))
+
+    def _h2d(self, name: str, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr)
+        off = self.staging[name]
+        self.host[off: off + arr.nbytes] = arr.view(np.uint8).reshape(-1)
+        check(self.cr, self.cr.cudaMemcpyAsync(self._addr(name), int(self.pinned) + off, arr.nbytes,
+                                               self.cr.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream),
+              "cudaMemcpyAsync")
+
+    def sync(self) -> None:
+        check(self.cr, self.cr.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
+    def _d2d(self, dst: int, src: int, n: int) -> None:
+        check(self.cr, self.cr.cudaMemcpyAsync(dst, src, n, self.cr.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                               self.stream), "cudaMemcpyAsync")
+
+    def _apply(self, moves: list[Swap | Relayout]) -> None:
+        scratch = self._addr("scratch")
+        for mv in moves:
+            for lay in self.plan.states:
+                arena = self._addr(lay.state.input)
+                if isinstance(mv, Relayout):
+                    if lay.update != APPEND:
+                        continue
+                    e = lay.inner * lay.dtype.itemsize
+                    rows = self.num_slots * lay.outer
+                    old, new = mv.old_pitch * e, mv.new_pitch * e
+                    self._d2d(scratch, arena, rows * old)
+                    check(self.cr, self.cr.cudaMemcpy2DAsync(arena, new, scratch, old, min(old, new), rows,
+                                                             self.cr.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                                             self.stream), "cudaMemcpy2DAsync")
+                else:
+                    rb = lay.row_bytes(self.layout.pitch)
+                    a, b = arena + mv.row_a * rb, arena + mv.row_b * rb
+                    self._d2d(scratch, a, rb)
+                    self._d2d(a, b, rb)
+                    self._d2d(b, scratch, rb)
+            self.stats["relayouts" if isinstance(mv, Relayout) else "swaps"] += 1
+
+    def _set_shapes(self, ctx: Any, bb: int, s: int, p: int, k: int) -> None:
+        shapes = {"input_ids": (bb, s), "position_ids": (bb, s), "attention_mask": (bb, p + s),
+                  "logits_positions": (bb, k), "past_lengths": (bb,)}
+        for n in self.input_names:
+            if n in shapes:
+                ctx.set_input_shape(n, shapes[n])
+        for lay in self.plan.states:
+            if lay.update == APPEND:
+                full = self.plan.buffers[lay.state.input].shape
+                ctx.set_input_shape(lay.state.input, self._state_shape(lay.state, bb, p, full))
+            else:
+                ctx.set_input_shape(lay.state.input, (bb, *self._replace_dims(lay.state)))
+
+    def _state_shape(self, st: StateTensor, bb: int, p: int, full: tuple[int, ...]) -> tuple[int, ...]:
+        from lineside.runtime.tensorrt.buffers import state_dims
+        dims = state_dims(self.bundle.config) | {"max_seq": self.max_seq_len, "batch": bb, "past_seq": p}
+        return tuple(int(d) if isinstance(d, int) else int(dims[d]) for d in st.shape)
+
+    def _replace_dims(self, st: StateTensor) -> tuple[int, ...]:
+        from lineside.runtime.tensorrt.buffers import state_dims
+        dims = state_dims(self.bundle.config) | {"max_seq": self.max_seq_len}
+        return tuple(int(d) if isinstance(d, int) else int(dims[d]) for d in st.shape[1:])
+
+    def _launch_fn(self, ctx: Any, bb: int, s: int, p: int) -> Any:
+        def launch() -> None:
+            if not ctx.execute_async_v3(int(self.stream)):
+                raise LinesideError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            for lay in self.plan.states:
+                src, dst = self._addr(lay.state.output), self._addr(lay.state.input)
+                if lay.update == APPEND:
+                    self.kernels.append_rows(self.stream, src, dst, self._addr("write_pos"), self._addr("new_lengths"),
+                                             bb, lay.outer, s, p, lay.inner * lay.dtype.itemsize)
+                else:
+                    self.kernels.copy_rows(self.stream, src, dst, self._addr("write_pos"), bb, lay.row_bytes(p))
+        return launch
+
+    # ---- Backend interface ----------------------------------------------------------------
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        """One step for the batch's slots; returns float32 logits [B, K, vocab]."""
+        past = np.asarray(batch.past_lengths, dtype=np.int64)
+        new = np.asarray(batch.new_lengths, dtype=np.int64)
+        totals = past + new
+        self._apply(self.layout.plan_moves(list(batch.slots), totals))
+        parts = []
+        if "attention_mask" not in self.input_names and len(set(new.tolist())) > 1:
+            raise LinesideError("this model's trt graph has no attention mask, so rows of one step must have the "
+                               "same number of new tokens; send prefills of different lengths in separate steps")
+        for ch in chunks(batch.input_ids, new, batch.logits_positions, min(self.max_prefill, self.max_logits)
+                         if batch.logits_positions.shape[1] > self.max_logits else self.max_prefill):
+            cpast = past + np.minimum(ch.offset, new)
+            st = self.layout.step_inputs(ch.input_ids, cpast, ch.new_lengths, ch.logits_positions)
+            for name, arr in (("input_ids", st.input_ids), ("position_ids", st.position_ids),
+                              ("attention_mask", st.attention_mask), ("logits_positions", st.logits_positions),
+                              ("past_lengths", st.past_lengths)):
+                if name in self.input_names:
+                    self._h2d(name, arr)
+            self._h2d("write_pos", st.write_pos)
+            self._h2d("new_lengths", st.new_lengths)
+            ctx = self.contexts["decode" if st.is_decode else "prefill"]
+            k = st.logits_positions.shape[1]
+            self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
+            launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
+            if st.is_decode and self.cuda_graphs:
+                key = st.key if any(lay.update == APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
+                self.stats[self.graphs.run(key, launch)] += 1
+            else:
+                launch()
+                self.stats["eager"] += 1
+            parts.append((ch, self._logits(st.rows, k)))
+        self.layout.commit(list(batch.slots), totals)
+        return gather_chunk_logits(parts, batch.logits_positions.shape[1])
+
+    def _logits(self, rows: int, k: int) -> np.ndarray:
+        out = np.empty((rows, k, self.vocab_size), dtype=np.float32)
+        check(self.cr, self.cr.cudaMemcpyAsync(out.ctypes.data, self._addr("logits"), out.nbytes,
+                                               self.cr.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream),
+              "cudaMemcpyAsync")
+        self.sync()
+        return out
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        if src == dst:
+            return
+        if any(lay.update != APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
+            raise LinesideError("this model's decode state has fixed-size parts; only whole sequences can be "
+                               "copied between slots")
+        ra, rb = self.layout.copied(src, dst, length)
+        for lay in self.plan.states:
+            rbytes = lay.row_bytes(self.layout.pitch)
+            base = self._addr(lay.state.input)
+            self._d2d(base + rb * rbytes, base + ra * rbytes, rbytes)
+        self.sync()
+
+    def reset_slot(self, slot: int) -> None:
+        self.layout.reset(slot)
+        row = self.layout.phys_of[slot]
+        for lay in self.plan.states:
+            if lay.update != APPEND:  # fixed-size state starts from zeros
+                rbytes = lay.row_bytes(self.layout.pitch)
+                check(self.cr, self.cr.cudaMemsetAsync(self._addr(lay.state.input) + row * rbytes, 0, rbytes,
+                                                       self.stream), "cudaMemsetAsync")
+        self.sync()
+
+    def warmup(self) -> None:
+        """Run (and capture) one decode step per batch bucket at the first length bucket, then clear the slots."""
+        for bb in self.layout.batch_buckets:
+            slots = list(range(bb))
+            self.forward(StepBatch(slots=slots, input_ids=np.zeros((bb, 1), dtype=np.int64),
+                                   past_lengths=np.zeros(bb, dtype=np.int64), new_lengths=np.ones(bb, dtype=np.int64),
+                                   logits_positions=np.zeros((bb, 1), dtype=np.int64)))
+            for s in slots:
+                self.reset_slot(s)
+
+    def close(self) -> None:
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.drop()
+        self.contexts = {}  # contexts go before the memory they use
+        for attr in ("base", "context_memory"):
+            if getattr(self, attr, None) is not None:
+                self.cr.cudaFree(getattr(self, attr))
+                setattr(self, attr, None)
+        if getattr(self, "pinned", None) is not None:
+            self.cr.cudaFreeHost(self.pinned)
+            self.pinned = None
+        if getattr(self, "stream", None) is not None:
+            self.cr.cudaStreamDestroy(self.stream)
+            self.stream = None
+
+    def describe(self) -> str:
+        return json.dumps({"slots": self.num_slots, "max_prefill": self.max_prefill, "pitch": self.layout.pitch,
+                           "stats": self.stats, "arena_bytes": self.plan.total,
+                           "context_memory_bytes": self.context_memory_bytes})
+

@@ -1,0 +1,123 @@
+"""Engine keys: an engine runs only on the GPU model and TensorRT version it was built with.
+
+Engines live under ``BUNDLE/engines/<key>/`` with ``model.engine`` and a small ``engine.json``
+(GPU name, compute capability, TensorRT and CUDA versions, profile shapes). Loading compares the
+machine with ``engine.json`` and refuses a mismatch with a line naming what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lineside.errors import BundleError
+
+ENGINES_DIR = "engines"
+ENGINE_FILE = "model.engine"
+ENGINE_JSON = "engine.json"
+TIMING_CACHE = "timing.cache"
+
+
+@dataclass(frozen=True)
+class MachineKey:
+    """What an engine is bound to."""
+
+    gpu_name: str
+    compute_capability: str  # "8.7"
+    tensorrt: str  # "10.3.0"
+    cuda: str  # CUDA runtime "12.6"
+
+    @property
+    def key(self) -> str:
+        gpu = re.sub(r"[^a-z0-9]+", "-", self.gpu_name.lower()).strip("-") or "gpu"
+        sm = self.compute_capability.replace(".", "")
+        return f"{gpu}-sm{sm}-trt{self.tensorrt}-cuda{self.cuda}"
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MachineKey:
+        return cls(str(d["gpu_name"]), str(d["compute_capability"]), str(d["tensorrt"]), str(d["cuda"]))
+
+
+_LABELS = {"gpu_name": "GPU", "compute_capability": "SM", "tensorrt": "TensorRT", "cuda": "CUDA"}
+
+
+def differences(built: MachineKey, here: MachineKey) -> list[str]:
+    """Human-readable fields that differ, e.g. ``TensorRT 10.3.0 → 10.15.1``."""
+    out = []
+    for f, label in _LABELS.items():
+        a, b = getattr(built, f), getattr(here, f)
+        if a != b:
+            out.append(f"{label} {a} (engine) vs {b} (here)")
+    return out
+
+
+def machine_key() -> MachineKey:
+    """This machine's key (needs cuda-python, a GPU and TensorRT; one clear line when one is missing)."""
+    from lineside.runtime.tensorrt.env import probe_gpu, tensorrt_version
+
+    gpu = probe_gpu()
+    return MachineKey(gpu.name, gpu.sm, tensorrt_version(), gpu.cuda_runtime)
+
+
+def engine_dir(bundle_path: Path, key: MachineKey) -> Path:
+    return Path(bundle_path) / ENGINES_DIR / key.key
+
+
+def rebuild_hint(bundle_path: Path) -> str:
+    return f"rebuild it here with `lineside engine {bundle_path}`"
+
+
+def list_engines(bundle_path: Path) -> list[tuple[Path, dict[str, Any]]]:
+    root = Path(bundle_path) / ENGINES_DIR
+    out = []
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            meta = d / ENGINE_JSON
+            if meta.is_file():
+                try:
+                    out.append((d, json.loads(meta.read_text())))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+    return out
+
+
+def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """The engine directory built for ``here``, or a BundleError saying what differs and how to rebuild."""
+    bundle_path = Path(bundle_path)
+    engines = list_engines(bundle_path)
+    for d, meta in engines:
+        if key_of(meta) == here:
+            if not (d / ENGINE_FILE).is_file():
+                raise BundleError(f"{d}/{ENGINE_FILE} is missing; {rebuild_hint(bundle_path)}")
+            if graph_sha256 and meta.get("graph_sha256") not in (None, graph_sha256):
+                raise BundleError(f"engine {d.name} was built from an older trt graph of this bundle; "
+                                  f"{rebuild_hint(bundle_path)}")
+            return d, meta
+    if not engines:
+        raise BundleError(f"no TensorRT engine in {bundle_path} (this machine's key is {here.key}); "
+                          f"build one with `lineside engine {bundle_path}`")
+    d, meta = engines[0]
+    built = key_of(meta)
+    if built is None:
+        raise BundleError(f"{d / ENGINE_JSON} is incomplete; {rebuild_hint(bundle_path)}")
+    diff = "; ".join(differences(built, here))
+    raise BundleError(f"engine {d.name} in {bundle_path} does not match this machine ({diff}); "
+                      f"engines are not portable across GPUs or TensorRT versions — {rebuild_hint(bundle_path)}")
+
+
+def key_of(meta: dict[str, Any]) -> MachineKey | None:
+    """The machine an engine.json says its engine was built on (None when incomplete)."""
+    try:
+        return MachineKey.from_dict(meta["machine"])
+    except (KeyError, TypeError):
+        return None
+
+
+def has_engine_for(bundle_path: Path, here: MachineKey) -> bool:
+    return any(key_of(m) == here and (d / ENGINE_FILE).is_file() for d, m in list_engines(Path(bundle_path)))

@@ -1,0 +1,285 @@
+"""GGUF tokenizers rebuilt as tokenizer.json must give llama.cpp's ids.
+
+Reference ids for SmolLM2 are frozen in data/smollm2_llamacpp_ids.json (made with llama.cpp via
+llama-cpp-python: ``python tests/build/checkpoint/test_checkpoint_tokenizer.py --freeze``). When
+llama_cpp is importable, further tests compare against it live: random text, and every
+supported ``tokenizer.ggml.pre`` on a vocabulary cut from SmolLM2's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_gguf_writer import write_model_gguf
+from ckpt_helpers import needs_smollm2, smollm2_gguf
+
+from lineside.build.checkpoint import open_checkpoint
+from lineside.errors import CheckpointError
+
+DATA = Path(__file__).parent / "data"
+TEXTS = json.loads((DATA / "tokenizer_texts.json").read_text(encoding="utf-8"))
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+
+
+def _load(out: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(out / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_ck, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2_tok")
+    info = smollm2_ck.write_tokenizer(out)
+    return out, info, _load(out)
+
+
+@needs_smollm2
+def test_smollm2_frozen_llamacpp_ids(smollm2_tok):
+    _, _, tok = smollm2_tok
+    ref = json.loads((DATA / "smollm2_llamacpp_ids.json").read_text())
+    assert set(ref) == set(TEXTS)
+    for key, text in TEXTS.items():
+        assert tok.encode(text, add_special_tokens=False).ids == ref[key], key
+        assert tok.encode(text).ids == ref[key], key  # SmolLM2: add_bos_token is false
+
+
+@needs_smollm2
+def test_smollm2_digits_split_one_by_one(smollm2_tok):
+    _, _, tok = smollm2_tok
+    enc = tok.encode("\n\n  0. In 2024-11-29", add_special_tokens=False)
+    assert [t for t in enc.tokens if t.isdigit()] == list("0202411" "29")
+    assert tok.decode(enc.ids) == "\n\n  0. In 2024-11-29"
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_files(smollm2_tok):
+    import jinja2
+
+    out, info, tok = smollm2_tok
+    assert info["bos_token_id"] == 1 and info["add_bos_token"] is False
+    assert info["eos_token_ids"][0] == 2 and 0 in info["eos_token_ids"]  # <|im_end|>, <|endoftext|>
+    tcfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tcfg["eos_token"] == "<|im_end|>" and tcfg["bos_token"] == "<|im_start|>"
+    assert tcfg["chat_template"] == info["chat_template"]
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["bos_token_id"] == 1 and 2 in gen["eos_token_id"]
+    prompt = jinja2.Template(info["chat_template"]).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True
+    )
+    ids = tok.encode(prompt).ids
+    assert ids[0] == 1 and 2 in ids  # <|im_start|> and <|im_end|> came out as single special ids
+    assert tok.token_to_id("<|im_end|>") == 2
+
+
+def _random_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    pool = list("abcXYZ019 \n\t\r'.,;:!?-_()[]{}\"") + [
+        "'s", "'LL", "  ", "\u00a0", "\u2003", "\u3000", "\u0085", "\u200b", "é", "中", "文", "😀", "👍🏽",
+        "٣", "²", "½", "Ⅻ", "\x0b", "<|im_end|>", "<|im_start|>", "\ufeff", "ǅ", "ʰ", "$", "+", "<=>", "|",
+    ]
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+@needs_smollm2
+@needs_llama_cpp
+def test_smollm2_vs_llamacpp_live(smollm2_tok):
+    from llama_cpp import Llama
+
+    _, _, tok = smollm2_tok
+    llm = Llama(model_path=str(smollm2_gguf()), vocab_only=True, verbose=False)
+    for text in [*TEXTS.values(), *_random_texts(400)]:
+        want = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert tok.encode(text, add_special_tokens=False).ids == want, repr(text)
+
+
+PRE_NAMES = ["default", "gpt-2", "smollm", "starcoder", "llama-bpe", "qwen2", "deepseek-r1-qwen", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module")
+def cut_vocab(smollm2_ck):
+    """SmolLM2's first 6000 tokens and the merges that stay inside them: a valid, smaller BPE."""
+    ck = smollm2_ck
+    n = 6000
+    tokens = ck.meta("tokenizer.ggml.tokens")[:n]
+    types = ck.meta("tokenizer.ggml.token_type")[:n]
+    have = set(tokens)
+    merges = []
+    for m in ck.meta("tokenizer.ggml.merges"):
+        a, b = m.split(" ", 1)
+        if a in have and b in have and a + b in have:
+            merges.append(m)
+    return tokens, types, merges
+
+
+@needs_smollm2
+@needs_llama_cpp
+@pytest.mark.parametrize("pre", PRE_NAMES)
+def test_pre_tokenizers_vs_llamacpp(pre, cut_vocab, tiny_llama, tmp_path):
+    from llama_cpp import Llama
+
+    tokens, types, merges = cut_vocab
+    hf_dir, state = tiny_llama
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    path = tmp_path / f"{pre}.gguf"
+    small = {k: v for k, v in state.items() if "layers" not in k}
+    write_model_gguf(path, "llama", {**cfg, "num_hidden_layers": 0}, small, tokenizer=dict(
+        tokens=tokens, types=types, merges=merges, pre=pre, bos=1, eos=2))
+    out = tmp_path / "tok"
+    open_checkpoint(path).write_tokenizer(out)
+    tok = _load(out)
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in [*TEXTS.values(), *_random_texts(150, seed=1)]:
+        want = llm.tokenize(text.encode(), add_bos=True, special=True)
+        assert tok.encode(text).ids == want, (pre, text)
+
+
+def _tiny_bpe() -> dict:
+    """A hand-made byte-level vocabulary: the GPT-2 byte alphabet, a few merges, three specials."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alpha = sorted(ByteLevel.alphabet())
+    merges = ["2 0", "20 2", "Ġ t", "h e", "Ġt he"]
+    merged = ["20", "202", "Ġt", "he", "Ġthe"]
+    tokens = specials + alpha + merged + ["<think>"]
+    types = [3] * 3 + [1] * (len(alpha) + len(merged)) + [4]
+    return dict(tokens=tokens, types=types, merges=merges)
+
+
+def _tiny_gguf(tmp_path: Path, tiny_llama, **tok) -> Path:
+    hf_dir, state = tiny_llama
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    path = tmp_path / "tok.gguf"
+    small = {k: v for k, v in state.items() if "layers" not in k}
+    write_model_gguf(path, "llama", {**cfg, "num_hidden_layers": 0}, small, tokenizer=tok)
+    return path
+
+
+def test_tiny_smollm_rules(tmp_path, tiny_llama):
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="smollm", bos=1, eos=2, add_bos=False,
+                      chat_template="{{ messages }}")
+    info = open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    assert info == {"bos_token_id": 1, "eos_token_ids": [2, 0], "chat_template": "{{ messages }}",
+                    "add_bos_token": False}
+    tok = _load(tmp_path / "out")
+    enc = tok.encode("the 2024 the<|im_end|><think>", add_special_tokens=True)
+    # digits one by one (the 20/202 merges must not fire), specials and user tokens kept whole
+    assert enc.tokens == ["t", "he", "Ġ", "2", "0", "2", "4", "Ġthe", "<|im_end|>", "<think>"]
+    assert tok.token_to_id("<think>") == len(_tiny_bpe()["tokens"]) - 1
+
+
+def test_tiny_llama3_adds_bos(tmp_path, tiny_llama):
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="llama-bpe", bos=1, eos=2)
+    info = open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    assert info["add_bos_token"] is True  # llama.cpp's default for llama3 vocabularies
+    tok = _load(tmp_path / "out")
+    enc = tok.encode("the 2024")
+    assert enc.ids[0] == 1
+    assert enc.tokens[1:] == ["t", "he", "Ġ", "202", "4"]  # \p{N}{1,3} chunks, merges apply
+    tcfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert tcfg["add_bos_token"] is True and tcfg["bos_token"] == "<|im_start|>"
+
+
+def test_unsupported_tokenizers(tmp_path, tiny_llama):
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="made-up-pre")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    assert "made-up-pre" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "tok.gguf").unlink()
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="default", model="bert")
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    assert "bert" in str(e.value)
+
+
+def _freeze() -> None:
+    """Regenerate data/smollm2_llamacpp_ids.json from llama.cpp itself."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(smollm2_gguf()), vocab_only=True, verbose=False)
+    ref = {k: llm.tokenize(v.encode(), add_bos=False, special=True) for k, v in TEXTS.items()}
+    (DATA / "smollm2_llamacpp_ids.json").write_text(json.dumps(ref) + "\n")
+
+
+if __name__ == "__main__" and "--freeze" in sys.argv:
+    _freeze()
+
+
+def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-like vocabulary: <unk> <s> </s>, 256 byte tokens, then BPE pieces trained
+    on the test texts with ▁ for spaces, scored by training order (earlier = better)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.train_from_iterator(list(TEXTS.values()) * 3, trainers.BpeTrainer(vocab_size=700, show_progress=False))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types, scores = [2, 3, 3] + [6] * 256, [0.0] * len(tokens)
+    for piece, i in sorted(tok.get_vocab().items(), key=lambda kv: kv[1]):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(i))
+    return tokens, types, scores
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tiny_llama, tmp_path_factory):
+    tokens, types, scores = _spm_vocab()
+    d = tmp_path_factory.mktemp("spm")
+    path = _tiny_gguf(d, tiny_llama, tokens=tokens, types=types, scores=scores, merges=[], pre="default",
+                      model="llama", bos=1, eos=2)
+    info = open_checkpoint(path).write_tokenizer(d / "out")
+    return path, info, _load(d / "out")
+
+
+def _spm_texts() -> list[str]:
+    swap = {"<|im_start|>": "<s>", "<|im_end|>": "</s>"}
+    out = []
+    for t in [*TEXTS.values(), *_random_texts(300, seed=2), " leading", "a  b", "</s>  x<s>"]:
+        for a, b in swap.items():
+            t = t.replace(a, b)
+        out.append(t)
+    return out
+
+
+def test_spm_rules(spm_gguf):
+    _, info, tok = spm_gguf
+    assert info["add_bos_token"] is True and info["bos_token_id"] == 1 and info["eos_token_ids"][0] == 2
+    enc = tok.encode("Hi  there</s> x 😀")
+    assert enc.ids[0] == 1  # BOS, as llama.cpp adds for SPM vocabularies
+    assert enc.tokens[1].startswith("\u2581")  # space prefix on the first fragment ...
+    i = enc.tokens.index("</s>")
+    assert enc.tokens[i + 1].startswith("\u2581")  # ... and after every special token
+    assert enc.tokens[-4:] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]  # byte fallback
+    plain = "Hi  there, x 😀 über"
+    assert tok.decode(tok.encode(plain).ids, skip_special_tokens=True) == plain
+
+
+@needs_llama_cpp
+def test_spm_vs_llamacpp(spm_gguf):
+    from llama_cpp import Llama
+
+    path, _, tok = spm_gguf
+    llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in _spm_texts():
+        assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True), repr(text)
+
+
+def test_field_fallback_matches_contents(tmp_path, tiny_llama):
+    """The metadata decoder kept for gguf < 0.11 (no ReaderField.contents) reads the same values."""
+    from lineside.build.checkpoint.gguf_file import _field_value
+
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="smollm", bos=1, eos=2, add_bos=False,
+                      chat_template="{{ x }}")
+    ck = open_checkpoint(path)
+    fields = ck._reader.fields
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token"} <= set(fields)
+    for f in fields.values():
+        assert _field_value(f) == f.contents(), f.name

@@ -1,0 +1,119 @@
+"""GGUF Q4_0/Q4_1/Q8_0 weights carried onto MatMulNBits (cpu) exactly; requantized for trt."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from lineside.build.graph.linear import emit_linear
+from lineside.build.quant.ggml import decode_blocks
+from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
+from lineside.errors import CheckpointError, LinesideError
+from tests.build.quant.conftest import build_one, run_graph
+
+N, K = 64, 576  # 18 blocks of 32; 576 is SmolLM2's hidden size
+
+
+def make_blocks(rng, ggml_type: str, n: int = N, k: int = K, shift: float = 0.0) -> GGMLBlocks:
+    w = (rng.standard_normal((n, k)) * 0.05 + shift).astype(np.float32)
+    data = quantize(w, GGMLQuantizationType[ggml_type])
+    return GGMLBlocks(ggml_type, (n, k), np.ascontiguousarray(data))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decode_matches_gguf(rng, ggml_type):
+    blocks = make_blocks(rng, ggml_type)
+    np.testing.assert_array_equal(decode_blocks(blocks).dequantize(), blocks.dequantize())
+
+
+def test_decode_rejects_truncated(rng):
+    b = make_blocks(rng, "Q4_1")
+    with pytest.raises(CheckpointError):
+        decode_blocks(GGMLBlocks("Q4_1", b.shape, b.data[:, :-4]), "blk.0.ffn_up.weight")
+
+
+@pytest.mark.parametrize("ggml_type,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
+def test_cpu_carry_exact(tmp_path, rng, ggml_type, bits, scheme):
+    # a shifted weight makes Q4_1's offsets matter (m far from -8d)
+    blocks = make_blocks(rng, ggml_type, shift=0.03)
+    bias = rng.standard_normal(N).astype(np.float32)
+    spec = QuantSpec(scheme, 128, accuracy_level=0)  # group 128 doesn't divide 576: the carry ignores it
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, spec, "cpu", bias=bias), K, ["b", "t", N])
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    mnb = [n for n in nodes if n.op_type == "MatMulNBits"]
+    if bits == 8:  # accuracy level 0: 8-bit grids become float32 weights (onnxruntime's 8-bit kernel is slow)
+        assert not mnb and any(n.op_type == "MatMul" for n in nodes)
+    else:
+        assert len(mnb) == 1 and len(mnb[0].input) == 6  # bias folded in, no zero points
+        attrs = {a.name: a.i for a in mnb[0].attribute}
+        assert attrs["bits"] == bits and attrs["block_size"] == 32
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    ref = x @ blocks.dequantize().T + bias
+    y = run_graph(path, {"x": x})
+    # accuracy level 0: the carried grid reproduces llama.cpp's dequantized weight (float32 rounding only)
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_cpu_carry_accuracy_level_4(tmp_path, rng, ggml_type):
+    blocks = make_blocks(rng, ggml_type, shift=0.03)
+    spec = QuantSpec("w4a16", accuracy_level=4)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, spec, "cpu"), K, ["t", N], in_shape=["t", K])
+    node = next(n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "MatMulNBits")
+    attrs = {a.name: a.i for a in node.attribute}
+    assert attrs["bits"] == (8 if ggml_type == "Q8_0" else 4) and attrs["block_size"] == 32
+    assert attrs["accuracy_level"] == 4 and len(node.input) == 3  # no zero points
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    ref = x @ blocks.dequantize().T
+    assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 2e-2
+
+
+def test_q4_1_blocksum_shared(tmp_path, rng):
+    ws = [make_blocks(rng, "Q4_1", shift=0.02) for _ in range(3)]
+    spec = QuantSpec(accuracy_level=0)
+
+    def emit(gb, x):
+        ys = [emit_linear(gb, x, f"l{i}", w, spec, "cpu") for i, w in enumerate(ws)]
+        return gb.op("Sum", ys)
+
+    path = build_one(tmp_path, emit, K, ["b", "t", N])
+    assert sum(n.name.startswith("blocksum") for n in onnx.load(str(path), load_external_data=False).graph.node) == 1
+    x = rng.standard_normal((1, 4, K)).astype(np.float32)
+    ref = x @ sum(w.dequantize() for w in ws).T
+    assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("flavor,spec", [("trt", QuantSpec("w4a16", 64)), ("cpu", QuantSpec("fp16"))])
+def test_requantized_when_not_carried(tmp_path, rng, flavor, spec):
+    blocks = make_blocks(rng, "Q4_1")
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, spec, flavor), K, ["b", "t", N])
+    ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    assert "MatMulNBits" not in ops
+    x = rng.standard_normal((1, 2, K)).astype(np.float32)
+    ref = x @ blocks.dequantize().T
+    # the trt grid is a second quantization of the GGUF grid: close, not exact
+    tol = 0.15 if flavor == "trt" else 1e-3
+    assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < tol
+
+
+def test_fused_qkv_concat_keeps_the_carry(tmp_path, rng):
+    from lineside.build.graph.linear import concat_out_features
+
+    ws = [make_blocks(rng, "Q4_1", n=n, shift=0.02) for n in (64, 32, 32)]
+    fused = concat_out_features(ws, "qkv")
+    assert isinstance(fused, GGMLBlocks) and fused.shape == (128, K)
+    np.testing.assert_array_equal(fused.dequantize(), np.concatenate([w.dequantize() for w in ws]))
+    spec = QuantSpec(accuracy_level=0)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "qkv", fused, spec, "cpu"), K, ["b", "t", 128])
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    ref = x @ fused.dequantize().T
+    assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
+    mixed = concat_out_features([ws[0], np.ones((8, K), np.float32)], "mixed")
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (72, K)
+    with pytest.raises(LinesideError):
+        concat_out_features([ws[0], np.ones((8, K + 32), np.float32)], "bad")

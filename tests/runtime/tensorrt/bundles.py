@@ -1,0 +1,35 @@
+"""Tiny trt bundles for the TensorRT tests that the build pipeline cannot make yet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.errors import CheckpointError
+
+
+def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
+    """A tiny V4 trt bundle: through the build pipeline, or (until V4 is wired there) from the V4 emitter."""
+    from tests.build.deepseek_v4.helpers import MAX_SEQ, make_model, save_model
+
+    ck = save_model(make_model("a"), tmp_path / "v4ck")
+    out = tmp_path / "v4b"
+    try:
+        build_bundle(ck, out, BuildOptions(quant=quant, flavors=("trt",), max_seq_len=MAX_SEQ, group_size=64,
+                                           accuracy_level=0))
+    except CheckpointError:
+        from lineside.build.checkpoint import open_checkpoint
+        from lineside.build.models import deepseek_v4 as v4
+        from lineside.build.quant.spec import QuantSpec
+        from lineside.bundle import write_manifest
+        from lineside.config import ModelConfig
+
+        reader = open_checkpoint(ck)
+        cfg = ModelConfig.from_hf_dict(reader.hf_config)
+        out.mkdir(exist_ok=True)
+        entry = v4.emit_graph(cfg, reader, QuantSpec(scheme=quant, group_size=64), "trt",
+                              out / "graphs/trt/model.onnx", MAX_SEQ)
+        (out / "config.json").write_text(cfg.to_json())
+        write_manifest(out, {"architecture": "deepseek_v4", "config": "config.json", "max_seq_len": MAX_SEQ,
+                             "flavors": {"trt": {"graph": "graphs/trt/model.onnx", **entry}}})
+    return out

@@ -1,0 +1,210 @@
+"""The TensorRT builder and backend end to end on CPU, with tensorrt / cuda-python / the kernels faked
+(tests/runtime/tensorrt/fake_trt.py): engine.json and profiles, addresses, re-layouts, append kernels, graph replay."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lineside.build.tensorrt.builder import BuildOptions, build_engine
+from lineside.cli import main
+from lineside.errors import BundleError, LinesideError
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.runtime.tensorrt.key import ENGINE_JSON, TIMING_CACHE
+from tests.runtime.tensorrt import fake_trt
+
+IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 7, 9, 11, 13, 21, 4, 70, 71, 72, 73, 74, 75,
+       76, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 100, 101,
+       102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114]  # 63 tokens: crosses every bucket
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture
+def engine_bundle(trt_bundle, monkeypatch, tmp_path):
+    import shutil
+
+    from lineside.bundle import open_bundle
+
+    dst = tmp_path / "bundle"
+    shutil.copytree(trt_bundle("fp16").path, dst)
+    dev = fake_trt.install(monkeypatch)
+    build_engine(dst, BuildOptions(num_slots=4, max_prefill=16, first_bucket=8, bucket_step=16))
+    return open_bundle(dst), dev
+
+
+def test_engine_build_writes_engine_json_and_timing_cache(engine_bundle):
+    b, _ = engine_bundle
+    [d] = list((b.path / "engines").iterdir())
+    assert d.name == "fake-gpu-sm87-trt10.3.0-cuda12.6"
+    meta = json.loads((d / ENGINE_JSON).read_text())
+    assert meta["gpu_name"] == "Fake GPU" and meta["compute_capability"] == "8.7" and meta["tensorrt"] == "10.3.0"
+    assert meta["cuda"] == "12.6" and [p["name"] for p in meta["profiles"]] == ["decode", "prefill"]
+    assert meta["limits"]["max_batch"] == 4 and meta["limits"]["max_prefill"] == 16
+    assert (d / TIMING_CACHE).read_bytes() == b"timing" and meta["fp16"]
+    assert "engines/" not in json.dumps(b.manifest["files"])  # engines stay out of the checksummed files
+
+
+def test_logits_equal_onnxruntime_prefill_decode_and_replay(engine_bundle):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
+    be = TensorRTBackend(b, num_slots=4)
+    assert be.stats["captured"] == 3  # warm-up captured batch buckets 1, 2, 4 at pitch 8
+    from tests.runtime.tensorrt.trt_api import unwrap
+
+    # prefill and decode share one activation block (USER_MANAGED), not one each
+    assert {unwrap(c).memory for c in be.contexts.values()} == {(int(be.context_memory), be.context_memory_bytes)}
+    assert be.layout.length_buckets == [8, 16, 32, 48, 64]
+    pre = compute_logits(be, IDS, "prefill")  # 63 tokens in chunks of 16
+    dec = compute_logits(be, IDS, "decode")
+    assert rel(pre, ref) < 1e-4 and rel(dec, ref) < 1e-4
+    assert be.stats["replay"] > 40 and be.stats["relayouts"] >= 1 and dev.launched_graphs == be.stats["replay"]
+    be.close()
+
+
+def test_capture_failure_falls_back_to_eager(engine_bundle, monkeypatch):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    dev.capture_ok = False
+    be = TensorRTBackend(b, num_slots=2)
+    dec = compute_logits(be, IDS[:10], "decode")
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS[:10], "prefill")
+    assert rel(dec, ref) < 1e-4
+    assert be.stats["replay"] == 0 and be.graphs.failed and dev.launched_graphs == 0
+    be.close()
+
+
+def test_batched_decode_copy_and_reset(engine_bundle):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    ort_be = OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0)
+    a, c = IDS[:9], IDS[20:25]
+    ref_a = compute_logits(ort_be, a + [5, 6], "prefill")[-2:]
+    ref_c = compute_logits(ort_be, c + [7, 8], "prefill")[-2:]
+    be = TensorRTBackend(b, num_slots=4)
+    be.forward(StepBatch.single(3, a, 0))
+    be.forward(StepBatch.single(1, c, 0))
+    be.copy_slot(3, 0, len(a))  # prefix reuse: slot 0 continues a's sequence
+    be.reset_slot(3)
+    got = []
+    for i, (ta, tc) in enumerate(((5, 7), (6, 8))):
+        out = be.forward(StepBatch(slots=[1, 0], input_ids=np.array([[tc], [ta]]),
+                                   past_lengths=np.array([len(c) + i, len(a) + i]), new_lengths=np.ones(2, np.int64),
+                                   logits_positions=np.zeros((2, 1), np.int64)))
+        got.append(out[:, 0])
+    assert rel(np.stack([g[1] for g in got]), ref_a) < 1e-4
+    assert rel(np.stack([g[0] for g in got]), ref_c) < 1e-4
+    with pytest.raises(LinesideError, match="cannot copy"):
+        be.copy_slot(3, 2, 4)
+    be.close()
+
+
+def test_refuses_engine_of_another_machine(engine_bundle, monkeypatch):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    fake_trt.install(monkeypatch, gpu="NVIDIA H200", trt_version="10.15.1")
+    with pytest.raises(BundleError) as e:
+        TensorRTBackend(b, num_slots=1)
+    msg = str(e.value)
+    assert "GPU Fake GPU (engine) vs NVIDIA H200 (here)" in msg and "TensorRT 10.3.0 (engine) vs 10.15.1" in msg
+    assert f"lineside engine {b.path}" in msg
+    with pytest.raises(LinesideError, match="at most 4 slots"):
+        fake_trt.install(monkeypatch)
+        TensorRTBackend(b, num_slots=8)
+
+
+def test_cli_engine_and_auto_backend(trt_bundle, monkeypatch, tmp_path, capsys):
+    import shutil
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.select import choose_backend
+
+    dst = tmp_path / "b"
+    shutil.copytree(trt_bundle("fp16").path, dst)
+    fake_trt.install(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["engine", str(dst), "--slots", "2", "--max-prefill", "8", "--workspace-gb", "1"])
+    assert e.value.code == 0 and "engine written to" in capsys.readouterr().out
+    said = []
+    be = choose_backend(open_bundle(dst), "auto", num_slots=2, say=said.append)
+    assert be.name == "tensorrt" and said[0].startswith("backend: tensorrt (engine fake-gpu-sm87")
+    be.close()
+    # generate / chat pick the backend the same way, and say which on stderr
+    outs = {}
+    for backend in ("auto", "onnxruntime"):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(dst), "--prompt", "hello", "--max-tokens", "6", "--backend", backend])
+        cap = capsys.readouterr()
+        assert e.value.code == 0, cap.err
+        outs[backend] = cap.out
+        assert ("backend: tensorrt (engine fake-gpu-sm87" in cap.err) == (backend == "auto")
+    assert outs["auto"] == outs["onnxruntime"] and outs["auto"].strip()
+
+
+def test_v4_replace_state_graph(monkeypatch, tmp_path):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+    from tests.build.deepseek_v4.helpers import token_ids
+    from tests.runtime.tensorrt.bundles import v4_bundle
+
+    p = v4_bundle(tmp_path, "fp16")
+    dev = fake_trt.install(monkeypatch)
+    build_engine(p, BuildOptions(num_slots=2, max_prefill=8))
+    b = open_bundle(p)
+    ids = [int(t) for t in token_ids(n=14)]
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), ids, "decode")
+    be = TensorRTBackend(b, num_slots=2)
+    pre = compute_logits(be, ids, "prefill")  # chunks of 8 carry the replace state across
+    dec = compute_logits(be, ids, "decode", slot=1)
+    assert rel(pre, ref) < 1e-4 and rel(dec, ref) < 1e-4
+    assert be.stats["replay"] > 0 and dev.launched_graphs > 0
+    assert set(be.graphs.graphs) <= {(1, 0), (2, 0)}  # no append state: one graph per batch bucket
+    with pytest.raises(LinesideError, match="same number of new tokens"):
+        be.forward(StepBatch(slots=[0, 1], input_ids=np.ones((2, 3), np.int64), past_lengths=np.zeros(2, np.int64),
+                             new_lengths=np.array([3, 2]), logits_positions=np.zeros((2, 1), np.int64)))
+    be.close()
+
+
+def test_build_failures_are_one_line(trt_bundle, monkeypatch, tmp_path):
+    import shutil
+    import sys
+
+    from lineside.build.tensorrt.builder import EngineBuildError
+
+    dst = tmp_path / "b"
+    shutil.copytree(trt_bundle("w4a16").path, dst)
+    fake_trt.install(monkeypatch)
+    trt = sys.modules["tensorrt"]
+    trt.fail = "parse"
+    with pytest.raises(EngineBuildError) as e:
+        build_engine(dst, BuildOptions(num_slots=1))
+    assert str(e.value).startswith("TensorRT could not parse model.onnx: node embed_tokens/gather_codes (Gather)")
+    assert "+1 more" in str(e.value)
+    trt.fail = "build"
+    with pytest.raises(EngineBuildError, match="built no engine for Fake GPU .*--backend onnxruntime"):
+        build_engine(dst, BuildOptions(num_slots=1))
+    trt.fail = None
+    import io
+
+    from rich.console import Console
+
+    from lineside.build.tensorrt import builder
+    from lineside.build.tensorrt.check import CheckReport, Offender
+
+    rep = CheckReport("10.3", "model.onnx", nodes=1, offenders=[Offender("embed_tokens/gather_codes", "Gather", "INT8",
+                                                                        "INT8 only through DequantizeLinear")])
+    monkeypatch.setattr(builder, "check_bundle", lambda *a: rep)
+    buf = io.StringIO()
+    build_engine(dst, BuildOptions(num_slots=1), Console(file=buf, width=300))  # pre-check only warns
+    assert "warning: node embed_tokens/gather_codes" in buf.getvalue()
