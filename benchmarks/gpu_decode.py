@@ -25,18 +25,14 @@ from lineside.runtime.tensorrt.env import probe_gpu, tensorrt_version
 
 
 def _test_helpers():
-    """tests/conftest.py by path (under pytest, the module named ``conftest`` may be another folder's)."""
-    import importlib.util
+    """tests/conftest.py (the tiny-checkpoint makers), imported as the package module ``tests.conftest``."""
+    import importlib
     import sys
 
-    tests = Path(__file__).resolve().parents[1] / "tests"
-    if str(tests) not in sys.path:
-        sys.path.insert(0, str(tests))  # conftest.py imports its neighbour tiny_tokenizer.py
-    path = tests / "conftest.py"
-    spec = importlib.util.spec_from_file_location("lineside_tests_conftest", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("tests.conftest")
 
 PROMPT, STEPS = 128, 128
 

@@ -148,10 +148,8 @@ def main() -> None:
     a = ap.parse_args()
     bundle = a.bundle
     if bundle is None:
-        sys.path.insert(0, str(HERE.parent / "tests"))
-        from conftest import smollm2_gguf
-
         from lineside.build.pipeline import BuildOptions, build_bundle
+        from tests.conftest import smollm2_gguf  # HERE.parent is on sys.path
 
         gguf = smollm2_gguf()
         if gguf is None:

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_tokenizer import write_byte_tokenizer
+
+from tests.tiny_tokenizer import write_byte_tokenizer
 
 # Keep torch and onnxruntime from fighting over the two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "2")

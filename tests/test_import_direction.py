@@ -99,7 +99,7 @@ def test_no_cycle_between_subpackages():
         for v in deps.get(u, {}):
             if state.get(v) == 1:
                 loop = stack[stack.index(v):] + [v]
-                return [deps[x][y] for x, y in zip(loop, loop[1:])]
+                return [deps[x][y] for x, y in zip(loop, loop[1:], strict=False)]
             if v not in state and (found := visit(v)):
                 return found
         stack.pop()

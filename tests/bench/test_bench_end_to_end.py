@@ -9,7 +9,6 @@ import types
 
 import pytest
 import typer
-from bench_fake_server import make_app
 from typer.testing import CliRunner
 
 from lineside.bench import load
@@ -19,6 +18,7 @@ from lineside.bench.inprocess import BackgroundServer
 from lineside.bench.metrics import summarize, tpot, ttft
 from lineside.bench.prompts import Prompt, PromptPool, synthetic
 from lineside.bench.runner import run
+from tests.bench.bench_fake_server import make_app
 
 TTFT, STEP = 0.03, 0.005
 

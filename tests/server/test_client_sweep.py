@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import make_engine, running_server
+
+from tests.server.conftest import make_engine, running_server
 
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import make_engine, metric, running_server
+
+from tests.server.conftest import make_engine, metric, running_server
 
 SLOW = 0.02  # seconds per model step
 

@@ -12,9 +12,9 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import make_engine, metric, running_server
 
 from lineside.runtime.generate import Generator
+from tests.server.conftest import make_engine, metric, running_server
 
 N_CLIENTS = 64
 MAX_TOKENS = 24

@@ -8,10 +8,10 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import metric
 
 from lineside.runtime.generate import Generator
 from lineside.server import sse
+from tests.server.conftest import metric
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import running_server
 
 from lineside.runtime.generate import Generator
+from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ckpt_helpers import TINY, smollm2_gguf
+
+from tests.build.checkpoint.ckpt_helpers import TINY, smollm2_gguf
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,6 @@ import json
 
 import numpy as np
 import pytest
-from ckpt_gguf_writer import llama_permute, write_model_gguf
-from ckpt_helpers import needs_smollm2, smollm2_gguf
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
@@ -16,6 +14,8 @@ from lineside.build.checkpoint.gguf_names import permute_rows, unpermute_rows
 from lineside.build.tensors import GGMLBlocks
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError
+from tests.build.checkpoint.ckpt_gguf_writer import llama_permute, write_model_gguf
+from tests.build.checkpoint.ckpt_helpers import needs_smollm2, smollm2_gguf
 
 QTYPES = {
     "model.layers.0.self_attn.q_proj.weight": "Q4_0",

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckpt_gguf_writer import write_model_gguf
-from ckpt_helpers import needs_smollm2, smollm2_gguf
 
 from lineside.build.checkpoint import open_checkpoint
 from lineside.errors import CheckpointError
+from tests.build.checkpoint.ckpt_gguf_writer import write_model_gguf
+from tests.build.checkpoint.ckpt_helpers import needs_smollm2, smollm2_gguf
 
 DATA = Path(__file__).parent / "data"
 TEXTS = json.loads((DATA / "tokenizer_texts.json").read_text(encoding="utf-8"))

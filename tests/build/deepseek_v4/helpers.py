@@ -71,7 +71,7 @@ def make_model(schedule: str, seed: int = 0) -> Any:
 
 def save_model(model: Any, path: Path) -> Path:
     """save_pretrained plus a small byte-level tokenizer, so bundles built from it can generate text."""
-    from tiny_tokenizer import write_byte_tokenizer  # tests/tiny_tokenizer.py, shared by all suites
+    from tests.tiny_tokenizer import write_byte_tokenizer  # tests/tiny_tokenizer.py, shared by all suites
 
     model.save_pretrained(path, safe_serialization=True)
     write_byte_tokenizer(path, model.config.vocab_size)

@@ -91,7 +91,7 @@ def test_auto_falls_back_to_onnxruntime_and_says_why(trt_bundle, monkeypatch):
 
 
 def test_auto_picks_tensorrt_when_engine_matches(trt_bundle, monkeypatch, tmp_path):
-    from lineside.build.tensorrt import key as keymod
+    from lineside.runtime.tensorrt import key as keymod
 
     b = trt_bundle("fp16")
     here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
