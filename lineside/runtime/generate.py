@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lineside.runtime.structured import GrammarMatcher
 
 
 def load_tokenizer(bundle: Bundle) -> Tokenizer:
@@ -67,8 +71,9 @@ class Generator:
         self.eos_ids = eos
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None,
-               stop_at_eos: bool = True) -> Iterator[int]:
-        """Yield generated token ids one by one (EOS is not yielded)."""
+               stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
+        """Yield generated token ids one by one (EOS is not yielded). ``matcher``: the output follows its
+        grammar and ends when the grammar is complete."""
         check_ids(prompt_ids, self.backend.vocab_size)
         if not prompt_ids:
             raise LinesideError("the prompt is empty after tokenization; give some text")
@@ -82,12 +87,15 @@ class Generator:
         history = list(prompt_ids)
         pos = len(prompt_ids)
         for _ in range(max_tokens):
-            tok = sampler(logits, history, len(prompt_ids))
+            allowed = None if matcher is None else matcher.allowed()
+            tok = sampler.step(logits, history, len(prompt_ids), allowed=allowed).token
+            if matcher is not None and not matcher.accept(tok):
+                raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
             if stop_at_eos and tok in self.eos_ids:
                 return
             yield tok
             history.append(tok)
-            if len(history) - len(prompt_ids) >= max_tokens:
+            if len(history) - len(prompt_ids) >= max_tokens or (matcher is not None and matcher.finished):
                 return
             logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
             pos += 1
