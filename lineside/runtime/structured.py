@@ -202,6 +202,10 @@ class GrammarCompiler:
         """From lineside's ``Tokenizer`` (its tokenizer.json as the ``tokenizers`` library serializes it)."""
         return cls(tokenizer._tok.to_str(), vocab_size, eos_ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's raw bytes (what logprobs report as ``bytes``): the tokenizer's view the grammar also uses."""
+        return bytes(self.tokenizer.decode_bytes([int(token)]))
+
     def compile(self, constraint: Constraint) -> None:
         """Check and cache ``constraint`` (raises ConstraintError naming its field); a no-op when cached."""
         self._template(constraint)
