@@ -72,7 +72,7 @@ class Constraint:
         if not isinstance(schema, dict):
             raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
         # Key order is kept: it is the order the model writes properties in.
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), param)
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
 
     @classmethod
     def regex(cls, pattern: Any, param: str = "guided_regex") -> Constraint:
@@ -107,6 +107,24 @@ class Constraint:
             return grammar_from("grammar", self.text)
         except ValueError as e:
             raise ConstraintError(f"{self.param or self.kind.value}: {_first_line(str(e))}", self.param) from None
+
+
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` wherever an object lists ``properties`` and says
+    nothing about extra keys (OpenAI's strict mode; xgrammar's strict_mode in vLLM). Every output this
+    allows is valid against the original; without it a small model keeps inventing keys."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYS else closed_objects(v)) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                         "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 _WHAT = {ConstraintKind.JSON_OBJECT: "JSON object", ConstraintKind.JSON_SCHEMA: "JSON schema",

@@ -197,3 +197,16 @@ def test_smollm2_follows_the_schema(smol_bundle):
         out = list(g.stream(ids, 200, matcher=m))
         assert m.finished
         Report.model_validate_json(g.tokenizer.decode(out))
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise():
+    from lineside.runtime.structured import closed_objects
+
+    s = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                          "c": {"type": "object", "properties": {}, "additionalProperties": True}},
+         "$defs": {"D": {"properties": {"x": {}}}}, "default": {"properties": {}}}
+    c = closed_objects(s)
+    assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["c"]["additionalProperties"] is True and c["$defs"]["D"]["additionalProperties"] is False
+    assert c["default"] == {"properties": {}}  # data is left alone
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object: any keys
