@@ -209,7 +209,6 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_ids = eos
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
-        self._executor: Any = None
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
@@ -263,16 +262,28 @@ class GrammarCompiler:
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
         return m
 
-    def fill_masks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
-        """Every constrained row's mask into ``bitmask`` at once (llguidance's thread pool, GIL released)."""
-        if len(rows) == 1:
-            rows[0][0].fill_mask(bitmask, rows[0][1])
-            return
-        if self._executor is None:
-            self._executor = self._ll.LLExecutor()
-        assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
-        self._executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.ctypes.data,
-                                               bitmask.shape[1] * 4, bitmask.shape[0])
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Every constrained row's mask into ``bitmask`` (rows not listed keep theirs) at once: llguidance's
+    thread pool, GIL released; one row is computed inline."""
+    global _executor
+    if not rows:
+        return
+    if len(rows) == 1:
+        rows[0][0].fill_mask(bitmask, rows[0][1])
+        return
+    assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.ctypes.data,
+                                      bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def new_bitmask(rows: int, vocab_size: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from lineside.runtime.structured import (
     ConstraintError,
     ConstraintKind,
     GrammarCompiler,
+    fill_masks,
     new_bitmask,
     unpack_bitmask,
 )
@@ -147,7 +148,7 @@ def test_batched_masks_equal_one_by_one(tiny):
     ms = [comp.matcher(Constraint.regex("[a-c]+")), comp.matcher(Constraint.choice(["zz"])),
           comp.matcher(Constraint.json_object())]
     bm = new_bitmask(4, VOCAB)
-    comp.fill_masks([(m, r) for r, m in zip((0, 2, 3), ms, strict=True)], bm)
+    fill_masks([(m, r) for r, m in zip((0, 2, 3), ms, strict=True)], bm)
     rows = unpack_bitmask(bm, VOCAB)
     assert rows[1].all()  # an unconstrained row is left allowing everything
     for r, m in zip((0, 2, 3), ms, strict=True):
