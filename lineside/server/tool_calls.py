@@ -22,6 +22,9 @@ from typing import Any
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
 
+# ``required`` with parallel calls: at most this many in one answer. A small model given an open array
+# repeats its call until max_tokens and the last one is cut mid-arguments; a bound keeps every call whole.
+MAX_PARALLEL_CALLS = 4
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
 _DECODER = json.JSONDecoder()
 
@@ -156,9 +159,8 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1,
+                              "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
     return Constraint.json_schema(schema, param="tools")
 
 
