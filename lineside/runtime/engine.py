@@ -66,7 +66,7 @@ class LLMEngine:
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True):
-        from lineside.runtime.generate import load_tokenizer
+        from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
@@ -74,7 +74,7 @@ class LLMEngine:
         self.backend: Backend = (make_backend(self.bundle, backend, num_slots, threads)
                                  if isinstance(backend, str) else backend)
         self.backend_name = self.backend.name
-        self.tokenizer = load_tokenizer(self.bundle)
+        self.tokenizer = Tokenizer.from_bundle(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)
         self.model_name = self.bundle.path.name
         self.vocab_size = int(self.backend.vocab_size)

@@ -15,6 +15,7 @@ def serve(
     bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
     host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    *,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
                                                 help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
@@ -50,7 +51,7 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()])
+                     threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()])
     run(app, host, port, log_level=log_level, access_log=access_log)
 
 

@@ -55,7 +55,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(app: Any, host: str, port: int, log_level: str = "info", access_log: bool = False) -> None:
+def run(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False) -> None:
     """Serve until drained or stopped; a model that fails to load raises LinesideError (one line)."""
     state: ServerState = app.state.lineside
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
