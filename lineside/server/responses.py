@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -30,6 +30,7 @@ class Choice:
     index: int
     handle: RequestHandle
     record: RequestRecord
+    _: KW_ONLY
     copy: int = 0
     text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
     finish_reason: str | None = None
