@@ -48,11 +48,14 @@ def base_rank(req: GenerationRequest) -> int:
     return PRIORITIES.index(req.priority) + (3 if req.mode == "batch" else 0)
 
 
+EMPTY_PROMPT = "the prompt is empty after tokenization; give some text"  # the server's budget check says it too
+
+
 def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_seq_len: int | None = None) -> None:
     """The prompt rules every entry point shares (engine submit, `lineside generate`/`logits`, the server's
     token-id prompts): not empty, every id in the vocabulary and, given a context, room to generate."""
     if not ids:
-        raise LinesideError("the prompt is empty after tokenization; give some text")
+        raise LinesideError(EMPTY_PROMPT)
     bad = [i for i in ids if not 0 <= int(i) < vocab_size]
     if bad:
         raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")

@@ -103,16 +103,17 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     endpoint = "chat" if chat else "completions"
     try:
         # choice index = prompt * n + copy, as OpenAI orders them; copies share the prompt's cached prefix
-        for index, (ids, budget, copy) in enumerate((ids, budget, copy) for ids, budget in
-                                                    zip(prompts, budgets, strict=True) for copy in range(n)):
-            choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-            engine_request = request_mapping.engine_request(
-                ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
-                request_id=f"{choice_id}#{next(_serial)}", copy=copy)
-            handle = state.engine.submit(engine_request)
-            record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
-                                   arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
-            choices.append(Choice(index, handle, record, copy=copy))
+        for prompt_index, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            for copy in range(n):
+                index = prompt_index * n + copy
+                choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+                engine_request = request_mapping.engine_request(
+                    ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
+                    request_id=f"{choice_id}#{next(_serial)}", copy=copy)
+                handle = state.engine.submit(engine_request)
+                record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
+                                       arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
+                choices.append(Choice(index, handle, record, copy=copy))
     except QueueFullError as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")

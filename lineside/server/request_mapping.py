@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from lineside.errors import LinesideError
-from lineside.runtime.request import MODES, PRIORITIES, GenerationRequest, check_prompt_ids
+from lineside.runtime.request import EMPTY_PROMPT, MODES, PRIORITIES, GenerationRequest, check_prompt_ids
 from lineside.runtime.sampling import SamplingParams
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -169,7 +169,7 @@ def token_budget(prompt_len: int, requested: int | None, default: int | None, *,
                  prompt_param: str) -> int:
     """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context."""
     if prompt_len == 0:
-        raise bad("the prompt is empty after tokenization; give some text", prompt_param)
+        raise bad(EMPTY_PROMPT, prompt_param)
     room = context - prompt_len
     if room < 1:
         raise bad(f"prompt has {prompt_len} tokens but the model's context is {context} tokens, which leaves "

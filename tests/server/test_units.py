@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from lineside.errors import LinesideError
+from lineside.runtime.request import check_prompt_ids
 from lineside.server import request_mapping, sse
 from lineside.server.errors import APIError, validation_message
 from lineside.server.metrics import RequestRecord, ServerMetrics
@@ -142,6 +143,20 @@ def test_completion_prompt_forms():
         f(CompletionRequest(prompt=[[5], [700]]), Tok(), 100)
     with pytest.raises(APIError, match="at most 64"):
         f(CompletionRequest(prompt=["x"] * 65), Tok(), 100)
+
+
+def test_token_id_prompts_are_refused_as_the_engine_refuses_them():
+    """The server's token-id prompts go through the runtime's one prompt check: same line, as a 400 on 'prompt'."""
+    for ids in ([5, 700], []):
+        with pytest.raises(LinesideError) as runtime:
+            check_prompt_ids(ids, 100)
+        with pytest.raises(APIError) as server:
+            request_mapping.completion_prompts(CompletionRequest(prompt=[[5], ids]), None, 100)
+        assert server.value.message == str(runtime.value) and server.value.param == "prompt"
+        assert server.value.status == 400 and server.value.code == "invalid_value"
+    with pytest.raises(LinesideError, match="prompt has 8 tokens; this model's context is 8"):
+        check_prompt_ids([1] * 8, 100, 8)
+    check_prompt_ids([0, 99], 100, 3)
 
 
 def _validation(model, data) -> RequestValidationError:
