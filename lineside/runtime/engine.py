@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import REPLACE
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import (
@@ -81,7 +81,7 @@ class LLMEngine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         states = getattr(self.backend, "states", [])
-        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
+        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, kv_blocks, prefix_ok)
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))

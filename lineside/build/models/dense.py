@@ -19,7 +19,7 @@ from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
 from lineside.build.models.rope import rope_cache
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
-from lineside.graph_io import APPEND, INPLACE, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 
 F32 = TensorProto.FLOAT
 
@@ -230,8 +230,8 @@ class DenseEmitter:
             out, _, _ = g.op("GroupQueryAttention",
                        [qkv, "", "", pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
                        domain=MS_DOMAIN, outputs=[g.fresh("gqa_out"), ok, ov], **attrs)
-            states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),
-                       StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=INPLACE)]
+            states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE),
+                       StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE)]
         else:
             # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
             kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
@@ -242,8 +242,8 @@ class DenseEmitter:
             out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
             for name in (ok, ov):
                 g.output(name, kv_t, ["batch", kvh, "seq", d])
-            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND),
-                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND)]
+            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND),
+                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND)]
         return self.linear(out, n["o"], n.get("ob"))
 
     def _trt_prelude(self) -> None:

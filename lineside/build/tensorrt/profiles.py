@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.tensorrt.buffers import state_dims
 
 LOGITS_BUDGET = 256 << 20  # bytes for the float32 logits buffer [batch, n_logits, vocab]
@@ -106,7 +106,7 @@ def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[Profi
                 raise LinesideError(f"trt graph input {inp!r} is not one the TensorRT backend feeds; "
                                    "rebuild the bundle with this lineside")
         for st in states:
-            if st.update == APPEND:
+            if st.update == StateUpdate.APPEND:
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], ps[i]) for i in range(3))  # type: ignore[assignment]
             else:
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], p_max) for i in range(3))  # type: ignore[assignment]

@@ -17,7 +17,7 @@ import numpy as np
 
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, plan_buffers
@@ -140,7 +140,7 @@ class TensorRTBackend:
             for lay in self.plan.states:
                 arena = self._addr(lay.state.input)
                 if isinstance(mv, Relayout):
-                    if lay.update != APPEND:
+                    if lay.update != StateUpdate.APPEND:
                         continue
                     e = lay.inner * lay.dtype.itemsize
                     rows = self.num_slots * lay.outer
@@ -164,7 +164,7 @@ class TensorRTBackend:
             if n in shapes:
                 ctx.set_input_shape(n, shapes[n])
         for lay in self.plan.states:
-            if lay.update == APPEND:
+            if lay.update == StateUpdate.APPEND:
                 full = self.plan.buffers[lay.state.input].shape
                 ctx.set_input_shape(lay.state.input, self._state_shape(lay.state, bb, p, full))
             else:
@@ -186,7 +186,7 @@ class TensorRTBackend:
                 raise LinesideError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
             for lay in self.plan.states:
                 src, dst = self._addr(lay.state.output), self._addr(lay.state.input)
-                if lay.update == APPEND:
+                if lay.update == StateUpdate.APPEND:
                     self.kernels.append_rows(self.stream, src, dst, self._addr("write_pos"), self._addr("new_lengths"),
                                              bb, lay.outer, s, p, lay.inner * lay.dtype.itemsize)
                 else:
@@ -220,7 +220,7 @@ class TensorRTBackend:
             self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
             launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
             if st.is_decode and self.cuda_graphs:
-                key = st.key if any(lay.update == APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
+                key = st.key if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
                 self.stats[self.graphs.run(key, launch)] += 1
             else:
                 launch()
@@ -240,7 +240,7 @@ class TensorRTBackend:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if src == dst:
             return
-        if any(lay.update != APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
+        if any(lay.update != StateUpdate.APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
             raise LinesideError("this model's decode state has fixed-size parts; only whole sequences can be "
                                "copied between slots")
         ra, rb = self.layout.copied(src, dst, length)
@@ -254,7 +254,7 @@ class TensorRTBackend:
         self.layout.reset(slot)
         row = self.layout.phys_of[slot]
         for lay in self.plan.states:
-            if lay.update != APPEND:  # fixed-size state starts from zeros
+            if lay.update != StateUpdate.APPEND:  # fixed-size state starts from zeros
                 rbytes = lay.row_bytes(self.layout.pitch)
                 check(self.cr, self.cr.cudaMemsetAsync(self._addr(lay.state.input) + row * rbytes, 0, rbytes,
                                                        self.stream), "cudaMemsetAsync")

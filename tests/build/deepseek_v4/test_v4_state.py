@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from lineside.build.models.deepseek_v4 import parse_config, state_bytes, state_tensors
-from lineside.graph_io import REPLACE, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 
 
 def test_state_layout_is_fixed_shape_replace():
     c = parse_config(dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64))
     states = state_tensors(c, 4096)
-    assert all(isinstance(s, StateTensor) and s.update == REPLACE and s.shape[0] == "batch" for s in states)
+    assert all(isinstance(s, StateTensor) and s.update == StateUpdate.REPLACE and s.shape[0] == "batch" for s in states)
     assert all(all(isinstance(d, int) for d in s.shape[1:]) for s in states)  # capturable: no seq-dependent dims
     by = {s.input: s.shape for s in states}
     assert by["past.0.window"] == ["batch", 128, 512]

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.graphs import batch_buckets, length_buckets
@@ -188,5 +188,5 @@ def test_chunks_cover_all_logits():
 
 
 def test_state_update_kinds_supported():
-    st = StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], update=APPEND)
+    st = StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], update=StateUpdate.APPEND)
     assert st.seq_axis == 2
