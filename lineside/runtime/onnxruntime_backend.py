@@ -15,7 +15,7 @@ import numpy as np
 
 from lineside.bundle import Bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import StateTensor, StateUpdate, resolve_shape
+from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
@@ -46,12 +46,12 @@ class OnnxRuntimeBackend:
         if accuracy_level is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
         try:
-            self.session = ort.InferenceSession(str(bundle.file(entry["graph"])), so,
+            self.session = ort.InferenceSession(str(bundle.file(entry.graph)), so,
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-            raise LinesideError(f"onnxruntime could not load {entry['graph']}: {str(e).splitlines()[0]}") from None
+            raise LinesideError(f"onnxruntime could not load {entry.graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
-        self.states = [StateTensor.from_dict(s) for s in entry["state"]]
+        self.states = list(entry.state)
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
         self.arena: dict[str, np.ndarray] = {
             s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
@@ -62,7 +62,6 @@ class OnnxRuntimeBackend:
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states)}
         self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
-        self._ort = ort
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:

@@ -32,7 +32,7 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
         try:
             from lineside.bundle import read_manifest
 
-            manifest = read_manifest(path)
+            manifest = read_manifest(path).to_json_dict()
         except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
             manifest = {}
     model = str(manifest.get("model_name") or "")
@@ -88,7 +88,7 @@ class ServerState:
                 self._names = default_model_names(Path(str(self.source)), None)
             else:
                 bundle = getattr(self.engine, "bundle", None)
-                self._names = (default_model_names(bundle.path, bundle.manifest) if bundle is not None
+                self._names = (default_model_names(bundle.path, bundle.manifest.to_json_dict()) if bundle is not None
                                        else [str(self.engine.model_name)])
         return self._names
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lineside.bundle import FlavorEntry
+from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.tensorrt.buffers import state_dims
@@ -75,10 +77,9 @@ def _state_shape(st: StateTensor, dims: dict[str, int], b: int, p: int) -> Dims:
     return tuple(out)
 
 
-def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[ProfileSpec]:
+def derive_profiles(flavor: FlavorEntry, cfg: ModelConfig, lim: Limits) -> list[ProfileSpec]:
     """[decode, prefill] profiles for the trt graph's inputs (names from the manifest's flavor entry)."""
-    inputs = list(flavor.get("inputs") or [])
-    states = [StateTensor.from_dict(s) for s in flavor.get("state") or []]
+    inputs, states = list(flavor.inputs), list(flavor.state)
     dims = state_dims(cfg) | {"max_seq": lim.max_seq}
     b_opt = min(lim.max_batch, 4)
     p_min, p_max = lim.first_bucket, lim.max_seq

@@ -9,7 +9,6 @@ then copy the logits back. Needs tensorrt + cuda-python + a GPU; each missing pi
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,7 @@ class TensorRTBackend:
         check(self.cr, self.cr.cudaFree(0), "cudaFree(0)")  # creates the primary context (NVRTC modules need it)
         here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
         fl = bundle.flavor("trt")
-        sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
-        edir, meta = find_engine(bundle.path, here, sha)
+        edir, meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
         lim = meta["limits"]
         if num_slots > int(lim["max_batch"]):
             raise LinesideError(f"the engine was built for at most {lim['max_batch']} slots, {num_slots} asked; "
@@ -53,8 +51,8 @@ class TensorRTBackend:
         self.vocab_size = bundle.config.vocab_size
         self.max_prefill, self.max_logits = int(lim["max_prefill"]), int(lim["max_logits"])
         self.cuda_graphs = cuda_graphs
-        self.states = [StateTensor.from_dict(s) for s in fl.get("state") or []]
-        self.input_names = list(fl.get("inputs") or [])
+        self.states = list(fl.state)
+        self.input_names = list(fl.inputs)
         self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
 
         logger = self.trt.Logger(self.trt.Logger.WARNING)
@@ -284,9 +282,3 @@ class TensorRTBackend:
         if getattr(self, "stream", None) is not None:
             self.cr.cudaStreamDestroy(self.stream)
             self.stream = None
-
-    def describe(self) -> str:
-        return json.dumps({"slots": self.num_slots, "max_prefill": self.max_prefill, "pitch": self.layout.pitch,
-                           "stats": self.stats, "arena_bytes": self.plan.total,
-                           "context_memory_bytes": self.context_memory_bytes})
-

@@ -24,9 +24,9 @@ def test_state_layout_is_fixed_shape_replace():
 
 def test_manifest_entry(v4):
     r = v4.runner(v4.hf_dir("a"), "cpu")
-    assert r.entry["inputs"] == ["input_ids", "past_lengths", "logits_positions"]
-    assert r.entry["activation_dtype"] == "float32"
+    assert r.entry.inputs == ["input_ids", "past_lengths", "logits_positions"]
+    assert r.entry.activation_dtype == "float32"
     names = {i.name for i in r.sess.get_inputs()}
-    assert names == set(r.entry["inputs"]) | {s["input"] for s in r.entry["state"]}
+    assert names == set(r.entry.inputs) | {s.input for s in r.entry.state}
     outs = [o.name for o in r.sess.get_outputs()]
-    assert outs[0] == "logits" and set(outs[1:]) == {s["output"] for s in r.entry["state"]}
+    assert outs[0] == "logits" and set(outs[1:]) == {s.output for s in r.entry.state}

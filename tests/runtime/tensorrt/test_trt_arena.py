@@ -22,9 +22,9 @@ class NumpyTrtBackend:
 
     def __init__(self, bundle, num_slots=3, first=4, step=8, max_chunk=64):
         fl = bundle.flavor("trt")
-        self.sess = ort.InferenceSession(str(bundle.file(fl["graph"])), providers=["CPUExecutionProvider"])
-        self.states = [StateTensor.from_dict(s) for s in fl["state"]]
-        self.inputs = fl["inputs"]
+        self.sess = ort.InferenceSession(str(bundle.file(fl.graph)), providers=["CPUExecutionProvider"])
+        self.states = list(fl.state)
+        self.inputs = fl.inputs
         self.num_slots, self.max_seq = num_slots, bundle.max_seq_len
         self.layout = ArenaLayout(num_slots, self.max_seq, length_buckets(self.max_seq, first, step),
                                   batch_buckets(num_slots))
