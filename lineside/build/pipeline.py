@@ -9,19 +9,23 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lineside import __version__
 from lineside.build.checkpoint import CheckpointReader, open_checkpoint
 from lineside.build.models import model_family
-from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
+from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
 from lineside.bundle import FlavorEntry, Manifest, read_manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
+
+if TYPE_CHECKING:  # the calibrations are imported only when a build asks for one
+    from lineside.build.quant.calibrate import AwqPlan
+    from lineside.build.quant.calibrate_gptq import GptqPlan
 
 FLAVORS = ("cpu", "trt")
 CARRYABLE = {"Q4_0", "Q4_1", "Q8_0"}
@@ -41,7 +45,6 @@ class BuildOptions:
     accuracy_level: int = 4
     lm_head_bits: int = 8
     force: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -181,7 +184,7 @@ def _weight_getter(ckpt: CheckpointReader, spec: QuantSpec, flavor: str, opts: B
     """The cpu flavor takes GGUF 4/8-bit blocks as they are (no second quantization) when it can."""
     carry = flavor == "cpu" and _carries(opts, spec)
 
-    def get(name: str) -> Any:
+    def get(name: str) -> Weight:
         if carry:
             raw = ckpt.get_raw(name)
             if isinstance(raw, GGMLBlocks) and raw.ggml_type in CARRYABLE:
@@ -192,8 +195,8 @@ def _weight_getter(ckpt: CheckpointReader, spec: QuantSpec, flavor: str, opts: B
     return get
 
 
-def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None,
-                  gplan: Any = None) -> dict[str, Any]:
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: AwqPlan | None = None,
+                  gplan: GptqPlan | None = None) -> dict[str, Any]:
     from lineside.build.quant.size import kept_high_precision_note
 
     kept = kept_high_precision_note() if spec.quantized else []

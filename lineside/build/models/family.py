@@ -9,17 +9,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from lineside.build.checkpoint import CheckpointReader
+from lineside.build.quant.grid import Int4Grid
 from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
 from lineside.bundle import FlavorEntry
 from lineside.config import ModelConfig
 
-# HF tensor name → what an emitter quantizes: float32 array, carried GGUF blocks, or a GPTQ grid.
-WeightGetter = Callable[[str], Any]
+# What an emitter quantizes: a float array, carried GGUF blocks, or a GPTQ grid; a getter maps HF names to one.
+Weight = np.ndarray | GGMLBlocks | Int4Grid
+WeightGetter = Callable[[str], Weight]
 
 
 class WeightSource(Protocol):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from lineside.config import ModelConfig
 from lineside.errors import BundleError
-from lineside.graph_io import StateTensor, StateUpdate
+from lineside.graph_io import Dim, StateTensor, StateUpdate
 
 ALIGN = 256  # cudaMalloc alignment; TensorRT wants ≥ 16-byte aligned I/O
 
@@ -74,7 +74,7 @@ class BufferPlan:
         return base + self.buffers[name].offset
 
 
-def state_dims(cfg: Any) -> dict[str, int]:
+def state_dims(cfg: ModelConfig) -> dict[str, int]:
     """Named dims a manifest's state shapes may use besides batch/past_seq/seq/max_seq."""
     return {"kv_heads": cfg.num_kv_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "hidden": cfg.hidden_size, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
@@ -84,7 +84,7 @@ def _layout(st: StateTensor, dims: dict[str, int]) -> StateLayout:
     shape = list(st.shape)
     if not shape or shape[0] != "batch":
         raise BundleError(f"state {st.input}: first dim must be 'batch' (got {shape}); rebuild the bundle")
-    def num(d: Any) -> int:
+    def num(d: Dim) -> int:
         if isinstance(d, int):
             return d
         if d not in dims:
@@ -106,7 +106,7 @@ def _layout(st: StateTensor, dims: dict[str, int]) -> StateLayout:
                       "use the trt flavor")
 
 
-def plan_buffers(states: list[StateTensor], cfg: Any, *, num_slots: int, max_seq: int, max_prefill: int,
+def plan_buffers(states: list[StateTensor], cfg: ModelConfig, *, num_slots: int, max_seq: int, max_prefill: int,
                  max_logits: int, vocab: int, input_names: list[str]) -> BufferPlan:
     """Lay out every buffer the engine and the runtime touch, at its largest shape."""
     dims = state_dims(cfg) | {"max_seq": max_seq}

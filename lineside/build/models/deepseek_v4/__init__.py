@@ -27,7 +27,7 @@ __all__ = ["FAMILY", "INPUTS", "V4Config", "V4Source", "check_tensors", "emit_gr
            "official_to_hf", "parse_config", "required_tensors", "state_bytes", "state_tensors"]
 
 
-def _v4(cfg: Any) -> V4Config:
+def _v4(cfg: ModelConfig | V4Config | dict[str, Any]) -> V4Config:
     if isinstance(cfg, V4Config):
         return cfg
     if isinstance(cfg, dict):
@@ -35,7 +35,7 @@ def _v4(cfg: Any) -> V4Config:
     return parse_config(cfg.raw)  # lineside.config.ModelConfig keeps the whole HF dict in .raw
 
 
-def required_tensors(cfg: Any) -> list[str]:
+def required_tensors(cfg: ModelConfig | V4Config | dict[str, Any]) -> list[str]:
     """Every HF tensor name the graph reads (experts as their stacked HF tensors)."""
     c = _v4(cfg)
     names = ["model.embed_tokens.weight", "model.norm.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base",
@@ -63,7 +63,7 @@ def required_tensors(cfg: Any) -> list[str]:
     return names
 
 
-def check_tensors(cfg: Any, ckpt: Any) -> V4Source:
+def check_tensors(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source) -> V4Source:
     """Wrap a reader and raise one CheckpointError naming the first missing tensor (in the file's naming)."""
     c = _v4(cfg)
     src = ckpt if isinstance(ckpt, V4Source) else V4Source(ckpt)
@@ -75,7 +75,7 @@ def check_tensors(cfg: Any, ckpt: Any) -> V4Source:
     return src
 
 
-def emit_graph(cfg: Any, ckpt: Any, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
+def emit_graph(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
                progress: Callable[[int], None] | None = None,
                awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
     """Write the ``flavor`` graph to ``onnx_path`` and return its manifest entry."""

@@ -22,6 +22,7 @@ from lineside.build.models.deepseek_v4.naming import V4Source
 from lineside.build.models.deepseek_v4.ops import Ops
 from lineside.build.models.deepseek_v4.state import layer_state, state_names, state_tensors
 from lineside.build.models.rope import rope_inv_freq
+from lineside.build.quant.spec import QuantSpec
 from lineside.bundle import FlavorEntry
 from lineside.errors import CheckpointError, LinesideError
 
@@ -77,7 +78,7 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
     return out
 
 
-def emit_v4_graph(cfg: V4Config, src: V4Source, spec: Any, flavor: str, onnx_path: Path, max_seq_len: int,
+def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
                   progress: Callable[[int], None] | None = None) -> FlavorEntry:
     """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path)."""
     if flavor not in ("cpu", "trt"):
