@@ -23,7 +23,7 @@ class Tokenizer:
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> Tokenizer:
         """The bundle's tokenizer: its ``tokenizer/`` files plus the manifest's BOS/EOS and chat template."""
-        return cls(bundle.tokenizer_dir, bundle.manifest.get("tokenizer"))
+        return cls(bundle.tokenizer_dir, bundle.manifest.tokenizer)
 
     def __init__(self, tok_dir: Path, manifest_tok: dict[str, Any] | None = None):
         from tokenizers import Tokenizer as HFTokenizer

@@ -10,7 +10,15 @@ from dataclasses import replace
 from typing import Any
 
 from lineside.errors import LinesideError
-from lineside.runtime.request import EMPTY_PROMPT, MODES, PRIORITIES, GenerationRequest, check_prompt_ids
+from lineside.runtime.request import (
+    EMPTY_PROMPT,
+    MODES,
+    PRIORITIES,
+    GenerationRequest,
+    Mode,
+    Priority,
+    check_prompt_ids,
+)
 from lineside.runtime.sampling import SamplingParams
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -183,7 +191,7 @@ def token_budget(prompt_len: int, requested: int | None, default: int | None, *,
     return requested
 
 
-def priority(headers: Any) -> tuple[str, str]:
+def priority(headers: Any) -> tuple[Priority, Mode]:
     """(priority, mode) from the X-Priority and X-Mode headers."""
     level = (headers.get("x-priority") or "normal").strip().lower()
     mode = (headers.get("x-mode") or "realtime").strip().lower()
@@ -191,11 +199,11 @@ def priority(headers: Any) -> tuple[str, str]:
         raise bad(f"X-Priority {level!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
     if mode not in MODES:
         raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
-    return level, mode
+    return Priority(level), Mode(mode)
 
 
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
-                   stops: list[str], priority: str, mode: str, timeout: float | None, request_id: str,
+                   stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""

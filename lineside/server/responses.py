@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lineside.runtime.request import RequestHandle, TokenEvent
+from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord, ServerMetrics
@@ -33,7 +33,7 @@ class Choice:
     _: KW_ONLY
     copy: int = 0
     text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
     def note(self, event: TokenEvent, now: float) -> None:
         """Fold one engine event into the metrics record (first token, token counts, outcome at the end)."""
@@ -103,19 +103,19 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, TokenEve
 
 
 _FAILURES = {
-    "timeout": (408, "timeout_error", "request_timeout",
+    FinishReason.TIMEOUT: (408, "timeout_error", "request_timeout",
                 "generation exceeded the server's request timeout ({t}s) after {n} tokens; lower max_tokens "
                 "or ask the operator to raise --request-timeout"),
-    "cancelled": (503, "service_unavailable", "cancelled",
+    FinishReason.CANCELLED: (503, "service_unavailable", "cancelled",
                   "generation was cancelled (the server is shutting down); retry"),
-    "error": (500, "server_error", "engine_error", "generation failed in the engine: {err}"),
+    FinishReason.ERROR: (500, "server_error", "engine_error", "generation failed in the engine: {err}"),
 }
 
 
 def _failure(state: ServerState, event: TokenEvent) -> APIError:
     status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
-    headers = {"x-should-retry": "false"} if event.finish_reason == "timeout" else None
+    headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None
     return APIError(status, message.format(t=state.request_timeout, n=event.completion_tokens,
                                            err=getattr(event, "error", None) or "unknown error"), code,
                     type=error_type, headers=headers)
@@ -133,7 +133,7 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
         if event.finish_reason is None:
             continue
         state.metrics.observe(choice.record)
-        if event.finish_reason in ("stop", "length"):
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             yield writer.finish(choice.index, event.finish_reason)
         else:
             error = _failure(state, event)
@@ -193,7 +193,7 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
                 state.metrics.observe(choice.record)
-                if event.finish_reason not in ("stop", "length"):
+                if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     cancel_all(choices)
                     if watcher.done():  # the client left: nobody reads this answer
                         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
