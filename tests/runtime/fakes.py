@@ -14,6 +14,7 @@ from lineside.runtime.backend import StepBatch
 class FakeBackend:
     name = "fake"
     flavor = "cpu"
+    needs_contiguous_slots = True  # as the cpu graph: the engine tests check the decode batch stays one range
 
     def __init__(self, num_slots: int, max_seq_len: int = 128, vocab_size: int = 300, text_ids: int = 259,
                  eos: int = 2, delay: float = 0.0):

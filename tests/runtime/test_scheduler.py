@@ -3,7 +3,8 @@
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import GenerationRequest, RequestHandle
 from lineside.runtime.scheduler import Scheduler, prefill_take
-from lineside.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
+from lineside.runtime.sequence import Sequence
+from lineside.runtime.sequence import SequenceStatus as Status
 
 
 def seq(prompt_len=8, n=8, t=0.0, **kw) -> Sequence:
@@ -22,7 +23,7 @@ def test_chunk_plan_and_status():
         plans.append((p.prefill_start, len(p.prefill_tokens), p.prefill_last))
         a.computed += len(p.prefill_tokens)
     assert plans == [(0, 3, False), (3, 2, False), (5, 2, True)]  # no 1-token chunk
-    assert a.status == PREFILL and a.slot == 0
+    assert a.status == Status.PREFILL and a.slot == 0
 
 
 def test_realtime_preempts_batch_but_not_the_reverse():
@@ -30,15 +31,15 @@ def test_realtime_preempts_batch_but_not_the_reverse():
     job = seq(mode="batch", t=0.0)
     sch.add(job)
     sch.schedule(now=0.0)
-    job.status = DECODE
+    job.status = Status.DECODE
     rt = seq(priority="low", t=1.0)
     sch.add(rt)
     sch.schedule(now=1.0)
-    assert job.status == WAITING and job.slot is None and rt.slot == 0 and sch.preemptions == 1
-    rt.status = DECODE
+    assert job.status == Status.WAITING and job.slot is None and rt.slot == 0 and sch.preemptions == 1
+    rt.status = Status.DECODE
     # the batch job has aged far past the realtime one, but it never preempts a better class
     sch.schedule(now=1000.0)
-    assert rt.slot == 0 and job.status == WAITING and sch.preemptions == 1
+    assert rt.slot == 0 and job.status == Status.WAITING and sch.preemptions == 1
 
 
 def test_same_class_waits_and_gap_of_one_class_preempts():
@@ -46,15 +47,15 @@ def test_same_class_waits_and_gap_of_one_class_preempts():
     low = seq(priority="low")
     sch.add(low)
     sch.schedule(now=0.0)
-    low.status = DECODE
+    low.status = Status.DECODE
     other_low = seq(priority="low")
     sch.add(other_low)
     sch.schedule(now=0.0)
-    assert other_low.status == WAITING and sch.preemptions == 0
+    assert other_low.status == Status.WAITING and sch.preemptions == 0
     normal = seq(priority="normal")
     sch.add(normal)
     sch.schedule(now=0.0)
-    assert normal.slot == 0 and low.status == WAITING and sch.preemptions == 1
+    assert normal.slot == 0 and low.status == Status.WAITING and sch.preemptions == 1
 
 
 def test_no_preemption_when_it_would_not_fit_anyway():
@@ -65,11 +66,11 @@ def test_no_preemption_when_it_would_not_fit_anyway():
     for s in (hi, job):
         sch.add(s)
         sch.schedule(now=0.0)
-        s.status = DECODE
+        s.status = Status.DECODE
     big = seq(prompt_len=12, n=8, priority="normal")  # 5 blocks: only 3 free even with the job gone
     sch.add(big)
     sch.schedule(now=0.0)
-    assert job.slot is not None and sch.preemptions == 0 and big.status == WAITING
+    assert job.slot is not None and sch.preemptions == 0 and big.status == Status.WAITING
 
 
 def test_prefill_chunks_never_leave_one_token():
