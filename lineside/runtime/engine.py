@@ -33,8 +33,9 @@ from lineside.runtime.request import (
     TokenEvent,
     validate_request,
 )
-from lineside.runtime.scheduler import Clock, Scheduler, StepPlan
+from lineside.runtime.scheduler import Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
+from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 
 log = logging.getLogger("lineside.engine")
@@ -58,13 +59,6 @@ class EngineStats:
     requests: dict[str, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
-def make_backend(bundle: Bundle, backend: str, num_slots: int, threads: int | None) -> Backend:
-    """The backend for this machine (TensorRT when its engine fits here, else onnxruntime CPU)."""
-    from lineside.runtime.select import choose_backend
-
-    return choose_backend(bundle, backend, num_slots, say=log.info, threads=threads)
-
-
 class LLMEngine:
     def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", *, num_slots: int = 8,
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
@@ -75,8 +69,11 @@ class LLMEngine:
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
             raise LinesideError(f"num_slots must be ≥ 1, got {num_slots}")
-        self.backend: Backend = (make_backend(self.bundle, backend, num_slots, threads)
-                                 if isinstance(backend, str) else backend)
+        if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
+            from lineside.runtime.select import choose_backend
+
+            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads)
+        self.backend: Backend = backend
         self.backend_name = self.backend.name
         self.tokenizer = load_tokenizer(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)

@@ -2,15 +2,17 @@
 
 ``schedule`` plans a step: the decode batch (all sequences past prefill, one token each, slots in
 ascending order — moved to 0..k-1 when a hole opens, if the backend ``needs_contiguous_slots``)
-plus at most one prefill chunk of ``prefill_chunk`` tokens for the one sequence being admitted.
-``postprocess`` is the one place that applies a step's outcome (as nano-vllm's does): it records
-the KV the step wrote in the arena, advances the sequences, appends sampled tokens, and finishes
+plus at most one prefill chunk of ``prefill_chunk`` tokens for the one sequence being admitted
+(step_plan.py). ``postprocess`` is the one place that applies a step's outcome (as nano-vllm's does): it records
+the KV the step wrote in the arena, advances the sequences, appends sampled tokens, finishes
 sequences (stop / length / error) and frees their slots; ``expire`` and ``abort`` finish the
-cancelled and timed-out ones. Every time comes from one injected clock. Waiting requests are ordered by rank (realtime
-high/normal/low, then batch), lowered by ``aging_s`` per second waited so none starves. When
-the best waiting request does not fit, running requests ranked at least one class below it are
-preempted (their tokens are kept; they are re-admitted later and rebuild their KV, usually from
-the prefix cache) — a realtime request never waits behind a batch job.
+cancelled and timed-out ones. Every time comes from one injected clock.
+
+Waiting requests are ordered by rank (realtime high/normal/low, then batch), lowered by
+``aging_s`` per second waited so none starves. When the best waiting request does not fit,
+running requests ranked at least one class below it are preempted (their tokens are kept; they
+are re-admitted later and rebuild their KV, usually from the prefix cache) — a realtime request
+never waits behind a batch job.
 
 Single-token steps: a backend may compute a 1-token step by another path than a multi-token one
 (onnxruntime's GroupQueryAttention has a token-generation path; with int8-activation MatMulNBits
@@ -26,55 +28,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from lineside.runtime.backend import StepBatch
-from lineside.runtime.kv_manager import KVCacheArena, SlotOp
+from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import TokenEvent
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.step_plan import StepPlan, prefill_take
 
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
-
-
-@dataclass
-class StepPlan:
-    """One step: slot ops first, then the decode batch, then the prefill chunk (see ``schedule``)."""
-
-    ops: list[SlotOp] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: Sequence | None = None
-    prefill_start: int = 0
-    prefill_tokens: list[int] = field(default_factory=list)
-    prefill_last: bool = False  # this chunk completes the fill
-
-    @property
-    def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops)
-
-    def decode_batch(self) -> StepBatch:
-        b = len(self.decode)
-        return StepBatch(
-            slots=[s.slot for s in self.decode],
-            input_ids=np.array([[s.pending] for s in self.decode], dtype=np.int64),
-            past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
-            new_lengths=np.ones(b, dtype=np.int64),
-            logits_positions=np.zeros((b, 1), dtype=np.int64),
-        )
-
-    def prefill_batch(self) -> StepBatch:
-        assert self.prefill is not None and self.prefill.slot is not None
-        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
-
-
-def prefill_take(remaining: int, chunk: int) -> int:
-    """Tokens for the next prefill chunk: at most ``chunk``, never leaving exactly one behind."""
-    n = min(remaining, chunk)
-    if remaining - n == 1:
-        n = n - 1 if n > 2 else n + 1
-    return n
 
 
 class Scheduler:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from lineside.runtime.backend import Backend
 from lineside.runtime.kv_manager import SlotOpKind
-from lineside.runtime.scheduler import StepPlan
 from lineside.runtime.sequence import Sequence
+from lineside.runtime.step_plan import StepPlan
 
 log = logging.getLogger("lineside.engine")
 

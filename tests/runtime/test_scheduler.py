@@ -3,9 +3,10 @@
 
 from lineside.runtime.kv_manager import KVCacheArena, SlotOpKind
 from lineside.runtime.request import GenerationRequest, RequestHandle
-from lineside.runtime.scheduler import Scheduler, prefill_take
+from lineside.runtime.scheduler import Scheduler
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.step_plan import prefill_take
 
 
 class Letters:
