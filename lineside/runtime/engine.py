@@ -60,6 +60,8 @@ class EngineStats:
 
 
 class LLMEngine:
+    """What the server talks to: takes requests, runs the step loop, streams each request's events."""
+
     def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", *, num_slots: int = 8,
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,

@@ -39,6 +39,8 @@ Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a 
 
 
 class Scheduler:
+    """Owns every sequence from ``add`` to its end: the queues, its slot (through the arena), its state."""
+
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic):
         self.arena = arena
