@@ -74,9 +74,9 @@ class KVCacheArena:
     def can_admit(self, n_tokens: int, freeing: Iterable[int] = ()) -> bool:
         """A free slot and enough unreserved blocks for ``n_tokens`` positions, once the slots in ``freeing``
         are released (preemption asks this before it evicts anyone, so it never evicts in vain)."""
-        freeing = set(freeing)
-        slots = self.occupied - len(freeing)
-        blocks = self.reserved_blocks - sum(self.reserved[s] for s in freeing)
+        gone = set(freeing)
+        slots = self.occupied - len(gone)
+        blocks = self.reserved_blocks - sum(self.reserved[s] for s in gone)
         return slots < self.num_slots and blocks + self.blocks_for(n_tokens) <= self.total_blocks
 
     def fits_ever(self, n_tokens: int) -> bool:
