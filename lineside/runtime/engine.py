@@ -22,11 +22,12 @@ from pathlib import Path
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import REPLACE
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import (
     EngineDraining,
+    FinishReason,
     GenerationRequest,
     QueueFullError,
     RequestHandle,
@@ -56,7 +57,7 @@ class EngineStats:
     generated_tokens_total: int
     steps: int
     preemptions: int
-    requests: dict[str, int] = field(default_factory=dict)  # finished requests by finish_reason
+    requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
 class LLMEngine:
@@ -84,7 +85,7 @@ class LLMEngine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         states = getattr(self.backend, "states", [])
-        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
+        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, num_blocks=kv_blocks,
                                   prefix_cache=prefix_ok)
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
@@ -104,7 +105,7 @@ class LLMEngine:
         self._closed = False
         self._steps = 0
         self._prompt_total = 0
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[FinishReason, int] = {}
         self.step_log: deque[tuple[int, int]] | None = None  # (decode rows, prefill tokens) per step, when set
 
     # ---- public API -----------------------------------------------------------------------------
@@ -140,7 +141,7 @@ class LLMEngine:
                 await self._task
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
-            self._abort(seq, "cancelled")
+            self._abort(seq, FinishReason.CANCELLED)
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -216,7 +217,7 @@ class LLMEngine:
                 msg = error_line(e)
                 for seq in list(self._seqs.values()):
                     with contextlib.suppress(Exception):
-                        self._abort(seq, "error", msg)
+                        self._abort(seq, FinishReason.ERROR, msg)
             await asyncio.sleep(0)  # let the server's tasks run between steps
 
     def _intake(self) -> None:
@@ -237,7 +238,7 @@ class LLMEngine:
                 self._seqs.pop(seq.req.request_id, None)
             seq.handle._push(ev)
 
-    def _abort(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self._deliver([(seq, self.scheduler.abort(seq, reason, error))])
 
     def _execute(self, plan: StepPlan) -> StepOutcome:

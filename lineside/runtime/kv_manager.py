@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+from lineside.strenum import StrEnum
 
 
 class SlotOpKind(StrEnum):

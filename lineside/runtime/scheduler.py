@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from lineside.runtime.kv_manager import KVCacheArena
-from lineside.runtime.request import TokenEvent
+from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
 from lineside.runtime.step_plan import StepPlan, prefill_take
@@ -84,7 +84,7 @@ class Scheduler:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
         sequences whose backend call failed. Returns the events to deliver, in order."""
         now = self.clock() if now is None else now
-        events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, "error", msg, now=now))]
+        events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
         for seq in plan.decode:  # each fed one token: ``pending``, or the next replayed one
             if seq.status != Status.DECODE or seq.slot is None or seq in errors:
                 continue
@@ -114,16 +114,16 @@ class Scheduler:
         events = []
         for seq in [*self.waiting, *self.running]:
             if seq.handle.cancel_requested:
-                ev = self.abort(seq, "cancelled", now=now)
+                ev = self.abort(seq, FinishReason.CANCELLED, now=now)
             elif seq.deadline is not None and now >= seq.deadline:
-                ev = self.abort(seq, "timeout", now=now)
+                ev = self.abort(seq, FinishReason.TIMEOUT, now=now)
             else:
                 continue
             if ev is not None:
                 events.append((seq, ev))
         return events
 
-    def abort(self, seq: Sequence, reason: str, error: str | None = None, *,
+    def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None, *,
               now: float | None = None) -> TokenEvent | None:
         """End ``seq`` early (cancelled / timeout / error) and free its slot; its final event, or None if it
         had already finished. Works on a sequence not added yet too (the engine's stop and crash paths)."""
