@@ -73,7 +73,7 @@ def probe(port: int, steps: list[bytes | float], window: float) -> Outcome:
         while not closed and time.monotonic() < end:
             try:
                 chunk = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 chunk = b""

@@ -67,6 +67,7 @@ class ServerState:
         self.on_load_error: Callable[[str], None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
         self._load_task: asyncio.Task | None = None
 
     # ---- model ---------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class ServerState:
     async def drain(self, timeout: float | None = None) -> bool:
         """Refuse new work, wait for in-flight requests (up to timeout); True when all finished."""
         self.draining = True
+        self.drain_started.set()
         timeout = self.drain_timeout if timeout is None else timeout
         log.info("draining: %d request(s) in flight, waiting up to %.1fs", self.inflight, timeout)
         try:
