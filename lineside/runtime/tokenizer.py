@@ -26,11 +26,18 @@ class Tokenizer:
         tj = tok_dir / "tokenizer.json"
         if not tj.is_file():
             raise BundleError(f"{tok_dir}: tokenizer.json missing; rebuild the bundle")
-        self._tok = HFTokenizer.from_file(str(tj))
+        try:
+            self._tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # the Rust parser raises plain Exception; its message is one line
+            raise BundleError(f"{tj}: not a tokenizer the tokenizers library can load ({str(e).splitlines()[0]}); "
+                              "rebuild the bundle from a checkpoint with a valid tokenizer") from None
         cfg: dict[str, Any] = {}
         tc = tok_dir / "tokenizer_config.json"
         if tc.is_file():
-            cfg = json.loads(tc.read_text())
+            try:
+                cfg = json.loads(tc.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise BundleError(f"{tc}: not valid JSON ({e}); rebuild the bundle") from None
         info = dict(manifest_tok or {})
         self.chat_template: str | None = info.get("chat_template") or cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: take "default"

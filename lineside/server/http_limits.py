@@ -66,6 +66,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_started = False
         self._refused: tuple[int, str, str] | None = None
         self._body_deadline = 0.0
+        self._in_body = False
 
     # ---- timers ---------------------------------------------------------------------------------
     def _arm(self, delay: float, why: str) -> None:
@@ -116,6 +117,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
+        if data and (self.cycle is None or self.cycle.response_complete or not self._in_body):
+            self._head_started = True  # a request has begun (llhttp reports it only once the method is read)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -159,6 +162,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         self._head_started = False
+        self._in_body = True
         super().on_headers_complete()
         self._body_deadline = self.loop.time() + self.limits.body_deadline
         self._arm_body()
@@ -173,6 +177,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._in_body = False
         super().on_message_complete()
 
 

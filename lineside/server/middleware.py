@@ -128,6 +128,9 @@ def _guarded_body(receive: Any, limit: int, state: ServerState) -> Any:
             seen += len(chunk)
             if seen > limit:
                 raise BodyRefused(413, f"request body is over the limit of {limit} bytes; send less", "body_too_large")
+            if b"\x00" in chunk:  # JSON text never holds a raw NUL; UTF-16/32 of ASCII is full of them
+                raise BodyRefused(400, "request body holds NUL bytes (UTF-16 or UTF-32?); send JSON encoded as UTF-8",
+                                  "invalid_utf8")
             try:
                 utf8.decode(chunk, final=not message.get("more_body", False))
             except UnicodeDecodeError as e:
