@@ -24,14 +24,15 @@ _CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", 
 def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
-               max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None,
+               max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
                bind_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
                openapi: bool = False) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
-    is set); no /docs or /redoc pages: they load their scripts from a CDN."""
+    is set); no /docs or /redoc pages: they load their scripts from a CDN. ``max_body_bytes``: default derived
+    from the model's context (prompt_limits.body_limit), at most 32 MiB."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)

@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
+from lineside.server import prompt_limits
 from lineside.server.auth import AccessPolicy
 from lineside.server.state import ServerState
 
@@ -22,11 +23,24 @@ _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
 class ServerMiddleware:
-    def __init__(self, app: Any, state: ServerState, max_body_bytes: int = 32 << 20, metrics_public: bool = False):
+    def __init__(self, app: Any, state: ServerState, max_body_bytes: int | None = None, metrics_public: bool = False):
         self.app = app
         self.state = state
-        self.max_body = max_body_bytes
+        self._explicit_body_limit = max_body_bytes
+        self._derived_body_limit: int | None = None
         self.access = AccessPolicy(state.api_key, metrics_public)
+
+    @property
+    def max_body(self) -> int:
+        """The body limit given, else the one the loaded model's context makes worth reading (prompt_limits)."""
+        if self._explicit_body_limit is not None:
+            return self._explicit_body_limit
+        if self._derived_body_limit is None:
+            engine = self.state.engine
+            if not self.state.engine_ready:
+                return prompt_limits.MAX_BODY_BYTES
+            self._derived_body_limit = prompt_limits.body_limit(engine.tokenizer, engine.max_seq_len)
+        return self._derived_body_limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

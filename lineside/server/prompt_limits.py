@@ -37,6 +37,17 @@ def text_bound(tokenizer: Any, max_seq_len: int) -> int:
     return int(max_seq_len) * max_token_chars(tokenizer)
 
 
+MAX_BODY_BYTES = 32 << 20
+
+
+def body_limit(tokenizer: Any, max_seq_len: int, max_prompts: int = 64) -> int:
+    """The largest request body worth reading for this model: its text bound in escaped JSON (up to 6 bytes a
+    character) or ``max_prompts`` token-id prompts filling the context, at least 1 MiB, at most 32 MiB; bigger
+    bodies get a 413 from their Content-Length before a byte is parsed."""
+    wanted = 6 * text_bound(tokenizer, max_seq_len) + max_prompts * int(max_seq_len) * 12 + (64 << 10)
+    return min(MAX_BODY_BYTES, max(1 << 20, wanted))
+
+
 def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, param: str) -> None:
     """400 context_length_exceeded, without tokenizing, when the texts together cannot fit the context."""
     total = sum(len(t) for t in texts)

@@ -232,12 +232,12 @@ def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
 
 def test_text_bound_is_safe_for_every_token():
     """No single token stands for more characters than the bound assumes (else a fitting prompt is refused)."""
-    from lineside.runtime.tokenizer import Tokenizer
-    from lineside.server.prompt_limits import max_token_chars
-
-    from tests.server.test_special_tokens import FAMILIES, _write  # noqa: PLC0415 - a sibling's writer
     import tempfile
     from pathlib import Path
+
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.prompt_limits import max_token_chars
+    from tests.server.test_special_tokens import FAMILIES, _write  # noqa: PLC0415 - a sibling's writer
 
     tok, hf, _ = _write(Path(tempfile.mkdtemp()), FAMILIES["chatml"])
     assert isinstance(tok, Tokenizer)
@@ -293,3 +293,15 @@ def test_sigterm_with_half_sent_body(tiny_bundle):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_body_limit_follows_the_context(guarded):
+    """Without --max-body-bytes, a body far beyond what the context can use is a 413 from its Content-Length."""
+    from lineside.server.prompt_limits import body_limit
+
+    engine = guarded.state.engine
+    limit = body_limit(engine.tokenizer, engine.max_seq_len)
+    assert limit < 32 << 20  # the tiny model's context makes far less worth reading than the old fixed 32 MiB
+    r = httpx.post(guarded.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "a" * (limit + 1)}]})
+    assert r.status_code == 413 and str(limit) in r.json()["error"]["message"]
