@@ -52,6 +52,13 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._compiled = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a tokenizer worker process gets a copy): the compiled template and the text-only tokenizer
+        (its encode_special_tokens flag does not survive pickling) are rebuilt on first use."""
+        state = {**self.__dict__, "_compiled": None}
+        state.pop("_text_tok", None)
+        return state
+
     def _token_text(self, v: Any, tid: int | None) -> str | None:
         if isinstance(v, dict):
             return v.get("content")

@@ -27,7 +27,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: 
                max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
                bind_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
-               openapi: bool = False) -> FastAPI:
+               openapi: bool = False, tokenizer_processes: int = 1) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -38,7 +38,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: 
         source = Path(source)
     metrics = ServerMetrics(latency_log)
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
-                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names)
+                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names,
+                        tokenizer_processes=tokenizer_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

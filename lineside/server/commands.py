@@ -31,6 +31,8 @@ def serve(
     header_timeout: Annotated[float, typer.Option(help="seconds a client has to send a request's headers")] = 10.0,
     body_timeout: Annotated[float, typer.Option(help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, typer.Option(help="seconds an idle keep-alive connection stays")] = 5.0,
+    tokenizer_processes: Annotated[int, typer.Option(
+        help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, typer.Option(help="seconds a request may take (default: none)")] = None,
     max_waiting: Annotated[int, typer.Option(help="waiting-queue bound; beyond it requests get 429")] = 256,
     num_slots: Annotated[int, typer.Option(help="sequences decoded together (KV slots)")] = 8,
@@ -53,7 +55,8 @@ def serve(
 
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
-    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1)):
+    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1),
+                             ("--tokenizer-processes", tokenizer_processes, 0)):
         if value < low:
             raise LinesideError(f"{name} must be at least {low}, got {value}")
     if request_timeout is not None and request_timeout <= 0:
@@ -78,7 +81,7 @@ def serve(
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
                      threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()],
                      bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
-                     openapi=openapi)
+                     openapi=openapi, tokenizer_processes=tokenizer_processes)
     limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                         keep_alive_timeout=keep_alive_timeout)
     run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)

@@ -123,8 +123,12 @@ def _guarded_body(receive: Any, limit: int, state: ServerState) -> Any:
     seen = 0
     utf8 = codecs.getincrementaldecoder("utf-8")()
 
+    body_done = False
+
     async def wrapped() -> dict:
-        nonlocal seen
+        nonlocal seen, body_done
+        if body_done:  # later calls wait for a disconnect (streaming responses): nothing to guard
+            return await receive()
         if state.draining:
             raise _draining()
         pending = asyncio.ensure_future(receive())
@@ -150,6 +154,7 @@ def _guarded_body(receive: Any, limit: int, state: ServerState) -> Any:
             except UnicodeDecodeError as e:
                 raise BodyRefused(400, f"request body is not UTF-8 (invalid byte at offset {seen - len(chunk) + e.start});"
                                        " send JSON encoded as UTF-8", "invalid_utf8") from None
+            body_done = not message.get("more_body", False)
         return message
 
     return wrapped

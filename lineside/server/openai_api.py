@@ -81,7 +81,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
         size = sum(len(m["content"]) for m in messages)
-        ids = await _offload(size, functools.partial(s.engine.tokenizer.encode_chat, messages, **options))
+        ids = await _offload(size, functools.partial(s.tokenizer.encode_chat, messages, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]
@@ -101,7 +101,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             prompt_limits.check_texts([text], s.engine.tokenizer, s.engine.max_seq_len, "prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
-        prompts = await _offload(size, request_mapping.completion_prompts, body, s.engine.tokenizer, _vocab(s))
+        prompts = await _offload(size, request_mapping.completion_prompts, body, s.tokenizer, _vocab(s))
         budgets = [request_mapping.token_budget(len(p), body.max_tokens, 16, s.engine.max_seq_len, "max_tokens", "prompt")
                    for p in prompts]
     except (APIError, LinesideError):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lineside.server.metrics import ServerMetrics
+from lineside.server.tokenize_pool import PooledTokenizer
 
 log = logging.getLogger("lineside.server")
 
@@ -47,7 +48,7 @@ class ServerState:
 
     def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
-                 served_model_names: list[str] | None = None):
+                 served_model_names: list[str] | None = None, tokenizer_processes: int = 1):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         self._names = [n for n in (served_model_names or []) if n]
         self._given_names = bool(self._names)
@@ -69,6 +70,8 @@ class ServerState:
         self._idle.set()
         self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
         self._load_task: asyncio.Task | None = None
+        self.tokenizer_processes = tokenizer_processes
+        self._tokenizer: PooledTokenizer | None = None
 
     # ---- model ---------------------------------------------------------------------------------
     @property
@@ -124,6 +127,14 @@ class ServerState:
             self.on_load_error(msg)
 
     @property
+    def tokenizer(self) -> PooledTokenizer:
+        """The engine's tokenizer for request encoding: long prompts go to a worker process (tokenize_pool)."""
+        inner = self.engine.tokenizer
+        if self._tokenizer is None or self._tokenizer._inner is not inner:
+            self._tokenizer = PooledTokenizer(inner, self.tokenizer_processes)
+        return self._tokenizer
+
+    @property
     def engine_ready(self) -> bool:
         return self.ready and bool(getattr(self.engine, "ready", True))
 
@@ -172,6 +183,8 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self._tokenizer is not None:
+            self._tokenizer.close()
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

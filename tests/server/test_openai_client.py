@@ -241,11 +241,11 @@ def test_jetson_gauges_in_metrics(server, monkeypatch):
     assert "lineside_bad" not in text
 
 
-def test_long_prompt_tokenized_off_the_loop(server, reference):
-    text = "long " * 1700 + "end"  # > 8192 characters: tokenized in a worker thread; over the context
+def test_long_prompt_refused_before_tokenizing(server, reference):
+    text = "long " * 1700 + "end"  # more characters than 256 tokens of this vocabulary can hold
     r = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "8504 tokens" in r.json()["error"]["message"]
+    assert "8503 characters" in r.json()["error"]["message"] and "256 tokens" in r.json()["error"]["message"]
 
 
 def test_only_json_bodies_are_read(server):
