@@ -27,12 +27,13 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: 
                max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
                bind_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
-               openapi: bool = False, tokenizer_processes: int = 1) -> FastAPI:
+               openapi: bool = False, tokenizer_processes: int = 0) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
     is set); no /docs or /redoc pages: they load their scripts from a CDN. ``max_body_bytes``: default derived
-    from the model's context (prompt_limits.body_limit), at most 32 MiB."""
+    from the model's context (prompt_limits.body_limit), at most 32 MiB. ``tokenizer_processes``: worker processes
+    for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)

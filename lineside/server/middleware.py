@@ -89,7 +89,7 @@ class ServerMiddleware:
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 s.metrics.reject("invalid")
                 await _reply(send, 413, f"request body has {length} bytes; the limit is {self.max_body}",
-                             "body_too_large", rid_header)
+                             "body_too_large", rid_header, extra=[(b"connection", b"close")])  # don't read it
                 return
 
         async def send_with_id(message: dict) -> None:

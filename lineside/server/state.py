@@ -48,7 +48,7 @@ class ServerState:
 
     def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
-                 served_model_names: list[str] | None = None, tokenizer_processes: int = 1):
+                 served_model_names: list[str] | None = None, tokenizer_processes: int = 0):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         self._names = [n for n in (served_model_names or []) if n]
         self._given_names = bool(self._names)
@@ -110,6 +110,8 @@ class ServerState:
 
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
             await self.engine.start()  # warms the backend up before it reports ready
+            if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
+                await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:

@@ -1,8 +1,8 @@
 """Long prompts are tokenized in a worker process: the tokenizers library holds the GIL for most of an
 encode (measured on SmolLM2's vocabulary: a 1.3 M-character prompt kept every other thread waiting up to
 8 s at a time in a thread), so in a thread a long prompt still stalls /health and every stream. Short texts
-stay inline (a process round trip costs more than they do). The pool is bounded (``processes`` workers)
-and starts on the first long prompt."""
+stay inline (a process round trip costs more than they do). The pool is bounded (``processes`` workers);
+the server warms it up once the model is ready."""
 
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ class PooledTokenizer:
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)
         return self._run(_encode_chat, (messages, options), lambda: self._inner.encode_chat(messages, **options))
+
+    def warm(self) -> None:
+        """Start the worker and load the tokenizer there now (a spawn and an import: about a second)."""
+        if self.processes > 0:
+            try:
+                self._ensure_pool().submit(_encode, "warm", False).result()
+            except Exception as e:  # noqa: BLE001 - no worker is no reason not to serve: fall back to threads
+                log.warning("no tokenizer worker process (%s: %s); long prompts are tokenized in threads",
+                            type(e).__name__, e)
+                self.close()
+                self.processes = 0
 
     def _run(self, fn: Any, args: tuple[Any, ...], fallback: Any) -> list[int]:
         pool = self._ensure_pool()

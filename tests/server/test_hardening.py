@@ -305,3 +305,42 @@ def test_body_limit_follows_the_context(guarded):
     r = httpx.post(guarded.url + "/v1/chat/completions", timeout=60,
                    json={"messages": [{"role": "user", "content": "a" * (limit + 1)}]})
     assert r.status_code == 413 and str(limit) in r.json()["error"]["message"]
+
+
+def test_api_key_sources(tmp_path, monkeypatch, caplog):
+    from lineside.errors import LinesideError
+    from lineside.server.auth import resolve_api_key
+
+    monkeypatch.delenv("LINESIDE_API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    key.chmod(0o600)
+    assert resolve_api_key(None, key) == "s3cret"
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("LINESIDE_API_KEY", "from-env")
+    caplog.clear()
+    assert resolve_api_key("from-env", None) == "from-env" and "ps" not in caplog.text  # typer passes the env value
+    assert resolve_api_key("typed", None) == "typed" and "visible to every user in `ps`" in caplog.text
+    (tmp_path / "two").write_text("a\nb\n")
+    (tmp_path / "empty").write_text("\n")
+    for args, needle in (((None, tmp_path / "missing"), "no such file"), ((None, tmp_path / "two"), "several lines"),
+                         ((None, tmp_path / "empty"), "found nothing"), (("typed", key), "not both")):
+        with pytest.raises(LinesideError) as e:
+            resolve_api_key(*args)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "-1"], "--body-timeout"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout"), (["--tokenizer-processes", "-1"], "--tokenizer-processes"),
+    (["--api-key-file", "/no/such/key"], "--api-key-file"),
+])
+def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle):
+    from typer.testing import CliRunner
+
+    from lineside.errors import LinesideError
+    from tests.server.test_units import _cli
+
+    r = CliRunner().invoke(_cli(), ["serve", str(tiny_bundle), *extra])
+    assert isinstance(r.exception, LinesideError) and needle in str(r.exception), r.output
+    assert "\n" not in str(r.exception)
