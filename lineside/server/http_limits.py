@@ -94,11 +94,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return
             self.cycle.disconnected = True  # the app's next receive() is a disconnect; its sends are dropped
             self.cycle.message_event.set()
-        what = ("the request head (request line and headers)" if why == "head"
-                else "the request body (no progress)")
-        limit = self.limits.header_timeout if why == "head" else self.limits.body_timeout
-        self._close_with(408, f"{what} did not arrive within {limit:g} s; send the whole request promptly",
-                         "request_timeout")
+        if why == "head":
+            what = f"the request head (request line and headers) did not arrive within {self.limits.header_timeout:g} s"
+        elif self.loop.time() >= self._body_deadline:
+            what = f"the request body did not arrive within {self.limits.body_deadline:g} s"
+        else:
+            what = f"the request body made no progress for {self.limits.body_timeout:g} s"
+        self._close_with(408, f"{what}; send the whole request promptly", "request_timeout")
 
     def _close_with(self, status: int, message: str, code: str) -> None:
         self._disarm()
@@ -121,9 +123,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_started = True  # a request has begun (llhttp reports it only once the method is read)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._close_with(400, "protocol upgrades are not served here; send plain HTTP/1.1 requests",
-                             "upgrade_refused")
+        except httptools.HttpParserUpgrade:  # e.g. curl's h2c offer: the request is served as HTTP/1.1, as
+            pass  # uvicorn does; what follows the head on this connection is never parsed as requests
         except httptools.HttpParserError as e:
             if self._refused is not None:
                 self._close_with(*self._refused)

@@ -144,6 +144,16 @@ def test_idle_keep_alive_is_closed_and_a_normal_request_still_served(guarded):
     assert closed and len(lines) == 1 and lines[0].startswith(b"HTTP/1.1 200"), raw[:300]
 
 
+def test_h2c_upgrade_offer_is_served_as_http11(guarded):
+    """curl --http2 on http:// offers an h2c upgrade: answered once, in HTTP/1.1; nothing after it is parsed."""
+    offer = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+             b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+    before = _completions(guarded)
+    lines, raw, closed = _exchange(guarded, offer + SMUGGLED)
+    assert [ln[9:12] for ln in lines] == [b"200"], raw[:400]
+    assert _completions(guarded) == before
+
+
 # ---- browsers --------------------------------------------------------------------------------------------
 def test_page_style_requests_are_refused(guarded):
     url = guarded.url + "/v1/completions"
