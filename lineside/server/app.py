@@ -6,12 +6,12 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from lineside.runtime.serving import ServingEngine
 from lineside.server import errors, health, openai_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
@@ -21,7 +21,7 @@ from lineside.server.state import ServerState
 _CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode"]
 
 
-def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: str | None = None,
+def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
                max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
