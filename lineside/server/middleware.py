@@ -23,7 +23,7 @@ _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
 class ServerMiddleware:
-    def __init__(self, app: Any, state: ServerState, max_body_bytes: int | None = None, metrics_public: bool = False):
+    def __init__(self, app: Any, state: ServerState, *, max_body_bytes: int | None = None, metrics_public: bool = False):
         self.app = app
         self.state = state
         self._explicit_body_limit = max_body_bytes
@@ -111,7 +111,7 @@ class BodyRefused(HTTPException):
     """Raised from receive(): FastAPI re-raises HTTPExceptions met while reading the body, so the client gets
     this status with an OpenAI-shaped body (see app.py) instead of a parse error."""
 
-    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, code: str, *, headers: dict[str, str] | None = None):
         super().__init__(status, message, headers)
         self.code = code
 

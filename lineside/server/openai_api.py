@@ -53,7 +53,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     try:
         _check_model(state, body.model)
         request_mapping.check_chat(body)
-        prompt_limits.check_texts(prompt_limits.chat_texts(body), state.engine.tokenizer, state.engine.max_seq_len, "messages")
+        prompt_limits.check_texts(prompt_limits.chat_texts(body), state.engine.tokenizer, state.engine.max_seq_len,
+                                  param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
         size = sum(len(m["content"]) for m in messages)
@@ -75,7 +76,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         _check_model(state, body.model)
         request_mapping.check_completion(body)
         for text in prompt_limits.prompt_texts(body):
-            prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, "prompt")
+            prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
         prompts = await _offload(size, request_mapping.completion_prompts, body, state.tokenizer,
