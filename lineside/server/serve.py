@@ -56,7 +56,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(app: Any, host: str, port: int, log_level: str = "info", access_log: bool = False,
+def run(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,
         limits: HttpLimits | None = None) -> None:
     """Serve until drained or stopped; a model that fails to load raises LinesideError (one line)."""
     state: ServerState = app.state.lineside
