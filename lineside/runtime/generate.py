@@ -59,19 +59,10 @@ class Generator:
         eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self.eos_ids = eos
 
-<<<<<<< HEAD
-    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None,
+    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
         """Yield generated token ids one by one (EOS is not yielded). ``matcher``: the output follows its
         grammar and ends when the grammar is complete."""
-        check_ids(prompt_ids, self.backend.vocab_size)
-        if not prompt_ids:
-            raise LinesideError("the prompt is empty after tokenization; give some text")
-=======
-    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
-               stop_at_eos: bool = True) -> Iterator[int]:
-        """Yield generated token ids one by one (EOS is not yielded)."""
->>>>>>> main
         limit = self.backend.max_seq_len
         check_prompt_ids(prompt_ids, self.backend.vocab_size, limit)
         max_tokens = min(max_tokens, limit - len(prompt_ids))

@@ -20,7 +20,7 @@ _STRUCTURED = (("json", Constraint.json_schema), ("regex", Constraint.regex), ("
 
 
 def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, "invalid_value", param)
+    return APIError(400, message, "invalid_value", param=param)
 
 
 def response_format_constraint(rf: Any) -> Constraint | None:

@@ -20,13 +20,13 @@ def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
     """How many alternatives a chat request wants per token (None: no logprobs); 400 naming the field."""
     if logprobs not in (None, True, False):
         raise APIError(400, "logprobs: must be true or false (top_logprobs says how many alternatives)",
-                       "invalid_value", "logprobs")
+                       "invalid_value", param="logprobs")
     if top_logprobs is not None:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs: must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}",
-                           "invalid_value", "top_logprobs")
+                           "invalid_value", param="top_logprobs")
         if not logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs: true", "invalid_value", "top_logprobs")
+            raise APIError(400, "top_logprobs: needs logprobs: true", "invalid_value", param="top_logprobs")
     return (top_logprobs or 0) if logprobs else None
 
 
@@ -36,7 +36,7 @@ def completion_top_n(logprobs: Any) -> int | None:
         return None
     if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
         raise APIError(400, f"logprobs: must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} on completions, "
-                       f"got {logprobs!r}", "invalid_value", "logprobs")
+                       f"got {logprobs!r}", "invalid_value", param="logprobs")
     return logprobs
 
 

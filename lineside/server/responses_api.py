@@ -47,7 +47,7 @@ class ResponsesRequest(BaseModel):
 
 
 def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, "unsupported_parameter", param)
+    return APIError(400, message, "unsupported_parameter", param=param)
 
 
 def check(req: ResponsesRequest) -> None:
@@ -124,7 +124,7 @@ def text_constraint(req: ResponsesRequest) -> Constraint | None:
         try:
             return Constraint.json_schema(fmt["schema"], param="text.format.schema")
         except ConstraintError as e:
-            raise APIError(400, str(e), "invalid_value", e.param) from None
+            raise APIError(400, str(e), "invalid_value", param=e.param) from None
     raise _bad(f"text.format.type: {kind!r} is not text, json_object or json_schema", "text.format.type")
 
 

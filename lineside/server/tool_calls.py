@@ -30,7 +30,7 @@ _DECODER = json.JSONDecoder()
 
 
 def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, "invalid_value", param)
+    return APIError(400, message, "invalid_value", param=param)
 
 
 @dataclass(frozen=True)
