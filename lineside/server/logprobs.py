@@ -25,7 +25,7 @@ def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"top_logprobs: must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}",
                            "invalid_value", param="top_logprobs")
-        if not logprobs:
+        if top_logprobs and not logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "invalid_value", param="top_logprobs")
     return (top_logprobs or 0) if logprobs else None
 

@@ -21,9 +21,12 @@ from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import EngineDraining, QueueFullError
-from lineside.server import prompt_limits, request_mapping, responses, sse
+from lineside.runtime.structured import Constraint, ConstraintError
+from lineside.server import constraints, prompt_limits, request_mapping, responses, sse, tool_calls
 from lineside.server.errors import APIError
+from lineside.server.logprobs import LogprobFormatter, chat_top_n, completion_top_n
 from lineside.server.metrics import RequestRecord
+from lineside.server.outputs import OutputOptions
 from lineside.server.responses import Choice
 from lineside.server.schemas import (
     ERROR_RESPONSES,
@@ -57,8 +60,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                   param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
-        size = sum(len(m["content"]) for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, **options))
+        tools = tool_calls.parse_tools(body.tools)
+        tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        template = state.engine.tokenizer.chat_template
+        messages, listed = tool_calls.template_messages(messages, tools, template, tool_choice)
+        constraint = constraints.request_constraint(body)
+        call_constraint = tool_calls.tool_constraint(tools, tool_choice, parallel=body.parallel_tool_calls is not False)
+        if call_constraint is not None and constraint is not None:
+            raise request_mapping.bad(f"tool_choice {tool_choice.kind.value!r} constrains the output to tool calls; "
+                                      f"it cannot be combined with {constraint.param}", "tool_choice")
+        constraint = await _checked(state, call_constraint or constraint)
+        top_n = chat_top_n(body.logprobs, body.top_logprobs)
+        output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n),
+                               call_format=tool_calls.call_format(tool_choice, template) if tools and
+                               tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
+                               tools=tuple(tools), named=tool_choice.name)
+        size = sum(len(m["content"] or "") for m in messages)
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
@@ -66,7 +84,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
-    return await _serve(request, state, body, prompts=[ids], budgets=budgets, chat=True)
+    return await _serve(request, state, body, prompts=[ids], budgets=budgets, chat=True, constraint=constraint,
+                        output=output)
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, **_STREAM_DOC})
@@ -75,6 +94,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     try:
         _check_model(state, body.model)
         request_mapping.check_completion(body)
+        constraint = await _checked(state, constraints.request_constraint(body))
+        top_n = completion_top_n(body.logprobs)
+        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n))
         for text in prompt_limits.prompt_texts(body):
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
@@ -87,12 +109,29 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
-    return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False)
+    return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
+                        output=output)
+
+
+async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:
+    """Compile the request's constraint before anything is queued (a 400 naming the field when it is bad).
+    The first one builds the grammar compiler for this tokenizer (about a second): in a worker thread."""
+    if constraint is None:
+        return None
+    return await asyncio.to_thread(constraints.checked, state.engine.grammar, constraint)
+
+
+async def _formatter(state: ServerState, top_n: int | None) -> LogprobFormatter | None:
+    if top_n is None:
+        return None
+    compiler = await asyncio.to_thread(lambda: state.engine.grammar)
+    return LogprobFormatter(compiler.token_bytes)
 
 
 # ---- one engine request per choice, then the response ---------------------------------------------------
 async def _serve(request: Request, state: ServerState, body: ChatCompletionRequest | CompletionRequest, *,
-                 prompts: list[list[int]], budgets: list[int], chat: bool) -> Any:
+                 prompts: list[list[int]], budgets: list[int], chat: bool, constraint: Constraint | None = None,
+                 output: OutputOptions | None = None) -> Any:
     """Submit every choice (n per prompt) to the engine and answer with their merged events."""
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
@@ -113,11 +152,12 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
-                    request_id=f"{choice_id}#{next(_serial)}", copy=copy)
+                    request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
+                    logprobs=None if output is None else output.top_logprobs)
                 handle = state.engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
-                choices.append(Choice(index, handle, record, copy=copy))
+                choices.append(Choice(index, handle, record, copy=copy, options=output))
     except QueueFullError as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")
@@ -131,7 +171,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     except LinesideError as e:
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
-        raise APIError(400, str(e), "invalid_request") from None
+        raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)
+                       if isinstance(e, ConstraintError) else None) from None
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     created = int(time.time())
     if body.stream:

@@ -16,6 +16,7 @@ from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord, ServerMetrics
+from lineside.server.outputs import ChoiceOutput, OutputOptions
 from lineside.server.state import ServerState
 
 
@@ -34,6 +35,11 @@ class Choice:
     copy: int = 0
     text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
     finish_reason: FinishReason | None = None
+    options: OutputOptions | None = None  # tool calls / logprobs this response reports
+    output: ChoiceOutput = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output = ChoiceOutput(self.options or OutputOptions(chat=True))
 
     def note(self, event: TokenEvent, now: float) -> None:
         """Fold one engine event into the metrics record (first token, token counts, outcome at the end)."""
@@ -128,13 +134,13 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             yield writer.role(choice.index)
     async for choice, event in _merged(choices):
         choice.note(event, time.perf_counter())
-        if event.text:
-            yield writer.text(choice.index, event.text)
+        for chunk in choice.output.chunks(writer, choice.index, event):
+            yield chunk
         if event.finish_reason is None:
             continue
         state.metrics.observe(choice.record)
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            yield writer.finish(choice.index, event.finish_reason)
+            yield writer.finish(choice.index, choice.output.finish_reason(event.finish_reason))
         else:
             error = _failure(state, event)
             cancel_all(choices)
@@ -188,6 +194,7 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
     try:
         async for choice, event in _merged(choices):
             choice.note(event, time.perf_counter())
+            choice.output.collect(event)
             if event.text:
                 choice.text_parts.append(event.text)
             if event.finish_reason is not None:
@@ -205,14 +212,15 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
         _abandon(state, choices)
     usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    if chat:
-        body_choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text_parts),
-                                                       "refusal": None},
-                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
-        obj = "chat.completion"
-    else:
-        body_choices = [{"index": c.index, "text": "".join(c.text_parts), "logprobs": None,
-                         "finish_reason": c.finish_reason} for c in choices]
-        obj = "text_completion"
+    body_choices = []
+    for c in choices:
+        reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
+        if chat:
+            message, logprobs = c.output.message("".join(c.text_parts))
+            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        else:
+            body_choices.append({"index": c.index, "text": "".join(c.text_parts),
+                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason})
+    obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
                          "system_fingerprint": None, "choices": body_choices, "usage": usage})

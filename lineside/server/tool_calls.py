@@ -135,8 +135,11 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_cho
         if choice not in ("none", "auto", "required"):
             raise _bad(f"{param}: {choice!r} is not none, auto, required or {{\"type\": \"function\", ...}}", param)
         kind = ToolChoiceKind(choice)
-        if kind != ToolChoiceKind.NONE and not tools:
-            raise _bad(f"{param}: {choice!r} needs tools; give the functions in 'tools'", param)
+        if kind == ToolChoiceKind.AUTO and not tools:  # auto with nothing to call: plain text, as clients expect
+            return ToolChoice(ToolChoiceKind.NONE)
+        if kind == ToolChoiceKind.REQUIRED and not tools:
+            raise _bad(f"{param} {choice!r} asks for a tool call but no tools are given; give the functions in 'tools'",
+                       param)
         return ToolChoice(kind)
     name = None
     if isinstance(choice, dict) and choice.get("type", "function") == "function":
@@ -145,7 +148,7 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_cho
         raise _bad(f"{param}: a named choice is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param)
     if name not in {t.name for t in tools}:
         raise _bad(f"{param}: function {name!r} is not in tools ({', '.join(t.name for t in tools) or 'none given'})",
-                   f"{param}.function.name")
+                   param)
     return ToolChoice(ToolChoiceKind.NAMED, name)
 
 

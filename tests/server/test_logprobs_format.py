@@ -30,7 +30,7 @@ def test_completion_block():
 
 
 @pytest.mark.parametrize("lp, top, param", [(True, 21, "top_logprobs"), (True, -1, "top_logprobs"),
-                                            (False, 3, "top_logprobs"), ("yes", None, "logprobs")])
+                                            (False, 3, "top_logprobs"), ("yes", None, "logprobs")])  # 0 without logprobs is fine
 def test_bad_chat_logprobs(lp, top, param):
     with pytest.raises(APIError) as e:
         chat_top_n(lp, top)
