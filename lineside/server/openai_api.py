@@ -20,9 +20,18 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
-from lineside.runtime.request import EngineDraining, QueueFullError
+from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
+from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
-from lineside.server import constraints, prompt_limits, request_mapping, responses, sse, tool_calls
+from lineside.server import (
+    constraints,
+    prompt_limits,
+    request_mapping,
+    responses,
+    responses_api,
+    sse,
+    tool_calls,
+)
 from lineside.server.errors import APIError
 from lineside.server.logprobs import LogprobFormatter, chat_top_n, completion_top_n
 from lineside.server.metrics import RequestRecord
@@ -126,6 +135,59 @@ async def _formatter(state: ServerState, top_n: int | None) -> LogprobFormatter 
         return None
     compiler = await asyncio.to_thread(lambda: state.engine.grammar)
     return LogprobFormatter(compiler.token_bytes)
+
+
+@router.post("/v1/responses", responses={**ERROR_RESPONSES, **_STREAM_DOC})
+async def create_response(body: responses_api.ResponsesRequest, request: Request) -> Any:
+    """OpenAI's Responses API on the chat path: one text output (``responses_api`` says what is refused)."""
+    state = _state(request)
+    request_id: str = request.scope["state"]["request_id"]
+    arrival: float = request.scope["state"].get("t0", time.perf_counter())
+    try:
+        _check_model(state, body.model)
+        responses_api.check(body)
+        messages = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
+                    for m in responses_api.messages(body)]
+        prompt_limits.check_texts([m["content"] for m in messages], state.engine.tokenizer,
+                                  state.engine.max_seq_len, param="input")
+        constraint = await _checked(state, responses_api.text_constraint(body))
+        ids = await _offload(sum(len(m["content"]) for m in messages),
+                             functools.partial(state.tokenizer.encode_chat, messages))
+        budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
+                                              param="max_output_tokens", prompt_param="input")
+        priority, mode = request_mapping.priority(request.headers)
+        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p)
+        handle = state.engine.submit(GenerationRequest(
+            prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
+            timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint))
+    except QueueFullError as e:
+        state.metrics.reject("queue_full")
+        raise APIError(429, f"the server's waiting queue is full ({e}); retry after a moment",
+                       "queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDraining:
+        state.metrics.reject("draining")
+        raise APIError(503, "server is shutting down and takes no new requests", "draining",
+                       headers={"Retry-After": "5"}) from None
+    except APIError:
+        state.metrics.reject("invalid")
+        raise
+    except LinesideError as e:
+        state.metrics.reject("invalid")
+        raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)) from None
+    record = RequestRecord(request_id, "responses", priority, mode=mode, stream=bool(body.stream), arrival=arrival,
+                           prompt_tokens=len(ids))
+    choice = Choice(0, handle, record)
+    builder = responses_api.ResponseBuilder(body, state.model_name, request_id)
+    if body.stream:
+        return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
+    gone = await responses.collect(request, state, [choice])
+    if gone is not None:
+        return gone
+    usage = (choice.record.prompt_tokens, choice.record.completion_tokens)
+    incomplete = choice.finish_reason == "length"
+    return builder.body("".join(choice.text_parts), "incomplete" if incomplete else "completed", usage,
+                        "max_output_tokens" if incomplete else None)
 
 
 # ---- one engine request per choice, then the response ---------------------------------------------------

@@ -118,7 +118,7 @@ _FAILURES = {
 }
 
 
-def _failure(state: ServerState, event: TokenEvent) -> APIError:
+def failure(state: ServerState, event: TokenEvent) -> APIError:
     status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
     headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None
@@ -142,7 +142,7 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             yield writer.finish(choice.index, choice.output.finish_reason(event.finish_reason))
         else:
-            error = _failure(state, event)
+            error = failure(state, event)
             cancel_all(choices)
             yield sse.error_event(error.message, error.type, error.code)
             yield sse.DONE
@@ -190,6 +190,28 @@ async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
 async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
                    created: int) -> Any:
     """The JSON body: every choice's whole text once all have finished (or the first failure as an error)."""
+    gone = await collect(request, state, choices)
+    if gone is not None:
+        return gone
+    usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    body_choices = []
+    for c in choices:
+        reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
+        if chat:
+            message, logprobs = c.output.message("".join(c.text_parts))
+            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        else:
+            body_choices.append({"index": c.index, "text": "".join(c.text_parts),
+                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason})
+    obj = "chat.completion" if chat else "text_completion"
+    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+                         "system_fingerprint": None, "choices": body_choices, "usage": usage})
+
+
+async def collect(request: Request, state: ServerState, choices: list[Choice]) -> JSONResponse | None:
+    """Read every choice to its end into ``text_parts`` / ``finish_reason``; raises the first failure as its
+    APIError; returns the 499 answer when the client went away (nobody reads it), else None."""
     watcher = asyncio.create_task(_watch_disconnect(request, choices))
     try:
         async for choice, event in _merged(choices):
@@ -206,21 +228,8 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
                         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                        "code": "client_disconnected", "param": None}},
                                             status_code=499)
-                    raise _failure(state, event)
+                    raise failure(state, event)
     finally:
         watcher.cancel()
         _abandon(state, choices)
-    usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    body_choices = []
-    for c in choices:
-        reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
-        if chat:
-            message, logprobs = c.output.message("".join(c.text_parts))
-            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        else:
-            body_choices.append({"index": c.index, "text": "".join(c.text_parts),
-                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason})
-    obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
-                         "system_fingerprint": None, "choices": body_choices, "usage": usage})
+    return None

@@ -12,12 +12,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lineside.runtime.request import FinishReason
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
+from lineside.server.responses import Choice, failure
+from lineside.server.state import ServerState
 
 
 class ResponsesRequest(BaseModel):
@@ -203,3 +207,27 @@ class ResponseBuilder:
         body["error"] = {"code": code, "message": message}
         body["output"] = []
         return self.event("response.failed", response=body)
+
+
+async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -> AsyncIterator[str]:
+    """The SSE body of a streamed response: created / in_progress, the output item and part, text deltas,
+    then done events and completed (or incomplete at max_output_tokens; failed on an engine failure)."""
+    for e in builder.opening():
+        yield e
+    text: list[str] = []
+    async for event in choice.handle:
+        choice.note(event, time.perf_counter())
+        if event.text:
+            text.append(event.text)
+            yield builder.delta(event.text)
+        if event.finish_reason is None:
+            continue
+        state.metrics.observe(choice.record)
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            for e in builder.closing("".join(text), (choice.record.prompt_tokens, choice.record.completion_tokens),
+                                     event.finish_reason):
+                yield e
+        else:
+            err = failure(state, event)
+            yield builder.failed(err.message, err.code or "server_error")
+        return
