@@ -162,10 +162,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as td:
         bundle = a.bundle or smollm2_bundle(Path(td))
         from lineside.bundle import open_bundle
-        from lineside.runtime.generate import load_tokenizer
+        from lineside.runtime.tokenizer import Tokenizer
 
         b = open_bundle(bundle)
-        tok = load_tokenizer(b)
+        tok = Tokenizer.from_bundle(b)
         tok_dir = str(Path(bundle) / "tokenizer")
         eos = tok.eos_token_ids[0]
         vocab = int(b.config.vocab_size)

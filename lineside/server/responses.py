@@ -197,11 +197,12 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     body_choices = []
     for c in choices:
-        reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
         if chat:
-            message, logprobs = c.output.message("".join(c.text_parts))
+            message, logprobs = c.output.message("".join(c.text_parts))  # first: it parses the tool calls
+            reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
             body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
         else:
+            reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
             body_choices.append({"index": c.index, "text": "".join(c.text_parts),
                                  "logprobs": c.output.text_logprobs(), "finish_reason": reason})
     obj = "chat.completion" if chat else "text_completion"

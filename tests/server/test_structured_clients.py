@@ -33,6 +33,22 @@ def smol(smollm2_path, tmp_path_factory):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def exact(smollm2_path, tmp_path_factory):
+    """SmolLM2 with fp32 activations (MatMulNBits accuracy level 0): a prefill step and decode steps give the
+    same logits to ~1e-5, so the server's logprobs can be checked against `lineside logits` exactly."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.runtime.engine import LLMEngine
+
+    bundle = build_bundle(smollm2_path, tmp_path_factory.mktemp("srv-exact") / "smollm2",
+                          BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=256, accuracy_level=0))
+    engine = LLMEngine(bundle, backend="onnxruntime", num_slots=1, threads=1, prefix_cache=False)
+    with running_server(engine) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        srv.bundle = bundle
+        yield srv
+
+
 def _chat(smol):
     from langchain_openai import ChatOpenAI
 
@@ -100,7 +116,7 @@ TOOLS = [
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_tool_calls_parse(smol, choice, stream):
     msgs = [{"role": "user", "content": "Line 4 has a jammed feeder; order 2 feeder motors."}]
-    kw = dict(model="smollm2", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120)
+    kw = dict(model="smollm2", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
     names = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     if stream:
         calls: dict[int, dict] = {}
@@ -139,31 +155,32 @@ def test_tool_results_in_history_and_langchain_bind_tools(smol):
     assert follow.content or follow.tool_calls  # the history with a tool result renders and answers
 
 
-def test_greedy_logprobs_are_top_and_sum_to_the_log_likelihood(smol):
+def test_greedy_logprobs_are_top_and_sum_to_the_log_likelihood(exact):
     """chat logprobs of greedy tokens: each is the max of its top_logprobs, and their sum is the completion's
     log-likelihood computed from `lineside logits` (decode mode: one token per step, as the engine runs)."""
     from lineside.bundle import open_bundle
-    from lineside.runtime.generate import compute_logits, load_tokenizer
+    from lineside.runtime.generate import compute_logits
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
     from lineside.runtime.sampling import log_softmax
+    from lineside.runtime.tokenizer import Tokenizer
 
     msgs = [{"role": "user", "content": "Name three colours."}]
-    r = smol.client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, temperature=0,
+    r = exact.client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, temperature=0,
                                             logprobs=True, top_logprobs=5)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
     for e in content:
         assert len(e.top_logprobs) == 5 and e.logprob == max(t.logprob for t in e.top_logprobs)
         assert bytes(e.bytes) == bytes(e.top_logprobs[0].bytes)
-    b = open_bundle(smol.bundle)
-    tok = load_tokenizer(b)
+    b = open_bundle(exact.bundle)
+    tok = Tokenizer.from_bundle(b)
     prompt = tok.encode_chat(msgs)
     gen = tok.encode(r.choices[0].message.content, add_special=False)
     assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in content) == r.choices[0].message.content
     logits = compute_logits(OnnxRuntimeBackend(b, num_slots=1, threads=1), prompt + gen, mode="decode")
     ll = sum(log_softmax(logits[len(prompt) - 1 + i])[t] for i, t in enumerate(gen))
-    assert sum(e.logprob for e in content) == pytest.approx(ll, abs=2e-3 * len(gen))
-    streamed = [e for c in smol.client.chat.completions.create(
+    assert sum(e.logprob for e in content) == pytest.approx(ll, abs=1e-3)
+    streamed = [e for c in exact.client.chat.completions.create(
         model="smollm2", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=True)
         if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
