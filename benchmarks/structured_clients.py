@@ -55,7 +55,8 @@ def main() -> None:
         with BackgroundServer(create_app(engine), startup_timeout=120) as srv:
             base = srv.url + "/v1"
             client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=600)
-            llm = ChatOpenAI(base_url=base, api_key="x", model="smollm2", temperature=0, max_retries=0,
+            name = client.models.list().data[0].id  # the served model's name
+            llm = ChatOpenAI(base_url=base, api_key="x", model=name, temperature=0, max_retries=0,
                              timeout=600, max_tokens=300)
             rows = []
             for method in ("json_schema", "function_calling"):
@@ -72,7 +73,7 @@ def main() -> None:
             for text in DEFECT_TEXTS:
                 for choice in ("required", {"type": "function", "function": {"name": "report_defect"}}):
                     total += 1
-                    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
                                                        tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
                     calls = r.choices[0].message.tool_calls or []
                     ok += bool(calls) and all(c.function.name == "report_defect" for c in calls)
@@ -88,7 +89,7 @@ def main() -> None:
                 msgs = [{"role": "user", "content": "Report this defect as JSON with defect, station, severity, "
                                                     f"action and parts: {DEFECT_TEXTS[r % len(DEFECT_TEXTS)]}"}]
                 for kind in (("free", "schema") if r % 2 == 0 else ("schema", "free")):
-                    kw = dict(model="smollm2", messages=msgs, temperature=0, max_tokens=64)
+                    kw = dict(model=name, messages=msgs, temperature=0, max_tokens=64)
                     if kind == "schema":
                         kw["response_format"] = schema
                     (free if kind == "free" else con).append(streamed_rate(client, **kw)[0])
