@@ -203,9 +203,9 @@ class SloGuard:
                 held = True
             await asyncio.sleep(min(self.policy.tick_s, 0.02))
 
-    def admitted(self, handle: RequestHandle, mode: Mode) -> None:
+    def admitted(self, handle: RequestHandle, mode: Mode, *, fallback: bool) -> None:
         """A batch request went into the primary: it counts toward the level-1 cap until it finishes."""
-        if mode == Mode.BATCH:
+        if mode == Mode.BATCH and not fallback:
             self._batch_running.add(handle)
 
     # ---- what finished requests tell the signals -------------------------------------------------------
