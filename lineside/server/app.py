@@ -50,9 +50,10 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]
                          if isinstance(fallback, (str, os.PathLike)) else None)
-        slo_guard = SloGuard(slo_policy or SloPolicy(), metrics.registry, fallback=fallback,
-                             fallback_name=fallback_name, engine_kwargs=state.engine_kwargs)
+        slo_guard = SloGuard(slo_policy or SloPolicy(), fallback=fallback, fallback_name=fallback_name,
+                             engine_kwargs=state.engine_kwargs)
     if slo_guard is not None:
+        slo_guard.attach(metrics.registry)
         state.slo = slo_guard
         metrics.listeners.append(slo_guard.observe)
 

@@ -74,7 +74,7 @@ class SloMetrics:
 class SloGuard:
     """One per server; ``start`` loads the fallback (if any) beside the primary and starts ticking."""
 
-    def __init__(self, policy: SloPolicy, registry: CollectorRegistry, *,
+    def __init__(self, policy: SloPolicy, *, registry: CollectorRegistry | None = None,
                  fallback: str | os.PathLike[str] | ServingEngine | None = None,
                  fallback_name: str | None = None, engine_kwargs: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -83,7 +83,7 @@ class SloGuard:
         self.policy = policy
         self.clock = clock
         self.local_time = local_time
-        self.metrics = SloMetrics(registry)
+        self.metrics = SloMetrics(registry or CollectorRegistry())
         self.metrics.level.set(0)
         self.signals = SignalSource(window_s=policy.window_s, min_samples=policy.min_samples, clock=clock,
                                     device=device)
@@ -100,6 +100,11 @@ class SloGuard:
         self.ticking = ticking
         self._task: asyncio.Task | None = None
         self._batch_running: set[RequestHandle] = set()
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        """Export the guard's families in the server's registry (create_app calls it before serving)."""
+        self.metrics = SloMetrics(registry)
+        self.metrics.level.set(int(self.controller.level))
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self, primary: ServingEngine, primary_name: str) -> None:

@@ -48,25 +48,11 @@ def guarded(tiny_bundle, tmp_path_factory):
     primary = make_engine(tiny_bundle, num_slots=4, delay=0.03)
     fallback = make_engine(fallback_dir, num_slots=4)
     policy = SloPolicy(window_s=30, recover_after_s=300)
-    from prometheus_client import CollectorRegistry
-
-    guard_box = {}
-
-    def build(registry: CollectorRegistry) -> SloGuard:
-        guard_box["g"] = SloGuard(policy, registry, fallback=fallback, fallback_name="tiny-fallback", clock=clock,
-                                  device=lambda: (None, None), ticking=False)
-        return guard_box["g"]
-
-    from lineside.server import app as app_module
-
-    original = app_module.SloGuard
-    app_module.SloGuard = lambda policy, registry, **kw: build(registry)  # the app's registry, the test's clock
-    try:
-        with running_server(primary, latency_log=log, slo_policy=policy) as srv:
-            srv.guard, srv.clock, srv.primary, srv.fallback, srv.log = guard_box["g"], clock, primary, fallback, log
-            yield srv
-    finally:
-        app_module.SloGuard = original
+    guard = SloGuard(policy, fallback=fallback, fallback_name="tiny-fallback", clock=clock,
+                     device=lambda: (None, None), ticking=False)
+    with running_server(primary, latency_log=log, slo_guard=guard) as srv:
+        srv.guard, srv.clock, srv.primary, srv.fallback, srv.log = guard, clock, primary, fallback, log
+        yield srv
 
 
 def _taken(engine) -> int:
