@@ -64,6 +64,10 @@ class SloMetrics:
                             ["signal"], registry=registry)
         for reason in ("ttft_p90_s", "queue_wait_p90_s", "kv_usage", "memory_ratio", "gpu_load"):
             self.signal.labels(reason).set(float("nan"))
+        for level in Level:  # every series exists from the first scrape (rate() and alerts see a 0 → 1 step)
+            for reason in Reason:
+                if reason != Reason.NORMAL:
+                    self.transitions.labels(str(int(level)), reason.value)
         for result in ("hit", "miss"):
             self.cache.labels(result)
         for mode in Mode:
