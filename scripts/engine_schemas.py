@@ -98,9 +98,8 @@ def vllm(src: Path) -> dict[str, Any]:
     for path, cls in sources:
         for field, ann in _class_fields(path, cls):
             args["--" + field.replace("_", "-")] = {"field": field, "class": cls, **_type_info(ann, aliases)}
-    used = {a for a in aliases if any(a in str(v["type"]) for v in args.values())}
     return {"engine": "vllm", "source": "vllm/engine/arg_utils.py EngineArgs + entrypoints FrontendArgs",
-            "options": dict(sorted(args.items())), "literal_aliases": {a: aliases[a] for a in sorted(used)}}
+            "options": dict(sorted(args.items())), "literal_aliases": dict(sorted(aliases.items()))}
 
 
 def _arg_call(meta: ast.AST) -> dict[str, Any]:
