@@ -64,6 +64,9 @@ def plan_fleet(fleet: FleetFile, *, strict: bool = True) -> list[NodePlan]:
             plans.append(plan_node(n, pools[n.name]))
         except LinesideError as e:
             raise FleetError(f"node {n.name!r}: {e}") from None
+        except (TypeError, KeyError, ValueError) as e:  # a config the planner cannot read
+            raise FleetError(f"node {n.name!r}: cannot plan {n.bundle or n.model}: its config is incomplete or "
+                             f"invalid ({type(e).__name__}: {str(e)[:120]}); rebuild the bundle") from None
     if strict:
         for p in plans:
             if p.fits is False:
