@@ -13,6 +13,7 @@ Requests are streamed through unchanged (X-Priority and the SLO headers reach th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import difflib
 import json
 import secrets
@@ -172,7 +173,12 @@ class Front:
             Route("/fleet/metrics", self.prometheus, methods=["GET"]),
             Route("/fleet/health", self.health, methods=["GET"]),
             Route("/{path:path}", self.proxy, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-        ], on_shutdown=[self.aclose])
+        ], lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await self.aclose()
 
     async def aclose(self) -> None:
         for t in list(self._shadow_tasks):

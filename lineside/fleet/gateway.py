@@ -7,20 +7,18 @@ settings) and ``start-routers.sh``; `fleet gateway --dry-run` stops there.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from lineside.fleet.front import Front, FrontConfig, ShadowSpec
-from lineside.fleet.smg import PoolRouter, pool_routers
-from lineside.fleet.spec import FleetError, FleetFile
+from lineside.fleet.smg import PoolRouter, adapter_ports, pool_routers
+from lineside.fleet.spec import FleetError, FleetFile, node
 
 
 @dataclass
@@ -29,6 +27,7 @@ class GatewayPlan:
     front: FrontConfig
     host: str
     port: int
+    adapters: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # node → (port, upstream, health path)
 
     def to_dict(self) -> dict[str, Any]:
         f = self.front
@@ -36,7 +35,9 @@ class GatewayPlan:
                           "session_header": f.session_header, "session_cookie": f.session_cookie,
                           "session_idle_s": f.session_idle_s, "issue_cookie": f.issue_cookie,
                           "shadow": None if f.shadow is None else vars(f.shadow)},
-                "routers": [r.to_dict() for r in self.routers]}
+                "routers": [r.to_dict() for r in self.routers],
+                "health_adapters": {n: {"port": p, "upstream": u, "health_path": h}
+                                    for n, (p, u, h) in self.adapters.items()}}
 
 
 def gateway_plan(fleet: FleetFile, *, base_cmd: list[str] | None = None, log_level: str = "warn") -> GatewayPlan:
@@ -46,7 +47,9 @@ def gateway_plan(fleet: FleetFile, *, base_cmd: list[str] | None = None, log_lev
     front = FrontConfig(pools={r.pool: r.url for r in routers}, default_pool=g.default_pool or next(iter(fleet.pools)),
                         session_header=g.session.header.lower(), session_cookie=g.session.cookie,
                         session_idle_s=g.session.idle_s, shadow=shadow, request_timeout_s=g.request_timeout_s)
-    return GatewayPlan(routers, front, g.host, g.port)
+    adapters = {name: (port, node(fleet, name).url, node(fleet, name).health_path)
+                for name, port in adapter_ports(fleet).items()}
+    return GatewayPlan(routers, front, g.host, g.port, adapters)
 
 
 def write_gateway(plan: GatewayPlan, out: Path) -> list[Path]:
@@ -69,7 +72,8 @@ def _q(a: str) -> str:
 
 
 class Routers:
-    """The SMG processes of a gateway: started together, each in its own process group, stopped together."""
+    """The SMG processes of a gateway: started together, stopped together. They stay in the gateway's process
+    group, so a signal to the group (Ctrl-C, a service manager's stop) reaches them too."""
 
     def __init__(self, plan: GatewayPlan, log_dir: Path) -> None:
         self.plan = plan
@@ -81,7 +85,7 @@ class Routers:
         for r in self.plan.routers:
             log = open(self.log_dir / f"smg-{r.pool}.log", "ab")  # noqa: SIM115 - owned by the child
             self.procs[r.pool] = subprocess.Popen(list(r.argv), stdout=log, stderr=subprocess.STDOUT,
-                                                  stdin=subprocess.DEVNULL, start_new_session=True)
+                                                  stdin=subprocess.DEVNULL)
             log.close()
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as c:
@@ -107,15 +111,12 @@ class Routers:
     def stop(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                p.terminate()
         for p in self.procs.values():
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                p.kill()
                 p.wait(timeout=5)
         self.procs.clear()
 
@@ -132,8 +133,32 @@ def routers_running(plan: GatewayPlan, log_dir: Path):
 
 def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") -> None:
     """Start the routers, serve the front in the foreground until interrupted, then stop the routers."""
+    import asyncio
+
     import uvicorn
 
-    with routers_running(plan, log_dir):
-        front = Front(plan.front)
-        uvicorn.run(front.app, host=plan.host, port=plan.port, log_level=log_level, access_log=False)
+    from lineside.fleet.adapter import HealthAdapter
+
+    def server(app: object, host: str, port: int) -> uvicorn.Server:
+        return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+
+    adapters = [server(HealthAdapter(up, path).app, "127.0.0.1", port) for port, up, path in plan.adapters.values()]
+    front = server(Front(plan.front).app, plan.host, plan.port)
+
+    async def serve_all() -> None:
+        for a in adapters:  # up before the routers probe them
+            asyncio.get_running_loop().create_task(a.serve())
+        while adapters and not all(a.started for a in adapters):
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(routers.start)
+        try:
+            await front.serve()  # returns on SIGINT/SIGTERM (uvicorn's handlers)
+        finally:
+            for a in adapters:
+                a.should_exit = True
+
+    routers = Routers(plan, log_dir)
+    try:
+        asyncio.run(serve_all())
+    finally:
+        routers.stop()

@@ -47,12 +47,32 @@ def smg_command() -> list[str]:
                      "(x86_64 and aarch64 manylinux_2_28 wheels)")
 
 
+def adapter_ports(fleet: FleetFile) -> dict[str, int]:
+    """node → port of its health adapter (after the routers' ports), for nodes that need one."""
+    first = fleet.gateway.smg_base_port + 2 * len(fleet.pools)
+    return {n.name: first + i for i, n in enumerate(x for x in fleet.nodes if x.needs_adapter)}
+
+
+def worker_url(fleet: FleetFile, name: str, host: str = "127.0.0.1") -> str:
+    """The URL SMG uses for a node: the node itself, or its health adapter."""
+    ports = adapter_ports(fleet)
+    return f"http://{host}:{ports[name]}" if name in ports else node(fleet, name).url.rstrip("/")
+
+
 def pool_health_path(fleet: FleetFile, pool: str) -> str:
-    paths = {node(fleet, m).health_path for m in fleet.pools[pool].members}
-    if len(paths) != 1:
+    """The one path SMG probes in a pool; adapted nodes answer /health and /health/ready alike."""
+    members = [node(fleet, m) for m in fleet.pools[pool].members]
+    paths = {n.health_path for n in members if not n.needs_adapter}
+    if not paths:
+        return "/health"
+    if len(paths) > 1:
         raise FleetError(f"pool {pool!r} mixes health paths ({', '.join(sorted(paths))}); SMG probes one path per "
                          "pool: give its nodes the same health_path (/v1/models works for any OpenAI server)")
-    return paths.pop()
+    path = paths.pop()
+    if path not in ("/health", "/health/ready") and any(n.needs_adapter for n in members):
+        raise FleetError(f"pool {pool!r}: its adapted nodes answer /health and /health/ready only; give the other "
+                         f"nodes one of those as health_path (not {path})")
+    return path
 
 
 def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: str = "127.0.0.1",
@@ -63,7 +83,7 @@ def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: s
     out = []
     for i, (pname, pool) in enumerate(fleet.pools.items()):
         port, mport = g.smg_base_port + 2 * i, g.smg_base_port + 2 * i + 1
-        workers = tuple(node(fleet, m).url.rstrip("/") for m in pool.members)
+        workers = tuple(worker_url(fleet, m, host) for m in pool.members)
         policy = pool.policy or g.policy
         argv = [
             *cmd, "launch", "--host", host, "--port", str(port), "--worker-urls", *workers,
@@ -83,8 +103,10 @@ def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: s
             "--retry-initial-backoff-ms", str(g.retry.initial_backoff_ms),
             "--retry-max-backoff-ms", str(g.retry.max_backoff_ms),
             "--request-timeout-secs", str(g.request_timeout_s),
+            "--shutdown-grace-period-secs", "5",  # SIGTERM: stop within the stop timeout of a service manager
             "--prometheus-host", host, "--prometheus-port", str(mport),
             "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1",
+            "--disable-tokenizer-autoload",  # plain HTTP routing needs no tokenizer (and no hub download)
             "--log-level", log_level,
         ]
         out.append(PoolRouter(pname, host, port, mport, workers, tuple(argv)))

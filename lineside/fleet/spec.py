@@ -76,6 +76,13 @@ class Node(_Strict):
     kv_dtype: str = "fp16"
     restart: str | None = None  # run on the node after a switch (over ssh for ssh targets), e.g. systemctl restart
     health_path: str = "/health/ready"
+    # SMG registers a worker only once GET /health answers; for a server without it (llama-cpp-python) the
+    # gateway puts lineside.fleet.adapter in front. Default: on for engine llama.cpp.
+    health_adapter: bool | None = None
+
+    @property
+    def needs_adapter(self) -> bool:
+        return self.health_adapter if self.health_adapter is not None else self.engine == Engine.LLAMA_CPP
 
 
 class Pool(_Strict):
