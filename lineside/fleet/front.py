@@ -300,7 +300,7 @@ class Front:
                     chunks = [c async for c in r.aiter_raw()]
                     ok = r.status_code == 200
                     streaming = r.headers.get("content-type", "").startswith("text/event-stream")
-            except httpx.HTTPError:
+            except Exception:  # noqa: BLE001 - a shadow copy never affects anything but its own counters
                 ok, chunks, streaming = False, [], False
             dt = time.perf_counter() - t0
             if not ok:

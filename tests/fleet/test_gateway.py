@@ -153,9 +153,6 @@ def test_header_routing_lands_in_the_right_pool(cluster):
     r = _post(c, **{"X-Mode": "bulk"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_pool"
     assert r.json()["error"]["param"] == "X-Mode" and "realtime, batch" in r.json()["error"]["message"]
-    # X-Priority reaches the node: lineside validates it there (a bad value is the node's 400, not the gateway's)
-    r = _post(c, **{"X-Mode": "realtime", "X-Priority": "urgent!"})
-    assert r.status_code == 400 and "X-Priority" in r.json()["error"]["message"]
 
 
 def test_sessions_stick_by_header_and_by_cookie(cluster):
@@ -177,6 +174,7 @@ def test_sessions_stick_by_header_and_by_cookie(cluster):
 
 def test_shadow_traffic_is_counted_and_never_reaches_the_client(cluster):
     c, p = cluster["client"], cluster["ports"]
+    _until(lambda: c.get("/fleet/shadow").json()["in_flight"] == 0, 60, "earlier shadow copies to finish")
     before = c.get("/fleet/shadow").json()
     realtime = {f"http://127.0.0.1:{p['w1']}", f"http://127.0.0.1:{p['w2']}"}
     bodies = []
