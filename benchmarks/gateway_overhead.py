@@ -55,10 +55,11 @@ class Stream:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    async def run(self, body: dict) -> tuple[float, float | None, int]:
+    async def run(self, body: dict, session: str | None = None) -> tuple[float, float | None, int]:
         """(TTFT s, decode tokens/s or None, token events) for one request."""
         data = json.dumps(body).encode()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        extra = f"X-Session-Id: {session}\r\n" if session else ""
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
         t0 = time.perf_counter()
         self.writer.write(head + data)
@@ -105,11 +106,11 @@ async def measure(paths: dict[str, str], args: argparse.Namespace) -> None:
     ttft: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.n):
         for k, c in conns.items():
-            ttft[k].append((await c.run(ttft_body))[0])
+            ttft[k].append((await c.run(ttft_body, args.session))[0])
     rate: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.decode_n):
         for k, c in conns.items():
-            r = (await c.run(dec_body))[1]
+            r = (await c.run(dec_body, args.session))[1]
             if r:
                 rate[k].append(r)
     base = med(ttft["direct"])
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--prompt", default="Hello")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--session", default=None, help="send this X-Session-Id on every path (SMG's sticky map)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
     wport, gport = free_port(), free_port()
