@@ -19,11 +19,12 @@ from pathlib import Path
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import REPLACE
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import (
     EngineDraining,
+    FinishReason,
     GenerationRequest,
     QueueFullError,
     RequestHandle,
@@ -51,7 +52,7 @@ class EngineStats:
     generated_tokens_total: int
     steps: int
     preemptions: int
-    requests: dict[str, int] = field(default_factory=dict)  # finished requests by finish_reason
+    requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
 def make_backend(bundle: Bundle, backend: str, num_slots: int, threads: int | None) -> Backend:
@@ -81,7 +82,7 @@ class LLMEngine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         states = getattr(self.backend, "states", [])
-        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
+        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, kv_blocks, prefix_ok)
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
@@ -99,7 +100,7 @@ class LLMEngine:
         self._steps = 0
         self._prompt_total = 0
         self._generated_total = 0
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[FinishReason, int] = {}
         self.step_log: deque[tuple[int, int]] | None = None  # (decode rows, prefill tokens) per step, when set
 
     # ---- public API -----------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class LLMEngine:
                 await self._task
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
-            self._finish(seq, seq.abort("cancelled"))
+            self._finish(seq, seq.abort(FinishReason.CANCELLED))
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -201,7 +202,7 @@ class LLMEngine:
                     continue
                 out, errors = await asyncio.to_thread(self._execute, plan)
                 for seq, msg in errors.items():
-                    self._finish(seq, seq.abort("error", msg))
+                    self._finish(seq, seq.abort(FinishReason.ERROR, msg))
                 self._apply(plan, out, errors)
             except asyncio.CancelledError:
                 raise
@@ -210,7 +211,7 @@ class LLMEngine:
                 for seq in list(self._seqs.values()):
                     if seq.status != FINISHED:
                         with contextlib.suppress(Exception):
-                            self._finish(seq, seq.abort("error", msg))
+                            self._finish(seq, seq.abort(FinishReason.ERROR, msg))
             await asyncio.sleep(0)  # let the server's tasks run between steps
 
     def _intake(self) -> None:
@@ -223,9 +224,9 @@ class LLMEngine:
         now = time.monotonic()
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             if seq.handle.cancel_requested:
-                self._finish(seq, seq.abort("cancelled"))
+                self._finish(seq, seq.abort(FinishReason.CANCELLED))
             elif seq.deadline is not None and now >= seq.deadline:
-                self._finish(seq, seq.abort("timeout"))
+                self._finish(seq, seq.abort(FinishReason.TIMEOUT))
 
     def _finish(self, seq: Sequence, ev: TokenEvent) -> None:
         if seq.status == FINISHED:
@@ -233,7 +234,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = FINISHED
         seq.handle.metrics.finished = time.monotonic()
-        self._outcomes[ev.finish_reason or "stop"] = self._outcomes.get(ev.finish_reason or "stop", 0) + 1
+        reason = ev.finish_reason or FinishReason.STOP
+        self._outcomes[reason] = self._outcomes.get(reason, 0) + 1
         self._seqs.pop(seq.req.request_id, None)
         seq.handle._push(ev)
 

@@ -11,7 +11,7 @@ from collections import deque
 from typing import Any
 
 from lineside.runtime.detokenize import IncrementalDetokenizer
-from lineside.runtime.request import GenerationRequest, RequestHandle, TokenEvent, base_rank
+from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler
 from lineside.runtime.stop import StopMatcher
 
@@ -69,7 +69,7 @@ class Sequence:
         return self.rank - (now - self.arrival) / aging_s if aging_s > 0 else float(self.rank)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _event(self, text: str, ids: list[int], reason: str | None, error: str | None = None) -> TokenEvent:
+    def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None) -> TokenEvent:
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error)
 
@@ -84,17 +84,17 @@ class Sequence:
         self.tokens.append(tok)
         self.pending = tok
         if tok in self.stop_ids:
-            return self._event(self._flush(), [], "stop")
+            return self._event(self._flush(), [], FinishReason.STOP)
         text = self.stopper.feed(self.detok.add(tok))
         if self.stopper.stopped:
-            return self._event(text, [tok], "stop")
+            return self._event(text, [tok], FinishReason.STOP)
         if len(self.generated) >= self.max_tokens:
-            return self._event(text + self._flush(), [tok], "length")
+            return self._event(text + self._flush(), [tok], FinishReason.LENGTH)
         return self._event(text, [tok], None)
 
-    def abort(self, reason: str, error: str | None = None) -> TokenEvent:
+    def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         """Final event for cancel / timeout / error (text held back so far is released)."""
-        return self._event(self._flush() if reason != "cancelled" else "", [], reason, error)
+        return self._event(self._flush() if reason != FinishReason.CANCELLED else "", [], reason, error)
 
     def _flush(self) -> str:
         return self.stopper.feed(self.detok.flush()) + self.stopper.flush()

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.graphs import batch_buckets, length_buckets
@@ -22,9 +22,9 @@ class NumpyTrtBackend:
 
     def __init__(self, bundle, num_slots=3, first=4, step=8, max_chunk=64):
         fl = bundle.flavor("trt")
-        self.sess = ort.InferenceSession(str(bundle.file(fl["graph"])), providers=["CPUExecutionProvider"])
-        self.states = [StateTensor.from_dict(s) for s in fl["state"]]
-        self.inputs = fl["inputs"]
+        self.sess = ort.InferenceSession(str(bundle.file(fl.graph)), providers=["CPUExecutionProvider"])
+        self.states = list(fl.state)
+        self.inputs = fl.inputs
         self.num_slots, self.max_seq = num_slots, bundle.max_seq_len
         self.layout = ArenaLayout(num_slots, self.max_seq, length_buckets(self.max_seq, first, step),
                                   batch_buckets(num_slots))
@@ -188,5 +188,5 @@ def test_chunks_cover_all_logits():
 
 
 def test_state_update_kinds_supported():
-    st = StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], update=APPEND)
+    st = StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], update=StateUpdate.APPEND)
     assert st.seq_axis == 2
