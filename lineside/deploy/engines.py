@@ -9,12 +9,12 @@ the dashes (`vllm serve --config`, `sglang.launch_server --config`); trtllm-serv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from lineside.deploy.sizing import DcPlan, GpuSet, parse_gpus, plan_datacenter
 from lineside.errors import LinesideError
 from lineside.jetson.planner import load_model
+from lineside.strenum import StrEnum
 
 GIB = 1 << 30
 PORT = 8000

@@ -13,7 +13,6 @@ import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from lineside.fleet.health import NodeHealth, wait_healthy
 from lineside.fleet.spec import FleetError, FleetFile, Node
 from lineside.jetson.push import push, rollback
 from lineside.jetson.targets import _REMOTE, open_target
+from lineside.strenum import StrEnum
 
 
 class Outcome(StrEnum):

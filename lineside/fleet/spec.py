@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import types
 import typing
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lineside.errors import LinesideError
+from lineside.strenum import StrEnum
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 MIN_STICKY_S = 60  # seed report §5.2: a session stays on one node for at least a minute

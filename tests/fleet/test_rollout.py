@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lineside.bundle import open_bundle, write_manifest
+from lineside.bundle import Manifest, open_bundle, write_manifest
 from lineside.errors import LinesideError
 from lineside.fleet.health import wait_healthy
 from lineside.fleet.rollout import Outcome, rolling_push, waves
@@ -77,8 +77,8 @@ def broken_bundle(path: Path, seed: int) -> Path:
     """A bundle whose every sha256 matches its manifest (push accepts it) but whose config cannot load."""
     make_bundle(path, seed, weight_bytes=4096, name="broken")
     (path / "config.json").write_text(json.dumps({"architecture": "llama", "vocab_size": 64}))
-    write_manifest(path, {"architecture": "llama", "config": "config.json", "max_seq_len": 128, "name": "broken",
-                          "flavors": {}, "quantization": {"scheme": "w4a16"}})
+    write_manifest(path, Manifest(architecture="llama", config="config.json", max_seq_len=128,
+                                  extra={"name": "broken"}, quantization={"scheme": "w4a16"}))
     return path
 
 
