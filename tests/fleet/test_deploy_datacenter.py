@@ -8,13 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
 
 from lineside.deploy.engines import build_deployment, graph_sizes
 from lineside.deploy.sizing import GIB, plan_datacenter
 from lineside.errors import LinesideError
+
+jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema (dev extra): checks trtllm configs")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM = json.loads((FIXTURES / "vllm_args.json").read_text())
