@@ -205,3 +205,30 @@ def test_a_bundle_the_planner_cannot_read_is_one_line(fleet3, tmp_path):
     make, _, _ = fleet3
     with pytest.raises(FleetError, match="node 'a': .*config"):
         plan_fleet(make(dict.fromkeys("abc", broken_bundle(tmp_path / "bad", 8))))
+
+
+def test_ssh_canary_rolled_back_over_ssh(tmp_path, sshd):
+    """The canary is a user@host:/dir target on a loopback sshd: push, restart hook and rollback all over ssh."""
+    host, ssh = sshd
+    targets = {"a": tmp_path / "dev-a", "b": tmp_path / "dev-b", "c": tmp_path / "dev-c"}
+    log = tmp_path / "restarts.log"
+    v1 = make_bundle(tmp_path / "v1", 11, weight_bytes=4096, name="model-v1")
+    bad = broken_bundle(tmp_path / "bad", 12)
+    with ExitStack() as stack:
+        urls = {n: stack.enter_context(node_server(t)) for n, t in targets.items()}
+
+        def make(bundle: Path) -> FleetFile:
+            return FleetFile.model_validate({
+                "nodes": [{"name": n, "kind": "jetson", "url": urls[n], "device": "agx-orin-64",
+                           "target": f"{host}:{targets[n]}" if n == "a" else str(targets[n]), "bundle": str(bundle),
+                           "restart": f"echo {n} $(readlink {targets[n]}/current) >> {log}"} for n in "abc"],
+                "pools": {"realtime": {"members": list("abc")}},
+                "rollout": {"canary": "a"}})
+
+        assert rolling_push(make(v1), ssh=ssh, health=_wait(FakeClock())).ok
+        before = {n: _current(t) for n, t in targets.items()}
+        r = rolling_push(make(bad), ssh=ssh, health=_wait(FakeClock()))
+        assert [(n.node, n.outcome) for n in r.nodes] == [
+            ("a", Outcome.ROLLED_BACK), ("b", Outcome.NOT_STARTED), ("c", Outcome.NOT_STARTED)]
+        assert {n: _current(t) for n, t in targets.items()} == before
+        assert log.read_text().splitlines()[-1].split() == ["a", before["a"]]  # the hook ran on the node
