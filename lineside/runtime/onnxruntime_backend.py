@@ -28,6 +28,8 @@ def default_threads() -> int:
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
+    # The in-place cache binds a range of slots as a view; other slot lists gather and scatter whole slots.
+    needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
                  max_seq_len: int | None = None, accuracy_level: int | None = None):

@@ -31,6 +31,8 @@ class TensorRTBackend:
 
     name = "tensorrt"
     flavor = "trt"
+    # ArenaLayout swaps the step's slots into rows 0..B-1 itself: the scheduler must not move them too.
+    needs_contiguous_slots = False
 
     def __init__(self, bundle: Bundle, num_slots: int = 4, device: int = 0, cuda_graphs: bool = True,
                  warmup: bool = True):
