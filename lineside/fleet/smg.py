@@ -89,7 +89,7 @@ def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: s
             *cmd, "launch", "--host", host, "--port", str(port), "--worker-urls", *workers,
             "--policy", str(policy),
             "--sticky-sessions", "--routing-key-headers", g.session.header, "x-smg-routing-key",
-            "--sticky-key-idle-secs", str(g.session.idle_s), "--assignment-mode", "min_load",
+            "--sticky-key-idle-secs", str(g.session.idle_s), "--assignment-mode", "min_group",  # a new session goes to the worker with fewest sessions
             "--health-check-endpoint", pool_health_path(fleet, pname),
             "--health-check-interval-secs", str(g.health.interval_s),
             "--health-check-timeout-secs", str(g.health.timeout_s),

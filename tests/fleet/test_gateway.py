@@ -148,8 +148,11 @@ def test_header_routing_lands_in_the_right_pool(cluster):
         seen["batch"].add(_worker(_post(c, **{"X-Mode": "batch"})))
         seen["x-batch"].add(_worker(_post(c, **{"X-Batch": "true"})))
         seen["default"].add(_worker(_post(c)))
-    assert seen["realtime"] == realtime and seen["default"] <= realtime
-    assert seen["batch"] == batch and seen["x-batch"] <= batch  # the llama.cpp server answers in the batch pool
+    # each header lands in its pool, and the pool's workers share the new sessions (SMG min_group assignment)
+    assert seen["realtime"] <= realtime and seen["default"] <= realtime
+    assert seen["realtime"] | seen["default"] == realtime
+    assert seen["batch"] <= batch and seen["x-batch"] <= batch
+    assert seen["batch"] | seen["x-batch"] == batch  # the llama.cpp server (behind its adapter) answers too
     r = _post(c, **{"X-Mode": "bulk"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_pool"
     assert r.json()["error"]["param"] == "X-Mode" and "realtime, batch" in r.json()["error"]["message"]
