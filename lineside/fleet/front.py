@@ -35,6 +35,8 @@ from starlette.routing import Route
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
                         "transfer-encoding", "upgrade", "host", "content-length"})
 SHADOW_HEADER = "x-lineside-shadow"
+# lineside's X-Priority values → SMG's admission classes (middleware/scheduler/class.rs: X-SMG-Priority)
+SMG_PRIORITY = {"high": "interactive", "normal": "default", "low": "bulk"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class FrontConfig:
     session_cookie: str = "lineside_session"
     session_idle_s: int = 300
     issue_cookie: bool = True
+    priority: bool = True  # map X-Priority onto SMG's X-SMG-Priority
     shadow: ShadowSpec | None = None
     request_timeout_s: float = 600.0
 
@@ -213,13 +216,20 @@ class Front:
         if isinstance(pool, JSONResponse):
             self.metrics.requests.labels("-", "4xx").inc()
             return pool
+        pr = (request.headers.get("x-priority") or "").strip().lower()
+        if pr and pr not in SMG_PRIORITY:
+            self.metrics.requests.labels(pool, "4xx").inc()
+            return _error(400, f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority",
+                          "X-Priority")
         body = await request.body()
         sid, new = self.session_for(request)
         headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP
-                   and k != self.cfg.session_header]
+                   and k not in (self.cfg.session_header, "x-smg-priority")]  # no self-promotion past the front
         keyed = not new or self.cfg.issue_cookie
         if keyed:
             headers.append((self.cfg.session_header, sid))
+        if pr and self.cfg.priority:
+            headers.append(("x-smg-priority", SMG_PRIORITY[pr]))
         url = self.cfg.pools[pool] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         shadow = (self.cfg.shadow is not None and pool == self.cfg.shadow.source and request.method == "POST"
                   and request.url.path.startswith("/v1/") and self._sampler is not None and self._sampler())

@@ -46,7 +46,8 @@ def gateway_plan(fleet: FleetFile, *, base_cmd: list[str] | None = None, log_lev
     shadow = (ShadowSpec(g.shadow.source, g.shadow.candidate, g.shadow.share) if g.shadow else None)
     front = FrontConfig(pools={r.pool: r.url for r in routers}, default_pool=g.default_pool or next(iter(fleet.pools)),
                         session_header=g.session.header.lower(), session_cookie=g.session.cookie,
-                        session_idle_s=g.session.idle_s, shadow=shadow, request_timeout_s=g.request_timeout_s)
+                        session_idle_s=g.session.idle_s, shadow=shadow, request_timeout_s=g.request_timeout_s,
+                        priority=g.priority)
     adapters = {name: (port, node(fleet, name).url, node(fleet, name).health_path)
                 for name, port in adapter_ports(fleet).items()}
     return GatewayPlan(routers, front, g.host, g.port, adapters)

@@ -106,6 +106,8 @@ def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: s
             "--shutdown-grace-period-secs", "5",  # SIGTERM: stop within the stop timeout of a service manager
             "--prometheus-host", host, "--prometheus-port", str(mport),
             "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1",
+            *(["--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive"]
+              if g.priority else []),
             "--disable-tokenizer-autoload",  # plain HTTP routing needs no tokenizer (and no hub download)
             "--log-level", log_level,
         ]

@@ -135,6 +135,9 @@ class Gateway(_Strict):
     health: Health = Health()
     shadow: Shadow | None = None
     request_timeout_s: Annotated[int, Field(ge=1)] = 600
+    # X-Priority high|normal|low → SMG's admission classes (X-SMG-Priority interactive|default|bulk,
+    # --priority-scheduler-enabled): SMG forwards no X-Priority header to the nodes, so priority acts here.
+    priority: bool = True
 
 
 class Rollout(_Strict):

@@ -104,6 +104,17 @@ def test_sessions_become_the_routing_key():
         f"lineside_session={sid}; Max-Age=90; Path=/; HttpOnly; SameSite=Lax")
 
 
+def test_priority_becomes_smg_admission_class():
+    front, seen = make(share=0.0001)
+    run(_call(front, {"X-Priority": "high", "X-SMG-Priority": "system"}))
+    run(_call(front, {"X-Priority": "LOW"}))
+    run(_call(front, {"X-SMG-Priority": "system"}))  # a client cannot pick SMG's class itself
+    assert [s["headers"].get("x-smg-priority") for s in seen] == ["interactive", "bulk", None]
+    assert seen[0]["headers"]["x-priority"] == "high"  # passed on as well
+    r = run(_call(front, {"X-Priority": "urgent"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority" and len(seen) == 3
+
+
 def test_shadow_copies_share_is_exact_and_responses_are_discarded():
     front, seen = make(share=0.25)
     answers = [run(_call(front, {"X-Mode": "realtime"})).json() for _ in range(8)]

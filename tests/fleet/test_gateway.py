@@ -153,6 +153,13 @@ def test_header_routing_lands_in_the_right_pool(cluster):
     assert seen["realtime"] | seen["default"] == realtime
     assert seen["batch"] <= batch and seen["x-batch"] <= batch
     assert seen["batch"] | seen["x-batch"] == batch  # the llama.cpp server (behind its adapter) answers too
+    # X-Priority: SMG forwards no such header to workers, so the front maps it to SMG's own admission class
+    r = _post(c, **{"X-Mode": "realtime", "X-Priority": "high"})
+    assert r.status_code == 200
+    admitted = [ln for ln in _metrics(cluster["smg_metrics"]["realtime"]).splitlines()
+                if ln.startswith("smg_scheduler_admit_total") and "interactive" in ln]
+    assert admitted and float(admitted[0].rsplit(" ", 1)[1]) >= 1, admitted
+    assert _post(c, **{"X-Priority": "urgent"}).status_code == 400
     r = _post(c, **{"X-Mode": "bulk"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_pool"
     assert r.json()["error"]["param"] == "X-Mode" and "realtime, batch" in r.json()["error"]["message"]
