@@ -198,6 +198,7 @@ def test_shadow_traffic_is_counted_and_never_reaches_the_client(cluster):
     _until(lambda: c.get("/fleet/shadow").json()["in_flight"] == 0, 60, "shadow copies to finish")
     after = c.get("/fleet/shadow").json()
     sent = after["sent"] - before["sent"]
+    print(f"\nshadow: {sent} of 12 realtime requests copied to batch; {json.dumps(after)}")
     assert sent == 6  # share 0.5 of 12, deterministic
     assert after["completed"] - before["completed"] == 6 and after["failed"] == before["failed"]
     assert after["agreement"] is not None and after["median_candidate_s"] is not None
