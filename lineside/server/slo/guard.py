@@ -46,6 +46,7 @@ class SloMetrics:
     """The guard's families in the server's registry (vLLM-style names under lineside_)."""
 
     def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
         self.level = Gauge("lineside_slo_degradation_level", "Degradation level (0 normal, 1 protect realtime, "
                            "2 fallback and cache)", registry=registry)
         self.transitions = Counter("lineside_slo_transitions", "Level changes by new level and reason",
