@@ -83,9 +83,10 @@ def serve(
 
         policy = load_policy(slo_policy)
     if fallback is not None:
-        from lineside.server.slo.fallback import check_fallback
+        from lineside.server.slo.fallback import available_bytes, check_fallback, check_fits
 
         check_fallback(bundle, fallback)
+        check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     key = resolve_api_key(api_key, api_key_file)
     hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]

@@ -33,3 +33,41 @@ def check_fallback(primary: str | os.PathLike[str], fallback: str | os.PathLike[
     if theirs[1] != ours[1]:
         raise LinesideError(f"--fallback {fallback}: its special tokens or chat template differ from "
                             f"{primary.name}'s; rebuild it from the same checkpoint's tokenizer")
+
+
+def planned_bytes(bundle: str | os.PathLike[str], *, num_slots: int) -> int:
+    """What `lineside jetson plan` counts for serving ``bundle``: weights at its quantization, the KV cache for
+    ``num_slots`` sequences of its context, and the prefill activations (runtime overhead not included)."""
+    from lineside.bundle import read_manifest
+    from lineside.jetson.planner import load_model
+    from lineside.jetson.sizes import check_quant
+
+    manifest = read_manifest(bundle)
+    spec = load_model(str(bundle))
+    weights = spec.weights(check_quant(spec.quantization or "w4a16"), 128).total
+    ctx = int(manifest.max_seq_len)
+    return weights + spec.kv(ctx, num_slots, 2).total + spec.activations(ctx, num_slots, 512)
+
+
+def available_bytes() -> int | None:
+    """Memory the two engines load into: the host's MemAvailable (CPU backends and Jetson unified memory)."""
+    try:
+        from lineside.jetson.probe import parse_meminfo
+
+        return parse_meminfo(Path("/proc/meminfo").read_text()).get("MemAvailable")
+    except (OSError, ImportError):
+        return None
+
+
+def check_fits(primary: str | os.PathLike[str], fallback: str | os.PathLike[str], *, num_slots: int,
+               available: int | None) -> None:
+    """Refuse (one line) a fallback that would not fit beside the primary when the primary alone fits."""
+    if available is None:
+        return
+    ours = planned_bytes(primary, num_slots=num_slots)
+    theirs = planned_bytes(fallback, num_slots=num_slots)
+    if ours <= available < ours + theirs:
+        gib = 1 << 30
+        raise LinesideError(f"--fallback {Path(fallback)}: does not fit beside {Path(primary).name}: they need "
+                            f"{ours / gib:.2f} + {theirs / gib:.2f} GiB, {available / gib:.2f} GiB is available; "
+                            "use a smaller fallback or fewer --num-slots")
