@@ -87,6 +87,13 @@ def test_levels_headers_model_health_metrics_and_log(guarded):
     assert again.json()["choices"] == first.json()["choices"]
     hot = _chat(srv.url, "repeat me", temperature=0.9)  # not reproducible: never from the cache
     assert "x-lineside-cache" not in hot.headers and hot.status_code == 200
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120,
+                      json={"messages": [{"role": "user", "content": "repeat me"}], "max_tokens": 4,
+                            "temperature": 0, "stream": True}) as stream:  # streamed: the fallback, not the cache
+        assert stream.headers["x-lineside-degraded"] == "2" and "x-lineside-cache" not in stream.headers
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert chunks and {chunk["model"] for chunk in chunks} == {"tiny-fallback"}
+    assert "x-lineside-cache" not in hot.headers and hot.status_code == 200
 
     text = httpx.get(f"{srv.url}/metrics").text
     assert metric(text, "lineside_slo_degradation_level") == 2
@@ -103,7 +110,9 @@ def test_levels_headers_model_health_metrics_and_log(guarded):
     assert _push(guard, 0.01) == 1
     srv.clock.now += 301
     assert _push(guard, 0.01) == 0
-    assert "x-lineside-degraded" not in _chat(srv.url).headers
+    normal = _chat(srv.url, "repeat me")
+    assert "x-lineside-degraded" not in normal.headers and "x-lineside-cache" not in normal.headers  # level 0: no cache
+    assert normal.json()["model"] == "tiny-llama"
     rows = [json.loads(line) for line in srv.log.read_text().splitlines()]
     assert {row["slo_level"] for row in rows} >= {0, 1, 2}
     assert {row["bundle"] for row in rows} == {"tiny-llama", "tiny-fallback"}
