@@ -107,9 +107,10 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     choices: list[Choice] = []
     endpoint = "chat" if chat else "completions"
     engine, model, slo_plan = state.engine, state.model_name, None
+    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback) and may answer from cache
         slo_plan = await slo_routing.plan(state.slo, body, prompts=prompts, budgets=budgets, chat=chat,
-                                          priority=priority, mode=mode, stops=stops, n=n,
+                                          priority=priority, mode=mode, stops=stops, n=n, response_id=response_id,
                                           draining=lambda: state.draining)
         if slo_plan.cached is not None:
             return slo_plan.cached
@@ -144,7 +145,6 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
         raise APIError(400, str(e), "invalid_request") from None
-    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -34,7 +34,10 @@ class SloPlan:
 
 
 async def plan(guard: SloGuard, body: Any, *, prompts: list[list[int]], budgets: list[int], chat: bool,
-               priority: Priority, mode: Mode, stops: list[str], n: int, draining: Any) -> SloPlan:
+               priority: Priority, mode: Mode, stops: list[str], n: int, response_id: str,
+               draining: Any) -> SloPlan:
+    """Route the request; at level 2 answer an exact repeat from the cache (its own id and time, the cached
+    answer's ``model``: the bundle that made it); at level 1 hold batch work for the primary at the gate."""
     tokens = max(len(ids) + budget for ids, budget in zip(prompts, budgets, strict=True))
     route = guard.route(mode=mode, priority=priority, tokens=tokens)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
@@ -47,7 +50,7 @@ async def plan(guard: SloGuard, body: Any, *, prompts: list[list[int]], budgets:
     if key is not None and route.level >= Level.FALLBACK:
         hit = guard.cached(key)
         if hit is not None:
-            answer = {**hit, "created": int(time.time())}
+            answer = {**hit, "id": response_id, "created": int(time.time())}
             result.cached = JSONResponse(answer, headers={**headers, "X-Lineside-Cache": "hit"})
             return result
     if mode == Mode.BATCH:

@@ -84,7 +84,7 @@ def test_levels_headers_model_health_metrics_and_log(guarded):
     assert first.json()["model"] == "tiny-fallback" and first.headers["x-lineside-degraded"] == "2"
     again = _chat(srv.url, "repeat me")
     assert again.headers.get("x-lineside-cache") == "hit"
-    assert again.json()["choices"] == first.json()["choices"]
+    assert again.json()["choices"] == first.json()["choices"] and again.json()["id"] != first.json()["id"]
     hot = _chat(srv.url, "repeat me", temperature=0.9)  # not reproducible: never from the cache
     assert "x-lineside-cache" not in hot.headers and hot.status_code == 200
     with httpx.stream("POST", f"{srv.url}/v1/chat/completions", timeout=120,
