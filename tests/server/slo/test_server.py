@@ -139,3 +139,25 @@ def test_no_request_is_lost_or_moved_across_switches(guarded):
         _push(guard, 0.01, count=0)
         srv.clock.now += 10_000
     assert _push(guard, 0.01, count=0) == 0
+
+
+def test_level_1_holds_batch_behind_waiting_realtime_and_loses_nothing(tiny_bundle):
+    clock = FakeClock()
+    primary = make_engine(tiny_bundle, num_slots=1, delay=0.02)
+    policy = SloPolicy(fallback_modes=(), fallback_priorities=(), batch_running_cap=1, min_samples=1)
+    guard = SloGuard(policy, clock=clock, device=lambda: (None, None), ticking=False)
+    with running_server(primary, slo_guard=guard) as srv:
+        assert _push(guard, 1.0, count=1) == 1
+        with ThreadPoolExecutor(8) as pool:
+            realtime = [pool.submit(_chat, srv.url, f"rt {i}", max_tokens=8) for i in range(4)]
+            deadline = time.monotonic() + 60
+            while _taken(primary) < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            batch = [pool.submit(_chat, srv.url, f"batch {i}", mode="batch", max_tokens=4) for i in range(3)]
+            results = [f.result() for f in realtime + batch]
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert [r.status_code for r in results] == [200] * 7
+    assert {r.headers["x-lineside-degraded"] for r in results} == {"1"}
+    assert {r.json()["model"] for r in results} == {"tiny-llama"}  # no fallback: everything on the primary
+    assert metric(text, "lineside_slo_batch_held_total") >= 1  # they waited at the gate while realtime queued
+    assert metric(text, "lineside_slo_finished_requests_total", 'mode="batch",on_time="true"') == 3
