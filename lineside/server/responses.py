@@ -188,7 +188,7 @@ async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
 
 
 async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
-                   created: int) -> Any:
+                   created: int, model: str | None = None) -> Any:
     """The JSON body: every choice's whole text once all have finished (or the first failure as an error)."""
     gone = await collect(request, state, choices)
     if gone is not None:
@@ -206,7 +206,7 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
             body_choices.append({"index": c.index, "text": "".join(c.text_parts),
                                  "logprobs": c.output.text_logprobs(), "finish_reason": reason})
     obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
                          "system_fingerprint": None, "choices": body_choices, "usage": usage})
 
 
