@@ -18,7 +18,8 @@ from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
 
-_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+       "int8": np.int8}  # int8: quantized KV caches (trt flavor)
 
 
 def default_threads() -> int:

@@ -236,18 +236,80 @@ class DenseEmitter:
             states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE),
                        StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE)]
         else:
+            out, layer_states = self._trt_layer(i, qkv)
+            states += layer_states
+        return self.linear(out, n["o"], n.get("ob"))
+
+    def _trt_layer(self, i: int, qkv: str) -> tuple[str, list[StateTensor]]:
+        """trt-flavor attention of layer i: its output and its state tensors (values, then per-token scales)."""
+        from lineside.build.quant.kv import FORMATS, KvDtype
+
+        cfg, g = self.cfg, self.gb
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
+        kv = KvDtype(self.spec.kv_dtype)
+        names = {"k": (f"past_key.{i}", f"present_key.{i}"), "v": (f"past_value.{i}", f"present_value.{i}")}
+        shape: list[Any] = ["batch", kvh, "past_seq", d]
+        out_shape: list[Any] = ["batch", kvh, "seq", d]
+        states: list[StateTensor] = []
+        if kv == KvDtype.FP16:
             # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
             kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
-            kv_dtype = "float32" if kv_t == F32 else "float16"
-            for name in (pk, pv):
-                g.input(name, kv_t, ["batch", kvh, "past_seq", d])
-            q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
-            out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
-            for name in (ok, ov):
-                g.output(name, kv_t, ["batch", kvh, "seq", d])
-            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND),
-                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND)]
-        return self.linear(out, n["o"], n.get("ob"))
+            kv_name = "float32" if kv_t == F32 else "float16"
+            for past, present in names.values():
+                g.input(past, kv_t, shape)
+                g.output(present, kv_t, out_shape)
+                states.append(StateTensor(past, present, shape, dtype=kv_name, update=StateUpdate.APPEND))
+            self.kv_io = {key: (past, present, None, None) for key, (past, present) in names.items()}
+        else:
+            fmt = FORMATS[kv]
+            q_t = TensorProto.INT8 if kv == KvDtype.INT8 else TensorProto.FLOAT8E4M3FN
+            s_shape, s_out = shape[:3] + [1], out_shape[:3] + [1]
+            self.kv_io = {}
+            for key, (past, present) in names.items():
+                ps, os_ = past.replace(".", "_scale.", 1), present.replace(".", "_scale.", 1)
+                g.input(past, q_t, shape)
+                g.input(ps, TensorProto.FLOAT16, s_shape)
+                g.output(present, q_t, out_shape)
+                g.output(os_, TensorProto.FLOAT16, s_out)
+                states += [StateTensor(past, present, shape, dtype=fmt.element, update=StateUpdate.APPEND),
+                           StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
+                self.kv_io[key] = (past, present, ps, os_)
+        q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
+        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)]), states
+
+    def _kv_write(self, x: str, key: str) -> tuple[str, str]:
+        """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
+        for the new entries and the past (attention reads the stored values, so prefill and decode agree)."""
+        from lineside.build.quant.kv import FORMATS, KvDtype
+
+        g = self.gb
+        past, present, past_s, present_s = self.kv_io[key]
+        kv = KvDtype(self.spec.kv_dtype)
+        if kv == KvDtype.FP16:
+            if self.spec.scheme == "fp32":
+                g.op("Identity", [x], outputs=[present])
+                return x, past
+            g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
+            return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
+        # Per-token-per-head dynamic scale: s = amax(head vector) / qmax, stored in fp16; values x / s on the grid.
+        # QuantizeLinear/DequantizeLinear take a constant unit scale (per tensor), the scaling is plain math.
+        fmt = FORMATS[kv]
+        one = g.const(1.0, np.float32)
+        if kv == KvDtype.INT8:
+            zero = g.const(0, np.int8)
+        else:  # the zero point's type picks QuantizeLinear's output type: e4m3 zero is the byte 0
+            zero = self._fp8_zero = getattr(self, "_fp8_zero", None) or \
+                g.raw_weight("kv_fp8_zero", TensorProto.FLOAT8E4M3FN, [], b"\0")
+        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.const([-1])], keepdims=1)  # [B, kvh, S, 1]
+        s = g.op("Max", [g.op("Div", [amax, g.const(fmt.qmax, np.float32)]), g.const(2.0 ** -20, np.float32)])
+        g.op("Cast", [s], outputs=[present_s], to=TensorProto.FLOAT16)
+        s32 = g.op("Cast", [present_s], to=F32)
+        g.op("QuantizeLinear", [g.op("Div", [x, s32]), one, zero], outputs=[present])
+
+        def dequant(qv: str, sv: str) -> str:
+            return g.op("Mul", [g.op("DequantizeLinear", [qv, one, zero]), g.op("Cast", [sv], to=F32)])
+
+        return dequant(present, present_s), dequant(past, past_s)
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
@@ -292,7 +354,7 @@ class DenseEmitter:
         parts = [a, b] + ([xp] if xp else [])
         return g.op("Concat", parts, axis=-1)
 
-    def _trt_attention(self, q: str, k: str, v: str, pk: str, pv: str, ok: str, ov: str, allowed: str) -> str:
+    def _trt_attention(self, q: str, k: str, v: str, allowed: str) -> str:
         cfg, g = self.cfg, self.gb
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         grp = nh // kvh
@@ -301,18 +363,8 @@ class DenseEmitter:
             return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, h, d])])], perm=[0, 2, 1, 3])
 
         qh = self._rope(heads(q, nh), nh)
-        kh = self._rope(heads(k, kvh), kvh)
-        vh = heads(v, kvh)
-        if self.spec.scheme == "fp32":
-            g.op("Identity", [kh], outputs=[ok])
-            g.op("Identity", [vh], outputs=[ov])
-        else:  # fp16 cache: new entries are rounded once, and attention reads the rounded values
-            g.op("Cast", [kh], outputs=[ok], to=TensorProto.FLOAT16)
-            g.op("Cast", [vh], outputs=[ov], to=TensorProto.FLOAT16)
-            kh = g.op("Cast", [ok], to=F32)
-            vh = g.op("Cast", [ov], to=F32)
-            pk = g.op("Cast", [pk], to=F32)
-            pv = g.op("Cast", [pv], to=F32)
+        kh, pk = self._kv_write(self._rope(heads(k, kvh), kvh), "k")
+        vh, pv = self._kv_write(heads(v, kvh), "v")
         kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
         vall = g.op("Concat", [pv, vh], axis=2)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]

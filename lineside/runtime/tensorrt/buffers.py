@@ -19,10 +19,10 @@ ALIGN = 256  # cudaMalloc alignment; TensorRT wants ≥ 16-byte aligned I/O
 
 
 def np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     try:
         return np.dtype(name)
     except TypeError:
