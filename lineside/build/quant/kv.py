@@ -1,6 +1,6 @@
 """KV-cache dtypes a build may store (``--kv-dtype``), which flavor can emit which, and the manifest record.
 
-Quantized caches (trt flavor) keep one scale per (token, KV head), computed when the entry is
+Quantized caches (trt flavor, int8) keep one scale per (token, KV head), computed when the entry is
 written: amax over head_dim / qmax, stored in fp16 as a second state tensor next to the values.
 Dynamic per-token scales follow every token's own range (K has outlier channels and tokens that a
 static per-head scale from calibration clips or wastes bits on), cost 2 bytes per head vector
@@ -30,6 +30,7 @@ class KvFormat:
     element: str  # numpy / manifest dtype of the values
     qmax: float  # largest magnitude of the quantized grid (0 for float caches)
     scale_dtype: str | None  # dtype of the per-(token, head) scale state, None when unscaled
+    offset: float = 0.0  # stored = grid value + offset (int8 grid kept in uint8 I/O)
 
     @property
     def quantized(self) -> bool:
@@ -38,8 +39,7 @@ class KvFormat:
 
 FORMATS = {
     KvDtype.FP16: KvFormat(KvDtype.FP16, "float16", 0.0, None),
-    KvDtype.INT8: KvFormat(KvDtype.INT8, "int8", 127.0, "float16"),
-    KvDtype.FP8: KvFormat(KvDtype.FP8, "float8_e4m3fn", 448.0, "float16"),
+    KvDtype.INT8: KvFormat(KvDtype.INT8, "uint8", 127.0, "float16", offset=128.0),
 }
 
 SCALE_SCHEME = "per-token-per-head dynamic"
@@ -59,6 +59,10 @@ def check_kv_flavors(kv: KvDtype, flavors: tuple[str, ...]) -> None:
     if kv == KvDtype.INT4:
         raise LinesideError("--kv-dtype int4: neither flavor can store it (TensorRT 10.3 takes INT4 only as constant "
                             "weights; onnxruntime's CPU GroupQueryAttention fails on 4-bit caches); use --kv-dtype int8")
+    if kv == KvDtype.FP8:
+        raise LinesideError("--kv-dtype fp8: TensorRT's ONNX parser takes no FP8 network input/output (the cache "
+                            "would cross the graph's edge in FP8; `lineside check` refuses it), and Orin (SM 8.7) "
+                            "has no FP8; use --kv-dtype int8")
     if kv != KvDtype.FP16 and "cpu" in flavors:
         raise LinesideError(f"--kv-dtype {kv}: the cpu flavor keeps a float32 cache (quantized KV only pays on the GPU, "
                             f"see benchmarks/kv_dtype_cpu.py); build --flavors trt with --kv-dtype {kv}")
@@ -70,7 +74,8 @@ def kv_record(kv: KvDtype) -> dict[str, object]:
         return {"dtype": "fp16", "scales": None,
                 "why": "float cache: trt float16 (float32 for the fp32 reference), cpu float32 (GroupQueryAttention)"}
     fmt = FORMATS[kv]
-    return {"dtype": kv.value, "element": fmt.element, "scales": SCALE_SCHEME, "scale_dtype": fmt.scale_dtype,
-            "qmax": fmt.qmax, "why": SCALE_WHY, "flavors": ["trt"],
-            "kept_high_precision": "queries, scores, softmax and the new tokens' own K/V are float32; the cache "
-                                   "is dequantized inside attention"}
+    return {"dtype": kv.value, "element": fmt.element, "grid": f"symmetric -{fmt.qmax:g}..{fmt.qmax:g}, stored "
+            f"+{fmt.offset:g} as {fmt.element} (TensorRT 10.3 network I/O takes UINT8, not INT8)",
+            "scales": SCALE_SCHEME, "scale_dtype": fmt.scale_dtype, "why": SCALE_WHY, "flavors": ["trt"],
+            "kept_high_precision": "queries, RoPE, scores and softmax in float32; K/V are dequantized inside "
+                                   "attention, the new tokens' too (prefill and decode read the same values)"}

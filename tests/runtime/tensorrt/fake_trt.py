@@ -14,14 +14,13 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnxruntime as ort
 
 from tests.runtime.tensorrt.trt_api import StrictModule, load_api, release_for
 
 ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-             "tensor(int8)": np.int8, "tensor(float8e4m3fn)": np.dtype(ml_dtypes.float8_e4m3fn),
+             "tensor(uint8)": np.uint8,
              "tensor(int32)": np.int32}
 
 
