@@ -18,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lineside.errors import LinesideError
 from lineside.jetson.sizes import (
     FP16,
     QUANT_BITS,
     KVSizes,
+    KvStorage,
     WeightSizes,
     check_quant,
     linear_bytes,
@@ -154,8 +156,12 @@ def v4_weights(s: V4Shape, quant: str, group_size: int = 128) -> WeightSizes:
     )
 
 
-def v4_kv(s: V4Shape, ctx: int, batch: int, kv_bytes: int) -> KVSizes:
+def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
     """Decode state: window + compressed entries + indexer keys (+ compressor buffers), per batch."""
+    if kv.name != "fp16":  # the V4 graphs keep their decode state in float (README: DeepSeek-V4)
+        raise LinesideError(f"--kv-dtype {kv.name}: the DeepSeek-V4 graphs keep their window, compressed entries "
+                            "and indexer keys in float; plan it with --kv-dtype fp16")
+    kv_bytes = kv.element_bytes
     hd, ihd = s.head_dim, s.index_head_dim
     window = compressed = indexer = state = 0
     for kind in s.layer_types:

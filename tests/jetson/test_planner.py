@@ -11,7 +11,7 @@ from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 from lineside.jetson.devices import DEVICES, device_for_board
 from lineside.jetson.planner import CONFIGS_DIR, fit_table, load_model, plan, shipped_configs
-from lineside.jetson.sizes import dense_weights
+from lineside.jetson.sizes import check_kv_dtype, dense_weights
 from lineside.jetson.sizes_v4 import V4Shape, v4_kv, v4_weights
 
 GIB = 1 << 30
@@ -58,12 +58,31 @@ def test_dense_weights_match_hand_computation(model, quant):
 
 
 def test_dense_kv_formula():
-    # 2 x layers x kv_heads x head_dim x bytes x ctx x batch
+    # 2 x layers x kv_heads x (head_dim x bytes + scale bytes) x ctx x batch
     assert plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nano-8", ctx=4096).kv_cache_bytes == 2 * 28 * 2 * 128 * 2 * 4096
     p = plan("DeepSeek-R1-Distill-Qwen-32B", "h100-80", "w4a16", ctx=32768, batch=4, kv_dtype="int8")
-    assert p.kv_cache_bytes == 2 * 64 * 8 * 128 * 1 * 32768 * 4 == 16 * GIB
-    p = plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", ctx=131072, kv_dtype="fp8")
-    assert p.kv_cache_bytes == 2 * 32 * 8 * 128 * 1 * 131072
+    assert p.kv_cache_bytes == 2 * 64 * 8 * (128 * 1 + 2) * 32768 * 4  # one fp16 scale per (token, head)
+    p = plan("DeepSeek-R1-Distill-Llama-8B", "h100-80", ctx=131072, kv_dtype="fp8")
+    assert p.kv_cache_bytes == 2 * 32 * 8 * (128 * 1 + 2) * 131072
+    with pytest.raises(LinesideError, match=r"AGX Orin.*has no FP8; use --kv-dtype int8"):
+        plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", kv_dtype="fp8")
+    with pytest.raises(LinesideError, match="DeepSeek-V4 graphs keep their window"):
+        plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="int8")
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
+    """Bytes per token of every append state the trt graph declares (the runtime's arena) == the planner's."""
+    from lineside.bundle import open_bundle
+    from lineside.jetson.planner import _spec_from_config
+    from lineside.runtime.tensorrt.buffers import plan_buffers
+
+    b = open_bundle(tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, kv_dtype=kv))
+    bp = plan_buffers(b.flavor("trt").state, b.config, num_slots=1, max_seq=64, max_prefill=8, max_logits=1,
+                      vocab=b.config.vocab_size, input_names=list(b.flavor("trt").inputs))
+    per_token = sum(s.nbytes for s in bp.buffers.values() if s.role == "arena") // 64
+    spec = _spec_from_config(b.config)
+    assert spec.kv(1, 1, check_kv_dtype(kv)).total == per_token
 
 
 def test_v4_flash_weights_by_component():
@@ -208,7 +227,7 @@ def test_fit_table_and_board_mapping():
 
 def test_v4_kv_without_compression_is_window_only():
     s = V4Shape.from_raw({"num_hidden_layers": 2, "compress_ratios": [0, 0], "sliding_window": 16})
-    assert v4_kv(s, 1000, 3, 2).total == 3 * 2 * 16 * 512 * 2
+    assert v4_kv(s, 1000, 3, check_kv_dtype("fp16")).total == 3 * 2 * 16 * 512 * 2
 
 
 def test_docs_tables_match_the_planner():

@@ -242,6 +242,7 @@ class DenseEmitter:
 
     def _trt_layer(self, i: int, qkv: str) -> tuple[str, list[StateTensor]]:
         """trt-flavor attention of layer i: its output and its state tensors (values, then per-token scales)."""
+        from lineside.build.graph.kv_cache import scale_name
         from lineside.build.quant.kv import FORMATS, KvDtype
 
         cfg, g = self.cfg, self.gb
@@ -266,7 +267,7 @@ class DenseEmitter:
             s_shape, s_out = shape[:3] + [1], out_shape[:3] + [1]
             self.kv_io = {}
             for key, (past, present) in names.items():
-                ps, os_ = past.replace(".", "_scale.", 1), present.replace(".", "_scale.", 1)
+                ps, os_ = scale_name(past), scale_name(present)
                 g.input(past, q_t, shape)
                 g.input(ps, TensorProto.FLOAT16, s_shape)
                 g.output(present, q_t, out_shape)
@@ -280,6 +281,7 @@ class DenseEmitter:
     def _kv_write(self, x: str, key: str) -> tuple[str, str]:
         """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
         for the new entries and the past (attention reads the stored values, so prefill and decode agree)."""
+        from lineside.build.graph.kv_cache import emit_kv_load, emit_kv_store
         from lineside.build.quant.kv import FORMATS, KvDtype
 
         g = self.gb
@@ -291,23 +293,9 @@ class DenseEmitter:
                 return x, past
             g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
             return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
-        # Per-token-per-head dynamic scale: s = amax(head vector) / 127, stored in fp16; values round(x / s) on the
-        # symmetric grid -127..127, stored as uint8 (+128): TensorRT 10.3 takes UINT8 network I/O through a Cast at
-        # the boundary, but neither INT8 nor FP8 I/O (check.py), so no Q/DQ sits at the graph's edge.
+        # Per-token-per-head dynamic scale, values as uint8 (graph/kv_cache.py says why).
         fmt = FORMATS[kv]
-        amax = g.op("ReduceMax", [g.op("Abs", [x]), g.const([-1])], keepdims=1)  # [B, kvh, S, 1]
-        s = g.op("Max", [g.op("Div", [amax, g.const(fmt.qmax, np.float32)]), g.const(2.0 ** -20, np.float32)])
-        g.op("Cast", [s], outputs=[present_s], to=TensorProto.FLOAT16)
-        s32 = g.op("Cast", [present_s], to=F32)
-        grid = g.op("Clip", [g.op("Round", [g.op("Div", [x, s32])]), g.const(-fmt.qmax, np.float32),
-                             g.const(fmt.qmax, np.float32)])
-        g.op("Cast", [g.op("Add", [grid, g.const(fmt.offset, np.float32)])], outputs=[present], to=TensorProto.UINT8)
-
-        def dequant(qv: str, sv: str) -> str:
-            centred = g.op("Sub", [g.op("Cast", [qv], to=F32), g.const(fmt.offset, np.float32)])
-            return g.op("Mul", [centred, g.op("Cast", [sv], to=F32)])
-
-        return dequant(present, present_s), dequant(past, past_s)
+        return emit_kv_store(g, x, fmt, present, present_s), emit_kv_load(g, past, past_s, fmt)
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""

@@ -37,8 +37,7 @@ class KvFormat:
         return self.scale_dtype is not None
 
 
-FORMATS = {
-    KvDtype.FP16: KvFormat(KvDtype.FP16, "float16", 0.0, None),
+FORMATS = {  # the quantized caches; fp16 (float) has none
     KvDtype.INT8: KvFormat(KvDtype.INT8, "uint8", 127.0, "float16", offset=128.0),
 }
 
