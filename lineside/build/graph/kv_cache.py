@@ -41,3 +41,16 @@ def scale_name(name: str) -> str:
     """``past_key.3`` → ``past_key_scale.3``; ``past.3.window`` → ``past_scale.3.window``."""
     head, _, tail = name.partition(".")
     return f"{head}_scale.{tail}"
+
+
+def hadamard(n: int) -> np.ndarray | None:
+    """Orthonormal Hadamard matrix of size n (Sylvester; n a power of two), else None.
+
+    Rotating head vectors by it before rounding spreads a few outlier channels over all of them, so the
+    per-vector amax (hence the grid step) shrinks; q·k is unchanged when q is rotated too."""
+    if n < 2 or n & (n - 1):
+        return None
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)

@@ -297,6 +297,15 @@ class DenseEmitter:
         fmt = FORMATS[kv]
         return emit_kv_store(g, x, fmt, present, present_s), emit_kv_load(g, past, past_s, fmt)
 
+    def _kv_rotation(self, inverse: bool = False) -> str | None:
+        """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
+        from lineside.build.graph.kv_cache import hadamard
+
+        h = hadamard(self.cfg.head_dim) if self.spec.kv_dtype != "fp16" else None
+        if h is None:
+            return None
+        return self.gb.const(h.T if inverse else h, np.float32)  # de-duplicated: one pair per graph
+
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
         cfg, g = self.cfg, self.gb
@@ -349,8 +358,12 @@ class DenseEmitter:
             return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, h, d])])], perm=[0, 2, 1, 3])
 
         qh = self._rope(heads(q, nh), nh)
-        kh, pk = self._kv_write(self._rope(heads(k, kvh), kvh), "k")
-        vh, pv = self._kv_write(heads(v, kvh), "v")
+        kh, vh = self._rope(heads(k, kvh), kvh), heads(v, kvh)
+        rot = self._kv_rotation()
+        if rot is not None:  # int8 cache in the rotated basis: q·k is invariant, ctx is rotated back below
+            qh, kh, vh = (g.op("MatMul", [t, rot]) for t in (qh, kh, vh))
+        kh, pk = self._kv_write(kh, "k")
+        vh, pv = self._kv_write(vh, "v")
         kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
         vall = g.op("Concat", [pv, vh], axis=2)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
@@ -359,6 +372,8 @@ class DenseEmitter:
         scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)
         ctx = g.op("MatMul", [probs, g.op("Unsqueeze", [vall, g.const([2])])])  # [B, kvh, grp, S, d]
+        if rot is not None:
+            ctx = g.op("MatMul", [ctx, self._kv_rotation(inverse=True)])
         ctx = g.op("Transpose", [ctx], perm=[0, 3, 1, 2, 4])  # [B, S, kvh, grp, d]
         return g.op("Reshape", [ctx, g.const([0, 0, nh * d])])
 

@@ -42,6 +42,9 @@ FORMATS = {  # the quantized caches; fp16 (float) has none
 }
 
 SCALE_SCHEME = "per-token-per-head dynamic"
+ROTATION = ("dense models with a power-of-two head_dim store K and V rotated by an orthonormal Hadamard matrix "
+            "(queries rotated alike, the attention output rotated back): outlier channels spread over the vector, "
+            "so the grid step shrinks; SmolLM2 perplexity +0.28% instead of +0.56% over fp16 KV")
 SCALE_WHY = ("one fp16 scale per (token, KV head) = amax(head vector)/qmax, computed when the entry is written: "
              "follows each token's range (no calibration, no clipping of outlier tokens), 2 bytes per head vector")
 
@@ -75,6 +78,7 @@ def kv_record(kv: KvDtype) -> dict[str, object]:
     fmt = FORMATS[kv]
     return {"dtype": kv.value, "element": fmt.element, "grid": f"symmetric -{fmt.qmax:g}..{fmt.qmax:g}, stored "
             f"+{fmt.offset:g} as {fmt.element} (TensorRT 10.3 network I/O takes UINT8, not INT8)",
-            "scales": SCALE_SCHEME, "scale_dtype": fmt.scale_dtype, "why": SCALE_WHY, "flavors": ["trt"],
+            "scales": SCALE_SCHEME, "scale_dtype": fmt.scale_dtype, "why": SCALE_WHY, "rotation": ROTATION,
+            "flavors": ["trt"],
             "kept_high_precision": "queries, RoPE, scores and softmax in float32; K/V are dequantized inside "
                                    "attention, the new tokens' too (prefill and decode read the same values)"}

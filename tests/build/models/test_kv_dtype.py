@@ -50,6 +50,15 @@ def test_int8_states_manifest_and_trt_10_3_tables(kv_bundle):
     assert rec["dtype"] == "int8" and rec["scales"] == "per-token-per-head dynamic" and "why" in rec
     rep = check_bundle(b, "10.3")
     assert rep.ok, rep.offenders[:3]
+    import onnx
+
+    from lineside.build.graph.kv_cache import hadamard
+
+    m = onnx.load(b.path / b.flavor("trt").graph, load_external_data=False)
+    h = hadamard(16)
+    consts = [onnx.numpy_helper.to_array(t) for t in m.graph.initializer if list(t.dims) == [16, 16]]
+    assert any(np.array_equal(c, h) for c in consts) and np.allclose(h @ h.T, np.eye(16), atol=1e-6)
+    assert "rotation" in rec
     assert rep.op_counts["Round"] == 4 and rep.op_counts["ReduceMax"] == 4
 
 
