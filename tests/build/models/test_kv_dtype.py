@@ -92,3 +92,21 @@ def test_default_float_cache_is_unchanged(kv_bundle):
     assert {s.dtype for s in b.flavor("trt").state} == {"float16"}
     assert b.manifest.quantization["kv_cache"]["dtype"] == "fp16"
     assert np.isfinite(logits(b)[0]).all()
+
+
+def test_int8_cache_prefix_copy_and_rollback(kv_bundle):
+    """copy_slot (prefix reuse) and rewriting positions after a rejected draft (speculative rollback) move the
+    scales with the values: both give the logits of a fresh run."""
+    from lineside.runtime.backend import StepBatch
+
+    b = kv_bundle("int8")
+    be = OnnxRuntimeBackend(b, num_slots=2, flavor="trt", accuracy_level=0)
+    fresh = be.forward(StepBatch.single(1, IDS[:10], 0, all_logits=True))[0]
+    be.reset_slot(1)
+    be.forward(StepBatch.single(0, IDS[:6], 0))
+    be.copy_slot(0, 1, 6)
+    got = be.forward(StepBatch.single(1, IDS[6:10], 6, all_logits=True))[0]
+    assert rel_err(got, fresh[6:10]) < 1e-5
+    be.forward(StepBatch.single(0, [250, 251, 252], 6))  # a draft of 3 tokens, all rejected
+    again = be.forward(StepBatch.single(0, IDS[6:10], 6, all_logits=True))[0]  # rewritten from position 6
+    assert rel_err(again, fresh[6:10]) < 1e-5
