@@ -199,6 +199,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the batching phase (0: skip)")
+    ap.add_argument("--batch-peers", action="store_true",
+                    help="also run the concurrent phase on llama.cpp's server (it serves one request at a time)")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--no-llamacpp", action="store_true", help="only lineside (served and in-process)")
     ap.add_argument("--no-inprocess", action="store_true", help="skip lineside in-process")
@@ -231,19 +233,23 @@ def main() -> None:
             for name, s in servers.items()}
         if not args.no_inprocess:
             runners["lineside in-process"] = inprocess_runner(args.bundle, args.threads, args.prompt, args.max_tokens)
-        for run in runners.values():  # warm-up (also fills each side's prompt cache alike)
-            run()
+        for name, run in runners.items():  # warm-up (also fills each side's prompt cache alike)
+            print(f"warm-up {name}: {run().decode_tps():.1f} tok/s", flush=True)
         results: dict[str, list[Stream]] = {n: [] for n in runners}
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for name, run in runners.items():
                 results[name].append(run())
                 time.sleep(0.2)  # let the previous side's worker threads go idle
+            print(f"round {i + 1}: " + ", ".join(f"{n} {r[-1].decode_tps():.1f}" for n, r in results.items())
+                  + " tok/s", flush=True)
         batch: dict[str, tuple[float, float, bool | None]] = {}
         if args.concurrency > 0:
             prompts = [f"{args.prompt} {w}" for w in ("red", "blue", "green", "gold", "grey", "pink", "teal",
                                                        "white", "black", "brown", "amber", "olive")]
             prompts = (prompts * (args.concurrency // len(prompts) + 1))[:args.concurrency]
             for name, s in servers.items():
+                if name != "lineside" and not args.batch_peers:
+                    continue
                 one = [stream_completion(s.url, s.model, p, args.max_tokens) for p in prompts]
                 seq_tps = med([x.tokens / x.end_s for x in one])
                 agg, streams = concurrent(s.url, s.model, prompts, args.max_tokens)
