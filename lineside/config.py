@@ -58,11 +58,6 @@ class ModelConfig:
             return None
         return self.sliding_window
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token occupies across all layers in fp16 (dense GQA)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 

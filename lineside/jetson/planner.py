@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lineside.bundle import MANIFEST, read_manifest
+from lineside.bundle import MANIFEST, Manifest, read_manifest
 from lineside.config import ModelConfig, family_of, load_hf_config
 from lineside.errors import ConfigError, LinesideError
 from lineside.jetson.devices import Device, get_device
@@ -110,8 +110,8 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
     )
 
 
-def _bundle_quant(manifest: dict[str, Any]) -> str | None:
-    q = manifest.get("quantization")
+def _bundle_quant(manifest: Manifest) -> str | None:
+    q: Any = manifest.quantization
     if isinstance(q, dict):
         q = q.get("scheme") or q.get("quant") or q.get("name")
     return q if isinstance(q, str) else None
@@ -132,7 +132,7 @@ def load_model(model: str) -> ModelSpec:
             )
     if p.is_dir() and (p / MANIFEST).is_file():
         manifest = read_manifest(p)
-        cfg_rel = manifest.get("config", "config.json")
+        cfg_rel = manifest.config
         try:
             d = json.loads((p / cfg_rel).read_text())
         except (OSError, json.JSONDecodeError) as e:

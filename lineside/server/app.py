@@ -6,10 +6,10 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI
 
+from lineside.runtime.serving import ServingEngine
 from lineside.server import errors, health, openai_api
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import ServerMiddleware
@@ -18,7 +18,7 @@ from lineside.server.state import ServerState
 API_KEY_ENV = "LINESIDE_API_KEY"
 
 
-def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: str | None = None,
+def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
                max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None) -> FastAPI:

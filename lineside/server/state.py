@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 
 log = logging.getLogger("lineside.server")
@@ -32,7 +34,7 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
         try:
             from lineside.bundle import read_manifest
 
-            manifest = read_manifest(path)
+            manifest = read_manifest(path).to_json_dict()
         except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
             manifest = {}
     model = str(manifest.get("model_name") or "")
@@ -45,14 +47,14 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
-    def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
                  served_model_names: list[str] | None = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         self._names = [n for n in (served_model_names or []) if n]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
-        self.engine: Any = None if isinstance(source, (str, Path)) else source
+        self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
         self.metrics = metrics
         self.request_timeout = request_timeout
@@ -88,7 +90,7 @@ class ServerState:
                 self._names = default_model_names(Path(str(self.source)), None)
             else:
                 bundle = getattr(self.engine, "bundle", None)
-                self._names = (default_model_names(bundle.path, bundle.manifest) if bundle is not None
+                self._names = (default_model_names(bundle.path, bundle.manifest.to_json_dict()) if bundle is not None
                                        else [str(self.engine.model_name)])
         return self._names
 
