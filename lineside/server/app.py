@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,15 +22,18 @@ API_KEY_ENV = "LINESIDE_API_KEY"
 def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
-               max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None) -> FastAPI:
+               max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None,
+               engine_future: Future[ServingEngine] | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
-    (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used."""
+    (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
+    ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
     metrics = ServerMetrics(latency_log)
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
-                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names)
+                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names,
+                        engine_future=engine_future)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated
 
@@ -32,8 +34,6 @@ def serve(
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
-    from lineside.server.app import create_app
-    from lineside.server.serve import run
 
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
@@ -48,10 +48,41 @@ def serve(
         raise LinesideError(f"--port {port} is not a TCP port (1-65535)")
     read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
+    # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
+    engine = load_in_background(bundle, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting,
+                                             threads=threads))
+    from lineside.server.app import create_app
+    from lineside.server.serve import run
+
     app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()])
+                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()],
+                     engine_future=engine)
     run(app, host, port, log_level=log_level, access_log=access_log)
+
+
+def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
+    """Start building the bundle's LLMEngine on a daemon thread (it must not keep a failed server alive);
+    the future carries the engine or the error the loader reports."""
+    # Imported here, on the calling thread, so the loader thread and the web-stack imports never import
+    # the same module at the same time (Python's per-module import locks could hand one a half-made module).
+    import lineside.runtime.generate  # noqa: F401 - what LLMEngine imports lazily, same reason
+    import lineside.runtime.onnxruntime_backend  # noqa: F401
+    import lineside.runtime.select  # noqa: F401
+    import lineside.runtime.tensorrt.key  # noqa: F401
+    from lineside.runtime.engine import LLMEngine
+
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(LLMEngine(bundle, **engine_kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
+            future.set_exception(e)
+
+    threading.Thread(target=build, name="lineside-load", daemon=True).start()
+    return future
 
 
 def register(app: typer.Typer) -> None:

@@ -35,7 +35,7 @@ async def ready(request: Request) -> JSONResponse:
     if not s.engine_ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return JSONResponse({"status": "ready", "model": s.model_name,
-                         "backend": getattr(s.engine, "backend_name", None)})
+                         "backend": getattr(s.engine, "backend_name", None), "ready_after_s": s.ready_s})
 
 
 def gpu_state() -> dict[str, Any]:
