@@ -23,6 +23,7 @@ def logits(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     ids: Annotated[str, typer.Option(help="comma-separated token ids")],
     output: Annotated[Path, typer.Option("-o", "--output", help=".npy file for float32 logits [T, vocab]")],
+    *,
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
@@ -33,6 +34,8 @@ def logits(
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     token_ids = _parse_ids(ids)
+    if not token_ids:
+        raise LinesideError("--ids is empty; give at least one token id")
     b = open_bundle(bundle)
     be = OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=threads,
                             accuracy_level=0 if flavor == "trt" else None)
@@ -45,6 +48,7 @@ def generate(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     prompt: Annotated[str, typer.Option(help="prompt text")],
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
+    *,
     max_tokens: Annotated[int, typer.Option(help="maximum new tokens")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
@@ -75,6 +79,7 @@ def chat(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: Annotated[int, typer.Option(help="maximum new tokens per answer")] = 256,
+    *,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "

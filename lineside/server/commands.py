@@ -17,9 +17,25 @@ def serve(
     bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
     host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    *,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
-                                                help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
+                                                help="require 'Authorization: Bearer KEY' on all but /health and "
+                                                     "/health/ready (on the command line it shows in `ps`: prefer "
+                                                     "the env var or --api-key-file)")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="read the API key from this file (one line)")] = None,
+    allowed_hosts: Annotated[list[str] | None, typer.Option(
+        help="Host names requests may use (repeat; '*' for any); default: loopback names when bound to loopback, "
+             "any otherwise")] = None,
+    allowed_origins: Annotated[list[str] | None, typer.Option(
+        help="browser origins allowed to call (CORS, e.g. http://dash.local:3000; repeat); default: none")] = None,
+    metrics_public: Annotated[bool, typer.Option(help="serve /metrics without the API key")] = False,
+    openapi: Annotated[bool, typer.Option(help="serve the schema at /openapi.json (behind the key)")] = False,
+    header_timeout: Annotated[float, typer.Option(help="seconds a client has to send a request's headers")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(help="longest pause, in seconds, inside a request body")] = 10.0,
+    keep_alive_timeout: Annotated[float, typer.Option(help="seconds an idle keep-alive connection stays")] = 5.0,
+    tokenizer_processes: Annotated[int, typer.Option(
+        help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, typer.Option(help="seconds a request may take (default: none)")] = None,
     max_waiting: Annotated[int, typer.Option(help="waiting-queue bound; beyond it requests get 429")] = 256,
     num_slots: Annotated[int, typer.Option(help="sequences decoded together (KV slots)")] = 8,
@@ -37,7 +53,8 @@ def serve(
 
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
-    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1)):
+    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1),
+                             ("--tokenizer-processes", tokenizer_processes, 0)):
         if value < low:
             raise LinesideError(f"{name} must be at least {low}, got {value}")
     if request_timeout is not None and request_timeout <= 0:
@@ -46,6 +63,10 @@ def serve(
         raise LinesideError(f"--drain-timeout must be ≥ 0 seconds, got {drain_timeout}")
     if not 0 < port < 65536:
         raise LinesideError(f"--port {port} is not a TCP port (1-65535)")
+    for name, value in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
+                        ("--keep-alive-timeout", keep_alive_timeout)):
+        if not value > 0:
+            raise LinesideError(f"{name} must be > 0 seconds, got {value}")
     read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
@@ -53,13 +74,25 @@ def serve(
     engine = load_in_background(bundle, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting,
                                              threads=threads))
     from lineside.server.app import create_app
+    from lineside.server.auth import resolve_api_key
+    from lineside.server.browser_guard import is_loopback
+    from lineside.server.http_limits import HttpLimits
     from lineside.server.serve import run
 
-    app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
+    key = resolve_api_key(api_key, api_key_file)
+    hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
+    origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
+    if not is_loopback(host) and key is None:
+        logging.getLogger("lineside.server").warning(
+            "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
+    app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                     threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()],
-                     engine_future=engine)
-    run(app, host, port, log_level=log_level, access_log=access_log)
+                     threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
+                     bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
+                     openapi=openapi, tokenizer_processes=tokenizer_processes, engine_future=engine)
+    limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
+                        keep_alive_timeout=keep_alive_timeout)
+    run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)
 
 
 def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from lineside.errors import LinesideError
+from lineside.server.http_limits import HttpLimits, uvicorn_config
 from lineside.server.state import ServerState
 
 log = logging.getLogger("lineside.server")
@@ -55,11 +56,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run(app: Any, host: str, port: int, log_level: str = "info", access_log: bool = False) -> None:
+def run(app: Any, host: str, port: int, *, log_level: str = "info", access_log: bool = False,
+        limits: HttpLimits | None = None) -> None:
     """Serve until drained or stopped; a model that fails to load raises LinesideError (one line)."""
     state: ServerState = app.state.lineside
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    config = uvicorn_config(app, host=host, port=port, limits=limits or HttpLimits(), log_level=log_level,
+                            access_log=access_log)
     server = DrainingServer(config, state)
     server.run()
     if state.load_error:

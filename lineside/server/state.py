@@ -18,6 +18,7 @@ from typing import Any
 
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
+from lineside.server.tokenize_pool import PooledTokenizer
 
 log = logging.getLogger("lineside.server")
 
@@ -39,9 +40,9 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
         except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
             manifest = {}
     model = str(manifest.get("model_name") or "")
-    for n in (model, model.rsplit("/", 1)[-1]):
-        if n and n not in names:
-            names.append(n)
+    for candidate in (model, model.rsplit("/", 1)[-1]):
+        if candidate and candidate not in names:
+            names.append(candidate)
     return names
 
 
@@ -58,14 +59,16 @@ def process_age_s() -> float | None:
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
-    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any],
+                 metrics: ServerMetrics, *,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
-                 served_model_names: list[str] | None = None, engine_future: Future[ServingEngine] | None = None):
+                 served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
+                 engine_future: Future[ServingEngine] | None = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
         self.engine_future = engine_future
         self.ready_s: float | None = None  # process start -> ready, seconds
-        self._names = [n for n in (served_model_names or []) if n]
+        self._names = [name for name in (served_model_names or []) if name]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
@@ -83,7 +86,10 @@ class ServerState:
         self.on_load_error: Callable[[str], None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
         self._load_task: asyncio.Task | None = None
+        self.tokenizer_processes = tokenizer_processes
+        self._tokenizer: PooledTokenizer | None = None
 
     # ---- model ---------------------------------------------------------------------------------
     @property
@@ -124,6 +130,8 @@ class ServerState:
 
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
             await self.engine.start()  # warms the backend up before it reports ready
+            if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
+                await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
             self.ready_s = process_age_s()
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
@@ -140,6 +148,14 @@ class ServerState:
         log.error("%s", msg)
         if self.on_load_error is not None:
             self.on_load_error(msg)
+
+    @property
+    def tokenizer(self) -> PooledTokenizer:
+        """The engine's tokenizer for request encoding: long prompts go to a worker process (tokenize_pool)."""
+        inner = self.engine.tokenizer
+        if self._tokenizer is None or self._tokenizer._inner is not inner:
+            self._tokenizer = PooledTokenizer(inner, self.tokenizer_processes)
+        return self._tokenizer
 
     @property
     def engine_ready(self) -> bool:
@@ -160,6 +176,7 @@ class ServerState:
     async def drain(self, timeout: float | None = None) -> bool:
         """Refuse new work, wait for in-flight requests (up to timeout); True when all finished."""
         self.draining = True
+        self.drain_started.set()
         timeout = self.drain_timeout if timeout is None else timeout
         log.info("draining: %d request(s) in flight, waiting up to %.1fs", self.inflight, timeout)
         try:
@@ -189,6 +206,8 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self._tokenizer is not None:
+            self._tokenizer.close()
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

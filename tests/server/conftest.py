@@ -1,4 +1,5 @@
-"""Server fixtures: a tiny fp32 bundle, in-process servers on 127.0.0.1 (free port), a slowed backend."""
+"""Server fixtures: in-process servers on 127.0.0.1 (free port) over the root conftest's tiny_bundle, a slowed
+backend."""
 
 from __future__ import annotations
 
@@ -9,15 +10,6 @@ from pathlib import Path
 import pytest
 
 from lineside.bench.inprocess import BackgroundServer
-
-
-@pytest.fixture(scope="session")
-def tiny_bundle(tiny_dense, tmp_path_factory) -> Path:
-    """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256."""
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    out = tmp_path_factory.mktemp("server") / "tiny-llama"
-    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
 
 
 class SlowBackend:
@@ -38,7 +30,7 @@ class SlowBackend:
         return getattr(self.inner, name)
 
 
-def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
+def make_engine(bundle: Path, *, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
     from lineside.bundle import open_bundle
     from lineside.runtime.engine import LLMEngine
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
@@ -51,12 +43,18 @@ def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay:
 
 
 @contextmanager
-def running_server(source, **app_kw):
-    """create_app(source, **app_kw) under uvicorn on 127.0.0.1:<free port>, ready when yielded."""
+def running_server(source, limits=None, **app_kw):
+    """create_app(source, **app_kw) on 127.0.0.1:<free port> under the protocol and HTTP limits `lineside serve`
+    uses (``limits``: an HttpLimits, default the server's), ready when yielded."""
     from lineside.server.app import create_app
+    from lineside.server.http_limits import HttpLimits, uvicorn_config
 
     app = create_app(source, **app_kw)
-    with BackgroundServer(app, startup_timeout=60) as srv:
+
+    def make_config(app, host, port):
+        return uvicorn_config(app, host=host, port=port, limits=limits or HttpLimits(), log_level="warning")
+
+    with BackgroundServer(app, startup_timeout=60, make_config=make_config) as srv:
         srv.app = app
         srv.state = app.state.lineside
         yield srv
