@@ -77,15 +77,16 @@ class Server:
                 self.proc.wait()
 
 
-def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: Path) -> Server:
+def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: Path,
+          extra_env: dict[str, str] | None = None) -> Server:
     """Start a server subprocess; returns once /health/ready (lineside) or /v1/models (llama.cpp) answers."""
-    log = work / f"{name}.log"
+    log = work / f"{name.replace(' ', '_')}.log"
     f = log.open("w")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    ready = "/health/ready" if name == "lineside" else "/v1/models"
+    ready = "/health/ready" if name.startswith("lineside") else "/v1/models"
     try:
         wait_ready(url, 600, alive=lambda: proc.poll() is None, ready_path=ready)
     except Exception as e:
@@ -187,6 +188,14 @@ def inprocess_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -
     return run
 
 
+def _variant(spec: str) -> tuple[str, dict[str, str]]:
+    name, _, pairs = spec.partition(":")
+    env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+    if not name or not env:
+        raise SystemExit(f"--lineside-env {spec!r}: write NAME:KEY=VAL[,KEY=VAL]")
+    return f"lineside {name}", env
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -205,6 +214,8 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true", help="only lineside (served and in-process)")
     ap.add_argument("--no-inprocess", action="store_true", help="skip lineside in-process")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for `lineside serve`")
+    ap.add_argument("--lineside-env", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
+                    help="one more lineside server, named 'lineside NAME', with these environment variables")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = ap.parse_args()
     gguf = args.gguf or default_gguf()
@@ -212,11 +223,13 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     servers: dict[str, Server] = {}
     try:
-        port = free_port()
-        servers["lineside"] = spawn("lineside", [sys.executable, "-m", "lineside", "serve", str(args.bundle),
-                                                 "--host", "127.0.0.1", "--port", str(port), "--threads",
-                                                 str(args.threads), "--log-level", "warning", *args.serve_arg],
-                                    port, "", args.threads, work)
+        variants = [("lineside", {})] + [_variant(v) for v in args.lineside_env]
+        for name, env in variants:
+            port = free_port()
+            servers[name] = spawn(name, [sys.executable, "-m", "lineside", "serve", str(args.bundle), "--host",
+                                         "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
+                                         "--log-level", "warning", *args.serve_arg],
+                                  port, "", args.threads, work, env)
         if not args.no_llamacpp:
             try:
                 import llama_cpp.server  # noqa: F401
