@@ -22,6 +22,9 @@ from lineside.runtime.ort_cache import open_session
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
+SPIN_ENV = "LINESIDE_ORT_SPIN"
+
+
 def default_threads() -> int:
     """Physical-ish core count: onnxruntime runs as if single-threaded without an explicit value."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
@@ -33,7 +36,7 @@ class OnnxRuntimeBackend:
     needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
-                 max_seq_len: int | None = None, accuracy_level: int | None = None):
+                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None):
         import onnxruntime as ort
 
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
@@ -44,6 +47,12 @@ class OnnxRuntimeBackend:
         self.vocab_size = bundle.config.vocab_size
         n_threads = int(threads or default_threads())
         config = {} if accuracy_level is None else {"session.qdq_matmulnbits_accuracy_level": str(accuracy_level)}
+        # Spinning intra-op threads busy-wait between kernels: on a machine with other work (or a server's
+        # event loop) they take the cores that work needs, and a spinner descheduled mid-step stalls every
+        # kernel after it. Measured 2-3x slower decode with spinning on the shared 2-core machine
+        # (benchmarks/served_side_by_side.py --lineside-env spin:LINESIDE_ORT_SPIN=1); LINESIDE_ORT_SPIN=1 turns it on.
+        spin_flag = os.environ.get(SPIN_ENV, "0") if spin is None else ("1" if spin else "0")
+        self.spinning = spin_flag == "1"
 
         def options() -> Any:
             so = ort.SessionOptions()
@@ -51,6 +60,7 @@ class OnnxRuntimeBackend:
             so.inter_op_num_threads = 1
             for k, v in config.items():
                 so.add_session_config_entry(k, v)
+            so.add_session_config_entry("session.intra_op.allow_spinning", spin_flag)  # not a graph setting
             return so
 
         try:
