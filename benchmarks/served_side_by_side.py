@@ -261,7 +261,7 @@ def main() -> None:
                                                        "white", "black", "brown", "amber", "olive")]
             prompts = (prompts * (args.concurrency // len(prompts) + 1))[:args.concurrency]
             for name, s in servers.items():
-                if name != "lineside" and not args.batch_peers:
+                if not name.startswith("lineside") and not args.batch_peers:
                     continue
                 one = [stream_completion(s.url, s.model, p, args.max_tokens) for p in prompts]
                 seq_tps = med([x.tokens / x.end_s for x in one])
