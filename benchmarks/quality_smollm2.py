@@ -6,6 +6,7 @@ reference, and greedy answers to a few chat prompts. Optionally onnxruntime-gena
 (`--genai DIR`, built by benchmarks/cpu_side_by_side.py or its model builder) on the same text.
 
     python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...] [--bundle B ...]
+    python benchmarks/quality_smollm2.py --variants kvfp16,kvint8 --chunk 2048   # KV dtypes, long context
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ VARIANTS = {
     "awq64": ("W4A16 AWQ g64", dict(quant="w4a16", method="awq", group_size=64)),
     "gptq128": ("W4A16 GPTQ g128", dict(quant="w4a16", method="gptq", group_size=128)),
     "gptq64": ("W4A16 GPTQ g64", dict(quant="w4a16", method="gptq", group_size=64)),
+    # KV-cache dtypes: the trt flavor (run here on onnxruntime CPU), same W4A16 RTN g64 weights
+    "kvfp16": ("trt W4A16 g64, fp16 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",))),
+    "kvint8": ("trt W4A16 g64, int8 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",),
+                                             kv_dtype="int8")),
 }
 PROMPTS = [
     "What is the capital of France?",

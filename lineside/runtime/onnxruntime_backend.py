@@ -19,7 +19,8 @@ from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.ort_cache import open_session
 
-_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+       "uint8": np.uint8}  # uint8: the trt flavor's int8 KV cache (grid + 128)
 
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
@@ -72,6 +73,10 @@ class OnnxRuntimeBackend:
             raise LinesideError(f"onnxruntime could not load {entry.graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
+        unknown = [s for s in self.states if s.dtype not in _NP]
+        if unknown:
+            raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
+                                "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
         self.arena: dict[str, np.ndarray] = {
             s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
