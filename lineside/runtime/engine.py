@@ -38,6 +38,7 @@ from lineside.runtime.scheduler import Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
+from lineside.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
 
@@ -83,6 +84,8 @@ class LLMEngine:
         self.model_name = self.bundle.path.name
         self.vocab_size = int(self.backend.vocab_size)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
+        self._grammar: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         states = getattr(self.backend, "states", [])
         prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
@@ -165,11 +168,25 @@ class LLMEngine:
                                f"of {self.arena.block_size}; lower max_tokens")
         handle = RequestHandle(req, on_cancel=self._kick)
         handle.metrics.arrival = self.clock()
-        seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len)
+        matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
+        seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
         self._seqs[req.request_id] = seq
         self._incoming.append(seq)
         self._kick()
         return handle
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer, made on first use (about a second: it
+        reads the whole vocabulary); its cache makes a repeated constraint cost a copy."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._grammar
+
+    @property
+    def grammar_ready(self) -> bool:
+        return self._grammar is not None
 
     def stats(self) -> EngineStats:
         a, s = self.arena, self.scheduler
@@ -210,7 +227,7 @@ class LLMEngine:
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
-                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors))
+                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an engine bug must not leave clients waiting forever

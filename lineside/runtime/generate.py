@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from lineside.runtime.structured import GrammarMatcher
 
 
 def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0) -> np.ndarray:
@@ -56,8 +60,9 @@ class Generator:
         self.eos_ids = eos
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
-               stop_at_eos: bool = True) -> Iterator[int]:
-        """Yield generated token ids one by one (EOS is not yielded)."""
+               stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
+        """Yield generated token ids one by one (EOS is not yielded). ``matcher``: the output follows its
+        grammar and ends when the grammar is complete."""
         limit = self.backend.max_seq_len
         check_prompt_ids(prompt_ids, self.backend.vocab_size, limit)
         max_tokens = min(max_tokens, limit - len(prompt_ids))
@@ -67,12 +72,15 @@ class Generator:
         history = list(prompt_ids)
         pos = len(prompt_ids)
         for _ in range(max_tokens):
-            tok = sampler(logits, history, len(prompt_ids))
+            allowed = None if matcher is None else matcher.allowed()
+            tok = sampler.step(logits, history, len(prompt_ids), allowed=allowed).token
+            if matcher is not None and not matcher.accept(tok):
+                raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
             if stop_at_eos and tok in self.eos_ids:
                 return
             yield tok
             history.append(tok)
-            if len(history) - len(prompt_ids) >= max_tokens:
+            if len(history) - len(prompt_ids) >= max_tokens or (matcher is not None and matcher.finished):
                 return
             logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
             pos += 1

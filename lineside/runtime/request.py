@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from uuid import uuid4
 
 from lineside.errors import LinesideError
-from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from lineside.runtime.structured import Constraint
 from lineside.strenum import StrEnum
 
 
@@ -67,6 +68,8 @@ class GenerationRequest:
     mode: Mode = Mode.REALTIME
     timeout_s: float | None = None  # from arrival (submit) to the last token
     request_id: str = field(default_factory=lambda: uuid4().hex)
+    constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
+    logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
 
 
 def base_rank(req: GenerationRequest) -> int:
@@ -105,6 +108,8 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
         raise LinesideError(f"timeout must be > 0 seconds, got {req.timeout_s}")
     if any(not isinstance(s, str) or not s for s in req.stop):
         raise LinesideError("stop strings must be non-empty strings")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise LinesideError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
     req.sampling.validate()
 
 
@@ -116,6 +121,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int  # tokens the model generated so far, counting a final EOS / stop token
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in token_ids, when asked for
 
 
 @dataclass

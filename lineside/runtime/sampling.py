@@ -1,7 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p and the usual penalties, seeded.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p and the usual penalties, seeded; logprobs.
 
 Applied on one row of float32 logits in numpy; the order follows vLLM / transformers
-(penalties → temperature → top-k → top-p → min-p), so the same seed gives the same text.
+(penalties → grammar mask → temperature → top-k → top-p → min-p), so the same seed gives the same text.
+
+Logprobs are the log-softmax of the logits the sampler used *after penalties and the grammar mask,
+before temperature, top-k/p and min-p* (vLLM's ``processed_logprobs`` minus its temperature step):
+with no penalty and no constraint they are the model's own log-probabilities.
 """
 
 from __future__ import annotations
@@ -41,6 +45,50 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# Logprobs a server may ask for per token (OpenAI's chat top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
+# What a logprob of -inf (a token the mask or an extreme penalty ruled out) is reported as: JSON has no -inf.
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's logprob and the ``top`` most likely tokens' (id, logprob), highest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token: int
+    logprob: TokenLogprob | None = None  # set when the request asked for logprobs
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of one row (-inf entries stay -inf; NaN counts as -inf)."""
+    x = np.asarray(x, dtype=np.float64)
+    x = np.where(np.isnan(x), -np.inf, x)
+    m = np.max(x)
+    if not np.isfinite(m):
+        m = 0.0
+    return x - (m + np.log(np.sum(np.exp(x - m))))
+
+
+def token_logprob(x: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """Chosen + top-``top_n`` logprobs of a row of (processed) logits; ties keep the lower id first, as argmax."""
+    lp = log_softmax(x)
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        n = min(int(top_n), lp.shape[0])
+        idx = np.argpartition(-lp, n - 1)[:n] if n < lp.shape[0] else np.arange(lp.shape[0])
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        top = tuple((int(i), float(lp[i])) for i in idx if np.isfinite(lp[i]))
+    v = float(lp[token])
+    return TokenLogprob(int(token), v if np.isfinite(v) else LOGPROB_FLOOR, top)
+
+
 class Sampler:
     """Per-request sampler: owns the request's random generator so a seed reproduces the output."""
 
@@ -52,10 +100,20 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
         """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
         frequency penalties count only the generated part, ``history[prompt_len:]`` (as vLLM does)."""
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            return self._sample(np.asarray(logits, dtype=np.float64), logits, history, prompt_len)
+        return self.step(logits, history, prompt_len).token
 
-    def _sample(self, x: np.ndarray, logits: np.ndarray, history: list[int] | None, prompt_len: int) -> int:
+    def step(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0, *,
+             allowed: np.ndarray | None = None, logprobs: int | None = None) -> SampleResult:
+        """One token. ``allowed``: bool ``[vocab]`` from a grammar (None: every token); ``logprobs``: None for
+        none, else how many top alternatives to report besides the chosen token's own logprob."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            x = self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed)
+            tok = self._sample(x, logits, allowed)
+            return SampleResult(tok, None if logprobs is None else token_logprob(x, tok, logprobs))
+
+    def _processed(self, x: np.ndarray, history: list[int] | None, prompt_len: int,
+                   allowed: np.ndarray | None) -> np.ndarray:
+        """Penalties, then the grammar mask: what logprobs are computed from."""
         p = self.p
         if history and p.repetition_penalty != 1.0:
             x = x.copy()
@@ -69,11 +127,20 @@ class Sampler:
             ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
             ok = (ids >= 0) & (ids < x.shape[0])
             x[ids[ok]] -= p.presence_penalty + p.frequency_penalty * counts[ok]
+        if allowed is not None:
+            x = np.where(allowed[:x.shape[0]], x, -np.inf)
+        return x
+
+    def _sample(self, x: np.ndarray, logits: np.ndarray, allowed: np.ndarray | None) -> int:
+        p = self.p
         if p.greedy:
             return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
         x = _sanitize(x / p.temperature)
         if x is None:  # nothing finite left (extreme penalties/temperature): fall back to greedy
-            return int(np.argmax(np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)))
+            raw = np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)
+            if allowed is not None:  # ... among the tokens the grammar allows
+                raw = np.where(allowed[:raw.shape[0]], np.nan_to_num(raw, neginf=np.finfo(np.float64).min), -np.inf)
+            return int(np.argmax(raw))
         if p.top_k and p.top_k < x.shape[0]:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x = np.where(x < kth, -np.inf, x)

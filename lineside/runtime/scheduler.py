@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import FinishReason, TokenEvent
+from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
 from lineside.runtime.step_plan import StepPlan, prefill_take
@@ -80,9 +81,11 @@ class Scheduler:
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
-                    now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
+                    now: float | None = None, logprobs: dict[Sequence, TokenLogprob] | None = None
+                    ) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
-        sequences whose backend call failed. Returns the events to deliver, in order."""
+        sequences whose backend call failed, ``logprobs`` of the sampled tokens that asked for them.
+        Returns the events to deliver, in order."""
         now = self.clock() if now is None else now
         events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
         for seq in plan.decode:  # each fed one token: ``pending``, or the next replayed one
@@ -102,7 +105,7 @@ class Scheduler:
             if seq.status == Status.FINISHED:
                 continue
             self.generated_tokens += 1
-            ev = seq.on_token(tok, now)
+            ev = seq.on_token(tok, now, (logprobs or {}).get(seq))
             if ev.finish_reason is not None:
                 self._finish(seq, now)
             events.append((seq, ev))

@@ -12,8 +12,9 @@ from typing import Any
 
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
-from lineside.runtime.sampling import Sampler
+from lineside.runtime.sampling import Sampler, TokenLogprob
 from lineside.runtime.stop import StopMatcher
+from lineside.runtime.structured import GrammarMatcher
 from lineside.strenum import StrEnum
 
 
@@ -27,7 +28,8 @@ class SequenceStatus(StrEnum):
 
 
 class Sequence:
-    def __init__(self, handle: RequestHandle, tokenizer: Any, eos_ids: set[int], max_seq_len: int):
+    def __init__(self, handle: RequestHandle, tokenizer: Any, eos_ids: set[int], max_seq_len: int,
+                 matcher: GrammarMatcher | None = None):
         req: GenerationRequest = handle.request
         self.handle, self.req = handle, req
         self.prompt = [int(t) for t in req.prompt_ids]
@@ -47,6 +49,8 @@ class Sequence:
         self.pending: int | None = None  # sampled, not yet fed to the model
         self.replay: deque[int] = deque()  # after a preemption: generated tokens to feed again, one per step
         self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
+        self.matcher = matcher  # the request's grammar state (structured output), advanced by each token
+        self.logprobs = req.logprobs  # alternatives per token to report (None: no logprobs)
 
     # ---- scheduling ------------------------------------------------------------------------
     @property
@@ -77,13 +81,15 @@ class Sequence:
         return self.rank - (now - self.arrival) / aging_s if aging_s > 0 else float(self.rank)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None) -> TokenEvent:
+    def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
+               logprob: TokenLogprob | None = None) -> TokenEvent:
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
-                          completion_tokens=len(self.generated), error=error)
+                          completion_tokens=len(self.generated), error=error,
+                          logprobs=[logprob] if logprob is not None and ids else [])
 
-    def on_token(self, tok: int, now: float) -> TokenEvent:
+    def on_token(self, tok: int, now: float, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``
-        when it ends the request)."""
+        when it ends the request). A grammar that is complete after this token ends the request too."""
         m = self.handle.metrics
         if m.first_token is None:
             m.first_token = now
@@ -91,14 +97,19 @@ class Sequence:
         self.generated.append(tok)
         self.tokens.append(tok)
         self.pending = tok
+        if self.matcher is not None and not self.matcher.accept(tok):  # the mask allows only what it accepts
+            return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: "
+                               f"{self.matcher.error}")
         if tok in self.stop_ids:
             return self._event(self._flush(), [], FinishReason.STOP)
         text = self.stopper.feed(self.detok.add(tok))
         if self.stopper.stopped:
-            return self._event(text, [tok], FinishReason.STOP)
+            return self._event(text, [tok], FinishReason.STOP, logprob=logprob)
+        if self.matcher is not None and self.matcher.finished:
+            return self._event(text + self._flush(), [tok], FinishReason.STOP, logprob=logprob)
         if len(self.generated) >= self.max_tokens:
-            return self._event(text + self._flush(), [tok], FinishReason.LENGTH)
-        return self._event(text, [tok], None)
+            return self._event(text + self._flush(), [tok], FinishReason.LENGTH, logprob=logprob)
+        return self._event(text, [tok], None, logprob=logprob)
 
     def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         """Final event for cancel / timeout / error (text held back so far is released)."""

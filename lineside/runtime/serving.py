@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lineside.bundle import Bundle
 from lineside.runtime.request import GenerationRequest, RequestHandle
+from lineside.runtime.structured import GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the stats type lives with the engine that counts them
@@ -26,6 +27,7 @@ class ServingEngine(Protocol):
     max_seq_len: int  # the context budgets are checked against
     vocab_size: int  # prompt token ids are checked against
     ready: bool  # warmed up and stepping (/health/ready)
+    grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
 
     async def start(self) -> None:
         """Warm the backend up, then start the step loop."""

@@ -2,7 +2,8 @@
 
 It only reads the sequences: what the step did to them is the scheduler's ``postprocess``, back on
 the event loop. A failing backend call fails only the sequences in that call; a failing slot op
-fails the whole step, because the slots it touched can't be trusted.
+fails the whole step, because the slots it touched can't be trusted. Rows under a grammar get their
+token masks computed together (``structured.fill_masks``) and applied in the sampler.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lineside.runtime.backend import Backend
 from lineside.runtime.kv_manager import SlotOpKind
+from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.step_plan import StepPlan
+from lineside.runtime.structured import fill_masks, new_bitmask, unpack_bitmask
 
 log = logging.getLogger("lineside.engine")
 
@@ -22,6 +27,7 @@ log = logging.getLogger("lineside.engine")
 class StepOutcome:
     sampled: dict[Sequence, int] = field(default_factory=dict)  # the token sampled for each sequence
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
+    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for the sequences that asked
 
 
 def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
@@ -39,9 +45,10 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
     if plan.decode:
         try:
             logits = backend.forward(plan.decode_batch())
+            masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
                 if seq.samples:
-                    out.sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
+                    _sample(out, seq, logits[r, -1], None if masks is None else masks[r])
         except Exception as e:  # a backend failure ends the requests in this call, not the server
             out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
     seq = plan.prefill
@@ -49,10 +56,29 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
         try:
             logits = backend.forward(plan.prefill_batch())
             if plan.prefill_last and seq.pending is None:
-                out.sampled[seq] = seq.sampler(logits[0, -1], seq.tokens, len(seq.prompt))
+                masks = grammar_masks([seq], logits.shape[-1])
+                _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:
             out.errors[seq] = error_line(e)
     return out
+
+
+def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:
+    """bool ``[len(seqs), vocab]`` allowed tokens for the rows under a grammar (others all True); None when
+    no row has one, so unconstrained steps do no mask work at all."""
+    rows = [(seq.matcher, r) for r, seq in enumerate(seqs) if seq.matcher is not None and seq.samples]
+    if not rows:
+        return None
+    bitmask = new_bitmask(len(seqs), vocab_size)
+    fill_masks(rows, bitmask)
+    return unpack_bitmask(bitmask, vocab_size)
+
+
+def _sample(out: StepOutcome, seq: Sequence, logits: np.ndarray, allowed: np.ndarray | None) -> None:
+    res = seq.sampler.step(logits, seq.tokens, len(seq.prompt), allowed=allowed, logprobs=seq.logprobs)
+    out.sampled[seq] = res.token
+    if res.logprob is not None:
+        out.logprobs[seq] = res.logprob
 
 
 def error_line(e: Exception) -> str:

@@ -99,8 +99,10 @@ class Tokenizer:
         return self._special_cache
 
     # ---- chat ------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's template (OpenAI-style role/content dicts)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render messages with the model's template (OpenAI-style role/content dicts); ``tools`` (OpenAI's
+        function list) is passed to templates that have a tool section, as transformers does."""
         if not self.chat_template:
             # No template: a plain transcript the model can still continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
@@ -118,20 +120,22 @@ class Tokenizer:
             except TemplateError as e:
                 raise BundleError(f"the bundle's chat template does not parse: {e}") from None
         try:
+            extra = {"tools": tools} if tools else {}
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except LinesideError:
             raise
         except Exception as e:  # jinja raises many types; the user sees one line
             raise LinesideError(f"chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
         model continues), cut as transformers' apply_chat_template does. Special-token text inside a
-        message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special."""
+        message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special.
+        ``tools``: OpenAI's function list, for templates with a tool section."""
         messages, literals = self._mask_special_text(messages)
-        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
         # The template already wrote BOS if the model wants one.

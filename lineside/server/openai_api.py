@@ -20,10 +20,22 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
-from lineside.runtime.request import EngineDraining, QueueFullError
-from lineside.server import prompt_limits, request_mapping, responses, sse
+from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
+from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.structured import Constraint, ConstraintError
+from lineside.server import (
+    constraints,
+    prompt_limits,
+    request_mapping,
+    responses,
+    responses_api,
+    sse,
+    tool_calls,
+)
 from lineside.server.errors import APIError
+from lineside.server.logprobs import LogprobFormatter, chat_top_n, completion_top_n
 from lineside.server.metrics import RequestRecord
+from lineside.server.outputs import OutputOptions
 from lineside.server.responses import Choice
 from lineside.server.schemas import (
     ERROR_RESPONSES,
@@ -58,8 +70,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                   param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
-        size = sum(len(m["content"]) for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, **options))
+        tools = tool_calls.parse_tools(body.tools)
+        tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        template = state.engine.tokenizer.chat_template
+        messages, listed = tool_calls.template_messages(messages, tools, template, tool_choice)
+        constraint = constraints.request_constraint(body)
+        call_constraint = tool_calls.tool_constraint(tools, tool_choice, parallel=body.parallel_tool_calls is not False)
+        if call_constraint is not None and constraint is not None:
+            raise request_mapping.bad(f"tool_choice {tool_choice.kind.value!r} constrains the output to tool calls; "
+                                      f"it cannot be combined with {constraint.param}", "tool_choice")
+        constraint = await _checked(state, call_constraint or constraint)
+        top_n = chat_top_n(body.logprobs, body.top_logprobs)
+        output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n),
+                               call_format=tool_calls.call_format(tool_choice, template) if tools and
+                               tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
+                               tools=tuple(tools), named=tool_choice.name)
+        size = sum(len(m["content"] or "") for m in messages)
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
@@ -67,7 +94,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
-    return await _serve(request, state, body, prompts=[ids], budgets=budgets, chat=True)
+    return await _serve(request, state, body, prompts=[ids], budgets=budgets, chat=True, constraint=constraint,
+                        output=output)
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, **_STREAM_DOC})
@@ -76,6 +104,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     try:
         _check_model(state, body.model)
         request_mapping.check_completion(body)
+        constraint = await _checked(state, constraints.request_constraint(body))
+        top_n = completion_top_n(body.logprobs)
+        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n))
         for text in prompt_limits.prompt_texts(body):
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
@@ -88,12 +119,82 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
-    return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False)
+    return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
+                        output=output)
+
+
+async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:
+    """Compile the request's constraint before anything is queued (a 400 naming the field when it is bad).
+    The first one builds the grammar compiler for this tokenizer (about a second): in a worker thread."""
+    if constraint is None:
+        return None
+    return await asyncio.to_thread(constraints.checked, state.engine.grammar, constraint)
+
+
+async def _formatter(state: ServerState, top_n: int | None) -> LogprobFormatter | None:
+    if top_n is None:
+        return None
+    compiler = await asyncio.to_thread(lambda: state.engine.grammar)
+    return LogprobFormatter(compiler.token_bytes)
+
+
+@router.post("/v1/responses", responses={**ERROR_RESPONSES, **_STREAM_DOC})
+async def create_response(body: responses_api.ResponsesRequest, request: Request) -> Any:
+    """OpenAI's Responses API on the chat path: one text output (``responses_api`` says what is refused)."""
+    state = _state(request)
+    request_id: str = request.scope["state"]["request_id"]
+    arrival: float = request.scope["state"].get("t0", time.perf_counter())
+    try:
+        _check_model(state, body.model)
+        responses_api.check(body)
+        messages = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
+                    for m in responses_api.messages(body)]
+        prompt_limits.check_texts([m["content"] for m in messages], state.engine.tokenizer,
+                                  state.engine.max_seq_len, param="input")
+        constraint = await _checked(state, responses_api.text_constraint(body))
+        ids = await _offload(sum(len(m["content"]) for m in messages),
+                             functools.partial(state.tokenizer.encode_chat, messages))
+        budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
+                                              param="max_output_tokens", prompt_param="input")
+        priority, mode = request_mapping.priority(request.headers)
+        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p)
+        handle = state.engine.submit(GenerationRequest(
+            prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
+            timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint))
+    except QueueFullError as e:
+        state.metrics.reject("queue_full")
+        raise APIError(429, f"the server's waiting queue is full ({e}); retry after a moment",
+                       "queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDraining:
+        state.metrics.reject("draining")
+        raise APIError(503, "server is shutting down and takes no new requests", "draining",
+                       headers={"Retry-After": "5"}) from None
+    except APIError:
+        state.metrics.reject("invalid")
+        raise
+    except LinesideError as e:
+        state.metrics.reject("invalid")
+        raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)) from None
+    record = RequestRecord(request_id, "responses", priority, mode=mode, stream=bool(body.stream), arrival=arrival,
+                           prompt_tokens=len(ids))
+    choice = Choice(0, handle, record)
+    builder = responses_api.ResponseBuilder(body, state.model_name, request_id)
+    if body.stream:
+        return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
+    gone = await responses.collect(request, state, [choice])
+    if gone is not None:
+        return gone
+    usage = (choice.record.prompt_tokens, choice.record.completion_tokens)
+    incomplete = choice.finish_reason == "length"
+    return builder.body("".join(choice.text_parts), "incomplete" if incomplete else "completed", usage,
+                        "max_output_tokens" if incomplete else None)
 
 
 # ---- one engine request per choice, then the response ---------------------------------------------------
 async def _serve(request: Request, state: ServerState, body: ChatCompletionRequest | CompletionRequest, *,
-                 prompts: list[list[int]], budgets: list[int], chat: bool) -> Any:
+                 prompts: list[list[int]], budgets: list[int], chat: bool, constraint: Constraint | None = None,
+                 output: OutputOptions | None = None) -> Any:
     """Submit every choice (n per prompt) to the engine and answer with their merged events."""
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
@@ -123,14 +224,15 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
-                    request_id=f"{choice_id}#{next(_serial)}", copy=copy)
+                    request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
+                    logprobs=None if output is None else output.top_logprobs)
                 handle = engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
                 if slo_plan is not None:
                     slo_plan.note(record)
                     state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
-                choices.append(Choice(index, handle, record, copy=copy))
+                choices.append(Choice(index, handle, record, copy=copy, options=output))
     except QueueFullError as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")
@@ -144,7 +246,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     except LinesideError as e:
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
-        raise APIError(400, str(e), "invalid_request") from None
+        raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)
+                       if isinstance(e, ConstraintError) else None) from None
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -20,6 +20,7 @@ from lineside.runtime.request import (
     check_prompt_ids,
 )
 from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -50,28 +51,19 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse what this server does not do rather than silently ignore it."""
-    if req.logprobs not in (None, False, 0):
-        raise bad("logprobs are not supported by this server; remove 'logprobs'", "logprobs", "unsupported_value")
     if req.logit_bias:
         raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
-    if req.top_logprobs:
-        raise bad("top_logprobs is not supported by this server; remove it", "top_logprobs", "unsupported_value")
-    if req.tools or req.functions:
-        raise bad("tool / function calling is not supported by this server; remove 'tools'", "tools",
+    # the deprecated functions / function_call: tools / tool_choice say the same
+    if req.functions:
+        raise bad("'functions' is OpenAI's deprecated form; send them as 'tools' "
+                  "([{\"type\": \"function\", \"function\": {...}}])", "functions", "unsupported_value")
+    if req.function_call not in (None, "none", "auto"):
+        raise bad("'function_call' is OpenAI's deprecated form; send 'tool_choice' instead", "function_call",
                   "unsupported_value")
-    # "none" / "auto" with no tools means plain text: fine; asking for a tool call cannot be honoured
-    for param, choice in (("tool_choice", req.tool_choice), ("function_call", req.function_call)):
-        if choice not in (None, "none", "auto"):
-            shown = repr(choice) if isinstance(choice, str) else "naming a function"
-            raise bad(f"{param} {shown} asks for a tool call, but this server has no tool calling; "
-                      f"send {param} 'none' or 'auto', or leave it out", param, "unsupported_value")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad(f"response_format {fmt!r} is not supported (only 'text')", "response_format", "unsupported_value")
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -117,6 +109,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         plain: dict[str, Any] = {"role": message.role, "content": clean_text(content, param)}
         if message.name:
             plain["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise bad("only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+            plain["tool_calls"] = message.tool_calls
+        if message.tool_call_id:
+            plain["tool_call_id"] = message.tool_call_id
         out.append(plain)
     return out
 
@@ -204,14 +202,16 @@ def priority(headers: Any) -> tuple[Priority, Mode]:
 
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
-                   copy: int = 0) -> GenerationRequest:
+                   copy: int = 0, constraint: Constraint | None = None,
+                   logprobs: int | None = None) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""
     sampling = sampling_params(req)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
-                             priority=priority, mode=mode, timeout_s=timeout, request_id=request_id)
+                             priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
+                             constraint=constraint, logprobs=logprobs)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

@@ -16,6 +16,7 @@ from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord, ServerMetrics
+from lineside.server.outputs import ChoiceOutput, OutputOptions
 from lineside.server.state import ServerState
 
 
@@ -34,6 +35,11 @@ class Choice:
     copy: int = 0
     text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
     finish_reason: FinishReason | None = None
+    options: OutputOptions | None = None  # tool calls / logprobs this response reports
+    output: ChoiceOutput = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.output = ChoiceOutput(self.options or OutputOptions(chat=True))
 
     def note(self, event: TokenEvent, now: float) -> None:
         """Fold one engine event into the metrics record (first token, token counts, outcome at the end)."""
@@ -112,7 +118,7 @@ _FAILURES = {
 }
 
 
-def _failure(state: ServerState, event: TokenEvent) -> APIError:
+def failure(state: ServerState, event: TokenEvent) -> APIError:
     status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
     headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None
@@ -128,15 +134,15 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             yield writer.role(choice.index)
     async for choice, event in _merged(choices):
         choice.note(event, time.perf_counter())
-        if event.text:
-            yield writer.text(choice.index, event.text)
+        for chunk in choice.output.chunks(writer, choice.index, event):
+            yield chunk
         if event.finish_reason is None:
             continue
         state.metrics.observe(choice.record)
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            yield writer.finish(choice.index, event.finish_reason)
+            yield writer.finish(choice.index, choice.output.finish_reason(event.finish_reason))
         else:
-            error = _failure(state, event)
+            error = failure(state, event)
             cancel_all(choices)
             yield sse.error_event(error.message, error.type, error.code)
             yield sse.DONE
@@ -184,10 +190,34 @@ async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
 async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
                    created: int, model: str | None = None) -> Any:
     """The JSON body: every choice's whole text once all have finished (or the first failure as an error)."""
+    gone = await collect(request, state, choices)
+    if gone is not None:
+        return gone
+    usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    body_choices = []
+    for c in choices:
+        if chat:
+            message, logprobs = c.output.message("".join(c.text_parts))  # first: it parses the tool calls
+            reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
+            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+        else:
+            reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
+            body_choices.append({"index": c.index, "text": "".join(c.text_parts),
+                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason})
+    obj = "chat.completion" if chat else "text_completion"
+    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
+                         "system_fingerprint": None, "choices": body_choices, "usage": usage})
+
+
+async def collect(request: Request, state: ServerState, choices: list[Choice]) -> JSONResponse | None:
+    """Read every choice to its end into ``text_parts`` / ``finish_reason``; raises the first failure as its
+    APIError; returns the 499 answer when the client went away (nobody reads it), else None."""
     watcher = asyncio.create_task(_watch_disconnect(request, choices))
     try:
         async for choice, event in _merged(choices):
             choice.note(event, time.perf_counter())
+            choice.output.collect(event)
             if event.text:
                 choice.text_parts.append(event.text)
             if event.finish_reason is not None:
@@ -199,20 +229,8 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
                         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                        "code": "client_disconnected", "param": None}},
                                             status_code=499)
-                    raise _failure(state, event)
+                    raise failure(state, event)
     finally:
         watcher.cancel()
         _abandon(state, choices)
-    usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    if chat:
-        body_choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text_parts),
-                                                       "refusal": None},
-                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
-        obj = "chat.completion"
-    else:
-        body_choices = [{"index": c.index, "text": "".join(c.text_parts), "logprobs": None,
-                         "finish_reason": c.finish_reason} for c in choices]
-        obj = "text_completion"
-    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
-                         "system_fingerprint": None, "choices": body_choices, "usage": usage})
+    return None

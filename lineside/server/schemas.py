@@ -38,6 +38,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool result: which call it answers
 
 
 class _Sampling(BaseModel):
@@ -61,6 +63,13 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's structured outputs (one at most, or response_format on chat): grammar-constrained decoding
+    guided_json: Any = Field(None, description="a JSON schema (object or JSON text) the output must follow")
+    guided_regex: Any = Field(None, description="a regular expression the whole output must match")
+    guided_choice: Any = Field(None, description="a list of strings, one of which is the output")
+    guided_grammar: Any = Field(None, description="a Lark or GBNF (llama.cpp) grammar")
+    structured_outputs: Any = Field(None, description="vLLM's newer form: {json | regex | choice | grammar | json_object}")
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
 
 
 class ChatCompletionRequest(_Sampling):
@@ -70,6 +79,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=_INT32)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -96,14 +106,15 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 
@@ -120,7 +131,7 @@ class ChatCompletion(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str
 
 

@@ -45,11 +45,17 @@ class ChunkWriter:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def text(self, index: int, text: str) -> str:
+    def text(self, index: int, text: str, logprobs: Any = None) -> str:
+        """``logprobs``: the chunk's tokens' logprobs (chat: ``{"content": [...]}``; completions: the block)."""
         if self.chat:
-            return self._chunk({"index": index, "delta": {"content": text}, "logprobs": None,
+            return self._chunk({"index": index, "delta": {"content": text}, "logprobs": logprobs,
                                 "finish_reason": None})
-        return self._chunk({"index": index, "text": text, "logprobs": None, "finish_reason": None})
+        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+
+    def tool_calls(self, index: int, deltas: list[dict[str, Any]], logprobs: Any = None) -> str:
+        """Chat only: tool-call deltas (the first of a call has id, type and name; later ones arguments)."""
+        return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": logprobs,
+                            "finish_reason": None})
 
     def finish(self, index: int, reason: str) -> str:
         if self.chat:

@@ -32,7 +32,7 @@ def _encode(text: str, add_special: bool | None) -> list[int]:
     return _worker_tokenizer.encode(text, add_special)
 
 
-def _encode_chat(messages: list[dict[str, Any]], options: dict[str, bool]) -> list[int]:
+def _encode_chat(messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
     return _worker_tokenizer.encode_chat(messages, **options)
 
 
@@ -56,8 +56,11 @@ class PooledTokenizer:
         return self._run(_encode, (text, add_special), lambda: self._inner.encode(text, add_special))
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                                   "continue_final_message": continue_final_message}
+        if tools:
+            options["tools"] = tools
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)

@@ -27,9 +27,9 @@ class RecordingSampler(Sampler):
 
     seen: dict[int, list[np.ndarray]] = {}
 
-    def __call__(self, logits, history=None, prompt_len=0):
+    def step(self, logits, history=None, prompt_len=0, **kw):  # what the engine and Generator call
         self.seen.setdefault(id(self.p), []).append(np.array(logits, copy=True))
-        return super().__call__(logits, history, prompt_len)
+        return super().step(logits, history, prompt_len, **kw)
 
 
 async def concurrent(bundle, prompts: list[list[int]], n: int, **kw) -> tuple[list[list[int]], object]:

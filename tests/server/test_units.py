@@ -88,15 +88,14 @@ def test_sampling_defaults_follow_openai():
 
 
 def test_unsupported_parameters_are_refused():
-    for kw, param in ((dict(logprobs=2), "logprobs"), (dict(echo=True), "echo"),
+    for kw, param in ((dict(echo=True), "echo"),
                       (dict(best_of=2), "best_of"), (dict(suffix="s"), "suffix"),
                       (dict(logit_bias={"1": 5}), "logit_bias")):
         with pytest.raises(APIError) as e:
             request_mapping.check_completion(CompletionRequest(prompt="x", **kw))
         assert e.value.param == param and e.value.status == 400
     msg = [{"role": "user", "content": "x"}]
-    for kw in (dict(tools=[{"type": "function"}]), dict(response_format={"type": "json_object"}),
-               dict(top_logprobs=3)):
+    for kw in (dict(functions=[{"name": "f"}]), dict(function_call={"name": "f"})):  # the deprecated forms
         with pytest.raises(APIError):
             request_mapping.check_chat(ChatCompletionRequest(messages=msg, **kw))
     request_mapping.check_chat(ChatCompletionRequest(messages=msg, response_format={"type": "text"}, n=1, logprobs=False))

@@ -19,9 +19,10 @@ def reproducible(sampling: SamplingParams) -> bool:
 
 
 def cache_key(*, model: str, endpoint: str, prompts: list[list[int]], sampling: SamplingParams,
-              budgets: list[int], stops: list[str], n: int) -> Hashable:
+              budgets: list[int], stops: list[str], n: int, output: str = "") -> Hashable:
+    """``output``: the fields that shape the answer besides the prompt (structured output, tools, logprobs)."""
     return (model, endpoint, tuple(tuple(ids) for ids in prompts), repr(sampling), tuple(budgets),
-            tuple(stops), n)
+            tuple(stops), n, output)
 
 
 class ResponseCache:

@@ -45,7 +45,7 @@ async def plan(guard: SloGuard, body: Any, *, prompts: list[list[int]], budgets:
     sampling = request_mapping.sampling_params(body)
     if not body.stream and reproducible(sampling):
         key = cache_key(model=body.model or "", endpoint="chat" if chat else "completions", prompts=prompts,
-                        sampling=sampling, budgets=budgets, stops=stops, n=n)
+                        sampling=sampling, budgets=budgets, stops=stops, n=n, output=_output_fields(body))
     result = SloPlan(route, key, headers)
     if key is not None and route.level >= Level.FALLBACK:
         hit = guard.cached(key)
@@ -65,3 +65,13 @@ def store(guard: SloGuard, slo_plan: SloPlan, response: Any) -> Any:
             guard.cache.put(slo_plan.key, json.loads(response.body))
         response.headers.update(slo_plan.headers)
     return response
+
+
+_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs")
+
+
+def _output_fields(body: Any) -> str:
+    """The request fields besides prompt and sampling that change the answer: a constrained, tool-calling or
+    logprobs answer is never served for a plain one (or the other way round)."""
+    return json.dumps({f: getattr(body, f, None) for f in _OUTPUT_FIELDS}, sort_keys=True, default=str)

@@ -1,0 +1,297 @@
+"""Grammar-constrained decoding: typed constraints, a compile cache per tokenizer, per-request matchers, token masks.
+
+The grammar engine is llguidance (numpy only, no torch: what a Jetson runtime install can carry;
+``benchmarks/structured_mask.py`` measured it against xgrammar). A ``Constraint`` is a plain value
+(JSON schema, regex, choice, Lark/GBNF grammar); ``GrammarCompiler`` turns one into a checked grammar
+once per tokenizer and keeps it, so a repeat schema costs a copy; each request gets its own
+``GrammarMatcher``, whose packed mask the sampler applies to that row's logits and which is advanced
+by every sampled token until the grammar is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from lineside.errors import LinesideError
+
+# JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
+# small models given free whitespace can pad a value with newlines until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintKind(str, Enum):
+    JSON_OBJECT = "json_object"  # any JSON object (OpenAI response_format json_object)
+    JSON_SCHEMA = "json_schema"  # an instance of this schema (response_format json_schema, guided_json)
+    REGEX = "regex"  # the whole output matches (guided_regex)
+    CHOICE = "choice"  # exactly one of these strings (guided_choice)
+    GRAMMAR = "grammar"  # a Lark or GBNF (llama.cpp) grammar (guided_grammar)
+
+
+class ConstraintError(LinesideError):
+    """A constraint that cannot be compiled or can never be satisfied; ``param`` names the request field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match. ``text`` is canonical (a schema is dumped as compact JSON, key order kept) so equal
+    constraints share one compiled grammar; ``param`` (the request field it came from) is left out of
+    equality and only names the field in errors."""
+
+    kind: ConstraintKind
+    text: str
+    param: str = field(default="", compare=False)
+
+    @classmethod
+    def json_object(cls, param: str = "response_format") -> Constraint:
+        return cls(ConstraintKind.JSON_OBJECT, '{"type": "object"}', param)
+
+    @classmethod
+    def json_schema(cls, schema: Any, param: str = "response_format.json_schema.schema") -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"{param}: not valid JSON ({e.msg} at character {e.pos})", param) from None
+        if isinstance(schema, bool):  # JSON Schema allows true (anything) / false (nothing)
+            if not schema:
+                raise ConstraintError(f"{param}: the schema `false` matches nothing", param)
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        # Key order is kept: it is the order the model writes properties in.
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
+
+    @classmethod
+    def regex(cls, pattern: Any, param: str = "guided_regex") -> Constraint:
+        if not isinstance(pattern, str):
+            raise ConstraintError(f"{param}: a regular expression must be a string", param)
+        return cls(ConstraintKind.REGEX, pattern, param)
+
+    @classmethod
+    def choice(cls, options: Any, param: str = "guided_choice") -> Constraint:
+        if (not isinstance(options, list | tuple) or not options
+                or not all(isinstance(o, str) and o for o in options)):
+            raise ConstraintError(f"{param}: give a non-empty list of non-empty strings", param)
+        return cls(ConstraintKind.CHOICE, json.dumps(list(options), ensure_ascii=False), param)
+
+    @classmethod
+    def grammar(cls, text: Any, param: str = "guided_grammar") -> Constraint:
+        if not isinstance(text, str) or not text.strip():
+            raise ConstraintError(f"{param}: give the grammar as non-empty Lark or GBNF text", param)
+        return cls(ConstraintKind.GRAMMAR, text, param)
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own form (raises ConstraintError for text it cannot read)."""
+        from llguidance import LLMatcher, grammar_from
+
+        try:
+            if self.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
+                return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
+            if self.kind == ConstraintKind.REGEX:
+                return LLMatcher.grammar_from_regex(self.text)
+            if self.kind == ConstraintKind.CHOICE:
+                return grammar_from("choice", self.text)
+            return grammar_from("grammar", self.text)
+        except ValueError as e:
+            raise ConstraintError(f"{self.param or self.kind.value}: {_first_line(str(e))}", self.param) from None
+
+
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` wherever an object lists ``properties`` and says
+    nothing about extra keys (OpenAI's strict mode; xgrammar's strict_mode in vLLM). Every output this
+    allows is valid against the original; without it a small model keeps inventing keys."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYS else closed_objects(v)) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
+                                                         "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+_WHAT = {ConstraintKind.JSON_OBJECT: "JSON object", ConstraintKind.JSON_SCHEMA: "JSON schema",
+         ConstraintKind.REGEX: "regular expression", ConstraintKind.CHOICE: "choice",
+         ConstraintKind.GRAMMAR: "grammar"}
+
+
+def _first_line(msg: str) -> str:
+    """llguidance's message on one line: its first line plus the ``error:`` line of a regex parse error
+    (the source excerpt and caret lines between them are dropped)."""
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "rejected"
+    cause = [ln for ln in lines[1:] if ln.startswith("error:")]
+    return " ".join([lines[0].removesuffix(":"), *cause[:1]])
+
+
+@dataclass
+class CompileStats:
+    compiled: int = 0  # distinct constraints compiled
+    hits: int = 0  # matchers made from the cache
+    compile_s: float = 0.0  # total seconds spent compiling
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: the next-token mask, advanced by each sampled token."""
+
+    def __init__(self, matcher: Any, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size
+
+    def fill_mask(self, bitmask: np.ndarray, row: int = 0) -> None:
+        """Write this matcher's allowed-token bits into ``bitmask[row]`` (int32, 32 tokens per word)."""
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.ctypes.data, v.size * v.itemsize)
+
+    def allowed(self) -> np.ndarray:
+        """The mask as bools over the vocabulary (one row; the batched path is ``fill_masks``)."""
+        bm = new_bitmask(1, self.vocab_size)
+        self.fill_mask(bm, 0)
+        return unpack_bitmask(bm, self.vocab_size)[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance by a sampled token; False when the grammar forbids it (the matcher is then in error)."""
+        return bool(self._m.consume_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (speculative proposals the target rejected)."""
+        if n and not self._m.rollback(n):
+            raise LinesideError(f"grammar matcher could not roll back {n} tokens: {self._m.get_error()}")
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` (a proposal) the grammar accepts in a row, without advancing."""
+        return int(self._m.validate_tokens(list(tokens)))
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and allows nothing more than ending: the request stops here."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and keeps the results (LRU): a repeat pays a copy."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Iterable[int], max_entries: int = 256):
+        try:
+            import llguidance
+        except ImportError:  # pragma: no cover - a runtime dependency
+            raise LinesideError("constrained decoding needs llguidance: pip install llguidance") from None
+        self._ll = llguidance
+        eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < vocab_size})
+        if not eos:
+            raise LinesideError("constrained decoding needs the model's end-of-sequence token id; the bundle has none")
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = eos
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+        self.stats = CompileStats()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) -> GrammarCompiler:
+        """From lineside's ``Tokenizer`` (its tokenizer.json as the ``tokenizers`` library serializes it)."""
+        return cls(tokenizer._tok.to_str(), vocab_size, eos_ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's raw bytes (what logprobs report as ``bytes``): the tokenizer's view the grammar also uses."""
+        return bytes(self.tokenizer.decode_bytes([int(token)]))
+
+    def compile(self, constraint: Constraint) -> None:
+        """Check and cache ``constraint`` (raises ConstraintError naming its field); a no-op when cached."""
+        self._template(constraint)
+
+    def matcher(self, constraint: Constraint) -> GrammarMatcher:
+        """A fresh matcher at the start of ``constraint``'s grammar."""
+        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size)
+
+    def _template(self, c: Constraint) -> Any:
+        with self._lock:
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+                self.stats.hits += 1
+                return hit
+        t0 = time.perf_counter()
+        m = self._build(c)
+        with self._lock:
+            self.stats.compiled += 1
+            self.stats.compile_s += time.perf_counter() - t0
+            self._cache[c] = m
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        return m
+
+    def _build(self, c: Constraint) -> Any:
+        where = c.param or c.kind.value
+        grammar = c.llguidance_grammar()
+        m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ConstraintError(f"{where}: invalid {_WHAT[c.kind]}: {_first_line(m.get_error())}", c.param)
+        # Satisfiable at all? The first mask allows some token (EOS when only the empty string matches).
+        bm = new_bitmask(1, self.vocab_size)
+        m.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
+        if m.is_error() or not bm.any():
+            why = f": {_first_line(m.get_error())}" if m.is_error() else ""
+            raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
+        return m
+
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+    """Every constrained row's mask into ``bitmask`` (rows not listed keep theirs) at once: llguidance's
+    thread pool, GIL released; one row is computed inline."""
+    global _executor
+    if not rows:
+        return
+    if len(rows) == 1:
+        rows[0][0].fill_mask(bitmask, rows[0][1])
+        return
+    assert bitmask.dtype == np.int32 and bitmask.flags["C_CONTIGUOUS"]
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.ctypes.data,
+                                      bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def new_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """A packed mask, every token allowed: int32 ``[rows, ceil(vocab / 32)]``, bit i of word w = token 32w + i."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
+
+
+def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool ``[rows, vocab]``: True where a token is allowed (little-endian words, low bit first)."""
+    return np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size] \
+        .astype(bool)

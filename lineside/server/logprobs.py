@@ -1,0 +1,83 @@
+"""Logprobs in OpenAI's shapes: chat ``logprobs.content`` (token, logprob, bytes, top_logprobs) and the legacy
+completions block (tokens, token_logprobs, top_logprobs, text_offset); the request checks that go with them.
+
+The numbers are the sampler's (``runtime.sampling``): log-softmax of the logits after penalties and any
+grammar mask, before temperature, top-k/p and min-p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lineside.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob
+from lineside.server.errors import APIError
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions
+
+
+def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
+    """How many alternatives a chat request wants per token (None: no logprobs); 400 naming the field."""
+    if logprobs not in (None, True, False):
+        raise APIError(400, "logprobs: must be true or false (top_logprobs says how many alternatives)",
+                       "invalid_value", param="logprobs")
+    if top_logprobs is not None:
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs: must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top_logprobs!r}",
+                           "invalid_value", param="top_logprobs")
+        if top_logprobs and not logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", "invalid_value", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
+
+
+def completion_top_n(logprobs: Any) -> int | None:
+    """/v1/completions ``logprobs`` (an integer 0..5: alternatives per token, besides the chosen one)."""
+    if logprobs is None or logprobs is False:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise APIError(400, f"logprobs: must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} on completions, "
+                       f"got {logprobs!r}", "invalid_value", param="logprobs")
+    return logprobs
+
+
+def token_text(b: bytes) -> str:
+    """The token's text; a token that is part of a UTF-8 character is written ``bytes:\\xNN...`` as OpenAI does."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
+
+
+class LogprobFormatter:
+    """Turns the sampler's ``TokenLogprob``s into response JSON; ``token_bytes`` maps an id to its raw bytes."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self._bytes = token_bytes
+
+    def _one(self, tid: int, lp: float) -> dict[str, Any]:
+        b = self._bytes(tid)
+        return {"token": token_text(b), "logprob": lp, "bytes": list(b)}
+
+    def chat(self, lps: Sequence[TokenLogprob], top_n: int) -> list[dict[str, Any]]:
+        """Entries for ``choices[].logprobs.content`` (also the streamed chunks')."""
+        out = []
+        for t in lps:
+            e = self._one(t.token, t.logprob)
+            e["top_logprobs"] = [self._one(i, v) for i, v in t.top[:top_n]]
+            out.append(e)
+        return out
+
+    def completion(self, lps: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
+        """The completions block; ``offset``: characters of this choice's text before these tokens."""
+        tokens, values, tops, offsets = [], [], [], []
+        for t in lps:
+            text = token_text(self._bytes(t.token))
+            tokens.append(text)
+            values.append(t.logprob)
+            top: dict[str, float] = {}
+            for i, v in t.top[:top_n]:
+                top.setdefault(token_text(self._bytes(i)), v)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,101 @@
+"""What a response makes of each choice's events besides plain text: tool calls parsed out of the text
+(``tool_calls``), logprobs in OpenAI's shape, and the finish reason ``tool_calls``.
+
+``OutputOptions`` is decided once per request from its fields; each choice gets a ``ChoiceOutput`` that
+turns its events into stream chunks, or at the end into the message, the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lineside.runtime.request import FinishReason, TokenEvent
+from lineside.runtime.sampling import TokenLogprob
+from lineside.server import sse
+from lineside.server.logprobs import LogprobFormatter
+from lineside.server.tool_calls import CallFormat, Tool, ToolCallStream
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    chat: bool
+    call_format: CallFormat | None = None  # None: the text is the answer (no tools, or tool_choice none)
+    tools: tuple[Tool, ...] = ()
+    named: str | None = None  # the function a named tool_choice calls
+    top_logprobs: int | None = None  # None: no logprobs
+    formatter: LogprobFormatter | None = None
+
+
+class ChoiceOutput:
+    """One choice's running output."""
+
+    def __init__(self, options: OutputOptions):
+        self.options = options
+        self.calls = (ToolCallStream(options.call_format, options.tools, options.named)
+                      if options.call_format is not None else None)
+        self.logprobs: list[TokenLogprob] = []
+        self._offset = 0  # completions' text_offset: characters of the choice's tokens so far
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.options.top_logprobs is not None and self.options.formatter is not None
+
+    def _logprobs_json(self, lps: Sequence[TokenLogprob]) -> Any:
+        o = self.options
+        if not self.wants_logprobs or not lps:
+            return None
+        assert o.formatter is not None and o.top_logprobs is not None
+        if o.chat:
+            return {"content": o.formatter.chat(lps, o.top_logprobs), "refusal": None}
+        block = o.formatter.completion(lps, o.top_logprobs, self._offset)
+        self._offset += sum(len(t) for t in block["tokens"])
+        return block
+
+    def chunks(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
+        """The stream chunks for one event (text, tool-call deltas, logprobs), before any finish chunk."""
+        lp = self._logprobs_json(event.logprobs)
+        if self.calls is None:
+            return [writer.text(index, event.text, lp)] if event.text or lp is not None else []
+        content, deltas = self.calls.feed(event.text) if event.text else ("", [])
+        if event.finish_reason is not None:
+            more, tail = self.calls.close()
+            content, deltas = content + more, deltas + tail
+        out = []
+        if content:
+            out.append(writer.text(index, content, lp))
+            lp = None
+        if deltas:
+            out.append(writer.tool_calls(index, [d.openai() for d in deltas], lp))
+            lp = None
+        if lp is not None:  # the tokens' text is held back (a call may be starting): their logprobs go now
+            out.append(writer.text(index, "", lp))
+        return out
+
+    def collect(self, event: TokenEvent) -> None:
+        """Non-streamed: keep the event's logprobs for the message."""
+        if self.wants_logprobs:
+            self.logprobs.extend(event.logprobs)
+
+    def message(self, text: str) -> tuple[dict[str, Any], Any]:
+        """(the chat message, its logprobs) of a whole non-streamed answer."""
+        msg: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.calls is not None:
+            self.calls.feed(text)
+            self.calls.close()
+            content, calls = self.calls.result()
+            msg["content"] = content
+            if calls:
+                msg["tool_calls"] = [c.openai() for c in calls]
+        return msg, self._logprobs_json(self.logprobs)
+
+    def text_logprobs(self) -> Any:
+        """Non-streamed completions: the whole choice's logprobs block."""
+        return self._logprobs_json(self.logprobs)
+
+    def finish_reason(self, reason: FinishReason | str) -> str:
+        """``tool_calls`` when the answer ended with calls (as OpenAI reports it), else the engine's reason."""
+        if self.calls is not None and self.calls.calls and reason == FinishReason.STOP:
+            return "tool_calls"
+        return str(reason)

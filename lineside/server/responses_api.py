@@ -1,0 +1,233 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on the chat path: text input and output, ``instructions``,
+``text.format`` (json_schema / json_object, grammar-constrained), streaming events.
+
+What this server cannot honour there is a 400 naming the field: ``previous_response_id`` (no response
+store), ``tools``, ``reasoning``, ``background``, ``include``, non-text input parts, ``truncation: auto``.
+The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
+``responses.stream`` read them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lineside.runtime.request import FinishReason
+from lineside.runtime.structured import Constraint, ConstraintError
+from lineside.server.errors import APIError
+from lineside.server.responses import Choice, failure
+from lineside.server.state import ServerState
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = False
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    user: str | None = None
+    # refused with a 400 naming them when set
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, "unsupported_parameter", param=param)
+
+
+def check(req: ResponsesRequest) -> None:
+    """400 for what this server does not do on /v1/responses."""
+    if req.previous_response_id is not None:
+        raise _bad("previous_response_id: this server keeps no responses; send the whole conversation in 'input'",
+                   "previous_response_id")
+    if req.conversation is not None:
+        raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
+    if req.prompt is not None:
+        raise _bad("prompt: stored prompt templates are not supported; send the text in 'input'", "prompt")
+    if req.tools:
+        raise _bad("tools: not supported on /v1/responses here; use /v1/chat/completions with tools", "tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise _bad("tool_choice: no tools on /v1/responses here", "tool_choice")
+    if req.reasoning and any(v is not None for v in req.reasoning.values()):
+        raise _bad("reasoning: reasoning options are not supported by this model server", "reasoning")
+    if req.background:
+        raise _bad("background: background responses are not supported; stream instead", "background")
+    if req.include:
+        raise _bad(f"include: {req.include[0]!r} is not supported", "include")
+    if req.truncation not in (None, "disabled"):
+        raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
+
+
+def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``instructions`` + ``input`` as chat messages (text parts only)."""
+    out: list[dict[str, Any]] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise _bad(f"{where}.type: {kind!r} items are not supported; send messages with text", f"{where}.type")
+        role = item.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise _bad(f"{where}.role: {role!r} is not system, developer, user or assistant", f"{where}.role")
+        content = item.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+                    t = p.get("type") if isinstance(p, dict) else type(p).__name__
+                    raise _bad(f"{where}.content[{j}]: {t!r} parts are not supported; this model reads text only",
+                               f"{where}.content[{j}].type")
+                parts.append(str(p.get("text") or ""))
+            text = "".join(parts)
+        else:
+            raise _bad(f"{where}.content: give a string or a list of input_text parts", f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": text})
+    if not out or all(m["role"] == "system" for m in out):
+        raise _bad("input: give at least one message", "input")
+    return out
+
+
+def text_constraint(req: ResponsesRequest) -> Constraint | None:
+    """``text.format``: text (free), json_object, json_schema (``name``, ``schema``, ``strict`` inline)."""
+    fmt = (req.text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object("text.format")
+    if kind == "json_schema":
+        if "schema" not in fmt:
+            raise _bad("text.format.schema: missing; give the JSON schema the output must follow", "text.format.schema")
+        try:
+            return Constraint.json_schema(fmt["schema"], param="text.format.schema")
+        except ConstraintError as e:
+            raise APIError(400, str(e), "invalid_value", param=e.param) from None
+    raise _bad(f"text.format.type: {kind!r} is not text, json_object or json_schema", "text.format.type")
+
+
+class ResponseBuilder:
+    """The response object and its stream events for one request (one output message)."""
+
+    def __init__(self, req: ResponsesRequest, model: str, rid: str):
+        self.req = req
+        self.id = "resp_" + rid.replace("-", "")
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.seq = 0
+
+    def body(self, text: str, status: str, usage: tuple[int, int] | None, reason: str | None = None
+             ) -> dict[str, Any]:
+        r = self.req
+        fmt = (r.text or {}).get("format") or {"type": "text"}
+        output = [] if status == "in_progress" else [self.item(text, "completed" if status == "completed"
+                                                                else "incomplete")]
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "instructions": r.instructions,
+            "error": None, "incomplete_details": {"reason": reason} if reason else None,
+            "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
+            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "store": False, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "text": {"format": fmt}, "tool_choice": "auto", "tools": [],
+            "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled", "user": r.user,
+            "usage": None if usage is None else {
+                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage[0] + usage[1]},
+        }
+
+    def item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+                "content": [self.part(text)]}
+
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def event(self, kind: str, **fields: Any) -> str:
+        """One SSE event (``event:`` line + ``data:``), numbered as OpenAI numbers them."""
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def opening(self) -> list[str]:
+        body = self.body("", "in_progress", None)
+        return [self.event("response.created", response=body), self.event("response.in_progress", response=body),
+                self.event("response.output_item.added", output_index=0,
+                           item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant",
+                                 "content": []}),
+                self.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                           part=self.part(""))]
+
+    def delta(self, text: str) -> str:
+        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+                          delta=text, logprobs=[])
+
+    def closing(self, text: str, usage: tuple[int, int], finish_reason: str) -> list[str]:
+        incomplete = finish_reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        return [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
+                           text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                           part=self.part(text)),
+                self.event("response.output_item.done", output_index=0, item=self.item(text, status)),
+                self.event("response.incomplete" if incomplete else "response.completed",
+                           response=self.body(text, status, usage, "max_output_tokens" if incomplete else None))]
+
+    def failed(self, message: str, code: str) -> str:
+        body = self.body("", "failed", None)
+        body["error"] = {"code": code, "message": message}
+        body["output"] = []
+        return self.event("response.failed", response=body)
+
+
+async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -> AsyncIterator[str]:
+    """The SSE body of a streamed response: created / in_progress, the output item and part, text deltas,
+    then done events and completed (or incomplete at max_output_tokens; failed on an engine failure)."""
+    for e in builder.opening():
+        yield e
+    text: list[str] = []
+    async for event in choice.handle:
+        choice.note(event, time.perf_counter())
+        if event.text:
+            text.append(event.text)
+            yield builder.delta(event.text)
+        if event.finish_reason is None:
+            continue
+        state.metrics.observe(choice.record)
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            for e in builder.closing("".join(text), (choice.record.prompt_tokens, choice.record.completion_tokens),
+                                     event.finish_reason):
+                yield e
+        else:
+            err = failure(state, event)
+            yield builder.failed(err.message, err.code or "server_error")
+        return

@@ -1,0 +1,431 @@
+"""OpenAI tool calling: tools and tool_choice checked, tool history rendered through the chat template,
+the model's own call formats parsed (streaming too) into OpenAI ``tool_calls``.
+
+``required`` and a named function are grammar-constrained (``tool_constraint``): a named call makes the
+model write the function's arguments as JSON for its parameter schema; ``required`` makes it write
+``[{"name": ..., "arguments": {...}}, ...]`` over the tools' schemas. ``auto`` lets the model choose and
+parses what it writes: Qwen2.5 / R1-Distill-Qwen / Hermes ``<tool_call>{json}</tool_call>`` or Llama 3.x's
+bare JSON ``{"name": ..., "parameters": {...}}``. A template that knows nothing of tools (SmolLM2's) gets
+the tools described in a system message, asking for the ``<tool_call>`` format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from lineside.runtime.structured import Constraint
+from lineside.server.errors import APIError
+
+# ``required`` with parallel calls: at most this many in one answer. A small model given an open array
+# repeats its call until max_tokens and the last one is cut mid-arguments; a bound keeps every call whole.
+MAX_PARALLEL_CALLS = 4
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
+_DECODER = json.JSONDecoder()
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, "invalid_value", param=param)
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments
+
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's request carries it (what chat templates iterate over)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+class ToolChoiceKind(str, Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    kind: ToolChoiceKind
+    name: str | None = None  # the function, when NAMED
+
+
+class CallFormat(str, Enum):
+    """How the model's output carries calls."""
+
+    TAGGED = "tagged"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5, Hermes)
+    JSON = "json"  # bare JSON objects or an array of them (Llama 3.x; the ``required`` grammar)
+    ARGUMENTS = "arguments"  # the whole output is one call's arguments (a named function's grammar)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self, index: int | None = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "type": "function",
+                             "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            d["index"] = index
+        return d
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One streamed piece of a call: the first carries id and name (arguments ""), later ones arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"index": self.index, "function": {"arguments": self.arguments}}
+        if self.id is not None:
+            d["id"], d["type"] = self.id, "function"
+            d["function"]["name"] = self.name
+        return d
+
+
+# ---- request side ----------------------------------------------------------------------------------------
+def parse_tools(tools: Sequence[Any] | None, param: str = "tools") -> list[Tool]:
+    """OpenAI ``tools`` → typed tools; a 400 naming the entry for a malformed one or a name used twice."""
+    out: list[Tool] = []
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tools or []):
+        where = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise _bad(f"{where}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise _bad(f"{where}.function.name: a function name is 1-64 letters, digits, '_', '.' or '-'",
+                       f"{where}.function.name")
+        if name in seen:
+            raise _bad(f"{where}.function.name: {name!r} is already the name of {param}[{seen[name]}]; "
+                       "tool names must be unique", f"{where}.function.name")
+        seen[name] = i
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
+        desc = f.get("description") or ""
+        if not isinstance(desc, str):
+            raise _bad(f"{where}.function.description: must be a string", f"{where}.function.description")
+        out.append(Tool(name, desc, params))
+    return out
+
+
+def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_choice") -> ToolChoice:
+    """OpenAI ``tool_choice`` (default: auto with tools, none without)."""
+    if choice is None:
+        return ToolChoice(ToolChoiceKind.AUTO if tools else ToolChoiceKind.NONE)
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise _bad(f"{param}: {choice!r} is not none, auto, required or {{\"type\": \"function\", ...}}", param)
+        kind = ToolChoiceKind(choice)
+        if kind == ToolChoiceKind.AUTO and not tools:  # auto with nothing to call: plain text, as clients expect
+            return ToolChoice(ToolChoiceKind.NONE)
+        if kind == ToolChoiceKind.REQUIRED and not tools:
+            raise _bad(f"{param} {choice!r} asks for a tool call but no tools are given; give the functions in 'tools'",
+                       param)
+        return ToolChoice(kind)
+    name = None
+    if isinstance(choice, dict) and choice.get("type", "function") == "function":
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise _bad(f"{param}: a named choice is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param)
+    if name not in {t.name for t in tools}:
+        raise _bad(f"{param}: function {name!r} is not in tools ({', '.join(t.name for t in tools) or 'none given'})",
+                   param)
+    return ToolChoice(ToolChoiceKind.NAMED, name)
+
+
+def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True) -> Constraint | None:
+    """The grammar for ``required`` / a named function; None for auto and none (the model is free)."""
+    if choice.kind == ToolChoiceKind.NAMED:
+        tool = next(t for t in tools if t.name == choice.name)
+        return Constraint.json_schema(tool.parameters, param=f"tools[{tools.index(tool)}].function.parameters")
+    if choice.kind != ToolChoiceKind.REQUIRED:
+        return None
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1,
+                              "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+    return Constraint.json_schema(schema, param="tools")
+
+
+def call_format(choice: ToolChoice, chat_template: str | None) -> CallFormat:
+    """Where the calls are in this output: fixed by the grammar for required / named, else the model's own."""
+    if choice.kind == ToolChoiceKind.NAMED:
+        return CallFormat.ARGUMENTS
+    if choice.kind == ToolChoiceKind.REQUIRED:
+        return CallFormat.JSON
+    t = chat_template or ""
+    if "<tool_call>" in t or not template_knows_tools(t):
+        return CallFormat.TAGGED  # Qwen / Hermes, and what the fallback system prompt asks for
+    return CallFormat.JSON  # Llama 3.x: {"name": ..., "parameters": ...}
+
+
+def template_knows_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], chat_template: str | None,
+                      choice: ToolChoice) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for the chat template. Assistant ``tool_calls`` get their arguments as objects (what
+    HF templates expect); a template without tool support gets tools, calls and results written as text."""
+    listed = [t.openai() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
+    if template_knows_tools(chat_template):
+        out = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+            out.append(m)
+        return out, listed
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = "\n".join(f"<tool_call>\n{json.dumps(_template_call(c)['function'], ensure_ascii=False)}\n"
+                              "</tool_call>" for c in m.pop("tool_calls"))
+            m["content"] = ((m.get("content") or "") + "\n" + calls).strip()
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+        out.append(m)
+    if listed:
+        out = _with_system(out, tools_system_prompt(tools))
+    return out, None
+
+
+def tools_system_prompt(tools: Sequence[Tool]) -> str:
+    """The Hermes / Qwen2.5 wording, for templates that carry no tool section of their own."""
+    sigs = "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{sigs}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+            "\n</tool_call>")
+
+
+def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0].get("role") in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{text}".strip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _template_call(c: Any) -> dict[str, Any]:
+    f = dict(c.get("function") or {}) if isinstance(c, dict) else {}
+    args = f.get("arguments")
+    if isinstance(args, str):
+        try:
+            f["arguments"] = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # the template gets the text as the client sent it
+    return {"id": c.get("id"), "type": "function", "function": f}
+
+
+# ---- response side ---------------------------------------------------------------------------------------
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_KEY_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_KEY_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass
+class _Scan:
+    content: str  # text that is certainly content, in order
+    calls: list[tuple[str | None, str, bool]]  # (name when known, arguments so far, complete)
+
+
+class ToolCallStream:
+    """Turns the model's text, fed as it streams, into content and tool-call deltas; ``parse`` does it whole.
+
+    Every feed rescans the whole output (short) and emits only what can no longer change, so the
+    concatenated deltas equal what the whole-text parse returns."""
+
+    def __init__(self, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None):
+        self.fmt = fmt
+        self.names = {t.name for t in tools}
+        self.named = named
+        self._buf = ""
+        self._content_sent = 0
+        self.calls: list[ToolCall] = []
+        self._args_sent: list[int] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        return self._emit(final=False)
+
+    def close(self) -> tuple[str, list[ToolCallDelta]]:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        s = self._scan(final)
+        content = s.content[self._content_sent:]
+        self._content_sent = len(s.content)
+        deltas: list[ToolCallDelta] = []
+        for i, (name, args, _done) in enumerate(s.calls):
+            if name is None:
+                break
+            if i == len(self.calls):
+                self.calls.append(ToolCall(name, ""))
+                self._args_sent.append(0)
+                deltas.append(ToolCallDelta(i, "", self.calls[i].id, name))
+            new = args[self._args_sent[i]:]
+            if new:
+                self._args_sent[i] = len(args)
+                self.calls[i].arguments = args
+                deltas.append(ToolCallDelta(i, new))
+        return content, deltas
+
+    def _scan(self, final: bool) -> _Scan:
+        if self.fmt == CallFormat.ARGUMENTS:
+            return _Scan("", [(self.named, self._buf.lstrip(), final)])
+        if self.fmt == CallFormat.TAGGED:
+            return self._scan_tagged(final)
+        return self._scan_json(final)
+
+    def _scan_tagged(self, final: bool) -> _Scan:
+        buf, pos, content, calls = self._buf, 0, [], []
+        while True:
+            j = buf.find(_OPEN, pos)
+            if j < 0:
+                tail = buf[pos:]
+                if not final:  # a tag may be arriving: hold back what could be its start
+                    tail = tail[:len(tail) - _partial_suffix(tail, _OPEN)]
+                content.append(tail)
+                break
+            content.append(buf[pos:j])
+            k = buf.find(_CLOSE, j)
+            body = buf[j + len(_OPEN):k if k >= 0 else len(buf)]
+            name, args, done, ok = _call_object(body, complete=k >= 0 or final, names=self.names)
+            if not ok:  # not a call after all (or an unknown function): its text is content
+                if k < 0 and not final:
+                    break
+                content.append(buf[j:k + len(_CLOSE) if k >= 0 else len(buf)])
+            else:
+                calls.append((name, args, done))
+                if name is None or not done and k < 0:
+                    break
+            if k < 0:
+                break
+            pos = k + len(_CLOSE)
+        return _Scan(_drop_blank("".join(content), bool(calls), final), calls)
+
+    def _scan_json(self, final: bool) -> _Scan:
+        buf = self._buf
+        lead = len(buf) - len(buf.lstrip())
+        rest, tag = buf[lead:], "<|python_tag|>"  # Llama 3.x's call marker, when special tokens are kept
+        if rest.startswith(tag):
+            lead += len(tag)
+        elif rest and tag.startswith(rest) and not final:
+            return _Scan("", [])
+        p = _skip(buf, lead, " \t\r\n")
+        if p >= len(buf):
+            return _Scan(buf if final else "", [])
+        if buf[p] not in "{[":
+            return _Scan(buf, [])  # plain content
+        if buf[p] == "[":
+            p += 1
+        calls = []
+        while True:
+            p = _skip(buf, p, " \t\r\n,;")
+            if p >= len(buf) or buf[p] != "{":
+                break
+            try:
+                _, end = _DECODER.raw_decode(buf, p)
+                body, complete = buf[p:end], True
+            except json.JSONDecodeError:
+                body, complete, end = buf[p:], final, len(buf)
+            name, args, done, ok = _call_object(body, complete=complete, names=self.names)
+            if not ok:
+                if not calls and (complete or final):
+                    return _Scan(buf, [])  # JSON that is not a call: the whole output is content
+                break
+            calls.append((name, args, done))
+            if not done:
+                break
+            p = end
+        return _Scan("", calls)
+
+    def result(self) -> tuple[str | None, list[ToolCall]]:
+        """After ``close``: the message content (None when it is only calls) and the calls."""
+        content = self._scan(True).content
+        return (content if content.strip() or not self.calls else None), list(self.calls)
+
+
+def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None
+          ) -> tuple[str | None, list[ToolCall]]:
+    """Whole-output parse: (content, calls)."""
+    s = ToolCallStream(fmt, tools, named)
+    s.feed(text)
+    s.close()
+    return s.result()
+
+
+def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None, str, bool, bool]:
+    """(name, arguments text so far, arguments complete, still a valid call) of one call object's text."""
+    i = _skip(body, 0, " \t\r\n")
+    if i >= len(body):
+        return None, "", False, not complete
+    if body[i] != "{":
+        return None, "", False, False
+    m = _KEY_NAME.search(body, i)
+    name = None
+    if m is not None:
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except json.JSONDecodeError:
+            return None, "", False, False
+        if name not in names:
+            return None, "", False, False
+    a = _KEY_ARGS.search(body, i)
+    if a is None:
+        if complete:  # a finished object with no arguments: a call with none, if it named a function
+            return name, "{}" if name else "", True, name is not None
+        return name, "", False, True
+    v = a.end()
+    try:
+        value, end = _DECODER.raw_decode(body, v)
+        args = value if isinstance(value, str) else body[v:end]
+        return name, args, True, name is not None or not complete
+    except json.JSONDecodeError:
+        if complete:
+            return (name, body[v:].rstrip().removesuffix("}").rstrip(), True, name is not None)
+        if body[v:v + 1] != "{":  # a string or other value: wait for all of it
+            return name, "", False, True
+        return name, body[v:], False, True
+
+
+def _skip(s: str, i: int, chars: str) -> int:
+    while i < len(s) and s[i] in chars:
+        i += 1
+    return i
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _drop_blank(content: str, has_calls: bool, final: bool) -> str:
+    """Trailing whitespace waits (while streaming) to see whether a call follows; before calls it is dropped."""
+    return content.rstrip() if has_calls or not final else content

@@ -1,0 +1,213 @@
+"""Grammar-constrained decoding on a tiny byte-level tokenizer (every byte one token) and on SmolLM2:
+whatever the logits, a constrained generation parses against its constraint; the compile cache; the errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum
+
+import numpy as np
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from lineside.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.structured import (
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    GrammarCompiler,
+    fill_masks,
+    new_bitmask,
+    unpack_bitmask,
+)
+from tests.tiny_tokenizer import write_byte_tokenizer
+
+VOCAB = 300  # as the tiny test checkpoints: 3 specials + 256 bytes + unused ids
+EOS = 2
+
+
+class Defect(str, Enum):
+    scratch = "scratch"
+    dent = "dent"
+    crack = "crack"
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as OpenAI's strict mode has it
+    name: str = Field(max_length=12)
+    count: int = Field(ge=1, le=99)
+
+
+class Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    defect: Defect
+    station: str = Field(pattern=r"^ST-[0-9]{2}$")
+    severity: float = Field(ge=0, le=10)
+    parts: list[Part] = Field(max_length=3)
+    notes: str | None = Field(default=None, max_length=20)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(d, VOCAB)
+    from lineside.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(d, {"bos_token_id": 1, "eos_token_ids": [EOS]})
+    return tok, GrammarCompiler.for_tokenizer(tok, VOCAB, [EOS])
+
+
+def _generate(compiler, tok, c: Constraint, seed: int, max_tokens: int = 400, temperature: float = 1.0,
+              closing: str = ""):
+    """Random logits (a model that knows nothing) through the sampler under the grammar mask; the
+    ``closing`` characters are favoured so free-form JSON ends within ``max_tokens``."""
+    rng = np.random.default_rng(seed)
+    m = compiler.matcher(c)
+    s = Sampler(SamplingParams(temperature=temperature, seed=seed))
+    out = []
+    for _ in range(max_tokens):
+        logits = rng.standard_normal(VOCAB).astype(np.float32) * 3
+        logits[EOS] += 4.0  # ending early is likely wherever the grammar allows it
+        for ch in closing:
+            logits[tok.encode(ch, add_special=False)[0]] += 6.0
+        t = s.step(logits, allowed=m.allowed()).token
+        assert m.accept(t), m.error
+        if t == EOS:
+            break
+        out.append(t)
+        if m.finished:
+            break
+    assert m.finished or m.accepting, "ran out of tokens before the grammar completed"
+    return tok.decode(out)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_schema_outputs_validate_whatever_the_logits(tiny, seed):
+    tok, comp = tiny
+    text = _generate(comp, tok, Constraint.json_schema(Report.model_json_schema()), seed)
+    Report.model_validate_json(text)  # raises if it does not parse against the schema
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_regex_choice_json_object_and_lark(tiny, seed):
+    tok, comp = tiny
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", _generate(comp, tok, Constraint.regex(r"[A-Z]{2}-[0-9]{3}"), seed))
+    assert _generate(comp, tok, Constraint.choice(["press", "weld", "paint shop"]), seed) in {
+        "press", "weld", "paint shop"}
+    assert isinstance(json.loads(_generate(comp, tok, Constraint.json_object(), seed, closing='"}]')), dict)
+    lark = 'start: "ok" | "error " NUM\nNUM: /[0-9]{1,3}/'
+    assert re.fullmatch(r"ok|error [0-9]{1,3}", _generate(comp, tok, Constraint.grammar(lark), seed))
+    gbnf = 'root ::= "yes" | "no"'
+    assert _generate(comp, tok, Constraint.grammar(gbnf), seed) in {"yes", "no"}
+
+
+def test_greedy_under_a_mask_picks_the_best_allowed_token(tiny):
+    tok, comp = tiny
+    m = comp.matcher(Constraint.choice(["b", "c"]))
+    logits = np.zeros(VOCAB, dtype=np.float32)
+    ids = {ch: tok.encode(ch, add_special=False)[0] for ch in "abc"}
+    logits[ids["a"]], logits[ids["b"]], logits[ids["c"]] = 9.0, 1.0, 2.0
+    assert Sampler(SamplingParams()).step(logits, allowed=m.allowed()).token == ids["c"]
+    assert Sampler(SamplingParams())(logits) == ids["a"]  # without a mask: unchanged
+
+
+def test_grammar_completion_ends_the_request(tiny):
+    tok, comp = tiny
+    m = comp.matcher(Constraint.regex("ab"))
+    for t in tok.encode("ab", add_special=False):
+        assert not m.finished
+        assert m.accept(t)
+    assert m.finished  # nothing but the end can follow: the engine stops without sampling EOS
+    assert not comp.matcher(Constraint.regex("ab")).accept(tok.encode("x", add_special=False)[0])
+
+
+def test_compile_cache_keys_on_the_constraint_not_the_field(tiny):
+    _, comp = tiny
+    before = (comp.stats.compiled, comp.stats.hits)
+    schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
+    comp.matcher(Constraint.json_schema(schema, param="response_format"))
+    comp.matcher(Constraint.json_schema(json.dumps(schema), param="guided_json"))
+    assert (comp.stats.compiled, comp.stats.hits) == (before[0] + 1, before[1] + 1)
+    a, b = comp.matcher(Constraint.regex("x+")), comp.matcher(Constraint.regex("x+"))
+    assert a is not b and a._m is not b._m  # each request its own state
+
+
+def test_matchers_are_independent_and_roll_back(tiny):
+    tok, comp = tiny
+    x, y = (tok.encode(ch, add_special=False)[0] for ch in "xy")
+    a, b = comp.matcher(Constraint.regex("xy")), comp.matcher(Constraint.regex("xy"))
+    assert a.accept(x) and a.accept(y) and a.finished and not b.finished
+    a.rollback(1)
+    assert not a.finished and a.allowed()[y] and not a.allowed()[x]
+    assert b.validate([x, y]) == 2 and b.validate([y]) == 0
+
+
+def test_batched_masks_equal_one_by_one(tiny):
+    tok, comp = tiny
+    ms = [comp.matcher(Constraint.regex("[a-c]+")), comp.matcher(Constraint.choice(["zz"])),
+          comp.matcher(Constraint.json_object())]
+    bm = new_bitmask(4, VOCAB)
+    fill_masks([(m, r) for r, m in zip((0, 2, 3), ms, strict=True)], bm)
+    rows = unpack_bitmask(bm, VOCAB)
+    assert rows[1].all()  # an unconstrained row is left allowing everything
+    for r, m in zip((0, 2, 3), ms, strict=True):
+        assert (rows[r] == m.allowed()).all()
+    assert rows[0].sum() == 3 and rows[2].sum() == 1
+
+
+@pytest.mark.parametrize("make, param, words", [
+    (lambda: Constraint.json_schema({"type": "no-such-type"}), "response_format.json_schema.schema", "invalid"),
+    (lambda: Constraint.json_schema("{not json", param="guided_json"), "guided_json", "not valid JSON"),
+    (lambda: Constraint.json_schema([1, 2], param="guided_json"), "guided_json", "must be an object"),
+    (lambda: Constraint.regex("a{3,1}"), "guided_regex", "invalid"),
+    (lambda: Constraint.regex("(?!x)y"), "guided_regex", "look-around"),
+    (lambda: Constraint.regex("[a&&b]"), "guided_regex", "never be matched"),
+    (lambda: Constraint.choice([]), "guided_choice", "non-empty list"),
+    (lambda: Constraint.grammar("start: undefined_rule"), "guided_grammar", "invalid grammar"),
+])
+def test_bad_constraints_are_one_line_naming_the_field(tiny, make, param, words):
+    _, comp = tiny
+    with pytest.raises(ConstraintError) as e:
+        comp.compile(make())
+    assert e.value.param == param
+    msg = str(e.value)
+    assert msg.startswith(param + ":") and words in msg and "\n" not in msg
+
+
+def test_constraint_values():
+    assert Constraint.json_object().kind == ConstraintKind.JSON_OBJECT
+    assert Constraint.json_schema({"a": 1}, param="x") == Constraint.json_schema('{"a": 1}', param="y")
+    assert Constraint.json_schema(True).text == "{}"
+
+
+@pytest.mark.slow
+def test_smollm2_follows_the_schema(smol_bundle):
+    """The real model, greedy, on extraction prompts: each output parses against the schema and the
+    grammar ends the generation."""
+    from lineside.runtime.generate import Generator
+
+    g = Generator(smol_bundle, threads=1)
+    comp = GrammarCompiler.for_tokenizer(g.tokenizer, g.backend.vocab_size, g.eos_ids)
+    c = Constraint.json_schema(Report.model_json_schema())
+    for text in ["ST-07 press: crack in the upper die, 2 bolts loose; severity 7.",
+                 "Station ST-12: scratch on door panel (1 panel); polish it.",
+                 "ST-03 weld cell: dent in bracket x4, severity 2, notes: night shift"]:
+        ids = g.tokenizer.encode_chat([{"role": "user", "content": f"Report this defect as JSON: {text}"}])
+        m = comp.matcher(c)
+        out = list(g.stream(ids, 200, matcher=m))
+        assert m.finished
+        Report.model_validate_json(g.tokenizer.decode(out))
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise():
+    from lineside.runtime.structured import closed_objects
+
+    s = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                          "c": {"type": "object", "properties": {}, "additionalProperties": True}},
+         "$defs": {"D": {"properties": {"x": {}}}}, "default": {"properties": {}}}
+    c = closed_objects(s)
+    assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["c"]["additionalProperties"] is True and c["$defs"]["D"]["additionalProperties"] is False
+    assert c["default"] == {"properties": {}}  # data is left alone
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object: any keys

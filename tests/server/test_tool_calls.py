@@ -1,0 +1,182 @@
+"""Tool calling without a model: tools / tool_choice checks, history rendering, the model formats parsed
+whole and streamed (the streamed deltas add up to the whole parse), and required / named grammars whose
+every output parses into calls that validate against the tool schema."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lineside.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.structured import GrammarCompiler
+from lineside.server.errors import APIError
+from lineside.server.tool_calls import (
+    CallFormat,
+    ToolCallStream,
+    ToolChoiceKind,
+    call_format,
+    parse,
+    parse_tool_choice,
+    parse_tools,
+    template_messages,
+    tool_constraint,
+)
+from tests.tiny_tokenizer import write_byte_tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather at a place",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}, "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+STOP = {"type": "function", "function": {
+    "name": "stop_line", "parameters": {"type": "object", "properties": {
+        "station": {"type": "integer", "minimum": 1, "maximum": 40}}, "required": ["station"],
+        "additionalProperties": False}}}
+TOOLS = parse_tools([WEATHER, STOP])
+
+
+def _stream(text: str, fmt: CallFormat, named: str | None = None, step: int = 1):
+    s = ToolCallStream(fmt, TOOLS, named)
+    content, calls = "", {}
+    for i in range(0, len(text), step):
+        c, ds = s.feed(text[i:i + step])
+        content += c
+        for d in ds:
+            calls.setdefault(d.index, {"id": d.id, "name": d.name, "arguments": ""})
+            assert d.id is None or calls[d.index]["id"] == d.id
+            calls[d.index]["arguments"] += d.arguments
+    c, ds = s.close()
+    content += c
+    for d in ds:
+        calls.setdefault(d.index, {"id": d.id, "name": d.name, "arguments": ""})
+        calls[d.index]["arguments"] += d.arguments
+    return content, [calls[i] for i in sorted(calls)], s
+
+
+QWEN = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "stop_line", "arguments": {"station": 7}}\n</tool_call>')
+LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}'
+
+
+@pytest.mark.parametrize("text, fmt, content, calls", [
+    (QWEN, CallFormat.TAGGED, "I will check.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    (LLAMA, CallFormat.JSON, None, [("stop_line", '{"station": 12}'), ("get_weather", '{"city": "Oslo", "unit": "F"}')]),
+    ('<|python_tag|>{"name": "stop_line", "parameters": {"station": 3}}', CallFormat.JSON, None,
+     [("stop_line", '{"station": 3}')]),
+    ('[{"name": "stop_line", "arguments": {"station": 1}}]', CallFormat.JSON, None, [("stop_line", '{"station": 1}')]),
+    ("No call needed: it is sunny.", CallFormat.TAGGED, "No call needed: it is sunny.", []),
+    ('{"answer": 42}', CallFormat.JSON, '{"answer": 42}', []),  # JSON that is not a call stays content
+    ('<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', CallFormat.TAGGED,  # unknown function
+     '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', []),
+    ('a < b <tool_ and <tool_call', CallFormat.TAGGED, "a < b <tool_ and <tool_call", []),
+])
+def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
+    got_content, got_calls = parse(text, fmt, TOOLS)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls
+    for step in (1, 3, 7):
+        s_content, s_calls, s = _stream(text, fmt, step=step)
+        assert s_content == (content or "")
+        assert [(c["name"], c["arguments"]) for c in s_calls] == calls
+        assert [c["id"] for c in s_calls] == [c.id for c in s.calls]
+
+
+def test_named_format_streams_arguments_from_the_first_token():
+    s = ToolCallStream(CallFormat.ARGUMENTS, TOOLS, named="stop_line")
+    c, ds = s.feed('{"sta')
+    assert c == "" and ds[0].name == "stop_line" and ds[0].id.startswith("call_") and ds[1].arguments == '{"sta'
+    s.feed('tion": 4}')
+    s.close()
+    assert s.result() == (None, s.calls) and s.calls[0].arguments == '{"station": 4}'
+
+
+@pytest.mark.parametrize("tools, param, words", [
+    ([WEATHER, WEATHER], "tools[1].function.name", "already the name of tools[0]"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], "tools[0].function.name", "1-64 letters"),
+    ([{"type": "retrieval"}], "tools[0]", "must be"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "tools[0].function.parameters", "schema"),
+])
+def test_bad_tools_are_400_naming_the_entry(tools, param, words):
+    with pytest.raises(APIError) as e:
+        parse_tools(tools)
+    assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_tool_choice():
+    assert parse_tool_choice(None, TOOLS).kind == ToolChoiceKind.AUTO
+    assert parse_tool_choice(None, []).kind == ToolChoiceKind.NONE
+    named = parse_tool_choice({"type": "function", "function": {"name": "stop_line"}}, TOOLS)
+    assert (named.kind, named.name) == (ToolChoiceKind.NAMED, "stop_line")
+    for bad, param in [("sometimes", "tool_choice"), ({"type": "function", "function": {"name": "nope"}},
+                                                      "tool_choice")]:
+        with pytest.raises(APIError) as e:
+            parse_tool_choice(bad, TOOLS)
+        assert e.value.param == param
+    with pytest.raises(APIError):
+        parse_tool_choice("required", [])
+
+
+def test_history_rendering_with_and_without_template_support():
+    msgs = [{"role": "user", "content": "Weather in Lyon?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Lyon", "unit": "C"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    auto = parse_tool_choice("auto", TOOLS)
+    qwen_like = "{% for t in tools %}{{ t.function.name }}{% endfor %}<tool_call>"
+    out, tools = template_messages(msgs, TOOLS, qwen_like, auto)
+    assert tools[0]["function"]["name"] == "get_weather"
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Lyon", "unit": "C"}  # objects, as HF wants
+    assert out[2]["role"] == "tool"
+    plain, none = template_messages(msgs, TOOLS, "{{ messages }}", auto)
+    assert none is None and plain[0]["role"] == "system" and "<tools>" in plain[0]["content"]
+    assert "<tool_call>" in plain[2]["content"] and plain[3] == {
+        "role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+    assert call_format(auto, "{{ messages }}") == CallFormat.TAGGED
+    assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}") == CallFormat.JSON
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(d, 300)
+    from lineside.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(d, {"bos_token_id": 1, "eos_token_ids": [2]})
+    return tok, GrammarCompiler.for_tokenizer(tok, 300, [2])
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("choice", ["required", "required-single", "stop_line", "get_weather"])
+def test_required_and_named_outputs_always_parse(tiny, seed, choice):
+    """Random logits under the tool grammar: the output always parses into calls of known tools whose
+    arguments validate against the tool's schema."""
+    from pydantic import TypeAdapter
+
+    tok, comp = tiny
+    parallel = choice != "required-single"
+    tc = parse_tool_choice("required" if choice.startswith("required") else
+                           {"type": "function", "function": {"name": choice}}, TOOLS)
+    m = comp.matcher(tool_constraint(TOOLS, tc, parallel))
+    rng, s, out = np.random.default_rng(seed), Sampler(SamplingParams(temperature=1.0, seed=seed)), []
+    while not m.finished and len(out) < 600:
+        logits = rng.standard_normal(300).astype(np.float32) * 3
+        for ch in '"]}':
+            logits[tok.encode(ch, add_special=False)[0]] += 5.0
+        t = s.step(logits, allowed=m.allowed()).token
+        assert m.accept(t)
+        if t == 2:
+            break
+        out.append(t)
+    content, calls = parse(tok.decode(out), call_format(tc, None), TOOLS, named=tc.name)
+    assert content is None and calls and (parallel or len(calls) == 1)
+    for c in calls:
+        args = json.loads(c.arguments)
+        if c.name == "stop_line":
+            assert set(args) == {"station"} and 1 <= args["station"] <= 40
+        else:
+            assert set(args) == {"city", "unit"} and args["unit"] in "CF" and len(args["city"]) <= 16
+        TypeAdapter(dict).validate_python(args)
