@@ -52,10 +52,18 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
         """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
         frequency penalties count only the generated part, ``history[prompt_len:]`` (as vLLM does)."""
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            return self._sample(np.asarray(logits, dtype=np.float64), logits, history, prompt_len)
+        d = self.distribution(logits, history, prompt_len)
+        return d if isinstance(d, int) else int(self.rng.choice(d.shape[0], p=d))
 
-    def _sample(self, x: np.ndarray, logits: np.ndarray, history: list[int] | None, prompt_len: int) -> int:
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None,
+                     prompt_len: int = 0) -> int | np.ndarray:
+        """What ``__call__`` samples from: the token itself when the choice is deterministic (greedy), else the
+        float64 probabilities over the vocabulary (speculative verification needs them, speculative/verify.py)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._distribution(np.asarray(logits, dtype=np.float64), logits, history, prompt_len)
+
+    def _distribution(self, x: np.ndarray, logits: np.ndarray, history: list[int] | None,
+                      prompt_len: int) -> int | np.ndarray:
         p = self.p
         if history and p.repetition_penalty != 1.0:
             x = x.copy()
@@ -90,7 +98,7 @@ class Sampler:
         if p.min_p > 0:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
-        return int(self.rng.choice(probs.shape[0], p=probs))
+        return probs
 
 
 def _sanitize(x: np.ndarray) -> np.ndarray | None:

@@ -13,6 +13,7 @@ from typing import Any
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler
+from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.stop import StopMatcher
 from lineside.strenum import StrEnum
 
@@ -22,7 +23,7 @@ class SequenceStatus(StrEnum):
 
     WAITING = "waiting"  # queued (new or preempted), holds no slot
     PREFILL = "prefill"  # holds a slot; its fill is computed in chunks, one per step
-    DECODE = "decode"  # holds a slot; one token per step
+    DECODE = "decode"  # holds a slot; one token per step (plus any proposed tokens to verify)
     FINISHED = "finished"  # ended (stop, length, cancel, timeout, error); slot released
 
 
@@ -47,6 +48,8 @@ class Sequence:
         self.pending: int | None = None  # sampled, not yet fed to the model
         self.replay: deque[int] = deque()  # after a preemption: generated tokens to feed again, one per step
         self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
+        self.draft_length: DraftLength | None = None  # set by the scheduler when this request speculates
+        self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
 
     # ---- scheduling ------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from lineside.runtime.backend import Backend
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sequence import Sequence
+from lineside.runtime.speculative.verify import verify
 from lineside.runtime.step_plan import StepPlan
 
 log = logging.getLogger("lineside.engine")
@@ -21,6 +22,7 @@ log = logging.getLogger("lineside.engine")
 @dataclass
 class StepOutcome:
     sampled: dict[Sequence, int] = field(default_factory=dict)  # the token sampled for each sequence
+    accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # drafts kept, before its sampled token
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
 
 
@@ -40,8 +42,12 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
         try:
             logits = backend.forward(plan.decode_batch())
             for r, seq in enumerate(plan.decode):
-                if seq.samples:
-                    out.sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
+                drafts = plan.drafts.get(seq)
+                if drafts:
+                    out.accepted[seq], out.sampled[seq] = verify(seq.sampler, logits[r], drafts, seq.tokens,
+                                                                 len(seq.prompt))
+                elif seq.samples:
+                    out.sampled[seq] = seq.sampler(logits[r, 0], seq.tokens, len(seq.prompt))
         except Exception as e:  # a backend failure ends the requests in this call, not the server
             out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
     seq = plan.prefill
