@@ -34,7 +34,7 @@ from lineside.runtime.request import (
     TokenEvent,
     validate_request,
 )
-from lineside.runtime.scheduler import Clock, Scheduler
+from lineside.runtime.scheduler import ACCEPTANCE_BUCKETS, Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.runtime.step_plan import StepPlan
@@ -61,6 +61,8 @@ class EngineStats:
     spec_draft_tokens_total: int = 0  # proposed tokens the model scored
     spec_accepted_tokens_total: int = 0  # of those, kept
     spec_verify_rows_total: int = 0  # decode rows that verified proposals
+    # acceptance rate per verifying row and step: (bucket upper bounds, rows in each bucket, sum of rates)
+    spec_acceptance: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
@@ -193,6 +195,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_total, generated_tokens_total=s.generated_tokens, steps=self._steps,
             preemptions=s.preemptions, spec_draft_tokens_total=s.spec_drafted,
             spec_accepted_tokens_total=s.spec_accepted, spec_verify_rows_total=s.spec_steps,
+            spec_acceptance=(ACCEPTANCE_BUCKETS, tuple(s.spec_rate_counts), s.spec_rate_sum),
             requests=dict(self._outcomes))
 
     # ---- loop -------------------------------------------------------------------------------------

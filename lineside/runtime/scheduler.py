@@ -46,6 +46,7 @@ from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import Proposer
 from lineside.runtime.step_plan import StepPlan, prefill_take
 
+ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
 
 
@@ -70,6 +71,8 @@ class Scheduler:
         self.spec_drafted = 0  # proposed tokens scored by the model
         self.spec_accepted = 0  # of those, kept
         self.spec_steps = 0  # decode rows that verified drafts
+        self.spec_rate_counts = [0] * len(ACCEPTANCE_BUCKETS)  # verifying rows by acceptance rate (≤ bucket bound)
+        self.spec_rate_sum = 0.0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -125,6 +128,9 @@ class Scheduler:
                 seq.handle.metrics.spec_drafted += len(drafts)
                 seq.handle.metrics.spec_accepted += len(kept)
                 seq.draft_length.observe(len(drafts), len(kept))
+                rate = len(kept) / len(drafts)
+                self.spec_rate_counts[next(i for i, b in enumerate(ACCEPTANCE_BUCKETS) if rate <= b)] += 1
+                self.spec_rate_sum += rate
             elif seq.shadow is not None and seq.draft_length is not None and seq in sampled:
                 seq.draft_length.observe(1, int(sampled[seq] == seq.shadow))
             seq.shadow = None

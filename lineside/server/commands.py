@@ -45,6 +45,9 @@ def serve(
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="name clients send as 'model' (repeat for aliases; the first is the id shown); default: the "
              "bundle directory's name and the checkpoint's name")] = None,
+    speculative: Annotated[str | None, typer.Option(
+        help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
+    spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -70,6 +73,9 @@ def serve(
                         ("--keep-alive-timeout", keep_alive_timeout)):
         if not value > 0:
             raise LinesideError(f"{name} must be > 0 seconds, got {value}")
+    from lineside.runtime.speculative.config import parse_speculative
+
+    spec = parse_speculative(speculative, spec_tokens)
     read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     key = resolve_api_key(api_key, api_key_file)
@@ -82,7 +88,7 @@ def serve(
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
                      threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                      bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
-                     openapi=openapi, tokenizer_processes=tokenizer_processes)
+                     openapi=openapi, tokenizer_processes=tokenizer_processes, speculative=spec)
     limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                         keep_alive_timeout=keep_alive_timeout)
     run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)

@@ -211,7 +211,8 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
-                             priority=priority, mode=mode, timeout_s=timeout, request_id=request_id)
+                             priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
+                             speculative=req.speculative is not False)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

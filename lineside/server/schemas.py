@@ -61,6 +61,8 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
+                                                       "(default: the server's --speculative)")
 
 
 class ChatCompletionRequest(_Sampling):

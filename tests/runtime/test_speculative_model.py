@@ -15,7 +15,7 @@ from lineside.runtime.engine import LLMEngine
 from lineside.runtime.generate import Generator
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from lineside.runtime.request import GenerationRequest
-from lineside.runtime.speculative.config import SpeculativeConfig, SpecMethod
+from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
 from tests.runtime.conftest import run
 
 
