@@ -125,3 +125,28 @@ def test_smollm2_level0_greedy_with_ngram_equals_plain(smol_level0):
     got, st = run(engine_outputs(smol_level0, prompts, 40, spec=SpeculativeConfig(SpecMethod.NGRAM, 4)))
     assert got == plain
     assert st.spec_accepted_tokens_total > 0
+
+
+def test_mixed_verify_and_decode_rows_equal_rows_run_alone(tiny_bundles):
+    """One step with 1-token rows around a verifying row (the GQA cpu graph splits it into runs of adjacent
+    1-token rows and single multi-token rows): every row's logits equal those of the row run by itself."""
+    b = open_bundle(tiny_bundles(quant="w4a16", accuracy_level=0, group_size=32))
+    mixed = OnnxRuntimeBackend(b, num_slots=5, threads=2)
+    alone = OnnxRuntimeBackend(b, num_slots=5, threads=2)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 259, 6 + i).tolist() for i in range(5)]
+    for be in (mixed, alone):
+        for slot, p in enumerate(prompts):
+            be.forward(StepBatch.single(slot, p, 0))
+    rows = [[5], [6, 7, 8], [9], [10], [11, 12]]
+    width = 3
+    ids = np.zeros((5, width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    new = np.array([len(r) for r in rows], dtype=np.int64)
+    batch = StepBatch(slots=list(range(5)), input_ids=ids, past_lengths=np.array([len(p) for p in prompts]),
+                      new_lengths=new, logits_positions=np.minimum(np.arange(width)[None, :], (new - 1)[:, None]))
+    got = mixed.forward(batch)
+    for slot, r in enumerate(rows):
+        want = alone.forward(StepBatch.single(slot, r, len(prompts[slot]), all_logits=True))[0]
+        np.testing.assert_allclose(got[slot, :len(r)], want, rtol=1e-4, atol=1e-4)
