@@ -25,6 +25,8 @@ _COMMAND_MODULES = (
     "lineside.server.commands",
     "lineside.bench.commands",
     "lineside.jetson.commands",
+    "lineside.fleet.commands",
+    "lineside.deploy.commands",
 )
 
 
