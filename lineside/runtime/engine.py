@@ -106,7 +106,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
                                    contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,
                                    proposer=None if speculative is None else speculative.proposer(),
-                                   spec_tokens=0 if speculative is None else speculative.num_tokens)
+                                   spec_tokens=0 if speculative is None else speculative.num_tokens,
+                                   spec_max_rows=_spec_max_rows(self.backend, speculative),
+                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -275,3 +277,12 @@ class LLMEngine:
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
 
+
+
+def _spec_max_rows(backend: Backend, spec: SpeculativeConfig | None) -> int | None:
+    """Decode rows up to which a step speculates: the config's, else the backend's ``spec_max_rows`` (onnxruntime's
+    cpu graph runs each multi-token row as its own call, so beside other rows a verification is a whole extra
+    forward), else any."""
+    if spec is None:
+        return None
+    return spec.max_rows if spec.max_rows is not None else getattr(backend, "spec_max_rows", None)

@@ -93,7 +93,8 @@ class Generator:
                    stop_at_eos: bool) -> Iterator[int]:
         """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
         assert self.speculative is not None
-        proposer, length = self.speculative.proposer(), DraftLength(self.speculative.num_tokens)
+        proposer = self.speculative.proposer()
+        length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
         prompt_len = len(history)
         new = [sampler(logits, history, prompt_len)]
         while True:

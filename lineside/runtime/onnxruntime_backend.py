@@ -64,6 +64,11 @@ class OnnxRuntimeBackend:
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states)}
         self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
+        # pays only for a lone decoding row; a 5-token step costs about 2 one-token steps on CPU (SmolLM2 W4A16,
+        # 2 threads, accuracy level 4: 97 vs 45 ms; `python benchmarks/speculative.py --step-cost`).
+        self.spec_max_rows = 1 if self.uses_gqa else None
+        self.verify_cost = 2.0
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:

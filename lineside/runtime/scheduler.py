@@ -55,7 +55,8 @@ class Scheduler:
 
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
-                 proposer: Proposer | None = None, spec_tokens: int = 0):
+                 proposer: Proposer | None = None, spec_tokens: int = 0, spec_max_rows: int | None = None,
+                 verify_cost: float = 1.0):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -68,6 +69,8 @@ class Scheduler:
         self.generated_tokens = 0
         self.proposer = proposer if spec_tokens > 0 else None
         self.spec_tokens = spec_tokens
+        self.spec_max_rows = spec_max_rows  # speculate only in steps with at most this many decode rows
+        self.verify_cost = verify_cost  # a verification step's time in 1-token steps (the adaptive rule's bar)
         self.spec_drafted = 0  # proposed tokens scored by the model
         self.spec_accepted = 0  # of those, kept
         self.spec_steps = 0  # decode rows that verified drafts
@@ -77,7 +80,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         if self.proposer is not None and seq.req.speculative and seq.draft_length is None:
-            seq.draft_length = DraftLength(self.spec_tokens)
+            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost)
         self.waiting.append(seq)
 
     @property
@@ -157,6 +160,10 @@ class Scheduler:
         as ``shadow`` to be checked against the sample (so the length can grow back)."""
         assert self.proposer is not None
         out: dict[Sequence, list[int]] = {}
+        if self.spec_max_rows is not None and len(decode) > self.spec_max_rows:
+            for seq in decode:
+                seq.shadow = None
+            return out
         for seq in decode:
             dl = seq.draft_length
             if dl is None or not seq.samples:

@@ -124,14 +124,31 @@ def test_sampled_verify_with_top_k_and_temperature_matches_plain_sampling():
 
 
 # ---- adaptive draft length ------------------------------------------------------------------------
-def test_draft_length_shrinks_to_zero_and_grows_back():
-    dl = DraftLength(8)
-    for _ in range(12):
-        dl.observe(dl.k or 1, 0)
-    assert dl.k == 0
-    for _ in range(12):
-        dl.observe(max(dl.k, 1), max(dl.k, 1))
-    assert dl.k >= 6
+def test_draft_length_drops_to_zero_below_the_verify_cost_and_comes_back():
+    dl = DraftLength(8, verify_cost=2.0)
+    assert dl.k == 8  # optimistic start
+    for _ in range(6):
+        dl.observe(dl.k or 1, 0)  # every first draft rejected
+    assert dl.k == 0 and dl.expected_tokens(8) < 2.0
+    for _ in range(6):
+        dl.observe(1, 1)  # shadow guesses at k = 0 keep matching
+    assert dl.k == 8 and dl.expected_tokens(8) >= 2.0
+    mixed = DraftLength(4, verify_cost=2.0)
+    for _ in range(30):
+        mixed.observe(4, 1)  # one kept then a rejection: a = 0.5, E(4) = 1.94 < 2
+    assert mixed.k == 0
+    free = DraftLength(4)  # a verification that costs no more than a decode step always speculates
+    for _ in range(30):
+        free.observe(4, 0)
+    assert free.k == 4
+
+
+def test_wide_steps_do_not_speculate_past_max_rows(tiny_bundle):
+    reqs = reqs_for(PROMPTS, 10)
+    spec, st, be = run(generate(tiny_bundle, reqs, spec=SpeculativeConfig(SpecMethod.NGRAM, 4, max_rows=1),
+                                slots=5, wrong=1000))
+    assert all(len(new) == 1 or max(new) == 1 for _, _, new in be.calls)  # several rows: one token each
+    assert st.spec_accepted_tokens_total > 0  # the last row alone still speculates
 
 
 # ---- scheduler and engine on the fake backend -----------------------------------------------------

@@ -87,13 +87,13 @@ def test_tiny_int4_level0_greedy_with_drafts_equals_plain(tiny_bundles, variant)
     want = [list(g.stream(p, n)) for p in prompts]
     refs = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
     for wrong in (3, 1000):
-        got, st = run(engine_outputs(bundle, prompts, n, spec=SpeculativeConfig(SpecMethod.NGRAM, 4),
+        got, st = run(engine_outputs(bundle, prompts, n, spec=SpeculativeConfig(SpecMethod.NGRAM, 4, max_rows=8),
                                      proposer=ReferenceProposer(refs, wrong)))
         assert got == want, wrong
         assert st.spec_accepted_tokens_total > 0
         if wrong == 3:
             assert st.spec_accepted_tokens_total < st.spec_draft_tokens_total
-    got, st = run(engine_outputs(bundle, prompts, n, spec=SpeculativeConfig(SpecMethod.NGRAM, 4)))
+    got, st = run(engine_outputs(bundle, prompts, n, spec=SpeculativeConfig(SpecMethod.NGRAM, 4, max_rows=8)))
     assert got == want  # the real prompt-lookup proposer
 
 
@@ -122,7 +122,7 @@ def test_smollm2_level0_greedy_with_ngram_equals_plain(smol_level0):
     tok = Tokenizer.from_bundle(open_bundle(smol_level0))
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in COPY_TASKS]
     plain, _ = run(engine_outputs(smol_level0, prompts, 40, spec=None))
-    got, st = run(engine_outputs(smol_level0, prompts, 40, spec=SpeculativeConfig(SpecMethod.NGRAM, 4)))
+    got, st = run(engine_outputs(smol_level0, prompts, 40, spec=SpeculativeConfig(SpecMethod.NGRAM, 4, max_rows=8)))
     assert got == plain
     assert st.spec_accepted_tokens_total > 0
 

@@ -31,6 +31,8 @@ class Proposer(Protocol):
 class SpeculativeConfig:
     method: SpecMethod
     num_tokens: int = DEFAULT_SPEC_TOKENS
+    # Speculate only in steps with at most this many decode rows (None: the backend's ``spec_max_rows``).
+    max_rows: int | None = None
 
     def proposer(self) -> Proposer:
         from lineside.runtime.speculative.ngram import NgramProposer
