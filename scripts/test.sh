@@ -10,6 +10,13 @@ if ! command -v rsync >/dev/null || [ ! -x /usr/sbin/sshd ]; then
       >/dev/null 2>&1 || echo "note: could not install openssh-server/rsync; the ssh push test will skip"
   fi
 fi
+# promtool and prometheus check the shipped alert rules (deploy/prometheus); without them those tests skip.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
+      >/dev/null 2>&1 || echo "note: could not install prometheus (promtool); the alert-rule tests will skip"
+  fi
+fi
 .venv/bin/ruff check lineside tests build_engine.py benchmarks || exit 1
 .venv/bin/python -m pytest -q "$@"
 rc=$?

@@ -260,3 +260,19 @@ def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: 
 
 def _short(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def plan_with_fallback(primary: Plan, fallback: Plan) -> dict[str, Any]:
+    """Both bundles resident together (`serve --fallback`): their weights, KV and activations add up, the
+    runtime overhead is paid once."""
+    total = primary.total_bytes + fallback.total_bytes - fallback.runtime_overhead_bytes
+    return {"primary": primary.to_dict(), "fallback": fallback.to_dict(), "total_bytes": total,
+            "device_bytes": primary.device_bytes, "fits": primary.fits and fallback.fits and total <= primary.device_bytes,
+            "headroom_bytes": primary.device_bytes - total}
+
+
+def format_plan_with_fallback(pair: dict[str, Any], primary: Plan, fallback: Plan) -> str:
+    verdict = "FITS" if pair["fits"] else "DOES NOT FIT"
+    return "\n".join([format_plan(primary), "fallback:", format_plan(fallback),
+                      f"primary + fallback: {gib(pair['total_bytes'])} of {gib(pair['device_bytes'])} usable "
+                      f"(runtime counted once): {verdict}"])

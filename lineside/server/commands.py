@@ -45,6 +45,12 @@ def serve(
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="name clients send as 'model' (repeat for aliases; the first is the id shown); default: the "
              "bundle directory's name and the checkpoint's name")] = None,
+    fallback: Annotated[Path | None, typer.Option(
+        help="a second bundle (same tokenizer, e.g. a smaller model) loaded beside BUNDLE that takes traffic when "
+             "the SLO guard degrades")] = None,
+    slo_policy: Annotated[Path | None, typer.Option(
+        help="SLO policy file (YAML or JSON): thresholds, recovery, pins; default with --fallback: TTFT P90 0.8 s / "
+             "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
@@ -77,6 +83,16 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    policy = None
+    if slo_policy is not None:
+        from lineside.server.slo.policy import load_policy
+
+        policy = load_policy(slo_policy)
+    if fallback is not None:
+        from lineside.server.slo.fallback import available_bytes, check_fallback, check_fits
+
+        check_fallback(bundle, fallback)
+        check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     key = resolve_api_key(api_key, api_key_file)
     hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
@@ -88,7 +104,8 @@ def serve(
                      latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
                      threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                      bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
-                     openapi=openapi, tokenizer_processes=tokenizer_processes, speculative=spec)
+                     openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback, slo_policy=policy,
+                     speculative=spec)
     limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                         keep_alive_timeout=keep_alive_timeout)
     run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class ServerMetrics:
         self._device: dict[str, Gauge] = {}
         self._spec = _SpecDecodeCollector()
         registry.register(self._spec)
+        self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
         self._lock = threading.Lock()
@@ -107,6 +109,8 @@ class ServerMetrics:
         self.e2e.observe(record.e2e_s or 0.0)
         if record.queue_s is not None:
             self.queue.observe(record.queue_s)
+        for listener in self.listeners:
+            listener(record)
         if self._log_path is not None:
             self._write_log(record)
 

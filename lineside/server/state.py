@@ -13,11 +13,14 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 from lineside.server.tokenize_pool import PooledTokenizer
+
+if TYPE_CHECKING:
+    from lineside.server.slo.guard import SloGuard
 
 log = logging.getLogger("lineside.server")
 
@@ -75,6 +78,7 @@ class ServerState:
         self._load_task: asyncio.Task | None = None
         self.tokenizer_processes = tokenizer_processes
         self._tokenizer: PooledTokenizer | None = None
+        self.slo: SloGuard | None = None  # the degradation ladder, when serving with --fallback / --slo-policy
 
     # ---- model ---------------------------------------------------------------------------------
     @property
@@ -113,6 +117,8 @@ class ServerState:
 
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
             await self.engine.start()  # warms the backend up before it reports ready
+            if self.slo is not None:  # the fallback loads and warms before the server reports ready
+                await self.slo.start(self.engine, self.model_name)
             if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
                 await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
@@ -168,6 +174,8 @@ class ServerState:
             log.warning("drain timeout: %d request(s) still in flight are cancelled", self.inflight)
         if self.engine is not None:
             await self.engine.stop(0.0)  # cancels what is left; their responses end with an error
+        if self.slo is not None:
+            await self.slo.stop(0.0)
         try:
             await asyncio.wait_for(self._idle.wait(), 2.0)
         except asyncio.TimeoutError:
@@ -188,6 +196,8 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self.slo is not None:
+            await self.slo.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
         if self._tokenizer is not None:
             self._tokenizer.close()
         if self.tegrastats:
