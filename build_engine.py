@@ -30,13 +30,15 @@ def main(
     requantize: Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF")] = False,
     accuracy_level: Annotated[int, typer.Option(help="MatMulNBits accuracy level (cpu)")] = 4,
     lm_head_bits: Annotated[int, typer.Option(help="w4a16 LM head bits: 8 or 4")] = 8,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache: fp16 | int8 (trt flavor only: --flavors trt)")] = "fp16",
     force: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     engine: Annotated[bool, typer.Option(help="also build the TensorRT engine when TensorRT is importable")] = True,
 ) -> None:
     """Build a bundle, then its TensorRT engine if this machine can."""
-    build_command(checkpoint, output, quant, group_size, method, calib, flavors, max_seq_len, requantize,
-                  accuracy_level, lm_head_bits, force, quiet)
+    build_command(checkpoint, output, quant=quant, group_size=group_size, method=method, calib=calib,
+                  flavors=flavors, max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
+                  lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force, quiet=quiet)
     if not engine or "trt" not in flavors:
         return
     from lineside.runtime.tensorrt.env import import_tensorrt

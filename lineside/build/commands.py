@@ -42,6 +42,7 @@ def build(
     requantize: Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF instead of keeping its grid")] = False,
     accuracy_level: Annotated[int, typer.Option(help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 act)")] = 4,
     lm_head_bits: Annotated[int, typer.Option(help="w4a16 LM head bits: 8 (quality) or 4 (speed)")] = 8,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")] = "fp16",
     force: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")] = False,
 ) -> None:
@@ -49,7 +50,7 @@ def build(
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
-                        lm_head_bits=lm_head_bits, force=force)
+                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force)
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)

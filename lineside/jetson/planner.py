@@ -18,6 +18,7 @@ from lineside.errors import ConfigError, LinesideError
 from lineside.jetson.devices import Device, get_device
 from lineside.jetson.sizes import (
     KVSizes,
+    KvStorage,
     WeightSizes,
     check_kv_dtype,
     check_quant,
@@ -151,7 +152,7 @@ def load_model(model: str) -> ModelSpec:
     return _spec_from_hf(d, name)
 
 
-def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: int, chunk: int) -> int:
+def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: KvStorage, chunk: int) -> int:
     return w + spec.kv(ctx, batch, kvb).total + spec.activations(ctx, batch, chunk) + dev.runtime_overhead_bytes
 
 
@@ -184,6 +185,8 @@ def plan(
     dev = get_device(device)
     q = check_quant(quant or spec.quantization or "w4a16")
     kvb = check_kv_dtype(kv_dtype)
+    if kvb.name == "fp8" and tuple(int(x) for x in dev.sm.split(".")[:2]) < (8, 9):
+        raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
     if group_size < 1 or prefill_chunk < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
                openapi: bool = False, tokenizer_processes: int = 0,
                fallback: str | os.PathLike[str] | ServingEngine | None = None, slo_policy: SloPolicy | None = None,
-               slo_guard: SloGuard | None = None,
+               slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None,
                speculative: SpeculativeConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
@@ -40,7 +41,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     is set); no /docs or /redoc pages: they load their scripts from a CDN. ``max_body_bytes``: default derived
     from the model's context (prompt_limits.body_limit), at most 32 MiB. ``tokenizer_processes``: worker processes
     for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads.
-    ``fallback`` / ``slo_policy`` turn the SLO guard on (slo/guard.py); ``slo_guard``: one the caller built."""
+    ``fallback`` / ``slo_policy`` turn the SLO guard on (slo/guard.py); ``slo_guard``: one the caller built.
+    ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -51,7 +53,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     state = ServerState(source, engine_kwargs,
                         metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
                         api_key=api_key or None, served_model_names=served_model_names,
-                        tokenizer_processes=tokenizer_processes)
+                        tokenizer_processes=tokenizer_processes, engine_future=engine_future)
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]
                          if isinstance(fallback, (str, os.PathLike)) else None)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated
 
@@ -57,11 +59,6 @@ def serve(
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
-    from lineside.server.app import create_app
-    from lineside.server.auth import resolve_api_key
-    from lineside.server.browser_guard import is_loopback
-    from lineside.server.http_limits import HttpLimits
-    from lineside.server.serve import run
 
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
@@ -94,6 +91,18 @@ def serve(
         check_fallback(bundle, fallback)
         check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
+    # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
+    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+    if spec is not None:
+        engine_kwargs["speculative"] = spec
+    engine = load_in_background(bundle, engine_kwargs)
+    from lineside.server.app import create_app
+    from lineside.server.auth import resolve_api_key
+    from lineside.server.browser_guard import is_loopback
+    from lineside.server.http_limits import HttpLimits
+    from lineside.server.serve import run
+
     key = resolve_api_key(api_key, api_key_file)
     hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
     origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
@@ -105,10 +114,33 @@ def serve(
                      threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                      bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                      openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback, slo_policy=policy,
-                     speculative=spec)
+                     engine_future=engine, speculative=spec)
     limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                         keep_alive_timeout=keep_alive_timeout)
     run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)
+
+
+def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
+    """Start building the bundle's LLMEngine on a daemon thread (it must not keep a failed server alive);
+    the future carries the engine or the error the loader reports."""
+    # Imported here, on the calling thread, so the loader thread and the web-stack imports never import
+    # the same module at the same time (Python's per-module import locks could hand one a half-made module).
+    import lineside.runtime.generate  # noqa: F401 - what LLMEngine imports lazily, same reason
+    import lineside.runtime.onnxruntime_backend  # noqa: F401
+    import lineside.runtime.select  # noqa: F401
+    import lineside.runtime.tensorrt.key  # noqa: F401
+    from lineside.runtime.engine import LLMEngine
+
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(LLMEngine(bundle, **engine_kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
+            future.set_exception(e)
+
+    threading.Thread(target=build, name="lineside-load", daemon=True).start()
+    return future
 
 
 def register(app: typer.Typer) -> None:
