@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from lineside.bench.spec_metrics import spec_counters
 from lineside.errors import LinesideError
 
 
@@ -55,6 +56,8 @@ def bench(
     warmup: int = typer.Option(1, help="Requests sent (and not counted) before the run."),
     threads: int = typer.Option(None, help="--bundle only: CPU threads for the in-process runtime."),
     num_slots: int = typer.Option(None, help="--bundle only: concurrent sequences of the in-process engine."),
+    speculative: str = typer.Option(None, help="--bundle only: speculative decoding method (ngram)."),
+    spec_tokens: int = typer.Option(None, help="--bundle only: most tokens proposed per step (1-16, default 4)."),
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory."),
     no_plots: bool = typer.Option(False, help="Skip the PNG plots."),
 ) -> None:
@@ -74,6 +77,12 @@ def bench(
     if max_tokens < 1 or timeout <= 0 or max_time <= 0:
         raise LinesideError("--max-tokens, --timeout and --max-time must be positive")
 
+    from lineside.runtime.speculative.config import parse_speculative
+
+    spec = parse_speculative(speculative, spec_tokens)
+    if spec is not None and bundle is None:
+        raise LinesideError("--speculative configures the in-process server: use it with --bundle (for --url, "
+                            "start the server with `lineside serve --speculative ...`)")
     from lineside.bench.client import ClientConfig
     from lineside.bench.inprocess import ready_after_s
     from lineside.bench.load import make_schedule
@@ -98,12 +107,17 @@ def bench(
         from lineside.bench.inprocess import BackgroundServer, bundle_app
 
         console.print(f"starting lineside's server for {bundle} in-process ...")
-        with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots)) as server:
+        with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots,
+                                         speculative=spec)) as server:
             ready_s = server.start_to_ready_s
+            before = spec_counters(server.url)
             result = run(server.url, schedule, pool, cfg, deadline, warmup)
+            spec_delta = spec_counters(server.url) - before
     else:
         ready_s = ready_after_s(url)
+        before = spec_counters(url)
         result = run(url, schedule, pool, cfg, deadline, warmup)
+        spec_delta = spec_counters(url) - before
 
     summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)
     meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model, "endpoint": endpoint,
@@ -121,6 +135,9 @@ def bench(
     if ppr or pattern == "burst":
         meta["prompts_per_request"] = prompts_per_request or "1:3"
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
+    if spec_delta.steps:
+        meta["speculative"] = spec_delta.report()
+        console.print(f"speculative decoding: {spec_delta.describe()}")
     if out is not None:
         written = write_report(out, result.records, summary, meta, plots=not no_plots)
         console.print(f"wrote {', '.join(str(p) for p in written.values())}")

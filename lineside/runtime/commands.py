@@ -57,14 +57,19 @@ def generate(
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
+    speculative: Annotated[str | None, typer.Option(help="speculative decoding: ngram (prompt lookup)")] = None,
+    spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
+    from lineside.runtime.speculative.config import parse_speculative
 
     if max_tokens < 1:
         raise LinesideError("--max-tokens must be at least 1")
+    spec = parse_speculative(speculative, spec_tokens)
     gen = _generator(bundle, backend, threads)
+    gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     tok = gen.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
@@ -73,6 +78,10 @@ def generate(
         sys.stdout.write(detok.add(t))
         sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    if spec is not None and gen.steps:
+        n = gen.accepted + gen.steps  # each decode step adds its kept drafts and one sampled token
+        print(f"speculative {spec.method}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
+              f"{n / gen.steps:.2f} tokens per step", file=sys.stderr)
 
 
 def chat(

@@ -34,8 +34,9 @@ from lineside.runtime.request import (
     TokenEvent,
     validate_request,
 )
-from lineside.runtime.scheduler import Clock, Scheduler
+from lineside.runtime.scheduler import ACCEPTANCE_BUCKETS, Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
+from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import GrammarCompiler
@@ -58,6 +59,11 @@ class EngineStats:
     generated_tokens_total: int
     steps: int
     preemptions: int
+    spec_draft_tokens_total: int = 0  # proposed tokens the model scored
+    spec_accepted_tokens_total: int = 0  # of those, kept
+    spec_verify_rows_total: int = 0  # decode rows that verified proposals
+    # acceptance rate per verifying row and step: (bucket upper bounds, rows in each bucket, sum of rates)
+    spec_acceptance: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
@@ -67,7 +73,8 @@ class LLMEngine:
     def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", *, num_slots: int = 8,
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
-                 aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic):
+                 aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
+                 speculative: SpeculativeConfig | None = None):
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
@@ -94,8 +101,17 @@ class LLMEngine:
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
         self.clock = clock
+        # Whole-state tensors would advance past the accepted length on a verification step (not handled yet).
+        self.speculative = speculative
+        if speculative is not None and any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
+            raise LinesideError(f"--speculative {speculative.method} is not supported for this model yet: its decode "
+                               "state has whole-state tensors that a rejected draft would advance")
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
-                                   contiguous_slots=self.backend.needs_contiguous_slots, clock=clock)
+                                   contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,
+                                   proposer=None if speculative is None else speculative.proposer(),
+                                   spec_tokens=0 if speculative is None else speculative.num_tokens,
+                                   spec_max_rows=_spec_max_rows(self.backend, speculative),
+                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -196,7 +212,10 @@ class LLMEngine:
             kv_usage=used / a.total_blocks, kv_blocks_used=used, kv_blocks_reserved=a.reserved_blocks,
             kv_blocks_total=a.total_blocks, prefix_cache_hits=a.prefix_hits, prefix_cache_hit_tokens=a.prefix_hit_tokens,
             prompt_tokens_total=self._prompt_total, generated_tokens_total=s.generated_tokens, steps=self._steps,
-            preemptions=s.preemptions, requests=dict(self._outcomes))
+            preemptions=s.preemptions, spec_draft_tokens_total=s.spec_drafted,
+            spec_accepted_tokens_total=s.spec_accepted, spec_verify_rows_total=s.spec_steps,
+            spec_acceptance=(ACCEPTANCE_BUCKETS, tuple(s.spec_rate_counts), s.spec_rate_sum),
+            requests=dict(self._outcomes))
 
     # ---- loop -------------------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -227,7 +246,8 @@ class LLMEngine:
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
-                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs))
+                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
+                                                         accepted=out.accepted))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an engine bug must not leave clients waiting forever
@@ -275,3 +295,12 @@ class LLMEngine:
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
 
+
+
+def _spec_max_rows(backend: Backend, spec: SpeculativeConfig | None) -> int | None:
+    """Decode rows up to which a step speculates: the config's, else the backend's ``spec_max_rows`` (onnxruntime's
+    cpu graph runs each multi-token row as its own call, so beside other rows a verification is a whole extra
+    forward), else any."""
+    if spec is None:
+        return None
+    return spec.max_rows if spec.max_rows is not None else getattr(backend, "spec_max_rows", None)

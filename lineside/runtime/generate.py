@@ -19,6 +19,9 @@ from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.speculative.adaptive import DraftLength
+from lineside.runtime.speculative.config import SpeculativeConfig
+from lineside.runtime.speculative.verify import verify
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,7 +51,8 @@ class GenerationResult:
 class Generator:
     """Loads a bundle and generates for one request at a time (the engine does many at once)."""
 
-    def __init__(self, bundle: Bundle | str | Path, backend: Backend | None = None, threads: int | None = None):
+    def __init__(self, bundle: Bundle | str | Path, backend: Backend | None = None, threads: int | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if backend is None:
             from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
@@ -58,6 +62,9 @@ class Generator:
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
         eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self.eos_ids = eos
+        self.speculative = speculative
+        self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
+        self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
@@ -71,6 +78,10 @@ class Generator:
         logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0))[0, -1]
         history = list(prompt_ids)
         pos = len(prompt_ids)
+        self.steps, self.drafted, self.accepted = 1, 0, 0
+        if self.speculative is not None:
+            yield from self._speculate(sampler, logits, history, max_tokens, stop_at_eos)
+            return
         for _ in range(max_tokens):
             allowed = None if matcher is None else matcher.allowed()
             tok = sampler.step(logits, history, len(prompt_ids), allowed=allowed).token
@@ -84,6 +95,40 @@ class Generator:
                 return
             logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
             pos += 1
+            self.steps += 1
+
+    def _speculate(self, sampler: Sampler, logits: np.ndarray, history: list[int], max_tokens: int,
+                   stop_at_eos: bool) -> Iterator[int]:
+        """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
+        assert self.speculative is not None
+        proposer = self.speculative.proposer()
+        length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
+        prompt_len = len(history)
+        new = [sampler(logits, history, prompt_len)]
+        while True:
+            for tok in new:
+                if stop_at_eos and tok in self.eos_ids:
+                    return
+                yield tok
+                history.append(tok)
+                if len(history) - prompt_len >= max_tokens:
+                    return
+            room = min(max_tokens - (len(history) - prompt_len) - 1, self.backend.max_seq_len - len(history))
+            drafts = proposer.propose(history, min(length.k, room)) if room > 0 and length.k > 0 else []
+            shadow = proposer.propose(history, 1) if room > 0 and length.k == 0 and proposer.cheap else []
+            ids = [history[-1], *drafts]
+            rows = self.backend.forward(StepBatch.single(0, ids, len(history) - 1, all_logits=True))[0]
+            self.steps += 1
+            if drafts:
+                kept, tok = verify(sampler, rows, drafts, history, prompt_len)
+                length.observe(len(drafts), len(kept))
+                self.drafted += len(drafts)
+                self.accepted += len(kept)
+                new = [*kept, tok]
+            else:
+                new = [sampler(rows[0], history, prompt_len)]
+                if shadow:  # at draft length 0, a free guess checked against the sample lets it grow back
+                    length.observe(1, int(new[0] == shadow[0]))
 
     def generate(self, prompt: str, max_tokens: int = 128, params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:

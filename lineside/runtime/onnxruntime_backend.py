@@ -87,6 +87,12 @@ class OnnxRuntimeBackend:
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states)}
         self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
+        # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
+        # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
+        # above that, so a sequence speculates only where it clearly wins (open chat at 0.90x with 2.0).
+        self.spec_max_rows = 1 if self.uses_gqa else None
+        self.verify_cost = 2.5
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:
@@ -96,13 +102,34 @@ class OnnxRuntimeBackend:
             raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
                                f"{self.max_seq_len}")
         if self.uses_gqa and b > 1 and s > 1:
-            # GroupQueryAttention takes one new length per step for the whole batch: run rows one by one.
-            return np.concatenate([self.forward(_row(batch, r)) for r in range(b)], axis=0)
+            # GroupQueryAttention takes one new length per step for the whole batch: rows with several new tokens
+            # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
+            # in runs of adjacent slots, so they keep the batched decode path.
+            return self._split(batch)
         if s == 1 and self._decode_ready:
             slots = list(batch.slots)
             if slots == list(range(slots[0], slots[0] + b)):
                 return self._decode_fast(batch)
         return self._run(batch)
+
+    def _split(self, batch: StepBatch) -> np.ndarray:
+        b, k = batch.logits_positions.shape
+        out = np.empty((b, k, self.vocab_size), dtype=np.float32)
+        runs: list[list[int]] = []
+        for r in range(b):
+            single = int(batch.new_lengths[r]) == 1
+            if single and runs and int(batch.new_lengths[runs[-1][-1]]) == 1 \
+                    and batch.slots[runs[-1][-1]] + 1 == batch.slots[r]:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        for rows in runs:
+            part = StepBatch(slots=[batch.slots[r] for r in rows],
+                             input_ids=np.ascontiguousarray(batch.input_ids[rows][:, :int(batch.new_lengths[rows[0]])]),
+                             past_lengths=batch.past_lengths[rows], new_lengths=batch.new_lengths[rows],
+                             logits_positions=np.ascontiguousarray(batch.logits_positions[rows]))
+            out[rows] = self.forward(part)
+        return out
 
     def _decode_fast(self, batch: StepBatch) -> np.ndarray:
         """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
@@ -258,9 +285,3 @@ def _graph_files_sha(bundle: Bundle, graph: str) -> str | None:
 
     return hashlib.sha256("\n".join(shas).encode()).hexdigest()
 
-
-def _row(batch: StepBatch, r: int) -> StepBatch:
-    n = int(batch.new_lengths[r])
-    return StepBatch(slots=[batch.slots[r]], input_ids=batch.input_ids[r:r + 1, :n],
-                     past_lengths=batch.past_lengths[r:r + 1], new_lengths=batch.new_lengths[r:r + 1],
-                     logits_positions=batch.logits_positions[r:r + 1])

@@ -67,6 +67,7 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     mode: Mode = Mode.REALTIME
     timeout_s: float | None = None  # from arrival (submit) to the last token
+    speculative: bool = True  # False: never speculate for this request (the engine's --speculative otherwise)
     request_id: str = field(default_factory=lambda: uuid4().hex)
     constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
@@ -135,6 +136,8 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     prefix_reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     preemptions: int = 0
+    spec_drafted: int = 0  # proposed tokens the model scored for this request
+    spec_accepted: int = 0  # of those, kept
 
     @property
     def queue_time(self) -> float | None:

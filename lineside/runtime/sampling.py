@@ -111,6 +111,14 @@ class Sampler:
             tok = self._sample(x, logits, allowed)
             return SampleResult(tok, None if logprobs is None else token_logprob(x, tok, logprobs))
 
+    def distribution(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0, *,
+                     allowed: np.ndarray | None = None) -> int | np.ndarray:
+        """What ``step`` samples from: the token itself when the choice is deterministic (greedy), else the
+        float64 probabilities over the vocabulary (speculative verification needs them, speculative/verify.py)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            x = self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed)
+            return self._distribution(x, logits, allowed)
+
     def _processed(self, x: np.ndarray, history: list[int] | None, prompt_len: int,
                    allowed: np.ndarray | None) -> np.ndarray:
         """Penalties, then the grammar mask: what logprobs are computed from."""
@@ -132,6 +140,11 @@ class Sampler:
         return x
 
     def _sample(self, x: np.ndarray, logits: np.ndarray, allowed: np.ndarray | None) -> int:
+        d = self._distribution(x, logits, allowed)
+        return d if isinstance(d, int) else int(self.rng.choice(d.shape[0], p=d))
+
+    def _distribution(self, x: np.ndarray, logits: np.ndarray, allowed: np.ndarray | None) -> int | np.ndarray:
+        """From processed logits: the greedy token, or the probabilities after temperature/top-k/top-p/min-p."""
         p = self.p
         if p.greedy:
             return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
@@ -157,7 +170,7 @@ class Sampler:
         if p.min_p > 0:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
-        return int(self.rng.choice(probs.shape[0], p=probs))
+        return probs
 
 
 def _sanitize(x: np.ndarray) -> np.ndarray | None:

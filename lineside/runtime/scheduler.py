@@ -22,6 +22,15 @@ each kind for its own job, as one-at-a-time generation does: decode steps are 1 
 is), only prefill-written KV is offered for prefix reuse, and a preempted request replays its
 generated tokens through decode steps. Then batching, chunking and prefix reuse give exactly the
 tokens of `Generator`.
+
+Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's draft length
+(speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
+context leave room for, none while replaying — and the step scores them with the pending token in one
+multi-token forward. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
+the positions written for rejected drafts lie past it and are overwritten by the next step. Kept drafts
+and the sampled token then go through ``on_token`` one by one, so stop tokens, stop strings and
+max_tokens drop whatever follows them. (With accuracy level 4 a multi-token step's logits differ in
+the last bits from a 1-token step's, so speculation is lossless at level 0, see tests/runtime.)
 """
 
 from __future__ import annotations
@@ -34,8 +43,11 @@ from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.speculative.adaptive import DraftLength
+from lineside.runtime.speculative.config import Proposer
 from lineside.runtime.step_plan import StepPlan, prefill_take
 
+ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
 
 
@@ -43,7 +55,9 @@ class Scheduler:
     """Owns every sequence from ``add`` to its end: the queues, its slot (through the arena), its state."""
 
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
-                 preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic):
+                 preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
+                 proposer: Proposer | None = None, spec_tokens: int = 0, spec_max_rows: int | None = None,
+                 verify_cost: float = 1.0):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -54,9 +68,22 @@ class Scheduler:
         self.running: list[Sequence] = []  # own a slot (prefill or decode)
         self.preemptions = 0
         self.generated_tokens = 0
+        self.proposer = proposer if spec_tokens > 0 else None
+        self.spec_tokens = spec_tokens
+        self.spec_max_rows = spec_max_rows  # speculate only in steps with at most this many decode rows
+        self.verify_cost = verify_cost  # a verification step's time in 1-token steps (the adaptive rule's bar)
+        self.spec_drafted = 0  # proposed tokens scored by the model
+        self.spec_accepted = 0  # of those, kept
+        self.spec_steps = 0  # decode rows that verified drafts
+        self.spec_rate_counts = [0] * len(ACCEPTANCE_BUCKETS)  # verifying rows by acceptance rate (≤ bucket bound)
+        self.spec_rate_sum = 0.0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        # a grammar or logprobs are per sampled token: such rows decode one token at a time (no drafts)
+        speculates = seq.req.speculative and seq.matcher is None and seq.logprobs is None
+        if self.proposer is not None and speculates and seq.draft_length is None:
+            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost)
         self.waiting.append(seq)
 
     @property
@@ -72,6 +99,8 @@ class Scheduler:
             self._admit(now)
         plan = StepPlan(ops=self.arena.take_pending())
         plan.decode = sorted((s for s in self.running if s.status == Status.DECODE), key=lambda s: s.slot)
+        if self.proposer is not None:
+            plan.drafts = self._drafts(plan.decode)
         pf = self.prefilling
         if pf is not None:
             start = pf.computed
@@ -81,20 +110,37 @@ class Scheduler:
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
-                    now: float | None = None, logprobs: dict[Sequence, TokenLogprob] | None = None
-                    ) -> list[tuple[Sequence, TokenEvent]]:
+                    now: float | None = None, logprobs: dict[Sequence, TokenLogprob] | None = None,
+                    accepted: dict[Sequence, list[int]] | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
-        sequences whose backend call failed, ``logprobs`` of the sampled tokens that asked for them.
+        sequences whose backend call failed, ``logprobs`` of the sampled tokens that asked for them,
+        ``accepted``: the drafts each verifying row kept (they come before its sampled token).
         Returns the events to deliver, in order."""
         now = self.clock() if now is None else now
+        accepted = accepted or {}
         events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
-        for seq in plan.decode:  # each fed one token: ``pending``, or the next replayed one
+        for seq in plan.decode:  # each fed ``pending`` (or the next replayed token), then its drafts
             if seq.status != Status.DECODE or seq.slot is None or seq in errors:
                 continue
-            self.arena.append(seq.slot, [seq.pending], shareable=False)
-            seq.computed += 1
+            kept = accepted.get(seq, [])
+            self.arena.append(seq.slot, [seq.pending, *kept], shareable=False)
+            seq.computed += 1 + len(kept)
             if seq.replay:
                 seq.pending = seq.replay.popleft()
+            drafts = plan.drafts.get(seq)
+            if drafts and seq.draft_length is not None and seq in sampled:
+                self.spec_drafted += len(drafts)
+                self.spec_accepted += len(kept)
+                self.spec_steps += 1
+                seq.handle.metrics.spec_drafted += len(drafts)
+                seq.handle.metrics.spec_accepted += len(kept)
+                seq.draft_length.observe(len(drafts), len(kept))
+                rate = len(kept) / len(drafts)
+                self.spec_rate_counts[next(i for i, b in enumerate(ACCEPTANCE_BUCKETS) if rate <= b)] += 1
+                self.spec_rate_sum += rate
+            elif seq.shadow is not None and seq.draft_length is not None and seq in sampled:
+                seq.draft_length.observe(1, int(sampled[seq] == seq.shadow))
+            seq.shadow = None
         pf = plan.prefill
         if pf is not None and pf.slot is not None and pf not in errors:
             self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
@@ -102,14 +148,43 @@ class Scheduler:
             if plan.prefill_last:
                 pf.status = Status.DECODE
         for seq, tok in sampled.items():
-            if seq.status == Status.FINISHED:
-                continue
-            self.generated_tokens += 1
-            ev = seq.on_token(tok, now, (logprobs or {}).get(seq))
-            if ev.finish_reason is not None:
-                self._finish(seq, now)
-            events.append((seq, ev))
+            kept = accepted.get(seq, [])
+            for j, t in enumerate([*kept, tok]):
+                if seq.status == Status.FINISHED:
+                    break
+                self.generated_tokens += 1
+                ev = seq.on_token(t, now, (logprobs or {}).get(seq) if j == len(kept) else None)
+                if ev.finish_reason is not None:
+                    self._finish(seq, now)
+                events.append((seq, ev))
         return events
+
+    def _drafts(self, decode: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Proposed tokens for each decoding row that speculates; k leaves room for the token sampled after
+        them within max_tokens and the context. At draft length 0 a cheap proposer's 1-token guess is kept
+        as ``shadow`` to be checked against the sample (so the length can grow back)."""
+        assert self.proposer is not None
+        out: dict[Sequence, list[int]] = {}
+        if self.spec_max_rows is not None and len(decode) > self.spec_max_rows:
+            for seq in decode:
+                seq.shadow = None
+            return out
+        for seq in decode:
+            dl = seq.draft_length
+            if dl is None or not seq.samples:
+                continue
+            room = min(seq.max_tokens - len(seq.generated) - 1, self.arena.max_seq_len - seq.computed - 1)
+            if room <= 0:
+                continue
+            if dl.k == 0:
+                if self.proposer.cheap:
+                    guess = self.proposer.propose(seq.tokens, 1)
+                    seq.shadow = guess[0] if guess else None
+                continue
+            drafts = self.proposer.propose(seq.tokens, min(dl.k, room))
+            if drafts:
+                out[seq] = drafts
+        return out
 
     def expire(self, now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Finish the cancelled and the timed-out sequences (waiting or running); returns their final events."""

@@ -13,6 +13,7 @@ from typing import Any
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler, TokenLogprob
+from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.stop import StopMatcher
 from lineside.runtime.structured import GrammarMatcher
 from lineside.strenum import StrEnum
@@ -23,7 +24,7 @@ class SequenceStatus(StrEnum):
 
     WAITING = "waiting"  # queued (new or preempted), holds no slot
     PREFILL = "prefill"  # holds a slot; its fill is computed in chunks, one per step
-    DECODE = "decode"  # holds a slot; one token per step
+    DECODE = "decode"  # holds a slot; one token per step (plus any proposed tokens to verify)
     FINISHED = "finished"  # ended (stop, length, cancel, timeout, error); slot released
 
 
@@ -51,6 +52,8 @@ class Sequence:
         self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
         self.matcher = matcher  # the request's grammar state (structured output), advanced by each token
         self.logprobs = req.logprobs  # alternatives per token to report (None: no logprobs)
+        self.draft_length: DraftLength | None = None  # set by the scheduler when this request speculates
+        self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
 
     # ---- scheduling ------------------------------------------------------------------------
     @property

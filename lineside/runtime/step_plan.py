@@ -25,19 +25,27 @@ class StepPlan:
     prefill_start: int = 0
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_last: bool = False  # this chunk completes the fill
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
 
     @property
     def empty(self) -> bool:
         return not (self.decode or self.prefill or self.ops)
 
     def decode_batch(self) -> StepBatch:
+        """Each row feeds its pending token, then its drafts (right-padded), with logits at every one."""
         b = len(self.decode)
+        rows = [[s.pending, *self.drafts.get(s, [])] for s in self.decode]
+        width = max((len(r) for r in rows), default=1)
+        ids = np.zeros((b, width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        new = np.array([len(r) for r in rows], dtype=np.int64)
         return StepBatch(
             slots=[s.slot for s in self.decode],
-            input_ids=np.array([[s.pending] for s in self.decode], dtype=np.int64),
+            input_ids=ids,
             past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
-            new_lengths=np.ones(b, dtype=np.int64),
-            logits_positions=np.zeros((b, 1), dtype=np.int64),
+            new_lengths=new,
+            logits_positions=np.minimum(np.arange(width, dtype=np.int64)[None, :], (new - 1)[:, None]),
         )
 
     def prefill_batch(self) -> StepBatch:

@@ -17,6 +17,7 @@ from lineside.runtime.backend import Backend
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
+from lineside.runtime.speculative.verify import verify
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.structured import fill_masks, new_bitmask, unpack_bitmask
 
@@ -26,6 +27,7 @@ log = logging.getLogger("lineside.engine")
 @dataclass
 class StepOutcome:
     sampled: dict[Sequence, int] = field(default_factory=dict)  # the token sampled for each sequence
+    accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # drafts kept, before its sampled token
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for the sequences that asked
 
@@ -47,8 +49,12 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
             logits = backend.forward(plan.decode_batch())
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
-                if seq.samples:
-                    _sample(out, seq, logits[r, -1], None if masks is None else masks[r])
+                drafts = plan.drafts.get(seq)
+                if drafts:  # rows with a grammar or logprobs never carry drafts (Scheduler._drafts)
+                    out.accepted[seq], out.sampled[seq] = verify(seq.sampler, logits[r], drafts, seq.tokens,
+                                                                 len(seq.prompt))
+                elif seq.samples:
+                    _sample(out, seq, logits[r, 0], None if masks is None else masks[r])
         except Exception as e:  # a backend failure ends the requests in this call, not the server
             out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
     seq = plan.prefill

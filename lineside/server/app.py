@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
 from lineside.runtime.serving import ServingEngine
+from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.server import errors, health, openai_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
@@ -32,7 +33,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
                openapi: bool = False, tokenizer_processes: int = 0,
                fallback: str | os.PathLike[str] | ServingEngine | None = None, slo_policy: SloPolicy | None = None,
-               slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None) -> FastAPI:
+               slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None,
+               speculative: SpeculativeConfig | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -45,7 +47,10 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     if isinstance(source, os.PathLike):
         source = Path(source)
     metrics = ServerMetrics(latency_log)
-    state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
+    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+    if speculative is not None:
+        engine_kwargs["speculative"] = speculative
+    state = ServerState(source, engine_kwargs,
                         metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
                         api_key=api_key or None, served_model_names=served_model_names,
                         tokenizer_processes=tokenizer_processes, engine_future=engine_future)

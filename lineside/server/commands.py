@@ -53,6 +53,9 @@ def serve(
     slo_policy: Annotated[Path | None, typer.Option(
         help="SLO policy file (YAML or JSON): thresholds, recovery, pins; default with --fallback: TTFT P90 0.8 s / "
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
+    speculative: Annotated[str | None, typer.Option(
+        help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
+    spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -73,6 +76,9 @@ def serve(
                         ("--keep-alive-timeout", keep_alive_timeout)):
         if not value > 0:
             raise LinesideError(f"{name} must be > 0 seconds, got {value}")
+    from lineside.runtime.speculative.config import parse_speculative
+
+    spec = parse_speculative(speculative, spec_tokens)
     read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
     policy = None
     if slo_policy is not None:
@@ -87,8 +93,10 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
     # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
-    engine = load_in_background(bundle, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting,
-                                             threads=threads))
+    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+    if spec is not None:
+        engine_kwargs["speculative"] = spec
+    engine = load_in_background(bundle, engine_kwargs)
     from lineside.server.app import create_app
     from lineside.server.auth import resolve_api_key
     from lineside.server.browser_guard import is_loopback
@@ -106,7 +114,7 @@ def serve(
                      threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                      bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                      openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback, slo_policy=policy,
-                     engine_future=engine)
+                     engine_future=engine, speculative=spec)
     limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                         keep_alive_timeout=keep_alive_timeout)
     run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)

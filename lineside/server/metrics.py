@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -83,6 +84,8 @@ class ServerMetrics:
         self.http_inflight = Gauge("lineside_http_requests_in_flight", "Generation requests being served",
                                    registry=registry)
         self._device: dict[str, Gauge] = {}
+        self._spec = _SpecDecodeCollector()
+        registry.register(self._spec)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -130,6 +133,7 @@ class ServerMetrics:
         self.running.set(get("running", 0) or 0)
         self.waiting.set(get("waiting", 0) or 0)
         self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
+        self._spec.stats = stats if get("spec_acceptance") else None
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
@@ -148,3 +152,30 @@ class ServerMetrics:
             if self._log is not None:
                 self._log.close()
                 self._log = None
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding's engine counters (named like vLLM's under our prefix), from the last scraped stats."""
+
+    def __init__(self) -> None:
+        self.stats: Any = None
+
+    def collect(self) -> Any:
+        st = self.stats
+        get = (st.get if isinstance(st, dict) else lambda k, d=None: getattr(st, k, d)) if st is not None else None
+        drafted = CounterMetricFamily("lineside_spec_decode_num_draft_tokens", "Proposed tokens the model scored")
+        accepted = CounterMetricFamily("lineside_spec_decode_num_accepted_tokens", "Proposed tokens kept")
+        drafted.add_metric([], float(get("spec_draft_tokens_total", 0) or 0) if get else 0.0)
+        accepted.add_metric([], float(get("spec_accepted_tokens_total", 0) or 0) if get else 0.0)
+        yield drafted
+        yield accepted
+        bounds, counts, total = get("spec_acceptance") if get else ((), (), 0.0)
+        hist = HistogramMetricFamily("lineside_spec_decode_acceptance_rate",
+                                     "Share of a row's proposed tokens kept, per verification step")
+        cum, buckets = 0, []
+        for b, c in zip(bounds, counts, strict=True):
+            cum += int(c)
+            buckets.append((repr(float(b)), cum))
+        buckets.append(("+Inf", cum))
+        hist.add_metric([], buckets, sum_value=float(total))
+        yield hist

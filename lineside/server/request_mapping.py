@@ -211,7 +211,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
-                             constraint=constraint, logprobs=logprobs)
+                             constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

