@@ -59,6 +59,17 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def context_limit(self) -> int:
+        """Longest context the model is made for: max_position_embeddings, or what its RoPE scaling stretches the
+        original length to (linear/dynamic/yarn/llama3/longrope ``factor`` × original), whichever is larger."""
+        rs = self.rope_scaling or {}
+        factor = rs.get("factor")
+        if rs.get("rope_type", "default") == "default" or not isinstance(factor, (int, float)) or factor <= 1:
+            return self.max_position_embeddings
+        original = rs.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(factor * original))
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token occupies across all layers in fp16 (dense GQA)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2

@@ -98,6 +98,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
             if hasattr(family, "check_shapes"):
                 family.check_shapes(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
+        _check_context(max_seq, cfg)
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits)
         spec.check()
@@ -166,6 +167,16 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
         "build_seconds": round(time.time() - t0, 2),
     }
     write_manifest(tmp, manifest)
+
+
+def _check_context(max_seq: int, cfg: ModelConfig) -> None:
+    """--max-seq-len no longer than the model's own context (RoPE tables and caches grow with it)."""
+    limit = cfg.context_limit
+    if max_seq > limit:
+        how = ("max_position_embeddings" if limit == cfg.max_position_embeddings
+               else f"RoPE {cfg.rope_scaling.get('rope_type')} scaling" if cfg.rope_scaling else "")
+        raise LinesideError(f"--max-seq-len {max_seq} is above the model's context limit {limit} ({how} of "
+                            f"{cfg.name or 'the checkpoint'}); choose at most {limit}")
 
 
 def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
