@@ -63,12 +63,18 @@ def number_parser(kind: type, *, low: Number | None = None, high: Number | None 
     return parse
 
 
+_UNSET: Any = object()
+
+
 def number_option(*param_decls: str, kind: type = int, low: Number | None = None, high: Number | None = None,
-                  above: Number | None = None, help: str | None = None, **kwargs: Any) -> Any:
-    """``typer.Option`` for a number with its range checked while parsing (the range shown in --help)."""
+                  above: Number | None = None, help: str | None = None, default: Any = _UNSET,
+                  **kwargs: Any) -> Any:
+    """``typer.Option`` for a number with its range checked while parsing (the range shown in --help).
+    ``default``: only for the ``name: int = number_option(default=...)`` style (not inside Annotated)."""
     rng = _bounds_text(low, high, above)
     text = f"{help} [{rng}]" if help and rng else (help or (f"[{rng}]" if rng else None))
-    return typer.Option(*param_decls, parser=number_parser(kind, low=low, high=high, above=above),
+    decls = param_decls if default is _UNSET else (default, *param_decls)
+    return typer.Option(*decls, parser=number_parser(kind, low=low, high=high, above=above),
                         metavar="INTEGER" if kind is int else "FLOAT", help=text, **kwargs)
 
 
