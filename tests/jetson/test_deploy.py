@@ -169,8 +169,8 @@ def test_cli_service_and_power(tmp_path):
 
 
 def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_factory):
-    from lineside.runtime.tensorrt import key as keymod
     from lineside.jetson import ensure_engine as eng
+    from lineside.runtime.tensorrt import key as keymod
 
     bundle = bundle_factory(tmp_path / "b", 1, weight_bytes=1024)
     here = keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6")
