@@ -60,6 +60,7 @@ def number_parser(kind: type, *, low: Number | None = None, high: Number | None 
         return value
 
     parse.__name__ = kind.__name__  # what typer shows as the option's type
+    parse.bounds = {"kind": kind, "low": low, "high": high, "above": above}  # type: ignore[attr-defined]
     return parse
 
 
