@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from lineside.build.pipeline import BuildOptions, build_bundle
-from tests.cli.cli_run import all_commands, assert_one_line_error, base_type, lineside_app, run_cli, tree_snapshot
+from tests.cli.cli_run import (
+    all_commands,
+    assert_one_line_error,
+    base_type,
+    lineside_app,
+    run_cli,
+    tree_snapshot,
+)
 
 UNWRITABLE = Path("/proc/lineside-test")  # /proc takes no new files, even from root (os.access would say yes)
 
