@@ -212,3 +212,49 @@ def staged_dir(path: Path) -> Iterator[Path]:
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
+
+
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none: not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def decode_state_bytes(manifest: Any, num_slots: int) -> int:
+    """Bytes of the decode state (KV cache, ...) the onnxruntime backend allocates for ``num_slots`` sequences
+    of the bundle's max_seq_len, from the state tensors its manifest lists."""
+    from lineside.graph_io import StateTensor, resolve_shape
+
+    get = (lambda k: manifest.get(k)) if isinstance(manifest, dict) else (lambda k: getattr(manifest, k, None))
+    flavors = get("flavors") or {}
+    flavor = "cpu" if "cpu" in flavors else next(iter(flavors), None)
+    if flavor is None:
+        return 0
+    entry = flavors[flavor]
+    states = entry.get("state", []) if isinstance(entry, dict) else getattr(entry, "state", [])
+    max_seq = int(get("max_seq_len") or 0)
+    dims = {"batch": num_slots, "max_seq": max_seq, "past_seq": max_seq}
+    total = 0
+    for raw in states:
+        s = raw if isinstance(raw, StateTensor) else StateTensor.from_dict(raw)
+        total += math.prod(resolve_shape(s.shape, dims)) * _DTYPE_BYTES.get(s.dtype, 4)
+    return total
+
+
+def fits_in_memory(need: int, what: str, fix: str, available: int | None = None) -> None:
+    """Refuse, before allocating, what cannot fit in this machine's available memory (the alternative is the
+    kernel's OOM killer: exit 137 and nothing printed)."""
+    have = available_memory_bytes() if available is None else available
+    if have is not None and need > have:
+        raise LinesideError(f"{what} needs {need / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB of memory is "
+                            f"available; {fix}")

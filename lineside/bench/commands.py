@@ -91,6 +91,9 @@ def bench(
         manifest = read_manifest(bundle)
         bundle_max_seq = int((manifest.get("max_seq_len") if isinstance(manifest, dict)
                               else getattr(manifest, "max_seq_len", None)) or 0)
+        slots = num_slots or 8
+        checks.fits_in_memory(checks.decode_state_bytes(manifest, slots),
+                              f"the in-process server's KV cache for {slots} slots", "lower --num-slots")
     for opt, path in (("--prompts-file", prompts_file), ("--tokenizer", tokenizer)):
         if path is not None:
             checks.input_file(path, opt)

@@ -45,7 +45,10 @@ def serve(
     log_level = checks.choice(log_level, "--log-level", LOG_LEVELS)
     if latency_log is not None:
         checks.output_file(latency_log, "--latency-log", append=True)
-    read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    manifest = read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
+        checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
+                              f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")

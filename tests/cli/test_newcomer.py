@@ -12,10 +12,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.config import ModelConfig
@@ -200,7 +200,29 @@ def test_scripts_for_a_fresh_clone():
 
 
 def test_license_metadata_is_an_spdx_string():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "Apache-2.0"  # a table is deprecated: setuptools printed it 3 times
     req = next(r for r in meta["build-system"]["requires"] if r.startswith("setuptools"))
     assert int(re.search(r">=\s*(\d+)", req).group(1)) >= 77  # SPDX strings need setuptools 77
+
+
+# The same class as item 1: a size that cannot fit is refused before it is allocated (not an OOM kill).
+def test_kv_cache_that_cannot_fit_is_refused(bundle):
+    from lineside import cli_checks
+    from lineside.bundle import read_manifest
+    from lineside.errors import LinesideError
+
+    m = read_manifest(bundle)
+    # tiny llama-gqa: 2 layers x (K, V) x [slots, 2 kv heads, 32 positions, 16 dims] float32
+    assert cli_checks.decode_state_bytes(m, 3) == 2 * 2 * 3 * 2 * 32 * 16 * 4
+    cli_checks.fits_in_memory(1000, "x", "lower it", available=1000)
+    with pytest.raises(LinesideError) as e:
+        cli_checks.fits_in_memory(3 * 2**30, "the KV cache for --num-slots 9", "lower --num-slots",
+                                  available=2**30)
+    assert str(e.value) == ("the KV cache for --num-slots 9 needs 3.0 GiB, and 1.0 GiB of memory is available; "
+                            "lower --num-slots")
+    assert cli_checks.available_memory_bytes(Path("/nonexistent/meminfo")) is None
