@@ -182,6 +182,20 @@ def output_dir(path: Path, option: str, *, force: bool = False, what: str = "dir
     return p
 
 
+def target_dir(path: Path, option: str) -> Path:
+    """A directory written into (created if absent, kept if present): not a file; writable, or its parent is."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise LinesideError(f"{option} {_show(p)} is a file, not a directory; choose another path")
+    if p.is_dir():
+        if not _probe_writable(p):
+            raise LinesideError(f"{option} {_show(p)}: cannot write in it (permission denied or read-only); "
+                                "choose a directory you can write to")
+        return p
+    writable_parent(p, option)
+    return p
+
+
 @contextlib.contextmanager
 def staged_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically, on failure it is

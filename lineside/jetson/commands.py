@@ -20,6 +20,13 @@ jetson = typer.Typer(help="Jetson deployment: probe, memory plan, push/rollback,
 SSH_HELP = "ssh command for user@host targets, e.g. 'ssh -p 2222 -i key' (env LINESIDE_SSH)"
 
 
+def _is_remote(target: str) -> bool:
+    """user@host:/dir (an ssh target), as jetson.targets.open_target tells them apart."""
+    from lineside.jetson.targets import LocalTarget, open_target
+
+    return not isinstance(open_target(target, "ssh"), LocalTarget)  # no connection is made (nor closed)
+
+
 def _ssh(ssh: str | None) -> str:
     return ssh or os.environ.get("LINESIDE_SSH", "ssh")
 
@@ -83,6 +90,8 @@ def push_cmd(
     from lineside.jetson.push import push
 
     checks.input_dir(bundle, "BUNDLE", "bundle directory")
+    if not _is_remote(target):
+        checks.target_dir(Path(target), "TARGET")
 
     r = push(bundle, target, _ssh(ssh))
     if as_json:
