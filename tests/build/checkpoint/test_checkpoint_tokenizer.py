@@ -1,7 +1,7 @@
 """GGUF tokenizers rebuilt as tokenizer.json must give llama.cpp's ids.
 
 Reference ids for SmolLM2 are frozen in data/smollm2_llamacpp_ids.json (made with llama.cpp via
-llama-cpp-python: ``python tests/build/checkpoint/test_checkpoint_tokenizer.py --freeze``). When
+llama-cpp-python: ``PYTHONPATH=. python tests/build/checkpoint/test_checkpoint_tokenizer.py --freeze``). When
 llama_cpp is importable, further tests compare against it live: random text, and every
 supported ``tokenizer.ggml.pre`` on a vocabulary cut from SmolLM2's.
 """

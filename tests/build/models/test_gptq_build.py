@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from lineside.build import calibrate_gptq
 from lineside.build.checkpoint import open_checkpoint
 from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.build.quant import calibrate_gptq
 from lineside.build.quant.spec import QuantSpec
 from lineside.bundle import open_bundle
 from lineside.config import ModelConfig

@@ -98,7 +98,7 @@ def test_auto_picks_tensorrt_when_engine_matches(trt_bundle, monkeypatch, tmp_pa
     monkeypatch.setattr(keymod, "machine_key", lambda: here)
     dec = select.decide_backend(b, "auto")
     assert dec.backend == "onnxruntime" and "no TensorRT engine" in dec.reason
-    from tests.runtime.tensorrt.test_key_profiles import _fake_engine
+    from tests.build.tensorrt.test_key_profiles import _fake_engine
 
     fl = b.flavor("trt")
     d = _fake_engine(b.path, here, b.manifest["files"][fl["graph"]]["sha256"])

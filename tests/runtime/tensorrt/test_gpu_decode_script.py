@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.runtime.tensorrt import fake_trt
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_decode.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_decode.py"
 
 
 def test_gpu_decode_benchmark_runs_through_the_backend(monkeypatch, tmp_path, tiny_dense):

@@ -89,7 +89,7 @@ def test_progress_monitor_overrides_only_real_methods(release):
 
 
 def _load_generator():
-    path = Path(__file__).parents[2] / "scripts" / "trt_api_names.py"
+    path = Path(__file__).parents[3] / "scripts" / "trt_api_names.py"
     spec = importlib.util.spec_from_file_location("trt_api_names", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
