@@ -12,12 +12,15 @@ from lineside.bench.inprocess import BackgroundServer
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle(tiny_dense, tmp_path_factory) -> Path:
-    """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256."""
+def tiny_bundle(dense_checkpoint, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256 (llama-gqa's weights,
+    made for 256 positions: a bundle may not exceed its model's max_position_embeddings)."""
     from lineside.build.pipeline import BuildOptions, build_bundle
 
+    ckpt = dense_checkpoint("llama-gqa-ctx256", "llama", num_attention_heads=4, num_key_value_heads=2,
+                            tie_word_embeddings=False, max_position_embeddings=256)
     out = tmp_path_factory.mktemp("server") / "tiny-llama"
-    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
+    return build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
 
 
 class SlowBackend:
