@@ -8,10 +8,13 @@ import os
 import sys
 
 import typer
-from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-from typer.exceptions import Abort
 
 from lineside.errors import LinesideError
+
+try:  # typer ≥ 0.2x carries its own copy of click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
 
 PROG = "lineside"
 
@@ -73,10 +76,10 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
     try:
         rv = cli(args=argv, prog_name=prog, standalone_mode=False)
         return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
-    except NoArgsIsHelpError as e:
-        print(e.format_message(), file=sys.stderr)  # the help, as asked for by giving nothing
-        return 2
     except UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # nothing given: the help is the answer (click ≥ 8.2)
+            print(e.format_message(), file=sys.stderr)
+            return 2
         print(usage_line(e, prog), file=sys.stderr)
         return 2
     except ClickException as e:
@@ -85,7 +88,7 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
     except LinesideError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
-    except (KeyboardInterrupt, Abort):
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
@@ -107,6 +110,4 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; a user error is one line on stderr and a non-zero exit."""
     _register()
-    code = run_app(app, argv)
-    if code:
-        sys.exit(code)
+    sys.exit(run_app(app, argv))  # SystemExit(0) on success too, as typer's standalone mode does
