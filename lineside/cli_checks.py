@@ -21,6 +21,8 @@ import typer
 from lineside.errors import LinesideError
 
 Number = int | float
+MAX_THREADS = 1024  # CPU threads an option may ask for
+MAX_SECONDS = 1_000_000.0  # ~11 days: longer timeouts overflow the event loop's clock arithmetic
 
 
 # ---------------------------------------------------------------------------------------------- numbers
@@ -109,7 +111,8 @@ def input_file(path: Path, option: str, what: str = "file") -> Path:
     if p.is_dir():
         raise LinesideError(f"{option} {_show(p)} is a directory; give a {what}")
     if not os.access(p, os.R_OK):
-        raise LinesideError(f"{option} {_show(p)}: permission denied; make it readable or copy it somewhere you can read")
+        raise LinesideError(f"{option} {_show(p)}: permission denied; make it readable or copy it somewhere "
+                            "you can read")
     return p
 
 

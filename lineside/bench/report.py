@@ -182,8 +182,8 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
     console.print(t)
     ma, mb = meta_a.get("machine") or {}, meta_b.get("machine") or {}
     if ma.get("loaded") or mb.get("loaded") or bool(ma) != bool(mb):
-        console.print(f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on {ma.get('cpu_count', '?')} "
-                      f"CPUs, B {_loads(mb.get('loadavg_before'))} on {mb.get('cpu_count', '?')} CPUs; a loaded run "
+        console.print(f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "
+                      f"{ma.get('cpu_count', '?')} CPUs, B {_loads(mb.get('loadavg_before'))} on {mb.get('cpu_count', '?')} CPUs; a loaded run "
                       "is slower for reasons outside the server")
     return rows
 

@@ -155,8 +155,8 @@ def service_cmd(
     host: Annotated[str, typer.Option(help="listen address")] = "0.0.0.0",
     port: Annotated[int, checks.number_option(low=1, high=65535, help="listen port")] = 8000,
     env_file: Annotated[str, typer.Option(help="EnvironmentFile (optional at runtime)")] = "/etc/lineside/lineside.env",
-    drain_timeout: Annotated[int, checks.number_option(low=0, help="server drain timeout in s; TimeoutStopSec "
-                                                                   "adds 15")] = 30,
+    drain_timeout: Annotated[int, checks.number_option(
+        low=0, high=int(checks.MAX_SECONDS), help="server drain timeout in s; TimeoutStopSec adds 15")] = 30,
     exec_path: Annotated[str, typer.Option(help="lineside on the device (default: found on PATH on a Jetson, "
                                            "else /usr/local/bin/lineside)")] = "",
     build_engine: Annotated[bool, typer.Option(help="ExecStartPre builds the engine if none matches")] = True,

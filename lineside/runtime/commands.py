@@ -30,7 +30,8 @@ def logits(
                                                                 "(written under exactly this name)")],
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
-    threads: Annotated[int | None, checks.number_option(low=1, help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
 ) -> None:
     """Write float32 logits for every position (parity checks against a reference)."""
     from lineside.bundle import open_bundle
@@ -62,7 +63,8 @@ def generate(
     top_p: Annotated[float, checks.number_option(kind=float, above=0, high=1, help="nucleus mass")] = 1.0,
     seed: Annotated[int | None, checks.number_option(low=0, high=2**63 - 1,
                                                      help="random seed (same seed, same output)")] = None,
-    threads: Annotated[int | None, checks.number_option(low=1, help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
 ) -> None:
@@ -88,7 +90,8 @@ def chat(
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens per answer")] = 256,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
-    threads: Annotated[int | None, checks.number_option(low=1, help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
 ) -> None:

@@ -21,15 +21,17 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
                                                 help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
     request_timeout: Annotated[float | None, checks.number_option(
-        kind=float, above=0, help="seconds a request may take (default: none)")] = None,
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a request may take (default: none)")] = None,
     max_waiting: Annotated[int, checks.number_option(low=0, help="waiting-queue bound; beyond it requests get "
                                                                 "429")] = 256,
     num_slots: Annotated[int, checks.number_option(low=1, high=4096, help="sequences decoded together (KV "
                                                                          "slots)")] = 8,
     drain_timeout: Annotated[float, checks.number_option(
-        kind=float, low=0, help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
+        kind=float, low=0, high=checks.MAX_SECONDS,
+        help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
     latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
-    threads: Annotated[int | None, checks.number_option(low=1, help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     log_level: Annotated[str, typer.Option(help="critical | error | warning | info | debug")] = "info",
     access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
     served_model_name: Annotated[list[str] | None, typer.Option(
