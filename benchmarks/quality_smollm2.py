@@ -140,7 +140,7 @@ def main() -> None:
                 answers = [gen.generate(p, args.answers, chat=True).text.strip().replace("\n", " ")
                            for p in PROMPTS]
             rows.append((label, ppl, build_s, answers))
-            guard = calibration_guard(bundle.manifest["quantization"])
+            guard = calibration_guard(bundle.manifest.quantization)
             records.append({"variant": key, "label": label, "perplexity": ppl, "build_seconds": round(build_s, 1),
                             **({"guard": guard} if guard else {}), "answers": answers})
             print(f"{label:40s} ppl {ppl:8.3f}   (build {build_s:.1f}s)"

@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lineside.config import ModelConfig
 from lineside.errors import BundleError
+from lineside.graph_io import StateTensor
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -30,29 +31,125 @@ def sha256_file(path: Path) -> str:
 
 
 @dataclass
+class FileEntry:
+    """One file the manifest lists (path relative to the bundle): what `open_bundle` checks it against."""
+
+    size: int
+    sha256: str
+
+    def to_json_dict(self) -> dict[str, int | str]:
+        return {"size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> FileEntry:
+        return cls(size=int(d["size"]), sha256=str(d["sha256"]))
+
+
+@dataclass
+class FlavorEntry:
+    """One graph flavor (``cpu``, ``trt``): its ONNX file, the control inputs it declares, its decode state.
+
+    A family's ``emit_graph`` returns one with ``graph`` empty; the pipeline sets the bundle-relative path.
+    """
+
+    inputs: list[str]
+    state: list[StateTensor]
+    activation_dtype: str = "float32"
+    graph: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this lineside does not know, kept as read
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {**self.extra, "graph": self.graph, "inputs": list(self.inputs),
+                "state": [s.to_dict() for s in self.state], "activation_dtype": self.activation_dtype}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> FlavorEntry:
+        known = {"graph", "inputs", "state", "activation_dtype"}
+        return cls(graph=str(d["graph"]), inputs=[str(n) for n in d.get("inputs") or []],
+                   state=[StateTensor.from_dict(s) for s in d.get("state") or []],
+                   activation_dtype=str(d.get("activation_dtype", "float32")),
+                   extra={k: v for k, v in d.items() if k not in known})
+
+
+@dataclass
+class Manifest:
+    """``manifest.json``, typed. Keys an older or hand-made manifest lacks are None (and stay out of the JSON);
+    keys this version does not know (an older producer's, a newer one's) are kept in ``extra``."""
+
+    architecture: str
+    config: str  # the ModelConfig JSON, relative to the bundle
+    max_seq_len: int
+    flavors: dict[str, FlavorEntry] = field(default_factory=dict)
+    files: dict[str, FileEntry] = field(default_factory=dict)  # filled in by write_manifest
+    format_version: int = FORMAT_VERSION
+    model_name: str | None = None  # the checkpoint's own name (a served alias)
+    source: dict[str, str] | None = None  # {"path", "format": "hf" | "gguf"}
+    quantization: dict[str, Any] | None = None  # scheme, method, what was kept in high precision, calibration
+    tokenizer: dict[str, Any] | None = None  # {"dir", ...}: what the build's tokenizer writer recorded
+    lineside_version: str | None = None
+    build_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    _REQUIRED = ("architecture", "config", "max_seq_len")
+    _OPTIONAL = ("model_name", "source", "quantization", "tokenizer", "lineside_version", "build_seconds")
+
+    def graph_sha(self, flavor: str) -> str | None:
+        """The sha256 of ``flavor``'s graph file as listed here (None when the flavor or the file is not):
+        the engine key ties a TensorRT engine to the exact graph it was built from."""
+        entry = self.flavors.get(flavor)
+        listed = self.files.get(entry.graph) if entry is not None else None
+        return listed.sha256 if listed is not None else None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        out.update(architecture=self.architecture, config=self.config, max_seq_len=self.max_seq_len,
+                   flavors={k: v.to_json_dict() for k, v in self.flavors.items()},
+                   files={k: v.to_json_dict() for k, v in self.files.items()}, format_version=self.format_version)
+        out.update({k: getattr(self, k) for k in self._OPTIONAL if getattr(self, k) is not None})
+        return out
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> Manifest:
+        """Parse; raises ValueError naming a missing field or a state kind this version does not know."""
+        missing = [k for k in cls._REQUIRED if k not in d]
+        if missing:
+            raise ValueError(f"no {missing[0]!r} field")
+        known = {*cls._REQUIRED, *cls._OPTIONAL, "flavors", "files", "format_version"}
+        try:
+            return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=int(d["max_seq_len"]),
+                       flavors={str(k): FlavorEntry.from_json_dict(v) for k, v in (d.get("flavors") or {}).items()},
+                       files={str(k): FileEntry.from_json_dict(v) for k, v in (d.get("files") or {}).items()},
+                       format_version=int(d.get("format_version", FORMAT_VERSION)),
+                       **{k: d[k] for k in cls._OPTIONAL if d.get(k) is not None},
+                       extra={k: v for k, v in d.items() if k not in known})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
+
+
+@dataclass
 class Bundle:
     """An opened (and verified) bundle directory."""
 
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        self.config = ModelConfig.from_json_dict(json.loads((self.path / self.manifest["config"]).read_text()))
+        self.config = ModelConfig.from_json_dict(json.loads((self.path / self.manifest.config).read_text()))
 
     @property
     def architecture(self) -> str:
-        return self.manifest["architecture"]
+        return self.manifest.architecture
 
     @property
     def max_seq_len(self) -> int:
-        return int(self.manifest["max_seq_len"])
+        return self.manifest.max_seq_len
 
     @property
-    def flavors(self) -> dict[str, Any]:
-        return self.manifest["flavors"]
+    def flavors(self) -> dict[str, FlavorEntry]:
+        return self.manifest.flavors
 
-    def flavor(self, name: str) -> dict[str, Any]:
+    def flavor(self, name: str) -> FlavorEntry:
         if name not in self.flavors:
             have = ", ".join(sorted(self.flavors)) or "none"
             raise BundleError(
@@ -68,26 +165,25 @@ class Bundle:
         return self.path / "tokenizer"
 
 
-def write_manifest(bundle_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
     """Hash every file under ``bundle_dir`` (but the manifest and engines/) into the manifest and save it."""
-    files: dict[str, dict[str, Any]] = {}
+    files: dict[str, FileEntry] = {}
     for p in sorted(bundle_dir.rglob("*")):
         if not p.is_file():
             continue
         rel = p.relative_to(bundle_dir).as_posix()
         if rel == MANIFEST or rel.startswith("engines/"):
             continue
-        files[rel] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
-    manifest = dict(manifest)
-    manifest["format_version"] = FORMAT_VERSION
-    manifest["files"] = files
+        files[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
+    manifest = replace(manifest, format_version=FORMAT_VERSION, files=files)
     tmp = bundle_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(manifest.to_json_dict(), indent=2, sort_keys=True))
     os.replace(tmp, bundle_dir / MANIFEST)
     return manifest
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and check ``manifest.json`` (format version, file list, required fields); one line if it is wrong."""
     path = Path(path)
     mf = path / MANIFEST
     if not path.is_dir():
@@ -103,21 +199,24 @@ def read_manifest(path: Path) -> dict[str, Any]:
     fv = manifest.get("format_version")
     if fv != FORMAT_VERSION:
         raise BundleError(f"{mf}: bundle format {fv!r}, this lineside reads {FORMAT_VERSION}; rebuild the bundle")
-    return manifest
+    try:
+        return Manifest.from_json_dict(manifest)
+    except ValueError as e:
+        raise BundleError(f"{mf}: manifest is incomplete or from a newer lineside ({e}); rebuild the bundle") from None
 
 
-def verify_files(path: Path, manifest: dict[str, Any], check_hash: bool = True) -> None:
+def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> None:
     """Check every listed file exists with its size (and sha256); raise naming the first that fails."""
-    for rel, meta in manifest["files"].items():
+    for rel, meta in manifest.files.items():
         p = path / rel
         if not p.is_file():
             raise BundleError(f"bundle file {rel} is missing from {path}; copy the bundle again")
-        if p.stat().st_size != meta["size"]:
+        if p.stat().st_size != meta.size:
             raise BundleError(
-                f"bundle file {rel} has {p.stat().st_size} bytes, the manifest says {meta['size']}; "
+                f"bundle file {rel} has {p.stat().st_size} bytes, the manifest says {meta.size}; "
                 "it was changed or truncated — copy the bundle again"
             )
-        if check_hash and sha256_file(p) != meta["sha256"]:
+        if check_hash and sha256_file(p) != meta.sha256:
             raise BundleError(
                 f"bundle file {rel} fails its sha256 check (changed after build); copy or rebuild the bundle"
             )

@@ -14,11 +14,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from lineside.errors import LinesideError
+
+if TYPE_CHECKING:
+    from lineside.bundle import Manifest
 
 Number = int | float
 MAX_THREADS = 1024  # CPU threads an option may ask for
@@ -199,6 +202,19 @@ def target_dir(path: Path, option: str) -> Path:
     return p
 
 
+def apart_from(output: Path, option: str, inputs: dict[str, Path | None]) -> None:
+    """An output that would replace (or hold) one of the command's inputs is refused: with --force it would
+    delete the very checkpoint or bundle being read."""
+    out = Path(output).expanduser().resolve()
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        src = Path(path).expanduser().resolve()
+        if src == out or out in src.parents:
+            raise LinesideError(f"{option} {output} would replace {name} {path} that this command reads; "
+                                f"choose another {option}")
+
+
 @contextlib.contextmanager
 def staged_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically, on failure it is
@@ -247,19 +263,17 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def decode_state_bytes(manifest: Any, num_slots: int) -> int:
+def decode_state_bytes(manifest: Manifest, num_slots: int) -> int:
     """Bytes of the decode state (KV cache, ...) the onnxruntime backend allocates for ``num_slots`` sequences
     of the bundle's max_seq_len, from the state tensors its manifest lists."""
     from lineside.graph_io import StateTensor, resolve_shape
 
-    get = (lambda k: manifest.get(k)) if isinstance(manifest, dict) else (lambda k: getattr(manifest, k, None))
-    flavors = get("flavors") or {}
+    flavors = manifest.flavors
     flavor = "cpu" if "cpu" in flavors else next(iter(flavors), None)
     if flavor is None:
         return 0
-    entry = flavors[flavor]
-    states = entry.get("state", []) if isinstance(entry, dict) else getattr(entry, "state", [])
-    max_seq = int(get("max_seq_len") or 0)
+    states = flavors[flavor].state
+    max_seq = int(manifest.max_seq_len or 0)
     dims = {"batch": num_slots, "max_seq": max_seq, "past_seq": max_seq}
     total = 0
     for raw in states:

@@ -69,11 +69,6 @@ class ModelConfig:
         original = rs.get("original_max_position_embeddings") or self.max_position_embeddings
         return max(self.max_position_embeddings, int(factor * original))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token occupies across all layers in fp16 (dense GQA)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 

@@ -22,20 +22,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-CONTROL_INPUTS = (
-    "input_ids",
-    "position_ids",
-    "attention_mask",
-    "seqlens_k",
-    "total_sequence_length",
-    "past_lengths",
-    "logits_positions",
-)
+from lineside.strenum import StrEnum
 
-# How a state output relates to its input.
-INPLACE = "inplace"  # output aliases the input buffer (cpu flavor: GroupQueryAttention shares past/present)
-APPEND = "append"  # output holds only the new ``seq`` entries along ``seq_axis``; runtime writes them at past_len
-REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
+Dim = int | str  # a state shape's dim: a number or a symbolic name (``batch``, ``max_seq``, ...)
+
+
+class StateUpdate(StrEnum):
+    """How a state output relates to its input (written into the manifest as its value)."""
+
+    INPLACE = "inplace"  # output aliases the input buffer (cpu flavor: GroupQueryAttention shares past/present)
+    APPEND = "append"  # output holds only the new ``seq`` entries along ``seq_axis``; runtime writes them at past_len
+    REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
+
+
+
 
 
 @dataclass
@@ -44,10 +44,13 @@ class StateTensor:
 
     input: str
     output: str
-    shape: list[Any]
+    shape: list[Dim]
     dtype: str = "float32"
-    update: str = INPLACE
+    update: StateUpdate = StateUpdate.INPLACE
     seq_axis: int = 2
+
+    def __post_init__(self) -> None:
+        self.update = StateUpdate(self.update)  # ValueError for a kind this lineside does not know
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,6 +60,6 @@ class StateTensor:
         return cls(**d)
 
 
-def resolve_shape(shape: list[Any], dims: dict[str, int]) -> tuple[int, ...]:
+def resolve_shape(shape: list[Dim], dims: dict[str, int]) -> tuple[int, ...]:
     """Replace symbolic dims with numbers."""
     return tuple(int(dims[s]) if isinstance(s, str) else int(s) for s in shape)

@@ -90,14 +90,15 @@ def bench(
 
         checks.input_dir(bundle, "--bundle", "bundle directory")
         manifest = read_manifest(bundle)
-        bundle_max_seq = int((manifest.get("max_seq_len") if isinstance(manifest, dict)
-                              else getattr(manifest, "max_seq_len", None)) or 0)
+        bundle_max_seq = int(manifest.max_seq_len or 0)
         slots = num_slots or 8
         checks.fits_in_memory(checks.decode_state_bytes(manifest, slots),
                               f"the in-process server's KV cache for {slots} slots", "lower --num-slots")
     for opt, path in (("--prompts-file", prompts_file), ("--tokenizer", tokenizer)):
         if path is not None:
             checks.input_file(path, opt)
+    if out is not None:
+        checks.apart_from(out, "--out", {"--bundle": bundle, "--prompts-file": prompts_file, "--tokenizer": tokenizer})
     pattern = checks.choice(pattern, "--pattern", PATTERNS)
     if (url is None) == (bundle is None):
         raise LinesideError("give exactly one of --url http://HOST:PORT (a running server) or --bundle DIR")

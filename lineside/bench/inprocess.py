@@ -41,15 +41,19 @@ def wait_ready(url: str, timeout: float, alive=lambda: True, ready_path: str = "
 class BackgroundServer:
     """uvicorn on 127.0.0.1:<free port> in a daemon thread; a context manager that waits until ready."""
 
-    def __init__(self, app, ready_path: str = "/health/ready", startup_timeout: float = 120.0) -> None:
+    def __init__(self, app, ready_path: str = "/health/ready", startup_timeout: float = 120.0,
+                 make_config=None) -> None:
+        """``make_config(app, host, port)`` builds the uvicorn.Config (a server's own protocol and limits);
+        default: uvicorn's."""
         import uvicorn
 
         self.host = "127.0.0.1"
         self.port = free_port(self.host)
         self.ready_path = ready_path
         self.startup_timeout = startup_timeout
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on",
-                                access_log=False)
+        config = (make_config(app, self.host, self.port) if make_config is not None else
+                  uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on",
+                                 access_log=False))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="lineside-bench-server", daemon=True)
 

@@ -85,6 +85,7 @@ def check_build_paths(checkpoint: Path, output: Path, calib: Path | None, force:
     checks.output_dir(output, "-o", force=force, what="bundle")
     if calib is not None:
         checks.input_file(calib, "--calib", "calibration text file")
+    checks.apart_from(output, "-o", {"the checkpoint": checkpoint, "--calib": calib})
 
 
 def register(app: typer.Typer) -> None:

@@ -6,22 +6,26 @@ or interrupted build never leaves a half-written bundle where a good one is expe
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lineside import __version__
-from lineside.build.checkpoint import open_checkpoint
-from lineside.build.models import family_module
+from lineside.build.checkpoint import CheckpointReader, open_checkpoint
+from lineside.build.models import model_family
+from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
-from lineside.bundle import write_manifest
+from lineside.bundle import FlavorEntry, Manifest, read_manifest, write_manifest
 from lineside.config import ModelConfig
-from lineside.errors import CheckpointError, LinesideError
+from lineside.errors import LinesideError
+
+if TYPE_CHECKING:  # the calibrations are imported only when a build asks for one
+    from lineside.build.quant.calibrate import AwqPlan
+    from lineside.build.quant.calibrate_gptq import GptqPlan
 
 FLAVORS = ("cpu", "trt")
 CARRYABLE = {"Q4_0", "Q4_1", "Q8_0"}
@@ -41,7 +45,6 @@ class BuildOptions:
     accuracy_level: int = 4
     lm_head_bits: int = 8
     force: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -85,18 +88,10 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     tmp: Path | None = None
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
-        family = family_module(cfg.architecture)
-        # Families with their own naming (V4: official or HF) wrap the reader and check it themselves.
-        source = family.check_tensors(cfg, ckpt) if hasattr(family, "check_tensors") else None
-        if hasattr(family, "check_config"):
-            family.check_config(cfg, opts.flavors)
-        if source is None:
-            missing = [n for n in family.required_tensors(cfg) if not ckpt.has(n)]
-            if missing:
-                raise CheckpointError(f"{checkpoint}: tensor {missing[0]!r} is missing"
-                                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-            if hasattr(family, "check_shapes"):
-                family.check_shapes(cfg, ckpt, str(checkpoint))
+        family = model_family(cfg.architecture)
+        family.check_config(cfg, opts.flavors)
+        # Families with their own naming (V4: official or HF) return the source their graphs read.
+        source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         _check_context(max_seq, cfg)
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
@@ -124,7 +119,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     return out
 
 
-def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: Any, source: Any, spec: QuantSpec,
+def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConfig, family: ModelFamily,
+                  source: WeightSource | None, spec: QuantSpec,
                   opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
                   log: Callable[[str], None]) -> None:
     """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
@@ -138,7 +134,7 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
 
         gplan = gptq_plan_for(cfg, ckpt, spec, opts.flavors, opts.calib, progress=progress, log=log)
     carried: dict[str, str] = {}
-    flavors: dict[str, Any] = {}
+    flavors: dict[str, FlavorEntry] = {}
     for flavor in opts.flavors:
         getter = _weight_getter(ckpt, spec, flavor, opts, carried)
         if plan is not None:
@@ -148,25 +144,23 @@ def _write_bundle(ckpt: Any, checkpoint: str | Path, cfg: ModelConfig, family: A
         rel = f"graphs/{flavor}/model.onnx"
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
-                                  max_seq, progress=tick,
-                                  **({"awq_scales": plan.input_scale} if plan else {}))
-        entry["graph"] = rel
-        flavors[flavor] = entry
+                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None)
+        flavors[flavor] = replace(entry, graph=rel)
     tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
-    manifest = {
-        "lineside_version": __version__,
-        "architecture": cfg.architecture,
-        "model_name": cfg.name,
-        "source": {"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
-        "quantization": _quant_record(spec, carried, cfg, plan, gplan,
-                                      carried_grid=_carried_grid(family, cfg, source, carried, opts.flavors)),
-        "flavors": flavors,
-        "max_seq_len": max_seq,
-        "config": "config.json",
-        "tokenizer": {"dir": "tokenizer", **tok},
-        "build_seconds": round(time.time() - t0, 2),
-    }
+    manifest = Manifest(
+        lineside_version=__version__,
+        architecture=cfg.architecture,
+        model_name=cfg.name,
+        source={"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
+        quantization=_quant_record(spec, carried, cfg, plan, gplan,
+                                   carried_grid=_carried_grid(family, cfg, source, carried, opts.flavors)),
+        flavors=flavors,
+        max_seq_len=max_seq,
+        config="config.json",
+        tokenizer={"dir": "tokenizer", **tok},
+        build_seconds=round(time.time() - t0, 2),
+    )
     write_manifest(tmp, manifest)
 
 
@@ -180,7 +174,7 @@ def _check_context(max_seq: int, cfg: ModelConfig) -> None:
                             f"{cfg.name or 'the checkpoint'}); choose at most {limit}")
 
 
-def _check_shapes(ckpt: Any, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
+def _check_shapes(ckpt: CheckpointReader, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
     """Fail before any work if the group size cannot tile a linear layer (checked on shapes only)."""
     for name in names:
         shape = ckpt.shape(name)
@@ -197,12 +191,12 @@ def _is_gguf(checkpoint: str | Path) -> bool:
     return str(checkpoint).lower().endswith(".gguf")
 
 
-def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
-                   carried: dict[str, str]) -> Callable[[str], Any]:
+def _weight_getter(ckpt: CheckpointReader, spec: QuantSpec, flavor: str, opts: BuildOptions,
+                   carried: dict[str, str]) -> WeightGetter:
     """The cpu flavor takes GGUF 4/8-bit blocks as they are (no second quantization) when it can."""
     carry = flavor == "cpu" and _carries(opts, spec)
 
-    def get(name: str) -> Any:
+    def get(name: str) -> Weight:
         if carry:
             raw = ckpt.get_raw(name)
             if isinstance(raw, GGMLBlocks) and raw.ggml_type in CARRYABLE:
@@ -216,7 +210,7 @@ def _weight_getter(ckpt: Any, spec: QuantSpec, flavor: str, opts: BuildOptions,
 GGML_BLOCK = 32  # weights per block of GGUF's Q4_0 / Q4_1 / Q8_0
 
 
-def _carried_grid(family: Any, cfg: ModelConfig, source: Any, carried: dict[str, str],
+def _carried_grid(family: ModelFamily, cfg: ModelConfig, source: WeightSource | None, carried: dict[str, str],
                   flavors: tuple[str, ...]) -> str | None:
     """The GGUF 4-bit type every linear of the bundle kept (so its grid is that type's blocks of 32), or None
     when some linear was quantized here (or a trt flavor, which always re-quantizes, was built)."""
@@ -227,8 +221,8 @@ def _carried_grid(family: Any, cfg: ModelConfig, source: Any, carried: dict[str,
     return kinds.pop() if linears and len(kinds) == 1 and kinds <= {"Q4_0", "Q4_1"} else None
 
 
-def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: Any = None,
-                  gplan: Any = None, carried_grid: str | None = None) -> dict[str, Any]:
+def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: AwqPlan | None = None,
+                  gplan: GptqPlan | None = None, carried_grid: str | None = None) -> dict[str, Any]:
     from lineside.build.quant.size import kept_high_precision_note
 
     kept = kept_high_precision_note() if spec.quantized else []
@@ -258,6 +252,7 @@ def _model_name(checkpoint: str | Path, hf_config: dict[str, Any]) -> str:
 
 
 def describe(bundle_dir: Path) -> str:
-    m = json.loads((bundle_dir / "manifest.json").read_text())
-    size = sum(f["size"] for f in m["files"].values())
-    return f"{m['architecture']} {m['quantization']['scheme']} flavors={','.join(m['flavors'])} {size / 1e6:.1f} MB"
+    m = read_manifest(bundle_dir)
+    size = sum(f.size for f in m.files.values())
+    scheme = (m.quantization or {}).get("scheme")
+    return f"{m.architecture} {scheme} flavors={','.join(m.flavors)} {size / 1e6:.1f} MB"

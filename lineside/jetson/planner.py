@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lineside.bundle import MANIFEST, read_manifest
+from lineside.bundle import MANIFEST, Manifest, read_manifest
 from lineside.config import ModelConfig, family_of, load_hf_config
 from lineside.errors import ConfigError, LinesideError
 from lineside.jetson.devices import Device, get_device
@@ -116,15 +116,15 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
 GGML_4BIT = {"Q4_0": 1, "Q4_1": 2}  # fp16 values per block of 32: scale (Q4_0), scale + minimum (Q4_1)
 
 
-def bundle_grid(manifest: dict[str, Any]) -> Grid | None:
+def bundle_grid(manifest: Manifest) -> Grid | None:
     """The grid a bundle's linears really have: the trt flavor's group size when it has one (what TensorRT
     runs), else a GGUF 4-bit grid carried into the cpu flavor (blocks of 32; read from ``quantization.grid``,
     or from ``carried_from_source`` for bundles built before that was recorded), else its group size."""
-    q = manifest.get("quantization")
+    q = manifest.quantization
     if not isinstance(q, dict):
         return None
     gs = q.get("group_size")
-    if "trt" in (manifest.get("flavors") or {}) and isinstance(gs, int) and gs > 0:
+    if "trt" in manifest.flavors and isinstance(gs, int) and gs > 0:
         return Grid(gs, 1, "the bundle's trt grid")
     g = q.get("grid")
     if isinstance(g, dict) and isinstance(g.get("block_size"), int) and g["block_size"] > 0:
@@ -139,18 +139,18 @@ def bundle_grid(manifest: dict[str, Any]) -> Grid | None:
     return Grid(gs, 1, "the bundle's group size") if isinstance(gs, int) and gs > 0 else None
 
 
-def _with_bundle(spec: ModelSpec, manifest: dict[str, Any]) -> ModelSpec:
+def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     """A bundle holds what it was built with: its grid, and at most its max_seq_len of context."""
     spec.grid = bundle_grid(manifest)
-    mx = manifest.get("max_seq_len")
+    mx = manifest.max_seq_len
     if isinstance(mx, int) and 0 < mx:
         spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx
         spec.context_from = "the bundle's max_seq_len"
     return spec
 
 
-def _bundle_quant(manifest: dict[str, Any]) -> str | None:
-    q = manifest.get("quantization")
+def _bundle_quant(manifest: Manifest) -> str | None:
+    q: Any = manifest.quantization
     if isinstance(q, dict):
         q = q.get("scheme") or q.get("quant") or q.get("name")
     return q if isinstance(q, str) else None
@@ -171,7 +171,7 @@ def load_model(model: str) -> ModelSpec:
             )
     if p.is_dir() and (p / MANIFEST).is_file():
         manifest = read_manifest(p)
-        cfg_rel = manifest.get("config", "config.json")
+        cfg_rel = manifest.config
         try:
             d = json.loads((p / cfg_rel).read_text())
         except (OSError, json.JSONDecodeError) as e:

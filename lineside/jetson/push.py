@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lineside.bundle import MANIFEST, read_manifest, verify_files
+from lineside.bundle import MANIFEST, Manifest, read_manifest, verify_files
 from lineside.errors import BundleError, LinesideError
 from lineside.jetson.targets import LocalTarget, Progress, SshTarget, open_target
 
@@ -37,8 +37,8 @@ class PushResult:
         return asdict(self)
 
 
-def _version_name(bundle: Path, manifest: dict[str, Any], digest: str) -> str:
-    name = manifest.get("name") or bundle.resolve().name
+def _version_name(bundle: Path, manifest: Manifest, digest: str) -> str:
+    name = manifest.extra.get("name") or bundle.resolve().name  # "name": an operator's key, no build writes it
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-.") or "bundle"
     return f"{name}-{digest[:12]}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
 
@@ -58,10 +58,10 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
     manifest = read_manifest(src)
     verify_files(src, manifest, check_hash=False)  # sizes here; every sha256 is checked on the target
     digest = hashlib.sha256((src / MANIFEST).read_bytes()).hexdigest()
-    expected = {rel: meta["sha256"] for rel, meta in manifest["files"].items()}
+    expected = {rel: meta.sha256 for rel, meta in manifest.files.items()}
     expected[MANIFEST] = digest
-    files = [*manifest["files"], MANIFEST]  # the manifest last: a version dir with one is complete
-    total = sum(int(m["size"]) for m in manifest["files"].values()) + (src / MANIFEST).stat().st_size
+    files = [*manifest.files, MANIFEST]  # the manifest last: a version dir with one is complete
+    total = sum(m.size for m in manifest.files.values()) + (src / MANIFEST).stat().st_size
 
     t = open_target(target, ssh)
     try:
@@ -70,7 +70,7 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
         t.close()
 
 
-def _push(t: LocalTarget | SshTarget, src: Path, manifest: dict[str, Any], digest: str,
+def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str,
           expected: dict[str, str], files: list[str], total: int, progress: Progress | None) -> PushResult:
     t.prepare()
     for name, sha in t.installed_versions().items():

@@ -2,7 +2,9 @@
 
 A backend owns the model's decode state (the KV cache arena and any other state tensors)
 as ``num_slots`` fixed slots; the scheduler maps requests to slots. One ``forward`` call
-runs one step for a batch of slots and returns logits for the requested positions.
+runs one step for a batch of slots and returns logits for the requested positions. Whether
+the decode batch must sit in one range of slots is the backend's to say
+(``needs_contiguous_slots``), so exactly one party ever moves a sequence between slots.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class Backend(Protocol):
     num_slots: int
     max_seq_len: int
     vocab_size: int
+    # True: a decode batch in slots k..k+B-1 runs without gathering the cache, so the scheduler keeps the
+    # decoding sequences in slots 0..B-1 (it moves them with copy_slot). False: any slots work as well
+    # (the backend places rows itself, as TensorRT's ArenaLayout does), and the scheduler moves nothing.
+    needs_contiguous_slots: bool
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """Run one step; writes the new tokens' state into the slots; returns float32 logits [B, K, vocab]."""

@@ -2,8 +2,10 @@
 
 ``submit`` queues a request and returns a handle to async-iterate; an asyncio task runs the step
 loop: the scheduler plans a step (decode batch + at most one prefill chunk), a worker thread runs
-the backend calls and samples, and the event loop turns tokens into events. Cancellation and
-timeouts take effect at the next step and free the request's slot.
+the backend calls and samples (step_runner.py), the scheduler's ``postprocess`` applies the outcome
+to the sequences, and the engine hands the resulting events to the handles. Cancellation and
+timeouts take effect at the next step and free the request's slot. All times come from ``clock``
+(tests inject one instead of sleeping).
 """
 
 from __future__ import annotations
@@ -14,24 +16,28 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import REPLACE
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.request import (
     EngineDraining,
+    FinishReason,
     GenerationRequest,
     QueueFullError,
     RequestHandle,
     TokenEvent,
     validate_request,
 )
-from lineside.runtime.scheduler import Scheduler, StepPlan
-from lineside.runtime.sequence import DECODE, FINISHED, Sequence
+from lineside.runtime.scheduler import Clock, Scheduler
+from lineside.runtime.sequence import Sequence, SequenceStatus
+from lineside.runtime.step_plan import StepPlan
+from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 
 log = logging.getLogger("lineside.engine")
 
@@ -51,28 +57,26 @@ class EngineStats:
     generated_tokens_total: int
     steps: int
     preemptions: int
-    requests: dict[str, int] = field(default_factory=dict)  # finished requests by finish_reason
-
-
-def make_backend(bundle: Bundle, backend: str, num_slots: int, threads: int | None) -> Backend:
-    """The backend for this machine (TensorRT when its engine fits here, else onnxruntime CPU)."""
-    from lineside.runtime.select import choose_backend
-
-    return choose_backend(bundle, backend, num_slots, say=log.info, threads=threads)
+    requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
 
 
 class LLMEngine:
-    def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", num_slots: int = 8,
+    """What the server talks to: takes requests, runs the step loop, streams each request's events."""
+
+    def __init__(self, bundle: Bundle | str | Path, backend: str | Backend = "auto", *, num_slots: int = 8,
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
-                 aging_s: float = 10.0, preemption: bool = True):
+                 aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic):
         from lineside.runtime.generate import load_tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
             raise LinesideError(f"num_slots must be ≥ 1, got {num_slots}")
-        self.backend: Backend = (make_backend(self.bundle, backend, num_slots, threads)
-                                 if isinstance(backend, str) else backend)
+        if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
+            from lineside.runtime.select import choose_backend
+
+            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads)
+        self.backend: Backend = backend
         self.backend_name = self.backend.name
         self.tokenizer = load_tokenizer(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)
@@ -81,11 +85,14 @@ class LLMEngine:
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         states = getattr(self.backend, "states", [])
-        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == REPLACE for s in states)
-        self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, kv_blocks, prefix_ok)
+        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
+        self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, num_blocks=kv_blocks,
+                                  prefix_cache=prefix_ok)
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
-        self.scheduler = Scheduler(self.arena, chunk, aging_s, preemption)
+        self.clock = clock
+        self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
+                                   contiguous_slots=self.backend.needs_contiguous_slots, clock=clock)
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -98,8 +105,7 @@ class LLMEngine:
         self._closed = False
         self._steps = 0
         self._prompt_total = 0
-        self._generated_total = 0
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[FinishReason, int] = {}
         self.step_log: deque[tuple[int, int]] | None = None  # (decode rows, prefill tokens) per step, when set
 
     # ---- public API -----------------------------------------------------------------------------
@@ -121,8 +127,8 @@ class LLMEngine:
         """Refuse new requests, let running ones finish for up to ``drain_timeout`` s, cancel the rest."""
         self.draining = True
         self.ready = False
-        deadline = time.monotonic() + drain_timeout
-        while self._task is not None and self._seqs and time.monotonic() < deadline:
+        deadline = self.clock() + drain_timeout
+        while self._task is not None and self._seqs and self.clock() < deadline:
             await asyncio.sleep(0.01)
         for seq in list(self._seqs.values()):
             seq.handle.cancel()
@@ -135,7 +141,7 @@ class LLMEngine:
                 await self._task
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
-            self._finish(seq, seq.abort("cancelled"))
+            self._abort(seq, FinishReason.CANCELLED)
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -158,6 +164,7 @@ class LLMEngine:
             raise LinesideError(f"prompt + max_tokens need more KV than the engine's {self.arena.total_blocks} blocks "
                                f"of {self.arena.block_size}; lower max_tokens")
         handle = RequestHandle(req, on_cancel=self._kick)
+        handle.metrics.arrival = self.clock()
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len)
         self._seqs[req.request_id] = seq
         self._incoming.append(seq)
@@ -171,7 +178,7 @@ class LLMEngine:
             running=len(s.running), waiting=len(s.waiting) + len(self._incoming), num_slots=a.num_slots,
             kv_usage=used / a.total_blocks, kv_blocks_used=used, kv_blocks_reserved=a.reserved_blocks,
             kv_blocks_total=a.total_blocks, prefix_cache_hits=a.prefix_hits, prefix_cache_hit_tokens=a.prefix_hit_tokens,
-            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total, steps=self._steps,
+            prompt_tokens_total=self._prompt_total, generated_tokens_total=s.generated_tokens, steps=self._steps,
             preemptions=s.preemptions, requests=dict(self._outcomes))
 
     # ---- loop -------------------------------------------------------------------------------------
@@ -194,82 +201,50 @@ class LLMEngine:
             self._wake.clear()
             try:
                 self._intake()
-                self._expire()
+                self._deliver(self.scheduler.expire())
                 plan = self.scheduler.schedule()
                 if plan.empty:
                     await self._wake.wait()
                     continue
-                out, errors = await asyncio.to_thread(self._execute, plan)
-                for seq, msg in errors.items():
-                    self._finish(seq, seq.abort("error", msg))
-                self._apply(plan, out, errors)
+                out = await asyncio.to_thread(self._execute, plan)
+                self._steps += 1
+                if self.step_log is not None:
+                    self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
+                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an engine bug must not leave clients waiting forever
-                msg = _error_line(e)
+                msg = error_line(e)
                 for seq in list(self._seqs.values()):
-                    if seq.status != FINISHED:
-                        with contextlib.suppress(Exception):
-                            self._finish(seq, seq.abort("error", msg))
+                    with contextlib.suppress(Exception):
+                        self._abort(seq, FinishReason.ERROR, msg)
             await asyncio.sleep(0)  # let the server's tasks run between steps
 
     def _intake(self) -> None:
         while self._incoming:
             seq = self._incoming.popleft()
+            if seq.status == SequenceStatus.FINISHED:  # ended before it got here (stop, or a failed step)
+                continue
             self._prompt_total += len(seq.prompt)
             self.scheduler.add(seq)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            if seq.handle.cancel_requested:
-                self._finish(seq, seq.abort("cancelled"))
-            elif seq.deadline is not None and now >= seq.deadline:
-                self._finish(seq, seq.abort("timeout"))
+    def _deliver(self, events: Iterable[tuple[Sequence, TokenEvent | None]]) -> None:
+        """Hand events to their handles; a final one also retires the request here."""
+        for seq, ev in events:
+            if ev is None:  # it had finished already
+                continue
+            if ev.finish_reason is not None:
+                self._outcomes[ev.finish_reason] = self._outcomes.get(ev.finish_reason, 0) + 1
+                self._seqs.pop(seq.req.request_id, None)
+            seq.handle._push(ev)
 
-    def _finish(self, seq: Sequence, ev: TokenEvent) -> None:
-        if seq.status == FINISHED:
-            return
-        self.scheduler.remove(seq)
-        seq.status = FINISHED
-        seq.handle.metrics.finished = time.monotonic()
-        self._outcomes[ev.finish_reason or "stop"] = self._outcomes.get(ev.finish_reason or "stop", 0) + 1
-        self._seqs.pop(seq.req.request_id, None)
-        seq.handle._push(ev)
+    def _abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self._deliver([(seq, self.scheduler.abort(seq, reason, error))])
 
-    # ---- worker thread: backend calls + sampling ----------------------------------------------------
-    def _execute(self, plan: StepPlan) -> tuple[dict[Sequence, int], dict[Sequence, str]]:
-        """Slot ops, then the decode batch, then the prefill chunk; a failing call fails only its sequences."""
-        sampled: dict[Sequence, int] = {}
-        errors: dict[Sequence, str] = {}
+    def _execute(self, plan: StepPlan) -> StepOutcome:
+        """Worker thread: the step's backend calls and sampling (never beside ``close``)."""
         with self._step_lock:
-            be = self.backend
-            try:
-                for op in plan.ops:
-                    if op.kind == "copy":
-                        be.copy_slot(op.src, op.dst, op.length)
-                    else:
-                        be.reset_slot(op.dst)
-            except Exception as e:  # the slots these ops touched can't be trusted: fail everything in the step
-                msg = _error_line(e)
-                return {}, {s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]}
-            if plan.decode:
-                try:
-                    logits = be.forward(plan.decode_batch())
-                    for r, seq in enumerate(plan.decode):
-                        if seq.samples:
-                            sampled[seq] = seq.sampler(logits[r, -1], seq.tokens, len(seq.prompt))
-                except Exception as e:  # a backend failure ends the requests in this call, not the server
-                    errors.update((s, _error_line(e)) for s in plan.decode if s not in sampled)
-            seq = plan.prefill
-            if seq is not None:
-                try:
-                    logits = be.forward(plan.prefill_batch())
-                    if plan.prefill_last and seq.pending is None:
-                        sampled[seq] = seq.sampler(logits[0, -1], seq.tokens, len(seq.prompt))
-                except Exception as e:
-                    errors[seq] = _error_line(e)
-        return sampled, errors
+            return run_step(self.backend, plan)
 
     def _warmup(self) -> None:
         """One prefill and one decode step on slot 0, then forget it."""
@@ -280,40 +255,6 @@ class LLMEngine:
         be.forward(StepBatch.single(0, ids[:1], len(ids)))
         be.reset_slot(0)
 
-    # ---- event loop: tokens → events ------------------------------------------------------------
-    def _apply(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str]) -> None:
-        self._steps += 1
-        if self.step_log is not None:
-            self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
-        now = time.monotonic()
-        for seq in plan.decode:
-            if seq.status != DECODE or seq.slot is None or seq in errors:
-                continue
-            self.arena.append(seq.slot, [seq.pending], shareable=False)
-            seq.computed += 1
-            if seq.replay:
-                seq.pending = seq.replay.popleft()
-        pf = plan.prefill
-        if pf is not None and pf.slot is not None and pf not in errors:
-            self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
-            pf.computed += len(plan.prefill_tokens)
-            if plan.prefill_last:
-                pf.status = DECODE
-        for seq, tok in sampled.items():
-            if seq.status == FINISHED:
-                continue
-            self._generated_total += 1
-            ev = seq.on_token(tok, now)
-            if ev.finish_reason is not None:
-                self._finish(seq, ev)
-            else:
-                seq.handle._push(ev)
-
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
 
-
-def _error_line(e: Exception) -> str:
-    log.error("engine step failed", exc_info=e)
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return f"model step failed: {first}"

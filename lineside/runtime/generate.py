@@ -16,12 +16,13 @@ from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.request import FinishReason
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.tokenizer import Tokenizer
 
 
 def load_tokenizer(bundle: Bundle) -> Tokenizer:
-    return Tokenizer(bundle.tokenizer_dir, bundle.manifest.get("tokenizer"))
+    return Tokenizer(bundle.tokenizer_dir, bundle.manifest.tokenizer)
 
 
 def check_ids(ids: list[int], vocab_size: int) -> None:
@@ -48,7 +49,7 @@ def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", slot
 class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = "length"
+    finish_reason: FinishReason = FinishReason.LENGTH
     prompt_tokens: int = 0
 
 
@@ -102,5 +103,5 @@ class Generator:
             out.token_ids.append(t)
             out.text += detok.add(t)
         out.text += detok.flush()
-        out.finish_reason = "length" if len(out.token_ids) >= max_tokens else "stop"
+        out.finish_reason = FinishReason.LENGTH if len(out.token_ids) >= max_tokens else FinishReason.STOP
         return out

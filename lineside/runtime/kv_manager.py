@@ -3,31 +3,40 @@
 The backend preallocates ``num_slots`` slots of ``max_seq_len`` positions; nothing is reallocated.
 Capacity is counted in blocks of ``block_size`` positions: a request reserves the blocks for
 prompt + max_tokens when it is admitted, so it can never run out mid-generation (``num_blocks``
-may be set below ``num_slots × blocks_per_slot`` to budget memory). ``move`` relocates a request
-so the scheduler can keep the decode batch a contiguous range (the cpu backend binds it in
-place instead of gathering whole slots). A slot's KV stays valid after its request ends:
-full blocks are hashed (chained, so a hash names the whole prefix) and a new prompt that starts
-with a cached prefix copies those positions instead of recomputing them.
+may be set below ``num_slots × blocks_per_slot`` to budget memory). The arena answers every
+capacity question itself (``can_admit``, also "if these slots were freed" for preemption), so
+the scheduler never sums reservations. ``move`` relocates a request for a backend that wants the
+decode batch in one range of slots (``Backend.needs_contiguous_slots``). A slot's KV stays valid
+after its request ends: full blocks are hashed (chained, so a hash names the whole prefix) and a
+new prompt that starts with a cached prefix copies those positions instead of recomputing them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from lineside.strenum import StrEnum
+
+
+class SlotOpKind(StrEnum):
+    COPY = "copy"  # Backend.copy_slot(src, dst, length): prefix reuse or a move
+    RESET = "reset"  # Backend.reset_slot(dst): a request starts from position 0
 
 
 @dataclass
 class SlotOp:
     """A backend operation the next step runs before its forward calls (in order)."""
 
-    kind: str  # "copy" | "reset"
+    kind: SlotOpKind
     src: int
     dst: int
     length: int = 0
 
 
 class KVCacheArena:
-    def __init__(self, num_slots: int, max_seq_len: int, block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, num_slots: int, max_seq_len: int, block_size: int = 16, *, num_blocks: int | None = None,
                  prefix_cache: bool = True):
         if block_size < 1:
             raise ValueError("kv_block_size must be ≥ 1")
@@ -63,9 +72,13 @@ class KVCacheArena:
         """Blocks that hold live KV of running requests."""
         return sum(self.blocks_for(len(t)) for o, t in zip(self.owner, self.tokens, strict=True) if o is not None)
 
-    def can_admit(self, n_tokens: int) -> bool:
-        """A free slot and enough unreserved blocks for ``n_tokens`` positions."""
-        return self.occupied < self.num_slots and self.reserved_blocks + self.blocks_for(n_tokens) <= self.total_blocks
+    def can_admit(self, n_tokens: int, freeing: Iterable[int] = ()) -> bool:
+        """A free slot and enough unreserved blocks for ``n_tokens`` positions, once the slots in ``freeing``
+        are released (preemption asks this before it evicts anyone, so it never evicts in vain)."""
+        gone = set(freeing)
+        slots = self.occupied - len(gone)
+        blocks = self.reserved_blocks - sum(self.reserved[s] for s in gone)
+        return slots < self.num_slots and blocks + self.blocks_for(n_tokens) <= self.total_blocks
 
     def fits_ever(self, n_tokens: int) -> bool:
         return self.blocks_for(n_tokens) <= self.total_blocks
@@ -85,12 +98,12 @@ class KVCacheArena:
         self.owner[slot] = owner
         self.reserved[slot] = self.blocks_for(reserve_tokens)
         if reuse and src != slot:
-            self.pending.append(SlotOp("copy", src, slot, reuse))
+            self.pending.append(SlotOp(SlotOpKind.COPY, src, slot, reuse))
             self._set_tokens(slot, self.tokens[src][:reuse])
         else:
             self._set_tokens(slot, self.tokens[slot][:reuse])
         if not reuse:
-            self.pending.append(SlotOp("reset", slot, slot))
+            self.pending.append(SlotOp(SlotOpKind.RESET, slot, slot))
         else:
             self.prefix_hits += 1
             self.prefix_hit_tokens += reuse
@@ -103,7 +116,7 @@ class KVCacheArena:
     def move(self, src: int, dst: int) -> None:
         """Move a request (its KV, reservation and ownership) from ``src`` to the free slot ``dst``."""
         assert self.owner[dst] is None and self.owner[src] is not None
-        self.pending.append(SlotOp("copy", src, dst, len(self.tokens[src])))
+        self.pending.append(SlotOp(SlotOpKind.COPY, src, dst, len(self.tokens[src])))
         self.owner[dst], self.reserved[dst] = self.owner[src], self.reserved[src]
         self.owner[src], self.reserved[src] = None, 0
         self._set_tokens(dst, list(self.tokens[src]), self.shared[src])  # src keeps its tokens: still cached

@@ -15,7 +15,7 @@ import numpy as np
 
 from lineside.bundle import Bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, INPLACE, REPLACE, StateTensor, resolve_shape
+from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
@@ -28,6 +28,8 @@ def default_threads() -> int:
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
+    # The in-place cache binds a range of slots as a view; other slot lists gather and scatter whole slots.
+    needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
                  max_seq_len: int | None = None, accuracy_level: int | None = None):
@@ -46,23 +48,22 @@ class OnnxRuntimeBackend:
         if accuracy_level is not None:
             so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
         try:
-            self.session = ort.InferenceSession(str(bundle.file(entry["graph"])), so,
+            self.session = ort.InferenceSession(str(bundle.file(entry.graph)), so,
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-            raise LinesideError(f"onnxruntime could not load {entry['graph']}: {str(e).splitlines()[0]}") from None
+            raise LinesideError(f"onnxruntime could not load {entry.graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
-        self.states = [StateTensor.from_dict(s) for s in entry["state"]]
+        self.states = list(entry.state)
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
         self.arena: dict[str, np.ndarray] = {
             s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
         }
         self.uses_gqa = "seqlens_k" in self.input_names
         # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
-        self._decode_ready = self.uses_gqa and all(st.update == INPLACE for st in self.states) and \
+        self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states)}
         self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
-        self._ort = ort
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:
@@ -122,7 +123,7 @@ class OnnxRuntimeBackend:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
             a = self.arena[s.input]
-            if s.update == REPLACE:
+            if s.update == StateUpdate.REPLACE:
                 a[dst] = a[src]
             else:
                 idx = [slice(None)] * a.ndim
@@ -133,7 +134,7 @@ class OnnxRuntimeBackend:
 
     def reset_slot(self, slot: int) -> None:
         for s in self.states:
-            if s.update == REPLACE:
+            if s.update == StateUpdate.REPLACE:
                 self.arena[s.input][slot] = 0
 
     def close(self) -> None:
@@ -171,18 +172,18 @@ class OnnxRuntimeBackend:
         views: dict[str, np.ndarray] = {}
         for st in self.states:
             a = self.arena[st.input]
-            if st.update == INPLACE:
+            if st.update == StateUpdate.INPLACE:
                 view = a[slots[0]:slots[0] + b] if contiguous else np.ascontiguousarray(a[slots])
                 views[st.input] = view
                 self._bind(io, st.input, view, output=False)
                 self._bind(io, st.output, view, output=True)
-            elif st.update == APPEND:
+            elif st.update == StateUpdate.APPEND:
                 idx = [slice(None)] * a.ndim
                 idx[st.seq_axis] = slice(0, p_max)
                 view = np.ascontiguousarray(a[slots][tuple(idx)])
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
-            else:  # REPLACE
+            else:  # StateUpdate.REPLACE
                 view = np.ascontiguousarray(a[slots])
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
@@ -191,10 +192,10 @@ class OnnxRuntimeBackend:
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
         for st in self.states:
             a = self.arena[st.input]
-            if st.update == INPLACE:
+            if st.update == StateUpdate.INPLACE:
                 if not contiguous:
                     a[slots] = views[st.input]
-            elif st.update == APPEND:
+            elif st.update == StateUpdate.APPEND:
                 new = outs[st.output].numpy()
                 for r, slot in enumerate(slots):
                     n = int(batch.new_lengths[r])

@@ -15,10 +15,36 @@ from uuid import uuid4
 
 from lineside.errors import LinesideError
 from lineside.runtime.sampling import SamplingParams
+from lineside.strenum import StrEnum
 
-PRIORITIES = ("high", "normal", "low")
-MODES = ("realtime", "batch")
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+
+class Priority(StrEnum):
+    """X-Priority: within a mode, high is served before normal before low."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+class Mode(StrEnum):
+    """X-Mode: batch requests rank below every realtime priority."""
+
+    REALTIME = "realtime"
+    BATCH = "batch"
+
+
+class FinishReason(StrEnum):
+    """Why a request ended; ``stop`` and ``length`` are OpenAI's, the rest end the response with an error."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens (or the context) reached
+    CANCELLED = "cancelled"  # the client went away, or the engine stopped
+    TIMEOUT = "timeout"  # the request's timeout passed
+    ERROR = "error"  # the backend failed on this request
+
+
+PRIORITIES = tuple(Priority)  # in serving order; "high, normal, low" in messages
+MODES = tuple(Mode)
 
 
 class QueueFullError(LinesideError):
@@ -37,23 +63,25 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, not in the output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    priority: str = "normal"  # "high" | "normal" | "low"
-    mode: str = "realtime"  # "realtime" | "batch" (batch ranks below every realtime priority)
+    priority: Priority = Priority.NORMAL
+    mode: Mode = Mode.REALTIME
     timeout_s: float | None = None  # from arrival (submit) to the last token
     request_id: str = field(default_factory=lambda: uuid4().hex)
 
 
 def base_rank(req: GenerationRequest) -> int:
     """0 is served first: realtime high/normal/low = 0/1/2, batch high/normal/low = 3/4/5."""
-    return PRIORITIES.index(req.priority) + (3 if req.mode == "batch" else 0)
+    return PRIORITIES.index(req.priority) + (3 if req.mode == Mode.BATCH else 0)
 
 
 def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
-    """Refuse a malformed request at submit with one line (the server turns it into a 400)."""
+    """Refuse a malformed request at submit with one line (the server turns it into a 400); a priority or
+    mode given as a plain string becomes its enum here."""
     if req.priority not in PRIORITIES:
         raise LinesideError(f"priority {req.priority!r} is not one of {', '.join(PRIORITIES)}")
     if req.mode not in MODES:
         raise LinesideError(f"mode {req.mode!r} is not one of {', '.join(MODES)}")
+    req.priority, req.mode = Priority(req.priority), Mode(req.mode)
     if not req.prompt_ids:
         raise LinesideError("the prompt is empty after tokenization; give some text")
     bad = [i for i in req.prompt_ids if not 0 <= int(i) < vocab_size]
@@ -75,7 +103,7 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
 class TokenEvent:
     text: str  # new complete UTF-8 text since the last event (may be "")
     token_ids: list[int]  # tokens generated since the last event (a final EOS / stop token is not included)
-    finish_reason: str | None  # None while running; "stop" | "length" | "cancelled" | "timeout" | "error"
+    finish_reason: FinishReason | None  # None while running
     prompt_tokens: int
     completion_tokens: int  # tokens the model generated so far, counting a final EOS / stop token
     error: str | None = None
@@ -121,7 +149,7 @@ class RequestHandle:
         self.request = request
         self.request_id = request.request_id
         self.metrics = RequestMetrics()
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.cancel_requested = False
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._on_cancel = on_cancel

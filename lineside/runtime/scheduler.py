@@ -1,12 +1,18 @@
-"""Which sequences run in the next step: admission by priority and free KV, chunked prefill, preemption.
+"""Which sequences run in the next step, and what a step did to them: the one owner of sequence state.
 
-Every step is the decode batch (all sequences past prefill, one token each, slots in ascending
-order, moved to 0..k-1 when a hole opens) plus at most one prefill chunk of ``prefill_chunk``
-tokens for the one sequence being admitted. Waiting requests are ordered by rank (realtime
-high/normal/low, then batch), lowered by ``aging_s`` per second waited so none starves. When
-the best waiting request does not fit, running requests ranked at least one class below it are
-preempted (their tokens are kept; they are re-admitted later and rebuild their KV, usually from
-the prefix cache) — a realtime request never waits behind a batch job.
+``schedule`` plans a step: the decode batch (all sequences past prefill, one token each, slots in
+ascending order — moved to 0..k-1 when a hole opens, if the backend ``needs_contiguous_slots``)
+plus at most one prefill chunk of ``prefill_chunk`` tokens for the one sequence being admitted
+(step_plan.py). ``postprocess`` is the one place that applies a step's outcome (as nano-vllm's does): it records
+the KV the step wrote in the arena, advances the sequences, appends sampled tokens, finishes
+sequences (stop / length / error) and frees their slots; ``expire`` and ``abort`` finish the
+cancelled and timed-out ones. Every time comes from one injected clock.
+
+Waiting requests are ordered by rank (realtime high/normal/low, then batch), lowered by
+``aging_s`` per second waited so none starves. When the best waiting request does not fit,
+running requests ranked at least one class below it are preempted (their tokens are kept; they
+are re-admitted later and rebuild their KV, usually from the prefix cache) — a realtime request
+never waits behind a batch job.
 
 Single-token steps: a backend may compute a 1-token step by another path than a multi-token one
 (onnxruntime's GroupQueryAttention has a token-generation path; with int8-activation MatMulNBits
@@ -21,73 +27,122 @@ tokens of `Generator`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import numpy as np
+from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.request import FinishReason, TokenEvent
+from lineside.runtime.sequence import Sequence
+from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.step_plan import StepPlan, prefill_take
 
-from lineside.runtime.backend import StepBatch
-from lineside.runtime.kv_manager import KVCacheArena, SlotOp
-from lineside.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
-
-
-@dataclass
-class StepPlan:
-    ops: list[SlotOp] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: Sequence | None = None
-    prefill_start: int = 0
-    prefill_tokens: list[int] = field(default_factory=list)
-    prefill_last: bool = False  # this chunk completes the fill
-
-    @property
-    def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops)
-
-    def decode_batch(self) -> StepBatch:
-        b = len(self.decode)
-        return StepBatch(
-            slots=[s.slot for s in self.decode],
-            input_ids=np.array([[s.pending] for s in self.decode], dtype=np.int64),
-            past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
-            new_lengths=np.ones(b, dtype=np.int64),
-            logits_positions=np.zeros((b, 1), dtype=np.int64),
-        )
-
-    def prefill_batch(self) -> StepBatch:
-        assert self.prefill is not None and self.prefill.slot is not None
-        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
-
-
-def prefill_take(remaining: int, chunk: int) -> int:
-    """Tokens for the next prefill chunk: at most ``chunk``, never leaving exactly one behind."""
-    n = min(remaining, chunk)
-    if remaining - n == 1:
-        n = n - 1 if n > 2 else n + 1
-    return n
+Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
 
 
 class Scheduler:
-    def __init__(self, arena: KVCacheArena, prefill_chunk: int = 512, aging_s: float = 10.0, preemption: bool = True):
+    """Owns every sequence from ``add`` to its end: the queues, its slot (through the arena), its state."""
+
+    def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
+                 preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
         self.preemption = preemption
+        self.contiguous_slots = contiguous_slots  # the backend's needs_contiguous_slots
+        self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # own a slot (prefill or decode)
         self.preemptions = 0
+        self.generated_tokens = 0
 
     def add(self, seq: Sequence) -> None:
-        seq.status = WAITING
+        seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished / cancelled sequence out; frees its slot (the KV stays in the prefix cache)."""
+    @property
+    def prefilling(self) -> Sequence | None:
+        return next((s for s in self.running if s.status == Status.PREFILL), None)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> StepPlan:
+        now = self.clock() if now is None else now
+        if self.contiguous_slots:
+            self._compact()
+        if self.prefilling is None:
+            self._admit(now)
+        plan = StepPlan(ops=self.arena.take_pending())
+        plan.decode = sorted((s for s in self.running if s.status == Status.DECODE), key=lambda s: s.slot)
+        pf = self.prefilling
+        if pf is not None:
+            start = pf.computed
+            plan.prefill, plan.prefill_start = pf, start
+            plan.prefill_tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, self.prefill_chunk)]
+            plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
+        return plan
+
+    def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
+                    now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
+        """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
+        sequences whose backend call failed. Returns the events to deliver, in order."""
+        now = self.clock() if now is None else now
+        events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
+        for seq in plan.decode:  # each fed one token: ``pending``, or the next replayed one
+            if seq.status != Status.DECODE or seq.slot is None or seq in errors:
+                continue
+            self.arena.append(seq.slot, [seq.pending], shareable=False)
+            seq.computed += 1
+            if seq.replay:
+                seq.pending = seq.replay.popleft()
+        pf = plan.prefill
+        if pf is not None and pf.slot is not None and pf not in errors:
+            self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
+            pf.computed += len(plan.prefill_tokens)
+            if plan.prefill_last:
+                pf.status = Status.DECODE
+        for seq, tok in sampled.items():
+            if seq.status == Status.FINISHED:
+                continue
+            self.generated_tokens += 1
+            ev = seq.on_token(tok, now)
+            if ev.finish_reason is not None:
+                self._finish(seq, now)
+            events.append((seq, ev))
+        return events
+
+    def expire(self, now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
+        """Finish the cancelled and the timed-out sequences (waiting or running); returns their final events."""
+        now = self.clock() if now is None else now
+        events = []
+        for seq in [*self.waiting, *self.running]:
+            if seq.handle.cancel_requested:
+                ev = self.abort(seq, FinishReason.CANCELLED, now=now)
+            elif seq.deadline is not None and now >= seq.deadline:
+                ev = self.abort(seq, FinishReason.TIMEOUT, now=now)
+            else:
+                continue
+            if ev is not None:
+                events.append((seq, ev))
+        return events
+
+    def abort(self, seq: Sequence, reason: FinishReason, error: str | None = None, *,
+              now: float | None = None) -> TokenEvent | None:
+        """End ``seq`` early (cancelled / timeout / error) and free its slot; its final event, or None if it
+        had already finished. Works on a sequence not added yet too (the engine's stop and crash paths)."""
+        if seq.status == Status.FINISHED:
+            return None
+        ev = seq.abort(reason, error)
+        self._finish(seq, self.clock() if now is None else now)
+        return ev
+
+    def _finish(self, seq: Sequence, now: float) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self._release(seq)
+            self._release(seq)  # its KV stays in the prefix cache
+        seq.status = Status.FINISHED
+        seq.handle.metrics.finished = now
 
+    # ---- slots ---------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         assert seq.slot is not None
         self.arena.truncate(seq.slot, seq.computed)
@@ -101,41 +156,22 @@ class Scheduler:
 
     def _compact(self) -> None:
         """Move decoding sequences into slots 0..k-1 (k = how many decode), the prefilling one out of the way."""
-        a = self.arena
-        decode = [s for s in self.running if s.status == DECODE]
+        decode = [s for s in self.running if s.status == Status.DECODE]
         k = len(decode)
         while True:
-            hole = next((h for h in range(k) if a.owner[h] is None or a.owner[h].status != DECODE), None)
+            by_slot = {s.slot: s for s in self.running}
+            hole = next((h for h in range(k) if h not in by_slot or by_slot[h].status != Status.DECODE), None)
             if hole is None:
                 return
-            if a.owner[hole] is not None:  # the prefilling sequence sits in the decode range
-                free = [i for i in range(k, a.num_slots) if a.owner[i] is None]
+            if hole in by_slot:  # the prefilling sequence sits in the decode range
+                free = [i for i in range(k, self.arena.num_slots) if i not in by_slot]
                 if not free:
                     return  # every slot is taken: contiguous again once its prefill ends
-                self._move(a.owner[hole], free[0])
+                self._move(by_slot[hole], free[0])
             outside = max((s for s in decode if s.slot >= k), key=lambda s: s.slot)
             self._move(outside, hole)
 
-    @property
-    def prefilling(self) -> Sequence | None:
-        return next((s for s in self.running if s.status == PREFILL), None)
-
-    # ---- one step ----------------------------------------------------------------------------
-    def schedule(self, now: float | None = None) -> StepPlan:
-        now = time.monotonic() if now is None else now
-        self._compact()
-        if self.prefilling is None:
-            self._admit(now)
-        plan = StepPlan(ops=self.arena.take_pending())
-        plan.decode = sorted((s for s in self.running if s.status == DECODE), key=lambda s: s.slot)
-        pf = self.prefilling
-        if pf is not None:
-            start = pf.computed
-            plan.prefill, plan.prefill_start = pf, start
-            plan.prefill_tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, self.prefill_chunk)]
-            plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
-        return plan
-
+    # ---- admission and preemption -------------------------------------------------------------
     def _admit(self, now: float) -> None:
         if not self.waiting:
             return
@@ -147,13 +183,14 @@ class Scheduler:
             return
         self.waiting.remove(best)
         fill, max_reuse = best.start_fill()
-        lowest = sum(s.status == DECODE for s in self.running)
+        # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
+        lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
         slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest)
         best.slot, best.computed = slot, reused
         best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
         if best.handle.metrics.scheduled is None:
             best.handle.metrics.scheduled = now
-        best.status = PREFILL if reused < len(fill) else DECODE
+        best.status = Status.PREFILL if reused < len(fill) else Status.DECODE
         self.running.append(best)
 
     def _preempt_for(self, want: Sequence, now: float) -> None:
@@ -163,17 +200,14 @@ class Scheduler:
         victims = sorted((s for s in self.running
                           if s.rank > want.rank and s.effective_rank(now, self.aging_s) >= r + 1),
                          key=lambda s: (-s.effective_rank(now, self.aging_s), -s.arrival))
-        a = self.arena
-        free_slots = a.num_slots - a.occupied + len(victims)
-        free_blocks = a.total_blocks - a.reserved_blocks + sum(a.reserved[s.slot] for s in victims)
-        if free_slots < 1 or free_blocks < a.blocks_for(want.reserve_tokens):
+        if not self.arena.can_admit(want.reserve_tokens, freeing=[v.slot for v in victims]):
             return
         for v in victims:
-            if a.can_admit(want.reserve_tokens):
+            if self.arena.can_admit(want.reserve_tokens):
                 break
             self.running.remove(v)
             self._release(v)
-            v.status = WAITING
+            v.status = Status.WAITING
             v.handle.metrics.preemptions += 1
             self.preemptions += 1
             self.waiting.append(v)

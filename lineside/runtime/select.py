@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, LinesideError
+from lineside.runtime.backend import Backend
 
 CHOICES = ("auto", "onnxruntime", "tensorrt")
 
@@ -22,7 +23,7 @@ class Decision:
         return f"backend: {self.backend} ({self.reason})"
 
 
-def decide_backend(bundle: Any, requested: str = "auto") -> Decision:
+def decide_backend(bundle: Bundle, requested: str = "auto") -> Decision:
     """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run."""
     from lineside.runtime.tensorrt.key import find_engine, machine_key
 
@@ -36,9 +37,7 @@ def decide_backend(bundle: Any, requested: str = "auto") -> Decision:
         return Decision("onnxruntime", "the bundle has no trt graph")
     try:
         here = machine_key()
-        fl = bundle.flavor("trt")
-        sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
-        d, _meta = find_engine(bundle.path, here, sha)
+        d, _meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
     except LinesideError as e:
         if requested == "tensorrt":
             raise
@@ -50,8 +49,8 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def choose_backend(bundle: Any, requested: str = "auto", num_slots: int = 4,
-                   say: Callable[[str], None] = _say, threads: int | None = None) -> Any:
+def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
+                   say: Callable[[str], None] = _say, threads: int | None = None) -> Backend:
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
     onnxruntime's intra-op threads when it is the one chosen."""
     dec = decide_backend(bundle, requested)

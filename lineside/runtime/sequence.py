@@ -1,21 +1,29 @@
 """One request's generation state inside the engine: tokens, slot, sampler, detokenizer, stop matcher.
 
 Turns each sampled token into the next ``TokenEvent`` (EOS / stop tokens, stop strings, max
-tokens), so the engine loop only moves tokens between the backend and these objects.
+tokens). Only the scheduler changes a sequence (admission, preemption, ``postprocess`` after each
+step, finishing), through the fields and methods here; the engine and the step runner only read it.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Any
 
 from lineside.runtime.detokenize import IncrementalDetokenizer
-from lineside.runtime.request import GenerationRequest, RequestHandle, TokenEvent, base_rank
+from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler
 from lineside.runtime.stop import StopMatcher
+from lineside.strenum import StrEnum
 
-WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+class SequenceStatus(StrEnum):
+    """Where a sequence is in its life; the scheduler moves it from one to the next."""
+
+    WAITING = "waiting"  # queued (new or preempted), holds no slot
+    PREFILL = "prefill"  # holds a slot; its fill is computed in chunks, one per step
+    DECODE = "decode"  # holds a slot; one token per step
+    FINISHED = "finished"  # ended (stop, length, cancel, timeout, error); slot released
 
 
 class Sequence:
@@ -32,7 +40,7 @@ class Sequence:
         self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_ids))
         self.rank = base_rank(req)
         self.arrival = handle.metrics.arrival
-        self.status = WAITING
+        self.status = SequenceStatus.WAITING
         self.slot: int | None = None
         self.computed = 0  # positions whose KV is in the slot (prompt first, then fed tokens)
         self.fill: list[int] = []  # tokens to prefill before decoding
@@ -69,13 +77,13 @@ class Sequence:
         return self.rank - (now - self.arrival) / aging_s if aging_s > 0 else float(self.rank)
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _event(self, text: str, ids: list[int], reason: str | None, error: str | None = None) -> TokenEvent:
+    def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None) -> TokenEvent:
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error)
 
-    def on_token(self, tok: int, now: float | None = None) -> TokenEvent:
-        """Record a sampled token; returns its event (with ``finish_reason`` when it ends the request)."""
-        now = time.monotonic() if now is None else now
+    def on_token(self, tok: int, now: float) -> TokenEvent:
+        """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``
+        when it ends the request)."""
         m = self.handle.metrics
         if m.first_token is None:
             m.first_token = now
@@ -84,17 +92,17 @@ class Sequence:
         self.tokens.append(tok)
         self.pending = tok
         if tok in self.stop_ids:
-            return self._event(self._flush(), [], "stop")
+            return self._event(self._flush(), [], FinishReason.STOP)
         text = self.stopper.feed(self.detok.add(tok))
         if self.stopper.stopped:
-            return self._event(text, [tok], "stop")
+            return self._event(text, [tok], FinishReason.STOP)
         if len(self.generated) >= self.max_tokens:
-            return self._event(text + self._flush(), [tok], "length")
+            return self._event(text + self._flush(), [tok], FinishReason.LENGTH)
         return self._event(text, [tok], None)
 
-    def abort(self, reason: str, error: str | None = None) -> TokenEvent:
+    def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         """Final event for cancel / timeout / error (text held back so far is released)."""
-        return self._event(self._flush() if reason != "cancelled" else "", [], reason, error)
+        return self._event(self._flush() if reason != FinishReason.CANCELLED else "", [], reason, error)
 
     def _flush(self) -> str:
         return self.stopper.feed(self.detok.flush()) + self.stopper.flush()

@@ -7,6 +7,8 @@ the checkpoint's own Jinja template rendered in a sandbox, as transformers does.
 from __future__ import annotations
 
 import json
+import re
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,18 @@ class Tokenizer:
         tj = tok_dir / "tokenizer.json"
         if not tj.is_file():
             raise BundleError(f"{tok_dir}: tokenizer.json missing; rebuild the bundle")
-        self._tok = HFTokenizer.from_file(str(tj))
+        try:
+            self._tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:  # the Rust parser raises plain Exception; its message is one line
+            raise BundleError(f"{tj}: not a tokenizer the tokenizers library can load ({str(e).splitlines()[0]}); "
+                              "rebuild the bundle from a checkpoint with a valid tokenizer") from None
         cfg: dict[str, Any] = {}
         tc = tok_dir / "tokenizer_config.json"
         if tc.is_file():
-            cfg = json.loads(tc.read_text())
+            try:
+                cfg = json.loads(tc.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise BundleError(f"{tc}: not valid JSON ({e}); rebuild the bundle") from None
         info = dict(manifest_tok or {})
         self.chat_template: str | None = info.get("chat_template") or cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: take "default"
@@ -42,6 +51,13 @@ class Tokenizer:
         self.eos_token = self._token_text(cfg.get("eos_token"), eos_first)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._compiled = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (a tokenizer worker process gets a copy): the compiled template and the text-only tokenizer
+        (its encode_special_tokens flag does not survive pickling) are rebuilt on first use."""
+        state = {**self.__dict__, "_compiled": None}
+        state.pop("_text_tok", None)
+        return state
 
     def _token_text(self, v: Any, tid: int | None) -> str | None:
         if isinstance(v, dict):
@@ -104,16 +120,88 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
         """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
-        model continues), cut as transformers' apply_chat_template does."""
+        model continues), cut as transformers' apply_chat_template does. Special-token text inside a
+        message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special."""
+        messages, literals = self._mask_special_text(messages)
         text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
         # The template already wrote BOS if the model wants one.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._encode_marked(text, literals)
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id) \
                 and not (self.bos_token and text.startswith(self.bos_token)):
             ids = [self.bos_token_id, *ids]
         return ids
+
+
+    # ---- special-token text inside messages ------------------------------------------------------
+    def _control_text(self, role: str) -> re.Pattern[str] | None:
+        """Matches the control-token texts that must be plain text in a ``role`` message (longest first): every
+        special token, and in all but assistant messages also the added tokens the chat template writes (R1's
+        ``<｜User｜>`` is not marked special); assistant text keeps those (R1's template splits on ``</think>``)."""
+        key = "assistant" if role == "assistant" else "other"
+        cache = self.__dict__.setdefault("_control_cache", {})
+        if key not in cache:
+            added = self._tok.get_added_tokens_decoder().values()
+            texts = {t.content for t in added if t.content and (t.special or (
+                key == "other" and self.chat_template and t.content in self.chat_template))}
+            ordered = sorted(texts, key=len, reverse=True)
+            cache[key] = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        return cache[key]
+
+    def _mask_special_text(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+        """Messages whose control-token texts are replaced by markers the template passes through untouched
+        (two Unicode noncharacters around an index), and the texts in marker order."""
+        literals: list[str] = []
+
+        def mark(m: re.Match[str]) -> str:
+            literals.append(m.group(0))
+            return f"{_MARK_OPEN}{len(literals) - 1}{_MARK_CLOSE}"
+
+        out = []
+        for msg in messages:
+            d = dict(msg)
+            pattern = self._control_text(str(d.get("role", "")))
+            for key in ("content", "name"):
+                v = d.get(key)
+                if isinstance(v, str):
+                    if _MARK_OPEN in v or _MARK_CLOSE in v:  # noncharacters: never meant, and reserved here
+                        v = v.replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
+                    d[key] = pattern.sub(mark, v) if pattern is not None else v
+            out.append(d)
+        return out, literals
+
+    def _encode_marked(self, text: str, literals: list[str]) -> list[int]:
+        """Template text with its special tokens; each marker as its literal text with special tokens split."""
+        if not literals:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        pos = 0
+        for m in _MARKER.finditer(text):
+            ids += self._tok.encode(text[pos:m.start()], add_special_tokens=False).ids
+            ids += self.encode_as_text(literals[int(m.group(1))])
+            pos = m.end()
+        return ids + self._tok.encode(text[pos:], add_special_tokens=False).ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Ids of ``text`` with special-token strings split into ordinary tokens (no BOS)."""
+        with _TEXT_TOKENIZER_LOCK:
+            if not hasattr(self, "_text_tok"):
+                from tokenizers import Tokenizer as HFTokenizer
+
+                tok = HFTokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True  # a second instance: the flag is per tokenizer, and threads share it
+                self._text_tok = tok
+                self._added_ids = set(self._tok.get_added_tokens_decoder())
+        ids = self._text_tok.encode(text, add_special_tokens=False).ids
+        if len(text) > 1 and any(i in self._added_ids for i in ids):  # a non-special added token matched whole
+            return self._text_tok.encode(text[:1], add_special_tokens=False).ids + self.encode_as_text(text[1:])
+        return ids
+
+
+_MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
+_MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+_TEXT_TOKENIZER_LOCK = threading.Lock()
 
 
 def _cut_after_final(text: str, final: str) -> str:

@@ -6,30 +6,41 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.middleware.cors import CORSMiddleware
 
+from lineside.runtime.serving import ServingEngine
 from lineside.server import errors, health, openai_api
+from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
-from lineside.server.middleware import ServerMiddleware
+from lineside.server.middleware import BodyRefused, ServerMiddleware
 from lineside.server.state import ServerState
 
-API_KEY_ENV = "LINESIDE_API_KEY"
+_CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode"]
 
 
-def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: str | None = None,
+def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
                request_timeout: float | None = None, max_waiting: int = 256, latency_log: str | Path | None = None,
                drain_timeout: float = 30.0, backend: str = "auto", num_slots: int = 8, threads: int | None = None,
-               max_body_bytes: int = 32 << 20, served_model_names: list[str] | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
+               bind_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
+               allowed_origins: list[str] | None = None, metrics_public: bool = False,
+               openapi: bool = False, tokenizer_processes: int = 0) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
-    (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used."""
+    (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
+    ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
+    is set); no /docs or /redoc pages: they load their scripts from a CDN. ``max_body_bytes``: default derived
+    from the model's context (prompt_limits.body_limit), at most 32 MiB. ``tokenizer_processes``: worker processes
+    for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
     metrics = ServerMetrics(latency_log)
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
-                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names)
+                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names,
+                        tokenizer_processes=tokenizer_processes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -40,12 +51,26 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | Any, *, api_key: 
             await state.stop()
 
     app = FastAPI(title="lineside", version=_version(), lifespan=lifespan,
-                  description="OpenAI-compatible API for a lineside bundle")
+                  description="OpenAI-compatible API for a lineside bundle", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if openapi else None)
     app.state.lineside = state
     errors.install(app)
+
+    @app.exception_handler(BodyRefused)
+    async def _body_refused(request: Request, exc: BodyRefused) -> JSONResponse:
+        if exc.status_code in (400, 413):
+            state.metrics.reject("invalid")
+        return errors.error_response(exc.status_code, str(exc.detail), exc.code, headers=exc.headers)
+
     app.include_router(openai_api.router)
     app.include_router(health.router)
-    app.add_middleware(ServerMiddleware, state=state, max_body_bytes=max_body_bytes)
+    # the last added runs first: Host / Origin / Content-Type, then CORS (preflights), then key, drain, body
+    app.add_middleware(ServerMiddleware, state=state, max_body_bytes=max_body_bytes, metrics_public=metrics_public)
+    policy = BrowserPolicy.for_bind(bind_host, allowed_hosts, allowed_origins)
+    if policy.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=_CORS_HEADERS, expose_headers=["x-request-id"], max_age=600)
+    app.add_middleware(BrowserGuard, policy=policy)
     return app
 
 

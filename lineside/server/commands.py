@@ -19,7 +19,25 @@ def serve(
     port: Annotated[int, checks.number_option(low=1, high=65535, help="TCP port")] = 8000,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
-                                                help="require 'Authorization: Bearer KEY' on /v1/*")] = None,
+                                                help="require 'Authorization: Bearer KEY' on all but /health and "
+                                                     "/health/ready (on the command line it shows in `ps`: prefer "
+                                                     "the env var or --api-key-file)")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(help="read the API key from this file (one line)")] = None,
+    allowed_hosts: Annotated[list[str] | None, typer.Option(
+        help="Host names requests may use (repeat; '*' for any); default: loopback names when bound to loopback, "
+             "any otherwise")] = None,
+    allowed_origins: Annotated[list[str] | None, typer.Option(
+        help="browser origins allowed to call (CORS, e.g. http://dash.local:3000; repeat); default: none")] = None,
+    metrics_public: Annotated[bool, typer.Option(help="serve /metrics without the API key")] = False,
+    openapi: Annotated[bool, typer.Option(help="serve the schema at /openapi.json (behind the key)")] = False,
+    header_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a client has to send a request's headers")] = 10.0,
+    body_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
+    keep_alive_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    tokenizer_processes: Annotated[int, checks.number_option(
+        low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a request may take (default: none)")] = None,
     max_waiting: Annotated[int, checks.number_option(low=0, help="waiting-queue bound; beyond it requests get "
@@ -41,27 +59,42 @@ def serve(
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
     from lineside.server.app import create_app
+    from lineside.server.auth import resolve_api_key
+    from lineside.server.browser_guard import is_loopback
+    from lineside.server.http_limits import HttpLimits
     from lineside.server.serve import bind_socket, run
 
+    # Everything that can be wrong is checked before the socket opens and the model loads (one line each).
     backend = checks.choice(backend, "--backend", ("auto", "onnxruntime", "tensorrt"))
     log_level = checks.choice(log_level, "--log-level", LOG_LEVELS)
+    if api_key_file is not None:
+        checks.input_file(api_key_file, "--api-key-file", "key file")
     if latency_log is not None:
         checks.output_file(latency_log, "--latency-log", append=True)
-    manifest = read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    manifest = read_manifest(bundle)  # a wrong path fails here in one line
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
+    key = resolve_api_key(api_key, api_key_file)
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-        app = create_app(bundle, api_key=api_key, request_timeout=request_timeout, max_waiting=max_waiting,
-                         latency_log=latency_log, drain_timeout=drain_timeout, backend=backend,
-                         num_slots=num_slots, threads=threads,
-                         served_model_names=[n.strip() for n in served_model_name or [] if n.strip()])
+        hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
+        origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
+        if not is_loopback(host) and key is None:
+            logging.getLogger("lineside.server").warning(
+                "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
+        app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
+                         latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
+                         threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()],
+                         bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
+                         openapi=openapi, tokenizer_processes=tokenizer_processes)
+        limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
+                            keep_alive_timeout=keep_alive_timeout)
     except BaseException:
         sock.close()
         raise
-    run(app, sock, log_level=log_level, access_log=access_log)
+    run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,16 +1,21 @@
 """One pure-ASGI middleware (no BaseHTTPMiddleware: it costs latency and hides disconnects) for:
-the request id header, the API key, refusing generation while loading or draining, the body size
-limit, and counting requests in flight (what a drain waits for)."""
+the request id header, the API key, refusing generation while loading or draining, the body (size
+limit, UTF-8 only, cut short by a drain), and counting requests in flight (what a drain waits for)."""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
+import codecs
 import json
 import re
 import time
 import uuid
 from typing import Any
 
+from starlette.exceptions import HTTPException
+
+from lineside.server import prompt_limits
+from lineside.server.auth import AccessPolicy
 from lineside.server.state import ServerState
 
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -18,10 +23,24 @@ _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
 class ServerMiddleware:
-    def __init__(self, app: Any, state: ServerState, max_body_bytes: int = 32 << 20):
+    def __init__(self, app: Any, state: ServerState, max_body_bytes: int | None = None, metrics_public: bool = False):
         self.app = app
         self.state = state
-        self.max_body = max_body_bytes
+        self._explicit_body_limit = max_body_bytes
+        self._derived_body_limit: int | None = None
+        self.access = AccessPolicy(state.api_key, metrics_public)
+
+    @property
+    def max_body(self) -> int:
+        """The body limit given, else the one the loaded model's context makes worth reading (prompt_limits)."""
+        if self._explicit_body_limit is not None:
+            return self._explicit_body_limit
+        if self._derived_body_limit is None:
+            engine = self.state.engine
+            if not self.state.engine_ready:
+                return prompt_limits.MAX_BODY_BYTES
+            self._derived_body_limit = prompt_limits.body_limit(engine.tokenizer, engine.max_seq_len)
+        return self._derived_body_limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -44,12 +63,10 @@ class ServerMiddleware:
         path: str = scope.get("path", "")
         s = self.state
 
-        if s.api_key is not None and path.startswith("/v1/"):
-            auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not token or not hmac.compare_digest(token.encode(), s.api_key.encode()):
+        if self.access.needs_key(path, scope.get("method", "")):
+            accepted, what = self.access.key_matches(headers.get("authorization", ""))
+            if not accepted:
                 s.metrics.reject("unauthorized")
-                what = "wrong API key" if token else "missing API key"
                 await _reply(send, 401, f"{what}: send the header 'Authorization: Bearer <key>' with the "
                                         "server's key", "invalid_api_key", rid_header,
                              extra=[(b"www-authenticate", b"Bearer")])
@@ -68,16 +85,11 @@ class ServerMiddleware:
                        else "model is still loading; retry when GET /health/ready answers 200")
                 await _reply(send, 503, msg, "not_ready", rid_header, extra=[(b"retry-after", b"1")])
                 return
-            ctype = headers.get("content-type", "")
-            if "json" not in ctype.lower():
-                # `curl -d` and some clients send JSON labelled as a form (or unlabelled): read it as JSON
-                scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
-                scope["headers"].append((b"content-type", b"application/json"))
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 s.metrics.reject("invalid")
                 await _reply(send, 413, f"request body has {length} bytes; the limit is {self.max_body}",
-                             "body_too_large", rid_header)
+                             "body_too_large", rid_header, extra=[(b"connection", b"close")])  # don't read it
                 return
 
         async def send_with_id(message: dict) -> None:
@@ -90,28 +102,68 @@ class ServerMiddleware:
             return
         s.enter()
         try:
-            await self.app(scope, _limited(receive, self.max_body), send_with_id)
+            await self.app(scope, _guarded_body(receive, self.max_body, s), send_with_id)
         finally:
             s.leave()
 
 
-def _limited(receive: Any, limit: int) -> Any:
-    """receive() that enforces the body limit on bodies without a Content-Length (chunked uploads) too:
-    FastAPI re-raises an HTTPException from reading the body, so the client gets the 413."""
+class BodyRefused(HTTPException):
+    """Raised from receive(): FastAPI re-raises HTTPExceptions met while reading the body, so the client gets
+    this status with an OpenAI-shaped body (see app.py) instead of a parse error."""
+
+    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None):
+        super().__init__(status, message, headers)
+        self.code = code
+
+
+def _guarded_body(receive: Any, limit: int, state: ServerState) -> Any:
+    """receive() that enforces the body limit on bodies without a Content-Length (chunked uploads) too,
+    refuses bytes that are not UTF-8 (JSON's only encoding here: no UTF-16 sniffing), and answers 503 to a
+    body still arriving when a drain starts, so a half-sent upload cannot hold the drain."""
     seen = 0
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+
+    body_done = False
 
     async def wrapped() -> dict:
-        nonlocal seen
-        message = await receive()
+        nonlocal seen, body_done
+        if body_done:  # later calls wait for a disconnect (streaming responses): nothing to guard
+            return await receive()
+        if state.draining:
+            raise _draining()
+        pending = asyncio.ensure_future(receive())
+        drain = asyncio.ensure_future(state.drain_started.wait())
+        try:
+            done, _ = await asyncio.wait({pending, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if pending not in done:
+            pending.cancel()
+            raise _draining()
+        message = pending.result()
         if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
+            chunk = message.get("body", b"")
+            seen += len(chunk)
             if seen > limit:
-                from starlette.exceptions import HTTPException
-
-                raise HTTPException(413, f"request body is over the limit of {limit} bytes; send less")
+                raise BodyRefused(413, f"request body is over the limit of {limit} bytes; send less", "body_too_large")
+            if b"\x00" in chunk:  # JSON text never holds a raw NUL; UTF-16/32 of ASCII is full of them
+                raise BodyRefused(400, "request body holds NUL bytes (UTF-16 or UTF-32?); send JSON encoded as UTF-8",
+                                  "invalid_utf8")
+            try:
+                utf8.decode(chunk, final=not message.get("more_body", False))
+            except UnicodeDecodeError as e:
+                raise BodyRefused(400, f"request body is not UTF-8 (invalid byte at offset {seen - len(chunk) + e.start});"
+                                       " send JSON encoded as UTF-8", "invalid_utf8") from None
+            body_done = not message.get("more_body", False)
         return message
 
     return wrapped
+
+
+def _draining() -> BodyRefused:
+    return BodyRefused(503, "server is shutting down and takes no new requests (the body was still arriving); "
+                            "retry on another instance or after it restarts", "draining",
+                       headers={"Retry-After": "5", "Connection": "close"})
 
 
 def _headers(scope: dict) -> dict[str, str]:

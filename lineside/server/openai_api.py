@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import EngineDraining, QueueFullError
-from lineside.server import request_mapping, responses, sse
+from lineside.server import prompt_limits, request_mapping, responses, sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord
 from lineside.server.schemas import (
@@ -77,10 +77,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     try:
         _check_model(s, body.model)
         request_mapping.check_chat(body)
+        prompt_limits.check_texts(prompt_limits.chat_texts(body), s.engine.tokenizer, s.engine.max_seq_len, "messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
         size = sum(len(m["content"]) for m in messages)
-        ids = await _offload(size, functools.partial(s.engine.tokenizer.encode_chat, messages, **options))
+        ids = await _offload(size, functools.partial(s.tokenizer.encode_chat, messages, **options))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, s.engine.max_seq_len, param, "messages")]
@@ -96,9 +97,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     try:
         _check_model(s, body.model)
         request_mapping.check_completion(body)
+        for text in prompt_limits.prompt_texts(body):
+            prompt_limits.check_texts([text], s.engine.tokenizer, s.engine.max_seq_len, "prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
-        prompts = await _offload(size, request_mapping.completion_prompts, body, s.engine.tokenizer, _vocab(s))
+        prompts = await _offload(size, request_mapping.completion_prompts, body, s.tokenizer, _vocab(s))
         budgets = [request_mapping.token_budget(len(p), body.max_tokens, 16, s.engine.max_seq_len, "max_tokens", "prompt")
                    for p in prompts]
     except (APIError, LinesideError):

@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from lineside.runtime.request import MODES, PRIORITIES, GenerationRequest
+from lineside.runtime.request import MODES, PRIORITIES, GenerationRequest, Mode, Priority
 from lineside.runtime.sampling import SamplingParams
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -179,7 +179,7 @@ def token_budget(prompt_len: int, requested: int | None, default: int | None, co
     return requested
 
 
-def priority(headers: Any) -> tuple[str, str]:
+def priority(headers: Any) -> tuple[Priority, Mode]:
     """(priority, mode) from the X-Priority and X-Mode headers."""
     pr = (headers.get("x-priority") or "normal").strip().lower()
     mode = (headers.get("x-mode") or "realtime").strip().lower()
@@ -187,11 +187,11 @@ def priority(headers: Any) -> tuple[str, str]:
         raise bad(f"X-Priority {pr!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
     if mode not in MODES:
         raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
-    return pr, mode
+    return Priority(pr), Mode(mode)
 
 
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest,
-                   stops: list[str], pr: str, mode: str, timeout: float | None, rid: str,
+                   stops: list[str], pr: Priority, mode: Mode, timeout: float | None, rid: str,
                    copy: int = 0) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lineside.runtime.request import FinishReason
 from lineside.server import sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord
@@ -70,19 +71,19 @@ def _note(rec: RequestRecord, handle: Any, ev: Any, now: float) -> None:
 
 
 _FAILURES = {
-    "timeout": (408, "timeout_error", "request_timeout",
+    FinishReason.TIMEOUT: (408, "timeout_error", "request_timeout",
                 "generation exceeded the server's request timeout ({t}s) after {n} tokens; lower max_tokens "
                 "or ask the operator to raise --request-timeout"),
-    "cancelled": (503, "service_unavailable", "cancelled",
+    FinishReason.CANCELLED: (503, "service_unavailable", "cancelled",
                   "generation was cancelled (the server is shutting down); retry"),
-    "error": (500, "server_error", "engine_error", "generation failed in the engine: {err}"),
+    FinishReason.ERROR: (500, "server_error", "engine_error", "generation failed in the engine: {err}"),
 }
 
 
 def _failure(s: ServerState, ev: Any) -> APIError:
     status, typ, code, msg = _FAILURES[ev.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
-    headers = {"x-should-retry": "false"} if ev.finish_reason == "timeout" else None
+    headers = {"x-should-retry": "false"} if ev.finish_reason == FinishReason.TIMEOUT else None
     return APIError(status, msg.format(t=s.request_timeout, n=ev.completion_tokens,
                                        err=getattr(ev, "error", None) or "unknown error"), code, type=typ,
                     headers=headers)
@@ -102,7 +103,7 @@ async def stream_events(s: ServerState, w: sse.ChunkWriter, handles: list[Any], 
         if ev.finish_reason is None:
             continue
         s.metrics.observe(rec)
-        if ev.finish_reason in ("stop", "length"):
+        if ev.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             yield w.finish(i, ev.finish_reason)
         else:
             e = _failure(s, ev)
@@ -170,7 +171,7 @@ async def complete(request: Request, s: ServerState, handles: list[Any], recs: l
             if ev.finish_reason is not None:
                 finals[i] = ev
                 s.metrics.observe(recs[i])
-                if ev.finish_reason not in ("stop", "length"):
+                if ev.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     cancel_all(handles)
                     if watcher.done():  # the client left: nobody reads this answer
                         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",

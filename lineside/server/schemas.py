@@ -1,6 +1,7 @@
 """Request and response bodies in OpenAI's shapes (pydantic), so the OpenAPI schema documents them.
 
-Requests accept the fields stock OpenAI clients send; unknown extra fields are ignored. Fields the
+Requests accept the fields stock OpenAI clients send; unknown extra fields are ignored. Types are strict,
+as OpenAI's: no true for 1, no "yes" for true, no integer past 2**31 - 1 (a 400 names the field). Fields the
 runtime cannot honour (n > 1, logprobs, tools, ...) are declared so they can be refused with a clear 400.
 """
 
@@ -10,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_REQ = ConfigDict(extra="ignore", allow_inf_nan=False)
+_INT32 = 2**31 - 1  # the largest count a field may give: beyond it a 400 names the field, nothing is clamped
+_REQ = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # no bool→int, no "yes"→true
 
 
 class StreamOptions(BaseModel):
@@ -48,7 +50,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    top_k: int | None = Field(None, ge=-1, le=_INT32, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -63,9 +65,9 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
+    top_logprobs: int | None = Field(None, ge=0, le=_INT32)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -79,9 +81,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(None, ge=1, description="default 16, as OpenAI's")
+    max_tokens: int | None = Field(None, ge=1, le=_INT32, description="default 16, as OpenAI's")
     echo: bool | None = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=_INT32)
     suffix: str | None = None
 
 

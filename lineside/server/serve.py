@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from lineside.errors import LinesideError
+from lineside.server.http_limits import HttpLimits, uvicorn_config
 from lineside.server.state import ServerState
 
 log = logging.getLogger("lineside.server")
@@ -96,13 +97,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: Any, sock: socket.socket, log_level: str = "info", access_log: bool = False) -> None:
+def run(app: Any, sock: socket.socket, log_level: str = "info", access_log: bool = False,
+        limits: HttpLimits | None = None) -> None:
     """Serve on a socket from bind_socket until drained or stopped; a model that fails to load raises
     LinesideError (one line)."""
     state: ServerState = app.state.lineside
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    config = uvicorn_config(app, host=host, port=port, limits=limits or HttpLimits(), log_level=log_level,
+                            access_log=access_log)
     server = DrainingServer(config, state)
     shown = f"[{host}]" if ":" in host else host
     log.info("serving on http://%s:%d (Ctrl-C or SIGTERM drains, then stops)", shown, port)

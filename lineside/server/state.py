@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
+from lineside.server.tokenize_pool import PooledTokenizer
 
 log = logging.getLogger("lineside.server")
 
@@ -32,7 +35,7 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
         try:
             from lineside.bundle import read_manifest
 
-            manifest = read_manifest(path)
+            manifest = read_manifest(path).to_json_dict()
         except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
             manifest = {}
     model = str(manifest.get("model_name") or "")
@@ -45,14 +48,14 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
-    def __init__(self, source: Any, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
-                 served_model_names: list[str] | None = None):
+                 served_model_names: list[str] | None = None, tokenizer_processes: int = 0):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         self._names = [n for n in (served_model_names or []) if n]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
-        self.engine: Any = None if isinstance(source, (str, Path)) else source
+        self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
         self.metrics = metrics
         self.request_timeout = request_timeout
@@ -67,7 +70,10 @@ class ServerState:
         self.on_load_error: Callable[[str], None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
         self._load_task: asyncio.Task | None = None
+        self.tokenizer_processes = tokenizer_processes
+        self._tokenizer: PooledTokenizer | None = None
 
     # ---- model ---------------------------------------------------------------------------------
     @property
@@ -88,7 +94,7 @@ class ServerState:
                 self._names = default_model_names(Path(str(self.source)), None)
             else:
                 bundle = getattr(self.engine, "bundle", None)
-                self._names = (default_model_names(bundle.path, bundle.manifest) if bundle is not None
+                self._names = (default_model_names(bundle.path, bundle.manifest.to_json_dict()) if bundle is not None
                                        else [str(self.engine.model_name)])
         return self._names
 
@@ -106,6 +112,8 @@ class ServerState:
 
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
             await self.engine.start()  # warms the backend up before it reports ready
+            if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
+                await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:
@@ -121,6 +129,14 @@ class ServerState:
         log.error("%s", msg)
         if self.on_load_error is not None:
             self.on_load_error(msg)
+
+    @property
+    def tokenizer(self) -> PooledTokenizer:
+        """The engine's tokenizer for request encoding: long prompts go to a worker process (tokenize_pool)."""
+        inner = self.engine.tokenizer
+        if self._tokenizer is None or self._tokenizer._inner is not inner:
+            self._tokenizer = PooledTokenizer(inner, self.tokenizer_processes)
+        return self._tokenizer
 
     @property
     def engine_ready(self) -> bool:
@@ -141,6 +157,7 @@ class ServerState:
     async def drain(self, timeout: float | None = None) -> bool:
         """Refuse new work, wait for in-flight requests (up to timeout); True when all finished."""
         self.draining = True
+        self.drain_started.set()
         timeout = self.drain_timeout if timeout is None else timeout
         log.info("draining: %d request(s) in flight, waiting up to %.1fs", self.inflight, timeout)
         try:
@@ -170,6 +187,8 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self._tokenizer is not None:
+            self._tokenizer.close()
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

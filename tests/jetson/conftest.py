@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lineside.bundle import write_manifest
+from lineside.bundle import Manifest, write_manifest
 from lineside.config import ModelConfig
 
 
@@ -28,8 +28,8 @@ def make_bundle(path: Path, seed: int, weight_bytes: int = 3 << 20, name: str = 
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, name=name)
     (path / "config.json").write_text(cfg.to_json())
-    write_manifest(path, {"architecture": "llama", "config": "config.json", "max_seq_len": 128, "name": name,
-                          "flavors": {}, "quantization": {"scheme": "w4a16"}})
+    write_manifest(path, Manifest(architecture="llama", config="config.json", max_seq_len=128, extra={"name": name},
+                                  flavors={}, quantization={"scheme": "w4a16"}))
     return path
 
 

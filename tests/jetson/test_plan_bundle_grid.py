@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lineside.bundle import write_manifest
+from lineside.bundle import FlavorEntry, Manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.jetson.planner import CONFIGS_DIR, bundle_grid, plan
 from lineside.jetson.sizes import Grid, linear_bytes
@@ -22,9 +22,14 @@ def _bundle(tmp_path, quantization, max_seq_len=2048, flavors=None):
     b = tmp_path / "bundle"
     b.mkdir()
     (b / "config.json").write_text(ModelConfig.from_hf_dict(RAW, name="r1-1.5b").to_json())
-    write_manifest(b, {"architecture": "qwen2", "config": "config.json", "max_seq_len": max_seq_len,
-                       "flavors": flavors or {"cpu": {}}, "quantization": quantization})
+    write_manifest(b, _manifest(quantization, flavors, max_seq_len))
     return b
+
+
+def _manifest(quantization, flavors=None, max_seq_len=2048) -> Manifest:
+    return Manifest(architecture="qwen2", config="config.json", max_seq_len=max_seq_len,
+                    flavors={f: FlavorEntry(inputs=[], state=[]) for f in flavors or ("cpu",)},
+                    quantization=quantization)
 
 
 Q4_1_CARRIED = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(28)
@@ -40,12 +45,11 @@ Q4_1_CARRIED = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(28)
     ({"scheme": "w4a16", "group_size": 128, "carried_from_source": {"model.layers.0.mlp.up_proj.weight": "Q4_0"}},
      None, (32, 1)),
     # TensorRT runs the trt flavor's grid, whatever the cpu flavor carried
-    ({"scheme": "w4a16", "group_size": 64, "carried_from_source": Q4_1_CARRIED}, {"cpu": {}, "trt": {}}, (64, 1)),
+    ({"scheme": "w4a16", "group_size": 64, "carried_from_source": Q4_1_CARRIED}, ("cpu", "trt"), (64, 1)),
     ({"scheme": "w4a16", "group_size": 64}, None, (64, 1)),
 ])
 def test_bundle_grid(tmp_path, quantization, flavors, grid):
-    m = {"quantization": quantization, "flavors": flavors or {"cpu": {}}}
-    g = bundle_grid(m)
+    g = bundle_grid(_manifest(quantization, flavors))
     assert (g.group_size, g.fp16_per_group) == grid
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lineside.bundle import write_manifest
+from lineside.bundle import Manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 from lineside.jetson.devices import DEVICES, device_for_board
@@ -163,8 +163,8 @@ def test_model_forms_checkpoint_bundle_and_config(tmp_path):
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "config.json").write_text(ModelConfig.from_hf_dict(raw, name="r1-1.5b").to_json())
-    write_manifest(bundle, {"architecture": "qwen2", "config": "config.json", "max_seq_len": 4096,
-                            "flavors": {}, "quantization": {"scheme": "w8a16"}})
+    write_manifest(bundle, Manifest(architecture="qwen2", config="config.json", max_seq_len=4096,
+                                    flavors={}, quantization={"scheme": "w8a16"}))
     expected = plan("DeepSeek-R1-Distill-Qwen-1.5B", "l4-24", "w4a16").weights_bytes
     assert plan(str(ckpt), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(ckpt / "config.json"), "l4-24", "w4a16").weights_bytes == expected
@@ -175,7 +175,7 @@ def test_model_forms_checkpoint_bundle_and_config(tmp_path):
     vb = tmp_path / "v4bundle"
     vb.mkdir()
     (vb / "config.json").write_text(ModelConfig.from_hf_dict(v4, name="v4").to_json())  # raw kept inside
-    write_manifest(vb, {"architecture": "deepseek_v4", "config": "config.json", "max_seq_len": 4096, "flavors": {}})
+    write_manifest(vb, Manifest(architecture="deepseek_v4", config="config.json", max_seq_len=4096, flavors={}))
     assert plan(str(vb), "h100-80", "w4a16").weights_bytes == 147_852_428_124
 
 

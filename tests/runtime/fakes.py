@@ -1,8 +1,10 @@
 """A deterministic stand-in backend: logits depend on every token in the slot's cache, so any KV mix-up
-(wrong copy, wrong slot, wrong past length) changes the output; scripted prompts emit fixed tokens."""
+(wrong copy, wrong slot, wrong past length) changes the output; scripted prompts emit fixed tokens.
+And a fake clock for the engine, so aging, admission and timeout rules run on simulated time."""
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 
@@ -11,15 +13,36 @@ import numpy as np
 from lineside.runtime.backend import StepBatch
 
 
+class FakeClock:
+    """The engine's injected clock. Each read moves it on by ``tick`` (so no two events share a time and
+    their order shows in the timestamps); ``advance`` is time passing (a FakeBackend step, a test's wait)."""
+
+    def __init__(self, start: float = 1000.0, tick: float = 1e-6):
+        self.now, self.tick = start, tick
+        self._lock = threading.Lock()  # read on the event loop, advanced from the engine's worker thread
+
+    def __call__(self) -> float:
+        with self._lock:
+            t = self.now
+            self.now += self.tick
+            return t
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
 class FakeBackend:
     name = "fake"
     flavor = "cpu"
+    needs_contiguous_slots = True  # as the cpu graph: the engine tests check the decode batch stays one range
 
     def __init__(self, num_slots: int, max_seq_len: int = 128, vocab_size: int = 300, text_ids: int = 259,
-                 eos: int = 2, delay: float = 0.0):
+                 eos: int = 2, delay: float = 0.0, clock: FakeClock | None = None, step_s: float = 0.0):
         self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, vocab_size
         self.kv = np.full((num_slots, max_seq_len), -1, dtype=np.int64)
-        self.text_ids, self.eos, self.delay = text_ids, eos, delay
+        self.text_ids, self.eos, self.delay = text_ids, eos, delay  # delay: real seconds slept per forward
+        self.clock, self.step_s = clock, step_s  # step_s: simulated seconds each forward takes on ``clock``
         self.scripts: dict[tuple[int, ...], list[int]] = {}
         self.calls: list[tuple[list[int], list[int], list[int]]] = []  # (slots, past, new) per forward
         self.poison: int | None = None  # a token whose presence in a step's input makes forward raise
@@ -27,6 +50,8 @@ class FakeBackend:
     def forward(self, batch: StepBatch) -> np.ndarray:
         if self.delay:
             time.sleep(self.delay)
+        if self.clock is not None:
+            self.clock.advance(self.step_s)
         self.calls.append((list(batch.slots), batch.past_lengths.tolist(), batch.new_lengths.tolist()))
         if self.poison is not None and (batch.input_ids == self.poison).any():
             raise RuntimeError("fake device fault\nsecond line")

@@ -1,8 +1,11 @@
-"""Each scheduling rule on a deterministic fake backend (fast, exact)."""
+"""Each scheduling rule on a deterministic fake backend (fast, exact). Rules that depend on time (aging,
+timeouts, drain) run on a FakeClock that each model step moves on by ``step_s``: nothing sleeps to make
+time pass, so a busy machine can't change the outcome."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 import pytest
@@ -12,12 +15,19 @@ from lineside.runtime.engine import LLMEngine
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
 from tests.runtime.conftest import run
-from tests.runtime.fakes import FakeBackend
+from tests.runtime.fakes import FakeBackend, FakeClock
 
 
-def engine(bundle, slots=2, delay=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:
-    be = FakeBackend(slots, max_seq_len=kw.pop("max_seq_len", 128), delay=delay)
-    return LLMEngine(bundle, backend=be, **kw), be
+def engine(bundle, slots=2, delay=0.0, clock=None, step_s=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:
+    """An engine on the fake backend; with ``clock``, each step takes ``step_s`` simulated seconds."""
+    be = FakeBackend(slots, max_seq_len=kw.pop("max_seq_len", 128), delay=delay, clock=clock, step_s=step_s)
+    return LLMEngine(bundle, backend=be, clock=clock or time.monotonic, **kw), be
+
+
+async def first_token(h) -> None:
+    """Wait (on the event loop, not the clock) until ``h`` has produced a token."""
+    while not h.metrics.token_times:
+        await asyncio.sleep(0)
 
 
 def req(prompt, n=8, **kw) -> GenerationRequest:
@@ -73,11 +83,13 @@ def test_priority_order_realtime_before_batch(tiny_bundle):
 
 def test_aging_lets_low_priority_through(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.01, aging_s=0.05)
+        clock = FakeClock()
+        eng, _ = engine(tiny_bundle, slots=1, clock=clock, step_s=0.01, aging_s=0.05)
         await eng.start()
         busy = eng.submit(req(PROMPTS[0], n=20))
         low = eng.submit(req(PROMPTS[1], n=2, priority="low"))
-        await asyncio.sleep(0.15)  # low has waited 3 aging periods: it now ranks above a fresh "high"
+        await first_token(busy)
+        clock.advance(0.15)  # low has waited 3 aging periods: it now ranks above a fresh "high"
         high = eng.submit(req(PROMPTS[2], n=2, priority="high"))
         await asyncio.gather(busy.result(), low.result(), high.result())
         await eng.stop()
@@ -89,11 +101,11 @@ def test_aging_lets_low_priority_through(tiny_bundle):
 def test_admission_waits_for_free_slot_and_blocks(tiny_bundle):
     async def main():
         # 2 slots but only 4 blocks of 16: one request reserving 40 positions (3 blocks) at a time.
-        eng, _ = engine(tiny_bundle, slots=2, delay=0.005, kv_block_size=16, kv_blocks=4)
+        eng, _ = engine(tiny_bundle, slots=2, clock=FakeClock(), step_s=0.005, kv_block_size=16, kv_blocks=4)
         await eng.start()
         a = eng.submit(req(PROMPTS[0], n=38))
         b = eng.submit(req(PROMPTS[1], n=37))
-        await asyncio.sleep(0.05)
+        await first_token(a)
         st = eng.stats()
         await asyncio.gather(a.result(), b.result())
         await eng.stop()
@@ -106,7 +118,7 @@ def test_admission_waits_for_free_slot_and_blocks(tiny_bundle):
 
 def test_cancel_frees_capacity(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.002)
+        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
         await eng.start()
         long = eng.submit(req(PROMPTS[0], n=100))
         nxt = eng.submit(req(PROMPTS[1], n=3))
@@ -128,7 +140,7 @@ def test_cancel_frees_capacity(tiny_bundle):
 
 def test_cancel_while_waiting(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.002)
+        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
         await eng.start()
         a = eng.submit(req(PROMPTS[0], n=20))
         b = eng.submit(req(PROMPTS[1], n=20))
@@ -144,7 +156,7 @@ def test_cancel_while_waiting(tiny_bundle):
 
 def test_timeout_running_and_waiting(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.01)
+        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.01)
         await eng.start()
         a = eng.submit(req(PROMPTS[0], n=100, timeout_s=0.15))
         b = eng.submit(req(PROMPTS[1], n=5, timeout_s=0.05))
@@ -287,11 +299,10 @@ def test_chunked_prefill_interleaves_with_decode(tiny_bundle):
 
 def test_preemption_resumes_batch_job_with_same_output(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.003)
+        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.003)
         await eng.start()
         job = eng.submit(req(PROMPTS[2], n=30, mode="batch"))
-        while not job.metrics.token_times:
-            await asyncio.sleep(0.001)
+        await first_token(job)
         rt = eng.submit(req(PROMPTS[3], n=4, priority="high"))
         r_rt, r_job = await asyncio.gather(rt.result(), job.result())
         st = eng.stats()
@@ -330,10 +341,11 @@ def test_submit_errors(tiny_bundle):
 
 def test_stop_cancels_what_does_not_drain(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, delay=0.01)
+        # 100 steps of 10 simulated ms, 1 real ms each: the 50 ms drain ends after ~5 of them.
+        eng, _ = engine(tiny_bundle, slots=1, delay=0.001, clock=FakeClock(), step_s=0.01)
         await eng.start()
         h = eng.submit(req(PROMPTS[0], n=100))
-        await asyncio.sleep(0.05)
+        await first_token(h)
         await eng.stop(drain_timeout=0.05)
         return await h.result(), eng.ready
 
@@ -388,13 +400,16 @@ def test_random_mix_keeps_every_invariant(tiny_bundle, seed):
                           priority=rnd.choice(["high", "normal", "low"]), mode=rnd.choice(["realtime", "batch"]),
                           request_id=f"r{i}"))
     cancel_after = {f"r{i}": rnd.randrange(0, 4) for i in rnd.sample(range(24), 5)}
+    arrivals = [rnd.randrange(0, 200) for _ in specs]
 
     async def main():
-        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=5, kv_block_size=4, kv_blocks=20, aging_s=0.02)
+        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=5, kv_block_size=4, kv_blocks=20, aging_s=0.02,
+                         clock=FakeClock(), step_s=0.001)
         await eng.start()
 
-        async def one(spec):
-            await asyncio.sleep(rnd.random() * 0.05)
+        async def one(spec, yields):
+            for _ in range(yields):  # arrive after a random number of event-loop turns (some steps apart)
+                await asyncio.sleep(0)
             h = eng.submit(GenerationRequest(**spec))
             ids, n, last = [], 0, None
             async for ev in h:
@@ -405,7 +420,7 @@ def test_random_mix_keeps_every_invariant(tiny_bundle, seed):
                     h.cancel()
             return ids, last
 
-        outs = await asyncio.gather(*(one(s) for s in specs))
+        outs = await asyncio.gather(*(one(s, y) for s, y in zip(specs, arrivals, strict=True)))
         st = eng.stats()
         await eng.stop()
         return outs, st

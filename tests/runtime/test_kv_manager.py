@@ -17,6 +17,16 @@ def test_block_accounting_and_admission():
     assert not KVCacheArena(num_slots=2, max_seq_len=64, block_size=16, num_blocks=3).fits_ever(64)
 
 
+def test_can_admit_once_slots_are_freed():
+    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=16, num_blocks=5)
+    a.allocate("x", [1], 40, 0)  # 3 blocks
+    a.allocate("y", [2], 16, 0)  # 1 block
+    assert not a.can_admit(16)  # no free slot
+    assert a.can_admit(16, freeing=[1]) and not a.can_admit(48, freeing=[1])  # 3 + 3 blocks > 5
+    assert a.can_admit(48, freeing=[0]) and a.can_admit(1000, freeing=[0, 1])  # capped at max_seq_len
+    assert a.occupied == 2 and a.reserved_blocks == 4  # asking frees nothing
+
+
 def test_move_relocates_and_keeps_the_source_cached():
     a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4)
     for name, tok in (("a", 1), ("b", 2), ("c", 3)):

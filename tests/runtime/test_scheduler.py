@@ -1,15 +1,25 @@
-"""Scheduler policy without a model: admission order, preemption rules, chunk plans."""
+"""Scheduler policy without a model: admission order, preemption rules, chunk plans, and what
+``postprocess`` / ``expire`` do to sequences, slots and the arena after a step."""
 
-from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.kv_manager import KVCacheArena, SlotOpKind
 from lineside.runtime.request import GenerationRequest, RequestHandle
-from lineside.runtime.scheduler import Scheduler, prefill_take
-from lineside.runtime.sequence import DECODE, PREFILL, WAITING, Sequence
+from lineside.runtime.scheduler import Scheduler
+from lineside.runtime.sequence import Sequence
+from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.step_plan import prefill_take
+
+
+class Letters:
+    """Decodes token i as one letter: enough text for the detokenizer and stop-string paths."""
+
+    def decode(self, ids, skip_special=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
 def seq(prompt_len=8, n=8, t=0.0, **kw) -> Sequence:
     h = RequestHandle(GenerationRequest(prompt_ids=list(range(3, 3 + prompt_len)), max_tokens=n, **kw))
     h.metrics.arrival = t
-    return Sequence(h, None, set(), max_seq_len=64)
+    return Sequence(h, Letters(), {2}, max_seq_len=64)
 
 
 def test_chunk_plan_and_status():
@@ -22,7 +32,7 @@ def test_chunk_plan_and_status():
         plans.append((p.prefill_start, len(p.prefill_tokens), p.prefill_last))
         a.computed += len(p.prefill_tokens)
     assert plans == [(0, 3, False), (3, 2, False), (5, 2, True)]  # no 1-token chunk
-    assert a.status == PREFILL and a.slot == 0
+    assert a.status == Status.PREFILL and a.slot == 0
 
 
 def test_realtime_preempts_batch_but_not_the_reverse():
@@ -30,15 +40,15 @@ def test_realtime_preempts_batch_but_not_the_reverse():
     job = seq(mode="batch", t=0.0)
     sch.add(job)
     sch.schedule(now=0.0)
-    job.status = DECODE
+    job.status = Status.DECODE
     rt = seq(priority="low", t=1.0)
     sch.add(rt)
     sch.schedule(now=1.0)
-    assert job.status == WAITING and job.slot is None and rt.slot == 0 and sch.preemptions == 1
-    rt.status = DECODE
+    assert job.status == Status.WAITING and job.slot is None and rt.slot == 0 and sch.preemptions == 1
+    rt.status = Status.DECODE
     # the batch job has aged far past the realtime one, but it never preempts a better class
     sch.schedule(now=1000.0)
-    assert rt.slot == 0 and job.status == WAITING and sch.preemptions == 1
+    assert rt.slot == 0 and job.status == Status.WAITING and sch.preemptions == 1
 
 
 def test_same_class_waits_and_gap_of_one_class_preempts():
@@ -46,15 +56,15 @@ def test_same_class_waits_and_gap_of_one_class_preempts():
     low = seq(priority="low")
     sch.add(low)
     sch.schedule(now=0.0)
-    low.status = DECODE
+    low.status = Status.DECODE
     other_low = seq(priority="low")
     sch.add(other_low)
     sch.schedule(now=0.0)
-    assert other_low.status == WAITING and sch.preemptions == 0
+    assert other_low.status == Status.WAITING and sch.preemptions == 0
     normal = seq(priority="normal")
     sch.add(normal)
     sch.schedule(now=0.0)
-    assert normal.slot == 0 and low.status == WAITING and sch.preemptions == 1
+    assert normal.slot == 0 and low.status == Status.WAITING and sch.preemptions == 1
 
 
 def test_no_preemption_when_it_would_not_fit_anyway():
@@ -65,13 +75,82 @@ def test_no_preemption_when_it_would_not_fit_anyway():
     for s in (hi, job):
         sch.add(s)
         sch.schedule(now=0.0)
-        s.status = DECODE
+        s.status = Status.DECODE
     big = seq(prompt_len=12, n=8, priority="normal")  # 5 blocks: only 3 free even with the job gone
     sch.add(big)
     sch.schedule(now=0.0)
-    assert job.slot is not None and sch.preemptions == 0 and big.status == WAITING
+    assert job.slot is not None and sch.preemptions == 0 and big.status == Status.WAITING
 
 
 def test_prefill_chunks_never_leave_one_token():
     assert [prefill_take(r, 4) for r in (10, 6, 5, 4, 3, 2, 1)] == [4, 4, 3, 4, 3, 2, 1]
     assert prefill_take(3, 2) == 3  # a chunk of 2 would leave 1: take all 3
+
+
+def test_postprocess_records_kv_advances_and_finishes():
+    arena = KVCacheArena(2, 64, 4)
+    sch = Scheduler(arena, prefill_chunk=16)
+    a = seq(prompt_len=6, n=2)
+    sch.add(a)
+    p = sch.schedule(now=1.0)
+    assert p.prefill is a and p.prefill_last and p.prefill_tokens == a.prompt
+    evs = sch.postprocess(p, {a: 7}, {}, now=2.0)
+    assert [(s, e.token_ids, e.finish_reason) for s, e in evs] == [(a, [7], None)]
+    assert a.status == Status.DECODE and a.computed == 6 and arena.tokens[a.slot] == a.prompt
+    assert a.pending == 7 and a.handle.metrics.first_token == 2.0
+    p = sch.schedule(now=3.0)
+    assert p.decode == [a] and p.decode_batch().input_ids.tolist() == [[7]]
+    slot = a.slot
+    evs = sch.postprocess(p, {a: 9}, {}, now=4.0)
+    assert [(e.token_ids, e.finish_reason) for _, e in evs] == [([9], "length")]
+    assert a.status == Status.FINISHED and a.slot is None and sch.running == [] and arena.occupied == 0
+    assert arena.tokens[slot] == [*a.prompt, 7]  # the token fed this step is cached; the slot is free
+    assert a.handle.metrics.finished == 4.0 and sch.generated_tokens == 2
+
+
+def test_postprocess_error_ends_only_the_failed_sequence():
+    arena = KVCacheArena(2, 64, 4)
+    sch = Scheduler(arena, prefill_chunk=16)
+    a, b = seq(prompt_len=4), seq(prompt_len=5)
+    sch.add(a)
+    sch.add(b)
+    sch.postprocess(sch.schedule(now=0.0), {a: 10}, {}, now=0.0)  # a's prefill
+    sch.postprocess(sch.schedule(now=0.0), {a: 11, b: 20}, {}, now=0.0)  # a decodes 10, b's prefill
+    p = sch.schedule(now=1.0)
+    assert p.decode == [a, b]
+    b_slot = b.slot
+    evs = sch.postprocess(p, {a: 12}, {b: "model step failed: boom"}, now=1.0)
+    assert [(s, e.finish_reason, e.error) for s, e in evs] == [(b, "error", "model step failed: boom"),
+                                                                (a, None, None)]
+    assert b.status == Status.FINISHED and b.slot is None and arena.tokens[b_slot] == b.prompt  # 20 not recorded
+    assert a.computed == 6 and arena.tokens[a.slot] == [*a.prompt, 10, 11] and sch.running == [a]
+
+
+def test_expire_cancels_and_times_out():
+    sch = Scheduler(KVCacheArena(1, 64, 4))
+    run, wait = seq(timeout_s=5.0), seq()
+    for s in (run, wait):
+        sch.add(s)
+    sch.schedule(now=0.0)
+    assert run.slot == 0 and wait.status == Status.WAITING
+    assert sch.expire(now=4.9) == []
+    wait.handle.cancel()
+    evs = sch.expire(now=5.0)
+    assert [(s, e.finish_reason) for s, e in evs] == [(wait, "cancelled"), (run, "timeout")]
+    assert sch.waiting == sch.running == [] and sch.arena.occupied == 0
+    assert sch.abort(run, "error") is None  # already finished: no second final event
+
+
+def test_only_a_backend_that_needs_contiguous_slots_gets_moves():
+    for contiguous in (False, True):
+        sch = Scheduler(KVCacheArena(2, 64, 4, prefix_cache=False), prefill_chunk=16, contiguous_slots=contiguous)
+        a, b = seq(n=2), seq(n=8)
+        sch.add(a)
+        sch.postprocess(sch.schedule(now=0.0), {a: 10}, {}, now=0.0)
+        sch.add(b)
+        p = sch.schedule(now=1.0)  # a decodes in slot 0, b prefills in slot 1
+        sch.postprocess(p, {a: 11, b: 12}, {}, now=1.0)  # a ends: slot 0 is a hole
+        assert a.status == Status.FINISHED and b.slot == 1
+        p = sch.schedule(now=2.0)
+        assert [(o.kind, o.src, o.dst) for o in p.ops] == ([(SlotOpKind.COPY, 1, 0)] if contiguous else [])
+        assert [s.slot for s in p.decode] == [0 if contiguous else 1]

@@ -54,12 +54,18 @@ def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay:
 
 
 @contextmanager
-def running_server(source, **app_kw):
-    """create_app(source, **app_kw) under uvicorn on 127.0.0.1:<free port>, ready when yielded."""
+def running_server(source, limits=None, **app_kw):
+    """create_app(source, **app_kw) on 127.0.0.1:<free port> under the protocol and HTTP limits `lineside serve`
+    uses (``limits``: an HttpLimits, default the server's), ready when yielded."""
     from lineside.server.app import create_app
+    from lineside.server.http_limits import HttpLimits, uvicorn_config
 
     app = create_app(source, **app_kw)
-    with BackgroundServer(app, startup_timeout=60) as srv:
+
+    def make_config(app, host, port):
+        return uvicorn_config(app, host=host, port=port, limits=limits or HttpLimits(), log_level="warning")
+
+    with BackgroundServer(app, startup_timeout=60, make_config=make_config) as srv:
         srv.app = app
         srv.state = app.state.lineside
         yield srv

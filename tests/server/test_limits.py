@@ -143,8 +143,21 @@ def test_api_key(tiny_bundle, monkeypatch):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert ok.completions.create(model="tiny-llama", prompt="k", max_tokens=2).usage.completion_tokens >= 1
-        assert httpx.get(srv.url + "/health/ready").status_code == 200  # probes need no key
-        assert httpx.get(srv.url + "/metrics").status_code == 200
+        # without the key only the probes answer; everything else, /metrics included, is a 401
+        for path in ("/health", "/health/ready"):
+            assert httpx.get(srv.url + path).status_code == 200, path
+        for path in ("/metrics", "/health/gpu", "/v1/models", "/openapi.json", "/docs", "/redoc", "/nothing"):
+            r = httpx.get(srv.url + path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    with running_server(make_engine(tiny_bundle, num_slots=1), api_key="s3cret", metrics_public=True,
+                        openapi=True) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 200  # --metrics-public
+        assert httpx.get(srv.url + "/openapi.json").status_code == 401  # the schema stays behind the key
+        r = httpx.get(srv.url + "/openapi.json", headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+        for path in ("/docs", "/redoc"):  # no HTML pages loading scripts from a CDN, even with the schema on
+            assert httpx.get(srv.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 404
 
 
 def test_ready_503_while_loading_and_draining(tiny_bundle):

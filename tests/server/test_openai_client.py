@@ -241,18 +241,25 @@ def test_jetson_gauges_in_metrics(server, monkeypatch):
     assert "lineside_bad" not in text
 
 
-def test_long_prompt_tokenized_off_the_loop(server, reference):
-    text = "long " * 1700 + "end"  # > 8192 characters: tokenized in a worker thread; over the context
+def test_long_prompt_refused_before_tokenizing(server, reference):
+    text = "long " * 1700 + "end"  # more characters than 256 tokens of this vocabulary can hold
     r = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert "8504 tokens" in r.json()["error"]["message"]
+    assert "8503 characters" in r.json()["error"]["message"] and "256 tokens" in r.json()["error"]["message"]
 
 
-def test_json_sent_as_form_like_curl_d(server):
-    """`curl -d '{...}'` labels JSON as a form: it is read as JSON all the same."""
+def test_only_json_bodies_are_read(server):
+    """A form, text/plain or unlabelled body is what a web page can post without a CORS preflight: 415, never
+    read as JSON (`curl -d` needs -H 'Content-Type: application/json'); a non-UTF-8 charset is refused too."""
     body = b'{"prompt": "curl", "max_tokens": 2, "temperature": 0}'
-    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {"content-type": "text/plain"},
+                    {"content-type": "multipart/form-data; boundary=x"}, {},
+                    {"content-type": "application/json; charset=utf-16"}):
         r = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 415, (headers, r.text)
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+    for ctype in ("application/json", "application/json; charset=UTF-8", "application/vnd.api+json"):
+        r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": ctype})
         assert r.status_code == 200 and r.json()["object"] == "text_completion"
     r = httpx.get(server.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()

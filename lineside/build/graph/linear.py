@@ -36,7 +36,7 @@ from lineside.build.quant.spec import FLAVORS, QuantSpec
 from lineside.build.tensors import GGMLBlocks
 from lineside.errors import LinesideError
 
-__all__ = ["concat_out_features", "emit_linear", "emit_lm_head", "float_weight", "weight_shape"]  # + emit_embedding (lazy)
+__all__ = ["concat_out_features", "emit_linear", "emit_lm_head", "float_weight", "weight_shape"]
 
 # Per-builder cache of tensors derived from an activation (fp16 casts, GGUF Q4_1 block sums), so
 # q/k/v or gate/up reading the same x share one node.
@@ -273,11 +273,3 @@ def emit_lm_head(gb: GraphBuilder, x: str, weight: np.ndarray | GGMLBlocks, spec
     if keep_8bit and spec.scheme == "w4a16":
         spec = replace(spec, scheme="w8a16")
     return _emit(gb, x, name, weight, spec, flavor, bias, None, share=True)
-
-
-def __getattr__(attr: str) -> object:  # PEP 562: emit_embedding lives in embedding.py (which imports this module)
-    if attr == "emit_embedding":
-        from lineside.build.graph.embedding import emit_embedding
-
-        return emit_embedding
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

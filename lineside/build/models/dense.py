@@ -15,11 +15,15 @@ from typing import Any
 import numpy as np
 from onnx import TensorProto
 
+from lineside.build.checkpoint import CheckpointReader
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
 from lineside.build.models.rope import rope_cache
+from lineside.build.quant.spec import QuantSpec
+from lineside.bundle import FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
-from lineside.graph_io import APPEND, INPLACE, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 
 F32 = TensorProto.FLOAT
 
@@ -77,7 +81,7 @@ def check_config(cfg: ModelConfig, flavors: tuple[str, ...] = ()) -> None:
 _NOT_WEIGHTS = ("BOOL", "I16", "I32", "I64", "U16", "U32", "U64")
 
 
-def check_shapes(cfg: ModelConfig, ckpt: Any, where: str) -> None:
+def check_shapes(cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
     """Every tensor has the shape config.json implies and a float dtype, so a bad checkpoint fails here
     (one line) and not in onnxruntime or, worse, not at all."""
     dtype = getattr(ckpt, "dtype", None)  # safetensors readers; GGUF types are checked by the reader
@@ -104,7 +108,7 @@ def required_tensors(cfg: ModelConfig) -> list[str]:
 class DenseEmitter:
     """Emits one dense decoder graph; ``weights`` maps HF names to arrays (or GGMLBlocks)."""
 
-    def __init__(self, cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str,
+    def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
@@ -157,7 +161,7 @@ class DenseEmitter:
         return self.rms_norm(summed, w), summed
 
     # ---- graph -----------------------------------------------------------------------
-    def emit(self, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    def emit(self, progress: Callable[[int], None] | None = None) -> FlavorEntry:
         cfg, g = self.cfg, self.gb
         ids = g.input("input_ids", TensorProto.INT64, ["batch", "seq"])
         g.input("logits_positions", TensorProto.INT64, ["batch", "n_logits"])
@@ -200,8 +204,7 @@ class DenseEmitter:
         g.op("Identity", [logits], outputs=["logits"])
         g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
         g.save()
-        return {"inputs": [v.name for v in g.inputs], "state": [s.to_dict() for s in states],
-                "activation_dtype": "float32"}
+        return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32")
 
     def _gather_positions(self, h: str) -> str:
         g = self.gb
@@ -230,8 +233,8 @@ class DenseEmitter:
             out, _, _ = g.op("GroupQueryAttention",
                        [qkv, "", "", pk, pv, "seqlens_k", "total_sequence_length", self.cos, self.sin],
                        domain=MS_DOMAIN, outputs=[g.fresh("gqa_out"), ok, ov], **attrs)
-            states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=INPLACE),
-                       StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=INPLACE)]
+            states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE),
+                       StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE)]
         else:
             # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
             kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
@@ -242,8 +245,8 @@ class DenseEmitter:
             out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
             for name in (ok, ov):
                 g.output(name, kv_t, ["batch", kvh, "seq", d])
-            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND),
-                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=APPEND)]
+            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND),
+                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND)]
         return self.linear(out, n["o"], n.get("ob"))
 
     def _trt_prelude(self) -> None:
@@ -322,8 +325,35 @@ class DenseEmitter:
         return g.op("Reshape", [ctx, g.const([0, 0, nh * d])])
 
 
-def emit_graph(cfg: ModelConfig, get_weight: Callable[[str], Any], spec: Any, flavor: str, onnx_path: Path,
+def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
-               awq_scales: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+               awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path``; returns its manifest entry."""
     return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales).emit(progress)
+
+
+class DenseFamily(ModelFamily):
+    """Llama and Qwen2: HF names, read through the pipeline's getter (GGUF blocks carried, AWQ/GPTQ applied)."""
+
+    def check_config(self, cfg: ModelConfig, flavors: tuple[str, ...]) -> None:
+        check_config(cfg, flavors)
+
+    def required_tensors(self, cfg: ModelConfig) -> list[str]:
+        return required_tensors(cfg)
+
+    def open_weights(self, cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
+        missing = [n for n in required_tensors(cfg) if not ckpt.has(n)]
+        if missing:
+            raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing"
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        check_shapes(cfg, ckpt, where)
+        return None
+
+    def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
+                   onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
+                   awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+        get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
+        return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales)
+
+
+FAMILY = DenseFamily()

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.dense import layer_tensor_names
+from lineside.build.models.family import Weight
 from lineside.build.models.rope import rope_cache
+from lineside.build.quant.spec import QuantSpec
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 
@@ -42,7 +44,7 @@ class AwqPlan:
     guard_tokens: int = 0  # tokens the two losses are measured on
     guard_held_out: bool = False  # ... held out of the scale search (in-sample when the text is too short)
 
-    def transform(self, name: str, w: Any) -> Any:
+    def transform(self, name: str, w: Weight) -> Weight:
         if name in self.norm_div:
             return np.asarray(w, dtype=np.float32) / self.norm_div[name]
         if name in self.col_scale or name in self.row_div:
@@ -219,7 +221,7 @@ def _fake_quant_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], bits:
     return fq
 
 
-def awq_scales_for(cfg: ModelConfig, ckpt: Any, spec: Any, calib: Path | None,
+def awq_scales_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, calib: Path | None,
                    progress: Callable[[str, int], Callable[[int], None]],
                    log: Callable[[str], None]) -> AwqPlan:
     """Run AWQ calibration for a checkpoint; the text comes from --calib or the shipped default."""

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.dense import layer_tensor_names
+from lineside.build.models.family import Weight, WeightGetter
 from lineside.build.quant.calibrate import (
     calibration_ids,
     calibration_nll,
@@ -26,6 +28,7 @@ from lineside.build.quant.calibrate import (
 from lineside.build.quant.gptq import PERCDAMP, gptq_quantize, hessian
 from lineside.build.quant.grid import Int4Grid
 from lineside.build.quant.rtn import fake_quantize
+from lineside.build.quant.spec import QuantSpec
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 
@@ -47,7 +50,7 @@ class GptqPlan:
     guard_tokens: int = 0  # held-out tokens the two losses are measured on (in-sample if only one sequence)
     seconds: float = 0.0
 
-    def transform(self, name: str, get: Callable[[str], Any]) -> Any:
+    def transform(self, name: str, get: WeightGetter) -> Weight:
         """The weight the emitters get: GPTQ's grid for a planned linear, else the source tensor."""
         grid = self.grids.get(name)
         return grid if grid is not None else get(name)
@@ -115,7 +118,7 @@ def rtn_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], group_for: Ca
     return fq
 
 
-def gptq_ids(ckpt: Any, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
+def gptq_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
     """Calibration token ids [n_seq, seq] from --calib or the shipped text, tokenized by the checkpoint."""
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -127,7 +130,7 @@ def gptq_ids(ckpt: Any, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
     return np.clip(ids, 0, cfg.vocab_size - 1)
 
 
-def gptq_plan_for(cfg: ModelConfig, ckpt: Any, spec: Any, flavors: tuple[str, ...], calib: Path | None,
+def gptq_plan_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, flavors: tuple[str, ...], calib: Path | None,
                   progress: Callable[[str, int], Callable[[int], None]], log: Callable[[str], None]) -> GptqPlan:
     """Run GPTQ for a checkpoint; keep it only if its loss on held-out calibration text is below RTN's."""
     if cfg.architecture not in ("llama", "qwen2"):

@@ -121,7 +121,7 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    _parse(trt, network, parser, bundle.file(fl["graph"]))
+    _parse(trt, network, parser, bundle.file(fl.graph))
 
     config = builder.create_builder_config()
     if opts.workspace_gb:
@@ -149,8 +149,7 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
             "--quant w8a16 or fp16, or use --backend onnxruntime")
     _atomic_write(out / ENGINE_FILE, bytes(serialized))
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
-    sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
-    meta = engine_meta(key, lim, profiles, opts, sha, time.time() - t0)
+    meta = engine_meta(key, lim, profiles, opts, bundle.manifest.graph_sha("trt"), time.time() - t0)
     _atomic_write(out / ENGINE_JSON, json.dumps(meta, indent=2).encode())
     return out
 

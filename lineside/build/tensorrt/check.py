@@ -320,4 +320,4 @@ def check_onnx_file(path: Path, trt: str = "10.3") -> CheckReport:
 def check_bundle(bundle: Any, trt: str = "10.3", flavor: str = "trt") -> CheckReport:
     """Check a bundle's ``trt`` graph (its path comes from the manifest)."""
     fl = bundle.flavor(flavor)
-    return check_onnx_file(bundle.file(fl["graph"]), trt)
+    return check_onnx_file(bundle.file(fl.graph), trt)

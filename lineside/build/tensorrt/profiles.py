@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lineside.bundle import FlavorEntry
+from lineside.config import ModelConfig
 from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.tensorrt.buffers import state_dims
 
 LOGITS_BUDGET = 256 << 20  # bytes for the float32 logits buffer [batch, n_logits, vocab]
@@ -75,10 +77,9 @@ def _state_shape(st: StateTensor, dims: dict[str, int], b: int, p: int) -> Dims:
     return tuple(out)
 
 
-def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[ProfileSpec]:
+def derive_profiles(flavor: FlavorEntry, cfg: ModelConfig, lim: Limits) -> list[ProfileSpec]:
     """[decode, prefill] profiles for the trt graph's inputs (names from the manifest's flavor entry)."""
-    inputs = list(flavor.get("inputs") or [])
-    states = [StateTensor.from_dict(s) for s in flavor.get("state") or []]
+    inputs, states = list(flavor.inputs), list(flavor.state)
     dims = state_dims(cfg) | {"max_seq": lim.max_seq}
     b_opt = min(lim.max_batch, 4)
     p_min, p_max = lim.first_bucket, lim.max_seq
@@ -106,7 +107,7 @@ def derive_profiles(flavor: dict[str, Any], cfg: Any, lim: Limits) -> list[Profi
                 raise LinesideError(f"trt graph input {inp!r} is not one the TensorRT backend feeds; "
                                    "rebuild the bundle with this lineside")
         for st in states:
-            if st.update == APPEND:
+            if st.update == StateUpdate.APPEND:
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], ps[i]) for i in range(3))  # type: ignore[assignment]
             else:
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], p_max) for i in range(3))  # type: ignore[assignment]

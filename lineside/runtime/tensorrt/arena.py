@@ -6,6 +6,8 @@ the ``B`` slots of a step sit in physical rows ``0..B-1`` and ``P`` (the row pit
 length bucket. A step then feeds the arena itself (no copy); the graph returns only the new K/V,
 which the runtime writes at each row's past length. Rows are swapped when the batch changes and
 the pitch is re-laid out when the longest slot crosses a bucket: both rare, neither per token.
+These swaps are the only slot moves on this backend (it says ``needs_contiguous_slots = False``, so
+the scheduler never moves a sequence to another slot for it).
 The device executor (backend.py) and the CPU test's numpy executor apply the same plan.
 """
 

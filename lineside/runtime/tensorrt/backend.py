@@ -9,7 +9,6 @@ then copy the logits back. Needs tensorrt + cuda-python + a GPU; each missing pi
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, plan_buffers
@@ -32,6 +31,8 @@ class TensorRTBackend:
 
     name = "tensorrt"
     flavor = "trt"
+    # ArenaLayout swaps the step's slots into rows 0..B-1 itself: the scheduler must not move them too.
+    needs_contiguous_slots = False
 
     def __init__(self, bundle: Bundle, num_slots: int = 4, device: int = 0, cuda_graphs: bool = True,
                  warmup: bool = True):
@@ -42,8 +43,7 @@ class TensorRTBackend:
         check(self.cr, self.cr.cudaFree(0), "cudaFree(0)")  # creates the primary context (NVRTC modules need it)
         here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
         fl = bundle.flavor("trt")
-        sha = bundle.manifest["files"].get(fl["graph"], {}).get("sha256")
-        edir, meta = find_engine(bundle.path, here, sha)
+        edir, meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
         lim = meta["limits"]
         if num_slots > int(lim["max_batch"]):
             raise LinesideError(f"the engine was built for at most {lim['max_batch']} slots, {num_slots} asked; "
@@ -53,8 +53,8 @@ class TensorRTBackend:
         self.vocab_size = bundle.config.vocab_size
         self.max_prefill, self.max_logits = int(lim["max_prefill"]), int(lim["max_logits"])
         self.cuda_graphs = cuda_graphs
-        self.states = [StateTensor.from_dict(s) for s in fl.get("state") or []]
-        self.input_names = list(fl.get("inputs") or [])
+        self.states = list(fl.state)
+        self.input_names = list(fl.inputs)
         self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
 
         logger = self.trt.Logger(self.trt.Logger.WARNING)
@@ -140,7 +140,7 @@ class TensorRTBackend:
             for lay in self.plan.states:
                 arena = self._addr(lay.state.input)
                 if isinstance(mv, Relayout):
-                    if lay.update != APPEND:
+                    if lay.update != StateUpdate.APPEND:
                         continue
                     e = lay.inner * lay.dtype.itemsize
                     rows = self.num_slots * lay.outer
@@ -164,7 +164,7 @@ class TensorRTBackend:
             if n in shapes:
                 ctx.set_input_shape(n, shapes[n])
         for lay in self.plan.states:
-            if lay.update == APPEND:
+            if lay.update == StateUpdate.APPEND:
                 full = self.plan.buffers[lay.state.input].shape
                 ctx.set_input_shape(lay.state.input, self._state_shape(lay.state, bb, p, full))
             else:
@@ -186,7 +186,7 @@ class TensorRTBackend:
                 raise LinesideError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
             for lay in self.plan.states:
                 src, dst = self._addr(lay.state.output), self._addr(lay.state.input)
-                if lay.update == APPEND:
+                if lay.update == StateUpdate.APPEND:
                     self.kernels.append_rows(self.stream, src, dst, self._addr("write_pos"), self._addr("new_lengths"),
                                              bb, lay.outer, s, p, lay.inner * lay.dtype.itemsize)
                 else:
@@ -220,7 +220,7 @@ class TensorRTBackend:
             self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
             launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
             if st.is_decode and self.cuda_graphs:
-                key = st.key if any(lay.update == APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
+                key = st.key if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
                 self.stats[self.graphs.run(key, launch)] += 1
             else:
                 launch()
@@ -240,7 +240,7 @@ class TensorRTBackend:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if src == dst:
             return
-        if any(lay.update != APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
+        if any(lay.update != StateUpdate.APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
             raise LinesideError("this model's decode state has fixed-size parts; only whole sequences can be "
                                "copied between slots")
         ra, rb = self.layout.copied(src, dst, length)
@@ -254,7 +254,7 @@ class TensorRTBackend:
         self.layout.reset(slot)
         row = self.layout.phys_of[slot]
         for lay in self.plan.states:
-            if lay.update != APPEND:  # fixed-size state starts from zeros
+            if lay.update != StateUpdate.APPEND:  # fixed-size state starts from zeros
                 rbytes = lay.row_bytes(self.layout.pitch)
                 check(self.cr, self.cr.cudaMemsetAsync(self._addr(lay.state.input) + row * rbytes, 0, rbytes,
                                                        self.stream), "cudaMemsetAsync")
@@ -284,9 +284,3 @@ class TensorRTBackend:
         if getattr(self, "stream", None) is not None:
             self.cr.cudaStreamDestroy(self.stream)
             self.stream = None
-
-    def describe(self) -> str:
-        return json.dumps({"slots": self.num_slots, "max_prefill": self.max_prefill, "pitch": self.layout.pitch,
-                           "stats": self.stats, "arena_bytes": self.plan.total,
-                           "context_memory_bytes": self.context_memory_bytes})
-

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from lineside.config import ModelConfig
 from lineside.errors import BundleError
-from lineside.graph_io import APPEND, REPLACE, StateTensor
+from lineside.graph_io import Dim, StateTensor, StateUpdate
 
 ALIGN = 256  # cudaMalloc alignment; TensorRT wants ≥ 16-byte aligned I/O
 
@@ -47,13 +47,13 @@ class StateLayout:
     """One state tensor: its arena buffer and its output buffer, and how a row is laid out."""
 
     state: StateTensor
-    update: str
+    update: StateUpdate
     outer: int  # product of dims between batch and the seq axis (append) — kv_heads for KV
     inner: int  # product of dims after the seq axis (head_dim); for replace: whole row
     dtype: np.dtype
 
     def row_bytes(self, pitch: int) -> int:
-        if self.update == APPEND:
+        if self.update == StateUpdate.APPEND:
             return self.outer * pitch * self.inner * self.dtype.itemsize
         return self.outer * self.inner * self.dtype.itemsize
 
@@ -74,7 +74,7 @@ class BufferPlan:
         return base + self.buffers[name].offset
 
 
-def state_dims(cfg: Any) -> dict[str, int]:
+def state_dims(cfg: ModelConfig) -> dict[str, int]:
     """Named dims a manifest's state shapes may use besides batch/past_seq/seq/max_seq."""
     return {"kv_heads": cfg.num_kv_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "hidden": cfg.hidden_size, "hidden_size": cfg.hidden_size, "num_heads": cfg.num_heads}
@@ -84,29 +84,29 @@ def _layout(st: StateTensor, dims: dict[str, int]) -> StateLayout:
     shape = list(st.shape)
     if not shape or shape[0] != "batch":
         raise BundleError(f"state {st.input}: first dim must be 'batch' (got {shape}); rebuild the bundle")
-    def num(d: Any) -> int:
+    def num(d: Dim) -> int:
         if isinstance(d, int):
             return d
         if d not in dims:
             raise BundleError(f"state {st.input}: unknown dim {d!r} in shape {shape}; rebuild the bundle")
         return int(dims[d])
-    if st.update == APPEND:
+    if st.update == StateUpdate.APPEND:
         ax = st.seq_axis if st.seq_axis >= 0 else len(shape) + st.seq_axis
         if not 0 < ax < len(shape) or shape[ax] != "past_seq":
             raise BundleError(f"state {st.input}: append state needs 'past_seq' at seq_axis {st.seq_axis} "
                               f"(shape {shape}); the TensorRT backend cannot run it")
         outer = math.prod(num(d) for d in shape[1:ax])
         inner = math.prod(num(d) for d in shape[ax + 1:])
-        return StateLayout(st, APPEND, outer, inner, np_dtype(st.dtype))
-    if st.update == REPLACE:
+        return StateLayout(st, StateUpdate.APPEND, outer, inner, np_dtype(st.dtype))
+    if st.update == StateUpdate.REPLACE:
         if "past_seq" in shape or "seq" in shape:
             raise BundleError(f"state {st.input}: a replace state must have a fixed shape (got {shape})")
-        return StateLayout(st, REPLACE, 1, math.prod(num(d) for d in shape[1:]), np_dtype(st.dtype))
-    raise BundleError(f"state {st.input}: update {st.update!r} cannot run on TensorRT (only append/replace); "
+        return StateLayout(st, StateUpdate.REPLACE, 1, math.prod(num(d) for d in shape[1:]), np_dtype(st.dtype))
+    raise BundleError(f"state {st.input}: update '{st.update}' cannot run on TensorRT (only append/replace); "
                       "use the trt flavor")
 
 
-def plan_buffers(states: list[StateTensor], cfg: Any, *, num_slots: int, max_seq: int, max_prefill: int,
+def plan_buffers(states: list[StateTensor], cfg: ModelConfig, *, num_slots: int, max_seq: int, max_prefill: int,
                  max_logits: int, vocab: int, input_names: list[str]) -> BufferPlan:
     """Lay out every buffer the engine and the runtime touch, at its largest shape."""
     dims = state_dims(cfg) | {"max_seq": max_seq}
@@ -124,7 +124,7 @@ def plan_buffers(states: list[StateTensor], cfg: Any, *, num_slots: int, max_seq
     for st in states:
         lay = _layout(st, dims)
         plan.states.append(lay)
-        if lay.update == APPEND:
+        if lay.update == StateUpdate.APPEND:
             arena = (b, lay.outer, max_seq, lay.inner)
             out = (b, lay.outer, s, lay.inner)
         else:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from lineside.bundle import FlavorEntry
+
 # Two layer schedules: together all three attention types, both MLP types, every scoring function.
 SCHEDULES: dict[str, dict[str, Any]] = {
     "a": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
@@ -114,7 +116,7 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 class V4Runner:
     """Feeds a V4 graph the way the runtime will: prefill (batch 1) and decode (seq 1) with replace-state."""
 
-    def __init__(self, onnx_path: Path, entry: dict[str, Any], max_seq: int = MAX_SEQ) -> None:
+    def __init__(self, onnx_path: Path, entry: FlavorEntry, max_seq: int = MAX_SEQ) -> None:
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -129,15 +131,15 @@ class V4Runner:
     def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
         from lineside.graph_io import resolve_shape
 
-        return {s["input"]: np.zeros(resolve_shape(s["shape"], {"batch": batch, "max_seq": self.max_seq}), np.float32)
-                for s in self.entry["state"]}
+        return {s.input: np.zeros(resolve_shape(s.shape, {"batch": batch, "max_seq": self.max_seq}), np.float32)
+                for s in self.entry.state}
 
     def step(self, ids: np.ndarray, past: np.ndarray, state: dict[str, np.ndarray],
              positions: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         feeds = {"input_ids": ids, "past_lengths": past, "logits_positions": positions, **state}
-        outs = ["logits"] + [s["output"] for s in self.entry["state"]]
+        outs = ["logits"] + [s.output for s in self.entry.state]
         res = self.sess.run(outs, feeds)
-        return res[0], {s["input"]: v for s, v in zip(self.entry["state"], res[1:], strict=True)}
+        return res[0], {s.input: v for s, v in zip(self.entry.state, res[1:], strict=True)}
 
     def prefill(self, ids: np.ndarray, state: dict[str, np.ndarray] | None = None, past: int = 0):
         state = state or self.zero_state()

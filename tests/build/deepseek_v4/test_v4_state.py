@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from lineside.build.models.deepseek_v4 import parse_config, state_bytes, state_tensors
-from lineside.graph_io import REPLACE, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 
 
 def test_state_layout_is_fixed_shape_replace():
     c = parse_config(dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64))
     states = state_tensors(c, 4096)
-    assert all(isinstance(s, StateTensor) and s.update == REPLACE and s.shape[0] == "batch" for s in states)
+    assert all(isinstance(s, StateTensor) and s.update == StateUpdate.REPLACE and s.shape[0] == "batch" for s in states)
     assert all(all(isinstance(d, int) for d in s.shape[1:]) for s in states)  # capturable: no seq-dependent dims
     by = {s.input: s.shape for s in states}
     assert by["past.0.window"] == ["batch", 128, 512]
@@ -24,9 +24,9 @@ def test_state_layout_is_fixed_shape_replace():
 
 def test_manifest_entry(v4):
     r = v4.runner(v4.hf_dir("a"), "cpu")
-    assert r.entry["inputs"] == ["input_ids", "past_lengths", "logits_positions"]
-    assert r.entry["activation_dtype"] == "float32"
+    assert r.entry.inputs == ["input_ids", "past_lengths", "logits_positions"]
+    assert r.entry.activation_dtype == "float32"
     names = {i.name for i in r.sess.get_inputs()}
-    assert names == set(r.entry["inputs"]) | {s["input"] for s in r.entry["state"]}
+    assert names == set(r.entry.inputs) | {s.input for s in r.entry.state}
     outs = [o.name for o in r.sess.get_outputs()]
-    assert outs[0] == "logits" and set(outs[1:]) == {s["output"] for s in r.entry["state"]}
+    assert outs[0] == "logits" and set(outs[1:]) == {s.output for s in r.entry.state}

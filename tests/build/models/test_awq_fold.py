@@ -45,7 +45,7 @@ def test_awq_bundle_runs_and_decode_equals_prefill(tiny_dense, tmp_path):
                        BuildOptions(quant="w4a16", method="awq", group_size=64, flavors=("cpu", "trt"),
                                     max_seq_len=32, accuracy_level=0))
     b = open_bundle(out)
-    awq = b.manifest["quantization"]["awq"]
+    awq = b.manifest.quantization["awq"]
     assert "relative_output_error" in awq and awq["guard_tokens"] > 0
     assert isinstance(awq["guard_held_out"], bool)
     for flavor in ("cpu", "trt"):

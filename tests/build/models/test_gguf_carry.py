@@ -25,7 +25,7 @@ def bundles(smollm2_path, tmp_path_factory):
 
 def test_carried_grid_equals_dequantized_reference(bundles):
     carry, ref = bundles
-    q = carry.manifest["quantization"]["carried_from_source"]
+    q = carry.manifest.quantization["carried_from_source"]
     assert len(q) == 30 * 7 + 1 and set(q.values()) == {"Q4_1", "Q8_0"}
     a = compute_logits(OnnxRuntimeBackend(carry), IDS, "decode")
     b = compute_logits(OnnxRuntimeBackend(ref), IDS, "prefill")

@@ -65,7 +65,7 @@ def test_gptq_bundle_equals_its_grids(tiny_dense, tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate_gptq, "calibration_nll", lambda *_a: next(losses))
     out = build_bundle(path, tmp_path / "b", BuildOptions(quant="w4a16", method="gptq", group_size=64,
                                                           flavors=("cpu", "trt"), max_seq_len=32, accuracy_level=0))
-    rec = open_bundle(out).manifest["quantization"]
+    rec = open_bundle(out).manifest.quantization
     g = rec["gptq"]
     assert rec["method"] == "gptq" and not g["fell_back_to_rtn"], (g["calibration_nll_rtn"], g["calibration_nll_gptq"])
     assert all(e["gptq"] < e["rtn"] for e in g["relative_output_error"].values())
@@ -92,7 +92,7 @@ def test_guard_falls_back_to_rtn(tiny_dense, tmp_path, monkeypatch):
     opts = dict(quant="w4a16", group_size=64, flavors=("cpu",), max_seq_len=32, accuracy_level=0)
     gptq = open_bundle(build_bundle(path, tmp_path / "g", BuildOptions(method="gptq", **opts)))
     rtn = open_bundle(build_bundle(path, tmp_path / "r", BuildOptions(method="rtn", **opts)))
-    g = gptq.manifest["quantization"]["gptq"]
+    g = gptq.manifest.quantization["gptq"]
     assert g["fell_back_to_rtn"] is True and (g["calibration_nll_rtn"], g["calibration_nll_gptq"]) == (1.0, 1.5)
     a = compute_logits(OnnxRuntimeBackend(gptq, accuracy_level=0), IDS, "prefill")
     b = compute_logits(OnnxRuntimeBackend(rtn, accuracy_level=0), IDS, "prefill")

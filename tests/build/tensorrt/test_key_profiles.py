@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,7 @@ def test_limits_and_profiles(trt_bundle):
     assert dec.shapes["past_key.0"][2] == (4, 2, 64, 16)
     assert pre.shapes["attention_mask"][2] == (4, 64 + 64)
     for spec in (dec, pre):
-        assert set(spec.shapes) == set(b.flavor("trt")["inputs"])
+        assert set(spec.shapes) == set(b.flavor("trt").inputs)
         for mn, op, mx in spec.shapes.values():
             assert all(a <= o <= c for a, o, c in zip(mn, op, mx, strict=True))
     json.dumps([dec.to_dict(), pre.to_dict()])
@@ -91,7 +92,7 @@ def test_limits_and_profiles(trt_bundle):
 
 def test_profiles_reject_unknown_input(trt_bundle):
     b = trt_bundle("fp16")
-    fl = dict(b.flavor("trt"), inputs=["input_ids", "seqlens_k"])
+    fl = replace(b.flavor("trt"), inputs=["input_ids", "seqlens_k"])
     with pytest.raises(LinesideError, match="seqlens_k"):
         derive_profiles(fl, b.config, derive_limits(64, 300, 1))
 
@@ -99,9 +100,9 @@ def test_profiles_reject_unknown_input(trt_bundle):
 def test_buffer_plan(trt_bundle):
     b = trt_bundle("fp16")
     fl = b.flavor("trt")
-    states = [StateTensor.from_dict(s) for s in fl["state"]]
+    states = list(fl.state)
     plan = plan_buffers(states, b.config, num_slots=4, max_seq=64, max_prefill=32, max_logits=8, vocab=300,
-                        input_names=fl["inputs"])
+                        input_names=fl.inputs)
     arena = plan.buffers["past_key.0"]
     assert arena.shape == (4, 2, 64, 16) and arena.nbytes == 4 * 2 * 64 * 16 * 2  # fp16 KV in non-fp32 builds
     assert plan.buffers["present_key.0"].shape == (4, 2, 32, 16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from lineside.build.pipeline import BuildOptions, build_bundle
@@ -21,7 +22,7 @@ def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
         from lineside.build.checkpoint import open_checkpoint
         from lineside.build.models import deepseek_v4 as v4
         from lineside.build.quant.spec import QuantSpec
-        from lineside.bundle import write_manifest
+        from lineside.bundle import Manifest, write_manifest
         from lineside.config import ModelConfig
 
         reader = open_checkpoint(ck)
@@ -30,6 +31,6 @@ def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
         entry = v4.emit_graph(cfg, reader, QuantSpec(scheme=quant, group_size=64), "trt",
                               out / "graphs/trt/model.onnx", MAX_SEQ)
         (out / "config.json").write_text(cfg.to_json())
-        write_manifest(out, {"architecture": "deepseek_v4", "config": "config.json", "max_seq_len": MAX_SEQ,
-                             "flavors": {"trt": {"graph": "graphs/trt/model.onnx", **entry}}})
+        write_manifest(out, Manifest(architecture="deepseek_v4", config="config.json", max_seq_len=MAX_SEQ,
+                                     flavors={"trt": replace(entry, graph="graphs/trt/model.onnx")}))
     return out

@@ -101,7 +101,7 @@ def test_auto_picks_tensorrt_when_engine_matches(trt_bundle, monkeypatch, tmp_pa
     from tests.build.tensorrt.test_key_profiles import _fake_engine
 
     fl = b.flavor("trt")
-    d = _fake_engine(b.path, here, b.manifest["files"][fl["graph"]]["sha256"])
+    d = _fake_engine(b.path, here, b.manifest.files[fl.graph].sha256)
     try:
         dec = select.decide_backend(b, "auto")
         assert dec.backend == "tensorrt" and here.key in dec.reason

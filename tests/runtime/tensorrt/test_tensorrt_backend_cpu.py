@@ -48,7 +48,7 @@ def test_engine_build_writes_engine_json_and_timing_cache(engine_bundle):
     assert meta["cuda"] == "12.6" and [p["name"] for p in meta["profiles"]] == ["decode", "prefill"]
     assert meta["limits"]["max_batch"] == 4 and meta["limits"]["max_prefill"] == 16
     assert (d / TIMING_CACHE).read_bytes() == b"timing" and meta["fp16"]
-    assert "engines/" not in json.dumps(b.manifest["files"])  # engines stay out of the checksummed files
+    assert "engines/" not in json.dumps(b.manifest.to_json_dict()["files"])  # engines stay out of the checksummed files
 
 
 def test_logits_equal_onnxruntime_prefill_decode_and_replay(engine_bundle):
@@ -208,3 +208,38 @@ def test_build_failures_are_one_line(trt_bundle, monkeypatch, tmp_path):
     buf = io.StringIO()
     build_engine(dst, BuildOptions(num_slots=1), Console(file=buf, width=300))  # pre-check only warns
     assert "warning: node embed_tokens/gather_codes" in buf.getvalue()
+
+
+def test_serving_engine_leaves_slot_moves_to_the_arena_layout(engine_bundle):
+    """The serving engine on TensorRT: the scheduler never moves a sequence (the backend does not need
+    contiguous slots), ArenaLayout swaps rows when finished requests leave holes, and batched greedy
+    requests get the tokens they get one at a time."""
+    import asyncio
+
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.request import GenerationRequest
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    prompts = [IDS[:5], IDS[:9] + [40], IDS[10:13], IDS[:9] + [41, 42]]  # two share a 9-token prefix
+    lengths = [3, 9, 5, 7]  # unequal: early finishers leave holes in the decode batch
+
+    async def serve(slots, together):
+        be = TensorRTBackend(b, num_slots=slots)
+        eng = LLMEngine(b, backend=be, num_slots=slots, kv_block_size=4)
+        move = eng.arena.move
+        eng.arena.move = lambda src, dst: (moved.append((src, dst)), move(src, dst))
+        await eng.start()
+        reqs = [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+        if together:
+            outs = await asyncio.gather(*(eng.submit(r).result() for r in reqs))
+        else:
+            outs = [await eng.submit(r).result() for r in reqs]
+        await eng.stop()
+        return [o[1] for o in outs], be.stats
+
+    moved = []
+    batched, stats = asyncio.run(asyncio.wait_for(serve(3, True), timeout=60))
+    solo, _ = asyncio.run(asyncio.wait_for(serve(1, False), timeout=60))
+    assert batched == solo and [len(ids) for ids in batched] == lengths
+    assert moved == [] and stats["swaps"] > 0

@@ -10,10 +10,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from lineside.errors import LinesideError
-from lineside.graph_io import APPEND, StateTensor
+from lineside.errors import BundleError, LinesideError
+from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
+from lineside.runtime.tensorrt.buffers import plan_buffers
 from lineside.runtime.tensorrt.graphs import batch_buckets, length_buckets
 
 
@@ -22,9 +23,9 @@ class NumpyTrtBackend:
 
     def __init__(self, bundle, num_slots=3, first=4, step=8, max_chunk=64):
         fl = bundle.flavor("trt")
-        self.sess = ort.InferenceSession(str(bundle.file(fl["graph"])), providers=["CPUExecutionProvider"])
-        self.states = [StateTensor.from_dict(s) for s in fl["state"]]
-        self.inputs = fl["inputs"]
+        self.sess = ort.InferenceSession(str(bundle.file(fl.graph)), providers=["CPUExecutionProvider"])
+        self.states = list(fl.state)
+        self.inputs = fl.inputs
         self.num_slots, self.max_seq = num_slots, bundle.max_seq_len
         self.layout = ArenaLayout(num_slots, self.max_seq, length_buckets(self.max_seq, first, step),
                                   batch_buckets(num_slots))
@@ -187,6 +188,26 @@ def test_chunks_cover_all_logits():
     assert got.tolist() == lp.tolist()
 
 
-def test_state_update_kinds_supported():
-    st = StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], update=APPEND)
-    assert st.seq_axis == 2
+def test_state_update_kinds_supported(trt_bundle):
+    """A dense trt graph's KV is append state whose sequence axis is the one ArenaLayout pitches; the TensorRT
+    plan lays out append (rows grow with the pitch) and replace (one fixed row) state, and refuses the cpu
+    graph's in-place cache in one line. A new kind of state update fails here until TensorRT is told of it."""
+    assert set(StateUpdate) == {StateUpdate.APPEND, StateUpdate.REPLACE, StateUpdate.INPLACE}
+    b = trt_bundle("fp16")
+    states = list(b.flavor("trt").state)
+    assert states and {st.update for st in states} == {StateUpdate.APPEND}
+    assert all(st.shape[0] == "batch" and st.shape[st.seq_axis] == "past_seq" for st in states)
+
+    def plan(sts):
+        return plan_buffers(sts, b.config, num_slots=2, max_seq=64, max_prefill=8, max_logits=1, vocab=300,
+                            input_names=[])
+
+    kv = plan(states).states
+    assert [lay.update for lay in kv] == [StateUpdate.APPEND] * len(states)
+    assert all(lay.row_bytes(16) == 2 * lay.row_bytes(8) > 0 for lay in kv)
+    fixed = plan([StateTensor("win", "win_out", ["batch", 8, "head_dim"], update=StateUpdate.REPLACE)]).states[0]
+    assert fixed.update == StateUpdate.REPLACE
+    assert fixed.row_bytes(8) == fixed.row_bytes(64) == 8 * b.config.head_dim * 4
+    with pytest.raises(BundleError, match="only append/replace") as e:
+        plan([StateTensor("past_key.0", "present_key.0", ["batch", 2, "max_seq", 16], update=StateUpdate.INPLACE)])
+    assert "\n" not in str(e.value)

@@ -1,7 +1,7 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``): config parsing, official/HF naming, graphs, decode state.
 
-The build pipeline calls ``parse_config``, ``required_tensors`` and ``emit_graph``; ``check_tensors``
-names a missing tensor under the checkpoint's own naming (official or HF).
+The build pipeline uses ``FAMILY`` (the ``ModelFamily`` interface); ``check_tensors`` names a missing tensor
+under the checkpoint's own naming (official or HF) and returns the source the graphs read.
 """
 
 from __future__ import annotations
@@ -10,17 +10,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.deepseek_v4.config import CSA, SLIDING, V4Config, parse_config
 from lineside.build.models.deepseek_v4.graph import INPUTS, emit_v4_graph
 from lineside.build.models.deepseek_v4.naming import V4Source, hf_to_official, official_to_hf
 from lineside.build.models.deepseek_v4.state import state_bytes, state_tensors
+from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
+from lineside.build.quant.spec import QuantSpec
+from lineside.bundle import FlavorEntry
+from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, LinesideError
 
-__all__ = ["INPUTS", "V4Config", "V4Source", "check_tensors", "emit_graph", "hf_to_official", "official_to_hf",
-           "parse_config", "required_tensors", "state_bytes", "state_tensors"]
+__all__ = ["FAMILY", "INPUTS", "V4Config", "V4Source", "check_tensors", "emit_graph", "hf_to_official",
+           "official_to_hf", "parse_config", "required_tensors", "state_bytes", "state_tensors"]
 
 
-def _v4(cfg: Any) -> V4Config:
+def _v4(cfg: ModelConfig | V4Config | dict[str, Any]) -> V4Config:
     if isinstance(cfg, V4Config):
         return cfg
     if isinstance(cfg, dict):
@@ -28,7 +35,7 @@ def _v4(cfg: Any) -> V4Config:
     return parse_config(cfg.raw)  # lineside.config.ModelConfig keeps the whole HF dict in .raw
 
 
-def required_tensors(cfg: Any) -> list[str]:
+def required_tensors(cfg: ModelConfig | V4Config | dict[str, Any]) -> list[str]:
     """Every HF tensor name the graph reads (experts as their stacked HF tensors)."""
     c = _v4(cfg)
     names = ["model.embed_tokens.weight", "model.norm.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base",
@@ -56,7 +63,7 @@ def required_tensors(cfg: Any) -> list[str]:
     return names
 
 
-def check_tensors(cfg: Any, ckpt: Any) -> V4Source:
+def check_tensors(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source) -> V4Source:
     """Wrap a reader and raise one CheckpointError naming the first missing tensor (in the file's naming)."""
     c = _v4(cfg)
     src = ckpt if isinstance(ckpt, V4Source) else V4Source(ckpt)
@@ -68,11 +75,33 @@ def check_tensors(cfg: Any, ckpt: Any) -> V4Source:
     return src
 
 
-def emit_graph(cfg: Any, ckpt: Any, spec: Any, flavor: str, onnx_path: Path, max_seq_len: int,
-               progress: Callable[[int], None] | None = None, **_: Any) -> dict[str, Any]:
+def emit_graph(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
+               progress: Callable[[int], None] | None = None,
+               awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
     """Write the ``flavor`` graph to ``onnx_path`` and return its manifest entry."""
     c = _v4(cfg)
-    if _.get("awq_scales") is not None:
+    if awq_scales is not None:
         raise LinesideError("AWQ is not supported for DeepSeek-V4 yet; build with --method rtn")
     src = check_tensors(c, ckpt)
     return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress)
+
+
+class DeepseekV4Family(ModelFamily):
+    """DeepSeek-V4: its config parsed from the HF dict kept in ``ModelConfig.raw``; official or HF names."""
+
+    def check_config(self, cfg: ModelConfig, flavors: tuple[str, ...]) -> None:
+        _v4(cfg)  # parsing refuses what the graphs cannot compute (one line)
+
+    def required_tensors(self, cfg: ModelConfig) -> list[str]:
+        return required_tensors(cfg)
+
+    def open_weights(self, cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> V4Source:
+        return check_tensors(cfg, ckpt)
+
+    def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
+                   onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
+                   awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+        return emit_graph(cfg, weights, spec, flavor, onnx_path, max_seq_len, progress, awq_scales)
+
+
+FAMILY = DeepseekV4Family()

@@ -22,6 +22,8 @@ from lineside.build.models.deepseek_v4.naming import V4Source
 from lineside.build.models.deepseek_v4.ops import Ops
 from lineside.build.models.deepseek_v4.state import layer_state, state_names, state_tensors
 from lineside.build.models.rope import rope_inv_freq
+from lineside.build.quant.spec import QuantSpec
+from lineside.bundle import FlavorEntry
 from lineside.errors import CheckpointError, LinesideError
 
 INPUTS = ["input_ids", "past_lengths", "logits_positions"]
@@ -76,9 +78,9 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
     return out
 
 
-def emit_v4_graph(cfg: V4Config, src: V4Source, spec: Any, flavor: str, onnx_path: Path, max_seq_len: int,
-                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write the graph; returns the manifest entry {inputs, state, activation_dtype}."""
+def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
+                  progress: Callable[[int], None] | None = None) -> FlavorEntry:
+    """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path)."""
     if flavor not in ("cpu", "trt"):
         raise LinesideError(f"unknown graph flavor {flavor!r} for DeepSeek-V4; use cpu or trt")
     gb = GraphBuilder(onnx_path, name=f"deepseek_v4_{flavor}")
@@ -134,4 +136,4 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: Any, flavor: str, onnx_pat
         gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
         gb.output(stt.output, TensorProto.FLOAT, stt.shape)
     gb.save()
-    return {"inputs": list(INPUTS), "state": [s.to_dict() for s in states], "activation_dtype": "float32"}
+    return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32")

@@ -9,10 +9,10 @@ MXFP4 are dequantized per tensor (per expert) on read.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import numpy as np
 
+from lineside.build.checkpoint import CheckpointReader
 from lineside.build.checkpoint.fp8_mxfp4 import dequantize
 from lineside.errors import CheckpointError
 
@@ -111,7 +111,7 @@ def expert_official_names(layer: int, expert: int) -> tuple[str, str, str]:
 class V4Source:
     """A checkpoint reader seen through HF names, whatever the naming and dtype on disk."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: CheckpointReader) -> None:
         self.reader = reader
         names = list(reader.names())
         self._names = set(names)

@@ -25,7 +25,7 @@ ELEM_INT64 = TensorProto.INT64
 class Ops:
     """Thin named wrappers so emitters read like the reference's math."""
 
-    def __init__(self, gb: GraphBuilder, spec: Any, flavor: str) -> None:
+    def __init__(self, gb: GraphBuilder, spec: QuantSpec, flavor: str) -> None:
         self.gb, self.spec, self.flavor = gb, spec, flavor
         self._scalars: dict[tuple[str, bytes], str] = {}
 

@@ -17,7 +17,7 @@ initial state for a new sequence.
 from __future__ import annotations
 
 from lineside.build.models.deepseek_v4.config import CSA, HCA, V4Config
-from lineside.graph_io import REPLACE, StateTensor
+from lineside.graph_io import StateTensor, StateUpdate
 
 
 def n_entries(max_seq: int, m: int) -> int:
@@ -50,7 +50,7 @@ def state_tensors(cfg: V4Config, max_seq: int) -> list[StateTensor]:
     for i in range(cfg.num_layers):
         for key, shape in layer_state(cfg, i, max_seq).items():
             a, b = state_names(i, key)
-            out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=REPLACE, seq_axis=1))
+            out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=StateUpdate.REPLACE, seq_axis=1))
     return out
 
 

@@ -1,0 +1,44 @@
+"""What the server uses of an engine, as a Protocol: the server depends on this, not on LLMEngine's insides.
+
+``LLMEngine`` implements it; an engine a caller builds and hands to ``create_app`` must offer the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from lineside.bundle import Bundle
+from lineside.runtime.request import GenerationRequest, RequestHandle
+from lineside.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the stats type lives with the engine that counts them
+    from lineside.runtime.engine import EngineStats
+
+
+@runtime_checkable
+class ServingEngine(Protocol):
+    """Every member the server reads or calls (server/state.py, openai_api.py, health.py)."""
+
+    bundle: Bundle  # the manifest's model name is a served alias
+    model_name: str  # the name served when no bundle path is known
+    backend_name: str  # "onnxruntime" | "tensorrt", for /health and the log
+    tokenizer: Tokenizer  # encode / encode_chat / vocab_size for request mapping
+    max_seq_len: int  # the context budgets are checked against
+    vocab_size: int  # prompt token ids are checked against
+    ready: bool  # warmed up and stepping (/health/ready)
+
+    async def start(self) -> None:
+        """Warm the backend up, then start the step loop."""
+        ...
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_timeout`` s, cancel the rest."""
+        ...
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises QueueFullError / EngineDraining / LinesideError (a 4xx/5xx)."""
+        ...
+
+    def stats(self) -> EngineStats:
+        """Live counters for /metrics."""
+        ...

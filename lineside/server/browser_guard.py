@@ -1,0 +1,126 @@
+"""What keeps a web page from driving the server through a technician's browser: a Host allow-list (DNS
+rebinding), a refused foreign Origin (cross-site posts), and JSON-only request bodies (a form or
+``text/plain`` post needs no CORS preflight, so it must not be read as JSON)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lineside.server.errors import APIError
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def is_loopback(host: str) -> bool:
+    """True for a bind address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class BrowserPolicy:
+    """``allowed_hosts``: Host names (no port) requests may name, None for any; ``allowed_origins``: exact
+    browser origins (``scheme://host[:port]``) that may call, "*" for any; none by default."""
+
+    allowed_hosts: frozenset[str] | None
+    allowed_origins: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_bind(cls, bind_host: str, allowed_hosts: list[str] | None = None,
+                 allowed_origins: list[str] | None = None) -> BrowserPolicy:
+        """Loopback names when bound to loopback; the given names otherwise (any Host when none are given and
+        the bind is not loopback: a LAN server is reached by names it cannot know)."""
+        hosts: frozenset[str] | None
+        if allowed_hosts:
+            names = {h.strip().lower().strip("[]") for h in allowed_hosts if h.strip()}
+            hosts = None if "*" in names else frozenset(names)
+        elif is_loopback(bind_host):
+            hosts = LOOPBACK_NAMES | {bind_host.lower().strip("[]")}
+        else:
+            hosts = None
+        origins = frozenset(o.strip().rstrip("/").lower() for o in allowed_origins or [] if o.strip())
+        return cls(hosts, origins)
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        if self.allowed_hosts is None:
+            return True
+        if not host_header:
+            return False
+        return host_name(host_header) in self.allowed_hosts
+
+    def origin_allowed(self, origin: str) -> bool:
+        return "*" in self.allowed_origins or origin.rstrip("/").lower() in self.allowed_origins
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port: 'localhost:8000' → 'localhost', '[::1]:80' → '::1'."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def json_content_type(value: str | None) -> str | None:
+    """None when ``value`` is JSON in UTF-8 (application/json or */*+json, charset absent or utf-8); else why not."""
+    if not value:
+        return "the request has no Content-Type"
+    media, _, params = value.partition(";")
+    media = media.strip().lower()
+    if not (media == "application/json" or (media.startswith("application/") and media.endswith("+json"))):
+        return f"Content-Type {media!r} is not JSON"
+    for p in params.split(";"):
+        k, _, v = p.partition("=")
+        if k.strip().lower() == "charset" and v.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            return f"charset {v.strip()!r} is not UTF-8"
+    return None
+
+
+class BrowserGuard:
+    """Pure-ASGI middleware applying a BrowserPolicy before anything else runs."""
+
+    def __init__(self, app: Any, policy: BrowserPolicy):
+        self.app = app
+        self.policy = policy
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        for k, v in scope.get("headers", []):
+            headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
+        host = headers.get("host")
+        if not self.policy.host_allowed(host):
+            allowed = ", ".join(sorted(self.policy.allowed_hosts or ()))
+            await _refuse(send, 403, f"Host {host!r} is not one this server answers to ({allowed}); start it with "
+                                     "--allowed-hosts NAME to add one", "host_not_allowed")
+            return
+        origin = headers.get("origin")
+        if origin is not None and not self.policy.origin_allowed(origin):
+            await _refuse(send, 403, f"requests from the web origin {origin!r} are refused (cross-origin calls are "
+                                     "off); start the server with --allowed-origins ORIGIN to allow one",
+                          "origin_not_allowed")
+            return
+        if scope.get("method") in _BODY_METHODS:
+            why = json_content_type(headers.get("content-type"))
+            if why is not None:
+                await _refuse(send, 415, f"{why}; send the body as JSON with 'Content-Type: application/json' "
+                                         "(UTF-8)", "unsupported_media_type")
+                return
+        await self.app(scope, receive, send)
+
+
+async def _refuse(send: Any, status: int, message: str, code: str) -> None:
+    body = json.dumps(APIError(status, message, code).body()).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,356 @@
+"""Hostile clients on loopback (issue 21): smuggling and bad chunks refused and the connection closed with
+nothing after them run; slow heads, stalled bodies and idle connections closed within the configured
+limits; a page-style request refused; strict types; an over-long prompt refused without tokenizing it;
+a half-sent body at SIGTERM answered in OpenAI's shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from lineside.server.http_limits import HttpLimits
+from tests.server.conftest import make_engine, running_server
+
+LIMITS = HttpLimits(header_timeout=0.5, body_timeout=0.5, body_deadline=3.0, keep_alive_timeout=0.5,
+                    max_header_bytes=8192, max_header_count=50)
+BOUND = 10.0  # seconds: far past every limit above; a connection still open then was never closed
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_bundle):
+    with running_server(make_engine(tiny_bundle, num_slots=2), limits=LIMITS) as srv:
+        yield srv
+
+
+def _exchange(srv, *parts: bytes | float) -> tuple[list[bytes], bytes, bool]:
+    """Send parts (a float: read for that long instead), then read until the server closes or BOUND passes:
+    (status lines, bytes, closed)."""
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=BOUND)
+    s.settimeout(0.05)
+    got = bytearray()
+    closed = False
+
+    def read_for(seconds: float) -> None:
+        nonlocal closed
+        end = time.monotonic() + seconds
+        while not closed and time.monotonic() < end:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                chunk = b""
+            closed = not chunk
+            got.extend(chunk)
+
+    try:
+        for p in parts:
+            if closed:
+                break
+            if isinstance(p, float):
+                read_for(p)
+                continue
+            try:
+                s.sendall(p)
+            except OSError:
+                read_for(0.5)
+                closed = True
+        read_for(BOUND)
+    finally:
+        s.close()
+    raw = bytes(got)
+    return [ln for ln in raw.split(b"\r\n") if ln.startswith(b"HTTP/1.1 ")], raw, closed
+
+
+def _completions(srv) -> int:
+    return sum(srv.state.engine.stats().requests.values())
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+BODY = b'{"prompt": "x", "max_tokens": 1}'
+SMUGGLED = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d" \
+           b"\r\n\r\n%s" % (len(BODY), BODY)
+
+BAD_FRAMING = {
+    "CL + TE chunked": HEAD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED,
+    "TE chunked + CL": HEAD + b"Transfer-Encoding: chunked\r\nContent-Length: 40\r\n\r\n0\r\n\r\n" + SMUGGLED,
+    "chunk size 20 x F": HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"F" * 20 + b"\r\nabc",
+    "chunk size 0x10": HEAD + b"Transfer-Encoding: chunked\r\n\r\n0x10\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n" + SMUGGLED,
+    "chunk size -1": HEAD + b"Transfer-Encoding: chunked\r\n\r\n-1\r\nabc\r\n0\r\n\r\n" + SMUGGLED,
+    "two different CLs": HEAD + b"Content-Length: 2\r\nContent-Length: 40\r\n\r\n{}" + SMUGGLED,
+    "CL with a sign": HEAD + b"Content-Length: +2\r\n\r\n{}" + SMUGGLED,
+    "space before colon": HEAD + b"Transfer-Encoding : chunked\r\nContent-Length: 2\r\n\r\n{}" + SMUGGLED,
+    "folded TE header": HEAD + b"Transfer-Encoding: identity\r\n chunked\r\nContent-Length: 2\r\n\r\n{}" + SMUGGLED,
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FRAMING))
+def test_bad_framing_is_refused_and_closed(guarded, case):
+    before = _completions(guarded)
+    lines, raw, closed = _exchange(guarded, BAD_FRAMING[case])
+    assert closed, f"{case}: connection left open"
+    assert lines and lines[0].startswith(b"HTTP/1.1 400"), (case, raw[:300])
+    assert len(lines) == 1, f"{case}: a second request ran: {raw[:400]!r}"
+    err = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "malformed_http" and set(err) == {"message", "type", "code", "param"}
+    assert _completions(guarded) == before  # nothing reached the engine
+
+
+@pytest.mark.parametrize("head", [
+    b"X-Big: " + b"a" * 9000 + b"\r\n",
+    b"".join(b"X-H%d: v\r\n" % i for i in range(60)),
+    b"Cookie: " + b"c=1; " * 2000 + b"\r\n",
+])
+def test_oversized_headers_are_431(guarded, head):
+    lines, raw, closed = _exchange(guarded, HEAD + head + b"Content-Length: 2\r\n\r\n{}")
+    assert closed and lines and lines[0].startswith(b"HTTP/1.1 431"), raw[:200]
+    assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+
+
+@pytest.mark.parametrize("parts,status", [
+    ((HEAD,), b"408"),  # a head never finished
+    ((b"P", 0.3, b"O", 0.3, b"S", 0.3, b"T"), b"408"),  # a head trickled in byte by byte
+    ((HEAD + b"Content-Length: 100\r\n\r\n" + b"x" * 10,), b"408"),  # a body that stalls
+    ((b"",), None),  # connected, sent nothing: closed without a word
+])
+def test_slow_clients_are_cut_off(guarded, parts, status):
+    t0 = time.monotonic()
+    lines, raw, closed = _exchange(guarded, *parts)
+    assert closed and time.monotonic() - t0 < BOUND
+    if status is None:
+        assert raw == b""
+    else:
+        assert lines and lines[0][9:12] == status, raw[:200]
+        assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_body_trickling_forever_meets_the_body_deadline(guarded):
+    drip = [HEAD + b"Content-Length: 1000\r\n\r\n"] + [b"x", 0.3] * 20  # progress every 0.3 s, 6 s in all
+    lines, raw, closed = _exchange(guarded, *drip)
+    assert closed and lines and lines[0].startswith(b"HTTP/1.1 408"), raw[:200]
+
+
+def test_idle_keep_alive_is_closed_and_a_normal_request_still_served(guarded):
+    request = HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+    lines, raw, closed = _exchange(guarded, request)
+    assert closed and len(lines) == 1 and lines[0].startswith(b"HTTP/1.1 200"), raw[:300]
+
+
+def test_h2c_upgrade_offer_is_served_as_http11(guarded):
+    """curl --http2 on http:// offers an h2c upgrade: answered once, in HTTP/1.1; nothing after it is parsed."""
+    offer = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+             b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+    before = _completions(guarded)
+    lines, raw, closed = _exchange(guarded, offer + SMUGGLED)
+    assert [ln[9:12] for ln in lines] == [b"200"], raw[:400]
+    assert _completions(guarded) == before
+
+
+# ---- browsers --------------------------------------------------------------------------------------------
+def test_page_style_requests_are_refused(guarded):
+    url = guarded.url + "/v1/completions"
+    body = {"prompt": "x", "max_tokens": 1}
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.", ""):
+        r = httpx.post(url, json=body, headers={"Host": host})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", host
+    for host in (f"localhost:{guarded.port}", f"127.0.0.1:{guarded.port}", f"[::1]:{guarded.port}", "LOCALHOST"):
+        assert httpx.post(url, json=body, headers={"Host": host}).status_code == 200, host
+    for origin in ("http://evil.example", "null", f"http://127.0.0.1:{guarded.port + 1}"):
+        r = httpx.post(url, json=body, headers={"Origin": origin})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", origin
+    r = httpx.get(guarded.url + "/health", headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403  # a foreign page reads nothing, probes included
+    r = httpx.post(url, content=json.dumps(body), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(guarded.url + path).status_code == 404, path
+
+
+def test_allowed_origin_gets_cors_and_others_do_not(tiny_bundle):
+    with running_server(make_engine(tiny_bundle, num_slots=1), allowed_origins=["http://dash.local:3000"]) as srv:
+        url = srv.url + "/v1/completions"
+        pre = httpx.options(url, headers={"Origin": "http://dash.local:3000", "Access-Control-Request-Method": "POST",
+                                          "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://dash.local:3000"
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://dash.local:3000"
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3001"})
+        assert r.status_code == 403
+
+
+def test_non_loopback_bind_takes_allowed_hosts():
+    from lineside.server.browser_guard import BrowserPolicy
+
+    assert BrowserPolicy.for_bind("0.0.0.0").host_allowed("anything:8000")  # a LAN server: names it cannot know
+    p = BrowserPolicy.for_bind("0.0.0.0", ["orin.plant.local", "10.0.0.5"])
+    assert p.host_allowed("orin.plant.local:8000") and p.host_allowed("10.0.0.5")
+    assert not p.host_allowed("localhost:8000") and not p.host_allowed(None)
+    assert BrowserPolicy.for_bind("127.0.0.2").host_allowed("127.0.0.2:9")
+
+
+# ---- strict types and the body's encoding -----------------------------------------------------------------
+@pytest.mark.parametrize("extra,param", [
+    ({"max_tokens": True}, "max_tokens"), ({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"),
+    ({"top_k": 10**400}, "top_k"), ({"top_k": 2**31}, "top_k"), ({"n": True}, "n"), ({"seed": "7"}, "seed"),
+    ({"temperature": "0.5"}, "temperature"), ({"max_tokens": 10**30}, "max_tokens"), ({"echo": "false"}, "echo"),
+    ({"user": 5}, "user"), ({"stop": [1]}, "stop"),
+])
+def test_strict_types_name_the_field(guarded, extra, param):
+    body = json.dumps({"prompt": "x", **extra})
+    r = httpx.post(guarded.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_utf16_and_utf32_bodies_are_refused(guarded, encoding):
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode(encoding)
+    r = httpx.post(guarded.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_utf8", r.text
+
+
+# ---- length before tokenizing ----------------------------------------------------------------------------
+def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
+    from lineside.server.prompt_limits import text_bound
+
+    tok = guarded.state.engine.tokenizer
+    calls = []
+    for name in ("encode", "encode_chat"):
+        real = getattr(tok, name)
+        monkeypatch.setattr(tok, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    bound = text_bound(tok, guarded.state.engine.max_seq_len)
+    huge = "ab " * (bound // 3 + 1)
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/completions", {"prompt": ["ok", huge]}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge[: bound // 2]},
+                                                                     {"role": "user", "content": huge}]}, "messages")):
+        r = httpx.post(guarded.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        assert r.json()["error"]["param"] == param
+    assert calls == []  # refused from the length alone
+    r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
+    assert r.status_code == 400 and "301 tokens" in r.json()["error"]["message"] and calls  # under it: tokenized
+
+
+def test_text_bound_is_safe_for_every_token():
+    """No single token stands for more characters than the bound assumes (else a fitting prompt is refused)."""
+    import tempfile
+    from pathlib import Path
+
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.prompt_limits import max_token_chars
+    from tests.server.test_special_tokens import FAMILIES, _write  # noqa: PLC0415 - a sibling's writer
+
+    tok, hf, _ = _write(Path(tempfile.mkdtemp()), FAMILIES["chatml"])
+    assert isinstance(tok, Tokenizer)
+    longest = max(len(hf.decode([i], skip_special_tokens=False)) for i in range(hf.get_vocab_size()))
+    assert max_token_chars(tok) >= longest
+
+
+def test_broken_tokenizer_json_is_one_line_naming_the_file(tmp_path):
+    from lineside.errors import BundleError
+    from lineside.runtime.tokenizer import Tokenizer
+
+    for text in ('{"version": "1.0", "model": {"type": "BPE", "vocab": 5}}', "not json", ""):
+        (tmp_path / "tokenizer.json").write_text(text)
+        with pytest.raises(BundleError) as e:
+            Tokenizer(tmp_path)
+        msg = str(e.value)
+        assert str(tmp_path / "tokenizer.json") in msg and "\n" not in msg and "rebuild" in msg
+
+
+# ---- SIGTERM with a half-sent body -----------------------------------------------------------------------
+def test_sigterm_with_half_sent_body(tiny_bundle):
+    from lineside.bench.inprocess import free_port, wait_ready
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LINESIDE_API_KEY", None)
+    drain = 3.0
+    proc = subprocess.Popen([sys.executable, "-m", "lineside", "serve", str(tiny_bundle), "--port", str(port),
+                             "--threads", "1", "--drain-timeout", str(drain), "--body-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", 60, alive=lambda: proc.poll() is None)
+        s = socket.create_connection(("127.0.0.1", port), timeout=BOUND)
+        s.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": "')
+        time.sleep(0.3)  # the request is in flight, waiting for the rest of its body
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        s.close()
+        assert proc.wait(timeout=drain + 10) == 0
+        assert time.monotonic() - t0 < drain + 1.0
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), got[:300]
+        err = json.loads(body)["error"]
+        assert err["code"] == "draining" and set(err) == {"message", "type", "code", "param"}
+        log = proc.stdout.read()
+        assert "Traceback" not in log and "ERROR" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_body_limit_follows_the_context(guarded):
+    """Without --max-body-bytes, a body far beyond what the context can use is a 413 from its Content-Length."""
+    from lineside.server.prompt_limits import body_limit
+
+    engine = guarded.state.engine
+    limit = body_limit(engine.tokenizer, engine.max_seq_len)
+    assert limit < 32 << 20  # the tiny model's context makes far less worth reading than the old fixed 32 MiB
+    r = httpx.post(guarded.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "a" * (limit + 1)}]})
+    assert r.status_code == 413 and str(limit) in r.json()["error"]["message"]
+
+
+def test_api_key_sources(tmp_path, monkeypatch, caplog):
+    from lineside.errors import LinesideError
+    from lineside.server.auth import resolve_api_key
+
+    monkeypatch.delenv("LINESIDE_API_KEY", raising=False)
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    key.chmod(0o600)
+    assert resolve_api_key(None, key) == "s3cret"
+    assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("LINESIDE_API_KEY", "from-env")
+    caplog.clear()
+    assert resolve_api_key("from-env", None) == "from-env" and "ps" not in caplog.text  # typer passes the env value
+    assert resolve_api_key("typed", None) == "typed" and "visible to every user in `ps`" in caplog.text
+    (tmp_path / "two").write_text("a\nb\n")
+    (tmp_path / "empty").write_text("\n")
+    for args, needle in (((None, tmp_path / "missing"), "no such file"), ((None, tmp_path / "two"), "several lines"),
+                         ((None, tmp_path / "empty"), "found nothing"), (("typed", key), "not both")):
+        with pytest.raises(LinesideError) as e:
+            resolve_api_key(*args)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "-1"], "--body-timeout"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout"), (["--tokenizer-processes", "-1"], "--tokenizer-processes"),
+    (["--api-key-file", "/no/such/key"], "--api-key-file"),
+])
+def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle):
+    from typer.testing import CliRunner
+
+    from lineside.errors import LinesideError
+    from tests.server.test_units import _cli
+
+    r = CliRunner().invoke(_cli(), ["serve", str(tiny_bundle), *extra])
+    assert isinstance(r.exception, LinesideError) and needle in str(r.exception), r.output
+    assert "\n" not in str(r.exception)

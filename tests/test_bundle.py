@@ -1,0 +1,85 @@
+"""The typed manifest: what a build writes reads back to the same bytes, and a manifest carrying keys this
+version does not know (an older producer's version key, a newer one's fields) still opens and keeps them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lineside.bundle import MANIFEST, FlavorEntry, Manifest, open_bundle, read_manifest
+from lineside.errors import BundleError
+from lineside.graph_io import StateUpdate
+
+
+@pytest.fixture(scope="module")
+def built(tiny_dense, tmp_path_factory) -> Path:
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    out = tmp_path_factory.mktemp("manifest") / "tiny"
+    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu", "trt"),
+                                                                     max_seq_len=64))
+
+
+def _copy(built: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the built bundle whose manifest.json went through ``edit(raw dict)``."""
+    out = tmp_path / "copy"
+    shutil.copytree(built, out)
+    raw = json.loads((out / MANIFEST).read_text())
+    edit(raw)
+    (out / MANIFEST).write_text(json.dumps(raw, indent=2, sort_keys=True))  # not a listed file: no sha to fix
+    return out
+
+
+def test_built_manifest_reads_back_to_the_same_bytes(built):
+    text = (built / MANIFEST).read_text()
+    m = read_manifest(built)
+    assert json.dumps(m.to_json_dict(), indent=2, sort_keys=True) == text
+    assert isinstance(m.flavors["cpu"], FlavorEntry) and m.flavors["cpu"].graph == "graphs/cpu/model.onnx"
+    assert {s.update for s in m.flavors["cpu"].state} == {StateUpdate.INPLACE}
+    assert {s.update for s in m.flavors["trt"].state} == {StateUpdate.APPEND}
+    raw = json.loads(text)
+    assert raw["flavors"]["trt"]["state"][0]["update"] == "append"  # the enum is written as its value
+    assert m.graph_sha("trt") == raw["files"]["graphs/trt/model.onnx"]["sha256"]
+    assert m.graph_sha("gpu") is None
+    assert m.extra == {} and m.flavors["cpu"].extra == {}
+
+
+def test_unknown_keys_open_and_are_kept(built, tmp_path):
+    def older_and_newer(raw):
+        raw["trtedge_version"] = "0.1.9"  # what a producer before the rename wrote
+        raw["calibration_set"] = {"name": "line-7", "tokens": 4096}
+        raw["flavors"]["cpu"]["kernel_hints"] = ["gqa"]
+
+    path = _copy(built, tmp_path, older_and_newer)
+    b = open_bundle(path)
+    assert b.manifest.extra == {"trtedge_version": "0.1.9", "calibration_set": {"name": "line-7", "tokens": 4096}}
+    assert b.flavor("cpu").extra == {"kernel_hints": ["gqa"]}
+    assert b.manifest.to_json_dict() == json.loads((path / MANIFEST).read_text())
+
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(b, num_slots=1, threads=1)
+    assert be.forward(StepBatch.single(0, [1, 2, 3], 0)).shape == (1, 1, b.config.vocab_size)
+
+
+def test_partial_manifest_round_trips():
+    raw = {"architecture": "llama", "config": "config.json", "max_seq_len": 8, "flavors": {}, "files": {},
+           "format_version": 1, "name": "tiny"}
+    m = Manifest.from_json_dict(raw)
+    assert m.model_name is None and m.quantization is None and m.extra == {"name": "tiny"}
+    assert m.to_json_dict() == raw  # absent optional fields stay absent
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda raw: raw.pop("max_seq_len"), "max_seq_len"),
+    (lambda raw: raw["flavors"]["trt"]["state"][0].update(update="rotate"), "rotate"),
+])
+def test_incomplete_or_unknown_is_one_line(built, tmp_path, edit, match):
+    path = _copy(built, tmp_path, edit)
+    with pytest.raises(BundleError, match=match) as e:
+        open_bundle(path)
+    assert "\n" not in str(e.value) and "rebuild the bundle" in str(e.value)
