@@ -85,6 +85,8 @@ INPUT_CASES = [
     ("generate BUNDLE not-a-bundle", "generate", lambda c, b, w: ["generate", w / "full", "--prompt", "hi"], ["manifest"]),
     ("chat BUNDLE missing", "chat", lambda c, b, w: ["chat", w / "nope"], ["nope"]),
     ("serve BUNDLE missing", "serve", lambda c, b, w: ["serve", w / "nope"], ["nope"]),
+    ("serve --api-key-file missing", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "key"], ["--api-key-file"]),
+    ("serve --api-key-file is-a-dir", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "full"], ["--api-key-file", "directory"]),
     ("engine BUNDLE missing", "engine", lambda c, b, w: ["engine", w / "nope"], ["nope"]),
     ("check BUNDLE missing", "check", lambda c, b, w: ["check", w / "nope"], ["nope"]),
     ("check BUNDLE is-a-file", "check", lambda c, b, w: ["check", w / "afile"], ["afile"]),
