@@ -24,8 +24,9 @@ import numpy as np
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
-from lineside.runtime.generate import Generator, load_tokenizer
+from lineside.runtime.generate import Generator
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.runtime.tokenizer import Tokenizer
 
 VARIANTS = {
     "fp32": ("float32 reference (GGUF dequantized)", dict(quant="fp32")),
@@ -132,7 +133,7 @@ def main() -> None:
             build_s = time.time() - t0
             bundle = open_bundle(out)
             if ids is None:
-                ids = load_tokenizer(bundle).encode(eval_text(), add_special=False)[: args.tokens]
+                ids = Tokenizer.from_bundle(bundle).encode(eval_text(), add_special=False)[: args.tokens]
             ppl = perplexity(lineside_logits_fn(bundle), ids, args.chunk)
             answers = []
             if args.answers:

@@ -34,18 +34,14 @@ _COMMAND_MODULES = (
     "lineside.server.commands",
     "lineside.bench.commands",
     "lineside.jetson.commands",
+    "lineside.fleet.commands",
+    "lineside.deploy.commands",
 )
 
 
 def _register() -> None:
     for mod_name in _COMMAND_MODULES:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ModuleNotFoundError as e:
-            if e.name == mod_name:
-                continue  # that part has no commands yet
-            raise
-        mod.register(app)
+        importlib.import_module(mod_name).register(app)
 
 
 def one_line(text: str) -> str:

@@ -1,10 +1,13 @@
-"""Shared fixtures: tiny random-weight checkpoints made with transformers (the reference)."""
+"""Shared fixtures: tiny random-weight checkpoints made with transformers (the reference), the tiny bundles
+built from them (one builder, cached per options), and SmolLM2 when it is installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 DENSE_VARIANTS = {
     # name: (family, config overrides)
-    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # made for 256 positions: TINY_BUNDLE serves 256 (a bundle may not exceed its model's context)
+    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                max_position_embeddings=256)),
     "llama-mqa-tied-llama3": ("llama", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -98,19 +103,58 @@ def smollm2_path() -> Path:
     return p
 
 
+TINY_BUNDLE = dict(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=256)
+
+
 @pytest.fixture(scope="session")
-def trt_bundle(tiny_dense, tmp_path_factory):
+def tiny_bundles(tiny_dense, tmp_path_factory) -> Callable[..., Path]:
+    """The one builder of tiny dense bundles: (variant=, **BuildOptions fields) over TINY_BUNDLE → the bundle's
+    path, built once per distinct options. The directory is named tiny-<family>: that is the served model name."""
     from lineside.build.pipeline import BuildOptions, build_bundle
-    from lineside.bundle import open_bundle
 
-    cache = {}
+    cache: dict[tuple, Path] = {}
 
-    def get(quant: str = "fp16"):
-        if quant not in cache:
-            out = tmp_path_factory.mktemp(f"trt-{quant}") / "bundle"
-            build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant=quant, flavors=("trt",), max_seq_len=64,
-                                                                      group_size=64, accuracy_level=0))
-            cache[quant] = open_bundle(out)
-        return cache[quant]
+    def get(**options: Any) -> Path:
+        options = {**TINY_BUNDLE, **options}
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            variant = options.pop("variant")
+            family = DENSE_VARIANTS[variant][0]
+            out = tmp_path_factory.mktemp(f"bundle-{variant}-{options['quant']}") / f"tiny-{family}"
+            cache[key] = build_bundle(tiny_dense(variant), out, BuildOptions(**options))
+        return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(request, tiny_bundles) -> Path:
+    """A tiny dense bundle: the 2-layer random Llama (GQA) with a byte-level tokenizer and chat template, fp32,
+    cpu graph, context 256. Other options by indirect parametrization, e.g.
+    ``@pytest.mark.parametrize("tiny_bundle", [dict(max_seq_len=32)], indirect=True)``; tiny_bundles for several."""
+    return tiny_bundles(**getattr(request, "param", {}))
+
+
+@pytest.fixture(scope="session")
+def trt_bundle(tiny_bundles):
+    """Factory: quant → the opened tiny Llama bundle with a trt graph only (context 64, group 64)."""
+    from lineside.bundle import open_bundle
+
+    opened = {}
+
+    def get(quant: str = "fp16"):
+        if quant not in opened:
+            opened[quant] = open_bundle(tiny_bundles(quant=quant, flavors=("trt",), max_seq_len=64, group_size=64,
+                                                     accuracy_level=0))
+        return opened[quant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smol_bundle(smollm2_path, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct built W4A16 for the cpu graph, context 512 (skipped when the GGUF is not installed)."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    out = tmp_path_factory.mktemp("smol") / "smollm2"
+    return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))

@@ -15,12 +15,8 @@ from lineside.graph_io import StateUpdate
 
 
 @pytest.fixture(scope="module")
-def built(tiny_dense, tmp_path_factory) -> Path:
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    out = tmp_path_factory.mktemp("manifest") / "tiny"
-    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu", "trt"),
-                                                                     max_seq_len=64))
+def built(tiny_bundles) -> Path:
+    return tiny_bundles(flavors=("cpu", "trt"), max_seq_len=64)
 
 
 def _copy(built: Path, tmp_path: Path, edit) -> Path:

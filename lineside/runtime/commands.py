@@ -28,6 +28,7 @@ def logits(
     ids: Annotated[str, typer.Option(help="comma-separated token ids")],
     output: Annotated[Path, typer.Option("-o", "--output", help=".npy file for float32 logits [T, vocab] "
                                                                 "(written under exactly this name)")],
+    *,
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
@@ -57,6 +58,7 @@ def generate(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     prompt: Annotated[str, typer.Option(help="prompt text")],
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
+    *,
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens")] = 128,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
     top_k: Annotated[int, checks.number_option(low=0, help="0 = off")] = 0,
@@ -89,6 +91,7 @@ def chat(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens per answer")] = 256,
+    *,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads")] = None,

@@ -67,7 +67,7 @@ class LLMEngine:
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic):
-        from lineside.runtime.generate import load_tokenizer
+        from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
@@ -78,7 +78,7 @@ class LLMEngine:
             backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads)
         self.backend: Backend = backend
         self.backend_name = self.backend.name
-        self.tokenizer = load_tokenizer(self.bundle)
+        self.tokenizer = Tokenizer.from_bundle(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)
         self.model_name = self.bundle.path.name
         self.vocab_size = int(self.backend.vocab_size)

@@ -16,26 +16,14 @@ from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.detokenize import IncrementalDetokenizer
-from lineside.runtime.request import FinishReason
+from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.tokenizer import Tokenizer
 
 
-def load_tokenizer(bundle: Bundle) -> Tokenizer:
-    return Tokenizer(bundle.tokenizer_dir, bundle.manifest.tokenizer)
-
-
-def check_ids(ids: list[int], vocab_size: int) -> None:
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
-
-
-def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", slot: int = 0) -> np.ndarray:
+def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0) -> np.ndarray:
     """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token."""
-    check_ids(ids, backend.vocab_size)
-    if not ids:
-        raise LinesideError("--ids is empty; give at least one token id")
+    check_prompt_ids(ids, backend.vocab_size)
     backend.reset_slot(slot)
     if mode == "prefill":
         return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True))[0]
@@ -63,19 +51,15 @@ class Generator:
 
             backend = OnnxRuntimeBackend(self.bundle, num_slots=1, threads=threads)
         self.backend = backend
-        self.tokenizer = load_tokenizer(self.bundle)
+        self.tokenizer = Tokenizer.from_bundle(self.bundle)
         eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self.eos_ids = eos
 
-    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None,
+    def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True) -> Iterator[int]:
         """Yield generated token ids one by one (EOS is not yielded)."""
-        check_ids(prompt_ids, self.backend.vocab_size)
-        if not prompt_ids:
-            raise LinesideError("the prompt is empty after tokenization; give some text")
         limit = self.backend.max_seq_len
-        if len(prompt_ids) >= limit:
-            raise LinesideError(f"prompt has {len(prompt_ids)} tokens; this bundle's context is {limit}")
+        check_prompt_ids(prompt_ids, self.backend.vocab_size, limit)
         max_tokens = min(max_tokens, limit - len(prompt_ids))
         sampler = Sampler(params or SamplingParams())
         self.backend.reset_slot(0)
@@ -93,7 +77,7 @@ class Generator:
             logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
             pos += 1
 
-    def generate(self, prompt: str, max_tokens: int = 128, params: SamplingParams | None = None,
+    def generate(self, prompt: str, max_tokens: int = 128, params: SamplingParams | None = None, *,
                  chat: bool = False) -> GenerationResult:
         tok = self.tokenizer
         ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from uuid import uuid4
 
@@ -74,6 +74,22 @@ def base_rank(req: GenerationRequest) -> int:
     return PRIORITIES.index(req.priority) + (3 if req.mode == Mode.BATCH else 0)
 
 
+EMPTY_PROMPT = "the prompt is empty after tokenization; give some text"  # the server's budget check says it too
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_seq_len: int | None = None) -> None:
+    """The prompt rules every entry point shares (engine submit, `lineside generate`/`logits`, the server's
+    token-id prompts): not empty, every id in the vocabulary and, given a context, room to generate."""
+    if not ids:
+        raise LinesideError(EMPTY_PROMPT)
+    bad = [i for i in ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
+    if max_seq_len is not None and len(ids) >= max_seq_len:
+        raise LinesideError(f"prompt has {len(ids)} tokens; this model's context is {max_seq_len} "
+                           "(shorten the prompt)")
+
+
 def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
     """Refuse a malformed request at submit with one line (the server turns it into a 400); a priority or
     mode given as a plain string becomes its enum here."""
@@ -82,14 +98,7 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
     if req.mode not in MODES:
         raise LinesideError(f"mode {req.mode!r} is not one of {', '.join(MODES)}")
     req.priority, req.mode = Priority(req.priority), Mode(req.mode)
-    if not req.prompt_ids:
-        raise LinesideError("the prompt is empty after tokenization; give some text")
-    bad = [i for i in req.prompt_ids if not 0 <= int(i) < vocab_size]
-    if bad:
-        raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
-    if len(req.prompt_ids) >= max_seq_len:
-        raise LinesideError(f"prompt has {len(req.prompt_ids)} tokens; this model's context is {max_seq_len} "
-                           "(shorten the prompt)")
+    check_prompt_ids(req.prompt_ids, vocab_size, max_seq_len)
     if req.max_tokens < 1:
         raise LinesideError(f"max_tokens must be ≥ 1, got {req.max_tokens}")
     if req.timeout_s is not None and req.timeout_s <= 0:

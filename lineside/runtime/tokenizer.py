@@ -11,13 +11,21 @@ import re
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lineside.errors import BundleError, LinesideError
+
+if TYPE_CHECKING:
+    from lineside.bundle import Bundle
 
 
 class Tokenizer:
     """Text ↔ ids plus the chat template; plain data in, plain data out."""
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle) -> Tokenizer:
+        """The bundle's tokenizer: its ``tokenizer/`` files plus the manifest's BOS/EOS and chat template."""
+        return cls(bundle.tokenizer_dir, bundle.manifest.tokenizer)
 
     def __init__(self, tok_dir: Path, manifest_tok: dict[str, Any] | None = None):
         from tokenizers import Tokenizer as HFTokenizer

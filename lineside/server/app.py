@@ -39,7 +39,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
         source = Path(source)
     metrics = ServerMetrics(latency_log)
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
-                        metrics, request_timeout, drain_timeout, api_key or None, served_model_names,
+                        metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
+                        api_key=api_key or None, served_model_names=served_model_names,
                         tokenizer_processes=tokenizer_processes)
 
     @asynccontextmanager

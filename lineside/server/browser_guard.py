@@ -101,24 +101,24 @@ class BrowserGuard:
         if not self.policy.host_allowed(host):
             allowed = ", ".join(sorted(self.policy.allowed_hosts or ()))
             await _refuse(send, 403, f"Host {host!r} is not one this server answers to ({allowed}); start it with "
-                                     "--allowed-hosts NAME to add one", "host_not_allowed")
+                                     "--allowed-hosts NAME to add one", code="host_not_allowed")
             return
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):
             await _refuse(send, 403, f"requests from the web origin {origin!r} are refused (cross-origin calls are "
                                      "off); start the server with --allowed-origins ORIGIN to allow one",
-                          "origin_not_allowed")
+                          code="origin_not_allowed")
             return
         if scope.get("method") in _BODY_METHODS:
             why = json_content_type(headers.get("content-type"))
             if why is not None:
                 await _refuse(send, 415, f"{why}; send the body as JSON with 'Content-Type: application/json' "
-                                         "(UTF-8)", "unsupported_media_type")
+                                         "(UTF-8)", code="unsupported_media_type")
                 return
         await self.app(scope, receive, send)
 
 
-async def _refuse(send: Any, status: int, message: str, code: str) -> None:
+async def _refuse(send: Any, status: int, message: str, *, code: str) -> None:
     body = json.dumps(APIError(status, message, code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -17,6 +17,7 @@ def serve(
     bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
     host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
     port: Annotated[int, checks.number_option(low=1, high=65535, help="TCP port")] = 8000,
+    *,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
                                                 help="require 'Authorization: Bearer KEY' on all but /health and "
@@ -86,7 +87,7 @@ def serve(
                 "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
         app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
                          latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                         threads=threads, served_model_names=[n.strip() for n in served_model_name or [] if n.strip()],
+                         threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,

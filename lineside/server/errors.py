@@ -27,7 +27,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 class APIError(Exception):
     """Raised by handlers; rendered as an OpenAI error body with the given HTTP status."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+    def __init__(self, status: int, message: str, code: str | None = None, *, param: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
@@ -41,10 +41,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+def error_response(status: int, message: str, code: str | None = None, *, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    e = APIError(status, message, code, param, headers=headers)
-    return JSONResponse(e.body(), status_code=status, headers=e.headers)
+    error = APIError(status, message, code, param=param, headers=headers)
+    return JSONResponse(error.body(), status_code=status, headers=error.headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "tagged-union", "union"}
@@ -63,16 +63,16 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     errs = exc.errors()
     if not errs:
         return "invalid request body", None, "invalid_request"
-    e = errs[0]
-    kind = e.get("type", "")
+    first = errs[0]
+    kind = first.get("type", "")
     if kind == "json_invalid":
-        ctx = e.get("ctx") or {}
+        ctx = first.get("ctx") or {}
         return (f"request body is not valid JSON ({ctx.get('error', 'parse error')}); send a JSON object",
                 None, "invalid_json")
-    loc = tuple(e.get("loc", ()))
+    loc = tuple(first.get("loc", ()))
     param = _loc_param(loc)
     top = loc[1] if len(loc) > 1 else None  # union members fail at different depths: group by the field
-    same = [x for x in errs if len(x.get("loc", ())) > 1 and x["loc"][1] == top]
+    same = [err for err in errs if len(err.get("loc", ())) > 1 and err["loc"][1] == top]
     if len(same) > 1:
         param = str(top)
     if kind == "missing" and param is None:
@@ -80,11 +80,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     elif kind == "missing":
         msg = f"missing required field '{param}'"
     elif param is None:
-        msg = f"request body must be a JSON object ({e.get('msg', 'invalid')})"
+        msg = f"request body must be a JSON object ({first.get('msg', 'invalid')})"
     elif len(same) > 1:
-        msg = f"invalid value for '{param}': it matches none of the accepted types ({e.get('msg', 'invalid')})"
+        msg = f"invalid value for '{param}': it matches none of the accepted types ({first.get('msg', 'invalid')})"
     else:
-        msg = f"invalid value for '{param}': {e.get('msg', 'invalid')}"
+        msg = f"invalid value for '{param}': {first.get('msg', 'invalid')}"
     more = len(errs) - len(same)
     if more > 0:
         msg += f" (and {more} more problem{'s' if more > 1 else ''})"
@@ -92,9 +92,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
 
 
 def _count_invalid(request: Request) -> None:
-    s = getattr(request.app.state, "lineside", None)
-    if s is not None and request.url.path.startswith("/v1/"):
-        s.metrics.reject("invalid")
+    state = getattr(request.app.state, "lineside", None)
+    if state is not None and request.url.path.startswith("/v1/"):
+        state.metrics.reject("invalid")
 
 
 def install(app: FastAPI) -> None:
@@ -108,7 +108,7 @@ def install(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         _count_invalid(request)
         msg, param, code = validation_message(exc)
-        return error_response(400, msg, code, param)
+        return error_response(400, msg, code, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -20,22 +20,22 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health", summary="Liveness: the process answers")
 async def health(request: Request) -> dict[str, Any]:
-    s = _state(request)
-    return {"status": "ok", "ready": s.engine_ready and not s.draining, "draining": s.draining}
+    state = _state(request)
+    return {"status": "ok", "ready": state.engine_ready and not state.draining, "draining": state.draining}
 
 
 @router.get("/health/ready", summary="Readiness: 200 once the model is loaded and warm; 503 otherwise",
             responses={503: {"description": "loading, failed to load, or draining"}})
 async def ready(request: Request) -> JSONResponse:
-    s = _state(request)
-    if s.draining:
-        return JSONResponse({"status": "draining", "in_flight": s.inflight}, status_code=503)
-    if s.load_error:
-        return JSONResponse({"status": "failed", "reason": s.load_error}, status_code=503)
-    if not s.engine_ready:
+    state = _state(request)
+    if state.draining:
+        return JSONResponse({"status": "draining", "in_flight": state.inflight}, status_code=503)
+    if state.load_error:
+        return JSONResponse({"status": "failed", "reason": state.load_error}, status_code=503)
+    if not state.engine_ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    return JSONResponse({"status": "ready", "model": s.model_name,
-                         "backend": getattr(s.engine, "backend_name", None)})
+    return JSONResponse({"status": "ready", "model": state.model_name,
+                         "backend": getattr(state.engine, "backend_name", None)})
 
 
 def gpu_state() -> dict[str, Any]:
@@ -58,14 +58,14 @@ async def gpu(request: Request) -> dict[str, Any]:
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
             responses={200: {"content": {CONTENT_TYPE: {}}}})
 async def metrics(request: Request) -> Response:
-    s = _state(request)
-    if s.engine is not None:
+    state = _state(request)
+    if state.engine is not None:
         try:
-            s.metrics.update_engine(s.engine.stats())
+            state.metrics.update_engine(state.engine.stats())
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is stopping
             pass
-    if s.tegrastats:
-        dev = await asyncio.to_thread(gpu_state)
-        s.metrics.update_device({k: float(v) for k, v in (dev.get("metrics") or {}).items()
-                                 if isinstance(v, (int, float))})
-    return Response(s.metrics.render(), media_type=CONTENT_TYPE)
+    if state.tegrastats:
+        device = await asyncio.to_thread(gpu_state)
+        state.metrics.update_device({name: float(value) for name, value in (device.get("metrics") or {}).items()
+                                     if isinstance(value, (int, float))})
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)

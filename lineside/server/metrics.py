@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class RequestRecord:
     request_id: str
     endpoint: str
     priority: str
+    _: KW_ONLY
     mode: str
     stream: bool
     arrival: float
@@ -63,23 +64,23 @@ class ServerMetrics:
     """The server's metric families; `observe` a finished request, `render` for /metrics."""
 
     def __init__(self, latency_log: str | Path | None = None):
-        r = self.registry = CollectorRegistry()
+        registry = self.registry = CollectorRegistry()
         self.ttft = Histogram("lineside_time_to_first_token_seconds", "Time to first token", buckets=_TTFT,
-                              registry=r)
+                              registry=registry)
         self.tpot = Histogram("lineside_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_TPOT, registry=r)
+                              buckets=_TPOT, registry=registry)
         self.e2e = Histogram("lineside_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=_E2E, registry=r)
+                             buckets=_E2E, registry=registry)
         self.queue = Histogram("lineside_request_queue_time_seconds", "Time spent waiting for a slot",
-                               buckets=_QUEUE, registry=r)
-        self.running = Gauge("lineside_num_requests_running", "Requests holding a slot", registry=r)
-        self.waiting = Gauge("lineside_num_requests_waiting", "Requests waiting for a slot", registry=r)
-        self.kv_usage = Gauge("lineside_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
-        self.requests = Counter("lineside_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.prompt_tokens = Counter("lineside_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("lineside_generation_tokens", "Tokens generated", registry=r)
+                               buckets=_QUEUE, registry=registry)
+        self.running = Gauge("lineside_num_requests_running", "Requests holding a slot", registry=registry)
+        self.waiting = Gauge("lineside_num_requests_waiting", "Requests waiting for a slot", registry=registry)
+        self.kv_usage = Gauge("lineside_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=registry)
+        self.requests = Counter("lineside_requests", "Finished requests by outcome", ["outcome"], registry=registry)
+        self.prompt_tokens = Counter("lineside_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("lineside_generation_tokens", "Tokens generated", registry=registry)
         self.http_inflight = Gauge("lineside_http_requests_in_flight", "Generation requests being served",
-                                   registry=r)
+                                   registry=registry)
         self._device: dict[str, Gauge] = {}
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -89,30 +90,30 @@ class ServerMetrics:
         """Count a request refused before generation (invalid, queue_full, unauthorized, draining)."""
         self.requests.labels(outcome).inc()
 
-    def observe(self, rec: RequestRecord) -> None:
+    def observe(self, record: RequestRecord) -> None:
         """Record a finished generation request in every family and the latency log."""
-        if rec.end is None:
-            rec.end = time.perf_counter()
-        self.requests.labels(rec.outcome).inc()
-        self.prompt_tokens.inc(rec.prompt_tokens)
-        self.generation_tokens.inc(rec.completion_tokens)
-        if rec.ttft_s is not None:
-            self.ttft.observe(rec.ttft_s)
-        if rec.tpot_s is not None:
-            self.tpot.observe(rec.tpot_s)
-        self.e2e.observe(rec.e2e_s or 0.0)
-        if rec.queue_s is not None:
-            self.queue.observe(rec.queue_s)
+        if record.end is None:
+            record.end = time.perf_counter()
+        self.requests.labels(record.outcome).inc()
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generation_tokens.inc(record.completion_tokens)
+        if record.ttft_s is not None:
+            self.ttft.observe(record.ttft_s)
+        if record.tpot_s is not None:
+            self.tpot.observe(record.tpot_s)
+        self.e2e.observe(record.e2e_s or 0.0)
+        if record.queue_s is not None:
+            self.queue.observe(record.queue_s)
         if self._log_path is not None:
-            self._write_log(rec)
+            self._write_log(record)
 
-    def _write_log(self, rec: RequestRecord) -> None:
-        d = asdict(rec)
-        for k in ("arrival", "first_token", "end", "extra"):
-            d.pop(k)
-        d = {"ts": time.time(), **d, "ttft_s": rec.ttft_s, "tpot_s": rec.tpot_s, "e2e_s": rec.e2e_s,
-             **rec.extra}
-        line = json.dumps(d, separators=(",", ":")) + "\n"
+    def _write_log(self, record: RequestRecord) -> None:
+        fields = asdict(record)
+        for name in ("arrival", "first_token", "end", "extra"):
+            fields.pop(name)
+        row = {"ts": time.time(), **fields, "ttft_s": record.ttft_s, "tpot_s": record.tpot_s,
+               "e2e_s": record.e2e_s, **record.extra}
+        line = json.dumps(row, separators=(",", ":")) + "\n"
         with self._lock:
             if self._log is None:
                 self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,12 +129,12 @@ class ServerMetrics:
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
-        for name, v in values.items():
+        for name, value in values.items():
             key = "lineside_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
-            g = self._device.get(key)
-            if g is None:
-                g = self._device[key] = Gauge(key, f"{name} (tegrastats)", registry=self.registry)
-            g.set(v)
+            gauge = self._device.get(key)
+            if gauge is None:
+                gauge = self._device[key] = Gauge(key, f"{name} (tegrastats)", registry=self.registry)
+            gauge.set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

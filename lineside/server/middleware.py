@@ -23,7 +23,7 @@ _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
 class ServerMiddleware:
-    def __init__(self, app: Any, state: ServerState, max_body_bytes: int | None = None, metrics_public: bool = False):
+    def __init__(self, app: Any, state: ServerState, *, max_body_bytes: int | None = None, metrics_public: bool = False):
         self.app = app
         self.state = state
         self._explicit_body_limit = max_body_bytes
@@ -48,70 +48,70 @@ class ServerMiddleware:
             return
         t0 = time.perf_counter()
         headers = _headers(scope)
-        rid = headers.get("x-request-id")
-        rid_header = [(b"x-request-id", (rid or "").encode("latin-1"))]
-        if rid is not None and not _RID_OK.match(rid):
-            rid_header = []
+        request_id = headers.get("x-request-id")
+        id_header = [(b"x-request-id", (request_id or "").encode("latin-1"))]
+        if request_id is not None and not _RID_OK.match(request_id):
+            id_header = []
             await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces",
-                         "invalid_request_id", rid_header)
+                         code="invalid_request_id", headers=id_header)
             return
-        if rid is None:
-            rid = "req-" + uuid.uuid4().hex
-            rid_header = [(b"x-request-id", rid.encode())]
-        st = scope.setdefault("state", {})
-        st["request_id"], st["t0"] = rid, t0
+        if request_id is None:
+            request_id = "req-" + uuid.uuid4().hex
+            id_header = [(b"x-request-id", request_id.encode())]
+        request_state = scope.setdefault("state", {})
+        request_state["request_id"], request_state["t0"] = request_id, t0
         path: str = scope.get("path", "")
-        s = self.state
+        state = self.state
 
         if self.access.needs_key(path, scope.get("method", "")):
             accepted, what = self.access.key_matches(headers.get("authorization", ""))
             if not accepted:
-                s.metrics.reject("unauthorized")
+                state.metrics.reject("unauthorized")
                 await _reply(send, 401, f"{what}: send the header 'Authorization: Bearer <key>' with the "
-                                        "server's key", "invalid_api_key", rid_header,
+                                        "server's key", code="invalid_api_key", headers=id_header,
                              extra=[(b"www-authenticate", b"Bearer")])
                 return
 
-        gen = path in GENERATION_PATHS and scope.get("method") == "POST"
-        if gen:
-            if s.draining:
-                s.metrics.reject("draining")
+        generating = path in GENERATION_PATHS and scope.get("method") == "POST"
+        if generating:
+            if state.draining:
+                state.metrics.reject("draining")
                 await _reply(send, 503, "server is shutting down and takes no new requests; retry on another "
-                                        "instance or after it restarts", "draining", rid_header,
+                                        "instance or after it restarts", code="draining", headers=id_header,
                              extra=[(b"retry-after", b"5"), (b"connection", b"close")])
                 return
-            if not s.engine_ready:
-                msg = (f"model failed to load: {s.load_error}" if s.load_error
+            if not state.engine_ready:
+                msg = (f"model failed to load: {state.load_error}" if state.load_error
                        else "model is still loading; retry when GET /health/ready answers 200")
-                await _reply(send, 503, msg, "not_ready", rid_header, extra=[(b"retry-after", b"1")])
+                await _reply(send, 503, msg, code="not_ready", headers=id_header, extra=[(b"retry-after", b"1")])
                 return
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body:
-                s.metrics.reject("invalid")
+                state.metrics.reject("invalid")
                 await _reply(send, 413, f"request body has {length} bytes; the limit is {self.max_body}",
-                             "body_too_large", rid_header, extra=[(b"connection", b"close")])  # don't read it
+                             code="body_too_large", headers=id_header, extra=[(b"connection", b"close")])  # don't read it
                 return
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = list(message.get("headers", [])) + rid_header
+                message["headers"] = list(message.get("headers", [])) + id_header
             await send(message)
 
-        if not gen:
+        if not generating:
             await self.app(scope, receive, send_with_id)
             return
-        s.enter()
+        state.enter()
         try:
-            await self.app(scope, _guarded_body(receive, self.max_body, s), send_with_id)
+            await self.app(scope, _guarded_body(receive, self.max_body, state), send_with_id)
         finally:
-            s.leave()
+            state.leave()
 
 
 class BodyRefused(HTTPException):
     """Raised from receive(): FastAPI re-raises HTTPExceptions met while reading the body, so the client gets
     this status with an OpenAI-shaped body (see app.py) instead of a parse error."""
 
-    def __init__(self, status: int, message: str, code: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, code: str, *, headers: dict[str, str] | None = None):
         super().__init__(status, message, headers)
         self.code = code
 
@@ -170,12 +170,12 @@ def _headers(scope: dict) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
 
-async def _reply(send: Any, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]],
+async def _reply(send: Any, status: int, message: str, *, code: str, headers: list[tuple[bytes, bytes]],
                  extra: list[tuple[bytes, bytes]] | None = None) -> None:
     from lineside.server.errors import APIError
 
     body = json.dumps(APIError(status, message, code).body()).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            *headers, *(extra or [])]
-    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    all_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *headers, *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body})

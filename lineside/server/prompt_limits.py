@@ -48,14 +48,14 @@ def body_limit(tokenizer: Any, max_seq_len: int, max_prompts: int = 64) -> int:
     return min(MAX_BODY_BYTES, max(1 << 20, wanted))
 
 
-def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, param: str) -> None:
+def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, *, param: str) -> None:
     """400 context_length_exceeded, without tokenizing, when the texts together cannot fit the context."""
     total = sum(len(t) for t in texts)
     bound = text_bound(tokenizer, max_seq_len)
     if total > bound:
         raise APIError(400, f"'{param}' has {total} characters, so at least {total // max_token_chars(tokenizer)} "
                             f"tokens, but the model's context is {max_seq_len} tokens (at most {bound} characters "
-                            "can fit); shorten it", "context_length_exceeded", param)
+                            "can fit); shorten it", "context_length_exceeded", param=param)
 
 
 def chat_texts(body: Any) -> list[str]:

@@ -9,7 +9,16 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from lineside.runtime.request import MODES, PRIORITIES, GenerationRequest, Mode, Priority
+from lineside.errors import LinesideError
+from lineside.runtime.request import (
+    EMPTY_PROMPT,
+    MODES,
+    PRIORITIES,
+    GenerationRequest,
+    Mode,
+    Priority,
+    check_prompt_ids,
+)
 from lineside.runtime.sampling import SamplingParams
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -29,14 +38,14 @@ def clean_text(text: str, param: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise APIError(400, f"'{param}' is not valid UTF-8 (it contains a lone surrogate escape); "
-                            "send valid Unicode text", "invalid_utf8", param) from None
+                            "send valid Unicode text", "invalid_utf8", param=param) from None
     if text.isascii():
         return text
     return _JOINER.sub("", _INVISIBLE.sub("", text))
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, code, param)
+    return APIError(400, message, code, param=param)
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -78,26 +87,26 @@ def check_completion(req: CompletionRequest) -> None:
 
 def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:
     """vLLM's add_generation_prompt / continue_final_message; continuing implies no new assistant turn."""
-    cont = bool(req.continue_final_message)
-    if cont and req.add_generation_prompt:
+    continuing = bool(req.continue_final_message)
+    if continuing and req.add_generation_prompt:
         raise bad("continue_final_message and add_generation_prompt cannot both be true: continuing the last "
                   "message opens no new turn; send add_generation_prompt false", "add_generation_prompt")
-    gen = not cont if req.add_generation_prompt is None else bool(req.add_generation_prompt)
-    return {"add_generation_prompt": gen, "continue_final_message": cont}
+    new_turn = not continuing if req.add_generation_prompt is None else bool(req.add_generation_prompt)
+    return {"add_generation_prompt": new_turn, "continue_final_message": continuing}
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain role/content dicts for the chat template (text parts joined)."""
     out = []
-    for i, m in enumerate(req.messages):
+    for i, message in enumerate(req.messages):
         param = f"messages.{i}.content"
-        if m.content is None:
+        if message.content is None:
             content = ""
-        elif isinstance(m.content, str):
-            content = m.content
+        elif isinstance(message.content, str):
+            content = message.content
         else:
             texts = []
-            for part in m.content:
+            for part in message.content:
                 if part.type == "text" and not hasattr(part, "text"):
                     raise bad("a content part of type 'text' has no 'text' field", param)
                 if part.type != "text":
@@ -105,33 +114,36 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                               param, "unsupported_value")
                 texts.append(part.text)
             content = "".join(texts)
-        d: dict[str, Any] = {"role": m.role, "content": clean_text(content, param)}
-        if m.name:
-            d["name"] = m.name
-        out.append(d)
+        plain: dict[str, Any] = {"role": message.role, "content": clean_text(content, param)}
+        if message.name:
+            plain["name"] = message.name
+        out.append(plain)
     return out
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token ids for each prompt: a string, strings, token ids, or lists of token ids."""
-    p = req.prompt
-    if isinstance(p, str):
-        return [tokenizer.encode(clean_text(p, "prompt"))]
-    if not p:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(clean_text(prompt, "prompt"))]
+    if not prompt:
         raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
-    if all(isinstance(x, int) for x in p):  # one prompt as token ids: its length is the context's business
-        return [_ids(p, vocab_size)]  # type: ignore[arg-type]
-    if len(p) > MAX_PROMPTS:
-        raise bad(f"prompt lists {len(p)} prompts; at most {MAX_PROMPTS} per request", "prompt")
-    if all(isinstance(x, str) for x in p):
-        return [tokenizer.encode(clean_text(x, f"prompt.{i}")) for i, x in enumerate(p)]  # type: ignore[arg-type]
-    return [_ids(x, vocab_size) for x in p]  # type: ignore[arg-type]
+    if all(isinstance(item, int) for item in prompt):  # one prompt as token ids: its length is the context's business
+        return [_token_id_prompt(prompt, vocab_size)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad(f"prompt lists {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    if all(isinstance(item, str) for item in prompt):
+        return [tokenizer.encode(clean_text(text, f"prompt.{i}"))  # type: ignore[arg-type]
+                for i, text in enumerate(prompt)]
+    return [_token_id_prompt(ids, vocab_size) for ids in prompt]  # type: ignore[arg-type]
 
 
-def _ids(ids: list[int], vocab_size: int) -> list[int]:
-    bad_ids = [i for i in ids if not 0 <= i < vocab_size]
-    if bad_ids:
-        raise bad(f"token id {bad_ids[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})", "prompt")
+def _token_id_prompt(ids: list[int], vocab_size: int) -> list[int]:
+    """A prompt sent as token ids, checked as the engine checks every prompt (the context is token_budget's)."""
+    try:
+        check_prompt_ids(ids, vocab_size)
+    except LinesideError as e:
+        raise bad(str(e), "prompt") from None
     return list(ids)
 
 
@@ -150,22 +162,22 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
 
 
 def stop_list(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
-    s = req.stop
-    stops = [s] if isinstance(s, str) else list(s or [])
-    stops = [x for x in stops if x != ""]
+    stop = req.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [text for text in stops if text != ""]
     if len(stops) > MAX_STOP:
         raise bad(f"stop lists {len(stops)} sequences; at most {MAX_STOP}", "stop")
-    for x in stops:
-        if len(x) > 256:
+    for text in stops:
+        if len(text) > 256:
             raise bad("a stop sequence is longer than 256 characters", "stop")
     return stops
 
 
-def token_budget(prompt_len: int, requested: int | None, default: int | None, context: int, param: str,
+def token_budget(prompt_len: int, requested: int | None, default: int | None, *, context: int, param: str,
                  prompt_param: str) -> int:
     """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context."""
     if prompt_len == 0:
-        raise bad("the prompt is empty after tokenization; give some text", prompt_param)
+        raise bad(EMPTY_PROMPT, prompt_param)
     room = context - prompt_len
     if room < 1:
         raise bad(f"prompt has {prompt_len} tokens but the model's context is {context} tokens, which leaves "
@@ -181,17 +193,17 @@ def token_budget(prompt_len: int, requested: int | None, default: int | None, co
 
 def priority(headers: Any) -> tuple[Priority, Mode]:
     """(priority, mode) from the X-Priority and X-Mode headers."""
-    pr = (headers.get("x-priority") or "normal").strip().lower()
+    level = (headers.get("x-priority") or "normal").strip().lower()
     mode = (headers.get("x-mode") or "realtime").strip().lower()
-    if pr not in PRIORITIES:
-        raise bad(f"X-Priority {pr!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
+    if level not in PRIORITIES:
+        raise bad(f"X-Priority {level!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
     if mode not in MODES:
         raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
-    return Priority(pr), Mode(mode)
+    return Priority(level), Mode(mode)
 
 
-def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest,
-                   stops: list[str], pr: Priority, mode: Mode, timeout: float | None, rid: str,
+def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
+                   stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""
@@ -199,7 +211,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
-                             priority=pr, mode=mode, timeout_s=timeout, request_id=rid)
+                             priority=priority, mode=mode, timeout_s=timeout, request_id=request_id)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

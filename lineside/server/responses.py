@@ -6,68 +6,100 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from lineside.runtime.request import FinishReason
+from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
-from lineside.server.metrics import RequestRecord
+from lineside.server.metrics import RequestRecord, ServerMetrics
 from lineside.server.state import ServerState
 
 
-def prompt_usage(recs: list[RequestRecord]) -> int:
+@dataclass
+class Choice:
+    """One choice of a response: the engine request that samples it and the metrics record it fills.
+
+    ``index`` is OpenAI's order, prompt * n + copy; ``copy`` j > 0 is another sample of the same prompt,
+    so its prompt tokens are not counted again in the usage.
+    """
+
+    index: int
+    handle: RequestHandle
+    record: RequestRecord
+    _: KW_ONLY
+    copy: int = 0
+    text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
+    finish_reason: FinishReason | None = None
+
+    def note(self, event: TokenEvent, now: float) -> None:
+        """Fold one engine event into the metrics record (first token, token counts, outcome at the end)."""
+        record = self.record
+        if record.first_token is None and event.completion_tokens > 0:
+            record.first_token = now
+        record.completion_tokens = event.completion_tokens
+        record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
+        if event.finish_reason is not None:
+            record.outcome = event.finish_reason
+            record.end = now
+            record.queue_s = getattr(self.handle.metrics, "queue_time", None)
+            record.extra["engine_ttft_s"] = getattr(self.handle.metrics, "ttft", None)  # submit → token, in the engine
+
+    def abandon(self, metrics: ServerMetrics) -> None:
+        """Cancel the engine request if it is still running and count it as cancelled (the client went away)."""
+        if self.record.end is None:
+            self.handle.cancel()
+            self.record.outcome = "cancelled"
+            self.record.end = time.perf_counter()
+            self.record.queue_s = getattr(self.handle.metrics, "queue_time", None)
+            metrics.observe(self.record)
+
+
+def prompt_usage(choices: list[Choice]) -> int:
     """usage.prompt_tokens: each prompt once, however many choices (n) were sampled from it (as OpenAI)."""
-    return sum(r.prompt_tokens for r in recs if not r.extra.get("copy"))
+    return sum(c.record.prompt_tokens for c in choices if not c.copy)
 
 
-def cancel_all(handles: list[Any]) -> None:
-    for h in handles:
-        h.cancel()
+def completion_usage(choices: list[Choice]) -> int:
+    return sum(c.record.completion_tokens for c in choices)
 
 
-async def _merged(handles: list[Any]) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, event) from every handle as they come; a single handle is read directly."""
-    if len(handles) == 1:
-        async for ev in handles[0]:
-            yield 0, ev
+def cancel_all(choices: list[Choice]) -> None:
+    for choice in choices:
+        choice.handle.cancel()
+
+
+async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+    """(choice, event) from every choice's handle as they come; a single handle is read directly."""
+    if len(choices) == 1:
+        async for event in choices[0].handle:
+            yield choices[0], event
         return
-    q: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, h: Any) -> None:
+    async def pump(choice: Choice) -> None:
         try:
-            async for ev in h:
-                q.put_nowait((i, ev))
+            async for event in choice.handle:
+                queue.put_nowait((choice, event))
         except Exception as e:  # noqa: BLE001 - surfaced to the consumer
-            q.put_nowait((i, e))
+            queue.put_nowait((choice, e))
 
-    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
     try:
-        left = len(handles)
+        left = len(choices)
         while left:
-            i, ev = await q.get()
-            if isinstance(ev, Exception):
-                raise ev
-            if ev.finish_reason is not None:
+            choice, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            if event.finish_reason is not None:
                 left -= 1
-            yield i, ev
+            yield choice, event
     finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _note(rec: RequestRecord, handle: Any, ev: Any, now: float) -> None:
-    if rec.first_token is None and ev.completion_tokens > 0:
-        rec.first_token = now
-    rec.completion_tokens = ev.completion_tokens
-    rec.prompt_tokens = ev.prompt_tokens or rec.prompt_tokens
-    if ev.finish_reason is not None:
-        rec.outcome = ev.finish_reason
-        rec.end = now
-        rec.queue_s = getattr(handle.metrics, "queue_time", None)
-        rec.extra["engine_ttft_s"] = getattr(handle.metrics, "ttft", None)  # submit → token, inside the engine
+        for task in tasks:
+            task.cancel()
 
 
 _FAILURES = {
@@ -80,56 +112,53 @@ _FAILURES = {
 }
 
 
-def _failure(s: ServerState, ev: Any) -> APIError:
-    status, typ, code, msg = _FAILURES[ev.finish_reason]
+def _failure(state: ServerState, event: TokenEvent) -> APIError:
+    status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
-    headers = {"x-should-retry": "false"} if ev.finish_reason == FinishReason.TIMEOUT else None
-    return APIError(status, msg.format(t=s.request_timeout, n=ev.completion_tokens,
-                                       err=getattr(ev, "error", None) or "unknown error"), code, type=typ,
-                    headers=headers)
+    headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None
+    return APIError(status, message.format(t=state.request_timeout, n=event.completion_tokens,
+                                           err=getattr(event, "error", None) or "unknown error"), code,
+                    type=error_type, headers=headers)
 
 
-async def stream_events(s: ServerState, w: sse.ChunkWriter, handles: list[Any], recs: list[RequestRecord]
-                  ) -> AsyncIterator[str]:
-    if w.chat:
-        for i in range(len(handles)):
-            yield w.role(i)
-    async for i, ev in _merged(handles):
-        now = time.perf_counter()
-        rec = recs[i]
-        _note(rec, handles[i], ev, now)
-        if ev.text:
-            yield w.text(i, ev.text)
-        if ev.finish_reason is None:
+async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: list[Choice]) -> AsyncIterator[str]:
+    """The SSE body: each choice's chunks as its tokens come, then the usage (if asked) and [DONE]."""
+    if writer.chat:
+        for choice in choices:
+            yield writer.role(choice.index)
+    async for choice, event in _merged(choices):
+        choice.note(event, time.perf_counter())
+        if event.text:
+            yield writer.text(choice.index, event.text)
+        if event.finish_reason is None:
             continue
-        s.metrics.observe(rec)
-        if ev.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            yield w.finish(i, ev.finish_reason)
+        state.metrics.observe(choice.record)
+        if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            yield writer.finish(choice.index, event.finish_reason)
         else:
-            e = _failure(s, ev)
-            cancel_all(handles)
-            yield sse.error_event(e.message, e.type, e.code)
+            error = _failure(state, event)
+            cancel_all(choices)
+            yield sse.error_event(error.message, error.type, error.code)
             yield sse.DONE
             return
-    if w.include_usage:
-        yield w.usage(prompt_usage(recs), sum(r.completion_tokens for r in recs))
+    if writer.include_usage:
+        yield writer.usage(prompt_usage(choices), completion_usage(choices))
     yield sse.DONE
 
 
 class GenerationStream(StreamingResponse):
     """A StreamingResponse that cancels its engine requests however the stream ends (client gone included)."""
 
-    def __init__(self, content: AsyncIterator[str], handles: list[Any], recs: list[RequestRecord],
-                 state: ServerState):
+    def __init__(self, content: AsyncIterator[str], choices: list[Choice], state: ServerState):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._handles, self._recs, self._s = handles, recs, state
+        self._choices, self._state = choices, state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            _abandon(self._s, self._handles, self._recs)
+            _abandon(self._state, self._choices)
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 try:
@@ -138,59 +167,52 @@ class GenerationStream(StreamingResponse):
                     pass
 
 
-def _abandon(s: ServerState, handles: list[Any], recs: list[RequestRecord]) -> None:
-    """Cancel what is still running and count it as cancelled (the client went away)."""
-    for h, rec in zip(handles, recs, strict=True):
-        if rec.end is None:
-            h.cancel()
-            rec.outcome = "cancelled"
-            rec.end = time.perf_counter()
-            rec.queue_s = getattr(h.metrics, "queue_time", None)
-            s.metrics.observe(rec)
+def _abandon(state: ServerState, choices: list[Choice]) -> None:
+    for choice in choices:
+        choice.abandon(state.metrics)
 
 
-async def _watch_disconnect(request: Request, handles: list[Any]) -> None:
+async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
     """Cancel the generation when the client of a non-streaming request disconnects."""
     while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            cancel_all(handles)
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel_all(choices)
             return
 
 
-async def complete(request: Request, s: ServerState, handles: list[Any], recs: list[RequestRecord], chat: bool,
-                    resp_id: str, created: int) -> Any:
-    texts = [[] for _ in handles]
-    finals: list[Any] = [None] * len(handles)
-    watcher = asyncio.create_task(_watch_disconnect(request, handles))
+async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
+                   created: int) -> Any:
+    """The JSON body: every choice's whole text once all have finished (or the first failure as an error)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, choices))
     try:
-        async for i, ev in _merged(handles):
-            _note(recs[i], handles[i], ev, time.perf_counter())
-            if ev.text:
-                texts[i].append(ev.text)
-            if ev.finish_reason is not None:
-                finals[i] = ev
-                s.metrics.observe(recs[i])
-                if ev.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-                    cancel_all(handles)
+        async for choice, event in _merged(choices):
+            choice.note(event, time.perf_counter())
+            if event.text:
+                choice.text_parts.append(event.text)
+            if event.finish_reason is not None:
+                choice.finish_reason = event.finish_reason
+                state.metrics.observe(choice.record)
+                if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+                    cancel_all(choices)
                     if watcher.done():  # the client left: nobody reads this answer
                         return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
                                                        "code": "client_disconnected", "param": None}},
                                             status_code=499)
-                    raise _failure(s, ev)
+                    raise _failure(state, event)
     finally:
         watcher.cancel()
-        _abandon(s, handles, recs)
-    usage = {"prompt_tokens": prompt_usage(recs),
-             "completion_tokens": sum(r.completion_tokens for r in recs)}
+        _abandon(state, choices)
+    usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(t), "refusal": None},
-                    "logprobs": None, "finish_reason": f.finish_reason} for i, (t, f) in enumerate(zip(texts, finals, strict=True))]
+        body_choices = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text_parts),
+                                                       "refusal": None},
+                         "logprobs": None, "finish_reason": c.finish_reason} for c in choices]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": "".join(t), "logprobs": None, "finish_reason": f.finish_reason}
-                   for i, (t, f) in enumerate(zip(texts, finals, strict=True))]
+        body_choices = [{"index": c.index, "text": "".join(c.text_parts), "logprobs": None,
+                         "finish_reason": c.finish_reason} for c in choices]
         obj = "text_completion"
-    return JSONResponse({"id": resp_id, "object": obj, "created": created, "model": s.model_name,
-                         "system_fingerprint": None, "choices": choices, "usage": usage})
+    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+                         "system_fingerprint": None, "choices": body_choices, "usage": usage})

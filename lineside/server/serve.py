@@ -97,7 +97,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(app: Any, sock: socket.socket, log_level: str = "info", access_log: bool = False,
+def run(app: Any, sock: socket.socket, *, log_level: str = "info", access_log: bool = False,
         limits: HttpLimits | None = None) -> None:
     """Serve on a socket from bind_socket until drained or stopped; a model that fails to load raises
     LinesideError (one line)."""

@@ -26,10 +26,10 @@ def error_event(message: str, type: str, code: str | None) -> str:
 class ChunkWriter:
     """Builds the chunks of one streamed response (chat or text completion)."""
 
-    def __init__(self, chat: bool, id: str, created: int, model: str, include_usage: bool,
+    def __init__(self, chat: bool, response_id: str, created: int, *, model: str, include_usage: bool,
                  fingerprint: str | None = None):
         self.chat = chat
-        self.base: dict[str, Any] = {"id": id, "object": "chat.completion.chunk" if chat else "text_completion",
+        self.base: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                                      "created": created, "model": model, "system_fingerprint": fingerprint}
         self.include_usage = include_usage
 

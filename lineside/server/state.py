@@ -39,20 +39,21 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
         except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
             manifest = {}
     model = str(manifest.get("model_name") or "")
-    for n in (model, model.rsplit("/", 1)[-1]):
-        if n and n not in names:
-            names.append(n)
+    for candidate in (model, model.rsplit("/", 1)[-1]):
+        if candidate and candidate not in names:
+            names.append(candidate)
     return names
 
 
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
-    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any], metrics: ServerMetrics,
+    def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any],
+                 metrics: ServerMetrics, *,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
                  served_model_names: list[str] | None = None, tokenizer_processes: int = 0):
         self.source = source  # a bundle path, or an LLMEngine the caller built
-        self._names = [n for n in (served_model_names or []) if n]
+        self._names = [name for name in (served_model_names or []) if name]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from lineside.build.pipeline import BuildOptions, build_bundle
-
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lineside", *args], capture_output=True, text=True, timeout=120)
@@ -33,10 +31,8 @@ def ckpt(tiny_dense):
 
 
 @pytest.fixture(scope="module")
-def bundle(ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("b") / "bundle"
-    build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
-    return out
+def bundle(tiny_bundle):
+    return tiny_bundle
 
 
 def _copy_ckpt(ckpt: Path, dst: Path) -> Path:

@@ -25,7 +25,7 @@ from tests.cli.cli_run import REPO, all_commands, assert_one_line_error, linesid
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_dense):
-    return tiny_dense("llama-gqa")  # max_position_embeddings 128
+    return tiny_dense("llama-gqa")  # max_position_embeddings 256
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,8 @@ def bundle(ckpt, tmp_path_factory):
 
 # 1. --max-seq-len above the model's own limit: refused before any work, the limit named, nothing left.
 def test_max_seq_len_above_max_position_embeddings(ckpt, tmp_path):
-    proc = run_cli("build", str(ckpt), "-o", str(tmp_path / "out"), "--max-seq-len", "129")
-    assert_one_line_error(proc, "--max-seq-len 129", "128", "max_position_embeddings", code=1)
+    proc = run_cli("build", str(ckpt), "-o", str(tmp_path / "out"), "--max-seq-len", "257")
+    assert_one_line_error(proc, "--max-seq-len 257", "256", "max_position_embeddings", code=1)
     assert tree_snapshot(tmp_path) == set()
 
 

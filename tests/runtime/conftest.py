@@ -1,26 +1,8 @@
-"""Runtime fixtures: a tiny fp32 bundle (tokenizer + model) and, when installed, SmolLM2 W4A16."""
+"""Runtime helpers (the tiny and SmolLM2 bundles are the root conftest's tiny_bundle and smol_bundle)."""
 
 from __future__ import annotations
 
 import asyncio
-
-import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_bundle(tiny_dense, tmp_path_factory):
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    out = tmp_path_factory.mktemp("rt-tiny") / "bundle"
-    return build_bundle(tiny_dense("llama-gqa"), out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=128))
-
-
-@pytest.fixture(scope="session")
-def smol_bundle(smollm2_path, tmp_path_factory):
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    out = tmp_path_factory.mktemp("rt-smol") / "bundle"
-    return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
 
 
 def run(coro):

@@ -66,9 +66,9 @@ def test_prefix_copy_gives_same_logits(tiny_bundle):
 def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle, monkeypatch):
     """Batching, chunked prefill, a shared system prompt from the prefix cache and a preempted (then
     resumed) batch job: every request still gets exactly the tokens — and the very logits — it gets alone."""
-    from lineside.runtime.generate import load_tokenizer
+    from lineside.runtime.tokenizer import Tokenizer
 
-    tok = load_tokenizer(open_bundle(smol_bundle))
+    tok = Tokenizer.from_bundle(open_bundle(smol_bundle))
     system = "You are a maintenance assistant on a factory floor. Answer in one short sentence."
     questions = ["What is the capital of France?", "Write a haiku about rivers.", "List three prime numbers.",
                  "Why do bearings overheat?"]

@@ -1,4 +1,5 @@
-"""Server fixtures: a tiny fp32 bundle, in-process servers on 127.0.0.1 (free port), a slowed backend."""
+"""Server fixtures: in-process servers on 127.0.0.1 (free port) over the root conftest's tiny_bundle, a slowed
+backend."""
 
 from __future__ import annotations
 
@@ -9,18 +10,6 @@ from pathlib import Path
 import pytest
 
 from lineside.bench.inprocess import BackgroundServer
-
-
-@pytest.fixture(scope="session")
-def tiny_bundle(dense_checkpoint, tmp_path_factory) -> Path:
-    """A 2-layer random Llama with a byte-level tokenizer and chat template, context 256 (llama-gqa's weights,
-    made for 256 positions: a bundle may not exceed its model's max_position_embeddings)."""
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    ckpt = dense_checkpoint("llama-gqa-ctx256", "llama", num_attention_heads=4, num_key_value_heads=2,
-                            tie_word_embeddings=False, max_position_embeddings=256)
-    out = tmp_path_factory.mktemp("server") / "tiny-llama"
-    return build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
 
 
 class SlowBackend:
@@ -41,7 +30,7 @@ class SlowBackend:
         return getattr(self.inner, name)
 
 
-def make_engine(bundle: Path, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
+def make_engine(bundle: Path, *, num_slots: int = 4, max_waiting: int = 256, delay: float = 0.0, **kw):
     from lineside.bundle import open_bundle
     from lineside.runtime.engine import LLMEngine
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend

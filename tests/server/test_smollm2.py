@@ -13,12 +13,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, tmp_path_factory):
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    bundle = build_bundle(smollm2_path, tmp_path_factory.mktemp("srv-smol") / "smollm2",
-                          BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
+def smol(smol_bundle):
     from lineside.runtime.engine import LLMEngine
+
+    bundle = smol_bundle
 
     # Prefix reuse is off: on SmolLM2 W4A16 a reused prefix changes near-tie greedy picks (a runtime
     # matter, reported); here the comparisons between requests must hold exactly.

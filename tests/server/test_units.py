@@ -10,6 +10,8 @@ import typer
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from lineside.errors import LinesideError
+from lineside.runtime.request import check_prompt_ids
 from lineside.server import request_mapping, sse
 from lineside.server.errors import APIError, validation_message
 from lineside.server.metrics import RequestRecord, ServerMetrics
@@ -17,7 +19,7 @@ from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 
 
 def test_sse_chat_sequence_like_openai():
-    w = sse.ChunkWriter(True, "chatcmpl-1", 123, "m", include_usage=True)
+    w = sse.ChunkWriter(True, "chatcmpl-1", 123, model="m", include_usage=True)
     body = w.role(0) + w.text(0, "héllo") + w.finish(0, "stop") + w.usage(3, 2) + sse.DONE
     assert body.endswith("data: [DONE]\n\n") and body.count("\n\n") == 5
     ev = sse.parse(body)
@@ -30,7 +32,7 @@ def test_sse_chat_sequence_like_openai():
 
 
 def test_sse_text_completion_and_error_event():
-    w = sse.ChunkWriter(False, "cmpl-1", 1, "m", include_usage=False)
+    w = sse.ChunkWriter(False, "cmpl-1", 1, model="m", include_usage=False)
     ev = sse.parse(w.text(1, "a") + w.finish(1, "length"))
     assert ev[0]["object"] == "text_completion" and ev[0]["choices"][0] == {
         "index": 1, "text": "a", "logprobs": None, "finish_reason": None}
@@ -61,18 +63,18 @@ def test_clean_text_refuses_lone_surrogate():
 
 
 def test_token_budget_numbers():
-    assert request_mapping.token_budget(10, None, None, 256, "max_tokens", "messages") == 246
-    assert request_mapping.token_budget(10, None, 16, 256, "max_tokens", "prompt") == 16
-    assert request_mapping.token_budget(250, None, 16, 256, "max_tokens", "prompt") == 6
-    assert request_mapping.token_budget(10, 246, None, 256, "max_tokens", "prompt") == 246
+    assert request_mapping.token_budget(10, None, None, context=256, param="max_tokens", prompt_param="messages") == 246
+    assert request_mapping.token_budget(10, None, 16, context=256, param="max_tokens", prompt_param="prompt") == 16
+    assert request_mapping.token_budget(250, None, 16, context=256, param="max_tokens", prompt_param="prompt") == 6
+    assert request_mapping.token_budget(10, 246, None, context=256, param="max_tokens", prompt_param="prompt") == 246
     with pytest.raises(APIError) as e:
-        request_mapping.token_budget(10, 247, None, 256, "max_completion_tokens", "messages")
+        request_mapping.token_budget(10, 247, None, context=256, param="max_completion_tokens", prompt_param="messages")
     assert e.value.message.startswith("prompt (10 tokens) + max_completion_tokens (247) = 257 tokens exceeds")
     assert "at most 246" in e.value.message and e.value.param == "max_completion_tokens"
     with pytest.raises(APIError, match="300 tokens but the model's context is 256"):
-        request_mapping.token_budget(300, None, None, 256, "max_tokens", "messages")
+        request_mapping.token_budget(300, None, None, context=256, param="max_tokens", prompt_param="messages")
     with pytest.raises(APIError, match="empty"):
-        request_mapping.token_budget(0, 5, None, 256, "max_tokens", "prompt")
+        request_mapping.token_budget(0, 5, None, context=256, param="max_tokens", prompt_param="prompt")
 
 
 def test_sampling_defaults_follow_openai():
@@ -142,6 +144,20 @@ def test_completion_prompt_forms():
         f(CompletionRequest(prompt=["x"] * 65), Tok(), 100)
 
 
+def test_token_id_prompts_are_refused_as_the_engine_refuses_them():
+    """The server's token-id prompts go through the runtime's one prompt check: same line, as a 400 on 'prompt'."""
+    for ids in ([5, 700], []):
+        with pytest.raises(LinesideError) as runtime:
+            check_prompt_ids(ids, 100)
+        with pytest.raises(APIError) as server:
+            request_mapping.completion_prompts(CompletionRequest(prompt=[[5], ids]), None, 100)
+        assert server.value.message == str(runtime.value) and server.value.param == "prompt"
+        assert server.value.status == 400 and server.value.code == "invalid_value"
+    with pytest.raises(LinesideError, match="prompt has 8 tokens; this model's context is 8"):
+        check_prompt_ids([1] * 8, 100, 8)
+    check_prompt_ids([0, 99], 100, 3)
+
+
 def _validation(model, data) -> RequestValidationError:
     try:
         model.model_validate(data)
@@ -164,7 +180,7 @@ def test_validation_messages_are_one_line_with_the_parameter():
 def test_metrics_observe_and_latency_log(tmp_path):
     log = tmp_path / "sub" / "lat.jsonl"
     m = ServerMetrics(log)
-    rec = RequestRecord("r1", "chat", "high", "realtime", True, arrival=10.0, outcome="length", prompt_tokens=7,
+    rec = RequestRecord("r1", "chat", "high", mode="realtime", stream=True, arrival=10.0, outcome="length", prompt_tokens=7,
                         completion_tokens=5, first_token=10.1, end=10.5, queue_s=0.02)
     assert rec.ttft_s == pytest.approx(0.1) and rec.tpot_s == pytest.approx(0.1) and rec.e2e_s == pytest.approx(0.5)
     m.observe(rec)

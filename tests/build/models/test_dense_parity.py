@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.bundle import open_bundle
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
@@ -27,17 +26,14 @@ def rel_err(a, ref):
 
 
 @pytest.fixture(scope="module")
-def built(tiny_dense, tmp_path_factory):
+def built(tiny_bundles):
     cache = {}
 
     def get(variant, quant):
         key = (variant, quant)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"{variant}-{quant}") / "bundle"
-            build_bundle(tiny_dense(variant), out, BuildOptions(quant=quant, flavors=("cpu", "trt"),
-                                                                 max_seq_len=64, group_size=64,
-                                                                 accuracy_level=0))
-            cache[key] = open_bundle(out)
+            cache[key] = open_bundle(tiny_bundles(variant=variant, quant=quant, flavors=("cpu", "trt"),
+                                                  max_seq_len=64, group_size=64, accuracy_level=0))
         return cache[key]
 
     return get

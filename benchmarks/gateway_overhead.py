@@ -1,0 +1,174 @@
+"""What the fleet gateway adds: TTFT and decode tokens/s direct to a `lineside serve` worker, through its SMG
+router alone, and through the whole gateway (front + SMG), interleaved request by request.
+
+    python benchmarks/gateway_overhead.py BUNDLE [--n 100] [--decode-n 20] [--decode-tokens 64]
+
+One worker (`lineside serve BUNDLE`), one pool, no shadow: `lineside fleet gateway` runs as a subprocess like a
+deployment. Each round sends the same streaming /v1/chat/completions request to the three paths in turn, so
+drift hits all alike. TTFT: one token, time to the first token event. Decode: tokens after the first over the
+time from the first to the last token event. Timing only: no pass/fail. Goal (issue 19): median added TTFT
+≤ 2 ms and no loss in decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from lineside.bench.inprocess import free_port, wait_ready
+from lineside.errors import LinesideError
+
+
+def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    try:
+        wait_ready(url, 300, alive=lambda: p.poll() is None, ready_path=ready)
+    except LinesideError as e:
+        os.killpg(p.pid, signal.SIGKILL)
+        sys.exit(f"{e} (see {log})")
+    return p
+
+
+class Stream:
+    """A keep-alive HTTP/1.1 connection that times one streaming request's token events (no client library
+    in the measurement)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.host, self.port = host, int(port)
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def run(self, body: dict, session: str | None = None) -> tuple[float, float | None, int]:
+        """(TTFT s, decode tokens/s or None, token events) for one request."""
+        data = json.dumps(body).encode()
+        extra = f"X-Session-Id: {session}\r\n" if session else ""
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        t0 = time.perf_counter()
+        self.writer.write(head + data)
+        status = await self.reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"answered {status!r}")
+        chunked = False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+        if not chunked:
+            raise RuntimeError("expected a chunked SSE body")
+        times, buf = [], b""
+        while True:
+            size = int((await self.reader.readline()).strip(), 16)
+            chunk = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buf += chunk[:-2]
+            while b"\n\n" in buf:  # one SSE event per blank line, however the proxies cut the chunks
+                event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b"data: {") and b'"content"' in event and b'"role"' not in event:
+                    times.append(time.perf_counter())
+        if not times:
+            raise RuntimeError("no token event")
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 and times[-1] > times[0] else None
+        return times[0] - t0, rate, len(times)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+async def measure(paths: dict[str, str], args: argparse.Namespace) -> None:
+    conns = {}
+    for name, url in paths.items():
+        conns[name] = Stream(url)
+        await conns[name].connect()
+    ttft_body = {"model": "bench", "messages": [{"role": "user", "content": args.prompt}], "max_tokens": 1,
+                 "temperature": 0, "stream": True}
+    dec_body = {**ttft_body, "max_tokens": args.decode_tokens, "ignore_eos": True}
+    for _ in range(args.warmup):
+        for c in conns.values():
+            await c.run(ttft_body)
+    ttft: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(args.n):
+        for k, c in conns.items():
+            ttft[k].append((await c.run(ttft_body, args.session))[0])
+    rate: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(args.decode_n):
+        for k, c in conns.items():
+            r = (await c.run(dec_body, args.session))[1]
+            if r:
+                rate[k].append(r)
+    base = med(ttft["direct"])
+    print(f"TTFT, 1 token, streaming chat, n={args.n} each, interleaved (prompt {args.prompt!r})")
+    for k in paths:
+        q = statistics.quantiles(ttft[k], n=10)
+        added = "" if k == "direct" else f"   added {1e3 * (med(ttft[k]) - base):+6.2f} ms"
+        paired = "" if k == "direct" else (
+            f" (median paired {1e3 * med([a - b for a, b in zip(ttft[k], ttft['direct'], strict=True)]):+6.2f})")
+        print(f"  {k:<14} median {1e3 * med(ttft[k]):7.2f} ms  p10 {1e3 * q[0]:7.2f}  p90 {1e3 * q[-1]:7.2f}"
+              f"{added}{paired}")
+    print(f"decode, {args.decode_tokens} tokens, n={args.decode_n} each")
+    rbase = med(rate["direct"]) if rate["direct"] else float("nan")
+    for k in paths:
+        if rate[k]:
+            print(f"  {k:<14} median {med(rate[k]):8.1f} tok/s   vs direct {100 * (med(rate[k]) / rbase - 1):+5.1f}%")
+    for c in conns.values():
+        c.writer.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--n", type=int, default=100, help="TTFT requests per path")
+    ap.add_argument("--decode-n", type=int, default=20, help="decode requests per path")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--prompt", default="Hello")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--session", default=None, help="send this X-Session-Id on every path (SMG's sticky map)")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
+    wport, gport = free_port(), free_port()
+    sbase = free_port()
+    procs = []
+    try:
+        procs.append(start([sys.executable, "-m", "lineside", "serve", str(args.bundle), "--port", str(wport),
+                            "--threads", str(args.threads), "--num-slots", "4", "--log-level", "warning",
+                            "--served-model-name", "bench"], f"http://127.0.0.1:{wport}", "/health/ready",
+                           tmp / "worker.log"))
+        fleet = {"nodes": [{"name": "w", "kind": "x86", "url": f"http://127.0.0.1:{wport}"}],
+                 "pools": {"realtime": {"members": ["w"], "policy": "round_robin"}},
+                 "gateway": {"port": gport, "smg_base_port": sbase}}
+        (tmp / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
+        procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(tmp / "fleet.yaml"), "-o",
+                            str(tmp / "gw")], f"http://127.0.0.1:{gport}", "/fleet/health", tmp / "gateway.log"))
+        paths = {"direct": f"http://127.0.0.1:{wport}", "smg router": f"http://127.0.0.1:{sbase}",
+                 "gateway": f"http://127.0.0.1:{gport}"}
+        asyncio.run(measure(paths, args))
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()

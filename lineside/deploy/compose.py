@@ -1,0 +1,85 @@
+"""The files `lineside deploy datacenter` writes: engine config, launch script, docker compose (engine + SMG)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lineside.deploy.engines import Deployment
+
+SMG_PIN = "smg==1.13.0"
+GATEWAY_PORT = 30000
+METRICS_PORT = 29000
+
+
+def smg_argv(workers: list[str], policy: str = "cache_aware") -> list[str]:
+    """The SMG router in front of the engine replicas (same options as `lineside fleet gateway` uses)."""
+    return ["smg", "launch", "--host", "0.0.0.0", "--port", str(GATEWAY_PORT), "--worker-urls", *workers,
+            "--policy", policy, "--sticky-sessions", "--routing-key-headers", "x-session-id", "x-smg-routing-key",
+            "--sticky-key-idle-secs", "300", "--health-check-endpoint", "/health",
+            "--health-check-interval-secs", "10", "--cb-failure-threshold", "5", "--cb-timeout-duration-secs", "30",
+            "--retry-max-retries", "3", "--prometheus-host", "0.0.0.0", "--prometheus-port", str(METRICS_PORT),
+            "--worker-startup-timeout-secs", "3600"]
+
+
+def compose(d: Deployment) -> dict[str, Any]:
+    """docker compose: one service per engine replica (its GPUs reserved), and the gateway after them."""
+    services: dict[str, Any] = {}
+    for r in d.replicas:
+        services[r.name] = {
+            "image": d.image,
+            "entrypoint": r.command,  # replaces the image's own entrypoint (vllm-openai has one)
+            "ipc": "host",
+            "shm_size": "32gb",
+            "ulimits": {"memlock": -1, "stack": 67108864},
+            "volumes": ["${MODEL_DIR:-/models}:/models:ro", f"./{d.config_file}:/config/{d.config_file}:ro"],
+            "environment": {"HF_HUB_OFFLINE": "1"},
+            "deploy": {"resources": {"reservations": {"devices": [
+                {"driver": "nvidia", "device_ids": [str(i) for i in r.gpu_ids], "capabilities": ["gpu"]}]}}},
+            "healthcheck": {"test": ["CMD-SHELL", "curl -fsS http://localhost:8000/health || exit 1"],
+                            "interval": "30s", "timeout": "5s", "retries": 3, "start_period": "3600s"},
+            "restart": "unless-stopped",
+        }
+    workers = [f"http://{r.name}:8000" for r in d.replicas]
+    services["gateway"] = {
+        "image": "python:3.12-slim",
+        "command": ["sh", "-c", f"pip install --no-cache-dir '{SMG_PIN}' && exec " + shlex.join(smg_argv(workers))],
+        "ports": [f"{GATEWAY_PORT}:{GATEWAY_PORT}", f"127.0.0.1:{METRICS_PORT}:{METRICS_PORT}"],
+        "depends_on": {r.name: {"condition": "service_healthy"} for r in d.replicas},
+        "restart": "unless-stopped",
+    }
+    return {"name": f"lineside-{d.served_name}", "services": services}
+
+
+def write_deployment(d: Deployment, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    cfg = out / d.config_file
+    cfg.write_text(f"# {d.engine} config for {d.model} on {d.gpus} (written by `lineside deploy datacenter`)\n"
+                   + yaml.safe_dump(d.config, sort_keys=False))
+    written.append(cfg)
+    launch = out / "launch.sh"
+    lines = ["#!/bin/sh", f"# {d.model} on {d.gpus} with {d.engine}; the config is ./{d.config_file}", "set -e"]
+    for r in d.replicas:
+        cmd = [a.replace(f"/config/{d.config_file}", f"$(dirname \"$0\")/{d.config_file}") for a in r.command]
+        env = f"CUDA_VISIBLE_DEVICES={','.join(map(str, r.gpu_ids))} "
+        lines.append(env + " ".join(a if a.startswith("$(") else shlex.quote(a) for a in cmd)
+                     + (" &" if len(d.replicas) > 1 else ""))
+    if len(d.replicas) > 1:
+        lines.append("wait")
+    launch.write_text("\n".join(lines) + "\n")
+    launch.chmod(0o755)
+    written.append(launch)
+    dc = out / "docker-compose.yaml"
+    dc.write_text(f"# {d.model} on {d.gpus}: {d.engine} + SMG gateway (MODEL_DIR holds {d.hf_id})\n"
+                  + yaml.safe_dump(compose(d), sort_keys=False))
+    written.append(dc)
+    plan = out / "plan.json"
+    plan.write_text(json.dumps({"engine": d.engine, "model": d.model, "hf_id": d.hf_id, "gpus": d.gpus,
+                                "image": d.image, "plan": d.plan.to_dict(), "notes": d.notes}, indent=2) + "\n")
+    written.append(plan)
+    return written

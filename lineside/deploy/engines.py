@@ -1,0 +1,225 @@
+"""Launch commands and config files for vLLM, SGLang and TensorRT-LLM, from a datacenter plan.
+
+Each engine's config uses that engine's own option names (held to schemas taken from its source in
+tests/fleet/fixtures by scripts/engine_schemas.py): vLLM and SGLang read a YAML of `--option` names without
+the dashes (`vllm serve --config`, `sglang.launch_server --config`); trtllm-serve reads a YAML of
+``TorchLlmArgs`` fields (`--config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lineside.deploy.sizing import DcPlan, GpuSet, parse_gpus, plan_datacenter
+from lineside.errors import LinesideError
+from lineside.jetson.planner import load_model
+from lineside.strenum import StrEnum
+
+GIB = 1 << 30
+PORT = 8000
+MAX_NUM_TOKENS = 8192
+
+
+class EngineName(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+
+
+# Images whose engine versions are the ones the schema fixtures were taken from.
+IMAGES = {
+    EngineName.VLLM: "vllm/vllm-openai:v0.33.0",
+    EngineName.SGLANG: "lmsysorg/sglang:v0.5.23",
+    EngineName.TRTLLM: "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc0",
+}
+CONFIG_FILES = {EngineName.VLLM: "vllm.yaml", EngineName.SGLANG: "sglang.yaml", EngineName.TRTLLM: "trtllm.yaml"}
+
+
+@dataclass
+class Replica:
+    """One engine server process: its GPUs and command line."""
+
+    name: str
+    gpu_ids: list[int]
+    command: list[str]
+
+
+@dataclass
+class Deployment:
+    engine: EngineName
+    model: str
+    hf_id: str
+    served_name: str
+    gpus: str
+    plan: DcPlan
+    config_file: str
+    config: dict[str, Any]
+    replicas: list[Replica]
+    image: str
+    notes: list[str] = field(default_factory=list)
+
+
+def hf_id(model: str) -> tuple[str, str]:
+    """(Hugging Face id, served model name) for a shipped config name such as deepseek-v4-flash."""
+    spec = load_model(model)
+    return f"deepseek-ai/{spec.name}", spec.name.lower()
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    """CUDA-graph batch sizes: powers of two up to max_batch, and max_batch itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return [*out, max_batch]
+
+
+def refuse_unsupported(engine: EngineName, arch: str, gs: GpuSet) -> None:
+    """Combinations the engine does not run, with the reason and what to use instead."""
+    if engine == EngineName.TRTLLM and arch == "deepseek_v4" and gs.gpu.sm < 100:
+        raise LinesideError(
+            f"TensorRT-LLM runs DeepSeek-V4 on Blackwell (SM100+) only (its examples/models/core/deepseek_v4/"
+            f"README.md); {gs.label} is SM{gs.gpu.sm}: use --engine vllm or --engine sglang on {gs.label}, "
+            f"or --gpus {gs.count}xB200 for TensorRT-LLM")
+
+
+def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "throughput", port: int = PORT,
+                     model_dir: str = "/models", mtp_tokens: int | None = None,
+                     gpu_memory_utilization: float = 0.90) -> Deployment:
+    """Plan the model on the GPUs and write the engine's config; one-line errors for what cannot run."""
+    try:
+        eng = EngineName(engine)
+    except ValueError:
+        raise LinesideError(f"--engine {engine!r}: choose vllm, sglang or trtllm") from None
+    gs = parse_gpus(gpus)
+    spec = load_model(model)
+    refuse_unsupported(eng, spec.architecture, gs)
+    plan = plan_datacenter(model, gs, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
+                           max_num_tokens=MAX_NUM_TOKENS)
+    if not plan.fits:
+        raise LinesideError(f"{spec.name} does not fit {gs.label}: {plan.notes[-1]}; use more or larger GPUs "
+                            "(e.g. 8xH200 or 8xB200)")
+    hf, served = hf_id(model)
+    path = f"{model_dir.rstrip('/')}/{spec.name}"
+    v4 = spec.architecture == "deepseek_v4"
+    k = (mtp_tokens if mtp_tokens is not None else (1 if profile == "throughput" else 3)) if plan.mtp_layers else 0
+    if mtp_tokens and not plan.mtp_layers:
+        raise LinesideError(f"--mtp-tokens: {spec.name} has no MTP layers (only DeepSeek-V4 checkpoints do)")
+    max_batch = 128 if profile == "throughput" else 32
+    builder = {EngineName.VLLM: _vllm, EngineName.SGLANG: _sglang, EngineName.TRTLLM: _trtllm}[eng]
+    config, replicas, notes = builder(plan, path=path, served=served, port=port, v4=v4, mtp=k, max_batch=max_batch,
+                                      n=gs.count)
+    notes = [*plan.notes, *notes]
+    if k:
+        notes.append(f"MTP: {k} draft token(s) per step ({'throughput' if profile == 'throughput' else 'latency'} "
+                     "setting; 1 for throughput, 3 for low latency)")
+    return Deployment(eng, spec.name, hf, served, gs.label, plan, CONFIG_FILES[eng], config, replicas, IMAGES[eng],
+                      notes)
+
+
+def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
+          n: int) -> tuple[dict[str, Any], list[Replica], list[str]]:
+    c: dict[str, Any] = {
+        "model": path,
+        "served-model-name": served,
+        "host": "0.0.0.0",
+        "port": port,
+        "tensor-parallel-size": p.tp,
+    }
+    if p.dp > 1:
+        c["data-parallel-size"] = p.dp
+    if v4:
+        c["enable-expert-parallel"] = True
+    c.update({
+        "kv-cache-dtype": "fp8",
+        "max-model-len": p.max_model_len,
+        "max-num-seqs": max_batch,
+        "max-num-batched-tokens": MAX_NUM_TOKENS,
+        "gpu-memory-utilization": p.gpu_memory_utilization,
+        "cudagraph-capture-sizes": graph_sizes(max_batch * (1 + mtp)),
+        "scheduling-policy": "priority",  # the gateway's X-Priority reaches requests as `priority`
+    })
+    if mtp:
+        c["speculative-config"] = {"method": "mtp", "num_speculative_tokens": mtp}
+    cmd = ["vllm", "serve", "--config", "/config/vllm.yaml"]
+    return c, [Replica("engine", list(range(n)), cmd)], ["vLLM: data parallel ranks share one API server"]
+
+
+def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
+            n: int) -> tuple[dict[str, Any], list[Replica], list[str]]:
+    c: dict[str, Any] = {"model-path": path, "served-model-name": served, "host": "0.0.0.0", "port": port}
+    if v4:
+        # SGLang keeps the FFN (experts) across the whole TP group; attention-DP splits attention inside it.
+        c["tp-size"] = n
+        c["ep-size"] = n
+        if p.attention_dp:
+            c["attn-dp-size"] = p.dp
+    else:
+        c["tp-size"] = p.tp
+        if p.dp > 1:
+            c["dp-size"] = p.dp
+    c.update({
+        "kv-cache-dtype": "fp8_e4m3",
+        "context-length": p.max_model_len,
+        "mem-fraction-static": round(p.gpu_memory_utilization - 0.05, 2),
+        "max-running-requests": max_batch * max(p.dp, 1),
+        "chunked-prefill-size": MAX_NUM_TOKENS,
+        "cuda-graph-max-bs-decode": max_batch,
+        "enable-priority-scheduling": True,
+    })
+    if mtp:  # DeepSeek MTP runs through SGLang's EAGLE path (top-k 1 for DeepSeek-V4)
+        c.update({"speculative-algorithm": "EAGLE", "speculative-num-steps": mtp, "speculative-eagle-topk": 1,
+                  "speculative-num-draft-tokens": mtp + 1})
+    cmd = ["python3", "-m", "sglang.launch_server", "--config", "/config/sglang.yaml"]
+    return c, [Replica("engine", list(range(n)), cmd)], []
+
+
+def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
+            n: int) -> tuple[dict[str, Any], list[Replica], list[str]]:
+    c: dict[str, Any] = {
+        "tensor_parallel_size": p.tp if not v4 else n,
+        "max_batch_size": max_batch,
+        "max_num_tokens": MAX_NUM_TOKENS,
+        "max_seq_len": p.max_model_len,
+        "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": round(p.gpu_memory_utilization - 0.05, 2),
+                            **({"tokens_per_block": 128} if v4 else {})},
+        "cuda_graph_config": {"enable_padding": True, "batch_sizes": graph_sizes(max_batch)},
+        "stream_interval": 10 if p.attention_dp else 1,
+    }
+    notes = []
+    if v4:
+        c["moe_expert_parallel_size"] = n
+        c["moe_config"] = {"backend": "TRTLLM"}
+        c["custom_tokenizer"] = "deepseek_v4"
+        if p.attention_dp:
+            c["enable_attention_dp"] = True
+            c["attention_dp_config"] = {"batching_wait_iters": 0, "enable_balance": True, "timeout_iters": 60}
+            notes.append("TensorRT-LLM attention-DP: max_batch_size is per rank")
+        if mtp:
+            c["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": mtp}
+        replicas = [Replica("engine", list(range(n)), _trt_cmd(path, served, port))]
+    else:
+        replicas = [Replica(f"engine-{i}" if p.dp > 1 else "engine", list(range(i * p.tp, (i + 1) * p.tp)),
+                            _trt_cmd(path, served, port)) for i in range(p.dp)]
+        if p.dp > 1:
+            notes.append(f"TensorRT-LLM: {p.dp} servers of TP {p.tp}, one per GPU group, all behind the gateway")
+    return c, replicas, notes
+
+
+def _trt_cmd(path: str, served: str, port: int) -> list[str]:
+    return ["trtllm-serve", path, "--backend", "pytorch", "--host", "0.0.0.0", "--port", str(port),
+            "--config", "/config/trtllm.yaml"]
+
+
+def format_deployment(d: Deployment) -> str:
+    p = d.plan
+    lines = [
+        f"{d.model} on {d.gpus} with {d.engine}: {p.weight_format}",
+        f"  weights {p.weights_total_bytes / GIB:.1f} GiB in all, {p.weights_per_gpu_bytes / GIB:.1f} GiB per GPU; "
+        f"KV ({p.kv_dtype}) budget {p.kv_budget_per_gpu_bytes / GIB:.1f} GiB per GPU",
+        f"  TP {p.tp}, DP {p.dp}, EP {p.ep}" + (", attention-DP" if p.attention_dp else "")
+        + f"; max context {p.max_model_len} ({p.seqs_at_max_len} sequences of it fit)",
+    ]
+    lines += [f"  note: {n}" for n in d.notes]
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""Memory math for a model on N datacenter GPUs with its official weights (no requantization).
+
+DeepSeek-V4's official checkpoints store attention and dense linears as FP8 e4m3 with one fp32 scale per
+128×128 block and routed experts as MXFP4 (4-bit values, one e8m0 scale per 32): 4.25 bits a weight. The
+planner's fp16 breakdown (lineside.jetson.sizes_v4) gives each part's parameter count; this module prices
+them at those formats. The R1-Distill models ship in BF16. KV cache and activations reuse the planner.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lineside.errors import LinesideError
+from lineside.jetson.planner import _largest, load_model
+from lineside.jetson.sizes import KV_DTYPE_BYTES, WeightSizes
+
+GIB = 1 << 30
+MIB = 1 << 20
+MXFP4_BITS = 4.25  # 4-bit E2M1 + one 8-bit exponent per 32 weights
+FP8_BLOCK = 1 + 4 / (128 * 128)  # one byte + an fp32 scale per 128×128 block, per weight
+
+
+@dataclass(frozen=True)
+class Gpu:
+    key: str
+    name: str
+    memory_bytes: int  # as nvidia-smi reports the total
+    sm: int  # compute capability × 10
+
+
+GPUS: dict[str, Gpu] = {
+    g.key: g
+    for g in (
+        Gpu("h100", "NVIDIA H100 80GB HBM3", 81559 * MIB, 90),
+        Gpu("h200", "NVIDIA H200 141GB HBM3e", 143771 * MIB, 90),
+        Gpu("b200", "NVIDIA B200 180GB HBM3e", 183359 * MIB, 100),
+    )
+}
+
+
+@dataclass(frozen=True)
+class GpuSet:
+    count: int
+    gpu: Gpu
+
+    @property
+    def label(self) -> str:
+        return f"{self.count}x{self.gpu.key.upper()}"
+
+
+def parse_gpus(text: str) -> GpuSet:
+    """'8xH200' → GpuSet(8, H200); one-line error otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*([A-Za-z0-9]+)\s*", text or "")
+    if not m or m.group(2).lower() not in GPUS or int(m.group(1)) not in (1, 2, 4, 8):
+        raise LinesideError(f"--gpus {text!r}: give COUNTxGPU with COUNT 1, 2, 4 or 8 and GPU one of "
+                            f"{', '.join(g.upper() for g in GPUS)} (e.g. 8xH200)")
+    return GpuSet(int(m.group(1)), GPUS[m.group(2).lower()])
+
+
+@dataclass
+class DcPlan:
+    """How a model sits on a GPU set (bytes are per GPU unless named total)."""
+
+    model: str
+    architecture: str
+    gpus: str
+    gpu_memory_bytes: int
+    weight_format: str
+    weights_total_bytes: int
+    weights_per_gpu_bytes: int
+    tp: int
+    dp: int  # attention data-parallel ranks (V4) or engine replicas (dense)
+    ep: int
+    attention_dp: bool
+    mtp_layers: int
+    kv_dtype: str
+    gpu_memory_utilization: float
+    overhead_per_gpu_bytes: int
+    kv_budget_per_gpu_bytes: int
+    max_model_len: int
+    model_max_context: int
+    seqs_at_max_len: int  # whole fleet of ranks, sequences of max_model_len
+    fits: bool
+    breakdown: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def official_weights(model: str) -> tuple[WeightSizes, str, int]:
+    """(weights, format label, MTP layers) of a shipped model in its published precision."""
+    spec = load_model(model)
+    fp16 = spec.weights("fp16", 128)
+    if spec.architecture != "deepseek_v4":
+        return fp16, "bf16 (as published)", 0
+    b = fp16.breakdown
+    parts = {
+        "routed_experts (MXFP4)": int(b["routed_experts"] / 2 * MXFP4_BITS / 8),
+        "attention (FP8 block)": int(b["attention"] / 2 * FP8_BLOCK),
+        "shared_experts (FP8 block)": int(b["shared_experts"] / 2 * FP8_BLOCK),
+        "embedding (bf16)": b["embedding"],
+        "lm_head (bf16)": b["lm_head"],
+        "router (bf16)": b["router"],
+        "hash_tables": b["hash_tables"],
+        "fp32_small": b["fp32_small"],
+    }
+    return WeightSizes(sum(parts.values()), parts, []), "FP8 e4m3 block-scaled + MXFP4 experts (as published)", 1
+
+
+TARGET_LEN = 32768  # a layout is good enough once one sequence of this length fits (or the model's maximum)
+
+
+def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughput", kv_dtype: str = "fp8",
+                    mtp: bool = True, gpu_memory_utilization: float = 0.90, max_num_tokens: int = 8192,
+                    max_len: int | None = None) -> DcPlan:
+    """Parallel layout and the largest context that fits, from the planner's per-part sizes.
+
+    V4 (one KV head, MoE): routed experts are split by expert parallelism over every GPU. With attention-DP
+    (``profile=throughput``, when it fits) each rank keeps the attention/dense weights whole and only its own
+    sequences' KV; with TP attention (``latency``, or when attention-DP does not fit) the single KV head is
+    replicated on every rank, so KV capacity does not grow with TP. Dense models: the smallest TP (dividing
+    the KV heads) at which a TARGET_LEN sequence fits; the other GPUs serve as data-parallel replicas.
+    """
+    gs = parse_gpus(gpus) if isinstance(gpus, str) else gpus
+    if profile not in ("throughput", "latency"):
+        raise LinesideError(f"--profile {profile!r}: choose throughput (attention-DP, batch pools) or latency")
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise LinesideError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
+    if not 0.5 <= gpu_memory_utilization <= 0.98:
+        raise LinesideError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share between 0.5 and 0.98")
+    spec = load_model(model)
+    raw = raw_config(model)
+    w, fmt, mtp_layers = official_weights(model)
+    mtp_layers = mtp_layers if mtp else 0
+    n = gs.count
+    ctx = _Ctx(spec, w, gs, KV_DTYPE_BYTES[kv_dtype], gpu_memory_utilization, max_num_tokens,
+               min(spec.max_positions, max_len or spec.max_positions))
+    notes: list[str] = []
+    if spec.architecture == "deepseek_v4":
+        layers = int(raw.get("num_hidden_layers", 1))
+        mtp_bytes = w.total // max(layers, 1) * mtp_layers  # one more decoder layer per MTP module
+        dp_layout = ctx.layout(tp=1, dp=n, ep=n, attention_dp=True, extra=mtp_bytes) if n > 1 else None
+        tp_layout = ctx.layout(tp=n, dp=1, ep=n, attention_dp=False, extra=mtp_bytes)
+        if profile == "throughput" and dp_layout is not None and dp_layout["fits"]:
+            lay = dp_layout
+            notes.append("attention-DP: each rank holds the attention/dense weights and its own sequences' KV "
+                         "(one KV head: TP would replicate it on every rank)")
+        else:
+            lay = tp_layout
+            if profile == "throughput" and dp_layout is not None:
+                notes.append(f"attention-DP does not fit ({dp_layout['per_gpu'] / GIB:.1f} GiB of weights per "
+                             "GPU with attention replicated): TP attention instead")
+            notes.append("TP attention: the single KV head is replicated on every rank")
+    else:
+        mtp_layers = 0
+        kv_heads = int(raw.get("num_key_value_heads") or raw.get("num_attention_heads") or 1)
+        lay = None
+        tp = 1
+        while tp <= n:
+            if kv_heads % tp == 0:
+                lay = ctx.layout(tp=tp, dp=n // tp, ep=1, attention_dp=False, extra=0)
+                if lay["fits"] and lay["max_len"] >= min(TARGET_LEN, ctx.cap):
+                    break
+            tp *= 2
+        assert lay is not None
+        notes.append(f"dense: TP {lay['tp']} per replica, {lay['dp']} replica(s) (engine data parallelism)")
+    if not lay["fits"]:
+        notes.append(f"does not fit: {lay['per_gpu'] / GIB:.1f} GiB of weights per GPU + "
+                     f"{lay['overhead'] / GIB:.1f} GiB overhead vs {ctx.usable / GIB:.1f} GiB usable per GPU")
+    return DcPlan(
+        model=spec.name, architecture=spec.architecture, gpus=gs.label, gpu_memory_bytes=gs.gpu.memory_bytes,
+        weight_format=fmt, weights_total_bytes=lay["total"], weights_per_gpu_bytes=lay["per_gpu"],
+        tp=lay["tp"], dp=lay["dp"], ep=lay["ep"], attention_dp=lay["attention_dp"], mtp_layers=mtp_layers,
+        kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization, overhead_per_gpu_bytes=lay["overhead"],
+        kv_budget_per_gpu_bytes=lay["budget"], max_model_len=lay["max_len"], model_max_context=spec.max_positions,
+        seqs_at_max_len=lay["seqs"], fits=lay["fits"], breakdown=w.breakdown, notes=notes,
+    )
+
+
+@dataclass
+class _Ctx:
+    spec: Any
+    w: WeightSizes
+    gs: GpuSet
+    kvb: int
+    util: float
+    max_num_tokens: int
+    cap: int
+
+    @property
+    def usable(self) -> int:
+        return int(self.gs.gpu.memory_bytes * self.util)
+
+    def layout(self, *, tp: int, dp: int, ep: int, attention_dp: bool, extra: int) -> dict[str, Any]:
+        """Per-GPU weights, KV budget and the longest sequence for one parallel layout."""
+        experts = self.w.breakdown.get("routed_experts (MXFP4)", 0)
+        rest = self.w.total - experts + extra
+        per_gpu = experts // ep + (rest if attention_dp else rest // tp)
+        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens)
+        overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
+        budget = self.usable - per_gpu - overhead
+        kv_shard = 1 if self.spec.architecture == "deepseek_v4" else tp  # MQA's one head is not split by TP
+        max_len = _largest(lambda c: self.spec.kv(c, 1, self.kvb).total // kv_shard <= budget,
+                           self.cap) if budget > 0 else 0
+        per_seq = self.spec.kv(max_len, 1, self.kvb).total // kv_shard if max_len else 0
+        return {"tp": tp, "dp": dp, "ep": ep, "attention_dp": attention_dp, "total": self.w.total + extra,
+                "per_gpu": per_gpu, "overhead": overhead, "budget": budget, "max_len": max_len,
+                "seqs": (budget // per_seq) * dp if per_seq else 0,
+                "fits": budget > 0 and max_len >= min(4096, self.cap)}
+
+
+def raw_config(model: str) -> dict[str, Any]:
+    """The Hugging Face config.json of MODEL (a shipped config name or a path), as a dict."""
+    from pathlib import Path
+
+    from lineside.config import load_hf_config
+    from lineside.jetson.planner import CONFIGS_DIR, shipped_configs
+
+    p = Path(model)
+    if not p.exists():
+        names = {n.lower(): n for n in shipped_configs()}
+        key = model.strip().lower().removeprefix("deepseek-ai/")
+        if key not in names:
+            raise LinesideError(f"{model}: not a shipped config ({', '.join(shipped_configs())}) nor a path")
+        p = CONFIGS_DIR / names[key]
+    return load_hf_config(p / "config.json" if p.is_dir() else p)

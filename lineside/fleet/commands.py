@@ -1,0 +1,129 @@
+"""`lineside fleet ...`: plan, push, gateway, status over a fleet file (docs/fleet.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from lineside import cli_checks as checks
+
+fleet = typer.Typer(help="A fleet of nodes behind one gateway: plan, rolling push, gateway (SMG), status.",
+                    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+FLEET_ARG = typer.Argument(help="fleet file (YAML, see docs/fleet.md)")
+SSH_HELP = "ssh command for user@host targets, e.g. 'ssh -p 2222 -i key' (env LINESIDE_SSH)"
+
+
+def _ssh(ssh: str | None) -> str:
+    return ssh or os.environ.get("LINESIDE_SSH", "ssh")
+
+
+def _print(renderable: object) -> None:
+    from rich.console import Console
+
+    Console(width=max(120, Console().width)).print(renderable)
+
+
+@fleet.command("check")
+def check_cmd(fleet_file: Annotated[Path, FLEET_ARG]) -> None:
+    """Validate the fleet file (schema, references, memory fit) and say so in one line."""
+    from lineside.fleet.plan import plan_fleet
+    from lineside.fleet.spec import load_fleet
+
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
+    plan_fleet(f)
+    print(f"{fleet_file}: {len(f.nodes)} nodes in {len(f.pools)} pools; valid, every model fits its node")
+
+
+@fleet.command("plan")
+def plan_cmd(
+    fleet_file: Annotated[Path, FLEET_ARG],
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Which model each node runs and whether it fits there (the memory planner per node)."""
+    from lineside.fleet.plan import format_plans, plan_fleet
+    from lineside.fleet.spec import load_fleet
+
+    plans = plan_fleet(load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file")))
+    if as_json:
+        print(json.dumps([p.to_dict() for p in plans], indent=2))
+    else:
+        _print(format_plans(plans))
+
+
+@fleet.command("push")
+def push_cmd(
+    fleet_file: Annotated[Path, FLEET_ARG],
+    node: Annotated[list[str] | None, typer.Option(help="push only these nodes (repeat)")] = None,
+    ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Rolling push: the canary first, then the rest in waves while each comes back healthy."""
+    from lineside.errors import LinesideError
+    from lineside.fleet.plan import plan_fleet
+    from lineside.fleet.rollout import rolling_push
+    from lineside.fleet.spec import load_fleet
+
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
+    plan_fleet(f)
+    report = rolling_push(f, ssh=_ssh(ssh), only=node or None,
+                          log=(lambda s: None) if as_json else (lambda s: print(s, file=sys.stderr)))
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for r in report.nodes:
+            ver = f" -> {r.version}" if r.version else ""
+            print(f"{r.node}: {r.outcome}{ver}" + (f" ({r.error})" if r.error else ""))
+    if not report.ok:
+        raise LinesideError(f"rollout stopped: {report.stopped}")
+
+
+@fleet.command("gateway")
+def gateway_cmd(
+    fleet_file: Annotated[Path, FLEET_ARG],
+    output: Annotated[Path, typer.Option("--output", "-o", help="directory for gateway.json and logs")] = Path(
+        "gateway"),
+    dry_run: Annotated[bool, typer.Option(help="write the configuration, start nothing")] = False,
+    log_level: Annotated[str, typer.Option(help="front log level")] = "warning",
+) -> None:
+    """Write the gateway configuration (one SMG router per pool + the header/session/shadow front), start it."""
+    from lineside.fleet.gateway import gateway_plan, run_gateway, write_gateway
+    from lineside.fleet.spec import load_fleet
+
+    checks.target_dir(output, "--output")  # before anything is written or started
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
+    plan = gateway_plan(f)
+    written = write_gateway(plan, output)
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    if dry_run:
+        return
+    print(f"gateway on http://{plan.host}:{plan.port} (pools: " +
+          ", ".join(f"{r.pool} -> {r.url}" for r in plan.routers) + ")", file=sys.stderr)
+    run_gateway(plan, output / "logs", log_level=log_level)
+
+
+@fleet.command("status")
+def status_cmd(
+    fleet_file: Annotated[Path, FLEET_ARG],
+    ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+) -> None:
+    """Every node's health, bundle version, degradation level and load in one table."""
+    from lineside.fleet.spec import load_fleet
+    from lineside.fleet.status import fleet_status, status_json, status_table
+
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
+    health = fleet_status(f, ssh=_ssh(ssh))
+    if as_json:
+        print(json.dumps(status_json(f, health), indent=2))
+    else:
+        _print(status_table(f, health))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(fleet, name="fleet")

@@ -1,0 +1,165 @@
+"""`fleet gateway`: write the gateway's configuration (one SMG router per pool + the front) and run it.
+
+The written directory holds ``gateway.json`` (every router's command line, ports and workers, and the front's
+settings) and ``start-routers.sh``; `fleet gateway --dry-run` stops there.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lineside.fleet.front import Front, FrontConfig, ShadowSpec
+from lineside.fleet.smg import PoolRouter, adapter_ports, pool_routers
+from lineside.fleet.spec import FleetError, FleetFile, node
+
+
+@dataclass
+class GatewayPlan:
+    routers: list[PoolRouter]
+    front: FrontConfig
+    host: str
+    port: int
+    adapters: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # node → (port, upstream, health path)
+
+    def to_dict(self) -> dict[str, Any]:
+        f = self.front
+        return {"front": {"host": self.host, "port": self.port, "pools": f.pools, "default_pool": f.default_pool,
+                          "session_header": f.session_header, "session_cookie": f.session_cookie,
+                          "session_idle_s": f.session_idle_s, "issue_cookie": f.issue_cookie,
+                          "shadow": None if f.shadow is None else vars(f.shadow)},
+                "routers": [r.to_dict() for r in self.routers],
+                "health_adapters": {n: {"port": p, "upstream": u, "health_path": h}
+                                    for n, (p, u, h) in self.adapters.items()}}
+
+
+def gateway_plan(fleet: FleetFile, *, base_cmd: list[str] | None = None, log_level: str = "warn") -> GatewayPlan:
+    g = fleet.gateway
+    routers = pool_routers(fleet, base_cmd=base_cmd, log_level=log_level)
+    shadow = (ShadowSpec(g.shadow.source, g.shadow.candidate, g.shadow.share) if g.shadow else None)
+    front = FrontConfig(pools={r.pool: r.url for r in routers}, default_pool=g.default_pool or next(iter(fleet.pools)),
+                        session_header=g.session.header.lower(), session_cookie=g.session.cookie,
+                        session_idle_s=g.session.idle_s, shadow=shadow, request_timeout_s=g.request_timeout_s,
+                        priority=g.priority)
+    adapters = {name: (port, node(fleet, name).url, node(fleet, name).health_path)
+                for name, port in adapter_ports(fleet).items()}
+    return GatewayPlan(routers, front, g.host, g.port, adapters)
+
+
+def write_gateway(plan: GatewayPlan, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = out / "gateway.json"
+    cfg.write_text(json.dumps(plan.to_dict(), indent=2) + "\n")
+    sh = out / "start-routers.sh"
+    lines = ["#!/bin/sh", "# one SMG router per pool (written by `lineside fleet gateway`)", "set -e"]
+    lines += [" ".join(_q(a) for a in r.argv) + " &" for r in plan.routers]
+    lines += ["wait"]
+    sh.write_text("\n".join(lines) + "\n")
+    sh.chmod(0o755)
+    return [cfg, sh]
+
+
+def _q(a: str) -> str:
+    import shlex
+
+    return shlex.quote(a)
+
+
+class Routers:
+    """The SMG processes of a gateway: started together, stopped together. They stay in the gateway's process
+    group, so a signal to the group (Ctrl-C, a service manager's stop) reaches them too."""
+
+    def __init__(self, plan: GatewayPlan, log_dir: Path) -> None:
+        self.plan = plan
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for r in self.plan.routers:
+            log = open(self.log_dir / f"smg-{r.pool}.log", "ab")  # noqa: SIM115 - owned by the child
+            self.procs[r.pool] = subprocess.Popen(list(r.argv), stdout=log, stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL)
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0, trust_env=False) as c:
+            for r in self.plan.routers:
+                while True:
+                    p = self.procs[r.pool]
+                    if p.poll() is not None:
+                        self.stop()
+                        tail = (self.log_dir / f"smg-{r.pool}.log").read_text(errors="replace").strip()
+                        raise FleetError(f"the SMG router of pool {r.pool!r} exited ({p.returncode}): "
+                                         f"{(tail.splitlines() or ['no output'])[-1][-200:]}")
+                    try:
+                        if c.get(r.url + "/health").status_code < 500:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise FleetError(f"the SMG router of pool {r.pool!r} did not answer on {r.url} within "
+                                         f"{timeout_s:.0f} s; see {self.log_dir / f'smg-{r.pool}.log'}")
+                    time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.procs.clear()
+
+
+@contextmanager
+def routers_running(plan: GatewayPlan, log_dir: Path):
+    r = Routers(plan, log_dir)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") -> None:
+    """Start the routers, serve the front in the foreground until interrupted, then stop the routers."""
+    import asyncio
+
+    import uvicorn
+
+    from lineside.fleet.adapter import HealthAdapter
+
+    def server(app: object, host: str, port: int) -> uvicorn.Server:
+        return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+
+    adapters = [server(HealthAdapter(up, path).app, "127.0.0.1", port) for port, up, path in plan.adapters.values()]
+    front = server(Front(plan.front).app, plan.host, plan.port)
+
+    async def serve_all() -> None:
+        for a in adapters:  # up before the routers probe them
+            asyncio.get_running_loop().create_task(a.serve())
+        while adapters and not all(a.started for a in adapters):
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(routers.start)
+        try:
+            await front.serve()  # returns on SIGINT/SIGTERM (uvicorn's handlers)
+        finally:
+            for a in adapters:
+                a.should_exit = True
+
+    routers = Routers(plan, log_dir)
+    try:
+        asyncio.run(serve_all())
+    finally:
+        routers.stop()

@@ -1,0 +1,114 @@
+"""`fleet plan`: what each node will run and whether it fits there (the memory planner per node)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lineside.errors import LinesideError
+from lineside.fleet.spec import FleetError, FleetFile, Node, NodeKind, pool_of
+
+GIB = 1 << 30
+
+
+@dataclass
+class NodePlan:
+    node: str
+    kind: str
+    pools: list[str]
+    runs: str  # the bundle, the model, or "its own model"
+    where: str  # device or GPU set
+    fits: bool | None  # None: not planned (a foreign server with no model named)
+    needs_bytes: int | None = None
+    has_bytes: int | None = None
+    max_context: int | None = None
+    detail: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_node(n: Node, pools: list[str]) -> NodePlan:
+    """Plan one node: the planner for edge devices, the datacenter math for GPU servers."""
+    if n.kind == NodeKind.DATACENTER:
+        if not n.model:
+            return NodePlan(n.name, n.kind, pools, f"its own model ({n.engine})", n.gpus or "?", None,
+                            detail="no model named: not planned")
+        from lineside.deploy.sizing import plan_datacenter
+
+        p = plan_datacenter(n.model, n.gpus or "")
+        layout = f"TP{p.tp} DP{p.dp} EP{p.ep}" + (" attention-DP" if p.attention_dp else "")
+        return NodePlan(n.name, n.kind, pools, n.model, p.gpus, p.fits, p.weights_per_gpu_bytes,
+                        int(p.gpu_memory_bytes * p.gpu_memory_utilization), p.max_model_len,
+                        detail=f"{p.weight_format}; {layout}; {p.seqs_at_max_len} seqs at {p.max_model_len} tokens",
+                        notes=p.notes)
+    source = n.bundle or n.model
+    if not source:
+        return NodePlan(n.name, n.kind, pools, f"its own model ({n.engine})", n.device or "-", None,
+                        detail="foreign server, no model named: not planned")
+    from lineside.jetson.planner import plan
+
+    p = plan(source, n.device or "", n.quant, n.ctx, n.batch, n.kv_dtype)
+    return NodePlan(n.name, n.kind, pools, source, p.device, p.fits, p.total_bytes, p.device_bytes,
+                    p.max_context_at_batch, detail=f"{p.quant}, ctx {p.ctx} x batch {p.batch}, kv {p.kv_dtype}",
+                    notes=p.notes)
+
+
+def plan_fleet(fleet: FleetFile, *, strict: bool = True) -> list[NodePlan]:
+    """Every node's plan; with ``strict`` a model that fits its node raises one line naming where it would fit."""
+    pools = pool_of(fleet)
+    plans = []
+    for n in fleet.nodes:
+        try:
+            plans.append(plan_node(n, pools[n.name]))
+        except LinesideError as e:
+            raise FleetError(f"node {n.name!r}: {e}") from None
+        except (TypeError, KeyError, ValueError) as e:  # a config the planner cannot read
+            raise FleetError(f"node {n.name!r}: cannot plan {n.bundle or n.model}: its config is incomplete or "
+                             f"invalid ({type(e).__name__}: {str(e)[:120]}); rebuild the bundle") from None
+    if strict:
+        for p in plans:
+            if p.fits is False:
+                raise FleetError(_nowhere(fleet, p))
+    return plans
+
+
+def _nowhere(fleet: FleetFile, bad: NodePlan) -> str:
+    """One line for a node whose model does not fit: the numbers, and the fleet's nodes where it would."""
+    elsewhere = []
+    for n in fleet.nodes:
+        if n.name == bad.node or n.kind == NodeKind.DATACENTER:
+            continue
+        if not n.device:
+            continue
+        try:
+            from lineside.jetson.planner import plan
+
+            src = next(x for x in fleet.nodes if x.name == bad.node)
+            if plan(bad.runs, n.device, src.quant, src.ctx, src.batch, src.kv_dtype).fits:
+                elsewhere.append(n.name)
+        except (LinesideError, StopIteration):
+            continue
+    need = f"{bad.needs_bytes / GIB:.1f} GiB" if bad.needs_bytes else "?"
+    has = f"{bad.has_bytes / GIB:.1f} GiB" if bad.has_bytes else "?"
+    where = (f"it would fit on {', '.join(elsewhere)}" if elsewhere else
+             "it fits no node of this fleet: serve it from a datacenter node (`lineside deploy datacenter`) "
+             "or pick a smaller model")
+    return f"node {bad.node!r}: {bad.runs} needs {need} ({bad.detail}) but {bad.where} has {has}; {where}"
+
+
+def format_plans(plans: list[NodePlan]) -> Any:
+    """A rich table of the plans."""
+    from rich.table import Table
+
+    t = Table(title="fleet plan")
+    for col in ("node", "kind", "pools", "runs", "on", "fits", "needs / has", "max ctx", "detail"):
+        t.add_column(col)
+    for p in plans:
+        fits = "-" if p.fits is None else ("yes" if p.fits else "NO")
+        nh = (f"{p.needs_bytes / GIB:.1f} / {p.has_bytes / GIB:.1f} GiB" if p.needs_bytes is not None
+              and p.has_bytes is not None else "-")
+        t.add_row(p.node, str(p.kind), ",".join(p.pools), p.runs, p.where, fits, nh,
+                  str(p.max_context or "-"), p.detail)
+    return t

@@ -1,0 +1,164 @@
+"""`fleet push`: a rolling rollout built on `jetson push` (verified, resumable, atomic per node).
+
+The canary goes first and alone; the other nodes follow in waves of ``rollout.parallel``, and a wave starts
+only when every node of the one before came back healthy. A node that fails its push keeps its old version
+(push activates nothing it could not verify); a node that comes back unhealthy is rolled back (current and
+previous swapped, the restart hook run again) and the rollout stops there.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from lineside.errors import LinesideError
+from lineside.fleet.health import NodeHealth, wait_healthy
+from lineside.fleet.spec import FleetError, FleetFile, Node
+from lineside.jetson.push import push, rollback
+from lineside.jetson.targets import _REMOTE, open_target
+from lineside.strenum import StrEnum
+
+
+class Outcome(StrEnum):
+    UPDATED = "updated"  # switched to the new version and healthy
+    UNCHANGED = "unchanged"  # already on this version, healthy
+    PUSH_FAILED = "push_failed"  # nothing activated; still on the old version
+    ROLLED_BACK = "rolled_back"  # activated, unhealthy, back on the old version
+    ROLLBACK_FAILED = "rollback_failed"  # activated, unhealthy, and could not go back (no previous version)
+    NOT_STARTED = "not_started"  # the rollout stopped before this node
+
+
+@dataclass
+class NodeRollout:
+    node: str
+    outcome: Outcome
+    version: str | None = None
+    previous: str | None = None
+    bytes_sent: int = 0
+    health: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RolloutReport:
+    order: list[list[str]]
+    nodes: list[NodeRollout] = field(default_factory=list)
+    stopped: str | None = None  # why the rollout stopped, None when it finished
+
+    @property
+    def ok(self) -> bool:
+        return self.stopped is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "stopped": self.stopped, "order": self.order,
+                "nodes": [n.to_dict() for n in self.nodes]}
+
+
+def waves(fleet: FleetFile, only: list[str] | None = None) -> list[list[Node]]:
+    """[[canary], [next parallel nodes], ...] over the nodes that serve a bundle."""
+    nodes = [n for n in fleet.nodes if n.bundle and (only is None or n.name in only)]
+    if only:
+        unknown = sorted(set(only) - {n.name for n in fleet.nodes})
+        if unknown:
+            raise FleetError(f"--node {unknown[0]!r} is not a node of the fleet")
+    if not nodes:
+        raise FleetError("no node of the fleet serves a bundle (give nodes a bundle and a target to push to)")
+    canary_name = fleet.rollout.canary if fleet.rollout.canary in {n.name for n in nodes} else nodes[0].name
+    canary = next(n for n in nodes if n.name == canary_name)
+    rest = [n for n in nodes if n.name != canary_name]
+    k = fleet.rollout.parallel
+    return [[canary]] + [rest[i:i + k] for i in range(0, len(rest), k)]
+
+
+def run_restart(node: Node, ssh: str) -> None:
+    """The node's restart hook: over ssh for user@host targets, in a local shell otherwise."""
+    if not node.restart:
+        return
+    m = _REMOTE.match(node.target or "")
+    argv = [*shlex.split(ssh), "-o", "BatchMode=yes", m.group("host"), node.restart] if m else ["sh", "-c",
+                                                                                                node.restart]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise LinesideError(f"restart on {node.name} failed ({e})") from None
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or [p.stdout.strip() or f"exit {p.returncode}"])[-1]
+        raise LinesideError(f"restart on {node.name} failed ({last})")
+
+
+HealthWait = Callable[[Node], NodeHealth]
+
+
+def rolling_push(fleet: FleetFile, *, ssh: str = "ssh", only: list[str] | None = None,
+                 health: HealthWait | None = None, log: Callable[[str], None] = lambda s: None) -> RolloutReport:
+    """Push each node's bundle, canary first, stopping at the first node that does not come back healthy."""
+    plan = waves(fleet, only)
+    report = RolloutReport(order=[[n.name for n in w] for w in plan])
+    client = httpx.Client(timeout=fleet.gateway.health.timeout_s)
+    wait = health or (lambda n: wait_healthy(n, client, fleet.rollout.health_timeout_s))
+    try:
+        for i, wave in enumerate(plan):
+            label = "canary" if i == 0 else f"wave {i}"
+            log(f"{label}: {', '.join(n.name for n in wave)}")
+            with ThreadPoolExecutor(max_workers=len(wave)) as ex:
+                results = list(ex.map(lambda n: _one(n, ssh, wait), wave))
+            report.nodes.extend(results)
+            for r in results:
+                log(f"  {r.node}: {r.outcome}" + (f" ({r.error})" if r.error else ""))
+            bad = [r for r in results if r.outcome not in (Outcome.UPDATED, Outcome.UNCHANGED)]
+            if bad:
+                report.stopped = f"{label} {bad[0].node} {bad[0].outcome}: {bad[0].error}"
+                for w in plan[i + 1:]:
+                    report.nodes.extend(NodeRollout(n.name, Outcome.NOT_STARTED) for n in w)
+                break
+    finally:
+        client.close()
+    return report
+
+
+def _current(node: Node, ssh: str) -> str | None:
+    t = open_target(node.target or "", ssh)
+    try:
+        return t.links()[0]
+    finally:
+        t.close()
+
+
+def _one(node: Node, ssh: str, wait: HealthWait) -> NodeRollout:
+    assert node.bundle and node.target
+    try:
+        before = _current(node, ssh)
+        r = push(node.bundle, node.target, ssh)
+    except (LinesideError, OSError) as e:
+        return NodeRollout(node.name, Outcome.PUSH_FAILED, error=str(e))
+    switched = before != f"versions/{r.version}"
+    try:
+        if switched:
+            run_restart(node, ssh)
+        h = wait(node)
+    except LinesideError as e:
+        h = NodeHealth(node.name, node.url, False, False, "failed", error=str(e))
+    if h.ready:
+        return NodeRollout(node.name, Outcome.UPDATED if switched else Outcome.UNCHANGED, r.version, before,
+                           r.bytes_sent, h.status)
+    why = f"unhealthy after the switch ({h.status}{': ' + h.error if h.error else ''})"
+    if not switched:
+        return NodeRollout(node.name, Outcome.ROLLED_BACK, r.version, before, r.bytes_sent, h.status,
+                           why + "; it was already on this version, nothing to roll back")
+    try:
+        rollback(node.target, ssh)
+        run_restart(node, ssh)
+    except LinesideError as e:
+        return NodeRollout(node.name, Outcome.ROLLBACK_FAILED, r.version, before, r.bytes_sent, h.status,
+                           f"{why}; rollback failed: {e}")
+    return NodeRollout(node.name, Outcome.ROLLED_BACK, r.version, before, r.bytes_sent, h.status,
+                       f"{why}; back on {before}")

@@ -1,0 +1,53 @@
+"""`fleet status`: every node's health, bundle version, degradation level and load, probed in parallel."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from lineside.fleet.health import NodeHealth, bundle_version, probe
+from lineside.fleet.spec import FleetFile, pool_of
+
+
+def fleet_status(fleet: FleetFile, *, ssh: str = "ssh", timeout_s: float | None = None) -> list[NodeHealth]:
+    """One NodeHealth per node, in the fleet file's order."""
+    with httpx.Client(timeout=timeout_s or fleet.gateway.health.timeout_s) as client:
+        def one(n: Any) -> NodeHealth:
+            h = probe(n, client)
+            h.version = bundle_version(n, ssh)
+            return h
+
+        with ThreadPoolExecutor(max_workers=min(16, len(fleet.nodes))) as ex:
+            return list(ex.map(one, fleet.nodes))
+
+
+def status_json(fleet: FleetFile, health: list[NodeHealth]) -> dict[str, Any]:
+    pools = pool_of(fleet)
+    nodes = []
+    for h in health:
+        d = h.to_dict()
+        d["pools"] = pools[h.node]
+        nodes.append(d)
+    ready = {p: sum(1 for h in health if h.ready and h.node in pool.members) for p, pool in fleet.pools.items()}
+    return {"nodes": nodes, "pools": {p: {"members": pool.members, "ready": ready[p]}
+                                      for p, pool in fleet.pools.items()}}
+
+
+def status_table(fleet: FleetFile, health: list[NodeHealth]) -> Any:
+    from rich.table import Table
+
+    pools = pool_of(fleet)
+    t = Table(title="fleet status")
+    for col in ("node", "pools", "health", "model", "bundle version", "degradation", "running", "waiting", "ms"):
+        t.add_column(col)
+    for h in health:
+        state = "[green]ready[/green]" if h.ready else f"[red]{h.status}[/red]"
+        t.add_row(h.node, ",".join(pools[h.node]), state, h.model or "-", h.version or "-", h.degradation or "-",
+                  _num(h.running), _num(h.waiting), _num(h.latency_ms))
+    return t
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:g}"

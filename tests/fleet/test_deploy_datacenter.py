@@ -1,0 +1,182 @@
+"""`lineside deploy datacenter`: configs held to each engine's own schema (fixtures from its source), the
+memory math behind them, and the combinations refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lineside.deploy.engines import build_deployment, graph_sizes
+from lineside.deploy.sizing import GIB, plan_datacenter
+from lineside.errors import LinesideError
+
+jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema (dev extra): checks trtllm configs")
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VLLM = json.loads((FIXTURES / "vllm_args.json").read_text())
+SGLANG = json.loads((FIXTURES / "sglang_args.json").read_text())
+TRTLLM = json.loads((FIXTURES / "trtllm_serve_schema.json").read_text())
+
+V4 = ["deepseek-v4-flash", "deepseek-v4-pro"]
+DENSE = ["deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b"]
+
+
+def vllm_errors(cfg: dict) -> list[str]:
+    """Each key of a `vllm serve --config` YAML against vLLM's EngineArgs/FrontendArgs fields."""
+    errs = []
+    opts, aliases = VLLM["options"], VLLM["literal_aliases"]
+    for k, v in cfg.items():
+        o = opts.get("--" + k)
+        if o is None:
+            errs.append(f"--{k}: not a vLLM option")
+            continue
+        t = o["type"]
+        if isinstance(v, bool) and "bool" not in t:
+            errs.append(f"--{k}: bool given, type is {t}")
+        elif isinstance(v, int) and not isinstance(v, bool) and not any(x in t for x in ("int", "float")):
+            errs.append(f"--{k}: int given, type is {t}")
+        elif isinstance(v, dict) and "dict" not in t:
+            errs.append(f"--{k}: mapping given, type is {t}")
+        elif isinstance(v, list) and "list" not in t:
+            errs.append(f"--{k}: list given, type is {t}")
+        if "choices" in o and v not in o["choices"]:
+            errs.append(f"--{k}: {v!r} not in {o['choices']}")
+        for alias, values in aliases.items():  # a str value for a `Alias | str` field must still be a known one
+            if isinstance(v, str) and t.split(" | ")[0] == alias and v not in values:
+                errs.append(f"--{k}: {v!r} not in {alias}")
+    spec = cfg.get("speculative-config")
+    if spec and spec["method"] not in aliases["MTPModelTypes"]:
+        errs.append(f"speculative method {spec['method']!r} is not one of vLLM's MTP model types")
+    return errs
+
+
+def sglang_errors(cfg: dict) -> list[str]:
+    """Each key of a `sglang.launch_server --config` YAML against SGLang's field namespaces."""
+    opts = SGLANG["options"]
+    by_alias = {a: o for o in opts.values() for a in o.get("aliases", [])}
+    errs = []
+    for k, v in cfg.items():
+        o = opts.get("--" + k) or by_alias.get("--" + k)
+        if o is None:
+            errs.append(f"--{k}: not an SGLang option")
+            continue
+        if o.get("deprecated"):
+            errs.append(f"--{k}: deprecated in SGLang {SGLANG.get('x-version')}")
+            continue
+        t = o["type"]
+        if isinstance(v, bool) and "bool" not in t:
+            errs.append(f"--{k}: bool given, type is {t}")
+        elif isinstance(v, int) and not isinstance(v, bool) and not any(x in t for x in ("int", "float")):
+            errs.append(f"--{k}: int given, type is {t}")
+        elif isinstance(v, float) and "float" not in t:
+            errs.append(f"--{k}: float given, type is {t}")
+        if "choices" in o and v not in o["choices"]:
+            errs.append(f"--{k}: {v!r} not in {o['choices']}")
+    return errs
+
+
+def trtllm_errors(cfg: dict) -> list[str]:
+    v = jsonschema.Draft202012Validator(TRTLLM)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in v.iter_errors(cfg)]
+
+
+CHECK = {"vllm": vllm_errors, "sglang": sglang_errors, "trtllm": trtllm_errors}
+
+
+def test_the_schema_checks_can_fail():
+    """Each checker rejects an option its engine lacks and a value outside its choices."""
+    assert vllm_errors({"tensor-parallel-size": 8, "enable-dp-attention": True, "kv-cache-dtype": "fp9"}) == [
+        "--enable-dp-attention: not a vLLM option", "--kv-cache-dtype: 'fp9' not in CacheDType"]
+    assert sglang_errors({"tp-size": 8, "enable-dp-attention": True, "kv-cache-dtype": "fp8"}) == [
+        "--enable-dp-attention: deprecated in SGLang 0.5.23", "--kv-cache-dtype: 'fp8' not in "
+        "['auto', 'fp8_e5m2', 'fp8_e4m3', 'mxfp8', 'bf16', 'bfloat16', 'nvfp4', 'fp4_mx_block16']"]
+    errs = trtllm_errors({"tensor_parallel_size": 8, "tp_size": 8, "kv_cache_config": {"tokens_per_block": "x"},
+                          "speculative_config": {"decoding_type": "MTP", "num_draft": 1}})
+    assert any("tp_size" in e for e in errs) and any("tokens_per_block" in e for e in errs)
+    assert any("num_draft" in e for e in errs)
+
+
+@pytest.mark.parametrize("model", V4)
+@pytest.mark.parametrize(("gpus", "engine"), [("8xH200", "vllm"), ("8xH200", "sglang"), ("8xB200", "vllm"),
+                                              ("8xB200", "sglang"), ("8xB200", "trtllm")])
+def test_v4_configs_pass_the_engine_schema(model, gpus, engine, tmp_path):
+    from lineside.deploy.compose import write_deployment
+
+    d = build_deployment(model, gpus, engine)
+    assert CHECK[engine](d.config) == []
+    written = {p.name: p for p in write_deployment(d, tmp_path)}
+    on_disk = yaml.safe_load(written[d.config_file].read_text())
+    assert on_disk == d.config and CHECK[engine](on_disk) == []
+    dc = yaml.safe_load(written["docker-compose.yaml"].read_text())
+    engine_svc = dc["services"]["engine"]
+    assert f"/config/{d.config_file}" in engine_svc["entrypoint"]
+    assert any(v.endswith(f":/config/{d.config_file}:ro") for v in engine_svc["volumes"])
+    assert dc["services"]["gateway"]["depends_on"] == {"engine": {"condition": "service_healthy"}}
+    assert "http://engine:8000" in dc["services"]["gateway"]["command"][-1]
+    # the options that matter for V4, in each engine's spelling
+    c = d.config
+    if engine == "vllm":
+        assert c["kv-cache-dtype"] == "fp8" and c["enable-expert-parallel"] is True
+        assert c["speculative-config"]["method"] == "mtp" and c["max-model-len"] == d.plan.max_model_len
+        assert c["cudagraph-capture-sizes"] == graph_sizes(c["max-num-seqs"] * 2)
+    elif engine == "sglang":
+        assert c["kv-cache-dtype"] == "fp8_e4m3" and c["ep-size"] == 8 and c["speculative-algorithm"] == "EAGLE"
+    else:
+        assert c["kv_cache_config"]["dtype"] == "fp8" and c["moe_expert_parallel_size"] == 8
+        assert c["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1}
+
+
+@pytest.mark.parametrize("model", DENSE)
+@pytest.mark.parametrize(("gpus", "engine"), [("8xH200", "vllm"), ("8xH200", "sglang"), ("8xH200", "trtllm"),
+                                              ("8xB200", "trtllm")])
+def test_dense_configs_pass_the_engine_schema(model, gpus, engine):
+    d = build_deployment(model, gpus, engine)
+    assert CHECK[engine](d.config) == []
+    assert d.plan.mtp_layers == 0 and "speculative-config" not in d.config and "speculative_config" not in d.config
+    assert sum(len(r.gpu_ids) for r in d.replicas) in (8, d.plan.tp)
+
+
+def test_trtllm_v4_on_hopper_is_refused_with_the_alternative():
+    for model in V4:
+        with pytest.raises(LinesideError) as e:
+            build_deployment(model, "8xH200", "trtllm")
+        msg = str(e.value)
+        assert "Blackwell (SM100+) only" in msg and "--engine vllm or --engine sglang" in msg and "8xB200" in msg
+    p = subprocess.run([sys.executable, "-m", "lineside", "deploy", "datacenter", "deepseek-v4-flash", "--gpus",
+                        "8xH200", "--engine", "trtllm", "-o", "/tmp/unused-lineside-dc"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "SM100+" in p.stderr
+    assert not Path("/tmp/unused-lineside-dc").exists()
+
+
+def test_what_does_not_fit_is_refused():
+    with pytest.raises(LinesideError, match="does not fit 8xH100"):
+        build_deployment("deepseek-v4-pro", "8xH100", "vllm")
+    with pytest.raises(LinesideError, match="COUNTxGPU"):
+        build_deployment("deepseek-v4-flash", "8xA7", "vllm")
+    with pytest.raises(LinesideError, match="choose vllm, sglang or trtllm"):
+        build_deployment("deepseek-v4-flash", "8xH200", "tgi")
+
+
+def test_memory_math_against_hand_numbers():
+    """V4-Flash: experts at 4.25 bits, attention/shared at FP8 + block scales; per-GPU split by EP or DP."""
+    p = plan_datacenter("deepseek-v4-flash", "8xH200")
+    b = p.breakdown
+    # 43 layers x 256 experts x 3 x 4096 x 2048 weights at 4.25 bits
+    assert b["routed_experts (MXFP4)"] == int(43 * 256 * 3 * 4096 * 2048 * 4.25 / 8)
+    assert 140 * GIB < p.weights_total_bytes < 160 * GIB  # published checkpoint: ~160 GB
+    assert p.attention_dp and (p.tp, p.dp, p.ep) == (1, 8, 8)
+    experts = b["routed_experts (MXFP4)"]
+    assert p.weights_per_gpu_bytes == experts // 8 + (p.weights_total_bytes - experts)
+    assert p.max_model_len == 1048576  # compressed V4 KV: a full 1M context fits per rank
+    lat = plan_datacenter("deepseek-v4-flash", "8xH200", profile="latency")
+    assert not lat.attention_dp and lat.tp == 8 and lat.seqs_at_max_len < p.seqs_at_max_len
+    pro = plan_datacenter("deepseek-v4-pro", "8xH200")
+    assert not pro.attention_dp and any("attention-DP does not fit" in n for n in pro.notes)
+    dense = plan_datacenter("deepseek-r1-distill-qwen-32b", "8xH100")
+    assert dense.tp == 2 and dense.dp == 4 and dense.max_model_len == 131072

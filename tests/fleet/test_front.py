@@ -1,0 +1,161 @@
+"""The gateway front alone (no smg needed): header → pool, sessions, shadow copies, streaming relay.
+
+Each pool's "router" is a small OpenAI-shaped ASGI app reached through httpx's ASGI transport, answering
+which pool it is and echoing the session header it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from lineside.fleet.front import Front, FrontConfig, ShadowSpec, ShareSampler, answer_text, sse_text
+
+
+def pool_app(name: str, seen: list[dict]) -> Starlette:
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append({"pool": name, "headers": dict(request.headers), "body": body})
+        text = f"answer from {name}" if name != "candidate-same" else "answer from realtime"
+        if body.get("stream"):
+            async def gen():
+                for w in text.split(" "):
+                    yield f"data: {json.dumps({'choices': [{'delta': {'content': w + ' '}}]})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream", headers={"x-pool": name})
+        return JSONResponse({"choices": [{"message": {"role": "assistant", "content": text}}]},
+                            headers={"x-pool": name, "x-session-seen": request.headers.get("x-session-id", "")})
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/health", lambda r: JSONResponse({"ok": True}))])
+
+
+class ByHost:
+    """One ASGI transport per upstream host."""
+
+    def __init__(self, apps: dict[str, Starlette]) -> None:
+        self.t = {h: httpx.ASGITransport(app=a) for h, a in apps.items()}
+
+    def transport(self) -> httpx.AsyncBaseTransport:
+        outer = self
+
+        class T(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request):
+                if request.url.host not in outer.t:
+                    raise httpx.ConnectError("connection refused", request=request)
+                return await outer.t[request.url.host].handle_async_request(request)
+
+        return T()
+
+
+def make(shadow_to: str = "batch", share: float = 0.5):
+    seen: list[dict] = []
+    names = ("realtime", "batch", "candidate-same")
+    upstream = ByHost({n: pool_app(n, seen) for n in names})
+    client = httpx.AsyncClient(transport=upstream.transport())
+    cfg = FrontConfig(pools={n: f"http://{n}" for n in names}, default_pool="realtime", session_idle_s=90,
+                      shadow=ShadowSpec("realtime", shadow_to, share))
+    front = Front(cfg, client=client)
+    return front, seen
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front.app), base_url="http://gw",
+                                 cookies=cookies) as c:
+        r = await c.post("/v1/chat/completions", json=body, headers=headers or {})
+        await front.drain_shadow()
+        return r
+
+
+def test_header_picks_the_pool():
+    front, seen = make(share=0.0001)
+    for headers, pool in (({"X-Mode": "realtime"}, "realtime"), ({"X-Mode": "BATCH"}, "batch"),
+                          ({"X-Batch": "true"}, "batch"), ({}, "realtime")):
+        r = run(_call(front, headers))
+        assert r.status_code == 200 and r.headers["x-pool"] == pool
+    r = run(_call(front, {"X-Mode": "bulk"}))
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "X-Mode 'bulk' is not a pool of this gateway; use one of: realtime, "
+                                            "batch, candidate-same", "type": "invalid_request_error",
+                                 "code": "unknown_pool", "param": "X-Mode"}
+
+
+def test_sessions_become_the_routing_key():
+    front, seen = make(share=0.0001)
+    r = run(_call(front, {"X-Session-Id": "station-7"}))
+    assert r.headers["x-session-seen"] == "station-7" and "set-cookie" not in r.headers
+    r = run(_call(front, cookies={"lineside_session": "abc123"}))
+    assert r.headers["x-session-seen"] == "abc123" and "set-cookie" not in r.headers
+    r = run(_call(front))  # neither: a new id, sent upstream and set as a cookie for the next request
+    sid = r.headers["x-session-seen"]
+    assert len(sid) == 32 and r.headers["set-cookie"] == (
+        f"lineside_session={sid}; Max-Age=90; Path=/; HttpOnly; SameSite=Lax")
+
+
+def test_priority_becomes_smg_admission_class():
+    front, seen = make(share=0.0001)
+    run(_call(front, {"X-Priority": "high", "X-SMG-Priority": "system"}))
+    run(_call(front, {"X-Priority": "LOW"}))
+    run(_call(front, {"X-SMG-Priority": "system"}))  # a client cannot pick SMG's class itself
+    assert [s["headers"].get("x-smg-priority") for s in seen] == ["interactive", "bulk", None]
+    assert seen[0]["headers"]["x-priority"] == "high"  # passed on as well
+    r = run(_call(front, {"X-Priority": "urgent"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority" and len(seen) == 3
+
+
+def test_shadow_copies_share_is_exact_and_responses_are_discarded():
+    front, seen = make(share=0.25)
+    answers = [run(_call(front, {"X-Mode": "realtime"})).json() for _ in range(8)]
+    assert all(a["choices"][0]["message"]["content"] == "answer from realtime" for a in answers)
+    copies = [s for s in seen if s["headers"].get("x-lineside-shadow") == "1"]
+    assert len(copies) == 2 and {c["pool"] for c in copies} == {"batch"}
+    st = front.shadow_stats.to_dict()
+    assert st["sent"] == 2 and st["completed"] == 2 and st["agreed"] == 0 and st["agreement"] == 0.0
+    assert 0 < st["mean_similarity"] < 1
+    run(_call(front, {"X-Mode": "batch"}))  # other pools are not mirrored
+    assert front.shadow_stats.sent == 2
+
+
+def test_streamed_answers_are_relayed_and_compared():
+    front, seen = make(shadow_to="candidate-same", share=1.0)
+    r = run(_call(front, {"X-Mode": "realtime"}, stream=True))
+    assert r.status_code == 200 and sse_text([r.content]) == "answer from realtime "
+    st = front.shadow_stats.to_dict()
+    assert st["completed"] == 1 and st["agreed"] == 1 and st["mean_similarity"] == 1.0
+
+
+def test_unreachable_pool_router_is_a_502_and_a_failed_shadow_is_counted():
+    front, _ = make(share=1.0)
+    front.cfg.pools["batch"] = "http://nowhere"  # a host the transport does not know: the copy fails
+
+    r = run(_call(front, {"X-Mode": "realtime"}))
+    assert r.status_code == 200 and front.shadow_stats.failed == 1
+    front.cfg.pools["realtime"] = "http://nowhere"
+    r = run(_call(front, {"X-Mode": "realtime"}))
+    assert r.status_code == 502 and r.json()["error"]["code"] == "pool_unreachable"
+
+
+@pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])
+def test_share_sampler_is_deterministic(share, n, expected):
+    s = ShareSampler(share)
+    assert sum(s() for _ in range(n)) == expected
+
+
+def test_answer_text_of_both_shapes():
+    assert answer_text(b'{"choices": [{"message": {"content": "a"}}, {"text": "b"}]}') == "ab"
+    assert answer_text(b"not json") == ""
+    sse = [b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\ndata: {"choices": [{"delta": ',
+           b'{"content": "x"}}]}\n\ndata: [DONE]\n\n']
+    assert sse_text(sse) == "x"

@@ -1,0 +1,78 @@
+"""The node probe behind `fleet status`: readiness, load gauges of lineside/vLLM/SGLang, degradation level,
+model name, and the bundle version from the node's push target."""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from lineside.fleet.health import _load, bundle_version, probe
+from lineside.fleet.spec import Node
+from lineside.jetson.push import push
+from tests.jetson.conftest import make_bundle
+
+
+@contextmanager
+def server(routes: dict[str, tuple[int, str, str]]):
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            code, ctype, body = routes.get(self.path, (404, "text/plain", "no"))
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("content-type", ctype)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+J = "application/json"
+
+
+def test_load_gauges_of_each_engine_and_the_degradation_level():
+    assert _load("lineside_num_requests_running 3\nlineside_num_requests_waiting 7\n"
+                 "lineside_degradation_level 2\n") == (3.0, 7.0, "2")
+    assert _load('vllm:num_requests_running{model_name="m"} 5\nvllm:num_requests_waiting{model_name="m"} 1\n') == (
+        5.0, 1.0, None)
+    assert _load("sglang:num_running_reqs 4\nsglang:num_queue_reqs 0\n") == (4.0, 0.0, None)
+    assert _load("something_else 1\n") == (None, None, None)
+
+
+def test_probe_a_ready_lineside_node_and_a_loading_one():
+    routes = {
+        "/health/ready": (200, J, json.dumps({"status": "ready", "model": "m"})),
+        "/health": (200, J, json.dumps({"status": "ok", "degradation": "reduced-context"})),
+        "/metrics": (200, "text/plain", "lineside_num_requests_running 2\nlineside_num_requests_waiting 5\n"),
+        "/v1/models": (200, J, json.dumps({"data": [{"id": "r1-qwen-7b"}]})),
+    }
+    with server(routes) as url, httpx.Client(timeout=5, trust_env=False) as c:
+        h = probe(Node(name="n", kind="jetson", url=url), c)
+        assert (h.ready, h.status, h.model, h.running, h.waiting, h.degradation) == (
+            True, "ready", "r1-qwen-7b", 2.0, 5.0, "reduced-context")
+        routes["/health/ready"] = (503, J, json.dumps({"status": "loading"}))
+        h = probe(Node(name="n", kind="jetson", url=url), c)
+        assert not h.ready and h.status == "loading" and h.error == "loading"
+    h = probe(Node(name="gone", kind="x86", url="http://127.0.0.1:1"), httpx.Client(timeout=2, trust_env=False))
+    assert not h.reachable and h.status == "unreachable"
+
+
+def test_bundle_version_is_what_current_points_at(tmp_path):
+    target = tmp_path / "dev"
+    node = Node(name="n", kind="jetson", url="http://127.0.0.1:1", target=str(target))
+    assert bundle_version(node, "ssh") is None
+    r = push(make_bundle(tmp_path / "b", 1, weight_bytes=1024, name="model-v7"), str(target))
+    assert bundle_version(node, "ssh") == r.version and r.version.startswith("model-v7-")

@@ -1,0 +1,234 @@
+"""`fleet push` over three local targets: canary first, waves while healthy, rollback and stop on failure.
+
+Each node is a directory target plus a small HTTP server that answers /health/ready the way a lineside node
+does: 200 once the bundle at TARGET/current opens (every sha256 and the config checked), 503 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lineside.bundle import Manifest, open_bundle, write_manifest
+from lineside.errors import LinesideError
+from lineside.fleet.health import wait_healthy
+from lineside.fleet.rollout import Outcome, rolling_push, waves
+from lineside.fleet.spec import FleetFile
+from tests.jetson.conftest import make_bundle
+
+
+@contextmanager
+def node_server(target: Path):
+    """A stand-in for `lineside serve TARGET/current`: ready iff that bundle loads."""
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path != "/health/ready":
+                self.send_error(404)
+                return
+            try:
+                b = open_bundle(target / "current")
+                code, body = 200, {"status": "ready", "model": b.config.name}
+            except (LinesideError, OSError) as e:
+                code, body = 503, {"status": "failed", "reason": str(e)[:200]}
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+class FakeClock:
+    """Injected time for the health wait: sleep() advances it, nothing really waits."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.slept = 0.0
+
+    def clock(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+        self.slept += s
+
+
+def broken_bundle(path: Path, seed: int) -> Path:
+    """A bundle whose every sha256 matches its manifest (push accepts it) but whose config cannot load."""
+    make_bundle(path, seed, weight_bytes=4096, name="broken")
+    (path / "config.json").write_text(json.dumps({"architecture": "llama", "vocab_size": 64}))
+    write_manifest(path, Manifest(architecture="llama", config="config.json", max_seq_len=128,
+                                  extra={"name": "broken"}, quantization={"scheme": "w4a16"}))
+    return path
+
+
+@pytest.fixture
+def fleet3(tmp_path):
+    """Three nodes (a, b, c) with their node servers; returns (make_fleet(bundle), targets, log)."""
+    targets = {n: tmp_path / f"dev-{n}" for n in "abc"}
+    log = tmp_path / "restarts.log"
+    with ExitStack() as stack:
+        urls = {n: stack.enter_context(node_server(t)) for n, t in targets.items()}
+
+        def make(bundles: dict[str, Path], parallel: int = 4, canary: str = "b") -> FleetFile:
+            return FleetFile.model_validate({
+                "nodes": [{"name": n, "kind": "jetson", "url": urls[n], "target": str(targets[n]),
+                           "bundle": str(bundles[n]), "device": "agx-orin-64",
+                           "restart": f"echo {n} $(readlink {targets[n]}/current) >> {log}"} for n in "abc"],
+                "pools": {"realtime": {"members": list("abc")}},
+                "rollout": {"canary": canary, "parallel": parallel, "health_timeout_s": 30},
+            })
+
+        yield make, targets, log
+
+
+def _wait(clock: FakeClock):
+    client = httpx.Client(timeout=5.0, trust_env=False)
+    return lambda n: wait_healthy(n, client, 30.0, interval_s=1.0, clock=clock.clock, sleep=clock.sleep)
+
+
+def _current(t: Path) -> str:
+    return os.readlink(t / "current")
+
+
+def test_waves_put_the_canary_first(fleet3, tmp_path):
+    make, _, _ = fleet3
+    v1 = make_bundle(tmp_path / "v1", 1, weight_bytes=4096, name="model-v1")
+    assert [[n.name for n in w] for w in waves(make(dict.fromkeys("abc", v1), parallel=1))] == [["b"], ["a"], ["c"]]
+    assert [[n.name for n in w] for w in waves(make(dict.fromkeys("abc", v1)))] == [["b"], ["a", "c"]]
+
+
+def test_rollout_updates_all_then_a_broken_canary_stops_it(fleet3, tmp_path):
+    make, targets, log = fleet3
+    v1 = make_bundle(tmp_path / "v1", 1, weight_bytes=4096, name="model-v1")
+    clock = FakeClock()
+    r1 = rolling_push(make(dict.fromkeys("abc", v1)), health=_wait(clock))
+    assert r1.ok and [(n.node, n.outcome) for n in r1.nodes] == [
+        ("b", Outcome.UPDATED), ("a", Outcome.UPDATED), ("c", Outcome.UPDATED)]
+    v1_links = {n: _current(t) for n, t in targets.items()}
+    assert all(open_bundle(t / "current").config.name == "model-v1" for t in targets.values())
+    assert sorted(line.split()[0] for line in log.read_text().splitlines()) == ["a", "b", "c"]
+
+    again = rolling_push(make(dict.fromkeys("abc", v1)), health=_wait(clock))  # nothing to do: no restarts
+    assert again.ok and {n.outcome for n in again.nodes} == {Outcome.UNCHANGED}
+    assert len(log.read_text().splitlines()) == 3
+
+    bad = broken_bundle(tmp_path / "v2", 2)
+    clock = FakeClock()
+    r2 = rolling_push(make(dict.fromkeys("abc", bad)), health=_wait(clock))
+    assert not r2.ok and r2.stopped.startswith("canary b rolled_back")
+    assert [(n.node, n.outcome) for n in r2.nodes] == [
+        ("b", Outcome.ROLLED_BACK), ("a", Outcome.NOT_STARTED), ("c", Outcome.NOT_STARTED)]
+    assert "failed" in r2.nodes[0].error and "back on versions/model-v1-" in r2.nodes[0].error
+    assert clock.slept >= 30  # it waited the whole health timeout (on the injected clock) before giving up
+    # every node serves v1 again; the ones after the canary never saw v2
+    assert {n: _current(t) for n, t in targets.items()} == v1_links
+    for n in "ac":
+        assert not any("broken" in p.name for p in (targets[n] / "versions").iterdir())
+    assert log.read_text().splitlines()[-1].split() == ["b", v1_links["b"]]  # the restart hook ran after rollback
+
+
+def test_corrupt_canary_bundle_activates_nothing(fleet3, tmp_path):
+    make, targets, _ = fleet3
+    v1 = make_bundle(tmp_path / "v1", 1, weight_bytes=4096, name="model-v1")
+    assert rolling_push(make(dict.fromkeys("abc", v1)), health=_wait(FakeClock())).ok
+    before = {n: _current(t) for n, t in targets.items()}
+    v2 = make_bundle(tmp_path / "v2", 3, weight_bytes=4096, name="model-v2")
+    with open(v2 / "model.onnx.data", "r+b") as f:  # flip one byte after hashing: same size, wrong sha256
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = rolling_push(make(dict.fromkeys("abc", v2)), health=_wait(FakeClock()))
+    assert not r.ok and r.nodes[0].outcome == Outcome.PUSH_FAILED and "sha256" in r.nodes[0].error
+    assert [n.outcome for n in r.nodes[1:]] == [Outcome.NOT_STARTED, Outcome.NOT_STARTED]
+    assert {n: _current(t) for n, t in targets.items()} == before
+
+
+def test_unhealthy_node_in_a_later_wave_stops_the_next_wave(fleet3, tmp_path):
+    make, targets, _ = fleet3
+    v1 = make_bundle(tmp_path / "v1", 1, weight_bytes=4096, name="model-v1")
+    assert rolling_push(make(dict.fromkeys("abc", v1)), health=_wait(FakeClock())).ok
+    v2 = make_bundle(tmp_path / "v2", 4, weight_bytes=4096, name="model-v2")
+    bad = broken_bundle(tmp_path / "bad", 5)
+    r = rolling_push(make({"b": v2, "a": bad, "c": v2}, parallel=1), health=_wait(FakeClock()))
+    assert [(n.node, n.outcome) for n in r.nodes] == [
+        ("b", Outcome.UPDATED), ("a", Outcome.ROLLED_BACK), ("c", Outcome.NOT_STARTED)]
+    assert open_bundle(targets["b"] / "current").config.name == "model-v2"
+    assert open_bundle(targets["a"] / "current").config.name == "model-v1"
+    assert open_bundle(targets["c"] / "current").config.name == "model-v1"
+
+
+def test_cli_push_reports_and_exits_nonzero_when_stopped(fleet3, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    make, targets, _ = fleet3
+    v2 = make_bundle(tmp_path / "v2", 7, weight_bytes=4096, name="model-v2")
+    (v2 / "model.onnx.data").write_bytes(b"x" * 4096)  # same size, different bytes: fails on the target
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(make(dict.fromkeys("abc", v2)).model_dump(mode="json", exclude_defaults=True)))
+    p = subprocess.run([sys.executable, "-m", "lineside", "fleet", "push", str(path)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: rollout stopped: canary b push_failed")
+    assert "b: push_failed" in p.stdout and "a: not_started" in p.stdout and "c: not_started" in p.stdout
+    assert not any((t / "current").exists() for t in targets.values())
+
+
+def test_a_bundle_the_planner_cannot_read_is_one_line(fleet3, tmp_path):
+    from lineside.fleet.plan import plan_fleet
+    from lineside.fleet.spec import FleetError
+
+    make, _, _ = fleet3
+    with pytest.raises(FleetError, match="node 'a': .*config"):
+        plan_fleet(make(dict.fromkeys("abc", broken_bundle(tmp_path / "bad", 8))))
+
+
+def test_ssh_canary_rolled_back_over_ssh(tmp_path, sshd):
+    """The canary is a user@host:/dir target on a loopback sshd: push, restart hook and rollback all over ssh."""
+    host, ssh = sshd
+    targets = {"a": tmp_path / "dev-a", "b": tmp_path / "dev-b", "c": tmp_path / "dev-c"}
+    log = tmp_path / "restarts.log"
+    v1 = make_bundle(tmp_path / "v1", 11, weight_bytes=4096, name="model-v1")
+    bad = broken_bundle(tmp_path / "bad", 12)
+    with ExitStack() as stack:
+        urls = {n: stack.enter_context(node_server(t)) for n, t in targets.items()}
+
+        def make(bundle: Path) -> FleetFile:
+            return FleetFile.model_validate({
+                "nodes": [{"name": n, "kind": "jetson", "url": urls[n], "device": "agx-orin-64",
+                           "target": f"{host}:{targets[n]}" if n == "a" else str(targets[n]), "bundle": str(bundle),
+                           "restart": f"echo {n} $(readlink {targets[n]}/current) >> {log}"} for n in "abc"],
+                "pools": {"realtime": {"members": list("abc")}},
+                "rollout": {"canary": "a"}})
+
+        assert rolling_push(make(v1), ssh=ssh, health=_wait(FakeClock())).ok
+        before = {n: _current(t) for n, t in targets.items()}
+        r = rolling_push(make(bad), ssh=ssh, health=_wait(FakeClock()))
+        assert [(n.node, n.outcome) for n in r.nodes] == [
+            ("a", Outcome.ROLLED_BACK), ("b", Outcome.NOT_STARTED), ("c", Outcome.NOT_STARTED)]
+        assert {n: _current(t) for n, t in targets.items()} == before
+        assert log.read_text().splitlines()[-1].split() == ["a", before["a"]]  # the hook ran on the node

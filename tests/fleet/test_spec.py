@@ -1,0 +1,119 @@
+"""The fleet file: what is accepted, and one clear line for each kind of mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lineside.fleet.plan import plan_fleet
+from lineside.fleet.spec import FleetError, load_fleet, parse_fleet
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "fleet.example.yaml"
+
+GOOD = {
+    "version": 1,
+    "nodes": [
+        {"name": "orin-1", "kind": "jetson", "url": "http://10.0.0.11:8000", "model": "deepseek-r1-distill-qwen-7b",
+         "device": "agx-orin-64"},
+        {"name": "line-pc", "kind": "x86", "engine": "llama.cpp", "url": "http://10.0.0.20:8080",
+         "health_path": "/v1/models"},
+        {"name": "gpu", "kind": "datacenter", "engine": "vllm", "url": "http://10.0.1.5:8000",
+         "model": "deepseek-v4-flash", "gpus": "8xH200"},
+    ],
+    "pools": {"realtime": {"members": ["orin-1"]}, "batch": {"members": ["gpu", "line-pc"]}},
+}
+
+
+def _parse(d: dict):
+    return parse_fleet(yaml.safe_dump(d), Path("fleet.yaml"))
+
+
+def _err(d: dict) -> str:
+    with pytest.raises(FleetError) as e:
+        plan_fleet(_parse(d))
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def _with(path: str, value):
+    import copy
+
+    d = copy.deepcopy(GOOD)
+    cur = d
+    keys = path.split(".")
+    for k in keys[:-1]:
+        cur = cur[int(k)] if k.isdigit() else cur[k]
+    last = keys[-1]
+    if value is KeyError:
+        del cur[last]
+    elif last.isdigit():
+        cur[int(last)] = value
+    else:
+        cur[last] = value
+    return d
+
+
+def test_good_file_and_the_shipped_example_plan():
+    plans = plan_fleet(_parse(GOOD))
+    assert [(p.node, p.fits) for p in plans] == [("orin-1", True), ("line-pc", None), ("gpu", True)]
+    assert plans[2].detail.startswith("FP8 e4m3") and "TP1 DP8 EP8 attention-DP" in plans[2].detail
+    f = load_fleet(EXAMPLE)  # the example's bundles don't exist here: check structure, plan the model-only nodes
+    assert [n.name for n in f.nodes] == ["orin-1", "orin-2", "line-pc", "gpu-server"]
+    assert f.nodes[0].bundle == str((EXAMPLE.parent / "../bundles/r1-qwen-7b").resolve())
+    assert f.gateway.shadow is not None and f.gateway.session.idle_s >= 60
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (("nodes.0.bundel", "x"), "fleet.yaml: unknown key 'nodes[0].bundel'; the keys allowed there are: name, kind,"),
+    (("gateway", {"prot": 9}), "fleet.yaml: unknown key 'gateway.prot'; the keys allowed there are: host, port,"),
+    (("pools.batch.members", []), "fleet.yaml: pool 'batch' has no members; list node names under "
+                                  "pools.batch.members or remove the pool"),
+    (("nodes.1", dict(GOOD["nodes"][0], url="http://10.0.0.99:8000")),
+     "fleet.yaml: node 'orin-1' is listed twice (nodes[0] and nodes[1]); give each node its own name"),
+    (("pools.realtime.members", ["orin-1", "orin-1"]), "fleet.yaml: pool 'realtime' lists node 'orin-1' twice"),
+    (("pools.realtime.members", ["orin-9"]), "fleet.yaml: pool 'realtime' lists 'orin-9', which is not a node"),
+    (("nodes.0.model", "deepseek-v4-flash"), "node 'orin-1': deepseek-v4-flash needs 139.3 GiB"),
+    (("nodes.0.kind", "jetsen"), "fleet.yaml: nodes[0].kind: Input should be 'jetson', 'x86' or 'datacenter'"),
+    (("gateway", {"session": {"idle_s": 30}}), "fleet.yaml: gateway.session.idle_s: Input should be greater "
+                                               "than or equal to 60"),
+    (("nodes.0.url", KeyError), "fleet.yaml: nodes[0].url is required"),
+    (("gateway", {"shadow": {"source": "realtime", "candidate": "nope", "share": 0.1}}),
+     "fleet.yaml: gateway.shadow.candidate 'nope' is not a pool"),
+    (("nodes.2.target", "/opt/x"), "a datacenter node runs its own engine and is never pushed to"),
+])
+def test_bad_files_are_one_line_each(change, expected):
+    msg = _err(_with(*change))
+    assert msg.startswith(expected) or expected in msg, msg
+
+
+def test_model_that_fits_nowhere_names_the_numbers():
+    msg = _err(_with("nodes.0.model", "deepseek-v4-flash"))
+    assert "agx-orin-64 has 60.0 GiB" in msg and "fits no node of this fleet" in msg
+
+
+def test_model_too_big_for_its_node_names_where_it_would_fit():
+    d = _with("nodes.0.device", "orin-nano-4")
+    d["nodes"].append({"name": "orin-2", "kind": "jetson", "url": "http://10.0.0.12:8000", "device": "agx-orin-64",
+                       "model": "deepseek-r1-distill-qwen-1.5b"})
+    d["pools"]["realtime"]["members"].append("orin-2")
+    assert _err(d).endswith("it would fit on orin-2")
+
+
+def test_cli_check_is_one_line(tmp_path):
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(yaml.safe_dump(_with("pools.batch.members", [])))
+    run = [sys.executable, "-m", "lineside", "fleet", "check", str(bad)]
+    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "has no members" in p.stderr, p.stderr
+    bad.write_text("nodes: [\n")
+    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "not valid YAML" in p.stderr
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(GOOD))
+    p = subprocess.run([*run[:-1], str(good)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "valid, every model fits its node" in p.stdout, p.stderr
