@@ -53,6 +53,19 @@ def default_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def write_gguf_tokenizer(gguf: Path, out_dir: Path) -> Path:
+    """The GGUF's tokenizer.json, rebuilt by lineside's checkpoint reader (the same ids all runtimes get)."""
+    from lineside.build.checkpoint import open_checkpoint
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = open_checkpoint(gguf)
+    try:
+        ckpt.write_tokenizer(out_dir)
+    finally:
+        ckpt.close()
+    return out_dir / "tokenizer.json"
+
+
 def prompt_ids(tokenizer_json: Path, n: int) -> list[int]:
     """n token ids of English text (repeated as needed), from the GGUF's own vocabulary."""
     from tokenizers import Tokenizer
@@ -287,12 +300,7 @@ def main() -> None:
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     hf_tok = args.work / "hf" / "tokenizer.json"
     if not hf_tok.is_file():
-        sys.path.insert(0, str(HERE))
-        from gguf import GGUFReader
-        from gguf_to_hf import write_tokenizer
-
-        (args.work / "hf").mkdir(parents=True, exist_ok=True)
-        write_tokenizer(GGUFReader(str(gguf)), args.work / "hf")
+        write_gguf_tokenizer(gguf, args.work / "hf")
     long, short = prompt_ids(hf_tok, args.prompt_tokens), short_ids(hf_tok)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     load = os.getloadavg()[0]

@@ -5,7 +5,8 @@ GPTQ at group 128 and 64 (re-quantized from the float weights): perplexity, its 
 reference, and greedy answers to a few chat prompts. Optionally onnxruntime-genai's int4 model
 (`--genai DIR`, built by benchmarks/cpu_side_by_side.py or its model builder) on the same text.
 
-    python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...]
+    python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...] [--bundle B ...]
+    python benchmarks/quality_smollm2.py --variants kvfp16,kvint8 --chunk 2048   # KV dtypes, long context
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ VARIANTS = {
     "awq64": ("W4A16 AWQ g64", dict(quant="w4a16", method="awq", group_size=64)),
     "gptq128": ("W4A16 GPTQ g128", dict(quant="w4a16", method="gptq", group_size=128)),
     "gptq64": ("W4A16 GPTQ g64", dict(quant="w4a16", method="gptq", group_size=64)),
+    # KV-cache dtypes: the trt flavor (run here on onnxruntime CPU), same W4A16 RTN g64 weights
+    "kvfp16": ("trt W4A16 g64, fp16 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",))),
+    "kvint8": ("trt W4A16 g64, int8 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",),
+                                             kv_dtype="int8")),
 }
 PROMPTS = [
     "What is the capital of France?",
@@ -119,17 +124,23 @@ def main() -> None:
     ap.add_argument("--answers", type=int, default=48, help="max tokens of each greedy chat answer (0: skip)")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--calib", type=Path, default=None, help="calibration text for the AWQ/GPTQ variants")
+    ap.add_argument("--bundle", type=Path, action="append", default=[],
+                    help="also score this prebuilt bundle (repeatable), after the variants")
     args = ap.parse_args()
     gguf = smollm2_gguf()
     rows = []
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as td:
         ids = None
-        for key in args.variants.split(","):
-            label, kw = VARIANTS[key]
+        jobs = [(key, *VARIANTS[key]) for key in args.variants.split(",") if key]
+        jobs += [(str(b), f"bundle {b}", None) for b in args.bundle]
+        for key, label, kw in jobs:
             t0 = time.time()
-            calib = args.calib if kw.get("method") in ("awq", "gptq") else None
-            out = build_bundle(gguf, Path(td) / key, BuildOptions(max_seq_len=2048, calib=calib, **kw))
+            if kw is None:
+                out = Path(key)
+            else:
+                calib = args.calib if kw.get("method") in ("awq", "gptq") else None
+                out = build_bundle(gguf, Path(td) / key, BuildOptions(max_seq_len=2048, calib=calib, **kw))
             build_s = time.time() - t0
             bundle = open_bundle(out)
             if ids is None:

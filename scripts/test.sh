@@ -15,6 +15,14 @@ if ! command -v rsync >/dev/null || [ ! -x /usr/sbin/sshd ]; then
     echo "note: rsync or sshd missing (install openssh-server and rsync as root); the ssh push test will skip"
   fi
 fi
+# promtool and prometheus check the shipped alert rules (deploy/prometheus); without them those tests skip.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test.sh: apt-get installing prometheus (promtool checks the shipped alert rules)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
+      >/dev/null 2>&1 || echo "note: could not install prometheus (promtool); the alert-rule tests will skip"
+  fi
+fi
 ruff check lineside tests build_engine.py benchmarks || exit 1
 python -m pytest -q "$@"
 rc=$?

@@ -108,6 +108,7 @@ def bench(
         raise LinesideError(f"--endpoint {endpoint!r} is not completions or chat")
 
     from lineside.bench.client import ClientConfig
+    from lineside.bench.inprocess import ready_after_s
     from lineside.bench.load import make_schedule
     from lineside.bench.prompts import PromptPool, parse_range
     from lineside.bench.report import (
@@ -148,8 +149,10 @@ def bench(
 
         console.print(f"starting lineside's server for {bundle} in-process ...")
         with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots)) as server:
+            ready_s = server.start_to_ready_s
             result = run(server.url, schedule, pool, cfg, deadline, warmup)
     else:
+        ready_s = ready_after_s(url)
         result = run(url, schedule, pool, cfg, deadline, warmup)
     load_after = machine_load()
 
@@ -160,6 +163,8 @@ def bench(
             "max_tokens": max_tokens, "seed": seed, "started_at": result.started_at}
     if bundle is not None:
         meta.update({k: v for k, v in (("threads", threads), ("num_slots", num_slots)) if v is not None})
+    if ready_s is not None:  # cold start: the server process's own start -> ready (in-process: app start -> ready)
+        meta["time_to_ready_s" if bundle is None else "server_start_to_ready_s"] = round(ready_s, 2)
     if pattern == "gamma":
         meta["burstiness"] = burstiness
     if pattern == "concurrency":

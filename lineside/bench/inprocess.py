@@ -23,6 +23,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def ready_after_s(url: str) -> float | None:
+    """What a lineside server says of its own start (process start -> ready, seconds); None if it doesn't."""
+    try:
+        r = httpx.get(url + "/health/ready", timeout=5.0)
+        value = r.json().get("ready_after_s") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def wait_ready(url: str, timeout: float, alive=lambda: True, ready_path: str = "/health/ready") -> None:
     """Poll ``url + ready_path`` until it answers 200; LinesideError if ``alive()`` turns false or time runs out."""
     deadline = time.monotonic() + timeout
@@ -56,12 +66,14 @@ class BackgroundServer:
                                  access_log=False))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="lineside-bench-server", daemon=True)
+        self.start_to_ready_s: float | None = None  # start() -> /health/ready answered 200
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> BackgroundServer:
+        started = time.monotonic()
         self._thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -71,6 +83,7 @@ class BackgroundServer:
             if self._server.started:
                 try:
                     if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
+                        self.start_to_ready_s = time.monotonic() - started
                         return self
                 except httpx.HTTPError:
                     pass

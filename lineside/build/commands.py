@@ -47,6 +47,7 @@ RequantizeOpt = Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF inst
 AccuracyLevelOpt = Annotated[int, checks.number_option(
     low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
 LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
+KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
@@ -63,6 +64,7 @@ def build(
     requantize: RequantizeOpt = False,
     accuracy_level: AccuracyLevelOpt = 4,
     lm_head_bits: LmHeadBitsOpt = 8,
+    kv_dtype: KvDtypeOpt = "fp16",
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -71,7 +73,7 @@ def build(
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
-                        lm_head_bits=lm_head_bits, force=force)
+                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force)
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)

@@ -44,6 +44,7 @@ class BuildOptions:
     requantize: bool = False  # force re-quantizing a GGUF that is already 4-bit
     accuracy_level: int = 4
     lm_head_bits: int = 8
+    kv_dtype: str = "fp16"
     force: bool = False
 
     def validate(self) -> None:
@@ -62,6 +63,9 @@ class BuildOptions:
             raise LinesideError(f"--group-size {self.group_size}: TensorRT INT4 needs 64 or 128 for the trt flavor")
         if self.lm_head_bits not in (4, 8):
             raise LinesideError(f"--lm-head-bits {self.lm_head_bits}: choose 4 or 8")
+        from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
+
+        check_kv_flavors(parse_kv_dtype(self.kv_dtype), self.flavors)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise LinesideError("--max-seq-len must be at least 2")
         if self.calib is not None and not Path(self.calib).is_file():
@@ -95,7 +99,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         _check_context(max_seq, cfg)
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
-                         accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits)
+                         accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits,
+                         kv_dtype=opts.kv_dtype.strip().lower())
         spec.check()
         carry_cpu = _carries(opts, spec)
         if source is None:
@@ -223,6 +228,7 @@ def _carried_grid(family: ModelFamily, cfg: ModelConfig, source: WeightSource | 
 
 def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: AwqPlan | None = None,
                   gplan: GptqPlan | None = None, carried_grid: str | None = None) -> dict[str, Any]:
+    from lineside.build.quant.kv import kv_record, parse_kv_dtype
     from lineside.build.quant.size import kept_high_precision_note
 
     kept = kept_high_precision_note() if spec.quantized else []
@@ -232,6 +238,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
+        "kv_cache": kv_record(parse_kv_dtype(spec.kv_dtype)),
         "symmetric": carried_grid != "Q4_1", "zero_point": 0,
         **({"grid": {"source": f"GGUF {carried_grid}", "block_size": GGML_BLOCK,
                      "per_block": "fp16 scale" + (" + fp16 minimum" if carried_grid == "Q4_1" else "")}}

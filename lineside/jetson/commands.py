@@ -57,11 +57,18 @@ def plan_cmd(
         low=1, help="quantization group size, weights per fp16 scale (default: a bundle's own grid, else 128)")] = None,
     prefill_chunk: Annotated[int, checks.number_option(low=1, help="prompt tokens processed per step")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    fallback: Annotated[str | None, typer.Option(help="a fallback bundle served beside it (`serve --fallback`): "
+                                                      "plan both together")] = None,
 ) -> None:
     """Memory for weights, KV cache, activations and runtime vs the device; largest context that fits."""
-    from lineside.jetson.planner import format_plan, plan
+    from lineside.jetson.planner import format_plan, format_plan_with_fallback, plan, plan_with_fallback
 
     p = plan(model, device, quant, ctx, batch, kv_dtype, group_size, prefill_chunk)
+    if fallback is not None:
+        f = plan(fallback, device, None, ctx, batch, kv_dtype, group_size, prefill_chunk)
+        pair = plan_with_fallback(p, f)
+        print(json.dumps(pair, indent=2) if as_json else format_plan_with_fallback(pair, p, f))
+        return
     print(json.dumps(p.to_dict(), indent=2) if as_json else format_plan(p))
 
 

@@ -19,6 +19,7 @@ from lineside.jetson.devices import Device, get_device
 from lineside.jetson.sizes import (
     Grid,
     KVSizes,
+    KvStorage,
     WeightSizes,
     check_kv_dtype,
     check_quant,
@@ -190,7 +191,7 @@ def load_model(model: str) -> ModelSpec:
     return _spec_from_hf(d, name)
 
 
-def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: int, chunk: int) -> int:
+def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: KvStorage, chunk: int) -> int:
     return w + spec.kv(ctx, batch, kvb).total + spec.activations(ctx, batch, chunk) + dev.runtime_overhead_bytes
 
 
@@ -225,6 +226,8 @@ def plan(
     kvb = check_kv_dtype(kv_dtype)
     if ctx is None:  # 4096, or all a shorter model/bundle has
         ctx = min(4096, spec.max_positions) if spec.max_positions > 0 else 4096
+    if kvb.name == "fp8" and tuple(int(x) for x in dev.sm.split(".")[:2]) < (8, 9):
+        raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
     if (group_size is not None and group_size < 1) or prefill_chunk < 1:
@@ -304,3 +307,19 @@ def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: 
 
 def _short(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def plan_with_fallback(primary: Plan, fallback: Plan) -> dict[str, Any]:
+    """Both bundles resident together (`serve --fallback`): their weights, KV and activations add up, the
+    runtime overhead is paid once."""
+    total = primary.total_bytes + fallback.total_bytes - fallback.runtime_overhead_bytes
+    return {"primary": primary.to_dict(), "fallback": fallback.to_dict(), "total_bytes": total,
+            "device_bytes": primary.device_bytes, "fits": primary.fits and fallback.fits and total <= primary.device_bytes,
+            "headroom_bytes": primary.device_bytes - total}
+
+
+def format_plan_with_fallback(pair: dict[str, Any], primary: Plan, fallback: Plan) -> str:
+    verdict = "FITS" if pair["fits"] else "DOES NOT FIT"
+    return "\n".join([format_plan(primary), "fallback:", format_plan(fallback),
+                      f"primary + fallback: {gib(pair['total_bytes'])} of {gib(pair['device_bytes'])} usable "
+                      f"(runtime counted once): {verdict}"])

@@ -7,7 +7,8 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
 - The token embedding, norms and biases stay in fp16 (TensorRT 10.3 cannot Gather INT8). The LM head
   is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
   W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
-- KV cache = 2 (K and V) × layers × kv_heads × head_dim × bytes × context × batch.
+- KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scale) × context × batch; int8 keeps one
+  fp16 scale per (token, head) next to the values, as the builder's trt graph does.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from lineside.errors import LinesideError
 
 QUANT_BITS = {"w4a16": 4, "w8a16": 8, "fp16": 16, "fp32": 32}
 KV_DTYPE_BYTES = {"fp16": 2, "int8": 1, "fp8": 1}
+# bytes of the per-(token, head) scale stored next to each quantized head vector (the builder's int8 KV: one fp16)
+KV_SCALE_BYTES = {"fp16": 0, "int8": 2, "fp8": 2}
 FP16 = 2
 
 
@@ -39,6 +42,18 @@ class Grid:
 
 def as_grid(grid: Grid | int) -> Grid:
     return grid if isinstance(grid, Grid) else Grid(int(grid))
+
+
+@dataclass(frozen=True)
+class KvStorage:
+    """How the builder stores one cached head vector: element bytes plus a per-vector scale."""
+
+    name: str
+    element_bytes: int
+    scale_bytes: int
+
+    def vector_bytes(self, n: int) -> int:
+        return n * self.element_bytes + self.scale_bytes
 
 
 @dataclass
@@ -65,11 +80,11 @@ def check_quant(quant: str) -> str:
     return q
 
 
-def check_kv_dtype(kv_dtype: str) -> int:
+def check_kv_dtype(kv_dtype: str) -> KvStorage:
     k = kv_dtype.strip().lower()
     if k not in KV_DTYPE_BYTES:
         raise LinesideError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
-    return KV_DTYPE_BYTES[k]
+    return KvStorage(k, KV_DTYPE_BYTES[k], KV_SCALE_BYTES[k])
 
 
 def linear_bytes(k: int, n: int, quant: str, group_size: Grid | int = 128) -> int:
@@ -119,9 +134,9 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) ->
     )
 
 
-def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv_bytes: int) -> KVSizes:
-    """2 × layers × kv_heads × head_dim × bytes × ctx × batch (grouped-query attention)."""
-    total = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes * ctx * batch
+def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
+    """2 × layers × kv_heads × (head_dim × bytes + scale bytes) × ctx × batch (grouped-query attention)."""
+    total = 2 * cfg.num_layers * cfg.num_kv_heads * kv.vector_bytes(cfg.head_dim) * ctx * batch
     return KVSizes(total=total, breakdown={"kv": total})
 
 

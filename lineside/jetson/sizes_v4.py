@@ -8,9 +8,10 @@ counted follow ``modeling_deepseek_v4.py`` (one list per module below).
   (fp16), the hash-routing table tid2eid (int32), and in fp32 as transformers keeps them: norms,
   attention sinks, compressor position biases, hyper-connection (mHC) mixers. The MTP layers
   (``num_nextn_predict_layers``) are not loaded and not counted.
-- Decode state per layer (one KV head, K = V shared): a sliding window of ``sliding_window``
-  entries; CSA layers add ctx/4 compressed entries and ctx/4 indexer keys; HCA layers add
-  ctx/128 compressed entries; both keep their compressor's partial-window buffers (fp16).
+- Decode state per layer, as the graph stores it (one KV head, K = V shared): a sliding window of
+  ``sliding_window`` entries; CSA layers add ctx/4 + 1 compressed entries and as many indexer keys; HCA
+  layers add ctx/128 + 1 compressed entries; both keep their compressor's window buffers. All float32;
+  with ``--kv-dtype int8`` window and compressed entries are int8 + one fp16 scale per entry.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lineside.errors import LinesideError
 from lineside.jetson.sizes import (
     FP16,
     QUANT_BITS,
     KVSizes,
+    KvStorage,
     WeightSizes,
     check_quant,
     linear_bytes,
@@ -154,22 +157,30 @@ def v4_weights(s: V4Shape, quant: str, group_size: int = 128) -> WeightSizes:
     )
 
 
-def v4_kv(s: V4Shape, ctx: int, batch: int, kv_bytes: int) -> KVSizes:
-    """Decode state: window + compressed entries + indexer keys (+ compressor buffers), per batch."""
+F32 = 4  # the V4 graphs keep their decode state in float32 (build/models/deepseek_v4/state.py)
+
+
+def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
+    """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8 + one fp16 scale per
+    entry with --kv-dtype int8) + indexer keys and compressor buffers (always float32), per batch."""
+    if kv.name == "fp8":
+        raise LinesideError("--kv-dtype fp8: the DeepSeek-V4 graphs store no fp8 state; use --kv-dtype int8")
     hd, ihd = s.head_dim, s.index_head_dim
+    entry = kv.vector_bytes(hd) if kv.name == "int8" else hd * F32
     window = compressed = indexer = state = 0
     for kind in s.layer_types:
-        window += min(ctx, s.window) * hd * kv_bytes
+        window += s.window * entry  # the graph keeps the whole window from the first token
         if kind == CSA:
             r = s.rates[CSA]
-            compressed += (ctx // r) * hd * kv_bytes
-            indexer += (ctx // r) * ihd * kv_bytes
-            # kv + gate buffers of a partial window (2 series), and the previous window's overlap
-            state += (2 * r * 2 * hd + 2 * hd + 2 * r * 2 * ihd + 2 * ihd) * FP16
+            n = ctx // r + 1  # every window that can complete, plus the open one
+            compressed += n * entry
+            indexer += n * ihd * F32
+            # kv + gate buffers of two windows (the open one and the previous one's overlap half), 2·d wide
+            state += 2 * (2 * r) * (2 * hd + 2 * ihd) * F32
         elif kind == HCA:
             r = s.rates[HCA]
-            compressed += (ctx // r) * hd * kv_bytes
-            state += 2 * r * hd * FP16
+            compressed += (ctx // r + 1) * entry
+            state += 2 * r * hd * F32
     parts = {"window": window, "compressed": compressed, "indexer_keys": indexer, "compressor_state": state}
     parts = {k: v * batch for k, v in parts.items()}
     return KVSizes(total=sum(parts.values()), breakdown=parts)

@@ -17,8 +17,13 @@ from lineside.bundle import Bundle
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.ort_cache import open_session
 
-_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+       "uint8": np.uint8}  # uint8: the trt flavor's int8 KV cache (grid + 128)
+
+
+SPIN_ENV = "LINESIDE_ORT_SPIN"
 
 
 def default_threads() -> int:
@@ -32,7 +37,7 @@ class OnnxRuntimeBackend:
     needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
-                 max_seq_len: int | None = None, accuracy_level: int | None = None):
+                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None):
         import onnxruntime as ort
 
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
@@ -41,19 +46,37 @@ class OnnxRuntimeBackend:
         self.num_slots = int(num_slots)
         self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
         self.vocab_size = bundle.config.vocab_size
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = int(threads or default_threads())
-        so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if accuracy_level is not None:
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
+        n_threads = int(threads or default_threads())
+        config = {} if accuracy_level is None else {"session.qdq_matmulnbits_accuracy_level": str(accuracy_level)}
+        # Spinning intra-op threads busy-wait between kernels: on a machine with other work (or a server's
+        # event loop) they take the cores that work needs, and a spinner descheduled mid-step stalls every
+        # kernel after it. Measured 2-3x slower decode with spinning on the shared 2-core machine
+        # (benchmarks/served_side_by_side.py --lineside-env spin:LINESIDE_ORT_SPIN=1); LINESIDE_ORT_SPIN=1 turns it on.
+        spin_flag = os.environ.get(SPIN_ENV, "0") if spin is None else ("1" if spin else "0")
+        self.spinning = spin_flag == "1"
+
+        def options() -> Any:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = n_threads
+            so.inter_op_num_threads = 1
+            for k, v in config.items():
+                so.add_session_config_entry(k, v)
+            so.add_session_config_entry("session.intra_op.allow_spinning", spin_flag)  # not a graph setting
+            return so
+
         try:
-            self.session = ort.InferenceSession(str(bundle.file(entry.graph)), so,
-                                                providers=["CPUExecutionProvider"])
+            # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
+            self.session, self.session_source = open_session(
+                ort, bundle.file(entry.graph), _graph_files_sha(bundle, entry.graph), options, config,
+                providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
             raise LinesideError(f"onnxruntime could not load {entry.graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
+        unknown = [s for s in self.states if s.dtype not in _NP]
+        if unknown:
+            raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
+                                "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
         self.arena: dict[str, np.ndarray] = {
             s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
@@ -222,6 +245,18 @@ class OnnxRuntimeBackend:
     def _bind_new(self, io: Any, name: str) -> None:
         io.bind_output(name, "cpu")
         self._bound_outputs.append(name)
+
+
+def _graph_files_sha(bundle: Bundle, graph: str) -> str | None:
+    """One digest of the graph file and its external data files as the manifest lists them (None if it
+    lists none): what onnxruntime's cached optimized graph is keyed by."""
+    shas = [f"{rel}:{meta.sha256}" for rel, meta in sorted(bundle.manifest.files.items())
+            if rel == graph or rel.startswith(graph + ".")]
+    if not any(rel.startswith(graph + ":") for rel in shas):
+        return None
+    import hashlib
+
+    return hashlib.sha256("\n".join(shas).encode()).hexdigest()
 
 
 def _row(batch: StepBatch, r: int) -> StepBatch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from lineside.server import errors, health, openai_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
-from lineside.server.state import ServerState
+from lineside.server.slo.guard import SloGuard
+from lineside.server.slo.policy import SloPolicy
+from lineside.server.state import ServerState, default_model_names
 
 _CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode"]
 
@@ -27,13 +30,17 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                max_body_bytes: int | None = None, served_model_names: list[str] | None = None,
                bind_host: str = "127.0.0.1", allowed_hosts: list[str] | None = None,
                allowed_origins: list[str] | None = None, metrics_public: bool = False,
-               openapi: bool = False, tokenizer_processes: int = 0) -> FastAPI:
+               openapi: bool = False, tokenizer_processes: int = 0,
+               fallback: str | os.PathLike[str] | ServingEngine | None = None, slo_policy: SloPolicy | None = None,
+               slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
     is set); no /docs or /redoc pages: they load their scripts from a CDN. ``max_body_bytes``: default derived
     from the model's context (prompt_limits.body_limit), at most 32 MiB. ``tokenizer_processes``: worker processes
-    for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads."""
+    for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads.
+    ``fallback`` / ``slo_policy`` turn the SLO guard on (slo/guard.py); ``slo_guard``: one the caller built.
+    ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -41,7 +48,16 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     state = ServerState(source, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads),
                         metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
                         api_key=api_key or None, served_model_names=served_model_names,
-                        tokenizer_processes=tokenizer_processes)
+                        tokenizer_processes=tokenizer_processes, engine_future=engine_future)
+    if slo_guard is None and (fallback is not None or slo_policy is not None):
+        fallback_name = (default_model_names(Path(fallback), None)[0]
+                         if isinstance(fallback, (str, os.PathLike)) else None)
+        slo_guard = SloGuard(slo_policy or SloPolicy(), fallback=fallback, fallback_name=fallback_name,
+                             engine_kwargs=state.engine_kwargs)
+    if slo_guard is not None:
+        slo_guard.attach(metrics.registry)
+        state.slo = slo_guard
+        metrics.listeners.append(slo_guard.observe)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

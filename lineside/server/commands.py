@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated
 
@@ -56,30 +58,56 @@ def serve(
     served_model_name: Annotated[list[str] | None, typer.Option(
         help="name clients send as 'model' (repeat for aliases; the first is the id shown); default: the "
              "bundle directory's name and the checkpoint's name")] = None,
+    fallback: Annotated[Path | None, typer.Option(
+        help="a second bundle (same tokenizer, e.g. a smaller model) loaded beside BUNDLE that takes traffic when "
+             "the SLO guard degrades")] = None,
+    slo_policy: Annotated[Path | None, typer.Option(
+        help="SLO policy file (YAML or JSON): thresholds, recovery, pins; default with --fallback: TTFT P90 0.8 s / "
+             "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
-    from lineside.server.app import create_app
-    from lineside.server.auth import resolve_api_key
-    from lineside.server.browser_guard import is_loopback
-    from lineside.server.http_limits import HttpLimits
-    from lineside.server.serve import bind_socket, run
 
     # Everything that can be wrong is checked before the socket opens and the model loads (one line each).
     backend = checks.choice(backend, "--backend", ("auto", "onnxruntime", "tensorrt"))
     log_level = checks.choice(log_level, "--log-level", LOG_LEVELS)
-    if api_key_file is not None:
-        checks.input_file(api_key_file, "--api-key-file", "key file")
+    for opt, path in (("--api-key-file", api_key_file), ("--slo-policy", slo_policy)):
+        if path is not None:
+            checks.input_file(path, opt)
+    if fallback is not None:
+        checks.input_dir(fallback, "--fallback", "bundle directory")
     if latency_log is not None:
         checks.output_file(latency_log, "--latency-log", append=True)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
+    policy = None
+    if slo_policy is not None:
+        from lineside.server.slo.policy import load_policy
+
+        policy = load_policy(slo_policy)
+    if fallback is not None:
+        from lineside.server.slo.fallback import available_bytes, check_fallback, check_fits
+
+        check_fallback(bundle, fallback)
+        check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
+    from lineside.server.auth import resolve_api_key
+
     key = resolve_api_key(api_key, api_key_file)
+    from lineside.server.serve import bind_socket, run
+
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+        # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
+        # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
+        engine = load_in_background(bundle, dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting,
+                                                 threads=threads))
+        from lineside.server.app import create_app
+        from lineside.server.browser_guard import is_loopback
+        from lineside.server.http_limits import HttpLimits
+
         hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
         origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
         if not is_loopback(host) and key is None:
@@ -87,15 +115,40 @@ def serve(
                 "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
         app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
                          latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                         threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
+                         threads=threads,
+                         served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
-                         openapi=openapi, tokenizer_processes=tokenizer_processes)
+                         openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
+                         slo_policy=policy, engine_future=engine)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout)
     except BaseException:
         sock.close()
         raise
     run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
+
+
+def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
+    """Start building the bundle's LLMEngine on a daemon thread (it must not keep a failed server alive);
+    the future carries the engine or the error the loader reports."""
+    # Imported here, on the calling thread, so the loader thread and the web-stack imports never import
+    # the same module at the same time (Python's per-module import locks could hand one a half-made module).
+    import lineside.runtime.generate  # noqa: F401 - what LLMEngine imports lazily, same reason
+    import lineside.runtime.onnxruntime_backend  # noqa: F401
+    import lineside.runtime.select  # noqa: F401
+    import lineside.runtime.tensorrt.key  # noqa: F401
+    from lineside.runtime.engine import LLMEngine
+
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(LLMEngine(bundle, **engine_kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
+            future.set_exception(e)
+
+    threading.Thread(target=build, name="lineside-load", daemon=True).start()
+    return future
 
 
 def register(app: typer.Typer) -> None:

@@ -21,7 +21,10 @@ def _state(request: Request) -> ServerState:
 @router.get("/health", summary="Liveness: the process answers")
 async def health(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"status": "ok", "ready": state.engine_ready and not state.draining, "draining": state.draining}
+    body = {"status": "ok", "ready": state.engine_ready and not state.draining, "draining": state.draining}
+    if state.slo is not None:
+        body["slo"] = state.slo.status().to_json()
+    return body
 
 
 @router.get("/health/ready", summary="Readiness: 200 once the model is loaded and warm; 503 otherwise",
@@ -35,7 +38,7 @@ async def ready(request: Request) -> JSONResponse:
     if not state.engine_ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return JSONResponse({"status": "ready", "model": state.model_name,
-                         "backend": getattr(state.engine, "backend_name", None)})
+                         "backend": getattr(state.engine, "backend_name", None), "ready_after_s": state.ready_s})
 
 
 def gpu_state() -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import KW_ONLY, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class ServerMetrics:
         self.http_inflight = Gauge("lineside_http_requests_in_flight", "Generation requests being served",
                                    registry=registry)
         self._device: dict[str, Gauge] = {}
+        self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
         self._lock = threading.Lock()
@@ -104,6 +106,8 @@ class ServerMetrics:
         self.e2e.observe(record.e2e_s or 0.0)
         if record.queue_s is not None:
             self.queue.observe(record.queue_s)
+        for listener in self.listeners:
+            listener(record)
         if self._log_path is not None:
             self._write_log(record)
 

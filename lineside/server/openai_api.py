@@ -34,6 +34,7 @@ from lineside.server.schemas import (
     ModelCard,
     ModelList,
 )
+from lineside.server.slo import routing as slo_routing
 from lineside.server.state import ServerState
 
 router = APIRouter()
@@ -105,6 +106,15 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         raise
     choices: list[Choice] = []
     endpoint = "chat" if chat else "completions"
+    engine, model, slo_plan = state.engine, state.model_name, None
+    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback) and may answer from cache
+        slo_plan = await slo_routing.plan(state.slo, body, prompts=prompts, budgets=budgets, chat=chat,
+                                          priority=priority, mode=mode, stops=stops, n=n, response_id=response_id,
+                                          draining=lambda: state.draining)
+        if slo_plan.cached is not None:
+            return slo_plan.cached
+        engine, model = slo_plan.route.engine, slo_plan.route.model
     try:
         # choice index = prompt * n + copy, as OpenAI orders them; copies share the prompt's cached prefix
         for prompt_index, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
@@ -114,9 +124,12 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
                     request_id=f"{choice_id}#{next(_serial)}", copy=copy)
-                handle = state.engine.submit(engine_request)
+                handle = engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
+                if slo_plan is not None:
+                    slo_plan.note(record)
+                    state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
                 choices.append(Choice(index, handle, record, copy=copy))
     except QueueFullError as e:
         responses.cancel_all(choices)
@@ -132,13 +145,17 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
         raise APIError(400, str(e), "invalid_request") from None
-    response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = sse.ChunkWriter(chat, response_id, created, model=state.model_name, include_usage=include_usage)
-        return responses.GenerationStream(responses.stream_events(state, writer, choices), choices, state)
-    return await responses.complete(request, state, choices, chat=chat, response_id=response_id, created=created)
+        writer = sse.ChunkWriter(chat, response_id, created, model=model, include_usage=include_usage)
+        stream = responses.GenerationStream(responses.stream_events(state, writer, choices), choices, state)
+        if slo_plan is not None:
+            stream.headers.update(slo_plan.headers)
+        return stream
+    response = await responses.complete(request, state, choices, chat=chat, response_id=response_id,
+                                        created=created, model=model)
+    return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
 async def _offload(size: int, fn: Any, *args: Any) -> Any:

@@ -182,7 +182,7 @@ async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
 
 
 async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
-                   created: int) -> Any:
+                   created: int, model: str | None = None) -> Any:
     """The JSON body: every choice's whole text once all have finished (or the first failure as an error)."""
     watcher = asyncio.create_task(_watch_disconnect(request, choices))
     try:
@@ -214,5 +214,5 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
         body_choices = [{"index": c.index, "text": "".join(c.text_parts), "logprobs": None,
                          "finish_reason": c.finish_reason} for c in choices]
         obj = "text_completion"
-    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": state.model_name,
+    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
                          "system_fingerprint": None, "choices": body_choices, "usage": usage})

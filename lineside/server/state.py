@@ -12,12 +12,16 @@ import os
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 from lineside.server.tokenize_pool import PooledTokenizer
+
+if TYPE_CHECKING:
+    from lineside.server.slo.guard import SloGuard
 
 log = logging.getLogger("lineside.server")
 
@@ -45,14 +49,28 @@ def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None
     return names
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc; None elsewhere): what time-to-ready is measured from."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class ServerState:
     """Everything the handlers share: the engine, readiness, drain flag and metrics."""
 
     def __init__(self, source: str | os.PathLike[str] | ServingEngine, engine_kwargs: dict[str, Any],
                  metrics: ServerMetrics, *,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
-                 served_model_names: list[str] | None = None, tokenizer_processes: int = 0):
+                 served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
+                 engine_future: Future[ServingEngine] | None = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
+        # An engine already being built on another thread (`serve` starts it before importing the web stack).
+        self.engine_future = engine_future
+        self.ready_s: float | None = None  # process start -> ready, seconds
         self._names = [name for name in (served_model_names or []) if name]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
@@ -75,6 +93,7 @@ class ServerState:
         self._load_task: asyncio.Task | None = None
         self.tokenizer_processes = tokenizer_processes
         self._tokenizer: PooledTokenizer | None = None
+        self.slo: SloGuard | None = None  # the degradation ladder, when serving with --fallback / --slo-policy
 
     # ---- model ---------------------------------------------------------------------------------
     @property
@@ -108,14 +127,19 @@ class ServerState:
         from lineside.errors import LinesideError
 
         try:
-            if self.engine is None:
+            if self.engine is None and self.engine_future is not None:
+                self.engine = await asyncio.wrap_future(self.engine_future)
+            elif self.engine is None:
                 from lineside.runtime.engine import LLMEngine
 
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
             await self.engine.start()  # warms the backend up before it reports ready
+            if self.slo is not None:  # the fallback loads and warms before the server reports ready
+                await self.slo.start(self.engine, self.model_name)
             if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
                 await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
+            self.ready_s = process_age_s()
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:
             raise
@@ -168,6 +192,8 @@ class ServerState:
             log.warning("drain timeout: %d request(s) still in flight are cancelled", self.inflight)
         if self.engine is not None:
             await self.engine.stop(0.0)  # cancels what is left; their responses end with an error
+        if self.slo is not None:
+            await self.slo.stop(0.0)
         try:
             await asyncio.wait_for(self._idle.wait(), 2.0)
         except asyncio.TimeoutError:
@@ -188,6 +214,8 @@ class ServerState:
                 await self.engine.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
             except Exception:  # noqa: BLE001 - shutting down: log, keep going
                 log.exception("engine stop failed")
+        if self.slo is not None:
+            await self.slo.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
         if self._tokenizer is not None:
             self._tokenizer.close()
         if self.tegrastats:

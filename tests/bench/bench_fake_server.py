@@ -22,7 +22,7 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model")
 
     @app.get("/health/ready")
     async def ready():
-        return {"status": "ready"}
+        return {"status": "ready", "ready_after_s": 1.25}  # what lineside's server says of its own start
 
     @app.get("/v1/models")
     async def models():

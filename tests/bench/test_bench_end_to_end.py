@@ -108,6 +108,7 @@ def test_cli_url_report_and_compare(server, tmp_path):
     data = json.loads((outs[1] / "report.json").read_text())
     assert data["summary"]["requests"] == 8 and data["summary"]["failed"] == 0
     assert data["meta"]["pattern"] == "burst" and data["meta"]["prompts_per_request"] == "1:3"
+    assert data["meta"]["time_to_ready_s"] == 1.25  # the server's own process start -> ready
     assert data["summary"]["goodput"] == pytest.approx(8 / data["summary"]["duration"])
     md = (outs[1] / "report.md").read_text()
     assert "![latency_distribution](latency_distribution.png)" in md and "| TTFT |" in md
@@ -140,6 +141,7 @@ def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
     assert seen["path"] == str(bundle) and seen["options"] == {"num_slots": 4}
     data = json.loads((tmp_path / "o" / "report.json").read_text())
     assert data["meta"]["model"] == "bundle-model" and data["summary"]["completed"] == 4
+    assert data["meta"]["server_start_to_ready_s"] >= 0  # in-process: app start -> /health/ready
     assert not (tmp_path / "o" / "latency_distribution.png").exists()
 
 

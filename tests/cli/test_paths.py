@@ -91,6 +91,8 @@ INPUT_CASES = [
     ("serve BUNDLE missing", "serve", lambda c, b, w: ["serve", w / "nope"], ["nope"]),
     ("serve --api-key-file missing", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "key"], ["--api-key-file"]),
     ("serve --api-key-file is-a-dir", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "full"], ["--api-key-file", "directory"]),
+    ("serve --slo-policy missing", "serve", lambda c, b, w: ["serve", b, "--slo-policy", w / "p.yaml"], ["--slo-policy"]),
+    ("serve --fallback is-a-file", "serve", lambda c, b, w: ["serve", b, "--fallback", w / "afile"], ["--fallback"]),
     ("engine BUNDLE missing", "engine", lambda c, b, w: ["engine", w / "nope"], ["nope"]),
     ("check BUNDLE missing", "check", lambda c, b, w: ["check", w / "nope"], ["nope"]),
     ("check BUNDLE is-a-file", "check", lambda c, b, w: ["check", w / "afile"], ["afile"]),

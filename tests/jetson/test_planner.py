@@ -11,7 +11,7 @@ from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 from lineside.jetson.devices import DEVICES, device_for_board
 from lineside.jetson.planner import CONFIGS_DIR, fit_table, load_model, plan, shipped_configs
-from lineside.jetson.sizes import dense_weights
+from lineside.jetson.sizes import check_kv_dtype, dense_weights
 from lineside.jetson.sizes_v4 import V4Shape, v4_kv, v4_weights
 
 GIB = 1 << 30
@@ -58,12 +58,31 @@ def test_dense_weights_match_hand_computation(model, quant):
 
 
 def test_dense_kv_formula():
-    # 2 x layers x kv_heads x head_dim x bytes x ctx x batch
+    # 2 x layers x kv_heads x (head_dim x bytes + scale bytes) x ctx x batch
     assert plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nano-8", ctx=4096).kv_cache_bytes == 2 * 28 * 2 * 128 * 2 * 4096
     p = plan("DeepSeek-R1-Distill-Qwen-32B", "h100-80", "w4a16", ctx=32768, batch=4, kv_dtype="int8")
-    assert p.kv_cache_bytes == 2 * 64 * 8 * 128 * 1 * 32768 * 4 == 16 * GIB
-    p = plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", ctx=131072, kv_dtype="fp8")
-    assert p.kv_cache_bytes == 2 * 32 * 8 * 128 * 1 * 131072
+    assert p.kv_cache_bytes == 2 * 64 * 8 * (128 * 1 + 2) * 32768 * 4  # one fp16 scale per (token, head)
+    p = plan("DeepSeek-R1-Distill-Llama-8B", "h100-80", ctx=131072, kv_dtype="fp8")
+    assert p.kv_cache_bytes == 2 * 32 * 8 * (128 * 1 + 2) * 131072
+    with pytest.raises(LinesideError, match=r"AGX Orin.*has no FP8; use --kv-dtype int8"):
+        plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", kv_dtype="fp8")
+    with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
+        plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
+    """Bytes per token of every append state the trt graph declares (the runtime's arena) == the planner's."""
+    from lineside.bundle import open_bundle
+    from lineside.jetson.planner import _spec_from_config
+    from lineside.runtime.tensorrt.buffers import plan_buffers
+
+    b = open_bundle(tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, kv_dtype=kv))
+    bp = plan_buffers(b.flavor("trt").state, b.config, num_slots=1, max_seq=64, max_prefill=8, max_logits=1,
+                      vocab=b.config.vocab_size, input_names=list(b.flavor("trt").inputs))
+    per_token = sum(s.nbytes for s in bp.buffers.values() if s.role == "arena") // 64
+    spec = _spec_from_config(b.config)
+    assert spec.kv(1, 1, check_kv_dtype(kv)).total == per_token
 
 
 def test_v4_flash_weights_by_component():
@@ -87,10 +106,13 @@ def test_v4_flash_kv_at_one_million_tokens():
     ctx = 1 << 20
     p = plan("DeepSeek-V4-Flash", "h100-80", "w4a16", ctx=ctx)
     kv = p.kv_breakdown
-    assert kv["window"] == 43 * 128 * 512 * 2  # every layer keeps a 128-token window, one KV head, K = V
-    assert kv["compressed"] == 21 * (ctx // 4) * 512 * 2 + 20 * (ctx // 128) * 512 * 2
-    assert kv["indexer_keys"] == 21 * (ctx // 4) * 128 * 2
-    assert p.kv_cache_bytes == 7_225_565_696  # 6.7 GiB for 1M tokens (a dense 8B model needs 128 GiB)
+    # float32, as the V4 graph stores its state; +1: the open compressed window
+    assert kv["window"] == 43 * 128 * 512 * 4  # every layer keeps a 128-token window, one KV head, K = V
+    assert kv["compressed"] == 21 * (ctx // 4 + 1) * 512 * 4 + 20 * (ctx // 128 + 1) * 512 * 4
+    assert kv["indexer_keys"] == 21 * (ctx // 4 + 1) * 128 * 4
+    assert 13 * GIB < p.kv_cache_bytes < 14 * GIB  # 13.5 GiB for 1M tokens (a dense 8B model needs 128 GiB)
+    q = plan("DeepSeek-V4-Flash", "h100-80", "w4a16", ctx=ctx, kv_dtype="int8").kv_breakdown
+    assert q["window"] == 43 * 128 * (512 + 2) and q["indexer_keys"] == kv["indexer_keys"]
 
 
 def test_v4_pro_layer_types_match_transformers():
@@ -208,7 +230,24 @@ def test_fit_table_and_board_mapping():
 
 def test_v4_kv_without_compression_is_window_only():
     s = V4Shape.from_raw({"num_hidden_layers": 2, "compress_ratios": [0, 0], "sliding_window": 16})
-    assert v4_kv(s, 1000, 3, 2).total == 3 * 2 * 16 * 512 * 2
+    assert v4_kv(s, 1000, 3, check_kv_dtype("fp16")).total == 3 * 2 * 16 * 512 * 4  # float32, as emitted
+    assert v4_kv(s, 1000, 3, check_kv_dtype("int8")).total == 3 * 2 * 16 * (512 + 2)
+
+
+@pytest.mark.parametrize("kv", ["fp16", "int8"])
+def test_v4_planner_bytes_are_the_emitters_state_bytes(kv):
+    """V4-Flash's state tensors as the V4 emitter declares them (shapes and dtypes) == the planner's bytes."""
+    import math
+
+    from lineside.build.models.deepseek_v4 import parse_config, state_tensors
+    from lineside.runtime.tensorrt.buffers import np_dtype
+
+    raw = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
+    states = state_tensors(parse_config(raw), 8192, quantized=kv == "int8")
+    emitted = sum(math.prod(1 if d == "batch" else d for d in st.shape) * np_dtype(st.dtype).itemsize
+                  for st in states)
+    assert {st.dtype for st in states} == ({"float32"} if kv == "fp16" else {"float32", "uint8", "float16"})
+    assert v4_kv(V4Shape.from_raw(raw), 8192, 1, check_kv_dtype(kv)).total == emitted
 
 
 def test_docs_tables_match_the_planner():

@@ -18,9 +18,10 @@ def _members() -> set[str]:
 
 
 def _engine_uses() -> dict[str, str]:
-    """Every ``<x>.engine.<name>`` and ``getattr(<x>.engine, "<name>", ...)`` in lineside/server: name → file."""
+    """Every ``<x>.engine.<name>``, ``engine.<name>`` (a route's chosen engine) and ``getattr(..engine, "<name>")``
+    in lineside/server and its subpackages: name → file."""
     out: dict[str, str] = {}
-    for path in sorted(SERVER.glob("*.py")):
+    for path in sorted(SERVER.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             target = name = None
             if isinstance(node, ast.Attribute):
@@ -28,7 +29,8 @@ def _engine_uses() -> dict[str, str]:
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                   and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
                 target, name = node.args[0], node.args[1].value
-            if isinstance(target, ast.Attribute) and target.attr == "engine":
+            if (isinstance(target, ast.Attribute) and target.attr == "engine") or (
+                    isinstance(target, ast.Name) and target.id in ("engine", "fallback_engine")):
                 out.setdefault(str(name), path.name)
     return out
 

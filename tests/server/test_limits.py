@@ -184,6 +184,7 @@ def test_ready_503_while_loading_and_draining(tiny_bundle):
         loop = state._load_task.get_loop()
         loop.call_soon_threadsafe(gate.set)
         assert _wait(lambda: httpx.get(srv.url + "/health/ready").status_code == 200, 10)
+        assert httpx.get(srv.url + "/health/ready").json()["ready_after_s"] > 0  # process start -> ready
 
         async def drain_during_request():
             async with httpx.AsyncClient(timeout=30) as c:

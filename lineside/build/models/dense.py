@@ -236,18 +236,75 @@ class DenseEmitter:
             states += [StateTensor(pk, ok, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE),
                        StateTensor(pv, ov, ["batch", kvh, "max_seq", d], update=StateUpdate.INPLACE)]
         else:
+            out, layer_states = self._trt_layer(i, qkv)
+            states += layer_states
+        return self.linear(out, n["o"], n.get("ob"))
+
+    def _trt_layer(self, i: int, qkv: str) -> tuple[str, list[StateTensor]]:
+        """trt-flavor attention of layer i: its output and its state tensors (values, then per-token scales)."""
+        from lineside.build.graph.kv_cache import scale_name
+        from lineside.build.quant.kv import FORMATS, KvDtype
+
+        cfg, g = self.cfg, self.gb
+        kvh, d = cfg.num_kv_heads, cfg.head_dim
+        kv = KvDtype(self.spec.kv_dtype)
+        names = {"k": (f"past_key.{i}", f"present_key.{i}"), "v": (f"past_value.{i}", f"present_value.{i}")}
+        shape: list[Any] = ["batch", kvh, "past_seq", d]
+        out_shape: list[Any] = ["batch", kvh, "seq", d]
+        states: list[StateTensor] = []
+        if kv == KvDtype.FP16:
             # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
             kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
-            kv_dtype = "float32" if kv_t == F32 else "float16"
-            for name in (pk, pv):
-                g.input(name, kv_t, ["batch", kvh, "past_seq", d])
-            q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
-            out = self._trt_attention(q, k, v, pk, pv, ok, ov, self.allowed[cfg.layer_window(i)])
-            for name in (ok, ov):
-                g.output(name, kv_t, ["batch", kvh, "seq", d])
-            states += [StateTensor(pk, ok, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND),
-                       StateTensor(pv, ov, ["batch", kvh, "past_seq", d], dtype=kv_dtype, update=StateUpdate.APPEND)]
-        return self.linear(out, n["o"], n.get("ob"))
+            kv_name = "float32" if kv_t == F32 else "float16"
+            for past, present in names.values():
+                g.input(past, kv_t, shape)
+                g.output(present, kv_t, out_shape)
+                states.append(StateTensor(past, present, shape, dtype=kv_name, update=StateUpdate.APPEND))
+            self.kv_io = {key: (past, present, None, None) for key, (past, present) in names.items()}
+        else:
+            fmt = FORMATS[kv]
+            q_t = TensorProto.UINT8
+            s_shape, s_out = shape[:3] + [1], out_shape[:3] + [1]
+            self.kv_io = {}
+            for key, (past, present) in names.items():
+                ps, os_ = scale_name(past), scale_name(present)
+                g.input(past, q_t, shape)
+                g.input(ps, TensorProto.FLOAT16, s_shape)
+                g.output(present, q_t, out_shape)
+                g.output(os_, TensorProto.FLOAT16, s_out)
+                states += [StateTensor(past, present, shape, dtype=fmt.element, update=StateUpdate.APPEND),
+                           StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
+                self.kv_io[key] = (past, present, ps, os_)
+        q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
+        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)]), states
+
+    def _kv_write(self, x: str, key: str) -> tuple[str, str]:
+        """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
+        for the new entries and the past (attention reads the stored values, so prefill and decode agree)."""
+        from lineside.build.graph.kv_cache import emit_kv_load, emit_kv_store
+        from lineside.build.quant.kv import FORMATS, KvDtype
+
+        g = self.gb
+        past, present, past_s, present_s = self.kv_io[key]
+        kv = KvDtype(self.spec.kv_dtype)
+        if kv == KvDtype.FP16:
+            if self.spec.scheme == "fp32":
+                g.op("Identity", [x], outputs=[present])
+                return x, past
+            g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
+            return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
+        # Per-token-per-head dynamic scale, values as uint8 (graph/kv_cache.py says why).
+        fmt = FORMATS[kv]
+        return emit_kv_store(g, x, fmt, present, present_s), emit_kv_load(g, past, past_s, fmt)
+
+    def _kv_rotation(self, inverse: bool = False) -> str | None:
+        """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
+        from lineside.build.graph.kv_cache import hadamard
+
+        h = hadamard(self.cfg.head_dim) if self.spec.kv_dtype != "fp16" else None
+        if h is None:
+            return None
+        return self.gb.const(h.T if inverse else h, np.float32)  # de-duplicated: one pair per graph
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
@@ -292,7 +349,7 @@ class DenseEmitter:
         parts = [a, b] + ([xp] if xp else [])
         return g.op("Concat", parts, axis=-1)
 
-    def _trt_attention(self, q: str, k: str, v: str, pk: str, pv: str, ok: str, ov: str, allowed: str) -> str:
+    def _trt_attention(self, q: str, k: str, v: str, allowed: str) -> str:
         cfg, g = self.cfg, self.gb
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         grp = nh // kvh
@@ -301,18 +358,12 @@ class DenseEmitter:
             return g.op("Transpose", [g.op("Reshape", [t, g.const([0, 0, h, d])])], perm=[0, 2, 1, 3])
 
         qh = self._rope(heads(q, nh), nh)
-        kh = self._rope(heads(k, kvh), kvh)
-        vh = heads(v, kvh)
-        if self.spec.scheme == "fp32":
-            g.op("Identity", [kh], outputs=[ok])
-            g.op("Identity", [vh], outputs=[ov])
-        else:  # fp16 cache: new entries are rounded once, and attention reads the rounded values
-            g.op("Cast", [kh], outputs=[ok], to=TensorProto.FLOAT16)
-            g.op("Cast", [vh], outputs=[ov], to=TensorProto.FLOAT16)
-            kh = g.op("Cast", [ok], to=F32)
-            vh = g.op("Cast", [ov], to=F32)
-            pk = g.op("Cast", [pk], to=F32)
-            pv = g.op("Cast", [pv], to=F32)
+        kh, vh = self._rope(heads(k, kvh), kvh), heads(v, kvh)
+        rot = self._kv_rotation()
+        if rot is not None:  # int8 cache in the rotated basis: q·k is invariant, ctx is rotated back below
+            qh, kh, vh = (g.op("MatMul", [t, rot]) for t in (qh, kh, vh))
+        kh, pk = self._kv_write(kh, "k")
+        vh, pv = self._kv_write(vh, "v")
         kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
         vall = g.op("Concat", [pv, vh], axis=2)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
@@ -321,6 +372,8 @@ class DenseEmitter:
         scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)
         ctx = g.op("MatMul", [probs, g.op("Unsqueeze", [vall, g.const([2])])])  # [B, kvh, grp, S, d]
+        if rot is not None:
+            ctx = g.op("MatMul", [ctx, self._kv_rotation(inverse=True)])
         ctx = g.op("Transpose", [ctx], perm=[0, 3, 1, 2, 4])  # [B, S, kvh, grp, d]
         return g.op("Reshape", [ctx, g.const([0, 0, nh * d])])
 

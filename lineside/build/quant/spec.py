@@ -31,6 +31,7 @@ class QuantSpec:
     accuracy_level: int = 4
     trt_dtype: str = "fp16"
     lm_head_bits: int = 8  # w4a16 keeps the LM head at 8 bits (quality); 4 reads half the bytes per token
+    kv_dtype: str = "fp16"  # KV-cache storage (quant/kv.py): fp16 (float, as always) | int8 | fp8
 
     @property
     def bits(self) -> int:
@@ -56,6 +57,9 @@ class QuantSpec:
             )
         if self.lm_head_bits not in (4, 8):
             raise LinesideError(f"LM head bits {self.lm_head_bits!r} must be 4 or 8")
+        from lineside.build.quant.kv import parse_kv_dtype
+
+        parse_kv_dtype(self.kv_dtype)
         if self.trt_dtype not in TRT_DTYPES:
             raise LinesideError(f"trt dtype {self.trt_dtype!r} is not one of {', '.join(TRT_DTYPES)}")
 

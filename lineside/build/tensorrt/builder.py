@@ -29,6 +29,7 @@ from lineside.build.tensorrt.profiles import (
 from lineside.build.tensorrt.progress import make_monitor
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
+from lineside.runtime.tensorrt.buffers import check_kv_support, kv_dtype_of
 from lineside.runtime.tensorrt.env import import_tensorrt
 from lineside.runtime.tensorrt.key import (
     ENGINE_FILE,
@@ -62,7 +63,7 @@ def table_for(trt_version: str) -> str:
 
 
 def engine_meta(key: MachineKey, lim: Limits, profiles: list[ProfileSpec], opts: BuildOptions,
-                graph_sha256: str | None, build_s: float) -> dict[str, Any]:
+                graph_sha256: str | None, build_s: float, kv_dtype: str = "fp16") -> dict[str, Any]:
     """The engine.json written next to the engine (what the runtime checks before loading it)."""
     return {
         "key": key.key,
@@ -74,6 +75,7 @@ def engine_meta(key: MachineKey, lim: Limits, profiles: list[ProfileSpec], opts:
         "limits": lim.to_dict(),
         "profiles": [p.to_dict() for p in profiles],
         "fp16": opts.fp16,
+        "kv_dtype": kv_dtype,
         "graph_sha256": graph_sha256,
         "build_seconds": round(build_s, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -102,6 +104,7 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     fl = bundle.flavor("trt")
     trt = import_tensorrt()
     key = machine_key()
+    check_kv_support(fl.state, key.compute_capability)  # fp8 KV on Orin: refused before any build work
     pre = check_bundle(bundle, table_for(key.tensorrt))
     if not pre.ok:  # advisory: the documented tables can lag the parser, which has the last word below
         for o in pre.offenders[:5]:
@@ -149,7 +152,8 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
             "--quant w8a16 or fp16, or use --backend onnxruntime")
     _atomic_write(out / ENGINE_FILE, bytes(serialized))
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
-    meta = engine_meta(key, lim, profiles, opts, bundle.manifest.graph_sha("trt"), time.time() - t0)
+    meta = engine_meta(key, lim, profiles, opts, bundle.manifest.graph_sha("trt"), time.time() - t0,
+                       kv_dtype=kv_dtype_of(fl.state))
     _atomic_write(out / ENGINE_JSON, json.dumps(meta, indent=2).encode())
     return out
 

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from lineside.bundle import Bundle
-from lineside.errors import BackendUnavailable, LinesideError
+from lineside.errors import BackendUnavailable, BundleError, LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
-from lineside.runtime.tensorrt.buffers import BufferPlan, plan_buffers
+from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_dtype_of, plan_buffers
 from lineside.runtime.tensorrt.env import check, import_cudart, import_tensorrt, probe_gpu
 from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
 from lineside.runtime.tensorrt.kernels import StateKernels
@@ -43,7 +43,12 @@ class TensorRTBackend:
         check(self.cr, self.cr.cudaFree(0), "cudaFree(0)")  # creates the primary context (NVRTC modules need it)
         here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
         fl = bundle.flavor("trt")
+        check_kv_support(fl.state, gpu.sm)
         edir, meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
+        if meta.get("kv_dtype", "fp16") != kv_dtype_of(fl.state):
+            raise BundleError(f"engine {edir.name} was built for a {meta.get('kv_dtype', 'fp16')} KV cache but the "
+                              f"bundle's trt graph stores {kv_dtype_of(fl.state)}; rebuild with `lineside engine "
+                              f"{bundle.path}`")
         lim = meta["limits"]
         if num_slots > int(lim["max_batch"]):
             raise LinesideError(f"the engine was built for at most {lim['max_batch']} slots, {num_slots} asked; "

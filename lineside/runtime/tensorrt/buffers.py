@@ -19,10 +19,10 @@ ALIGN = 256  # cudaMalloc alignment; TensorRT wants ≥ 16-byte aligned I/O
 
 
 def np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     try:
         return np.dtype(name)
     except TypeError:
@@ -134,3 +134,17 @@ def plan_buffers(states: list[StateTensor], cfg: ModelConfig, *, num_slots: int,
         scratch = max(scratch, spec.nbytes)
     plan.add(BufferSpec("scratch", "scratch", np.dtype(np.uint8), (scratch,)))
     return plan
+
+
+def kv_dtype_of(states: list[StateTensor]) -> str:
+    """The KV dtype a trt graph's states carry (``--kv-dtype`` of its build): int8, fp8 or fp16 (float)."""
+    dtypes = {s.dtype for s in states}
+    return "fp8" if "float8_e4m3fn" in dtypes else "int8" if "uint8" in dtypes else "fp16"  # int8 grid, +128
+
+
+def check_kv_support(states: list[StateTensor], sm: str) -> None:
+    """FP8 needs SM >= 8.9 (Ada, Hopper and newer); Orin (SM 8.7) has none: refuse in one line."""
+    major, minor = (int(x) for x in sm.split(".")[:2])
+    if kv_dtype_of(states) == "fp8" and (major, minor) < (8, 9):
+        raise BundleError(f"this bundle's KV cache is fp8, which needs a GPU of SM >= 8.9 (this one is SM {sm}; "
+                          "Orin is 8.7): rebuild the bundle with --kv-dtype int8")

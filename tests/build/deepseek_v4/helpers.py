@@ -131,7 +131,7 @@ class V4Runner:
     def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
         from lineside.graph_io import resolve_shape
 
-        return {s.input: np.zeros(resolve_shape(s.shape, {"batch": batch, "max_seq": self.max_seq}), np.float32)
+        return {s.input: np.zeros(resolve_shape(s.shape, {"batch": batch, "max_seq": self.max_seq}), s.dtype)
                 for s in self.entry.state}
 
     def step(self, ids: np.ndarray, past: np.ndarray, state: dict[str, np.ndarray],

@@ -20,6 +20,7 @@ import onnxruntime as ort
 from tests.runtime.tensorrt.trt_api import StrictModule, load_api, release_for
 
 ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+             "tensor(uint8)": np.uint8,
              "tensor(int32)": np.int32}
 
 

@@ -243,3 +243,41 @@ def test_serving_engine_leaves_slot_moves_to_the_arena_layout(engine_bundle):
     solo, _ = asyncio.run(asyncio.wait_for(serve(1, False), timeout=60))
     assert batched == solo and [len(ids) for ids in batched] == lengths
     assert moved == [] and stats["swaps"] > 0
+
+
+def test_int8_kv_arena_capture_copy_and_mismatch(tiny_bundles, monkeypatch, tmp_path):
+    """An int8-KV bundle: the arena holds uint8 values and fp16 scales (half the bytes per token plus 2 per head
+    vector), replayed graphs and copy_slot give onnxruntime's logits, and an engine of another KV dtype is refused."""
+    import shutil
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    src = tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, accuracy_level=0,
+                       kv_dtype="int8")
+    dst = tmp_path / "bundle"
+    shutil.copytree(src, dst)
+    fake_trt.install(monkeypatch)
+    build_engine(dst, BuildOptions(num_slots=2, max_prefill=16, first_bucket=8, bucket_step=16))
+    b = open_bundle(dst)
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
+    be = TensorRTBackend(b, num_slots=2)
+    arena = {n: s for n, s in be.plan.buffers.items() if s.role == "arena"}
+    assert arena["past_key.0"].dtype == np.uint8 and arena["past_key_scale.0"].dtype == np.float16
+    cfg = b.config
+    per_token = sum(s.nbytes for s in arena.values()) // (2 * b.max_seq_len)
+    assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 2)
+    dec = compute_logits(be, IDS, "decode")
+    assert rel(dec, ref) < 1e-4 and be.stats["replay"] > 40
+    be.forward(StepBatch.single(0, IDS[:9], 0))
+    be.copy_slot(0, 1, 9)
+    out = be.forward(StepBatch.single(1, IDS[9:10], 9))
+    assert rel(out[0], compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS[:10],
+                                      "prefill")[-1:]) < 1e-4
+    be.close()
+    [edir] = list((dst / "engines").iterdir())
+    meta = json.loads((edir / ENGINE_JSON).read_text())
+    assert meta["kv_dtype"] == "int8"
+    (edir / ENGINE_JSON).write_text(json.dumps({**meta, "kv_dtype": "fp16"}))
+    with pytest.raises(BundleError, match="built for a fp16 KV cache but the bundle's trt graph stores int8"):
+        TensorRTBackend(open_bundle(dst), num_slots=2)

@@ -88,9 +88,15 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     ids = gb.input("input_ids", TensorProto.INT64, ["batch", "seq"])
     past = gb.input("past_lengths", TensorProto.INT64, ["batch"])
     lpos = gb.input("logits_positions", TensorProto.INT64, ["batch", "n_logits"])
-    states = state_tensors(cfg, max_seq_len)
+    from lineside.build.graph.kv_cache import emit_kv_load, emit_kv_store, scale_name
+    from lineside.build.models.deepseek_v4.state import QUANTIZABLE
+    from lineside.build.quant.kv import FORMATS, KvDtype
+
+    fmt = FORMATS.get(KvDtype(spec.kv_dtype))
+    states = state_tensors(cfg, max_seq_len, quantized=fmt is not None)
+    onnx_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "uint8": TensorProto.UINT8}
     for st in states:
-        gb.input(st.input, TensorProto.FLOAT, st.shape)
+        gb.input(st.input, onnx_type[st.dtype], st.shape)
 
     seq = o.dim(ids, 1)
     pos = o.add(o.unsqueeze(past, [1]), o.unsqueeze(o.op("Range", o.i64(0), seq, o.i64(1)), [0]))
@@ -111,6 +117,8 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
         post, comb, col = hc.pre(x, hcw, f"layers.{i}.hc_attn")
         normed = o.rmsnorm(col, src.get(f"{pfx}.input_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.attn_norm")
         st = {k: state_names(i, k) for k in layer_state(cfg, i, max_seq_len)}
+        if fmt is not None:  # attention reads the stored entries dequantized
+            st.update({k: (emit_kv_load(gb, a, scale_name(a), fmt), b) for k, (a, b) in st.items() if k in QUANTIZABLE})
         a_out, new = attn.emit(i, normed, aw, st)
         for k, v in new.items():
             outputs[st[k][1]] = v
@@ -133,7 +141,11 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     gb.op("Identity", [o.lm_head(h, lm)], outputs=["logits"])
     gb.output("logits", TensorProto.FLOAT, ["batch", "n_logits", cfg.vocab_size])
     for stt in states:
-        gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
-        gb.output(stt.output, TensorProto.FLOAT, stt.shape)
+        if stt.output in outputs:
+            if stt.dtype == "uint8":  # its scale output is written here too
+                emit_kv_store(gb, outputs[stt.output], fmt, stt.output, scale_name(stt.output))
+            else:
+                gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
+        gb.output(stt.output, onnx_type[stt.dtype], stt.shape)
     gb.save()
     return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32")

@@ -9,6 +9,12 @@ Nc = max_seq // m + 1 compressed slots):
   comp       [batch, Nc, D]     compressed entries, slot w = window [w·m, (w+1)·m)
   idx_kv / idx_gate [batch, 2m, 2Di], idx_keys [batch, Nc, Di]   the CSA indexer's own compressor
 
+With ``--kv-dtype int8`` the entries attention reads (window, comp) are stored as uint8 grid values plus
+one fp16 scale per entry (``past_scale.<layer>.<key>`` [batch, N, 1]). The indexer keys stay float32: they
+only pick which entries a query reads, and a rounding that flips a top-k pick changes the output by a
+whole entry; so do the compressor buffers (comp_kv/comp_gate/idx_kv/idx_gate: raw projections a softmax
+pools, fixed size, not growing with the context).
+
 Every tensor is updated in mode "replace": the graph reads the old value and outputs the whole new
 one. Slots whose position is negative or not yet reached are masked in the graph, so zeros are a valid
 initial state for a new sequence.
@@ -44,13 +50,25 @@ def state_names(layer: int, key: str) -> tuple[str, str]:
     return f"past.{layer}.{key}", f"present.{layer}.{key}"
 
 
-def state_tensors(cfg: V4Config, max_seq: int) -> list[StateTensor]:
-    """The manifest's state list, in graph-input order."""
+QUANTIZABLE = ("window", "comp")  # the K=V entries attention reads; indexer keys and compressor buffers stay float32
+
+
+def state_tensors(cfg: V4Config, max_seq: int, quantized: bool = False) -> list[StateTensor]:
+    """The manifest's state list, in graph-input order (``quantized``: int8 entries + their fp16 scales)."""
+    from lineside.build.graph.kv_cache import scale_name
+
     out = []
     for i in range(cfg.num_layers):
         for key, shape in layer_state(cfg, i, max_seq).items():
             a, b = state_names(i, key)
-            out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=StateUpdate.REPLACE, seq_axis=1))
+            if quantized and key in QUANTIZABLE:
+                out += [StateTensor(input=a, output=b, shape=shape, dtype="uint8", update=StateUpdate.REPLACE,
+                                    seq_axis=1),
+                        StateTensor(input=scale_name(a), output=scale_name(b), shape=[*shape[:2], 1],
+                                    dtype="float16", update=StateUpdate.REPLACE, seq_axis=1)]
+            else:
+                out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=StateUpdate.REPLACE,
+                                       seq_axis=1))
     return out
 
 

@@ -1,0 +1,92 @@
+"""Cold start: time from spawning `lineside serve BUNDLE` to /health/ready answering 200, and the server's CPU.
+
+Each variant is started `--runs` times, interleaved: "first" (onnxruntime's optimized-graph cache removed
+first: what the first start after a build does), "cached" (the cache from an earlier start), "no-cache"
+(LINESIDE_ORT_CACHE=0). With `--tree DIR` (repeatable) the same is done for other checkouts of lineside
+(PYTHONPATH=DIR), e.g. the commit before a change, so before/after come from one run.
+Wall time is what a user waits; CPU seconds are less sensitive to other work on a shared machine.
+
+  python benchmarks/cold_start.py --bundle B [--runs 5] [--threads 2] [--tree OLD_CHECKOUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lineside.bench.inprocess import free_port  # noqa: E402
+
+SUFFIX = ".ort-opt.onnx"  # lineside.runtime.ort_cache.SUFFIX (an old checkout may lack the module)
+
+
+def start_once(bundle: Path, tree: Path, threads: int, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds to ready, server CPU seconds at ready)."""
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "lineside", "serve", str(bundle), "--host", "127.0.0.1",
+                             "--port", str(port), "--threads", str(threads), "--log-level", "warning"],
+                            env={**os.environ, **env, "PYTHONPATH": str(tree)}, cwd="/")
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"lineside serve exited with {proc.returncode} before it was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.01)
+        wall = time.perf_counter() - t0
+        stat = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    finally:
+        proc.terminate()
+        proc.wait()
+    return wall, cpu
+
+
+def clear_cache(bundle: Path) -> None:
+    for p in bundle.glob(f"graphs/*/*{SUFFIX}"):
+        p.unlink()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tree", type=Path, action="append", default=[], help="another lineside checkout to compare")
+    args = ap.parse_args()
+    variants: list[tuple[str, Path, dict[str, str], bool]] = []
+    for tree in [ROOT, *args.tree]:
+        tag = "" if tree == ROOT else f" [{tree}]"
+        variants += [(f"first{tag}", tree, {}, True), (f"cached{tag}", tree, {}, False),
+                     (f"no-cache{tag}", tree, {"LINESIDE_ORT_CACHE": "0"}, False)]
+    results: dict[str, list[tuple[float, float]]] = {v[0]: [] for v in variants}
+    load0 = os.getloadavg()[0]
+    start_once(args.bundle, ROOT, args.threads, {})  # page cache warm for everyone
+    for _ in range(args.runs):
+        for name, tree, env, clear in variants:
+            if clear:  # "first" runs right before "cached", which then finds the cache it wrote
+                clear_cache(args.bundle)
+            results[name].append(start_once(args.bundle, tree, args.threads, env))
+    print(f"{args.bundle}: {args.runs} interleaved starts each, threads {args.threads}, load average "
+          f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"{'variant':<48} {'wall to ready s':>15} {'server CPU s':>13}   wall runs")
+    for name, rs in results.items():
+        print(f"{name:<48} {statistics.median(r[0] for r in rs):>15.2f} {statistics.median(r[1] for r in rs):>13.2f}"
+              f"   {[round(r[0], 2) for r in rs]}")
+
+
+if __name__ == "__main__":
+    main()

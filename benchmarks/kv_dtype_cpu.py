@@ -1,0 +1,141 @@
+"""Decode speed at a 2k context per KV-cache dtype on onnxruntime CPU: is a quantized cache worth having there?
+
+Two measurements, interleaved round by round, same threads:
+1. onnxruntime's own GroupQueryAttention (the cpu flavor's attention) with a float32 cache against its
+   int8 cache (``k_quant_type``/``v_quant_type`` PER_CHANNEL, ``kv_cache_bit_width`` 8: onnxruntime >= 1.2x has
+   it on CPU, with static scales): SmolLM2-135M's shape (9 heads, 3 KV heads, head_dim 64), one token after
+   ``--past`` tokens, times 30 layers.
+2. SmolLM2-135M W4A16 built with the trt flavor, fp16 KV and int8 KV, decoding ``--tokens`` tokens after a
+   ``--past``-token prompt through OnnxRuntimeBackend (the trt flavor's CPU check).
+
+    python benchmarks/kv_dtype_cpu.py [--past 2048] [--tokens 32] [--rounds 3] [--threads 2] [--no-model]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+
+
+def gqa_session(quantized: bool, max_seq: int, threads: int) -> ort.InferenceSession:
+    kv_t = TensorProto.INT8 if quantized else TensorProto.FLOAT
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    inputs = [helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, 1, width]),
+              helper.make_tensor_value_info("pk", kv_t, [1, KV_HEADS, max_seq, HEAD_DIM]),
+              helper.make_tensor_value_info("pv", kv_t, [1, KV_HEADS, max_seq, HEAD_DIM]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    names = ["qkv", "", "", "pk", "pv", "seqlens_k", "total"]
+    attrs: dict = dict(num_heads=HEADS, kv_num_heads=KV_HEADS)
+    inits = []
+    if quantized:
+        scale = np.full((KV_HEADS, 1, HEAD_DIM), 0.02, np.float32)
+        inits = [onnx.numpy_helper.from_array(scale, "k_scale"), onnx.numpy_helper.from_array(scale, "v_scale")]
+        names += ["", "", "", "", "", "k_scale", "v_scale"]
+        attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    node = helper.make_node("GroupQueryAttention", names, ["out", "pk_out", "pv_out"], domain="com.microsoft",
+                            **attrs)
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
+               helper.make_tensor_value_info("pk_out", kv_t, None), helper.make_tensor_value_info("pv_out", kv_t, None)]
+    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def gqa_step_seconds(sess: ort.InferenceSession, quantized: bool, past: int, max_seq: int, steps: int) -> float:
+    """Seconds per decode step of one layer, the cache bound once (IO binding: no copy of the cache per step)."""
+    rng = np.random.default_rng(0)
+    dt = np.int8 if quantized else np.float32
+    cache = {n: (rng.integers(-100, 100, (1, KV_HEADS, max_seq, HEAD_DIM)) if quantized else
+                 rng.standard_normal((1, KV_HEADS, max_seq, HEAD_DIM))).astype(dt) for n in ("pk", "pv")}
+    io = sess.io_binding()
+    io.bind_cpu_input("qkv", rng.standard_normal((1, 1, (HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32))
+    io.bind_cpu_input("seqlens_k", np.array([past], np.int32))
+    io.bind_cpu_input("total", np.array(past + 1, np.int32))
+    for n in ("pk", "pv"):
+        v = ort.OrtValue.ortvalue_from_numpy(cache[n])
+        io.bind_ortvalue_input(n, v)
+        io.bind_ortvalue_output(n + "_out", v)  # in place, as the cpu flavor shares past and present
+    io.bind_output("out")
+    sess.run_with_iobinding(io)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sess.run_with_iobinding(io)
+    return (time.perf_counter() - t0) / steps
+
+
+def model_decode_tok_s(backend, prompt: list[int], tokens: int) -> float:
+    from lineside.runtime.backend import StepBatch
+
+    backend.reset_slot(0)
+    backend.forward(StepBatch.single(0, prompt, 0))
+    tok, t0 = prompt[-1], time.perf_counter()
+    for i in range(tokens):
+        lg = backend.forward(StepBatch.single(0, [tok], len(prompt) + i))
+        tok = int(np.argmax(lg[0, -1]))
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--past", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-model", action="store_true", help="only the GroupQueryAttention measurement")
+    a = ap.parse_args()
+    max_seq = a.past + a.tokens + 8
+    sessions = {q: gqa_session(q, max_seq, a.threads) for q in (False, True)}
+    gqa: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(a.rounds):
+        for q in (False, True):
+            gqa[q].append(gqa_step_seconds(sessions[q], q, a.past, max_seq, 200))
+    print(f"onnxruntime {ort.__version__} GroupQueryAttention, SmolLM2 shape, past {a.past}, {a.threads} threads "
+          f"(best of {a.rounds}):")
+    for q, label in ((False, "float32 KV"), (True, "int8 KV (PER_CHANNEL)")):
+        best = min(gqa[q])
+        kv_mb = 2 * LAYERS * KV_HEADS * HEAD_DIM * (1 if q else 4) * a.past / 2**20
+        print(f"  {label:24s} {best * 1e6:8.1f} us/layer  x{LAYERS} = {best * LAYERS * 1e3:6.2f} ms/token "
+              f"attention   cache {kv_mb:6.1f} MiB")
+    if a.no_model:
+        return
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.bundle import open_bundle
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quality_smollm2 import smollm2_gguf
+
+    with tempfile.TemporaryDirectory() as td:
+        backends = {}
+        for kv in ("fp16", "int8"):
+            out = build_bundle(smollm2_gguf(), Path(td) / kv, BuildOptions(
+                quant="w4a16", requantize=True, group_size=64, flavors=("trt",), max_seq_len=max_seq, kv_dtype=kv))
+            backends[kv] = OnnxRuntimeBackend(open_bundle(out), num_slots=1, threads=a.threads)
+        rng = np.random.default_rng(1)
+        prompt = [int(t) for t in rng.integers(100, 40000, a.past)]
+        speed: dict[str, list[float]] = {k: [] for k in backends}
+        for _ in range(a.rounds):
+            for kv, be in backends.items():
+                speed[kv].append(model_decode_tok_s(be, prompt, a.tokens))
+        print(f"SmolLM2-135M W4A16, trt flavor on onnxruntime CPU, decode after {a.past} tokens, {a.threads} threads "
+              f"(best of {a.rounds}):")
+        for kv, v in speed.items():
+            print(f"  {kv} KV  {max(v):7.1f} tok/s   (rounds: {', '.join(f'{x:.1f}' for x in v)})")
+
+
+if __name__ == "__main__":
+    main()

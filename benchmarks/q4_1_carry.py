@@ -1,0 +1,171 @@
+"""Representations of the GGUF Q4_1 offsets on MatMulNBits, measured side by side on the demo model.
+
+Q4_1 stores ``w = d*u + m`` per block of 32 (u in 0..15, d and m float16). MatMulNBits computes
+``s*(u - z)`` with an integer zero point z, so the fractional part of ``-m/d`` has to travel some other
+way. Variants (only ``fp32-offset`` is what lineside builds; the others are emitted here, by patching the
+builder's Q4_1 emitter, to measure them):
+
+- ``fp32-offset`` (lineside): default zero point 8, plus ``blocksum(x) @ (8d + m)`` in float32 (exact).
+- ``zp+fp32``: the nearest integer zero point (uint8, 4 bits) plus the residual ``m + z*d`` in float32.
+- ``zp+int8``: the same residual as an 8-bit MatMulNBits over the block sums (scale per 16 blocks).
+- ``zp-only``: the nearest integer zero point, no residual (the offsets rounded to the grid: not the GGUF's).
+
+For each: weight bytes, how far the offsets land from the GGUF's (in half-ulps of its float16 m),
+perplexity (benchmarks/quality_smollm2.py's text) and in-process decode, interleaved rounds.
+
+  python benchmarks/q4_1_carry.py [--threads 2] [--rounds 5] [--variants fp32-offset,zp+int8,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lineside.build.graph.linear as linear  # noqa: E402
+from benchmarks.cpu_side_by_side import copy_bandwidth, load_lineside, short_ids, weight_bytes  # noqa: E402
+from benchmarks.quality_smollm2 import eval_text, lineside_logits_fn, perplexity, smollm2_gguf  # noqa: E402
+from lineside.build.graph.builder import MS_DOMAIN  # noqa: E402
+from lineside.build.pipeline import BuildOptions, build_bundle  # noqa: E402
+from lineside.build.quant.ggml import BLOCK, decode_blocks  # noqa: E402
+from lineside.build.quant.pack import pack_matmulnbits  # noqa: E402
+from lineside.bundle import open_bundle  # noqa: E402
+from lineside.runtime.tokenizer import Tokenizer  # noqa: E402
+
+RESIDUAL_BLOCK = 16
+OFFSET_ERRORS: dict[str, list[np.ndarray]] = {}
+
+
+def _zero_points(dec) -> tuple[np.ndarray, np.ndarray]:
+    """(z uint8 [N, K/32] nearest to -m/d, residual m + z*d float32)."""
+    z = np.clip(np.rint(-dec.m / dec.d), 0, 15).astype(np.uint8)
+    return z, (dec.m + z.astype(np.float32) * dec.d).astype(np.float32)
+
+
+def _pack_zp(z: np.ndarray) -> np.ndarray:
+    if z.shape[1] % 2:
+        z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
+    return np.ascontiguousarray((z[:, 0::2] & 0x0F) | (z[:, 1::2] << 4)).reshape(-1)
+
+
+def _int8_rows(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """r [N, B] -> (uint8 codes [N, B'] (+128), scales [N, B'/16], dequantized [N, B]) in blocks of 16."""
+    n, b = r.shape
+    nb = -(-b // RESIDUAL_BLOCK)
+    rp = np.zeros((n, nb * RESIDUAL_BLOCK), np.float32)
+    rp[:, :b] = r
+    blocks = rp.reshape(n, nb, RESIDUAL_BLOCK)
+    s = np.abs(blocks).max(-1) / 127
+    s[s == 0] = 1
+    q = np.clip(np.rint(blocks / s[..., None]), -127, 127)
+    return (q + 128).astype(np.uint8).reshape(n, -1), s.astype(np.float32), (q * s[..., None]).reshape(n, -1)[:, :b]
+
+
+def _half_ulps(dec, m_carried: np.ndarray) -> np.ndarray:
+    ulp = np.spacing(np.abs(dec.m.astype(np.float16))).astype(np.float32)
+    return (np.abs(m_carried - dec.m) / (ulp / 2)).ravel()
+
+
+def _emitter(variant: str) -> Callable:
+    original = linear._emit_ggml_cpu
+
+    def emit(gb, x, name, weight, spec, bias, share):
+        if weight.ggml_type != "Q4_1":
+            return original(gb, x, name, weight, spec, bias, share)
+        dec = decode_blocks(weight, name)
+        n, k = dec.codes.shape
+        z, r = _zero_points(dec)
+        inputs = [x, gb.weight(f"{name}.qweight", pack_matmulnbits(dec.codes, 4, BLOCK)),
+                  gb.weight(f"{name}.scales", np.ascontiguousarray(dec.d, dtype=np.float32)),
+                  gb.weight(f"{name}.zero_points", _pack_zp(z))]
+        if bias is not None:
+            inputs += ["", gb.weight(f"{name}.bias", bias)]
+        y = gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits", K=k, N=n, bits=4,
+                  block_size=BLOCK, accuracy_level=spec.accuracy_level)
+        sums = linear.blocksum(gb, x, k, BLOCK)
+        if variant == "zp-only":
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d))
+            return y
+        if variant == "zp+fp32":
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + r))
+            c = gb.op("MatMul", [sums, gb.weight(f"{name}.block_residual", np.ascontiguousarray(r.T))],
+                      name=f"{name}/q4_1_residual")
+        else:  # zp+int8
+            codes, scales, rq = _int8_rows(r)
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + rq))
+            c = gb.op("MatMulNBits", [sums, gb.weight(f"{name}.residual_q", pack_matmulnbits(codes, 8, RESIDUAL_BLOCK)),
+                                      gb.weight(f"{name}.residual_scales", scales)], domain=MS_DOMAIN,
+                      name=f"{name}/q4_1_residual", K=k // BLOCK, N=n, bits=8, block_size=RESIDUAL_BLOCK,
+                      accuracy_level=spec.accuracy_level)
+        return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
+
+    return emit
+
+
+@contextmanager
+def patched(variant: str):
+    original = linear._emit_ggml_cpu
+    OFFSET_ERRORS[variant] = []
+    if variant != "fp32-offset":
+        linear._emit_ggml_cpu = _emitter(variant)
+    try:
+        yield
+    finally:
+        linear._emit_ggml_cpu = original
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="fp32-offset,zp+fp32,zp+int8,zp-only")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--ppl-tokens", type=int, default=2048)
+    ap.add_argument("--work", type=Path, default=None, help="keep the bundles here (default: a temp dir)")
+    args = ap.parse_args()
+    gguf = smollm2_gguf()
+    work = args.work or Path(tempfile.mkdtemp(prefix="q41-carry-"))
+    bundles: dict[str, Path] = {}
+    for v in args.variants.split(","):
+        with patched(v):
+            bundles[v] = build_bundle(gguf, work / v.replace("+", "_"), BuildOptions(quant="w4a16", flavors=("cpu",),
+                                                                                      max_seq_len=2048))
+    tok = Tokenizer.from_bundle(open_bundle(bundles[next(iter(bundles))]))
+    ids = tok.encode(eval_text(), add_special=False)[: args.ppl_tokens]
+    ppl = {v: perplexity(lineside_logits_fn(open_bundle(b)), ids, 512) for v, b in bundles.items()}
+    tj = bundles[next(iter(bundles))] / "tokenizer" / "tokenizer.json"
+    short = short_ids(tj)
+    runners = {v: load_lineside(b, args.threads, short, [], args.decode_tokens) for v, b in bundles.items()}
+    for _, decode_once, _ in runners.values():
+        decode_once()
+    dec: dict[str, list[float]] = {v: [] for v in runners}
+    load0 = os.getloadavg()[0]
+    for _ in range(args.rounds):
+        for v, (_, decode_once, _) in runners.items():
+            dec[v].append(decode_once())
+            time.sleep(0.1)
+    bw = copy_bandwidth(args.threads)
+    print(f"threads {args.threads}; {args.rounds} interleaved rounds; load {load0:.1f} -> {os.getloadavg()[0]:.1f}; "
+          f"numpy copy {bw / 1e9:.1f} GB/s; perplexity on {len(ids)} tokens")
+    print(f"{'variant':<12} {'weights MB':>10} {'offset err (half-ulps of m) p50/p99/max':>40} {'ppl':>7} "
+          f"{'decode tok/s':>12} {'of floor':>8}")
+    for v, b in bundles.items():
+        wb = weight_bytes([b / "graphs" / "cpu"])
+        e = np.concatenate(OFFSET_ERRORS[v]) if OFFSET_ERRORS[v] else np.zeros(1)
+        d = statistics.median(dec[v])
+        print(f"{v:<12} {wb / 1e6:>10.1f} {np.median(e):>18.2f} / {np.quantile(e, .99):.2f} / {e.max():<10.2f} "
+              f"{ppl.get(v, float('nan')):>7.3f} {d:>12.1f} {d / (bw / wb):>8.0%}")
+
+
+if __name__ == "__main__":
+    main()

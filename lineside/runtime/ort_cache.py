@@ -1,0 +1,169 @@
+"""onnxruntime's optimized graph, cached next to a bundle's graph so later starts skip graph optimization.
+
+The first session of a graph saves what onnxruntime's optimizer made of it
+(``SessionOptions.optimized_model_filepath``); its weights are pointed back at the bundle's own data
+file wherever the bytes are unchanged, so the cache costs kilobytes, not a second copy of the weights.
+Later sessions load the cached graph with optimizations off. The cache lives beside the graph (onnxruntime
+only reads external data inside the model's directory) but is not one of the bundle's checksummed files:
+its name carries a key of the onnxruntime version, the graph's sha256, the session settings that change
+the optimized graph, and the machine; a cache that fails to load is deleted and rebuilt, and a bundle
+directory that can't be written to just goes without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("lineside.runtime")
+
+SUFFIX = ".ort-opt.onnx"
+ENV_DISABLE = "LINESIDE_ORT_CACHE"  # "0" turns the cache off
+
+
+@dataclass(frozen=True)
+class CachedGraph:
+    """Where a graph's optimized copy lives for one key."""
+
+    graph: Path
+    key: str
+
+    @property
+    def path(self) -> Path:
+        return self.graph.with_name(f"{self.graph.name}.{self.key}{SUFFIX}")
+
+    def stale(self) -> list[Path]:
+        """Caches of the same graph under other keys (an older onnxruntime, other settings)."""
+        return [p for p in self.graph.parent.glob(f"{self.graph.name}.*{SUFFIX}") if p != self.path]
+
+
+def cache_key(ort_version: str, graph_sha: str, settings: dict[str, str]) -> str:
+    parts = [ort_version, graph_sha, platform.machine(), *(f"{k}={v}" for k, v in sorted(settings.items()))]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_DISABLE, "1") != "0"
+
+
+def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Callable[[], Any],
+                 settings: dict[str, str], providers: list[str]) -> tuple[Any, str]:
+    """An InferenceSession for ``graph``; ``(session, how)`` with how = "cache" (loaded the optimized copy),
+    "saved" (optimized now and cached) or "plain" (no cache: disabled, no sha, or it could not be written).
+
+    ``make_options()`` returns fresh SessionOptions (threads, config entries); this sets the optimization
+    level and the output path. Errors of the graph itself come from the plain path, as without a cache.
+    """
+    def plain() -> Any:
+        so = make_options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        return ort.InferenceSession(str(graph), so, providers=providers)
+
+    if not (enabled() and graph_sha):
+        return plain(), "plain"
+    cached = CachedGraph(graph, cache_key(ort.__version__, graph_sha, settings))
+    if cached.path.is_file():
+        so = make_options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        try:
+            return ort.InferenceSession(str(cached.path), so, providers=providers), "cache"
+        except Exception as e:  # noqa: BLE001 - a bad cache is rebuilt, never fatal
+            log.warning("ignoring onnxruntime's cached graph %s (%s)", cached.path.name, str(e).splitlines()[0])
+            _remove(cached.path)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=".tmp.onnx", dir=graph.parent)
+        os.close(fd)
+    except OSError:  # a read-only bundle runs without a cache
+        return plain(), "plain"
+    tmp = Path(tmp_name)
+    data = tmp.with_name(tmp.name + ".data")
+    so = make_options()
+    # Extended is everything the CPU provider does short of layout changes tied to this CPU (NCHWc).
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    try:
+        try:
+            session = ort.InferenceSession(str(graph), so, providers=providers)
+        except Exception:  # noqa: BLE001 - saving may be what failed (disk full): the plain path decides
+            return plain(), "plain"
+        try:
+            _point_at_source(tmp, data, graph)
+            tmp.chmod(0o644)  # mkstemp's 0600 would hide it from other users serving the same bundle
+            os.replace(tmp, cached.path)
+        except Exception as e:  # noqa: BLE001 - the session is fine; only the cache is lost
+            log.info("not caching onnxruntime's optimized graph next to %s (%s)", graph, e)
+            return session, "plain"
+        for old in cached.stale():
+            _remove(old)
+        return session, "saved"
+    finally:
+        _remove(tmp)
+        _remove(data)
+
+
+def _point_at_source(optimized: Path, data: Path, graph: Path) -> None:
+    """Rewrite ``optimized`` so each external weight whose bytes equal the source graph's same-named weight
+    reads the source's data file; any other external weight is embedded (optimizer-made tensors are small)."""
+    import onnx
+
+    src = {t.name: _external(t) for t in onnx.load(str(graph), load_external_data=False).graph.initializer}
+    model = onnx.load(str(optimized), load_external_data=False)
+    handles: dict[Path, Any] = {}
+    try:
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            mine = _external(t)
+            raw = _read(handles, optimized.parent / mine["location"], mine)
+            theirs = src.get(t.name)
+            if theirs and theirs.get("length") == mine["length"] and \
+                    _read(handles, graph.parent / theirs["location"], theirs) == raw:
+                _set_external(t, theirs)
+            else:
+                del t.external_data[:]
+                t.data_location = onnx.TensorProto.DEFAULT
+                t.raw_data = raw
+    finally:
+        for h in handles.values():
+            h.close()
+    onnx.save(model, str(optimized))
+    if data.exists():
+        data.unlink()
+
+
+def _external(t: Any) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _set_external(t: Any, info: dict[str, str]) -> None:
+    del t.external_data[:]
+    for k in ("location", "offset", "length"):
+        if k in info:
+            e = t.external_data.add()
+            e.key, e.value = k, info[k]
+
+
+def _read(handles: dict[Path, Any], path: Path, info: dict[str, str]) -> bytes:
+    h = handles.get(path)
+    if h is None:
+        h = handles[path] = path.open("rb")
+    h.seek(int(info.get("offset", 0)))
+    return h.read(int(info["length"]))
+
+
+def _remove(p: Path) -> None:
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.debug("could not remove %s (%s)", p, e)

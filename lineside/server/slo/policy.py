@@ -1,0 +1,138 @@
+"""The SLO policy: thresholds per degradation level, recovery delay and backoff, time-window pins, where level-1
+traffic goes and the response cache's bounds. Defaults are the seed report's numbers; a file overrides them.
+
+Parsed strictly (unknown keys and out-of-order thresholds are errors) so a typo cannot silently disable a guard.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lineside.errors import LinesideError
+from lineside.runtime.request import Mode, Priority
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Thresholds(_Strict):
+    """Entering a level when any set signal is above its threshold (None: that signal does not count)."""
+
+    ttft_p90_s: float | None = Field(default=None, gt=0)
+    queue_wait_p90_s: float | None = Field(default=None, gt=0)
+    kv_usage: float | None = Field(default=None, gt=0, le=1)
+    memory_ratio: float | None = Field(default=None, gt=0, le=1)
+    gpu_load: float | None = Field(default=None, gt=0, le=1)
+
+
+SIGNAL_NAMES = tuple(Thresholds.model_fields)
+
+
+class Pin(_Strict):
+    """Hold at least ``level`` between local times ``start`` and ``end`` (the seed's night-time switch; an
+    interval past midnight, e.g. 22:00-06:00, wraps)."""
+
+    start: dt.time
+    end: dt.time
+    level: int = Field(ge=0, le=2)
+
+    def active(self, now: dt.time) -> bool:
+        if self.start <= self.end:
+            return self.start <= now < self.end
+        return now >= self.start or now < self.end
+
+
+class CachePolicy(_Strict):
+    """The level-2 response cache: at most ``max_entries`` answers, each for ``ttl_s`` seconds."""
+
+    max_entries: int = Field(default=512, ge=1)
+    ttl_s: float = Field(default=300.0, gt=0)
+
+
+class SloPolicy(_Strict):
+    """Everything the controller and the router decide by."""
+
+    level_1: Thresholds = Thresholds(ttft_p90_s=0.8, memory_ratio=0.85)
+    level_2: Thresholds = Thresholds(ttft_p90_s=1.5)
+    window_s: float = Field(default=60.0, gt=0, description="rolling window of the TTFT and queue-wait P90")
+    min_samples: int = Field(default=5, ge=1, description="fewer TTFT samples in the window: no TTFT verdict")
+    tick_s: float = Field(default=1.0, gt=0, description="how often the controller reads the signals")
+    recover_after_s: float = Field(default=300.0, ge=0, description="signals below the thresholds this long: "
+                                                                    "down one level")
+    backoff_factor: float = Field(default=2.0, ge=1, description="recover_after multiplies by this on a flap")
+    max_recover_after_s: float = Field(default=3600.0, gt=0)
+    flap_window_s: float = Field(default=300.0, ge=0, description="escalating this soon after a recovery is a "
+                                                                  "flap")
+    batch_running_cap: int = Field(default=1, ge=0, description="batch requests running on the primary at level 1")
+    fallback_modes: tuple[Mode, ...] = (Mode.BATCH,)
+    fallback_priorities: tuple[Priority, ...] = (Priority.LOW,)
+    pins: tuple[Pin, ...] = ()
+    cache: CachePolicy = CachePolicy()
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SloPolicy:
+        for name in SIGNAL_NAMES:
+            one, two = getattr(self.level_1, name), getattr(self.level_2, name)
+            if one is not None and two is not None and not two > one:
+                raise ValueError(f"level_2.{name} ({two}) must be above level_1.{name} ({one})")
+        if self.max_recover_after_s < self.recover_after_s:
+            raise ValueError(f"max_recover_after_s ({self.max_recover_after_s}) must be at least recover_after_s "
+                             f"({self.recover_after_s})")
+        return self
+
+    def pinned_level(self, now: dt.time) -> int:
+        """The highest level a pin holds at local time ``now`` (0 when none is active)."""
+        return max((pin.level for pin in self.pins if pin.active(now)), default=0)
+
+
+def load_policy(path: str | Path) -> SloPolicy:
+    """A policy from a YAML or JSON file; any problem is one LinesideError line naming the file and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise LinesideError(f"--slo-policy {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - json and yaml raise several types; the first line says where
+        raise LinesideError(f"--slo-policy {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
+                            f"({str(e).splitlines()[0]})") from None
+    return parse_policy(data or {}, source=str(path))
+
+
+def parse_policy(data: Any, *, source: str = "policy") -> SloPolicy:
+    if not isinstance(data, dict):
+        raise LinesideError(f"--slo-policy {source}: the top level must be a mapping of settings")
+    try:
+        return SloPolicy.model_validate(data)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "thresholds"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            known = _known_keys(error["loc"])
+            message = f"unknown key; known keys here: {', '.join(known)}"
+        raise LinesideError(f"--slo-policy {source}: {where}: {message}") from None
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = SloPolicy
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        elif part == "pins" or isinstance(part, int):
+            model = Pin
+    return list(model.model_fields)

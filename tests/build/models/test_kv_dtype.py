@@ -1,0 +1,112 @@
+"""--kv-dtype: the trt flavor's int8 cache (uint8 values + per-token-per-head fp16 scales) against the float cache and
+transformers, its state tensors, TensorRT 10.3's op tables, the manifest record and the one-line refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.build.tensorrt.check import check_bundle
+from lineside.bundle import open_bundle
+from lineside.errors import LinesideError
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.build.models.test_dense_parity import IDS, reference_logits, rel_err
+
+
+@pytest.fixture(scope="module")
+def kv_bundle(tiny_bundles):
+    def get(kv: str, quant: str = "fp16", variant: str = "llama-gqa"):
+        return open_bundle(tiny_bundles(variant=variant, quant=quant, flavors=("trt",), max_seq_len=64,
+                                        group_size=64, accuracy_level=0, kv_dtype=kv))
+    return get
+
+
+def logits(bundle):
+    be = OnnxRuntimeBackend(bundle, flavor="trt", accuracy_level=0)
+    return compute_logits(be, IDS, "prefill"), compute_logits(be, IDS, "decode")
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
+def test_int8_kv_within_bound_of_float_kv_and_transformers(kv_bundle, tiny_dense, variant):
+    ref_pre, _ = logits(kv_bundle("fp16", variant=variant))
+    pre, dec = logits(kv_bundle("int8", variant=variant))
+    # measured 0.4% on these models; the bound leaves 2.5x headroom, and rounding K/V to int8 must show
+    assert 1e-5 < rel_err(pre, ref_pre) < 1e-2 and rel_err(dec, ref_pre) < 1e-2
+    assert rel_err(dec, pre) < 1e-4  # prefill and decode read the same stored values
+    ref = reference_logits(tiny_dense(variant), IDS)
+    f32_pre, f32_dec = logits(kv_bundle("int8", quant="fp32", variant=variant))
+    assert rel_err(f32_pre, ref) < 1e-2 and rel_err(f32_dec, ref) < 1e-2
+
+
+def test_int8_states_manifest_and_trt_10_3_tables(kv_bundle):
+    b = kv_bundle("int8")
+    st = {s.input: s for s in b.flavor("trt").state}
+    assert st["past_key.0"].dtype == "uint8" and st["past_key.0"].shape == ["batch", 2, "past_seq", 16]
+    assert st["past_key_scale.0"].dtype == "float16" and st["past_key_scale.0"].shape == ["batch", 2, "past_seq", 1]
+    assert st["past_value_scale.1"].output == "present_value_scale.1" and len(st) == 8
+    rec = b.manifest.quantization["kv_cache"]
+    assert rec["dtype"] == "int8" and rec["scales"] == "per-token-per-head dynamic" and "why" in rec
+    rep = check_bundle(b, "10.3")
+    assert rep.ok, rep.offenders[:3]
+    import onnx
+
+    from lineside.build.graph.kv_cache import hadamard
+
+    m = onnx.load(b.path / b.flavor("trt").graph, load_external_data=False)
+    h = hadamard(16)
+    consts = [onnx.numpy_helper.to_array(t) for t in m.graph.initializer if list(t.dims) == [16, 16]]
+    assert any(np.array_equal(c, h) for c in consts) and np.allclose(h @ h.T, np.eye(16), atol=1e-6)
+    assert "rotation" in rec
+    assert rep.op_counts["Round"] == 4 and rep.op_counts["ReduceMax"] == 4
+
+
+def test_fp8_kv_is_refused_for_orin_and_by_onnxruntime(trt_bundle):
+    from lineside.graph_io import StateTensor
+    from lineside.runtime.tensorrt.buffers import check_kv_support
+
+    fp8 = [StateTensor("past_key.0", "present_key.0", ["batch", 2, "past_seq", 16], dtype="float8_e4m3fn",
+                       update="append")]
+    with pytest.raises(LinesideError, match=r"needs a GPU of SM >= 8.9 .*--kv-dtype int8"):
+        check_kv_support(fp8, "8.7")
+    check_kv_support(fp8, "9.0")
+    check_kv_support(trt_bundle("fp16").flavor("trt").state, "8.7")
+
+
+@pytest.mark.parametrize("kv,flavors,msg", [
+    ("int4", ("trt",), "neither flavor can store it"),
+    ("fp8", ("trt",), "no FP8 network input/output"),
+    ("int8", ("cpu", "trt"), "the cpu flavor keeps a float32 cache"),
+    ("bf8", ("trt",), "is not one of fp16, int8, fp8, int4"),
+])
+def test_bad_kv_dtype_is_one_line(tiny_dense, tmp_path, kv, flavors, msg):
+    with pytest.raises(LinesideError, match=msg) as e:
+        build_bundle(tiny_dense("llama-gqa"), tmp_path / "b", BuildOptions(flavors=flavors, kv_dtype=kv))
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "b").exists()
+
+
+def test_default_float_cache_is_unchanged(kv_bundle):
+    b = kv_bundle("fp16")
+    assert {s.dtype for s in b.flavor("trt").state} == {"float16"}
+    assert b.manifest.quantization["kv_cache"]["dtype"] == "fp16"
+    assert np.isfinite(logits(b)[0]).all()
+
+
+def test_int8_cache_prefix_copy_and_rollback(kv_bundle):
+    """copy_slot (prefix reuse) and rewriting positions after a rejected draft (speculative rollback) move the
+    scales with the values: both give the logits of a fresh run."""
+    from lineside.runtime.backend import StepBatch
+
+    b = kv_bundle("int8")
+    be = OnnxRuntimeBackend(b, num_slots=2, flavor="trt", accuracy_level=0)
+    fresh = be.forward(StepBatch.single(1, IDS[:10], 0, all_logits=True))[0]
+    be.reset_slot(1)
+    be.forward(StepBatch.single(0, IDS[:6], 0))
+    be.copy_slot(0, 1, 6)
+    got = be.forward(StepBatch.single(1, IDS[6:10], 6, all_logits=True))[0]
+    assert rel_err(got, fresh[6:10]) < 1e-5
+    be.forward(StepBatch.single(0, [250, 251, 252], 6))  # a draft of 3 tokens, all rejected
+    again = be.forward(StepBatch.single(0, IDS[6:10], 6, all_logits=True))[0]  # rewritten from position 6
+    assert rel_err(again, fresh[6:10]) < 1e-5

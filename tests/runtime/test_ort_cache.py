@@ -1,0 +1,90 @@
+"""onnxruntime's optimized graph cached beside a bundle's graph: used on later loads, same numbers, never in
+the way (stale, corrupt, read-only, disabled)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from lineside.bundle import open_bundle
+from lineside.runtime import ort_cache
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+IDS = [1, 5, 9, 2, 7, 3]
+
+
+@pytest.fixture
+def bundle(tiny_bundle, tmp_path):
+    out = tmp_path / "b"
+    shutil.copytree(tiny_bundle, out, ignore=shutil.ignore_patterns(f"*{ort_cache.SUFFIX}"))
+    return out
+
+
+def caches(bundle) -> list:
+    return sorted((bundle / "graphs" / "cpu").glob(f"*{ort_cache.SUFFIX}"))
+
+
+def logits(be: OnnxRuntimeBackend) -> np.ndarray:
+    be.reset_slot(0)
+    first = be.forward(StepBatch.single(0, IDS, 0, all_logits=True))
+    step = be.forward(StepBatch.single(0, [4], len(IDS)))
+    return np.concatenate([first[0], step[0]])
+
+
+def test_saved_then_loaded_with_the_same_logits(bundle, monkeypatch):
+    monkeypatch.setenv(ort_cache.ENV_DISABLE, "0")
+    plain = OnnxRuntimeBackend(open_bundle(bundle))
+    assert plain.session_source == "plain" and not caches(bundle)
+    monkeypatch.delenv(ort_cache.ENV_DISABLE)
+    first = OnnxRuntimeBackend(open_bundle(bundle))
+    assert first.session_source == "saved"
+    [cached] = caches(bundle)
+    # the cached graph reads the bundle's own weights: kilobytes, not a copy of the data file
+    assert cached.stat().st_size < (bundle / "graphs" / "cpu" / "model.onnx").stat().st_size * 4
+    locations = {e.value for t in onnx.load(str(cached), load_external_data=False).graph.initializer
+                 for e in t.external_data if e.key == "location"}
+    assert locations <= {"model.onnx.data"}
+    assert not [p for p in cached.parent.iterdir() if p.name.endswith((".tmp.onnx", ".tmp.onnx.data"))]
+    second = OnnxRuntimeBackend(open_bundle(bundle))
+    assert second.session_source == "cache"
+    ref = logits(plain)
+    np.testing.assert_array_equal(logits(first), ref)
+    np.testing.assert_allclose(logits(second), ref, rtol=0, atol=1e-6)
+
+
+def test_corrupt_cache_is_replaced(bundle):
+    OnnxRuntimeBackend(open_bundle(bundle))
+    [cached] = caches(bundle)
+    cached.write_bytes(b"not a model")
+    be = OnnxRuntimeBackend(open_bundle(bundle))
+    assert be.session_source == "saved" and caches(bundle) == [cached] and cached.stat().st_size > 100
+
+
+def test_new_key_replaces_the_old_cache(bundle, monkeypatch):
+    OnnxRuntimeBackend(open_bundle(bundle))
+    [old] = caches(bundle)
+    be = OnnxRuntimeBackend(open_bundle(bundle), accuracy_level=0)  # a setting that changes the optimized graph
+    assert be.session_source == "saved"
+    [new] = caches(bundle)
+    assert new != old
+
+
+def test_unwritable_bundle_runs_without_cache(bundle, monkeypatch):
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(ort_cache.tempfile, "mkstemp", refuse)  # what a read-only bundle directory answers
+    be = OnnxRuntimeBackend(open_bundle(bundle))
+    assert be.session_source == "plain" and not caches(bundle)
+    assert logits(be).shape[0] == len(IDS) + 1
+
+
+def test_key_covers_version_graph_and_settings():
+    k = ort_cache.cache_key("1.32.0", "a" * 64, {"x": "1"})
+    assert len({k, ort_cache.cache_key("1.33.0", "a" * 64, {"x": "1"}),
+                ort_cache.cache_key("1.32.0", "b" * 64, {"x": "1"}),
+                ort_cache.cache_key("1.32.0", "a" * 64, {"x": "0"})}) == 4

@@ -1,0 +1,79 @@
+"""Level 1's batch gate: a batch request for the primary waits while requests wait in its queue or the running
+batch is at the cap, and goes in (never dropped) once there is room; at level 0 it never waits."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from lineside.runtime.request import Mode, Priority
+from lineside.server.slo.guard import SloGuard
+from lineside.server.slo.policy import SloPolicy
+
+
+@dataclass
+class Stats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class FakePrimary:
+    """Only what the gate reads: stats() whose waiting count the test sets."""
+
+    max_seq_len = 256
+
+    def __init__(self) -> None:
+        self.current = Stats()
+
+    def stats(self) -> Stats:
+        return self.current
+
+
+class FakeHandle:
+    def __init__(self) -> None:
+        self.finished = False
+
+
+async def _blocked(task: asyncio.Task, rounds: int = 5) -> bool:
+    for _ in range(rounds):
+        await asyncio.sleep(0.03)  # lets the gate poll; the gate, not the test, decides
+    return not task.done()
+
+
+def test_batch_waits_for_realtime_and_the_cap_at_level_1():
+    async def scenario() -> None:
+        now = [0.0]
+        guard = SloGuard(SloPolicy(batch_running_cap=1, fallback_modes=(), min_samples=1), clock=lambda: now[0],
+                         device=lambda: (None, None), ticking=False)
+        primary = FakePrimary()
+        await guard.start(primary, "primary")
+        route = guard.route(mode=Mode.BATCH, priority=Priority.NORMAL, tokens=8)
+        await asyncio.wait_for(guard.admit_batch(route, draining=lambda: False), 1)  # level 0: straight in
+
+        guard.signals.observe(ttft_s=1.0, queue_s=0.0)
+        assert guard.tick(device=(None, None)) == 1
+        route = guard.route(mode=Mode.BATCH, priority=Priority.NORMAL, tokens=8)
+        assert not route.fallback  # the policy names no batch traffic for a fallback (and there is none)
+        primary.current = Stats(running=4, waiting=2)  # realtime requests wait
+        first = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))
+        assert await _blocked(first)
+        primary.current = Stats(running=4, waiting=0)
+        await asyncio.wait_for(first, 1)
+        handle = FakeHandle()
+        guard.admitted(handle, Mode.BATCH, fallback=False)
+        second = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))
+        assert await _blocked(second)  # the running batch is at its cap of 1
+        handle.finished = True
+        await asyncio.wait_for(second, 1)
+        assert guard.metrics.registry.get_sample_value("lineside_slo_batch_held_total") == 2
+
+        draining = [False]
+        primary.current = Stats(running=4, waiting=3)
+        third = asyncio.create_task(guard.admit_batch(route, draining=lambda: draining[0]))
+        assert await _blocked(third)
+        draining[0] = True  # the drain lets it through to the engine, which answers 503 draining
+        await asyncio.wait_for(third, 1)
+        await guard.stop()
+
+    asyncio.run(scenario())

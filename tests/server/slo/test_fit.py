@@ -1,0 +1,32 @@
+"""A fallback must fit beside the primary: the planner adds both up (runtime once), and serve refuses in one line
+a fallback that would not fit when the primary alone does."""
+
+from __future__ import annotations
+
+import pytest
+
+from lineside.errors import LinesideError
+from lineside.jetson.planner import plan, plan_with_fallback
+from lineside.server.slo.fallback import check_fits, planned_bytes
+
+
+def test_planner_counts_primary_and_fallback_together():
+    primary = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8")
+    fallback = plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nano-8")
+    pair = plan_with_fallback(primary, fallback)
+    assert pair["total_bytes"] == primary.total_bytes + fallback.total_bytes - fallback.runtime_overhead_bytes
+    assert primary.fits and fallback.fits and not pair["fits"]  # each fits alone, not both at once
+    roomy = plan_with_fallback(plan("DeepSeek-R1-Distill-Qwen-14B", "orin-nx-16"),
+                               plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nx-16"))
+    assert roomy["fits"] and roomy["headroom_bytes"] > 0
+
+
+def test_serve_refuses_a_fallback_that_does_not_fit(tiny_bundle):
+    need = planned_bytes(tiny_bundle, num_slots=4)
+    assert need > 0 and planned_bytes(tiny_bundle, num_slots=8) > need  # the KV cache grows with the slots
+    check_fits(tiny_bundle, tiny_bundle, num_slots=4, available=2 * need)  # both fit
+    check_fits(tiny_bundle, tiny_bundle, num_slots=4, available=None)  # unknown memory: not refused
+    check_fits(tiny_bundle, tiny_bundle, num_slots=4, available=need - 1)  # the primary alone does not fit: its error
+    with pytest.raises(LinesideError) as e:
+        check_fits(tiny_bundle, tiny_bundle, num_slots=4, available=need + need // 2)
+    assert "does not fit beside tiny-llama" in str(e.value) and "\n" not in str(e.value)

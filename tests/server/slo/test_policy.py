@@ -1,0 +1,73 @@
+"""The policy file: seed defaults, strict parsing, one-line errors before the server starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lineside.errors import LinesideError
+from lineside.runtime.request import Mode
+from lineside.server.slo.policy import SloPolicy, load_policy
+
+
+def test_defaults_are_the_seed_numbers():
+    p = SloPolicy()
+    assert (p.level_1.ttft_p90_s, p.level_1.memory_ratio, p.level_2.ttft_p90_s) == (0.8, 0.85, 1.5)
+    assert p.recover_after_s == 300 and p.backoff_factor == 2 and p.fallback_modes == (Mode.BATCH,)
+
+
+def test_yaml_and_json_files_load(tmp_path):
+    (tmp_path / "p.yaml").write_text("level_1: {ttft_p90_s: 0.5}\nlevel_2: {ttft_p90_s: 1.0}\nrecover_after_s: 60\n"
+                                     "pins:\n  - {start: '22:00', end: '06:00', level: 1}\n")
+    p = load_policy(tmp_path / "p.yaml")
+    assert (p.level_1.ttft_p90_s, p.level_2.ttft_p90_s, p.recover_after_s, len(p.pins)) == (0.5, 1.0, 60, 1)
+    (tmp_path / "p.json").write_text('{"cache": {"max_entries": 8, "ttl_s": 5}}')
+    assert load_policy(tmp_path / "p.json").cache.max_entries == 8
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("level_1: {ttft_p90_s: 2.0}\n", "level_2.ttft_p90_s (1.5) must be above level_1.ttft_p90_s (2.0)"),
+    ("recover_afetr_s: 10\n", "recover_afetr_s: unknown key; known keys here: level_1"),
+    ("level_2: {ttft: 1}\n", "level_2.ttft: unknown key; known keys here: ttft_p90_s"),
+    ("pins: [{start: '25:00', end: '06:00', level: 1}]\n", "pins.0.start"),
+    ("level_1: [\n", "not valid YAML"),
+    ("- 1\n", "the top level must be a mapping"),
+])
+def test_bad_policies_are_one_line(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(LinesideError) as e:
+        load_policy(path)
+    assert needle in str(e.value) and "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    return subprocess.run([sys.executable, "-m", "lineside", "serve", *args, "--port", "1"], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_serve_refuses_a_bad_policy_and_another_tokenizer_in_one_line(tiny_bundle, tmp_path):
+    import shutil
+
+    from lineside.bundle import read_manifest, write_manifest
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("level_1: {ttft_p90_s: 3}\n")
+    run = _serve(str(tiny_bundle), "--slo-policy", str(bad))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert "level_2.ttft_p90_s (1.5) must be above" in run.stderr.strip().splitlines()[-1]
+
+    other = tmp_path / "other-tok"
+    shutil.copytree(tiny_bundle, other)
+    tok = other / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"unk_token"', '"unk_token" ', 1) + " ")
+    write_manifest(other, read_manifest(other))
+    run = _serve(str(tiny_bundle), "--fallback", str(other))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "its tokenizer differs" in last and "--fallback" in last
