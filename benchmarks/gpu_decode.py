@@ -44,7 +44,7 @@ def run(work: Path, tests_rc: int, tiny: bool, src: Path | None = None) -> str:
     name = "SmolLM2-135M w4a16" if src is not None and Path(src).suffix == ".gguf" else "tiny llama w4a16"
     if src is None:
         fam, overrides = helpers.DENSE_VARIANTS["llama-gqa"]
-        src = helpers.make_tiny_dense(work / "ck", fam, **overrides)
+        src = helpers.make_tiny_dense(work / "ck", fam, **{**overrides, "max_position_embeddings": 1024})
     t = time.time()
     build_bundle(src, work / "b", BuildOptions(quant="w4a16", flavors=("trt",), max_seq_len=1024, group_size=128))
     t_bundle = time.time() - t

@@ -71,4 +71,7 @@ def table(context: int = 4096, max_lens: tuple[int, ...] = (8192, 32768)) -> str
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.strip().splitlines()[0]).parse_args()
     print(table())

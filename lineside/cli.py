@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
 import typer
 
 from lineside.errors import LinesideError
 
+try:  # typer ≥ 0.2x carries its own copy of click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
+
+PROG = "lineside"
+
 app = typer.Typer(
-    name="lineside",
+    name=PROG,
     help="Compile checkpoints into W4A16 ONNX/TensorRT bundles and serve them.",
     no_args_is_help=True,
     add_completion=False,
@@ -35,14 +44,66 @@ def _register() -> None:
         importlib.import_module(mod_name).register(app)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI, turning LinesideError into one line on stderr and exit code 1."""
-    _register()
+def one_line(text: str) -> str:
+    """Collapse a message onto one line (typer wraps some of its own; a user error is one line)."""
+    return " ".join(str(text).split())
+
+
+def usage_line(e: UsageError, prog: str = PROG) -> str:
+    """typer's usage error (unknown option, missing argument, bad value) as one line naming where help is."""
+    path = e.ctx.command_path if e.ctx is not None else prog
+    return f"error: {one_line(e.format_message()).rstrip('.')}; see `{path} --help`"
+
+
+def os_error_line(e: OSError) -> str:
+    """An OSError that escaped the up-front checks (disk full, a file removed meanwhile) as one line."""
+    where = f"{e.filename}: " if e.filename else ""
+    what = e.strerror or one_line(str(e)) or type(e).__name__
+    hint = {errno.ENOSPC: "free some space or write elsewhere", errno.EDQUOT: "free some space or write elsewhere",
+            errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
+            errno.EROFS: "write somewhere else"}.get(e.errno or 0, "check the path")
+    return f"error: {where}{what}; {hint}"
+
+
+def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
+    """Run a typer app and return its exit code, every failure printed as one line on stderr (no rich box,
+    no traceback; LINESIDE_DEBUG=1 re-raises unexpected ones). Also used by build_engine.py."""
+    debug = os.environ.get("LINESIDE_DEBUG", "") not in ("", "0")
     try:
-        app(args=argv, standalone_mode=True)
+        rv = cli(args=argv, prog_name=prog, standalone_mode=False)
+        return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+    except UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # nothing given: the help is the answer (click ≥ 8.2)
+            print(e.format_message(), file=sys.stderr)
+            return 2
+        print(usage_line(e, prog), file=sys.stderr)
+        return 2
+    except ClickException as e:
+        print(f"error: {one_line(e.format_message())}", file=sys.stderr)
+        return e.exit_code or 1
     except LinesideError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        return 130
+    except BrokenPipeError:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the reader went away (e.g. `| head`)
+        return 1
+    except MemoryError:
+        if debug:
+            raise
+        print("error: out of memory; use smaller options (--max-seq-len, --num-slots, --batch) or a machine "
+              "with more memory", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if debug:
+            raise
+        print(os_error_line(e), file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI; a user error is one line on stderr and a non-zero exit."""
+    _register()
+    sys.exit(run_app(app, argv))  # SystemExit(0) on success too, as typer's standalone mode does

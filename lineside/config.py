@@ -58,6 +58,17 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def context_limit(self) -> int:
+        """Longest context the model is made for: max_position_embeddings, or what its RoPE scaling stretches the
+        original length to (linear/dynamic/yarn/llama3/longrope ``factor`` × original), whichever is larger."""
+        rs = self.rope_scaling or {}
+        factor = rs.get("factor")
+        if rs.get("rope_type", "default") == "default" or not isinstance(factor, (int, float)) or factor <= 1:
+            return self.max_position_embeddings
+        original = rs.get("original_max_position_embeddings") or self.max_position_embeddings
+        return max(self.max_position_embeddings, int(factor * original))
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 

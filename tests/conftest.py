@@ -18,7 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 DENSE_VARIANTS = {
     # name: (family, config overrides)
-    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # made for 256 positions: TINY_BUNDLE serves 256 (a bundle may not exceed its model's context)
+    "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                max_position_embeddings=256)),
     "llama-mqa-tied-llama3": ("llama", dict(
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -7,8 +7,18 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from lineside import cli_checks as checks
+from lineside.bench.load import PATTERNS
 from lineside.bench.spec_metrics import spec_counters
 from lineside.errors import LinesideError
+
+MAX_REQUESTS = 1_000_000  # one run's schedule is held in memory
+MAX_CONCURRENCY = 10_000
+
+
+def num(default, *, kind: type = int, **bounds):
+    """A numeric bench option with its range checked while parsing (cli_checks.number_option)."""
+    return checks.number_option(default=default, kind=kind, **bounds)
 
 
 def _prompts(prompts_file: Path | None, prompt_len: str, count: int, seed: int, tokenizer):
@@ -34,31 +44,37 @@ def bench(
     bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
     compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two result JSONs: A B."),
     pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency"),
-    rate: float = typer.Option(1.0, help="burst: requests sent each second; poisson/gamma: mean requests/s."),
-    burstiness: float = typer.Option(1.0, help="gamma shape: 1 = Poisson, < 1 burstier."),
-    concurrency: int = typer.Option(4, help="Requests in flight for --pattern concurrency."),
-    duration: float = typer.Option(20.0, help="Seconds of arrivals (0 = bounded by --num-requests only)."),
-    num_requests: int = typer.Option(0, help="Cap on requests sent (0 = no cap beyond --duration)."),
+    rate: float = num(1.0, kind=float, above=0,
+                      help="burst: requests sent each second; poisson/gamma: mean requests/s."),
+    burstiness: float = num(1.0, kind=float, above=0, help="gamma shape: 1 = Poisson, < 1 burstier."),
+    concurrency: int = num(4, low=1, high=MAX_CONCURRENCY, help="Requests in flight for --pattern concurrency."),
+    duration: float = num(20.0, kind=float, low=0, high=checks.MAX_SECONDS,
+                          help="Seconds of arrivals (0 = bounded by --num-requests only)."),
+    num_requests: int = num(0, low=0, high=MAX_REQUESTS, help="Cap on requests sent (0 = no cap beyond --duration)."),
     endpoint: str = typer.Option("completions", help="completions | chat"),
     prompt_len: str = typer.Option("32:192", help="Synthetic prompt length range in tokens, MIN:MAX."),
     prompts_per_request: str = typer.Option(None, help="MIN:MAX prompts per request (burst default 1:3)."),
     prompts_file: Path = typer.Option(None, help="JSONL prompts ({\"prompt\"|\"text\"|\"messages\"}) instead."),
     tokenizer: Path = typer.Option(None, help="tokenizer.json for exact synthetic lengths (default: bundle's)."),
-    max_tokens: int = typer.Option(64, help="max_tokens of every request."),
-    temperature: float = typer.Option(0.0),
+    max_tokens: int = num(64, low=1, help="max_tokens of every request."),
+    temperature: float = num(0.0, kind=float, low=0, help="Sampling temperature (0 = greedy)."),
     ignore_eos: bool = typer.Option(False, help="Send ignore_eos=true (servers that support it)."),
     model: str = typer.Option("", help="Model name to send (default: first of GET /v1/models)."),
-    seed: int = typer.Option(0, help="Seeds arrivals and synthetic prompts."),
-    ttft_ms: float = typer.Option(None, help="Goodput target: TTFT at most this many ms."),
-    tpot_ms: float = typer.Option(None, help="Goodput target: TPOT at most this many ms."),
-    timeout: float = typer.Option(60.0, help="Per-request timeout (s)."),
-    max_time: float = typer.Option(600.0, help="Hard cap on the whole run (s); in-flight requests are cancelled."),
-    warmup: int = typer.Option(1, help="Requests sent (and not counted) before the run."),
-    threads: int = typer.Option(None, help="--bundle only: CPU threads for the in-process runtime."),
-    num_slots: int = typer.Option(None, help="--bundle only: concurrent sequences of the in-process engine."),
+    seed: int = num(0, low=0, help="Seeds arrivals and synthetic prompts."),
+    ttft_ms: float = num(None, kind=float, above=0, help="Goodput target: TTFT at most this many ms."),
+    tpot_ms: float = num(None, kind=float, above=0, help="Goodput target: TPOT at most this many ms."),
+    timeout: float = num(60.0, kind=float, above=0, high=checks.MAX_SECONDS, help="Per-request timeout (s)."),
+    max_time: float = num(600.0, kind=float, above=0, high=checks.MAX_SECONDS,
+                          help="Hard cap on the whole run (s); in-flight requests are cancelled."),
+    warmup: int = num(1, low=0, help="Requests sent (and not counted) before the run."),
+    threads: int = num(None, low=1, high=checks.MAX_THREADS,
+                       help="--bundle only: CPU threads for the in-process runtime."),
+    num_slots: int = num(None, low=1, help="--bundle only: concurrent sequences of the in-process engine."),
     speculative: str = typer.Option(None, help="--bundle only: speculative decoding method (ngram)."),
-    spec_tokens: int = typer.Option(None, help="--bundle only: most tokens proposed per step (1-16, default 4)."),
-    out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory."),
+    spec_tokens: int = num(None, low=1, high=16, help="--bundle only: most tokens proposed per step (default 4)."),
+    out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory "
+                                        "(its parent must exist)."),
+    force: bool = typer.Option(False, help="Replace an existing, non-empty --out directory."),
     no_plots: bool = typer.Option(False, help="Skip the PNG plots."),
 ) -> None:
     """Load-test a server and report TTFT/TPOT/ITL/E2E percentiles, throughput and goodput."""
@@ -66,16 +82,33 @@ def bench(
     if compare:
         from lineside.bench.report import compare as do_compare
 
-        do_compare(Path(compare[0]), Path(compare[1]), console)
+        do_compare(checks.input_file(Path(compare[0]), "--compare", "bench result (report.json)"),
+                   checks.input_file(Path(compare[1]), "--compare", "bench result (report.json)"), console)
         return
+    # Every path first: a bad --out must not cost a whole run (and leaves nothing behind).
+    if out is not None:
+        checks.output_dir(out, "--out", force=force, what="report directory")
+    if bundle is not None:
+        from lineside.bundle import read_manifest
+
+        checks.input_dir(bundle, "--bundle", "bundle directory")
+        manifest = read_manifest(bundle)
+        bundle_max_seq = int(manifest.max_seq_len or 0)
+        slots = num_slots or 8
+        checks.fits_in_memory(checks.decode_state_bytes(manifest, slots),
+                              f"the in-process server's KV cache for {slots} slots", "lower --num-slots")
+    for opt, path in (("--prompts-file", prompts_file), ("--tokenizer", tokenizer)):
+        if path is not None:
+            checks.input_file(path, opt)
+    if out is not None:
+        checks.apart_from(out, "--out", {"--bundle": bundle, "--prompts-file": prompts_file, "--tokenizer": tokenizer})
+    pattern = checks.choice(pattern, "--pattern", PATTERNS)
     if (url is None) == (bundle is None):
         raise LinesideError("give exactly one of --url http://HOST:PORT (a running server) or --bundle DIR")
     if url is not None and not url.startswith(("http://", "https://")):
         raise LinesideError(f"--url {url!r} must start with http:// or https://")
     if endpoint not in ("completions", "chat"):
         raise LinesideError(f"--endpoint {endpoint!r} is not completions or chat")
-    if max_tokens < 1 or timeout <= 0 or max_time <= 0:
-        raise LinesideError("--max-tokens, --timeout and --max-time must be positive")
 
     from lineside.runtime.speculative.config import parse_speculative
 
@@ -87,10 +120,25 @@ def bench(
     from lineside.bench.inprocess import ready_after_s
     from lineside.bench.load import make_schedule
     from lineside.bench.prompts import PromptPool, parse_range
-    from lineside.bench.report import print_summary, summarize_run, write_report
+    from lineside.bench.report import (
+        machine_load,
+        machine_record,
+        print_summary,
+        summarize_run,
+        warn_if_loaded,
+        write_report,
+    )
     from lineside.bench.runner import run
 
     ppr = parse_range(prompts_per_request, "--prompts-per-request") if prompts_per_request else None
+    longest = parse_range(prompt_len, "--prompt-len")[1]
+    if bundle is not None and bundle_max_seq and prompts_file is None:
+        checks.at_most(longest + max_tokens, bundle_max_seq - 1, "--prompt-len MAX + --max-tokens",
+                       f"what the bundle's context of {bundle_max_seq} tokens leaves",
+                       "lower --prompt-len or --max-tokens, or build the bundle with a larger --max-seq-len")
+    if pattern != "concurrency" and not num_requests:
+        checks.at_most(int(rate * duration), MAX_REQUESTS, "--rate × --duration", "what one run schedules",
+                       "lower --rate or --duration, or cap with --num-requests")
     schedule = make_schedule(pattern, rate=rate, duration=duration, seed=seed, burstiness=burstiness,
                              workers=concurrency, max_requests=num_requests or None, prompts_per_request=ppr)
     if not schedule.closed_loop and not schedule.arrivals:
@@ -103,6 +151,8 @@ def bench(
     cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
                        temperature=temperature, ignore_eos=ignore_eos, timeout=timeout)
 
+    load_before = machine_load()
+    warn_if_loaded(load_before, console)
     if bundle is not None:
         from lineside.bench.inprocess import BackgroundServer, bundle_app
 
@@ -118,6 +168,7 @@ def bench(
         before = spec_counters(url)
         result = run(url, schedule, pool, cfg, deadline, warmup)
         spec_delta = spec_counters(url) - before
+    load_after = machine_load()
 
     summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)
     meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model, "endpoint": endpoint,
@@ -134,13 +185,15 @@ def bench(
         meta["concurrency"] = concurrency
     if ppr or pattern == "burst":
         meta["prompts_per_request"] = prompts_per_request or "1:3"
+    meta["machine"] = machine_record(load_before, load_after)
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
     if spec_delta.steps:
         meta["speculative"] = spec_delta.report()
         console.print(f"speculative decoding: {spec_delta.describe()}")
     if out is not None:
-        written = write_report(out, result.records, summary, meta, plots=not no_plots)
-        console.print(f"wrote {', '.join(str(p) for p in written.values())}")
+        with checks.staged_dir(out) as tmp:  # complete or absent: never a half-written report
+            written = write_report(tmp, result.records, summary, meta, plots=not no_plots)
+        console.print(f"wrote {', '.join(str(out / p.name) for p in written.values())}")
     if summary.completed == 0:
         raise LinesideError(f"no request succeeded out of {summary.requests}; first error: "
                            f"{next((r.error for r in result.records if r.error), 'none')}")

@@ -4,6 +4,7 @@ PNG plots, and `--compare A.json B.json` (what changed between two runs, better 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _loads(values) -> str:
+    return "/".join("-" if v is None else f"{v:.2f}" for v in values or []) or "-"
+
+
 def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRecord]) -> str:
     """The human report: what was run, the numbers, the plots, and the errors if any."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta.get("started_at", time.time())))
@@ -91,7 +96,15 @@ def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRec
              f"Run {when}. Metric definitions as vLLM `bench serve` / NVIDIA AIPerf: TTFT = first token "
              "time − send time; TPOT = (E2E − TTFT)/(output tokens − 1); ITL = gaps between streamed chunks; "
              "effective throughput = Σ output tokens / Σ E2E.", "", "## Setup", ""]
-    parts.append(_md_table(["setting", "value"], [[k, f"`{v}`"] for k, v in meta.items() if k != "started_at"]))
+    parts.append(_md_table(["setting", "value"], [[k, f"`{v}`"] for k, v in meta.items()
+                                                  if k not in ("started_at", "machine")]))
+    machine = meta.get("machine")
+    if machine:
+        parts += ["", f"Machine: {machine.get('cpu_count')} CPUs; load average (1/5/15 min) "
+                      f"{_loads(machine.get('loadavg_before'))} before, {_loads(machine.get('loadavg_after'))} after."]
+        if machine.get("loaded"):
+            parts += ["", "**Warning: the machine was loaded when this run started; other processes inflate every "
+                          "latency here. Compare only with a run made at a similar load.**"]
     parts += ["", "## Latency (ms)", ""]
     parts.append(_md_table(["metric", *STATS],
                            [[LATENCY_NAMES[k], *(_ms(getattr(s, k)[c]) for c in STATS)] for k in LATENCIES]))
@@ -165,7 +178,13 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
         ch = "-" if change is None else f"{change * 100:+.1f}%"
         style = "" if better is None else ("green" if better else "red")
         t.add_row(label, fmt(va), fmt(vb), f"[{style}]{ch}[/{style}]" if style else ch)
-    (console or Console()).print(t)
+    console = console or Console()
+    console.print(t)
+    ma, mb = meta_a.get("machine") or {}, meta_b.get("machine") or {}
+    if ma.get("loaded") or mb.get("loaded") or bool(ma) != bool(mb):
+        console.print(f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "
+                      f"{ma.get('cpu_count', '?')} CPUs, B {_loads(mb.get('loadavg_before'))} on {mb.get('cpu_count', '?')} CPUs; a loaded run "
+                      "is slower for reasons outside the server")
     return rows
 
 
@@ -174,3 +193,40 @@ def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float 
     """summarize() with the CLI's millisecond targets."""
     return summarize(records, duration, None if ttft_ms is None else ttft_ms / 1000.0,
                      None if tpot_ms is None else tpot_ms / 1000.0)
+
+
+LOADED_PER_CPU = 0.25  # 1-minute load per CPU above which timings are not the machine's own
+
+
+def machine_load(getloadavg=os.getloadavg, cpu_count=os.cpu_count) -> dict:
+    """The machine's load right now: 1/5/15-minute load averages and the CPU count (injectable for tests)."""
+    try:
+        one, five, fifteen = getloadavg()
+    except OSError:  # not available on this platform
+        one = five = fifteen = None
+    return {"loadavg_1m": None if one is None else round(one, 2),
+            "loadavg_5m": None if five is None else round(five, 2),
+            "loadavg_15m": None if fifteen is None else round(fifteen, 2), "cpu_count": cpu_count()}
+
+
+def loaded_warning(load: dict) -> str | None:
+    """A one-line warning when other work shares the CPUs (so a slow run is not read as a slow server)."""
+    one, cpus = load.get("loadavg_1m"), load.get("cpu_count") or 1
+    if one is None or one <= LOADED_PER_CPU * cpus:
+        return None
+    return (f"warning: 1-minute load average is {one:.1f} on {cpus} CPUs before starting; other processes "
+            "will inflate every latency and lower every throughput (the report records the load)")
+
+
+def warn_if_loaded(load: dict, console: Console) -> None:
+    msg = loaded_warning(load)
+    if msg:
+        console.print(f"[yellow]{msg}[/yellow]")
+
+
+def machine_record(before: dict, after: dict) -> dict:
+    """What a report keeps about the machine: CPU count and the load averages before and after the run."""
+    return {"cpu_count": before.get("cpu_count"),
+            "loadavg_before": [before.get(k) for k in ("loadavg_1m", "loadavg_5m", "loadavg_15m")],
+            "loadavg_after": [after.get(k) for k in ("loadavg_1m", "loadavg_5m", "loadavg_15m")],
+            "loaded": loaded_warning(before) is not None}

@@ -11,7 +11,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lineside import cli_checks as checks
 from lineside.build.pipeline import BuildOptions, build_bundle, describe
+from lineside.errors import LinesideError
 
 err = Console(stderr=True)
 
@@ -30,23 +32,44 @@ def rich_progress(enabled: bool = True):
         yield factory
 
 
+# The options of a build, declared once: `lineside build` and build_engine.py take the same ones.
+CheckpointArg = Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory or .gguf file")]
+OutputOpt = Annotated[Path, typer.Option("-o", "--output", help="bundle directory to write (its parent must exist)")]
+QuantOpt = Annotated[str, typer.Option(help="fp32 | fp16 | w8a16 | w4a16")]
+GroupSizeOpt = Annotated[int, checks.number_option(low=16, help="INT4 group size along in_features, a power of two "
+                                                                "(64 or 128 for trt)")]
+MethodOpt = Annotated[str, typer.Option(help="rtn | awq | gptq (w4a16, Llama/Qwen2)")]
+CalibOpt = Annotated[Path | None, typer.Option(help="calibration text for AWQ/GPTQ (default: shipped text)")]
+FlavorsOpt = Annotated[str, typer.Option(help="comma list of graph flavors: cpu,trt")]
+MaxSeqLenOpt = Annotated[int | None, checks.number_option(
+    low=2, help="context length the bundle supports (at most the model's own; default: min(model's, 4096))")]
+RequantizeOpt = Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF instead of keeping its grid")]
+AccuracyLevelOpt = Annotated[int, checks.number_option(
+    low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
+LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
+KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")]
+ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
+
+
 def build(
-    checkpoint: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory or .gguf file")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="bundle directory to write")],
-    quant: Annotated[str, typer.Option(help="fp32 | fp16 | w8a16 | w4a16")] = "w4a16",
-    group_size: Annotated[int, typer.Option(help="INT4 group size along in_features (64 or 128 for trt)")] = 128,
-    method: Annotated[str, typer.Option(help="rtn | awq | gptq (w4a16, Llama/Qwen2)")] = "rtn",
-    calib: Annotated[Path | None, typer.Option(help="calibration text for AWQ/GPTQ (default: shipped text)")] = None,
-    flavors: Annotated[str, typer.Option(help="comma list of graph flavors: cpu,trt")] = "cpu",
-    max_seq_len: Annotated[int | None, typer.Option(help="context length the bundle supports")] = None,
-    requantize: Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF instead of keeping its grid")] = False,
-    accuracy_level: Annotated[int, typer.Option(help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 act)")] = 4,
-    lm_head_bits: Annotated[int, typer.Option(help="w4a16 LM head bits: 8 (quality) or 4 (speed)")] = 8,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")] = "fp16",
-    force: Annotated[bool, typer.Option(help="replace an existing output directory")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars")] = False,
+    checkpoint: CheckpointArg,
+    output: OutputOpt,
+    quant: QuantOpt = "w4a16",
+    group_size: GroupSizeOpt = 128,
+    method: MethodOpt = "rtn",
+    calib: CalibOpt = None,
+    flavors: FlavorsOpt = "cpu",
+    max_seq_len: MaxSeqLenOpt = None,
+    requantize: RequantizeOpt = False,
+    accuracy_level: AccuracyLevelOpt = 4,
+    lm_head_bits: LmHeadBitsOpt = 8,
+    kv_dtype: KvDtypeOpt = "fp16",
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Build a bundle (graphs + manifest + tokenizer) from a checkpoint."""
+    check_build_paths(checkpoint, output, calib, force)
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
@@ -55,6 +78,16 @@ def build(
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)
     print(f"{out}: {describe(out)}")
+
+
+def check_build_paths(checkpoint: Path, output: Path, calib: Path | None, force: bool) -> None:
+    """Every path option of a build, before the checkpoint is read (one line each; nothing is written)."""
+    if not Path(checkpoint).expanduser().exists():
+        raise LinesideError(f"{checkpoint}: no such file or directory; pass a Hugging Face directory or a .gguf file")
+    checks.output_dir(output, "-o", force=force, what="bundle")
+    if calib is not None:
+        checks.input_file(calib, "--calib", "calibration text file")
+    checks.apart_from(output, "-o", {"the checkpoint": checkpoint, "--calib": calib})
 
 
 def register(app: typer.Typer) -> None:

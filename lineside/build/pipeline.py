@@ -97,6 +97,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         # Families with their own naming (V4: official or HF) return the source their graphs read.
         source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
+        _check_context(max_seq, cfg)
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
                          accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits,
                          kv_dtype=opts.kv_dtype.strip().lower())
@@ -157,7 +158,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         architecture=cfg.architecture,
         model_name=cfg.name,
         source={"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
-        quantization=_quant_record(spec, carried, cfg, plan, gplan),
+        quantization=_quant_record(spec, carried, cfg, plan, gplan,
+                                   carried_grid=_carried_grid(family, cfg, source, carried, opts.flavors)),
         flavors=flavors,
         max_seq_len=max_seq,
         config="config.json",
@@ -165,6 +167,16 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         build_seconds=round(time.time() - t0, 2),
     )
     write_manifest(tmp, manifest)
+
+
+def _check_context(max_seq: int, cfg: ModelConfig) -> None:
+    """--max-seq-len no longer than the model's own context (RoPE tables and caches grow with it)."""
+    limit = cfg.context_limit
+    if max_seq > limit:
+        how = ("max_position_embeddings" if limit == cfg.max_position_embeddings
+               else f"RoPE {cfg.rope_scaling.get('rope_type')} scaling" if cfg.rope_scaling else "")
+        raise LinesideError(f"--max-seq-len {max_seq} is above the model's context limit {limit} ({how} of "
+                            f"{cfg.name or 'the checkpoint'}); choose at most {limit}")
 
 
 def _check_shapes(ckpt: CheckpointReader, names: list[str], spec: QuantSpec, flavors: tuple[str, ...]) -> None:
@@ -200,20 +212,37 @@ def _weight_getter(ckpt: CheckpointReader, spec: QuantSpec, flavor: str, opts: B
     return get
 
 
+GGML_BLOCK = 32  # weights per block of GGUF's Q4_0 / Q4_1 / Q8_0
+
+
+def _carried_grid(family: ModelFamily, cfg: ModelConfig, source: WeightSource | None, carried: dict[str, str],
+                  flavors: tuple[str, ...]) -> str | None:
+    """The GGUF 4-bit type every linear of the bundle kept (so its grid is that type's blocks of 32), or None
+    when some linear was quantized here (or a trt flavor, which always re-quantizes, was built)."""
+    if "trt" in flavors or source is not None:
+        return None
+    linears = [n for n in family.required_tensors(cfg) if n.endswith("proj.weight")]
+    kinds = {carried.get(n) for n in linears}
+    return kinds.pop() if linears and len(kinds) == 1 and kinds <= {"Q4_0", "Q4_1"} else None
+
+
 def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: AwqPlan | None = None,
-                  gplan: GptqPlan | None = None) -> dict[str, Any]:
+                  gplan: GptqPlan | None = None, carried_grid: str | None = None) -> dict[str, Any]:
     from lineside.build.quant.kv import kv_record, parse_kv_dtype
     from lineside.build.quant.size import kept_high_precision_note
 
     kept = kept_high_precision_note() if spec.quantized else []
     kept.append({"tensors": "RoPE cos/sin tables", "precision": "float32", "why": "position tables, not weights"})
     return {
-        "scheme": spec.scheme, "group_size": spec.group_size, "method": spec.method,
+        "scheme": spec.scheme, "group_size": GGML_BLOCK if carried_grid else spec.group_size, "method": spec.method,
         "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
         "kv_cache": kv_record(parse_kv_dtype(spec.kv_dtype)),
-        "symmetric": True, "zero_point": 0,
+        "symmetric": carried_grid != "Q4_1", "zero_point": 0,
+        **({"grid": {"source": f"GGUF {carried_grid}", "block_size": GGML_BLOCK,
+                     "per_block": "fp16 scale" + (" + fp16 minimum" if carried_grid == "Q4_1" else "")}}
+           if carried_grid else {}),
         "trt_group_note": "trt flavor: a layer whose in_features the group size does not divide uses 64",
         **({"awq": {"calibration_nll_rtn": plan.nll_rtn, "calibration_nll_awq": plan.nll_awq,
                     "fell_back_to_rtn": plan.fallback, "guard_tokens": plan.guard_tokens,

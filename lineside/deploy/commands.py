@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from lineside import cli_checks as checks
+
 deploy = typer.Typer(help="Deploy models lineside does not serve itself (DeepSeek-V4 on datacenter GPUs).",
                      no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -19,8 +21,10 @@ def datacenter_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for the config, launch.sh and compose")],
     profile: Annotated[str, typer.Option(help="throughput (attention-DP, MTP 1; batch pools) | latency (TP, MTP 3)")]
     = "throughput",
-    mtp_tokens: Annotated[int | None, typer.Option(help="MTP draft tokens (default: 1 throughput, 3 latency)")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="share of each GPU's memory the engine may use")] = 0.90,
+    mtp_tokens: Annotated[int | None, checks.number_option(
+        low=0, high=16, help="MTP draft tokens (default: 1 throughput, 3 latency)")] = None,
+    gpu_memory_utilization: Annotated[float, checks.number_option(
+        kind=float, above=0, high=1, help="share of each GPU's memory the engine may use")] = 0.90,
     model_dir: Annotated[str, typer.Option(help="where the checkpoints are mounted in the container")] = "/models",
 ) -> None:
     """Write the engine's launch command and config (TP/EP, attention-DP, FP8 KV, MTP, CUDA graphs, max context)
@@ -28,6 +32,7 @@ def datacenter_cmd(
     from lineside.deploy.compose import write_deployment
     from lineside.deploy.engines import build_deployment, format_deployment
 
+    checks.target_dir(output, "--output")  # before anything is written
     d = build_deployment(model, gpus, engine, profile=profile, mtp_tokens=mtp_tokens, model_dir=model_dir,
                          gpu_memory_utilization=gpu_memory_utilization)
     written = write_deployment(d, output)

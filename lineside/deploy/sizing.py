@@ -14,7 +14,7 @@ from typing import Any
 
 from lineside.errors import LinesideError
 from lineside.jetson.planner import _largest, load_model
-from lineside.jetson.sizes import KV_DTYPE_BYTES, WeightSizes
+from lineside.jetson.sizes import KV_DTYPE_BYTES, KvStorage, WeightSizes, check_kv_dtype
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -136,7 +136,7 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     w, fmt, mtp_layers = official_weights(model)
     mtp_layers = mtp_layers if mtp else 0
     n = gs.count
-    ctx = _Ctx(spec, w, gs, KV_DTYPE_BYTES[kv_dtype], gpu_memory_utilization, max_num_tokens,
+    ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype), gpu_memory_utilization, max_num_tokens,
                min(spec.max_positions, max_len or spec.max_positions))
     notes: list[str] = []
     if spec.architecture == "deepseek_v4":
@@ -185,7 +185,7 @@ class _Ctx:
     spec: Any
     w: WeightSizes
     gs: GpuSet
-    kvb: int
+    kvb: KvStorage
     util: float
     max_num_tokens: int
     cap: int

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from lineside import cli_checks as checks
+
 fleet = typer.Typer(help="A fleet of nodes behind one gateway: plan, rolling push, gateway (SMG), status.",
                     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -33,7 +35,7 @@ def check_cmd(fleet_file: Annotated[Path, FLEET_ARG]) -> None:
     from lineside.fleet.plan import plan_fleet
     from lineside.fleet.spec import load_fleet
 
-    f = load_fleet(fleet_file)
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     plan_fleet(f)
     print(f"{fleet_file}: {len(f.nodes)} nodes in {len(f.pools)} pools; valid, every model fits its node")
 
@@ -47,7 +49,7 @@ def plan_cmd(
     from lineside.fleet.plan import format_plans, plan_fleet
     from lineside.fleet.spec import load_fleet
 
-    plans = plan_fleet(load_fleet(fleet_file))
+    plans = plan_fleet(load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file")))
     if as_json:
         print(json.dumps([p.to_dict() for p in plans], indent=2))
     else:
@@ -67,7 +69,7 @@ def push_cmd(
     from lineside.fleet.rollout import rolling_push
     from lineside.fleet.spec import load_fleet
 
-    f = load_fleet(fleet_file)
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     plan_fleet(f)
     report = rolling_push(f, ssh=_ssh(ssh), only=node or None,
                           log=(lambda s: None) if as_json else (lambda s: print(s, file=sys.stderr)))
@@ -93,7 +95,8 @@ def gateway_cmd(
     from lineside.fleet.gateway import gateway_plan, run_gateway, write_gateway
     from lineside.fleet.spec import load_fleet
 
-    f = load_fleet(fleet_file)
+    checks.target_dir(output, "--output")  # before anything is written or started
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     plan = gateway_plan(f)
     written = write_gateway(plan, output)
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
@@ -114,7 +117,7 @@ def status_cmd(
     from lineside.fleet.spec import load_fleet
     from lineside.fleet.status import fleet_status, status_json, status_table
 
-    f = load_fleet(fleet_file)
+    f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     health = fleet_status(f, ssh=_ssh(ssh))
     if as_json:
         print(json.dumps(status_json(f, health), indent=2))

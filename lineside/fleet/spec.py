@@ -71,7 +71,7 @@ class Node(_Strict):
     device: str | None = None  # planner device key (agx-orin-64, ...); required with bundle/model off-datacenter
     gpus: str | None = None  # datacenter nodes: 8xH200, 8xB200, ...
     quant: str | None = None
-    ctx: Annotated[int, Field(ge=1)] = 4096
+    ctx: Annotated[int | None, Field(ge=1)] = None  # None: 4096, or all of a shorter bundle's max_seq_len
     batch: Annotated[int, Field(ge=1)] = 1
     kv_dtype: str = "fp16"
     restart: str | None = None  # run on the node after a switch (over ssh for ssh targets), e.g. systemctl restart

@@ -11,12 +11,20 @@ from typing import Annotated
 
 import typer
 
+from lineside import cli_checks as checks
 from lineside.jetson.devices import TABLE_DEVICES
 
 jetson = typer.Typer(help="Jetson deployment: probe, memory plan, push/rollback, power modes, systemd unit.",
                      no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 SSH_HELP = "ssh command for user@host targets, e.g. 'ssh -p 2222 -i key' (env LINESIDE_SSH)"
+
+
+def _is_remote(target: str) -> bool:
+    """user@host:/dir (an ssh target), as jetson.targets.open_target tells them apart."""
+    from lineside.jetson.targets import LocalTarget, open_target
+
+    return not isinstance(open_target(target, "ssh"), LocalTarget)  # no connection is made (nor closed)
 
 
 def _ssh(ssh: str | None) -> str:
@@ -31,6 +39,7 @@ def probe_cmd(
     """Board, L4T/JetPack, memory, GPU load, power mode and TensorRT version of this device."""
     from lineside.jetson.probe import format_probe, probe
 
+    checks.input_dir(sysroot, "--sysroot")
     r = probe(sysroot)
     print(json.dumps(r.to_dict(), indent=2) if as_json else format_probe(r))
 
@@ -40,11 +49,13 @@ def plan_cmd(
     model: Annotated[str, typer.Argument(help="checkpoint dir, bundle dir, config.json, or a shipped config name")],
     device: Annotated[str, typer.Option(help="agx-orin-64 | agx-orin-32 | orin-nx-16 | orin-nano-8 | h100-80 ...")],
     quant: Annotated[str | None, typer.Option(help="w4a16 | w8a16 | fp16 | fp32 (default: the bundle's, else w4a16)")] = None,
-    ctx: Annotated[int, typer.Option(help="context length per sequence (prompt + output)")] = 4096,
-    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    ctx: Annotated[int | None, checks.number_option(
+        low=1, help="context length per sequence, prompt + output (default: 4096, or a shorter bundle's own)")] = None,
+    batch: Annotated[int, checks.number_option(low=1, high=1 << 20, help="sequences decoded together")] = 1,
     kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
-    group_size: Annotated[int, typer.Option(help="quantization group size (weights per fp16 scale)")] = 128,
-    prefill_chunk: Annotated[int, typer.Option(help="prompt tokens processed per step")] = 512,
+    group_size: Annotated[int | None, checks.number_option(
+        low=1, help="quantization group size, weights per fp16 scale (default: a bundle's own grid, else 128)")] = None,
+    prefill_chunk: Annotated[int, checks.number_option(low=1, help="prompt tokens processed per step")] = 512,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     fallback: Annotated[str | None, typer.Option(help="a fallback bundle served beside it (`serve --fallback`): "
                                                       "plan both together")] = None,
@@ -64,8 +75,8 @@ def plan_cmd(
 @jetson.command("table")
 def table_cmd(
     quant: Annotated[str, typer.Option(help="w4a16 | w8a16 | fp16")] = "w4a16",
-    ctx: Annotated[int, typer.Option(help="context length")] = 4096,
-    batch: Annotated[int, typer.Option(help="batch")] = 1,
+    ctx: Annotated[int, checks.number_option(low=1, help="context length")] = 4096,
+    batch: Annotated[int, checks.number_option(low=1, high=1 << 20, help="batch")] = 1,
     kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
     devices: Annotated[str, typer.Option(help="comma list of devices")] = ",".join(TABLE_DEVICES),
 ) -> None:
@@ -84,6 +95,10 @@ def push_cmd(
 ) -> None:
     """Copy a bundle to TARGET/versions/ (resumable), verify every sha256 there, switch TARGET/current."""
     from lineside.jetson.push import push
+
+    checks.input_dir(bundle, "BUNDLE", "bundle directory")
+    if not _is_remote(target):
+        checks.target_dir(Path(target), "TARGET")
 
     r = push(bundle, target, _ssh(ssh))
     if as_json:
@@ -131,6 +146,7 @@ def power_cmd(
     """Set the power mode (nvpmodel -m) and clocks (jetson_clocks); Jetson only."""
     from lineside.jetson.power import query_power, set_power
 
+    checks.input_dir(sysroot, "--sysroot")
     if query or (mode is None and clocks is None):
         print(query_power(str(sysroot)))
         return
@@ -144,9 +160,10 @@ def service_cmd(
     output: Annotated[str | None, typer.Option("--output", "-o", help="write the unit here (file or dir)")] = None,
     user: Annotated[str, typer.Option(help="user the server runs as")] = "lineside",
     host: Annotated[str, typer.Option(help="listen address")] = "0.0.0.0",
-    port: Annotated[int, typer.Option(help="listen port")] = 8000,
+    port: Annotated[int, checks.number_option(low=1, high=65535, help="listen port")] = 8000,
     env_file: Annotated[str, typer.Option(help="EnvironmentFile (optional at runtime)")] = "/etc/lineside/lineside.env",
-    drain_timeout: Annotated[int, typer.Option(help="server drain timeout in s; TimeoutStopSec adds 15")] = 30,
+    drain_timeout: Annotated[int, checks.number_option(
+        low=0, high=int(checks.MAX_SECONDS), help="server drain timeout in s; TimeoutStopSec adds 15")] = 30,
     exec_path: Annotated[str, typer.Option(help="lineside on the device (default: found on PATH on a Jetson, "
                                            "else /usr/local/bin/lineside)")] = "",
     build_engine: Annotated[bool, typer.Option(help="ExecStartPre builds the engine if none matches")] = True,
@@ -155,6 +172,10 @@ def service_cmd(
     """Write (or print) a systemd unit running `lineside serve` with restart and drain-aware stop."""
     from lineside.jetson.service import ServiceSpec, install_hint, on_systemd_jetson, write_unit
 
+    checks.input_dir(sysroot, "--sysroot")
+    if output is not None:  # a directory gets lineside.service inside; checked before anything is written
+        target = Path(output).expanduser()
+        output = str(checks.output_file(target / "lineside.service" if target.is_dir() else target, "--output"))
     is_jetson, systemd = on_systemd_jetson(str(sysroot))
     if not exec_path and is_jetson:
         exec_path = shutil.which("lineside") or ""

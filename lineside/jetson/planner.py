@@ -17,6 +17,7 @@ from lineside.config import ModelConfig, family_of, load_hf_config
 from lineside.errors import ConfigError, LinesideError
 from lineside.jetson.devices import Device, get_device
 from lineside.jetson.sizes import (
+    Grid,
     KVSizes,
     KvStorage,
     WeightSizes,
@@ -38,10 +39,12 @@ class ModelSpec:
     name: str
     architecture: str
     max_positions: int
-    weights: Callable[[str, int], WeightSizes]
+    weights: Callable[[str, Grid], WeightSizes]
     kv: Callable[[int, int, int], KVSizes]
     activations: Callable[[int, int, int], int]
     quantization: str | None = None  # from a bundle's manifest, when known
+    grid: Grid | None = None  # a bundle's real quantization grid, when known
+    context_from: str = "max_position_embeddings"  # what max_positions is
 
 
 @dataclass
@@ -111,6 +114,42 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
     )
 
 
+GGML_4BIT = {"Q4_0": 1, "Q4_1": 2}  # fp16 values per block of 32: scale (Q4_0), scale + minimum (Q4_1)
+
+
+def bundle_grid(manifest: Manifest) -> Grid | None:
+    """The grid a bundle's linears really have: the trt flavor's group size when it has one (what TensorRT
+    runs), else a GGUF 4-bit grid carried into the cpu flavor (blocks of 32; read from ``quantization.grid``,
+    or from ``carried_from_source`` for bundles built before that was recorded), else its group size."""
+    q = manifest.quantization
+    if not isinstance(q, dict):
+        return None
+    gs = q.get("group_size")
+    if "trt" in manifest.flavors and isinstance(gs, int) and gs > 0:
+        return Grid(gs, 1, "the bundle's trt grid")
+    g = q.get("grid")
+    if isinstance(g, dict) and isinstance(g.get("block_size"), int) and g["block_size"] > 0:
+        mins = 2 if "minimum" in str(g.get("per_block", "")) else 1
+        return Grid(g["block_size"], mins, f"{g.get('source', 'carried')} grid from the bundle")
+    carried = q.get("carried_from_source")
+    if isinstance(carried, dict):
+        kinds = [k for n, k in carried.items() if str(n).endswith("proj.weight") and k in GGML_4BIT]
+        if kinds:
+            kind = max(set(kinds), key=kinds.count)
+            return Grid(32, GGML_4BIT[kind], f"GGUF {kind} grid from the bundle")
+    return Grid(gs, 1, "the bundle's group size") if isinstance(gs, int) and gs > 0 else None
+
+
+def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
+    """A bundle holds what it was built with: its grid, and at most its max_seq_len of context."""
+    spec.grid = bundle_grid(manifest)
+    mx = manifest.max_seq_len
+    if isinstance(mx, int) and 0 < mx:
+        spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx
+        spec.context_from = "the bundle's max_seq_len"
+    return spec
+
+
 def _bundle_quant(manifest: Manifest) -> str | None:
     q: Any = manifest.quantization
     if isinstance(q, dict):
@@ -139,8 +178,8 @@ def load_model(model: str) -> ModelSpec:
         except (OSError, json.JSONDecodeError) as e:
             raise LinesideError(f"{p}: bundle config {cfg_rel} unreadable ({e}); rebuild the bundle") from None
         if isinstance(d, dict) and "architecture" in d and "architectures" not in d:
-            return _spec_from_config(ModelConfig.from_json_dict(d), _bundle_quant(manifest))
-        return _spec_from_hf(d, p.name, _bundle_quant(manifest))
+            return _with_bundle(_spec_from_config(ModelConfig.from_json_dict(d), _bundle_quant(manifest)), manifest)
+        return _with_bundle(_spec_from_hf(d, p.name, _bundle_quant(manifest)), manifest)
     if p.is_dir():
         return _spec_from_hf(load_hf_config(p / "config.json"), p.name)
     if p.suffix == ".gguf":
@@ -174,10 +213,10 @@ def plan(
     model: str | ModelSpec,
     device: str,
     quant: str | None = None,
-    ctx: int = 4096,
+    ctx: int | None = None,
     batch: int = 1,
     kv_dtype: str = "fp16",
-    group_size: int = 128,
+    group_size: int | None = None,
     prefill_chunk: int = 512,
 ) -> Plan:
     """Size weights, KV cache, activations and overhead against the device's usable memory."""
@@ -185,23 +224,28 @@ def plan(
     dev = get_device(device)
     q = check_quant(quant or spec.quantization or "w4a16")
     kvb = check_kv_dtype(kv_dtype)
+    if ctx is None:  # 4096, or all a shorter model/bundle has
+        ctx = min(4096, spec.max_positions) if spec.max_positions > 0 else 4096
     if kvb.name == "fp8" and tuple(int(x) for x in dev.sm.split(".")[:2]) < (8, 9):
         raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
-    if group_size < 1 or prefill_chunk < 1:
+    if (group_size is not None and group_size < 1) or prefill_chunk < 1:
         raise LinesideError("--group-size and --prefill-chunk must be at least 1")
-    w = spec.weights(q, group_size)
+    grid = Grid(group_size) if group_size is not None else (spec.grid or Grid(128))
+    w = spec.weights(q, grid)
     kv = spec.kv(ctx, batch, kvb)
     act = spec.activations(ctx, batch, prefill_chunk)
     total = w.total + kv.total + act + dev.runtime_overhead_bytes
     usable = dev.usable_bytes
     max_ctx = _largest(lambda c: _total(spec, dev, w.total, c, batch, kvb, prefill_chunk) <= usable,
-                       spec.max_positions)
+                       spec.max_positions)  # never above what the model (or the bundle) supports
     max_batch = _largest(lambda b: _total(spec, dev, w.total, ctx, b, kvb, prefill_chunk) <= usable, 4096)
     notes = list(w.notes)
     if ctx > spec.max_positions:
-        notes.append(f"ctx {ctx} exceeds the model's max_position_embeddings {spec.max_positions}")
+        notes.append(f"ctx {ctx} exceeds {spec.context_from} {spec.max_positions}"
+                     + ("; rebuild the bundle with a larger --max-seq-len (up to the model's own)"
+                        if spec.context_from.startswith("the bundle") else ""))
     if dev.unified:
         notes.append("unified memory: CPU and GPU share it; device_bytes excludes the OS/firmware reserve")
     notes.append("building the engine on the device needs extra memory, about the weights again, once")

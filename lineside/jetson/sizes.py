@@ -27,6 +27,24 @@ FP16 = 2
 
 
 @dataclass(frozen=True)
+class Grid:
+    """How 4/8-bit linear weights are blocked: weights per block along K and the fp16 values each block stores
+    (1: a scale, symmetric; 2: scale + minimum, GGUF Q4_1). ``source`` says where it was read from."""
+
+    group_size: int = 128
+    fp16_per_group: int = 1
+    source: str = ""
+
+    def describe(self) -> str:
+        what = "fp16 scale" + (" + fp16 minimum" if self.fp16_per_group == 2 else "")
+        return f"{what} per {self.group_size} weights" + (f", {self.source}" if self.source else "")
+
+
+def as_grid(grid: Grid | int) -> Grid:
+    return grid if isinstance(grid, Grid) else Grid(int(grid))
+
+
+@dataclass(frozen=True)
 class KvStorage:
     """How the builder stores one cached head vector: element bytes plus a per-vector scale."""
 
@@ -69,12 +87,14 @@ def check_kv_dtype(kv_dtype: str) -> KvStorage:
     return KvStorage(k, KV_DTYPE_BYTES[k], KV_SCALE_BYTES[k])
 
 
-def linear_bytes(k: int, n: int, quant: str, group_size: int = 128) -> int:
-    """Bytes of one [K in, N out] linear weight in ``quant`` (scales: fp16, one per group of K rows)."""
+def linear_bytes(k: int, n: int, quant: str, group_size: Grid | int = 128) -> int:
+    """Bytes of one [K in, N out] linear weight in ``quant`` (per group of K rows: an fp16 scale, and an fp16
+    minimum too for a Q4_1 grid)."""
     bits = QUANT_BITS[quant]
     if bits >= 16:
         return k * n * bits // 8
-    return math.ceil(k * n * bits / 8) + math.ceil(k / group_size) * n * FP16
+    g = as_grid(group_size)
+    return math.ceil(k * n * bits / 8) + math.ceil(k / g.group_size) * n * FP16 * g.fp16_per_group
 
 
 def dense_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -85,7 +105,7 @@ def dense_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
-def dense_weights(cfg: ModelConfig, quant: str, group_size: int = 128) -> WeightSizes:
+def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) -> WeightSizes:
     """Weight bytes of a dense decoder (Llama / Qwen2) stored in ``quant``."""
     quant = check_quant(quant)
     h, layers = cfg.hidden_size, cfg.num_layers
@@ -107,7 +127,7 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: int = 128) -> Weight
         breakdown={"linear": linears, "embedding": embed, "lm_head": head, "norms_biases": small},
         notes=[
             f"linears in {quant}"
-            + (f" (+ fp16 scale per {group_size} weights)" if QUANT_BITS[quant] < 16 else ""),
+            + (f" (+ {as_grid(group_size).describe()})" if QUANT_BITS[quant] < 16 else ""),
             "token embedding, norms and biases stay fp16"
             + ("; LM head INT8 per channel" if QUANT_BITS[quant] < 16 else ""),
         ],

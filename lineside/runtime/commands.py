@@ -9,7 +9,11 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from lineside import cli_checks as checks
 from lineside.errors import LinesideError
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -22,25 +26,31 @@ def _parse_ids(text: str) -> list[int]:
 def logits(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     ids: Annotated[str, typer.Option(help="comma-separated token ids")],
-    output: Annotated[Path, typer.Option("-o", "--output", help=".npy file for float32 logits [T, vocab]")],
+    output: Annotated[Path, typer.Option("-o", "--output", help=".npy file for float32 logits [T, vocab] "
+                                                                "(written under exactly this name)")],
     *,
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
 ) -> None:
     """Write float32 logits for every position (parity checks against a reference)."""
     from lineside.bundle import open_bundle
     from lineside.runtime.generate import compute_logits
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
+    mode = checks.choice(mode, "--mode", ("prefill", "decode"))
+    flavor = checks.choice(flavor, "--flavor", ("cpu", "trt"))
+    output = checks.output_file(output, "-o")
     token_ids = _parse_ids(ids)
     if not token_ids:
-        raise LinesideError("--ids is empty; give at least one token id")
+        raise LinesideError("--ids is empty; give comma-separated token ids, e.g. 1,2,3")
     b = open_bundle(bundle)
     be = OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=threads,
                             accuracy_level=0 if flavor == "trt" else None)
     out = compute_logits(be, token_ids, mode)
-    np.save(output, out.astype(np.float32))
+    with checks.staged_file(output) as tmp, open(tmp, "wb") as f:
+        np.save(f, out.astype(np.float32))  # a file object: np.save adds no ".npy" to the name
     print(f"{output}: logits {list(out.shape)} ({mode}, {flavor})")
 
 
@@ -49,29 +59,32 @@ def generate(
     prompt: Annotated[str, typer.Option(help="prompt text")],
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
     *,
-    max_tokens: Annotated[int, typer.Option(help="maximum new tokens")] = 128,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    top_k: Annotated[int, typer.Option(help="0 = off")] = 0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[int | None, typer.Option(help="random seed (same seed, same output)")] = None,
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens")] = 128,
+    temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
+    top_k: Annotated[int, checks.number_option(low=0, help="0 = off")] = 0,
+    top_p: Annotated[float, checks.number_option(kind=float, above=0, high=1, help="nucleus mass")] = 1.0,
+    seed: Annotated[int | None, checks.number_option(low=0, high=2**63 - 1,
+                                                     help="random seed (same seed, same output)")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
     speculative: Annotated[str | None, typer.Option(help="speculative decoding: ngram (prompt lookup)")] = None,
-    spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
+    spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
+                                                           help="most tokens proposed per step (default 4)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
     from lineside.runtime.speculative.config import parse_speculative
 
-    if max_tokens < 1:
-        raise LinesideError("--max-tokens must be at least 1")
     spec = parse_speculative(speculative, spec_tokens)
     gen = _generator(bundle, backend, threads)
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     tok = gen.tokenizer
+    if chat and not tok.chat_template:
+        print(NO_TEMPLATE_NOTE, file=sys.stderr)
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     detok = IncrementalDetokenizer(tok)
     for t in gen.stream(ids, max_tokens, params):
@@ -87,10 +100,11 @@ def generate(
 def chat(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
-    max_tokens: Annotated[int, typer.Option(help="maximum new tokens per answer")] = 256,
+    max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens per answer")] = 256,
     *,
-    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
 ) -> None:
@@ -102,6 +116,8 @@ def chat(
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     params = SamplingParams(temperature=temperature)
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
+    if not gen.tokenizer.chat_template:
+        print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
     while True:
         try:
             line = input("you> ").strip()
@@ -136,6 +152,7 @@ def _generator(bundle_path: Path, backend: str, threads: int | None) -> Any:
     from lineside.runtime.generate import Generator
     from lineside.runtime.select import choose_backend
 
+    backend = checks.choice(backend, "--backend", BACKENDS)
     b = open_bundle(bundle_path)
     say = (lambda msg: None) if backend == "onnxruntime" else (lambda msg: print(msg, file=sys.stderr))
     return Generator(b, backend=choose_backend(b, backend, num_slots=1, say=say, threads=threads))

@@ -10,13 +10,15 @@ from typing import Annotated
 
 import typer
 
-from lineside.errors import LinesideError
+from lineside import cli_checks as checks
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def serve(
     bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
     host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    port: Annotated[int, checks.number_option(low=1, high=65535, help="TCP port")] = 8000,
     *,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",
     api_key: Annotated[str | None, typer.Option(envvar="LINESIDE_API_KEY", show_envvar=True,
@@ -31,17 +33,26 @@ def serve(
         help="browser origins allowed to call (CORS, e.g. http://dash.local:3000; repeat); default: none")] = None,
     metrics_public: Annotated[bool, typer.Option(help="serve /metrics without the API key")] = False,
     openapi: Annotated[bool, typer.Option(help="serve the schema at /openapi.json (behind the key)")] = False,
-    header_timeout: Annotated[float, typer.Option(help="seconds a client has to send a request's headers")] = 10.0,
-    body_timeout: Annotated[float, typer.Option(help="longest pause, in seconds, inside a request body")] = 10.0,
-    keep_alive_timeout: Annotated[float, typer.Option(help="seconds an idle keep-alive connection stays")] = 5.0,
-    tokenizer_processes: Annotated[int, typer.Option(
-        help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
-    request_timeout: Annotated[float | None, typer.Option(help="seconds a request may take (default: none)")] = None,
-    max_waiting: Annotated[int, typer.Option(help="waiting-queue bound; beyond it requests get 429")] = 256,
-    num_slots: Annotated[int, typer.Option(help="sequences decoded together (KV slots)")] = 8,
-    drain_timeout: Annotated[float, typer.Option(help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
+    header_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a client has to send a request's headers")] = 10.0,
+    body_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
+    keep_alive_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    tokenizer_processes: Annotated[int, checks.number_option(
+        low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
+    request_timeout: Annotated[float | None, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a request may take (default: none)")] = None,
+    max_waiting: Annotated[int, checks.number_option(low=0, help="waiting-queue bound; beyond it requests get "
+                                                                "429")] = 256,
+    num_slots: Annotated[int, checks.number_option(low=1, high=4096, help="sequences decoded together (KV "
+                                                                         "slots)")] = 8,
+    drain_timeout: Annotated[float, checks.number_option(
+        kind=float, low=0, high=checks.MAX_SECONDS,
+        help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
     latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads")] = None,
+    threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
+                                                        help="onnxruntime intra-op threads")] = None,
     log_level: Annotated[str, typer.Option(help="critical | error | warning | info | debug")] = "info",
     access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
     served_model_name: Annotated[list[str] | None, typer.Option(
@@ -55,31 +66,28 @@ def serve(
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
-    spec_tokens: Annotated[int | None, typer.Option(help="most tokens proposed per step (1-16, default 4)")] = None,
+    spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
 
-    if backend not in ("auto", "onnxruntime", "tensorrt"):
-        raise LinesideError(f"--backend {backend!r}: choose auto, onnxruntime or tensorrt")
-    for name, value, low in (("--max-waiting", max_waiting, 0), ("--num-slots", num_slots, 1),
-                             ("--tokenizer-processes", tokenizer_processes, 0)):
-        if value < low:
-            raise LinesideError(f"{name} must be at least {low}, got {value}")
-    if request_timeout is not None and request_timeout <= 0:
-        raise LinesideError(f"--request-timeout must be > 0 seconds, got {request_timeout}")
-    if drain_timeout < 0:
-        raise LinesideError(f"--drain-timeout must be ≥ 0 seconds, got {drain_timeout}")
-    if not 0 < port < 65536:
-        raise LinesideError(f"--port {port} is not a TCP port (1-65535)")
-    for name, value in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout),
-                        ("--keep-alive-timeout", keep_alive_timeout)):
-        if not value > 0:
-            raise LinesideError(f"{name} must be > 0 seconds, got {value}")
+    # Everything that can be wrong is checked before the socket opens and the model loads (one line each).
+    backend = checks.choice(backend, "--backend", ("auto", "onnxruntime", "tensorrt"))
+    log_level = checks.choice(log_level, "--log-level", LOG_LEVELS)
+    for opt, path in (("--api-key-file", api_key_file), ("--slo-policy", slo_policy)):
+        if path is not None:
+            checks.input_file(path, opt)
+    if fallback is not None:
+        checks.input_dir(fallback, "--fallback", "bundle directory")
+    if latency_log is not None:
+        checks.output_file(latency_log, "--latency-log", append=True)
     from lineside.runtime.speculative.config import parse_speculative
 
     spec = parse_speculative(speculative, spec_tokens)
-    read_manifest(bundle)  # a wrong path fails here in one line, before the socket opens
+    manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
+        checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
+                              f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
     policy = None
     if slo_policy is not None:
         from lineside.server.slo.policy import load_policy
@@ -90,34 +98,42 @@ def serve(
 
         check_fallback(bundle, fallback)
         check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
-    # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
-    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
-    if spec is not None:
-        engine_kwargs["speculative"] = spec
-    engine = load_in_background(bundle, engine_kwargs)
-    from lineside.server.app import create_app
     from lineside.server.auth import resolve_api_key
-    from lineside.server.browser_guard import is_loopback
-    from lineside.server.http_limits import HttpLimits
-    from lineside.server.serve import run
 
     key = resolve_api_key(api_key, api_key_file)
-    hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
-    origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
-    if not is_loopback(host) and key is None:
-        logging.getLogger("lineside.server").warning(
-            "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
-    app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
-                     latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
-                     threads=threads, served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
-                     bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
-                     openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback, slo_policy=policy,
-                     engine_future=engine, speculative=spec)
-    limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                        keep_alive_timeout=keep_alive_timeout)
-    run(app, host, port, log_level=log_level, access_log=access_log, limits=limits)
+    from lineside.server.serve import bind_socket, run
+
+    sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
+    try:
+        logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+        # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
+        # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
+        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+        if spec is not None:
+            engine_kwargs["speculative"] = spec
+        engine = load_in_background(bundle, engine_kwargs)
+        from lineside.server.app import create_app
+        from lineside.server.browser_guard import is_loopback
+        from lineside.server.http_limits import HttpLimits
+
+        hosts = [h for v in allowed_hosts or [] for h in v.split(",") if h.strip()]
+        origins = [o for v in allowed_origins or [] for o in v.split(",") if o.strip()]
+        if not is_loopback(host) and key is None:
+            logging.getLogger("lineside.server").warning(
+                "serving %s without an API key: anyone on the network can use it (--api-key-file FILE)", host)
+        app = create_app(bundle, api_key=key, request_timeout=request_timeout, max_waiting=max_waiting,
+                         latency_log=latency_log, drain_timeout=drain_timeout, backend=backend, num_slots=num_slots,
+                         threads=threads,
+                         served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
+                         bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
+                         openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
+                         slo_policy=policy, engine_future=engine, speculative=spec)
+        limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
+                            keep_alive_timeout=keep_alive_timeout)
+    except BaseException:
+        sock.close()
+        raise
+    run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
 
 
 def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:

@@ -119,8 +119,13 @@ def test_cli_url_report_and_compare(server, tmp_path):
 
 
 def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
+    from lineside.bundle import FORMAT_VERSION
+
     bundle = tmp_path / "bundle"
-    bundle.mkdir()
+    bundle.mkdir()  # a manifest is all `bench --bundle` reads before serving (create_app is faked)
+    (bundle / "manifest.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "files": {},
+                                                      "architecture": "llama", "config": "config.json",
+                                                      "max_seq_len": 4096}))
     seen = {}
 
     def create_app(path, **options):

@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import smollm2_gguf
 from tests.jetson.conftest import sshd  # noqa: F401 - the loopback sshd the push tests use
-from tests.server.conftest import tiny_bundle  # noqa: F401 - the 2-layer bundle the server tests use
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "fleet-model"  # every worker serves under this name, so SMG sees one model per pool

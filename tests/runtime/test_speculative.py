@@ -45,7 +45,7 @@ def test_parse_speculative_one_line_errors():
     cfg = parse_speculative("ngram", 5)
     assert cfg == SpeculativeConfig(SpecMethod.NGRAM, 5)
     for method, k, words in (("medusa", 4, "not a known method"), ("ngram", 0, "between 1 and 16"),
-                             ("ngram", MAX_SPEC_TOKENS + 1, "between 1 and 16"), ("mtp", 4, "not implemented"),
+                             ("ngram", MAX_SPEC_TOKENS + 1, "between 1 and 16"), ("mtp", 4, "not built in this version"),
                              (None, 4, "needs --speculative")):
         with pytest.raises(LinesideError, match=words) as e:
             parse_speculative(method, k)

@@ -14,8 +14,8 @@ from tests.server.conftest import metric, running_server
 
 @pytest.mark.parametrize("command", ["serve", "generate", "bench"])
 @pytest.mark.parametrize(("flags", "words"), [(["--speculative", "medusa"], ["not a known method", "ngram"]),
-                                              (["--speculative", "ngram", "--spec-tokens", "0"], ["between 1 and 16"]),
-                                              (["--speculative", "ngram", "--spec-tokens", "17"], ["between 1 and 16"])])
+                                              (["--speculative", "ngram", "--spec-tokens", "0"], ["--spec-tokens", "out of range"]),
+                                              (["--speculative", "ngram", "--spec-tokens", "17"], ["--spec-tokens", "out of range"])])
 def test_bad_speculative_flags_are_one_line(tiny_bundle, command, flags, words):
     extra = {"serve": [str(tiny_bundle)], "generate": [str(tiny_bundle), "--prompt", "hi"],
              "bench": ["--bundle", str(tiny_bundle)]}[command]

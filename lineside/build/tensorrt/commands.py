@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lineside import cli_checks as checks
 from lineside.errors import LinesideError
 
 
@@ -15,15 +16,22 @@ def register(app: typer.Typer) -> None:
     @app.command("engine")
     def engine(
         bundle: Path = typer.Argument(..., help="bundle directory (with a trt graph)"),
-        slots: int = typer.Option(4, "--slots", help="max batch = number of decode slots the server runs"),
-        max_prefill: int = typer.Option(None, "--max-prefill", help="longest prompt chunk per step (default 512)"),
-        max_logits: int = typer.Option(None, "--max-logits", help="logits positions per step (default: fits 256 MB)"),
+        slots: int = checks.number_option("--slots", default=4, low=1, high=1024,
+                                          help="max batch = number of decode slots the server runs"),
+        max_prefill: int = checks.number_option("--max-prefill", default=None, low=1,
+                                                help="longest prompt chunk per step (default 512)"),
+        max_logits: int = checks.number_option("--max-logits", default=None, low=1,
+                                               help="logits positions per step (default: fits 256 MB)"),
         fp16: bool = typer.Option(True, "--fp16/--no-fp16", help="let TensorRT run layers in fp16"),
-        workspace_gb: float = typer.Option(None, "--workspace-gb", help="builder memory limit in GB"),
-        opt_level: int = typer.Option(None, "--opt-level", help="builder optimization level 0-5"),
+        workspace_gb: float = checks.number_option("--workspace-gb", default=None, kind=float, above=0,
+                                                   help="builder memory limit in GB"),
+        opt_level: int = checks.number_option("--opt-level", default=None, low=0, high=5,
+                                              help="builder optimization level"),
     ) -> None:
         """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/."""
         from lineside.build.tensorrt.builder import BuildOptions, build_engine
+
+        checks.input_dir(bundle, "BUNDLE", "bundle directory")
 
         out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level))
         typer.echo(f"engine written to {out}")
@@ -37,6 +45,10 @@ def register(app: typer.Typer) -> None:
         from lineside.build.tensorrt.check import check_bundle, check_onnx_file
         from lineside.bundle import open_bundle
 
+        if bundle.suffix == ".onnx":
+            checks.input_file(bundle, "BUNDLE", ".onnx file")
+        else:
+            checks.input_dir(bundle, "BUNDLE", "bundle directory")
         rep = check_onnx_file(bundle, trt) if bundle.suffix == ".onnx" else check_bundle(open_bundle(bundle), trt)
         console = Console()
         for n in rep.notes:

@@ -49,7 +49,7 @@ def parse_speculative(method: str | None, spec_tokens: int | None = None) -> Spe
     if method not in tuple(SpecMethod):
         known = ", ".join(SpecMethod)
         if method.split(":")[0] in ("layerskip", "draft", "mtp"):
-            raise LinesideError(f"--speculative {method!r} is not implemented yet; available: {known}")
+            raise LinesideError(f"--speculative {method!r} is not built in this version (only prompt lookup is); choose one of: {known}")
         raise LinesideError(f"--speculative {method!r} is not a known method; choose one of: {known}")
     k = DEFAULT_SPEC_TOKENS if spec_tokens is None else int(spec_tokens)
     if not 1 <= k <= MAX_SPEC_TOKENS:

@@ -11,8 +11,10 @@ from tests.runtime.tensorrt import fake_trt
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_decode.py"
 
 
-def test_gpu_decode_benchmark_runs_through_the_backend(monkeypatch, tmp_path, tiny_dense):
-    src = tiny_dense("llama-gqa")  # made before the fakes go in (transformers probes for tensorrt)
+def test_gpu_decode_benchmark_runs_through_the_backend(monkeypatch, tmp_path, dense_checkpoint):
+    # made before the fakes go in (transformers probes for tensorrt); llama-gqa made for the bundle's 1024 tokens
+    src = dense_checkpoint("llama-gqa-ctx1024", "llama", num_attention_heads=4, num_key_value_heads=2,
+                           tie_word_embeddings=False, max_position_embeddings=1024)
     dev = fake_trt.install(monkeypatch)
     spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -1,0 +1,175 @@
+"""Every path option of every command, through the real command line: a missing parent, a file where a
+directory is expected (or the reverse), an unwritable place, an existing output. Each is one line on
+stderr naming the option and what to do, exit 1, checked before any work, and nothing is left behind."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lineside.build.pipeline import BuildOptions, build_bundle
+from tests.cli.cli_run import (
+    all_commands,
+    assert_one_line_error,
+    base_type,
+    lineside_app,
+    run_cli,
+    tree_snapshot,
+)
+
+UNWRITABLE = Path("/proc/lineside-test")  # /proc takes no new files, even from root (os.access would say yes)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dense):
+    return tiny_dense("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def bundle(ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pb") / "bundle"
+    build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
+    return out
+
+
+@pytest.fixture
+def ws(tmp_path):
+    """A workspace with a regular file and a non-empty directory in it."""
+    w = tmp_path / "ws"
+    w.mkdir()
+    (w / "afile").write_text("not a directory\n")
+    (w / "full").mkdir()
+    (w / "full" / "keep.txt").write_text("keep me\n")
+    return w
+
+
+# (case id, command, argv builder(ckpt, bundle, ws) -> argv, words the line must contain)
+OUTPUT_CASES = [
+    ("build -o missing-parent", "build", lambda c, b, w: ["build", c, "-o", w / "no/such/out"], ["does not exist", "mkdir -p"]),
+    ("build -o under-a-file", "build", lambda c, b, w: ["build", c, "-o", w / "afile/out"], ["afile", "is a file"]),
+    ("build -o is-a-file", "build", lambda c, b, w: ["build", c, "-o", w / "afile"], ["-o", "is a file"]),
+    ("build -o unwritable", "build", lambda c, b, w: ["build", c, "-o", UNWRITABLE], ["cannot write"]),
+    ("build -o existing", "build", lambda c, b, w: ["build", c, "-o", w / "full"], ["not empty", "--force"]),
+    ("build -o the-checkpoint --force", "build", lambda c, b, w: ["build", c, "-o", c, "--force"], ["would replace", "checkpoint"]),
+    ("build -o above-the-calib --force", "build", lambda c, b, w: ["build", c, "-o", w, "--force", "--calib", w / "afile"], ["would replace", "--calib"]),
+    ("logits -o missing-parent", "logits", lambda c, b, w: ["logits", b, "--ids", "1,2", "-o", w / "no/x.npy"], ["does not exist"]),
+    ("logits -o under-a-file", "logits", lambda c, b, w: ["logits", b, "--ids", "1,2", "-o", w / "afile/x.npy"], ["is a file"]),
+    ("logits -o is-a-dir", "logits", lambda c, b, w: ["logits", b, "--ids", "1,2", "-o", w / "full"], ["is a directory"]),
+    ("logits -o unwritable", "logits", lambda c, b, w: ["logits", b, "--ids", "1,2", "-o", UNWRITABLE], ["cannot write"]),
+    ("serve --latency-log missing-parent", "serve", lambda c, b, w: ["serve", b, "--latency-log", w / "no/l.jsonl"], ["--latency-log", "does not exist"]),
+    ("serve --latency-log is-a-dir", "serve", lambda c, b, w: ["serve", b, "--latency-log", w / "full"], ["--latency-log", "is a directory"]),
+    ("serve --latency-log unwritable", "serve", lambda c, b, w: ["serve", b, "--latency-log", UNWRITABLE], ["cannot write"]),
+    ("bench --out is-a-file", "bench", lambda c, b, w: ["bench", "--bundle", b, "--out", w / "afile"], ["--out", "is a file"]),
+    ("bench --out missing-parent", "bench", lambda c, b, w: ["bench", "--bundle", b, "--out", w / "no/r"], ["--out", "does not exist"]),
+    ("bench --out under-a-file", "bench", lambda c, b, w: ["bench", "--url", "http://127.0.0.1:9", "--out", w / "afile/r"], ["is a file"]),
+    ("bench --out unwritable", "bench", lambda c, b, w: ["bench", "--bundle", b, "--out", UNWRITABLE], ["cannot write"]),
+    ("bench --out existing", "bench", lambda c, b, w: ["bench", "--bundle", b, "--out", w / "full"], ["not empty", "--force"]),
+    ("bench --out the-bundle --force", "bench", lambda c, b, w: ["bench", "--bundle", b, "--out", b, "--force"], ["would replace", "--bundle"]),
+    ("jetson push TARGET missing-parent", "jetson push", lambda c, b, w: ["jetson", "push", b, w / "no/t"], ["TARGET", "does not exist"]),
+    ("jetson push TARGET is-a-file", "jetson push", lambda c, b, w: ["jetson", "push", b, w / "afile"], ["TARGET", "is a file"]),
+    ("jetson push TARGET unwritable", "jetson push", lambda c, b, w: ["jetson", "push", b, UNWRITABLE], ["cannot write"]),
+    ("fleet gateway -o missing-parent", "fleet gateway", lambda c, b, w: ["fleet", "gateway", w / "afile", "-o", w / "no/g", "--dry-run"], ["--output", "does not exist"]),
+    ("fleet gateway -o is-a-file", "fleet gateway", lambda c, b, w: ["fleet", "gateway", w / "afile", "-o", w / "afile", "--dry-run"], ["--output", "is a file"]),
+    ("deploy datacenter -o is-a-file", "deploy datacenter", lambda c, b, w: ["deploy", "datacenter", "deepseek-v4-flash", "--gpus", "8xH200", "--engine", "vllm", "-o", w / "afile"], ["--output", "is a file"]),
+    ("deploy datacenter -o unwritable", "deploy datacenter", lambda c, b, w: ["deploy", "datacenter", "deepseek-v4-flash", "--gpus", "8xH200", "--engine", "vllm", "-o", UNWRITABLE], ["cannot write"]),
+    ("jetson service -o missing-parent", "jetson service", lambda c, b, w: ["jetson", "service", "-o", w / "no/u.service"], ["does not exist"]),
+    ("jetson service -o under-a-file", "jetson service", lambda c, b, w: ["jetson", "service", "-o", w / "afile/u"], ["is a file"]),
+    ("jetson service -o unwritable", "jetson service", lambda c, b, w: ["jetson", "service", "-o", UNWRITABLE], ["cannot write"]),
+]
+
+INPUT_CASES = [
+    ("build CHECKPOINT missing", "build", lambda c, b, w: ["build", w / "nope", "-o", w / "o"], ["nope"]),
+    ("build --calib missing", "build", lambda c, b, w: ["build", c, "-o", w / "o", "--calib", w / "nope.txt"], ["--calib"]),
+    ("build --calib is-a-dir", "build", lambda c, b, w: ["build", c, "-o", w / "o", "--calib", w / "full"], ["--calib", "directory"]),
+    ("logits BUNDLE missing", "logits", lambda c, b, w: ["logits", w / "nope", "--ids", "1", "-o", w / "x.npy"], ["nope"]),
+    ("logits BUNDLE is-a-file", "logits", lambda c, b, w: ["logits", w / "afile", "--ids", "1", "-o", w / "x.npy"], ["afile"]),
+    ("generate BUNDLE missing", "generate", lambda c, b, w: ["generate", w / "nope", "--prompt", "hi"], ["nope"]),
+    ("generate BUNDLE not-a-bundle", "generate", lambda c, b, w: ["generate", w / "full", "--prompt", "hi"], ["manifest"]),
+    ("chat BUNDLE missing", "chat", lambda c, b, w: ["chat", w / "nope"], ["nope"]),
+    ("serve BUNDLE missing", "serve", lambda c, b, w: ["serve", w / "nope"], ["nope"]),
+    ("serve --api-key-file missing", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "key"], ["--api-key-file"]),
+    ("serve --api-key-file is-a-dir", "serve", lambda c, b, w: ["serve", b, "--api-key-file", w / "full"], ["--api-key-file", "directory"]),
+    ("serve --slo-policy missing", "serve", lambda c, b, w: ["serve", b, "--slo-policy", w / "p.yaml"], ["--slo-policy"]),
+    ("serve --fallback is-a-file", "serve", lambda c, b, w: ["serve", b, "--fallback", w / "afile"], ["--fallback"]),
+    ("engine BUNDLE missing", "engine", lambda c, b, w: ["engine", w / "nope"], ["nope"]),
+    ("check BUNDLE missing", "check", lambda c, b, w: ["check", w / "nope"], ["nope"]),
+    ("check BUNDLE is-a-file", "check", lambda c, b, w: ["check", w / "afile"], ["afile"]),
+    ("bench --bundle missing", "bench", lambda c, b, w: ["bench", "--bundle", w / "nope"], ["--bundle", "nope"]),
+    ("bench --bundle is-a-file", "bench", lambda c, b, w: ["bench", "--bundle", w / "afile"], ["--bundle", "afile"]),
+    ("bench --prompts-file missing", "bench", lambda c, b, w: ["bench", "--url", "http://127.0.0.1:9", "--prompts-file", w / "p.jsonl"], ["--prompts-file"]),
+    ("bench --tokenizer is-a-dir", "bench", lambda c, b, w: ["bench", "--url", "http://127.0.0.1:9", "--tokenizer", w / "full"], ["--tokenizer"]),
+    ("bench --compare missing", "bench", lambda c, b, w: ["bench", "--compare", w / "a.json", w / "b.json"], ["a.json"]),
+    ("fleet check FLEET_FILE missing", "fleet check", lambda c, b, w: ["fleet", "check", w / "fleet.yaml"], ["fleet.yaml"]),
+    ("fleet plan FLEET_FILE is-a-dir", "fleet plan", lambda c, b, w: ["fleet", "plan", w / "full"], ["full", "directory"]),
+    ("fleet push FLEET_FILE missing", "fleet push", lambda c, b, w: ["fleet", "push", w / "fleet.yaml"], ["fleet.yaml"]),
+    ("fleet gateway FLEET_FILE missing", "fleet gateway", lambda c, b, w: ["fleet", "gateway", w / "fleet.yaml", "--dry-run", "-o", w / "g"], ["fleet.yaml"]),
+    ("fleet status FLEET_FILE missing", "fleet status", lambda c, b, w: ["fleet", "status", w / "fleet.yaml"], ["fleet.yaml"]),
+    ("jetson plan MODEL missing", "jetson plan", lambda c, b, w: ["jetson", "plan", w / "nope", "--device", "agx-orin-64"], ["nope"]),
+    ("jetson push BUNDLE missing", "jetson push", lambda c, b, w: ["jetson", "push", w / "nope", w / "t"], ["nope"]),
+    ("jetson ensure-engine BUNDLE missing", "jetson ensure-engine", lambda c, b, w: ["jetson", "ensure-engine", w / "nope"], ["nope"]),
+    ("jetson probe --sysroot missing", "jetson probe", lambda c, b, w: ["jetson", "probe", "--sysroot", w / "nope"], ["--sysroot"]),
+    ("jetson power --sysroot is-a-file", "jetson power", lambda c, b, w: ["jetson", "power", "--sysroot", w / "afile"], ["--sysroot"]),
+    ("jetson service --sysroot missing", "jetson service", lambda c, b, w: ["jetson", "service", "--sysroot", w / "nope"], ["--sysroot"]),
+]
+
+
+def _run(case, ckpt, bundle, ws):
+    _id, _cmd, argv, needles = case
+    before = tree_snapshot(ws)
+    proc = run_cli(*(str(a) for a in argv(ckpt, bundle, ws)))
+    assert_one_line_error(proc, *needles, code=1)
+    assert tree_snapshot(ws) == before, "a failed command left something behind"
+    assert not UNWRITABLE.exists()
+
+
+@pytest.mark.parametrize("case", OUTPUT_CASES, ids=[c[0] for c in OUTPUT_CASES])
+def test_output_paths_are_checked_before_work(case, ckpt, bundle, ws):
+    _run(case, ckpt, bundle, ws)
+
+
+@pytest.mark.parametrize("case", INPUT_CASES, ids=[c[0] for c in INPUT_CASES])
+def test_input_paths_are_one_line(case, ckpt, bundle, ws):
+    _run(case, ckpt, bundle, ws)
+
+
+def test_every_path_option_is_covered_here():
+    """A command that grows a path option must get its cases above (this fails until it does)."""
+    covered = {(c[1], str(tok)) for c in OUTPUT_CASES + INPUT_CASES
+               for tok in c[2]("C", "B", Path("W")) if str(tok).startswith("-")}
+    covered_cmds = {c[1] for c in OUTPUT_CASES + INPUT_CASES}
+    missing = []
+    for name, cmd in all_commands(lineside_app()).items():
+        for p in cmd.params:
+            if base_type(p) is not Path:
+                continue
+            if p.param_type_name == "argument":
+                if name not in covered_cmds:
+                    missing.append(f"{name} {p.name.upper()}")
+            elif not any((name, o) in covered for o in p.opts):
+                missing.append(f"{name} {p.opts[0]}")
+    assert not missing, missing
+
+
+def test_force_replaces_only_once_the_new_bundle_is_complete(ckpt, ws):
+    proc = run_cli("build", str(ckpt), "-o", str(ws / "full"), "--quant", "fp32", "--max-seq-len", "16", "-q",
+                   "--force")
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "full" / "manifest.json").is_file() and not (ws / "full" / "keep.txt").exists()
+    assert not list(ws.glob("*.partial"))
+
+
+def test_build_into_an_existing_empty_directory(ckpt, ws):
+    (ws / "empty").mkdir()
+    proc = run_cli("build", str(ckpt), "-o", str(ws / "empty"), "--quant", "fp32", "--max-seq-len", "16", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "empty" / "manifest.json").is_file()
+
+
+def test_copy_of_bundle_keeps_working(bundle, tmp_path):
+    """Sanity for the fixtures above: the bundle the cases point at is a real one (so they test the checks)."""
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    proc = run_cli("logits", str(b), "--ids", "1,2", "-o", str(tmp_path / "x.npy"))
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,117 @@
+"""Usage errors and numeric ranges, for every command and every numeric option there is (found by walking
+the command tree, so a new command or option is covered without touching this file): one line on stderr
+naming what is wrong and `lineside CMD --help`, exit 2, before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from lineside.cli import run_app
+from tests.cli.cli_run import all_commands, assert_one_line_error, base_type, lineside_app, run_cli
+
+APP = lineside_app()
+COMMANDS = all_commands(APP)
+
+
+def _fill_arguments(cmd) -> list[str]:
+    """Placeholder values for a command's required positional arguments (parsing stops before they are used)."""
+    return ["placeholder" for p in cmd.params if p.param_type_name == "argument" and p.required]
+
+
+def _numeric_options():
+    for name, cmd in COMMANDS.items():
+        for p in cmd.params:
+            if p.param_type_name == "option" and base_type(p) in (int, float):
+                yield name, cmd, p
+
+
+NUMERIC = list(_numeric_options())
+
+
+def _in_process(argv: list[str], capsys) -> tuple[int, str]:
+    code = run_app(APP, argv)
+    return code, capsys.readouterr().err
+
+
+def _assert_usage_line(code: int, err: str, command: str, *needles: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and "Traceback" not in err and "╭" not in err, err
+    assert f"see `lineside {command} --help`" in lines[0], err
+    for n in needles:
+        assert n in lines[0], (n, err)
+
+
+def test_the_walk_finds_the_commands():
+    assert {"build", "logits", "generate", "chat", "serve", "bench", "engine", "check", "jetson plan",
+            "jetson service"} <= set(COMMANDS)
+    assert len(NUMERIC) >= 40
+
+
+def test_every_numeric_option_has_a_checked_range():
+    """Each int/float option goes through cli_checks.number_option (range + finiteness checked while parsing)."""
+    unchecked = [f"{name} {p.opts[0]}" for name, _, p in NUMERIC
+                 if not hasattr(getattr(p.type_descriptor.parameter_info, "parser", None), "bounds")]
+    assert not unchecked, unchecked
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_unknown_option_is_one_line(command, capsys):
+    code, err = _in_process([*command.split(), "--no-such-option-zz"], capsys)
+    _assert_usage_line(code, err, command, "--no-such-option-zz")
+
+
+@pytest.mark.parametrize("command", sorted(c for c, cmd in COMMANDS.items() if _fill_arguments(cmd)))
+def test_missing_argument_is_one_line(command, capsys):
+    code, err = _in_process([*command.split()], capsys)
+    _assert_usage_line(code, err, command, "Missing")
+
+
+def _bad_values(p) -> list[str]:
+    b = p.type_descriptor.parameter_info.parser.bounds
+    kind = b["kind"]
+    vals = ["abc", "1.5"] if kind is int else ["abc", "nan", "inf", "-inf"]
+    if b["low"] is not None:
+        vals.append(str(b["low"] - 1))
+    if b["above"] is not None:
+        vals.append(str(b["above"]))
+    if b["high"] is not None:
+        vals.append(str(b["high"] + 1 if kind is int else b["high"] * 1.5 + 1))
+    return vals
+
+
+@pytest.mark.parametrize(("command", "option", "value"),
+                         [(n, p.opts[0], v) for n, _, p in NUMERIC for v in _bad_values(p)],
+                         ids=lambda x: str(x))
+def test_every_numeric_option_refuses_out_of_range(command, option, value, capsys):
+    code, err = _in_process([*command.split(), *_fill_arguments(COMMANDS[command]), f"{option}={value}"], capsys)
+    _assert_usage_line(code, err, command, option)
+
+
+@pytest.mark.parametrize(("command", "option"), [(n, p.opts[0]) for n, _, p in NUMERIC], ids=lambda x: str(x))
+def test_every_numeric_option_accepts_its_bounds(command, option):
+    """The parser accepts the edges of its own range (so the refusals above are about the range only)."""
+    p = next(p for n, _, p in NUMERIC if n == command and p.opts[0] == option)
+    parse = p.type_descriptor.parameter_info.parser
+    b = parse.bounds
+    for edge in (b["low"], b["high"]):
+        if edge is not None:
+            assert parse(str(edge)) == edge
+    if b["above"] is not None:
+        assert parse(str(b["above"] + 0.5)) == b["above"] + 0.5
+
+
+# The same through the real command line (a child process), one case per kind of usage error.
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["build", "ckpt", "-o", "out", "--bogus"], "--bogus"),
+    (["build"], "Missing argument"),
+    (["serve", "b", "--port", "abc"], "--port"),
+    (["serve", "b", "--port", "70000"], "--port"),
+    (["generate", "b", "--prompt", "x", "--temperature", "nan"], "--temperature"),
+    (["jetson", "plan", "m", "--device", "agx-orin-64", "--ctx", "0"], "--ctx"),
+    (["nosuchcommand"], "nosuchcommand"),
+])
+def test_usage_errors_from_the_real_command(argv, needle):
+    proc = run_cli(*argv)
+    line = assert_one_line_error(proc, needle, code=2)
+    assert line.startswith("error: ") and "--help`" in line
