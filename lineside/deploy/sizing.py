@@ -136,7 +136,7 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     w, fmt, mtp_layers = official_weights(model)
     mtp_layers = mtp_layers if mtp else 0
     n = gs.count
-    ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype), gpu_memory_utilization, max_num_tokens,
+    ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype, external=True), gpu_memory_utilization, max_num_tokens,
                min(spec.max_positions, max_len or spec.max_positions))
     notes: list[str] = []
     if spec.architecture == "deepseek_v4":

@@ -51,6 +51,7 @@ class KvStorage:
     name: str
     element_bytes: int
     scale_bytes: int
+    external: bool = False  # the cache of another engine (vLLM, SGLang, TensorRT-LLM), not of lineside's graphs
 
     def vector_bytes(self, n: int) -> int:
         return n * self.element_bytes + self.scale_bytes
@@ -80,11 +81,13 @@ def check_quant(quant: str) -> str:
     return q
 
 
-def check_kv_dtype(kv_dtype: str) -> KvStorage:
+def check_kv_dtype(kv_dtype: str, *, external: bool = False) -> KvStorage:
+    """``external``: sizing a datacenter engine's own cache (deploy datacenter), which stores every entry in
+    the KV dtype — fp8 included — instead of the layout lineside's graphs emit."""
     k = kv_dtype.strip().lower()
     if k not in KV_DTYPE_BYTES:
         raise LinesideError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
-    return KvStorage(k, KV_DTYPE_BYTES[k], KV_SCALE_BYTES[k])
+    return KvStorage(k, KV_DTYPE_BYTES[k], KV_SCALE_BYTES[k], external)
 
 
 def linear_bytes(k: int, n: int, quant: str, group_size: Grid | int = 128) -> int:

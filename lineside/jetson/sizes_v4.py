@@ -163,10 +163,12 @@ F32 = 4  # the V4 graphs keep their decode state in float32 (build/models/deepse
 def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
     """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8 + one fp16 scale per
     entry with --kv-dtype int8) + indexer keys and compressor buffers (always float32), per batch."""
-    if kv.name == "fp8":
+    if kv.name == "fp8" and not kv.external:
         raise LinesideError("--kv-dtype fp8: the DeepSeek-V4 graphs store no fp8 state; use --kv-dtype int8")
     hd, ihd = s.head_dim, s.index_head_dim
-    entry = kv.vector_bytes(hd) if kv.name == "int8" else hd * F32
+    # an external engine stores window and compressed entries in its KV dtype (the indexer and compressor
+    # state are counted as lineside's graphs keep them: float32, an upper bound)
+    entry = kv.vector_bytes(hd) if kv.name == "int8" or kv.external else hd * F32
     window = compressed = indexer = state = 0
     for kind in s.layer_types:
         window += s.window * entry  # the graph keeps the whole window from the first token

@@ -40,13 +40,14 @@ def planned_bytes(bundle: str | os.PathLike[str], *, num_slots: int) -> int:
     ``num_slots`` sequences of its context, and the prefill activations (runtime overhead not included)."""
     from lineside.bundle import read_manifest
     from lineside.jetson.planner import load_model
-    from lineside.jetson.sizes import check_quant
+    from lineside.jetson.sizes import check_kv_dtype, check_quant
 
     manifest = read_manifest(bundle)
     spec = load_model(str(bundle))
     weights = spec.weights(check_quant(spec.quantization or "w4a16"), 128).total
     ctx = int(manifest.max_seq_len)
-    return weights + spec.kv(ctx, num_slots, 2).total + spec.activations(ctx, num_slots, 512)
+    kv_dtype = (manifest.quantization or {}).get("kv_cache", {}).get("dtype", "fp16")
+    return weights + spec.kv(ctx, num_slots, check_kv_dtype(kv_dtype)).total + spec.activations(ctx, num_slots, 512)
 
 
 def available_bytes() -> int | None:
