@@ -81,7 +81,7 @@ def tiny_prompts(seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
 def test_tiny_int4_level0_greedy_with_drafts_equals_plain(tiny_bundles, variant):
-    bundle = tiny_bundles(variant=variant, quant="w4a16", accuracy_level=0, group_size=32)
+    bundle = tiny_bundles(variant=variant, quant="w4a16", accuracy_level=0, group_size=32, max_seq_len=128)
     prompts, n = tiny_prompts(), 16
     g = Generator(bundle, threads=2)
     want = [list(g.stream(p, n)) for p in prompts]

@@ -94,7 +94,11 @@ def test_prometheus_scrapes_a_degrading_server_and_the_alert_fires(tiny_bundle, 
         _wait(lambda: _get(f"{url}/health").json()["slo"]["level"] == 2, 30, "level 2")
         degraded = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
         assert degraded.headers["x-lineside-degraded"] == "2" and degraded.json()["model"] == "tiny-fallback"
-        _wait(lambda: "LinesideDegraded" in _firing(prom_url), 90, "Prometheus to fire LinesideDegraded")
+        def still_loaded_and_firing() -> bool:  # keep the load on until Prometheus has scraped and evaluated it
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=60)
+            return "LinesideDegraded" in _firing(prom_url)
+
+        _wait(still_loaded_and_firing, 90, "Prometheus to fire LinesideDegraded")
         # no more load: the window empties and the ladder steps down, one level per recover_after
         _wait(lambda: _get(f"{url}/health").json()["slo"]["level"] == 0, 30, "recovery to level 0")
         text = _get(f"{url}/metrics").text
