@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+# PYTHONWARNINGS: setuptools' editable-install notice is ten lines of a warning a newcomer cannot act on
+PIP=(env PYTHONWARNINGS=ignore .venv/bin/python -m pip --disable-pip-version-check -q)
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv and installing lineside into it (first run: a few minutes) ..."
   "$PY" -m venv .venv
