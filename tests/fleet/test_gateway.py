@@ -143,11 +143,14 @@ def test_header_routing_lands_in_the_right_pool(cluster):
     plan = gateway_plan(load_fleet(cluster["fleet"]), base_cmd=["smg"])
     batch = {f"http://127.0.0.1:{p['w3']}", f"http://127.0.0.1:{plan.adapters['llama'][0]}"}
     seen: dict[str, set[str]] = {"realtime": set(), "batch": set(), "x-batch": set(), "default": set()}
-    for _ in range(4):
+    for round_ in range(24):  # every answer must come from its pool; all members must answer within the rounds
         seen["realtime"].add(_worker(_post(c, **{"X-Mode": "realtime"})))
         seen["batch"].add(_worker(_post(c, **{"X-Mode": "batch"})))
         seen["x-batch"].add(_worker(_post(c, **{"X-Batch": "true"})))
         seen["default"].add(_worker(_post(c)))
+        # a member SMG registers late (its health check on a loaded machine) joins the new sessions later
+        if round_ >= 3 and seen["realtime"] | seen["default"] == realtime and seen["batch"] | seen["x-batch"] == batch:
+            break
     # each header lands in its pool, and the pool's workers share the new sessions (SMG min_group assignment)
     assert seen["realtime"] <= realtime and seen["default"] <= realtime
     assert seen["realtime"] | seen["default"] == realtime
