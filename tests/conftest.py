@@ -11,6 +11,10 @@ from typing import Any
 
 import pytest
 
+# The suite runs many engines and servers side by side on 2 cores: the one place where onnxruntime's
+# spinning threads hurt (a dedicated device keeps the default, spinning on). Subprocess servers inherit it.
+os.environ.setdefault("LINESIDE_ORT_SPIN", "0")
+
 from tests.tiny_tokenizer import write_byte_tokenizer
 
 # Keep torch and onnxruntime from fighting over the two cores.

@@ -1,4 +1,4 @@
-"""onnxruntime session settings the backend chooses: intra-op spinning is off unless asked for."""
+"""onnxruntime session settings the backend chooses: intra-op spinning is on unless LINESIDE_ORT_SPIN=0 or spin=False."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def _spin(be: OnnxRuntimeBackend) -> str:
     return be.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
 
 
-@pytest.mark.parametrize("env,arg,want", [(None, None, "0"), ("1", None, "1"), ("1", False, "0"), (None, True, "1")])
+@pytest.mark.parametrize("env,arg,want", [(None, None, "1"), ("0", None, "0"), ("0", True, "1"), (None, False, "0")])
 def test_spinning(tiny_bundle, monkeypatch, env, arg, want):
     if env is None:
         monkeypatch.delenv(SPIN_ENV, raising=False)
