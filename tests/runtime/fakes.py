@@ -4,6 +4,7 @@ And a fake clock for the engine, so aging, admission and timeout rules run on si
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import zlib
@@ -88,3 +89,21 @@ class FakeBackend:
 
     def close(self) -> None:
         pass
+
+
+async def submit_after(engine, spec: dict, yields: int, cancel_after: dict[str, int]):
+    """Submit ``GenerationRequest(**spec)`` after ``yields`` event-loop turns (arrivals some steps apart),
+    cancel it after ``cancel_after[request_id]`` events; returns (token ids, last event)."""
+    from lineside.runtime.request import GenerationRequest
+
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    handle = engine.submit(GenerationRequest(**spec))
+    ids, n, last = [], 0, None
+    async for ev in handle:
+        ids += ev.token_ids
+        n += 1
+        last = ev
+        if n == cancel_after.get(spec["request_id"], -1):
+            handle.cancel()
+    return ids, last

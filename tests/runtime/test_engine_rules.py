@@ -15,7 +15,7 @@ from lineside.runtime.engine import LLMEngine
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
 from tests.runtime.conftest import run
-from tests.runtime.fakes import FakeBackend, FakeClock
+from tests.runtime.fakes import FakeBackend, FakeClock, submit_after
 
 
 def engine(bundle, slots=2, delay=0.0, clock=None, step_s=0.0, **kw) -> tuple[LLMEngine, FakeBackend]:
@@ -407,20 +407,8 @@ def test_random_mix_keeps_every_invariant(tiny_bundle, seed):
                          clock=FakeClock(), step_s=0.001)
         await eng.start()
 
-        async def one(spec, yields):
-            for _ in range(yields):  # arrive after a random number of event-loop turns (some steps apart)
-                await asyncio.sleep(0)
-            h = eng.submit(GenerationRequest(**spec))
-            ids, n, last = [], 0, None
-            async for ev in h:
-                ids += ev.token_ids
-                n += 1
-                last = ev
-                if n == cancel_after.get(spec["request_id"], -1):
-                    h.cancel()
-            return ids, last
-
-        outs = await asyncio.gather(*(one(s, y) for s, y in zip(specs, arrivals, strict=True)))
+        outs = await asyncio.gather(*(submit_after(eng, s, y, cancel_after)
+                                       for s, y in zip(specs, arrivals, strict=True)))
         st = eng.stats()
         await eng.stop()
         return outs, st

@@ -22,7 +22,7 @@ from lineside.runtime.speculative.config import (
 from lineside.runtime.speculative.ngram import NgramProposer
 from lineside.runtime.speculative.verify import verify
 from tests.runtime.conftest import run
-from tests.runtime.fakes import FakeBackend
+from tests.runtime.fakes import FakeBackend, submit_after
 
 NGRAM = SpeculativeConfig(SpecMethod.NGRAM, 4)
 
@@ -303,20 +303,8 @@ def test_random_mix_with_drafts_keeps_every_invariant(tiny_bundle, seed):
         eng.scheduler.proposer = ScriptProposer(be, 3)
         await eng.start()
 
-        async def one(spec, yields):
-            for _ in range(yields):
-                await asyncio.sleep(0)
-            h = eng.submit(GenerationRequest(**spec))
-            ids, n, last = [], 0, None
-            async for ev in h:
-                ids += ev.token_ids
-                n += 1
-                last = ev
-                if n == cancel_after.get(spec["request_id"], -1):
-                    h.cancel()
-            return ids, last
-
-        outs = await asyncio.gather(*(one(s, y) for s, y in zip(specs, arrivals, strict=True)))
+        outs = await asyncio.gather(*(submit_after(eng, s, y, cancel_after)
+                                       for s, y in zip(specs, arrivals, strict=True)))
         st = eng.stats()
         await eng.stop()
         return outs, st
