@@ -71,6 +71,8 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid4().hex)
     constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
+    session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
+    keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
 
 
 def base_rank(req: GenerationRequest) -> int:
