@@ -77,7 +77,11 @@ class GenerationRequest:
 
 def base_rank(req: GenerationRequest) -> int:
     """0 is served first: realtime high/normal/low = 0/1/2, batch high/normal/low = 3/4/5."""
-    return PRIORITIES.index(req.priority) + (3 if req.mode == Mode.BATCH else 0)
+    return rank_of(req.priority, req.mode)
+
+
+def rank_of(priority: Priority, mode: Mode) -> int:
+    return PRIORITIES.index(priority) + (3 if mode == Mode.BATCH else 0)
 
 
 EMPTY_PROMPT = "the prompt is empty after tokenization; give some text"  # the server's budget check says it too

@@ -138,12 +138,34 @@ class Tokenizer:
         text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
+        return self._chat_ids(text, literals)
+
+    def _chat_ids(self, text: str, literals: list[str]) -> list[int]:
         # The template already wrote BOS if the model wants one.
         ids = self._encode_marked(text, literals)
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id) \
                 and not (self.bos_token and text.startswith(self.bos_token)):
             ids = [self.bos_token_id, *ids]
         return ids
+
+    # ---- stable prefixes (prefill sessions) ------------------------------------------------------------
+    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The leading ids of ``encode_chat(messages)`` that every later chat extending the last message's text
+        (or adding messages after it) shares: the rendering up to the end of that text, without the trailing
+        tokens a continuation could re-tokenize. What a prefill session caches."""
+        masked, literals = self._mask_special_text(messages)
+        full = self.apply_chat_template(masked, True, tools)
+        last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
+        grown = self.apply_chat_template([*masked[:-1], last], True, tools)
+        text = full[:_common_prefix(full, grown)]  # where the last message's text could go on
+        return _stable_ids(text, lambda t: self._chat_ids(t, literals))
+
+    def stable_text_ids(self, text: str) -> list[int]:
+        """The leading ids of ``encode(text)`` that ``encode(text + anything)`` keeps (a completion prompt's text
+        is raw: a special token's opening half at the end is held back too)."""
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if len(t.content) > 1]
+        cut = max((k for t in added for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
+        return _stable_ids(text[:len(text) - cut], self.encode)
 
 
     # ---- special-token text inside messages ------------------------------------------------------
@@ -212,6 +234,27 @@ class Tokenizer:
 
 
 _MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
+_GROWS = "\ue000"  # a private-use character standing for text the last message may still grow by
+# Continuations that change how the end of a text tokenizes, in common tokenizers: a word or number going on,
+# spaces and newlines merging, punctuation runs, a multi-byte letter, a combining mark (NFC).
+_PROBES = ("a", "A", " a", " ", "  ", "\n", "\n\n", "1", ".", ",", "'s", "<", "é", "中", "\u0301", "\t")
+
+
+def _common_prefix(a: Any, b: Any) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _stable_ids(text: str, encode: Any) -> list[int]:
+    """ids of ``text`` up to the first one some continuation in _PROBES tokenizes differently."""
+    ids = encode(text)
+    n = len(ids)
+    for probe in _PROBES:
+        n = min(n, _common_prefix(ids, encode(text + probe)))
+    return ids[:n]
 _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 _TEXT_TOKENIZER_LOCK = threading.Lock()
 

@@ -202,6 +202,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
         n = request_mapping.choices_per_prompt(body, len(prompts))
+        session = request_mapping.session_id(body, request.headers)
     except APIError:
         state.metrics.reject("invalid")
         raise
@@ -225,7 +226,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
                     request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
-                    logprobs=None if output is None else output.top_logprobs)
+                    logprobs=None if output is None else output.top_logprobs,
+                    session=session if len(prompts) * n == 1 else None)  # one choice can extend a session
                 handle = engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
