@@ -43,6 +43,8 @@ class SessionSlots:
         s = self.sessions.open(session_id, now, rank)
         s.rank, s.prompt_tokens = rank, prompt_tokens
         s.touch(now)
+        if len(target) < 2:
+            target = []  # one token is never prefilled alone, and not worth a slot
         keep = common_prefix(s.target, target)
         s.target, s.updated = list(target), now
         if s.computed > keep:
@@ -149,7 +151,7 @@ class SessionSlots:
         if self.sessions is None or self.waiting:
             return
         want = sorted((s for s in self.sessions.by_id.values()
-                       if s.slot is None and s.lent_to is None and s.pending >= 2),
+                       if s.slot is None and s.lent_to is None and s.pending >= 1),
                       key=lambda s: (s.rank, s.updated))
         for s in want:
             for old in self.sessions.lru():  # make room from sessions used less recently than this one
@@ -170,10 +172,13 @@ class SessionSlots:
         self._quiet_steps += 1
         if busy and self._quiet_steps < self.session_every:
             return
-        ready = [s for s in self.sessions.by_id.values() if s.slot is not None and s.lent_to is None and s.pending >= 2]
+        ready = [s for s in self.sessions.by_id.values() if s.slot is not None and s.lent_to is None and s.pending]
         if not ready:
             return
         s = min(ready, key=lambda s: (s.rank, s.updated))
+        if s.pending == 1:  # never a 1-token chunk: recompute the token before it too (same KV, multi-token path)
+            s.computed -= 1
+            self.arena.truncate(s.slot, s.computed)
         size = max(2, self.prefill_chunk // self.session_every) if busy else self.prefill_chunk
         take = prefill_take(s.pending, size)
         a, slot = self.arena, s.slot
