@@ -191,3 +191,24 @@ def test_prompt_stream_client(srv):
         s.feed("abandoned prompt")
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.get("/v1/prefill/client-2").status_code == 404  # leaving without complete() deletes it
+
+
+def test_bench_chunked_pattern_feeds_then_completes(srv):
+    """`lineside bench --pattern chunked`'s client: each prompt goes through /v1/prefill in pieces, then its
+    streamed completion names the session (one hit per request)."""
+    from lineside.bench.client import ClientConfig
+    from lineside.bench.load import make_schedule
+    from lineside.bench.prompts import Prompt, PromptPool
+    from lineside.bench.runner import run
+
+    schedule = make_schedule("chunked", rate=50.0, duration=0.0, seed=1, max_requests=3)
+    assert schedule.pattern == "chunked" and len(schedule.arrivals) == 3
+    prompts = [Prompt("the technician reports station 12 is hot, " * 3 + str(i)) for i in range(3)]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        before = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
+        for endpoint in ("completions", "chat"):
+            cfg = ClientConfig(base_url="", endpoint=endpoint, max_tokens=4, chunks=3, chunk_interval=0.0)
+            res = run(srv.url, schedule, PromptPool(prompts), cfg, deadline=60)
+            assert [r.error for r in res.records] == [None] * 3 and all(r.output_tokens for r in res.records)
+        after = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
+    assert after - before >= 4  # most of the 6 completions started from their session
