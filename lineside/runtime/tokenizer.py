@@ -158,14 +158,15 @@ class Tokenizer:
         last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
         grown = self.apply_chat_template([*masked[:-1], last], True, tools)
         text = full[:_common_prefix(full, grown)]  # where the last message's text could go on
-        return _stable_ids(text, lambda t: self._chat_ids(t, literals))
+        return _stable_ids(text, lambda t: self._chat_ids(t, literals), lambda t: self._encode_marked(t, literals))
 
     def stable_text_ids(self, text: str) -> list[int]:
         """The leading ids of ``encode(text)`` that ``encode(text + anything)`` keeps (a completion prompt's text
         is raw: a special token's opening half at the end is held back too)."""
         added = [t.content for t in self._tok.get_added_tokens_decoder().values() if len(t.content) > 1]
         cut = max((k for t in added for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
-        return _stable_ids(text[:len(text) - cut], self.encode)
+        return _stable_ids(text[:len(text) - cut], self.encode,
+                           lambda t: self._tok.encode(t, add_special_tokens=False).ids)
 
 
     # ---- special-token text inside messages ------------------------------------------------------
@@ -248,13 +249,26 @@ def _common_prefix(a: Any, b: Any) -> int:
     return i
 
 
-def _stable_ids(text: str, encode: Any) -> list[int]:
-    """ids of ``text`` up to the first one some continuation in _PROBES tokenizes differently."""
-    ids = encode(text)
+_TAIL_CHARS = 256
+_WORD_START = re.compile(r"(?<=\n)[^\s]|(?<=\w) (?=\w)")
+
+
+def _stable_ids(text: str, encode: Any, encode_part: Any) -> list[int]:
+    """ids of ``text`` up to the first one some continuation in _PROBES tokenizes differently. Only the tail is
+    probed: the text is cut at a word start at least _TAIL_CHARS from its end (after a newline, or before a space
+    between two word characters: no common pre-tokenizer merges across either) and the tail encoded alone; the
+    caller compares the result with the whole prompt's own ids, so a tokenizer that does merge there only costs
+    cached tokens, never a wrong one."""
+    cut = 0
+    for m in _WORD_START.finditer(text, 0, max(0, len(text) - _TAIL_CHARS)):
+        cut = m.start()
+    head, tail = (encode(text[:cut]), text[cut:]) if cut else ([], text)
+    part = encode_part if cut else encode
+    ids = part(tail)
     n = len(ids)
     for probe in _PROBES:
-        n = min(n, _common_prefix(ids, encode(text + probe)))
-    return ids[:n]
+        n = min(n, _common_prefix(ids, part(tail + probe)))
+    return head + ids[:n]
 _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 _TEXT_TOKENIZER_LOCK = threading.Lock()
 

@@ -84,7 +84,7 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         messages, listed = tool_calls.template_messages(messages, tools, tok.chat_template, tool_choice)
         size = sum(len(m["content"] or "") for m in messages)
         ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
-        stable = await _offload(size, functools.partial(tok.stable_chat_ids, messages, listed))
+        stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed))
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
@@ -97,7 +97,7 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
     if not isinstance(body.prompt, str):
         return ids, len(ids)  # token ids do not re-tokenize
     text = request_mapping.clean_text(body.prompt, "prompt")
-    stable = await _offload(len(text), tok.stable_text_ids, text)
+    stable = await _offload(len(text), state.tokenizer.stable_text_ids, text)
     return ids, _agreeing(ids, stable)
 
 

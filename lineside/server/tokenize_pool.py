@@ -36,6 +36,14 @@ def _encode_chat(messages: list[dict[str, Any]], options: dict[str, Any]) -> lis
     return _worker_tokenizer.encode_chat(messages, **options)
 
 
+def _stable_text(text: str) -> list[int]:
+    return _worker_tokenizer.stable_text_ids(text)
+
+
+def _stable_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    return _worker_tokenizer.stable_chat_ids(messages, tools)
+
+
 class PooledTokenizer:
     """The engine's tokenizer for the server's encodes; long ones go to the worker process, anything else
     (decode, ids, the chat template) is the tokenizer's own."""
@@ -65,6 +73,18 @@ class PooledTokenizer:
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)
         return self._run(_encode_chat, (messages, options), lambda: self._inner.encode_chat(messages, **options))
+
+    def stable_text_ids(self, text: str) -> list[int]:
+        """A prefill session's stable prefix of a completions prompt (runtime/tokenizer.py), off the GIL when long."""
+        if len(text) <= self.inline_chars or self.processes < 1:
+            return self._inner.stable_text_ids(text)
+        return self._run(_stable_text, (text,), lambda: self._inner.stable_text_ids(text))
+
+    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        if size <= self.inline_chars or self.processes < 1:
+            return self._inner.stable_chat_ids(messages, tools)
+        return self._run(_stable_chat, (messages, tools), lambda: self._inner.stable_chat_ids(messages, tools))
 
     def warm(self) -> None:
         """Start the worker and load the tokenizer there now (a spawn and an import: about a second)."""

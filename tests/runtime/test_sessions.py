@@ -277,3 +277,54 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
     assert with_session and all(p[2] <= 8 for p in with_session)  # 32 // 4 while decoding
     assert len(with_session) * 4 <= len(busy) + 4
     assert not any(p[1] and p[2] for p in plans)
+
+
+def test_higher_priority_session_computes_first(tiny_bundle):
+    from lineside.runtime.request import Mode, Priority, rank_of
+
+    async def main():
+        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=16)
+        eng.prefill("low", prompt(60, 1), 60, rank=rank_of(Priority.LOW, Mode.BATCH))
+        eng.prefill("high", prompt(60, 2), 60, rank=rank_of(Priority.HIGH, Mode.REALTIME))
+        await eng.start()
+        await settled(eng, "low")
+        await settled(eng, "high")
+        await eng.stop()
+        return be.calls
+
+    calls = run(main())
+    session_calls = [(slots[0], past[0]) for slots, past, new in calls[2:] if new[0] > 1]  # after the warm-up
+    # the slots were given high first (lowest slot), and all of high's chunks ran before low's
+    high_slot = session_calls[0][0]
+    order = [slot == high_slot for slot, _ in session_calls]
+    assert order == sorted(order, reverse=True) and order.count(True) == 4
+
+
+class WholeStateBackend(FakeBackend):
+    """A backend whose decode state is replaced whole each step (as DeepSeek-V4's compressor state)."""
+
+    def __init__(self, *a, **kw):
+        from types import SimpleNamespace
+
+        from lineside.graph_io import StateUpdate
+
+        super().__init__(*a, **kw)
+        self.states = [SimpleNamespace(update=StateUpdate.REPLACE)]
+
+
+def test_whole_state_models_refuse_sessions_in_one_line(tiny_bundle):
+    from lineside.runtime.sessions import SessionsUnsupported
+
+    async def main():
+        eng = LLMEngine(tiny_bundle, backend=WholeStateBackend(2))
+        await eng.start()
+        with pytest.raises(SessionsUnsupported) as e:
+            eng.prefill("v4", prompt(20), 20)
+        out = await answer(eng, prompt(20), session_id="v4", keep_session=True)  # runs as any request
+        st = eng.stats()
+        await eng.stop()
+        return str(e.value), out, st
+
+    msg, out, st = run(main())
+    assert "\n" not in msg and "whole-state tensors" in msg and "completion endpoint" in msg
+    assert len(out) == 12 and st.sessions == 0

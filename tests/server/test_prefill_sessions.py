@@ -201,14 +201,14 @@ def test_bench_chunked_pattern_feeds_then_completes(srv):
     from lineside.bench.prompts import Prompt, PromptPool
     from lineside.bench.runner import run
 
-    schedule = make_schedule("chunked", rate=50.0, duration=0.0, seed=1, max_requests=3)
-    assert schedule.pattern == "chunked" and len(schedule.arrivals) == 3
+    schedule = make_schedule("chunked", rate=50.0, duration=0.0, seed=1, max_requests=2)  # the server's cap is 2
+    assert schedule.pattern == "chunked" and len(schedule.arrivals) == 2
     prompts = [Prompt("the technician reports station 12 is hot, " * 3 + str(i)) for i in range(3)]
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         before = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
         for endpoint in ("completions", "chat"):
             cfg = ClientConfig(base_url="", endpoint=endpoint, max_tokens=4, chunks=3, chunk_interval=0.0)
             res = run(srv.url, schedule, PromptPool(prompts), cfg, deadline=60)
-            assert [r.error for r in res.records] == [None] * 3 and all(r.output_tokens for r in res.records)
+            assert [r.error for r in res.records] == [None] * 2 and all(r.output_tokens for r in res.records)
         after = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
-    assert after - before >= 4  # most of the 6 completions started from their session
+    assert after - before >= 3  # (nearly) every completion started from its session
