@@ -201,7 +201,7 @@ async def main_async(bundle: str, a: argparse.Namespace) -> None:
     tok = Tokenizer.from_bundle(open_bundle(bundle))
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} before the run")
-    app = create_app(bundle, threads=a.threads, num_slots=8, tokenizer_processes=0)
+    app = create_app(bundle, threads=a.threads, num_slots=8, tokenizer_processes=1)  # as `lineside serve`
     with BackgroundServer(app, startup_timeout=300) as srv:
         async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
             await stream(client, {"prompt": "warm up", **GEN})

@@ -83,7 +83,7 @@ class LLMEngine:
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
-                 session_every: int = 4):
+                 session_every: int = 4, session_busy_chunk: int = 32):
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
@@ -124,7 +124,8 @@ class LLMEngine:
                                    spec_tokens=0 if speculative is None else speculative.num_tokens,
                                    spec_max_rows=_spec_max_rows(self.backend, speculative),
                                    verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
-                                   sessions=sessions, session_every=session_every)
+                                   sessions=sessions, session_every=session_every,
+                                   session_busy_chunk=session_busy_chunk)
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False

@@ -60,7 +60,8 @@ class Scheduler(SessionSlots):
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
                  proposer: Proposer | None = None, spec_tokens: int = 0, spec_max_rows: int | None = None,
-                 verify_cost: float = 1.0, sessions: SessionStore | None = None, session_every: int = 4):
+                 verify_cost: float = 1.0, sessions: SessionStore | None = None, session_every: int = 4,
+                 session_busy_chunk: int = 32):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -82,6 +83,7 @@ class Scheduler(SessionSlots):
         self.spec_rate_sum = 0.0
         self.sessions = sessions  # None: this engine keeps no prefill sessions
         self.session_every = max(1, int(session_every))
+        self.session_busy_chunk = max(2, int(session_busy_chunk))  # session chunk size while requests decode
         self._quiet_steps = 0  # steps since the last session chunk
 
     def add(self, seq: Sequence) -> None:
@@ -231,6 +233,8 @@ class Scheduler(SessionSlots):
             self._session_done(seq, now)  # a session it named may keep its slot for the next turn
             if seq.slot is not None:
                 self._release(seq)  # its KV stays in the prefix cache
+        else:
+            self._session_done(seq, now)  # ended while waiting (preempted): a session lent to it ends too
         seq.status = Status.FINISHED
         seq.handle.metrics.finished = now
 

@@ -2,8 +2,8 @@
 
 Mixed into ``Scheduler`` (the one owner of slots): requests always come first. A session gets a slot only when
 no request is waiting; its chunks run only in steps without a request's prefill chunk, and while requests
-decode in at most one step in ``session_every``, ``prefill_chunk // session_every`` tokens at a time (a CPU
-has no idle compute beside a decode step, so the spacing keeps most gaps between tokens untouched). When a
+decode in at most one step in ``session_every``, ``session_busy_chunk`` tokens at a time (a CPU has no idle
+compute beside a decode step: spacing small chunks keeps most gaps between tokens untouched and the others short). When a
 request does not fit, idle sessions are released first, least recently used first — a session never
 preempts or fails a running request. A completion that names the session and whose prompt extends its KV
 takes the session's slot as its own (no copy); when it ends, the slot's prefill-written KV goes back to the
@@ -32,6 +32,7 @@ class SessionSlots:
     contiguous_slots: bool
     sessions: SessionStore | None
     session_every: int
+    session_busy_chunk: int
     _quiet_steps: int
 
     # ---- what the engine calls (on the event loop, between or during steps) ---------------------------
@@ -113,10 +114,14 @@ class SessionSlots:
     def _session_done(self, seq: Sequence, now: float) -> None:
         """``seq`` has ended and still holds its slot: the session it named keeps that slot's prefill-written KV
         (asked with keep_session, or a prefill came for the session meanwhile) or ends with it."""
-        if self.sessions is None or seq.req.session_id is None or seq.slot is None:
+        if self.sessions is None or seq.req.session_id is None:
             return
         s = self.sessions.get(seq.req.session_id)
         mine = s is not None and s.lent_to is seq
+        if seq.slot is None:  # it holds no KV now (ended while preempted)
+            if mine:
+                self.release_session(s)
+            return
         if s is None:
             if not seq.req.keep_session:
                 return
@@ -179,7 +184,7 @@ class SessionSlots:
         if s.pending == 1:  # never a 1-token chunk: recompute the token before it too (same KV, multi-token path)
             s.computed -= 1
             self.arena.truncate(s.slot, s.computed)
-        size = max(2, self.prefill_chunk // self.session_every) if busy else self.prefill_chunk
+        size = min(self.session_busy_chunk, self.prefill_chunk) if busy else self.prefill_chunk
         take = prefill_take(s.pending, size)
         a, slot = self.arena, s.slot
         assert slot is not None

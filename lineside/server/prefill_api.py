@@ -21,7 +21,13 @@ from pydantic import ValidationError
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import EngineDraining, rank_of
-from lineside.runtime.sessions import SessionInfo, SessionLimitError, SessionsUnsupported, check_session_id
+from lineside.runtime.sessions import (
+    SESSION_ID,
+    SessionInfo,
+    SessionLimitError,
+    SessionsUnsupported,
+    check_session_id,
+)
 from lineside.server import prompt_limits, request_mapping, tool_calls
 from lineside.server.errors import APIError
 from lineside.server.openai_api import _check_model, _offload, _vocab_size
@@ -110,7 +116,15 @@ def _agreeing(ids: list[int], stable: list[int]) -> int:
     return n
 
 
-@router.post("/v1/prefill", status_code=202, responses=ERROR_RESPONSES)
+# The body is one of two request models, told apart by 'messages'; the schema documents the completions form.
+_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["prompt", "session_id"],
+    "properties": {"prompt": {"type": "string", "description": "the prompt so far (or 'messages', as in chat)"},
+                   "session_id": {"type": "string", "pattern": SESSION_ID.pattern},
+                   "model": {"type": "string"}}}}}}}
+
+
+@router.post("/v1/prefill", status_code=202, responses=ERROR_RESPONSES, openapi_extra=_BODY_DOC)
 async def prefill(request: Request) -> Any:
     """Cache the KV of a prompt still being written under ``session_id``; answers at once."""
     state = _state(request)

@@ -247,7 +247,7 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
     prefill chunk is never beside a session chunk."""
 
     async def main():
-        eng, _ = engine(tiny_bundle, slots=3, prefill_chunk=32, session_every=4)
+        eng, _ = engine(tiny_bundle, slots=3, prefill_chunk=32, session_every=4, session_busy_chunk=8)
         from collections import deque
 
         eng.step_log = deque()
@@ -274,7 +274,7 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
     plans = run(main())
     busy = [p for p in plans if p[0] > 0]
     with_session = [p for p in busy if p[2]]
-    assert with_session and all(p[2] <= 8 for p in with_session)  # 32 // 4 while decoding
+    assert with_session and all(p[2] <= 8 for p in with_session)  # session_busy_chunk while decoding
     assert len(with_session) * 4 <= len(busy) + 4
     assert not any(p[1] and p[2] for p in plans)
 
@@ -328,3 +328,38 @@ def test_whole_state_models_refuse_sessions_in_one_line(tiny_bundle):
     msg, out, st = run(main())
     assert "\n" not in msg and "whole-state tensors" in msg and "completion endpoint" in msg
     assert len(out) == 12 and st.sessions == 0
+
+
+def test_session_lent_to_a_preempted_request_ends_with_it(tiny_bundle):
+    """A batch completion holding a session's slot is preempted by a realtime one, then cancelled while it
+    waits: the session it held ends too (nothing stays pinned), and the realtime answer is the plain one."""
+    from lineside.runtime.request import Mode
+
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, prefill_chunk=16)
+        await eng.start()
+        eng.prefill("b", prompt(40, 3), 40)
+        await settled(eng, "b")
+        batch = eng.submit(GenerationRequest(prompt_ids=prompt(44, 3), max_tokens=100, mode=Mode.BATCH,
+                                             session_id="b"))
+        while not batch.metrics.token_times:
+            await asyncio.sleep(0)
+        assert eng.stats().session_hits == 1
+        rt_handle = eng.submit(GenerationRequest(prompt_ids=prompt(20, 4), max_tokens=12))
+        while not rt_handle.metrics.token_times:
+            await asyncio.sleep(0)
+        assert batch.metrics.preemptions == 1 and eng.stats().waiting == 1  # the batch one waits, slotless
+        batch.cancel()
+        _, _, last = await batch.result()
+        _, rt, _ = await rt_handle.result()
+        st = eng.stats()
+        ref, _ = engine(tiny_bundle, slots=1)
+        await ref.start()
+        want = await answer(ref, prompt(20, 4))
+        await ref.stop()
+        await eng.stop()
+        return rt, want, last, st
+
+    rt, want, last, st = run(main())
+    assert rt == want and last.finish_reason == "cancelled"
+    assert st.sessions == 0 and st.session_pinned_blocks == 0 and st.kv_blocks_reserved == 0
