@@ -250,15 +250,18 @@ def _common_prefix(a: Any, b: Any) -> int:
 
 
 _TAIL_CHARS = 256
+_PARTIAL_WORD = re.compile(r"\w+\Z")
 _WORD_START = re.compile(r"(?<=\n)[^\s]|(?<=\w) (?=\w)")
 
 
 def _stable_ids(text: str, encode: Any, encode_part: Any) -> list[int]:
-    """ids of ``text`` up to the first one some continuation in _PROBES tokenizes differently. Only the tail is
+    """ids of ``text`` without its last word (it may go on) up to the first one some continuation in _PROBES
+    tokenizes differently. Only the tail is
     probed: the text is cut at a word start at least _TAIL_CHARS from its end (after a newline, or before a space
     between two word characters: no common pre-tokenizer merges across either) and the tail encoded alone; the
     caller compares the result with the whole prompt's own ids, so a tokenizer that does merge there only costs
     cached tokens, never a wrong one."""
+    text = _PARTIAL_WORD.sub("", text)  # a word may go on ("vibr" + "ation"): BPE re-merges the whole of it
     cut = 0
     for m in _WORD_START.finditer(text, 0, max(0, len(text) - _TAIL_CHARS)):
         cut = m.start()
