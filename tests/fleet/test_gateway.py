@@ -41,7 +41,8 @@ def cluster(tiny_bundle, tmp_path_factory):
     base = free_ports(8)
     ports = {"w1": base, "w2": base + 1, "w3": base + 2, "llama": base + 3}
     gw_port, smg_base = base + 4, base + 5  # routers: base+5 (realtime), +6 metrics, +7 (batch), +8 metrics
-    procs: dict[str, Proc] = {n: lineside_worker(tiny_bundle, ports[n], d / f"{n}.log") for n in ("w1", "w2", "w3")}
+    procs: dict[str, Proc] = {n: lineside_worker(tiny_bundle, ports[n], d / f"{n}.log", d / f"{n}.requests.jsonl")
+                              for n in ("w1", "w2", "w3")}
     procs["llama"] = llama_worker(ports["llama"], d / "llama.log")
     fleet = {
         "nodes": [
@@ -166,6 +167,48 @@ def test_header_routing_lands_in_the_right_pool(cluster):
     r = _post(c, **{"X-Mode": "bulk"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_pool"
     assert r.json()["error"]["param"] == "X-Mode" and "realtime, batch" in r.json()["error"]["message"]
+
+
+def _logged(cluster, worker_url: str, request_id: str) -> dict:
+    """The latency-log line of one request on the lineside worker at worker_url."""
+    name = next(n for n, p in cluster["ports"].items() if worker_url == f"http://127.0.0.1:{p}")
+    path = cluster["dir"] / f"{name}.requests.jsonl"
+
+    def rows() -> list[dict]:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [r for r in map(json.loads, lines) if r["request_id"] == request_id]
+
+    _until(lambda: bool(rows()), 10, f"{request_id} in {path.name}")
+    return rows()[-1]
+
+
+def test_priority_and_mode_reach_the_nodes_scheduler_through_smg(cluster):
+    """SMG forwards neither X-Priority nor X-Mode; the front carries them in tracestate, which it forwards, and
+    each node's scheduler gets them: its latency log records the priority and mode of every request."""
+    c, p = cluster["client"], cluster["ports"]
+    lineside = {f"http://127.0.0.1:{p[n]}" for n in ("w1", "w2", "w3")}
+    cases = [({"X-Mode": "realtime", "X-Priority": "high"}, ("high", "realtime")),
+             ({"X-Priority": "low"}, ("low", "realtime")),  # the default pool
+             ({"X-Mode": "batch", "X-Priority": "high"}, ("high", "batch")),
+             ({"X-Batch": "true"}, ("normal", "batch"))]
+    for i, (headers, expected) in enumerate(cases):
+        for attempt in range(8):  # the batch pool round-robins onto llama.cpp too, which keeps no such log
+            rid = f"prio-{i}-{attempt}"
+            r = _post(c, **headers, **{"X-Request-Id": rid})
+            assert r.status_code == 200
+            if _worker(r) in lineside:
+                break
+        row = _logged(cluster, _worker(r), rid)
+        assert (row["priority"], row["mode"]) == expected, (headers, row)
+    # a stream too, and the tracestate of other tracing systems still reaches the node
+    rid = "prio-stream"
+    with c.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True},
+                  headers={"X-Mode": "realtime", "X-Priority": "low", "X-Request-Id": rid,
+                           "tracestate": "rojo=00f067aa0ba902b7"}) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+        worker = _worker(r)
+    row = _logged(cluster, worker, rid)
+    assert (row["priority"], row["mode"], row["stream"]) == ("low", "realtime", True)
 
 
 def test_sessions_stick_by_header_and_by_cookie(cluster):
