@@ -87,7 +87,7 @@ class Upstream:
             r.release()
 
     async def aclose(self) -> None:
-        if self._session is not None:
+        if self._session is not None and not self._session.closed:
             await self._session.close()
 
 
@@ -108,7 +108,10 @@ async def relay_response(up: aiohttp.ClientResponse, receive: Receive, send: Sen
     the response incomplete."""
     headers = [(k, v) for k, v in up.raw_headers if k.lower() not in HOP_BY_HOP]
     headers.extend(extra_headers)
-    watcher = asyncio.ensure_future(_disconnected(receive)) if is_event_stream(up) else None
+    watcher = None
+    if is_event_stream(up):  # a stream can wait long for its next event: its client may leave meanwhile
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        watcher.add_done_callback(lambda _: up.close())  # ends the read below; a no-op once released
     done = False
     try:
         await send({"type": "http.response.start", "status": up.status, "headers": headers})
@@ -116,10 +119,14 @@ async def relay_response(up: aiohttp.ClientResponse, receive: Receive, send: Sen
             if keep is not None:
                 keep.append(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if watcher is not None and watcher.done():
-                return
+        if watcher is not None and watcher.done():
+            return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         done = True
+    except UpstreamError:
+        if watcher is not None and watcher.done():
+            return  # closed here because the client left
+        raise
     finally:
         if watcher is not None:
             watcher.cancel()

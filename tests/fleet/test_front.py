@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -31,10 +32,23 @@ def pool_app(name: str, seen: list[dict]) -> Starlette:
                     yield f"data: {json.dumps({'choices': [{'delta': {'content': w + ' '}}]})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(gen(), media_type="text/event-stream", headers={"x-pool": name})
+        degraded = {"x-lineside-degraded": "1"} if name == "batch" else {}  # a node on its SLO ladder's level 1
         return JSONResponse({"choices": [{"message": {"role": "assistant", "content": text}}]},
-                            headers={"x-pool": name, "x-session-seen": request.headers.get("x-session-id", "")})
+                            headers={"x-pool": name, "x-session-seen": request.headers.get("x-session-id", ""),
+                                     **degraded})
+
+    async def hang(request: Request):
+        """One token, then a generation that never ends: only the client going away ends it."""
+        async def gen():
+            try:
+                yield 'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+                await asyncio.Event().wait()
+            finally:
+                seen.append({"pool": name, "hang": "closed"})
+        return StreamingResponse(gen(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/hang", hang, methods=["POST"]),
                              Route("/health", lambda r: JSONResponse({"ok": True}))])
 
 
@@ -73,8 +87,9 @@ def make(upstreams):
         run(f.aclose())
 
 
-async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None,
+                extra: dict | None = None):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **(extra or {})}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front.app), base_url="http://gw",
                                  cookies=cookies) as c:
         r = await c.post("/v1/chat/completions", json=body, headers=headers or {})
@@ -88,6 +103,7 @@ def test_header_picks_the_pool(make):
                           ({"X-Batch": "true"}, "batch"), ({}, "realtime")):
         r = run(_call(front, headers))
         assert r.status_code == 200 and r.headers["x-pool"] == pool
+        assert r.headers.get("x-lineside-degraded") == ("1" if pool == "batch" else None)  # passed back as sent
     r = run(_call(front, {"X-Mode": "bulk"}))
     assert r.status_code == 400
     assert r.json()["error"] == {"message": "X-Mode 'bulk' is not a pool of this gateway; use one of: realtime, "
@@ -136,7 +152,8 @@ def test_vllm_sglang_pools_get_the_priority_in_the_body(make):
     run(_call(front, {"X-Mode": "batch"}))
     run(_call(front, {"X-Mode": "batch", "X-Priority": "low"}))
     run(_call(front, {}))  # realtime, normal: the engines' default 0, body untouched
-    assert [s["body"].get("priority") for s in seen] == [-1, 10, 11, None]
+    run(_call(front, {"X-Priority": "high"}, extra={"priority": 5}))  # the client's own value is kept
+    assert [s["body"].get("priority") for s in seen] == [-1, 10, 11, None, 5]
     assert all(s["body"]["messages"] == [{"role": "user", "content": "hi"}] for s in seen)
 
 
@@ -170,6 +187,20 @@ def test_unreachable_pool_router_is_a_502_and_a_failed_shadow_is_counted(make):
     front.cfg.pools["realtime"] = "http://127.0.0.1:1"
     r = run(_call(front, {"X-Mode": "realtime"}))
     assert r.status_code == 502 and r.json()["error"]["code"] == "pool_unreachable"
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_upstream_generation(make):
+    """The front runs as a real server here: its client disconnects after the first token, and the node's
+    stream (behind the front) is closed too instead of generating for nobody."""
+    front, seen = make(share=0.0001)
+    with BackgroundServer(front.app, ready_path="/fleet/shadow") as gw:
+        with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as c:
+            with c.stream("POST", "/v1/hang", json={"stream": True}) as r:
+                assert r.status_code == 200 and b'"x"' in next(r.iter_raw())
+        deadline = time.monotonic() + 10
+        while {"pool": "realtime", "hang": "closed"} not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert {"pool": "realtime", "hang": "closed"} in seen
 
 
 @pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])
