@@ -3,8 +3,8 @@ upstream over pooled keep-alive connections, the response streamed back byte for
 
 Raw ASGI on the server side and aiohttp (C-accelerated HTTP parser, one connection pool, no cookie jar) on
 the upstream side: the whole per-request cost of the front is here, and the gateway's TTFT goal is ≤ 2 ms.
-Measured against Starlette + httpx (benchmarks/gateway_overhead.py --front-cpu): about a third of the CPU
-time per streamed request.
+Against the Starlette + httpx front it replaced: about half the CPU time per request
+(benchmarks/gateway_overhead.py prints the front's CPU per request; docs/fleet.md has the numbers).
 """
 
 from __future__ import annotations
