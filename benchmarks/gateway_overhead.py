@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,8 @@ def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
     try:
         wait_ready(url, 300, alive=lambda: p.poll() is None, ready_path=ready)
     except LinesideError as e:
-        os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         sys.exit(f"{e} (see {log})")
     return p
 
@@ -88,6 +90,20 @@ class Stream:
             raise RuntimeError("no token event")
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 2 and times[-1] > times[0] else None
         return times[0] - t0, rate, len(times)
+
+
+def free_pair() -> int:
+    """A port whose next port is free too (an SMG router and its metrics)."""
+    for _ in range(100):
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+                return base
+            except OSError:
+                continue
+    sys.exit("no two consecutive free ports on 127.0.0.1")
 
 
 def med(xs: list[float]) -> float:
@@ -154,7 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
     wport, gport = free_port(), free_port()
-    sbase = free_port()
+    sbase = free_pair()
     procs = []
     try:
         procs.append(start([sys.executable, "-m", "lineside", "serve", str(args.bundle), "--port", str(wport),
