@@ -155,8 +155,7 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
     front = server(Front(plan.front).app, plan.host, plan.port)
 
     async def serve_all() -> None:
-        for a in adapters:  # up before the routers probe them
-            asyncio.get_running_loop().create_task(a.serve())
+        tasks = [asyncio.get_running_loop().create_task(a.serve()) for a in adapters]  # up before the probes
         while adapters and not all(a.started for a in adapters):
             await asyncio.sleep(0.05)
         await asyncio.to_thread(routers.start)
@@ -165,6 +164,8 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
         finally:
             for a in adapters:
                 a.should_exit = True
+            if tasks:  # their lifespan closes their connection pools
+                await asyncio.wait(tasks, timeout=10)
 
     routers = Routers(plan, log_dir)
     try:
