@@ -5,6 +5,7 @@ OpenAI-shaped 4xx; session metrics show in /metrics and return to zero after the
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -36,8 +37,6 @@ def merging_bundle(tiny_dense, tmp_path_factory):
                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     assert tok.get_vocab_size() == 300
     tok.save(str(ckpt / "tokenizer.json"))
-    import json
-
     (ckpt / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
     out = tmp_path_factory.mktemp("merging-bundle") / "tiny-merging"
@@ -212,3 +211,18 @@ def test_bench_chunked_pattern_feeds_then_completes(srv):
             assert [r.error for r in res.records] == [None] * 2 and all(r.output_tokens for r in res.records)
         after = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
     assert after - before >= 3  # (nearly) every completion started from its session
+
+
+def test_bench_cli_chunked(srv, tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.bench.test_bench_end_to_end import cli_app
+
+    out = tmp_path / "report"
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, "--pattern", "chunked", "--chunks", "3",
+                                     "--chunk-interval", "0", "--rate", "20", "--num-requests", "2", "--duration",
+                                     "0", "--max-tokens", "3", "--prompt-len", "12:24", "--warmup", "0",
+                                     "--no-plots", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    assert meta["pattern"] == "chunked" and meta["chunks"] == 3 and meta["chunk_interval"] == 0
