@@ -94,13 +94,15 @@ def served(bundle: Path, threads: int, tree: Path, streams: int, max_tokens: int
             texts[i], counts[i] = s.text, s.tokens
 
         workers = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+        w0 = time.perf_counter()
         for w in workers:
             w.start()
         for w in workers:
             w.join()
+        wall = time.perf_counter() - w0
         c1, t1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
         tokens = sum(counts)
-        return (c1 - c0) / tokens, tokens, per_thread(proc.pid, t0, t1, tokens), texts
+        return (c1 - c0) / tokens, tokens / wall, per_thread(proc.pid, t0, t1, tokens), texts
 
     def stop() -> None:
         proc.send_signal(signal.SIGTERM)
@@ -123,12 +125,14 @@ def generator(bundle: Path, threads: int, max_tokens: int):
 
     def run() -> tuple[float, int, str, list[str]]:
         pid = os.getpid()
-        t0, c0 = thread_cpu(pid), time.process_time()
+        t0, c0, w0 = thread_cpu(pid), time.process_time(), time.perf_counter()
         toks = list(gen.stream(ids, max_tokens=max_tokens, params=SamplingParams()))
+        wall = time.perf_counter() - w0
         c1, t1 = time.process_time(), thread_cpu(pid)
-        return (c1 - c0) / len(toks), len(toks), per_thread(pid, t0, t1, len(toks)), [gen.tokenizer.decode(toks)]
+        return ((c1 - c0) / len(toks), len(toks) / wall, per_thread(pid, t0, t1, len(toks)),
+                [gen.tokenizer.decode(toks)])
 
-    return run, lambda: gen.backend.close()
+    return run, gen.backend.close
 
 
 def engine(bundle: Path, threads: int, streams: int, max_tokens: int):
@@ -149,11 +153,12 @@ def engine(bundle: Path, threads: int, streams: int, max_tokens: int):
 
     def run() -> tuple[float, int, str, list[str]]:
         pid = os.getpid()
-        t0, c0 = thread_cpu(pid), time.process_time()
+        t0, c0, w0 = thread_cpu(pid), time.process_time(), time.perf_counter()
         out = loop.run_until_complete(batch(streams, max_tokens))
+        wall = time.perf_counter() - w0
         c1, t1 = time.process_time(), thread_cpu(pid)
         tokens = sum(n for _, n in out)
-        return (c1 - c0) / tokens, tokens, per_thread(pid, t0, t1, tokens), [t for t, _ in out]
+        return (c1 - c0) / tokens, tokens / wall, per_thread(pid, t0, t1, tokens), [t for t, _ in out]
 
     def stop() -> None:
         loop.run_until_complete(eng.stop(drain_timeout=1))
@@ -204,7 +209,8 @@ def count_ops(bundle: Path, threads: int, batch: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--bundle", type=Path, action="append", required=True,
+                    help="repeat to run the generator path on several bundles in the same rounds (others: the first)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
@@ -216,29 +222,36 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["LINESIDE_ORT_SPIN"] = args.spin
     if args.ops:
-        for b in (1, 8):
-            count_ops(args.bundle, args.threads, b)
+        for bundle in args.bundle:
+            for b in (1, 8):
+                print(bundle)
+                count_ops(bundle, args.threads, b)
         return
     paths = args.paths.split(",")
     streams = [int(s) for s in args.streams.split(",")]
     runners: dict[str, tuple] = {}
     try:
         if "generator" in paths:
-            runners["generator"] = generator(args.bundle, args.threads, args.tokens)
+            for b in args.bundle:
+                runners["generator" + ("" if b == args.bundle[0] else f" [{b.name}]")] = generator(b, args.threads,
+                                                                                                 args.tokens)
+        bundle = args.bundle[0]
         for n in streams:
             if "engine" in paths:
-                runners[f"engine x{n}"] = engine(args.bundle, args.threads, n, args.tokens)
+                runners[f"engine x{n}"] = engine(bundle, args.threads, n, args.tokens)
             if "served" in paths:
                 for tree in [ROOT, *args.tree]:
                     name = f"served x{n}" + ("" if tree == ROOT else f" [{tree.name}]")
-                    runners[name] = served(args.bundle, args.threads, tree, n, args.tokens,
+                    runners[name] = served(bundle, args.threads, tree, n, args.tokens,
                                            {"LINESIDE_ORT_SPIN": args.spin})
         results: dict[str, list[tuple[float, str]]] = {k: [] for k in runners}
+        rates: dict[str, list[float]] = {k: [] for k in runners}
         texts: dict[str, list[str]] = {}
         for _ in range(args.rounds):
             for name, (run, _stop) in runners.items():
-                cpu, _tokens, threads, out = run()
+                cpu, rate, threads, out = run()
                 results[name].append((cpu, threads))
+                rates[name].append(rate)
                 texts.setdefault(name, out)
     finally:
         for _run, stop in runners.values():
@@ -249,9 +262,9 @@ def main() -> None:
         cpus = [c for c, _ in rs]
         mid = sorted(rs)[len(rs) // 2]
         print(f"{name:<28} {statistics.median(cpus) * 1e3:6.2f} ms/token  (min {min(cpus) * 1e3:.2f})  "
-              f"threads ms/token: {mid[1]}")
+              f"{statistics.median(rates[name]):6.1f} tok/s wall  threads ms/token: {mid[1]}")
     for n in streams:
-        base, many = texts.get(f"served x1"), texts.get(f"served x{n}")
+        base, many = texts.get("served x1"), texts.get(f"served x{n}")
         if n > 1 and base and many:
             print(f"served x{n} first text equals served x1's: {many[0] == base[0]}")
 
