@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lineside.checksum_cache import NAME as CHECKSUM_STAMPS
 from lineside.checksum_cache import ChecksumCache
 from lineside.config import ModelConfig
 from lineside.errors import BundleError
@@ -167,13 +168,14 @@ class Bundle:
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
-    """Hash every file under ``bundle_dir`` (but the manifest and engines/) into the manifest and save it."""
+    """Hash every file under ``bundle_dir`` (but the manifest, the checksum stamps and engines/) into the manifest
+    and save it."""
     files: dict[str, FileEntry] = {}
     for p in sorted(bundle_dir.rglob("*")):
         if not p.is_file():
             continue
         rel = p.relative_to(bundle_dir).as_posix()
-        if rel == MANIFEST or rel.startswith("engines/"):
+        if rel in (MANIFEST, CHECKSUM_STAMPS) or rel.startswith("engines/"):
             continue
         files[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
     manifest = replace(manifest, format_version=FORMAT_VERSION, files=files)
