@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from lineside.runtime.bounded_encode import PromptTooLong
 from lineside.server.errors import APIError
 
 _BOUNDS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -56,6 +57,13 @@ def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, *, param: st
         raise APIError(400, f"'{param}' has {total} characters, so at least {total // max_token_chars(tokenizer)} "
                             f"tokens, but the model's context is {max_seq_len} tokens (at most {bound} characters "
                             "can fit); shorten it", "context_length_exceeded", param=param)
+
+
+def too_long(e: PromptTooLong, *, param: str) -> APIError:
+    """The 400 for a prompt found, while tokenizing, to have more tokens than the context leaves room for."""
+    return APIError(400, f"'{param}' has more than {e.limit} tokens (its first {e.chars_read} characters already "
+                         f"make {e.tokens}), but the model's context is {e.limit + 1} tokens, which leaves no room "
+                         "to generate; shorten it", "context_length_exceeded", param=param)
 
 
 def chat_texts(body: Any) -> list[str]:

@@ -2,12 +2,15 @@
 encode (measured on SmolLM2's vocabulary: a 1.3 M-character prompt kept every other thread waiting up to
 8 s at a time in a thread), so in a thread a long prompt still stalls /health and every stream. Short texts
 stay inline (a process round trip costs more than they do). The pool is bounded (``processes`` workers);
-the server warms it up once the model is ready."""
+the server warms it up once the model is ready. The worker runs at a lower CPU priority (nice +10): on a
+machine with few cores its tokenizing must not take time from the engine's step loop and the event loop;
+with an early stop at the context (runtime/bounded_encode) it tokenizes at most about a context's worth."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -17,19 +20,36 @@ from typing import Any
 log = logging.getLogger("lineside.server")
 
 INLINE_CHARS = 8192
+WORKER_NICENESS = 10
 _worker_tokenizer: Any = None
 
 
-def _init_worker(tokenizer: Any) -> None:
-    """The worker ignores Ctrl-C and SIGTERM (sent to the whole group): the server shuts the pool down itself."""
+def _init_worker(tokenizer: Any, niceness: int = WORKER_NICENESS) -> None:
+    """The worker ignores Ctrl-C and SIGTERM (sent to the whole group): the server shuts the pool down itself;
+    it lowers its own priority (lowering needs no privilege; the server's is untouched)."""
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if niceness > 0:
+        try:
+            os.nice(niceness)
+        except OSError:  # a platform without nice: same priority as the server, still off its GIL
+            pass
     _worker_tokenizer = tokenizer
 
 
-def _encode(text: str, add_special: bool | None) -> list[int]:
-    return _worker_tokenizer.encode(text, add_special)
+def _encode(text: str, add_special: bool | None, max_tokens: int | None = None) -> list[int]:
+    return _worker_tokenizer.encode(text, add_special, max_tokens)
+
+
+def _warm() -> int:
+    """Load what the first long prompt needs (the piecewise-count check, the chat template); the worker's nice."""
+    _worker_tokenizer.encode("warm up", False, 1 << 20)
+    try:
+        _worker_tokenizer.encode_chat([{"role": "user", "content": "warm up"}], max_tokens=1 << 20)
+    except Exception:  # noqa: BLE001 - a template that refuses this chat says so on a real request, in one line
+        pass
+    return os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
 
 
 def _encode_chat(messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
@@ -40,25 +60,30 @@ class PooledTokenizer:
     """The engine's tokenizer for the server's encodes; long ones go to the worker process, anything else
     (decode, ids, the chat template) is the tokenizer's own."""
 
-    def __init__(self, tokenizer: Any, processes: int = 1, inline_chars: int = INLINE_CHARS):
+    def __init__(self, tokenizer: Any, processes: int = 1, inline_chars: int = INLINE_CHARS,
+                 niceness: int = WORKER_NICENESS):
         self._inner = tokenizer
         self.processes = processes
         self.inline_chars = inline_chars
+        self.niceness = niceness
+        self.worker_priority: int | None = None  # the worker's nice value once warm (what `warm` measured)
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def encode(self, text: str, add_special: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_special: bool | None = None, max_tokens: int | None = None) -> list[int]:
         if len(text) <= self.inline_chars or self.processes < 1:
-            return self._inner.encode(text, add_special)
-        return self._run(_encode, (text, add_special), lambda: self._inner.encode(text, add_special))
+            return self._inner.encode(text, add_special, max_tokens)
+        return self._run(_encode, (text, add_special, max_tokens),
+                         lambda: self._inner.encode(text, add_special, max_tokens))
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                                   "continue_final_message": continue_final_message}
+                                   "continue_final_message": continue_final_message, "max_tokens": max_tokens}
         if tools:
             options["tools"] = tools
         size = sum(len(str(m.get("content") or "")) for m in messages)
@@ -70,7 +95,7 @@ class PooledTokenizer:
         """Start the worker and load the tokenizer there now (a spawn and an import: about a second)."""
         if self.processes > 0:
             try:
-                self._ensure_pool().submit(_encode, "warm", False).result()
+                self.worker_priority = self._ensure_pool().submit(_warm).result()
             except Exception as e:  # noqa: BLE001 - no worker is no reason not to serve: fall back to threads
                 log.warning("no tokenizer worker process (%s: %s); long prompts are tokenized in threads",
                             type(e).__name__, e)
@@ -92,7 +117,7 @@ class PooledTokenizer:
         with self._lock:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_init_worker, initargs=(self._inner,))
+                                                 initializer=_init_worker, initargs=(self._inner, self.niceness))
             return self._pool
 
     def close(self) -> None:

@@ -237,7 +237,30 @@ def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
         assert r.json()["error"]["param"] == param
     assert calls == []  # refused from the length alone
     r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
-    assert r.status_code == 400 and "301 tokens" in r.json()["error"]["message"] and calls  # under it: tokenized
+    context = guarded.state.engine.max_seq_len
+    assert r.status_code == 400 and calls  # under the bound: tokenized, and refused by its count
+    assert f"more than {context - 1} tokens" in r.json()["error"]["message"], r.text
+
+
+def test_prompt_just_under_the_text_bound_is_refused_after_a_few_pieces(guarded):
+    """A prompt the character bound lets through but the context cannot hold: counted in pieces and refused once
+    the count passes the context, having read a small part of it (the message says how much)."""
+    import re
+
+    from lineside.runtime.bounded_encode import piece_chars
+    from lineside.server.prompt_limits import text_bound
+
+    engine = guarded.state.engine
+    bound = text_bound(engine.tokenizer, engine.max_seq_len)
+    words = "sensor 42 reads 3.14 bar, torque ok; line\tstation".split(" ")
+    text = " ".join(words[i % len(words)] + str(i % 89) for i in range(bound))[: bound - 10]
+    for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+                              ("/v1/completions", {"prompt": text}, "prompt")):
+        r = httpx.post(guarded.url + path, json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, r.text
+        read = int(re.search(r"first (\d+) characters", err["message"]).group(1))
+        assert read <= piece_chars(engine.max_seq_len) + 32 < len(text) // 2, err["message"]  # + the rest of a word
 
 
 def test_text_bound_is_safe_for_every_token():
@@ -352,3 +375,27 @@ def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle, ca
     code = run_app(_cli(), ["serve", str(tiny_bundle), *extra])  # as `lineside` runs it: ranges are usage errors
     err = capsys.readouterr().err.strip()
     assert code in (1, 2) and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_tokenizer_worker_is_niced_and_stops_early(tiny_bundle):
+    """The worker process runs below the server's priority, returns the tokenizer's own ids for a long prompt
+    that fits, and a PromptTooLong (not a traceback) for one that does not."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.bounded_encode import PromptTooLong
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.tokenize_pool import PooledTokenizer
+
+    inner = Tokenizer.from_bundle(open_bundle(tiny_bundle))
+    pooled = PooledTokenizer(inner, processes=1, inline_chars=100)
+    try:
+        pooled.warm()
+        assert pooled.processes == 1 and pooled.worker_priority >= os.getpriority(os.PRIO_PROCESS, 0) + 10
+        text = "torque ok at station 7; " * 40
+        assert pooled.encode(text, max_tokens=10**6) == inner.encode(text)
+        msgs = [{"role": "user", "content": text}]
+        assert pooled.encode_chat(msgs, max_tokens=10**6) == inner.encode_chat(msgs)
+        with pytest.raises(PromptTooLong) as e:
+            pooled.encode_chat(msgs, max_tokens=50)
+        assert e.value.limit == 50 and e.value.tokens > 50
+    finally:
+        pooled.close()

@@ -1,0 +1,144 @@
+"""Encode a text with an early stop at a token limit, so refusing a prompt longer than the context costs about
+the context's worth of tokenizing, not the whole prompt's (a 660k-character prompt took 5-9 s to refuse).
+
+A long text is counted in pieces cut just before a space or tab that follows a non-space character. For the
+pre-tokenizers the project's tokenizers use (GPT-2 byte-level, and ``Split`` regexes of the llama.cpp family:
+Llama 3, Qwen2, SmolLM, DeepSeek-V3) such a position is always a pre-token boundary: no alternative that
+matches a non-space character goes on into a following space or tab, a match may only *start* with one, and
+none looks behind. So each piece encodes to exactly the ids the whole text has there, and the running count
+is the true count of the text read so far: stopping once it passes the limit refuses only what cannot fit.
+Tokenizers outside that family (SentencePiece normalizers that prepend ``▁`` per call, Metaspace, other
+normalizers, added tokens that swallow spaces) are encoded whole instead; :func:`cuts_are_exact` decides,
+from the tokenizer's structure and a probe that compares piecewise with whole encodings. A text that fits is
+always encoded whole at the end, so the ids returned are the tokenizer's own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from lineside.errors import LinesideError
+
+log = logging.getLogger("lineside.runtime")
+
+# A cut: a space or tab whose previous character is not whitespace (Python's \s covers Unicode White_Space).
+_CUT = re.compile(r"(?<=\S)[ \t]")
+_PRE_TOKENIZERS = {"ByteLevel", "Split", "Sequence", "Digits", "Whitespace", "WhitespaceSplit", "Punctuation",
+                   "BertPreTokenizer"}
+_NORMALIZERS = {None, "NFC"}  # NFC never composes across a space; NFKC can turn a character into one
+_ANCHORS = ("(?<", "\\b", "\\B", "\\A", "\\z", "\\Z")  # a Split regex that looks behind or anchors can't be cut
+_PROBE_WORDS = ["Hello", "world", "it's", "don't", "x1", "42", "3.14", "12345", "a.b", "(ok)", "--", "::",
+                "\u00e9t\u00e9", "e\u0301", "\u4e2d\u6587", "\u3072\u3089", "\u041f\u0440\u0438", "\U0001f600",
+                "\u00a0", "\n", "\r\n", "\t", "  ", "   ", "\n\n", "'s", "'LL", ".\n", "!\n\n", "_x", "$5", "<|x|>"]
+
+
+class PromptTooLong(LinesideError):
+    """The text has more tokens than the limit: ``tokens`` were counted in its first ``chars_read`` characters."""
+
+    def __init__(self, tokens: int, chars_read: int, limit: int):
+        super().__init__(f"the prompt has more than {limit} tokens ({tokens} in its first {chars_read} characters)")
+        self.tokens, self.chars_read, self.limit = tokens, chars_read, limit
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses the tokenizer worker's process boundary
+        return PromptTooLong, (self.tokens, self.chars_read, self.limit)
+
+
+@dataclass
+class TokenBudget:
+    """The most tokens a prompt may have, and those counted so far (across a chat prompt's segments)."""
+
+    limit: int
+    used: int = 0
+    chars: int = field(default=0)
+
+    def take(self, tokens: int, chars: int) -> None:
+        self.used += tokens
+        self.chars += chars
+        if self.used > self.limit:
+            raise PromptTooLong(self.used, self.chars, self.limit)
+
+
+def piece_chars(limit: int) -> int:
+    """Characters per counted piece: a text up to this long is encoded whole at once (as cheap as counting)."""
+    return max(256, 2 * limit)
+
+
+def encode_within(tok: Any, text: str, budget: TokenBudget | None, *, exact_cuts: bool) -> list[int]:
+    """``tok.encode(text).ids`` (no special tokens added), or PromptTooLong as soon as the budget is exceeded;
+    ``exact_cuts`` (from :func:`cuts_are_exact`) allows counting in pieces first."""
+    if budget is None:
+        return tok.encode(text, add_special_tokens=False).ids
+    size = piece_chars(budget.limit)
+    if exact_cuts and len(text) > size:
+        counted = budget.used
+        start = 0
+        while start < len(text):
+            cut = _CUT.search(text, start + size)
+            end = cut.start() if cut else len(text)
+            n = len(tok.encode(text[start:end], add_special_tokens=False).ids)
+            if counted + n > budget.limit:
+                raise PromptTooLong(counted + n, budget.chars + end, budget.limit)
+            counted += n
+            start = end
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if counted - budget.used != len(ids):  # the probe missed a case: say so (the ids are still exact)
+            log.warning("counting this tokenizer's encodings in pieces gave %d tokens, the whole text %d; "
+                        "please report it (the early stop may refuse prompts that fit)", counted - budget.used,
+                        len(ids))
+    else:
+        ids = tok.encode(text, add_special_tokens=False).ids
+    budget.take(len(ids), len(text))
+    return ids
+
+
+def cuts_are_exact(tok: Any) -> bool:
+    """Whether counting ``tok``'s encodings in pieces (see the module doc) gives exactly the whole text's ids:
+    a pre-tokenizer and normalizer of the family argued for, no added token that a cut could split or that
+    strips the space after it, and a probe text encoded both ways."""
+    try:  # each component's own JSON: the whole tokenizer's (vocabulary and merges) costs ~0.1 s to write out
+        normalizer = None if tok.normalizer is None else json.loads(tok.normalizer.__getstate__()).get("type")
+        pre = None if tok.pre_tokenizer is None else json.loads(tok.pre_tokenizer.__getstate__())
+        added = list(tok.get_added_tokens_decoder().values())
+    except Exception:  # noqa: BLE001 - a tokenizer we cannot inspect is encoded whole
+        return False
+    if normalizer not in _NORMALIZERS or not pre or not _pre_tokenizer_ok(pre):
+        return False
+    if any(a.rstrip or _CUT.search(a.content) for a in added):
+        return False
+    return _probe(tok, [a.content for a in added[:16]])
+
+
+def _pre_tokenizer_ok(pre: dict[str, Any]) -> bool:
+    kind = pre.get("type")
+    if kind not in _PRE_TOKENIZERS:
+        return False
+    if kind == "Sequence":
+        return all(_pre_tokenizer_ok(p) for p in pre.get("pretokenizers") or [])
+    if kind == "Split":
+        pattern = pre.get("pattern") or {}
+        text = pattern.get("Regex", pattern.get("String", ""))
+        return isinstance(text, str) and not any(a in text for a in _ANCHORS)
+    return True
+
+
+def _probe(tok: Any, added: list[str]) -> bool:
+    """Texts mixing letters, digits, punctuation, scripts, whitespace and the tokenizer's added tokens, encoded
+    whole and cut at every cut: the same ids."""
+    vocabulary = _PROBE_WORDS + added
+    n = len(vocabulary)
+    seps = [" ", "  ", "\t", " \t", "", "\n ", " \n", "", "   "]
+    for stride in (1, 7, 11):
+        words = [vocabulary[(i * stride + i // n) % n] for i in range(2 * n)]
+        text = "".join(w + seps[i % len(seps)] for i, w in enumerate(words)) + " end"
+        whole = tok.encode(text, add_special_tokens=False).ids
+        cuts = [m.start() for m in _CUT.finditer(text)]
+        ids: list[int] = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            ids += tok.encode(text[a:b], add_special_tokens=False).ids
+        if ids != whole:
+            return False
+    return True
