@@ -56,10 +56,10 @@ class TokenBudget:
     chars: int = field(default=0)
 
     def take(self, tokens: int, chars: int) -> None:
+        """Count tokens already encoded (no refusal here: once the work is done the caller's exact count, with
+        its precise message, decides; the early stop is for work not yet done)."""
         self.used += tokens
         self.chars += chars
-        if self.used > self.limit:
-            raise PromptTooLong(self.used, self.chars, self.limit)
 
 
 def piece_chars(limit: int) -> int:
@@ -67,19 +67,49 @@ def piece_chars(limit: int) -> int:
     return max(256, 2 * limit)
 
 
-def encode_within(tok: Any, text: str, budget: TokenBudget | None, *, exact_cuts: bool) -> list[int]:
+@dataclass(frozen=True)
+class CountPlan:
+    """How one tokenizer's long texts may be counted: in pieces (``exact_cuts``), and, for a byte-level vocabulary,
+    ``token_bytes``: (byte length, byte set) of every token and added token, longest first, for the lower bound
+    on a long stretch without a cut (every token covers at most its own bytes, all of them in the stretch)."""
+
+    exact_cuts: bool
+    token_bytes: tuple[tuple[int, frozenset[int]], ...] | None = None
+    nfc: bool = False  # the tokenizer normalizes to NFC: the byte bound applies to ASCII stretches only
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any) -> CountPlan:
+        exact = cuts_are_exact(tok)
+        return cls(exact, byte_level_token_bytes(tok) if exact else None, nfc=tok.normalizer is not None)
+
+    def longest_token_within(self, stretch: str) -> int | None:
+        """The most bytes one token can cover in ``stretch`` (None: no bound known for this tokenizer/text)."""
+        if self.token_bytes is None or (self.nfc and not stretch.isascii()):
+            return None
+        present = frozenset(stretch.encode("utf-8")) | {0x20}  # ByteLevel's add_prefix_space may add one
+        return next((n for n, used in self.token_bytes if used <= present), 1)
+
+
+def encode_within(tok: Any, text: str, budget: TokenBudget | None, plan: CountPlan | None) -> list[int]:
     """``tok.encode(text).ids`` (no special tokens added), or PromptTooLong as soon as the budget is exceeded;
-    ``exact_cuts`` (from :func:`cuts_are_exact`) allows counting in pieces first."""
+    ``plan`` (:class:`CountPlan`) says whether the text may be counted in pieces first."""
     if budget is None:
         return tok.encode(text, add_special_tokens=False).ids
     size = piece_chars(budget.limit)
-    if exact_cuts and len(text) > size:
+    if plan is not None and plan.exact_cuts and len(text) > size:
         counted = budget.used
         start = 0
         while start < len(text):
             cut = _CUT.search(text, start + size)
             end = cut.start() if cut else len(text)
-            n = len(tok.encode(text[start:end], add_special_tokens=False).ids)
+            piece = text[start:end]
+            if len(piece) > 2 * size:  # a long stretch without a cut: slow to encode; bound it from below first
+                widest = plan.longest_token_within(piece)
+                if widest is not None:
+                    at_least = -(-len(piece.encode("utf-8")) // widest)
+                    if counted + at_least > budget.limit:
+                        raise PromptTooLong(counted + at_least, budget.chars + end, budget.limit)
+            n = len(tok.encode(piece, add_special_tokens=False).ids)
             if counted + n > budget.limit:
                 raise PromptTooLong(counted + n, budget.chars + end, budget.limit)
             counted += n
@@ -93,6 +123,38 @@ def encode_within(tok: Any, text: str, budget: TokenBudget | None, *, exact_cuts
         ids = tok.encode(text, add_special_tokens=False).ids
     budget.take(len(ids), len(text))
     return ids
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character each byte is written as in the vocabulary → the byte
+    (printable Latin-1 bytes stand for themselves, the other 68 are shifted to U+0100 and up)."""
+    direct = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    shifted = [b for b in range(256) if b not in direct]
+    table = {chr(b): b for b in direct}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+def byte_level_token_bytes(tok: Any) -> tuple[tuple[int, frozenset[int]], ...] | None:
+    """(byte length, byte set) of every vocabulary entry and added token, longest first; None unless the
+    vocabulary is byte-level (every entry spelled in GPT-2's byte alphabet) behind a ByteLevel pre-tokenizer."""
+    try:
+        pre = json.dumps(json.loads(tok.pre_tokenizer.__getstate__()))
+        vocab = tok.get_vocab(with_added_tokens=False)
+        added = [a.content for a in tok.get_added_tokens_decoder().values()]
+    except Exception:  # noqa: BLE001 - nothing to inspect: no bound
+        return None
+    if '"ByteLevel"' not in pre:
+        return None
+    table = _byte_decoder()
+    entries: dict[bytes, None] = {}
+    for text in vocab:
+        try:
+            entries[bytes(table[c] for c in text)] = None
+        except KeyError:  # a character outside the byte alphabet: not a byte-level vocabulary
+            return None
+    entries.update(dict.fromkeys(a.encode("utf-8") for a in added))
+    return tuple(sorted(((len(b), frozenset(b)) for b in entries if b), key=lambda e: -e[0]))
 
 
 def cuts_are_exact(tok: Any) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lineside.errors import BundleError, LinesideError
-from lineside.runtime.bounded_encode import TokenBudget, cuts_are_exact, encode_within
+from lineside.runtime.bounded_encode import CountPlan, TokenBudget, byte_level_token_bytes, encode_within
 
 log = logging.getLogger("lineside.runtime")
 
@@ -69,7 +69,7 @@ class Tokenizer:
         (its encode_special_tokens flag does not survive pickling) are rebuilt on first use."""
         state = {**self.__dict__, "_compiled": None}
         state.pop("_text_tok", None)
-        state.pop("_cuts_cache", None)  # keyed by object id: decided again in the process that gets the copy
+        state.pop("_plan_cache", None)  # keyed by object id: decided again in the process that gets the copy
         return state
 
     def _token_text(self, v: Any, tid: int | None) -> str | None:
@@ -84,7 +84,7 @@ class Tokenizer:
         """Token ids; BOS prepended when the model wants it (and the text doesn't already start with it).
         ``max_tokens``: raise PromptTooLong as soon as the text is known to have more (bounded_encode)."""
         budget = None if max_tokens is None else TokenBudget(max_tokens)
-        ids = encode_within(self._tok, text, budget, exact_cuts=self._exact_cuts(self._tok, budget))
+        ids = encode_within(self._tok, text, budget, plan=self._count_plan(self._tok, budget))
         add = self.add_bos if add_special is None else add_special
         if add and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
@@ -92,20 +92,27 @@ class Tokenizer:
                 budget.take(1, 0)
         return ids
 
-    def _exact_cuts(self, tok: Any, budget: TokenBudget | None) -> bool:
-        """Whether ``tok`` (this tokenizer or its text-only twin) may be counted in pieces; decided once each."""
+    def _count_plan(self, tok: Any, budget: TokenBudget | None) -> CountPlan | None:
+        """How ``tok`` (this tokenizer or its text-only twin) counts long texts (bounded_encode); decided once."""
         if budget is None:
-            return False
-        cache = self.__dict__.setdefault("_cuts_cache", {})
+            return None
+        cache = self.__dict__.setdefault("_plan_cache", {})
         if id(tok) not in cache:
-            cache[id(tok)] = cuts_are_exact(tok)
-            if not cache[id(tok)]:
+            cache[id(tok)] = CountPlan.for_tokenizer(tok)
+            if not cache[id(tok)].exact_cuts:
                 log.info("this tokenizer is not counted in pieces: a long prompt is tokenized whole before "
                          "its length is checked")
         return cache[id(tok)]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def max_token_bytes(self) -> int | None:
+        """The most bytes one token stands for, when the vocabulary is byte-level (else None: not known here)."""
+        if "_max_token_bytes" not in self.__dict__:
+            entries = byte_level_token_bytes(self._tok)
+            self._max_token_bytes = entries[0][0] if entries else None
+        return self._max_token_bytes
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
@@ -210,19 +217,19 @@ class Tokenizer:
 
     def _encode_marked(self, text: str, literals: list[str], budget: TokenBudget | None = None) -> list[int]:
         """Template text with its special tokens; each marker as its literal text with special tokens split."""
-        exact = self._exact_cuts(self._tok, budget)
+        plan = self._count_plan(self._tok, budget)
         if not literals:
-            return encode_within(self._tok, text, budget, exact_cuts=exact)
+            return encode_within(self._tok, text, budget, plan)
         ids: list[int] = []
         pos = 0
         for m in _MARKER.finditer(text):
-            ids += encode_within(self._tok, text[pos:m.start()], budget, exact_cuts=exact)
+            ids += encode_within(self._tok, text[pos:m.start()], budget, plan)
             literal = self.encode_as_text(literals[int(m.group(1))])
             if budget is not None:
                 budget.take(len(literal), len(m.group(0)))
             ids += literal
             pos = m.end()
-        return ids + encode_within(self._tok, text[pos:], budget, exact_cuts=exact)
+        return ids + encode_within(self._tok, text[pos:], budget, plan)
 
     def encode_as_text(self, text: str) -> list[int]:
         """Ids of ``text`` with special-token strings split into ordinary tokens (no BOS)."""

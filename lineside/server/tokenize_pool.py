@@ -20,7 +20,16 @@ from typing import Any
 log = logging.getLogger("lineside.server")
 
 INLINE_CHARS = 8192
+NICENESS_ENV = "LINESIDE_TOKENIZER_NICENESS"  # how far the worker lowers its priority (0: not at all)
 WORKER_NICENESS = 10
+
+
+def worker_niceness() -> int:
+    """The worker's nice increment: LINESIDE_TOKENIZER_NICENESS (0-19) or 10."""
+    try:
+        return min(max(int(os.environ.get(NICENESS_ENV, WORKER_NICENESS)), 0), 19)
+    except ValueError:
+        return WORKER_NICENESS
 _worker_tokenizer: Any = None
 
 
@@ -61,11 +70,11 @@ class PooledTokenizer:
     (decode, ids, the chat template) is the tokenizer's own."""
 
     def __init__(self, tokenizer: Any, processes: int = 1, inline_chars: int = INLINE_CHARS,
-                 niceness: int = WORKER_NICENESS):
+                 niceness: int | None = None):
         self._inner = tokenizer
         self.processes = processes
         self.inline_chars = inline_chars
-        self.niceness = niceness
+        self.niceness = worker_niceness() if niceness is None else niceness
         self.worker_priority: int | None = None  # the worker's nice value once warm (what `warm` measured)
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()

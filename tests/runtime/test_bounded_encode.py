@@ -16,6 +16,7 @@ import pytest
 from lineside.build.checkpoint import gguf_tokenizer as gt
 from lineside.runtime.bounded_encode import (
     _CUT,
+    CountPlan,
     PromptTooLong,
     TokenBudget,
     cuts_are_exact,
@@ -89,19 +90,24 @@ def test_pieces_are_the_whole_texts_ids(family_tokenizers, name):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_early_stop_refuses_only_what_cannot_fit(family_tokenizers, name):
     tok = family_tokenizers[name]
+    plan = CountPlan.for_tokenizer(tok)
     rng = random.Random(7)
-    text = _corpus(rng, 3 * piece_chars(1000))  # long enough to be counted in several pieces
-    whole = tok.encode(text, add_special_tokens=False).ids
-    for limit in (1000, len(whole) - 1, len(whole), len(whole) + 1):
-        if len(whole) > limit:
-            with pytest.raises(PromptTooLong) as e:
-                encode_within(tok, text, TokenBudget(limit), exact_cuts=True)
-            # the count is the true count of what was read: never more than the whole text has
-            assert limit < e.value.tokens <= len(whole) and e.value.chars_read <= len(text)
-            if limit == 1000:
-                assert e.value.chars_read < len(text) // 2  # stopped early
-        else:
-            assert encode_within(tok, text, TokenBudget(limit), exact_cuts=True) == whole
+    words = "the sensor reads torque ok pressure line station".split()
+    for text in (_corpus(rng, 3 * piece_chars(1000)),  # ~1-2 characters a token
+                 " ".join(rng.choice(words) + rng.choice(["", ",", "."]) for _ in range(3000))):  # ~4-6
+        whole = tok.encode(text, add_special_tokens=False).ids
+        for limit in (1000, len(whole) // 3, len(whole) - 1, len(whole), len(whole) + 1):
+            try:
+                ids = encode_within(tok, text, TokenBudget(limit), plan)
+            except PromptTooLong as e:  # a count that is true of what was read: never more than the whole has
+                assert limit < e.tokens <= len(whole) and e.chars_read <= len(text)
+                if limit < len(whole) // 2:
+                    assert e.chars_read < len(text) * 0.75  # stopped early
+            else:
+                assert ids == whole  # accepted: the tokenizer's own ids
+                assert limit >= len(whole) or len(text) <= piece_chars(limit)  # only what it had to encode whole
+        with pytest.raises(PromptTooLong):
+            encode_within(tok, text, TokenBudget(len(whole) // 3), plan)
 
 
 def test_tokenizers_outside_the_family_are_encoded_whole():
@@ -119,9 +125,9 @@ def test_tokenizers_outside_the_family_are_encoded_whole():
     # encoded whole, the limit still holds and the ids are the tokenizer's
     text = "word " * 3000
     whole = spm_like.encode(text, add_special_tokens=False).ids
-    assert encode_within(spm_like, text, TokenBudget(len(whole)), exact_cuts=False) == whole
-    with pytest.raises(PromptTooLong):
-        encode_within(spm_like, text, TokenBudget(len(whole) - 1), exact_cuts=False)
+    # encoded whole (no early stop possible), the ids are the tokenizer's; their exact count is the caller's to judge
+    budget = TokenBudget(len(whole) - 1)
+    assert encode_within(spm_like, text, budget, None) == whole and budget.used == len(whole)
 
 
 def test_python_whitespace_covers_unicode_white_space():
@@ -153,9 +159,49 @@ def test_chat_prompts_keep_their_ids_and_stop_early(tmp_path, family_tokenizers)
     whole = tok.encode_chat(msgs)
     assert tok.encode_chat(msgs, max_tokens=len(whole)) == whole
     assert tok.encode(content, max_tokens=10**6) == tok.encode(content)
-    with pytest.raises(PromptTooLong) as e:
-        tok.encode_chat(msgs, max_tokens=len(whole) - 1)
-    assert e.value.tokens <= len(whole)
+    try:  # just under: refused only if counting in pieces got that far, and then with a count that is true
+        assert tok.encode_chat(msgs, max_tokens=len(whole) - 1) == whole
+    except PromptTooLong as e:
+        assert len(whole) - 1 < e.tokens <= len(whole)
     with pytest.raises(PromptTooLong) as e:
         tok.encode_chat(msgs, max_tokens=500)
     assert e.value.chars_read < 5 * piece_chars(500)  # it read a few pieces, not the 40k characters
+
+
+@pytest.mark.parametrize("name", ["smollm", "llama3"])
+def test_a_stretch_without_cuts_is_bounded_from_below_soundly(family_tokenizers, name):
+    """A long run with no space to cut at (``abab...``) is refused from its bytes and the longest token its bytes
+    allow, without encoding it; the bound never exceeds the true count."""
+    tok = family_tokenizers[name]
+    plan = CountPlan.for_tokenizer(tok)
+    assert plan.token_bytes is not None
+    rng = random.Random(11)
+    for charset in ("ab", "a", "=", "xyz01", "sensor", "thequickbrownfox.,;", "\u4e2d\u6587e\u0301"):
+        run = "".join(rng.choice(charset) for _ in range(3000))
+        widest = plan.longest_token_within(run)
+        assert -(-len(run.encode()) // widest) <= len(tok.encode(run, add_special_tokens=False).ids), charset
+    calls = []
+
+    class Counting:
+        def encode(self, text, add_special_tokens=False):
+            calls.append(len(text))
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    run = "ab" * 20000
+    with pytest.raises(PromptTooLong) as e:
+        encode_within(Counting(), run, TokenBudget(500), plan)
+    assert calls == [] and e.value.tokens > 500  # refused from the bound alone
+    fits = "sensor" * 300  # a stretch longer than two pieces whose bound leaves room: encoded, exactly
+    whole = tok.encode(fits, add_special_tokens=False).ids
+    assert len(fits) > 2 * piece_chars(len(whole))
+    assert encode_within(Counting(), fits, TokenBudget(len(whole)), plan) == whole and calls
+
+
+def test_byte_alphabet_is_gpt2s():
+    from tokenizers import pre_tokenizers
+
+    from lineside.runtime.bounded_encode import _byte_decoder
+
+    table = _byte_decoder()
+    assert sorted(table.values()) == list(range(256)) and set(table) == set(pre_tokenizers.ByteLevel.alphabet())
+    assert table["\u0120"] == 0x20 and table["\u010a"] == 0x0A and table["A"] == 0x41

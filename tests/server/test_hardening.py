@@ -237,9 +237,7 @@ def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
         assert r.json()["error"]["param"] == param
     assert calls == []  # refused from the length alone
     r = httpx.post(guarded.url + "/v1/completions", json={"prompt": "x" * 300, "max_tokens": 2})
-    context = guarded.state.engine.max_seq_len
-    assert r.status_code == 400 and calls  # under the bound: tokenized, and refused by its count
-    assert f"more than {context - 1} tokens" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and "301 tokens" in r.json()["error"]["message"] and calls  # under it: tokenized
 
 
 def test_prompt_just_under_the_text_bound_is_refused_after_a_few_pieces(guarded):
