@@ -107,11 +107,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    def warm_count_plan(self) -> None:
+        """Build what counting a long prompt needs now (bounded_encode's plan and byte counts: about a second)."""
+        plan = self._count_plan(self._tok, TokenBudget(1))
+        if plan is not None:
+            plan.at_least("warm up")
+
     def max_token_bytes(self) -> int | None:
         """The most bytes one token stands for, when the vocabulary is byte-level (else None: not known here)."""
         if "_max_token_bytes" not in self.__dict__:
             entries = byte_level_token_bytes(self._tok)
-            self._max_token_bytes = entries[0][0] if entries else None
+            self._max_token_bytes = len(entries[0]) if entries else None
         return self._max_token_bytes
 
     def id_to_token(self, i: int) -> str | None:

@@ -136,8 +136,8 @@ class ServerState:
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)
-            if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
-                await asyncio.to_thread(self.tokenizer.warm)
+            # the worker's start-up (or, without one, the long-prompt counting plan) must not land on a request
+            await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
             self.ready_s = process_age_s()
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))

@@ -54,6 +54,7 @@ def _encode(text: str, add_special: bool | None, max_tokens: int | None = None) 
 def _warm() -> int:
     """Load what the first long prompt needs (the piecewise-count check, the chat template); the worker's nice."""
     _worker_tokenizer.encode("warm up", False, 1 << 20)
+    _worker_tokenizer.warm_count_plan()
     try:
         _worker_tokenizer.encode_chat([{"role": "user", "content": "warm up"}], max_tokens=1 << 20)
     except Exception:  # noqa: BLE001 - a template that refuses this chat says so on a real request, in one line
@@ -101,7 +102,13 @@ class PooledTokenizer:
         return self._run(_encode_chat, (messages, options), lambda: self._inner.encode_chat(messages, **options))
 
     def warm(self) -> None:
-        """Start the worker and load the tokenizer there now (a spawn and an import: about a second)."""
+        """Start the worker and load the tokenizer there now (a spawn and an import: about a second); without
+        workers, build what counting a long prompt needs here instead."""
+        if self.processes < 1:
+            warm_plan = getattr(self._inner, "warm_count_plan", None)
+            if warm_plan is not None:
+                warm_plan()
+            return
         if self.processes > 0:
             try:
                 self.worker_priority = self._ensure_pool().submit(_warm).result()
