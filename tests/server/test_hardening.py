@@ -461,7 +461,7 @@ def test_connections_per_client_and_in_all_are_capped(tiny_bundle):
         assert srv.app  # the counts above are per server: other servers' tests are untouched
 
 
-def test_uvicorn_internals_the_guard_relies_on():
+def test_uvicorn_internals_the_guard_relies_on(monkeypatch):
     """The guard overrides uvicorn's httptools protocol; if a uvicorn release renames what it uses, this fails
     with one line saying what and which versions to install (pyproject pins the tested range)."""
     import asyncio
@@ -472,6 +472,13 @@ def test_uvicorn_internals_the_guard_relies_on():
     from lineside.server.http_limits import check_uvicorn, protocol_class
 
     check_uvicorn(strict_version=True)  # the installed uvicorn is in the tested range and has every method
+    from pathlib import Path
+
+    from lineside.server.http_limits import UVICORN_TESTED
+
+    (lo_major, lo_minor), (hi_major, hi_minor) = UVICORN_TESTED
+    pin = f'"uvicorn>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"'
+    assert pin in (Path(__file__).parents[2] / "pyproject.toml").read_text(), f"pyproject must pin {pin}"
 
     async def app(scope, receive, send):  # pragma: no cover - never called: the head is only parsed
         pass
@@ -513,3 +520,7 @@ def test_uvicorn_internals_the_guard_relies_on():
         check_uvicorn(object())  # what a changed protocol looks like
     msg = str(e.value)
     assert "protocol.parser" in msg and "cycle.response_complete" in msg and "uvicorn>=" in msg and "\n" not in msg
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")  # a release past the tested range: the suite says so
+    with pytest.raises(LinesideError, match=r"uvicorn 0\.99\.0 .* outside the tested range\); install uvicorn>=0\.30,<0\.55"):
+        check_uvicorn(strict_version=True)
+    check_uvicorn()  # serve itself only warns
