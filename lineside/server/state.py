@@ -217,7 +217,7 @@ class ServerState:
         if self.slo is not None:
             await self.slo.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
         if self._tokenizer is not None:
-            self._tokenizer.close()
+            await asyncio.to_thread(self._tokenizer.close)
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

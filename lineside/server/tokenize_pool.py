@@ -137,7 +137,10 @@ class PooledTokenizer:
             return self._pool
 
     def close(self) -> None:
+        """Stop the worker, waiting for the encode it may be in (bounded: an early stop at the context). Not
+        waiting left the executor's wake-up pipe to Python's exit hook, which sometimes printed an EBADF
+        traceback as the server exited."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
