@@ -2,9 +2,11 @@
 encode (measured on SmolLM2's vocabulary: a 1.3 M-character prompt kept every other thread waiting up to
 8 s at a time in a thread), so in a thread a long prompt still stalls /health and every stream. Short texts
 stay inline (a process round trip costs more than they do). The pool is bounded (``processes`` workers);
-the server warms it up once the model is ready. The worker runs at a lower CPU priority (nice +10): on a
-machine with few cores its tokenizing must not take time from the engine's step loop and the event loop;
-with an early stop at the context (runtime/bounded_encode) it tokenizes at most about a context's worth."""
+the server warms it up once the model is ready. The worker runs at a lower CPU priority (nice +5): on a
+machine with few cores its tokenizing must not take time from the engine's step loop (measured with
+benchmarks/hostile_prompt.py: a worker busy for seconds delayed a concurrent chat by 0.6 s at nice 0, 0.1-0.2 s
+at nice 10), yet not starve behind other processes (at nice 10 on a machine at load 15 a 60 ms refusal took
+2.4 s, at nice 5 0.8 s). With an early stop at the context (runtime/bounded_encode) its work is small."""
 
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ log = logging.getLogger("lineside.server")
 
 INLINE_CHARS = 8192
 NICENESS_ENV = "LINESIDE_TOKENIZER_NICENESS"  # how far the worker lowers its priority (0: not at all)
-WORKER_NICENESS = 10
+WORKER_NICENESS = 5
 
 
 def worker_niceness() -> int:
-    """The worker's nice increment: LINESIDE_TOKENIZER_NICENESS (0-19) or 10."""
+    """The worker's nice increment: LINESIDE_TOKENIZER_NICENESS (0-19) or 5."""
     try:
         return min(max(int(os.environ.get(NICENESS_ENV, WORKER_NICENESS)), 0), 19)
     except ValueError:
