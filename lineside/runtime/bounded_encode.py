@@ -9,8 +9,10 @@ none looks behind. So each piece encodes to exactly the ids the whole text has t
 is the true count of the text read so far: stopping once it passes the limit refuses only what cannot fit.
 Tokenizers outside that family (SentencePiece normalizers that prepend ``▁`` per call, Metaspace, other
 normalizers, added tokens that swallow spaces) are encoded whole instead; :func:`cuts_are_exact` decides,
-from the tokenizer's structure and a probe that compares piecewise with whole encodings. A text that fits is
-always encoded whole at the end, so the ids returned are the tokenizer's own.
+from the tokenizer's structure and a probe that compares piecewise with whole encodings. A long stretch with
+no cut (``abab...``: one pre-token, slow to encode) is first bounded from below by its bytes (ByteCounts) and
+refused from that when it cannot fit. A text that fits is always encoded whole at the end, so the ids
+returned are the tokenizer's own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lineside.errors import LinesideError
@@ -53,7 +55,7 @@ class TokenBudget:
 
     limit: int
     used: int = 0
-    chars: int = field(default=0)
+    chars: int = 0
 
     def take(self, tokens: int, chars: int) -> None:
         """Count tokens already encoded (no refusal here: once the work is done the caller's exact count, with
