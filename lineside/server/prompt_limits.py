@@ -69,8 +69,8 @@ def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, *, param: st
 def too_long(e: PromptTooLong, *, param: str) -> APIError:
     """The 400 for a prompt found, while tokenizing, to have more tokens than the context leaves room for."""
     return APIError(400, f"'{param}' has more than {e.limit} tokens (its first {e.chars_read} characters already "
-                         f"make {e.tokens}), but the model's context is {e.limit + 1} tokens, which leaves no room "
-                         "to generate; shorten it", "context_length_exceeded", param=param)
+                         f"make at least {e.tokens}), but the model's context is {e.limit + 1} tokens, which leaves "
+                         "no room to generate; shorten it", "context_length_exceeded", param=param)
 
 
 def chat_texts(body: Any) -> list[str]:

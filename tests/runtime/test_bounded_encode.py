@@ -97,17 +97,44 @@ def test_early_stop_refuses_only_what_cannot_fit(family_tokenizers, name):
                  " ".join(rng.choice(words) + rng.choice(["", ",", "."]) for _ in range(3000))):  # ~4-6
         whole = tok.encode(text, add_special_tokens=False).ids
         for limit in (1000, len(whole) // 3, len(whole) - 1, len(whole), len(whole) + 1):
+            counting = _Counting(tok)
             try:
-                ids = encode_within(tok, text, TokenBudget(limit), plan)
+                ids = encode_within(counting, text, TokenBudget(limit), plan)
             except PromptTooLong as e:  # a count that is true of what was read: never more than the whole has
                 assert limit < e.tokens <= len(whole) and e.chars_read <= len(text)
                 if limit < len(whole) // 2:
-                    assert e.chars_read < len(text) * 0.75  # stopped early
+                    assert sum(counting.calls) < len(text) * 0.75  # stopped early: most of it never encoded
             else:
                 assert ids == whole  # accepted: the tokenizer's own ids
                 assert limit >= len(whole) or len(text) <= piece_chars(limit)  # only what it had to encode whole
         with pytest.raises(PromptTooLong):
             encode_within(tok, text, TokenBudget(len(whole) // 3), plan)
+
+
+class _Counting:
+    """A tokenizer that records how many characters each encode call was given."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, add_special_tokens=False):
+        self.calls.append(len(text))
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_a_long_text_is_refused_from_its_bytes_alone(family_tokenizers):
+    """Far longer than the limit: the byte bound refuses it without one encode call, with a true lower bound."""
+    tok = family_tokenizers["smollm"]
+    plan = CountPlan.for_tokenizer(tok)
+    words = "the sensor reads torque ok pressure line station".split()
+    text = " ".join(words[i % len(words)] for i in range(20000))
+    counting = _Counting(tok)
+    with pytest.raises(PromptTooLong) as e:
+        encode_within(counting, text, TokenBudget(1000), plan)
+    assert counting.calls == [] and 1000 < e.value.tokens <= len(tok.encode(text, add_special_tokens=False).ids)
 
 
 def test_tokenizers_outside_the_family_are_encoded_whole():
@@ -163,9 +190,12 @@ def test_chat_prompts_keep_their_ids_and_stop_early(tmp_path, family_tokenizers)
         assert tok.encode_chat(msgs, max_tokens=len(whole) - 1) == whole
     except PromptTooLong as e:
         assert len(whole) - 1 < e.tokens <= len(whole)
+    counting = _Counting(hf)
+    tok._tok = counting  # what the chat path hands the tokenizers library
     with pytest.raises(PromptTooLong) as e:
         tok.encode_chat(msgs, max_tokens=500)
-    assert e.value.chars_read < 5 * piece_chars(500)  # it read a few pieces, not the 40k characters
+    assert 500 < e.value.tokens <= len(whole)
+    assert sum(counting.calls) < 5 * piece_chars(500)  # a few pieces at most, not the 40k characters
 
 
 @pytest.mark.parametrize("name", ["smollm", "llama3"])
@@ -180,21 +210,16 @@ def test_a_stretch_without_cuts_is_bounded_from_below_soundly(family_tokenizers,
         for run in ("".join(rng.choice(charset) for _ in range(3000)), charset * 500, "x\n" + " " * 40 + charset * 500):
             true = len(tok.encode(run, add_special_tokens=False).ids)
             assert 0 < plan.at_least(run) <= true, (charset, plan.at_least(run), true)
-    calls = []
-
-    class Counting:
-        def encode(self, text, add_special_tokens=False):
-            calls.append(len(text))
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-
+    counting = _Counting(tok)
     run = "ab" * 20000
     with pytest.raises(PromptTooLong) as e:
-        encode_within(Counting(), run, TokenBudget(500), plan)
-    assert calls == [] and e.value.tokens > 500  # refused from the bound alone
+        encode_within(counting, run, TokenBudget(500), plan)
+    assert counting.calls == [] and e.value.tokens > 500  # refused from the bound alone
+    calls = counting.calls
     fits = "sensor" * 300  # a stretch longer than two pieces whose bound leaves room: encoded, exactly
     whole = tok.encode(fits, add_special_tokens=False).ids
     assert len(fits) > 2 * piece_chars(len(whole))
-    assert encode_within(Counting(), fits, TokenBudget(len(whole)), plan) == whole and calls
+    assert encode_within(counting, fits, TokenBudget(len(whole)), plan) == whole and calls
 
 
 def test_byte_alphabet_is_gpt2s():
