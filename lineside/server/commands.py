@@ -39,6 +39,11 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    max_connections_per_client: Annotated[int, checks.number_option(
+        low=0, high=1_000_000, help="open connections one client address may hold (beyond: 429, closed; 0: no "
+                                     "limit, e.g. behind a gateway that is one address)")] = 128,
+    max_connections: Annotated[int, checks.number_option(
+        low=1, high=1_000_000, help="open connections in all (beyond: 503, closed)")] = 1024,
     tokenizer_processes: Annotated[int, checks.number_option(
         low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, checks.number_option(
@@ -136,7 +141,8 @@ def serve(
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                            keep_alive_timeout=keep_alive_timeout)
+                            keep_alive_timeout=keep_alive_timeout,
+                            max_connections_per_client=max_connections_per_client, max_connections=max_connections)
     except BaseException:
         sock.close()
         raise

@@ -30,7 +30,7 @@ from lineside.runtime.sessions import (
 )
 from lineside.server import prompt_limits, request_mapping, tool_calls
 from lineside.server.errors import APIError
-from lineside.server.openai_api import _check_model, _offload, _vocab_size
+from lineside.server.openai_api import _check_model, _offload, _prompt_limit, _vocab_size
 from lineside.server.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from lineside.server.state import ServerState
 
@@ -89,8 +89,10 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
         messages, listed = tool_calls.template_messages(messages, tools, tok.chat_template, tool_choice)
         size = sum(len(m["content"] or "") for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
-        stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed))
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                     max_tokens=_prompt_limit(state)), param="messages")
+        stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed),
+                                param="messages")
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
@@ -99,11 +101,13 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
     for text in prompt_limits.prompt_texts(body):
         prompt_limits.check_texts([text], tok, context, param="prompt")
     ids = (await _offload(len(body.prompt) if isinstance(body.prompt, str) else 0,
-                          request_mapping.completion_prompts, body, state.tokenizer, _vocab_size(state)))[0]
+                          functools.partial(request_mapping.completion_prompts, body, state.tokenizer,
+                                            _vocab_size(state), max_tokens=_prompt_limit(state)),
+                          param="prompt"))[0]
     if not isinstance(body.prompt, str):
         return ids, len(ids)  # token ids do not re-tokenize
     text = request_mapping.clean_text(body.prompt, "prompt")
-    stable = await _offload(len(text), state.tokenizer.stable_text_ids, text)
+    stable = await _offload(len(text), functools.partial(state.tokenizer.stable_text_ids, text), param="prompt")
     return ids, _agreeing(ids, stable)
 
 
