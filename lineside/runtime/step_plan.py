@@ -1,7 +1,8 @@
 """What one engine step is: slot ops, the decode batch, at most one prefill chunk — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
-reads it back to apply the outcome; the plan itself changes nothing.
+reads it back to apply the outcome; the plan itself changes nothing. (The one thing the step runner
+writes into it: a model proposer's drafts, made in the worker thread.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ class StepPlan:
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_last: bool = False  # this chunk completes the fill
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
+    # A model proposer's rows: how many tokens each may propose. The step runner runs the proposer and
+    # fills ``drafts`` (and ``draft_probs``) before the decode batch is made; postprocess reads them back.
+    draft_budget: dict[Sequence, int] = field(default_factory=dict)
+    draft_probs: dict[Sequence, list[np.ndarray]] = field(default_factory=dict)  # q of sampled drafts
 
     @property
     def empty(self) -> bool:
