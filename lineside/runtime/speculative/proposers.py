@@ -4,14 +4,12 @@ Each mismatch (another tokenizer, no draft graph, no MTP module) is one line."""
 
 from __future__ import annotations
 
-from lineside.bundle import Bundle, open_bundle
+from lineside.bundle import DRAFT_GRAPHS, Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend
 from lineside.runtime.speculative.config import ModelProposer, Proposer, SpecMethod, SpeculativeConfig
 from lineside.runtime.speculative.draft_model import DraftModelProposer
-
-DRAFT_GRAPHS = "draft_graphs"  # FlavorEntry.extra key: {"N": {"graph", "state", "weight_fraction"}}
 
 
 def check_speculation(backend: Backend, spec: SpeculativeConfig | None) -> None:
@@ -27,13 +25,33 @@ def check_speculation(backend: Backend, spec: SpeculativeConfig | None) -> None:
                             "and this backend cannot rewind them; use --backend onnxruntime")
 
 
+def check_proposer(spec: SpeculativeConfig | None, bundle: Bundle) -> Bundle | None:
+    """What can be checked before a model loads (serve/generate/bench run it first): the MTP module, the
+    layerskip draft graph, the draft bundle and its tokenizer. Returns the opened draft bundle, if any."""
+    if spec is None or spec.method == SpecMethod.NGRAM:
+        return None
+    if spec.method == SpecMethod.MTP:
+        raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module — lineside's builder does not "
+                            "emit DeepSeek-V4's mtp.* layers in this version; use --speculative ngram or layerskip:N")
+    if spec.method == SpecMethod.LAYERSKIP:
+        built = sorted({int(n) for f in bundle.flavors.values() for n in f.extra.get(DRAFT_GRAPHS) or {}})
+        if spec.draft_layers not in built:
+            have = ", ".join(f"layerskip:{n}" for n in built) or "none"
+            raise LinesideError(f"--speculative {spec.label}: {bundle.path.name} has no {spec.draft_layers}-layer draft "
+                                f"graph (built: {have}); rebuild it with `lineside build ... --draft-layers "
+                                f"{spec.draft_layers}`")
+        return None
+    assert spec.draft_bundle is not None
+    draft = open_bundle(spec.draft_bundle)
+    check_same_tokenizer(bundle, draft)
+    return draft
+
+
 def make_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, *,
                   threads: int | None = None) -> Proposer | ModelProposer:
     if spec.method == SpecMethod.NGRAM:
         return spec.proposer()
-    if spec.method == SpecMethod.MTP:
-        raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module — lineside's builder does not "
-                            "emit DeepSeek-V4's mtp.* layers in this version; use --speculative ngram or layerskip:N")
+    draft = check_proposer(spec, bundle)
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     if spec.method == SpecMethod.LAYERSKIP:
@@ -44,16 +62,13 @@ def make_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, *,
         drafts = flavor.extra.get(DRAFT_GRAPHS) or {}
         entry = drafts.get(str(spec.draft_layers))
         if entry is None:
-            have = ", ".join(f"layerskip:{n}" for n in sorted(drafts, key=int)) or "none"
             raise LinesideError(f"--speculative {spec.label}: {bundle.path.name} has no {spec.draft_layers}-layer draft "
-                                f"graph for its {backend.flavor} flavor (built: {have}); rebuild with "
-                                f"`lineside build ... --draft-layers {spec.draft_layers}`")
+                                f"graph for its {backend.flavor} flavor; rebuild with `lineside build ... --flavors "
+                                f"{backend.flavor} --draft-layers {spec.draft_layers}`")
         draft_be = OnnxRuntimeBackend.draft_of(backend, bundle, entry, threads=threads)
         return DraftModelProposer(draft_be, backend.vocab_size, shares_target_kv=True,
                                   cost=_cost(spec, float(entry.get("weight_fraction", 1.0))))
-    assert spec.draft_bundle is not None
-    draft = open_bundle(spec.draft_bundle)
-    check_same_tokenizer(bundle, draft)
+    assert draft is not None
     draft_be = OnnxRuntimeBackend(draft, num_slots=backend.num_slots, threads=threads,
                                   max_seq_len=min(draft.max_seq_len, backend.max_seq_len))
     if any(st.update == "replace" for st in draft_be.states):
