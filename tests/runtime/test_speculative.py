@@ -297,7 +297,7 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_bundle):
     assert [o[1] for o in a] == [o[1] for o in b] and st.spec_draft_tokens_total > 0
 
 
-def test_whole_state_models_refuse_speculation_in_one_line(tiny_bundle):
+def test_whole_state_backend_that_cannot_rewind_refuses_speculation_in_one_line(tiny_bundle):
     from lineside.graph_io import StateUpdate
 
     class Replace:
