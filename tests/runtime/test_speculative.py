@@ -170,6 +170,20 @@ def test_draft_length_drops_to_zero_below_the_verify_cost_and_comes_back():
     for _ in range(30):
         mixed.observe(4, 1)  # one kept then a rejection: a = 0.5, E(4) = 1.94 < 2
     assert mixed.k == 0
+    costly = DraftLength(4, verify_cost=1.2, draft_cost=0.3)  # a model proposer: no shadow guesses at k = 0
+    assert costly.k > 0
+    while costly.k:
+        costly.observe(costly.budget(cheap=False), 0)
+    probes = []
+    for step in range(300):
+        if costly.budget(cheap=False):
+            probes.append(step)
+            costly.observe(1, 0)  # every probe fails: the interval doubles 16, 32, 64, 128, ...
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)][:3] == [32, 64, 128]
+    for _ in range(8):
+        k = costly.budget(cheap=False)
+        costly.observe(max(k, 1), max(k, 1))  # the text starts to match: back to speculating
+    assert costly.k == 4
     free = DraftLength(4)  # a verification that costs no more than a decode step always speculates
     for _ in range(30):
         free.observe(4, 0)

@@ -7,7 +7,8 @@ drafts then yields E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs ``verify_cost
 decode steps (the backend's verification cost; a draft model's cost per proposed token, 0 for prompt
 lookup). At k = 0 the scheduler keeps checking a cheap proposer's 1-token guess against the sampled token,
 so the estimate — and k — can come back; a model proposer instead gets a 1-token probe every
-``probe_every`` steps.
+``probe_every`` steps, the interval doubling (up to ``probe_max``) after each failed probe, so a draft that
+never agrees (an untrained layerskip cut) costs almost nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from __future__ import annotations
 
 class DraftLength:
     def __init__(self, max_k: int, *, verify_cost: float = 1.0, decay: float = 0.8, draft_cost: float = 0.0,
-                 probe_every: int = 16):
+                 probe_every: int = 16, probe_max: int = 256):
         """``verify_cost``: a verification step's time in 1-token decode steps (the backend's; 1.0: free)."""
         self.max_k, self.k = max_k, max_k
         self.verify_cost, self.decay, self.draft_cost = verify_cost, decay, draft_cost
-        self.probe_every, self._idle = probe_every, 0
+        self.probe_every, self.probe_max, self._interval, self._idle = probe_every, probe_max, probe_every, 0
         self.kept, self.rejected = 3.0, 1.0  # optimistic start (a = 0.75): speculate until the text says no
         self._choose()
 
@@ -42,7 +43,7 @@ class DraftLength:
         if self.k or cheap or self.probe_every <= 0:
             return self.k
         self._idle += 1
-        if self._idle >= self.probe_every:
+        if self._idle >= self._interval:
             self._idle = 0
             return 1
         return 0
@@ -51,6 +52,8 @@ class DraftLength:
         """``accepted`` of ``drafted`` proposed tokens were kept (a shadow check at k = 0 passes 1 and 0/1)."""
         if drafted <= 0:
             return
+        if self.k == 0:  # a probe (or a shadow guess): back off while it keeps failing
+            self._interval = self.probe_every if accepted else min(2 * self._interval, self.probe_max)
         self.kept = self.decay * self.kept + accepted
         self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
         self._choose()
