@@ -31,8 +31,12 @@ def check_proposer(spec: SpeculativeConfig | None, bundle: Bundle) -> Bundle | N
     if spec is None or spec.method == SpecMethod.NGRAM:
         return None
     if spec.method == SpecMethod.MTP:
+        if bundle.architecture != "DeepseekV4ForCausalLM":
+            raise LinesideError(f"--speculative mtp: {bundle.path.name} ({bundle.architecture}) has no MTP module "
+                                "(multi-token prediction: only DeepSeek-V4 checkpoints carry one); use --speculative "
+                                "ngram, layerskip:N or draft:BUNDLE")
         raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module — lineside's builder does not "
-                            "emit DeepSeek-V4's mtp.* layers in this version; use --speculative ngram or layerskip:N")
+                            "read DeepSeek-V4's mtp.* tensors in this version; use --speculative ngram")
     if spec.method == SpecMethod.LAYERSKIP:
         built = sorted({int(n) for f in bundle.flavors.values() for n in f.extra.get(DRAFT_GRAPHS) or {}})
         if spec.draft_layers not in built:
