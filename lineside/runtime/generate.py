@@ -67,6 +67,7 @@ class Generator:
         self.speculative = speculative
         self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
         self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
+        self._proposer: tuple[SpeculativeConfig, Proposer | ModelProposer] | None = None
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
@@ -103,13 +104,12 @@ class Generator:
                    stop_at_eos: bool) -> Iterator[int]:
         """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
         assert self.speculative is not None
-        check_speculation(self.backend, self.speculative)
-        proposer = make_proposer(self.speculative, self.bundle, self.backend)
-        try:
-            yield from self._verify_loop(proposer, sampler, logits, history, max_tokens, stop_at_eos)
-        finally:
-            if hasattr(proposer, "close"):
-                proposer.close()
+        if self._proposer is None or self._proposer[0] != self.speculative:  # a draft model loads once
+            check_speculation(self.backend, self.speculative)
+            if self._proposer is not None and hasattr(self._proposer[1], "close"):
+                self._proposer[1].close()
+            self._proposer = (self.speculative, make_proposer(self.speculative, self.bundle, self.backend))
+        yield from self._verify_loop(self._proposer[1], sampler, logits, history, max_tokens, stop_at_eos)
 
     def _verify_loop(self, proposer: Proposer | ModelProposer, sampler: Sampler, logits: np.ndarray,
                      history: list[int], max_tokens: int, stop_at_eos: bool) -> Iterator[int]:
