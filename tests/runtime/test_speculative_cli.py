@@ -52,9 +52,9 @@ def test_server_speculative_false_and_metrics(tiny_bundle):
     assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "bench"])
-@pytest.mark.parametrize(("method", "words"), [("layerskip:3", ["no 3-layer draft graph", "--draft-layers 3"]),
-                                               ("mtp", ["no MTP module"])])
+@pytest.mark.parametrize(("command", "method", "words"), [
+    *((c, "layerskip:3", ["no 3-layer draft graph", "--draft-layers 3"]) for c in ("serve", "generate", "bench")),
+    ("generate", "mtp", ["no MTP module"])])
 def test_model_proposers_missing_from_the_bundle_are_one_line(tiny_bundle, command, method, words):
     extra = {"serve": [str(tiny_bundle)], "generate": [str(tiny_bundle), "--prompt", "hi"],
              "bench": ["--bundle", str(tiny_bundle)]}[command]
