@@ -95,3 +95,31 @@ def test_draft_with_another_tokenizer_is_one_line(target, dense_checkpoint, tmp_
         with pytest.raises(LinesideError, match=words) as e:
             make_proposer(spec, open_bundle(target), be)
         assert "\n" not in str(e.value)
+
+
+def test_qwen2_draft_and_seeded_sampling(tiny_bundles):
+    """Qwen2 drafting for itself keeps every greedy token plain decoding gives; with sampling, a seeded request
+    repeats exactly with a draft model's proposals (q drawn and verified on the request's own generator)."""
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.request import GenerationRequest
+
+    qwen = tiny_bundles(variant="qwen2-bias-tied", quant="w4a16", accuracy_level=0, group_size=32, max_seq_len=128,
+                        flavors=("cpu",), draft_layers=(1,))
+    prompts, n = tiny_prompts(2), 12
+    g = Generator(qwen, threads=2)
+    want = [list(g.stream(p, n)) for p in prompts]
+    got, st = run(engine_outputs(qwen, prompts, n, spec=draft_cfg(qwen)))
+    assert got == want and st.spec_accepted_tokens_total == st.spec_draft_tokens_total > 0
+
+    async def sampled(bundle, draft):
+        eng = LLMEngine(bundle, backend="onnxruntime", threads=2, num_slots=2, speculative=draft_cfg(draft))
+        await eng.start()
+        req = GenerationRequest(prompts[0], max_tokens=n, sampling=SamplingParams(temperature=0.8, seed=5))
+        out = await eng.submit(req).result()
+        st = eng.stats()
+        await eng.stop()
+        return out[1], st
+
+    a, st = run(sampled(qwen, qwen))
+    b, _ = run(sampled(qwen, qwen))
+    assert a == b and st.spec_draft_tokens_total > 0
