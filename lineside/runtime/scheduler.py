@@ -26,7 +26,8 @@ tokens of `Generator`.
 Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's draft length
 (speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
 context leave room for, none while replaying — and the step scores them with the pending token in one
-multi-token forward. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
+multi-token forward. A model proposer (a draft bundle, layerskip) only gets each row's budget here; it runs
+in the step, in the worker thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
 the positions written for rejected drafts lie past it and are overwritten by the next step. Kept drafts
 and the sampled token then go through ``on_token`` one by one, so stop tokens, stop strings and
 max_tokens drop whatever follows them. (With accuracy level 4 a multi-token step's logits differ in
