@@ -81,6 +81,10 @@ def test_serving_engine_with_drafts_equals_plain_on_tensorrt(engine_bundle):
                                            timeout=60))
     assert got == plain
     assert 0 < st.spec_accepted_tokens_total < st.spec_draft_tokens_total
+    # a draft model on onnxruntime proposing for the TensorRT target (its rows sit in any slots)
+    draft = SpeculativeConfig(SpecMethod.DRAFT, 3, draft_bundle=b.path, draft_cost=0.0)
+    got, st = asyncio.run(asyncio.wait_for(serve(draft), timeout=60))
+    assert got == plain and st.spec_draft_tokens_total > 0
 
 
 def test_verification_steps_are_captured_per_batch_bucket_and_width(engine_bundle):
