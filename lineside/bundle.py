@@ -20,6 +20,9 @@ from lineside.errors import BundleError
 from lineside.graph_io import StateTensor
 
 FORMAT_VERSION = 1
+# FlavorEntry.extra key of the layerskip draft graphs (`build --draft-layers N`):
+# {"N": {"graph": bundle-relative path, "inputs": [...], "state": [...], "weight_fraction": float}}
+DRAFT_GRAPHS = "draft_graphs"
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 

@@ -74,7 +74,7 @@ def bench(
     threads: int = num(None, low=1, high=checks.MAX_THREADS,
                        help="--bundle only: CPU threads for the in-process runtime."),
     num_slots: int = num(None, low=1, help="--bundle only: concurrent sequences of the in-process engine."),
-    speculative: str = typer.Option(None, help="--bundle only: speculative decoding method (ngram)."),
+    speculative: str = typer.Option(None, help="--bundle only: speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp."),
     spec_tokens: int = num(None, low=1, high=16, help="--bundle only: most tokens proposed per step (default 4)."),
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory "
                                         "(its parent must exist)."),
@@ -120,6 +120,11 @@ def bench(
     if spec is not None and bundle is None:
         raise LinesideError("--speculative configures the in-process server: use it with --bundle (for --url, "
                             "start the server with `lineside serve --speculative ...`)")
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
     from lineside.bench.client import ClientConfig
     from lineside.bench.inprocess import ready_after_s
     from lineside.bench.load import make_schedule

@@ -19,7 +19,7 @@ from lineside.build.models import model_family
 from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
-from lineside.bundle import FlavorEntry, Manifest, read_manifest, write_manifest
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry, Manifest, read_manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
 
@@ -45,6 +45,7 @@ class BuildOptions:
     accuracy_level: int = 4
     lm_head_bits: int = 8
     kv_dtype: str = "fp16"
+    draft_layers: tuple[int, ...] = ()  # layerskip draft graphs: the first N layers + final norm + LM head
     force: bool = False
 
     def validate(self) -> None:
@@ -68,6 +69,8 @@ class BuildOptions:
         check_kv_flavors(parse_kv_dtype(self.kv_dtype), self.flavors)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise LinesideError("--max-seq-len must be at least 2")
+        if any(n < 1 for n in self.draft_layers):
+            raise LinesideError(f"--draft-layers {min(self.draft_layers)}: a draft needs at least 1 layer")
         if self.calib is not None and not Path(self.calib).is_file():
             raise LinesideError(f"--calib {self.calib}: file not found")
 
@@ -94,6 +97,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = model_family(cfg.architecture)
         family.check_config(cfg, opts.flavors)
+        _check_draft_layers(opts.draft_layers, cfg, family)
         # Families with their own naming (V4: official or HF) return the source their graphs read.
         source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
@@ -148,8 +152,11 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
             getter = (lambda g: (lambda n: gplan.transform(n, g)))(getter)
         rel = f"graphs/{flavor}/model.onnx"
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
+        draft_kw = {"draft_layers": opts.draft_layers} if opts.draft_layers else {}
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
-                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None)
+                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **draft_kw)
+        for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file
+            draft["graph"] = f"graphs/{flavor}/{draft['graph']}"
         flavors[flavor] = replace(entry, graph=rel)
     tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
@@ -167,6 +174,18 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         build_seconds=round(time.time() - t0, 2),
     )
     write_manifest(tmp, manifest)
+
+
+def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: ModelFamily) -> None:
+    if not layers:
+        return
+    if not getattr(family, "draft_graphs", False):
+        raise LinesideError(f"--draft-layers: {cfg.architecture} gets no layerskip draft graph in this version "
+                            "(Llama and Qwen2 do); leave --draft-layers out")
+    bad = [n for n in layers if not 1 <= n < cfg.num_layers]
+    if bad:
+        raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "
+                            f"{cfg.num_layers} layers")
 
 
 def _check_context(max_seq: int, cfg: ModelConfig) -> None:

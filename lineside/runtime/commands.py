@@ -69,7 +69,8 @@ def generate(
                                                         help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
-    speculative: Annotated[str | None, typer.Option(help="speculative decoding: ngram (prompt lookup)")] = None,
+    speculative: Annotated[str | None, typer.Option(
+        help="speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
                                                            help="most tokens proposed per step (default 4)")] = None,
 ) -> None:
@@ -79,6 +80,11 @@ def generate(
     from lineside.runtime.speculative.config import parse_speculative
 
     spec = parse_speculative(speculative, spec_tokens)
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
     gen = _generator(bundle, backend, threads)
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -93,7 +99,7 @@ def generate(
     sys.stdout.write(detok.flush() + "\n")
     if spec is not None and gen.steps:
         n = gen.accepted + gen.steps  # each decode step adds its kept drafts and one sampled token
-        print(f"speculative {spec.method}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
+        print(f"speculative {spec.label}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
               f"{n / gen.steps:.2f} tokens per step", file=sys.stderr)
 
 

@@ -39,6 +39,7 @@ from lineside.runtime.scheduler import ACCEPTANCE_BUCKETS, Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
 from lineside.runtime.sessions import SessionInfo, SessionStore, SessionsUnsupported, check_session_id
 from lineside.runtime.speculative.config import SpeculativeConfig
+from lineside.runtime.speculative.proposers import check_speculation, make_proposer
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import GrammarCompiler
@@ -111,17 +112,17 @@ class LLMEngine:
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
         self.clock = clock
-        # Whole-state tensors would advance past the accepted length on a verification step (not handled yet).
         self.speculative = speculative
-        if speculative is not None and any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
-            raise LinesideError(f"--speculative {speculative.method} is not supported for this model yet: its decode "
-                               "state has whole-state tensors that a rejected draft would advance")
+        check_speculation(self.backend, speculative)
+        proposer = None if speculative is None else make_proposer(speculative, self.bundle, self.backend,
+                                                                  threads=threads)
+        self._model_proposer = proposer if hasattr(proposer, "propose_rows") else None
         # A session is a prefix of a slot's state kept for a later prompt: whole-state tensors cannot be kept so.
         self.whole_state = any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         sessions = None if self.whole_state or max_sessions == 0 else SessionStore(session_ttl, max_sessions)
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
                                    contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,
-                                   proposer=None if speculative is None else speculative.proposer(),
+                                   proposer=proposer,
                                    spec_tokens=0 if speculative is None else speculative.num_tokens,
                                    spec_max_rows=_spec_max_rows(self.backend, speculative),
                                    verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
@@ -187,6 +188,8 @@ class LLMEngine:
             if not self._closed:
                 self._closed = True
                 self.backend.close()
+                if self._model_proposer is not None:
+                    self._model_proposer.close()
         self._stepper.shutdown(wait=False)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -378,7 +381,7 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> StepOutcome:
         """Worker thread: the step's backend calls and sampling (never beside ``close``)."""
         with self._step_lock:
-            return run_step(self.backend, plan)
+            return run_step(self.backend, plan, self._model_proposer)
 
     def _warmup(self) -> None:
         """One prefill and one decode step on slot 0, then forget it."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lineside.bundle import Bundle
+from lineside.bundle import Bundle, FlavorEntry
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.runtime.backend import StepBatch
@@ -37,12 +37,16 @@ class OnnxRuntimeBackend:
     needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
-                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None):
+                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None,
+                 entry: FlavorEntry | None = None, shared: dict[str, np.ndarray] | None = None):
+        """``entry``: another graph of the bundle than the flavor's own (a layerskip draft graph); ``shared``:
+        state arrays, by input name, to use instead of allocating them (the target's KV for the draft's layers)."""
         import onnxruntime as ort
 
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
-        entry = bundle.flavor(flavor)
+        entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
+        self.accuracy_level = accuracy_level
         self.num_slots = int(num_slots)
         self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
         self.vocab_size = bundle.config.vocab_size
@@ -79,9 +83,14 @@ class OnnxRuntimeBackend:
             raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
                                 "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
-        self.arena: dict[str, np.ndarray] = {
-            s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
-        }
+        self.arena: dict[str, np.ndarray] = {}
+        for st in self.states:
+            shape, dtype = resolve_shape(st.shape, dims), _NP[st.dtype]
+            have = (shared or {}).get(st.input)
+            if have is not None and (have.shape != shape or have.dtype != dtype):
+                raise LinesideError(f"state {st.input} of {entry.graph} is {shape} {np.dtype(dtype)}, the graph it "
+                                    f"shares it with holds {have.shape} {have.dtype}; rebuild the bundle")
+            self.arena[st.input] = have if have is not None else np.zeros(shape, dtype=dtype)
         self.uses_gqa = "seqlens_k" in self.input_names
         # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
@@ -92,8 +101,20 @@ class OnnxRuntimeBackend:
         # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
         # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
         # above that, so a sequence speculates only where it clearly wins (open chat at 0.90x with 2.0).
-        self.spec_max_rows = 1 if self.uses_gqa else None
+        # Whole-state tensors (DeepSeek-V4) take no per-row new length: rows of different lengths run apart.
+        self._whole_state = any(st.update == StateUpdate.REPLACE for st in self.states)
+        self.spec_max_rows = 1 if self.uses_gqa or self._whole_state else None
         self.verify_cost = 2.5
+
+    @classmethod
+    def draft_of(cls, target: OnnxRuntimeBackend, bundle: Bundle, draft: dict[str, Any],
+                 threads: int | None = None) -> OnnxRuntimeBackend:
+        """The bundle's layerskip draft graph (its first N layers, the same weight data) on ``target``'s KV:
+        those layers' cache entries are the target's for every position the target has computed."""
+        entry = FlavorEntry.from_json_dict(draft)
+        return cls(bundle, num_slots=target.num_slots, flavor=target.flavor, threads=threads,
+                   max_seq_len=target.max_seq_len, spin=target.spinning, entry=entry, shared=target.arena,
+                   accuracy_level=target.accuracy_level)
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:
@@ -102,7 +123,7 @@ class OnnxRuntimeBackend:
         if int(ends.max()) > self.max_seq_len:
             raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
                                f"{self.max_seq_len}")
-        if self.uses_gqa and b > 1 and s > 1:
+        if b > 1 and s > 1 and (self.uses_gqa or (self._whole_state and len(set(batch.new_lengths.tolist())) > 1)):
             # GroupQueryAttention takes one new length per step for the whole batch: rows with several new tokens
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
             # in runs of adjacent slots, so they keep the batched decode path.
@@ -182,6 +203,16 @@ class OnnxRuntimeBackend:
                 src_idx = list(idx)
                 src_idx[0] = src
                 a[tuple(idx)] = a[tuple(src_idx)]
+
+    def save_rows(self, slots: list[int]) -> dict[int, dict[str, np.ndarray]]:
+        """Copies of ``slots``' whole-state tensors (mode replace): where a verification step started, for
+        ``restore_rows`` when the row keeps fewer tokens than the step fed."""
+        return {slot: {st.input: self.arena[st.input][slot].copy() for st in self.states
+                       if st.update == StateUpdate.REPLACE} for slot in slots}
+
+    def restore_rows(self, saved: dict[int, dict[str, np.ndarray]], slot: int) -> None:
+        for name, value in saved[slot].items():
+            self.arena[name][slot] = value
 
     def reset_slot(self, slot: int) -> None:
         for s in self.states:
@@ -277,9 +308,12 @@ class OnnxRuntimeBackend:
 
 def _graph_files_sha(bundle: Bundle, graph: str) -> str | None:
     """One digest of the graph file and its external data files as the manifest lists them (None if it
-    lists none): what onnxruntime's cached optimized graph is keyed by."""
+    lists none): what onnxruntime's cached optimized graph is keyed by. The data files beside it count too
+    (a layerskip draft graph reads the full graph's ``model.onnx.data``)."""
+    folder = graph.rpartition("/")[0] + "/"
     shas = [f"{rel}:{meta.sha256}" for rel, meta in sorted(bundle.manifest.files.items())
-            if rel == graph or rel.startswith(graph + ".")]
+            if rel == graph or rel.startswith(graph + ".")
+            or (rel.startswith(folder) and rel.endswith(".onnx.data") and "/" not in rel[len(folder):])]
     if not any(rel.startswith(graph + ":") for rel in shas):
         return None
     import hashlib

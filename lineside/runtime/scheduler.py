@@ -26,7 +26,8 @@ tokens of `Generator`.
 Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's draft length
 (speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
 context leave room for, none while replaying — and the step scores them with the pending token in one
-multi-token forward. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
+multi-token forward. A model proposer (a draft bundle, layerskip) only gets each row's budget here; it runs
+in the step, in the worker thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
 the positions written for rejected drafts lie past it and are overwritten by the next step. Kept drafts
 and the sampled token then go through ``on_token`` one by one, so stop tokens, stop strings and
 max_tokens drop whatever follows them. (With accuracy level 4 a multi-token step's logits differ in
@@ -46,7 +47,7 @@ from lineside.runtime.sequence import SequenceStatus as Status
 from lineside.runtime.session_scheduling import SessionSlots
 from lineside.runtime.sessions import PrefillSession, SessionStore
 from lineside.runtime.speculative.adaptive import DraftLength
-from lineside.runtime.speculative.config import Proposer
+from lineside.runtime.speculative.config import ModelProposer, Proposer
 from lineside.runtime.step_plan import StepPlan, prefill_take
 
 ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
@@ -59,9 +60,9 @@ class Scheduler(SessionSlots):
 
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
-                 proposer: Proposer | None = None, spec_tokens: int = 0, spec_max_rows: int | None = None,
-                 verify_cost: float = 1.0, sessions: SessionStore | None = None, session_every: int = 4,
-                 session_busy_chunk: int = 32):
+                 proposer: Proposer | ModelProposer | None = None, spec_tokens: int = 0,
+                 spec_max_rows: int | None = None, verify_cost: float = 1.0, sessions: SessionStore | None = None,
+                 session_every: int = 4, session_busy_chunk: int = 32):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -91,7 +92,8 @@ class Scheduler(SessionSlots):
         # a grammar or logprobs are per sampled token: such rows decode one token at a time (no drafts)
         speculates = seq.req.speculative and seq.matcher is None and seq.logprobs is None
         if self.proposer is not None and speculates and seq.draft_length is None:
-            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost)
+            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost,
+                                           draft_cost=float(getattr(self.proposer, "cost", 0.0)))
         self.waiting.append(seq)
 
     @property
@@ -109,7 +111,7 @@ class Scheduler(SessionSlots):
         plan = StepPlan(ops=self.arena.take_pending())
         plan.decode = sorted((s for s in self.running if s.status == Status.DECODE), key=lambda s: s.slot)
         if self.proposer is not None:
-            plan.drafts = self._drafts(plan.decode)
+            self._drafts(plan)
         pf = self.prefilling
         if pf is not None:
             start = pf.computed
@@ -171,16 +173,19 @@ class Scheduler(SessionSlots):
                 events.append((seq, ev))
         return events
 
-    def _drafts(self, decode: list[Sequence]) -> dict[Sequence, list[int]]:
+    def _drafts(self, plan: StepPlan) -> None:
         """Proposed tokens for each decoding row that speculates; k leaves room for the token sampled after
-        them within max_tokens and the context. At draft length 0 a cheap proposer's 1-token guess is kept
-        as ``shadow`` to be checked against the sample (so the length can grow back)."""
+        them within max_tokens and the context. A token proposer guesses here (``plan.drafts``); a model
+        proposer gets the row's k (``plan.draft_budget``) and runs in the step, off the event loop. At draft
+        length 0 a cheap proposer's 1-token guess is kept as ``shadow`` to be checked against the sample (so
+        the length can grow back)."""
         assert self.proposer is not None
-        out: dict[Sequence, list[int]] = {}
+        decode = plan.decode
         if self.spec_max_rows is not None and len(decode) > self.spec_max_rows:
             for seq in decode:
                 seq.shadow = None
-            return out
+            return
+        batched = hasattr(self.proposer, "propose_rows")
         for seq in decode:
             dl = seq.draft_length
             if dl is None or not seq.samples:
@@ -188,15 +193,18 @@ class Scheduler(SessionSlots):
             room = min(seq.max_tokens - len(seq.generated) - 1, self.arena.max_seq_len - seq.computed - 1)
             if room <= 0:
                 continue
-            if dl.k == 0:
+            k = dl.budget(self.proposer.cheap)
+            if k == 0:
                 if self.proposer.cheap:
                     guess = self.proposer.propose(seq.tokens, 1)
                     seq.shadow = guess[0] if guess else None
                 continue
-            drafts = self.proposer.propose(seq.tokens, min(dl.k, room))
+            if batched:
+                plan.draft_budget[seq] = min(k, room)
+                continue
+            drafts = self.proposer.propose(seq.tokens, min(k, room))
             if drafts:
-                out[seq] = drafts
-        return out
+                plan.drafts[seq] = drafts
 
     def expire(self, now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Finish the cancelled and the timed-out sequences (waiting or running), release expired prefill

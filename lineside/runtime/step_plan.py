@@ -2,7 +2,8 @@
 session's) — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
-reads it back to apply the outcome; the plan itself changes nothing.
+reads it back to apply the outcome; the plan itself changes nothing. (The one thing the step runner
+writes into it: a model proposer's drafts, made in the worker thread.)
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class StepPlan:
     prefill_last: bool = False  # this chunk completes the fill
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
     session: SessionChunk | None = None  # idle-capacity work: only in a step without a request's prefill chunk
+    # A model proposer's rows: how many tokens each may propose. The step runner runs the proposer and
+    # fills ``drafts`` (and ``draft_probs``) before the decode batch is made; postprocess reads them back.
+    draft_budget: dict[Sequence, int] = field(default_factory=dict)
+    draft_probs: dict[Sequence, list[np.ndarray]] = field(default_factory=dict)  # q of sampled drafts
 
     @property
     def empty(self) -> bool:

@@ -70,7 +70,9 @@ def serve(
         help="SLO policy file (YAML or JSON): thresholds, recovery, pins; default with --fallback: TTFT P90 0.8 s / "
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
-        help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
+        help="speculative decoding: ngram (prompt lookup) | layerskip:N (the bundle's first N layers, build "
+             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp; a request's "
+             "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
     session_ttl: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS,
@@ -95,6 +97,11 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")

@@ -17,10 +17,11 @@ from onnx import TensorProto
 
 from lineside.build.checkpoint import CheckpointReader
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.graph.draft import LayerMark, write_draft_graph
 from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
 from lineside.build.models.rope import rope_cache
 from lineside.build.quant.spec import QuantSpec
-from lineside.bundle import FlavorEntry
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
 from lineside.graph_io import StateTensor, StateUpdate
@@ -109,7 +110,8 @@ class DenseEmitter:
     """Emits one dense decoder graph; ``weights`` maps HF names to arrays (or GGMLBlocks)."""
 
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
-                 onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
+                 onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
+                 draft_layers: tuple[int, ...] = ()):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
 
@@ -120,6 +122,11 @@ class DenseEmitter:
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
         check_config(cfg, (flavor,))
+        bad = [n for n in draft_layers if not 1 <= n < cfg.num_layers]
+        if bad:
+            raise ConfigError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "
+                                f"{cfg.num_layers} layers")
+        self.draft_layers = tuple(sorted(set(draft_layers)))
 
     # ---- small pieces ----------------------------------------------------------------
     def linear(self, x: str, name: str, bias_name: str | None = None) -> str:
@@ -179,7 +186,8 @@ class DenseEmitter:
 
         h = self._emit_embedding(g, ids, self.get("model.embed_tokens.weight"), self.spec, self.flavor)
         residual = None
-        states = []
+        states: list[StateTensor] = []
+        marks = []
         for i in range(cfg.num_layers):
             n = layer_tensor_names(cfg, i)
             x, residual = self.skip_norm(h, residual, self.norm_weight(n["ln1"]))
@@ -191,9 +199,11 @@ class DenseEmitter:
             gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             h = self.linear(act, n["down"], n.get("downb"))
+            marks.append(LayerMark(len(g.nodes), h, residual, len(states)))
             if progress:
                 progress(1)
         # Only the requested positions go through the final norm and the LM head.
+        tail_start = len(g.nodes)
         h = g.op("Add", [h, residual])
         h = self._gather_positions(h)
         x, _ = self.skip_norm(h, None, self.norm_weight("model.norm.weight"))
@@ -204,7 +214,10 @@ class DenseEmitter:
         g.op("Identity", [logits], outputs=["logits"])
         g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
         g.save()
-        return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32")
+        drafts = {str(n): write_draft_graph(g, g.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], tail_start,
+                                            states) for n in self.draft_layers}
+        return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32",
+                           extra={DRAFT_GRAPHS: drafts} if drafts else {})
 
     def _gather_positions(self, h: str) -> str:
         g = self.gb
@@ -380,13 +393,17 @@ class DenseEmitter:
 
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
-               awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
-    """Write the dense graph for ``flavor`` to ``onnx_path``; returns its manifest entry."""
-    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales).emit(progress)
+               awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
+    """Write the dense graph for ``flavor`` to ``onnx_path`` (and its layerskip drafts beside it); returns its
+    manifest entry."""
+    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales,
+                        draft_layers).emit(progress)
 
 
 class DenseFamily(ModelFamily):
     """Llama and Qwen2: HF names, read through the pipeline's getter (GGUF blocks carried, AWQ/GPTQ applied)."""
+
+    draft_graphs = True  # emits layerskip drafts (`build --draft-layers N`)
 
     def check_config(self, cfg: ModelConfig, flavors: tuple[str, ...]) -> None:
         check_config(cfg, flavors)
@@ -404,9 +421,9 @@ class DenseFamily(ModelFamily):
 
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
-                   awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+                   awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
-        return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales)
+        return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers)
 
 
 FAMILY = DenseFamily()

@@ -2,7 +2,8 @@
 
 Per step: place the batch's slots in arena rows 0..B-1 at a pitch that fits (arena.py), copy the
 inputs into static buffers, run the engine (``execute_async_v3`` on a non-default stream) and the
-state-append kernels — captured once per (batch bucket, length bucket) for decode and replayed —
+state-append kernels — captured once per (batch bucket, tokens per row, logits per row, length bucket) for
+decode and speculative verification (1 + k drafts per row, on the decode profile) and replayed —
 then copy the logits back. Needs tensorrt + cuda-python + a GPU; each missing piece is one line.
 """
 
@@ -33,6 +34,10 @@ class TensorRTBackend:
     flavor = "trt"
     # ArenaLayout swaps the step's slots into rows 0..B-1 itself: the scheduler must not move them too.
     needs_contiguous_slots = False
+    # A verification step (k+1 tokens per row) reads the same weights as a 1-token step: on a GPU decode is
+    # bound by weight reads, so it costs little more. An estimate, not yet measured on a GPU (the adaptive
+    # rule's bar, speculative/adaptive.py); every decode row may speculate.
+    verify_cost = 1.2
 
     def __init__(self, bundle: Bundle, num_slots: int = 4, device: int = 0, cuda_graphs: bool = True,
                  warmup: bool = True):
@@ -57,6 +62,8 @@ class TensorRTBackend:
         self.max_seq_len = bundle.max_seq_len
         self.vocab_size = bundle.config.vocab_size
         self.max_prefill, self.max_logits = int(lim["max_prefill"]), int(lim["max_logits"])
+        # Decode-profile width: 1 + speculative drafts (engines built before verification steps: 1).
+        self.max_verify = int(lim.get("max_verify", 1))
         self.cuda_graphs = cuda_graphs
         self.states = list(fl.state)
         self.input_names = list(fl.inputs)
@@ -220,13 +227,16 @@ class TensorRTBackend:
                     self._h2d(name, arr)
             self._h2d("write_pos", st.write_pos)
             self._h2d("new_lengths", st.new_lengths)
-            ctx = self.contexts["decode" if st.is_decode else "prefill"]
             k = st.logits_positions.shape[1]
+            # 1-token decode and verification steps (≤ 1 + drafts tokens per row, logits at each) run on the
+            # decode profile, replayed from a CUDA Graph per (batch bucket, tokens per row, logits, length bucket)
+            decode = st.is_decode or (k == st.seq <= self.max_verify)
+            ctx = self.contexts["decode" if decode else "prefill"]
             self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
             launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
-            if st.is_decode and self.cuda_graphs:
-                key = st.key if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
-                self.stats[self.graphs.run(key, launch)] += 1
+            if decode and self.cuda_graphs:
+                past_key = st.past_seq if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else 0
+                self.stats[self.graphs.run((st.batch_bucket, st.seq, k, past_key), launch)] += 1
             else:
                 launch()
                 self.stats["eager"] += 1
