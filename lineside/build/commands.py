@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from lineside import cli_checks as checks
 from lineside.build.pipeline import BuildOptions, build_bundle, describe
 from lineside.errors import LinesideError
+from lineside.lora import parse_targets
 
 err = Console(stderr=True)
 
@@ -48,6 +49,10 @@ AccuracyLevelOpt = Annotated[int, checks.number_option(
     low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
 LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
 KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")]
+MaxLoraRankOpt = Annotated[int, checks.number_option(
+    low=0, high=1024, help="also build LoRA graphs (multi-adapter serving); the adapter slots' default rank (0: none)")]
+LoraTargetsOpt = Annotated[str, typer.Option(help="linears the LoRA graphs adapt: comma list of q,k,v,o,gate,up,down "
+                                                  "or all")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
@@ -65,6 +70,8 @@ def build(
     accuracy_level: AccuracyLevelOpt = 4,
     lm_head_bits: LmHeadBitsOpt = 8,
     kv_dtype: KvDtypeOpt = "fp16",
+    max_lora_rank: MaxLoraRankOpt = 0,
+    lora_targets: LoraTargetsOpt = "all",
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -73,7 +80,8 @@ def build(
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
-                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force)
+                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force, max_lora_rank=max_lora_rank,
+                        lora_targets=parse_targets(lora_targets))
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)

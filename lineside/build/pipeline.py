@@ -19,9 +19,10 @@ from lineside.build.models import model_family
 from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
-from lineside.bundle import FlavorEntry, Manifest, read_manifest, write_manifest
-from lineside.config import ModelConfig
+from lineside.bundle import FlavorEntry, LoraGraphs, Manifest, read_manifest, write_manifest
+from lineside.config import DENSE_FAMILIES, ModelConfig
 from lineside.errors import LinesideError
+from lineside.lora import ALL_TARGETS, LoraTarget
 
 if TYPE_CHECKING:  # the calibrations are imported only when a build asks for one
     from lineside.build.quant.calibrate import AwqPlan
@@ -46,6 +47,8 @@ class BuildOptions:
     lm_head_bits: int = 8
     kv_dtype: str = "fp16"
     force: bool = False
+    max_lora_rank: int = 0  # > 0: also emit each flavor's LoRA graph (graph/lora.py); the slots' default rank
+    lora_targets: tuple[LoraTarget, ...] = ALL_TARGETS
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -68,6 +71,8 @@ class BuildOptions:
         check_kv_flavors(parse_kv_dtype(self.kv_dtype), self.flavors)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise LinesideError("--max-seq-len must be at least 2")
+        if not 0 <= self.max_lora_rank <= 1024:
+            raise LinesideError(f"--max-lora-rank {self.max_lora_rank} must be 0 (no LoRA graphs) to 1024")
         if self.calib is not None and not Path(self.calib).is_file():
             raise LinesideError(f"--calib {self.calib}: file not found")
 
@@ -94,6 +99,9 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = model_family(cfg.architecture)
         family.check_config(cfg, opts.flavors)
+        if opts.max_lora_rank and cfg.architecture not in DENSE_FAMILIES:
+            raise LinesideError(f"--max-lora-rank: LoRA graphs are built for Llama and Qwen2 models, not "
+                                f"{cfg.architecture}; leave the option out")
         # Families with their own naming (V4: official or HF) return the source their graphs read.
         source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
@@ -148,8 +156,9 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
             getter = (lambda g: (lambda n: gplan.transform(n, g)))(getter)
         rel = f"graphs/{flavor}/model.onnx"
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
+        lora = {"lora_targets": opts.lora_targets} if opts.max_lora_rank else {}
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
-                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None)
+                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **lora)
         flavors[flavor] = replace(entry, graph=rel)
     tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
@@ -165,6 +174,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         config="config.json",
         tokenizer={"dir": "tokenizer", **tok},
         build_seconds=round(time.time() - t0, 2),
+        lora=LoraGraphs(max_rank=opts.max_lora_rank, targets=opts.lora_targets) if opts.max_lora_rank else None,
     )
     write_manifest(tmp, manifest)
 
