@@ -16,8 +16,8 @@ import numpy as np
 from onnx import TensorProto
 
 from lineside.build.checkpoint import CheckpointReader
-from lineside.build.graph.lora import SiteTensors
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.graph.lora import SiteTensors
 from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
 from lineside.build.models.rope import rope_cache
 from lineside.build.quant.spec import QuantSpec
