@@ -193,7 +193,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
         fin, fout = in_out(cfg, target)
         r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fin or b.shape != (fout, r) or r < 1:
-            raise AdapterError(f"{path}: {where} has A {list(a.shape)} and B {list(b.shape)}, but the base model "
+            raise AdapterError(f"{path}: {where} has shapes A {list(a.shape)}, B {list(b.shape)}, but the base model "
                                f"needs A [r, {fin}] and B [{fout}, r]; the adapter was made for another model")
         module = f"model.layers.{layer}.{target.module}"
         a_alpha = _pattern(alpha_pattern, module)
