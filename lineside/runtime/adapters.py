@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lineside.bundle import Bundle
 from lineside.errors import LinesideError
 from lineside.lora import AdapterError, LoraAdapter, check_name, read_adapter
+
+if TYPE_CHECKING:
+    from lineside.runtime.engine import LoraServing
 
 
 def bundle_adapter(bundle: Bundle, name: str) -> LoraAdapter:
@@ -68,3 +72,31 @@ class AdapterCatalog:
 
     def get(self, name: str) -> LoraAdapter | None:
         return self.adapters.get(name)
+
+
+def serving_config(bundle: Bundle, modules: list[LoraModule], *, max_loras: int | None,
+                   max_rank: int | None) -> LoraServing | None:
+    """What `serve` serves besides the base model: the bundle's adapters and ``--lora-modules``, in
+    ``max_loras`` slots of rank ``max_rank`` (defaults: up to 4 slots, the bundle's slot rank). None when there
+    are no adapters. Every adapter is read and checked here, before the server binds its socket."""
+    from lineside.lora import LoraTarget, check_fits
+    from lineside.runtime.engine import LoraServing
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+
+    if not modules and not bundle.manifest.adapters:
+        if max_loras:
+            raise LinesideError("--max-loras: there are no adapters to serve; add one to the bundle with `lineside "
+                                "lora add` or name one with --lora-modules NAME=DIR")
+        return None
+    lg = bundle.manifest.lora
+    if lg is None:
+        raise LinesideError(f"bundle {bundle.path} has no LoRA graphs, so it cannot serve --lora-modules; rebuild it "
+                            "with --max-lora-rank R (R: the largest adapter rank to serve)")
+    catalog = AdapterCatalog.load(bundle, modules)
+    rank = int(max_rank or lg.max_rank)
+    targets = tuple(LoraTarget(t) for t in lg.targets)
+    for adapter in catalog.adapters.values():
+        check_fits(adapter, rank, targets, "--max-lora-rank" if max_rank else f"bundle {bundle.path}")
+    slots = LoraSlotsConfig(max_loras=int(max_loras or min(len(catalog.adapters), 4)), max_rank=rank)
+    slots.check()
+    return LoraServing(adapters=catalog.adapters, slots=slots)

@@ -71,6 +71,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid4().hex)
     constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
+    adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
 
 
 def base_rank(req: GenerationRequest) -> int:

@@ -263,7 +263,8 @@ class Scheduler:
         fill, max_reuse = best.start_fill()
         # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
         lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
-        slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest)
+        # KV computed under one adapter is another model's: prefix reuse stays within the adapter
+        slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest, namespace=best.req.adapter or "")
         best.slot, best.computed = slot, reused
         best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
         if best.handle.metrics.scheduled is None:

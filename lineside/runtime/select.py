@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, LinesideError
 from lineside.runtime.backend import Backend
+from lineside.runtime.lora_stack import LoraSlotsConfig
 
 CHOICES = ("auto", "onnxruntime", "tensorrt")
 
@@ -50,10 +51,16 @@ def _say(msg: str) -> None:
 
 
 def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
-                   say: Callable[[str], None] = _say, threads: int | None = None) -> Backend:
+                   say: Callable[[str], None] = _say, threads: int | None = None,
+                   lora: LoraSlotsConfig | None = None) -> Backend:
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
-    onnxruntime's intra-op threads when it is the one chosen."""
+    onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots."""
     dec = decide_backend(bundle, requested)
+    if lora is not None and dec.backend == "tensorrt":
+        if requested == "tensorrt":
+            raise LinesideError("--backend tensorrt does not serve LoRA adapters yet; use --backend onnxruntime "
+                                "or serve without adapters")
+        dec = Decision("onnxruntime", "LoRA adapters are served by the onnxruntime backend")
     if dec.backend == "tensorrt":
         from lineside.runtime.tensorrt.backend import TensorRTBackend
 
@@ -69,4 +76,4 @@ def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     say(dec.message)
-    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads)
+    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads, lora=lora)

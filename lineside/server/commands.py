@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from lineside import cli_checks as checks
+from lineside.errors import LinesideError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -67,6 +68,13 @@ def serve(
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR (repeat; the bundle's own adapters, "
+             "`lineside lora list`, are served too)")] = None,
+    max_loras: Annotated[int | None, checks.number_option(
+        low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
+    max_lora_rank: Annotated[int | None, checks.number_option(
+        low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -85,6 +93,16 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    lora = None
+    if lora_modules or manifest.adapters or max_loras or max_lora_rank:
+        from lineside.bundle import Bundle
+        from lineside.runtime.adapters import parse_lora_module, serving_config
+
+        modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
+        lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
+                              max_rank=max_lora_rank)
+        if lora is not None and backend == "tensorrt":
+            raise LinesideError("--backend tensorrt does not serve LoRA adapters yet; use --backend onnxruntime")
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
@@ -111,7 +129,7 @@ def serve(
         engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
         if spec is not None:
             engine_kwargs["speculative"] = spec
-        engine = load_in_background(bundle, engine_kwargs)
+        engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
         from lineside.server.app import create_app
         from lineside.server.browser_guard import is_loopback
         from lineside.server.http_limits import HttpLimits
@@ -127,7 +145,7 @@ def serve(
                          served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
-                         slo_policy=policy, engine_future=engine, speculative=spec)
+                         slo_policy=policy, engine_future=engine, speculative=spec, lora=lora)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout)
     except BaseException:
