@@ -211,8 +211,8 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
 def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, ...], where: str) -> None:
     """Refuse an adapter above the slot rank or on a layer the LoRA graphs leave out (one line)."""
     if adapter.rank > max_rank:
-        raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above {where}'s max LoRA rank "
-                           f"{max_rank}; raise --max-lora-rank to at least {adapter.rank}")
+        raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above the largest rank {max_rank} that "
+                           f"{where} holds; raise --max-lora-rank to at least {adapter.rank}")
     missing = [t.value for t in adapter.targets if t not in targets]
     if missing:
         raise AdapterError(f"adapter {adapter.name!r} adapts {','.join(missing)}, which {where}'s LoRA graphs "

@@ -56,7 +56,7 @@ class LoraStack:
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot`` (1..max_loras), replacing what it held."""
         self._check_slot(slot)
-        check_fits(adapter, self.slots.max_rank, self.targets, "this server")
+        check_fits(adapter, self.slots.max_rank, self.targets, "this backend's adapter slots")
         self.unload(slot)
         r = self.slots.max_rank
         for s in self.sites:
