@@ -42,21 +42,23 @@ def register(app: typer.Typer) -> None:
         trt: str = typer.Option("10.3", "--trt", help="TensorRT release: 10.3 (JetPack 6) or newest"),
     ) -> None:
         """List the trt graph's nodes that TensorRT's ONNX parser would reject (runs without TensorRT)."""
-        from lineside.build.tensorrt.check import check_bundle, check_onnx_file
+        from lineside.build.tensorrt.check import check_bundle_graphs, check_onnx_file
         from lineside.bundle import open_bundle
 
         if bundle.suffix == ".onnx":
             checks.input_file(bundle, "BUNDLE", ".onnx file")
         else:
             checks.input_dir(bundle, "BUNDLE", "bundle directory")
-        rep = check_onnx_file(bundle, trt) if bundle.suffix == ".onnx" else check_bundle(open_bundle(bundle), trt)
+        reps = [check_onnx_file(bundle, trt)] if bundle.suffix == ".onnx" else check_bundle_graphs(open_bundle(bundle),
+                                                                                                 trt)
         console = Console()
-        for n in rep.notes:
-            console.print(f"note: {n}")
-        if rep.offenders:
-            t = Table("node", "op", "dtype", "why")
-            for o in rep.offenders:
-                t.add_row(o.node, o.op, o.dtypes, o.reason)
-            console.print(t)
-            raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
-        console.print(rep.summary())
+        for rep in reps:  # the trt graph, then its LoRA graph when the bundle has one
+            for n in rep.notes:
+                console.print(f"note: {n}")
+            if rep.offenders:
+                t = Table("node", "op", "dtype", "why")
+                for o in rep.offenders:
+                    t.add_row(o.node, o.op, o.dtypes, o.reason)
+                console.print(t)
+                raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
+            console.print(rep.summary())
