@@ -56,16 +56,20 @@ def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
     onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots."""
     dec = decide_backend(bundle, requested)
-    if lora is not None and dec.backend == "tensorrt":
-        if requested == "tensorrt":
-            raise LinesideError("--backend tensorrt does not serve LoRA adapters yet; use --backend onnxruntime "
-                                "or serve without adapters")
-        dec = Decision("onnxruntime", "LoRA adapters are served by the onnxruntime backend")
+    if lora is not None and dec.backend == "tensorrt":  # adapters need the LoRA graph's engine for these slots
+        from lineside.runtime.tensorrt.key import find_engine, machine_key
+
+        try:
+            find_engine(bundle.path, machine_key(), None, lora=(lora.max_loras, lora.max_rank))
+        except LinesideError as e:
+            if requested == "tensorrt":
+                raise
+            dec = Decision("onnxruntime", f"TensorRT not used for adapters: {e}")
     if dec.backend == "tensorrt":
         from lineside.runtime.tensorrt.backend import TensorRTBackend
 
         try:
-            backend = TensorRTBackend(bundle, num_slots=num_slots)
+            backend = TensorRTBackend(bundle, num_slots=num_slots, lora=lora)
         except BackendUnavailable as e:
             if requested == "tensorrt":
                 raise

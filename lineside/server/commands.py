@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 
 from lineside import cli_checks as checks
-from lineside.errors import LinesideError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -101,8 +100,6 @@ def serve(
         modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
                               max_rank=max_lora_rank)
-        if lora is not None and backend == "tensorrt":
-            raise LinesideError("--backend tensorrt does not serve LoRA adapters yet; use --backend onnxruntime")
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")

@@ -27,13 +27,19 @@ def register(app: typer.Typer) -> None:
                                                    help="builder memory limit in GB"),
         opt_level: int = checks.number_option("--opt-level", default=None, low=0, high=5,
                                               help="builder optimization level"),
+        max_loras: int = checks.number_option("--max-loras", default=0, low=0, high=64,
+                                              help="build the LoRA graph's engine with this many adapter slots "
+                                                   "(0: the base graph's)"),
+        max_lora_rank: int = checks.number_option("--max-lora-rank", default=None, low=1, high=1024,
+                                                  help="rank of each adapter slot (default: the bundle's)"),
     ) -> None:
         """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/."""
         from lineside.build.tensorrt.builder import BuildOptions, build_engine
 
         checks.input_dir(bundle, "BUNDLE", "bundle directory")
 
-        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level))
+        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
+                                                max_loras=max_loras, max_lora_rank=max_lora_rank))
         typer.echo(f"engine written to {out}")
 
     @app.command("check")
