@@ -9,8 +9,8 @@ Adapters are random PEFT-format files (fp16, as PEFT saves a half-precision fine
 q,v (``--targets q,v``, the bundle built with --lora-targets q,v) or on all seven linears (``--targets all``).
 Decode tokens/s: generated tokens between the moment every stream has its first token and the moment the first
 stream ends, over that time (steady 8-row decode; prefill excluded). Memory: each adapter's file in the bundle,
-and the process RSS before/after reading the 4 adapters (their float32 A/B) and before/after the LoRA engine's
-slot stack (allocated once for --max-loras slots).
+and the resident memory of fresh child processes that open the bundle and run one decode step: the base graph
+alone, then the LoRA graph with its 4 slots and 0, 1, 2, 4 adapters read and loaded (RSS differences).
 
   python benchmarks/multi_lora.py [--targets q,v|all] [--threads 2] [--tokens 96] [--rounds 3] [--spin]
 
@@ -48,6 +48,38 @@ PROMPTS = ["Write a short note for the night shift about the conveyor on line 3.
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child_rss(path: str, adapters: list[str], lora: bool, threads: int) -> int:
+    """In a fresh process: open the bundle, start a backend (LoRA graph with 4 slots when ``lora``), read and load
+    ``adapters``, run one prefill + one decode step; its RSS then."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.adapters import bundle_adapter
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(path)
+    be = OnnxRuntimeBackend(b, num_slots=8, threads=threads, spin=False,
+                            lora=LoraSlotsConfig(4, 16) if lora else None)
+    for slot, name in enumerate(adapters, start=1):
+        be.load_adapter(slot, bundle_adapter(b, name))
+    be.forward(StepBatch.single(0, [1, 2, 3, 4], 0, adapter=1 if adapters else 0))
+    be.forward(StepBatch.single(0, [5], 4, adapter=1 if adapters else 0))
+    return rss_bytes()
+
+
+def memory_table(path: Path, names: list[str], threads: int) -> list[tuple[str, float]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = [("base graph", (str(path), [], False, threads))] + [
+        (f"LoRA graph, {n} adapter(s)", (str(path), names[:n], True, threads)) for n in (0, 1, 2, 4)]
+    out = []
+    with ctx.Pool(1, maxtasksperchild=1) as pool:
+        for label, args in rows:
+            out.append((label, pool.apply(child_rss, args) / 1e6))
+    return out
 
 
 def write_adapter(out: Path, cfg, rank: int, targets: list[str], seed: int) -> Path:
@@ -112,15 +144,12 @@ async def main_async(args: argparse.Namespace) -> None:
         add(path, write_adapter(tmp / "adapters" / name, cfg, r, [t.value for t in targets], seed=i), name=name)
     bundle = open_bundle(path)
     adapter_files = {n: bundle.manifest.files[f"adapters/{n}/adapter_model.safetensors"].size for n in names}
-    rss0 = rss_bytes()
+    mem = memory_table(path, names, args.threads)
     lora = serving_config(bundle, [], max_loras=4, max_rank=16)  # reads and checks the 4 adapters
-    rss_adapters = rss_bytes() - rss0
     assert lora is not None
     kw = dict(threads=args.threads, spin=args.spin)
     base = LLMEngine(bundle, backend=OnnxRuntimeBackend(bundle, num_slots=8, **kw), num_slots=8)
-    rss1 = rss_bytes()
     lora_backend = OnnxRuntimeBackend(bundle, num_slots=8, lora=lora.slots, **kw)
-    rss_lora_engine = rss_bytes() - rss1
     lora_engine = LLMEngine(bundle, backend=lora_backend, num_slots=8, lora=lora)
     ids = [base.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     spread = [names[i % 4] for i in range(8)]
@@ -148,12 +177,13 @@ async def main_async(args: argparse.Namespace) -> None:
     print("bundle bytes per adapter (fp16 file): " + ", ".join(f"{n} r{per[n].rank}: {adapter_files[n] / 1e6:.2f} MB"
                                                              for n in names))
     print("float32 A/B per adapter (manifest 'bytes'): " + ", ".join(f"{per[n].bytes / 1e6:.2f} MB" for n in names))
-    print(f"RSS after reading the 4 adapters: +{rss_adapters / 1e6:.1f} MB (their float32 A/B: "
-          f"{sum(p.bytes for p in per.values()) / 1e6:.1f} MB)")
-    print(f"RSS of the LoRA backend beside the base one: +{rss_lora_engine / 1e6:.1f} MB (slot stack "
-          f"{lora_backend.lora.nbytes / 1e6:.1f} MB for 4 slots of rank 16; the rest is a second session of the "
-          f"same weights, which a server running only the LoRA graph does not have); "
-          f"base weights in the bundle: {bundle.manifest.files['graphs/cpu/model.onnx.data'].size / 1e6:.1f} MB")
+    assert lora_backend.lora is not None
+    print(f"base weights in the bundle: {bundle.manifest.files['graphs/cpu/model.onnx.data'].size / 1e6:.1f} MB; "
+          f"slot stack of the LoRA graph (4 slots x rank 16, float32): {lora_backend.lora.nbytes / 1e6:.1f} MB")
+    print("| fresh process (8 KV slots, one prefill + decode) | RSS MB | vs base graph |")
+    print("|---|---|---|")
+    for label, mb in mem:
+        print(f"| {label} | {mb:.1f} | {mb - mem[0][1]:+.1f} |")
 
 
 def main() -> None:
