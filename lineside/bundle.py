@@ -233,6 +233,20 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
     return manifest
 
 
+def add_to_manifest(bundle_dir: Path, manifest: Manifest, files: list[str]) -> Manifest:
+    """Hash ``files`` (bundle-relative) into an existing bundle's manifest and save it; every other entry stays as
+    built (a bundle in use holds files no manifest lists, such as onnxruntime's graph caches)."""
+    listed = dict(manifest.files)
+    for rel in files:
+        p = Path(bundle_dir) / rel
+        listed[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
+    manifest = replace(manifest, files=dict(sorted(listed.items())))
+    tmp = Path(bundle_dir) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json_dict(), indent=2, sort_keys=True))
+    os.replace(tmp, Path(bundle_dir) / MANIFEST)
+    return manifest
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check ``manifest.json`` (format version, file list, required fields); one line if it is wrong."""
     path = Path(path)

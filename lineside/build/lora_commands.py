@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from lineside.bundle import AdapterEntry, open_bundle, write_manifest
+from lineside.bundle import AdapterEntry, add_to_manifest, open_bundle
 from lineside.errors import LinesideError
 from lineside.lora import CONFIG_FILE, WEIGHTS_FILE, LoraTarget, check_fits, check_name, read_adapter
 
@@ -56,7 +56,8 @@ def add(
     r = adapter.record()
     entry = AdapterEntry(dir=rel, rank=r["rank"], lora_alpha=r["lora_alpha"], use_rslora=r["use_rslora"],
                          targets=tuple(r["targets"]), bytes=r["bytes"])
-    write_manifest(b.path, replace(b.manifest, adapters={**b.manifest.adapters, name: entry}))
+    add_to_manifest(b.path, replace(b.manifest, adapters={**b.manifest.adapters, name: entry}),
+                    [f"{rel}/{f}" for f in (CONFIG_FILE, WEIGHTS_FILE)])
     size = sum((dest / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
     print(f"{bundle}: adapter {name} added (rank {adapter.rank}, {','.join(r['targets'])}, {size / 1e6:.2f} MB)")
 

@@ -30,12 +30,19 @@ def test_add_list_and_logits_with_the_adapter(lora_bundle_copy, peft_adapter, ti
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
     adapter = peft_adapter("llama-gqa", "all-rslora")
+    # a bundle that has served holds onnxruntime's graph caches beside its graphs: `lora add` must not list them
+    OnnxRuntimeBackend(open_bundle(lora_bundle_copy), lora=LoraSlotsConfig(1, 8))
+    assert list(lora_bundle_copy.glob("graphs/cpu/*.ort-opt.onnx"))
     proc = run_cli("lora", "add", str(lora_bundle_copy), str(adapter), "--name", "line-3")
     assert proc.returncode == 0, proc.stderr
     assert "adapter line-3 added (rank 8" in proc.stdout
     b = open_bundle(lora_bundle_copy)  # verifies every checksum, the adapter's files included
     assert {"adapters/line-3/adapter_config.json", "adapters/line-3/adapter_model.safetensors"} <= set(b.manifest.files)
+    assert not any("ort-opt" in f for f in b.manifest.files)
     entry = b.manifest.adapters["line-3"]
     assert entry.rank == 8 and entry.use_rslora and len(entry.targets) == 7
     listed = run_cli("lora", "list", str(lora_bundle_copy))
