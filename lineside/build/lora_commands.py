@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 
+from lineside import cli_checks as checks
 from lineside.bundle import AdapterEntry, add_to_manifest, open_bundle
 from lineside.errors import LinesideError
 from lineside.lora import CONFIG_FILE, WEIGHTS_FILE, LoraTarget, check_fits, check_name, read_adapter
@@ -30,6 +31,8 @@ def add(
     force: Annotated[bool, typer.Option(help="replace an adapter of that name")] = False,
 ) -> None:
     """Add a LoRA adapter to a bundle (checked against the base model, checksummed into the manifest)."""
+    checks.input_dir(bundle, "BUNDLE", "bundle directory")
+    checks.input_dir(adapter_dir, "ADAPTER_DIR", "adapter directory")
     b = open_bundle(bundle)
     check_name(name)
     if b.manifest.lora is None:
@@ -65,6 +68,7 @@ def add(
 @lora_app.command("list")
 def list_adapters(bundle: Annotated[Path, typer.Argument(help="bundle directory")]) -> None:
     """List the bundle's adapters (name, rank, alpha, adapted linears, bytes)."""
+    checks.input_dir(bundle, "BUNDLE", "bundle directory")
     b = open_bundle(bundle)
     if b.manifest.lora is None:
         print(f"{bundle}: no LoRA graphs (build with --max-lora-rank R to serve adapters)")

@@ -71,7 +71,7 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
         # rank above the bundle's slots
         ((str(make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16,
                                 target_modules=["q_proj"])), "--name", "big"), ("rank 16", "--max-lora-rank")),
-        ((str(tmp_path / "nowhere"), "--name", "x"), ("not an adapter directory",)),
+        ((str(tmp_path / "nowhere"), "--name", "x"), ("no such adapter directory",)),
         ((str(peft_adapter("llama-gqa", "qv")), "--name", "bad/name"), ("adapter name",)),
     ]
     for args, needles in cases:
