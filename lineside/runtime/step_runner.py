@@ -30,10 +30,11 @@ class StepOutcome:
     accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # drafts kept, before its sampled token
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for the sequences that asked
+    session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
 
 
 def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
-    """Slot ops, then the decode batch, then the prefill chunk."""
+    """Slot ops, then the decode batch, then the prefill chunk, then a prefill session's chunk (last: requests first)."""
     out = StepOutcome()
     try:
         for load in plan.adapter_loads:
@@ -45,7 +46,8 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 backend.reset_slot(op.dst)
     except Exception as e:
         msg = error_line(e)
-        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]})
+        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]},
+                           session_error=msg if plan.session is not None else None)
     if plan.decode:
         try:
             logits = backend.forward(plan.decode_batch())
@@ -68,6 +70,11 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:
             out.errors[seq] = error_line(e)
+    if plan.session is not None:
+        try:
+            backend.forward(plan.session.batch())
+        except Exception as e:
+            out.session_error = error_line(e)
     return out
 
 

@@ -39,6 +39,11 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    max_connections_per_client: Annotated[int, checks.number_option(
+        low=0, high=1_000_000, help="open connections one client address may hold (beyond: 429, closed; 0: no "
+                                     "limit, e.g. behind a gateway that is one address)")] = 128,
+    max_connections: Annotated[int, checks.number_option(
+        low=1, high=1_000_000, help="open connections in all (beyond: 503, closed)")] = 1024,
     tokenizer_processes: Annotated[int, checks.number_option(
         low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, checks.number_option(
@@ -74,6 +79,11 @@ def serve(
         low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
     max_lora_rank: Annotated[int | None, checks.number_option(
         low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
+    session_ttl: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS,
+        help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
+    max_sessions: Annotated[int, checks.number_option(
+        low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none)")] = 64,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -123,7 +133,8 @@ def serve(
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
         # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
-        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
+                             session_ttl=session_ttl, max_sessions=max_sessions)
         if spec is not None:
             engine_kwargs["speculative"] = spec
         engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
@@ -142,9 +153,11 @@ def serve(
                          served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
-                         slo_policy=policy, engine_future=engine, speculative=spec, lora=lora)
+                         slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
+                         max_sessions=max_sessions, lora=lora)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                            keep_alive_timeout=keep_alive_timeout)
+                            keep_alive_timeout=keep_alive_timeout,
+                            max_connections_per_client=max_connections_per_client, max_connections=max_connections)
     except BaseException:
         sock.close()
         raise

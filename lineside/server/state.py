@@ -147,10 +147,10 @@ class ServerState:
                 await self.slo.start(self.engine, self.model_name)
             self.ready = True
             self.ready_s = process_age_s()
-            if self.tokenizer_processes > 0:
-                # The long-prompt worker (a spawned interpreter: ~1 s) starts after ready, not before it: a
-                # long prompt in its first second waits for it, as it would have waited for the server.
-                self._warm_task = asyncio.create_task(asyncio.to_thread(self.tokenizer.warm))
+            # The long-prompt worker (a spawned interpreter: ~1 s; without one, the long-prompt counting plan:
+            # ~0.5 s) is built after ready, not before it: a long prompt in its first second waits for it, as it
+            # would have waited for the server.
+            self._warm_task = asyncio.create_task(asyncio.to_thread(self.tokenizer.warm))
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:
             raise
@@ -233,7 +233,7 @@ class ServerState:
             except Exception:  # noqa: BLE001 - warm() reports its own failure
                 pass
         if self._tokenizer is not None:
-            self._tokenizer.close()
+            await asyncio.to_thread(self._tokenizer.close)
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 
