@@ -33,6 +33,7 @@ def logits(
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads")] = None,
+    lora: Annotated[str | None, typer.Option(help="apply this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Write float32 logits for every position (parity checks against a reference)."""
     from lineside.bundle import open_bundle
@@ -46,12 +47,21 @@ def logits(
     if not token_ids:
         raise LinesideError("--ids is empty; give comma-separated token ids, e.g. 1,2,3")
     b = open_bundle(bundle)
+    adapter, slots = None, None
+    if lora is not None:
+        from lineside.runtime.adapters import bundle_adapter
+        from lineside.runtime.lora_stack import LoraSlotsConfig
+
+        adapter = bundle_adapter(b, lora)
+        slots = LoraSlotsConfig(max_loras=1, max_rank=adapter.rank)
     be = OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=threads,
-                            accuracy_level=0 if flavor == "trt" else None)
-    out = compute_logits(be, token_ids, mode)
+                            accuracy_level=0 if flavor == "trt" else None, lora=slots)
+    if adapter is not None:
+        be.load_adapter(1, adapter)
+    out = compute_logits(be, token_ids, mode, adapter=1 if adapter is not None else 0)
     with checks.staged_file(output) as tmp, open(tmp, "wb") as f:
         np.save(f, out.astype(np.float32))  # a file object: np.save adds no ".npy" to the name
-    print(f"{output}: logits {list(out.shape)} ({mode}, {flavor})")
+    print(f"{output}: logits {list(out.shape)} ({mode}, {flavor}{f', adapter {lora}' if lora else ''})")
 
 
 def generate(

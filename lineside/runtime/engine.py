@@ -24,8 +24,11 @@ from pathlib import Path
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate
+from lineside.lora import LoraAdapter
+from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.lora_stack import LoraSlotsConfig
 from lineside.runtime.request import (
     EngineDraining,
     FinishReason,
@@ -45,6 +48,14 @@ from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """The adapters an engine serves (by name) and the backend slots they share."""
+
+    adapters: dict[str, LoraAdapter]
+    slots: LoraSlotsConfig
 
 
 @dataclass
@@ -85,7 +96,7 @@ class LLMEngine:
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
-                 session_every: int = 4, session_busy_chunk: int = 32):
+                 session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None):
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
@@ -94,8 +105,16 @@ class LLMEngine:
         if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
             from lineside.runtime.select import choose_backend
 
-            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads)
+            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads,
+                                     lora=None if lora is None else lora.slots)
         self.backend: Backend = backend
+        # LoRA adapters (each a served model): which sits in which backend slot, refcounted per request
+        self.adapter_slots: AdapterSlots | None = None
+        if lora is not None:
+            if int(getattr(self.backend, "max_loras", 0) or 0) < lora.slots.max_loras:
+                raise LinesideError(f"the {self.backend.name} backend was not started with {lora.slots.max_loras} "
+                                    "LoRA slots; create it with lora=LoraSlotsConfig(...)")
+            self.adapter_slots = AdapterSlots(lora.adapters, lora.slots.max_loras)
         self.backend_name = self.backend.name
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)
@@ -203,6 +222,8 @@ class LLMEngine:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
         if req.request_id in self._seqs:
             raise LinesideError(f"request id {req.request_id!r} is already running; use a new id")
+        if req.adapter is not None and self.adapter_slots is None:
+            raise UnknownAdapter(f"adapter {req.adapter!r} is not served here: this engine serves no adapters")
         if not self.arena.fits_ever(len(req.prompt_ids) + min(req.max_tokens, self.max_seq_len - len(req.prompt_ids))):
             raise LinesideError(f"prompt + max_tokens need more KV than the engine's {self.arena.total_blocks} blocks "
                                f"of {self.arena.block_size}; lower max_tokens")
@@ -210,6 +231,9 @@ class LLMEngine:
         handle.metrics.arrival = self.clock()
         matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
+        if req.adapter is not None:
+            assert self.adapter_slots is not None
+            seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
         self._seqs[req.request_id] = seq
         self._incoming.append(seq)
         self._kick()
@@ -324,6 +348,8 @@ class LLMEngine:
                 self._intake()
                 self._deliver(self.scheduler.expire())
                 plan = self.scheduler.schedule()
+                if self.adapter_slots is not None:
+                    plan.adapter_loads = self.adapter_slots.take_pending()
                 if plan.empty:
                     await self._idle()
                     continue
@@ -373,6 +399,8 @@ class LLMEngine:
             if ev.finish_reason is not None:
                 self._outcomes[ev.finish_reason] = self._outcomes.get(ev.finish_reason, 0) + 1
                 self._seqs.pop(seq.req.request_id, None)
+                if self.adapter_slots is not None and seq.adapter_slot:
+                    self.adapter_slots.release(seq.adapter_slot)  # once: a request has one final event
             seq.handle._push(ev)
 
     def _abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:

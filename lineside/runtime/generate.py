@@ -30,15 +30,17 @@ if TYPE_CHECKING:
     from lineside.runtime.structured import GrammarMatcher
 
 
-def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0) -> np.ndarray:
-    """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token."""
+def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0,
+                   adapter: int = 0) -> np.ndarray:
+    """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token.
+    ``adapter``: the LoRA adapter slot the rows use (0: the base model)."""
     check_prompt_ids(ids, backend.vocab_size)
     backend.reset_slot(slot)
     if mode == "prefill":
-        return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True))[0]
+        return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True, adapter=adapter))[0]
     if mode != "decode":
         raise LinesideError(f"--mode {mode!r} is not prefill or decode")
-    rows = [backend.forward(StepBatch.single(slot, [t], i))[0, 0] for i, t in enumerate(ids)]
+    rows = [backend.forward(StepBatch.single(slot, [t], i, adapter=adapter))[0, 0] for i, t in enumerate(ids)]
     return np.stack(rows)
 
 

@@ -73,6 +73,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
     session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
     keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
+    adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
 
 
 def base_rank(req: GenerationRequest) -> int:

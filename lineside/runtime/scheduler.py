@@ -290,7 +290,8 @@ class Scheduler(SessionSlots):
         best = min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
         need = best.reserve_tokens
         fill, max_reuse = best.start_fill()
-        lend = self._lendable(best, len(fill), max_reuse)  # the session it names, when its KV extends this prompt
+        # the session it names, when its KV extends this prompt (sessions hold base-model KV: never an adapter's)
+        lend = self._lendable(best, len(fill), max_reuse) if best.req.adapter is None else None
         freeing = [] if lend is None or lend[0].slot is None else [lend[0].slot]
         if not self.arena.can_admit(need, freeing):  # idle sessions go before any running request
             self._evict_sessions_for(need, freeing, keep=None if lend is None else lend[0])
@@ -304,7 +305,8 @@ class Scheduler(SessionSlots):
         else:
             # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
             lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
-            slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest)
+            # KV computed under one adapter is another model's: prefix reuse stays within the adapter
+            slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest, namespace=best.req.adapter or "")
         best.slot, best.computed = slot, reused
         best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
         if best.handle.metrics.scheduled is None:

@@ -14,6 +14,7 @@ from lineside.runtime.structured import GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the stats type lives with the engine that counts them
+    from lineside.runtime.adapter_slots import AdapterSlots
     from lineside.runtime.engine import EngineStats
 
 
@@ -29,6 +30,7 @@ class ServingEngine(Protocol):
     vocab_size: int  # prompt token ids are checked against
     ready: bool  # warmed up and stepping (/health/ready)
     grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
+    adapter_slots: AdapterSlots | None  # the LoRA adapters it serves (each a model named by the adapter), or None
 
     async def start(self) -> None:
         """Warm the backend up, then start the step loop."""

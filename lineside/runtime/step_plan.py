@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from lineside.runtime.adapter_slots import AdapterLoad
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.kv_manager import SlotOp
 from lineside.runtime.sequence import Sequence
@@ -47,10 +48,11 @@ class StepPlan:
     # fills ``drafts`` (and ``draft_probs``) before the decode batch is made; postprocess reads them back.
     draft_budget: dict[Sequence, int] = field(default_factory=dict)
     draft_probs: dict[Sequence, list[np.ndarray]] = field(default_factory=dict)  # q of sampled drafts
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)  # LoRA slot writes, before everything else
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops or self.session)
+        return not (self.decode or self.prefill or self.ops or self.session or self.adapter_loads)
 
     def decode_batch(self) -> StepBatch:
         """Each row feeds its pending token, then its drafts (right-padded), with logits at every one."""
@@ -67,11 +69,14 @@ class StepPlan:
             past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
             new_lengths=new,
             logits_positions=np.minimum(np.arange(width, dtype=np.int64)[None, :], (new - 1)[:, None]),
+            adapters=np.array([s.adapter_slot for s in self.decode], dtype=np.int64)
+            if any(s.adapter_slot for s in self.decode) else None,
         )
 
     def prefill_batch(self) -> StepBatch:
         assert self.prefill is not None and self.prefill.slot is not None
-        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
+        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start,
+                                adapter=self.prefill.adapter_slot)
 
 
 def prefill_take(remaining: int, chunk: int) -> int:

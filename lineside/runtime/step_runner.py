@@ -40,6 +40,8 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
     session's chunk (last: requests first)."""
     out = StepOutcome()
     try:
+        for load in plan.adapter_loads:
+            backend.load_adapter(load.slot, load.adapter)  # type: ignore[attr-defined] (a LoraBackend)
         for op in plan.ops:
             if op.kind == SlotOpKind.COPY:
                 backend.copy_slot(op.src, op.dst, op.length)

@@ -74,6 +74,13 @@ def serve(
              "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp; a request's "
              "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR (repeat; the bundle's own adapters, "
+             "`lineside lora list`, are served too)")] = None,
+    max_loras: Annotated[int | None, checks.number_option(
+        low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
+    max_lora_rank: Annotated[int | None, checks.number_option(
+        low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
     session_ttl: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS,
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
@@ -102,6 +109,14 @@ def serve(
         from lineside.runtime.speculative.proposers import check_proposer
 
         check_proposer(spec, open_bundle(bundle, verify=False))
+    lora = None
+    if lora_modules or manifest.adapters or max_loras or max_lora_rank:
+        from lineside.bundle import Bundle
+        from lineside.runtime.adapters import parse_lora_module, serving_config
+
+        modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
+        lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
+                              max_rank=max_lora_rank)
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
@@ -129,7 +144,7 @@ def serve(
                              session_ttl=session_ttl, max_sessions=max_sessions)
         if spec is not None:
             engine_kwargs["speculative"] = spec
-        engine = load_in_background(bundle, engine_kwargs)
+        engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
         from lineside.server.app import create_app
         from lineside.server.browser_guard import is_loopback
         from lineside.server.http_limits import HttpLimits
@@ -146,7 +161,7 @@ def serve(
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
-                         max_sessions=max_sessions)
+                         max_sessions=max_sessions, lora=lora)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

@@ -134,7 +134,9 @@ async def prefill(request: Request) -> Any:
     state = _state(request)
     try:
         body = _parse(await request.json())
-        _check_model(state, body.model)
+        if _check_model(state, body.model) is not None:  # a session's KV is the base model's (scheduler.py)
+            raise APIError(400, f"prefill sessions run on the base model, not on the LoRA adapter {body.model!r}; "
+                                "send the base model's name (or none)", "unsupported_value", param="model")
         session = _session_param(body.session_id)
         header = request.headers.get("x-session-id")
         if header is not None and header != session:

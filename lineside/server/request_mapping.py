@@ -224,7 +224,8 @@ def session_id(req: ChatCompletionRequest | CompletionRequest, headers: Any) -> 
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0, constraint: Constraint | None = None,
-                   logprobs: int | None = None, session: str | None = None) -> GenerationRequest:
+                   logprobs: int | None = None, session: str | None = None,
+                   adapter: str | None = None) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""
     sampling = sampling_params(req)
@@ -233,7 +234,8 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
                              constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False,
-                             session_id=session, keep_session=bool(req.keep_session) and session is not None)
+                             session_id=session, keep_session=bool(req.keep_session) and session is not None,
+                             adapter=adapter)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

@@ -157,6 +157,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lineside"
     max_model_len: int | None = None
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

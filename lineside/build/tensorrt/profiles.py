@@ -82,8 +82,10 @@ def _state_shape(st: StateTensor, dims: dict[str, int], b: int, p: int) -> Dims:
     return tuple(out)
 
 
-def derive_profiles(flavor: FlavorEntry, cfg: ModelConfig, lim: Limits) -> list[ProfileSpec]:
-    """[decode, prefill] profiles for the trt graph's inputs (names from the manifest's flavor entry)."""
+def derive_profiles(flavor: FlavorEntry, cfg: ModelConfig, lim: Limits,
+                    lora: dict[str, tuple[int, ...]] | None = None) -> list[ProfileSpec]:
+    """[decode, prefill] profiles for the trt graph's inputs (names from the manifest's flavor entry); ``lora``:
+    the LoRA graph's stacked adapter tensors and their (fixed) shapes, beside the per-row ``lora_slots``."""
     inputs, states = list(flavor.inputs), list(flavor.state)
     dims = state_dims(cfg) | {"max_seq": lim.max_seq}
     b_opt = min(lim.max_batch, 4)
@@ -117,5 +119,9 @@ def derive_profiles(flavor: FlavorEntry, cfg: ModelConfig, lim: Limits) -> list[
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], ps[i]) for i in range(3))  # type: ignore[assignment]
             else:
                 spec.shapes[st.input] = tuple(_state_shape(st, dims, bs[i], p_max) for i in range(3))  # type: ignore[assignment]
+        if lora is not None:
+            spec.shapes["lora_slots"] = tuple((bs[i],) for i in range(3))  # type: ignore[assignment]
+            for name, shape in lora.items():
+                spec.shapes[name] = (shape, shape, shape)
         out.append(spec)
     return out
