@@ -21,7 +21,7 @@ from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import SpeculativeConfig
-from lineside.runtime.speculative.verify import verify
+from lineside.runtime.speculative.verify import verify_drafts
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Generator:
         pos = len(prompt_ids)
         self.steps, self.drafted, self.accepted = 1, 0, 0
         if self.speculative is not None:
-            yield from self._speculate(sampler, logits, history, max_tokens, stop_at_eos)
+            yield from self._speculate(sampler, logits, history, max_tokens, stop_at_eos, matcher)
             return
         for _ in range(max_tokens):
             allowed = None if matcher is None else matcher.allowed()
@@ -98,35 +98,44 @@ class Generator:
             self.steps += 1
 
     def _speculate(self, sampler: Sampler, logits: np.ndarray, history: list[int], max_tokens: int,
-                   stop_at_eos: bool) -> Iterator[int]:
-        """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
+                   stop_at_eos: bool, matcher: GrammarMatcher | None) -> Iterator[int]:
+        """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py);
+        under a grammar only the drafts it accepts are proposed."""
         assert self.speculative is not None
         proposer = self.speculative.proposer()
         length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
         prompt_len = len(history)
-        new = [sampler(logits, history, prompt_len)]
+
+        def grammatical(drafts: list[int]) -> list[int]:
+            return drafts if matcher is None or not drafts else drafts[:matcher.validate(drafts)]
+
+        new = [sampler.step(logits, history, prompt_len,
+                            allowed=None if matcher is None else matcher.allowed()).token]
         while True:
             for tok in new:
+                if matcher is not None and not matcher.accept(tok):
+                    raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
                 if stop_at_eos and tok in self.eos_ids:
                     return
                 yield tok
                 history.append(tok)
-                if len(history) - prompt_len >= max_tokens:
+                if len(history) - prompt_len >= max_tokens or (matcher is not None and matcher.finished):
                     return
             room = min(max_tokens - (len(history) - prompt_len) - 1, self.backend.max_seq_len - len(history))
-            drafts = proposer.propose(history, min(length.k, room)) if room > 0 and length.k > 0 else []
-            shadow = proposer.propose(history, 1) if room > 0 and length.k == 0 and proposer.cheap else []
+            drafts = grammatical(proposer.propose(history, min(length.k, room))) if room > 0 and length.k > 0 else []
+            shadow = grammatical(proposer.propose(history, 1)) if room > 0 and length.k == 0 and proposer.cheap else []
             ids = [history[-1], *drafts]
             rows = self.backend.forward(StepBatch.single(0, ids, len(history) - 1, all_logits=True))[0]
             self.steps += 1
             if drafts:
-                kept, tok = verify(sampler, rows, drafts, history, prompt_len)
-                length.observe(len(drafts), len(kept))
+                v = verify_drafts(sampler, rows, drafts, history, prompt_len, matcher=matcher)
+                length.observe(len(drafts), len(v.kept))
                 self.drafted += len(drafts)
-                self.accepted += len(kept)
-                new = [*kept, tok]
+                self.accepted += len(v.kept)
+                new = [*v.kept, v.token]
             else:
-                new = [sampler(rows[0], history, prompt_len)]
+                new = [sampler.step(rows[0], history, prompt_len,
+                                    allowed=None if matcher is None else matcher.allowed()).token]
                 if shadow:  # at draft length 0, a free guess checked against the sample lets it grow back
                     length.observe(1, int(new[0] == shadow[0]))
 
