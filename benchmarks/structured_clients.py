@@ -86,6 +86,35 @@ def langchain_method(llm, method: str, cases, verbose: bool) -> Tally:
     return t
 
 
+def _args_validate(arguments: str) -> bool:
+    """A call's arguments parse as JSON and carry the schema's required keys (a call cut at max_tokens does not)."""
+    try:
+        args = json.loads(arguments)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(args, dict) and set(SCHEMA["required"]) <= set(args)
+
+
+def tool_calls(client, name: str, limit: int | None, verbose: bool) -> Tally:
+    """tool_choice required and a named function on the defect texts: the calls parse against the tool schema."""
+    calls = Tally("openai client tool calls required / named")
+    for text in DEFECT_TEXTS[:limit]:
+        for choice in ("required", {"type": "function", "function": {"name": "report_defect"}}):
+            calls.n += 1
+            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
+                                               tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
+            calls.tokens.append(r.usage.completion_tokens)
+            got = r.choices[0].message.tool_calls or []
+            ok = bool(got) and all(c.function.name == "report_defect" for c in got)
+            calls.parsed += ok
+            valid = ok and all(_args_validate(c.function.arguments) for c in got)
+            calls.valid += valid
+            if verbose and not valid:
+                print(f"tool call {choice!r} not validated ({r.choices[0].finish_reason}): "
+                      f"{[c.function.arguments[:120] for c in got]!r}")
+    return calls
+
+
 def main() -> None:
     import openai
     from langchain_openai import ChatOpenAI
@@ -112,22 +141,14 @@ def main() -> None:
             llm = ChatOpenAI(base_url=base, api_key="x", model=name, temperature=0, max_retries=0,
                              timeout=600, max_tokens=300)
             t0 = time.perf_counter()
-            rows = [langchain_method(llm, m, json_mode_prompts(a.limit) if m == "json_mode" else prompts(a.limit),
-                                     a.verbose) for m in a.methods.split(",") if m != "tools"]
-            calls = Tally("openai client tool calls required / named")
-            for text in DEFECT_TEXTS[:a.limit] if "tools" in a.methods.split(",") else []:
-                for choice in ("required", {"type": "function", "function": {"name": "report_defect"}}):
-                    calls.n += 1
-                    r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
-                                                       tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
-                    calls.tokens.append(r.usage.completion_tokens)
-                    got = r.choices[0].message.tool_calls or []
-                    ok = bool(got) and all(c.function.name == "report_defect" for c in got)
-                    calls.parsed += ok
-                    calls.valid += ok and all(set(SCHEMA["required"]) <= set(json.loads(c.function.arguments))
-                                              for c in got)
-            if calls.n:
-                rows.append(calls)
+            rows = []
+            for m in a.methods.split(","):
+                if m == "tools":
+                    rows.append(tool_calls(client, name, a.limit, a.verbose))
+                else:
+                    rows.append(langchain_method(llm, m, json_mode_prompts(a.limit) if m == "json_mode"
+                                                 else prompts(a.limit), a.verbose))
+                print("row:", rows[-1].row(), flush=True)  # as each finishes: a long run's rows survive
             print(f"SmolLM2 {bundle}, {a.threads} threads, greedy, speculative {'ngram' if spec else 'off'}, "
                   f"{time.perf_counter() - t0:.0f} s")
             print("| method | requests | parsed | validated | grounded | mean tokens |")
