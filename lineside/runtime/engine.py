@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from lineside.runtime.request import (
 )
 from lineside.runtime.scheduler import ACCEPTANCE_BUCKETS, Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
+from lineside.runtime.sessions import SessionInfo, SessionStore, SessionsUnsupported, check_session_id
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
@@ -65,6 +67,13 @@ class EngineStats:
     # acceptance rate per verifying row and step: (bucket upper bounds, rows in each bucket, sum of rates)
     spec_acceptance: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
+    sessions: int = 0  # prefill sessions held
+    session_pinned_blocks: int = 0  # KV blocks their pinned slots hold
+    session_hits: int = 0  # completions that started from a session's KV
+    session_tokens_saved: int = 0  # prompt tokens those completions did not compute
+    session_prefill_tokens: int = 0  # tokens computed for sessions in idle capacity
+    sessions_expired: int = 0
+    sessions_evicted: int = 0  # released early: running requests needed the memory
 
 
 class LLMEngine:
@@ -74,7 +83,8 @@ class LLMEngine:
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
+                 session_every: int = 4, session_busy_chunk: int = 32):
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
@@ -106,12 +116,17 @@ class LLMEngine:
         if speculative is not None and any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
             raise LinesideError(f"--speculative {speculative.method} is not supported for this model yet: its decode "
                                "state has whole-state tensors that a rejected draft would advance")
+        # A session is a prefix of a slot's state kept for a later prompt: whole-state tensors cannot be kept so.
+        self.whole_state = any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
+        sessions = None if self.whole_state or max_sessions == 0 else SessionStore(session_ttl, max_sessions)
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
                                    contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,
                                    proposer=None if speculative is None else speculative.proposer(),
                                    spec_tokens=0 if speculative is None else speculative.num_tokens,
                                    spec_max_rows=_spec_max_rows(self.backend, speculative),
-                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
+                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
+                                   sessions=sessions, session_every=session_every,
+                                   session_busy_chunk=session_busy_chunk)
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -121,6 +136,8 @@ class LLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._step_lock = threading.Lock()
+        # One thread runs every step (not the default pool's rotating threads: warm caches, no context copy).
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineside-step")
         self._closed = False
         self._steps = 0
         self._prompt_total = 0
@@ -136,7 +153,7 @@ class LLMEngine:
             raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        await asyncio.to_thread(self._warmup)
+        await self._loop.run_in_executor(self._stepper, self._warmup)
         self.ready = True
         self._task = asyncio.create_task(self._run(), name="lineside-engine")
         if self._incoming:
@@ -161,6 +178,7 @@ class LLMEngine:
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
             self._abort(seq, FinishReason.CANCELLED)
+        self._drop_sessions()
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -169,12 +187,15 @@ class LLMEngine:
             if not self._closed:
                 self._closed = True
                 self.backend.close()
+        self._stepper.shutdown(wait=False)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
         validate_request(req, self.vocab_size, self.max_seq_len)
+        if req.session_id is not None:
+            check_session_id(req.session_id)
         if len(self._incoming) + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
         if req.request_id in self._seqs:
@@ -191,6 +212,60 @@ class LLMEngine:
         self._kick()
         return handle
 
+    # ---- prefill sessions ---------------------------------------------------------------------------
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
+        """Have ``session_id`` cache the KV of ``prompt_ids[:stable]`` (computed in idle capacity; this returns at
+        once). Raises EngineDraining, SessionsUnsupported, SessionLimitError or LinesideError (bad input)."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down: prefill sessions cannot be made or extended here; "
+                                 "send the prompt to another instance")
+        self._check_sessions()
+        check_session_id(session_id)
+        validate_request(GenerationRequest(prompt_ids=list(prompt_ids)), self.vocab_size, self.max_seq_len)
+        if not self.arena.fits_ever(len(prompt_ids) + 1):
+            raise LinesideError(f"the prompt needs more KV than the engine's {self.arena.total_blocks} blocks of "
+                               f"{self.arena.block_size}; shorten it")
+        now = self.clock()
+        self.expire_sessions()
+        info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
+        self._kick()
+        return info
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        """A session's state, or None when there is no such session (never made, expired, released)."""
+        self._check_sessions()
+        check_session_id(session_id)
+        self.expire_sessions()
+        s = self.scheduler.sessions.get(session_id)
+        return None if s is None else s.info(self.clock())
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session now (its client gave the prompt up); False when there is no such session."""
+        self._check_sessions()
+        check_session_id(session_id)
+        s = self.scheduler.sessions.get(session_id)
+        if s is None:
+            return False
+        self.scheduler.release_session(s)
+        return True
+
+    def expire_sessions(self) -> int:
+        """Release the sessions past their TTL (also done each step and at each stats read); how many."""
+        return self.scheduler.expire_sessions(self.clock())
+
+    def _check_sessions(self) -> None:
+        if self.scheduler.sessions is None:
+            why = ("its decode state has whole-state tensors (DeepSeek-V4's compressor state and window are replaced "
+                   "each step), which cannot be cut back to a shared prefix" if self.whole_state
+                   else "it was started with no sessions (max_sessions 0)")
+            raise SessionsUnsupported(f"this engine keeps no prefill sessions: {why}; send the whole prompt to "
+                                      "the completion endpoint")
+
+    def _drop_sessions(self) -> None:
+        store = self.scheduler.sessions
+        for s in list(store.by_id.values()) if store is not None else []:
+            self.scheduler.release_session(s)
+
     @property
     def grammar(self) -> GrammarCompiler:
         """The structured-output compiler for this model's tokenizer, made on first use (about a second: it
@@ -206,6 +281,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         a, s = self.arena, self.scheduler
+        store = s.sessions
+        if store is not None:
+            self.expire_sessions()
         used = a.used_blocks
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting) + len(self._incoming), num_slots=a.num_slots,
@@ -215,7 +293,11 @@ class LLMEngine:
             preemptions=s.preemptions, spec_draft_tokens_total=s.spec_drafted,
             spec_accepted_tokens_total=s.spec_accepted, spec_verify_rows_total=s.spec_steps,
             spec_acceptance=(ACCEPTANCE_BUCKETS, tuple(s.spec_rate_counts), s.spec_rate_sum),
-            requests=dict(self._outcomes))
+            requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
+            **({} if store is None else dict(
+                sessions=len(store), session_hits=store.hits, session_tokens_saved=store.tokens_saved,
+                session_prefill_tokens=store.prefill_tokens, sessions_expired=store.expired,
+                sessions_evicted=store.evicted)))
 
     # ---- loop -------------------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -240,14 +322,14 @@ class LLMEngine:
                 self._deliver(self.scheduler.expire())
                 plan = self.scheduler.schedule()
                 if plan.empty:
-                    await self._wake.wait()
+                    await self._idle()
                     continue
-                out = await asyncio.to_thread(self._execute, plan)
+                out = await self._loop.run_in_executor(self._stepper, self._execute, plan)
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
                 self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
-                                                         accepted=out.accepted))
+                                                         accepted=out.accepted, session_error=out.session_error))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an engine bug must not leave clients waiting forever
@@ -255,7 +337,22 @@ class LLMEngine:
                 for seq in list(self._seqs.values()):
                     with contextlib.suppress(Exception):
                         self._abort(seq, FinishReason.ERROR, msg)
-            await asyncio.sleep(0)  # let the server's tasks run between steps
+                await asyncio.sleep(0)
+            # No yield here: the next step is planned and handed to the worker first, so the streams' chunks for
+            # this step are encoded and written while it runs (not on the decode's critical path).
+
+    async def _idle(self) -> None:
+        """Wait for work; with sessions held, wake by their next expiry to release their blocks."""
+        assert self._wake is not None
+        store = self.scheduler.sessions
+        due = store.next_expiry() if store is not None else None
+        timer = None if due is None or self._loop is None else self._loop.call_later(
+            min(60.0, max(0.01, due - self.clock())), self._wake.set)  # not wait_for: it can swallow a cancel
+        try:
+            await self._wake.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _intake(self) -> None:
         while self._incoming:

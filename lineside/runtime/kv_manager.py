@@ -113,6 +113,12 @@ class KVCacheArena:
         """Release ``slot``; its KV stays cached for prefix reuse until the slot is given out again."""
         self.owner[slot], self.reserved[slot] = None, 0
 
+    def hand_over(self, slot: int, owner: Any, reserve_tokens: int, keep: int) -> None:
+        """Give ``slot`` (free, or held by a prefill session or a request) to ``owner`` with its first ``keep``
+        positions' KV: a session lending its KV to the completion that extends it, or keeping a finished one's."""
+        self.owner[slot], self.reserved[slot] = owner, self.blocks_for(reserve_tokens)
+        self.truncate(slot, keep)
+
     def move(self, src: int, dst: int) -> None:
         """Move a request (its KV, reservation and ownership) from ``src`` to the free slot ``dst``."""
         assert self.owner[dst] is None and self.owner[src] is not None

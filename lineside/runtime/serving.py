@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lineside.bundle import Bundle
 from lineside.runtime.request import GenerationRequest, RequestHandle
+from lineside.runtime.sessions import SessionInfo
 from lineside.runtime.structured import GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
@@ -43,4 +44,16 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats:
         """Live counters for /metrics."""
+        ...
+
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
+        """Cache ``prompt_ids[:stable]``'s KV under a prefill session (POST /v1/prefill); returns at once."""
+        ...
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        """A prefill session's state, None when there is none."""
+        ...
+
+    def release_session(self, session_id: str) -> bool:
+        """End a prefill session now; False when there is none."""
         ...

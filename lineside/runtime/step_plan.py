@@ -1,4 +1,5 @@
-"""What one engine step is: slot ops, the decode batch, at most one prefill chunk — and their backend batches.
+"""What one engine step is: slot ops, the decode batch, at most one prefill chunk (a request's, or else a prefill
+session's) — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
 reads it back to apply the outcome; the plan itself changes nothing.
@@ -7,12 +8,26 @@ reads it back to apply the outcome; the plan itself changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.kv_manager import SlotOp
 from lineside.runtime.sequence import Sequence
+
+
+@dataclass
+class SessionChunk:
+    """KV for a prefill session's tokens ``start..start+len(tokens)`` in its pinned ``slot``; no logits are used."""
+
+    session: Any  # a sessions.PrefillSession
+    slot: int
+    start: int
+    tokens: list[int]
+
+    def batch(self) -> StepBatch:
+        return StepBatch.single(self.slot, self.tokens, self.start)
 
 
 @dataclass
@@ -26,10 +41,11 @@ class StepPlan:
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_last: bool = False  # this chunk completes the fill
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
+    session: SessionChunk | None = None  # idle-capacity work: only in a step without a request's prefill chunk
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops)
+        return not (self.decode or self.prefill or self.ops or self.session)
 
     def decode_batch(self) -> StepBatch:
         """Each row feeds its pending token, then its drafts (right-padded), with logits at every one."""

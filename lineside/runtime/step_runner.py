@@ -33,10 +33,11 @@ class StepOutcome:
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
     # for the sequences that asked: one per emitted token (the kept drafts', then the sampled one's)
     logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
+    session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
 
 
 def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
-    """Slot ops, then the decode batch, then the prefill chunk."""
+    """Slot ops, then the decode batch, then the prefill chunk, then a prefill session's chunk (last: requests first)."""
     out = StepOutcome()
     try:
         for op in plan.ops:
@@ -46,7 +47,8 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 backend.reset_slot(op.dst)
     except Exception as e:
         msg = error_line(e)
-        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]})
+        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]},
+                           session_error=msg if plan.session is not None else None)
     if plan.decode:
         try:
             logits = backend.forward(plan.decode_batch())
@@ -72,6 +74,11 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:
             out.errors[seq] = error_line(e)
+    if plan.session is not None:
+        try:
+            backend.forward(plan.session.batch())
+        except Exception as e:
+            out.session_error = error_line(e)
     return out
 
 

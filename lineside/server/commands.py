@@ -39,6 +39,11 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    max_connections_per_client: Annotated[int, checks.number_option(
+        low=0, high=1_000_000, help="open connections one client address may hold (beyond: 429, closed; 0: no "
+                                     "limit, e.g. behind a gateway that is one address)")] = 128,
+    max_connections: Annotated[int, checks.number_option(
+        low=1, high=1_000_000, help="open connections in all (beyond: 503, closed)")] = 1024,
     tokenizer_processes: Annotated[int, checks.number_option(
         low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, checks.number_option(
@@ -67,6 +72,11 @@ def serve(
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
+    session_ttl: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS,
+        help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
+    max_sessions: Annotated[int, checks.number_option(
+        low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none)")] = 64,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -101,14 +111,15 @@ def serve(
     from lineside.server.auth import resolve_api_key
 
     key = resolve_api_key(api_key, api_key_file)
-    from lineside.server.serve import bind_socket, run
+    from lineside.server.bind import bind_socket
 
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
         # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
-        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
+                             session_ttl=session_ttl, max_sessions=max_sessions)
         if spec is not None:
             engine_kwargs["speculative"] = spec
         engine = load_in_background(bundle, engine_kwargs)
@@ -127,12 +138,16 @@ def serve(
                          served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
-                         slo_policy=policy, engine_future=engine, speculative=spec)
+                         slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
+                         max_sessions=max_sessions)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                            keep_alive_timeout=keep_alive_timeout)
+                            keep_alive_timeout=keep_alive_timeout,
+                            max_connections_per_client=max_connections_per_client, max_connections=max_connections)
     except BaseException:
         sock.close()
         raise
+    from lineside.server.serve import run  # uvicorn: imported while the engine loads
+
     run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
 
 

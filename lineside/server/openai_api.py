@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
+from lineside.runtime.bounded_encode import PromptTooLong
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
@@ -86,7 +87,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
                                tools=tuple(tools), named=tool_choice.name)
         size = sum(len(m["content"] or "") for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                     max_tokens=_prompt_limit(state)), param="messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
@@ -111,8 +113,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
-        prompts = await _offload(size, request_mapping.completion_prompts, body, state.tokenizer,
-                                 _vocab_size(state))
+        prompts = await _offload(size, functools.partial(request_mapping.completion_prompts, body, state.tokenizer,
+                                                         _vocab_size(state), max_tokens=_prompt_limit(state)),
+                                 param="prompt")
         budgets = [request_mapping.token_budget(len(ids), body.max_tokens, 16, context=state.engine.max_seq_len,
                                                 param="max_tokens", prompt_param="prompt")
                    for ids in prompts]
@@ -153,7 +156,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                   state.engine.max_seq_len, param="input")
         constraint = await _checked(state, responses_api.text_constraint(body))
         ids = await _offload(sum(len(m["content"]) for m in messages),
-                             functools.partial(state.tokenizer.encode_chat, messages))
+                             functools.partial(state.tokenizer.encode_chat, messages,
+                                               max_tokens=_prompt_limit(state)), param="input")
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")
         priority, mode = request_mapping.priority(request.headers)
@@ -202,6 +206,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
         n = request_mapping.choices_per_prompt(body, len(prompts))
+        session = request_mapping.session_id(body, request.headers)
     except APIError:
         state.metrics.reject("invalid")
         raise
@@ -225,7 +230,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
                     request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
-                    logprobs=None if output is None else output.top_logprobs)
+                    logprobs=None if output is None else output.top_logprobs,
+                    session=session if len(prompts) * n == 1 else None)  # one choice can extend a session
                 handle = engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
@@ -261,11 +267,20 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
-async def _offload(size: int, fn: Any, *args: Any) -> Any:
-    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster)."""
-    if size > _INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+async def _offload(size: int, fn: Any, *, param: str) -> Any:
+    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster). A prompt
+    found longer than the context while tokenizing is a 400 context_length_exceeded naming ``param``."""
+    try:
+        if size > _INLINE_CHARS:
+            return await asyncio.to_thread(fn)
+        return fn()
+    except PromptTooLong as e:
+        raise prompt_limits.too_long(e, param=param) from None
+
+
+def _prompt_limit(state: ServerState) -> int:
+    """The most prompt tokens worth encoding: one more and nothing can be generated (token_budget's rule)."""
+    return max(int(state.engine.max_seq_len) - 1, 0)
 
 
 def _vocab_size(state: ServerState) -> int:

@@ -72,6 +72,10 @@ class _Sampling(BaseModel):
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")
+    session_id: str | None = Field(None, description="a prefill session (POST /v1/prefill) whose KV this prompt "
+                                                     "extends; the X-Session-Id header says the same")
+    keep_session: bool | None = Field(None, description="true: the session keeps this prompt's KV for the next "
+                                                        "turn (default: it ends with this completion)")
 
 
 class ChatCompletionRequest(_Sampling):
