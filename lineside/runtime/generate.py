@@ -23,7 +23,7 @@ from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import DraftRow, ModelProposer, Proposer, SpeculativeConfig
 from lineside.runtime.speculative.proposers import check_speculation, make_proposer
-from lineside.runtime.speculative.verify import verify
+from lineside.runtime.speculative.verify import verify_drafts
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Generator:
         pos = len(prompt_ids)
         self.steps, self.drafted, self.accepted = 1, 0, 0
         if self.speculative is not None:
-            yield from self._speculate(sampler, logits, history, max_tokens, stop_at_eos)
+            yield from self._speculate(sampler, logits, history, max_tokens, stop_at_eos, matcher)
             return
         for _ in range(max_tokens):
             allowed = None if matcher is None else matcher.allowed()
@@ -103,57 +103,69 @@ class Generator:
             self.steps += 1
 
     def _speculate(self, sampler: Sampler, logits: np.ndarray, history: list[int], max_tokens: int,
-                   stop_at_eos: bool) -> Iterator[int]:
-        """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
+                   stop_at_eos: bool, matcher: GrammarMatcher | None) -> Iterator[int]:
+        """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py);
+        under a grammar only the drafts it accepts are proposed."""
         assert self.speculative is not None
         if self._proposer is None or self._proposer[0] != self.speculative:  # a draft model loads once
             check_speculation(self.backend, self.speculative)
             if self._proposer is not None and hasattr(self._proposer[1], "close"):
                 self._proposer[1].close()
             self._proposer = (self.speculative, make_proposer(self.speculative, self.bundle, self.backend))
-        yield from self._verify_loop(self._proposer[1], sampler, logits, history, max_tokens, stop_at_eos)
+        yield from self._verify_loop(self._proposer[1], sampler, logits, history, max_tokens=max_tokens,
+                                     stop_at_eos=stop_at_eos, matcher=matcher)
 
     def _verify_loop(self, proposer: Proposer | ModelProposer, sampler: Sampler, logits: np.ndarray,
-                     history: list[int], max_tokens: int, stop_at_eos: bool) -> Iterator[int]:
+                     history: list[int], *, max_tokens: int, stop_at_eos: bool,
+                     matcher: GrammarMatcher | None) -> Iterator[int]:
         assert self.speculative is not None
         length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
                              draft_cost=float(getattr(proposer, "cost", 0.0)))
         prompt_len = len(history)
-        new = [sampler(logits, history, prompt_len)]
+
+        def grammatical(drafts: list[int]) -> list[int]:
+            return drafts if matcher is None or not drafts else drafts[:matcher.validate(drafts)]
+
+        new = [sampler.step(logits, history, prompt_len,
+                            allowed=None if matcher is None else matcher.allowed()).token]
         while True:
             for tok in new:
+                if matcher is not None and not matcher.accept(tok):
+                    raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
                 if stop_at_eos and tok in self.eos_ids:
                     return
                 yield tok
                 history.append(tok)
-                if len(history) - prompt_len >= max_tokens:
+                if len(history) - prompt_len >= max_tokens or (matcher is not None and matcher.finished):
                     return
             room = min(max_tokens - (len(history) - prompt_len) - 1, self.backend.max_seq_len - len(history))
             k = min(length.budget(proposer.cheap), room)
             drafts, probs, shadow = [], None, []
             if k > 0 and hasattr(proposer, "propose_rows"):
                 d = proposer.propose_rows([DraftRow(0, list(history), k, sampler, prompt_len)])[0]
-                drafts, probs = d.tokens, d.probs
+                drafts = grammatical(d.tokens)
+                probs = None if d.probs is None else d.probs[:len(drafts)]
             elif k > 0:
-                drafts = proposer.propose(history, k)
+                drafts = grammatical(proposer.propose(history, k))
             elif room > 0 and proposer.cheap:
-                shadow = proposer.propose(history, 1)
+                shadow = grammatical(proposer.propose(history, 1))
             ids = [history[-1], *drafts]
             whole = drafts and any(s.update == StateUpdate.REPLACE for s in getattr(self.backend, "states", []))
             saved = self.backend.save_rows([0]) if whole else None  # type: ignore[attr-defined]
             rows = self.backend.forward(StepBatch.single(0, ids, len(history) - 1, all_logits=True))[0]
             self.steps += 1
             if drafts:
-                kept, tok = verify(sampler, rows, drafts, history, prompt_len, probs)
-                if saved is not None and len(kept) < len(drafts):  # whole state back to the accepted length
+                v = verify_drafts(sampler, rows, drafts, history, prompt_len, matcher=matcher, probs=probs)
+                if saved is not None and len(v.kept) < len(drafts):  # whole state back to the accepted length
                     self.backend.restore_rows(saved, 0)  # type: ignore[attr-defined]
-                    self.backend.forward(StepBatch.single(0, ids[:1 + len(kept)], len(history) - 1))
-                length.observe(len(drafts), len(kept))
+                    self.backend.forward(StepBatch.single(0, ids[:1 + len(v.kept)], len(history) - 1))
+                length.observe(len(drafts), len(v.kept))
                 self.drafted += len(drafts)
-                self.accepted += len(kept)
-                new = [*kept, tok]
+                self.accepted += len(v.kept)
+                new = [*v.kept, v.token]
             else:
-                new = [sampler(rows[0], history, prompt_len)]
+                new = [sampler.step(rows[0], history, prompt_len,
+                                    allowed=None if matcher is None else matcher.allowed()).token]
                 if shadow:  # at draft length 0, a free guess checked against the sample lets it grow back
                     length.observe(1, int(new[0] == shadow[0]))
 

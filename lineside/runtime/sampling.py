@@ -118,6 +118,14 @@ class Sampler:
             tok = self._sample(x, logits, allowed)
             return SampleResult(tok, None if logprobs is None else token_logprob(x, tok, logprobs))
 
+    def logprob(self, logits: np.ndarray, token: int, history: list[int] | None = None, prompt_len: int = 0, *,
+                allowed: np.ndarray | None = None, top_n: int = 0) -> TokenLogprob:
+        """What ``step`` reports for ``token`` at this position (speculative verification emits tokens it did
+        not sample here, and reports them as plain decoding would)."""
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return token_logprob(self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed),
+                                 token, top_n)
+
     def distribution(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0, *,
                      allowed: np.ndarray | None = None) -> int | np.ndarray:
         """What ``step`` samples from: the token itself when the choice is deterministic (greedy), else the

@@ -28,7 +28,9 @@ Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's dra
 context leave room for, none while replaying — and the step scores them with the pending token in one
 multi-token forward. A model proposer (a draft bundle, layerskip) only gets each row's budget here; it runs
 in the step, in the worker thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
-the positions written for rejected drafts lie past it and are overwritten by the next step. Kept drafts
+the positions written for rejected drafts lie past it and are overwritten by the next step. A row under a
+grammar only proposes the drafts its matcher accepts, and each is verified against the masked distribution
+plain decoding would use at its position (speculative/verify.py). Kept drafts
 and the sampled token then go through ``on_token`` one by one, so stop tokens, stop strings and
 max_tokens drop whatever follows them. (With accuracy level 4 a multi-token step's logits differ in
 the last bits from a 1-token step's, so speculation is lossless at level 0, see tests/runtime.)
@@ -89,9 +91,8 @@ class Scheduler(SessionSlots):
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        # a grammar or logprobs are per sampled token: such rows decode one token at a time (no drafts)
-        speculates = seq.req.speculative and seq.matcher is None and seq.logprobs is None
-        if self.proposer is not None and speculates and seq.draft_length is None:
+        # rows under a grammar speculate too: their drafts are cut where the grammar rejects one (``_drafts``)
+        if self.proposer is not None and seq.req.speculative and seq.draft_length is None:
             seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost,
                                            draft_cost=float(getattr(self.proposer, "cost", 0.0)))
         self.waiting.append(seq)
@@ -122,13 +123,14 @@ class Scheduler(SessionSlots):
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
-                    now: float | None = None, logprobs: dict[Sequence, TokenLogprob] | None = None,
+                    now: float | None = None, logprobs: dict[Sequence, list[TokenLogprob]] | None = None,
                     accepted: dict[Sequence, list[int]] | None = None,
                     session_error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
-        sequences whose backend call failed, ``logprobs`` of the sampled tokens that asked for them,
-        ``accepted``: the drafts each verifying row kept (they come before its sampled token),
-        ``session_error``: the session chunk failed. Returns the events to deliver, in order."""
+        sequences whose backend call failed, ``logprobs`` of the emitted tokens for the rows that asked
+        (one per kept draft, then the sampled token's), ``accepted``: the drafts each verifying row kept
+        (they come before its sampled token), ``session_error``: the session chunk failed. Returns the
+        events to deliver, in order."""
         now = self.clock() if now is None else now
         accepted = accepted or {}
         self._session_applied(plan, session_error)
@@ -163,11 +165,12 @@ class Scheduler(SessionSlots):
                 pf.status = Status.DECODE
         for seq, tok in sampled.items():
             kept = accepted.get(seq, [])
+            lps = (logprobs or {}).get(seq, [])
             for j, t in enumerate([*kept, tok]):
                 if seq.status == Status.FINISHED:
                     break
                 self.generated_tokens += 1
-                ev = seq.on_token(t, now, (logprobs or {}).get(seq) if j == len(kept) else None)
+                ev = seq.on_token(t, now, lps[j] if j < len(lps) else None)
                 if ev.finish_reason is not None:
                     self._finish(seq, now)
                 events.append((seq, ev))
@@ -196,15 +199,23 @@ class Scheduler(SessionSlots):
             k = dl.budget(self.proposer.cheap)
             if k == 0:
                 if self.proposer.cheap:
-                    guess = self.proposer.propose(seq.tokens, 1)
+                    guess = self._grammatical(seq, self.proposer.propose(seq.tokens, 1))
                     seq.shadow = guess[0] if guess else None
                 continue
             if batched:
                 plan.draft_budget[seq] = min(k, room)
                 continue
-            drafts = self.proposer.propose(seq.tokens, min(k, room))
+            drafts = self._grammatical(seq, self.proposer.propose(seq.tokens, min(k, room)))
             if drafts:
                 plan.drafts[seq] = drafts
+
+    @staticmethod
+    def _grammatical(seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the row's grammar rejects (all of them without a grammar): a
+        token the mask would forbid can never be kept, so it is not worth scoring."""
+        if seq.matcher is None or not drafts:
+            return drafts
+        return drafts[:seq.matcher.validate(drafts)]
 
     def expire(self, now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Finish the cancelled and the timed-out sequences (waiting or running), release expired prefill

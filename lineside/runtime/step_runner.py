@@ -3,7 +3,9 @@
 It only reads the sequences: what the step did to them is the scheduler's ``postprocess``, back on
 the event loop. A failing backend call fails only the sequences in that call; a failing slot op
 fails the whole step, because the slots it touched can't be trusted. Rows under a grammar get their
-token masks computed together (``structured.fill_masks``) and applied in the sampler.
+token masks computed together (``structured.fill_masks``) and applied in the sampler; a verifying row's
+later positions get theirs from its matcher advanced through the kept drafts (speculative/verify.py),
+which is rolled back before the step returns.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.speculative.config import DraftRow, ModelProposer
-from lineside.runtime.speculative.verify import verify
+from lineside.runtime.speculative.verify import verify_drafts
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.structured import fill_masks, new_bitmask, unpack_bitmask
 
@@ -31,7 +33,8 @@ class StepOutcome:
     sampled: dict[Sequence, int] = field(default_factory=dict)  # the token sampled for each sequence
     accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # drafts kept, before its sampled token
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
-    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for the sequences that asked
+    # for the sequences that asked: one per emitted token (the kept drafts', then the sampled one's)
+    logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
     session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
 
 
@@ -60,11 +63,15 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
                 drafts = plan.drafts.get(seq)
-                if drafts:  # rows with a grammar or logprobs never carry drafts (Scheduler._drafts)
-                    out.accepted[seq], out.sampled[seq] = verify(seq.sampler, logits[r], drafts, seq.tokens,
-                                                                 len(seq.prompt), plan.draft_probs.get(seq))
-                    if saved is not None and len(out.accepted[seq]) < len(drafts):
-                        _rewind(backend, saved, seq, out.accepted[seq])
+                if drafts:  # cut where the grammar rejects one (Scheduler._drafts, _propose); each position masked
+                    v = verify_drafts(seq.sampler, logits[r], drafts, seq.tokens, len(seq.prompt), matcher=seq.matcher,
+                                      first_allowed=None if masks is None else masks[r], logprobs=seq.logprobs,
+                                      probs=plan.draft_probs.get(seq))
+                    out.accepted[seq], out.sampled[seq] = v.kept, v.token
+                    if v.logprobs:
+                        out.logprobs[seq] = v.logprobs
+                    if saved is not None and len(v.kept) < len(drafts):
+                        _rewind(backend, saved, seq, v.kept)
                 elif seq.samples:
                     _sample(out, seq, logits[r, 0], None if masks is None else masks[r])
         except Exception as e:  # a backend failure ends the requests in this call, not the server
@@ -114,10 +121,11 @@ def _propose(proposer: ModelProposer, plan: StepPlan) -> None:
         log.error("draft proposer failed; decoding this step without drafts", exc_info=e)
         return
     for seq, d in zip(seqs, drafts, strict=True):
-        if d.tokens:
-            plan.drafts[seq] = d.tokens
+        tokens = d.tokens if seq.matcher is None or not d.tokens else d.tokens[:seq.matcher.validate(d.tokens)]
+        if tokens:  # a token the grammar forbids can never be kept: not worth scoring
+            plan.drafts[seq] = tokens
             if d.probs is not None:
-                plan.draft_probs[seq] = d.probs
+                plan.draft_probs[seq] = d.probs[:len(tokens)]
 
 
 def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:
@@ -135,7 +143,7 @@ def _sample(out: StepOutcome, seq: Sequence, logits: np.ndarray, allowed: np.nda
     res = seq.sampler.step(logits, seq.tokens, len(seq.prompt), allowed=allowed, logprobs=seq.logprobs)
     out.sampled[seq] = res.token
     if res.logprob is not None:
-        out.logprobs[seq] = res.logprob
+        out.logprobs[seq] = [res.logprob]
 
 
 def error_line(e: Exception) -> str:

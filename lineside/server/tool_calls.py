@@ -272,7 +272,17 @@ class ToolCallStream:
         return self._emit(final=False)
 
     def close(self) -> tuple[str, list[ToolCallDelta]]:
-        return self._emit(final=True)
+        """The rest, once the output is complete. A call that turns out malformed at the end (its arguments cut
+        off or not JSON) is no call: its text comes as content, and ``calls`` drops it — when streaming, its
+        deltas already went out, and the finish reason (not ``tool_calls``) says it did not complete."""
+        content, deltas = self._emit(final=True)
+        valid = 0
+        for (name, args, _done), sent in zip(self._scan(True).calls, self.calls, strict=False):
+            if name != sent.name or args != sent.arguments:
+                break
+            valid += 1
+        del self.calls[valid:], self._args_sent[valid:]
+        return content, [d for d in deltas if d.index < valid]
 
     def _emit(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         s = self._scan(final)
@@ -282,6 +292,8 @@ class ToolCallStream:
         for i, (name, args, _done) in enumerate(s.calls):
             if name is None:
                 break
+            if i < len(self.calls) and (name != self.calls[i].name or not args.startswith(self.calls[i].arguments)):
+                break  # a call sent so far turned out malformed, so the text no longer lines up with it: no more
             if i == len(self.calls):
                 self.calls.append(ToolCall(name, ""))
                 self._args_sent.append(0)
@@ -405,8 +417,8 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         args = value if isinstance(value, str) else body[v:end]
         return name, args, True, name is not None or not complete
     except json.JSONDecodeError:
-        if complete:
-            return (name, body[v:].rstrip().removesuffix("}").rstrip(), True, name is not None)
+        if complete:  # the object ended with arguments that are not JSON (cut off, or malformed): no call
+            return None, "", False, False
         if body[v:v + 1] != "{":  # a string or other value: wait for all of it
             return name, "", False, True
         return name, body[v:], False, True

@@ -82,6 +82,24 @@ def _generate(compiler, tok, c: Constraint, seed: int, max_tokens: int = 400, te
     return tok.decode(out)
 
 
+@pytest.mark.parametrize("text, ok", [
+    ('{"a": [1, 2.5, -3e2], "b": {"c": [{"d": null}, {}]}, "e": ["x", "y"], "f": [true, false], "g": [[1], []]}',
+     True),
+    ('{"k": "with \\"escapes\\" and é", "n": null, "t": true}', True),
+    ('{"parts": [{"name": "belt"}, "cause"], "": 1}', True),  # any JSON: mixed arrays, any key
+    ('[1, 2]', False),  # an object, not any JSON value
+    ('{"a":1}', False),  # written with the separators of json.dumps, no free whitespace
+])
+def test_json_object_is_any_object_written_compactly(tiny, text, ok):
+    tok, comp = tiny
+    ids = tok.encode(text, add_special=False)
+    m = comp.matcher(Constraint.json_object())
+    assert (m.validate(ids) == len(ids)) == ok
+    if ok:
+        assert all(m.accept(t) for t in ids) and m.accepting
+        json.loads(text)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_schema_outputs_validate_whatever_the_logits(tiny, seed):
     tok, comp = tiny

@@ -12,13 +12,28 @@ and since Σ max(0, p - q) = Σ (p - min(p, q)) = 1 - Σ min(p, q), this is min(
 every emitted token has the model's own distribution. With q = 1 at t this is: keep t with probability
 p(t), else sample from p with t removed and renormalised. After all drafts are kept, the bonus token is
 sampled from the last position as in plain decoding.
+
+Under a grammar, p at each position is the masked distribution plain decoding would use there: the
+matcher is advanced by each kept draft to give the next position's mask, and rolled back afterwards,
+so the sequence's matcher is where it was (``Sequence.on_token`` then accepts the tokens for real).
+With logprobs asked for, every emitted token gets the logprob plain decoding would have reported.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from lineside.runtime.sampling import Sampler
+from lineside.runtime.sampling import Sampler, TokenLogprob
+from lineside.runtime.structured import GrammarMatcher
+
+
+@dataclass
+class Verdict:
+    kept: list[int]  # the drafts kept, in order
+    token: int  # the token sampled after them (the correction, or the bonus when all were kept)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per kept draft, then the token's; when asked
 
 
 def verify(sampler: Sampler, logits: np.ndarray, drafts: list[int], history: list[int],
@@ -26,21 +41,57 @@ def verify(sampler: Sampler, logits: np.ndarray, drafts: list[int], history: lis
     """``logits[i]`` [≥ len(drafts)+1, vocab] predicts the token after ``history + drafts[:i]``; ``probs[i]``:
     the distribution draft i was drawn from (None: a deterministic proposer).
     Returns (the drafts kept, the token sampled after them)."""
+    v = verify_drafts(sampler, logits, drafts, history, prompt_len, probs=probs)
+    return v.kept, v.token
+
+
+def verify_drafts(sampler: Sampler, logits: np.ndarray, drafts: list[int], history: list[int], prompt_len: int, *,
+                  matcher: GrammarMatcher | None = None, first_allowed: np.ndarray | None = None,
+                  logprobs: int | None = None, probs: list[np.ndarray] | None = None) -> Verdict:
+    """As ``verify``, under ``matcher``'s grammar when given (``first_allowed``: its mask now, if already
+    computed in a batch) and with the logprobs of every emitted token when ``logprobs`` is not None."""
     hist = list(history)
-    kept: list[int] = []
-    for i, t in enumerate(drafts):
-        d = sampler.distribution(logits[i], hist, prompt_len)
-        if isinstance(d, int):
-            if d != t:
-                return kept, d
-        else:
-            q = None if probs is None else probs[i]
-            qt = 1.0 if q is None else float(q[t])
-            if not sampler.rng.random() * qt < d[t]:  # u < p(t) / q(t)
-                return kept, _residual_sample(sampler, d, t, q)
-        kept.append(t)
-        hist.append(t)
-    return kept, sampler(logits[len(drafts)], hist, prompt_len)
+    out = Verdict([], -1)
+    advanced = 0
+    try:
+        for i, t in enumerate(drafts):
+            allowed = _mask(matcher, first_allowed if i == 0 else None)
+            d = sampler.distribution(logits[i], hist, prompt_len, allowed=allowed)
+            if isinstance(d, int):
+                rejected: int | None = d if d != t else None
+            else:
+                q = None if probs is None else probs[i]
+                qt = 1.0 if q is None else float(q[t])
+                keep = sampler.rng.random() * qt < d[t]  # u < p(t) / q(t)
+                rejected = None if keep else _residual_sample(sampler, d, t, q)
+            tok = t if rejected is None else rejected
+            if logprobs is not None:
+                out.logprobs.append(sampler.logprob(logits[i], tok, hist, prompt_len, allowed=allowed, top_n=logprobs))
+            if rejected is not None:
+                out.token = rejected
+                return out
+            out.kept.append(t)
+            hist.append(t)
+            if matcher is not None:
+                if not matcher.accept(t):  # the mask allowed t, so the grammar takes it
+                    raise RuntimeError(f"grammar matcher refused draft token {t} it had allowed: {matcher.error}")
+                advanced += 1
+        last = logits[len(drafts)]
+        res = sampler.step(last, hist, prompt_len, allowed=_mask(matcher, first_allowed if not drafts else None),
+                           logprobs=logprobs)
+        out.token = res.token
+        if res.logprob is not None:
+            out.logprobs.append(res.logprob)
+        return out
+    finally:
+        if matcher is not None:
+            matcher.rollback(advanced)
+
+
+def _mask(matcher: GrammarMatcher | None, given: np.ndarray | None) -> np.ndarray | None:
+    if given is not None or matcher is None:
+        return given
+    return matcher.allowed()
 
 
 def _residual_sample(sampler: Sampler, p: np.ndarray, t: int, q: np.ndarray | None) -> int:
