@@ -105,7 +105,8 @@ def test_every_numeric_option_accepts_its_bounds(command, option):
         assert parse(str(b["above"] + 0.5)) == b["above"] + 0.5
 
 
-# The same through the real command line (a child process), one case per kind of usage error.
+# The same through the real command line (a fresh interpreter, as a user starts it), one case per kind of usage
+# error.
 @pytest.mark.parametrize(("argv", "needle"), [
     (["build", "ckpt", "-o", "out", "--bogus"], "--bogus"),
     (["build"], "Missing argument"),
@@ -116,6 +117,6 @@ def test_every_numeric_option_accepts_its_bounds(command, option):
     (["nosuchcommand"], "nosuchcommand"),
 ])
 def test_usage_errors_from_the_real_command(argv, needle):
-    proc = run_cli(*argv)
+    proc = run_cli(*argv, fresh=True)
     line = assert_one_line_error(proc, needle, code=2)
     assert line.startswith("error: ") and "--help`" in line
