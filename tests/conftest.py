@@ -155,10 +155,38 @@ def trt_bundle(tiny_bundles):
     return get
 
 
+SMOL_BUNDLE = dict(quant="w4a16", flavors=("cpu",), max_seq_len=1024)
+
+
 @pytest.fixture(scope="session")
-def smol_bundle(smollm2_path, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct built W4A16 for the cpu graph, context 512 (skipped when the GGUF is not installed)."""
+def smol_bundles(smollm2_path, tmp_path_factory) -> Callable[..., Path]:
+    """The one builder of SmolLM2-135M-Instruct bundles: (**BuildOptions fields) over SMOL_BUNDLE → the bundle's
+    path, built once per distinct options (each build reads the GGUF and quantizes: seconds). The directory is
+    named smollm2: that is the served model name."""
     from lineside.build.pipeline import BuildOptions, build_bundle
 
-    out = tmp_path_factory.mktemp("smol") / "smollm2"
-    return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
+    cache: dict[tuple, Path] = {}
+
+    def get(**options: Any) -> Path:
+        options = {**SMOL_BUNDLE, **options}
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"smol-{options['quant']}") / "smollm2"
+            cache[key] = build_bundle(smollm2_path, out, BuildOptions(**options))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smol_bundle(smol_bundles) -> Path:
+    """SmolLM2-135M-Instruct built W4A16 for the cpu graph, context 1024 (skipped when the GGUF is not installed):
+    the one bundle of the tests that serve or generate real text (a longer context costs nothing per step)."""
+    return smol_bundles()
+
+
+@pytest.fixture(scope="session")
+def smol_level0_bundle(smol_bundles) -> Path:
+    """SmolLM2 W4A16 with fp32 activations (MatMulNBits accuracy level 0), context 512: a prefill step and
+    decode steps give the same logits to ~1e-5, for the tests that compare logits or greedy runs exactly."""
+    return smol_bundles(max_seq_len=512, accuracy_level=0)
