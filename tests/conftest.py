@@ -3,8 +3,10 @@ built from them (one builder, cached per options), and SmolLM2 when it is instal
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,15 +66,39 @@ def make_tiny_dense(out: Path, family: str, seed: int = 0, **overrides) -> Path:
     return out
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, key: object,
+              make: Callable[[Path], Path]) -> Path:
+    """make(an empty directory) → the path it made there, made once per (name, key) for the whole run: under
+    pytest-xdist the first worker to ask makes it in the run's shared temporary directory while the others
+    wait, then all of them use it (checkpoints and bundles take seconds each to make)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    slug = f"{name}-{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
+    shared = tmp_path_factory.getbasetemp().parent / "made-once"
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{slug}.done"
+    with FileLock(str(shared / f"{slug}.lock")):
+        if not done.is_file():
+            d = shared / slug
+            if d.exists():  # a worker that died while making it
+                shutil.rmtree(d)
+            d.mkdir()
+            done.write_text(str(make(d)))
+        return Path(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory):
-    """Factory: variant name → path of a tiny HF checkpoint (made once per session)."""
+    """Factory: variant name → path of a tiny HF checkpoint (made once per run)."""
     cache: dict[str, Path] = {}
 
     def get(variant: str) -> Path:
         if variant not in cache:
             family, over = DENSE_VARIANTS[variant]
-            cache[variant] = make_tiny_dense(tmp_path_factory.mktemp(variant), family, **over)
+            cache[variant] = made_once(tmp_path_factory, variant, (family, over),
+                                       lambda d: make_tiny_dense(d, family, **over))
         return cache[variant]
 
     return get
@@ -85,7 +111,8 @@ def dense_checkpoint(tmp_path_factory):
 
     def get(name: str, family: str, **overrides) -> Path:
         if name not in cache:
-            cache[name] = make_tiny_dense(tmp_path_factory.mktemp(name), family, **overrides)
+            cache[name] = made_once(tmp_path_factory, name, (family, sorted(overrides.items())),
+                                    lambda d: make_tiny_dense(d, family, **overrides))
         return cache[name]
 
     return get
@@ -124,8 +151,9 @@ def tiny_bundles(tiny_dense, tmp_path_factory) -> Callable[..., Path]:
         if key not in cache:
             variant = options.pop("variant")
             family = DENSE_VARIANTS[variant][0]
-            out = tmp_path_factory.mktemp(f"bundle-{variant}-{options['quant']}") / f"tiny-{family}"
-            cache[key] = build_bundle(tiny_dense(variant), out, BuildOptions(**options))
+            ckpt = tiny_dense(variant)
+            cache[key] = made_once(tmp_path_factory, f"bundle-{variant}-{options['quant']}", key,
+                                   lambda d: build_bundle(ckpt, d / f"tiny-{family}", BuildOptions(**options)))
         return cache[key]
 
     return get
@@ -171,8 +199,8 @@ def smol_bundles(smollm2_path, tmp_path_factory) -> Callable[..., Path]:
         options = {**SMOL_BUNDLE, **options}
         key = tuple(sorted(options.items()))
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"smol-{options['quant']}") / "smollm2"
-            cache[key] = build_bundle(smollm2_path, out, BuildOptions(**options))
+            cache[key] = made_once(tmp_path_factory, f"smol-{options['quant']}", key,
+                                   lambda d: build_bundle(smollm2_path, d / "smollm2", BuildOptions(**options)))
         return cache[key]
 
     return get
