@@ -134,6 +134,14 @@ def smollm2_path() -> Path:
     return p
 
 
+@pytest.fixture(scope="session")
+def smollm2_ck(smollm2_path):
+    """The SmolLM2 GGUF opened once (GGUFReader takes seconds to parse its 49k-token vocabulary)."""
+    from lineside.build.checkpoint import open_checkpoint
+
+    return open_checkpoint(smollm2_path)
+
+
 TINY_BUNDLE = dict(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=256)
 
 
