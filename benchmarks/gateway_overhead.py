@@ -1,19 +1,22 @@
 """What the fleet gateway adds: TTFT and decode tokens/s direct to a `lineside serve` worker, through its SMG
 router alone, and through the whole gateway (front + SMG), interleaved request by request.
 
-    python benchmarks/gateway_overhead.py BUNDLE [--n 100] [--decode-n 20] [--decode-tokens 64]
+    python benchmarks/gateway_overhead.py BUNDLE [--n 100] [--decode-n 20] [--decode-tokens 64] [--session ID]
 
 One worker (`lineside serve BUNDLE`), one pool, no shadow: `lineside fleet gateway` runs as a subprocess like a
 deployment. Each round sends the same streaming /v1/chat/completions request to the three paths in turn, so
 drift hits all alike. TTFT: one token, time to the first token event. Decode: tokens after the first over the
-time from the first to the last token event. Timing only: no pass/fail. Goal (issue 19): median added TTFT
-≤ 2 ms and no loss in decode tokens/s.
+time from the first to the last token event. Also the front's CPU time per request (the gateway process's
+user+system time over the run / its requests; SMG runs in child processes): unlike wall time it hardly moves
+with other load on the machine. Timing only: no pass/fail. Goal (issue 19): median added TTFT ≤ 2 ms and no
+loss in decode tokens/s. Run with PYTHONPATH at another checkout to measure that checkout's front.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -38,7 +41,8 @@ def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
     try:
         wait_ready(url, 300, alive=lambda: p.poll() is None, ready_path=ready)
     except LinesideError as e:
-        os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         sys.exit(f"{e} (see {log})")
     return p
 
@@ -88,11 +92,32 @@ class Stream:
         return times[0] - t0, rate, len(times)
 
 
+def free_pair() -> int:
+    """A port whose next port is free too (an SMG router and its metrics)."""
+    for _ in range(100):
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+                return base
+            except OSError:
+                continue
+    sys.exit("no two consecutive free ports on 127.0.0.1")
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-async def measure(paths: dict[str, str], args: argparse.Namespace) -> None:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(paths: dict[str, str], args: argparse.Namespace) -> int:
+    """Prints the table; returns how many requests each path got."""
     conns = {}
     for name, url in paths.items():
         conns[name] = Stream(url)
@@ -129,6 +154,7 @@ async def measure(paths: dict[str, str], args: argparse.Namespace) -> None:
             print(f"  {k:<14} median {med(rate[k]):8.1f} tok/s   vs direct {100 * (med(rate[k]) / rbase - 1):+5.1f}%")
     for c in conns.values():
         c.writer.close()
+    return args.warmup + args.n + args.decode_n
 
 
 def main() -> None:
@@ -144,7 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
     wport, gport = free_port(), free_port()
-    sbase = free_port()
+    sbase = free_pair()
     procs = []
     try:
         procs.append(start([sys.executable, "-m", "lineside", "serve", str(args.bundle), "--port", str(wport),
@@ -159,7 +185,10 @@ def main() -> None:
                             str(tmp / "gw")], f"http://127.0.0.1:{gport}", "/fleet/health", tmp / "gateway.log"))
         paths = {"direct": f"http://127.0.0.1:{wport}", "smg router": f"http://127.0.0.1:{sbase}",
                  "gateway": f"http://127.0.0.1:{gport}"}
-        asyncio.run(measure(paths, args))
+        cpu0 = cpu_s(procs[1].pid)
+        per_path = asyncio.run(measure(paths, args))
+        print(f"front CPU per request: {1e6 * (cpu_s(procs[1].pid) - cpu0) / per_path:.0f} us "
+              f"(gateway process, {per_path} requests; load average {os.getloadavg()[0]:.1f})")
     finally:
         for p in reversed(procs):
             if p.poll() is None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lineside.checksum_cache import NAME as CHECKSUM_STAMPS
+from lineside.checksum_cache import ChecksumCache
 from lineside.config import ModelConfig
 from lineside.errors import BundleError
 from lineside.graph_io import StateTensor
@@ -166,13 +168,14 @@ class Bundle:
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
-    """Hash every file under ``bundle_dir`` (but the manifest and engines/) into the manifest and save it."""
+    """Hash every file under ``bundle_dir`` (but the manifest, the checksum stamps and engines/) into the manifest
+    and save it."""
     files: dict[str, FileEntry] = {}
     for p in sorted(bundle_dir.rglob("*")):
         if not p.is_file():
             continue
         rel = p.relative_to(bundle_dir).as_posix()
-        if rel == MANIFEST or rel.startswith("engines/"):
+        if rel in (MANIFEST, CHECKSUM_STAMPS) or rel.startswith("engines/"):
             continue
         files[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
     manifest = replace(manifest, format_version=FORMAT_VERSION, files=files)
@@ -206,20 +209,28 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 
 def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> None:
-    """Check every listed file exists with its size (and sha256); raise naming the first that fails."""
+    """Check every listed file exists with its size (and sha256); raise naming the first that fails.
+    A file unchanged since it last matched is not hashed again (checksum_cache)."""
+    cache = ChecksumCache(path) if check_hash else None
     for rel, meta in manifest.files.items():
         p = path / rel
         if not p.is_file():
             raise BundleError(f"bundle file {rel} is missing from {path}; copy the bundle again")
-        if p.stat().st_size != meta.size:
+        st = p.stat()
+        if st.st_size != meta.size:
             raise BundleError(
-                f"bundle file {rel} has {p.stat().st_size} bytes, the manifest says {meta.size}; "
+                f"bundle file {rel} has {st.st_size} bytes, the manifest says {meta.size}; "
                 "it was changed or truncated — copy the bundle again"
             )
-        if check_hash and sha256_file(p) != meta.sha256:
+        if cache is None or cache.known_good(rel, st, meta.sha256):
+            continue
+        if sha256_file(p) != meta.sha256:
             raise BundleError(
                 f"bundle file {rel} fails its sha256 check (changed after build); copy or rebuild the bundle"
             )
+        cache.add(rel, st, meta.sha256)
+    if cache is not None:
+        cache.save()
 
 
 def open_bundle(path: str | os.PathLike[str], verify: bool = True) -> Bundle:

@@ -79,3 +79,30 @@ def test_incomplete_or_unknown_is_one_line(built, tmp_path, edit, match):
     with pytest.raises(BundleError, match=match) as e:
         open_bundle(path)
     assert "\n" not in str(e.value) and "rebuild the bundle" in str(e.value)
+
+
+def test_unchanged_files_are_not_hashed_again_but_a_rewrite_is(built, tmp_path, monkeypatch):
+    """The checksum cache skips files unchanged since they matched; a same-size rewrite with its mtime put
+    back still changes ctime, so it is hashed and refused."""
+    import os
+
+    import lineside.bundle as bundle_mod
+
+    out = tmp_path / "b"
+    shutil.copytree(built, out)
+    hashed: list[str] = []
+    real = bundle_mod.sha256_file
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda p: hashed.append(p.name) or real(p))
+    open_bundle(out)
+    first = len(hashed)
+    assert first == len(read_manifest(out).files)
+    open_bundle(out)
+    assert len(hashed) == first  # nothing hashed the second time
+    data = out / "graphs/cpu/model.onnx.data"
+    st = data.stat()
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(BundleError, match="model.onnx.data fails its sha256 check"):
+        open_bundle(out)

@@ -138,7 +138,7 @@ def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, m
         "max-num-batched-tokens": MAX_NUM_TOKENS,
         "gpu-memory-utilization": p.gpu_memory_utilization,
         "cudagraph-capture-sizes": graph_sizes(max_batch * (1 + mtp)),
-        "scheduling-policy": "priority",  # the gateway's X-Priority reaches requests as `priority`
+        "scheduling-policy": "priority",  # the gateway writes X-Priority / X-Mode into the body's `priority`
     })
     if mtp:
         c["speculative-config"] = {"method": "mtp", "num_speculative_tokens": mtp}
@@ -167,6 +167,7 @@ def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
         "chunked-prefill-size": MAX_NUM_TOKENS,
         "cuda-graph-max-bs-decode": max_batch,
         "enable-priority-scheduling": True,
+        "schedule-low-priority-values-first": True,  # vLLM's order: the gateway writes lower = sooner
     })
     if mtp:  # DeepSeek MTP runs through SGLang's EAGLE path (top-k 1 for DeepSeek-V4)
         c.update({"speculative-algorithm": "EAGLE", "speculative-num-steps": mtp, "speculative-eagle-topk": 1,

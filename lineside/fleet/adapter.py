@@ -8,56 +8,65 @@ health path (``/v1/models`` works for any OpenAI server) and streams every other
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
-import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from lineside.fleet.front import HOP_BY_HOP
+from lineside.fleet.relay import (
+    REQUEST_DROP,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    Upstream,
+    UpstreamError,
+    error_body,
+    lifespan,
+    read_body,
+    relay_response,
+    send_json,
+    target,
+)
 
 
 class HealthAdapter:
-    """ASGI app: /health from ``upstream + health_path``, the rest passed through."""
+    """ASGI app (``adapter.app``): /health from ``upstream + health_path``, the rest passed through."""
 
     def __init__(self, upstream: str, health_path: str, timeout_s: float = 600.0) -> None:
         self.upstream = upstream.rstrip("/")
         self.health_path = health_path
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False,
-                                        limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
-        self.app = Starlette(routes=[
-            Route("/health", self.health, methods=["GET"]),
-            Route("/health/ready", self.health, methods=["GET"]),
-            Route("/{path:path}", self.proxy, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-        ], lifespan=self._lifespan)
+        self.relay = Upstream(timeout_s)
+        self._health = Starlette(routes=[Route("/health", self.health, methods=["GET"]),
+                                         Route("/health/ready", self.health, methods=["GET"])])
+        self.app = self
 
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        yield
-        await self.client.aclose()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if scope["path"] in ("/health", "/health/ready"):
+                await self._health(scope, receive, send)
+            else:
+                await self.proxy(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await lifespan(receive, send, self.relay.aclose)
 
     async def health(self, request: Request) -> JSONResponse:
         try:
-            r = await self.client.get(self.upstream + self.health_path, timeout=5.0)
-        except httpx.HTTPError as e:
+            status = (await self.relay.read("GET", self.upstream + self.health_path, [], b"", timeout_s=5.0))[0]
+        except UpstreamError as e:
             return JSONResponse({"status": "unreachable", "reason": type(e).__name__}, status_code=503)
-        ok = r.status_code == 200
-        return JSONResponse({"status": "ready" if ok else f"http {r.status_code}"}, status_code=200 if ok else 503)
+        ok = status == 200
+        return JSONResponse({"status": "ready" if ok else f"http {status}"}, status_code=200 if ok else 503)
 
-    async def proxy(self, request: Request) -> Response:
-        url = self.upstream + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP]
-        req = self.client.build_request(request.method, url, headers=headers, content=await request.body())
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(k, v) for k, v in scope["headers"] if k not in REQUEST_DROP]
         try:
-            up = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            return JSONResponse({"error": {"message": f"upstream unreachable ({type(e).__name__})",
-                                           "type": "server_error", "code": "upstream_unreachable", "param": None}},
-                                status_code=502)
-        out = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "content-encoding"}
-        return StreamingResponse(up.aiter_raw(), status_code=up.status_code, headers=out,
-                                 background=BackgroundTask(up.aclose))
+            body = await read_body(receive)
+        except ClientGone:
+            return
+        try:
+            up = await self.relay.open(scope["method"], target(self.upstream, scope), headers, body)
+        except UpstreamError as e:
+            return await send_json(send, 502, error_body(f"upstream unreachable ({type(e).__name__})",
+                                                         "upstream_unreachable", None, "server_error"))
+        await relay_response(up, receive, send)

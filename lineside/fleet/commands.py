@@ -92,8 +92,14 @@ def gateway_cmd(
     log_level: Annotated[str, typer.Option(help="front log level")] = "warning",
 ) -> None:
     """Write the gateway configuration (one SMG router per pool + the header/session/shadow front), start it."""
+    import importlib.util
+
+    from lineside.fleet.spec import FleetError, load_fleet
+
+    if importlib.util.find_spec("aiohttp") is None:
+        raise FleetError("aiohttp is not installed (the gateway front's upstream client); "
+                         "`pip install 'lineside[fleet]'`")
     from lineside.fleet.gateway import gateway_plan, run_gateway, write_gateway
-    from lineside.fleet.spec import load_fleet
 
     checks.target_dir(output, "--output")  # before anything is written or started
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))

@@ -5,38 +5,63 @@ This ASGI app adds only:
 - header → pool: ``X-Mode: realtime|batch|<pool>`` (``X-Batch: true`` means batch), default pool otherwise;
 - sessions: the ``X-Session-Id`` header or the session cookie becomes SMG's routing key (SMG keeps the key on
   one worker for ``--sticky-key-idle-secs``); a request with neither gets a new id and a cookie;
+- the request's class to the nodes: SMG forwards no X-Priority / X-Mode, so the front writes them into the
+  ``tracestate`` header (which SMG forwards; `lineside serve` reads it) and, for pools with vLLM/SGLang
+  members, into the body's ``priority`` (their own field); X-Priority also becomes SMG's admission class;
 - shadow traffic: a share of one pool's requests is copied to a candidate pool in the background; the copy's
   response is read and discarded, its latency and its agreement with the primary's answer are recorded.
-Requests are streamed through unchanged (X-Priority and the SLO headers reach the nodes as sent).
+Bodies and responses pass through byte for byte (lineside.fleet.relay), except the ``priority`` field above.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import difflib
 import json
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request, cookie_parser
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-                        "transfer-encoding", "upgrade", "host", "content-length"})
+from lineside.fleet.relay import (
+    REQUEST_DROP,
+    ClientGone,
+    RawHeaders,
+    Receive,
+    Scope,
+    Send,
+    Upstream,
+    UpstreamError,
+    error_body,
+    is_event_stream,
+    lifespan,
+    read_body,
+    relay_response,
+    send_json,
+    target,
+)
+from lineside.request_class import tracestate_member, with_member
+
 SHADOW_HEADER = "x-lineside-shadow"
 # lineside's X-Priority values → SMG's admission classes (middleware/scheduler/class.rs: X-SMG-Priority)
 SMG_PRIORITY = {"high": "interactive", "normal": "default", "low": "bulk"}
+NODE_MODES = ("realtime", "batch")  # the pools whose name is also the nodes' X-Mode
+# vLLM's / SGLang's body ``priority`` (lower is served first; SGLang with --schedule-low-priority-values-first):
+# lineside's order — every realtime level before any batch one
+_BODY_RANK = {"high": -1, "normal": 0, "low": 1}
+_BATCH_OFFSET = 10
+
+
+def body_priority(priority: str | None, mode: str | None) -> int:
+    return _BODY_RANK[priority or "normal"] + (_BATCH_OFFSET if mode == "batch" else 0)
 
 
 @dataclass(frozen=True)
@@ -55,15 +80,10 @@ class FrontConfig:
     session_cookie: str = "lineside_session"
     session_idle_s: int = 300
     issue_cookie: bool = True
-    priority: bool = True  # map X-Priority onto SMG's X-SMG-Priority
+    priority: bool = True  # X-Priority → SMG's X-SMG-Priority and the nodes' tracestate / body priority
     shadow: ShadowSpec | None = None
     request_timeout_s: float = 600.0
-
-
-def _error(status: int, message: str, code: str, param: str | None = None,
-           kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code, "param": param}},
-                        status_code=status)
+    body_priority_pools: frozenset[str] = frozenset()  # pools with vLLM/SGLang members: priority in the body
 
 
 class ShareSampler:
@@ -158,132 +178,144 @@ def sse_text(chunks: list[bytes]) -> str:
 
 
 class Front:
-    """The ASGI app and the state it owns (the upstream client, the sampler, the shadow stats)."""
+    """The ASGI app (``front.app``) and the state it owns (the upstream connections, the sampler, the shadow
+    stats). The proxy path is raw ASGI; only the front's own /fleet/* endpoints go through Starlette."""
 
-    def __init__(self, cfg: FrontConfig, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, cfg: FrontConfig) -> None:
         self.cfg = cfg
         self.metrics = _Metrics()
         self.shadow_stats = ShadowStats()
         self._sampler = ShareSampler(cfg.shadow.share) if cfg.shadow else None
         self._shadow_slots = asyncio.Semaphore(cfg.shadow.max_in_flight) if cfg.shadow else None
         self._shadow_tasks: set[asyncio.Task[None]] = set()
-        self._own_client = client is None
-        self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512), trust_env=False)
-        self.app = Starlette(routes=[
+        self.upstream = Upstream(cfg.request_timeout_s)  # the proxy path, shadow copies and health checks
+        self._session_header = cfg.session_header.lower().encode()
+        self._counted: dict[tuple[str, str], Any] = {}
+        self._own = Starlette(routes=[
             Route("/fleet/shadow", self.shadow_summary, methods=["GET"]),
             Route("/fleet/metrics", self.prometheus, methods=["GET"]),
             Route("/fleet/health", self.health, methods=["GET"]),
-            Route("/{path:path}", self.proxy, methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-        ], lifespan=self._lifespan)
+        ])
+        self.app = self
 
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        yield
-        await self.aclose()
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if scope["path"].startswith("/fleet/"):
+                await self._own(scope, receive, send)
+            else:
+                await self.proxy(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await lifespan(receive, send, self.aclose)
 
     async def aclose(self) -> None:
         for t in list(self._shadow_tasks):
             t.cancel()
-        if self._own_client:
-            await self.client.aclose()
+        await self.upstream.aclose()
+
+    def _count(self, pool: str, status: str) -> None:
+        c = self._counted.get((pool, status))
+        if c is None:
+            c = self._counted[(pool, status)] = self.metrics.requests.labels(pool, status)
+        c.inc()
 
     # ----- routing -----
 
-    def pool_for(self, request: Request) -> str | JSONResponse:
-        mode = (request.headers.get("x-mode") or "").strip().lower()
-        if not mode and (request.headers.get("x-batch") or "").strip().lower() in ("1", "true", "yes"):
+    def pool_for(self, mode: str, batch: str) -> str | None:
+        """The pool a request goes to; None when X-Mode names no pool."""
+        if not mode and batch in ("1", "true", "yes"):
             mode = "batch"
         if not mode:
             return self.cfg.default_pool
-        if mode not in self.cfg.pools:
-            return _error(400, f"X-Mode {mode!r} is not a pool of this gateway; use one of: "
-                               f"{', '.join(self.cfg.pools)}", "unknown_pool", "X-Mode")
-        return mode
+        return mode if mode in self.cfg.pools else None
 
-    def session_for(self, request: Request) -> tuple[str, bool]:
-        """(session id, whether it is new)."""
-        sid = request.headers.get(self.cfg.session_header) or request.cookies.get(self.cfg.session_cookie)
+    def session_for(self, header: str | None, cookie: str | None) -> tuple[str, bool]:
+        """(session id, whether it is new) from the session header, else the session cookie."""
+        sid = header
+        if not sid and cookie:
+            sid = cookie_parser(cookie).get(self.cfg.session_cookie)
         if sid and 0 < len(sid) <= 128 and sid.isascii() and sid.isprintable():
             return sid, False
         return secrets.token_hex(16), True
 
-    # ----- handlers -----
+    # ----- the proxy path -----
 
-    async def proxy(self, request: Request) -> Response:
-        pool = self.pool_for(request)
-        if isinstance(pool, JSONResponse):
-            self.metrics.requests.labels("-", "4xx").inc()
-            return pool
-        pr = (request.headers.get("x-priority") or "").strip().lower()
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        mode = batch = pr = ""
+        session = cookie = trace = None
+        headers: RawHeaders = []
+        sh = self._session_header
+        for k, v in scope["headers"]:  # one pass: pick what the front reads, keep what goes on
+            if k == b"x-mode":
+                mode = v.decode("latin-1").strip().lower()
+            elif k == b"x-batch":
+                batch = v.decode("latin-1").strip().lower()
+            elif k == b"x-priority":
+                pr = v.decode("latin-1").strip().lower()
+            elif k == sh:
+                session = v.decode("latin-1")
+                continue
+            elif k == b"cookie":
+                cookie = v.decode("latin-1")
+            elif k == b"tracestate":
+                trace = v.decode("latin-1")
+                continue
+            elif k == b"x-smg-priority" or k in REQUEST_DROP:  # no self-promotion past the front
+                continue
+            headers.append((k, v))
+        pool = self.pool_for(mode, batch)
+        if pool is None:
+            self._count("-", "4xx")
+            return await send_json(send, 400, error_body(
+                f"X-Mode {mode!r} is not a pool of this gateway; use one of: {', '.join(self.cfg.pools)}",
+                "unknown_pool", "X-Mode"))
         if pr and pr not in SMG_PRIORITY:
-            self.metrics.requests.labels(pool, "4xx").inc()
-            return _error(400, f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority",
-                          "X-Priority")
-        body = await request.body()
-        sid, new = self.session_for(request)
-        headers = [(k, v) for k, v in request.headers.items() if k not in HOP_BY_HOP
-                   and k not in (self.cfg.session_header, "x-smg-priority")]  # no self-promotion past the front
+            self._count(pool, "4xx")
+            return await send_json(send, 400, error_body(
+                f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority", "X-Priority"))
+        try:
+            body = await read_body(receive)
+        except ClientGone:
+            return
+        sid, new = self.session_for(session, cookie)
         keyed = not new or self.cfg.issue_cookie
         if keyed:
-            headers.append((self.cfg.session_header, sid))
+            headers.append((sh, sid.encode()))
+        node_mode = pool if pool in NODE_MODES else None
+        carried = pr if pr and self.cfg.priority else None
+        ts = with_member(trace, tracestate_member(priority=carried, mode=node_mode))
+        if ts:
+            headers.append((b"tracestate", ts.encode("latin-1")))
         if pr and self.cfg.priority:
-            headers.append(("x-smg-priority", SMG_PRIORITY[pr]))
-        url = self.cfg.pools[pool] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        shadow = (self.cfg.shadow is not None and pool == self.cfg.shadow.source and request.method == "POST"
-                  and request.url.path.startswith("/v1/") and self._sampler is not None and self._sampler())
+            headers.append((b"x-smg-priority", SMG_PRIORITY[pr].encode()))
+        if pool in self.cfg.body_priority_pools and (carried or node_mode == "batch"):
+            body = _with_body_priority(body, body_priority(carried, node_mode))
+        method = scope["method"]
+        shadow = (self.cfg.shadow is not None and pool == self.cfg.shadow.source and method == "POST"
+                  and scope["path"].startswith("/v1/") and self._sampler is not None and self._sampler())
         t0 = time.perf_counter()
-        req = self.client.build_request(request.method, url, headers=headers, content=body)
         try:
-            up = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
+            up = await self.upstream.open(method, target(self.cfg.pools[pool], scope), headers, body)
+        except UpstreamError as e:
             self.metrics.upstream_errors.labels(pool).inc()
-            self.metrics.requests.labels(pool, "5xx").inc()
-            return _error(502, f"the {pool!r} pool's router is unreachable ({type(e).__name__}); "
-                               "check `lineside fleet status`", "pool_unreachable", None, "server_error")
-        self.metrics.requests.labels(pool, f"{up.status_code // 100}xx").inc()
-        out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP
-                       and k.lower() != "content-encoding"}
-        cookie = None
+            self._count(pool, "5xx")
+            return await send_json(send, 502, error_body(
+                f"the {pool!r} pool's router is unreachable ({type(e).__name__}); check `lineside fleet status`",
+                "pool_unreachable", None, "server_error"))
+        self._count(pool, f"{up.status // 100}xx")
+        extra = []
         if new and keyed and self.cfg.issue_cookie:
-            cookie = (f"{self.cfg.session_cookie}={sid}; Max-Age={self.cfg.session_idle_s}; Path=/; HttpOnly; "
-                      "SameSite=Lax")
-        streaming = up.headers.get("content-type", "").startswith("text/event-stream")
-        if not streaming:
-            content = await up.aread()
-            await up.aclose()
-            resp = Response(content, status_code=up.status_code, headers=out_headers)
-            if cookie:
-                resp.headers.append("set-cookie", cookie)
-            if shadow and up.status_code == 200:
-                self._start_shadow(request, headers, body, answer_text(content), time.perf_counter() - t0)
-            return resp
-        seen: list[bytes] | None = [] if shadow else None
-
-        async def relay() -> AsyncIterator[bytes]:
-            async for chunk in up.aiter_raw():
-                if seen is not None:
-                    seen.append(chunk)
-                yield chunk
-
-        def finished() -> None:
-            if seen is not None and up.status_code == 200:
-                self._start_shadow(request, headers, body, sse_text(seen), time.perf_counter() - t0)
-
-        async def close_and_shadow() -> None:
-            await up.aclose()
-            finished()
-
-        resp = StreamingResponse(relay(), status_code=up.status_code, headers=out_headers,
-                                 background=BackgroundTask(close_and_shadow))
-        if cookie:
-            resp.headers.append("set-cookie", cookie)
-        return resp
+            extra.append((b"set-cookie", (f"{self.cfg.session_cookie}={sid}; Max-Age={self.cfg.session_idle_s}; "
+                                          "Path=/; HttpOnly; SameSite=Lax").encode()))
+        kept: list[bytes] | None = [] if shadow and up.status == 200 else None
+        streaming = is_event_stream(up)
+        await relay_response(up, receive, send, extra_headers=extra, keep=kept)
+        if kept is not None:
+            text = sse_text(kept) if streaming else answer_text(b"".join(kept))
+            self._start_shadow(scope["path"], headers, body, text, time.perf_counter() - t0)
 
     # ----- shadow -----
 
-    def _start_shadow(self, request: Request, headers: list[tuple[str, str]], body: bytes, primary_text: str,
+    def _start_shadow(self, path: str, headers: RawHeaders, body: bytes, primary_text: str,
                       primary_s: float) -> None:
         spec = self.cfg.shadow
         assert spec is not None and self._shadow_slots is not None
@@ -291,13 +323,14 @@ class Front:
             self.shadow_stats.dropped += 1
             self.metrics.shadow.labels(spec.source, spec.candidate, "dropped").inc()
             return
-        url = self.cfg.pools[spec.candidate] + request.url.path
+        url = self.cfg.pools[spec.candidate] + path
+        copy_headers = [(k, v) for k, v in headers if k not in (b"x-smg-priority", b"cookie")]
         task = asyncio.get_running_loop().create_task(
-            self._shadow(url, [*headers, (SHADOW_HEADER, "1")], body, primary_text, primary_s))
+            self._shadow(url, [*copy_headers, (SHADOW_HEADER.encode(), b"1")], body, primary_text, primary_s))
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow(self, url: str, headers: list[tuple[str, str]], body: bytes, primary_text: str,
+    async def _shadow(self, url: str, headers: RawHeaders, body: bytes, primary_text: str,
                       primary_s: float) -> None:
         spec = self.cfg.shadow
         assert spec is not None and self._shadow_slots is not None
@@ -306,18 +339,16 @@ class Front:
             st.sent += 1
             t0 = time.perf_counter()
             try:
-                async with self.client.stream("POST", url, headers=headers, content=body) as r:
-                    chunks = [c async for c in r.aiter_raw()]
-                    ok = r.status_code == 200
-                    streaming = r.headers.get("content-type", "").startswith("text/event-stream")
+                status, ctype, answer = await self.upstream.read("POST", url, headers, body)
+                ok, streaming = status == 200, ctype.startswith("text/event-stream")
             except Exception:  # noqa: BLE001 - a shadow copy never affects anything but its own counters
-                ok, chunks, streaming = False, [], False
+                ok, answer, streaming = False, b"", False
             dt = time.perf_counter() - t0
             if not ok:
                 st.failed += 1
                 m.shadow.labels(spec.source, spec.candidate, "error").inc()
                 return
-            text = sse_text(chunks) if streaming else answer_text(b"".join(chunks))
+            text = sse_text([answer]) if streaming else answer_text(answer)
             sim = difflib.SequenceMatcher(None, primary_text, text).ratio() if (primary_text or text) else 1.0
             st.completed += 1
             st.similarity_sum += sim
@@ -350,8 +381,8 @@ class Front:
     async def health(self, request: Request) -> JSONResponse:
         async def one(url: str) -> bool:
             try:
-                return (await self.client.get(url + "/health", timeout=3.0)).status_code == 200
-            except httpx.HTTPError:
+                return (await self.upstream.read("GET", url + "/health", [], b"", timeout_s=3.0))[0] == 200
+            except UpstreamError:
                 return False
 
         names = list(self.cfg.pools)
@@ -359,3 +390,16 @@ class Front:
         pools = dict(zip(names, oks, strict=True))
         return JSONResponse({"status": "ok" if all(oks) else "degraded", "pools": pools},
                             status_code=200 if any(oks) else 503)
+
+
+def _with_body_priority(body: bytes, value: int) -> bytes:
+    """The JSON body with ``priority`` set (vLLM's / SGLang's field), unless the client set one itself or the
+    body is not a JSON object (then it passes unchanged and the node answers for it)."""
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(d, dict) or "priority" in d:
+        return body
+    d["priority"] = value
+    return json.dumps(d, separators=(",", ":")).encode()

@@ -18,7 +18,9 @@ import httpx
 
 from lineside.fleet.front import Front, FrontConfig, ShadowSpec
 from lineside.fleet.smg import PoolRouter, adapter_ports, pool_routers
-from lineside.fleet.spec import FleetError, FleetFile, node
+from lineside.fleet.spec import Engine, FleetError, FleetFile, node
+
+BODY_PRIORITY_ENGINES = frozenset({Engine.VLLM, Engine.SGLANG})
 
 
 @dataclass
@@ -34,6 +36,7 @@ class GatewayPlan:
         return {"front": {"host": self.host, "port": self.port, "pools": f.pools, "default_pool": f.default_pool,
                           "session_header": f.session_header, "session_cookie": f.session_cookie,
                           "session_idle_s": f.session_idle_s, "issue_cookie": f.issue_cookie,
+                          "body_priority_pools": sorted(f.body_priority_pools),
                           "shadow": None if f.shadow is None else vars(f.shadow)},
                 "routers": [r.to_dict() for r in self.routers],
                 "health_adapters": {n: {"port": p, "upstream": u, "health_path": h}
@@ -44,10 +47,13 @@ def gateway_plan(fleet: FleetFile, *, base_cmd: list[str] | None = None, log_lev
     g = fleet.gateway
     routers = pool_routers(fleet, base_cmd=base_cmd, log_level=log_level)
     shadow = (ShadowSpec(g.shadow.source, g.shadow.candidate, g.shadow.share) if g.shadow else None)
+    # vLLM and SGLang read a request's priority from the body only (lower first: deploy datacenter's configs)
+    body_priority = frozenset(p for p, pool in fleet.pools.items()
+                              if any(node(fleet, m).engine in BODY_PRIORITY_ENGINES for m in pool.members))
     front = FrontConfig(pools={r.pool: r.url for r in routers}, default_pool=g.default_pool or next(iter(fleet.pools)),
                         session_header=g.session.header.lower(), session_cookie=g.session.cookie,
                         session_idle_s=g.session.idle_s, shadow=shadow, request_timeout_s=g.request_timeout_s,
-                        priority=g.priority)
+                        priority=g.priority, body_priority_pools=body_priority if g.priority else frozenset())
     adapters = {name: (port, node(fleet, name).url, node(fleet, name).health_path)
                 for name, port in adapter_ports(fleet).items()}
     return GatewayPlan(routers, front, g.host, g.port, adapters)
@@ -141,14 +147,15 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
     from lineside.fleet.adapter import HealthAdapter
 
     def server(app: object, host: str, port: int) -> uvicorn.Server:
-        return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False))
+        # httptools (C parser) and uvloop when installed (the fleet extra): the front's own cost per request
+        return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                             http="httptools", loop="auto"))
 
     adapters = [server(HealthAdapter(up, path).app, "127.0.0.1", port) for port, up, path in plan.adapters.values()]
     front = server(Front(plan.front).app, plan.host, plan.port)
 
     async def serve_all() -> None:
-        for a in adapters:  # up before the routers probe them
-            asyncio.get_running_loop().create_task(a.serve())
+        tasks = [asyncio.get_running_loop().create_task(a.serve()) for a in adapters]  # up before the probes
         while adapters and not all(a.started for a in adapters):
             await asyncio.sleep(0.05)
         await asyncio.to_thread(routers.start)
@@ -157,6 +164,8 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
         finally:
             for a in adapters:
                 a.should_exit = True
+            if tasks:  # their lifespan closes their connection pools
+                await asyncio.wait(tasks, timeout=10)
 
     routers = Routers(plan, log_dir)
     try:

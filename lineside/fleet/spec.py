@@ -136,7 +136,8 @@ class Gateway(_Strict):
     shadow: Shadow | None = None
     request_timeout_s: Annotated[int, Field(ge=1)] = 600
     # X-Priority high|normal|low → SMG's admission classes (X-SMG-Priority interactive|default|bulk,
-    # --priority-scheduler-enabled): SMG forwards no X-Priority header to the nodes, so priority acts here.
+    # --priority-scheduler-enabled), and to the nodes' schedulers in tracestate / the body's `priority`
+    # (SMG forwards no X-Priority header); false: neither (the pool's mode still reaches the nodes).
     priority: bool = True
 
 

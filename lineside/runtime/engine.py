@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,6 +122,8 @@ class LLMEngine:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._step_lock = threading.Lock()
+        # One thread runs every step (not the default pool's rotating threads: warm caches, no context copy).
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineside-step")
         self._closed = False
         self._steps = 0
         self._prompt_total = 0
@@ -136,7 +139,7 @@ class LLMEngine:
             raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        await asyncio.to_thread(self._warmup)
+        await self._loop.run_in_executor(self._stepper, self._warmup)
         self.ready = True
         self._task = asyncio.create_task(self._run(), name="lineside-engine")
         if self._incoming:
@@ -169,6 +172,7 @@ class LLMEngine:
             if not self._closed:
                 self._closed = True
                 self.backend.close()
+        self._stepper.shutdown(wait=False)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
@@ -242,7 +246,7 @@ class LLMEngine:
                 if plan.empty:
                     await self._wake.wait()
                     continue
-                out = await asyncio.to_thread(self._execute, plan)
+                out = await self._loop.run_in_executor(self._stepper, self._execute, plan)
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
@@ -255,7 +259,9 @@ class LLMEngine:
                 for seq in list(self._seqs.values()):
                     with contextlib.suppress(Exception):
                         self._abort(seq, FinishReason.ERROR, msg)
-            await asyncio.sleep(0)  # let the server's tasks run between steps
+                await asyncio.sleep(0)
+            # No yield here: the next step is planned and handed to the worker first, so the streams' chunks for
+            # this step are encoded and written while it runs (not on the decode's critical path).
 
     def _intake(self) -> None:
         while self._incoming:

@@ -101,7 +101,7 @@ def serve(
     from lineside.server.auth import resolve_api_key
 
     key = resolve_api_key(api_key, api_key_file)
-    from lineside.server.serve import bind_socket, run
+    from lineside.server.bind import bind_socket
 
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
@@ -133,6 +133,8 @@ def serve(
     except BaseException:
         sock.close()
         raise
+    from lineside.server.serve import run  # uvicorn: imported while the engine loads
+
     run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
 
 

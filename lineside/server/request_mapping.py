@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from lineside.errors import LinesideError
+from lineside.request_class import read_member
 from lineside.runtime.request import (
     EMPTY_PROMPT,
     MODES,
@@ -190,9 +191,11 @@ def token_budget(prompt_len: int, requested: int | None, default: int | None, *,
 
 
 def priority(headers: Any) -> tuple[Priority, Mode]:
-    """(priority, mode) from the X-Priority and X-Mode headers."""
-    level = (headers.get("x-priority") or "normal").strip().lower()
-    mode = (headers.get("x-mode") or "realtime").strip().lower()
+    """(priority, mode) from the X-Priority and X-Mode headers, else from the ``lineside`` member of
+    ``tracestate`` (what the fleet gateway writes: SMG forwards tracestate, not X-Priority / X-Mode)."""
+    carried = read_member(headers.get("tracestate"))
+    level = (headers.get("x-priority") or carried.get("priority") or "normal").strip().lower()
+    mode = (headers.get("x-mode") or carried.get("mode") or "realtime").strip().lower()
     if level not in PRIORITIES:
         raise bad(f"X-Priority {level!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
     if mode not in MODES:

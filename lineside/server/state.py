@@ -91,6 +91,7 @@ class ServerState:
         self._idle.set()
         self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
         self._load_task: asyncio.Task | None = None
+        self._warm_task: asyncio.Future | None = None
         self.tokenizer_processes = tokenizer_processes
         self._tokenizer: PooledTokenizer | None = None
         self.slo: SloGuard | None = None  # the degradation ladder, when serving with --fallback / --slo-policy
@@ -136,10 +137,12 @@ class ServerState:
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)
-            if self.tokenizer_processes > 0:  # the worker's start-up must not land on the first long prompt
-                await asyncio.to_thread(self.tokenizer.warm)
             self.ready = True
             self.ready_s = process_age_s()
+            if self.tokenizer_processes > 0:
+                # The long-prompt worker (a spawned interpreter: ~1 s) starts after ready, not before it: a
+                # long prompt in its first second waits for it, as it would have waited for the server.
+                self._warm_task = asyncio.create_task(asyncio.to_thread(self.tokenizer.warm))
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:
             raise
@@ -216,6 +219,11 @@ class ServerState:
                 log.exception("engine stop failed")
         if self.slo is not None:
             await self.slo.stop(0.0 if self.inflight == 0 else min(self.drain_timeout, 5.0))
+        if self._warm_task is not None:  # a worker still starting is let finish, then shut down with the pool
+            try:
+                await self._warm_task
+            except Exception:  # noqa: BLE001 - warm() reports its own failure
+                pass
         if self._tokenizer is not None:
             self._tokenizer.close()
         if self.tegrastats:

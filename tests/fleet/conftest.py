@@ -88,9 +88,12 @@ class Proc:
                 self.p.wait(timeout=10)
 
 
-def lineside_worker(bundle: Path, port: int, log: Path) -> Proc:
+def lineside_worker(bundle: Path, port: int, log: Path, latency_log: Path | None = None) -> Proc:
+    """`lineside serve`; with ``latency_log`` it writes one JSON line per request (the priority and mode its
+    scheduler got)."""
+    extra = ["--latency-log", str(latency_log)] if latency_log is not None else []
     return Proc([sys.executable, "-m", "lineside", "serve", str(bundle), "--port", str(port), "--num-slots", "4",
-                 "--threads", "1", "--log-level", "warning", "--served-model-name", MODEL_NAME],
+                 "--threads", "1", "--log-level", "warning", "--served-model-name", MODEL_NAME, *extra],
                 f"http://127.0.0.1:{port}/health/ready", log)
 
 

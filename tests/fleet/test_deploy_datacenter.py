@@ -123,8 +123,10 @@ def test_v4_configs_pass_the_engine_schema(model, gpus, engine, tmp_path):
         assert c["kv-cache-dtype"] == "fp8" and c["enable-expert-parallel"] is True
         assert c["speculative-config"]["method"] == "mtp" and c["max-model-len"] == d.plan.max_model_len
         assert c["cudagraph-capture-sizes"] == graph_sizes(c["max-num-seqs"] * 2)
+        assert c["scheduling-policy"] == "priority"  # the gateway's body `priority`: lower first
     elif engine == "sglang":
         assert c["kv-cache-dtype"] == "fp8_e4m3" and c["ep-size"] == 8 and c["speculative-algorithm"] == "EAGLE"
+        assert c["enable-priority-scheduling"] is True and c["schedule-low-priority-values-first"] is True
     else:
         assert c["kv_cache_config"]["dtype"] == "fp8" and c["moe_expert_parallel_size"] == 8
         assert c["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1}

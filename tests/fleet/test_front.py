@@ -1,13 +1,14 @@
 """The gateway front alone (no smg needed): header → pool, sessions, shadow copies, streaming relay.
 
-Each pool's "router" is a small OpenAI-shaped ASGI app reached through httpx's ASGI transport, answering
-which pool it is and echoing the session header it received.
+Each pool's "router" is a small OpenAI-shaped app on a loopback port, answering which pool it is and echoing
+the session header it received; the front is called through httpx's ASGI transport.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from lineside.bench.inprocess import BackgroundServer
 from lineside.fleet.front import Front, FrontConfig, ShadowSpec, ShareSampler, answer_text, sse_text
 
 
@@ -30,48 +32,64 @@ def pool_app(name: str, seen: list[dict]) -> Starlette:
                     yield f"data: {json.dumps({'choices': [{'delta': {'content': w + ' '}}]})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(gen(), media_type="text/event-stream", headers={"x-pool": name})
+        degraded = {"x-lineside-degraded": "1"} if name == "batch" else {}  # a node on its SLO ladder's level 1
         return JSONResponse({"choices": [{"message": {"role": "assistant", "content": text}}]},
-                            headers={"x-pool": name, "x-session-seen": request.headers.get("x-session-id", "")})
+                            headers={"x-pool": name, "x-session-seen": request.headers.get("x-session-id", ""),
+                                     **degraded})
+
+    async def hang(request: Request):
+        """One token, then a generation that never ends: only the client going away ends it."""
+        async def gen():
+            try:
+                yield 'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+                await asyncio.Event().wait()
+            finally:
+                seen.append({"pool": name, "hang": "closed"})
+        return StreamingResponse(gen(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/hang", hang, methods=["POST"]),
                              Route("/health", lambda r: JSONResponse({"ok": True}))])
 
 
-class ByHost:
-    """One ASGI transport per upstream host."""
-
-    def __init__(self, apps: dict[str, Starlette]) -> None:
-        self.t = {h: httpx.ASGITransport(app=a) for h, a in apps.items()}
-
-    def transport(self) -> httpx.AsyncBaseTransport:
-        outer = self
-
-        class T(httpx.AsyncBaseTransport):
-            async def handle_async_request(self, request):
-                if request.url.host not in outer.t:
-                    raise httpx.ConnectError("connection refused", request=request)
-                return await outer.t[request.url.host].handle_async_request(request)
-
-        return T()
-
-
-def make(shadow_to: str = "batch", share: float = 0.5):
+@pytest.fixture(scope="module")
+def upstreams():
+    """The three pools' "routers": real HTTP servers on loopback (the front's aiohttp pool talks to them)."""
     seen: list[dict] = []
-    names = ("realtime", "batch", "candidate-same")
-    upstream = ByHost({n: pool_app(n, seen) for n in names})
-    client = httpx.AsyncClient(transport=upstream.transport())
-    cfg = FrontConfig(pools={n: f"http://{n}" for n in names}, default_pool="realtime", session_idle_s=90,
-                      shadow=ShadowSpec("realtime", shadow_to, share))
-    front = Front(cfg, client=client)
-    return front, seen
+    servers = {n: BackgroundServer(pool_app(n, seen), ready_path="/health").start()
+               for n in ("realtime", "batch", "candidate-same")}
+    yield {n: s.url for n, s in servers.items()}, seen
+    for s in servers.values():
+        s.stop()
+
+
+_LOOP = asyncio.new_event_loop()  # one loop for the module: a front's connection pool lives in one loop
 
 
 def run(coro):
-    return asyncio.run(coro)
+    return _LOOP.run_until_complete(coro)
 
 
-async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+@pytest.fixture
+def make(upstreams):
+    urls, seen = upstreams
+    fronts: list[Front] = []
+
+    def build(shadow_to: str = "batch", share: float = 0.5, body_priority_pools: frozenset[str] = frozenset()):
+        seen.clear()
+        cfg = FrontConfig(pools=dict(urls), default_pool="realtime", session_idle_s=90,
+                          shadow=ShadowSpec("realtime", shadow_to, share), body_priority_pools=body_priority_pools)
+        fronts.append(Front(cfg))
+        return fronts[-1], seen
+
+    yield build
+    for f in fronts:
+        run(f.aclose())
+
+
+async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None,
+                extra: dict | None = None):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **(extra or {})}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front.app), base_url="http://gw",
                                  cookies=cookies) as c:
         r = await c.post("/v1/chat/completions", json=body, headers=headers or {})
@@ -79,12 +97,13 @@ async def _call(front: Front, headers: dict | None = None, stream: bool = False,
         return r
 
 
-def test_header_picks_the_pool():
+def test_header_picks_the_pool(make):
     front, seen = make(share=0.0001)
     for headers, pool in (({"X-Mode": "realtime"}, "realtime"), ({"X-Mode": "BATCH"}, "batch"),
                           ({"X-Batch": "true"}, "batch"), ({}, "realtime")):
         r = run(_call(front, headers))
         assert r.status_code == 200 and r.headers["x-pool"] == pool
+        assert r.headers.get("x-lineside-degraded") == ("1" if pool == "batch" else None)  # passed back as sent
     r = run(_call(front, {"X-Mode": "bulk"}))
     assert r.status_code == 400
     assert r.json()["error"] == {"message": "X-Mode 'bulk' is not a pool of this gateway; use one of: realtime, "
@@ -92,7 +111,7 @@ def test_header_picks_the_pool():
                                  "code": "unknown_pool", "param": "X-Mode"}
 
 
-def test_sessions_become_the_routing_key():
+def test_sessions_become_the_routing_key(make):
     front, seen = make(share=0.0001)
     r = run(_call(front, {"X-Session-Id": "station-7"}))
     assert r.headers["x-session-seen"] == "station-7" and "set-cookie" not in r.headers
@@ -104,7 +123,7 @@ def test_sessions_become_the_routing_key():
         f"lineside_session={sid}; Max-Age=90; Path=/; HttpOnly; SameSite=Lax")
 
 
-def test_priority_becomes_smg_admission_class():
+def test_priority_becomes_smg_admission_class(make):
     front, seen = make(share=0.0001)
     run(_call(front, {"X-Priority": "high", "X-SMG-Priority": "system"}))
     run(_call(front, {"X-Priority": "LOW"}))
@@ -115,7 +134,30 @@ def test_priority_becomes_smg_admission_class():
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority" and len(seen) == 3
 
 
-def test_shadow_copies_share_is_exact_and_responses_are_discarded():
+def test_the_request_class_reaches_the_nodes_in_tracestate(make):
+    """SMG forwards tracestate but not X-Priority / X-Mode: the front writes both into its lineside member."""
+    front, seen = make(share=0.0001)
+    run(_call(front, {"X-Priority": "high", "X-Mode": "batch", "tracestate": "rojo=00f0,lineside=priority:low"}))
+    run(_call(front, {"X-Priority": "low"}))  # the default pool, realtime
+    run(_call(front, {"X-Mode": "candidate-same"}))  # a pool that is no node mode, no priority: nothing to carry
+    assert [s["headers"].get("tracestate") for s in seen] == [
+        "lineside=priority:high;mode:batch,rojo=00f0", "lineside=priority:low;mode:realtime", None]
+    # the bodies passed byte for byte: no priority field where the pool has no vLLM/SGLang member
+    assert all("priority" not in s["body"] for s in seen)
+
+
+def test_vllm_sglang_pools_get_the_priority_in_the_body(make):
+    front, seen = make(share=0.0001, body_priority_pools=frozenset({"batch", "realtime"}))
+    run(_call(front, {"X-Priority": "high"}))
+    run(_call(front, {"X-Mode": "batch"}))
+    run(_call(front, {"X-Mode": "batch", "X-Priority": "low"}))
+    run(_call(front, {}))  # realtime, normal: the engines' default 0, body untouched
+    run(_call(front, {"X-Priority": "high"}, extra={"priority": 5}))  # the client's own value is kept
+    assert [s["body"].get("priority") for s in seen] == [-1, 10, 11, None, 5]
+    assert all(s["body"]["messages"] == [{"role": "user", "content": "hi"}] for s in seen)
+
+
+def test_shadow_copies_share_is_exact_and_responses_are_discarded(make):
     front, seen = make(share=0.25)
     answers = [run(_call(front, {"X-Mode": "realtime"})).json() for _ in range(8)]
     assert all(a["choices"][0]["message"]["content"] == "answer from realtime" for a in answers)
@@ -128,7 +170,7 @@ def test_shadow_copies_share_is_exact_and_responses_are_discarded():
     assert front.shadow_stats.sent == 2
 
 
-def test_streamed_answers_are_relayed_and_compared():
+def test_streamed_answers_are_relayed_and_compared(make):
     front, seen = make(shadow_to="candidate-same", share=1.0)
     r = run(_call(front, {"X-Mode": "realtime"}, stream=True))
     assert r.status_code == 200 and sse_text([r.content]) == "answer from realtime "
@@ -136,15 +178,29 @@ def test_streamed_answers_are_relayed_and_compared():
     assert st["completed"] == 1 and st["agreed"] == 1 and st["mean_similarity"] == 1.0
 
 
-def test_unreachable_pool_router_is_a_502_and_a_failed_shadow_is_counted():
+def test_unreachable_pool_router_is_a_502_and_a_failed_shadow_is_counted(make):
     front, _ = make(share=1.0)
-    front.cfg.pools["batch"] = "http://nowhere"  # a host the transport does not know: the copy fails
+    front.cfg.pools["batch"] = "http://127.0.0.1:1"  # nothing listens there: the copy fails
 
     r = run(_call(front, {"X-Mode": "realtime"}))
     assert r.status_code == 200 and front.shadow_stats.failed == 1
-    front.cfg.pools["realtime"] = "http://nowhere"
+    front.cfg.pools["realtime"] = "http://127.0.0.1:1"
     r = run(_call(front, {"X-Mode": "realtime"}))
     assert r.status_code == 502 and r.json()["error"]["code"] == "pool_unreachable"
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_upstream_generation(make):
+    """The front runs as a real server here: its client disconnects after the first token, and the node's
+    stream (behind the front) is closed too instead of generating for nobody."""
+    front, seen = make(share=0.0001)
+    with BackgroundServer(front.app, ready_path="/fleet/shadow") as gw:
+        with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as c:
+            with c.stream("POST", "/v1/hang", json={"stream": True}) as r:
+                assert r.status_code == 200 and b'"x"' in next(r.iter_raw())
+        deadline = time.monotonic() + 10
+        while {"pool": "realtime", "hang": "closed"} not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert {"pool": "realtime", "hang": "closed"} in seen
 
 
 @pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])

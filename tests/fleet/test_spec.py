@@ -67,6 +67,16 @@ def test_good_file_and_the_shipped_example_plan():
     assert f.gateway.shadow is not None and f.gateway.session.idle_s >= 60
 
 
+def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_members():
+    from lineside.fleet.gateway import gateway_plan
+
+    plan = gateway_plan(_parse(GOOD), base_cmd=["smg"])
+    assert plan.front.body_priority_pools == frozenset({"batch"})  # gpu runs vLLM; realtime is lineside only
+    assert plan.to_dict()["front"]["body_priority_pools"] == ["batch"]
+    off = gateway_plan(_parse({**GOOD, "gateway": {"priority": False}}), base_cmd=["smg"])
+    assert off.front.body_priority_pools == frozenset() and off.front.priority is False
+
+
 @pytest.mark.parametrize(("change", "expected"), [
     (("nodes.0.bundel", "x"), "fleet.yaml: unknown key 'nodes[0].bundel'; the keys allowed there are: name, kind,"),
     (("gateway", {"prot": 9}), "fleet.yaml: unknown key 'gateway.prot'; the keys allowed there are: host, port,"),

@@ -11,6 +11,17 @@ def test_greedy_and_top_k_one():
     assert Sampler(SamplingParams(temperature=5.0, top_k=1, seed=3))(x) == 1
 
 
+@pytest.mark.parametrize("row", [[0.1, 3.0, 3.0, -1.0], [-np.inf, -np.inf, 1.0, np.inf], [np.inf, 2.0, np.inf, 0.0],
+                                 [np.nan, 1.0, 5.0, np.nan], [-np.inf, np.nan, -np.inf, -np.inf],
+                                 [np.nan, np.nan, np.nan, np.nan]])
+def test_greedy_shortcut_picks_what_the_float64_path_picks(row):
+    """Plain greedy takes the float32 argmax; on a NaN it falls back to the full path (NaN counts as -inf)."""
+    x = np.array(row, dtype=np.float32)
+    fast = Sampler(SamplingParams()).step(x).token
+    full = Sampler(SamplingParams()).step(x, logprobs=0).token  # logprobs: never the shortcut
+    assert fast == full
+
+
 def test_repetition_penalty_sees_prompt_presence_only_output():
     x = np.array([2.0, 1.9, 0.0], dtype=np.float32)
     # token 0 is only in the prompt: repetition penalty pushes it below token 1 ...

@@ -34,11 +34,13 @@ def _start(bundle, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-async def _stream(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, started: asyncio.Event) -> dict:
+async def _stream(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, started: asyncio.Event,
+                  accepted: list[int]) -> dict:
     events = []
     async with c.stream("POST", url + "/v1/completions", json={"prompt": f"drain {i}", "max_tokens": max_tokens,
                                                                "temperature": 0, "stream": True}) as r:
         assert r.status_code == 200
+        accepted.append(i)  # the server answered 200: the request is in the engine
         async for line in r.aiter_lines():
             if not line:
                 continue
@@ -50,9 +52,12 @@ async def _stream(c: httpx.AsyncClient, url: str, i: int, max_tokens: int, start
 
 async def _scenario(url: str, proc: subprocess.Popen, n: int, max_tokens: int):
     async with httpx.AsyncClient(timeout=60) as c:
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(_stream(c, url, i, max_tokens, started)) for i in range(n)]
+        started, accepted = asyncio.Event(), []
+        tasks = [asyncio.create_task(_stream(c, url, i, max_tokens, started, accepted)) for i in range(n)]
         await asyncio.wait_for(started.wait(), 30)
+        deadline = time.monotonic() + 60  # on a loaded machine some requests reach the server late (503 after it)
+        while len(accepted) < n and time.monotonic() < deadline and not any(t.done() and t.exception() for t in tasks):
+            await asyncio.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.1)
         refused = await c.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})

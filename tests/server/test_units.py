@@ -125,6 +125,13 @@ def test_stop_and_priority():
     assert request_mapping.priority({"x-priority": " HIGH ", "x-mode": "batch"}) == ("high", "batch")
     with pytest.raises(APIError, match="X-Mode"):
         request_mapping.priority({"x-mode": "now"})
+    # behind the fleet gateway the class arrives in tracestate (SMG forwards it); own headers win
+    carried = {"tracestate": "other=x, lineside=priority:LOW;mode:batch"}
+    assert request_mapping.priority(carried) == ("low", "batch")
+    assert request_mapping.priority({**carried, "x-priority": "high"}) == ("high", "batch")
+    assert request_mapping.priority({"tracestate": "lineside=garbage"}) == ("normal", "realtime")
+    with pytest.raises(APIError, match="X-Priority 'urgent'"):
+        request_mapping.priority({"tracestate": "lineside=priority:urgent"})
 
 
 def test_completion_prompt_forms():
