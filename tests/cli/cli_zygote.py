@@ -13,6 +13,7 @@ import json
 import locale
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,7 @@ class Zygote:
         self.lock = threading.Lock()
         ready = self._readline(None)
         self.noise_out, self.noise_err = _text(out.read_bytes()), _text(err.read_bytes())
+        shutil.rmtree(self.dir)  # the zygote keeps its (now unlinked) import files open; nothing else goes there
         if ready != b"ready\n":
             self.proc.kill()
             raise RuntimeError(f"the CLI zygote did not start: {self.noise_err[-2000:]}")
@@ -87,8 +89,8 @@ class Zygote:
 
     def run(self, argv: list[str], *, env: dict[str, str], cwd: str, timeout: float | None,
             ) -> subprocess.CompletedProcess:
-        out = tempfile.NamedTemporaryFile(dir=self.dir, suffix=".out", delete=False)
-        err = tempfile.NamedTemporaryFile(dir=self.dir, suffix=".err", delete=False)
+        out = tempfile.NamedTemporaryFile(prefix="lineside-cli-", suffix=".out", delete=False)
+        err = tempfile.NamedTemporaryFile(prefix="lineside-cli-", suffix=".err", delete=False)
         out.close()
         err.close()
         try:
