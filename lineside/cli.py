@@ -30,6 +30,7 @@ app = typer.Typer(
 _COMMAND_MODULES = (
     "lineside.build.commands",
     "lineside.build.tensorrt.commands",
+    "lineside.build.lora_commands",
     "lineside.runtime.commands",
     "lineside.server.commands",
     "lineside.bench.commands",

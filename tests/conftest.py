@@ -89,6 +89,50 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, key: object,
         return Path(done.read_text())
 
 
+# Random PEFT LoRA adapters for the multi-LoRA tests: name -> LoraConfig fields (every case the reader knows).
+LORA_ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all-rslora": dict(r=8, lora_alpha=16, use_rslora=True,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "patterns": dict(r=6, lora_alpha=12, target_modules=["k_proj", "o_proj", "up_proj", "down_proj"],
+                     rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 3}),
+}
+
+
+def make_peft_adapter(ckpt: Path, out: Path, seed: int = 0, **lora: Any) -> Path:
+    """Save a random (non-zero B) PEFT LoRA adapter for the checkpoint ``ckpt`` with peft itself."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
+    with torch.no_grad():  # widen the random init so the adapter moves the logits clearly
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def peft_adapter(tiny_dense, tmp_path_factory):
+    """Factory: (variant, adapter name of LORA_ADAPTERS) -> the adapter's directory, made once."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(variant: str, name: str) -> Path:
+        if (variant, name) not in cache:
+            seed = sorted(LORA_ADAPTERS).index(name) + 1
+            ckpt = tiny_dense(variant)
+            cache[(variant, name)] = made_once(
+                tmp_path_factory, f"lora-{name}", (variant, name),
+                lambda d: make_peft_adapter(ckpt, d, seed=seed, **LORA_ADAPTERS[name]))
+        return cache[(variant, name)]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory):
     """Factory: variant name → path of a tiny HF checkpoint (made once per run)."""

@@ -2,7 +2,9 @@
 
 /v1/completions takes a request's prompts as one list `prompt` (one choice each). Chat has no list
 form, so a request carrying k prompts to /v1/chat/completions is k concurrent chat calls recorded
-as one request with k choices.
+as one request with k choices. With ``chunks`` (pattern chunked) a prompt is first fed to POST /v1/prefill
+in that many growing pieces, ``chunk_interval`` seconds apart, under its own session id; the request's record
+starts when the completion is sent, so its TTFT is the time to first token after the last chunk.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -31,6 +34,8 @@ class ClientConfig:
     temperature: float = 0.0
     ignore_eos: bool = False
     timeout: float = 60.0
+    chunks: int = 0  # > 0: feed each prompt to /v1/prefill in this many pieces first
+    chunk_interval: float = 1.0  # seconds between two pieces (the pace the prompt "arrives" at)
 
 
 def _payload(cfg: ClientConfig, prompts: list[Prompt]) -> dict:
@@ -52,13 +57,40 @@ def _chunk_text(choice: dict, chat: bool) -> str:
     return choice.get("text") or ""
 
 
+def _grown(cfg: ClientConfig, prompt: Prompt, text: str) -> dict:
+    """The body of a prefill call carrying ``text``, the prompt so far (chat: the last message so far)."""
+    if cfg.endpoint != "chat":
+        return {"model": cfg.model, "prompt": text}
+    messages = list(prompt.messages) or [{"role": "user", "content": prompt.text}]
+    return {"model": cfg.model, "messages": [*messages[:-1], {**messages[-1], "content": text}]}
+
+
+async def feed(client: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt, session_id: str) -> None:
+    """Send ``prompt`` to /v1/prefill in ``cfg.chunks`` growing pieces, ``cfg.chunk_interval`` s apart."""
+    messages = list(prompt.messages)
+    whole = str(messages[-1].get("content") or "") if messages else prompt.text
+    cuts = [round(len(whole) * (i + 1) / cfg.chunks) for i in range(cfg.chunks)]
+    for i, cut in enumerate(cuts):
+        if i:
+            await asyncio.sleep(cfg.chunk_interval)
+        resp = await client.post(cfg.base_url.rstrip("/") + "/v1/prefill",
+                                 json={**_grown(cfg, prompt, whole[:cut]), "session_id": session_id})
+        if resp.status_code != 202:
+            try:
+                msg = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = resp.text[:200]
+            raise RuntimeError(f"prefill HTTP {resp.status_code}: {msg}")
+
+
 async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Prompt], t0: float,
-                  rec: RequestRecord, index_offset: int) -> tuple[int | None, int | None]:
+                  rec: RequestRecord, index_offset: int,
+                  headers: dict[str, str] | None = None) -> tuple[int | None, int | None]:
     """POST one streaming request; append chunk times to rec; returns (prompt, completion) usage if sent."""
     chat = cfg.endpoint == "chat"
     usage = (None, None)
     async with client.stream("POST", cfg.base_url.rstrip("/") + ENDPOINTS[cfg.endpoint],
-                             json=_payload(cfg, prompts)) as resp:
+                             json=_payload(cfg, prompts), headers=headers) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode("utf-8", "replace")
             try:
@@ -87,10 +119,20 @@ async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Pr
 
 async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Prompt], t0: float) -> RequestRecord:
     """Send one request carrying `prompts`; never raises for a server or network failure (recorded instead)."""
-    rec = RequestRecord(start=time.perf_counter() - t0, end=0.0, prompts=len(prompts))
     groups = [[p] for p in prompts] if cfg.endpoint == "chat" else [prompts]
-    outcomes = await asyncio.gather(*(_stream(client, cfg, g, t0, rec, i) for i, g in enumerate(groups)),
-                                    return_exceptions=True)
+    sessions = [f"bench-{uuid.uuid4().hex[:16]}" for _ in groups] if cfg.chunks else []
+    fed: list = []
+    if sessions:  # each prompt arrives in chunks first; the record starts at its completion
+        fed = await asyncio.gather(*(feed(client, cfg, g[0], sid) for g, sid in zip(groups, sessions, strict=True)),
+                                   return_exceptions=True)
+    rec = RequestRecord(start=time.perf_counter() - t0, end=0.0, prompts=len(prompts))
+    failed = [e for e in fed if isinstance(e, BaseException)]
+    if failed:
+        outcomes: list = failed
+    else:
+        outcomes = await asyncio.gather(*(_stream(client, cfg, g, t0, rec, i,
+                                                  {"X-Session-Id": sessions[i]} if sessions else None)
+                                          for i, g in enumerate(groups)), return_exceptions=True)
     errors = [e for e in outcomes if isinstance(e, BaseException)]
     results = [] if errors else list(outcomes)
     if errors:

@@ -43,11 +43,15 @@ def bench(
     url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server."),
     bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
     compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two result JSONs: A B."),
-    pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency"),
+    pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency | chunked (prompts fed to "
+                                               "/v1/prefill in --chunks pieces, --chunk-interval s apart)"),
     rate: float = num(1.0, kind=float, above=0,
                       help="burst: requests sent each second; poisson/gamma: mean requests/s."),
     burstiness: float = num(1.0, kind=float, above=0, help="gamma shape: 1 = Poisson, < 1 burstier."),
     concurrency: int = num(4, low=1, high=MAX_CONCURRENCY, help="Requests in flight for --pattern concurrency."),
+    chunks: int = num(8, low=1, high=1000, help="--pattern chunked: pieces each prompt is fed in."),
+    chunk_interval: float = num(1.5, kind=float, low=0, high=checks.MAX_SECONDS,
+                                help="--pattern chunked: seconds between two pieces of a prompt."),
     duration: float = num(20.0, kind=float, low=0, high=checks.MAX_SECONDS,
                           help="Seconds of arrivals (0 = bounded by --num-requests only)."),
     num_requests: int = num(0, low=0, high=MAX_REQUESTS, help="Cap on requests sent (0 = no cap beyond --duration)."),
@@ -70,7 +74,7 @@ def bench(
     threads: int = num(None, low=1, high=checks.MAX_THREADS,
                        help="--bundle only: CPU threads for the in-process runtime."),
     num_slots: int = num(None, low=1, help="--bundle only: concurrent sequences of the in-process engine."),
-    speculative: str = typer.Option(None, help="--bundle only: speculative decoding method (ngram)."),
+    speculative: str = typer.Option(None, help="--bundle only: speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp."),
     spec_tokens: int = num(None, low=1, high=16, help="--bundle only: most tokens proposed per step (default 4)."),
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory "
                                         "(its parent must exist)."),
@@ -116,6 +120,11 @@ def bench(
     if spec is not None and bundle is None:
         raise LinesideError("--speculative configures the in-process server: use it with --bundle (for --url, "
                             "start the server with `lineside serve --speculative ...`)")
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
     from lineside.bench.client import ClientConfig
     from lineside.bench.inprocess import ready_after_s
     from lineside.bench.load import make_schedule
@@ -147,9 +156,12 @@ def bench(
     pool = PromptPool(_prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed,
                                _tokenizer(tokenizer, bundle)))
     span = schedule.arrivals[-1].time if schedule.arrivals else duration
+    if pattern == "chunked":
+        span += (chunks - 1) * chunk_interval  # the last prompt's feeding
     deadline = min(max_time, (span + timeout) if span else max_time)
     cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
-                       temperature=temperature, ignore_eos=ignore_eos, timeout=timeout)
+                       temperature=temperature, ignore_eos=ignore_eos, timeout=timeout,
+                       chunks=chunks if pattern == "chunked" else 0, chunk_interval=chunk_interval)
 
     load_before = machine_load()
     warn_if_loaded(load_before, console)
@@ -183,6 +195,8 @@ def bench(
         meta["burstiness"] = burstiness
     if pattern == "concurrency":
         meta["concurrency"] = concurrency
+    if pattern == "chunked":  # TTFT is measured from the completion, sent right after the last chunk
+        meta.update(chunks=chunks, chunk_interval=chunk_interval)
     if ppr or pattern == "burst":
         meta["prompts_per_request"] = prompts_per_request or "1:3"
     meta["machine"] = machine_record(load_before, load_after)

@@ -1,4 +1,5 @@
-"""Arrival schedules for a load run: burst, Poisson, gamma (with a burstiness factor), fixed concurrency.
+"""Arrival schedules for a load run: burst, Poisson, gamma (with a burstiness factor), fixed concurrency, and
+chunked (Poisson arrivals of prompts that are fed in chunks through POST /v1/prefill before their completion).
 
 An open-loop schedule is a seeded list of (send time, prompts carried) decided before the run, so
 two runs with the same seed send the same load. Fixed concurrency is closed-loop (a new request
@@ -13,7 +14,7 @@ import numpy as np
 
 from lineside.errors import LinesideError
 
-PATTERNS = ("burst", "poisson", "gamma", "concurrency")
+PATTERNS = ("burst", "poisson", "gamma", "concurrency", "chunked")
 
 
 @dataclass(frozen=True)
@@ -118,4 +119,7 @@ def make_schedule(pattern: str, *, rate: float, duration: float, seed: int, burs
         return gamma(rate, burstiness, duration, seed, max_requests, prompts_per_request or (1, 1))
     if pattern == "concurrency":
         return concurrency(workers, duration, max_requests)
+    if pattern == "chunked":  # when each prompt starts arriving; its chunks and completion follow (bench/client.py)
+        s = poisson(rate, duration, seed, max_requests, (1, 1))
+        return Schedule("chunked", s.arrivals, duration=s.duration, max_requests=s.max_requests)
     raise LinesideError(f"unknown load pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")

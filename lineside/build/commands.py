@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from lineside import cli_checks as checks
 from lineside.build.pipeline import BuildOptions, build_bundle, describe
 from lineside.errors import LinesideError
+from lineside.lora import parse_targets
 
 err = Console(stderr=True)
 
@@ -48,6 +49,13 @@ AccuracyLevelOpt = Annotated[int, checks.number_option(
     low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
 LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
 KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")]
+DraftLayersOpt = Annotated[str | None, typer.Option(
+    help="layerskip draft graphs: comma list of N (the first N layers + final norm + LM head, sharing the "
+         "weights), for `--speculative layerskip:N`")]
+MaxLoraRankOpt = Annotated[int, checks.number_option(
+    low=0, high=1024, help="also build LoRA graphs (multi-adapter serving); the adapter slots' default rank (0: none)")]
+LoraTargetsOpt = Annotated[str, typer.Option(help="linears the LoRA graphs adapt: comma list of q,k,v,o,gate,up,down "
+                                                  "or all")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
@@ -65,6 +73,9 @@ def build(
     accuracy_level: AccuracyLevelOpt = 4,
     lm_head_bits: LmHeadBitsOpt = 8,
     kv_dtype: KvDtypeOpt = "fp16",
+    draft_layers: DraftLayersOpt = None,
+    max_lora_rank: MaxLoraRankOpt = 0,
+    lora_targets: LoraTargetsOpt = "all",
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -73,11 +84,22 @@ def build(
     opts = BuildOptions(quant=quant, group_size=group_size, method=method, calib=calib,
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
-                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, force=force)
+                        lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=parse_draft_layers(draft_layers),
+                        force=force, max_lora_rank=max_lora_rank, lora_targets=parse_targets(lora_targets))
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)
     print(f"{out}: {describe(out)}")
+
+
+def parse_draft_layers(value: str | None) -> tuple[int, ...]:
+    """`--draft-layers 2` or `2,4` → (2,) / (2, 4); one line for anything else."""
+    if not value:
+        return ()
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise LinesideError(f"--draft-layers {value!r}: give layer counts, e.g. --draft-layers 4 or 2,4")
+    return tuple(sorted({int(p) for p in parts}))
 
 
 def check_build_paths(checkpoint: Path, output: Path, calib: Path | None, force: bool) -> None:

@@ -19,9 +19,10 @@ from lineside.build.models import model_family
 from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
-from lineside.bundle import FlavorEntry, Manifest, read_manifest, write_manifest
-from lineside.config import ModelConfig
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry, LoraGraphs, Manifest, read_manifest, write_manifest
+from lineside.config import DENSE_FAMILIES, ModelConfig
 from lineside.errors import LinesideError
+from lineside.lora import ALL_TARGETS, LoraTarget
 
 if TYPE_CHECKING:  # the calibrations are imported only when a build asks for one
     from lineside.build.quant.calibrate import AwqPlan
@@ -45,7 +46,10 @@ class BuildOptions:
     accuracy_level: int = 4
     lm_head_bits: int = 8
     kv_dtype: str = "fp16"
+    draft_layers: tuple[int, ...] = ()  # layerskip draft graphs: the first N layers + final norm + LM head
     force: bool = False
+    max_lora_rank: int = 0  # > 0: also emit each flavor's LoRA graph (graph/lora.py); the slots' default rank
+    lora_targets: tuple[LoraTarget, ...] = ALL_TARGETS
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -68,6 +72,10 @@ class BuildOptions:
         check_kv_flavors(parse_kv_dtype(self.kv_dtype), self.flavors)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise LinesideError("--max-seq-len must be at least 2")
+        if any(n < 1 for n in self.draft_layers):
+            raise LinesideError(f"--draft-layers {min(self.draft_layers)}: a draft needs at least 1 layer")
+        if not 0 <= self.max_lora_rank <= 1024:
+            raise LinesideError(f"--max-lora-rank {self.max_lora_rank} must be 0 (no LoRA graphs) to 1024")
         if self.calib is not None and not Path(self.calib).is_file():
             raise LinesideError(f"--calib {self.calib}: file not found")
 
@@ -94,6 +102,10 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         family = model_family(cfg.architecture)
         family.check_config(cfg, opts.flavors)
+        _check_draft_layers(opts.draft_layers, cfg, family)
+        if opts.max_lora_rank and cfg.architecture not in DENSE_FAMILIES:
+            raise LinesideError(f"--max-lora-rank: LoRA graphs are built for Llama and Qwen2 models, not "
+                                f"{cfg.architecture}; leave the option out")
         # Families with their own naming (V4: official or HF) return the source their graphs read.
         source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
@@ -148,8 +160,13 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
             getter = (lambda g: (lambda n: gplan.transform(n, g)))(getter)
         rel = f"graphs/{flavor}/model.onnx"
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
+        kw: dict[str, Any] = {"draft_layers": opts.draft_layers} if opts.draft_layers else {}
+        if opts.max_lora_rank:
+            kw["lora_targets"] = opts.lora_targets
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
-                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None)
+                                  max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **kw)
+        for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file
+            draft["graph"] = f"graphs/{flavor}/{draft['graph']}"
         flavors[flavor] = replace(entry, graph=rel)
     tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
@@ -165,8 +182,21 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         config="config.json",
         tokenizer={"dir": "tokenizer", **tok},
         build_seconds=round(time.time() - t0, 2),
+        lora=LoraGraphs(max_rank=opts.max_lora_rank, targets=opts.lora_targets) if opts.max_lora_rank else None,
     )
     write_manifest(tmp, manifest)
+
+
+def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: ModelFamily) -> None:
+    if not layers:
+        return
+    if not getattr(family, "draft_graphs", False):
+        raise LinesideError(f"--draft-layers: {cfg.architecture} gets no layerskip draft graph in this version "
+                            "(Llama and Qwen2 do); leave --draft-layers out")
+    bad = [n for n in layers if not 1 <= n < cfg.num_layers]
+    if bad:
+        raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "
+                            f"{cfg.num_layers} layers")
 
 
 def _check_context(max_seq: int, cfg: ModelConfig) -> None:

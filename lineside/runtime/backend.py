@@ -27,9 +27,16 @@ class StepBatch:
     past_lengths: np.ndarray  # int64 [B]: tokens already in each slot's cache
     new_lengths: np.ndarray  # int64 [B]: real tokens in each row (≤ S)
     logits_positions: np.ndarray  # int64 [B, K]
+    adapters: np.ndarray | None = None  # int64 [B]: each row's LoRA adapter slot (0 or None: the base model)
+
+    def adapter_rows(self) -> np.ndarray:
+        """int64 [B] adapter slots, zeros when the step names none."""
+        b = len(self.slots)
+        return np.zeros(b, np.int64) if self.adapters is None else np.asarray(self.adapters, np.int64).reshape(b)
 
     @staticmethod
-    def single(slot: int, token_ids: list[int] | np.ndarray, past_length: int, all_logits: bool = False) -> StepBatch:
+    def single(slot: int, token_ids: list[int] | np.ndarray, past_length: int, all_logits: bool = False,
+               adapter: int = 0) -> StepBatch:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
         pos = np.arange(n, dtype=np.int64) if all_logits else np.array([n - 1], dtype=np.int64)
@@ -39,6 +46,7 @@ class StepBatch:
             past_lengths=np.array([past_length], dtype=np.int64),
             new_lengths=np.array([n], dtype=np.int64),
             logits_positions=pos.reshape(1, -1),
+            adapters=np.array([adapter], dtype=np.int64) if adapter else None,
         )
 
 
@@ -68,4 +76,19 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+
+class LoraBackend(Protocol):
+    """A backend running a LoRA graph (``StepBatch.adapters`` picks each row's slot); its slots are written only
+    between steps, from the engine's worker thread."""
+
+    max_loras: int
+    max_lora_rank: int
+
+    def load_adapter(self, slot: int, adapter: object) -> None:
+        """Write a ``lineside.lora.LoraAdapter`` into slot 1..max_loras."""
+        ...
+
+    def unload_adapter(self, slot: int) -> None:
         ...

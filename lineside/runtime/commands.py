@@ -33,6 +33,7 @@ def logits(
     flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads")] = None,
+    lora: Annotated[str | None, typer.Option(help="apply this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Write float32 logits for every position (parity checks against a reference)."""
     from lineside.bundle import open_bundle
@@ -46,12 +47,21 @@ def logits(
     if not token_ids:
         raise LinesideError("--ids is empty; give comma-separated token ids, e.g. 1,2,3")
     b = open_bundle(bundle)
+    adapter, slots = None, None
+    if lora is not None:
+        from lineside.runtime.adapters import bundle_adapter
+        from lineside.runtime.lora_stack import LoraSlotsConfig
+
+        adapter = bundle_adapter(b, lora)
+        slots = LoraSlotsConfig(max_loras=1, max_rank=adapter.rank)
     be = OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=threads,
-                            accuracy_level=0 if flavor == "trt" else None)
-    out = compute_logits(be, token_ids, mode)
+                            accuracy_level=0 if flavor == "trt" else None, lora=slots)
+    if adapter is not None:
+        be.load_adapter(1, adapter)
+    out = compute_logits(be, token_ids, mode, adapter=1 if adapter is not None else 0)
     with checks.staged_file(output) as tmp, open(tmp, "wb") as f:
         np.save(f, out.astype(np.float32))  # a file object: np.save adds no ".npy" to the name
-    print(f"{output}: logits {list(out.shape)} ({mode}, {flavor})")
+    print(f"{output}: logits {list(out.shape)} ({mode}, {flavor}{f', adapter {lora}' if lora else ''})")
 
 
 def generate(
@@ -69,7 +79,8 @@ def generate(
                                                         help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
-    speculative: Annotated[str | None, typer.Option(help="speculative decoding: ngram (prompt lookup)")] = None,
+    speculative: Annotated[str | None, typer.Option(
+        help="speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
                                                            help="most tokens proposed per step (default 4)")] = None,
 ) -> None:
@@ -79,6 +90,11 @@ def generate(
     from lineside.runtime.speculative.config import parse_speculative
 
     spec = parse_speculative(speculative, spec_tokens)
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
     gen = _generator(bundle, backend, threads)
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -93,7 +109,7 @@ def generate(
     sys.stdout.write(detok.flush() + "\n")
     if spec is not None and gen.steps:
         n = gen.accepted + gen.steps  # each decode step adds its kept drafts and one sampled token
-        print(f"speculative {spec.method}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
+        print(f"speculative {spec.label}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
               f"{n / gen.steps:.2f} tokens per step", file=sys.stderr)
 
 

@@ -24,8 +24,11 @@ from pathlib import Path
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate
+from lineside.lora import LoraAdapter
+from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.lora_stack import LoraSlotsConfig
 from lineside.runtime.request import (
     EngineDraining,
     FinishReason,
@@ -37,12 +40,22 @@ from lineside.runtime.request import (
 )
 from lineside.runtime.scheduler import ACCEPTANCE_BUCKETS, Clock, Scheduler
 from lineside.runtime.sequence import Sequence, SequenceStatus
+from lineside.runtime.sessions import SessionInfo, SessionStore, SessionsUnsupported, check_session_id
 from lineside.runtime.speculative.config import SpeculativeConfig
+from lineside.runtime.speculative.proposers import check_speculation, make_proposer
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """The adapters an engine serves (by name) and the backend slots they share."""
+
+    adapters: dict[str, LoraAdapter]
+    slots: LoraSlotsConfig
 
 
 @dataclass
@@ -66,6 +79,13 @@ class EngineStats:
     # acceptance rate per verifying row and step: (bucket upper bounds, rows in each bucket, sum of rates)
     spec_acceptance: tuple[tuple[float, ...], tuple[int, ...], float] = ((), (), 0.0)
     requests: dict[FinishReason, int] = field(default_factory=dict)  # finished requests by finish_reason
+    sessions: int = 0  # prefill sessions held
+    session_pinned_blocks: int = 0  # KV blocks their pinned slots hold
+    session_hits: int = 0  # completions that started from a session's KV
+    session_tokens_saved: int = 0  # prompt tokens those completions did not compute
+    session_prefill_tokens: int = 0  # tokens computed for sessions in idle capacity
+    sessions_expired: int = 0
+    sessions_evicted: int = 0  # released early: running requests needed the memory
 
 
 class LLMEngine:
@@ -75,7 +95,8 @@ class LLMEngine:
                  max_waiting: int = 256, kv_block_size: int = 16, prefill_chunk: int = 512,
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
+                 session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None):
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
@@ -84,8 +105,16 @@ class LLMEngine:
         if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
             from lineside.runtime.select import choose_backend
 
-            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads)
+            backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads,
+                                     lora=None if lora is None else lora.slots)
         self.backend: Backend = backend
+        # LoRA adapters (each a served model): which sits in which backend slot, refcounted per request
+        self.adapter_slots: AdapterSlots | None = None
+        if lora is not None:
+            if int(getattr(self.backend, "max_loras", 0) or 0) < lora.slots.max_loras:
+                raise LinesideError(f"the {self.backend.name} backend was not started with {lora.slots.max_loras} "
+                                    "LoRA slots; create it with lora=LoraSlotsConfig(...)")
+            self.adapter_slots = AdapterSlots(lora.adapters, lora.slots.max_loras)
         self.backend_name = self.backend.name
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
         self.max_seq_len = int(self.backend.max_seq_len)
@@ -102,17 +131,22 @@ class LLMEngine:
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
         self.clock = clock
-        # Whole-state tensors would advance past the accepted length on a verification step (not handled yet).
         self.speculative = speculative
-        if speculative is not None and any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
-            raise LinesideError(f"--speculative {speculative.method} is not supported for this model yet: its decode "
-                               "state has whole-state tensors that a rejected draft would advance")
+        check_speculation(self.backend, speculative)
+        proposer = None if speculative is None else make_proposer(speculative, self.bundle, self.backend,
+                                                                  threads=threads)
+        self._model_proposer = proposer if hasattr(proposer, "propose_rows") else None
+        # A session is a prefix of a slot's state kept for a later prompt: whole-state tensors cannot be kept so.
+        self.whole_state = any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
+        sessions = None if self.whole_state or max_sessions == 0 else SessionStore(session_ttl, max_sessions)
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
                                    contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,
-                                   proposer=None if speculative is None else speculative.proposer(),
+                                   proposer=proposer,
                                    spec_tokens=0 if speculative is None else speculative.num_tokens,
                                    spec_max_rows=_spec_max_rows(self.backend, speculative),
-                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
+                                   verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
+                                   sessions=sessions, session_every=session_every,
+                                   session_busy_chunk=session_busy_chunk)
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -164,6 +198,7 @@ class LLMEngine:
             self._task = None
         for seq in list(self._seqs.values()):  # never started: finish them here
             self._abort(seq, FinishReason.CANCELLED)
+        self._drop_sessions()
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -172,6 +207,8 @@ class LLMEngine:
             if not self._closed:
                 self._closed = True
                 self.backend.close()
+                if self._model_proposer is not None:
+                    self._model_proposer.close()
         self._stepper.shutdown(wait=False)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -179,10 +216,14 @@ class LLMEngine:
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
         validate_request(req, self.vocab_size, self.max_seq_len)
+        if req.session_id is not None:
+            check_session_id(req.session_id)
         if len(self._incoming) + len(self.scheduler.waiting) >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
         if req.request_id in self._seqs:
             raise LinesideError(f"request id {req.request_id!r} is already running; use a new id")
+        if req.adapter is not None and self.adapter_slots is None:
+            raise UnknownAdapter(f"adapter {req.adapter!r} is not served here: this engine serves no adapters")
         if not self.arena.fits_ever(len(req.prompt_ids) + min(req.max_tokens, self.max_seq_len - len(req.prompt_ids))):
             raise LinesideError(f"prompt + max_tokens need more KV than the engine's {self.arena.total_blocks} blocks "
                                f"of {self.arena.block_size}; lower max_tokens")
@@ -190,10 +231,67 @@ class LLMEngine:
         handle.metrics.arrival = self.clock()
         matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
+        if req.adapter is not None:
+            assert self.adapter_slots is not None
+            seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
         self._seqs[req.request_id] = seq
         self._incoming.append(seq)
         self._kick()
         return handle
+
+    # ---- prefill sessions ---------------------------------------------------------------------------
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
+        """Have ``session_id`` cache the KV of ``prompt_ids[:stable]`` (computed in idle capacity; this returns at
+        once). Raises EngineDraining, SessionsUnsupported, SessionLimitError or LinesideError (bad input)."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down: prefill sessions cannot be made or extended here; "
+                                 "send the prompt to another instance")
+        self._check_sessions()
+        check_session_id(session_id)
+        validate_request(GenerationRequest(prompt_ids=list(prompt_ids)), self.vocab_size, self.max_seq_len)
+        if not self.arena.fits_ever(len(prompt_ids) + 1):
+            raise LinesideError(f"the prompt needs more KV than the engine's {self.arena.total_blocks} blocks of "
+                               f"{self.arena.block_size}; shorten it")
+        now = self.clock()
+        self.expire_sessions()
+        info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
+        self._kick()
+        return info
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        """A session's state, or None when there is no such session (never made, expired, released)."""
+        self._check_sessions()
+        check_session_id(session_id)
+        self.expire_sessions()
+        s = self.scheduler.sessions.get(session_id)
+        return None if s is None else s.info(self.clock())
+
+    def release_session(self, session_id: str) -> bool:
+        """End a session now (its client gave the prompt up); False when there is no such session."""
+        self._check_sessions()
+        check_session_id(session_id)
+        s = self.scheduler.sessions.get(session_id)
+        if s is None:
+            return False
+        self.scheduler.release_session(s)
+        return True
+
+    def expire_sessions(self) -> int:
+        """Release the sessions past their TTL (also done each step and at each stats read); how many."""
+        return self.scheduler.expire_sessions(self.clock())
+
+    def _check_sessions(self) -> None:
+        if self.scheduler.sessions is None:
+            why = ("its decode state has whole-state tensors (DeepSeek-V4's compressor state and window are replaced "
+                   "each step), which cannot be cut back to a shared prefix" if self.whole_state
+                   else "it was started with no sessions (max_sessions 0)")
+            raise SessionsUnsupported(f"this engine keeps no prefill sessions: {why}; send the whole prompt to "
+                                      "the completion endpoint")
+
+    def _drop_sessions(self) -> None:
+        store = self.scheduler.sessions
+        for s in list(store.by_id.values()) if store is not None else []:
+            self.scheduler.release_session(s)
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -210,6 +308,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         a, s = self.arena, self.scheduler
+        store = s.sessions
+        if store is not None:
+            self.expire_sessions()
         used = a.used_blocks
         return EngineStats(
             running=len(s.running), waiting=len(s.waiting) + len(self._incoming), num_slots=a.num_slots,
@@ -219,7 +320,11 @@ class LLMEngine:
             preemptions=s.preemptions, spec_draft_tokens_total=s.spec_drafted,
             spec_accepted_tokens_total=s.spec_accepted, spec_verify_rows_total=s.spec_steps,
             spec_acceptance=(ACCEPTANCE_BUCKETS, tuple(s.spec_rate_counts), s.spec_rate_sum),
-            requests=dict(self._outcomes))
+            requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
+            **({} if store is None else dict(
+                sessions=len(store), session_hits=store.hits, session_tokens_saved=store.tokens_saved,
+                session_prefill_tokens=store.prefill_tokens, sessions_expired=store.expired,
+                sessions_evicted=store.evicted)))
 
     # ---- loop -------------------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -243,15 +348,17 @@ class LLMEngine:
                 self._intake()
                 self._deliver(self.scheduler.expire())
                 plan = self.scheduler.schedule()
+                if self.adapter_slots is not None:
+                    plan.adapter_loads = self.adapter_slots.take_pending()
                 if plan.empty:
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 out = await self._loop.run_in_executor(self._stepper, self._execute, plan)
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
                 self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
-                                                         accepted=out.accepted))
+                                                         accepted=out.accepted, session_error=out.session_error))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # an engine bug must not leave clients waiting forever
@@ -262,6 +369,19 @@ class LLMEngine:
                 await asyncio.sleep(0)
             # No yield here: the next step is planned and handed to the worker first, so the streams' chunks for
             # this step are encoded and written while it runs (not on the decode's critical path).
+
+    async def _idle(self) -> None:
+        """Wait for work; with sessions held, wake by their next expiry to release their blocks."""
+        assert self._wake is not None
+        store = self.scheduler.sessions
+        due = store.next_expiry() if store is not None else None
+        timer = None if due is None or self._loop is None else self._loop.call_later(
+            min(60.0, max(0.01, due - self.clock())), self._wake.set)  # not wait_for: it can swallow a cancel
+        try:
+            await self._wake.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _intake(self) -> None:
         while self._incoming:
@@ -279,6 +399,8 @@ class LLMEngine:
             if ev.finish_reason is not None:
                 self._outcomes[ev.finish_reason] = self._outcomes.get(ev.finish_reason, 0) + 1
                 self._seqs.pop(seq.req.request_id, None)
+                if self.adapter_slots is not None and seq.adapter_slot:
+                    self.adapter_slots.release(seq.adapter_slot)  # once: a request has one final event
             seq.handle._push(ev)
 
     def _abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -287,7 +409,7 @@ class LLMEngine:
     def _execute(self, plan: StepPlan) -> StepOutcome:
         """Worker thread: the step's backend calls and sampling (never beside ``close``)."""
         with self._step_lock:
-            return run_step(self.backend, plan)
+            return run_step(self.backend, plan, self._model_proposer)
 
     def _warmup(self) -> None:
         """One prefill and one decode step on slot 0, then forget it."""

@@ -15,12 +15,14 @@ import numpy as np
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.speculative.adaptive import DraftLength
-from lineside.runtime.speculative.config import SpeculativeConfig
+from lineside.runtime.speculative.config import DraftRow, ModelProposer, Proposer, SpeculativeConfig
+from lineside.runtime.speculative.proposers import check_speculation, make_proposer
 from lineside.runtime.speculative.verify import verify
 from lineside.runtime.tokenizer import Tokenizer
 
@@ -28,15 +30,17 @@ if TYPE_CHECKING:
     from lineside.runtime.structured import GrammarMatcher
 
 
-def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0) -> np.ndarray:
-    """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token."""
+def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0,
+                   adapter: int = 0) -> np.ndarray:
+    """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token.
+    ``adapter``: the LoRA adapter slot the rows use (0: the base model)."""
     check_prompt_ids(ids, backend.vocab_size)
     backend.reset_slot(slot)
     if mode == "prefill":
-        return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True))[0]
+        return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True, adapter=adapter))[0]
     if mode != "decode":
         raise LinesideError(f"--mode {mode!r} is not prefill or decode")
-    rows = [backend.forward(StepBatch.single(slot, [t], i))[0, 0] for i, t in enumerate(ids)]
+    rows = [backend.forward(StepBatch.single(slot, [t], i, adapter=adapter))[0, 0] for i, t in enumerate(ids)]
     return np.stack(rows)
 
 
@@ -65,6 +69,7 @@ class Generator:
         self.speculative = speculative
         self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
         self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
+        self._proposer: tuple[SpeculativeConfig, Proposer | ModelProposer] | None = None
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
@@ -101,8 +106,18 @@ class Generator:
                    stop_at_eos: bool) -> Iterator[int]:
         """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py)."""
         assert self.speculative is not None
-        proposer = self.speculative.proposer()
-        length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)))
+        if self._proposer is None or self._proposer[0] != self.speculative:  # a draft model loads once
+            check_speculation(self.backend, self.speculative)
+            if self._proposer is not None and hasattr(self._proposer[1], "close"):
+                self._proposer[1].close()
+            self._proposer = (self.speculative, make_proposer(self.speculative, self.bundle, self.backend))
+        yield from self._verify_loop(self._proposer[1], sampler, logits, history, max_tokens, stop_at_eos)
+
+    def _verify_loop(self, proposer: Proposer | ModelProposer, sampler: Sampler, logits: np.ndarray,
+                     history: list[int], max_tokens: int, stop_at_eos: bool) -> Iterator[int]:
+        assert self.speculative is not None
+        length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
+                             draft_cost=float(getattr(proposer, "cost", 0.0)))
         prompt_len = len(history)
         new = [sampler(logits, history, prompt_len)]
         while True:
@@ -114,13 +129,25 @@ class Generator:
                 if len(history) - prompt_len >= max_tokens:
                     return
             room = min(max_tokens - (len(history) - prompt_len) - 1, self.backend.max_seq_len - len(history))
-            drafts = proposer.propose(history, min(length.k, room)) if room > 0 and length.k > 0 else []
-            shadow = proposer.propose(history, 1) if room > 0 and length.k == 0 and proposer.cheap else []
+            k = min(length.budget(proposer.cheap), room)
+            drafts, probs, shadow = [], None, []
+            if k > 0 and hasattr(proposer, "propose_rows"):
+                d = proposer.propose_rows([DraftRow(0, list(history), k, sampler, prompt_len)])[0]
+                drafts, probs = d.tokens, d.probs
+            elif k > 0:
+                drafts = proposer.propose(history, k)
+            elif room > 0 and proposer.cheap:
+                shadow = proposer.propose(history, 1)
             ids = [history[-1], *drafts]
+            whole = drafts and any(s.update == StateUpdate.REPLACE for s in getattr(self.backend, "states", []))
+            saved = self.backend.save_rows([0]) if whole else None  # type: ignore[attr-defined]
             rows = self.backend.forward(StepBatch.single(0, ids, len(history) - 1, all_logits=True))[0]
             self.steps += 1
             if drafts:
-                kept, tok = verify(sampler, rows, drafts, history, prompt_len)
+                kept, tok = verify(sampler, rows, drafts, history, prompt_len, probs)
+                if saved is not None and len(kept) < len(drafts):  # whole state back to the accepted length
+                    self.backend.restore_rows(saved, 0)  # type: ignore[attr-defined]
+                    self.backend.forward(StepBatch.single(0, ids[:1 + len(kept)], len(history) - 1))
                 length.observe(len(drafts), len(kept))
                 self.drafted += len(drafts)
                 self.accepted += len(kept)

@@ -8,7 +8,9 @@ capacity question itself (``can_admit``, also "if these slots were freed" for pr
 the scheduler never sums reservations. ``move`` relocates a request for a backend that wants the
 decode batch in one range of slots (``Backend.needs_contiguous_slots``). A slot's KV stays valid
 after its request ends: full blocks are hashed (chained, so a hash names the whole prefix) and a
-new prompt that starts with a cached prefix copies those positions instead of recomputing them.
+new prompt that starts with a cached prefix copies those positions instead of recomputing them. KV is
+kept per ``namespace`` (a LoRA adapter's name; "" for the base model): the chain starts from it and a
+lookup matches only slots of the same one, since another adapter's KV of the same tokens differs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class KVCacheArena:
         self.reserved = [0] * num_slots  # blocks reserved by the owner
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV the slot holds
         self.shared = [0] * num_slots  # leading tokens of ``tokens`` whose KV may be reused
+        self.space = [""] * num_slots  # the namespace (adapter) the slot's KV was computed under
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]
         self._index: dict[int, set[int]] = {}
         self.pending: list[SlotOp] = []
@@ -85,11 +88,11 @@ class KVCacheArena:
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int,
-                 lowest: int = 0) -> tuple[int, int]:
+                 lowest: int = 0, namespace: str = "") -> tuple[int, int]:
         """Give ``owner`` the lowest free slot (from ``lowest`` on when there is one); returns
-        (slot, positions reused from the prefix cache)."""
+        (slot, positions reused from the prefix cache of ``namespace``)."""
         free = [i for i, o in enumerate(self.owner) if o is None]
-        src, reuse = self.lookup(tokens, max_reuse) if self.prefix_cache else (-1, 0)
+        src, reuse = self.lookup(tokens, max_reuse, namespace) if self.prefix_cache else (-1, 0)
         if len(tokens) - reuse == 1 and len(tokens) > 1:
             reuse -= 1  # never leave a 1-token prefill: see ``single-token steps`` in the scheduler
         if reuse <= 0:
@@ -97,6 +100,9 @@ class KVCacheArena:
         slot = src if reuse and src in free and src >= lowest else next((i for i in free if i >= lowest), free[0])
         self.owner[slot] = owner
         self.reserved[slot] = self.blocks_for(reserve_tokens)
+        if self.space[slot] != namespace:
+            self._set_tokens(slot, [])  # its hashes were chained from the old namespace
+            self.space[slot] = namespace
         if reuse and src != slot:
             self.pending.append(SlotOp(SlotOpKind.COPY, src, slot, reuse))
             self._set_tokens(slot, self.tokens[src][:reuse])
@@ -113,12 +119,20 @@ class KVCacheArena:
         """Release ``slot``; its KV stays cached for prefix reuse until the slot is given out again."""
         self.owner[slot], self.reserved[slot] = None, 0
 
+    def hand_over(self, slot: int, owner: Any, reserve_tokens: int, keep: int) -> None:
+        """Give ``slot`` (free, or held by a prefill session or a request) to ``owner`` with its first ``keep``
+        positions' KV: a session lending its KV to the completion that extends it, or keeping a finished one's."""
+        self.owner[slot], self.reserved[slot] = owner, self.blocks_for(reserve_tokens)
+        self.truncate(slot, keep)
+
     def move(self, src: int, dst: int) -> None:
         """Move a request (its KV, reservation and ownership) from ``src`` to the free slot ``dst``."""
         assert self.owner[dst] is None and self.owner[src] is not None
         self.pending.append(SlotOp(SlotOpKind.COPY, src, dst, len(self.tokens[src])))
         self.owner[dst], self.reserved[dst] = self.owner[src], self.reserved[src]
         self.owner[src], self.reserved[src] = None, 0
+        self._set_tokens(dst, [])
+        self.space[dst] = self.space[src]
         self._set_tokens(dst, list(self.tokens[src]), self.shared[src])  # src keeps its tokens: still cached
 
     def take_pending(self) -> list[SlotOp]:
@@ -136,7 +150,7 @@ class KVCacheArena:
         hs, bs = self._hashes[slot], self.block_size
         while (len(hs) + 1) * bs <= self.shared[slot]:
             i = len(hs)
-            h = hash((hs[-1] if hs else 0, *toks[i * bs:(i + 1) * bs]))
+            h = hash((hs[-1] if hs else _seed(self.space[slot]), *toks[i * bs:(i + 1) * bs]))
             hs.append(h)
             self._index.setdefault(h, set()).add(slot)
 
@@ -144,10 +158,11 @@ class KVCacheArena:
         if length < len(self.tokens[slot]):
             self._set_tokens(slot, self.tokens[slot][:length], min(self.shared[slot], length))
 
-    def lookup(self, tokens: list[int], max_reuse: int) -> tuple[int, int]:
-        """(slot, length) of the longest cached full-block prefix of ``tokens``, capped at ``max_reuse``."""
+    def lookup(self, tokens: list[int], max_reuse: int, namespace: str = "") -> tuple[int, int]:
+        """(slot, length) of the longest cached full-block prefix of ``tokens`` in ``namespace``, capped at
+        ``max_reuse``."""
         bs = self.block_size
-        best_slot, best_len, h = -1, 0, 0
+        best_slot, best_len, h = -1, 0, _seed(namespace)
         for i in range(min(len(tokens), max_reuse) // bs):
             block = tokens[i * bs:(i + 1) * bs]
             h = hash((h, *block))
@@ -155,7 +170,8 @@ class KVCacheArena:
             if not cands:
                 break
             end = (i + 1) * bs
-            good = [s for s in cands if self.tokens[s][:end] == tokens[:end]]  # guard against hash collisions
+            good = [s for s in cands if self.tokens[s][:end] == tokens[:end]  # guard against hash collisions
+                    and self.space[s] == namespace]
             if not good:
                 break
             best_slot = min(good, key=lambda s: (self.owner[s] is not None, s))
@@ -178,3 +194,8 @@ class KVCacheArena:
         n = len(toks) if shared is None else shared
         self.append(slot, toks[:n], shareable=True)
         self.append(slot, toks[n:], shareable=False)
+
+
+def _seed(namespace: str) -> int:
+    """Where a slot's hash chain starts: 0 for the base model (as before adapters), else the adapter's name."""
+    return hash(("lora", namespace)) if namespace else 0

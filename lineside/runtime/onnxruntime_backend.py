@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from lineside.bundle import Bundle
+from lineside.bundle import Bundle, FlavorEntry
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate, resolve_shape
+from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
@@ -37,12 +39,26 @@ class OnnxRuntimeBackend:
     needs_contiguous_slots = True
 
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
-                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None):
+                 max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None,
+                 entry: FlavorEntry | None = None, shared: dict[str, np.ndarray] | None = None,
+                 lora: LoraSlotsConfig | None = None):
+        """``entry``: another graph of the bundle than the flavor's own (a layerskip draft graph); ``shared``:
+        state arrays, by input name, to use instead of allocating them (the target's KV for the draft's layers);
+        ``lora``: the adapter slots to serve (the bundle's LoRA graph runs instead of the base graph)."""
         import onnxruntime as ort
 
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
-        entry = bundle.flavor(flavor)
+        entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
+        self.accuracy_level = accuracy_level
+        graph = entry.graph
+        # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
+        # as it always was. The stack of adapter slots is allocated once and bound by pointer every step.
+        self.lora: LoraStack | None = None
+        if lora is not None:
+            graph = lora_graph_of(bundle, flavor)
+            assert bundle.manifest.lora is not None
+            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
         self.num_slots = int(num_slots)
         self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
         self.vocab_size = bundle.config.vocab_size
@@ -68,10 +84,10 @@ class OnnxRuntimeBackend:
         try:
             # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
             self.session, self.session_source = open_session(
-                ort, bundle.file(entry.graph), _graph_files_sha(bundle, entry.graph), options, config,
+                ort, bundle.file(graph), _graph_files_sha(bundle, graph), options, config,
                 providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-            raise LinesideError(f"onnxruntime could not load {entry.graph}: {str(e).splitlines()[0]}") from None
+            raise LinesideError(f"onnxruntime could not load {graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
         unknown = [s for s in self.states if s.dtype not in _NP]
@@ -79,21 +95,67 @@ class OnnxRuntimeBackend:
             raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
                                 "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
-        self.arena: dict[str, np.ndarray] = {
-            s.input: np.zeros(resolve_shape(s.shape, dims), dtype=_NP[s.dtype]) for s in self.states
-        }
+        self.arena: dict[str, np.ndarray] = {}
+        for st in self.states:
+            shape, dtype = resolve_shape(st.shape, dims), _NP[st.dtype]
+            have = (shared or {}).get(st.input)
+            if have is not None and (have.shape != shape or have.dtype != dtype):
+                raise LinesideError(f"state {st.input} of {entry.graph} is {shape} {np.dtype(dtype)}, the graph it "
+                                    f"shares it with holds {have.shape} {have.dtype}; rebuild the bundle")
+            self.arena[st.input] = have if have is not None else np.zeros(shape, dtype=dtype)
         self.uses_gqa = "seqlens_k" in self.input_names
         # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
-                                 *(st.input for st in self.states)}
+                                 *(st.input for st in self.states), *self._lora_inputs()}
         self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
         # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
         # above that, so a sequence speculates only where it clearly wins (open chat at 0.90x with 2.0).
-        self.spec_max_rows = 1 if self.uses_gqa else None
+        # Whole-state tensors (DeepSeek-V4) take no per-row new length: rows of different lengths run apart.
+        self._whole_state = any(st.update == StateUpdate.REPLACE for st in self.states)
+        self.spec_max_rows = 1 if self.uses_gqa or self._whole_state else None
         self.verify_cost = 2.5
+
+    @classmethod
+    def draft_of(cls, target: OnnxRuntimeBackend, bundle: Bundle, draft: dict[str, Any],
+                 threads: int | None = None) -> OnnxRuntimeBackend:
+        """The bundle's layerskip draft graph (its first N layers, the same weight data) on ``target``'s KV:
+        those layers' cache entries are the target's for every position the target has computed."""
+        entry = FlavorEntry.from_json_dict(draft)
+        return cls(bundle, num_slots=target.num_slots, flavor=target.flavor, threads=threads,
+                   max_seq_len=target.max_seq_len, spin=target.spinning, entry=entry, shared=target.arena,
+                   accuracy_level=target.accuracy_level)
+
+    # ---- LoRA slots (LoraBackend) ------------------------------------------------------
+    @property
+    def max_loras(self) -> int:
+        return 0 if self.lora is None else self.lora.slots.max_loras
+
+    @property
+    def max_lora_rank(self) -> int:
+        return 0 if self.lora is None else self.lora.slots.max_rank
+
+    def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        if self.lora is None:
+            raise LinesideError("this backend runs the base graph; start it with adapter slots (--max-loras)")
+        self.lora.load(slot, adapter)  # in place: the bound addresses stay valid
+
+    def unload_adapter(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.unload(slot)
+
+    def _lora_inputs(self) -> list[str]:
+        return [] if self.lora is None else [LORA_SLOTS_INPUT, *self.lora.arrays]
+
+    def _bind_lora(self, io: Any, rows: np.ndarray) -> None:
+        """The stack (by pointer: no copy per step) and the rows' adapter slots."""
+        if self.lora is None:
+            return
+        self._bind(io, LORA_SLOTS_INPUT, rows, output=False)
+        for name, arr in self.lora.arrays.items():
+            self._bind(io, name, arr, output=False)
 
     # ---- Backend interface ------------------------------------------------------------
     def forward(self, batch: StepBatch) -> np.ndarray:
@@ -102,7 +164,7 @@ class OnnxRuntimeBackend:
         if int(ends.max()) > self.max_seq_len:
             raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
                                f"{self.max_seq_len}")
-        if self.uses_gqa and b > 1 and s > 1:
+        if b > 1 and s > 1 and (self.uses_gqa or (self._whole_state and len(set(batch.new_lengths.tolist())) > 1)):
             # GroupQueryAttention takes one new length per step for the whole batch: rows with several new tokens
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
             # in runs of adjacent slots, so they keep the batched decode path.
@@ -128,7 +190,8 @@ class OnnxRuntimeBackend:
             part = StepBatch(slots=[batch.slots[r] for r in rows],
                              input_ids=np.ascontiguousarray(batch.input_ids[rows][:, :int(batch.new_lengths[rows[0]])]),
                              past_lengths=batch.past_lengths[rows], new_lengths=batch.new_lengths[rows],
-                             logits_positions=np.ascontiguousarray(batch.logits_positions[rows]))
+                             logits_positions=np.ascontiguousarray(batch.logits_positions[rows]),
+                             adapters=batch.adapter_rows()[rows])
             out[rows] = self.forward(part)
         return out
 
@@ -142,7 +205,8 @@ class OnnxRuntimeBackend:
             if len(self._fast) >= 32:
                 self._fast.clear()
             fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k)
-        io, ids, pos, seqlens, total, logits = fast
+        io, ids, pos, seqlens, total, logits, adapters = fast
+        adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
         pos[:] = batch.logits_positions
         ends = batch.past_lengths + batch.new_lengths
@@ -159,6 +223,8 @@ class OnnxRuntimeBackend:
         seqlens = np.zeros((b,), np.int32)
         total = np.zeros((), np.int32)
         logits = np.zeros((b, k, self.vocab_size), np.float32)
+        adapters = np.zeros((b,), np.int64)
+        self._bind_lora(io, adapters)
         for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
                           ("total_sequence_length", total)):
             self._bind(io, name, arr, output=False)
@@ -169,7 +235,7 @@ class OnnxRuntimeBackend:
         self._bind(io, "logits", logits, output=True)
         # The arena outlives the binding; the small arrays live in the returned tuple.
         self._keep_alive = []
-        return io, ids, pos, seqlens, total, logits
+        return io, ids, pos, seqlens, total, logits, adapters
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
@@ -182,6 +248,16 @@ class OnnxRuntimeBackend:
                 src_idx = list(idx)
                 src_idx[0] = src
                 a[tuple(idx)] = a[tuple(src_idx)]
+
+    def save_rows(self, slots: list[int]) -> dict[int, dict[str, np.ndarray]]:
+        """Copies of ``slots``' whole-state tensors (mode replace): where a verification step started, for
+        ``restore_rows`` when the row keeps fewer tokens than the step fed."""
+        return {slot: {st.input: self.arena[st.input][slot].copy() for st in self.states
+                       if st.update == StateUpdate.REPLACE} for slot in slots}
+
+    def restore_rows(self, saved: dict[int, dict[str, np.ndarray]], slot: int) -> None:
+        for name, value in saved[slot].items():
+            self.arena[name][slot] = value
 
     def reset_slot(self, slot: int) -> None:
         for s in self.states:
@@ -220,6 +296,7 @@ class OnnxRuntimeBackend:
         for name, arr in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, arr)
+        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()))
         views: dict[str, np.ndarray] = {}
         for st in self.states:
             a = self.arena[st.input]
@@ -275,11 +352,23 @@ class OnnxRuntimeBackend:
         self._bound_outputs.append(name)
 
 
+def lora_graph_of(bundle: Bundle, flavor: str) -> str:
+    """The bundle-relative LoRA graph of ``flavor``; one line when the bundle was built without one."""
+    graph = bundle.flavor(flavor).lora_graph
+    if graph is None or bundle.manifest.lora is None:
+        raise LinesideError(f"bundle {bundle.path} has no LoRA graphs; rebuild it with --max-lora-rank R "
+                            "(R: the largest adapter rank to serve) to serve adapters")
+    return graph
+
+
 def _graph_files_sha(bundle: Bundle, graph: str) -> str | None:
     """One digest of the graph file and its external data files as the manifest lists them (None if it
-    lists none): what onnxruntime's cached optimized graph is keyed by."""
+    lists none): what onnxruntime's cached optimized graph is keyed by. The data files beside it count too
+    (a layerskip draft graph reads the full graph's ``model.onnx.data``)."""
+    folder = graph.rpartition("/")[0] + "/"
     shas = [f"{rel}:{meta.sha256}" for rel, meta in sorted(bundle.manifest.files.items())
-            if rel == graph or rel.startswith(graph + ".")]
+            if rel == graph or rel.startswith(graph + ".")
+            or (rel.startswith(folder) and rel.endswith(".onnx.data") and "/" not in rel[len(folder):])]
     if not any(rel.startswith(graph + ":") for rel in shas):
         return None
     import hashlib

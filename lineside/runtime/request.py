@@ -71,11 +71,18 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid4().hex)
     constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
+    session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
+    keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
+    adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
 
 
 def base_rank(req: GenerationRequest) -> int:
     """0 is served first: realtime high/normal/low = 0/1/2, batch high/normal/low = 3/4/5."""
-    return PRIORITIES.index(req.priority) + (3 if req.mode == Mode.BATCH else 0)
+    return rank_of(req.priority, req.mode)
+
+
+def rank_of(priority: Priority, mode: Mode) -> int:
+    return PRIORITIES.index(priority) + (3 if mode == Mode.BATCH else 0)
 
 
 EMPTY_PROMPT = "the prompt is empty after tokenization; give some text"  # the server's budget check says it too

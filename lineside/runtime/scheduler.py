@@ -26,7 +26,8 @@ tokens of `Generator`.
 Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's draft length
 (speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
 context leave room for, none while replaying — and the step scores them with the pending token in one
-multi-token forward. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
+multi-token forward. A model proposer (a draft bundle, layerskip) only gets each row's budget here; it runs
+in the step, in the worker thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
 the positions written for rejected drafts lie past it and are overwritten by the next step. Kept drafts
 and the sampled token then go through ``on_token`` one by one, so stop tokens, stop strings and
 max_tokens drop whatever follows them. (With accuracy level 4 a multi-token step's logits differ in
@@ -43,21 +44,25 @@ from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
+from lineside.runtime.session_scheduling import SessionSlots
+from lineside.runtime.sessions import PrefillSession, SessionStore
 from lineside.runtime.speculative.adaptive import DraftLength
-from lineside.runtime.speculative.config import Proposer
+from lineside.runtime.speculative.config import ModelProposer, Proposer
 from lineside.runtime.step_plan import StepPlan, prefill_take
 
 ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
 
 
-class Scheduler:
-    """Owns every sequence from ``add`` to its end: the queues, its slot (through the arena), its state."""
+class Scheduler(SessionSlots):
+    """Owns every sequence from ``add`` to its end: the queues, its slot (through the arena), its state; and the
+    prefill sessions' slots (session_scheduling.py)."""
 
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
-                 proposer: Proposer | None = None, spec_tokens: int = 0, spec_max_rows: int | None = None,
-                 verify_cost: float = 1.0):
+                 proposer: Proposer | ModelProposer | None = None, spec_tokens: int = 0,
+                 spec_max_rows: int | None = None, verify_cost: float = 1.0, sessions: SessionStore | None = None,
+                 session_every: int = 4, session_busy_chunk: int = 32):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -77,13 +82,18 @@ class Scheduler:
         self.spec_steps = 0  # decode rows that verified drafts
         self.spec_rate_counts = [0] * len(ACCEPTANCE_BUCKETS)  # verifying rows by acceptance rate (≤ bucket bound)
         self.spec_rate_sum = 0.0
+        self.sessions = sessions  # None: this engine keeps no prefill sessions
+        self.session_every = max(1, int(session_every))
+        self.session_busy_chunk = max(2, int(session_busy_chunk))  # session chunk size while requests decode
+        self._quiet_steps = 0  # steps since the last session chunk
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
         # a grammar or logprobs are per sampled token: such rows decode one token at a time (no drafts)
         speculates = seq.req.speculative and seq.matcher is None and seq.logprobs is None
         if self.proposer is not None and speculates and seq.draft_length is None:
-            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost)
+            seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost,
+                                           draft_cost=float(getattr(self.proposer, "cost", 0.0)))
         self.waiting.append(seq)
 
     @property
@@ -97,27 +107,31 @@ class Scheduler:
             self._compact()
         if self.prefilling is None:
             self._admit(now)
+        self._place_sessions(now)
         plan = StepPlan(ops=self.arena.take_pending())
         plan.decode = sorted((s for s in self.running if s.status == Status.DECODE), key=lambda s: s.slot)
         if self.proposer is not None:
-            plan.drafts = self._drafts(plan.decode)
+            self._drafts(plan)
         pf = self.prefilling
         if pf is not None:
             start = pf.computed
             plan.prefill, plan.prefill_start = pf, start
             plan.prefill_tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, self.prefill_chunk)]
             plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
+        self._session_chunk(plan)
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
                     now: float | None = None, logprobs: dict[Sequence, TokenLogprob] | None = None,
-                    accepted: dict[Sequence, list[int]] | None = None) -> list[tuple[Sequence, TokenEvent]]:
+                    accepted: dict[Sequence, list[int]] | None = None,
+                    session_error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
         sequences whose backend call failed, ``logprobs`` of the sampled tokens that asked for them,
-        ``accepted``: the drafts each verifying row kept (they come before its sampled token).
-        Returns the events to deliver, in order."""
+        ``accepted``: the drafts each verifying row kept (they come before its sampled token),
+        ``session_error``: the session chunk failed. Returns the events to deliver, in order."""
         now = self.clock() if now is None else now
         accepted = accepted or {}
+        self._session_applied(plan, session_error)
         events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
         for seq in plan.decode:  # each fed ``pending`` (or the next replayed token), then its drafts
             if seq.status != Status.DECODE or seq.slot is None or seq in errors:
@@ -159,16 +173,19 @@ class Scheduler:
                 events.append((seq, ev))
         return events
 
-    def _drafts(self, decode: list[Sequence]) -> dict[Sequence, list[int]]:
+    def _drafts(self, plan: StepPlan) -> None:
         """Proposed tokens for each decoding row that speculates; k leaves room for the token sampled after
-        them within max_tokens and the context. At draft length 0 a cheap proposer's 1-token guess is kept
-        as ``shadow`` to be checked against the sample (so the length can grow back)."""
+        them within max_tokens and the context. A token proposer guesses here (``plan.drafts``); a model
+        proposer gets the row's k (``plan.draft_budget``) and runs in the step, off the event loop. At draft
+        length 0 a cheap proposer's 1-token guess is kept as ``shadow`` to be checked against the sample (so
+        the length can grow back)."""
         assert self.proposer is not None
-        out: dict[Sequence, list[int]] = {}
+        decode = plan.decode
         if self.spec_max_rows is not None and len(decode) > self.spec_max_rows:
             for seq in decode:
                 seq.shadow = None
-            return out
+            return
+        batched = hasattr(self.proposer, "propose_rows")
         for seq in decode:
             dl = seq.draft_length
             if dl is None or not seq.samples:
@@ -176,19 +193,24 @@ class Scheduler:
             room = min(seq.max_tokens - len(seq.generated) - 1, self.arena.max_seq_len - seq.computed - 1)
             if room <= 0:
                 continue
-            if dl.k == 0:
+            k = dl.budget(self.proposer.cheap)
+            if k == 0:
                 if self.proposer.cheap:
                     guess = self.proposer.propose(seq.tokens, 1)
                     seq.shadow = guess[0] if guess else None
                 continue
-            drafts = self.proposer.propose(seq.tokens, min(dl.k, room))
+            if batched:
+                plan.draft_budget[seq] = min(k, room)
+                continue
+            drafts = self.proposer.propose(seq.tokens, min(k, room))
             if drafts:
-                out[seq] = drafts
-        return out
+                plan.drafts[seq] = drafts
 
     def expire(self, now: float | None = None) -> list[tuple[Sequence, TokenEvent]]:
-        """Finish the cancelled and the timed-out sequences (waiting or running); returns their final events."""
+        """Finish the cancelled and the timed-out sequences (waiting or running), release expired prefill
+        sessions; returns the sequences' final events."""
         now = self.clock() if now is None else now
+        self.expire_sessions(now)
         events = []
         for seq in [*self.waiting, *self.running]:
             if seq.handle.cancel_requested:
@@ -216,7 +238,11 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self._release(seq)  # its KV stays in the prefix cache
+            self._session_done(seq, now)  # a session it named may keep its slot for the next turn
+            if seq.slot is not None:
+                self._release(seq)  # its KV stays in the prefix cache
+        else:
+            self._session_done(seq, now)  # ended while waiting (preempted): a session lent to it ends too
         seq.status = Status.FINISHED
         seq.handle.metrics.finished = now
 
@@ -241,8 +267,16 @@ class Scheduler:
             hole = next((h for h in range(k) if h not in by_slot or by_slot[h].status != Status.DECODE), None)
             if hole is None:
                 return
-            if hole in by_slot:  # the prefilling sequence sits in the decode range
-                free = [i for i in range(k, self.arena.num_slots) if i not in by_slot]
+            held = self.arena.owner[hole]
+            if isinstance(held, PrefillSession):  # a session's pinned slot sits in the decode range
+                free = [i for i in range(k, self.arena.num_slots) if self.arena.owner[i] is None]
+                if free:
+                    self.arena.move(hole, free[0])
+                    held.slot = free[0]
+                else:
+                    self.release_session(held, evicted=True)
+            elif hole in by_slot:  # the prefilling sequence sits in the decode range
+                free = [i for i in range(k, self.arena.num_slots) if self.arena.owner[i] is None]
                 if not free:
                     return  # every slot is taken: contiguous again once its prefill ends
                 self._move(by_slot[hole], free[0])
@@ -255,15 +289,24 @@ class Scheduler:
             return
         best = min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
         need = best.reserve_tokens
-        if not self.arena.can_admit(need) and self.preemption:
-            self._preempt_for(best, now)
-        if not self.arena.can_admit(need):
+        fill, max_reuse = best.start_fill()
+        # the session it names, when its KV extends this prompt (sessions hold base-model KV: never an adapter's)
+        lend = self._lendable(best, len(fill), max_reuse) if best.req.adapter is None else None
+        freeing = [] if lend is None or lend[0].slot is None else [lend[0].slot]
+        if not self.arena.can_admit(need, freeing):  # idle sessions go before any running request
+            self._evict_sessions_for(need, freeing, keep=None if lend is None else lend[0])
+        if not self.arena.can_admit(need, freeing) and self.preemption:
+            self._preempt_for(best, now, freeing)
+        if not self.arena.can_admit(need, freeing):
             return
         self.waiting.remove(best)
-        fill, max_reuse = best.start_fill()
-        # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
-        lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
-        slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest)
+        if lend is not None:
+            slot, reused = self._lend(lend[0], best, need, lend[1], now), lend[1]
+        else:
+            # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
+            lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
+            # KV computed under one adapter is another model's: prefix reuse stays within the adapter
+            slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest, namespace=best.req.adapter or "")
         best.slot, best.computed = slot, reused
         best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
         if best.handle.metrics.scheduled is None:
@@ -271,17 +314,18 @@ class Scheduler:
         best.status = Status.PREFILL if reused < len(fill) else Status.DECODE
         self.running.append(best)
 
-    def _preempt_for(self, want: Sequence, now: float) -> None:
+    def _preempt_for(self, want: Sequence, now: float, freeing: list[int] | None = None) -> None:
         """Preempt running sequences of a lower class than ``want`` and ranked ≥ 1 below it after aging
         (lowest first), if that makes it fit. Aging lets a request through, it never lets it preempt a better class."""
         r = want.effective_rank(now, self.aging_s)
         victims = sorted((s for s in self.running
                           if s.rank > want.rank and s.effective_rank(now, self.aging_s) >= r + 1),
                          key=lambda s: (-s.effective_rank(now, self.aging_s), -s.arrival))
-        if not self.arena.can_admit(want.reserve_tokens, freeing=[v.slot for v in victims]):
+        freeing = freeing or []
+        if not self.arena.can_admit(want.reserve_tokens, freeing=[*freeing, *(v.slot for v in victims)]):
             return
         for v in victims:
-            if self.arena.can_admit(want.reserve_tokens):
+            if self.arena.can_admit(want.reserve_tokens, freeing):
                 break
             self.running.remove(v)
             self._release(v)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, LinesideError
 from lineside.runtime.backend import Backend
+from lineside.runtime.lora_stack import LoraSlotsConfig
 
 CHOICES = ("auto", "onnxruntime", "tensorrt")
 
@@ -50,15 +51,25 @@ def _say(msg: str) -> None:
 
 
 def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
-                   say: Callable[[str], None] = _say, threads: int | None = None) -> Backend:
+                   say: Callable[[str], None] = _say, threads: int | None = None,
+                   lora: LoraSlotsConfig | None = None) -> Backend:
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
-    onnxruntime's intra-op threads when it is the one chosen."""
+    onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots."""
     dec = decide_backend(bundle, requested)
+    if lora is not None and dec.backend == "tensorrt":  # adapters need the LoRA graph's engine for these slots
+        from lineside.runtime.tensorrt.key import find_engine, machine_key
+
+        try:
+            find_engine(bundle.path, machine_key(), None, lora=(lora.max_loras, lora.max_rank))
+        except LinesideError as e:
+            if requested == "tensorrt":
+                raise
+            dec = Decision("onnxruntime", f"TensorRT not used for adapters: {e}")
     if dec.backend == "tensorrt":
         from lineside.runtime.tensorrt.backend import TensorRTBackend
 
         try:
-            backend = TensorRTBackend(bundle, num_slots=num_slots)
+            backend = TensorRTBackend(bundle, num_slots=num_slots, lora=lora)
         except BackendUnavailable as e:
             if requested == "tensorrt":
                 raise
@@ -69,4 +80,4 @@ def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     say(dec.message)
-    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads)
+    return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads, lora=lora)

@@ -54,6 +54,7 @@ class Sequence:
         self.logprobs = req.logprobs  # alternatives per token to report (None: no logprobs)
         self.draft_length: DraftLength | None = None  # set by the scheduler when this request speculates
         self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
+        self.adapter_slot = 0  # the backend's LoRA slot holding req.adapter (set at submit; 0: the base model)
 
     # ---- scheduling ------------------------------------------------------------------------
     @property

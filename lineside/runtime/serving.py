@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lineside.bundle import Bundle
 from lineside.runtime.request import GenerationRequest, RequestHandle
+from lineside.runtime.sessions import SessionInfo
 from lineside.runtime.structured import GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the stats type lives with the engine that counts them
+    from lineside.runtime.adapter_slots import AdapterSlots
     from lineside.runtime.engine import EngineStats
 
 
@@ -28,6 +30,7 @@ class ServingEngine(Protocol):
     vocab_size: int  # prompt token ids are checked against
     ready: bool  # warmed up and stepping (/health/ready)
     grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
+    adapter_slots: AdapterSlots | None  # the LoRA adapters it serves (each a model named by the adapter), or None
 
     async def start(self) -> None:
         """Warm the backend up, then start the step loop."""
@@ -43,4 +46,16 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats:
         """Live counters for /metrics."""
+        ...
+
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
+        """Cache ``prompt_ids[:stable]``'s KV under a prefill session (POST /v1/prefill); returns at once."""
+        ...
+
+    def session(self, session_id: str) -> SessionInfo | None:
+        """A prefill session's state, None when there is none."""
+        ...
+
+    def release_session(self, session_id: str) -> bool:
+        """End a prefill session now; False when there is none."""
         ...

@@ -1,18 +1,35 @@
-"""What one engine step is: slot ops, the decode batch, at most one prefill chunk — and their backend batches.
+"""What one engine step is: slot ops, the decode batch, at most one prefill chunk (a request's, or else a prefill
+session's) — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
-reads it back to apply the outcome; the plan itself changes nothing.
+reads it back to apply the outcome; the plan itself changes nothing. (The one thing the step runner
+writes into it: a model proposer's drafts, made in the worker thread.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from lineside.runtime.adapter_slots import AdapterLoad
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.kv_manager import SlotOp
 from lineside.runtime.sequence import Sequence
+
+
+@dataclass
+class SessionChunk:
+    """KV for a prefill session's tokens ``start..start+len(tokens)`` in its pinned ``slot``; no logits are used."""
+
+    session: Any  # a sessions.PrefillSession
+    slot: int
+    start: int
+    tokens: list[int]
+
+    def batch(self) -> StepBatch:
+        return StepBatch.single(self.slot, self.tokens, self.start)
 
 
 @dataclass
@@ -26,10 +43,16 @@ class StepPlan:
     prefill_tokens: list[int] = field(default_factory=list)
     prefill_last: bool = False  # this chunk completes the fill
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
+    session: SessionChunk | None = None  # idle-capacity work: only in a step without a request's prefill chunk
+    # A model proposer's rows: how many tokens each may propose. The step runner runs the proposer and
+    # fills ``drafts`` (and ``draft_probs``) before the decode batch is made; postprocess reads them back.
+    draft_budget: dict[Sequence, int] = field(default_factory=dict)
+    draft_probs: dict[Sequence, list[np.ndarray]] = field(default_factory=dict)  # q of sampled drafts
+    adapter_loads: list[AdapterLoad] = field(default_factory=list)  # LoRA slot writes, before everything else
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops)
+        return not (self.decode or self.prefill or self.ops or self.session or self.adapter_loads)
 
     def decode_batch(self) -> StepBatch:
         """Each row feeds its pending token, then its drafts (right-padded), with logits at every one."""
@@ -46,11 +69,14 @@ class StepPlan:
             past_lengths=np.array([s.computed for s in self.decode], dtype=np.int64),
             new_lengths=new,
             logits_positions=np.minimum(np.arange(width, dtype=np.int64)[None, :], (new - 1)[:, None]),
+            adapters=np.array([s.adapter_slot for s in self.decode], dtype=np.int64)
+            if any(s.adapter_slot for s in self.decode) else None,
         )
 
     def prefill_batch(self) -> StepBatch:
         assert self.prefill is not None and self.prefill.slot is not None
-        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start)
+        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start,
+                                adapter=self.prefill.adapter_slot)
 
 
 def prefill_take(remaining: int, chunk: int) -> int:

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lineside.runtime.backend import Backend
+from lineside.graph_io import StateUpdate
+from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
+from lineside.runtime.speculative.config import DraftRow, ModelProposer
 from lineside.runtime.speculative.verify import verify
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.structured import fill_masks, new_bitmask, unpack_bitmask
@@ -30,12 +32,16 @@ class StepOutcome:
     accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # drafts kept, before its sampled token
     errors: dict[Sequence, str] = field(default_factory=dict)  # one line for each sequence whose call failed
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for the sequences that asked
+    session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
 
 
-def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
-    """Slot ops, then the decode batch, then the prefill chunk."""
+def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = None) -> StepOutcome:
+    """Slot ops, then a model proposer's drafts, then the decode batch, then the prefill chunk, then a prefill
+    session's chunk (last: requests first)."""
     out = StepOutcome()
     try:
+        for load in plan.adapter_loads:
+            backend.load_adapter(load.slot, load.adapter)  # type: ignore[attr-defined] (a LoraBackend)
         for op in plan.ops:
             if op.kind == SlotOpKind.COPY:
                 backend.copy_slot(op.src, op.dst, op.length)
@@ -43,16 +49,22 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 backend.reset_slot(op.dst)
     except Exception as e:
         msg = error_line(e)
-        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]})
+        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]},
+                           session_error=msg if plan.session is not None else None)
+    if plan.draft_budget and proposer is not None:
+        _propose(proposer, plan)
     if plan.decode:
         try:
+            saved = _save_whole_state(backend, plan)
             logits = backend.forward(plan.decode_batch())
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
                 drafts = plan.drafts.get(seq)
                 if drafts:  # rows with a grammar or logprobs never carry drafts (Scheduler._drafts)
                     out.accepted[seq], out.sampled[seq] = verify(seq.sampler, logits[r], drafts, seq.tokens,
-                                                                 len(seq.prompt))
+                                                                 len(seq.prompt), plan.draft_probs.get(seq))
+                    if saved is not None and len(out.accepted[seq]) < len(drafts):
+                        _rewind(backend, saved, seq, out.accepted[seq])
                 elif seq.samples:
                     _sample(out, seq, logits[r, 0], None if masks is None else masks[r])
         except Exception as e:  # a backend failure ends the requests in this call, not the server
@@ -66,7 +78,46 @@ def run_step(backend: Backend, plan: StepPlan) -> StepOutcome:
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:
             out.errors[seq] = error_line(e)
+    if plan.session is not None:
+        try:
+            backend.forward(plan.session.batch())
+        except Exception as e:
+            out.session_error = error_line(e)
     return out
+
+
+def _save_whole_state(backend: Backend, plan: StepPlan) -> dict | None:
+    """Whole-state tensors (DeepSeek-V4's compressor state, mode replace) advance over every token a step
+    feeds, rejected drafts too: keep the verifying rows' state from before the step (None: nothing to keep)."""
+    if not plan.drafts or not any(getattr(s, "update", None) == StateUpdate.REPLACE
+                                  for s in getattr(backend, "states", [])):
+        return None
+    return backend.save_rows([int(s.slot or 0) for s in plan.drafts])  # type: ignore[attr-defined]
+
+
+def _rewind(backend: Backend, saved: dict, seq: Sequence, kept: list[int]) -> None:
+    """Put the row's whole state back to the accepted length: restore it and feed again what was kept (the
+    pending token and the kept drafts; their KV positions are rewritten with the same values)."""
+    backend.restore_rows(saved, int(seq.slot or 0))  # type: ignore[attr-defined]
+    assert seq.pending is not None
+    backend.forward(StepBatch.single(int(seq.slot or 0), [seq.pending, *kept], seq.computed))
+
+
+def _propose(proposer: ModelProposer, plan: StepPlan) -> None:
+    """A model proposer's drafts for the rows the scheduler gave a budget; if it fails, the step decodes
+    without drafts (proposals are only ever a guess)."""
+    seqs = list(plan.draft_budget)
+    rows = [DraftRow(int(s.slot or 0), s.tokens, k, s.sampler, len(s.prompt)) for s, k in plan.draft_budget.items()]
+    try:
+        drafts = proposer.propose_rows(rows)
+    except Exception as e:
+        log.error("draft proposer failed; decoding this step without drafts", exc_info=e)
+        return
+    for seq, d in zip(seqs, drafts, strict=True):
+        if d.tokens:
+            plan.drafts[seq] = d.tokens
+            if d.probs is not None:
+                plan.draft_probs[seq] = d.probs
 
 
 def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:

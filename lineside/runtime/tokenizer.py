@@ -7,6 +7,7 @@ the checkpoint's own Jinja template rendered in a sandbox, as transformers does.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from datetime import datetime
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lineside.errors import BundleError, LinesideError
+from lineside.runtime.bounded_encode import CountPlan, TokenBudget, byte_level_token_bytes, encode_within
+
+log = logging.getLogger("lineside.runtime")
 
 if TYPE_CHECKING:
     from lineside.bundle import Bundle
@@ -65,6 +69,7 @@ class Tokenizer:
         (its encode_special_tokens flag does not survive pickling) are rebuilt on first use."""
         state = {**self.__dict__, "_compiled": None}
         state.pop("_text_tok", None)
+        state.pop("_plan_cache", None)  # keyed by object id: decided again in the process that gets the copy
         return state
 
     def _token_text(self, v: Any, tid: int | None) -> str | None:
@@ -75,16 +80,45 @@ class Tokenizer:
         return self._tok.id_to_token(tid) if tid is not None else None
 
     # ---- encode / decode -----------------------------------------------------------------
-    def encode(self, text: str, add_special: bool | None = None) -> list[int]:
-        """Token ids; BOS prepended when the model wants it (and the text doesn't already start with it)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special: bool | None = None, max_tokens: int | None = None) -> list[int]:
+        """Token ids; BOS prepended when the model wants it (and the text doesn't already start with it).
+        ``max_tokens``: raise PromptTooLong as soon as the text is known to have more (bounded_encode)."""
+        budget = None if max_tokens is None else TokenBudget(max_tokens)
+        ids = encode_within(self._tok, text, budget, plan=self._count_plan(self._tok, budget))
         add = self.add_bos if add_special is None else add_special
         if add and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
+            if budget is not None:
+                budget.take(1, 0)
         return ids
+
+    def _count_plan(self, tok: Any, budget: TokenBudget | None) -> CountPlan | None:
+        """How ``tok`` (this tokenizer or its text-only twin) counts long texts (bounded_encode); decided once."""
+        if budget is None:
+            return None
+        cache = self.__dict__.setdefault("_plan_cache", {})
+        if id(tok) not in cache:
+            cache[id(tok)] = CountPlan.for_tokenizer(tok)
+            if not cache[id(tok)].exact_cuts:
+                log.info("this tokenizer is not counted in pieces: a long prompt is tokenized whole before "
+                         "its length is checked")
+        return cache[id(tok)]
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def warm_count_plan(self) -> None:
+        """Build what counting a long prompt needs now (bounded_encode's plan and byte counts: about a second)."""
+        plan = self._count_plan(self._tok, TokenBudget(1))
+        if plan is not None:
+            plan.at_least("warm up")
+
+    def max_token_bytes(self) -> int | None:
+        """The most bytes one token stands for, when the vocabulary is byte-level (else None: not known here)."""
+        if "_max_token_bytes" not in self.__dict__:
+            entries = byte_level_token_bytes(self._tok)
+            self._max_token_bytes = len(entries[0]) if entries else None
+        return self._max_token_bytes
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
@@ -129,21 +163,48 @@ class Tokenizer:
             raise LinesideError(f"chat template failed on these messages: {e}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
         model continues), cut as transformers' apply_chat_template does. Special-token text inside a
         message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special.
-        ``tools``: OpenAI's function list, for templates with a tool section."""
+        ``tools``: OpenAI's function list, for templates with a tool section. ``max_tokens``: as for encode."""
         messages, literals = self._mask_special_text(messages)
         text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
+        return self._chat_ids(text, literals, max_tokens)
+
+    def _chat_ids(self, text: str, literals: list[str], max_tokens: int | None = None) -> list[int]:
         # The template already wrote BOS if the model wants one.
-        ids = self._encode_marked(text, literals)
+        budget = None if max_tokens is None else TokenBudget(max_tokens)
+        ids = self._encode_marked(text, literals, budget)
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id) \
                 and not (self.bos_token and text.startswith(self.bos_token)):
             ids = [self.bos_token_id, *ids]
+            if budget is not None:
+                budget.take(1, 0)
         return ids
+
+    # ---- stable prefixes (prefill sessions) ------------------------------------------------------------
+    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The leading ids of ``encode_chat(messages)`` that every later chat extending the last message's text
+        (or adding messages after it) shares: the rendering up to the end of that text, without the trailing
+        tokens a continuation could re-tokenize. What a prefill session caches."""
+        masked, literals = self._mask_special_text(messages)
+        full = self.apply_chat_template(masked, True, tools)
+        last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
+        grown = self.apply_chat_template([*masked[:-1], last], True, tools)
+        text = full[:_common_prefix(full, grown)]  # where the last message's text could go on
+        return _stable_ids(text, lambda t: self._chat_ids(t, literals), lambda t: self._encode_marked(t, literals))
+
+    def stable_text_ids(self, text: str) -> list[int]:
+        """The leading ids of ``encode(text)`` that ``encode(text + anything)`` keeps (a completion prompt's text
+        is raw: a special token's opening half at the end is held back too)."""
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values() if len(t.content) > 1]
+        cut = max((k for t in added for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
+        return _stable_ids(text[:len(text) - cut], self.encode,
+                           lambda t: self._tok.encode(t, add_special_tokens=False).ids)
 
 
     # ---- special-token text inside messages ------------------------------------------------------
@@ -183,17 +244,21 @@ class Tokenizer:
             out.append(d)
         return out, literals
 
-    def _encode_marked(self, text: str, literals: list[str]) -> list[int]:
+    def _encode_marked(self, text: str, literals: list[str], budget: TokenBudget | None = None) -> list[int]:
         """Template text with its special tokens; each marker as its literal text with special tokens split."""
+        plan = self._count_plan(self._tok, budget)
         if not literals:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return encode_within(self._tok, text, budget, plan)
         ids: list[int] = []
         pos = 0
         for m in _MARKER.finditer(text):
-            ids += self._tok.encode(text[pos:m.start()], add_special_tokens=False).ids
-            ids += self.encode_as_text(literals[int(m.group(1))])
+            ids += encode_within(self._tok, text[pos:m.start()], budget, plan)
+            literal = self.encode_as_text(literals[int(m.group(1))])
+            if budget is not None:
+                budget.take(len(literal), len(m.group(0)))
+            ids += literal
             pos = m.end()
-        return ids + self._tok.encode(text[pos:], add_special_tokens=False).ids
+        return ids + encode_within(self._tok, text[pos:], budget, plan)
 
     def encode_as_text(self, text: str) -> list[int]:
         """Ids of ``text`` with special-token strings split into ordinary tokens (no BOS)."""
@@ -212,6 +277,43 @@ class Tokenizer:
 
 
 _MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
+_GROWS = "\ue000"  # a private-use character standing for text the last message may still grow by
+# Continuations that change how the end of a text tokenizes, in common tokenizers: a word or number going on,
+# spaces and newlines merging, punctuation runs, a multi-byte letter, a combining mark (NFC).
+_PROBES = ("a", "A", " a", " ", "  ", "\n", "\n\n", "1", ".", ",", "'s", "<", "é", "中", "\u0301", "\t")
+
+
+def _common_prefix(a: Any, b: Any) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_TAIL_CHARS = 256
+_PARTIAL_WORD = re.compile(r"\w+\Z")
+_WORD_START = re.compile(r"(?<=\n)[^\s]|(?<=\w) (?=\w)")
+
+
+def _stable_ids(text: str, encode: Any, encode_part: Any) -> list[int]:
+    """ids of ``text`` without its last word (it may go on) up to the first one some continuation in _PROBES
+    tokenizes differently. Only the tail is
+    probed: the text is cut at a word start at least _TAIL_CHARS from its end (after a newline, or before a space
+    between two word characters: no common pre-tokenizer merges across either) and the tail encoded alone; the
+    caller compares the result with the whole prompt's own ids, so a tokenizer that does merge there only costs
+    cached tokens, never a wrong one."""
+    text = _PARTIAL_WORD.sub("", text)  # a word may go on ("vibr" + "ation"): BPE re-merges the whole of it
+    cut = 0
+    for m in _WORD_START.finditer(text, 0, max(0, len(text) - _TAIL_CHARS)):
+        cut = m.start()
+    head, tail = (encode(text[:cut]), text[cut:]) if cut else ([], text)
+    part = encode_part if cut else encode
+    ids = part(tail)
+    n = len(ids)
+    for probe in _PROBES:
+        n = min(n, _common_prefix(ids, part(tail + probe)))
+    return head + ids[:n]
 _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 _TEXT_TOKENIZER_LOCK = threading.Lock()
 

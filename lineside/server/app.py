@@ -12,9 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from lineside.runtime.engine import LoraServing
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
-from lineside.server import errors, health, openai_api
+from lineside.server import errors, health, openai_api, prefill_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
@@ -22,7 +23,7 @@ from lineside.server.slo.guard import SloGuard
 from lineside.server.slo.policy import SloPolicy
 from lineside.server.state import ServerState, default_model_names
 
-_CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode"]
+_CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode", "x-session-id"]
 
 
 def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
@@ -34,7 +35,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                openapi: bool = False, tokenizer_processes: int = 0,
                fallback: str | os.PathLike[str] | ServingEngine | None = None, slo_policy: SloPolicy | None = None,
                slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None,
-               speculative: SpeculativeConfig | None = None) -> FastAPI:
+               speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0,
+               max_sessions: int = 64, lora: LoraServing | None = None) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -42,18 +44,21 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     from the model's context (prompt_limits.body_limit), at most 32 MiB. ``tokenizer_processes``: worker processes
     for long prompts, started once the model is ready (`lineside serve` uses 1); 0 tokenizes in threads.
     ``fallback`` / ``slo_policy`` turn the SLO guard on (slo/guard.py); ``slo_guard``: one the caller built.
-    ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built)."""
+    ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built).
+    ``session_ttl`` / ``max_sessions``: prefill sessions (POST /v1/prefill) of the engine built here.
+    ``lora``: the LoRA adapters the bundle's engine serves (each a model named by the adapter)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
     metrics = ServerMetrics(latency_log)
-    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+    engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
+                         session_ttl=session_ttl, max_sessions=max_sessions)
     if speculative is not None:
         engine_kwargs["speculative"] = speculative
     state = ServerState(source, engine_kwargs,
                         metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
                         api_key=api_key or None, served_model_names=served_model_names,
-                        tokenizer_processes=tokenizer_processes, engine_future=engine_future)
+                        tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora)
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]
                          if isinstance(fallback, (str, os.PathLike)) else None)
@@ -85,12 +90,13 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
         return errors.error_response(exc.status_code, str(exc.detail), exc.code, headers=exc.headers)
 
     app.include_router(openai_api.router)
+    app.include_router(prefill_api.router)
     app.include_router(health.router)
     # the last added runs first: Host / Origin / Content-Type, then CORS (preflights), then key, drain, body
     app.add_middleware(ServerMiddleware, state=state, max_body_bytes=max_body_bytes, metrics_public=metrics_public)
     policy = BrowserPolicy.for_bind(bind_host, allowed_hosts, allowed_origins)
     if policy.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=_CORS_HEADERS, expose_headers=["x-request-id"], max_age=600)
     app.add_middleware(BrowserGuard, policy=policy)
     return app

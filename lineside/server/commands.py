@@ -39,6 +39,11 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    max_connections_per_client: Annotated[int, checks.number_option(
+        low=0, high=1_000_000, help="open connections one client address may hold (beyond: 429, closed; 0: no "
+                                     "limit, e.g. behind a gateway that is one address)")] = 128,
+    max_connections: Annotated[int, checks.number_option(
+        low=1, high=1_000_000, help="open connections in all (beyond: 503, closed)")] = 1024,
     tokenizer_processes: Annotated[int, checks.number_option(
         low=0, high=256, help="worker processes that tokenize long prompts off the server's GIL (0: threads)")] = 1,
     request_timeout: Annotated[float | None, checks.number_option(
@@ -65,8 +70,22 @@ def serve(
         help="SLO policy file (YAML or JSON): thresholds, recovery, pins; default with --fallback: TTFT P90 0.8 s / "
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
-        help="speculative decoding: ngram (prompt lookup); a request's \"speculative\": false turns it off")] = None,
+        help="speculative decoding: ngram (prompt lookup) | layerskip:N (the bundle's first N layers, build "
+             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp; a request's "
+             "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
+    lora_modules: Annotated[list[str] | None, typer.Option(
+        help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR (repeat; the bundle's own adapters, "
+             "`lineside lora list`, are served too)")] = None,
+    max_loras: Annotated[int | None, checks.number_option(
+        low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
+    max_lora_rank: Annotated[int | None, checks.number_option(
+        low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
+    session_ttl: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS,
+        help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
+    max_sessions: Annotated[int, checks.number_option(
+        low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none)")] = 64,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -85,6 +104,19 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    if spec is not None:
+        from lineside.bundle import open_bundle
+        from lineside.runtime.speculative.proposers import check_proposer
+
+        check_proposer(spec, open_bundle(bundle, verify=False))
+    lora = None
+    if lora_modules or manifest.adapters or max_loras or max_lora_rank:
+        from lineside.bundle import Bundle
+        from lineside.runtime.adapters import parse_lora_module, serving_config
+
+        modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
+        lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
+                              max_rank=max_lora_rank)
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
                               f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
@@ -108,10 +140,11 @@ def serve(
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
         # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
-        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads)
+        engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
+                             session_ttl=session_ttl, max_sessions=max_sessions)
         if spec is not None:
             engine_kwargs["speculative"] = spec
-        engine = load_in_background(bundle, engine_kwargs)
+        engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
         from lineside.server.app import create_app
         from lineside.server.browser_guard import is_loopback
         from lineside.server.http_limits import HttpLimits
@@ -127,9 +160,11 @@ def serve(
                          served_model_names=[name.strip() for name in served_model_name or [] if name.strip()],
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
-                         slo_policy=policy, engine_future=engine, speculative=spec)
+                         slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
+                         max_sessions=max_sessions, lora=lora)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                            keep_alive_timeout=keep_alive_timeout)
+                            keep_alive_timeout=keep_alive_timeout,
+                            max_connections_per_client=max_connections_per_client, max_connections=max_connections)
     except BaseException:
         sock.close()
         raise

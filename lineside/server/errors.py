@@ -19,7 +19,7 @@ from lineside.errors import LinesideError
 log = logging.getLogger("lineside.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
 
@@ -120,7 +120,8 @@ def install(app: FastAPI) -> None:
             detail = "request body could not be parsed: send UTF-8 JSON"
             return error_response(400, detail, "invalid_json", headers=exc.headers)
         if status == 404:
-            detail = "no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/models"
+            detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/prefill, "
+                      "/v1/models")
         elif status == 405:
             detail = "method not allowed on this endpoint"
         return error_response(status, detail, "body_too_large" if status == 413 else None, headers=exc.headers)

@@ -2,7 +2,12 @@
 already refuses Content-Length together with Transfer-Encoding and malformed or overflowing chunk sizes;
 this subclass adds what no stack we measured does (benchmarks/http_stacks.py): a deadline for the
 request head, a header count and size limit, a body-progress timeout, and OpenAI-shaped refusals that
-close the connection, so nothing after a bad message is ever parsed as a request.
+close the connection, so nothing after a bad message is ever parsed as a request. It also caps open
+connections per client address and in all (as nginx's limit_conn does): one client cannot take every
+socket the server has.
+
+It relies on uvicorn's HttpToolsProtocol internals (its callbacks and per-connection attributes):
+:func:`check_uvicorn` names what it needs and pyproject pins the uvicorn versions it was checked against.
 """
 
 from __future__ import annotations
@@ -10,16 +15,52 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from lineside.errors import LinesideError
 from lineside.server.errors import APIError
 
 log = logging.getLogger("lineside.server")
+
+# The uvicorn releases this subclass was checked against (pyproject pins the same range), and what it uses.
+UVICORN_TESTED = ((0, 30), (0, 55))  # >= first, < second
+_PROTOCOL_METHODS = ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_url",
+                     "on_header", "on_headers_complete", "on_body", "on_message_complete",
+                     "_unset_keepalive_if_required", "shutdown")
+# per connection, after connection_made: and the request cycle's, once a head is parsed
+PROTOCOL_ATTRIBUTES = ("loop", "transport", "parser", "flow", "client", "cycle", "server_state", "connections")
+CYCLE_ATTRIBUTES = ("response_complete", "response_started", "disconnected", "message_event")
+
+
+def check_uvicorn(protocol: Any = None, *, strict_version: bool = False) -> None:
+    """One line (LinesideError) when the installed uvicorn lacks what the guard overrides or reads (given a
+    ``protocol`` that has parsed a request head, its attributes too), or, with ``strict_version`` (the test
+    suite), is outside the tested range; `serve` only warns about the range."""
+    version = tuple(int(p) for p in uvicorn.__version__.split(".")[:2] if p.isdigit())
+    missing = [f"HttpToolsProtocol.{m}" for m in _PROTOCOL_METHODS if not callable(getattr(HttpToolsProtocol, m, None))]
+    if protocol is not None:
+        missing += [f"protocol.{a}" for a in PROTOCOL_ATTRIBUTES if not hasattr(protocol, a)]
+        cycle = getattr(protocol, "cycle", None)
+        missing += [f"cycle.{a}" for a in CYCLE_ATTRIBUTES if cycle is None or not hasattr(cycle, a)]
+        if not hasattr(getattr(protocol, "flow", None), "read_paused"):
+            missing.append("flow.read_paused")
+    low, high = UVICORN_TESTED
+    in_range = low <= version < high
+    if missing or (strict_version and not in_range):
+        what = f"it lacks {', '.join(missing)}" if missing else "it is outside the tested range"
+        raise LinesideError(
+            f"uvicorn {uvicorn.__version__} does not fit lineside's HTTP guard (lineside/server/http_limits.py "
+            f"subclasses its httptools protocol; {what}); install uvicorn>={low[0]}.{low[1]},<{high[0]}.{high[1]} "
+            "as pyproject.toml pins it")
+    if not in_range:
+        log.warning("uvicorn %s is outside the range lineside's HTTP guard was tested with (>=%d.%d,<%d.%d)",
+                    uvicorn.__version__, *low, *high)
 
 
 @dataclass(frozen=True)
@@ -32,21 +73,64 @@ class HttpLimits:
     keep_alive_timeout: float = 5.0  # idle keep-alive connection between requests
     max_header_bytes: int = 16 * 1024  # request line + all header lines
     max_header_count: int = 100
+    max_connections_per_client: int = 128  # open connections from one address (0: no limit, e.g. behind a gateway)
+    max_connections: int = 1024  # open connections in all (lowered to fit the process's file limit)
+    refusal_linger: float = 1.0  # seconds a refused connection may take to send its request and read the answer
 
     def check(self) -> None:
-        for name in ("header_timeout", "body_timeout", "body_deadline", "keep_alive_timeout"):
+        for name in ("header_timeout", "body_timeout", "body_deadline", "keep_alive_timeout", "refusal_linger"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        for name in ("max_header_bytes", "max_header_count"):
+        for name in ("max_header_bytes", "max_header_count", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_connections_per_client < 0:
+            raise ValueError(f"max_connections_per_client must be >= 0, got {self.max_connections_per_client}")
+
+
+class ConnectionCounter:
+    """Open connections per client address and in all, for one server (its protocol class owns the one)."""
+
+    def __init__(self, per_client: int, total: int):
+        self.per_client, self.total = per_client, total
+        self.by_client: dict[str, int] = {}
+        self.open = 0
+        self.refused = 0
+
+    def admit(self, client: str | None) -> tuple[int, str, str] | None:
+        """None (counted in: release it when it closes), or the refusal (status, message, code)."""
+        if self.open >= self.total:
+            return (503, f"the server has its maximum of {self.total} connections open; retry shortly",
+                    "server_busy")
+        held = self.by_client.get(client, 0) if client is not None else 0
+        if client is not None and self.per_client and held >= self.per_client:
+            return (429, f"too many connections from {client}: at most {self.per_client} at once; reuse "
+                         "keep-alive connections or close idle ones (the server's --max-connections-per-client)",
+                    "too_many_connections")
+        if client is not None:
+            self.by_client[client] = held + 1
+        self.open += 1
+        return None
+
+    def release(self, client: str | None) -> None:
+        self.open -= 1
+        if client is not None:
+            left = self.by_client.get(client, 1) - 1
+            if left > 0:
+                self.by_client[client] = left
+            else:
+                self.by_client.pop(client, None)
+
+
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 429: b"Too Many Requests",
+            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
 def _refusal(status: int, message: str, code: str) -> bytes:
     body = json.dumps(APIError(status, message, code).body()).encode()
-    reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % (status, reason, len(body))) + body
+    retry = b"retry-after: 1\r\n" if status in (429, 503) else b""
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n"
+            % (status, _REASONS[status], len(body), retry)) + body
 
 
 class _HeadTooLarge(Exception):
@@ -57,10 +141,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with head/body deadlines and header limits (see HttpLimits)."""
 
     limits: HttpLimits = HttpLimits()
+    counter: ConnectionCounter = ConnectionCounter(HttpLimits.max_connections_per_client, HttpLimits.max_connections)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
+        self._admitted = False
+        self._over_limit: tuple[int, str, str] | None = None  # refused at connect: answered, then closed
         self._head_bytes = 0
         self._head_count = 0
         self._head_started = False
@@ -81,6 +168,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _expired(self, why: str) -> None:
         self._timer = None
         if self.transport.is_closing():
+            return
+        if why == "linger":  # a refused connection had its time to send a request and read the answer
+            self.transport.close()
             return
         if why == "head" and not self._head_started:  # an idle connection that never began a request
             self.transport.close()
@@ -111,13 +201,41 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm(self.limits.header_timeout, "head")
+        address = self.client[0] if self.client else None
+        refusal = self.counter.admit(address)
+        if refusal is None:
+            self._admitted = True
+            self._arm(self.limits.header_timeout, "head")
+            return
+        self._over_limit = refusal
+        self.counter.refused += 1
+        if self.counter.refused in (1, 10, 100) or self.counter.refused % 1000 == 0:
+            log.warning("refused a connection from %s (%s); %d refused so far", address, refusal[2],
+                        self.counter.refused)
+        self._arm(self.limits.refusal_linger, "linger")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._admitted:
+            self._admitted = False
+            self.counter.release(self.client[0] if self.client else None)
         super().connection_lost(exc)
 
+    def _answer_refused(self) -> None:
+        """The refusal, once the client has begun its request (so it reads it as the answer); then the write side
+        is closed and what it still sends is read and dropped until it closes or the linger ends."""
+        refusal, self._over_limit = self._over_limit, None
+        if refusal is not None and not self.transport.is_closing():
+            self.transport.write(_refusal(*refusal))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            else:
+                self.transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if not self._admitted:  # over a connection limit: never parsed, never reaches the app
+            self._answer_refused()
+            return
         self._unset_keepalive_if_required()
         if data and (self.cycle is None or self.cycle.response_complete or not self._in_body):
             self._head_started = True  # a request has begun (llhttp reports it only once the method is read)
@@ -183,9 +301,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def protocol_class(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class uvicorn instantiates per connection, carrying these limits."""
+    """The protocol class uvicorn instantiates per connection, carrying these limits and one server's counts."""
     limits.check()
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+    check_uvicorn()
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and limits.max_connections > soft - 64:
+        log.info("at most %d connections (the process may open %d files; `ulimit -n` raises it)",
+                 max(soft - 64, 1), soft)
+        limits = replace(limits, max_connections=max(soft - 64, 1))
+    counter = ConnectionCounter(limits.max_connections_per_client, limits.max_connections)
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "counter": counter})
 
 
 def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str = "info",

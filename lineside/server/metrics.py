@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -86,6 +86,8 @@ class ServerMetrics:
         self._device: dict[str, Gauge] = {}
         self._spec = _SpecDecodeCollector()
         registry.register(self._spec)
+        self._sessions = _SessionCollector()
+        registry.register(self._sessions)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -134,6 +136,7 @@ class ServerMetrics:
         self.waiting.set(get("waiting", 0) or 0)
         self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
         self._spec.stats = stats if get("spec_acceptance") else None
+        self._sessions.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
@@ -179,3 +182,40 @@ class _SpecDecodeCollector:
         buckets.append(("+Inf", cum))
         hist.add_metric([], buckets, sum_value=float(total))
         yield hist
+
+
+class _SessionCollector:
+    """Prefill sessions (POST /v1/prefill) from the last scraped engine stats: what they hold and what they saved."""
+
+    GAUGES = (("lineside_prefill_sessions", "sessions", "Prefill sessions held"),
+              ("lineside_prefill_session_pinned_blocks", "session_pinned_blocks",
+               "KV blocks pinned by prefill sessions (they count against the same arena)"))
+    COUNTERS = (("lineside_prefill_session_hits", "session_hits", "Completions that started from a session's KV"),
+                ("lineside_prefill_session_tokens_saved", "session_tokens_saved",
+                 "Prompt tokens those completions did not compute"),
+                ("lineside_prefill_session_prefill_tokens", "session_prefill_tokens",
+                 "Tokens computed for sessions in idle capacity"),
+                ("lineside_prefill_sessions_expired", "sessions_expired", "Sessions released at the end of their TTL"),
+                ("lineside_prefill_sessions_evicted", "sessions_evicted",
+                 "Sessions released early because running requests needed the memory"))
+
+    def __init__(self) -> None:
+        self.stats: Any = None
+
+    def collect(self) -> Any:
+        st = self.stats
+
+        def value(key: str) -> float:
+            if st is None:
+                return 0.0
+            v = st.get(key, 0) if isinstance(st, dict) else getattr(st, key, 0)
+            return float(v or 0)
+
+        for name, key, doc in self.GAUGES:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value(key))
+            yield g
+        for name, key, doc in self.COUNTERS:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value(key))
+            yield c

@@ -18,7 +18,8 @@ from lineside.server import prompt_limits
 from lineside.server.auth import AccessPolicy
 from lineside.server.state import ServerState
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/prefill"})
+PREFILL_PATH = "/v1/prefill"
 _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
 
@@ -74,6 +75,12 @@ class ServerMiddleware:
 
         generating = path in GENERATION_PATHS and scope.get("method") == "POST"
         if generating:
+            if state.draining and path == PREFILL_PATH:  # a session here would die with the server: 4xx, not retry
+                state.metrics.reject("draining")
+                await _reply(send, 409, "server is shutting down: prefill sessions cannot be made or extended here; "
+                                        "send the prompt to another instance", code="draining", headers=id_header,
+                             extra=[(b"connection", b"close")])
+                return
             if state.draining:
                 state.metrics.reject("draining")
                 await _reply(send, 503, "server is shutting down and takes no new requests; retry on another "

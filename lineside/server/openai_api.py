@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lineside.errors import LinesideError
+from lineside.runtime.adapter_slots import AdapterSlotsFull, UnknownAdapter
+from lineside.runtime.bounded_encode import PromptTooLong
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
@@ -64,7 +66,7 @@ def _state(request: Request) -> ServerState:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = _state(request)
     try:
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         request_mapping.check_chat(body)
         prompt_limits.check_texts(prompt_limits.chat_texts(body), state.engine.tokenizer, state.engine.max_seq_len,
                                   param="messages")
@@ -86,7 +88,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
                                tools=tuple(tools), named=tool_choice.name)
         size = sum(len(m["content"] or "") for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options))
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                     max_tokens=_prompt_limit(state)), param="messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
@@ -95,14 +98,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         state.metrics.reject("invalid")
         raise
     return await _serve(request, state, body, prompts=[ids], budgets=budgets, chat=True, constraint=constraint,
-                        output=output)
+                        output=output, adapter=adapter)
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**ERROR_RESPONSES, **_STREAM_DOC})
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = _state(request)
     try:
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         request_mapping.check_completion(body)
         constraint = await _checked(state, constraints.request_constraint(body))
         top_n = completion_top_n(body.logprobs)
@@ -111,8 +114,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
             len(p) for p in body.prompt if isinstance(p, str))
-        prompts = await _offload(size, request_mapping.completion_prompts, body, state.tokenizer,
-                                 _vocab_size(state))
+        prompts = await _offload(size, functools.partial(request_mapping.completion_prompts, body, state.tokenizer,
+                                                         _vocab_size(state), max_tokens=_prompt_limit(state)),
+                                 param="prompt")
         budgets = [request_mapping.token_budget(len(ids), body.max_tokens, 16, context=state.engine.max_seq_len,
                                                 param="max_tokens", prompt_param="prompt")
                    for ids in prompts]
@@ -120,7 +124,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         state.metrics.reject("invalid")
         raise
     return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
-                        output=output)
+                        output=output, adapter=adapter)
 
 
 async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:
@@ -145,7 +149,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
     try:
-        _check_model(state, body.model)
+        adapter = _check_model(state, body.model)
         responses_api.check(body)
         messages = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
                     for m in responses_api.messages(body)]
@@ -153,7 +157,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                   state.engine.max_seq_len, param="input")
         constraint = await _checked(state, responses_api.text_constraint(body))
         ids = await _offload(sum(len(m["content"]) for m in messages),
-                             functools.partial(state.tokenizer.encode_chat, messages))
+                             functools.partial(state.tokenizer.encode_chat, messages,
+                                               max_tokens=_prompt_limit(state)), param="input")
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")
         priority, mode = request_mapping.priority(request.headers)
@@ -161,7 +166,14 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                   top_p=1.0 if body.top_p is None else body.top_p)
         handle = state.engine.submit(GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
-            timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint))
+            timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
+            adapter=adapter))
+    except AdapterSlotsFull as e:
+        state.metrics.reject("queue_full")
+        raise _slots_full(e) from None
+    except UnknownAdapter as e:
+        state.metrics.reject("invalid")
+        raise _unknown_adapter(e) from None
     except QueueFullError as e:
         state.metrics.reject("queue_full")
         raise APIError(429, f"the server's waiting queue is full ({e}); retry after a moment",
@@ -179,7 +191,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     record = RequestRecord(request_id, "responses", priority, mode=mode, stream=bool(body.stream), arrival=arrival,
                            prompt_tokens=len(ids))
     choice = Choice(0, handle, record)
-    builder = responses_api.ResponseBuilder(body, state.model_name, request_id)
+    builder = responses_api.ResponseBuilder(body, adapter or state.model_name, request_id)
     if body.stream:
         return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
     gone = await responses.collect(request, state, [choice])
@@ -194,7 +206,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
 # ---- one engine request per choice, then the response ---------------------------------------------------
 async def _serve(request: Request, state: ServerState, body: ChatCompletionRequest | CompletionRequest, *,
                  prompts: list[list[int]], budgets: list[int], chat: bool, constraint: Constraint | None = None,
-                 output: OutputOptions | None = None) -> Any:
+                 output: OutputOptions | None = None, adapter: str | None = None) -> Any:
     """Submit every choice (n per prompt) to the engine and answer with their merged events."""
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
@@ -202,14 +214,16 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
         n = request_mapping.choices_per_prompt(body, len(prompts))
+        session = request_mapping.session_id(body, request.headers)
     except APIError:
         state.metrics.reject("invalid")
         raise
     choices: list[Choice] = []
     endpoint = "chat" if chat else "completions"
-    engine, model, slo_plan = state.engine, state.model_name, None
+    engine, model, slo_plan = state.engine, adapter or state.model_name, None
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
-    if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback) and may answer from cache
+    if state.slo is not None and adapter is None:  # the SLO ladder picks the engine (primary or fallback; it
+        # serves the base model only) and may answer from cache
         slo_plan = await slo_routing.plan(state.slo, body, prompts=prompts, budgets=budgets, chat=chat,
                                           priority=priority, mode=mode, stops=stops, n=n, response_id=response_id,
                                           draining=lambda: state.draining)
@@ -225,7 +239,9 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 engine_request = request_mapping.engine_request(
                     ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
                     request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
-                    logprobs=None if output is None else output.top_logprobs)
+                    logprobs=None if output is None else output.top_logprobs,
+                    session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
+                    adapter=adapter)
                 handle = engine.submit(engine_request)
                 record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                        arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
@@ -233,6 +249,14 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                     slo_plan.note(record)
                     state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
                 choices.append(Choice(index, handle, record, copy=copy, options=output))
+    except AdapterSlotsFull as e:
+        responses.cancel_all(choices)
+        state.metrics.reject("queue_full")
+        raise _slots_full(e) from None
+    except UnknownAdapter as e:
+        responses.cancel_all(choices)
+        state.metrics.reject("invalid")
+        raise _unknown_adapter(e) from None
     except QueueFullError as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")
@@ -261,11 +285,20 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
-async def _offload(size: int, fn: Any, *args: Any) -> Any:
-    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster)."""
-    if size > _INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+async def _offload(size: int, fn: Any, *, param: str) -> Any:
+    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster). A prompt
+    found longer than the context while tokenizing is a 400 context_length_exceeded naming ``param``."""
+    try:
+        if size > _INLINE_CHARS:
+            return await asyncio.to_thread(fn)
+        return fn()
+    except PromptTooLong as e:
+        raise prompt_limits.too_long(e, param=param) from None
+
+
+def _prompt_limit(state: ServerState) -> int:
+    """The most prompt tokens worth encoding: one more and nothing can be generated (token_budget's rule)."""
+    return max(int(state.engine.max_seq_len) - 1, 0)
 
 
 def _vocab_size(state: ServerState) -> int:
@@ -274,20 +307,32 @@ def _vocab_size(state: ServerState) -> int:
 
 
 # ---- the model this server serves -----------------------------------------------------------------------
-def _check_model(state: ServerState, model: str | None) -> None:
+def _check_model(state: ServerState, model: str | None) -> str | None:
     """404 model_not_found (as OpenAI, vLLM and Ollama answer) for a model this server does not serve;
-    an absent or empty model means the one served."""
+    an absent or empty model means the base model. Returns the LoRA adapter ``model`` names, if it names one."""
+    if model and model in state.adapter_names and model not in state.served_names:
+        return model
     if model and model not in state.served_names:
-        served = " or ".join(repr(name) for name in state.served_names)
+        served = " or ".join(repr(name) for name in [*state.served_names, *state.adapter_names])
         raise APIError(404, f"model {model!r} is not served here; this server serves {served} "
-                            "(send that name, or leave 'model' out)", "model_not_found", param="model",
+                            "(send one of those names, or leave 'model' out)", "model_not_found", param="model",
                        type="invalid_request_error")
+    return None
+
+
+def _unknown_adapter(e: Exception) -> APIError:
+    return APIError(404, str(e), "model_not_found", param="model", type="invalid_request_error")
+
+
+def _slots_full(e: Exception) -> APIError:
+    return APIError(429, str(e), "adapter_slots_full", headers={"Retry-After": "1"})
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> dict[str, Any]:
     state = _state(request)
-    return {"object": "list", "data": [_card(state, name) for name in state.listed_names]}
+    base = [_card(state, name) for name in state.listed_names]
+    return {"object": "list", "data": [*base, *(_card(state, name) for name in state.adapter_names)]}
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[400]})
@@ -301,5 +346,8 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 
 
 def _card(state: ServerState, name: str) -> dict[str, Any]:
+    """A model's card; an adapter's names the base model as its ``parent`` (as vLLM's LoRA cards do)."""
+    adapter = name in state.adapter_names and name not in state.served_names
     return {"id": name, "object": "model", "created": state.started_at, "owned_by": "lineside",
-            "max_model_len": getattr(state.engine, "max_seq_len", None)}
+            "max_model_len": getattr(state.engine, "max_seq_len", None),
+            "root": name, "parent": state.model_name if adapter else None}

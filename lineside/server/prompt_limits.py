@@ -2,13 +2,16 @@
 its run (measured: a 2.4 MB text stalls other threads by up to 1 s at a time), so a 30 MB prompt would stall
 every request. No token covers more than the longest vocabulary entry's UTF-8 bytes (byte-level ``Ġ``,
 SentencePiece ``▁`` and ``<0x..>`` spellings are at least as long as what they encode), and a character is at
-least a byte, so a text longer than ``max_seq_len × that`` characters has more tokens than the context holds."""
+least a byte, so a text longer than ``max_seq_len × that`` characters has more tokens than the context holds.
+For a byte-level vocabulary the bytes are the entries' own (``Ġ`` is one byte, not its two UTF-8 bytes).
+A text under the bound is counted with an early stop while it is tokenized (runtime/bounded_encode)."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Any
 
+from lineside.runtime.bounded_encode import PromptTooLong
 from lineside.server.errors import APIError
 
 _BOUNDS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -20,6 +23,11 @@ def max_token_chars(tokenizer: Any) -> int:
         return _BOUNDS[tokenizer]
     except (KeyError, TypeError):
         pass
+    exact = getattr(tokenizer, "max_token_bytes", None)
+    longest = exact() if callable(exact) else None  # a byte-level vocabulary: its entries' own bytes
+    if longest is not None:
+        _BOUNDS[tokenizer] = max(longest, 1)
+        return _BOUNDS[tokenizer]
     longest = 1
     for i in range(int(tokenizer.vocab_size)):
         t = tokenizer.id_to_token(i)
@@ -56,6 +64,13 @@ def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, *, param: st
         raise APIError(400, f"'{param}' has {total} characters, so at least {total // max_token_chars(tokenizer)} "
                             f"tokens, but the model's context is {max_seq_len} tokens (at most {bound} characters "
                             "can fit); shorten it", "context_length_exceeded", param=param)
+
+
+def too_long(e: PromptTooLong, *, param: str) -> APIError:
+    """The 400 for a prompt found, while tokenizing, to have more tokens than the context leaves room for."""
+    return APIError(400, f"'{param}' has more than {e.limit} tokens (its first {e.chars_read} characters already "
+                         f"make at least {e.tokens}), but the model's context is {e.limit + 1} tokens, which leaves "
+                         "no room to generate; shorten it", "context_length_exceeded", param=param)
 
 
 def chat_texts(body: Any) -> list[str]:

@@ -21,6 +21,7 @@ from lineside.runtime.request import (
     check_prompt_ids,
 )
 from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -120,11 +121,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """Token ids for each prompt: a string, strings, token ids, or lists of token ids."""
+def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int,
+                       max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids for each prompt: a string, strings, token ids, or lists of token ids. ``max_tokens``: a text
+    prompt past it raises PromptTooLong once that is known (runtime/bounded_encode)."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [tokenizer.encode(clean_text(prompt, "prompt"))]
+        return [tokenizer.encode(clean_text(prompt, "prompt"), max_tokens=max_tokens)]
     if not prompt:
         raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
     if all(isinstance(item, int) for item in prompt):  # one prompt as token ids: its length is the context's business
@@ -132,7 +135,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) 
     if len(prompt) > MAX_PROMPTS:
         raise bad(f"prompt lists {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
     if all(isinstance(item, str) for item in prompt):
-        return [tokenizer.encode(clean_text(text, f"prompt.{i}"))  # type: ignore[arg-type]
+        return [tokenizer.encode(clean_text(text, f"prompt.{i}"), max_tokens=max_tokens)  # type: ignore[arg-type]
                 for i, text in enumerate(prompt)]
     return [_token_id_prompt(ids, vocab_size) for ids in prompt]  # type: ignore[arg-type]
 
@@ -203,10 +206,26 @@ def priority(headers: Any) -> tuple[Priority, Mode]:
     return Priority(level), Mode(mode)
 
 
+def session_id(req: ChatCompletionRequest | CompletionRequest, headers: Any) -> str | None:
+    """The prefill session a request names (body ``session_id`` or X-Session-Id; both must agree); 400 if malformed."""
+    header = headers.get("x-session-id")
+    given = req.session_id if req.session_id is not None else header
+    if req.session_id is not None and header is not None and header != req.session_id:
+        raise bad("X-Session-Id and the body's session_id name different sessions; send one", "session_id",
+                  "invalid_session_id")
+    if given is None:
+        return None
+    try:
+        return check_session_id(given)
+    except LinesideError as e:
+        raise bad(str(e), "session_id", "invalid_session_id") from None
+
+
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0, constraint: Constraint | None = None,
-                   logprobs: int | None = None) -> GenerationRequest:
+                   logprobs: int | None = None, session: str | None = None,
+                   adapter: str | None = None) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed)."""
     sampling = sampling_params(req)
@@ -214,7 +233,9 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
-                             constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False)
+                             constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False,
+                             session_id=session, keep_session=bool(req.keep_session) and session is not None,
+                             adapter=adapter)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

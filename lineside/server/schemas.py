@@ -72,6 +72,10 @@ class _Sampling(BaseModel):
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")
+    session_id: str | None = Field(None, description="a prefill session (POST /v1/prefill) whose KV this prompt "
+                                                     "extends; the X-Session-Id header says the same")
+    keep_session: bool | None = Field(None, description="true: the session keeps this prompt's KV for the next "
+                                                        "turn (default: it ends with this completion)")
 
 
 class ChatCompletionRequest(_Sampling):
@@ -153,6 +157,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "lineside"
     max_model_len: int | None = None
+    root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

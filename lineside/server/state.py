@@ -66,7 +66,7 @@ class ServerState:
                  metrics: ServerMetrics, *,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
                  served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
-                 engine_future: Future[ServingEngine] | None = None):
+                 engine_future: Future[ServingEngine] | None = None, lora: Any = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
         self.engine_future = engine_future
@@ -74,6 +74,7 @@ class ServerState:
         self._names = [name for name in (served_model_names or []) if name]
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
+        self.lora = lora  # the primary engine's LoraServing (never the fallback's: another bundle)
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
         self.metrics = metrics
@@ -119,6 +120,12 @@ class ServerState:
                                        else [str(self.engine.model_name)])
         return self._names
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served beside the base model: each is a model of its own (parent: the base)."""
+        slots = getattr(self.engine, "adapter_slots", None)
+        return list(slots.names) if slots is not None else []
+
     async def start(self) -> None:
         """Begin loading (returns at once; readiness follows when the engine is up and warm)."""
         self.tegrastats = _start_tegrastats()
@@ -133,16 +140,17 @@ class ServerState:
             elif self.engine is None:
                 from lineside.runtime.engine import LLMEngine
 
-                self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs)
+                extra = {} if self.lora is None else {"lora": self.lora}
+                self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs, **extra)
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)
             self.ready = True
             self.ready_s = process_age_s()
-            if self.tokenizer_processes > 0:
-                # The long-prompt worker (a spawned interpreter: ~1 s) starts after ready, not before it: a
-                # long prompt in its first second waits for it, as it would have waited for the server.
-                self._warm_task = asyncio.create_task(asyncio.to_thread(self.tokenizer.warm))
+            # The long-prompt worker (a spawned interpreter: ~1 s; without one, the long-prompt counting plan:
+            # ~0.5 s) is built after ready, not before it: a long prompt in its first second waits for it, as it
+            # would have waited for the server.
+            self._warm_task = asyncio.create_task(asyncio.to_thread(self.tokenizer.warm))
             log.info("model %s ready on %s", self.model_name, getattr(self.engine, "backend_name", "?"))
         except asyncio.CancelledError:
             raise
@@ -225,7 +233,7 @@ class ServerState:
             except Exception:  # noqa: BLE001 - warm() reports its own failure
                 pass
         if self._tokenizer is not None:
-            self._tokenizer.close()
+            await asyncio.to_thread(self._tokenizer.close)
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

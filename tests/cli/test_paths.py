@@ -112,6 +112,9 @@ INPUT_CASES = [
     ("jetson probe --sysroot missing", "jetson probe", lambda c, b, w: ["jetson", "probe", "--sysroot", w / "nope"], ["--sysroot"]),
     ("jetson power --sysroot is-a-file", "jetson power", lambda c, b, w: ["jetson", "power", "--sysroot", w / "afile"], ["--sysroot"]),
     ("jetson service --sysroot missing", "jetson service", lambda c, b, w: ["jetson", "service", "--sysroot", w / "nope"], ["--sysroot"]),
+    ("lora add BUNDLE missing", "lora add", lambda c, b, w: ["lora", "add", w / "nope", w / "full", "--name", "a"], ["BUNDLE", "nope"]),
+    ("lora add ADAPTER_DIR is-a-file", "lora add", lambda c, b, w: ["lora", "add", b, w / "afile", "--name", "a"], ["ADAPTER_DIR", "afile"]),
+    ("lora list BUNDLE is-a-file", "lora list", lambda c, b, w: ["lora", "list", w / "afile"], ["BUNDLE", "afile"]),
 ]
 
 

@@ -40,13 +40,19 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert p.propose(toks, 0) == []
 
 
-def test_parse_speculative_one_line_errors():
+def test_parse_speculative_one_line_errors(tiny_bundle, tmp_path):
     assert parse_speculative(None) is None
     cfg = parse_speculative("ngram", 5)
     assert cfg == SpeculativeConfig(SpecMethod.NGRAM, 5)
+    assert parse_speculative("layerskip:3") == SpeculativeConfig(SpecMethod.LAYERSKIP, 4, draft_layers=3)
+    assert parse_speculative(f"draft:{tiny_bundle}", 2) == SpeculativeConfig(SpecMethod.DRAFT, 2,
+                                                                              draft_bundle=tiny_bundle)
+    assert parse_speculative("mtp").label == "mtp" and parse_speculative("layerskip:2").label == "layerskip:2"
     for method, k, words in (("medusa", 4, "not a known method"), ("ngram", 0, "between 1 and 16"),
-                             ("ngram", MAX_SPEC_TOKENS + 1, "between 1 and 16"), ("mtp", 4, "not built in this version"),
-                             (None, 4, "needs --speculative")):
+                             ("ngram", MAX_SPEC_TOKENS + 1, "between 1 and 16"), ("layerskip", 4, "layerskip:N"),
+                             ("layerskip:0", 4, "N ≥ 1"), ("layerskip:x", 4, "layerskip:N"),
+                             ("draft:", 4, "draft:BUNDLE"), (f"draft:{tmp_path}", 4, "not a bundle directory"),
+                             ("ngram:3", 4, "takes no argument"), (None, 4, "needs --speculative")):
         with pytest.raises(LinesideError, match=words) as e:
             parse_speculative(method, k)
         assert "\n" not in str(e.value)
@@ -106,6 +112,33 @@ def test_sampled_verify_keeps_the_models_distribution():
         assert abs(first[draft[0]] / n - p1[draft[0]]) < 0.01
 
 
+def test_sampled_verify_with_a_draft_distribution_keeps_the_models_distribution():
+    """Drafts drawn from a draft model's q (not the model's p): accept min(1, p/q), residual max(0, p - q) —
+    the first and second emitted tokens follow p, and the first draft is kept at the rule's rate Σ min(p, q)
+    (0.45 here; the q = 1 rule, also lossless for any draft, keeps only Σ q·p = 0.145)."""
+    p1 = np.array([0.1, 0.4, 0.2, 0.25, 0.05])
+    p2 = np.array([0.3, 0.05, 0.15, 0.2, 0.3])
+    q1 = np.array([0.5, 0.1, 0.1, 0.1, 0.2])  # far from p1: many rejections, residual mass matters
+    q2 = np.array([0.05, 0.3, 0.3, 0.3, 0.05])
+    logits = np.log(np.stack([p1, p2, p1])).astype(np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, seed=7))
+    draw = np.random.default_rng(19)  # the draft model's own draws
+    n = 40000
+    first, second = np.zeros(5), np.zeros(5)
+    kept_first = 0
+    for _ in range(n):
+        drafts = [int(draw.choice(5, p=q1)), int(draw.choice(5, p=q2))]
+        kept, tok = verify(s, logits, drafts, [9], 1, [q1, q2])
+        kept_first += bool(kept)
+        out = [*kept, tok]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    assert chi_square(first, p1) < CHI2_999[4], first / n
+    assert chi_square(second, p2) < CHI2_999[4], second / second.sum()
+    assert abs(kept_first / n - np.minimum(p1, q1).sum()) < 0.01
+
+
 def test_sampled_verify_with_top_k_and_temperature_matches_plain_sampling():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((2, 25)).astype(np.float32) * 2
@@ -137,6 +170,20 @@ def test_draft_length_drops_to_zero_below_the_verify_cost_and_comes_back():
     for _ in range(30):
         mixed.observe(4, 1)  # one kept then a rejection: a = 0.5, E(4) = 1.94 < 2
     assert mixed.k == 0
+    costly = DraftLength(4, verify_cost=1.2, draft_cost=0.3)  # a model proposer: no shadow guesses at k = 0
+    assert costly.k > 0
+    while costly.k:
+        costly.observe(costly.budget(cheap=False), 0)
+    probes = []
+    for step in range(300):
+        if costly.budget(cheap=False):
+            probes.append(step)
+            costly.observe(1, 0)  # every probe fails: the interval doubles 16, 32, 64, 128, ...
+    assert [b - a for a, b in zip(probes, probes[1:], strict=False)][:3] == [32, 64, 128]
+    for _ in range(8):
+        k = costly.budget(cheap=False)
+        costly.observe(max(k, 1), max(k, 1))  # the text starts to match: back to speculating
+    assert costly.k == 4
     free = DraftLength(4)  # a verification that costs no more than a decode step always speculates
     for _ in range(30):
         free.observe(4, 0)
@@ -264,7 +311,7 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_bundle):
     assert [o[1] for o in a] == [o[1] for o in b] and st.spec_draft_tokens_total > 0
 
 
-def test_whole_state_models_refuse_speculation_in_one_line(tiny_bundle):
+def test_whole_state_backend_that_cannot_rewind_refuses_speculation_in_one_line(tiny_bundle):
     from lineside.graph_io import StateUpdate
 
     class Replace:

@@ -50,3 +50,22 @@ def test_server_speculative_false_and_metrics(tiny_bundle):
     assert metric(m1, "lineside_spec_decode_acceptance_rate_bucket", 'le="+Inf"') == \
         metric(m1, "lineside_spec_decode_acceptance_rate_count")
     assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("command", "method", "words"), [
+    *((c, "layerskip:3", ["no 3-layer draft graph", "--draft-layers 3"]) for c in ("serve", "generate", "bench")),
+    ("generate", "mtp", ["no MTP module"])])
+def test_model_proposers_missing_from_the_bundle_are_one_line(tiny_bundle, command, method, words):
+    extra = {"serve": [str(tiny_bundle)], "generate": [str(tiny_bundle), "--prompt", "hi"],
+             "bench": ["--bundle", str(tiny_bundle)]}[command]
+    assert_one_line_error(run_cli(command, *extra, "--speculative", method), *words)
+
+
+def test_draft_bundle_path_and_build_draft_layers_are_one_line(tiny_bundle, tiny_dense, tmp_path):
+    assert_one_line_error(run_cli("generate", str(tiny_bundle), "--prompt", "hi", "--speculative",
+                                  f"draft:{tmp_path}"), "not a bundle directory")
+    ckpt = tiny_dense("llama-gqa")
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "a"), "--draft-layers", "x"),
+                          "--draft-layers", "layer counts")
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "b"), "--draft-layers", "2"),
+                          "--draft-layers 2", "1 to 1")

@@ -240,6 +240,27 @@ def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
     assert r.status_code == 400 and "301 tokens" in r.json()["error"]["message"] and calls  # under it: tokenized
 
 
+def test_prompt_just_under_the_text_bound_is_refused_after_a_few_pieces(guarded):
+    """A prompt the character bound lets through but the context cannot hold: counted in pieces and refused once
+    the count passes the context, having read a small part of it (the message says how much)."""
+    import re
+
+    from lineside.runtime.bounded_encode import piece_chars
+    from lineside.server.prompt_limits import text_bound
+
+    engine = guarded.state.engine
+    bound = text_bound(engine.tokenizer, engine.max_seq_len)
+    words = "sensor 42 reads 3.14 bar, torque ok; line\tstation".split(" ")
+    text = " ".join(words[i % len(words)] + str(i % 89) for i in range(bound))[: bound - 10]
+    for path, body, param in (("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+                              ("/v1/completions", {"prompt": text}, "prompt")):
+        r = httpx.post(guarded.url + path, json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, r.text
+        read = int(re.search(r"first (\d+) characters", err["message"]).group(1))
+        assert read <= piece_chars(engine.max_seq_len) + 32 < len(text) // 2, err["message"]  # + the rest of a word
+
+
 def test_text_bound_is_safe_for_every_token():
     """No single token stands for more characters than the bound assumes (else a fitting prompt is refused)."""
     import tempfile
@@ -352,3 +373,156 @@ def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle, ca
     code = run_app(_cli(), ["serve", str(tiny_bundle), *extra])  # as `lineside` runs it: ranges are usage errors
     err = capsys.readouterr().err.strip()
     assert code in (1, 2) and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_tokenizer_worker_is_niced_and_stops_early(tiny_bundle):
+    """The worker process runs below the server's priority, returns the tokenizer's own ids for a long prompt
+    that fits, and a PromptTooLong (not a traceback) for one that does not."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.bounded_encode import PromptTooLong
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.tokenize_pool import PooledTokenizer, worker_niceness
+
+    inner = Tokenizer.from_bundle(open_bundle(tiny_bundle))
+    pooled = PooledTokenizer(inner, processes=1, inline_chars=100)
+    try:
+        pooled.warm()
+        nice = worker_niceness()
+        assert nice > 0 and pooled.processes == 1
+        assert pooled.worker_priority == min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19)
+        text = "torque ok at station 7; " * 40
+        assert pooled.encode(text, max_tokens=10**6) == inner.encode(text)
+        msgs = [{"role": "user", "content": text}]
+        assert pooled.encode_chat(msgs, max_tokens=10**6) == inner.encode_chat(msgs)
+        with pytest.raises(PromptTooLong) as e:
+            pooled.encode_chat(msgs, max_tokens=50)
+        assert e.value.limit == 50 and e.value.tokens > 50
+    finally:
+        pooled.close()
+
+
+# ---- connection counts --------------------------------------------------------------------------------------
+CONN_LIMITS = HttpLimits(header_timeout=5.0, keep_alive_timeout=5.0, max_connections_per_client=3, max_connections=4,
+                         refusal_linger=0.5)
+
+
+def _connect(srv, source: str) -> socket.socket:
+    s = socket.socket()
+    s.settimeout(BOUND)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", srv.port))
+    return s
+
+
+def _held(srv, source: str) -> socket.socket:
+    """A keep-alive connection the server has admitted (it answered one request on it) and still holds open."""
+    s = _connect(srv, source)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+        got += s.recv(65536)
+    assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    return s
+
+
+def _refused(srv, source: str) -> tuple[bytes, dict]:
+    s = _connect(srv, source)
+    try:
+        s.sendall(HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    finally:
+        s.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, json.loads(body)["error"]
+
+
+def test_connections_per_client_and_in_all_are_capped(tiny_bundle):
+    with running_server(make_engine(tiny_bundle, num_slots=1), limits=CONN_LIMITS) as srv:
+        before = _completions(srv)
+        mine = [_held(srv, "127.0.0.1") for _ in range(3)]
+        head, err = _refused(srv, "127.0.0.1")  # a 4th from the same address
+        assert head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower(), head
+        assert err["code"] == "too_many_connections" and "127.0.0.1" in err["message"]
+        assert set(err) == {"message", "type", "code", "param"} and "\n" not in err["message"]
+        other = _held(srv, "127.0.0.2")  # another client still gets in: 4 open in all
+        head, err = _refused(srv, "127.0.0.3")  # the 5th in all: the global cap
+        assert head.startswith(b"HTTP/1.1 503") and err["code"] == "server_busy", head
+        assert _completions(srv) == before  # nothing refused reached the engine
+        silent = _connect(srv, "127.0.0.1")  # over the limit and sending nothing: closed after the linger
+        t0 = time.monotonic()
+        assert silent.recv(100) == b"" and time.monotonic() - t0 < BOUND
+        silent.close()
+        mine.pop().close()
+        time.sleep(0.2)  # the server sees the close
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200  # a slot freed: the same address is served again
+        for s in [*mine, other]:
+            s.close()
+        assert srv.app  # the counts above are per server: other servers' tests are untouched
+
+
+def test_uvicorn_internals_the_guard_relies_on(monkeypatch):
+    """The guard overrides uvicorn's httptools protocol; if a uvicorn release renames what it uses, this fails
+    with one line saying what and which versions to install (pyproject pins the tested range)."""
+    import asyncio
+
+    import uvicorn
+
+    from lineside.errors import LinesideError
+    from lineside.server.http_limits import check_uvicorn, protocol_class
+
+    check_uvicorn(strict_version=True)  # the installed uvicorn is in the tested range and has every method
+    from pathlib import Path
+
+    from lineside.server.http_limits import UVICORN_TESTED
+
+    (lo_major, lo_minor), (hi_major, hi_minor) = UVICORN_TESTED
+    pin = f'"uvicorn>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}"'
+    assert pin in (Path(__file__).parents[2] / "pyproject.toml").read_text(), f"pyproject must pin {pin}"
+
+    async def app(scope, receive, send):  # pragma: no cover - never called: the head is only parsed
+        pass
+
+    class Transport(asyncio.Transport):
+        def __init__(self):
+            super().__init__()
+            self.out = b""
+            self.closing = False
+
+        def get_extra_info(self, name, default=None):
+            return {"peername": ("127.0.0.1", 5), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+        def write(self, data):
+            self.out += data
+
+        def is_closing(self):
+            return self.closing
+
+        def close(self):
+            self.closing = True
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(app, lifespan="off")
+        server_state = uvicorn.server.ServerState()
+        proto = protocol_class(HttpLimits())(config=config, server_state=server_state, app_state={}, _loop=loop)
+        proto.connection_made(Transport())
+        proto.data_received(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+        check_uvicorn(proto)  # every attribute it reads exists on a connection with a request under way
+        proto.connection_lost(None)
+    finally:
+        tasks = asyncio.all_tasks(loop)  # the app's task uvicorn started for that head: never to run
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+    with pytest.raises(LinesideError) as e:
+        check_uvicorn(object())  # what a changed protocol looks like
+    msg = str(e.value)
+    assert "protocol.parser" in msg and "cycle.response_complete" in msg and "uvicorn>=" in msg and "\n" not in msg
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")  # a release past the tested range: the suite says so
+    with pytest.raises(LinesideError, match=r"uvicorn 0\.99\.0 .* outside the tested range\); install uvicorn>=0\.30,<0\.55"):
+        check_uvicorn(strict_version=True)
+    check_uvicorn()  # serve itself only warns

@@ -114,15 +114,25 @@ class GraphBuilder:
     def save(self) -> Path:
         """Write the .onnx (structure) next to the already-written .onnx.data and check it."""
         self._data.close()
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        self._write(self.onnx_path, self.nodes, self.inputs, self.initializers)
+        if self._offset == 0:
+            (self.onnx_path.parent / self.data_name).unlink(missing_ok=True)
+        return self.onnx_path
+
+    def write_variant(self, path: Path, *, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+                      extra_initializers: list[onnx.TensorProto]) -> Path:
+        """After ``save``: another graph over the same initializers (and so the same external-data file)."""
+        self._write(path, nodes, inputs, self.initializers + extra_initializers)
+        return path
+
+    def _write(self, path: Path, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+               initializers: list[onnx.TensorProto]) -> None:
+        graph = helper.make_graph(nodes, self.name, inputs, self.outputs, initializers)
         opsets = [helper.make_opsetid("", self.opset)]
         if self.uses_ms_domain:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="lineside")
         model.ir_version = 10
-        with open(self.onnx_path, "wb") as f:
+        with open(path, "wb") as f:
             f.write(model.SerializeToString())
-        onnx.checker.check_model(str(self.onnx_path))
-        if self._offset == 0:
-            (self.onnx_path.parent / self.data_name).unlink(missing_ok=True)
-        return self.onnx_path
+        onnx.checker.check_model(str(path))

@@ -17,13 +17,16 @@ from onnx import TensorProto
 
 from lineside.build.checkpoint import CheckpointReader
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.graph.draft import LayerMark, write_draft_graph
+from lineside.build.graph.lora import SiteTensors
 from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
 from lineside.build.models.rope import rope_cache
 from lineside.build.quant.spec import QuantSpec
-from lineside.bundle import FlavorEntry
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
 from lineside.graph_io import StateTensor, StateUpdate
+from lineside.lora import LoraTarget, lora_sites
 
 F32 = TensorProto.FLOAT
 
@@ -109,7 +112,8 @@ class DenseEmitter:
     """Emits one dense decoder graph; ``weights`` maps HF names to arrays (or GGMLBlocks)."""
 
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
-                 onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None):
+                 onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
+                 draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = ()):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
 
@@ -119,7 +123,15 @@ class DenseEmitter:
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
+        # LoRA: the adapted matmuls by (layer, site), and where each reads x and writes y (graph/lora.py)
+        self.lora_sites = {(s.layer, s.site): s for s in lora_sites(cfg, lora_targets)}
+        self.lora_tensors: list[SiteTensors] = []
         check_config(cfg, (flavor,))
+        bad = [n for n in draft_layers if not 1 <= n < cfg.num_layers]
+        if bad:
+            raise ConfigError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "
+                                f"{cfg.num_layers} layers")
+        self.draft_layers = tuple(sorted(set(draft_layers)))
 
     # ---- small pieces ----------------------------------------------------------------
     def linear(self, x: str, name: str, bias_name: str | None = None) -> str:
@@ -138,6 +150,12 @@ class DenseEmitter:
             bias = np.concatenate([np.asarray(self.get(b), dtype=np.float32) if b else
                                    np.zeros(self.get(n).shape[0], np.float32) for n, b in zip(names, bias_names, strict=True)])
         return self._emit_linear(self.gb, x, fused, w, self.spec, self.flavor, bias=bias)
+
+    def adapted(self, layer: int, site: str, x: str, y: str) -> str:
+        """Note a matmul the LoRA graph adapts (its x and y); the base graph is unchanged."""
+        if (layer, site) in self.lora_sites:
+            self.lora_tensors.append(SiteTensors(self.lora_sites[(layer, site)], x, y))
+        return y
 
     def norm_weight(self, name: str) -> str:
         return self.gb.weight(name, np.asarray(self.get(name), dtype=np.float32))
@@ -179,21 +197,24 @@ class DenseEmitter:
 
         h = self._emit_embedding(g, ids, self.get("model.embed_tokens.weight"), self.spec, self.flavor)
         residual = None
-        states = []
+        states: list[StateTensor] = []
+        marks = []
         for i in range(cfg.num_layers):
             n = layer_tensor_names(cfg, i)
             x, residual = self.skip_norm(h, residual, self.norm_weight(n["ln1"]))
             attn = self.attention(i, x, n, states)
             x, residual = self.skip_norm(attn, residual, self.norm_weight(n["ln2"]))
-            gate_up = self.fused_linear(x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")],
-                                        f"model.layers.{i}.mlp.gate_up_proj")
+            gate_up = self.adapted(i, "gate_up", x, self.fused_linear(
+                x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")], f"model.layers.{i}.mlp.gate_up_proj"))
             inter = cfg.intermediate_size
             gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-            h = self.linear(act, n["down"], n.get("downb"))
+            h = self.adapted(i, "down", act, self.linear(act, n["down"], n.get("downb")))
+            marks.append(LayerMark(len(g.nodes), h, residual, len(states)))
             if progress:
                 progress(1)
         # Only the requested positions go through the final norm and the LM head.
+        tail_start = len(g.nodes)
         h = g.op("Add", [h, residual])
         h = self._gather_positions(h)
         x, _ = self.skip_norm(h, None, self.norm_weight("model.norm.weight"))
@@ -204,7 +225,15 @@ class DenseEmitter:
         g.op("Identity", [logits], outputs=["logits"])
         g.output("logits", F32, ["batch", "n_logits", cfg.vocab_size])
         g.save()
-        return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32")
+        drafts = {str(n): write_draft_graph(g, g.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], tail_start,
+                                            states) for n in self.draft_layers}
+        extra: dict[str, Any] = {DRAFT_GRAPHS: drafts} if drafts else {}
+        if self.lora_sites:
+            from lineside.build.graph.lora import write_lora_graph
+
+            lora = write_lora_graph(g, self.lora_tensors, g.onnx_path.with_name(g.onnx_path.stem + ".lora.onnx"))
+            extra["lora_graph"] = lora.name  # beside the base graph, reading its external data
+        return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32", extra=extra)
 
     def _gather_positions(self, h: str) -> str:
         g = self.gb
@@ -216,8 +245,9 @@ class DenseEmitter:
     # ---- attention -------------------------------------------------------------------
     def attention(self, i: int, x: str, n: dict[str, str], states: list[StateTensor]) -> str:
         cfg, g = self.cfg, self.gb
-        qkv = self.fused_linear(x, [n["q"], n["k"], n["v"]], [n.get("qb"), n.get("kb"), n.get("vb")],
-                                f"model.layers.{i}.self_attn.qkv_proj")
+        qkv = self.adapted(i, "qkv", x, self.fused_linear(x, [n["q"], n["k"], n["v"]],
+                                                          [n.get("qb"), n.get("kb"), n.get("vb")],
+                                                          f"model.layers.{i}.self_attn.qkv_proj"))
         pk, pv, ok, ov = f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}"
         kvh, d = cfg.num_kv_heads, cfg.head_dim
         if self.flavor == "cpu":
@@ -238,7 +268,7 @@ class DenseEmitter:
         else:
             out, layer_states = self._trt_layer(i, qkv)
             states += layer_states
-        return self.linear(out, n["o"], n.get("ob"))
+        return self.adapted(i, "o", out, self.linear(out, n["o"], n.get("ob")))
 
     def _trt_layer(self, i: int, qkv: str) -> tuple[str, list[StateTensor]]:
         """trt-flavor attention of layer i: its output and its state tensors (values, then per-token scales)."""
@@ -380,13 +410,18 @@ class DenseEmitter:
 
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
-               awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
-    """Write the dense graph for ``flavor`` to ``onnx_path``; returns its manifest entry."""
-    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales).emit(progress)
+               awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
+               lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
+    """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
+    variant beside it); returns its manifest entry."""
+    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales,
+                        draft_layers, lora_targets).emit(progress)
 
 
 class DenseFamily(ModelFamily):
     """Llama and Qwen2: HF names, read through the pipeline's getter (GGUF blocks carried, AWQ/GPTQ applied)."""
+
+    draft_graphs = True  # emits layerskip drafts (`build --draft-layers N`)
 
     def check_config(self, cfg: ModelConfig, flavors: tuple[str, ...]) -> None:
         check_config(cfg, flavors)
@@ -404,9 +439,11 @@ class DenseFamily(ModelFamily):
 
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
-                   awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+                   awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
+                   lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
-        return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales)
+        return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
+                          lora_targets)
 
 
 FAMILY = DenseFamily()

@@ -37,6 +37,7 @@ from lineside.runtime.tensorrt.key import (
     TIMING_CACHE,
     MachineKey,
     engine_dir,
+    lora_engine_dir,
     machine_key,
 )
 
@@ -55,6 +56,8 @@ class BuildOptions:
     opt_level: int | None = None  # builder optimization level 0-5 (TensorRT default 3)
     first_bucket: int = FIRST_BUCKET  # smallest past-length bucket (profiles' past_seq minimum)
     bucket_step: int = BUCKET_STEP  # past-length buckets grow by doubling up to this, then by this
+    max_loras: int = 0  # > 0: the LoRA graph's engine with this many adapter slots (a separate engine)
+    max_lora_rank: int | None = None  # their rank (default: the bundle's --max-lora-rank)
 
 
 def table_for(trt_version: str) -> str:
@@ -114,8 +117,13 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     cfg = bundle.config
     lim = derive_limits(bundle.max_seq_len, cfg.vocab_size, opts.num_slots, opts.max_prefill, opts.max_logits,
                         opts.first_bucket, opts.bucket_step)
-    profiles = derive_profiles(fl, cfg, lim)
-    out = engine_dir(bundle.path, key)
+    graph, graph_sha, lora_meta, lora_shapes = fl.graph, bundle.manifest.graph_sha("trt"), None, None
+    if opts.max_loras:
+        graph, lora_meta, lora_shapes = _lora_engine_inputs(bundle, opts)
+        graph_sha = bundle.manifest.files[graph].sha256
+    profiles = derive_profiles(fl, cfg, lim, lora_shapes)
+    out = engine_dir(bundle.path, key) if lora_meta is None else \
+        lora_engine_dir(bundle.path, key, lora_meta["max_loras"], lora_meta["max_rank"])
     out.mkdir(parents=True, exist_ok=True)
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -124,7 +132,7 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
-    _parse(trt, network, parser, bundle.file(fl.graph))
+    _parse(trt, network, parser, bundle.file(graph))
 
     config = builder.create_builder_config()
     if opts.workspace_gb:
@@ -152,10 +160,25 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
             "--quant w8a16 or fp16, or use --backend onnxruntime")
     _atomic_write(out / ENGINE_FILE, bytes(serialized))
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
-    meta = engine_meta(key, lim, profiles, opts, bundle.manifest.graph_sha("trt"), time.time() - t0,
-                       kv_dtype=kv_dtype_of(fl.state))
+    meta = engine_meta(key, lim, profiles, opts, graph_sha, time.time() - t0, kv_dtype=kv_dtype_of(fl.state))
+    if lora_meta is not None:
+        meta["lora"] = lora_meta
     _atomic_write(out / ENGINE_JSON, json.dumps(meta, indent=2).encode())
     return out
+
+
+def _lora_engine_inputs(bundle: Bundle, opts: BuildOptions) -> tuple[str, dict[str, int], dict[str, tuple[int, ...]]]:
+    """The LoRA graph, the engine.json record of its slots, and the fixed shapes of its stacked adapter inputs."""
+    from lineside.lora import LoraTarget
+    from lineside.runtime.onnxruntime_backend import lora_graph_of
+    from lineside.runtime.tensorrt.lora_buffers import lora_input_shapes
+
+    graph = lora_graph_of(bundle, "trt")
+    assert bundle.manifest.lora is not None
+    rank = int(opts.max_lora_rank or bundle.manifest.lora.max_rank)
+    targets = tuple(LoraTarget(t) for t in bundle.manifest.lora.targets)
+    shapes = lora_input_shapes(bundle.config, targets, opts.max_loras, rank)
+    return graph, {"max_loras": int(opts.max_loras), "max_rank": rank}, shapes
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

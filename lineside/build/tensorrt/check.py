@@ -321,3 +321,10 @@ def check_bundle(bundle: Any, trt: str = "10.3", flavor: str = "trt") -> CheckRe
     """Check a bundle's ``trt`` graph (its path comes from the manifest)."""
     fl = bundle.flavor(flavor)
     return check_onnx_file(bundle.file(fl.graph), trt)
+
+
+def check_bundle_graphs(bundle: Any, trt: str = "10.3", flavor: str = "trt") -> list[CheckReport]:
+    """The ``trt`` graph and, when the bundle was built with --max-lora-rank, its LoRA graph."""
+    fl = bundle.flavor(flavor)
+    return [check_bundle(bundle, trt, flavor)] + ([check_onnx_file(bundle.file(fl.lora_graph), trt)]
+                                                 if fl.lora_graph else [])

@@ -27,13 +27,19 @@ def register(app: typer.Typer) -> None:
                                                    help="builder memory limit in GB"),
         opt_level: int = checks.number_option("--opt-level", default=None, low=0, high=5,
                                               help="builder optimization level"),
+        max_loras: int = checks.number_option("--max-loras", default=0, low=0, high=64,
+                                              help="build the LoRA graph's engine with this many adapter slots "
+                                                   "(0: the base graph's)"),
+        max_lora_rank: int = checks.number_option("--max-lora-rank", default=None, low=1, high=1024,
+                                                  help="rank of each adapter slot (default: the bundle's)"),
     ) -> None:
         """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/."""
         from lineside.build.tensorrt.builder import BuildOptions, build_engine
 
         checks.input_dir(bundle, "BUNDLE", "bundle directory")
 
-        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level))
+        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
+                                                max_loras=max_loras, max_lora_rank=max_lora_rank))
         typer.echo(f"engine written to {out}")
 
     @app.command("check")
@@ -42,21 +48,23 @@ def register(app: typer.Typer) -> None:
         trt: str = typer.Option("10.3", "--trt", help="TensorRT release: 10.3 (JetPack 6) or newest"),
     ) -> None:
         """List the trt graph's nodes that TensorRT's ONNX parser would reject (runs without TensorRT)."""
-        from lineside.build.tensorrt.check import check_bundle, check_onnx_file
+        from lineside.build.tensorrt.check import check_bundle_graphs, check_onnx_file
         from lineside.bundle import open_bundle
 
         if bundle.suffix == ".onnx":
             checks.input_file(bundle, "BUNDLE", ".onnx file")
         else:
             checks.input_dir(bundle, "BUNDLE", "bundle directory")
-        rep = check_onnx_file(bundle, trt) if bundle.suffix == ".onnx" else check_bundle(open_bundle(bundle), trt)
+        reps = [check_onnx_file(bundle, trt)] if bundle.suffix == ".onnx" else check_bundle_graphs(open_bundle(bundle),
+                                                                                                 trt)
         console = Console()
-        for n in rep.notes:
-            console.print(f"note: {n}")
-        if rep.offenders:
-            t = Table("node", "op", "dtype", "why")
-            for o in rep.offenders:
-                t.add_row(o.node, o.op, o.dtypes, o.reason)
-            console.print(t)
-            raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
-        console.print(rep.summary())
+        for rep in reps:  # the trt graph, then its LoRA graph when the bundle has one
+            for n in rep.notes:
+                console.print(f"note: {n}")
+            if rep.offenders:
+                t = Table("node", "op", "dtype", "why")
+                for o in rep.offenders:
+                    t.add_row(o.node, o.op, o.dtypes, o.reason)
+                console.print(t)
+                raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
+            console.print(rep.summary())

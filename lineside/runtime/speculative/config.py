@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from lineside.errors import LinesideError
+from lineside.runtime.sampling import Sampler
 from lineside.strenum import StrEnum
 
 MAX_SPEC_TOKENS = 16
 DEFAULT_SPEC_TOKENS = 4  # see benchmarks/speculative.py for the measurement behind it
+METHODS_HELP = "ngram | layerskip:N | draft:BUNDLE | mtp"
 
 
 class SpecMethod(StrEnum):
     NGRAM = "ngram"  # prompt lookup: propose what followed the last n tokens earlier in the text
+    LAYERSKIP = "layerskip"  # the model's own first N layers + final norm + LM head (build --draft-layers N)
+    DRAFT = "draft"  # a smaller bundle with the same tokenizer
+    MTP = "mtp"  # DeepSeek-V4's multi-token-prediction module
 
 
 class Proposer(Protocol):
@@ -27,16 +35,64 @@ class Proposer(Protocol):
         ...
 
 
+@dataclass
+class DraftRow:
+    """One decoding row asking a model proposer for drafts: its target slot, prompt + generated tokens (the
+    last one not yet in the target's KV), how many drafts, and the row's sampler (q follows its settings)."""
+
+    slot: int
+    tokens: list[int]
+    k: int
+    sampler: Sampler
+    prompt_len: int
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # The proposer's distribution q each token was drawn from (target vocabulary); None: deterministic (q = 1).
+    probs: list[np.ndarray] | None = None
+
+
+class ModelProposer(Protocol):
+    """A proposer that runs a model: called once per step for all its rows, in the engine's worker thread."""
+
+    cheap: bool
+
+    def propose_rows(self, rows: list[DraftRow]) -> list[Draft]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: SpecMethod
     num_tokens: int = DEFAULT_SPEC_TOKENS
     # Speculate only in steps with at most this many decode rows (None: the backend's ``spec_max_rows``).
     max_rows: int | None = None
+    draft_layers: int | None = None  # layerskip:N
+    draft_bundle: Path | None = None  # draft:BUNDLE
+    # A draft model's step in target decode steps, for the adaptive rule (None: estimated from weight bytes).
+    draft_cost: float | None = None
+
+    @property
+    def label(self) -> str:
+        """The method as `--speculative` spells it."""
+        if self.method == SpecMethod.LAYERSKIP:
+            return f"layerskip:{self.draft_layers}"
+        if self.method == SpecMethod.DRAFT:
+            return f"draft:{self.draft_bundle}"
+        return str(self.method)
 
     def proposer(self) -> Proposer:
+        """The token proposer of a method that needs no model (ngram); model proposers come from
+        ``speculative.proposers.make_proposer``."""
         from lineside.runtime.speculative.ngram import NgramProposer
 
+        if self.method != SpecMethod.NGRAM:
+            raise LinesideError(f"--speculative {self.label} needs a model; use speculative.proposers.make_proposer")
         return NgramProposer()
 
 
@@ -46,12 +102,27 @@ def parse_speculative(method: str | None, spec_tokens: int | None = None) -> Spe
         if spec_tokens is not None:
             raise LinesideError("--spec-tokens needs --speculative METHOD (e.g. --speculative ngram)")
         return None
-    if method not in tuple(SpecMethod):
-        known = ", ".join(SpecMethod)
-        if method.split(":")[0] in ("layerskip", "draft", "mtp"):
-            raise LinesideError(f"--speculative {method!r} is not built in this version (only prompt lookup is); choose one of: {known}")
-        raise LinesideError(f"--speculative {method!r} is not a known method; choose one of: {known}")
+    name, sep, arg = method.partition(":")
+    if name not in tuple(SpecMethod):
+        raise LinesideError(f"--speculative {method!r} is not a known method; choose one of: {METHODS_HELP}")
     k = DEFAULT_SPEC_TOKENS if spec_tokens is None else int(spec_tokens)
     if not 1 <= k <= MAX_SPEC_TOKENS:
         raise LinesideError(f"--spec-tokens must be between 1 and {MAX_SPEC_TOKENS}, got {k}")
-    return SpeculativeConfig(SpecMethod(method), k)
+    kind = SpecMethod(name)
+    if kind in (SpecMethod.NGRAM, SpecMethod.MTP):
+        if sep:
+            raise LinesideError(f"--speculative {method!r}: {name} takes no argument; write --speculative {name}")
+        return SpeculativeConfig(kind, k)
+    if kind == SpecMethod.LAYERSKIP:
+        if not arg.isdigit() or int(arg) < 1:
+            raise LinesideError(f"--speculative {method!r}: write layerskip:N with N ≥ 1 draft layers (the bundle "
+                                "must be built with --draft-layers N)")
+        return SpeculativeConfig(kind, k, draft_layers=int(arg))
+    if not arg:
+        raise LinesideError(f"--speculative {method!r}: write draft:BUNDLE, the path of a smaller bundle with the "
+                            "same tokenizer")
+    path = Path(arg)
+    if not (path / "manifest.json").is_file():
+        raise LinesideError(f"--speculative {method!r}: {path} is not a bundle directory (no manifest.json); "
+                            "build the draft model with `lineside build` first")
+    return SpeculativeConfig(kind, k, draft_bundle=path)

@@ -2,7 +2,8 @@
 
 Per step: place the batch's slots in arena rows 0..B-1 at a pitch that fits (arena.py), copy the
 inputs into static buffers, run the engine (``execute_async_v3`` on a non-default stream) and the
-state-append kernels — captured once per (batch bucket, length bucket) for decode and replayed —
+state-append kernels — captured once per (batch bucket, tokens per row, logits per row, length bucket) for
+decode and speculative verification (1 + k drafts per row, on the decode profile) and replayed —
 then copy the logits back. Needs tensorrt + cuda-python + a GPU; each missing piece is one line.
 """
 
@@ -17,13 +18,16 @@ import numpy as np
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, BundleError, LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
+from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_dtype_of, plan_buffers
 from lineside.runtime.tensorrt.env import check, import_cudart, import_tensorrt, probe_gpu
 from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
 from lineside.runtime.tensorrt.kernels import StateKernels
 from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
+from lineside.runtime.tensorrt.lora_buffers import add_lora_buffers
 
 
 class TensorRTBackend:
@@ -33,9 +37,13 @@ class TensorRTBackend:
     flavor = "trt"
     # ArenaLayout swaps the step's slots into rows 0..B-1 itself: the scheduler must not move them too.
     needs_contiguous_slots = False
+    # A verification step (k+1 tokens per row) reads the same weights as a 1-token step: on a GPU decode is
+    # bound by weight reads, so it costs little more. An estimate, not yet measured on a GPU (the adaptive
+    # rule's bar, speculative/adaptive.py); every decode row may speculate.
+    verify_cost = 1.2
 
     def __init__(self, bundle: Bundle, num_slots: int = 4, device: int = 0, cuda_graphs: bool = True,
-                 warmup: bool = True):
+                 warmup: bool = True, lora: LoraSlotsConfig | None = None):
         self.trt = import_tensorrt()
         self.cr = import_cudart()
         gpu = probe_gpu(device)
@@ -44,7 +52,19 @@ class TensorRTBackend:
         here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
         fl = bundle.flavor("trt")
         check_kv_support(fl.state, gpu.sm)
-        edir, meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
+        # With adapter slots: the LoRA graph's engine (built with --max-loras/--max-lora-rank), whose extra inputs
+        # are the stacked adapters (device copies, fixed addresses) and the rows' slot ids (captured like input_ids).
+        self.lora: LoraStack | None = None
+        graph_sha = bundle.manifest.graph_sha("trt")
+        if lora is not None:
+            from lineside.lora import LoraTarget
+            from lineside.runtime.onnxruntime_backend import lora_graph_of
+
+            graph_sha = bundle.manifest.files[lora_graph_of(bundle, "trt")].sha256
+            assert bundle.manifest.lora is not None
+            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
+        edir, meta = find_engine(bundle.path, here, graph_sha,
+                                 lora=None if lora is None else (lora.max_loras, lora.max_rank))
         if meta.get("kv_dtype", "fp16") != kv_dtype_of(fl.state):
             raise BundleError(f"engine {edir.name} was built for a {meta.get('kv_dtype', 'fp16')} KV cache but the "
                               f"bundle's trt graph stores {kv_dtype_of(fl.state)}; rebuild with `lineside engine "
@@ -57,9 +77,11 @@ class TensorRTBackend:
         self.max_seq_len = bundle.max_seq_len
         self.vocab_size = bundle.config.vocab_size
         self.max_prefill, self.max_logits = int(lim["max_prefill"]), int(lim["max_logits"])
+        # Decode-profile width: 1 + speculative drafts (engines built before verification steps: 1).
+        self.max_verify = int(lim.get("max_verify", 1))
         self.cuda_graphs = cuda_graphs
         self.states = list(fl.state)
-        self.input_names = list(fl.inputs)
+        self.input_names = list(fl.inputs) + ([LORA_SLOTS_INPUT, *self.lora.arrays] if self.lora else [])
         self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
 
         logger = self.trt.Logger(self.trt.Logger.WARNING)
@@ -90,6 +112,8 @@ class TensorRTBackend:
         self.plan: BufferPlan = plan_buffers(
             self.states, bundle.config, num_slots=num_slots, max_seq=self.max_seq_len, max_prefill=self.max_prefill,
             max_logits=self.max_logits, vocab=self.vocab_size, input_names=self.input_names)
+        if self.lora is not None:
+            add_lora_buffers(self.plan, self.lora.arrays, num_slots)
         self.base = check(self.cr, self.cr.cudaMalloc(self.plan.total), "cudaMalloc")
         check(self.cr, self.cr.cudaMemsetAsync(self.base, 0, self.plan.total, self.stream), "cudaMemsetAsync")
         # pinned staging for the step inputs, one region per buffer (rewritten only after the step's final sync)
@@ -107,8 +131,40 @@ class TensorRTBackend:
                                   batch_buckets(num_slots))
         self.graphs = GraphCache(self.cr, self.stream)
         self._check_engine_io()
+        if self.lora is not None:
+            self._upload_lora()  # the column -> slot maps (and zeros for the empty slots)
         if warmup:
             self.warmup()
+
+    # ---- LoRA slots (LoraBackend) ------------------------------------------------------
+    @property
+    def max_loras(self) -> int:
+        return 0 if self.lora is None else self.lora.slots.max_loras
+
+    @property
+    def max_lora_rank(self) -> int:
+        return 0 if self.lora is None else self.lora.slots.max_rank
+
+    def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Fill the slot in the host stack and copy the stack to its fixed device buffers: a captured decode
+        graph reads the new adapter at its next replay, nothing is captured again."""
+        if self.lora is None:
+            raise LinesideError("this TensorRT backend runs the base engine; start it with adapter slots")
+        self.lora.load(slot, adapter)
+        self._upload_lora()
+
+    def unload_adapter(self, slot: int) -> None:
+        if self.lora is not None:
+            self.lora.unload(slot)
+            self._upload_lora()
+
+    def _upload_lora(self) -> None:
+        assert self.lora is not None
+        for name, arr in self.lora.arrays.items():
+            check(self.cr, self.cr.cudaMemcpyAsync(self._addr(name), arr.ctypes.data, arr.nbytes,
+                                                   self.cr.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream),
+                  "cudaMemcpyAsync")
+        self.sync()  # the host arrays may change again right after
 
     # ---- helpers -----------------------------------------------------------------------
     def _addr(self, name: str) -> int:
@@ -165,6 +221,9 @@ class TensorRTBackend:
     def _set_shapes(self, ctx: Any, bb: int, s: int, p: int, k: int) -> None:
         shapes = {"input_ids": (bb, s), "position_ids": (bb, s), "attention_mask": (bb, p + s),
                   "logits_positions": (bb, k), "past_lengths": (bb,)}
+        if self.lora is not None:
+            shapes[LORA_SLOTS_INPUT] = (bb,)
+            shapes.update({n: tuple(a.shape) for n, a in self.lora.arrays.items()})
         for n in self.input_names:
             if n in shapes:
                 ctx.set_input_shape(n, shapes[n])
@@ -218,15 +277,22 @@ class TensorRTBackend:
                               ("past_lengths", st.past_lengths)):
                 if name in self.input_names:
                     self._h2d(name, arr)
+            if self.lora is not None:  # each row's adapter slot; padding rows use none
+                rows = np.zeros(st.batch_bucket, dtype=np.int64)
+                rows[:st.rows] = batch.adapter_rows()
+                self._h2d(LORA_SLOTS_INPUT, rows)
             self._h2d("write_pos", st.write_pos)
             self._h2d("new_lengths", st.new_lengths)
-            ctx = self.contexts["decode" if st.is_decode else "prefill"]
             k = st.logits_positions.shape[1]
+            # 1-token decode and verification steps (≤ 1 + drafts tokens per row, logits at each) run on the
+            # decode profile, replayed from a CUDA Graph per (batch bucket, tokens per row, logits, length bucket)
+            decode = st.is_decode or (k == st.seq <= self.max_verify)
+            ctx = self.contexts["decode" if decode else "prefill"]
             self._set_shapes(ctx, st.batch_bucket, st.seq, st.past_seq, k)
             launch = self._launch_fn(ctx, st.batch_bucket, st.seq, st.past_seq)
-            if st.is_decode and self.cuda_graphs:
-                key = st.key if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else (st.batch_bucket, 0)
-                self.stats[self.graphs.run(key, launch)] += 1
+            if decode and self.cuda_graphs:
+                past_key = st.past_seq if any(lay.update == StateUpdate.APPEND for lay in self.plan.states) else 0
+                self.stats[self.graphs.run((st.batch_bucket, st.seq, k, past_key), launch)] += 1
             else:
                 launch()
                 self.stats["eager"] += 1

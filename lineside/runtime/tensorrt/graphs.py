@@ -1,7 +1,8 @@
 """Batch-size and length buckets, and the CUDA Graph capture/replay of the decode step per bucket.
 
-Decode steps are captured once per (batch bucket, length bucket): shapes and buffer addresses are
-fixed inside a bucket, so a replay only needs the new inputs copied into the static buffers.
+Decode steps are captured once per (batch bucket, tokens per row, logits per row, length bucket): 1-token
+decode and speculative verification (the pending token + k drafts, logits at each) alike. Shapes and buffer
+addresses are fixed inside a key, so a replay only needs the new inputs copied into the static buffers.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ class GraphCache:
 
     cudart: Any
     stream: Any
-    graphs: dict[tuple[int, int], CapturedGraph] = field(default_factory=dict)
-    failed: dict[tuple[int, int], str] = field(default_factory=dict)
+    graphs: dict[tuple[int, ...], CapturedGraph] = field(default_factory=dict)
+    failed: dict[tuple[int, ...], str] = field(default_factory=dict)
 
-    def run(self, key: tuple[int, int], launch: Callable[[], None]) -> str:
+    def run(self, key: tuple[int, ...], launch: Callable[[], None]) -> str:
         """Replay the graph for ``key`` (capturing it on first use, after one eager run); returns how it ran."""
         if key in self.graphs:
             self._check(self.cudart.cudaGraphLaunch(self.graphs[key].exec, self.stream), "cudaGraphLaunch")
@@ -104,7 +105,7 @@ class GraphCache:
         if int(err) != 0:
             raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
 
-    def drop(self, predicate: Callable[[tuple[int, int]], bool] = lambda k: True) -> None:
+    def drop(self, predicate: Callable[[tuple[int, ...]], bool] = lambda k: True) -> None:
         """Destroy graphs whose key matches (their buffers moved or were resized)."""
         for k in [k for k in self.graphs if predicate(k)]:
             g = self.graphs.pop(k)

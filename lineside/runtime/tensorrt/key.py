@@ -87,10 +87,26 @@ def list_engines(bundle_path: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = None) -> tuple[Path, dict[str, Any]]:
-    """The engine directory built for ``here``, or a BundleError saying what differs and how to rebuild."""
+def lora_of(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """(adapter slots, slot rank) of an engine built from the LoRA graph; None for the base graph's."""
+    lora = meta.get("lora")
+    return (int(lora["max_loras"]), int(lora["max_rank"])) if isinstance(lora, dict) else None
+
+
+def lora_engine_dir(bundle_path: Path, key: MachineKey, max_loras: int, max_rank: int) -> Path:
+    """Beside the base engine: the LoRA graph's engine for a number of adapter slots of one rank."""
+    return Path(bundle_path) / ENGINES_DIR / f"{key.key}-lora{max_loras}x{max_rank}"
+
+
+def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = None,
+                lora: tuple[int, int] | None = None) -> tuple[Path, dict[str, Any]]:
+    """The engine directory built for ``here`` (from the LoRA graph with ``lora`` = (slots, rank) when given),
+    or a BundleError saying what differs and how to rebuild."""
     bundle_path = Path(bundle_path)
-    engines = list_engines(bundle_path)
+    engines = [(d, m) for d, m in list_engines(bundle_path) if lora_of(m) == lora]
+    if lora is not None and not any(key_of(m) == here for _, m in engines):
+        raise BundleError(f"no TensorRT engine for {lora[0]} LoRA slots of rank {lora[1]} in {bundle_path}; build "
+                          f"one with `lineside engine {bundle_path} --max-loras {lora[0]} --max-lora-rank {lora[1]}`")
     for d, meta in engines:
         if key_of(meta) == here:
             if not (d / ENGINE_FILE).is_file():

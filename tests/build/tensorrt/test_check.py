@@ -151,3 +151,16 @@ def test_cli_check(tmp_path, trt_bundle, capsys):
         main(["check", str(trt_bundle("fp16").path), "--trt", "newest"])
     assert e.value.code == 0
     assert "parse in TensorRT 10.15" in capsys.readouterr().out
+
+
+def test_lora_graph_parses_in_trt_10_3(tiny_bundles):
+    """`lineside check` checks the LoRA graph of a --max-lora-rank bundle too, and it parses in 10.3."""
+    from lineside.build.tensorrt.check import check_bundle_graphs
+    from lineside.bundle import open_bundle
+
+    b = open_bundle(tiny_bundles(quant="w4a16", flavors=("trt",), max_seq_len=64, group_size=64, accuracy_level=0,
+                                 max_lora_rank=8))
+    reps = check_bundle_graphs(b, "10.3")
+    assert [r.graph for r in reps] == ["model.onnx", "model.lora.onnx"]
+    assert all(r.ok for r in reps), [r.summary() for r in reps]
+    assert reps[1].op_counts["MatMul"] > reps[0].op_counts["MatMul"]

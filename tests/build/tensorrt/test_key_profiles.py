@@ -78,7 +78,10 @@ def test_limits_and_profiles(trt_bundle):
         derive_limits(64, 300, 0)
     dec, pre = derive_profiles(b.flavor("trt"), b.config, lim)
     assert (dec.name, pre.name) == ("decode", "prefill")
-    assert dec.shapes["input_ids"] == ((1, 1), (4, 1), (4, 1))
+    # decode: one token per row at the optimum, up to 1 + 16 drafts for speculative verification
+    assert lim.max_verify == 17 and dec.shapes["input_ids"] == ((1, 1), (4, 1), (4, 17))
+    assert dec.shapes["logits_positions"] == ((1, 1), (4, 1), (4, 17))
+    assert dec.shapes["attention_mask"][2] == (4, 64 + 17)
     assert pre.shapes["input_ids"][2] == (4, 64)
     assert dec.shapes["past_key.0"][0] == (1, 2, lim.first_bucket, 16)
     assert dec.shapes["past_key.0"][2] == (4, 2, 64, 16)

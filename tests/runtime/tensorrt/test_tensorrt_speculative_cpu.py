@@ -81,3 +81,43 @@ def test_serving_engine_with_drafts_equals_plain_on_tensorrt(engine_bundle):
                                            timeout=60))
     assert got == plain
     assert 0 < st.spec_accepted_tokens_total < st.spec_draft_tokens_total
+    # a draft model on onnxruntime proposing for the TensorRT target (its rows sit in any slots)
+    draft = SpeculativeConfig(SpecMethod.DRAFT, 3, draft_bundle=b.path, draft_cost=0.0)
+    got, st = asyncio.run(asyncio.wait_for(serve(draft), timeout=60))
+    assert got == plain and st.spec_draft_tokens_total > 0
+
+
+def test_verification_steps_are_captured_per_batch_bucket_and_width(engine_bundle):
+    """k+1-token verification steps run on the decode profile (its width reaches 1 + 16 drafts) from a CUDA
+    Graph per (batch bucket, tokens per row, logits per row, length bucket): the first is captured, the next of
+    the same shape replays it, and both give onnxruntime's logits."""
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    a, c = IDS[:9], IDS[20:25]
+    ref = OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0)
+    first_a = compute_logits(ref, a + [5, 6, 90, 91], "prefill")[len(a):]
+    second_a = compute_logits(ref, a + [5, 6, 30, 31, 94, 95], "prefill")[len(a) + 2:]
+    want_c = compute_logits(ref, c + [7, 40], "prefill")[len(c):]
+    be = TensorRTBackend(b, num_slots=4)
+    assert be.max_verify == 16  # 1 + 16 drafts, capped by the engine's --max-prefill 16
+    be.forward(StepBatch.single(0, a, 0))
+    be.forward(StepBatch.single(1, c, 0))
+    launched = dev.launched_graphs
+
+    def verify_step(row0, past0, tok1, past1):
+        new = np.array([4, 1])
+        return be.forward(StepBatch(slots=[0, 1], input_ids=np.array([row0, [tok1, 0, 0, 0]]),
+                                    past_lengths=np.array([past0, past1]), new_lengths=new,
+                                    logits_positions=np.minimum(np.arange(4)[None, :], (new - 1)[:, None])))
+
+    before = dict(be.stats)
+    out1 = verify_step([5, 6, 90, 91], len(a), 7, len(c))  # keeps 5, 6
+    assert be.stats["captured"] == before["captured"] + 1 and be.stats["eager"] == before["eager"]
+    out2 = verify_step([30, 31, 94, 95], len(a) + 2, 40, len(c) + 1)
+    assert be.stats["replay"] == before["replay"] + 1 and dev.launched_graphs == launched + 1
+    key = next(k for k in be.graphs.graphs if k[1] == 4)
+    assert key[:3] == (2, 4, 4)
+    assert rel(out1[0], first_a) < 1e-4 and rel(out1[1, :1], want_c[:1]) < 1e-4
+    assert rel(out2[0], second_a) < 1e-4 and rel(out2[1, :1], want_c[1:]) < 1e-4
+    be.close()

@@ -1,0 +1,85 @@
+"""Layerskip draft graphs (`build --draft-layers N`): the model's first N layers + final norm + LM head,
+written as a second ONNX file beside the full graph that reads the *same* external-data file (the same
+initializers at the same offsets), so the draft costs a few hundred kilobytes of structure, not a second
+copy of the weights.
+
+The full graph is cut where layer N starts: the draft keeps every node before it, replaces the final
+residual add's inputs with layer N-1's hidden state and residual, and keeps the tail (gather of the
+requested positions, final norm, LM head). Its state is the first N layers' KV, named as in the full graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from onnx import helper
+
+from lineside.build.graph.builder import GraphBuilder
+from lineside.graph_io import StateTensor
+
+
+@dataclass(frozen=True)
+class LayerMark:
+    """Where layer i ends in the emitter's node list: node count, hidden state, residual, states so far."""
+
+    nodes: int
+    hidden: str
+    residual: str | None
+    states: int
+
+
+def write_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, tail_start: int,
+                      states: list[StateTensor]) -> dict[str, object]:
+    """Save the draft graph cut at ``mark`` to ``path`` (beside ``gb``'s graph); returns its manifest record
+    (``graph`` = the file name; the pipeline makes it bundle-relative)."""
+    assert path.parent == gb.onnx_path.parent, "the draft reads the full graph's data file by relative name"
+    first_tail = gb.nodes[tail_start]
+    assert first_tail.op_type == "Add", "the tail starts with the final residual add"
+    joined = [mark.hidden] + ([mark.residual] if mark.residual is not None else [])
+    head = helper.make_node("Add" if len(joined) == 2 else "Identity", joined, list(first_tail.output),
+                            name=first_tail.name + "/draft")
+    nodes = [*gb.nodes[:mark.nodes], head, *gb.nodes[tail_start + 1:]]
+    kept_states = states[:mark.states]
+    outputs = [o for o in gb.outputs if o.name == "logits"] + \
+        [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
+    nodes = _needed(nodes, {o.name for o in outputs})
+    used = {name for n in nodes for name in n.input}
+    inits = [t for t in gb.initializers if t.name in used]
+    inputs = [i for i in gb.inputs if i.name in used]
+    graph = helper.make_graph(nodes, gb.name + f"-draft{mark.states}", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=_opsets(gb), producer_name="lineside")
+    model.ir_version = 10
+    path.write_bytes(model.SerializeToString())
+    onnx.checker.check_model(str(path))
+    return {"graph": path.name, "inputs": [i.name for i in inputs], "state": [s.to_dict() for s in kept_states],
+            "weight_fraction": round(_bytes(inits) / max(1, _bytes(gb.initializers)), 4)}
+
+
+def _needed(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """The nodes the outputs depend on, in order (a walk back from them)."""
+    want = set(outputs)
+    keep = []
+    for n in reversed(nodes):
+        if any(o in want for o in n.output):
+            keep.append(n)
+            want.update(i for i in n.input if i)
+    return keep[::-1]
+
+
+def _opsets(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:
+    from lineside.build.graph.builder import MS_DOMAIN
+
+    out = [helper.make_opsetid("", gb.opset)]
+    if gb.uses_ms_domain:
+        out.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return out
+
+
+def _bytes(tensors: list[onnx.TensorProto]) -> int:
+    total = 0
+    for t in tensors:
+        ext = {e.key: e.value for e in t.external_data}
+        total += int(ext["length"]) if "length" in ext else len(t.raw_data)
+    return total

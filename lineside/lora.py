@@ -1,0 +1,273 @@
+"""LoRA adapters in Hugging Face PEFT's format, read and checked against a dense base model.
+
+Shared by the builder (``lineside lora add`` copies an adapter into a bundle) and the runtime (adapters
+loaded at serve time, from the bundle or from ``--lora-modules``). An adapter becomes per-layer ``(A, B)``
+float32 pairs with its scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) folded into B, so the
+graph computes ``y += (x @ A^T) @ B^T`` with no per-adapter constant.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lineside.config import DENSE_FAMILIES, ModelConfig
+from lineside.errors import LinesideError
+from lineside.strenum import StrEnum
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdapterError(LinesideError):
+    """An adapter that is malformed, or made for another base model."""
+
+
+class LoraTarget(StrEnum):
+    """A linear layer LoRA may adapt, named as PEFT's ``target_modules`` name it (without ``_proj``)."""
+
+    Q = "q"
+    K = "k"
+    V = "v"
+    O = "o"  # noqa: E741 (the projection's own name)
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+
+    @property
+    def module(self) -> str:
+        block = "mlp" if self in (LoraTarget.GATE, LoraTarget.UP, LoraTarget.DOWN) else "self_attn"
+        return f"{block}.{self.value}_proj"
+
+
+ALL_TARGETS = tuple(LoraTarget)
+# The fused matmuls of the dense graphs (one site each per layer): the targets whose outputs each concatenates.
+SITES: dict[str, tuple[LoraTarget, ...]] = {
+    "qkv": (LoraTarget.Q, LoraTarget.K, LoraTarget.V),
+    "o": (LoraTarget.O,),
+    "gate_up": (LoraTarget.GATE, LoraTarget.UP),
+    "down": (LoraTarget.DOWN,),
+}
+
+
+def parse_targets(text: str) -> tuple[LoraTarget, ...]:
+    """``q,v`` / ``all`` → targets in the graphs' order; one line naming a bad one."""
+    names = [t.strip().lower().removesuffix("_proj") for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return ALL_TARGETS
+    bad = [n for n in names if n not in {t.value for t in ALL_TARGETS}]
+    if bad or not names:
+        raise LinesideError(f"--lora-targets {text!r}: choose from {','.join(t.value for t in ALL_TARGETS)} or all")
+    return tuple(t for t in ALL_TARGETS if t.value in names)
+
+
+def in_out(cfg: ModelConfig, target: LoraTarget) -> tuple[int, int]:
+    """(in_features, out_features) of ``target`` in this model."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    return {LoraTarget.Q: (h, q), LoraTarget.K: (h, kv), LoraTarget.V: (h, kv), LoraTarget.O: (q, h),
+            LoraTarget.GATE: (h, inter), LoraTarget.UP: (h, inter), LoraTarget.DOWN: (inter, h)}[target]
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter, ready for the graphs: ``weights[(layer, target)] = (A [r, in], B·scaling [out, r])``."""
+
+    name: str
+    rank: int  # the largest rank of any of its layers
+    alpha: float
+    rslora: bool
+    targets: tuple[LoraTarget, ...]
+    weights: dict[tuple[int, LoraTarget], tuple[np.ndarray, np.ndarray]] = field(repr=False)
+    source: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def record(self) -> dict[str, Any]:
+        """What a manifest lists about it (beside its files' checksums)."""
+        return {"rank": self.rank, "lora_alpha": self.alpha, "use_rslora": self.rslora,
+                "targets": [t.value for t in self.targets], "bytes": self.nbytes}
+
+
+_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)_proj\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+def _pattern(patterns: dict[str, Any], module: str) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: a key matches a module name's tail (regex allowed)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    """adapter_config.json of ``path`` (a directory), refusing what these graphs cannot compute."""
+    cfg_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise AdapterError(f"{path}: not an adapter directory (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not cfg_file.is_file():
+        raise AdapterError(f"{path}: no {CONFIG_FILE}; save the adapter with PEFT's save_pretrained")
+    try:
+        conf = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_file}: malformed JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise AdapterError(f"{cfg_file}: expected a JSON object")
+    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{cfg_file}: peft_type {conf.get('peft_type')!r}; only LoRA adapters are supported")
+    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full copies of layers)"),
+                     ("lora_bias", "LoRA biases"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D layers)"),
+                     ("layer_replication", "layer_replication"), ("target_parameters", "target_parameters"),
+                     ("use_qalora", "QA-LoRA")):
+        if conf.get(key):
+            raise AdapterError(f"{cfg_file}: {why} is not supported; train a plain LoRA adapter")
+    if conf.get("bias", "none") != "none":
+        raise AdapterError(f"{cfg_file}: bias {conf.get('bias')!r} is not supported; train with bias='none'")
+    return conf
+
+
+def _base_architecture(conf: dict[str, Any]) -> str | None:
+    cls = (conf.get("auto_mapping") or {}).get("base_model_class")
+    from lineside.config import ARCHITECTURES
+
+    return ARCHITECTURES.get(cls, cls.lower()) if isinstance(cls, str) else None
+
+
+def _load_tensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    wf = path / WEIGHTS_FILE
+    if not wf.is_file():
+        raise AdapterError(f"{path}: no {WEIGHTS_FILE} (adapter_model.bin is not read: re-save with "
+                           "safe_serialization=True)")
+    try:
+        return load_file(str(wf))
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise AdapterError(f"{wf}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                           "it must hold float32, float16 or bfloat16 tensors") from None
+
+
+def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
+    """Read the PEFT adapter in ``path`` for the base model ``cfg``; one line for any mismatch."""
+    path = Path(path)
+    if cfg.architecture not in DENSE_FAMILIES:
+        raise AdapterError(f"LoRA adapters apply to Llama and Qwen2 bundles; this one is {cfg.architecture}")
+    conf = read_adapter_config(path)
+    arch = _base_architecture(conf)
+    if arch is not None and arch != cfg.architecture:
+        raise AdapterError(f"{path}: the adapter was made for a {arch} model, the bundle is {cfg.architecture}")
+    alpha = float(conf.get("lora_alpha", 8))
+    rslora = bool(conf.get("use_rslora", False))
+    alpha_pattern = conf.get("alpha_pattern") or {}  # ranks come from the tensors (what rank_pattern set)
+    pairs: dict[tuple[int, LoraTarget], dict[str, np.ndarray]] = {}
+    for key, arr in _load_tensors(path).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection; "
+                               "only those layers can be adapted")
+        layer, target = int(m.group(1)), m.group(3)
+        if target not in {t.value for t in ALL_TARGETS}:
+            raise AdapterError(f"{path}: tensor {key!r} adapts {target}_proj, which is not a linear of this model")
+        if layer >= cfg.num_layers:
+            raise AdapterError(f"{path}: tensor {key!r} is for layer {layer}, but the base model has "
+                               f"{cfg.num_layers} layers; the adapter was made for another model")
+        pairs.setdefault((layer, LoraTarget(target)), {})[m.group(4)] = arr
+    if not pairs:
+        raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA tensors")
+    weights: dict[tuple[int, LoraTarget], tuple[np.ndarray, np.ndarray]] = {}
+    for (layer, target), ab in sorted(pairs.items()):
+        where = f"layer {layer} {target.value}_proj"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{path}: {where} has lora_{next(iter(ab))} but not its pair")
+        a, b = ab["A"], ab["B"]
+        if a.dtype.kind != "f" or b.dtype.kind != "f":
+            raise AdapterError(f"{path}: {where} is {a.dtype}; LoRA weights must be float tensors")
+        fin, fout = in_out(cfg, target)
+        r = a.shape[0] if a.ndim == 2 else -1
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fin or b.shape != (fout, r) or r < 1:
+            raise AdapterError(f"{path}: {where} has shapes A {list(a.shape)}, B {list(b.shape)}, but the base model "
+                               f"needs A [r, {fin}] and B [{fout}, r]; the adapter was made for another model")
+        module = f"model.layers.{layer}.{target.module}"
+        a_alpha = _pattern(alpha_pattern, module)
+        a_alpha = alpha if a_alpha is None else float(a_alpha)
+        scaling = a_alpha / (r ** 0.5 if rslora else r)
+        a32, b32 = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32) * np.float32(scaling)
+        if not (np.isfinite(a32).all() and np.isfinite(b32).all()):
+            raise AdapterError(f"{path}: {where} holds a non-finite value")
+        weights[(layer, target)] = (np.ascontiguousarray(a32), np.ascontiguousarray(b32))
+    targets = tuple(t for t in ALL_TARGETS if any(k[1] == t for k in weights))
+    return LoraAdapter(name=name, rank=max(a.shape[0] for a, _ in weights.values()), alpha=alpha, rslora=rslora,
+                       targets=targets, weights=weights, source=str(path))
+
+
+def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, ...], where: str) -> None:
+    """Refuse an adapter above the slot rank or on a layer the LoRA graphs leave out (one line)."""
+    if adapter.rank > max_rank:
+        raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above the largest rank {max_rank} that "
+                           f"{where} holds; raise --max-lora-rank to at least {adapter.rank}")
+    missing = [t.value for t in adapter.targets if t not in targets]
+    if missing:
+        raise AdapterError(f"adapter {adapter.name!r} adapts {','.join(missing)}, which {where}'s LoRA graphs "
+                           f"leave out (they adapt {','.join(t.value for t in targets)}); rebuild with "
+                           "--lora-targets all")
+
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name or ""):
+        raise LinesideError(f"adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (it becomes a model "
+                            "name and a directory)")
+    return name
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """One fused matmul of one layer that the LoRA graphs adapt: where its targets' outputs sit in its output."""
+
+    layer: int
+    site: str  # a key of SITES
+    parts: tuple[LoraTarget, ...]  # the adapted targets of this site, in order (the graph's column blocks)
+    in_features: int
+    out_features: int  # of the whole fused output
+    offsets: tuple[int, ...]  # output column where each part starts
+
+    @property
+    def a_input(self) -> str:
+        return f"lora_a.{self.layer}.{self.site}"
+
+    @property
+    def b_input(self) -> str:
+        return f"lora_b.{self.layer}.{self.site}"
+
+
+def lora_sites(cfg: ModelConfig, targets: tuple[LoraTarget, ...]) -> list[LoraSite]:
+    """The sites a LoRA graph built for ``targets`` has (build and runtime derive them the same way)."""
+    out = []
+    for layer in range(cfg.num_layers):
+        for site, members in SITES.items():
+            parts = tuple(t for t in members if t in targets)
+            if not parts:
+                continue
+            widths = [in_out(cfg, t)[1] for t in members]
+            starts = dict(zip(members, np.cumsum([0, *widths[:-1]]).tolist(), strict=True))
+            out.append(LoraSite(layer=layer, site=site, parts=parts, in_features=in_out(cfg, members[0])[0],
+                                out_features=sum(widths), offsets=tuple(int(starts[t]) for t in parts)))
+    return out
+
+
+LORA_SLOTS_INPUT = "lora_slots"  # int64 [batch]: each row's adapter slot, 0 = none
+
+
+def cols_input(parts: int) -> str:
+    """int64 [K]: the adapter slot (1..N) that owns each of a P-part site's K = N·R·P columns."""
+    return f"lora_cols.{parts}"

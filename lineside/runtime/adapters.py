@@ -1,0 +1,102 @@
+"""Which LoRA adapters a server offers and where each comes from: the bundle's own, or ``--lora-modules``.
+
+The catalog reads every adapter once when the server starts (so a bad one fails the start, in one line,
+and a request never waits on disk); which of them sit in the backend's slots is ``AdapterSlots``' business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lineside.bundle import Bundle
+from lineside.errors import LinesideError
+from lineside.lora import AdapterError, LoraAdapter, check_name, read_adapter
+
+if TYPE_CHECKING:
+    from lineside.runtime.engine import LoraServing
+
+
+def bundle_adapter(bundle: Bundle, name: str) -> LoraAdapter:
+    """The adapter ``name`` carried in the bundle (``lineside lora add``)."""
+    entry = bundle.manifest.adapters.get(name)
+    if entry is None:
+        have = ", ".join(sorted(bundle.manifest.adapters)) or "none"
+        raise AdapterError(f"bundle {bundle.path} has no adapter {name!r} (it has: {have}); add one with "
+                           f"`lineside lora add {bundle.path} ADAPTER_DIR --name {name}`")
+    return read_adapter(bundle.file(entry.dir), bundle.config, name)
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One ``--lora-modules name=DIR`` (vLLM's convention)."""
+
+    name: str
+    path: Path
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise LinesideError(f"--lora-modules {text!r}: give NAME=ADAPTER_DIR (a PEFT adapter directory)")
+    return LoraModule(check_name(name.strip()), Path(path.strip()).expanduser())
+
+
+class AdapterCatalog:
+    """Adapters by served name, read and checked against the base model."""
+
+    def __init__(self, adapters: dict[str, LoraAdapter]):
+        self.adapters = adapters
+
+    @classmethod
+    def load(cls, bundle: Bundle, modules: list[LoraModule], *, include_bundle: bool = True) -> AdapterCatalog:
+        out: dict[str, LoraAdapter] = {}
+        if include_bundle:
+            for name in bundle.manifest.adapters:
+                out[name] = bundle_adapter(bundle, name)
+        for m in modules:
+            if m.name in out:
+                raise LinesideError(f"--lora-modules: adapter name {m.name!r} is given twice (or is the bundle's "
+                                    "own); choose another name")
+            out[m.name] = read_adapter(m.path, bundle.config, m.name)
+        return cls(out)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+    @property
+    def max_rank(self) -> int:
+        return max((a.rank for a in self.adapters.values()), default=0)
+
+    def get(self, name: str) -> LoraAdapter | None:
+        return self.adapters.get(name)
+
+
+def serving_config(bundle: Bundle, modules: list[LoraModule], *, max_loras: int | None,
+                   max_rank: int | None) -> LoraServing | None:
+    """What `serve` serves besides the base model: the bundle's adapters and ``--lora-modules``, in
+    ``max_loras`` slots of rank ``max_rank`` (defaults: up to 4 slots, the bundle's slot rank). None when there
+    are no adapters. Every adapter is read and checked here, before the server binds its socket."""
+    from lineside.lora import LoraTarget, check_fits
+    from lineside.runtime.engine import LoraServing
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+
+    if not modules and not bundle.manifest.adapters:
+        if max_loras:
+            raise LinesideError("--max-loras: there are no adapters to serve; add one to the bundle with `lineside "
+                                "lora add` or name one with --lora-modules NAME=DIR")
+        return None
+    lg = bundle.manifest.lora
+    if lg is None:
+        raise LinesideError(f"bundle {bundle.path} has no LoRA graphs, so it cannot serve --lora-modules; rebuild it "
+                            "with --max-lora-rank R (R: the largest adapter rank to serve)")
+    catalog = AdapterCatalog.load(bundle, modules)
+    rank = int(max_rank or lg.max_rank)
+    targets = tuple(LoraTarget(t) for t in lg.targets)
+    for adapter in catalog.adapters.values():
+        check_fits(adapter, rank, targets, "--max-lora-rank" if max_rank else f"bundle {bundle.path}")
+    slots = LoraSlotsConfig(max_loras=int(max_loras or min(len(catalog.adapters), 4)), max_rank=rank)
+    slots.check()
+    return LoraServing(adapters=catalog.adapters, slots=slots)

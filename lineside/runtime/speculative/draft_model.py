@@ -1,0 +1,110 @@
+"""A draft model as proposer: a smaller model (``draft:BUNDLE``) or the target's own first layers
+(``layerskip:N``) runs k cheap 1-token steps per row and proposes what it would generate.
+
+Its KV lives in its own backend's slots, one per target slot. With its own KV, the proposer remembers
+which tokens each slot holds and, before proposing, feeds only what differs from the row's text: the
+tokens after the longest common prefix (a rejected draft's positions lie past it and are simply written
+over — the same rule the target's KV follows). With ``shares_target_kv`` (layerskip: its layers are the
+target's first N, with the very same weights) its cache *is* the target's cache for those layers, so it
+never catches up: the target has written every accepted position, and the positions the draft writes
+past them are overwritten by the verification step that follows.
+
+Greedy rows take the draft's argmax; sampled rows draw from the draft's distribution q under the row's
+own sampling settings and report q, for the speculative-sampling rule (verify.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.speculative.config import Draft, DraftRow
+
+
+class DraftModelProposer:
+    cheap = False
+
+    def __init__(self, backend: Backend, target_vocab: int, *, shares_target_kv: bool = False,
+                 max_prefill: int = 512, cost: float = 1.0):
+        """``cost``: one draft step's time in target decode steps (the adaptive rule weighs it)."""
+        self.backend = backend
+        self.cost = float(cost)
+        self.target_vocab = int(target_vocab)
+        self.shares_target_kv = shares_target_kv
+        self.max_prefill = max(2, int(max_prefill))
+        self.fed: dict[int, list[int]] = {}  # own KV: the tokens whose KV each draft slot holds, in order
+
+    def propose_rows(self, rows: list[DraftRow]) -> list[Draft]:
+        out = [Draft([]) for _ in rows]
+        live = []  # (index in rows, row) that propose this step
+        for i, r in enumerate(rows):
+            k = min(r.k, self.backend.max_seq_len - len(r.tokens))
+            if k <= 0 or not r.tokens:
+                continue
+            r = DraftRow(r.slot, r.tokens, k, r.sampler, r.prompt_len)
+            self._catch_up(r)
+            live.append((i, r))
+        if not live:
+            return out
+        hist = {i: list(r.tokens) for i, r in live}
+        feed = {i: r.tokens[-1] for i, r in live}
+        probs: dict[int, list[np.ndarray]] = {i: [] for i, _ in live}
+        while live:
+            ids = np.array([[feed[i]] for i, _ in live], dtype=np.int64)
+            batch = StepBatch(slots=[r.slot for _, r in live], input_ids=ids,
+                              past_lengths=np.array([len(hist[i]) - 1 for i, _ in live], dtype=np.int64),
+                              new_lengths=np.ones(len(live), dtype=np.int64),
+                              logits_positions=np.zeros((len(live), 1), dtype=np.int64))
+            logits = self.backend.forward(batch)
+            still = []
+            for b, (i, r) in enumerate(live):
+                d = r.sampler.distribution(self._target_logits(logits[b, 0]), hist[i], r.prompt_len)
+                if isinstance(d, int):
+                    tok = d
+                else:
+                    tok = int(r.sampler.rng.choice(d.shape[0], p=d))
+                    probs[i].append(d)
+                out[i].tokens.append(tok)
+                hist[i].append(tok)
+                feed[i] = tok
+                if len(out[i].tokens) < r.k:
+                    still.append((i, r))
+            live = still
+        for i, r in enumerate(rows):
+            if out[i].tokens:
+                if probs.get(i):
+                    out[i].probs = probs[i]
+                if not self.shares_target_kv:  # it fed the text and every draft but the last
+                    self.fed[r.slot] = [*r.tokens, *out[i].tokens[:-1]]
+        return out
+
+    def _catch_up(self, r: DraftRow) -> None:
+        """Own KV: feed the row's tokens the slot lacks, all but the last (the first proposing step feeds it)."""
+        if self.shares_target_kv:
+            return
+        fed = self.fed.get(r.slot, [])
+        n = min(len(fed), len(r.tokens) - 1)
+        same = next((j for j in range(n) if fed[j] != r.tokens[j]), n)
+        if same == 0:
+            self.backend.reset_slot(r.slot)
+        todo = r.tokens[same:-1]
+        pos = same
+        while todo:
+            chunk, todo = todo[:self.max_prefill], todo[self.max_prefill:]
+            self.backend.forward(StepBatch.single(r.slot, chunk, pos))
+            pos += len(chunk)
+        self.fed[r.slot] = list(r.tokens[:-1])
+
+    def _target_logits(self, x: np.ndarray) -> np.ndarray:
+        """The draft's logits over the target's vocabulary: rows past the draft's own are impossible (-inf),
+        the draft's padding rows past the target's are dropped."""
+        v = self.target_vocab
+        if x.shape[0] == v:
+            return x
+        out = np.full(v, -np.inf, dtype=np.float32)
+        n = min(v, x.shape[0])
+        out[:n] = x[:n]
+        return out
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,210 @@
+"""POST /v1/prefill, GET and DELETE /v1/prefill/{session_id}: a prompt sent while it is still being written.
+
+The body is a /v1/chat/completions body (messages, chat-template options, tools) or a /v1/completions body
+(one prompt) plus ``session_id``; it is checked, rendered and tokenized exactly as that endpoint would, and
+the engine caches the KV of the prompt's stable prefix — the rendering up to the end of the last message's
+text (chat) or the prompt (completions), less the trailing tokens a continuation could re-tokenize, never the
+generation prompt — in idle capacity (runtime/session_scheduling.py). The answer comes at once: 202 with how
+many tokens are cached and pending. The completion that follows names the session (``session_id`` or
+X-Session-Id) and starts from its KV when its prompt extends it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from lineside.errors import LinesideError
+from lineside.runtime.request import EngineDraining, rank_of
+from lineside.runtime.sessions import (
+    SESSION_ID,
+    SessionInfo,
+    SessionLimitError,
+    SessionsUnsupported,
+    check_session_id,
+)
+from lineside.server import prompt_limits, request_mapping, tool_calls
+from lineside.server.errors import APIError
+from lineside.server.openai_api import _check_model, _offload, _prompt_limit, _vocab_size
+from lineside.server.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
+from lineside.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.lineside
+
+
+def _parse(raw: Any) -> ChatCompletionRequest | CompletionRequest:
+    """A chat body when it has ``messages``, else a completions body (pydantic's errors as the routes give them)."""
+    if not isinstance(raw, dict):
+        raise APIError(400, "request body must be a JSON object with 'messages' (chat) or 'prompt' (completions) "
+                            "and 'session_id'", "invalid_request")
+    model = ChatCompletionRequest if "messages" in raw else CompletionRequest
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def _engine_sessions(state: ServerState) -> Any:
+    engine = state.engine
+    if not hasattr(engine, "prefill"):
+        raise APIError(400, "this server's engine keeps no prefill sessions; send the whole prompt to the "
+                            "completion endpoint", "sessions_unsupported")
+    return engine
+
+
+def _body(info: SessionInfo) -> dict[str, Any]:
+    return {"id": info.session_id, "object": "prefill.session", "session_id": info.session_id,
+            "cached_tokens": info.cached_tokens, "pending_tokens": info.pending_tokens,
+            "prompt_tokens": info.prompt_tokens, "expires_in": round(info.expires_in_s, 3)}
+
+
+def _session_param(value: Any) -> str:
+    if value is None:
+        raise APIError(400, "missing required field 'session_id': name the session this prompt belongs to",
+                       "missing_field", param="session_id")
+    try:
+        return check_session_id(value)
+    except LinesideError as e:
+        raise APIError(400, str(e), "invalid_session_id", param="session_id") from None
+
+
+async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], int]:
+    """(the prompt's ids as its completion endpoint makes them, how many of them are stable)."""
+    tok, context = state.engine.tokenizer, state.engine.max_seq_len
+    if isinstance(body, ChatCompletionRequest):
+        request_mapping.check_chat(body)
+        prompt_limits.check_texts(prompt_limits.chat_texts(body), tok, context, param="messages")
+        messages = request_mapping.chat_messages(body)
+        options = request_mapping.chat_template_options(body)
+        tools = tool_calls.parse_tools(body.tools)
+        tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        messages, listed = tool_calls.template_messages(messages, tools, tok.chat_template, tool_choice)
+        size = sum(len(m["content"] or "") for m in messages)
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                     max_tokens=_prompt_limit(state)), param="messages")
+        stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed),
+                                param="messages")
+        return ids, _agreeing(ids, stable)
+    request_mapping.check_completion(body)
+    if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
+        raise APIError(400, "prefill takes one prompt (a string or one list of token ids), not a list of prompts",
+                       "invalid_value", param="prompt")
+    for text in prompt_limits.prompt_texts(body):
+        prompt_limits.check_texts([text], tok, context, param="prompt")
+    ids = (await _offload(len(body.prompt) if isinstance(body.prompt, str) else 0,
+                          functools.partial(request_mapping.completion_prompts, body, state.tokenizer,
+                                            _vocab_size(state), max_tokens=_prompt_limit(state)),
+                          param="prompt"))[0]
+    if not isinstance(body.prompt, str):
+        return ids, len(ids)  # token ids do not re-tokenize
+    text = request_mapping.clean_text(body.prompt, "prompt")
+    stable = await _offload(len(text), functools.partial(state.tokenizer.stable_text_ids, text), param="prompt")
+    return ids, _agreeing(ids, stable)
+
+
+def _agreeing(ids: list[int], stable: list[int]) -> int:
+    n = 0
+    for a, b in zip(ids, stable, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+# The body is one of two request models, told apart by 'messages'; the schema documents the completions form.
+_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["prompt", "session_id"],
+    "properties": {"prompt": {"type": "string", "description": "the prompt so far (or 'messages', as in chat)"},
+                   "session_id": {"type": "string", "pattern": SESSION_ID.pattern},
+                   "model": {"type": "string"}}}}}}}
+
+
+@router.post("/v1/prefill", status_code=202, responses=ERROR_RESPONSES, openapi_extra=_BODY_DOC)
+async def prefill(request: Request) -> Any:
+    """Cache the KV of a prompt still being written under ``session_id``; answers at once."""
+    state = _state(request)
+    try:
+        body = _parse(await request.json())
+        if _check_model(state, body.model) is not None:  # a session's KV is the base model's (scheduler.py)
+            raise APIError(400, f"prefill sessions run on the base model, not on the LoRA adapter {body.model!r}; "
+                                "send the base model's name (or none)", "unsupported_value", param="model")
+        session = _session_param(body.session_id)
+        header = request.headers.get("x-session-id")
+        if header is not None and header != session:
+            raise APIError(400, "X-Session-Id and the body's session_id name different sessions; send one",
+                           "invalid_session_id", param="session_id")
+        priority, mode = request_mapping.priority(request.headers)
+        engine = _engine_sessions(state)
+        ids, stable = await _tokens(state, body)
+        request_mapping.token_budget(len(ids), None, 1, context=engine.max_seq_len, param="max_tokens",
+                                     prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        info = engine.prefill(session, ids, stable, rank=rank_of(priority, mode))
+    except SessionLimitError as e:
+        state.metrics.reject("too_many_sessions")
+        raise APIError(429, str(e), "too_many_sessions",
+                       headers={"Retry-After": str(max(1, int(e.retry_after_s + 0.999)))}) from None
+    except EngineDraining as e:
+        state.metrics.reject("draining")
+        raise APIError(409, str(e), "draining") from None
+    except SessionsUnsupported as e:
+        state.metrics.reject("invalid")
+        raise APIError(400, str(e), "sessions_unsupported") from None
+    except APIError:
+        state.metrics.reject("invalid")
+        raise
+    except LinesideError as e:
+        state.metrics.reject("invalid")
+        raise APIError(400, str(e), "invalid_request") from None
+    return JSONResponse(_body(info), status_code=202)
+
+
+def _known(request: Request, session_id: str) -> tuple[Any, str]:
+    state = _state(request)
+    if not state.engine_ready:
+        raise APIError(503, "model is still loading; retry when GET /health/ready answers 200", "not_ready")
+    engine = _engine_sessions(state)
+    try:
+        return engine, check_session_id(session_id)
+    except LinesideError as e:
+        raise APIError(400, str(e), "invalid_session_id", param="session_id") from None
+
+
+def _not_found(session_id: str) -> APIError:
+    return APIError(404, f"no prefill session {session_id!r} here (never made, expired, ended with its completion "
+                         "or released for memory); POST /v1/prefill makes one", "session_not_found",
+                    param="session_id")
+
+
+@router.get("/v1/prefill/{session_id}", responses=ERROR_RESPONSES)
+async def get_session(session_id: str, request: Request) -> Any:
+    """A session's cached and pending tokens and time to expiry."""
+    engine, sid = _known(request, session_id)
+    try:
+        info = engine.session(sid)
+    except SessionsUnsupported as e:
+        raise APIError(400, str(e), "sessions_unsupported") from None
+    if info is None:
+        raise _not_found(sid)
+    return _body(info)
+
+
+@router.delete("/v1/prefill/{session_id}", responses=ERROR_RESPONSES)
+async def delete_session(session_id: str, request: Request) -> Any:
+    """End a session now (its prompt was abandoned): its blocks are free for others at once."""
+    engine, sid = _known(request, session_id)
+    try:
+        gone = engine.release_session(sid)
+    except SessionsUnsupported as e:
+        raise APIError(400, str(e), "sessions_unsupported") from None
+    if not gone:
+        raise _not_found(sid)
+    return {"id": sid, "object": "prefill.session.deleted", "deleted": True}

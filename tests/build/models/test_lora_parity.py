@@ -1,0 +1,144 @@
+"""LoRA graphs (both flavors) against transformers + peft in float32, prefill and decode, and mixed batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lineside.bundle import open_bundle
+from lineside.lora import read_adapter
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.lora_stack import LoraSlotsConfig
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.conftest import LORA_ADAPTERS
+
+IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12]
+VARIANTS = ["llama-gqa", "qwen2-bias-tied"]
+NAMES = sorted(LORA_ADAPTERS)
+
+
+def rel_err(a, ref):
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def lora_bundle(tiny_bundles):
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            cache[variant] = open_bundle(tiny_bundles(variant=variant, quant="fp32", flavors=("cpu", "trt"),
+                                                      max_seq_len=64, accuracy_level=0, max_lora_rank=8))
+        return cache[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def peft_logits(tiny_dense, peft_adapter):
+    """(variant, adapter) -> transformers + peft float32 logits of IDS."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(variant, name):
+        if (variant, name) not in cache:
+            base = AutoModelForCausalLM.from_pretrained(tiny_dense(variant), dtype=torch.float32).eval()
+            model = PeftModel.from_pretrained(base, peft_adapter(variant, name)).eval()
+            with torch.no_grad():
+                cache[(variant, name)] = model(torch.tensor([IDS])).logits[0].numpy()
+        return cache[(variant, name)]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_logits_match_peft(lora_bundle, peft_adapter, peft_logits, tiny_dense, variant):
+    """Each adapter in a slot of its own (slot 2 of 3) gives peft's logits; slot 0 gives the base model's."""
+    from tests.build.models.test_dense_parity import reference_logits
+
+    bundle = lora_bundle(variant)
+    base_ref = reference_logits(tiny_dense(variant), IDS)
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0, lora=LoraSlotsConfig(3, 8))
+        for name in NAMES:
+            ref = peft_logits(variant, name)
+            assert rel_err(ref, base_ref) > 0.05, name  # the adapter really changes the model
+            be.load_adapter(2, read_adapter(peft_adapter(variant, name), bundle.config, name))
+            for mode in ("prefill", "decode"):
+                out = compute_logits(be, IDS, mode, adapter=2)
+                assert rel_err(out, ref) < 1e-4, (flavor, name, mode, rel_err(out, ref))
+        for mode in ("prefill", "decode"):
+            assert rel_err(compute_logits(be, IDS, mode, adapter=0), base_ref) < 1e-4, (flavor, mode)
+
+
+@pytest.mark.parametrize("flavor", ["cpu", "trt"])
+def test_mixed_batch_equals_each_row_alone(lora_bundle, peft_adapter, flavor):
+    """Three adapters and the base model in one decode step (and, trt, one padded prefill step) equal each
+    row run alone."""
+    variant = "llama-gqa"
+    bundle = lora_bundle(variant)
+    be = OnnxRuntimeBackend(bundle, num_slots=4, flavor=flavor, accuracy_level=0, lora=LoraSlotsConfig(3, 8))
+    for slot, name in enumerate(NAMES, start=1):
+        be.load_adapter(slot, read_adapter(peft_adapter(variant, name), bundle.config, name))
+    prompts = [IDS[:5], IDS[2:9], IDS[1:4], IDS[4:12]]
+    adapters = np.array([1, 2, 3, 0])
+    nxt = [7, 9, 11, 13]
+    alone = []
+    for r, p in enumerate(prompts):  # each row alone: prompt + next token in one prefill
+        alone.append(compute_logits(be, p + [nxt[r]], "prefill", adapter=int(adapters[r])))
+    for r, p in enumerate(prompts):
+        be.reset_slot(r)
+        be.forward(StepBatch.single(r, p, 0, adapter=int(adapters[r])))
+    step = StepBatch(slots=[0, 1, 2, 3], input_ids=np.array(nxt)[:, None],
+                     past_lengths=np.array([len(p) for p in prompts]), new_lengths=np.ones(4, np.int64),
+                     logits_positions=np.zeros((4, 1), np.int64), adapters=adapters)
+    both = be.forward(step)[:, 0]
+    for r in range(4):
+        assert rel_err(both[r], alone[r][-1]) < 1e-4, (flavor, r, rel_err(both[r], alone[r][-1]))
+    if flavor == "trt":  # rows of different lengths right-padded into one prefill step
+        width = max(len(p) for p in prompts)
+        ids = np.zeros((4, width), np.int64)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = p
+        lens = np.array([len(p) for p in prompts])
+        for r in range(4):
+            be.reset_slot(r)
+        pre = be.forward(StepBatch(slots=[0, 1, 2, 3], input_ids=ids, past_lengths=np.zeros(4, np.int64),
+                                   new_lengths=lens, logits_positions=(lens - 1)[:, None], adapters=adapters))[:, 0]
+        for r in range(4):
+            assert rel_err(pre[r], alone[r][-2]) < 1e-4, ("prefill", r)
+
+
+def test_unloaded_slot_is_the_base_model(lora_bundle, peft_adapter, tiny_dense):
+    """Unloading zeroes a slot: its rows compute the base model again (no trace of the adapter)."""
+    from tests.build.models.test_dense_parity import reference_logits
+
+    bundle = lora_bundle("llama-gqa")
+    be = OnnxRuntimeBackend(bundle, flavor="cpu", accuracy_level=0, lora=LoraSlotsConfig(1, 8))
+    be.load_adapter(1, read_adapter(peft_adapter("llama-gqa", "qv"), bundle.config, "qv"))
+    be.unload_adapter(1)
+    out = compute_logits(be, IDS, "prefill", adapter=1)
+    assert rel_err(out, reference_logits(tiny_dense("llama-gqa"), IDS)) < 1e-4
+
+
+def test_base_graph_is_unchanged_by_lora(lora_bundle, tiny_bundles):
+    """--max-lora-rank adds a second graph beside the base one; the base graph is node for node the same."""
+    import onnx
+
+    with_lora = lora_bundle("llama-gqa")
+    plain = open_bundle(tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu", "trt"), max_seq_len=64,
+                                     accuracy_level=0))
+    for flavor in ("cpu", "trt"):
+        a = onnx.load(with_lora.file(with_lora.flavor(flavor).graph), load_external_data=False)
+        b = onnx.load(plain.file(plain.flavor(flavor).graph), load_external_data=False)
+        assert [n.op_type for n in a.graph.node] == [n.op_type for n in b.graph.node]
+        lora_graph = with_lora.flavor(flavor).lora_graph
+        assert lora_graph is not None and lora_graph in with_lora.manifest.files
+        assert plain.flavor(flavor).lora_graph is None
+        # the LoRA graph stores no weights of its own: it reads the base graph's data file
+        data = [f for f in with_lora.manifest.files if f.startswith(lora_graph + ".")]
+        assert data == []

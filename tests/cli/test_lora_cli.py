@@ -1,0 +1,90 @@
+"""`lineside lora add/list` and `lineside logits --lora` as a user runs them, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from lineside.bundle import open_bundle
+from tests.cli.cli_run import assert_one_line_error, run_cli, tree_snapshot
+from tests.conftest import make_peft_adapter
+
+IDS = [1, 17, 42, 5, 99, 250, 3]
+
+
+@pytest.fixture(scope="module")
+def lora_bundle_copy(tiny_bundles, tmp_path_factory):
+    """A private copy of the tiny Llama fp32 bundle with LoRA graphs (the tests add adapters to it)."""
+    src = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu", "trt"), max_seq_len=64, accuracy_level=0,
+                       max_lora_rank=8)
+    dst = tmp_path_factory.mktemp("lora-cli") / "tiny-llama"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_add_list_and_logits_with_the_adapter(lora_bundle_copy, peft_adapter, tiny_dense, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    adapter = peft_adapter("llama-gqa", "all-rslora")
+    # a bundle that has served holds onnxruntime's graph caches beside its graphs: `lora add` must not list them
+    OnnxRuntimeBackend(open_bundle(lora_bundle_copy), lora=LoraSlotsConfig(1, 8))
+    assert list(lora_bundle_copy.glob("graphs/cpu/*.ort-opt.onnx"))
+    proc = run_cli("lora", "add", str(lora_bundle_copy), str(adapter), "--name", "line-3")
+    assert proc.returncode == 0, proc.stderr
+    assert "adapter line-3 added (rank 8" in proc.stdout
+    b = open_bundle(lora_bundle_copy)  # verifies every checksum, the adapter's files included
+    assert {"adapters/line-3/adapter_config.json", "adapters/line-3/adapter_model.safetensors"} <= set(b.manifest.files)
+    assert not any("ort-opt" in f for f in b.manifest.files)
+    entry = b.manifest.adapters["line-3"]
+    assert entry.rank == 8 and entry.use_rslora and len(entry.targets) == 7
+    listed = run_cli("lora", "list", str(lora_bundle_copy))
+    assert listed.returncode == 0 and "line-3\trank 8\talpha 16 rslora" in listed.stdout, listed.stdout
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dense("llama-gqa"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(base, adapter).eval()(torch.tensor([IDS])).logits[0].numpy()
+    for flavor, mode in (("cpu", "decode"), ("trt", "prefill")):
+        out = tmp_path / f"{flavor}.npy"
+        proc = run_cli("logits", str(lora_bundle_copy), "--ids", ",".join(map(str, IDS)), "-o", str(out),
+                       "--mode", mode, "--flavor", flavor, "--lora", "line-3")
+        assert proc.returncode == 0, proc.stderr
+        got = np.load(out)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, flavor
+
+
+def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tiny_dense, tmp_path):
+    before = tree_snapshot(lora_bundle_copy)
+    manifest = (lora_bundle_copy / "manifest.json").read_text()
+    cases = [
+        # an adapter for another shape of model (head_dim 32: q/k/v are wider)
+        ((str(peft_adapter("llama-headdim", "qv")), "--name", "wide"), ("shape", "another model")),
+        # an adapter for another architecture
+        ((str(peft_adapter("qwen2-bias-tied", "qv")), "--name", "qwen"), ("qwen2", "llama")),
+        # rank above the bundle's slots
+        ((str(make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16,
+                                target_modules=["q_proj"])), "--name", "big"), ("rank 16", "--max-lora-rank")),
+        ((str(tmp_path / "nowhere"), "--name", "x"), ("no such adapter directory",)),
+        ((str(peft_adapter("llama-gqa", "qv")), "--name", "bad/name"), ("adapter name",)),
+    ]
+    for args, needles in cases:
+        assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), *args), *needles)
+    assert tree_snapshot(lora_bundle_copy) == before  # nothing half-added
+    assert (lora_bundle_copy / "manifest.json").read_text() == manifest
+    plain = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64)
+    assert_one_line_error(run_cli("lora", "add", str(plain), str(peft_adapter("llama-gqa", "qv")), "--name", "a"),
+                          "--max-lora-rank")
+    assert_one_line_error(run_cli("logits", str(lora_bundle_copy), "--ids", "1,2", "-o", str(tmp_path / "x.npy"),
+                                  "--lora", "missing"), "no adapter 'missing'")
+    broken = tmp_path / "broken"
+    shutil.copytree(peft_adapter("llama-gqa", "qv"), broken)
+    conf = json.loads((broken / "adapter_config.json").read_text())
+    (broken / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
+    assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(broken), "--name", "d"), "DoRA")

@@ -1,0 +1,72 @@
+"""Layerskip self-speculation: `build --draft-layers N` writes the first-N-layers draft graph beside the full one,
+reading the same weight data (no second copy); the draft runs on the target's own KV for those layers (exact:
+the same positions, the same weights); greedy output with it equals plain decoding at accuracy level 0
+(tiny Llama and Qwen2, cpu graph; the trt graph's append cache too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry, open_bundle
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import Generator
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
+from tests.runtime.conftest import run
+from tests.runtime.test_speculative_model import engine_outputs, tiny_prompts
+
+LAYERSKIP = SpeculativeConfig(SpecMethod.LAYERSKIP, 4, max_rows=8, draft_layers=1, draft_cost=0.0)
+
+
+def layerskip_bundle(tiny_bundles, variant="llama-gqa", flavor="cpu"):
+    return tiny_bundles(variant=variant, quant="w4a16", accuracy_level=0, group_size=32 if flavor == "cpu" else 64,
+                        max_seq_len=128, flavors=(flavor,), draft_layers=(1,))
+
+
+def test_draft_graph_shares_the_weight_data(tiny_bundles):
+    path = layerskip_bundle(tiny_bundles)
+    b = open_bundle(path)
+    draft = b.flavor("cpu").extra[DRAFT_GRAPHS]["1"]
+    assert draft["graph"] == "graphs/cpu/draft-1.onnx" and [s["input"] for s in draft["state"]] == \
+        ["past_key.0", "past_value.0"]
+    data = [rel for rel in b.manifest.files if rel.endswith(".data")]
+    assert data == ["graphs/cpu/model.onnx.data"]  # one weight file for both graphs
+    m = onnx.load(str(path / draft["graph"]), load_external_data=False)
+    ext = [t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert ext and all({e.key: e.value for e in t.external_data}["location"] == "model.onnx.data" for t in ext)
+    assert (path / draft["graph"]).stat().st_size < b.manifest.files["graphs/cpu/model.onnx"].size
+    assert 0 < draft["weight_fraction"] < 1
+
+
+@pytest.mark.parametrize("flavor", ["cpu", "trt"])
+def test_draft_on_the_targets_kv_equals_the_draft_on_its_own(tiny_bundles, flavor):
+    """The target computes the prompt; the draft, reading those layers' KV from the target, scores the next
+    tokens exactly as the draft graph run on its own KV from scratch."""
+    b = open_bundle(layerskip_bundle(tiny_bundles, flavor=flavor))
+    entry = b.flavor(flavor).extra[DRAFT_GRAPHS]["1"]
+    target = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor=flavor)
+    shared = OnnxRuntimeBackend.draft_of(target, b, entry, threads=2)
+    own = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor=flavor,
+                             entry=FlavorEntry.from_json_dict(entry))
+    rng = np.random.default_rng(6)
+    prompt, nxt = rng.integers(3, 259, 10).tolist(), rng.integers(3, 259, 3).tolist()
+    target.forward(StepBatch.single(1, prompt, 0))
+    got = [shared.forward(StepBatch.single(1, [t], len(prompt) + i))[0, 0] for i, t in enumerate(nxt)]
+    own.forward(StepBatch.single(1, prompt, 0))
+    want = [own.forward(StepBatch.single(1, [t], len(prompt) + i))[0, 0] for i, t in enumerate(nxt)]
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("variant", "flavor"), [("llama-gqa", "cpu"), ("qwen2-bias-tied", "cpu"), ("llama-gqa", "trt")])
+def test_layerskip_greedy_equals_plain(tiny_bundles, variant, flavor):
+    bundle = layerskip_bundle(tiny_bundles, variant, flavor)
+    prompts, n = tiny_prompts(1), 16
+    g = Generator(bundle, threads=2)
+    want = [list(g.stream(p, n)) for p in prompts]
+    got, st = run(engine_outputs(bundle, prompts, n, spec=LAYERSKIP))
+    assert got == want
+    assert st.spec_draft_tokens_total > 0 and st.spec_accepted_tokens_total > 0
+    g.speculative = LAYERSKIP
+    assert [list(g.stream(p, n)) for p in prompts] == want and g.drafted > 0

@@ -1,0 +1,117 @@
+"""Serving LoRA adapters over HTTP: each adapter is a model (parent: the base), `model` selects it, unknown
+names are 404 model_not_found, a busy set of slots is 429, and `serve` refuses bad adapters in one line."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import httpx
+import pytest
+
+from lineside.bundle import open_bundle
+from lineside.runtime.adapters import LoraModule, serving_config
+from tests.cli.cli_run import assert_one_line_error, run_cli
+from tests.conftest import make_peft_adapter
+from tests.server.conftest import SlowBackend, running_server
+
+PROMPT = [1, 17, 42, 5, 99, 250, 3, 77]
+
+
+@pytest.fixture(scope="module")
+def lora_served_bundle(tiny_bundles, peft_adapter, tmp_path_factory):
+    """The tiny Llama with LoRA graphs and one adapter of its own ("line-a"); "line-b" comes by --lora-modules."""
+    from lineside.build.lora_commands import add
+
+    src = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64, accuracy_level=0,
+                       max_lora_rank=8)
+    dst = tmp_path_factory.mktemp("lora-serve") / "tiny-llama"
+    shutil.copytree(src, dst)
+    add(dst, peft_adapter("llama-gqa", "qv"), name="line-a")
+    return dst, peft_adapter("llama-gqa", "all-rslora")
+
+
+def _engine(bundle_dir, extra, *, max_loras, delay=0.0):
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(bundle_dir)
+    lora = serving_config(b, [LoraModule("line-b", extra)], max_loras=max_loras, max_rank=None)
+    be = OnnxRuntimeBackend(b, num_slots=4, threads=1, lora=lora.slots)
+    return LLMEngine(b, backend=SlowBackend(be, delay) if delay else be, num_slots=4, lora=lora)
+
+
+def _complete(url, model, n=6):
+    return httpx.post(f"{url}/v1/completions", timeout=60,
+                      json={"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0})
+
+
+def test_adapters_are_models_and_model_selects_one(lora_served_bundle):
+    bundle_dir, extra = lora_served_bundle
+    with running_server(_engine(bundle_dir, extra, max_loras=2)) as srv:
+        models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("tiny-llama", None), ("line-a", "tiny-llama"),
+                                                            ("line-b", "tiny-llama")]
+        assert httpx.get(f"{srv.url}/v1/models/line-b").json()["parent"] == "tiny-llama"
+        answers = {}
+        for model in ("tiny-llama", "line-a", "line-b"):
+            r = _complete(srv.url, model)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            answers[model] = r.json()["choices"][0]["text"]
+        assert len(set(answers.values())) == 3  # each adapter really changes the model
+        # concurrent requests of all three batch together and give the same greedy answers
+        results: dict[str, str] = {}
+
+        def one(model):
+            results[model] = _complete(srv.url, model).json()["choices"][0]["text"]
+
+        threads = [threading.Thread(target=one, args=(m,)) for m in answers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == answers
+        r = _complete(srv.url, "line-z")
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "line-a" in err["message"]
+        chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "model": "line-a", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["model"] == "line-a"
+
+
+def test_all_slots_in_use_is_429(lora_served_bundle):
+    bundle_dir, extra = lora_served_bundle
+    with running_server(_engine(bundle_dir, extra, max_loras=1, delay=0.05)) as srv:
+        # line-a's greedy answer to PROMPT has no EOS in its first 40 tokens: it holds the only slot while it streams
+        body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # kept: dropping the iterator would close the stream (a cancel)
+            next(lines)
+            r = _complete(srv.url, "line-b")
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "adapter_slots_full" and r.headers["retry-after"]
+            assert _complete(srv.url, "tiny-llama", n=2).status_code == 200  # the base model needs no slot
+            assert any('"finish_reason":"length"' in line for line in lines)
+        assert _complete(srv.url, "line-b", n=2).status_code == 200  # line-a is idle now: swapped out
+
+
+def test_serve_refuses_bad_adapters_in_one_line(lora_served_bundle, tiny_bundles, peft_adapter, tiny_dense, tmp_path):
+    bundle_dir, extra = lora_served_bundle
+    big = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16, target_modules=["q_proj"])
+    cases = [
+        (("--lora-modules", "nameonly"), ("NAME=ADAPTER_DIR",)),
+        (("--lora-modules", f"big={big}"), ("rank 16",)),
+        (("--lora-modules", f"b={extra}", "--max-lora-rank", "4"), ("rank 8", "--max-lora-rank")),
+        (("--lora-modules", f"q={peft_adapter('qwen2-bias-tied', 'qv')}"), ("qwen2",)),
+        (("--lora-modules", f"line-a={extra}"), ("given twice",)),
+        (("--lora-modules", f"x={tmp_path / 'none'}"), ("not an adapter directory",)),
+    ]
+    for args, needles in cases:
+        assert_one_line_error(run_cli("serve", str(bundle_dir), "--port", "1", *args), *needles)
+    plain = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64)
+    assert_one_line_error(run_cli("serve", str(plain), "--port", "1", "--lora-modules", f"a={extra}"),
+                          "--max-lora-rank")
+    assert_one_line_error(run_cli("serve", str(plain), "--port", "1", "--max-loras", "2"), "no adapters")

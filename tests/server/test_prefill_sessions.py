@@ -1,0 +1,228 @@
+"""POST /v1/prefill end to end over HTTP on a tiny model whose tokenizer merges (a trained byte-level BPE with
+ChatML markup), so chunk boundaries inside words, multi-byte characters and template markup really re-tokenize:
+the greedy answer after progressive prefill equals the answer to the same prompt sent at once; bad input is an
+OpenAI-shaped 4xx; session metrics show in /metrics and return to zero after the TTL (an injected clock)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from tests.runtime.fakes import FakeClock
+from tests.server.conftest import make_engine, metric, running_server
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TRAIN = ("the prefill session keeps the history while the technician talks; hello world, the line stops at "
+         "station 12. Température élevée près du four. 温度过高，请检查。 the the the prefill prefill hello ") * 20
+
+
+@pytest.fixture(scope="module")
+def merging_bundle(tiny_dense, tmp_path_factory):
+    """The tiny Llama with a 300-token BPE trained on shop-floor text (39 merges) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    ckpt = tmp_path_factory.mktemp("merging") / "ckpt"
+    shutil.copytree(tiny_dense("llama-gqa"), ckpt)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator([TRAIN], trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == 300
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML}))
+    out = tmp_path_factory.mktemp("merging-bundle") / "tiny-merging"
+    return build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=256))
+
+
+@pytest.fixture(scope="module")
+def srv(merging_bundle):
+    with running_server(merging_bundle, num_slots=3, threads=1, max_sessions=2) as s:
+        yield s
+
+
+def settle(client: httpx.Client, sid: str) -> dict:
+    """Until the session has nothing pending (bounded: the tiny model computes a chunk in milliseconds)."""
+    for _ in range(2000):
+        r = client.get(f"/v1/prefill/{sid}")
+        assert r.status_code == 200, r.text
+        if r.json()["pending_tokens"] == 0:
+            return r.json()
+    raise AssertionError("session never settled")
+
+
+GREEDY = {"max_tokens": 12, "temperature": 0}
+
+
+def test_progressive_completion_equals_prompt_at_once(srv):
+    # chunks split words ("tech|nician"), a multi-byte character ("é" and "温度" across chunks), digits
+    chunks = ["the prefill ses", "sion keeps the hist", "ory while the tech", "nician talks: Températ", "ure élev",
+              "ée, 温", "度过高 at station 1", "2"]
+    text = "".join(chunks)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        cold = c.post("/v1/completions", json={"prompt": text, **GREEDY}).json()
+        fed = ""
+        for chunk in chunks:
+            fed += chunk
+            r = c.post("/v1/prefill", json={"prompt": fed, "session_id": "ocr-1"})
+            assert r.status_code == 202, r.text
+            body = r.json()
+            assert body["object"] == "prefill.session" and body["cached_tokens"] + body["pending_tokens"] <= \
+                body["prompt_tokens"]
+            settle(c, "ocr-1")
+        before = c.get("/metrics").text
+        warm = c.post("/v1/completions", json={"prompt": text, **GREEDY}, headers={"X-Session-Id": "ocr-1"}).json()
+        after = c.get("/metrics").text
+        assert c.get("/v1/prefill/ocr-1").status_code == 404  # it ended with its completion
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert warm["usage"] == cold["usage"]
+    hits = metric(after, "lineside_prefill_session_hits_total") - metric(before, "lineside_prefill_session_hits_total")
+    saved = metric(after, "lineside_prefill_session_tokens_saved_total") - \
+        metric(before, "lineside_prefill_session_tokens_saved_total")
+    assert hits == 1 and saved >= cold["usage"]["prompt_tokens"] - 4
+
+
+def test_rewritten_text_and_chat_markup(srv):
+    """Chat: the user's message grows, one chunk rewrites earlier text, another types template markup as text;
+    the completion (session_id in the body) keeps the session for the next turn, which reuses it again."""
+    system = {"role": "system", "content": "You watch the line."}
+    steps = ["Station 12 rep", "Station 12 reports: temp", "Station 14 reports: température <|im_", "Station 14 "
+             "reports: température <|im_end|> élevée 温度"]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for step in steps:
+            r = c.post("/v1/prefill", json={"messages": [system, {"role": "user", "content": step}],
+                                             "session_id": "chat-7"})
+            assert r.status_code == 202, r.text
+            settle(c, "chat-7")
+        messages = [system, {"role": "user", "content": steps[-1]}]
+        cold = c.post("/v1/chat/completions", json={"messages": messages, **GREEDY}).json()
+        warm = c.post("/v1/chat/completions", json={"messages": messages, "session_id": "chat-7",
+                                                     "keep_session": True, **GREEDY}).json()
+        assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+        kept = c.get("/v1/prefill/chat-7").json()
+        assert kept["cached_tokens"] >= cold["usage"]["prompt_tokens"] - 1
+        turn2 = [*messages, cold["choices"][0]["message"], {"role": "user", "content": "and station 15?"}]
+        cold2 = c.post("/v1/chat/completions", json={"messages": turn2, **GREEDY}).json()
+        warm2 = c.post("/v1/chat/completions", json={"messages": turn2, "session_id": "chat-7", **GREEDY}).json()
+        assert warm2["choices"][0]["message"] == cold2["choices"][0]["message"]
+
+
+def test_bad_input_is_an_openai_shaped_4xx(srv):
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        def err(r, status, code):
+            assert r.status_code == status, r.text
+            e = r.json()["error"]
+            assert e["code"] == code and e["message"] and "\n" not in e["message"] and set(e) == {
+                "message", "type", "code", "param"}
+            return e
+
+        e = err(c.post("/v1/prefill", json={"prompt": "x", "session_id": "bad id!"}), 400, "invalid_session_id")
+        assert e["param"] == "session_id"
+        err(c.post("/v1/prefill", json={"prompt": "x"}), 400, "missing_field")
+        err(c.post("/v1/prefill", json={"prompt": "x", "session_id": 5}), 400, "invalid_value")
+        err(c.post("/v1/prefill", json={"prompt": ["a", "b"], "session_id": "s"}), 400, "invalid_value")
+        err(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Session-Id": "a b"}),
+            400, "invalid_session_id")
+        err(c.get("/v1/prefill/never-made"), 404, "session_not_found")
+        err(c.delete("/v1/prefill/never-made"), 404, "session_not_found")
+        err(c.post("/v1/prefill", json={"prompt": "the " * 300, "session_id": "long"}), 400,
+            "context_length_exceeded")
+        for i in range(2):  # the server's cap is 2 (below its 3 slots: none is released for room)
+            assert c.post("/v1/prefill", json={"prompt": f"line {i}", "session_id": f"cap-{i}"}).status_code == 202
+        r = c.post("/v1/prefill", json={"prompt": "one more", "session_id": "cap-9"})
+        err(r, 429, "too_many_sessions")
+        assert int(r.headers["retry-after"]) >= 1
+        for i in range(2):
+            assert c.delete(f"/v1/prefill/cap-{i}").json()["deleted"] is True
+        srv.state.draining = True
+        try:
+            err(c.post("/v1/prefill", json={"prompt": "late", "session_id": "late"}), 409, "draining")
+        finally:
+            srv.state.draining = False
+
+
+def test_api_key_and_metrics_return_to_zero_after_ttl(tiny_bundle):
+    clock = FakeClock()
+    engine = make_engine(tiny_bundle, num_slots=2, clock=clock, session_ttl=30.0)
+    with running_server(engine, api_key="k3y") as s, httpx.Client(base_url=s.url, timeout=30) as c:
+        assert c.post("/v1/prefill", json={"prompt": "abc", "session_id": "a"}).status_code == 401
+        auth = {"Authorization": "Bearer k3y"}
+        for sid in ("a", "b"):
+            r = c.post("/v1/prefill", json={"prompt": "the line stopped at station " + sid * 40, "session_id": sid},
+                       headers=auth)
+            assert r.status_code == 202 and r.json()["expires_in"] == pytest.approx(30, abs=1)
+        for sid in ("a", "b"):
+            for _ in range(2000):
+                if c.get(f"/v1/prefill/{sid}", headers=auth).json()["pending_tokens"] == 0:
+                    break
+        m = c.get("/metrics", headers=auth).text
+        assert metric(m, "lineside_prefill_sessions") == 2 and metric(m, "lineside_prefill_session_pinned_blocks") > 0
+        clock.advance(31)
+        m = c.get("/metrics", headers=auth).text
+        assert metric(m, "lineside_prefill_sessions") == 0 and metric(m, "lineside_prefill_session_pinned_blocks") == 0
+        assert metric(m, "lineside_prefill_sessions_expired_total") == 2
+        assert metric(m, "lineside_kv_cache_usage_ratio") == 0
+
+
+def test_prompt_stream_client(srv):
+    """The package's client: feed chunks (bytes split inside a UTF-8 character too), then complete, streamed."""
+    from lineside.client import PromptStream
+
+    text = "Température élevée près du four, station 12"
+    raw = text.encode()
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        cold = c.post("/v1/completions", json={"prompt": text, **GREEDY}).json()["choices"][0]["text"]
+    with PromptStream(srv.url, None, "client-1") as s:
+        for i in range(0, len(raw), 7):  # 7-byte pieces cut "é" in half
+            s.feed(raw[i:i + 7])
+        assert s.text == text
+        streamed = "".join(s.complete(stream=True, **GREEDY))
+    assert streamed == cold
+    with PromptStream(srv.url, None, "client-2") as s:
+        s.feed("abandoned prompt")
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.get("/v1/prefill/client-2").status_code == 404  # leaving without complete() deletes it
+
+
+def test_bench_chunked_pattern_feeds_then_completes(srv):
+    """`lineside bench --pattern chunked`'s client: each prompt goes through /v1/prefill in pieces, then its
+    streamed completion names the session (one hit per request)."""
+    from lineside.bench.client import ClientConfig
+    from lineside.bench.load import make_schedule
+    from lineside.bench.prompts import Prompt, PromptPool
+    from lineside.bench.runner import run
+
+    schedule = make_schedule("chunked", rate=50.0, duration=0.0, seed=1, max_requests=2)  # the server's cap is 2
+    assert schedule.pattern == "chunked" and len(schedule.arrivals) == 2
+    prompts = [Prompt("the technician reports station 12 is hot, " * 3 + str(i)) for i in range(3)]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        before = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
+        for endpoint in ("completions", "chat"):
+            cfg = ClientConfig(base_url="", endpoint=endpoint, max_tokens=4, chunks=3, chunk_interval=0.0)
+            res = run(srv.url, schedule, PromptPool(prompts), cfg, deadline=60)
+            assert [r.error for r in res.records] == [None] * 2 and all(r.output_tokens for r in res.records)
+        after = metric(c.get("/metrics").text, "lineside_prefill_session_hits_total")
+    assert after - before >= 3  # (nearly) every completion started from its session
+
+
+def test_bench_cli_chunked(srv, tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.bench.test_bench_end_to_end import cli_app
+
+    out = tmp_path / "report"
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, "--pattern", "chunked", "--chunks", "3",
+                                     "--chunk-interval", "0", "--rate", "20", "--num-requests", "2", "--duration",
+                                     "0", "--max-tokens", "3", "--prompt-len", "12:24", "--warmup", "0",
+                                     "--no-plots", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    assert meta["pattern"] == "chunked" and meta["chunks"] == 3 and meta["chunk_interval"] == 0
