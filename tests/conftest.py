@@ -3,8 +3,10 @@ built from them (one builder, cached per options), and SmolLM2 when it is instal
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,29 @@ def make_tiny_dense(out: Path, family: str, seed: int = 0, **overrides) -> Path:
     return out
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, key: object,
+              make: Callable[[Path], Path]) -> Path:
+    """make(an empty directory) → the path it made there, made once per (name, key) for the whole run: under
+    pytest-xdist the first worker to ask makes it in the run's shared temporary directory while the others
+    wait, then all of them use it (checkpoints and bundles take seconds each to make)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    slug = f"{name}-{hashlib.sha1(repr(key).encode()).hexdigest()[:12]}"
+    shared = tmp_path_factory.getbasetemp().parent / "made-once"
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{slug}.done"
+    with FileLock(str(shared / f"{slug}.lock")):
+        if not done.is_file():
+            d = shared / slug
+            if d.exists():  # a worker that died while making it
+                shutil.rmtree(d)
+            d.mkdir()
+            done.write_text(str(make(d)))
+        return Path(done.read_text())
+
+
 # Random PEFT LoRA adapters for the multi-LoRA tests: name -> LoraConfig fields (every case the reader knows).
 LORA_ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -99,8 +124,10 @@ def peft_adapter(tiny_dense, tmp_path_factory):
     def get(variant: str, name: str) -> Path:
         if (variant, name) not in cache:
             seed = sorted(LORA_ADAPTERS).index(name) + 1
-            cache[(variant, name)] = make_peft_adapter(tiny_dense(variant), tmp_path_factory.mktemp(f"lora-{name}"),
-                                                       seed=seed, **LORA_ADAPTERS[name])
+            ckpt = tiny_dense(variant)
+            cache[(variant, name)] = made_once(
+                tmp_path_factory, f"lora-{name}", (variant, name),
+                lambda d: make_peft_adapter(ckpt, d, seed=seed, **LORA_ADAPTERS[name]))
         return cache[(variant, name)]
 
     return get
@@ -108,13 +135,14 @@ def peft_adapter(tiny_dense, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory):
-    """Factory: variant name → path of a tiny HF checkpoint (made once per session)."""
+    """Factory: variant name → path of a tiny HF checkpoint (made once per run)."""
     cache: dict[str, Path] = {}
 
     def get(variant: str) -> Path:
         if variant not in cache:
             family, over = DENSE_VARIANTS[variant]
-            cache[variant] = make_tiny_dense(tmp_path_factory.mktemp(variant), family, **over)
+            cache[variant] = made_once(tmp_path_factory, variant, (family, over),
+                                       lambda d: make_tiny_dense(d, family, **over))
         return cache[variant]
 
     return get
@@ -127,7 +155,8 @@ def dense_checkpoint(tmp_path_factory):
 
     def get(name: str, family: str, **overrides) -> Path:
         if name not in cache:
-            cache[name] = make_tiny_dense(tmp_path_factory.mktemp(name), family, **overrides)
+            cache[name] = made_once(tmp_path_factory, name, (family, sorted(overrides.items())),
+                                    lambda d: make_tiny_dense(d, family, **overrides))
         return cache[name]
 
     return get
@@ -149,6 +178,14 @@ def smollm2_path() -> Path:
     return p
 
 
+@pytest.fixture(scope="session")
+def smollm2_ck(smollm2_path):
+    """The SmolLM2 GGUF opened once (GGUFReader takes seconds to parse its 49k-token vocabulary)."""
+    from lineside.build.checkpoint import open_checkpoint
+
+    return open_checkpoint(smollm2_path)
+
+
 TINY_BUNDLE = dict(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=256)
 
 
@@ -166,8 +203,9 @@ def tiny_bundles(tiny_dense, tmp_path_factory) -> Callable[..., Path]:
         if key not in cache:
             variant = options.pop("variant")
             family = DENSE_VARIANTS[variant][0]
-            out = tmp_path_factory.mktemp(f"bundle-{variant}-{options['quant']}") / f"tiny-{family}"
-            cache[key] = build_bundle(tiny_dense(variant), out, BuildOptions(**options))
+            ckpt = tiny_dense(variant)
+            cache[key] = made_once(tmp_path_factory, f"bundle-{variant}-{options['quant']}", key,
+                                   lambda d: build_bundle(ckpt, d / f"tiny-{family}", BuildOptions(**options)))
         return cache[key]
 
     return get
@@ -197,10 +235,38 @@ def trt_bundle(tiny_bundles):
     return get
 
 
+SMOL_BUNDLE = dict(quant="w4a16", flavors=("cpu",), max_seq_len=1024)
+
+
 @pytest.fixture(scope="session")
-def smol_bundle(smollm2_path, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct built W4A16 for the cpu graph, context 512 (skipped when the GGUF is not installed)."""
+def smol_bundles(smollm2_path, tmp_path_factory) -> Callable[..., Path]:
+    """The one builder of SmolLM2-135M-Instruct bundles: (**BuildOptions fields) over SMOL_BUNDLE → the bundle's
+    path, built once per distinct options (each build reads the GGUF and quantizes: seconds). The directory is
+    named smollm2: that is the served model name."""
     from lineside.build.pipeline import BuildOptions, build_bundle
 
-    out = tmp_path_factory.mktemp("smol") / "smollm2"
-    return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
+    cache: dict[tuple, Path] = {}
+
+    def get(**options: Any) -> Path:
+        options = {**SMOL_BUNDLE, **options}
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            cache[key] = made_once(tmp_path_factory, f"smol-{options['quant']}", key,
+                                   lambda d: build_bundle(smollm2_path, d / "smollm2", BuildOptions(**options)))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smol_bundle(smol_bundles) -> Path:
+    """SmolLM2-135M-Instruct built W4A16 for the cpu graph, context 1024 (skipped when the GGUF is not installed):
+    the one bundle of the tests that serve or generate real text (a longer context costs nothing per step)."""
+    return smol_bundles()
+
+
+@pytest.fixture(scope="session")
+def smol_level0_bundle(smol_bundles) -> Path:
+    """SmolLM2 W4A16 with fp32 activations (MatMulNBits accuracy level 0), context 512: a prefill step and
+    decode steps give the same logits to ~1e-5, for the tests that compare logits or greedy runs exactly."""
+    return smol_bundles(max_seq_len=512, accuracy_level=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import typing
@@ -9,12 +10,29 @@ from pathlib import Path
 
 import typer
 
+from tests.cli import cli_zygote
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lineside", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+def run_cli(*args: str | Path, timeout: float | None = 120, env: dict[str, str] | None = None,
+            cwd: str | Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m lineside ARGS` as subprocess.run(capture_output=True, text=True) gives it: a process of its
+    own, forked from a zygote that imported lineside.cli and its command modules once (tests/cli/cli_zygote.py),
+    or a fresh interpreter when the zygote cannot stand for one (an environment other than the one it imported
+    under; ``fresh``: always, for the tests of a real start; LINESIDE_TESTS_FRESH_CLI=1: for every call)."""
+    argv = [str(a) for a in args]
+    run_env = dict(os.environ if env is None else env)
+    run_cwd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    if not fresh and os.environ.get("LINESIDE_TESTS_FRESH_CLI", "") in ("", "0"):
+        zygote = cli_zygote.shared()
+        if zygote.usable_for(run_env) and zygote.lock.acquire(blocking=False):
+            try:
+                return zygote.run(argv, env=run_env, cwd=run_cwd, timeout=timeout)
+            finally:
+                zygote.lock.release()
+    return subprocess.run([sys.executable, "-m", "lineside", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, code: int | None = None) -> str:

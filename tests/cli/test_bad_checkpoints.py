@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
+from tests.cli.cli_run import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +117,12 @@ def test_missing_kv_heads_key_is_caught_by_shapes(ckpt, tmp_path):
 def test_cli_exit_1_one_line(ckpt, tmp_path):
     d = _edit_tensors(ckpt, tmp_path / "c", lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight",
                                                                     np.zeros((96, 64), np.float32)))
-    proc = subprocess.run([sys.executable, "-m", "lineside", "build", str(d), "-o", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("build", d, "-o", tmp_path / "o")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "model.layers.1.mlp.up_proj.weight" in lines[0] and "[96, 64]" in lines[0]
     d2 = _edit_config(ckpt, tmp_path / "c2", _set("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}))
-    proc = subprocess.run([sys.executable, "-m", "lineside", "build", str(d2), "-o", str(tmp_path / "o2")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("build", d2, "-o", tmp_path / "o2")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and "dynamic" in lines[0], proc.stderr
     assert not (tmp_path / "o2.partial").exists()

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lineside", *args], capture_output=True, text=True, timeout=120)
+from tests.cli.cli_run import run_cli
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -4,8 +4,6 @@ memory math behind them, and the combinations refused."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import yaml
 from lineside.deploy.engines import build_deployment, graph_sizes
 from lineside.deploy.sizing import GIB, plan_datacenter
 from lineside.errors import LinesideError
+from tests.cli.cli_run import run_cli
 
 jsonschema = pytest.importorskip("jsonschema", reason="pip install jsonschema (dev extra): checks trtllm configs")
 
@@ -149,9 +148,8 @@ def test_trtllm_v4_on_hopper_is_refused_with_the_alternative():
             build_deployment(model, "8xH200", "trtllm")
         msg = str(e.value)
         assert "Blackwell (SM100+) only" in msg and "--engine vllm or --engine sglang" in msg and "8xB200" in msg
-    p = subprocess.run([sys.executable, "-m", "lineside", "deploy", "datacenter", "deepseek-v4-flash", "--gpus",
-                        "8xH200", "--engine", "trtllm", "-o", "/tmp/unused-lineside-dc"], capture_output=True,
-                       text=True, timeout=120)
+    p = run_cli("deploy", "datacenter", "deepseek-v4-flash", "--gpus", "8xH200", "--engine", "trtllm", "-o",
+                "/tmp/unused-lineside-dc")
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "SM100+" in p.stderr
     assert not Path("/tmp/unused-lineside-dc").exists()
 

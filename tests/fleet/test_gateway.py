@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ import yaml
 
 from lineside.fleet.gateway import gateway_plan
 from lineside.fleet.spec import load_fleet
+from tests.cli.cli_run import run_cli
 from tests.fleet.conftest import MODEL_NAME, Proc, free_ports, lineside_worker, llama_worker, need, wait_http
 
 pytestmark = pytest.mark.slow
@@ -344,8 +344,7 @@ def test_sigkill_under_load_loses_nothing_not_started_and_the_breaker_opens_and_
 
 
 def test_fleet_status_table_and_json(cluster):
-    p = subprocess.run([sys.executable, "-m", "lineside", "fleet", "status", str(cluster["fleet"]), "--json"],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cli("fleet", "status", cluster["fleet"], "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     nodes = {n["node"]: n for n in d["nodes"]}
@@ -353,6 +352,5 @@ def test_fleet_status_table_and_json(cluster):
     assert nodes["w1"]["model"] == MODEL_NAME and nodes["llama"]["model"] == MODEL_NAME
     assert nodes["w1"]["running"] is not None and nodes["llama"]["running"] is None  # llama.cpp has no /metrics
     assert d["pools"]["batch"] == {"members": ["w3", "llama"], "ready": 2}
-    p = subprocess.run([sys.executable, "-m", "lineside", "fleet", "status", str(cluster["fleet"])],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cli("fleet", "status", cluster["fleet"])
     assert p.returncode == 0 and "fleet status" in p.stdout and "llama" in p.stdout

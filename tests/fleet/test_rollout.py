@@ -21,6 +21,7 @@ from lineside.errors import LinesideError
 from lineside.fleet.health import wait_healthy
 from lineside.fleet.rollout import Outcome, rolling_push, waves
 from lineside.fleet.spec import FleetFile
+from tests.cli.cli_run import run_cli
 from tests.jetson.conftest import make_bundle
 
 
@@ -180,8 +181,6 @@ def test_unhealthy_node_in_a_later_wave_stops_the_next_wave(fleet3, tmp_path):
 
 
 def test_cli_push_reports_and_exits_nonzero_when_stopped(fleet3, tmp_path):
-    import subprocess
-    import sys
 
     import yaml
 
@@ -190,8 +189,7 @@ def test_cli_push_reports_and_exits_nonzero_when_stopped(fleet3, tmp_path):
     (v2 / "model.onnx.data").write_bytes(b"x" * 4096)  # same size, different bytes: fails on the target
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(make(dict.fromkeys("abc", v2)).model_dump(mode="json", exclude_defaults=True)))
-    p = subprocess.run([sys.executable, "-m", "lineside", "fleet", "push", str(path)], capture_output=True,
-                       text=True, timeout=120)
+    p = run_cli("fleet", "push", path)
     assert p.returncode == 1, p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("error: rollout stopped: canary b push_failed")
     assert "b: push_failed" in p.stdout and "a: not_started" in p.stdout and "c: not_started" in p.stdout

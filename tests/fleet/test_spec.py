@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import yaml
 
 from lineside.fleet.plan import plan_fleet
 from lineside.fleet.spec import FleetError, load_fleet, parse_fleet
+from tests.cli.cli_run import run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "fleet.example.yaml"
 
@@ -117,13 +116,12 @@ def test_model_too_big_for_its_node_names_where_it_would_fit():
 def test_cli_check_is_one_line(tmp_path):
     bad = tmp_path / "fleet.yaml"
     bad.write_text(yaml.safe_dump(_with("pools.batch.members", [])))
-    run = [sys.executable, "-m", "lineside", "fleet", "check", str(bad)]
-    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    p = run_cli("fleet", "check", bad)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "has no members" in p.stderr, p.stderr
     bad.write_text("nodes: [\n")
-    p = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    p = run_cli("fleet", "check", bad)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "not valid YAML" in p.stderr
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(GOOD))
-    p = subprocess.run([*run[:-1], str(good)], capture_output=True, text=True, timeout=120)
+    p = run_cli("fleet", "check", good)
     assert p.returncode == 0 and "valid, every model fits its node" in p.stdout, p.stderr

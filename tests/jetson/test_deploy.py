@@ -17,6 +17,7 @@ import pytest
 from lineside.errors import LinesideError
 from lineside.jetson.power import query_power, resolve_mode, set_power
 from lineside.jetson.service import ServiceSpec, render_unit, write_unit
+from tests.cli.cli_run import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = Path(__file__).parent / "fixtures"
@@ -158,13 +159,11 @@ def test_systemd_unit(tmp_path):
 
 
 def test_cli_service_and_power(tmp_path):
-    run = [sys.executable, "-m", "lineside", "jetson"]
-    p = subprocess.run([*run, "service", "-o", str(tmp_path / "t.service"), "--drain-timeout", "90",
-                        "--sysroot", str(PC)], capture_output=True, text=True, cwd=REPO)
+    p = run_cli("jetson", "service", "-o", tmp_path / "t.service", "--drain-timeout", "90", "--sysroot", PC,
+                timeout=None, cwd=REPO)
     assert p.returncode == 0 and "not a Jetson" in p.stderr
     assert "TimeoutStopSec=105" in (tmp_path / "t.service").read_text()
-    p = subprocess.run([*run, "power", "--mode", "MAXN", "--sysroot", str(PC)], capture_output=True, text=True,
-                       cwd=REPO)
+    p = run_cli("jetson", "power", "--mode", "MAXN", "--sysroot", PC, timeout=None, cwd=REPO)
     assert p.returncode == 1 and p.stderr.startswith("error: not a Jetson") and p.stderr.count("\n") == 1
 
 

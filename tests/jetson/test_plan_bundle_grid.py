@@ -4,8 +4,6 @@ is blocks of 32 with an fp16 scale and minimum each) and at most its max_seq_len
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -13,6 +11,7 @@ from lineside.bundle import FlavorEntry, Manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.jetson.planner import CONFIGS_DIR, bundle_grid, plan
 from lineside.jetson.sizes import Grid, linear_bytes
+from tests.cli.cli_run import run_cli
 
 RAW = json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-1.5B" / "config.json").read_text())
 LINEARS = [(1536, 1536), (1536, 256), (1536, 256), (1536, 1536), (1536, 8960), (1536, 8960), (8960, 1536)]
@@ -72,8 +71,7 @@ def test_plan_uses_the_carried_grid_and_the_bundles_context(tmp_path):
 def test_plan_cli_on_a_bundle(tmp_path):
     b = _bundle(tmp_path, {"scheme": "w4a16", "group_size": 32, "grid": {"source": "GGUF Q4_1", "block_size": 32,
                                                                          "per_block": "fp16 scale + fp16 minimum"}})
-    proc = subprocess.run([sys.executable, "-m", "lineside", "jetson", "plan", str(b), "--device", "orin-nano-8"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli("jetson", "plan", b, "--device", "orin-nano-8")
     assert proc.returncode == 0, proc.stderr
     assert "per 32 weights" in proc.stdout and "largest context at batch 1: 2048" in proc.stdout
     assert "ctx 2048 x batch 1" in proc.stdout

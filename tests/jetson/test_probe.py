@@ -15,6 +15,7 @@ import pytest
 from lineside.jetson import gpu_health as gh
 from lineside.jetson.probe import jetpack_for_l4t, parse_nv_tegra_release, probe
 from lineside.jetson.tegrastats import TegrastatsSampler, parse_line
+from tests.cli.cli_run import run_cli
 
 FIX = Path(__file__).parent / "fixtures"
 AGX, NANO, PC = FIX / "sysroots/agx-orin-64", FIX / "sysroots/orin-nano-8", FIX / "sysroots/x86-pc"
@@ -170,8 +171,7 @@ def test_gpu_health_nvml(monkeypatch):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lineside", "jetson", *args], capture_output=True, text=True,
-                          timeout=120)
+    return run_cli("jetson", *args)
 
 
 def test_cli_probe_json_and_text():

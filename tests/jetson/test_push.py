@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import pytest
 from lineside.bundle import open_bundle
 from lineside.errors import BundleError, LinesideError
 from lineside.jetson.push import push, rollback
+from tests.cli.cli_run import run_cli
 
 
 class Interrupted(Exception):
@@ -118,10 +117,9 @@ def test_rollback_without_previous_and_bad_inputs(tmp_path, bundle_factory):
 
 def test_cli_push_and_rollback_errors(tmp_path, bundle_factory):
     a = bundle_factory(tmp_path / "a", 8)
-    run = [sys.executable, "-m", "lineside", "jetson"]
-    p = subprocess.run([*run, "push", str(a), str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
+    p = run_cli("jetson", "push", a, tmp_path / "dev")
     assert p.returncode == 0 and "current -> versions/tiny-" in p.stdout, p.stderr
-    p = subprocess.run([*run, "rollback", str(tmp_path / "dev")], capture_output=True, text=True, timeout=120)
+    p = run_cli("jetson", "rollback", tmp_path / "dev")
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ")
 
 

@@ -98,12 +98,8 @@ def test_tiny_int4_level0_greedy_with_drafts_equals_plain(tiny_bundles, variant)
 
 
 @pytest.fixture(scope="module")
-def smol_level0(smollm2_path, tmp_path_factory):
-    from lineside.build.pipeline import BuildOptions, build_bundle
-
-    out = tmp_path_factory.mktemp("smol0") / "smollm2"
-    return build_bundle(smollm2_path, out, BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512,
-                                                        accuracy_level=0))
+def smol_level0(smol_level0_bundle):
+    return smol_level0_bundle
 
 
 COPY_TASKS = [

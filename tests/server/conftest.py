@@ -61,9 +61,10 @@ def running_server(source, limits=None, **app_kw):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_bundle):
-    """One shared server for the client tests (4 slots, latency log on)."""
-    log = tiny_bundle.parent / "latency.jsonl"
+def server(tiny_bundle, tmp_path_factory):
+    """One shared server for the client tests (4 slots, latency log on; the log is the module's own: the bundle's
+    directory is shared by every module, and under xdist by every worker)."""
+    log = tmp_path_factory.mktemp("latency") / "latency.jsonl"
     with running_server(tiny_bundle, num_slots=4, threads=1, latency_log=log) as srv:
         srv.latency_log = log
         yield srv

@@ -115,14 +115,13 @@ def test_noncharacter_markers_cannot_be_forged(tmp_path):
     assert "\ufdd0" not in hf.decode(ids, skip_special_tokens=False)
 
 
-def test_smollm2_shipped_template(smollm2_path, tmp_path):
+def test_smollm2_shipped_template(smollm2_ck, tmp_path):
     """The demo model's own ChatML template and vocabulary (rebuilt from its GGUF, as `lineside build` does)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from lineside.build.checkpoint.gguf_file import GGUFCheckpoint
     from lineside.build.checkpoint.gguf_tokenizer import write_gguf_tokenizer
 
-    info = write_gguf_tokenizer(GGUFCheckpoint(smollm2_path), tmp_path)
+    info = write_gguf_tokenizer(smollm2_ck, tmp_path)
     tok = Tokenizer(tmp_path, info)
     hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
     split = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))

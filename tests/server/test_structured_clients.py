@@ -18,12 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_path, tmp_path_factory):
-    from lineside.build.pipeline import BuildOptions, build_bundle
+def smol(smol_bundle):
     from lineside.runtime.engine import LLMEngine
 
-    bundle = build_bundle(smollm2_path, tmp_path_factory.mktemp("srv-struct") / "smollm2",
-                          BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=1024))
+    bundle = smol_bundle  # context 1024
     engine = LLMEngine(bundle, backend="onnxruntime", num_slots=2, threads=1, prefix_cache=False)
     with running_server(engine) as srv:
         srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
@@ -32,14 +30,12 @@ def smol(smollm2_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exact(smollm2_path, tmp_path_factory):
+def exact(smol_level0_bundle):
     """SmolLM2 with fp32 activations (MatMulNBits accuracy level 0): a prefill step and decode steps give the
     same logits to ~1e-5, so the server's logprobs can be checked against `lineside logits` exactly."""
-    from lineside.build.pipeline import BuildOptions, build_bundle
     from lineside.runtime.engine import LLMEngine
 
-    bundle = build_bundle(smollm2_path, tmp_path_factory.mktemp("srv-exact") / "smollm2",
-                          BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=256, accuracy_level=0))
+    bundle = smol_level0_bundle
     engine = LLMEngine(bundle, backend="onnxruntime", num_slots=1, threads=1, prefix_cache=False)
     with running_server(engine) as srv:
         srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)

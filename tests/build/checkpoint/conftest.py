@@ -8,15 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.build.checkpoint.ckpt_helpers import TINY, smollm2_gguf
-
-
-@pytest.fixture(scope="session")
-def smollm2_ck():
-    """The SmolLM2 GGUF opened once (GGUFReader takes seconds to parse its 49k-token vocabulary)."""
-    from lineside.build.checkpoint import open_checkpoint
-
-    return open_checkpoint(smollm2_gguf())
+from tests.build.checkpoint.ckpt_helpers import TINY
 
 
 def _tiny_tokenizer_json() -> dict:

@@ -6,14 +6,12 @@ official-style, so the generic HF-name presence check reports every tensor missi
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from lineside.errors import CheckpointError
 from tests.build.deepseek_v4.helpers import rel_err
+from tests.cli.cli_run import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +48,7 @@ def test_bundle_logits_match_transformers(v4, bundles, flavor, mode):
 
 
 def test_w4a16_bundle_from_fp8_mxfp4_generates(bundles):
-    proc = subprocess.run([sys.executable, "-m", "lineside", "generate", str(bundles["w4a16"]), "--prompt", "hello",
-                           "--max-tokens", "8", "--temperature", "0"], capture_output=True, text=True, timeout=120)
+    proc = run_cli("generate", bundles["w4a16"], "--prompt", "hello", "--max-tokens", "8", "--temperature", "0")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() != "" or proc.stderr == ""
 

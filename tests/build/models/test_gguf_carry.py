@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.bundle import open_bundle
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
@@ -16,11 +15,9 @@ IDS = [1, 504, 3458, 314, 260, 1345, 282, 4649, 30, 2, 216, 33, 30, 216, 34, 17]
 
 
 @pytest.fixture(scope="module")
-def bundles(smollm2_path, tmp_path_factory):
-    d = tmp_path_factory.mktemp("smol")
-    carry = build_bundle(smollm2_path, d / "carry", BuildOptions(quant="w4a16", max_seq_len=64, accuracy_level=0))
-    ref = build_bundle(smollm2_path, d / "fp32", BuildOptions(quant="fp32", max_seq_len=64))
-    return open_bundle(carry), open_bundle(ref)
+def bundles(smol_level0_bundle, smol_bundles):
+    """The carried W4A16 build (fp32 activations, the suite's shared one) and a float32 build of the same GGUF."""
+    return open_bundle(smol_level0_bundle), open_bundle(smol_bundles(quant="fp32", max_seq_len=64))
 
 
 def test_carried_grid_equals_dequantized_reference(bundles):
