@@ -235,7 +235,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
                              constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
-                             adapter=adapter)
+                             adapter=adapter, ignore_eos=bool(req.ignore_eos))
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

@@ -70,6 +70,8 @@ class _Sampling(BaseModel):
     guided_grammar: Any = Field(None, description="a Lark or GBNF (llama.cpp) grammar")
     structured_outputs: Any = Field(None, description="vLLM's newer form: {json | regex | choice | grammar | json_object}")
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
+    ignore_eos: bool | None = Field(None, description="vLLM's: go on past the end-of-sequence token (max_tokens "
+                                                      "and stop strings still end the answer)")
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")
     session_id: str | None = Field(None, description="a prefill session (POST /v1/prefill) whose KV this prompt "

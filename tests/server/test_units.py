@@ -232,3 +232,20 @@ def test_serve_cli_errors_are_one_line(args, needle, capsys):
     code = run_app(_cli(), args)  # what `lineside` does with them: ranges are usage errors (exit 2), the rest 1
     err = capsys.readouterr().err.strip()
     assert code in (1, 2) and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_ignore_eos_reaches_the_engine_request():
+    """vLLM's ``ignore_eos`` (what ``lineside bench --ignore-eos`` sends) keeps the engine going past EOS; a
+    string is a 400 like every other strictly typed field."""
+    from lineside.runtime.request import Mode, Priority
+
+    def engine_request(body):
+        return request_mapping.engine_request([1, 2], 8, body, stops=[], priority=Priority.NORMAL,
+                                              mode=Mode.REALTIME, timeout=None, request_id="r")
+
+    assert engine_request(CompletionRequest(prompt="x", ignore_eos=True)).ignore_eos is True
+    assert engine_request(CompletionRequest(prompt="x")).ignore_eos is False
+    assert engine_request(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                                ignore_eos=True)).ignore_eos is True
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", ignore_eos="yes")

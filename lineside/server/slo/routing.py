@@ -68,7 +68,8 @@ def store(guard: SloGuard, slo_plan: SloPlan, response: Any) -> Any:
 
 
 _OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs")
+                  "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
+                  "ignore_eos")
 
 
 def _output_fields(body: Any) -> str:
