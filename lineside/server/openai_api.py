@@ -86,7 +86,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n),
                                call_format=tool_calls.call_format(tool_choice, template) if tools and
                                tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
-                               tools=tuple(tools), named=tool_choice.name)
+                               tools=tuple(tools), named=tool_choice.name,
+                               max_calls=1 if body.parallel_tool_calls is False else None)
         size = sum(len(m["content"] or "") for m in messages)
         ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                      max_tokens=_prompt_limit(state)), param="messages")

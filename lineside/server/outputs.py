@@ -24,6 +24,7 @@ class OutputOptions:
     call_format: CallFormat | None = None  # None: the text is the answer (no tools, or tool_choice none)
     tools: tuple[Tool, ...] = ()
     named: str | None = None  # the function a named tool_choice calls
+    max_calls: int | None = None  # parallel_tool_calls false: 1
     top_logprobs: int | None = None  # None: no logprobs
     formatter: LogprobFormatter | None = None
 
@@ -33,7 +34,7 @@ class ChoiceOutput:
 
     def __init__(self, options: OutputOptions):
         self.options = options
-        self.calls = (ToolCallStream(options.call_format, options.tools, options.named)
+        self.calls = (ToolCallStream(options.call_format, options.tools, options.named, options.max_calls)
                       if options.call_format is not None else None)
         self.logprobs: list[TokenLogprob] = []
         self._offset = 0  # completions' text_offset: characters of the choice's tokens so far

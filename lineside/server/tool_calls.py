@@ -258,10 +258,14 @@ class ToolCallStream:
     Every feed rescans the whole output (short) and emits only what can no longer change, so the
     concatenated deltas equal what the whole-text parse returns."""
 
-    def __init__(self, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None):
+    def __init__(self, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None,
+                 max_calls: int | None = None):
+        """``max_calls``: calls past it are dropped (``parallel_tool_calls: false`` is 1: OpenAI's model then makes
+        at most one call per answer)."""
         self.fmt = fmt
         self.names = {t.name for t in tools}
         self.named = named
+        self.max_calls = max_calls
         self._buf = ""
         self._content_sent = 0
         self.calls: list[ToolCall] = []
@@ -308,9 +312,10 @@ class ToolCallStream:
     def _scan(self, final: bool) -> _Scan:
         if self.fmt == CallFormat.ARGUMENTS:
             return _Scan("", [(self.named, self._buf.lstrip(), final)])
-        if self.fmt == CallFormat.TAGGED:
-            return self._scan_tagged(final)
-        return self._scan_json(final)
+        s = self._scan_tagged(final) if self.fmt == CallFormat.TAGGED else self._scan_json(final)
+        if self.max_calls is not None:
+            del s.calls[self.max_calls:]
+        return s
 
     def _scan_tagged(self, final: bool) -> _Scan:
         buf, pos, content, calls = self._buf, 0, [], []
@@ -381,10 +386,10 @@ class ToolCallStream:
         return (content if content.strip() or not self.calls else None), list(self.calls)
 
 
-def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None
-          ) -> tuple[str | None, list[ToolCall]]:
+def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None,
+          max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """Whole-output parse: (content, calls)."""
-    s = ToolCallStream(fmt, tools, named)
+    s = ToolCallStream(fmt, tools, named, max_calls)
     s.feed(text)
     s.close()
     return s.result()

@@ -84,6 +84,19 @@ def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
         assert [c["id"] for c in s_calls] == [c.id for c in s.calls]
 
 
+@pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON)])
+def test_one_call_at_most_without_parallel_calls(text, fmt):
+    """``parallel_tool_calls: false`` (max_calls 1): the first call only, whole and streamed alike."""
+    content, calls = parse(text, fmt, TOOLS, max_calls=1)
+    full = parse(text, fmt, TOOLS)[1]
+    assert [(c.name, c.arguments) for c in calls] == [(full[0].name, full[0].arguments)]
+    for step in (1, 5):
+        s = ToolCallStream(fmt, TOOLS, max_calls=1)
+        deltas = [d for i in range(0, len(text), step) for d in s.feed(text[i:i + step])[1]] + s.close()[1]
+        assert {d.index for d in deltas} == {0} and [(c.name, c.arguments) for c in s.calls] == \
+            [(full[0].name, full[0].arguments)]
+
+
 def test_named_format_streams_arguments_from_the_first_token():
     s = ToolCallStream(CallFormat.ARGUMENTS, TOOLS, named="stop_line")
     c, ds = s.feed('{"sta')

@@ -237,6 +237,13 @@ def test_parallel_calls(model):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == want
 
 
+def test_no_parallel_calls_keeps_the_first(model):
+    """``parallel_tool_calls: false``: a model that writes two calls answers with the first only."""
+    r = _ask(model, "[two]", parallel_tool_calls=False)
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+    assert got == [("stop_line", {"line": 4})] and r.choices[0].finish_reason == "tool_calls"
+
+
 def test_plain_answer_stays_content(model):
     r = _ask(model, "[text]")
     assert r.choices[0].message.content == SCRIPTS[model.family]["[text]"]
