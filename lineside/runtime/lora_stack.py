@@ -31,6 +31,16 @@ class LoraSlotsConfig:
             raise LinesideError(f"--max-lora-rank {self.max_rank} must be 1 to 1024")
 
 
+def stack_bytes(cfg: ModelConfig, targets: tuple[LoraTarget, ...], slots: LoraSlotsConfig,
+                itemsize: int = 4) -> int:
+    """What a ``LoraStack`` of ``slots`` allocates (A/B of ``itemsize`` bytes, int64 column maps), counted before
+    allocating it: ``serve`` refuses slots that cannot fit in memory instead of being OOM-killed."""
+    n, r = slots.max_loras, slots.max_rank
+    sites = lora_sites(cfg, targets)
+    ab = sum(n * r * len(s.parts) * (s.in_features + s.out_features) for s in sites) * itemsize
+    return ab + sum(n * r * p * 8 for p in {len(s.parts) for s in sites})
+
+
 class LoraStack:
     """Every site's stacked A/B tensors and the column → slot maps (the graph's ``lora_cols.P`` inputs)."""
 

@@ -118,8 +118,18 @@ def serve(
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
                               max_rank=max_lora_rank)
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
-        checks.fits_in_memory(checks.decode_state_bytes(manifest, num_slots),
-                              f"the KV cache for --num-slots {num_slots}", "lower --num-slots")
+        need, what, fix = checks.decode_state_bytes(manifest, num_slots), f"the KV cache for --num-slots {num_slots}", \
+            "lower --num-slots"
+        if lora is not None and manifest.lora is not None:
+            from lineside.bundle import Bundle
+            from lineside.lora import LoraTarget
+            from lineside.runtime.lora_stack import stack_bytes
+
+            need += stack_bytes(Bundle(path=Path(bundle), manifest=manifest).config,
+                                tuple(LoraTarget(t) for t in manifest.lora.targets), lora.slots)
+            what += f" and {lora.slots.max_loras} adapter slots of rank {lora.slots.max_rank}"
+            fix += ", --max-loras or --max-lora-rank"
+        checks.fits_in_memory(need, what, fix)
     policy = None
     if slo_policy is not None:
         from lineside.server.slo.policy import load_policy

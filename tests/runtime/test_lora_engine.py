@@ -168,3 +168,17 @@ def test_adapter_slots_bookkeeping_without_a_model():
     assert s.refs == [0, 2, 1]
     with pytest.raises(UnknownAdapter):
         s.acquire("zzz")
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), ("q", "k", "v", "o", "gate", "up", "down"), ("down",)])
+@pytest.mark.parametrize("loras, rank", [(1, 4), (3, 16)])
+def test_stack_bytes_counts_what_the_stack_allocates(targets, loras, rank):
+    """serve's memory check counts the adapter slots before allocating them: the count is the allocation."""
+    from lineside.config import ModelConfig
+    from lineside.lora import LoraTarget
+    from lineside.runtime.lora_stack import LoraStack, stack_bytes
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=40, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=4)
+    ts, slots = tuple(LoraTarget(t) for t in targets), LoraSlotsConfig(max_loras=loras, max_rank=rank)
+    assert stack_bytes(cfg, ts, slots) == LoraStack(cfg, ts, slots).nbytes > 0
