@@ -125,6 +125,7 @@ def _run(case, ckpt, bundle, ws):
     assert_one_line_error(proc, *needles, code=1)
     assert tree_snapshot(ws) == before, "a failed command left something behind"
     assert not UNWRITABLE.exists()
+    return proc
 
 
 @pytest.mark.parametrize("case", OUTPUT_CASES, ids=[c[0] for c in OUTPUT_CASES])
@@ -134,7 +135,8 @@ def test_output_paths_are_checked_before_work(case, ckpt, bundle, ws):
 
 @pytest.mark.parametrize("case", INPUT_CASES, ids=[c[0] for c in INPUT_CASES])
 def test_input_paths_are_one_line(case, ckpt, bundle, ws):
-    _run(case, ckpt, bundle, ws)
+    proc = _run(case, ckpt, bundle, ws)  # one stderr line naming the path, exit 1, nothing left behind
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_every_path_option_is_covered_here():

@@ -18,8 +18,9 @@ CLICK = typer.main.get_command(APP)
 
 
 def _fill_arguments(cmd) -> list[str]:
-    """Placeholder values for a command's required positional arguments (parsing stops before they are used)."""
-    return ["placeholder" for p in cmd.params if p.param_type_name == "argument" and p.required]
+    """Stand-in values for a command's required positional arguments: these cases stop at option parsing, before
+    any argument is read, so any text does."""
+    return ["ARG" for p in cmd.params if p.param_type_name == "argument" and p.required]
 
 
 def _numeric_options():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 
 import httpx
 import pytest
@@ -19,6 +19,8 @@ from starlette.routing import Route
 
 from lineside.bench.inprocess import BackgroundServer
 from lineside.fleet.front import Front, FrontConfig, ShadowSpec, ShareSampler, answer_text, sse_text
+
+HANG_CLOSED = threading.Event()  # a pool's never-ending stream (/v1/hang) was closed by its client
 
 
 def pool_app(name: str, seen: list[dict]) -> Starlette:
@@ -45,6 +47,7 @@ def pool_app(name: str, seen: list[dict]) -> Starlette:
                 await asyncio.Event().wait()
             finally:
                 seen.append({"pool": name, "hang": "closed"})
+                HANG_CLOSED.set()
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
@@ -193,13 +196,12 @@ def test_a_client_that_leaves_mid_stream_ends_the_upstream_generation(make):
     """The front runs as a real server here: its client disconnects after the first token, and the node's
     stream (behind the front) is closed too instead of generating for nobody."""
     front, seen = make(share=0.0001)
+    HANG_CLOSED.clear()
     with BackgroundServer(front.app, ready_path="/fleet/shadow") as gw:
         with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as c:
             with c.stream("POST", "/v1/hang", json={"stream": True}) as r:
                 assert r.status_code == 200 and b'"x"' in next(r.iter_raw())
-        deadline = time.monotonic() + 10
-        while {"pool": "realtime", "hang": "closed"} not in seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+        HANG_CLOSED.wait(10)
     assert {"pool": "realtime", "hang": "closed"} in seen
 
 

@@ -25,8 +25,10 @@ class FakePrimary:
 
     def __init__(self) -> None:
         self.current = Stats()
+        self.polled = asyncio.Event()  # set each time the gate reads stats()
 
     def stats(self) -> Stats:
+        self.polled.set()
         return self.current
 
 
@@ -35,9 +37,12 @@ class FakeHandle:
         self.finished = False
 
 
-async def _blocked(task: asyncio.Task, rounds: int = 5) -> bool:
-    for _ in range(rounds):
-        await asyncio.sleep(0.03)  # lets the gate poll; the gate, not the test, decides
+async def _blocked(task: asyncio.Task, primary: FakePrimary, polls: int = 3) -> bool:
+    """Still held after the gate has read the primary's stats ``polls`` more times: the gate decides."""
+    for _ in range(polls):
+        primary.polled.clear()
+        await asyncio.wait_for(primary.polled.wait(), 10)
+    await asyncio.sleep(0)  # let a gate that just decided to admit finish doing so
     return not task.done()
 
 
@@ -57,13 +62,13 @@ def test_batch_waits_for_realtime_and_the_cap_at_level_1():
         assert not route.fallback  # the policy names no batch traffic for a fallback (and there is none)
         primary.current = Stats(running=4, waiting=2)  # realtime requests wait
         first = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))
-        assert await _blocked(first)
+        assert await _blocked(first, primary)
         primary.current = Stats(running=4, waiting=0)
         await asyncio.wait_for(first, 1)
         handle = FakeHandle()
         guard.admitted(handle, Mode.BATCH, fallback=False)
         second = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))
-        assert await _blocked(second)  # the running batch is at its cap of 1
+        assert await _blocked(second, primary)  # the running batch is at its cap of 1
         handle.finished = True
         await asyncio.wait_for(second, 1)
         assert guard.metrics.registry.get_sample_value("lineside_slo_batch_held_total") == 2
@@ -71,7 +76,7 @@ def test_batch_waits_for_realtime_and_the_cap_at_level_1():
         draining = [False]
         primary.current = Stats(running=4, waiting=3)
         third = asyncio.create_task(guard.admit_batch(route, draining=lambda: draining[0]))
-        assert await _blocked(third)
+        assert await _blocked(third, primary)
         draining[0] = True  # the drain lets it through to the engine, which answers 503 draining
         await asyncio.wait_for(third, 1)
         await guard.stop()
