@@ -107,3 +107,25 @@ async def submit_after(engine, spec: dict, yields: int, cancel_after: dict[str, 
         if n == cancel_after.get(spec["request_id"], -1):
             handle.cancel()
     return ids, last
+
+
+class ReferenceProposer:
+    """Proposes the plain-decoding continuation (known in advance), corrupting every ``wrong``-th token:
+    drafts that are all kept, partly kept and all rejected, on a real model."""
+
+    cheap = True
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], wrong: int = 4, *, span: int = 250, shift: int = 7):
+        """A corrupted token is 3 + (token + shift) % span: another token inside a vocabulary of 3 + span."""
+        self.refs, self.wrong, self.count, self.span, self.shift = refs, wrong, 0, span, shift
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for prompt, cont in self.refs.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                out = list(cont[len(tokens) - len(prompt):][:k])
+                for i in range(len(out)):
+                    self.count += 1
+                    if self.count % self.wrong == 0:
+                        out[i] = 3 + (out[i] + self.shift) % self.span
+                return out
+        return []

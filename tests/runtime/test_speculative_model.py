@@ -17,6 +17,7 @@ from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from lineside.runtime.request import GenerationRequest
 from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
 from tests.runtime.conftest import run
+from tests.runtime.fakes import ReferenceProposer
 
 
 @pytest.mark.parametrize("flavor", ["cpu", "trt"])
@@ -40,26 +41,6 @@ def test_rejected_drafts_kv_is_overwritten(tiny_bundles, flavor):
     one = spec.forward(StepBatch.single(1, [9], len(prompt) + 4))[0]
     np.testing.assert_allclose(one, ref.forward(StepBatch.single(1, [9], len(prompt) + 4))[0], rtol=1e-4, atol=1e-4)
 
-
-class ReferenceProposer:
-    """Proposes the plain-decoding continuation (known in advance), corrupting every ``wrong``-th token:
-    drafts that are all kept, partly kept and all rejected, on a real model."""
-
-    cheap = True
-
-    def __init__(self, refs: dict[tuple[int, ...], list[int]], wrong: int = 4):
-        self.refs, self.wrong, self.count = refs, wrong, 0
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        for prompt, cont in self.refs.items():
-            if tuple(tokens[:len(prompt)]) == prompt:
-                out = list(cont[len(tokens) - len(prompt):][:k])
-                for i in range(len(out)):
-                    self.count += 1
-                    if self.count % self.wrong == 0:
-                        out[i] = 3 + (out[i] + 7) % 250
-                return out
-        return []
 
 
 async def engine_outputs(bundle, prompts, n, *, spec, proposer=None, slots=3, **kw):

@@ -20,7 +20,7 @@ from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
 from lineside.runtime.speculative.verify import verify_drafts
 from lineside.runtime.structured import Constraint, GrammarCompiler
 from tests.runtime.conftest import run
-from tests.runtime.test_speculative_model import ReferenceProposer
+from tests.runtime.fakes import ReferenceProposer
 from tests.tiny_tokenizer import write_byte_tokenizer
 
 VOCAB, EOS = 300, 2

@@ -12,6 +12,7 @@ import pytest
 
 from lineside.graph_io import StateUpdate
 from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
+from tests.runtime.fakes import ReferenceProposer
 
 
 @pytest.fixture(scope="module")
@@ -20,26 +21,6 @@ def v4_bundle(v4, tmp_path_factory):
 
     return build_bundle(v4.hf_dir("a"), tmp_path_factory.mktemp("v4spec") / "v4",
                         BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=64))
-
-
-class OracleProposer:
-    """Proposes plain decoding's continuation with every ``wrong``-th token changed (inside V4's vocabulary)."""
-
-    cheap = True
-
-    def __init__(self, refs: dict[tuple[int, ...], list[int]], wrong: int = 3):
-        self.refs, self.wrong, self.count = refs, wrong, 0
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        for prompt, cont in self.refs.items():
-            if tuple(tokens[:len(prompt)]) == prompt:
-                out = list(cont[len(tokens) - len(prompt):][:k])
-                for i in range(len(out)):
-                    self.count += 1
-                    if self.count % self.wrong == 0:
-                        out[i] = 3 + (out[i] + 5) % 120
-                return out
-        return []
 
 
 def prompts() -> list[list[int]]:
@@ -93,7 +74,7 @@ def test_v4_greedy_with_drafts_equals_plain(v4_bundle):
         await eng.stop()
         return [o[1] for o in outs], st
 
-    got, st = asyncio.run(engine(OracleProposer(refs)))
+    got, st = asyncio.run(engine(ReferenceProposer(refs, 3, span=120, shift=5)))
     assert got == want
     assert 0 < st.spec_accepted_tokens_total < st.spec_draft_tokens_total
     g.speculative = SpeculativeConfig(SpecMethod.NGRAM, 4)

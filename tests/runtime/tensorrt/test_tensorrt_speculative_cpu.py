@@ -12,9 +12,9 @@ import pytest
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.runtime.fakes import ReferenceProposer
 from tests.runtime.tensorrt import fake_trt
 from tests.runtime.tensorrt.test_tensorrt_backend_cpu import IDS, rel
-from tests.runtime.test_speculative_model import ReferenceProposer
 
 
 @pytest.fixture
