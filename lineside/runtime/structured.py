@@ -23,13 +23,9 @@ import numpy as np
 
 from lineside.errors import LinesideError
 
-# Whitespace between JSON tokens is bounded, as llama.cpp's JSON grammars bound it (json-schema-to-grammar's
-# ``space ::= | " " | "\n"{1,2} [ \t]{0,20}``): at most one space, or one or two newlines and an indent of up to
-# 20, at each place JSON allows whitespace. Compact and pretty-printed JSON both match, so a model that opens
-# ``{`` with a newline (SmolLM2 does) is not forced off its own layout; unbounded whitespace would let a small
-# model pad a value with newlines until max_tokens. llguidance matches the pattern at most once per place.
-JSON_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})"
-JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
+# JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
+# small models given free whitespace can pad a value with newlines until max_tokens.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ConstraintKind(str, Enum):

@@ -88,18 +88,9 @@ def _generate(compiler, tok, c: Constraint, seed: int, max_tokens: int = 400, te
     ('{"k": "with \\"escapes\\" and é", "n": null, "t": true}', True),
     ('{"parts": [{"name": "belt"}, "cause"], "": 1}', True),  # any JSON: mixed arrays, any key
     ('[1, 2]', False),  # an object, not any JSON value
-    ('{"a":1,"b":[2]}', True),  # compact
-    ('{\n  "a": 1,\n  "b": [\n    2\n  ]\n}', True),  # pretty-printed (json.dumps indent=2)
-    ('{\n\n\t"a" : 1 ,\n "b":2}', True),  # one whitespace run at each place JSON allows one
-    (' {"a": 1}', False),  # nothing before the object
-    ('{"a":  1}', False),  # at most one space in a row
-    ('{\n\n\n"a": 1}', False),  # at most two newlines in a row
-    ('{"a": 1,\n' + ' ' * 21 + '"b": 2}', False),  # an indent of at most 20
-    ('{"a": 1}\n', False),  # nothing after it
+    ('{"a":1}', False),  # written with the separators of json.dumps, no free whitespace
 ])
-def test_json_object_whitespace_is_bounded(tiny, text, ok):
-    """Any object, laid out compactly or pretty-printed, but whitespace bounded as llama.cpp's JSON grammars
-    bound it: a model cannot pad the output with whitespace until max_tokens."""
+def test_json_object_is_any_object_written_compactly(tiny, text, ok):
     tok, comp = tiny
     ids = tok.encode(text, add_special=False)
     m = comp.matcher(Constraint.json_object())
