@@ -165,16 +165,59 @@ def test_dense_weight_count_matches_transformers(arch):
 
 
 def test_totals_and_max_context_are_consistent():
-    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", "w4a16", ctx=8192, batch=1)
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", "w4a16", ctx=8192, batch=1, prefill_chunk=512)
     assert p.total_bytes == p.weights_bytes + p.kv_cache_bytes + p.activation_bytes + p.runtime_overhead_bytes
     assert p.device_bytes == DEVICES["orin-nano-8"].usable_bytes and p.unified_memory
-    assert not p.fits
+    assert not p.fits and not p.prefill_chunk_picked and p.engine_args == "--slots 1 --max-prefill 512"
     best = p.max_context_at_batch
     assert 0 < best < 8192
-    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best).fits
-    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best + 1).fits
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best, prefill_chunk=512).fits
+    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best + 1, prefill_chunk=512).fits
     # int8 KV halves the cache and lets a longer context fit
-    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=8192, kv_dtype="int8").max_context_at_batch > best
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=8192, kv_dtype="int8",
+                prefill_chunk=512).max_context_at_batch > best
+
+
+def test_prefill_chunk_is_picked_when_not_pinned():
+    """Unpinned, the plan takes the largest chunk of PREFILL_CHUNKS that fits and says how to build it."""
+    from lineside.jetson.planner import PREFILL_CHUNKS
+
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8")  # issue 17's target
+    assert p.fits and p.prefill_chunk_picked and p.prefill_chunk == 256
+    assert p.engine_args == "--slots 1 --max-prefill 256"
+    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8", prefill_chunk=512).fits
+    assert p.to_dict() == plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8",
+                               prefill_chunk=256).to_dict() | {"prefill_chunk_picked": True,
+                                                               "max_context_at_batch": p.max_context_at_batch,
+                                                               "max_batch_at_context": p.max_batch_at_context,
+                                                               "notes": p.notes}
+    # the largest context is the smallest chunk's, and the chunk picked there is named
+    small = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8",
+                 prefill_chunk=PREFILL_CHUNKS[-1])
+    assert p.max_context_at_batch == small.max_context_at_batch > 12288
+    assert any(f"({p.max_context_at_batch}) is planned at prefill chunk" in n for n in p.notes)
+    # short contexts keep the engine's default chunk (clipped to the context in the engine options)
+    q = plan("DeepSeek-R1-Distill-Qwen-1.5B", "agx-orin-64", ctx=300)
+    assert q.prefill_chunk == PREFILL_CHUNKS[0] and q.engine_args == "--slots 1 --max-prefill 300"
+    # nothing fits: reported at the default chunk
+    assert plan("DeepSeek-R1-Distill-Qwen-32B", "orin-nano-8").prefill_chunk == PREFILL_CHUNKS[0]
+
+
+def test_logits_counted_as_the_tensorrt_backend_allocates_them():
+    """The planner's logits term is the backend's float32 logits buffer at the engine's derived max_logits."""
+    from lineside.build.tensorrt.profiles import derive_limits
+    from lineside.config import ModelConfig
+    from lineside.jetson.planner import CONFIGS_DIR
+    from lineside.jetson.sizes import logits_buffer
+    from lineside.runtime.tensorrt.buffers import plan_buffers
+
+    cfg = ModelConfig.from_hf_dict(json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-7B" / "config.json")
+                                              .read_text()))
+    for slots, chunk in ((1, 256), (1, 512), (4, 512)):
+        lim = derive_limits(4096, cfg.vocab_size, slots, chunk)
+        bp = plan_buffers([], cfg, num_slots=slots, max_seq=4096, max_prefill=lim.max_prefill,
+                          max_logits=lim.max_logits, vocab=cfg.vocab_size, input_names=[])
+        assert logits_buffer(slots, chunk, cfg.vocab_size) == bp.buffers["logits"].nbytes
 
 
 def test_model_forms_checkpoint_bundle_and_config(tmp_path):
@@ -260,6 +303,10 @@ def test_docs_tables_match_the_planner():
     tables = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", doc, re.S))
     assert tables["w4a16-4096"] == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16")
     assert tables["w4a16-32768-int8"] == fit_table(list(TABLE_DEVICES), "w4a16", 32768, 1, "int8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", readme, re.S))["readme"]
+    assert table == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16", [("orin-nano-8", "int8")])
+    assert "`lineside jetson table --kv-columns orin-nano-8:int8`" in readme
 
 
 def test_lm_head_counted_as_the_builder_stores_it():
