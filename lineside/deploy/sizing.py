@@ -199,7 +199,8 @@ class _Ctx:
         experts = self.w.breakdown.get("routed_experts (MXFP4)", 0)
         rest = self.w.total - experts + extra
         per_gpu = experts // ep + (rest if attention_dp else rest // tp)
-        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens)
+        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens,
+                                    every_token_logits=True)
         overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
         budget = self.usable - per_gpu - overhead
         kv_shard = 1 if self.spec.architecture == "deepseek_v4" else tp  # MQA's one head is not split by TP
