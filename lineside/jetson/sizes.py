@@ -7,9 +7,9 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
 - The token embedding, norms and biases stay in fp16 (TensorRT 10.3 cannot Gather INT8). The LM head
   is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
   W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
-- KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scale) × context × batch; int8 / int4 keep
-  one fp16 scale per (token, head) next to the values (int4: two values per byte), as the builder's trt graph
-  does (lineside/kv_layout.py, shared with the emitters).
+- KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scales) × context × batch; int8 keeps one
+  fp16 scale per (token, head) next to the values, int4 two values per byte and one fp16 scale per 32 of them,
+  as the builder's trt graph does (lineside/kv_layout.py, tied to the builder's KV formats by the tests).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class KvStorage:
 
     name: str
     value_bits: int
-    scale_bytes: int
+    scale_bytes: int  # of one scale
     external: bool = False  # the cache of another engine (vLLM, SGLang, TensorRT-LLM), not of lineside's graphs
 
     @property

@@ -11,8 +11,8 @@ counted follow ``modeling_deepseek_v4.py`` (one list per module below).
 - Decode state per layer, as the graph stores it (one KV head, K = V shared): a sliding window of
   ``sliding_window`` entries; CSA layers add ctx/4 + 1 compressed entries and as many indexer keys; HCA
   layers add ctx/128 + 1 compressed entries; both keep their compressor's window buffers. All float32;
-  with ``--kv-dtype int8`` (``int4``: two values per byte) window and compressed entries are quantized + one
-  fp16 scale per entry.
+  with ``--kv-dtype int8`` window and compressed entries are int8 + one fp16 scale per entry (``int4``: two
+  values per byte + one fp16 scale per 32 values).
 """
 
 from __future__ import annotations
@@ -163,11 +163,10 @@ F32 = 4  # the V4 graphs keep their decode state in float32 (build/models/deepse
 
 
 def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
-    """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8/int4 + one fp16 scale
-    per entry with --kv-dtype int8/int4) + indexer keys and compressor buffers (always float32), per batch."""
-    if kv.name in ("fp8", "int4") and not kv.external:  # state.py's state_tensors: float32 or int8 entries
-        raise LinesideError(f"--kv-dtype {kv.name}: the DeepSeek-V4 graphs store no {kv.name} state; "
-                            "use --kv-dtype int8")
+    """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8 / int4 + their fp16
+    scales with --kv-dtype int8 / int4) + indexer keys and compressor buffers (always float32), per batch."""
+    if kv.name == "fp8" and not kv.external:
+        raise LinesideError("--kv-dtype fp8: the DeepSeek-V4 graphs store no fp8 state; use --kv-dtype int8")
     hd, ihd = s.head_dim, s.index_head_dim
     # an external engine stores window and compressed entries in its KV dtype (the indexer and compressor
     # state are counted as lineside's graphs keep them: float32, an upper bound)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lineside.bundle import Manifest, write_manifest
@@ -68,10 +69,8 @@ def test_dense_kv_formula():
         plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", kv_dtype="fp8")
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
-    with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no int4 state"):
-        plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="int4")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
-    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2) * 12288
+    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 32) * 12288  # + an fp16 scale per 32 values
     with pytest.raises(LinesideError, match="unknown KV dtype 'int4'; choose one of: fp16, int8, fp8"):
         check_kv_dtype("int4", external=True)  # no datacenter engine stores a 4-bit cache
 
@@ -100,7 +99,43 @@ def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
 
     lay, d = KV_LAYOUTS[kv], b.config.head_dim
     rows = {(st.dtype.name, st.inner * st.dtype.itemsize) for st in bp.states}
-    assert rows == ({("float16", 2 * d)} if kv == "fp16" else {("uint8", lay.value_bytes(d)), ("float16", 2)})
+    assert rows == ({("float16", 2 * d)} if kv == "fp16" else
+                    {("uint8", lay.value_bytes(d)), ("float16", lay.scales(d) * lay.scale_bytes)})
+
+
+def test_kv_layouts_are_the_builders_kv_formats():
+    """The planner's and the gauges' table (kv_layout.py) == the builder's formats: bits per value and scales."""
+    from lineside.build.quant.kv import FORMATS
+    from lineside.kv_layout import KV_LAYOUTS
+
+    assert FORMATS  # int8 at least
+    for kv, fmt in FORMATS.items():
+        lay = KV_LAYOUTS[kv.value]
+        assert lay.value_bits == 8 // getattr(fmt, "pack", 1)
+        assert lay.scale_group == getattr(fmt, "group", 0)
+        assert lay.scale_bytes == np.dtype(fmt.scale_dtype).itemsize
+        for d in (16, 64, 128, 512):  # the builder's scales per head vector, where it has the rule
+            if hasattr(fmt, "scale_dim"):
+                assert lay.scales(d) == fmt.scale_dim(d)
+
+
+def test_v4_planner_int4_bytes_are_the_emitters_state_bytes():
+    """As below for --kv-dtype int4, once the builder emits it (its format passed to the V4 state list)."""
+    import math
+
+    from lineside.build.models.deepseek_v4 import parse_config, state_tensors
+    from lineside.build.quant.kv import FORMATS, KvDtype, check_kv_flavors
+    from lineside.runtime.tensorrt.buffers import np_dtype
+
+    try:
+        check_kv_flavors(KvDtype.INT4, ("trt",))
+    except LinesideError as e:
+        pytest.skip(f"the builder refuses --kv-dtype int4: {e}")
+    raw = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
+    states = state_tensors(parse_config(raw), 8192, fmt=FORMATS[KvDtype.INT4])
+    emitted = sum(math.prod(1 if d == "batch" else d for d in st.shape) * np_dtype(st.dtype).itemsize
+                  for st in states)
+    assert v4_kv(V4Shape.from_raw(raw), 8192, 1, check_kv_dtype("int4")).total == emitted
 
 
 def test_v4_flash_weights_by_component():
