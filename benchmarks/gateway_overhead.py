@@ -2,6 +2,7 @@
 router alone, and through the whole gateway (front + SMG), interleaved request by request.
 
     python benchmarks/gateway_overhead.py BUNDLE [--n 100] [--decode-n 20] [--decode-tokens 64] [--session ID]
+        [--peer CHECKOUT]
 
 One worker (`lineside serve BUNDLE`), one pool, no shadow: `lineside fleet gateway` runs as a subprocess like a
 deployment. Each round sends the same streaming /v1/chat/completions request to the three paths in turn, so
@@ -9,7 +10,8 @@ drift hits all alike. TTFT: one token, time to the first token event. Decode: to
 time from the first to the last token event. Also the front's CPU time per request (the gateway process's
 user+system time over the run / its requests; SMG runs in child processes): unlike wall time it hardly moves
 with other load on the machine. Timing only: no pass/fail. Goal (issue 19): median added TTFT ≤ 2 ms and no
-loss in decode tokens/s. Run with PYTHONPATH at another checkout to measure that checkout's front.
+loss in decode tokens/s. ``--peer CHECKOUT`` runs a second whole gateway from another checkout (its own SMG
+router, the same worker) and interleaves it too: two fronts compared in one run, each with its CPU per request.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from lineside.bench.inprocess import free_port, wait_ready
 from lineside.errors import LinesideError
 
 
-def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
+def start(argv: list[str], url: str, ready: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "ab") as out:
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                  **(env or {})})
     try:
         wait_ready(url, 300, alive=lambda: p.poll() is None, ready_path=ready)
     except LinesideError as e:
@@ -167,6 +170,8 @@ def main() -> None:
     ap.add_argument("--prompt", default="Hello")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--session", default=None, help="send this X-Session-Id on every path (SMG's sticky map)")
+    ap.add_argument("--peer", type=Path, default=None,
+                    help="a second checkout whose gateway is measured too (PYTHONPATH=CHECKOUT), interleaved")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
     wport, gport = free_port(), free_port()
@@ -177,18 +182,28 @@ def main() -> None:
                             "--threads", str(args.threads), "--num-slots", "4", "--log-level", "warning",
                             "--served-model-name", "bench"], f"http://127.0.0.1:{wport}", "/health/ready",
                            tmp / "worker.log"))
-        fleet = {"nodes": [{"name": "w", "kind": "x86", "url": f"http://127.0.0.1:{wport}"}],
-                 "pools": {"realtime": {"members": ["w"], "policy": "round_robin"}},
-                 "gateway": {"port": gport, "smg_base_port": sbase}}
-        (tmp / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
-        procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(tmp / "fleet.yaml"), "-o",
-                            str(tmp / "gw")], f"http://127.0.0.1:{gport}", "/fleet/health", tmp / "gateway.log"))
+        gateways = {"gateway": (gport, sbase, None)}
+        if args.peer is not None:
+            gateways["gateway (peer)"] = (free_port(), free_pair(), {"PYTHONPATH": str(args.peer.resolve())})
+        fronts = {}
+        for name, (port, smg_base, env) in gateways.items():
+            fleet = {"nodes": [{"name": "w", "kind": "x86", "url": f"http://127.0.0.1:{wport}"}],
+                     "pools": {"realtime": {"members": ["w"], "policy": "round_robin"}},
+                     "gateway": {"port": port, "smg_base_port": smg_base}}
+            d = tmp / name.replace(" ", "_").strip("()")
+            d.mkdir()
+            (d / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
+            procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(d / "fleet.yaml"), "-o",
+                                str(d / "gw")], f"http://127.0.0.1:{port}", "/fleet/health", d / "gateway.log", env))
+            fronts[name] = procs[-1]
         paths = {"direct": f"http://127.0.0.1:{wport}", "smg router": f"http://127.0.0.1:{sbase}",
-                 "gateway": f"http://127.0.0.1:{gport}"}
-        cpu0 = cpu_s(procs[1].pid)
+                 **{name: f"http://127.0.0.1:{port}" for name, (port, _, _) in gateways.items()}}
+        cpu0 = {name: cpu_s(p.pid) for name, p in fronts.items()}
         per_path = asyncio.run(measure(paths, args))
-        print(f"front CPU per request: {1e6 * (cpu_s(procs[1].pid) - cpu0) / per_path:.0f} us "
-              f"(gateway process, {per_path} requests; load average {os.getloadavg()[0]:.1f})")
+        for name, p in fronts.items():
+            print(f"front CPU per request, {name}: {1e6 * (cpu_s(p.pid) - cpu0[name]) / per_path:.0f} us "
+                  f"({per_path} requests)")
+        print(f"load average {os.getloadavg()[0]:.1f}" + (f"; peer = {args.peer}" if args.peer else ""))
     finally:
         for p in reversed(procs):
             if p.poll() is None:

@@ -124,8 +124,7 @@ class UpstreamConn(asyncio.Protocol):
         self.exchange: Exchange | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio classes
 
     def data_received(self, data: bytes) -> None:
         if self.exchange is not None:
@@ -260,8 +259,7 @@ class ClientConn(asyncio.Protocol):
         self._body: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio classes
 
     def data_received(self, data: bytes) -> None:
         try:

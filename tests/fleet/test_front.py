@@ -67,7 +67,12 @@ def upstreams():
         s.stop()
 
 
-_LOOP = asyncio.new_event_loop()  # one loop for the module: a front's connection pool lives in one loop
+try:  # the loop `lineside fleet gateway` serves the front on (uvloop's transports differ from asyncio's)
+    import uvloop
+
+    _LOOP = uvloop.new_event_loop()
+except ImportError:
+    _LOOP = asyncio.new_event_loop()  # one loop for the module: a front's connections live in one loop
 
 
 def run(coro):
