@@ -203,7 +203,7 @@ class Exchange:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
             self.upstream_keep_alive = False
-            self._fail()
+            self.fail()
             return
         if self.head_sent:
             self.client.write(data)
@@ -232,9 +232,9 @@ class Exchange:
         if self.head_sent and not self.framed:  # a response delimited by the connection's end: complete
             self.finished.set_result(True)
             return
-        self._fail()
+        self.fail()
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         if not self.finished.done():
             self.finished.set_result(False)
 
@@ -394,14 +394,23 @@ class ClientConn(asyncio.Protocol):
         return False
 
     async def _wait(self, ex: Exchange) -> bool:
+        """Whether the response completed; False when the upstream went away or sent nothing for timeout_s."""
+        loop = asyncio.get_running_loop()
         timeout = self.pool.timeout_s
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(ex.finished), timeout=timeout)
-            except asyncio.TimeoutError:
-                if ex.idle_s() >= self.pool.timeout_s:  # no byte for timeout_s: the upstream is stuck
-                    return False
-                timeout = self.pool.timeout_s - ex.idle_s()
+
+        def watchdog() -> None:
+            nonlocal timer
+            idle = ex.idle_s()
+            if idle >= timeout:
+                ex.fail()
+            elif not ex.finished.done():
+                timer = loop.call_later(timeout - idle, watchdog)
+
+        timer = loop.call_later(timeout, watchdog)
+        try:
+            return await ex.finished
+        finally:
+            timer.cancel()
 
     def _unreachable(self, fwd: Forward, head: RequestHead, keep_alive: bool, why: str) -> bool:
         a = fwd.unreachable(why) if fwd.unreachable is not None else Answer(502, b'{"error": {"message": '
