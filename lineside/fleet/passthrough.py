@@ -224,6 +224,8 @@ class Exchange:
         self.buf = None
         self.head_sent = True
         self.client.write(out)
+        if self.head.method == "HEAD" and not self.finished.done():  # no body follows, whatever the head says
+            self.finished.set_result(True)
 
     def upstream_lost(self) -> None:
         self.upstream_keep_alive = False
@@ -278,6 +280,16 @@ class ClientConn(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if not self.gone and self.transport is not None:
             self.transport.write(data)
+
+    def pause_writing(self) -> None:  # a slow client: stop reading the upstream until it catches up
+        ex = self.current
+        if ex is not None and ex.conn is not None and ex.conn.transport is not None:
+            ex.conn.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        ex = self.current
+        if ex is not None and ex.conn is not None and ex.conn.transport is not None:
+            ex.conn.transport.resume_reading()
 
     def _refuse(self, why: bytes) -> None:
         body = b'{"error": {"message": "' + why + b'", "type": "invalid_request_error", "code": "bad_request", ' \

@@ -47,7 +47,8 @@ class FakeUpstream:
                 writer.close()
                 return
             else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 3, b"re:" + body))
+                answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body) + 3, b"re:" + body)
+                writer.write(answer.split(b"\r\n\r\n")[0] + b"\r\n\r\n" if head.startswith(b"HEAD ") else answer)
             await writer.drain()
             if path == b"/once":
                 writer.close()
@@ -140,6 +141,14 @@ def test_an_upstream_that_closes_its_kept_alive_connection_is_not_reused(gateway
     call, up = gateway
     out = call(post(b"/once", b"a") + post(b"/cl", b"b"), expect=2)
     assert out.count(b"HTTP/1.1 200 OK") == 2 and out.endswith(b"re:b") and up.connections == 2
+
+
+def test_a_head_request_ends_with_its_head(gateway):
+    """A HEAD answer carries Content-Length but no body: the front must not wait for one."""
+    call, _ = gateway
+    out = call(b"HEAD /cl HTTP/1.1\r\nhost: gw\r\n\r\n" + post(b"/cl", b"next"), expect=2)
+    assert out.count(b"HTTP/1.1 200 OK") == 2 and out.endswith(b"re:next")
+    assert out.split(b"HTTP/1.1 200 OK")[1].endswith(b"content-length: 3\r\nx-front: 1\r\n\r\n")
 
 
 def test_own_answers_and_malformed_requests(gateway):
