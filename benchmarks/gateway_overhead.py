@@ -119,6 +119,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def run_on(path: str, c: Stream, body: dict, session: str | None) -> tuple[float, float | None, int]:
+    try:
+        return await c.run(body, session)
+    except (RuntimeError, OSError, asyncio.IncompleteReadError, ValueError) as e:
+        raise SystemExit(f"{path}: {e!r}") from None
+
+
 async def measure(paths: dict[str, str], args: argparse.Namespace) -> int:
     """Prints the table; returns how many requests each path got."""
     conns = {}
@@ -134,11 +141,11 @@ async def measure(paths: dict[str, str], args: argparse.Namespace) -> int:
     ttft: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.n):
         for k, c in conns.items():
-            ttft[k].append((await c.run(ttft_body, args.session))[0])
+            ttft[k].append((await run_on(k, c, ttft_body, args.session))[0])
     rate: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.decode_n):
         for k, c in conns.items():
-            r = (await c.run(dec_body, args.session))[1]
+            r = (await run_on(k, c, dec_body, args.session))[1]
             if r:
                 rate[k].append(r)
     base = med(ttft["direct"])

@@ -228,9 +228,9 @@ class Exchange:
             self.finished.set_result(True)
 
     def upstream_lost(self) -> None:
-        self.upstream_keep_alive = False
-        if self.finished.done():
+        if self.finished.done():  # closed after a complete response: only that connection is done
             return
+        self.upstream_keep_alive = False
         if self.head_sent and not self.framed:  # a response delimited by the connection's end: complete
             self.finished.set_result(True)
             return
@@ -393,7 +393,8 @@ class ClientConn(asyncio.Protocol):
                 if fwd.done is not None:
                     body_kept = b"".join(ex.kept) if ex.kept is not None else None
                     fwd.done(ex.status, ex.ctype, body_kept, time.perf_counter() - ex.t0, body)
-                return keep_alive and ex.upstream_keep_alive
+                # the client's connection outlives the router's unless the body was delimited by its close
+                return keep_alive and (ex.framed or head.method == "HEAD")
             conn.abort()
             if self.gone:
                 return False
