@@ -36,9 +36,11 @@ from lineside.bench.inprocess import free_port, wait_ready
 from lineside.errors import LinesideError
 
 
-def start(argv: list[str], url: str, ready: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(argv: list[str], url: str, ready: str, log: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """``cwd`` matters with ``-m``: Python puts the working directory before PYTHONPATH on sys.path."""
     with open(log, "ab") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                                   **(env or {})})
     try:
@@ -190,7 +192,7 @@ def main() -> None:
                             "--served-model-name", "bench"], f"http://127.0.0.1:{wport}", "/health/ready",
                            tmp / "worker.log"))
         gateways = {"gateway": (gport, sbase, None)}
-        if args.peer is not None:
+        if args.peer is not None:  # run from the peer checkout too: `-m` looks in the working directory first
             gateways["gateway (peer)"] = (free_port(), free_pair(), {"PYTHONPATH": str(args.peer.resolve())})
         fronts = {}
         for name, (port, smg_base, env) in gateways.items():
@@ -201,7 +203,8 @@ def main() -> None:
             d.mkdir()
             (d / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
             procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(d / "fleet.yaml"), "-o",
-                                str(d / "gw")], f"http://127.0.0.1:{port}", "/fleet/health", d / "gateway.log", env))
+                                str(d / "gw")], f"http://127.0.0.1:{port}", "/fleet/health", d / "gateway.log", env,
+                               cwd=args.peer.resolve() if env else None))
             fronts[name] = procs[-1]
         paths = {"direct": f"http://127.0.0.1:{wport}", "smg router": f"http://127.0.0.1:{sbase}",
                  **{name: f"http://127.0.0.1:{port}" for name, (port, _, _) in gateways.items()}}
@@ -211,6 +214,8 @@ def main() -> None:
             print(f"front CPU per request, {name}: {1e6 * (cpu_s(p.pid) - cpu0[name]) / per_path:.0f} us "
                   f"({per_path} requests)")
         print(f"load average {os.getloadavg()[0]:.1f}" + (f"; peer = {args.peer}" if args.peer else ""))
+        for name, p in fronts.items():  # which checkout each front ran (its lineside is imported from there)
+            print(f"  {name}: run in {os.readlink(f'/proc/{p.pid}/cwd')}")
     finally:
         for p in reversed(procs):
             if p.poll() is None:
