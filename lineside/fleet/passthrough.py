@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httptools
 
 RawHeaders = list[tuple[bytes, bytes]]
+IDLE_S = 75.0  # a client connection without a request this long is closed (nginx's keepalive_timeout default)
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailers", b"transfer-encoding", b"upgrade", b"expect"})
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length"}  # the upstream request gets its own
@@ -248,8 +249,9 @@ class ClientConn(asyncio.Protocol):
     """One client connection: requests parsed as they come, answered one after another (pipelining kept in
     order); the upstream stream is cut when the client goes away."""
 
-    def __init__(self, decide: Decide, pool: UpstreamPool) -> None:
-        self.decide, self.pool = decide, pool
+    def __init__(self, decide: Decide, pool: UpstreamPool, idle_s: float = IDLE_S) -> None:
+        self.decide, self.pool, self.idle_s = decide, pool, idle_s
+        self._idle_timer: asyncio.TimerHandle | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.gone = False
@@ -262,8 +264,20 @@ class ClientConn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio classes
+        self._arm_idle()
+
+    def _arm_idle(self) -> None:
+        """Close a kept-alive connection that stays without a request for idle_s."""
+        self._idle_timer = asyncio.get_running_loop().call_later(self.idle_s, self._idle)
+
+    def _idle(self) -> None:
+        if not self.busy and not self.queue and self.transport is not None:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -273,6 +287,8 @@ class ClientConn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         ex = self.current
         if ex is not None and ex.conn is not None and not ex.finished.done():
             ex.conn.abort()  # the node's stream ends now instead of generating for nobody
@@ -337,6 +353,8 @@ class ClientConn(asyncio.Protocol):
                     return
         finally:
             self.busy = False
+            if not self.gone:
+                self._arm_idle()
 
     async def _serve(self, head: RequestHead, body: bytes, keep_alive: bool) -> bool:
         """Answer one request; whether the client connection stays open."""
