@@ -161,9 +161,16 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):  # after the adapters': the front decides when all stop
             loop.add_signal_handler(sig, stop.set)
-        await asyncio.to_thread(routers.start)
         front = Front(plan.front)
-        listener = await front.serve(plan.host, plan.port)
+        try:  # bound before the routers start: a taken port is one line, nothing left running
+            listener = await front.serve(plan.host, plan.port)
+        except OSError as e:
+            for a in adapters:
+                a.should_exit = True
+            await front.aclose()
+            raise FleetError(f"the gateway cannot listen on {plan.host}:{plan.port} ({e.strerror or e}); "
+                             "stop what uses it or set gateway.port in the fleet file") from None
+        await asyncio.to_thread(routers.start)
         try:
             await stop.wait()
         finally:
