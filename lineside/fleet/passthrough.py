@@ -383,7 +383,7 @@ class ClientConn(asyncio.Protocol):
             body = fwd.body(body)
         lines = [f"{head.method} ".encode() + fwd.prefix + head.target + f" HTTP/{head.version}".encode(),
                  f"host: {fwd.host}:{fwd.port}".encode()]
-        lines += [k + b": " + v for k, v in fwd.headers]
+        lines += [k + b": " + v for k, v in fwd.headers if k not in REQUEST_DROP]  # framing is this layer's
         if body or head.method in ("POST", "PUT", "PATCH"):
             lines.append(b"content-length: " + str(len(body)).encode())
         wire = b"\r\n".join(lines) + b"\r\n\r\n" + body
