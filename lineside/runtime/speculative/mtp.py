@@ -17,10 +17,15 @@ of it), so starting over needs the last ``window`` positions only, never the who
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.speculative.config import MAX_SPEC_TOKENS, Draft, DraftRow
+
+if TYPE_CHECKING:
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 HIDDEN = "hidden_streams"  # the main graph's output the MTP graph reads (build/models/deepseek_v4/mtp.py)
 MTP_HIDDEN = "mtp_hidden"  # the MTP graph's own output streams at its logits positions
@@ -52,10 +57,11 @@ class HiddenRing:
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """dst takes src's entries for positions below ``length`` (a slot copy: a move, or a shared prefix)."""
-        self.pos[dst] = -1
         held = (self.pos[src] >= 0) & (self.pos[src] < length)
-        self.data[dst, held] = self.data[src, held]
-        self.pos[dst, held] = self.pos[src, held]
+        rows, where = self.data[src, held], self.pos[src, held]  # copies (boolean indexing), so src may be dst
+        self.pos[dst] = -1
+        self.data[dst, held] = rows
+        self.pos[dst, held] = where
 
     def reset(self, slot: int) -> None:
         self.pos[slot] = -1
@@ -66,16 +72,16 @@ class MtpProposer:
 
     cheap = False
 
-    def __init__(self, target: object, backend: object, *, window: int, hidden_shape: tuple[int, int],
-                 cost: float = 1.0) -> None:
+    def __init__(self, target: OnnxRuntimeBackend, backend: OnnxRuntimeBackend, *, window: int,
+                 hidden_shape: tuple[int, int], cost: float = 1.0) -> None:
         """``target``/``backend``: OnnxRuntimeBackends of the main graph and of the MTP graph (same slots);
         ``window``: the MTP block's sliding window; ``cost``: an MTP step in target decode steps."""
         self.target, self.backend = target, backend
         self.window, self.cost = int(window), float(cost)
         self.outputs = (HIDDEN,)
-        self.ring = HiddenRing(target.num_slots, self.window + MAX_SPEC_TOKENS + 2, hidden_shape)  # type: ignore[attr-defined]
+        self.ring = HiddenRing(target.num_slots, self.window + MAX_SPEC_TOKENS + 2, hidden_shape)
         self.fed: dict[int, list[int]] = {}  # tokens t_0..t_v: the slot's MTP state holds positions 0..v-1
-        target.add_tap(self)  # type: ignore[attr-defined]
+        target.add_tap(self)
 
     # ---- StepTap: what the target computes and does to its slots ---------------------------------------------
     def on_forward(self, batch: StepBatch, values: dict[str, np.ndarray]) -> None:
@@ -87,7 +93,7 @@ class MtpProposer:
         self.ring.copy(src, dst, length)
         fed = self.fed.get(src)
         if fed is not None and len(fed) - 1 <= length:  # its state covers only positions dst now has
-            self.backend.copy_slot(src, dst, length)  # type: ignore[attr-defined]
+            self.backend.copy_slot(src, dst, length)
             self.fed[dst] = list(fed)
         else:
             self.fed.pop(dst, None)
@@ -103,7 +109,7 @@ class MtpProposer:
     def _propose(self, r: DraftRow) -> Draft:
         tokens, slot = list(r.tokens), r.slot
         n = len(tokens) - 1  # t_n is pending: the target has computed positions 0..n-1
-        k = min(r.k, self.backend.max_seq_len - len(tokens))  # type: ignore[attr-defined]
+        k = min(r.k, self.backend.max_seq_len - len(tokens))
         have = self.ring.first_of_run(slot, n)
         if k <= 0 or n < 1 or have >= n:
             return Draft([])
@@ -111,10 +117,10 @@ class MtpProposer:
         start = len(fed) - 1 if fed and len(fed) <= n and tokens[:len(fed)] == fed else -1
         if start < have:  # start over: the last `window` positions make the state exactly
             start = max(have, n - self.window, 0)
-            self.backend.reset_slot(slot)  # type: ignore[attr-defined]
+            self.backend.reset_slot(slot)
         logits, streams = self._step(slot, tokens[start + 1:n + 1], self.ring.rows(slot, start, n), start)
         self.fed[slot] = tokens
-        saved = self.backend.save_rows([slot]) if k > 1 else None  # type: ignore[attr-defined]
+        saved = self.backend.save_rows([slot]) if k > 1 else None
         out: list[int] = []
         probs: list[np.ndarray] = []
         hist = list(tokens)
@@ -130,7 +136,7 @@ class MtpProposer:
             if i + 1 < k:  # position n + i: the drafted token, the MTP's own streams standing in for h
                 logits, streams = self._step(slot, [tok], streams, n + i)
         if saved is not None:
-            self.backend.restore_rows(saved, slot)  # type: ignore[attr-defined]
+            self.backend.restore_rows(saved, slot)
         return Draft(out, probs or None)
 
     def _step(self, slot: int, ids: list[int], hidden: np.ndarray, past: int) -> tuple[np.ndarray, np.ndarray]:
@@ -140,11 +146,10 @@ class MtpProposer:
                           past_lengths=np.array([past], np.int64), new_lengths=np.array([n], np.int64),
                           logits_positions=np.array([[n - 1]], np.int64),
                           extra_inputs={HIDDEN: np.asarray(hidden, np.float32).reshape(1, n, *hidden.shape[-2:])})
-        logits, outs = self.backend.forward_outputs(batch, (MTP_HIDDEN,))  # type: ignore[attr-defined]
+        logits, outs = self.backend.forward_outputs(batch, (MTP_HIDDEN,))
         return logits[0, 0], outs[MTP_HIDDEN][0]
 
     def close(self) -> None:
-        taps = getattr(self.target, "taps", [])
-        if self in taps:
-            taps.remove(self)
-        self.backend.close()  # type: ignore[attr-defined]
+        if self in self.target.taps:
+            self.target.taps.remove(self)
+        self.backend.close()

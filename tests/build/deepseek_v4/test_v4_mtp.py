@@ -212,3 +212,19 @@ def test_mtp_without_a_module_is_one_line(bundles, mtp_ckpt, tmp_path):
     save_file({k: v for k, v in w.items() if k != "mtp.0.h_proj.weight"}, str(broken / "model.safetensors"))
     assert_one_line_error(run_cli("build", str(broken), "-o", str(tmp_path / "out"), "--quant", "fp32",
                                   "--flavors", "cpu"), "mtp.0.h_proj.weight", "MTP module")
+
+
+def test_hidden_ring_keeps_the_last_positions_by_slot():
+    from lineside.runtime.speculative.mtp import HiddenRing
+
+    ring = HiddenRing(2, 5, (1, 2))
+    rows = np.arange(14, dtype=np.float32).reshape(7, 1, 2)
+    ring.put(0, 0, rows)  # positions 0..6: 2..6 held
+    assert ring.first_of_run(0, 7) == 2 and ring.first_of_run(0, 4) == 2 and ring.first_of_run(1, 7) == 7
+    np.testing.assert_array_equal(ring.rows(0, 3, 7), rows[3:7])
+    ring.copy(0, 1, 5)  # a move of the first 5 positions: 2..4
+    assert ring.first_of_run(1, 5) == 2 and ring.first_of_run(1, 6) == 6
+    ring.copy(1, 1, 4)  # onto itself: what it held below 4 stays
+    np.testing.assert_array_equal(ring.rows(1, 2, 4), rows[2:4])
+    ring.reset(0)
+    assert ring.first_of_run(0, 7) == 7
