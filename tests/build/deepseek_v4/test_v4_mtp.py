@@ -8,6 +8,7 @@ and a slot move; greedy output with MTP equals plain decoding (generate and the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import numpy as np
@@ -62,12 +63,17 @@ class Graph:
         self.state = {s["input"]: np.zeros([1 if d == "batch" else 64 if d == "max_seq" else d for d in s["shape"]],
                                            np.float32) for s in states}
 
+    def reset(self) -> Graph:
+        self.state = {k: np.zeros_like(v) for k, v in self.state.items()}
+        return self
+
     def run(self, names: list[str], **feeds) -> list[np.ndarray]:
         outs = self.sess.run(names + [s["output"] for s in self.states], {**feeds, **self.state})
         self.state = {s["input"]: v for s, v in zip(self.states, outs[len(names):], strict=True)}
         return outs[:len(names)]
 
 
+@functools.cache
 def _main(bundle) -> Graph:
     flavor = json.loads((bundle / "manifest.json").read_text())["flavors"]["cpu"]
     return Graph(bundle, flavor["graph"], flavor["state"])
@@ -76,8 +82,8 @@ def _main(bundle) -> Graph:
 def _hidden(bundle, tokens: list[int]) -> np.ndarray:
     """The main graph's last-layer streams h_0..h_{T-1} [T, N, D] from one fresh prefill."""
     ids = np.asarray(tokens, np.int64)[None]
-    (h,) = _main(bundle).run(["hidden_streams"], input_ids=ids, past_lengths=np.array([0]),
-                              logits_positions=np.arange(len(tokens))[None])
+    (h,) = _main(bundle).reset().run(["hidden_streams"], input_ids=ids, past_lengths=np.array([0]),
+                                      logits_positions=np.arange(len(tokens))[None])
     return h[0]
 
 
@@ -98,8 +104,8 @@ def test_mtp_graph_equals_the_published_formula(bundles, mtp_ckpt):
     tokens = [1, *np.random.default_rng(3).integers(3, 120, 23).tolist()]
     ids = np.asarray(tokens, np.int64)[None]
     feeds = dict(input_ids=ids, past_lengths=np.array([0]), logits_positions=np.arange(len(tokens))[None])
-    (with_mtp,) = _main(b).run(["logits"], **feeds)
-    (without,) = _main(bundles["plain"]).run(["logits"], **feeds)
+    (with_mtp,) = _main(b).reset().run(["logits"], **feeds)
+    (without,) = _main(bundles["plain"]).reset().run(["logits"], **feeds)
     np.testing.assert_array_equal(with_mtp, without)
 
     ref, h = _reference(mtp_ckpt), _hidden(b, tokens)
@@ -187,6 +193,20 @@ def test_mtp_greedy_equals_plain(bundles):
     got, st = asyncio.run(engine())
     assert got == [w[:m] for w, m in zip(want, limits, strict=True)]
     assert st.spec_draft_tokens_total > 0
+
+
+def test_mtp_seeded_sampling_repeats_and_keeps_drafts(bundles):
+    """Sampled drafts carry the MTP's q for the speculative-sampling rule: at temperature 1 some are kept (so the
+    MTP's state is walked through accepted positions too), and a seeded request repeats exactly."""
+    from lineside.runtime.generate import Generator
+    from lineside.runtime.sampling import SamplingParams
+
+    g = Generator(bundles["w4"], threads=2)
+    g.speculative = SpeculativeConfig(SpecMethod.MTP, 3, draft_cost=0.0)
+    params = SamplingParams(temperature=1.0, seed=3)
+    first = list(g.stream([1, 5, 9, 33, 70, 12], 40, params, stop_at_eos=False))
+    assert 0 < g.accepted < g.drafted
+    assert list(g.stream([1, 5, 9, 33, 70, 12], 40, params, stop_at_eos=False)) == first
 
 
 def test_mtp_without_a_module_is_one_line(bundles, mtp_ckpt, tmp_path):
