@@ -47,16 +47,33 @@ def mtp_tensors(cfg: dict, seed: int = 5) -> dict[str, np.ndarray]:
     return {f"mtp.0.{k}": v for k, v in t.items()}
 
 
-def with_mtp(src: Path, dst: Path, seed: int = 5) -> Path:
-    """A copy of the checkpoint ``src`` whose safetensors also carry ``mtp.0.*`` (num_nextn_predict_layers 1)."""
-    from safetensors.numpy import load_file, save_file
+def with_mtp(src: Path, dst: Path, seed: int = 5, quantized: bool = False) -> Path:
+    """A copy of the checkpoint ``src`` whose safetensors also carry ``mtp.0.*`` (num_nextn_predict_layers 1).
+    ``quantized``: as DeepSeek ships them — FP8 e4m3 with ue8m0 128×128 block scales (``.scale``) for the block's
+    linears and e_proj/h_proj, MXFP4 for the routed experts; norms, hc mixers, sinks and the router stay float."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lineside.build.checkpoint.fp8_mxfp4 import quantize_fp8_blocks, quantize_mxfp4
 
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
     (dst / "config.json").write_text(json.dumps(cfg))
-    weights = load_file(str(dst / "model.safetensors"))
-    save_file({**weights, **mtp_tensors(cfg, seed)}, str(dst / "model.safetensors"))
+    out = load_file(str(dst / "model.safetensors"))
+    for name, w in mtp_tensors(cfg, seed).items():
+        base = name[: -len(".weight")]
+        if quantized and ".experts." in name and ".shared_experts." not in name:
+            q, sc = quantize_mxfp4(w)
+            out[name], out[base + ".scale"] = torch.from_numpy(q), torch.from_numpy(sc.view(np.uint8)).view(
+                torch.float8_e8m0fnu)
+        elif quantized and w.ndim == 2 and name.endswith(".weight") and ".gate." not in name:
+            q, sc = quantize_fp8_blocks(w, 128, ue8m0=True)
+            out[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+            out[base + ".scale"] = torch.from_numpy(sc.view(np.uint8)).view(torch.float8_e8m0fnu)
+        else:
+            out[name] = torch.from_numpy(w)
+    save_file(out, str(dst / "model.safetensors"))
     return dst
 
 

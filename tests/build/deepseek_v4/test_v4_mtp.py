@@ -123,6 +123,31 @@ def test_mtp_graph_equals_the_published_formula(bundles, mtp_ckpt):
         assert np.abs(lg[0, 0] - full[-1]).max() <= 1e-4 * np.abs(full[-1]).max()
 
 
+def test_mtp_from_fp8_and_mxfp4_release_tensors(v4, tmp_path):
+    """DeepSeek's release format (official names, FP8 block-scaled linears, MXFP4 experts, for the main model and
+    the MTP module alike): the MTP graph equals the formula on the dequantized tensors."""
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.models.deepseek_v4 import V4Source
+
+    ckpt = with_mtp(v4.official_dir("a", "ue8m0", True), tmp_path / "official-mtp", quantized=True)
+    b = _build(ckpt, tmp_path / "bundle", quant="fp32")
+    src = V4Source(open_checkpoint(ckpt))
+    own = {n[len("mtp.0."):]: src.read_source(n) for n in src.source_names()
+           if n.startswith("mtp.0.") and not n.endswith(".scale")}
+    assert own["e_proj.weight"].dtype == np.float32 and "ffn.experts.3.w2.weight" in own
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ref = NumpyMtp(own, cfg, src.get("model.embed_tokens.weight"), src.get("lm_head.weight"))
+    tokens = [1, *np.random.default_rng(4).integers(3, 120, 15).tolist()]
+    h = _hidden(b, tokens)
+    rec = json.loads((b / "manifest.json").read_text())["flavors"]["cpu"]["mtp_graph"]
+    n = len(tokens) - 1
+    (logits,) = Graph(b, rec["graph"], rec["state"]).run(
+        ["logits"], input_ids=np.asarray(tokens[1:], np.int64)[None], hidden_streams=h[None, :n],
+        past_lengths=np.array([0]), logits_positions=np.arange(n)[None])
+    want, _ = ref.forward(np.array(tokens[1:]), h[:n], np.arange(n, dtype=np.float64))
+    assert np.abs(logits[0] - want).max() <= 1e-4 * np.abs(want).max()
+
+
 def test_mtp_proposer_drafts_follow_the_formula(bundles, mtp_ckpt):
     """Six proposals of 3 drafts: after each the target verifies, keeps 0, 1 or 2 of them (its whole state put
     back and the kept ones fed again, as the step runner does) and adds its own next token; half way the row
