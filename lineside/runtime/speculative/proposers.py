@@ -36,9 +36,10 @@ def check_proposer(spec: SpeculativeConfig | None, bundle: Bundle) -> Bundle | N
                                 "(multi-token prediction: only DeepSeek-V4 checkpoints carry one); use --speculative "
                                 "ngram, layerskip:N or draft:BUNDLE")
         if not any(MTP_GRAPH in f.extra for f in bundle.flavors.values()):
-            raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module: the checkpoint it was built "
-                                "from carries no mtp.* tensors (transformers' save_pretrained drops them); rebuild "
-                                "from DeepSeek's release files with --flavors cpu, or use --speculative ngram")
+            raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module: it is built into the cpu "
+                                "flavor from a checkpoint that carries mtp.* tensors (DeepSeek's release files; "
+                                "transformers' save_pretrained drops them); rebuild from one with --flavors cpu, or "
+                                "use --speculative ngram")
         return None
     if spec.method == SpecMethod.LAYERSKIP:
         built = sorted({int(n) for f in bundle.flavors.values() for n in f.extra.get(DRAFT_GRAPHS) or {}})
