@@ -100,6 +100,7 @@ class LLMEngine:
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
                  session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None):
         import tokenizers  # noqa: F401 - imported on this thread, not beside other threads' imports
+
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
