@@ -237,6 +237,7 @@ def ready_times(spawn_one: Callable[[], Server], runs: int) -> tuple[float, Serv
     keeps running (returned)."""
     spawn_one().stop()
     times: list[float] = []
+    runs = max(1, runs)
     for i in range(runs):
         server = spawn_one()
         times.append(server.ready_s)
