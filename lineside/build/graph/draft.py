@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
 from lineside.graph_io import StateTensor
 
 
@@ -49,12 +49,12 @@ def write_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, tail_start:
     inits = [t for t in gb.initializers if t.name in used]
     inputs = [i for i in gb.inputs if i.name in used]
     graph = helper.make_graph(nodes, gb.name + f"-draft{mark.states}", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=_opsets(gb), producer_name="lineside")
+    model = helper.make_model(graph, opset_imports=opset_imports(gb), producer_name="lineside")
     model.ir_version = 10
     path.write_bytes(model.SerializeToString())
     onnx.checker.check_model(str(path))
     return {"graph": path.name, "inputs": [i.name for i in inputs], "state": [s.to_dict() for s in kept_states],
-            "weight_fraction": round(_bytes(inits) / max(1, _bytes(gb.initializers)), 4)}
+            "weight_fraction": round(initializer_bytes(inits) / max(1, initializer_bytes(gb.initializers)), 4)}
 
 
 def _needed(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
@@ -68,16 +68,16 @@ def _needed(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodePro
     return keep[::-1]
 
 
-def _opsets(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:
-    from lineside.build.graph.builder import MS_DOMAIN
-
+def opset_imports(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:
+    """The opsets a graph cut from ``gb`` declares (the default domain, plus com.microsoft when it is used)."""
     out = [helper.make_opsetid("", gb.opset)]
     if gb.uses_ms_domain:
         out.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out
 
 
-def _bytes(tensors: list[onnx.TensorProto]) -> int:
+def initializer_bytes(tensors: list[onnx.TensorProto]) -> int:
+    """Bytes the tensors' weights take, whether stored inline or as external data (their recorded length)."""
     total = 0
     for t in tensors:
         ext = {e.key: e.value for e in t.external_data}

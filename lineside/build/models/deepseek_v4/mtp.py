@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from lineside.build.graph.draft import initializer_bytes, opset_imports
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import SLIDING, V4Config
@@ -204,13 +205,12 @@ def emit_mtp(o: Ops, cfg: V4Config, mtp: MtpSource, max_seq: int, *, rope_inv: d
         used = {name for node in nodes for name in node.input} | _subgraph_inputs(nodes)
         inits = [t for t in gb.initializers if t.name in used]
         main_used = {name for node in main_nodes for name in node.input} | _subgraph_inputs(main_nodes)
-        fraction = _bytes(inits) / max(1, _bytes([t for t in main_inits if t.name in main_used]))
+        fraction = initializer_bytes(inits) / max(1, initializer_bytes([t for t in main_inits if t.name in main_used]))
     finally:
         gb.nodes, gb.inputs, gb.outputs, gb.initializers = main_nodes, main_inputs, main_outputs, main_inits
     if len({t.name for t in inits}) != len(inits):
         raise CheckpointError("the MTP graph names one initializer twice; this is a lineside bug, please report it")
-    opsets = [helper.make_opsetid("", gb.opset)] + ([helper.make_opsetid("com.microsoft", 1)] if gb.uses_ms_domain else [])
-    return MtpGraph(nodes, inputs, outputs, inits, opsets, st, [n, d], round(fraction, 4))
+    return MtpGraph(nodes, inputs, outputs, inits, opset_imports(gb), st, [n, d], round(fraction, 4))
 
 
 def _copied(nodes: list[onnx.NodeProto], r: NodeRange, inits: list[onnx.TensorProto]) -> list[onnx.NodeProto]:
@@ -231,10 +231,3 @@ def _subgraph_inputs(nodes: list[onnx.NodeProto]) -> set[str]:
                 out |= {i for sub in a.g.node for i in sub.input} | _subgraph_inputs(list(a.g.node))
     return out
 
-
-def _bytes(tensors: list[onnx.TensorProto]) -> int:
-    total = 0
-    for t in tensors:
-        ext = {e.key: e.value for e in t.external_data}
-        total += int(ext["length"]) if "length" in ext else len(t.raw_data)
-    return total
