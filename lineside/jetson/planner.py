@@ -217,6 +217,17 @@ def _largest(fits: Callable[[int], bool], hi: int) -> int:
     return lo
 
 
+def _unbuildable_kv(kv_dtype: str) -> str:
+    """Why the builder refuses a KV dtype the planner can size (int4, fp8 until their graphs land), else ''."""
+    from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
+
+    try:
+        check_kv_flavors(parse_kv_dtype(kv_dtype), ("trt",))
+    except LinesideError as e:
+        return str(e).split(": ", 1)[-1]
+    return ""
+
+
 def plan(
     model: str | ModelSpec,
     device: str,
@@ -273,6 +284,9 @@ def plan(
     if picked and max_ctx:
         at = next((ch for ch in PREFILL_CHUNKS if fits_at(max_ctx, batch, ch)), reach)
         notes.append(f"the largest context ({max_ctx}) is planned at prefill chunk {at}")
+    refused = _unbuildable_kv(kvb.name)
+    if refused:
+        notes.append(f"`lineside build --flavors trt --kv-dtype {kvb.name}` refuses this cache for now ({refused})")
     notes.append("building the engine on the device needs extra memory, about the weights again, once")
     return Plan(
         model=spec.name, architecture=spec.architecture, device=dev.key, device_name=dev.name,

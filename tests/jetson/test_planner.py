@@ -71,6 +71,15 @@ def test_dense_kv_formula():
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
     assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 32) * 12288  # + an fp16 scale per 32 values
+    from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
+
+    try:  # a plan the builder cannot make yet says so; once it can, no such note
+        check_kv_flavors(parse_kv_dtype("int4"), ("trt",))
+        buildable = True
+    except LinesideError:
+        buildable = False
+    assert any("--kv-dtype int4` refuses this cache" in n for n in p.notes) is not buildable
+    assert not any("refuses this cache" in n for n in plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8").notes)
     with pytest.raises(LinesideError, match="unknown KV dtype 'int4'; choose one of: fp16, int8, fp8"):
         check_kv_dtype("int4", external=True)  # no datacenter engine stores a 4-bit cache
 
