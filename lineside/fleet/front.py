@@ -186,7 +186,7 @@ class Front:
         self._targets: dict[str, tuple[str, int, bytes]] = {}
 
     async def serve(self, host: str, port: int) -> asyncio.Server:
-        return await serve(self.decide, self.pool, host, port)
+        return await serve(self.decide, self.pool, host=host, port=port)
 
     async def aclose(self) -> None:
         for t in list(self._shadow_tasks):

@@ -450,7 +450,7 @@ class ClientConn(asyncio.Protocol):
         return keep_alive
 
 
-async def serve(decide: Decide, pool: UpstreamPool, host: str, port: int) -> asyncio.Server:
+async def serve(decide: Decide, pool: UpstreamPool, *, host: str, port: int) -> asyncio.Server:
     """Listen on host:port; each connection is a ClientConn."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: ClientConn(decide, pool), host, port, reuse_address=True)

@@ -165,7 +165,7 @@ def logits_buffer(batch: int, prefill_chunk: int, vocab: int) -> int:
     return batch * lim.max_logits * vocab * 4
 
 
-def step_logits(batch: int, ctx: int, prefill_chunk: int, vocab: int, every_token: bool) -> int:
+def step_logits(batch: int, ctx: int, prefill_chunk: int, *, vocab: int, every_token: bool) -> int:
     """lineside's TensorRT logits buffer, or (``every_token``: the datacenter engines' estimate, deploy/sizing.py)
     fp16 logits for every token of the step."""
     if every_token:
@@ -187,4 +187,4 @@ def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int
     kv = cfg.num_kv_heads * cfg.head_dim
     attn = t * (2 * h + 2 * q + 2 * kv) * FP16 + cfg.num_heads * t * ctx * (4 + 2)
     mlp = t * (2 * h + 3 * i) * FP16
-    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, cfg.vocab_size, every_token_logits)
+    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, vocab=cfg.vocab_size, every_token=every_token_logits)

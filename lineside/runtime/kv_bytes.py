@@ -41,5 +41,6 @@ def kv_label(quantization: Mapping[str, Any] | None, value_dtypes: Iterable[np.d
     return FLOAT_LABELS.get(floats[0], floats[0]) if floats else "unknown"
 
 
-def arena_bytes(label: str, nbytes: Iterable[int], num_slots: int, max_seq_len: int) -> KvArenaBytes:
+def arena_bytes(label: str, nbytes: Iterable[int], *, num_slots: int, max_seq_len: int) -> KvArenaBytes:
+    """A backend's KV arena as the gauges read it: its buffers' bytes over the token positions they hold."""
     return KvArenaBytes(label, int(sum(nbytes)), int(num_slots) * int(max_seq_len))

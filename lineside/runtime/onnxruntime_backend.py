@@ -197,7 +197,8 @@ class OnnxRuntimeBackend:
     def kv_arena_bytes(self) -> KvArenaBytes:
         """The state arena's real allocation (every state tensor, all slots), for the /metrics KV gauges."""
         return arena_bytes(kv_label(self.quantization, (a.dtype for a in self.arena.values())),
-                           (a.nbytes for a in self.arena.values()), self.num_slots, self.max_seq_len)
+                           (a.nbytes for a in self.arena.values()), num_slots=self.num_slots,
+                           max_seq_len=self.max_seq_len)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         b, s = batch.input_ids.shape

@@ -68,7 +68,7 @@ def gateway():
             return Answer(200, b'{"own": true}')
         return Forward("127.0.0.1", up_port, head.headers, add_response=[(b"x-front", b"1")])  # framing: its own
 
-    front = loop.run_until_complete(serve(decide, pool, "127.0.0.1", 0))
+    front = loop.run_until_complete(serve(decide, pool, host="127.0.0.1", port=0))
     port = front.sockets[0].getsockname()[1]
 
     async def exchange(raw: bytes, until_close: bool = False, expect: int = 1) -> bytes:

@@ -263,7 +263,7 @@ class TensorRTBackend:
         """The arena buffers of the one device allocation (every state, all slots), for the /metrics KV gauges."""
         arena = [b for b in self.plan.buffers.values() if b.role == "arena"]
         return arena_bytes(kv_label(self.bundle.manifest.quantization, (b.dtype for b in arena)),
-                           (b.nbytes for b in arena), self.num_slots, self.max_seq_len)
+                           (b.nbytes for b in arena), num_slots=self.num_slots, max_seq_len=self.max_seq_len)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """One step for the batch's slots; returns float32 logits [B, K, vocab]."""
