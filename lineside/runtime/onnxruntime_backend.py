@@ -158,11 +158,14 @@ class OnnxRuntimeBackend:
 
     def forward_outputs(self, batch: StepBatch, names: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One run (no splitting of rows: give rows of one length) returning the logits and the named outputs."""
-        ends = batch.past_lengths + batch.new_lengths
-        if int(ends.max()) > self.max_seq_len:
-            raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
-                                f"{self.max_seq_len}")
+        self._check_length(batch)
         return self._run(batch, names)
+
+    def _check_length(self, batch: StepBatch) -> None:
+        """Refuse a step that would run any row past the bundle's max_seq_len (one line, before any run)."""
+        end = int((batch.past_lengths + batch.new_lengths).max())
+        if end > self.max_seq_len:
+            raise LinesideError(f"sequence of {end} tokens exceeds the bundle's max_seq_len {self.max_seq_len}")
 
     # ---- LoRA slots (LoraBackend) ------------------------------------------------------
     @property
@@ -202,10 +205,7 @@ class OnnxRuntimeBackend:
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         b, s = batch.input_ids.shape
-        ends = batch.past_lengths + batch.new_lengths
-        if int(ends.max()) > self.max_seq_len:
-            raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
-                               f"{self.max_seq_len}")
+        self._check_length(batch)
         if b > 1 and s > 1 and (self.uses_gqa or (self._whole_state and len(set(batch.new_lengths.tolist())) > 1)):
             # GroupQueryAttention takes one new length per step for the whole batch: rows with several new tokens
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
