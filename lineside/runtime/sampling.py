@@ -134,6 +134,15 @@ class Sampler:
             x = self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed)
             return self._distribution(x, logits, allowed)
 
+    def draw(self, logits: np.ndarray, history: list[int] | None = None,
+             prompt_len: int = 0) -> tuple[int, np.ndarray | None]:
+        """A draft token and the probabilities it was drawn from (None when greedy): a proposer's q, which the
+        speculative-sampling rule divides by (speculative/verify.py)."""
+        d = self.distribution(logits, history, prompt_len)
+        if isinstance(d, int):
+            return d, None
+        return int(self.rng.choice(d.shape[0], p=d)), d
+
     def _processed(self, x: np.ndarray, history: list[int] | None, prompt_len: int,
                    allowed: np.ndarray | None) -> np.ndarray:
         """Penalties, then the grammar mask: what logprobs are computed from."""

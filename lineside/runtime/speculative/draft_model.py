@@ -58,12 +58,9 @@ class DraftModelProposer:
             logits = self.backend.forward(batch)
             still = []
             for b, (i, r) in enumerate(live):
-                d = r.sampler.distribution(self._target_logits(logits[b, 0]), hist[i], r.prompt_len)
-                if isinstance(d, int):
-                    tok = d
-                else:
-                    tok = int(r.sampler.rng.choice(d.shape[0], p=d))
-                    probs[i].append(d)
+                tok, q = r.sampler.draw(self._target_logits(logits[b, 0]), hist[i], r.prompt_len)
+                if q is not None:
+                    probs[i].append(q)
                 out[i].tokens.append(tok)
                 hist[i].append(tok)
                 feed[i] = tok

@@ -125,12 +125,9 @@ class MtpProposer:
         probs: list[np.ndarray] = []
         hist = list(tokens)
         for i in range(k):
-            d = r.sampler.distribution(logits, hist, r.prompt_len)
-            if isinstance(d, int):
-                tok = d
-            else:
-                tok = int(r.sampler.rng.choice(d.shape[0], p=d))
-                probs.append(d)
+            tok, q = r.sampler.draw(logits, hist, r.prompt_len)
+            if q is not None:
+                probs.append(q)
             out.append(tok)
             hist.append(tok)
             if i + 1 < k:  # position n + i: the drafted token, the MTP's own streams standing in for h
