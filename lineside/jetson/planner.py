@@ -347,9 +347,11 @@ def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: 
     """Markdown table, smallest model first: weights, KV at ctx, and per device whether ctx x batch fits
     (with the largest context that fits at that batch); ``kv_columns`` adds (device, KV dtype) columns."""
     extra = list(kv_columns or [])
-    header = ("| model | weights | KV @ ctx | " + " | ".join(devices)
-              + "".join(f" | {d} KV {k}" for d, k in extra) + " |")
-    rows = [header, "|" + "---|" * (3 + len(devices) + len(extra))]
+    if not devices and not extra:
+        raise LinesideError("the table names no device: give --devices a comma list (e.g. orin-nano-8,agx-orin-64) "
+                            "or --kv-columns DEVICE:KV_DTYPE")
+    columns = ["model", "weights", "KV @ ctx", *devices, *(f"{d} KV {k}" for d, k in extra)]
+    rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     specs = sorted((load_model(n) for n in shipped_configs()), key=lambda s: s.weights(quant, 128).total)
     for spec in specs:
         name = spec.name

@@ -331,6 +331,8 @@ def test_fit_table_and_board_mapping():
     assert device_for_board("NVIDIA Jetson AGX Orin", 30 * GIB) == "agx-orin-32"
     assert device_for_board("NVIDIA Jetson Orin Nano Developer Kit", 7802756 * 1024) == "orin-nano-8"
     assert device_for_board("OptiPlex", 32 * GIB) is None
+    with pytest.raises(LinesideError, match="the table names no device"):  # `--devices ""` was a traceback
+        fit_table([])
 
 
 def test_v4_kv_without_compression_is_window_only():
