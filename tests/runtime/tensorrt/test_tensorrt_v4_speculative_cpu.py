@@ -147,3 +147,20 @@ def test_v4_greedy_with_drafts_equals_plain_on_tensorrt(v4_engine):
     assert any(k[1] > 1 for k in keys) and counts["replay"] > counts["captured"]
     got, _, _ = asyncio.run(asyncio.wait_for(serve(ngram), timeout=120))  # the real prompt-lookup proposer
     assert got == plain
+
+
+def test_generate_cli_speculates_on_tensorrt_v4(v4_engine, capsys):
+    """`generate --speculative ngram` on a V4 bundle picks the TensorRT engine (no refusal) and prints the plain
+    output (the wiring; the rewind itself is checked above)."""
+    from lineside.cli import main
+
+    b, _ = v4_engine
+    outs = {}
+    for extra in ([], ["--speculative", "ngram", "--spec-tokens", "3"]):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", str(b.path), "--prompt", "abcabcabcabc", "--max-tokens", "12", *extra])
+        cap = capsys.readouterr()
+        assert e.value.code == 0, cap.err
+        assert "backend: tensorrt" in cap.err
+        outs[bool(extra)] = cap.out
+    assert outs[True] == outs[False] and outs[True].strip()
