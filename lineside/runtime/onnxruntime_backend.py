@@ -52,11 +52,14 @@ class OnnxRuntimeBackend:
         self.flavor = flavor
         self.accuracy_level = accuracy_level
         graph = entry.graph
-        # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
-        # as it always was. The stack of adapter slots is allocated once and bound by pointer every step.
+        # A LoRA graph (built with --max-lora-rank) when adapters are served, beside the base graph: a step with
+        # no adapter row (or with no adapter loaded) runs the base graph, as fast as it always was, on the same
+        # KV arena. The stack of adapter slots is allocated once and bound by pointer (packed: its live width
+        # is what is loaded).
         self.lora: LoraStack | None = None
+        lora_graph = None
         if lora is not None:
-            graph = lora_graph_of(bundle, flavor)
+            lora_graph = lora_graph_of(bundle, flavor)
             assert bundle.manifest.lora is not None
             self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
         self.num_slots = int(num_slots)
@@ -81,13 +84,17 @@ class OnnxRuntimeBackend:
             so.add_session_config_entry("session.intra_op.allow_spinning", spin_flag)  # not a graph setting
             return so
 
-        try:
-            # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
-            self.session, self.session_source = open_session(
-                ort, bundle.file(graph), _graph_files_sha(bundle, graph), options, config,
-                providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-            raise LinesideError(f"onnxruntime could not load {graph}: {str(e).splitlines()[0]}") from None
+        def load(rel: str) -> tuple[Any, str]:
+            try:
+                # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
+                return open_session(ort, bundle.file(rel), _graph_files_sha(bundle, rel), options, config,
+                                    providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own exception types for bad graphs
+                raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
+
+        self.base_session, self.session_source = load(graph)
+        self.lora_session = None if lora_graph is None else load(lora_graph)[0]
+        self.session = self.lora_session or self.base_session  # the one whose inputs are the superset
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
         unknown = [s for s in self.states if s.dtype not in _NP]
@@ -108,7 +115,8 @@ class OnnxRuntimeBackend:
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states), *self._lora_inputs()}
-        self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        self._fast: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast_version = 0  # the LoRA stack's layout the cached bindings point at
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
         # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
@@ -140,7 +148,7 @@ class OnnxRuntimeBackend:
     def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         if self.lora is None:
             raise LinesideError("this backend runs the base graph; start it with adapter slots (--max-loras)")
-        self.lora.load(slot, adapter)  # in place: the bound addresses stay valid
+        self.lora.load(slot, adapter)  # repacked in place: the cached bindings are rebuilt at the new width
 
     def unload_adapter(self, slot: int) -> None:
         if self.lora is not None:
@@ -149,9 +157,13 @@ class OnnxRuntimeBackend:
     def _lora_inputs(self) -> list[str]:
         return [] if self.lora is None else [LORA_SLOTS_INPUT, *self.lora.arrays]
 
-    def _bind_lora(self, io: Any, rows: np.ndarray) -> None:
+    def _uses_lora(self, batch: StepBatch) -> bool:
+        """Whether this step runs the LoRA graph: some row names an adapter slot and some adapter is loaded."""
+        return self.lora is not None and self.lora.width > 0 and bool(batch.adapter_rows().any())
+
+    def _bind_lora(self, io: Any, rows: np.ndarray, lora: bool) -> None:
         """The stack (by pointer: no copy per step) and the rows' adapter slots."""
-        if self.lora is None:
+        if self.lora is None or not lora:
             return
         self._bind(io, LORA_SLOTS_INPUT, rows, output=False)
         for name, arr in self.lora.arrays.items():
@@ -199,24 +211,29 @@ class OnnxRuntimeBackend:
         """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
         (first slot, batch, n_logits); a step only writes a few integers and runs."""
         b, k = len(batch.slots), batch.logits_positions.shape[1]
-        key = (batch.slots[0], b, k)
+        lora = self._uses_lora(batch)
+        key = (batch.slots[0], b, k, lora)
+        if self.lora is not None and self._fast_version != self.lora.version:
+            self._fast.clear()  # an adapter came or went: the stack's views changed width
+            self._fast_version = self.lora.version
         fast = self._fast.get(key)
         if fast is None:
             if len(self._fast) >= 32:
                 self._fast.clear()
-            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k)
-        io, ids, pos, seqlens, total, logits, adapters = fast
+            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k, lora)
+        io, ids, pos, seqlens, total, logits, adapters, session = fast
         adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
         pos[:] = batch.logits_positions
         ends = batch.past_lengths + batch.new_lengths
         seqlens[:] = ends - 1
         total[...] = int(ends.max())
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
         return logits.copy()
 
-    def _bind_decode(self, first: int, b: int, k: int) -> tuple[Any, ...]:
-        io = self.session.io_binding()
+    def _bind_decode(self, first: int, b: int, k: int, lora: bool) -> tuple[Any, ...]:
+        session = self.lora_session if lora else self.base_session
+        io = session.io_binding()
         self._bound_outputs, self._keep_alive = [], []
         ids = np.zeros((b, 1), np.int64)
         pos = np.zeros((b, k), np.int64)
@@ -224,7 +241,7 @@ class OnnxRuntimeBackend:
         total = np.zeros((), np.int32)
         logits = np.zeros((b, k, self.vocab_size), np.float32)
         adapters = np.zeros((b,), np.int64)
-        self._bind_lora(io, adapters)
+        self._bind_lora(io, adapters, lora)
         for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
                           ("total_sequence_length", total)):
             self._bind(io, name, arr, output=False)
@@ -235,7 +252,7 @@ class OnnxRuntimeBackend:
         self._bind(io, "logits", logits, output=True)
         # The arena outlives the binding; the small arrays live in the returned tuple.
         self._keep_alive = []
-        return io, ids, pos, seqlens, total, logits, adapters
+        return io, ids, pos, seqlens, total, logits, adapters, session
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
@@ -265,7 +282,7 @@ class OnnxRuntimeBackend:
                 self.arena[s.input][slot] = 0
 
     def close(self) -> None:
-        self.session = None  # type: ignore[assignment]
+        self.session = self.base_session = self.lora_session = None  # type: ignore[assignment]
 
     # ---- one step -----------------------------------------------------------------------
     def _run(self, batch: StepBatch) -> np.ndarray:
@@ -290,13 +307,15 @@ class OnnxRuntimeBackend:
         if "past_lengths" in self.input_names:
             feeds["past_lengths"] = past
 
-        io = self.session.io_binding()
+        lora = self._uses_lora(batch)
+        session = self.lora_session if lora else self.base_session
+        io = session.io_binding()
         self._bound_outputs: list[str] = []
         self._keep_alive: list[np.ndarray] = []
         for name, arr in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, arr)
-        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()))
+        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
         views: dict[str, np.ndarray] = {}
         for st in self.states:
             a = self.arena[st.input]
@@ -316,7 +335,7 @@ class OnnxRuntimeBackend:
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
         self._bind_new(io, "logits")
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
         for st in self.states:
             a = self.arena[st.input]
