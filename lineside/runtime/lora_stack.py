@@ -73,6 +73,11 @@ class LoraStack:
         self._cols = {p: np.zeros(p * cap, dtype=np.int64) for p in sorted({len(s.parts) for s in self.sites})}
         self.adapters: list[LoraAdapter | None] = [None] * (slots.max_loras + 1)  # by slot; [0] stays None
         self.arrays: dict[str, np.ndarray] = {}  # the graph's inputs: views of the buffers at the live width
+        # the same inputs at width 0: a step with no adapter row binds these (its deltas read nothing)
+        self.empty: dict[str, np.ndarray] = {cols_input(p): np.zeros(0, np.int64) for p in self._cols}
+        for s in self.sites:
+            self.empty[s.a_input] = np.zeros((s.in_features, 0), dtype=dtype)
+            self.empty.update({b: np.zeros((0, w), dtype=dtype) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
         self.width = 0
         self.version = 0
         self._repack()

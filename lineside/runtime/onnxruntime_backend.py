@@ -52,14 +52,14 @@ class OnnxRuntimeBackend:
         self.flavor = flavor
         self.accuracy_level = accuracy_level
         graph = entry.graph
-        # A LoRA graph (built with --max-lora-rank) when adapters are served, beside the base graph: a step with
-        # no adapter row (or with no adapter loaded) runs the base graph, as fast as it always was, on the same
-        # KV arena. The stack of adapter slots is allocated once and bound by pointer (packed: its live width
-        # is what is loaded).
+        # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
+        # as it always was. The stack of adapter slots is allocated once and bound by pointer (packed: its live
+        # width is what is loaded); a step with no adapter row binds it at width 0, so its deltas read nothing
+        # (a second session on the base graph would be a second copy of every prepacked weight: +120 MB RSS on
+        # SmolLM2, measured with benchmarks/multi_lora.py).
         self.lora: LoraStack | None = None
-        lora_graph = None
         if lora is not None:
-            lora_graph = lora_graph_of(bundle, flavor)
+            graph = lora_graph_of(bundle, flavor)
             assert bundle.manifest.lora is not None
             self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
         self.num_slots = int(num_slots)
@@ -92,9 +92,7 @@ class OnnxRuntimeBackend:
             except Exception as e:  # onnxruntime raises its own exception types for bad graphs
                 raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
 
-        self.base_session, self.session_source = load(graph)
-        self.lora_session = None if lora_graph is None else load(lora_graph)[0]
-        self.session = self.lora_session or self.base_session  # the one whose inputs are the superset
+        self.session, self.session_source = load(graph)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
         unknown = [s for s in self.states if s.dtype not in _NP]
@@ -158,15 +156,16 @@ class OnnxRuntimeBackend:
         return [] if self.lora is None else [LORA_SLOTS_INPUT, *self.lora.arrays]
 
     def _uses_lora(self, batch: StepBatch) -> bool:
-        """Whether this step runs the LoRA graph: some row names an adapter slot and some adapter is loaded."""
+        """Whether this step reads the adapter stack: some row names an adapter slot and some adapter is loaded."""
         return self.lora is not None and self.lora.width > 0 and bool(batch.adapter_rows().any())
 
     def _bind_lora(self, io: Any, rows: np.ndarray, lora: bool) -> None:
-        """The stack (by pointer: no copy per step) and the rows' adapter slots."""
-        if self.lora is None or not lora:
+        """The stack (by pointer: no copy per step) and the rows' adapter slots; ``lora`` false: the stack at
+        width 0 (every delta an empty product)."""
+        if self.lora is None:
             return
         self._bind(io, LORA_SLOTS_INPUT, rows, output=False)
-        for name, arr in self.lora.arrays.items():
+        for name, arr in (self.lora.arrays if lora else self.lora.empty).items():
             self._bind(io, name, arr, output=False)
 
     # ---- Backend interface ------------------------------------------------------------
@@ -221,19 +220,18 @@ class OnnxRuntimeBackend:
             if len(self._fast) >= 32:
                 self._fast.clear()
             fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k, lora)
-        io, ids, pos, seqlens, total, logits, adapters, session = fast
+        io, ids, pos, seqlens, total, logits, adapters = fast
         adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
         pos[:] = batch.logits_positions
         ends = batch.past_lengths + batch.new_lengths
         seqlens[:] = ends - 1
         total[...] = int(ends.max())
-        session.run_with_iobinding(io)
+        self.session.run_with_iobinding(io)
         return logits.copy()
 
     def _bind_decode(self, first: int, b: int, k: int, lora: bool) -> tuple[Any, ...]:
-        session = self.lora_session if lora else self.base_session
-        io = session.io_binding()
+        io = self.session.io_binding()
         self._bound_outputs, self._keep_alive = [], []
         ids = np.zeros((b, 1), np.int64)
         pos = np.zeros((b, k), np.int64)
@@ -252,7 +250,7 @@ class OnnxRuntimeBackend:
         self._bind(io, "logits", logits, output=True)
         # The arena outlives the binding; the small arrays live in the returned tuple.
         self._keep_alive = []
-        return io, ids, pos, seqlens, total, logits, adapters, session
+        return io, ids, pos, seqlens, total, logits, adapters
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
@@ -282,7 +280,7 @@ class OnnxRuntimeBackend:
                 self.arena[s.input][slot] = 0
 
     def close(self) -> None:
-        self.session = self.base_session = self.lora_session = None  # type: ignore[assignment]
+        self.session = None  # type: ignore[assignment]
 
     # ---- one step -----------------------------------------------------------------------
     def _run(self, batch: StepBatch) -> np.ndarray:
@@ -308,8 +306,7 @@ class OnnxRuntimeBackend:
             feeds["past_lengths"] = past
 
         lora = self._uses_lora(batch)
-        session = self.lora_session if lora else self.base_session
-        io = session.io_binding()
+        io = self.session.io_binding()
         self._bound_outputs: list[str] = []
         self._keep_alive: list[np.ndarray] = []
         for name, arr in feeds.items():
@@ -335,7 +332,7 @@ class OnnxRuntimeBackend:
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
         self._bind_new(io, "logits")
-        session.run_with_iobinding(io)
+        self.session.run_with_iobinding(io)
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
         for st in self.states:
             a = self.arena[st.input]
