@@ -248,7 +248,7 @@ class LoraSite:
 
     @property
     def b_inputs(self) -> tuple[str, ...]:
-        """One B per part (``lora_b.L.SITE.PART``, [K, that part's out]): no zero blocks for the others."""
+        """One B^T per part (``lora_b.L.SITE.PART``, [that part's out, K]): no zero blocks for the others."""
         return tuple(f"lora_b.{self.layer}.{self.site}.{p.value}" for p in self.parts)
 
 

@@ -1,8 +1,9 @@
 """The adapter slots' A/B tensors, laid out as the LoRA graphs read them (build/graph/lora.py says how).
 
-A backend running a LoRA graph owns one ``LoraStack``: per adapted site a buffer for A ``[in, P·K]`` and one
-per part for B ``[K, out_part]``, allocated once at the slots' capacity (K ≤ slots × max_rank), so nothing
-is allocated when adapters come and go. What the graph is given (``arrays``) are views of the buffers' first
+A backend running a LoRA graph owns one ``LoraStack``: per adapted site a buffer for A^T ``[P·K, in]`` and one
+per part for B^T ``[out_part, K]`` (PEFT's own orientations: an adapter's lora_A rows and lora_B columns are
+copied as they are), allocated once at the slots' capacity (K ≤ slots × max_rank), so nothing is allocated
+when adapters come and go. What the graph is given (``arrays``) are contiguous views of the buffers' first
 K columns' worth, K being the stack's live width:
 - packed (onnxruntime): the loaded adapters side by side, each at its own rank, empty slots taking no
   column — a step reads what is loaded and nothing more; K changes with every load or unload, the views
@@ -67,8 +68,8 @@ class LoraStack:
         self.targets, self.slots, self.packed = targets, slots, packed
         self.sites: list[LoraSite] = lora_sites(cfg, targets)
         cap = slots.max_loras * slots.max_rank
-        self._a = {s.a_input: np.zeros(s.in_features * len(s.parts) * cap, dtype=dtype) for s in self.sites}
-        self._b = {b: np.zeros((cap, w), dtype=dtype) for s in self.sites
+        self._a = {s.a_input: np.zeros((len(s.parts) * cap, s.in_features), dtype=dtype) for s in self.sites}
+        self._b = {b: np.zeros(cap * w, dtype=dtype) for s in self.sites
                    for b, w in zip(s.b_inputs, s.part_widths, strict=True)}
         self._cols = {p: np.zeros(p * cap, dtype=np.int64) for p in sorted({len(s.parts) for s in self.sites})}
         self.adapters: list[LoraAdapter | None] = [None] * (slots.max_loras + 1)  # by slot; [0] stays None
@@ -76,8 +77,8 @@ class LoraStack:
         # the same inputs at width 0: a step with no adapter row binds these (its deltas read nothing)
         self.empty: dict[str, np.ndarray] = {cols_input(p): np.zeros(0, np.int64) for p in self._cols}
         for s in self.sites:
-            self.empty[s.a_input] = np.zeros((s.in_features, 0), dtype=dtype)
-            self.empty.update({b: np.zeros((0, w), dtype=dtype) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
+            self.empty[s.a_input] = np.zeros((0, s.in_features), dtype=dtype)
+            self.empty.update({b: np.zeros((w, 0), dtype=dtype) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
         self.width = 0
         self.version = 0
         self._repack()
@@ -132,11 +133,11 @@ class LoraStack:
             view[:] = np.tile(owner, p)
             arrays[cols_input(p)] = view
         for s in self.sites:
-            a = self._a[s.a_input][:s.in_features * len(s.parts) * k].reshape(s.in_features, len(s.parts) * k)
+            a = self._a[s.a_input][:len(s.parts) * k]
             a[:] = 0
             arrays[s.a_input] = a
-            for j, (part, b_name) in enumerate(zip(s.parts, s.b_inputs, strict=True)):
-                b = self._b[b_name][:k]
+            for j, (part, b_name, w) in enumerate(zip(s.parts, s.b_inputs, s.part_widths, strict=True)):
+                b = self._b[b_name][:w * k].reshape(w, k)
                 b[:] = 0
                 arrays[b_name] = b
                 for c in cols:
@@ -145,8 +146,8 @@ class LoraStack:
                         continue
                     la, lb = pair  # [rank, in], [out, rank] (scaling folded in)
                     rank = la.shape[0]
-                    a[:, j * k + c.start:j * k + c.start + rank] = la.T
-                    b[c.start:c.start + rank] = lb.T
+                    a[j * k + c.start:j * k + c.start + rank] = la
+                    b[:, c.start:c.start + rank] = lb
         self.arrays, self.width = arrays, k
         self.version += 1
 

@@ -222,16 +222,16 @@ def test_packed_stack_holds_what_is_loaded_at_its_own_rank():
     for st, start in ((packed, 8), (padded, 16)):  # where slot 3 starts
         kk = st.width
         a, b_v = st.arrays["lora_a.1.qkv"], st.arrays["lora_b.1.qkv.v"]
-        assert a.shape == (16, 3 * kk) and b_v.shape == (kk, 8) and st.arrays["lora_b.1.qkv.q"].shape == (kk, 16)
+        assert a.shape == (3 * kk, 16) and b_v.shape == (8, kk) and st.arrays["lora_b.1.qkv.q"].shape == (16, kk)
         la, lb = small.weights[(1, v)]
-        np.testing.assert_array_equal(a[:, 2 * kk + start:2 * kk + start + 3], la.T)
-        np.testing.assert_array_equal(b_v[start:start + 3], lb.T)
-        assert not a[:, kk + start:2 * kk].any()  # small adapts no k: its k block is zeros
+        np.testing.assert_array_equal(a[2 * kk + start:2 * kk + start + 3], la)
+        np.testing.assert_array_equal(b_v[:, start:start + 3], lb)
+        assert not a[kk + start:2 * kk].any()  # small adapts no k: its k block is zeros
         la, lb = big.weights[(0, LoraTarget.DOWN)]
-        np.testing.assert_array_equal(st.arrays["lora_a.0.down"][:, :8], la.T)
-        np.testing.assert_array_equal(st.arrays["lora_b.0.down.down"][:8], lb.T)
+        np.testing.assert_array_equal(st.arrays["lora_a.0.down"][:8], la)
+        np.testing.assert_array_equal(st.arrays["lora_b.0.down.down"][:, :8], lb)
     packed.unload(1)
     assert packed.width == 3 and packed.arrays[cols_input(1)].tolist() == [3] * 3
-    np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.weights[(1, v)][1].T)
+    np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.weights[(1, v)][1])
     packed.unload(3)
     assert packed.width == 0 and packed.live_bytes == 0

@@ -17,8 +17,8 @@ def lora_input_shapes(cfg: ModelConfig, targets: tuple[LoraTarget, ...], max_lor
     shapes: dict[str, tuple[int, ...]] = {}
     k = max_loras * max_rank  # padded: every slot at max_rank, whatever is loaded (fixed shapes)
     for s in lora_sites(cfg, targets):
-        shapes[s.a_input] = (s.in_features, len(s.parts) * k)
-        shapes.update({b: (k, w) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
+        shapes[s.a_input] = (len(s.parts) * k, s.in_features)
+        shapes.update({b: (w, k) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
         shapes[cols_input(len(s.parts))] = (len(s.parts) * k,)
     return shapes
 
