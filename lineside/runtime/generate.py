@@ -67,6 +67,7 @@ class Generator:
         eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self.eos_ids = eos
         self.speculative = speculative
+        self.adapter = 0  # the backend's LoRA slot every step uses (0: the base model; `generate --lora`)
         self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
         self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
         self._proposer: tuple[SpeculativeConfig, Proposer | ModelProposer] | None = None
@@ -80,7 +81,7 @@ class Generator:
         max_tokens = min(max_tokens, limit - len(prompt_ids))
         sampler = Sampler(params or SamplingParams())
         self.backend.reset_slot(0)
-        logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0))[0, -1]
+        logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0, adapter=self.adapter))[0, -1]
         history = list(prompt_ids)
         pos = len(prompt_ids)
         self.steps, self.drafted, self.accepted = 1, 0, 0
@@ -98,7 +99,7 @@ class Generator:
             history.append(tok)
             if len(history) - len(prompt_ids) >= max_tokens or (matcher is not None and matcher.finished):
                 return
-            logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
+            logits = self.backend.forward(StepBatch.single(0, [tok], pos, adapter=self.adapter))[0, -1]
             pos += 1
             self.steps += 1
 
@@ -107,6 +108,8 @@ class Generator:
         """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py);
         under a grammar only the drafts it accepts are proposed."""
         assert self.speculative is not None
+        if self.adapter:
+            raise LinesideError("speculative decoding does not run with a LoRA adapter; drop --speculative or --lora")
         if self._proposer is None or self._proposer[0] != self.speculative:  # a draft model loads once
             check_speculation(self.backend, self.speculative)
             if self._proposer is not None and hasattr(self._proposer[1], "close"):
