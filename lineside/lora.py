@@ -252,7 +252,6 @@ class LoraSite:
         return tuple(f"lora_b.{self.layer}.{self.site}.{p.value}" for p in self.parts)
 
 
-
 def lora_sites(cfg: ModelConfig, targets: tuple[LoraTarget, ...]) -> list[LoraSite]:
     """The sites a LoRA graph built for ``targets`` has (build and runtime derive them the same way)."""
     out = []

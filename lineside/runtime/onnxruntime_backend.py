@@ -84,15 +84,13 @@ class OnnxRuntimeBackend:
             so.add_session_config_entry("session.intra_op.allow_spinning", spin_flag)  # not a graph setting
             return so
 
-        def load(rel: str) -> tuple[Any, str]:
-            try:
-                # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
-                return open_session(ort, bundle.file(rel), _graph_files_sha(bundle, rel), options, config,
-                                    providers=["CPUExecutionProvider"])
-            except Exception as e:  # onnxruntime raises its own exception types for bad graphs
-                raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
-
-        self.session, self.session_source = load(graph)
+        try:
+            # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
+            self.session, self.session_source = open_session(
+                ort, bundle.file(graph), _graph_files_sha(bundle, graph), options, config,
+                providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types for bad graphs
+            raise LinesideError(f"onnxruntime could not load {graph}: {str(e).splitlines()[0]}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
         unknown = [s for s in self.states if s.dtype not in _NP]
