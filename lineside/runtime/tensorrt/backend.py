@@ -64,7 +64,9 @@ class TensorRTBackend:
 
             graph_sha = bundle.manifest.files[lora_graph_of(bundle, "trt")].sha256
             assert bundle.manifest.lora is not None
-            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
+            # padded: fixed shapes and addresses, so the captured graphs replay whatever is loaded
+            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora,
+                                  packed=False)
         edir, meta = find_engine(bundle.path, here, graph_sha,
                                  lora=None if lora is None else (lora.max_loras, lora.max_rank))
         if meta.get("kv_dtype", "fp16") != kv_dtype_of(fl.state):
