@@ -30,6 +30,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -167,23 +171,30 @@ def engine(bundle: Path, threads: int, streams: int, max_tokens: int):
     return run, stop
 
 
-def count_ops(bundle: Path, threads: int, batch: int) -> None:
-    """Kernels per decode step (onnxruntime profile of 16 steps after a warm-up) and the most frequent."""
-    import numpy as np
+def profile_session(be: OnnxRuntimeBackend, threads: int) -> None:
+    """Swap the backend's session for one that records an onnxruntime profile (same graph, threads, no spin);
+    ``be.session.end_profiling()`` then names the trace file."""
     import onnxruntime as ort
 
-    from lineside.bundle import open_bundle
-    from lineside.runtime.backend import StepBatch
-    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
-
-    be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=batch, threads=threads, spin=False)
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ops")
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     be.session = ort.InferenceSession(be.session._model_path, so, providers=["CPUExecutionProvider"])
-    be._fast.clear()
+    be._fast.clear()  # the cached decode bindings belong to the old session
+
+
+def count_ops(bundle: Path, threads: int, batch: int) -> None:
+    """Kernels per decode step (onnxruntime profile of 16 steps after a warm-up) and the most frequent."""
+    import numpy as np
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=batch, threads=threads, spin=False)
+    profile_session(be, threads)
     be.forward(StepBatch(slots=list(range(batch)), input_ids=np.ones((batch, 16), np.int64),
                          past_lengths=np.zeros(batch, np.int64), new_lengths=np.full(batch, 16, np.int64),
                          logits_positions=np.full((batch, 1), 15, np.int64)))

@@ -90,8 +90,7 @@ def memory_table(path: Path, names: list[str], threads: int) -> list[tuple[str, 
 
 def count_ops(path: Path, names: list[str], threads: int, steps: int = 16) -> None:
     """onnxruntime's profile of ``steps`` 8-row decode steps (after a warm-up): kernels and ms per op type."""
-    import onnxruntime as ort
-
+    from benchmarks.cpu_per_token import profile_session
     from lineside.bundle import open_bundle
     from lineside.runtime.adapters import bundle_adapter
     from lineside.runtime.backend import StepBatch
@@ -105,13 +104,7 @@ def count_ops(path: Path, names: list[str], threads: int, steps: int = 16) -> No
                                 lora=LoraSlotsConfig(4, 16) if lora else None)
         for slot, name in enumerate(names if lora else [], start=1):
             be.load_adapter(slot, bundle_adapter(b, name))
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ops")
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        be.session = ort.InferenceSession(be.session._model_path, so, providers=["CPUExecutionProvider"])
-        be._fast.clear()
+        profile_session(be, threads)
         adapters = np.array(rows, np.int64)
         be.forward(StepBatch(slots=list(range(8)), input_ids=np.ones((8, 16), np.int64),
                              past_lengths=np.zeros(8, np.int64), new_lengths=np.full(8, 16, np.int64),
