@@ -62,8 +62,8 @@ class SlotColumns:
 class LoraStack:
     """Every site's A/B tensors and the column → slot maps (the graph's ``lora_cols.P`` inputs)."""
 
-    def __init__(self, cfg: ModelConfig, targets: tuple[LoraTarget, ...], slots: LoraSlotsConfig,
-                 dtype: type = np.float32, packed: bool = True):
+    def __init__(self, cfg: ModelConfig, targets: tuple[LoraTarget, ...], slots: LoraSlotsConfig, *,
+                 dtype: type = np.float32, packed: bool = True) -> None:
         slots.check()
         self.targets, self.slots, self.packed = targets, slots, packed
         self.sites: list[LoraSite] = lora_sites(cfg, targets)
