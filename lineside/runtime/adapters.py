@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 def bundle_adapter(bundle: Bundle, name: str) -> LoraAdapter:
     """The adapter ``name`` carried in the bundle (``lineside lora add``)."""
     entry = bundle.manifest.adapters.get(name)
+    if entry is None and bundle.manifest.lora is None:  # `lora add` would refuse it too: say the first step
+        raise AdapterError(f"bundle {bundle.path} has no LoRA graphs, so no adapter {name!r}; rebuild it with "
+                           "--max-lora-rank R (R: the largest adapter rank), then `lineside lora add` the adapter")
     if entry is None:
         have = ", ".join(sorted(bundle.manifest.adapters)) or "none"
         raise AdapterError(f"bundle {bundle.path} has no adapter {name!r} (it has: {have}); add one with "

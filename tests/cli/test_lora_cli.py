@@ -96,6 +96,8 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
     plain = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64)
     assert_one_line_error(run_cli("lora", "add", str(plain), str(peft_adapter("llama-gqa", "qv")), "--name", "a"),
                           "--max-lora-rank")
+    assert_one_line_error(run_cli("generate", str(plain), "--prompt", "hi", "--lora", "a"),  # not "lora add"
+                          "has no LoRA graphs", "--max-lora-rank")
     assert_one_line_error(run_cli("logits", str(lora_bundle_copy), "--ids", "1,2", "-o", str(tmp_path / "x.npy"),
                                   "--lora", "missing"), "no adapter 'missing'")
     assert_one_line_error(run_cli("generate", str(lora_bundle_copy), "--prompt", "hi", "--lora", "missing"),
