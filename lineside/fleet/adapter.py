@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from lineside.fleet.passthrough import error_body
 from lineside.fleet.relay import (
     REQUEST_DROP,
     ClientGone,
@@ -21,7 +22,6 @@ from lineside.fleet.relay import (
     Send,
     Upstream,
     UpstreamError,
-    error_body,
     lifespan,
     read_body,
     relay_response,

@@ -36,9 +36,10 @@ from lineside.fleet.passthrough import (
     RawHeaders,
     RequestHead,
     UpstreamPool,
+    error_body,
     serve,
 )
-from lineside.fleet.relay import Upstream, UpstreamError, error_body
+from lineside.fleet.relay import Upstream, UpstreamError
 from lineside.request_class import tracestate_member, with_member
 
 SHADOW_HEADER = "x-lineside-shadow"

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httptools
 
@@ -44,6 +46,17 @@ class Answer:
     body: bytes
     content_type: bytes = b"application/json"
     headers: RawHeaders = field(default_factory=list)
+
+
+def error_body(message: str, code: str, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    """The OpenAI error object every answer of the gateway's own carries."""
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+def error_answer(status: int, message: str, code: str, *, kind: str = "invalid_request_error") -> Answer:
+    """An error the front answers itself, JSON-encoded (so any text in ``message`` stays valid JSON)."""
+    return Answer(status, json.dumps(error_body(message, code, kind=kind)).encode())
 
 
 @dataclass
@@ -281,9 +294,9 @@ class ClientConn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(b"upgrades are not supported by the gateway")
+            self._refuse("upgrades are not supported by the gateway")
         except httptools.HttpParserError:
-            self._refuse(b"malformed HTTP request")
+            self._refuse("malformed HTTP request")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
@@ -307,10 +320,8 @@ class ClientConn(asyncio.Protocol):
         if ex is not None and ex.conn is not None and ex.conn.transport is not None:
             ex.conn.transport.resume_reading()
 
-    def _refuse(self, why: bytes) -> None:
-        body = b'{"error": {"message": "' + why + b'", "type": "invalid_request_error", "code": "bad_request", ' \
-            b'"param": null}}'
-        self.write(encode_answer(Answer(400, body), "1.1", keep_alive=False))
+    def _refuse(self, why: str) -> None:
+        self.write(encode_answer(error_answer(400, why, "bad_request"), "1.1", keep_alive=False))
         if self.transport is not None:
             self.transport.close()
 
@@ -363,9 +374,8 @@ class ClientConn(asyncio.Protocol):
         except Exception as e:  # noqa: BLE001 - one failed request must not leave its client hanging
             if self.transport is not None and not self.gone:
                 if self.current is None or not self.current.head_sent:
-                    msg = f'{{"error": {{"message": "gateway error: {type(e).__name__}", "type": "server_error", ' \
-                          '"code": "gateway_error", "param": null}}'
-                    self.write(encode_answer(Answer(502, msg.encode()), head.version, keep_alive=False))
+                    a = error_answer(502, f"gateway error: {type(e).__name__}", "gateway_error", kind="server_error")
+                    self.write(encode_answer(a, head.version, keep_alive=False))
                 self.transport.close()
             return False
 
@@ -444,8 +454,8 @@ class ClientConn(asyncio.Protocol):
             timer.cancel()
 
     def _unreachable(self, fwd: Forward, head: RequestHead, keep_alive: bool, why: str) -> bool:
-        a = fwd.unreachable(why) if fwd.unreachable is not None else Answer(502, b'{"error": {"message": '
-                                                                          b'"upstream unreachable"}}')
+        a = fwd.unreachable(why) if fwd.unreachable is not None else error_answer(
+            502, f"upstream unreachable: {why}", "upstream_unreachable", kind="server_error")
         self.write(encode_answer(a, head.version, keep_alive))
         return keep_alive
 

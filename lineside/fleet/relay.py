@@ -141,11 +141,6 @@ async def send_json(send: Send, status: int, payload: dict[str, Any],
     await send({"type": "http.response.body", "body": body})
 
 
-def error_body(message: str, code: str, param: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
-
-
 async def lifespan(receive: Receive, send: Send, on_shutdown: Callable[[], Awaitable[None]]) -> None:
     """The ASGI lifespan protocol: nothing to start, ``on_shutdown`` at the end."""
     while True:

@@ -5,6 +5,7 @@ kept-alive connection between requests, a malformed request."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -161,4 +162,7 @@ def test_own_answers_and_malformed_requests(gateway):
     out = call(b"GET /own HTTP/1.1\r\nhost: gw\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 200 OK") and out.endswith(b'{"own": true}')
     out = call(b"NOT HTTP AT ALL\r\n\r\n", until_close=True)
-    assert out.startswith(b"HTTP/1.1 400 Bad Request") and b'"type": "invalid_request_error"' in out
+    assert out.startswith(b"HTTP/1.1 400 Bad Request")
+    error = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]  # OpenAI-shaped, valid JSON
+    assert error == {"message": "malformed HTTP request", "type": "invalid_request_error", "code": "bad_request",
+                     "param": None}
