@@ -240,10 +240,11 @@ def test_v4_planner_bytes_are_the_emitters_state_bytes(kv):
     import math
 
     from lineside.build.models.deepseek_v4 import parse_config, state_tensors
+    from lineside.build.quant.kv import FORMATS, KvDtype
     from lineside.runtime.tensorrt.buffers import np_dtype
 
     raw = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
-    states = state_tensors(parse_config(raw), 8192, quantized=kv == "int8")
+    states = state_tensors(parse_config(raw), 8192, fmt=FORMATS.get(KvDtype(kv)))
     emitted = sum(math.prod(1 if d == "batch" else d for d in st.shape) * np_dtype(st.dtype).itemsize
                   for st in states)
     assert {st.dtype for st in states} == ({"float32"} if kv == "fp16" else {"float32", "uint8", "float16"})

@@ -293,16 +293,17 @@ class DenseEmitter:
             self.kv_io = {key: (past, present, None, None) for key, (past, present) in names.items()}
         else:
             fmt = FORMATS[kv]
-            q_t = TensorProto.UINT8
-            s_shape, s_out = shape[:3] + [1], out_shape[:3] + [1]
+            q_t = TensorProto.UINT8  # int8: grid + 128; int4: two grid values + 8 per byte (graph/kv_cache.py)
+            v_shape, v_out = shape[:3] + [fmt.stored_dim(d)], out_shape[:3] + [fmt.stored_dim(d)]
+            s_shape, s_out = shape[:3] + [fmt.scale_dim(d)], out_shape[:3] + [fmt.scale_dim(d)]
             self.kv_io = {}
             for key, (past, present) in names.items():
                 ps, os_ = scale_name(past), scale_name(present)
-                g.input(past, q_t, shape)
+                g.input(past, q_t, v_shape)
                 g.input(ps, TensorProto.FLOAT16, s_shape)
-                g.output(present, q_t, out_shape)
+                g.output(present, q_t, v_out)
                 g.output(os_, TensorProto.FLOAT16, s_out)
-                states += [StateTensor(past, present, shape, dtype=fmt.element, update=StateUpdate.APPEND),
+                states += [StateTensor(past, present, v_shape, dtype=fmt.element, update=StateUpdate.APPEND),
                            StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
                 self.kv_io[key] = (past, present, ps, os_)
         q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
@@ -323,9 +324,10 @@ class DenseEmitter:
                 return x, past
             g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
             return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
-        # Per-token-per-head dynamic scale, values as uint8 (graph/kv_cache.py says why).
-        fmt = FORMATS[kv]
-        return emit_kv_store(g, x, fmt, present, present_s), emit_kv_load(g, past, past_s, fmt)
+        # Dynamic per-token scales (per head; int4: per 32 channels), values as uint8 (graph/kv_cache.py says why).
+        fmt, d = FORMATS[kv], self.cfg.head_dim
+        return (emit_kv_store(g, x, fmt, present, present_s, rank=4, head_dim=d),
+                emit_kv_load(g, past, past_s, fmt, rank=4, head_dim=d))
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
