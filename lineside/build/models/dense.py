@@ -113,13 +113,15 @@ class DenseEmitter:
 
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
-                 draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = ()):
+                 draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = (),
+                 key_means: np.ndarray | None = None):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
 
         self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
         self.max_seq = max_seq_len
         self.awq = awq_scales or {}
+        self.key_means = key_means if flavor == "trt" and spec.kv_dtype == "int4" else None
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
@@ -307,7 +309,7 @@ class DenseEmitter:
                            StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
                 self.kv_io[key] = (past, present, ps, os_)
         q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
-        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)]), states
+        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)], layer=i), states
 
     def _kv_write(self, x: str, key: str) -> tuple[str, str]:
         """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
@@ -381,7 +383,7 @@ class DenseEmitter:
         parts = [a, b] + ([xp] if xp else [])
         return g.op("Concat", parts, axis=-1)
 
-    def _trt_attention(self, q: str, k: str, v: str, allowed: str) -> str:
+    def _trt_attention(self, q: str, k: str, v: str, allowed: str, *, layer: int) -> str:
         cfg, g = self.cfg, self.gb
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         grp = nh // kvh
@@ -391,6 +393,8 @@ class DenseEmitter:
 
         qh = self._rope(heads(q, nh), nh)
         kh, vh = self._rope(heads(k, kvh), kvh), heads(v, kvh)
+        if self.key_means is not None:  # int4: keys centred on their calibrated mean (quant/kv_calib.py: exact)
+            kh = g.op("Sub", [kh, g.const(self.key_means[layer][:, None, :], np.float32)])
         rot = self._kv_rotation()
         if rot is not None:  # int8 cache in the rotated basis: q·k is invariant, ctx is rotated back below
             qh, kh, vh = (g.op("MatMul", [t, rot]) for t in (qh, kh, vh))
@@ -413,11 +417,12 @@ class DenseEmitter:
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
                awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-               lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
+               lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
-    variant beside it); returns its manifest entry."""
-    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales,
-                        draft_layers, lora_targets).emit(progress)
+    variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
+    cache subtracts from its keys (quant/kv_calib.py)."""
+    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
+                        key_means=key_means).emit(progress)
 
 
 class DenseFamily(ModelFamily):
@@ -442,10 +447,10 @@ class DenseFamily(ModelFamily):
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
                    awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-                   lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
+                   lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
         return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
-                          lora_targets)
+                          lora_targets, key_means)
 
 
 FAMILY = DenseFamily()

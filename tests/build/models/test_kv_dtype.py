@@ -168,3 +168,47 @@ def test_int4_cache_prefix_copy_and_rollback(kv_bundle):
     be.forward(StepBatch.single(0, [250, 251, 252], 6))  # a rejected draft of 3 tokens
     again = be.forward(StepBatch.single(0, IDS[6:10], 6, all_logits=True))[0]
     assert rel_err(again, fresh[6:10]) < 1e-5
+
+
+def test_int4_layout_tiles_the_head_vector_or_is_refused():
+    from lineside.build.quant.kv import FORMATS, KvDtype
+
+    fmt = FORMATS[KvDtype.INT4]
+    assert (fmt.stored_dim(128), fmt.scale_dim(128)) == (64, 4) and (fmt.stored_dim(16), fmt.scale_dim(16)) == (8, 1)
+    with pytest.raises(LinesideError, match="head_dim 80 is not a multiple of its scale group 32.*--kv-dtype int8"):
+        fmt.scale_dim(80)
+    with pytest.raises(LinesideError, match="head_dim 15 is not a multiple of 2"):
+        fmt.stored_dim(15)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied"])
+def test_int4_key_means_are_transformers_mean_cached_keys(tiny_dense, variant):
+    """The means an int4 cache subtracts from its keys (quant/kv_calib.py) are the post-RoPE keys transformers
+    caches, averaged over the tokens, per layer and KV head."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lineside.build.checkpoint import open_checkpoint
+    from lineside.build.quant.kv_calib import key_means
+    from lineside.config import ModelConfig
+
+    ckpt = open_checkpoint(tiny_dense(variant))
+    cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name="tiny")
+    ids = np.array([IDS[:8], IDS[-8:]], np.int64)
+    got = key_means(cfg, ckpt.get, ids)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dense(variant), dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = model(torch.tensor(ids), use_cache=True).past_key_values
+    want = np.stack([cache.layers[i].keys.numpy().mean(axis=(0, 2)) for i in range(cfg.num_layers)])
+    assert got.shape == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+
+
+def test_int4_graph_subtracts_the_key_means(kv_bundle):
+    import onnx
+
+    b = kv_bundle("int4")
+    assert "key_centering" in b.manifest.quantization["kv_cache"]
+    m = onnx.load(b.path / b.flavor("trt").graph, load_external_data=False)
+    means = [t for t in m.graph.initializer if list(t.dims) == [2, 1, 16]]  # [kv_heads, 1, head_dim] per layer
+    assert len(means) == 2 and all(np.abs(onnx.numpy_helper.to_array(t)).max() > 0 for t in means)
