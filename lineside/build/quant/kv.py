@@ -112,8 +112,9 @@ def kv_record(kv: KvDtype) -> dict[str, object]:
                 "why": "float cache: trt float16 (float32 for the fp32 reference), cpu float32 (GroupQueryAttention)"}
     fmt = FORMATS[kv]
     packed = {"packing": PACKING, "key_centering": KEY_CENTERING} if fmt.pack > 1 else {}
+    held = "two per uint8 byte" if fmt.pack > 1 else f"as {fmt.element}"
     return {"dtype": kv.value, "element": fmt.element, "grid": f"symmetric -{fmt.qmax:g}..{fmt.qmax:g}, stored "
-            f"+{fmt.offset:g} as {fmt.element} (TensorRT 10.3 network I/O takes UINT8, not INT8)", **packed,
+            f"+{fmt.offset:g} {held} (TensorRT 10.3 network I/O takes UINT8, not INT8/INT4)", **packed,
             "scales": INT4_SCALES if fmt.group else SCALE_SCHEME, "scale_dtype": fmt.scale_dtype,
             "scale_group": fmt.group or None, "why": INT4_WHY if fmt.group else SCALE_WHY, "rotation": ROTATION,
             "flavors": ["trt"],
