@@ -105,8 +105,17 @@ def perplexity(logits_fn, ids: list[int], chunk: int) -> float:
     return math.exp(nll / count)
 
 
+def ort_backend(bundle) -> OnnxRuntimeBackend:
+    """onnxruntime on the bundle's cpu graph, else its trt graph at accuracy level 0: TensorRT keeps float
+    activations, and onnxruntime's level-4 fusion of the trt graph's DequantizeLinear → MatMul returned all-zero
+    logits for SmolLM2 W4A16 g64 (onnxruntime 1.32)."""
+    if "cpu" in bundle.flavors:
+        return OnnxRuntimeBackend(bundle, num_slots=1)
+    return OnnxRuntimeBackend(bundle, num_slots=1, flavor="trt", accuracy_level=0)
+
+
 def lineside_logits_fn(bundle):
-    be = OnnxRuntimeBackend(bundle, num_slots=1)
+    be = ort_backend(bundle)
 
     def fn(ids: list[int]) -> np.ndarray:
         be.reset_slot(0)
@@ -176,7 +185,7 @@ def main() -> None:
             long_ppl = perplexity(logits_fn, long_ids, len(long_ids)) if args.long_tokens else None
             answers, answer_ids = [], []
             if args.answers:
-                gen = Generator(bundle)
+                gen = Generator(bundle, backend=ort_backend(bundle))
                 outs = [gen.generate(p, args.answers, chat=True) for p in PROMPTS]
                 answers = [o.text.strip().replace("\n", " ") for o in outs]
                 answer_ids = [list(o.token_ids) for o in outs]
