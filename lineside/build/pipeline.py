@@ -208,7 +208,7 @@ def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: Model
 
 
 def _check_kv_shape(kv_dtype: str, cfg: ModelConfig) -> None:
-    """A quantized cache's layout must tile the head vector (int4: two per byte, a scale per 32 channels)."""
+    """A quantized cache's layout must tile the head vector (int4: two per byte, a scale per 16 channels)."""
     from lineside.build.quant.kv import FORMATS, parse_kv_dtype
 
     fmt = FORMATS.get(parse_kv_dtype(kv_dtype))

@@ -326,7 +326,7 @@ class DenseEmitter:
                 return x, past
             g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
             return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
-        # Dynamic per-token scales (per head; int4: per 32 channels), values as uint8 (graph/kv_cache.py says why).
+        # Dynamic per-token scales (per head; int4: per 16 channels), values as uint8 (graph/kv_cache.py says why).
         fmt, d = FORMATS[kv], self.cfg.head_dim
         return (emit_kv_store(g, x, fmt, present, present_s, rank=4, head_dim=d),
                 emit_kv_load(g, past, past_s, fmt, rank=4, head_dim=d))

@@ -132,14 +132,14 @@ def test_int4_kv_within_bound_of_float_kv_and_transformers(kv_bundle, tiny_dense
 
 
 def test_int4_states_packing_manifest_and_trt_10_3_tables(kv_bundle):
-    """Values are [.., head_dim/2] bytes (two 4-bit grid values each) and one fp16 scale per 32 channels (here
+    """Values are [.., head_dim/2] bytes (two 4-bit grid values each) and one fp16 scale per 16 channels (here
     head_dim 16: one group); every stored value is on the grid and unpacks to within half a step of the vector."""
     b = kv_bundle("int4")
     st = {s.input: s for s in b.flavor("trt").state}
     assert st["past_key.0"].dtype == "uint4x2" and st["past_key.0"].shape == ["batch", 2, "past_seq", 8]
     assert st["past_key_scale.0"].dtype == "float16" and st["past_key_scale.0"].shape == ["batch", 2, "past_seq", 1]
     rec = b.manifest.quantization["kv_cache"]
-    assert rec["dtype"] == "int4" and rec["scale_group"] == 32 and "packing" in rec and "why" in rec
+    assert rec["dtype"] == "int4" and rec["scale_group"] == 16 and "packing" in rec and "why" in rec
     rep = check_bundle(b, "10.3")
     assert rep.ok, rep.offenders[:3]
     # unpacked with Floor: past and new entries of K and V in 2 layers; no bit ops (not in TensorRT 10.3's tables)
@@ -174,9 +174,9 @@ def test_int4_layout_tiles_the_head_vector_or_is_refused():
     from lineside.build.quant.kv import FORMATS, KvDtype
 
     fmt = FORMATS[KvDtype.INT4]
-    assert (fmt.stored_dim(128), fmt.scale_dim(128)) == (64, 4) and (fmt.stored_dim(16), fmt.scale_dim(16)) == (8, 1)
-    with pytest.raises(LinesideError, match="head_dim 80 is not a multiple of its scale group 32.*--kv-dtype int8"):
-        fmt.scale_dim(80)
+    assert (fmt.stored_dim(128), fmt.scale_dim(128)) == (64, 8) and (fmt.stored_dim(16), fmt.scale_dim(16)) == (8, 1)
+    with pytest.raises(LinesideError, match="head_dim 72 is not a multiple of its scale group 16.*--kv-dtype int8"):
+        fmt.scale_dim(72)
     with pytest.raises(LinesideError, match="head_dim 15 is not a multiple of 2"):
         fmt.stored_dim(15)
 
