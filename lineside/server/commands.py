@@ -71,7 +71,8 @@ def serve(
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup) | layerskip:N (the bundle's first N layers, build "
-             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp; a request's "
+             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp (DeepSeek-V4's MTP module, "
+             "built from a checkpoint with mtp.* tensors); a request's "
              "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
     lora_modules: Annotated[list[str] | None, typer.Option(

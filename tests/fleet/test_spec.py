@@ -86,7 +86,7 @@ def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_mem
      "fleet.yaml: node 'orin-1' is listed twice (nodes[0] and nodes[1]); give each node its own name"),
     (("pools.realtime.members", ["orin-1", "orin-1"]), "fleet.yaml: pool 'realtime' lists node 'orin-1' twice"),
     (("pools.realtime.members", ["orin-9"]), "fleet.yaml: pool 'realtime' lists 'orin-9', which is not a node"),
-    (("nodes.0.model", "deepseek-v4-flash"), "node 'orin-1': deepseek-v4-flash needs 139.3 GiB"),
+    (("nodes.0.model", "deepseek-v4-flash"), "node 'orin-1': deepseek-v4-flash needs 139.5 GiB"),
     (("nodes.0.kind", "jetsen"), "fleet.yaml: nodes[0].kind: Input should be 'jetson', 'x86' or 'datacenter'"),
     (("gateway", {"session": {"idle_s": 30}}), "fleet.yaml: gateway.session.idle_s: Input should be greater "
                                                "than or equal to 60"),
@@ -125,3 +125,20 @@ def test_cli_check_is_one_line(tmp_path):
     good.write_text(yaml.safe_dump(GOOD))
     p = run_cli("fleet", "check", good)
     assert p.returncode == 0 and "valid, every model fits its node" in p.stdout, p.stderr
+
+
+def test_gateway_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        f = tmp_path / "fleet.yaml"
+        f.write_text(yaml.safe_dump({"nodes": [{"name": "w", "kind": "x86", "url": "http://127.0.0.1:9"}],
+                                     "pools": {"realtime": {"members": ["w"]}},
+                                     "gateway": {"host": "127.0.0.1", "port": port}}))
+        p = run_cli("fleet", "gateway", f, "-o", tmp_path / "gw")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in last and "Traceback" not in p.stderr, p.stderr
+    assert not list((tmp_path / "gw" / "logs").glob("smg-*.log"))  # no router was started
