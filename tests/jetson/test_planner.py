@@ -70,7 +70,7 @@ def test_dense_kv_formula():
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
-    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 32) * 12288  # + an fp16 scale per 32 values
+    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 16) * 12288  # + an fp16 scale per 16 values
     with pytest.raises(LinesideError, match="unknown KV dtype 'int4'; choose one of: fp16, int8, fp8"):
         check_kv_dtype("int4", external=True)  # no datacenter engine stores a 4-bit cache
 
