@@ -71,7 +71,10 @@ class OnnxRuntimeBackend:
         self.accuracy_level = accuracy_level
         graph = entry.graph
         # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
-        # as it always was. The stack of adapter slots is allocated once and bound by pointer every step.
+        # as it always was. The stack of adapter slots is allocated once and bound by pointer (packed: its live
+        # width is what is loaded); a step with no adapter row binds it at width 0, so its deltas read nothing
+        # (a second session on the base graph would be a second copy of every prepacked weight: +120 MB RSS on
+        # SmolLM2, measured with benchmarks/multi_lora.py).
         self.lora: LoraStack | None = None
         if lora is not None:
             graph = lora_graph_of(bundle, flavor)
@@ -127,7 +130,8 @@ class OnnxRuntimeBackend:
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states), *self._lora_inputs()}
-        self._fast: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        self._fast: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast_version = 0  # the LoRA stack's layout the cached bindings point at
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
         # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
@@ -177,7 +181,7 @@ class OnnxRuntimeBackend:
     def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         if self.lora is None:
             raise LinesideError("this backend runs the base graph; start it with adapter slots (--max-loras)")
-        self.lora.load(slot, adapter)  # in place: the bound addresses stay valid
+        self.lora.load(slot, adapter)  # repacked in place: the cached bindings are rebuilt at the new width
 
     def unload_adapter(self, slot: int) -> None:
         if self.lora is not None:
@@ -186,12 +190,17 @@ class OnnxRuntimeBackend:
     def _lora_inputs(self) -> list[str]:
         return [] if self.lora is None else [LORA_SLOTS_INPUT, *self.lora.arrays]
 
-    def _bind_lora(self, io: Any, rows: np.ndarray) -> None:
-        """The stack (by pointer: no copy per step) and the rows' adapter slots."""
+    def _uses_lora(self, batch: StepBatch) -> bool:
+        """Whether this step reads the adapter stack: some row names an adapter slot and some adapter is loaded."""
+        return self.lora is not None and self.lora.width > 0 and bool(batch.adapter_rows().any())
+
+    def _bind_lora(self, io: Any, rows: np.ndarray, lora: bool) -> None:
+        """The stack (by pointer: no copy per step) and the rows' adapter slots; ``lora`` false: the stack at
+        width 0 (every delta an empty product)."""
         if self.lora is None:
             return
         self._bind(io, LORA_SLOTS_INPUT, rows, output=False)
-        for name, arr in self.lora.arrays.items():
+        for name, arr in (self.lora.arrays if lora else self.lora.empty).items():
             self._bind(io, name, arr, output=False)
 
     # ---- Backend interface ------------------------------------------------------------
@@ -241,12 +250,16 @@ class OnnxRuntimeBackend:
         """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
         (first slot, batch, n_logits); a step only writes a few integers and runs."""
         b, k = len(batch.slots), batch.logits_positions.shape[1]
-        key = (batch.slots[0], b, k)
+        lora = self._uses_lora(batch)
+        key = (batch.slots[0], b, k, lora)
+        if self.lora is not None and self._fast_version != self.lora.version:
+            self._fast.clear()  # an adapter came or went: the stack's views changed width
+            self._fast_version = self.lora.version
         fast = self._fast.get(key)
         if fast is None:
             if len(self._fast) >= 32:
                 self._fast.clear()
-            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k)
+            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k, lora)
         io, ids, pos, seqlens, total, logits, adapters = fast
         adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
@@ -257,7 +270,7 @@ class OnnxRuntimeBackend:
         self.session.run_with_iobinding(io)
         return logits.copy()
 
-    def _bind_decode(self, first: int, b: int, k: int) -> tuple[Any, ...]:
+    def _bind_decode(self, first: int, b: int, k: int, lora: bool) -> tuple[Any, ...]:
         io = self.session.io_binding()
         self._bound_outputs, self._keep_alive = [], []
         ids = np.zeros((b, 1), np.int64)
@@ -266,7 +279,7 @@ class OnnxRuntimeBackend:
         total = np.zeros((), np.int32)
         logits = np.zeros((b, k, self.vocab_size), np.float32)
         adapters = np.zeros((b,), np.int64)
-        self._bind_lora(io, adapters)
+        self._bind_lora(io, adapters, lora)
         for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
                           ("total_sequence_length", total)):
             self._bind(io, name, arr, output=False)
@@ -339,13 +352,14 @@ class OnnxRuntimeBackend:
         for name, arr in (batch.extra_inputs or {}).items():
             feeds[name] = np.ascontiguousarray(arr, dtype=np.float32)
 
+        lora = self._uses_lora(batch)
         io = self.session.io_binding()
         self._bound_outputs: list[str] = []
         self._keep_alive: list[np.ndarray] = []
         for name, arr in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, arr)
-        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()))
+        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
         views: dict[str, np.ndarray] = {}
         for st in self.states:
             a = self.arena[st.input]

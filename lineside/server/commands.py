@@ -185,8 +185,8 @@ def serve(
 
 
 def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
-    """Start building the bundle's LLMEngine on a daemon thread (it must not keep a failed server alive);
-    the future carries the engine or the error the loader reports."""
+    """Start building (and warming up) the bundle's LLMEngine on a daemon thread (it must not keep a failed
+    server alive); the future carries the engine or the error the loader reports."""
     # Imported here, on the calling thread, so the loader thread and the web-stack imports never import
     # the same module at the same time (Python's per-module import locks could hand one a half-made module).
     import lineside.runtime.generate  # noqa: F401 - what LLMEngine imports lazily, same reason
@@ -199,7 +199,9 @@ def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
 
     def build() -> None:
         try:
-            future.set_result(LLMEngine(bundle, **engine_kwargs))
+            engine = LLMEngine(bundle, **engine_kwargs)
+            engine.warm_up()  # here, while the main thread still imports the web stack: off the path to ready
+            future.set_result(engine)
         except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
             future.set_exception(e)
 

@@ -171,9 +171,7 @@ def test_v4_replace_state_graph(monkeypatch, tmp_path):
     assert be.stats["replay"] > 0 and dev.launched_graphs > 0
     # no append state: graphs per (batch bucket, tokens per row, logits per row), never per length bucket
     assert {k[3] for k in be.graphs.graphs} == {0} and {(1, 1, 1, 0), (2, 1, 1, 0)} <= set(be.graphs.graphs)
-    with pytest.raises(LinesideError, match="same number of new tokens"):
-        be.forward(StepBatch(slots=[0, 1], input_ids=np.ones((2, 3), np.int64), past_lengths=np.zeros(2, np.int64),
-                             new_lengths=np.array([3, 2]), logits_positions=np.zeros((2, 1), np.int64)))
+    # no attention mask: rows of different new lengths run by length (test_tensorrt_v4_speculative_cpu checks them)
     be.close()
 
 
