@@ -15,7 +15,7 @@ import numpy as np
 
 from lineside.bundle import Bundle, FlavorEntry
 from lineside.errors import LinesideError
-from lineside.graph_io import StateUpdate, resolve_shape
+from lineside.graph_io import PACKED_INT4, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
@@ -23,7 +23,8 @@ from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-       "uint8": np.uint8}  # uint8: the trt flavor's int8 KV cache (grid + 128)
+       "uint8": np.uint8,  # the trt flavor's int8 KV cache (grid + 128)
+       PACKED_INT4: np.uint8}  # its int4 KV cache: two 4-bit grid values per byte
 
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
