@@ -68,5 +68,5 @@ class HealthAdapter:
             up = await self.relay.open(scope["method"], target(self.upstream, scope), headers, body)
         except UpstreamError as e:
             return await send_json(send, 502, error_body(f"upstream unreachable ({type(e).__name__})",
-                                                         "upstream_unreachable", None, "server_error"))
+                                                         "upstream_unreachable", kind="server_error"))
         await relay_response(up, receive, send)

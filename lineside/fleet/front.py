@@ -36,7 +36,7 @@ from lineside.fleet.passthrough import (
     RawHeaders,
     RequestHead,
     UpstreamPool,
-    error_body,
+    error_answer,
     serve,
 )
 from lineside.fleet.relay import Upstream, UpstreamError
@@ -258,13 +258,13 @@ class Front:
         pool = self.pool_for(mode, batch)
         if pool is None:
             self._count("-", "4xx")
-            return _json_answer(400, error_body(
-                f"X-Mode {mode!r} is not a pool of this gateway; use one of: {', '.join(self.cfg.pools)}",
-                "unknown_pool", "X-Mode"))
+            return error_answer(
+                400, f"X-Mode {mode!r} is not a pool of this gateway; use one of: {', '.join(self.cfg.pools)}",
+                "unknown_pool", param="X-Mode")
         if pr and pr not in SMG_PRIORITY:
             self._count(pool, "4xx")
-            return _json_answer(400, error_body(
-                f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority", "X-Priority"))
+            return error_answer(400, f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority",
+                                param="X-Priority")
         sid, new = self.session_for(session, cookie)
         keyed = not new or self.cfg.issue_cookie
         if keyed:
@@ -297,9 +297,8 @@ class Front:
         def unreachable(why: str) -> Answer:
             self.metrics.upstream_errors.labels(pool).inc()
             self._count(pool, "5xx")
-            return _json_answer(502, error_body(
-                f"the {pool!r} pool's router is unreachable ({why}); check `lineside fleet status`",
-                "pool_unreachable", None, "server_error"))
+            return error_answer(502, f"the {pool!r} pool's router is unreachable ({why}); check `lineside fleet status`",
+                                "pool_unreachable", kind="server_error")
 
         return Forward(host, port, headers, prefix=prefix, body=rewrite, add_response=extra, keep_body=shadow,
                        done=done, unreachable=unreachable)
@@ -362,7 +361,7 @@ class Front:
 
     def _own(self, head: RequestHead) -> Answer | asyncio.Future[Answer]:
         if head.method != "GET":
-            return _json_answer(405, error_body(f"{head.path} takes GET", "method_not_allowed", None))
+            return error_answer(405, f"{head.path} takes GET", "method_not_allowed")
         if head.path == "/fleet/shadow":
             d = self.shadow_stats.to_dict()
             d["in_flight"] = len(self._shadow_tasks)
@@ -372,8 +371,8 @@ class Front:
             return Answer(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
         if head.path == "/fleet/health":
             return asyncio.ensure_future(self.health())
-        return _json_answer(404, error_body(f"no {head.path} here: the front serves /fleet/shadow, /fleet/metrics, "
-                                            "/fleet/health and passes everything else to a pool", "not_found", None))
+        return error_answer(404, f"no {head.path} here: the front serves /fleet/shadow, /fleet/metrics, "
+                            "/fleet/health and passes everything else to a pool", "not_found")
 
     async def health(self) -> Answer:
         async def one(url: str) -> bool:

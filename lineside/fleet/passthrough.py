@@ -48,15 +48,16 @@ class Answer:
     headers: RawHeaders = field(default_factory=list)
 
 
-def error_body(message: str, code: str, param: str | None = None,
+def error_body(message: str, code: str, *, param: str | None = None,
                kind: str = "invalid_request_error") -> dict[str, Any]:
     """The OpenAI error object every answer of the gateway's own carries."""
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
-def error_answer(status: int, message: str, code: str, *, kind: str = "invalid_request_error") -> Answer:
+def error_answer(status: int, message: str, code: str, *, param: str | None = None,
+                 kind: str = "invalid_request_error") -> Answer:
     """An error the front answers itself, JSON-encoded (so any text in ``message`` stays valid JSON)."""
-    return Answer(status, json.dumps(error_body(message, code, kind=kind)).encode())
+    return Answer(status, json.dumps(error_body(message, code, param=param, kind=kind)).encode())
 
 
 @dataclass
