@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.draft import LayerMark, write_streams_draft_graph
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import CSA, SLIDING, V4Config
@@ -23,8 +24,9 @@ from lineside.build.models.deepseek_v4.ops import Ops
 from lineside.build.models.deepseek_v4.state import layer_state, state_names, state_tensors
 from lineside.build.models.rope import rope_inv_freq
 from lineside.build.quant.spec import QuantSpec
-from lineside.bundle import FlavorEntry
+from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
 from lineside.errors import CheckpointError, LinesideError
+from lineside.graph_io import StateTensor
 
 INPUTS = ["input_ids", "past_lengths", "logits_positions"]
 
@@ -79,8 +81,9 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
 
 
 def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
-                  progress: Callable[[int], None] | None = None) -> FlavorEntry:
-    """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path)."""
+                  progress: Callable[[int], None] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
+    """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path).
+    ``draft_layers``: layerskip drafts to write beside it (``draft-N.onnx``, reading the same weight data)."""
     if flavor not in ("cpu", "trt"):
         raise LinesideError(f"unknown graph flavor {flavor!r} for DeepSeek-V4; use cpu or trt")
     gb = GraphBuilder(onnx_path, name=f"deepseek_v4_{flavor}")
@@ -110,6 +113,7 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     u = o.unsqueeze(emb, [2])
     x = o.concat([u] * cfg.hc_mult, 2) if cfg.hc_mult > 1 else u  # [B, S, N, D]
     outputs: dict[str, str] = {}
+    marks: list[LayerMark] = []
     for i in range(cfg.num_layers):
         pfx = f"model.layers.{i}"
         aw = _attn_weights(src, cfg, i)
@@ -128,10 +132,12 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
         normed = o.rmsnorm(col, src.get(f"{pfx}.post_attention_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.ffn_norm")
         m_out = moe.emit(normed, i, _mlp_weights(src, cfg, i), ids, lambda e, i=i: src.expert(i, e, cfg.moe_intermediate_size))
         x = hc.post(x, m_out, post, comb)
+        marks.append(LayerMark(len(gb.nodes), x, None, sum(1 for s in states if _state_layer(s) <= i)))
         if progress:
             progress(1)
 
     # Only the requested positions go through the head: flatten (B, S) and gather b·S + position.
+    tail_start = len(gb.nodes)
     bidx = o.op("Range", o.i64(0), o.dim(ids, 0), o.i64(1))
     flat_idx = o.add(lpos, o.unsqueeze(o.mul(bidx, seq), [1]))
     xs = o.gather(o.reshape(x, [-1, cfg.hc_mult, cfg.hidden_size]), flat_idx, 0)  # [B, K, N, D]
@@ -148,4 +154,13 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
                 gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
         gb.output(stt.output, onnx_type[stt.dtype], stt.shape)
     gb.save()
-    return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32")
+    # Layerskip drafts: the first N layers, then the same head collapse, norm and LM head on their streams.
+    drafts = {str(n): write_streams_draft_graph(gb, gb.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], x,
+                                                tail_start, states, INPUTS) for n in sorted(set(draft_layers))}
+    return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32",
+                       extra={DRAFT_GRAPHS: drafts} if drafts else {})
+
+
+def _state_layer(st: StateTensor) -> int:
+    """``past.3.window`` / ``past_scale.3.window`` → 3."""
+    return int(st.input.split(".")[1])
