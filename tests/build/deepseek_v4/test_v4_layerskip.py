@@ -32,25 +32,23 @@ def v4_draft_bundle(v4, tmp_path_factory):
                                      max_seq_len=MAX_SEQ, draft_layers=(DRAFT,)))
 
 
-def _draft_entry(bundle) -> dict:
-    return bundle.flavor("cpu").extra[DRAFT_GRAPHS][str(DRAFT)]
-
-
 def test_v4_draft_graph_is_the_first_layers_then_the_head(v4_draft_bundle):
     """The draft graph = transformers' DeepseekV4ForCausalLM with only its first N layers (model.layers cut,
     the same hc_head, norm and lm_head after them), the same RTN-rounded weights, float32."""
     b = open_bundle(v4_draft_bundle)
-    entry = _draft_entry(b)
-    assert entry["graph"] == f"graphs/cpu/draft-{DRAFT}.onnx" and entry["inputs"] == \
+    flavor, tol = "cpu", 1e-4
+    entry = b.flavor(flavor).extra[DRAFT_GRAPHS][str(DRAFT)]
+    assert entry["graph"] == f"graphs/{flavor}/draft-{DRAFT}.onnx" and entry["inputs"] == \
         ["input_ids", "past_lengths", "logits_positions"]
     assert {s["input"].split(".")[1] for s in entry["state"]} == {str(i) for i in range(DRAFT)}
-    assert [rel for rel in b.manifest.files if rel.endswith(".data")] == ["graphs/cpu/model.onnx.data"]
+    assert [rel for rel in b.manifest.files if rel.endswith(".data") and f"/{flavor}/" in rel] == \
+        [f"graphs/{flavor}/model.onnx.data"]
     m = onnx.load(str(v4_draft_bundle / entry["graph"]), load_external_data=False)
     ext = [t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     assert ext and all({e.key: e.value for e in t.external_data}["location"] == "model.onnx.data" for t in ext)
     assert 0 < entry["weight_fraction"] < 1
 
-    model = fake_quant_model("a", 64, "cpu")
+    model = fake_quant_model("a", 64, flavor)
     model.model.layers = model.model.layers[:DRAFT]
     model.config.num_hidden_layers = DRAFT
     ids = token_ids()
@@ -58,8 +56,8 @@ def test_v4_draft_graph_is_the_first_layers_then_the_head(v4_draft_bundle):
     assert gap > 1e-4  # the indexer's top-k does not cut inside a tie
     runner = V4Runner(v4_draft_bundle / entry["graph"], FlavorEntry.from_json_dict(entry), max_seq=MAX_SEQ)
     logits, _ = runner.prefill(ids)
-    assert rel_err(logits[0], ref) < 1e-4
-    full, _ = reference(fake_quant_model("a", 64, "cpu"), ids)
+    assert rel_err(logits[0], ref) < tol
+    full, _ = reference(fake_quant_model("a", 64, flavor), ids)
     assert rel_err(full, ref) > 1e-2  # the cut is not the whole model
 
 
@@ -74,7 +72,7 @@ def test_v4_draft_leaves_the_targets_state_as_it_was(v4_draft_bundle):
     from lineside.runtime.speculative.proposers import make_proposer
 
     b = open_bundle(v4_draft_bundle)
-    target = OnnxRuntimeBackend(b, num_slots=2, threads=2)
+    target = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor="cpu")
     proposer = make_proposer(LAYERSKIP, b, target, threads=2)
     assert proposer.restores_state
     prompt = _prompt()
