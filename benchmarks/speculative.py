@@ -126,8 +126,10 @@ async def aggregate(url: str, prompts: list[str], tokens: int, streams: int, spe
         return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
 
 
-def step_cost(bundle: Path, threads: int) -> None:
-    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached."""
+def step_cost(bundle: Path, threads: int, rounds: int = 12) -> None:
+    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached, the
+    sizes interleaved round by round, and the line through them in 1-token steps — the adaptive rule's
+    ``verify_cost`` + ``verify_token_cost`` · drafts (onnxruntime_backend.py)."""
     import numpy as np
 
     from lineside.bundle import open_bundle
@@ -137,16 +139,19 @@ def step_cost(bundle: Path, threads: int) -> None:
     be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=1, threads=threads)
     ids = np.random.default_rng(0).integers(100, 5000, 210).tolist()
     be.forward(StepBatch.single(0, ids[:200], 0))
-    base = None
-    for n in (1, 2, 3, 5, 9):
-        ts = []
-        for _ in range(12):
+    sizes = (1, 2, 3, 5, 9)
+    ts: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds + 2):
+        for n in sizes:
             t = time.perf_counter()
-            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=True))
-            ts.append(time.perf_counter() - t)
-        ms = statistics.median(ts[2:]) * 1000
-        base = base or ms
-        print(f"{n} new tokens: {ms:.1f} ms ({ms / base:.2f}x a 1-token step)")
+            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=n > 1))
+            ts[n].append(time.perf_counter() - t)
+    ms = {n: statistics.median(v[2:]) * 1000 for n, v in ts.items()}
+    for n in sizes:
+        print(f"{n} new tokens: {ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x a 1-token step)")
+    drafts = np.array([n - 1 for n in sizes], dtype=np.float64)
+    slope, intercept = np.polyfit(drafts, np.array([ms[n] / ms[1] for n in sizes]), 1)
+    print(f"fit: a step with k drafts costs {intercept:.2f} + {slope:.2f}·k 1-token steps")
 
 
 def truncated_draft(gguf: Path, layers: int, out: Path) -> Path:
@@ -182,7 +187,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--spec-tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
     ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
