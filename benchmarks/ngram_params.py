@@ -9,8 +9,8 @@ kept, and the modelled speedup — tokens over time with a verification step of 
 the defaults are onnxruntime's on SmolLM2), median over the prompts as speculative.py reports. The time itself
 is speculative.py's to measure.
 
-  python benchmarks/ngram_params.py [--bundle BUNDLE] [--tokens 128] [--threads 2] [--verify-cost 1.0]
-      [--verify-token-cost 0.25]
+  python benchmarks/ngram_params.py [--bundle BUNDLE] [--tokens 128] [--threads 2] [--verify-cost 1.05]
+      [--verify-token-cost 0.21]
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--verify-cost", type=float, default=1.0)
-    ap.add_argument("--verify-token-cost", type=float, default=0.25)
+    ap.add_argument("--verify-cost", type=float, default=1.05)
+    ap.add_argument("--verify-token-cost", type=float, default=0.21)
     a = ap.parse_args()
     g = Generator(a.bundle, threads=a.threads)
     data = {}
