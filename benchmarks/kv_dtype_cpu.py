@@ -1,14 +1,18 @@
-"""Decode speed at a 2k context per KV-cache dtype on onnxruntime CPU: is a quantized cache worth having there?
+"""Decode speed per KV-cache dtype on onnxruntime CPU, at a 2k and a short context, both flavors.
 
-Two measurements, interleaved round by round, same threads:
-1. onnxruntime's own GroupQueryAttention (the cpu flavor's attention) with a float32 cache against its
-   int8 cache (``k_quant_type``/``v_quant_type`` PER_CHANNEL, ``kv_cache_bit_width`` 8: onnxruntime >= 1.2x has
-   it on CPU, with static scales): SmolLM2-135M's shape (9 heads, 3 KV heads, head_dim 64), one token after
-   ``--past`` tokens, times 30 layers.
-2. SmolLM2-135M W4A16 built with the trt flavor, fp16 KV and int8 KV, decoding ``--tokens`` tokens after a
-   ``--past``-token prompt through OnnxRuntimeBackend (the trt flavor's CPU check).
+1. SmolLM2-135M W4A16 (group 64), one bundle per ``--kv-dtype`` the builder accepts, each with every flavor that
+   can store it (the cpu flavor's float32 cache, the trt flavor's fp16 / int8 / int4 ...: asked of
+   build/quant/kv.py, so a dtype the builder learns shows up here by itself); decode ``--tokens`` tokens after a
+   ``--past``-token and a ``--short``-token prompt through OnnxRuntimeBackend (for the trt flavor: its CPU
+   check). Rows are labelled with the arena's own dtype and bytes per token (what /metrics reports). The
+   prompt is prefilled once into a spare slot and copied back (copy_slot) each round; rounds interleave the
+   variants, same threads. The last lines compare each trt dtype with trt fp16 at both contexts.
+2. onnxruntime's own GroupQueryAttention (the cpu flavor's attention) with a float32 cache against its
+   int8 cache (``k_quant_type``/``v_quant_type`` PER_CHANNEL, ``kv_cache_bit_width`` 8, static scales):
+   SmolLM2-135M's shape (9 heads, 3 KV heads, head_dim 64), one token after ``--past`` tokens, times 30 layers.
 
-    python benchmarks/kv_dtype_cpu.py [--past 2048] [--tokens 32] [--rounds 3] [--threads 2] [--no-model]
+    python benchmarks/kv_dtype_cpu.py [--past 2048] [--short 128] [--tokens 32] [--rounds 3] [--threads 2]
+                                      [--bundles DIR] [--no-model] [--no-gqa]
 """
 
 from __future__ import annotations
@@ -78,26 +82,101 @@ def gqa_step_seconds(sess: ort.InferenceSession, quantized: bool, past: int, max
 
 
 def model_decode_tok_s(backend, prompt: list[int], tokens: int) -> float:
+    """Decode ``tokens`` greedy tokens after ``prompt``, whose KV slot 1 holds (copied into slot 0 first)."""
     from lineside.runtime.backend import StepBatch
 
-    backend.reset_slot(0)
-    backend.forward(StepBatch.single(0, prompt, 0))
-    tok, t0 = prompt[-1], time.perf_counter()
+    backend.copy_slot(1, 0, len(prompt) - 1)
+    lg = backend.forward(StepBatch.single(0, prompt[-1:], len(prompt) - 1))
+    tok, t0 = int(np.argmax(lg[0, -1])), time.perf_counter()
     for i in range(tokens):
         lg = backend.forward(StepBatch.single(0, [tok], len(prompt) + i))
         tok = int(np.argmax(lg[0, -1]))
     return tokens / (time.perf_counter() - t0)
 
 
+def buildable(flavors: tuple[str, ...] = ("cpu", "trt")) -> dict[str, tuple[str, ...]]:
+    """--kv-dtype -> the flavors the builder stores it in (the dtypes no flavor takes are printed and left out)."""
+    from lineside.build.quant.kv import KvDtype, check_kv_flavors
+    from lineside.errors import LinesideError
+
+    out = {}
+    for kv in KvDtype:
+        ok, refused = [], {}
+        for f in flavors:
+            try:
+                check_kv_flavors(kv, (f,))
+                ok.append(f)
+            except LinesideError as e:
+                refused.setdefault(str(e), []).append(f)
+        for why, fs in refused.items():
+            print(f"  not built: --kv-dtype {kv} for the {'/'.join(fs)} flavor ({why})")
+        if ok:
+            out[kv.value] = tuple(ok)
+    return out
+
+
+def run_models(a: argparse.Namespace, max_seq: int) -> None:
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.bundle import MANIFEST, open_bundle
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quality_smollm2 import smollm2_gguf
+
+    with tempfile.TemporaryDirectory() as td:
+        root = Path(a.bundles or td)
+        backends: dict[str, OnnxRuntimeBackend] = {}
+        for kv, flavors in buildable().items():
+            out = root / f"smollm2-w4a16-kv{kv}-{max_seq}"
+            if not (out / MANIFEST).is_file():
+                build_bundle(smollm2_gguf(), out, BuildOptions(quant="w4a16", requantize=True, group_size=64,
+                                                               flavors=flavors, max_seq_len=max_seq, kv_dtype=kv))
+            b = open_bundle(out)
+            for f in flavors:
+                be = OnnxRuntimeBackend(b, num_slots=2, flavor=f, threads=a.threads)
+                arena = be.kv_arena_bytes()
+                backends[f"{f} {arena.dtype} ({arena.bytes_per_token / 1024:.1f} KiB/token)"] = be
+        rng = np.random.default_rng(1)
+        prompts = {n: [int(t) for t in rng.integers(100, 40000, n)] for n in (a.past, a.short)}
+        from lineside.runtime.backend import StepBatch
+
+        speed: dict[tuple[str, int], list[float]] = {}
+        for n, prompt in prompts.items():
+            for be in backends.values():  # each variant's prompt KV, prefilled once into slot 1
+                be.reset_slot(1)
+                be.forward(StepBatch.single(1, prompt[:-1], 0))
+            for _ in range(a.rounds):
+                for name, be in backends.items():
+                    speed.setdefault((name, n), []).append(model_decode_tok_s(be, prompt, a.tokens))
+        print(f"SmolLM2-135M W4A16 g64 on onnxruntime CPU, {a.tokens} decode tokens, {a.threads} threads "
+              f"(best of {a.rounds}, rounds interleaved):")
+        for name in backends:
+            cells = "   ".join(f"ctx {n:5d}: {max(speed[name, n]):7.1f} tok/s" for n in prompts)
+            print(f"  {name:34s} {cells}")
+        base = next((k for k in backends if k.startswith("trt fp16")), None)
+        for name in backends:
+            if base is None or not name.startswith("trt ") or name == base:
+                continue
+            ratios = ", ".join(f"ctx {n}: {max(speed[name, n]) / max(speed[base, n]):.3f}x" for n in prompts)
+            print(f"  {name.split(' (')[0]} vs trt fp16: {ratios}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--past", type=int, default=2048)
+    ap.add_argument("--past", type=int, default=2048, help="the long context (prompt tokens)")
+    ap.add_argument("--short", type=int, default=128, help="the short context (prompt tokens)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bundles", help="keep (and reuse) the SmolLM2 bundles here instead of a temp dir")
     ap.add_argument("--no-model", action="store_true", help="only the GroupQueryAttention measurement")
+    ap.add_argument("--no-gqa", action="store_true", help="only the model measurement")
     a = ap.parse_args()
-    max_seq = a.past + a.tokens + 8
+    max_seq = max(a.past, a.short) + a.tokens + 8
+    if not a.no_model:
+        run_models(a, max_seq)
+    if a.no_gqa:
+        return
     sessions = {q: gqa_session(q, max_seq, a.threads) for q in (False, True)}
     gqa: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(a.rounds):
@@ -110,31 +189,6 @@ def main() -> None:
         kv_mb = 2 * LAYERS * KV_HEADS * HEAD_DIM * (1 if q else 4) * a.past / 2**20
         print(f"  {label:24s} {best * 1e6:8.1f} us/layer  x{LAYERS} = {best * LAYERS * 1e3:6.2f} ms/token "
               f"attention   cache {kv_mb:6.1f} MiB")
-    if a.no_model:
-        return
-    from lineside.build.pipeline import BuildOptions, build_bundle
-    from lineside.bundle import open_bundle
-    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from quality_smollm2 import smollm2_gguf
-
-    with tempfile.TemporaryDirectory() as td:
-        backends = {}
-        for kv in ("fp16", "int8"):
-            out = build_bundle(smollm2_gguf(), Path(td) / kv, BuildOptions(
-                quant="w4a16", requantize=True, group_size=64, flavors=("trt",), max_seq_len=max_seq, kv_dtype=kv))
-            backends[kv] = OnnxRuntimeBackend(open_bundle(out), num_slots=1, threads=a.threads)
-        rng = np.random.default_rng(1)
-        prompt = [int(t) for t in rng.integers(100, 40000, a.past)]
-        speed: dict[str, list[float]] = {k: [] for k in backends}
-        for _ in range(a.rounds):
-            for kv, be in backends.items():
-                speed[kv].append(model_decode_tok_s(be, prompt, a.tokens))
-        print(f"SmolLM2-135M W4A16, trt flavor on onnxruntime CPU, decode after {a.past} tokens, {a.threads} threads "
-              f"(best of {a.rounds}):")
-        for kv, v in speed.items():
-            print(f"  {kv} KV  {max(v):7.1f} tok/s   (rounds: {', '.join(f'{x:.1f}' for x in v)})")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 
 from lineside.errors import LinesideError
 from lineside.jetson.planner import _largest, load_model
-from lineside.jetson.sizes import KV_DTYPE_BYTES, KvStorage, WeightSizes, check_kv_dtype
+from lineside.jetson.sizes import EXTERNAL_KV_DTYPES, KvStorage, WeightSizes, check_kv_dtype
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -127,8 +127,8 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     gs = parse_gpus(gpus) if isinstance(gpus, str) else gpus
     if profile not in ("throughput", "latency"):
         raise LinesideError(f"--profile {profile!r}: choose throughput (attention-DP, batch pools) or latency")
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise LinesideError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
+    if kv_dtype not in EXTERNAL_KV_DTYPES:
+        raise LinesideError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(EXTERNAL_KV_DTYPES)}")
     if not 0.5 <= gpu_memory_utilization <= 0.98:
         raise LinesideError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share between 0.5 and 0.98")
     spec = load_model(model)
@@ -199,7 +199,8 @@ class _Ctx:
         experts = self.w.breakdown.get("routed_experts (MXFP4)", 0)
         rest = self.w.total - experts + extra
         per_gpu = experts // ep + (rest if attention_dp else rest // tp)
-        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens)
+        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens,
+                                    every_token_logits=True)
         overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
         budget = self.usable - per_gpu - overhead
         kv_shard = 1 if self.spec.architecture == "deepseek_v4" else tp  # MQA's one head is not split by TP

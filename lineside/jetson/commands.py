@@ -52,10 +52,11 @@ def plan_cmd(
     ctx: Annotated[int | None, checks.number_option(
         low=1, help="context length per sequence, prompt + output (default: 4096, or a shorter bundle's own)")] = None,
     batch: Annotated[int, checks.number_option(low=1, high=1 << 20, help="sequences decoded together")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
+    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | int4 | fp8")] = "fp16",
     group_size: Annotated[int | None, checks.number_option(
         low=1, help="quantization group size, weights per fp16 scale (default: a bundle's own grid, else 128)")] = None,
-    prefill_chunk: Annotated[int, checks.number_option(low=1, help="prompt tokens processed per step")] = 512,
+    prefill_chunk: Annotated[int | None, checks.number_option(
+        low=1, help="prompt tokens processed per step (default: the largest of 512/256/128/64 that fits)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     fallback: Annotated[str | None, typer.Option(help="a fallback bundle served beside it (`serve --fallback`): "
                                                       "plan both together")] = None,
@@ -77,13 +78,16 @@ def table_cmd(
     quant: Annotated[str, typer.Option(help="w4a16 | w8a16 | fp16")] = "w4a16",
     ctx: Annotated[int, checks.number_option(low=1, help="context length")] = 4096,
     batch: Annotated[int, checks.number_option(low=1, high=1 << 20, help="batch")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | fp8")] = "fp16",
+    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | int4 | fp8")] = "fp16",
     devices: Annotated[str, typer.Option(help="comma list of devices")] = ",".join(TABLE_DEVICES),
+    kv_columns: Annotated[str, typer.Option(help="extra columns DEVICE:KV_DTYPE, comma list "
+                                                 "(e.g. orin-nano-8:int8)")] = "",
 ) -> None:
     """Markdown table of what fits where, for the configs shipped with lineside."""
-    from lineside.jetson.planner import fit_table
+    from lineside.jetson.planner import fit_table, parse_columns
 
-    print(fit_table([d.strip() for d in devices.split(",") if d.strip()], quant, ctx, batch, kv_dtype))
+    print(fit_table([d.strip() for d in devices.split(",") if d.strip()], quant, ctx, batch, kv_dtype,
+                    parse_columns(kv_columns)))
 
 
 @jetson.command("push")

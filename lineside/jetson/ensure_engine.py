@@ -1,7 +1,9 @@
 """Build the TensorRT engine only when the bundle has none for this machine (first start on a device).
 
 Used by the container entrypoint and the systemd unit's ExecStartPre: `lineside engine` always
-rebuilds (minutes on an Orin), so every restart would otherwise pay for it.
+rebuilds (minutes on an Orin), so every restart would otherwise pay for it. On a Jetson the planner
+picks the engine's prefill chunk (``--max-prefill``) when the engine options pin none: the largest that
+fits the bundle's whole context on this board (`jetson plan` prints the same).
 """
 
 from __future__ import annotations
@@ -15,9 +17,51 @@ from pathlib import Path
 from lineside.bundle import read_manifest
 from lineside.errors import LinesideError
 
+ENGINE_SLOTS = 4  # `lineside engine --slots` default
 
-def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "") -> tuple[bool, str]:
-    """(built now?, machine key). Runs `lineside engine BUNDLE ENGINE_ARGS` when no engine matches."""
+
+def _option(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def planned_engine_args(bundle: Path, engine_args: str, sysroot: str | os.PathLike[str] = "/") -> tuple[str, str]:
+    """``engine_args`` plus ``--max-prefill N`` when none is given and the planner, for this board (probed),
+    the bundle's max_seq_len and the engine's slots, picks a chunk below the default; and a line saying why."""
+    from lineside.jetson.planner import PREFILL_CHUNKS, plan
+    from lineside.jetson.probe import probe
+
+    args = shlex.split(engine_args)
+    if _option(args, "--max-prefill") is not None:
+        return engine_args, ""
+    device = probe(sysroot).device
+    if device is None:
+        return engine_args, ""
+    m = read_manifest(bundle)
+    slots = _option(args, "--slots")
+    batch = int(slots) if slots and slots.isdigit() and int(slots) > 0 else ENGINE_SLOTS
+    kv = ((m.quantization or {}).get("kv_cache") or {}).get("dtype", "fp16") if isinstance(m.quantization, dict) \
+        else "fp16"
+    p = plan(str(bundle), device, ctx=m.max_seq_len, batch=batch, kv_dtype=kv)
+    if not p.fits:
+        return engine_args, (f"note: the planner finds no prefill chunk at which {bundle} (ctx {p.ctx} x {batch} "
+                             f"slots) fits {device}; building with the engine's defaults (`lineside jetson plan` "
+                             "says what to change)")
+    if p.prefill_chunk >= PREFILL_CHUNKS[0]:
+        return engine_args, ""
+    return (f"{engine_args} --max-prefill {p.prefill_chunk}".strip(),
+            f"note: --max-prefill {p.prefill_chunk}: the planner's chunk for ctx {p.ctx} x {batch} slots on {device} "
+            f"({PREFILL_CHUNKS[0]} tokens per step do not fit); pin one in the engine options to override")
+
+
+def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "",
+                  sysroot: str | os.PathLike[str] = "/") -> tuple[bool, str]:
+    """(built now?, machine key). Runs `lineside engine BUNDLE ENGINE_ARGS` when no engine matches (with the
+    planner's --max-prefill on a Jetson when ENGINE_ARGS pins none)."""
     from lineside.runtime.tensorrt.key import ENGINES_DIR, has_engine_for, machine_key
 
     path = Path(bundle)
@@ -30,6 +74,9 @@ def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "") -> tupl
     if not writable:
         raise LinesideError(f"{path} has no engine for this machine ({here.key}) and is read-only; mount it "
                            f"writable (the engine is kept in {engines}) or run `lineside engine {path}` elsewhere")
+    engine_args, why = planned_engine_args(path, engine_args, sysroot)
+    if why:
+        print(why, file=sys.stderr)
     cmd = [sys.executable, "-m", "lineside", "engine", str(path), *shlex.split(engine_args)]
     p = subprocess.run(cmd)
     if p.returncode != 0:

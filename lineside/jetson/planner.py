@@ -41,7 +41,7 @@ class ModelSpec:
     max_positions: int
     weights: Callable[[str, Grid], WeightSizes]
     kv: Callable[[int, int, int], KVSizes]
-    activations: Callable[[int, int, int], int]
+    activations: Callable[..., int]  # (ctx, batch, prefill_chunk, *, every_token_logits=False)
     quantization: str | None = None  # from a bundle's manifest, when known
     grid: Grid | None = None  # a bundle's real quantization grid, when known
     context_from: str = "max_position_embeddings"  # what max_positions is
@@ -72,6 +72,9 @@ class Plan:
     max_context_at_batch: int
     max_batch_at_context: int
     model_max_context: int
+    prefill_chunk: int = 512  # prompt tokens per step the plan counts (--max-prefill of the engine)
+    prefill_chunk_picked: bool = False  # True: not pinned, the largest of PREFILL_CHUNKS that fits
+    engine_args: str = ""  # `lineside engine BUNDLE ...` options that build what was planned
     weights_breakdown: dict[str, int] = field(default_factory=dict)
     kv_breakdown: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -93,7 +96,7 @@ def _spec_from_hf(d: dict[str, Any], name: str, quantization: str | None = None)
             name, family, s.max_positions,
             lambda q, g: v4_weights(s, q, g),
             lambda c, b, k: v4_kv(s, c, b, k),
-            lambda c, b, p: v4_activations(s, c, b, p),
+            lambda c, b, p, **kw: v4_activations(s, c, b, p, **kw),
             quantization,
         )
     cfg = ModelConfig.from_hf_dict(d, name=name)
@@ -109,7 +112,7 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
         cfg.name, cfg.architecture, cfg.max_position_embeddings,
         lambda q, g: dense_weights(cfg, q, g),
         lambda c, b, k: dense_kv(cfg, c, b, k),
-        lambda c, b, p: dense_activations(cfg, c, b, p),
+        lambda c, b, p, **kw: dense_activations(cfg, c, b, p, **kw),
         quantization,
     )
 
@@ -191,6 +194,11 @@ def load_model(model: str) -> ModelSpec:
     return _spec_from_hf(d, name)
 
 
+# Prefill chunks the planner picks from when none is pinned: the engine's default (512) down to 64, where a
+# 4-bit model's prefill step on an Orin stops being compute-bound (~4·t FLOP per weight byte read).
+PREFILL_CHUNKS = (512, 256, 128, 64)
+
+
 def _total(spec: ModelSpec, dev: Device, w: int, ctx: int, batch: int, kvb: KvStorage, chunk: int) -> int:
     return w + spec.kv(ctx, batch, kvb).total + spec.activations(ctx, batch, chunk) + dev.runtime_overhead_bytes
 
@@ -217,9 +225,13 @@ def plan(
     batch: int = 1,
     kv_dtype: str = "fp16",
     group_size: int | None = None,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
 ) -> Plan:
-    """Size weights, KV cache, activations and overhead against the device's usable memory."""
+    """Size weights, KV cache, activations and overhead against the device's usable memory.
+
+    ``prefill_chunk`` None: the largest of PREFILL_CHUNKS at which ctx x batch fits (attention scores grow
+    with chunk x context), reported with the engine options that build it; the largest context and batch are then
+    the ones the smallest chunk reaches."""
     spec = load_model(model) if isinstance(model, str) else model
     dev = get_device(device)
     q = check_quant(quant or spec.quantization or "w4a16")
@@ -230,17 +242,24 @@ def plan(
         raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
-    if (group_size is not None and group_size < 1) or prefill_chunk < 1:
+    if (group_size is not None and group_size < 1) or (prefill_chunk is not None and prefill_chunk < 1):
         raise LinesideError("--group-size and --prefill-chunk must be at least 1")
     grid = Grid(group_size) if group_size is not None else (spec.grid or Grid(128))
     w = spec.weights(q, grid)
     kv = spec.kv(ctx, batch, kvb)
+    usable = dev.usable_bytes
+
+    def fits_at(c: int, b: int, chunk: int) -> bool:
+        return _total(spec, dev, w.total, c, b, kvb, chunk) <= usable
+
+    picked = prefill_chunk is None
+    if prefill_chunk is None:
+        prefill_chunk = next((ch for ch in PREFILL_CHUNKS if fits_at(ctx, batch, ch)), PREFILL_CHUNKS[0])
+    reach = PREFILL_CHUNKS[-1] if picked else prefill_chunk  # the chunk the longest context would be planned at
     act = spec.activations(ctx, batch, prefill_chunk)
     total = w.total + kv.total + act + dev.runtime_overhead_bytes
-    usable = dev.usable_bytes
-    max_ctx = _largest(lambda c: _total(spec, dev, w.total, c, batch, kvb, prefill_chunk) <= usable,
-                       spec.max_positions)  # never above what the model (or the bundle) supports
-    max_batch = _largest(lambda b: _total(spec, dev, w.total, ctx, b, kvb, prefill_chunk) <= usable, 4096)
+    max_ctx = _largest(lambda c: fits_at(c, batch, reach), spec.max_positions)  # never above the model's/bundle's
+    max_batch = _largest(lambda b: fits_at(ctx, b, reach), 4096)
     notes = list(w.notes)
     if ctx > spec.max_positions:
         notes.append(f"ctx {ctx} exceeds {spec.context_from} {spec.max_positions}"
@@ -248,6 +267,12 @@ def plan(
                         if spec.context_from.startswith("the bundle") else ""))
     if dev.unified:
         notes.append("unified memory: CPU and GPU share it; device_bytes excludes the OS/firmware reserve")
+    if picked and prefill_chunk < PREFILL_CHUNKS[0]:
+        notes.append(f"prefill chunk {prefill_chunk} picked: {PREFILL_CHUNKS[0]} tokens per step do not fit at ctx "
+                     f"{ctx} (attention scores grow with chunk x context); prompts take more, smaller steps")
+    if picked and max_ctx:
+        at = next((ch for ch in PREFILL_CHUNKS if fits_at(max_ctx, batch, ch)), reach)
+        notes.append(f"the largest context ({max_ctx}) is planned at prefill chunk {at}")
     notes.append("building the engine on the device needs extra memory, about the weights again, once")
     return Plan(
         model=spec.name, architecture=spec.architecture, device=dev.key, device_name=dev.name,
@@ -257,6 +282,8 @@ def plan(
         device_bytes=usable, device_memory_bytes=dev.memory_bytes, unified_memory=dev.unified,
         fits=total <= usable and ctx <= spec.max_positions, headroom_bytes=usable - total,
         max_context_at_batch=max_ctx, max_batch_at_context=max_batch, model_max_context=spec.max_positions,
+        prefill_chunk=prefill_chunk, prefill_chunk_picked=picked,
+        engine_args=f"--slots {batch} --max-prefill {min(ctx, prefill_chunk)}",
         weights_breakdown=w.breakdown, kv_breakdown=kv.breakdown, notes=notes,
     )
 
@@ -274,30 +301,48 @@ def format_plan(p: Plan) -> str:
         f"  weights      {gib(p.weights_bytes):>12}  "
         + ", ".join(f"{k} {gib(v)}" for k, v in p.weights_breakdown.items() if v),
         f"  KV cache     {gib(p.kv_cache_bytes):>12}",
-        f"  activations  {gib(p.activation_bytes):>12}",
+        f"  activations  {gib(p.activation_bytes):>12}  at prefill chunk {p.prefill_chunk}"
+        + (" (picked; pin one with --prefill-chunk)" if p.prefill_chunk_picked else ""),
         f"  runtime      {gib(p.runtime_overhead_bytes):>12}",
         f"  total        {gib(p.total_bytes):>12}  of {gib(p.device_bytes)} usable "
         f"({gib(p.device_memory_bytes)} {'unified' if p.unified_memory else 'GPU'} memory)",
         f"  largest context at batch {p.batch}: {p.max_context_at_batch}; "
         f"largest batch at ctx {p.ctx}: {p.max_batch_at_context}",
     ]
+    lines.append(f"  engine: lineside engine BUNDLE {p.engine_args}  (serve runs prefill chunks of at most the "
+                 f"engine's --max-prefill; on the device: LINESIDE_ENGINE_ARGS='{p.engine_args}')")
     lines += [f"  note: {n}" for n in p.notes]
     return "\n".join(lines)
 
 
+def parse_columns(text: str) -> list[tuple[str, str]]:
+    """``DEVICE:KV_DTYPE,...`` (``jetson table --kv-columns``) as (device, kv dtype) pairs, each checked."""
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        dev, sep, kv = item.partition(":")
+        if not sep or not dev.strip() or not kv.strip():
+            raise LinesideError(f"--kv-columns {item!r}: give DEVICE:KV_DTYPE, e.g. orin-nano-8:int8")
+        out.append((get_device(dev).key, check_kv_dtype(kv).name))
+    return out
+
+
 def fit_table(devices: list[str], quant: str = "w4a16", ctx: int = 4096, batch: int = 1,
-              kv_dtype: str = "fp16") -> str:
+              kv_dtype: str = "fp16", kv_columns: list[tuple[str, str]] | None = None) -> str:
     """Markdown table, smallest model first: weights, KV at ctx, and per device whether ctx x batch fits
-    (with the largest context that fits at that batch)."""
-    header = "| model | weights | KV @ ctx | " + " | ".join(devices) + " |"
-    rows = [header, "|" + "---|" * (3 + len(devices))]
+    (with the largest context that fits at that batch); ``kv_columns`` adds (device, KV dtype) columns."""
+    extra = list(kv_columns or [])
+    header = ("| model | weights | KV @ ctx | " + " | ".join(devices)
+              + "".join(f" | {d} KV {k}" for d, k in extra) + " |")
+    rows = [header, "|" + "---|" * (3 + len(devices) + len(extra))]
     specs = sorted((load_model(n) for n in shipped_configs()), key=lambda s: s.weights(quant, 128).total)
     for spec in specs:
         name = spec.name
         cells = []
         first = None
-        for d in devices:
-            p = plan(spec, d, quant, ctx, batch, kv_dtype)
+        for d, kv in [(d, kv_dtype) for d in devices] + extra:
+            p = plan(spec, d, quant, ctx, batch, kv)
             first = first or p
             cells.append(f"yes (max ctx {_short(p.max_context_at_batch)})" if p.fits else
                          (f"no (max ctx {_short(p.max_context_at_batch)})" if p.max_context_at_batch else "no"))

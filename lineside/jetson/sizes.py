@@ -7,8 +7,9 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
 - The token embedding, norms and biases stay in fp16 (TensorRT 10.3 cannot Gather INT8). The LM head
   is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
   W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
-- KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scale) × context × batch; int8 keeps one
-  fp16 scale per (token, head) next to the values, as the builder's trt graph does.
+- KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scales) × context × batch; int8 keeps one
+  fp16 scale per (token, head) next to the values, int4 two values per byte and one fp16 scale per 32 of them,
+  as the builder's trt graph does (lineside/kv_layout.py, tied to the builder's KV formats by the tests).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from dataclasses import dataclass, field
 
 from lineside.config import ModelConfig
 from lineside.errors import LinesideError
+from lineside.kv_layout import KV_LAYOUTS
 
 QUANT_BITS = {"w4a16": 4, "w8a16": 8, "fp16": 16, "fp32": 32}
-KV_DTYPE_BYTES = {"fp16": 2, "int8": 1, "fp8": 1}
-# bytes of the per-(token, head) scale stored next to each quantized head vector (the builder's int8 KV: one fp16)
-KV_SCALE_BYTES = {"fp16": 0, "int8": 2, "fp8": 2}
+KV_DTYPES = tuple(KV_LAYOUTS)  # what lineside's own graphs may store
+EXTERNAL_KV_DTYPES = ("fp16", "int8", "fp8")  # what a datacenter engine's own cache takes (deploy datacenter)
 FP16 = 2
 
 
@@ -46,15 +47,19 @@ def as_grid(grid: Grid | int) -> Grid:
 
 @dataclass(frozen=True)
 class KvStorage:
-    """How the builder stores one cached head vector: element bytes plus a per-vector scale."""
+    """How the builder stores one cached head vector: packed values plus a per-vector scale (kv_layout.py)."""
 
     name: str
-    element_bytes: int
-    scale_bytes: int
+    value_bits: int
+    scale_bytes: int  # of one scale
     external: bool = False  # the cache of another engine (vLLM, SGLang, TensorRT-LLM), not of lineside's graphs
 
+    @property
+    def quantized(self) -> bool:
+        return self.scale_bytes > 0
+
     def vector_bytes(self, n: int) -> int:
-        return n * self.element_bytes + self.scale_bytes
+        return KV_LAYOUTS[self.name].vector_bytes(n)
 
 
 @dataclass
@@ -85,9 +90,11 @@ def check_kv_dtype(kv_dtype: str, *, external: bool = False) -> KvStorage:
     """``external``: sizing a datacenter engine's own cache (deploy datacenter), which stores every entry in
     the KV dtype — fp8 included — instead of the layout lineside's graphs emit."""
     k = kv_dtype.strip().lower()
-    if k not in KV_DTYPE_BYTES:
-        raise LinesideError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPE_BYTES)}")
-    return KvStorage(k, KV_DTYPE_BYTES[k], KV_SCALE_BYTES[k], external)
+    known = EXTERNAL_KV_DTYPES if external else KV_DTYPES
+    if k not in known:
+        raise LinesideError(f"unknown KV dtype {kv_dtype!r}; choose one of: {', '.join(known)}")
+    lay = KV_LAYOUTS[k]
+    return KvStorage(k, lay.value_bits, lay.scale_bytes, external)
 
 
 def linear_bytes(k: int, n: int, quant: str, group_size: Grid | int = 128) -> int:
@@ -148,11 +155,31 @@ def step_tokens(ctx: int, batch: int, prefill_chunk: int) -> int:
     return max(batch, min(ctx, prefill_chunk))
 
 
-def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int = 512) -> int:
-    """Peak live intermediate tensors for one step (TensorRT reuses them across layers).
+def logits_buffer(batch: int, prefill_chunk: int, vocab: int) -> int:
+    """The float32 logits buffer the TensorRT backend allocates: [slots, max_logits, vocab], max_logits as
+    ``lineside engine`` derives it (at most the prefill chunk, kept under 256 MB). The graph gathers the asked
+    positions before the LM head, so no step produces logits for every token of its chunk."""
+    from lineside.build.tensorrt.profiles import derive_limits
 
-    Upper bound: attention written from MatMul/Softmax keeps fp32 scores + fp16 probabilities for
-    every head over the whole context; logits are fp16 for every position of the step.
+    lim = derive_limits(max(1, prefill_chunk), vocab, batch, prefill_chunk)
+    return batch * lim.max_logits * vocab * 4
+
+
+def step_logits(batch: int, ctx: int, prefill_chunk: int, vocab: int, every_token: bool) -> int:
+    """lineside's TensorRT logits buffer, or (``every_token``: the datacenter engines' estimate, deploy/sizing.py)
+    fp16 logits for every token of the step."""
+    if every_token:
+        return step_tokens(ctx, batch, prefill_chunk) * vocab * FP16
+    return logits_buffer(batch, min(ctx, prefill_chunk), vocab)
+
+
+def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int = 512, *,
+                      every_token_logits: bool = False) -> int:
+    """Peak live intermediate tensors for one step (TensorRT reuses them across layers) + the logits buffer.
+
+    Attention is written from MatMul/Softmax (no fused kernel): fp32 scores + probabilities at 4 + 2 bytes for
+    every head over the whole context (the trt graph keeps both in float32; fp16 probabilities is the best
+    TensorRT's fp16 tactics give), so the prefill chunk bounds it: plan() picks the chunk when not pinned.
     """
     t = step_tokens(ctx, batch, prefill_chunk)
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -160,5 +187,4 @@ def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int
     kv = cfg.num_kv_heads * cfg.head_dim
     attn = t * (2 * h + 2 * q + 2 * kv) * FP16 + cfg.num_heads * t * ctx * (4 + 2)
     mlp = t * (2 * h + 3 * i) * FP16
-    logits = t * cfg.vocab_size * FP16
-    return max(attn, mlp) + logits
+    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, cfg.vocab_size, every_token_logits)

@@ -11,7 +11,8 @@ counted follow ``modeling_deepseek_v4.py`` (one list per module below).
 - Decode state per layer, as the graph stores it (one KV head, K = V shared): a sliding window of
   ``sliding_window`` entries; CSA layers add ctx/4 + 1 compressed entries and as many indexer keys; HCA
   layers add ctx/128 + 1 compressed entries; both keep their compressor's window buffers. All float32;
-  with ``--kv-dtype int8`` window and compressed entries are int8 + one fp16 scale per entry.
+  with ``--kv-dtype int8`` window and compressed entries are int8 + one fp16 scale per entry (``int4``: two
+  values per byte + one fp16 scale per 32 values).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lineside.jetson.sizes import (
     WeightSizes,
     check_quant,
     linear_bytes,
+    step_logits,
     step_tokens,
 )
 
@@ -161,14 +163,14 @@ F32 = 4  # the V4 graphs keep their decode state in float32 (build/models/deepse
 
 
 def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
-    """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8 + one fp16 scale per
-    entry with --kv-dtype int8) + indexer keys and compressor buffers (always float32), per batch."""
+    """Decode state as the V4 graph stores it: window + compressed entries (float32, or int8 / int4 + their fp16
+    scales with --kv-dtype int8 / int4) + indexer keys and compressor buffers (always float32), per batch."""
     if kv.name == "fp8" and not kv.external:
         raise LinesideError("--kv-dtype fp8: the DeepSeek-V4 graphs store no fp8 state; use --kv-dtype int8")
     hd, ihd = s.head_dim, s.index_head_dim
     # an external engine stores window and compressed entries in its KV dtype (the indexer and compressor
     # state are counted as lineside's graphs keep them: float32, an upper bound)
-    entry = kv.vector_bytes(hd) if kv.name == "int8" or kv.external else hd * F32
+    entry = kv.vector_bytes(hd) if kv.quantized or kv.external else hd * F32
     window = compressed = indexer = state = 0
     for kind in s.layer_types:
         window += s.window * entry  # the graph keeps the whole window from the first token
@@ -188,7 +190,8 @@ def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
     return KVSizes(total=sum(parts.values()), breakdown=parts)
 
 
-def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512) -> int:
+def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512, *,
+                   every_token_logits: bool = False) -> int:
     """Peak live intermediates for one step (same upper-bound rules as the dense estimate)."""
     t = step_tokens(ctx, batch, prefill_chunk)
     h, hd = s.hidden, s.head_dim
@@ -205,5 +208,4 @@ def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512) -
     attn = t * (streams + h + s.q_lora + 2 * s.heads * hd + s.o_groups * s.o_lora) * FP16
     attn += s.heads * t * attn_len * (4 + 2) + indexer
     mlp = t * (streams + h + (s.top_k + s.shared) * 3 * s.moe_inter) * FP16 + t * s.experts * FP32
-    logits = t * s.vocab * FP16
-    return max(attn, mlp) + logits
+    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, s.vocab, every_token_logits)

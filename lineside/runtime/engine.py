@@ -27,6 +27,7 @@ from lineside.graph_io import StateUpdate
 from lineside.lora import LoraAdapter
 from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.kv_bytes import KvArenaBytes
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.lora_stack import LoraSlotsConfig
 from lineside.runtime.request import (
@@ -73,6 +74,10 @@ class EngineStats:
     generated_tokens_total: int
     steps: int
     preemptions: int
+    kv_dtype: str = ""  # the arena's KV dtype label (fp32 | fp16 | int8 | int4 | fp8); "" when the backend can't say
+    kv_bytes_per_token: float = 0.0  # the arena's real bytes per cached position, all layers, K and V, scales
+    kv_capacity_bytes: int = 0  # the arena's allocated state buffers
+    kv_bytes_used: int = 0  # positions the running requests hold x bytes per token
     spec_draft_tokens_total: int = 0  # proposed tokens the model scored
     spec_accepted_tokens_total: int = 0  # of those, kept
     spec_verify_rows_total: int = 0  # decode rows that verified proposals
@@ -128,6 +133,8 @@ class LLMEngine:
         prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, num_blocks=kv_blocks,
                                   prefix_cache=prefix_ok)
+        arena_of = getattr(self.backend, "kv_arena_bytes", None)  # the backend's buffers, read once: they never move
+        self.kv_bytes: KvArenaBytes | None = arena_of() if callable(arena_of) else None
         # A chunk larger than the backend's prefill profile would be split inside one step anyway.
         chunk = min(int(prefill_chunk), int(getattr(self.backend, "max_prefill", prefill_chunk) or prefill_chunk))
         self.clock = clock
@@ -321,6 +328,10 @@ class LLMEngine:
             preemptions=s.preemptions, spec_draft_tokens_total=s.spec_drafted,
             spec_accepted_tokens_total=s.spec_accepted, spec_verify_rows_total=s.spec_steps,
             spec_acceptance=(ACCEPTANCE_BUCKETS, tuple(s.spec_rate_counts), s.spec_rate_sum),
+            **({} if self.kv_bytes is None else dict(
+                kv_dtype=self.kv_bytes.dtype, kv_bytes_per_token=self.kv_bytes.bytes_per_token,
+                kv_capacity_bytes=self.kv_bytes.capacity_bytes,
+                kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token))),
             requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
             **({} if store is None else dict(
                 sessions=len(store), session_hits=store.hits, session_tokens_saved=store.tokens_saved,

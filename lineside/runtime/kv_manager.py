@@ -75,6 +75,11 @@ class KVCacheArena:
         """Blocks that hold live KV of running requests."""
         return sum(self.blocks_for(len(t)) for o, t in zip(self.owner, self.tokens, strict=True) if o is not None)
 
+    @property
+    def held_tokens(self) -> int:
+        """Positions whose KV the running requests' slots hold (the /metrics KV bytes in use)."""
+        return sum(min(len(t), self.max_seq_len) for o, t in zip(self.owner, self.tokens, strict=True) if o is not None)
+
     def can_admit(self, n_tokens: int, freeing: Iterable[int] = ()) -> bool:
         """A free slot and enough unreserved blocks for ``n_tokens`` positions, once the slots in ``freeing``
         are released (preemption asks this before it evicts anyone, so it never evicts in vain)."""

@@ -18,6 +18,7 @@ from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
 
@@ -64,6 +65,7 @@ class OnnxRuntimeBackend:
         self.num_slots = int(num_slots)
         self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
         self.vocab_size = bundle.config.vocab_size
+        self.quantization = bundle.manifest.quantization  # names a quantized KV dtype (kv_arena_bytes)
         n_threads = int(threads or default_threads())
         config = {} if accuracy_level is None else {"session.qdq_matmulnbits_accuracy_level": str(accuracy_level)}
         # Spinning intra-op threads busy-wait between kernels: on a dedicated machine (a Jetson, a line PC)
@@ -162,6 +164,11 @@ class OnnxRuntimeBackend:
             self._bind(io, name, arr, output=False)
 
     # ---- Backend interface ------------------------------------------------------------
+    def kv_arena_bytes(self) -> KvArenaBytes:
+        """The state arena's real allocation (every state tensor, all slots), for the /metrics KV gauges."""
+        return arena_bytes(kv_label(self.quantization, (a.dtype for a in self.arena.values())),
+                           (a.nbytes for a in self.arena.values()), self.num_slots, self.max_seq_len)
+
     def forward(self, batch: StepBatch) -> np.ndarray:
         b, s = batch.input_ids.shape
         ends = batch.past_lengths + batch.new_lengths

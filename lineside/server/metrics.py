@@ -78,6 +78,13 @@ class ServerMetrics:
         self.running = Gauge("lineside_num_requests_running", "Requests holding a slot", registry=registry)
         self.waiting = Gauge("lineside_num_requests_waiting", "Requests waiting for a slot", registry=registry)
         self.kv_usage = Gauge("lineside_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=registry)
+        # the KV arena's real allocation (runtime/kv_bytes.py), labelled with the dtype it stores
+        self.kv_bytes_per_token = Gauge("lineside_kv_cache_bytes_per_token", "KV arena bytes per cached token "
+                                        "(all layers, K and V, with their scales)", ["dtype"], registry=registry)
+        self.kv_capacity = Gauge("lineside_kv_cache_capacity_bytes", "KV arena bytes allocated (all slots)",
+                                 ["dtype"], registry=registry)
+        self.kv_used = Gauge("lineside_kv_cache_used_bytes", "KV arena bytes holding running requests' tokens",
+                             ["dtype"], registry=registry)
         self.requests = Counter("lineside_requests", "Finished requests by outcome", ["outcome"], registry=registry)
         self.prompt_tokens = Counter("lineside_prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("lineside_generation_tokens", "Tokens generated", registry=registry)
@@ -135,6 +142,11 @@ class ServerMetrics:
         self.running.set(get("running", 0) or 0)
         self.waiting.set(get("waiting", 0) or 0)
         self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
+        kv_dtype = get("kv_dtype", "") or ""
+        if kv_dtype:
+            self.kv_bytes_per_token.labels(kv_dtype).set(get("kv_bytes_per_token", 0.0) or 0.0)
+            self.kv_capacity.labels(kv_dtype).set(get("kv_capacity_bytes", 0) or 0)
+            self.kv_used.labels(kv_dtype).set(get("kv_bytes_used", 0) or 0)
         self._spec.stats = stats if get("spec_acceptance") else None
         self._sessions.stats = stats
 

@@ -86,7 +86,7 @@ def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_mem
      "fleet.yaml: node 'orin-1' is listed twice (nodes[0] and nodes[1]); give each node its own name"),
     (("pools.realtime.members", ["orin-1", "orin-1"]), "fleet.yaml: pool 'realtime' lists node 'orin-1' twice"),
     (("pools.realtime.members", ["orin-9"]), "fleet.yaml: pool 'realtime' lists 'orin-9', which is not a node"),
-    (("nodes.0.model", "deepseek-v4-flash"), "node 'orin-1': deepseek-v4-flash needs 139.3 GiB"),
+    (("nodes.0.model", "deepseek-v4-flash"), "node 'orin-1': deepseek-v4-flash needs 139.5 GiB"),
     (("nodes.0.kind", "jetsen"), "fleet.yaml: nodes[0].kind: Input should be 'jetson', 'x86' or 'datacenter'"),
     (("gateway", {"session": {"idle_s": 30}}), "fleet.yaml: gateway.session.idle_s: Input should be greater "
                                                "than or equal to 60"),

@@ -201,3 +201,24 @@ def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
     with pytest.raises(LinesideError) as e:
         ensure_engine(bundle)
     assert "\n" not in str(e.value)
+
+
+def test_ensure_engine_takes_the_planners_prefill_chunk_on_a_jetson(tmp_path):
+    """R1-Distill-Qwen-7B, int8 KV, 12k context on an Orin Nano 8: the engine is built at the chunk that fits."""
+    from lineside.bundle import Manifest, write_manifest
+    from lineside.config import ModelConfig
+    from lineside.jetson.ensure_engine import planned_engine_args
+    from lineside.jetson.planner import CONFIGS_DIR
+
+    raw = json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-7B" / "config.json").read_text())
+    bundle = tmp_path / "r1-7b"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(ModelConfig.from_hf_dict(raw, name="r1-7b").to_json())
+    write_manifest(bundle, Manifest(architecture="qwen2", config="config.json", max_seq_len=12288, flavors={},
+                                    quantization={"scheme": "w4a16", "kv_cache": {"dtype": "int8"}}))
+    args, why = planned_engine_args(bundle, "--slots 1", NANO)
+    assert args == "--slots 1 --max-prefill 256" and "--max-prefill 256: the planner's chunk" in why
+    assert planned_engine_args(bundle, "--slots 1 --max-prefill 512", NANO) == ("--slots 1 --max-prefill 512", "")
+    assert planned_engine_args(bundle, "--slots 1", PC) == ("--slots 1", "")  # not a Jetson: the engine's defaults
+    args, why = planned_engine_args(bundle, "", NANO)  # 4 slots of 12k do not fit at any chunk
+    assert args == "" and why.startswith("note: the planner finds no prefill chunk")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lineside.bundle import Manifest, write_manifest
@@ -68,14 +69,24 @@ def test_dense_kv_formula():
         plan("DeepSeek-R1-Distill-Llama-8B", "agx-orin-64", kv_dtype="fp8")
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
+    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 32) * 12288  # + an fp16 scale per 32 values
+    with pytest.raises(LinesideError, match="unknown KV dtype 'int4'; choose one of: fp16, int8, fp8"):
+        check_kv_dtype("int4", external=True)  # no datacenter engine stores a 4-bit cache
 
 
-@pytest.mark.parametrize("kv", ["fp16", "int8"])
+@pytest.mark.parametrize("kv", ["fp16", "int8", "int4"])
 def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
     """Bytes per token of every append state the trt graph declares (the runtime's arena) == the planner's."""
+    from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
     from lineside.bundle import open_bundle
     from lineside.jetson.planner import _spec_from_config
     from lineside.runtime.tensorrt.buffers import plan_buffers
+
+    try:
+        check_kv_flavors(parse_kv_dtype(kv), ("trt",))
+    except LinesideError as e:  # int4 until the builder emits it; then this ties the planner to it
+        pytest.skip(f"the builder refuses --kv-dtype {kv}: {e}")
 
     b = open_bundle(tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, kv_dtype=kv))
     bp = plan_buffers(b.flavor("trt").state, b.config, num_slots=1, max_seq=64, max_prefill=8, max_logits=1,
@@ -83,6 +94,48 @@ def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
     per_token = sum(s.nbytes for s in bp.buffers.values() if s.role == "arena") // 64
     spec = _spec_from_config(b.config)
     assert spec.kv(1, 1, check_kv_dtype(kv)).total == per_token
+    # and per state: the values (kv_layout's packed bytes per head vector) and the scales beside them
+    from lineside.kv_layout import KV_LAYOUTS
+
+    lay, d = KV_LAYOUTS[kv], b.config.head_dim
+    rows = {(st.dtype.name, st.inner * st.dtype.itemsize) for st in bp.states}
+    assert rows == ({("float16", 2 * d)} if kv == "fp16" else
+                    {("uint8", lay.value_bytes(d)), ("float16", lay.scales(d) * lay.scale_bytes)})
+
+
+def test_kv_layouts_are_the_builders_kv_formats():
+    """The planner's and the gauges' table (kv_layout.py) == the builder's formats: bits per value and scales."""
+    from lineside.build.quant.kv import FORMATS
+    from lineside.kv_layout import KV_LAYOUTS
+
+    assert FORMATS  # int8 at least
+    for kv, fmt in FORMATS.items():
+        lay = KV_LAYOUTS[kv.value]
+        assert lay.value_bits == 8 // getattr(fmt, "pack", 1)
+        assert lay.scale_group == getattr(fmt, "group", 0)
+        assert lay.scale_bytes == np.dtype(fmt.scale_dtype).itemsize
+        for d in (16, 64, 128, 512):  # the builder's scales per head vector, where it has the rule
+            if hasattr(fmt, "scale_dim"):
+                assert lay.scales(d) == fmt.scale_dim(d)
+
+
+def test_v4_planner_int4_bytes_are_the_emitters_state_bytes():
+    """As below for --kv-dtype int4, once the builder emits it (its format passed to the V4 state list)."""
+    import math
+
+    from lineside.build.models.deepseek_v4 import parse_config, state_tensors
+    from lineside.build.quant.kv import FORMATS, KvDtype, check_kv_flavors
+    from lineside.runtime.tensorrt.buffers import np_dtype
+
+    try:
+        check_kv_flavors(KvDtype.INT4, ("trt",))
+    except LinesideError as e:
+        pytest.skip(f"the builder refuses --kv-dtype int4: {e}")
+    raw = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
+    states = state_tensors(parse_config(raw), 8192, fmt=FORMATS[KvDtype.INT4])
+    emitted = sum(math.prod(1 if d == "batch" else d for d in st.shape) * np_dtype(st.dtype).itemsize
+                  for st in states)
+    assert v4_kv(V4Shape.from_raw(raw), 8192, 1, check_kv_dtype("int4")).total == emitted
 
 
 def test_v4_flash_weights_by_component():
@@ -165,16 +218,59 @@ def test_dense_weight_count_matches_transformers(arch):
 
 
 def test_totals_and_max_context_are_consistent():
-    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", "w4a16", ctx=8192, batch=1)
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", "w4a16", ctx=8192, batch=1, prefill_chunk=512)
     assert p.total_bytes == p.weights_bytes + p.kv_cache_bytes + p.activation_bytes + p.runtime_overhead_bytes
     assert p.device_bytes == DEVICES["orin-nano-8"].usable_bytes and p.unified_memory
-    assert not p.fits
+    assert not p.fits and not p.prefill_chunk_picked and p.engine_args == "--slots 1 --max-prefill 512"
     best = p.max_context_at_batch
     assert 0 < best < 8192
-    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best).fits
-    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best + 1).fits
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best, prefill_chunk=512).fits
+    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=best + 1, prefill_chunk=512).fits
     # int8 KV halves the cache and lets a longer context fit
-    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=8192, kv_dtype="int8").max_context_at_batch > best
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=8192, kv_dtype="int8",
+                prefill_chunk=512).max_context_at_batch > best
+
+
+def test_prefill_chunk_is_picked_when_not_pinned():
+    """Unpinned, the plan takes the largest chunk of PREFILL_CHUNKS that fits and says how to build it."""
+    from lineside.jetson.planner import PREFILL_CHUNKS
+
+    p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8")  # issue 17's target
+    assert p.fits and p.prefill_chunk_picked and p.prefill_chunk == 256
+    assert p.engine_args == "--slots 1 --max-prefill 256"
+    assert not plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8", prefill_chunk=512).fits
+    assert p.to_dict() == plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8",
+                               prefill_chunk=256).to_dict() | {"prefill_chunk_picked": True,
+                                                               "max_context_at_batch": p.max_context_at_batch,
+                                                               "max_batch_at_context": p.max_batch_at_context,
+                                                               "notes": p.notes}
+    # the largest context is the smallest chunk's, and the chunk picked there is named
+    small = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int8",
+                 prefill_chunk=PREFILL_CHUNKS[-1])
+    assert p.max_context_at_batch == small.max_context_at_batch > 12288
+    assert any(f"({p.max_context_at_batch}) is planned at prefill chunk" in n for n in p.notes)
+    # short contexts keep the engine's default chunk (clipped to the context in the engine options)
+    q = plan("DeepSeek-R1-Distill-Qwen-1.5B", "agx-orin-64", ctx=300)
+    assert q.prefill_chunk == PREFILL_CHUNKS[0] and q.engine_args == "--slots 1 --max-prefill 300"
+    # nothing fits: reported at the default chunk
+    assert plan("DeepSeek-R1-Distill-Qwen-32B", "orin-nano-8").prefill_chunk == PREFILL_CHUNKS[0]
+
+
+def test_logits_counted_as_the_tensorrt_backend_allocates_them():
+    """The planner's logits term is the backend's float32 logits buffer at the engine's derived max_logits."""
+    from lineside.build.tensorrt.profiles import derive_limits
+    from lineside.config import ModelConfig
+    from lineside.jetson.planner import CONFIGS_DIR
+    from lineside.jetson.sizes import logits_buffer
+    from lineside.runtime.tensorrt.buffers import plan_buffers
+
+    cfg = ModelConfig.from_hf_dict(json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-7B" / "config.json")
+                                              .read_text()))
+    for slots, chunk in ((1, 256), (1, 512), (4, 512)):
+        lim = derive_limits(4096, cfg.vocab_size, slots, chunk)
+        bp = plan_buffers([], cfg, num_slots=slots, max_seq=4096, max_prefill=lim.max_prefill,
+                          max_logits=lim.max_logits, vocab=cfg.vocab_size, input_names=[])
+        assert logits_buffer(slots, chunk, cfg.vocab_size) == bp.buffers["logits"].nbytes
 
 
 def test_model_forms_checkpoint_bundle_and_config(tmp_path):
@@ -260,6 +356,10 @@ def test_docs_tables_match_the_planner():
     tables = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", doc, re.S))
     assert tables["w4a16-4096"] == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16")
     assert tables["w4a16-32768-int8"] == fit_table(list(TABLE_DEVICES), "w4a16", 32768, 1, "int8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = dict(re.findall(r"<!-- table:(\S+) -->\n(.*?)\n<!-- /table -->", readme, re.S))["readme"]
+    assert table == fit_table(list(TABLE_DEVICES), "w4a16", 4096, 1, "fp16", [("orin-nano-8", "int8")])
+    assert "`lineside jetson table --kv-columns orin-nano-8:int8`" in readme
 
 
 def test_lm_head_counted_as_the_builder_stores_it():

@@ -20,6 +20,7 @@ from lineside.errors import BackendUnavailable, BundleError, LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_dtype_of, plan_buffers
@@ -258,6 +259,12 @@ class TensorRTBackend:
         return launch
 
     # ---- Backend interface ----------------------------------------------------------------
+    def kv_arena_bytes(self) -> KvArenaBytes:
+        """The arena buffers of the one device allocation (every state, all slots), for the /metrics KV gauges."""
+        arena = [b for b in self.plan.buffers.values() if b.role == "arena"]
+        return arena_bytes(kv_label(self.bundle.manifest.quantization, (b.dtype for b in arena)),
+                           (b.nbytes for b in arena), self.num_slots, self.max_seq_len)
+
     def forward(self, batch: StepBatch) -> np.ndarray:
         """One step for the batch's slots; returns float32 logits [B, K, vocab]."""
         past = np.asarray(batch.past_lengths, dtype=np.int64)
