@@ -6,6 +6,9 @@ first: what the first start after a build does), "cached" (the cache from an ear
 (PYTHONPATH=DIR), e.g. the commit before a change, so before/after come from one run.
 Wall time is what a user waits; CPU seconds (the server and the worker processes it started, at ready) are
 less sensitive to other work on a shared machine.
+Python's bytecode is cached as an installed package has it (the server runs without PYTHONDONTWRITEBYTECODE,
+its .pyc files in a temporary PYTHONPYCACHEPREFIX, written by one start of each checkout before the rounds):
+otherwise every start would also compile lineside's sources (~0.1-0.2 s of CPU), which no user pays twice.
 
   python benchmarks/cold_start.py --bundle B [--runs 5] [--threads 2] [--tree OLD_CHECKOUT]
 """
@@ -17,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,13 +34,19 @@ from lineside.bench.inprocess import free_port  # noqa: E402
 SUFFIX = ".ort-opt.onnx"  # lineside.runtime.ort_cache.SUFFIX (an old checkout may lack the module)
 
 
+def server_env(tree: Path, pycache: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The server's environment: ``tree`` first on the path, bytecode cached under ``pycache``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return {**env, **extra, "PYTHONPATH": str(tree), "PYTHONPYCACHEPREFIX": str(pycache)}
+
+
 def start_once(bundle: Path, tree: Path, threads: int, env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds to ready, server CPU seconds at ready)."""
+    """(wall seconds to ready, server CPU seconds at ready); ``env``: the whole environment (server_env)."""
     port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "lineside", "serve", str(bundle), "--host", "127.0.0.1",
                              "--port", str(port), "--threads", str(threads), "--log-level", "warning"],
-                            env={**os.environ, **env, "PYTHONPATH": str(tree)}, cwd="/")
+                            env=env, cwd="/")
     try:
         while True:
             if proc.poll() is not None:
@@ -90,6 +100,7 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, action="append", default=[], help="another lineside checkout to compare")
     ap.add_argument("--variants", default="first,cached,no-cache", help="which of first, cached, no-cache to run")
     args = ap.parse_args()
+    args.tree = [t.resolve() for t in args.tree]  # the servers run in /
     wanted = set(args.variants.split(","))
     variants: list[tuple[str, Path, dict[str, str], bool]] = []
     for tree in [ROOT, *args.tree]:
@@ -98,14 +109,17 @@ def main() -> None:
                                  (f"no-cache{tag}", tree, {"LINESIDE_ORT_CACHE": "0"}, False)]
                      if v[0].split(" [")[0] in wanted]
     results: dict[str, list[tuple[float, float]]] = {v[0]: [] for v in variants}
-    load0 = os.getloadavg()[0]
-    start_once(args.bundle, ROOT, args.threads, {})  # page cache warm for everyone
-    for _ in range(args.runs):
-        for name, tree, env, clear in variants:
-            if clear:  # "first" runs right before "cached", which then finds the cache it wrote
-                clear_cache(args.bundle)
-            results[name].append(start_once(args.bundle, tree, args.threads, env))
-    print(f"{args.bundle}: {args.runs} interleaved starts each, threads {args.threads}, load average "
+    bundle = args.bundle.resolve()  # the servers run in /
+    with tempfile.TemporaryDirectory(prefix="lineside-pycache-") as pycache:
+        load0 = os.getloadavg()[0]
+        for tree in [ROOT, *args.tree]:  # page cache warm for everyone, each checkout's bytecode written
+            start_once(bundle, tree, args.threads, server_env(tree, Path(pycache), {}))
+        for _ in range(args.runs):
+            for name, tree, env, clear in variants:
+                if clear:  # "first" runs right before "cached", which then finds the cache it wrote
+                    clear_cache(bundle)
+                results[name].append(start_once(bundle, tree, args.threads, server_env(tree, Path(pycache), env)))
+    print(f"{bundle}: {args.runs} interleaved starts each, threads {args.threads}, bytecode cached, load average "
           f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'variant':<48} {'wall to ready s':>15} {'server CPU s':>13}   wall runs  (CPU: server + its workers)")
     for name, rs in results.items():

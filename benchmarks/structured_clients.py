@@ -100,12 +100,18 @@ def _args_validate(arguments: str) -> bool:
 
 def tool_calls(client, name: str, limit: int | None, verbose: bool) -> Tally:
     """tool_choice required and a named function on the defect texts: the calls parse against the tool schema."""
+    import openai
+
     calls = Tally("openai client tool calls required / named", grounds=False)
     for text in DEFECT_TEXTS[:limit]:
         for choice in ("required", {"type": "function", "function": {"name": "report_defect"}}):
             calls.n += 1
-            r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
-                                               tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
+            try:
+                r = client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}],
+                                                   tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=300)
+            except openai.APIError as e:  # counted as a failure, printed (as the LangChain rows do)
+                print(f"tool call {choice!r}: request failed on {text[:60]!r}: {str(e).splitlines()[0][:120]}")
+                continue
             calls.tokens.append(r.usage.completion_tokens)
             got = r.choices[0].message.tool_calls or []
             ok = bool(got) and all(c.function.name == "report_defect" for c in got)
@@ -133,7 +139,8 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every answer that did not validate")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as td:
-        bundle = a.bundle or smollm2_bundle(Path(td))
+        # 1024: a tool prompt (the tools in a system message, ~340 tokens) + max_tokens 300 exceeds 512
+        bundle = a.bundle or smollm2_bundle(Path(td), max_seq_len=1024)
         spec = SpeculativeConfig(SpecMethod.NGRAM) if a.speculative else None
         engine = LLMEngine(bundle, backend="onnxruntime", num_slots=2, threads=a.threads, prefix_cache=False,
                            speculative=spec)

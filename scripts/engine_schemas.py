@@ -5,7 +5,7 @@ these fixtures, so an option an engine does not have (or a value outside its cho
 
     python scripts/engine_schemas.py vllm   SRC > tests/fleet/fixtures/vllm_args.json
     python scripts/engine_schemas.py sglang SRC > tests/fleet/fixtures/sglang_args.json
-    python scripts/engine_schemas.py trtllm SRC > tests/fleet/fixtures/trtllm_serve_schema.json
+    python scripts/engine_schemas.py trtllm SRC [COMMIT] > tests/fleet/fixtures/trtllm_serve_schema.json
 
 SRC is a checkout of the engine (vllm-project/vllm, sgl-project/sglang, NVIDIA/TensorRT-LLM at a release) or an
 unpacked wheel (`pip download --no-deps vllm==X && unzip`): what is read is
@@ -14,14 +14,18 @@ unpacked wheel (`pip download --no-deps vllm==X && unzip`): what is read is
   defined in vllm/config/*.py give the choices;
 - SGLang: the namespace fields of sglang/srt/arg_groups/fields/*.py (``A[T, "help" | Arg(...)]``: the CLI name,
   aliases and choices) and the options sglang/srt/server_args.py registers by hand (deprecated spellings);
-- TensorRT-LLM: tensorrt_llm/schemas/trtllm-serve-config.schema.json (the fields of ``TorchLlmArgs``), with
-  descriptions, titles and defaults dropped.
+- TensorRT-LLM: tensorrt_llm/schemas/trtllm-serve-config.schema.json (the fields of ``TorchLlmArgs``, generated
+  in that repository from llm_args.py) verbatim, with its repository, path, commit and sha256 in front
+  (``x-source``); COMMIT is read from SRC when it is a git checkout, else give it (e.g. a file reassembled from
+  the public code index at that commit).
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -157,29 +161,46 @@ def sglang(src: Path) -> dict[str, Any]:
             "options": dict(sorted(options.items()))}
 
 
-DROP = {"description", "title", "default", "status", "telemetry", "$comment", "examples", "deprecated"}
+TRTLLM_REPO = "NVIDIA/TensorRT-LLM"
+TRTLLM_SCHEMA = "tensorrt_llm/schemas/trtllm-serve-config.schema.json"
+PROVENANCE_KEYS = ("x-source", "x-version")  # added in front of the verbatim schema; JSON Schema ignores them
 
 
-def _prune(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _prune(v) for k, v in x.items() if k not in DROP or k == "properties"}
-    if isinstance(x, list):
-        return [_prune(v) for v in x]
-    return x
+def trtllm(src: Path, commit: str | None = None) -> dict[str, Any]:
+    """The serve-config schema verbatim (every key, description and default kept), with its provenance in
+    front: repository, path, commit and the sha256 of the source bytes, which `without_provenance` re-creates."""
+    raw = (src / TRTLLM_SCHEMA).read_bytes()
+    schema = json.loads(raw)
+    if commit is None:
+        head_rev = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = head_rev.stdout.strip() if head_rev.returncode == 0 else None
+    version = str(schema.get("title", "")).removeprefix("TensorRT-LLM ").split(" ")[0] or None
+    head = {"x-source": {"repo": TRTLLM_REPO, "path": TRTLLM_SCHEMA,
+                         "commit": commit,
+                         "sha256": hashlib.sha256(raw).hexdigest()},
+            "x-version": version}
+    if json_text(schema) != raw.decode():
+        raise SystemExit(f"{TRTLLM_SCHEMA} is not in json.dumps(indent=2) form; the fixture could not re-create it")
+    return {**head, **schema}
 
 
-def trtllm(src: Path) -> dict[str, Any]:
-    schema = json.loads((src / "tensorrt_llm" / "schemas" / "trtllm-serve-config.schema.json").read_text())
-    title = schema.get("title", "")
-    out = _prune(schema)
-    out["x-source"] = f"tensorrt_llm/schemas/trtllm-serve-config.schema.json ({title})"
-    return out
+def json_text(obj: Any) -> str:
+    """The text form the TensorRT-LLM schema file is generated in (scripts/generate_trtllm_serve_schemas.py)."""
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def without_provenance(fixture: dict[str, Any]) -> str:
+    """The source file's text back from the fixture (its sha256 is in x-source)."""
+    return json_text({k: v for k, v in fixture.items() if k not in PROVENANCE_KEYS})
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 3 or argv[1] not in ("vllm", "sglang", "trtllm"):
+    if argv[1:2] == ["trtllm"] and len(argv) in (3, 4):
+        sys.stdout.write(json_text(trtllm(Path(argv[2]), argv[3] if len(argv) == 4 else None)))
+        return
+    if len(argv) != 3 or argv[1] not in ("vllm", "sglang"):
         raise SystemExit(__doc__)
-    fn = {"vllm": vllm, "sglang": sglang, "trtllm": trtllm}[argv[1]]
+    fn = {"vllm": vllm, "sglang": sglang}[argv[1]]
     out = fn(Path(argv[2]))
     version = _version(Path(argv[2]), argv[1])
     if version:

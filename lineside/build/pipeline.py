@@ -19,7 +19,15 @@ from lineside.build.models import model_family
 from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
-from lineside.bundle import DRAFT_GRAPHS, FlavorEntry, LoraGraphs, Manifest, read_manifest, write_manifest
+from lineside.bundle import (
+    DRAFT_GRAPHS,
+    MTP_GRAPH,
+    FlavorEntry,
+    LoraGraphs,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
 from lineside.config import DENSE_FAMILIES, ModelConfig
 from lineside.errors import LinesideError
 from lineside.lora import ALL_TARGETS, LoraTarget
@@ -167,6 +175,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
                                   max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **kw)
         for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file
             draft["graph"] = f"graphs/{flavor}/{draft['graph']}"
+        if MTP_GRAPH in entry.extra:
+            entry.extra[MTP_GRAPH]["graph"] = f"graphs/{flavor}/{entry.extra[MTP_GRAPH]['graph']}"
         flavors[flavor] = replace(entry, graph=rel)
     tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())

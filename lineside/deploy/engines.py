@@ -183,6 +183,8 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
         "max_batch_size": max_batch,
         "max_num_tokens": MAX_NUM_TOKENS,
         "max_seq_len": p.max_model_len,
+        # off by default in TorchLlmArgs, and then a prompt longer than max_num_tokens is refused
+        "enable_chunked_prefill": p.max_model_len > MAX_NUM_TOKENS,
         "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": round(p.gpu_memory_utilization - 0.05, 2),
                             **({"tokens_per_block": 128} if v4 else {})},
         "cuda_graph_config": {"enable_padding": True, "batch_sizes": graph_sizes(max_batch)},
@@ -197,7 +199,7 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
             c["enable_attention_dp"] = True
             c["attention_dp_config"] = {"batching_wait_iters": 0, "enable_balance": True, "timeout_iters": 60}
             notes.append("TensorRT-LLM attention-DP: max_batch_size is per rank")
-        if mtp:
+        if mtp:  # num_nextn_predict_layers is read from the checkpoint ("do not set manually")
             c["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": mtp}
         replicas = [Replica("engine", list(range(n)), _trt_cmd(path, served, port))]
     else:

@@ -1,7 +1,7 @@
 """The thin front of the gateway: what SMG cannot do, in front of one SMG router per pool.
 
 SMG (one process per pool) does the routing policy, health checks, circuit breakers, retries and metrics.
-This ASGI app adds only:
+The front (served by lineside.fleet.passthrough, an HTTP/1.1 relay at the asyncio Protocol level) adds only:
 - header → pool: ``X-Mode: realtime|batch|<pool>`` (``X-Batch: true`` means batch), default pool otherwise;
 - sessions: the ``X-Session-Id`` header or the session cookie becomes SMG's routing key (SMG keeps the key on
   one worker for ``--sticky-key-idle-secs``); a request with neither gets a new id and a cookie;
@@ -10,7 +10,7 @@ This ASGI app adds only:
   members, into the body's ``priority`` (their own field); X-Priority also becomes SMG's admission class;
 - shadow traffic: a share of one pool's requests is copied to a candidate pool in the background; the copy's
   response is read and discarded, its latency and its agreement with the primary's answer are recorded.
-Bodies and responses pass through byte for byte (lineside.fleet.relay), except the ``priority`` field above.
+Bodies and responses pass through byte for byte, except the ``priority`` field above.
 """
 
 from __future__ import annotations
@@ -23,31 +23,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.applications import Starlette
-from starlette.requests import Request, cookie_parser
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.requests import cookie_parser
 
-from lineside.fleet.relay import (
+from lineside.fleet.passthrough import (
     REQUEST_DROP,
-    ClientGone,
+    Answer,
+    Forward,
     RawHeaders,
-    Receive,
-    Scope,
-    Send,
-    Upstream,
-    UpstreamError,
-    error_body,
-    is_event_stream,
-    lifespan,
-    read_body,
-    relay_response,
-    send_json,
-    target,
+    RequestHead,
+    UpstreamPool,
+    serve,
 )
+from lineside.fleet.relay import Upstream, UpstreamError, error_body
 from lineside.request_class import tracestate_member, with_member
 
 SHADOW_HEADER = "x-lineside-shadow"
@@ -178,8 +169,8 @@ def sse_text(chunks: list[bytes]) -> str:
 
 
 class Front:
-    """The ASGI app (``front.app``) and the state it owns (the upstream connections, the sampler, the shadow
-    stats). The proxy path is raw ASGI; only the front's own /fleet/* endpoints go through Starlette."""
+    """The front's decisions per request (``decide``, called by the passthrough server) and the state it owns:
+    upstream connections, the shadow sampler, the shadow stats, the metrics."""
 
     def __init__(self, cfg: FrontConfig) -> None:
         self.cfg = cfg
@@ -188,28 +179,19 @@ class Front:
         self._sampler = ShareSampler(cfg.shadow.share) if cfg.shadow else None
         self._shadow_slots = asyncio.Semaphore(cfg.shadow.max_in_flight) if cfg.shadow else None
         self._shadow_tasks: set[asyncio.Task[None]] = set()
-        self.upstream = Upstream(cfg.request_timeout_s)  # the proxy path, shadow copies and health checks
+        self.pool = UpstreamPool(cfg.request_timeout_s)  # the proxy path
+        self.upstream = Upstream(cfg.request_timeout_s)  # shadow copies and health checks (off the hot path)
         self._session_header = cfg.session_header.lower().encode()
         self._counted: dict[tuple[str, str], Any] = {}
-        self._own = Starlette(routes=[
-            Route("/fleet/shadow", self.shadow_summary, methods=["GET"]),
-            Route("/fleet/metrics", self.prometheus, methods=["GET"]),
-            Route("/fleet/health", self.health, methods=["GET"]),
-        ])
-        self.app = self
+        self._targets: dict[str, tuple[str, int, bytes]] = {}
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            if scope["path"].startswith("/fleet/"):
-                await self._own(scope, receive, send)
-            else:
-                await self.proxy(scope, receive, send)
-        elif scope["type"] == "lifespan":
-            await lifespan(receive, send, self.aclose)
+    async def serve(self, host: str, port: int) -> asyncio.Server:
+        return await serve(self.decide, self.pool, host, port)
 
     async def aclose(self) -> None:
         for t in list(self._shadow_tasks):
             t.cancel()
+        self.pool.close()
         await self.upstream.aclose()
 
     def _count(self, pool: str, status: str) -> None:
@@ -217,6 +199,13 @@ class Front:
         if c is None:
             c = self._counted[(pool, status)] = self.metrics.requests.labels(pool, status)
         c.inc()
+
+    def _target(self, url: str) -> tuple[str, int, bytes]:
+        t = self._targets.get(url)
+        if t is None:
+            u = urlsplit(url)
+            t = self._targets[url] = (u.hostname or "127.0.0.1", u.port or 80, u.path.rstrip("/").encode())
+        return t
 
     # ----- routing -----
 
@@ -239,12 +228,15 @@ class Front:
 
     # ----- the proxy path -----
 
-    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def decide(self, head: RequestHead) -> Forward | Answer | asyncio.Future[Answer]:
+        """Where one request goes and what changes on the way, or the answer the front gives itself."""
+        if head.path.startswith("/fleet/"):
+            return self._own(head)
         mode = batch = pr = ""
         session = cookie = trace = None
         headers: RawHeaders = []
         sh = self._session_header
-        for k, v in scope["headers"]:  # one pass: pick what the front reads, keep what goes on
+        for k, v in head.headers:  # one pass: pick what the front reads, keep what goes on
             if k == b"x-mode":
                 mode = v.decode("latin-1").strip().lower()
             elif k == b"x-batch":
@@ -265,17 +257,13 @@ class Front:
         pool = self.pool_for(mode, batch)
         if pool is None:
             self._count("-", "4xx")
-            return await send_json(send, 400, error_body(
+            return _json_answer(400, error_body(
                 f"X-Mode {mode!r} is not a pool of this gateway; use one of: {', '.join(self.cfg.pools)}",
                 "unknown_pool", "X-Mode"))
         if pr and pr not in SMG_PRIORITY:
             self._count(pool, "4xx")
-            return await send_json(send, 400, error_body(
+            return _json_answer(400, error_body(
                 f"X-Priority {pr!r} is not one of {', '.join(SMG_PRIORITY)}", "invalid_priority", "X-Priority"))
-        try:
-            body = await read_body(receive)
-        except ClientGone:
-            return
         sid, new = self.session_for(session, cookie)
         keyed = not new or self.cfg.issue_cookie
         if keyed:
@@ -287,31 +275,33 @@ class Front:
             headers.append((b"tracestate", ts.encode("latin-1")))
         if pr and self.cfg.priority:
             headers.append((b"x-smg-priority", SMG_PRIORITY[pr].encode()))
+        rewrite = None
         if pool in self.cfg.body_priority_pools and (carried or node_mode == "batch"):
-            body = _with_body_priority(body, body_priority(carried, node_mode))
-        method = scope["method"]
-        shadow = (self.cfg.shadow is not None and pool == self.cfg.shadow.source and method == "POST"
-                  and scope["path"].startswith("/v1/") and self._sampler is not None and self._sampler())
-        t0 = time.perf_counter()
-        try:
-            up = await self.upstream.open(method, target(self.cfg.pools[pool], scope), headers, body)
-        except UpstreamError as e:
-            self.metrics.upstream_errors.labels(pool).inc()
-            self._count(pool, "5xx")
-            return await send_json(send, 502, error_body(
-                f"the {pool!r} pool's router is unreachable ({type(e).__name__}); check `lineside fleet status`",
-                "pool_unreachable", None, "server_error"))
-        self._count(pool, f"{up.status // 100}xx")
+            value = body_priority(carried, node_mode)
+            rewrite = lambda b: _with_body_priority(b, value)  # noqa: E731
+        shadow = (self.cfg.shadow is not None and pool == self.cfg.shadow.source and head.method == "POST"
+                  and head.path.startswith("/v1/") and self._sampler is not None and self._sampler())
         extra = []
         if new and keyed and self.cfg.issue_cookie:
             extra.append((b"set-cookie", (f"{self.cfg.session_cookie}={sid}; Max-Age={self.cfg.session_idle_s}; "
                                           "Path=/; HttpOnly; SameSite=Lax").encode()))
-        kept: list[bytes] | None = [] if shadow and up.status == 200 else None
-        streaming = is_event_stream(up)
-        await relay_response(up, receive, send, extra_headers=extra, keep=kept)
-        if kept is not None:
-            text = sse_text(kept) if streaming else answer_text(b"".join(kept))
-            self._start_shadow(scope["path"], headers, body, text, time.perf_counter() - t0)
+        host, port, prefix = self._target(self.cfg.pools[pool])
+
+        def done(status: int, ctype: bytes, kept: bytes | None, seconds: float, sent: bytes) -> None:
+            self._count(pool, f"{status // 100}xx")
+            if kept is not None and status == 200:
+                text = sse_text([kept]) if ctype.startswith(b"text/event-stream") else answer_text(kept)
+                self._start_shadow(head.path, headers, sent, text, seconds)
+
+        def unreachable(why: str) -> Answer:
+            self.metrics.upstream_errors.labels(pool).inc()
+            self._count(pool, "5xx")
+            return _json_answer(502, error_body(
+                f"the {pool!r} pool's router is unreachable ({why}); check `lineside fleet status`",
+                "pool_unreachable", None, "server_error"))
+
+        return Forward(host, port, headers, prefix=prefix, body=rewrite, add_response=extra, keep_body=shadow,
+                       done=done, unreachable=unreachable)
 
     # ----- shadow -----
 
@@ -369,16 +359,22 @@ class Front:
 
     # ----- own endpoints -----
 
-    async def shadow_summary(self, request: Request) -> JSONResponse:
-        d = self.shadow_stats.to_dict()
-        d["in_flight"] = len(self._shadow_tasks)
-        d["config"] = None if self.cfg.shadow is None else vars(self.cfg.shadow)
-        return JSONResponse(d)
+    def _own(self, head: RequestHead) -> Answer | asyncio.Future[Answer]:
+        if head.method != "GET":
+            return _json_answer(405, error_body(f"{head.path} takes GET", "method_not_allowed", None))
+        if head.path == "/fleet/shadow":
+            d = self.shadow_stats.to_dict()
+            d["in_flight"] = len(self._shadow_tasks)
+            d["config"] = None if self.cfg.shadow is None else vars(self.cfg.shadow)
+            return _json_answer(200, d)
+        if head.path == "/fleet/metrics":
+            return Answer(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST.encode())
+        if head.path == "/fleet/health":
+            return asyncio.ensure_future(self.health())
+        return _json_answer(404, error_body(f"no {head.path} here: the front serves /fleet/shadow, /fleet/metrics, "
+                                            "/fleet/health and passes everything else to a pool", "not_found", None))
 
-    async def prometheus(self, request: Request) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def health(self, request: Request) -> JSONResponse:
+    async def health(self) -> Answer:
         async def one(url: str) -> bool:
             try:
                 return (await self.upstream.read("GET", url + "/health", [], b"", timeout_s=3.0))[0] == 200
@@ -388,8 +384,11 @@ class Front:
         names = list(self.cfg.pools)
         oks = await asyncio.gather(*(one(self.cfg.pools[p]) for p in names))
         pools = dict(zip(names, oks, strict=True))
-        return JSONResponse({"status": "ok" if all(oks) else "degraded", "pools": pools},
-                            status_code=200 if any(oks) else 503)
+        return _json_answer(200 if any(oks) else 503, {"status": "ok" if all(oks) else "degraded", "pools": pools})
+
+
+def _json_answer(status: int, payload: dict[str, Any]) -> Answer:
+    return Answer(status, json.dumps(payload).encode())
 
 
 def _with_body_priority(body: bytes, value: int) -> bytes:

@@ -139,29 +139,43 @@ def routers_running(plan: GatewayPlan, log_dir: Path):
 
 
 def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") -> None:
-    """Start the routers, serve the front in the foreground until interrupted, then stop the routers."""
+    """Start the routers, serve the front in the foreground until SIGINT/SIGTERM, then stop the routers."""
     import asyncio
+    import signal
 
     import uvicorn
 
     from lineside.fleet.adapter import HealthAdapter
 
     def server(app: object, host: str, port: int) -> uvicorn.Server:
-        # httptools (C parser) and uvloop when installed (the fleet extra): the front's own cost per request
         return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                              http="httptools", loop="auto"))
 
     adapters = [server(HealthAdapter(up, path).app, "127.0.0.1", port) for port, up, path in plan.adapters.values()]
-    front = server(Front(plan.front).app, plan.host, plan.port)
 
     async def serve_all() -> None:
-        tasks = [asyncio.get_running_loop().create_task(a.serve()) for a in adapters]  # up before the probes
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(a.serve()) for a in adapters]  # up before the probes
         while adapters and not all(a.started for a in adapters):
             await asyncio.sleep(0.05)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after the adapters': the front decides when all stop
+            loop.add_signal_handler(sig, stop.set)
+        front = Front(plan.front)
+        try:  # bound before the routers start: a taken port is one line, nothing left running
+            listener = await front.serve(plan.host, plan.port)
+        except OSError as e:
+            for a in adapters:
+                a.should_exit = True
+            await front.aclose()
+            raise FleetError(f"the gateway cannot listen on {plan.host}:{plan.port} ({e.strerror or e}); "
+                             "stop what uses it or set gateway.port in the fleet file") from None
         await asyncio.to_thread(routers.start)
         try:
-            await front.serve()  # returns on SIGINT/SIGTERM (uvicorn's handlers)
+            await stop.wait()
         finally:
+            listener.close()
+            await front.aclose()
             for a in adapters:
                 a.should_exit = True
             if tasks:  # their lifespan closes their connection pools
@@ -169,6 +183,19 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
 
     routers = Routers(plan, log_dir)
     try:
-        asyncio.run(serve_all())
+        _run(serve_all())
     finally:
         routers.stop()
+
+
+def _run(main: Any) -> None:
+    """asyncio.run on uvloop when it is installed (the fleet extra): the front's own cost per request."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)

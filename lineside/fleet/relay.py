@@ -1,10 +1,6 @@
-"""The lean pass-through under the gateway front and the health adapter: an ASGI request relayed to an
-upstream over pooled keep-alive connections, the response streamed back byte for byte.
-
-Raw ASGI on the server side and aiohttp (C-accelerated HTTP parser, one connection pool, no cookie jar) on
-the upstream side: the whole per-request cost of the front is here, and the gateway's TTFT goal is ≤ 2 ms.
-Against the Starlette + httpx front it replaced: about half the CPU time per request
-(benchmarks/gateway_overhead.py prints the front's CPU per request; docs/fleet.md has the numbers).
+"""The ASGI pass-through of the health adapter (an ASGI request relayed to an upstream over pooled keep-alive
+connections, the response streamed back byte for byte), and the aiohttp client the front uses off its hot path
+(shadow copies, pool health checks). The front's own proxy path is lineside.fleet.passthrough.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ class StepBatch:
     new_lengths: np.ndarray  # int64 [B]: real tokens in each row (≤ S)
     logits_positions: np.ndarray  # int64 [B, K]
     adapters: np.ndarray | None = None  # int64 [B]: each row's LoRA adapter slot (0 or None: the base model)
+    # Inputs a graph takes beyond the control inputs, by name (the MTP graph's hidden_streams [B, S, N, D]).
+    extra_inputs: dict[str, np.ndarray] | None = None
 
     def adapter_rows(self) -> np.ndarray:
         """int64 [B] adapter slots, zeros when the step names none."""

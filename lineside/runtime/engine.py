@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
@@ -49,6 +50,7 @@ from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,16 @@ class LLMEngine:
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
                  session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None):
+        import tokenizers  # noqa: F401 - imported on this thread, not beside other threads' imports
+
         from lineside.runtime.tokenizer import Tokenizer
 
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
             raise LinesideError(f"num_slots must be ≥ 1, got {num_slots}")
+        # The tokenizer (~0.1 s of Rust holding the GIL) loads while onnxruntime builds its session (which
+        # releases the GIL): on two cores the two overlap instead of adding up before the server is ready.
+        tokenizer = in_thread(Tokenizer.from_bundle, self.bundle, name="lineside-tokenizer")
         if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
             from lineside.runtime.select import choose_backend
 
@@ -121,7 +128,7 @@ class LLMEngine:
                                     "LoRA slots; create it with lora=LoraSlotsConfig(...)")
             self.adapter_slots = AdapterSlots(lora.adapters, lora.slots.max_loras)
         self.backend_name = self.backend.name
-        self.tokenizer = Tokenizer.from_bundle(self.bundle)
+        self.tokenizer: Tokenizer = tokenizer.result()
         self.max_seq_len = int(self.backend.max_seq_len)
         self.model_name = self.bundle.path.name
         self.vocab_size = int(self.backend.vocab_size)
@@ -167,6 +174,7 @@ class LLMEngine:
         # One thread runs every step (not the default pool's rotating threads: warm caches, no context copy).
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineside-step")
         self._closed = False
+        self._warmed = False
         self._steps = 0
         self._prompt_total = 0
         self._outcomes: dict[FinishReason, int] = {}
@@ -181,7 +189,8 @@ class LLMEngine:
             raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        await self._loop.run_in_executor(self._stepper, self._warmup)
+        if not self._warmed:
+            await self._loop.run_in_executor(self._stepper, self.warm_up)
         self.ready = True
         self._task = asyncio.create_task(self._run(), name="lineside-engine")
         if self._incoming:
@@ -423,18 +432,38 @@ class LLMEngine:
         with self._step_lock:
             return run_step(self.backend, plan, self._model_proposer)
 
-    def _warmup(self) -> None:
-        """One prefill and one decode step on slot 0, then forget it."""
-        be = self.backend
-        ids = [int(self.bundle.config.bos_token_id or 0)] * 4
-        be.reset_slot(0)
-        be.forward(StepBatch.single(0, ids, 0))
-        be.forward(StepBatch.single(0, ids[:1], len(ids)))
-        be.reset_slot(0)
+    def warm_up(self) -> None:
+        """One prefill and one decode step on slot 0, then forget it (first runs allocate and pick kernels).
+        ``start`` does it unless done before: `serve` calls it on the loading thread, while the web stack
+        is still importing, so it is off the path to ready."""
+        with self._step_lock:
+            if self._warmed:
+                return
+            be = self.backend
+            ids = [int(self.bundle.config.bos_token_id or 0)] * 4
+            be.reset_slot(0)
+            be.forward(StepBatch.single(0, ids, 0))
+            be.forward(StepBatch.single(0, ids[:1], len(ids)))
+            be.reset_slot(0)
+            self._warmed = True
 
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
 
+
+
+def in_thread(fn: Callable[..., T], *args: Any, name: str) -> Future[T]:
+    """Run ``fn(*args)`` on a daemon thread of its own; the future carries its result or its error."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _spec_max_rows(backend: Backend, spec: SpeculativeConfig | None) -> int | None:

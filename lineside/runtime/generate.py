@@ -79,6 +79,8 @@ class Generator:
         check_prompt_ids(prompt_ids, self.backend.vocab_size, limit)
         max_tokens = min(max_tokens, limit - len(prompt_ids))
         sampler = Sampler(params or SamplingParams())
+        if self.speculative is not None:  # before the prompt: the MTP proposer keeps what the target computes
+            self._ensure_proposer()
         self.backend.reset_slot(0)
         logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0))[0, -1]
         history = list(prompt_ids)
@@ -106,14 +108,19 @@ class Generator:
                    stop_at_eos: bool, matcher: GrammarMatcher | None) -> Iterator[int]:
         """As ``stream``, each step verifying the proposer's tokens after the last one (speculative/verify.py);
         under a grammar only the drafts it accepts are proposed."""
+        proposer = self._ensure_proposer()
+        yield from self._verify_loop(proposer, sampler, logits, history, max_tokens=max_tokens,
+                                     stop_at_eos=stop_at_eos, matcher=matcher)
+
+    def _ensure_proposer(self) -> Proposer | ModelProposer:
+        """The proposer of ``self.speculative`` (a draft model loads once)."""
         assert self.speculative is not None
-        if self._proposer is None or self._proposer[0] != self.speculative:  # a draft model loads once
+        if self._proposer is None or self._proposer[0] != self.speculative:
             check_speculation(self.backend, self.speculative)
             if self._proposer is not None and hasattr(self._proposer[1], "close"):
                 self._proposer[1].close()
             self._proposer = (self.speculative, make_proposer(self.speculative, self.bundle, self.backend))
-        yield from self._verify_loop(self._proposer[1], sampler, logits, history, max_tokens=max_tokens,
-                                     stop_at_eos=stop_at_eos, matcher=matcher)
+        return self._proposer[1]
 
     def _verify_loop(self, proposer: Proposer | ModelProposer, sampler: Sampler, logits: np.ndarray,
                      history: list[int], *, max_tokens: int, stop_at_eos: bool,

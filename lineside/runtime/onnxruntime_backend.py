@@ -9,7 +9,7 @@ the new entries written back; ``replace`` states are swapped whole.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,22 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32":
 SPIN_ENV = "LINESIDE_ORT_SPIN"
 # Steps of one row with up to this many new tokens (a verification: 1 + at most 16 drafts) reuse a cached binding.
 FAST_VERIFY_TOKENS = 17
+
+
+class StepTap(Protocol):
+    """Sees what the backend does to its slots: the named graph outputs of each run (for the rows' new positions)
+    and the slot copies and resets. The MTP proposer keeps the target's last-layer streams this way."""
+
+    outputs: tuple[str, ...]
+
+    def on_forward(self, batch: StepBatch, values: dict[str, np.ndarray]) -> None:
+        ...
+
+    def on_copy(self, src: int, dst: int, length: int) -> None:
+        ...
+
+    def on_reset(self, slot: int) -> None:
+        ...
 
 
 def default_threads() -> int:
@@ -123,6 +139,7 @@ class OnnxRuntimeBackend:
         self._whole_state = any(st.update == StateUpdate.REPLACE for st in self.states)
         self.spec_max_rows = 1 if self.uses_gqa or self._whole_state else None
         self.verify_cost, self.verify_token_cost = 1.05, 0.21
+        self.taps: list[StepTap] = []
 
     @classmethod
     def draft_of(cls, target: OnnxRuntimeBackend, bundle: Bundle, draft: dict[str, Any],
@@ -133,6 +150,23 @@ class OnnxRuntimeBackend:
         return cls(bundle, num_slots=target.num_slots, flavor=target.flavor, threads=threads,
                    max_seq_len=target.max_seq_len, spin=target.spinning, entry=entry, shared=target.arena,
                    accuracy_level=target.accuracy_level)
+
+    def add_tap(self, tap: StepTap) -> None:
+        """Report ``tap.outputs`` of every run (and every slot copy and reset) to ``tap`` from now on."""
+        have = {o.name for o in self.session.get_outputs()}
+        missing = [n for n in tap.outputs if n not in have]
+        if missing:
+            raise LinesideError(f"the {self.flavor} graph has no output {missing[0]!r}; rebuild the bundle")
+        self.taps.append(tap)
+        self._decode_ready = False  # the cached decode binding binds logits and the cache only
+
+    def forward_outputs(self, batch: StepBatch, names: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One run (no splitting of rows: give rows of one length) returning the logits and the named outputs."""
+        ends = batch.past_lengths + batch.new_lengths
+        if int(ends.max()) > self.max_seq_len:
+            raise LinesideError(f"sequence of {int(ends.max())} tokens exceeds the bundle's max_seq_len "
+                                f"{self.max_seq_len}")
+        return self._run(batch, names)
 
     # ---- LoRA slots (LoraBackend) ------------------------------------------------------
     @property
@@ -185,7 +219,7 @@ class OnnxRuntimeBackend:
             slots = list(batch.slots)
             if slots == list(range(slots[0], slots[0] + b)):
                 return self._decode_fast(batch)
-        return self._run(batch)
+        return self._run(batch)[0]
 
     def _split(self, batch: StepBatch) -> np.ndarray:
         b, k = batch.logits_positions.shape
@@ -263,6 +297,8 @@ class OnnxRuntimeBackend:
                 src_idx = list(idx)
                 src_idx[0] = src
                 a[tuple(idx)] = a[tuple(src_idx)]
+        for tap in self.taps:
+            tap.on_copy(src, dst, length)
 
     def save_rows(self, slots: list[int]) -> dict[int, dict[str, np.ndarray]]:
         """Copies of ``slots``' whole-state tensors (mode replace): where a verification step started, for
@@ -278,12 +314,15 @@ class OnnxRuntimeBackend:
         for s in self.states:
             if s.update == StateUpdate.REPLACE:
                 self.arena[s.input][slot] = 0
+        for tap in self.taps:
+            tap.on_reset(slot)
 
     def close(self) -> None:
         self.session = None  # type: ignore[assignment]
 
     # ---- one step -----------------------------------------------------------------------
-    def _run(self, batch: StepBatch) -> np.ndarray:
+    def _run(self, batch: StepBatch, want: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Logits and the outputs named in ``want``; the taps get theirs."""
         b, s = batch.input_ids.shape
         slots = list(batch.slots)
         contiguous = slots == list(range(slots[0], slots[0] + b))
@@ -304,6 +343,8 @@ class OnnxRuntimeBackend:
             feeds["total_sequence_length"] = np.array(int(total.max()), dtype=np.int32)
         if "past_lengths" in self.input_names:
             feeds["past_lengths"] = past
+        for name, arr in (batch.extra_inputs or {}).items():
+            feeds[name] = np.ascontiguousarray(arr, dtype=np.float32)
 
         io = self.session.io_binding()
         self._bound_outputs: list[str] = []
@@ -331,6 +372,9 @@ class OnnxRuntimeBackend:
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
         self._bind_new(io, "logits")
+        extra = list(dict.fromkeys([*want, *(n for tap in self.taps for n in tap.outputs)]))
+        for name in extra:
+            self._bind_new(io, name)
         self.session.run_with_iobinding(io)
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
         for st in self.states:
@@ -350,7 +394,10 @@ class OnnxRuntimeBackend:
             else:
                 a[slots] = outs[st.output].numpy()
         self._keep_alive.clear()
-        return outs["logits"].numpy()
+        values = {name: outs[name].numpy() for name in extra}
+        for tap in self.taps:
+            tap.on_forward(batch, {n: values[n] for n in tap.outputs})
+        return outs["logits"].numpy(), values
 
     def _bind(self, io: Any, name: str, arr: np.ndarray, output: bool) -> None:
         self._keep_alive.append(arr)  # IOBinding holds a raw pointer: the array must outlive the run

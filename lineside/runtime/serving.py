@@ -32,8 +32,13 @@ class ServingEngine(Protocol):
     grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
     adapter_slots: AdapterSlots | None  # the LoRA adapters it serves (each a model named by the adapter), or None
 
+    def warm_up(self) -> None:
+        """Run the backend once so its first request does not allocate (`serve` calls it on the loading thread;
+        ``start`` does it otherwise)."""
+        ...
+
     async def start(self) -> None:
-        """Warm the backend up, then start the step loop."""
+        """Warm the backend up (unless done), then start the step loop."""
         ...
 
     async def stop(self, drain_timeout: float = 30.0) -> None:

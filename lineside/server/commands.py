@@ -71,7 +71,8 @@ def serve(
              "memory 85% → level 1, TTFT P90 1.5 s → level 2, recover after 300 s")] = None,
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram (prompt lookup) | layerskip:N (the bundle's first N layers, build "
-             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp; a request's "
+             "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp (DeepSeek-V4's MTP module, "
+             "built from a checkpoint with mtp.* tensors); a request's "
              "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 8)")] = None,
     lora_modules: Annotated[list[str] | None, typer.Option(
@@ -184,8 +185,8 @@ def serve(
 
 
 def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
-    """Start building the bundle's LLMEngine on a daemon thread (it must not keep a failed server alive);
-    the future carries the engine or the error the loader reports."""
+    """Start building (and warming up) the bundle's LLMEngine on a daemon thread (it must not keep a failed
+    server alive); the future carries the engine or the error the loader reports."""
     # Imported here, on the calling thread, so the loader thread and the web-stack imports never import
     # the same module at the same time (Python's per-module import locks could hand one a half-made module).
     import lineside.runtime.generate  # noqa: F401 - what LLMEngine imports lazily, same reason
@@ -198,7 +199,9 @@ def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
 
     def build() -> None:
         try:
-            future.set_result(LLMEngine(bundle, **engine_kwargs))
+            engine = LLMEngine(bundle, **engine_kwargs)
+            engine.warm_up()  # here, while the main thread still imports the web stack: off the path to ready
+            future.set_result(engine)
         except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
             future.set_exception(e)
 

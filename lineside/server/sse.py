@@ -32,13 +32,14 @@ class ChunkWriter:
         self.base: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                                      "created": created, "model": model, "system_fingerprint": fingerprint}
         self.include_usage = include_usage
+        # Every chunk of a stream shares its fields but the choice: encoded once, not once per token.
+        head = event(self.base)
+        self._head = head[:-len("}\n\n")] + ',"choices":['
+        self._tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
 
     def _chunk(self, choice: dict[str, Any]) -> str:
-        obj = dict(self.base)
-        obj["choices"] = [choice]
-        if self.include_usage:
-            obj["usage"] = None
-        return event(obj)
+        """The same bytes as ``event({**base, "choices": [choice], "usage": None})``, encoding only the choice."""
+        return self._head + json.dumps(choice, ensure_ascii=False, separators=(",", ":")) + self._tail
 
     def role(self, index: int) -> str:
         """Chat only: the first chunk of a choice, announcing the assistant role."""

@@ -20,6 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 VLLM = json.loads((FIXTURES / "vllm_args.json").read_text())
 SGLANG = json.loads((FIXTURES / "sglang_args.json").read_text())
 TRTLLM = json.loads((FIXTURES / "trtllm_serve_schema.json").read_text())
+TRTLLM_PROPS = TRTLLM["properties"]
 
 V4 = ["deepseek-v4-flash", "deepseek-v4-pro"]
 DENSE = ["deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-llama-8b", "deepseek-r1-distill-qwen-1.5b"]
@@ -87,6 +88,28 @@ def trtllm_errors(cfg: dict) -> list[str]:
 CHECK = {"vllm": vllm_errors, "sglang": sglang_errors, "trtllm": trtllm_errors}
 
 
+def test_the_trtllm_fixture_is_the_source_schema_verbatim():
+    """Without its provenance keys the fixture re-creates the source file byte for byte (the sha256 recorded
+    with repository, path and commit), so nothing in it was transcribed or pruned by hand."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("engine_schemas", Path(__file__).parents[2] / "scripts" / "engine_schemas.py")
+    assert spec is not None and spec.loader is not None
+    engine_schemas = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_schemas)
+    src = TRTLLM["x-source"]
+    assert src["repo"] == "NVIDIA/TensorRT-LLM" and src["path"] == engine_schemas.TRTLLM_SCHEMA
+    assert len(src["commit"]) == 40 and TRTLLM["x-version"] == "1.4.0rc0" in TRTLLM["title"]
+    text = engine_schemas.without_provenance(TRTLLM)
+    assert hashlib.sha256(text.encode()).hexdigest() == src["sha256"] and len(text) == 304056
+    assert TRTLLM["additionalProperties"] is False
+    # the full schema: every nested config is there, closed like the source
+    assert all(d.get("additionalProperties") is False for k, d in TRTLLM["$defs"].items()
+               if d.get("type") == "object"), "a nested config accepts unknown keys"
+    jsonschema.Draft202012Validator.check_schema({k: v for k, v in TRTLLM.items() if not k.startswith("x-")})
+
+
 def test_the_schema_checks_can_fail():
     """Each checker rejects an option its engine lacks and a value outside its choices."""
     assert vllm_errors({"tensor-parallel-size": 8, "enable-dp-attention": True, "kv-cache-dtype": "fp9"}) == [
@@ -129,7 +152,20 @@ def test_v4_configs_pass_the_engine_schema(model, gpus, engine, tmp_path):
         assert c["enable-priority-scheduling"] is True and c["schedule-low-priority-values-first"] is True
     else:
         assert c["kv_cache_config"]["dtype"] == "fp8" and c["moe_expert_parallel_size"] == 8
+        assert c["kv_cache_config"]["tokens_per_block"] == 128  # V4 needs 128 or 256 (its README)
+        # max_draft_len is the draft length; num_nextn_predict_layers comes from the checkpoint
         assert c["speculative_config"] == {"decoding_type": "MTP", "max_draft_len": 1}
+        assert "num_nextn_predict_layers" in TRTLLM["$defs"]["MTPDecodingConfig"]["properties"]
+        assert c["custom_tokenizer"] == "deepseek_v4" and c["moe_config"] == {"backend": "TRTLLM"}
+        assert_trtllm_takes_whole_context(c)
+
+
+def assert_trtllm_takes_whole_context(c: dict) -> None:
+    """A prompt of max_seq_len tokens must be servable: past max_num_tokens only chunked prefill takes it,
+    and the source schema's default for it is off, so the config must say so."""
+    assert TRTLLM_PROPS["enable_chunked_prefill"]["default"] is False
+    assert c["max_seq_len"] > c["max_num_tokens"] == TRTLLM_PROPS["max_num_tokens"]["default"]
+    assert c["enable_chunked_prefill"] is True
 
 
 @pytest.mark.parametrize("model", DENSE)
@@ -139,6 +175,8 @@ def test_dense_configs_pass_the_engine_schema(model, gpus, engine):
     d = build_deployment(model, gpus, engine)
     assert CHECK[engine](d.config) == []
     assert d.plan.mtp_layers == 0 and "speculative-config" not in d.config and "speculative_config" not in d.config
+    if engine == "trtllm":
+        assert_trtllm_takes_whole_context(d.config)
     assert sum(len(r.gpu_ids) for r in d.replicas) in (8, d.plan.tp)
 
 

@@ -1,7 +1,8 @@
 """The gateway front alone (no smg needed): header → pool, sessions, shadow copies, streaming relay.
 
 Each pool's "router" is a small OpenAI-shaped app on a loopback port, answering which pool it is and echoing
-the session header it received; the front is called through httpx's ASGI transport.
+the session header it received; the front is a real server on loopback (lineside.fleet.passthrough) in this
+module's event loop, called over TCP.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from lineside.bench.inprocess import BackgroundServer
+from lineside.bench.inprocess import BackgroundServer, free_port
 from lineside.fleet.front import Front, FrontConfig, ShadowSpec, ShareSampler, answer_text, sse_text
 
 HANG_CLOSED = threading.Event()  # a pool's never-ending stream (/v1/hang) was closed by its client
@@ -66,7 +67,12 @@ def upstreams():
         s.stop()
 
 
-_LOOP = asyncio.new_event_loop()  # one loop for the module: a front's connection pool lives in one loop
+try:  # the loop `lineside fleet gateway` serves the front on (uvloop's transports differ from asyncio's)
+    import uvloop
+
+    _LOOP = uvloop.new_event_loop()
+except ImportError:
+    _LOOP = asyncio.new_event_loop()  # one loop for the module: a front's connections live in one loop
 
 
 def run(coro):
@@ -78,14 +84,22 @@ def make(upstreams):
     urls, seen = upstreams
     fronts: list[Front] = []
 
+    listeners = []
+
     def build(shadow_to: str = "batch", share: float = 0.5, body_priority_pools: frozenset[str] = frozenset()):
         seen.clear()
         cfg = FrontConfig(pools=dict(urls), default_pool="realtime", session_idle_s=90,
                           shadow=ShadowSpec("realtime", shadow_to, share), body_priority_pools=body_priority_pools)
-        fronts.append(Front(cfg))
-        return fronts[-1], seen
+        front = Front(cfg)
+        port = free_port("127.0.0.1")
+        listeners.append(run(front.serve("127.0.0.1", port)))
+        front.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+        fronts.append(front)
+        return front, seen
 
     yield build
+    for listener in listeners:
+        listener.close()
     for f in fronts:
         run(f.aclose())
 
@@ -93,8 +107,7 @@ def make(upstreams):
 async def _call(front: Front, headers: dict | None = None, stream: bool = False, cookies: dict | None = None,
                 extra: dict | None = None):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **(extra or {})}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front.app), base_url="http://gw",
-                                 cookies=cookies) as c:
+    async with httpx.AsyncClient(base_url=front.url, cookies=cookies, trust_env=False, timeout=10) as c:
         r = await c.post("/v1/chat/completions", json=body, headers=headers or {})
         await front.drain_shadow()
         return r
@@ -193,16 +206,47 @@ def test_unreachable_pool_router_is_a_502_and_a_failed_shadow_is_counted(make):
 
 
 def test_a_client_that_leaves_mid_stream_ends_the_upstream_generation(make):
-    """The front runs as a real server here: its client disconnects after the first token, and the node's
-    stream (behind the front) is closed too instead of generating for nobody."""
+    """The client disconnects after the first token, and the node's stream (behind the front) is closed too
+    instead of generating for nobody."""
     front, seen = make(share=0.0001)
     HANG_CLOSED.clear()
-    with BackgroundServer(front.app, ready_path="/fleet/shadow") as gw:
-        with httpx.Client(base_url=gw.url, trust_env=False, timeout=10) as c:
-            with c.stream("POST", "/v1/hang", json={"stream": True}) as r:
-                assert r.status_code == 200 and b'"x"' in next(r.iter_raw())
-        HANG_CLOSED.wait(10)
+
+    async def leave_after_first_token() -> None:
+        async with httpx.AsyncClient(base_url=front.url, trust_env=False, timeout=10) as c:
+            async with c.stream("POST", "/v1/hang", json={"stream": True}) as r:
+                assert r.status_code == 200 and b'"x"' in await r.aiter_raw().__anext__()
+        await asyncio.to_thread(HANG_CLOSED.wait, 10)
+
+    run(leave_after_first_token())
     assert {"pool": "realtime", "hang": "closed"} in seen
+
+
+def test_own_endpoints_and_keep_alive_framing(make):
+    """The front's own /fleet/* answers; several requests, streamed and not, over one kept-alive client
+    connection and the front's kept-alive upstream connection, each response framed right."""
+    front, _ = make(shadow_to="candidate-same", share=1.0)
+
+    async def go():
+        async with httpx.AsyncClient(base_url=front.url, trust_env=False, timeout=10) as c:
+            for i in range(4):
+                body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": i % 2 == 1}
+                r = await c.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "s"})
+                assert r.status_code == 200 and "answer from realtime" in (sse_text([r.content]) or r.text)
+            await front.drain_shadow()
+            shadow = (await c.get("/fleet/shadow")).json()
+            metrics = (await c.get("/fleet/metrics")).text
+            health = await c.get("/fleet/health")
+            missing = await c.get("/fleet/nothing")
+            posted = await c.post("/fleet/shadow")
+        return shadow, metrics, health, missing, posted
+
+    shadow, metrics, health, missing, posted = run(go())
+    assert shadow["sent"] == shadow["completed"] == shadow["agreed"] == 4
+    assert 'lineside_fleet_requests_total{pool="realtime",status="2xx"} 4.0' in metrics
+    assert health.status_code == 200 and health.json()["pools"] == {
+        "realtime": True, "batch": True, "candidate-same": True}
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert posted.status_code == 405 and set(posted.json()["error"]) == {"message", "type", "code", "param"}
 
 
 @pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])

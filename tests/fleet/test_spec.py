@@ -125,3 +125,20 @@ def test_cli_check_is_one_line(tmp_path):
     good.write_text(yaml.safe_dump(GOOD))
     p = run_cli("fleet", "check", good)
     assert p.returncode == 0 and "valid, every model fits its node" in p.stdout, p.stderr
+
+
+def test_gateway_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        f = tmp_path / "fleet.yaml"
+        f.write_text(yaml.safe_dump({"nodes": [{"name": "w", "kind": "x86", "url": "http://127.0.0.1:9"}],
+                                     "pools": {"realtime": {"members": ["w"]}},
+                                     "gateway": {"host": "127.0.0.1", "port": port}}))
+        p = run_cli("fleet", "gateway", f, "-o", tmp_path / "gw")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in last and "Traceback" not in p.stderr, p.stderr
+    assert not list((tmp_path / "gw" / "logs").glob("smg-*.log"))  # no router was started

@@ -31,6 +31,15 @@ def test_sse_chat_sequence_like_openai():
     assert {e["object"] for e in ev[:4]} == {"chat.completion.chunk"} and {e["id"] for e in ev[:4]} == {"chatcmpl-1"}
 
 
+
+def test_chunks_are_the_bytes_of_the_whole_object_encoded():
+    """The chunk writer encodes only the choice per token; the bytes are those of the whole object encoded."""
+    for chat, usage in ((True, True), (False, False), (True, False)):
+        w = sse.ChunkWriter(chat, "id-\"1\"", 7, model="mödel", include_usage=usage, fingerprint="fp")
+        choice = {"index": 0, "text": "a\"b\\ü\n", "logprobs": None, "finish_reason": None}
+        whole = {**w.base, "choices": [choice], **({"usage": None} if usage else {})}
+        assert w._chunk(choice) == sse.event(whole)
+
 def test_sse_text_completion_and_error_event():
     w = sse.ChunkWriter(False, "cmpl-1", 1, model="m", include_usage=False)
     ev = sse.parse(w.text(1, "a") + w.finish(1, "length"))

@@ -4,7 +4,7 @@ Each mismatch (another tokenizer, no draft graph, no MTP module) is one line."""
 
 from __future__ import annotations
 
-from lineside.bundle import DRAFT_GRAPHS, Bundle, open_bundle
+from lineside.bundle import DRAFT_GRAPHS, MTP_GRAPH, Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend
@@ -31,12 +31,16 @@ def check_proposer(spec: SpeculativeConfig | None, bundle: Bundle) -> Bundle | N
     if spec is None or spec.method == SpecMethod.NGRAM:
         return None
     if spec.method == SpecMethod.MTP:
-        if bundle.architecture != "DeepseekV4ForCausalLM":
+        if bundle.architecture != "deepseek_v4":
             raise LinesideError(f"--speculative mtp: {bundle.path.name} ({bundle.architecture}) has no MTP module "
                                 "(multi-token prediction: only DeepSeek-V4 checkpoints carry one); use --speculative "
                                 "ngram, layerskip:N or draft:BUNDLE")
-        raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module — lineside's builder does not "
-                            "read DeepSeek-V4's mtp.* tensors in this version; use --speculative ngram")
+        if not any(MTP_GRAPH in f.extra for f in bundle.flavors.values()):
+            raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP module: it is built into the cpu "
+                                "flavor from a checkpoint that carries mtp.* tensors (DeepSeek's release files; "
+                                "transformers' save_pretrained drops them); rebuild from one with --flavors cpu, or "
+                                "use --speculative ngram")
+        return None
     if spec.method == SpecMethod.LAYERSKIP:
         built = sorted({int(n) for f in bundle.flavors.values() for n in f.extra.get(DRAFT_GRAPHS) or {}})
         if spec.draft_layers not in built:
@@ -58,6 +62,8 @@ def make_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, *,
     draft = check_proposer(spec, bundle)
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
+    if spec.method == SpecMethod.MTP:
+        return _mtp_proposer(spec, bundle, backend, threads)
     if spec.method == SpecMethod.LAYERSKIP:
         if not isinstance(backend, OnnxRuntimeBackend):
             raise LinesideError(f"--speculative {spec.label} runs on the onnxruntime backend only (its draft shares "
@@ -80,6 +86,29 @@ def make_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, *,
         raise LinesideError(f"--speculative {spec.label}: the draft bundle's model keeps whole-state tensors "
                             "(DeepSeek-V4); use a Llama or Qwen2 draft bundle")
     return DraftModelProposer(draft_be, backend.vocab_size, cost=_cost(spec, _size_ratio(draft, bundle)))
+
+
+def _mtp_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, threads: int | None) -> ModelProposer:
+    """The MTP graph on an onnxruntime backend of its own, fed by the target's last-layer streams."""
+    from lineside.bundle import FlavorEntry
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from lineside.runtime.speculative.mtp import MtpProposer
+
+    if not isinstance(backend, OnnxRuntimeBackend):
+        raise LinesideError("--speculative mtp runs on the onnxruntime backend only (the MTP reads the target's "
+                            "hidden states, which the TensorRT engine does not hand out); use --backend onnxruntime")
+    record = bundle.flavor(backend.flavor).extra.get(MTP_GRAPH)
+    if record is None:
+        raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP graph for its {backend.flavor} flavor "
+                            "(it is built with the cpu flavor); run the cpu flavor")
+    entry = FlavorEntry.from_json_dict(record)
+    mtp_be = OnnxRuntimeBackend(bundle, num_slots=backend.num_slots, flavor=backend.flavor, threads=threads,
+                                max_seq_len=backend.max_seq_len, spin=backend.spinning, entry=entry,
+                                accuracy_level=backend.accuracy_level)
+    window = int(entry.state[0].shape[1])
+    n, d = (int(v) for v in record["hidden_shape"])
+    return MtpProposer(backend, mtp_be, window=window, hidden_shape=(n, d),
+                       cost=_cost(spec, float(record.get("weight_fraction", 1.0))))
 
 
 def check_same_tokenizer(target: Bundle, draft: Bundle) -> None:

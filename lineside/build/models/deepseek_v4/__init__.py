@@ -15,6 +15,7 @@ import numpy as np
 from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.deepseek_v4.config import CSA, SLIDING, V4Config, parse_config
 from lineside.build.models.deepseek_v4.graph import INPUTS, emit_v4_graph
+from lineside.build.models.deepseek_v4.mtp import find_mtp
 from lineside.build.models.deepseek_v4.naming import V4Source, hf_to_official, official_to_hf
 from lineside.build.models.deepseek_v4.state import state_bytes, state_tensors
 from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
@@ -88,7 +89,9 @@ def emit_graph(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointRea
         raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {c.num_layers - 1} of the model's "
                             f"{c.num_layers} layers")
     src = check_tensors(c, ckpt)
-    return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress, tuple(draft_layers))
+    # The MTP proposer runs on onnxruntime: its graph goes beside the cpu flavor's (the trt graph stays as it was).
+    mtp = find_mtp(src, c) if flavor == "cpu" else None
+    return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress, tuple(draft_layers), mtp=mtp)
 
 
 class DeepseekV4Family(ModelFamily):

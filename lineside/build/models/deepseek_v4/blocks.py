@@ -54,12 +54,12 @@ class HyperConnection:
         o = self.o
         return o.add(o.mul(o.unsqueeze(post, [-1]), o.unsqueeze(out, [2])), o.matmul(o.transpose(comb, [0, 1, 3, 2]), x))
 
-    def head(self, x: str, w: dict[str, np.ndarray]) -> str:
-        """DeepseekV4HyperHead: final collapse of the streams."""
+    def head(self, x: str, w: dict[str, np.ndarray], name: str = "hc_head") -> str:
+        """DeepseekV4HyperHead: final collapse of the streams (the MTP block has its own, named apart)."""
         o, c = self.o, self.cfg
-        mix = self._normed_mix(x, w["hc_fn"], "hc_head.fn")
+        mix = self._normed_mix(x, w["hc_fn"], f"{name}.fn")
         scale = float(np.asarray(w["hc_scale"], np.float32).reshape(-1)[0])
-        pre = o.add(o.op("Sigmoid", o.add(o.mul(mix, o.f32(scale)), o.w("hc_head.base", w["hc_base"]))), o.f32(c.hc_eps))
+        pre = o.add(o.op("Sigmoid", o.add(o.mul(mix, o.f32(scale)), o.w(f"{name}.base", w["hc_base"]))), o.f32(c.hc_eps))
         return o.reduce("ReduceSum", o.mul(o.unsqueeze(pre, [-1]), x), 2, keep=False)
 
 

@@ -53,6 +53,7 @@ class V4Config:
     rope: dict[str, dict[str, Any]] = field(default_factory=dict)  # "main" / "compress" → rope params
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
+    mtp_layers: int = 0  # num_nextn_predict_layers: multi-token-prediction blocks the checkpoint may carry (mtp.*)
 
     def rate(self, layer: int) -> int:
         """Compression rate of a layer (0 for sliding-only layers)."""
@@ -221,6 +222,7 @@ def parse_config(d: dict[str, Any]) -> V4Config:
         rope=_rope(d),
         max_position_embeddings=_pos_int(d, "max_position_embeddings", 1048576),
         tie_word_embeddings=_flag(d, "tie_word_embeddings"),
+        mtp_layers=_pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0,
     )
     _check(cfg)
     return cfg

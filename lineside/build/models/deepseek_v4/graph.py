@@ -19,12 +19,13 @@ from lineside.build.graph.draft import LayerMark, write_streams_draft_graph
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import CSA, SLIDING, V4Config
+from lineside.build.models.deepseek_v4.mtp import HIDDEN, MtpSource, NodeRange, emit_mtp
 from lineside.build.models.deepseek_v4.naming import V4Source
 from lineside.build.models.deepseek_v4.ops import Ops
 from lineside.build.models.deepseek_v4.state import layer_state, state_names, state_tensors
 from lineside.build.models.rope import rope_inv_freq
 from lineside.build.quant.spec import QuantSpec
-from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
+from lineside.bundle import DRAFT_GRAPHS, MTP_GRAPH, FlavorEntry
 from lineside.errors import CheckpointError, LinesideError
 from lineside.graph_io import StateTensor
 
@@ -81,9 +82,13 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
 
 
 def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
-                  progress: Callable[[int], None] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
+                  progress: Callable[[int], None] | None = None, draft_layers: tuple[int, ...] = (),
+                  mtp: MtpSource | None = None) -> FlavorEntry:
     """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path).
-    ``draft_layers``: layerskip drafts to write beside it (``draft-N.onnx``, reading the same weight data)."""
+
+    ``mtp`` (an ``mtp.MtpSource``): also write the MTP graph beside it (``mtp.onnx``, recorded as ``MTP_GRAPH``),
+    and give the main graph the output it reads (``HIDDEN``, the last layer's streams). ``draft_layers``:
+    layerskip drafts to write beside it (``draft-N.onnx``, reading the same weight data)."""
     if flavor not in ("cpu", "trt"):
         raise LinesideError(f"unknown graph flavor {flavor!r} for DeepSeek-V4; use cpu or trt")
     gb = GraphBuilder(onnx_path, name=f"deepseek_v4_{flavor}")
@@ -109,42 +114,34 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
                   rope={k: rope_tables(o, pos_f, v[0], v[1]) for k, v in inv.items()}, rope_inv=inv)
     attn, hc, moe = AttentionEmitter(o, cfg, ctx, max_seq_len), HyperConnection(o, cfg), MoE(o, cfg)
 
+    emb_start = len(gb.nodes)
     emb = o.embedding(ids, src.get("model.embed_tokens.weight"))  # [B, S, D]
+    embedding = NodeRange(emb_start, len(gb.nodes), "input_ids", emb)
     u = o.unsqueeze(emb, [2])
     x = o.concat([u] * cfg.hc_mult, 2) if cfg.hc_mult > 1 else u  # [B, S, N, D]
     outputs: dict[str, str] = {}
     marks: list[LayerMark] = []
     for i in range(cfg.num_layers):
-        pfx = f"model.layers.{i}"
-        aw = _attn_weights(src, cfg, i)
-        hcw = {k: src.get(f"{pfx}.attn_hc.{k}") for k in ("fn", "base", "scale")}
-        post, comb, col = hc.pre(x, hcw, f"layers.{i}.hc_attn")
-        normed = o.rmsnorm(col, src.get(f"{pfx}.input_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.attn_norm")
         st = {k: state_names(i, k) for k in layer_state(cfg, i, max_seq_len)}
         if fmt is not None:  # attention reads the stored entries dequantized
             st.update({k: (emit_kv_load(gb, a, scale_name(a), fmt), b) for k, (a, b) in st.items() if k in QUANTIZABLE})
-        a_out, new = attn.emit(i, normed, aw, st)
+        x, new = emit_block(o, cfg, src, i, x, ids, st, (attn, hc, moe))
         for k, v in new.items():
             outputs[st[k][1]] = v
-        x = hc.post(x, a_out, post, comb)
-        hcw = {k: src.get(f"{pfx}.ffn_hc.{k}") for k in ("fn", "base", "scale")}
-        post, comb, col = hc.pre(x, hcw, f"layers.{i}.hc_ffn")
-        normed = o.rmsnorm(col, src.get(f"{pfx}.post_attention_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.ffn_norm")
-        m_out = moe.emit(normed, i, _mlp_weights(src, cfg, i), ids, lambda e, i=i: src.expert(i, e, cfg.moe_intermediate_size))
-        x = hc.post(x, m_out, post, comb)
         marks.append(LayerMark(len(gb.nodes), x, None, sum(1 for s in states if _state_layer(s) <= i)))
         if progress:
             progress(1)
 
-    # Only the requested positions go through the head: flatten (B, S) and gather b·S + position.
+    # Only the requested positions go through the head.
     tail_start = len(gb.nodes)
-    bidx = o.op("Range", o.i64(0), o.dim(ids, 0), o.i64(1))
-    flat_idx = o.add(lpos, o.unsqueeze(o.mul(bidx, seq), [1]))
-    xs = o.gather(o.reshape(x, [-1, cfg.hc_mult, cfg.hidden_size]), flat_idx, 0)  # [B, K, N, D]
+    xs = gather_positions(o, cfg, x, ids, seq, lpos)  # [B, K, N, D]
     head = {k: src.get(f"model.hc_head.{k}") for k in ("hc_fn", "hc_base", "hc_scale")}
     h = o.rmsnorm(hc.head(xs, head), src.get("model.norm.weight"), cfg.rms_norm_eps, "norm")
     lm = src.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
-    gb.op("Identity", [o.lm_head(h, lm)], outputs=["logits"])
+    head_start = len(gb.nodes)
+    lm_out = o.lm_head(h, lm)
+    lm_head = NodeRange(head_start, len(gb.nodes), h, lm_out)
+    gb.op("Identity", [lm_out], outputs=["logits"])
     gb.output("logits", TensorProto.FLOAT, ["batch", "n_logits", cfg.vocab_size])
     for stt in states:
         if stt.output in outputs:
@@ -153,12 +150,47 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
             else:
                 gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
         gb.output(stt.output, onnx_type[stt.dtype], stt.shape)
+    extra: dict[str, Any] = {}
+    mtp_graph = None
+    if mtp is not None:  # the MTP block reads the last layer's streams: the main graph hands them out
+        gb.op("Identity", [x], outputs=[HIDDEN])
+        gb.output(HIDDEN, TensorProto.FLOAT, ["batch", "seq", cfg.hc_mult, cfg.hidden_size])
+        mtp_graph = emit_mtp(o, cfg, mtp, max_seq_len, rope_inv=inv, embedding=embedding, lm_head=lm_head)
     gb.save()
+    if mtp_graph is not None:
+        extra[MTP_GRAPH] = mtp_graph.write(onnx_path.with_name("mtp.onnx"))
     # Layerskip drafts: the first N layers, then the same head collapse, norm and LM head on their streams.
     drafts = {str(n): write_streams_draft_graph(gb, gb.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], x,
                                                 tail_start, states, INPUTS) for n in sorted(set(draft_layers))}
-    return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32",
-                       extra={DRAFT_GRAPHS: drafts} if drafts else {})
+    if drafts:
+        extra[DRAFT_GRAPHS] = drafts
+    return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32", extra=extra)
+
+
+def emit_block(o: Ops, cfg: V4Config, src: Any, i: int, x: str, ids: str, st: dict[str, tuple[str, str]],
+               parts: tuple[AttentionEmitter, HyperConnection, MoE]) -> tuple[str, dict[str, str]]:
+    """One V4 block on streams x [B, S, N, D] (DeepSeek's ``Block.forward``): hc_pre → attn_norm → attention →
+    hc_post, then hc_pre → ffn_norm → MoE → hc_post. Returns the new streams and {state key: new value}."""
+    attn, hc, moe = parts
+    pfx = f"model.layers.{i}"
+    aw = _attn_weights(src, cfg, i)
+    hcw = {k: src.get(f"{pfx}.attn_hc.{k}") for k in ("fn", "base", "scale")}
+    post, comb, col = hc.pre(x, hcw, f"layers.{i}.hc_attn")
+    normed = o.rmsnorm(col, src.get(f"{pfx}.input_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.attn_norm")
+    a_out, new = attn.emit(i, normed, aw, st)
+    x = hc.post(x, a_out, post, comb)
+    hcw = {k: src.get(f"{pfx}.ffn_hc.{k}") for k in ("fn", "base", "scale")}
+    post, comb, col = hc.pre(x, hcw, f"layers.{i}.hc_ffn")
+    normed = o.rmsnorm(col, src.get(f"{pfx}.post_attention_layernorm.weight"), cfg.rms_norm_eps, f"layers.{i}.ffn_norm")
+    m_out = moe.emit(normed, i, _mlp_weights(src, cfg, i), ids, lambda e: src.expert(i, e, cfg.moe_intermediate_size))
+    return hc.post(x, m_out, post, comb), new
+
+
+def gather_positions(o: Ops, cfg: V4Config, x: str, ids: str, seq: str, lpos: str) -> str:
+    """Streams [B, S, N, D] at the requested positions: flatten (B, S) and gather b·S + position → [B, K, N, D]."""
+    bidx = o.op("Range", o.i64(0), o.dim(ids, 0), o.i64(1))
+    flat_idx = o.add(lpos, o.unsqueeze(o.mul(bidx, seq), [1]))
+    return o.gather(o.reshape(x, [-1, cfg.hc_mult, cfg.hidden_size]), flat_idx, 0)
 
 
 def _state_layer(st: StateTensor) -> int:

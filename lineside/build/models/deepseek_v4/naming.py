@@ -150,7 +150,18 @@ class V4Source:
                 out.append(self.source_name(n))
         return out
 
+    def has_source(self, name: str) -> bool:
+        """Whether the file holds a tensor under this on-disk name (tensors transformers has no name for: mtp.*)."""
+        return name in self._names
+
+    def source_names(self) -> set[str]:
+        return set(self._names)
+
     # ---- tensors -----------------------------------------------------------------------
+    def read_source(self, name: str) -> np.ndarray:
+        """float32 tensor by its on-disk name (dequantized if stored as FP8/MXFP4, like ``get``)."""
+        return self._read(name)
+
     def get(self, hf_name: str) -> np.ndarray:
         """float32 tensor in HF layout (dequantized if stored as FP8/MXFP4)."""
         if hf_name not in self._hf:
