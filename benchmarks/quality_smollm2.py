@@ -6,7 +6,10 @@ reference, and greedy answers to a few chat prompts. Optionally onnxruntime-gena
 (`--genai DIR`, built by benchmarks/cpu_side_by_side.py or its model builder) on the same text.
 
     python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...] [--bundle B ...]
-    python benchmarks/quality_smollm2.py --variants kvfp16,kvint8 --chunk 2048   # KV dtypes, long context
+    python benchmarks/quality_smollm2.py --variants kvfp16,kvint8,kvint4 --long-tokens 2048   # KV dtypes
+
+``--long-tokens N`` also scores one long document (pydoc's format-string topic, not in the fixed text) in a
+single chunk of N tokens, where every prediction reads up to N-1 cached entries, so the cache matters.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ VARIANTS = {
     "kvfp16": ("trt W4A16 g64, fp16 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",))),
     "kvint8": ("trt W4A16 g64, int8 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",),
                                              kv_dtype="int8")),
+    "kvint4": ("trt W4A16 g64, int4 KV", dict(quant="w4a16", requantize=True, group_size=64, flavors=("trt",),
+                                             kv_dtype="int4")),
 }
 PROMPTS = [
     "What is the capital of France?",
@@ -55,10 +60,27 @@ TOPICS = ["if", "while", "for", "try", "with", "function", "class", "assignment"
           "typesseq", "typesmapping", "numbers", "strings", "naming", "execmodel", "exceptions", "import"]
 
 
+LONG_TOPIC = "formatstrings"  # one long document (~6k tokens), not among TOPICS
+
+
 def eval_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[t] for t in TOPICS if t in topics)
+
+
+def long_text() -> str:
+    from pydoc_data.topics import topics
+
+    return topics[LONG_TOPIC]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two greedy answers differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def smollm2_gguf() -> Path:
@@ -83,8 +105,17 @@ def perplexity(logits_fn, ids: list[int], chunk: int) -> float:
     return math.exp(nll / count)
 
 
+def ort_backend(bundle) -> OnnxRuntimeBackend:
+    """onnxruntime on the bundle's cpu graph, else its trt graph at accuracy level 0: TensorRT keeps float
+    activations, and onnxruntime's level-4 fusion of the trt graph's DequantizeLinear → MatMul returned all-zero
+    logits for SmolLM2 W4A16 g64 (onnxruntime 1.32)."""
+    if "cpu" in bundle.flavors:
+        return OnnxRuntimeBackend(bundle, num_slots=1)
+    return OnnxRuntimeBackend(bundle, num_slots=1, flavor="trt", accuracy_level=0)
+
+
 def lineside_logits_fn(bundle):
-    be = OnnxRuntimeBackend(bundle, num_slots=1)
+    be = ort_backend(bundle)
 
     def fn(ids: list[int]) -> np.ndarray:
         be.reset_slot(0)
@@ -126,12 +157,14 @@ def main() -> None:
     ap.add_argument("--calib", type=Path, default=None, help="calibration text for the AWQ/GPTQ variants")
     ap.add_argument("--bundle", type=Path, action="append", default=[],
                     help="also score this prebuilt bundle (repeatable), after the variants")
+    ap.add_argument("--long-tokens", type=int, default=0,
+                    help="also score this many tokens of one long document in a single chunk (0: skip)")
     args = ap.parse_args()
     gguf = smollm2_gguf()
     rows = []
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as td:
-        ids = None
+        ids = long_ids = None
         jobs = [(key, *VARIANTS[key]) for key in args.variants.split(",") if key]
         jobs += [(str(b), f"bundle {b}", None) for b in args.bundle]
         for key, label, kw in jobs:
@@ -144,29 +177,44 @@ def main() -> None:
             build_s = time.time() - t0
             bundle = open_bundle(out)
             if ids is None:
-                ids = Tokenizer.from_bundle(bundle).encode(eval_text(), add_special=False)[: args.tokens]
-            ppl = perplexity(lineside_logits_fn(bundle), ids, args.chunk)
-            answers = []
+                tok = Tokenizer.from_bundle(bundle)
+                ids = tok.encode(eval_text(), add_special=False)[: args.tokens]
+                long_ids = tok.encode(long_text(), add_special=False)[: args.long_tokens + 1]
+            logits_fn = lineside_logits_fn(bundle)
+            ppl = perplexity(logits_fn, ids, args.chunk)
+            long_ppl = perplexity(logits_fn, long_ids, len(long_ids)) if args.long_tokens else None
+            answers, answer_ids = [], []
             if args.answers:
-                gen = Generator(bundle)
-                answers = [gen.generate(p, args.answers, chat=True).text.strip().replace("\n", " ")
-                           for p in PROMPTS]
-            rows.append((label, ppl, build_s, answers))
+                gen = Generator(bundle, backend=ort_backend(bundle))
+                outs = [gen.generate(p, args.answers, chat=True) for p in PROMPTS]
+                answers = [o.text.strip().replace("\n", " ") for o in outs]
+                answer_ids = [list(o.token_ids) for o in outs]
+            rows.append((label, ppl, build_s, answers, long_ppl, answer_ids))
             guard = calibration_guard(bundle.manifest.quantization)
             records.append({"variant": key, "label": label, "perplexity": ppl, "build_seconds": round(build_s, 1),
+                            **({"long_perplexity": long_ppl} if long_ppl is not None else {}),
                             **({"guard": guard} if guard else {}), "answers": answers})
-            print(f"{label:40s} ppl {ppl:8.3f}   (build {build_s:.1f}s)"
+            print(f"{label:40s} ppl {ppl:8.3f}" + (f"   long {long_ppl:8.3f}" if long_ppl is not None else "")
+                  + f"   (build {build_s:.1f}s)"
                   + (f"   calibration NLL rtn {guard['nll_rtn']:.4f} vs {guard['nll_method']:.4f}"
                      f"{' → fell back to RTN' if guard['fell_back_to_rtn'] else ''}" if guard else ""), flush=True)
         if args.genai:
             ppl = perplexity(genai_logits_fn(args.genai), ids, args.chunk)
-            rows.append((f"onnxruntime-genai int4 ({args.genai.name})", ppl, 0.0, []))
-    ref = rows[0][1]
-    print(f"\nperplexity on {len(ids)} tokens of pydoc topic text, chunks of {args.chunk}:")
-    print(f"{'variant':48s} {'ppl':>9s} {'vs first':>9s}")
-    for label, ppl, _, _ in rows:
-        print(f"{label:48s} {ppl:9.3f} {100 * (ppl / ref - 1):+8.1f}%")
-    for label, _, _, answers in rows:
+            rows.append((f"onnxruntime-genai int4 ({args.genai.name})", ppl, 0.0, [], None, []))
+    ref, long_ref, ref_ids = rows[0][1], rows[0][4], rows[0][5]
+    print(f"\nperplexity on {len(ids)} tokens of pydoc topic text, chunks of {args.chunk}"
+          + (f"; long: {len(long_ids) - 1} tokens of pydoc '{LONG_TOPIC}' in one chunk" if long_ref else "") + ":")
+    print(f"{'variant':48s} {'ppl':>9s} {'vs first':>9s}" + (f" {'long ppl':>9s} {'vs first':>9s}" if long_ref else "")
+          + ("   greedy answers vs first (first differing token)" if args.answers else ""))
+    for label, ppl, _, _, long_ppl, answer_ids in rows:
+        line = f"{label:48s} {ppl:9.3f} {100 * (ppl / ref - 1):+8.2f}%"
+        if long_ref:
+            line += f" {long_ppl:9.3f} {100 * (long_ppl / long_ref - 1):+8.2f}%" if long_ppl else " " * 20
+        if answer_ids:
+            div = [first_divergence(a, r) for a, r in zip(answer_ids, ref_ids, strict=False)]
+            line += "   " + ", ".join("same" if d is None else f"@{d}" for d in div)
+        print(line)
+    for label, _, _, answers, _, _ in rows:
         for p, a in zip(PROMPTS, answers, strict=False):
             print(f"[{label}] {p}\n    → {a}")
     if args.json:

@@ -249,7 +249,8 @@ def staged_dir(path: Path) -> Iterator[Path]:
 
 # ----------------------------------------------------------------------------------------------- memory
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
+                "uint4x2": 1}  # a packed int4 KV state: its shape counts bytes (two values each)
 
 
 def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -35,7 +35,9 @@ class StateUpdate(StrEnum):
     REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
 
 
-
+# Manifest dtype of a packed int4 KV state (build --kv-dtype int4): uint8 bytes holding two 4-bit grid values each.
+PACKED_INT4 = "uint4x2"
+STORAGE_DTYPE = {PACKED_INT4: "uint8"}  # state dtype -> the numpy dtype a backend allocates for it (others: itself)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 What the memory planner and the runtime's KV gauges count, matching the builder's KV formats
 (build/quant/kv.py FORMATS; tests/jetson/test_planner.py ties the two and both to the emitted state shapes):
 int8 keeps one fp16 scale per (token, KV head); int4 packs two values per byte and keeps one fp16 scale per
-(token, KV head, 32 channels). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
+(token, KV head, 16 channels). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
 fp32 reference and in the cpu flavor, whose cache is float32).
 """
 
@@ -41,5 +41,5 @@ KV_LAYOUTS: dict[str, KvVectorLayout] = {
     "fp16": KvVectorLayout("fp16", 16),
     "int8": KvVectorLayout("int8", 8, FP16_SCALE),
     "fp8": KvVectorLayout("fp8", 8, FP16_SCALE),
-    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=32),  # uint8 [.., head_dim / 2] + [.., head_dim / 32]
+    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=16),  # uint8 [.., head_dim / 2] + [.., head_dim / 16]
 }

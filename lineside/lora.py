@@ -240,14 +240,16 @@ class LoraSite:
     in_features: int
     out_features: int  # of the whole fused output
     offsets: tuple[int, ...]  # output column where each part starts
+    part_widths: tuple[int, ...]  # out_features of each part (its block of the fused output starts at offsets)
 
     @property
     def a_input(self) -> str:
         return f"lora_a.{self.layer}.{self.site}"
 
     @property
-    def b_input(self) -> str:
-        return f"lora_b.{self.layer}.{self.site}"
+    def b_inputs(self) -> tuple[str, ...]:
+        """One B^T per part (``lora_b.L.SITE.PART``, [that part's out, K]): no zero blocks for the others."""
+        return tuple(f"lora_b.{self.layer}.{self.site}.{p.value}" for p in self.parts)
 
 
 def lora_sites(cfg: ModelConfig, targets: tuple[LoraTarget, ...]) -> list[LoraSite]:
@@ -261,7 +263,8 @@ def lora_sites(cfg: ModelConfig, targets: tuple[LoraTarget, ...]) -> list[LoraSi
             widths = [in_out(cfg, t)[1] for t in members]
             starts = dict(zip(members, np.cumsum([0, *widths[:-1]]).tolist(), strict=True))
             out.append(LoraSite(layer=layer, site=site, parts=parts, in_features=in_out(cfg, members[0])[0],
-                                out_features=sum(widths), offsets=tuple(int(starts[t]) for t in parts)))
+                                out_features=sum(widths), offsets=tuple(int(starts[t]) for t in parts),
+                                part_widths=tuple(in_out(cfg, t)[1] for t in parts)))
     return out
 
 
@@ -269,5 +272,6 @@ LORA_SLOTS_INPUT = "lora_slots"  # int64 [batch]: each row's adapter slot, 0 = n
 
 
 def cols_input(parts: int) -> str:
-    """int64 [K]: the adapter slot (1..N) that owns each of a P-part site's K = N·R·P columns."""
+    """int64 [P·K]: the adapter slot (1..N) that owns each column of a P-part site's A (K: the stack's live
+    width, every part's block holding the same K columns)."""
     return f"lora_cols.{parts}"

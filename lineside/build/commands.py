@@ -48,7 +48,8 @@ RequantizeOpt = Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF inst
 AccuracyLevelOpt = Annotated[int, checks.number_option(
     low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
 LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
-KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | fp8 (trt flavor; fp8 needs SM >= 8.9)")]
+KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | int4 (trt flavor; fp8 is refused: "
+                                               "TensorRT takes no FP8 cache across the network's edge)")]
 DraftLayersOpt = Annotated[str | None, typer.Option(
     help="layerskip draft graphs: comma list of N (the first N layers + final norm + LM head, sharing the "
          "weights), for `--speculative layerskip:N`")]

@@ -111,6 +111,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         family = model_family(cfg.architecture)
         family.check_config(cfg, opts.flavors)
         _check_draft_layers(opts.draft_layers, cfg, family)
+        _check_kv_shape(opts.kv_dtype, cfg)
         if opts.max_lora_rank and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--max-lora-rank: LoRA graphs are built for Llama and Qwen2 models, not "
                                 f"{cfg.architecture}; leave the option out")
@@ -158,6 +159,11 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         from lineside.build.quant.calibrate_gptq import gptq_plan_for
 
         gplan = gptq_plan_for(cfg, ckpt, spec, opts.flavors, opts.calib, progress=progress, log=log)
+    key_means = None
+    if spec.kv_dtype == "int4" and "trt" in opts.flavors and cfg.architecture in DENSE_FAMILIES:
+        from lineside.build.quant.kv_calib import key_means_for
+
+        key_means = key_means_for(cfg, ckpt, opts.calib, log)
     carried: dict[str, str] = {}
     flavors: dict[str, FlavorEntry] = {}
     for flavor in opts.flavors:
@@ -171,6 +177,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         kw: dict[str, Any] = {"draft_layers": opts.draft_layers} if opts.draft_layers else {}
         if opts.max_lora_rank:
             kw["lora_targets"] = opts.lora_targets
+        if key_means is not None and flavor == "trt":
+            kw["key_means"] = key_means
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
                                   max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **kw)
         for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file
@@ -207,6 +215,16 @@ def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: Model
     if bad:
         raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "
                             f"{cfg.num_layers} layers")
+
+
+def _check_kv_shape(kv_dtype: str, cfg: ModelConfig) -> None:
+    """A quantized cache's layout must tile the head vector (int4: two per byte, a scale per 16 channels)."""
+    from lineside.build.quant.kv import FORMATS, parse_kv_dtype
+
+    fmt = FORMATS.get(parse_kv_dtype(kv_dtype))
+    if fmt is not None:
+        fmt.stored_dim(cfg.head_dim)
+        fmt.scale_dim(cfg.head_dim)
 
 
 def _check_context(max_seq: int, cfg: ModelConfig) -> None:

@@ -80,6 +80,13 @@ class AdapterSlots:
         if slot > 0 and self.refs[slot] > 0:
             self.refs[slot] -= 1
 
+    def stats(self) -> dict[str, int]:
+        """The engine's ``lora_*`` stats (what /metrics shows)."""
+        resident = list(self.resident)
+        return dict(lora_adapters_served=len(self.adapters), lora_slots=self.num_slots,
+                    lora_adapters_loaded=len(resident), lora_adapters_in_use=sum(1 for s in resident if self.refs[s] > 0),
+                    lora_slot_loads=self.loads, lora_slot_evictions=self.evictions)
+
     def take_pending(self) -> list[AdapterLoad]:
         ops, self.pending = self.pending, []
         return ops

@@ -83,6 +83,7 @@ def generate(
         help="speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
                                                            help="most tokens proposed per step (default 8)")] = None,
+    lora: Annotated[str | None, typer.Option(help="generate with this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
@@ -90,12 +91,14 @@ def generate(
     from lineside.runtime.speculative.config import parse_speculative
 
     spec = parse_speculative(speculative, spec_tokens)
+    if spec is not None and lora is not None:
+        raise LinesideError("--speculative does not run with --lora; drop one of them")
     if spec is not None:
         from lineside.bundle import open_bundle
         from lineside.runtime.speculative.proposers import check_proposer
 
         check_proposer(spec, open_bundle(bundle, verify=False))
-    gen = _generator(bundle, backend, threads)
+    gen = _generator(bundle, backend, threads, lora)
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     tok = gen.tokenizer
@@ -123,12 +126,13 @@ def chat(
                                                         help="onnxruntime intra-op threads")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
+    lora: Annotated[str | None, typer.Option(help="chat with this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
-    gen = _generator(bundle, backend, threads)
+    gen = _generator(bundle, backend, threads, lora)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     params = SamplingParams(temperature=temperature)
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
@@ -162,16 +166,30 @@ def chat(
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-def _generator(bundle_path: Path, backend: str, threads: int | None) -> Any:
-    """A one-slot Generator on the backend --backend picks (the choice goes to stderr when not asked for)."""
+def _generator(bundle_path: Path, backend: str, threads: int | None, lora: str | None = None) -> Any:
+    """A one-slot Generator on the backend --backend picks (the choice goes to stderr when not asked for);
+    ``lora``: the bundle's adapter of that name in the backend's one adapter slot, used by every step."""
     from lineside.bundle import open_bundle
     from lineside.runtime.generate import Generator
     from lineside.runtime.select import choose_backend
 
     backend = checks.choice(backend, "--backend", BACKENDS)
     b = open_bundle(bundle_path)
+    adapter, slots = None, None
+    if lora is not None:
+        from lineside.runtime.adapters import bundle_adapter
+        from lineside.runtime.lora_stack import LoraSlotsConfig
+
+        adapter = bundle_adapter(b, lora)  # one line for a name the bundle does not carry
+        # the bundle's slot rank: what a TensorRT engine built with --max-loras 1 holds
+        rank = max(adapter.rank, b.manifest.lora.max_rank if b.manifest.lora is not None else 0)
+        slots = LoraSlotsConfig(max_loras=1, max_rank=rank)
     say = (lambda msg: None) if backend == "onnxruntime" else (lambda msg: print(msg, file=sys.stderr))
-    return Generator(b, backend=choose_backend(b, backend, num_slots=1, say=say, threads=threads))
+    gen = Generator(b, backend=choose_backend(b, backend, num_slots=1, say=say, threads=threads, lora=slots))
+    if adapter is not None:
+        gen.backend.load_adapter(1, adapter)
+        gen.adapter = 1
+    return gen
 
 
 def register(app: typer.Typer) -> None:

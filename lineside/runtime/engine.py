@@ -93,6 +93,12 @@ class EngineStats:
     session_prefill_tokens: int = 0  # tokens computed for sessions in idle capacity
     sessions_expired: int = 0
     sessions_evicted: int = 0  # released early: running requests needed the memory
+    lora_adapters_served: int = 0  # LoRA adapters this engine serves (each a model)
+    lora_slots: int = 0  # the backend's adapter slots
+    lora_adapters_loaded: int = 0  # resident in a slot
+    lora_adapters_in_use: int = 0  # resident and held by a waiting or running request
+    lora_slot_loads: int = 0  # adapters written into a slot so far
+    lora_slot_evictions: int = 0  # of those, loads that replaced an idle adapter
 
 
 class LLMEngine:
@@ -342,6 +348,7 @@ class LLMEngine:
                 kv_capacity_bytes=self.kv_bytes.capacity_bytes,
                 kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token))),
             requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
+            **({} if self.adapter_slots is None else self.adapter_slots.stats()),
             **({} if store is None else dict(
                 sessions=len(store), session_hits=store.hits, session_tokens_saved=store.tokens_saved,
                 session_prefill_tokens=store.prefill_tokens, sessions_expired=store.expired,

@@ -67,6 +67,7 @@ class Generator:
         eos = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self.eos_ids = eos
         self.speculative = speculative
+        self.adapter = 0  # the backend's LoRA slot every step uses (0: the base model; `generate --lora`)
         self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
         self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
         self._proposer: tuple[SpeculativeConfig, Proposer | ModelProposer] | None = None
@@ -82,7 +83,7 @@ class Generator:
         if self.speculative is not None:  # before the prompt: the MTP proposer keeps what the target computes
             self._ensure_proposer()
         self.backend.reset_slot(0)
-        logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0))[0, -1]
+        logits = self.backend.forward(StepBatch.single(0, prompt_ids, 0, adapter=self.adapter))[0, -1]
         history = list(prompt_ids)
         pos = len(prompt_ids)
         self.steps, self.drafted, self.accepted = 1, 0, 0
@@ -100,7 +101,7 @@ class Generator:
             history.append(tok)
             if len(history) - len(prompt_ids) >= max_tokens or (matcher is not None and matcher.finished):
                 return
-            logits = self.backend.forward(StepBatch.single(0, [tok], pos))[0, -1]
+            logits = self.backend.forward(StepBatch.single(0, [tok], pos, adapter=self.adapter))[0, -1]
             pos += 1
             self.steps += 1
 
@@ -115,6 +116,8 @@ class Generator:
     def _ensure_proposer(self) -> Proposer | ModelProposer:
         """The proposer of ``self.speculative`` (a draft model loads once)."""
         assert self.speculative is not None
+        if self.adapter:
+            raise LinesideError("speculative decoding does not run with a LoRA adapter; drop --speculative or --lora")
         if self._proposer is None or self._proposer[0] != self.speculative:
             check_speculation(self.backend, self.speculative)
             if self._proposer is not None and hasattr(self._proposer[1], "close"):

@@ -15,7 +15,7 @@ import numpy as np
 
 from lineside.bundle import Bundle, FlavorEntry
 from lineside.errors import LinesideError
-from lineside.graph_io import StateUpdate, resolve_shape
+from lineside.graph_io import PACKED_INT4, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
@@ -23,7 +23,8 @@ from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
-       "uint8": np.uint8}  # uint8: the trt flavor's int8 KV cache (grid + 128)
+       "uint8": np.uint8,  # the trt flavor's int8 KV cache (grid + 128)
+       PACKED_INT4: np.uint8}  # its int4 KV cache: two 4-bit grid values per byte
 
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
@@ -72,7 +73,10 @@ class OnnxRuntimeBackend:
         self.accuracy_level = accuracy_level
         graph = entry.graph
         # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
-        # as it always was. The stack of adapter slots is allocated once and bound by pointer every step.
+        # as it always was. The stack of adapter slots is allocated once and bound by pointer (packed: its live
+        # width is what is loaded); a step with no adapter row binds it at width 0, so its deltas read nothing
+        # (a second session on the base graph would be a second copy of every prepacked weight: +120 MB RSS on
+        # SmolLM2, measured with benchmarks/multi_lora.py).
         self.lora: LoraStack | None = None
         if lora is not None:
             graph = lora_graph_of(bundle, flavor)
@@ -128,8 +132,9 @@ class OnnxRuntimeBackend:
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states), *self._lora_inputs()}
-        self._fast: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
-        self._fast_verify: dict[tuple[int, int, int, int], tuple[Any, ...]] = {}
+        self._fast: dict[tuple[int, int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast_verify: dict[tuple[int, int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast_version = 0  # the LoRA stack's layout the cached bindings point at
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row. On CPU a step's cost grows with its tokens: a step with k drafts
         # costs about 1 + 0.25·k one-token steps (SmolLM2 W4A16, 2 threads, level 4: 2 tokens 1.2x, 5 tokens
@@ -180,7 +185,7 @@ class OnnxRuntimeBackend:
     def load_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         if self.lora is None:
             raise LinesideError("this backend runs the base graph; start it with adapter slots (--max-loras)")
-        self.lora.load(slot, adapter)  # in place: the bound addresses stay valid
+        self.lora.load(slot, adapter)  # repacked in place: the cached bindings are rebuilt at the new width
 
     def unload_adapter(self, slot: int) -> None:
         if self.lora is not None:
@@ -189,12 +194,17 @@ class OnnxRuntimeBackend:
     def _lora_inputs(self) -> list[str]:
         return [] if self.lora is None else [LORA_SLOTS_INPUT, *self.lora.arrays]
 
-    def _bind_lora(self, io: Any, rows: np.ndarray) -> None:
-        """The stack (by pointer: no copy per step) and the rows' adapter slots."""
+    def _uses_lora(self, batch: StepBatch) -> bool:
+        """Whether this step reads the adapter stack: some row names an adapter slot and some adapter is loaded."""
+        return self.lora is not None and self.lora.width > 0 and bool(batch.adapter_rows().any())
+
+    def _bind_lora(self, io: Any, rows: np.ndarray, lora: bool) -> None:
+        """The stack (by pointer: no copy per step) and the rows' adapter slots; ``lora`` false: the stack at
+        width 0 (every delta an empty product)."""
         if self.lora is None:
             return
         self._bind(io, LORA_SLOTS_INPUT, rows, output=False)
-        for name, arr in self.lora.arrays.items():
+        for name, arr in (self.lora.arrays if lora else self.lora.empty).items():
             self._bind(io, name, arr, output=False)
 
     # ---- Backend interface ------------------------------------------------------------
@@ -243,17 +253,22 @@ class OnnxRuntimeBackend:
 
     def _decode_fast(self, batch: StepBatch) -> np.ndarray:
         """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
-        (first slot, batch, new tokens, n_logits); a step only writes a few integers and runs. A lone row's
-        verification step (a few new tokens, speculative decoding) takes it too: binding the whole cache anew
+        (first slot, batch, new tokens, n_logits, adapters used); a step only writes a few integers and runs. A lone
+        row's verification step (a few new tokens, speculative decoding) takes it too: binding the whole cache anew
         cost it about a tenth of a decode step."""
         b, s, k = len(batch.slots), batch.input_ids.shape[1], batch.logits_positions.shape[1]
-        key = (batch.slots[0], b, s, k)
+        lora = self._uses_lora(batch)
+        key = (batch.slots[0], b, s, k, lora)
+        if self.lora is not None and self._fast_version != self.lora.version:
+            self._fast.clear()  # an adapter came or went: the stack's views changed width
+            self._fast_verify.clear()
+            self._fast_version = self.lora.version
         cache = self._fast if s == 1 else self._fast_verify  # apart: each verify binding holds s rows of logits
         fast = cache.get(key)
         if fast is None:
             if len(cache) >= (32 if s == 1 else 16):
                 cache.clear()
-            fast = cache[key] = self._bind_decode(batch.slots[0], b, k, s)
+            fast = cache[key] = self._bind_decode(batch.slots[0], b, k, lora, s)
         io, ids, pos, seqlens, total, logits, adapters = fast
         adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
@@ -264,7 +279,7 @@ class OnnxRuntimeBackend:
         self.session.run_with_iobinding(io)
         return logits.copy()
 
-    def _bind_decode(self, first: int, b: int, k: int, s: int = 1) -> tuple[Any, ...]:
+    def _bind_decode(self, first: int, b: int, k: int, lora: bool, s: int = 1) -> tuple[Any, ...]:
         io = self.session.io_binding()
         self._bound_outputs, self._keep_alive = [], []
         ids = np.zeros((b, s), np.int64)
@@ -273,7 +288,7 @@ class OnnxRuntimeBackend:
         total = np.zeros((), np.int32)
         logits = np.zeros((b, k, self.vocab_size), np.float32)
         adapters = np.zeros((b,), np.int64)
-        self._bind_lora(io, adapters)
+        self._bind_lora(io, adapters, lora)
         for name, arr in (("input_ids", ids), ("logits_positions", pos), ("seqlens_k", seqlens),
                           ("total_sequence_length", total)):
             self._bind(io, name, arr, output=False)
@@ -346,13 +361,14 @@ class OnnxRuntimeBackend:
         for name, arr in (batch.extra_inputs or {}).items():
             feeds[name] = np.ascontiguousarray(arr, dtype=np.float32)
 
+        lora = self._uses_lora(batch)
         io = self.session.io_binding()
         self._bound_outputs: list[str] = []
         self._keep_alive: list[np.ndarray] = []
         for name, arr in feeds.items():
             if name in self.input_names:
                 io.bind_cpu_input(name, arr)
-        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()))
+        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
         views: dict[str, np.ndarray] = {}
         for st in self.states:
             a = self.arena[st.input]

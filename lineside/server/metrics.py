@@ -95,6 +95,8 @@ class ServerMetrics:
         registry.register(self._spec)
         self._sessions = _SessionCollector()
         registry.register(self._sessions)
+        self._lora = _LoraCollector()
+        registry.register(self._lora)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -149,6 +151,7 @@ class ServerMetrics:
             self.kv_used.labels(kv_dtype).set(get("kv_bytes_used", 0) or 0)
         self._spec.stats = stats if get("spec_acceptance") else None
         self._sessions.stats = stats
+        self._lora.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
@@ -196,20 +199,11 @@ class _SpecDecodeCollector:
         yield hist
 
 
-class _SessionCollector:
-    """Prefill sessions (POST /v1/prefill) from the last scraped engine stats: what they hold and what they saved."""
+class _StatsCollector:
+    """Gauges and counters read from the last scraped engine stats (0 before the first scrape)."""
 
-    GAUGES = (("lineside_prefill_sessions", "sessions", "Prefill sessions held"),
-              ("lineside_prefill_session_pinned_blocks", "session_pinned_blocks",
-               "KV blocks pinned by prefill sessions (they count against the same arena)"))
-    COUNTERS = (("lineside_prefill_session_hits", "session_hits", "Completions that started from a session's KV"),
-                ("lineside_prefill_session_tokens_saved", "session_tokens_saved",
-                 "Prompt tokens those completions did not compute"),
-                ("lineside_prefill_session_prefill_tokens", "session_prefill_tokens",
-                 "Tokens computed for sessions in idle capacity"),
-                ("lineside_prefill_sessions_expired", "sessions_expired", "Sessions released at the end of their TTL"),
-                ("lineside_prefill_sessions_evicted", "sessions_evicted",
-                 "Sessions released early because running requests needed the memory"))
+    GAUGES: tuple[tuple[str, str, str], ...] = ()  # (metric, EngineStats field, help)
+    COUNTERS: tuple[tuple[str, str, str], ...] = ()
 
     def __init__(self) -> None:
         self.stats: Any = None
@@ -231,3 +225,32 @@ class _SessionCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value(key))
             yield c
+
+
+class _LoraCollector(_StatsCollector):
+    """LoRA adapters (serve --lora-modules / the bundle's): how many are served and loaded, slot churn."""
+
+    GAUGES = (("lineside_lora_adapters_served", "lora_adapters_served", "LoRA adapters this server serves"),
+              ("lineside_lora_slots", "lora_slots", "Adapter slots of the backend (--max-loras)"),
+              ("lineside_lora_adapters_loaded", "lora_adapters_loaded", "Adapters resident in a slot"),
+              ("lineside_lora_adapters_in_use", "lora_adapters_in_use",
+               "Resident adapters a waiting or running request holds"))
+    COUNTERS = (("lineside_lora_slot_loads", "lora_slot_loads", "Adapters written into a slot"),
+                ("lineside_lora_slot_evictions", "lora_slot_evictions",
+                 "Of those, loads that replaced an idle adapter (least recently used)"))
+
+
+class _SessionCollector(_StatsCollector):
+    """Prefill sessions (POST /v1/prefill) from the last scraped engine stats: what they hold and what they saved."""
+
+    GAUGES = (("lineside_prefill_sessions", "sessions", "Prefill sessions held"),
+              ("lineside_prefill_session_pinned_blocks", "session_pinned_blocks",
+               "KV blocks pinned by prefill sessions (they count against the same arena)"))
+    COUNTERS = (("lineside_prefill_session_hits", "session_hits", "Completions that started from a session's KV"),
+                ("lineside_prefill_session_tokens_saved", "session_tokens_saved",
+                 "Prompt tokens those completions did not compute"),
+                ("lineside_prefill_session_prefill_tokens", "session_prefill_tokens",
+                 "Tokens computed for sessions in idle capacity"),
+                ("lineside_prefill_sessions_expired", "sessions_expired", "Sessions released at the end of their TTL"),
+                ("lineside_prefill_sessions_evicted", "sessions_evicted",
+                 "Sessions released early because running requests needed the memory"))

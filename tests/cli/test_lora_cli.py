@@ -1,4 +1,4 @@
-"""`lineside lora add/list` and `lineside logits --lora` as a user runs them, and the one-line refusals."""
+"""`lineside lora add/list`, `lineside logits/generate --lora` as a user runs them, and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -59,6 +59,21 @@ def test_add_list_and_logits_with_the_adapter(lora_bundle_copy, peft_adapter, ti
         got = np.load(out)
         assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4, flavor
 
+    # generate --lora: every step with the adapter — the text a Generator with it in its slot writes
+    from lineside.runtime.adapters import bundle_adapter
+    from lineside.runtime.generate import Generator
+
+    gen = Generator(b, backend=OnnxRuntimeBackend(b, num_slots=1, lora=LoraSlotsConfig(1, 8)))
+    gen.backend.load_adapter(1, bundle_adapter(b, "line-3"))
+    gen.adapter = 1
+    args = ("--prompt", "the line", "--max-tokens", "6", "--backend", "onnxruntime")
+    ids = gen.stream(gen.tokenizer.encode("the line"), 6)
+    want = gen.tokenizer.decode(list(ids))
+    with_adapter = run_cli("generate", str(lora_bundle_copy), *args, "--lora", "line-3")
+    without = run_cli("generate", str(lora_bundle_copy), *args)
+    assert with_adapter.returncode == 0 and without.returncode == 0, with_adapter.stderr + without.stderr
+    assert with_adapter.stdout == want + "\n" and with_adapter.stdout != without.stdout
+
 
 def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tiny_dense, tmp_path):
     before = _bundle_files(lora_bundle_copy)
@@ -83,6 +98,11 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
                           "--max-lora-rank")
     assert_one_line_error(run_cli("logits", str(lora_bundle_copy), "--ids", "1,2", "-o", str(tmp_path / "x.npy"),
                                   "--lora", "missing"), "no adapter 'missing'")
+    assert_one_line_error(run_cli("generate", str(lora_bundle_copy), "--prompt", "hi", "--lora", "missing"),
+                          "no adapter 'missing'")
+    assert_one_line_error(run_cli("chat", str(lora_bundle_copy), "--lora", "missing"), "no adapter 'missing'")
+    assert_one_line_error(run_cli("generate", str(lora_bundle_copy), "--prompt", "hi", "--lora", "x",
+                                  "--speculative", "ngram"), "--speculative does not run with --lora")
     broken = tmp_path / "broken"
     shutil.copytree(peft_adapter("llama-gqa", "qv"), broken)
     conf = json.loads((broken / "adapter_config.json").read_text())

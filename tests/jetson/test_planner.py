@@ -70,7 +70,7 @@ def test_dense_kv_formula():
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
-    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 32) * 12288  # + an fp16 scale per 32 values
+    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 16) * 12288  # + an fp16 scale per 16 values
     with pytest.raises(LinesideError, match="unknown KV dtype 'int4'; choose one of: fp16, int8, fp8"):
         check_kv_dtype("int4", external=True)  # no datacenter engine stores a 4-bit cache
 
@@ -336,10 +336,11 @@ def test_v4_planner_bytes_are_the_emitters_state_bytes(kv):
     import math
 
     from lineside.build.models.deepseek_v4 import parse_config, state_tensors
+    from lineside.build.quant.kv import FORMATS, KvDtype
     from lineside.runtime.tensorrt.buffers import np_dtype
 
     raw = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
-    states = state_tensors(parse_config(raw), 8192, quantized=kv == "int8")
+    states = state_tensors(parse_config(raw), 8192, fmt=FORMATS.get(KvDtype(kv)))
     emitted = sum(math.prod(1 if d == "batch" else d for d in st.shape) * np_dtype(st.dtype).itemsize
                   for st in states)
     assert {st.dtype for st in states} == ({"float32"} if kv == "fp16" else {"float32", "uint8", "float16"})

@@ -182,3 +182,56 @@ def test_stack_bytes_counts_what_the_stack_allocates(targets, loras, rank):
                       num_heads=4, num_kv_heads=2, head_dim=4)
     ts, slots = tuple(LoraTarget(t) for t in targets), LoraSlotsConfig(max_loras=loras, max_rank=rank)
     assert stack_bytes(cfg, ts, slots) == LoraStack(cfg, ts, slots).nbytes > 0
+
+
+def _random_adapter(cfg, name: str, rank: int, targets, seed: int):
+    """A LoraAdapter straight from random arrays (the stack only reads its weights)."""
+    from lineside.lora import LoraAdapter, in_out
+
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for layer in range(cfg.num_layers):
+        for t in targets:
+            fin, fout = in_out(cfg, t)
+            weights[(layer, t)] = (rng.standard_normal((rank, fin)).astype(np.float32),
+                                   rng.standard_normal((fout, rank)).astype(np.float32))
+    return LoraAdapter(name=name, rank=rank, alpha=float(rank), rslora=False, targets=tuple(targets), weights=weights)
+
+
+def test_packed_stack_holds_what_is_loaded_at_its_own_rank():
+    """Packed (onnxruntime): loaded adapters side by side at their own rank, an empty slot takes no column, one
+    B per part; padded (TensorRT): every slot at max rank, same shapes whatever is loaded. Both put each
+    adapter's A/B where its slot's mask columns are."""
+    from lineside.config import ModelConfig
+    from lineside.lora import ALL_TARGETS, LoraTarget, cols_input
+    from lineside.runtime.lora_stack import LoraStack
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=16, intermediate_size=40, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=4)
+    q, v = LoraTarget.Q, LoraTarget.V
+    big, small = _random_adapter(cfg, "big", 8, ALL_TARGETS, 1), _random_adapter(cfg, "small", 3, (q, v), 2)
+    packed = LoraStack(cfg, ALL_TARGETS, LoraSlotsConfig(3, 8))
+    padded = LoraStack(cfg, ALL_TARGETS, LoraSlotsConfig(3, 8), packed=False)
+    assert packed.width == 0 and padded.width == 24 and packed.nbytes == padded.nbytes
+    for st in (packed, padded):
+        st.load(1, big)
+        st.load(3, small)  # slot 2 stays empty
+    assert packed.width == 11 and padded.width == 24 and packed.live_bytes < padded.live_bytes
+    assert packed.arrays[cols_input(3)].tolist() == ([1] * 8 + [3] * 3) * 3
+    assert padded.arrays[cols_input(3)].tolist() == ([1] * 8 + [2] * 8 + [3] * 8) * 3
+    for st, start in ((packed, 8), (padded, 16)):  # where slot 3 starts
+        kk = st.width
+        a, b_v = st.arrays["lora_a.1.qkv"], st.arrays["lora_b.1.qkv.v"]
+        assert a.shape == (3 * kk, 16) and b_v.shape == (8, kk) and st.arrays["lora_b.1.qkv.q"].shape == (16, kk)
+        la, lb = small.weights[(1, v)]
+        np.testing.assert_array_equal(a[2 * kk + start:2 * kk + start + 3], la)
+        np.testing.assert_array_equal(b_v[:, start:start + 3], lb)
+        assert not a[kk + start:2 * kk].any()  # small adapts no k: its k block is zeros
+        la, lb = big.weights[(0, LoraTarget.DOWN)]
+        np.testing.assert_array_equal(st.arrays["lora_a.0.down"][:8], la)
+        np.testing.assert_array_equal(st.arrays["lora_b.0.down.down"][:, :8], lb)
+    packed.unload(1)
+    assert packed.width == 3 and packed.arrays[cols_input(1)].tolist() == [3] * 3
+    np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.weights[(1, v)][1])
+    packed.unload(3)
+    assert packed.width == 0 and packed.live_bytes == 0

@@ -1,5 +1,6 @@
 """Serving LoRA adapters over HTTP: each adapter is a model (parent: the base), `model` selects it, unknown
-names are 404 model_not_found, a busy set of slots is 429, and `serve` refuses bad adapters in one line."""
+names are 404 model_not_found, a busy set of slots is 429 (/metrics counts the slots' loads and evictions), and
+`serve` refuses bad adapters in one line."""
 
 from __future__ import annotations
 
@@ -94,8 +95,24 @@ def test_all_slots_in_use_is_429(lora_served_bundle):
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "adapter_slots_full" and r.headers["retry-after"]
             assert _complete(srv.url, "tiny-llama", n=2).status_code == 200  # the base model needs no slot
+            assert _lora_metrics(srv.url) == {"served": 2, "slots": 1, "loaded": 1, "in_use": 1, "loads": 1,
+                                              "evictions": 0}
             assert any('"finish_reason":"length"' in line for line in lines)
         assert _complete(srv.url, "line-b", n=2).status_code == 200  # line-a is idle now: swapped out
+        assert _lora_metrics(srv.url) == {"served": 2, "slots": 1, "loaded": 1, "in_use": 0, "loads": 2,
+                                          "evictions": 1}
+
+
+def _lora_metrics(url) -> dict[str, float]:
+    """The lineside_lora_* samples of GET /metrics, by short name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    short = {"lineside_lora_adapters_served": "served", "lineside_lora_slots": "slots",
+             "lineside_lora_adapters_loaded": "loaded", "lineside_lora_adapters_in_use": "in_use",
+             "lineside_lora_slot_loads_total": "loads", "lineside_lora_slot_evictions_total": "evictions"}
+    return {short[s.name]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in short}
 
 
 def test_serve_refuses_bad_adapters_in_one_line(lora_served_bundle, tiny_bundles, peft_adapter, tiny_dense, tmp_path):

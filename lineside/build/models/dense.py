@@ -113,13 +113,15 @@ class DenseEmitter:
 
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
-                 draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = ()):
+                 draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = (),
+                 key_means: np.ndarray | None = None):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
 
         self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
         self.max_seq = max_seq_len
         self.awq = awq_scales or {}
+        self.key_means = key_means if flavor == "trt" and spec.kv_dtype == "int4" else None
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
@@ -293,20 +295,21 @@ class DenseEmitter:
             self.kv_io = {key: (past, present, None, None) for key, (past, present) in names.items()}
         else:
             fmt = FORMATS[kv]
-            q_t = TensorProto.UINT8
-            s_shape, s_out = shape[:3] + [1], out_shape[:3] + [1]
+            q_t = TensorProto.UINT8  # int8: grid + 128; int4: two grid values + 8 per byte (graph/kv_cache.py)
+            v_shape, v_out = shape[:3] + [fmt.stored_dim(d)], out_shape[:3] + [fmt.stored_dim(d)]
+            s_shape, s_out = shape[:3] + [fmt.scale_dim(d)], out_shape[:3] + [fmt.scale_dim(d)]
             self.kv_io = {}
             for key, (past, present) in names.items():
                 ps, os_ = scale_name(past), scale_name(present)
-                g.input(past, q_t, shape)
+                g.input(past, q_t, v_shape)
                 g.input(ps, TensorProto.FLOAT16, s_shape)
-                g.output(present, q_t, out_shape)
+                g.output(present, q_t, v_out)
                 g.output(os_, TensorProto.FLOAT16, s_out)
-                states += [StateTensor(past, present, shape, dtype=fmt.element, update=StateUpdate.APPEND),
+                states += [StateTensor(past, present, v_shape, dtype=fmt.element, update=StateUpdate.APPEND),
                            StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
                 self.kv_io[key] = (past, present, ps, os_)
         q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
-        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)]), states
+        return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)], layer=i), states
 
     def _kv_write(self, x: str, key: str) -> tuple[str, str]:
         """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
@@ -323,9 +326,10 @@ class DenseEmitter:
                 return x, past
             g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
             return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
-        # Per-token-per-head dynamic scale, values as uint8 (graph/kv_cache.py says why).
-        fmt = FORMATS[kv]
-        return emit_kv_store(g, x, fmt, present, present_s), emit_kv_load(g, past, past_s, fmt)
+        # Dynamic per-token scales (per head; int4: per 16 channels), values as uint8 (graph/kv_cache.py says why).
+        fmt, d = FORMATS[kv], self.cfg.head_dim
+        return (emit_kv_store(g, x, fmt, present, present_s, rank=4, head_dim=d),
+                emit_kv_load(g, past, past_s, fmt, rank=4, head_dim=d))
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
@@ -379,7 +383,7 @@ class DenseEmitter:
         parts = [a, b] + ([xp] if xp else [])
         return g.op("Concat", parts, axis=-1)
 
-    def _trt_attention(self, q: str, k: str, v: str, allowed: str) -> str:
+    def _trt_attention(self, q: str, k: str, v: str, allowed: str, *, layer: int) -> str:
         cfg, g = self.cfg, self.gb
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         grp = nh // kvh
@@ -389,6 +393,8 @@ class DenseEmitter:
 
         qh = self._rope(heads(q, nh), nh)
         kh, vh = self._rope(heads(k, kvh), kvh), heads(v, kvh)
+        if self.key_means is not None:  # int4: keys centred on their calibrated mean (quant/kv_calib.py: exact)
+            kh = g.op("Sub", [kh, g.const(self.key_means[layer][:, None, :], np.float32)])
         rot = self._kv_rotation()
         if rot is not None:  # int8 cache in the rotated basis: q·k is invariant, ctx is rotated back below
             qh, kh, vh = (g.op("MatMul", [t, rot]) for t in (qh, kh, vh))
@@ -411,11 +417,12 @@ class DenseEmitter:
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
                awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-               lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
+               lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
-    variant beside it); returns its manifest entry."""
-    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales,
-                        draft_layers, lora_targets).emit(progress)
+    variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
+    cache subtracts from its keys (quant/kv_calib.py)."""
+    return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
+                        key_means=key_means).emit(progress)
 
 
 class DenseFamily(ModelFamily):
@@ -440,10 +447,10 @@ class DenseFamily(ModelFamily):
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
                    awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-                   lora_targets: tuple[LoraTarget, ...] = ()) -> FlavorEntry:
+                   lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
         return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
-                          lora_targets)
+                          lora_targets, key_means)
 
 
 FAMILY = DenseFamily()

@@ -1,10 +1,10 @@
 """KV-cache dtypes a build may store (``--kv-dtype``), which flavor can emit which, and the manifest record.
 
-Quantized caches (trt flavor, int8) keep one scale per (token, KV head), computed when the entry is
-written: amax over head_dim / qmax, stored in fp16 as a second state tensor next to the values.
-Dynamic per-token scales follow every token's own range (K has outlier channels and tokens that a
-static per-head scale from calibration clips or wastes bits on), cost 2 bytes per head vector
-(+1.6% at head_dim 128) and need no calibration text.
+Quantized caches (trt flavor) keep scales computed when the entry is written, stored in fp16 as a second
+state tensor next to the values: int8 one per (token, KV head) = amax over head_dim / 127; int4 one per
+(token, KV head, group of 16 channels) = amax over the group / 7, two 4-bit values per byte. Dynamic
+per-token scales follow every token's own range (K has outlier channels and tokens that a static per-head
+scale from calibration clips or wastes bits on) and need no calibration text.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lineside.errors import LinesideError
+from lineside.graph_io import PACKED_INT4
 from lineside.strenum import StrEnum
 
 
@@ -31,14 +32,33 @@ class KvFormat:
     qmax: float  # largest magnitude of the quantized grid (0 for float caches)
     scale_dtype: str | None  # dtype of the per-(token, head) scale state, None when unscaled
     offset: float = 0.0  # stored = grid value + offset (int8 grid kept in uint8 I/O)
+    pack: int = 1  # grid values per stored byte (int4: 2, the halves of the head vector share a byte)
+    group: int = 0  # channels per scale (0: the whole head vector)
 
     @property
     def quantized(self) -> bool:
         return self.scale_dtype is not None
 
+    def stored_dim(self, head_dim: int) -> int:
+        """Last dim of the stored values of one head vector (bytes)."""
+        if head_dim % self.pack:
+            raise LinesideError(f"--kv-dtype {self.dtype}: head_dim {head_dim} is not a multiple of {self.pack} "
+                                f"(two 4-bit values per byte); use --kv-dtype int8")
+        return head_dim // self.pack
+
+    def scale_dim(self, head_dim: int) -> int:
+        """Scales per head vector."""
+        if not self.group or self.group >= head_dim:
+            return 1
+        if head_dim % self.group:
+            raise LinesideError(f"--kv-dtype {self.dtype}: head_dim {head_dim} is not a multiple of its scale group "
+                                f"{self.group}; use --kv-dtype int8")
+        return head_dim // self.group
+
 
 FORMATS = {  # the quantized caches; fp16 (float) has none
     KvDtype.INT8: KvFormat(KvDtype.INT8, "uint8", 127.0, "float16", offset=128.0),
+    KvDtype.INT4: KvFormat(KvDtype.INT4, PACKED_INT4, 7.0, "float16", offset=8.0, pack=2, group=16),
 }
 
 SCALE_SCHEME = "per-token-per-head dynamic"
@@ -47,6 +67,27 @@ ROTATION = ("dense models with a power-of-two head_dim store K and V rotated by 
             "so the grid step shrinks; SmolLM2 perplexity +0.28% instead of +0.56% over fp16 KV")
 SCALE_WHY = ("one fp16 scale per (token, KV head) = amax(head vector)/qmax, computed when the entry is written: "
              "follows each token's range (no calibration, no clipping of outlier tokens), 2 bytes per head vector")
+INT4_SCALES = "per-token-per-head dynamic, one per group of 16 channels"
+INT4_WHY = ("one fp16 scale per (token, KV head, 16 channels) = amax(group)/7, computed when the entry is written: "
+            "with only 15 levels one outlier channel would flatten the rest of the vector to a few steps, so the "
+            "grid follows each group's range (SmolLM2, centred keys: +1.7% perplexity from K at 16 channels, +3.2% at 32, "
+            "see README); 2 bytes per 16 values (+1 bit per value)")
+KEY_CENTERING = ("dense models (int4): keys stored minus their mean post-RoPE key per (layer, KV head), measured on "
+                 "the calibration text (--calib or the shipped one); exact, since softmax ignores a shift every key of "
+                 "a query shares, and it leaves the 4-bit grid to what varies (SmolLM2, 32-channel groups: perplexity "
+                 "+11% -> +3.7% in simulation). DeepSeek-V4 stores K = V entries and keeps them uncentred")
+PACKING = ("two 4-bit grid values per byte: byte = (q[c] + 8) + 16 * (q[c + head_dim/2] + 8), packed and unpacked "
+           "with float Mul/Add/Floor and Cast to/from UINT8 (TensorRT 10.3's parser has no BitShift/BitwiseAnd)")
+
+
+# onnx-tensorrt docs/operators.md (10.1 through the FP4 releases): "INT8, INT4, FP8 ... are treated as Quantized
+# Types in TensorRT, where support is available only through quantization from a floating-point type with higher
+# precision"; TensorRT's DataType docs: UINT8 "cannot be used to represent quantized floating-point values"
+# (its Cast converts values, no op in the tables reinterprets bytes) -> a cache that lives between steps can't be FP8.
+FP8_REFUSAL = ("--kv-dtype fp8: TensorRT takes FP8 only from a QuantizeLinear inside the network (onnx-tensorrt "
+               "operators.md: quantized types only through quantization from a higher-precision float), never as "
+               "the network input a cache is, and UINT8 bytes can't be reinterpreted as FP8; Orin (SM 8.7) has "
+               "no FP8 at all: use --kv-dtype int8 (or int4)")
 
 
 def parse_kv_dtype(value: str) -> KvDtype:
@@ -58,13 +99,8 @@ def parse_kv_dtype(value: str) -> KvDtype:
 
 def check_kv_flavors(kv: KvDtype, flavors: tuple[str, ...]) -> None:
     """Refuse, before any work, a KV dtype a requested flavor cannot store (one line each)."""
-    if kv == KvDtype.INT4:
-        raise LinesideError("--kv-dtype int4: neither flavor can store it (TensorRT 10.3 takes INT4 only as constant "
-                            "weights; onnxruntime's CPU GroupQueryAttention fails on 4-bit caches); use --kv-dtype int8")
     if kv == KvDtype.FP8:
-        raise LinesideError("--kv-dtype fp8: TensorRT's ONNX parser takes no FP8 network input/output (the cache "
-                            "would cross the graph's edge in FP8; `lineside check` refuses it), and Orin (SM 8.7) "
-                            "has no FP8; use --kv-dtype int8")
+        raise LinesideError(FP8_REFUSAL)
     if kv != KvDtype.FP16 and "cpu" in flavors:
         raise LinesideError(f"--kv-dtype {kv}: the cpu flavor keeps a float32 cache (quantized KV only pays on the GPU, "
                             f"see benchmarks/kv_dtype_cpu.py); build --flavors trt with --kv-dtype {kv}")
@@ -76,9 +112,12 @@ def kv_record(kv: KvDtype) -> dict[str, object]:
         return {"dtype": "fp16", "scales": None,
                 "why": "float cache: trt float16 (float32 for the fp32 reference), cpu float32 (GroupQueryAttention)"}
     fmt = FORMATS[kv]
+    packed = {"packing": PACKING, "key_centering": KEY_CENTERING} if fmt.pack > 1 else {}
+    held = "two per uint8 byte" if fmt.pack > 1 else f"as {fmt.element}"
     return {"dtype": kv.value, "element": fmt.element, "grid": f"symmetric -{fmt.qmax:g}..{fmt.qmax:g}, stored "
-            f"+{fmt.offset:g} as {fmt.element} (TensorRT 10.3 network I/O takes UINT8, not INT8)",
-            "scales": SCALE_SCHEME, "scale_dtype": fmt.scale_dtype, "why": SCALE_WHY, "rotation": ROTATION,
+            f"+{fmt.offset:g} {held} (TensorRT 10.3 network I/O takes UINT8, not INT8/INT4)", **packed,
+            "scales": INT4_SCALES if fmt.group else SCALE_SCHEME, "scale_dtype": fmt.scale_dtype,
+            "scale_group": fmt.group or None, "why": INT4_WHY if fmt.group else SCALE_WHY, "rotation": ROTATION,
             "flavors": ["trt"],
             "kept_high_precision": "queries, RoPE, scores and softmax in float32; K/V are dequantized inside "
                                    "attention, the new tokens' too (prefill and decode read the same values)"}

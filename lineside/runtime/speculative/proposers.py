@@ -15,14 +15,20 @@ from lineside.runtime.speculative.draft_model import DraftModelProposer
 def check_speculation(backend: Backend, spec: SpeculativeConfig | None) -> None:
     """Whole-state tensors (DeepSeek-V4's compressor state) advance with every token a step feeds: a backend
     speculates on them only if it can put a row's state back to the accepted length (``save_rows`` /
-    ``restore_rows``, step_runner.py)."""
+    ``restore_rows``, step_runner.py); one that keeps the saved rows on a device reserves them now
+    (``reserve_rewind``), not in the first verification step."""
     if spec is None:
         return
     states = getattr(backend, "states", [])
-    if any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states) and not hasattr(backend, "restore_rows"):
+    if not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
+        return
+    if not hasattr(backend, "restore_rows"):
         raise LinesideError(f"--speculative {spec.label} is not supported for this model on the {backend.name} "
                             "backend: its decode state has whole-state tensors that a rejected draft would advance, "
                             "and this backend cannot rewind them; use --backend onnxruntime")
+    reserve = getattr(backend, "reserve_rewind", None)
+    if reserve is not None:
+        reserve()
 
 
 def check_proposer(spec: SpeculativeConfig | None, bundle: Bundle) -> Bundle | None:

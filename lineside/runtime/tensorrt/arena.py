@@ -79,19 +79,19 @@ class ArenaLayout:
 
     # ---- slot bookkeeping --------------------------------------------------------------
     def reset(self, slot: int) -> None:
-        self._slot(slot)
+        self.check_slot(slot)
         self.lengths[slot] = 0
 
     def copied(self, src: int, dst: int, length: int) -> tuple[int, int]:
         """Record a prefix copy; returns the physical (src, dst) rows to copy."""
-        self._slot(src)
-        self._slot(dst)
+        self.check_slot(src)
+        self.check_slot(dst)
         if not 0 <= length <= self.lengths[src]:
             raise LinesideError(f"copy_slot: slot {src} holds {self.lengths[src]} tokens, cannot copy {length}")
         self.lengths[dst] = length
         return self.phys_of[src], self.phys_of[dst]
 
-    def _slot(self, slot: int) -> None:
+    def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise LinesideError(f"slot {slot} is out of range (this backend has {self.num_slots} slots)")
 
@@ -110,7 +110,7 @@ class ArenaLayout:
         if len(set(slots)) != len(slots):
             raise LinesideError(f"a step names a slot twice: {slots}")
         for s in slots:
-            self._slot(s)
+            self.check_slot(s)
         moves: list[Swap | Relayout] = []
         need = self.required_pitch(slots, totals)
         if need > self.pitch or need * 2 <= self.pitch:

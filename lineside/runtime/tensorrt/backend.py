@@ -29,6 +29,7 @@ from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_b
 from lineside.runtime.tensorrt.kernels import StateKernels
 from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
 from lineside.runtime.tensorrt.lora_buffers import add_lora_buffers
+from lineside.runtime.tensorrt.saved_rows import SavePlan, plan_saves
 
 
 class TensorRTBackend:
@@ -63,7 +64,9 @@ class TensorRTBackend:
 
             graph_sha = bundle.manifest.files[lora_graph_of(bundle, "trt")].sha256
             assert bundle.manifest.lora is not None
-            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
+            # padded: fixed shapes and addresses, so the captured graphs replay whatever is loaded
+            self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora,
+                                  packed=False)
         edir, meta = find_engine(bundle.path, here, graph_sha,
                                  lora=None if lora is None else (lora.max_loras, lora.max_rank))
         if meta.get("kv_dtype", "fp16") != kv_dtype_of(fl.state):
@@ -116,6 +119,9 @@ class TensorRTBackend:
         if self.lora is not None:
             add_lora_buffers(self.plan, self.lora.arrays, num_slots)
         self.base = check(self.cr, self.cr.cudaMalloc(self.plan.total), "cudaMalloc")
+        # whole-state rows kept across a verification step (speculation only: allocated by reserve_rewind)
+        self.saves: SavePlan = plan_saves(self.plan.states, num_slots)
+        self.save_base: int | None = None
         check(self.cr, self.cr.cudaMemsetAsync(self.base, 0, self.plan.total, self.stream), "cudaMemsetAsync")
         # pinned staging for the step inputs, one region per buffer (rewritten only after the step's final sync)
         self.staging: dict[str, int] = {}
@@ -270,11 +276,10 @@ class TensorRTBackend:
         past = np.asarray(batch.past_lengths, dtype=np.int64)
         new = np.asarray(batch.new_lengths, dtype=np.int64)
         totals = past + new
+        if "attention_mask" not in self.input_names and len(set(new.tolist())) > 1:
+            return self._by_new_length(batch)
         self._apply(self.layout.plan_moves(list(batch.slots), totals))
         parts = []
-        if "attention_mask" not in self.input_names and len(set(new.tolist())) > 1:
-            raise LinesideError("this model's trt graph has no attention mask, so rows of one step must have the "
-                               "same number of new tokens; send prefills of different lengths in separate steps")
         for ch in chunks(batch.input_ids, new, batch.logits_positions, min(self.max_prefill, self.max_logits)
                          if batch.logits_positions.shape[1] > self.max_logits else self.max_prefill):
             cpast = past + np.minimum(ch.offset, new)
@@ -307,6 +312,27 @@ class TensorRTBackend:
         self.layout.commit(list(batch.slots), totals)
         return gather_chunk_logits(parts, batch.logits_positions.shape[1])
 
+    def _by_new_length(self, batch: StepBatch) -> np.ndarray:
+        """A graph without an attention mask takes one new length per call: run the rows of each length together
+        (speculative verification mixes 1-token rows with 1 + k-token ones). A part whose logits columns past its
+        length only repeat its last position asks for its length's columns alone, so 1-token rows replay the plain
+        decode graph."""
+        b, k = batch.logits_positions.shape
+        out = np.empty((b, k, self.vocab_size), dtype=np.float32)
+        new = np.asarray(batch.new_lengths)
+        for n in sorted(set(new.tolist())):
+            rows = np.nonzero(new == n)[0]
+            lp = np.asarray(batch.logits_positions)[rows]
+            width = n if 0 < n < k and (lp[:, n:] == lp[:, n - 1:n]).all() else k
+            part = StepBatch(slots=[batch.slots[r] for r in rows],
+                             input_ids=np.ascontiguousarray(np.asarray(batch.input_ids)[rows][:, :max(n, 1)]),
+                             past_lengths=np.asarray(batch.past_lengths)[rows], new_lengths=new[rows],
+                             logits_positions=np.ascontiguousarray(lp[:, :width]), adapters=batch.adapter_rows()[rows])
+            got = self.forward(part)
+            out[rows, :width] = got
+            out[rows, width:] = got[:, width - 1:width]
+        return out
+
     def _logits(self, rows: int, k: int) -> np.ndarray:
         out = np.empty((rows, k, self.vocab_size), dtype=np.float32)
         check(self.cr, self.cr.cudaMemcpyAsync(out.ctypes.data, self._addr("logits"), out.nbytes,
@@ -327,6 +353,40 @@ class TensorRTBackend:
             base = self._addr(lay.state.input)
             self._d2d(base + rb * rbytes, base + ra * rbytes, rbytes)
         self.sync()
+
+    # ---- speculative rewind (step_runner.py: save before a verification step, restore a row that kept less) --
+    def reserve_rewind(self) -> None:
+        """Allocate the save area once (check_speculation calls it when the engine starts with speculation), so
+        no verification step allocates and a server without speculation holds none of it."""
+        if self.save_base is None and self.saves.layouts:
+            self.save_base = check(self.cr, self.cr.cudaMalloc(self.saves.total), "cudaMalloc")
+
+    def save_rows(self, slots: list[int]) -> dict[int, int]:
+        """Copy ``slots``' whole-state rows to the save area (device to device, on the backend's stream, so
+        ordered before the step that follows; outside any captured graph). Returns the handle ``restore_rows``
+        takes: each slot's save epoch."""
+        self.reserve_rewind()
+        out = {}
+        for slot in slots:
+            self.layout.check_slot(slot)
+            row = self.layout.phys_of[slot]
+            for lay in self.saves.layouts:
+                rb = lay.row_bytes(self.layout.pitch)
+                assert self.save_base is not None
+                self._d2d(self.saves.row(int(self.save_base), lay, slot), self._addr(lay.state.input) + row * rb, rb)
+            out[slot] = self.saves.saved(slot)
+        return out
+
+    def restore_rows(self, saved: dict[int, int], slot: int) -> None:
+        """Put ``slot``'s whole-state rows back as ``save_rows`` found them, into the arena row the slot holds
+        now (the step between may have swapped rows); stream-ordered before the step that feeds the kept tokens."""
+        self.layout.check_slot(slot)
+        self.saves.check(slot, saved.get(slot))
+        assert self.save_base is not None
+        row = self.layout.phys_of[slot]
+        for lay in self.saves.layouts:
+            rb = lay.row_bytes(self.layout.pitch)
+            self._d2d(self._addr(lay.state.input) + row * rb, self.saves.row(int(self.save_base), lay, slot), rb)
 
     def reset_slot(self, slot: int) -> None:
         self.layout.reset(slot)
@@ -352,7 +412,7 @@ class TensorRTBackend:
         if getattr(self, "graphs", None) is not None:
             self.graphs.drop()
         self.contexts = {}  # contexts go before the memory they use
-        for attr in ("base", "context_memory"):
+        for attr in ("base", "context_memory", "save_base"):
             if getattr(self, attr, None) is not None:
                 self.cr.cudaFree(getattr(self, attr))
                 setattr(self, attr, None)

@@ -13,12 +13,14 @@ import numpy as np
 
 from lineside.config import ModelConfig
 from lineside.errors import BundleError
-from lineside.graph_io import Dim, StateTensor, StateUpdate
+from lineside.graph_io import PACKED_INT4, STORAGE_DTYPE, Dim, StateTensor, StateUpdate
 
 ALIGN = 256  # cudaMalloc alignment; TensorRT wants ≥ 16-byte aligned I/O
 
 
 def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype a buffer of state/IO dtype ``name`` holds (a packed int4 state: its uint8 bytes)."""
+    name = STORAGE_DTYPE.get(name, name)
     if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
@@ -137,8 +139,10 @@ def plan_buffers(states: list[StateTensor], cfg: ModelConfig, *, num_slots: int,
 
 
 def kv_dtype_of(states: list[StateTensor]) -> str:
-    """The KV dtype a trt graph's states carry (``--kv-dtype`` of its build): int8, fp8 or fp16 (float)."""
+    """The KV dtype a trt graph's states carry (``--kv-dtype`` of its build): int4, int8, fp8 or fp16 (float)."""
     dtypes = {s.dtype for s in states}
+    if PACKED_INT4 in dtypes:
+        return "int4"
     return "fp8" if "float8_e4m3fn" in dtypes else "int8" if "uint8" in dtypes else "fp16"  # int8 grid, +128
 
 

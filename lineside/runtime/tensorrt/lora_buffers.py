@@ -12,14 +12,14 @@ from lineside.runtime.tensorrt.buffers import BufferPlan, BufferSpec
 
 def lora_input_shapes(cfg: ModelConfig, targets: tuple[LoraTarget, ...], max_loras: int,
                       max_rank: int) -> dict[str, tuple[int, ...]]:
-    """Every stacked input of the LoRA graph with its shape for ``max_loras`` slots of ``max_rank`` (the layout
-    runtime/lora_stack.py fills)."""
+    """Every stacked input of the LoRA graph with its shape for ``max_loras`` slots of ``max_rank`` (the padded
+    layout runtime/lora_stack.py fills for TensorRT)."""
     shapes: dict[str, tuple[int, ...]] = {}
+    k = max_loras * max_rank  # padded: every slot at max_rank, whatever is loaded (fixed shapes)
     for s in lora_sites(cfg, targets):
-        k = max_loras * max_rank * len(s.parts)
-        shapes[s.a_input] = (s.in_features, k)
-        shapes[s.b_input] = (k, s.out_features)
-        shapes[cols_input(len(s.parts))] = (k,)
+        shapes[s.a_input] = (len(s.parts) * k, s.in_features)
+        shapes.update({b: (w, k) for b, w in zip(s.b_inputs, s.part_widths, strict=True)})
+        shapes[cols_input(len(s.parts))] = (len(s.parts) * k,)
     return shapes
 
 

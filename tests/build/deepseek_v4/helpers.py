@@ -129,10 +129,10 @@ class V4Runner:
         self.entry, self.max_seq = entry, max_seq
 
     def zero_state(self, batch: int = 1) -> dict[str, np.ndarray]:
-        from lineside.graph_io import resolve_shape
+        from lineside.graph_io import STORAGE_DTYPE, resolve_shape
 
-        return {s.input: np.zeros(resolve_shape(s.shape, {"batch": batch, "max_seq": self.max_seq}), s.dtype)
-                for s in self.entry.state}
+        return {s.input: np.zeros(resolve_shape(s.shape, {"batch": batch, "max_seq": self.max_seq}),
+                                  STORAGE_DTYPE.get(s.dtype, s.dtype)) for s in self.entry.state}
 
     def step(self, ids: np.ndarray, past: np.ndarray, state: dict[str, np.ndarray],
              positions: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -142,3 +142,52 @@ def test_base_graph_is_unchanged_by_lora(lora_bundle, tiny_bundles):
         # the LoRA graph stores no weights of its own: it reads the base graph's data file
         data = [f for f in with_lora.manifest.files if f.startswith(lora_graph + ".")]
         assert data == []
+
+
+def test_packed_empty_slot_and_base_only_steps(lora_bundle, peft_adapter):
+    """Adapters of ranks 4 and 8 packed with the slot between them empty equal TensorRT's padded layout; a step
+    where no row names an adapter runs the base graph on the same KV (after adapter steps: the base backend's
+    logits), and an adapter row after it runs the LoRA graph again at the right width."""
+    from lineside.runtime.lora_stack import LoraStack
+
+    bundle = lora_bundle("llama-gqa")
+    slots = LoraSlotsConfig(3, 8)
+    packed = OnnxRuntimeBackend(bundle, num_slots=3, flavor="cpu", accuracy_level=0, lora=slots)
+    padded = OnnxRuntimeBackend(bundle, num_slots=3, flavor="cpu", accuracy_level=0, lora=slots)
+    padded.lora = LoraStack(bundle.config, packed.lora.targets, slots, packed=False)
+    plain = OnnxRuntimeBackend(bundle, num_slots=3, flavor="cpu", accuracy_level=0)
+    for be in (packed, padded):
+        for slot, name in ((1, "qv"), (3, "all-rslora")):  # ranks 4 and 8; slot 2 empty
+            be.load_adapter(slot, read_adapter(peft_adapter("llama-gqa", name), bundle.config, name))
+    assert packed.lora.width == 12 and padded.lora.width == 24
+    prompts, rows = [IDS[:5], IDS[2:9], IDS[1:4]], np.array([1, 0, 3])
+
+    def decode(be, tokens, adapters):
+        return be.forward(StepBatch(slots=[0, 1, 2], input_ids=np.array(tokens)[:, None],
+                                    past_lengths=np.array(lengths), new_lengths=np.ones(3, np.int64),
+                                    logits_positions=np.zeros((3, 1), np.int64), adapters=adapters))[:, 0]
+
+    outs = {}
+    for key, be in (("packed", packed), ("padded", padded)):
+        lengths = [len(p) for p in prompts]
+        for r, p in enumerate(prompts):
+            be.reset_slot(r)
+            be.forward(StepBatch.single(r, p, 0, adapter=int(rows[r])))
+        with_adapters = decode(be, [7, 9, 11], rows)  # adapter rows: the LoRA graph
+        lengths = [n + 1 for n in lengths]
+        outs[key] = with_adapters, decode(be, [13, 15, 17], np.zeros(3, np.int64))  # no adapter row: the base graph
+    assert not packed._uses_lora(StepBatch.single(0, [1], 0)) and packed._uses_lora(StepBatch.single(0, [1], 0, adapter=3))
+    for step in (0, 1):
+        for r in range(3):
+            assert rel_err(outs["packed"][step][r], outs["padded"][step][r]) < 1e-4, (step, r)
+    # row 1 never had an adapter: its LoRA-graph step then its base-graph step equal the plain backend's
+    plain.reset_slot(0)
+    plain.forward(StepBatch.single(0, prompts[1], 0))
+    for step, token in enumerate((9, 15)):
+        ref = plain.forward(StepBatch.single(0, [token], len(prompts[1]) + step))[0, -1]
+        assert rel_err(outs["packed"][step][1], ref) < 1e-4, step
+    packed.unload_adapter(1)
+    packed.unload_adapter(3)
+    assert packed.lora.width == 0 and not packed._uses_lora(StepBatch.single(0, [1], 0, adapter=1))
+    assert rel_err(compute_logits(packed, IDS, "decode", adapter=1), compute_logits(plain, IDS, "decode")) < 1e-4
+

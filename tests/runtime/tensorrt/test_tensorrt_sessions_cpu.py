@@ -12,16 +12,18 @@ from tests.runtime.tensorrt import fake_trt
 from tests.runtime.tensorrt.test_tensorrt_backend_cpu import IDS
 
 
-@pytest.fixture
-def engine_bundle(trt_bundle, monkeypatch, tmp_path):
-    """The tiny fp16 trt bundle with an engine built on the fake TensorRT (as test_tensorrt_backend_cpu's)."""
+@pytest.fixture(params=["fp16", "int4"])
+def engine_bundle(tiny_bundles, monkeypatch, tmp_path, request):
+    """The tiny fp16 trt bundle with an engine built on the fake TensorRT (as test_tensorrt_backend_cpu's), with
+    the float cache and with the int4 one (packed values + group scales: chunks must land in both)."""
     import shutil
 
     from lineside.build.tensorrt.builder import BuildOptions, build_engine
     from lineside.bundle import open_bundle
 
     dst = tmp_path / "bundle"
-    shutil.copytree(trt_bundle("fp16").path, dst)
+    shutil.copytree(tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, accuracy_level=0,
+                                 **({"kv_dtype": request.param} if request.param != "fp16" else {})), dst)
     fake_trt.install(monkeypatch)
     build_engine(dst, BuildOptions(num_slots=4, max_prefill=16, first_bucket=8, bucket_step=16))
     return open_bundle(dst)

@@ -99,10 +99,13 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     from lineside.build.graph.kv_cache import emit_kv_load, emit_kv_store, scale_name
     from lineside.build.models.deepseek_v4.state import QUANTIZABLE
     from lineside.build.quant.kv import FORMATS, KvDtype
+    from lineside.graph_io import PACKED_INT4
 
     fmt = FORMATS.get(KvDtype(spec.kv_dtype))
-    states = state_tensors(cfg, max_seq_len, quantized=fmt is not None)
-    onnx_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "uint8": TensorProto.UINT8}
+    states = state_tensors(cfg, max_seq_len, fmt=fmt)
+    onnx_type = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "uint8": TensorProto.UINT8,
+                 PACKED_INT4: TensorProto.UINT8}
+    kv_args = dict(rank=3, head_dim=cfg.head_dim)  # window and comp entries: [batch, N, head_dim]
     for st in states:
         gb.input(st.input, onnx_type[st.dtype], st.shape)
 
@@ -124,7 +127,8 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     for i in range(cfg.num_layers):
         st = {k: state_names(i, k) for k in layer_state(cfg, i, max_seq_len)}
         if fmt is not None:  # attention reads the stored entries dequantized
-            st.update({k: (emit_kv_load(gb, a, scale_name(a), fmt), b) for k, (a, b) in st.items() if k in QUANTIZABLE})
+            st.update({k: (emit_kv_load(gb, a, scale_name(a), fmt, **kv_args), b) for k, (a, b) in st.items()
+                       if k in QUANTIZABLE})
         x, new = emit_block(o, cfg, src, i, x, ids, st, (attn, hc, moe))
         for k, v in new.items():
             outputs[st[k][1]] = v
@@ -145,8 +149,8 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     gb.output("logits", TensorProto.FLOAT, ["batch", "n_logits", cfg.vocab_size])
     for stt in states:
         if stt.output in outputs:
-            if stt.dtype == "uint8":  # its scale output is written here too
-                emit_kv_store(gb, outputs[stt.output], fmt, stt.output, scale_name(stt.output))
+            if fmt is not None and stt.dtype == fmt.element:  # its scale output is written here too
+                emit_kv_store(gb, outputs[stt.output], fmt, stt.output, scale_name(stt.output), **kv_args)
             else:
                 gb.op("Identity", [outputs[stt.output]], outputs=[stt.output])
         gb.output(stt.output, onnx_type[stt.dtype], stt.shape)

@@ -23,6 +23,7 @@ initial state for a new sequence.
 from __future__ import annotations
 
 from lineside.build.models.deepseek_v4.config import CSA, HCA, V4Config
+from lineside.build.quant.kv import KvFormat
 from lineside.graph_io import StateTensor, StateUpdate
 
 
@@ -53,18 +54,19 @@ def state_names(layer: int, key: str) -> tuple[str, str]:
 QUANTIZABLE = ("window", "comp")  # the K=V entries attention reads; indexer keys and compressor buffers stay float32
 
 
-def state_tensors(cfg: V4Config, max_seq: int, quantized: bool = False) -> list[StateTensor]:
-    """The manifest's state list, in graph-input order (``quantized``: int8 entries + their fp16 scales)."""
+def state_tensors(cfg: V4Config, max_seq: int, fmt: KvFormat | None = None) -> list[StateTensor]:
+    """The manifest's state list, in graph-input order (``fmt``: quantized entries + their fp16 scales)."""
     from lineside.build.graph.kv_cache import scale_name
 
     out = []
     for i in range(cfg.num_layers):
         for key, shape in layer_state(cfg, i, max_seq).items():
             a, b = state_names(i, key)
-            if quantized and key in QUANTIZABLE:
-                out += [StateTensor(input=a, output=b, shape=shape, dtype="uint8", update=StateUpdate.REPLACE,
-                                    seq_axis=1),
-                        StateTensor(input=scale_name(a), output=scale_name(b), shape=[*shape[:2], 1],
+            if fmt is not None and key in QUANTIZABLE:
+                d = shape[2]
+                out += [StateTensor(input=a, output=b, shape=[*shape[:2], fmt.stored_dim(d)], dtype=fmt.element,
+                                    update=StateUpdate.REPLACE, seq_axis=1),
+                        StateTensor(input=scale_name(a), output=scale_name(b), shape=[*shape[:2], fmt.scale_dim(d)],
                                     dtype="float16", update=StateUpdate.REPLACE, seq_axis=1)]
             else:
                 out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=StateUpdate.REPLACE,
