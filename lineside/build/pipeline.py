@@ -210,7 +210,7 @@ def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: Model
         return
     if not getattr(family, "draft_graphs", False):
         raise LinesideError(f"--draft-layers: {cfg.architecture} gets no layerskip draft graph in this version "
-                            "(Llama and Qwen2 do); leave --draft-layers out")
+                            "(Llama, Qwen2 and DeepSeek-V4 do); leave --draft-layers out")
     bad = [n for n in layers if not 1 <= n < cfg.num_layers]
     if bad:
         raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {cfg.num_layers - 1} of the model's "

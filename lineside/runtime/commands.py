@@ -82,7 +82,7 @@ def generate(
     speculative: Annotated[str | None, typer.Option(
         help="speculative decoding: ngram | layerskip:N | draft:BUNDLE | mtp")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
-                                                           help="most tokens proposed per step (default 4)")] = None,
+                                                           help="most tokens proposed per step (default 8)")] = None,
     lora: Annotated[str | None, typer.Option(help="generate with this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""

@@ -165,6 +165,7 @@ class LLMEngine:
                                    spec_tokens=0 if speculative is None else speculative.num_tokens,
                                    spec_max_rows=_spec_max_rows(self.backend, speculative),
                                    verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
+                                   verify_token_cost=float(getattr(self.backend, "verify_token_cost", 0.0)),
                                    sessions=sessions, session_every=session_every,
                                    session_busy_chunk=session_busy_chunk)
         self.max_waiting = max_waiting

@@ -130,6 +130,7 @@ class Generator:
                      matcher: GrammarMatcher | None) -> Iterator[int]:
         assert self.speculative is not None
         length = DraftLength(self.speculative.num_tokens, verify_cost=float(getattr(self.backend, "verify_cost", 1.0)),
+                             verify_token_cost=float(getattr(self.backend, "verify_token_cost", 0.0)),
                              draft_cost=float(getattr(proposer, "cost", 0.0)))
         prompt_len = len(history)
 

@@ -28,6 +28,8 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32":
 
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
+# Steps of one row with up to this many new tokens (a verification: 1 + at most 16 drafts) reuse a cached binding.
+FAST_VERIFY_TOKENS = 17
 
 
 class StepTap(Protocol):
@@ -130,16 +132,18 @@ class OnnxRuntimeBackend:
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
             self.input_names <= {"input_ids", "logits_positions", "seqlens_k", "total_sequence_length",
                                  *(st.input for st in self.states), *self._lora_inputs()}
-        self._fast: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast: dict[tuple[int, int, int, int, bool], tuple[Any, ...]] = {}
+        self._fast_verify: dict[tuple[int, int, int, int, bool], tuple[Any, ...]] = {}
         self._fast_version = 0  # the LoRA stack's layout the cached bindings point at
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
-        # pays only for a lone decoding row; a 3- to 5-token step costs about 2-2.2 one-token steps on CPU
-        # (SmolLM2 W4A16, 2 threads, level 4; `python benchmarks/speculative.py --step-cost`): the bar is set
-        # above that, so a sequence speculates only where it clearly wins (open chat at 0.90x with 2.0).
+        # pays only for a lone decoding row. On CPU a step's cost grows with its tokens: a step with k drafts
+        # costs about 1 + 0.25·k one-token steps (SmolLM2 W4A16, 2 threads, level 4: 2 tokens 1.2x, 5 tokens
+        # 1.8-2.0x, 9 tokens 2.5-3x; `python benchmarks/speculative.py --step-cost` fits the line), so the
+        # adaptive rule weighs each drafted token (speculative/adaptive.py) rather than a flat bar.
         # Whole-state tensors (DeepSeek-V4) take no per-row new length: rows of different lengths run apart.
         self._whole_state = any(st.update == StateUpdate.REPLACE for st in self.states)
         self.spec_max_rows = 1 if self.uses_gqa or self._whole_state else None
-        self.verify_cost = 2.5
+        self.verify_cost, self.verify_token_cost = 1.05, 0.21
         self.taps: list[StepTap] = []
 
     @classmethod
@@ -221,7 +225,8 @@ class OnnxRuntimeBackend:
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
             # in runs of adjacent slots, so they keep the batched decode path.
             return self._split(batch)
-        if s == 1 and self._decode_ready:
+        verify = b == 1 and s <= FAST_VERIFY_TOKENS and batch.logits_positions.shape[1] == s  # logits at each
+        if self._decode_ready and (s == 1 or verify):
             slots = list(batch.slots)
             if slots == list(range(slots[0], slots[0] + b)):
                 return self._decode_fast(batch)
@@ -249,18 +254,22 @@ class OnnxRuntimeBackend:
 
     def _decode_fast(self, batch: StepBatch) -> np.ndarray:
         """Decode step with a cached IOBinding: the cache and the small inputs are bound once per
-        (first slot, batch, n_logits); a step only writes a few integers and runs."""
-        b, k = len(batch.slots), batch.logits_positions.shape[1]
+        (first slot, batch, new tokens, n_logits, adapters used); a step only writes a few integers and runs. A lone
+        row's verification step (a few new tokens, speculative decoding) takes it too: binding the whole cache anew
+        cost it about a tenth of a decode step."""
+        b, s, k = len(batch.slots), batch.input_ids.shape[1], batch.logits_positions.shape[1]
         lora = self._uses_lora(batch)
-        key = (batch.slots[0], b, k, lora)
+        key = (batch.slots[0], b, s, k, lora)
         if self.lora is not None and self._fast_version != self.lora.version:
             self._fast.clear()  # an adapter came or went: the stack's views changed width
+            self._fast_verify.clear()
             self._fast_version = self.lora.version
-        fast = self._fast.get(key)
+        cache = self._fast if s == 1 else self._fast_verify  # apart: each verify binding holds s rows of logits
+        fast = cache.get(key)
         if fast is None:
-            if len(self._fast) >= 32:
-                self._fast.clear()
-            fast = self._fast[key] = self._bind_decode(batch.slots[0], b, k, lora)
+            if len(cache) >= (32 if s == 1 else 16):
+                cache.clear()
+            fast = cache[key] = self._bind_decode(batch.slots[0], b, k, lora, s)
         io, ids, pos, seqlens, total, logits, adapters = fast
         adapters[:] = batch.adapter_rows()
         ids[:] = batch.input_ids
@@ -271,10 +280,10 @@ class OnnxRuntimeBackend:
         self.session.run_with_iobinding(io)
         return logits.copy()
 
-    def _bind_decode(self, first: int, b: int, k: int, lora: bool) -> tuple[Any, ...]:
+    def _bind_decode(self, first: int, b: int, k: int, lora: bool, s: int = 1) -> tuple[Any, ...]:
         io = self.session.io_binding()
         self._bound_outputs, self._keep_alive = [], []
-        ids = np.zeros((b, 1), np.int64)
+        ids = np.zeros((b, s), np.int64)
         pos = np.zeros((b, k), np.int64)
         seqlens = np.zeros((b,), np.int32)
         total = np.zeros((), np.int32)

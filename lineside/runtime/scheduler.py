@@ -63,8 +63,8 @@ class Scheduler(SessionSlots):
     def __init__(self, arena: KVCacheArena, *, prefill_chunk: int = 512, aging_s: float = 10.0,
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
                  proposer: Proposer | ModelProposer | None = None, spec_tokens: int = 0,
-                 spec_max_rows: int | None = None, verify_cost: float = 1.0, sessions: SessionStore | None = None,
-                 session_every: int = 4, session_busy_chunk: int = 32):
+                 spec_max_rows: int | None = None, verify_cost: float = 1.0, verify_token_cost: float = 0.0,
+                 sessions: SessionStore | None = None, session_every: int = 4, session_busy_chunk: int = 32):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -79,6 +79,7 @@ class Scheduler(SessionSlots):
         self.spec_tokens = spec_tokens
         self.spec_max_rows = spec_max_rows  # speculate only in steps with at most this many decode rows
         self.verify_cost = verify_cost  # a verification step's time in 1-token steps (the adaptive rule's bar)
+        self.verify_token_cost = verify_token_cost  # and what each drafted token adds to it
         self.spec_drafted = 0  # proposed tokens scored by the model
         self.spec_accepted = 0  # of those, kept
         self.spec_steps = 0  # decode rows that verified drafts
@@ -94,6 +95,7 @@ class Scheduler(SessionSlots):
         # rows under a grammar speculate too: their drafts are cut where the grammar rejects one (``_drafts``)
         if self.proposer is not None and seq.req.speculative and seq.draft_length is None:
             seq.draft_length = DraftLength(self.spec_tokens, verify_cost=self.verify_cost,
+                                           verify_token_cost=self.verify_token_cost,
                                            draft_cost=float(getattr(self.proposer, "cost", 0.0)))
         self.waiting.append(seq)
 

@@ -74,7 +74,7 @@ def serve(
              "--draft-layers N) | draft:BUNDLE (a smaller bundle, same tokenizer) | mtp (DeepSeek-V4's MTP module, "
              "built from a checkpoint with mtp.* tensors); a request's "
              "\"speculative\": false turns it off")] = None,
-    spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 4)")] = None,
+    spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 8)")] = None,
     lora_modules: Annotated[list[str] | None, typer.Option(
         help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR (repeat; the bundle's own adapters, "
              "`lineside lora list`, are served too)")] = None,

@@ -44,7 +44,7 @@ def test_parse_speculative_one_line_errors(tiny_bundle, tmp_path):
     assert parse_speculative(None) is None
     cfg = parse_speculative("ngram", 5)
     assert cfg == SpeculativeConfig(SpecMethod.NGRAM, 5)
-    assert parse_speculative("layerskip:3") == SpeculativeConfig(SpecMethod.LAYERSKIP, 4, draft_layers=3)
+    assert parse_speculative("layerskip:3") == SpeculativeConfig(SpecMethod.LAYERSKIP, 8, draft_layers=3)
     assert parse_speculative(f"draft:{tiny_bundle}", 2) == SpeculativeConfig(SpecMethod.DRAFT, 2,
                                                                               draft_bundle=tiny_bundle)
     assert parse_speculative("mtp").label == "mtp" and parse_speculative("layerskip:2").label == "layerskip:2"
@@ -188,6 +188,23 @@ def test_draft_length_drops_to_zero_below_the_verify_cost_and_comes_back():
     for _ in range(30):
         free.observe(4, 0)
     assert free.k == 4
+
+
+def test_draft_length_follows_acceptance_when_each_token_costs():
+    """With a per-token verification cost the best k grows with the acceptance instead of jumping 0 ↔ max."""
+    def settled(kept_per_step: int, k: int = 8) -> DraftLength:
+        dl = DraftLength(k, verify_cost=1.0, verify_token_cost=0.25)
+        for _ in range(40):
+            dl.observe(k, kept_per_step)  # n < k kept, then a rejection: a = n / (n + 1)
+        return dl
+
+    copy, often, mixed, poor = settled(8), settled(3), settled(1), settled(0)
+    assert copy.k == 8 and 1 < often.k < 8 and 0 < mixed.k < often.k and poor.k == 0
+    assert mixed.speedup(mixed.k) > 1.0 > mixed.speedup(8)  # long drafts at a = 0.5 would lose
+    flat = DraftLength(8, verify_cost=2.5)
+    for _ in range(40):
+        flat.observe(8, 1)
+    assert flat.k == 0  # a flat cost knows no short draft: at a = 0.5 it stops speculating altogether
 
 
 def test_wide_steps_do_not_speculate_past_max_rows(tiny_bundle):

@@ -6,6 +6,8 @@ copy of the weights.
 The full graph is cut where layer N starts: the draft keeps every node before it, replaces the final
 residual add's inputs with layer N-1's hidden state and residual, and keeps the tail (gather of the
 requested positions, final norm, LM head). Its state is the first N layers' KV, named as in the full graph.
+A graph whose tail reads the last layer's output as one value (DeepSeek-V4's hyper-connection streams) is cut
+with ``write_streams_draft_graph``: the tail reads layer N-1's streams instead.
 """
 
 from __future__ import annotations
@@ -44,11 +46,42 @@ def write_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, tail_start:
     kept_states = states[:mark.states]
     outputs = [o for o in gb.outputs if o.name == "logits"] + \
         [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
+    return _write_cut(gb, path, nodes, outputs, kept_states, gb.name + f"-draft{mark.states}")
+
+
+def write_streams_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, last_hidden: str, tail_start: int,
+                              states: list[StateTensor], inputs: list[str]) -> dict[str, object]:
+    """Save the draft cut at ``mark`` for a graph whose tail (from node ``tail_start``: gather, head collapse,
+    norm, LM head, state outputs) reads the last layer's output ``last_hidden``: the tail reads ``mark.hidden``
+    instead, and only the first ``mark.states`` states remain. ``inputs``: the manifest's non-state inputs."""
+    assert path.parent == gb.onnx_path.parent, "the draft reads the full graph's data file by relative name"
+    nodes = list(gb.nodes[:tail_start])
+    for n in gb.nodes[tail_start:]:
+        if last_hidden in n.input:
+            n = _renamed_input(n, last_hidden, mark.hidden)
+        nodes.append(n)
+    kept_states = states[:mark.states]
+    outputs = [o for o in gb.outputs if o.name == "logits"] + \
+        [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
+    record = _write_cut(gb, path, nodes, outputs, kept_states, gb.name + f"-draft{mark.states}")
+    record["inputs"] = [i for i in inputs if i in record["inputs"]]  # type: ignore[operator]
+    return record
+
+
+def _renamed_input(node: onnx.NodeProto, old: str, new: str) -> onnx.NodeProto:
+    out = onnx.NodeProto()
+    out.CopyFrom(node)
+    out.input[:] = [new if i == old else i for i in node.input]
+    return out
+
+
+def _write_cut(gb: GraphBuilder, path: Path, nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto],
+               kept_states: list[StateTensor], name: str) -> dict[str, object]:
     nodes = _needed(nodes, {o.name for o in outputs})
-    used = {name for n in nodes for name in n.input}
+    used = {ref for n in nodes for ref in node_reads(n)}
     inits = [t for t in gb.initializers if t.name in used]
     inputs = [i for i in gb.inputs if i.name in used]
-    graph = helper.make_graph(nodes, gb.name + f"-draft{mark.states}", inputs, outputs, inits)
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=opset_imports(gb), producer_name="lineside")
     model.ir_version = 10
     path.write_bytes(model.SerializeToString())
@@ -64,8 +97,19 @@ def _needed(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodePro
     for n in reversed(nodes):
         if any(o in want for o in n.output):
             keep.append(n)
-            want.update(i for i in n.input if i)
+            want.update(node_reads(n))
     return keep[::-1]
+
+
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads: its inputs and, for If/Loop, every name its subgraphs read from outside
+    (an over-approximation: names produced inside a subgraph are unique and match nothing outside)."""
+    out = {i for i in node.input if i}
+    for attr in node.attribute:
+        for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            for n in g.node:
+                out |= node_reads(n)
+    return out
 
 
 def opset_imports(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:

@@ -13,7 +13,7 @@ from lineside.runtime.sampling import Sampler
 from lineside.strenum import StrEnum
 
 MAX_SPEC_TOKENS = 16
-DEFAULT_SPEC_TOKENS = 4  # see benchmarks/speculative.py for the measurement behind it
+DEFAULT_SPEC_TOKENS = 8  # the cap; the adaptive rule picks k ≤ it (benchmarks/ngram_params.py, speculative.py)
 METHODS_HELP = "ngram | layerskip:N | draft:BUNDLE | mtp"
 
 

@@ -7,7 +7,10 @@ tokens after the longest common prefix (a rejected draft's positions lie past it
 over — the same rule the target's KV follows). With ``shares_target_kv`` (layerskip: its layers are the
 target's first N, with the very same weights) its cache *is* the target's cache for those layers, so it
 never catches up: the target has written every accepted position, and the positions the draft writes
-past them are overwritten by the verification step that follows.
+past them are overwritten by the verification step that follows. Whole-state tensors among those layers
+(DeepSeek-V4's window and compressor state, replaced each step) are not positional: the draft's steps would
+advance the target's own state, so they are saved before the draft runs and put back after it, whatever
+happens — the target then verifies from exactly the state plain decoding would have.
 
 Greedy rows take the draft's argmax; sampled rows draw from the draft's distribution q under the row's
 own sampling settings and report q, for the speculative-sampling rule (verify.py).
@@ -15,8 +18,11 @@ own sampling settings and report q, for the speculative-sampling rule (verify.py
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from lineside.graph_io import StateUpdate
 from lineside.runtime.backend import Backend, StepBatch
 from lineside.runtime.speculative.config import Draft, DraftRow
 
@@ -33,8 +39,22 @@ class DraftModelProposer:
         self.shares_target_kv = shares_target_kv
         self.max_prefill = max(2, int(max_prefill))
         self.fed: dict[int, list[int]] = {}  # own KV: the tokens whose KV each draft slot holds, in order
+        # the target's whole-state tensors this draft advances (shared with the target: put back after it runs)
+        self.restores_state = shares_target_kv and any(
+            getattr(s, "update", None) == StateUpdate.REPLACE for s in getattr(backend, "states", []))
 
     def propose_rows(self, rows: list[DraftRow]) -> list[Draft]:
+        if not self.restores_state:
+            return self._propose(rows)
+        slots = sorted({r.slot for r in rows if r.k > 0 and r.tokens})
+        saved: dict[int, dict[str, Any]] = self.backend.save_rows(slots)  # type: ignore[attr-defined]
+        try:
+            return self._propose(rows)
+        finally:
+            for slot in slots:
+                self.backend.restore_rows(saved, slot)  # type: ignore[attr-defined]
+
+    def _propose(self, rows: list[DraftRow]) -> list[Draft]:
         out = [Draft([]) for _ in rows]
         live = []  # (index in rows, row) that propose this step
         for i, r in enumerate(rows):

@@ -78,19 +78,26 @@ def check_tensors(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: Checkpoint
 
 def emit_graph(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
                progress: Callable[[int], None] | None = None,
-               awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
-    """Write the ``flavor`` graph to ``onnx_path`` and return its manifest entry."""
+               awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
+    """Write the ``flavor`` graph (and its ``draft_layers`` layerskip drafts) to ``onnx_path``; returns its
+    manifest entry."""
     c = _v4(cfg)
     if awq_scales is not None:
         raise LinesideError("AWQ is not supported for DeepSeek-V4 yet; build with --method rtn")
+    bad = [n for n in draft_layers if not 1 <= n < c.num_layers]
+    if bad:
+        raise LinesideError(f"--draft-layers {bad[0]}: a draft needs 1 to {c.num_layers - 1} of the model's "
+                            f"{c.num_layers} layers")
     src = check_tensors(c, ckpt)
     # The MTP proposer runs on onnxruntime: its graph goes beside the cpu flavor's (the trt graph stays as it was).
     mtp = find_mtp(src, c) if flavor == "cpu" else None
-    return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress, mtp=mtp)
+    return emit_v4_graph(c, src, spec, flavor, Path(onnx_path), int(max_seq_len), progress, tuple(draft_layers), mtp=mtp)
 
 
 class DeepseekV4Family(ModelFamily):
     """DeepSeek-V4: its config parsed from the HF dict kept in ``ModelConfig.raw``; official or HF names."""
+
+    draft_graphs = True  # emits layerskip drafts (`build --draft-layers N`)
 
     def check_config(self, cfg: ModelConfig, flavors: tuple[str, ...]) -> None:
         _v4(cfg)  # parsing refuses what the graphs cannot compute (one line)
@@ -103,8 +110,8 @@ class DeepseekV4Family(ModelFamily):
 
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
-                   awq_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
-        return emit_graph(cfg, weights, spec, flavor, onnx_path, max_seq_len, progress, awq_scales)
+                   awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = ()) -> FlavorEntry:
+        return emit_graph(cfg, weights, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers)
 
 
 FAMILY = DeepseekV4Family()

@@ -15,6 +15,7 @@ import numpy as np
 from onnx import TensorProto
 
 from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.draft import LayerMark, write_streams_draft_graph
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import CSA, SLIDING, V4Config
@@ -24,8 +25,9 @@ from lineside.build.models.deepseek_v4.ops import Ops
 from lineside.build.models.deepseek_v4.state import layer_state, state_names, state_tensors
 from lineside.build.models.rope import rope_inv_freq
 from lineside.build.quant.spec import QuantSpec
-from lineside.bundle import MTP_GRAPH, FlavorEntry
+from lineside.bundle import DRAFT_GRAPHS, MTP_GRAPH, FlavorEntry
 from lineside.errors import CheckpointError, LinesideError
+from lineside.graph_io import StateTensor
 
 INPUTS = ["input_ids", "past_lengths", "logits_positions"]
 
@@ -80,11 +82,13 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
 
 
 def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
-                  progress: Callable[[int], None] | None = None, mtp: MtpSource | None = None) -> FlavorEntry:
+                  progress: Callable[[int], None] | None = None, draft_layers: tuple[int, ...] = (),
+                  mtp: MtpSource | None = None) -> FlavorEntry:
     """Write the graph; returns its manifest entry (inputs, state, activation dtype; the pipeline adds the path).
 
     ``mtp`` (an ``mtp.MtpSource``): also write the MTP graph beside it (``mtp.onnx``, recorded as ``MTP_GRAPH``),
-    and give the main graph the output it reads (``HIDDEN``, the last layer's streams)."""
+    and give the main graph the output it reads (``HIDDEN``, the last layer's streams). ``draft_layers``:
+    layerskip drafts to write beside it (``draft-N.onnx``, reading the same weight data)."""
     if flavor not in ("cpu", "trt"):
         raise LinesideError(f"unknown graph flavor {flavor!r} for DeepSeek-V4; use cpu or trt")
     gb = GraphBuilder(onnx_path, name=f"deepseek_v4_{flavor}")
@@ -119,6 +123,7 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     u = o.unsqueeze(emb, [2])
     x = o.concat([u] * cfg.hc_mult, 2) if cfg.hc_mult > 1 else u  # [B, S, N, D]
     outputs: dict[str, str] = {}
+    marks: list[LayerMark] = []
     for i in range(cfg.num_layers):
         st = {k: state_names(i, k) for k in layer_state(cfg, i, max_seq_len)}
         if fmt is not None:  # attention reads the stored entries dequantized
@@ -127,10 +132,12 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
         x, new = emit_block(o, cfg, src, i, x, ids, st, (attn, hc, moe))
         for k, v in new.items():
             outputs[st[k][1]] = v
+        marks.append(LayerMark(len(gb.nodes), x, None, sum(1 for s in states if _state_layer(s) <= i)))
         if progress:
             progress(1)
 
     # Only the requested positions go through the head.
+    tail_start = len(gb.nodes)
     xs = gather_positions(o, cfg, x, ids, seq, lpos)  # [B, K, N, D]
     head = {k: src.get(f"model.hc_head.{k}") for k in ("hc_fn", "hc_base", "hc_scale")}
     h = o.rmsnorm(hc.head(xs, head), src.get("model.norm.weight"), cfg.rms_norm_eps, "norm")
@@ -156,6 +163,11 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
     gb.save()
     if mtp_graph is not None:
         extra[MTP_GRAPH] = mtp_graph.write(onnx_path.with_name("mtp.onnx"))
+    # Layerskip drafts: the first N layers, then the same head collapse, norm and LM head on their streams.
+    drafts = {str(n): write_streams_draft_graph(gb, gb.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], x,
+                                                tail_start, states, INPUTS) for n in sorted(set(draft_layers))}
+    if drafts:
+        extra[DRAFT_GRAPHS] = drafts
     return FlavorEntry(inputs=list(INPUTS), state=states, activation_dtype="float32", extra=extra)
 
 
@@ -183,3 +195,8 @@ def gather_positions(o: Ops, cfg: V4Config, x: str, ids: str, seq: str, lpos: st
     bidx = o.op("Range", o.i64(0), o.dim(ids, 0), o.i64(1))
     flat_idx = o.add(lpos, o.unsqueeze(o.mul(bidx, seq), [1]))
     return o.gather(o.reshape(x, [-1, cfg.hc_mult, cfg.hidden_size]), flat_idx, 0)
+
+
+def _state_layer(st: StateTensor) -> int:
+    """``past.3.window`` / ``past_scale.3.window`` → 3."""
+    return int(st.input.split(".")[1])
