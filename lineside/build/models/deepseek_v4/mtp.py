@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from lineside.build.graph.draft import initializer_bytes, opset_imports
+from lineside.build.graph.draft import initializer_bytes, node_reads, opset_imports
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import SLIDING, V4Config
@@ -202,9 +202,9 @@ def emit_mtp(o: Ops, cfg: V4Config, mtp: MtpSource, max_seq: int, *, rope_inv: d
                    helper.make_tensor_value_info(MTP_HIDDEN, TensorProto.FLOAT, ["batch", "n_logits", n, d]),
                    helper.make_tensor_value_info(st.output, TensorProto.FLOAT, st.shape)]
         nodes, inputs = gb.nodes, gb.inputs
-        used = {name for node in nodes for name in node.input} | _subgraph_inputs(nodes)
+        used = {name for node in nodes for name in node_reads(node)}
         inits = [t for t in gb.initializers if t.name in used]
-        main_used = {name for node in main_nodes for name in node.input} | _subgraph_inputs(main_nodes)
+        main_used = {name for node in main_nodes for name in node_reads(node)}
         fraction = initializer_bytes(inits) / max(1, initializer_bytes([t for t in main_inits if t.name in main_used]))
     finally:
         gb.nodes, gb.inputs, gb.outputs, gb.initializers = main_nodes, main_inputs, main_outputs, main_inits
@@ -220,14 +220,3 @@ def _copied(nodes: list[onnx.NodeProto], r: NodeRange, inits: list[onnx.TensorPr
     stray = [i for n in part for i in n.input if i and i not in known]
     assert not stray, f"shared nodes read {stray[0]} from outside their range"
     return part
-
-
-def _subgraph_inputs(nodes: list[onnx.NodeProto]) -> set[str]:
-    """Names an If's branches read from the outer graph (the cpu MoE's experts: their weights)."""
-    out: set[str] = set()
-    for n in nodes:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                out |= {i for sub in a.g.node for i in sub.input} | _subgraph_inputs(list(a.g.node))
-    return out
-
