@@ -7,6 +7,7 @@ settings) and ``start-routers.sh``; `fleet gateway --dry-run` stops there.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
 from contextlib import contextmanager
@@ -152,10 +153,11 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
                                              http="httptools", loop="auto"))
 
     adapters = [server(HealthAdapter(up, path).app, "127.0.0.1", port) for port, up, path in plan.adapters.values()]
+    adapter_sockets = _bind_adapter_sockets([port for port, _, _ in plan.adapters.values()])
 
     async def serve_all() -> None:
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(a.serve()) for a in adapters]  # up before the probes
+        tasks = [loop.create_task(a.serve(sockets=[s])) for a, s in zip(adapters, adapter_sockets, strict=True)]
         while adapters and not all(a.started for a in adapters):
             await asyncio.sleep(0.05)
         stop = asyncio.Event()
@@ -186,6 +188,26 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
         _run(serve_all())
     finally:
         routers.stop()
+
+
+def _bind_adapter_sockets(ports: list[int]) -> list[socket.socket]:
+    """The health adapters' sockets, bound before anything starts: a taken port is one line (uvicorn binding it
+    itself would exit from inside its task with a traceback, after the front was up)."""
+    bound: list[socket.socket] = []
+    for port in ports:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            s.close()
+            for b in bound:
+                b.close()
+            raise FleetError(f"the gateway's health adapter cannot listen on 127.0.0.1:{port} ({e.strerror or e}); "
+                             "stop what uses it or move gateway.smg_base_port in the fleet file (the routers take "
+                             "two ports per pool from there, the health adapters the ports after them)") from None
+        bound.append(s)
+    return bound
 
 
 def _run(main: Any) -> None:

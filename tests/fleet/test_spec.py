@@ -142,3 +142,25 @@ def test_gateway_on_a_taken_port_is_one_line_and_starts_nothing(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in last and "Traceback" not in p.stderr, p.stderr
     assert not list((tmp_path / "gw" / "logs").glob("smg-*.log"))  # no router was started
+
+
+def test_gateway_with_a_health_adapter_port_taken_is_one_line_and_starts_nothing(tmp_path):
+    import socket
+
+    from tests.fleet.conftest import free_ports
+
+    base = free_ports(4)  # router + metrics of one pool, then the llama.cpp node's health adapter at base + 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))
+        taken.listen()
+        f = tmp_path / "fleet.yaml"
+        f.write_text(yaml.safe_dump({
+            "nodes": [{"name": "l", "kind": "x86", "engine": "llama.cpp", "url": "http://127.0.0.1:9",
+                       "health_path": "/v1/models"}],
+            "pools": {"realtime": {"members": ["l"]}},
+            "gateway": {"host": "127.0.0.1", "port": base + 3, "smg_base_port": base}}))
+        p = run_cli("fleet", "gateway", f, "-o", tmp_path / "gw")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and f"health adapter cannot listen on 127.0.0.1:{base + 2}" in last, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert not list((tmp_path / "gw" / "logs").glob("smg-*.log"))  # no router was started
