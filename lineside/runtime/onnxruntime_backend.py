@@ -70,6 +70,11 @@ class OnnxRuntimeBackend:
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
         entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
+        if accuracy_level is None and flavor == "trt":
+            # The trt graph's fp16 DequantizeLinear+MatMul pairs are fused by onnxruntime into MatMulNBits at its
+            # default accuracy level 4, which on CPU returns all-zero logits for them (onnxruntime 1.32, SmolLM2
+            # W4A16): a bundle with only the trt flavor served on onnxruntime answered nothing. Level 0 is exact.
+            accuracy_level = 0
         self.accuracy_level = accuracy_level
         graph = entry.graph
         # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
