@@ -76,7 +76,10 @@ def in_out(cfg: ModelConfig, target: LoraTarget) -> tuple[int, int]:
 
 @dataclass
 class LoraAdapter:
-    """One adapter, ready for the graphs: ``weights[(layer, target)] = (A [r, in], B·scaling [out, r])``."""
+    """One adapter: ``weights[(layer, target)] = (A [r, in], B [out, r])`` as its file holds them (fp16 or fp32)
+    and ``scalings[(layer, target)]`` (lora_alpha/r, rsLoRA's alpha/√r; 1 when absent). Kept in the file's dtype so
+    an adapter costs its file's A/B in memory; the float32 B·scaling the graphs read is made when a slot is
+    written (``scaled_pair``)."""
 
     name: str
     rank: int  # the largest rank of any of its layers
@@ -85,10 +88,20 @@ class LoraAdapter:
     targets: tuple[LoraTarget, ...]
     weights: dict[tuple[int, LoraTarget], tuple[np.ndarray, np.ndarray]] = field(repr=False)
     source: str = ""
+    scalings: dict[tuple[int, LoraTarget], float] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def scaled_pair(self, key: tuple[int, LoraTarget]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(A, B·scaling) of one linear in float32, or None when the adapter leaves it alone."""
+        pair = self.weights.get(key)
+        if pair is None:
+            return None
+        a, b = pair
+        return (np.asarray(a, dtype=np.float32),
+                np.multiply(b, np.float32(self.scalings.get(key, 1.0)), dtype=np.float32))
 
     def record(self) -> dict[str, Any]:
         """What a manifest lists about it (beside its files' checksums)."""
@@ -183,6 +196,7 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
     if not pairs:
         raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA tensors")
     weights: dict[tuple[int, LoraTarget], tuple[np.ndarray, np.ndarray]] = {}
+    scalings: dict[tuple[int, LoraTarget], float] = {}
     for (layer, target), ab in sorted(pairs.items()):
         where = f"layer {layer} {target.value}_proj"
         if set(ab) != {"A", "B"}:
@@ -198,14 +212,13 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
         module = f"model.layers.{layer}.{target.module}"
         a_alpha = _pattern(alpha_pattern, module)
         a_alpha = alpha if a_alpha is None else float(a_alpha)
-        scaling = a_alpha / (r ** 0.5 if rslora else r)
-        a32, b32 = np.asarray(a, dtype=np.float32), np.asarray(b, dtype=np.float32) * np.float32(scaling)
-        if not (np.isfinite(a32).all() and np.isfinite(b32).all()):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise AdapterError(f"{path}: {where} holds a non-finite value")
-        weights[(layer, target)] = (np.ascontiguousarray(a32), np.ascontiguousarray(b32))
+        weights[(layer, target)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
+        scalings[(layer, target)] = a_alpha / (r ** 0.5 if rslora else r)
     targets = tuple(t for t in ALL_TARGETS if any(k[1] == t for k in weights))
     return LoraAdapter(name=name, rank=max(a.shape[0] for a, _ in weights.values()), alpha=alpha, rslora=rslora,
-                       targets=targets, weights=weights, source=str(path))
+                       targets=targets, weights=weights, source=str(path), scalings=scalings)
 
 
 def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, ...], where: str) -> None:

@@ -141,7 +141,7 @@ class LoraStack:
                 b[:] = 0
                 arrays[b_name] = b
                 for c in cols:
-                    pair = None if c.adapter is None else c.adapter.weights.get((s.layer, part))
+                    pair = None if c.adapter is None else c.adapter.scaled_pair((s.layer, part))
                     if pair is None:
                         continue
                     la, lb = pair  # [rank, in], [out, rank] (scaling folded in)

@@ -193,9 +193,10 @@ def _random_adapter(cfg, name: str, rank: int, targets, seed: int):
     for layer in range(cfg.num_layers):
         for t in targets:
             fin, fout = in_out(cfg, t)
-            weights[(layer, t)] = (rng.standard_normal((rank, fin)).astype(np.float32),
-                                   rng.standard_normal((fout, rank)).astype(np.float32))
-    return LoraAdapter(name=name, rank=rank, alpha=float(rank), rslora=False, targets=tuple(targets), weights=weights)
+            weights[(layer, t)] = (rng.standard_normal((rank, fin)).astype(np.float16),
+                                   rng.standard_normal((fout, rank)).astype(np.float16))
+    return LoraAdapter(name=name, rank=rank, alpha=float(rank) / 2, rslora=False, targets=tuple(targets), weights=weights,
+                       scalings=dict.fromkeys(weights, 0.5))  # kept as a file holds them: fp16, scaled on loading
 
 
 def test_packed_stack_holds_what_is_loaded_at_its_own_rank():
@@ -223,15 +224,18 @@ def test_packed_stack_holds_what_is_loaded_at_its_own_rank():
         kk = st.width
         a, b_v = st.arrays["lora_a.1.qkv"], st.arrays["lora_b.1.qkv.v"]
         assert a.shape == (3 * kk, 16) and b_v.shape == (8, kk) and st.arrays["lora_b.1.qkv.q"].shape == (16, kk)
-        la, lb = small.weights[(1, v)]
+        la, lb = small.scaled_pair((1, v))
+        fa, fb = small.weights[(1, v)]  # the file's fp16 A, B; the slot holds float32 A, B * lora_alpha / r
+        assert la.dtype == lb.dtype == np.float32 and fa.dtype == np.float16
+        np.testing.assert_array_equal(lb, fb.astype(np.float32) * np.float32(0.5))
         np.testing.assert_array_equal(a[2 * kk + start:2 * kk + start + 3], la)
         np.testing.assert_array_equal(b_v[:, start:start + 3], lb)
         assert not a[kk + start:2 * kk].any()  # small adapts no k: its k block is zeros
-        la, lb = big.weights[(0, LoraTarget.DOWN)]
+        la, lb = big.scaled_pair((0, LoraTarget.DOWN))
         np.testing.assert_array_equal(st.arrays["lora_a.0.down"][:8], la)
         np.testing.assert_array_equal(st.arrays["lora_b.0.down.down"][:, :8], lb)
     packed.unload(1)
     assert packed.width == 3 and packed.arrays[cols_input(1)].tolist() == [3] * 3
-    np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.weights[(1, v)][1])
+    np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.scaled_pair((1, v))[1])
     packed.unload(3)
     assert packed.width == 0 and packed.live_bytes == 0
