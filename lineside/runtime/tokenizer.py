@@ -233,15 +233,18 @@ class Tokenizer:
         template = chat_template or self.chat_template
         key = ("assistant" if role == "assistant" else "other", None if role == "assistant" else template)
         cache = self.__dict__.setdefault("_control_cache", {})
-        if key not in cache:
-            if len(cache) >= 2 * _COMPILED_TEMPLATES:
-                cache.pop(next(iter(cache)))
+        pattern = cache.get(key, False)
+        if pattern is False:
             added = self._tok.get_added_tokens_decoder().values()
             texts = {t.content for t in added if t.content and (t.special or (
                 key[0] == "other" and template and t.content in template))}
             ordered = sorted(texts, key=len, reverse=True)
-            cache[key] = re.compile("|".join(map(re.escape, ordered))) if ordered else None
-        return cache[key]
+            pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+            with _TEMPLATE_LOCK:
+                if len(cache) >= 2 * _COMPILED_TEMPLATES:
+                    cache.pop(next(iter(cache)))
+                cache[key] = pattern
+        return pattern
 
     def _mask_special_text(self, messages: list[dict[str, Any]],
                            chat_template: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
