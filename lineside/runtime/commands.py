@@ -84,12 +84,15 @@ def generate(
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16,
                                                            help="most tokens proposed per step (default 8)")] = None,
     lora: Annotated[str | None, typer.Option(help="generate with this adapter of the bundle (`lineside lora list`)")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="with --chat: this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
     from lineside.runtime.speculative.config import parse_speculative
 
+    template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
     if spec is not None and lora is not None:
         raise LinesideError("--speculative does not run with --lora; drop one of them")
@@ -102,6 +105,8 @@ def generate(
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     tok = gen.tokenizer
+    if template is not None:
+        tok.chat_template = template
     if chat and not tok.chat_template:
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
@@ -127,12 +132,17 @@ def chat(
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
     lora: Annotated[str | None, typer.Option(help="chat with this adapter of the bundle (`lineside lora list`)")] = None,
+    chat_template: Annotated[str | None, typer.Option(
+        help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
     """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
+    template = _chat_template(chat_template)
     gen = _generator(bundle, backend, threads, lora)
+    if template is not None:
+        gen.tokenizer.chat_template = template
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     params = SamplingParams(temperature=temperature)
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
@@ -164,6 +174,15 @@ def chat(
         answer.append(tail)
         sys.stdout.write(tail + "\n")
         messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template's text, checked before the model loads (one line when unreadable or broken)."""
+    if value is None:
+        return None
+    from lineside.runtime.chat_template import template_option
+
+    return template_option(value)
 
 
 def _generator(bundle_path: Path, backend: str, threads: int | None, lora: str | None = None) -> Any:

@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import threading
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +68,7 @@ class Tokenizer:
         (its encode_special_tokens flag does not survive pickling) are rebuilt on first use."""
         state = {**self.__dict__, "_compiled": None}
         state.pop("_text_tok", None)
+        state.pop("_control_cache", None)
         state.pop("_plan_cache", None)  # keyed by object id: decided again in the process that gets the copy
         return state
 
@@ -134,43 +134,59 @@ class Tokenizer:
 
     # ---- chat ------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Render messages with the model's template (OpenAI-style role/content dicts); ``tools`` (OpenAI's
-        function list) is passed to templates that have a tool section, as transformers does."""
-        if not self.chat_template:
+        function list) is passed to templates that have a tool section, as transformers does. ``chat_template``:
+        another template's text to render with (``--chat-template``, a request's); ``template_kwargs``: extra
+        variables for the template (a request's ``chat_template_kwargs``)."""
+        template = chat_template or self.chat_template
+        if not template:
             # No template: a plain transcript the model can still continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return text + ("assistant:" if add_generation_prompt else "")
-        if self._compiled is None:
-            from jinja2 import TemplateError
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-            try:
-                self._compiled = env.from_string(self.chat_template)
-            except TemplateError as e:
-                raise BundleError(f"the bundle's chat template does not parse: {e}") from None
+        compiled = self._compiled_template(template, chat_template is None)
         try:
             extra = {"tools": tools} if tools else {}
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+            return compiled.render(**(template_kwargs or {}), messages=messages,
+                                   add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                                   eos_token=self.eos_token or "", **extra)
         except LinesideError:
             raise
         except Exception as e:  # jinja raises many types; the user sees one line
             raise LinesideError(f"chat template failed on these messages: {e}") from None
 
+    def _compiled_template(self, template: str, own: bool) -> Any:
+        """Compiled once per template text (the bundle's and a few given ones, newest kept)."""
+        from lineside.runtime.chat_template import ChatTemplateError, compile_template
+
+        with _TEMPLATE_LOCK:  # request threads share the tokenizer
+            if self._compiled is None:
+                self._compiled = {}
+            compiled = self._compiled.get(template)
+            if compiled is None:
+                try:
+                    compiled = compile_template(template, "the bundle's chat template" if own else "chat template")
+                except ChatTemplateError as e:
+                    raise (BundleError(f"{e}; rebuild the bundle or serve with --chat-template") if own
+                           else e) from None
+                if len(self._compiled) >= _COMPILED_TEMPLATES:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[template] = compiled
+            return compiled
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None, *, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
         model continues), cut as transformers' apply_chat_template does. Special-token text inside a
         message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special.
-        ``tools``: OpenAI's function list, for templates with a tool section. ``max_tokens``: as for encode."""
-        messages, literals = self._mask_special_text(messages)
-        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools)
+        ``tools``: OpenAI's function list, for templates with a tool section. ``max_tokens``: as for encode.
+        ``chat_template`` / ``template_kwargs``: as for apply_chat_template."""
+        messages, literals = self._mask_special_text(messages, chat_template)
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools,
+                                        chat_template=chat_template, template_kwargs=template_kwargs)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
         return self._chat_ids(text, literals, max_tokens)
@@ -187,14 +203,16 @@ class Tokenizer:
         return ids
 
     # ---- stable prefixes (prefill sessions) ------------------------------------------------------------
-    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The leading ids of ``encode_chat(messages)`` that every later chat extending the last message's text
         (or adding messages after it) shares: the rendering up to the end of that text, without the trailing
         tokens a continuation could re-tokenize. What a prefill session caches."""
-        masked, literals = self._mask_special_text(messages)
-        full = self.apply_chat_template(masked, True, tools)
+        masked, literals = self._mask_special_text(messages, chat_template)
+        opts: dict[str, Any] = {"chat_template": chat_template, "template_kwargs": template_kwargs}
+        full = self.apply_chat_template(masked, True, tools, **opts)
         last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
-        grown = self.apply_chat_template([*masked[:-1], last], True, tools)
+        grown = self.apply_chat_template([*masked[:-1], last], True, tools, **opts)
         text = full[:_common_prefix(full, grown)]  # where the last message's text could go on
         return _stable_ids(text, lambda t: self._chat_ids(t, literals), lambda t: self._encode_marked(t, literals))
 
@@ -208,21 +226,28 @@ class Tokenizer:
 
 
     # ---- special-token text inside messages ------------------------------------------------------
-    def _control_text(self, role: str) -> re.Pattern[str] | None:
+    def _control_text(self, role: str, chat_template: str | None = None) -> re.Pattern[str] | None:
         """Matches the control-token texts that must be plain text in a ``role`` message (longest first): every
         special token, and in all but assistant messages also the added tokens the chat template writes (R1's
         ``<｜User｜>`` is not marked special); assistant text keeps those (R1's template splits on ``</think>``)."""
-        key = "assistant" if role == "assistant" else "other"
+        template = chat_template or self.chat_template
+        key = ("assistant" if role == "assistant" else "other", None if role == "assistant" else template)
         cache = self.__dict__.setdefault("_control_cache", {})
-        if key not in cache:
+        pattern = cache.get(key, False)
+        if pattern is False:
             added = self._tok.get_added_tokens_decoder().values()
             texts = {t.content for t in added if t.content and (t.special or (
-                key == "other" and self.chat_template and t.content in self.chat_template))}
+                key[0] == "other" and template and t.content in template))}
             ordered = sorted(texts, key=len, reverse=True)
-            cache[key] = re.compile("|".join(map(re.escape, ordered))) if ordered else None
-        return cache[key]
+            pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+            with _TEMPLATE_LOCK:
+                if len(cache) >= 2 * _COMPILED_TEMPLATES:
+                    cache.pop(next(iter(cache)))
+                cache[key] = pattern
+        return pattern
 
-    def _mask_special_text(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    def _mask_special_text(self, messages: list[dict[str, Any]],
+                           chat_template: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
         """Messages whose control-token texts are replaced by markers the template passes through untouched
         (two Unicode noncharacters around an index), and the texts in marker order."""
         literals: list[str] = []
@@ -234,7 +259,7 @@ class Tokenizer:
         out = []
         for msg in messages:
             d = dict(msg)
-            pattern = self._control_text(str(d.get("role", "")))
+            pattern = self._control_text(str(d.get("role", "")), chat_template)
             for key in ("content", "name"):
                 v = d.get(key)
                 if isinstance(v, str):
@@ -276,6 +301,7 @@ class Tokenizer:
         return ids
 
 
+_COMPILED_TEMPLATES = 8  # compiled templates kept per tokenizer (the bundle's, --chat-template's, requests')
 _MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
 _GROWS = "\ue000"  # a private-use character standing for text the last message may still grow by
 # Continuations that change how the end of a text tokenizes, in common tokenizers: a word or number going on,
@@ -316,6 +342,7 @@ def _stable_ids(text: str, encode: Any, encode_part: Any) -> list[int]:
     return head + ids[:n]
 _MARKER = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 _TEXT_TOKENIZER_LOCK = threading.Lock()
+_TEMPLATE_LOCK = threading.Lock()
 
 
 def _cut_after_final(text: str, final: str) -> str:
@@ -328,6 +355,3 @@ def _cut_after_final(text: str, final: str) -> str:
         return text[:at + len(final.lstrip())]
     return text[:at + len(final.strip())]
 
-
-def _raise(msg: str) -> None:
-    raise LinesideError(f"chat template: {msg}")

@@ -36,7 +36,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                fallback: str | os.PathLike[str] | ServingEngine | None = None, slo_policy: SloPolicy | None = None,
                slo_guard: SloGuard | None = None, engine_future: Future[ServingEngine] | None = None,
                speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0,
-               max_sessions: int = 64, lora: LoraServing | None = None) -> FastAPI:
+               max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
+               trust_request_chat_template: bool = False, tool_call_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -46,7 +47,10 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``fallback`` / ``slo_policy`` turn the SLO guard on (slo/guard.py); ``slo_guard``: one the caller built.
     ``engine_future``: the bundle's engine, already being built on another thread (it is awaited, not built).
     ``session_ttl`` / ``max_sessions``: prefill sessions (POST /v1/prefill) of the engine built here.
-    ``lora``: the LoRA adapters the bundle's engine serves (each a model named by the adapter)."""
+    ``lora``: the LoRA adapters the bundle's engine serves (each a model named by the adapter).
+    ``chat_template``: template text that renders chats instead of the bundle's (checked by the caller:
+    runtime/chat_template.py); ``trust_request_chat_template``: accept a request's own ``chat_template``;
+    ``tool_call_parser``: how ``auto`` tool calls are read (tool_calls.PARSERS; auto: from the template)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -58,7 +62,9 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     state = ServerState(source, engine_kwargs,
                         metrics, request_timeout=request_timeout, drain_timeout=drain_timeout,
                         api_key=api_key or None, served_model_names=served_model_names,
-                        tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora)
+                        tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora,
+                        chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
+                        tool_call_parser=tool_call_parser)
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]
                          if isinstance(fallback, (str, os.PathLike)) else None)

@@ -87,6 +87,14 @@ def serve(
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
     max_sessions: Annotated[int, checks.number_option(
         low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none)")] = 64,
+    chat_template: Annotated[str | None, typer.Option(
+        help="render chats with this Jinja template instead of the bundle's: a file, the template text itself, or "
+             "a shipped one (builtin:smollm2_tools: SmolLM2's own tool-calling prompt)")] = None,
+    tool_call_parser: Annotated[str, typer.Option(
+        help="how tool_choice auto reads the model's calls: auto (from the chat template) | hermes "
+             "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON)")] = "auto",
+    trust_request_chat_template: Annotated[bool, typer.Option(
+        help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest
@@ -94,6 +102,14 @@ def serve(
     # Everything that can be wrong is checked before the socket opens and the model loads (one line each).
     backend = checks.choice(backend, "--backend", ("auto", "onnxruntime", "tensorrt"))
     log_level = checks.choice(log_level, "--log-level", LOG_LEVELS)
+    from lineside.server.tool_calls import PARSERS
+
+    tool_call_parser = checks.choice(tool_call_parser, "--tool-call-parser", tuple(PARSERS))
+    template_text = None
+    if chat_template is not None:
+        from lineside.runtime.chat_template import template_option
+
+        template_text = template_option(chat_template)
     for opt, path in (("--api-key-file", api_key_file), ("--slo-policy", slo_policy)):
         if path is not None:
             checks.input_file(path, opt)
@@ -172,7 +188,8 @@ def serve(
                          bind_host=host, allowed_hosts=hosts, allowed_origins=origins, metrics_public=metrics_public,
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
-                         max_sessions=max_sessions, lora=lora)
+                         max_sessions=max_sessions, lora=lora, chat_template=template_text,
+                         trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

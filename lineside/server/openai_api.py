@@ -26,6 +26,7 @@ from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFul
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
+    chat_rendering,
     constraints,
     prompt_limits,
     request_mapping,
@@ -72,9 +73,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                   param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
+        render = chat_rendering.rendering(state, body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-        template = state.engine.tokenizer.chat_template
+        template = render.effective
         messages, listed = tool_calls.template_messages(messages, tools, template, tool_choice)
         constraint = constraints.request_constraint(body)
         call_constraint = tool_calls.tool_constraint(tools, tool_choice, parallel=body.parallel_tool_calls is not False)
@@ -83,14 +85,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                       f"it cannot be combined with {constraint.param}", "tool_choice")
         constraint = await _checked(state, call_constraint or constraint)
         top_n = chat_top_n(body.logprobs, body.top_logprobs)
+        calling = bool(tools) and tool_choice.kind != tool_calls.ToolChoiceKind.NONE
         output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n),
-                               call_format=tool_calls.call_format(tool_choice, template) if tools and
-                               tool_choice.kind != tool_calls.ToolChoiceKind.NONE else None,
+                               call_format=tool_calls.call_format(tool_choice, template, state.tool_call_parser)
+                               if calling else None,
                                tools=tuple(tools), named=tool_choice.name,
                                max_calls=1 if body.parallel_tool_calls is False else None)
         size = sum(len(m["content"] or "") for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
-                                                     max_tokens=_prompt_limit(state)), param="messages")
+        try:
+            ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                         **render.options(), max_tokens=_prompt_limit(state)),
+                                 param="messages")
+        except LinesideError as e:
+            if render.param is None:
+                raise
+            raise render.failed(e) from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
@@ -159,6 +168,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         constraint = await _checked(state, responses_api.text_constraint(body))
         ids = await _offload(sum(len(m["content"]) for m in messages),
                              functools.partial(state.tokenizer.encode_chat, messages,
+                                               **chat_rendering.server_rendering(state).options(),
                                                max_tokens=_prompt_limit(state)), param="input")
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")

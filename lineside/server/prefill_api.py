@@ -28,7 +28,7 @@ from lineside.runtime.sessions import (
     SessionsUnsupported,
     check_session_id,
 )
-from lineside.server import prompt_limits, request_mapping, tool_calls
+from lineside.server import chat_rendering, prompt_limits, request_mapping, tool_calls
 from lineside.server.errors import APIError
 from lineside.server.openai_api import _check_model, _offload, _prompt_limit, _vocab_size
 from lineside.server.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
@@ -85,14 +85,21 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         prompt_limits.check_texts(prompt_limits.chat_texts(body), tok, context, param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
+        render = chat_rendering.rendering(state, body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-        messages, listed = tool_calls.template_messages(messages, tools, tok.chat_template, tool_choice)
+        messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
         size = sum(len(m["content"] or "") for m in messages)
-        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
-                                                     max_tokens=_prompt_limit(state)), param="messages")
-        stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed),
-                                param="messages")
+        try:
+            ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
+                                                         **render.options(), max_tokens=_prompt_limit(state)),
+                                 param="messages")
+            stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
+                                                            **render.options()), param="messages")
+        except LinesideError as e:
+            if render.param is None:
+                raise
+            raise render.failed(e) from None
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):

@@ -66,7 +66,9 @@ class ServerState:
                  metrics: ServerMetrics, *,
                  request_timeout: float | None, drain_timeout: float, api_key: str | None,
                  served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
-                 engine_future: Future[ServingEngine] | None = None, lora: Any = None):
+                 engine_future: Future[ServingEngine] | None = None, lora: Any = None,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False,
+                 tool_call_parser: str = "auto"):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
         self.engine_future = engine_future
@@ -75,6 +77,9 @@ class ServerState:
         self._given_names = bool(self._names)
         self.engine_kwargs = engine_kwargs
         self.lora = lora  # the primary engine's LoraServing (never the fallback's: another bundle)
+        self.chat_template = chat_template  # --chat-template's text (None: the bundle's own renders chats)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
         self.metrics = metrics

@@ -72,8 +72,9 @@ def _stable_text(text: str) -> list[int]:
     return _worker_tokenizer.stable_text_ids(text)
 
 
-def _stable_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-    return _worker_tokenizer.stable_chat_ids(messages, tools)
+def _stable_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 options: dict[str, Any] | None = None) -> list[int]:
+    return _worker_tokenizer.stable_chat_ids(messages, tools, **(options or {}))
 
 
 class PooledTokenizer:
@@ -101,11 +102,16 @@ class PooledTokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
+                    max_tokens: int | None = None, *, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
                                    "continue_final_message": continue_final_message, "max_tokens": max_tokens}
         if tools:
             options["tools"] = tools
+        if chat_template:
+            options["chat_template"] = chat_template
+        if template_kwargs:
+            options["template_kwargs"] = template_kwargs
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)
@@ -117,11 +123,14 @@ class PooledTokenizer:
             return self._inner.stable_text_ids(text)
         return self._run(_stable_text, (text,), lambda: self._inner.stable_text_ids(text))
 
-    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        options = {k: v for k, v in (("chat_template", chat_template), ("template_kwargs", template_kwargs)) if v}
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= self.inline_chars or self.processes < 1:
-            return self._inner.stable_chat_ids(messages, tools)
-        return self._run(_stable_chat, (messages, tools), lambda: self._inner.stable_chat_ids(messages, tools))
+            return self._inner.stable_chat_ids(messages, tools, **options)
+        return self._run(_stable_chat, (messages, tools, options),
+                         lambda: self._inner.stable_chat_ids(messages, tools, **options))
 
     def warm(self) -> None:
         """Start the worker and load the tokenizer there now (a spawn and an import: about a second); without

@@ -4,8 +4,8 @@ the model's own call formats parsed (streaming too) into OpenAI ``tool_calls``.
 ``required`` and a named function are grammar-constrained (``tool_constraint``): a named call makes the
 model write the function's arguments as JSON for its parameter schema; ``required`` makes it write
 ``[{"name": ..., "arguments": {...}}, ...]`` over the tools' schemas. ``auto`` lets the model choose and
-parses what it writes: Qwen2.5 / R1-Distill-Qwen / Hermes ``<tool_call>{json}</tool_call>`` or Llama 3.x's
-bare JSON ``{"name": ..., "parameters": {...}}``. A template that knows nothing of tools (SmolLM2's) gets
+parses what it writes: Qwen2.5 / R1-Distill-Qwen / Hermes ``<tool_call>{json}</tool_call>`` (or a JSON array of
+calls in the tags, as SmolLM2 was trained to write) or Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}``. A template that knows nothing of tools (SmolLM2's) gets
 the tools described in a system message, asking for the ``<tool_call>`` format.
 """
 
@@ -167,12 +167,20 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
     return Constraint.json_schema(schema, param="tools")
 
 
-def call_format(choice: ToolChoice, chat_template: str | None) -> CallFormat:
-    """Where the calls are in this output: fixed by the grammar for required / named, else the model's own."""
+# ``--tool-call-parser`` (vLLM's names): how ``auto`` reads the model's calls; ``auto`` infers it from the template.
+PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON}
+
+
+def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "auto") -> CallFormat:
+    """Where the calls are in this output: fixed by the grammar for required / named, else the model's own —
+    ``parser``'s format, or (auto) the one the chat template writes: ``<tool_call>`` tags (Qwen2.5, Hermes, SmolLM2's
+    ``<tool_call>[...]</tool_call>``) or, for a template with tools and no tags, Llama 3.x's bare JSON."""
     if choice.kind == ToolChoiceKind.NAMED:
         return CallFormat.ARGUMENTS
     if choice.kind == ToolChoiceKind.REQUIRED:
         return CallFormat.JSON
+    if PARSERS.get(parser) is not None:
+        return PARSERS[parser]
     t = chat_template or ""
     if "<tool_call>" in t or not template_knows_tools(t):
         return CallFormat.TAGGED  # Qwen / Hermes, and what the fallback system prompt asks for
@@ -330,14 +338,14 @@ class ToolCallStream:
             content.append(buf[pos:j])
             k = buf.find(_CLOSE, j)
             body = buf[j + len(_OPEN):k if k >= 0 else len(buf)]
-            name, args, done, ok = _call_object(body, complete=k >= 0 or final, names=self.names)
+            found, ok, whole = _tagged_calls(body, complete=k >= 0 or final, names=self.names)
             if not ok:  # not a call after all (or an unknown function): its text is content
                 if k < 0 and not final:
                     break
                 content.append(buf[j:k + len(_CLOSE) if k >= 0 else len(buf)])
             else:
-                calls.append((name, args, done))
-                if name is None or not done and k < 0:
+                calls.extend(found)
+                if not whole:
                     break
             if k < 0:
                 break
@@ -393,6 +401,40 @@ def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None =
     s.feed(text)
     s.close()
     return s.result()
+
+
+def _tagged_calls(body: str, complete: bool,
+                  names: set[str]) -> tuple[list[tuple[str | None, str, bool]], bool, bool]:
+    """The calls in one ``<tool_call>`` body: one call object (Hermes, Qwen2.5) or a JSON array of them (SmolLM2's
+    ``<tool_call>[{...}, ...]</tool_call>``; ``[]`` is no call). Returns (calls, still valid, every call so far
+    known whole — scanning may go on past this body)."""
+    i = _skip(body, 0, " \t\r\n")
+    if i >= len(body) or body[i] != "[":
+        name, args, done, ok = _call_object(body, complete=complete, names=names)
+        return ([(name, args, done)] if ok else []), ok, ok and name is not None and done
+    calls: list[tuple[str | None, str, bool]] = []
+    p = i + 1
+    while True:
+        p = _skip(body, p, " \t\r\n,")
+        if p >= len(body):
+            return calls, not complete, not complete  # the array goes on (or was cut off: not calls)
+        if body[p] == "]":
+            rest = body[p + 1:].strip()
+            return calls, not rest, not rest
+        if body[p] != "{":
+            return [], False, False
+        try:
+            _, end = _DECODER.raw_decode(body, p)
+            obj, whole = body[p:end], True
+        except json.JSONDecodeError:
+            obj, whole, end = body[p:], complete, len(body)
+        name, args, done, ok = _call_object(obj, complete=whole, names=names)
+        if not ok:
+            return [], False, False
+        calls.append((name, args, done))
+        if not done or name is None:
+            return calls, True, False
+        p = end
 
 
 def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None, str, bool, bool]:

@@ -72,6 +72,16 @@ LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_wea
     ('<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', CallFormat.TAGGED,  # unknown function
      '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>', []),
     ('a < b <tool_ and <tool_call', CallFormat.TAGGED, "a < b <tool_ and <tool_call", []),
+    # SmolLM2's trained format: a JSON array of calls inside one pair of tags; [] is no call
+    ('Sure.\n<tool_call>[\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}},\n'
+     '{"name": "stop_line", "arguments": {"station": 7}}\n]</tool_call>', CallFormat.TAGGED, "Sure.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    ('<tool_call>[]</tool_call>', CallFormat.TAGGED, "", []),
+    ('<tool_call>[{"name": "launch_rocket", "arguments": {}}]</tool_call>', CallFormat.TAGGED,
+     '<tool_call>[{"name": "launch_rocket", "arguments": {}}]</tool_call>', []),
+    ('<tool_call>[{"name": "stop_line", "arguments": {"station": 1}}]</tool_call> then <tool_call>'
+     '{"name": "stop_line", "arguments": {"station": 2}}</tool_call>', CallFormat.TAGGED, " then",
+     [("stop_line", '{"station": 1}'), ("stop_line", '{"station": 2}')]),
 ])
 def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
     got_content, got_calls = parse(text, fmt, TOOLS)
@@ -150,6 +160,10 @@ def test_history_rendering_with_and_without_template_support():
         "role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
     assert call_format(auto, "{{ messages }}") == CallFormat.TAGGED
     assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}") == CallFormat.JSON
+    # --tool-call-parser: what the template cannot say
+    assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}", "hermes") == CallFormat.TAGGED
+    assert call_format(auto, "<tool_call>{% if tools %}{% endif %}", "llama3_json") == CallFormat.JSON
+    assert call_format(parse_tool_choice("required", TOOLS), None, "hermes") == CallFormat.JSON  # the grammar's
 
 
 @pytest.fixture(scope="module")

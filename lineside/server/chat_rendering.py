@@ -1,0 +1,63 @@
+"""Which chat template renders a request: the request's own ``chat_template`` (vLLM's field; only with
+``--trust-request-chat-template``, as vLLM), else the server's ``--chat-template``, else the bundle's; and the
+request's ``chat_template_kwargs`` (extra variables, e.g. ``enable_thinking``). Each bad value is a 400 naming
+its field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lineside.errors import LinesideError
+from lineside.runtime.chat_template import ChatTemplateError, check_chat_template, check_kwargs
+from lineside.server.errors import APIError
+
+
+@dataclass(frozen=True)
+class Rendering:
+    given: str | None  # the template text to render with; None: the bundle's own
+    effective: str | None  # the template that renders (what tool-call detection reads)
+    kwargs: dict[str, Any] | None
+    param: str | None  # the request field a render failure is blamed on
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for Tokenizer.encode_chat / stable_chat_ids."""
+        return {"chat_template": self.given, "template_kwargs": self.kwargs}
+
+    def failed(self, e: LinesideError) -> APIError:
+        """A render failure as a 400 (naming the request's template field when it sent one)."""
+        return APIError(400, str(e), "invalid_value", param=self.param)
+
+
+def rendering(state: Any, body: Any) -> Rendering:
+    """The template and variables ``body`` (a chat request) renders with on this server."""
+    given = state.chat_template
+    param = None
+    if body.chat_template is not None:
+        if not state.trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: this server renders with its own template "
+                                "(start it with --trust-request-chat-template to accept one, or --chat-template to "
+                                "set one); remove the field", "unsupported_value", param="chat_template")
+        if not body.chat_template.strip():
+            raise APIError(400, "chat_template is empty; send the template's text or leave it out", "invalid_value",
+                           param="chat_template")
+        tok = state.engine.tokenizer
+        try:
+            check_chat_template(body.chat_template, "chat_template", bos_token=tok.bos_token or "",
+                                eos_token=tok.eos_token or "")
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_value", param="chat_template") from None
+        given, param = body.chat_template, "chat_template"
+    kwargs = None
+    if body.chat_template_kwargs is not None:
+        try:
+            kwargs = check_kwargs(body.chat_template_kwargs) or None
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
+        param = param or "chat_template_kwargs"
+    return Rendering(given, given or state.engine.tokenizer.chat_template, kwargs, param)
+
+
+def server_rendering(state: Any) -> Rendering:
+    """The server's template, for bodies that carry no template fields (/v1/responses)."""
+    return Rendering(state.chat_template, state.chat_template or state.engine.tokenizer.chat_template, None, None)

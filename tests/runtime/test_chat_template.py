@@ -1,0 +1,99 @@
+"""User-given chat templates: what --chat-template's value stands for (a file, inline text, a shipped one), the
+one-line refusals, rendering with another template or extra variables per call, and the shipped SmolLM2 tool
+template (identical to the model's own without tools)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from lineside.runtime.chat_template import (
+    ChatTemplateError,
+    builtin_templates,
+    check_chat_template,
+    check_kwargs,
+    load_chat_template,
+    template_option,
+)
+from tests.server.test_chat_template import SMOLLM2_GGUF_TEMPLATE
+from tests.tiny_tokenizer import write_byte_tokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_file_inline_text_and_shipped_templates(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text(CHATML, encoding="utf-8")
+    assert load_chat_template(str(f)) == CHATML
+    assert load_chat_template(CHATML) == CHATML  # not a file: the text itself
+    assert load_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"  # vLLM's unescape
+    assert "smollm2_tools" in builtin_templates()
+    assert "<tool_call>[" in load_chat_template("builtin:smollm2_tools")
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: str(d / "missing.jinja"), "looks like a file path but cannot be read"),
+    (lambda d: str(d), "is a directory"),
+    (lambda d: _write(d / "empty.jinja", ""), "the file is empty"),
+    (lambda d: _write(d / "latin.jinja", b"\xe9t\xe9"), "not UTF-8"),
+    (lambda d: _write(d / "syntax.jinja", "{% for m in messages %}{{ m.content }}"), "not a valid Jinja template (line 1"),
+    (lambda d: _write(d / "undefined.jinja", "{{ messages[2].content }}"), "fails to render a one-message"),
+    (lambda d: _write(d / "raises.jinja", "{{ raise_exception('needs a system message') }}"), "needs a system"),
+    (lambda d: _write(d / "drops.jinja", "{% for m in messages %}{{ m.role }}{% endfor %}"), "without the message"),
+    (lambda d: "builtin:llama9", "no such shipped template"),
+])
+def test_bad_templates_are_one_line(tmp_path, make, words):
+    value = make(tmp_path)
+    with pytest.raises(ChatTemplateError) as e:
+        template_option(value)
+    msg = str(e.value)
+    assert words in msg and "\n" not in msg and msg.startswith("--chat-template ")
+
+
+def _write(path, data) -> str:
+    (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+    return str(path)
+
+
+def test_kwargs_checks():
+    assert check_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+    for bad in (["x"], {"not a name": 1}, {"messages": []}, {"bos_token": "x"}):
+        with pytest.raises(ChatTemplateError):
+            check_kwargs(bad)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from lineside.runtime.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(d, 300)
+    return Tokenizer(d, {"bos_token_id": 1, "eos_token_ids": [2], "chat_template": CHATML})
+
+
+def test_render_with_another_template_and_variables(tok):
+    msgs = [{"role": "user", "content": "hi"}]
+    other = "{% for m in messages %}[{{ m.role }}|{{ shift | default('day') }}] {{ m.content }}{% endfor %}"
+    assert tok.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, chat_template=other) == "[user|day] hi"
+    assert tok.apply_chat_template(msgs, chat_template=other, template_kwargs={"shift": "night"}) == "[user|night] hi"
+    assert tok.encode_chat(msgs, chat_template=other) == tok.encode("[user|day] hi")
+    assert tok.apply_chat_template(msgs).startswith("<|im_start|>")  # the bundle's own is untouched
+    copy = pickle.loads(pickle.dumps(tok))  # a tokenizer worker's copy renders the same
+    assert copy.apply_chat_template(msgs, chat_template=other, template_kwargs={"shift": "x"}) == "[user|x] hi"
+
+
+def test_shipped_smollm2_template_equals_the_models_own_without_tools():
+    from lineside.runtime.chat_template import environment
+
+    env = environment()
+    ours, theirs = env.from_string(load_chat_template("builtin:smollm2_tools")), env.from_string(SMOLLM2_GGUF_TEMPLATE)
+    for msgs in ([{"role": "user", "content": "Hi"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Station 4?"}]):
+        for gen in (True, False):
+            assert ours.render(messages=msgs, add_generation_prompt=gen) == \
+                theirs.render(messages=msgs, add_generation_prompt=gen)
+    check_chat_template(load_chat_template("builtin:smollm2_tools"), "shipped")

