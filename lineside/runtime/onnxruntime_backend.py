@@ -454,7 +454,8 @@ def arena_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     advise = getattr(mmap, "MADV_NOHUGEPAGE", None)
     if nbytes < _SMALL_STATE or advise is None or not hasattr(mmap.mmap, "madvise"):
         return np.zeros(shape, dtype=dt)
-    mem = mmap.mmap(-1, nbytes)  # anonymous: zero pages until written
+    # private anonymous memory (Python's default for -1 is MAP_SHARED, i.e. shmem): zero pages until written
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     try:
         mem.madvise(advise)
     except OSError:  # a kernel without THP: nothing to advise
