@@ -185,6 +185,20 @@ def profile_session(be: OnnxRuntimeBackend, threads: int) -> None:
     be._fast.clear()  # the cached decode bindings belong to the old session
 
 
+def op_label(op: str, node: str) -> str:
+    """The op type, with the LM head apart from the other MatMulNBits and the GGUF Q4_1 carry's two MatMuls
+    (block sums, block offsets) apart from other MatMuls."""
+    if op == "MatMulNBits" and ("embed_tokens" in node or "lm_head" in node):
+        return "MatMulNBits (head)"
+    if op == "MatMul" and "blocksum" in node:
+        return "MatMul (Q4_1 block sums)"
+    if op == "MatMul" and "q4_1_offset" in node:
+        return "MatMul (Q4_1 offsets)"
+    if op == "Add" and "q4_1_add" in node:
+        return "Add (Q4_1 offsets)"
+    return op
+
+
 def count_ops(bundle: Path, threads: int, batch: int) -> None:
     """Kernels per decode step (onnxruntime profile of 16 steps after a warm-up) and the most frequent."""
     import numpy as np
@@ -210,7 +224,7 @@ def count_ops(bundle: Path, threads: int, batch: int) -> None:
     nodes = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= t0]
     by_op: dict[str, list[float]] = {}
     for e in nodes:
-        by_op.setdefault(e["args"]["op_name"], []).append(e["dur"])
+        by_op.setdefault(op_label(e["args"]["op_name"], e["name"]), []).append(e["dur"])
     per_step = len(nodes) / steps
     run_us = statistics.median(e["dur"] for e in last)
     print(f"batch {batch}: {per_step:.0f} kernels per decode step, model_run median {run_us / 1e3:.2f} ms")

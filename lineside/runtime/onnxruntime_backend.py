@@ -8,6 +8,7 @@ the new entries written back; ``replace`` states are swapped whole.
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any, Protocol
 
@@ -131,7 +132,7 @@ class OnnxRuntimeBackend:
             if have is not None and (have.shape != shape or have.dtype != dtype):
                 raise LinesideError(f"state {st.input} of {entry.graph} is {shape} {np.dtype(dtype)}, the graph it "
                                     f"shares it with holds {have.shape} {have.dtype}; rebuild the bundle")
-            self.arena[st.input] = have if have is not None else np.zeros(shape, dtype=dtype)
+            self.arena[st.input] = have if have is not None else arena_zeros(shape, dtype)
         self.uses_gqa = "seqlens_k" in self.input_names
         # The cached decode binding covers graphs whose only state is the in-place cache (the cpu flavor).
         self._decode_ready = self.uses_gqa and all(st.update == StateUpdate.INPLACE for st in self.states) and \
@@ -434,6 +435,32 @@ class OnnxRuntimeBackend:
     def _bind_new(self, io: Any, name: str) -> None:
         io.bind_output(name, "cpu")
         self._bound_outputs.append(name)
+
+
+# Below this a state tensor is plain np.zeros: no 2 MB huge page would hold it anyway.
+_SMALL_STATE = 1 << 21
+
+
+def arena_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A zeroed state tensor whose pages the kernel maps one 4 KB page at a time, on first write.
+
+    numpy asks for transparent huge pages on large arrays (madvise), so the first write into a slot's KV
+    faulted in (and, with THP defrag=madvise, compacted memory for) a whole 2 MB page per layer tensor:
+    the first decode step that reached a new slot zeroed about 120 MB (SmolLM2, 30 layers x K/V) and took
+    0.1-0.8 s instead of 20-60 ms, once per slot, inside the first 8-stream run; RSS also jumped by that
+    much per slot. Anonymous memory advised MADV_NOHUGEPAGE costs what a sequence actually writes."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    advise = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if nbytes < _SMALL_STATE or advise is None or not hasattr(mmap.mmap, "madvise"):
+        return np.zeros(shape, dtype=dt)
+    # private anonymous memory (Python's default for -1 is MAP_SHARED, i.e. shmem): zero pages until written
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    try:
+        mem.madvise(advise)
+    except OSError:  # a kernel without THP: nothing to advise
+        pass
+    return np.frombuffer(mem, dtype=dt).reshape(shape)  # the array keeps the mapping alive
 
 
 def lora_graph_of(bundle: Bundle, flavor: str) -> str:

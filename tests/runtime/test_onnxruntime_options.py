@@ -38,3 +38,37 @@ def test_a_trt_only_w4a16_bundle_runs_exact_on_onnxruntime(tiny_bundles):
     assert default.accuracy_level == 0
     assert np.abs(got).max() > 0 and np.allclose(got, want, atol=1e-5, rtol=0)
     assert not np.allclose(fused4, want, atol=1e-5, rtol=0)  # what the default was: level 4 differs
+
+
+def _vm_flags(arr: np.ndarray) -> list[str]:
+    """The VmFlags of the mapping holding ``arr``'s first byte (Linux /proc/self/smaps)."""
+    addr, flags, inside = arr.ctypes.data, None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+                break
+    assert flags is not None, "no mapping holds the array"
+    return flags
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_NOHUGEPAGE"), reason="Linux-only madvise flag")
+def test_the_kv_arena_is_not_on_huge_pages(tiny_bundle):
+    """numpy madvises huge pages for large arrays: the first write into a new slot then faulted in a 2 MB page per
+    layer tensor (about 120 MB, 0.1-0.8 s, in the first step reaching that slot on SmolLM2). The arena's large state
+    tensors are advised MADV_NOHUGEPAGE (VmFlags "nh"), start zeroed, and take writes; small ones stay np.zeros."""
+    from lineside.runtime.onnxruntime_backend import arena_zeros
+
+    big = arena_zeros((4, 3, 2048, 64), np.float32)
+    assert "nh" in _vm_flags(big) and big.flags.writeable and not big.any()
+    big[3, 2, 2047] = 1.5
+    assert big.sum() == 1.5 * 64
+    small = arena_zeros((2, 8), np.float16)
+    assert small.dtype == np.float16 and small.shape == (2, 8) and not small.any()
+    be = OnnxRuntimeBackend(open_bundle(tiny_bundle), num_slots=128)
+    large = [a for a in be.arena.values() if a.nbytes >= 1 << 21]
+    assert large and all("nh" in _vm_flags(a) for a in large)
