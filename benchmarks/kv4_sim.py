@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=1024, help="tokens of the long document, one chunk")
     ap.add_argument("--formats", default="fp,sym16,asym16,sym8:sym16,asym16:sym16,half16,clip0.9sym16")
     ap.add_argument("--uncentred", action="store_true", help="do not subtract the mean key")
-    ap.add_argument("--signs", action="store_true", help="Hadamard times random signs (seed 0) instead of plain")
+    ap.add_argument("--signs", action="store_true", help="Hadamard times random signs (numpy seed 0) instead of plain")
     args = ap.parse_args()
 
     import sys

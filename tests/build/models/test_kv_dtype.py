@@ -125,7 +125,8 @@ def test_int4_kv_within_bound_of_float_kv_and_transformers(kv_bundle, tiny_dense
     pre, dec = logits(kv_bundle("int4", variant=variant))
     e_pre, e_dec = rel_err(pre, ref_pre), rel_err(dec, ref_pre)
     print(f"int4 KV {variant}: prefill {e_pre:.2e}, decode {e_dec:.2e} vs fp16 KV")
-    # measured 5.2% / 7.1% on these random models (int8: 0.4%): 15 levels per head vector must show, and stay bounded
+    # measured 5.8% (llama-gqa) / 2.1% (qwen2) with the asymmetric grid (int8: 0.4%): 16 levels per head vector must
+    # show, and stay bounded
     assert 1e-2 < e_pre < 0.15 and e_dec < 0.15
     assert rel_err(dec, pre) < 1e-4  # prefill and decode read the same stored values
     ref = reference_logits(tiny_dense(variant), IDS)
@@ -205,3 +206,4 @@ def test_int4_graph_subtracts_the_key_means(kv_bundle):
     m = onnx.load(b.path / b.flavor("trt").graph, load_external_data=False)
     means = [t for t in m.graph.initializer if list(t.dims) == [2, 1, 16]]  # [kv_heads, 1, head_dim] per layer
     assert len(means) == 2 and all(np.abs(onnx.numpy_helper.to_array(t)).max() > 0 for t in means)
+
