@@ -2,8 +2,8 @@
 
 What the memory planner and the runtime's KV gauges count, matching the builder's KV formats
 (build/quant/kv.py FORMATS; tests/jetson/test_planner.py ties the two and both to the emitted state shapes):
-int8 keeps one fp16 scale per (token, KV head); int4 packs two values per byte and keeps one fp16 scale per
-(token, KV head, 16 channels). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
+int8 keeps one fp16 scale per (token, KV head); int4 packs two values per byte and keeps an fp16 scale and an
+fp16 minimum per (token, KV head, 16 channels) (asymmetric grid). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
 fp32 reference and in the cpu flavor, whose cache is float32).
 """
 
@@ -23,15 +23,18 @@ class KvVectorLayout:
     value_bits: int
     scale_bytes: int = 0  # bytes of one scale (0: an unscaled float cache)
     scale_group: int = 0  # values per scale (0: one scale for the whole head vector)
+    per_group: int = 1  # fp16 numbers per scale group (2: scale and minimum of an asymmetric grid)
 
     def value_bytes(self, n: int) -> int:
         return math.ceil(n * self.value_bits / 8)
 
     def scales(self, n: int) -> int:
-        """Scales per head vector (one when the group spans it, as the builder does)."""
+        """fp16 numbers beside a head vector: per_group per scale group (one group when it spans the vector, as
+        the builder does)."""
         if not self.scale_bytes:
             return 0
-        return 1 if not self.scale_group or self.scale_group >= n else math.ceil(n / self.scale_group)
+        groups = 1 if not self.scale_group or self.scale_group >= n else math.ceil(n / self.scale_group)
+        return groups * self.per_group
 
     def vector_bytes(self, n: int) -> int:
         return self.value_bytes(n) + self.scales(n) * self.scale_bytes
@@ -41,5 +44,6 @@ KV_LAYOUTS: dict[str, KvVectorLayout] = {
     "fp16": KvVectorLayout("fp16", 16),
     "int8": KvVectorLayout("int8", 8, FP16_SCALE),
     "fp8": KvVectorLayout("fp8", 8, FP16_SCALE),
-    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=16),  # uint8 [.., head_dim / 2] + [.., head_dim / 16]
+    # uint8 [.., head_dim / 2] + fp16 (scale, minimum) pairs [.., 2 * head_dim / 16]: head_dim 64 -> 48 bytes (0.375x)
+    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=16, per_group=2),
 }

@@ -296,7 +296,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
         "carried_from_source": dict(sorted(carried.items())),
         "kept_high_precision": kept,
-        "kv_cache": kv_record(parse_kv_dtype(spec.kv_dtype)),
+        "kv_cache": kv_record(parse_kv_dtype(spec.kv_dtype), cfg.head_dim),
         "symmetric": carried_grid != "Q4_1", "zero_point": 0,
         **({"grid": {"source": f"GGUF {carried_grid}", "block_size": GGML_BLOCK,
                      "per_block": "fp16 scale" + (" + fp16 minimum" if carried_grid == "Q4_1" else "")}}

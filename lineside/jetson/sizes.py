@@ -8,7 +8,7 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
   is fp16 (none when tied) in fp16 builds and INT8 per output channel (+ one fp16 scale each) in
   W4A16/W8A16 builds — then also when tied, since the fp16 embedding can't serve as the 8-bit head.
 - KV cache = 2 (K and V) × layers × kv_heads × (head_dim × bytes + scales) × context × batch; int8 keeps one
-  fp16 scale per (token, head) next to the values, int4 two values per byte and one fp16 scale per 32 of them,
+  fp16 scale per (token, head) next to the values, int4 two values per byte and an fp16 scale + fp16 minimum per 16,
   as the builder's trt graph does (lineside/kv_layout.py, tied to the builder's KV formats by the tests).
 """
 

@@ -12,7 +12,7 @@ counted follow ``modeling_deepseek_v4.py`` (one list per module below).
   ``sliding_window`` entries; CSA layers add ctx/4 + 1 compressed entries and as many indexer keys; HCA
   layers add ctx/128 + 1 compressed entries; both keep their compressor's window buffers. All float32;
   with ``--kv-dtype int8`` window and compressed entries are int8 + one fp16 scale per entry (``int4``: two
-  values per byte + one fp16 scale per 32 values).
+  values per byte + an fp16 scale and an fp16 minimum per 16 values).
 """
 
 from __future__ import annotations

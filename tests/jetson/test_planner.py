@@ -70,7 +70,8 @@ def test_dense_kv_formula():
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
-    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 128 // 16) * 12288  # + an fp16 scale per 16 values
+    # + an fp16 scale and an fp16 minimum per 16 values: 96 bytes per head vector, 0.375x fp16's 256
+    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 2 * 128 // 16) * 12288
     from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
 
     try:  # a plan the builder cannot make yet says so; once it can, no such note
@@ -122,10 +123,10 @@ def test_kv_layouts_are_the_builders_kv_formats():
         lay = KV_LAYOUTS[kv.value]
         assert lay.value_bits == 8 // getattr(fmt, "pack", 1)
         assert lay.scale_group == getattr(fmt, "group", 0)
+        assert lay.per_group == fmt.per_group
         assert lay.scale_bytes == np.dtype(fmt.scale_dtype).itemsize
         for d in (16, 64, 128, 512):  # the builder's scales per head vector, where it has the rule
-            if hasattr(fmt, "scale_dim"):
-                assert lay.scales(d) == fmt.scale_dim(d)
+            assert lay.scales(d) == fmt.scale_state_dim(d)
 
 
 def test_v4_planner_int4_bytes_are_the_emitters_state_bytes():

@@ -19,7 +19,7 @@ TRT = dict(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64)  # as 
 CASES = [(dict(), "cpu", "fp32", lambda d: 4 * d),
          (dict(TRT, kv_dtype="fp16"), "trt", "fp16", lambda d: 2 * d),
          (dict(TRT, kv_dtype="int8"), "trt", "int8", lambda d: d + 2),
-         (dict(TRT, kv_dtype="int4"), "trt", "int4", lambda d: d // 2 + 2 * max(1, d // 32))]
+         (dict(TRT, kv_dtype="int4"), "trt", "int4", lambda d: d // 2 + 2 * 2 * max(1, d // 16))]
 
 
 def _buildable(options: dict) -> None:

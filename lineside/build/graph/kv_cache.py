@@ -1,15 +1,28 @@
 """Quantized KV entries from standard ops (trt flavor, both families): store on write, dequantize on read.
 
-A head vector x (last axis) is stored as round(x / s) on the symmetric grid ±qmax, kept as uint8 (+offset)
-because TensorRT 10.3 takes UINT8 network I/O through a Cast at the graph's edge but no INT8/FP8 I/O;
-s = amax(x) / qmax per vector (int4: per group of ``fmt.group`` channels), stored in fp16 beside it.
-Requantizing a dequantized vector gives it back unchanged (its amax is qmax·s), so fixed-shape states
-rewritten every step lose nothing more.
+A head vector x (last axis) is stored as grid values kept as uint8, because TensorRT 10.3 takes UINT8 network
+I/O through a Cast at the graph's edge but no INT8/FP8 I/O, with fp16 numbers beside it per group of
+``fmt.group`` channels (int8: the whole vector):
 
-int4 packs two grid values per byte, channel c with channel c + d/2: byte = lo + 16·hi (both + 8, in 1..15).
+- symmetric (int8): round(x / s) on the grid ±qmax, stored + offset, s = amax(x) / qmax;
+- asymmetric (int4, ``fmt.zero``): round((x − m) / s) on 0..qmax, m = min(x) and s = (max(x) − m) / qmax, both
+  fp16 (the scale state holds (s, m) pairs): all 16 levels cover the group's own range, where a symmetric grid
+  has 15 over ±amax and spends half of them on a side the group may barely reach.
+
+Requantizing a dequantized vector gives it back unchanged (its extremes sit on the grid), so fixed-shape
+states rewritten every step (DeepSeek-V4's window) lose nothing more. Attention reads the new entries as the
+grid values times their stored scales — the same floats the cache gives back on the next step — without a
+round trip through the packed bytes.
+
+int4 packs two grid values per byte, channel c with channel c + d/2: byte = lo + 16·hi (both in 0..15).
 TensorRT 10.3's parser has no BitShift/BitwiseAnd and no integer Floor, so both directions are float32
 arithmetic on values below 256 (exact): pack with Mul/Add and a Cast to UINT8, unpack with a Cast from
 UINT8, hi = Floor(b / 16), lo = b − 16·hi, then Concat — every op is in the FP32 column of the tables.
+
+Dense models store and read K and V of a layer through one set of ops (``emit_kv_pair``: the two concatenated
+along the head axis, the new entries' bytes joined to the past's before a single dequantization): the trt
+flavor's extra nodes per layer over the fp16 cache drop from 81 to 40 (int4) and from 36 to 20 (int8) —
+what its short-context decode on CPU pays for (benchmarks/kv_dtype_cpu.py).
 """
 
 from __future__ import annotations
@@ -38,45 +51,93 @@ def _ungrouped(g: GraphBuilder, x: str, fmt: KvFormat, rank: int, head_dim: int)
     return g.op("Reshape", [x, g.const([0] * (rank - 1) + [head_dim])])
 
 
-def _scale_view(g: GraphBuilder, s: str, fmt: KvFormat, rank: int, head_dim: int) -> str:
-    """scales [..., n] -> [..., n, 1], broadcasting over their group's channels."""
-    return s if fmt.scale_dim(head_dim) == 1 else g.op("Unsqueeze", [s, g.const([rank])])
+def _f(g: GraphBuilder, v: float) -> str:
+    return g.const(v, np.float32)
+
+
+def _quantize(g: GraphBuilder, x: str, fmt: KvFormat, *, rank: int, head_dim: int,
+              dequantize: bool = True) -> tuple[str, str, str | None]:
+    """x [..., d] float32 -> (stored bytes as float32 [..., d/pack], fp16 scale state [..., scale_state_dim],
+    float32 dequantized [..., d] or None)."""
+    grouped = fmt.scale_dim(head_dim) > 1
+    xg = _grouped(g, x, fmt, rank, head_dim)
+    if fmt.zero:
+        lo16 = g.op("Cast", [g.op("ReduceMin", [xg, g.const([-1])], keepdims=1)], to=TensorProto.FLOAT16)
+        lo = g.op("Cast", [lo16], to=F32)
+        hi = g.op("ReduceMax", [xg, g.const([-1])], keepdims=1)
+        s16 = g.op("Cast", [g.op("Max", [g.op("Div", [g.op("Sub", [hi, lo]), _f(g, fmt.qmax)]), _f(g, MIN_SCALE)])],
+                   to=TensorProto.FLOAT16)
+        s = g.op("Cast", [s16], to=F32)
+        grid = g.op("Clip", [g.op("Round", [g.op("Div", [g.op("Sub", [xg, lo]), s])]), _f(g, 0.0), _f(g, fmt.qmax)])
+        deq = g.op("Add", [g.op("Mul", [grid, s]), lo]) if dequantize else None
+        sc = g.op("Concat", [s16, lo16], axis=-1)  # [..., n, 2]: (scale, minimum) per group
+        if grouped:
+            sc = g.op("Reshape", [sc, g.const([0] * (rank - 1) + [fmt.scale_state_dim(head_dim)])])
+    else:
+        amax = g.op("ReduceMax", [g.op("Abs", [xg]), g.const([-1])], keepdims=1)
+        s16 = g.op("Cast", [g.op("Max", [g.op("Div", [amax, _f(g, fmt.qmax)]), _f(g, MIN_SCALE)])],
+                   to=TensorProto.FLOAT16)
+        s = g.op("Cast", [s16], to=F32)
+        grid = g.op("Clip", [g.op("Round", [g.op("Div", [xg, s])]), _f(g, -fmt.qmax), _f(g, fmt.qmax)])
+        deq = g.op("Mul", [grid, s]) if dequantize else None
+        sc = g.op("Squeeze", [s16, g.const([-1])]) if grouped else s16
+    stored = _ungrouped(g, g.op("Add", [grid, _f(g, fmt.offset)]) if fmt.offset else grid, fmt, rank, head_dim)
+    if fmt.pack == 2:
+        half = fmt.stored_dim(head_dim)
+        a, b = g.op("Split", [stored, g.const([half, half])], n_out=2, axis=-1)
+        stored = g.op("Add", [a, g.op("Mul", [b, _f(g, 16.0)])])
+    return stored, sc, None if deq is None else _ungrouped(g, deq, fmt, rank, head_dim)
+
+
+def _dequantize(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, rank: int, head_dim: int) -> str:
+    """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d]."""
+    if fmt.pack == 2:
+        hi = g.op("Floor", [g.op("Mul", [b, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
+        lo = g.op("Sub", [b, g.op("Mul", [hi, _f(g, 16.0)])])
+        b = g.op("Concat", [lo, hi], axis=-1)
+    grouped = fmt.scale_dim(head_dim) > 1
+    bg = _grouped(g, g.op("Sub", [b, _f(g, fmt.offset)]) if fmt.offset else b, fmt, rank, head_dim)
+    sc = g.op("Cast", [scales], to=F32)
+    if fmt.zero:
+        if grouped:
+            sc = g.op("Reshape", [sc, g.const([0] * (rank - 1) + [fmt.scale_dim(head_dim), 2])])
+        s, lo = g.op("Split", [sc, g.const([1, 1])], n_out=2, axis=-1)
+        out = g.op("Add", [g.op("Mul", [bg, s]), lo])
+    else:
+        out = g.op("Mul", [bg, g.op("Unsqueeze", [sc, g.const([rank])]) if grouped else sc])
+    return _ungrouped(g, out, fmt, rank, head_dim)
 
 
 def emit_kv_store(g: GraphBuilder, x: str, fmt: KvFormat, values: str, scales: str, *, rank: int,
                   head_dim: int) -> str:
     """Write x's grid values to ``values`` (uint8; int4: packed) and its scales to ``scales`` (fp16); returns the
     float32 values attention should read (the stored ones, dequantized). ``rank``: x's rank, head_dim last."""
-    xg = _grouped(g, x, fmt, rank, head_dim)
-    amax = g.op("ReduceMax", [g.op("Abs", [xg]), g.const([-1])], keepdims=1)
-    s = g.op("Max", [g.op("Div", [amax, g.const(fmt.qmax, np.float32)]), g.const(MIN_SCALE, np.float32)])
-    if fmt.scale_dim(head_dim) == 1:
-        s16 = g.op("Cast", [s], outputs=[scales], to=TensorProto.FLOAT16)
-    else:
-        s16 = g.op("Cast", [s], to=TensorProto.FLOAT16)
-        g.op("Squeeze", [s16, g.const([-1])], outputs=[scales])
-    s32 = g.op("Cast", [s16], to=F32)
-    grid = g.op("Clip", [g.op("Round", [g.op("Div", [xg, s32])]), g.const(-fmt.qmax, np.float32),
-                         g.const(fmt.qmax, np.float32)])
-    stored = _ungrouped(g, g.op("Add", [grid, g.const(fmt.offset, np.float32)]), fmt, rank, head_dim)
-    if fmt.pack == 2:
-        half = fmt.stored_dim(head_dim)
-        lo, hi = g.op("Split", [stored, g.const([half, half])], n_out=2, axis=-1)
-        stored = g.op("Add", [lo, g.op("Mul", [hi, g.const(16.0, np.float32)])])
+    stored, sc, deq = _quantize(g, x, fmt, rank=rank, head_dim=head_dim)
     g.op("Cast", [stored], outputs=[values], to=TensorProto.UINT8)
-    return emit_kv_load(g, values, scales, fmt, rank=rank, head_dim=head_dim)
+    g.op("Identity", [sc], outputs=[scales])
+    assert deq is not None
+    return deq
 
 
 def emit_kv_load(g: GraphBuilder, values: str, scales: str, fmt: KvFormat, *, rank: int, head_dim: int) -> str:
     """float32 entries from stored uint8 values (int4: unpacked) and their fp16 scales."""
-    b = g.op("Cast", [values], to=F32)
-    if fmt.pack == 2:
-        hi = g.op("Floor", [g.op("Mul", [b, g.const(1.0 / 16.0, np.float32)])])  # b/16 exact: a power of two
-        lo = g.op("Sub", [b, g.op("Mul", [hi, g.const(16.0, np.float32)])])
-        b = g.op("Concat", [lo, hi], axis=-1)
-    centred = _grouped(g, g.op("Sub", [b, g.const(fmt.offset, np.float32)]), fmt, rank, head_dim)
-    s32 = _scale_view(g, g.op("Cast", [scales], to=F32), fmt, rank, head_dim)
-    return _ungrouped(g, g.op("Mul", [centred, s32]), fmt, rank, head_dim)
+    return _dequantize(g, g.op("Cast", [values], to=F32), scales, fmt, rank=rank, head_dim=head_dim)
+
+
+def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, str], past_scales: tuple[str, str],
+                 present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int) -> str:
+    """K and V of a layer through one set of ops: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then
+    V's) to ``present`` / ``present_scales`` (K's, V's), and return past and new entries dequantized,
+    [B, 2·heads, T, d]: the new ones' stored bytes and scales join the past's before one dequantization, so
+    attention reads the same floats for them now as the cache gives back on later steps."""
+    stored, sc, _ = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=False)
+    halves = g.const([heads, heads])
+    for f, out in zip(g.op("Split", [stored, halves], n_out=2, axis=1), present, strict=True):  # TensorRT 10.3
+        g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)  # splits no UINT8: split the floats, then cast
+    g.op("Split", [sc, halves], outputs=list(present_scales), axis=1)
+    b = g.op("Concat", [g.op("Concat", [g.op("Cast", [v], to=F32) for v in past], axis=1), stored], axis=2)
+    s = g.op("Concat", [g.op("Concat", list(past_scales), axis=1), sc], axis=2)
+    return _dequantize(g, b, s, fmt, rank=4, head_dim=head_dim)
 
 
 def scale_name(name: str) -> str:

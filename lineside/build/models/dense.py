@@ -297,7 +297,7 @@ class DenseEmitter:
             fmt = FORMATS[kv]
             q_t = TensorProto.UINT8  # int8: grid + 128; int4: two grid values + 8 per byte (graph/kv_cache.py)
             v_shape, v_out = shape[:3] + [fmt.stored_dim(d)], out_shape[:3] + [fmt.stored_dim(d)]
-            s_shape, s_out = shape[:3] + [fmt.scale_dim(d)], out_shape[:3] + [fmt.scale_dim(d)]
+            s_shape, s_out = shape[:3] + [fmt.scale_state_dim(d)], out_shape[:3] + [fmt.scale_state_dim(d)]
             self.kv_io = {}
             for key, (past, present) in names.items():
                 ps, os_ = scale_name(past), scale_name(present)
@@ -312,24 +312,30 @@ class DenseEmitter:
         return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)], layer=i), states
 
     def _kv_write(self, x: str, key: str) -> tuple[str, str]:
-        """Store the new entries x [B, kvh, S, d] as the cache holds them; returns (present, what attention reads)
-        for the new entries and the past (attention reads the stored values, so prefill and decode agree)."""
-        from lineside.build.graph.kv_cache import emit_kv_load, emit_kv_store
+        """Float caches: store the new entries x [B, kvh, S, d]; returns (what attention reads for the new entries,
+        for the past) — the stored values, so prefill and decode agree."""
+        g = self.gb
+        past, present, _, _ = self.kv_io[key]
+        if self.spec.scheme == "fp32":
+            g.op("Identity", [x], outputs=[present])
+            return x, past
+        g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
+        return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
+
+    def _kv_write_pair(self, kv: str) -> tuple[str, str]:
+        """Quantized caches: store the new K and V entries ``kv`` [B, 2·kvh, S, d] (K's heads, then V's) through one
+        set of ops and read past and new back dequantized, also at once (graph/kv_cache.py); returns K and V
+        [B, kvh, T, d] as attention reads them."""
+        from lineside.build.graph.kv_cache import emit_kv_pair
         from lineside.build.quant.kv import FORMATS, KvDtype
 
-        g = self.gb
-        past, present, past_s, present_s = self.kv_io[key]
-        kv = KvDtype(self.spec.kv_dtype)
-        if kv == KvDtype.FP16:
-            if self.spec.scheme == "fp32":
-                g.op("Identity", [x], outputs=[present])
-                return x, past
-            g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
-            return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
-        # Dynamic per-token scales (per head; int4: per 16 channels), values as uint8 (graph/kv_cache.py says why).
-        fmt, d = FORMATS[kv], self.cfg.head_dim
-        return (emit_kv_store(g, x, fmt, present, present_s, rank=4, head_dim=d),
-                emit_kv_load(g, past, past_s, fmt, rank=4, head_dim=d))
+        g, kvh, d = self.gb, self.cfg.num_kv_heads, self.cfg.head_dim
+        fmt = FORMATS[KvDtype(self.spec.kv_dtype)]
+        (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
+        both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
+                            present_scales=(oks, ovs), heads=kvh, head_dim=d)  # [B, 2·kvh, T, d]
+        k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
+        return k, v
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
@@ -396,12 +402,16 @@ class DenseEmitter:
         if self.key_means is not None:  # int4: keys centred on their calibrated mean (quant/kv_calib.py: exact)
             kh = g.op("Sub", [kh, g.const(self.key_means[layer][:, None, :], np.float32)])
         rot = self._kv_rotation()
-        if rot is not None:  # int8 cache in the rotated basis: q·k is invariant, ctx is rotated back below
-            qh, kh, vh = (g.op("MatMul", [t, rot]) for t in (qh, kh, vh))
-        kh, pk = self._kv_write(kh, "k")
-        vh, pv = self._kv_write(vh, "v")
-        kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
-        vall = g.op("Concat", [pv, vh], axis=2)
+        if self.spec.kv_dtype == "fp16":
+            kh, pk = self._kv_write(kh, "k")
+            vh, pv = self._kv_write(vh, "v")
+            kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
+            vall = g.op("Concat", [pv, vh], axis=2)
+        else:  # quantized: K and V of the layer go through one set of ops (graph/kv_cache.py)
+            kv = g.op("Concat", [kh, vh], axis=1)  # [B, 2·kvh, S, d]
+            if rot is not None:  # stored in the rotated basis: q·k is invariant, ctx is rotated back below
+                qh, kv = g.op("MatMul", [qh, rot]), g.op("MatMul", [kv, rot])
+            kall, vall = self._kv_write_pair(kv)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
         kt = g.op("Unsqueeze", [g.op("Transpose", [kall], perm=[0, 1, 3, 2]), g.const([2])])  # [B,kvh,1,d,T]
         scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])

@@ -10,18 +10,21 @@ import pytest
 from lineside.build.tensorrt.check import check_model
 from tests.build.deepseek_v4.helpers import rel_err
 
-QMAX = {"int8": 127, "int4": 7}
 
-
-def dequantized(q: np.ndarray, scale: np.ndarray, kv: str) -> tuple[np.ndarray, np.ndarray]:
-    """(grid values, dequantized entries) of a stored state; int4: low nibble channel c, high nibble c + d/2."""
+def dequantized(q: np.ndarray, scale: np.ndarray, kv: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(grid values, dequantized entries, grid step per entry) of a stored state. int8: symmetric, grid − 128;
+    int4: low nibble channel c, high nibble c + d/2, asymmetric 0..15, (scale, minimum) pairs per group."""
     if kv == "int8":
         grid = q.astype(np.int32) - 128
+        s, lo = scale.astype(np.float32), np.zeros(scale.shape, np.float32)
     else:
-        grid = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.int32) - 8
-    n = scale.shape[-1]
+        grid = np.concatenate([q & 15, q >> 4], axis=-1).astype(np.int32)
+        pairs = scale.astype(np.float32).reshape(*scale.shape[:-1], -1, 2)
+        s, lo = pairs[..., 0], pairs[..., 1]
+    n = s.shape[-1]
     g = grid.reshape(*grid.shape[:-1], n, -1).astype(np.float32)
-    return grid, (g * scale.astype(np.float32)[..., None]).reshape(grid.shape)
+    deq = (g * s[..., None] + lo[..., None]).reshape(grid.shape)
+    return grid, deq, np.repeat(s, grid.shape[-1] // n, axis=-1)
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
@@ -35,10 +38,12 @@ def test_prefill_state_is_the_float_state_on_the_grid(v4, kv):
         if q.dtype != np.uint8:
             continue
         scale = sq[name.replace("past.", "past_scale.", 1)]
-        grid, deq = dequantized(q, scale, kv)
-        step = np.repeat(scale.astype(np.float32), deq.shape[-1] // scale.shape[-1], axis=-1)
-        assert deq.shape == sf[name].shape and np.all(np.abs(deq - sf[name]) <= 0.5 * step + 1e-6), name
-        assert np.abs(grid).max() == QMAX[kv]  # every non-empty state uses the whole grid
+        grid, deq, step = dequantized(q, scale, kv)
+        assert deq.shape == sf[name].shape and np.all(np.abs(deq - sf[name]) <= 0.5 * step + 1e-5), name
+        if kv == "int8":
+            assert np.abs(grid).max() == 127  # every non-empty state uses the whole grid
+        else:
+            assert grid.min() == 0 and grid.max() == 15
         checked += 1
     assert checked == 7  # schedule b: a window per layer and compressed entries in its compressed layers
 
@@ -56,8 +61,8 @@ def test_quantized_state_logits_near_float_state(v4, kv, bound):
     print(f"V4 {kv} state a: prefill {e_pre:.2e} / decode {e_dec:.2e} vs float state, decode vs "
           f"transformers {e_ref:.2e}")
     # one step reads its own new entries in float32, so a prefill from an empty state is exact; decode reads
-    # every earlier entry from the quantized state. Measured int8 2.1% on a (schedule b: 17%), int4 50% (32%
-    # with 32-channel groups: no trend, the routing is chaotic):
+    # every earlier entry from the quantized state. Measured int8 2.1% on a (schedule b: 17%), int4 29% with the
+    # asymmetric grid (the symmetric one: 50%, 32% with 32-channel groups: no trend, the routing is chaotic):
     # larger than the dense models' because these tiny random V4 models route their top-k experts
     # differently after any rounding (4-bit weights move them up to 150%: test_v4_w4a16), so b is checked on
     # its state above

@@ -267,7 +267,8 @@ def test_quantized_kv_arena_capture_copy_and_mismatch(tiny_bundles, monkeypatch,
     assert arena["past_key.0"].dtype == np.uint8 and arena["past_key_scale.0"].dtype == np.float16
     cfg = b.config
     per_token = sum(s.nbytes for s in arena.values()) // (2 * b.max_seq_len)
-    stored, scales = (cfg.head_dim, 1) if kv == "int8" else (cfg.head_dim // 2, -(-cfg.head_dim // 16))
+    # int4: an fp16 (scale, minimum) pair per 16 channels
+    stored, scales = (cfg.head_dim, 1) if kv == "int8" else (cfg.head_dim // 2, 2 * -(-cfg.head_dim // 16))
     assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * (stored + 2 * scales)
     dec = compute_logits(be, IDS, "decode")
     assert rel(dec, ref) < 1e-4 and be.stats["replay"] > 40

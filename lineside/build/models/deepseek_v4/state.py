@@ -66,7 +66,8 @@ def state_tensors(cfg: V4Config, max_seq: int, fmt: KvFormat | None = None) -> l
                 d = shape[2]
                 out += [StateTensor(input=a, output=b, shape=[*shape[:2], fmt.stored_dim(d)], dtype=fmt.element,
                                     update=StateUpdate.REPLACE, seq_axis=1),
-                        StateTensor(input=scale_name(a), output=scale_name(b), shape=[*shape[:2], fmt.scale_dim(d)],
+                        StateTensor(input=scale_name(a), output=scale_name(b),
+                                    shape=[*shape[:2], fmt.scale_state_dim(d)],
                                     dtype="float16", update=StateUpdate.REPLACE, seq_axis=1)]
             else:
                 out.append(StateTensor(input=a, output=b, shape=shape, dtype="float32", update=StateUpdate.REPLACE,
