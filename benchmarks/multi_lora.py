@@ -235,7 +235,7 @@ async def main_async(args: argparse.Namespace) -> None:
     per = {n: bundle.manifest.adapters[n] for n in names}
     print("bundle bytes per adapter (fp16 file): " + ", ".join(f"{n} r{per[n].rank}: {adapter_files[n] / 1e6:.2f} MB"
                                                              for n in names))
-    print("float32 A/B per adapter (manifest 'bytes'): " + ", ".join(f"{per[n].bytes / 1e6:.2f} MB" for n in names))
+    print("A/B per adapter as the server holds them (manifest 'bytes'): " + ", ".join(f"{per[n].bytes / 1e6:.2f} MB" for n in names))
     assert lora_backend.lora is not None
     print(f"base weights in the bundle: {bundle.manifest.files['graphs/cpu/model.onnx.data'].size / 1e6:.1f} MB; "
           f"slot stack (4 slots x rank 16, float32): {lora_backend.lora.nbytes / 1e6:.1f} MB allocated, "
