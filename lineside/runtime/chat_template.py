@@ -105,11 +105,14 @@ def compile_template(text: str, what: str) -> Any:
         raise ChatTemplateError(f"{what}: not a valid Jinja template ({e})") from None
 
 
-def check_chat_template(text: str, what: str, *, bos_token: str = "", eos_token: str = "") -> None:
-    """Compile ``text`` and render a one-message conversation with it; one line saying what failed."""
+def check_chat_template(text: str, what: str, *, bos_token: str = "", eos_token: str = "",
+                        kwargs: dict[str, Any] | None = None) -> None:
+    """Compile ``text`` and render a one-message conversation with it (and ``kwargs``, the variables the request
+    renders it with); one line saying what failed."""
     compiled = compile_template(text, what)
     try:
-        out = compiled.render(messages=_PROBE, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token)
+        out = compiled.render(**(kwargs or {}), messages=_PROBE, add_generation_prompt=True, bos_token=bos_token,
+                              eos_token=eos_token)
     except Exception as e:  # noqa: BLE001 - whatever the template raises, the user sees one line
         raise ChatTemplateError(f"{what}: fails to render a one-message conversation "
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

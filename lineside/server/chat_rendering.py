@@ -33,6 +33,13 @@ def rendering(state: Any, body: Any) -> Rendering:
     """The template and variables ``body`` (a chat request) renders with on this server."""
     given = state.chat_template
     param = None
+    kwargs = None
+    if body.chat_template_kwargs is not None:  # first: a request's template is checked with its variables
+        try:
+            kwargs = check_kwargs(body.chat_template_kwargs) or None
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
+        param = "chat_template_kwargs"
     if body.chat_template is not None:
         if not state.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: this server renders with its own template "
@@ -44,17 +51,10 @@ def rendering(state: Any, body: Any) -> Rendering:
         tok = state.engine.tokenizer
         try:
             check_chat_template(body.chat_template, "chat_template", bos_token=tok.bos_token or "",
-                                eos_token=tok.eos_token or "")
+                                eos_token=tok.eos_token or "", kwargs=kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_value", param="chat_template") from None
         given, param = body.chat_template, "chat_template"
-    kwargs = None
-    if body.chat_template_kwargs is not None:
-        try:
-            kwargs = check_kwargs(body.chat_template_kwargs) or None
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
-        param = param or "chat_template_kwargs"
     return Rendering(given, given or state.engine.tokenizer.chat_template, kwargs, param)
 
 

@@ -144,6 +144,18 @@ def test_request_chat_template_and_kwargs(servers):
     assert "REQUEST-TEMPLATE shift=night" in smol.backend.prompts[-1]
 
 
+def test_request_template_is_checked_with_the_requests_kwargs(servers):
+    """A request's template that needs a variable its chat_template_kwargs supply (no default) renders: the
+    one-message check runs with those variables too."""
+    smol = servers["smol"]
+    needs = ("{% for m in messages %}<|im_start|>{{ m.role }}\nSITE {{ site.name }}\n{{ m.content }}<|im_end|>\n"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    r = _ask(smol, "[text]", tools=None, extra_body={"chat_template": needs,
+                                                     "chat_template_kwargs": {"site": {"name": "Crewe"}}})
+    assert r.choices[0].message.content == "Line 4 is stopped."
+    assert "SITE Crewe" in smol.backend.prompts[-1]
+
+
 @pytest.mark.parametrize("server, body, param, words", [
     ("plain", {"chat_template": REQUEST_TEMPLATE}, "chat_template", "--trust-request-chat-template"),
     ("smol", {"chat_template": "{% for m in messages %}{{ m.content }"}, "chat_template", "not a valid Jinja"),
