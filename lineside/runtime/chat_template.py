@@ -127,7 +127,7 @@ def check_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict[str, 
         raise ChatTemplateError(f"{param} must be a JSON object of template variables, e.g. "
                                 "{\"enable_thinking\": false}")
     for key in kwargs:
-        if not isinstance(key, str) or not key.isidentifier():
+        if not isinstance(key, str) or not key.isidentifier() or key == "self":  # self: Template.render's own
             raise ChatTemplateError(f"{param}: {key!r} is not a template variable name")
         if key in RESERVED_KWARGS:
             raise ChatTemplateError(f"{param}: {key!r} is set by the server; send it as its own field"

@@ -59,7 +59,7 @@ def _write(path, data) -> str:
 
 def test_kwargs_checks():
     assert check_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
-    for bad in (["x"], {"not a name": 1}, {"messages": []}, {"bos_token": "x"}):
+    for bad in (["x"], {"not a name": 1}, {"messages": []}, {"bos_token": "x"}, {"self": 1}):
         with pytest.raises(ChatTemplateError):
             check_kwargs(bad)
 
