@@ -92,6 +92,8 @@ def generate(
     from lineside.runtime.sampling import SamplingParams
     from lineside.runtime.speculative.config import parse_speculative
 
+    if chat_template is not None and not chat:
+        raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
     if spec is not None and lora is not None:

@@ -35,6 +35,12 @@ def test_generate_with_a_template_file(tiny_bundle, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_generate_template_without_chat_is_one_line(tmp_path):
+    """Without --chat the template would render nothing: said, not silently ignored."""
+    proc = run_cli("generate", tmp_path / "no-such-bundle", "--prompt", "hi", "--chat-template", "builtin:smollm2_tools")
+    assert_one_line_error(proc, "--chat-template needs --chat", code=1)
+
+
 def test_serve_rejects_an_unknown_tool_call_parser(tmp_path):
     proc = run_cli("serve", tmp_path / "no-such-bundle", "--tool-call-parser", "pythonic")
     assert_one_line_error(proc, "--tool-call-parser", "hermes", code=1)
