@@ -162,10 +162,40 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
         raise AdapterError(f"{path}: no {WEIGHTS_FILE} (adapter_model.bin is not read: re-save with "
                            "safe_serialization=True)")
     try:
-        return load_file(str(wf))
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
-        raise AdapterError(f"{wf}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                           "it must hold float32, float16 or bfloat16 tensors") from None
+        # bfloat16 arrays come back as ml_dtypes' once something imported it (onnx, torch), else TypeError
+        return {k: _widened(v) for k, v in load_file(str(wf)).items()}
+    except TypeError as e:
+        if "bfloat16" not in str(e):
+            raise _unreadable(wf, e) from None
+        return _load_bf16(wf)  # numpy has no bfloat16: safetensors.numpy cannot read what bf16 models save
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _unreadable(wf, e) from None
+
+
+def _unreadable(wf: Path, e: Exception) -> AdapterError:
+    return AdapterError(f"{wf}: cannot read it ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                        "it must hold float32, float16 or bfloat16 tensors")
+
+
+def _widened(arr: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return arr.astype(np.float32) if arr.dtype == ml_dtypes.bfloat16 else arr
+
+
+def _load_bf16(wf: Path) -> dict[str, np.ndarray]:
+    """A file with bfloat16 tensors, read through ml_dtypes: bfloat16 ones widened to float32 (exact; fp16 would
+    clip bf16's range), the others copied as they are."""
+    from lineside.build.checkpoint.safetensors_file import SafetensorsFile
+    from lineside.errors import CheckpointError
+
+    try:
+        f = SafetensorsFile(wf)
+        out = {name: np.array(_widened(f.get_raw(name))) for name in f.names()}
+        f.close()
+    except (CheckpointError, OSError, ValueError) as e:
+        raise _unreadable(wf, e) from None
+    return out
 
 
 def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:

@@ -117,3 +117,18 @@ def _bundle_files(bundle) -> set[str]:
     from lineside import checksum_cache
 
     return tree_snapshot(bundle) - {checksum_cache.NAME}
+
+
+def test_add_a_bfloat16_adapter(lora_bundle_copy, peft_adapter, tmp_path):
+    """A bf16 model's PEFT adapter is saved in bfloat16, which safetensors.numpy cannot read in a process that
+    has not imported ml_dtypes (`lora add`'s): it was refused as 'data type bfloat16 not understood; it must hold
+    float32, float16 or bfloat16 tensors'."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = tmp_path / "bf16"
+    shutil.copytree(peft_adapter("llama-gqa", "qv"), adapter)
+    weights = adapter / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}, str(weights))
+    proc = run_cli("lora", "add", str(lora_bundle_copy), str(adapter), "--name", "bf16-line", fresh=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "adapter bf16-line added" in proc.stdout

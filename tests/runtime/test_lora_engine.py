@@ -239,3 +239,27 @@ def test_packed_stack_holds_what_is_loaded_at_its_own_rank():
     np.testing.assert_array_equal(packed.arrays["lora_b.1.qkv.v"], small.scaled_pair((1, v))[1])
     packed.unload(3)
     assert packed.width == 0 and packed.live_bytes == 0
+
+
+def test_a_bfloat16_adapter_is_read(peft_adapter, tiny_bundles, tmp_path):
+    """PEFT adapters of bf16 models are saved in bfloat16, which safetensors.numpy cannot read: they are read
+    through ml_dtypes and held in float32 (exact), the same A, B and scaling as the float32 file rounded to bf16."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bundle = open_bundle(tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64,
+                                      accuracy_level=0, max_lora_rank=8))
+    src = peft_adapter("llama-gqa", "qv")
+    dst = tmp_path / "bf16"
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()}, str(weights))
+    f32, bf16 = read_adapter(src, bundle.config, "f32"), read_adapter(dst, bundle.config, "bf16")
+    assert f32.weights.keys() == bf16.weights.keys() and f32.scalings == bf16.scalings
+    for key, (a, b) in f32.weights.items():
+        ba, bb = bf16.weights[key]
+        assert ba.dtype == bb.dtype == np.float32
+        np.testing.assert_array_equal(ba, torch.from_numpy(a).to(torch.bfloat16).float().numpy())
+        np.testing.assert_array_equal(bb, torch.from_numpy(b).to(torch.bfloat16).float().numpy())
