@@ -178,22 +178,26 @@ def _unreadable(wf: Path, e: Exception) -> AdapterError:
 
 
 def _widened(arr: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-
-    return arr.astype(np.float32) if arr.dtype == ml_dtypes.bfloat16 else arr
+    return arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr  # ml_dtypes' bfloat16: exact
 
 
 def _load_bf16(wf: Path) -> dict[str, np.ndarray]:
-    """A file with bfloat16 tensors, read through ml_dtypes: bfloat16 ones widened to float32 (exact; fp16 would
-    clip bf16's range), the others copied as they are."""
-    from lineside.build.checkpoint.safetensors_file import SafetensorsFile
-    from lineside.errors import CheckpointError
+    """A file with bfloat16 tensors, which safetensors.numpy cannot read without ml_dtypes imported: bfloat16
+    ones widened to float32 (exact: a bf16 is the top half of a float32; fp16 would clip its range)."""
+    from safetensors import SafetensorError, deserialize
 
+    floats = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
     try:
-        f = SafetensorsFile(wf)
-        out = {name: np.array(_widened(f.get_raw(name))) for name in f.names()}
-        f.close()
-    except (CheckpointError, OSError, ValueError) as e:
+        out = {}
+        for name, t in deserialize(wf.read_bytes()):
+            if t["dtype"] == "BF16":
+                arr = (np.frombuffer(t["data"], dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+            elif t["dtype"] in floats:
+                arr = np.frombuffer(t["data"], dtype=floats[t["dtype"]]).copy()
+            else:
+                raise ValueError(f"tensor {name!r} is {t['dtype']}")
+            out[name] = arr.reshape(t["shape"])
+    except (SafetensorError, OSError, ValueError) as e:
         raise _unreadable(wf, e) from None
     return out
 
