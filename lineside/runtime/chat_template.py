@@ -36,10 +36,12 @@ def builtin_templates() -> list[str]:
 
 def load_chat_template(value: str, option: str = "--chat-template") -> str:
     """The template text ``value`` stands for: a file's contents, a shipped template, or ``value`` itself."""
+    if not value.strip():
+        raise ChatTemplateError(f"{option} is empty; give a Jinja file, the template text or builtin:NAME")
     if value.startswith(BUILTIN):
         name = value[len(BUILTIN):]
         path = TEMPLATES_DIR / f"{name}.jinja"
-        if not path.is_file():
+        if name not in builtin_templates():  # a name, not a path: builtin:../x reads nothing outside the folder
             raise ChatTemplateError(f"{option} {value}: no such shipped template; the shipped ones are "
                                     f"{', '.join(BUILTIN + n for n in builtin_templates()) or 'none'}")
         return path.read_text(encoding="utf-8")

@@ -43,6 +43,8 @@ def test_file_inline_text_and_shipped_templates(tmp_path):
     (lambda d: _write(d / "raises.jinja", "{{ raise_exception('needs a system message') }}"), "needs a system"),
     (lambda d: _write(d / "drops.jinja", "{% for m in messages %}{{ m.role }}{% endfor %}"), "without the message"),
     (lambda d: "builtin:llama9", "no such shipped template"),
+    (lambda d: "builtin:../templates/smollm2_tools", "no such shipped template"),  # a name, not a path
+    (lambda d: "", "is empty"),
 ])
 def test_bad_templates_are_one_line(tmp_path, make, words):
     value = make(tmp_path)
