@@ -39,7 +39,7 @@ def rendering(state: Any, body: Any) -> Rendering:
             kwargs = check_kwargs(body.chat_template_kwargs) or None
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
-        param = "chat_template_kwargs"
+        param = "chat_template_kwargs" if kwargs else None  # {} adds nothing a failure could be blamed on
     if body.chat_template is not None:
         if not state.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: this server renders with its own template "
