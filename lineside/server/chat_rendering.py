@@ -5,6 +5,8 @@ its field."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +26,15 @@ class Rendering:
         """Keyword arguments for Tokenizer.encode_chat / stable_chat_ids."""
         return {"chat_template": self.given, "template_kwargs": self.kwargs}
 
-    def failed(self, e: LinesideError) -> APIError:
-        """A render failure as a 400 (naming the request's template field when it sent one)."""
-        return APIError(400, str(e), "invalid_value", param=self.param)
+    @contextmanager
+    def blamed(self) -> Iterator[None]:
+        """A render failure inside as a 400 naming the request's template field when it sent one (else as is)."""
+        try:
+            yield
+        except LinesideError as e:
+            if self.param is None:
+                raise
+            raise APIError(400, str(e), "invalid_value", param=self.param) from None
 
 
 def rendering(state: Any, body: Any) -> Rendering:

@@ -92,14 +92,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                tools=tuple(tools), named=tool_choice.name,
                                max_calls=1 if body.parallel_tool_calls is False else None)
         size = sum(len(m["content"] or "") for m in messages)
-        try:
+        with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
                                  param="messages")
-        except LinesideError as e:
-            if render.param is None:
-                raise
-            raise render.failed(e) from None
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,

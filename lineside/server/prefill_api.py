@@ -90,16 +90,12 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
         messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
         size = sum(len(m["content"] or "") for m in messages)
-        try:
+        with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
                                  param="messages")
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
                                                             **render.options()), param="messages")
-        except LinesideError as e:
-            if render.param is None:
-                raise
-            raise render.failed(e) from None
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
