@@ -10,9 +10,11 @@ the decode batch must sit in one range of slots is the backend's to say
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
+
+from lineside.graph_io import StateUpdate
 
 
 @dataclass
@@ -94,3 +96,9 @@ class LoraBackend(Protocol):
 
     def unload_adapter(self, slot: int) -> None:
         ...
+
+
+def has_whole_state(backend: Any) -> bool:
+    """Whether the backend's decode state has whole-state tensors (mode replace: DeepSeek-V4's window and
+    compressor state), which advance over every token a step feeds and cannot be cut back to a prefix."""
+    return any(getattr(s, "update", None) == StateUpdate.REPLACE for s in getattr(backend, "states", []))

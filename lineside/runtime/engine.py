@@ -24,10 +24,9 @@ from typing import Any, TypeVar
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import StateUpdate
 from lineside.lora import LoraAdapter
 from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
-from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.kv_bytes import KvArenaBytes
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.lora_stack import LoraSlotsConfig
@@ -142,8 +141,8 @@ class LLMEngine:
         self._grammar: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
-        states = getattr(self.backend, "states", [])
-        prefix_ok = prefix_cache and not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
+        self.whole_state = has_whole_state(self.backend)
+        prefix_ok = prefix_cache and not self.whole_state
         self.arena = KVCacheArena(self.backend.num_slots, self.max_seq_len, kv_block_size, num_blocks=kv_blocks,
                                   prefix_cache=prefix_ok)
         arena_of = getattr(self.backend, "kv_arena_bytes", None)  # the backend's buffers, read once: they never move
@@ -157,7 +156,6 @@ class LLMEngine:
                                                                   threads=threads)
         self._model_proposer = proposer if hasattr(proposer, "propose_rows") else None
         # A session is a prefix of a slot's state kept for a later prompt: whole-state tensors cannot be kept so.
-        self.whole_state = any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states)
         sessions = None if self.whole_state or max_sessions == 0 else SessionStore(session_ttl, max_sessions)
         self.scheduler = Scheduler(self.arena, prefill_chunk=chunk, aging_s=aging_s, preemption=preemption,
                                    contiguous_slots=self.backend.needs_contiguous_slots, clock=clock,

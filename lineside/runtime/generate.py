@@ -15,8 +15,7 @@ import numpy as np
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import StateUpdate
-from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.request import FinishReason, check_prompt_ids
 from lineside.runtime.sampling import Sampler, SamplingParams
@@ -133,6 +132,7 @@ class Generator:
                              verify_token_cost=float(getattr(self.backend, "verify_token_cost", 0.0)),
                              draft_cost=float(getattr(proposer, "cost", 0.0)))
         prompt_len = len(history)
+        whole_state = has_whole_state(self.backend)  # a rejected draft's advance of it is undone
 
         def grammatical(drafts: list[int]) -> list[int]:
             return drafts if matcher is None or not drafts else drafts[:matcher.validate(drafts)]
@@ -161,8 +161,7 @@ class Generator:
             elif room > 0 and proposer.cheap:
                 shadow = grammatical(proposer.propose(history, 1))
             ids = [history[-1], *drafts]
-            whole = drafts and any(s.update == StateUpdate.REPLACE for s in getattr(self.backend, "states", []))
-            saved = self.backend.save_rows([0]) if whole else None  # type: ignore[attr-defined]
+            saved = self.backend.save_rows([0]) if drafts and whole_state else None  # type: ignore[attr-defined]
             rows = self.backend.forward(StepBatch.single(0, ids, len(history) - 1, all_logits=True))[0]
             self.steps += 1
             if drafts:

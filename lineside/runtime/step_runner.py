@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lineside.graph_io import StateUpdate
-from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
@@ -96,8 +95,7 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
 def _save_whole_state(backend: Backend, plan: StepPlan) -> dict | None:
     """Whole-state tensors (DeepSeek-V4's compressor state, mode replace) advance over every token a step
     feeds, rejected drafts too: keep the verifying rows' state from before the step (None: nothing to keep)."""
-    if not plan.drafts or not any(getattr(s, "update", None) == StateUpdate.REPLACE
-                                  for s in getattr(backend, "states", [])):
+    if not plan.drafts or not has_whole_state(backend):
         return None
     return backend.save_rows([int(s.slot or 0) for s in plan.drafts])  # type: ignore[attr-defined]
 

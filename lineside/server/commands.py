@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Annotated
@@ -210,20 +209,14 @@ def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:
     import lineside.runtime.onnxruntime_backend  # noqa: F401
     import lineside.runtime.select  # noqa: F401
     import lineside.runtime.tensorrt.key  # noqa: F401
-    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.engine import LLMEngine, in_thread
 
-    future: Future = Future()
+    def build() -> LLMEngine:
+        engine = LLMEngine(bundle, **engine_kwargs)
+        engine.warm_up()  # here, while the main thread still imports the web stack: off the path to ready
+        return engine
 
-    def build() -> None:
-        try:
-            engine = LLMEngine(bundle, **engine_kwargs)
-            engine.warm_up()  # here, while the main thread still imports the web stack: off the path to ready
-            future.set_result(engine)
-        except BaseException as e:  # noqa: BLE001 - handed to the server's loader, which reports it
-            future.set_exception(e)
-
-    threading.Thread(target=build, name="lineside-load", daemon=True).start()
-    return future
+    return in_thread(build, name="lineside-load")  # an error is handed to the server's loader, which reports it
 
 
 def register(app: typer.Typer) -> None:

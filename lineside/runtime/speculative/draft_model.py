@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from lineside.graph_io import StateUpdate
-from lineside.runtime.backend import Backend, StepBatch
+from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.speculative.config import Draft, DraftRow
 
 
@@ -40,8 +39,7 @@ class DraftModelProposer:
         self.max_prefill = max(2, int(max_prefill))
         self.fed: dict[int, list[int]] = {}  # own KV: the tokens whose KV each draft slot holds, in order
         # the target's whole-state tensors this draft advances (shared with the target: put back after it runs)
-        self.restores_state = shares_target_kv and any(
-            getattr(s, "update", None) == StateUpdate.REPLACE for s in getattr(backend, "states", []))
+        self.restores_state = shares_target_kv and has_whole_state(backend)
 
     def propose_rows(self, rows: list[DraftRow]) -> list[Draft]:
         if not self.restores_state:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from lineside.bundle import DRAFT_GRAPHS, MTP_GRAPH, Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.graph_io import StateUpdate
-from lineside.runtime.backend import Backend
+from lineside.runtime.backend import Backend, has_whole_state
 from lineside.runtime.speculative.config import ModelProposer, Proposer, SpecMethod, SpeculativeConfig
 from lineside.runtime.speculative.draft_model import DraftModelProposer
 
@@ -19,8 +18,7 @@ def check_speculation(backend: Backend, spec: SpeculativeConfig | None) -> None:
     (``reserve_rewind``), not in the first verification step."""
     if spec is None:
         return
-    states = getattr(backend, "states", [])
-    if not any(getattr(s, "update", None) == StateUpdate.REPLACE for s in states):
+    if not has_whole_state(backend):
         return
     if not hasattr(backend, "restore_rows"):
         raise LinesideError(f"--speculative {spec.label} is not supported for this model on the {backend.name} "
