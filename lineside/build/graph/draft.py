@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.graph.builder import GraphBuilder
 from lineside.graph_io import StateTensor
 
 
@@ -81,11 +81,7 @@ def _write_cut(gb: GraphBuilder, path: Path, nodes: list[onnx.NodeProto], output
     used = {ref for n in nodes for ref in node_reads(n)}
     inits = [t for t in gb.initializers if t.name in used]
     inputs = [i for i in gb.inputs if i.name in used]
-    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=opset_imports(gb), producer_name="lineside")
-    model.ir_version = 10
-    path.write_bytes(model.SerializeToString())
-    onnx.checker.check_model(str(path))
+    gb.write_graph(path, nodes, inputs, inits, name=name, outputs=outputs)
     return {"graph": path.name, "inputs": [i.name for i in inputs], "state": [s.to_dict() for s in kept_states],
             "weight_fraction": round(initializer_bytes(inits) / max(1, initializer_bytes(gb.initializers)), 4)}
 
@@ -109,14 +105,6 @@ def node_reads(node: onnx.NodeProto) -> set[str]:
         for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
             for n in g.node:
                 out |= node_reads(n)
-    return out
-
-
-def opset_imports(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:
-    """The opsets a graph cut from ``gb`` declares (the default domain, plus com.microsoft when it is used)."""
-    out = [helper.make_opsetid("", gb.opset)]
-    if gb.uses_ms_domain:
-        out.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out
 
 
