@@ -114,7 +114,7 @@ class GraphBuilder:
     def save(self) -> Path:
         """Write the .onnx (structure) next to the already-written .onnx.data and check it."""
         self._data.close()
-        self._write(self.onnx_path, self.nodes, self.inputs, self.initializers)
+        self.write_graph(self.onnx_path, self.nodes, self.inputs, self.initializers)
         if self._offset == 0:
             (self.onnx_path.parent / self.data_name).unlink(missing_ok=True)
         return self.onnx_path
@@ -122,16 +122,24 @@ class GraphBuilder:
     def write_variant(self, path: Path, *, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
                       extra_initializers: list[onnx.TensorProto]) -> Path:
         """After ``save``: another graph over the same initializers (and so the same external-data file)."""
-        self._write(path, nodes, inputs, self.initializers + extra_initializers)
+        self.write_graph(path, nodes, inputs, self.initializers + extra_initializers)
         return path
 
-    def _write(self, path: Path, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
-               initializers: list[onnx.TensorProto]) -> None:
-        graph = helper.make_graph(nodes, self.name, inputs, self.outputs, initializers)
+    def opset_imports(self) -> list[onnx.OperatorSetIdProto]:
+        """The opsets its graphs declare (the default domain, plus com.microsoft when a node uses it)."""
         opsets = [helper.make_opsetid("", self.opset)]
         if self.uses_ms_domain:
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="lineside")
+        return opsets
+
+    def write_graph(self, path: Path, nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto],
+                    initializers: list[onnx.TensorProto], *, name: str | None = None,
+                    outputs: list[onnx.ValueInfoProto] | None = None) -> None:
+        """Write and check a graph with this builder's opsets: its own, or another over its weight file (a variant,
+        a draft cut, the MTP graph; ``name`` and ``outputs`` default to its own)."""
+        graph = helper.make_graph(nodes, self.name if name is None else name, inputs,
+                                  self.outputs if outputs is None else outputs, initializers)
+        model = helper.make_model(graph, opset_imports=self.opset_imports(), producer_name="lineside")
         model.ir_version = 10
         with open(path, "wb") as f:
             f.write(model.SerializeToString())

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
+from lineside.build.graph.builder import GraphBuilder
 from lineside.graph_io import StateTensor
 
 
@@ -36,17 +36,13 @@ def write_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, tail_start:
                       states: list[StateTensor]) -> dict[str, object]:
     """Save the draft graph cut at ``mark`` to ``path`` (beside ``gb``'s graph); returns its manifest record
     (``graph`` = the file name; the pipeline makes it bundle-relative)."""
-    assert path.parent == gb.onnx_path.parent, "the draft reads the full graph's data file by relative name"
     first_tail = gb.nodes[tail_start]
     assert first_tail.op_type == "Add", "the tail starts with the final residual add"
     joined = [mark.hidden] + ([mark.residual] if mark.residual is not None else [])
     head = helper.make_node("Add" if len(joined) == 2 else "Identity", joined, list(first_tail.output),
                             name=first_tail.name + "/draft")
     nodes = [*gb.nodes[:mark.nodes], head, *gb.nodes[tail_start + 1:]]
-    kept_states = states[:mark.states]
-    outputs = [o for o in gb.outputs if o.name == "logits"] + \
-        [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
-    return _write_cut(gb, path, nodes, outputs, kept_states, gb.name + f"-draft{mark.states}")
+    return _write_cut(gb, path, nodes, states[:mark.states])
 
 
 def write_streams_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, last_hidden: str, tail_start: int,
@@ -54,16 +50,12 @@ def write_streams_draft_graph(gb: GraphBuilder, path: Path, mark: LayerMark, las
     """Save the draft cut at ``mark`` for a graph whose tail (from node ``tail_start``: gather, head collapse,
     norm, LM head, state outputs) reads the last layer's output ``last_hidden``: the tail reads ``mark.hidden``
     instead, and only the first ``mark.states`` states remain. ``inputs``: the manifest's non-state inputs."""
-    assert path.parent == gb.onnx_path.parent, "the draft reads the full graph's data file by relative name"
     nodes = list(gb.nodes[:tail_start])
     for n in gb.nodes[tail_start:]:
         if last_hidden in n.input:
             n = _renamed_input(n, last_hidden, mark.hidden)
         nodes.append(n)
-    kept_states = states[:mark.states]
-    outputs = [o for o in gb.outputs if o.name == "logits"] + \
-        [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
-    record = _write_cut(gb, path, nodes, outputs, kept_states, gb.name + f"-draft{mark.states}")
+    record = _write_cut(gb, path, nodes, states[:mark.states])
     record["inputs"] = [i for i in inputs if i in record["inputs"]]  # type: ignore[operator]
     return record
 
@@ -75,17 +67,18 @@ def _renamed_input(node: onnx.NodeProto, old: str, new: str) -> onnx.NodeProto:
     return out
 
 
-def _write_cut(gb: GraphBuilder, path: Path, nodes: list[onnx.NodeProto], outputs: list[onnx.ValueInfoProto],
-               kept_states: list[StateTensor], name: str) -> dict[str, object]:
+def _write_cut(gb: GraphBuilder, path: Path, nodes: list[onnx.NodeProto],
+               kept_states: list[StateTensor]) -> dict[str, object]:
+    """Save the cut (``nodes`` pruned to what logits and the kept states' outputs need) beside ``gb``'s graph."""
+    assert path.parent == gb.onnx_path.parent, "the draft reads the full graph's data file by relative name"
+    outputs = [o for o in gb.outputs if o.name == "logits"] + \
+        [o for o in gb.outputs if o.name in {s.output for s in kept_states}]
+    name = gb.name + f"-draft{len(kept_states)}"
     nodes = _needed(nodes, {o.name for o in outputs})
     used = {ref for n in nodes for ref in node_reads(n)}
     inits = [t for t in gb.initializers if t.name in used]
     inputs = [i for i in gb.inputs if i.name in used]
-    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=opset_imports(gb), producer_name="lineside")
-    model.ir_version = 10
-    path.write_bytes(model.SerializeToString())
-    onnx.checker.check_model(str(path))
+    gb.write_graph(path, nodes, inputs, inits, name=name, outputs=outputs)
     return {"graph": path.name, "inputs": [i.name for i in inputs], "state": [s.to_dict() for s in kept_states],
             "weight_fraction": round(initializer_bytes(inits) / max(1, initializer_bytes(gb.initializers)), 4)}
 
@@ -109,14 +102,6 @@ def node_reads(node: onnx.NodeProto) -> set[str]:
         for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
             for n in g.node:
                 out |= node_reads(n)
-    return out
-
-
-def opset_imports(gb: GraphBuilder) -> list[onnx.OperatorSetIdProto]:
-    """The opsets a graph cut from ``gb`` declares (the default domain, plus com.microsoft when it is used)."""
-    out = [helper.make_opsetid("", gb.opset)]
-    if gb.uses_ms_domain:
-        out.append(helper.make_opsetid(MS_DOMAIN, 1))
     return out
 
 

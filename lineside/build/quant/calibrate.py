@@ -221,12 +221,10 @@ def _fake_quant_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], bits:
     return fq
 
 
-def awq_scales_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, calib: Path | None,
-                   progress: Callable[[str, int], Callable[[int], None]],
-                   log: Callable[[str], None]) -> AwqPlan:
-    """Run AWQ calibration for a checkpoint; the text comes from --calib or the shipped default."""
-    if cfg.architecture not in ("llama", "qwen2"):
-        raise LinesideError(f"--method awq is not supported for {cfg.architecture} yet; use --method rtn")
+def checkpoint_calibration_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: Path | None,
+                               max_seqs: int | None = None) -> np.ndarray:
+    """calibration_ids of --calib or the shipped text, tokenized by the checkpoint's own tokenizer, clipped to
+    the vocabulary."""
     import tempfile
 
     from tokenizers import Tokenizer as HFTokenizer
@@ -235,9 +233,17 @@ def awq_scales_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, ca
     with tempfile.TemporaryDirectory() as td:
         ckpt.write_tokenizer(Path(td))
         tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text,
-                          max_seqs=MAX_SEQS + AWQ_HELD_SEQS)
-    ids = np.clip(ids, 0, cfg.vocab_size - 1)
+    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text, max_seqs=max_seqs)
+    return np.clip(ids, 0, cfg.vocab_size - 1)
+
+
+def awq_scales_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, calib: Path | None,
+                   progress: Callable[[str, int], Callable[[int], None]],
+                   log: Callable[[str], None]) -> AwqPlan:
+    """Run AWQ calibration for a checkpoint; the text comes from --calib or the shipped default."""
+    if cfg.architecture not in ("llama", "qwen2"):
+        raise LinesideError(f"--method awq is not supported for {cfg.architecture} yet; use --method rtn")
+    ids = checkpoint_calibration_ids(ckpt, cfg, calib, max_seqs=MAX_SEQS + AWQ_HELD_SEQS)
     fit, held = split_held_out(ids)
     bits = 4 if spec.scheme == "w4a16" else 8
     tick = progress("AWQ calibration", cfg.num_layers)

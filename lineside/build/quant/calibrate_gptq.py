@@ -7,7 +7,6 @@ will really get. q/k/v share one Hessian, gate/up one, o_proj and down_proj thei
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +19,8 @@ from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.dense import layer_tensor_names
 from lineside.build.models.family import Weight, WeightGetter
 from lineside.build.quant.calibrate import (
-    calibration_ids,
     calibration_nll,
-    default_calibration_text,
+    checkpoint_calibration_ids,
     dense_forward,
 )
 from lineside.build.quant.gptq import PERCDAMP, gptq_quantize, hessian
@@ -120,14 +118,7 @@ def rtn_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], group_for: Ca
 
 def gptq_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: Path | None) -> np.ndarray:
     """Calibration token ids [n_seq, seq] from --calib or the shipped text, tokenized by the checkpoint."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    text = Path(calib).read_text(encoding="utf-8", errors="replace") if calib else default_calibration_text()
-    with tempfile.TemporaryDirectory() as td:
-        ckpt.write_tokenizer(Path(td))
-        tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text, GPTQ_MAX_SEQS)
-    return np.clip(ids, 0, cfg.vocab_size - 1)
+    return checkpoint_calibration_ids(ckpt, cfg, calib, max_seqs=GPTQ_MAX_SEQS)
 
 
 def gptq_plan_for(cfg: ModelConfig, ckpt: CheckpointReader, spec: QuantSpec, flavors: tuple[str, ...], calib: Path | None,

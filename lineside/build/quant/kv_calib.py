@@ -7,7 +7,6 @@ which a 4-bit per-token grid otherwise spends its 15 levels on; without it the g
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 
 from lineside.build.checkpoint import CheckpointReader
 from lineside.build.models.rope import rope_cache
-from lineside.build.quant.calibrate import _rope, calibration_ids, default_calibration_text, dense_forward
+from lineside.build.quant.calibrate import _rope, checkpoint_calibration_ids, dense_forward
 from lineside.config import ModelConfig
 
 
@@ -43,14 +42,7 @@ def key_means(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarra
 def key_means_for(cfg: ModelConfig, ckpt: CheckpointReader, calib: Path | None,
                   log: Callable[[str], None]) -> np.ndarray:
     """key_means on --calib or the shipped calibration text, read with the checkpoint's float weights."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    text = Path(calib).read_text(encoding="utf-8", errors="replace") if calib else default_calibration_text()
-    with tempfile.TemporaryDirectory() as td:
-        ckpt.write_tokenizer(Path(td))
-        tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = np.clip(calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text), 0,
-                  cfg.vocab_size - 1)
+    ids = checkpoint_calibration_ids(ckpt, cfg, calib)
     means = key_means(cfg, ckpt.get, ids)
     log(f"int4 KV: mean keys of {cfg.num_layers} layers from {ids.size} calibration tokens "
         f"(norm per head {float(np.linalg.norm(means, axis=-1).mean()):.2f} on average)")

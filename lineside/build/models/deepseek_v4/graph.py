@@ -162,7 +162,7 @@ def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, on
         mtp_graph = emit_mtp(o, cfg, mtp, max_seq_len, rope_inv=inv, embedding=embedding, lm_head=lm_head)
     gb.save()
     if mtp_graph is not None:
-        extra[MTP_GRAPH] = mtp_graph.write(onnx_path.with_name("mtp.onnx"))
+        extra[MTP_GRAPH] = mtp_graph.write(gb, onnx_path.with_name("mtp.onnx"))
     # Layerskip drafts: the first N layers, then the same head collapse, norm and LM head on their streams.
     drafts = {str(n): write_streams_draft_graph(gb, gb.onnx_path.with_name(f"draft-{n}.onnx"), marks[n - 1], x,
                                                 tail_start, states, INPUTS) for n in sorted(set(draft_layers))}

@@ -37,7 +37,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from lineside.build.graph.draft import initializer_bytes, node_reads, opset_imports
+from lineside.build.graph.builder import GraphBuilder
+from lineside.build.graph.draft import initializer_bytes, node_reads
 from lineside.build.models.deepseek_v4.attention import AttentionEmitter, StepCtx, rope_tables
 from lineside.build.models.deepseek_v4.blocks import HyperConnection, MoE
 from lineside.build.models.deepseek_v4.config import SLIDING, V4Config
@@ -143,19 +144,14 @@ class MtpGraph:
     inputs: list[onnx.ValueInfoProto]
     outputs: list[onnx.ValueInfoProto]
     initializers: list[onnx.TensorProto]
-    opsets: list[onnx.OperatorSetIdProto]
     state: StateTensor
     hidden_shape: list[int]
     weight_fraction: float
     name: str = "deepseek_v4_mtp"
 
-    def write(self, path: Path) -> dict[str, Any]:
-        """Save beside the main graph (it reads ``model.onnx.data`` by relative name); its manifest record."""
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=self.opsets, producer_name="lineside")
-        model.ir_version = 10
-        path.write_bytes(model.SerializeToString())
-        onnx.checker.check_model(str(path))
+    def write(self, gb: GraphBuilder, path: Path) -> dict[str, Any]:
+        """Save beside ``gb``'s graph (it reads ``model.onnx.data`` by relative name); its manifest record."""
+        gb.write_graph(path, self.nodes, self.inputs, self.initializers, name=self.name, outputs=self.outputs)
         return {"graph": path.name, "inputs": list(MTP_INPUTS), "state": [self.state.to_dict()], "hidden": HIDDEN,
                 "hidden_shape": self.hidden_shape, "weight_fraction": self.weight_fraction}
 
@@ -210,7 +206,7 @@ def emit_mtp(o: Ops, cfg: V4Config, mtp: MtpSource, max_seq: int, *, rope_inv: d
         gb.nodes, gb.inputs, gb.outputs, gb.initializers = main_nodes, main_inputs, main_outputs, main_inits
     if len({t.name for t in inits}) != len(inits):
         raise CheckpointError("the MTP graph names one initializer twice; this is a lineside bug, please report it")
-    return MtpGraph(nodes, inputs, outputs, inits, opset_imports(gb), st, [n, d], round(fraction, 4))
+    return MtpGraph(nodes, inputs, outputs, inits, st, [n, d], round(fraction, 4))
 
 
 def _copied(nodes: list[onnx.NodeProto], r: NodeRange, inits: list[onnx.TensorProto]) -> list[onnx.NodeProto]:

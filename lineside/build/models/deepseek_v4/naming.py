@@ -150,10 +150,6 @@ class V4Source:
                 out.append(self.source_name(n))
         return out
 
-    def has_source(self, name: str) -> bool:
-        """Whether the file holds a tensor under this on-disk name (tensors transformers has no name for: mtp.*)."""
-        return name in self._names
-
     def source_names(self) -> set[str]:
         return set(self._names)
 
