@@ -218,7 +218,7 @@ def _largest(fits: Callable[[int], bool], hi: int) -> int:
 
 
 def _unbuildable_kv(kv_dtype: str) -> str:
-    """Why the builder refuses a KV dtype the planner can size (int4, fp8 until their graphs land), else ''."""
+    """Why the builder refuses a KV dtype the planner can size (fp8: TensorRT takes no FP8 network input), else ''."""
     from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
 
     try:
