@@ -95,6 +95,10 @@ def main() -> None:
     ap.add_argument("--formats", default="fp,sym16,asym16,sym8:sym16,asym16:sym16,half16,clip0.9sym16")
     ap.add_argument("--uncentred", action="store_true", help="do not subtract the mean key")
     ap.add_argument("--signs", action="store_true", help="Hadamard times random signs (numpy seed 0) instead of plain")
+    ap.add_argument("--sink", type=int, default=0, help="keep the first N positions of a sequence unquantized")
+    ap.add_argument("--int8-layers", default="", help="comma-separated layers whose cache is int8 instead")
+    ap.add_argument("--only-layer", type=int, default=-1, help="quantize only this layer (sensitivity)")
+    ap.add_argument("--per-layer", action="store_true", help="score each format with one layer quantized at a time")
     args = ap.parse_args()
 
     import sys
@@ -134,13 +138,22 @@ def main() -> None:
         h = (np.random.default_rng(0).choice([-1.0, 1.0], cfg.head_dim)[:, None] * h).astype(np.float32)
     d = cfg.head_dim
     orig_attention = cal._attention
-    state = {"layer": -1, "kq": None, "vq": None}
+    state = {"layer": -1, "kq": None, "vq": None, "only": args.only_layer}
+
+    int8_layers = {int(x) for x in args.int8_layers.split(",") if x}
 
     def attention(q, k, v, window):  # k, v [B, S, KV, D]
-        m = means[state["layer"]][None, None]
-        k = (state["kq"]((k - m) @ h) @ h.T) + m
-        v = state["vq"](v @ h) @ h.T
-        return orig_attention(q, k, v, window)
+        layer = state["layer"]
+        if state["only"] >= 0 and layer != state["only"]:
+            return orig_attention(q, k, v, window)
+        kq, vq = (q_int8, q_int8) if layer in int8_layers else (state["kq"], state["vq"])
+        m = means[layer][None, None]
+        k2 = (kq((k - m) @ h) @ h.T) + m
+        v2 = vq(v @ h) @ h.T
+        n = args.sink
+        if n:
+            k2[:, :n], v2[:, :n] = k[:, :n], v[:, :n]
+        return orig_attention(q, k2, v2, window)
 
     def hook(layer, group, *_a):
         if group == "qkv":
@@ -168,13 +181,16 @@ def main() -> None:
         kf, _, vf = f.partition(":")
         vf = vf or kf
         state["kq"], state["vq"] = quantizer(kf), quantizer(vf)
-        t0 = time.time()
-        p, pl = ppl(chunks), ppl([long_ids])
-        if ref is None:
-            ref = (p, pl)
-        print(f"K {kf:12s} V {vf:12s} bytes K {vector_bytes(kf, d):3d} V {vector_bytes(vf, d):3d}  "
-              f"ppl {p:8.3f} ({100 * (p / ref[0] - 1):+6.2f}%)  long {pl:8.3f} ({100 * (pl / ref[1] - 1):+6.2f}%)"
-              f"  [{time.time() - t0:.0f} s]", flush=True)
+        for only in range(cfg.num_layers) if args.per_layer and ref is not None else [args.only_layer]:
+            state["only"] = only
+            t0 = time.time()
+            p, pl = ppl(chunks), ppl([long_ids])
+            if ref is None:
+                ref = (p, pl)
+            where = f"layer {only:2d} " if only >= 0 else ""
+            print(f"{where}K {kf:12s} V {vf:12s} bytes K {vector_bytes(kf, d):3d} V {vector_bytes(vf, d):3d}  "
+                  f"ppl {p:8.3f} ({100 * (p / ref[0] - 1):+6.2f}%)  long {pl:8.3f} ({100 * (pl / ref[1] - 1):+6.2f}%)"
+                  f"  [{time.time() - t0:.0f} s]", flush=True)
 
 
 if __name__ == "__main__":

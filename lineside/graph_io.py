@@ -33,6 +33,14 @@ class StateUpdate(StrEnum):
     INPLACE = "inplace"  # output aliases the input buffer (cpu flavor: GroupQueryAttention shares past/present)
     APPEND = "append"  # output holds only the new ``seq`` entries along ``seq_axis``; runtime writes them at past_len
     REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
+    # Like replace, but set only by a sequence's first positions (int4 caches' attention-sink entries): any
+    # cached prefix carries it whole, and a rejected draft or a cut-back prefix never changes it.
+    PREFIX = "prefix"
+
+    @property
+    def fixed(self) -> bool:
+        """A fixed-shape state the runtime swaps in whole (replace, prefix), not entries at past_len."""
+        return self in (StateUpdate.REPLACE, StateUpdate.PREFIX)
 
 
 # Manifest dtype of a packed int4 KV state (build --kv-dtype int4): uint8 bytes holding two 4-bit grid values each.

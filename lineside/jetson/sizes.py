@@ -145,9 +145,12 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) ->
 
 
 def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
-    """2 × layers × kv_heads × (head_dim × bytes + scale bytes) × ctx × batch (grouped-query attention)."""
-    total = 2 * cfg.num_layers * cfg.num_kv_heads * kv.vector_bytes(cfg.head_dim) * ctx * batch
-    return KVSizes(total=total, breakdown={"kv": total})
+    """2 × layers × kv_heads × ((head_dim × bytes + scale bytes) × ctx + the fp16 first entry of int4) × batch
+    (grouped-query attention)."""
+    heads = 2 * cfg.num_layers * cfg.num_kv_heads * batch
+    entries = heads * kv.vector_bytes(cfg.head_dim) * ctx
+    sink = 0 if kv.external else heads * KV_LAYOUTS[kv.name].sink_bytes(cfg.head_dim)
+    return KVSizes(total=entries + sink, breakdown={"kv": entries, **({"sink": sink} if sink else {})})
 
 
 def step_tokens(ctx: int, batch: int, prefill_chunk: int) -> int:

@@ -2,7 +2,8 @@
 
 Capacity is the bytes of every state buffer allocated for ``num_slots`` sequences of ``max_seq_len``
 positions; per token is capacity over those positions (exact for dense caches, whose buffers are
-slots x positions x bytes per position; DeepSeek-V4's window and compressed state averaged over the context).
+slots x positions x bytes per position; DeepSeek-V4's window and compressed state averaged over the context),
+less the entries a sequence holds once whatever its length (int4's fp16 first entry: update ``prefix``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ class KvArenaBytes:
     dtype: str
     capacity_bytes: int
     capacity_tokens: int  # num_slots x max_seq_len
+    sequence_bytes: int = 0  # of the capacity: what every slot holds once, not per position
 
     @property
     def bytes_per_token(self) -> float:
-        return self.capacity_bytes / max(1, self.capacity_tokens)
+        return (self.capacity_bytes - self.sequence_bytes) / max(1, self.capacity_tokens)
 
 
 def kv_label(quantization: Mapping[str, Any] | None, value_dtypes: Iterable[np.dtype | str]) -> str:
@@ -41,6 +43,8 @@ def kv_label(quantization: Mapping[str, Any] | None, value_dtypes: Iterable[np.d
     return FLOAT_LABELS.get(floats[0], floats[0]) if floats else "unknown"
 
 
-def arena_bytes(label: str, nbytes: Iterable[int], *, num_slots: int, max_seq_len: int) -> KvArenaBytes:
-    """A backend's KV arena as the gauges read it: its buffers' bytes over the token positions they hold."""
-    return KvArenaBytes(label, int(sum(nbytes)), int(num_slots) * int(max_seq_len))
+def arena_bytes(label: str, nbytes: Iterable[int], *, num_slots: int, max_seq_len: int,
+                sequence_bytes: int = 0) -> KvArenaBytes:
+    """A backend's KV arena as the gauges read it: its buffers' bytes over the token positions they hold
+    (``sequence_bytes``: those of the buffers held once per slot, included in the capacity)."""
+    return KvArenaBytes(label, int(sum(nbytes)), int(num_slots) * int(max_seq_len), int(sequence_bytes))

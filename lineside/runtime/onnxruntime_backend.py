@@ -221,7 +221,9 @@ class OnnxRuntimeBackend:
         """The state arena's real allocation (every state tensor, all slots), for the /metrics KV gauges."""
         return arena_bytes(kv_label(self.quantization, (a.dtype for a in self.arena.values())),
                            (a.nbytes for a in self.arena.values()), num_slots=self.num_slots,
-                           max_seq_len=self.max_seq_len)
+                           max_seq_len=self.max_seq_len,
+                           sequence_bytes=sum(self.arena[st.input].nbytes for st in self.states
+                                              if st.update == StateUpdate.PREFIX))
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         b, s = batch.input_ids.shape
@@ -311,7 +313,7 @@ class OnnxRuntimeBackend:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         for s in self.states:
             a = self.arena[s.input]
-            if s.update == StateUpdate.REPLACE:
+            if s.update.fixed:
                 a[dst] = a[src]
             else:
                 idx = [slice(None)] * a.ndim
@@ -334,7 +336,7 @@ class OnnxRuntimeBackend:
 
     def reset_slot(self, slot: int) -> None:
         for s in self.states:
-            if s.update == StateUpdate.REPLACE:
+            if s.update.fixed:
                 self.arena[s.input][slot] = 0
         for tap in self.taps:
             tap.on_reset(slot)
@@ -390,7 +392,7 @@ class OnnxRuntimeBackend:
                 view = np.ascontiguousarray(a[slots][tuple(idx)])
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)
-            else:  # StateUpdate.REPLACE
+            else:  # fixed-shape: replace, prefix
                 view = np.ascontiguousarray(a[slots])
                 self._bind(io, st.input, view, output=False)
                 self._bind_new(io, st.output)

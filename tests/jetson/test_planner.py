@@ -70,8 +70,9 @@ def test_dense_kv_formula():
     with pytest.raises(LinesideError, match="DeepSeek-V4 graphs store no fp8 state"):
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
-    # + an fp16 scale and an fp16 minimum per 16 values: 96 bytes per head vector, 0.375x fp16's 256
-    assert p.kv_cache_bytes == 2 * 28 * 4 * (128 // 2 + 2 * 2 * 128 // 16) * 12288
+    # + an fp16 scale and an fp16 minimum per 16 values: 96 bytes per head vector, 0.375x fp16's 256; and the
+    # sequence's first entry once more in fp16 (256 bytes per head vector, once per sequence)
+    assert p.kv_cache_bytes == 2 * 28 * 4 * ((128 // 2 + 2 * 2 * 128 // 16) * 12288 + 2 * 128)
     from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
 
     try:  # a plan the builder cannot make yet says so; once it can, no such note
@@ -101,16 +102,22 @@ def test_planner_kv_bytes_are_the_emitters_state_bytes(tiny_bundles, kv):
     b = open_bundle(tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, kv_dtype=kv))
     bp = plan_buffers(b.flavor("trt").state, b.config, num_slots=1, max_seq=64, max_prefill=8, max_logits=1,
                       vocab=b.config.vocab_size, input_names=list(b.flavor("trt").inputs))
-    per_token = sum(s.nbytes for s in bp.buffers.values() if s.role == "arena") // 64
+    arena = sum(s.nbytes for s in bp.buffers.values() if s.role == "arena")
     spec = _spec_from_config(b.config)
-    assert spec.kv(1, 1, check_kv_dtype(kv)).total == per_token
-    # and per state: the values (kv_layout's packed bytes per head vector) and the scales beside them
+    assert spec.kv(64, 1, check_kv_dtype(kv)).total == arena  # 64 positions of one sequence
+    # and per state: the values (kv_layout's packed bytes per head vector) and the scales beside them, per token;
+    # int4's fp16 first entries (K's heads and V's) once per sequence
+    from lineside.graph_io import StateUpdate
     from lineside.kv_layout import KV_LAYOUTS
 
     lay, d = KV_LAYOUTS[kv], b.config.head_dim
-    rows = {(st.dtype.name, st.inner * st.dtype.itemsize) for st in bp.states}
+    rows = {(st.dtype.name, st.inner * st.dtype.itemsize) for st in bp.states if st.update == StateUpdate.APPEND}
     assert rows == ({("float16", 2 * d)} if kv == "fp16" else
                     {("uint8", lay.value_bytes(d)), ("float16", lay.scales(d) * lay.scale_bytes)})
+    sinks = {(st.dtype.name, st.inner * st.dtype.itemsize) for st in bp.states if st.update == StateUpdate.PREFIX}
+    kvh = b.config.num_kv_heads
+    assert sinks == ({("float16", 2 * kvh * lay.sink_bytes(d))} if lay.sink else set())
+    assert len([st for st in bp.states if st.update == StateUpdate.PREFIX]) == (b.config.num_layers if lay.sink else 0)
 
 
 def test_kv_layouts_are_the_builders_kv_formats():
@@ -124,6 +131,7 @@ def test_kv_layouts_are_the_builders_kv_formats():
         assert lay.value_bits == 8 // getattr(fmt, "pack", 1)
         assert lay.scale_group == getattr(fmt, "group", 0)
         assert lay.per_group == fmt.per_group
+        assert lay.sink == fmt.sink
         assert lay.scale_bytes == np.dtype(fmt.scale_dtype).itemsize
         for d in (16, 64, 128, 512):  # the builder's scales per head vector, where it has the rule
             assert lay.scales(d) == fmt.scale_state_dim(d)

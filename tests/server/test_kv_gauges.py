@@ -40,6 +40,11 @@ def _gauges(text: str) -> dict[str, tuple[str, float]]:
     return out
 
 
+def _sink_bytes(label: str, cfg) -> int:
+    """int4: each slot's first K and V entries once more in fp16, every layer (quant/kv.py SINK)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim if label == "int4" else 0
+
+
 @pytest.mark.parametrize(("options", "flavor", "label", "vector"), CASES, ids=[c[2] for c in CASES])
 def test_kv_gauges_are_the_arena_buffers(tiny_bundles, options, flavor, label, vector):
     _buildable(options)
@@ -58,7 +63,7 @@ def test_kv_gauges_are_the_arena_buffers(tiny_bundles, options, flavor, label, v
     capacity = sum(a.nbytes for a in backend.arena.values())  # what the backend allocated
     positions = 2 * backend.max_seq_len
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * vector(cfg.head_dim)  # K and V, every layer
-    assert capacity == positions * per_token
+    assert capacity == positions * per_token + 2 * _sink_bytes(label, cfg)
     g = _gauges(text)
     assert g == {"lineside_kv_cache_bytes_per_token": (label, per_token),
                  "lineside_kv_cache_capacity_bytes": (label, capacity),
@@ -84,5 +89,6 @@ def test_tensorrt_backend_reports_its_arena_buffers(tiny_bundles, options, flavo
     fake = SimpleNamespace(plan=plan, bundle=b, num_slots=3, max_seq_len=64)
     got = TensorRTBackend.kv_arena_bytes(fake)  # type: ignore[arg-type]
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * vector(cfg.head_dim)
-    assert (got.dtype, got.capacity_bytes, got.bytes_per_token) == (label, 3 * 64 * per_token, per_token)
+    assert (got.dtype, got.capacity_bytes, got.bytes_per_token) == \
+        (label, 3 * 64 * per_token + 3 * _sink_bytes(label, cfg), per_token)
     assert got.capacity_bytes == sum(s.nbytes for s in plan.buffers.values() if s.role == "arena")

@@ -308,6 +308,13 @@ class DenseEmitter:
                 states += [StateTensor(past, present, v_shape, dtype=fmt.element, update=StateUpdate.APPEND),
                            StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
                 self.kv_io[key] = (past, present, ps, os_)
+            if fmt.sink:  # K's heads then V's, position 0 in fp16 (quant/kv.py SINK)
+                past, present = f"past_sink.{i}", f"present_sink.{i}"
+                sink_shape: list[Any] = ["batch", 2 * kvh, 1, d]
+                g.input(past, TensorProto.FLOAT16, sink_shape)
+                g.output(present, TensorProto.FLOAT16, sink_shape)
+                states.append(StateTensor(past, present, sink_shape, dtype="float16", update=StateUpdate.PREFIX))
+                self.kv_io["sink"] = (past, present, None, None)
         q, k, v = g.op("Split", [qkv, g.const([cfg.num_heads * d, kvh * d, kvh * d])], n_out=3, axis=-1)
         return self._trt_attention(q, k, v, self.allowed[cfg.layer_window(i)], layer=i), states
 
@@ -334,6 +341,14 @@ class DenseEmitter:
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d)  # [B, 2·kvh, T, d]
+        if fmt.sink:  # a row's first new entry is its position 0 when it starts there: kept, and read, in fp16
+            past, present, _, _ = self.kv_io["sink"]
+            first = g.op("Slice", [kv, g.const([0]), g.const([1]), g.const([2])])
+            # chosen in float32, then rounded once: a float16 Where runs as float32 on onnxruntime's CPU, whose
+            # cast clean-up would then let attention read the unrounded entry this step (prefill != decode)
+            chosen = g.op("Where", [self.starts_at_zero, first, g.op("Cast", [past], to=F32)])
+            g.op("Cast", [chosen], outputs=[present], to=TensorProto.FLOAT16)
+            both = g.op("Where", [self.key_at_zero, g.op("Cast", [present], to=F32), both])
         k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
         return k, v
 
@@ -348,6 +363,8 @@ class DenseEmitter:
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
+        from lineside.build.quant.kv import FORMATS, KvDtype
+
         cfg, g = self.cfg, self.gb
         cos = g.op("Gather", [self.cos, "position_ids"], axis=0)  # [B, S, rot/2]
         sin = g.op("Gather", [self.sin, "position_ids"], axis=0)
@@ -361,6 +378,11 @@ class DenseEmitter:
         bsz = g.op("Shape", ["position_ids"], start=0, end=1)
         past_pos = g.op("Expand", [g.op("Unsqueeze", [past_pos, g.const([0])]), g.op("Concat", [bsz, past], axis=0)])
         key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
+        if self.spec.kv_dtype != "fp16" and FORMATS[KvDtype(self.spec.kv_dtype)].sink:
+            zero = g.const(0)
+            first = g.op("Slice", ["position_ids", g.const([0]), g.const([1]), g.const([1])])  # [B, 1]
+            self.starts_at_zero = g.op("Unsqueeze", [g.op("Equal", [first, zero]), g.const([2, 3])])  # [B,1,1,1]
+            self.key_at_zero = g.op("Unsqueeze", [g.op("Equal", [key_pos, zero]), g.const([1, 3])])  # [B,1,T,1]
         qp = g.op("Unsqueeze", ["position_ids", g.const([2])])  # [B, S, 1]
         kp = g.op("Unsqueeze", [key_pos, g.const([1])])  # [B, 1, T]
         causal = g.op("LessOrEqual", [kp, qp])

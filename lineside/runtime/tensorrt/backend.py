@@ -269,7 +269,9 @@ class TensorRTBackend:
         """The arena buffers of the one device allocation (every state, all slots), for the /metrics KV gauges."""
         arena = [b for b in self.plan.buffers.values() if b.role == "arena"]
         return arena_bytes(kv_label(self.bundle.manifest.quantization, (b.dtype for b in arena)),
-                           (b.nbytes for b in arena), num_slots=self.num_slots, max_seq_len=self.max_seq_len)
+                           (b.nbytes for b in arena), num_slots=self.num_slots, max_seq_len=self.max_seq_len,
+                           sequence_bytes=sum(self.plan.buffers[lay.state.input].nbytes for lay in self.plan.states
+                                              if lay.update == StateUpdate.PREFIX))
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """One step for the batch's slots; returns float32 logits [B, K, vocab]."""
@@ -344,7 +346,7 @@ class TensorRTBackend:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if src == dst:
             return
-        if any(lay.update != StateUpdate.APPEND for lay in self.plan.states) and length != int(self.layout.lengths[src]):
+        if any(lay.update == StateUpdate.REPLACE for lay in self.plan.states) and length != int(self.layout.lengths[src]):
             raise LinesideError("this model's decode state has fixed-size parts; only whole sequences can be "
                                "copied between slots")
         ra, rb = self.layout.copied(src, dst, length)

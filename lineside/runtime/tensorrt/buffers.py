@@ -100,11 +100,11 @@ def _layout(st: StateTensor, dims: dict[str, int]) -> StateLayout:
         outer = math.prod(num(d) for d in shape[1:ax])
         inner = math.prod(num(d) for d in shape[ax + 1:])
         return StateLayout(st, StateUpdate.APPEND, outer, inner, np_dtype(st.dtype))
-    if st.update == StateUpdate.REPLACE:
+    if st.update.fixed:
         if "past_seq" in shape or "seq" in shape:
-            raise BundleError(f"state {st.input}: a replace state must have a fixed shape (got {shape})")
-        return StateLayout(st, StateUpdate.REPLACE, 1, math.prod(num(d) for d in shape[1:]), np_dtype(st.dtype))
-    raise BundleError(f"state {st.input}: update '{st.update}' cannot run on TensorRT (only append/replace); "
+            raise BundleError(f"state {st.input}: a {st.update} state must have a fixed shape (got {shape})")
+        return StateLayout(st, st.update, 1, math.prod(num(d) for d in shape[1:]), np_dtype(st.dtype))
+    raise BundleError(f"state {st.input}: update '{st.update}' cannot run on TensorRT (only append/replace/prefix); "
                       "use the trt flavor")
 
 

@@ -108,10 +108,19 @@ def test_quantized_cache_prefix_copy_and_rollback(kv_bundle, kv):
     be.forward(StepBatch.single(0, IDS[:6], 0))
     be.copy_slot(0, 1, 6)
     got = be.forward(StepBatch.single(1, IDS[6:10], 6, all_logits=True))[0]
-    assert rel_err(got, fresh[6:10]) < 1e-5
+    tol = 1e-5
+    assert rel_err(got, fresh[6:10]) < tol
     be.forward(StepBatch.single(0, [250, 251, 252], 6))  # a draft of 3 tokens, all rejected
     again = be.forward(StepBatch.single(0, IDS[6:10], 6, all_logits=True))[0]  # rewritten from position 6
-    assert rel_err(again, fresh[6:10]) < 1e-5
+    assert rel_err(again, fresh[6:10]) < tol
+    if kv == "int4":  # the sink entry travelled with the copy: a slot without it reads other values
+        be.reset_slot(1)
+        be.forward(StepBatch.single(0, IDS[:6], 0))
+        be.copy_slot(0, 1, 6)
+        for name in [n for n in be.arena if n.startswith("past_sink.")]:
+            be.arena[name][1] = 0
+        lost = be.forward(StepBatch.single(1, IDS[6:10], 6, all_logits=True))[0]
+        assert rel_err(lost, fresh[6:10]) > 1e-2
 
 
 def unpack_int4(packed: np.ndarray) -> np.ndarray:
@@ -125,8 +134,8 @@ def test_int4_kv_within_bound_of_float_kv_and_transformers(kv_bundle, tiny_dense
     pre, dec = logits(kv_bundle("int4", variant=variant))
     e_pre, e_dec = rel_err(pre, ref_pre), rel_err(dec, ref_pre)
     print(f"int4 KV {variant}: prefill {e_pre:.2e}, decode {e_dec:.2e} vs fp16 KV")
-    # measured 5.8% (llama-gqa) / 2.1% (qwen2) with the asymmetric grid (int8: 0.4%): 16 levels per head vector must
-    # show, and stay bounded
+    # measured 3.1% (llama-gqa) / 2.3% (qwen2) with the asymmetric grid and the fp16 first entry (5.8% / 2.1% without
+    # it; int8: 0.4%): 16 levels per head vector must show, and stay bounded
     assert 1e-2 < e_pre < 0.15 and e_dec < 0.15
     assert rel_err(dec, pre) < 1e-4  # prefill and decode read the same stored values
     ref = reference_logits(tiny_dense(variant), IDS)

@@ -190,9 +190,9 @@ def test_chunks_cover_all_logits():
 
 def test_state_update_kinds_supported(trt_bundle):
     """A dense trt graph's KV is append state whose sequence axis is the one ArenaLayout pitches; the TensorRT
-    plan lays out append (rows grow with the pitch) and replace (one fixed row) state, and refuses the cpu
+    plan lays out append (rows grow with the pitch), replace and prefix (one fixed row) state, and refuses the cpu
     graph's in-place cache in one line. A new kind of state update fails here until TensorRT is told of it."""
-    assert set(StateUpdate) == {StateUpdate.APPEND, StateUpdate.REPLACE, StateUpdate.INPLACE}
+    assert set(StateUpdate) == {StateUpdate.APPEND, StateUpdate.REPLACE, StateUpdate.PREFIX, StateUpdate.INPLACE}
     b = trt_bundle("fp16")
     states = list(b.flavor("trt").state)
     assert states and {st.update for st in states} == {StateUpdate.APPEND}
@@ -208,6 +208,11 @@ def test_state_update_kinds_supported(trt_bundle):
     fixed = plan([StateTensor("win", "win_out", ["batch", 8, "head_dim"], update=StateUpdate.REPLACE)]).states[0]
     assert fixed.update == StateUpdate.REPLACE
     assert fixed.row_bytes(8) == fixed.row_bytes(64) == 8 * b.config.head_dim * 4
-    with pytest.raises(BundleError, match="only append/replace") as e:
+    sink = plan([StateTensor("past_sink.0", "present_sink.0", ["batch", 4, 1, 16], dtype="float16",
+                             update=StateUpdate.PREFIX)]).states[0]
+    assert sink.update == StateUpdate.PREFIX and sink.row_bytes(8) == sink.row_bytes(64) == 4 * 16 * 2
+    with pytest.raises(BundleError, match="a prefix state must have a fixed shape"):
+        plan([StateTensor("s", "s_out", ["batch", "past_seq", 16], update=StateUpdate.PREFIX)])
+    with pytest.raises(BundleError, match="only append/replace/prefix") as e:
         plan([StateTensor("past_key.0", "present_key.0", ["batch", 2, "max_seq", 16], update=StateUpdate.INPLACE)])
     assert "\n" not in str(e.value)
