@@ -4,7 +4,7 @@ What the memory planner and the runtime's KV gauges count, matching the builder'
 (build/quant/kv.py FORMATS; tests/jetson/test_planner.py ties the two and both to the emitted state shapes):
 int8 keeps one fp16 scale per (token, KV head); int4 packs two values per byte and keeps an fp16 scale and an
 fp16 minimum per (token, KV head, 16 channels) (asymmetric grid), and in dense models each sequence's first
-entry once more in fp16 (the attention sink). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
+4 entries once more in fp16 (the attention sinks). ``fp16`` is the float cache: 2 bytes in the trt flavor's fp16 builds (4 in its
 fp32 reference and in the cpu flavor, whose cache is float32).
 """
 
@@ -25,11 +25,11 @@ class KvVectorLayout:
     scale_bytes: int = 0  # bytes of one scale (0: an unscaled float cache)
     scale_group: int = 0  # values per scale (0: one scale for the whole head vector)
     per_group: int = 1  # fp16 numbers per scale group (2: scale and minimum of an asymmetric grid)
-    sink: bool = False  # dense models: a sequence's first K and V head vectors also kept in fp16 (quant/kv.py SINK)
+    sink: int = 0  # dense models: a sequence's first K and V head vectors also kept in fp16 (quant/kv.py SINK)
 
     def sink_bytes(self, n: int) -> int:
-        """Bytes per (sequence, layer, KV head, K or V) beside the per-token entries: the fp16 first entry."""
-        return FP16_SCALE * n if self.sink else 0
+        """Bytes per (sequence, layer, KV head, K or V) beside the per-token entries: the fp16 first entries."""
+        return FP16_SCALE * n * self.sink
 
     def value_bytes(self, n: int) -> int:
         return math.ceil(n * self.value_bits / 8)
@@ -51,5 +51,5 @@ KV_LAYOUTS: dict[str, KvVectorLayout] = {
     "int8": KvVectorLayout("int8", 8, FP16_SCALE),
     "fp8": KvVectorLayout("fp8", 8, FP16_SCALE),
     # uint8 [.., head_dim / 2] + fp16 (scale, minimum) pairs [.., 2 * head_dim / 16]: head_dim 64 -> 48 bytes (0.375x)
-    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=16, per_group=2, sink=True),
+    "int4": KvVectorLayout("int4", 4, FP16_SCALE, scale_group=16, per_group=2, sink=4),
 }

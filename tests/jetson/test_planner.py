@@ -71,8 +71,8 @@ def test_dense_kv_formula():
         plan("DeepSeek-V4-Flash", "h100-80", kv_dtype="fp8")
     p = plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", ctx=12288, kv_dtype="int4")  # two values per byte
     # + an fp16 scale and an fp16 minimum per 16 values: 96 bytes per head vector, 0.375x fp16's 256; and the
-    # sequence's first entry once more in fp16 (256 bytes per head vector, once per sequence)
-    assert p.kv_cache_bytes == 2 * 28 * 4 * ((128 // 2 + 2 * 2 * 128 // 16) * 12288 + 2 * 128)
+    # sequence's first 4 entries once more in fp16 (256 bytes per head vector, once per sequence)
+    assert p.kv_cache_bytes == 2 * 28 * 4 * ((128 // 2 + 2 * 2 * 128 // 16) * 12288 + 4 * 2 * 128)
     from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
 
     try:  # a plan the builder cannot make yet says so; once it can, no such note

@@ -41,8 +41,8 @@ def _gauges(text: str) -> dict[str, tuple[str, float]]:
 
 
 def _sink_bytes(label: str, cfg) -> int:
-    """int4: each slot's first K and V entries once more in fp16, every layer (quant/kv.py SINK)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * 2 * cfg.head_dim if label == "int4" else 0
+    """int4: each slot's first 4 K and V entries once more in fp16, every layer (quant/kv.py SINK)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * 4 * 2 * cfg.head_dim if label == "int4" else 0
 
 
 @pytest.mark.parametrize(("options", "flavor", "label", "vector"), CASES, ids=[c[2] for c in CASES])

@@ -308,9 +308,9 @@ class DenseEmitter:
                 states += [StateTensor(past, present, v_shape, dtype=fmt.element, update=StateUpdate.APPEND),
                            StateTensor(ps, os_, s_shape, dtype="float16", update=StateUpdate.APPEND)]
                 self.kv_io[key] = (past, present, ps, os_)
-            if fmt.sink:  # K's heads then V's, position 0 in fp16 (quant/kv.py SINK)
+            if fmt.sink:  # K's heads then V's, positions 0..sink-1 in fp16 (quant/kv.py SINK)
                 past, present = f"past_sink.{i}", f"present_sink.{i}"
-                sink_shape: list[Any] = ["batch", 2 * kvh, 1, d]
+                sink_shape: list[Any] = ["batch", 2 * kvh, fmt.sink, d]
                 g.input(past, TensorProto.FLOAT16, sink_shape)
                 g.output(present, TensorProto.FLOAT16, sink_shape)
                 states.append(StateTensor(past, present, sink_shape, dtype="float16", update=StateUpdate.PREFIX))
@@ -341,16 +341,30 @@ class DenseEmitter:
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d)  # [B, 2·kvh, T, d]
-        if fmt.sink:  # a row's first new entry is its position 0 when it starts there: kept, and read, in fp16
-            past, present, _, _ = self.kv_io["sink"]
-            first = g.op("Slice", [kv, g.const([0]), g.const([1]), g.const([2])])
-            # chosen in float32, then rounded once: a float16 Where runs as float32 on onnxruntime's CPU, whose
-            # cast clean-up would then let attention read the unrounded entry this step (prefill != decode)
-            chosen = g.op("Where", [self.starts_at_zero, first, g.op("Cast", [past], to=F32)])
-            g.op("Cast", [chosen], outputs=[present], to=TensorProto.FLOAT16)
-            both = g.op("Where", [self.key_at_zero, g.op("Cast", [present], to=F32), both])
+        if fmt.sink:
+            both = self._kv_sink(kv, both, fmt.sink)
         k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
         return k, v
+
+    def _kv_sink(self, kv: str, both: str, n: int) -> str:
+        """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
+        those positions from it (past ones: the first n of the past; new ones: picked by position), so a step reads
+        the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``both``: past and
+        new dequantized [B, 2·kvh, T, d]."""
+        g = self.gb
+        past, present, _, _ = self.kv_io["sink"]
+        written = g.op("MatMul", [self.sink_onehot, kv])  # [B, 2·kvh, n, d]: exact, one term per slot
+        # chosen in float32, then rounded once: a float16 Where runs as float32 on onnxruntime's CPU, whose
+        # cast clean-up would then let attention read the unrounded entry this step (prefill != decode)
+        chosen = g.op("Where", [self.sink_written, written, g.op("Cast", [past], to=F32)])
+        g.op("Cast", [chosen], outputs=[present], to=TensorProto.FLOAT16)
+        sink = g.op("Cast", [present], to=F32)
+        p, two = self.past_len, g.const([2])
+        early = g.op("Concat", [g.op("Slice", [sink, g.const([0]), p, two]),
+                                g.op("Slice", [both, g.const([n]), p, two])], axis=2)  # [B, 2·kvh, P, d]
+        new = g.op("Slice", [both, p, g.const([2 ** 62]), two])
+        new = g.op("Where", [self.new_in_sink, g.op("MatMul", [self.sink_onehot_t, sink]), new])
+        return g.op("Concat", [early, new], axis=2)
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
@@ -378,11 +392,18 @@ class DenseEmitter:
         bsz = g.op("Shape", ["position_ids"], start=0, end=1)
         past_pos = g.op("Expand", [g.op("Unsqueeze", [past_pos, g.const([0])]), g.op("Concat", [bsz, past], axis=0)])
         key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
-        if self.spec.kv_dtype != "fp16" and FORMATS[KvDtype(self.spec.kv_dtype)].sink:
-            zero = g.const(0)
-            first = g.op("Slice", ["position_ids", g.const([0]), g.const([1]), g.const([1])])  # [B, 1]
-            self.starts_at_zero = g.op("Unsqueeze", [g.op("Equal", [first, zero]), g.const([2, 3])])  # [B,1,1,1]
-            self.key_at_zero = g.op("Unsqueeze", [g.op("Equal", [key_pos, zero]), g.const([1, 3])])  # [B,1,T,1]
+        n = FORMATS[KvDtype(self.spec.kv_dtype)].sink if self.spec.kv_dtype != "fp16" else 0
+        if n:  # int4's fp16 sink entries (_kv_sink): which new entry is which sink slot, once per graph
+            hit = g.op("Equal", [g.op("Unsqueeze", ["position_ids", g.const([1])]),  # [B, 1, S] vs [n, 1]
+                                 g.const(np.arange(n, dtype=np.int64)[:, None])])  # -> [B, n, S]
+            onehot = g.op("Unsqueeze", [g.op("Cast", [hit], to=F32), g.const([1])])  # [B, 1, n, S]
+            self.sink_onehot = onehot
+            self.sink_onehot_t = g.op("Transpose", [onehot], perm=[0, 1, 3, 2])  # [B, 1, S, n]
+            self.sink_written = g.op("Greater", [g.op("ReduceMax", [onehot, g.const([3])], keepdims=1),
+                                                 g.const(0.5, np.float32)])  # [B, 1, n, 1]
+            self.new_in_sink = g.op("Unsqueeze", [g.op("Less", ["position_ids", g.const(n)]),
+                                                  g.const([1, 3])])  # [B, 1, S, 1]
+            self.past_len = past  # [1]
         qp = g.op("Unsqueeze", ["position_ids", g.const([2])])  # [B, S, 1]
         kp = g.op("Unsqueeze", [key_pos, g.const([1])])  # [B, 1, T]
         causal = g.op("LessOrEqual", [kp, qp])

@@ -36,7 +36,7 @@ class KvFormat:
     pack: int = 1  # grid values per stored byte (int4: 2, the halves of the head vector share a byte)
     group: int = 0  # channels per scale (0: the whole head vector)
     zero: bool = False  # asymmetric: grid 0..qmax over [min, max] of the group, an fp16 minimum beside each scale
-    sink: bool = False  # a sequence's first entry also kept in fp16 (dense models): attention reads it from there
+    sink: int = 0  # a sequence's first entries also kept in fp16 (dense models): attention reads those from there
 
     @property
     def per_group(self) -> int:
@@ -71,7 +71,7 @@ class KvFormat:
 
 FORMATS = {  # the quantized caches; fp16 (float) has none
     KvDtype.INT8: KvFormat(KvDtype.INT8, "uint8", 127.0, "float16", offset=128.0),
-    KvDtype.INT4: KvFormat(KvDtype.INT4, PACKED_INT4, 15.0, "float16", pack=2, group=16, zero=True, sink=True),
+    KvDtype.INT4: KvFormat(KvDtype.INT4, PACKED_INT4, 15.0, "float16", pack=2, group=16, zero=True, sink=4),
 }
 
 SCALE_SCHEME = "per-token-per-head dynamic"
@@ -90,11 +90,12 @@ KEY_CENTERING = ("dense models (int4): keys stored minus their mean post-RoPE ke
                  "the calibration text (--calib or the shipped one); exact, since softmax ignores a shift every key of "
                  "a query shares, and it leaves the 4-bit grid to what varies (SmolLM2, 32-channel groups: perplexity "
                  "+11% -> +3.7% in simulation). DeepSeek-V4 stores K = V entries and keeps them uncentred")
-SINK = ("dense models (int4): the first entry of every sequence (position 0) is also kept in fp16, one K and one V "
-        "head vector per (layer, KV head) in a fixed-size state (manifest update 'prefix'), and attention reads it "
-        "from there: that entry is the attention sink most queries put much of their weight on, so its 4-bit "
-        "rounding error reaches every later token (KVQuant, IntactKV keep it likewise); SmolLM2 W4A16: perplexity "
-        "in chunks of 512 see README. DeepSeek-V4 has learned attention sinks (attn_sink logits) and keeps none")
+SINK = ("dense models (int4): the first 4 entries of every sequence (positions 0-3) are also kept in fp16, K and V "
+        "head vectors per (layer, KV head) in a fixed-size state (manifest update 'prefix'), and attention reads "
+        "them from there: those are the attention sinks most queries put much of their weight on (StreamingLLM "
+        "keeps 4 such tokens), so their 4-bit rounding error reaches every later token; 0.5 KiB per (layer, KV "
+        "head) and sequence at head_dim 64, see README for SmolLM2's perplexity. DeepSeek-V4 has learned attention "
+        "sinks (attn_sink logits) and keeps none")
 PACKING = ("two 4-bit grid values (0..15) per byte: byte = q[c] + 16 * q[c + head_dim/2], packed and unpacked "
            "with float Mul/Add/Floor and Cast to/from UINT8 (TensorRT 10.3's parser has no BitShift/BitwiseAnd)")
 

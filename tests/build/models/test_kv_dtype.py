@@ -216,3 +216,36 @@ def test_int4_graph_subtracts_the_key_means(kv_bundle):
     means = [t for t in m.graph.initializer if list(t.dims) == [2, 1, 16]]  # [kv_heads, 1, head_dim] per layer
     assert len(means) == 2 and all(np.abs(onnx.numpy_helper.to_array(t)).max() > 0 for t in means)
 
+
+
+def test_int4_sink_entries_in_a_mixed_batch(kv_bundle):
+    """Rows at different positions around the fp16 sink entries (the first 4) in one step — one decoding at
+    position 2, one prefilling 6 tokens from 0, one decoding at 9 — give each row's logits alone, and the next
+    steps read the sink entries each row wrote."""
+    from lineside.build.quant.kv import FORMATS, KvDtype
+    from lineside.runtime.backend import StepBatch
+
+    assert FORMATS[KvDtype.INT4].sink == 4
+    b = kv_bundle("int4")
+
+    def fresh(slot_count: int = 3) -> OnnxRuntimeBackend:
+        return OnnxRuntimeBackend(b, num_slots=slot_count, flavor="trt", accuracy_level=0)
+
+    alone = fresh()
+    alone.forward(StepBatch.single(0, IDS[:2], 0))
+    alone.forward(StepBatch.single(2, IDS[:9], 0))
+    want = [alone.forward(StepBatch.single(0, IDS[2:3], 2))[0, 0], alone.forward(StepBatch.single(1, IDS[:6], 0))[0, 0],
+            alone.forward(StepBatch.single(2, IDS[9:10], 9))[0, 0]]
+    mixed = fresh()
+    mixed.forward(StepBatch.single(0, IDS[:2], 0))
+    mixed.forward(StepBatch.single(2, IDS[:9], 0))
+    ids = np.zeros((3, 6), np.int64)
+    ids[0, 0], ids[1], ids[2, 0] = IDS[2], IDS[:6], IDS[9]
+    got = mixed.forward(StepBatch(slots=[0, 1, 2], input_ids=ids, past_lengths=np.array([2, 0, 9]),
+                                  new_lengths=np.array([1, 6, 1]), logits_positions=np.array([[0], [5], [0]])))
+    for r in range(3):
+        assert rel_err(got[r, 0], want[r]) < 1e-5
+    # and the next step of each row (slot 0 at 3: its last sink entry; slot 1 at 6) reads what the mixed step wrote
+    for slot, past in ((0, 3), (1, 6)):
+        nxt = mixed.forward(StepBatch.single(slot, IDS[past:past + 1], past))[0, 0]
+        assert rel_err(nxt, alone.forward(StepBatch.single(slot, IDS[past:past + 1], past))[0, 0]) < 1e-5

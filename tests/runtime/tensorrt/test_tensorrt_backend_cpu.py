@@ -266,9 +266,9 @@ def test_quantized_kv_arena_capture_copy_and_mismatch(tiny_bundles, monkeypatch,
     arena = {n: s for n, s in be.plan.buffers.items() if s.role == "arena"}
     cfg = b.config
     assert arena["past_key.0"].dtype == np.uint8 and arena["past_key_scale.0"].dtype == np.float16
-    sinks = [n for n in arena if n.startswith("past_sink.")]  # int4: fp16 first entries, once per slot
+    sinks = [n for n in arena if n.startswith("past_sink.")]  # int4: fp16 first 4 entries, once per slot
     assert len(sinks) == (cfg.num_layers if kv == "int4" else 0)
-    assert all(arena[n].dtype == np.float16 and arena[n].shape == (2, 2 * cfg.num_kv_heads * cfg.head_dim)
+    assert all(arena[n].dtype == np.float16 and arena[n].shape == (2, 2 * cfg.num_kv_heads * 4 * cfg.head_dim)
                for n in sinks)
     per_token = sum(s.nbytes for n, s in arena.items() if n not in sinks) // (2 * b.max_seq_len)
     # int4: an fp16 (scale, minimum) pair per 16 channels
