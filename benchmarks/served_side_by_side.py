@@ -2,15 +2,18 @@
 
 What a user sees first: one streaming ``/v1/completions`` request, greedy, 128 tokens, decode tokens/s
 from the first text chunk to the last (prefill excluded). Both servers run as subprocesses with the
-same threads; rounds alternate between them (and lineside in-process, the engine without HTTP), so a
-busy spell on a shared machine hits all alike; medians and the ratios are printed. Then N concurrent
+same threads; rounds alternate between them, lineside's serving engine in-process (no HTTP) and lineside's
+direct loop in-process (`Generator`), in an order that changes each round (``round_order``), so a busy spell on a
+shared machine hits all alike and no side always runs right after the same one; medians and the ratios are printed
+(served / engine: what HTTP costs; engine / in-process: what the engine's batching machinery costs one stream). Then N concurrent
 streams through each server (aggregate tokens/s; lineside's outputs checked against sequential runs),
 and each server's time from spawn to ready.
 
   python benchmarks/served_side_by_side.py --bundle B [--gguf G] --threads 2 --rounds 7
 
 ``--markdown`` also prints the README's speed table (served 1 stream, N concurrent streams, time to ready;
-lineside in-process beside them: the engine without HTTP, one stream and N) with the command that made it.
+lineside in-process beside them: the engine without HTTP, one stream and N, and the direct loop) with the
+command that made it.
 Time to ready is the median of ``--ready-runs`` starts of each server after one start that is not counted
 (what a user sees after the first start: onnxruntime's optimized graph cached, Python's bytecode written);
 lineside's servers run with bytecode cached as an installed package has it (PYTHONDONTWRITEBYTECODE dropped,
@@ -197,6 +200,69 @@ def inprocess_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -
     return run
 
 
+def engine_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -> tuple[Callable[[], Stream], Callable[[], None]]:
+    """lineside's serving engine (scheduler, step thread, detokenizer: what `serve` runs) without HTTP, one
+    stream timed like a served one: (run, stop). served / engine is what HTTP costs; engine / generator what the
+    engine's batching machinery costs a lone stream."""
+    import asyncio
+
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.request import GenerationRequest
+    from lineside.runtime.sampling import SamplingParams
+
+    loop = asyncio.new_event_loop()
+    engine = LLMEngine(bundle, backend="onnxruntime", num_slots=8, threads=threads)
+    loop.run_until_complete(engine.start())
+    ids = engine.tokenizer.encode(prompt)
+
+    async def one() -> Stream:
+        s = Stream()
+        t0 = time.perf_counter()
+        first = last = None
+        handle = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens,
+                                                 sampling=SamplingParams(temperature=0.0)))
+        async for event in handle:
+            if event.text:
+                last = time.perf_counter()
+                first = first or last
+                s.text += event.text
+            s.tokens = event.completion_tokens
+            if event.finish_reason is not None:
+                s.finish_reason = str(event.finish_reason.value)
+        s.end_s = time.perf_counter() - t0
+        if first is None or last is None:
+            raise RuntimeError("lineside's engine streamed no text")
+        s.ttft_s, s.decode_s = first - t0, last - first
+        return s
+
+    def stop() -> None:
+        loop.run_until_complete(engine.stop(drain_timeout=1))
+        loop.close()
+
+    return (lambda: loop.run_until_complete(one())), stop
+
+
+def round_order(names: list[str], i: int) -> list[str]:
+    """Round ``i``'s order of the sides: a balanced Latin square (Williams design), so over a cycle of rounds
+    (n of them for n sides, 2n when n is odd) each side runs in each position alike and right after each other
+    side once. A fixed order made the side that always ran right after lineside in-process lose 5-10% (four
+    identical servers: 98.8 vs 112 tok/s), which read as a server overhead it was not."""
+    n = len(names)
+    if n < 2:
+        return list(names)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[x] for x in rows[i % len(rows)]]
+
+
 def inprocess_concurrent(bundle: Path, threads: int, prompts: list[str], max_tokens: int,
                          num_slots: int = 8) -> float:
     """Aggregate tokens/s of ``prompts`` streamed at once through lineside's engine in this process (what
@@ -251,7 +317,8 @@ def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dic
     """The README's speed table: one row per side, decode of one stream, N streams aggregate, time to ready."""
     rows = [("lineside", "`lineside serve`, the demo bundle"),
             ("llama.cpp", "llama.cpp's own server (llama-cpp-python), the same GGUF"),
-            ("lineside in-process", "lineside in-process (its engine, no HTTP)")]
+            ("lineside engine", "lineside's serving engine in-process (no HTTP)"),
+            ("lineside in-process", "lineside in-process (its direct loop, `lineside generate`)")]
     out = [f"| | decode tok/s, 1 stream | {concurrency} streams, aggregate tok/s | time to ready s |",
            "|---|---|---|---|"]
     for key, label in rows:
@@ -260,7 +327,7 @@ def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dic
         if key in batch:
             seq, agg, same = batch[key]
             many = f"{agg:.1f} ({agg / seq:.2f}× one stream)"
-        elif key == "lineside in-process" and inproc_batch is not None:
+        elif key == "lineside engine" and inproc_batch is not None:
             many = f"{inproc_batch:.1f}"
         else:
             many = "—"
@@ -308,6 +375,7 @@ def main() -> None:
     servers: dict[str, Server] = {}
     ready: dict[str, float] = {}
     inproc_batch: float | None = None
+    stop_engine: Callable[[], None] | None = None
     try:
         variants = [("lineside", {})] + [_variant(v) for v in args.lineside_env]
         for name, env in variants:
@@ -337,15 +405,20 @@ def main() -> None:
             for name, s in servers.items()}
         if not args.no_inprocess:
             runners["lineside in-process"] = inprocess_runner(args.bundle, args.threads, args.prompt, args.max_tokens)
+            runners["lineside engine"], stop_engine = engine_runner(args.bundle, args.threads, args.prompt,
+                                                                    args.max_tokens)
         for name, run in runners.items():  # warm-up (also fills each side's prompt cache alike)
             print(f"warm-up {name}: {run().decode_tps():.1f} tok/s", flush=True)
         results: dict[str, list[Stream]] = {n: [] for n in runners}
         for i in range(args.rounds):
-            for name, run in runners.items():
-                results[name].append(run())
+            for name in round_order(list(runners), i):
+                results[name].append(runners[name]())
                 time.sleep(0.2)  # let the previous side's worker threads go idle
             print(f"round {i + 1}: " + ", ".join(f"{n} {r[-1].decode_tps():.1f}" for n, r in results.items())
                   + " tok/s", flush=True)
+        if stop_engine is not None:
+            stop_engine()  # before the batching phase: its memory and threads
+            stop_engine = None
         batch: dict[str, tuple[float, float, bool | None]] = {}
         if args.concurrency > 0:
             prompts = [f"{args.prompt} {w}" for w in ("red", "blue", "green", "gold", "grey", "pink", "teal",
@@ -366,6 +439,8 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
+        if stop_engine is not None:
+            stop_engine()
     print(f"threads {args.threads}; {args.rounds} interleaved rounds; greedy {args.max_tokens} tokens, streaming "
           f"/v1/completions; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; prompt {args.prompt!r}")
     print(f"{'side':<22} {'decode tok/s':>12} {'(min..max)':>14} {'TTFT ms':>8} {'ready s':>8}  finish")
@@ -381,11 +456,17 @@ def main() -> None:
         print(f"lineside served / lineside in-process: {decode['lineside'] / decode['lineside in-process']:.2f}x")
         if results["lineside"][-1].text != results["lineside in-process"][-1].text:
             print("note: lineside's served text differs from its in-process text")
+    if "lineside engine" in decode:
+        print(f"lineside served / lineside engine (what HTTP costs): {decode['lineside'] / decode['lineside engine']:.2f}x; "
+              f"engine / in-process (what the engine costs one stream): "
+              f"{decode['lineside engine'] / decode['lineside in-process']:.2f}x")
+        if results["lineside"][-1].text != results["lineside engine"][-1].text:
+            print("note: lineside's served text differs from its engine's text")
     for name, (seq_tps, agg, same) in batch.items():
         print(f"{name}: {args.concurrency} concurrent streams {agg:.1f} tok/s aggregate vs one stream "
               f"{seq_tps:.1f} tok/s (end to end) = {agg / seq_tps:.2f}x; outputs identical to sequential: {same}")
     if inproc_batch is not None:
-        print(f"lineside in-process: {args.concurrency} concurrent streams {inproc_batch:.1f} tok/s aggregate")
+        print(f"lineside engine (in-process): {args.concurrency} concurrent streams {inproc_batch:.1f} tok/s aggregate")
     if args.markdown:
         print()
         print(markdown_table(decode, ready, batch, inproc_batch, args.concurrency))
