@@ -7,6 +7,11 @@ pydoc text in chunks of 512 and on one long document in a single chunk (benchmar
 each against the float cache, with the bytes one head vector takes.
 
     PYTHONPATH=. python benchmarks/kv4_sim.py [--tokens 1024] [--long-tokens 1024] [--formats sym16,asym16,...]
+                                              [--sink N] [--int8-layers 0,29] [--per-layer | --only-layer L]
+
+``--sink N`` keeps each sequence's first N positions unquantized (the built int4 keeps 4 in fp16);
+``--int8-layers`` gives those layers the int8 format instead; ``--per-layer`` scores each format with one layer
+quantized at a time (which layers the loss comes from).
 
 Formats (K/V): ``sym<g>``: one fp16 scale amax/7 per g channels, grid ±7 (the shipped int4 before issue 17's
 fix); ``half<g>``: 16 levels ±0.5..±7.5 with scale amax/7.5; ``asym<g>``: fp16 scale (max−min)/15 and fp16

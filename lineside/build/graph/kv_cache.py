@@ -125,18 +125,29 @@ def emit_kv_load(g: GraphBuilder, values: str, scales: str, fmt: KvFormat, *, ra
 
 
 def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, str], past_scales: tuple[str, str],
-                 present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int) -> str:
+                 present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int,
+                 past_from: int = 0) -> str | tuple[str, str]:
     """K and V of a layer through one set of ops: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then
     V's) to ``present`` / ``present_scales`` (K's, V's), and return past and new entries dequantized,
     [B, 2·heads, T, d]: the new ones' stored bytes and scales join the past's before one dequantization, so
-    attention reads the same floats for them now as the cache gives back on later steps."""
+    attention reads the same floats for them now as the cache gives back on later steps.
+
+    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns (the past from that index on, the
+    new entries), each dequantized, so the caller puts the sink entries in front without copying floats twice."""
     stored, sc, _ = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=False)
     halves = g.const([heads, heads])
     for f, out in zip(g.op("Split", [stored, halves], n_out=2, axis=1), present, strict=True):  # TensorRT 10.3
         g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)  # splits no UINT8: split the floats, then cast
     g.op("Split", [sc, halves], outputs=list(present_scales), axis=1)
-    b = g.op("Concat", [g.op("Concat", [g.op("Cast", [v], to=F32) for v in past], axis=1), stored], axis=2)
-    s = g.op("Concat", [g.op("Concat", list(past_scales), axis=1), sc], axis=2)
+    pb = g.op("Concat", [g.op("Cast", [v], to=F32) for v in past], axis=1)
+    ps = g.op("Concat", list(past_scales), axis=1)
+    if past_from:
+        rest = [g.const([past_from]), g.const([2 ** 62]), g.const([2])]
+        pb, ps = g.op("Slice", [pb, *rest]), g.op("Slice", [ps, *rest])  # bytes: 8x fewer than the floats
+        return (_dequantize(g, pb, ps, fmt, rank=4, head_dim=head_dim),
+                _dequantize(g, stored, sc, fmt, rank=4, head_dim=head_dim))
+    b = g.op("Concat", [pb, stored], axis=2)
+    s = g.op("Concat", [ps, sc], axis=2)
     return _dequantize(g, b, s, fmt, rank=4, head_dim=head_dim)
 
 

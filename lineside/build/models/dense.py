@@ -340,17 +340,18 @@ class DenseEmitter:
         fmt = FORMATS[KvDtype(self.spec.kv_dtype)]
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
-                            present_scales=(oks, ovs), heads=kvh, head_dim=d)  # [B, 2·kvh, T, d]
+                            present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
         if fmt.sink:
-            both = self._kv_sink(kv, both, fmt.sink)
+            both = self._kv_sink(kv, *both, fmt.sink)
+        assert isinstance(both, str)  # [B, 2·kvh, T, d]
         k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
         return k, v
 
-    def _kv_sink(self, kv: str, both: str, n: int) -> str:
+    def _kv_sink(self, kv: str, past_rest: str, new: str, n: int) -> str:
         """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
         those positions from it (past ones: the first n of the past; new ones: picked by position), so a step reads
-        the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``both``: past and
-        new dequantized [B, 2·kvh, T, d]."""
+        the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``past_rest``:
+        the past from index n on and ``new`` the new entries, dequantized; returns all T entries."""
         g = self.gb
         past, present, _, _ = self.kv_io["sink"]
         written = g.op("MatMul", [self.sink_onehot, kv])  # [B, 2·kvh, n, d]: exact, one term per slot
@@ -359,12 +360,9 @@ class DenseEmitter:
         chosen = g.op("Where", [self.sink_written, written, g.op("Cast", [past], to=F32)])
         g.op("Cast", [chosen], outputs=[present], to=TensorProto.FLOAT16)
         sink = g.op("Cast", [present], to=F32)
-        p, two = self.past_len, g.const([2])
-        early = g.op("Concat", [g.op("Slice", [sink, g.const([0]), p, two]),
-                                g.op("Slice", [both, g.const([n]), p, two])], axis=2)  # [B, 2·kvh, P, d]
-        new = g.op("Slice", [both, p, g.const([2 ** 62]), two])
+        early = g.op("Slice", [sink, g.const([0]), self.past_len, g.const([2])])  # the past's first min(n, P)
         new = g.op("Where", [self.new_in_sink, g.op("MatMul", [self.sink_onehot_t, sink]), new])
-        return g.op("Concat", [early, new], axis=2)
+        return g.op("Concat", [early, past_rest, new], axis=2)
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
