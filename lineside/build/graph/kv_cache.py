@@ -132,9 +132,10 @@ def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, st
     [B, 2·heads, T, d]: the new ones' stored bytes and scales join the past's before one dequantization, so
     attention reads the same floats for them now as the cache gives back on later steps.
 
-    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns (the past from that index on, the
-    new entries), each dequantized, so the caller puts the sink entries in front without copying floats twice."""
-    stored, sc, _ = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=False)
+    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns (the past from that index on,
+    dequantized, and the new entries as their grid values times their scales — the same floats, without a round
+    trip through the packed bytes), so the caller puts the sink entries in front with one float Concat."""
+    stored, sc, deq = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=bool(past_from))
     halves = g.const([heads, heads])
     for f, out in zip(g.op("Split", [stored, halves], n_out=2, axis=1), present, strict=True):  # TensorRT 10.3
         g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)  # splits no UINT8: split the floats, then cast
@@ -144,8 +145,8 @@ def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, st
     if past_from:
         rest = [g.const([past_from]), g.const([2 ** 62]), g.const([2])]
         pb, ps = g.op("Slice", [pb, *rest]), g.op("Slice", [ps, *rest])  # bytes: 8x fewer than the floats
-        return (_dequantize(g, pb, ps, fmt, rank=4, head_dim=head_dim),
-                _dequantize(g, stored, sc, fmt, rank=4, head_dim=head_dim))
+        assert deq is not None  # the new entries as grid x scale + minimum: the floats their bytes give back
+        return _dequantize(g, pb, ps, fmt, rank=4, head_dim=head_dim), deq
     b = g.op("Concat", [pb, stored], axis=2)
     s = g.op("Concat", [ps, sc], axis=2)
     return _dequantize(g, b, s, fmt, rank=4, head_dim=head_dim)
