@@ -96,7 +96,6 @@ def _emitter(variant: str) -> Callable:
             EMITTED.append((name, dec))
             return original(gb, x, name, weight, spec, bias, share)
         n, k = dec.codes.shape
-        sums = linear.blocksum(gb, x, k, BLOCK)
         inputs = [x, gb.weight(f"{name}.qweight", pack_matmulnbits(dec.codes, 4, BLOCK)),
                   gb.weight(f"{name}.scales", np.ascontiguousarray(dec.d, dtype=np.float32))]
         z, r = _zero_points(dec)
@@ -108,6 +107,7 @@ def _emitter(variant: str) -> Callable:
         if variant == "zp-only":
             OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d))
             return y
+        sums = linear.blocksum(gb, x, k, BLOCK)
         if variant == "zp+fp32":
             OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + r))
             c = gb.op("MatMul", [sums, gb.weight(f"{name}.block_residual", np.ascontiguousarray(r.T))],
