@@ -3,23 +3,21 @@
 Q4_1 stores ``w = d*u + m`` per block of 32 (u in 0..15, d and m float16). MatMulNBits computes
 ``s*(u - z)`` with an integer zero point z (onnxruntime's x86 int8 kernel folds ``-s*z`` into a float32
 per-block sum it reads anyway, so z itself costs nothing per token), so the fractional part of ``-m/d`` has to
-travel some other way. Variants (only ``zp+fp16`` is what lineside builds; the others are emitted here, by
+travel some other way. Variants (only ``fp32-offset`` is what lineside builds; the others are emitted here, by
 patching the builder's Q4_1 emitter, to measure them):
 
-- ``zp+fp16`` (lineside): the nearest integer zero point z (uint8, 4 bits) plus ``blocksum(x) @ r`` with the
-  residual ``r = m + z*d`` in float16, where it is exact (a multiple of the smaller ulp of d and m, ``|r| <=
-  d/2``); onnxruntime has no float16 MatMul on x86 and casts the constant to float32 every call.
-- ``fp32-offset`` (lineside before): default zero point 8, plus ``blocksum(x) @ (8d + m)`` in float32 (exact).
-- ``zp+fp32``: the integer zero point plus the residual in float32.
+- ``fp32-offset`` (lineside): default zero point 8, plus ``blocksum(x) @ (8d + m)`` in float32 (exact).
+- ``zp+fp32``: the nearest integer zero point (uint8, 4 bits) plus the residual ``r = m + z*d`` in float32.
+- ``zp+fp16``: the same residual in float16, where it is exact (it is a multiple of the smaller ulp of d and m,
+  and ``|r| <= d/2``); onnxruntime has no float16 MatMul on x86 and casts the constant to float32 every call.
 - ``zp+int8``: the residual as an 8-bit MatMulNBits over the block sums (scale per 16 blocks).
 - ``zp-only``: the nearest integer zero point, no residual (the offsets rounded to the grid: not the GGUF's).
 - ``VARIANT/head4``: the same with a 4-bit LM head (RTN, blocks of 32) re-quantized from the GGUF's Q8_0 head.
 
 For each: weight bytes, graph nodes, how far the offsets land from the GGUF's (in half-ulps of its float16 m;
-``zp+fp16``'s are read back from the built graph), perplexity (benchmarks/quality_smollm2.py's text) and
+``fp32-offset``'s are read back from the built graph), perplexity (benchmarks/quality_smollm2.py's text) and
 in-process decode, interleaved rounds. Kernel time per op of the same bundles (``--work DIR`` keeps them):
-``benchmarks/cpu_per_token.py --bundle DIR/zp_fp16 --bundle DIR/fp32-offset ... --ops --threads 1``; decode of
-the same bundles without rebuilding: ``benchmarks/bundle_ab.py DIR/zp_fp16 DIR/fp32-offset ...``.
+``benchmarks/cpu_per_token.py --bundle DIR/fp32-offset --bundle DIR/zp_fp16 ... --ops --threads 1``.
 
   python benchmarks/q4_1_carry.py [--threads 2] [--rounds 5] [--variants fp32-offset,zp+int8,...] [--work DIR]
 """
@@ -94,23 +92,12 @@ def _emitter(variant: str) -> Callable:
         if weight.ggml_type != "Q4_1":
             return original(gb, x, name, weight, spec, bias, share)
         dec = decode_blocks(weight, name)
-        if variant == "zp+fp16":  # what build emits; its offsets are read back from the graph afterwards
+        if variant == "fp32-offset":  # what build emits; its offsets are read back from the graph afterwards
             EMITTED.append((name, dec))
             return original(gb, x, name, weight, spec, bias, share)
         n, k = dec.codes.shape
         inputs = [x, gb.weight(f"{name}.qweight", pack_matmulnbits(dec.codes, 4, BLOCK)),
                   gb.weight(f"{name}.scales", np.ascontiguousarray(dec.d, dtype=np.float32))]
-        if variant == "fp32-offset":  # lineside before: default zero point 8, float32 offsets 8d + m
-            off = (np.float32(8) * dec.d + dec.m).astype(np.float32)
-            OFFSET_ERRORS[variant].append(_half_ulps(dec, off.astype(np.float64) - 8 * dec.d.astype(np.float64)))
-            if bias is not None:
-                inputs += ["", "", gb.weight(f"{name}.bias", bias)]
-            y = gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits", K=k, N=n, bits=4,
-                      block_size=BLOCK, accuracy_level=spec.accuracy_level)
-            c = gb.op("MatMul", [linear.blocksum(gb, x, k, BLOCK),
-                                 gb.weight(f"{name}.block_offset", np.ascontiguousarray(off.T))],
-                      name=f"{name}/q4_1_offset")
-            return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
         z, r = _zero_points(dec)
         inputs.append(gb.weight(f"{name}.zero_points", _pack_zp(z)))
         if bias is not None:
@@ -125,6 +112,19 @@ def _emitter(variant: str) -> Callable:
             OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + r))
             c = gb.op("MatMul", [sums, gb.weight(f"{name}.block_residual", np.ascontiguousarray(r.T))],
                       name=f"{name}/q4_1_residual")
+        elif variant == "zp+fp16":
+            # r = m + z*d is a multiple of the smaller ulp of d, m below 2^11 of them: exact in float16. The graph
+            # says Cast(sums) -> float16 MatMul -> Cast; onnxruntime's CPU provider (no float16 MatMul) runs it in
+            # float32, its two activation casts removed and a Cast of the float16 constant added to every call.
+            r16 = r.astype(np.float16)
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + r16.astype(np.float32)))
+            cache = linear._derived(gb)
+            key = ("blocksum_fp16", sums)
+            if key not in cache:
+                cache[key] = gb.op("Cast", [sums], to=onnx.TensorProto.FLOAT16, name=gb.fresh("blocksum_fp16"))
+            c16 = gb.op("MatMul", [cache[key], gb.weight(f"{name}.block_residual", np.ascontiguousarray(r16.T))],
+                        name=f"{name}/q4_1_residual")
+            c = gb.op("Cast", [c16], to=onnx.TensorProto.FLOAT, name=f"{name}/q4_1_residual_fp32")
         else:  # zp+int8
             codes, scales, rq = _int8_rows(r)
             OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + rq))
@@ -138,17 +138,14 @@ def _emitter(variant: str) -> Callable:
 
 
 def _emitted_errors(bundle: Path) -> list[np.ndarray]:
-    """Half-ulps of m for the offsets lineside's own build wrote (zero points and residuals read back)."""
+    """Half-ulps of m for the offsets lineside's own build wrote (its float32 8d + m, read back, less 8d)."""
     inits = {t.name: t for t in onnx.load(str(bundle / "graphs" / "cpu" / "model.onnx"),
                                               load_external_data=False).graph.initializer}
     data = (bundle / "graphs" / "cpu" / "model.onnx.data").read_bytes()
     out = []
     for name, dec in EMITTED:
-        d = dec.d.astype(np.float64)
-        zb = _array(inits[f"{name}.zero_points"], data).reshape(d.shape[0], -1)
-        z = np.stack([zb & 0x0F, zb >> 4], axis=-1).reshape(d.shape[0], -1)[:, : d.shape[1]]
-        r = _array(inits[f"{name}.block_residual"], data).astype(np.float64).T
-        out.append(_half_ulps(dec, r - z * d))
+        off = _array(inits[f"{name}.block_offset"], data).astype(np.float64).T
+        out.append(_half_ulps(dec, off - 8 * _array(inits[f"{name}.scales"], data).astype(np.float64)))
     EMITTED.clear()
     return out
 
@@ -201,7 +198,7 @@ def patched(variant: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="zp+fp16,fp32-offset,zp+int8,zp-only")
+    ap.add_argument("--variants", default="fp32-offset,zp+fp16,zp+int8,zp-only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -218,7 +215,7 @@ def main() -> None:
             bundles[v] = build_bundle(gguf, work / v.replace("+", "_").replace("/", "-"),
                                       BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=2048, group_size=32,
                                                    lm_head_bits=4 if head == "head4" else 8))
-        offset_errors[v] = errors if carry != "zp+fp16" else _emitted_errors(bundles[v])
+        offset_errors[v] = errors if carry != "fp32-offset" else _emitted_errors(bundles[v])
     tok = Tokenizer.from_bundle(open_bundle(bundles[next(iter(bundles))]))
     ids = tok.encode(eval_text(), add_special=False)[: args.ppl_tokens]
     ppl = {v: perplexity(lineside_logits_fn(open_bundle(b)), ids, 512) for v, b in bundles.items()}

@@ -28,9 +28,9 @@ from lineside.build.graph.table8 import (
     w8_grid,
     weight_shape,
 )
-from lineside.build.quant.ggml import BLOCK, CARRIED, decode_blocks, q4_1_zero_points
+from lineside.build.quant.ggml import BLOCK, CARRIED, decode_blocks
 from lineside.build.quant.grid import Int4Grid
-from lineside.build.quant.pack import pack_int4_kn, pack_matmulnbits, pack_zero_points4
+from lineside.build.quant.pack import pack_int4_kn, pack_matmulnbits
 from lineside.build.quant.rtn import quantize_rtn
 from lineside.build.quant.spec import FLAVORS, QuantSpec
 from lineside.build.tensors import GGMLBlocks
@@ -74,29 +74,24 @@ def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int) -> str:
 
 
 def _matmulnbits(gb: GraphBuilder, x: str, name: str, b: str, s: str, n: int, k: int, bits: int, block: int,
-                 accuracy_level: int, bias: np.ndarray | None, zp: str = "") -> str:
-    inputs = [x, b, s, zp]  # zero points: "" = the default 2^(bits-1)
+                 accuracy_level: int, bias: np.ndarray | None) -> str:
+    inputs = [x, b, s]
     if bias is not None:
-        inputs += ["", gb.weight(f"{name}.bias", bias)]
-    while not inputs[-1]:
-        inputs.pop()
+        inputs += ["", "", gb.weight(f"{name}.bias", bias)]
     return gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits",
                  K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
 
 
 def _matmulnbits4(gb: GraphBuilder, x: str, name: str, u: np.ndarray, scales: np.ndarray, block: int,
-                  accuracy_level: int, bias: np.ndarray | None, zero_points: np.ndarray | None = None) -> str:
-    """4-bit MatMulNBits; ``zero_points`` uint8 ``[N, K/block]`` (0..15; None: the default 8)."""
+                  accuracy_level: int, bias: np.ndarray | None) -> str:
     n, k = u.shape
     if k % block:  # ragged last block: MatMulNBits reads ceil(K/block) blocks; pad with the zero code 8
-        assert zero_points is None  # only GGUF grids (whole blocks of 32) carry zero points
         padded = np.full((n, -(-k // block) * block), 8, dtype=np.uint8)
         padded[:, :k] = u
         u = padded
     b = gb.weight(f"{name}.qweight", pack_matmulnbits(u, 4, block))
     s = gb.weight(f"{name}.scales", np.ascontiguousarray(scales, dtype=np.float32))
-    zp = "" if zero_points is None else gb.weight(f"{name}.zero_points", pack_zero_points4(zero_points))
-    return _matmulnbits(gb, x, name, b, s, n, k, 4, block, accuracy_level, bias, zp)
+    return _matmulnbits(gb, x, name, b, s, n, k, 4, block, accuracy_level, bias)
 
 
 def _emit_8bit_cpu(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks, spec: QuantSpec,
@@ -119,45 +114,21 @@ def _emit_8bit_cpu(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGM
 
 def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec: QuantSpec,
                    bias: np.ndarray | None, share: bool) -> str:
-    """GGUF grid kept exactly: Q4_0/Q8_0 straight onto MatMulNBits, Q4_1 with zero points and a per-block residual."""
+    """GGUF grid kept exactly: Q4_0/Q8_0 straight onto MatMulNBits, Q4_1 plus a per-block correction."""
     if weight.ggml_type == "Q8_0":
         y8 = _emit_8bit_cpu(gb, x, name, weight, spec, bias, share)
         assert y8 is not None  # block 32 always fits a Q8_0 weight
         return y8
     dec = decode_blocks(weight, name)
     n, k = dec.codes.shape
+    y = _matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias)
     if dec.m is None:
-        return _matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias)
-    # Q4_1: w = d*u + m = d*(u - z) + r with z = round(-m/d) as MatMulNBits' integer zero point and r = m + z*d
-    # (|r| <= d/2) added as y += blocksum(x) @ R, R [K/32, N] = r^T. The zero point costs nothing per token
-    # (onnxruntime's int8 kernel folds -d*z into the per-block sums it reads anyway); r is exact in float16.
-    z, r = q4_1_zero_points(dec.d, dec.m)
-    y = _matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias, zero_points=z)
-    c = _block_residual(gb, x, name, r, k, fp16=spec.accuracy_level >= 4)
+        return y
+    # Q4_1: w = d*u + m = d*(u-8) + (8d+m), so y += blocksum(x) @ C with C [K/32, N] = (8d+m)^T.
+    corr = np.ascontiguousarray((np.float32(8) * dec.d + dec.m).T)
+    c = gb.op("MatMul", [blocksum(gb, x, k, BLOCK), gb.weight(f"{name}.block_offset", corr)],
+              name=f"{name}/q4_1_offset")
     return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
-
-
-def _block_residual(gb: GraphBuilder, x: str, name: str, r: np.ndarray, k: int, *, fp16: bool) -> str:
-    """``blocksum(x) @ r^T`` (float32 ``[..., N]``) for a Q4_1 residual ``r [N, K/32]`` (float64, exact).
-
-    With ``fp16`` (accuracy level 4) r is stored as float16 where that is exact (for a GGUF's float16 d and m it
-    is, unless a zero point was clipped): half the bytes read per token. The graph says Cast(block sums) ->
-    float16 MatMul -> Cast; onnxruntime's CPU provider has no float16 MatMul, so it runs the MatMul in float32
-    on the float32 sums (the two activation casts removed) and casts the float16 constant on each call
-    (benchmarks/q4_1_carry.py: 2-5% faster decode than float32 offsets). Otherwise r is float32.
-    """
-    sums = blocksum(gb, x, k, BLOCK)
-    r16 = r.astype(np.float16)
-    if not (fp16 and np.array_equal(r16.astype(np.float64), r)):
-        rt = gb.weight(f"{name}.block_residual", np.ascontiguousarray(r.T, dtype=np.float32))
-        return gb.op("MatMul", [sums, rt], name=f"{name}/q4_1_residual")
-    cache = _derived(gb)
-    key = ("blocksum_fp16", sums)
-    if key not in cache:
-        cache[key] = gb.op("Cast", [sums], to=TensorProto.FLOAT16, name=gb.fresh("blocksum_fp16"))
-    c = gb.op("MatMul", [cache[key], gb.weight(f"{name}.block_residual", np.ascontiguousarray(r16.T))],
-              name=f"{name}/q4_1_residual")
-    return gb.op("Cast", [c], to=TensorProto.FLOAT, name=f"{name}/q4_1_residual_fp32")
 
 
 def _emit_cpu(gb: GraphBuilder, x: str, name: str, w: np.ndarray, spec: QuantSpec, bias: np.ndarray | None,

@@ -64,15 +64,3 @@ def decode_blocks(w: GGMLBlocks, name: str = "weight") -> DecodedBlocks:
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, k)
     m = _f16(blocks, 2) if w.ggml_type == "Q4_1" else None
     return DecodedBlocks(w.ggml_type, codes, d, m)
-
-
-def q4_1_zero_points(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_1's per-block offsets split for MatMulNBits: ``d*u + m == d*(u - z) + r``.
-
-    ``z`` (uint8 0..15, ``[out, in/32]``) is the integer zero point nearest ``-m/d`` (0 where d is 0) and
-    ``r = m + z*d`` (float64, exact) what it leaves: ``|r| <= d/2`` unless z is clipped. For float16 d and m an
-    unclipped r is a multiple of the smaller of their ulps and below ``2^11`` of them: exact in float16 too.
-    """
-    d64, m64 = d.astype(np.float64), m.astype(np.float64)
-    z = np.clip(np.where(d64 != 0, np.rint(-m64 / np.where(d64 != 0, d64, 1.0)), 0), 0, 15).astype(np.uint8)
-    return z, m64 + z * d64

@@ -21,15 +21,6 @@ def pack_matmulnbits(u: np.ndarray, bits: int, block_size: int) -> np.ndarray:
     return packed.reshape(n, k // block_size, block_size // 2)
 
 
-def pack_zero_points4(z: np.ndarray) -> np.ndarray:
-    """MatMulNBits 4-bit ``zero_points``: uint8 ``z [N, blocks]`` (0..15) → ``[N * ceil(blocks/2)]``, two per
-    byte (block ``2i`` in the low nibble), each row starting on a byte."""
-    z = np.asarray(z, dtype=np.uint8)
-    if z.shape[1] % 2:
-        z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
-    return np.ascontiguousarray((z[:, 0::2] & 0x0F) | (z[:, 1::2] << 4)).reshape(-1)
-
-
 def pack_int4_kn(codes: np.ndarray) -> bytes:
     """ONNX INT4 raw data of ``codes.T``: signed codes ``[N, K]`` → packed bytes of a ``[K, N]`` tensor.
 

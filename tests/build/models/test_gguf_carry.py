@@ -38,8 +38,5 @@ def test_carried_graph_has_no_float_zero_points(bundles):
     m = onnx.load(str(carry.file("graphs/cpu/model.onnx")), load_external_data=False)
     nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) >= 30 * 4  # qkv, o, gate_up, down per layer (q/k/v and gate/up fused)
-    # float zero points would send onnxruntime to its unpacked path (dequantize every call); Q4_1's are uint8
-    types = {t.name: t.data_type for t in m.graph.initializer}
-    zps = [n.input[3] for n in nbits if len(n.input) > 3 and n.input[3]]
-    assert len(zps) == 30 * 4 and {types[z] for z in zps} == {onnx.TensorProto.UINT8}
+    assert all(len(n.input) < 4 or n.input[3] == "" for n in nbits), "MatMulNBits with zero points"
     assert json.loads((carry.path / "manifest.json").read_text())["quantization"]["scheme"] == "w4a16"
