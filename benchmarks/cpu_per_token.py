@@ -181,19 +181,23 @@ def profile_session(be: OnnxRuntimeBackend, threads: int) -> None:
     so.enable_profiling = True
     so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ops")
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if be.session._model_path.endswith(".ort-opt.onnx"):  # the cached optimized graph: run it as it is, like
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the backend (ort_cache.py)
     be.session = ort.InferenceSession(be.session._model_path, so, providers=["CPUExecutionProvider"])
     be._fast.clear()  # the cached decode bindings belong to the old session
 
 
 def op_label(op: str, node: str) -> str:
-    """The op type, with the LM head apart from the other MatMulNBits and the GGUF Q4_1 carry's two MatMuls
-    (block sums, block offsets) apart from other MatMuls."""
+    """The op type, with the LM head apart from the other MatMulNBits and the GGUF Q4_1 carry's nodes (block
+    sums, block offsets or residuals and the cast of a float16 residual, the Add) apart from the others."""
     if op == "MatMulNBits" and ("embed_tokens" in node or "lm_head" in node):
         return "MatMulNBits (head)"
     if op == "MatMul" and "blocksum" in node:
         return "MatMul (Q4_1 block sums)"
-    if op == "MatMul" and "q4_1_offset" in node:
-        return "MatMul (Q4_1 offsets)"
+    if op in ("MatMul", "MatMulNBits") and ("q4_1_offset" in node or "q4_1_residual" in node):
+        return f"{op} (Q4_1 offsets)"
+    if op == "Cast" and "block_residual" in node:  # the float16 residual, cast per call by onnxruntime
+        return "Cast (Q4_1 offsets)"
     if op == "Add" and "q4_1_add" in node:
         return "Add (Q4_1 offsets)"
     return op

@@ -7,6 +7,7 @@ import onnx
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from onnx import numpy_helper
 
 from lineside.build.graph.linear import emit_linear
 from lineside.build.quant.ggml import decode_blocks
@@ -71,6 +72,23 @@ def test_cpu_carry_accuracy_level_4(tmp_path, rng, ggml_type):
     x = rng.standard_normal((5, K)).astype(np.float32)
     ref = x @ blocks.dequantize().T
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 2e-2
+
+
+def carried_offsets(path, name: str) -> np.ndarray:
+    """The per-block offsets m a built graph applies to Q4_1 layer ``name`` (float64): its float32 block offsets
+    ``8d + m`` less ``8d`` (MatMulNBits' default zero point 8, d its float32 scales)."""
+    inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    assert inits[f"{name}.block_offset"].dtype == np.float32
+    return inits[f"{name}.block_offset"].astype(np.float64).T - 8 * inits[f"{name}.scales"].astype(np.float64)
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.03, -0.2, 0.2])
+def test_q4_1_offsets_are_the_ggufs(tmp_path, rng, shift):
+    # the offsets the graph applies are the GGUF's float16 m exactly (0 half-ulps), all weights of a sign included
+    blocks = make_blocks(rng, "Q4_1", shift=shift)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, QuantSpec(), "cpu"), K, ["t", N],
+                     in_shape=["t", K])
+    np.testing.assert_array_equal(carried_offsets(path, "l"), decode_blocks(blocks).m)
 
 
 def test_q4_1_blocksum_shared(tmp_path, rng):

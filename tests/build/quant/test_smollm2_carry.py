@@ -57,6 +57,18 @@ def test_q4_1_linear(tmp_path, rng, tensors, tensor, acc, tol):
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < tol
 
 
+@pytest.mark.parametrize("tensor", ["blk.0.ffn_down.weight", "blk.0.attn_q.weight"])
+def test_q4_1_offsets_are_the_ggufs(tmp_path, tensors, tensor):
+    """The real model's offsets, as the graph applies them, are its own float16 m: 0 half-ulps."""
+    from lineside.build.quant.ggml import decode_blocks
+    from tests.build.quant.test_ggml import carried_offsets
+
+    w = tensors[tensor]
+    n, k = w.shape
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, QuantSpec(), "cpu"), k, ["b", "t", n])
+    np.testing.assert_array_equal(carried_offsets(path, "l"), decode_blocks(w).m)
+
+
 def test_q8_0_tied_embedding_and_head(tmp_path, rng, tensors):
     emb = tensors["token_embd.weight"]
     assert emb.ggml_type == "Q8_0" and emb.shape == (49152, 576)
