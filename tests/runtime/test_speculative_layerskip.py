@@ -20,9 +20,10 @@ from tests.runtime.test_speculative_model import engine_outputs, tiny_prompts
 LAYERSKIP = SpeculativeConfig(SpecMethod.LAYERSKIP, 4, max_rows=8, draft_layers=1, draft_cost=0.0)
 
 
-def layerskip_bundle(tiny_bundles, variant="llama-gqa", flavor="cpu"):
+def layerskip_bundle(tiny_bundles, variant="llama-gqa", flavor="cpu", kv_dtype="fp16"):
     return tiny_bundles(variant=variant, quant="w4a16", accuracy_level=0, group_size=32 if flavor == "cpu" else 64,
-                        max_seq_len=128, flavors=(flavor,), draft_layers=(1,))
+                        max_seq_len=128, flavors=(flavor,), draft_layers=(1,),
+                        **({} if kv_dtype == "fp16" else {"kv_dtype": kv_dtype}))
 
 
 def test_draft_graph_shares_the_weight_data(tiny_bundles):
@@ -40,12 +41,15 @@ def test_draft_graph_shares_the_weight_data(tiny_bundles):
     assert 0 < draft["weight_fraction"] < 1
 
 
-@pytest.mark.parametrize("flavor", ["cpu", "trt"])
-def test_draft_on_the_targets_kv_equals_the_draft_on_its_own(tiny_bundles, flavor):
+@pytest.mark.parametrize(("flavor", "kv"), [("cpu", "fp16"), ("trt", "fp16"), ("trt", "int4")])
+def test_draft_on_the_targets_kv_equals_the_draft_on_its_own(tiny_bundles, flavor, kv):
     """The target computes the prompt; the draft, reading those layers' KV from the target, scores the next
-    tokens exactly as the draft graph run on its own KV from scratch."""
-    b = open_bundle(layerskip_bundle(tiny_bundles, flavor=flavor))
+    tokens exactly as the draft graph run on its own KV from scratch (int4: the scales and the fp16 sink
+    entries shared too)."""
+    b = open_bundle(layerskip_bundle(tiny_bundles, flavor=flavor, kv_dtype=kv))
     entry = b.flavor(flavor).extra[DRAFT_GRAPHS]["1"]
+    if kv == "int4":
+        assert {s["input"] for s in entry["state"]} >= {"past_key.0", "past_key_scale.0", "past_sink.0"}
     target = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor=flavor)
     shared = OnnxRuntimeBackend.draft_of(target, b, entry, threads=2)
     own = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor=flavor,
