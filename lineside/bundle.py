@@ -78,6 +78,16 @@ class FlavorEntry:
                 "state": [s.to_dict() for s in self.state], "activation_dtype": self.activation_dtype}
 
     @classmethod
+    def from_record(cls, d: Any, what: str) -> FlavorEntry:
+        """A graph record kept beside a flavor's (a layerskip draft, the MTP graph), read when it is used: one
+        line naming ``what`` when it is incomplete or holds a state kind this lineside does not know."""
+        try:
+            return cls.from_json_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BundleError(f"the bundle's {what} record is incomplete or from a newer lineside ({e}); rebuild "
+                              "the bundle") from None
+
+    @classmethod
     def from_json_dict(cls, d: dict[str, Any]) -> FlavorEntry:
         known = {"graph", "inputs", "state", "activation_dtype"}
         return cls(graph=str(d["graph"]), inputs=[str(n) for n in d.get("inputs") or []],

@@ -33,8 +33,10 @@ class StateUpdate(StrEnum):
     INPLACE = "inplace"  # output aliases the input buffer (cpu flavor: GroupQueryAttention shares past/present)
     APPEND = "append"  # output holds only the new ``seq`` entries along ``seq_axis``; runtime writes them at past_len
     REPLACE = "replace"  # output is the whole new state (fixed shape); runtime swaps it in
-    # Like replace, but set only by a sequence's first positions (int4 caches' attention-sink entries): any
-    # cached prefix carries it whole, and a rejected draft or a cut-back prefix never changes it.
+    # Like replace, but each of its slots belongs to one of a sequence's first positions (int4 caches' attention-
+    # sink entries), and every step that feeds such a position rewrites its slot — rejected drafts and padding
+    # columns included — while a row reads slot p only once p is below its length. So a cached prefix carries it
+    # whole and nothing is saved or rewound for it (it does not make a model whole-state).
     PREFIX = "prefix"
 
     @property

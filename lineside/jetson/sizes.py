@@ -145,7 +145,7 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) ->
 
 
 def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
-    """2 × layers × kv_heads × ((head_dim × bytes + scale bytes) × ctx + the fp16 first entry of int4) × batch
+    """2 × layers × kv_heads × ((head_dim × bytes + scale bytes) × ctx + int4's 4 fp16 first entries) × batch
     (grouped-query attention)."""
     heads = 2 * cfg.num_layers * cfg.num_kv_heads * batch
     entries = heads * kv.vector_bytes(cfg.head_dim) * ctx

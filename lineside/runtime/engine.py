@@ -78,7 +78,7 @@ class EngineStats:
     kv_dtype: str = ""  # the arena's KV dtype label (fp32 | fp16 | int8 | int4 | fp8); "" when the backend can't say
     kv_bytes_per_token: float = 0.0  # the arena's real bytes per cached position, all layers, K and V, scales
     kv_capacity_bytes: int = 0  # the arena's allocated state buffers
-    kv_bytes_used: int = 0  # positions the running requests hold x bytes per token
+    kv_bytes_used: int = 0  # positions the running requests hold x bytes per token (+ their slots' sink entries)
     spec_draft_tokens_total: int = 0  # proposed tokens the model scored
     spec_accepted_tokens_total: int = 0  # of those, kept
     spec_verify_rows_total: int = 0  # decode rows that verified proposals
@@ -344,7 +344,8 @@ class LLMEngine:
             **({} if self.kv_bytes is None else dict(
                 kv_dtype=self.kv_bytes.dtype, kv_bytes_per_token=self.kv_bytes.bytes_per_token,
                 kv_capacity_bytes=self.kv_bytes.capacity_bytes,
-                kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token))),
+                kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token
+                                    + a.occupied * self.kv_bytes.sequence_bytes / max(1, a.num_slots)))),
             requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
             **({} if self.adapter_slots is None else self.adapter_slots.stats()),
             **({} if store is None else dict(

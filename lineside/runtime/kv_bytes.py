@@ -3,7 +3,7 @@
 Capacity is the bytes of every state buffer allocated for ``num_slots`` sequences of ``max_seq_len``
 positions; per token is capacity over those positions (exact for dense caches, whose buffers are
 slots x positions x bytes per position; DeepSeek-V4's window and compressed state averaged over the context),
-less the entries a sequence holds once whatever its length (int4's fp16 first entry: update ``prefix``).
+less the entries a sequence holds once whatever its length (int4's 4 fp16 first entries: update ``prefix``).
 """
 
 from __future__ import annotations

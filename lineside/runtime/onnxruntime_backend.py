@@ -157,7 +157,7 @@ class OnnxRuntimeBackend:
                  threads: int | None = None) -> OnnxRuntimeBackend:
         """The bundle's layerskip draft graph (its first N layers, the same weight data) on ``target``'s KV:
         those layers' cache entries are the target's for every position the target has computed."""
-        entry = FlavorEntry.from_json_dict(draft)
+        entry = FlavorEntry.from_record(draft, "layerskip draft graph")
         return cls(bundle, num_slots=target.num_slots, flavor=target.flavor, threads=threads,
                    max_seq_len=target.max_seq_len, spin=target.spinning, entry=entry, shared=target.arena,
                    accuracy_level=target.accuracy_level)

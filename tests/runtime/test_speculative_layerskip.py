@@ -74,3 +74,18 @@ def test_layerskip_greedy_equals_plain(tiny_bundles, variant, flavor):
     assert st.spec_draft_tokens_total > 0 and st.spec_accepted_tokens_total > 0
     g.speculative = LAYERSKIP
     assert [list(g.stream(p, n)) for p in prompts] == want and g.drafted > 0
+
+
+def test_a_draft_record_with_an_unknown_state_kind_is_one_line(tiny_bundles):
+    """A draft graph record is read when --speculative layerskip uses it: a state kind this lineside does not know
+    (a newer bundle) is one BundleError line, not a ValueError traceback."""
+    from lineside.errors import BundleError
+
+    b = open_bundle(layerskip_bundle(tiny_bundles))
+    entry = dict(b.flavor("cpu").extra[DRAFT_GRAPHS]["1"])
+    entry["state"] = [dict(entry["state"][0], update="banana")]
+    target = OnnxRuntimeBackend(b, num_slots=1, threads=1, flavor="cpu")
+    with pytest.raises(BundleError, match=r"layerskip draft graph record is incomplete or from a newer lineside.*"
+                                          r"rebuild the bundle") as e:
+        OnnxRuntimeBackend.draft_of(target, b, entry, threads=1)
+    assert "\n" not in str(e.value) and "banana" in str(e.value)

@@ -105,7 +105,7 @@ def _mtp_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, thr
     if record is None:
         raise LinesideError(f"--speculative mtp: {bundle.path.name} has no MTP graph for its {backend.flavor} flavor "
                             "(it is built with the cpu flavor); run the cpu flavor")
-    entry = FlavorEntry.from_json_dict(record)
+    entry = FlavorEntry.from_record(record, "MTP graph")
     mtp_be = OnnxRuntimeBackend(bundle, num_slots=backend.num_slots, flavor=backend.flavor, threads=threads,
                                 max_seq_len=backend.max_seq_len, spin=backend.spinning, entry=entry,
                                 accuracy_level=backend.accuracy_level)

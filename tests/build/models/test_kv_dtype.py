@@ -249,3 +249,73 @@ def test_int4_sink_entries_in_a_mixed_batch(kv_bundle):
     for slot, past in ((0, 3), (1, 6)):
         nxt = mixed.forward(StepBatch.single(slot, IDS[past:past + 1], past))[0, 0]
         assert rel_err(nxt, alone.forward(StepBatch.single(slot, IDS[past:past + 1], past))[0, 0]) < 1e-5
+
+
+def _int4_trt(kv_bundle, slots: int = 4) -> OnnxRuntimeBackend:
+    return OnnxRuntimeBackend(kv_bundle("int4"), num_slots=slots, flavor="trt", accuracy_level=0)
+
+
+def _fresh_int4(kv_bundle, n: int) -> np.ndarray:
+    from lineside.runtime.backend import StepBatch
+
+    return _int4_trt(kv_bundle).forward(StepBatch.single(0, IDS[:n], 0, all_logits=True))[0]
+
+
+def test_int4_sink_entries_survive_rejected_drafts_padding_and_short_copies(kv_bundle):
+    """Every step that feeds a position below 4 rewrites its sink slot (drafts that are then rejected, a short row's
+    padding columns, another sequence's tokens in a slot), and a row reads slot p only once p is below its length:
+    each case gives a fresh run's logits."""
+    from lineside.runtime.backend import StepBatch
+
+    ref = _fresh_int4(kv_bundle, 8)
+    be = _int4_trt(kv_bundle)
+    be.forward(StepBatch.single(0, IDS[:1], 0))
+    be.forward(StepBatch.single(0, [250, 251, 252, 253], 1, all_logits=True))  # drafts at 1..4, all rejected
+    assert rel_err(be.forward(StepBatch.single(0, IDS[1:8], 1, all_logits=True))[0], ref[1:8]) < 1e-5
+
+    be.reset_slot(0)
+    be.forward(StepBatch.single(0, IDS[:2], 0))
+    be.forward(StepBatch.single(0, [250, 251, 252], 2, all_logits=True))  # drafts at 2..4 rejected
+    be.forward(StepBatch.single(0, [IDS[2], 251], 2, all_logits=True))  # the first kept, the second rejected
+    for p in range(3, 8):
+        assert rel_err(be.forward(StepBatch.single(0, IDS[p:p + 1], p))[0, 0], ref[p]) < 1e-5
+
+    be.reset_slot(0)
+    be.forward(StepBatch.single(0, IDS[:1], 0))
+    ids = np.zeros((2, 6), np.int64)
+    ids[0, 0], ids[1] = IDS[1], IDS[:6]
+    be.forward(StepBatch(slots=[0, 1], input_ids=ids, past_lengths=np.array([1, 0]), new_lengths=np.array([1, 6]),
+                         logits_positions=np.array([[0], [5]])))  # row 0's padding columns sit at positions 2..6
+    for p in range(2, 8):
+        assert rel_err(be.forward(StepBatch.single(0, IDS[p:p + 1], p))[0, 0], ref[p]) < 1e-5
+
+    be.forward(StepBatch.single(2, [9, 9, 9, 9, 9, 9], 0))  # slot 3 first holds another sequence
+    be.copy_slot(2, 3, 6)
+    be.copy_slot(1, 3, 2)  # then the first 2 positions of slot 1's
+    assert rel_err(be.forward(StepBatch.single(3, IDS[2:8], 2, all_logits=True))[0], ref[2:8]) < 1e-5
+
+
+def test_int4_sink_entries_are_not_the_4_bit_values(kv_bundle):
+    """What the sink state buys: the same cache with the sink slots holding what the 4-bit entries give back
+    (their dequantized values) is measurably further from the float cache."""
+    from lineside.runtime.backend import StepBatch
+
+    ref_fp16 = compute_logits(OnnxRuntimeBackend(kv_bundle("fp16"), flavor="trt", accuracy_level=0), IDS[:12],
+                              "prefill")
+    be = _int4_trt(kv_bundle, slots=1)
+    be.forward(StepBatch.single(0, IDS[:4], 0))
+    with_sink = be.forward(StepBatch.single(0, IDS[4:12], 4, all_logits=True))[0]
+    # the sink slots overwritten by the 4-bit values of the same entries (K's heads, then V's, as stored)
+    b = kv_bundle("int4")
+    d, kvh = b.config.head_dim, b.config.num_kv_heads
+    for layer in range(b.config.num_layers):
+        deq = []
+        for part in ("key", "value"):
+            q = unpack_int4(be.arena[f"past_{part}.{layer}"][0, :, :4]).astype(np.float32)  # [kvh, 4, d]
+            sc = be.arena[f"past_{part}_scale.{layer}"][0, :, :4].astype(np.float32).reshape(kvh, 4, d // 16, 2)
+            deq.append((q.reshape(kvh, 4, d // 16, 16) * sc[..., :1] + sc[..., 1:]).reshape(kvh, 4, d))
+        be.arena[f"past_sink.{layer}"][0] = np.concatenate(deq, axis=0).astype(np.float16)
+    four_bit = be.forward(StepBatch.single(0, IDS[4:12], 4, all_logits=True))[0]
+    e_sink, e_4bit = rel_err(with_sink, ref_fp16[4:12]), rel_err(four_bit, ref_fp16[4:12])
+    print(f"int4 KV vs fp16 KV, positions 4..11: sink entries in fp16 {e_sink:.2e}, as 4-bit values {e_4bit:.2e}")
+    assert e_sink < e_4bit

@@ -288,3 +288,44 @@ def test_quantized_kv_arena_capture_copy_and_mismatch(tiny_bundles, monkeypatch,
     (edir / ENGINE_JSON).write_text(json.dumps({**meta, "kv_dtype": other}))
     with pytest.raises(BundleError, match=f"built for a {other} KV cache but the bundle's trt graph stores {kv}"):
         TensorRTBackend(open_bundle(dst), num_slots=2)
+
+
+def test_int4_sink_entries_in_a_bucket_with_a_dummy_row_short_copy_and_rejected_draft(tiny_bundles, monkeypatch,
+                                                                                     tmp_path):
+    """int4's fp16 sink state (manifest update 'prefix') on the TensorRT backend: a 3-row step in a 4-row bucket
+    (rows around the first 4 positions) leaves the dummy row's slot as it was, a 2-token prefix copies (a prefix
+    state copies whole; replace states refuse it), and drafts at 1..3 rejected then re-fed give a fresh run."""
+    import shutil
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    src = tiny_bundles(quant="fp16", flavors=("trt",), max_seq_len=64, group_size=64, accuracy_level=0,
+                       kv_dtype="int4")
+    dst = tmp_path / "bundle"
+    shutil.copytree(src, dst)
+    fake_trt.install(monkeypatch)
+    build_engine(dst, BuildOptions(num_slots=4, max_prefill=16, first_bucket=8, bucket_step=16))
+    b = open_bundle(dst)
+    ref = OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0).forward(StepBatch.single(0, IDS[:10], 0,
+                                                                                        all_logits=True))[0]
+    be = TensorRTBackend(b, num_slots=4)
+    be.forward(StepBatch.single(0, IDS[:2], 0))
+    be.forward(StepBatch.single(2, IDS[:9], 0))
+    be.forward(StepBatch.single(3, [5, 5, 5, 5, 5], 0))  # the bucket's dummy row lands on slot 3
+    ids = np.zeros((3, 6), np.int64)
+    ids[0, 0], ids[1], ids[2, 0] = IDS[2], IDS[:6], IDS[9]
+    got = be.forward(StepBatch(slots=[0, 1, 2], input_ids=ids, past_lengths=np.array([2, 0, 9]),
+                               new_lengths=np.array([1, 6, 1]), logits_positions=np.array([[0], [5], [0]])))
+    for r, p in enumerate((2, 5, 9)):
+        assert rel(got[r, 0], ref[p]) < 1e-4
+    alone = OnnxRuntimeBackend(b, num_slots=1, flavor="trt", accuracy_level=0)
+    alone.forward(StepBatch.single(0, [5, 5, 5, 5, 5], 0))
+    assert rel(be.forward(StepBatch.single(3, [5], 5))[0, 0], alone.forward(StepBatch.single(0, [5], 5))[0, 0]) < 1e-4
+    be.copy_slot(1, 3, 2)
+    assert rel(be.forward(StepBatch.single(3, IDS[2:8], 2, all_logits=True))[0], ref[2:8]) < 1e-4
+    be.reset_slot(0)
+    be.forward(StepBatch.single(0, IDS[:1], 0))
+    be.forward(StepBatch.single(0, [250, 251, 252], 1, all_logits=True))
+    assert rel(be.forward(StepBatch.single(0, IDS[1:8], 1, all_logits=True))[0], ref[1:8]) < 1e-4
+    be.close()
