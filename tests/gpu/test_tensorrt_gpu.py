@@ -70,7 +70,7 @@ def test_quantized_kv_engine_matches_onnxruntime(tiny_dense, tmp_path, kv):
     """Quantized caches on TensorRT (uint8 / packed uint4x2 states; int4's fp16 sink entries, a 'prefix' state):
     the engine parses and builds, prefill and decode agree with onnxruntime on the same graph, and a 3-row step
     around the first 4 positions equals each row alone."""
-    from lineside.runtime.backend import StepBatch
+    from tests.kv_sink_cases import POSITIONS, prime_sink_boundary, sink_boundary_batch
 
     p = tmp_path / "bundle"
     build_bundle(tiny_dense("llama-gqa"), p, BuildOptions(quant="fp16", flavors=("trt",), max_seq_len=64,
@@ -84,13 +84,9 @@ def test_quantized_kv_engine_matches_onnxruntime(tiny_dense, tmp_path, kv):
         assert rel(pre, ref) < 2e-2 and rel(dec, ref) < 2e-2, (rel(pre, ref), rel(dec, ref))
         be.reset_slot(0)
         be.reset_slot(2)
-        be.forward(StepBatch.single(0, IDS[:2], 0))
-        be.forward(StepBatch.single(2, IDS[:9], 0))
-        ids = np.zeros((3, 6), np.int64)
-        ids[0, 0], ids[1], ids[2, 0] = IDS[2], IDS[:6], IDS[9]
-        got = be.forward(StepBatch(slots=[0, 1, 2], input_ids=ids, past_lengths=np.array([2, 0, 9]),
-                                   new_lengths=np.array([1, 6, 1]), logits_positions=np.array([[0], [5], [0]])))
-        for r, pos in enumerate((2, 5, 9)):
+        prime_sink_boundary(be, IDS)
+        got = be.forward(sink_boundary_batch(IDS))
+        for r, pos in enumerate(POSITIONS):
             assert rel(got[r, 0], ref[pos]) < 2e-2, (r, rel(got[r, 0], ref[pos]))
     finally:
         be.close()

@@ -231,18 +231,15 @@ def test_int4_sink_entries_in_a_mixed_batch(kv_bundle):
     def fresh(slot_count: int = 3) -> OnnxRuntimeBackend:
         return OnnxRuntimeBackend(b, num_slots=slot_count, flavor="trt", accuracy_level=0)
 
+    from tests.kv_sink_cases import prime_sink_boundary, sink_boundary_batch
+
     alone = fresh()
-    alone.forward(StepBatch.single(0, IDS[:2], 0))
-    alone.forward(StepBatch.single(2, IDS[:9], 0))
+    prime_sink_boundary(alone, IDS)
     want = [alone.forward(StepBatch.single(0, IDS[2:3], 2))[0, 0], alone.forward(StepBatch.single(1, IDS[:6], 0))[0, 0],
             alone.forward(StepBatch.single(2, IDS[9:10], 9))[0, 0]]
     mixed = fresh()
-    mixed.forward(StepBatch.single(0, IDS[:2], 0))
-    mixed.forward(StepBatch.single(2, IDS[:9], 0))
-    ids = np.zeros((3, 6), np.int64)
-    ids[0, 0], ids[1], ids[2, 0] = IDS[2], IDS[:6], IDS[9]
-    got = mixed.forward(StepBatch(slots=[0, 1, 2], input_ids=ids, past_lengths=np.array([2, 0, 9]),
-                                  new_lengths=np.array([1, 6, 1]), logits_positions=np.array([[0], [5], [0]])))
+    prime_sink_boundary(mixed, IDS)
+    got = mixed.forward(sink_boundary_batch(IDS))
     for r in range(3):
         assert rel_err(got[r, 0], want[r]) < 1e-5
     # and the next step of each row (slot 0 at 3: its last sink entry; slot 1 at 6) reads what the mixed step wrote

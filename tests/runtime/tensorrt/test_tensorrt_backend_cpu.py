@@ -309,15 +309,13 @@ def test_int4_sink_entries_in_a_bucket_with_a_dummy_row_short_copy_and_rejected_
     b = open_bundle(dst)
     ref = OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0).forward(StepBatch.single(0, IDS[:10], 0,
                                                                                         all_logits=True))[0]
+    from tests.kv_sink_cases import POSITIONS, prime_sink_boundary, sink_boundary_batch
+
     be = TensorRTBackend(b, num_slots=4)
-    be.forward(StepBatch.single(0, IDS[:2], 0))
-    be.forward(StepBatch.single(2, IDS[:9], 0))
+    prime_sink_boundary(be, IDS)
     be.forward(StepBatch.single(3, [5, 5, 5, 5, 5], 0))  # the bucket's dummy row lands on slot 3
-    ids = np.zeros((3, 6), np.int64)
-    ids[0, 0], ids[1], ids[2, 0] = IDS[2], IDS[:6], IDS[9]
-    got = be.forward(StepBatch(slots=[0, 1, 2], input_ids=ids, past_lengths=np.array([2, 0, 9]),
-                               new_lengths=np.array([1, 6, 1]), logits_positions=np.array([[0], [5], [0]])))
-    for r, p in enumerate((2, 5, 9)):
+    got = be.forward(sink_boundary_batch(IDS))
+    for r, p in enumerate(POSITIONS):
         assert rel(got[r, 0], ref[p]) < 1e-4
     alone = OnnxRuntimeBackend(b, num_slots=1, flavor="trt", accuracy_level=0)
     alone.forward(StepBatch.single(0, [5, 5, 5, 5, 5], 0))
