@@ -154,6 +154,7 @@ def _base_architecture(conf: dict[str, Any]) -> str | None:
 
 
 def _load_tensors(path: Path) -> dict[str, np.ndarray]:
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors.numpy reads bf16 adapters then)
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -162,13 +163,8 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
         raise AdapterError(f"{path}: no {WEIGHTS_FILE} (adapter_model.bin is not read: re-save with "
                            "safe_serialization=True)")
     try:
-        # bfloat16 arrays come back as ml_dtypes' once something imported it (onnx, torch), else TypeError
         return {k: _widened(v) for k, v in load_file(str(wf)).items()}
-    except TypeError as e:
-        if "bfloat16" not in str(e):
-            raise _unreadable(wf, e) from None
-        return _load_bf16(wf)  # numpy has no bfloat16: safetensors.numpy cannot read what bf16 models save
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise _unreadable(wf, e) from None
 
 
@@ -178,28 +174,8 @@ def _unreadable(wf: Path, e: Exception) -> AdapterError:
 
 
 def _widened(arr: np.ndarray) -> np.ndarray:
-    return arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr  # ml_dtypes' bfloat16: exact
-
-
-def _load_bf16(wf: Path) -> dict[str, np.ndarray]:
-    """A file with bfloat16 tensors, which safetensors.numpy cannot read without ml_dtypes imported: bfloat16
-    ones widened to float32 (exact: a bf16 is the top half of a float32; fp16 would clip its range)."""
-    from safetensors import SafetensorError, deserialize
-
-    floats = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
-    try:
-        out = {}
-        for name, t in deserialize(wf.read_bytes()):
-            if t["dtype"] == "BF16":
-                arr = (np.frombuffer(t["data"], dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-            elif t["dtype"] in floats:
-                arr = np.frombuffer(t["data"], dtype=floats[t["dtype"]]).copy()
-            else:
-                raise ValueError(f"tensor {name!r} is {t['dtype']}")
-            out[name] = arr.reshape(t["shape"])
-    except (SafetensorError, OSError, ValueError) as e:
-        raise _unreadable(wf, e) from None
-    return out
+    """bfloat16 widened to float32 (exact: a bf16 is the top half of a float32; fp16 would clip its range)."""
+    return arr.astype(np.float32) if arr.dtype.name == "bfloat16" else arr
 
 
 def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
