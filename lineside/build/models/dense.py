@@ -117,8 +117,10 @@ class DenseEmitter:
                  key_means: np.ndarray | None = None):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
+        from lineside.build.quant.kv import FORMATS, KvDtype
 
         self.cfg, self.get, self.spec, self.flavor = cfg, get_weight, spec, flavor
+        self.kv_fmt = FORMATS.get(KvDtype(spec.kv_dtype))  # the quantized cache's format; None for a float cache
         self.max_seq = max_seq_len
         self.awq = awq_scales or {}
         self.key_means = key_means if flavor == "trt" and spec.kv_dtype == "int4" else None
@@ -275,16 +277,15 @@ class DenseEmitter:
     def _trt_layer(self, i: int, qkv: str) -> tuple[str, list[StateTensor]]:
         """trt-flavor attention of layer i: its output and its state tensors (values, then per-token scales)."""
         from lineside.build.graph.kv_cache import scale_name
-        from lineside.build.quant.kv import FORMATS, KvDtype
 
         cfg, g = self.cfg, self.gb
         kvh, d = cfg.num_kv_heads, cfg.head_dim
-        kv = KvDtype(self.spec.kv_dtype)
+        fmt = self.kv_fmt
         names = {"k": (f"past_key.{i}", f"present_key.{i}"), "v": (f"past_value.{i}", f"present_value.{i}")}
         shape: list[Any] = ["batch", kvh, "past_seq", d]
         out_shape: list[Any] = ["batch", kvh, "seq", d]
         states: list[StateTensor] = []
-        if kv == KvDtype.FP16:
+        if fmt is None:
             # KV cache in fp16 unless the build is the fp32 reference: half the bytes on the GPU.
             kv_t = F32 if self.spec.scheme == "fp32" else TensorProto.FLOAT16
             kv_name = "float32" if kv_t == F32 else "float16"
@@ -294,7 +295,6 @@ class DenseEmitter:
                 states.append(StateTensor(past, present, shape, dtype=kv_name, update=StateUpdate.APPEND))
             self.kv_io = {key: (past, present, None, None) for key, (past, present) in names.items()}
         else:
-            fmt = FORMATS[kv]
             q_t = TensorProto.UINT8  # int8: grid + 128; int4: two grid values + 8 per byte (graph/kv_cache.py)
             v_shape, v_out = shape[:3] + [fmt.stored_dim(d)], out_shape[:3] + [fmt.stored_dim(d)]
             s_shape, s_out = shape[:3] + [fmt.scale_state_dim(d)], out_shape[:3] + [fmt.scale_state_dim(d)]
@@ -334,10 +334,10 @@ class DenseEmitter:
         set of ops and read past and new back dequantized, also at once (graph/kv_cache.py); returns K and V
         [B, kvh, T, d] as attention reads them."""
         from lineside.build.graph.kv_cache import emit_kv_pair
-        from lineside.build.quant.kv import FORMATS, KvDtype
 
         g, kvh, d = self.gb, self.cfg.num_kv_heads, self.cfg.head_dim
-        fmt = FORMATS[KvDtype(self.spec.kv_dtype)]
+        fmt = self.kv_fmt
+        assert fmt is not None
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
@@ -368,15 +368,13 @@ class DenseEmitter:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
         from lineside.build.graph.kv_cache import hadamard
 
-        h = hadamard(self.cfg.head_dim) if self.spec.kv_dtype != "fp16" else None
+        h = hadamard(self.cfg.head_dim) if self.kv_fmt is not None else None
         if h is None:
             return None
         return self.gb.const(h.T if inverse else h, np.float32)  # de-duplicated: one pair per graph
 
     def _trt_prelude(self) -> None:
         """Per-graph tensors shared by every layer: rope cos/sin for the new positions and the mask bias."""
-        from lineside.build.quant.kv import FORMATS, KvDtype
-
         cfg, g = self.cfg, self.gb
         cos = g.op("Gather", [self.cos, "position_ids"], axis=0)  # [B, S, rot/2]
         sin = g.op("Gather", [self.sin, "position_ids"], axis=0)
@@ -390,7 +388,7 @@ class DenseEmitter:
         bsz = g.op("Shape", ["position_ids"], start=0, end=1)
         past_pos = g.op("Expand", [g.op("Unsqueeze", [past_pos, g.const([0])]), g.op("Concat", [bsz, past], axis=0)])
         key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
-        n = FORMATS[KvDtype(self.spec.kv_dtype)].sink if self.spec.kv_dtype != "fp16" else 0
+        n = self.kv_fmt.sink if self.kv_fmt is not None else 0
         if n:  # int4's fp16 sink entries (_kv_sink): which new entry is which sink slot, once per graph
             hit = g.op("Equal", [g.op("Unsqueeze", ["position_ids", g.const([1])]),  # [B, 1, S] vs [n, 1]
                                  g.const(np.arange(n, dtype=np.int64)[:, None])])  # -> [B, n, S]
@@ -443,7 +441,7 @@ class DenseEmitter:
         if self.key_means is not None:  # int4: keys centred on their calibrated mean (quant/kv_calib.py: exact)
             kh = g.op("Sub", [kh, g.const(self.key_means[layer][:, None, :], np.float32)])
         rot = self._kv_rotation()
-        if self.spec.kv_dtype == "fp16":
+        if self.kv_fmt is None:
             kh, pk = self._kv_write(kh, "k")
             vh, pv = self._kv_write(vh, "v")
             kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
