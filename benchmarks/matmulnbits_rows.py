@@ -87,7 +87,8 @@ def kernel_us(model: onnx.ModelProto, feeds: Callable[[], dict[str, np.ndarray]]
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the nodes as written
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp / "prof")
     f = feeds()
 
     def runner(sess: ort.InferenceSession) -> Callable[[], None]:
@@ -104,14 +105,9 @@ def kernel_us(model: onnx.ModelProto, feeds: Callable[[], dict[str, np.ndarray]]
                 io.bind_output(o.name, "cpu")
         return lambda: sess.run_with_iobinding(io)
 
-    run = runner(sess)
-    for _ in range(30):
-        run()
-    so.enable_profiling = True
-    so.profile_file_prefix = str(tmp / "prof")
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     run = runner(sess)
-    for _ in range(30 + iters):
+    for _ in range(30 + iters):  # the first 30 warm up; the profile's last ``iters`` calls are read
         run()
     trace = json.loads(Path(sess.end_profiling()).read_text())
     by: dict[str, list[float]] = {}
