@@ -118,11 +118,7 @@ def _emitter(variant: str) -> Callable:
             # float32, its two activation casts removed and a Cast of the float16 constant added to every call.
             r16 = r.astype(np.float16)
             OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + r16.astype(np.float32)))
-            cache = linear._derived(gb)
-            key = ("blocksum_fp16", sums)
-            if key not in cache:
-                cache[key] = gb.op("Cast", [sums], to=onnx.TensorProto.FLOAT16, name=gb.fresh("blocksum_fp16"))
-            c16 = gb.op("MatMul", [cache[key], gb.weight(f"{name}.block_residual", np.ascontiguousarray(r16.T))],
+            c16 = gb.op("MatMul", [linear.cast_fp16(gb, sums), gb.weight(f"{name}.block_residual", np.ascontiguousarray(r16.T))],
                         name=f"{name}/q4_1_residual")
             c = gb.op("Cast", [c16], to=onnx.TensorProto.FLOAT, name=f"{name}/q4_1_residual_fp32")
         else:  # zp+int8
@@ -139,27 +135,17 @@ def _emitter(variant: str) -> Callable:
 
 def _emitted_errors(bundle: Path) -> list[np.ndarray]:
     """Half-ulps of m for the offsets lineside's own build wrote (its float32 8d + m, read back, less 8d)."""
-    inits = {t.name: t for t in onnx.load(str(bundle / "graphs" / "cpu" / "model.onnx"),
-                                              load_external_data=False).graph.initializer}
-    data = (bundle / "graphs" / "cpu" / "model.onnx.data").read_bytes()
-    out = []
-    for name, dec in EMITTED:
-        off = _array(inits[f"{name}.block_offset"], data).astype(np.float64).T
-        out.append(_half_ulps(dec, off - 8 * _array(inits[f"{name}.scales"], data).astype(np.float64)))
-    EMITTED.clear()
-    return out
-
-
-def _array(t, data: bytes) -> np.ndarray:
-    """An initializer's values, inline or from the graph's external-data bytes."""
     from onnx import numpy_helper
 
-    if not t.external_data:
-        return numpy_helper.to_array(t)
-    where = {e.key: e.value for e in t.external_data}
-    off, n = int(where["offset"]), int(where["length"])
-    dt = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-    return np.frombuffer(data[off:off + n], dtype=dt).reshape(tuple(t.dims))
+    graphs = bundle / "graphs" / "cpu"
+    inits = {t.name: t for t in onnx.load(str(graphs / "model.onnx"), load_external_data=False).graph.initializer}
+
+    def array(name: str) -> np.ndarray:  # inline or from the external data beside the graph
+        return numpy_helper.to_array(inits[name], base_dir=str(graphs)).astype(np.float64)
+
+    out = [_half_ulps(dec, array(f"{name}.block_offset").T - 8 * array(f"{name}.scales")) for name, dec in EMITTED]
+    EMITTED.clear()
+    return out
 
 
 def _nodes(bundle: Path) -> int:
