@@ -86,6 +86,9 @@ def serve(
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
     max_sessions: Annotated[int, checks.number_option(
         low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none)")] = 64,
+    max_stored_responses: Annotated[int, checks.number_option(
+        low=0, high=1000000, help="/v1/responses kept in memory for previous_response_id and GET /v1/responses/ID "
+                                  "(the least recently used dropped first; 0: none)")] = 256,
     chat_template: Annotated[str | None, typer.Option(
         help="render chats with this Jinja template instead of the bundle's: a file, the template text itself, or "
              "a shipped one (builtin:smollm2_tools: SmolLM2's own tool-calling prompt)")] = None,
@@ -188,7 +191,8 @@ def serve(
                          openapi=openapi, tokenizer_processes=tokenizer_processes, fallback=fallback,
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
-                         trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser)
+                         trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
+                         max_stored_responses=max_stored_responses)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

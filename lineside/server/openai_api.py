@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from lineside.errors import LinesideError
 from lineside.runtime.adapter_slots import AdapterSlotsFull, UnknownAdapter
 from lineside.runtime.bounded_encode import PromptTooLong
-from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
+from lineside.runtime.request import EngineDraining, FinishReason, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
@@ -157,8 +157,10 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     try:
         adapter = _check_model(state, body.model)
         responses_api.check(body)
-        messages = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
-                    for m in responses_api.messages(body)]
+        previous = responses_api.previous_response(body, state.responses)
+        turn = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
+                for m in responses_api.input_messages(body)]
+        messages = responses_api.messages(body, turn, previous)
         prompt_limits.check_texts([m["content"] for m in messages], state.engine.tokenizer,
                                   state.engine.max_seq_len, param="input")
         constraint = await _checked(state, responses_api.text_constraint(body))
@@ -198,16 +200,37 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     record = RequestRecord(request_id, "responses", priority, mode=mode, stream=bool(body.stream), arrival=arrival,
                            prompt_tokens=len(ids))
     choice = Choice(0, handle, record)
-    builder = responses_api.ResponseBuilder(body, adapter or state.model_name, request_id)
+    builder = responses_api.ResponseBuilder(body, adapter or state.model_name, request_id, store=state.responses,
+                                            conversation=[*(previous.conversation if previous else ()), *turn])
     if body.stream:
         return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
     gone = await responses.collect(request, state, [choice])
     if gone is not None:
         return gone
-    usage = (choice.record.prompt_tokens, choice.record.completion_tokens)
-    incomplete = choice.finish_reason == "length"
-    return builder.body("".join(choice.text_parts), "incomplete" if incomplete else "completed", usage,
-                        "max_output_tokens" if incomplete else None)
+    return builder.final("".join(choice.text_parts), (choice.record.prompt_tokens, choice.record.completion_tokens),
+                         choice.finish_reason or FinishReason.STOP)
+
+
+@router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+async def get_response(response_id: str, request: Request) -> Any:
+    """A response this server kept (``store`` was not false), as it was answered."""
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise _no_response(response_id)
+    return stored.body
+
+
+@router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+async def delete_response(response_id: str, request: Request) -> Any:
+    """Forget a kept response (a later previous_response_id naming it gets a 400)."""
+    if not _state(request).responses.delete(response_id):
+        raise _no_response(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _no_response(response_id: str) -> APIError:
+    return APIError(404, f"no response {response_id!r} is kept here (stored with store: false, deleted, or "
+                         "dropped: the server keeps only its most recent ones)", "not_found", param="response_id")
 
 
 # ---- one engine request per choice, then the response ---------------------------------------------------

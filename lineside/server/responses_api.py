@@ -1,8 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``) on the chat path: text input and output, ``instructions``,
 ``text.format`` (json_schema / json_object, grammar-constrained), streaming events.
 
-What this server cannot honour there is a 400 naming the field: ``previous_response_id`` (no response
-store), ``tools``, ``reasoning``, ``background``, ``include``, non-text input parts, ``truncation: auto``.
+``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
+What this server cannot honour there is a 400 naming the field: ``tools``, ``reasoning``, ``background``,
+``include``, ``conversation``, stored ``prompt`` templates, non-text input parts, ``truncation: auto``.
 The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
 ``responses.stream`` read them.
 """
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
+from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure
 from lineside.server.state import ServerState
 
@@ -35,10 +37,10 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: bool | None = None  # keep the response for previous_response_id / GET (default true, as OpenAI's)
     user: str | None = None
-    # refused with a 400 naming them when set
     previous_response_id: str | None = None
+    # refused with a 400 naming them when set
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -56,9 +58,6 @@ def _bad(message: str, param: str) -> APIError:
 
 def check(req: ResponsesRequest) -> None:
     """400 for what this server does not do on /v1/responses."""
-    if req.previous_response_id is not None:
-        raise _bad("previous_response_id: this server keeps no responses; send the whole conversation in 'input'",
-                   "previous_response_id")
     if req.conversation is not None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
     if req.prompt is not None:
@@ -77,13 +76,11 @@ def check(req: ResponsesRequest) -> None:
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
 
 
-def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``instructions`` + ``input`` as chat messages (text parts only)."""
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as chat messages (text parts only; ``instructions`` apart: a later turn does not inherit them)."""
     out: list[dict[str, Any]] = []
-    if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
-        return [*out, {"role": "user", "content": req.input}]
+        return [{"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -112,6 +109,26 @@ def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
+def messages(req: ResponsesRequest, turn: list[dict[str, Any]],
+             previous: StoredResponse | None = None) -> list[dict[str, Any]]:
+    """What the model reads: this request's ``instructions``, the kept conversation it continues, its input."""
+    head = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    return [*head, *(previous.conversation if previous is not None else ()), *turn]
+
+
+def previous_response(req: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:
+    """The kept response ``previous_response_id`` names (None without one); a 400 naming it when none is kept."""
+    if req.previous_response_id is None:
+        return None
+    found = store.get(req.previous_response_id)
+    if found is None:
+        raise APIError(400, f"previous_response_id: no response {req.previous_response_id!r} is kept here (it was "
+                            f"stored with store: false, deleted, or dropped: the server keeps its last "
+                            f"{store.capacity}); send the whole conversation in 'input'",
+                       "previous_response_not_found", param="previous_response_id")
+    return found
+
+
 def text_constraint(req: ResponsesRequest) -> Constraint | None:
     """``text.format``: text (free), json_object, json_schema (``name``, ``schema``, ``strict`` inline)."""
     fmt = (req.text or {}).get("format")
@@ -133,15 +150,29 @@ def text_constraint(req: ResponsesRequest) -> Constraint | None:
 
 
 class ResponseBuilder:
-    """The response object and its stream events for one request (one output message)."""
+    """The response object and its stream events for one request (one output message); a finished one is kept
+    in ``store`` (unless the request says ``store: false``) with the conversation it ends."""
 
-    def __init__(self, req: ResponsesRequest, model: str, rid: str):
+    def __init__(self, req: ResponsesRequest, model: str, rid: str, *, store: ResponseStore,
+                 conversation: list[dict[str, Any]]):
         self.req = req
         self.id = "resp_" + rid.replace("-", "")
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.seq = 0
+        self.store = store if req.store is not False and store.capacity > 0 else None
+        self.conversation = tuple(conversation)  # the kept turns before this one + this one's input
+
+    def final(self, text: str, usage: tuple[int, int], finish_reason: FinishReason) -> dict[str, Any]:
+        """The finished response (completed, or incomplete at max_output_tokens), kept when it is to be."""
+        incomplete = finish_reason == FinishReason.LENGTH
+        body = self.body(text, "incomplete" if incomplete else "completed", usage,
+                         "max_output_tokens" if incomplete else None)
+        if self.store is not None:
+            self.store.put(self.id, StoredResponse(
+                body, (*self.conversation, {"role": "assistant", "content": text})))
+        return body
 
     def body(self, text: str, status: str, usage: tuple[int, int] | None, reason: str | None = None
              ) -> dict[str, Any]:
@@ -154,8 +185,8 @@ class ResponseBuilder:
             "model": self.model, "output": output, "instructions": r.instructions,
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
-            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-            "store": False, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "parallel_tool_calls": True, "previous_response_id": r.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": r.temperature if r.temperature is not None else 1.0,
             "text": {"format": fmt}, "tool_choice": "auto", "tools": [],
             "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
@@ -191,16 +222,14 @@ class ResponseBuilder:
         return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                           delta=text, logprobs=[])
 
-    def closing(self, text: str, usage: tuple[int, int], finish_reason: str) -> list[str]:
-        incomplete = finish_reason == "length"
-        status = "incomplete" if incomplete else "completed"
+    def closing(self, text: str, usage: tuple[int, int], finish_reason: FinishReason) -> list[str]:
+        body = self.final(text, usage, finish_reason)
         return [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
                            text=text, logprobs=[]),
                 self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
                            part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.item(text, status)),
-                self.event("response.incomplete" if incomplete else "response.completed",
-                           response=self.body(text, status, usage, "max_output_tokens" if incomplete else None))]
+                self.event("response.output_item.done", output_index=0, item=self.item(text, body["status"])),
+                self.event(f"response.{body['status']}", response=body)]
 
     def failed(self, message: str, code: str) -> str:
         body = self.body("", "failed", None)

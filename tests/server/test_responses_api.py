@@ -52,3 +52,90 @@ def test_unsupported_is_400_naming_it(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, max_output_tokens=4, **kw)
     assert e.value.body["param"] == param and "\n" not in e.value.body["message"]
+
+
+def _prompt_tokens(server, messages) -> int:
+    """How many tokens the server's chat rendering makes of ``messages`` (what a response's input_tokens count)."""
+    from lineside.server.chat_rendering import server_rendering
+
+    state = server.state
+    return len(state.engine.tokenizer.encode_chat(messages, **server_rendering(state).options()))
+
+
+def test_previous_response_id_continues_the_kept_conversation(client, server):
+    """A turn that names an earlier response reads that response's input and output before its own input, without
+    the earlier instructions (OpenAI carries input and output over, not instructions); a chain reads every turn."""
+    kw = dict(model=MODEL, max_output_tokens=5, temperature=0)
+    r1 = client.responses.create(input="name a colour", instructions="answer in one word", **kw)
+    assert r1.store is True and r1.previous_response_id is None
+    r2 = client.responses.create(input="and another", previous_response_id=r1.id, **kw)
+    assert r2.previous_response_id == r1.id
+    turns = [{"role": "user", "content": "name a colour"}, {"role": "assistant", "content": r1.output_text},
+             {"role": "user", "content": "and another"}]
+    assert r2.usage.input_tokens == _prompt_tokens(server, turns)
+    assert r2.usage.input_tokens != _prompt_tokens(server, [{"role": "system", "content": "answer in one word"},
+                                                            *turns])
+    r3 = client.responses.create(input=[{"role": "user", "content": "one more"}], previous_response_id=r2.id,
+                                 instructions="be brief", **kw)
+    chain = [{"role": "system", "content": "be brief"}, *turns, {"role": "assistant", "content": r2.output_text},
+             {"role": "user", "content": "one more"}]
+    assert r3.usage.input_tokens == _prompt_tokens(server, chain)
+    # the same turn streamed reads the same prompt and writes the same greedy text, and is kept too
+    events = list(client.responses.create(stream=True, input="and another", previous_response_id=r1.id, **kw))
+    done = events[-1].response
+    assert done.output_text == r2.output_text and done.usage.input_tokens == r2.usage.input_tokens
+    assert client.responses.retrieve(done.id).output_text == r2.output_text
+
+
+def test_kept_responses_are_retrieved_and_deleted(client):
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=3, temperature=0)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.usage.output_tokens == r.usage.output_tokens
+    assert client.responses.delete(r.id) is None  # the client reads {"deleted": true} as success
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert e.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=3, previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id" and e.value.body["code"] == "previous_response_not_found"
+    assert "\n" not in e.value.body["message"]
+
+
+def test_store_false_keeps_nothing(client):
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=3, store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=3, previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_store_keeps_the_most_recently_used():
+    from lineside.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(2)
+    for rid in "abc":
+        if rid == "c":
+            assert store.get("a") is not None  # a is used again: b is now the oldest
+        store.put(rid, StoredResponse({"id": rid}, ()))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None and len(store) == 2
+    none = ResponseStore(0)
+    none.put("a", StoredResponse({"id": "a"}, ()))
+    assert none.get("a") is None and len(none) == 0
+    with pytest.raises(ValueError):
+        ResponseStore(-1)
+
+
+def test_a_server_without_a_store_says_so(tiny_bundle):
+    from tests.server.conftest import running_server
+
+    with running_server(tiny_bundle, num_slots=1, threads=1, max_stored_responses=0) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        r = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        assert r.store is False
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
+        assert "keeps its last 0" in e.value.body["message"]
