@@ -183,8 +183,11 @@ class Manifest:
         if missing:
             raise ValueError(f"no {missing[0]!r} field")
         known = {*cls._REQUIRED, *cls._OPTIONAL, "flavors", "files", "format_version", "lora", "adapters"}
+        max_seq_len = d["max_seq_len"]
+        if type(max_seq_len) is not int or max_seq_len < 1:  # the manifest is not checksummed: hand edits reach here
+            raise ValueError(f"max_seq_len {max_seq_len!r} is not a positive integer")
         try:
-            return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=int(d["max_seq_len"]),
+            return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=max_seq_len,
                        flavors={str(k): FlavorEntry.from_json_dict(v) for k, v in (d.get("flavors") or {}).items()},
                        files={str(k): FileEntry.from_json_dict(v) for k, v in (d.get("files") or {}).items()},
                        format_version=int(d.get("format_version", FORMAT_VERSION)),
