@@ -30,7 +30,8 @@ def logits(
                                                                 "(written under exactly this name)")],
     *,
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
-    flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
+    flavor: Annotated[str | None, typer.Option(help="graph flavor to run: cpu | trt (default: cpu when the "
+                                                    "bundle has it, else trt)")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads")] = None,
     lora: Annotated[str | None, typer.Option(help="apply this adapter of the bundle (`lineside lora list`)")] = None,
@@ -41,12 +42,14 @@ def logits(
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     mode = checks.choice(mode, "--mode", ("prefill", "decode"))
-    flavor = checks.choice(flavor, "--flavor", ("cpu", "trt"))
+    if flavor is not None:
+        flavor = checks.choice(flavor, "--flavor", ("cpu", "trt"))
     output = checks.output_file(output, "-o")
     token_ids = _parse_ids(ids)
     if not token_ids:
         raise LinesideError("--ids is empty; give comma-separated token ids, e.g. 1,2,3")
     b = open_bundle(bundle)
+    flavor = flavor or ("cpu" if "cpu" in b.flavors else "trt")
     adapter, slots = None, None
     if lora is not None:
         from lineside.runtime.adapters import bundle_adapter

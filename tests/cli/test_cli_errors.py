@@ -134,6 +134,17 @@ def test_logits_cli_writes_npy(bundle, tmp_path):
     assert np.load(out).shape == (4, 300)
 
 
+def test_logits_defaults_to_the_flavor_a_trt_only_bundle_has(tiny_bundles, tmp_path):
+    """A head_dim GroupQueryAttention can't take is built --flavors trt (the build says so); `logits` without
+    --flavor then runs that graph instead of asking for a cpu rebuild the build just refused."""
+    import numpy as np
+
+    out = tmp_path / "x.npy"
+    proc = run_cli("logits", str(tiny_bundles(flavors=("trt",))), "--ids", "1,2,3", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "trt" in proc.stdout and np.load(out).shape == (3, 300)
+
+
 def test_build_engine_script(ckpt, tmp_path):
     """build_engine.py takes `lineside build`'s options and says why it skips the engine without TensorRT."""
     root = Path(__file__).resolve().parents[2]
