@@ -199,6 +199,14 @@ class Manifest:
             raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
 
 
+def manifest_flavor(path: Path, manifest: Manifest, name: str) -> FlavorEntry:
+    """The bundle's ``name`` graph; one line naming what it has when it was not built."""
+    if name not in manifest.flavors:
+        have = ", ".join(sorted(manifest.flavors)) or "none"
+        raise BundleError(f"bundle {path} has no {name!r} graph (it has: {have}); rebuild with --flavors {name}")
+    return manifest.flavors[name]
+
+
 @dataclass
 class Bundle:
     """An opened (and verified) bundle directory."""
@@ -223,12 +231,7 @@ class Bundle:
         return self.manifest.flavors
 
     def flavor(self, name: str) -> FlavorEntry:
-        if name not in self.flavors:
-            have = ", ".join(sorted(self.flavors)) or "none"
-            raise BundleError(
-                f"bundle {self.path} has no {name!r} graph (it has: {have}); rebuild with --flavors {name}"
-            )
-        return self.flavors[name]
+        return manifest_flavor(self.path, self.manifest, name)
 
     def file(self, rel: str) -> Path:
         return self.path / rel
