@@ -97,6 +97,7 @@ def generate(
 
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
+    checks.utf8_text(prompt, "--prompt")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
     if spec is not None and lora is not None:
@@ -144,6 +145,8 @@ def chat(
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
+    if system is not None:
+        checks.utf8_text(system, "--system")
     template = _chat_template(chat_template)
     gen = _generator(bundle, backend, threads, lora)
     if template is not None:
@@ -155,9 +158,12 @@ def chat(
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
     while True:
         try:
-            line = input("you> ").strip()
+            line = checks.utf8_text(input("you> "), "the chat line").strip()
         except EOFError:
             break
+        except UnicodeDecodeError:  # a strict UTF-8 stdin (the surrogateescape one gets to utf8_text)
+            raise LinesideError("the chat line is not valid UTF-8 text; send it in UTF-8 (the terminal's or "
+                                "file's encoding)") from None
         if not line:
             break
         messages.append({"role": "user", "content": line})

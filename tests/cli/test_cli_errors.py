@@ -125,6 +125,19 @@ def test_not_a_bundle(tmp_path):
     assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "manifest")
 
 
+def test_text_that_is_not_utf8_is_one_line(bundle):
+    """Bytes that are not UTF-8 (a Latin-1 terminal, a file in another encoding) reach Python as lone surrogates,
+    which the tokenizer refuses with a TypeError: --prompt, --system and a chat line are refused in one line."""
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
+    assert_one_line_error(run_cli("generate", str(bundle), "--prompt", bad, fresh=True), "--prompt", "UTF-8")
+    assert_one_line_error(run_cli("chat", str(bundle), "--system", bad, fresh=True), "--system", "UTF-8")
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], input=b"caf\xe9\n",
+                          capture_output=True, timeout=120)
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode(
+        errors="replace").split("empty line to quit", 1)[-1])  # after the greeting line
+    assert_one_line_error(proc, "UTF-8")
+
+
 def test_logits_cli_writes_npy(bundle, tmp_path):
     import numpy as np
 
