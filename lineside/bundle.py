@@ -183,8 +183,11 @@ class Manifest:
         if missing:
             raise ValueError(f"no {missing[0]!r} field")
         known = {*cls._REQUIRED, *cls._OPTIONAL, "flavors", "files", "format_version", "lora", "adapters"}
+        max_seq_len = d["max_seq_len"]
+        if type(max_seq_len) is not int or max_seq_len < 1:  # the manifest is not checksummed: hand edits reach here
+            raise ValueError(f"max_seq_len {max_seq_len!r} is not a positive integer")
         try:
-            return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=int(d["max_seq_len"]),
+            return cls(architecture=str(d["architecture"]), config=str(d["config"]), max_seq_len=max_seq_len,
                        flavors={str(k): FlavorEntry.from_json_dict(v) for k, v in (d.get("flavors") or {}).items()},
                        files={str(k): FileEntry.from_json_dict(v) for k, v in (d.get("files") or {}).items()},
                        format_version=int(d.get("format_version", FORMAT_VERSION)),
@@ -194,6 +197,14 @@ class Manifest:
                        extra={k: v for k, v in d.items() if k not in known})
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
+
+
+def manifest_flavor(path: Path, manifest: Manifest, name: str) -> FlavorEntry:
+    """The bundle's ``name`` graph; one line naming what it has when it was not built."""
+    if name not in manifest.flavors:
+        have = ", ".join(sorted(manifest.flavors)) or "none"
+        raise BundleError(f"bundle {path} has no {name!r} graph (it has: {have}); rebuild with --flavors {name}")
+    return manifest.flavors[name]
 
 
 @dataclass
@@ -220,12 +231,7 @@ class Bundle:
         return self.manifest.flavors
 
     def flavor(self, name: str) -> FlavorEntry:
-        if name not in self.flavors:
-            have = ", ".join(sorted(self.flavors)) or "none"
-            raise BundleError(
-                f"bundle {self.path} has no {name!r} graph (it has: {have}); rebuild with --flavors {name}"
-            )
-        return self.flavors[name]
+        return manifest_flavor(self.path, self.manifest, name)
 
     def file(self, rel: str) -> Path:
         return self.path / rel

@@ -92,6 +92,17 @@ def choice(value: str, option: str, choices: tuple[str, ...] | list[str]) -> str
     return v
 
 
+def utf8_text(value: str, option: str) -> str:
+    """``value`` when it is valid Unicode. Bytes that are not UTF-8 (a Latin-1 terminal, a file in another
+    encoding) reach Python as lone surrogates, which the tokenizer refuses with a TypeError: one line instead."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise LinesideError(f"{option} is not valid UTF-8 text (character {e.start + 1} is not); send it in UTF-8 "
+                            "(the terminal's or file's encoding)") from None
+    return value
+
+
 def at_most(value: int, limit: int, option: str, why: str, fix: str) -> int:
     """``value`` when ≤ ``limit`` (a limit that comes from the model or the machine, named in the error)."""
     if value > limit:

@@ -72,6 +72,11 @@ def test_partial_manifest_round_trips():
 
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda raw: raw.pop("max_seq_len"), "max_seq_len"),
+    # a hand-edited manifest (it is not a listed file, so no checksum catches it): no context, or a cut one
+    (lambda raw: raw.update(max_seq_len=-5), "max_seq_len -5"),
+    (lambda raw: raw.update(max_seq_len=0), "max_seq_len 0"),
+    (lambda raw: raw.update(max_seq_len=3.7), "max_seq_len 3.7"),
+    (lambda raw: raw.update(max_seq_len="big"), "max_seq_len 'big'"),
     (lambda raw: raw["flavors"]["trt"]["state"][0].update(update="rotate"), "rotate"),
 ])
 def test_incomplete_or_unknown_is_one_line(built, tmp_path, edit, match):

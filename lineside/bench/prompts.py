@@ -95,8 +95,13 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise LinesideError(f"prompts file {path} does not exist; pass a JSONL file with one prompt per line")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise LinesideError(f"prompts file {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                            "UTF-8") from None
     out = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -107,7 +112,10 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
             obj = {"prompt": obj}
         if not isinstance(obj, dict):
             raise LinesideError(f"{path}:{lineno}: expected an object with \"prompt\", \"text\" or \"messages\"")
-        messages = tuple(obj.get("messages") or ())
+        messages = obj.get("messages") or []
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise LinesideError(f"{path}:{lineno}: \"messages\" must be a list of {{\"role\", \"content\"}} objects")
+        messages = tuple(messages)
         text = obj.get("prompt", obj.get("text"))
         if text is None and messages:
             text = "\n".join(str(m.get("content", "")) for m in messages)
@@ -115,7 +123,9 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
             raise LinesideError(f"{path}:{lineno}: no \"prompt\", \"text\" or \"messages\" in this line")
         n = len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else 0
         mt = obj.get("max_tokens")
-        out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=int(mt) if mt else None))
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+            raise LinesideError(f"{path}:{lineno}: \"max_tokens\" must be an integer ≥ 1, got {mt!r}")
+        out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=mt))
     if not out:
         raise LinesideError(f"prompts file {path} holds no prompts")
     return out

@@ -74,9 +74,17 @@ def load_json(path: Path) -> tuple[list[RequestRecord], Summary, dict]:
         raise LinesideError(f"bench result {path} does not exist; pass a JSON file written by `lineside bench`") from None
     except json.JSONDecodeError as e:
         raise LinesideError(f"{path} is not JSON ({e.msg}); pass a file written by `lineside bench`") from None
+    except UnicodeDecodeError as e:
+        raise LinesideError(f"{path} is not JSON (not UTF-8: {e.reason} at byte {e.start}); pass a file written by "
+                            "`lineside bench`") from None
     if not isinstance(d, dict) or d.get("format") != "lineside-bench":
         raise LinesideError(f"{path} is not a lineside bench result (no \"format\": \"lineside-bench\")")
-    return ([RequestRecord.from_dict(r) for r in d.get("records", [])], Summary(**d["summary"]), d.get("meta", {}))
+    try:
+        return ([RequestRecord.from_dict(r) for r in d.get("records", [])], Summary(**d["summary"]),
+                d.get("meta", {}))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LinesideError(f"{path} is an incomplete lineside bench result ({type(e).__name__}: {e}); run "
+                            "`lineside bench` again") from None
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:

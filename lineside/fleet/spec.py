@@ -311,6 +311,8 @@ def load_fleet(path: str | Path) -> FleetFile:
         text = p.read_text()
     except OSError as e:
         raise FleetError(f"{p}: cannot read the fleet file ({e.strerror or e}); pass the path of a fleet YAML") from None
+    except UnicodeDecodeError as e:
+        raise FleetError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save the fleet file as UTF-8") from None
     return resolve_paths(parse_fleet(text, p), p.parent)
 
 

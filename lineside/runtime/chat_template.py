@@ -10,6 +10,7 @@ one-line shell argument can hold newlines). Templates shipped with lineside are 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -83,16 +84,39 @@ def _unescape(text: str) -> str:
         return text
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson filter: keeps non-ASCII by default, takes json.dumps' layout arguments."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def environment() -> Any:
-    """The sandbox chat templates render in (as transformers': trim_blocks, lstrip_blocks, raise_exception,
-    strftime_now, a tojson that keeps non-ASCII)."""
+    """The sandbox chat templates render in (as transformers': trim_blocks, lstrip_blocks, loop controls, the
+    ``{% generation %}`` block rendered as its body, raise_exception, strftime_now, its tojson)."""
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_extension()])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     return env
+
+
+@functools.cache
+def _generation_extension() -> type:
+    from jinja2.ext import Extension  # jinja2 is imported where templates are compiled, not with this module
+
+    class Generation(Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant tokens with it): its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def compile_template(text: str, what: str) -> Any:

@@ -30,7 +30,8 @@ def logits(
                                                                 "(written under exactly this name)")],
     *,
     mode: Annotated[str, typer.Option(help="prefill (one step) | decode (one token per step via the cache)")] = "prefill",
-    flavor: Annotated[str, typer.Option(help="graph flavor to run: cpu | trt")] = "cpu",
+    flavor: Annotated[str | None, typer.Option(help="graph flavor to run: cpu | trt (default: cpu when the "
+                                                    "bundle has it, else trt)")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads")] = None,
     lora: Annotated[str | None, typer.Option(help="apply this adapter of the bundle (`lineside lora list`)")] = None,
@@ -41,12 +42,14 @@ def logits(
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     mode = checks.choice(mode, "--mode", ("prefill", "decode"))
-    flavor = checks.choice(flavor, "--flavor", ("cpu", "trt"))
+    if flavor is not None:
+        flavor = checks.choice(flavor, "--flavor", ("cpu", "trt"))
     output = checks.output_file(output, "-o")
     token_ids = _parse_ids(ids)
     if not token_ids:
         raise LinesideError("--ids is empty; give comma-separated token ids, e.g. 1,2,3")
     b = open_bundle(bundle)
+    flavor = flavor or ("cpu" if "cpu" in b.flavors else "trt")
     adapter, slots = None, None
     if lora is not None:
         from lineside.runtime.adapters import bundle_adapter
@@ -94,6 +97,7 @@ def generate(
 
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
+    checks.utf8_text(prompt, "--prompt")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
     if spec is not None and lora is not None:
@@ -141,6 +145,8 @@ def chat(
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
+    if system is not None:
+        checks.utf8_text(system, "--system")
     template = _chat_template(chat_template)
     gen = _generator(bundle, backend, threads, lora)
     if template is not None:
@@ -152,9 +158,12 @@ def chat(
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
     while True:
         try:
-            line = input("you> ").strip()
+            line = checks.utf8_text(input("you> "), "the chat line").strip()
         except EOFError:
             break
+        except UnicodeDecodeError:  # a strict UTF-8 stdin (the surrogateescape one gets to utf8_text)
+            raise LinesideError("the chat line is not valid UTF-8 text; send it in UTF-8 (the terminal's or "
+                                "file's encoding)") from None
         if not line:
             break
         messages.append({"role": "user", "content": line})

@@ -123,6 +123,10 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    if backend == "tensorrt":
+        from lineside.bundle import manifest_flavor
+
+        manifest_flavor(Path(bundle), manifest, "trt")  # no trt graph: one line here, not a failed load later
     if spec is not None:
         from lineside.bundle import open_bundle
         from lineside.runtime.speculative.proposers import check_proposer

@@ -51,10 +51,20 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
     return APIError(400, message, code, param=param)
 
 
+# vLLM's extras this server does not do, with the value that means "off" (what clients send by default)
+VLLM_UNSUPPORTED = {"min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [], "allowed_token_ids": [],
+                    "truncate_prompt_tokens": None, "use_beam_search": False, "prompt_logprobs": None,
+                    "skip_special_tokens": True, "logits_processors": []}
+
+
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse what this server does not do rather than silently ignore it."""
     if req.logit_bias:
         raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
+    for name, off in VLLM_UNSUPPORTED.items():
+        value = getattr(req, name)
+        if value is not None and not (value == off and type(value) is type(off)):
+            raise bad(f"{name}={value!r} is not supported by this server; remove it", name, "unsupported_value")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
@@ -235,7 +245,8 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
                              constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
-                             adapter=adapter, ignore_eos=bool(req.ignore_eos))
+                             adapter=adapter, ignore_eos=bool(req.ignore_eos),
+                             stop_token_ids=list(req.stop_token_ids or []))
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

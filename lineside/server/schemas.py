@@ -7,7 +7,7 @@ runtime cannot honour (n > 1, logprobs, tools, ...) are declared so they can be 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,6 +72,19 @@ class _Sampling(BaseModel):
     guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
     ignore_eos: bool | None = Field(None, description="vLLM's: go on past the end-of-sequence token (max_tokens "
                                                       "and stop strings still end the answer)")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="vLLM's: token ids that end the answer as EOS does (their text left out)")
+    # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
+    # (request_mapping.check_common) rather than dropped with the unknown fields; at their defaults they pass
+    min_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    skip_special_tokens: Any = None
+    logits_processors: Any = None
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")
     session_id: str | None = Field(None, description="a prefill session (POST /v1/prefill) whose KV this prompt "

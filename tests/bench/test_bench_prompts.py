@@ -60,10 +60,15 @@ def test_jsonl_forms(tmp_path, word_tokenizer):
     ('{"prompt": "a"}\n[1, 2]\n', ":2: expected an object"),
     ('{"other": 1}\n', "no \"prompt\""),
     ("\n\n", "holds no prompts"),
+    ('{"messages": "hello"}\n', ':1: "messages" must be a list'),
+    ('{"messages": ["hello"]}\n', ':1: "messages" must be a list'),
+    ('{"prompt": "a"}\n{"prompt": "b", "max_tokens": "x"}\n', ':2: "max_tokens" must be an integer'),
+    ('{"prompt": "a", "max_tokens": -3}\n', ':1: "max_tokens" must be an integer'),
+    (b"\xff\xfe{}\n", "not UTF-8"),  # a UTF-16 editor's save
 ])
 def test_jsonl_errors_name_the_line(tmp_path, content, msg):
     f = tmp_path / "bad.jsonl"
-    f.write_text(content)
+    f.write_bytes(content) if isinstance(content, bytes) else f.write_text(content)
     with pytest.raises(LinesideError, match=msg.replace("[", r"\[")):
         P.from_jsonl(f)
 

@@ -73,3 +73,18 @@ def test_load_json_rejects_foreign_files(tmp_path):
         load_json(tmp_path / "y.json")
     with pytest.raises(LinesideError, match="does not exist"):
         load_json(tmp_path / "z.json")
+    (tmp_path / "u.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(LinesideError, match="is not JSON"):
+        load_json(tmp_path / "u.json")
+
+
+@pytest.mark.parametrize("raw", [
+    {"format": "lineside-bench"},  # no summary
+    {"format": "lineside-bench", "summary": {"x": 1}},  # a summary of another shape
+    {"format": "lineside-bench", "summary": {}, "records": [1]},
+])
+def test_load_json_refuses_a_cut_or_edited_result_in_one_line(tmp_path, raw):
+    (tmp_path / "r.json").write_text(json.dumps(raw))
+    with pytest.raises(LinesideError, match="incomplete lineside bench result") as e:
+        load_json(tmp_path / "r.json")
+    assert "\n" not in str(e.value)

@@ -107,6 +107,32 @@ def test_tensor_disagreeing_with_config_one_line(ckpt, tmp_path, case):
     assert not (tmp_path / "o.partial").exists()
 
 
+@pytest.mark.parametrize("key,value,words", [
+    ("eos_token_id", 500, ["eos_token_id", "500", "vocab_size 300", "never"]),  # no logit for it: never stops
+    ("eos_token_id", [300, 301], ["eos_token_id", "300", "vocab_size 300"]),
+    ("bos_token_id", 300, ["bos_token_id", "300", "vocab_size 300"]),  # prepended to every prompt
+])
+def test_special_token_ids_outside_the_vocabulary_are_refused(ckpt, tmp_path, key, value, words):
+    d = _edit_config(ckpt, tmp_path / "c", _set(key, value))
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen[key] = value  # where transformers' generate (and the build) looks first
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_an_extra_eos_id_outside_the_vocabulary_is_harmless(ckpt, tmp_path):
+    """One of several EOS ids past the vocabulary never matches, the others still stop the answer: built."""
+    d = _edit_config(ckpt, tmp_path / "c", _set("eos_token_id", [2, 300]))
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, 300]
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+
+
 def test_missing_kv_heads_key_is_caught_by_shapes(ckpt, tmp_path):
     """Without num_key_value_heads transformers assumes MHA; the 2-head k_proj then disagrees, by name."""
     d = _edit_config(ckpt, tmp_path / "c", _drop("num_key_value_heads"))

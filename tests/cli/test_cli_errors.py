@@ -125,6 +125,19 @@ def test_not_a_bundle(tmp_path):
     assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "manifest")
 
 
+def test_text_that_is_not_utf8_is_one_line(bundle):
+    """Bytes that are not UTF-8 (a Latin-1 terminal, a file in another encoding) reach Python as lone surrogates,
+    which the tokenizer refuses with a TypeError: --prompt, --system and a chat line are refused in one line."""
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
+    assert_one_line_error(run_cli("generate", str(bundle), "--prompt", bad, fresh=True), "--prompt", "UTF-8")
+    assert_one_line_error(run_cli("chat", str(bundle), "--system", bad, fresh=True), "--system", "UTF-8")
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], input=b"caf\xe9\n",
+                          capture_output=True, timeout=120)
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode(
+        errors="replace").split("empty line to quit", 1)[-1])  # after the greeting line
+    assert_one_line_error(proc, "UTF-8")
+
+
 def test_logits_cli_writes_npy(bundle, tmp_path):
     import numpy as np
 
@@ -132,6 +145,17 @@ def test_logits_cli_writes_npy(bundle, tmp_path):
     proc = run_cli("logits", str(bundle), "--ids", "1,2,3,4", "--mode", "decode", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert np.load(out).shape == (4, 300)
+
+
+def test_logits_defaults_to_the_flavor_a_trt_only_bundle_has(tiny_bundles, tmp_path):
+    """A head_dim GroupQueryAttention can't take is built --flavors trt (the build says so); `logits` without
+    --flavor then runs that graph instead of asking for a cpu rebuild the build just refused."""
+    import numpy as np
+
+    out = tmp_path / "x.npy"
+    proc = run_cli("logits", str(tiny_bundles(flavors=("trt",))), "--ids", "1,2,3", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "trt" in proc.stdout and np.load(out).shape == (3, 300)
 
 
 def test_build_engine_script(ckpt, tmp_path):

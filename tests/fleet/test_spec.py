@@ -121,6 +121,9 @@ def test_cli_check_is_one_line(tmp_path):
     bad.write_text("nodes: [\n")
     p = run_cli("fleet", "check", bad)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "not valid YAML" in p.stderr
+    bad.write_bytes(b"\xff\xfenodes: []\n")  # a UTF-16 editor's save, or not text at all
+    p = run_cli("fleet", "check", bad)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "not UTF-8" in p.stderr, p.stderr
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(GOOD))
     p = run_cli("fleet", "check", good)

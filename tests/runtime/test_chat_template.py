@@ -99,3 +99,31 @@ def test_shipped_smollm2_template_equals_the_models_own_without_tools():
             assert ours.render(messages=msgs, add_generation_prompt=gen) == \
                 theirs.render(messages=msgs, add_generation_prompt=gen)
     check_chat_template(load_chat_template("builtin:smollm2_tools"), "shipped")
+
+
+# Jinja that real chat templates use and transformers' sandbox allows: loop controls, the {% generation %} block
+# (assistant masks; rendered as its body), tojson's keyword arguments.
+TRANSFORMERS_JINJA = [
+    "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.role }}: {{ m.content }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+    "{% for m in messages %}{{ m.content }}{% if loop.index >= 2 %}{% break %}{% endif %}\n{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}",
+    "{% if tools %}{{ tools | tojson(separators=(',', ':'), sort_keys=True) }}{{ tools | tojson(ensure_ascii=True) }}"
+    "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", TRANSFORMERS_JINJA)
+def test_renders_what_transformers_renders(template):
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from lineside.runtime.chat_template import compile_template
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Station 4?"}]
+    tools = [{"type": "function", "function": {"name": "pumpe_prüfen", "parameters": {"b": 1, "a": 2}}}]
+    check_chat_template(template, "--chat-template")
+    for gen in (True, False):
+        kw = dict(messages=msgs, add_generation_prompt=gen, tools=tools)
+        assert compile_template(template, "t").render(**kw) == _compile_jinja_template(template).render(**kw)

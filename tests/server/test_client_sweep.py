@@ -66,6 +66,19 @@ FIELDS = [
     ("completions", {"guided_json": "{oops"}, 400, "guided_json"),
     ("completions", {"best_of": 3}, 400, "best_of"),
     ("completions", {"suffix": "end"}, 400, "suffix"),
+    # vLLM's sampling extras: stop_token_ids is honoured; the others change the answer, so set they are refused
+    # (never silently ignored), at their defaults accepted
+    ("chat", {"stop_token_ids": [5, 6], "min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [],
+              "allowed_token_ids": None, "use_beam_search": False, "skip_special_tokens": True}, 200, None),
+    ("chat", {"min_tokens": 4}, 400, "min_tokens"),
+    ("completions", {"include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("chat", {"bad_words": ["x"]}, 400, "bad_words"),
+    ("completions", {"allowed_token_ids": [5]}, 400, "allowed_token_ids"),
+    ("completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),
+    ("chat", {"use_beam_search": True}, 400, "use_beam_search"),
+    ("completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("chat", {"skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
 ]
 
 
@@ -82,6 +95,18 @@ def test_documented_fields_honoured_or_refused(server, endpoint, extra, status, 
     else:
         err = _err(r, 400)
         assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_stop_token_ids_end_the_answer_as_vllms(server):
+    """vLLM's stop_token_ids reach the engine: with every id a stop, the first token ends the answer (finish_reason
+    stop, its text left out; tests/runtime/test_engine_rules.py checks where a given id cuts)."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+    cut = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": list(range(300))},
+                     timeout=30).json()
+    assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 8
+    assert (cut["choices"][0]["finish_reason"], cut["choices"][0]["text"]) == ("stop", "")
+    assert cut["usage"]["completion_tokens"] == 1
 
 
 def test_token_id_prompt_longer_than_64_tokens(server):

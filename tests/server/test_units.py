@@ -243,6 +243,21 @@ def test_serve_cli_errors_are_one_line(args, needle, capsys):
     assert code in (1, 2) and needle in err and len(err.splitlines()) == 1, err
 
 
+def test_serve_tensorrt_without_a_trt_graph_fails_before_serving(tiny_bundle, capsys):
+    """--backend tensorrt on a cpu-only bundle is one line before the socket opens, not 'serving on ...', the
+    startup log and the error (twice) once the engine fails to load."""
+    import socket
+
+    from lineside.cli import run_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = run_app(_cli(), ["serve", str(tiny_bundle), "--backend", "tensorrt", "--port", str(port)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "no 'trt' graph" in err and len(err.splitlines()) == 1, err
+
+
 def test_ignore_eos_reaches_the_engine_request():
     """vLLM's ``ignore_eos`` (what ``lineside bench --ignore-eos`` sends) keeps the engine going past EOS; a
     string is a 400 like every other strictly typed field."""

@@ -33,6 +33,7 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
     add_bos = tcfg.get("add_bos_token")
     if add_bos is None:
         add_bos = _post_processor_adds_bos(tok)
+    _check_in_vocabulary(src, hf_config.get("vocab_size"), bos_id if add_bos else None, eos_ids)
 
     id_to_text = {v: k for k, v in vocab.items()}
     tcfg = dict(tcfg)
@@ -55,6 +56,21 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
         "chat_template": chat_template,
         "add_bos_token": bool(add_bos),
     }
+
+
+def _check_in_vocabulary(src: Path, vocab_size: Any, bos_id: int | None, eos_ids: list[int]) -> None:
+    """A BOS prepended to every prompt, or EOS ids of which none has a logit (the model could never stop), that
+    lie past the model's vocabulary: the config and the model disagree (one line; an extra unused EOS is fine)."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return
+    where = "config.json / generation_config.json"
+    if bos_id is not None and not 0 <= bos_id < vocab_size:
+        raise CheckpointError(f"{src}: bos_token_id {bos_id} is outside the model's vocabulary (vocab_size "
+                              f"{vocab_size}), yet every prompt starts with it; fix {where}")
+    if eos_ids and not any(0 <= e < vocab_size for e in eos_ids):
+        shown = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+        raise CheckpointError(f"{src}: eos_token_id {shown} is outside the model's vocabulary (vocab_size "
+                              f"{vocab_size}), so the model could never end an answer; fix {where}")
 
 
 def _read_json(p: Path) -> dict[str, Any]:

@@ -98,6 +98,9 @@ def load_policy(path: str | Path) -> SloPolicy:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise LinesideError(f"--slo-policy {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise LinesideError(f"--slo-policy {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                            "UTF-8") from None
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)

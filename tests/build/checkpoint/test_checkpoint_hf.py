@@ -214,10 +214,11 @@ def test_hf_write_tokenizer(tiny_llama, tmp_path):
     src, _ = tiny_llama
     path = tmp_path / "ck"
     shutil.copytree(src, path)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": [257, 5]}))
+    # ids the 96-token model has (ones past it are refused: test_bad_checkpoints.py)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 90, "eos_token_id": [91, 5]}))
     info = open_checkpoint(path).write_tokenizer(tmp_path / "tok")
     assert info == {
-        "bos_token_id": 256, "eos_token_ids": [257, 5],
+        "bos_token_id": 90, "eos_token_ids": [91, 5],
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}", "add_bos_token": True,
     }
     tcfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
@@ -230,7 +231,7 @@ def test_hf_chat_template_jinja(tiny_qwen2, tmp_path):
     src, _ = tiny_qwen2
     d = tmp_path / "q"
     shutil.copytree(src, d)
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "!"}))  # a token the 96-token model has
     (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     (d / "generation_config.json").unlink(missing_ok=True)
     info = open_checkpoint(d).write_tokenizer(tmp_path / "out")

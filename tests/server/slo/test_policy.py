@@ -36,10 +36,11 @@ def test_yaml_and_json_files_load(tmp_path):
     ("pins: [{start: '25:00', end: '06:00', level: 1}]\n", "pins.0.start"),
     ("level_1: [\n", "not valid YAML"),
     ("- 1\n", "the top level must be a mapping"),
+    (b"\xff\xfelevel_1: {}\n", "not UTF-8"),  # a UTF-16 editor's save
 ])
 def test_bad_policies_are_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     with pytest.raises(LinesideError) as e:
         load_policy(path)
     assert needle in str(e.value) and "\n" not in str(e.value) and str(path) in str(e.value)
