@@ -379,22 +379,22 @@ class OnnxRuntimeBackend:
                 io.bind_cpu_input(name, arr)
         self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
         views: dict[str, np.ndarray] = {}
+        rows = slice(slots[0], slots[0] + b) if contiguous else slots  # a slice: views, no copy of whole slots
         for st in self.states:
             a = self.arena[st.input]
             if st.update == StateUpdate.INPLACE:
-                view = a[slots[0]:slots[0] + b] if contiguous else np.ascontiguousarray(a[slots])
+                view = a[rows] if contiguous else np.ascontiguousarray(a[slots])
                 views[st.input] = view
                 self._bind(io, st.input, view, output=False)
                 self._bind(io, st.output, view, output=True)
             elif st.update == StateUpdate.APPEND:
-                idx = [slice(None)] * a.ndim
-                idx[st.seq_axis] = slice(0, p_max)
-                view = np.ascontiguousarray(a[slots][tuple(idx)])
-                self._bind(io, st.input, view, output=False)
+                # only the first p_max entries of each row are copied (a[slots] first copied the whole max_seq)
+                idx: list[Any] = [slice(None)] * a.ndim
+                idx[0], idx[st.seq_axis] = rows, slice(0, p_max)
+                self._bind(io, st.input, np.ascontiguousarray(a[tuple(idx)]), output=False)
                 self._bind_new(io, st.output)
-            else:  # fixed-shape: replace, prefix
-                view = np.ascontiguousarray(a[slots])
-                self._bind(io, st.input, view, output=False)
+            else:  # fixed-shape: replace, prefix (the output is a new buffer, so the input may be the arena's view)
+                self._bind(io, st.input, a[rows] if contiguous else np.ascontiguousarray(a[slots]), output=False)
                 self._bind_new(io, st.output)
         self._bind_new(io, "logits")
         extra = list(dict.fromkeys([*want, *(n for tap in self.taps for n in tap.outputs)]))
@@ -402,6 +402,9 @@ class OnnxRuntimeBackend:
             self._bind_new(io, name)
         self.session.run_with_iobinding(io)
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
+        # (slot, first new position, new entries) per row, worked out once for every append state
+        spans = [(slot, int(p0), int(n)) for slot, p0, n in zip(slots, past.tolist(), batch.new_lengths.tolist(),
+                                                                  strict=True)]
         for st in self.states:
             a = self.arena[st.input]
             if st.update == StateUpdate.INPLACE:
@@ -409,13 +412,9 @@ class OnnxRuntimeBackend:
                     a[slots] = views[st.input]
             elif st.update == StateUpdate.APPEND:
                 new = outs[st.output].numpy()
-                for r, slot in enumerate(slots):
-                    n = int(batch.new_lengths[r])
-                    dst = [slice(None)] * (a.ndim - 1)
-                    dst[st.seq_axis - 1] = slice(int(past[r]), int(past[r]) + n)
-                    src = [slice(None)] * (a.ndim - 1)
-                    src[st.seq_axis - 1] = slice(0, n)
-                    a[slot][tuple(dst)] = new[r][tuple(src)]
+                lead = (slice(None),) * (st.seq_axis - 1)
+                for r, (slot, p0, n) in enumerate(spans):
+                    a[(slot, *lead, slice(p0, p0 + n))] = new[(r, *lead, slice(0, n))]
             else:
                 a[slots] = outs[st.output].numpy()
         self._keep_alive.clear()
