@@ -89,23 +89,38 @@ def _quantize(g: GraphBuilder, x: str, fmt: KvFormat, *, rank: int, head_dim: in
     return stored, sc, None if deq is None else _ungrouped(g, deq, fmt, rank, head_dim)
 
 
+def _spread(fmt: KvFormat, head_dim: int, which: int) -> np.ndarray:
+    """0/1 matrix [scale_state_dim, d] taking a head vector's scale state to one number per channel: the scale
+    (``which`` 0) or the minimum (1) of the channel's group. ``state @ it`` is exact: one product by 1 per channel,
+    the rest by 0 — unless a scale is inf or NaN, when the whole vector is (a group's is in any case)."""
+    n, per = fmt.scale_dim(head_dim), fmt.per_group
+    m = np.zeros((n * per, head_dim), np.float32)
+    m[per * (np.arange(head_dim) // (head_dim // n)) + which, np.arange(head_dim)] = 1.0
+    return m
+
+
 def _dequantize(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, rank: int, head_dim: int) -> str:
-    """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d]."""
+    """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d].
+
+    Grouped scales are spread to every channel by a MatMul with a 0/1 matrix (``_spread``) before one same-shape
+    Mul (and Add): onnxruntime's CPU Mul/Add broadcasting a scale over its 16 channels run one short span per group
+    (SmolLM2, 6 heads x 124 entries: 78 us against 37 us for the MatMuls, Mul and Add, the same floats)."""
     if fmt.pack == 2:
         hi = g.op("Floor", [g.op("Mul", [b, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
         lo = g.op("Sub", [b, g.op("Mul", [hi, _f(g, 16.0)])])
         b = g.op("Concat", [lo, hi], axis=-1)
-    grouped = fmt.scale_dim(head_dim) > 1
-    bg = _grouped(g, g.op("Sub", [b, _f(g, fmt.offset)]) if fmt.offset else b, fmt, rank, head_dim)
+    if fmt.offset:
+        b = g.op("Sub", [b, _f(g, fmt.offset)])
     sc = g.op("Cast", [scales], to=F32)
+    if fmt.scale_dim(head_dim) > 1:  # one number per channel from the group's: [..., d]
+        s = g.op("MatMul", [sc, g.const(_spread(fmt, head_dim, 0), np.float32)])
+        out = g.op("Mul", [b, s])
+        return g.op("Add", [out, g.op("MatMul", [sc, g.const(_spread(fmt, head_dim, 1), np.float32)])]) \
+            if fmt.zero else out
     if fmt.zero:
-        if grouped:
-            sc = g.op("Reshape", [sc, g.const([0] * (rank - 1) + [fmt.scale_dim(head_dim), 2])])
         s, lo = g.op("Split", [sc, g.const([1, 1])], n_out=2, axis=-1)
-        out = g.op("Add", [g.op("Mul", [bg, s]), lo])
-    else:
-        out = g.op("Mul", [bg, g.op("Unsqueeze", [sc, g.const([rank])]) if grouped else sc])
-    return _ungrouped(g, out, fmt, rank, head_dim)
+        return g.op("Add", [g.op("Mul", [b, s]), lo])
+    return g.op("Mul", [b, sc])
 
 
 def emit_kv_store(g: GraphBuilder, x: str, fmt: KvFormat, values: str, scales: str, *, rank: int,
