@@ -139,22 +139,46 @@ def emit_kv_load(g: GraphBuilder, values: str, scales: str, fmt: KvFormat, *, ra
     return _dequantize(g, g.op("Cast", [values], to=F32), scales, fmt, rank=rank, head_dim=head_dim)
 
 
+def _dequantize_kt(g: GraphBuilder, b: str, scales: str, fmt: KvFormat) -> str:
+    """One scale per head vector, unpacked bytes (int8): stored bytes b (float32 [B, H, T, d]) and their fp16
+    scales [B, H, T, 1] -> the dequantized entries transposed, [B, H, d, T] (K as q·kᵀ reads it), the same floats
+    as ``_dequantize`` then a Transpose: the bytes are transposed instead, and the scale, now one per column,
+    broadcasts along T (a [T, 1] scale is a [1, T] one by a Reshape)."""
+    assert fmt.pack == 1 and not fmt.zero
+    bt = g.op("Transpose", [b], perm=[0, 1, 3, 2])
+    if fmt.offset:
+        bt = g.op("Sub", [bt, _f(g, fmt.offset)])
+    sc = g.op("Reshape", [g.op("Cast", [scales], to=F32), g.const([0, 0, 1, -1])])  # [B, H, 1, T]
+    return g.op("Mul", [bt, sc])
+
+
 def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, str], past_scales: tuple[str, str],
                  present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int,
-                 past_from: int = 0) -> str | tuple[str, str]:
-    """K and V of a layer through one set of ops: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then
-    V's) to ``present`` / ``present_scales`` (K's, V's), and return past and new entries dequantized,
-    [B, 2·heads, T, d]: the new ones' stored bytes and scales join the past's before one dequantization, so
-    attention reads the same floats for them now as the cache gives back on later steps.
+                 past_from: int = 0) -> tuple[str, str]:
+    """K and V of a layer: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then V's) to ``present`` /
+    ``present_scales`` (K's, V's) through one set of ops, and return past and new entries dequantized, K
+    transposed, [B, heads, d, T], and V, [B, heads, T, d]: the new ones' stored bytes and scales join the past's
+    before the dequantization, so attention reads the same floats for them now as the cache gives back on later
+    steps.
+
+    One scale per head vector (int8): K and V are read apart, K's bytes transposed before it is dequantized
+    (``_dequantize_kt``): on onnxruntime's CPU, reading both through one set of ops cost a Concat and a Split of
+    the whole dequantized past per layer, and the per-token scale broadcast over 64 channels.
 
     ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns (the past from that index on,
-    dequantized, and the new entries as their grid values times their scales — the same floats, without a round
-    trip through the packed bytes), so the caller puts the sink entries in front with one float Concat."""
+    dequantized, [B, 2·heads, P − past_from, d], and the new entries as their grid values times their scales — the
+    same floats, without a round trip through the packed bytes), so the caller puts the sink entries in front with
+    one float Concat."""
     stored, sc, deq = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=bool(past_from))
     halves = g.const([heads, heads])
-    for f, out in zip(g.op("Split", [stored, halves], n_out=2, axis=1), present, strict=True):  # TensorRT 10.3
-        g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)  # splits no UINT8: split the floats, then cast
+    new = g.op("Split", [stored, halves], n_out=2, axis=1)
+    for f, out in zip(new, present, strict=True):  # TensorRT 10.3 splits no UINT8: split the floats, then cast
+        g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)
     g.op("Split", [sc, halves], outputs=list(present_scales), axis=1)
+    if not past_from and fmt.pack == 1 and fmt.scale_dim(head_dim) == 1:
+        kb, vb = (g.op("Concat", [g.op("Cast", [p], to=F32), f], axis=2) for p, f in zip(past, new, strict=True))
+        ks, vs = (g.op("Concat", [p, n], axis=2) for p, n in zip(past_scales, present_scales, strict=True))
+        return _dequantize_kt(g, kb, ks, fmt), _dequantize(g, vb, vs, fmt, rank=4, head_dim=head_dim)
     pb = g.op("Concat", [g.op("Cast", [v], to=F32) for v in past], axis=1)
     ps = g.op("Concat", list(past_scales), axis=1)
     if past_from:
@@ -164,7 +188,8 @@ def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, st
         return _dequantize(g, pb, ps, fmt, rank=4, head_dim=head_dim), deq
     b = g.op("Concat", [pb, stored], axis=2)
     s = g.op("Concat", [ps, sc], axis=2)
-    return _dequantize(g, b, s, fmt, rank=4, head_dim=head_dim)
+    k, v = g.op("Split", [_dequantize(g, b, s, fmt, rank=4, head_dim=head_dim), halves], n_out=2, axis=1)
+    return g.op("Transpose", [k], perm=[0, 1, 3, 2]), v
 
 
 def scale_name(name: str) -> str:

@@ -331,8 +331,8 @@ class DenseEmitter:
 
     def _kv_write_pair(self, kv: str) -> tuple[str, str]:
         """Quantized caches: store the new K and V entries ``kv`` [B, 2·kvh, S, d] (K's heads, then V's) through one
-        set of ops and read past and new back dequantized, also at once (graph/kv_cache.py); returns K and V
-        [B, kvh, T, d] as attention reads them."""
+        set of ops and read past and new back dequantized (graph/kv_cache.py); returns K transposed, [B, kvh, d, T],
+        and V, [B, kvh, T, d], as attention reads them."""
         from lineside.build.graph.kv_cache import emit_kv_pair
 
         g, kvh, d = self.gb, self.cfg.num_kv_heads, self.cfg.head_dim
@@ -341,11 +341,10 @@ class DenseEmitter:
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
-        if fmt.sink:
-            both = self._kv_sink(kv, *both, fmt.sink)
-        assert isinstance(both, str)  # [B, 2·kvh, T, d]
-        k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
-        return k, v
+        if not fmt.sink:
+            return both
+        k, v = g.op("Split", [self._kv_sink(kv, *both, fmt.sink), g.const([kvh, kvh])], n_out=2, axis=1)
+        return g.op("Transpose", [k], perm=[0, 1, 3, 2]), v
 
     def _kv_sink(self, kv: str, past_rest: str, new: str, n: int) -> str:
         """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
@@ -444,15 +443,15 @@ class DenseEmitter:
         if self.kv_fmt is None:
             kh, pk = self._kv_write(kh, "k")
             vh, pv = self._kv_write(vh, "v")
-            kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
-            vall = g.op("Concat", [pv, vh], axis=2)
-        else:  # quantized: K and V of the layer go through one set of ops (graph/kv_cache.py)
+            kall = g.op("Transpose", [g.op("Concat", [pk, kh], axis=2)], perm=[0, 1, 3, 2])  # [B, kvh, d, T]
+            vall = g.op("Concat", [pv, vh], axis=2)  # [B, kvh, T, d]
+        else:  # quantized: K and V of the layer are stored through one set of ops (graph/kv_cache.py)
             kv = g.op("Concat", [kh, vh], axis=1)  # [B, 2·kvh, S, d]
             if rot is not None:  # stored in the rotated basis: q·k is invariant, ctx is rotated back below
                 qh, kv = g.op("MatMul", [qh, rot]), g.op("MatMul", [kv, rot])
-            kall, vall = self._kv_write_pair(kv)
+            kall, vall = self._kv_write_pair(kv)  # K transposed
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
-        kt = g.op("Unsqueeze", [g.op("Transpose", [kall], perm=[0, 1, 3, 2]), g.const([2])])  # [B,kvh,1,d,T]
+        kt = g.op("Unsqueeze", [kall, g.const([2])])  # [B,kvh,1,d,T]
         scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])
         scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)
