@@ -341,16 +341,14 @@ class DenseEmitter:
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
-        if not fmt.sink:
-            return both
-        k, v = g.op("Split", [self._kv_sink(kv, *both, fmt.sink), g.const([kvh, kvh])], n_out=2, axis=1)
-        return g.op("Transpose", [k], perm=[0, 1, 3, 2]), v
+        return self._kv_sink(kv, *both, fmt.sink) if fmt.sink else both
 
-    def _kv_sink(self, kv: str, past_rest: str, new: str, n: int) -> str:
+    def _kv_sink(self, kv: str, past_rest: tuple[str, str], new: str, n: int) -> tuple[str, str]:
         """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
         those positions from it (past ones: the first n of the past; new ones: picked by position), so a step reads
         the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``past_rest``:
-        the past from index n on and ``new`` the new entries, dequantized; returns all T entries."""
+        K's past from index n on, dequantized and transposed [B, kvh, d, P − n], and V's [B, kvh, P − n, d];
+        ``new``: the new entries dequantized, [B, 2·kvh, S, d]; returns K transposed and V, all T entries."""
         g = self.gb
         past, present, _, _ = self.kv_io["sink"]
         written = g.op("MatMul", [self.sink_onehot, kv])  # [B, 2·kvh, n, d]: exact, one term per slot
@@ -361,7 +359,11 @@ class DenseEmitter:
         sink = g.op("Cast", [present], to=F32)
         early = g.op("Slice", [sink, g.const([0]), self.past_len, g.const([2])])  # the past's first min(n, P)
         new = g.op("Where", [self.new_in_sink, g.op("MatMul", [self.sink_onehot_t, sink]), new])
-        return g.op("Concat", [early, past_rest, new], axis=2)
+        halves = g.const([self.cfg.num_kv_heads] * 2)
+        (ek, ev), (nk, nv) = (g.op("Split", [t, halves], n_out=2, axis=1) for t in (early, new))
+        t = [0, 1, 3, 2]
+        kt = g.op("Concat", [g.op("Transpose", [ek], perm=t), past_rest[0], g.op("Transpose", [nk], perm=t)], axis=3)
+        return kt, g.op("Concat", [ev, past_rest[1], nv], axis=2)
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
