@@ -22,9 +22,9 @@ UINT8, hi = Floor(b / 16), lo = b − 16·hi, then Concat — every op is in the
 Dense models store K and V of a layer through one set of ops (``emit_kv_pair``: the two concatenated along the
 head axis) and join the new entries' bytes to the past's before dequantizing. What onnxruntime's CPU pays for a
 short-context step is mostly the passes over the dequantized past, not the node count (a small node costs
-~0.5-1 us there, a pass over SmolLM2's 6 x 128 x 64 floats ~7 us): int4 reads K and V through one set of ops
-(its unpacking is 5 of them) and spreads its group scales with a MatMul (``_dequantize``); int8 reads them apart,
-K transposed from its bytes (``_dequantize_kt``), which saves a Concat and a Split of the whole past per layer.
+~0.5-1 us there, a pass over SmolLM2's 6 x 128 x 64 floats ~7 us), so the past is read for K and V apart (no
+Concat and Split of the whole dequantized past per layer), K transposed from its bytes (``_dequantize_kt``: its
+scales then broadcast along T) and V's group scales spread to every channel by a MatMul (``_dequantize``).
 ``python benchmarks/kv_dtype_cpu.py --short-side-by-side --profile`` prints the per-op table.
 """
 
