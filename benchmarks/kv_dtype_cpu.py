@@ -16,12 +16,13 @@
    ``forward`` and of ``session.run`` alone, for each thread count in ``--threads-list`` and accuracy level in
    ``--levels`` (0: the trt flavor's CPU check, exact; 4: wrong logits on this graph, timing only, but its weights
    are not dequantized every step, so the cache's share shows), rounds interleaved, best of ``--rounds``;
+   each dtype's figure is the median over ``--sessions`` sessions (two of one bundle can differ by ~10%);
    ``--profile`` adds onnxruntime's per-op-type time of the step (its profiler, median per node over the steps,
    minus ``--profile-overhead`` us per node: what a no-op Reshape costs under the profiler).
 
     python benchmarks/kv_dtype_cpu.py [--past 2048] [--short 128] [--tokens 32] [--rounds 3] [--threads 2]
                                       [--bundles DIR] [--no-model] [--no-gqa]
-    python benchmarks/kv_dtype_cpu.py --short-side-by-side [--short 128] [--tokens 16] [--rounds 7]
+    python benchmarks/kv_dtype_cpu.py --short-side-by-side [--short 128] [--tokens 16] [--rounds 7] [--sessions 3]
                                       [--threads-list 1,2] [--levels 4,0] [--profile] [--bundles DIR]
 """
 
@@ -221,35 +222,44 @@ def short_side_by_side(a: argparse.Namespace) -> None:
         prompt = [int(t) for t in rng.integers(100, 40000, a.short)]
         for threads in (int(t) for t in a.threads_list.split(",")):
             for level in (int(v) for v in a.levels.split(",")):
+                # --sessions per dtype: two sessions of the same bundle can differ by ~10% (memory placement), so
+                # each dtype's figure is the median over its sessions of each session's best round
                 backends, clocks = {}, {}
                 for kv, path in bundles.items():
-                    be = OnnxRuntimeBackend(open_bundle(path), num_slots=2, flavor="trt", threads=threads,
-                                            accuracy_level=level, spin=False)
-                    be.forward(StepBatch.single(1, prompt[:-1], 0))  # the prompt's KV, in the spare slot
-                    backends[kv], clocks[kv] = be, _RunClock(be)
-                fw: dict[str, list[float]] = {kv: [] for kv in backends}
-                run: dict[str, list[float]] = {kv: [] for kv in backends}
-                wall: dict[str, list[float]] = {kv: [] for kv in backends}
+                    for n in range(a.sessions):
+                        be = OnnxRuntimeBackend(open_bundle(path), num_slots=2, flavor="trt", threads=threads,
+                                                accuracy_level=level, spin=False)
+                        be.forward(StepBatch.single(1, prompt[:-1], 0))  # the prompt's KV, in the spare slot
+                        backends[kv, n], clocks[kv, n] = be, _RunClock(be)
+                fw: dict[tuple[str, int], list[float]] = {key: [] for key in backends}
+                run: dict[tuple[str, int], list[float]] = {key: [] for key in backends}
+                wall: dict[tuple[str, int], list[float]] = {key: [] for key in backends}
                 for r in range(a.rounds):
-                    for kv in (list(backends) if r % 2 == 0 else list(backends)[::-1]):
-                        be, clock = backends[kv], clocks[kv]
+                    for key in (list(backends) if r % 2 == 0 else list(backends)[::-1]):
+                        be, clock = backends[key], clocks[key]
                         be.copy_slot(1, 0, a.short - 1)
                         be.forward(StepBatch.single(0, prompt[-1:], a.short - 1))
                         clock.seconds, c0, w0 = 0.0, time.process_time(), time.perf_counter()
                         for i in range(a.tokens):
                             be.forward(StepBatch.single(0, [5 + i], a.short + i))
-                        fw[kv].append((time.process_time() - c0) / a.tokens * 1e3)
-                        wall[kv].append((time.perf_counter() - w0) / a.tokens * 1e3)
-                        run[kv].append(clock.seconds / a.tokens * 1e3)
+                        fw[key].append((time.process_time() - c0) / a.tokens * 1e3)
+                        wall[key].append((time.perf_counter() - w0) / a.tokens * 1e3)
+                        run[key].append(clock.seconds / a.tokens * 1e3)
+
+                def per_kv(series: dict[tuple[str, int], list[float]], pick=min) -> dict[str, float]:
+                    return {kv: float(np.median([pick(series[kv, n]) for n in range(a.sessions)])) for kv in bundles}
+
+                best_fw, med_fw, best_run, best_wall = per_kv(fw), per_kv(fw, np.median), per_kv(run), per_kv(wall)
                 print(f"trt flavor, SmolLM2 W4A16 g64, context {a.short}, {a.tokens} decode tokens, {threads} thread(s), "
-                      f"accuracy level {level}, best of {a.rounds} interleaved rounds (load {os.getloadavg()[0]:.2f}):")
+                      f"accuracy level {level}, best of {a.rounds} interleaved rounds, median over {a.sessions} "
+                      f"session(s) per dtype (load {os.getloadavg()[0]:.2f}):")
                 print(f"  {'KV':6s} {'CPU ms/step':>12s} {'session.run':>12s} {'outside':>8s} {'wall ms':>8s} "
                       f"{'CPU vs fp16':>12s} {'(medians)':>10s}")
-                for kv in backends:
-                    best = min(fw[kv]) / min(fw["fp16"]) if "fp16" in fw else float("nan")
-                    med = float(np.median(fw[kv]) / np.median(fw["fp16"])) if "fp16" in fw else float("nan")
-                    print(f"  {kv:6s} {min(fw[kv]):12.2f} {min(run[kv]):12.2f} {min(fw[kv]) - min(run[kv]):8.2f} "
-                          f"{min(wall[kv]):8.2f} {best:11.3f}x {med:9.3f}x")
+                for kv in bundles:
+                    best = best_fw[kv] / best_fw["fp16"] if "fp16" in bundles else float("nan")
+                    med = med_fw[kv] / med_fw["fp16"] if "fp16" in bundles else float("nan")
+                    print(f"  {kv:6s} {best_fw[kv]:12.2f} {best_run[kv]:12.2f} {best_fw[kv] - best_run[kv]:8.2f} "
+                          f"{best_wall[kv]:8.2f} {best:11.3f}x {med:9.3f}x")
         if a.profile:
             profile_table(bundles, prompt, a)
 
@@ -328,6 +338,7 @@ def main() -> None:
                     help="only the trt flavor's fp16/int8/int4 caches at --short tokens of context (see 3. above)")
     ap.add_argument("--threads-list", default="1,2", help="--short-side-by-side: thread counts")
     ap.add_argument("--levels", default="4,0", help="--short-side-by-side: MatMulNBits accuracy levels")
+    ap.add_argument("--sessions", type=int, default=3, help="--short-side-by-side: sessions per KV dtype")
     ap.add_argument("--profile", action="store_true", help="--short-side-by-side: also the per-op-type table")
     ap.add_argument("--profile-overhead", type=float, default=3.0, help="us per node the profiler adds")
     a = ap.parse_args()
