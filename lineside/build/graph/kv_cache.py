@@ -19,13 +19,18 @@ TensorRT 10.3's parser has no BitShift/BitwiseAnd and no integer Floor, so both 
 arithmetic on values below 256 (exact): pack with Mul/Add and a Cast to UINT8, unpack with a Cast from
 UINT8, hi = Floor(b / 16), lo = b − 16·hi, then Concat — every op is in the FP32 column of the tables.
 
-Dense models store and read K and V of a layer through one set of ops (``emit_kv_pair``: the two concatenated
-along the head axis, the new entries' bytes joined to the past's before a single dequantization): the trt
-flavor's extra nodes per layer over the fp16 cache drop from 81 to 40 (int4) and from 36 to 20 (int8) —
-what its short-context decode on CPU pays for (benchmarks/kv_dtype_cpu.py).
+Dense models store K and V of a layer through one set of ops (``emit_kv_pair``: the two concatenated along the
+head axis) and join the new entries' bytes to the past's before dequantizing. What onnxruntime's CPU pays for a
+short-context step is mostly the passes over the dequantized past, not the node count (a small node costs
+~0.5-1 us there, a pass over SmolLM2's 6 x 128 x 64 floats ~7 us), so the past is read for K and V apart (no
+Concat and Split of the whole dequantized past per layer), K transposed from its bytes (``_dequantize_kt``: its
+scales then broadcast along T) and V's group scales spread to every channel by a MatMul (``_dequantize``).
+``python benchmarks/kv_dtype_cpu.py --short-side-by-side --profile`` prints the per-op table.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto
@@ -89,23 +94,38 @@ def _quantize(g: GraphBuilder, x: str, fmt: KvFormat, *, rank: int, head_dim: in
     return stored, sc, None if deq is None else _ungrouped(g, deq, fmt, rank, head_dim)
 
 
+def _spread(fmt: KvFormat, head_dim: int, which: int) -> np.ndarray:
+    """0/1 matrix [scale_state_dim, d] taking a head vector's scale state to one number per channel: the scale
+    (``which`` 0) or the minimum (1) of the channel's group. ``state @ it`` is exact: one product by 1 per channel,
+    the rest by 0 — unless a scale is inf or NaN, when the whole vector is (a group's is in any case)."""
+    n, per = fmt.scale_dim(head_dim), fmt.per_group
+    m = np.zeros((n * per, head_dim), np.float32)
+    m[per * (np.arange(head_dim) // (head_dim // n)) + which, np.arange(head_dim)] = 1.0
+    return m
+
+
 def _dequantize(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, rank: int, head_dim: int) -> str:
-    """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d]."""
+    """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d].
+
+    Grouped scales are spread to every channel by a MatMul with a 0/1 matrix (``_spread``) before one same-shape
+    Mul (and Add): onnxruntime's CPU Mul/Add broadcasting a scale over its 16 channels run one short span per group
+    (SmolLM2, 6 heads x 124 entries: 78 us against 37 us for the MatMuls, Mul and Add, the same floats)."""
     if fmt.pack == 2:
         hi = g.op("Floor", [g.op("Mul", [b, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
         lo = g.op("Sub", [b, g.op("Mul", [hi, _f(g, 16.0)])])
         b = g.op("Concat", [lo, hi], axis=-1)
-    grouped = fmt.scale_dim(head_dim) > 1
-    bg = _grouped(g, g.op("Sub", [b, _f(g, fmt.offset)]) if fmt.offset else b, fmt, rank, head_dim)
+    if fmt.offset:
+        b = g.op("Sub", [b, _f(g, fmt.offset)])
     sc = g.op("Cast", [scales], to=F32)
+    if fmt.scale_dim(head_dim) > 1:  # one number per channel from the group's: [..., d]
+        s = g.op("MatMul", [sc, g.const(_spread(fmt, head_dim, 0), np.float32)])
+        out = g.op("Mul", [b, s])
+        return g.op("Add", [out, g.op("MatMul", [sc, g.const(_spread(fmt, head_dim, 1), np.float32)])]) \
+            if fmt.zero else out
     if fmt.zero:
-        if grouped:
-            sc = g.op("Reshape", [sc, g.const([0] * (rank - 1) + [fmt.scale_dim(head_dim), 2])])
         s, lo = g.op("Split", [sc, g.const([1, 1])], n_out=2, axis=-1)
-        out = g.op("Add", [g.op("Mul", [bg, s]), lo])
-    else:
-        out = g.op("Mul", [bg, g.op("Unsqueeze", [sc, g.const([rank])]) if grouped else sc])
-    return _ungrouped(g, out, fmt, rank, head_dim)
+        return g.op("Add", [g.op("Mul", [b, s]), lo])
+    return g.op("Mul", [b, sc])
 
 
 def emit_kv_store(g: GraphBuilder, x: str, fmt: KvFormat, values: str, scales: str, *, rank: int,
@@ -124,32 +144,65 @@ def emit_kv_load(g: GraphBuilder, values: str, scales: str, fmt: KvFormat, *, ra
     return _dequantize(g, g.op("Cast", [values], to=F32), scales, fmt, rank=rank, head_dim=head_dim)
 
 
+def _dequantize_kt(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, head_dim: int) -> str:
+    """Stored bytes b (float32 [B, H, T, d/pack]) and their fp16 scale state [B, H, T, scale_state_dim] -> the
+    dequantized entries transposed, [B, H, d, T] (K as q·kᵀ reads it): the same floats as ``_dequantize`` then a
+    Transpose, but the bytes are transposed instead (int4: half the size of the values), and with T last a scale
+    broadcasts along T (one span per channel row, not one per token and group)."""
+    bt = g.op("Transpose", [b], perm=[0, 1, 3, 2])  # [B, H, d/pack, T]
+    if fmt.pack == 2:
+        hi = g.op("Floor", [g.op("Mul", [bt, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
+        lo = g.op("Sub", [bt, g.op("Mul", [hi, _f(g, 16.0)])])
+        bt = g.op("Concat", [lo, hi], axis=2)  # [B, H, d, T]
+    if fmt.offset:
+        bt = g.op("Sub", [bt, _f(g, fmt.offset)])
+    n = fmt.scale_dim(head_dim)
+    sc = g.op("Cast", [scales], to=F32)
+    if n == 1 and not fmt.zero:  # one scale per vector: a [T, 1] column is a [1, T] row by a Reshape
+        return g.op("Mul", [bt, g.op("Reshape", [sc, g.const([0, 0, 1, -1])])])
+    sc = g.op("Transpose", [sc], perm=[0, 1, 3, 2])  # [B, H, scale_state_dim, T]
+    bt = g.op("Reshape", [bt, g.const([0, 0, n, head_dim // n, -1])])  # [B, H, n, group, T]
+    if fmt.zero:  # (scale, minimum) pairs
+        s, lo_ = g.op("Split", [g.op("Reshape", [sc, g.const([0, 0, n, 2, -1])]), g.const([1, 1])], n_out=2, axis=3)
+        out = g.op("Add", [g.op("Mul", [bt, s]), lo_])
+    else:
+        out = g.op("Mul", [bt, g.op("Unsqueeze", [sc, g.const([3])])])
+    return g.op("Reshape", [out, g.const([0, 0, head_dim, -1])])
+
+
 def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, str], past_scales: tuple[str, str],
                  present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int,
-                 past_from: int = 0) -> str | tuple[str, str]:
-    """K and V of a layer through one set of ops: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then
-    V's) to ``present`` / ``present_scales`` (K's, V's), and return past and new entries dequantized,
-    [B, 2·heads, T, d]: the new ones' stored bytes and scales join the past's before one dequantization, so
-    attention reads the same floats for them now as the cache gives back on later steps.
+                 past_from: int = 0) -> tuple[Any, str]:
+    """K and V of a layer: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then V's) to ``present`` /
+    ``present_scales`` (K's, V's) through one set of ops, and return past and new entries dequantized, K
+    transposed, [B, heads, d, T], and V, [B, heads, T, d]: the new ones' stored bytes and scales join the past's
+    before the dequantization, so attention reads the same floats for them now as the cache gives back on later
+    steps.
 
-    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns (the past from that index on,
-    dequantized, and the new entries as their grid values times their scales — the same floats, without a round
-    trip through the packed bytes), so the caller puts the sink entries in front with one float Concat."""
+    The past is read for K and V apart, K's bytes transposed before it is dequantized (``_dequantize_kt``): on
+    onnxruntime's CPU, reading both through one set of ops cost a Concat and a Split of the whole dequantized past
+    per layer, and the scales broadcast over 64 (int8) or 16 (int4) channels of each token.
+
+    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns ((K's past from that index on,
+    dequantized and transposed, [B, heads, d, P − past_from], and V's, [B, heads, P − past_from, d]), and the new
+    entries [B, 2·heads, S, d] as their grid values times their scales — the same floats, without a round trip
+    through the packed bytes), so the caller puts the sink entries in front with one float Concat each."""
     stored, sc, deq = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=bool(past_from))
     halves = g.const([heads, heads])
-    for f, out in zip(g.op("Split", [stored, halves], n_out=2, axis=1), present, strict=True):  # TensorRT 10.3
-        g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)  # splits no UINT8: split the floats, then cast
+    new = g.op("Split", [stored, halves], n_out=2, axis=1)
+    for f, out in zip(new, present, strict=True):  # TensorRT 10.3 splits no UINT8: split the floats, then cast
+        g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)
     g.op("Split", [sc, halves], outputs=list(present_scales), axis=1)
-    pb = g.op("Concat", [g.op("Cast", [v], to=F32) for v in past], axis=1)
-    ps = g.op("Concat", list(past_scales), axis=1)
     if past_from:
         rest = [g.const([past_from]), g.const([2 ** 62]), g.const([2])]
-        pb, ps = g.op("Slice", [pb, *rest]), g.op("Slice", [ps, *rest])  # bytes: 8x fewer than the floats
+        (kb, vb), (ks, vs) = ([g.op("Slice", [t, *rest]) for t in ts] for ts in
+                              ([g.op("Cast", [p], to=F32) for p in past], past_scales))
         assert deq is not None  # the new entries as grid x scale + minimum: the floats their bytes give back
-        return _dequantize(g, pb, ps, fmt, rank=4, head_dim=head_dim), deq
-    b = g.op("Concat", [pb, stored], axis=2)
-    s = g.op("Concat", [ps, sc], axis=2)
-    return _dequantize(g, b, s, fmt, rank=4, head_dim=head_dim)
+        return (_dequantize_kt(g, kb, ks, fmt, head_dim=head_dim),
+                _dequantize(g, vb, vs, fmt, rank=4, head_dim=head_dim)), deq
+    (kb, vb), (ks, vs) = ([g.op("Concat", [p, n], axis=2) for p, n in zip(ps, ns, strict=True)] for ps, ns in
+                          (([g.op("Cast", [p], to=F32) for p in past], new), (past_scales, present_scales)))
+    return _dequantize_kt(g, kb, ks, fmt, head_dim=head_dim), _dequantize(g, vb, vs, fmt, rank=4, head_dim=head_dim)
 
 
 def scale_name(name: str) -> str:

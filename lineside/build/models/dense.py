@@ -331,8 +331,8 @@ class DenseEmitter:
 
     def _kv_write_pair(self, kv: str) -> tuple[str, str]:
         """Quantized caches: store the new K and V entries ``kv`` [B, 2·kvh, S, d] (K's heads, then V's) through one
-        set of ops and read past and new back dequantized, also at once (graph/kv_cache.py); returns K and V
-        [B, kvh, T, d] as attention reads them."""
+        set of ops and read past and new back dequantized (graph/kv_cache.py); returns K transposed, [B, kvh, d, T],
+        and V, [B, kvh, T, d], as attention reads them."""
         from lineside.build.graph.kv_cache import emit_kv_pair
 
         g, kvh, d = self.gb, self.cfg.num_kv_heads, self.cfg.head_dim
@@ -341,17 +341,14 @@ class DenseEmitter:
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
                             present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
-        if fmt.sink:
-            both = self._kv_sink(kv, *both, fmt.sink)
-        assert isinstance(both, str)  # [B, 2·kvh, T, d]
-        k, v = g.op("Split", [both, g.const([kvh, kvh])], n_out=2, axis=1)
-        return k, v
+        return self._kv_sink(kv, *both, fmt.sink) if fmt.sink else both
 
-    def _kv_sink(self, kv: str, past_rest: str, new: str, n: int) -> str:
+    def _kv_sink(self, kv: str, past_rest: tuple[str, str], new: str, n: int) -> tuple[str, str]:
         """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
         those positions from it (past ones: the first n of the past; new ones: picked by position), so a step reads
         the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``past_rest``:
-        the past from index n on and ``new`` the new entries, dequantized; returns all T entries."""
+        K's past from index n on, dequantized and transposed [B, kvh, d, P − n], and V's [B, kvh, P − n, d];
+        ``new``: the new entries dequantized, [B, 2·kvh, S, d]; returns K transposed and V, all T entries."""
         g = self.gb
         past, present, _, _ = self.kv_io["sink"]
         written = g.op("MatMul", [self.sink_onehot, kv])  # [B, 2·kvh, n, d]: exact, one term per slot
@@ -362,7 +359,11 @@ class DenseEmitter:
         sink = g.op("Cast", [present], to=F32)
         early = g.op("Slice", [sink, g.const([0]), self.past_len, g.const([2])])  # the past's first min(n, P)
         new = g.op("Where", [self.new_in_sink, g.op("MatMul", [self.sink_onehot_t, sink]), new])
-        return g.op("Concat", [early, past_rest, new], axis=2)
+        halves = g.const([self.cfg.num_kv_heads] * 2)
+        (ek, ev), (nk, nv) = (g.op("Split", [t, halves], n_out=2, axis=1) for t in (early, new))
+        t = [0, 1, 3, 2]
+        kt = g.op("Concat", [g.op("Transpose", [ek], perm=t), past_rest[0], g.op("Transpose", [nk], perm=t)], axis=3)
+        return kt, g.op("Concat", [ev, past_rest[1], nv], axis=2)
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
@@ -444,15 +445,15 @@ class DenseEmitter:
         if self.kv_fmt is None:
             kh, pk = self._kv_write(kh, "k")
             vh, pv = self._kv_write(vh, "v")
-            kall = g.op("Concat", [pk, kh], axis=2)  # [B, kvh, T, d]
-            vall = g.op("Concat", [pv, vh], axis=2)
-        else:  # quantized: K and V of the layer go through one set of ops (graph/kv_cache.py)
+            kall = g.op("Transpose", [g.op("Concat", [pk, kh], axis=2)], perm=[0, 1, 3, 2])  # [B, kvh, d, T]
+            vall = g.op("Concat", [pv, vh], axis=2)  # [B, kvh, T, d]
+        else:  # quantized: K and V of the layer are stored through one set of ops (graph/kv_cache.py)
             kv = g.op("Concat", [kh, vh], axis=1)  # [B, 2·kvh, S, d]
             if rot is not None:  # stored in the rotated basis: q·k is invariant, ctx is rotated back below
                 qh, kv = g.op("MatMul", [qh, rot]), g.op("MatMul", [kv, rot])
-            kall, vall = self._kv_write_pair(kv)
+            kall, vall = self._kv_write_pair(kv)  # K transposed
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
-        kt = g.op("Unsqueeze", [g.op("Transpose", [kall], perm=[0, 1, 3, 2]), g.const([2])])  # [B,kvh,1,d,T]
+        kt = g.op("Unsqueeze", [kall, g.const([2])])  # [B,kvh,1,d,T]
         scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])
         scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)

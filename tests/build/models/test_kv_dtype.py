@@ -157,8 +157,8 @@ def test_int4_states_packing_manifest_and_trt_10_3_tables(kv_bundle):
     rep = check_bundle(b, "10.3")
     assert rep.ok, rep.offenders[:3]
     # unpacked with Floor: the past entries only (the new ones are read from their grid values), K and V of a layer
-    # at once, 2 layers; no bit ops (not in TensorRT 10.3's tables)
-    assert rep.op_counts["Floor"] == 2 and not rep.op_counts["BitShift"] and not rep.op_counts["BitwiseAnd"]
+    # apart (kv_cache.emit_kv_pair), 2 layers; no bit ops (not in TensorRT 10.3's tables)
+    assert rep.op_counts["Floor"] == 4 and not rep.op_counts["BitShift"] and not rep.op_counts["BitwiseAnd"]
     be = OnnxRuntimeBackend(b, num_slots=1, flavor="trt", accuracy_level=0)
     from lineside.runtime.backend import StepBatch
 
@@ -316,3 +316,27 @@ def test_int4_sink_entries_are_not_the_4_bit_values(kv_bundle):
     e_sink, e_4bit = rel_err(with_sink, ref_fp16[4:12]), rel_err(four_bit, ref_fp16[4:12])
     print(f"int4 KV vs fp16 KV, positions 4..11: sink entries in fp16 {e_sink:.2e}, as 4-bit values {e_4bit:.2e}")
     assert e_sink < e_4bit
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int8", "int4"])
+def test_by_value_binding_matches_the_generic_step(kv_bundle, kv_dtype):
+    """The trt flavor's decode and verification steps through the cached by-value binding (outputs bound once per
+    step shape) give the generic step's logits and arena, bit for bit: two rows of different lengths, then a
+    3-token step on one row."""
+    from lineside.runtime.backend import StepBatch
+
+    b = kv_bundle(kv_dtype)
+    fast, plain = (OnnxRuntimeBackend(b, num_slots=2, flavor="trt", accuracy_level=0) for _ in range(2))
+    plain._by_value_ready = False
+    assert fast._by_value_ready
+    for be in (fast, plain):
+        be.forward(StepBatch.single(0, IDS[:7], 0))
+        be.forward(StepBatch.single(1, IDS[:3], 0))
+    rows = StepBatch(slots=[0, 1], input_ids=np.array([[IDS[7]], [IDS[3]]]), past_lengths=np.array([7, 3]),
+                     new_lengths=np.array([1, 1]), logits_positions=np.zeros((2, 1), np.int64))
+    steps = [rows, StepBatch.single(1, IDS[4:7], 4, all_logits=True), StepBatch.single(0, [IDS[8]], 8)]
+    for step in steps:
+        assert np.array_equal(fast.forward(step), plain.forward(step))
+    assert fast._by_value and not plain._by_value
+    for name, arr in fast.arena.items():
+        assert np.array_equal(arr, plain.arena[name]), name
