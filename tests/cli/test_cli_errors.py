@@ -158,6 +158,20 @@ def test_logits_defaults_to_the_flavor_a_trt_only_bundle_has(tiny_bundles, tmp_p
     assert "trt" in proc.stdout and np.load(out).shape == (3, 300)
 
 
+def test_build_engine_takes_every_build_option():
+    import importlib.util
+    import inspect
+
+    from lineside.build.commands import build
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("build_engine", root / "build_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    missing = set(inspect.signature(build).parameters) - set(inspect.signature(script.main).parameters)
+    assert not missing, missing
+
+
 def test_build_engine_script(ckpt, tmp_path):
     """build_engine.py takes `lineside build`'s options and says why it skips the engine without TensorRT."""
     root = Path(__file__).resolve().parents[2]
