@@ -168,6 +168,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
                   opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
                   log: Callable[[str], None]) -> None:
     """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
+    tok = ckpt.write_tokenizer(tmp / "tokenizer")  # first: its checks are one line each, before the long steps
     plan = gplan = None
     if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
         from lineside.build.quant.calibrate import awq_scales_for
@@ -204,7 +205,6 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         if MTP_GRAPH in entry.extra:
             entry.extra[MTP_GRAPH]["graph"] = f"graphs/{flavor}/{entry.extra[MTP_GRAPH]['graph']}"
         flavors[flavor] = replace(entry, graph=rel)
-    tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
     manifest = Manifest(
         lineside_version=__version__,
