@@ -33,9 +33,11 @@ def main(
     max_seq_len: b.MaxSeqLenOpt = None,
     requantize: b.RequantizeOpt = False,
     accuracy_level: b.AccuracyLevelOpt = 4,
-    lm_head_bits: b.LmHeadBitsOpt = 8,
+    lm_head_bits: b.LmHeadBitsOpt = None,
     kv_dtype: b.KvDtypeOpt = "fp16",
     draft_layers: b.DraftLayersOpt = None,
+    max_lora_rank: b.MaxLoraRankOpt = 0,
+    lora_targets: b.LoraTargetsOpt = None,
     force: b.ForceOpt = False,
     quiet: b.QuietOpt = False,
     engine: Annotated[bool, typer.Option(help="also build the TensorRT engine when TensorRT is importable")] = True,
@@ -43,7 +45,8 @@ def main(
     """Build a bundle, then its TensorRT engine if this machine can."""
     b.build(checkpoint, output, quant=quant, group_size=group_size, method=method, calib=calib, flavors=flavors,
             max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
-            lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=draft_layers, force=force, quiet=quiet)
+            lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=draft_layers,
+            max_lora_rank=max_lora_rank, lora_targets=lora_targets, force=force, quiet=quiet)
     if not engine or "trt" not in flavors:
         return
     from lineside.runtime.tensorrt.env import import_tensorrt

@@ -47,7 +47,8 @@ MaxSeqLenOpt = Annotated[int | None, checks.number_option(
 RequantizeOpt = Annotated[bool, typer.Option(help="re-quantize a 4-bit GGUF instead of keeping its grid")]
 AccuracyLevelOpt = Annotated[int, checks.number_option(
     low=0, high=4, help="MatMulNBits accuracy level for cpu (0 exact, 4 int8 activations)")]
-LmHeadBitsOpt = Annotated[int, checks.number_option(low=4, high=8, help="w4a16 LM head bits: 8 (quality) or 4 (speed)")]
+LmHeadBitsOpt = Annotated[int | None, checks.number_option(
+    low=4, high=8, help="w4a16 LM head bits: 8 (quality, the default) or 4 (speed)")]
 KvDtypeOpt = Annotated[str, typer.Option(help="KV cache: fp16 (float) | int8 | int4 (trt flavor; fp8 is refused: "
                                                "TensorRT takes no FP8 cache across the network's edge)")]
 DraftLayersOpt = Annotated[str | None, typer.Option(
@@ -55,8 +56,8 @@ DraftLayersOpt = Annotated[str | None, typer.Option(
          "weights), for `--speculative layerskip:N`")]
 MaxLoraRankOpt = Annotated[int, checks.number_option(
     low=0, high=1024, help="also build LoRA graphs (multi-adapter serving); the adapter slots' default rank (0: none)")]
-LoraTargetsOpt = Annotated[str, typer.Option(help="linears the LoRA graphs adapt: comma list of q,k,v,o,gate,up,down "
-                                                  "or all")]
+LoraTargetsOpt = Annotated[str | None, typer.Option(help="linears the LoRA graphs adapt: comma list of "
+                                                         "q,k,v,o,gate,up,down or all (the default)")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
@@ -72,11 +73,11 @@ def build(
     max_seq_len: MaxSeqLenOpt = None,
     requantize: RequantizeOpt = False,
     accuracy_level: AccuracyLevelOpt = 4,
-    lm_head_bits: LmHeadBitsOpt = 8,
+    lm_head_bits: LmHeadBitsOpt = None,
     kv_dtype: KvDtypeOpt = "fp16",
     draft_layers: DraftLayersOpt = None,
     max_lora_rank: MaxLoraRankOpt = 0,
-    lora_targets: LoraTargetsOpt = "all",
+    lora_targets: LoraTargetsOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -86,7 +87,8 @@ def build(
                         flavors=tuple(f.strip() for f in flavors.split(",") if f.strip()),
                         max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
                         lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=parse_draft_layers(draft_layers),
-                        force=force, max_lora_rank=max_lora_rank, lora_targets=parse_targets(lora_targets))
+                        force=force, max_lora_rank=max_lora_rank,
+                        lora_targets=None if lora_targets is None else parse_targets(lora_targets))
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else err.print)

@@ -52,12 +52,12 @@ class BuildOptions:
     max_seq_len: int | None = None
     requantize: bool = False  # force re-quantizing a GGUF that is already 4-bit
     accuracy_level: int = 4
-    lm_head_bits: int = 8
+    lm_head_bits: int | None = None  # w4a16's LM head: 8 (None: the default) or 4; only w4a16 has the choice
     kv_dtype: str = "fp16"
     draft_layers: tuple[int, ...] = ()  # layerskip draft graphs: the first N layers + final norm + LM head
     force: bool = False
     max_lora_rank: int = 0  # > 0: also emit each flavor's LoRA graph (graph/lora.py); the slots' default rank
-    lora_targets: tuple[LoraTarget, ...] = ALL_TARGETS
+    lora_targets: tuple[LoraTarget, ...] | None = None  # None: ALL_TARGETS; given, it needs max_lora_rank
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -73,8 +73,11 @@ class BuildOptions:
             raise LinesideError(f"--group-size {self.group_size} must be a power of two ≥ 16 (64 or 128 for trt)")
         if "trt" in self.flavors and self.quant == "w4a16" and self.group_size not in (64, 128):
             raise LinesideError(f"--group-size {self.group_size}: TensorRT INT4 needs 64 or 128 for the trt flavor")
-        if self.lm_head_bits not in (4, 8):
+        if self.lm_head_bits not in (None, 4, 8):
             raise LinesideError(f"--lm-head-bits {self.lm_head_bits}: choose 4 or 8")
+        if self.lm_head_bits is not None and self.quant != "w4a16":
+            raise LinesideError(f"--lm-head-bits: only --quant w4a16 has an INT8/INT4 choice of LM head ({self.quant} "
+                                f"keeps it {'8-bit' if self.quant == 'w8a16' else 'float'}); leave the option out")
         from lineside.build.quant.kv import check_kv_flavors, parse_kv_dtype
 
         check_kv_flavors(parse_kv_dtype(self.kv_dtype), self.flavors)
@@ -86,6 +89,20 @@ class BuildOptions:
             raise LinesideError(f"--max-lora-rank {self.max_lora_rank} must be 0 (no LoRA graphs) to 1024")
         if self.calib is not None and not Path(self.calib).is_file():
             raise LinesideError(f"--calib {self.calib}: file not found")
+        if self.calib is not None and self.method == "rtn" and not self._calibrates_kv():
+            raise LinesideError("--calib: --method rtn reads no calibration text; pass --method awq or gptq, or leave "
+                                "--calib out")
+        if self.lora_targets is not None and not self.max_lora_rank:
+            raise LinesideError("--lora-targets: no LoRA graphs are built without --max-lora-rank R; pass one, or "
+                                "leave --lora-targets out")
+
+    def _calibrates_kv(self) -> bool:
+        """An int4 KV cache in the trt flavor centres its keys on the calibration text (quant/kv_calib.py)."""
+        return self.kv_dtype.strip().lower() == "int4" and "trt" in self.flavors
+
+    @property
+    def targets(self) -> tuple[LoraTarget, ...]:
+        return ALL_TARGETS if self.lora_targets is None else self.lora_targets
 
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
@@ -120,7 +137,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))
         _check_context(max_seq, cfg)
         spec = QuantSpec(scheme=opts.quant, group_size=opts.group_size, method=opts.method,
-                         accuracy_level=opts.accuracy_level, lm_head_bits=opts.lm_head_bits,
+                         accuracy_level=opts.accuracy_level,
+                         lm_head_bits=8 if opts.lm_head_bits is None else opts.lm_head_bits,
                          kv_dtype=opts.kv_dtype.strip().lower())
         spec.check()
         carry_cpu = _carries(opts, spec)
@@ -150,6 +168,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
                   opts: BuildOptions, max_seq: int, tmp: Path, t0: float, progress: ProgressFactory,
                   log: Callable[[str], None]) -> None:
     """Graphs, tokenizer, config and manifest of one bundle, written into ``tmp``."""
+    tok = ckpt.write_tokenizer(tmp / "tokenizer")  # first: its checks are one line each, before the long steps
     plan = gplan = None
     if opts.quant in ("w4a16", "w8a16") and opts.method == "awq":
         from lineside.build.quant.calibrate import awq_scales_for
@@ -176,7 +195,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         tick = progress(f"emit {flavor} graph", cfg.num_layers)
         kw: dict[str, Any] = {"draft_layers": opts.draft_layers} if opts.draft_layers else {}
         if opts.max_lora_rank:
-            kw["lora_targets"] = opts.lora_targets
+            kw["lora_targets"] = opts.targets
         if key_means is not None and flavor == "trt":
             kw["key_means"] = key_means
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
@@ -186,7 +205,6 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         if MTP_GRAPH in entry.extra:
             entry.extra[MTP_GRAPH]["graph"] = f"graphs/{flavor}/{entry.extra[MTP_GRAPH]['graph']}"
         flavors[flavor] = replace(entry, graph=rel)
-    tok = ckpt.write_tokenizer(tmp / "tokenizer")
     (tmp / "config.json").write_text(cfg.to_json())
     manifest = Manifest(
         lineside_version=__version__,
@@ -200,7 +218,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         config="config.json",
         tokenizer={"dir": "tokenizer", **tok},
         build_seconds=round(time.time() - t0, 2),
-        lora=LoraGraphs(max_rank=opts.max_lora_rank, targets=opts.lora_targets) if opts.max_lora_rank else None,
+        lora=LoraGraphs(max_rank=opts.max_lora_rank, targets=opts.targets) if opts.max_lora_rank else None,
     )
     write_manifest(tmp, manifest)
 

@@ -99,7 +99,7 @@ def serve(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
-    from lineside.bundle import read_manifest
+    from lineside.bundle import read_manifest, verify_files
 
     # Everything that can be wrong is checked before the socket opens and the model loads (one line each).
     backend = checks.choice(backend, "--backend", ("auto", "onnxruntime", "tensorrt"))
@@ -123,6 +123,8 @@ def serve(
 
     spec = parse_speculative(speculative, spec_tokens)
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
+    # A missing or truncated file fails here, not after "serving on ..." (sizes only: the load checks the hashes).
+    verify_files(Path(bundle), manifest, check_hash=False)
     if backend == "tensorrt":
         from lineside.bundle import manifest_flavor
 

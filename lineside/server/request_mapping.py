@@ -59,6 +59,9 @@ VLLM_UNSUPPORTED = {"min_tokens": 0, "include_stop_str_in_output": False, "bad_w
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse what this server does not do rather than silently ignore it."""
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options is only allowed when stream is true; send \"stream\": true or leave "
+                  "stream_options out", "stream_options")
     if req.logit_bias:
         raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
     for name, off in VLLM_UNSUPPORTED.items():

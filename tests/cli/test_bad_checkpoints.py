@@ -12,7 +12,7 @@ import pytest
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
-from tests.cli.cli_run import run_cli
+from tests.cli.cli_run import assert_one_line_error, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,18 @@ def test_special_token_ids_outside_the_vocabulary_are_refused(ckpt, tmp_path, ke
         build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_chat_template_that_is_not_text_is_refused(ckpt, tmp_path):
+    """A chat_template of another JSON type was copied into the bundle and failed only when a chat was rendered."""
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": {"default": tcfg["chat_template"]}}))
+    line = assert_one_line_error(run_cli("build", d, "-o", tmp_path / "o", "--quant", "fp32", "--max-seq-len", "16"),
+                                 str(d / "tokenizer_config.json"), "chat_template must be a string", code=1)
+    assert line.startswith("error: ")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 

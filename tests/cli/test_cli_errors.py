@@ -98,6 +98,42 @@ def test_bad_options(ckpt, tmp_path):
     assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), "--flavors", "gpu"), "flavors")
 
 
+# Options that would do nothing in the combination given are refused before any work, not dropped.
+DOES_NOTHING = [
+    (["--calib", "CALIB"], "--method rtn"),  # RTN reads no calibration text
+    (["--quant", "fp16", "--lm-head-bits", "4"], "--quant w4a16"),
+    (["--quant", "w8a16", "--lm-head-bits", "8"], "--quant w4a16"),
+    (["--lora-targets", "q,v"], "--max-lora-rank"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), DOES_NOTHING, ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_options_that_would_do_nothing_are_refused(ckpt, tmp_path, extra, needle):
+    (tmp_path / "calib.txt").write_text("some calibration text\n")
+    argv = [str(tmp_path / "calib.txt") if a == "CALIB" else a for a in extra]
+    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets"))
+    root = Path(__file__).resolve().parents[2]
+    for proc in (run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), *argv),
+                 subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(tmp_path / "o"),
+                                 *argv], capture_output=True, text=True, timeout=120)):
+        assert_one_line_error(proc, option, needle)
+        assert proc.returncode == 1 and not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_options_used_in_their_combination_pass_validation(tmp_path):
+    """The defaults, and each option where it does something, are not refused."""
+    from lineside.build.pipeline import BuildOptions
+    from lineside.lora import parse_targets
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("some calibration text\n")
+    for opts in (BuildOptions(), BuildOptions(quant="fp16"), BuildOptions(lm_head_bits=4),
+                 BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
+                 BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it
+                 BuildOptions(max_lora_rank=8, lora_targets=parse_targets("q,v"))):
+        opts.validate()
+
+
 def test_output_exists_not_overwritten(ckpt, bundle):
     before = (bundle / "manifest.json").read_bytes()
     assert_one_line_error(run_cli("build", str(ckpt), "-o", str(bundle)), "exists", "--force")
@@ -156,6 +192,20 @@ def test_logits_defaults_to_the_flavor_a_trt_only_bundle_has(tiny_bundles, tmp_p
     proc = run_cli("logits", str(tiny_bundles(flavors=("trt",))), "--ids", "1,2,3", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "trt" in proc.stdout and np.load(out).shape == (3, 300)
+
+
+def test_build_engine_takes_every_build_option():
+    import importlib.util
+    import inspect
+
+    from lineside.build.commands import build
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("build_engine", root / "build_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    missing = set(inspect.signature(build).parameters) - set(inspect.signature(script.main).parameters)
+    assert not missing, missing
 
 
 def test_build_engine_script(ckpt, tmp_path):

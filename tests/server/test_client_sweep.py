@@ -79,6 +79,10 @@ FIELDS = [
     ("completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("chat", {"skip_special_tokens": False}, 400, "skip_special_tokens"),
     ("completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
+    # stream_options without stream: true is a 400 at OpenAI and vLLM (nothing would read it)
+    ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("completions", {"stream": False, "stream_options": {"include_usage": False}}, 400, "stream_options"),
+    ("chat", {"stream": False, "stream_options": None}, 200, None),
 ]
 
 

@@ -375,6 +375,37 @@ def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle, ca
     assert code in (1, 2) and needle in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("damage,words", [
+    ("truncate", ["graphs/cpu/model.onnx.data", "bytes, the manifest says", "copy the bundle again"]),
+    ("delete", ["tokenizer/tokenizer.json", "missing", "copy the bundle again"]),
+])
+def test_serve_refuses_a_damaged_bundle_before_binding(tiny_bundle, tmp_path, monkeypatch, capsys, damage, words):
+    """The model loads in the background once the socket is bound: a file the manifest lists that is missing or
+    of another size is one line before that ("serving on ..." never shows), checked by size only (the load
+    still verifies checksums)."""
+    import shutil
+
+    from lineside.cli import run_app
+    from lineside.errors import LinesideError
+    from tests.server.test_units import _cli
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny_bundle, b)
+    if damage == "truncate":
+        data = b / "graphs/cpu/model.onnx.data"
+        data.write_bytes(data.read_bytes()[:-4])
+    else:
+        (b / "tokenizer/tokenizer.json").unlink()
+
+    def bound(*_a, **_k):
+        raise LinesideError("bound the socket before checking the bundle's files")
+
+    monkeypatch.setattr("lineside.server.bind.bind_socket", bound)
+    code = run_app(_cli(), ["serve", str(b)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and all(w in err for w in words), err
+
+
 def test_tokenizer_worker_is_niced_and_stops_early(tiny_bundle):
     """The worker process runs below the server's priority, returns the tokenizer's own ids for a long prompt
     that fits, and a PromptTooLong (not a traceback) for one that does not."""

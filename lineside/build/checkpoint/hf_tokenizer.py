@@ -86,9 +86,16 @@ def _read_json(p: Path) -> dict[str, Any]:
 def _chat_template(src: Path, tcfg: dict[str, Any]) -> str | None:
     """tokenizer_config.json's template (a string or a list of named ones), else chat_template.jinja."""
     ct = tcfg.get("chat_template")
-    if isinstance(ct, list):
-        named = {t.get("name"): t.get("template") for t in ct if isinstance(t, dict)}
+    if isinstance(ct, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                    and isinstance(t.get("template"), str) for t in ct):
+        named = {t["name"]: t["template"] for t in ct}
         ct = named.get("default") or next(iter(named.values()), None)
+    elif ct is not None and not isinstance(ct, str):
+        # copied as it is, it would fail only when a chat is rendered (serve, chat, generate --chat)
+        shown = json.dumps(ct)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise CheckpointError(f"{src / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                              f"{{\"name\": ..., \"template\": ...}} objects, not {shown}; fix it or remove the key")
     if isinstance(ct, str) and ct:
         return ct
     jinja = src / "chat_template.jinja"

@@ -242,6 +242,38 @@ def test_hf_chat_template_jinja(tiny_qwen2, tmp_path):
     assert tcfg["chat_template"] == "{{ messages[0]['content'] }}"
 
 
+def _with_template(tiny_llama, tmp_path, template) -> Path:
+    src, _ = tiny_llama
+    d = tmp_path / "ck"
+    shutil.copytree(src, d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tcfg, "chat_template": template}))
+    return d
+
+
+@pytest.mark.parametrize("template", [5, True, {"default": "{{ x }}"}, ["{{ x }}"],
+                                      [{"name": "default", "template": 5}], [{"template": "{{ x }}"}]],
+                         ids=lambda t: json.dumps(t))
+def test_hf_chat_template_of_another_type_is_one_line(tiny_llama, tmp_path, template):
+    """Copied as it was, it only failed when a chat was rendered (serve, chat, generate --chat)."""
+    d = _with_template(tiny_llama, tmp_path, template)
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(d).write_tokenizer(tmp_path / "tok")
+    line = _one_line(e)
+    assert str(d / "tokenizer_config.json") in line and "chat_template" in line, line
+    assert not (tmp_path / "tok").exists()
+
+
+def test_hf_chat_template_list_of_named_templates(tiny_llama, tmp_path):
+    """transformers' list form: the one named "default" (else the first) becomes the bundle's template."""
+    named = [{"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": "{{ messages }}"}]
+    info = open_checkpoint(_with_template(tiny_llama, tmp_path, named)).write_tokenizer(tmp_path / "tok")
+    assert info["chat_template"] == "{{ messages }}"
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["chat_template"] == "{{ messages }}"
+    info = open_checkpoint(_with_template(tiny_llama, tmp_path / "n", None)).write_tokenizer(tmp_path / "tok2")
+    assert info["chat_template"] is None
+
+
 def test_mxfp4_with_e8m0_scales(tmp_path):
     """int8 weights holding two e2m1 codes per byte (low nibble first) × one ue8m0 scale per 32."""
     rng = np.random.default_rng(0)
