@@ -66,8 +66,22 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
+        if name == "min_tokens" and _min_tokens_moot(req):
+            continue
         if value is not None and not (value == off and type(value) is type(off)):
             raise bad(f"{name}={value!r} is not supported by this server; remove it", name, "unsupported_value")
+
+
+def _min_tokens_moot(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """vLLM's min_tokens holds back EOS, stop strings and stop_token_ids: with ignore_eos, none of those and no
+    grammar, the answer ends only at max_tokens (or the context), so any min_tokens up to max_tokens changes
+    nothing. Benchmark clients send it so (min_tokens = max_tokens, ignore_eos: true) to fix the output length."""
+    n = req.min_tokens
+    cap = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    return (type(n) is int and n >= 0 and bool(req.ignore_eos) and not req.stop and not req.stop_token_ids
+            and (cap is None or n <= cap) and getattr(req, "response_format", None) is None
+            and all(getattr(req, f) is None for f in ("guided_json", "guided_regex", "guided_choice",
+                                                      "guided_grammar")))
 
 
 def check_chat(req: ChatCompletionRequest) -> None:

@@ -71,6 +71,14 @@ FIELDS = [
     ("chat", {"stop_token_ids": [5, 6], "min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [],
               "allowed_token_ids": None, "use_beam_search": False, "skip_special_tokens": True}, 200, None),
     ("chat", {"min_tokens": 4}, 400, "min_tokens"),
+    # ...but min_tokens changes nothing where only max_tokens can end the answer: benchmark harnesses send
+    # min_tokens = max_tokens with ignore_eos to fix the output length
+    ("completions", {"min_tokens": 2, "ignore_eos": True}, 200, None),
+    ("chat", {"min_tokens": 1, "max_completion_tokens": 2, "ignore_eos": True}, 200, None),
+    ("completions", {"min_tokens": 3, "ignore_eos": True}, 400, "min_tokens"),  # above max_tokens
+    ("completions", {"min_tokens": 2, "ignore_eos": True, "stop": ["x"]}, 400, "min_tokens"),
+    ("completions", {"min_tokens": 2, "ignore_eos": True, "stop_token_ids": [5]}, 400, "min_tokens"),
+    ("completions", {"min_tokens": 2, "ignore_eos": True, "guided_choice": ["a", "b"]}, 400, "min_tokens"),
     ("completions", {"include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ("chat", {"bad_words": ["x"]}, 400, "bad_words"),
     ("completions", {"allowed_token_ids": [5]}, 400, "allowed_token_ids"),
