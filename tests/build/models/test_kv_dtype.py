@@ -340,3 +340,30 @@ def test_by_value_binding_matches_the_generic_step(kv_bundle, kv_dtype):
     assert fast._by_value and not plain._by_value
     for name, arr in fast.arena.items():
         assert np.array_equal(arr, plain.arena[name]), name
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "int4"])
+def test_by_value_binding_reused_across_past_lengths(kv_bundle, kv_dtype):
+    """A cached by-value binding is reused by later steps of the same shape at other past lengths (its key has no
+    past length): decode steps on two rows and then on one, interleaved, give the generic step's logits and arena
+    bit for bit, and the logits a step returned are not overwritten by the next step."""
+    from lineside.runtime.backend import StepBatch
+
+    b = kv_bundle(kv_dtype)
+    fast, plain = (OnnxRuntimeBackend(b, num_slots=2, flavor="trt", accuracy_level=0) for _ in range(2))
+    plain._by_value_ready = False
+    for be in (fast, plain):
+        be.forward(StepBatch.single(0, IDS[:5], 0))
+        be.forward(StepBatch.single(1, IDS[:2], 0))
+    kept = []
+    for i in range(12):  # one key, (slot 0, 2 rows, 1 token, 1 logit), at past lengths 5..16 and 2..13
+        step = StepBatch(slots=[0, 1], input_ids=np.array([[IDS[i]], [IDS[-1 - i]]]),
+                         past_lengths=np.array([5 + i, 2 + i]), new_lengths=np.array([1, 1]),
+                         logits_positions=np.zeros((2, 1), np.int64))
+        got, want = fast.forward(step), plain.forward(step)
+        assert np.array_equal(got, want), i
+        kept.append((got, want.copy()))
+    assert (0, 2, 1, 1) in fast._by_value and len(fast._by_value) == 3  # the two prefills, then decode
+    assert all(np.array_equal(g, w) for g, w in kept)
+    for name, arr in fast.arena.items():
+        assert np.array_equal(arr, plain.arena[name]), name
