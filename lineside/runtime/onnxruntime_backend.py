@@ -454,18 +454,26 @@ class OnnxRuntimeBackend:
         io, outs = bound
         past = batch.past_lengths.astype(np.int64)
         p_max = int(past.max())
-        for name, arr in self._feeds(batch, past, p_max).items():
-            io.bind_cpu_input(name, arr)
+        inputs = self._feeds(batch, past, p_max)
         rows = slice(first, first + b)
         for st in self.states:
             a = self.arena[st.input]
             if st.update == StateUpdate.APPEND:
                 idx: list[Any] = [slice(None)] * a.ndim
                 idx[0], idx[st.seq_axis] = rows, slice(0, p_max)
-                io.bind_cpu_input(st.input, np.ascontiguousarray(a[tuple(idx)]))
+                inputs[st.input] = np.ascontiguousarray(a[tuple(idx)])
             else:  # the arena's own rows: the output is another buffer
-                io.bind_cpu_input(st.input, a[rows])
-        self.session.run_with_iobinding(io)
+                inputs[st.input] = a[rows]
+        # Bound by pointer, held by ``inputs`` until the run is over, then unbound: bind_cpu_input would keep this
+        # step's copies of the past alive in the cached binding until its next step (up to 32 of them).
+        for name, arr in inputs.items():
+            arr = np.ascontiguousarray(arr)
+            inputs[name] = arr
+            io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+        try:
+            self.session.run_with_iobinding(io)
+        finally:
+            io.clear_binding_inputs()
         self._store_states(batch, outs, rows)
         return outs["logits"].copy()
 

@@ -367,3 +367,37 @@ def test_by_value_binding_reused_across_past_lengths(kv_bundle, kv_dtype):
     assert all(np.array_equal(g, w) for g, w in kept)
     for name, arr in fast.arena.items():
         assert np.array_equal(arr, plain.arena[name]), name
+
+
+def test_by_value_binding_keeps_no_copy_of_the_past(kv_bundle):
+    """A cached by-value binding holds its outputs only: the copies of the past a step bound are let go after the
+    run (held until the binding's next step, 32 bindings of a long context would keep gigabytes)."""
+    import gc
+    import tracemalloc
+
+    from lineside.graph_io import StateUpdate
+    from lineside.runtime.backend import StepBatch
+
+    tracemalloc.start()
+    try:
+        be = OnnxRuntimeBackend(kv_bundle("fp16"), num_slots=1, flavor="trt", accuracy_level=0)
+        past = 48
+        for p in range(0, past, 24):  # the generic path: chunks over FAST_VERIFY_TOKENS keep no binding
+            be.forward(StepBatch.single(0, (IDS * 4)[p:p + 24], p))
+        assert not be._by_value
+        for s in range(1, 9):  # eight cached bindings, each bound to the 48-entry past once
+            be.forward(StepBatch.single(0, IDS[:s], past, all_logits=True))
+        assert len(be._by_value) == 8
+        per_entry = sum(be.arena[st.input].nbytes // be.max_seq_len for st in be.states
+                        if st.update == StateUpdate.APPEND)
+        outputs = sum(a.nbytes for _, outs in be._by_value.values() for a in outs.values())
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        be._by_value.clear()
+        gc.collect()
+        freed = held - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    copies = 8 * past * per_entry  # what the bindings would hold with their inputs
+    print(f"held beyond the outputs: {freed - outputs} B; the copies: {copies} B")
+    assert freed - outputs < copies / 4, (freed, outputs, copies)
