@@ -156,7 +156,8 @@ class ResponseBuilder:
     def __init__(self, req: ResponsesRequest, model: str, rid: str, *, store: ResponseStore,
                  conversation: list[dict[str, Any]]):
         self.req = req
-        self.id = "resp_" + rid.replace("-", "")
+        # its own id, not the X-Request-Id a client may send (or resend): the store keys the conversation on it
+        self.id = "resp_" + uuid.uuid4().hex
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model

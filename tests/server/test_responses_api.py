@@ -103,6 +103,16 @@ def test_kept_responses_are_retrieved_and_deleted(client):
     assert "\n" not in e.value.body["message"]
 
 
+def test_a_resent_request_id_does_not_replace_a_kept_response(client):
+    """The response id is the server's own: two requests with one X-Request-Id (a client's retry, a proxy's trace
+    id) keep two responses, each continued and retrieved as itself."""
+    first, second = (client.responses.create(model=MODEL, input=text, max_output_tokens=3, temperature=0,
+                                             extra_headers={"X-Request-Id": "trace-1"}) for text in ("hi", "bye"))
+    assert first.id != second.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+
+
 def test_store_false_keeps_nothing(client):
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=3, store=False)
     assert r.store is False
