@@ -308,7 +308,7 @@ def _check_node(n: Node, path: Path) -> None:
 def load_fleet(path: str | Path) -> FleetFile:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")  # not the locale's: the error below says UTF-8
     except OSError as e:
         raise FleetError(f"{p}: cannot read the fleet file ({e.strerror or e}); pass the path of a fleet YAML") from None
     except UnicodeDecodeError as e:

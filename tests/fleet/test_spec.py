@@ -167,3 +167,17 @@ def test_gateway_with_a_health_adapter_port_taken_is_one_line_and_starts_nothing
     assert p.returncode == 1 and f"health adapter cannot listen on 127.0.0.1:{base + 2}" in last, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     assert not list((tmp_path / "gw" / "logs").glob("smg-*.log"))  # no router was started
+
+
+def test_a_utf8_fleet_file_is_read_as_utf8_whatever_the_locale(tmp_path):
+    """The fleet file is UTF-8 (the error says so): a non-ASCII name is read under an ASCII locale too (Python
+    started without UTF-8 mode), not refused as 'not UTF-8'."""
+    import subprocess
+    import sys
+
+    f = tmp_path / "fleet.yaml"
+    f.write_text("name: café\n", encoding="utf-8")
+    code = f"from lineside.fleet.spec import load_fleet\ntry:\n    load_fleet({str(f)!r})\nexcept Exception as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], capture_output=True, text=True,
+                         env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}, check=True).stdout
+    assert "not UTF-8" not in out and "nodes is required" in out, out
