@@ -143,7 +143,7 @@ class OnnxRuntimeBackend:
         self._fast_version = 0  # the LoRA stack's layout the cached bindings point at
         # Graphs whose states all go in by value (the trt flavor): outputs bound once per step shape (_step_by_value).
         self._by_value_ready = self.lora is None and all(st.update != StateUpdate.INPLACE for st in self.states)
-        self._by_value: dict[tuple[int, int, int, int], tuple[Any, dict[str, np.ndarray]]] = {}
+        self._by_value: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray]]] = {}  # (rows, new, logits)
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row. On CPU a step's cost grows with its tokens: a step with k drafts
         # costs about 1 + 0.25·k one-token steps (SmolLM2 W4A16, 2 threads, level 4: 2 tokens 1.2x, 5 tokens
@@ -441,16 +441,17 @@ class OnnxRuntimeBackend:
     def _step_by_value(self, batch: StepBatch) -> np.ndarray:
         """A step of up to FAST_VERIFY_TOKENS new tokens per row (decode, verification) on adjacent slots of a graph
         whose states all go in by value and come out new (append, prefix, replace: the trt flavor), without taps or
-        adapters: its outputs are bound once per (first slot, rows, new tokens, logits) to buffers of their own, so a step binds only its inputs — the past entries copied out of
-        the arena (slices, no copy of whole slots) — and copies the new entries in. The generic path's per-step
+        adapters: its outputs are bound once per (rows, new tokens, logits) to buffers of their own, so a step
+        binds only its inputs — the past entries copied out of the arena (slices, no copy of whole slots) — and
+        copies the new entries in. The generic path's per-step
         output bindings and their OrtValues cost ~10 us per state (int4 KV: 150 states on SmolLM2)."""
         b, s = batch.input_ids.shape
         first, k = batch.slots[0], batch.logits_positions.shape[1]
-        bound = self._by_value.get((first, b, s, k))
+        bound = self._by_value.get((b, s, k))  # no bound shape depends on the first slot
         if bound is None:
             if len(self._by_value) >= 32:
                 self._by_value.clear()
-            bound = self._by_value[first, b, s, k] = self._bind_by_value(b, s, k)
+            bound = self._by_value[b, s, k] = self._bind_by_value(b, s, k)
         io, outs = bound
         past = batch.past_lengths.astype(np.int64)
         p_max = int(past.max())

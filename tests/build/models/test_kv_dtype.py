@@ -356,14 +356,20 @@ def test_by_value_binding_reused_across_past_lengths(kv_bundle, kv_dtype):
         be.forward(StepBatch.single(0, IDS[:5], 0))
         be.forward(StepBatch.single(1, IDS[:2], 0))
     kept = []
-    for i in range(12):  # one key, (slot 0, 2 rows, 1 token, 1 logit), at past lengths 5..16 and 2..13
+    for i in range(12):  # one key, (2 rows, 1 token, 1 logit), at past lengths 5..16 and 2..13
         step = StepBatch(slots=[0, 1], input_ids=np.array([[IDS[i]], [IDS[-1 - i]]]),
                          past_lengths=np.array([5 + i, 2 + i]), new_lengths=np.array([1, 1]),
                          logits_positions=np.zeros((2, 1), np.int64))
         got, want = fast.forward(step), plain.forward(step)
         assert np.array_equal(got, want), i
         kept.append((got, want.copy()))
-    assert (0, 2, 1, 1) in fast._by_value and len(fast._by_value) == 3  # the two prefills, then decode
+    assert (2, 1, 1) in fast._by_value and len(fast._by_value) == 3  # the two prefills, then decode
+    for slot, past in ((1, 14), (0, 17)):  # one row on either slot: one binding (no bound shape has the slot)
+        step = StepBatch.single(slot, [IDS[slot]], past)
+        got, want = fast.forward(step), plain.forward(step)
+        assert np.array_equal(got, want), slot
+        kept.append((got, want.copy()))
+    assert (1, 1, 1) in fast._by_value and len(fast._by_value) == 4
     assert all(np.array_equal(g, w) for g, w in kept)
     for name, arr in fast.arena.items():
         assert np.array_equal(arr, plain.arena[name]), name
