@@ -66,6 +66,9 @@ class BuildOptions:
             raise LinesideError(f"--method {self.method!r} is not one of rtn, awq, gptq")
         if self.method == "gptq" and self.quant != "w4a16":
             raise LinesideError(f"--method gptq writes INT4 weights; use it with --quant w4a16, not {self.quant}")
+        if self.method == "awq" and self.quant not in ("w4a16", "w8a16"):
+            raise LinesideError(f"--method awq scales weights for integer quantization; use it with --quant w4a16 or "
+                                f"w8a16, not {self.quant} (which keeps float weights)")
         bad = [f for f in self.flavors if f not in FLAVORS]
         if bad or not self.flavors:
             raise LinesideError(f"--flavors {','.join(self.flavors)!r}: choose from {', '.join(FLAVORS)}")

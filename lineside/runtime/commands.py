@@ -161,9 +161,11 @@ def chat(
             line = checks.utf8_text(input("you> "), "the chat line").strip()
         except EOFError:
             break
-        except UnicodeDecodeError:  # a strict UTF-8 stdin (the surrogateescape one gets to utf8_text)
-            raise LinesideError("the chat line is not valid UTF-8 text; send it in UTF-8 (the terminal's or "
-                                "file's encoding)") from None
+        except (LinesideError, UnicodeDecodeError):  # a strict UTF-8 stdin raises the latter
+            # one line, and the conversation goes on: a mistyped line must not lose what was said so far
+            print("error: the chat line is not valid UTF-8 text; type it again in UTF-8 (the terminal's or file's "
+                  "encoding)", file=sys.stderr)
+            continue
         if not line:
             break
         messages.append({"role": "user", "content": line})

@@ -104,6 +104,7 @@ DOES_NOTHING = [
     (["--quant", "fp16", "--lm-head-bits", "4"], "--quant w4a16"),
     (["--quant", "w8a16", "--lm-head-bits", "8"], "--quant w4a16"),
     (["--lora-targets", "q,v"], "--max-lora-rank"),
+    (["--quant", "fp16", "--method", "awq"], "w8a16"),  # AWQ scales weights for integer quantization only
 ]
 
 
@@ -111,7 +112,7 @@ DOES_NOTHING = [
 def test_options_that_would_do_nothing_are_refused(ckpt, tmp_path, extra, needle):
     (tmp_path / "calib.txt").write_text("some calibration text\n")
     argv = [str(tmp_path / "calib.txt") if a == "CALIB" else a for a in extra]
-    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets"))
+    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets", "--method"))
     root = Path(__file__).resolve().parents[2]
     for proc in (run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), *argv),
                  subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(tmp_path / "o"),
@@ -129,6 +130,7 @@ def test_options_used_in_their_combination_pass_validation(tmp_path):
     calib.write_text("some calibration text\n")
     for opts in (BuildOptions(), BuildOptions(quant="fp16"), BuildOptions(lm_head_bits=4),
                  BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
+                 BuildOptions(quant="w8a16", method="awq", calib=calib),
                  BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it
                  BuildOptions(max_lora_rank=8, lora_targets=parse_targets("q,v"))):
         opts.validate()
@@ -167,11 +169,13 @@ def test_text_that_is_not_utf8_is_one_line(bundle):
     bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
     assert_one_line_error(run_cli("generate", str(bundle), "--prompt", bad, fresh=True), "--prompt", "UTF-8")
     assert_one_line_error(run_cli("chat", str(bundle), "--system", bad, fresh=True), "--system", "UTF-8")
-    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], input=b"caf\xe9\n",
+    # a chat line: one line on stderr, and the chat goes on (the next line is answered; the conversation is kept)
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], input=b"caf\xe9\nhi\n\n",
                           capture_output=True, timeout=120)
-    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode(
-        errors="replace").split("empty line to quit", 1)[-1])  # after the greeting line
-    assert_one_line_error(proc, "UTF-8")
+    err = proc.stderr.decode(errors="replace").split("empty line to quit", 1)[-1].strip().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert len(err) == 1 and "UTF-8" in err[0] and "Traceback" not in proc.stderr.decode(errors="replace")
+    assert proc.stdout.decode(errors="replace").count("you> ") == 3  # asked again after the bad line, then after "hi"
 
 
 def test_logits_cli_writes_npy(bundle, tmp_path):
