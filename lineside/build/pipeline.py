@@ -135,6 +135,9 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         if opts.max_lora_rank and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--max-lora-rank: LoRA graphs are built for Llama and Qwen2 models, not "
                                 f"{cfg.architecture}; leave the option out")
+        if opts.lm_head_bits == 4 and cfg.architecture not in DENSE_FAMILIES:
+            raise LinesideError(f"--lm-head-bits 4: {cfg.architecture} keeps its LM head at 8 bits (only Llama and "
+                                "Qwen2 have the 4-bit choice); leave the option out")
         # Families with their own naming (V4: official or HF) return the source their graphs read.
         source = family.open_weights(cfg, ckpt, str(checkpoint))
         max_seq = int(opts.max_seq_len or min(cfg.max_position_embeddings, 4096))

@@ -104,3 +104,13 @@ def test_unknown_flavor(v4, tmp_path):
     finally:
         ck.close()
     _one_line(e, "flavor 'gpu'")
+
+
+def test_a_4bit_head_it_would_not_build_is_refused(v4, tmp_path):
+    """DeepSeek-V4's graphs keep the LM head at 8 bits: --lm-head-bits 4 is refused in one line, not dropped."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    with pytest.raises(LinesideError) as e:
+        build_bundle(v4.hf_dir("a"), tmp_path / "o", BuildOptions(quant="w4a16", group_size=64, lm_head_bits=4))
+    _one_line(e, "--lm-head-bits 4", "8 bits")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
