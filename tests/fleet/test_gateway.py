@@ -330,7 +330,10 @@ def test_sigkill_under_load_loses_nothing_not_started_and_the_breaker_opens_and_
     assert lost_unstarted == [], lost_unstarted[:3]
     _until(lambda: _metric(_metrics(mport), "smg_worker_cb_state", worker=gone) == 1 or
            _metric(_metrics(mport), "smg_worker_health", worker=gone) == 0, 30, f"{victim} marked down")
-    assert opened >= 1 or _metric(_metrics(mport), "smg_worker_cb_state", worker=gone) == 1
+    # Down by its breaker (a request failed on it) or by SMG's 1 s health check alone (it noticed before any request
+    # was routed there: then no request fails, and the breaker has nothing to open on) — either way, marked down.
+    by_breaker = opened >= 1 or _metric(_metrics(mport), "smg_worker_cb_state", worker=gone) == 1
+    assert by_breaker or _metric(_metrics(mport), "smg_worker_health", worker=gone) == 0
 
     procs[victim].start()  # back on the same port
     _until(lambda: (_metric(_metrics(mport), "smg_worker_health", worker=gone) or 0) == 1, 60, f"{victim} healthy again")
@@ -341,8 +344,9 @@ def test_sigkill_under_load_loses_nothing_not_started_and_the_breaker_opens_and_
            f"traffic reaching {victim} again")
     _until(lambda: (_metric(_metrics(mport), "smg_worker_cb_state", worker=gone) or 0) == 0, 30, "breaker closed")
     closed = _metric(_metrics(mport), "smg_worker_cb_transitions_total", worker=gone, to="closed") or 0
-    print(f"breaker closed again ({closed:g} transition(s) to closed)")
-    assert closed >= 1
+    print(f"breaker closed again ({closed:g} transition(s) to closed)" if by_breaker else
+          "marked down by the health check alone (no request failed on it), routable again")
+    assert closed >= 1 or not by_breaker
 
 
 def test_fleet_status_table_and_json(cluster):
