@@ -142,7 +142,10 @@ def test_an_extra_eos_id_outside_the_vocabulary_is_harmless(ckpt, tmp_path):
     gen = json.loads((d / "generation_config.json").read_text())
     gen["eos_token_id"] = [2, 300]
     (d / "generation_config.json").write_text(json.dumps(gen))
-    build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    out = build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    from lineside.bundle import open_bundle
+
+    assert open_bundle(out).config.eos_token_ids == [2, 300]  # kept as given: 2 still ends an answer
 
 
 def test_missing_kv_heads_key_is_caught_by_shapes(ckpt, tmp_path):

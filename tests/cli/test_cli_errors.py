@@ -124,16 +124,26 @@ def test_options_that_would_do_nothing_are_refused(ckpt, tmp_path, extra, needle
 def test_options_used_in_their_combination_pass_validation(tmp_path):
     """The defaults, and each option where it does something, are not refused."""
     from lineside.build.pipeline import BuildOptions
-    from lineside.lora import parse_targets
+    from lineside.errors import LinesideError
+    from lineside.lora import ALL_TARGETS, parse_targets
 
     calib = tmp_path / "calib.txt"
     calib.write_text("some calibration text\n")
-    for opts in (BuildOptions(), BuildOptions(quant="fp16"), BuildOptions(lm_head_bits=4),
-                 BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
-                 BuildOptions(quant="w8a16", method="awq", calib=calib),
-                 BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it
-                 BuildOptions(max_lora_rank=8, lora_targets=parse_targets("q,v"))):
-        opts.validate()
+    accepted = (BuildOptions(), BuildOptions(quant="fp16"), BuildOptions(lm_head_bits=4),
+                BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
+                BuildOptions(quant="w8a16", method="awq", calib=calib),
+                BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it
+                BuildOptions(max_lora_rank=8, lora_targets=parse_targets("q,v")))
+    refused = []
+    for opts in accepted:
+        try:
+            opts.validate()
+        except LinesideError as e:
+            refused.append(f"{opts}: {e}")
+    assert refused == []
+    # unset options resolve to their defaults where the build reads them; a given one is kept
+    assert BuildOptions().lm_head_bits is None and BuildOptions().targets == ALL_TARGETS
+    assert accepted[-1].targets == parse_targets("q,v") != ALL_TARGETS
 
 
 def test_output_exists_not_overwritten(ckpt, bundle):
