@@ -374,10 +374,7 @@ class OnnxRuntimeBackend:
                 self._bind(io, st.input, view, output=False)
                 self._bind(io, st.output, view, output=True)
             elif st.update == StateUpdate.APPEND:
-                # only the first p_max entries of each row are copied (a[slots] first copied the whole max_seq)
-                idx: list[Any] = [slice(None)] * a.ndim
-                idx[0], idx[st.seq_axis] = rows, slice(0, p_max)
-                self._bind(io, st.input, np.ascontiguousarray(a[tuple(idx)]), output=False)
+                self._bind(io, st.input, self._past(st, rows, p_max), output=False)
                 self._bind_new(io, st.output)
             else:  # fixed-shape: replace, prefix (the output is a new buffer, so the input may be the arena's view)
                 self._bind(io, st.input, a[rows] if contiguous else np.ascontiguousarray(a[slots]), output=False)
@@ -422,6 +419,14 @@ class OnnxRuntimeBackend:
             feeds[name] = np.ascontiguousarray(arr, dtype=np.float32)
         return {name: arr for name, arr in feeds.items() if name in self.input_names}
 
+    def _past(self, st: Any, rows: slice | list[int], p_max: int) -> np.ndarray:
+        """An append state's first ``p_max`` entries of the step's rows, contiguous: only those are copied
+        (``a[slots]`` first would copy each row's whole max_seq)."""
+        a = self.arena[st.input]
+        idx: list[Any] = [slice(None)] * a.ndim
+        idx[0], idx[st.seq_axis] = rows, slice(0, p_max)
+        return np.ascontiguousarray(a[tuple(idx)])
+
     def _store_states(self, batch: StepBatch, new: dict[str, np.ndarray], rows: slice | list[int]) -> None:
         """Write a step's state outputs (by output name) into the arena: append states' new entries at each row's
         past length, fixed-shape ones whole."""
@@ -443,8 +448,8 @@ class OnnxRuntimeBackend:
         whose states all go in by value and come out new (append, prefix, replace: the trt flavor), without taps or
         adapters: its outputs are bound once per (rows, new tokens, logits) to buffers of their own, so a step
         binds only its inputs — the past entries copied out of the arena (slices, no copy of whole slots) — and
-        copies the new entries in. The generic path's per-step
-        output bindings and their OrtValues cost ~10 us per state (int4 KV: 150 states on SmolLM2)."""
+        copies the new entries in. The generic path's per-step output bindings and their OrtValues cost ~10 us per
+        state (int4 KV: 150 states on SmolLM2)."""
         b, s = batch.input_ids.shape
         first, k = batch.slots[0], batch.logits_positions.shape[1]
         bound = self._by_value.get((b, s, k))  # no bound shape depends on the first slot
@@ -457,14 +462,8 @@ class OnnxRuntimeBackend:
         p_max = int(past.max())
         inputs = self._feeds(batch, past, p_max)
         rows = slice(first, first + b)
-        for st in self.states:
-            a = self.arena[st.input]
-            if st.update == StateUpdate.APPEND:
-                idx: list[Any] = [slice(None)] * a.ndim
-                idx[0], idx[st.seq_axis] = rows, slice(0, p_max)
-                inputs[st.input] = np.ascontiguousarray(a[tuple(idx)])
-            else:  # the arena's own rows: the output is another buffer
-                inputs[st.input] = a[rows]
+        for st in self.states:  # fixed-shape states: the arena's own rows (the output is another buffer)
+            inputs[st.input] = self._past(st, rows, p_max) if st.update == StateUpdate.APPEND else self.arena[st.input][rows]
         # Bound by pointer, held by ``inputs`` until the run is over, then unbound: bind_cpu_input would keep this
         # step's copies of the past alive in the cached binding until its next step (up to 32 of them).
         for name, arr in inputs.items():

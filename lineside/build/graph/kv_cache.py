@@ -104,18 +104,23 @@ def _spread(fmt: KvFormat, head_dim: int, which: int) -> np.ndarray:
     return m
 
 
+def _unpacked(g: GraphBuilder, b: str, fmt: KvFormat, *, axis: int) -> str:
+    """Stored bytes as float grid values: int4's two nibbles per byte split along ``axis`` (low ones first), the
+    format's offset taken off."""
+    if fmt.pack == 2:
+        hi = g.op("Floor", [g.op("Mul", [b, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
+        lo = g.op("Sub", [b, g.op("Mul", [hi, _f(g, 16.0)])])
+        b = g.op("Concat", [lo, hi], axis=axis)
+    return g.op("Sub", [b, _f(g, fmt.offset)]) if fmt.offset else b
+
+
 def _dequantize(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, rank: int, head_dim: int) -> str:
     """stored bytes b (float32 [..., d/pack]) and their fp16 scale state -> float32 entries [..., d].
 
     Grouped scales are spread to every channel by a MatMul with a 0/1 matrix (``_spread``) before one same-shape
     Mul (and Add): onnxruntime's CPU Mul/Add broadcasting a scale over its 16 channels run one short span per group
     (SmolLM2, 6 heads x 124 entries: 78 us against 37 us for the MatMuls, Mul and Add, the same floats)."""
-    if fmt.pack == 2:
-        hi = g.op("Floor", [g.op("Mul", [b, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
-        lo = g.op("Sub", [b, g.op("Mul", [hi, _f(g, 16.0)])])
-        b = g.op("Concat", [lo, hi], axis=-1)
-    if fmt.offset:
-        b = g.op("Sub", [b, _f(g, fmt.offset)])
+    b = _unpacked(g, b, fmt, axis=-1)
     sc = g.op("Cast", [scales], to=F32)
     if fmt.scale_dim(head_dim) > 1:  # one number per channel from the group's: [..., d]
         s = g.op("MatMul", [sc, g.const(_spread(fmt, head_dim, 0), np.float32)])
@@ -149,13 +154,7 @@ def _dequantize_kt(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, head_
     dequantized entries transposed, [B, H, d, T] (K as q·kᵀ reads it): the same floats as ``_dequantize`` then a
     Transpose, but the bytes are transposed instead (int4: half the size of the values), and with T last a scale
     broadcasts along T (one span per channel row, not one per token and group)."""
-    bt = g.op("Transpose", [b], perm=[0, 1, 3, 2])  # [B, H, d/pack, T]
-    if fmt.pack == 2:
-        hi = g.op("Floor", [g.op("Mul", [bt, _f(g, 1.0 / 16.0)])])  # b/16 exact: a power of two
-        lo = g.op("Sub", [bt, g.op("Mul", [hi, _f(g, 16.0)])])
-        bt = g.op("Concat", [lo, hi], axis=2)  # [B, H, d, T]
-    if fmt.offset:
-        bt = g.op("Sub", [bt, _f(g, fmt.offset)])
+    bt = _unpacked(g, g.op("Transpose", [b], perm=[0, 1, 3, 2]), fmt, axis=2)  # [B, H, d/pack, T] -> [B, H, d, T]
     n = fmt.scale_dim(head_dim)
     sc = g.op("Cast", [scales], to=F32)
     if n == 1 and not fmt.zero:  # one scale per vector: a [T, 1] column is a [1, T] row by a Reshape
