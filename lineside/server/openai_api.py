@@ -201,7 +201,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                            prompt_tokens=len(ids))
     choice = Choice(0, handle, record)
     builder = responses_api.ResponseBuilder(body, adapter or state.model_name, request_id, store=state.responses,
-                                            conversation=[*(previous.conversation if previous else ()), *turn])
+                                            conversation=responses_api.conversation(turn, previous))
     if body.stream:
         return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
     gone = await responses.collect(request, state, [choice])

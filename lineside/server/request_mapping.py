@@ -23,6 +23,7 @@ from lineside.runtime.request import (
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
+from lineside.server.constraints import request_constraint
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -79,9 +80,7 @@ def _min_tokens_moot(req: ChatCompletionRequest | CompletionRequest) -> bool:
     n = req.min_tokens
     cap = getattr(req, "max_completion_tokens", None) or req.max_tokens
     return (type(n) is int and n >= 0 and bool(req.ignore_eos) and not req.stop and not req.stop_token_ids
-            and (cap is None or n <= cap) and getattr(req, "response_format", None) is None
-            and all(getattr(req, f) is None for f in ("guided_json", "guided_regex", "guided_choice",
-                                                      "guided_grammar")))
+            and (cap is None or n <= cap) and request_constraint(req) is None)
 
 
 def check_chat(req: ChatCompletionRequest) -> None:

@@ -109,11 +109,16 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
+def conversation(turn: list[dict[str, Any]], previous: StoredResponse | None) -> list[dict[str, Any]]:
+    """The kept conversation this turn continues, then its input (what the turn's own kept response starts with)."""
+    return [*(previous.conversation if previous is not None else ()), *turn]
+
+
 def messages(req: ResponsesRequest, turn: list[dict[str, Any]],
              previous: StoredResponse | None = None) -> list[dict[str, Any]]:
-    """What the model reads: this request's ``instructions``, the kept conversation it continues, its input."""
+    """What the model reads: this request's ``instructions``, then the conversation."""
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    return [*head, *(previous.conversation if previous is not None else ()), *turn]
+    return [*head, *conversation(turn, previous)]
 
 
 def previous_response(req: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:
