@@ -187,6 +187,13 @@ def profile_session(be: OnnxRuntimeBackend, threads: int) -> None:
     be._fast.clear()  # the cached decode bindings belong to the old session
 
 
+def step_kernels(trace: list[dict], steps: int) -> tuple[list[dict], list[dict]]:
+    """An onnxruntime profile's last ``steps`` runs and the kernel events from the first of them on."""
+    runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"][-steps:]
+    t0 = runs[0]["ts"]
+    return runs, [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= t0]
+
+
 def op_label(op: str, node: str) -> str:
     """The op type, with the LM head apart from the other MatMulNBits and the GGUF Q4_1 carry's nodes (block
     sums, block offsets or residuals and the cast of a float16 residual, the Add) apart from the others."""
@@ -221,11 +228,7 @@ def count_ops(bundle: Path, threads: int, batch: int) -> None:
         be.forward(StepBatch(slots=list(range(batch)), input_ids=np.ones((batch, 1), np.int64),
                              past_lengths=np.full(batch, 16 + i, np.int64), new_lengths=np.ones(batch, np.int64),
                              logits_positions=np.zeros((batch, 1), np.int64)))
-    trace = json.loads(Path(be.session.end_profiling()).read_text())
-    runs = [e for e in trace if e.get("name") == "model_run"]
-    last = runs[-steps:]
-    t0 = last[0]["ts"]
-    nodes = [e for e in trace if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= t0]
+    last, nodes = step_kernels(json.loads(Path(be.session.end_profiling()).read_text()), steps)
     by_op: dict[str, list[float]] = {}
     for e in nodes:
         by_op.setdefault(op_label(e["args"]["op_name"], e["name"]), []).append(e["dur"])

@@ -273,6 +273,9 @@ def profile_table(bundles: dict[str, Path], prompt: list[int], a: argparse.Names
     from lineside.bundle import open_bundle
     from lineside.runtime.backend import StepBatch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_per_token import step_kernels
+
     real_open = ob.open_session
     stats: dict[str, tuple[dict[str, float], dict[str, int]]] = {}
     with tempfile.TemporaryDirectory() as td:
@@ -297,14 +300,11 @@ def profile_table(bundles: dict[str, Path], prompt: list[int], a: argparse.Names
             for be in backends.values():
                 be.forward(StepBatch.single(0, [5 + i], len(prompt) + i))
         for kv, be in backends.items():
-            events = json.loads(Path(be.session.end_profiling()).read_text())
-            runs = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-a.tokens:]
             per_node: dict[str, list[float]] = collections.defaultdict(list)
             op_of: dict[str, str] = {}
-            for e in events:
-                if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= runs[0]["ts"]:
-                    per_node[e["name"]].append(e["dur"])
-                    op_of[e["name"]] = e["args"].get("op_name", "?")
+            for e in step_kernels(json.loads(Path(be.session.end_profiling()).read_text()), a.tokens)[1]:
+                per_node[e["name"]].append(e["dur"])
+                op_of[e["name"]] = e["args"].get("op_name", "?")
             us: dict[str, float] = collections.Counter()
             count: dict[str, int] = collections.Counter()
             for name, durs in per_node.items():
