@@ -171,7 +171,7 @@ class Sampler:
         """``allowed`` (None: every token) less the held stop tokens; a grammar that allows nothing else keeps
         them (it is complete: vLLM lets the grammar end the answer)."""
         mask = np.ones(vocab, dtype=bool) if allowed is None else np.array(allowed[:vocab], dtype=bool)
-        ids = [t for t in self._held if t < vocab]
+        ids = [t for t in self._held if 0 <= t < vocab]
         held = mask[ids].copy()
         mask[ids] = False
         if allowed is not None and not mask.any():

@@ -73,6 +73,9 @@ def test_min_tokens_masks_the_stop_tokens_until_enough_are_generated(logprobs):
         assert [t for t, _ in pick[0].logprob.top] == [4, 1] and [t for t, _ in pick[2].logprob.top] == [2, 3]
     assert Sampler(SamplingParams(), stop_ids={2, 3}).step(EOS_FIRST, [9], 1).token == 2  # min_tokens 0: no mask
     assert Sampler(SamplingParams(min_tokens=5)).step(EOS_FIRST, [9], 1).token == 2  # nothing to hold back
+    # ids outside the vocabulary (an EOS id past it, a negative one) hold nothing back
+    last_first = np.array([0.0, 1.0, 2.0, 3.0, 9.0], dtype=np.float32)
+    assert Sampler(SamplingParams(min_tokens=5), stop_ids={-1, 7}).step(last_first, [9], 1, logprobs=0).token == 4
 
 
 def test_min_tokens_holds_sampled_tokens_and_the_distribution_back():
