@@ -218,7 +218,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         model_name=cfg.name,
         source={"path": str(checkpoint), "format": "gguf" if _is_gguf(checkpoint) else "hf"},
         quantization=_quant_record(spec, carried, cfg, plan, gplan,
-                                   carried_grid=_carried_grid(family, cfg, source, carried, opts.flavors)),
+                                   carried_grid=_carried_grid(family, cfg, source, carried, opts.flavors),
+                                   linears=None if source is not None else len(_linears(family, cfg))),
         flavors=flavors,
         max_seq_len=max_seq,
         config="config.json",
@@ -303,13 +304,19 @@ def _carried_grid(family: ModelFamily, cfg: ModelConfig, source: WeightSource | 
     when some linear was quantized here (or a trt flavor, which always re-quantizes, was built)."""
     if "trt" in flavors or source is not None:
         return None
-    linears = [n for n in family.required_tensors(cfg) if n.endswith("proj.weight")]
+    linears = _linears(family, cfg)
     kinds = {carried.get(n) for n in linears}
     return kinds.pop() if linears and len(kinds) == 1 and kinds <= {"Q4_0", "Q4_1"} else None
 
 
+def _linears(family: ModelFamily, cfg: ModelConfig) -> list[str]:
+    """The linear layers' weights (what --quant quantizes, or a GGUF block type is carried for)."""
+    return [n for n in family.required_tensors(cfg) if n.endswith("proj.weight")]
+
+
 def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, plan: AwqPlan | None = None,
-                  gplan: GptqPlan | None = None, carried_grid: str | None = None) -> dict[str, Any]:
+                  gplan: GptqPlan | None = None, carried_grid: str | None = None,
+                  linears: int | None = None) -> dict[str, Any]:
     from lineside.build.quant.kv import kv_record, parse_kv_dtype
     from lineside.build.quant.size import kept_high_precision_note
 
@@ -319,6 +326,7 @@ def _quant_record(spec: QuantSpec, carried: dict[str, str], cfg: ModelConfig, pl
         "scheme": spec.scheme, "group_size": GGML_BLOCK if carried_grid else spec.group_size, "method": spec.method,
         "accuracy_level": spec.accuracy_level, "lm_head_bits": spec.lm_head_bits if spec.scheme == "w4a16" else None,
         "carried_from_source": dict(sorted(carried.items())),
+        **({"linears": linears} if linears is not None else {}),  # of which carried_from_source lists the carried
         "kept_high_precision": kept,
         "kv_cache": kv_record(parse_kv_dtype(spec.kv_dtype), cfg.head_dim),
         "symmetric": carried_grid != "Q4_1", "zero_point": 0,
@@ -341,7 +349,25 @@ def _model_name(checkpoint: str | Path, hf_config: dict[str, Any]) -> str:
 
 
 def describe(bundle_dir: Path) -> str:
+    """The build's summary line: architecture, the weights it holds, flavors, size."""
     m = read_manifest(bundle_dir)
     size = sum(f.size for f in m.files.values())
-    scheme = (m.quantization or {}).get("scheme")
-    return f"{m.architecture} {scheme} flavors={','.join(m.flavors)} {size / 1e6:.1f} MB"
+    return f"{m.architecture} {weights_built(m.quantization or {}, tuple(m.flavors))} " \
+           f"flavors={','.join(m.flavors)} {size / 1e6:.1f} MB"
+
+
+def weights_built(quant: dict[str, Any], flavors: tuple[str, ...]) -> str:
+    """The scheme asked for, unless the cpu graph carried GGUF Q8_0 linears as they are: those are 8-bit (a Q8_0
+    GGUF built with --quant w4a16 is 8-bit throughout), and the line says so rather than the scheme."""
+    scheme = str(quant.get("scheme"))
+    carried = quant.get("carried_from_source") or {}
+    n8 = sum(1 for n, t in carried.items() if str(n).endswith("proj.weight") and t == "Q8_0")
+    if not n8:
+        return scheme
+    total = quant.get("linears")
+    if n8 == total:
+        cpu = f"w8a16 (every linear carried at 8 bits from GGUF Q8_0, not re-quantized to {scheme})"
+    else:
+        cpu = f"{scheme} + 8-bit ({f'{n8} of {total}' if total else n8} linears carried at 8 bits from GGUF Q8_0)"
+    others = [f for f in flavors if f != "cpu"]
+    return cpu if not others else f"{scheme} ({','.join(others)}), cpu graph {cpu}"

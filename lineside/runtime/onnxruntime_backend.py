@@ -19,6 +19,7 @@ from lineside.errors import LinesideError
 from lineside.graph_io import PACKED_INT4, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
@@ -90,6 +91,8 @@ class OnnxRuntimeBackend:
             self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora)
         self.num_slots = int(num_slots)
         self.max_seq_len = int(min(max_seq_len or bundle.max_seq_len, bundle.max_seq_len))
+        # a max_seq_len raised by hand past the graph's rotary tables: refused here, not by a long request's step
+        check_rope_positions(bundle.file(graph), graph, self.max_seq_len, bundle.config.context_limit)
         self.vocab_size = bundle.config.vocab_size
         self.quantization = bundle.manifest.quantization  # names a quantized KV dtype (kv_arena_bytes)
         n_threads = int(threads or default_threads())

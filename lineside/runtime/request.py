@@ -112,6 +112,8 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
     check_prompt_ids(req.prompt_ids, vocab_size, max_seq_len)
     if req.max_tokens < 1:
         raise LinesideError(f"max_tokens must be ≥ 1, got {req.max_tokens}")
+    if req.sampling.min_tokens > req.max_tokens:
+        raise LinesideError(f"min_tokens ({req.sampling.min_tokens}) must be ≤ max_tokens ({req.max_tokens})")
     if req.timeout_s is not None and req.timeout_s <= 0:
         raise LinesideError(f"timeout must be > 0 seconds, got {req.timeout_s}")
     if any(not isinstance(s, str) or not s for s in req.stop):

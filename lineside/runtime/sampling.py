@@ -3,13 +3,20 @@
 Applied on one row of float32 logits in numpy; the order follows vLLM / transformers
 (penalties → grammar mask → temperature → top-k → top-p → min-p), so the same seed gives the same text.
 
-Logprobs are the log-softmax of the logits the sampler used *after penalties and the grammar mask,
-before temperature, top-k/p and min-p* (vLLM's ``processed_logprobs`` minus its temperature step):
-with no penalty and no constraint they are the model's own log-probabilities.
+vLLM's ``min_tokens``: while fewer than that many tokens have been generated (``history[prompt_len:]``, so a
+verifying position counts the drafts before it), the stop tokens the sampler was given (EOS, ignore_eos or not,
+and the request's stop_token_ids: vLLM's ``all_stop_token_ids``) are masked with the grammar mask. Where a
+grammar allows nothing but stop tokens (it is complete), the grammar wins and they stay allowed, as vLLM does
+since its PR #54218 (before it, the empty mask sampled token 0 and the grammar failed the request).
+
+Logprobs are the log-softmax of the logits the sampler used *after penalties and the masks (grammar,
+min_tokens), before temperature, top-k/p and min-p* (vLLM's ``processed_logprobs`` minus its temperature
+step): with no penalty and no constraint they are the model's own log-probabilities.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +34,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    min_tokens: int = 0  # vLLM's: stop tokens masked (and stop strings not matched) until this many are generated
 
     def validate(self) -> None:
         if not (self.temperature >= 0):
@@ -39,6 +47,8 @@ class SamplingParams:
             raise LinesideError(f"top_k must be ≥ 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise LinesideError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise LinesideError(f"min_tokens must be ≥ 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -92,10 +102,13 @@ def token_logprob(x: np.ndarray, token: int, top_n: int) -> TokenLogprob:
 class Sampler:
     """Per-request sampler: owns the request's random generator so a seed reproduces the output."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, stop_ids: Iterable[int] = ()):
+        """``stop_ids``: the tokens ``min_tokens`` holds back (unused when it is 0)."""
         params.validate()
         self.p = params
         self.rng = np.random.default_rng(params.seed)
+        self._held = sorted({int(t) for t in stop_ids}) if params.min_tokens else []
+        self._held_set = frozenset(self._held)
         # Greedy with no penalty: the argmax of the raw row, without the float64 copy (~4% of a decode step)
         self._plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not (
             params.presence_penalty or params.frequency_penalty)
@@ -109,10 +122,13 @@ class Sampler:
              allowed: np.ndarray | None = None, logprobs: int | None = None) -> SampleResult:
         """One token. ``allowed``: bool ``[vocab]`` from a grammar (None: every token); ``logprobs``: None for
         none, else how many top alternatives to report besides the chosen token's own logprob."""
+        holding = self._holding(history, prompt_len)
         if self._plain_greedy and allowed is None and logprobs is None:
             tok = int(np.argmax(logits))  # float32 argmax = float64 argmax; it lands on a NaN if there is one
-            if not np.isnan(logits[tok]):
+            if not np.isnan(logits[tok]) and not (holding and tok in self._held_set):
                 return SampleResult(tok)
+        if holding:
+            allowed = self._min_tokens_mask(allowed, logits.shape[-1])
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             x = self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed)
             tok = self._sample(x, logits, allowed)
@@ -122,6 +138,8 @@ class Sampler:
                 allowed: np.ndarray | None = None, top_n: int = 0) -> TokenLogprob:
         """What ``step`` reports for ``token`` at this position (speculative verification emits tokens it did
         not sample here, and reports them as plain decoding would)."""
+        if self._holding(history, prompt_len):
+            allowed = self._min_tokens_mask(allowed, logits.shape[-1])
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             return token_logprob(self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed),
                                  token, top_n)
@@ -130,6 +148,8 @@ class Sampler:
                      allowed: np.ndarray | None = None) -> int | np.ndarray:
         """What ``step`` samples from: the token itself when the choice is deterministic (greedy), else the
         float64 probabilities over the vocabulary (speculative verification needs them, speculative/verify.py)."""
+        if self._holding(history, prompt_len):
+            allowed = self._min_tokens_mask(allowed, logits.shape[-1])
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             x = self._processed(np.asarray(logits, dtype=np.float64), history, prompt_len, allowed)
             return self._distribution(x, logits, allowed)
@@ -142,6 +162,21 @@ class Sampler:
         if isinstance(d, int):
             return d, None
         return int(self.rng.choice(d.shape[0], p=d)), d
+
+    def _holding(self, history: list[int] | None, prompt_len: int) -> bool:
+        """Whether min_tokens still holds the stop tokens back at the position after ``history``."""
+        return bool(self._held) and (len(history) - prompt_len if history else 0) < self.p.min_tokens
+
+    def _min_tokens_mask(self, allowed: np.ndarray | None, vocab: int) -> np.ndarray:
+        """``allowed`` (None: every token) less the held stop tokens; a grammar that allows nothing else keeps
+        them (it is complete: vLLM lets the grammar end the answer)."""
+        mask = np.ones(vocab, dtype=bool) if allowed is None else np.array(allowed[:vocab], dtype=bool)
+        ids = [t for t in self._held if 0 <= t < vocab]
+        held = mask[ids].copy()
+        mask[ids] = False
+        if allowed is not None and not mask.any():
+            mask[ids] = held
+        return mask
 
     def _processed(self, x: np.ndarray, history: list[int] | None, prompt_len: int,
                    allowed: np.ndarray | None) -> np.ndarray:

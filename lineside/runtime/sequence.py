@@ -37,10 +37,12 @@ class Sequence:
         self.generated: list[int] = []
         self.tokens = list(self.prompt)  # prompt + generated: the penalty history
         self.max_tokens = min(req.max_tokens, max_seq_len - len(self.prompt))
-        self.sampler = Sampler(req.sampling)
+        # min_tokens holds back EOS even with ignore_eos (vLLM's all_stop_token_ids), and the stop token ids
+        self.sampler = Sampler(req.sampling, stop_ids=set(req.stop_token_ids) | set(eos_ids))
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stopper = StopMatcher(req.stop)
         self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_ids))
+        self.min_tokens = req.sampling.min_tokens
         self.rank = base_rank(req)
         self.arrival = handle.metrics.arrival
         self.status = SequenceStatus.WAITING
@@ -93,7 +95,10 @@ class Sequence:
 
     def on_token(self, tok: int, now: float, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``
-        when it ends the request). A grammar that is complete after this token ends the request too."""
+        when it ends the request). A grammar that is complete after this token ends the request too.
+
+        Within the first ``min_tokens`` tokens neither stop tokens (the sampler masks them) nor stop strings end
+        the request; a grammar does (the sampler lets a complete grammar's stop token through, as vLLM does)."""
         m = self.handle.metrics
         if m.first_token is None:
             m.first_token = now
@@ -104,9 +109,10 @@ class Sequence:
         if self.matcher is not None and not self.matcher.accept(tok):  # the mask allows only what it accepts
             return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: "
                                f"{self.matcher.error}")
-        if tok in self.stop_ids:
+        past_min = len(self.generated) > self.min_tokens
+        if tok in self.stop_ids and (past_min or self.matcher is not None):
             return self._event(self._flush(), [], FinishReason.STOP)
-        text = self.stopper.feed(self.detok.add(tok))
+        text = self.stopper.feed(self.detok.add(tok), armed=past_min)
         if self.stopper.stopped:
             return self._event(text, [tok], FinishReason.STOP, logprob=logprob)
         if self.matcher is not None and self.matcher.finished:

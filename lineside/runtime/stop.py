@@ -2,6 +2,10 @@
 
 Text that could still be the start of a stop string is held back until the next token decides
 it; once a stop string appears, everything from it on is dropped (OpenAI semantics).
+
+Text fed unarmed (vLLM's ``min_tokens``: the first min_tokens tokens' text) cannot end a stop string: only a
+stop string that ends in armed text stops, though it may begin in the unarmed text before it (as vLLM's
+detokenizer checks only the text after min_tokens, looking back a stop string's length).
 """
 
 from __future__ import annotations
@@ -13,27 +17,32 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.unarmed = 0  # how many of ``held``'s first characters were fed unarmed
         self.stopped = False
 
-    def feed(self, text: str) -> str:
-        """Text safe to emit now; sets ``stopped`` when a stop string completed (the rest is discarded)."""
+    def feed(self, text: str, armed: bool = True) -> str:
+        """Text safe to emit now; sets ``stopped`` when a stop string completed (the rest is discarded).
+        ``armed`` False: no stop string may end in ``text``."""
         if self.stopped:
             return ""
         if not self.stops:
             return text
         buf = self.held + text
-        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        floor = len(buf) if not armed else self.unarmed  # a hit must end past this many characters
+        hits = (buf.find(s, max(0, floor - len(s) + 1)) for s in self.stops)
+        hit = min((i for i in hits if i >= 0), default=-1)
         if hit >= 0:
             self.stopped = True
-            self.held = ""
+            self.held, self.unarmed = "", 0
             return buf[:hit]
         keep = self._partial_suffix(buf)
         self.held = buf[len(buf) - keep:] if keep else ""
+        self.unarmed = max(0, floor - (len(buf) - keep))
         return buf[:len(buf) - keep]
 
     def flush(self) -> str:
         """At the end of generation (no stop hit): the held-back text is output after all."""
-        out, self.held = ("" if self.stopped else self.held), ""
+        out, self.held, self.unarmed = ("" if self.stopped else self.held), "", 0
         return out
 
     def _partial_suffix(self, buf: str) -> int:

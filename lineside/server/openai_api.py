@@ -243,6 +243,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     try:
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
+        request_mapping.check_min_tokens(body, budgets)
         n = request_mapping.choices_per_prompt(body, len(prompts))
         session = request_mapping.session_id(body, request.headers)
     except APIError:

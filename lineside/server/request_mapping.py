@@ -23,7 +23,6 @@ from lineside.runtime.request import (
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
-from lineside.server.constraints import request_constraint
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -53,7 +52,7 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 
 # vLLM's extras this server does not do, with the value that means "off" (what clients send by default)
-VLLM_UNSUPPORTED = {"min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [], "allowed_token_ids": [],
+VLLM_UNSUPPORTED = {"include_stop_str_in_output": False, "bad_words": [], "allowed_token_ids": [],
                     "truncate_prompt_tokens": None, "use_beam_search": False, "prompt_logprobs": None,
                     "skip_special_tokens": True, "logits_processors": []}
 
@@ -67,20 +66,23 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
-        if name == "min_tokens" and _min_tokens_moot(req):
-            continue
         if value is not None and not (value == off and type(value) is type(off)):
             raise bad(f"{name}={value!r} is not supported by this server; remove it", name, "unsupported_value")
 
 
-def _min_tokens_moot(req: ChatCompletionRequest | CompletionRequest) -> bool:
-    """vLLM's min_tokens holds back EOS, stop strings and stop_token_ids: with ignore_eos, none of those and no
-    grammar, the answer ends only at max_tokens (or the context), so any min_tokens up to max_tokens changes
-    nothing. Benchmark clients send it so (min_tokens = max_tokens, ignore_eos: true) to fix the output length."""
-    n = req.min_tokens
-    cap = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    return (type(n) is int and n >= 0 and bool(req.ignore_eos) and not req.stop and not req.stop_token_ids
-            and (cap is None or n <= cap) and request_constraint(req) is None)
+def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, budgets: list[int]) -> None:
+    """vLLM's min_tokens may not exceed max_tokens: the one asked for, else what each prompt leaves of the context
+    (its default max_tokens, as vLLM's)."""
+    n = req.min_tokens or 0
+    requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if requested is not None and n > requested:
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        raise bad(f"min_tokens ({n}) is more than {param} ({requested}); lower min_tokens to at most {requested}",
+                  "min_tokens")
+    if budgets and n > min(budgets):
+        raise bad(f"min_tokens ({n}) is more than the {min(budgets)} tokens this request may generate (max_tokens "
+                  "not given: its default, at most what the context leaves after the prompt); lower min_tokens or "
+                  "send max_tokens", "min_tokens")
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
@@ -186,6 +188,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
+        min_tokens=req.min_tokens or 0,
     )
 
 

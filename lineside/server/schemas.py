@@ -74,9 +74,11 @@ class _Sampling(BaseModel):
                                                       "and stop strings still end the answer)")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="vLLM's: token ids that end the answer as EOS does (their text left out)")
+    min_tokens: int | None = Field(None, ge=0, le=_INT32, description="vLLM's: EOS and stop_token_ids are masked "
+                                   "and stop strings do not match until this many tokens are generated (at most "
+                                   "max_tokens; a complete structured output still ends the answer)")
     # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
     # (request_mapping.check_common) rather than dropped with the unknown fields; at their defaults they pass
-    min_tokens: Any = None
     include_stop_str_in_output: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None

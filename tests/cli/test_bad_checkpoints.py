@@ -136,6 +136,39 @@ def test_chat_template_that_is_not_text_is_refused(ckpt, tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
+def _template_json(ckpt, d, value):
+    """The checkpoint with its template moved out of tokenizer_config.json into chat_template.json (as processors
+    save it), holding ``value``."""
+    shutil.copytree(ckpt, d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    template = tcfg.pop("chat_template")
+    (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": value(template)}))
+    return d
+
+
+def test_chat_template_json_that_is_not_text_is_refused(ckpt, tmp_path):
+    """chat_template.json's template of another JSON type was silently dropped (the bundle had no template); it is
+    refused naming that file, as tokenizer_config.json's is."""
+    d = _template_json(ckpt, tmp_path / "c", lambda t: {"default": t})
+    line = assert_one_line_error(run_cli("build", d, "-o", tmp_path / "o", "--quant", "fp32", "--max-seq-len", "16"),
+                                 str(d / "chat_template.json"), "chat_template must be a string", code=1)
+    assert line.startswith("error: ")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.parametrize("value", [lambda t: t, lambda t: [{"name": "tool_use", "template": "x"},
+                                                           {"name": "default", "template": t}]])
+def test_chat_template_json_string_or_named_list_is_the_bundles_template(ckpt, tmp_path, value):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tokenizer import Tokenizer
+
+    template = json.loads((ckpt / "tokenizer_config.json").read_text())["chat_template"]
+    d = _template_json(ckpt, tmp_path / "c", value)
+    out = build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    assert Tokenizer.from_bundle(open_bundle(out)).chat_template == template
+
+
 def test_an_extra_eos_id_outside_the_vocabulary_is_harmless(ckpt, tmp_path):
     """One of several EOS ids past the vocabulary never matches, the others still stop the answer: built."""
     d = _edit_config(ckpt, tmp_path / "c", _set("eos_token_id", [2, 300]))

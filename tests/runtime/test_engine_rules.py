@@ -10,10 +10,12 @@ from collections import deque
 
 import pytest
 
+from lineside.bundle import open_bundle
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
 from lineside.runtime.request import EngineDraining, GenerationRequest, QueueFullError
 from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.tokenizer import Tokenizer
 from tests.runtime.conftest import run
 from tests.runtime.fakes import FakeBackend, FakeClock, submit_after
 
@@ -218,6 +220,31 @@ def test_eos_stop_token_ids_and_ignore_eos(tiny_bundle):
     assert (t1, l1.finish_reason, len(i1), l1.completion_tokens) == ("xyz", "stop", 3, 4)
     assert (t2, l2.finish_reason, len(i2)) == ("x", "stop", 1)
     assert (l3.finish_reason, len(i3)) == ("length", 6) and t3.startswith("xyz")
+
+
+def test_min_tokens_holds_eos_stop_tokens_and_stop_strings_back(tiny_bundle):
+    """vLLM's min_tokens: the script ends in EOS after 3 tokens, but EOS is masked (ignore_eos or not) and
+    stop_token_ids and stop strings do not end the answer until min_tokens tokens are out; then they do."""
+    y = Tokenizer.from_bundle(open_bundle(tiny_bundle)).encode("y", add_special=False)[0]
+
+    async def main():
+        eng, prompt = scripted(tiny_bundle, "xyxy")
+        await eng.start()
+        outs = [await eng.submit(req(prompt, n=10, sampling=SamplingParams(min_tokens=m), **kw)).result()
+                for m, kw in [(6, {}), (2, {"stop_token_ids": [y]}), (2, {"stop": ["xy"]}), (2, {"stop": ["yx"]}),
+                              (3, {"stop": ["yx"]}), (10, {"ignore_eos": True})]]
+        await eng.stop()
+        return outs
+
+    (t1, i1, l1), (t2, i2, l2), (t3, _, l3), (t4, _, l4), (t4b, _, l4b), (t5, i5, l5) = run(main())
+    assert (t1[:4], l1.finish_reason, len(i1), l1.completion_tokens) == ("xyxy", "stop", 6, 7)  # 2 past the script
+    assert 2 not in i1 and 2 not in i5  # EOS never sampled, ignore_eos or not (as vLLM's all_stop_token_ids)
+    # the stop token id y is masked as token 2 (the model's next best comes instead); the second y ends the answer
+    assert (t2, l2.finish_reason, len(i2)) == ("xx", "stop", 3) and i2[1] != y
+    assert (t3, l3.finish_reason) == ("xy", "stop")  # "xy" ended in the first 2 tokens; the second one stops
+    assert (t4, l4.finish_reason) == ("x", "stop")  # "yx" begins in token 2, ends in token 3: stops, from its start
+    assert (t4b, l4b.finish_reason) == ("xyxy", "stop")  # ... ends within min_tokens 3: output; then EOS ends it
+    assert (l5.finish_reason, len(i5)) == ("length", 10)
 
 
 @pytest.mark.parametrize("text", ["你好，世界", "emoji 😀🚀 ok", "mixed 日本語 ✓ 👩‍👩‍👧"])

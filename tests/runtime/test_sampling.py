@@ -55,3 +55,43 @@ def test_seed_reproduces():
 def test_bad_params_one_line(kw, msg):
     with pytest.raises(LinesideError, match=msg):
         SamplingParams(**kw).validate()
+
+
+# ---- vLLM's min_tokens ------------------------------------------------------------------------------
+EOS_FIRST = np.array([0.5, 1.0, 4.0, 3.0, 2.0], dtype=np.float32)  # EOS (2) is the argmax, then 3, then 4
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_min_tokens_masks_the_stop_tokens_until_enough_are_generated(logprobs):
+    """vLLM's MinTokensLogitsProcessor: while fewer than min_tokens tokens are generated (history past the prompt),
+    EOS and the stop token ids are -inf; from then on they are sampled as ever. Greedy takes its shortcut only
+    when it lands on an allowed token."""
+    s = Sampler(SamplingParams(min_tokens=2), stop_ids={2, 3})
+    pick = [s.step(EOS_FIRST, [9] + [4] * n, 1, logprobs=logprobs) for n in range(3)]
+    assert [r.token for r in pick] == [4, 4, 2]
+    if logprobs is not None:  # what the sampler used: the held tokens are not among the alternatives
+        assert [t for t, _ in pick[0].logprob.top] == [4, 1] and [t for t, _ in pick[2].logprob.top] == [2, 3]
+    assert Sampler(SamplingParams(), stop_ids={2, 3}).step(EOS_FIRST, [9], 1).token == 2  # min_tokens 0: no mask
+    assert Sampler(SamplingParams(min_tokens=5)).step(EOS_FIRST, [9], 1).token == 2  # nothing to hold back
+    # ids outside the vocabulary (an EOS id past it, a negative one) hold nothing back
+    last_first = np.array([0.0, 1.0, 2.0, 3.0, 9.0], dtype=np.float32)
+    assert Sampler(SamplingParams(min_tokens=5), stop_ids={-1, 7}).step(last_first, [9], 1, logprobs=0).token == 4
+
+
+def test_min_tokens_holds_sampled_tokens_and_the_distribution_back():
+    s = Sampler(SamplingParams(temperature=1.0, seed=0, min_tokens=1), stop_ids={2})
+    assert 2 not in {s.step(EOS_FIRST, [9], 1).token for _ in range(200)}
+    d = s.distribution(EOS_FIRST, [9], 1)
+    assert d[2] == 0 and d.sum() == pytest.approx(1.0)
+    assert s.distribution(EOS_FIRST, [9, 4], 1)[2] > 0.5
+    assert s.logprob(EOS_FIRST, 2, [9], 1).logprob == -9999.0  # the floor: impossible here
+
+
+def test_min_tokens_lets_a_complete_grammar_end():
+    """A grammar that allows only a stop token (it is complete) keeps it: vLLM lets the grammar win (its PR #54218)
+    rather than sample outside the grammar; a grammar that allows more loses only the stop tokens."""
+    s = Sampler(SamplingParams(min_tokens=3), stop_ids={2})
+    only_eos = np.array([False, False, True, False, False])
+    assert s.step(EOS_FIRST, [9], 1, allowed=only_eos).token == 2
+    assert s.step(EOS_FIRST, [9], 1, allowed=only_eos | np.array([1, 0, 0, 0, 0], dtype=bool)).token == 0
+    assert s.distribution(EOS_FIRST, [9], 1, allowed=only_eos) == 2

@@ -90,6 +90,19 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 CHI2_999 = {4: 18.47, 9: 27.88}
 
 
+def test_verify_holds_stop_tokens_back_until_min_tokens_at_every_position():
+    """vLLM's min_tokens in the verify path: each position masks the stop tokens while the tokens generated before
+    it (the kept drafts included) are fewer than min_tokens, so a proposed EOS is never kept early."""
+    x = onehot_logits([2, 2, 2])  # the model's unmasked choice is EOS (2) everywhere; 6 is the runner-up
+    x[:, 6] = 1.0
+    held = Sampler(SamplingParams(min_tokens=2), stop_ids={2})
+    assert verify(held, x, [6, 2], [1], 1) == ([6], 6)  # position 1 follows one generated token: EOS still held
+    assert verify(held, x, [6, 6], [1], 1) == ([6, 6], 2)  # the bonus follows two: EOS allowed
+    assert verify(Sampler(SamplingParams()), x, [6, 2], [1], 1) == ([], 2)
+    sampled = Sampler(SamplingParams(temperature=1.0, seed=0, min_tokens=2), stop_ids={2})
+    assert all(2 not in [*kept, tok] for kept, tok in (verify(sampled, x, [2, 2], [1], 1) for _ in range(100)))
+
+
 def test_sampled_verify_keeps_the_models_distribution():
     """The first emitted token (accepted draft or residual sample) and the second (after a kept first draft)
     follow the model's p exactly, for a draft the model finds likely and one it finds unlikely."""
@@ -278,6 +291,37 @@ def test_requests_without_speculation_share_steps_with_speculating_ones(tiny_bun
     mixed = [new for _, _, new in be.calls if len(new) > 1 and max(new) > 1 and min(new) == 1]
     assert mixed  # one step carried rows with and without drafts
     assert st.spec_accepted_tokens_total == st.spec_draft_tokens_total  # a perfect proposer
+
+
+def test_min_tokens_rejects_proposed_eos_and_equals_plain_decoding(tiny_bundle):
+    """vLLM's min_tokens with speculation: the proposer offers the model's unmasked greedy continuation, EOS
+    right after each script; verification masks it at every position below min_tokens, so the batch gets
+    exactly the tokens plain decoding gives (and the proposals of EOS are dropped)."""
+    scripts = {(1, 40, 41): "abc", (1, 50, 51): "abcdef", (1, 60, 61): "a"}
+
+    def reqs():
+        return [GenerationRequest(prompt_ids=list(p), max_tokens=12, sampling=SamplingParams(min_tokens=m))
+                for p, m in zip(scripts, (5, 8, 0), strict=True)]
+
+    async def main(spec):
+        be = FakeBackend(3)
+        eng = LLMEngine(tiny_bundle, backend=be, speculative=spec)
+        for prompt, text in scripts.items():
+            be.scripts[prompt] = eng.tokenizer.encode(text, add_special=False)
+        if spec is not None:
+            eng.scheduler.proposer = ScriptProposer(be, 1000)
+        await eng.start()
+        outs = await asyncio.gather(*(eng.submit(r).result() for r in reqs()))
+        st = eng.stats()
+        await eng.stop()
+        return outs, st
+
+    plain, _ = run(main(None))
+    spec, st = run(main(NGRAM))
+    assert [o[1] for o in spec] == [o[1] for o in plain]
+    assert [len(o[1]) for o in spec] == [5, 8, 1] and all(2 not in o[1] for o in spec)
+    assert all(o[2].finish_reason == "stop" for o in spec)
+    assert st.spec_accepted_tokens_total < st.spec_draft_tokens_total  # the early EOS proposals were rejected
 
 
 def test_stop_string_and_max_tokens_drop_accepted_tokens_past_them(tiny_bundle):

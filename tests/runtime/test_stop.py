@@ -40,3 +40,15 @@ def test_overlapping_prefixes_hold_the_longest():
 def test_no_stop_strings_pass_through():
     m = StopMatcher([])
     assert m.feed("abc") == "abc" and m.flush() == ""
+
+
+def test_unarmed_text_cannot_end_a_stop_string():
+    """vLLM's min_tokens: a stop string that ends in the first min_tokens tokens' text is output; one that ends
+    later stops, even when it began in that text (dropped from there on)."""
+    m = StopMatcher(["ab"])
+    assert m.feed("xab", armed=False) == "xab" and not m.stopped  # whole in unarmed text: kept
+    assert m.feed("a", armed=False) == "" and m.feed("b") == "" and m.stopped  # straddles: stops at its start
+    m = StopMatcher(["ab", "abc"])
+    assert m.feed("ab", armed=False) == "" and m.feed("x") == "abx" and not m.stopped  # "ab" ended unarmed
+    m = StopMatcher(["ab", "abc"])
+    assert m.feed("ab", armed=False) == "" and m.feed("c") == "" and m.stopped

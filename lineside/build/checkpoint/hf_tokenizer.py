@@ -84,28 +84,34 @@ def _read_json(p: Path) -> dict[str, Any]:
 
 
 def _chat_template(src: Path, tcfg: dict[str, Any]) -> str | None:
-    """tokenizer_config.json's template (a string or a list of named ones), else chat_template.jinja."""
-    ct = tcfg.get("chat_template")
-    if isinstance(ct, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                    and isinstance(t.get("template"), str) for t in ct):
-        named = {t["name"]: t["template"] for t in ct}
-        ct = named.get("default") or next(iter(named.values()), None)
-    elif ct is not None and not isinstance(ct, str):
-        # copied as it is, it would fail only when a chat is rendered (serve, chat, generate --chat)
-        shown = json.dumps(ct)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        raise CheckpointError(f"{src / 'tokenizer_config.json'}: chat_template must be a string or a list of "
-                              f"{{\"name\": ..., \"template\": ...}} objects, not {shown}; fix it or remove the key")
-    if isinstance(ct, str) and ct:
+    """tokenizer_config.json's template, else chat_template.jinja, else chat_template.json's (each a string or a
+    list of named ones)."""
+    ct = _template_value(tcfg.get("chat_template"), src / "tokenizer_config.json")
+    if ct:
         return ct
     jinja = src / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     cj = src / "chat_template.json"
     if cj.is_file():
-        t = _read_json(cj).get("chat_template")
-        return t if isinstance(t, str) else None
+        return _template_value(_read_json(cj).get("chat_template"), cj) or None
     return None
+
+
+def _template_value(ct: Any, path: Path) -> str | None:
+    """A chat_template value as ``path`` holds it: a string, or a list of {"name", "template"} objects (the one
+    named default, else the first); anything else is refused naming the file, as copied it would fail only when
+    a chat is rendered (serve, chat, generate --chat)."""
+    if isinstance(ct, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                    and isinstance(t.get("template"), str) for t in ct):
+        named = {t["name"]: t["template"] for t in ct}
+        return named.get("default") or next(iter(named.values()), None)
+    if ct is not None and not isinstance(ct, str):
+        shown = json.dumps(ct)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise CheckpointError(f"{path}: chat_template must be a string or a list of "
+                              f"{{\"name\": ..., \"template\": ...}} objects, not {shown}; fix it or remove the key")
+    return ct
 
 
 def _token_ids(tok: dict[str, Any]) -> dict[str, int]:

@@ -29,6 +29,7 @@ from lineside.build.tensorrt.profiles import (
 from lineside.build.tensorrt.progress import make_monitor
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
+from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.tensorrt.buffers import check_kv_support, kv_dtype_of
 from lineside.runtime.tensorrt.env import import_tensorrt
 from lineside.runtime.tensorrt.key import (
@@ -108,6 +109,8 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     trt = import_tensorrt()
     key = machine_key()
     check_kv_support(fl.state, key.compute_capability)  # fp8 KV on Orin: refused before any build work
+    check_rope_positions(bundle.file(fl.graph), fl.graph, bundle.max_seq_len,
+                         bundle.config.context_limit)  # the profiles would span max_seq_len
     pre = check_bundle(bundle, table_for(key.tensorrt))
     if not pre.ok:  # advisory: the documented tables can lag the parser, which has the last word below
         for o in pre.offenders[:5]:

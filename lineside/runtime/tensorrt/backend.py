@@ -20,6 +20,7 @@ from lineside.errors import BackendUnavailable, BundleError, LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
@@ -54,6 +55,7 @@ class TensorRTBackend:
         here = MachineKey(gpu.name, gpu.sm, str(self.trt.__version__), gpu.cuda_runtime)
         fl = bundle.flavor("trt")
         check_kv_support(fl.state, gpu.sm)
+        check_rope_positions(bundle.file(fl.graph), fl.graph, bundle.max_seq_len, bundle.config.context_limit)
         # With adapter slots: the LoRA graph's engine (built with --max-loras/--max-lora-rank), whose extra inputs
         # are the stacked adapters (device copies, fixed addresses) and the rows' slot ids (captured like input_ids).
         self.lora: LoraStack | None = None
