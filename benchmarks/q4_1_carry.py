@@ -11,6 +11,10 @@ patching the builder's Q4_1 emitter, to measure them):
 - ``zp+fp16``: the same residual in float16, where it is exact (it is a multiple of the smaller ulp of d and m,
   and ``|r| <= d/2``); onnxruntime has no float16 MatMul on x86 and casts the constant to float32 every call.
 - ``zp+int8``: the residual as an 8-bit MatMulNBits over the block sums (scale per 16 blocks).
+- ``zp+digitsD`` (D = 2, 3): the residual folded into the same MatMulNBits by extending K: x' = Concat(x, S, S, ..)
+  with S the block sums of x (padded to whole blocks of 32), one region per digit; region i of a row holds 4-bit
+  signed digits of what regions 0..i-1 left of r, with its own scale per 32 blocks (greedy, ``max|e|/7``). One
+  MatMulNBits per linear, no MatMul/Add; a block-sum MatMul + Concat per activation.
 - ``zp-only``: the nearest integer zero point, no residual (the offsets rounded to the grid: not the GGUF's).
 - ``VARIANT/head4``: the same with a 4-bit LM head (RTN, blocks of 32) re-quantized from the GGUF's Q8_0 head.
 
@@ -80,6 +84,46 @@ def _int8_rows(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return (q + 128).astype(np.uint8).reshape(n, -1), s.astype(np.float32), (q * s[..., None]).reshape(n, -1)[:, :b]
 
 
+def _digits(r: np.ndarray, digits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """r [N, B] -> (codes uint8 [N, D*P] (digit + 8), scales [N, D*P/32], carried r [N, B]); P = B padded to 32.
+
+    Region i holds digits of what regions 0..i-1 left of r, in blocks of 32 with a scale max|e|/7 each."""
+    n, b = r.shape
+    p = -(-b // BLOCK) * BLOCK
+    e = np.zeros((n, p), np.float64)
+    e[:, :b] = r
+    carried = np.zeros_like(e)
+    codes, scales = [], []
+    for _ in range(digits):
+        g = e.reshape(n, p // BLOCK, BLOCK)
+        s = (np.abs(g).max(-1, keepdims=True) / 7).astype(np.float32)
+        s[s == 0] = 1
+        q = np.clip(np.rint(g / s), -8, 7)
+        step = (q * s.astype(np.float64)).reshape(n, p)
+        carried += step
+        e -= step
+        codes.append((q + 8).astype(np.uint8).reshape(n, p))
+        scales.append(s[..., 0])
+    return np.concatenate(codes, axis=1), np.concatenate(scales, axis=1), carried[:, :b].astype(np.float32)
+
+
+def _digit_input(gb, x: str, k: int, digits: int) -> str:
+    """x' = Concat(x, S, S, ..): the block sums of x (zero-padded to whole blocks of 32), once per digit region."""
+    cache = linear._derived(gb)
+    key = ("digit_input", x, digits)
+    if key not in cache:
+        b = k // BLOCK
+        p = -(-b // BLOCK) * BLOCK
+        ones_key = ("digit_ones", k)
+        if ones_key not in cache:
+            ones = np.zeros((k, p), np.float32)
+            ones[np.arange(k), np.arange(k) // BLOCK] = 1.0
+            cache[ones_key] = gb.weight(gb.fresh(f"blocksum_ones_{k}x{p}"), ones)
+        sums = gb.op("MatMul", [x, cache[ones_key]], name=gb.fresh("blocksum"))
+        cache[key] = gb.op("Concat", [x] + [sums] * digits, axis=-1, name=gb.fresh("digit_input"))
+    return cache[key]
+
+
 def _half_ulps(dec, m_carried: np.ndarray) -> np.ndarray:
     ulp = np.spacing(np.abs(dec.m.astype(np.float16))).astype(np.float32)
     return (np.abs(np.asarray(m_carried, np.float64) - dec.m) / (ulp / 2)).ravel()
@@ -96,6 +140,22 @@ def _emitter(variant: str) -> Callable:
             EMITTED.append((name, dec))
             return original(gb, x, name, weight, spec, bias, share)
         n, k = dec.codes.shape
+        if variant.startswith("zp+digits"):
+            nd = int(variant.removeprefix("zp+digits"))
+            z, r = _zero_points(dec)
+            dcodes, dscales, rc = _digits(r, nd)
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, -z.astype(np.float32) * dec.d + rc))
+            kx = k + dcodes.shape[1]
+            zx = np.concatenate([z, np.full((n, dscales.shape[1]), 8, np.uint8)], axis=1)
+            inputs = [_digit_input(gb, x, k, nd),
+                      gb.weight(f"{name}.qweight", pack_matmulnbits(np.concatenate([dec.codes, dcodes], axis=1), 4, BLOCK)),
+                      gb.weight(f"{name}.scales", np.ascontiguousarray(np.concatenate([dec.d, dscales], axis=1),
+                                                                         dtype=np.float32)),
+                      gb.weight(f"{name}.zero_points", _pack_zp(zx))]
+            if bias is not None:
+                inputs += ["", gb.weight(f"{name}.bias", bias)]
+            return gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits", K=kx, N=n, bits=4,
+                         block_size=BLOCK, accuracy_level=spec.accuracy_level)
         inputs = [x, gb.weight(f"{name}.qweight", pack_matmulnbits(dec.codes, 4, BLOCK)),
                   gb.weight(f"{name}.scales", np.ascontiguousarray(dec.d, dtype=np.float32))]
         z, r = _zero_points(dec)
