@@ -196,11 +196,14 @@ def step_kernels(trace: list[dict], steps: int) -> tuple[list[dict], list[dict]]
 
 def op_label(op: str, node: str) -> str:
     """The op type, with the LM head apart from the other MatMulNBits and the GGUF Q4_1 carry's nodes (block
-    sums, block offsets or residuals and the cast of a float16 residual, the Add) apart from the others."""
+    sums, the Concat of x and its block sums, block offsets or residuals and the cast of a float16 residual, the
+    Add) apart from the others."""
     if op == "MatMulNBits" and ("embed_tokens" in node or "lm_head" in node):
         return "MatMulNBits (head)"
     if op == "MatMul" and "blocksum" in node:
         return "MatMul (Q4_1 block sums)"
+    if op == "Concat" and "with_block_sums" in node:
+        return "Concat (Q4_1 block sums)"
     if op in ("MatMul", "MatMulNBits") and ("q4_1_offset" in node or "q4_1_residual" in node):
         return f"{op} (Q4_1 offsets)"
     if op == "Cast" and "block_residual" in node:  # the float16 residual, cast per call by onnxruntime

@@ -3,14 +3,21 @@
 Q4_1 stores ``w = d*u + m`` per block of 32 (u in 0..15, d and m float16). MatMulNBits computes
 ``s*(u - z)`` with an integer zero point z (onnxruntime's x86 int8 kernel folds ``-s*z`` into a float32
 per-block sum it reads anyway, so z itself costs nothing per token), so the fractional part of ``-m/d`` has to
-travel some other way. Variants (only ``fp32-offset`` is what lineside builds; the others are emitted here, by
-patching the builder's Q4_1 emitter, to measure them):
+travel some other way. Variants (``zp+digits`` is what lineside builds at accuracy level 4, ``fp32-offset`` what it
+builds below; the others are emitted here, by patching the builder's Q4_1 emitter, to measure them):
 
-- ``fp32-offset`` (lineside): default zero point 8, plus ``blocksum(x) @ (8d + m)`` in float32 (exact).
+- ``zp+digits`` (lineside, lineside/build/quant/q4_1.py): ``zp+digitsD`` with the fewest D (2..4) that lands every
+  block's m within half an ulp of the GGUF's float16 value (3 for every layer of the demo model).
+- ``fp32-offset`` (lineside below accuracy level 4; emitted here at level 4): default zero point 8, plus
+  ``blocksum(x) @ (8d + m)`` in float32 (exact).
 - ``zp+fp32``: the nearest integer zero point (uint8, 4 bits) plus the residual ``r = m + z*d`` in float32.
 - ``zp+fp16``: the same residual in float16, where it is exact (it is a multiple of the smaller ulp of d and m,
   and ``|r| <= d/2``); onnxruntime has no float16 MatMul on x86 and casts the constant to float32 every call.
 - ``zp+int8``: the residual as an 8-bit MatMulNBits over the block sums (scale per 16 blocks).
+- ``zp+digitsD`` (D = 2, 3, 4): the residual folded into the same MatMulNBits by extending K: x' = Concat(x, S, S, ..)
+  with S the block sums of x (padded to whole blocks of 32), one region per digit; region i of a row holds 4-bit
+  signed digits of what regions 0..i-1 left of r, with its own scale per 32 blocks (greedy, ``max|e|/7``). One
+  MatMulNBits per linear, no MatMul/Add; a block-sum MatMul + Concat per activation.
 - ``zp-only``: the nearest integer zero point, no residual (the offsets rounded to the grid: not the GGUF's).
 - ``VARIANT/head4``: the same with a 4-bit LM head (RTN, blocks of 32) re-quantized from the GGUF's Q8_0 head.
 
@@ -44,6 +51,7 @@ from benchmarks.cpu_side_by_side import copy_bandwidth, load_lineside, short_ids
 from benchmarks.quality_smollm2 import eval_text, lineside_logits_fn, perplexity, smollm2_gguf  # noqa: E402
 from lineside.build.graph.builder import MS_DOMAIN  # noqa: E402
 from lineside.build.pipeline import BuildOptions, build_bundle  # noqa: E402
+from lineside.build.quant import q4_1  # noqa: E402
 from lineside.build.quant.ggml import BLOCK, decode_blocks  # noqa: E402
 from lineside.build.quant.pack import pack_matmulnbits  # noqa: E402
 from lineside.build.tensors import GGMLBlocks  # noqa: E402
@@ -57,14 +65,11 @@ EMITTED: list[tuple[str, object]] = []
 
 def _zero_points(dec) -> tuple[np.ndarray, np.ndarray]:
     """(z uint8 [N, K/32] nearest to -m/d, residual m + z*d float32)."""
-    z = np.clip(np.rint(-dec.m / dec.d), 0, 15).astype(np.uint8)
-    return z, (dec.m + z.astype(np.float32) * dec.d).astype(np.float32)
+    z, r = q4_1.zero_points(dec.d, dec.m)
+    return z, r.astype(np.float32)
 
 
-def _pack_zp(z: np.ndarray) -> np.ndarray:
-    if z.shape[1] % 2:
-        z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
-    return np.ascontiguousarray((z[:, 0::2] & 0x0F) | (z[:, 1::2] << 4)).reshape(-1)
+_pack_zp = q4_1.pack_zero_points
 
 
 def _int8_rows(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,8 +86,7 @@ def _int8_rows(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _half_ulps(dec, m_carried: np.ndarray) -> np.ndarray:
-    ulp = np.spacing(np.abs(dec.m.astype(np.float16))).astype(np.float32)
-    return (np.abs(np.asarray(m_carried, np.float64) - dec.m) / (ulp / 2)).ravel()
+    return q4_1.half_ulps(dec.m, m_carried).ravel()
 
 
 def _emitter(variant: str) -> Callable:
@@ -92,10 +96,33 @@ def _emitter(variant: str) -> Callable:
         if weight.ggml_type != "Q4_1":
             return original(gb, x, name, weight, spec, bias, share)
         dec = decode_blocks(weight, name)
-        if variant == "fp32-offset":  # what build emits; its offsets are read back from the graph afterwards
-            EMITTED.append((name, dec))
+        if variant == "zp+digits":  # what build emits (at accuracy level 4)
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, q4_1.carry_q4_1(dec).m))
             return original(gb, x, name, weight, spec, bias, share)
         n, k = dec.codes.shape
+        if variant == "fp32-offset":  # what build emits below level 4; its offsets are read back from the graph
+            EMITTED.append((name, dec))
+            y = linear._matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias)
+            corr = np.ascontiguousarray((np.float32(8) * dec.d + dec.m).T)
+            c = gb.op("MatMul", [linear.blocksum(gb, x, k, BLOCK), gb.weight(f"{name}.block_offset", corr)],
+                      name=f"{name}/q4_1_offset")
+            return gb.op("Add", [y, c], name=f"{name}/q4_1_add")
+        if variant.startswith("zp+digits"):
+            nd = int(variant.removeprefix("zp+digits"))
+            z, r = q4_1.zero_points(dec.d, dec.m)
+            dcodes, dscales, rc = q4_1.residual_digits(r, nd)
+            OFFSET_ERRORS[variant].append(_half_ulps(dec, rc - z * dec.d.astype(np.float64)))
+            kx = k + dcodes.shape[1]
+            zx = np.concatenate([z, np.full((n, dscales.shape[1]), 8, np.uint8)], axis=1)
+            inputs = [linear.with_block_sums(gb, x, k, nd),
+                      gb.weight(f"{name}.qweight", pack_matmulnbits(np.concatenate([dec.codes, dcodes], axis=1), 4, BLOCK)),
+                      gb.weight(f"{name}.scales", np.ascontiguousarray(np.concatenate([dec.d, dscales], axis=1),
+                                                                         dtype=np.float32)),
+                      gb.weight(f"{name}.zero_points", _pack_zp(zx))]
+            if bias is not None:
+                inputs += ["", gb.weight(f"{name}.bias", bias)]
+            return gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits", K=kx, N=n, bits=4,
+                         block_size=BLOCK, accuracy_level=spec.accuracy_level)
         inputs = [x, gb.weight(f"{name}.qweight", pack_matmulnbits(dec.codes, 4, BLOCK)),
                   gb.weight(f"{name}.scales", np.ascontiguousarray(dec.d, dtype=np.float32))]
         z, r = _zero_points(dec)
@@ -184,7 +211,7 @@ def patched(variant: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="fp32-offset,zp+fp16,zp+int8,zp-only")
+    ap.add_argument("--variants", default="fp32-offset,zp+digits,zp+digits2,zp-only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)

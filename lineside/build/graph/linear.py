@@ -7,8 +7,8 @@ _emit_8bit_cpu). trt flavor: opset-21 ``DequantizeLinear`` of an INT4 ``[K, N]``
 With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the dequantized weight and
 the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
 x is cast to fp16 before and y back to float32 after. Float schemes keep float32 activations.
-GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes), and
-so are ``Int4Grid`` weights (codes + scales a calibrated quantizer such as GPTQ already chose).
+GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes; Q4_1 at
+accuracy level 4 to within half an ulp of its float16 offsets, quant/q4_1.py), and so are ``Int4Grid`` weights (codes + scales a calibrated quantizer such as GPTQ already chose).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lineside.build.graph.table8 import (
     w8_grid,
     weight_shape,
 )
+from lineside.build.quant import q4_1
 from lineside.build.quant.ggml import BLOCK, CARRIED, decode_blocks
 from lineside.build.quant.grid import Int4Grid
 from lineside.build.quant.pack import pack_int4_kn, pack_matmulnbits
@@ -55,29 +56,42 @@ def cast_fp16(gb: GraphBuilder, x: str) -> str:
     return cache[key]
 
 
-def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int) -> str:
-    """``x [..., K]`` → ``[..., K/block]``, the sum of each block of inputs (any rank of x).
+def blocksum(gb: GraphBuilder, x: str, in_features: int, block: int, width: int | None = None) -> str:
+    """``x [..., K]`` → ``[..., K/block]``, the sum of each block of inputs (any rank of x); with ``width``,
+    zero-padded to that many columns.
 
-    One MatMul with a constant 0/1 ``[K, K/block]`` matrix: a single node (a Reshape + ReduceSum needs
+    One MatMul with a constant 0/1 ``[K, width]`` matrix: a single node (a Reshape + ReduceSum needs
     Shape/Concat for an unknown rank, 4 nodes, ~3 µs each at decode), shared by every layer reading x.
     """
+    width = width or in_features // block
     cache = _derived(gb)
-    key = ("blocksum", x, block)
+    key = ("blocksum", x, block, width)
     if key not in cache:
-        ones_key = ("blocksum_ones", in_features, block)
+        ones_key = ("blocksum_ones", in_features, block, width)
         if ones_key not in cache:
-            ones = np.zeros((in_features, in_features // block), dtype=np.float32)
+            ones = np.zeros((in_features, width), dtype=np.float32)
             ones[np.arange(in_features), np.arange(in_features) // block] = 1.0
-            cache[ones_key] = gb.weight(gb.fresh(f"blocksum_ones_{in_features}x{block}"), ones)
+            cache[ones_key] = gb.weight(gb.fresh(f"blocksum_ones_{in_features}x{width}"), ones)
         cache[key] = gb.op("MatMul", [x, cache[ones_key]], name=gb.fresh("blocksum"))
     return cache[key]
 
 
+def with_block_sums(gb: GraphBuilder, x: str, in_features: int, regions: int) -> str:
+    """``x' = Concat(x, S, .., S)``: x and ``regions`` copies of its block sums (32 per block, zero-padded to
+    whole blocks), the input of a Q4_1 carry's MatMulNBits (quant/q4_1.py); shared by every layer reading x."""
+    cache = _derived(gb)
+    key = ("with_block_sums", x, regions)
+    if key not in cache:
+        sums = blocksum(gb, x, in_features, BLOCK, q4_1.sum_width(in_features))
+        cache[key] = gb.op("Concat", [x] + [sums] * regions, axis=-1, name=gb.fresh("with_block_sums"))
+    return cache[key]
+
+
 def _matmulnbits(gb: GraphBuilder, x: str, name: str, b: str, s: str, n: int, k: int, bits: int, block: int,
-                 accuracy_level: int, bias: np.ndarray | None) -> str:
-    inputs = [x, b, s]
+                 accuracy_level: int, bias: np.ndarray | None, zero_points: str = "") -> str:
+    inputs = [x, b, s] + ([zero_points] if zero_points else [])
     if bias is not None:
-        inputs += ["", "", gb.weight(f"{name}.bias", bias)]
+        inputs += [""] * (5 - len(inputs)) + [gb.weight(f"{name}.bias", bias)]
     return gb.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=f"{name}/MatMulNBits",
                  K=k, N=n, bits=bits, block_size=block, accuracy_level=accuracy_level)
 
@@ -114,13 +128,24 @@ def _emit_8bit_cpu(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGM
 
 def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec: QuantSpec,
                    bias: np.ndarray | None, share: bool) -> str:
-    """GGUF grid kept exactly: Q4_0/Q8_0 straight onto MatMulNBits, Q4_1 plus a per-block correction."""
+    """GGUF grid kept: Q4_0/Q8_0 straight onto MatMulNBits; Q4_1 at accuracy level 4 on one MatMulNBits (an
+    integer zero point plus its residual's digits over the block sums, quant/q4_1.py: every m within half an
+    ulp of the GGUF's), below level 4 exactly (default zero point plus float32 block offsets)."""
     if weight.ggml_type == "Q8_0":
         y8 = _emit_8bit_cpu(gb, x, name, weight, spec, bias, share)
         assert y8 is not None  # block 32 always fits a Q8_0 weight
         return y8
     dec = decode_blocks(weight, name)
     n, k = dec.codes.shape
+    if dec.m is not None and spec.accuracy_level == 4:
+        # int8 activations (the kernel rounds each block of x, block sums included, as llama.cpp's Q4_1 x Q8_1
+        # dot does): one MatMulNBits, no float32 offsets read per token nor MatMul + Add per layer.
+        carry = q4_1.carry_q4_1(dec)
+        b = gb.weight(f"{name}.qweight", pack_matmulnbits(carry.codes, 4, BLOCK))
+        s = gb.weight(f"{name}.scales", carry.scales)
+        zp = gb.weight(f"{name}.zero_points", q4_1.pack_zero_points(carry.zero_points))
+        return _matmulnbits(gb, with_block_sums(gb, x, k, carry.digits), name, b, s, n, carry.k, 4, BLOCK,
+                            spec.accuracy_level, bias, zp)
     y = _matmulnbits4(gb, x, name, dec.codes, dec.d, BLOCK, spec.accuracy_level, bias)
     if dec.m is None:
         return y

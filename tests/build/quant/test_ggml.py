@@ -11,6 +11,7 @@ from onnx import numpy_helper
 
 from lineside.build.graph.linear import emit_linear
 from lineside.build.quant.ggml import decode_blocks
+from lineside.build.quant.q4_1 import half_ulps
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
 from lineside.errors import CheckpointError, LinesideError
@@ -68,27 +69,54 @@ def test_cpu_carry_accuracy_level_4(tmp_path, rng, ggml_type):
     node = next(n for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "MatMulNBits")
     attrs = {a.name: a.i for a in node.attribute}
     assert attrs["bits"] == (8 if ggml_type == "Q8_0" else 4) and attrs["block_size"] == 32
-    assert attrs["accuracy_level"] == 4 and len(node.input) == 3  # no zero points
+    # zero points for Q4_1 only (quant/q4_1.py), none for the symmetric grids
+    assert attrs["accuracy_level"] == 4 and len(node.input) == (4 if ggml_type == "Q4_1" else 3)
     x = rng.standard_normal((5, K)).astype(np.float32)
     ref = x @ blocks.dequantize().T
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 2e-2
 
 
-def carried_offsets(path, name: str) -> np.ndarray:
-    """The per-block offsets m a built graph applies to Q4_1 layer ``name`` (float64): its float32 block offsets
-    ``8d + m`` less ``8d`` (MatMulNBits' default zero point 8, d its float32 scales)."""
+def carried_offsets(path, name: str, k: int = K) -> np.ndarray:
+    """The per-block offsets m a built graph applies to Q4_1 layer ``name`` (float64), read back from its
+    initializers. Below accuracy level 4: its float32 block offsets ``8d + m`` less ``8d`` (MatMulNBits' default
+    zero point 8, d its float32 scales). At level 4 (one MatMulNBits over ``[x, S, .., S]``, quant/q4_1.py):
+    ``-z*d`` of the first K/32 blocks plus, per block b, its digit in each block-sum region times that region's
+    scale (codes less their zero point)."""
     inits = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-    assert inits[f"{name}.block_offset"].dtype == np.float32
-    return inits[f"{name}.block_offset"].astype(np.float64).T - 8 * inits[f"{name}.scales"].astype(np.float64)
+    scales = inits[f"{name}.scales"].astype(np.float64)
+    if f"{name}.block_offset" in inits:
+        assert inits[f"{name}.block_offset"].dtype == np.float32
+        return inits[f"{name}.block_offset"].astype(np.float64).T - 8 * scales
+    packed = inits[f"{name}.qweight"]  # [N, blocks, 16]: value 2i low nibble of byte i
+    n, blocks = packed.shape[:2]
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * 32).astype(np.float64)
+    zp = inits[f"{name}.zero_points"].reshape(n, -1)
+    zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
+    scales = scales.reshape(n, blocks)
+    w = (codes - np.repeat(zp, 32, axis=1)) * np.repeat(scales, 32, axis=1)
+    nb, width = k // 32, -(-(k // 32) // 32) * 32
+    regions = (blocks * 32 - k) // width
+    assert k + regions * width == blocks * 32
+    return -zp[:, :nb] * scales[:, :nb] + sum(w[:, k + i * width : k + i * width + nb] for i in range(regions))
 
 
 @pytest.mark.parametrize("shift", [0.0, 0.03, -0.2, 0.2])
-def test_q4_1_offsets_are_the_ggufs(tmp_path, rng, shift):
-    # the offsets the graph applies are the GGUF's float16 m exactly (0 half-ulps), all weights of a sign included
+@pytest.mark.parametrize("level", [0, 4])
+def test_q4_1_offsets_are_the_ggufs(tmp_path, rng, shift, level):
+    # below level 4 the offsets the graph applies are the GGUF's float16 m exactly (0 half-ulps); at level 4 within
+    # half an ulp (they round to it), or, where every weight has one sign (shift 0.2: z clipped, r = m, the most
+    # digits), within 2^-14 of the largest
     blocks = make_blocks(rng, "Q4_1", shift=shift)
-    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, QuantSpec(), "cpu"), K, ["t", N],
-                     in_shape=["t", K])
-    np.testing.assert_array_equal(carried_offsets(path, "l"), decode_blocks(blocks).m)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, QuantSpec(accuracy_level=level), "cpu"),
+                     K, ["t", N], in_shape=["t", K])
+    m, want = carried_offsets(path, "l"), decode_blocks(blocks).m
+    if level < 4:
+        np.testing.assert_array_equal(m, want)
+    else:
+        if shift < 0.2:
+            assert half_ulps(want, m).max() <= 1
+        else:
+            assert np.abs(m - want).max() <= 2**-14 * np.abs(want).max()
 
 
 def test_q4_1_blocksum_shared(tmp_path, rng):

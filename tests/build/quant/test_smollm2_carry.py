@@ -58,15 +58,22 @@ def test_q4_1_linear(tmp_path, rng, tensors, tensor, acc, tol):
 
 
 @pytest.mark.parametrize("tensor", ["blk.0.ffn_down.weight", "blk.0.attn_q.weight"])
-def test_q4_1_offsets_are_the_ggufs(tmp_path, tensors, tensor):
-    """The real model's offsets, as the graph applies them, are its own float16 m: 0 half-ulps."""
+@pytest.mark.parametrize("level", [0, 4])
+def test_q4_1_offsets_are_the_ggufs(tmp_path, tensors, tensor, level):
+    """The real model's offsets, as the graph applies them, are its own float16 m: 0 half-ulps below accuracy
+    level 4; at level 4 (zero point + 3 digits over the block sums, quant/q4_1.py) within half an ulp."""
     from lineside.build.quant.ggml import decode_blocks
     from tests.build.quant.test_ggml import carried_offsets
 
     w = tensors[tensor]
     n, k = w.shape
-    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, QuantSpec(), "cpu"), k, ["b", "t", n])
-    np.testing.assert_array_equal(carried_offsets(path, "l"), decode_blocks(w).m)
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", w, QuantSpec(accuracy_level=level), "cpu"),
+                     k, ["b", "t", n])
+    m = carried_offsets(path, "l", k)
+    if level < 4:
+        np.testing.assert_array_equal(m, decode_blocks(w).m)
+    else:
+        np.testing.assert_array_equal(m.astype(np.float16), decode_blocks(w).m.astype(np.float16))
 
 
 def test_q8_0_tied_embedding_and_head(tmp_path, rng, tensors):
