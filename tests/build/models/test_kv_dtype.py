@@ -172,6 +172,33 @@ def test_int4_states_packing_manifest_and_trt_10_3_tables(kv_bundle):
     assert (sc[..., 0] > 0).all() and np.isfinite(deq).all()
 
 
+def test_by_value_input_binder_falls_back_to_the_pointer_api():
+    """The by-value step binds its inputs through onnxruntime's numpy binding where IOBinding has it (no reference
+    to the array kept), and through the public pointer API where it does not."""
+    from lineside.runtime.onnxruntime_backend import _input_binder
+
+    calls = []
+
+    class Raw:
+        def bind_input(self, *args):
+            calls.append(("raw", args))
+
+    class WithRaw:
+        _iobinding = Raw()
+
+    class PublicOnly:
+        def bind_input(self, *args):
+            calls.append(("public", args))
+
+    arr = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    _input_binder(WithRaw())("past_key.0", arr)
+    _input_binder(PublicOnly())("past_key.0", arr)
+    assert calls[0] == ("raw", ("past_key.0", arr))
+    kind, (name, device, device_id, dtype, shape, ptr) = calls[1]
+    assert (kind, name, device, device_id, dtype, shape, ptr) == \
+        ("public", "past_key.0", "cpu", 0, np.uint8, [2, 3], arr.ctypes.data)
+
+
 def test_int4_layout_tiles_the_head_vector_or_is_refused():
     from lineside.build.quant.kv import FORMATS, KvDtype
 
