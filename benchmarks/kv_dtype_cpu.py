@@ -24,6 +24,7 @@
                                       [--bundles DIR] [--no-model] [--no-gqa]
     python benchmarks/kv_dtype_cpu.py --short-side-by-side [--short 128] [--tokens 16] [--rounds 7] [--sessions 3]
                                       [--threads-list 1,2] [--levels 4,0] [--profile] [--bundles DIR]
+                                      [--extra LABEL=BUNDLE ...]
 """
 
 from __future__ import annotations
@@ -218,6 +219,9 @@ def short_side_by_side(a: argparse.Namespace) -> None:
     max_seq = a.short + a.tokens + 8
     with tempfile.TemporaryDirectory() as td:
         bundles = trt_bundles(Path(a.bundles or td), max_seq)
+        for extra in a.extra:  # another build of a dtype (an older graph): timed in the same interleaved rounds
+            label, _, path = extra.partition("=")
+            bundles[label] = Path(path)
         rng = np.random.default_rng(1)
         prompt = [int(t) for t in rng.integers(100, 40000, a.short)]
         for threads in (int(t) for t in a.threads_list.split(",")):
@@ -253,12 +257,12 @@ def short_side_by_side(a: argparse.Namespace) -> None:
                 print(f"trt flavor, SmolLM2 W4A16 g64, context {a.short}, {a.tokens} decode tokens, {threads} thread(s), "
                       f"accuracy level {level}, best of {a.rounds} interleaved rounds, median over {a.sessions} "
                       f"session(s) per dtype (load {os.getloadavg()[0]:.2f}):")
-                print(f"  {'KV':6s} {'CPU ms/step':>12s} {'session.run':>12s} {'outside':>8s} {'wall ms':>8s} "
+                print(f"  {'KV':8s} {'CPU ms/step':>12s} {'session.run':>12s} {'outside':>8s} {'wall ms':>8s} "
                       f"{'CPU vs fp16':>12s} {'(medians)':>10s}")
                 for kv in bundles:
                     best = best_fw[kv] / best_fw["fp16"] if "fp16" in bundles else float("nan")
                     med = med_fw[kv] / med_fw["fp16"] if "fp16" in bundles else float("nan")
-                    print(f"  {kv:6s} {best_fw[kv]:12.2f} {best_run[kv]:12.2f} {best_fw[kv] - best_run[kv]:8.2f} "
+                    print(f"  {kv:8s} {best_fw[kv]:12.2f} {best_run[kv]:12.2f} {best_fw[kv] - best_run[kv]:8.2f} "
                           f"{best_wall[kv]:8.2f} {best:11.3f}x {med:9.3f}x")
         if a.profile:
             profile_table(bundles, prompt, a)
@@ -339,6 +343,9 @@ def main() -> None:
     ap.add_argument("--threads-list", default="1,2", help="--short-side-by-side: thread counts")
     ap.add_argument("--levels", default="4,0", help="--short-side-by-side: MatMulNBits accuracy levels")
     ap.add_argument("--sessions", type=int, default=3, help="--short-side-by-side: sessions per KV dtype")
+    ap.add_argument("--extra", action="append", default=[], metavar="LABEL=BUNDLE",
+                    help="--short-side-by-side: also this trt bundle (e.g. int4-old=DIR, built by an older checkout), "
+                         "in the same rounds")
     ap.add_argument("--profile", action="store_true", help="--short-side-by-side: also the per-op-type table")
     ap.add_argument("--profile-overhead", type=float, default=3.0, help="us per node the profiler adds")
     a = ap.parse_args()

@@ -147,6 +147,11 @@ class OnnxRuntimeBackend:
         # Graphs whose states all go in by value (the trt flavor): outputs bound once per step shape (_step_by_value).
         self._by_value_ready = self.lora is None and all(st.update != StateUpdate.INPLACE for st in self.states)
         self._by_value: dict[tuple[int, int, int], tuple[Any, dict[str, np.ndarray]]] = {}  # (rows, new, logits)
+        # Per state, worked out once: its name, arena array and, for an append state, the index of the axes before
+        # its sequence axis (a by-value step indexes with it: the past it binds, the new entries it stores).
+        self._value_states = [(st.input, st.output, self.arena[st.input],
+                               (slice(None),) * (st.seq_axis - 1) if st.update == StateUpdate.APPEND else None)
+                              for st in self.states]
         # Speculative decoding (engine.py): GroupQueryAttention runs each multi-token row alone, so verification
         # pays only for a lone decoding row. On CPU a step's cost grows with its tokens: a step with k drafts
         # costs about 1 + 0.25·k one-token steps (SmolLM2 W4A16, 2 threads, level 4: 2 tokens 1.2x, 5 tokens
@@ -452,7 +457,8 @@ class OnnxRuntimeBackend:
         adapters: its outputs are bound once per (rows, new tokens, logits) to buffers of their own, so a step
         binds only its inputs — the past entries copied out of the arena (slices, no copy of whole slots) — and
         copies the new entries in. The generic path's per-step output bindings and their OrtValues cost ~10 us per
-        state (int4 KV: 150 states on SmolLM2)."""
+        state (int4 KV: 150 states on SmolLM2); onnxruntime's public ``bind_input`` by pointer another ~6 us per
+        input, its binding of a numpy array ~1.5 us (``_input_binder``)."""
         b, s = batch.input_ids.shape
         first, k = batch.slots[0], batch.logits_positions.shape[1]
         bound = self._by_value.get((b, s, k))  # no bound shape depends on the first slot
@@ -464,20 +470,27 @@ class OnnxRuntimeBackend:
         past = batch.past_lengths.astype(np.int64)
         p_max = int(past.max())
         inputs = self._feeds(batch, past, p_max)
-        rows = slice(first, first + b)
-        for st in self.states:  # fixed-shape states: the arena's own rows (the output is another buffer)
-            inputs[st.input] = self._past(st, rows, p_max) if st.update == StateUpdate.APPEND else self.arena[st.input][rows]
-        # Bound by pointer, held by ``inputs`` until the run is over, then unbound: bind_cpu_input would keep this
-        # step's copies of the past alive in the cached binding until its next step (up to 32 of them).
+        rows, upto = slice(first, first + b), slice(0, p_max)
+        for name, _, a, lead in self._value_states:  # fixed-shape states: the arena's own rows (contiguous)
+            inputs[name] = a[rows] if lead is None else np.ascontiguousarray(a[(rows, *lead, upto)])
+        # Held by ``inputs`` until the run is over, then unbound: a binding that kept them would hold this step's
+        # copies of the past until its next step (up to 32 bindings of them).
+        bind = _input_binder(io)
         for name, arr in inputs.items():
-            arr = np.ascontiguousarray(arr)
-            inputs[name] = arr
-            io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+            bind(name, np.ascontiguousarray(arr))
         try:
             self.session.run_with_iobinding(io)
         finally:
             io.clear_binding_inputs()
-        self._store_states(batch, outs, rows)
+        spans = [(slot, int(p0), int(n)) for slot, p0, n in zip(batch.slots, batch.past_lengths.tolist(),
+                                                                  batch.new_lengths.tolist(), strict=True)]
+        for _, output, a, lead in self._value_states:
+            out = outs[output]
+            if lead is None:
+                a[rows] = out
+                continue
+            for r, (slot, p0, n) in enumerate(spans):
+                a[(slot, *lead, slice(p0, p0 + n))] = out[(r, *lead, slice(0, n))]
         return outs["logits"].copy()
 
     def _bind_by_value(self, b: int, s: int, k: int) -> tuple[Any, dict[str, np.ndarray]]:
@@ -506,6 +519,19 @@ class OnnxRuntimeBackend:
     def _bind_new(self, io: Any, name: str) -> None:
         io.bind_output(name, "cpu")
         self._bound_outputs.append(name)
+
+
+def _input_binder(io: Any) -> Any:
+    """``bind(name, array)`` for a CPU input of ``io`` that holds no reference to the array: onnxruntime's own
+    binding of a numpy array (the C++ one under ``IOBinding.bind_cpu_input``, which would also keep the array in a
+    dict until the name is bound again); its pointer API where that is missing (``IOBinding`` internals moved)."""
+    raw = getattr(io, "_iobinding", None)
+    if raw is not None and hasattr(raw, "bind_input"):
+        return raw.bind_input
+
+    def bind(name: str, arr: np.ndarray) -> None:
+        io.bind_input(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
+    return bind
 
 
 # Below this a state tensor is plain np.zeros: no 2 MB huge page would hold it anyway.

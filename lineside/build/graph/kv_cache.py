@@ -16,8 +16,9 @@ round trip through the packed bytes.
 
 int4 packs two grid values per byte, channel c with channel c + d/2: byte = lo + 16·hi (both in 0..15).
 TensorRT 10.3's parser has no BitShift/BitwiseAnd and no integer Floor, so both directions are float32
-arithmetic on values below 256 (exact): pack with Mul/Add and a Cast to UINT8, unpack with a Cast from
-UINT8, hi = Floor(b / 16), lo = b − 16·hi, then Concat — every op is in the FP32 column of the tables.
+arithmetic on values below 256 (exact): pack with one MatMul by a 0/1/16 matrix and a Cast to UINT8, unpack
+with a Cast from UINT8, hi = Floor(b / 16), lo = b − 16·hi, then Concat — every op is in the FP32 column of the
+tables.
 
 Dense models store K and V of a layer through one set of ops (``emit_kv_pair``: the two concatenated along the
 head axis) and join the new entries' bytes to the past's before dequantizing. What onnxruntime's CPU pays for a
@@ -25,6 +26,8 @@ short-context step is mostly the passes over the dequantized past, not the node 
 ~0.5-1 us there, a pass over SmolLM2's 6 x 128 x 64 floats ~7 us), so the past is read for K and V apart (no
 Concat and Split of the whole dequantized past per layer), K transposed from its bytes (``_dequantize_kt``: its
 scales then broadcast along T) and V's group scales spread to every channel by a MatMul (``_dequantize``).
+int4 (with its sink entries) reads K by V's ops instead and leaves it untransposed: attention's Transpose next to
+q·kᵀ's MatMul is folded into it (FusedMatMul), so no pass transposes K, its bytes or its scales.
 ``python benchmarks/kv_dtype_cpu.py --short-side-by-side --profile`` prints the per-op table.
 """
 
@@ -87,11 +90,19 @@ def _quantize(g: GraphBuilder, x: str, fmt: KvFormat, *, rank: int, head_dim: in
         deq = g.op("Mul", [grid, s]) if dequantize else None
         sc = g.op("Squeeze", [s16, g.const([-1])]) if grouped else s16
     stored = _ungrouped(g, g.op("Add", [grid, _f(g, fmt.offset)]) if fmt.offset else grid, fmt, rank, head_dim)
-    if fmt.pack == 2:
-        half = fmt.stored_dim(head_dim)
-        a, b = g.op("Split", [stored, g.const([half, half])], n_out=2, axis=-1)
-        stored = g.op("Add", [a, g.op("Mul", [b, _f(g, 16.0)])])
+    if fmt.pack == 2:  # lo + 16·hi by one MatMul (``_packing``) instead of a Split, a Mul and an Add
+        stored = g.op("MatMul", [stored, g.const(_packing(head_dim), np.float32)])
     return stored, sc, None if deq is None else _ungrouped(g, deq, fmt, rank, head_dim)
+
+
+def _packing(head_dim: int) -> np.ndarray:
+    """0/1/16 matrix [d, d/2] taking a head vector's grid values (0..15) to its int4 bytes: byte c = q[c] + 16·q[c + d/2].
+    ``grid @ it`` is exact: two products of small integers by 1 and 16 per byte, the rest by 0 (all below 256)."""
+    half = head_dim // 2
+    m = np.zeros((head_dim, half), np.float32)
+    m[np.arange(half), np.arange(half)] = 1.0
+    m[half + np.arange(half), np.arange(half)] = 16.0
+    return m
 
 
 def _spread(fmt: KvFormat, head_dim: int, which: int) -> np.ndarray:
@@ -171,7 +182,7 @@ def _dequantize_kt(g: GraphBuilder, b: str, scales: str, fmt: KvFormat, *, head_
 
 def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, str], past_scales: tuple[str, str],
                  present: tuple[str, str], present_scales: tuple[str, str], heads: int, head_dim: int,
-                 past_from: int = 0) -> tuple[Any, str]:
+                 sink: bool = False) -> tuple[Any, str]:
     """K and V of a layer: store the new entries ``kv`` [B, 2·heads, S, d] (K's heads, then V's) to ``present`` /
     ``present_scales`` (K's, V's) through one set of ops, and return past and new entries dequantized, K
     transposed, [B, heads, d, T], and V, [B, heads, T, d]: the new ones' stored bytes and scales join the past's
@@ -182,23 +193,22 @@ def emit_kv_pair(g: GraphBuilder, kv: str, fmt: KvFormat, *, past: tuple[str, st
     onnxruntime's CPU, reading both through one set of ops cost a Concat and a Split of the whole dequantized past
     per layer, and the scales broadcast over 64 (int8) or 16 (int4) channels of each token.
 
-    ``past_from`` > 0 (int4's fp16 sink entries hold the first ones): returns ((K's past from that index on,
-    dequantized and transposed, [B, heads, d, P − past_from], and V's, [B, heads, P − past_from, d]), and the new
-    entries [B, 2·heads, S, d] as their grid values times their scales — the same floats, without a round trip
-    through the packed bytes), so the caller puts the sink entries in front with one float Concat each."""
-    stored, sc, deq = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=bool(past_from))
+    ``sink`` (int4's fp16 sink entries): returns ((K's and V's whole past dequantized, [B, heads, P, d] each: K by
+    V's ops and not transposed, since attention transposes it where onnxruntime folds that into q·kᵀ's MatMul),
+    and the new entries [B, 2·heads, S, d] as their grid values times their scales — the
+    same floats, without a round trip through the packed bytes), so the caller puts the sink entries in front with
+    one float Concat each; attention masks the cache's own copies of the sink positions."""
+    stored, sc, deq = _quantize(g, kv, fmt, rank=4, head_dim=head_dim, dequantize=sink)
     halves = g.const([heads, heads])
     new = g.op("Split", [stored, halves], n_out=2, axis=1)
     for f, out in zip(new, present, strict=True):  # TensorRT 10.3 splits no UINT8: split the floats, then cast
         g.op("Cast", [f], outputs=[out], to=TensorProto.UINT8)
     g.op("Split", [sc, halves], outputs=list(present_scales), axis=1)
-    if past_from:
-        rest = [g.const([past_from]), g.const([2 ** 62]), g.const([2])]
-        (kb, vb), (ks, vs) = ([g.op("Slice", [t, *rest]) for t in ts] for ts in
-                              ([g.op("Cast", [p], to=F32) for p in past], past_scales))
+    if sink:
+        kb, vb = (g.op("Cast", [p], to=F32) for p in past)
         assert deq is not None  # the new entries as grid x scale + minimum: the floats their bytes give back
-        return (_dequantize_kt(g, kb, ks, fmt, head_dim=head_dim),
-                _dequantize(g, vb, vs, fmt, rank=4, head_dim=head_dim)), deq
+        return (_dequantize(g, kb, past_scales[0], fmt, rank=4, head_dim=head_dim),
+                _dequantize(g, vb, past_scales[1], fmt, rank=4, head_dim=head_dim)), deq
     (kb, vb), (ks, vs) = ([g.op("Concat", [p, n], axis=2) for p, n in zip(ps, ns, strict=True)] for ps, ns in
                           (([g.op("Cast", [p], to=F32) for p in past], new), (past_scales, present_scales)))
     return _dequantize_kt(g, kb, ks, fmt, head_dim=head_dim), _dequantize(g, vb, vs, fmt, rank=4, head_dim=head_dim)

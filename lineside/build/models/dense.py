@@ -329,10 +329,10 @@ class DenseEmitter:
         g.op("Cast", [x], outputs=[present], to=TensorProto.FLOAT16)  # rounded once; attention reads it
         return g.op("Cast", [present], to=F32), g.op("Cast", [past], to=F32)
 
-    def _kv_write_pair(self, kv: str) -> tuple[str, str]:
+    def _kv_write_pair(self, kv: str) -> tuple[str, str, bool]:
         """Quantized caches: store the new K and V entries ``kv`` [B, 2·kvh, S, d] (K's heads, then V's) through one
-        set of ops and read past and new back dequantized (graph/kv_cache.py); returns K transposed, [B, kvh, d, T],
-        and V, [B, kvh, T, d], as attention reads them."""
+        set of ops and read past and new back dequantized (graph/kv_cache.py); returns K, V, [B, kvh, T, d], and
+        whether K is transposed, [B, kvh, d, T] (int8; int4's K is not: ``_kv_sink``)."""
         from lineside.build.graph.kv_cache import emit_kv_pair
 
         g, kvh, d = self.gb, self.cfg.num_kv_heads, self.cfg.head_dim
@@ -340,30 +340,29 @@ class DenseEmitter:
         assert fmt is not None
         (pk, ok, pks, oks), (pv, ov, pvs, ovs) = self.kv_io["k"], self.kv_io["v"]
         both = emit_kv_pair(g, kv, fmt, past=(pk, pv), past_scales=(pks, pvs), present=(ok, ov),
-                            present_scales=(oks, ovs), heads=kvh, head_dim=d, past_from=fmt.sink)
-        return self._kv_sink(kv, *both, fmt.sink) if fmt.sink else both
+                            present_scales=(oks, ovs), heads=kvh, head_dim=d, sink=bool(fmt.sink))
+        return (*self._kv_sink(kv, *both), False) if fmt.sink else (*both, True)
 
-    def _kv_sink(self, kv: str, past_rest: tuple[str, str], new: str, n: int) -> tuple[str, str]:
-        """int4: new entries at positions < n also go to the fp16 sink state, and attention reads every entry at
-        those positions from it (past ones: the first n of the past; new ones: picked by position), so a step reads
-        the same floats for them as every later step. ``kv``: the new entries [B, 2·kvh, S, d]; ``past_rest``:
-        K's past from index n on, dequantized and transposed [B, kvh, d, P − n], and V's [B, kvh, P − n, d];
-        ``new``: the new entries dequantized, [B, 2·kvh, S, d]; returns K transposed and V, all T entries."""
+    def _kv_sink(self, kv: str, past: tuple[str, str], new: str) -> tuple[str, str]:
+        """int4: new entries at positions < n also go to the fp16 sink state, and attention reads the n sink slots
+        as keys of their own in front of the cache's entries, whose 4-bit copies at those positions the step's mask
+        hides (``_trt_prelude``), so a step reads the same floats for them as every later step. ``kv``: the new
+        entries [B, 2·kvh, S, d]; ``past``: K's and V's whole past dequantized, [B, kvh, P, d] each; ``new``: the new
+        entries dequantized, [B, 2·kvh, S, d]; returns K and V, [B, kvh, n + P + S, d], the entries in the mask's
+        order: no Slice of the past, no pick of the new entries by position. K is not transposed here: attention
+        transposes it right before q·kᵀ's MatMul, which onnxruntime's CPU folds into it (FusedMatMul, transB), so
+        no pass transposes K (nor its bytes, nor its scales)."""
         g = self.gb
-        past, present, _, _ = self.kv_io["sink"]
+        past_sink, present, _, _ = self.kv_io["sink"]
         written = g.op("MatMul", [self.sink_onehot, kv])  # [B, 2·kvh, n, d]: exact, one term per slot
         # chosen in float32, then rounded once: a float16 Where runs as float32 on onnxruntime's CPU, whose
         # cast clean-up would then let attention read the unrounded entry this step (prefill != decode)
-        chosen = g.op("Where", [self.sink_written, written, g.op("Cast", [past], to=F32)])
+        chosen = g.op("Where", [self.sink_written, written, g.op("Cast", [past_sink], to=F32)])
         g.op("Cast", [chosen], outputs=[present], to=TensorProto.FLOAT16)
         sink = g.op("Cast", [present], to=F32)
-        early = g.op("Slice", [sink, g.const([0]), self.past_len, g.const([2])])  # the past's first min(n, P)
-        new = g.op("Where", [self.new_in_sink, g.op("MatMul", [self.sink_onehot_t, sink]), new])
         halves = g.const([self.cfg.num_kv_heads] * 2)
-        (ek, ev), (nk, nv) = (g.op("Split", [t, halves], n_out=2, axis=1) for t in (early, new))
-        t = [0, 1, 3, 2]
-        kt = g.op("Concat", [g.op("Transpose", [ek], perm=t), past_rest[0], g.op("Transpose", [nk], perm=t)], axis=3)
-        return kt, g.op("Concat", [ev, past_rest[1], nv], axis=2)
+        (sk, sv), (nk, nv) = (g.op("Split", [t, halves], n_out=2, axis=1) for t in (sink, new))
+        return g.op("Concat", [sk, past[0], nk], axis=2), g.op("Concat", [sv, past[1], nv], axis=2)
 
     def _kv_rotation(self, inverse: bool = False) -> str | None:
         """The Hadamard rotation of quantized caches (graph/kv_cache.py), as a graph weight; None for float ones."""
@@ -389,22 +388,30 @@ class DenseEmitter:
         bsz = g.op("Shape", ["position_ids"], start=0, end=1)
         past_pos = g.op("Expand", [g.op("Unsqueeze", [past_pos, g.const([0])]), g.op("Concat", [bsz, past], axis=0)])
         key_pos = g.op("Concat", [past_pos, "position_ids"], axis=1)  # [B, T]
+        valid = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)  # [B, T]
         n = self.kv_fmt.sink if self.kv_fmt is not None else 0
         if n:  # int4's fp16 sink entries (_kv_sink): which new entry is which sink slot, once per graph
-            hit = g.op("Equal", [g.op("Unsqueeze", ["position_ids", g.const([1])]),  # [B, 1, S] vs [n, 1]
-                                 g.const(np.arange(n, dtype=np.int64)[:, None])])  # -> [B, n, S]
+            slots = g.const(np.arange(n, dtype=np.int64)[:, None])  # [n, 1]
+            hit = g.op("Equal", [g.op("Unsqueeze", ["position_ids", g.const([1])]), slots])  # [B, n, S]
             onehot = g.op("Unsqueeze", [g.op("Cast", [hit], to=F32), g.const([1])])  # [B, 1, n, S]
             self.sink_onehot = onehot
-            self.sink_onehot_t = g.op("Transpose", [onehot], perm=[0, 1, 3, 2])  # [B, 1, S, n]
             self.sink_written = g.op("Greater", [g.op("ReduceMax", [onehot, g.const([3])], keepdims=1),
                                                  g.const(0.5, np.float32)])  # [B, 1, n, 1]
-            self.new_in_sink = g.op("Unsqueeze", [g.op("Less", ["position_ids", g.const(n)]),
-                                                  g.const([1, 3])])  # [B, 1, S, 1]
-            self.past_len = past  # [1]
+            # Keys: the n sink slots (positions 0..n-1), then the step's past and new entries, whose copies at those
+            # positions are masked. A slot is valid where the entry at its position is: [B, n] from [B, n, T].
+            at = g.op("And", [g.op("Equal", [g.op("Unsqueeze", [key_pos, g.const([1])]), slots]),
+                              g.op("Unsqueeze", [valid, g.const([1])])])
+            slot_valid = g.op("Greater", [g.op("ReduceMax", [g.op("Cast", [at], to=F32), g.const([2])], keepdims=0),
+                                          g.const(0.5, np.float32)])
+            valid = g.op("Concat", [slot_valid, g.op("And", [valid, g.op("Greater", [key_pos, g.const(n - 1)])])],
+                         axis=1)
+            slot_pos = g.op("Expand", [g.const(np.arange(n, dtype=np.int64)[None, :]),
+                                       g.op("Concat", [bsz, g.const([n])], axis=0)])  # [B, n]
+            key_pos = g.op("Concat", [slot_pos, key_pos], axis=1)  # [B, n + T]
         qp = g.op("Unsqueeze", ["position_ids", g.const([2])])  # [B, S, 1]
         kp = g.op("Unsqueeze", [key_pos, g.const([1])])  # [B, 1, T]
         causal = g.op("LessOrEqual", [kp, qp])
-        valid = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", g.const([1])])], to=TensorProto.BOOL)
+        valid = g.op("Unsqueeze", [valid, g.const([1])])  # [B, 1, T]
         # window (None: full attention) -> [B, 1, 1, S, T] mask broadcasting over (kv_heads, group)
         self.allowed: dict[int | None, str] = {}
         for window in dict.fromkeys(cfg.layer_window(i) for i in range(cfg.num_layers)):
@@ -442,6 +449,7 @@ class DenseEmitter:
         if self.key_means is not None:  # int4: keys centred on their calibrated mean (quant/kv_calib.py: exact)
             kh = g.op("Sub", [kh, g.const(self.key_means[layer][:, None, :], np.float32)])
         rot = self._kv_rotation()
+        k_transposed = True
         if self.kv_fmt is None:
             kh, pk = self._kv_write(kh, "k")
             vh, pv = self._kv_write(vh, "v")
@@ -451,9 +459,11 @@ class DenseEmitter:
             kv = g.op("Concat", [kh, vh], axis=1)  # [B, 2·kvh, S, d]
             if rot is not None:  # stored in the rotated basis: q·k is invariant, ctx is rotated back below
                 qh, kv = g.op("MatMul", [qh, rot]), g.op("MatMul", [kv, rot])
-            kall, vall = self._kv_write_pair(kv)  # K transposed
+            kall, vall, k_transposed = self._kv_write_pair(kv)
         qg = g.op("Reshape", [qh, g.const([0, kvh, grp, -1, d])])  # [B, kvh, grp, S, d]
         kt = g.op("Unsqueeze", [kall, g.const([2])])  # [B,kvh,1,d,T]
+        if not k_transposed:  # [B, kvh, 1, T, d]: transposed next to the MatMul (onnxruntime folds it in)
+            kt = g.op("Transpose", [kt], perm=[0, 1, 2, 4, 3])
         scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.const(float(d) ** -0.5, np.float32)])
         scores = g.op("Where", [allowed, scores, self.neg])
         probs = g.op("Softmax", [scores], axis=-1)

@@ -96,8 +96,9 @@ SINK = ("dense models (int4): the first 4 entries of every sequence (positions 0
         "keeps 4 such tokens), so their 4-bit rounding error reaches every later token; 0.5 KiB per (layer, KV "
         "head) and sequence at head_dim 64, see README for SmolLM2's perplexity. DeepSeek-V4 has learned attention "
         "sinks (attn_sink logits) and keeps none")
-PACKING = ("two 4-bit grid values (0..15) per byte: byte = q[c] + 16 * q[c + head_dim/2], packed and unpacked "
-           "with float Mul/Add/Floor and Cast to/from UINT8 (TensorRT 10.3's parser has no BitShift/BitwiseAnd)")
+PACKING = ("two 4-bit grid values (0..15) per byte: byte = q[c] + 16 * q[c + head_dim/2], packed "
+           "by a float MatMul with a 0/1/16 matrix, unpacked with float Mul/Sub/Floor, and Cast to/from UINT8 "
+           "(TensorRT 10.3's parser has no BitShift/BitwiseAnd)")
 
 
 # onnx-tensorrt docs/operators.md (10.1 through the FP4 releases): "INT8, INT4, FP8 ... are treated as Quantized

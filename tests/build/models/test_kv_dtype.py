@@ -159,6 +159,8 @@ def test_int4_states_packing_manifest_and_trt_10_3_tables(kv_bundle):
     # unpacked with Floor: the past entries only (the new ones are read from their grid values), K and V of a layer
     # apart (kv_cache.emit_kv_pair), 2 layers; no bit ops (not in TensorRT 10.3's tables)
     assert rep.op_counts["Floor"] == 4 and not rep.op_counts["BitShift"] and not rep.op_counts["BitwiseAnd"]
+    # the past is read whole (the sink slots are keys of their own, the cache's copies of them masked): no Slice
+    assert not rep.op_counts["Slice"]
     be = OnnxRuntimeBackend(b, num_slots=1, flavor="trt", accuracy_level=0)
     from lineside.runtime.backend import StepBatch
 
@@ -170,6 +172,59 @@ def test_int4_states_packing_manifest_and_trt_10_3_tables(kv_bundle):
     sc = be.arena["past_key_scale.0"][0, :, :len(IDS)].astype(np.float32)  # (scale, minimum) per vector
     deq = grid * sc[..., :1] + sc[..., 1:]
     assert (sc[..., 0] > 0).all() and np.isfinite(deq).all()
+
+
+def test_int4_packing_matmul_is_exact_on_onnxruntime():
+    """The int4 bytes come from one MatMul of the grid values by a 0/1/16 matrix (kv_cache._packing): every (lo, hi)
+    pair of 4-bit values gives lo + 16·hi exactly, through onnxruntime's CPU MatMul, the byte layout
+    ``unpack_int4`` reads (channel c low, c + d/2 high)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from lineside.build.graph.kv_cache import _packing
+
+    d = 64
+    lo, hi = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    pairs = np.stack([lo.ravel(), hi.ravel()], -1)  # 256 (lo, hi)
+    rows = pairs.reshape(256 // (d // 2), d // 2, 2)  # 8 head vectors of 32 pairs each
+    grid = np.concatenate([rows[..., 0], rows[..., 1]], -1).astype(np.float32)  # lo half, then hi half
+    node = helper.make_node("MatMul", ["g", "p"], ["b"])
+    model = helper.make_model(helper.make_graph(
+        [node], "pack", [helper.make_tensor_value_info("g", TensorProto.FLOAT, list(grid.shape))],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)], [numpy_helper.from_array(_packing(d), "p")]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    packed = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"g": grid})[0]
+    assert np.array_equal(packed, grid[:, :d // 2] + 16 * grid[:, d // 2:])
+    assert np.array_equal(unpack_int4(packed.astype(np.uint8)), grid.astype(np.int32))
+
+
+def test_by_value_input_binder_falls_back_to_the_pointer_api():
+    """The by-value step binds its inputs through onnxruntime's numpy binding where IOBinding has it (no reference
+    to the array kept), and through the public pointer API where it does not."""
+    from lineside.runtime.onnxruntime_backend import _input_binder
+
+    calls = []
+
+    class Raw:
+        def bind_input(self, *args):
+            calls.append(("raw", args))
+
+    class WithRaw:
+        _iobinding = Raw()
+
+    class PublicOnly:
+        def bind_input(self, *args):
+            calls.append(("public", args))
+
+    arr = np.arange(6, dtype=np.uint8).reshape(2, 3)
+    _input_binder(WithRaw())("past_key.0", arr)
+    _input_binder(PublicOnly())("past_key.0", arr)
+    assert calls[0] == ("raw", ("past_key.0", arr))
+    kind, (name, device, device_id, dtype, shape, ptr) = calls[1]
+    assert (kind, name, device, device_id, dtype, shape, ptr) == \
+        ("public", "past_key.0", "cpu", 0, np.uint8, [2, 3], arr.ctypes.data)
 
 
 def test_int4_layout_tiles_the_head_vector_or_is_refused():
