@@ -253,8 +253,11 @@ def plan(
         raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
-    if (group_size is not None and group_size < 1) or (prefill_chunk is not None and prefill_chunk < 1):
-        raise LinesideError("--group-size and --prefill-chunk must be at least 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise LinesideError("--prefill-chunk must be at least 1")
+    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
+        raise LinesideError(f"--group-size {group_size}: `lineside build` makes groups of a power of two ≥ 16 "
+                            "(64 or 128 for the trt flavor); plan one of those")
     grid = Grid(group_size) if group_size is not None else (spec.grid or Grid(128))
     w = spec.weights(q, grid)
     kv = spec.kv(ctx, batch, kvb)

@@ -328,6 +328,14 @@ def test_user_errors_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("group_size", [1, 7, 100, 100000])
+def test_a_group_size_build_cannot_make_is_refused(group_size):
+    # `build --group-size` takes a power of two >= 16; the planner sized any count (7: "FITS", a grid no bundle has)
+    with pytest.raises(LinesideError, match=rf"--group-size {group_size}: .*power of two"):
+        plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", group_size=group_size)
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", group_size=32).fits
+
+
 def test_fit_table_and_board_mapping():
     table = fit_table(["orin-nano-8", "agx-orin-64"])
     lines = table.splitlines()
