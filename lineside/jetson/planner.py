@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +173,8 @@ def load_model(model: str) -> ModelSpec:
                 f"{model}: no such file or directory, and not a shipped config "
                 f"({', '.join(shipped_configs())}); pass a checkpoint dir, a bundle or a config.json"
             )
+    if p.is_file() and p.name == MANIFEST:  # a bundle named by its manifest: plan the bundle
+        p = p.parent
     if p.is_dir() and (p / MANIFEST).is_file():
         manifest = read_manifest(p)
         cfg_rel = manifest.config
@@ -181,7 +183,7 @@ def load_model(model: str) -> ModelSpec:
         except (OSError, json.JSONDecodeError) as e:
             raise LinesideError(f"{p}: bundle config {cfg_rel} unreadable ({e}); rebuild the bundle") from None
         if isinstance(d, dict) and "architecture" in d and "architectures" not in d:
-            return _with_bundle(_spec_from_config(ModelConfig.from_json_dict(d), _bundle_quant(manifest)), manifest)
+            return _with_bundle(_spec_from_config(_lineside_config(d, p / cfg_rel), _bundle_quant(manifest)), manifest)
         return _with_bundle(_spec_from_hf(d, p.name, _bundle_quant(manifest)), manifest)
     if p.is_dir():
         return _spec_from_hf(load_hf_config(p / "config.json"), p.name)
@@ -189,9 +191,19 @@ def load_model(model: str) -> ModelSpec:
         raise LinesideError(f"{p}: plan a GGUF through its bundle (`lineside build {p} -o BUNDLE`) or a config.json")
     d = load_hf_config(p)
     if "architecture" in d and "architectures" not in d and "model_type" not in d:
-        return _spec_from_config(ModelConfig.from_json_dict(d))
+        return _spec_from_config(_lineside_config(d, p))
     name = p.parent.name if p.name == "config.json" else p.stem
     return _spec_from_hf(d, name)
+
+
+def _lineside_config(d: dict, where: Path) -> ModelConfig:
+    """A config.json as `lineside build` writes it into a bundle; one line when a field it needs is missing."""
+    fields = ModelConfig.__dataclass_fields__.values()
+    missing = [f.name for f in fields if f.name not in d and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise LinesideError(f"{where}: a lineside model config without {', '.join(missing)}; pass the bundle "
+                            "directory, the checkpoint's own config.json or a shipped config name")
+    return ModelConfig.from_json_dict(d)
 
 
 # Prefill chunks the planner picks from when none is pinned: the engine's default (512) down to 64, where a

@@ -306,6 +306,13 @@ def test_model_forms_checkpoint_bundle_and_config(tmp_path):
     assert plan(str(ckpt / "config.json"), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(bundle), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(bundle), "l4-24").quant == "w8a16"  # the bundle's own scheme by default
+    # the bundle's manifest.json named instead of its directory: was read as a model config, a TypeError traceback
+    assert plan(str(bundle / "manifest.json"), "l4-24").weights_bytes == plan(str(bundle), "l4-24").weights_bytes
+    part = tmp_path / "part.json"  # a lineside config missing fields
+    part.write_text(json.dumps({"architecture": "llama", "hidden_size": 64}))
+    with pytest.raises(LinesideError, match=r"part.json: .*vocab_size") as e:
+        plan(str(part), "l4-24")
+    assert "\n" not in str(e.value)
     assert load_model("deepseek-ai/DeepSeek-V4-Flash").architecture == "deepseek_v4"
     v4 = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
     vb = tmp_path / "v4bundle"
