@@ -117,10 +117,17 @@ def generate(
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     detok = IncrementalDetokenizer(tok)
+    made = 0
     for t in gen.stream(ids, max_tokens, params):
+        made += 1
         sys.stdout.write(detok.add(t))
         sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    limit = gen.backend.max_seq_len
+    if made < max_tokens and len(ids) + made >= limit:  # not EOS, not --max-tokens: the context ran out
+        print(f"note: stopped after {made} tokens at the bundle's context of {limit} tokens (prompt {len(ids)}; "
+              f"--max-tokens {max_tokens}); build the bundle with a larger --max-seq-len for longer output",
+              file=sys.stderr)
     if spec is not None and gen.steps:
         n = gen.accepted + gen.steps  # each decode step adds its kept drafts and one sampled token
         print(f"speculative {spec.label}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
