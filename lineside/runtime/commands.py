@@ -175,17 +175,23 @@ def chat(
             continue
         if not line:
             break
-        messages.append({"role": "user", "content": line})
-        ids = gen.tokenizer.encode_chat(messages)
+        turns = [*messages, {"role": "user", "content": line}]
+        ids = gen.tokenizer.encode_chat(turns)
         room = gen.backend.max_seq_len - len(ids) - 1
-        while room < 16 and len(messages) > 2:  # forget the oldest turns when the context fills up
-            messages = messages[:1] + messages[3:] if system else messages[2:]
-            ids = gen.tokenizer.encode_chat(messages)
+        while room < 16 and len(turns) > 2:  # forget the oldest turns when the context fills up
+            turns = turns[:1] + turns[3:] if system else turns[2:]
+            ids = gen.tokenizer.encode_chat(turns)
             room = gen.backend.max_seq_len - len(ids) - 1
+        if room < 1:  # this line alone fills the context: say so, and keep the conversation as it was
+            print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
+                  f"{gen.backend.max_seq_len}; type a shorter one (or build with a larger --max-seq-len)",
+                  file=sys.stderr)
+            continue
+        messages = turns
         detok = IncrementalDetokenizer(gen.tokenizer)
         sys.stdout.write("model> ")
         answer = []
-        for t in gen.stream(ids, min(max_tokens, max(room, 1)), params):
+        for t in gen.stream(ids, min(max_tokens, room), params):
             piece = detok.add(t)
             answer.append(piece)
             sys.stdout.write(piece)

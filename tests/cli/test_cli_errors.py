@@ -188,6 +188,17 @@ def test_text_that_is_not_utf8_is_one_line(bundle):
     assert proc.stdout.decode(errors="replace").count("you> ") == 3  # asked again after the bad line, then after "hi"
 
 
+def test_a_chat_line_longer_than_the_context_is_one_line_and_the_chat_goes_on(bundle):
+    """A pasted line past the bundle's context (256) ended the chat, exit 1, and the conversation with it."""
+    lines = ["hi", "x" * 400, "hi again", ""]
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle), "--max-tokens", "3"],
+                          input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    err = proc.stderr.split("empty line to quit", 1)[-1].strip().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert len(err) == 1 and "context" in err[0] and "256" in err[0] and "shorter" in err[0], proc.stderr
+    assert proc.stdout.count("you> ") == 4 and proc.stdout.count("model> ") == 2, proc.stdout
+
+
 def test_logits_cli_writes_npy(bundle, tmp_path):
     import numpy as np
 
