@@ -115,6 +115,19 @@ def test_rollback_without_previous_and_bad_inputs(tmp_path, bundle_factory):
         push(tmp_path / "a", str(tmp_path / "file"))
 
 
+@pytest.mark.parametrize("inside", ["", "graphs"])
+def test_a_target_in_the_bundle_is_refused(tmp_path, bundle_factory, inside):
+    # the push wrote versions/ (a whole copy) and current into the bundle being pushed
+    a = bundle_factory(tmp_path / "a", 9)
+    (a / "graphs").mkdir(exist_ok=True)
+    before = sorted(p.name for p in a.rglob("*"))
+    with pytest.raises(LinesideError, match="inside the bundle") as e:
+        push(a, str(a / inside) if inside else str(a))
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in a.rglob("*")) == before
+    assert push(a, str(tmp_path)).files > 0  # the bundle's parent is a fine target (versions/ beside it)
+
+
 def test_cli_push_and_rollback_errors(tmp_path, bundle_factory):
     a = bundle_factory(tmp_path / "a", 8)
     p = run_cli("jetson", "push", a, tmp_path / "dev")
