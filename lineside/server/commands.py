@@ -143,8 +143,8 @@ def serve(
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
                               max_rank=max_lora_rank)
         if lora is not None:  # the base model wins a name both answer to: the adapter would be unreachable
+            from lineside.bundle import default_model_names
             from lineside.errors import LinesideError
-            from lineside.server.state import default_model_names
 
             base = ([n.strip() for n in served_model_name or [] if n.strip()]
                     or default_model_names(Path(bundle), manifest.to_json_dict()))
