@@ -44,6 +44,7 @@ class ModelSpec:
     activations: Callable[..., int]  # (ctx, batch, prefill_chunk, *, every_token_logits=False)
     quantization: str | None = None  # from a bundle's manifest, when known
     grid: Grid | None = None  # a bundle's real quantization grid, when known
+    kv_dtype: str | None = None  # a bundle's KV-cache dtype (`build --kv-dtype`), when known
     context_from: str = "max_position_embeddings"  # what max_positions is
 
 
@@ -146,6 +147,9 @@ def bundle_grid(manifest: Manifest) -> Grid | None:
 def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     """A bundle holds what it was built with: its grid, and at most its max_seq_len of context."""
     spec.grid = bundle_grid(manifest)
+    q: Any = manifest.quantization
+    kv = (q.get("kv_cache") or {}) if isinstance(q, dict) else {}
+    spec.kv_dtype = kv.get("dtype") if isinstance(kv, dict) and isinstance(kv.get("dtype"), str) else None
     mx = manifest.max_seq_len
     if isinstance(mx, int) and 0 < mx:
         spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx
@@ -246,7 +250,7 @@ def plan(
     quant: str | None = None,
     ctx: int | None = None,
     batch: int = 1,
-    kv_dtype: str = "fp16",
+    kv_dtype: str | None = None,
     group_size: int | None = None,
     prefill_chunk: int | None = None,
 ) -> Plan:
@@ -258,6 +262,7 @@ def plan(
     spec = load_model(model) if isinstance(model, str) else model
     dev = get_device(device)
     q = check_quant(quant or spec.quantization or "w4a16")
+    kv_dtype = kv_dtype or spec.kv_dtype or "fp16"  # a bundle's own cache unless asked otherwise
     kvb = check_kv_dtype(kv_dtype)
     if ctx is None:  # 4096, or all a shorter model/bundle has
         ctx = min(4096, spec.max_positions) if spec.max_positions > 0 else 4096
