@@ -134,6 +134,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 if part.type != "text":
                     raise bad(f"content part of type {part.type!r} is not supported (this model reads text only)",
                               param, "unsupported_value")
+                if not isinstance(part.text, str):
+                    raise bad(f"a content part's 'text' must be a string, not {type(part.text).__name__}", param)
                 texts.append(part.text)
             content = "".join(texts)
         plain: dict[str, Any] = {"role": message.role, "content": clean_text(content, param)}

@@ -123,6 +123,11 @@ def test_chat_messages_parts_and_refusal():
         request_mapping.chat_messages(img)
     with pytest.raises(APIError, match="no 'text' field"):
         request_mapping.chat_messages(ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    for text in (None, 5, ["a"]):  # a 500 (TypeError joining the parts) on chat, prefill and streams
+        bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
+        with pytest.raises(APIError, match="'text' must be a string") as e:
+            request_mapping.chat_messages(bad)
+        assert e.value.status == 400 and e.value.param == "messages.0.content"
 
 
 def test_stop_and_priority():
