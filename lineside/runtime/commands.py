@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,8 +18,15 @@ NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back t
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Token ids separated by commas or spaces ("1,2,3", "1, 2, 3", "1 2 3"); an empty one between commas is an
+    error, not skipped."""
+    if not text.strip():
+        return []
+    items = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in items:
+        raise LinesideError(f"--ids {text!r}: an empty id between commas; give token ids like 1,2,3")
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        return [int(x) for x in items]
     except ValueError:
         raise LinesideError(f"--ids {text!r}: give comma-separated integers, e.g. 1,2,3") from None
 

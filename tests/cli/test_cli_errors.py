@@ -167,6 +167,18 @@ def test_ids_out_of_vocab(bundle, tmp_path):
     proc = run_cli("logits", str(bundle), "--ids", "1,2,99999", "-o", str(tmp_path / "x.npy"))
     assert_one_line_error(proc, "99999", "vocab")
     assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,a", "-o", str(tmp_path / "x.npy")), "--ids")
+    # "1,,2" was read as 1,2 (an id left out without a word)
+    assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,,2", "-o", str(tmp_path / "x.npy")), "--ids", "empty")
+
+
+@pytest.mark.parametrize("ids", ["1 2 3", "1, 2, 3", " 1,2,3 "])
+def test_ids_separated_by_spaces_are_each_an_id(bundle, tmp_path, ids):
+    import numpy as np
+
+    # "1 2 3" lost its spaces: one token, 123, and logits [1, vocab] for a three-token question
+    proc = run_cli("logits", str(bundle), "--ids", ids, "-o", str(tmp_path / "x.npy"))
+    assert proc.returncode == 0, proc.stderr
+    assert np.load(tmp_path / "x.npy").shape == (3, 300)
 
 
 def test_not_a_bundle(tmp_path):
