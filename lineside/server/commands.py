@@ -176,6 +176,10 @@ def serve(
 
         check_fallback(bundle, fallback)
         check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
+    from lineside.server.browser_guard import check_browser_lists
+
+    check_browser_lists([h for v in allowed_hosts or [] for h in v.split(",") if h.strip()],
+                        [o for v in allowed_origins or [] for o in v.split(",") if o.strip()])
     from lineside.server.auth import resolve_api_key
 
     key = resolve_api_key(api_key, api_key_file)
