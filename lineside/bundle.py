@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -330,3 +331,25 @@ def open_bundle(path: str | os.PathLike[str], verify: bool = True) -> Bundle:
         return Bundle(path=path, manifest=manifest)
     except (KeyError, json.JSONDecodeError, TypeError) as e:
         raise BundleError(f"{path}: manifest or config is incomplete ({e}); rebuild the bundle") from None
+
+
+_PUSHED = re.compile(r"-[0-9a-f]{12}-\d{8}T\d{6}Z$")
+
+
+def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None) -> list[str]:
+    """The names `serve` answers to by default: the bundle directory's name (its target's when it is a link, e.g.
+    a Jetson ``current``), then the checkpoint's name from the manifest (``org/model`` and ``model``), so clients
+    may send either."""
+    path = Path(bundle_path)
+    name = path.resolve().name if path.is_symlink() else path.name
+    names = [_PUSHED.sub("", name) or name]  # `lineside jetson push` names versions <bundle>-<hash12>-<time>
+    if manifest is None:
+        try:
+            manifest = read_manifest(path).to_json_dict()
+        except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
+            manifest = {}
+    model = str(manifest.get("model_name") or "")
+    for candidate in (model, model.rsplit("/", 1)[-1]):
+        if candidate and candidate not in names:
+            names.append(candidate)
+    return names

@@ -36,6 +36,22 @@ class ClientConfig:
     timeout: float = 60.0
     chunks: int = 0  # > 0: feed each prompt to /v1/prefill in this many pieces first
     chunk_interval: float = 1.0  # seconds between two pieces (the pace the prompt "arrives" at)
+    api_key: str = ""  # sent as 'Authorization: Bearer <key>' (a server run with `serve --api-key`)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+KEY_HINT = "pass the server's key with --api-key (or LINESIDE_API_KEY / OPENAI_API_KEY)"
+
+
+def _refused(status: int, body: str) -> str:
+    """One line for an error answer: its OpenAI message (else the body's start), and on a 401 what to do."""
+    try:
+        msg = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        msg = body[:200]
+    return f"{msg}; {KEY_HINT}" if status == 401 else str(msg)
 
 
 def _payload(cfg: ClientConfig, prompts: list[Prompt]) -> dict:
@@ -76,11 +92,7 @@ async def feed(client: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt, ses
         resp = await client.post(cfg.base_url.rstrip("/") + "/v1/prefill",
                                  json={**_grown(cfg, prompt, whole[:cut]), "session_id": session_id})
         if resp.status_code != 202:
-            try:
-                msg = resp.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = resp.text[:200]
-            raise RuntimeError(f"prefill HTTP {resp.status_code}: {msg}")
+            raise RuntimeError(f"prefill HTTP {resp.status_code}: {_refused(resp.status_code, resp.text)}")
 
 
 async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Prompt], t0: float,
@@ -93,11 +105,7 @@ async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Pr
                              json=_payload(cfg, prompts), headers=headers) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode("utf-8", "replace")
-            try:
-                msg = json.loads(body)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = body[:200]
-            raise RuntimeError(f"HTTP {resp.status_code}: {msg}")
+            raise RuntimeError(f"HTTP {resp.status_code}: {_refused(resp.status_code, body)}")
         async for line in resp.aiter_lines():
             now = time.perf_counter() - t0
             if not line.startswith("data:"):

@@ -64,6 +64,9 @@ def bench(
     temperature: float = num(0.0, kind=float, low=0, help="Sampling temperature (0 = greedy)."),
     ignore_eos: bool = typer.Option(False, help="Send ignore_eos=true (servers that support it)."),
     model: str = typer.Option("", help="Model name to send (default: first of GET /v1/models)."),
+    api_key: str = typer.Option(None, "--api-key", envvar=["LINESIDE_API_KEY", "OPENAI_API_KEY"], show_envvar=True,
+                                help="--url only: the server's key, sent as 'Authorization: Bearer KEY' "
+                                     "(a server run with `serve --api-key`)."),
     seed: int = num(0, low=0, help="Seeds arrivals and synthetic prompts."),
     ttft_ms: float = num(None, kind=float, above=0, help="Goodput target: TTFT at most this many ms."),
     tpot_ms: float = num(None, kind=float, above=0, help="Goodput target: TPOT at most this many ms."),
@@ -161,7 +164,8 @@ def bench(
     deadline = min(max_time, (span + timeout) if span else max_time)
     cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
                        temperature=temperature, ignore_eos=ignore_eos, timeout=timeout,
-                       chunks=chunks if pattern == "chunked" else 0, chunk_interval=chunk_interval)
+                       chunks=chunks if pattern == "chunked" else 0, chunk_interval=chunk_interval,
+                       api_key=(api_key or "") if url is not None else "")
 
     load_before = machine_load()
     warn_if_loaded(load_before, console)
@@ -177,9 +181,9 @@ def bench(
             spec_delta = spec_counters(server.url) - before
     else:
         ready_s = ready_after_s(url)
-        before = spec_counters(url)
+        before = spec_counters(url, cfg.api_key)
         result = run(url, schedule, pool, cfg, deadline, warmup)
-        spec_delta = spec_counters(url) - before
+        spec_delta = spec_counters(url, cfg.api_key) - before
     load_after = machine_load()
 
     summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from lineside.bench.client import ClientConfig, first_model, send
+from lineside.bench.client import KEY_HINT, ClientConfig, first_model, send
 from lineside.bench.load import Schedule
 from lineside.bench.metrics import RequestRecord
 from lineside.bench.prompts import PromptPool
@@ -66,11 +66,17 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
                     deadline: float, warmup: int = 0) -> RunResult:
     """Execute the schedule; `deadline` (s from start) caps the whole run including the drain."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits, headers=cfg.headers()) as client:
         model = cfg.model
         if not model:
             try:
                 model = await first_model(client, url)
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code != 401:
+                    raise LinesideError(f"cannot list models at {url}/v1/models (HTTP {e.response.status_code}); "
+                                        "is it an OpenAI-compatible server? or pass --model") from None
+                raise LinesideError(f"{url}/v1/models answered 401 ("
+                                    f"{'a wrong key' if cfg.api_key else 'it wants an API key'}); {KEY_HINT}") from None
             except (httpx.HTTPError, ValueError, KeyError) as e:
                 raise LinesideError(f"cannot list models at {url}/v1/models ({type(e).__name__}: {e}); "
                                    "is the server running? or pass --model") from None

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from lineside import cli_checks as checks
-from lineside.bundle import AdapterEntry, add_to_manifest, open_bundle
+from lineside.bundle import AdapterEntry, add_to_manifest, default_model_names, open_bundle
 from lineside.errors import LinesideError
 from lineside.lora import CONFIG_FILE, WEIGHTS_FILE, LoraTarget, check_fits, check_name, read_adapter
 
@@ -38,6 +38,10 @@ def add(
     if b.manifest.lora is None:
         raise LinesideError(f"bundle {bundle} has no LoRA graphs; rebuild it with --max-lora-rank R (R: the largest "
                             "adapter rank to serve) before adding adapters")
+    base = default_model_names(b.path, b.manifest.to_json_dict())
+    if name in base:
+        raise LinesideError(f"adapter name {name!r} is also a name of the base model (`serve` answers "
+                            f"{', '.join(map(repr, base))} with it); choose another --name")
     if name in b.manifest.adapters and not force:
         raise LinesideError(f"bundle {bundle} already has an adapter {name!r}; choose another --name or pass --force")
     adapter = read_adapter(adapter_dir, b.config, name)

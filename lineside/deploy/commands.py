@@ -26,6 +26,8 @@ def datacenter_cmd(
     gpu_memory_utilization: Annotated[float, checks.number_option(
         kind=float, above=0, high=1, help="share of each GPU's memory the engine may use")] = 0.90,
     model_dir: Annotated[str, typer.Option(help="where the checkpoints are mounted in the container")] = "/models",
+    force: Annotated[bool, typer.Option(help="replace files in --output that differ from what this writes "
+                                             "(edited since, or another deployment's)")] = False,
 ) -> None:
     """Write the engine's launch command and config (TP/EP, attention-DP, FP8 KV, MTP, CUDA graphs, max context)
     and a docker compose file for engine + SMG gateway; refuse what the engine does not run."""
@@ -35,7 +37,7 @@ def datacenter_cmd(
     checks.target_dir(output, "--output")  # before anything is written
     d = build_deployment(model, gpus, engine, profile=profile, mtp_tokens=mtp_tokens, model_dir=model_dir,
                          gpu_memory_utilization=gpu_memory_utilization)
-    written = write_deployment(d, output)
+    written = write_deployment(d, output, force=force)
     print(format_deployment(d))
     print("wrote " + ", ".join(str(p) for p in written))
 

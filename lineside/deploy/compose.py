@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from lineside.deploy.engines import Deployment
+from lineside.errors import LinesideError
 
 SMG_PIN = "smg==1.13.0"
 GATEWAY_PORT = 30000
@@ -55,14 +56,8 @@ def compose(d: Deployment) -> dict[str, Any]:
     return {"name": f"lineside-{d.served_name}", "services": services}
 
 
-def write_deployment(d: Deployment, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    cfg = out / d.config_file
-    cfg.write_text(f"# {d.engine} config for {d.model} on {d.gpus} (written by `lineside deploy datacenter`)\n"
-                   + yaml.safe_dump(d.config, sort_keys=False))
-    written.append(cfg)
-    launch = out / "launch.sh"
+def deployment_files(d: Deployment) -> dict[str, str]:
+    """What `deploy datacenter` writes into its directory: file name -> text (launch.sh is made executable)."""
     lines = ["#!/bin/sh", f"# {d.model} on {d.gpus} with {d.engine}; the config is ./{d.config_file}", "set -e"]
     for r in d.replicas:
         cmd = [a.replace(f"/config/{d.config_file}", f"$(dirname \"$0\")/{d.config_file}") for a in r.command]
@@ -71,15 +66,41 @@ def write_deployment(d: Deployment, out: Path) -> list[Path]:
                      + (" &" if len(d.replicas) > 1 else ""))
     if len(d.replicas) > 1:
         lines.append("wait")
-    launch.write_text("\n".join(lines) + "\n")
-    launch.chmod(0o755)
-    written.append(launch)
-    dc = out / "docker-compose.yaml"
-    dc.write_text(f"# {d.model} on {d.gpus}: {d.engine} + SMG gateway (MODEL_DIR holds {d.hf_id})\n"
-                  + yaml.safe_dump(compose(d), sort_keys=False))
-    written.append(dc)
-    plan = out / "plan.json"
-    plan.write_text(json.dumps({"engine": d.engine, "model": d.model, "hf_id": d.hf_id, "gpus": d.gpus,
-                                "image": d.image, "plan": d.plan.to_dict(), "notes": d.notes}, indent=2) + "\n")
-    written.append(plan)
+    return {
+        d.config_file: f"# {d.engine} config for {d.model} on {d.gpus} (written by `lineside deploy datacenter`)\n"
+                       + yaml.safe_dump(d.config, sort_keys=False),
+        "launch.sh": "\n".join(lines) + "\n",
+        "docker-compose.yaml": f"# {d.model} on {d.gpus}: {d.engine} + SMG gateway (MODEL_DIR holds {d.hf_id})\n"
+                               + yaml.safe_dump(compose(d), sort_keys=False),
+        "plan.json": json.dumps({"engine": d.engine, "model": d.model, "hf_id": d.hf_id, "gpus": d.gpus,
+                                 "image": d.image, "plan": d.plan.to_dict(), "notes": d.notes}, indent=2) + "\n",
+    }
+
+
+def write_deployment(d: Deployment, out: Path, *, force: bool = False) -> list[Path]:
+    """Write the files into ``out``; one that is there already with other content (edited by hand, or another
+    deployment's) is kept, and the whole write refused, unless ``force``."""
+    files = deployment_files(d)
+    if not force:
+        changed = [name for name, text in files.items()
+                   if (out / name).exists() and _read(out / name) != text]
+        if changed:
+            raise LinesideError(f"--output {out}: {', '.join(changed)} differ{'s' if len(changed) == 1 else ''} from "
+                                "what this deployment writes (edited since, or another deployment's); choose another "
+                                "--output, or pass --force to replace them")
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        path = out / name
+        path.write_text(text)
+        if name == "launch.sh":
+            path.chmod(0o755)
+        written.append(path)
     return written
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -118,17 +118,27 @@ def status_cmd(
     fleet_file: Annotated[Path, FLEET_ARG],
     ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LINESIDE_API_KEY", show_envvar=True,
+        help="the nodes' key (`serve --api-key`), sent as 'Authorization: Bearer KEY' for their load and model")] = None,
 ) -> None:
     """Every node's health, bundle version, degradation level and load in one table."""
+    import sys
+
     from lineside.fleet.spec import load_fleet
     from lineside.fleet.status import fleet_status, status_json, status_table
 
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
-    health = fleet_status(f, ssh=_ssh(ssh))
+    health = fleet_status(f, ssh=_ssh(ssh), api_key=api_key)
     if as_json:
         print(json.dumps(status_json(f, health), indent=2))
     else:
         _print(status_table(f, health))
+    locked = [h.node for h in health if h.unauthorized]
+    if locked:
+        print(f"note: {', '.join(locked)} answered 401 for their load and model: "
+              + ("a wrong key (--api-key)" if api_key else "pass the nodes' key with --api-key (or LINESIDE_API_KEY)"),
+              file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:

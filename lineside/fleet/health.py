@@ -39,6 +39,7 @@ class NodeHealth:
     version: str | None = None  # the bundle version its target's `current` points at
     latency_ms: float | None = None
     error: str | None = None
+    unauthorized: bool = False  # /metrics or /v1/models answered 401 (fleet status --api-key)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +68,13 @@ def probe(node: Node, client: httpx.Client, *, with_details: bool = True) -> Nod
     if metrics is not None and metrics.status_code == 200:
         h.running, h.waiting, level = _load(metrics.text)
         h.degradation = h.degradation or level
-    models = _json(_get(client, base + "/v1/models"))
+    listed = _get(client, base + "/v1/models")
+    refused = [path for path, r in (("/metrics", metrics), ("/v1/models", listed))
+               if r is not None and r.status_code == 401]
+    if refused:  # a node run with `serve --api-key`: its load and model are behind the key
+        h.unauthorized = True
+        h.error = h.error or f"{' and '.join(refused)} answered 401: the node wants an API key"
+    models = _json(listed)
     data = models.get("data") if isinstance(models.get("data"), list) else []
     if data and isinstance(data[0], dict):
         h.model = data[0].get("id")

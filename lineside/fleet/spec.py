@@ -73,7 +73,7 @@ class Node(_Strict):
     quant: str | None = None
     ctx: Annotated[int | None, Field(ge=1)] = None  # None: 4096, or all of a shorter bundle's max_seq_len
     batch: Annotated[int, Field(ge=1)] = 1
-    kv_dtype: str = "fp16"
+    kv_dtype: str | None = None  # planning: None is the bundle's own cache dtype, else fp16
     restart: str | None = None  # run on the node after a switch (over ssh for ssh targets), e.g. systemctl restart
     health_path: str = "/health/ready"
     # SMG registers a worker only once GET /health answers; for a server without it (llama-cpp-python) the

@@ -11,9 +11,11 @@ from lineside.fleet.health import NodeHealth, bundle_version, probe
 from lineside.fleet.spec import FleetFile, pool_of
 
 
-def fleet_status(fleet: FleetFile, *, ssh: str = "ssh", timeout_s: float | None = None) -> list[NodeHealth]:
-    """One NodeHealth per node, in the fleet file's order."""
-    with httpx.Client(timeout=timeout_s or fleet.gateway.health.timeout_s) as client:
+def fleet_status(fleet: FleetFile, *, ssh: str = "ssh", timeout_s: float | None = None,
+                 api_key: str | None = None) -> list[NodeHealth]:
+    """One NodeHealth per node, in the fleet file's order; ``api_key`` is sent to every node (`serve --api-key`)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=timeout_s or fleet.gateway.health.timeout_s, headers=headers) as client:
         def one(n: Any) -> NodeHealth:
             h = probe(n, client)
             h.version = bundle_version(n, ssh)

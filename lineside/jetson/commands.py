@@ -52,9 +52,10 @@ def plan_cmd(
     ctx: Annotated[int | None, checks.number_option(
         low=1, help="context length per sequence, prompt + output (default: 4096, or a shorter bundle's own)")] = None,
     batch: Annotated[int, checks.number_option(low=1, high=1 << 20, help="sequences decoded together")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help="fp16 | int8 | int4 | fp8")] = "fp16",
+    kv_dtype: Annotated[str | None, typer.Option(help="fp16 | int8 | int4 | fp8 (default: the bundle's, else fp16)")]
+    = None,
     group_size: Annotated[int | None, checks.number_option(
-        low=1, help="quantization group size, weights per fp16 scale (default: a bundle's own grid, else 128)")] = None,
+        low=16, help="quantization group size, weights per fp16 scale, a power of two (default: a bundle's own grid, else 128)")] = None,
     prefill_chunk: Annotated[int | None, checks.number_option(
         low=1, help="prompt tokens processed per step (default: the largest of 512/256/128/64 that fits)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,

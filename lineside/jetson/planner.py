@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class ModelSpec:
     activations: Callable[..., int]  # (ctx, batch, prefill_chunk, *, every_token_logits=False)
     quantization: str | None = None  # from a bundle's manifest, when known
     grid: Grid | None = None  # a bundle's real quantization grid, when known
+    kv_dtype: str | None = None  # a bundle's KV-cache dtype (`build --kv-dtype`), when known
     context_from: str = "max_position_embeddings"  # what max_positions is
 
 
@@ -146,6 +147,9 @@ def bundle_grid(manifest: Manifest) -> Grid | None:
 def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     """A bundle holds what it was built with: its grid, and at most its max_seq_len of context."""
     spec.grid = bundle_grid(manifest)
+    q: Any = manifest.quantization
+    kv = (q.get("kv_cache") or {}) if isinstance(q, dict) else {}
+    spec.kv_dtype = kv.get("dtype") if isinstance(kv, dict) and isinstance(kv.get("dtype"), str) else None
     mx = manifest.max_seq_len
     if isinstance(mx, int) and 0 < mx:
         spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx
@@ -173,6 +177,8 @@ def load_model(model: str) -> ModelSpec:
                 f"{model}: no such file or directory, and not a shipped config "
                 f"({', '.join(shipped_configs())}); pass a checkpoint dir, a bundle or a config.json"
             )
+    if p.is_file() and p.name == MANIFEST:  # a bundle named by its manifest: plan the bundle
+        p = p.parent
     if p.is_dir() and (p / MANIFEST).is_file():
         manifest = read_manifest(p)
         cfg_rel = manifest.config
@@ -181,7 +187,7 @@ def load_model(model: str) -> ModelSpec:
         except (OSError, json.JSONDecodeError) as e:
             raise LinesideError(f"{p}: bundle config {cfg_rel} unreadable ({e}); rebuild the bundle") from None
         if isinstance(d, dict) and "architecture" in d and "architectures" not in d:
-            return _with_bundle(_spec_from_config(ModelConfig.from_json_dict(d), _bundle_quant(manifest)), manifest)
+            return _with_bundle(_spec_from_config(_lineside_config(d, p / cfg_rel), _bundle_quant(manifest)), manifest)
         return _with_bundle(_spec_from_hf(d, p.name, _bundle_quant(manifest)), manifest)
     if p.is_dir():
         return _spec_from_hf(load_hf_config(p / "config.json"), p.name)
@@ -189,9 +195,19 @@ def load_model(model: str) -> ModelSpec:
         raise LinesideError(f"{p}: plan a GGUF through its bundle (`lineside build {p} -o BUNDLE`) or a config.json")
     d = load_hf_config(p)
     if "architecture" in d and "architectures" not in d and "model_type" not in d:
-        return _spec_from_config(ModelConfig.from_json_dict(d))
+        return _spec_from_config(_lineside_config(d, p))
     name = p.parent.name if p.name == "config.json" else p.stem
     return _spec_from_hf(d, name)
+
+
+def _lineside_config(d: dict, where: Path) -> ModelConfig:
+    """A config.json as `lineside build` writes it into a bundle; one line when a field it needs is missing."""
+    fields = ModelConfig.__dataclass_fields__.values()
+    missing = [f.name for f in fields if f.name not in d and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise LinesideError(f"{where}: a lineside model config without {', '.join(missing)}; pass the bundle "
+                            "directory, the checkpoint's own config.json or a shipped config name")
+    return ModelConfig.from_json_dict(d)
 
 
 # Prefill chunks the planner picks from when none is pinned: the engine's default (512) down to 64, where a
@@ -234,7 +250,7 @@ def plan(
     quant: str | None = None,
     ctx: int | None = None,
     batch: int = 1,
-    kv_dtype: str = "fp16",
+    kv_dtype: str | None = None,
     group_size: int | None = None,
     prefill_chunk: int | None = None,
 ) -> Plan:
@@ -246,6 +262,7 @@ def plan(
     spec = load_model(model) if isinstance(model, str) else model
     dev = get_device(device)
     q = check_quant(quant or spec.quantization or "w4a16")
+    kv_dtype = kv_dtype or spec.kv_dtype or "fp16"  # a bundle's own cache unless asked otherwise
     kvb = check_kv_dtype(kv_dtype)
     if ctx is None:  # 4096, or all a shorter model/bundle has
         ctx = min(4096, spec.max_positions) if spec.max_positions > 0 else 4096
@@ -253,8 +270,11 @@ def plan(
         raise LinesideError(f"--kv-dtype fp8: {dev.name} (SM {dev.sm}) has no FP8; use --kv-dtype int8")
     if ctx < 1 or batch < 1:
         raise LinesideError(f"--ctx and --batch must be at least 1 (got ctx={ctx}, batch={batch})")
-    if (group_size is not None and group_size < 1) or (prefill_chunk is not None and prefill_chunk < 1):
-        raise LinesideError("--group-size and --prefill-chunk must be at least 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise LinesideError("--prefill-chunk must be at least 1")
+    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
+        raise LinesideError(f"--group-size {group_size}: `lineside build` makes groups of a power of two ≥ 16 "
+                            "(64 or 128 for the trt flavor); plan one of those")
     grid = Grid(group_size) if group_size is not None else (spec.grid or Grid(128))
     w = spec.weights(q, grid)
     kv = spec.kv(ctx, batch, kvb)

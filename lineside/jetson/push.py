@@ -65,6 +65,11 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
 
     t = open_target(target, ssh)
     try:
+        if isinstance(t, LocalTarget):
+            root, home = t.root.expanduser().resolve(), src.expanduser().resolve()
+            if root == home or home in root.parents:  # versions/ and current would be written into the bundle
+                raise LinesideError(f"TARGET {target} is inside the bundle {bundle} being pushed; push to the "
+                                    "device's directory (e.g. /opt/lineside), not into the bundle")
         return _push(t, src, manifest, digest, expected, files, total, progress)
     finally:
         t.close()

@@ -6,6 +6,7 @@ margin; the environment file carries settings that differ per device (port, thre
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,49 @@ class ServiceSpec:
     description: str = "lineside LLM server"
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*|[0-9]+")  # a user or group systemd takes (or a numeric id)
+_HOST = re.compile(r"[A-Za-z0-9_.:\[\]%-]+")  # an address or name, one word
+
+
+def _check(spec: ServiceSpec) -> None:
+    """What systemd would read otherwise than meant is refused in one line: it runs the unit from /, so a relative
+    bundle or environment file is another path (or ignored); a space or line break splits a value."""
+    for option, value in (("--bundle", spec.bundle), ("--env-file", spec.env_file), ("--exec-path", spec.exec_path),
+                          ("--user", spec.user), ("--host", spec.host)):
+        if any(ch in value for ch in "\n\r\0"):
+            raise LinesideError(f"{option} {value!r}: a unit value is one line; remove the line break")
+    for option, value in (("--bundle", spec.bundle), ("--env-file", spec.env_file)):
+        if value and not value.startswith("/"):
+            raise LinesideError(f"{option} {value}: give the absolute path on the device (systemd runs the service "
+                                f"from /, so a relative path is another file)")
+    if "/" in spec.exec_path and not spec.exec_path.startswith("/"):
+        raise LinesideError(f"--exec-path {spec.exec_path}: give an absolute path (or a bare name systemd finds on "
+                            "its PATH)")
+    if not _NAME.fullmatch(spec.user) or not _NAME.fullmatch(spec.group):
+        raise LinesideError(f"--user {spec.user!r}: give a user name (letters, digits, '_', '.', '-') or a numeric id")
+    if not _HOST.fullmatch(spec.host):
+        raise LinesideError(f"--host {spec.host!r}: give one address or host name, e.g. 0.0.0.0")
+
+
+def _literal(text: str) -> str:
+    """Text systemd reads as it is: '%' starts a specifier everywhere and '$' a variable in Exec lines."""
+    return text.replace("%", "%%")
+
+
+def _exec_word(text: str) -> str:
+    return _literal(shlex.quote(text)).replace("$", "$$")
+
+
 def render_unit(spec: ServiceSpec) -> str:
     """The unit file text."""
     if spec.drain_timeout_s < 0 or not 0 < spec.port < 65536:
         raise LinesideError("--drain-timeout must be >= 0 and --port in 1..65535")
-    exe = spec.exec_path or "/usr/local/bin/lineside"
-    bundle = shlex.quote(spec.bundle)
+    _check(spec)
+    exe = _exec_word(spec.exec_path or "/usr/local/bin/lineside")
+    bundle = _exec_word(spec.bundle)
     lines = [
         "[Unit]",
-        f"Description={spec.description} ({spec.bundle})",
+        f"Description={_literal(f'{spec.description} ({spec.bundle})')}",
         "After=network-online.target",
         "Wants=network-online.target",
         "",
@@ -43,7 +78,7 @@ def render_unit(spec: ServiceSpec) -> str:
         "Type=simple",
         f"User={spec.user}",
         f"Group={spec.group}",
-        f"EnvironmentFile=-{spec.env_file}",
+        f"EnvironmentFile=-{_literal(spec.env_file)}",
     ]
     if spec.build_engine:
         # First start on a new device or after a push: build the engine for this GPU (slow, once);

@@ -218,8 +218,16 @@ class SshTarget:
 _REMOTE = re.compile(r"^(?P<host>(?:[^@/:\s]+@)?[^@/:\s]+):(?P<path>.+)$")
 
 
+_HALF_REMOTE = re.compile(r"^(?:[^@/:\s]+@)?[^@/:\s]+:$|^[^@/:\s]*@:")  # user@host: (no dir), user@:/dir (no host)
+
+
 def open_target(target: str, ssh: str = "ssh") -> LocalTarget | SshTarget:
-    """`user@host:/dir` -> SshTarget; anything else is a local or mounted directory."""
+    """`user@host:/dir` -> SshTarget; anything else is a local or mounted directory (but not a half-written ssh
+    target, which would otherwise become a local directory named like it)."""
+    if _HALF_REMOTE.match(target) and not os.path.exists(target):
+        missing = "host" if "@:" in target else "directory on the host"
+        raise LinesideError(f"TARGET {target!r} names no {missing}; give user@host:/opt/lineside (or a local "
+                            "directory)")
     m = _REMOTE.match(target)
     if m and not os.path.exists(target):
         return SshTarget(m.group("host"), m.group("path"), ssh)

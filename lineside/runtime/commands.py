@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,8 +18,15 @@ NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back t
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Token ids separated by commas or spaces ("1,2,3", "1, 2, 3", "1 2 3"); an empty one between commas is an
+    error, not skipped."""
+    if not text.strip():
+        return []
+    items = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in items:
+        raise LinesideError(f"--ids {text!r}: an empty id between commas; give token ids like 1,2,3")
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        return [int(x) for x in items]
     except ValueError:
         raise LinesideError(f"--ids {text!r}: give comma-separated integers, e.g. 1,2,3") from None
 
@@ -117,10 +125,17 @@ def generate(
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     detok = IncrementalDetokenizer(tok)
+    made = 0
     for t in gen.stream(ids, max_tokens, params):
+        made += 1
         sys.stdout.write(detok.add(t))
         sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    limit = gen.backend.max_seq_len
+    if made < max_tokens and len(ids) + made >= limit:  # not EOS, not --max-tokens: the context ran out
+        print(f"note: stopped after {made} tokens at the bundle's context of {limit} tokens (prompt {len(ids)}; "
+              f"--max-tokens {max_tokens}); build the bundle with a larger --max-seq-len for longer output",
+              file=sys.stderr)
     if spec is not None and gen.steps:
         n = gen.accepted + gen.steps  # each decode step adds its kept drafts and one sampled token
         print(f"speculative {spec.label}: {gen.accepted}/{gen.drafted} proposed tokens accepted, "
@@ -168,17 +183,23 @@ def chat(
             continue
         if not line:
             break
-        messages.append({"role": "user", "content": line})
-        ids = gen.tokenizer.encode_chat(messages)
+        turns = [*messages, {"role": "user", "content": line}]
+        ids = gen.tokenizer.encode_chat(turns)
         room = gen.backend.max_seq_len - len(ids) - 1
-        while room < 16 and len(messages) > 2:  # forget the oldest turns when the context fills up
-            messages = messages[:1] + messages[3:] if system else messages[2:]
-            ids = gen.tokenizer.encode_chat(messages)
+        while room < 16 and len(turns) > 2:  # forget the oldest turns when the context fills up
+            turns = turns[:1] + turns[3:] if system else turns[2:]
+            ids = gen.tokenizer.encode_chat(turns)
             room = gen.backend.max_seq_len - len(ids) - 1
+        if room < 1:  # this line alone fills the context: say so, and keep the conversation as it was
+            print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
+                  f"{gen.backend.max_seq_len}; type a shorter one (or build with a larger --max-seq-len)",
+                  file=sys.stderr)
+            continue
+        messages = turns
         detok = IncrementalDetokenizer(gen.tokenizer)
         sys.stdout.write("model> ")
         answer = []
-        for t in gen.stream(ids, min(max_tokens, max(room, 1)), params):
+        for t in gen.stream(ids, min(max_tokens, room), params):
             piece = detok.add(t)
             answer.append(piece)
             sys.stdout.write(piece)

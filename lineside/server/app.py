@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.middleware.cors import CORSMiddleware
 
+from lineside.bundle import default_model_names
 from lineside.runtime.engine import LoraServing
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
@@ -21,7 +22,7 @@ from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
 from lineside.server.slo.guard import SloGuard
 from lineside.server.slo.policy import SloPolicy
-from lineside.server.state import ServerState, default_model_names
+from lineside.server.state import ServerState
 
 _CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode", "x-session-id"]
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from lineside.errors import LinesideError
 from lineside.server.errors import APIError
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -124,3 +126,26 @@ async def _refuse(send: Any, status: int, message: str, *, code: str) -> None:
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+_ORIGIN = re.compile(r"^https?://[^/\s?#]+/?$")
+
+
+def check_browser_lists(hosts: list[str], origins: list[str]) -> None:
+    """--allowed-hosts are Host names without a port, --allowed-origins are scheme://host[:port] (what a browser
+    sends); a value that can never equal one is one line here, not every call refused later without a word why."""
+    for origin in origins:
+        o = origin.strip()
+        if o != "*" and not _ORIGIN.match(o):
+            hint = f"e.g. http://{o.split('://')[-1].split('/')[0]}" if o else "e.g. http://dash.local:3000"
+            raise LinesideError(f"--allowed-origins {origin!r}: an origin is scheme://host[:port] as the browser "
+                                f"sends it, no path ({hint}), or '*'")
+    for host in hosts:
+        h = host.strip()
+        bare = h.strip("[]")
+        if h.count(":") == 1 and not h.startswith("["):  # name:port (an IPv6 address has two or more)
+            raise LinesideError(f"--allowed-hosts {host!r}: give the host name without the port "
+                                f"({h.split(':')[0]}); any port is allowed")
+        if any(ch in bare for ch in "/ \t") or "://" in h:
+            raise LinesideError(f"--allowed-hosts {host!r}: give a host name or address (e.g. orin.plant.local), "
+                                "not a URL")

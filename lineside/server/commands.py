@@ -142,6 +142,17 @@ def serve(
         modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
                               max_rank=max_lora_rank)
+        if lora is not None:  # the base model wins a name both answer to: the adapter would be unreachable
+            from lineside.bundle import default_model_names
+            from lineside.errors import LinesideError
+
+            base = ([n.strip() for n in served_model_name or [] if n.strip()]
+                    or default_model_names(Path(bundle), manifest.to_json_dict()))
+            clash = next((name for name in lora.adapters if name in base), None)
+            if clash is not None:
+                raise LinesideError(f"adapter name {clash!r} is also a name of the base model (it answers to "
+                                    f"{', '.join(map(repr, base))}): requests for it would get the base model; give "
+                                    "the adapter another name (or the base one with --served-model-name)")
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         need, what, fix = checks.decode_state_bytes(manifest, num_slots), f"the KV cache for --num-slots {num_slots}", \
             "lower --num-slots"
@@ -165,6 +176,10 @@ def serve(
 
         check_fallback(bundle, fallback)
         check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
+    from lineside.server.browser_guard import check_browser_lists
+
+    check_browser_lists([h for v in allowed_hosts or [] for h in v.split(",") if h.strip()],
+                        [o for v in allowed_origins or [] for o in v.split(",") if o.strip()])
     from lineside.server.auth import resolve_api_key
 
     key = resolve_api_key(api_key, api_key_file)

@@ -134,6 +134,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 if part.type != "text":
                     raise bad(f"content part of type {part.type!r} is not supported (this model reads text only)",
                               param, "unsupported_value")
+                if not isinstance(part.text, str):
+                    raise bad(f"a content part's 'text' must be a string, not {type(part.text).__name__}", param)
                 texts.append(part.text)
             content = "".join(texts)
         plain: dict[str, Any] = {"role": message.role, "content": clean_text(content, param)}
@@ -142,6 +144,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if message.tool_calls:
             if message.role != "assistant":
                 raise bad("only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+            for j, call in enumerate(message.tool_calls):
+                f = call.get("function")
+                if (not isinstance(f, dict) or not isinstance(f.get("name"), str)
+                        or not isinstance(f.get("arguments", ""), (str, dict))):
+                    raise bad('a tool call is {"id": ..., "type": "function", "function": {"name": "...", '
+                              '"arguments": "{...}"}} (name a string, arguments JSON text)',
+                              f"messages.{i}.tool_calls.{j}.function")
             plain["tool_calls"] = message.tool_calls
         if message.tool_call_id:
             plain["tool_call_id"] = message.tool_call_id

@@ -99,7 +99,10 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     t = p.get("type") if isinstance(p, dict) else type(p).__name__
                     raise _bad(f"{where}.content[{j}]: {t!r} parts are not supported; this model reads text only",
                                f"{where}.content[{j}].type")
-                parts.append(str(p.get("text") or ""))
+                if not isinstance(p.get("text"), str):
+                    raise _bad(f"{where}.content[{j}].text: give the part's text as a string (got "
+                               f"{type(p.get('text')).__name__})", f"{where}.content[{j}].text")
+                parts.append(p["text"])
             text = "".join(parts)
         else:
             raise _bad(f"{where}.content: give a string or a list of input_text parts", f"{where}.content")

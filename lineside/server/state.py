@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lineside.bundle import default_model_names
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 from lineside.server.response_store import ResponseStore
@@ -25,29 +25,6 @@ if TYPE_CHECKING:
     from lineside.server.slo.guard import SloGuard
 
 log = logging.getLogger("lineside.server")
-
-
-_PUSHED = re.compile(r"-[0-9a-f]{12}-\d{8}T\d{6}Z$")
-
-
-def default_model_names(bundle_path: str | Path, manifest: dict[str, Any] | None) -> list[str]:
-    """The bundle directory's name (its target's when it is a link, e.g. a Jetson ``current``), then the
-    checkpoint's name from the manifest (``org/model`` and ``model``), so clients may send either."""
-    path = Path(bundle_path)
-    name = path.resolve().name if path.is_symlink() else path.name
-    names = [_PUSHED.sub("", name) or name]  # `lineside jetson push` names versions <bundle>-<hash12>-<time>
-    if manifest is None:
-        try:
-            from lineside.bundle import read_manifest
-
-            manifest = read_manifest(path).to_json_dict()
-        except Exception:  # noqa: BLE001 - a bad bundle is reported by the loader, not here
-            manifest = {}
-    model = str(manifest.get("model_name") or "")
-    for candidate in (model, model.rsplit("/", 1)[-1]):
-        if candidate and candidate not in names:
-            names.append(candidate)
-    return names
 
 
 def process_age_s() -> float | None:

@@ -1,7 +1,9 @@
 """A tiny fake OpenAI-compatible SSE server with known timings, for the bench's end-to-end tests.
 
 Every choice streams `max_tokens` chunks of one token: the first after `ttft` seconds, then one per
-`step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s.
+`step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s. With
+``api_key`` every route but /health/ready wants 'Authorization: Bearer <api_key>' (an OpenAI-shaped 401), as
+`lineside serve --api-key` does.
 """
 
 from __future__ import annotations
@@ -14,11 +16,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 
-def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model") -> FastAPI:
+def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model", api_key: str = "") -> FastAPI:
     app = FastAPI()
     app.state.inflight = 0
     app.state.max_inflight = 0
     app.state.requests = 0
+
+    if api_key:
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            if request.url.path != "/health/ready" and request.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse({"error": {"message": "wrong API key", "type": "authentication_error",
+                                               "code": "invalid_api_key"}}, status_code=401)
+            return await call_next(request)
 
     @app.get("/health/ready")
     async def ready():

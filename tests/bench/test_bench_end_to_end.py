@@ -18,6 +18,7 @@ from lineside.bench.inprocess import BackgroundServer
 from lineside.bench.metrics import summarize, tpot, ttft
 from lineside.bench.prompts import Prompt, PromptPool, synthetic
 from lineside.bench.runner import run
+from lineside.errors import LinesideError
 from tests.bench.bench_fake_server import make_app
 
 TTFT, STEP = 0.03, 0.005
@@ -116,6 +117,30 @@ def test_cli_url_report_and_compare(server, tmp_path):
     r = runner.invoke(cli_app(), ["bench", "--compare", str(outs[0] / "report.json"), str(outs[1] / "report.json")])
     assert r.exit_code == 0, r.output
     assert "Request throughput" in r.output and "TTFT p99 (ms)" in r.output and "%" in r.output
+
+
+def test_cli_url_sends_the_servers_api_key(tmp_path, monkeypatch):
+    """A server started with `serve --api-key` (or LINESIDE_API_KEY) is benched with the same key; without one the
+    model listing's 401 is one line that says to pass it (it asked "is the server running?")."""
+    monkeypatch.delenv("LINESIDE_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "3", "--warmup", "0"]
+    with BackgroundServer(make_app(0.01, 0.002, api_key="k3y"), startup_timeout=20) as srv:
+        runner = CliRunner()
+        r = runner.invoke(cli_app(), ["bench", "--url", srv.url, *args])
+        said = str(r.exception)  # the LinesideError `lineside` prints as one line
+        assert isinstance(r.exception, LinesideError) and "401" in said and "--api-key" in said, said
+        assert "is the server running" not in said
+        r = runner.invoke(cli_app(), ["bench", "--url", srv.url, "--model", "m", *args])
+        said = str(r.exception)  # every request refused: say why
+        assert isinstance(r.exception, LinesideError) and "wrong API key" in said and "--api-key" in said, said
+        r = runner.invoke(cli_app(), ["bench", "--url", srv.url, "--api-key", "k3y", *args,
+                                      "--out", str(tmp_path / "o"), "--no-plots"])
+        assert r.exit_code == 0, r.output
+        assert json.loads((tmp_path / "o" / "report.json").read_text())["summary"]["completed"] == 2
+        r = runner.invoke(cli_app(), ["bench", "--url", srv.url, *args], env={"LINESIDE_API_KEY": "k3y"})
+        assert r.exit_code == 0, r.output
 
 
 def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):

@@ -167,6 +167,18 @@ def test_ids_out_of_vocab(bundle, tmp_path):
     proc = run_cli("logits", str(bundle), "--ids", "1,2,99999", "-o", str(tmp_path / "x.npy"))
     assert_one_line_error(proc, "99999", "vocab")
     assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,a", "-o", str(tmp_path / "x.npy")), "--ids")
+    # "1,,2" was read as 1,2 (an id left out without a word)
+    assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,,2", "-o", str(tmp_path / "x.npy")), "--ids", "empty")
+
+
+@pytest.mark.parametrize("ids", ["1 2 3", "1, 2, 3", " 1,2,3 "])
+def test_ids_separated_by_spaces_are_each_an_id(bundle, tmp_path, ids):
+    import numpy as np
+
+    # "1 2 3" lost its spaces: one token, 123, and logits [1, vocab] for a three-token question
+    proc = run_cli("logits", str(bundle), "--ids", ids, "-o", str(tmp_path / "x.npy"))
+    assert proc.returncode == 0, proc.stderr
+    assert np.load(tmp_path / "x.npy").shape == (3, 300)
 
 
 def test_not_a_bundle(tmp_path):
@@ -186,6 +198,17 @@ def test_text_that_is_not_utf8_is_one_line(bundle):
     assert proc.returncode == 0, proc.stderr
     assert len(err) == 1 and "UTF-8" in err[0] and "Traceback" not in proc.stderr.decode(errors="replace")
     assert proc.stdout.decode(errors="replace").count("you> ") == 3  # asked again after the bad line, then after "hi"
+
+
+def test_a_chat_line_longer_than_the_context_is_one_line_and_the_chat_goes_on(bundle):
+    """A pasted line past the bundle's context (256) ended the chat, exit 1, and the conversation with it."""
+    lines = ["hi", "x" * 400, "hi again", ""]
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle), "--max-tokens", "3"],
+                          input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    err = proc.stderr.split("empty line to quit", 1)[-1].strip().splitlines()
+    assert proc.returncode == 0, proc.stderr
+    assert len(err) == 1 and "context" in err[0] and "256" in err[0] and "shorter" in err[0], proc.stderr
+    assert proc.stdout.count("you> ") == 4 and proc.stdout.count("model> ") == 2, proc.stdout
 
 
 def test_logits_cli_writes_npy(bundle, tmp_path):

@@ -88,6 +88,8 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
                                 target_modules=["q_proj"])), "--name", "big"), ("rank 16", "--max-lora-rank")),
         ((str(tmp_path / "nowhere"), "--name", "x"), ("no such adapter directory",)),
         ((str(peft_adapter("llama-gqa", "qv")), "--name", "bad/name"), ("adapter name",)),
+        # the bundle's own served name: `serve` would answer it with the base model (and now refuses the bundle)
+        ((str(peft_adapter("llama-gqa", "qv")), "--name", "tiny-llama"), ("'tiny-llama'", "base model")),
     ]
     for args, needles in cases:
         assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), *args), *needles)

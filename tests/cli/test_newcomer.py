@@ -139,6 +139,17 @@ def test_chat_without_template_says_so(ckpt, bundle, tmp_path):
     assert with_template.returncode == 0 and "chat template" not in with_template.stderr
 
 
+def test_generate_cut_short_by_the_context_says_so(bundle):
+    # --max-tokens past the bundle's context stopped at it without a word (the server refuses such a request)
+    args = ("--prompt", "hi", "--backend", "onnxruntime")
+    proc = run_cli("generate", str(bundle), *args, "--max-tokens", "1000")
+    assert proc.returncode == 0, proc.stderr
+    notes = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("backend:")]
+    assert len(notes) == 1 and "context of 32 tokens" in notes[0] and "--max-seq-len" in notes[0], proc.stderr
+    short = run_cli("generate", str(bundle), *args, "--max-tokens", "3")
+    assert short.returncode == 0 and "context" not in short.stderr, short.stderr
+
+
 # 4. Every benchmark script answers --help with its usage, without running anything.
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "benchmarks").glob("*.py")))
 def test_benchmark_help(script):

@@ -192,6 +192,24 @@ def test_trtllm_v4_on_hopper_is_refused_with_the_alternative():
     assert not Path("/tmp/unused-lineside-dc").exists()
 
 
+def test_a_rerun_keeps_files_edited_since(tmp_path):
+    """The same deployment again is a no-op; one that would replace a file changed since (an edited config, or
+    another engine's launch.sh beside its config) is one line until --force — it was replaced without a word."""
+    args = ["deploy", "datacenter", "deepseek-v4-flash", "--gpus", "8xH200", "--engine", "vllm", "-o", tmp_path]
+    assert run_cli(*args).returncode == 0
+    assert run_cli(*args).returncode == 0  # unchanged: written again, nothing lost
+    cfg = tmp_path / "vllm.yaml"
+    cfg.write_text(cfg.read_text() + "# tuned by hand\n")
+    p = run_cli(*args)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+    assert "vllm.yaml" in p.stderr and "--force" in p.stderr
+    assert cfg.read_text().endswith("# tuned by hand\n")
+    other = run_cli(*args[:6], "sglang", *args[7:])
+    assert other.returncode == 1 and "launch.sh" in other.stderr and not (tmp_path / "sglang.yaml").exists()
+    assert run_cli(*args, "--force").returncode == 0
+    assert "# tuned by hand" not in cfg.read_text()
+
+
 def test_what_does_not_fit_is_refused():
     with pytest.raises(LinesideError, match="does not fit 8xH100"):
         build_deployment("deepseek-v4-pro", "8xH100", "vllm")

@@ -4,6 +4,7 @@ model name, and the bundle version from the node's push target."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,10 +18,13 @@ from tests.jetson.conftest import make_bundle
 
 
 @contextmanager
-def server(routes: dict[str, tuple[int, str, str]]):
+def server(routes: dict[str, tuple[int, str, str]], key: str = ""):
+    """``key``: every path but /health* wants 'Authorization: Bearer <key>' (401 otherwise), as `serve --api-key`."""
     class H(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
             code, ctype, body = routes.get(self.path, (404, "text/plain", "no"))
+            if key and not self.path.startswith("/health") and self.headers.get("authorization") != f"Bearer {key}":
+                code, ctype, body = 401, J, json.dumps({"error": {"message": "wrong API key"}})
             data = body.encode()
             self.send_response(code)
             self.send_header("content-type", ctype)
@@ -68,6 +72,33 @@ def test_probe_a_ready_lineside_node_and_a_loading_one():
         assert not h.ready and h.status == "loading" and h.error == "loading"
     h = probe(Node(name="gone", kind="x86", url="http://127.0.0.1:1"), httpx.Client(timeout=2, trust_env=False))
     assert not h.reachable and h.status == "unreachable"
+
+
+def test_a_node_behind_an_api_key(tmp_path):
+    """A node run with `serve --api-key`: its load and model were a silent "-"; now the probe says 401 and
+    `fleet status --api-key` (or LINESIDE_API_KEY) reads them."""
+    from lineside.fleet.spec import load_fleet
+    from lineside.fleet.status import fleet_status
+    from tests.cli.cli_run import run_cli
+
+    routes = {
+        "/health/ready": (200, J, json.dumps({"status": "ready"})),
+        "/metrics": (200, "text/plain", "lineside_num_requests_running 2\nlineside_num_requests_waiting 5\n"),
+        "/v1/models": (200, J, json.dumps({"data": [{"id": "r1-qwen-7b"}]})),
+    }
+    with server(routes, key="k3y") as url:
+        fleet_file = tmp_path / "fleet.yaml"
+        fleet_file.write_text(f"version: 1\nnodes:\n  - {{name: n, kind: x86, url: '{url}'}}\n"
+                              "pools:\n  realtime: {members: [n]}\n")
+        f = load_fleet(fleet_file)
+        (h,) = fleet_status(f)
+        assert h.ready and h.unauthorized and h.model is None and "401" in (h.error or "")
+        (h,) = fleet_status(f, api_key="k3y")
+        assert (h.model, h.running, h.waiting, h.unauthorized) == ("r1-qwen-7b", 2.0, 5.0, False)
+        p = run_cli("fleet", "status", fleet_file)
+        assert p.returncode == 0 and "401" in p.stderr and "--api-key" in p.stderr, p.stderr
+        p = run_cli("fleet", "status", fleet_file, "--json", env={**os.environ, "LINESIDE_API_KEY": "k3y"})
+        assert p.returncode == 0 and json.loads(p.stdout)["nodes"][0]["model"] == "r1-qwen-7b", p.stderr
 
 
 def test_bundle_version_is_what_current_points_at(tmp_path):

@@ -158,6 +158,29 @@ def test_systemd_unit(tmp_path):
         subprocess.run([analyze, "verify", "--man=no", out], capture_output=True, text=True)  # informative only
 
 
+@pytest.mark.parametrize(("field", "value", "words"), [
+    # systemd runs the unit from /: a relative bundle is /relative/b, a relative EnvironmentFile is ignored
+    ("bundle", "bundles/b", "--bundle"), ("env_file", "lineside.env", "--env-file"),
+    ("exec_path", "bin/lineside", "--exec-path"),
+    ("user", "root; rm", "--user"), ("host", "0.0.0.0 --port 1", "--host"), ("bundle", "/opt/b\nUser=root", "--bundle"),
+])
+def test_unit_values_systemd_would_misread_are_refused(field, value, words):
+    with pytest.raises(LinesideError, match=words) as e:
+        render_unit(ServiceSpec(**{field: value}))
+    assert "\n" not in str(e.value)
+
+
+def test_unit_escapes_specifiers_and_variables_in_paths():
+    # '%' starts a systemd specifier and '$' a variable in Exec lines: the unit ran another path
+    text = render_unit(ServiceSpec(bundle="/opt/50%/$HOME b"))
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string(text)
+    assert unit["Service"]["ExecStart"].startswith("/usr/local/bin/lineside serve '/opt/50%%/$$HOME b' ")
+    assert unit["Unit"]["Description"] == "lineside LLM server (/opt/50%%/$HOME b)"
+    assert "lineside serve /opt/lineside/current " in render_unit(ServiceSpec())  # plain paths unchanged
+
+
 def test_cli_service_and_power(tmp_path):
     p = run_cli("jetson", "service", "-o", tmp_path / "t.service", "--drain-timeout", "90", "--sysroot", PC,
                 timeout=None, cwd=REPO)

@@ -87,3 +87,17 @@ def test_built_gguf_bundle_records_its_grid(smollm2_path, tmp_path):
     assert q["symmetric"] is False
     p = plan(str(out), "orin-nano-8")
     assert p.model_max_context == 64 and any("per 32 weights" in n for n in p.notes)
+
+
+def test_plan_uses_the_bundles_kv_cache_dtype(tmp_path):
+    """A bundle built with --kv-dtype int8 was planned with an fp16 cache unless --kv-dtype said it again (the
+    header read "KV fp16"): twice its cache bytes, and a "DOES NOT FIT" where it fits."""
+    b = _bundle(tmp_path, {"scheme": "w4a16", "group_size": 128, "kv_cache": {"dtype": "int8", "flavors": ["trt"]}},
+                max_seq_len=16384, flavors=("trt",))
+    p = plan(str(b), "orin-nano-8", ctx=16384)
+    assert p.kv_dtype == "int8"
+    assert p.kv_cache_bytes == plan(str(b), "orin-nano-8", ctx=16384, kv_dtype="int8").kv_cache_bytes
+    assert p.kv_cache_bytes < plan(str(b), "orin-nano-8", ctx=16384, kv_dtype="fp16").kv_cache_bytes  # a what-if
+    assert plan("DeepSeek-R1-Distill-Qwen-1.5B", "orin-nano-8").kv_dtype == "fp16"  # no bundle: fp16
+    cli = run_cli("jetson", "plan", b, "--device", "orin-nano-8", "--json")
+    assert cli.returncode == 0 and json.loads(cli.stdout)["kv_dtype"] == "int8", cli.stderr

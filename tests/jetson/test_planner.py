@@ -306,6 +306,13 @@ def test_model_forms_checkpoint_bundle_and_config(tmp_path):
     assert plan(str(ckpt / "config.json"), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(bundle), "l4-24", "w4a16").weights_bytes == expected
     assert plan(str(bundle), "l4-24").quant == "w8a16"  # the bundle's own scheme by default
+    # the bundle's manifest.json named instead of its directory: was read as a model config, a TypeError traceback
+    assert plan(str(bundle / "manifest.json"), "l4-24").weights_bytes == plan(str(bundle), "l4-24").weights_bytes
+    part = tmp_path / "part.json"  # a lineside config missing fields
+    part.write_text(json.dumps({"architecture": "llama", "hidden_size": 64}))
+    with pytest.raises(LinesideError, match=r"part.json: .*vocab_size") as e:
+        plan(str(part), "l4-24")
+    assert "\n" not in str(e.value)
     assert load_model("deepseek-ai/DeepSeek-V4-Flash").architecture == "deepseek_v4"
     v4 = json.loads((CONFIGS_DIR / "DeepSeek-V4-Flash" / "config.json").read_text())
     vb = tmp_path / "v4bundle"
@@ -326,6 +333,14 @@ def test_user_errors_are_one_line(tmp_path):
         with pytest.raises(LinesideError) as e:
             call()
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("group_size", [1, 7, 100, 100000])
+def test_a_group_size_build_cannot_make_is_refused(group_size):
+    # `build --group-size` takes a power of two >= 16; the planner sized any count (7: "FITS", a grid no bundle has)
+    with pytest.raises(LinesideError, match=rf"--group-size {group_size}: .*power of two"):
+        plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", group_size=group_size)
+    assert plan("DeepSeek-R1-Distill-Qwen-7B", "orin-nano-8", group_size=32).fits
 
 
 def test_fit_table_and_board_mapping():

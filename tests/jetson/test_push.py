@@ -115,6 +115,34 @@ def test_rollback_without_previous_and_bad_inputs(tmp_path, bundle_factory):
         push(tmp_path / "a", str(tmp_path / "file"))
 
 
+@pytest.mark.parametrize("inside", ["", "graphs"])
+def test_a_target_in_the_bundle_is_refused(tmp_path, bundle_factory, inside):
+    # the push wrote versions/ (a whole copy) and current into the bundle being pushed
+    a = bundle_factory(tmp_path / "a", 9)
+    (a / "graphs").mkdir(exist_ok=True)
+    before = sorted(p.name for p in a.rglob("*"))
+    with pytest.raises(LinesideError, match="inside the bundle") as e:
+        push(a, str(a / inside) if inside else str(a))
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in a.rglob("*")) == before
+    assert push(a, str(tmp_path)).files > 0  # the bundle's parent is a fine target (versions/ beside it)
+
+
+@pytest.mark.parametrize("target", ["user@host:", "orin:", "user@:/opt/lineside"])
+def test_an_ssh_target_without_a_directory_or_host_is_refused(tmp_path, bundle_factory, target, monkeypatch):
+    # "user@host:" (scp's home-directory form) was taken for a local directory of that name: the bundle was
+    # pushed into ./user@host: on this machine
+    a = bundle_factory(tmp_path / "a", 10)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LinesideError, match="user@host:/opt/lineside") as e:
+        push(a, target)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    p = run_cli("jetson", "push", a, target, cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "user@host:/opt/lineside" in p.stderr, p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
 def test_cli_push_and_rollback_errors(tmp_path, bundle_factory):
     a = bundle_factory(tmp_path / "a", 8)
     p = run_cli("jetson", "push", a, tmp_path / "dev")

@@ -81,6 +81,24 @@ def test_draft_kv_follows_the_accepted_length(target, small_draft):
     np.testing.assert_allclose(d.probs[0], s2.distribution(logits, accepted, 1), rtol=1e-5, atol=1e-7)
 
 
+def test_a_draft_with_fewer_logit_rows_reads_the_targets_tokens(target, dense_checkpoint, tmp_path_factory):
+    """One tokenizer, two embedding sizes (R1-Distill-Qwen-1.5B: 151936 rows, -7B: 152064): a token the target
+    emits or is prompted with past the draft's rows was fed to the draft's Gather, an onnxruntime traceback."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    ckpt = dense_checkpoint("draft-llama-vocab280", "llama", seed=6, vocab_size=280, num_hidden_layers=1,
+                            max_position_embeddings=256)
+    draft = build_bundle(ckpt, tmp_path_factory.mktemp("draft280") / "draft280", BuildOptions(**LEVEL0))
+    prompts, n = [[1, 290, 17, 299, 5, 290, 17], *tiny_prompts()], 16
+    g = Generator(target, threads=2)
+    want = [list(g.stream(p, n)) for p in prompts]
+    got, st = run(engine_outputs(target, prompts, n, spec=draft_cfg(draft)))
+    assert got == want and st.spec_draft_tokens_total > 0
+    used = DraftModelProposer(OnnxRuntimeBackend(open_bundle(draft), num_slots=1, threads=2), 300)
+    (d,) = used.propose_rows([DraftRow(0, [1, 290, 17, 299], 3, Sampler(SamplingParams()), 1)])
+    assert len(d.tokens) == 3 and all(t < 280 for t in d.tokens)
+
+
 def test_draft_with_another_tokenizer_is_one_line(target, dense_checkpoint, tmp_path_factory):
     from lineside.build.pipeline import BuildOptions, build_bundle
 

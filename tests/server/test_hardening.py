@@ -196,6 +196,25 @@ def test_non_loopback_bind_takes_allowed_hosts():
     assert BrowserPolicy.for_bind("127.0.0.2").host_allowed("127.0.0.2:9")
 
 
+@pytest.mark.parametrize(("option", "value", "words"), [
+    # never equal to a browser's Origin (scheme://host[:port]) or a Host name: every call refused, no word why
+    ("--allowed-origins", "dash.local:3000", "http://dash.local:3000"),
+    ("--allowed-origins", "http://dash.local:3000/app", "scheme://host[:port]"),
+    ("--allowed-hosts", "orin.plant.local:8000", "without the port"),
+])
+def test_browser_lists_that_can_never_match_are_one_line(tiny_bundle, option, value, words):
+    from tests.cli.cli_run import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("serve", str(tiny_bundle), "--port", "1", option, value), option, words)
+
+
+def test_browser_list_forms_that_match():
+    from lineside.server.browser_guard import check_browser_lists
+
+    check_browser_lists(["orin.plant.local", "10.0.0.5", "::1", "[fe80::1]", "*"],
+                        ["http://dash.local:3000", "https://dash.local/", "*"])
+
+
 # ---- strict types and the body's encoding -----------------------------------------------------------------
 @pytest.mark.parametrize("extra,param", [
     ({"max_tokens": True}, "max_tokens"), ({"stream": "yes"}, "stream"), ({"stream": 1}, "stream"),

@@ -124,6 +124,9 @@ def test_serve_refuses_bad_adapters_in_one_line(lora_served_bundle, tiny_bundles
         (("--lora-modules", f"b={extra}", "--max-lora-rank", "4"), ("rank 8", "--max-lora-rank")),
         (("--lora-modules", f"q={peft_adapter('qwen2-bias-tied', 'qv')}"), ("qwen2",)),
         (("--lora-modules", f"line-a={extra}"), ("given twice",)),
+        # a name the base model answers to: requests for it got the base model, the adapter was unreachable
+        (("--lora-modules", f"tiny-llama={extra}"), ("'tiny-llama'", "base model", "another name")),
+        (("--served-model-name", "plant", "--lora-modules", f"plant={extra}"), ("'plant'", "base model")),
         (("--lora-modules", f"x={tmp_path / 'none'}"), ("not an adapter directory",)),
     ]
     for args, needles in cases:

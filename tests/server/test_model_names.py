@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from lineside.server.state import default_model_names
+from lineside.bundle import default_model_names
 from tests.server.conftest import running_server
 
 

@@ -45,6 +45,10 @@ def test_json_schema_format(client):
     (dict(reasoning={"effort": "high"}), "reasoning"),
     (dict(background=True), "background"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0].type"),
+    # a text part without a string: was read as "" (null, missing) or "5" (a number), a reply to another input
+    (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": None}]}]), "input[0].content[0].text"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": 5}]}]), "input[0].content[0].text"),
     (dict(text={"format": {"type": "json_schema", "name": "r", "schema": {"type": "nope"}}}), "text.format.schema"),
 ])
 def test_unsupported_is_400_naming_it(client, kw, param):

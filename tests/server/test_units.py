@@ -123,6 +123,18 @@ def test_chat_messages_parts_and_refusal():
         request_mapping.chat_messages(img)
     with pytest.raises(APIError, match="no 'text' field"):
         request_mapping.chat_messages(ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    for function in ("x", [1], True, None, {"arguments": "{}"}, {"name": 5}, {"name": "f", "arguments": 3}):
+        # an assistant turn's tool call with no {name, arguments} object: a 500 (TypeError/ValueError rendering it)
+        bad = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": function}]}])
+        with pytest.raises(APIError, match="a tool call is") as e:
+            request_mapping.chat_messages(bad)
+        assert e.value.status == 400 and e.value.param == "messages.1.tool_calls.0.function"
+    for text in (None, 5, ["a"]):  # a 500 (TypeError joining the parts) on chat, prefill and streams
+        bad = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
+        with pytest.raises(APIError, match="'text' must be a string") as e:
+            request_mapping.chat_messages(bad)
+        assert e.value.status == 400 and e.value.param == "messages.0.content"
 
 
 def test_stop_and_priority():

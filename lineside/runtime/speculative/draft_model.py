@@ -12,6 +12,10 @@ past them are overwritten by the verification step that follows. Whole-state ten
 advance the target's own state, so they are saved before the draft runs and put back after it, whatever
 happens — the target then verifies from exactly the state plain decoding would have.
 
+A draft may have fewer embedding rows than the target (one tokenizer, padded differently: R1-Distill-Qwen-1.5B has
+151936, -7B 152064): a target token past the draft's rows is fed to the draft as token 0 (its KV there is a
+guess; the target's verification keeps the output exact), and the draft never proposes one.
+
 Greedy rows take the draft's argmax; sampled rows draw from the draft's distribution q under the row's
 own sampling settings and report q, for the speculative-sampling rule (verify.py).
 """
@@ -35,6 +39,7 @@ class DraftModelProposer:
         self.backend = backend
         self.cost = float(cost)
         self.target_vocab = int(target_vocab)
+        self.draft_vocab = int(getattr(backend, "vocab_size", 0) or target_vocab)
         self.shares_target_kv = shares_target_kv
         self.max_prefill = max(2, int(max_prefill))
         self.fed: dict[int, list[int]] = {}  # own KV: the tokens whose KV each draft slot holds, in order
@@ -68,7 +73,7 @@ class DraftModelProposer:
         feed = {i: r.tokens[-1] for i, r in live}
         probs: dict[int, list[np.ndarray]] = {i: [] for i, _ in live}
         while live:
-            ids = np.array([[feed[i]] for i, _ in live], dtype=np.int64)
+            ids = self._own(np.array([[feed[i]] for i, _ in live], dtype=np.int64))
             batch = StepBatch(slots=[r.slot for _, r in live], input_ids=ids,
                               past_lengths=np.array([len(hist[i]) - 1 for i, _ in live], dtype=np.int64),
                               new_lengths=np.ones(len(live), dtype=np.int64),
@@ -106,9 +111,13 @@ class DraftModelProposer:
         pos = same
         while todo:
             chunk, todo = todo[:self.max_prefill], todo[self.max_prefill:]
-            self.backend.forward(StepBatch.single(r.slot, chunk, pos))
+            self.backend.forward(StepBatch.single(r.slot, self._own(np.asarray(chunk, dtype=np.int64)), pos))
             pos += len(chunk)
         self.fed[r.slot] = list(r.tokens[:-1])
+
+    def _own(self, ids: np.ndarray) -> np.ndarray:
+        """The target's token ids as the draft's embedding takes them: past its rows, token 0."""
+        return np.where(ids < self.draft_vocab, ids, 0) if self.draft_vocab < self.target_vocab else ids
 
     def _target_logits(self, x: np.ndarray) -> np.ndarray:
         """The draft's logits over the target's vocabulary: rows past the draft's own are impossible (-inf),

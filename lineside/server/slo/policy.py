@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import Mode, Priority
@@ -41,6 +41,30 @@ class Pin(_Strict):
     start: dt.time
     end: dt.time
     level: int = Field(ge=0, le=2)
+
+    @field_validator("start", "end", mode="before")
+    @classmethod
+    def _a_clock_time(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (str, dt.time)):
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:  # YAML 1.1 reads 22:00 unquoted as base 60: 1320
+                digits, rest = [], value
+                while True:
+                    rest, d = divmod(rest, 60)
+                    digits.append(d)
+                    if not rest:
+                        break
+                shown = ":".join([str(digits[-1]), *(f"{d:02d}" for d in reversed(digits[:-1]))])
+                raise ValueError(f'YAML read {shown} unquoted as the number {value}; quote it: "HH:MM"')
+            raise ValueError(f'{value!r} is not a time of day; quote it: "HH:MM"')
+        return value
+
+    @field_validator("start", "end")
+    @classmethod
+    def _local(cls, value: dt.time) -> dt.time:
+        if value.tzinfo is not None:
+            raise ValueError("a local time has no zone (pins follow the server's local clock); give it as "
+                             '"HH:MM"')
+        return value
 
     def active(self, now: dt.time) -> bool:
         if self.start <= self.end:

@@ -39,7 +39,8 @@ async def plan(guard: SloGuard, body: Any, *, prompts: list[list[int]], budgets:
     """Route the request; at level 2 answer an exact repeat from the cache (its own id and time, the cached
     answer's ``model``: the bundle that made it); at level 1 hold batch work for the primary at the gate."""
     tokens = max(len(ids) + budget for ids, budget in zip(prompts, budgets, strict=True))
-    route = guard.route(mode=mode, priority=priority, tokens=tokens)
+    top = max((max(ids) for ids in prompts if ids), default=-1)
+    route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
     key = None
     sampling = request_mapping.sampling_params(body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import Mode
-from lineside.server.slo.policy import SloPolicy, load_policy
+from lineside.server.slo.policy import SloPolicy, load_policy, parse_policy
 
 
 def test_defaults_are_the_seed_numbers():
@@ -37,6 +38,11 @@ def test_yaml_and_json_files_load(tmp_path):
     ("level_1: [\n", "not valid YAML"),
     ("- 1\n", "the top level must be a mapping"),
     (b"\xff\xfelevel_1: {}\n", "not UTF-8"),  # a UTF-16 editor's save
+    # YAML 1.1 reads an unquoted 22:00 as the base-60 number 1320 (pydantic took it as 00:22 UTC, and the
+    # controller's naive local time could not be compared with it)
+    ("pins: [{start: 22:00, end: '06:00', level: 1}]\n", 'pins.0.start: YAML read 22:00 unquoted as the number'),
+    ("pins: [{start: '22:00', end: 6:30, level: 1}]\n", 'quote it: "HH:MM"'),
+    ("pins: [{start: '22:00+02:00', end: '06:00', level: 1}]\n", "pins.0.start: a local time has no zone"),
 ])
 def test_bad_policies_are_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
@@ -44,6 +50,17 @@ def test_bad_policies_are_one_line(tmp_path, text, needle):
     with pytest.raises(LinesideError) as e:
         load_policy(path)
     assert needle in str(e.value) and "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_pin_compares_with_the_controllers_local_time():
+    p = load_policy_text("pins: [{start: '22:00', end: '06:00', level: 1}]\n")
+    assert (p.pinned_level(dt.time(23, 0)), p.pinned_level(dt.time(0, 30)), p.pinned_level(dt.time(12, 0))) == (1, 1, 0)
+
+
+def load_policy_text(text: str) -> SloPolicy:
+    import yaml
+
+    return parse_policy(yaml.safe_load(text))
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
