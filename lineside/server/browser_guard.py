@@ -102,8 +102,10 @@ class BrowserGuard:
         host = headers.get("host")
         if not self.policy.host_allowed(host):
             allowed = ", ".join(sorted(self.policy.allowed_hosts or ()))
-            await _refuse(send, 403, f"Host {host!r} is not one this server answers to ({allowed}); start it with "
-                                     "--allowed-hosts NAME to add one", code="host_not_allowed")
+            what = "a request without a Host header is" if not host else f"Host {host!r} is"
+            await _refuse(send, 403, f"{what} not one this server answers to ({allowed}); send the server's name "
+                                     "as Host, or start it with --allowed-hosts NAME to add one",
+                          code="host_not_allowed")
             return
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):

@@ -154,6 +154,13 @@ def test_h2c_upgrade_offer_is_served_as_http11(guarded):
     assert _completions(guarded) == before
 
 
+def test_request_without_host_header_is_named_as_such(guarded):
+    """HTTP/1.0 lets a client leave Host out: the 403 says so (it read "Host None is not one ...")."""
+    lines, raw, _ = _exchange(guarded, b"GET /health HTTP/1.0\r\n\r\n")
+    assert lines and lines[0][9:12] == b"403", raw[:300]
+    assert b"without a Host header" in raw and b"None" not in raw, raw[:400]
+
+
 # ---- browsers --------------------------------------------------------------------------------------------
 def test_page_style_requests_are_refused(guarded):
     url = guarded.url + "/v1/completions"
