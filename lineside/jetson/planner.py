@@ -45,6 +45,7 @@ class ModelSpec:
     quantization: str | None = None  # from a bundle's manifest, when known
     grid: Grid | None = None  # a bundle's real quantization grid, when known
     kv_dtype: str | None = None  # a bundle's KV-cache dtype (`build --kv-dtype`), when known
+    weights_as_built: Callable[[str, Grid], WeightSizes] | None = None  # a bundle's, some linears carried as they were
     context_from: str = "max_position_embeddings"  # what max_positions is
 
 
@@ -119,6 +120,7 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
 
 
 GGML_4BIT = {"Q4_0": 1, "Q4_1": 2}  # fp16 values per block of 32: scale (Q4_0), scale + minimum (Q4_1)
+GGML_8BIT = "Q8_0"  # 8-bit codes and one scale per block of 32, carried as they are (not re-quantized to --quant)
 
 
 def bundle_grid(manifest: Manifest) -> Grid | None:
@@ -135,21 +137,34 @@ def bundle_grid(manifest: Manifest) -> Grid | None:
     if isinstance(g, dict) and isinstance(g.get("block_size"), int) and g["block_size"] > 0:
         mins = 2 if "minimum" in str(g.get("per_block", "")) else 1
         return Grid(g["block_size"], mins, f"{g.get('source', 'carried')} grid from the bundle")
-    carried = q.get("carried_from_source")
-    if isinstance(carried, dict):
-        kinds = [k for n, k in carried.items() if str(n).endswith("proj.weight") and k in GGML_4BIT]
-        if kinds:
-            kind = max(set(kinds), key=kinds.count)
+    kinds = _carried_linears(q)
+    if kinds:
+        kind = max(set(kinds), key=kinds.count)
+        if kind in GGML_4BIT:
             return Grid(32, GGML_4BIT[kind], f"GGUF {kind} grid from the bundle")
+        if kind == GGML_8BIT:
+            return Grid(32, 1, f"GGUF {kind} blocks carried from the source")
     return Grid(gs, 1, "the bundle's group size") if isinstance(gs, int) and gs > 0 else None
 
 
-def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
-    """A bundle holds what it was built with: its grid, and at most its max_seq_len of context."""
+def _carried_linears(q: dict[str, Any]) -> list[str]:
+    """The GGML types a bundle's cpu graph carried its linears in (``carried_from_source``), 4- or 8-bit."""
+    carried = q.get("carried_from_source")
+    if not isinstance(carried, dict):
+        return []
+    return [str(k) for n, k in carried.items() if str(n).endswith("proj.weight") and (k in GGML_4BIT or k == GGML_8BIT)]
+
+
+def _with_bundle(spec: ModelSpec, manifest: Manifest, cfg: ModelConfig | None = None) -> ModelSpec:
+    """A bundle holds what it was built with: its grid, the linears its cpu graph carried from a GGUF in their own
+    scheme (unless a trt flavor re-quantized them: TensorRT runs that one), and at most its max_seq_len of context."""
     spec.grid = bundle_grid(manifest)
     q: Any = manifest.quantization
     kv = (q.get("kv_cache") or {}) if isinstance(q, dict) else {}
     spec.kv_dtype = kv.get("dtype") if isinstance(kv, dict) and isinstance(kv.get("dtype"), str) else None
+    carried = _carried_sizes(manifest)
+    if carried and cfg is not None and cfg.architecture != "deepseek_v4":
+        spec.weights_as_built = lambda q, g: dense_weights(cfg, q, g, carried)
     mx = manifest.max_seq_len
     if isinstance(mx, int) and 0 < mx:
         spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx
@@ -157,8 +172,29 @@ def _with_bundle(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     return spec
 
 
+def _carried_sizes(manifest: Manifest) -> dict[str, tuple[str, Grid]]:
+    """Linear name → (scheme, grid) for each one the cpu graph carried from a GGUF (none when a trt flavor is
+    built: its graph re-quantizes every linear)."""
+    q = manifest.quantization
+    if not isinstance(q, dict) or "trt" in manifest.flavors or not isinstance(q.get("carried_from_source"), dict):
+        return {}
+    out = {}
+    for name, kind in q["carried_from_source"].items():
+        if str(name).endswith("proj.weight") and kind in GGML_4BIT:
+            out[str(name)] = ("w4a16", Grid(32, GGML_4BIT[kind], f"GGUF {kind} blocks"))
+        elif str(name).endswith("proj.weight") and kind == GGML_8BIT:
+            out[str(name)] = ("w8a16", Grid(32, 1, f"GGUF {kind} blocks"))
+    return out
+
+
 def _bundle_quant(manifest: Manifest) -> str | None:
+    """The scheme the bundle's linears were built in: the one asked for, unless (no trt flavor re-quantizing them)
+    the cpu graph carried every linear from GGUF Q8_0 at 8 bits (the build summary's w8a16): then w8a16. When
+    only some were, the others are in the scheme asked for (``ModelSpec.weights_as_built`` sizes each)."""
     q: Any = manifest.quantization
+    kinds = _carried_linears(q) if isinstance(q, dict) and "trt" not in manifest.flavors else []
+    if kinds and kinds.count(GGML_8BIT) == max(len(kinds), int(q.get("linears") or 0)):
+        return "w8a16"
     if isinstance(q, dict):
         q = q.get("scheme") or q.get("quant") or q.get("name")
     return q if isinstance(q, str) else None
@@ -187,8 +223,11 @@ def load_model(model: str) -> ModelSpec:
         except (OSError, json.JSONDecodeError) as e:
             raise LinesideError(f"{p}: bundle config {cfg_rel} unreadable ({e}); rebuild the bundle") from None
         if isinstance(d, dict) and "architecture" in d and "architectures" not in d:
-            return _with_bundle(_spec_from_config(_lineside_config(d, p / cfg_rel), _bundle_quant(manifest)), manifest)
-        return _with_bundle(_spec_from_hf(d, p.name, _bundle_quant(manifest)), manifest)
+            cfg = _lineside_config(d, p / cfg_rel)
+            return _with_bundle(_spec_from_config(cfg, _bundle_quant(manifest)), manifest, cfg)
+        spec = _spec_from_hf(d, p.name, _bundle_quant(manifest))
+        return _with_bundle(spec, manifest, None if spec.architecture == "deepseek_v4"
+                            else ModelConfig.from_hf_dict(d, name=p.name))
     if p.is_dir():
         return _spec_from_hf(load_hf_config(p / "config.json"), p.name)
     if p.suffix == ".gguf":
@@ -276,7 +315,9 @@ def plan(
         raise LinesideError(f"--group-size {group_size}: `lineside build` makes groups of a power of two ≥ 16 "
                             "(64 or 128 for the trt flavor); plan one of those")
     grid = Grid(group_size) if group_size is not None else (spec.grid or Grid(128))
-    w = spec.weights(q, grid)
+    # a bundle is sized as it was built, its carried linears included; --quant / --group-size ask "what if rebuilt"
+    as_built = spec.weights_as_built if quant is None and group_size is None else None
+    w = (as_built or spec.weights)(q, grid)
     kv = spec.kv(ctx, batch, kvb)
     usable = dev.usable_bytes
 

@@ -15,6 +15,7 @@ Plain arithmetic on the config, so the numbers can be checked by hand:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lineside.config import ModelConfig
@@ -115,12 +116,23 @@ def dense_linears(cfg: ModelConfig) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
 
-def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) -> WeightSizes:
-    """Weight bytes of a dense decoder (Llama / Qwen2) stored in ``quant``."""
+# The checkpoint names of dense_linears' weights, in its order (what a manifest's carried_from_source lists).
+DENSE_LINEAR_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128,
+                  carried: Mapping[str, tuple[str, Grid]] | None = None) -> WeightSizes:
+    """Weight bytes of a dense decoder (Llama / Qwen2) stored in ``quant``; ``carried``: linears (by checkpoint
+    name) a bundle holds in another scheme and grid (GGUF blocks carried as they are)."""
     quant = check_quant(quant)
     h, layers = cfg.hidden_size, cfg.num_layers
-    per_layer = sum(linear_bytes(k, n, quant, group_size) for k, n in dense_linears(cfg))
-    linears = per_layer * layers
+    shapes = list(zip(DENSE_LINEAR_NAMES, dense_linears(cfg), strict=True))
+    linears = 0
+    for layer in range(layers):
+        for name, (k, n) in shapes:
+            q, g = (carried or {}).get(f"model.layers.{layer}.{name}.weight", (quant, group_size))
+            linears += linear_bytes(k, n, q, g)
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     biases = ((q + 2 * kv) * cfg.attention_bias + h * cfg.o_proj_bias
@@ -137,11 +149,24 @@ def dense_weights(cfg: ModelConfig, quant: str, group_size: Grid | int = 128) ->
         breakdown={"linear": linears, "embedding": embed, "lm_head": head, "norms_biases": small},
         notes=[
             f"linears in {quant}"
-            + (f" (+ {as_grid(group_size).describe()})" if QUANT_BITS[quant] < 16 else ""),
+            + (f" (+ {as_grid(group_size).describe()})" if QUANT_BITS[quant] < 16 else "")
+            + "".join(f"; {c} of {layers * len(shapes)} in {q} ({g.describe()})" for (q, g), c in
+                      _counts((carried or {}).values()).items() if not _same(q, g, quant, as_grid(group_size))),
             "token embedding, norms and biases stay fp16"
             + ("; LM head INT8 per channel" if QUANT_BITS[quant] < 16 else ""),
         ],
     )
+
+
+def _same(q: str, g: Grid, quant: str, grid: Grid) -> bool:
+    return (q, g.group_size, g.fp16_per_group) == (quant, grid.group_size, grid.fp16_per_group)
+
+
+def _counts(items: Iterable[tuple[str, Grid]]) -> dict[tuple[str, Grid], int]:
+    out: dict[tuple[str, Grid], int] = {}
+    for it in items:
+        out[it] = out.get(it, 0) + 1
+    return out
 
 
 def dense_kv(cfg: ModelConfig, ctx: int, batch: int, kv: KvStorage) -> KVSizes:

@@ -149,17 +149,68 @@ class CompileStats:
     compile_s: float = 0.0  # total seconds spent compiling
 
 
+PAD_TOKEN = "<|lineside_padding_{}|>"  # the name a padding id is given in the grammar engine's tokenizer
+
+
+def padded_tokenizer_json(tokenizer_json: str, vocab_size: int) -> tuple[str, int]:
+    """(tokenizer.json with every id from the tokenizer's end to ``vocab_size`` added as a special token, the
+    tokenizer's own size): what llguidance needs to take an EOS id past the tokenizer. vLLM pads its llguidance
+    tokenizer to the model's vocabulary too (n_vocab; xgrammar's TokenizerInfo vocab_size) but with nameless
+    tokens, which cannot be EOS ids: llguidance checks those against the tokenizer before it pads."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True).values()
+    size = max(ids) + 1 if ids else 0
+    if size > vocab_size:
+        raise LinesideError(f"the tokenizer has ids up to {size - 1} but the model's vocabulary only {vocab_size} "
+                            "rows: the bundle's tokenizer is not this model's; rebuild it from the checkpoint")
+    if size == vocab_size:
+        return tokenizer_json, size
+    spec = json.loads(tokenizer_json)
+    spec["added_tokens"] = [*(spec.get("added_tokens") or []), *(
+        {"id": i, "content": PAD_TOKEN.format(i), "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True} for i in range(size, vocab_size))]
+    return json.dumps(spec, ensure_ascii=False), size
+
+
+@dataclass(frozen=True)
+class PaddingMask:
+    """Keeps a grammar's mask off the model's padding ids (past the tokenizer), except EOS ids among them: the
+    bits from word ``first_word`` on are ANDed with ``keep``."""
+
+    first_word: int
+    keep: np.ndarray
+
+    @classmethod
+    def of(cls, tokenizer_size: int, vocab_size: int, eos_ids: Iterable[int]) -> PaddingMask | None:
+        if tokenizer_size >= vocab_size:
+            return None
+        first = tokenizer_size // 32
+        ok = np.zeros(((vocab_size + 31) // 32 - first) * 32, dtype=bool)
+        ok[:tokenizer_size - first * 32] = True
+        for e in eos_ids:
+            if tokenizer_size <= e < vocab_size:
+                ok[e - first * 32] = True
+        return cls(first, np.packbits(ok, bitorder="little").view(np.int32))
+
+    def clear(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row, self.first_word:] &= self.keep
+
+
 class GrammarMatcher:
     """One request's position in its grammar: the next-token mask, advanced by each sampled token."""
 
-    def __init__(self, matcher: Any, vocab_size: int):
+    def __init__(self, matcher: Any, vocab_size: int, padding: PaddingMask | None = None):
         self._m = matcher
         self.vocab_size = vocab_size
+        self.padding = padding
 
     def fill_mask(self, bitmask: np.ndarray, row: int = 0) -> None:
         """Write this matcher's allowed-token bits into ``bitmask[row]`` (int32, 32 tokens per word)."""
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.ctypes.data, v.size * v.itemsize)
+        if self.padding is not None:
+            self.padding.clear(bitmask, row)
 
     def allowed(self) -> np.ndarray:
         """The mask as bools over the vocabulary (one row; the batched path is ``fill_masks``)."""
@@ -208,6 +259,11 @@ class GrammarCompiler:
             raise LinesideError("constrained decoding needs the model's end-of-sequence token id; the bundle has none")
         self.vocab_size = int(vocab_size)
         self.eos_ids = eos
+        # The model's vocabulary may outnumber the tokenizer's (padding rows in the embedding, as Qwen2's 151936
+        # for 151665 tokens), and an EOS id from generation_config may lie among them: llguidance checks EOS ids
+        # against the tokenizer before it pads to n_vocab, so the padding ids are named here as special tokens.
+        tokenizer_json, self.tokenizer_size = padded_tokenizer_json(tokenizer_json, self.vocab_size)
+        self.padding = PaddingMask.of(self.tokenizer_size, self.vocab_size, eos)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -220,7 +276,10 @@ class GrammarCompiler:
         return cls(tokenizer._tok.to_str(), vocab_size, eos_ids)
 
     def token_bytes(self, token: int) -> bytes:
-        """A token's raw bytes (what logprobs report as ``bytes``): the tokenizer's view the grammar also uses."""
+        """A token's raw bytes (what logprobs report as ``bytes``): the tokenizer's view the grammar also uses; a
+        padding id past the tokenizer has none."""
+        if int(token) >= self.tokenizer_size:
+            return b""
         return bytes(self.tokenizer.decode_bytes([int(token)]))
 
     def compile(self, constraint: Constraint) -> None:
@@ -229,7 +288,7 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
-        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding)
 
     def _template(self, c: Constraint) -> Any:
         with self._lock:
@@ -257,6 +316,8 @@ class GrammarCompiler:
         # Satisfiable at all? The first mask allows some token (EOS when only the empty string matches).
         bm = new_bitmask(1, self.vocab_size)
         m.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
+        if self.padding is not None:
+            self.padding.clear(bm, 0)
         if m.is_error() or not bm.any():
             why = f": {_first_line(m.get_error())}" if m.is_error() else ""
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
@@ -284,6 +345,9 @@ def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) 
             _executor = llguidance.LLExecutor()
     _executor.unsafe_compute_mask_ptr([(m._m, r) for m, r in rows], bitmask.ctypes.data,
                                       bitmask.shape[1] * 4, bitmask.shape[0])
+    for m, r in rows:
+        if m.padding is not None:
+            m.padding.clear(bitmask, r)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> np.ndarray:

@@ -253,33 +253,36 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     endpoint = "chat" if chat else "completions"
     engine, model, slo_plan = state.engine, adapter or state.model_name, None
     response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+    # choice index = prompt * n + copy, as OpenAI orders them; copies share the prompt's cached prefix
+    planned: list[tuple[str, int, GenerationRequest]] = []  # (choice id, copy, engine request) in index order
+    for prompt_index, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        for copy in range(n):
+            index = prompt_index * n + copy
+            choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+            planned.append((choice_id, copy, request_mapping.engine_request(
+                ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
+                request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
+                logprobs=None if output is None else output.top_logprobs,
+                session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
+                adapter=adapter)))
     if state.slo is not None and adapter is None:  # the SLO ladder picks the engine (primary or fallback; it
         # serves the base model only) and may answer from cache
-        slo_plan = await slo_routing.plan(state.slo, body, prompts=prompts, budgets=budgets, chat=chat,
-                                          priority=priority, mode=mode, stops=stops, n=n, response_id=response_id,
-                                          draining=lambda: state.draining)
+        slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],
+                                          output=output, chat=chat, priority=priority, mode=mode, n=n,
+                                          response_id=response_id, draining=lambda: state.draining)
         if slo_plan.cached is not None:
             return slo_plan.cached
         engine, model = slo_plan.route.engine, slo_plan.route.model
     try:
-        # choice index = prompt * n + copy, as OpenAI orders them; copies share the prompt's cached prefix
-        for prompt_index, (ids, budget) in enumerate(zip(prompts, budgets, strict=True)):
-            for copy in range(n):
-                index = prompt_index * n + copy
-                choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-                engine_request = request_mapping.engine_request(
-                    ids, budget, body, stops=stops, priority=priority, mode=mode, timeout=state.request_timeout,
-                    request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
-                    logprobs=None if output is None else output.top_logprobs,
-                    session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
-                    adapter=adapter)
-                handle = engine.submit(engine_request)
-                record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
-                                       arrival=arrival, prompt_tokens=len(ids), extra={"copy": copy} if copy else {})
-                if slo_plan is not None:
-                    slo_plan.note(record)
-                    state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
-                choices.append(Choice(index, handle, record, copy=copy, options=output))
+        for index, (choice_id, copy, engine_request) in enumerate(planned):
+            handle = engine.submit(engine_request)
+            record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
+                                   arrival=arrival, prompt_tokens=len(engine_request.prompt_ids),
+                                   extra={"copy": copy} if copy else {})
+            if slo_plan is not None:
+                slo_plan.note(record)
+                state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
+            choices.append(Choice(index, handle, record, copy=copy, options=output))
     except AdapterSlotsFull as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")

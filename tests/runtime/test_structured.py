@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from lineside.errors import LinesideError
 from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.structured import (
     Constraint,
@@ -173,6 +174,57 @@ def test_batched_masks_equal_one_by_one(tiny):
     for r, m in zip((0, 2, 3), ms, strict=True):
         assert (rows[r] == m.allowed()).all()
     assert rows[0].sum() == 3 and rows[2].sum() == 1
+
+
+PAD_EOS = 276  # an EOS id among the model's padding rows: past the tokenizer's 259 tokens, inside the 300 rows
+
+
+@pytest.fixture(scope="module")
+def padded(tiny):
+    """A compiler whose EOS ids include one past the tokenizer (generation_config naming a padding row)."""
+    tok, _ = tiny
+    return tok, GrammarCompiler.for_tokenizer(tok, VOCAB, [EOS, PAD_EOS])
+
+
+def test_an_eos_id_past_the_tokenizer_is_an_eos_of_the_grammar(padded):
+    """llguidance checked EOS ids against the tokenizer's 259 tokens (ValueError: EOS token ID 276 is out of
+    range); the mask covers the model's 300 ids, the padding ones never allowed but the EOS among them, which
+    is allowed where EOS is and ends the grammar."""
+    tok, comp = padded
+    assert comp.tokenizer_size == 259 and comp.eos_ids == [EOS, PAD_EOS]
+    m = comp.matcher(Constraint.regex("ab"))
+    a, b = tok.encode("ab", add_special=False)
+    assert np.flatnonzero(m.allowed()).tolist() == [a]
+    assert m.accept(a) and m.accept(b)
+    assert np.flatnonzero(m.allowed()[259:]).tolist() == [PAD_EOS - 259] and m.allowed()[EOS]
+    assert m.accept(PAD_EOS) and m.finished
+    free = comp.matcher(Constraint.regex("[a-z]*"))
+    assert np.flatnonzero(free.allowed()[259:]).tolist() == [PAD_EOS - 259]  # EOS allowed at once, no padding
+    assert comp.token_bytes(PAD_EOS) == comp.token_bytes(280) == b"" and comp.token_bytes(EOS) == b"</s>"
+
+
+def test_a_grammar_naming_a_padding_id_can_never_be_matched(padded):
+    """Lark's <[id]> names any id; a padding row (no token behind it) stays masked, so the grammar is refused."""
+    _, comp = padded
+    with pytest.raises(ConstraintError, match="never be matched"):
+        comp.compile(Constraint.grammar("start: <[280]>"))
+    assert comp.matcher(Constraint.grammar("start: <[65]>")).allowed()[65]
+
+
+def test_batched_masks_keep_padding_ids_off(padded):
+    _, comp = padded
+    ms = [comp.matcher(Constraint.regex("[a-z]*")), comp.matcher(Constraint.json_object())]
+    bm = new_bitmask(3, VOCAB)
+    fill_masks([(ms[0], 0), (ms[1], 2)], bm)
+    rows = unpack_bitmask(bm, VOCAB)
+    assert rows[1].all() and (rows[0] == ms[0].allowed()).all() and (rows[2] == ms[1].allowed()).all()
+    assert not rows[2, 259:].any() and rows[0, 259:].sum() == 1
+
+
+def test_a_tokenizer_bigger_than_the_model_is_one_line(tiny):
+    tok, _ = tiny
+    with pytest.raises(LinesideError, match="tokenizer has ids up to 258 but the model's vocabulary only 200"):
+        GrammarCompiler.for_tokenizer(tok, 200, [EOS])
 
 
 @pytest.mark.parametrize("make, param, words", [

@@ -1,5 +1,6 @@
-"""The level-2 response cache: whole non-streamed answers to exact repeats (same model, endpoint, prompt ids,
-sampling, seed, budget, stops and n), only when the answer is reproducible (greedy or seeded).
+"""The level-2 response cache: whole non-streamed answers to exact repeats (same model, endpoint, n, engine
+requests but for their ids and scheduling, and output options), only when the answer is reproducible (greedy or
+seeded) and no prefill session is involved.
 
 Bounded (least recently used goes first) and every entry expires after its TTL on an injected clock.
 """
@@ -7,10 +8,17 @@ Bounded (least recently used goes first) and every entry expires after its TTL o
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import fields
 from typing import Any
 
+from lineside.runtime.request import GenerationRequest
 from lineside.runtime.sampling import SamplingParams
+
+# The GenerationRequest fields that do not change the answer: who asked, when it is due, how it is scheduled.
+# Every other field is keyed (prompt ids, max_tokens, sampling with its seed and min_tokens, stop strings and
+# stop_token_ids, ignore_eos, the constraint, logprobs, speculation, the adapter, and any field added later).
+UNKEYED_FIELDS = frozenset({"request_id", "priority", "mode", "timeout_s"})
 
 
 def reproducible(sampling: SamplingParams) -> bool:
@@ -18,11 +26,21 @@ def reproducible(sampling: SamplingParams) -> bool:
     return sampling.seed is not None or not sampling.temperature
 
 
-def cache_key(*, model: str, endpoint: str, prompts: list[list[int]], sampling: SamplingParams,
-              budgets: list[int], stops: list[str], n: int, output: str = "") -> Hashable:
-    """``output``: the fields that shape the answer besides the prompt (structured output, tools, logprobs)."""
-    return (model, endpoint, tuple(tuple(ids) for ids in prompts), repr(sampling), tuple(budgets),
-            tuple(stops), n, output)
+def cacheable(req: GenerationRequest) -> bool:
+    """Reproducible, and bound to no prefill session (an answer from the cache would not keep its KV)."""
+    return reproducible(req.sampling) and req.session_id is None
+
+
+def request_key(req: GenerationRequest) -> str:
+    """What the engine is asked, every field but ``UNKEYED_FIELDS`` (the values' reprs: lists and dataclasses)."""
+    return repr(tuple((f.name, getattr(req, f.name)) for f in fields(req) if f.name not in UNKEYED_FIELDS))
+
+
+def cache_key(*, model: str, endpoint: str, requests: Sequence[GenerationRequest], n: int,
+              output: str = "") -> Hashable:
+    """``requests``: the first choice's engine request for each prompt (the n copies differ by seed + copy);
+    ``output``: how the answer is written from the tokens (tool calls, logprobs)."""
+    return (model, endpoint, n, tuple(request_key(r) for r in requests), output)
 
 
 class ResponseCache:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from lineside.runtime.request import Mode, Priority
-from lineside.server import request_mapping
-from lineside.server.slo.cache import cache_key, reproducible
+from lineside.runtime.request import GenerationRequest, Mode, Priority
+from lineside.server.outputs import OutputOptions
+from lineside.server.slo.cache import cache_key, cacheable
 from lineside.server.slo.controller import Level
 from lineside.server.slo.guard import Route, SloGuard
 
@@ -33,20 +33,19 @@ class SloPlan:
         record.extra["bundle"] = self.route.model
 
 
-async def plan(guard: SloGuard, body: Any, *, prompts: list[list[int]], budgets: list[int], chat: bool,
-               priority: Priority, mode: Mode, stops: list[str], n: int, response_id: str,
-               draining: Any) -> SloPlan:
-    """Route the request; at level 2 answer an exact repeat from the cache (its own id and time, the cached
-    answer's ``model``: the bundle that made it); at level 1 hold batch work for the primary at the gate."""
-    tokens = max(len(ids) + budget for ids, budget in zip(prompts, budgets, strict=True))
-    top = max((max(ids) for ids in prompts if ids), default=-1)
+async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest], output: OutputOptions | None,
+               chat: bool, priority: Priority, mode: Mode, n: int, response_id: str, draining: Any) -> SloPlan:
+    """Route the request (``requests``: the first choice's engine request for each prompt); at level 2 answer an
+    exact repeat from the cache (its own id and time, the cached answer's ``model``: the bundle that made it); at
+    level 1 hold batch work for the primary at the gate."""
+    tokens = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+    top = max((max(r.prompt_ids) for r in requests if r.prompt_ids), default=-1)
     route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
     key = None
-    sampling = request_mapping.sampling_params(body)
-    if not body.stream and reproducible(sampling):
-        key = cache_key(model=body.model or "", endpoint="chat" if chat else "completions", prompts=prompts,
-                        sampling=sampling, budgets=budgets, stops=stops, n=n, output=_output_fields(body))
+    if not body.stream and all(cacheable(r) for r in requests):
+        key = cache_key(model=body.model or "", endpoint="chat" if chat else "completions", requests=requests,
+                        n=n, output=output_key(output))
     result = SloPlan(route, key, headers)
     if key is not None and route.level >= Level.FALLBACK:
         hit = guard.cached(key)
@@ -68,12 +67,10 @@ def store(guard: SloGuard, slo_plan: SloPlan, response: Any) -> Any:
     return response
 
 
-_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs",
-                  "ignore_eos")
-
-
-def _output_fields(body: Any) -> str:
-    """The request fields besides prompt and sampling that change the answer: a constrained, tool-calling or
-    logprobs answer is never served for a plain one (or the other way round)."""
-    return json.dumps({f: getattr(body, f, None) for f in _OUTPUT_FIELDS}, sort_keys=True, default=str)
+def output_key(output: OutputOptions | None) -> str:
+    """How the answer is written from its tokens, every OutputOptions field but the logprob formatter (the model's
+    token bytes, the same for every request): tool-call parsing (format, tools, named function, max calls) and
+    logprobs (how many alternatives), so a tool-calling or logprobs answer is never served for a plain one."""
+    if output is None:
+        return ""
+    return repr(tuple((f.name, getattr(output, f.name)) for f in fields(output) if f.name != "formatter"))

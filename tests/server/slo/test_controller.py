@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from lineside.server.slo.cache import ResponseCache, cache_key, reproducible
+from lineside.server.slo.cache import ResponseCache, cache_key, cacheable, reproducible
 from lineside.server.slo.controller import Level, Reason, SloController
 from lineside.server.slo.policy import SloPolicy, parse_policy
 from lineside.server.slo.signals import RollingWindow, Signals, SignalSource, device_reading
@@ -124,13 +124,19 @@ def test_response_cache_is_bounded_expires_and_counts():
 
 
 def test_only_greedy_or_seeded_sampling_is_cacheable():
+    from lineside.runtime.request import GenerationRequest, Priority
     from lineside.runtime.sampling import SamplingParams
 
     assert reproducible(SamplingParams(temperature=0.0))
     assert reproducible(SamplingParams(temperature=0.8, seed=3))
     assert not reproducible(SamplingParams(temperature=0.8))
-    one = cache_key(model="m", endpoint="chat", prompts=[[1, 2]], sampling=SamplingParams(seed=1), budgets=[4],
-                    stops=[], n=1)
-    other = cache_key(model="m", endpoint="chat", prompts=[[1, 2]], sampling=SamplingParams(seed=2), budgets=[4],
-                      stops=[], n=1)
+    assert not cacheable(GenerationRequest([1, 2], session_id="s"))
+
+    def key(**fields):
+        return cache_key(model="m", endpoint="chat", requests=[GenerationRequest([1, 2], max_tokens=4, **fields)], n=1)
+
+    one, other = key(sampling=SamplingParams(seed=1)), key(sampling=SamplingParams(seed=2))
     assert one != other and hash(one) is not None
+    # ids and scheduling are not keyed; everything else is, a field added later included
+    assert key(request_id="a", priority=Priority.HIGH, timeout_s=3.0) == key(request_id="b")
+    assert key(stop_token_ids=[5]) != key() != key(ignore_eos=True)
