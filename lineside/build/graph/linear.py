@@ -8,7 +8,7 @@ With ``spec.trt_dtype == "fp16"`` (default) the trt scales are float16, so the d
 the MatMul are fp16 (what TensorRT's W4A16 kernels run, and what a strongly typed network honours);
 x is cast to fp16 before and y back to float32 after. Float schemes keep float32 activations.
 GGUF Q4_0/Q4_1/Q8_0 weights are carried onto MatMulNBits exactly (cpu flavor, quantized schemes; Q4_1 at
-accuracy level 4 to within half an ulp of its float16 offsets, quant/q4_1.py), and so are ``Int4Grid`` weights (codes + scales a calibrated quantizer such as GPTQ already chose).
+accuracy level 4 to within d/32 of its offsets, quant/q4_1.py), and so are ``Int4Grid`` weights (codes + scales a calibrated quantizer such as GPTQ already chose).
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def _emit_8bit_cpu(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGM
 def _emit_ggml_cpu(gb: GraphBuilder, x: str, name: str, weight: GGMLBlocks, spec: QuantSpec,
                    bias: np.ndarray | None, share: bool) -> str:
     """GGUF grid kept: Q4_0/Q8_0 straight onto MatMulNBits; Q4_1 at accuracy level 4 on one MatMulNBits (an
-    integer zero point plus its residual's digits over the block sums, quant/q4_1.py: every m within half an
-    ulp of the GGUF's), below level 4 exactly (default zero point plus float32 block offsets)."""
+    integer zero point plus its residual's digits over the block sums, quant/q4_1.py: every m within d/32 of the
+    GGUF's), below level 4 exactly (default zero point plus float32 block offsets)."""
     if weight.ggml_type == "Q8_0":
         y8 = _emit_8bit_cpu(gb, x, name, weight, spec, bias, share)
         assert y8 is not None  # block 32 always fits a Q8_0 weight

@@ -17,7 +17,7 @@ KEPT_HIGH_PRECISION: tuple[tuple[str, str, str], ...] = (
      "TensorRT 10.3 can't Gather INT8/UINT8 tensors, so the table stays a float16 Gather"),
     ("LM head (w4a16, via emit_lm_head)", "int8 per-channel (w8a16)",
      "logits are the most quantization-sensitive output; emit_lm_head(keep_8bit=False) makes it 4-bit"),
-    ("GGUF Q4_0/Q4_1/Q8_0 weights (cpu flavor)", "the source grid (Q4_1's offsets at accuracy level 4 to within half an ulp of the GGUF's float16)",
+    ("GGUF Q4_0/Q4_1/Q8_0 weights (cpu flavor)", "the source grid (Q4_1's offsets at accuracy level 4 to within d/32 of the GGUF's, quant/q4_1.py)",
      "re-quantizing an already-quantized weight adds a second rounding error"),
     ("AWQ input scales", "float32", "a per-input-channel Mul on the activations (or folded by the caller)"),
 )

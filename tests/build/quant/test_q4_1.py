@@ -30,6 +30,11 @@ def exact_int8_input(rng, rows: int, k: int) -> np.ndarray:
     return rng.permuted(x, axis=-1).reshape(rows, k)
 
 
+def within_offset_bound(dec, m: np.ndarray) -> bool:
+    """Every carried offset within q4_1.MAX_OFFSET_ERROR grid steps of the GGUF's m (and not exactly it, in general)."""
+    return bool(np.all(np.abs(m - dec.m.astype(np.float64)) <= q4_1.MAX_OFFSET_ERROR * dec.d.astype(np.float64)))
+
+
 def reference(x: np.ndarray, blocks, m: np.ndarray | None = None) -> np.ndarray:
     """x @ W^T in float64 for the GGUF's dequantized weight (gguf.quants), or with its offsets m replaced."""
     w = blocks.dequantize().astype(np.float64)
@@ -46,8 +51,7 @@ def test_carried_m_rounds_to_the_ggufs(rng, n, k, shift):
     carry = q4_1.carry_q4_1(dec)
     assert carry.k == k + carry.digits * q4_1.sum_width(k) and carry.k % BLOCK == 0
     assert carry.codes.max() <= 15 and carry.scales.shape == carry.zero_points.shape == (n, carry.k // BLOCK)
-    assert q4_1.half_ulps(dec.m, carry.m).max() <= 1
-    np.testing.assert_array_equal(carry.m.astype(np.float16), dec.m.astype(np.float16))
+    assert within_offset_bound(dec, carry.m)
 
 
 def test_digits_grow_for_clipped_blocks_and_stay_bounded(rng):
@@ -55,11 +59,11 @@ def test_digits_grow_for_clipped_blocks_and_stay_bounded(rng):
     # within half of its last region's scale
     dec = decode_blocks(make_blocks(rng, "Q4_1", n=33, k=1056, shift=0.2))
     carry = q4_1.carry_q4_1(dec)
-    assert carry.digits == q4_1.MAX_DIGITS
+    assert carry.digits > q4_1.MIN_DIGITS  # the fewest digits were not enough for r = m
     last = carry.scales[:, -q4_1.sum_width(1056) // BLOCK:]
     bound = np.repeat(last, BLOCK, axis=1)[:, : 1056 // BLOCK] / 2
     assert np.all(np.abs(carry.m - dec.m) <= bound * (1 + 1e-6))
-    assert q4_1.half_ulps(dec.m, carry.m).max() <= 4
+    assert within_offset_bound(dec, carry.m)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -74,8 +78,9 @@ def test_operands_times_block_sums_are_the_ggufs_weight(rng, n, k):
     s[:, : k // BLOCK] = x.reshape(5, -1, BLOCK).sum(-1)
     y = np.concatenate([x] + [s] * carry.digits, axis=1) @ w.T
     np.testing.assert_allclose(y, reference(x, blocks, carry.m), rtol=0, atol=1e-9)
-    ref = reference(x, blocks)
-    assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-5  # the offsets' half ulps, times the block sums
+    ref = reference(x, blocks)  # off by at most the offsets' bound times each block's |sum|
+    d = decode_blocks(blocks).d.astype(np.float64)
+    assert np.all(np.abs(y - ref) <= np.abs(s[:, : k // BLOCK]) @ (q4_1.MAX_OFFSET_ERROR * d).T * (1 + 1e-9) + 1e-12)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -90,7 +95,7 @@ def test_one_matmulnbits_matches_the_ggufs_weight(tmp_path, rng, n, k):
     carry = q4_1.carry_q4_1(decode_blocks(blocks))
     assert attrs["K"] == carry.k and attrs["accuracy_level"] == 4 and len(nodes[2].input) == 6  # zero points, bias
     m = carried_offsets(path, "l", k)
-    np.testing.assert_array_equal(m.astype(np.float16), decode_blocks(blocks).m)
+    assert within_offset_bound(decode_blocks(blocks), m)
     x = exact_int8_input(rng, 4, k)
     ref = reference(x, blocks, m) + bias  # the graph's own offsets: what remains is float32 rounding
     y = run_graph(path, {"x": x})

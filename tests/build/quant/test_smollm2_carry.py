@@ -60,8 +60,9 @@ def test_q4_1_linear(tmp_path, rng, tensors, tensor, acc, tol):
 @pytest.mark.parametrize("tensor", ["blk.0.ffn_down.weight", "blk.0.attn_q.weight"])
 @pytest.mark.parametrize("level", [0, 4])
 def test_q4_1_offsets_are_the_ggufs(tmp_path, tensors, tensor, level):
-    """The real model's offsets, as the graph applies them, are its own float16 m: 0 half-ulps below accuracy
-    level 4; at level 4 (zero point + 3 digits over the block sums, quant/q4_1.py) within half an ulp."""
+    """The real model's offsets, as the graph applies them, are its own float16 m below accuracy level 4; at level
+    4 (zero point + 2 digits over the block sums, quant/q4_1.py) within d/32, and off it (not the old exact carry)."""
+    from lineside.build.quant import q4_1
     from lineside.build.quant.ggml import decode_blocks
     from tests.build.quant.test_ggml import carried_offsets
 
@@ -73,7 +74,9 @@ def test_q4_1_offsets_are_the_ggufs(tmp_path, tensors, tensor, level):
     if level < 4:
         np.testing.assert_array_equal(m, decode_blocks(w).m)
     else:
-        np.testing.assert_array_equal(m.astype(np.float16), decode_blocks(w).m.astype(np.float16))
+        dec = decode_blocks(w)
+        err = np.abs(m - dec.m.astype(np.float64)) / dec.d
+        assert err.max() <= q4_1.MAX_OFFSET_ERROR and 0 < np.median(err) < 0.01
 
 
 def test_q8_0_tied_embedding_and_head(tmp_path, rng, tensors):
