@@ -17,6 +17,7 @@ from lineside.config import ModelConfig, family_of, load_hf_config
 from lineside.errors import ConfigError, LinesideError
 from lineside.jetson.devices import Device, get_device
 from lineside.jetson.sizes import (
+    DENSE_LINEAR_NAMES,
     Grid,
     KVSizes,
     KvStorage,
@@ -164,7 +165,11 @@ def _with_bundle(spec: ModelSpec, manifest: Manifest, cfg: ModelConfig | None = 
     spec.kv_dtype = kv.get("dtype") if isinstance(kv, dict) and isinstance(kv.get("dtype"), str) else None
     carried = _carried_sizes(manifest)
     if carried and cfg is not None and cfg.architecture != "deepseek_v4":
-        spec.weights_as_built = lambda q, g: dense_weights(cfg, q, g, carried)
+        # the linears not carried were quantized at build, in the bundle's own groups (not the carried blocks)
+        gs = q.get("group_size") if isinstance(q, dict) else None
+        some_built = len(carried) < cfg.num_layers * len(DENSE_LINEAR_NAMES)
+        built = Grid(gs, 1, "the bundle's group size") if some_built and isinstance(gs, int) and gs > 0 else None
+        spec.weights_as_built = lambda q, g: dense_weights(cfg, q, built or g, carried)
     mx = manifest.max_seq_len
     if isinstance(mx, int) and 0 < mx:
         spec.max_positions = min(spec.max_positions, mx) if spec.max_positions else mx

@@ -86,7 +86,7 @@ def render_unit(spec: ServiceSpec) -> str:
         lines += [f"ExecStartPre={exe} jetson ensure-engine {bundle}", "TimeoutStartSec=3600"]
     lines += [
         # $LINESIDE_SERVE_ARGS (from the environment file) adds options, e.g. --backend tensorrt
-        f"ExecStart={exe} serve {bundle} --host {spec.host} --port {spec.port} "
+        f"ExecStart={exe} serve {bundle} --host {_literal(spec.host)} --port {spec.port} "
         f"--drain-timeout {spec.drain_timeout_s} $LINESIDE_SERVE_ARGS",
         "Restart=on-failure",
         "RestartSec=5",

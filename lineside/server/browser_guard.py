@@ -145,9 +145,12 @@ def check_browser_lists(hosts: list[str], origins: list[str]) -> None:
     for host in hosts:
         h = host.strip()
         bare = h.strip("[]")
-        if h.count(":") == 1 and not h.startswith("["):  # name:port (an IPv6 address has two or more)
+        # name:port (an IPv6 address has two or more colons), or [address]:port
+        bracketed_port = h.startswith("[") and "]" in h and not h.endswith("]")
+        if (h.count(":") == 1 and not h.startswith("[")) or bracketed_port:
+            name = h[:h.index("]") + 1] if bracketed_port else h.split(":")[0]
             raise LinesideError(f"--allowed-hosts {host!r}: give the host name without the port "
-                                f"({h.split(':')[0]}); any port is allowed")
+                                f"({name}); any port is allowed")
         if any(ch in bare for ch in "/ \t") or "://" in h:
             raise LinesideError(f"--allowed-hosts {host!r}: give a host name or address (e.g. orin.plant.local), "
                                 "not a URL")

@@ -181,6 +181,15 @@ def test_unit_escapes_specifiers_and_variables_in_paths():
     assert "lineside serve /opt/lineside/current " in render_unit(ServiceSpec())  # plain paths unchanged
 
 
+def test_unit_escapes_a_zone_in_the_host():
+    # an IPv6 link-local address names its interface after '%' (the check takes it): unescaped, systemd read
+    # '%e' as a specifier and refused to load the unit
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read_string(render_unit(ServiceSpec(host="fe80::1%eth0")))
+    assert " --host fe80::1%%eth0 " in unit["Service"]["ExecStart"]
+
+
 def test_cli_service_and_power(tmp_path):
     p = run_cli("jetson", "service", "-o", tmp_path / "t.service", "--drain-timeout", "90", "--sysroot", PC,
                 timeout=None, cwd=REPO)

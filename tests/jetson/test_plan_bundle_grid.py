@@ -10,7 +10,7 @@ import pytest
 from lineside.bundle import FlavorEntry, Manifest, write_manifest
 from lineside.config import ModelConfig
 from lineside.jetson.planner import CONFIGS_DIR, bundle_grid, plan
-from lineside.jetson.sizes import Grid, linear_bytes
+from lineside.jetson.sizes import DENSE_LINEAR_NAMES, Grid, linear_bytes
 from tests.cli.cli_run import run_cli
 
 RAW = json.loads((CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-1.5B" / "config.json").read_text())
@@ -31,8 +31,8 @@ def _manifest(quantization, flavors=None, max_seq_len=2048) -> Manifest:
                     quantization=quantization)
 
 
-Q4_1_CARRIED = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(28)
-                for n in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")}
+# every linear of the 28 layers carried (a linear not listed was quantized at build, in group_size's groups)
+Q4_1_CARRIED = {f"model.layers.{i}.{n}.weight": "Q4_1" for i in range(28) for n in DENSE_LINEAR_NAMES}
 
 
 @pytest.mark.parametrize(("quantization", "flavors", "grid"), [

@@ -216,10 +216,27 @@ def test_browser_lists_that_can_never_match_are_one_line(tiny_bundle, option, va
 
 
 def test_browser_list_forms_that_match():
+    """The forms the check takes are ones a browser's Host / Origin can equal (it only passed them before)."""
+    from lineside.server.browser_guard import BrowserPolicy, check_browser_lists
+
+    hosts, origins = ["orin.plant.local", "10.0.0.5", "::1", "[fe80::1]"], ["http://dash.local:3000", "https://dash.local/"]
+    check_browser_lists([*hosts, "*"], [*origins, "*"])
+    policy = BrowserPolicy.for_bind("0.0.0.0", hosts, origins)
+    for sent in ("orin.plant.local:8000", "10.0.0.5", "[::1]:8000", "[fe80::1]:8000"):
+        assert policy.host_allowed(sent), sent
+    assert policy.origin_allowed("http://dash.local:3000") and policy.origin_allowed("https://dash.local")
+
+
+@pytest.mark.parametrize("value", ["[fe80::1]:8000", "[::1]:80"])
+def test_a_bracketed_ipv6_host_with_a_port_is_refused(value):
+    """A port after a bracketed IPv6 address slipped past the check (two or more colons read as an address): the
+    name kept was 'fe80::1]:8000', which no Host equals, and every call was a 403."""
+    from lineside.errors import LinesideError
     from lineside.server.browser_guard import check_browser_lists
 
-    check_browser_lists(["orin.plant.local", "10.0.0.5", "::1", "[fe80::1]", "*"],
-                        ["http://dash.local:3000", "https://dash.local/", "*"])
+    with pytest.raises(LinesideError, match="without the port") as e:
+        check_browser_lists([value], [])
+    assert "\n" not in str(e.value)
 
 
 # ---- strict types and the body's encoding -----------------------------------------------------------------

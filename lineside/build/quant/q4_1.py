@@ -57,9 +57,12 @@ def half_ulps(m: np.ndarray, carried: np.ndarray) -> np.ndarray:
 
 
 def zero_points(d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(z uint8 ``[N, B]`` nearest to ``-m/d`` in 0..15, the residual ``m + z*d`` float64)."""
-    z = np.clip(np.rint(-np.asarray(m, np.float64) / d), 0, 15).astype(np.uint8)
-    return z, np.asarray(m, np.float64) + z * np.asarray(d, np.float64)
+    """(z uint8 ``[N, B]`` nearest to ``-m/d`` in 0..15, the residual ``m + z*d`` float64); a block with d = 0
+    (equal weights) takes z = 0 (any z gives the same weights there)."""
+    m64, d64 = np.asarray(m, np.float64), np.asarray(d, np.float64)
+    ratio = np.where(d64 != 0, -m64 / np.where(d64 != 0, d64, 1.0), 0.0)
+    z = np.clip(np.rint(ratio), 0, 15).astype(np.uint8)
+    return z, m64 + z * d64
 
 
 def residual_digits(r: np.ndarray, digits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -113,3 +113,17 @@ def test_the_planner_sizes_each_linear_of_a_mixed_bundle_as_carried(gguf, tmp_pa
     codes, scales = (sum(v[i] for v in arrays.values()) for i in (0, 1))
     assert p.quant == "w4a16" and p.weights_breakdown["linear"] == codes + scales * 2
     assert any("2 of 14 in w8a16" in n for n in p.notes), p.notes
+
+
+def test_the_planner_sizes_linears_quantized_at_build_in_the_bundles_group_size(gguf, tmp_path):
+    """An F32 down_proj (quantized at build, in --group-size groups: 128) beside Q4_0 linears (carried, blocks of
+    32): the planner sized the quantized ones in the carried blocks of 32 too, four fp16 scales per row for one."""
+    from lineside.jetson.planner import plan
+
+    bundle = build_bundle(gguf("q4-f32", lambda n: "F32" if ".down_proj." in n else "Q4_0"), tmp_path / "m",
+                          BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=32))
+    carried = json.loads((bundle / "manifest.json").read_text())["quantization"]["carried_from_source"]
+    assert len(carried) == 12 and not any(".down_proj." in n for n in carried)
+    p = plan(str(bundle), "orin-nano-8")
+    codes, scales = (sum(v[i] for v in _linear_arrays(bundle).values()) for i in (0, 1))
+    assert p.quant == "w4a16" and p.weights_breakdown["linear"] == codes + scales * 2

@@ -66,6 +66,20 @@ def test_digits_grow_for_clipped_blocks_and_stay_bounded(rng):
     assert within_offset_bound(dec, carry.m)
 
 
+def test_a_block_with_a_zero_scale_takes_zero_point_0_without_a_warning():
+    """A block of equal weights (d = 0: zero-padded rows) divided 0 by 0: `lineside build` printed numpy's
+    RuntimeWarnings (invalid value in divide, in cast: NaN to uint8, undefined in C). Its zero point is 0 and its
+    residual its m, whatever d."""
+    import warnings
+
+    d = np.array([[0.0, 0.0, 0.5]], np.float16)
+    m = np.array([[0.0, 0.25, -1.0]], np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        z, r = q4_1.zero_points(d, m)
+    assert z.tolist() == [[0, 0, 2]] and r.tolist() == [[0.0, 0.25, 0.0]]
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_operands_times_block_sums_are_the_ggufs_weight(rng, n, k):
     # the numpy reference of what MatMulNBits computes: (codes - zero point) * scale over x' = [x, S, .., S]
