@@ -476,8 +476,9 @@ class OnnxRuntimeBackend:
         # Held by ``inputs`` until the run is over, then unbound: a binding that kept them would hold this step's
         # copies of the past until its next step (up to 32 bindings of them).
         bind = _input_binder(io)
-        for name, arr in inputs.items():
-            bind(name, np.ascontiguousarray(arr))
+        for name in inputs:
+            inputs[name] = arr = np.ascontiguousarray(inputs[name])  # kept by ``inputs``: bound by pointer
+            bind(name, arr)
         try:
             self.session.run_with_iobinding(io)
         finally:
