@@ -5,7 +5,7 @@ and gives it back when it finishes, so an adapter never leaves its slot under a 
 request. An adapter not in a slot goes into a free one, else into the least recently used slot nobody
 references (its adapter is unloaded); when every slot is referenced the request is refused
 (``AdapterSlotsFull``: the server's 429). The writes themselves are queued and run by the step runner in
-the worker thread before the step's forward calls, the only place the backend's tensors change.
+the step thread before the step's forward calls, the only place the backend's tensors change.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class Backend(Protocol):
 
 class LoraBackend(Protocol):
     """A backend running a LoRA graph (``StepBatch.adapters`` picks each row's slot); its slots are written only
-    between steps, from the engine's worker thread."""
+    between steps, from the engine's step thread."""
 
     max_loras: int
     max_lora_rank: int

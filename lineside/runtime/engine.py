@@ -1,11 +1,14 @@
 """LLMEngine: continuous batching over one backend, the API the server uses.
 
-``submit`` queues a request and returns a handle to async-iterate; an asyncio task runs the step
-loop: the scheduler plans a step (decode batch + at most one prefill chunk), a worker thread runs
-the backend calls and samples (step_runner.py), the scheduler's ``postprocess`` applies the outcome
-to the sequences, and the engine hands the resulting events to the handles. Cancellation and
-timeouts take effect at the next step and free the request's slot. All times come from ``clock``
-(tests inject one instead of sleeping).
+``submit`` queues a request and returns a handle to async-iterate. One thread of the engine's own (the step
+thread) runs the step loop: the scheduler plans a step (decode batch + at most one prefill chunk), the backend
+runs it and the logits are sampled (step_runner.py), the scheduler's ``postprocess`` applies the outcome to the
+sequences, and the next step is planned and started at once. The resulting events go to the handles on the
+event loop (``call_soon_threadsafe``), which writes them while the next step runs: no step waits for the event
+loop (on two cores its wake-up and the hand-back cost 0.35-0.5 ms a token). The scheduler's state is shared with
+the event loop's calls (submit, sessions, stats) under one lock, held only between backend runs. Cancellation
+and timeouts take effect at the next step and free the request's slot. All times come from ``clock`` (tests
+inject one instead of sleeping).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +30,7 @@ from lineside.errors import LinesideError
 from lineside.lora import LoraAdapter
 from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
+from lineside.runtime.fair_lock import FairLock
 from lineside.runtime.kv_bytes import KvArenaBytes
 from lineside.runtime.kv_manager import KVCacheArena
 from lineside.runtime.lora_stack import LoraSlotsConfig
@@ -171,12 +175,14 @@ class LLMEngine:
         self.draining = False
         self._incoming: deque[Sequence] = deque()
         self._seqs: dict[str, Sequence] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._step_lock = threading.Lock()
-        # One thread runs every step (not the default pool's rotating threads: warm caches, no context copy).
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineside-step")
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the handles live (their events are pushed there)
+        # The scheduler (its sequences, arena and sessions), _seqs, _incoming and the adapter slots: the step thread
+        # changes them between backend runs, the event loop's calls (submit, sessions, stats) at any time.
+        self._state = FairLock()
+        self._wake = threading.Event()  # set by submit, cancel, session calls and stop: the step thread looks again
+        self._thread: threading.Thread | None = None
+        self._exit = False
+        self._step_lock = threading.Lock()  # a backend run and close() never overlap
         self._closed = False
         self._warmed = False
         self._steps = 0
@@ -186,51 +192,55 @@ class LLMEngine:
 
     # ---- public API -----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Warm the backend up (first runs allocate and pick kernels), then start the step loop."""
-        if self._task is not None:
+        """Warm the backend up (first runs allocate and pick kernels), then start the step thread."""
+        if self._thread is not None:
             return
         if self._closed or self.draining:
             raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
         if not self._warmed:
-            await self._loop.run_in_executor(self._stepper, self.warm_up)
+            await asyncio.to_thread(self.warm_up)
         self.ready = True
-        self._task = asyncio.create_task(self._run(), name="lineside-engine")
-        if self._incoming:
-            self._wake.set()
+        self._exit = False
+        self._thread = threading.Thread(target=self._run, name="lineside-step", daemon=True)
+        self._thread.start()
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_timeout`` s, cancel the rest."""
         self.draining = True
         self.ready = False
         deadline = self.clock() + drain_timeout
-        while self._task is not None and self._seqs and self.clock() < deadline:
+        while self._stepping() and self._seqs and self.clock() < deadline:
             await asyncio.sleep(0.01)
         for seq in list(self._seqs.values()):
             seq.handle.cancel()
         self._kick()
-        while self._task is not None and self._seqs and not self._task.done():
+        while self._stepping() and self._seqs:
             await asyncio.sleep(0.01)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._exit = True
+            self._kick()
+            await asyncio.to_thread(thread.join)
+            await asyncio.sleep(0)  # the events it posted last reach their handles
         for seq in list(self._seqs.values()):  # never started: finish them here
             self._abort(seq, FinishReason.CANCELLED)
         self._drop_sessions()
         await asyncio.to_thread(self.close)
 
+    def _stepping(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
-        """Free the backend (after any step still running in the worker thread); ``stop`` calls it."""
+        """Free the backend (after any step still running in the step thread); ``stop`` calls it."""
+        self._exit = True
+        self._kick()
         with self._step_lock:
             if not self._closed:
                 self._closed = True
                 self.backend.close()
                 if self._model_proposer is not None:
                     self._model_proposer.close()
-        self._stepper.shutdown(wait=False)
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
@@ -252,11 +262,12 @@ class LLMEngine:
         handle.metrics.arrival = self.clock()
         matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
-        if req.adapter is not None:
-            assert self.adapter_slots is not None
-            seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
-        self._seqs[req.request_id] = seq
-        self._incoming.append(seq)
+        with self._state:
+            if req.adapter is not None:
+                assert self.adapter_slots is not None
+                seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
+            self._seqs[req.request_id] = seq
+            self._incoming.append(seq)
         self._kick()
         return handle
 
@@ -273,9 +284,10 @@ class LLMEngine:
         if not self.arena.fits_ever(len(prompt_ids) + 1):
             raise LinesideError(f"the prompt needs more KV than the engine's {self.arena.total_blocks} blocks of "
                                f"{self.arena.block_size}; shorten it")
-        now = self.clock()
-        self.expire_sessions()
-        info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
+        with self._state:
+            now = self.clock()
+            self.expire_sessions()
+            info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
         self._kick()
         return info
 
@@ -283,23 +295,27 @@ class LLMEngine:
         """A session's state, or None when there is no such session (never made, expired, released)."""
         self._check_sessions()
         check_session_id(session_id)
-        self.expire_sessions()
-        s = self.scheduler.sessions.get(session_id)
-        return None if s is None else s.info(self.clock())
+        with self._state:
+            self.expire_sessions()
+            s = self.scheduler.sessions.get(session_id)
+            return None if s is None else s.info(self.clock())
 
     def release_session(self, session_id: str) -> bool:
         """End a session now (its client gave the prompt up); False when there is no such session."""
         self._check_sessions()
         check_session_id(session_id)
-        s = self.scheduler.sessions.get(session_id)
-        if s is None:
-            return False
-        self.scheduler.release_session(s)
+        with self._state:
+            s = self.scheduler.sessions.get(session_id)
+            if s is None:
+                return False
+            self.scheduler.release_session(s)
+        self._kick()
         return True
 
     def expire_sessions(self) -> int:
         """Release the sessions past their TTL (also done each step and at each stats read); how many."""
-        return self.scheduler.expire_sessions(self.clock())
+        with self._state:
+            return self.scheduler.expire_sessions(self.clock())
 
     def _check_sessions(self) -> None:
         if self.scheduler.sessions is None:
@@ -310,9 +326,10 @@ class LLMEngine:
                                       "the completion endpoint")
 
     def _drop_sessions(self) -> None:
-        store = self.scheduler.sessions
-        for s in list(store.by_id.values()) if store is not None else []:
-            self.scheduler.release_session(s)
+        with self._state:
+            store = self.scheduler.sessions
+            for s in list(store.by_id.values()) if store is not None else []:
+                self.scheduler.release_session(s)
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -328,6 +345,10 @@ class LLMEngine:
         return self._grammar is not None
 
     def stats(self) -> EngineStats:
+        with self._state:
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         a, s = self.arena, self.scheduler
         store = s.sessions
         if store is not None:
@@ -353,67 +374,63 @@ class LLMEngine:
                 session_prefill_tokens=store.prefill_tokens, sessions_expired=store.expired,
                 sessions_evicted=store.evicted)))
 
-    # ---- loop -------------------------------------------------------------------------------------
+    # ---- the step thread ---------------------------------------------------------------------------
     def _kick(self) -> None:
-        """Wake the step loop (safe from any thread)."""
-        if self._wake is None or self._loop is None:
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            self._wake.set()
-        elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._wake.set)
+        """Wake the step thread (safe from any thread)."""
+        self._wake.set()
 
-    async def _run(self) -> None:
-        assert self._wake is not None
-        while True:
+    def _run(self) -> None:
+        """The step thread: postprocess a step, plan the next one and start it at once, all in one hold of the
+        state lock between two backend runs. A step's events are handed to the event loop just before the next
+        step's backend run, so the loop writes them while that step runs (handed earlier, the loop's writes would
+        contend with the planning for the GIL)."""
+        events: list[tuple[Sequence, TokenEvent]] = []
+        done: tuple[StepPlan, StepOutcome] | None = None  # the step just run, to postprocess
+        while not self._exit:
             self._wake.clear()
             try:
-                self._intake()
-                self._deliver(self.scheduler.expire())
-                plan = self.scheduler.schedule()
-                if self.adapter_slots is not None:
-                    plan.adapter_loads = self.adapter_slots.take_pending()
+                with self._state:
+                    if done is not None:
+                        events += self._postprocess(*done)
+                        done = None
+                    self._intake()
+                    events += self._retire(self.scheduler.expire())
+                    plan = self.scheduler.schedule()
+                    if self.adapter_slots is not None:
+                        plan.adapter_loads = self.adapter_slots.take_pending()
+                self._post(events)
+                events = []
                 if plan.empty:
-                    await self._idle()
+                    self._idle()
                     continue
-                out = await self._loop.run_in_executor(self._stepper, self._execute, plan)
+                done = plan, self._execute(plan)
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
-                self._deliver(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
-                                                         accepted=out.accepted, session_error=out.session_error))
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # an engine bug must not leave clients waiting forever
+                done = None
                 msg = error_line(e)
-                for seq in list(self._seqs.values()):
-                    with contextlib.suppress(Exception):
-                        self._abort(seq, FinishReason.ERROR, msg)
-                await asyncio.sleep(0)
-            # No yield here: the next step is planned and handed to the worker first, so the streams' chunks for
-            # this step are encoded and written while it runs (not on the decode's critical path). On 2 cores with
-            # 2 onnxruntime threads that work contends with the step instead; letting the streams write first
-            # (bounded sleep(0)s, then the next step) was measured by alternating the two orders step by step in
-            # one server (SmolLM2 demo bundle, one stream): the step started 0.15 ms sooner after the hand-off
-            # and the loop took 0.15 ms longer before it, per token the same within 1% (quiet and with one busy
-            # process beside it), so the order stays.
+                with self._state:
+                    for seq in list(self._seqs.values()):
+                        with contextlib.suppress(Exception):
+                            events += self._retire([(seq, self.scheduler.abort(seq, FinishReason.ERROR, msg))])
+                self._post(events)
+                events = []
+        if done is not None:  # stopped right after a step: its tokens still reach their requests
+            with self._state:
+                events += self._postprocess(*done)
+        self._post(events)
 
-    async def _idle(self) -> None:
+    def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:
+        return self._retire(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
+                                                       accepted=out.accepted, session_error=out.session_error))
+
+    def _idle(self) -> None:
         """Wait for work; with sessions held, wake by their next expiry to release their blocks."""
-        assert self._wake is not None
-        store = self.scheduler.sessions
-        due = store.next_expiry() if store is not None else None
-        timer = None if due is None or self._loop is None else self._loop.call_later(
-            min(60.0, max(0.01, due - self.clock())), self._wake.set)  # not wait_for: it can swallow a cancel
-        try:
-            await self._wake.wait()
-        finally:
-            if timer is not None:
-                timer.cancel()
+        with self._state:
+            store = self.scheduler.sessions
+            due = store.next_expiry() if store is not None else None
+        self._wake.wait(None if due is None else min(60.0, max(0.01, due - self.clock())))
 
     def _intake(self) -> None:
         while self._incoming:
@@ -423,8 +440,9 @@ class LLMEngine:
             self._prompt_total += len(seq.prompt)
             self.scheduler.add(seq)
 
-    def _deliver(self, events: Iterable[tuple[Sequence, TokenEvent | None]]) -> None:
-        """Hand events to their handles; a final one also retires the request here."""
+    def _retire(self, events: Iterable[tuple[Sequence, TokenEvent | None]]) -> list[tuple[Sequence, TokenEvent]]:
+        """The events to hand over (under the state lock); a final one also retires its request here."""
+        out = []
         for seq, ev in events:
             if ev is None:  # it had finished already
                 continue
@@ -433,14 +451,28 @@ class LLMEngine:
                 self._seqs.pop(seq.req.request_id, None)
                 if self.adapter_slots is not None and seq.adapter_slot:
                     self.adapter_slots.release(seq.adapter_slot)  # once: a request has one final event
-            seq.handle._push(ev)
+            out.append((seq, ev))
+        return out
+
+    def _post(self, events: list[tuple[Sequence, TokenEvent]]) -> None:
+        """Hand events to their handles on the event loop (from the step thread)."""
+        loop = self._loop
+        if not events or loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is listening any more
+            loop.call_soon_threadsafe(_push, events)
 
     def _abort(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        self._deliver([(seq, self.scheduler.abort(seq, reason, error))])
+        """End a request from the event loop (stop): its final event goes to its handle at once."""
+        with self._state:
+            events = self._retire([(seq, self.scheduler.abort(seq, reason, error))])
+        _push(events)
 
     def _execute(self, plan: StepPlan) -> StepOutcome:
-        """Worker thread: the step's backend calls and sampling (never beside ``close``)."""
+        """The step's backend calls and sampling (never beside ``close``)."""
         with self._step_lock:
+            if self._closed:
+                raise LinesideError("the engine was closed")
             return run_step(self.backend, plan, self._model_proposer)
 
     def warm_up(self) -> None:
@@ -461,6 +493,12 @@ class LLMEngine:
     def __repr__(self) -> str:
         return f"LLMEngine({self.model_name!r}, backend={self.backend_name}, slots={self.arena.num_slots})"
 
+
+
+def _push(events: list[tuple[Sequence, TokenEvent]]) -> None:
+    """Event loop: queue each event on its request's handle."""
+    for seq, ev in events:
+        seq.handle._push(ev)
 
 
 def in_thread(fn: Callable[..., T], *args: Any, name: str) -> Future[T]:

@@ -27,7 +27,7 @@ Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's dra
 (speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
 context leave room for, none while replaying — and the step scores them with the pending token in one
 multi-token forward. A model proposer (a draft bundle, layerskip) only gets each row's budget here; it runs
-in the step, in the worker thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
+in the step, in the step thread (step_runner.py), so the event loop never waits on a draft model. ``postprocess`` records the pending token and the kept drafts as the slot's KV;
 the positions written for rejected drafts lie past it and are overwritten by the next step. A row under a
 grammar only proposes the drafts its matcher accepts, and each is verified against the masked distribution
 plain decoding would use at its position (speculative/verify.py). Kept drafts

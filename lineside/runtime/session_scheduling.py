@@ -35,7 +35,7 @@ class SessionSlots:
     session_busy_chunk: int
     _quiet_steps: int
 
-    # ---- what the engine calls (on the event loop, between or during steps) ---------------------------
+    # ---- what the engine calls (under its state lock, between steps) ---------------------------
     def update_session(self, session_id: str, target: list[int], prompt_tokens: int, now: float,
                        rank: int = 1) -> SessionInfo:
         """Set what ``session_id`` should cache: its KV up to the first differing token is kept, the rest is

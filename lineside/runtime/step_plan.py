@@ -3,7 +3,7 @@ session's) — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
 reads it back to apply the outcome; the plan itself changes nothing. (The one thing the step runner
-writes into it: a model proposer's drafts, made in the worker thread.)
+writes into it: a model proposer's drafts, made in the step thread.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Runs one planned step on the backend (in the engine's worker thread) and samples its logits.
+"""Runs one planned step on the backend (in the engine's step thread) and samples its logits.
 
-It only reads the sequences: what the step did to them is the scheduler's ``postprocess``, back on
-the event loop. A failing backend call fails only the sequences in that call; a failing slot op
+It only reads the sequences: what the step did to them is the scheduler's ``postprocess``, applied after it
+under the engine's state lock. A failing backend call fails only the sequences in that call; a failing slot op
 fails the whole step, because the slots it touched can't be trusted. Rows under a grammar get their
 token masks computed together (``structured.fill_masks``) and applied in the sampler; a verifying row's
 later positions get theirs from its matcher advanced through the kept drafts (speculative/verify.py),

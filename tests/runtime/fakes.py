@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,8 +48,39 @@ class FakeBackend:
         self.scripts: dict[tuple[int, ...], list[int]] = {}
         self.calls: list[tuple[list[int], list[int], list[int]]] = []  # (slots, past, new) per forward
         self.poison: int | None = None  # a token whose presence in a step's input makes forward raise
+        # The engine steps in a thread of its own: a test holds it at a chosen forward (``pause``) to act between
+        # two steps, then lets it go on (``resume``).
+        self._pause_when: Callable[[StepBatch], bool] | None = None
+        self._pause_lock = threading.Lock()
+        self._gate = threading.Event()
+        self.paused = threading.Event()  # a forward is waiting for ``resume``
+
+    def pause(self, when: Callable[[StepBatch], bool]) -> None:
+        """The next forward whose batch ``when`` accepts waits (before it runs) until ``resume``."""
+        with self._pause_lock:
+            self._pause_when = when
+
+    async def until_paused(self) -> None:
+        """Event-loop turns until a forward waits (the engine stands between two steps)."""
+        while not self.paused.is_set():
+            await asyncio.sleep(0.001)
+
+    def resume(self, then: Callable[[StepBatch], bool] | None = None) -> None:
+        """Let a waiting forward go (or stop waiting for one); with ``then``, the next forward it accepts waits."""
+        with self._pause_lock:
+            self._pause_when = then
+            self.paused.clear()
+            gate, self._gate = self._gate, threading.Event()
+        gate.set()
 
     def forward(self, batch: StepBatch) -> np.ndarray:
+        with self._pause_lock:
+            when = self._pause_when
+            gate = self._gate if when is not None and when(batch) else None
+            if gate is not None:
+                self.paused.set()
+        if gate is not None:
+            gate.wait(timeout=60)
         if self.delay:
             time.sleep(self.delay)
         if self.clock is not None:

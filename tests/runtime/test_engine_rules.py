@@ -26,6 +26,11 @@ def engine(bundle, slots=2, delay=0.0, clock=None, step_s=0.0, **kw) -> tuple[LL
     return LLMEngine(bundle, backend=be, clock=clock or time.monotonic, **kw), be
 
 
+def decoding(batch) -> bool:
+    """A decode step (one new token per row): with ``FakeBackend.pause``, the engine waits after a first token."""
+    return int(batch.new_lengths.max()) == 1
+
+
 async def first_token(h) -> None:
     """Wait (on the event loop, not the clock) until ``h`` has produced a token."""
     while not h.metrics.token_times:
@@ -86,13 +91,15 @@ def test_priority_order_realtime_before_batch(tiny_bundle):
 def test_aging_lets_low_priority_through(tiny_bundle):
     async def main():
         clock = FakeClock()
-        eng, _ = engine(tiny_bundle, slots=1, clock=clock, step_s=0.01, aging_s=0.05)
+        eng, be = engine(tiny_bundle, slots=1, clock=clock, step_s=0.01, aging_s=0.05)
         await eng.start()
+        be.pause(decoding)  # busy's first decode step waits until high is in
         busy = eng.submit(req(PROMPTS[0], n=20))
         low = eng.submit(req(PROMPTS[1], n=2, priority="low"))
         await first_token(busy)
         clock.advance(0.15)  # low has waited 3 aging periods: it now ranks above a fresh "high"
         high = eng.submit(req(PROMPTS[2], n=2, priority="high"))
+        be.resume()
         await asyncio.gather(busy.result(), low.result(), high.result())
         await eng.stop()
         return low.metrics.scheduled < high.metrics.scheduled
@@ -103,12 +110,14 @@ def test_aging_lets_low_priority_through(tiny_bundle):
 def test_admission_waits_for_free_slot_and_blocks(tiny_bundle):
     async def main():
         # 2 slots but only 4 blocks of 16: one request reserving 40 positions (3 blocks) at a time.
-        eng, _ = engine(tiny_bundle, slots=2, clock=FakeClock(), step_s=0.005, kv_block_size=16, kv_blocks=4)
+        eng, be = engine(tiny_bundle, slots=2, clock=FakeClock(), step_s=0.005, kv_block_size=16, kv_blocks=4)
         await eng.start()
+        be.pause(decoding)  # a's first decode step waits while the stats are read
         a = eng.submit(req(PROMPTS[0], n=38))
         b = eng.submit(req(PROMPTS[1], n=37))
         await first_token(a)
         st = eng.stats()
+        be.resume()
         await asyncio.gather(a.result(), b.result())
         await eng.stop()
         return st, a.metrics, b.metrics
@@ -120,15 +129,17 @@ def test_admission_waits_for_free_slot_and_blocks(tiny_bundle):
 
 def test_cancel_frees_capacity(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
+        eng, be = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
         await eng.start()
+        be.pause(lambda b: decoding(b) and int(b.past_lengths[0]) == len(PROMPTS[0]) + 2)  # after 3 tokens
         long = eng.submit(req(PROMPTS[0], n=100))
         nxt = eng.submit(req(PROMPTS[1], n=3))
         got = []
         async for ev in long:
             got.append(ev)
             if len(got) == 3:
-                long.cancel()
+                long.cancel()  # the step already waiting runs, the next one sees the cancel
+                be.resume()
         text, ids, last = await nxt.result()
         st = eng.stats()
         await eng.stop()
@@ -142,11 +153,13 @@ def test_cancel_frees_capacity(tiny_bundle):
 
 def test_cancel_while_waiting(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
+        eng, be = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.002)
         await eng.start()
+        be.pause(decoding)  # a can't finish before b is cancelled
         a = eng.submit(req(PROMPTS[0], n=20))
         b = eng.submit(req(PROMPTS[1], n=20))
         b.cancel()
+        be.resume()
         evs = [ev async for ev in b]
         await a.result()
         await eng.stop()
@@ -159,9 +172,9 @@ def test_cancel_while_waiting(tiny_bundle):
 def test_timeout_running_and_waiting(tiny_bundle):
     async def main():
         eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.01)
-        await eng.start()
         a = eng.submit(req(PROMPTS[0], n=100, timeout_s=0.15))
-        b = eng.submit(req(PROMPTS[1], n=5, timeout_s=0.05))
+        b = eng.submit(req(PROMPTS[1], n=5, timeout_s=0.05))  # both queued before the step thread runs
+        await eng.start()
         ra, rb = await asyncio.gather(a.result(), b.result())
         await eng.stop()
         return ra, rb
@@ -308,12 +321,13 @@ def test_chunked_prefill_interleaves_with_decode(tiny_bundle):
     async def main():
         eng, be = engine(tiny_bundle, slots=3, prefill_chunk=16)
         eng.step_log = deque()
+        be.pause(lambda b: decoding(b) and len(b.slots) == 2)  # both streams decoding, nothing else
+        streams = [eng.submit(req(p, n=40)) for p in PROMPTS[:2]]  # both queued before the step thread runs
         await eng.start()
-        streams = [eng.submit(req(p, n=40)) for p in PROMPTS[:2]]
-        while eng.stats().running < 2 or eng.scheduler.prefilling is not None:
-            await asyncio.sleep(0.001)
+        await be.until_paused()
         eng.step_log.clear()
         long = eng.submit(req([1] + list(range(3, 100)), n=2))
+        be.resume()
         await asyncio.gather(*(s.result() for s in streams), long.result())
         await eng.stop()
         return list(eng.step_log), long.metrics
@@ -326,11 +340,13 @@ def test_chunked_prefill_interleaves_with_decode(tiny_bundle):
 
 def test_preemption_resumes_batch_job_with_same_output(tiny_bundle):
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.003)
+        eng, be = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.003)
         await eng.start()
+        be.pause(decoding)  # the job's first decode step waits
         job = eng.submit(req(PROMPTS[2], n=30, mode="batch"))
         await first_token(job)
         rt = eng.submit(req(PROMPTS[3], n=4, priority="high"))
+        be.resume()  # the job decodes one more token, then the realtime request preempts it
         r_rt, r_job = await asyncio.gather(rt.result(), job.result())
         st = eng.stats()
         await eng.stop()

@@ -248,14 +248,14 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
     prefill chunk is never beside a session chunk."""
 
     async def main():
-        eng, _ = engine(tiny_bundle, slots=3, prefill_chunk=32, session_every=4, session_busy_chunk=8)
+        eng, be = engine(tiny_bundle, slots=3, prefill_chunk=32, session_every=4, session_busy_chunk=8)
         from collections import deque
 
         eng.step_log = deque()
         await eng.start()
+        be.pause(lambda b: int(b.new_lengths.max()) == 1)  # h's first decode step waits for the session
         h = eng.submit(GenerationRequest(prompt_ids=prompt(40, 9), max_tokens=60))
-        while not h.metrics.token_times:
-            await asyncio.sleep(0)
+        await be.until_paused()
         eng.prefill("s", prompt(120, 8), 120)
         plans = []
         orig = eng.scheduler.schedule
@@ -267,6 +267,7 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
             return plan
 
         eng.scheduler.schedule = spy
+        be.resume()
         await h.result()
         await settled(eng, "s")
         await eng.stop()
@@ -337,20 +338,24 @@ def test_session_lent_to_a_preempted_request_ends_with_it(tiny_bundle):
     from lineside.runtime.request import Mode
 
     async def main():
-        eng, _ = engine(tiny_bundle, slots=1, prefill_chunk=16)
+        eng, be = engine(tiny_bundle, slots=1, prefill_chunk=16)
         await eng.start()
         eng.prefill("b", prompt(40, 3), 40)
         await settled(eng, "b")
+        be.pause(lambda b: int(b.new_lengths.max()) == 1)  # the batch request's first decode step waits
         batch = eng.submit(GenerationRequest(prompt_ids=prompt(44, 3), max_tokens=100, mode=Mode.BATCH,
                                              session_id="b"))
-        while not batch.metrics.token_times:
-            await asyncio.sleep(0)
+        await be.until_paused()
         assert eng.stats().session_hits == 1
-        rt_handle = eng.submit(GenerationRequest(prompt_ids=prompt(20, 4), max_tokens=12))
-        while not rt_handle.metrics.token_times:
-            await asyncio.sleep(0)
+        rt_prompt = prompt(20, 4)
+        rt_handle = eng.submit(GenerationRequest(prompt_ids=rt_prompt, max_tokens=12))
+        # then the realtime request's first decode step waits: the engine stands with it running, batch waiting
+        be.resume(then=lambda b: int(b.new_lengths.max()) == 1 and be.kv[0, :len(rt_prompt)].tolist() == rt_prompt)
+        await be.until_paused()
+        assert rt_handle.metrics.token_times
         assert batch.metrics.preemptions == 1 and eng.stats().waiting == 1  # the batch one waits, slotless
         batch.cancel()
+        be.resume()
         _, _, last = await batch.result()
         _, rt, _ = await rt_handle.result()
         st = eng.stats()

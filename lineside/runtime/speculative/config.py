@@ -55,7 +55,7 @@ class Draft:
 
 
 class ModelProposer(Protocol):
-    """A proposer that runs a model: called once per step for all its rows, in the engine's worker thread."""
+    """A proposer that runs a model: called once per step for all its rows, in the engine's step thread."""
 
     cheap: bool
 
