@@ -1,0 +1,62 @@
+"""The engine's state lock: granted in the order it was asked for, reentrant, released only by its holder."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lineside.runtime.fair_lock import FairLock
+
+
+def _wait_for(cond) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, "the other thread never asked for the lock"
+        time.sleep(0.001)
+
+
+def test_a_waiting_thread_is_served_before_the_holder_takes_it_again():
+    lock, order = FairLock(), []
+    lock.acquire()
+
+    def other():
+        with lock:
+            order.append("waiter")
+
+    t = threading.Thread(target=other)
+    t.start()
+    _wait_for(lambda: lock._next_ticket == 2)  # the waiter holds the next ticket
+    lock.release()
+    with lock:  # taken again at once, as the step thread does: served after the waiter
+        order.append("holder")
+    t.join(10)
+    assert order == ["waiter", "holder"]
+
+
+def test_reentrant_and_released_by_its_holder_only():
+    lock = FairLock()
+    with lock, lock:  # a locked method calling another
+        pass
+    got = []
+    t = threading.Thread(target=lambda: (lock.acquire(), got.append(1), lock.release()))
+    t.start()
+    t.join(10)
+    assert got == [1]  # fully released after the nested holds
+    lock.acquire()
+    errors = []
+
+    def release_elsewhere():
+        try:
+            lock.release()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=release_elsewhere)
+    t.start()
+    t.join(10)
+    lock.release()
+    assert errors and "does not hold it" in errors[0]
+    with pytest.raises(RuntimeError):
+        lock.release()
