@@ -386,8 +386,10 @@ class LLMEngine:
         contend with the planning for the GIL)."""
         events: list[tuple[Sequence, TokenEvent]] = []
         done: tuple[StepPlan, StepOutcome] | None = None  # the step just run, to postprocess
-        while not self._exit:
-            self._wake.clear()
+        while True:
+            self._wake.clear()  # before reading _exit: a stop/close that sets it after this still wakes the wait below
+            if self._exit:
+                break
             try:
                 with self._state:
                     if done is not None:
