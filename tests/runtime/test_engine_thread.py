@@ -8,6 +8,7 @@ import threading
 import time
 
 from lineside.runtime.engine import LLMEngine
+from lineside.runtime.request import EngineDraining, GenerationRequest
 from tests.runtime.conftest import run
 from tests.runtime.fakes import FakeBackend
 
@@ -70,3 +71,37 @@ def test_stop_is_not_lost_between_the_exit_check_and_the_wake_clear(tiny_bundle)
         return wake.lost
 
     assert run(main()) is False
+
+
+def decoding(batch) -> bool:
+    return int(batch.new_lengths.max()) == 1
+
+
+def test_close_without_stop_finishes_what_is_in_flight_and_refuses_more(tiny_bundle):
+    """close() (not stop) with a request in flight: the step thread ran the step it was in, saw _exit and left,
+    and the request never got a final event (its stream waited forever); a request submitted after close was
+    queued for a thread that was gone and waited forever too."""
+
+    async def main():
+        eng, be = engine(tiny_bundle)
+        await eng.start()
+        be.pause(decoding)  # the request's first decode step waits: close meets a step in flight
+        h = eng.submit(GenerationRequest(prompt_ids=[1, 5, 6], max_tokens=50))
+        await be.until_paused()
+        thread = eng._thread
+        closing = asyncio.ensure_future(asyncio.to_thread(eng.close))
+        while not eng._exit:  # close has asked the thread to exit; it now waits for the step to end
+            await asyncio.sleep(0)
+        be.resume()
+        await closing
+        await asyncio.to_thread(thread.join)  # the step thread is gone; what it posted has been delivered
+        refused = None
+        try:
+            eng.submit(GenerationRequest(prompt_ids=[1, 7], max_tokens=2))
+        except EngineDraining as e:
+            refused = e
+        return h.finish_reason, refused
+
+    reason, refused = run(main())
+    assert reason == "cancelled"
+    assert refused is not None
