@@ -232,7 +232,10 @@ class LLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
-        """Free the backend (after any step still running in the step thread); ``stop`` calls it."""
+        """Free the backend (after any step still running in the step thread); ``stop`` calls it. Without ``stop``,
+        requests still in flight end cancelled and new ones are refused."""
+        self.draining = True
+        self.ready = False
         self._exit = True
         self._kick()
         with self._step_lock:
@@ -263,6 +266,8 @@ class LLMEngine:
         matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
         with self._state:
+            if self.draining:  # again under the lock: close() on another thread may have let the step thread go
+                raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
             if req.adapter is not None:
                 assert self.adapter_slots is not None
                 seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
@@ -386,8 +391,10 @@ class LLMEngine:
         contend with the planning for the GIL)."""
         events: list[tuple[Sequence, TokenEvent]] = []
         done: tuple[StepPlan, StepOutcome] | None = None  # the step just run, to postprocess
-        while not self._exit:
-            self._wake.clear()
+        while True:
+            self._wake.clear()  # before reading _exit: a stop/close that sets it after this still wakes the wait below
+            if self._exit:
+                break
             try:
                 with self._state:
                     if done is not None:
@@ -416,9 +423,11 @@ class LLMEngine:
                             events += self._retire([(seq, self.scheduler.abort(seq, FinishReason.ERROR, msg))])
                 self._post(events)
                 events = []
-        if done is not None:  # stopped right after a step: its tokens still reach their requests
-            with self._state:
+        with self._state:
+            if done is not None:  # stopped right after a step: its tokens still reach their requests
                 events += self._postprocess(*done)
+            for seq in list(self._seqs.values()):  # close() without stop: nothing will step them again
+                events += self._retire([(seq, self.scheduler.abort(seq, FinishReason.CANCELLED))])
         self._post(events)
 
     def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:

@@ -20,6 +20,7 @@ class FairLock:
         self._serving = 0
         self._owner: int | None = None
         self._depth = 0
+        self._abandoned: set[int] = set()  # tickets whose waiter gave up (its wait raised): skipped when due
 
     def acquire(self) -> None:
         me = threading.get_ident()
@@ -29,8 +30,14 @@ class FairLock:
                 return
             ticket = self._next_ticket
             self._next_ticket += 1
-            while ticket != self._serving:
-                self._cond.wait()
+            try:
+                while ticket != self._serving:
+                    self._cond.wait()
+            except BaseException:  # e.g. KeyboardInterrupt in the main thread: give the ticket up, or nobody gets the lock
+                self._abandoned.add(ticket)
+                if self._owner is None:
+                    self._pass_on()
+                raise
             self._owner, self._depth = me, 1
 
     def release(self) -> None:
@@ -41,7 +48,14 @@ class FairLock:
             if self._depth == 0:
                 self._owner = None
                 self._serving += 1
-                self._cond.notify_all()
+                self._pass_on()
+
+    def _pass_on(self) -> None:
+        """(Holding ``_cond``, the lock free) skip the tickets given up and wake the waiters."""
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
 
     def __enter__(self) -> FairLock:
         self.acquire()

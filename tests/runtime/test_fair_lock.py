@@ -60,3 +60,39 @@ def test_reentrant_and_released_by_its_holder_only():
     assert errors and "does not hold it" in errors[0]
     with pytest.raises(RuntimeError):
         lock.release()
+
+
+def test_a_waiter_interrupted_while_waiting_does_not_wedge_the_lock():
+    """A wait for the lock that raises (KeyboardInterrupt lands in the main thread, the event loop's, while a call
+    such as submit or stats waits for the step thread) must give its ticket up: else the lock is never granted
+    again and the step thread and every later call wait forever."""
+    lock = FairLock()
+    lock.acquire()
+    real_wait, interrupted = lock._cond.wait, []
+
+    def wait(timeout=None):
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_wait(timeout)
+
+    lock._cond.wait = wait
+    caught = []
+
+    def interrupted_waiter():
+        try:
+            lock.acquire()
+        except KeyboardInterrupt:
+            caught.append(True)
+
+    t = threading.Thread(target=interrupted_waiter)
+    t.start()
+    t.join(10)
+    assert caught == [True]
+    got = []
+    later = threading.Thread(target=lambda: (lock.acquire(), got.append(1), lock.release()), daemon=True)
+    later.start()
+    _wait_for(lambda: lock._next_ticket == 3)  # the later thread waits (behind the holder and the ticket given up)
+    lock.release()
+    later.join(10)
+    assert got == [1], "the lock was never granted after the interrupted waiter gave up"
