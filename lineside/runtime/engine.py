@@ -431,6 +431,7 @@ class LLMEngine:
         self._post(events)
 
     def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:
+        """(Under the state lock) apply a step's outcome to its sequences; their events, retired where final."""
         return self._retire(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
                                                        accepted=out.accepted, session_error=out.session_error))
 
