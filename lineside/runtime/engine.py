@@ -418,17 +418,23 @@ class LLMEngine:
                 done = None
                 msg = error_line(e)
                 with self._state:
-                    for seq in list(self._seqs.values()):
-                        with contextlib.suppress(Exception):
-                            events += self._retire([(seq, self.scheduler.abort(seq, FinishReason.ERROR, msg))])
+                    events += self._end_all(FinishReason.ERROR, msg)
                 self._post(events)
                 events = []
         with self._state:
             if done is not None:  # stopped right after a step: its tokens still reach their requests
                 events += self._postprocess(*done)
-            for seq in list(self._seqs.values()):  # close() without stop: nothing will step them again
-                events += self._retire([(seq, self.scheduler.abort(seq, FinishReason.CANCELLED))])
+            events += self._end_all(FinishReason.CANCELLED)  # close() without stop: nothing will step them again
         self._post(events)
+
+    def _end_all(self, reason: FinishReason, error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
+        """(Under the state lock) end every request in flight, each on its own: one that fails to end can't keep
+        the others waiting."""
+        events: list[tuple[Sequence, TokenEvent]] = []
+        for seq in list(self._seqs.values()):
+            with contextlib.suppress(Exception):
+                events += self._retire([(seq, self.scheduler.abort(seq, reason, error))])
+        return events
 
     def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:
         """(Under the state lock) apply a step's outcome to its sequences; their events, retired where final."""

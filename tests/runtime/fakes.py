@@ -61,9 +61,8 @@ class FakeBackend:
             self._pause_when = when
 
     async def until_paused(self) -> None:
-        """Event-loop turns until a forward waits (the engine stands between two steps)."""
-        while not self.paused.is_set():
-            await asyncio.sleep(0.001)
+        """Until a forward waits (the engine stands between two steps): waited for off the event loop."""
+        assert await asyncio.to_thread(self.paused.wait, 60), "no forward reached the pause"
 
     def resume(self, then: Callable[[StepBatch], bool] | None = None) -> None:
         """Let a waiting forward go (or stop waiting for one); with ``then``, the next forward it accepts waits."""

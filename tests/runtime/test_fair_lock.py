@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from lineside.runtime.fair_lock import FairLock
 
 
-def _wait_for(cond) -> None:
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, "the other thread never asked for the lock"
-        time.sleep(0.001)
+def _on_wait(lock: FairLock) -> threading.Event:
+    """Set when a thread starts waiting for ``lock`` (its ticket taken): the test acts then, without polling."""
+    waiting, real_wait = threading.Event(), lock._cond.wait
+
+    def wait(timeout=None):
+        waiting.set()
+        return real_wait(timeout)
+
+    lock._cond.wait = wait
+    return waiting
 
 
 def test_a_waiting_thread_is_served_before_the_holder_takes_it_again():
@@ -25,9 +29,11 @@ def test_a_waiting_thread_is_served_before_the_holder_takes_it_again():
         with lock:
             order.append("waiter")
 
+    waiting = _on_wait(lock)
     t = threading.Thread(target=other)
     t.start()
-    _wait_for(lambda: lock._next_ticket == 2)  # the waiter holds the next ticket
+    assert waiting.wait(10), "the other thread never asked for the lock"
+    assert lock._next_ticket == 2  # the waiter holds the next ticket
     lock.release()
     with lock:  # taken again at once, as the step thread does: served after the waiter
         order.append("holder")
@@ -90,9 +96,11 @@ def test_a_waiter_interrupted_while_waiting_does_not_wedge_the_lock():
     t.join(10)
     assert caught == [True]
     got = []
+    waiting = _on_wait(lock)
     later = threading.Thread(target=lambda: (lock.acquire(), got.append(1), lock.release()), daemon=True)
     later.start()
-    _wait_for(lambda: lock._next_ticket == 3)  # the later thread waits (behind the holder and the ticket given up)
+    assert waiting.wait(10), "the later thread never asked for the lock"
+    assert lock._next_ticket == 3  # the later thread waits (behind the holder and the ticket given up)
     lock.release()
     later.join(10)
     assert got == [1], "the lock was never granted after the interrupted waiter gave up"
