@@ -16,6 +16,7 @@ import http.client
 import json
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -128,28 +129,17 @@ def _request(host: str, model: str, prompt: str, max_tokens: int) -> bytes:
     return head.encode() + body
 
 
-def stream_many(url: str, model: str, prompts: list[str], max_tokens: int,
-                timeout: float = 600.0) -> tuple[float, list[Stream]]:
-    """Send every prompt at once as a streaming greedy /v1/completions; (wall seconds until the last stream
-    ended, the streams in prompt order)."""
-    host, port = url.removeprefix("http://").rstrip("/").split(":")
+def _read_all(conns: list[_Conn], url: str, deadline: float) -> None:
+    """Feed each socket's bytes to its parser as they come, until every stream has ended."""
     sel = selectors.DefaultSelector()
-    conns: list[_Conn] = []
-    t0 = time.perf_counter()
-    for prompt in prompts:
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = _Conn(sock, max_tokens, time.perf_counter())
-        sock.sendall(_request(host, model, prompt, max_tokens))
-        sel.register(sock, selectors.EVENT_READ, conn)
-        conns.append(conn)
+    for conn in conns:
+        sel.register(conn.sock, selectors.EVENT_READ, conn)
     open_ = len(conns)
-    deadline = t0 + timeout
     try:
         while open_:
             ready = sel.select(timeout=max(0.0, deadline - time.perf_counter()))
             if not ready:
-                raise TimeoutError(f"{url}: {open_} of {len(conns)} streams still open after {timeout:.0f} s")
+                raise TimeoutError(f"{url}: {open_} of {len(conns)} streams still open at the deadline")
             for key, _ in ready:
                 conn = key.data
                 data = conn.sock.recv(1 << 16)
@@ -157,12 +147,46 @@ def stream_many(url: str, model: str, prompts: list[str], max_tokens: int,
                     conn.parser.feed_data(data)
                 if conn.done or not data:
                     sel.unregister(conn.sock)
-                    conn.sock.close()
                     open_ -= 1
+    finally:
+        sel.close()
+
+
+def _read_alone(conn: _Conn, url: str, timeout: float) -> None:
+    """One stream: a blocking recv per read (a timeout set on a Python socket polls before every recv: two
+    system calls a token, which on this VM cost the client as much as the rest of its work)."""
+    conn.sock.settimeout(None)
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout), 0))
+    while not conn.done:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            raise TimeoutError(f"{url}: no bytes for {timeout:.0f} s") from None
+        if not data:
+            return
+        conn.parser.feed_data(data)
+
+
+def stream_many(url: str, model: str, prompts: list[str], max_tokens: int,
+                timeout: float = 600.0) -> tuple[float, list[Stream]]:
+    """Send every prompt at once as a streaming greedy /v1/completions; (wall seconds until the last stream
+    ended, the streams in prompt order)."""
+    host, port = url.removeprefix("http://").rstrip("/").split(":")
+    conns: list[_Conn] = []
+    t0 = time.perf_counter()
+    try:
+        for prompt in prompts:
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+            conns.append(conn := _Conn(sock, max_tokens, time.perf_counter()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(_request(host, model, prompt, max_tokens))
+        if len(conns) == 1:
+            _read_alone(conns[0], url, timeout)
+        else:
+            _read_all(conns, url, t0 + timeout)
     finally:
         for conn in conns:
             conn.sock.close()
-        sel.close()
     wall = time.perf_counter() - t0
     return wall, [c.finish(url) for c in conns]
 

@@ -44,16 +44,24 @@ def _dribbling_server(events: list[bytes], status: int = 200) -> tuple[str, thre
     def serve() -> None:
         conn, _ = listener.accept()
         with conn, listener:
-            conn.recv(65536)
-            body = b"".join(events)
+            request = b""
+            while b"\r\n\r\n" not in request:  # the whole request, or closing would reset the connection
+                request += conn.recv(65536)
+            request_head, _, body = request.partition(b"\r\n\r\n")
+            length = int(request_head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            while len(body) < length:
+                body += conn.recv(65536)
             chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
             reason = b"OK" if status == 200 else b"Bad Request"
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                     % (status, reason))
-            data = head + (chunks if body else b"0\r\n\r\n")
+            data = head + chunks
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for i in range(0, len(data), 3):
-                conn.sendall(data[i:i + 3])
+            try:
+                for i in range(0, len(data), 3):
+                    conn.sendall(data[i:i + 3])
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a client may hang up once it has read [DONE]
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
