@@ -413,7 +413,7 @@ class LLMEngine:
                 done = plan, self._execute(plan)
                 self._steps += 1
                 if self.step_log is not None:
-                    self.step_log.append((len(plan.decode), len(plan.prefill_tokens)))
+                    self.step_log.append((len(plan.decode), plan.prefill_tokens))
             except Exception as e:  # an engine bug must not leave clients waiting forever
                 done = None
                 msg = error_line(e)

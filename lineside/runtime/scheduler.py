@@ -2,8 +2,11 @@
 
 ``schedule`` plans a step: the decode batch (all sequences past prefill, one token each, slots in
 ascending order — moved to 0..k-1 when a hole opens, if the backend ``needs_contiguous_slots``)
-plus at most one prefill chunk of ``prefill_chunk`` tokens for the one sequence being admitted
-(step_plan.py). ``postprocess`` is the one place that applies a step's outcome (as nano-vllm's does): it records
+plus prefill chunks of the sequences being admitted, ``prefill_chunk`` tokens in all (step_plan.py): a burst of
+short prompts is admitted in one step, as vLLM's token budget does, so the requests decode together from the
+next step instead of joining one a step (fewer, fuller decode steps; the last request's first token 1 step
+away, not N). A prompt that begins with a block another prompt's prefill is still computing waits for it, to
+reuse it from the prefix cache rather than compute it again. ``postprocess`` is the one place that applies a step's outcome (as nano-vllm's does): it records
 the KV the step wrote in the arena, advances the sequences, appends sampled tokens, finishes
 sequences (stop / length / error) and frees their slots; ``expire`` and ``abort`` finish the
 cancelled and timed-out ones. Every time comes from one injected clock.
@@ -50,7 +53,7 @@ from lineside.runtime.session_scheduling import SessionSlots
 from lineside.runtime.sessions import PrefillSession, SessionStore
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import ModelProposer, Proposer
-from lineside.runtime.step_plan import StepPlan, prefill_take
+from lineside.runtime.step_plan import PrefillChunk, StepPlan, prefill_take
 
 ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
@@ -100,27 +103,29 @@ class Scheduler(SessionSlots):
         self.waiting.append(seq)
 
     @property
-    def prefilling(self) -> Sequence | None:
-        return next((s for s in self.running if s.status == Status.PREFILL), None)
+    def prefilling(self) -> list[Sequence]:
+        """The sequences admitted whose prompt is not all computed yet, oldest admission first."""
+        return [s for s in self.running if s.status == Status.PREFILL]
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> StepPlan:
         now = self.clock() if now is None else now
         if self.contiguous_slots:
             self._compact()
-        if self.prefilling is None:
-            self._admit(now)
+        self._admit_within_budget(now)
         self._place_sessions(now)
         plan = StepPlan(ops=self.arena.take_pending())
         plan.decode = sorted((s for s in self.running if s.status == Status.DECODE), key=lambda s: s.slot)
         if self.proposer is not None:
             self._drafts(plan)
-        pf = self.prefilling
-        if pf is not None:
+        budget = self.prefill_chunk
+        for pf in self.prefilling:
+            if budget < 2:  # never a 1-token chunk (module docstring)
+                break
             start = pf.computed
-            plan.prefill, plan.prefill_start = pf, start
-            plan.prefill_tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, self.prefill_chunk)]
-            plan.prefill_last = start + len(plan.prefill_tokens) >= len(pf.fill)
+            tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, budget)]
+            plan.prefills.append(PrefillChunk(pf, start, tokens, last=start + len(tokens) >= len(pf.fill)))
+            budget -= len(tokens)
         self._session_chunk(plan)
         return plan
 
@@ -159,11 +164,13 @@ class Scheduler(SessionSlots):
             elif seq.shadow is not None and seq.draft_length is not None and seq in sampled:
                 seq.draft_length.observe(1, int(sampled[seq] == seq.shadow))
             seq.shadow = None
-        pf = plan.prefill
-        if pf is not None and pf.slot is not None and pf not in errors:
-            self.arena.append(pf.slot, plan.prefill_tokens, shareable=len(plan.prefill_tokens) > 1)
-            pf.computed += len(plan.prefill_tokens)
-            if plan.prefill_last:
+        for chunk in plan.prefills:
+            pf = chunk.seq
+            if pf.status != Status.PREFILL or pf.slot is None or pf in errors:
+                continue
+            self.arena.append(pf.slot, chunk.tokens, shareable=len(chunk.tokens) > 1)
+            pf.computed += len(chunk.tokens)
+            if chunk.last:
                 pf.status = Status.DECODE
         for seq, tok in sampled.items():
             kept = accepted.get(seq, [])
@@ -297,10 +304,45 @@ class Scheduler(SessionSlots):
             self._move(outside, hole)
 
     # ---- admission and preemption -------------------------------------------------------------
-    def _admit(self, now: float) -> None:
-        if not self.waiting:
-            return
-        best = min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
+    def _admit_within_budget(self, now: float) -> None:
+        """Admit waiting requests while this step's prefill budget has room for more than the prefills under way
+        (one admission at least, when none is under way). The next in line is held back when its prompt starts
+        with a block an admitted prompt is still computing: the step after, it reuses that block."""
+        room = self.prefill_chunk - sum(len(s.fill) - s.computed for s in self.prefilling)
+        while self.waiting and room >= 2:
+            if self.prefilling and self.arena.occupied + 1 >= self.arena.num_slots:
+                return  # keep a slot free: a prefill that ends first moves out of the decode range through it
+            best = self._next_waiting(now)
+            if self._awaits_shared_prefix(best):
+                return
+            admitted = self._admit(best, now)
+            if admitted is None:
+                return
+            if admitted.status == Status.PREFILL:
+                room -= len(admitted.fill) - admitted.computed
+
+    def _next_waiting(self, now: float) -> Sequence:
+        return min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
+
+    def _awaits_shared_prefix(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt shares a full block with a prefill in flight (same adapter) beyond what that
+        prefill has computed: admitting it now would compute the block twice."""
+        bs = self.arena.block_size
+        for pf in self.prefilling:
+            if pf.req.adapter != seq.req.adapter:
+                continue
+            common = 0
+            for a, b in zip(seq.prompt, pf.fill, strict=False):
+                if a != b:
+                    break
+                common += 1
+            if common // bs * bs > pf.computed:
+                return True
+        return False
+
+    def _admit(self, best: Sequence, now: float) -> Sequence | None:
+        """Give ``best`` a slot (reusing what the prefix cache holds of it), preempting lower classes if it needs
+        room; None when it does not fit yet."""
         need = best.reserve_tokens
         fill, max_reuse = best.start_fill()
         # the session it names, when its KV extends this prompt (sessions hold base-model KV: never an adapter's)
@@ -311,7 +353,7 @@ class Scheduler(SessionSlots):
         if not self.arena.can_admit(need, freeing) and self.preemption:
             self._preempt_for(best, now, freeing)
         if not self.arena.can_admit(need, freeing):
-            return
+            return None
         self.waiting.remove(best)
         if lend is not None:
             slot, reused = self._lend(lend[0], best, need, lend[1], now), lend[1]
@@ -326,6 +368,7 @@ class Scheduler(SessionSlots):
             best.handle.metrics.scheduled = now
         best.status = Status.PREFILL if reused < len(fill) else Status.DECODE
         self.running.append(best)
+        return best
 
     def _preempt_for(self, want: Sequence, now: float, freeing: list[int] | None = None) -> None:
         """Preempt running sequences of a lower class than ``want`` and ranked ≥ 1 below it after aging

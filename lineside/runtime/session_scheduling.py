@@ -171,7 +171,7 @@ class SessionSlots:
 
     def _session_chunk(self, plan: StepPlan) -> None:
         """Plan a session chunk into a step that has no request prefill chunk (see the module docstring)."""
-        if self.sessions is None or plan.prefill is not None:
+        if self.sessions is None or plan.prefills:
             return
         busy = bool(plan.decode)
         self._quiet_steps += 1

@@ -1,5 +1,5 @@
-"""What one engine step is: slot ops, the decode batch, at most one prefill chunk (a request's, or else a prefill
-session's) — and their backend batches.
+"""What one engine step is: slot ops, the decode batch, the requests' prefill chunks (or else a prefill session's
+chunk) — and their backend batches.
 
 The scheduler fills a ``StepPlan``, the step runner executes it, and the scheduler's ``postprocess``
 reads it back to apply the outcome; the plan itself changes nothing. (The one thing the step runner
@@ -33,15 +33,26 @@ class SessionChunk:
 
 
 @dataclass
+class PrefillChunk:
+    """Prompt tokens ``start..start+len(tokens)`` of a request being admitted, computed into its slot."""
+
+    seq: Sequence
+    start: int
+    tokens: list[int]
+    last: bool  # this chunk completes the fill: its last logits give the first token
+
+    def batch(self) -> StepBatch:
+        assert self.seq.slot is not None
+        return StepBatch.single(self.seq.slot, self.tokens, self.start, adapter=self.seq.adapter_slot)
+
+
+@dataclass
 class StepPlan:
-    """One step: slot ops first, then the decode batch, then the prefill chunk (see ``Scheduler.schedule``)."""
+    """One step: slot ops first, then the decode batch, then the prefill chunks (see ``Scheduler.schedule``)."""
 
     ops: list[SlotOp] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
-    prefill: Sequence | None = None
-    prefill_start: int = 0
-    prefill_tokens: list[int] = field(default_factory=list)
-    prefill_last: bool = False  # this chunk completes the fill
+    prefills: list[PrefillChunk] = field(default_factory=list)  # within the step's prefill budget, oldest first
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
     session: SessionChunk | None = None  # idle-capacity work: only in a step without a request's prefill chunk
     # A model proposer's rows: how many tokens each may propose. The step runner runs the proposer and
@@ -52,7 +63,11 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.ops or self.session or self.adapter_loads)
+        return not (self.decode or self.prefills or self.ops or self.session or self.adapter_loads)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.prefills)
 
     def decode_batch(self) -> StepBatch:
         """Each row feeds its pending token, then its drafts (right-padded), with logits at every one."""
@@ -72,11 +87,6 @@ class StepPlan:
             adapters=np.array([s.adapter_slot for s in self.decode], dtype=np.int64)
             if any(s.adapter_slot for s in self.decode) else None,
         )
-
-    def prefill_batch(self) -> StepBatch:
-        assert self.prefill is not None and self.prefill.slot is not None
-        return StepBatch.single(self.prefill.slot, self.prefill_tokens, self.prefill_start,
-                                adapter=self.prefill.adapter_slot)
 
 
 def prefill_take(remaining: int, chunk: int) -> int:

@@ -38,7 +38,7 @@ class StepOutcome:
 
 
 def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = None) -> StepOutcome:
-    """Slot ops, then a model proposer's drafts, then the decode batch, then the prefill chunk, then a prefill
+    """Slot ops, then a model proposer's drafts, then the decode batch, then the prefill chunks, then a prefill
     session's chunk (last: requests first)."""
     out = StepOutcome()
     try:
@@ -51,7 +51,7 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
                 backend.reset_slot(op.dst)
     except Exception as e:
         msg = error_line(e)
-        return StepOutcome(errors={s: msg for s in [*plan.decode, *([plan.prefill] if plan.prefill else [])]},
+        return StepOutcome(errors={s: msg for s in [*plan.decode, *(c.seq for c in plan.prefills)]},
                            session_error=msg if plan.session is not None else None)
     if plan.draft_budget and proposer is not None:
         _propose(proposer, plan)
@@ -75,11 +75,11 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
                     _sample(out, seq, logits[r, 0], None if masks is None else masks[r])
         except Exception as e:  # a backend failure ends the requests in this call, not the server
             out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
-    seq = plan.prefill
-    if seq is not None:
+    for chunk in plan.prefills:  # one forward each: GroupQueryAttention takes one past length per batch
+        seq = chunk.seq
         try:
-            logits = backend.forward(plan.prefill_batch())
-            if plan.prefill_last and seq.pending is None:
+            logits = backend.forward(chunk.batch())
+            if chunk.last and seq.pending is None:
                 masks = grammar_masks([seq], logits.shape[-1])
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:

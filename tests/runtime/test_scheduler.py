@@ -29,8 +29,9 @@ def test_chunk_plan_and_status():
     plans = []
     for _ in range(3):
         p = sch.schedule(now=1.0)
-        plans.append((p.prefill_start, len(p.prefill_tokens), p.prefill_last))
-        a.computed += len(p.prefill_tokens)
+        (c,) = p.prefills
+        plans.append((c.start, len(c.tokens), c.last))
+        a.computed += len(c.tokens)
     assert plans == [(0, 3, False), (3, 2, False), (5, 2, True)]  # no 1-token chunk
     assert a.status == Status.PREFILL and a.slot == 0
 
@@ -93,7 +94,8 @@ def test_postprocess_records_kv_advances_and_finishes():
     a = seq(prompt_len=6, n=2)
     sch.add(a)
     p = sch.schedule(now=1.0)
-    assert p.prefill is a and p.prefill_last and p.prefill_tokens == a.prompt
+    (c,) = p.prefills
+    assert c.seq is a and c.last and c.tokens == a.prompt
     evs = sch.postprocess(p, {a: 7}, {}, now=2.0)
     assert [(s, e.token_ids, e.finish_reason) for s, e in evs] == [(a, [7], None)]
     assert a.status == Status.DECODE and a.computed == 6 and arena.tokens[a.slot] == a.prompt
@@ -154,3 +156,67 @@ def test_only_a_backend_that_needs_contiguous_slots_gets_moves():
         p = sch.schedule(now=2.0)
         assert [(o.kind, o.src, o.dst) for o in p.ops] == ([(SlotOpKind.COPY, 1, 0)] if contiguous else [])
         assert [s.slot for s in p.decode] == [0 if contiguous else 1]
+
+
+def prompt_seq(prompt: list[int], n: int = 4, t: float = 0.0) -> Sequence:
+    h = RequestHandle(GenerationRequest(prompt_ids=prompt, max_tokens=n))
+    h.metrics.arrival = t
+    return Sequence(h, Letters(), {2}, max_seq_len=64)
+
+
+def step(sch: Scheduler, now: float):
+    """Plan a step and apply it as the engine would, every sampled token 9."""
+    p = sch.schedule(now=now)
+    sampled = {s: 9 for s in p.decode} | {c.seq: 9 for c in p.prefills if c.last}
+    sch.postprocess(p, sampled, {}, now=now)
+    return p
+
+
+def test_a_burst_of_short_prompts_is_admitted_in_one_step_then_decodes_together():
+    sch = Scheduler(KVCacheArena(4, 64, 4), prefill_chunk=16)
+    burst = [prompt_seq([10 * k + i for i in range(5)], t=k) for k in range(1, 4)]
+    for s in burst:
+        sch.add(s)
+    p = step(sch, 1.0)
+    assert [c.seq for c in p.prefills] == burst and all(c.last and c.start == 0 for c in p.prefills)
+    p = step(sch, 2.0)
+    assert p.decode == burst and not p.prefills
+
+
+def test_the_step_budget_caps_all_chunks_together():
+    sch = Scheduler(KVCacheArena(4, 64, 4), prefill_chunk=8)
+    long, short = prompt_seq(list(range(100, 113))), prompt_seq([7, 8, 9], t=1.0)
+    sch.add(long)
+    sch.add(short)
+    plans = [[(c.seq, c.start, len(c.tokens)) for c in step(sch, float(i)).prefills] for i in range(3)]
+    # 13 tokens: 8, then the last 5 with the short prompt beside them (5 + 3 = 8)
+    assert plans == [[(long, 0, 8)], [(long, 8, 5), (short, 0, 3)], []]
+    assert all(sum(n for *_, n in p) <= 8 for p in plans)
+
+
+def test_a_prompt_sharing_a_block_still_being_computed_waits_to_reuse_it():
+    sch = Scheduler(KVCacheArena(4, 64, 4), prefill_chunk=32)
+    head = [5, 6, 7, 8, 9, 10, 11, 12]  # two full blocks of 4
+    a, b = prompt_seq(head + [20, 21]), prompt_seq(head + [30, 31], t=1.0)
+    c = prompt_seq([40, 41, 42], t=2.0)  # behind b in line: waits with it (admission keeps its order)
+    for s in (a, b, c):
+        sch.add(s)
+    p = step(sch, 1.0)
+    assert [x.seq for x in p.prefills] == [a]
+    p = step(sch, 2.0)
+    assert [(x.seq, x.start) for x in p.prefills] == [(b, 8), (c, 0)]  # b reused a's two blocks
+    assert b.handle.metrics.prefix_reused_tokens == 8
+
+
+def test_a_second_admission_keeps_a_slot_free_for_compaction():
+    sch = Scheduler(KVCacheArena(3, 64, 4), prefill_chunk=32, contiguous_slots=True)
+    first = prompt_seq([1, 2, 3])
+    sch.add(first)
+    step(sch, 0.0)
+    x, y = prompt_seq([10, 11, 12, 13, 14, 15, 16], t=1.0), prompt_seq([20, 21, 22], t=2.0)
+    sch.add(x)
+    sch.add(y)
+    p = step(sch, 1.0)
+    assert [c.seq for c in p.prefills] == [x]  # y would take the last slot while x prefills
+    p = step(sch, 2.0)
+    assert [c.seq for c in p.prefills] == [y] and p.decode == [first, x]

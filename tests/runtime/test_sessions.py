@@ -262,7 +262,7 @@ def test_session_chunks_yield_to_requests(tiny_bundle):
 
         def spy(now=None):
             plan = orig(now)
-            plans.append((len(plan.decode), plan.prefill is not None,
+            plans.append((len(plan.decode), bool(plan.prefills),
                           0 if plan.session is None else len(plan.session.tokens)))
             return plan
 
