@@ -8,6 +8,10 @@ the sockets, llhttp (``httptools``, uvicorn's parser) for the HTTP/1.1 framing a
 ``json.loads`` per SSE event. The stdlib client (a thread per stream, ``http.client``, ``--client stdlib`` in
 served_side_by_side.py) cost 0.17 ms of CPU per token at one stream and its threads contend for the GIL at eight.
 Both send the same request and read the same events into a ``Stream``.
+
+    python benchmarks/stream_clients.py --url http://127.0.0.1:8000 [--streams 8] [--client lean|stdlib]
+
+streams completions from a running server at once and prints tokens/s and the client's own CPU per token.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import http.client
 import json
 import selectors
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -246,3 +251,33 @@ CLIENTS: dict[str, tuple[StreamOne, StreamMany]] = {
     "lean": (stream_completion, stream_many),
     "stdlib": (stdlib_stream_completion, stdlib_stream_many),
 }
+
+
+def main() -> None:
+    import argparse
+    import urllib.request
+
+    ap = argparse.ArgumentParser(description="Stream greedy completions from a running OpenAI-compatible server at "
+                                             "once and print tokens/s and this client's own CPU per token.")
+    ap.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", default="", help="default: the first model the server lists")
+    ap.add_argument("--prompt", default="Once upon a time, in a small town by the sea, there lived an old clockmaker who")
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--client", choices=sorted(CLIENTS), default="lean")
+    args = ap.parse_args()
+    url = args.url.rstrip("/")
+    try:
+        model = args.model or json.load(urllib.request.urlopen(url + "/v1/models", timeout=10))["data"][0]["id"]
+        cpu0 = time.process_time()
+        wall, streams = CLIENTS[args.client][1](url, model, [args.prompt] * args.streams, args.max_tokens)
+    except (OSError, RuntimeError, KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"stream_clients: {url}: {e}") from None
+    tokens = sum(s.tokens for s in streams)
+    print(f"{args.streams} streams, {tokens} tokens in {wall:.2f} s: {tokens / wall:.1f} tok/s aggregate; decode per "
+          f"stream {statistics.median(s.decode_tps() for s in streams):.1f} tok/s (median); client CPU "
+          f"{1e3 * (time.process_time() - cpu0) / max(tokens, 1):.3f} ms/token ({args.client})")
+
+
+if __name__ == "__main__":
+    main()
