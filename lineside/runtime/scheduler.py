@@ -310,9 +310,11 @@ class Scheduler(SessionSlots):
         with a block an admitted prompt is still computing: the step after, it reuses that block."""
         room = self.prefill_chunk - sum(len(s.fill) - s.computed for s in self.prefilling)
         while self.waiting and room >= 2:
-            if self.prefilling and self.arena.occupied + 1 >= self.arena.num_slots:
-                return  # keep a slot free: a prefill that ends first moves out of the decode range through it
             best = self._next_waiting(now)
+            if self.prefilling and self.arena.occupied + 1 >= self.arena.num_slots and len(best.prompt) > room:
+                # the last free slot, and some prefill would go on past this step: keep the slot, so that a prefill
+                # ending before one in a lower slot can move out of the decode range through it (``_compact``)
+                return
             if self._awaits_shared_prefix(best):
                 return
             admitted = self._admit(best, now)

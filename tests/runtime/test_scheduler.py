@@ -1,6 +1,8 @@
 """Scheduler policy without a model: admission order, preemption rules, chunk plans, and what
 ``postprocess`` / ``expire`` do to sequences, slots and the arena after a step."""
 
+import pytest
+
 from lineside.runtime.kv_manager import KVCacheArena, SlotOpKind
 from lineside.runtime.request import GenerationRequest, RequestHandle
 from lineside.runtime.scheduler import Scheduler
@@ -208,15 +210,20 @@ def test_a_prompt_sharing_a_block_still_being_computed_waits_to_reuse_it():
     assert b.handle.metrics.prefix_reused_tokens == 8
 
 
-def test_a_second_admission_keeps_a_slot_free_for_compaction():
-    sch = Scheduler(KVCacheArena(3, 64, 4), prefill_chunk=32, contiguous_slots=True)
+@pytest.mark.parametrize("second", [3, 6])
+def test_the_last_slot_goes_to_a_prefill_only_when_every_prefill_ends_in_the_step(second):
+    sch = Scheduler(KVCacheArena(3, 64, 4), prefill_chunk=24, contiguous_slots=True)
     first = prompt_seq([1, 2, 3])
     sch.add(first)
     step(sch, 0.0)
-    x, y = prompt_seq([10, 11, 12, 13, 14, 15, 16], t=1.0), prompt_seq([20, 21, 22], t=2.0)
+    x, y = prompt_seq(list(range(100, 120)), t=1.0), prompt_seq(list(range(200, 200 + second)), t=2.0)
     sch.add(x)
     sch.add(y)
     p = step(sch, 1.0)
-    assert [c.seq for c in p.prefills] == [x]  # y would take the last slot while x prefills
-    p = step(sch, 2.0)
-    assert [c.seq for c in p.prefills] == [y] and p.decode == [first, x]
+    if second == 3:  # 20 + 3 tokens: both prompts done in this step, nothing can end out of order
+        assert [c.seq for c in p.prefills] == [x, y] and all(c.last for c in p.prefills)
+        assert step(sch, 2.0).decode == [first, x, y]
+    else:  # 20 + 6 > 24: y would still be prefilling after the step, holding the last slot
+        assert [c.seq for c in p.prefills] == [x]
+        p = step(sch, 2.0)
+        assert [c.seq for c in p.prefills] == [y] and p.decode == [first, x]

@@ -222,6 +222,7 @@ def test_draft_length_follows_acceptance_when_each_token_costs():
 
 def test_wide_steps_do_not_speculate_past_max_rows(tiny_bundle):
     reqs = reqs_for(PROMPTS, 10)
+    reqs[-1] = GenerationRequest(prompt_ids=list(PROMPTS[-1]), max_tokens=30)  # runs on alone after the others
     spec, st, be = run(generate(tiny_bundle, reqs, spec=SpeculativeConfig(SpecMethod.NGRAM, 4, max_rows=1),
                                 slots=5, wrong=1000))
     assert all(len(new) == 1 or max(new) == 1 for _, _, new in be.calls)  # several rows: one token each
