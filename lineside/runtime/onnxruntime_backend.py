@@ -20,6 +20,7 @@ from lineside.graph_io import PACKED_INT4, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.graph_context import check_rope_positions
+from lineside.runtime.huge_pages import advise_huge_pages
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.ort_cache import open_session
@@ -121,6 +122,7 @@ class OnnxRuntimeBackend:
                 providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
             raise LinesideError(f"onnxruntime could not load {graph}: {str(e).splitlines()[0]}") from None
+        advise_huge_pages()  # the weights it just packed: 2 MB pages (huge_pages.py)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
         unknown = [s for s in self.states if s.dtype not in _NP]
