@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from lineside.runtime import huge_pages
-from lineside.runtime.huge_pages import Mapping, advise_huge_pages, anonymous_mappings, candidates
+from lineside.runtime.huge_pages import (
+    Mapping,
+    advise_huge_pages,
+    anonymous_mappings,
+    candidates,
+    resident_runs,
+)
 from lineside.runtime.onnxruntime_backend import arena_zeros
 
 SMAPS = """\
@@ -34,21 +40,32 @@ VmFlags: rd wr mr mw me ac sd nh
 """
 
 
-def test_only_private_anonymous_read_write_mappings_are_read():
+def test_only_private_anonymous_read_write_mappings_and_the_heap_are_read():
     got = anonymous_mappings(SMAPS)
-    assert [(hex(m.start), m.size >> 20, m.resident >> 20) for m in got] == [("0x7f0000000000", 16, 16),
-                                                                           ("0x7f0005000000", 16, 1)]
-    assert "nh" in got[1].flags and "nh" not in got[0].flags
+    assert [(hex(m.start), m.size >> 20, m.resident >> 20, m.heap) for m in got] == [
+        ("0x7f0000000000", 16, 16, False), ("0x55d000000000", 16, 16, True), ("0x7f0005000000", 16, 1, False)]
+    assert "nh" in got[2].flags and "nh" not in got[0].flags
 
 
-def test_candidates_are_large_resident_and_not_advised_either_way():
+def test_candidates_have_enough_resident_and_are_not_advised_either_way():
     mb = 1 << 20
     maps = [Mapping(0, 16 * mb, 16 * mb, frozenset()),  # weights: yes
-            Mapping(0, 4 * mb, 4 * mb, frozenset()),  # small
-            Mapping(0, 16 * mb, 2 * mb, frozenset()),  # mostly untouched: collapsing would fault it all in
+            Mapping(0, 64 * mb, 4 * mb, frozenset()),  # little of it resident
             Mapping(0, 16 * mb, 16 * mb, frozenset({"nh"})),  # the KV arena
             Mapping(0, 16 * mb, 16 * mb, frozenset({"hg"}))]  # done already
     assert candidates(maps, 8 * mb) == maps[:1]
+
+
+def test_only_whole_resident_extents_are_advised_and_the_heaps_last_extent_is_kept():
+    huge, per = huge_pages.HUGE, huge_pages.HUGE // huge_pages.PAGE
+    start, end = 3 * huge - huge_pages.PAGE, 9 * huge + 5 * huge_pages.PAGE  # unaligned: extents 3..8 count
+    pages = np.ones(6 * per, np.uint8)
+    pages[2 * per + 7] = 0  # one page of extent 5 not resident: collapsing would fault it in
+    got = resident_runs(start, end, pages)
+    assert got == [(3 * huge, 5 * huge), (6 * huge, 9 * huge)]
+    assert resident_runs(start, end, pages, keep_last=True) == [got[0], (6 * huge, 8 * huge)]
+    assert resident_runs(0, huge, np.ones(per, np.uint8)) == [(0, huge)]
+    assert resident_runs(huge + 1, 2 * huge, np.ones(per, np.uint8)) == []
 
 
 def _flags_of(addr: int) -> set[str]:
@@ -78,7 +95,8 @@ def test_a_resident_anonymous_mapping_is_advised_and_the_kv_arena_is_not(monkeyp
     kv[:] = 1.0  # resident too, but advised MADV_NOHUGEPAGE
     try:
         assert advise_huge_pages(min_bytes=16 << 20) >= size
-        assert "hg" in _flags_of(w.ctypes.data) and "hg" not in _flags_of(kv.ctypes.data)
+        middle = w.ctypes.data + size // 2  # the whole 2 MB extents inside it
+        assert "hg" in _flags_of(middle) and "hg" not in _flags_of(kv.ctypes.data + size // 2)
         assert w[::4096].sum() == size // 4096  # the contents are what they were
     finally:
         del w
