@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lineside.runtime.sequence import SequenceStatus
 from lineside.runtime.sessions import PrefillSession, SessionInfo, SessionStore, common_prefix
 from lineside.runtime.step_plan import SessionChunk, StepPlan, prefill_take
 
@@ -155,10 +156,15 @@ class SessionSlots:
         """Give a slot to sessions with pending work that lack one, while no request waits for it."""
         if self.sessions is None or self.waiting:
             return
+        # with contiguous slots the last free slot stays free while a prefill is under way: one that sits in the
+        # decode range when another ends moves out through it (``_compact``)
+        keep = self.contiguous_slots and any(s.status == SequenceStatus.PREFILL for s in self.running)
         want = sorted((s for s in self.sessions.by_id.values()
                        if s.slot is None and s.lent_to is None and s.pending >= 1),
                       key=lambda s: (s.rank, s.updated))
         for s in want:
+            if keep and self.arena.occupied + 1 >= self.arena.num_slots:
+                return
             for old in self.sessions.lru():  # make room from sessions used less recently than this one
                 if self.arena.can_admit(len(s.target)) or old.last_used >= s.last_used:
                     break

@@ -227,3 +227,29 @@ def test_the_last_slot_goes_to_a_prefill_only_when_every_prefill_ends_in_the_ste
         assert [c.seq for c in p.prefills] == [x]
         p = step(sch, 2.0)
         assert [c.seq for c in p.prefills] == [y] and p.decode == [first, x]
+
+
+def test_a_session_does_not_take_the_slot_a_prefill_needs_to_leave_the_decode_range():
+    from lineside.runtime.sessions import SessionStore
+
+    arena = KVCacheArena(4, 64, 4)
+    head = list(range(50, 58))  # two blocks cached in slot 3: the next prompt that starts with them reuses slot 3
+    for i in range(4):
+        arena.allocate(f"x{i}", [], 8, 0)
+    arena.append(3, head)
+    for i in range(4):
+        arena.free(i)
+    arena.take_pending()
+    sch = Scheduler(arena, prefill_chunk=8, contiguous_slots=True, sessions=SessionStore())
+    d = prompt_seq([1, 2, 3], n=20)
+    sch.add(d)
+    step(sch, 0.0)
+    sch.update_session("s", list(range(300, 310)), 10, now=1.0)  # pending work: it wants a slot
+    a, b = prompt_seq(head + [60, 61], n=20, t=1.0), prompt_seq(list(range(100, 120)), n=20, t=2.0)
+    sch.add(a)
+    sch.add(b)
+    p = step(sch, 1.0)
+    assert [(c.seq, c.seq.slot, c.last) for c in p.prefills] == [(a, 3, True), (b, 1, False)]
+    for t in (2.0, 3.0):  # a ended in slot 3 while b, in slot 1, still prefills: b moves up, a down
+        p = step(sch, t)
+        assert p.decode and [s.slot for s in p.decode] == list(range(len(p.decode)))
