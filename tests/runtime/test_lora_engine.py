@@ -78,9 +78,10 @@ def test_mixed_adapters_batch_and_match_each_alone(lora_setup):
     engine.step_log = __import__("collections").deque()
 
     async def main():
+        # queued before the step thread starts: all four are there at its first step, however threads are timed
+        handles = [engine.submit(req(p, a)) for a, p in zip(mix, PROMPTS, strict=True)]
         await engine.start()
         try:
-            handles = [engine.submit(req(p, a)) for a, p in zip(mix, PROMPTS, strict=True)]
             return await asyncio.gather(*(collect(h) for h in handles))
         finally:
             await engine.stop()
