@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.served_side_by_side import PROMPT, stream_completion  # noqa: E402
+from benchmarks.served_side_by_side import PROMPT, concurrent, stream_completion  # noqa: E402
 from lineside.bench.inprocess import free_port, wait_ready  # noqa: E402
 
 PROMPTS = [PROMPT, "The three laws of thermodynamics say that", "Write a short story about a robot who",
@@ -89,24 +88,11 @@ def served(bundle: Path, threads: int, tree: Path, streams: int, max_tokens: int
     stream_completion(url, model, PROMPT, 8)  # first request: lazy imports, first allocations
 
     def run() -> tuple[float, int, str, list[str]]:
-        texts: list[str] = [""] * streams
-        counts = [0] * streams
         c0, t0 = proc_cpu(proc.pid), thread_cpu(proc.pid)
-
-        def one(i: int) -> None:
-            s = stream_completion(url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
-            texts[i], counts[i] = s.text, s.tokens
-
-        workers = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-        w0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        wall = time.perf_counter() - w0
+        rate, got = concurrent(url, model, [PROMPTS[i % len(PROMPTS)] for i in range(streams)], max_tokens)
         c1, t1 = proc_cpu(proc.pid), thread_cpu(proc.pid)
-        tokens = sum(counts)
-        return (c1 - c0) / tokens, tokens / wall, per_thread(proc.pid, t0, t1, tokens), texts
+        tokens = sum(s.tokens for s in got)
+        return (c1 - c0) / tokens, rate, per_thread(proc.pid, t0, t1, tokens), [s.text for s in got]
 
     def stop() -> None:
         proc.send_signal(signal.SIGTERM)
