@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -30,7 +31,17 @@ HUGE_PAGES_ENV = "LINESIDE_HUGE_PAGES"
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 MIN_BYTES = 8 << 20  # resident bytes of a mapping worth a look: onnxruntime's weights; Python's arenas are smaller
-HUGE = 2 << 20
+
+
+def _pmd_size() -> int:
+    """The kernel's huge page size (2 MB on x86-64 and on 4 KB-page arm64; 512 MB with 64 KB pages)."""
+    try:
+        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
+HUGE = _pmd_size()
 PAGE = mmap.PAGESIZE
 
 
