@@ -50,7 +50,7 @@ from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.sequence import SequenceStatus as Status
 from lineside.runtime.session_scheduling import SessionSlots
-from lineside.runtime.sessions import PrefillSession, SessionStore
+from lineside.runtime.sessions import PrefillSession, SessionStore, common_prefix
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import ModelProposer, Proposer
 from lineside.runtime.step_plan import PrefillChunk, StepPlan, prefill_take
@@ -331,14 +331,7 @@ class Scheduler(SessionSlots):
         prefill has computed: admitting it now would compute the block twice."""
         bs = self.arena.block_size
         for pf in self.prefilling:
-            if pf.req.adapter != seq.req.adapter:
-                continue
-            common = 0
-            for a, b in zip(seq.prompt, pf.fill, strict=False):
-                if a != b:
-                    break
-                common += 1
-            if common // bs * bs > pf.computed:
+            if pf.req.adapter == seq.req.adapter and common_prefix(seq.prompt, pf.fill) // bs * bs > pf.computed:
                 return True
         return False
 
