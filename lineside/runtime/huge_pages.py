@@ -129,7 +129,8 @@ def advise_huge_pages(min_bytes: int = MIN_BYTES) -> int:
 
     # Collapsing copies the memory (~0.2 s for the demo bundle's weights): off the path to ready, beside the web
     # stack's imports and the warm-up. The memory reads the same during and after it.
-    threading.Thread(target=collapse, name="lineside-hugepages", daemon=True).start()
+    if advised:
+        threading.Thread(target=collapse, name="lineside-hugepages", daemon=True).start()
     total = sum(b - a for a, b in advised)
     log.debug("huge pages advised for %d ranges, %.0f MB", len(advised), total / 2**20)
     return total
