@@ -1,7 +1,7 @@
 """LLMEngine: continuous batching over one backend, the API the server uses.
 
 ``submit`` queues a request and returns a handle to async-iterate. One thread of the engine's own (the step
-thread) runs the step loop: the scheduler plans a step (decode batch + at most one prefill chunk), the backend
+thread) runs the step loop: the scheduler plans a step (decode batch + prefill chunks within a budget), the backend
 runs it and the logits are sampled (step_runner.py), the scheduler's ``postprocess`` applies the outcome to the
 sequences, and the next step is planned and started at once. The resulting events go to the handles on the
 event loop (``call_soon_threadsafe``), which writes them while the next step runs: no step waits for the event

@@ -67,6 +67,10 @@ class KVCacheArena:
         return sum(o is not None for o in self.owner)
 
     @property
+    def free_slots(self) -> int:
+        return self.num_slots - self.occupied
+
+    @property
     def reserved_blocks(self) -> int:
         return sum(self.reserved)
 

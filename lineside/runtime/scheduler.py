@@ -308,10 +308,12 @@ class Scheduler(SessionSlots):
         """Admit waiting requests while this step's prefill budget has room for more than the prefills under way
         (one admission at least, when none is under way). The next in line is held back when its prompt starts
         with a block an admitted prompt is still computing: the step after, it reuses that block."""
+        if not self.waiting:  # most steps: nothing to admit
+            return
         room = self.prefill_chunk - sum(len(s.fill) - s.computed for s in self.prefilling)
         while self.waiting and room >= 2:
             best = self._next_waiting(now)
-            if self.prefilling and self.arena.occupied + 1 >= self.arena.num_slots and len(best.prompt) > room:
+            if self.prefilling and self.arena.free_slots <= 1 and len(best.prompt) > room:
                 # the last free slot, and some prefill would go on past this step: keep the slot, so that a prefill
                 # ending before one in a lower slot can move out of the decode range through it (``_compact``)
                 return

@@ -163,7 +163,7 @@ class SessionSlots:
                        if s.slot is None and s.lent_to is None and s.pending >= 1),
                       key=lambda s: (s.rank, s.updated))
         for s in want:
-            if keep and self.arena.occupied + 1 >= self.arena.num_slots:
+            if keep and self.arena.free_slots <= 1:
                 return
             for old in self.sessions.lru():  # make room from sessions used less recently than this one
                 if self.arena.can_admit(len(s.target)) or old.last_used >= s.last_used:
