@@ -76,8 +76,8 @@ def residual_digits(r: np.ndarray, digits: int) -> tuple[np.ndarray, np.ndarray,
     for _ in range(digits):
         g = left.reshape(n, p // BLOCK, BLOCK)
         s = (np.abs(g).max(-1, keepdims=True) / 7).astype(np.float32)
-        s[s == 0] = 1
-        q = np.clip(np.rint(g / s), -8, 7)
+        # all zero: scale 0, not 1 (the int8 kernel's zero-point term cancels only to ~1e-7 of the scale)
+        q = np.clip(np.rint(g / np.where(s == 0, 1, s)), -8, 7)
         left -= (q * s.astype(np.float64)).reshape(n, p)
         codes.append((q + ZERO_CODE).astype(np.uint8).reshape(n, p))
         scales.append(s[..., 0])

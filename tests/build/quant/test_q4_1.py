@@ -130,3 +130,39 @@ def test_layers_reading_one_input_share_its_block_sums(tmp_path, rng):
     x = exact_int8_input(rng, 3, 576)
     ref = sum(reference(x, w, carried_offsets(path, f"l{i}", 576)) for i, w in enumerate(ws))
     assert np.abs(run_graph(path, {"x": x}) - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def q4_1_bytes(d: np.ndarray, m: np.ndarray, codes: np.ndarray):
+    """GGMLBlocks of Q4_1 blocks written byte by byte (float16 d and m ``[N, K/32]``, codes 0..15 ``[N, K]``), for
+    blocks gguf's quantize never makes."""
+    from lineside.build.tensors import GGMLBlocks
+
+    n, k = codes.shape
+    out = np.zeros((n, k // BLOCK, 20), np.uint8)
+    out[..., 0:2] = np.asarray(d, np.float16)[..., None].view(np.uint8)
+    out[..., 2:4] = np.asarray(m, np.float16)[..., None].view(np.uint8)
+    c = codes.reshape(n, k // BLOCK, BLOCK).astype(np.uint8)
+    out[..., 4:] = c[..., :16] | (c[..., 16:] << 4)
+    return GGMLBlocks("Q4_1", (n, k), out.reshape(n, -1))
+
+
+@pytest.mark.parametrize("d", [3e-7, 1e-5, 0.0])
+def test_digit_regions_with_nothing_to_carry_add_nothing(tmp_path, rng, d):
+    """Blocks whose m is exactly -z*d (a Q4_0 grid written as Q4_1: m = -8d; all-zero rows: d = m = 0) leave every
+    digit zero. Those regions had scale 1.0, and onnxruntime's int8 kernel, which takes the zero point's share from
+    each block's input sum apart from the int8 dot product, left float32 cancellation noise of about
+    1e-7 * 8 * |S| * 32 per output: 70% of a layer whose d is float16-subnormal (3e-7), and a zero weight's output
+    not zero. A region with nothing to carry has scale 0."""
+    n, k = 8, 4864  # 152 blocks: 5 blocks of sums per region
+    d16 = np.full((n, k // BLOCK), d, np.float16)
+    blocks = q4_1_bytes(d16, -8 * d16, rng.integers(0, 16, (n, k)))  # -8d: exact in float16
+    carry = q4_1.carry_q4_1(decode_blocks(blocks))
+    assert not carry.scales[:, k // BLOCK:].any()
+    path = build_one(tmp_path, lambda gb, x: emit_linear(gb, x, "l", blocks, QuantSpec(), "cpu"), k, ["t", n],
+                     in_shape=["t", k])
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y, ref = run_graph(path, {"x": x}), reference(x, blocks)
+    if d == 0:
+        assert not y.any()
+    else:
+        assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-2  # int8 activations, as the other level-4 tests
