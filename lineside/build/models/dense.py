@@ -22,6 +22,7 @@ from lineside.build.graph.lora import SiteTensors
 from lineside.build.models.family import ModelFamily, WeightGetter, WeightSource
 from lineside.build.models.rope import rope_cache
 from lineside.build.quant.spec import QuantSpec
+from lineside.build.tensors import GGMLBlocks
 from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
@@ -148,7 +149,15 @@ class DenseEmitter:
         """Layers reading the same x (q/k/v, gate/up) as one matmul: fewer kernels per decode step."""
         from lineside.build.graph.table8 import concat_out_features
 
-        w = concat_out_features([self.get(n) for n in names], fused)
+        weights = [self.get(n) for n in names]
+        if len({w.ggml_type if isinstance(w, GGMLBlocks) else None for w in weights}) > 1:
+            # GGUF blocks of different types (llama-quantize --tensor-type attn_v=q8_0), or beside a float weight:
+            # one matrix would be float and quantized again, so each layer keeps its own grid and the outputs join.
+            ys = [self._emit_linear(self.gb, x, n, w, self.spec, self.flavor,
+                                    bias=np.asarray(self.get(b), dtype=np.float32) if b else None)
+                  for n, w, b in zip(names, weights, bias_names, strict=True)]
+            return self.gb.op("Concat", ys, axis=-1, name=f"{fused}/concat")
+        w = concat_out_features(weights, fused)
         bias = None
         if any(bias_names):
             bias = np.concatenate([np.asarray(self.get(b), dtype=np.float32) if b else

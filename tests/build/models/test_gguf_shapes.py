@@ -1,0 +1,106 @@
+"""GGUF builds of the shapes real models have, against transformers reading the same GGUF (gguf's dequantize).
+
+One layer each, keeping the awkward dimensions: block counts per row that are no multiple of 32 or exceed it
+(896 = 28, 960 = 30, 1536 = 48, 4864 = 152, 8960 = 280, 2560 = 80), head_dim 64/80/128, 1/2/5 kv heads, odd
+vocabularies, tied and untied heads carried from Q4_1/Q8_0, and Q4_0/Q4_1/Q8_0 mixed in one fused layer.
+
+Accuracy level 0 carries the GGUF grid exactly: float32 rounding only (1e-4, as the float32 builds of
+test_shape_sweep.py). Level 4 rounds every block of 32 activations to int8 (block sums included): Q4_0 and Q8_0
+grids, which have no Q4_1 digits, measure 1.5-1.7e-2 on these shapes, Q4_1 the same, so 4e-2 leaves room for
+rounding and not for a carried m off by a grid step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.build.checkpoint.ckpt_gguf_writer import write_model_gguf
+from tests.build.models.test_build_summary import _tokenizer
+
+LEVEL0_TOL, LEVEL4_TOL = 1e-4, 4e-2
+Q4_1 = {"proj": "Q4_1", "embed": "Q8_0", "head": "Q8_0"}
+MIXED = {"q_proj": "Q4_1", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q4_0",
+         "up_proj": "Q4_1", "down_proj": "Q8_0", "embed": "Q8_0", "head": "Q8_0"}
+CASES = {
+    # name: (family, config overrides, GGML type per tensor kind: "proj" (every linear) or a linear's own name,
+    # "embed", "head"; the rest F32 as llama.cpp writes norms and biases)
+    # Qwen2.5-0.5B / R1-Distill look-alike: 896 (28 blocks), 14/2 heads, 4864 (152 blocks), tied Q8_0 table.
+    "qwen2-896-tied": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                                     num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=True), Q4_1),
+    # SmolLM2-360M: 960 (30 blocks), 15/5 heads, 2560 (80 blocks); its tied table Q4_1, carried as the head too.
+    "llama-960-kv5": ("llama", dict(hidden_size=960, intermediate_size=2560, num_attention_heads=15,
+                                    num_key_value_heads=5, vocab_size=999, tie_word_embeddings=True),
+                      {**Q4_1, "embed": "Q4_1"}),
+    # Qwen2.5-1.5B: 1536 (48 blocks), head_dim 128, 8960 (280 blocks: 9 blocks of sums), untied Q4_1 head.
+    "qwen2-1536-hd128": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                       num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False),
+                         {**Q4_1, "head": "Q4_1"}),
+    # head_dim 80 with one kv head, 1728 (54 blocks).
+    "llama-hd80-mqa": ("llama", dict(hidden_size=640, intermediate_size=1728, num_attention_heads=8,
+                                     num_key_value_heads=1, vocab_size=1003, tie_word_embeddings=False),
+                       {**Q4_1, "head": "Q4_1"}),
+    # llama-quantize --tensor-type mixes: each of q/k/v and gate/up its own type.
+    "qwen2-896-mixed": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                                      num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False), MIXED),
+}
+
+
+def _qtype(name: str, types: dict[str, str]) -> str:
+    if name == "model.embed_tokens.weight":
+        return types["embed"]
+    if name == "lm_head.weight":
+        return types["head"]
+    if name.endswith("proj.weight"):
+        return types.get(name.split(".")[-2], types.get("proj", "F32"))
+    return "F32"
+
+
+@pytest.fixture(scope="module")
+def gguf_case(dense_checkpoint, tmp_path_factory):
+    def get(name: str):
+        family, over, types = CASES[name]
+        ck = dense_checkpoint(f"gguf-{name}", family, num_hidden_layers=1, **over)
+        cfg = json.loads((ck / "config.json").read_text())
+        state = load_file(str(ck / "model.safetensors"))
+        qtypes = {n: _qtype(n, types) for n in state if not (n == "lm_head.weight" and cfg["tie_word_embeddings"])}
+        d = tmp_path_factory.mktemp(name)
+        write_model_gguf(d / "m.gguf", family, cfg, state, qtypes, tokenizer=_tokenizer())
+        return d / "m.gguf", {n: q for n, q in qtypes.items() if q != "F32"}
+
+    return get
+
+
+def _reference(gguf_path, ids: list[int]) -> np.ndarray:
+    """transformers' float32 logits for the GGUF's own weights (it dequantizes them with gguf)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_build_matches_transformers(gguf_case, tmp_path, name):
+    path, blocks = gguf_case(name)
+    vocab = CASES[name][1]["vocab_size"]
+    ids = [int(t) for t in np.random.default_rng(vocab).integers(0, vocab, 6)]
+    ref = _reference(path, ids)
+    for level, tol in ((0, LEVEL0_TOL), (4, LEVEL4_TOL)):
+        out = build_bundle(path, tmp_path / f"l{level}", BuildOptions(max_seq_len=16, accuracy_level=level))
+        bundle = open_bundle(out)
+        assert bundle.manifest.quantization["carried_from_source"] == blocks  # every block tensor as it is
+        be = OnnxRuntimeBackend(bundle, threads=1)
+        for mode in ("prefill", "decode"):
+            got = compute_logits(be, ids, mode)
+            err = float(np.abs(got - ref).max() / np.abs(ref).max())
+            assert err < tol, (name, level, mode, err)
