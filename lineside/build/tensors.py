@@ -29,3 +29,19 @@ class GGMLBlocks:
 
         w = dequantize(self.data, GGMLQuantizationType[self.ggml_type])
         return np.asarray(w, dtype=np.float32).reshape(self.shape)
+
+    def non_finite_scale(self) -> tuple[int, int, str, float] | None:
+        """``(row, block, "d" or "m", value)`` of the first float16 scale d or minimum m (Q4_1) that is inf or NaN,
+        else None (also for data whose size doesn't fit the type: decoding reports that)."""
+        nbytes = GGML_BLOCKS[self.ggml_type][1]
+        data = np.asarray(self.data).reshape(self.shape[0], -1)
+        if data.dtype != np.uint8 or data.shape[1] % nbytes:
+            return None
+        blocks = data.reshape(data.shape[0], -1, nbytes)
+        for what, start in (("d", 0), ("m", 2))[: 2 if self.ggml_type == "Q4_1" else 1]:
+            v = np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+            bad = np.argwhere(~np.isfinite(v))
+            if bad.size:
+                r, b = (int(i) for i in bad[0])
+                return r, b, what, float(v[r, b])
+        return None

@@ -159,6 +159,12 @@ class GGUFCheckpoint:
         try:
             if kind in GGML_BLOCKS and len(shape) == 2:
                 rows = np.asarray(t.data).reshape(shape[0], -1)
+                bad = GGMLBlocks(kind, (shape[0], shape[1]), rows).non_finite_scale()
+                if bad is not None:
+                    r, b, what, v = bad
+                    raise CheckpointError(f"{self.path}: tensor {t.name!r} ({kind}) has a non-finite {what} ({v}) in "
+                                          f"block {b} of row {r}; the GGUF is corrupt (llama.cpp's --check-tensors "
+                                          "refuses it too); re-download or re-convert it")
                 if heads:
                     rows = gn.unpermute_rows(rows, heads)
                 return GGMLBlocks(ggml_type=kind, shape=(shape[0], shape[1]), data=rows)

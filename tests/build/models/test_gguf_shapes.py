@@ -104,3 +104,27 @@ def test_gguf_build_matches_transformers(gguf_case, tmp_path, name):
             got = compute_logits(be, ids, mode)
             err = float(np.abs(got - ref).max() / np.abs(ref).max())
             assert err < tol, (name, level, mode, err)
+
+
+def test_a_non_finite_block_scale_is_refused_in_one_line(tiny_dense, tmp_path):
+    """A Q4_1 block whose float16 m is inf (a corrupt file) built with numpy RuntimeWarnings and exit 0, its bundle
+    computing NaN; the build names the tensor and the block, in one line, and leaves nothing behind."""
+    import gguf
+
+    from tests.cli.cli_run import run_cli
+
+    ck = tiny_dense("llama-gqa")
+    state = load_file(str(ck / "model.safetensors"))
+    path = tmp_path / "bad.gguf"
+    write_model_gguf(path, "llama", json.loads((ck / "config.json").read_text()), state,
+                     {n: "Q4_1" for n in state if n.endswith("proj.weight")}, tokenizer=_tokenizer())
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    with open(path, "r+b") as f:  # row 0, block 1: bytes 2-3 of the block hold m
+        f.seek(int(t.data_offset) + 20 + 2)
+        f.write(np.array([np.inf], np.float16).tobytes())
+    proc = run_cli("build", path, "-o", tmp_path / "out", "--max-seq-len", "16")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and "'blk.0.ffn_up.weight'" in lines[0], lines[0]
+    assert "non-finite m (inf) in block 1 of row 0" in lines[0] and "corrupt" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

@@ -38,6 +38,20 @@ def test_decode_rejects_truncated(rng):
         decode_blocks(GGMLBlocks("Q4_1", b.shape, b.data[:, :-4]), "blk.0.ffn_up.weight")
 
 
+@pytest.mark.parametrize("ggml_type,offset,value", [("Q4_0", 0, np.nan), ("Q4_1", 2, np.inf), ("Q8_0", 0, -np.inf)])
+def test_non_finite_scales_are_found(rng, ggml_type, offset, value):
+    """A float16 d or m of inf/NaN (a corrupt GGUF; llama.cpp's --check-tensors refuses it) was carried: numpy
+    RuntimeWarnings at build (NaN cast to uint8 zero points, undefined in C) and NaN outputs at run time; the GGUF
+    reader refuses it (tests/build/models/test_gguf_shapes.py) by the block this finds."""
+    b = make_blocks(rng, ggml_type)
+    data = b.data.copy()
+    nbytes = data.shape[1] // (K // 32)
+    data[5, 3 * nbytes + offset : 3 * nbytes + offset + 2] = np.array([value], np.float16).view(np.uint8)
+    got = GGMLBlocks(ggml_type, b.shape, data).non_finite_scale()
+    assert got is not None and got[:3] == (5, 3, "m" if offset else "d") and str(got[3]) == str(float(value))
+    assert GGMLBlocks(ggml_type, b.shape, b.data).non_finite_scale() is None
+
+
 @pytest.mark.parametrize("ggml_type,bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
 @pytest.mark.parametrize("scheme", ["w4a16", "w8a16"])
 def test_cpu_carry_exact(tmp_path, rng, ggml_type, bits, scheme):
