@@ -2,12 +2,13 @@
 
 One layer each, keeping the awkward dimensions: block counts per row that are no multiple of 32 or exceed it
 (896 = 28, 960 = 30, 1536 = 48, 4864 = 152, 8960 = 280, 2560 = 80), head_dim 64/80/128, 1/2/5 kv heads, odd
-vocabularies, tied and untied heads carried from Q4_1/Q8_0, and Q4_0/Q4_1/Q8_0 mixed in one fused layer.
+vocabularies, tied and untied tables and heads carried from Q4_0/Q4_1/Q8_0, the three mixed in one fused layer,
+and Q4_1 blocks that clip or empty the zero point; a corrupt block is refused in one line.
 
 Accuracy level 0 carries the GGUF grid exactly: float32 rounding only (1e-4, as the float32 builds of
 test_shape_sweep.py). Level 4 rounds every block of 32 activations to int8 (block sums included): Q4_0 and Q8_0
-grids, which have no Q4_1 digits, measure 1.5-1.7e-2 on these shapes, Q4_1 the same, so 4e-2 leaves room for
-rounding and not for a carried m off by a grid step.
+grids, which have no Q4_1 digits, measure 1.5-1.7e-2 on these shapes and Q4_1 the same, while leaving the digits
+out (m off by up to d/2) measures 0.2: 4e-2 leaves room for the rounding, not for a carry off by a grid step.
 """
 
 from __future__ import annotations
@@ -44,14 +45,34 @@ CASES = {
     "qwen2-1536-hd128": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                                        num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False),
                          {**Q4_1, "head": "Q4_1"}),
-    # head_dim 80 with one kv head, 1728 (54 blocks).
+    # head_dim 80 with one kv head, 1728 (54 blocks), a tied Q4_0 table (a 4-bit head beside the 8-bit default).
     "llama-hd80-mqa": ("llama", dict(hidden_size=640, intermediate_size=1728, num_attention_heads=8,
-                                     num_key_value_heads=1, vocab_size=1003, tie_word_embeddings=False),
-                       {**Q4_1, "head": "Q4_1"}),
+                                     num_key_value_heads=1, vocab_size=1003, tie_word_embeddings=True),
+                       {**Q4_1, "embed": "Q4_0"}),
+    # Q4_1 blocks at the zero point's edges (edge_blocks), Llama's permuted q/k rows among them.
+    "llama-896-edge-blocks": ("llama", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                                            num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False),
+                              {**Q4_1, "head": "Q4_1"}),
     # llama-quantize --tensor-type mixes: each of q/k/v and gate/up its own type.
     "qwen2-896-mixed": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
                                       num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=False), MIXED),
 }
+
+
+def edge_blocks(w: np.ndarray) -> np.ndarray:
+    """Every 8th row of w with blocks that clip or empty the zero point z = round(-m/d) in 0..15: all weights of one
+    sign (z = 0 or beyond 15), all equal (d = 0), the least exactly 0 (m = 0), a zero row (d = m = 0), weights under
+    float16's normal range (subnormal d) and large ones (d up to ~25, m down to ~-240)."""
+    w = w.copy()
+    rows, k = w.shape
+    cases = [lambda b: np.abs(b) + 0.02, lambda b: -np.abs(b) - 0.05, lambda b: np.full_like(b, b[0]),
+             lambda b: np.abs(b) - np.abs(b).min(), lambda b: b * 0, lambda b: b * 1e-3, lambda b: b * 3000]
+    for i, r in enumerate(range(0, rows, 8)):
+        blocks = w[r].reshape(-1, 32)
+        for j in range(blocks.shape[0]):
+            blocks[j] = cases[(i + j) % len(cases)](blocks[j])
+        w[r] = blocks.reshape(k)
+    return w
 
 
 def _qtype(name: str, types: dict[str, str]) -> str:
@@ -71,6 +92,8 @@ def gguf_case(dense_checkpoint, tmp_path_factory):
         ck = dense_checkpoint(f"gguf-{name}", family, num_hidden_layers=1, **over)
         cfg = json.loads((ck / "config.json").read_text())
         state = load_file(str(ck / "model.safetensors"))
+        if "edge-blocks" in name:
+            state = {n: edge_blocks(w) if n.endswith("proj.weight") else w for n, w in state.items()}
         qtypes = {n: _qtype(n, types) for n in state if not (n == "lm_head.weight" and cfg["tie_word_embeddings"])}
         d = tmp_path_factory.mktemp(name)
         write_model_gguf(d / "m.gguf", family, cfg, state, qtypes, tokenizer=_tokenizer())
