@@ -63,7 +63,10 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM's structured outputs (one at most, or response_format on chat): grammar-constrained decoding
+    # OpenAI's, on completions too as vLLM takes it (undeclared there it was an unknown field, silently dropped)
+    response_format: dict[str, Any] | None = Field(None, description="text | json_object | json_schema: the "
+                                                                     "output's format (grammar-constrained)")
+    # vLLM's structured outputs (one at most, response_format included): grammar-constrained decoding
     guided_json: Any = Field(None, description="a JSON schema (object or JSON text) the output must follow")
     guided_regex: Any = Field(None, description="a regular expression the whole output must match")
     guided_choice: Any = Field(None, description="a list of strings, one of which is the output")
@@ -105,7 +108,6 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
     add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
     continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")

@@ -4,6 +4,8 @@ prompts of any length; tool_choice without tools; the body limit holds for chunk
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -66,6 +68,11 @@ FIELDS = [
     ("completions", {"guided_json": "{oops"}, 400, "guided_json"),
     ("completions", {"best_of": 3}, 400, "best_of"),
     ("completions", {"suffix": "end"}, 400, "suffix"),
+    # vLLM takes OpenAI's response_format on completions too: a bad one is refused, never dropped
+    ("completions", {"response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "bogus"}}}}, 400, "response_format.json_schema.schema"),
+    ("completions", {"response_format": {"type": "json_object"}, "guided_regex": "x"}, 400, "guided_regex"),
     # vLLM's sampling extras: stop_token_ids is honoured; the others change the answer, so set they are refused
     # (never silently ignored), at their defaults accepted
     ("chat", {"stop_token_ids": [5, 6], "min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [],
@@ -119,6 +126,24 @@ def test_stop_token_ids_end_the_answer_as_vllms(server):
     assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 8
     assert (cut["choices"][0]["finish_reason"], cut["choices"][0]["text"]) == ("stop", "")
     assert cut["usage"]["completion_tokens"] == 1
+
+
+def test_completions_follow_response_format(server):
+    """response_format on /v1/completions constrains the text as on chat (vLLM's CompletionRequest has it); it was
+    an unknown field, silently dropped, so a client asking for JSON got free text."""
+    schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": {"enum": ["alpha", "beta"]}}}
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 16, "temperature": 0, "response_format": schema,
+                "stream": stream}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        else:
+            text = r.json()["choices"][0]["text"]
+        assert json.loads(text) in ("alpha", "beta")
 
 
 def test_token_id_prompt_longer_than_64_tokens(server):
