@@ -25,6 +25,7 @@ from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
+from lineside.server.unicode_check import check_unicode
 
 MAX_STOP = 16
 MAX_PROMPTS = 64
@@ -58,7 +59,8 @@ VLLM_UNSUPPORTED = {"include_stop_str_in_output": False, "bad_words": [], "allow
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
-    """Refuse what this server does not do rather than silently ignore it."""
+    """Refuse what this server does not do rather than silently ignore it, and strings no tokenizer can encode."""
+    check_unicode(req)
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options is only allowed when stream is true; send \"stream\": true or leave "
                   "stream_options out", "stream_options")

@@ -171,6 +171,37 @@ def test_bad_input_is_400_in_openai_shape(server, body, needle):
         assert needle in err["message"]
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "description": "D", "parameters": {"type": "object"}}}
+_CALL = [{"role": "user", "content": "hi"},
+         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": "A"}}]},
+         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL], "tool_choice": "none"},
+     "tools.0.function.description"),
+    ("chat/completions", {"messages": _CALL}, "messages.1.tool_calls.0.function.arguments"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "N"}]}, "messages.0.name"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": "K"}},
+     "chat_template_kwargs.k"),
+    ("completions", {"prompt": "hi", "stop": ["x", "S"]}, "stop.1"),
+])
+def test_lone_surrogate_anywhere_is_400_naming_the_field(server, path, body, param):
+    """A JSON escape such as \\ud800 parses to a lone surrogate, which no tokenizer or template can encode: any
+    string field carrying one (a tool's description, a call's arguments, rendered by the chat template) was
+    a 500 TypeError from the tokenizer; now the same 400 invalid_utf8 as in a message's content, naming it."""
+    raw = json.dumps({**body, "max_tokens": 2})
+    for marker in ('"D"', '"A"', '"N"', '"K"', '"S"'):
+        raw = raw.replace(marker, '"a\\ud800b"')
+    r = httpx.post(f"{server.url}/v1/{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_utf8", param) and param in err["message"]
+    ok = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 def test_request_id_and_priority_headers(server):
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "abc-123",
