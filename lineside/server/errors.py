@@ -132,6 +132,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this answer and uvicorn then drops the connection: say so, or a client that
+        # pools connections sends its next request into a closed socket and gets a reset
         log.exception("internal error: %s", exc)
         return error_response(500, f"internal server error ({type(exc).__name__}); see the server log",
-                              "internal_error")
+                              "internal_error", headers={"Connection": "close"})

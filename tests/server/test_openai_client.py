@@ -202,6 +202,24 @@ def test_lone_surrogate_anywhere_is_400_naming_the_field(server, path, body, par
     assert ok.status_code == 200, ok.text
 
 
+def test_a_server_bug_closes_its_connection_saying_so(server, monkeypatch):
+    """After a handler's unexpected exception Starlette re-raises it and uvicorn drops the keep-alive connection; the
+    500 said nothing, so the client's next request on that connection (any client that pools them) was reset.
+    The 500 now carries Connection: close: the client opens a fresh connection and the next request is served."""
+    from lineside.server import request_mapping
+
+    def broken(_body):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(request_mapping, "stop_list", broken)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert r.headers.get("connection") == "close"
+        monkeypatch.undo()
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_request_id_and_priority_headers(server):
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
     r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "abc-123",
