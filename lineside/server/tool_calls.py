@@ -159,12 +159,41 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
         return Constraint.json_schema(tool.parameters, param=f"tools[{tools.index(tool)}].function.parameters")
     if choice.kind != ToolChoiceKind.REQUIRED:
         return None
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": t.name},
+                                               "arguments": rerooted(t.parameters, at.format(i))},
+              "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1,
                               "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
     return Constraint.json_schema(schema, param="tools")
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rerooted(schema: Any, at: str, *, names: bool = False) -> Any:
+    """``schema`` with its local refs (``#``, ``#/$defs/X``, ``#/definitions/X``, any ``#/...`` pointer) moved
+    to ``at``, the pointer where it now sits inside a larger schema: refs resolve from the document's root, so a
+    tool's parameters wrapped by the ``required`` grammar would otherwise refer to nothing (pydantic-made tools
+    keep their nested models in ``$defs``). A copy; the tool's own schema is left as the request gave it.
+    ``names``: ``schema`` maps names to schemas (``properties``), so a key such as "enum" is a name there."""
+    if isinstance(schema, list):
+        return [rerooted(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    if names:
+        return {key: rerooted(value, at) for key, value in schema.items()}
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rerooted(value, at, names=key in _NAMED_SCHEMAS)
+    return out
 
 
 # ``--tool-call-parser`` (vLLM's names): how ``auto`` reads the model's calls; ``auto`` infers it from the template.

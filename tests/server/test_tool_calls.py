@@ -207,3 +207,50 @@ def test_required_and_named_outputs_always_parse(tiny, seed, choice):
         else:
             assert set(args) == {"city", "unit"} and args["unit"] in "CF" and len(args["city"]) <= 16
         TypeAdapter(dict).validate_python(args)
+
+
+# pydantic's model_json_schema() (what openai.pydantic_function_tool sends) puts nested models in $defs and refers
+# to them by "#/$defs/..." from the root of the parameters; older generators use "definitions"
+LOCATE = {"type": "function", "function": {"name": "locate", "parameters": {
+    "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}, "enum": {"$ref": "#/$defs/Unit"}},
+    "required": ["place"],
+    "additionalProperties": False, "$defs": {"Place": {
+        "type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+        "additionalProperties": False}, "Unit": {"type": "string", "enum": ["C", "F"]}}}}}
+STATION = {"type": "function", "function": {"name": "station", "parameters": {
+    "type": "object", "properties": {"id": {"$ref": "#/definitions/Id"}}, "required": ["id"],
+    "additionalProperties": False, "definitions": {"Id": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("choice", ["required", "required-single", "locate"])
+def test_tool_schemas_with_local_refs_constrain_required_and_named(tiny, seed, choice):
+    """tool_choice required wraps every tool's parameters in one array schema, which moved them off the root: their
+    "#/$defs/..." refs pointed at nothing and the request was a 400 "Pointer '/$defs/Place' does not exist" for
+    any pydantic-made tool. The refs now follow the parameters to where the wrapper puts them."""
+    tok, comp = tiny
+    tools = parse_tools([LOCATE, STATION])
+    parallel = choice != "required-single"
+    tc = parse_tool_choice("required" if choice.startswith("required") else
+                           {"type": "function", "function": {"name": choice}}, tools)
+    m = comp.matcher(tool_constraint(tools, tc, parallel))
+    rng, s, out = np.random.default_rng(seed), Sampler(SamplingParams(temperature=1.0, seed=seed)), []
+    while not m.finished and len(out) < 600:
+        logits = rng.standard_normal(300).astype(np.float32) * 3
+        for ch in '"]}':
+            logits[tok.encode(ch, add_special=False)[0]] += 5.0
+        t = s.step(logits, allowed=m.allowed()).token
+        assert m.accept(t)
+        if t == 2:
+            break
+        out.append(t)
+    content, calls = parse(tok.decode(out), call_format(tc, None), tools, named=tc.name)
+    assert content is None and calls
+    for c in calls:
+        args = json.loads(c.arguments)
+        if c.name == "locate":
+            assert args["place"] == {"unit": args["place"]["unit"]} and args["place"]["unit"] in "CF"
+            assert set(args) <= {"place", "enum"} and args.get("enum", "C") in "CF"  # a property named "enum"
+        else:
+            assert set(args) == {"id"} and 1 <= args["id"] <= 9
+    assert tools[0].parameters == LOCATE["function"]["parameters"]  # the request's schema is left as it was
