@@ -117,13 +117,19 @@ def install(app: FastAPI) -> None:
             _count_invalid(request)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if status == 400 and "parsing the body" in detail:
-            detail = "request body could not be parsed: send UTF-8 JSON"
+            # FastAPI's catch-all around json.loads: malformed JSON and bad UTF-8 are answered before it, so what
+            # lands here is mostly a body nested past the parser's recursion limit
+            detail = ("request body is JSON nested too deeply to parse; send a flatter JSON object"
+                      if isinstance(exc.__cause__, RecursionError) else
+                      "request body could not be parsed; send a JSON object encoded as UTF-8")
             return error_response(400, detail, "invalid_json", headers=exc.headers)
         if status == 404:
             detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/prefill, "
                       "/v1/models")
         elif status == 405:
-            detail = "method not allowed on this endpoint"
+            allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
+            detail = f"{request.method} is not allowed on {request.url.path}" + (f"; send {allowed}" if allowed
+                                                                                  else "")
         return error_response(status, detail, "body_too_large" if status == 413 else None, headers=exc.headers)
 
     @app.exception_handler(LinesideError)

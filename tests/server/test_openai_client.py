@@ -158,6 +158,7 @@ def test_error_objects(client, server):
     (b"", "JSON"),
     (b'{"prompt": [1, "a"]}', "matches none of the accepted types"),
     (b'{"prompt": "x"}{"prompt": "y"}', "not valid JSON"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),  # was "send UTF-8 JSON"
 ])
 def test_bad_input_is_400_in_openai_shape(server, body, needle):
     r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -312,6 +313,10 @@ def test_only_json_bodies_are_read(server):
         assert r.status_code == 200 and r.json()["object"] == "text_completion"
     r = httpx.get(server.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
+    # what is wrong and what to do: the method sent, the path, and the method(s) it takes (as Allow says)
+    assert r.json()["error"]["message"] == "GET is not allowed on /v1/completions; send POST"
+    r = httpx.post(server.url + "/v1/models", json={})
+    assert (r.status_code, r.json()["error"]["message"]) == (405, "POST is not allowed on /v1/models; send GET")
     r = httpx.post(server.url + "/v1/embeddings", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
