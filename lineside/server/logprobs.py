@@ -7,6 +7,7 @@ grammar mask, before temperature, top-k/p and min-p.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,22 @@ def token_text(b: bytes) -> str:
         return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
 
+class TextOffsets:
+    """Completions' ``text_offset``: where each token starts in the choice's text, in characters. A token's
+    display string (``bytes:\\xNN``) is not its text, and a character's bytes may span tokens (and stream
+    events), so the count follows the bytes through an incremental UTF-8 decoder, as the text itself is decoded."""
+
+    def __init__(self, start: int = 0):
+        self._chars = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, token: bytes) -> int:
+        """The offset where ``token`` starts; then count the characters it completes."""
+        at = self._chars
+        self._chars += len(self._decoder.decode(token))
+        return at
+
+
 class LogprobFormatter:
     """Turns the sampler's ``TokenLogprob``s into response JSON; ``token_bytes`` maps an id to its raw bytes."""
 
@@ -67,17 +84,18 @@ class LogprobFormatter:
             out.append(e)
         return out
 
-    def completion(self, lps: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
-        """The completions block; ``offset``: characters of this choice's text before these tokens."""
+    def completion(self, lps: Sequence[TokenLogprob], top_n: int, offset: int | TextOffsets = 0) -> dict[str, Any]:
+        """The completions block; ``offset``: characters of this choice's text before these tokens, or the choice's
+        running ``TextOffsets`` (streamed: it carries a character split between events)."""
+        where = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
         tokens, values, tops, offsets = [], [], [], []
         for t in lps:
-            text = token_text(self._bytes(t.token))
-            tokens.append(text)
+            raw = self._bytes(t.token)
+            tokens.append(token_text(raw))
             values.append(t.logprob)
             top: dict[str, float] = {}
             for i, v in t.top[:top_n]:
                 top.setdefault(token_text(self._bytes(i)), v)
             tops.append(top)
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(where.advance(raw))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -14,7 +14,7 @@ from typing import Any
 from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sampling import TokenLogprob
 from lineside.server import sse
-from lineside.server.logprobs import LogprobFormatter
+from lineside.server.logprobs import LogprobFormatter, TextOffsets
 from lineside.server.tool_calls import CallFormat, Tool, ToolCallStream
 
 
@@ -37,7 +37,7 @@ class ChoiceOutput:
         self.calls = (ToolCallStream(options.call_format, options.tools, options.named, options.max_calls)
                       if options.call_format is not None else None)
         self.logprobs: list[TokenLogprob] = []
-        self._offset = 0  # completions' text_offset: characters of the choice's tokens so far
+        self._offsets = TextOffsets()  # completions' text_offset: where the next token starts in the text
 
     @property
     def wants_logprobs(self) -> bool:
@@ -50,9 +50,7 @@ class ChoiceOutput:
         assert o.formatter is not None and o.top_logprobs is not None
         if o.chat:
             return {"content": o.formatter.chat(lps, o.top_logprobs), "refusal": None}
-        block = o.formatter.completion(lps, o.top_logprobs, self._offset)
-        self._offset += sum(len(t) for t in block["tokens"])
-        return block
+        return o.formatter.completion(lps, o.top_logprobs, self._offsets)
 
     def chunks(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
         """The stream chunks for one event (text, tool-call deltas, logprobs), before any finish chunk."""

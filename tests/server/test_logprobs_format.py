@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lineside.runtime.sampling import TokenLogprob
@@ -44,3 +46,26 @@ def test_good_values():
         with pytest.raises(APIError) as e:
             completion_top_n(bad)
         assert e.value.param == "logprobs"
+
+
+def test_text_offsets_index_the_text_when_a_character_spans_tokens():
+    """text_offset is where each token starts in the choice's text. It added up the tokens' display strings, and a
+    token holding part of a character is shown as ``bytes:\\x98\\x80`` (15 characters), so for emoji or CJK text
+    the offsets ran far past the text's end; it now counts the characters the tokens before it decoded to, across
+    stream chunks too (a character's bytes may be split between two events)."""
+    from lineside.runtime.request import TokenEvent
+    from lineside.server import sse
+    from lineside.server.outputs import ChoiceOutput, OutputOptions
+
+    ids = [0, 1, 2, 3]
+    text = b"".join(BYTES[t] for t in ids).decode()  # "Hi 😀!"
+    assert FMT.completion([TokenLogprob(t, -1.0, ()) for t in ids], top_n=0)["text_offset"] == [0, 2, 3, 4]
+    assert [text[i] for i in (0, 2, 3, 4)] == ["H", " ", "😀", "!"]
+    options = OutputOptions(chat=False, top_logprobs=0, formatter=FMT)
+    streamed, writer = ChoiceOutput(options), sse.ChunkWriter(False, "cmpl-1", 0, model="m", include_usage=False)
+    offsets = []
+    for part in ([0, 1], [2, 3]):  # the emoji's bytes split between two events
+        event = TokenEvent("", part, None, 1, 2, logprobs=[TokenLogprob(t, -1.0, ()) for t in part])
+        for chunk in streamed.chunks(writer, 0, event):
+            offsets += json.loads(chunk.removeprefix("data: "))["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == [0, 2, 3, 4]
