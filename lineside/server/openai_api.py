@@ -185,7 +185,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         raise _unknown_adapter(e) from None
     except QueueFullError as e:
         state.metrics.reject("queue_full")
-        raise APIError(429, f"the server's waiting queue is full ({e}); retry after a moment",
+        raise APIError(429, f"the server's waiting queue is full: {e}",
                        "queue_full", headers={"Retry-After": "1"}) from None
     except EngineDraining:
         state.metrics.reject("draining")
@@ -294,7 +294,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     except QueueFullError as e:
         responses.cancel_all(choices)
         state.metrics.reject("queue_full")
-        raise APIError(429, f"the server's waiting queue is full ({e}); retry after a moment",
+        raise APIError(429, f"the server's waiting queue is full: {e}",
                        "queue_full", headers={"Retry-After": "1"}) from None
     except EngineDraining:
         responses.cancel_all(choices)

@@ -57,6 +57,7 @@ def test_queue_full_is_429_with_retry_after(slow_server):
     assert r.headers["retry-after"] == "1"
     err = r.json()["error"]
     assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+    assert err["message"].count("retry") == 1 and "\n" not in err["message"], err["message"]
     # the cancelled clients free the slot and the queue
     assert _wait(lambda: _stats(slow_server).running == 0 and _stats(slow_server).waiting == 0)
     text = httpx.get(slow_server.url + "/metrics").text
