@@ -119,9 +119,7 @@ class ModelConfig:
             )
         layers = _int(d, "num_hidden_layers")
         sliding, layer_types = _sliding(d, arch, layers)
-        partial = _float(d, "partial_rotary_factor", 1.0)
-        if partial > 1.0:
-            raise ConfigError(f"config.json: partial_rotary_factor {partial} must be in (0, 1]")
+        _check_whole_head_rotary(d)
         # transformers: Qwen2 always has q/k/v biases and never o_proj/MLP ones; Llama's flags cover o_proj too.
         attn_bias = True if arch == "qwen2" else _bool(d, "attention_bias", False)
         cfg = cls(
@@ -136,7 +134,6 @@ class ModelConfig:
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(d),
             rope_scaling=_rope_scaling(d),
-            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             max_position_embeddings=_opt_int(d, "max_position_embeddings") or 4096,
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=attn_bias,
@@ -238,6 +235,19 @@ def _sliding(d: dict[str, Any], arch: str, layers: int) -> tuple[int | None, lis
     if "sliding_attention" not in types:
         return None, None
     return window, list(types)
+
+
+def _check_whole_head_rotary(d: dict[str, Any]) -> None:
+    """Llama and Qwen2 rotate the whole head: transformers' models ignore ``partial_rotary_factor`` (5.x; 4.x failed
+    on it) while other engines rotate only part, so a factor below 1 (top level, or in rope_parameters as
+    transformers 5 writes it) leaves the computation ambiguous and is refused instead of guessed."""
+    rope_key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    for where, holder in (("", d), (f"{rope_key}.", _rope_dict(d))):
+        partial = _float(holder, "partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ConfigError(f"config.json: {where}partial_rotary_factor {partial} is not supported: transformers' "
+                              "Llama/Qwen2 rotate the whole head and ignore it, other engines rotate part of it; "
+                              "remove the field if the model was trained rotating the whole head")
 
 
 def _rope_dict(d: dict[str, Any]) -> dict[str, Any]:
