@@ -259,10 +259,12 @@ def _rope_dict(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_theta(d: dict[str, Any]) -> float:
-    if d.get("rope_theta") is not None:
-        return _float(d, "rope_theta", 10000.0)
-    rp = d.get("rope_parameters")
-    return _float(rp, "rope_theta", 10000.0) if isinstance(rp, dict) else 10000.0
+    """The rope dict's theta (transformers 5's ``rope_parameters``) over a top-level one, as transformers reads them:
+    the top-level field only fills in a dict that has none (a stale one beside rope_parameters is ignored)."""
+    rp = _rope_dict(d)
+    if rp.get("rope_theta") is not None:
+        return _float(rp, "rope_theta", 10000.0)
+    return _float(d, "rope_theta", 10000.0)
 
 
 def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:

@@ -15,6 +15,28 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=64)
 
 
+def _hf_config(family: str, d: dict):
+    from transformers import LlamaConfig, Qwen2Config
+
+    return (LlamaConfig if family == "llama" else Qwen2Config).from_dict(dict(d))
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_theta=1e6),  # transformers 4's spelling
+    dict(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2.0}),
+    dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}),  # transformers 5's
+    # both: transformers 5 keeps rope_parameters' theta (a stale top-level one is only a default)
+    dict(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    dict(rope_theta=1e4, rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                          "original_max_position_embeddings": 16}),
+])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_rope_theta_is_the_one_transformers_uses(family, rope):
+    d = dict(BASE, model_type=family, **json.loads(json.dumps(rope)))
+    want = _hf_config(family, d).rope_parameters["rope_theta"]
+    assert ModelConfig.from_hf_dict(d).rope_theta == want
+
+
 @pytest.mark.parametrize("where", ["top", "rope_parameters"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_partial_rotary_factor_is_refused_in_one_line(dense_checkpoint, tmp_path, family, where):
