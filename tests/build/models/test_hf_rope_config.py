@@ -1,18 +1,69 @@
-"""RoPE settings of real Hugging Face configs, read the way transformers reads them."""
+"""RoPE settings of real Hugging Face configs, read the way transformers reads them, and decode past the original
+context of a scaled RoPE (llama3, yarn, linear) against transformers in float32, both flavors.
+
+The sweep (test_shape_sweep.py) and the parity tests stop at 14 tokens, below every scaling boundary; here the
+prompt (20 tokens) and 12 decode steps cross ``original_max_position_embeddings`` (16).
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
 from lineside.config import ModelConfig
 from lineside.errors import ConfigError
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
+
+PAST_ORIGINAL = {
+    # name: (family, config overrides); every original context is 16 positions, the sequence 32
+    "llama3": ("llama", dict(num_hidden_layers=1, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    # Qwen2.5's long-context recipe: yarn over theta 1e6, with an explicit head_dim and a tied head.
+    "qwen2-yarn-1e6": ("qwen2", dict(num_hidden_layers=1, head_dim=32, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 16})),
+    # yarn with every optional field set (no truncation, explicit betas and attention factor), on Llama with biases.
+    "llama-yarn-fields": ("llama", dict(num_hidden_layers=1, attention_bias=True, mlp_bias=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 16,
+        "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.2, "truncate": False})),
+    "linear": ("llama", dict(num_hidden_layers=1, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                   "factor": 4.0})),
+}
+
+
+def _rel(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", list(PAST_ORIGINAL))
+def test_decode_past_original_context_matches_transformers(dense_checkpoint, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    family, over = PAST_ORIGINAL[name]
+    ckpt = dense_checkpoint(f"rope-{name}", family, **{**BASE, **over})
+    ids = [int(t) for t in np.random.default_rng(7).integers(3, 300, 32)]
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    bundle = open_bundle(build_bundle(ckpt, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu", "trt"),
+                                                                         max_seq_len=64)))
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0, threads=1)
+        be.reset_slot(0)
+        pre = be.forward(StepBatch.single(0, ids[:20], 0, all_logits=True))[0]
+        dec = np.stack([be.forward(StepBatch.single(0, [t], 20 + i))[0, 0] for i, t in enumerate(ids[20:])])
+        assert _rel(pre, ref[:20]) < 1e-4, (flavor, "prefill", _rel(pre, ref[:20]))
+        assert _rel(dec, ref[20:]) < 1e-4, (flavor, "decode", _rel(dec, ref[20:]))
 
 
 def _hf_config(family: str, d: dict):
