@@ -160,8 +160,11 @@ def family_of(d: dict[str, Any]) -> str:
     mt = d.get("model_type")
     if mt in MODEL_TYPES:
         return MODEL_TYPES[mt]
-    named = ", ".join(archs) if archs else repr(mt)
     supported = ", ".join(sorted(ARCHITECTURES))
+    if not archs and mt is None:
+        raise ConfigError(f"config.json has no 'architectures' or 'model_type' field, so the model is unknown; add "
+                          f"the one the model was saved with (supported: {supported})")
+    named = ", ".join(archs) if archs else repr(mt)
     raise ConfigError(f"unsupported architecture {named}; supported: {supported}")
 
 
@@ -180,6 +183,9 @@ def load_hf_config(path: Path) -> dict[str, Any]:
 
 def _int(d: dict[str, Any], key: str) -> int:
     v = d.get(key)
+    if v is None:  # said as missing: "must be a positive integer, got None" reads like a bad value
+        raise ConfigError(f"config.json: required field {key!r} is missing; copy it from the model's original "
+                          "config.json")
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ConfigError(f"config.json: field {key!r} must be a positive integer, got {v!r}")
     return v

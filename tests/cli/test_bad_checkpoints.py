@@ -66,6 +66,10 @@ CONFIG_CASES = {
     "rope-llama3-missing": (_set("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ["llama3",
                                                                                          "low_freq_factor"]),
     "rope-dynamic": (_set("rope_scaling", {"type": "dynamic", "factor": 2.0}), ["'dynamic'", "not supported"]),
+    # a required field left out: named as missing (not "got None"), and where to get it
+    "no-hidden-size": (_drop("hidden_size"), ["'hidden_size'", "is missing", "original config.json"]),
+    "no-architecture": (lambda c: (c.pop("architectures"), c.pop("model_type")),
+                        ["no 'architectures' or 'model_type'", "LlamaForCausalLM"]),
     "heads-not-dividing-hidden": (lambda c: (c.update(num_attention_heads=3, num_key_value_heads=1),
                                              c.pop("head_dim", None)), ["hidden_size", "num_attention_heads"]),
 }
@@ -105,6 +109,16 @@ def test_tensor_disagreeing_with_config_one_line(ckpt, tmp_path, case):
     msg = str(e.value)
     assert "\n" not in msg and name in msg and shown in msg, msg
     assert not (tmp_path / "o.partial").exists()
+
+
+def test_missing_tensor_one_line_says_what_to_do(ckpt, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+    d = _edit_tensors(ckpt, tmp_path / "c", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and f"{name!r} is missing" in msg and "re-download" in msg, msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 @pytest.mark.parametrize("key,value,words", [

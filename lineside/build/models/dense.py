@@ -509,7 +509,9 @@ class DenseFamily(ModelFamily):
         missing = [n for n in required_tensors(cfg) if not ckpt.has(n)]
         if missing:
             raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                                  + "; the checkpoint is incomplete or config.json describes another model "
+                                    "(re-download it)")
         check_shapes(cfg, ckpt, where)
         return None
 
