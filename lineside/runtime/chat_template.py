@@ -137,8 +137,8 @@ def check_chat_template(text: str, what: str, *, bos_token: str = "", eos_token:
     renders it with); one line saying what failed."""
     compiled = compile_template(text, what)
     try:
-        out = compiled.render(**(kwargs or {}), messages=_PROBE, add_generation_prompt=True, bos_token=bos_token,
-                              eos_token=eos_token)
+        out = compiled.render(**(kwargs or {}), messages=_PROBE, tools=None, add_generation_prompt=True,
+                              bos_token=bos_token, eos_token=eos_token)
     except Exception as e:  # noqa: BLE001 - whatever the template raises, the user sees one line
         raise ChatTemplateError(f"{what}: fails to render a one-message conversation "
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

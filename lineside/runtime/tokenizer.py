@@ -146,11 +146,10 @@ class Tokenizer:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return text + ("assistant:" if add_generation_prompt else "")
         compiled = self._compiled_template(template, chat_template is None)
-        try:
-            extra = {"tools": tools} if tools else {}
-            return compiled.render(**(template_kwargs or {}), messages=messages,
+        try:  # tools=None when there are none, as transformers renders (a template may test `tools is not none`)
+            return compiled.render(**(template_kwargs or {}), messages=messages, tools=tools or None,
                                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                                   eos_token=self.eos_token or "", **extra)
+                                   eos_token=self.eos_token or "")
         except LinesideError:
             raise
         except Exception as e:  # jinja raises many types; the user sees one line

@@ -127,3 +127,20 @@ def test_renders_what_transformers_renders(template):
     for gen in (True, False):
         kw = dict(messages=msgs, add_generation_prompt=gen, tools=tools)
         assert compile_template(template, "t").render(**kw) == _compile_jinja_template(template).render(**kw)
+
+
+def test_a_request_without_tools_renders_as_transformers_with_tools_none(tok):
+    """transformers renders every template with ``tools`` defined (None when no tools are given): a template that
+    tests ``tools is not none`` without an ``is defined`` guard writes no tool section then (undefined is not
+    none)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ("{% if tools is not none %}[tools: {{ tools | length }}]\n{% endif %}{% for m in messages %}"
+                "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    check_chat_template(template, "--chat-template")
+    for given in (None, tools):
+        for gen in (True, False):
+            theirs = render_jinja_template([msgs], tools=given, chat_template=template, add_generation_prompt=gen)[0][0]
+            assert tok.apply_chat_template(msgs, gen, given, chat_template=template) == theirs
