@@ -70,6 +70,7 @@ class Tokenizer:
         state.pop("_text_tok", None)
         state.pop("_control_cache", None)
         state.pop("_plan_cache", None)  # keyed by object id: decided again in the process that gets the copy
+        state.pop("_prepends_cache", None)
         return state
 
     def _token_text(self, v: Any, tid: int | None) -> str | None:
@@ -276,16 +277,37 @@ class Tokenizer:
         ids: list[int] = []
         pos = 0
         for m in _MARKER.finditer(text):
-            ids += encode_within(self._tok, text[pos:m.start()], budget, plan)
-            literal = self.encode_as_text(literals[int(m.group(1))])
+            ids += self._encode_part(text[pos:m.start()], pos > 0, budget, plan)
+            literal = self.encode_as_text(literals[int(m.group(1))], m.start() > 0)
             if budget is not None:
                 budget.take(len(literal), len(m.group(0)))
             ids += literal
             pos = m.end()
-        return ids + encode_within(self._tok, text[pos:], budget, plan)
+        return ids + self._encode_part(text[pos:], True, budget, plan)
 
-    def encode_as_text(self, text: str) -> list[int]:
-        """Ids of ``text`` with special-token strings split into ordinary tokens (no BOS)."""
+    def _encode_part(self, text: str, goes_on: bool, budget: TokenBudget | None, plan: CountPlan | None) -> list[int]:
+        """Ids of a stretch of the prompt (``goes_on``: not its start)."""
+        if goes_on and text and self._prepends(self._tok):
+            ids = _encode_going_on(self._tok, text)
+            if budget is not None:
+                budget.take(len(ids), len(text))
+            return ids
+        return encode_within(self._tok, text, budget, plan)
+
+    def _prepends(self, tok: Any) -> bool:
+        """Whether ``tok`` starts every text it encodes with a word boundary ("▁", SentencePiece's Llama 2 / Mistral
+        normalizers): then a stretch that goes on from the text before it must not be encoded as a new text."""
+        cache = self.__dict__.setdefault("_prepends_cache", {})
+        if id(tok) not in cache:
+            def enc(t: str) -> list[int]:
+                return tok.encode(t, add_special_tokens=False).ids
+
+            cache[id(tok)] = enc(_GOES_ON + "a") != enc(_GOES_ON) + enc("a")
+        return cache[id(tok)]
+
+    def encode_as_text(self, text: str, goes_on: bool = False) -> list[int]:
+        """Ids of ``text`` with special-token strings split into ordinary tokens (no BOS); ``goes_on``: the text
+        continues text before it (no word boundary prepended)."""
         with _TEXT_TOKENIZER_LOCK:
             if not hasattr(self, "_text_tok"):
                 from tokenizers import Tokenizer as HFTokenizer
@@ -294,12 +316,28 @@ class Tokenizer:
                 tok.encode_special_tokens = True  # a second instance: the flag is per tokenizer, and threads share it
                 self._text_tok = tok
                 self._added_ids = set(self._tok.get_added_tokens_decoder())
-        ids = self._text_tok.encode(text, add_special_tokens=False).ids
+        tok = self._text_tok
+        going_on = goes_on and self._prepends(tok)
+
+        def enc(t: str, on: bool) -> list[int]:
+            return _encode_going_on(tok, t) if on else tok.encode(t, add_special_tokens=False).ids
+
+        ids = enc(text, going_on)
         if len(text) > 1 and any(i in self._added_ids for i in ids):  # a non-special added token matched whole
-            return self._text_tok.encode(text[:1], add_special_tokens=False).ids + self.encode_as_text(text[1:])
+            return enc(text[:1], going_on) + self.encode_as_text(text[1:], True)
         return ids
 
 
+def _encode_going_on(tok: Any, text: str) -> list[int]:
+    """Ids of ``text`` as it goes on from text before it, for a tokenizer that prepends "▁" to each text: encoded
+    behind a newline whose ids are then dropped (as transformers' non-legacy Llama tokenizer encodes behind its
+    unk token); encoded alone when the newline merges with the text's start."""
+    head = tok.encode(_GOES_ON, add_special_tokens=False).ids
+    ids = tok.encode(_GOES_ON + text, add_special_tokens=False).ids
+    return ids[len(head):] if ids[:len(head)] == head else tok.encode(text, add_special_tokens=False).ids
+
+
+_GOES_ON = "\n"  # a character that stays its own token(s) in front of text
 _COMPILED_TEMPLATES = 8  # compiled templates kept per tokenizer (the bundle's, --chat-template's, requests')
 _MARK_OPEN, _MARK_CLOSE = "\ufdd0", "\ufdd1"
 _GROWS = "\ue000"  # a private-use character standing for text the last message may still grow by
