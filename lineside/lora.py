@@ -138,7 +138,9 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full copies of layers)"),
                      ("lora_bias", "LoRA biases"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D layers)"),
                      ("layer_replication", "layer_replication"), ("target_parameters", "target_parameters"),
-                     ("use_qalora", "QA-LoRA")):
+                     ("use_qalora", "QA-LoRA"),
+                     ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens: it adapts only the tokens "
+                                                 "from its invocation sequence on)")):
         if conf.get(key):
             raise AdapterError(f"{cfg_file}: {why} is not supported; train a plain LoRA adapter")
     if conf.get("bias", "none") != "none":

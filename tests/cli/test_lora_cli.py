@@ -107,11 +107,18 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
     assert_one_line_error(run_cli("chat", str(lora_bundle_copy), "--lora", "missing"), "no adapter 'missing'")
     assert_one_line_error(run_cli("generate", str(lora_bundle_copy), "--prompt", "hi", "--lora", "x",
                                   "--speculative", "ngram"), "--speculative does not run with --lora")
-    broken = tmp_path / "broken"
-    shutil.copytree(peft_adapter("llama-gqa", "qv"), broken)
-    conf = json.loads((broken / "adapter_config.json").read_text())
-    (broken / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
-    assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(broken), "--name", "d"), "DoRA")
+    edits = [
+        ({"use_dora": True}, ("DoRA",)),
+        # activated LoRA (peft's aLoRA) adapts only the tokens from its invocation sequence on: applied to every
+        # token, as these graphs would, its logits are not peft's (it was added and served so)
+        ({"alora_invocation_tokens": [17, 42]}, ("alora_invocation_tokens",)),
+    ]
+    for i, (edit, needles) in enumerate(edits):
+        broken = tmp_path / f"broken{i}"
+        shutil.copytree(peft_adapter("llama-gqa", "qv"), broken)
+        conf = json.loads((broken / "adapter_config.json").read_text())
+        (broken / "adapter_config.json").write_text(json.dumps({**conf, **edit}))
+        assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(broken), "--name", "d"), *needles)
 
 
 def _bundle_files(bundle) -> set[str]:
