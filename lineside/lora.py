@@ -145,7 +145,25 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
             raise AdapterError(f"{cfg_file}: {why} is not supported; train a plain LoRA adapter")
     if conf.get("bias", "none") != "none":
         raise AdapterError(f"{cfg_file}: bias {conf.get('bias')!r} is not supported; train with bias='none'")
+    if not _is_number(conf.get("lora_alpha", 8)):
+        raise AdapterError(f"{cfg_file}: lora_alpha {conf.get('lora_alpha')!r} is not a number")
+    patterns = conf.get("alpha_pattern") or {}
+    if not (isinstance(patterns, dict) and all(_is_number(v) and _is_regex(k) for k, v in patterns.items())):
+        raise AdapterError(f"{cfg_file}: alpha_pattern {patterns!r} must map module names (regular expressions) "
+                           "to numbers")
     return conf
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+
+
+def _is_regex(key: Any) -> bool:
+    try:
+        re.compile(key)
+    except (re.error, TypeError):
+        return False
+    return True
 
 
 def _base_architecture(conf: dict[str, Any]) -> str | None:

@@ -112,6 +112,10 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
         # activated LoRA (peft's aLoRA) adapts only the tokens from its invocation sequence on: applied to every
         # token, as these graphs would, its logits are not peft's (it was added and served so)
         ({"alora_invocation_tokens": [17, 42]}, ("alora_invocation_tokens",)),
+        # malformed configs: one line, not a traceback
+        ({"alpha_pattern": ["q_proj"]}, ("alpha_pattern",)),
+        ({"lora_alpha": None}, ("lora_alpha",)),
+        ({"alpha_pattern": {"q_proj": "high"}}, ("alpha_pattern",)),
     ]
     for i, (edit, needles) in enumerate(edits):
         broken = tmp_path / f"broken{i}"
