@@ -251,11 +251,15 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
                        targets=targets, weights=weights, source=str(path), scalings=scalings)
 
 
-def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, ...], where: str) -> None:
-    """Refuse an adapter above the slot rank or on a layer the LoRA graphs leave out (one line)."""
+def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, ...], where: str, *,
+               rebuild: bool = False) -> None:
+    """Refuse an adapter above the slot rank or on a layer the LoRA graphs leave out (one line). ``rebuild``: the
+    rank is the bundle's own (``lora add``), which only a rebuild raises; else it is a flag of the command run."""
     if adapter.rank > max_rank:
+        fix = f"rebuild the bundle with --max-lora-rank {adapter.rank} or more" if rebuild else \
+            f"raise --max-lora-rank to at least {adapter.rank}"
         raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above the largest rank {max_rank} that "
-                           f"{where} holds; raise --max-lora-rank to at least {adapter.rank}")
+                           f"{where} holds; {fix}")
     missing = [t.value for t in adapter.targets if t not in targets]
     if missing:
         raise AdapterError(f"adapter {adapter.name!r} adapts {','.join(missing)}, which {where}'s LoRA graphs "

@@ -46,7 +46,7 @@ def add(
         raise LinesideError(f"bundle {bundle} already has an adapter {name!r}; choose another --name or pass --force")
     adapter = read_adapter(adapter_dir, b.config, name)
     check_fits(adapter, b.manifest.lora.max_rank, tuple(LoraTarget(t) for t in b.manifest.lora.targets),
-               f"bundle {bundle}")
+               f"bundle {bundle}", rebuild=True)
     rel = f"adapters/{name}"
     dest = b.path / rel
     tmp = b.path / f"adapters/.{name}.partial"

@@ -85,7 +85,8 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
         ((str(peft_adapter("qwen2-bias-tied", "qv")), "--name", "qwen"), ("qwen2", "llama")),
         # rank above the bundle's slots
         ((str(make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16,
-                                target_modules=["q_proj"])), "--name", "big"), ("rank 16", "--max-lora-rank")),
+                                target_modules=["q_proj"])), "--name", "big"),
+         ("rank 16", "rebuild the bundle with --max-lora-rank 16")),  # `lora add` has no such flag: say `build`'s
         ((str(tmp_path / "nowhere"), "--name", "x"), ("no such adapter directory",)),
         ((str(peft_adapter("llama-gqa", "qv")), "--name", "bad/name"), ("adapter name",)),
         # the bundle's own served name: `serve` would answer it with the base model (and now refuses the bundle)
