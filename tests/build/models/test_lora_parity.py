@@ -191,3 +191,35 @@ def test_packed_empty_slot_and_base_only_steps(lora_bundle, peft_adapter):
     assert packed.lora.width == 0 and not packed._uses_lora(StepBatch.single(0, [1], 0, adapter=1))
     assert rel_err(compute_logits(packed, IDS, "decode", adapter=1), compute_logits(plain, IDS, "decode")) < 1e-4
 
+
+
+@pytest.mark.parametrize("lora", [
+    # rank 1 on every linear, targets as peft's "all-linear", the file saved in fp16 (a half-precision run's save)
+    dict(r=1, lora_alpha=3, target_modules="all-linear", fp16=True),
+    # target_modules as one regular expression (peft full-matches it against module names): layer 1's q, v, down
+    dict(r=4, lora_alpha=6, target_modules=r".*\.layers\.1\..*(q|v|down)_proj"),
+    # layers_to_transform: only layer 0 is adapted
+    dict(r=2, lora_alpha=8, target_modules=["k_proj", "gate_proj"], layers_to_transform=[0]),
+], ids=["r1-all-linear-fp16", "regex", "layers-to-transform"])
+def test_adapter_configs_users_bring_match_peft(lora_bundle, tiny_dense, tmp_path, lora):
+    """Other ways real adapters are made (what the reader must map to the same layers and scalings as peft)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_peft_adapter
+
+    fp16 = lora.pop("fp16", False)
+    adapter = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "adapter", seed=5, **lora)
+    if fp16:
+        weights = adapter / "adapter_model.safetensors"
+        save_file({k: v.half() for k, v in load_file(str(weights)).items()}, str(weights))
+    base = AutoModelForCausalLM.from_pretrained(tiny_dense("llama-gqa"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = PeftModel.from_pretrained(base, adapter).eval()(torch.tensor([IDS])).logits[0].numpy()
+    bundle = lora_bundle("llama-gqa")
+    be = OnnxRuntimeBackend(bundle, flavor="cpu", accuracy_level=0, lora=LoraSlotsConfig(1, 8))
+    be.load_adapter(1, read_adapter(adapter, bundle.config, "a"))
+    base_out = compute_logits(be, IDS, "prefill", adapter=0)
+    assert rel_err(ref, base_out) > 0.05  # the adapter really changes the model
+    assert rel_err(compute_logits(be, IDS, "prefill", adapter=1), ref) < 1e-4
