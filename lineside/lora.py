@@ -146,7 +146,8 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     if conf.get("bias", "none") != "none":
         raise AdapterError(f"{cfg_file}: bias {conf.get('bias')!r} is not supported; train with bias='none'")
     if not _is_number(conf.get("lora_alpha", 8)):
-        raise AdapterError(f"{cfg_file}: lora_alpha {conf.get('lora_alpha')!r} is not a number")
+        raise AdapterError(f"{cfg_file}: lora_alpha {conf.get('lora_alpha')!r} is not a number; set it to the alpha "
+                           "the adapter was trained with")
     patterns = conf.get("alpha_pattern") or {}
     if not (isinstance(patterns, dict) and all(_is_number(v) and _is_regex(k) for k, v in patterns.items())):
         raise AdapterError(f"{cfg_file}: alpha_pattern {patterns!r} must map module names (regular expressions) "
