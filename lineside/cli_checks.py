@@ -117,6 +117,12 @@ def _show(path: Path) -> str:
     return str(path)
 
 
+def normalized(path: Path) -> Path:
+    """``path`` absolute, with ``.`` and ``..`` resolved (symlinks kept): `-o .` or `-o ..` names a directory with a
+    name and a parent, so what is staged beside it lands beside it, not inside the directory it replaces."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
 def input_file(path: Path, option: str, what: str = "file") -> Path:
     """An existing, readable regular file (not a directory)."""
     p = Path(path).expanduser()
@@ -189,9 +195,12 @@ def output_file(path: Path, option: str, *, append: bool = False) -> Path:
 def output_dir(path: Path, option: str, *, force: bool = False, what: str = "directory") -> Path:
     """A directory to create: not a file, its parent exists and is writable, and it is absent or empty unless
     ``force`` (then it is replaced once the new one is complete)."""
-    p = Path(path).expanduser()
+    p = normalized(path)
+    if p.is_symlink():  # replacing it would replace the link, not the directory it points to
+        raise LinesideError(f"{option} {_show(path)} is a symbolic link (to {os.readlink(p)}); give the directory "
+                            "itself or another path")
     if p.exists() and not p.is_dir():
-        raise LinesideError(f"{option} {_show(p)} is a file; a {what} is a directory: choose another path")
+        raise LinesideError(f"{option} {_show(path)} is a file; a {what} is a directory: choose another path")
     writable_parent(p, option)
     if p.is_dir() and any(p.iterdir()) and not force:
         raise LinesideError(f"{option} {_show(p)} exists and is not empty; choose another {option} "
@@ -241,10 +250,33 @@ def staged_file(path: Path) -> Iterator[Path]:
         raise
 
 
+def replace_dir(new: Path, path: Path) -> None:
+    """Put the complete directory ``new`` at ``path``. An existing ``path`` is renamed aside and deleted only once
+    ``new`` is in place, so an interruption or an error leaves the old directory or the new one at ``path``, never
+    a half-deleted one; ``new`` is removed when it could not be put in place."""
+    old = path.with_name(f".{path.name}.replaced") if path.exists() or path.is_symlink() else None
+    try:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)  # one an earlier interrupted replace left
+            os.rename(path, old)
+        try:
+            os.rename(new, path)
+        except BaseException:
+            if old is not None:
+                os.rename(old, path)
+            raise
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_dir(path: Path) -> Iterator[Path]:
     """Yield ``<path>.partial`` (fresh); on success it takes ``path``'s place (replacing an existing one), on
     failure it is removed, so a half-written directory is never left behind."""
+    path = normalized(path)
     tmp = path.with_name(path.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -253,9 +285,7 @@ def staged_dir(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+    replace_dir(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------- memory

@@ -28,6 +28,7 @@ from lineside.bundle import (
     read_manifest,
     write_manifest,
 )
+from lineside.cli_checks import normalized, replace_dir
 from lineside.config import DENSE_FAMILIES, ModelConfig
 from lineside.errors import LinesideError
 from lineside.lora import ALL_TARGETS, LoraTarget
@@ -119,7 +120,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
                  progress: ProgressFactory = _no_progress, log: Callable[[str], None] = lambda _m: None) -> Path:
     """Build a bundle directory from a HF checkpoint directory or a GGUF file; returns its path."""
     opts.validate()
-    out = Path(out)
+    out = normalized(Path(out))  # `-o .` / `-o ..`: staged beside the directory it replaces, not inside it
     t0 = time.time()
     ckpt = open_checkpoint(checkpoint)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
@@ -162,9 +163,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         raise
     finally:
         ckpt.close()
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
 

@@ -4,6 +4,7 @@ stderr naming the option and what to do, exit 1, checked before any work, and no
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,7 @@ def ws(tmp_path):
     (w / "afile").write_text("not a directory\n")
     (w / "full").mkdir()
     (w / "full" / "keep.txt").write_text("keep me\n")
+    (w / "link").symlink_to(w / "full")
     return w
 
 
@@ -52,6 +54,7 @@ OUTPUT_CASES = [
     ("build -o is-a-file", "build", lambda c, b, w: ["build", c, "-o", w / "afile"], ["-o", "is a file"]),
     ("build -o unwritable", "build", lambda c, b, w: ["build", c, "-o", UNWRITABLE], ["cannot write"]),
     ("build -o existing", "build", lambda c, b, w: ["build", c, "-o", w / "full"], ["not empty", "--force"]),
+    ("build -o a-symlink --force", "build", lambda c, b, w: ["build", c, "-o", w / "link", "--force"], ["symbolic link", "full"]),
     ("build -o the-checkpoint --force", "build", lambda c, b, w: ["build", c, "-o", c, "--force"], ["would replace", "checkpoint"]),
     ("build -o above-the-calib --force", "build", lambda c, b, w: ["build", c, "-o", w, "--force", "--calib", w / "afile"], ["would replace", "--calib"]),
     ("logits -o missing-parent", "logits", lambda c, b, w: ["logits", b, "--ids", "1,2", "-o", w / "no/x.npy"], ["does not exist"]),
@@ -178,3 +181,36 @@ def test_copy_of_bundle_keeps_working(bundle, tmp_path):
     shutil.copytree(bundle, b)
     proc = run_cli("logits", str(b), "--ids", "1,2", "-o", str(tmp_path / "x.npy"))
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("rel", [".", ".."])
+def test_build_into_dot_or_dotdot(ckpt, ws, rel):
+    """`-o .` / `-o ..` name a directory like any other (they crashed on an empty name, or staged the new bundle
+    inside the directory --force then deleted, leaving neither)."""
+    cwd = ws / "full" if rel == "." else ws / "full" / "sub"
+    cwd.mkdir(exist_ok=True)
+    proc = run_cli("build", str(ckpt), "-o", rel, "--quant", "fp32", "--max-seq-len", "16", "-q", "--force", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "full" / "manifest.json").is_file() and not (ws / "full" / "keep.txt").exists()
+    assert sorted(p.name for p in ws.iterdir()) == ["afile", "full", "link"]  # no .partial, nothing set aside
+
+
+def test_replace_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
+    from lineside.cli_checks import replace_dir
+
+    old, new = tmp_path / "out", tmp_path / "out.partial"
+    old.mkdir()
+    (old / "keep.txt").write_text("old")
+    new.mkdir()
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if Path(src) == new:
+            raise OSError(28, "No space left on device")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError):
+        replace_dir(new, old)
+    assert (old / "keep.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
