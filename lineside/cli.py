@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 import typer
 
@@ -85,12 +88,57 @@ def os_error_line(e: OSError) -> str:
     return f"error: {where}{what}; {hint}"
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, systemd stopping a unit), raised where the main thread is so that what a
+    command cleans up on Ctrl-C (a build's ``OUT.partial``) is cleaned up on it too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_terminated_by: list[int] = []  # the signal that interrupted the running command (typer turns it into exit 130)
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    _terminated_by.append(signum)
+    raise Terminated(signum)
+
+
+def _terminated_line() -> int:
+    signum = _terminated_by[0]
+    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While a command runs, SIGTERM interrupts it like Ctrl-C (Python's default is to die on the spot, leaving
+    half-written output). A SIGTERM someone set to be ignored stays ignored; `serve` installs its own drain for
+    it while it serves."""
+    previous = None
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: signals stay as they are
+        pass
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
     """Run a typer app and return its exit code, every failure printed as one line on stderr (no rich box,
     no traceback; LINESIDE_DEBUG=1 re-raises unexpected ones). Also used by build_engine.py."""
     debug = os.environ.get("LINESIDE_DEBUG", "") not in ("", "0")
+    _terminated_by.clear()
     try:
-        rv = cli(args=argv, prog_name=prog, standalone_mode=False)
+        with _sigterm_interrupts():
+            rv = cli(args=argv, prog_name=prog, standalone_mode=False)
+        if _terminated_by:
+            return _terminated_line()
         return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
     except UsageError as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # nothing given: the help is the answer (click ≥ 8.2)
@@ -104,6 +152,8 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
     except LinesideError as e:
         print(f"error: {one_line(str(e))}", file=sys.stderr)
         return e.exit_code
+    except Terminated:
+        return _terminated_line()
     except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
         return 130

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from lineside.build.pipeline import BuildOptions, build_bundle
 from tests.cli.cli_run import (
+    REPO,
     all_commands,
     assert_one_line_error,
     base_type,
@@ -193,6 +197,36 @@ def test_build_into_dot_or_dotdot(ckpt, ws, rel):
     assert proc.returncode == 0, proc.stderr
     assert (ws / "full" / "manifest.json").is_file() and not (ws / "full" / "keep.txt").exists()
     assert sorted(p.name for p in ws.iterdir()) == ["afile", "full", "link"]  # no .partial, nothing set aside
+
+
+# A build that gets SIGTERM (`kill`, `timeout`, systemd) once its bundle is written but before it is put in place.
+SIGTERM_BUILD = """
+import os, signal, sys, time
+import lineside.build.pipeline as pipeline
+write = pipeline._write_bundle
+def write_then_sigterm(*args, **kwargs):
+    write(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(60)  # the signal's handler runs here at the latest
+pipeline._write_bundle = write_then_sigterm
+from lineside.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["fresh", "over-a-bundle"])
+def test_sigterm_during_build_leaves_nothing_and_keeps_the_old_bundle(ckpt, bundle, ws, existing):
+    out = ws / "b"
+    if existing:
+        shutil.copytree(bundle, out)
+    before = tree_snapshot(ws)
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_BUILD, "build", str(ckpt), "-o", str(out), "--quant", "fp32",
+                           "--max-seq-len", "16", "-q", "--force"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert_one_line_error(proc, "interrupted", "SIGTERM", code=128 + signal.SIGTERM)
+    assert tree_snapshot(ws) == before  # no b.partial; a bundle that was there is there as it was
+    if existing:
+        assert run_cli("logits", str(out), "--ids", "1,2", "-o", str(ws / "x.npy")).returncode == 0
 
 
 def test_replace_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
