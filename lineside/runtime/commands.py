@@ -162,6 +162,9 @@ def chat(
 
     if system is not None:
         checks.utf8_text(system, "--system")
+    if sys.stdin is None or sys.stdin.closed:  # started with fd 0 closed (`<&-`, some service managers)
+        raise LinesideError("chat reads what you type from stdin, and stdin is closed; run it in a terminal, pipe "
+                            "the lines into it, or use `lineside generate --prompt TEXT`")
     template = _chat_template(chat_template)
     gen = _generator(bundle, backend, threads, lora)
     if template is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -209,6 +210,15 @@ def test_a_chat_line_longer_than_the_context_is_one_line_and_the_chat_goes_on(bu
     assert proc.returncode == 0, proc.stderr
     assert len(err) == 1 and "context" in err[0] and "256" in err[0] and "shorter" in err[0], proc.stderr
     assert proc.stdout.count("you> ") == 4 and proc.stdout.count("model> ") == 2, proc.stdout
+
+
+def test_chat_with_stdin_closed_is_one_line_before_loading(bundle):
+    """`lineside chat BUNDLE <&-` (a service or a cron job with no stdin) loaded the model, then died in input() with a
+    RuntimeError traceback ("lost sys.stdin")."""
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], stdin=None, capture_output=True,
+                          text=True, timeout=120, preexec_fn=lambda: os.close(0))
+    assert_one_line_error(proc, "stdin", "generate --prompt")
+    assert "chatting with" not in proc.stderr  # refused before the model loads
 
 
 def test_logits_cli_writes_npy(bundle, tmp_path):
