@@ -65,6 +65,7 @@ class BackgroundServer:
                   uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on",
                                  access_log=False))
         self._server = uvicorn.Server(config)
+        self._state = getattr(getattr(app, "state", None), "lineside", None)  # lineside's own app: its load error
         self._thread = threading.Thread(target=self._server.run, name="lineside-bench-server", daemon=True)
         self.start_to_ready_s: float | None = None  # start() -> /health/ready answered 200
 
@@ -80,6 +81,10 @@ class BackgroundServer:
             if not self._thread.is_alive():
                 raise LinesideError("the in-process server stopped during startup; run `lineside serve BUNDLE` "
                                    "to see why")
+            load_error = getattr(self._state, "load_error", None)
+            if load_error:  # the model will never load (a damaged bundle): say why now, not at the timeout
+                self.stop()
+                raise LinesideError(load_error)
             if self._server.started:
                 try:
                     if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:

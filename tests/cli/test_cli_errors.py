@@ -221,6 +221,21 @@ def test_chat_with_stdin_closed_is_one_line_before_loading(bundle):
     assert "chatting with" not in proc.stderr  # refused before the model loads
 
 
+def test_bench_on_a_damaged_bundle_says_why(bundle, tmp_path):
+    """`bench --bundle` on a bundle failing its checksum logged why, then waited out the 120 s startup timeout and
+    ended on "the in-process server was not ready within 120s"."""
+    b = tmp_path / "b"
+    shutil.copytree(bundle, b)
+    data = b / "graphs" / "cpu" / "model.onnx"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # same size, other bytes: only the sha256 check sees it
+    data.write_bytes(bytes(raw))
+    proc = run_cli("bench", "--bundle", str(b), "--num-requests", "1", "--max-tokens", "4", "--prompt-len", "8")
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "sha256" in last and "copy" in last and "within" not in last, proc.stderr
+
+
 def test_logits_cli_writes_npy(bundle, tmp_path):
     import numpy as np
 
