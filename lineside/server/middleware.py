@@ -18,7 +18,8 @@ from lineside.server import prompt_limits
 from lineside.server.auth import AccessPolicy
 from lineside.server.state import ServerState
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/prefill"})
+# every route that runs a generation: counted in flight (what a drain waits for), refused while loading or draining
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/prefill", "/v1/responses"})
 PREFILL_PATH = "/v1/prefill"
 _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
