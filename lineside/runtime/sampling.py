@@ -207,16 +207,18 @@ class Sampler:
         p = self.p
         if p.greedy:
             return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
-        x = _sanitize(x / p.temperature)
-        if x is None:  # nothing finite left (extreme penalties/temperature): fall back to greedy
+        x = _sanitize(x)
+        if x is None:  # nothing finite left (extreme penalties): fall back to greedy
             raw = np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)
             if allowed is not None:  # ... among the tokens the grammar allows
                 raw = np.where(allowed[:raw.shape[0]], np.nan_to_num(raw, neginf=np.finfo(np.float64).min), -np.inf)
             return int(np.argmax(raw))
+        # the max is subtracted before dividing: softmax is unchanged, and a tiny temperature sends the others to
+        # -inf (its limit, the argmax) where x / T alone overflowed every positive logit to +inf
+        x = (x - x.max()) / p.temperature
         if p.top_k and p.top_k < x.shape[0]:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x = np.where(x < kth, -np.inf, x)
-        x = x - x.max()
         probs = np.exp(x)
         probs /= probs.sum()
         if p.top_p < 1.0:
@@ -233,7 +235,7 @@ class Sampler:
 
 
 def _sanitize(x: np.ndarray) -> np.ndarray | None:
-    """Make extreme-but-valid parameters safe: NaN → -inf; if some logits overflowed to +inf, only those
+    """Make extreme-but-valid penalties safe: NaN → -inf; if some logits overflowed to +inf, only those
     stay (uniformly); None when no candidate is left."""
     x = np.where(np.isnan(x), -np.inf, x)
     pos = np.isposinf(x)

@@ -28,3 +28,18 @@ def test_overflowing_logits_keep_only_the_largest():
     logits = np.array([1.0, 3.0, 2.0, 3.0], np.float32)
     picks = {s(logits) for _ in range(40)}
     assert picks <= {1, 3} and picks == {1, 3}
+
+
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324])
+def test_tiny_temperature_is_the_greedy_limit_not_overflow(temperature):
+    """Dividing the logits by a denormal temperature overflowed every positive logit to +inf, and the sampler then
+    drew uniformly among all of them (2.0 as often as 3.0); all-negative rows underflowed to -inf and fell back to
+    the raw argmax, which ignores the penalties. The limit of softmax(x / T) as T → 0 is the argmax (ties shared)."""
+    x = np.array([2.0, 3.0, -1.0, 0.5, 3.0], np.float32)
+    s = Sampler(SamplingParams(temperature=temperature, seed=0))
+    assert s.distribution(x) == pytest.approx([0, 0.5, 0, 0, 0.5])
+    assert {s(x) for _ in range(40)} == {1, 4}
+    # penalised: token 4's -0.5 becomes -1.0, so token 2 (-0.9) leads; the raw argmax would say 4
+    neg = np.array([-2.0, -3.0, -0.9, -1.5, -0.5], np.float32)
+    s = Sampler(SamplingParams(temperature=temperature, repetition_penalty=2.0, seed=0))
+    assert s(neg, [4], prompt_len=1) == 2
