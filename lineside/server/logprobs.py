@@ -85,7 +85,8 @@ class LogprobFormatter:
         return out
 
     def completion(self, lps: Sequence[TokenLogprob], top_n: int, offset: int | TextOffsets = 0) -> dict[str, Any]:
-        """The completions block; ``offset``: characters of this choice's text before these tokens, or the choice's
+        """The completions block (each top_logprobs dict also holds the sampled token, as OpenAI's: up to top_n + 1);
+        ``offset``: characters of this choice's text before these tokens, or the choice's
         running ``TextOffsets`` (streamed: it carries a character split between events)."""
         where = offset if isinstance(offset, TextOffsets) else TextOffsets(offset)
         tokens, values, tops, offsets = [], [], [], []
@@ -96,6 +97,7 @@ class LogprobFormatter:
             top: dict[str, float] = {}
             for i, v in t.top[:top_n]:
                 top.setdefault(token_text(self._bytes(i)), v)
+            top.setdefault(tokens[-1], t.logprob)  # OpenAI's "up to logprobs+1": the sampled token is always there
             tops.append(top)
             offsets.append(where.advance(raw))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -69,3 +69,14 @@ def test_text_offsets_index_the_text_when_a_character_spans_tokens():
         for chunk in streamed.chunks(writer, 0, event):
             offsets += json.loads(chunk.removeprefix("data: "))["choices"][0]["logprobs"]["text_offset"]
     assert offsets == [0, 2, 3, 4]
+
+
+def test_completion_top_logprobs_carry_the_sampled_token():
+    """OpenAI's completions: "The API will always return the logprob of the sampled token, so there may be up to
+    logprobs+1 elements" (vLLM's completions likewise); a sampled token outside the top n was missing. Chat's
+    top_logprobs stay the top n: the chosen token has its own entry there."""
+    sampled = [TokenLogprob(3, -3.0, ((0, -0.1), (1, -0.7), (2, -1.0)))]
+    assert FMT.completion(sampled, top_n=2)["top_logprobs"] == [{"Hi": -0.1, "bytes:\\x20\\xf0\\x9f": -0.7, "!": -3.0}]
+    assert FMT.completion(sampled, top_n=0)["top_logprobs"] == [{"!": -3.0}]
+    assert FMT.completion(LPS, top_n=1)["top_logprobs"] == [{"Hi": -0.1}, {"bytes:\\x20\\xf0\\x9f": -0.7}]
+    assert [e["token"] for e in FMT.chat(sampled, top_n=2)[0]["top_logprobs"]] == ["Hi", "bytes:\\x20\\xf0\\x9f"]
