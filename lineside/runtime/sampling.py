@@ -1,7 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p and the usual penalties, seeded; logprobs.
 
-Applied on one row of float32 logits in numpy; the order follows vLLM / transformers
-(penalties → grammar mask → temperature → top-k → top-p → min-p), so the same seed gives the same text.
+Applied on one row of float32 logits in numpy; the order is transformers' (and vLLM V0's): penalties → grammar
+mask → temperature → top-k → top-p → min-p, so the same seed gives the same text. vLLM V1 differs in two ways, left
+as they are: it applies min-p before top-k/top-p (the kept set differs only when min_p and top_p are both set:
+top-p's cumulative sums are then taken over what min-p left), and it samples greedily below temperature 1e-5, where
+this samples softmax(x / T) all the way down (logits within a few T of the max keep a share).
 
 vLLM's ``min_tokens``: while fewer than that many tokens have been generated (``history[prompt_len:]``, so a
 verifying position counts the drafts before it), the stop tokens the sampler was given (EOS, ignore_eos or not,
