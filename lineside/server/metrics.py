@@ -97,6 +97,8 @@ class ServerMetrics:
         registry.register(self._sessions)
         self._lora = _LoraCollector()
         registry.register(self._lora)
+        self._cache = _PrefixCacheCollector()
+        registry.register(self._cache)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -152,6 +154,7 @@ class ServerMetrics:
         self._spec.stats = stats if get("spec_acceptance") else None
         self._sessions.stats = stats
         self._lora.stats = stats
+        self._cache.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
@@ -238,6 +241,18 @@ class _LoraCollector(_StatsCollector):
     COUNTERS = (("lineside_lora_slot_loads", "lora_slot_loads", "Adapters written into a slot"),
                 ("lineside_lora_slot_evictions", "lora_slot_evictions",
                  "Of those, loads that replaced an idle adapter (least recently used)"))
+
+
+class _PrefixCacheCollector(_StatsCollector):
+    """Prompt tokens reused from the prefix cache and requests preempted, named like vLLM's (queries and hits in
+    tokens: hits / queries is the share of prompt tokens not computed), so a dashboard can watch the cache."""
+
+    COUNTERS = (("lineside_prefix_cache_queries", "prompt_tokens_total", "Prompt tokens looked up in the prefix cache"),
+                ("lineside_prefix_cache_hits", "prefix_cache_hit_tokens",
+                 "Of those, tokens found in the cache (not computed again)"),
+                ("lineside_prefix_cache_hit_requests", "prefix_cache_hits", "Requests that reused a cached prefix"),
+                ("lineside_num_preemptions", "preemptions",
+                 "Running requests paused to free KV memory (resumed later from their tokens)"))
 
 
 class _SessionCollector(_StatsCollector):

@@ -264,6 +264,25 @@ def test_health_metrics_and_latency_log(server, client):
     assert last["ttft_s"] > 0 and last["e2e_s"] >= last["ttft_s"] and "request_id" in last
 
 
+def test_prefix_cache_counters_in_metrics(server, client):
+    """A prompt sent twice: the second reuses the first's cached blocks, and /metrics says how many tokens (named
+    like vLLM's prefix_cache_queries / _hits, in tokens) and that one request hit."""
+    prompt = " ".join(f"part {i} of the shared manual text," for i in range(4))
+    before = httpx.get(server.url + "/metrics").text
+    used = [client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0).usage
+            for _ in range(2)]
+    after = httpx.get(server.url + "/metrics").text
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert delta("lineside_prefix_cache_queries_total") == sum(u.prompt_tokens for u in used)
+    hits = delta("lineside_prefix_cache_hits_total")
+    assert used[1].prompt_tokens // 2 <= hits < used[1].prompt_tokens, (hits, used[1].prompt_tokens)
+    assert delta("lineside_prefix_cache_hit_requests_total") == 1
+    assert "lineside_num_preemptions_total" in after
+
+
 def test_reused_request_id_concurrently(server):
     import asyncio
 
