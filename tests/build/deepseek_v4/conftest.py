@@ -55,22 +55,22 @@ class V4Fixtures:
         return self._refs[schedule]
 
     def runner(self, ckpt_dir: Path, flavor: str, scheme: str = "fp32", group_size: int = 64,
-               trt_dtype: str = "fp16", kv_dtype: str = "fp16") -> V4Runner:
-        key = (str(ckpt_dir), flavor, scheme, group_size, trt_dtype, kv_dtype)
+               trt_dtype: str = "fp16", kv_dtype: str = "fp16", max_seq: int = MAX_SEQ) -> V4Runner:
+        key = (str(ckpt_dir), flavor, scheme, group_size, trt_dtype, kv_dtype, max_seq)
         if key not in self._graphs:
             from lineside.build.checkpoint import open_checkpoint
             from lineside.build.models import deepseek_v4 as v4
             from lineside.build.quant.spec import QuantSpec
 
-            out = self.root / "graphs" / f"{ckpt_dir.name}_{flavor}_{scheme}_{group_size}_{trt_dtype}_{kv_dtype}" / "model.onnx"
+            out = self.root / "graphs" / f"{ckpt_dir.name}_{flavor}_{scheme}_{group_size}_{trt_dtype}_{kv_dtype}_{max_seq}" / "model.onnx"
             ck = open_checkpoint(ckpt_dir)
             try:
                 spec = QuantSpec(scheme=scheme, group_size=group_size, accuracy_level=0, trt_dtype=trt_dtype,
                                  kv_dtype=kv_dtype)
-                entry = v4.emit_graph(ck.hf_config, ck, spec, flavor, out, MAX_SEQ)
+                entry = v4.emit_graph(ck.hf_config, ck, spec, flavor, out, max_seq)
             finally:
                 ck.close()
-            self._graphs[key] = V4Runner(out, entry)
+            self._graphs[key] = V4Runner(out, entry, max_seq)
             self._graphs[key].sess._model_path = str(out)
         return self._graphs[key]
 

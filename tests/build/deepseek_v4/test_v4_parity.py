@@ -84,3 +84,14 @@ def test_chunked_prefill(v4, flavor):
     err = rel_err(np.concatenate(rows), ref)
     print(f"chunked prefill {flavor}: max rel err {err:.2e}")
     assert err < TOL
+
+
+@pytest.mark.parametrize("schedule,max_seq,flavor", [("a", SEQ_LEN, "cpu"), ("c", 12, "trt")])
+def test_prompt_that_fills_a_max_seq_no_compression_rate_divides(v4, schedule, max_seq, flavor):
+    """max_seq 30 (a: rates 4 and 8 don't divide it) or 12 (c: below the HCA rate 16): a prompt filling it prefills
+    (its windows stay within the compressed slots) and matches transformers."""
+    ids, ref, _ = v4.ref(schedule)
+    logits, _ = v4.runner(v4.hf_dir(schedule), flavor, max_seq=max_seq).prefill(ids[:max_seq])
+    err = rel_err(logits[0], ref[:max_seq])
+    print(f"prefill to max_seq {max_seq} {schedule}/{flavor}: max rel err {err:.2e}")
+    assert err < TOL

@@ -55,10 +55,17 @@ class CompressorEmitter:
         gate = o.linear(x, f"{name}.gate_proj", w["gate_proj"])
         cat_kv, cat_gate = o.concat([raw_kv, kv], 1), o.concat([raw_gate, gate], 1)  # [B, L+S, C]
         new_kv, new_gate = o.slice(cat_kv, -L, 2**62, 1), o.slice(cat_gate, -L, 2**62, 1)
-        # Candidate windows: every window a new token falls into; K = ceil((S-1)/m) + 1.
-        k = o.add(o.div(o.add(self.ctx.seq, o.i64(m - 2)), o.i64(m)), o.i64(1)) if m > 1 else self.ctx.seq
-        ks = o.op("Range", o.i64(0), k, o.i64(1))  # [K]
+        # Candidate windows: every window a new token falls into, past//m … (past+S-1)//m, so
+        # K = (past mod m + S - 1)//m + 1 (the widest row's). Not the bound ceil((S-1)/m) + 1: that can name a window
+        # past the last slot when m does not divide max_seq or exceeds it (GatherND/ScatterND out of range).
         w0 = o.div(self.ctx.past, o.i64(m))  # [B]
+        if m > 1:
+            rem = o.cast(o.sub(self.ctx.past, o.mul(w0, o.i64(m))), TensorProto.FLOAT)  # float: TRT 10.3 reduces
+            rem = o.cast(o.reduce("ReduceMax", rem, 0, keep=False), TensorProto.INT64)
+            k = o.add(o.div(o.add(rem, o.sub(self.ctx.seq, o.i64(1))), o.i64(m)), o.i64(1))
+        else:
+            k = self.ctx.seq
+        ks = o.op("Range", o.i64(0), k, o.i64(1))  # [K]
         win = o.add(o.unsqueeze(w0, [1]), o.unsqueeze(ks, [0]))  # [B, K]
         complete = o.op("LessOrEqual", o.mul(o.add(win, o.i64(1)), o.i64(m)), o.unsqueeze(self.ctx.total, [1]))
         # Source positions of each window's slots: [prev window (overlap only)] + current window.
