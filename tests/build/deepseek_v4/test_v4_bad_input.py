@@ -114,3 +114,18 @@ def test_a_4bit_head_it_would_not_build_is_refused(v4, tmp_path):
         build_bundle(v4.hf_dir("a"), tmp_path / "o", BuildOptions(quant="w4a16", group_size=64, lm_head_bits=4))
     _one_line(e, "--lm-head-bits 4", "8 bits")
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.parametrize("kind,patch,name", [  # names as saved (transformers saves DeepSeek's names)
+    ("hf", {"o_groups": 4}, "model.layers.0.attn.wo_a.weight"),  # was built with the wrong head groups
+    ("hf", {"moe_intermediate_size": 32}, "model.layers.0.ffn.experts.0.w1.weight"),  # wrong gate/up split
+    ("hf", {"hc_mult": 3}, "model.hc_head.hc_fn"),  # was a ValueError traceback
+    ("hf", {"index_n_heads": 4}, "model.layers.1.attn.indexer.wq_b.weight"),  # failed in onnxruntime
+    ("mxfp4", {"moe_intermediate_size": 32}, "layers.0.ffn.experts.0.w1.weight"),  # packed experts: logical shape
+])
+def test_config_that_disagrees_with_the_tensors_is_refused(v4, tmp_path, kind, patch, name):
+    src = v4.hf_dir("a") if kind == "hf" else v4.official_dir("a", "ue8m0", True)
+    d = _edit(src, tmp_path / "ck", config=patch)
+    with pytest.raises(CheckpointError) as e:
+        _build(d, tmp_path)
+    _one_line(e, repr(name), "config.json")

@@ -24,7 +24,7 @@ from lineside.bundle import FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, LinesideError
 
-__all__ = ["FAMILY", "INPUTS", "V4Config", "V4Source", "check_tensors", "emit_graph", "hf_to_official",
+__all__ = ["FAMILY", "INPUTS", "V4Config", "V4Source", "check_tensors", "emit_graph", "expected_shapes", "hf_to_official",
            "official_to_hf", "parse_config", "required_tensors", "state_bytes", "state_tensors"]
 
 
@@ -36,36 +36,57 @@ def _v4(cfg: ModelConfig | V4Config | dict[str, Any]) -> V4Config:
     return parse_config(cfg.raw)  # lineside.config.ModelConfig keeps the whole HF dict in .raw
 
 
-def required_tensors(cfg: ModelConfig | V4Config | dict[str, Any]) -> list[str]:
-    """Every HF tensor name the graph reads (experts as their stacked HF tensors)."""
+def expected_shapes(cfg: ModelConfig | V4Config | dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the graph reads (experts as their stacked HF tensors) → the shape config.json implies."""
     c = _v4(cfg)
-    names = ["model.embed_tokens.weight", "model.norm.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base",
-             "model.hc_head.hc_scale"]
+    D, V, N, H, d, Q = c.hidden_size, c.vocab_size, c.hc_mult, c.num_heads, c.head_dim, c.q_lora_rank
+    E, inter, hc = c.n_routed_experts, c.moe_intermediate_size, (2 + c.hc_mult) * c.hc_mult
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
+                                       "model.hc_head.hc_fn": (N, N * D), "model.hc_head.hc_base": (N,),
+                                       "model.hc_head.hc_scale": (1,)}
     if not c.tie_word_embeddings:
-        names.append("lm_head.weight")
+        out["lm_head.weight"] = (V, D)
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
-        names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        names += [f"{p}.{hc}.{k}" for hc in ("attn_hc", "ffn_hc") for k in ("fn", "base", "scale")]
+        out.update({f"{p}.input_layernorm.weight": (D,), f"{p}.post_attention_layernorm.weight": (D,)})
+        for h in ("attn_hc", "ffn_hc"):
+            out.update({f"{p}.{h}.fn": (hc, N * D), f"{p}.{h}.base": (hc,), f"{p}.{h}.scale": (3,)})
         a = f"{p}.self_attn"
-        names += [f"{a}.{k}.weight" for k in ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj",
-                                               "o_b_proj")] + [f"{a}.sinks"]
+        g = c.o_groups
+        out.update({f"{a}.q_a_proj.weight": (Q, D), f"{a}.q_a_norm.weight": (Q,), f"{a}.q_b_proj.weight": (H * d, Q),
+                    f"{a}.kv_proj.weight": (d, D), f"{a}.kv_norm.weight": (d,),
+                    f"{a}.o_a_proj.weight": (g * c.o_lora_rank, H * d // g), f"{a}.o_b_proj.weight": (D, g * c.o_lora_rank),
+                    f"{a}.sinks": (H,)})
         if c.layer_types[i] != SLIDING:
-            names += [f"{a}.compressor.{k}" for k in ("kv_proj.weight", "gate_proj.weight", "position_bias",
-                                                     "kv_norm.weight")]
+            m, w = c.rate(i), (2 * d if c.layer_types[i] == CSA else d)  # CSA: two overlapping series
+            cp = f"{a}.compressor"
+            out.update({f"{cp}.kv_proj.weight": (w, D), f"{cp}.gate_proj.weight": (w, D), f"{cp}.position_bias": (m, w),
+                        f"{cp}.kv_norm.weight": (d,)})
         if c.layer_types[i] == CSA:
-            ip = f"{a}.compressor.indexer"
-            names += [f"{ip}.{k}" for k in ("kv_proj.weight", "gate_proj.weight", "position_bias", "kv_norm.weight",
-                                            "q_b_proj.weight", "scorer.weights_proj.weight")]
+            ip, di, hi = f"{a}.compressor.indexer", c.index_head_dim, c.index_n_heads
+            out.update({f"{ip}.kv_proj.weight": (2 * di, D), f"{ip}.gate_proj.weight": (2 * di, D),
+                        f"{ip}.position_bias": (c.rate(i), 2 * di), f"{ip}.kv_norm.weight": (di,),
+                        f"{ip}.q_b_proj.weight": (hi * di, Q), f"{ip}.scorer.weights_proj.weight": (hi, D)})
         m = f"{p}.mlp"
-        names += [f"{m}.gate.weight", f"{m}.experts.gate_up_proj", f"{m}.experts.down_proj"]
-        names.append(f"{m}.gate.tid2eid" if c.mlp_layer_types[i] == "hash_moe" else f"{m}.gate.e_score_correction_bias")
-        names += [f"{m}.shared_experts.{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")]
-    return names
+        out.update({f"{m}.gate.weight": (E, D), f"{m}.experts.gate_up_proj": (E, 2 * inter, D),
+                    f"{m}.experts.down_proj": (E, D, inter)})
+        if c.mlp_layer_types[i] == "hash_moe":
+            out[f"{m}.gate.tid2eid"] = (V, c.num_experts_per_tok)
+        else:
+            out[f"{m}.gate.e_score_correction_bias"] = (E,)
+        out.update({f"{m}.shared_experts.gate_proj.weight": (inter, D), f"{m}.shared_experts.up_proj.weight": (inter, D),
+                    f"{m}.shared_experts.down_proj.weight": (D, inter)})
+    return out
+
+
+def required_tensors(cfg: ModelConfig | V4Config | dict[str, Any]) -> list[str]:
+    """Every HF tensor name the graph reads (experts as their stacked HF tensors)."""
+    return list(expected_shapes(cfg))
 
 
 def check_tensors(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source) -> V4Source:
-    """Wrap a reader and raise one CheckpointError naming the first missing tensor (in the file's naming)."""
+    """Wrap a reader and raise one CheckpointError naming the first missing tensor (in the file's naming), or the
+    first whose shape is not the one config.json implies (a graph built from it would be wrong or would not run)."""
     c = _v4(cfg)
     src = ckpt if isinstance(ckpt, V4Source) else V4Source(ckpt)
     missing = src.missing(required_tensors(c), {i: c.n_routed_experts for i in range(c.num_layers)})
@@ -73,7 +94,25 @@ def check_tensors(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: Checkpoint
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint{more}; "
                               "the checkpoint is incomplete or not a DeepSeek-V4 model")
+    for name, want in expected_shapes(c).items():
+        stacked = name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        if stacked and src.official:  # one tensor per routed expert: w1, w3 [I, D] and w2 [D, I]
+            layer, inter, hidden = int(name.split(".")[2]), c.moe_intermediate_size, c.hidden_size
+            for e in range(c.n_routed_experts):
+                g, u, dn = src.expert_names(layer, e)
+                for n, w in ({dn: (hidden, inter)} if name.endswith("down_proj") else {g: (inter, hidden),
+                                                                                        u: (inter, hidden)}).items():
+                    _check_shape(src, n, w)
+        else:
+            _check_shape(src, src.source_name(name), want)
     return src
+
+
+def _check_shape(src: V4Source, name: str, want: tuple[int, ...]) -> None:
+    got = src.logical_shape(name)
+    if got != want:
+        raise CheckpointError(f"tensor {name!r} has shape {list(got)} but config.json implies {list(want)}; "
+                              "the checkpoint and its config.json disagree")
 
 
 def emit_graph(cfg: ModelConfig | V4Config | dict[str, Any], ckpt: CheckpointReader | V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,

@@ -153,6 +153,19 @@ class V4Source:
     def source_names(self) -> set[str]:
         return set(self._names)
 
+    def expert_names(self, layer: int, e: int) -> tuple[str, str, str]:
+        """On-disk names of a routed expert stored one by one (official naming): gate, up, down."""
+        g, u, d = expert_official_names(layer, e)
+        return self._prefix + g, self._prefix + u, self._prefix + d
+
+    def logical_shape(self, src: str) -> tuple[int, ...]:
+        """Shape of on-disk tensor ``src`` counted in values: MXFP4 (int8/uint8 with a scale) packs two a byte."""
+        shape = tuple(int(v) for v in self.reader.shape(src))
+        dtype = self.reader.dtype(src) if hasattr(self.reader, "dtype") else str(self.reader.get_raw(src).dtype)
+        if dtype.upper() in ("I8", "U8", "INT8", "UINT8") and self._scale_name(src) is not None:
+            return (*shape[:-1], 2 * shape[-1])
+        return shape
+
     # ---- tensors -----------------------------------------------------------------------
     def read_source(self, name: str) -> np.ndarray:
         """float32 tensor by its on-disk name (dequantized if stored as FP8/MXFP4, like ``get``)."""
@@ -176,7 +189,7 @@ class V4Source:
     def expert(self, layer: int, e: int, inter: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, D], up [I, D], down [D, I]) float32 of routed expert ``e`` in ``layer``."""
         if self.official:
-            g, u, d = (self._prefix + n for n in expert_official_names(layer, e))
+            g, u, d = self.expert_names(layer, e)
             return self._read(g), self._read(u), self._read(d)
         gu_name = f"model.layers.{layer}.mlp.experts.gate_up_proj"
         dn_name = f"model.layers.{layer}.mlp.experts.down_proj"
@@ -200,12 +213,13 @@ class V4Source:
         return dequantize(raw, scale, src)
 
     def _scale(self, src: str) -> np.ndarray | None:
+        name = self._scale_name(src)
+        return None if name is None else np.asarray(self.reader.get_raw(name))
+
+    def _scale_name(self, src: str) -> str | None:
         cands = [src[: -len(".weight")] + s for s in (".scale", ".weight_scale_inv")] if src.endswith(".weight") else []
         cands += [src + s for s in SCALE_SUFFIXES]
-        for c in cands:
-            if c in self._names:
-                return np.asarray(self.reader.get_raw(c))
-        return None
+        return next((c for c in cands if c in self._names), None)
 
 
 def _is_scale(name: str, names: set[str]) -> bool:
