@@ -14,7 +14,8 @@ import numpy as np
 
 from lineside.bundle import FlavorEntry
 
-# Two layer schedules: together all three attention types, both MLP types, every scoring function.
+# Two layer schedules: together all three attention types, both MLP types, every scoring function transformers runs
+# (its router has no "softmax": ACT2FN lacks it).
 SCHEDULES: dict[str, dict[str, Any]] = {
     "a": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
               mlp_layer_types=["hash_moe", "moe", "moe"], scoring_func="sqrtsoftplus", hc_mult=2),
@@ -35,6 +36,24 @@ SCHEDULES: dict[str, dict[str, Any]] = {
               num_experts_per_tok=1, routed_scaling_factor=2.5, swiglu_limit=10.0, rms_norm_eps=1e-2,
               rope_parameters={"rope_type": "linear", "factor": 2.0}),
 }
+# Variants of a for what real configs vary and a, b, c keep fixed. d: routing and ranks (6 experts, top-4, sigmoid,
+# routed scale < 1, q/o LoRA ranks, 4 output groups, 4 hyper-connection copies with one Sinkhorn pass, untied odd
+# vocabulary). e: rope (nested yarn on both ropes, separate thetas, the compress one's attention factor derived from
+# mscale/mscale_all_dim, the whole head rotated, window 1). f: compression (rates 3 and 5, top-1 indexer, a window
+# wider than max_seq, MoE before hash MoE).
+_A = SCHEDULES["a"]
+SCHEDULES.update(
+    d=dict(_A, n_routed_experts=6, num_experts_per_tok=4, scoring_func="sigmoid", routed_scaling_factor=0.7,
+           q_lora_rank=48, o_groups=4, o_lora_rank=16, hc_mult=4, hc_sinkhorn_iters=1, vocab_size=150),
+    e=dict(_A, head_dim=16, partial_rotary_factor=1.0, index_head_dim=16, sliding_window=1,
+           rope_parameters={"main": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 16},
+                            "compress": {"rope_type": "yarn", "rope_theta": 3000.0, "factor": 8.0,
+                                         "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.5,
+                                         "beta_fast": 16, "beta_slow": 2}}),
+    f=dict(_A, mlp_layer_types=["moe", "hash_moe", "moe"], index_topk=1, sliding_window=40, num_experts_per_tok=4,
+           compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5}),
+)
 BASE = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, head_dim=32,
             q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,
             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
