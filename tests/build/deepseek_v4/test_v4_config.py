@@ -67,6 +67,7 @@ def test_model_config_route():
     (dict(mlp_layer_types=["moe"] * 5), "mlp_layer_types has 5 entries"),
     (dict(layer_types=[SLIDING, "full_attention", CSA, HCA]), "'full_attention' is not one of"),
     (dict(compress_ratios=[0, 4, 16, 0]), "compress_ratios value 16"),
+    (dict(compress_ratios=[0, [4], 128, 0]), "compress_ratios value [4]"),  # was a TypeError traceback
     (dict(compress_ratios=[0, 4]), "compress_ratios has 2 entries"),
     (dict(num_key_value_heads=2), "one shared KV head"),
     (dict(o_groups=3), "o_groups 3 does not divide"),

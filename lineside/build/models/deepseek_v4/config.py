@@ -96,7 +96,7 @@ def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
                 f"but num_hidden_layers is {n}; give one ratio (0, {rates[CSA]} or {rates[HCA]}) per layer"
             )
         by_rate = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
-        bad = [r for r in ratios if r not in by_rate]
+        bad = [r for r in ratios if not isinstance(r, (int, float)) or r not in by_rate]  # a list is unhashable
         if bad:
             raise ConfigError(f"config.json: compress_ratios value {bad[0]!r} is not 0, {rates[CSA]} or {rates[HCA]}")
         return [by_rate[r] for r in ratios[:n]]
