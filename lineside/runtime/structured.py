@@ -110,19 +110,66 @@ class Constraint:
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
+_EXTRA_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+_OPEN_MEMBER_KEYS = _EXTRA_KEYS | {"allOf", "anyOf", "oneOf", "$ref"}  # a member whose keys this cannot list
 
 
 def closed_objects(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` wherever an object lists ``properties`` and says
     nothing about extra keys (OpenAI's strict mode; xgrammar's strict_mode in vLLM). Every output this
-    allows is valid against the original; without it a small model keeps inventing keys."""
+    allows is valid against the original; without it a small model keeps inventing keys.
+
+    ``allOf`` members (inline or a local ``$ref``) describe one object together, so they are not closed one
+    by one (each would forbid the others' keys); the object holding the ``allOf`` is closed over all their
+    properties instead, or left open when a member's keys cannot be listed."""
+    defs = {f"#/{k}/{n}": d for k in ("$defs", "definitions") if isinstance(schema, dict)
+            and isinstance(schema.get(k), dict) for n, d in schema[k].items()}
+    members: set[str] = set()  # the $defs named as allOf members: closed with their siblings, not alone
+    _all_of_refs(schema, members)
+    return _closed(schema, defs, members, member=False)
+
+
+def _all_of_refs(schema: Any, out: set[str]) -> None:
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        for s in schema:
+            _all_of_refs(s, out)
+    elif isinstance(schema, dict):
+        for k, v in schema.items():
+            if k == "allOf" and isinstance(v, list):
+                out.update(m["$ref"] for m in v if isinstance(m, dict) and isinstance(m.get("$ref"), str))
+            if k not in _DATA_KEYS:
+                _all_of_refs(v, out)
+
+
+def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s, defs, members, False) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYS else closed_objects(v)) for k, v in schema.items()}
-    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties",
-                                                         "unevaluatedProperties"} & out.keys():
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA_KEYS:
+            out[k] = v
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [_closed(s, defs, members, True) for s in v]
+        elif k in ("$defs", "definitions") and isinstance(v, dict):
+            out[k] = {n: _closed(d, defs, members, f"#/{k}/{n}" in members) for n, d in v.items()}
+        else:
+            out[k] = _closed(v, defs, members, False)
+    if member or _EXTRA_KEYS & out.keys():
+        return out
+    if isinstance(out.get("allOf"), list):
+        names = dict.fromkeys(out.get("properties") or {})
+        for m in out["allOf"]:
+            m = defs.get(m.get("$ref")) if isinstance(m, dict) and set(m) == {"$ref"} else m
+            if not isinstance(m, dict) or _OPEN_MEMBER_KEYS & m.keys() or not isinstance(m.get("properties", {}), dict):
+                return out
+            names.update(dict.fromkeys(m.get("properties", {})))
+        if names:
+            props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+            out["properties"] = {**props, **{n: {} for n in names if n not in props}}
+            out["additionalProperties"] = False
+    elif isinstance(out.get("properties"), dict):
         out["additionalProperties"] = False
     return out
 

@@ -282,3 +282,28 @@ def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise():
     assert c["properties"]["c"]["additionalProperties"] is True and c["$defs"]["D"]["additionalProperties"] is False
     assert c["default"] == {"properties": {}}  # data is left alone
     assert closed_objects({"type": "object"}) == {"type": "object"}  # json_object: any keys
+
+
+# allOf members describe one object together (zod's .and(), OpenAPI inheritance: a base $ref plus its own
+# fields): closing each member on its own forbids the other members' keys, so the schema matched nothing.
+ALL_OF = [
+    {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]},
+    {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+     "type": "object", "properties": {"pet": {"allOf": [
+         {"$ref": "#/$defs/Base"},
+         {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"]}]}},
+     "required": ["pet"]},
+]
+
+
+@pytest.mark.parametrize("schema", ALL_OF)
+@pytest.mark.parametrize("seed", range(3))
+def test_all_of_members_are_closed_together(tiny, schema, seed):
+    import jsonschema
+
+    tok, comp = tiny
+    out = json.loads(_generate(comp, tok, Constraint.json_schema(schema), seed, closing='"}'))
+    jsonschema.validate(out, schema)
+    obj = out.get("pet", out)
+    assert set(obj) == ({"a", "b"} if "allOf" in schema else {"id", "name"})  # no invented keys
