@@ -119,9 +119,10 @@ def closed_objects(schema: Any) -> Any:
     nothing about extra keys (OpenAI's strict mode; xgrammar's strict_mode in vLLM). Every output this
     allows is valid against the original; without it a small model keeps inventing keys.
 
-    ``allOf`` members (inline or a local ``$ref``) describe one object together, so they are not closed one
-    by one (each would forbid the others' keys); the object holding the ``allOf`` is closed over all their
-    properties instead, or left open when a member's keys cannot be listed."""
+    ``allOf`` members (inline or a local ``$ref``) describe one object together, as do an object's properties
+    and its ``anyOf`` / ``oneOf`` branches: closing each alone would forbid the others' keys. So members are
+    not closed, a branch is closed over its keys and its object's, and the object over all of them (left open
+    when some member's or branch's keys cannot be listed)."""
     defs = {f"#/{k}/{n}": d for k in ("$defs", "definitions") if isinstance(schema, dict)
             and isinstance(schema.get(k), dict) for n, d in schema[k].items()}
     members: set[str] = set()  # the $defs named as allOf members: closed with their siblings, not alone
@@ -141,36 +142,44 @@ def _all_of_refs(schema: Any, out: set[str]) -> None:
                 _all_of_refs(v, out)
 
 
-def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool) -> Any:
+def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool, siblings: tuple = ()) -> Any:
+    """``member``: an allOf member (closed by the object holding it); ``siblings``: the properties of the object
+    whose anyOf / oneOf branch this is (the branch's keys as far as closing it goes)."""
     if isinstance(schema, list):
         return [_closed(s, defs, members, False) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else None
+    branch_of = tuple(props) if props is not None and not _EXTRA_KEYS & schema.keys() else ()
     out = {}
     for k, v in schema.items():
         if k in _DATA_KEYS:
             out[k] = v
         elif k == "allOf" and isinstance(v, list):
             out[k] = [_closed(s, defs, members, True) for s in v]
+        elif k in ("anyOf", "oneOf") and isinstance(v, list) and branch_of:
+            out[k] = [_closed(s, defs, members, False, branch_of) for s in v]
         elif k in ("$defs", "definitions") and isinstance(v, dict):
             out[k] = {n: _closed(d, defs, members, f"#/{k}/{n}" in members) for n, d in v.items()}
         else:
             out[k] = _closed(v, defs, members, False)
     if member or _EXTRA_KEYS & out.keys():
         return out
-    if isinstance(out.get("allOf"), list):
-        names = dict.fromkeys(out.get("properties") or {})
-        for m in out["allOf"]:
-            m = defs.get(m.get("$ref")) if isinstance(m, dict) and set(m) == {"$ref"} else m
-            if not isinstance(m, dict) or _OPEN_MEMBER_KEYS & m.keys() or not isinstance(m.get("properties", {}), dict):
-                return out
-            names.update(dict.fromkeys(m.get("properties", {})))
-        if names:
-            props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
-            out["properties"] = {**props, **{n: {} for n in names if n not in props}}
-            out["additionalProperties"] = False
-    elif isinstance(out.get("properties"), dict):
-        out["additionalProperties"] = False
+    # the keys this object may have: its own, its siblings' (as a branch), its allOf members' and (when it
+    # lists properties) its anyOf / oneOf branches'
+    parts = [*(out.get("allOf") or []), *((out.get("anyOf") or []) + (out.get("oneOf") or []) if branch_of else [])]
+    if props is None and not any(isinstance(p, dict) and "properties" in p for p in parts):
+        return out
+    names = dict.fromkeys([*(props or {}), *siblings])
+    for p in parts:
+        p = defs.get(p.get("$ref")) if isinstance(p, dict) and set(p) == {"$ref"} else p
+        if not isinstance(p, dict) or _OPEN_MEMBER_KEYS & p.keys() or not isinstance(p.get("properties", {}), dict):
+            return out
+        names.update(dict.fromkeys(p.get("properties", {})))
+    own = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    out["properties"] = {**own, **{n: {} for n in names if n not in own}}
+    out["additionalProperties"] = False
     return out
 
 
