@@ -176,18 +176,10 @@ def tiny(tmp_path_factory):
     return tok, GrammarCompiler.for_tokenizer(tok, 300, [2])
 
 
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("choice", ["required", "required-single", "stop_line", "get_weather"])
-def test_required_and_named_outputs_always_parse(tiny, seed, choice):
-    """Random logits under the tool grammar: the output always parses into calls of known tools whose
-    arguments validate against the tool's schema."""
-    from pydantic import TypeAdapter
-
+def _random_walk(tiny, tools, tc, parallel: bool, seed: int):
+    """Sample random logits under the tool grammar (closing characters favoured so it ends) and parse the text."""
     tok, comp = tiny
-    parallel = choice != "required-single"
-    tc = parse_tool_choice("required" if choice.startswith("required") else
-                           {"type": "function", "function": {"name": choice}}, TOOLS)
-    m = comp.matcher(tool_constraint(TOOLS, tc, parallel))
+    m = comp.matcher(tool_constraint(tools, tc, parallel))
     rng, s, out = np.random.default_rng(seed), Sampler(SamplingParams(temperature=1.0, seed=seed)), []
     while not m.finished and len(out) < 600:
         logits = rng.standard_normal(300).astype(np.float32) * 3
@@ -198,7 +190,20 @@ def test_required_and_named_outputs_always_parse(tiny, seed, choice):
         if t == 2:
             break
         out.append(t)
-    content, calls = parse(tok.decode(out), call_format(tc, None), TOOLS, named=tc.name)
+    return parse(tok.decode(out), call_format(tc, None), tools, named=tc.name)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("choice", ["required", "required-single", "stop_line", "get_weather"])
+def test_required_and_named_outputs_always_parse(tiny, seed, choice):
+    """Random logits under the tool grammar: the output always parses into calls of known tools whose
+    arguments validate against the tool's schema."""
+    from pydantic import TypeAdapter
+
+    parallel = choice != "required-single"
+    tc = parse_tool_choice("required" if choice.startswith("required") else
+                           {"type": "function", "function": {"name": choice}}, TOOLS)
+    content, calls = _random_walk(tiny, TOOLS, tc, parallel, seed)
     assert content is None and calls and (parallel or len(calls) == 1)
     for c in calls:
         args = json.loads(c.arguments)
@@ -228,23 +233,11 @@ def test_tool_schemas_with_local_refs_constrain_required_and_named(tiny, seed, c
     """tool_choice required wraps every tool's parameters in one array schema, which moved them off the root: their
     "#/$defs/..." refs pointed at nothing and the request was a 400 "Pointer '/$defs/Place' does not exist" for
     any pydantic-made tool. The refs now follow the parameters to where the wrapper puts them."""
-    tok, comp = tiny
     tools = parse_tools([LOCATE, STATION])
     parallel = choice != "required-single"
     tc = parse_tool_choice("required" if choice.startswith("required") else
                            {"type": "function", "function": {"name": choice}}, tools)
-    m = comp.matcher(tool_constraint(tools, tc, parallel))
-    rng, s, out = np.random.default_rng(seed), Sampler(SamplingParams(temperature=1.0, seed=seed)), []
-    while not m.finished and len(out) < 600:
-        logits = rng.standard_normal(300).astype(np.float32) * 3
-        for ch in '"]}':
-            logits[tok.encode(ch, add_special=False)[0]] += 5.0
-        t = s.step(logits, allowed=m.allowed()).token
-        assert m.accept(t)
-        if t == 2:
-            break
-        out.append(t)
-    content, calls = parse(tok.decode(out), call_format(tc, None), tools, named=tc.name)
+    content, calls = _random_walk(tiny, tools, tc, parallel, seed)
     assert content is None and calls
     for c in calls:
         args = json.loads(c.arguments)
