@@ -11,6 +11,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -63,7 +64,7 @@ class Node(_Strict):
 
     name: Annotated[str, Field(pattern=NAME_RE)]
     kind: NodeKind
-    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]  # its OpenAI-compatible server
+    url: str  # its OpenAI-compatible server's root (scheme, host, port; no /v1)
     engine: Engine = Engine.LINESIDE
     target: str | None = None  # push target: user@host:/opt/lineside or a local/mounted directory
     bundle: str | None = None  # the bundle directory (on this machine) the node serves
@@ -79,6 +80,12 @@ class Node(_Strict):
     # SMG registers a worker only once GET /health answers; for a server without it (llama-cpp-python) the
     # gateway puts lineside.fleet.adapter in front. Default: on for engine llama.cpp.
     health_adapter: bool | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        url_key(v)
+        return v
 
     @property
     def needs_adapter(self) -> bool:
@@ -160,7 +167,70 @@ class FleetFile(_Strict):
         for name in v:
             if not re.match(NAME_RE, name):
                 raise ValueError(f"pool name {name!r} must be letters, digits, '.', '_' or '-'")
+            if name != name.lower():  # the front lower-cases X-Mode before it looks the pool up
+                raise ValueError(f"pool name {name!r} has capitals; X-Mode is matched in lower case: "
+                                 f"name it {name.lower()!r}")
         return v
+
+
+_NETLOC = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w-]+)\]|(?P<host>[^:\[\]/@\s]+))(?::(?P<port>[^:]*))?$")
+
+
+def url_key(url: str) -> tuple[str, str, int, str]:
+    """(scheme, host, port, path) of a node's url, for telling two spellings of one server apart; ValueError
+    (a message saying what to write) for what is not the root of an HTTP server."""
+    if "://" not in url:
+        raise ValueError(f"has no scheme; write http://{url.strip()}")
+    u = urlsplit(url.strip())
+    scheme = u.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ValueError(f"scheme {u.scheme!r} is not http or https")
+    if "@" in u.netloc:
+        raise ValueError("carries credentials; give scheme://host:port (a node's API key: fleet status --api-key)")
+    if u.query or u.fragment:
+        raise ValueError("has a query or fragment; give scheme://host:port")
+    m = _NETLOC.match(u.netloc)
+    if m is None:
+        if u.netloc.count(":") > 1 and "[" not in u.netloc:
+            raise ValueError("an IPv6 address goes in brackets: http://[::1]:8000")
+        raise ValueError("has no host; give scheme://host:port")
+    port_s = m["port"]
+    if port_s is None or port_s == "":
+        port = 443 if scheme == "https" else 80
+    elif not port_s.isdigit():
+        raise ValueError(f"port {port_s!r} is not a number")
+    elif not 1 <= int(port_s) <= 65535:
+        raise ValueError(f"port {port_s} is not 1-65535")
+    else:
+        port = int(port_s)
+    path = u.path.rstrip("/")
+    if path.lower().endswith("/v1"):  # an OpenAI client's base_url; SMG and the probes add /v1/... themselves
+        root = f"{u.scheme}://{u.netloc}{path[:-3]}"
+        raise ValueError(f"ends in /v1: give the server's root ({root})")
+    return scheme, (m["v6"] or m["host"]).lower(), port, path
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, second: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (YAML would keep the last without a word).
+    Keys brought in by a ``<<`` merge may be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for k, _ in node.value:
+            if k.tag == "tag:yaml.org,2002:merge" or not isinstance(k, yaml.ScalarNode):
+                continue
+            key = self.construct_object(k, deep=True)
+            line = k.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,7 +295,10 @@ def _one_line(path: Path, e: ValidationError) -> str:
 def parse_fleet(text: str, path: Path) -> FleetFile:
     """YAML text → validated FleetFile (structure and cross-references, not memory fit)."""
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+    except _DuplicateKey as e:
+        raise FleetError(f"{path}: key {e.key!r} is written twice (lines {e.first} and {e.second}); YAML keeps only "
+                         "the last: remove one or merge them") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""
@@ -248,9 +321,9 @@ def check_references(fleet: FleetFile, path: Path) -> None:
             raise FleetError(f"{path}: node {n.name!r} is listed twice (nodes[{seen[n.name]}] and nodes[{i}]); "
                              "give each node its own name")
         seen[n.name] = i
-    urls: dict[str, str] = {}
+    urls: dict[tuple[str, str, int, str], str] = {}
     for n in fleet.nodes:
-        u = n.url.rstrip("/")
+        u = url_key(n.url)  # http://h and HTTP://h:80/ are one server
         if u in urls:
             raise FleetError(f"{path}: nodes {urls[u]!r} and {n.name!r} have the same url {n.url}; one server is one node")
         urls[u] = n.name

@@ -181,3 +181,47 @@ def test_a_utf8_fleet_file_is_read_as_utf8_whatever_the_locale(tmp_path):
     out = subprocess.run([sys.executable, "-X", "utf8=0", "-c", code], capture_output=True, text=True,
                          env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"}, check=True).stdout
     assert "not UTF-8" not in out and "nodes is required" in out, out
+
+
+def test_a_key_written_twice_is_refused_not_silently_overwritten():
+    """YAML keeps the last of two equal keys; an operator who pasted a second `pools:` (or `url:`) would lose the
+    first without a word."""
+    text = yaml.safe_dump(GOOD) + "pools:\n  realtime: {members: [orin-1]}\n"
+    with pytest.raises(FleetError) as e:
+        parse_fleet(text, Path("fleet.yaml"))
+    assert str(e.value).startswith("fleet.yaml: key 'pools' is written twice (lines "), e.value
+    node = "nodes:\n  - {name: a, kind: x86, url: 'http://h:80', url: 'http://h:81'}\npools: {p: {members: [a]}}\n"
+    with pytest.raises(FleetError, match="key 'url' is written twice"):
+        parse_fleet(node, Path("fleet.yaml"))
+    merged = "nodes:\n  - &n {name: a, kind: x86, url: 'http://h:80'}\n  - {<<: *n, name: b, url: 'http://h:81'}\n" \
+             "pools: {p: {members: [a, b]}}\n"
+    assert [n.url for n in parse_fleet(merged, Path("f.yaml")).nodes] == ["http://h:80", "http://h:81"]  # << overrides
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("10.0.0.11:8000", "has no scheme; write http://10.0.0.11:8000"),
+    ("http://10.0.0.11:80000", "port 80000 is not 1-65535"),
+    ("http://10.0.0.11:abc", "port 'abc' is not a number"),  # was accepted, then a traceback in `fleet status`
+    ("http://10.0.0.11:8000/v1", "ends in /v1: give the server's root (http://10.0.0.11:8000)"),
+    ("http://10.0.0.11:8000/?x=1", "has a query or fragment"),
+    ("http://::1:8000", "an IPv6 address goes in brackets: http://[::1]:8000"),
+])
+def test_a_url_that_is_not_a_server_root_is_one_line(url, expected):
+    msg = _err(_with("nodes.0.url", url))
+    assert msg.startswith(f"fleet.yaml: nodes[0].url: {expected}") and msg.endswith(f"; got {url!r}"), msg
+
+
+def test_ipv6_urls_and_urls_that_differ_only_in_spelling():
+    d = _with("nodes.0.url", "http://[::1]:8000")
+    assert _parse(d).nodes[0].url == "http://[::1]:8000"
+    same = _with("nodes.1.url", "http://10.0.0.11")  # port 80 either way
+    same["nodes"][0]["url"] = "HTTP://10.0.0.11:80/"
+    assert "have the same url" in _err(same)
+
+
+def test_a_pool_name_x_mode_cannot_reach_is_refused():
+    """The front matches X-Mode lower-cased, so a pool named 'Batch' would answer every `X-Mode: Batch` with 400
+    unknown_pool."""
+    d = _with("pools", {"realtime": {"members": ["orin-1"]}, "Batch": {"members": ["gpu", "line-pc"]}})
+    assert _err(d).startswith("fleet.yaml: pools: pool name 'Batch' has capitals; X-Mode is matched in lower case: "
+                              "name it 'batch'")
