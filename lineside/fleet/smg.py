@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from lineside.fleet.spec import FleetError, FleetFile, node
 
 SMG_VERSION = "1.13"
+NEVER_GIVE_UP_S = 10 * 366 * 86400  # SMG's worker startup timeout: in effect, none
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,10 @@ def pool_routers(fleet: FleetFile, *, base_cmd: list[str] | None = None, host: s
             "--request-timeout-secs", str(g.request_timeout_s),
             "--shutdown-grace-period-secs", "5",  # SIGTERM: stop within the stop timeout of a service manager
             "--prometheus-host", host, "--prometheus-port", str(mport),
-            "--worker-startup-timeout-secs", "30", "--worker-startup-check-interval", "1",
+            # a worker SMG cannot reach within the startup timeout is dropped for good (no discovery here to
+            # add it again): a node down when the gateway starts must join whenever it comes back
+            "--worker-startup-timeout-secs", str(NEVER_GIVE_UP_S),
+            "--worker-startup-check-interval", str(g.health.interval_s),
             *(["--priority-scheduler-enabled", "--priority-scheduler-default-max-class", "interactive"]
               if g.priority else []),
             "--disable-tokenizer-autoload",  # plain HTTP routing needs no tokenizer (and no hub download)

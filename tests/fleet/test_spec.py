@@ -225,3 +225,14 @@ def test_a_pool_name_x_mode_cannot_reach_is_refused():
     d = _with("pools", {"realtime": {"members": ["orin-1"]}, "Batch": {"members": ["gpu", "line-pc"]}})
     assert _err(d).startswith("fleet.yaml: pools: pool name 'Batch' has capitals; X-Mode is matched in lower case: "
                               "name it 'batch'")
+
+
+def test_a_node_down_when_the_gateway_starts_is_retried_until_it_comes_back():
+    """SMG gives up adding a worker it cannot reach within --worker-startup-timeout-secs, and never tries again
+    (without service discovery): a Jetson rebooting while `fleet gateway` started got no traffic until the
+    gateway was restarted. The routers keep trying, once per health interval."""
+    from lineside.fleet.gateway import gateway_plan
+
+    rt = gateway_plan(_parse({**GOOD, "gateway": {"health": {"interval_s": 7}}}), base_cmd=["smg"]).routers[0].argv
+    assert int(rt[rt.index("--worker-startup-timeout-secs") + 1]) >= 10 * 365 * 86400
+    assert rt[rt.index("--worker-startup-check-interval") + 1] == "7"
