@@ -7,10 +7,11 @@ settings) and ``start-routers.sh``; `fleet gateway --dry-run` stops there.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lineside.fleet.front import Front, FrontConfig, ShadowSpec
 from lineside.fleet.smg import PoolRouter, adapter_ports, pool_routers
 from lineside.fleet.spec import Engine, FleetError, FleetFile, node
 
+ROUTER_WATCH_S = 1.0  # how often the gateway looks whether its routers still run
 BODY_PRIORITY_ENGINES = frozenset({Engine.VLLM, Engine.SGLANG})
 
 
@@ -102,9 +104,8 @@ class Routers:
                     p = self.procs[r.pool]
                     if p.poll() is not None:
                         self.stop()
-                        tail = (self.log_dir / f"smg-{r.pool}.log").read_text(errors="replace").strip()
                         raise FleetError(f"the SMG router of pool {r.pool!r} exited ({p.returncode}): "
-                                         f"{(tail.splitlines() or ['no output'])[-1][-200:]}")
+                                         f"{self.last_line(r.pool)}")
                     try:
                         if c.get(r.url + "/health").status_code < 500:
                             break
@@ -115,6 +116,18 @@ class Routers:
                         raise FleetError(f"the SMG router of pool {r.pool!r} did not answer on {r.url} within "
                                          f"{timeout_s:.0f} s; see {self.log_dir / f'smg-{r.pool}.log'}")
                     time.sleep(0.2)
+
+    def exited(self) -> tuple[str, int] | None:
+        """(pool, exit status) of a router that is no longer running, if any."""
+        for pool, p in self.procs.items():
+            if p.poll() is not None:
+                return pool, p.returncode
+        return None
+
+    def last_line(self, pool: str) -> str:
+        log = self.log_dir / f"smg-{pool}.log"
+        tail = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")).strip() if log.exists() else ""
+        return (tail.splitlines() or ["no output"])[-1][-200:]
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -174,7 +187,17 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
                              "stop what uses it or set gateway.port in the fleet file") from None
         await asyncio.to_thread(routers.start)
         try:
-            await stop.wait()
+            while not stop.is_set():  # a router that exits stops the gateway: its pool would only answer 502
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), ROUTER_WATCH_S)
+                died = routers.exited()
+                if died is not None:  # a Ctrl-C reaches the routers too: give its handler a moment to run
+                    with suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.5)
+                if died is not None and not stop.is_set():
+                    raise FleetError(f"the SMG router of pool {died[0]!r} exited ({died[1]}) while serving (its log "
+                                     f"ends: {routers.last_line(died[0])}); the gateway stopped (run it under a "
+                                     "service manager that restarts it)")
         finally:
             listener.close()
             await front.aclose()

@@ -236,3 +236,46 @@ def test_a_node_down_when_the_gateway_starts_is_retried_until_it_comes_back():
     rt = gateway_plan(_parse({**GOOD, "gateway": {"health": {"interval_s": 7}}}), base_cmd=["smg"]).routers[0].argv
     assert int(rt[rt.index("--worker-startup-timeout-secs") + 1]) >= 10 * 365 * 86400
     assert rt[rt.index("--worker-startup-check-interval") + 1] == "7"
+
+
+FAKE_ROUTER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("content-length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+srv = HTTPServer(("127.0.0.1", port), H)
+srv.handle_request()  # answers the gateway's first /health, then dies as a crashed or OOM-killed router would
+print("fake router: out of memory", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_router_that_dies_stops_the_gateway_with_one_line(tmp_path):
+    """A pool's SMG router that exited left the gateway up, answering that pool's every request with 502
+    'router unreachable' until someone restarted it by hand; now the gateway stops and says which router died,
+    so its service manager restarts the whole of it."""
+    import subprocess
+    import sys
+
+    from tests.fleet.conftest import REPO, free_ports
+
+    base = free_ports(3)
+    (tmp_path / "router.py").write_text(FAKE_ROUTER)
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump({"nodes": [{"name": "w", "kind": "x86", "url": "http://127.0.0.1:9"}],
+                                 "pools": {"realtime": {"members": ["w"]}},
+                                 "gateway": {"port": base + 2, "smg_base_port": base}}))
+    code = ("import sys\nfrom lineside.fleet.gateway import gateway_plan, run_gateway\n"
+            "from lineside.fleet.spec import FleetError, load_fleet\n"
+            f"plan = gateway_plan(load_fleet({str(f)!r}), base_cmd=[sys.executable, {str(tmp_path / 'router.py')!r}])\n"
+            f"try:\n    run_gateway(plan, __import__('pathlib').Path({str(tmp_path / 'logs')!r}))\n"
+            "except FleetError as e:\n    print(e); sys.exit(1)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert p.stdout.strip() == ("the SMG router of pool 'realtime' exited (3) while serving (its log ends: fake "
+                                "router: out of memory); the gateway stopped (run it under a service manager that "
+                                "restarts it)"), p
