@@ -10,8 +10,11 @@ from the residual r = max(0, p - q) / Σ max(0, p - q). Then for every token x:
              = min(p, q)(x) + (1 - Σ min(p, q)) · max(0, p - q)(x) / Σ max(0, p - q)
 and since Σ max(0, p - q) = Σ (p - min(p, q)) = 1 - Σ min(p, q), this is min(p, q)(x) + max(0, p - q)(x) = p(x):
 every emitted token has the model's own distribution. With q = 1 at t this is: keep t with probability
-p(t), else sample from p with t removed and renormalised. After all drafts are kept, the bonus token is
-sampled from the last position as in plain decoding.
+p(t), else sample from p with t removed and renormalised — which is what drawing x from p exactly as plain
+decoding does (the row's generator, one draw) and keeping t when x = t, else emitting x, gives. So a
+deterministic proposer's row draws once per emitted token, like plain decoding: a seeded request gets plain
+decoding's tokens whether a step speculates or not (the batch's width, the draft length). After all drafts
+are kept, the bonus token is sampled from the last position as in plain decoding.
 
 Under a grammar, p at each position is the masked distribution plain decoding would use there: the
 matcher is advanced by each kept draft to give the next position's mask, and rolled back afterwards,
@@ -59,11 +62,13 @@ def verify_drafts(sampler: Sampler, logits: np.ndarray, drafts: list[int], histo
             d = sampler.distribution(logits[i], hist, prompt_len, allowed=allowed)
             if isinstance(d, int):
                 rejected: int | None = d if d != t else None
+            elif probs is None:  # q = 1 at t: draw as plain decoding does, keep t if that is the draw
+                x = int(sampler.rng.choice(d.shape[0], p=d))
+                rejected = None if x == t else x
             else:
-                q = None if probs is None else probs[i]
-                qt = 1.0 if q is None else float(q[t])
-                keep = sampler.rng.random() * qt < d[t]  # u < p(t) / q(t)
-                rejected = None if keep else _residual_sample(sampler, d, t, q)
+                q = probs[i]
+                keep = sampler.rng.random() * float(q[t]) < d[t]  # u < p(t) / q(t)
+                rejected = None if keep else _residual_sample(sampler, d, q)
             tok = t if rejected is None else rejected
             if logprobs is not None:
                 out.logprobs.append(sampler.logprob(logits[i], tok, hist, prompt_len, allowed=allowed, top_n=logprobs))
@@ -94,12 +99,8 @@ def _mask(matcher: GrammarMatcher | None, given: np.ndarray | None) -> np.ndarra
     return matcher.allowed()
 
 
-def _residual_sample(sampler: Sampler, p: np.ndarray, t: int, q: np.ndarray | None) -> int:
-    if q is None:
-        rest = p.copy()
-        rest[t] = 0.0
-    else:
-        rest = np.maximum(p - q[:p.shape[0]], 0.0)
+def _residual_sample(sampler: Sampler, p: np.ndarray, q: np.ndarray) -> int:
+    rest = np.maximum(p - q[:p.shape[0]], 0.0)
     total = rest.sum()
     if not total > 0:  # only reachable through rounding (a rejection needs p(t) < q(t))
         rest, total = p, p.sum()
