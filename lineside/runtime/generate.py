@@ -22,7 +22,7 @@ from lineside.runtime.sampling import Sampler, SamplingParams
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import DraftRow, ModelProposer, Proposer, SpeculativeConfig
 from lineside.runtime.speculative.proposers import check_speculation, make_proposer
-from lineside.runtime.speculative.verify import verify_drafts
+from lineside.runtime.speculative.verify import scorable, verify_drafts
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -153,9 +153,8 @@ class Generator:
             k = min(length.budget(proposer.cheap), room)
             drafts, probs, shadow = [], None, []
             if k > 0 and hasattr(proposer, "propose_rows"):
-                d = proposer.propose_rows([DraftRow(0, list(history), k, sampler, prompt_len)])[0]
-                drafts = grammatical(d.tokens)
-                probs = None if d.probs is None else d.probs[:len(drafts)]
+                d = scorable(matcher, proposer.propose_rows([DraftRow(0, list(history), k, sampler, prompt_len)])[0])
+                drafts, probs = d.tokens, d.probs
             elif k > 0:
                 drafts = grammatical(proposer.propose(history, k))
             elif room > 0 and proposer.cheap:

@@ -20,7 +20,7 @@ from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.speculative.config import DraftRow, ModelProposer
-from lineside.runtime.speculative.verify import verify_drafts
+from lineside.runtime.speculative.verify import scorable, verify_drafts
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.structured import fill_masks, new_bitmask, unpack_bitmask
 
@@ -62,7 +62,7 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
                 drafts = plan.drafts.get(seq)
-                if drafts:  # cut where the grammar rejects one (Scheduler._drafts, _propose); each position masked
+                if drafts:  # nothing past a token the grammar rejects (Scheduler._drafts, scorable); each masked
                     v = verify_drafts(seq.sampler, logits[r], drafts, seq.tokens, len(seq.prompt), matcher=seq.matcher,
                                       first_allowed=None if masks is None else masks[r], logprobs=seq.logprobs,
                                       probs=plan.draft_probs.get(seq))
@@ -119,11 +119,11 @@ def _propose(proposer: ModelProposer, plan: StepPlan) -> None:
         log.error("draft proposer failed; decoding this step without drafts", exc_info=e)
         return
     for seq, d in zip(seqs, drafts, strict=True):
-        tokens = d.tokens if seq.matcher is None or not d.tokens else d.tokens[:seq.matcher.validate(d.tokens)]
-        if tokens:  # a token the grammar forbids can never be kept: not worth scoring
-            plan.drafts[seq] = tokens
+        d = scorable(seq.matcher, d)  # nothing past a token the grammar forbids
+        if d.tokens:
+            plan.drafts[seq] = d.tokens
             if d.probs is not None:
-                plan.draft_probs[seq] = d.probs[:len(tokens)]
+                plan.draft_probs[seq] = d.probs
 
 
 def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:

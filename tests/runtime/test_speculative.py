@@ -87,7 +87,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 
 # chi-square critical values at p = 0.001 (df = vocab - 1): a correct rule fails once in a thousand seeds,
 # a wrong one (e.g. accepting the draft always, or sampling the residual from p unmodified) fails by far.
-CHI2_999 = {4: 18.47, 9: 27.88}
+CHI2_999 = {1: 10.83, 4: 18.47, 9: 27.88}
 
 
 def test_verify_holds_stop_tokens_back_until_min_tokens_at_every_position():

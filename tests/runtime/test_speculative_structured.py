@@ -174,3 +174,48 @@ def test_sampled_constrained_rows_with_drafts_match_their_grammar(level0, prompt
         if evs[-1].finish_reason == FinishReason.STOP:
             check("".join(ev.text for ev in evs))
     assert st.spec_draft_tokens_total > 0
+
+
+def test_a_sampled_draft_the_grammar_forbids_is_rejected_by_the_rule_not_dropped(byte_grammar):
+    """A draft model draws from its own q, blind to the grammar: here q = ½ 'a' (allowed) + ½ 'c' (forbidden)
+    and the masked p = ½ 'a' + ½ 'b'. Dropping the forbidden draft and sampling p there instead gives 'a' ¾ of
+    the time (½ kept + ½ · ½ sampled); scored as a draft with p = 0 it is rejected and the residual
+    max(0, p - q) = 'b' comes out, so the first token follows p."""
+    from lineside.runtime.speculative.config import Draft
+    from lineside.runtime.step_plan import StepPlan
+    from lineside.runtime.step_runner import run_step
+    from tests.runtime.test_speculative import CHI2_999, chi_square
+
+    tok, gc = byte_grammar
+    a, b, c = (_ids(tok, ch)[0] for ch in "abc")
+    q = np.zeros(VOCAB)
+    q[[a, c]] = 0.5
+    draws = np.random.default_rng(5)  # the draft model's own draws
+
+    class Row:  # what the step runner reads of a decoding sequence
+        slot, pending, computed, adapter_slot, logprobs, samples, prompt = 0, 7, 3, 0, None, True, [1, 5, 6]
+
+        def __init__(self):
+            self.tokens, self.matcher = [*self.prompt, 7], gc.matcher(Constraint.regex("[ab]x"))
+            self.sampler = Sampler(SamplingParams(temperature=1.0, seed=len(counts)))
+
+    class Backend:
+        def forward(self, batch):
+            x = np.full((1, batch.input_ids.shape[1], VOCAB), -30.0, dtype=np.float32)
+            x[0, :, [a, b]] = 0.0
+            return x
+
+    class Proposer:
+        cheap = False
+
+        def propose_rows(self, rows):
+            return [Draft([int(draws.choice(VOCAB, p=q))], [q])]
+
+    counts: list[int] = []
+    for _ in range(4000):
+        row = Row()
+        out = run_step(Backend(), StepPlan(decode=[row], draft_budget={row: 1}), Proposer())
+        counts.append([*out.accepted.get(row, []), out.sampled[row]][0])
+    freq = np.array([counts.count(a), counts.count(b)], dtype=float)
+    assert freq.sum() == len(counts)
+    assert chi_square(freq, np.array([0.5, 0.5])) < CHI2_999[1]

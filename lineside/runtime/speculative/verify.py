@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lineside.runtime.sampling import Sampler, TokenLogprob
+from lineside.runtime.speculative.config import Draft
 from lineside.runtime.structured import GrammarMatcher
 
 
@@ -91,6 +92,17 @@ def verify_drafts(sampler: Sampler, logits: np.ndarray, drafts: list[int], histo
     finally:
         if matcher is not None:
             matcher.rollback(advanced)
+
+
+def scorable(matcher: GrammarMatcher | None, draft: Draft) -> Draft:
+    """The part of a model proposer's draft worth scoring under ``matcher``'s grammar: nothing past the first
+    token it forbids (that one can never be kept). A deterministic draft (greedy, q = 1) is cut before it. A
+    sampled one keeps it: its rejection then samples the residual max(0, p - q), without which the position
+    would not follow p (sampling p there instead counts q's allowed mass twice)."""
+    if matcher is None or not draft.tokens:
+        return draft
+    n = matcher.validate(draft.tokens) + (draft.probs is not None)
+    return Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n])
 
 
 def _mask(matcher: GrammarMatcher | None, given: np.ndarray | None) -> np.ndarray | None:
