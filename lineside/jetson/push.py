@@ -43,6 +43,10 @@ def _version_name(bundle: Path, manifest: Manifest, digest: str) -> str:
     return f"{name}-{digest[:12]}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
 
 
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
+
+
 def _activate(t: LocalTarget | SshTarget, version_rel: str) -> str | None:
     """Make version_rel current, the old current previous; returns the (new) previous."""
     current, previous = t.links()
@@ -88,6 +92,11 @@ def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str
             return PushResult(t.label, name, previous, len(files), total, 0, 0, True)
 
     staging = f".incoming-{digest[:12]}"
+    free, have = t.space(staging)
+    if free < total - have:  # rsync would fill the device's disk, under the bundle that runs now, and stop
+        raise LinesideError(f"{t.label} has {_gib(free)} free but the bundle needs {_gib(total - have)} more; "
+                            f"free space there (old bundles under versions/ other than current and previous "
+                            f"can go) and push again")
     stats = t.upload(src, staging, files, progress)
     bad = t.verify(staging, expected)
     if bad:  # a changed or corrupt copy: fetch those files again from scratch, once

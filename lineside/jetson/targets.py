@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -36,6 +37,12 @@ class LocalTarget:
         if self.root.exists() and not self.root.is_dir():
             raise LinesideError(f"{self.root} is not a directory; pass a directory (or user@host:/dir) as TARGET")
         (self.root / "versions").mkdir(parents=True, exist_ok=True)
+
+    def space(self, staging: str) -> tuple[int, int]:
+        """(bytes free where versions/ lives, bytes already in versions/<staging> from an interrupted push)."""
+        base = self.root / "versions" / staging
+        have = sum(f.stat().st_size for f in base.rglob("*") if f.is_file()) if base.is_dir() else 0
+        return shutil.disk_usage(self.root / "versions").free, have
 
     def installed_versions(self) -> dict[str, str]:
         """{version dir name: sha256 of its manifest.json}."""
@@ -148,6 +155,15 @@ class SshTarget:
                   "printf '%s %s\\n' \"$(sha256sum < \"$d/manifest.json\" | cut -d' ' -f1)\" \"${d%/}\"; done")
         out = self._run(script).stdout
         self._installed = {name: sha for sha, name in (ln.split(" ", 1) for ln in out.splitlines() if " " in ln)}
+
+    def space(self, staging: str) -> tuple[int, int]:
+        """(bytes free where versions/ lives, bytes already in versions/<staging>), by df and du on the device."""
+        out = self._run(f"cd {self._q}/versions && df -Pk . | tail -n 1 && "
+                        f"{{ du -sk -- {shlex.quote(staging)} 2>/dev/null || echo 0; }}").stdout.splitlines()
+        try:
+            return int(out[0].split()[3]) * 1024, int(out[1].split()[0]) * 1024
+        except (IndexError, ValueError):
+            raise LinesideError(f"cannot read the free space on {self.host} (df printed {out[:1]})") from None
 
     def close(self) -> None:
         """Stop the shared connection (it would otherwise linger ControlPersist seconds)."""

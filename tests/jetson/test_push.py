@@ -190,3 +190,40 @@ def test_ssh_unreachable_is_one_line(tmp_path, bundle_factory):
     with pytest.raises(LinesideError) as e:
         push(a, "nobody@127.0.0.1:/tmp/x", ssh="ssh -p 1 -o ConnectTimeout=3")
     assert "cannot reach" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_push_refuses_a_bundle_the_device_disk_cannot_hold(tmp_path, bundle_factory, monkeypatch):
+    # rsync filled the device's disk under the running bundle and stopped with "run push again to resume"
+    import shutil
+
+    a, b = bundle_factory(tmp_path / "a", 13), bundle_factory(tmp_path / "b", 14, weight_bytes=4 << 20)
+    dev = tmp_path / "dev"
+    r1 = push(a, str(dev))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=3 << 20))
+    with pytest.raises(LinesideError, match="has 3 MiB free but the bundle needs 4 MiB more") as e:
+        push(b, str(dev))
+    assert "\n" not in str(e.value) and os.readlink(dev / "current") == f"versions/{r1.version}"
+    assert not list((dev / "versions").glob(".incoming-*/*"))  # nothing was copied
+    with pytest.raises(Interrupted):  # a resume needs room only for what is still missing
+        monkeypatch.setattr(shutil, "disk_usage", real)
+        push(b, str(dev), progress=_interrupt_after(2 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=3 << 20))
+    assert push(b, str(dev)).previous == f"versions/{r1.version}"
+
+
+def test_ssh_target_reads_the_device_free_space(tmp_path, sshd):
+    import shutil
+
+    from lineside.jetson.targets import SshTarget
+
+    host, ssh = sshd
+    (tmp_path / "dev" / "versions" / ".incoming-x").mkdir(parents=True)
+    (tmp_path / "dev" / "versions" / ".incoming-x" / "w").write_bytes(b"1" * (1 << 20))
+    t = SshTarget(host, str(tmp_path / "dev"), ssh)
+    try:
+        free, have = t.space(".incoming-x")
+        assert abs(free - shutil.disk_usage(tmp_path).free) < 256 << 20 and 1 << 20 <= have < 2 << 20
+        assert t.space(".incoming-none")[1] == 0
+    finally:
+        t.close()
