@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,12 +122,13 @@ class LocalTarget:
 class SshTarget:
     """`user@host:/dir`: rsync over ssh, verification and activation by remote shell commands."""
 
-    def __init__(self, host: str, root: str, ssh: str = "ssh") -> None:
-        self.host = host
+    def __init__(self, host: str, root: str, ssh: str = "ssh", port: int | None = None) -> None:
+        self.host = host  # [user@]name or [user@]IPv6 address, as ssh takes it
+        self.rsync_host = _bracketed(host)  # rsync (like scp) needs [v6]:/dir
         self.root = root[2:] if root.startswith("~/") else root
         # One multiplexed connection for the ~10 commands of a push (each new one costs a handshake).
         control = os.path.join(tempfile.gettempdir(), "lineside-ssh-%C")
-        self.ssh = shlex.split(ssh) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
+        self.ssh = shlex.split(ssh) + (["-p", str(port)] if port else []) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
                                        "-o", f"ControlPath={control}", "-o", "ControlPersist=30"]
         self.label = f"{host}:{root}"
         self._q = shlex.quote(self.root)
@@ -173,7 +175,7 @@ class SshTarget:
         return dict(self._installed)
 
     def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
-        dest = f"{self.host}:{self.root}/versions/{staging}/"
+        dest = f"{self.rsync_host}:{self.root}/versions/{staging}/"
         cmd = ["rsync", "--partial", "--append-verify", "--stats", "--files-from=-", "--chmod=Du=rwx,Dgo=rx",
                "-e", shlex.join(self.ssh), f"{src}/", dest]
         try:
@@ -234,7 +236,14 @@ class SshTarget:
 _REMOTE = re.compile(r"^(?P<host>(?:[^@/:\s]+@)?[^@/:\s]+):(?P<path>.+)$")
 
 
+_REMOTE_V6 = re.compile(r"^(?P<host>(?:[^@/:\s\[\]]+@)?)\[(?P<addr>[0-9A-Fa-f:.]+(?:%[\w.-]+)?)\]:(?P<path>.+)$")
 _HALF_REMOTE = re.compile(r"^(?:[^@/:\s]+@)?[^@/:\s]+:$|^[^@/:\s]*@:")  # user@host: (no dir), user@:/dir (no host)
+
+
+def _bracketed(host: str) -> str:
+    """[user@]host with an IPv6 address in brackets (how rsync and URLs take it)."""
+    user, at, addr = host.rpartition("@")
+    return f"{user}{at}[{addr}]" if ":" in addr else host
 
 
 def open_target(target: str, ssh: str = "ssh") -> LocalTarget | SshTarget:
@@ -244,7 +253,24 @@ def open_target(target: str, ssh: str = "ssh") -> LocalTarget | SshTarget:
         missing = "host" if "@:" in target else "directory on the host"
         raise LinesideError(f"TARGET {target!r} names no {missing}; give user@host:/opt/lineside (or a local "
                             "directory)")
-    m = _REMOTE.match(target)
+    if target.startswith("ssh://"):
+        u = urllib.parse.urlsplit(target)
+        if not u.hostname or not u.path.strip("/"):
+            raise LinesideError(f"TARGET {target!r}: give ssh://user@host[:port]/dir")
+        try:
+            port = u.port
+        except ValueError:
+            raise LinesideError(f"TARGET {target!r}: the port is not a number in 1..65535") from None
+        user = urllib.parse.unquote(u.username) + "@" if u.username else ""
+        return SshTarget(user + u.hostname, urllib.parse.unquote(u.path), ssh, port=port)
+    m6 = _REMOTE_V6.match(target)  # [user@][v6 address]:/dir, as scp and rsync write it
+    m = m6 or _REMOTE.match(target)
     if m and not os.path.exists(target):
-        return SshTarget(m.group("host"), m.group("path"), ssh)
+        host = m.group("host") + m6.group("addr") if m6 else m.group("host")
+        port = re.match(r"(\d+):(.*)", m.group("path"))
+        if port:  # scp has no port in TARGET: this would be the directory ~/2222:/opt/lineside on the device
+            raise LinesideError(f"TARGET {target!r} puts a port before the directory; write "
+                                f"ssh://{_bracketed(host)}:{port.group(1)}{port.group(2)} (or keep host:/dir and pass "
+                                f"--ssh \"ssh -p {port.group(1)}\")")
+        return SshTarget(host, m.group("path"), ssh)
     return LocalTarget(Path(target))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,37 @@ def test_ssh_target_reads_the_device_free_space(tmp_path, sshd):
         assert t.space(".incoming-none")[1] == 0
     finally:
         t.close()
+
+
+@pytest.mark.parametrize(("target", "host", "root", "rsync_dest"), [
+    ("jetson@[fe80::1%eth0]:/opt/lineside", "jetson@fe80::1%eth0", "/opt/lineside", "jetson@[fe80::1%eth0]:"),
+    ("[::1]:/opt/lineside", "::1", "/opt/lineside", "[::1]:"),
+    ("ssh://jetson@orin-01:2222/opt/my%20dir", "jetson@orin-01", "/opt/my dir", "jetson@orin-01:"),
+    ("ssh://jetson@[fe80::1]/opt/lineside", "jetson@fe80::1", "/opt/lineside", "jetson@[fe80::1]:"),
+])
+def test_ssh_target_forms_with_ipv6_and_ports(target, host, root, rsync_dest):
+    # '[v6]:/dir' split at the address's first ':' (ssh to "jetson@[fe80", a directory ":1]:/opt/lineside"), and
+    # ssh://host:port/dir ssh'ed to a host named "ssh"
+    from lineside.jetson.targets import open_target
+
+    t = open_target(target, "ssh -i key")
+    assert (t.host, t.root, t.rsync_host + ":") == (host, root, rsync_dest)
+    assert ("-p" in t.ssh and t.ssh[t.ssh.index("-p") + 1] == "2222") == (":2222" in target)
+
+
+def test_a_port_in_an_scp_style_target_is_refused(tmp_path, bundle_factory):
+    # "orin:2222:/opt/lineside" installed into ~/2222:/opt/lineside on the device
+    a = bundle_factory(tmp_path / "a", 15)
+    for target, hint in (("jetson@orin:2222:/opt/lineside", "ssh://jetson@orin:2222/opt/lineside"),
+                         ("jetson@[fe80::1]:2222:/opt/x", "ssh://jetson@[fe80::1]:2222/opt/x"),
+                         ("ssh://jetson@orin:22x/opt/x", "not a number")):
+        with pytest.raises(LinesideError, match=re.escape(hint)) as e:
+            push(a, target)
+        assert "\n" not in str(e.value)
+
+
+def test_ssh_url_target_with_a_port(tmp_path, sshd, bundle_factory):
+    host, ssh = sshd
+    port = re.search(r"-p (\d+)", ssh).group(1)
+    r = push(bundle_factory(tmp_path / "a", 16), f"ssh://{host}:{port}{tmp_path}/dev", ssh=ssh.replace(f"-p {port} ", ""))
+    assert os.readlink(tmp_path / "dev" / "current") == f"versions/{r.version}"
