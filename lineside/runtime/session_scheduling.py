@@ -115,8 +115,8 @@ class SessionSlots:
     def _session_done(self, seq: Sequence, now: float) -> None:
         """``seq`` has ended and still holds its slot: the session it named keeps that slot's prefill-written KV
         (asked with keep_session, or a prefill came for the session meanwhile) or ends with it."""
-        if self.sessions is None or seq.req.session_id is None:
-            return
+        if self.sessions is None or seq.req.session_id is None or seq.req.adapter is not None:
+            return  # a session holds base-model KV: an adapter's KV never becomes (or replaces) a session's
         s = self.sessions.get(seq.req.session_id)
         mine = s is not None and s.lent_to is seq
         if seq.slot is None:  # it holds no KV now (ended while preempted)

@@ -264,3 +264,38 @@ def test_a_bfloat16_adapter_is_read(peft_adapter, tiny_bundles, tmp_path):
         assert ba.dtype == bb.dtype == np.float32
         np.testing.assert_array_equal(ba, torch.from_numpy(a).to(torch.bfloat16).float().numpy())
         np.testing.assert_array_equal(bb, torch.from_numpy(b).to(torch.bfloat16).float().numpy())
+
+
+def test_an_adapter_completion_never_leaves_its_kv_in_a_session(lora_setup):
+    """A session holds base-model KV: an adapter's completion naming it with keep_session (as a new session, or
+    over one a prefill made) must not hand its slot to the session, or the next base turn reuses adapter KV."""
+    bundle, adapters = lora_setup
+    engine = make_engine(bundle, adapters, max_loras=2)
+    prompt, turn = PROMPTS[0], [5, 6, 7, 8]
+
+    def kept(adapter, sid):
+        return GenerationRequest(prompt_ids=prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0),
+                                 ignore_eos=True, adapter=adapter, session_id=sid, keep_session=True)
+
+    async def main():
+        await engine.start()
+        try:
+            adapter_out = await collect(engine.submit(kept(NAMES[0], "new")))
+            engine.prefill("made", prompt, len(prompt))
+            while engine.session("made").pending_tokens:
+                await asyncio.sleep(0)
+            await collect(engine.submit(kept(NAMES[0], "made")))
+            hits = engine.stats().session_hits
+            nexts = [await collect(engine.submit(GenerationRequest(
+                prompt_ids=prompt + adapter_out + turn, max_tokens=3, sampling=SamplingParams(temperature=0.0),
+                ignore_eos=True, session_id=sid))) for sid in ("new", "made")]
+            ref = await collect(engine.submit(req(prompt + adapter_out + turn, None, n=3, rid="ref")))
+            return nexts, ref, hits, engine.stats()
+        finally:
+            await engine.stop()
+
+    nexts, ref, hits, st = asyncio.run(main())
+    assert hits == 0  # the adapter completion never took the base session's slot
+    assert nexts == [ref, ref]
+    # "made" kept its base KV (one hit, its prompt); "new" was never made from adapter KV
+    assert st.session_hits == 1 and st.session_tokens_saved <= len(PROMPTS[0])
