@@ -34,7 +34,7 @@ class SessionsUnsupported(LinesideError):
 
 def check_session_id(session_id: Any) -> str:
     """The id as given, or a LinesideError naming the rule (the server's 400 ``invalid_session_id``)."""
-    if not isinstance(session_id, str) or not SESSION_ID.match(session_id):
+    if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):  # match: "$" passes a last \n
         shown = repr(session_id)[:60]
         raise LinesideError(f"session_id {shown} is not a valid session id; use {SESSION_ID_RULE}")
     return session_id

@@ -210,7 +210,7 @@ def test_cap_bad_ids_context_and_drain(tiny_bundle):
         eng.prefill("a", prompt(12), 12)  # an existing session is not a new one
         with pytest.raises(SessionLimitError, match="2 prefill sessions"):
             eng.prefill("c", prompt(10), 10)
-        for bad in ("", "has space", "x" * 129, "-lead"):
+        for bad in ("", "has space", "x" * 129, "-lead", "a\n", "x" * 128 + "\n"):  # $ matches before a last \n
             with pytest.raises(LinesideError, match="not a valid session id"):
                 eng.prefill(bad, prompt(10), 10)
         with pytest.raises(LinesideError, match="context is 128"):
