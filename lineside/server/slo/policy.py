@@ -18,7 +18,15 @@ from lineside.runtime.request import Mode, Priority
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take it as 1 or 0; no setting here is a yes/no
+            raise ValueError(f"{str(value).lower()} is not a number (YAML reads yes/no/on/off unquoted as true/"
+                             "false); give a number")
+        return value
 
 
 class Thresholds(_Strict):
@@ -66,6 +74,13 @@ class Pin(_Strict):
                              '"HH:MM"')
         return value
 
+    @model_validator(mode="after")
+    def _not_empty(self) -> Pin:
+        if self.start == self.end:
+            raise ValueError(f"start and end are the same time ({self.start:%H:%M}): the pin would never hold; for "
+                             'the whole day give start "00:00" and end "23:59:59"')
+        return self
+
     def active(self, now: dt.time) -> bool:
         if self.start <= self.end:
             return self.start <= now < self.end
@@ -101,6 +116,10 @@ class SloPolicy(_Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> SloPolicy:
+        if not self.pins and not any(getattr(level, name) is not None for level in (self.level_1, self.level_2)
+                                     for name in SIGNAL_NAMES):
+            raise ValueError(f"no level has a threshold and no pin is set: the guard would never degrade; give "
+                             f"level_1 or level_2 a threshold ({', '.join(SIGNAL_NAMES)}) or a pin")
         for name in SIGNAL_NAMES:
             one, two = getattr(self.level_1, name), getattr(self.level_2, name)
             if one is not None and two is not None and not two > one:

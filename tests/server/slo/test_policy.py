@@ -43,6 +43,14 @@ def test_yaml_and_json_files_load(tmp_path):
     ("pins: [{start: 22:00, end: '06:00', level: 1}]\n", 'pins.0.start: YAML read 22:00 unquoted as the number'),
     ("pins: [{start: '22:00', end: 6:30, level: 1}]\n", 'quote it: "HH:MM"'),
     ("pins: [{start: '22:00+02:00', end: '06:00', level: 1}]\n", "pins.0.start: a local time has no zone"),
+    # YAML 1.1 reads yes/on/true as a boolean, which pydantic took as the number 1
+    ("level_1: {ttft_p90_s: yes}\n", "level_1.ttft_p90_s: true is not a number"),
+    ("min_samples: on\n", "min_samples: true is not a number"),
+    ("pins: [{start: '22:00', end: '06:00', level: true}]\n", "pins.0.level: true is not a number"),
+    ("window_s: .inf\n", "window_s: Input should be a finite number"),  # kept every sample forever
+    ("level_2: {ttft_p90_s: .inf}\n", "level_2.ttft_p90_s: Input should be a finite number"),
+    ("pins: [{start: '08:00', end: '08:00', level: 1}]\n", "pins.0: start and end are the same time"),
+    ("level_1: {}\nlevel_2: {}\n", "no level has a threshold"),  # a guard that could never degrade
 ])
 def test_bad_policies_are_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
