@@ -87,7 +87,8 @@ class SloController:
         if want > self.level:
             flapped = self._last_recovery is not None and now - self._last_recovery < self.policy.flap_window_s
             if flapped:
-                self.recover_after_s = min(self.recover_after_s * self.policy.backoff_factor,
+                # from one tick at least: a recover_after_s of 0 times the factor stays 0 and flaps every tick
+                self.recover_after_s = min(max(self.recover_after_s, self.policy.tick_s) * self.policy.backoff_factor,
                                            self.policy.max_recover_after_s)
             self._move(want, reason, now)
             self._calm_since = None

@@ -63,6 +63,14 @@ def test_flapping_backs_off_exponentially_and_stability_resets_it():
     assert c.recover_after_s == 100
 
 
+def test_an_immediate_recovery_still_backs_off_on_a_signal_oscillating_around_the_threshold():
+    """recover_after_s: 0 multiplied by backoff_factor stayed 0: the level flipped 0 <-> 1 on every tick forever."""
+    c = SloController(SloPolicy(recover_after_s=0, flap_window_s=300, tick_s=1), now=0.0)
+    levels = [c.evaluate(slow(0.9 if t % 2 == 0 else 0.7), now=t, local_time=NOON) for t in range(200)]
+    assert levels[:2] == [Level.PROTECT_REALTIME, Level.NORMAL]  # the first recovery is immediate, as asked
+    assert len(c.history) <= 12 and c.recover_after_s > 0  # then each flap doubles the delay
+
+
 def test_a_pin_holds_a_floor_in_its_window_and_wraps_midnight():
     policy = parse_policy({"pins": [{"start": "22:00", "end": "06:00", "level": 1}], "recover_after_s": 0})
     c = SloController(policy, now=0.0)
