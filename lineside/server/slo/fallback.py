@@ -21,9 +21,12 @@ def tokenizer_fingerprint(bundle: str | os.PathLike[str]) -> tuple:
 
 def check_fallback(primary: str | os.PathLike[str], fallback: str | os.PathLike[str]) -> None:
     """Raise one LinesideError line unless ``fallback`` is a bundle with the primary's tokenizer."""
+    from lineside.bundle import read_manifest, verify_files
+
     primary, fallback = Path(primary), Path(fallback)
     try:
         theirs = tokenizer_fingerprint(fallback)
+        verify_files(fallback, read_manifest(fallback), check_hash=False)  # a missing file: here, as the primary's
     except LinesideError as e:
         raise LinesideError(f"--fallback {fallback}: {e}") from None
     ours = tokenizer_fingerprint(primary)

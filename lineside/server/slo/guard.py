@@ -116,9 +116,13 @@ class SloGuard:
         """Load and warm the fallback (before the server reports ready), then tick every policy.tick_s."""
         self.primary, self.primary_name = primary, primary_name
         if self._owns_fallback:
+            from lineside.errors import LinesideError
             from lineside.runtime.engine import LLMEngine
 
-            self.fallback = await asyncio.to_thread(LLMEngine, self._fallback_source, **self.engine_kwargs)
+            try:
+                self.fallback = await asyncio.to_thread(LLMEngine, self._fallback_source, **self.engine_kwargs)
+            except LinesideError as e:  # its files have the primary's names: say which bundle failed
+                raise LinesideError(f"--fallback {self._fallback_source}: {e}") from None
         if self.fallback is not None:
             await self.fallback.start()
             log.info("fallback %s ready", self.fallback_name)

@@ -30,3 +30,32 @@ def test_serve_refuses_a_fallback_that_does_not_fit(tiny_bundle):
     with pytest.raises(LinesideError) as e:
         check_fits(tiny_bundle, tiny_bundle, num_slots=4, available=need + need // 2)
     assert "does not fit beside tiny-llama" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_damaged_fallback_is_refused_naming_the_fallback(tiny_bundle, tmp_path):
+    """Primary and fallback list the same file names: the error must say which bundle is damaged. A missing file
+    is refused before the server starts (as the primary's is); a changed one when the fallback loads."""
+    import asyncio
+    import shutil
+
+    from lineside.server.slo.fallback import check_fallback
+    from lineside.server.slo.guard import SloGuard
+    from lineside.server.slo.policy import SloPolicy
+
+    missing, changed = tmp_path / "fb-missing", tmp_path / "fb-changed"
+    for d in (missing, changed):
+        shutil.copytree(tiny_bundle, d)
+    (missing / "graphs" / "cpu" / "model.onnx.data").unlink()
+    data = changed / "graphs" / "cpu" / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(LinesideError) as e:
+        check_fallback(tiny_bundle, missing)
+    assert str(e.value).startswith(f"--fallback {missing}:") and "model.onnx.data" in str(e.value)
+    check_fallback(tiny_bundle, changed)  # sizes only here: hashing waits for the load
+    guard = SloGuard(SloPolicy(), fallback=changed, ticking=False)
+    with pytest.raises(LinesideError) as e:
+        asyncio.run(guard.start(object(), "tiny-llama"))
+    assert str(e.value).startswith(f"--fallback {changed}:") and "sha256" in str(e.value)
+    assert "\n" not in str(e.value)
