@@ -146,15 +146,48 @@ def load_policy(path: str | Path) -> SloPolicy:
                             "UTF-8") from None
     try:
         if path.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_once)
         else:
             import yaml
 
+            _once_each(yaml.compose(text, Loader=yaml.SafeLoader))  # tiny files: read twice
             data = yaml.safe_load(text)
+    except _Repeated as e:
+        raise LinesideError(f"--slo-policy {path}: key {e} is written twice; only the last would count: remove one "
+                            "or merge them") from None
     except Exception as e:  # noqa: BLE001 - json and yaml raise several types; the first line says where
         raise LinesideError(f"--slo-policy {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
                             f"({str(e).splitlines()[0]})") from None
-    return parse_policy(data or {}, source=str(path))
+    return parse_policy({} if data is None else data, source=str(path))  # an empty file: the defaults
+
+
+class _Repeated(Exception):
+    """A key written twice in one mapping (JSON and YAML keep the last without a word)."""
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = next((k for k in keys if keys.count(k) > 1), None)
+    if repeated is not None:
+        raise _Repeated(repr(repeated))
+    return dict(pairs)
+
+
+def _once_each(node: Any) -> None:
+    """Walk a composed YAML node tree; raise _Repeated (with both lines) at a mapping's repeated scalar key."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise _Repeated(f"{key.value!r} (lines {seen[key.value]} and {key.start_mark.line + 1})")
+                seen[key.value] = key.start_mark.line + 1
+            _once_each(value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _once_each(item)
 
 
 def parse_policy(data: Any, *, source: str = "policy") -> SloPolicy:

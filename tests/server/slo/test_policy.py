@@ -28,6 +28,9 @@ def test_yaml_and_json_files_load(tmp_path):
     assert (p.level_1.ttft_p90_s, p.level_2.ttft_p90_s, p.recover_after_s, len(p.pins)) == (0.5, 1.0, 60, 1)
     (tmp_path / "p.json").write_text('{"cache": {"max_entries": 8, "ttl_s": 5}}')
     assert load_policy(tmp_path / "p.json").cache.max_entries == 8
+    (tmp_path / "twice.json").write_text('{"cache": {"ttl_s": 5, "ttl_s": 9}}')
+    with pytest.raises(LinesideError, match="key 'ttl_s' is written twice"):
+        load_policy(tmp_path / "twice.json")
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -51,6 +54,11 @@ def test_yaml_and_json_files_load(tmp_path):
     ("level_2: {ttft_p90_s: .inf}\n", "level_2.ttft_p90_s: Input should be a finite number"),
     ("pins: [{start: '08:00', end: '08:00', level: 1}]\n", "pins.0: start and end are the same time"),
     ("level_1: {}\nlevel_2: {}\n", "no level has a threshold"),  # a guard that could never degrade
+    # YAML keeps the last of two equal keys: the first level_1 was dropped without a word
+    ("level_1: {ttft_p90_s: 0.5}\nwindow_s: 30\nlevel_1: {memory_ratio: 0.9}\n",
+     "key 'level_1' (lines 1 and 3) is written twice"),
+    ("pins: [{start: '22:00', end: '06:00', level: 1, level: 2}]\n", "key 'level' (lines 1 and 1) is written twice"),
+    ("[]\n", "the top level must be a mapping"),  # an empty list was read as no settings: the defaults
 ])
 def test_bad_policies_are_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
