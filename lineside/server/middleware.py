@@ -52,7 +52,7 @@ class ServerMiddleware:
         headers = _headers(scope)
         request_id = headers.get("x-request-id")
         id_header = [(b"x-request-id", (request_id or "").encode("latin-1"))]
-        if request_id is not None and not _RID_OK.match(request_id):
+        if request_id is not None and not _RID_OK.fullmatch(request_id):
             id_header = []
             await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces",
                          code="invalid_request_id", headers=id_header)

@@ -108,7 +108,7 @@ def parse_tools(tools: Sequence[Any] | None, param: str = "tools") -> list[Tool]
             raise _bad(f"{where}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
         f = t["function"]
         name = f.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise _bad(f"{where}.function.name: a function name is 1-64 letters, digits, '_', '.' or '-'",
                        f"{where}.function.name")
         if name in seen:

@@ -119,6 +119,7 @@ def test_named_format_streams_arguments_from_the_first_token():
 @pytest.mark.parametrize("tools, param, words", [
     ([WEATHER, WEATHER], "tools[1].function.name", "already the name of tools[0]"),
     ([{"type": "function", "function": {"name": "bad name!"}}], "tools[0].function.name", "1-64 letters"),
+    ([{"type": "function", "function": {"name": "f\n"}}], "tools[0].function.name", "1-64 letters"),  # "$" passes \n
     ([{"type": "retrieval"}], "tools[0]", "must be"),
     ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "tools[0].function.parameters", "schema"),
 ])
