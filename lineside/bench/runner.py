@@ -57,7 +57,13 @@ async def _closed_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: fl
 
     async def worker() -> None:
         while more():
-            records.append(await send(client, cfg, pool.take(1), t0))
+            start = time.perf_counter() - t0
+            try:
+                records.append(await send(client, cfg, pool.take(1), t0))
+            except asyncio.CancelledError:  # the run's deadline: in flight, so failed (as the open loop's)
+                records.append(RequestRecord(start=start, end=time.perf_counter() - t0,
+                                             error="cancelled at the run's deadline"))
+                raise
 
     await asyncio.gather(*(worker() for _ in range(schedule.concurrency)))
 

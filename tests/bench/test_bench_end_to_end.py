@@ -92,6 +92,16 @@ def test_failures_and_deadline_are_recorded(server):
     assert (s.completed, s.failed) == (1, 2)
 
 
+def test_closed_loop_requests_cut_at_the_deadline_are_recorded(server):
+    """Concurrency workers still waiting at the deadline count as failed, as the open loop's do (they went
+    unrecorded: a run cut short looked like fewer requests, none failed)."""
+    sched = load.concurrency(2, max_requests=2)
+    res = run(server.url, sched, PromptPool([Prompt("SLOW one")]), ClientConfig(base_url="", max_tokens=3,
+                                                                               timeout=10), deadline=0.5)
+    assert [r.error for r in res.records] == ["cancelled at the run's deadline"] * 2
+    assert summarize(res.records, res.duration).failed == 2
+
+
 def test_cli_url_report_and_compare(server, tmp_path):
     runner = CliRunner()
     outs = []
