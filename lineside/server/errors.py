@@ -124,8 +124,8 @@ def install(app: FastAPI) -> None:
                       "request body could not be parsed; send a JSON object encoded as UTF-8")
             return error_response(400, detail, "invalid_json", headers=exc.headers)
         if status == 404:
-            detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/prefill, "
-                      "/v1/models")
+            detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/responses "
+                      "(create, GET and DELETE by id), /v1/prefill, /v1/models")
         elif status == 405:
             allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
             detail = f"{request.method} is not allowed on {request.url.path}" + (f"; send {allowed}" if allowed

@@ -107,6 +107,14 @@ def test_kept_responses_are_retrieved_and_deleted(client):
     assert "\n" not in e.value.body["message"]
 
 
+def test_input_items_is_not_served_and_the_404_names_the_responses_api(client):
+    """input_items.list is not served; its 404 listed the endpoints there are without /v1/responses."""
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.input_items.list(r.id)
+    assert "/v1/responses" in e.value.body["message"]
+
+
 def test_a_resent_request_id_does_not_replace_a_kept_response(client):
     """The response id is the server's own: two requests with one X-Request-Id (a client's retry, a proxy's trace
     id) keep two responses, each continued and retrieved as itself."""
