@@ -201,6 +201,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         kw: dict[str, Any] = {"draft_layers": opts.draft_layers} if opts.draft_layers else {}
         if opts.max_lora_rank:
             kw["lora_targets"] = opts.targets
+            if plan is not None and plan.col_scale:  # the LoRA graph undoes AWQ's folded scales on its inputs
+                kw["lora_x_scales"] = plan.col_scale
         if key_means is not None and flavor == "trt":
             kw["key_means"] = key_means
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,

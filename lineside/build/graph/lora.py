@@ -38,6 +38,7 @@ class SiteTensors:
     site: LoraSite
     x: str
     y: str
+    x_scale: np.ndarray | None = None  # x is the layer's input divided by this (AWQ's folded scales): undone first
 
 
 def write_lora_graph(gb: GraphBuilder, sites: list[SiteTensors], path: Path) -> Path:
@@ -96,7 +97,12 @@ def _site_delta(site: SiteTensors, mask: str, nodes: list[onnx.NodeProto], const
     """Append the nodes of one site's masked delta (shaped like its fused output y); return its name."""
     s, tag = site.site, f"lora/{site.site.layer}.{site.site.site}"
     flat = const(f"lora/shape_tokens_{s.in_features}", np.array([-1, s.in_features], np.int64))
-    nodes += [helper.make_node("Reshape", [site.x, flat], [f"{tag}/x2d"], name=f"{tag}/x2d"),
+    x = site.x
+    if site.x_scale is not None:  # the adapter was trained on the unscaled input: B·A·x, not B·A·(x/s)
+        x = f"{tag}/x_unscaled"
+        nodes.append(helper.make_node("Mul", [site.x, const(f"{tag}/awq_scale", site.x_scale.astype(np.float32))],
+                                      [x], name=f"{tag}/x_unscaled"))
+    nodes += [helper.make_node("Reshape", [x, flat], [f"{tag}/x2d"], name=f"{tag}/x2d"),
               helper.make_node("Gemm", [s.a_input, f"{tag}/x2d"], [f"{tag}/xa"], name=f"{tag}/xa", transB=1),
               helper.make_node("Mul", [f"{tag}/xa", mask], [f"{tag}/xam"], name=f"{tag}/mask")]
     per_part = [f"{tag}/xam"]

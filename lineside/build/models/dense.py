@@ -27,7 +27,7 @@ from lineside.bundle import DRAFT_GRAPHS, FlavorEntry
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
 from lineside.graph_io import StateTensor, StateUpdate
-from lineside.lora import LoraTarget, lora_sites
+from lineside.lora import SITES, LoraTarget, lora_sites
 
 F32 = TensorProto.FLOAT
 
@@ -115,7 +115,7 @@ class DenseEmitter:
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
                  draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = (),
-                 key_means: np.ndarray | None = None):
+                 key_means: np.ndarray | None = None, lora_x_scales: dict[str, np.ndarray] | None = None):
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
         from lineside.build.quant.kv import FORMATS, KvDtype
@@ -131,6 +131,8 @@ class DenseEmitter:
         # LoRA: the adapted matmuls by (layer, site), and where each reads x and writes y (graph/lora.py)
         self.lora_sites = {(s.layer, s.site): s for s in lora_sites(cfg, lora_targets)}
         self.lora_tensors: list[SiteTensors] = []
+        # AWQ folded 1/s into what feeds these linears (norm gammas, up_proj's rows): the graph's x is x/s there
+        self.lora_x_scales = lora_x_scales or {}
         check_config(cfg, (flavor,))
         bad = [n for n in draft_layers if not 1 <= n < cfg.num_layers]
         if bad:
@@ -167,7 +169,8 @@ class DenseEmitter:
     def adapted(self, layer: int, site: str, x: str, y: str) -> str:
         """Note a matmul the LoRA graph adapts (its x and y); the base graph is unchanged."""
         if (layer, site) in self.lora_sites:
-            self.lora_tensors.append(SiteTensors(self.lora_sites[(layer, site)], x, y))
+            first = layer_tensor_names(self.cfg, layer)[SITES[site][0].value]  # the site's linears share x
+            self.lora_tensors.append(SiteTensors(self.lora_sites[(layer, site)], x, y, self.lora_x_scales.get(first)))
         return y
 
     def norm_weight(self, name: str) -> str:
@@ -486,12 +489,14 @@ class DenseEmitter:
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
                awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-               lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
+               lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
+               lora_x_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
     variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
-    cache subtracts from its keys (quant/kv_calib.py)."""
+    cache subtracts from its keys (quant/kv_calib.py). ``lora_x_scales``: linear → s where AWQ folded 1/s into
+    its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s."""
     return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
-                        key_means=key_means).emit(progress)
+                        key_means=key_means, lora_x_scales=lora_x_scales).emit(progress)
 
 
 class DenseFamily(ModelFamily):
@@ -518,10 +523,11 @@ class DenseFamily(ModelFamily):
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
                    awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
-                   lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None) -> FlavorEntry:
+                   lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
+                   lora_x_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
         return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
-                          lora_targets, key_means)
+                          lora_targets, key_means, lora_x_scales)
 
 
 FAMILY = DenseFamily()

@@ -52,3 +52,36 @@ def test_awq_bundle_runs_and_decode_equals_prefill(tiny_dense, tmp_path):
         be = OnnxRuntimeBackend(b, flavor=flavor, accuracy_level=0)
         pre, dec = compute_logits(be, IDS, "prefill"), compute_logits(be, IDS, "decode")
         assert np.abs(pre - dec).max() / np.abs(pre).max() < 1e-4
+
+
+def test_lora_on_an_awq_bundle_matches_peft(tiny_dense, peft_adapter, tmp_path, monkeypatch):
+    """AWQ folds 1/s into the norms and up_proj's rows, so the graph's q/k/v, gate/up and down inputs are x/s:
+    a LoRA delta must still see x (B·A·x, as peft computes it), not x/s. w8a16 keeps the weights' own error small,
+    so the adapter's delta (adapter logits minus base logits) is compared with peft's (an int8 grid still moves it
+a few percent)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lineside.build.quant import calibrate
+    from lineside.lora import read_adapter
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+
+    losses = iter([1.5, 1.0])  # RTN, then AWQ: keep AWQ's scales (a random model's losses are noise)
+    monkeypatch.setattr(calibrate, "calibration_nll", lambda *_a: next(losses))
+    path = tiny_dense("llama-gqa")
+    out = build_bundle(path, tmp_path / "b", BuildOptions(quant="w8a16", method="awq", flavors=("cpu", "trt"),
+                                                          max_seq_len=32, accuracy_level=0, max_lora_rank=8))
+    b = open_bundle(out)
+    assert b.manifest.quantization["awq"]["fell_back_to_rtn"] is False
+    adapter = peft_adapter("llama-gqa", "all-rslora")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_base = base(torch.tensor([IDS])).logits[0].numpy()
+        ref = PeftModel.from_pretrained(base, adapter).eval()(torch.tensor([IDS])).logits[0].numpy()
+    ref_delta = ref - ref_base
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(b, flavor=flavor, accuracy_level=0, lora=LoraSlotsConfig(1, 8))
+        be.load_adapter(1, read_adapter(adapter, b.config, "all-rslora"))
+        delta = compute_logits(be, IDS, "prefill", adapter=1) - compute_logits(be, IDS, "prefill", adapter=0)
+        err = float(np.abs(delta - ref_delta).max() / np.abs(ref_delta).max())
+        assert err < 0.12, (flavor, err)  # 0.28 when the delta saw x/s; an RTN w8a16 bundle: 0.03
