@@ -60,11 +60,23 @@ def default_calibration_text() -> str:
     return resources.files("lineside.data").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
+def read_calibration_text(path: Path) -> str:
+    """A --calib file as text: a few undecodable bytes become U+FFFD, but a binary file is refused."""
+    raw = Path(path).read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if b"\0" in raw or text.count("\ufffd") > len(text) // 4:
+        raise LinesideError(f"--calib {path}: not a text file (binary or not UTF-8); give plain UTF-8 text")
+    return text
+
+
 def calibration_ids(tokenize: Callable[[str], list[int]], text: str, max_seqs: int | None = None) -> np.ndarray:
     """Token ids [n_seq, SEQ_LEN]; a text longer than max_seqs sequences gives ones spread over all of it."""
     ids = tokenize(text)
     if len(ids) < 16:
         raise LinesideError("calibration text is too short (fewer than 16 tokens); give a longer --calib file")
+    if len(set(ids)) < 16:  # one character or word repeated: every layer would be fitted to a single input
+        raise LinesideError(f"calibration text has only {len(set(ids))} distinct tokens; give --calib varied text "
+                            "like what the model will serve")
     length = min(SEQ_LEN, len(ids))
     seqs = np.asarray(ids[: max(1, len(ids) // length) * length], dtype=np.int64).reshape(-1, length)
     n = min(MAX_SEQS if max_seqs is None else max_seqs, len(seqs))
@@ -229,7 +241,7 @@ def checkpoint_calibration_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: 
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    text = Path(calib).read_text(encoding="utf-8", errors="replace") if calib else default_calibration_text()
+    text = read_calibration_text(Path(calib)) if calib else default_calibration_text()
     with tempfile.TemporaryDirectory() as td:
         ckpt.write_tokenizer(Path(td))
         tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))

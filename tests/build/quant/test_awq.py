@@ -95,3 +95,21 @@ def test_awq_guard_holds_out_every_third_sequence():
     two = ids[:2]
     fit, held = split_held_out(two)
     assert fit is two and held is two
+
+
+def test_degenerate_or_binary_calibration_is_refused(tmp_path):
+    """A text that is one token repeated, or a binary file read as text (replacement characters), gives AWQ/GPTQ
+    statistics of nothing like real input, and their guards judge on the same text: refused in one line."""
+    from lineside.build.quant.calibrate import calibration_ids, read_calibration_text
+
+    with pytest.raises(LinesideError, match="distinct") as e:
+        calibration_ids(lambda t: [int(w) for w in t.split()], "7 " * 600)
+    assert "\n" not in str(e.value)
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    with pytest.raises(LinesideError, match="text") as e:
+        read_calibration_text(blob)
+    assert "\n" not in str(e.value)
+    latin1 = tmp_path / "fr.txt"  # a few undecodable bytes in real text are read, as before
+    latin1.write_bytes("Le café est prêt à côté du thé. ".encode("latin-1") * 50)
+    assert read_calibration_text(latin1).startswith("Le caf\ufffd")
