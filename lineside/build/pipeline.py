@@ -120,6 +120,10 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
                  progress: ProgressFactory = _no_progress, log: Callable[[str], None] = lambda _m: None) -> Path:
     """Build a bundle directory from a HF checkpoint directory or a GGUF file; returns its path."""
     opts.validate()
+    if opts.requantize and not (_is_gguf(checkpoint) and "cpu" in opts.flavors and opts.quant == "w4a16"
+                                and opts.method == "rtn"):
+        raise LinesideError("--requantize does nothing here: it re-quantizes the GGUF blocks a cpu-flavor rtn w4a16 "
+                            "build would carry as they are, and this build carries none; leave it out")
     out = normalized(Path(out))  # `-o .` / `-o ..`: staged beside the directory it replaces, not inside it
     t0 = time.time()
     ckpt = open_checkpoint(checkpoint)

@@ -106,6 +106,7 @@ DOES_NOTHING = [
     (["--quant", "w8a16", "--lm-head-bits", "8"], "--quant w4a16"),
     (["--lora-targets", "q,v"], "--max-lora-rank"),
     (["--quant", "fp16", "--method", "awq"], "w8a16"),  # AWQ scales weights for integer quantization only
+    (["--requantize"], "GGUF"),  # an HF checkpoint has no GGUF blocks to carry or re-quantize
 ]
 
 
@@ -113,7 +114,7 @@ DOES_NOTHING = [
 def test_options_that_would_do_nothing_are_refused(ckpt, tmp_path, extra, needle):
     (tmp_path / "calib.txt").write_text("some calibration text\n")
     argv = [str(tmp_path / "calib.txt") if a == "CALIB" else a for a in extra]
-    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets", "--method"))
+    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets", "--method", "--requantize"))
     root = Path(__file__).resolve().parents[2]
     for proc in (run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), *argv),
                  subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(tmp_path / "o"),

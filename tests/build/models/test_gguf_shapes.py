@@ -129,6 +129,18 @@ def test_gguf_build_matches_transformers(gguf_case, tmp_path, name):
             assert err < tol, (name, level, mode, err)
 
 
+def test_requantize_quantizes_the_gguf_again(gguf_case, tmp_path):
+    """--requantize is what a GGUF build does instead of carrying its blocks: nothing carried, still the model."""
+    path, _ = gguf_case("qwen2-896-tied")
+    ids = [5, 17, 300, 42]
+    out = build_bundle(path, tmp_path / "rq", BuildOptions(max_seq_len=16, requantize=True, group_size=32))
+    bundle = open_bundle(out)
+    assert not bundle.manifest.quantization.get("carried_from_source")
+    ref = _reference(path, ids)
+    got = compute_logits(OnnxRuntimeBackend(bundle, threads=1), ids, "prefill")
+    assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 0.35  # a second 4-bit grid: close, not exact
+
+
 def test_a_non_finite_block_scale_is_refused_in_one_line(tiny_dense, tmp_path):
     """A Q4_1 block whose float16 m is inf (a corrupt file) built with numpy RuntimeWarnings and exit 0, its bundle
     computing NaN; the build names the tensor and the block, in one line, and leaves nothing behind."""
