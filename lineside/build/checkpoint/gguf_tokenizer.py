@@ -55,8 +55,22 @@ PRE_TOKENIZERS: dict[str, tuple[list[str], bool, bool, bool]] = {
 }
 # Token texts llama.cpp treats as end-of-generation (llama_vocab::impl::load, special_eog_ids).
 EOG_TEXTS = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-    "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>",
+}
+# The FIM tokens llama.cpp also ends generation on: the GGUF's id, else the token with one of these texts.
+FIM_EOG = {
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+# Texts llama.cpp makes control tokens whatever their stored type ("control-looking token ... will be
+# overridden"): EOT/EOM/FIM candidates and the EOG texts. They are then split out of text whole.
+CONTROL_LOOKING = EOG_TEXTS | {t for ts in FIM_EOG.values() for t in ts} | {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "<|code_middle|>", "<|middle|>",
 }
 CONTROL, USER_DEFINED, UNKNOWN = 3, 4, 2
 
@@ -159,6 +173,7 @@ def _add_special(tok: Any, tokens: list[str], types: list[int], added_token: Any
     like llama.cpp's tokenizer_st_partition with parse_special=true."""
     if len(types) != len(tokens):
         raise CheckpointError(f"GGUF token_type has {len(types)} entries for {len(tokens)} tokens; re-convert the model")
+    types = [CONTROL if t in CONTROL_LOOKING else ty for t, ty in zip(tokens, types, strict=True)]
     want = {t: i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if t and ty in (CONTROL, USER_DEFINED, UNKNOWN)}
     if not want:
         return
@@ -187,15 +202,26 @@ def _post_process(tok: Any, tokens: list[str], bos: int | None, eos: int | None,
 
 
 def eog_ids(ck: GGUFCheckpoint, tokens: list[str], eos: int | None) -> list[int]:
-    """eos first, then eot/eom and every token llama.cpp stops generation on."""
+    """eos first, then eot/eom, the FIM pad/repo/sep tokens and every token llama.cpp stops generation on."""
     ids: list[int] = [eos] if eos is not None else []
-    for key in ("eot_token_id", "eom_token_id"):
-        v = ck.meta(f"tokenizer.ggml.{key}")
+    fim = []
+    for key, texts in FIM_EOG.items():
+        v = ck.meta(f"tokenizer.ggml.{key}_token_id")
+        if v is None:  # llama.cpp keeps the last match it meets; for these short lists, the highest id
+            v = max((i for i, t in enumerate(tokens) if t in texts), default=None)
+        fim.append(v)
+    for v in [ck.meta("tokenizer.ggml.eot_token_id"), ck.meta("tokenizer.ggml.eom_token_id"), *fim]:
         if v is not None and v not in ids:
             ids.append(int(v))
     for i, t in enumerate(tokens):
         if t in EOG_TEXTS and i not in ids:
             ids.append(i)
+    named = {tokens[i]: i for i in ids if 0 <= i < len(tokens)}
+    # llama.cpp's workarounds: gpt-oss / solar-open's <|end|> and gemma4's </s> do not end generation.
+    if "<|end|>" in named and ({"<|return|>", "<|call|>"} <= named.keys() or {"<|calls|>", "<|flush|>"} <= named.keys()):
+        ids.remove(named["<|end|>"])
+    if "</s>" in named and "<|tool_response>" in named:
+        ids.remove(named["</s>"])
     return ids
 
 

@@ -198,6 +198,34 @@ def test_unsupported_tokenizers(tmp_path, tiny_llama):
     assert "bert" in str(e.value)
 
 
+def _eog_vocab() -> dict:
+    """Qwen2.5 / SmolLM2 style FIM tokens, a mistyped (NORMAL) <|im_end|>, and texts llama.cpp ends on."""
+    base = _tiny_bpe()
+    extra = ["<|fim_prefix|>", "<|fim_pad|>", "<|file_sep|>", "<reponame>", "<|im_end|>", "[EOS]", "<x>"]
+    tokens = [*base["tokens"][:2], "<y>", *base["tokens"][3:], *extra]
+    types = [*base["types"], 3, 3, 3, 3, 1, 3, 3]
+    return dict(tokens=tokens, types=types, merges=base["merges"])
+
+
+def test_eog_and_control_looking_tokens_as_llamacpp(tmp_path, tiny_llama):
+    """llama.cpp also ends generation on the FIM pad/repo/file-sep tokens (and more texts), and treats a
+    control-looking token stored as NORMAL as control, so it is split out of text whole."""
+    vocab = _eog_vocab()
+    path = _tiny_gguf(tmp_path, tiny_llama, **vocab, pre="qwen2", bos=1, eos=0, add_bos=False)
+    info = open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    ids = {t: i for i, t in enumerate(vocab["tokens"])}
+    want = {ids[t] for t in ("<|endoftext|>", "<|fim_pad|>", "<reponame>", "<|file_sep|>", "<|im_end|>", "[EOS]")}
+    assert info["eos_token_ids"][0] == 0 and set(info["eos_token_ids"]) == want
+    assert _load(tmp_path / "out").encode("a<|im_end|>").ids == [ids["a"], ids["<|im_end|>"]]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        v = llama_cpp.llama_model_get_vocab(llm._model.model)
+        assert {i for i in range(len(vocab["tokens"])) if llama_cpp.llama_vocab_is_eog(v, i)} == want
+        assert llm.tokenize(b"a<|im_end|>", add_bos=False, special=True) == [ids["a"], ids["<|im_end|>"]]
+
+
 def _freeze() -> None:
     """Regenerate data/smollm2_llamacpp_ids.json from llama.cpp itself."""
     from llama_cpp import Llama
