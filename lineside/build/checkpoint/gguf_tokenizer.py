@@ -141,8 +141,11 @@ def _bpe_tokenizer(ck: GGUFCheckpoint, tokens: list[str], types: list[int]) -> t
         )
     regexes, ignore_merges, add_bos, clean = PRE_TOKENIZERS[pre]
     vocab = _vocab(ck, tokens)
+    raw_merges = ck.meta("tokenizer.ggml.merges")
+    if raw_merges is None:  # llama.cpp refuses to load such a vocabulary ("cannot find tokenizer merges")
+        raise CheckpointError(f"{ck.path}: GGUF BPE vocabulary has no tokenizer.ggml.merges; re-convert the model")
     merges = []
-    for m in ck.meta("tokenizer.ggml.merges") or []:
+    for m in raw_merges:
         pos = m.find(" ", 1)  # as llama.cpp: the first space after position 0 separates the pair
         if pos < 0:
             continue

@@ -226,6 +226,14 @@ def test_eog_and_control_looking_tokens_as_llamacpp(tmp_path, tiny_llama):
         assert llm.tokenize(b"a<|im_end|>", add_bos=False, special=True) == [ids["a"], ids["<|im_end|>"]]
 
 
+def test_bpe_without_merges_is_refused(tmp_path, tiny_llama):
+    """llama.cpp refuses a gpt2 vocabulary without tokenizer.ggml.merges; a merge-less BPE would
+    silently feed the model byte-by-byte ids it never saw."""
+    path = _tiny_gguf(tmp_path, tiny_llama, **{**_tiny_bpe(), "merges": []}, pre="qwen2", bos=1, eos=2)
+    with pytest.raises(CheckpointError, match="merges"):
+        open_checkpoint(path).write_tokenizer(tmp_path / "out")
+
+
 def _freeze() -> None:
     """Regenerate data/smollm2_llamacpp_ids.json from llama.cpp itself."""
     from llama_cpp import Llama

@@ -17,11 +17,12 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def _tokenizer() -> dict:
-    """A byte-level vocabulary for the GGUF (3 specials + the 256 bytes; the model's 300 rows pad it)."""
+    """A byte-level vocabulary for the GGUF (3 specials, the 256 bytes and one merge, which a gpt2
+    vocabulary must have; the model's 300 rows pad it)."""
     from tokenizers.pre_tokenizers import ByteLevel
 
-    tokens = ["<pad>", "<s>", "</s>", *sorted(ByteLevel.alphabet())]
-    return dict(tokens=tokens, types=[3] * 3 + [1] * 256, merges=[], pre="default", bos=1, eos=2)
+    tokens = ["<pad>", "<s>", "</s>", *sorted(ByteLevel.alphabet()), "ĠĠ"]
+    return dict(tokens=tokens, types=[3] * 3 + [1] * 257, merges=["Ġ Ġ"], pre="default", bos=1, eos=2)
 
 
 @pytest.fixture(scope="module")
