@@ -34,6 +34,8 @@ def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, s
     """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token.
     ``adapter``: the LoRA adapter slot the rows use (0: the base model)."""
     check_prompt_ids(ids, backend.vocab_size)
+    if len(ids) > backend.max_seq_len:  # decode would run a step per id up to the context first
+        raise LinesideError(f"sequence of {len(ids)} tokens exceeds the bundle's max_seq_len {backend.max_seq_len}")
     backend.reset_slot(slot)
     if mode == "prefill":
         return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True, adapter=adapter))[0]

@@ -173,6 +173,14 @@ def test_ids_out_of_vocab(bundle, tmp_path):
     assert_one_line_error(run_cli("logits", str(bundle), "--ids", "1,,2", "-o", str(tmp_path / "x.npy")), "--ids", "empty")
 
 
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_ids_longer_than_the_context_are_refused_up_front(bundle, tmp_path, mode):
+    """--mode decode ran a step per id up to the context, then failed naming context + 1 tokens, not the prompt's
+    length: both modes refuse the whole prompt first, with the same line."""
+    proc = run_cli("logits", str(bundle), "--ids", ",".join(["5"] * 262), "--mode", mode, "-o", str(tmp_path / "x.npy"))
+    assert_one_line_error(proc, "sequence of 262 tokens exceeds the bundle's max_seq_len 256")
+
+
 @pytest.mark.parametrize("ids", ["1 2 3", "1, 2, 3", " 1,2,3 "])
 def test_ids_separated_by_spaces_are_each_an_id(bundle, tmp_path, ids):
     import numpy as np
