@@ -35,7 +35,8 @@ def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, s
     ``adapter``: the LoRA adapter slot the rows use (0: the base model)."""
     check_prompt_ids(ids, backend.vocab_size)
     if len(ids) > backend.max_seq_len:  # decode would run a step per id up to the context first
-        raise LinesideError(f"sequence of {len(ids)} tokens exceeds the bundle's max_seq_len {backend.max_seq_len}")
+        raise LinesideError(f"sequence of {len(ids)} tokens exceeds the bundle's max_seq_len {backend.max_seq_len}; "
+                            f"give at most {backend.max_seq_len} ids")
     backend.reset_slot(slot)
     if mode == "prefill":
         return backend.forward(StepBatch.single(slot, ids, 0, all_logits=True, adapter=adapter))[0]
