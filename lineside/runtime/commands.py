@@ -156,7 +156,8 @@ def chat(
     chat_template: Annotated[str | None, typer.Option(
         help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
-    """Interactive chat in the terminal (empty line or Ctrl-D to quit)."""
+    """Interactive chat in the terminal (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt
+    quits)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
@@ -177,7 +178,10 @@ def chat(
     while True:
         try:
             line = checks.utf8_text(input("you> "), "the chat line").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt) as e:  # Ctrl-D / Ctrl-C at the prompt: quit on a fresh line
+            sys.stdout.write("\n")
+            if isinstance(e, KeyboardInterrupt):
+                raise
             break
         except (LinesideError, UnicodeDecodeError):  # a strict UTF-8 stdin raises the latter
             # one line, and the conversation goes on: a mistyped line must not lose what was said so far
@@ -201,15 +205,23 @@ def chat(
         messages = turns
         detok = IncrementalDetokenizer(gen.tokenizer)
         sys.stdout.write("model> ")
-        answer = []
-        for t in gen.stream(ids, min(max_tokens, room), params):
-            piece = detok.add(t)
-            answer.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        answer, stopped = [], False
+        try:
+            for t in gen.stream(ids, min(max_tokens, room), params):
+                piece = detok.add(t)
+                answer.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt as e:  # Ctrl-C stops this answer (llama-cli -cnv, ollama run); the chat goes on
+            if type(e) is not KeyboardInterrupt:  # SIGTERM (cli.Terminated) still ends the chat
+                raise
+            stopped = True
         tail = detok.flush()
         answer.append(tail)
         sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+        if stopped:  # what was shown stays in the conversation
+            print("answer stopped (Ctrl-C); an empty line or Ctrl-D quits", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 

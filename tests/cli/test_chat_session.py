@@ -1,0 +1,61 @@
+"""`lineside chat` as a line engineer uses it: Ctrl-C stops an answer (not the chat)."""
+
+from __future__ import annotations
+
+import io
+import signal
+import sys
+from collections.abc import Callable
+
+from lineside.bundle import open_bundle
+from lineside.cli import _raise_terminated, run_app
+from lineside.runtime.generate import Generator
+from lineside.runtime.tokenizer import Tokenizer
+from tests.cli.cli_run import lineside_app
+
+
+def _interrupt_first_answer(monkeypatch, interrupt: Callable[[], None], after: int = 2) -> list[list[int]]:
+    """Generator.stream calls ``interrupt`` (which raises) after ``after`` tokens of its first answer (as Ctrl-C lands between two
+    steps); returns the prompts each call was given."""
+    real = Generator.stream
+    prompts: list[list[int]] = []
+
+    def stream(self, ids, *args, **kwargs):
+        prompts.append(list(ids))
+        for i, t in enumerate(real(self, ids, *args, **kwargs)):
+            if len(prompts) == 1 and i == after:
+                interrupt()
+            yield t
+
+    monkeypatch.setattr(Generator, "stream", stream)
+    return prompts
+
+
+def _chat(monkeypatch, capsys, bundle, lines: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    rc = run_app(lineside_app(), ["chat", str(bundle), "--backend", "onnxruntime", "--max-tokens", "6"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_bundle, monkeypatch, capsys):
+    """Ctrl-C during an answer ended the whole chat (exit 130, the conversation lost, the shell prompt glued to the
+    half answer); llama-cli -cnv and ollama run stop the answer and ask again."""
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    prompts = _interrupt_first_answer(monkeypatch, ctrl_c)
+    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n")  # then EOF (Ctrl-D)
+    assert rc == 0, err
+    assert out.count("you> ") == 3 and out.count("model> ") == 2, out
+    assert out.endswith("you> \n"), out  # Ctrl-D leaves the terminal on a fresh line
+    assert "Traceback" not in err and "stopped" in err, err
+    assert len(prompts) == 2
+    second = Tokenizer.from_bundle(open_bundle(tiny_bundle)).decode(prompts[1])
+    assert "user: first" in second and "assistant: " in second, second  # the stopped turn is kept
+
+
+def test_sigterm_during_an_answer_still_ends_the_chat(tiny_bundle, monkeypatch, capsys):
+    _interrupt_first_answer(monkeypatch, lambda: _raise_terminated(signal.SIGTERM, None))
+    rc, out, _ = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n\n")
+    assert rc == 143 and out.count("model> ") == 1, out
