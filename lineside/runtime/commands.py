@@ -172,6 +172,12 @@ def chat(
         gen.tokenizer.chat_template = template
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     params = SamplingParams(temperature=temperature)
+    limit = gen.backend.max_seq_len
+    fixed = len(gen.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}]))
+    if fixed >= limit - 1:  # no line could be answered: say so once, not "type a shorter one" after every line
+        what, fix = ("--system", "system prompt") if system else ("the chat template", "--chat-template")
+        raise LinesideError(f"{what} makes a prompt of {fixed} tokens before anything is typed, and the bundle's "
+                            f"context is {limit}; give a shorter {fix} (or build with a larger --max-seq-len)")
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
     if not gen.tokenizer.chat_template:
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
@@ -192,14 +198,14 @@ def chat(
             break
         turns = [*messages, {"role": "user", "content": line}]
         ids = gen.tokenizer.encode_chat(turns)
-        room = gen.backend.max_seq_len - len(ids) - 1
+        room = limit - len(ids) - 1
         while room < 16 and len(turns) > 2:  # forget the oldest turns when the context fills up
             turns = turns[:1] + turns[3:] if system else turns[2:]
             ids = gen.tokenizer.encode_chat(turns)
-            room = gen.backend.max_seq_len - len(ids) - 1
+            room = limit - len(ids) - 1
         if room < 1:  # this line alone fills the context: say so, and keep the conversation as it was
             print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
-                  f"{gen.backend.max_seq_len}; type a shorter one (or build with a larger --max-seq-len)",
+                  f"{limit}; type a shorter one (or build with a larger --max-seq-len)",
                   file=sys.stderr)
             continue
         messages = turns

@@ -1,17 +1,21 @@
-"""`lineside chat` as a line engineer uses it: Ctrl-C stops an answer (not the chat)."""
+"""`lineside chat` as a line engineer uses it: Ctrl-C stops an answer (not the chat), and a prompt whose fixed
+part (the system prompt, the template) leaves no room in the context is refused once, up front."""
 
 from __future__ import annotations
 
 import io
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
+
+import pytest
 
 from lineside.bundle import open_bundle
 from lineside.cli import _raise_terminated, run_app
 from lineside.runtime.generate import Generator
 from lineside.runtime.tokenizer import Tokenizer
-from tests.cli.cli_run import lineside_app
+from tests.cli.cli_run import assert_one_line_error, lineside_app
 
 
 def _interrupt_first_answer(monkeypatch, interrupt: Callable[[], None], after: int = 2) -> list[list[int]]:
@@ -59,3 +63,15 @@ def test_sigterm_during_an_answer_still_ends_the_chat(tiny_bundle, monkeypatch, 
     _interrupt_first_answer(monkeypatch, lambda: _raise_terminated(signal.SIGTERM, None))
     rc, out, _ = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n\n")
     assert rc == 143 and out.count("model> ") == 1, out
+
+
+@pytest.mark.parametrize("args", [["--system", "x" * 400], ["--chat-template", "{% for m in messages %}" + "pad " * 300
+                                                               + "{{ m.content }}{% endfor %}"]])
+def test_a_fixed_prompt_past_the_context_is_one_line_up_front(tiny_bundle, args):
+    """A --system (or template) that alone fills the context (256) told the user after every line to "type a
+    shorter one", however short the line was."""
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(tiny_bundle), "--backend", "onnxruntime",
+                           *args], input="hi\nhello\n\n", capture_output=True, text=True, timeout=120)
+    line = assert_one_line_error(proc, "256", code=1)
+    assert "shorter one" not in line and ("--system" in line) == (args[0] == "--system"), line
+    assert "you> " not in proc.stdout
