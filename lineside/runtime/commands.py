@@ -181,6 +181,7 @@ def chat(
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
     if not gen.tokenizer.chat_template:
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
+    forgetting = False
     while True:
         try:
             line = checks.utf8_text(input("you> "), "the chat line").strip()
@@ -208,6 +209,10 @@ def chat(
                   f"{limit}; type a shorter one (or build with a larger --max-seq-len)",
                   file=sys.stderr)
             continue
+        if len(turns) <= len(messages) and not forgetting:  # once: the model no longer sees the start, and why
+            forgetting = True
+            print(f"note: the conversation outgrew the bundle's context of {limit} tokens; from here on the oldest "
+                  f"turns are forgotten{' (the system prompt is kept)' if system else ''}", file=sys.stderr)
         messages = turns
         detok = IncrementalDetokenizer(gen.tokenizer)
         sys.stdout.write("model> ")

@@ -75,3 +75,15 @@ def test_a_fixed_prompt_past_the_context_is_one_line_up_front(tiny_bundle, args)
     line = assert_one_line_error(proc, "256", code=1)
     assert "shorter one" not in line and ("--system" in line) == (args[0] == "--system"), line
     assert "you> " not in proc.stdout
+
+
+def test_forgetting_the_oldest_turns_is_said_once(tiny_bundle):
+    """A conversation past the context (256) dropped its oldest turns without a word: the model then 'forgot'
+    what the user said at the start, and nothing told them why."""
+    lines = ["word " * 30] * 4
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(tiny_bundle), "--backend", "onnxruntime",
+                           "--max-tokens", "3"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("model> ") == 4, proc.stderr
+    notes = [ln for ln in proc.stderr.splitlines() if "oldest" in ln]
+    assert len(notes) == 1 and "256" in notes[0], proc.stderr
