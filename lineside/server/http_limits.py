@@ -146,6 +146,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_why = ""
         self._admitted = False
         self._over_limit: tuple[int, str, str] | None = None  # refused at connect: answered, then closed
         self._head_bytes = 0
@@ -159,6 +160,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _arm(self, delay: float, why: str) -> None:
         self._disarm()
         self._timer = self.loop.call_later(delay, self._expired, why)
+        self._timer_why = why
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -169,8 +171,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if why == "linger":  # a refused connection had its time to send a request and read the answer
-            self.transport.close()
+        if why in ("linger", "idle"):  # a refused connection had its time to send a request and read the answer;
+            self.transport.close()  # or one idle after a request answered before its body came
             return
         if why == "head" and not self._head_started:  # an idle connection that never began a request
             self.transport.close()
@@ -178,8 +180,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if why == "body" and self.flow.read_paused:  # the app has not read what came: not the client's fault
             self._arm(self.limits.body_timeout, "body")
             return
-        if self.cycle is not None and not self.cycle.response_complete and why == "body":
-            if self.cycle.response_started:
+        if self.cycle is not None and why == "body":
+            if self.cycle.response_started:  # answered already (a 404 that did not read the body): no second answer
                 self.transport.close()
                 return
             self.cycle.disconnected = True  # the app's next receive() is a disconnect; its sends are dropped
@@ -257,7 +259,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_bytes = self._head_count = 0
         self._head_started = True
-        if self._timer is None:
+        if self._timer is None or self._timer_why == "idle":
             self._arm(self.limits.header_timeout, "head")
 
     def on_url(self, url: bytes) -> None:
@@ -298,6 +300,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._in_body = False
         super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete and not self.transport.is_closing():
+            # answered before its body ended (a 404, a 413): uvicorn armed its keep-alive timer with the answer and
+            # the body's bytes cancelled it; the connection is idle now, as after any response
+            self._arm(self.limits.keep_alive_timeout, "idle")
 
 
 def protocol_class(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:

@@ -144,6 +144,16 @@ def test_idle_keep_alive_is_closed_and_a_normal_request_still_served(guarded):
     assert closed and len(lines) == 1 and lines[0].startswith(b"HTTP/1.1 200"), raw[:300]
 
 
+def test_a_request_answered_before_its_body_arrived_does_not_hold_the_connection(guarded):
+    """A 404 is answered without reading the body: the body sent after it was left on a connection no timer
+    watched (held open for good), and a body never sent got a 408 after the 404 (two answers to one request)."""
+    head = b"POST /nothing HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+    for parts in ((head, 0.3, b"{}"), (head,)):
+        _lines, raw, closed = _exchange(guarded, *parts)
+        assert closed, f"{len(parts)} parts: connection left open"
+        assert raw.startswith(b"HTTP/1.1 404") and raw.count(b"HTTP/1.1 ") == 1, raw[:600]
+
+
 def test_h2c_upgrade_offer_is_served_as_http11(guarded):
     """curl --http2 on http:// offers an h2c upgrade: answered once, in HTTP/1.1; nothing after it is parsed."""
     offer = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
