@@ -45,13 +45,26 @@ def resolve_api_key(cli_key: str | None, key_file: Path | None) -> str | None:
     if key_file is not None:
         if cli_key is not None and cli_key != env_key:
             raise LinesideError("give the API key once: --api-key-file or --api-key, not both")
-        return read_key_file(key_file)
+        return _sendable(read_key_file(key_file), f"--api-key-file {key_file}")
     if cli_key is not None and cli_key != env_key:
         log.warning("--api-key on the command line is visible to every user in `ps`; use --api-key-file FILE "
                     "or the %s environment variable", API_KEY_ENV)
     key = cli_key if cli_key is not None else env_key
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    if not key.strip():
         raise LinesideError("the API key is empty; set a non-empty key or none")
+    # surrounding whitespace dropped, as from the key file (a secret mounted with its newline): a client's token
+    # is compared stripped, so a key kept whole matched no client
+    return _sendable(key.strip(), "the API key")
+
+
+def _sendable(key: str, where: str) -> str:
+    """``key`` when a client can send it in an Authorization header (printable ASCII: httpx and the openai client
+    refuse anything else, and the header arrives as bytes); LinesideError otherwise, without printing the key."""
+    if not all(" " <= ch <= "~" for ch in key):
+        raise LinesideError(f"{where}: the key must be printable ASCII (it travels in the Authorization header, "
+                            "which clients send as ASCII); choose one without accents, tabs or control characters")
     return key
 
 

@@ -412,6 +412,19 @@ def test_api_key_sources(tmp_path, monkeypatch, caplog):
         with pytest.raises(LinesideError) as e:
             resolve_api_key(*args)
         assert needle in str(e.value) and "\n" not in str(e.value)
+    # the key as a client can send it: a secret mounted with its newline was kept whole, and no client's
+    # (stripped) token matched it; a non-ASCII key is sent as UTF-8 bytes (if at all) and never matched either
+    from lineside.server.auth import AccessPolicy
+
+    for value in ("from-env\n", " from-env\r\n"):
+        monkeypatch.setenv("LINESIDE_API_KEY", value)
+        resolved = resolve_api_key(value, None)  # typer passes the env value
+        assert resolved == "from-env" and AccessPolicy(resolved).key_matches("Bearer from-env")[0]
+    (tmp_path / "accent").write_text("clé\n")
+    for args in (("clé", None), (None, tmp_path / "accent"), ("a\tb", None)):
+        with pytest.raises(LinesideError, match="printable ASCII") as e:
+            resolve_api_key(*args)
+        assert "\n" not in str(e.value) and "clé" not in str(e.value)  # the key itself is never printed
 
 
 @pytest.mark.parametrize("extra,needle", [
