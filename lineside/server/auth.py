@@ -75,8 +75,10 @@ class AccessPolicy:
     api_key: str | None
     metrics_public: bool = False
 
-    def needs_key(self, path: str, method: str) -> bool:
-        if self.api_key is None or method == "OPTIONS":  # a CORS preflight carries no credentials
+    def needs_key(self, path: str) -> bool:
+        """Any method: a CORS preflight carries no credentials, but CORSMiddleware answers it before the key is
+        asked for, and an OPTIONS that is not one must not reach the routes unauthenticated."""
+        if self.api_key is None:
             return False
         if path in PROBE_PATHS:
             return False

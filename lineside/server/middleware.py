@@ -65,7 +65,7 @@ class ServerMiddleware:
         path: str = scope.get("path", "")
         state = self.state
 
-        if self.access.needs_key(path, scope.get("method", "")):
+        if self.access.needs_key(path):
             accepted, what = self.access.key_matches(headers.get("authorization", ""))
             if not accepted:
                 state.metrics.reject("unauthorized")

@@ -192,15 +192,21 @@ def test_page_style_requests_are_refused(guarded):
 
 
 def test_allowed_origin_gets_cors_and_others_do_not(tiny_bundle):
-    with running_server(make_engine(tiny_bundle, num_slots=1), allowed_origins=["http://dash.local:3000"]) as srv:
-        url = srv.url + "/v1/completions"
+    with running_server(make_engine(tiny_bundle, num_slots=1), allowed_origins=["http://dash.local:3000"],
+                        api_key="k") as srv:
+        url, key = srv.url + "/v1/completions", {"Authorization": "Bearer k"}
         pre = httpx.options(url, headers={"Origin": "http://dash.local:3000", "Access-Control-Request-Method": "POST",
                                           "Access-Control-Request-Headers": "authorization, content-type"})
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://dash.local:3000"
-        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3000"})
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3000", **key})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://dash.local:3000"
-        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3001"})
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://dash.local:3001", **key})
         assert r.status_code == 403
+        # a preflight (above) carries no key and is answered by CORS; any other OPTIONS needs the key like every
+        # path (it reached the routes without one, whose 405 lists their methods)
+        for headers in ({}, {"Origin": "http://dash.local:3000"}):
+            r = httpx.options(url, headers=headers)
+            assert r.status_code == 401 and "allow" not in r.headers, (headers, r.status_code, r.headers)
 
 
 def test_non_loopback_bind_takes_allowed_hosts():
