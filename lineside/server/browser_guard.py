@@ -65,8 +65,9 @@ class BrowserPolicy:
 def host_name(host_header: str) -> str:
     """The name in a Host header, without its port: 'localhost:8000' → 'localhost', '[::1]:80' → '::1'."""
     h = host_header.strip().lower()
-    if h.startswith("["):
-        return h[1:h.find("]")] if "]" in h else h
+    if h.startswith("["):  # '[::1]' or '[::1]:port'; '[::1]evil.com' is no name of ours
+        close = h.find("]")
+        return h[1:close] if close > 0 and h[close + 1:close + 2] in ("", ":") else h
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 

@@ -175,7 +175,7 @@ def test_request_without_host_header_is_named_as_such(guarded):
 def test_page_style_requests_are_refused(guarded):
     url = guarded.url + "/v1/completions"
     body = {"prompt": "x", "max_tokens": 1}
-    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.", ""):
+    for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example", "localhost.", "", "[::1]evil.example"):
         r = httpx.post(url, json=body, headers={"Host": host})
         assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", host
     for host in (f"localhost:{guarded.port}", f"127.0.0.1:{guarded.port}", f"[::1]:{guarded.port}", "LOCALHOST"):
