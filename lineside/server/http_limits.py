@@ -96,6 +96,7 @@ class ConnectionCounter:
         self.by_client: dict[str, int] = {}
         self.open = 0
         self.refused = 0
+        self.malformed = 0  # requests refused as malformed HTTP (logged sampled, as refusals are)
 
     def admit(self, client: str | None) -> tuple[int, str, str] | None:
         """None (counted in: release it when it closes), or the refusal (status, message, code)."""
@@ -120,6 +121,12 @@ class ConnectionCounter:
                 self.by_client[client] = left
             else:
                 self.by_client.pop(client, None)
+
+
+def _sampled(count: int) -> bool:
+    """Whether the count-th of a kind of refusal is logged: the 1st, 10th, 100th and every 1000th, so a client
+    refused in a loop cannot write the log as fast as it likes."""
+    return count in (1, 10, 100) or count % 1000 == 0
 
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 429: b"Too Many Requests",
@@ -211,7 +218,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._over_limit = refusal
         self.counter.refused += 1
-        if self.counter.refused in (1, 10, 100) or self.counter.refused % 1000 == 0:
+        if _sampled(self.counter.refused):
             log.warning("refused a connection from %s (%s); %d refused so far", address, refusal[2],
                         self.counter.refused)
         self._arm(self.limits.refusal_linger, "linger")
@@ -250,7 +257,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._close_with(*self._refused)
                 return
             reason = str(e.args[0] if e.args else e)[:200]
-            log.info("refused a malformed HTTP request from %s: %s", self.client, reason)
+            self.counter.malformed += 1
+            if _sampled(self.counter.malformed):
+                log.info("refused a malformed HTTP request from %s: %s; %d refused so far", self.client, reason,
+                         self.counter.malformed)
             self._close_with(400, f"malformed HTTP/1.1 request ({reason}); send one framing (Content-Length or "
                                   "chunked Transfer-Encoding) and valid chunk sizes", "malformed_http")
 

@@ -104,6 +104,19 @@ def test_bad_framing_is_refused_and_closed(guarded, case):
     assert _completions(guarded) == before  # nothing reached the engine
 
 
+def test_malformed_requests_do_not_flood_the_log(guarded, caplog):
+    """Each malformed request was one INFO line: a client opening connections in a loop wrote the device's log
+    as fast as it liked. They are counted and sampled as refused connections are."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lineside.server")
+    for _ in range(30):
+        lines, raw, closed = _exchange(guarded, BAD_FRAMING["CL + TE chunked"])
+        assert closed and lines[0].startswith(b"HTTP/1.1 400"), raw[:200]
+    logged = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(logged) <= 2 and all("so far" in m for m in logged), logged
+
+
 @pytest.mark.parametrize("head", [
     b"X-Big: " + b"a" * 9000 + b"\r\n",
     b"".join(b"X-H%d: v\r\n" % i for i in range(60)),
