@@ -19,7 +19,10 @@ _CPU = re.compile(r"\bCPU \[([^\]]*)\]")
 _EMC = re.compile(r"\bEMC_FREQ (\d+)%(?:@(\d+))?")
 _GR3D = re.compile(r"\bGR3D_FREQ (\d+)%(?:@\[?([\d,]+)\]?)?")
 _TEMP = re.compile(r"\b([A-Za-z][\w]*)@(-?\d+(?:\.\d+)?)C\b")
-_RAIL = re.compile(r"\b([A-Z][A-Z0-9_]*) (\d+)(?:mW)?/(\d+)(?:mW)?\b")
+# JetPack 5+ prints 'VDD_IN 5123mW/5123mW', JetPack 4 'VDD_IN 5123/5123': an average without the unit its
+# current has is a line cut short.
+_RAIL = re.compile(r"\b([A-Z][A-Z0-9_]*) (\d+)(mW)?/(\d+)(?(3)mW)\b")
+_NOT_RAILS = {"RAM", "SWAP", "IRAM"}  # memory 'used/total': in a truncated line they lose the MB the regexes want
 _TIME = re.compile(r"^(\d\d-\d\d-\d{4} \d\d:\d\d:\d\d)\s")
 _ENGINE = re.compile(r"\b(VIC|NVENC|NVDEC|NVJPG\d?|OFA|NVDLA\d|PVA\d_FREQ|APE|VIC_FREQ|MSENC|NVENC1|NVDEC1)"
                      r" (off|\d+)(?:%@\[?(\d+)\]?)?")
@@ -117,8 +120,8 @@ def parse_line(line: str) -> TegraStats:
         if t > -255:  # -256C: the sensor is powered off
             s.temperatures_c[name] = t
     rest = _CPU.sub("", _RAM.sub("", _SWAP.sub("", line)))
-    for name, cur, avg in _RAIL.findall(rest):
-        if name in s.engines:
+    for name, cur, _unit, avg in _RAIL.findall(rest):
+        if name in s.engines or name in _NOT_RAILS:
             continue
         s.rails_mw[name] = (int(cur), int(avg))
     if s.ram_total_mb is None and s.gpu_load_percent is None:

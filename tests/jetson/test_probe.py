@@ -107,6 +107,16 @@ def test_tegrastats_orin_nano_and_jetpack4():
     assert old.temperatures_c["thermal"] == 42.3
 
 
+def test_tegrastats_truncated_line_makes_no_rail():
+    # the last line of a dying tegrastats stops mid-field: 'SWAP 0/38' is not a 38 mW rail named SWAP, and
+    # '5123mW/51' (the average cut short) is not an average of 51 mW
+    s = parse_line("RAM 1234/7620MB (lfb 2x4MB) SWAP 0/38")
+    assert s.rails_mw == {} and not any(k.startswith("jetson_power_") for k in s.metrics())
+    s = parse_line("RAM 1234/7620MB (lfb 2x4MB) SWAP 0/3810MB (cached 0MB) CPU [12%@1510,off] EMC_FREQ 0%@2133 "
+                   "GR3D_FREQ 0%@[305] VDD_SOC 1500mW/1500mW VDD_IN 5123mW/51")
+    assert s.rails_mw == {"VDD_SOC": (1500, 1500)}
+
+
 def test_tegrastats_rejects_other_text():
     with pytest.raises(ValueError):
         parse_line("hello world")
