@@ -113,8 +113,10 @@ def _jetson_sysfs(root: Path) -> dict[str, Any]:
             temps[name] = milli / 1000.0
     if temps:
         out["temperatures_c"] = temps
-    if _sampler is not None and _sampler.latest is not None:
-        t = _sampler.latest
+    t, why = _sampler.current() if _sampler is not None else (None, None)
+    if why:
+        out["tegrastats"] = why
+    if t is not None:
         out["gpu_load_percent"] = t.gpu_load_percent if t.gpu_load_percent is not None else out["gpu_load_percent"]
         out["gpu_freq_mhz"] = t.gpu_freq_mhz
         out["rails_mw"] = {k: v[0] for k, v in t.rails_mw.items()}

@@ -162,6 +162,18 @@ class TegrastatsSampler:
             except ValueError:
                 continue
 
+    def current(self) -> tuple[TegraStats | None, str | None]:
+        """(the latest sample, None) while tegrastats runs and reports; (None, why) once it exited or went silent,
+        so a frozen sample is never served as the device's state."""
+        if self._proc is not None and self._proc.poll() is not None:
+            return None, f"tegrastats exited (status {self._proc.returncode}); restart the server to sample again"
+        if self.latest is None or self.latest_at is None:
+            return None, "tegrastats has not reported a sample yet"
+        age = time.monotonic() - self.latest_at
+        if age > max(5.0, 5 * self.interval_ms / 1000):
+            return None, f"tegrastats reported nothing for {age:.0f} s"
+        return self.latest, None
+
     def wait_first(self, timeout: float = 5.0) -> TegraStats | None:
         deadline = time.monotonic() + timeout
         while self.latest is None and time.monotonic() < deadline:

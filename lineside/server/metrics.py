@@ -157,9 +157,13 @@ class ServerMetrics:
         self._cache.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
-        """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>."""
-        for name, value in values.items():
-            key = "lineside_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+        """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>; a gauge the
+        reading no longer has (tegrastats exited) is removed, not left at its last value."""
+        keys = {"lineside_" + "".join(c if c.isalnum() or c == "_" else "_" for c in name): name for name in values}
+        for key in [k for k in self._device if k not in keys]:
+            self.registry.unregister(self._device.pop(key))
+        for key, name in keys.items():
+            value = values[name]
             gauge = self._device.get(key)
             if gauge is None:
                 gauge = self._device[key] = Gauge(key, f"{name} (tegrastats)", registry=self.registry)

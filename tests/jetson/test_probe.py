@@ -145,6 +145,29 @@ def test_tegrastats_sampler_with_fake_binary(tmp_path, monkeypatch):
     assert (tmp_path / "args").read_text().split() == ["--interval", "50"]
 
 
+def test_gpu_health_after_tegrastats_died(tmp_path, monkeypatch):
+    # a sampler whose tegrastats exited kept serving its last sample: /metrics and the SLO controller read a
+    # GPU load and power frozen at the moment it died
+    busy = _lines("jp6-agx-orin-r36.4.log")[1]
+    _fake_tool(tmp_path, "tegrastats", f"echo '{busy}'\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    s = TegrastatsSampler(interval_ms=50)
+    s.start()
+    assert s.wait_first(5) is not None
+    s._thread.join(5)
+    monkeypatch.setattr(gh, "_sampler", s)
+    h = gh.gpu_health(AGX)
+    assert "metrics" not in h and "rails_mw" not in h
+    assert h["gpu_load_percent"] == 37.2  # sysfs, not the frozen 97%
+    assert h["tegrastats"].startswith("tegrastats exited")
+    from lineside.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.update_device({"jetson_gpu_load_percent": 97.0})
+    m.update_device(h.get("metrics") or {})  # what /metrics passes on the next scrape
+    assert b"lineside_jetson_gpu_load_percent" not in m.render()
+
+
 def test_gpu_health_on_jetson_sysroot():
     h = gh.gpu_health(AGX)
     assert h["gpu"] is True and h["kind"] == "jetson"
