@@ -66,6 +66,11 @@ def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "",
 
     path = Path(bundle)
     read_manifest(path)  # one line if this is not a bundle
+    try:
+        shlex.split(engine_args)
+    except ValueError as e:  # an unbalanced quote in the environment file
+        raise LinesideError(f"LINESIDE_ENGINE_ARGS {engine_args!r}: {e}; fix the quoting (the engine options are "
+                            "split like a shell command line)") from None
     here = machine_key()  # one line if there is no GPU / TensorRT / cuda-python
     if has_engine_for(path, here):
         return False, here.key

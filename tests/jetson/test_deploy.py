@@ -221,6 +221,18 @@ def test_ensure_engine_builds_only_when_missing(tmp_path, monkeypatch, bundle_fa
         eng.ensure_engine(bundle)
 
 
+def test_ensure_engine_unbalanced_quote_in_engine_args_is_one_line(tmp_path, monkeypatch, bundle_factory):
+    # LINESIDE_ENGINE_ARGS="--slots '8" in the environment file: shlex's ValueError was a traceback at every start
+    from lineside.jetson import ensure_engine as eng
+    from lineside.runtime.tensorrt import key as keymod
+
+    bundle = bundle_factory(tmp_path / "b", 3, weight_bytes=1024)
+    monkeypatch.setattr(keymod, "machine_key", lambda: keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6"))
+    with pytest.raises(LinesideError, match="LINESIDE_ENGINE_ARGS") as e:
+        eng.ensure_engine(bundle, "--slots '8")
+    assert "\n" not in str(e.value)
+
+
 def test_ensure_engine_without_gpu_is_one_line(tmp_path, bundle_factory):
     from lineside.jetson.ensure_engine import ensure_engine
 
