@@ -26,6 +26,15 @@ def bundle(v4, tmp_path_factory):
                         BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=64))
 
 
+async def cancel_after(handle, tokens: int) -> None:
+    """Read a request's stream and cancel it once ``tokens`` tokens have come."""
+    n = 0
+    async for ev in handle:
+        n += len(ev.token_ids)
+        if n >= tokens:
+            handle.cancel()
+
+
 def prompts() -> list[list[int]]:
     rng = np.random.default_rng(5)
     return [[1, *rng.integers(3, 120, n).tolist()] for n in (2, 10, 21, 6, 29)]
@@ -111,11 +120,7 @@ def test_cancelled_slot_and_repeated_prompt_start_clean(bundle, alone):
         eng = engine(bundle, num_slots=1, prefill_chunk=8)
         await eng.start()
         first = eng.submit(req(ps[4], max_tokens=30))
-        n = 0
-        async for ev in first:
-            n += len(ev.token_ids)
-            if n >= 7:
-                first.cancel()
+        await cancel_after(first, 7)
         outs = [(await eng.submit(req(ps[3])).result())[1] for _ in range(2)]
         st = eng.stats()
         await eng.stop()
@@ -157,11 +162,7 @@ def test_mtp_engine_equals_plain_through_preemption_and_cancel(mtp_bundle, alone
                                          for r, d in zip(rows, real(rows), strict=True)]
         await eng.start()
         first = eng.submit(req(ps[4], max_tokens=30))
-        n = 0
-        async for ev in first:
-            n += len(ev.token_ids)
-            if n >= 6:
-                first.cancel()
+        await cancel_after(first, 6)
         low = eng.submit(req(ps[2], mode=Mode.BATCH, priority=Priority.LOW))
         mid = eng.submit(req(ps[0], mode=Mode.BATCH, priority=Priority.LOW))
         head = []
