@@ -81,9 +81,11 @@ def list_engines(bundle_path: Path) -> list[tuple[Path, dict[str, Any]]]:
             meta = d / ENGINE_JSON
             if meta.is_file():
                 try:
-                    out.append((d, json.loads(meta.read_text())))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue
+                    m = json.loads(meta.read_text())
+                    lora_of(m)  # a malformed lora field: as unreadable as bad JSON
+                except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                    continue  # junk (not JSON, not an object): never an engine, never a crash of the lookup
+                out.append((d, m))
     return out
 
 
@@ -118,7 +120,7 @@ def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = 
     if not engines:
         raise BundleError(f"no TensorRT engine in {bundle_path} (this machine's key is {here.key}); "
                           f"build one with `lineside engine {bundle_path}`")
-    d, meta = engines[0]
+    d, meta = next(((d, m) for d, m in engines if key_of(m) is not None), engines[0])  # name a real mismatch
     built = key_of(meta)
     if built is None:
         raise BundleError(f"{d / ENGINE_JSON} is incomplete; {rebuild_hint(bundle_path)}")

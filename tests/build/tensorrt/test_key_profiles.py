@@ -68,6 +68,28 @@ def test_find_engine_match_mismatch_missing(tmp_path):
         find_engine(tmp_path, ORIN)
 
 
+def test_junk_in_engines_dir_never_crashes_lookup(tmp_path):
+    """A file where a directory goes, an empty dir, engine.json that is not an object or has a bad lora field:
+    skipped, and the refusal still names the real engine's mismatch (not the junk)."""
+    root = tmp_path / "engines"
+    root.mkdir()
+    (root / "a-file").write_text("x")
+    (root / "b-empty").mkdir()
+    for name, text in (("c-list", "[1, 2]"), ("d-badlora", json.dumps({"machine": ORIN.to_dict(),
+                                                                         "lora": {"max_loras": "x"}})),
+                       ("e-nomachine", "{}")):
+        (root / name).mkdir()
+        (root / name / ENGINE_JSON).write_text(text)
+    with pytest.raises(BundleError, match="e-nomachine/engine.json is incomplete"):
+        find_engine(tmp_path, ORIN)
+    assert not has_engine_for(tmp_path, ORIN)
+    _fake_engine(tmp_path, H200)
+    with pytest.raises(BundleError, match="GPU NVIDIA H200 \\(engine\\) vs Orin \\(here\\)"):
+        find_engine(tmp_path, ORIN)
+    with pytest.raises(BundleError, match="no TensorRT engine for 2 LoRA slots"):
+        find_engine(tmp_path, ORIN, lora=(2, 8))
+
+
 def test_limits_and_profiles(trt_bundle):
     b = trt_bundle("fp16")
     lim = derive_limits(b.max_seq_len, b.config.vocab_size, num_slots=4)
