@@ -24,8 +24,9 @@ class Decision:
         return f"backend: {self.backend} ({self.reason})"
 
 
-def decide_backend(bundle: Bundle, requested: str = "auto") -> Decision:
-    """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run."""
+def decide_backend(bundle: Bundle, requested: str = "auto", lora: LoraSlotsConfig | None = None) -> Decision:
+    """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run;
+    ``lora``: TensorRT also needs the LoRA graph's engine for these slots."""
     from lineside.runtime.tensorrt.key import find_engine, machine_key
 
     if requested not in CHOICES:
@@ -43,6 +44,13 @@ def decide_backend(bundle: Bundle, requested: str = "auto") -> Decision:
         if requested == "tensorrt":
             raise
         return Decision("onnxruntime", f"TensorRT not used: {e}")
+    if lora is not None:  # adapters need the LoRA graph's engine for these slots
+        try:
+            find_engine(bundle.path, here, None, lora=(lora.max_loras, lora.max_rank))
+        except LinesideError as e:
+            if requested == "tensorrt":
+                raise
+            return Decision("onnxruntime", f"TensorRT not used for adapters: {e}")
     return Decision("tensorrt", f"engine {d.name} matches this GPU ({here.gpu_name}, SM {here.compute_capability})")
 
 
@@ -55,16 +63,7 @@ def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
                    lora: LoraSlotsConfig | None = None) -> Backend:
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
     onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots."""
-    dec = decide_backend(bundle, requested)
-    if lora is not None and dec.backend == "tensorrt":  # adapters need the LoRA graph's engine for these slots
-        from lineside.runtime.tensorrt.key import find_engine, machine_key
-
-        try:
-            find_engine(bundle.path, machine_key(), None, lora=(lora.max_loras, lora.max_rank))
-        except LinesideError as e:
-            if requested == "tensorrt":
-                raise
-            dec = Decision("onnxruntime", f"TensorRT not used for adapters: {e}")
+    dec = decide_backend(bundle, requested, lora)
     if dec.backend == "tensorrt":
         from lineside.runtime.tensorrt.backend import TensorRTBackend
 

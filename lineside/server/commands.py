@@ -153,6 +153,11 @@ def serve(
                 raise LinesideError(f"adapter name {clash!r} is also a name of the base model (it answers to "
                                     f"{', '.join(map(repr, base))}): requests for it would get the base model; give "
                                     "the adapter another name (or the base one with --served-model-name)")
+    if backend == "tensorrt":  # TensorRT, cuda-python, a driver, a GPU and its engine (for the LoRA slots too)
+        from lineside.bundle import Bundle
+        from lineside.runtime.select import decide_backend
+
+        decide_backend(Bundle(path=Path(bundle), manifest=manifest), "tensorrt", None if lora is None else lora.slots)
     if backend != "tensorrt":  # the onnxruntime arena lives in host memory: refuse what cannot fit
         need, what, fix = checks.decode_state_bytes(manifest, num_slots), f"the KV cache for --num-slots {num_slots}", \
             "lower --num-slots"

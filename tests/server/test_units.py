@@ -270,6 +270,31 @@ def test_serve_tensorrt_without_a_trt_graph_fails_before_serving(tiny_bundle, ca
     assert code == 1 and "no 'trt' graph" in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("missing", ["gpu", "engine"])
+def test_serve_tensorrt_that_cannot_run_fails_before_serving(trt_bundle, monkeypatch, capsys, missing):
+    """--backend tensorrt with no GPU (driver, TensorRT: the same probe) or no engine for this GPU: one line before
+    the socket opens, not after 'serving on ...' and the startup log."""
+    import socket
+
+    from lineside.cli import run_app
+    from lineside.errors import BackendUnavailable
+    from lineside.runtime.tensorrt import env as trt_env
+    from lineside.runtime.tensorrt import key as keymod
+
+    def no_gpu():
+        raise BackendUnavailable(trt_env.NO_GPU.format(err="cudaErrorNoDevice"))
+
+    monkeypatch.setattr(keymod, "machine_key", no_gpu if missing == "gpu" else
+                        lambda: keymod.MachineKey("Orin", "8.7", "10.3.0", "12.6"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = run_app(_cli(), ["serve", str(trt_bundle("fp16").path), "--backend", "tensorrt", "--port", str(port)])
+    err = capsys.readouterr().err.strip()
+    needle = "no CUDA GPU found" if missing == "gpu" else "no TensorRT engine"
+    assert code == 1 and needle in err and len(err.splitlines()) == 1, err
+
+
 def test_ignore_eos_reaches_the_engine_request():
     """vLLM's ``ignore_eos`` (what ``lineside bench --ignore-eos`` sends) keeps the engine going past EOS; a
     string is a 400 like every other strictly typed field."""
