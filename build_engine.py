@@ -2,7 +2,8 @@
 """Workstation entry point: `.venv/bin/python build_engine.py CHECKPOINT -o BUNDLE [options]`.
 
 The same options as `lineside build` (but both flavors, cpu,trt, by default); when TensorRT is
-importable here, it also builds the TensorRT engine for this machine's GPU into the bundle.
+importable here and a GPU is present, it also builds the TensorRT engine for this machine's GPU into
+the bundle (otherwise it says why it skipped it).
 Engines are per GPU/TensorRT version, so on Jetson run `lineside engine BUNDLE` on the device.
 """
 
@@ -49,10 +50,10 @@ def main(
             max_lora_rank=max_lora_rank, lora_targets=lora_targets, force=force, quiet=quiet)
     if not engine or "trt" not in flavors:
         return
-    from lineside.runtime.tensorrt.env import import_tensorrt
+    from lineside.runtime.tensorrt import key
 
-    try:
-        import_tensorrt()
+    try:  # TensorRT, cuda-python, a driver and a GPU: pip installs TensorRT on machines that have no GPU
+        key.machine_key()
     except LinesideError as e:
         why = str(e).split(";")[0]
         print(f"skipping the TensorRT engine: {why}. The bundle is complete (its cpu flavor runs here on "

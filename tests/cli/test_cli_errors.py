@@ -279,6 +279,31 @@ def test_build_engine_takes_every_build_option():
     assert not missing, missing
 
 
+def test_build_engine_skips_the_engine_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """TensorRT importable (pip installs it on GPU-less machines) but no GPU/driver: the bundle is complete, so
+    the engine is skipped with the same line as without TensorRT, not an error after the bundle was written."""
+    import importlib.util
+
+    from lineside.build import commands as build_commands
+    from lineside.errors import BackendUnavailable
+    from lineside.runtime.tensorrt import env as trt_env
+    from lineside.runtime.tensorrt import key as keymod
+
+    def no_gpu():
+        raise BackendUnavailable(trt_env.NO_GPU.format(err="cudaErrorNoDevice"))
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("build_engine", root / "build_engine.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(build_commands, "build", lambda *a, **k: None)
+    monkeypatch.setattr(trt_env, "import_tensorrt", lambda: object())
+    monkeypatch.setattr(keymod, "machine_key", no_gpu)
+    script.main(tmp_path / "ckpt", tmp_path / "b")
+    err = capsys.readouterr().err
+    assert err.startswith("skipping the TensorRT engine: no CUDA GPU found") and f"lineside engine {tmp_path}" in err
+
+
 def test_build_engine_script(ckpt, tmp_path):
     """build_engine.py takes `lineside build`'s options and says why it skips the engine without TensorRT."""
     root = Path(__file__).resolve().parents[2]
