@@ -54,6 +54,7 @@ from lineside.runtime.structured import GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
 T = TypeVar("T")
+IDLE_CHECK_S = 5.0  # the longest the idle step thread waits before it looks again (sessions may wake it sooner)
 
 
 @dataclass(frozen=True)
@@ -198,12 +199,19 @@ class LLMEngine:
         if self._closed or self.draining:
             raise LinesideError("this engine was stopped; create a new LLMEngine to serve again")
         self._loop = asyncio.get_running_loop()
+        # Taken before the warm-up's await: a second start() meanwhile returns instead of starting a second thread.
+        thread = self._thread = threading.Thread(target=self._run, name="lineside-step", daemon=True)
         if not self._warmed:
-            await asyncio.to_thread(self.warm_up)
+            try:
+                await asyncio.to_thread(self.warm_up)
+            except BaseException:
+                self._thread = None
+                raise
+        if self.draining:  # stopped or closed during the warm-up: the thread must not start after that
+            raise LinesideError("this engine was stopped while it was starting; create a new LLMEngine")
         self.ready = True
         self._exit = False
-        self._thread = threading.Thread(target=self._run, name="lineside-step", daemon=True)
-        self._thread.start()
+        thread.start()
 
     async def stop(self, drain_timeout: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to ``drain_timeout`` s, cancel the rest."""
@@ -218,7 +226,7 @@ class LLMEngine:
         while self._stepping() and self._seqs:
             await asyncio.sleep(0.01)
         thread, self._thread = self._thread, None
-        if thread is not None:
+        if thread is not None and thread.ident is not None:  # (not yet started: stop() came during the warm-up)
             self._exit = True
             self._kick()
             await asyncio.to_thread(thread.join)
@@ -249,6 +257,7 @@ class LLMEngine:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
+        self._check_loop()
         validate_request(req, self.vocab_size, self.max_seq_len)
         if req.session_id is not None:
             check_session_id(req.session_id)
@@ -261,7 +270,7 @@ class LLMEngine:
         if not self.arena.fits_ever(len(req.prompt_ids) + min(req.max_tokens, self.max_seq_len - len(req.prompt_ids))):
             raise LinesideError(f"prompt + max_tokens need more KV than the engine's {self.arena.total_blocks} blocks "
                                f"of {self.arena.block_size}; lower max_tokens")
-        handle = RequestHandle(req, on_cancel=self._kick)
+        handle = RequestHandle(req, on_cancel=self._kick, loop=self._loop)
         handle.metrics.arrival = self.clock()
         matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
@@ -275,6 +284,23 @@ class LLMEngine:
             self._incoming.append(seq)
         self._kick()
         return handle
+
+    def _check_loop(self) -> None:
+        """A started engine hands its events to the event loop that started it: a request submitted from another
+        loop (or after that loop closed) would wait for events that never reach it."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop.is_closed():
+            raise LinesideError("the event loop this engine was started on has closed; stop() the engine before "
+                                "its loop ends and create a new LLMEngine on the new loop")
+        if running is not None and running is not loop:
+            raise LinesideError("this engine was started on another event loop: submit from that loop (from another "
+                                "thread, through asyncio.run_coroutine_threadsafe)")
 
     # ---- prefill sessions ---------------------------------------------------------------------------
     def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
@@ -393,7 +419,7 @@ class LLMEngine:
         done: tuple[StepPlan, StepOutcome] | None = None  # the step just run, to postprocess
         while True:
             self._wake.clear()  # before reading _exit: a stop/close that sets it after this still wakes the wait below
-            if self._exit:
+            if self._exit or self._loop_gone():
                 break
             try:
                 with self._state:
@@ -446,7 +472,17 @@ class LLMEngine:
         with self._state:
             store = self.scheduler.sessions
             due = store.next_expiry() if store is not None else None
-        self._wake.wait(None if due is None else min(60.0, max(0.01, due - self.clock())))
+        # bounded even with nothing due: an event loop closed without stop() is noticed (_loop_gone) and the thread ends
+        self._wake.wait(IDLE_CHECK_S if due is None else min(IDLE_CHECK_S, max(0.01, due - self.clock())))
+
+    def _loop_gone(self) -> bool:
+        """The event loop the handles live on has closed without stop(): nobody can receive events any more, so the
+        step thread ends (else it idled for the life of the process, keeping the engine and its backend alive)."""
+        loop = self._loop
+        if loop is None or not loop.is_closed():
+            return False
+        self.draining, self.ready, self._exit = True, False, True
+        return True
 
     def _intake(self) -> None:
         while self._incoming:

@@ -172,8 +172,11 @@ class RequestMetrics:
 class RequestHandle:
     """One submitted request: ``async for ev in handle`` streams its events; ``cancel()`` stops it."""
 
-    def __init__(self, request: GenerationRequest, on_cancel: Callable[[], None] | None = None):
+    def __init__(self, request: GenerationRequest, on_cancel: Callable[[], None] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None):
+        """``loop``: the event loop the engine hands this handle's events to (None: the engine is not started)."""
         self.request = request
+        self._loop = loop
         self.request_id = request.request_id
         self.metrics = RequestMetrics()
         self.finish_reason: FinishReason | None = None
@@ -200,9 +203,14 @@ class RequestHandle:
         self._queue.put_nowait(ev)
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        if self._done:  # else a second `async for` ended at once, as if the request had produced nothing
+            raise LinesideError(f"request {self.request_id}'s events were already consumed")
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise LinesideError(f"request {self.request_id} is read on another event loop than its engine's, which "
+                                "hands its events to its own loop: read it there")
         while not self._done:
             ev = await self._queue.get()
             if ev.finish_reason is not None:
@@ -216,6 +224,5 @@ class RequestHandle:
             text.append(ev.text)
             ids.extend(ev.token_ids)
             last = ev
-        if last is None:
-            raise RuntimeError(f"request {self.request_id}'s events were already consumed")
+        assert last is not None  # the stream ends with its final event
         return "".join(text), ids, last

@@ -1,0 +1,112 @@
+"""The in-process API misused the way application code does: each misuse ends in one LinesideError, never a hang,
+a second step thread, a leaked thread or silently wrong output. Interleavings are forced, never waited for."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from lineside.errors import LinesideError
+from lineside.runtime.engine import LLMEngine
+from lineside.runtime.request import GenerationRequest
+from tests.runtime.conftest import run
+from tests.runtime.fakes import FakeBackend
+
+
+def engine(bundle, slots=1, **kw) -> LLMEngine:
+    return LLMEngine(bundle, backend=FakeBackend(slots, max_seq_len=kw.pop("max_seq_len", 64)),
+                     clock=time.monotonic, **kw)
+
+
+def req(prompt, n=4, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(prompt), max_tokens=n, **kw)
+
+
+def step_threads(eng: LLMEngine) -> int:
+    return sum(t.name == "lineside-step" and t.is_alive() for t in threading.enumerate())
+
+
+def test_two_concurrent_starts_run_one_step_thread(tiny_bundle):
+    """Both start() calls passed the `_thread is None` check before the warm-up's await: two step threads ran the
+    same scheduler and backend at once."""
+
+    async def main():
+        eng = engine(tiny_bundle)
+        before = step_threads(eng)
+        await asyncio.gather(eng.start(), eng.start())
+        n = step_threads(eng) - before
+        out = await eng.submit(req([1, 5, 6])).result()
+        await eng.stop()
+        return n, out[2].finish_reason
+
+    assert run(main()) == (1, "length")
+
+
+def test_submit_from_another_event_loop_is_refused(tiny_bundle):
+    """Started under one asyncio.run and used under the next: the events went to the first (closed) loop and
+    the request's result() waited forever."""
+    eng = engine(tiny_bundle)
+    asyncio.run(eng.start())
+
+    async def later():
+        with pytest.raises(LinesideError, match="loop this engine was started on has closed"):
+            eng.submit(req([1, 5, 6]))
+
+    run(later())
+    eng.close()
+
+
+def test_handle_read_on_another_loop_is_refused(tiny_bundle):
+    """A handle submitted on the engine's loop (from another thread) and read under a loop of the caller's own:
+    the engine's loop filled a queue the other loop waited on, unsafely across threads."""
+
+    async def main():
+        eng = engine(tiny_bundle)
+        await eng.start()
+        h = eng.submit(req([1, 5, 6]))
+
+        def elsewhere():
+            with pytest.raises(LinesideError, match="another event loop"):
+                asyncio.run(h.result())
+
+        await asyncio.to_thread(elsewhere)
+        out = await h.result()  # still whole on its own loop
+        await eng.stop()
+        return out[2].finish_reason
+
+    assert run(main()) == "length"
+
+
+def test_step_thread_ends_when_its_loop_closes_without_stop(tiny_bundle):
+    """An engine never stopped, its loop gone: the step thread idled for the life of the process (keeping the
+    engine and its backend alive). Now it ends at its next look (here a kick, else a bounded idle wait)."""
+    eng = engine(tiny_bundle)
+    asyncio.run(eng.start())
+    thread = eng._thread
+    assert thread is not None and thread.is_alive()
+    eng._kick()
+    thread.join(30)
+    assert not thread.is_alive() and eng.draining
+
+
+def test_a_consumed_handle_says_so(tiny_bundle):
+    """A second `async for` over a finished handle ended at once, as if the request had produced nothing."""
+
+    async def main():
+        eng = engine(tiny_bundle)
+        await eng.start()
+        h = eng.submit(req([1, 5, 6]))
+        events = [ev async for ev in h]
+        h.cancel()  # after the finish: a no-op
+        with pytest.raises(LinesideError, match="already consumed"):
+            [ev async for ev in h]
+        with pytest.raises(LinesideError, match="already consumed"):
+            await h.result()
+        await eng.stop()
+        await eng.stop()  # twice: a no-op
+        return events[-1].finish_reason
+
+    assert run(main()) == "length"
