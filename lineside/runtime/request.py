@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from uuid import uuid4
 
+import numpy as np
+
 from lineside.errors import LinesideError
 from lineside.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from lineside.runtime.structured import Constraint
@@ -88,11 +90,19 @@ def rank_of(priority: Priority, mode: Mode) -> int:
 EMPTY_PROMPT = "the prompt is empty after tokenization; give some text"  # the server's budget check says it too
 
 
+def is_int(x: object) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_prompt_ids(ids: Sequence[int], vocab_size: int, max_seq_len: int | None = None) -> None:
     """The prompt rules every entry point shares (engine submit, `lineside generate`/`logits`, the server's
     token-id prompts): not empty, every id in the vocabulary and, given a context, room to generate."""
-    if not ids:
+    if len(ids) == 0:  # (len: a numpy array has no single truth value)
         raise LinesideError(EMPTY_PROMPT)
+    odd = [i for i in ids if not is_int(i)]
+    if odd:  # int() would have made 5.7 token 5 and "5" token 5: another prompt than the one given
+        raise LinesideError(f"token ids must be integers, got {odd[0]!r} ({type(odd[0]).__name__})")
     bad = [i for i in ids if not 0 <= int(i) < vocab_size]
     if bad:
         raise LinesideError(f"token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab_size - 1})")
@@ -110,11 +120,14 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
         raise LinesideError(f"mode {req.mode!r} is not one of {', '.join(MODES)}")
     req.priority, req.mode = Priority(req.priority), Mode(req.mode)
     check_prompt_ids(req.prompt_ids, vocab_size, max_seq_len)
+    req.prompt_ids = [int(i) for i in req.prompt_ids]
+    if not is_int(req.max_tokens):
+        raise LinesideError(f"max_tokens must be an integer, got {req.max_tokens!r}")
     if req.max_tokens < 1:
         raise LinesideError(f"max_tokens must be ≥ 1, got {req.max_tokens}")
     if req.sampling.min_tokens > req.max_tokens:
         raise LinesideError(f"min_tokens ({req.sampling.min_tokens}) must be ≤ max_tokens ({req.max_tokens})")
-    if req.timeout_s is not None and req.timeout_s <= 0:
+    if req.timeout_s is not None and not (isinstance(req.timeout_s, (int, float)) and req.timeout_s > 0):
         raise LinesideError(f"timeout must be > 0 seconds, got {req.timeout_s}")
     if any(not isinstance(s, str) or not s for s in req.stop):
         raise LinesideError("stop strings must be non-empty strings")

@@ -19,6 +19,7 @@ step): with no penalty and no constraint they are the model's own log-probabilit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -40,6 +41,16 @@ class SamplingParams:
     min_tokens: int = 0  # vLLM's: stop tokens masked (and stop strings not matched) until this many are generated
 
     def validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)  # NaN / inf penalties passed every range check below and sampled garbage
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(v):
+                raise LinesideError(f"{name} must be a finite number, got {v!r}")
+        for name in ("top_k", "min_tokens", "seed"):
+            v = getattr(self, name)
+            if not (v is None and name == "seed") and (
+                    isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
+                raise LinesideError(f"{name} must be an integer, got {v!r}")
         if not (self.temperature >= 0):
             raise LinesideError(f"temperature must be ≥ 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
@@ -50,6 +61,8 @@ class SamplingParams:
             raise LinesideError(f"top_k must be ≥ 0, got {self.top_k}")
         if self.repetition_penalty <= 0:
             raise LinesideError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and self.seed < 0:
+            raise LinesideError(f"seed must be ≥ 0, got {self.seed}")
         if self.min_tokens < 0:
             raise LinesideError(f"min_tokens must be ≥ 0, got {self.min_tokens}")
 

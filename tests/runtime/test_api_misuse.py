@@ -4,14 +4,17 @@ a second step thread, a leaked thread or silently wrong output. Interleavings ar
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
 from lineside.runtime.request import GenerationRequest
+from lineside.runtime.sampling import SamplingParams
 from tests.runtime.conftest import run
 from tests.runtime.fakes import FakeBackend
 
@@ -110,3 +113,53 @@ def test_a_consumed_handle_says_so(tiny_bundle):
         return events[-1].finish_reason
 
     assert run(main()) == "length"
+
+
+@pytest.mark.parametrize(("prompt", "match"), [
+    ([1, 5.7], "token ids must be integers, got 5.7"),  # was token 5: another prompt than the one given
+    ([1, "5"], "token ids must be integers, got '5'"),
+    ([1, True], "token ids must be integers, got True"),
+    (np.array([], dtype=np.int64), "prompt is empty"),  # was numpy's "truth value ... is ambiguous" for longer ones
+    ([1, -3], "token id -3 is out of vocabulary"),
+])
+def test_prompt_ids_that_are_not_token_ids(tiny_bundle, prompt, match):
+    with pytest.raises(LinesideError, match=match):
+        engine(tiny_bundle).submit(GenerationRequest(prompt_ids=prompt))
+
+
+def test_numpy_prompt_ids_are_taken_as_plain_ints(tiny_bundle):
+    async def main():
+        eng = engine(tiny_bundle)
+        await eng.start()
+        a = await eng.submit(GenerationRequest(prompt_ids=np.array([1, 5, 6]), max_tokens=4)).result()
+        b = await eng.submit(req([1, 5, 6])).result()
+        await eng.stop()
+        return a[1], b[1]
+
+    a, b = run(main())
+    assert a == b and len(a) == 4
+
+
+@pytest.mark.parametrize(("params", "match"), [
+    (dict(repetition_penalty=math.nan), "repetition_penalty must be a finite number"),  # all three sampled on
+    (dict(presence_penalty=math.nan), "presence_penalty must be a finite number"),
+    (dict(frequency_penalty=math.inf), "frequency_penalty must be a finite number"),
+    (dict(temperature=math.inf, seed=1), "temperature must be a finite number"),  # failed at the step: NaN probs
+    (dict(temperature="1"), "temperature must be a finite number"),  # TypeError
+    (dict(top_k=2.5, temperature=1.0), "top_k must be an integer"),  # failed at the step
+    (dict(seed="x"), "seed must be an integer"),  # TypeError
+    (dict(seed=-1), "seed must be ≥ 0"),  # numpy's ValueError
+])
+def test_sampling_params_that_are_not_numbers(tiny_bundle, params, match):
+    with pytest.raises(LinesideError, match=match):
+        engine(tiny_bundle).submit(req([1, 5, 6], sampling=SamplingParams(**params)))
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(max_tokens=2.5), "max_tokens must be an integer"),  # generated 3 tokens
+    (dict(max_tokens="3"), "max_tokens must be an integer"),  # TypeError
+    (dict(timeout_s="1"), "timeout must be > 0"),  # TypeError
+])
+def test_request_fields_of_the_wrong_type(tiny_bundle, kw, match):
+    with pytest.raises(LinesideError, match=match):
+        engine(tiny_bundle).submit(GenerationRequest(prompt_ids=[1, 5, 6], **kw))
