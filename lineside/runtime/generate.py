@@ -6,6 +6,7 @@ feeds one token per step through the backend's cache. The serving engine batches
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,12 +74,35 @@ class Generator:
         self.steps = 0  # decode forwards of the last stream (tokens per step = tokens / steps)
         self.drafted = self.accepted = 0  # proposed and kept tokens of the last stream
         self._proposer: tuple[SpeculativeConfig, Proposer | ModelProposer] | None = None
+        self._busy = threading.Lock()  # held while a stream runs the backend (between two of its tokens)
+        self._owner: object | None = None  # the stream slot 0's cache belongs to
 
     def stream(self, prompt_ids: list[int], max_tokens: int = 128, params: SamplingParams | None = None, *,
                stop_at_eos: bool = True, matcher: GrammarMatcher | None = None) -> Iterator[int]:
         """Yield generated token ids one by one (EOS is not yielded). ``matcher``: the output follows its
-        grammar and ends when the grammar is complete."""
+        grammar and ends when the grammar is complete. The backend's slot 0 holds one stream: a stream started
+        later (this thread or another) takes it over, and the earlier one then raises instead of reading the
+        other's cache; one left unfinished (abandoned, interrupted) leaves nothing behind."""
+        owner, started = object(), False
+        inner = self._stream(prompt_ids, max_tokens, params, stop_at_eos=stop_at_eos, matcher=matcher)
+        while True:
+            with self._busy:  # one forward at a time on slot 0
+                if started and self._owner is not owner:
+                    raise LinesideError("another stream started on this Generator and took over its cache; a "
+                                        "Generator runs one stream at a time (use one per thread)")
+                self._owner, started = owner, True
+                try:
+                    tok = next(inner)
+                except StopIteration:
+                    self._owner = None
+                    return
+            yield tok
+
+    def _stream(self, prompt_ids: list[int], max_tokens: int, params: SamplingParams | None, *,
+                stop_at_eos: bool, matcher: GrammarMatcher | None) -> Iterator[int]:
         limit = self.backend.max_seq_len
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise LinesideError(f"max_tokens must be an integer ≥ 1, got {max_tokens!r}")
         check_prompt_ids(prompt_ids, self.backend.vocab_size, limit)
         max_tokens = min(max_tokens, limit - len(prompt_ids))
         sampler = Sampler(params or SamplingParams())
@@ -191,5 +215,7 @@ class Generator:
             out.token_ids.append(t)
             out.text += detok.add(t)
         out.text += detok.flush()
-        out.finish_reason = FinishReason.LENGTH if len(out.token_ids) >= max_tokens else FinishReason.STOP
+        # the stream stops at the context too: that is a length finish, not EOS
+        limit = min(max_tokens, self.backend.max_seq_len - len(ids))
+        out.finish_reason = FinishReason.LENGTH if len(out.token_ids) >= limit else FinishReason.STOP
         return out

@@ -13,6 +13,7 @@ import pytest
 
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
+from lineside.runtime.generate import Generator
 from lineside.runtime.request import GenerationRequest
 from lineside.runtime.sampling import SamplingParams
 from tests.runtime.conftest import run
@@ -163,3 +164,42 @@ def test_sampling_params_that_are_not_numbers(tiny_bundle, params, match):
 def test_request_fields_of_the_wrong_type(tiny_bundle, kw, match):
     with pytest.raises(LinesideError, match=match):
         engine(tiny_bundle).submit(GenerationRequest(prompt_ids=[1, 5, 6], **kw))
+
+
+def generator(bundle, max_seq_len=64) -> Generator:
+    return Generator(bundle, backend=FakeBackend(1, max_seq_len=max_seq_len))
+
+
+def test_generator_interleaved_streams_raise_instead_of_mixing_caches(tiny_bundle):
+    """Two streams of one Generator (two threads, or one thread alternating) shared slot 0: the earlier one went
+    on decoding on the later one's cache and yielded another prompt's continuation, silently."""
+    g = generator(tiny_bundle)
+    ref_b = list(g.stream([1, 7, 7], 8))
+    a, b = g.stream([1, 5, 6], 8), g.stream([1, 7, 7], 8)
+    next(a)
+    assert list(b) == ref_b  # the later stream is whole
+    with pytest.raises(LinesideError, match="another stream started on this Generator"):
+        next(a)
+
+
+def test_generator_after_an_abandoned_or_interrupted_stream(tiny_bundle):
+    g = generator(tiny_bundle)
+    ref = g.generate("ab", max_tokens=6)
+    s = g.stream([1, 9, 9], 8)
+    next(s)  # abandoned midway
+    assert g.generate("ab", max_tokens=6) == ref
+    try:
+        for _ in g.stream([1, 9, 9], 8):
+            raise KeyboardInterrupt  # Ctrl-C in the caller's loop
+    except KeyboardInterrupt:
+        pass
+    assert g.generate("ab", max_tokens=6) == ref
+
+
+def test_generator_cut_at_the_context_is_a_length_finish(tiny_bundle):
+    """max_tokens beyond the context: the stream stopped at the context and generate() reported "stop" (EOS)."""
+    g = generator(tiny_bundle, max_seq_len=16)
+    r = g.generate("ab", max_tokens=100)
+    assert len(r.token_ids) == 16 - r.prompt_tokens and r.finish_reason == "length"
+    with pytest.raises(LinesideError, match="max_tokens must be an integer ≥ 1"):
+        list(g.stream([1, 5], 0))
