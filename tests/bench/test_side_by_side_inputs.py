@@ -68,7 +68,7 @@ def test_ctrl_c_while_a_server_starts_stops_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(served_side_by_side, "wait_ready", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        served_side_by_side.spawn("lineside", [sys.executable, "-c", "import time; time.sleep(60)"], 9, "m", 1,
+        served_side_by_side.spawn("lineside", [sys.executable, "-c", "import threading; threading.Event().wait()"], 9, "m", 1,
                                   tmp_path)
     (proc,) = served_side_by_side.STARTED
     assert proc.poll() is not None
