@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lineside.errors import LinesideError
 from lineside.strenum import StrEnum
+from lineside.yaml_keys import DuplicateKey, load_unique
 
 NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 MIN_STICKY_S = 60  # seed report §5.2: a session stays on one node for at least a minute
@@ -210,29 +211,6 @@ def url_key(url: str) -> tuple[str, str, int, str]:
     return scheme, (m["v6"] or m["host"]).lower(), port, path
 
 
-class _DuplicateKey(Exception):
-    def __init__(self, key: Any, first: int, second: int) -> None:
-        super().__init__(key)
-        self.key, self.first, self.second = key, first, second
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses a key written twice in one mapping (YAML would keep the last without a word).
-    Keys brought in by a ``<<`` merge may be overridden, as YAML means them to be."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for k, _ in node.value:
-            if k.tag == "tag:yaml.org,2002:merge" or not isinstance(k, yaml.ScalarNode):
-                continue
-            key = self.construct_object(k, deep=True)
-            line = k.start_mark.line + 1
-            if key in seen:
-                raise _DuplicateKey(key, seen[key], line)
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -295,8 +273,8 @@ def _one_line(path: Path, e: ValidationError) -> str:
 def parse_fleet(text: str, path: Path) -> FleetFile:
     """YAML text → validated FleetFile (structure and cross-references, not memory fit)."""
     try:
-        raw = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
-    except _DuplicateKey as e:
+        raw = load_unique(text)
+    except DuplicateKey as e:
         raise FleetError(f"{path}: key {e.key!r} is written twice (lines {e.first} and {e.second}); YAML keeps only "
                          "the last: remove one or merge them") from None
     except yaml.YAMLError as e:

@@ -144,15 +144,14 @@ def load_policy(path: str | Path) -> SloPolicy:
     except UnicodeDecodeError as e:
         raise LinesideError(f"--slo-policy {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
                             "UTF-8") from None
+    from lineside.yaml_keys import DuplicateKey, load_unique  # (yaml: imported only when a policy is read)
+
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text, object_pairs_hook=_once)
         else:
-            import yaml
-
-            _once_each(yaml.compose(text, Loader=yaml.SafeLoader))  # tiny files: read twice
-            data = yaml.safe_load(text)
-    except _Repeated as e:
+            data = load_unique(text)
+    except (_Repeated, DuplicateKey) as e:
         raise LinesideError(f"--slo-policy {path}: key {e} is written twice; only the last would count: remove one "
                             "or merge them") from None
     except Exception as e:  # noqa: BLE001 - json and yaml raise several types; the first line says where
@@ -171,23 +170,6 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if repeated is not None:
         raise _Repeated(repr(repeated))
     return dict(pairs)
-
-
-def _once_each(node: Any) -> None:
-    """Walk a composed YAML node tree; raise _Repeated (with both lines) at a mapping's repeated scalar key."""
-    import yaml
-
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
-                if key.value in seen:
-                    raise _Repeated(f"{key.value!r} (lines {seen[key.value]} and {key.start_mark.line + 1})")
-                seen[key.value] = key.start_mark.line + 1
-            _once_each(value)
-    elif isinstance(node, yaml.SequenceNode):
-        for item in node.value:
-            _once_each(item)
 
 
 def parse_policy(data: Any, *, source: str = "policy") -> SloPolicy:
