@@ -76,7 +76,7 @@ def cluster(tiny_bundle, tmp_path_factory):
         c = httpx.Client(base_url=f"http://127.0.0.1:{gw_port}", timeout=60, trust_env=False)
         # both routers see both of their workers healthy before the tests begin
         for mport in metrics_port.values():
-            _until(lambda mp=mport: _metric_sum(mp, "smg_worker_health") >= 2, 60, "routers' workers healthy")
+            _until(lambda mp=mport: _healthy_workers(mp) >= 2, 60, "routers' workers healthy")
         yield {"client": c, "procs": procs, "ports": ports, "url": f"http://127.0.0.1:{gw_port}",
                "fleet": fpath, "smg_metrics": metrics_port, "dir": d}
         c.close()
@@ -104,6 +104,14 @@ def _metric_sum(port: int, name: str) -> float:
         if re.match(rf"^{re.escape(name)}(\{{|\s)", line):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _healthy_workers(port: int) -> float:
+    """A router's healthy workers; 0 while its metrics port is not open yet (the gateway answers before it)."""
+    try:
+        return _metric_sum(port, "smg_worker_health")
+    except httpx.ConnectError:
+        return 0.0
 
 
 def _until(cond, timeout: float, what: str) -> None:
