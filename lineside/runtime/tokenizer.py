@@ -142,6 +142,7 @@ class Tokenizer:
         another template's text to render with (``--chat-template``, a request's); ``template_kwargs``: extra
         variables for the template (a request's ``chat_template_kwargs``)."""
         template = chat_template or self.chat_template
+        messages = _developer_as_system(messages, template)
         if not template:
             # No template: a plain transcript the model can still continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
@@ -344,6 +345,17 @@ _GROWS = "\ue000"  # a private-use character standing for text the last message 
 # Continuations that change how the end of a text tokenizes, in common tokenizers: a word or number going on,
 # spaces and newlines merging, punctuation runs, a multi-byte letter, a combining mark (NFC).
 _PROBES = ("a", "A", " a", " ", "  ", "\n", "\n\n", "1", ".", ",", "'s", "<", "é", "中", "\u0301", "\t")
+
+
+def _developer_as_system(messages: list[dict[str, Any]], template: str | None) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role is the system role of its newer models. A template that never names it (every
+    HF template but gpt-oss's) drops such a message (Qwen2.5's) or writes an unknown role under its default system
+    prompt (SmolLM2's): it gets them as ``system`` messages, as vLLM and llama.cpp's server map them."""
+    if template and "developer" in template:
+        return messages
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
 def _common_prefix(a: Any, b: Any) -> int:

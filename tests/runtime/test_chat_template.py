@@ -144,3 +144,29 @@ def test_a_request_without_tools_renders_as_transformers_with_tools_none(tok):
         for gen in (True, False):
             theirs = render_jinja_template([msgs], tools=given, chat_template=template, add_generation_prompt=gen)[0][0]
             assert tok.apply_chat_template(msgs, gen, given, chat_template=template) == theirs
+
+
+# Qwen2.5's message loop: a role it does not know (OpenAI's "developer") is not written at all
+QWEN_LIKE = ("{% for m in messages %}{% if m.role in ('system', 'user', 'assistant') %}<|im_start|>{{ m.role }}\n"
+             "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+             "{% endif %}")
+KNOWS_DEVELOPER = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% else %}[{{ m.role }}]{% endif %}"
+                   "{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [None, QWEN_LIKE])
+def test_developer_messages_render_as_system_ones(tok, template):
+    """OpenAI's ``developer`` role is the system role of its newer models; HF templates know only ``system`` (and
+    drop or mislabel anything else), so a developer message renders as a system one, as vLLM and llama.cpp's
+    server map it."""
+    def render(role):
+        return tok.apply_chat_template([{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                                       chat_template=template)
+
+    assert "Be brief." in render("developer")
+    assert render("developer") == render("system")
+
+
+def test_a_template_that_knows_the_developer_role_gets_it(tok):
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(msgs, chat_template=KNOWS_DEVELOPER) == "[dev]Be brief.[user]Hi"
