@@ -120,7 +120,8 @@ def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as plain role/content dicts for the chat template (text parts joined)."""
+    """Messages as plain role/content dicts for the chat template (text parts joined by newlines, as vLLM and
+    llama.cpp's server join them: separate pieces of text, not one word)."""
     out = []
     for i, message in enumerate(req.messages):
         param = f"messages.{i}.content"
@@ -139,7 +140,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 if not isinstance(part.text, str):
                     raise bad(f"a content part's 'text' must be a string, not {type(part.text).__name__}", param)
                 texts.append(part.text)
-            content = "".join(texts)
+            content = "\n".join(texts)
         plain: dict[str, Any] = {"role": message.role, "content": clean_text(content, param)}
         if message.name:
             plain["name"] = message.name

@@ -103,7 +103,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     raise _bad(f"{where}.content[{j}].text: give the part's text as a string (got "
                                f"{type(p.get('text')).__name__})", f"{where}.content[{j}].text")
                 parts.append(p["text"])
-            text = "".join(parts)
+            text = "\n".join(parts)  # as chat content parts are joined (request_mapping.chat_messages)
         else:
             raise _bad(f"{where}.content: give a string or a list of input_text parts", f"{where}.content")
         out.append({"role": "system" if role == "developer" else role, "content": text})

@@ -24,3 +24,22 @@ def test_a_developer_message_is_a_system_message(client):
     developer, system = ask("developer"), ask("system")
     assert developer.usage.prompt_tokens == system.usage.prompt_tokens
     assert developer.choices[0].message.content == system.choices[0].message.content
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_and_llama_cpp_join_them(client):
+    """A message's text parts are separate pieces of text (an instruction, then a document): vLLM and llama.cpp's
+    server render them joined by a newline, never glued into one word."""
+    def ask(content):
+        return client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                              messages=[{"role": "user", "content": content}])
+
+    parts = ask([{"type": "text", "text": "Summarise:"}, {"type": "text", "text": "pump 4 stopped"}])
+    joined = ask("Summarise:\npump 4 stopped")
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    # the Responses API's input_text parts the same way
+    parts = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Summarise:"}, {"type": "input_text", "text": "pump 4 stopped"}]}], store=False)
+    joined = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input="Summarise:\npump 4 stopped",
+                                     store=False)
+    assert parts.usage.input_tokens == joined.usage.input_tokens and parts.output_text == joined.output_text

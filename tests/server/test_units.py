@@ -115,7 +115,7 @@ def test_chat_messages_parts_and_refusal():
         {"role": "user", "content": [{"type": "text", "text": "\ufeffa"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}])
     assert request_mapping.chat_messages(req) == [{"role": "system", "content": "be brief"},
-                                          {"role": "user", "content": "ab"},
+                                          {"role": "user", "content": "a\nb"},
                                           {"role": "assistant", "content": ""}]
     img = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}])
