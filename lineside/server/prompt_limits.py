@@ -74,13 +74,14 @@ def too_long(e: PromptTooLong, *, param: str) -> APIError:
 
 
 def chat_texts(body: Any) -> list[str]:
-    """Every message's text (string content, text parts, names) from a ChatCompletionRequest, untouched."""
+    """Every message's text (string content, text and refusal parts, names) from a ChatCompletionRequest, untouched."""
     out: list[str] = []
     for m in body.messages:
         if isinstance(m.content, str):
             out.append(m.content)
         elif m.content:
-            out.extend(p.text for p in m.content if isinstance(getattr(p, "text", None), str))
+            out.extend(t for p in m.content for t in (getattr(p, "text", None), getattr(p, "refusal", None))
+                       if isinstance(t, str))
         if m.name:
             out.append(m.name)
     return out

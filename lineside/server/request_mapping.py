@@ -132,6 +132,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         else:
             texts = []
             for part in message.content:
+                if part.type == "refusal" and message.role == "assistant":
+                    # what an OpenAI model answered when refusing, replayed in the history: its text (as vLLM)
+                    refusal = getattr(part, "refusal", None)
+                    if not isinstance(refusal, str):
+                        raise bad("a content part of type 'refusal' needs its text as a string in 'refusal'", param)
+                    texts.append(refusal)
+                    continue
                 if part.type == "text" and not hasattr(part, "text"):
                     raise bad("a content part of type 'text' has no 'text' field", param)
                 if part.type != "text":

@@ -43,3 +43,17 @@ def test_text_parts_are_joined_by_newlines_as_vllm_and_llama_cpp_join_them(clien
     joined = client.responses.create(model=MODEL, max_output_tokens=4, temperature=0, input="Summarise:\npump 4 stopped",
                                      store=False)
     assert parts.usage.input_tokens == joined.usage.input_tokens and parts.output_text == joined.output_text
+
+
+def test_an_assistant_refusal_part_in_the_history_is_its_text(client):
+    """OpenAI's assistant messages may carry ``refusal`` parts (what its models answered when refusing); a client
+    replaying the conversation sends them back. vLLM renders them as the message's text."""
+    def ask(content):
+        return client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "user", "content": "Open the valve."}, {"role": "assistant", "content": content},
+            {"role": "user", "content": "Why not?"}])
+
+    parts = ask([{"type": "refusal", "refusal": "I can't do that."}])
+    text = ask("I can't do that.")
+    assert parts.usage.prompt_tokens == text.usage.prompt_tokens
+    assert parts.choices[0].message.content == text.choices[0].message.content
