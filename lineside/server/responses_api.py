@@ -199,7 +199,7 @@ class ResponseBuilder:
             "text": {"format": fmt}, "tool_choice": "auto", "tools": [],
             "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
-                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage[0] + usage[1]},
         }

@@ -57,3 +57,35 @@ def test_an_assistant_refusal_part_in_the_history_is_its_text(client):
     text = ask("I can't do that.")
     assert parts.usage.prompt_tokens == text.usage.prompt_tokens
     assert parts.choices[0].message.content == text.choices[0].message.content
+
+
+def test_bodies_validate_against_the_openai_clients_own_types(server):
+    """The client builds its objects without validating them, so a missing required field only shows as ``None``
+    where a caller reads it; validated with the client's own pydantic types, every body and event is complete."""
+    import json
+
+    import httpx
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    url = server.url + "/v1"
+    msgs = [{"role": "user", "content": "hi"}]
+    ChatCompletion.model_validate(httpx.post(f"{url}/chat/completions", timeout=30, json={
+        "messages": msgs, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}).json())
+    Completion.model_validate(httpx.post(f"{url}/completions", timeout=30, json={
+        "prompt": "hi", "max_tokens": 3, "logprobs": 2}).json())
+    Response.model_validate(httpx.post(f"{url}/responses", timeout=30, json={
+        "input": "hi", "max_output_tokens": 3, "store": False}).json())
+    events = TypeAdapter(ResponseStreamEvent)
+    for path, body, check in (
+            ("chat/completions", {"messages": msgs, "max_tokens": 3, "stream": True,
+                                  "stream_options": {"include_usage": True}}, ChatCompletionChunk.model_validate),
+            ("responses", {"input": "hi", "max_output_tokens": 3, "stream": True, "store": False},
+             events.validate_python)):
+        with httpx.stream("POST", f"{url}/{path}", json=body, timeout=30) as r:
+            datas = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+        assert datas
+        for data in datas:
+            check(json.loads(data))
