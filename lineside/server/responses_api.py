@@ -23,15 +23,17 @@ from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure
+from lineside.server.schemas import INT32_MAX
 from lineside.server.state import ServerState
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict as the chat request's fields (schemas.py): no true for 1, no "no" for false
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool | None = False

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_INT32 = 2**31 - 1  # the largest count a field may give: beyond it a 400 names the field, nothing is clamped
+INT32_MAX = 2**31 - 1  # the largest count a field may give: beyond it a 400 names the field, nothing is clamped
 _REQ = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # no bool→int, no "yes"→true
 
 
@@ -52,7 +52,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=_INT32, description="0 or -1: off")
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1: off")
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -77,7 +77,7 @@ class _Sampling(BaseModel):
                                                       "and stop strings still end the answer)")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="vLLM's: token ids that end the answer as EOS does (their text left out)")
-    min_tokens: int | None = Field(None, ge=0, le=_INT32, description="vLLM's: EOS and stop_token_ids are masked "
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's: EOS and stop_token_ids are masked "
                                    "and stop strings do not match until this many tokens are generated (at most "
                                    "max_tokens; a complete structured output still ends the answer)")
     # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
@@ -100,9 +100,9 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=_INT32)
-    max_completion_tokens: int | None = Field(None, ge=1, le=_INT32)
-    top_logprobs: int | None = Field(None, ge=0, le=_INT32)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -120,9 +120,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(None, ge=1, le=_INT32, description="default 16, as OpenAI's")
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="default 16, as OpenAI's")
     echo: bool | None = False
-    best_of: int | None = Field(None, ge=1, le=_INT32)
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     suffix: str | None = None
 
 

@@ -89,3 +89,21 @@ def test_bodies_validate_against_the_openai_clients_own_types(server):
         assert datas
         for data in datas:
             check(json.loads(data))
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"max_output_tokens": True}, "max_output_tokens"),  # was a 1-token answer
+    ({"max_output_tokens": 2**31}, "max_output_tokens"),
+    ({"temperature": "0"}, "temperature"),
+    ({"stream": "false"}, "stream"),
+    ({"store": "no"}, "store"),  # was read as false: the response was not kept
+    ({"metadata": {"shift": 3}}, "metadata.shift"),
+])
+def test_responses_fields_are_typed_as_strictly_as_chat_fields(server, extra, param):
+    """/v1/responses takes what OpenAI takes, as chat completions do (schemas.py): no true for 1, no "no" for
+    false; each is a 400 naming the field, not a request read some other way."""
+    import httpx
+
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
