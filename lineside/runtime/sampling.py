@@ -12,7 +12,9 @@ and the request's stop_token_ids: vLLM's ``all_stop_token_ids``) are masked with
 grammar allows nothing but stop tokens (it is complete), the grammar wins and they stay allowed, as vLLM does
 since its PR #54218 (before it, the empty mask sampled token 0 and the grammar failed the request).
 
-Logprobs are the log-softmax of the logits the sampler used *after penalties and the masks (grammar,
+OpenAI's ``logit_bias`` is added to the model's logits before everything else (vLLM's order).
+
+Logprobs are the log-softmax of the logits the sampler used *after the bias, penalties and the masks (grammar,
 min_tokens), before temperature, top-k/p and min-p* (vLLM's ``processed_logprobs`` minus its temperature
 step): with no penalty and no constraint they are the model's own log-probabilities.
 """
@@ -39,6 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     min_tokens: int = 0  # vLLM's: stop tokens masked (and stop strings not matched) until this many are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias) added to the logits before the rest
 
     def validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -65,6 +68,12 @@ class SamplingParams:
             raise LinesideError(f"seed must be ≥ 0, got {self.seed}")
         if self.min_tokens < 0:
             raise LinesideError(f"min_tokens must be ≥ 0, got {self.min_tokens}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or token < 0 \
+                    or isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(bias):
+                raise LinesideError(f"logit_bias must map token ids (integers ≥ 0) to finite numbers, got "
+                                    f"{token!r}: {bias!r}")
 
     @property
     def greedy(self) -> bool:
@@ -125,9 +134,11 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self._held = sorted({int(t) for t in stop_ids}) if params.min_tokens else []
         self._held_set = frozenset(self._held)
+        self._bias = (np.array([t for t, _ in params.logit_bias], dtype=np.int64),
+                      np.array([b for _, b in params.logit_bias], dtype=np.float64)) if params.logit_bias else None
         # Greedy with no penalty: the argmax of the raw row, without the float64 copy (~4% of a decode step)
         self._plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not (
-            params.presence_penalty or params.frequency_penalty)
+            params.presence_penalty or params.frequency_penalty or params.logit_bias)
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
         """``history``: prompt + generated ids. The repetition penalty sees all of it; presence and
@@ -196,8 +207,13 @@ class Sampler:
 
     def _processed(self, x: np.ndarray, history: list[int] | None, prompt_len: int,
                    allowed: np.ndarray | None) -> np.ndarray:
-        """Penalties, then the grammar mask: what logprobs are computed from."""
+        """The logit bias, penalties, then the grammar mask: what logprobs are computed from."""
         p = self.p
+        if self._bias is not None:  # first, as vLLM applies it: the model's logits as the client shifted them
+            ids, bias = self._bias
+            ok = ids < x.shape[0]
+            x = x.copy()  # ``x`` may be the caller's own row
+            np.add.at(x, ids[ok], bias[ok])
         if history and p.repetition_penalty != 1.0:
             x = x.copy()
             ids = np.unique(np.asarray(history, dtype=np.int64))

@@ -243,6 +243,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     try:
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
+        bias = request_mapping.logit_bias(body, _vocab_size(state))
         request_mapping.check_min_tokens(body, budgets)
         n = request_mapping.choices_per_prompt(body, len(prompts))
         session = request_mapping.session_id(body, request.headers)
@@ -264,7 +265,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
                 logprobs=None if output is None else output.top_logprobs,
                 session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
-                adapter=adapter)))
+                adapter=adapter, bias=bias)))
     if state.slo is not None and adapter is None:  # the SLO ladder picks the engine (primary or fallback; it
         # serves the base model only) and may answer from cache
         slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],

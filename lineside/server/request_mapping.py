@@ -64,8 +64,6 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options is only allowed when stream is true; send \"stream\": true or leave "
                   "stream_options out", "stream_options")
-    if req.logit_bias:
-        raise bad("logit_bias is not supported by this server; remove it", "logit_bias", "unsupported_value")
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
         if value is not None and not (value == off and type(value) is type(off)):
@@ -196,7 +194,29 @@ def _token_id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
+
+
+def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias as (token id, bias) pairs: keys are token ids written as JSON strings, each below the
+    vocabulary size (vLLM refuses the others too), biases within -100..100; anything else a 400 naming it."""
+    pairs = []
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(f"logit_bias key {key!r} is not a token id; send token ids as strings, e.g. {{\"1234\": -100}}",
+                      "logit_bias")
+        token = int(key)
+        if token >= vocab_size:
+            raise bad(f"logit_bias names token {token}, but the vocabulary has {vocab_size} tokens (ids 0 to "
+                      f"{vocab_size - 1})", "logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad(f"logit_bias for token {token} is {value}; a bias is between -100 and 100", "logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest,
+                    bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     top_k = req.top_k or 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -208,6 +228,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingP
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
         min_tokens=req.min_tokens or 0,
+        logit_bias=bias,
     )
 
 
@@ -273,10 +294,10 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0, constraint: Constraint | None = None,
                    logprobs: int | None = None, session: str | None = None,
-                   adapter: str | None = None) -> GenerationRequest:
+                   adapter: str | None = None, bias: tuple[tuple[int, float], ...] = ()) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
-    (and repeat exactly with the same seed)."""
-    sampling = sampling_params(req)
+    (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``."""
+    sampling = sampling_params(req, bias)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,

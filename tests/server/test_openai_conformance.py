@@ -107,3 +107,26 @@ def test_responses_fields_are_typed_as_strictly_as_chat_fields(server, extra, pa
     r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, **extra}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_logit_bias_shifts_the_logits_as_openai_defines_it(client, server):
+    """OpenAI's (and vLLM's, llama.cpp's) logit_bias: token id → a bias added to its logit before sampling; +100
+    makes a token the only choice, -100 bans it. Token ids are strings in JSON; an id past the vocabulary, a key
+    that is not one, or a bias outside -100..100 is a 400 naming logit_bias."""
+    tok = server.state.engine.tokenizer
+    a, b = tok.encode("a")[-1], tok.encode("b")[-1]
+
+    def answer(bias):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           temperature=0, logit_bias=bias, logprobs=True)
+        return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content]
+
+    text, logprobs = answer({str(a): 100, str(b): 99})
+    assert text == "aaa" and all(lp > -1.4 for lp in logprobs)  # log(e^100 / (e^100 + e^99 + ...)) ≈ -0.31
+    text, logprobs = answer({str(a): -100, str(b): 99})
+    assert text == "bbb" and all(lp > -1e-3 for lp in logprobs)
+    for bias in ({"a": 1}, {"1.5": 1}, {str(10**6): 1}, {"5": 100.5}, {"5": -101}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                           logit_bias=bias)
+        assert e.value.param == "logit_bias" and "\n" not in e.value.message

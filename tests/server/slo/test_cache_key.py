@@ -39,6 +39,7 @@ DIFFERING = {
     "repetition_penalty": ("chat", {}, {"repetition_penalty": 1.3}),
     "presence_penalty": ("chat", {}, {"presence_penalty": 1.0}),
     "frequency_penalty": ("chat", {}, {"frequency_penalty": 1.0}),
+    "logit_bias": ("chat", {}, {"logit_bias": {"5": 10}}),
     "n": ("chat", SEEDED, {**SEEDED, "n": 2}),
     "logprobs": ("chat", {}, {"logprobs": True}),
     "top_logprobs": ("chat", {"logprobs": True, "top_logprobs": 1}, {"logprobs": True, "top_logprobs": 2}),
@@ -60,7 +61,7 @@ DIFFERING = {
     "completion_logprobs": ("completions", {}, {"logprobs": 1}),
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
-REFUSED = {"logit_bias": {"logit_bias": {"5": 10}}, "echo": {"echo": True}, "suffix": {"suffix": "end"},
+REFUSED = {"echo": {"echo": True}, "suffix": {"suffix": "end"},
            "best_of": {"best_of": 2}, "include_stop_str_in_output": {"include_stop_str_in_output": True},
            "bad_words": {"bad_words": ["x"]}, "allowed_token_ids": {"allowed_token_ids": [5]},
            "truncate_prompt_tokens": {"truncate_prompt_tokens": 4}, "use_beam_search": {"use_beam_search": True},
