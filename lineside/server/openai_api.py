@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from lineside.errors import LinesideError
 from lineside.runtime.adapter_slots import AdapterSlotsFull, UnknownAdapter
@@ -173,10 +174,17 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         priority, mode = request_mapping.priority(request.headers)
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p)
-        handle = state.engine.submit(GenerationRequest(
+        engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
-            adapter=adapter))
+            adapter=adapter)
+        engine, model, slo_plan = state.engine, adapter or state.model_name, None
+        if state.slo is not None and adapter is None:  # the SLO ladder, as on the completion routes (no cache)
+            slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,
+                                              priority=priority, mode=mode, n=1, response_id=request_id,
+                                              draining=lambda: state.draining, cache=False)
+            engine, model = slo_plan.route.engine, slo_plan.route.model
+        handle = engine.submit(engine_request)
     except AdapterSlotsFull as e:
         state.metrics.reject("queue_full")
         raise _slots_full(e) from None
@@ -199,16 +207,23 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)) from None
     record = RequestRecord(request_id, "responses", priority, mode=mode, stream=bool(body.stream), arrival=arrival,
                            prompt_tokens=len(ids))
+    if slo_plan is not None:
+        slo_plan.note(record)
+        state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
     choice = Choice(0, handle, record)
-    builder = responses_api.ResponseBuilder(body, adapter or state.model_name, request_id, store=state.responses,
+    builder = responses_api.ResponseBuilder(body, model, request_id, store=state.responses,
                                             conversation=responses_api.conversation(turn, previous))
     if body.stream:
-        return responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
+        stream = responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
+        if slo_plan is not None:
+            stream.headers.update(slo_plan.headers)
+        return stream
     gone = await responses.collect(request, state, [choice])
     if gone is not None:
         return gone
-    return builder.final("".join(choice.text_parts), (choice.record.prompt_tokens, choice.record.completion_tokens),
-                         choice.finish_reason or FinishReason.STOP)
+    answer = builder.final("".join(choice.text_parts), (choice.record.prompt_tokens, choice.record.completion_tokens),
+                           choice.finish_reason or FinishReason.STOP)
+    return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)
 
 
 @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)

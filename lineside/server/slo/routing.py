@@ -34,16 +34,18 @@ class SloPlan:
 
 
 async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest], output: OutputOptions | None,
-               chat: bool, priority: Priority, mode: Mode, n: int, response_id: str, draining: Any) -> SloPlan:
+               chat: bool, priority: Priority, mode: Mode, n: int, response_id: str, draining: Any,
+               cache: bool = True) -> SloPlan:
     """Route the request (``requests``: the first choice's engine request for each prompt); at level 2 answer an
     exact repeat from the cache (its own id and time, the cached answer's ``model``: the bundle that made it); at
-    level 1 hold batch work for the primary at the gate."""
+    level 1 hold batch work for the primary at the gate. ``cache`` False: never from the cache, nor into it (the
+    Responses API: its answers have another shape and are kept for ``previous_response_id`` under their own id)."""
     tokens = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     top = max((max(r.prompt_ids) for r in requests if r.prompt_ids), default=-1)
     route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
     key = None
-    if not body.stream and all(cacheable(r) for r in requests):
+    if cache and not body.stream and all(cacheable(r) for r in requests):
         key = cache_key(model=body.model or "", endpoint="chat" if chat else "completions", requests=requests,
                         n=n, output=output_key(output))
     result = SloPlan(route, key, headers)

@@ -161,3 +161,28 @@ def test_level_1_holds_batch_behind_waiting_realtime_and_loses_nothing(tiny_bund
     assert {r.json()["model"] for r in results} == {"tiny-llama"}  # no fallback: everything on the primary
     assert metric(text, "lineside_slo_batch_held_total") >= 1  # they waited at the gate while realtime queued
     assert metric(text, "lineside_slo_finished_requests_total", 'mode="batch",on_time="true"') == 3
+
+
+def test_the_responses_route_is_guarded_as_the_completion_routes_are(guarded):
+    """/v1/responses goes through the same ladder: at level 2 to the fallback, with the degraded header, streamed
+    or not (it used to submit to the primary whatever the level, and said nothing)."""
+    srv, guard = guarded, guarded.guard
+    assert _push(guard, 2.0) == 2
+    try:
+        before = _finished(srv.fallback)
+        body = {"input": "degraded", "max_output_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/responses", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-fallback" and r.headers["x-lineside-degraded"] == "2"
+        assert "x-lineside-cache" not in r.headers  # a Responses body is never a cached chat completion
+        with httpx.stream("POST", f"{srv.url}/v1/responses", timeout=120, json={**body, "stream": True}) as stream:
+            assert stream.headers["x-lineside-degraded"] == "2"
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        done = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
+        assert len(done) == 1 and done[0]["response"]["model"] == "tiny-fallback"
+        assert _finished(srv.fallback) - before == 2
+    finally:
+        for _ in range(3):
+            _push(guard, 0.01, count=0)
+            srv.clock.now += 10_000
+        assert _push(guard, 0.01, count=0) == 0
