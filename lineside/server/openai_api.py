@@ -262,6 +262,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         request_mapping.check_min_tokens(body, budgets)
         n = request_mapping.choices_per_prompt(body, len(prompts))
         session = request_mapping.session_id(body, request.headers)
+        request_mapping.check_keep_session(body, session, n * len(prompts), adapter)
     except APIError:
         state.metrics.reject("invalid")
         raise

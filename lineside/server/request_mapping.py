@@ -290,6 +290,23 @@ def session_id(req: ChatCompletionRequest | CompletionRequest, headers: Any) -> 
         raise bad(str(e), "session_id", "invalid_session_id") from None
 
 
+def check_keep_session(req: ChatCompletionRequest | CompletionRequest, session: str | None, choices: int,
+                       adapter: str | None) -> None:
+    """keep_session asks the session to keep this answer's KV for the next turn: refused (rather than dropped)
+    where it cannot: no session named, more than one choice (which one's KV?), or a LoRA adapter (a session
+    holds the base model's KV, scheduler.py)."""
+    if not req.keep_session:
+        return
+    if session is None:
+        raise bad("keep_session needs a session: name it with session_id (or X-Session-Id)", "keep_session")
+    if choices > 1:
+        raise bad(f"keep_session keeps one answer's KV, and this request asks for {choices} choices; send one "
+                  "prompt with n=1, or leave keep_session out", "keep_session")
+    if adapter is not None:
+        raise bad(f"prefill sessions hold the base model's KV, not the LoRA adapter {adapter!r}'s; leave "
+                  "keep_session out or send the base model's name", "keep_session")
+
+
 def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest | CompletionRequest, *,
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0, constraint: Constraint | None = None,

@@ -73,6 +73,10 @@ def test_adapters_are_models_and_model_selects_one(lora_served_bundle):
         for t in threads:
             t.join()
         assert results == answers
+        # a session holds the base model's KV: an adapter's answer cannot be kept in one
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json={
+            "model": "line-a", "prompt": PROMPT, "max_tokens": 2, "session_id": "s1", "keep_session": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "keep_session", r.text
         r = _complete(srv.url, "line-z")
         assert r.status_code == 404
         err = r.json()["error"]

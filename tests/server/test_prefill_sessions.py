@@ -131,6 +131,14 @@ def test_bad_input_is_an_openai_shaped_4xx(srv):
         err(c.post("/v1/prefill", json={"prompt": ["a", "b"], "session_id": "s"}), 400, "invalid_value")
         err(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Session-Id": "a b"}),
             400, "invalid_session_id")
+        # keep_session that cannot be honoured is refused, not dropped: no session named, or several choices
+        e = err(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "keep_session": True}), 400,
+                "invalid_value")
+        assert e["param"] == "keep_session"
+        for extra in ({"n": 2}, {"prompt": ["x", "y"]}):
+            e = err(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "keep_session": True,
+                                                     "session_id": "one", **extra}), 400, "invalid_value")
+            assert e["param"] == "keep_session"
         err(c.get("/v1/prefill/never-made"), 404, "session_not_found")
         err(c.delete("/v1/prefill/never-made"), 404, "session_not_found")
         err(c.post("/v1/prefill", json={"prompt": "the " * 300, "session_id": "long"}), 400,
