@@ -181,6 +181,15 @@ def serve(
 
         check_fallback(bundle, fallback)
         check_fits(bundle, fallback, num_slots=num_slots, available=available_bytes())
+        if spec is not None:  # the fallback engine runs --speculative too: its draft graph / module, checked here
+            from lineside.bundle import open_bundle
+            from lineside.errors import LinesideError
+            from lineside.runtime.speculative.proposers import check_proposer
+
+            try:
+                check_proposer(spec, open_bundle(fallback, verify=False))
+            except LinesideError as e:
+                raise LinesideError(f"--fallback {fallback}: {e}") from None
     from lineside.server.browser_guard import check_browser_lists
 
     check_browser_lists([h for v in allowed_hosts or [] for h in v.split(",") if h.strip()],

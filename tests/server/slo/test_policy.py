@@ -105,3 +105,13 @@ def test_serve_refuses_a_bad_policy_and_another_tokenizer_in_one_line(tiny_bundl
     assert run.returncode != 0 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert "its tokenizer differs" in last and "--fallback" in last
+
+
+def test_serve_refuses_a_fallback_that_cannot_run_the_speculation_in_one_line(tiny_bundles, tiny_bundle):
+    """The fallback engine runs the server's --speculative too: a fallback without the layerskip draft graph is
+    refused before the server binds (it used to fail after "serving on", when the fallback loaded)."""
+    primary = tiny_bundles(draft_layers=(1,))
+    run = _serve(str(primary), "--speculative", "layerskip:1", "--fallback", str(tiny_bundle))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert "--fallback" in last and "draft graph" in last and "serving on" not in run.stderr
