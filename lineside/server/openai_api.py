@@ -179,11 +179,12 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             adapter=adapter)
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
-        if state.slo is not None and adapter is None:  # the SLO ladder, as on the completion routes (no cache)
+        if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)
             slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,
                                               priority=priority, mode=mode, n=1, response_id=request_id,
-                                              draining=lambda: state.draining, cache=False)
-            engine, model = slo_plan.route.engine, slo_plan.route.model
+                                              draining=lambda: state.draining, cache=False,
+                                              primary_only=adapter is not None)
+            engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
         handle = engine.submit(engine_request)
     except AdapterSlotsFull as e:
         state.metrics.reject("queue_full")
@@ -282,14 +283,16 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 logprobs=None if output is None else output.top_logprobs,
                 session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
                 adapter=adapter, bias=bias)))
-    if state.slo is not None and adapter is None:  # the SLO ladder picks the engine (primary or fallback; it
-        # serves the base model only) and may answer from cache
+    if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
+        # model only: an adapter's request stays on the primary, gated and marked as the level says) and may
+        # answer from cache
         slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],
                                           output=output, chat=chat, priority=priority, mode=mode, n=n,
-                                          response_id=response_id, draining=lambda: state.draining)
+                                          response_id=response_id, draining=lambda: state.draining,
+                                          primary_only=adapter is not None)
         if slo_plan.cached is not None:
             return slo_plan.cached
-        engine, model = slo_plan.route.engine, slo_plan.route.model
+        engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
     try:
         for index, (choice_id, copy, engine_request) in enumerate(planned):
             handle = engine.submit(engine_request)

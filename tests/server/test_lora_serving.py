@@ -139,3 +139,33 @@ def test_serve_refuses_bad_adapters_in_one_line(lora_served_bundle, tiny_bundles
     assert_one_line_error(run_cli("serve", str(plain), "--port", "1", "--lora-modules", f"a={extra}"),
                           "--max-lora-rank")
     assert_one_line_error(run_cli("serve", str(plain), "--port", "1", "--max-loras", "2"), "no adapters")
+
+
+
+def test_adapter_requests_go_through_the_slo_ladder_on_the_primary(lora_served_bundle):
+    """An adapter runs on the primary only, but its requests are still the primary's load: degraded, they carry
+    the level's header, and at level 1 a batch-mode one waits at the batch gate while the running batch is at the
+    policy's cap (they used to skip the guard altogether)."""
+    from lineside.server.slo.guard import SloGuard
+    from lineside.server.slo.policy import SloPolicy
+    from tests.server.conftest import metric
+
+    bundle_dir, extra = lora_served_bundle
+    policy = SloPolicy(fallback_modes=(), fallback_priorities=(), batch_running_cap=1, min_samples=1)
+    guard = SloGuard(policy, device=lambda: (None, None), ticking=False)
+    with running_server(_engine(bundle_dir, extra, max_loras=2, delay=0.05), slo_guard=guard) as srv:
+        guard.signals.observe(ttft_s=1.0, queue_s=0.0)
+        assert guard.tick(device=(None, None)) == 1
+        batch = {"X-Mode": "batch"}
+        # line-a's greedy answer has no EOS in its first 40 tokens: the running batch is at the cap while it streams
+        body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=batch, timeout=60) as stream:
+            assert stream.status_code == 200 and stream.headers["x-lineside-degraded"] == "1"
+            lines = stream.iter_lines()
+            next(lines)
+            r = httpx.post(f"{srv.url}/v1/completions", timeout=60, headers=batch,
+                           json={"model": "line-b", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == "line-b" and r.headers["x-lineside-degraded"] == "1"
+            assert any('"finish_reason":"length"' in line for line in lines)
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert metric(text, "lineside_slo_batch_held_total") == 1

@@ -183,17 +183,20 @@ class SloGuard:
         return self.controller.level
 
     # ---- routing -------------------------------------------------------------------------------------
-    def route(self, *, mode: Mode, priority: Priority, tokens: int, top_token: int = -1) -> Route:
+    def route(self, *, mode: Mode, priority: Priority, tokens: int, top_token: int = -1,
+              primary_only: bool = False) -> Route:
         """The engine a new request goes to: the fallback at level 2, or at level 1 for the policy's modes and
         priorities; the primary when there is no fallback or the request does not fit the fallback: its context
         (``tokens``: prompt + budget) or its vocabulary (``top_token``: the prompt's largest id; one tokenizer, but
-        the fallback may have fewer embedding rows)."""
+        the fallback may have fewer embedding rows), or only the primary can serve it (``primary_only``: a LoRA
+        adapter)."""
         assert self.primary is not None
         level = self.controller.level
         wants_fallback = level >= Level.FALLBACK or (
             level >= Level.PROTECT_REALTIME and (mode in self.policy.fallback_modes
                                                  or priority in self.policy.fallback_priorities))
-        fits = (self.fallback is not None and tokens <= int(getattr(self.fallback, "max_seq_len", 0))
+        fits = (self.fallback is not None and not primary_only
+                and tokens <= int(getattr(self.fallback, "max_seq_len", 0))
                 and top_token < int(getattr(self.fallback, "vocab_size", top_token + 1)))
         if wants_fallback and fits:
             self.metrics.fallback.inc()

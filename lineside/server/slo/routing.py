@@ -35,14 +35,15 @@ class SloPlan:
 
 async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest], output: OutputOptions | None,
                chat: bool, priority: Priority, mode: Mode, n: int, response_id: str, draining: Any,
-               cache: bool = True) -> SloPlan:
+               cache: bool = True, primary_only: bool = False) -> SloPlan:
     """Route the request (``requests``: the first choice's engine request for each prompt); at level 2 answer an
     exact repeat from the cache (its own id and time, the cached answer's ``model``: the bundle that made it); at
     level 1 hold batch work for the primary at the gate. ``cache`` False: never from the cache, nor into it (the
-    Responses API: its answers have another shape and are kept for ``previous_response_id`` under their own id)."""
+    Responses API: its answers have another shape and are kept for ``previous_response_id`` under their own id).
+    ``primary_only``: the fallback cannot serve it (a LoRA adapter), the rest of the ladder still applies."""
     tokens = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     top = max((max(r.prompt_ids) for r in requests if r.prompt_ids), default=-1)
-    route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top)
+    route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top, primary_only=primary_only)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
     key = None
     if cache and not body.stream and all(cacheable(r) for r in requests):
