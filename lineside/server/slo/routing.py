@@ -3,6 +3,7 @@ level-1 batch gate, the degraded header, and storing reproducible answers for la
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Hashable
@@ -12,6 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from lineside.runtime.request import GenerationRequest, Mode, Priority
+from lineside.server import constraints
 from lineside.server.outputs import OutputOptions
 from lineside.server.slo.cache import cache_key, cacheable
 from lineside.server.slo.controller import Level
@@ -56,9 +58,20 @@ async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest],
             answer = {**hit, "id": response_id, "created": int(time.time())}
             result.cached = JSONResponse(answer, headers={**headers, "X-Lineside-Cache": "hit"})
             return result
+    if route.engine is not guard.primary:
+        await _compile_on(route.engine, requests)
     if mode == Mode.BATCH:
         await guard.admit_batch(route, draining=draining)
     return result
+
+
+async def _compile_on(engine: Any, requests: list[GenerationRequest]) -> None:
+    """The requests' constraints compiled on the engine they go to, in a worker thread: the primary's were before
+    routing, but the fallback builds its grammar compiler on first use (about a second on a real vocabulary), and
+    ``submit`` would do that on the event loop, stalling every stream."""
+    wanted = {r.constraint for r in requests if r.constraint is not None}
+    if wanted:
+        await asyncio.to_thread(lambda: [constraints.checked(engine.grammar, c) for c in wanted])
 
 
 def store(guard: SloGuard, slo_plan: SloPlan, response: Any) -> Any:
