@@ -45,6 +45,7 @@ class RequestRecord:
     first_token: float | None = None
     end: float | None = None
     queue_s: float | None = None
+    tpot: float | None = None  # set on a request of several choices: their mean (they decode side by side)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,9 +58,39 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
+        if self.tpot is not None:
+            return self.tpot
         if self.first_token is None or self.end is None or self.completion_tokens < 2:
             return None
         return (self.end - self.first_token) / (self.completion_tokens - 1)
+
+
+# the outcome a request of several choices is counted under: its worst choice's
+_OUTCOME_RANK = {"stop": 0, "length": 1, "cancelled": 2, "timeout": 3, "error": 4}
+
+
+def combined(records: list[RequestRecord], *, prompt_tokens: int) -> RequestRecord:
+    """One HTTP request's record from its choices' (n > 1, several prompts): the client got one response, so it
+    is one request in every family and one latency-log line (as its usage, prompt tokens count each prompt once).
+    Its first token is the earliest choice's, its end the latest's, its outcome the worst choice's; its TPOT is
+    the mean of the choices' own (theirs are decoded side by side, so total tokens over time would be too low)."""
+    if len(records) == 1:
+        return records[0]
+    first, seen = records[0], [r.first_token for r in records if r.first_token is not None]
+    ends = [r.end for r in records if r.end is not None]
+    queues = [r.queue_s for r in records if r.queue_s is not None]
+    tpots = [t for t in (r.tpot_s for r in records) if t is not None]
+    outcome = max((str(r.outcome) for r in records), key=lambda o: _OUTCOME_RANK.get(o, len(_OUTCOME_RANK)))
+    extra = {k: v for r in reversed(records) for k, v in r.extra.items() if k != "engine_ttft_s"}
+    engine_ttft = [r.extra["engine_ttft_s"] for r in records if r.extra.get("engine_ttft_s") is not None]
+    if engine_ttft:
+        extra["engine_ttft_s"] = min(engine_ttft)
+    return RequestRecord(first.request_id, first.endpoint, first.priority, mode=first.mode, stream=first.stream,
+                         arrival=min(r.arrival for r in records), outcome=outcome, prompt_tokens=prompt_tokens,
+                         completion_tokens=sum(r.completion_tokens for r in records),
+                         first_token=min(seen) if seen else None, end=max(ends) if ends else None,
+                         queue_s=min(queues) if queues else None,
+                         tpot=sum(tpots) / len(tpots) if tpots else None, extra={**extra, "choices": len(records)})
 
 
 class ServerMetrics:
@@ -129,7 +160,7 @@ class ServerMetrics:
 
     def _write_log(self, record: RequestRecord) -> None:
         fields = asdict(record)
-        for name in ("arrival", "first_token", "end", "extra"):
+        for name in ("arrival", "first_token", "end", "tpot", "extra"):
             fields.pop(name)
         row = {"ts": time.time(), **fields, "ttft_s": record.ttft_s, "tpot_s": record.tpot_s,
                "e2e_s": record.e2e_s, **record.extra}

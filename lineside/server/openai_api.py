@@ -294,11 +294,10 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
             return slo_plan.cached
         engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
     try:
-        for index, (choice_id, copy, engine_request) in enumerate(planned):
+        for index, (_, copy, engine_request) in enumerate(planned):
             handle = engine.submit(engine_request)
-            record = RequestRecord(choice_id, endpoint, priority, mode=mode, stream=bool(body.stream),
-                                   arrival=arrival, prompt_tokens=len(engine_request.prompt_ids),
-                                   extra={"copy": copy} if copy else {})
+            record = RequestRecord(request_id, endpoint, priority, mode=mode, stream=bool(body.stream),
+                                   arrival=arrival, prompt_tokens=len(engine_request.prompt_ids))
             if slo_plan is not None:
                 slo_plan.note(record)
                 state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
-from lineside.server.metrics import RequestRecord, ServerMetrics
+from lineside.server.metrics import RequestRecord, ServerMetrics, combined
 from lineside.server.outputs import ChoiceOutput, OutputOptions
 from lineside.server.state import ServerState
 
@@ -37,6 +37,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     options: OutputOptions | None = None  # tool calls / logprobs this response reports
     output: ChoiceOutput = field(init=False)
+    counted: bool = field(default=False, init=False)  # its request is in the metrics (observe_finished)
 
     def __post_init__(self) -> None:
         self.output = ChoiceOutput(self.options or OutputOptions(chat=True))
@@ -54,14 +55,23 @@ class Choice:
             record.queue_s = getattr(self.handle.metrics, "queue_time", None)
             record.extra["engine_ttft_s"] = getattr(self.handle.metrics, "ttft", None)  # submit → token, in the engine
 
-    def abandon(self, metrics: ServerMetrics) -> None:
-        """Cancel the engine request if it is still running and count it as cancelled (the client went away)."""
+    def abandon(self) -> None:
+        """Cancel the engine request if it is still running and mark it cancelled (the client went away)."""
         if self.record.end is None:
             self.handle.cancel()
             self.record.outcome = "cancelled"
             self.record.end = time.perf_counter()
             self.record.queue_s = getattr(self.handle.metrics, "queue_time", None)
-            metrics.observe(self.record)
+
+
+def observe_finished(metrics: ServerMetrics, choices: list[Choice]) -> None:
+    """Count the request in the metrics and the latency log once its last choice has ended, as one request
+    (metrics.combined): the client gets one response however many choices it holds."""
+    if any(c.record.end is None for c in choices) or any(c.counted for c in choices):
+        return
+    for c in choices:
+        c.counted = True
+    metrics.observe(combined([c.record for c in choices], prompt_tokens=prompt_usage(choices)))
 
 
 def prompt_usage(choices: list[Choice]) -> int:
@@ -138,7 +148,7 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             yield chunk
         if event.finish_reason is None:
             continue
-        state.metrics.observe(choice.record)
+        observe_finished(state.metrics, choices)
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             yield writer.finish(choice.index, choice.output.finish_reason(event.finish_reason))
         else:
@@ -175,7 +185,8 @@ class GenerationStream(StreamingResponse):
 
 def _abandon(state: ServerState, choices: list[Choice]) -> None:
     for choice in choices:
-        choice.abandon(state.metrics)
+        choice.abandon()
+    observe_finished(state.metrics, choices)
 
 
 async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
@@ -222,7 +233,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice]) -
                 choice.text_parts.append(event.text)
             if event.finish_reason is not None:
                 choice.finish_reason = event.finish_reason
-                state.metrics.observe(choice.record)
+                observe_finished(state.metrics, choices)
                 if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     cancel_all(choices)
                     if watcher.done():  # the client left: nobody reads this answer

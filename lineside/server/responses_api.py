@@ -22,7 +22,7 @@ from lineside.runtime.request import FinishReason
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
 from lineside.server.response_store import ResponseStore, StoredResponse
-from lineside.server.responses import Choice, failure
+from lineside.server.responses import Choice, failure, observe_finished
 from lineside.server.schemas import INT32_MAX
 from lineside.server.state import ServerState
 
@@ -262,7 +262,7 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
             yield builder.delta(event.text)
         if event.finish_reason is None:
             continue
-        state.metrics.observe(choice.record)
+        observe_finished(state.metrics, [choice])
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             for e in builder.closing("".join(text), (choice.record.prompt_tokens, choice.record.completion_tokens),
                                      event.finish_reason):

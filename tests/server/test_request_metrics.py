@@ -1,0 +1,104 @@
+"""/metrics and the latency log count what clients got: one request per HTTP request (n > 1 and several prompts
+included: one response), its prompt and completion tokens as its usage says, its TTFT once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import metric, running_server
+
+COUNTED = ("lineside_time_to_first_token_seconds_count", "lineside_e2e_request_latency_seconds_count",
+           "lineside_request_queue_time_seconds_count")
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_bundle, tmp_path_factory):
+    log = tmp_path_factory.mktemp("latency") / "latency.jsonl"
+    with running_server(tiny_bundle, num_slots=4, threads=1, latency_log=log) as s:
+        s.latency_log = log
+        yield s
+
+
+def _scrape(srv) -> str:
+    return httpx.get(srv.url + "/metrics").text
+
+
+def _requests(text: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("lineside_requests_total{"))
+
+
+def _log_lines(srv) -> list[dict]:
+    return [json.loads(x) for x in srv.latency_log.read_text().splitlines()] if srv.latency_log.exists() else []
+
+
+def _wait_for(srv, name: str, at_least: float) -> str:
+    """/metrics once ``name`` reaches ``at_least`` (a stream the client left is counted when the server notices)."""
+    deadline = time.monotonic() + 20
+    while True:
+        text = _scrape(srv)
+        if metric(text, name) >= at_least or time.monotonic() > deadline:
+            return text
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", [{"prompt": "count me once", "n": 3},
+                                  {"prompt": ["first prompt", "the second, longer prompt"], "n": 2}])
+def test_one_http_request_is_one_request_in_metrics_and_log(srv, body, stream):
+    before, lines_before = _scrape(srv), len(_log_lines(srv))
+    body = {**body, "max_tokens": 4, "temperature": 1.0, "seed": 3, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    usage = (json.loads(r.text.split("data: ")[-2]) if stream else r.json())["usage"]
+    after = _scrape(srv)
+    assert _requests(after) - _requests(before) == 1
+    for name in COUNTED:
+        assert metric(after, name) - metric(before, name) == 1, name
+    assert metric(after, "lineside_prompt_tokens_total") - metric(before, "lineside_prompt_tokens_total") \
+        == usage["prompt_tokens"]
+    assert metric(after, "lineside_generation_tokens_total") - metric(before, "lineside_generation_tokens_total") \
+        == usage["completion_tokens"]
+    lines = _log_lines(srv)[lines_before:]
+    assert len(lines) == 1, lines  # one line per request, under the id the client was given
+    assert lines[0]["request_id"] == r.headers["x-request-id"]
+    assert (lines[0]["prompt_tokens"], lines[0]["completion_tokens"]) == (usage["prompt_tokens"],
+                                                                          usage["completion_tokens"])
+    assert lines[0]["outcome"] == "length" and 0 < lines[0]["ttft_s"] <= lines[0]["e2e_s"]
+
+
+def test_a_streamed_n_request_the_client_leaves_is_one_cancelled_request(srv):
+    before = _scrape(srv)
+    body = {"prompt": "leave early", "n": 2, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # a token came: leave
+    after = _wait_for(srv, "lineside_e2e_request_latency_seconds_count",
+                      metric(before, "lineside_e2e_request_latency_seconds_count") + 1)
+    assert metric(after, "lineside_requests_total", 'outcome="cancelled"') \
+        - metric(before, "lineside_requests_total", 'outcome="cancelled"') == 1
+    assert _requests(after) - _requests(before) == 1
+    assert metric(after, "lineside_e2e_request_latency_seconds_count") \
+        - metric(before, "lineside_e2e_request_latency_seconds_count") == 1
+    assert metric(after, "lineside_time_to_first_token_seconds_count") \
+        - metric(before, "lineside_time_to_first_token_seconds_count") == 1
+
+
+def test_combined_record_takes_the_worst_outcome_and_the_choices_own_tpot():
+    from lineside.server.metrics import RequestRecord, combined
+
+    def rec(outcome, first, end, tokens):
+        return RequestRecord("r", "chat", "normal", mode="realtime", stream=True, arrival=0.0, outcome=outcome,
+                             prompt_tokens=5, completion_tokens=tokens, first_token=first, end=end)
+
+    one = combined([rec("stop", 0.5, 1.5, 11), rec("error", 0.25, 2.25, 21), rec("cancelled", None, 3.0, 0)],
+                   prompt_tokens=5)
+    assert one.outcome == "error" and one.prompt_tokens == 5 and one.completion_tokens == 32
+    assert one.ttft_s == 0.25 and one.e2e_s == 3.0 and one.extra["choices"] == 3
+    assert one.tpot_s == pytest.approx((0.1 + 0.1) / 2)  # each choice's own, not 2.75 s over 31 tokens
