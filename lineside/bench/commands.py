@@ -129,7 +129,7 @@ def bench(
 
         check_proposer(spec, open_bundle(bundle, verify=False))
     from lineside.bench.client import ClientConfig
-    from lineside.bench.inprocess import ready_after_s
+    from lineside.bench.inprocess import ready_after_s, server_backend
     from lineside.bench.load import make_schedule
     from lineside.bench.prompts import PromptPool, parse_range
     from lineside.bench.report import (
@@ -176,18 +176,21 @@ def bench(
         with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots,
                                          speculative=spec)) as server:
             ready_s = server.start_to_ready_s
+            backend, backend_reason = server_backend(server.url)
             before = spec_counters(server.url)
             result = run(server.url, schedule, pool, cfg, deadline, warmup)
             spec_delta = spec_counters(server.url) - before
     else:
         ready_s = ready_after_s(url)
+        backend, backend_reason = server_backend(url)
         before = spec_counters(url, cfg.api_key)
         result = run(url, schedule, pool, cfg, deadline, warmup)
         spec_delta = spec_counters(url, cfg.api_key) - before
     load_after = machine_load()
 
     summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)
-    meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model, "endpoint": endpoint,
+    meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model,
+            "backend": backend, "backend_reason": backend_reason, "endpoint": endpoint,
             "pattern": pattern, "rate": rate, "duration": duration, "num_requests": num_requests,
             "prompts": str(prompts_file) if prompts_file else f"synthetic {prompt_len} tokens",
             "max_tokens": max_tokens, "seed": seed, "started_at": result.started_at}
@@ -205,6 +208,9 @@ def bench(
         meta["prompts_per_request"] = prompts_per_request or "1:3"
     meta["machine"] = machine_record(load_before, load_after)
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
+    console.print(f"backend: {backend} ({backend_reason})" if backend and backend_reason else
+                  f"backend: {backend}" if backend else "backend: not reported by the server (not lineside's?)",
+                  markup=False, highlight=False)
     if spec_delta.steps:
         meta["speculative"] = spec_delta.report()
         console.print(f"speculative decoding: {spec_delta.describe()}")

@@ -23,14 +23,29 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def ready_after_s(url: str) -> float | None:
-    """What a lineside server says of its own start (process start -> ready, seconds); None if it doesn't."""
+def _ready_body(url: str) -> dict:
+    """A lineside server's /health/ready answer ({} from a server that gives none)."""
     try:
         r = httpx.get(url + "/health/ready", timeout=5.0)
-        value = r.json().get("ready_after_s") if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
+        body = r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def ready_after_s(url: str) -> float | None:
+    """What a lineside server says of its own start (process start -> ready, seconds); None if it doesn't."""
+    value = _ready_body(url).get("ready_after_s")
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def server_backend(url: str) -> tuple[str | None, str | None]:
+    """The backend a lineside server runs on and why --backend chose it, from /health/ready; (None, None) from a
+    server that does not say (another OpenAI-compatible server)."""
+    body = _ready_body(url)
+    backend, reason = body.get("backend"), body.get("backend_reason")
+    return (backend if isinstance(backend, str) else None,
+            reason if isinstance(reason, str) and isinstance(backend, str) else None)
 
 
 def wait_ready(url: str, timeout: float, alive=lambda: True, ready_path: str = "/health/ready") -> None:

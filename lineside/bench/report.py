@@ -105,7 +105,7 @@ def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRec
              "time − send time; TPOT = (E2E − TTFT)/(output tokens − 1); ITL = gaps between streamed chunks; "
              "effective throughput = Σ output tokens / Σ E2E.", "", "## Setup", ""]
     parts.append(_md_table(["setting", "value"], [[k, f"`{v}`"] for k, v in meta.items()
-                                                  if k not in ("started_at", "machine")]))
+                                                  if k not in ("started_at", "machine") and v is not None]))
     machine = meta.get("machine")
     if machine:
         parts += ["", f"Machine: {machine.get('cpu_count')} CPUs; load average (1/5/15 min) "

@@ -124,11 +124,14 @@ class LLMEngine:
         # The tokenizer (~0.1 s of Rust holding the GIL) loads while onnxruntime builds its session (which
         # releases the GIL): on two cores the two overlap instead of adding up before the server is ready.
         tokenizer = in_thread(Tokenizer.from_bundle, self.bundle, name="lineside-tokenizer")
+        self.backend_reason: str | None = None  # why --backend chose it (/health/ready, bench); None: given
         if isinstance(backend, str):  # TensorRT when its engine fits this machine, else onnxruntime CPU
             from lineside.runtime.select import choose_backend
 
+            decisions: list = []
             backend = choose_backend(self.bundle, backend, num_slots, say=log.info, threads=threads,
-                                     lora=None if lora is None else lora.slots)
+                                     lora=None if lora is None else lora.slots, decided=decisions.append)
+            self.backend_reason = decisions[-1].reason
         self.backend: Backend = backend
         # LoRA adapters (each a served model): which sits in which backend slot, refcounted per request
         self.adapter_slots: AdapterSlots | None = None

@@ -60,9 +60,10 @@ def _say(msg: str) -> None:
 
 def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
                    say: Callable[[str], None] = _say, threads: int | None = None,
-                   lora: LoraSlotsConfig | None = None) -> Backend:
+                   lora: LoraSlotsConfig | None = None, decided: Callable[[Decision], None] | None = None) -> Backend:
     """Create the chosen backend; ``say`` gets the one-line decision (stderr by default); ``threads`` are
-    onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots."""
+    onnxruntime's intra-op threads when it is the one chosen; ``lora``: run the LoRA graph with these slots;
+    ``decided`` gets the final Decision (the engine keeps its reason for /health/ready and `bench`)."""
     dec = decide_backend(bundle, requested, lora)
     if dec.backend == "tensorrt":
         from lineside.runtime.tensorrt.backend import TensorRTBackend
@@ -75,8 +76,12 @@ def choose_backend(bundle: Bundle, requested: str = "auto", num_slots: int = 4,
             dec = Decision("onnxruntime", f"TensorRT engine failed to load: {e}")
         else:
             say(dec.message)
+            if decided is not None:
+                decided(dec)
             return backend
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
     say(dec.message)
+    if decided is not None:
+        decided(dec)
     return OnnxRuntimeBackend(bundle, num_slots=num_slots, threads=threads, lora=lora)

@@ -38,7 +38,8 @@ async def ready(request: Request) -> JSONResponse:
     if not state.engine_ready:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     return JSONResponse({"status": "ready", "model": state.model_name,
-                         "backend": getattr(state.engine, "backend_name", None), "ready_after_s": state.ready_s})
+                         "backend": getattr(state.engine, "backend_name", None),
+                         "backend_reason": getattr(state.engine, "backend_reason", None), "ready_after_s": state.ready_s})
 
 
 def gpu_state() -> dict[str, Any]:

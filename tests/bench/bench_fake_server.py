@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 
-def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model", api_key: str = "") -> FastAPI:
+def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model", api_key: str = "",
+             ready_body: dict | None = None) -> FastAPI:
     app = FastAPI()
     app.state.inflight = 0
     app.state.max_inflight = 0
@@ -32,7 +33,11 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
 
     @app.get("/health/ready")
     async def ready():
-        return {"status": "ready", "ready_after_s": 1.25}  # what lineside's server says of its own start
+        if ready_body is not None:
+            return ready_body
+        # what lineside's server says of its own start and of the backend it chose
+        return {"status": "ready", "ready_after_s": 1.25, "backend": "tensorrt",
+                "backend_reason": "engine e.plan matches this GPU"}
 
     @app.get("/v1/models")
     async def models():

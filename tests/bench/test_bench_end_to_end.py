@@ -186,3 +186,33 @@ def test_request_timeout_is_recorded(server):
     (r,) = res.records
     assert not r.ok and r.error == "ReadTimeout: nothing received for 0.3s (--timeout)"
     assert 0.25 < r.end - r.start < 1.5
+
+
+def test_cli_bundle_reports_the_backend_auto_chose(tiny_bundle, tmp_path):
+    """`bench --bundle` (backend auto) says which backend served and why, in the terminal and in report.json /
+    report.md: a number means little without knowing whether TensorRT or onnxruntime CPU produced it."""
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli_app(), ["bench", "--bundle", str(tiny_bundle), "--pattern", "concurrency",
+                                       "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+                                       "--max-tokens", "3", "--prompt-len", "4:8", "--warmup", "0",
+                                       "--threads", "1", "--num-slots", "2", "--out", str(out), "--no-plots"])
+    assert r.exit_code == 0, r.output
+    assert "backend: onnxruntime (the bundle has no trt graph)" in r.output
+    meta = json.loads((out / "report.json").read_text())["meta"]
+    assert meta["backend"] == "onnxruntime" and meta["backend_reason"] == "the bundle has no trt graph"
+    assert "| backend | `onnxruntime` |" in (out / "report.md").read_text()
+
+
+def test_cli_url_reports_the_servers_backend_or_that_it_gave_none(server, tmp_path):
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "1", "--duration", "0",
+            "--max-tokens", "2", "--warmup", "0", "--no-plots"]
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url, *args, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert "backend: tensorrt (engine e.plan matches this GPU)" in r.output  # what its /health/ready says
+    meta = json.loads((tmp_path / "a" / "report.json").read_text())["meta"]
+    assert (meta["backend"], meta["backend_reason"]) == ("tensorrt", "engine e.plan matches this GPU")
+    with BackgroundServer(make_app(0.01, 0.002, ready_body={"status": "ok"}), startup_timeout=20) as other:
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", other.url, *args, "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    assert "backend: not reported by the server" in r.output
+    assert json.loads((tmp_path / "b" / "report.json").read_text())["meta"]["backend"] is None
