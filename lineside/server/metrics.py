@@ -46,6 +46,8 @@ class RequestRecord:
     end: float | None = None
     queue_s: float | None = None
     tpot: float | None = None  # set on a request of several choices: their mean (they decode side by side)
+    last_token: float | None = None
+    itl: list[float] = field(default_factory=list)  # gaps between successive token events (each choice's)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -90,7 +92,8 @@ def combined(records: list[RequestRecord], *, prompt_tokens: int) -> RequestReco
                          completion_tokens=sum(r.completion_tokens for r in records),
                          first_token=min(seen) if seen else None, end=max(ends) if ends else None,
                          queue_s=min(queues) if queues else None,
-                         tpot=sum(tpots) / len(tpots) if tpots else None, extra={**extra, "choices": len(records)})
+                         tpot=sum(tpots) / len(tpots) if tpots else None, itl=[g for r in records for g in r.itl],
+                         extra={**extra, "choices": len(records)})
 
 
 class ServerMetrics:
@@ -102,6 +105,9 @@ class ServerMetrics:
                               registry=registry)
         self.tpot = Histogram("lineside_time_per_output_token_seconds", "Time per output token after the first",
                               buckets=_TPOT, registry=registry)
+        # vLLM's inter_token_latency_seconds: every gap between a choice's successive tokens as the handler got them
+        self.itl = Histogram("lineside_inter_token_latency_seconds", "Time between successive tokens of a response",
+                             buckets=_TPOT, registry=registry)
         self.e2e = Histogram("lineside_e2e_request_latency_seconds", "End-to-end request latency",
                              buckets=_E2E, registry=registry)
         self.queue = Histogram("lineside_request_queue_time_seconds", "Time spent waiting for a slot",
@@ -150,6 +156,8 @@ class ServerMetrics:
             self.ttft.observe(record.ttft_s)
         if record.tpot_s is not None:
             self.tpot.observe(record.tpot_s)
+        for gap in record.itl:
+            self.itl.observe(gap)
         self.e2e.observe(record.e2e_s or 0.0)
         if record.queue_s is not None:
             self.queue.observe(record.queue_s)
@@ -160,7 +168,7 @@ class ServerMetrics:
 
     def _write_log(self, record: RequestRecord) -> None:
         fields = asdict(record)
-        for name in ("arrival", "first_token", "end", "tpot", "extra"):
+        for name in ("arrival", "first_token", "end", "tpot", "last_token", "itl", "extra"):
             fields.pop(name)
         row = {"ts": time.time(), **fields, "ttft_s": record.ttft_s, "tpot_s": record.tpot_s,
                "e2e_s": record.e2e_s, **record.extra}

@@ -43,8 +43,13 @@ class Choice:
         self.output = ChoiceOutput(self.options or OutputOptions(chat=True))
 
     def note(self, event: TokenEvent, now: float) -> None:
-        """Fold one engine event into the metrics record (first token, token counts, outcome at the end)."""
+        """Fold one engine event into the metrics record (first token, gaps between tokens, token counts, outcome at
+        the end)."""
         record = self.record
+        if event.completion_tokens > record.completion_tokens:
+            if record.last_token is not None:
+                record.itl.append(now - record.last_token)
+            record.last_token = now
         if record.first_token is None and event.completion_tokens > 0:
             record.first_token = now
         record.completion_tokens = event.completion_tokens

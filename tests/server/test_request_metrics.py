@@ -102,3 +102,18 @@ def test_combined_record_takes_the_worst_outcome_and_the_choices_own_tpot():
     assert one.outcome == "error" and one.prompt_tokens == 5 and one.completion_tokens == 32
     assert one.ttft_s == 0.25 and one.e2e_s == 3.0 and one.extra["choices"] == 3
     assert one.tpot_s == pytest.approx((0.1 + 0.1) / 2)  # each choice's own, not 2.75 s over 31 tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_inter_token_latency_has_one_sample_per_gap_between_tokens(srv, stream):
+    """vLLM's inter_token_latency_seconds (DESIGN names it): each gap between a choice's successive tokens."""
+    before = _scrape(srv)
+    body = {"prompt": "gaps", "max_tokens": 7, "ignore_eos": True, "n": 2, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    after = _scrape(srv)
+    name = "lineside_inter_token_latency_seconds"
+    assert metric(after, name + "_count") - metric(before, name + "_count") == 2 * (7 - 1)
+    assert metric(after, name + "_bucket", 'le="+Inf"') == metric(after, name + "_count")
+    assert metric(after, name + "_sum") > metric(before, name + "_sum")
