@@ -19,13 +19,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# Buckets from a GPU's milliseconds to a CPU's minutes (a 7B model on a line PC, behind a queue): a request past the
+# last finite bound reads as that bound in every quantile. The long tails follow vLLM's (TTFT to 2560 s, E2E 7680 s).
 _TTFT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-         10.0, 20.0, 40.0, 80.0)
+         10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
          0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-        240.0, 480.0)
-_QUEUE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0)
+_QUEUE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+          240.0, 480.0, 960.0, 1920.0)
 
 
 @dataclass

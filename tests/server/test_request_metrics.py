@@ -117,3 +117,23 @@ def test_inter_token_latency_has_one_sample_per_gap_between_tokens(srv, stream):
     assert metric(after, name + "_count") - metric(before, name + "_count") == 2 * (7 - 1)
     assert metric(after, name + "_bucket", 'le="+Inf"') == metric(after, name + "_count")
     assert metric(after, name + "_sum") > metric(before, name + "_sum")
+
+
+def test_cpu_scale_latencies_land_in_a_finite_bucket():
+    """A 7B model on a line PC's CPU takes minutes to first token behind a queue and tens of minutes end to end:
+    such a request must land in a finite bucket near its value, or every quantile of it reads as the last bound
+    (80 s TTFT, 60 s queue) however slow the server really is. vLLM's TTFT buckets reach 2560 s, E2E 7680 s."""
+    from lineside.server.metrics import RequestRecord, ServerMetrics
+
+    m = ServerMetrics()
+    m.observe(RequestRecord("slow", "chat", "normal", mode="realtime", stream=True, arrival=0.0, outcome="length",
+                            prompt_tokens=2000, completion_tokens=1000, first_token=300.0, end=1500.0,
+                            queue_s=200.0))
+    text = m.render().decode()
+    for name, value in (("lineside_time_to_first_token_seconds", 300.0), ("lineside_request_queue_time_seconds", 200.0),
+                        ("lineside_e2e_request_latency_seconds", 1500.0)):
+        bounds = [float(line.split('le="')[1].split('"')[0]) for line in text.splitlines()
+                  if line.startswith(name + "_bucket{") and 'le="+Inf"' not in line]
+        upper = min((b for b in bounds if b >= value), default=None)
+        assert upper is not None and upper <= 4 * value, (name, bounds)
+        assert metric(text, name + "_bucket", f'le="{upper}"') == 1
