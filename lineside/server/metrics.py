@@ -7,6 +7,7 @@ first/last token leaving); the queue time is the engine's. Gauges are read from 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+log = logging.getLogger("lineside.server")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -142,6 +145,7 @@ class ServerMetrics:
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
+        self._log_failing = False  # the last write failed (warned once until one succeeds)
         self._lock = threading.Lock()
 
     def reject(self, outcome: str) -> None:
@@ -177,10 +181,30 @@ class ServerMetrics:
                "e2e_s": record.e2e_s, **record.extra}
         line = json.dumps(row, separators=(",", ":")) + "\n"
         with self._lock:
-            if self._log is None:
-                self._log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self._log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-            self._log.write(line)
+            try:
+                if self._log is None:
+                    self._log_path.parent.mkdir(parents=True, exist_ok=True)
+                    self._log = open(self._log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+                self._log.write(line)
+            except OSError as e:  # a full disk must not fail the request it records: say so once, retry next time
+                self._drop_log()
+                if not self._log_failing:
+                    log.warning("cannot write the latency log %s (%s); requests are served and counted in /metrics, "
+                                "their log lines are lost until it can be written again", self._log_path,
+                                e.strerror or e)
+                self._log_failing = True
+            else:
+                if self._log_failing:
+                    log.info("the latency log %s is written again", self._log_path)
+                self._log_failing = False
+
+    def _drop_log(self) -> None:
+        try:
+            if self._log is not None:
+                self._log.close()
+        except OSError:  # closing flushes: the same full disk
+            pass
+        self._log = None
 
     def update_engine(self, stats: Any) -> None:
         """Copy the engine's live counters into the gauges (called at scrape time)."""
@@ -216,9 +240,7 @@ class ServerMetrics:
 
     def close(self) -> None:
         with self._lock:
-            if self._log is not None:
-                self._log.close()
-                self._log = None
+            self._drop_log()
 
 
 class _SpecDecodeCollector:

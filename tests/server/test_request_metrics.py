@@ -137,3 +137,19 @@ def test_cpu_scale_latencies_land_in_a_finite_bucket():
         upper = min((b for b in bounds if b >= value), default=None)
         assert upper is not None and upper <= 4 * value, (name, bounds)
         assert metric(text, name + "_bucket", f'le="{upper}"') == 1
+
+
+def test_a_latency_log_that_cannot_be_written_does_not_fail_requests(tiny_bundle, caplog):
+    """The disk under --latency-log fills up (here /dev/full): requests are answered and counted as before, and
+    the log says once what is wrong, instead of every finished request turning into a 500 or a cut stream."""
+    body = {"prompt": "disk full", "max_tokens": 3}
+    with running_server(tiny_bundle, num_slots=2, threads=1, latency_log="/dev/full") as s:
+        plain = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        streamed = httpx.post(s.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        again = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        text = _scrape(s)
+    assert plain.status_code == again.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+    assert metric(text, "lineside_requests_total", 'outcome="length"') == 3
+    said = [r.getMessage() for r in caplog.records if "/dev/full" in r.getMessage()]
+    assert len(said) == 1 and "latency log" in said[0], said
