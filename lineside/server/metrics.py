@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -182,6 +183,8 @@ class ServerMetrics:
         line = json.dumps(row, separators=(",", ":")) + "\n"
         with self._lock:
             try:
+                if self._log is not None and self._rotated():
+                    self._drop_log()
                 if self._log is None:
                     self._log_path.parent.mkdir(parents=True, exist_ok=True)
                     self._log = open(self._log_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
@@ -197,6 +200,16 @@ class ServerMetrics:
                 if self._log_failing:
                     log.info("the latency log %s is written again", self._log_path)
                 self._log_failing = False
+
+    def _rotated(self) -> bool:
+        """The path no longer names the open file (logrotate renamed it, or it was removed): open a new one, as
+        logging.WatchedFileHandler does, so lines do not go on into a rotated file a later rotation deletes."""
+        try:
+            on_disk = os.stat(self._log_path)
+        except OSError:
+            return True
+        open_file = os.fstat(self._log.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) != (open_file.st_dev, open_file.st_ino)
 
     def _drop_log(self) -> None:
         try:

@@ -153,3 +153,30 @@ def test_a_latency_log_that_cannot_be_written_does_not_fail_requests(tiny_bundle
     assert metric(text, "lineside_requests_total", 'outcome="length"') == 3
     said = [r.getMessage() for r in caplog.records if "/dev/full" in r.getMessage()]
     assert len(said) == 1 and "latency log" in said[0], said
+
+
+def test_latency_log_follows_logrotate(tmp_path):
+    """logrotate renames the log and expects a new file (its default, without copytruncate): the next line goes to a
+    new file at --latency-log, as logging.WatchedFileHandler does, not into the rotated file, which a later
+    rotation compresses and deletes."""
+    from lineside.server.metrics import RequestRecord, ServerMetrics
+
+    log = tmp_path / "latency.jsonl"
+    m = ServerMetrics(log)
+
+    def finish(rid: str) -> None:
+        m.observe(RequestRecord(rid, "chat", "normal", mode="realtime", stream=False, arrival=0.0, outcome="stop",
+                                completion_tokens=1, first_token=0.1, end=0.2))
+
+    def ids(path) -> list[str]:
+        return [json.loads(x)["request_id"] for x in path.read_text().splitlines()]
+
+    finish("before")
+    log.rename(tmp_path / "latency.jsonl.1")
+    finish("after")
+    finish("after, too")
+    assert ids(tmp_path / "latency.jsonl.1") == ["before"] and ids(log) == ["after", "after, too"]
+    log.unlink()  # removed by hand: a new file too
+    finish("deleted")
+    m.close()
+    assert ids(log) == ["deleted"]
