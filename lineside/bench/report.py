@@ -188,6 +188,13 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
         t.add_row(label, fmt(va), fmt(vb), f"[{style}]{ch}[/{style}]" if style else ch)
     console = console or Console()
     console.print(t)
+    ba, bb = meta_a.get("backend"), meta_b.get("backend")
+    if ba and bb and ba != bb:  # e.g. --backend auto fell back to the CPU on B's machine: not a regression
+        def why(meta: dict) -> str:
+            return f" ({meta['backend_reason']})" if meta.get("backend_reason") else ""
+
+        console.print(f"note: backends differ: A ran on {ba}{why(meta_a)}, B on {bb}{why(meta_b)}", markup=False,
+                      highlight=False)
     ma, mb = meta_a.get("machine") or {}, meta_b.get("machine") or {}
     if ma.get("loaded") or mb.get("loaded") or bool(ma) != bool(mb):
         console.print(f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "

@@ -64,6 +64,21 @@ def test_compare_prints_table(tmp_path):
     assert "TTFT p50 (ms)" in text and "200.0" in text and "100.0" in text and "-50.0%" in text
 
 
+def test_compare_says_when_the_runs_had_different_backends(tmp_path):
+    """A TensorRT run against an onnxruntime one (auto fell back: no engine for this GPU) is no regression."""
+    write_json(tmp_path / "a.json", records(0.5), summarize(records(0.5)), {"backend": "tensorrt"})
+    write_json(tmp_path / "b.json", records(1.0), summarize(records(1.0)),
+               {"backend": "onnxruntime", "backend_reason": "TensorRT not used: no engine for this GPU"})
+    write_json(tmp_path / "c.json", records(1.0), summarize(records(1.0)), {"backend": "tensorrt"})
+    buf = io.StringIO()
+    compare(tmp_path / "a.json", tmp_path / "b.json", Console(file=buf, width=200))
+    text = " ".join(buf.getvalue().split())
+    assert "backends differ: A ran on tensorrt, B on onnxruntime (TensorRT not used: no engine for this GPU)" in text
+    buf = io.StringIO()
+    compare(tmp_path / "a.json", tmp_path / "c.json", Console(file=buf, width=200))
+    assert "backends differ" not in buf.getvalue()
+
+
 def test_load_json_rejects_foreign_files(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
     (tmp_path / "y.json").write_text("{")
