@@ -35,7 +35,8 @@ def scale_to_f32(scale: np.ndarray, name: str) -> np.ndarray:
 
 
 def dequant_fp8_blocks(w: np.ndarray, scale: np.ndarray, name: str) -> np.ndarray:
-    """FP8 weight [..., out, in] × per-block scale [..., ceil(out/bo), ceil(in/bi)] (128×128 for DeepSeek)."""
+    """FP8 (or INT8) weight [..., out, in] × per-block scale [..., ceil(out/bo), ceil(in/bi)] (128×128 for DeepSeek;
+    [out, 1] is per channel, a single value per tensor)."""
     if w.ndim < 2:
         raise CheckpointError(f"tensor {name!r}: FP8 weight must be at least 2-D, got shape {list(w.shape)}")
     s = scale_to_f32(scale, name)

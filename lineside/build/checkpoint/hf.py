@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from lineside.build.checkpoint.fp8_mxfp4 import dequantize
+from lineside.build.checkpoint.fp8_mxfp4 import dequant_fp8_blocks, dequantize
 from lineside.build.checkpoint.hf_tokenizer import write_hf_tokenizer
 from lineside.build.checkpoint.safetensors_file import SafetensorsFile
 from lineside.config import load_hf_config
@@ -18,6 +18,9 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Companion tensors holding block scales for an FP8 weight ``<prefix>.weight``.
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+# compressed-tensors (FP8-dynamic, w8a8), FBGEMM FP8 and ModelOpt FP8: ``w = q × <prefix>.weight_scale``, the scale
+# one per tensor ([] or [1]), per output channel ([out, 1]) or per group ([out, in/g]); never MXFP4.
+MULTIPLIER_SUFFIX = ".weight_scale"
 
 
 class HFCheckpoint:
@@ -60,9 +63,17 @@ class HFCheckpoint:
         return self._file(name).get_raw(name)
 
     def get(self, name: str) -> np.ndarray:
-        """float32 in HF layout; FP8 weights with a block-scale companion are dequantized."""
+        """float32 in HF layout; FP8 weights with a block-scale companion, and FP8/INT8 ones with a weight_scale,
+        are dequantized."""
         raw = self.get_raw(name)
         if self.dtype(name) in ("F8_E4M3", "F8_E5M2", "I8", "U8") and name.endswith(".weight"):
+            prefix = name[: -len(".weight")]
+            if prefix + MULTIPLIER_SUFFIX in self._where:  # read as stored, these would be unscaled codes
+                if prefix + ".weight_zero_point" in self._where:
+                    raise CheckpointError(f"{self.path}: tensor {name!r} has a weight_zero_point (asymmetric "
+                                          f"{self.dtype(name)}), which lineside cannot read; build from the "
+                                          "original float checkpoint")
+                return dequant_fp8_blocks(raw, self.get_raw(prefix + MULTIPLIER_SUFFIX), name)
             scale = self._scale_for(name)
             if scale is not None:  # FP8 with block scales, or MXFP4 (int8 e2m1 pairs) with ue8m0 scales
                 return dequantize(raw, scale, name)
