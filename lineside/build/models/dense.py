@@ -99,6 +99,23 @@ def check_shapes(cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
                                   "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")
 
 
+# quantization_config methods whose weights the reader dequantizes (a `.weight` with its scale); (method, format)
+_READABLE_QUANT = {("fp8", None), ("fbgemm_fp8", None), ("modelopt", None), ("compressed-tensors", "float-quantized"),
+                   ("compressed-tensors", "int-quantized"), ("compressed-tensors", "naive-quantized")}
+
+
+def _prequantized(hf_config: dict[str, Any]) -> str | None:
+    """config.json's quantization method when the reader cannot read its weights ("gptq", "compressed-tensors
+    pack-quantized", ...); None without a quantization_config or for a format it reads (FP8, scaled INT8)."""
+    qc = hf_config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if (method, fmt if method == "compressed-tensors" else None) in _READABLE_QUANT:
+        return None
+    return " ".join(str(v) for v in (method, fmt) if isinstance(v, str)) or "quantization_config"
+
+
 def required_tensors(cfg: ModelConfig) -> list[str]:
     """Every tensor the graph reads, so a missing one is reported by name before building."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -512,12 +529,23 @@ class DenseFamily(ModelFamily):
 
     def open_weights(self, cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
         missing = [n for n in required_tensors(cfg) if not ckpt.has(n)]
-        if missing:
-            raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                                  + "; the checkpoint is incomplete or config.json describes another model "
-                                    "(re-download it)")
-        check_shapes(cfg, ckpt, where)
+        packed = _prequantized(ckpt.hf_config)
+        try:
+            if missing:
+                raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing"
+                                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                                      + "; the checkpoint is incomplete or config.json describes another model "
+                                        "(re-download it)")
+            check_shapes(cfg, ckpt, where)
+        except CheckpointError as e:
+            if not packed:
+                raise
+            # GPTQ/AWQ qweight, compressed-tensors weight_packed (no `.weight`), bitsandbytes' flat uint8 weights
+            raise CheckpointError(f"{where}: the checkpoint is already quantized ({packed}, config.json's "
+                                  "quantization_config) in a packed format lineside cannot read "
+                                  f"({str(e).removeprefix(where + ': ').split(';')[0]}); build from the original "
+                                  "bf16/fp16 model, which lineside quantizes itself (--quant w4a16, --method awq "
+                                  "or gptq)") from None
         return None
 
     def emit_graph(self, cfg: ModelConfig, weights: WeightGetter | WeightSource, spec: QuantSpec, flavor: str,

@@ -1,6 +1,7 @@
 """Checkpoints published already quantized: FP8 / INT8 weights with a ``weight_scale`` companion (compressed-tensors
 "FP8-dynamic" / "w8a8", FBGEMM FP8, ModelOpt FP8) are read dequantized — checked against transformers on the
-dequantized float copy."""
+dequantized float copy — and packed INT4 formats (GPTQ, AWQ, bitsandbytes, compressed-tensors pack-quantized), which
+lineside cannot read, are refused in one line that says so instead of calling the checkpoint incomplete."""
 
 from __future__ import annotations
 
@@ -95,3 +96,49 @@ def test_asymmetric_int8_is_refused(base, tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "weight_zero_point" in msg and "q_proj" in msg, msg
     assert not (tmp_path / "b.partial").exists()
+
+
+def gptq_packed(prefix, w):  # AutoGPTQ / AutoAWQ layout: int32-packed nibbles, no `.weight`
+    o, i = w.shape
+    return {prefix + ".qweight": torch.zeros(i // 8, o, dtype=torch.int32),
+            prefix + ".qzeros": torch.zeros(1, o // 8, dtype=torch.int32),
+            prefix + ".scales": torch.ones(1, o, dtype=torch.float16)}, w
+
+
+def ct_packed(prefix, w):  # compressed-tensors pack-quantized (w4a16)
+    o, i = w.shape
+    return {prefix + ".weight_packed": torch.zeros(o, i // 8, dtype=torch.int32),
+            prefix + ".weight_scale": torch.ones(o, i // 32, dtype=torch.bfloat16),
+            prefix + ".weight_shape": torch.tensor([o, i])}, w
+
+
+def bnb_4bit(prefix, w):  # bitsandbytes nf4 as saved: the weight flattened into uint8 pairs, plus its state
+    return {prefix + ".weight": torch.zeros(w.numel() // 2, 1, dtype=torch.uint8),
+            prefix + ".weight.absmax": torch.ones(w.numel() // 64)}, w
+
+
+@pytest.mark.parametrize("quantize,config,method", [
+    (gptq_packed, {"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
+    (gptq_packed, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "awq"),
+    (ct_packed, {**FP8_CT, "format": "pack-quantized"}, "compressed-tensors"),
+    (bnb_4bit, {"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+])
+def test_packed_int4_checkpoints_are_refused_as_such(base, tmp_path, quantize, config, method):
+    ckpt, _ = _requantized(base, tmp_path / "q", quantize, config)
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(ckpt, tmp_path / "b", BuildOptions(quant="w4a16", flavors=("cpu",), max_seq_len=32))
+    msg = str(e.value)
+    assert "\n" not in msg and method in msg and "already quantized" in msg and "re-download" not in msg, msg
+    assert not (tmp_path / "b.partial").exists()
+
+
+def test_a_readable_quantized_checkpoint_missing_a_tensor_is_called_incomplete(base, tmp_path):
+    def drop_one(prefix, w):
+        parts, deq = fp8_per_channel(prefix, w)
+        return ({} if prefix == "model.layers.1.mlp.down_proj" else parts), deq
+
+    ckpt, _ = _requantized(base, tmp_path / "q", drop_one, FP8_CT)
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(ckpt, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
+    msg = str(e.value)
+    assert "'model.layers.1.mlp.down_proj.weight' is missing" in msg and "re-download" in msg, msg
