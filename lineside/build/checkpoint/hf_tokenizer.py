@@ -24,7 +24,10 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
 
     chat_template = _chat_template(src, tcfg)
     vocab = _token_ids(tok)
-    bos_id = _first_int(gen.get("bos_token_id"), hf_config.get("bos_token_id"), vocab.get(_tok_text(tcfg.get("bos_token"))))
+    # The tokenizer's own BOS before config.json's: R1-Distill-Qwen's config.json says bos_token_id 151643, its EOS,
+    # while the tokenizer (what transformers and vLLM encode with) starts prompts with <｜begin▁of▁sentence｜>.
+    bos_id = _first_int(gen.get("bos_token_id"), vocab.get(_tok_text(tcfg.get("bos_token"))),
+                        hf_config.get("bos_token_id"))
     eos_ids = _id_list(gen.get("eos_token_id"))
     if not eos_ids:
         eos_ids = _id_list(hf_config.get("eos_token_id"))

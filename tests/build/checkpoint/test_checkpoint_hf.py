@@ -227,6 +227,32 @@ def test_hf_write_tokenizer(tiny_llama, tmp_path):
     assert (tmp_path / "tok" / "generation_config.json").is_file()
 
 
+def test_bos_without_generation_config_is_the_tokenizers(tiny_dense, tmp_path):
+    """R1-Distill-Qwen's config.json gives bos_token_id = its EOS (151643) while the tokenizer's BOS is
+    <｜begin▁of▁sentence｜>; without generation_config.json (a fine-tune saved without one) the prompt must
+    still start with the tokenizer's BOS, as transformers (and vLLM, llama.cpp's converter) encode it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from lineside.runtime.tokenizer import Tokenizer
+
+    path = tmp_path / "ck"
+    shutil.copytree(tiny_dense("llama-gqa"), path)  # tokenizer: <s> = 1, </s> = 2
+    hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # adds BOS
+    hf.save(str(path / "tokenizer.json"))
+    (path / "generation_config.json").unlink(missing_ok=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["bos_token_id"] = cfg["eos_token_id"] = 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    info = open_checkpoint(path).write_tokenizer(tmp_path / "tok")
+    want = AutoTokenizer.from_pretrained(path)("hello there")["input_ids"]
+    assert want[0] == 1
+    assert info["bos_token_id"] == 1 and info["eos_token_ids"] == [2]
+    assert Tokenizer(tmp_path / "tok", info).encode("hello there") == want
+
+
 def test_hf_chat_template_jinja(tiny_qwen2, tmp_path):
     src, _ = tiny_qwen2
     d = tmp_path / "q"
