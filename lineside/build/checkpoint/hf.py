@@ -34,17 +34,17 @@ class HFCheckpoint:
             raise CheckpointError(str(e)) from None
         self._files: dict[str, SafetensorsFile] = {}
         self._where: dict[str, str] = {}  # tensor name → file name
-        for fname, names in _layout(self.path).items():
-            sf = SafetensorsFile(self.path / fname)
-            self._files[fname] = sf
-            have = set(sf.names())
-            for n in names if names is not None else sf.names():
-                if n not in have:
-                    raise CheckpointError(
-                        f"{self.path / INDEX}: tensor {n!r} is mapped to {fname}, which does not contain it; "
-                        "the index and the shards disagree (re-download the checkpoint)"
-                    )
-                self._where[n] = fname
+        layout = _layout(self.path)
+        # The shards' headers say what each holds, as transformers and vLLM read them (the index only names the
+        # files): a stale index entry, or one naming the wrong shard, must not refuse a checkpoint they load.
+        for fname in layout:
+            sf = self._files[fname] = SafetensorsFile(self.path / fname)
+            for n in sf.names():
+                self._where.setdefault(n, fname)
+        for fname, names in layout.items():  # a tensor in several shards: the one the index names
+            for n in names or ():
+                if n in self._files[fname].tensors:
+                    self._where[n] = fname
 
     def names(self) -> list[str]:
         return list(self._where)
