@@ -97,6 +97,9 @@ def serve(
              "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON)")] = "auto",
     trust_request_chat_template: Annotated[bool, typer.Option(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
+    generation_config: Annotated[str, typer.Option(
+        help="auto: a request's missing temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
+             "generation_config.json (vLLM's default); none: OpenAI's defaults")] = "auto",
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest, verify_files
@@ -107,6 +110,7 @@ def serve(
     from lineside.server.tool_calls import PARSERS
 
     tool_call_parser = checks.choice(tool_call_parser, "--tool-call-parser", tuple(PARSERS))
+    generation_config = checks.choice(generation_config, "--generation-config", ("auto", "none"))
     template_text = None
     if chat_template is not None:
         from lineside.runtime.chat_template import template_option
@@ -125,6 +129,13 @@ def serve(
     manifest = read_manifest(bundle)  # a wrong path fails here in one line
     # A missing or truncated file fails here, not after "serving on ..." (sizes only: the load checks the hashes).
     verify_files(Path(bundle), manifest, check_hash=False)
+    from lineside.bundle import Bundle
+    from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
+
+    sampling_defaults = SamplingDefaults()
+    if generation_config == "auto":
+        tokenizer_dir = Bundle(path=Path(bundle), manifest=manifest).tokenizer_dir
+        sampling_defaults = read_sampling_defaults(tokenizer_dir / "generation_config.json")
     if backend == "tensorrt":
         from lineside.bundle import manifest_flavor
 
@@ -202,6 +213,11 @@ def serve(
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
     try:
         logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+        if sampling_defaults.changed():  # as vLLM says it: a request's sampling differs from OpenAI's defaults
+            logging.getLogger("lineside.server").info(
+                "requests that leave them out sample with the model's generation_config.json: %s "
+                "(--generation-config none for OpenAI's defaults)",
+                ", ".join(f"{k}={v}" for k, v in sampling_defaults.changed().items()))
         # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
         engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
@@ -227,7 +243,7 @@ def serve(
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                         max_stored_responses=max_stored_responses)
+                         max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

@@ -172,8 +172,10 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")
         priority, mode = request_mapping.priority(request.headers)
-        sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p)
+        given = state.sampling_defaults  # the model's recommendation (serve --generation-config) for what is left out
+        sampling = SamplingParams(temperature=given.temperature if body.temperature is None else body.temperature,
+                                  top_p=given.top_p if body.top_p is None else body.top_p, top_k=given.top_k,
+                                  min_p=given.min_p, repetition_penalty=given.repetition_penalty)
         engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
@@ -282,7 +284,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
                 logprobs=None if output is None else output.top_logprobs,
                 session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
-                adapter=adapter, bias=bias)))
+                adapter=adapter, bias=bias, defaults=state.sampling_defaults)))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
         # model only: an adapter's request stays on the primary, gated and marked as the level says) and may
         # answer from cache

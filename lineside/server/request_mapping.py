@@ -21,6 +21,7 @@ from lineside.runtime.request import (
     check_prompt_ids,
 )
 from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
@@ -216,14 +217,17 @@ def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) 
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest,
-                    bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
-    top_k = req.top_k or 0
+                    bias: tuple[tuple[int, float], ...] = (),
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """The request's sampling; a field it leaves out takes ``defaults`` (the model's generation_config.json under
+    ``serve --generation-config auto``, else OpenAI's)."""
+    top_k = defaults.top_k if req.top_k is None else req.top_k
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=defaults.temperature if req.temperature is None else req.temperature,
         top_k=0 if top_k < 0 else top_k,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        top_p=defaults.top_p if req.top_p is None else req.top_p,
+        min_p=defaults.min_p if req.min_p is None else req.min_p,
+        repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
@@ -311,10 +315,11 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                    stops: list[str], priority: Priority, mode: Mode, timeout: float | None, request_id: str,
                    copy: int = 0, constraint: Constraint | None = None,
                    logprobs: int | None = None, session: str | None = None,
-                   adapter: str | None = None, bias: tuple[tuple[int, float], ...] = ()) -> GenerationRequest:
+                   adapter: str | None = None, bias: tuple[tuple[int, float], ...] = (),
+                   defaults: SamplingDefaults = SamplingDefaults()) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``."""
-    sampling = sampling_params(req, bias)
+    sampling = sampling_params(req, bias, defaults)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lineside.bundle import default_model_names
+from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 from lineside.server.response_store import ResponseStore
@@ -46,7 +47,8 @@ class ServerState:
                  served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
                  engine_future: Future[ServingEngine] | None = None, lora: Any = None,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 tool_call_parser: str = "auto", max_stored_responses: int = 256):
+                 tool_call_parser: str = "auto", max_stored_responses: int = 256,
+                 sampling_defaults: SamplingDefaults | None = None):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
         self.engine_future = engine_future
@@ -58,6 +60,8 @@ class ServerState:
         self.chat_template = chat_template  # --chat-template's text (None: the bundle's own renders chats)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
+        # what a request gets for a sampling field it leaves out (serve --generation-config)
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.responses = ResponseStore(max_stored_responses)  # /v1/responses kept for previous_response_id
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None

@@ -75,6 +75,12 @@ CONTROL_LOOKING = EOG_TEXTS | {t for ts in FIM_EOG.values() for t in ts} | {
 CONTROL, USER_DEFINED, UNKNOWN = 3, 4, 2
 
 
+# GGUF's recommended-sampling keys (llama.cpp's defaults for the model) -> generation_config.json's fields
+SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                 "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
 def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
     """Write tokenizer.json, tokenizer_config.json and generation_config.json for a GGUF's vocab."""
     model = ck.meta("tokenizer.ggml.model")
@@ -126,6 +132,10 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
     pad = ck.meta("tokenizer.ggml.padding_token_id")
     if pad is not None:
         gen["pad_token_id"] = pad
+    for key, field in SAMPLING_KEYS.items():  # the model's recommended sampling, as llama.cpp reads it
+        value = ck.meta(key)
+        if value is not None:
+            gen[field] = value
     _dump(out_dir / "generation_config.json", gen)
     return {"bos_token_id": bos, "eos_token_ids": eos_ids, "chat_template": chat_template, "add_bos_token": add_bos}
 

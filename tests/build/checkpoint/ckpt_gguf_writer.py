@@ -40,9 +40,10 @@ def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
 
 def write_model_gguf(
     path: Path, arch: str, cfg: dict, state: dict[str, np.ndarray], qtypes: dict[str, str] | None = None,
-    tokenizer: dict | None = None,
+    tokenizer: dict | None = None, metadata: dict[str, float | int] | None = None,
 ) -> None:
-    """state: HF names → float32; qtypes: HF name → GGML type name (default F32)."""
+    """state: HF names → float32; qtypes: HF name → GGML type name (default F32); metadata: more keys (a float
+    as float32, an int as uint32)."""
     qtypes = qtypes or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -56,6 +57,8 @@ def write_model_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
         add_tokenizer(w, **tokenizer)
+    for key, value in (metadata or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, arr in state.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):

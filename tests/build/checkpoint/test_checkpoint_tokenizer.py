@@ -152,13 +152,29 @@ def _tiny_bpe() -> dict:
     return dict(tokens=tokens, types=types, merges=merges)
 
 
-def _tiny_gguf(tmp_path: Path, tiny_llama, **tok) -> Path:
+def _tiny_gguf(tmp_path: Path, tiny_llama, metadata: dict | None = None, **tok) -> Path:
     hf_dir, state = tiny_llama
     cfg = json.loads((hf_dir / "config.json").read_text())
     path = tmp_path / "tok.gguf"
     small = {k: v for k, v in state.items() if "layers" not in k}
-    write_model_gguf(path, "llama", {**cfg, "num_hidden_layers": 0}, small, tokenizer=tok)
+    write_model_gguf(path, "llama", {**cfg, "num_hidden_layers": 0}, small, tokenizer=tok, metadata=metadata)
     return path
+
+
+def test_recommended_sampling_is_carried_into_generation_config(tmp_path, tiny_llama):
+    """A GGUF's general.sampling.* keys (the model's recommended sampling, llama.cpp's defaults for it) become
+    generation_config.json's fields, which `serve --generation-config auto` applies as vLLM does."""
+    from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
+
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="qwen2", bos=1, eos=2,
+                      metadata={"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95,
+                                "general.sampling.top_k": 20, "general.sampling.penalty_repeat": 1.1})
+    open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    assert read_sampling_defaults(tmp_path / "out" / "generation_config.json") == SamplingDefaults(
+        temperature=pytest.approx(0.6), top_p=pytest.approx(0.95), top_k=20, repetition_penalty=pytest.approx(1.1))
+    plain = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="qwen2", bos=1, eos=2)
+    open_checkpoint(plain).write_tokenizer(tmp_path / "plain")
+    assert read_sampling_defaults(tmp_path / "plain" / "generation_config.json") == SamplingDefaults()
 
 
 def test_tiny_smollm_rules(tmp_path, tiny_llama):

@@ -1,0 +1,71 @@
+"""The model creator's recommended sampling, from the bundle's ``generation_config.json``, for the fields a request
+leaves out: vLLM's ``--generation-config auto`` (its default). DeepSeek-R1-Distill ships temperature 0.6 and top_p
+0.95 because it repeats itself endlessly at OpenAI's default of 1.0 / 1.0 without them.
+
+As vLLM reads it: only the sampling fields the file sets to something other than transformers' own defaults
+(``GenerationConfig.to_diff_dict``), so a ``top_k: 50`` written out by ``save_pretrained`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from lineside.errors import LinesideError
+
+# generation_config.json's field -> transformers' default (a field at its default is not a recommendation)
+_TRANSFORMERS_DEFAULTS: dict[str, float | int | None] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for a sampling field it does not send (OpenAI's defaults unless the model says)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def changed(self) -> dict[str, float | int]:
+        """The fields that differ from OpenAI's defaults (what the startup log says was taken from the model)."""
+        base = SamplingDefaults()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
+
+
+def _checked(name: str, value: Any, where: str) -> float | int:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = {"temperature": 0 <= value <= 2, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,  # a request's ranges
+              "repetition_penalty": 0 < value <= 10,
+              "top_k": float(value).is_integer() and value >= -1}[name]
+    if not ok:
+        raise LinesideError(f"{where}: {name} is {value!r}, not a valid {name}; fix the file or serve with "
+                            "--generation-config none to ignore it")
+    return int(value) if name == "top_k" else float(value)
+
+
+def read_sampling_defaults(path: Path) -> SamplingDefaults:
+    """``generation_config.json`` at ``path`` → SamplingDefaults (OpenAI's where the file is absent or silent)."""
+    if not path.is_file():
+        return SamplingDefaults()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LinesideError(f"{path}: not readable JSON ({e}); rebuild the bundle or serve with "
+                            "--generation-config none") from None
+    if not isinstance(config, dict):
+        raise LinesideError(f"{path}: not a JSON object; rebuild the bundle or serve with --generation-config none")
+    chosen: dict[str, float | int] = {}
+    for name, default in _TRANSFORMERS_DEFAULTS.items():
+        value = config.get(name)
+        if value is None or value == default:
+            continue
+        chosen[name] = _checked(name, value, str(path))
+    if chosen.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
+        chosen["top_k"] = 0
+    return SamplingDefaults(**chosen)
