@@ -85,7 +85,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
         msg = f"invalid value for '{param}': it matches none of the accepted types ({first.get('msg', 'invalid')})"
     else:
         msg = f"invalid value for '{param}': {first.get('msg', 'invalid')}"
-    more = len(errs) - len(same)
+    # other fields that failed (a union field fails once per member, a non-object body once in all)
+    more = len({err["loc"][1] if len(err.get("loc", ())) > 1 else None for err in errs}) - 1
     if more > 0:
         msg += f" (and {more} more problem{'s' if more > 1 else ''})"
     return msg, param, "invalid_value" if kind != "missing" else "missing_field"

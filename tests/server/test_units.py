@@ -203,6 +203,18 @@ def test_validation_messages_are_one_line_with_the_parameter():
     assert param == "top_p" and "greater than 0" in msg
 
 
+def test_validation_message_counts_other_fields_not_the_first_problem_or_union_members():
+    """An empty or non-object body is one problem, not '(and 1 more problem)'; a union field failing in each of its
+    members is one more problem, not one per member."""
+    for body in (None, [1], "hi"):
+        msg, param, _ = validation_message(_validation(CompletionRequest, body))
+        assert param is None and "more problem" not in msg, msg
+    msg, param, _ = validation_message(_validation(CompletionRequest, {"prompt": 5, "top_p": 0}))
+    assert param == "top_p" and msg.endswith("(and 1 more problem)"), msg
+    msg, _, _ = validation_message(_validation(CompletionRequest, {"prompt": "x", "top_p": 0, "n": 0}))
+    assert msg.endswith("(and 1 more problem)"), msg
+
+
 def test_metrics_observe_and_latency_log(tmp_path):
     log = tmp_path / "sub" / "lat.jsonl"
     m = ServerMetrics(log)
