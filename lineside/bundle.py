@@ -274,14 +274,35 @@ def add_to_manifest(bundle_dir: Path, manifest: Manifest, files: list[str]) -> M
     return manifest
 
 
+def _not_a_bundle(path: Path) -> str:
+    """Why ``path`` is not a bundle, and what to pass instead: the commands that take a bundle are often handed the
+    checkpoint it is built from (a .gguf, a Hugging Face directory) or a file inside it."""
+    inside = next((p for p in path.parents if (p / MANIFEST).is_file()), None)
+    if inside is not None:
+        what = "a directory" if path.is_dir() else "a file"
+        return f"{path}: pass the bundle directory ({inside}), not {what} inside it"
+    if _is_gguf(path) or (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors*"))):
+        return f"{path} is a checkpoint, not a bundle; build a bundle from it first: `lineside build {path} -o BUNDLE`"
+    if not path.exists():
+        return f"{path}: not a bundle directory (it does not exist); build one with `lineside build CHECKPOINT -o {path}`"
+    if path.is_dir():
+        return f"{path}: no manifest.json; this is not a lineside bundle (rebuild it)"
+    return f"{path}: not a bundle directory; pass the directory `lineside build CHECKPOINT -o BUNDLE` wrote"
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return path.suffix.lower() == ".gguf" or f.read(4) == b"GGUF"
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check ``manifest.json`` (format version, file list, required fields); one line if it is wrong."""
     path = Path(path)
     mf = path / MANIFEST
-    if not path.is_dir():
-        raise BundleError(f"{path}: not a bundle directory; build one with `lineside build CHECKPOINT -o {path}`")
-    if not mf.is_file():
-        raise BundleError(f"{path}: no manifest.json; this is not a lineside bundle (rebuild it)")
+    if not path.is_dir() or not mf.is_file():
+        raise BundleError(_not_a_bundle(path))
     try:
         manifest = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -111,3 +111,26 @@ def test_unchanged_files_are_not_hashed_again_but_a_rewrite_is(built, tmp_path, 
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(BundleError, match="model.onnx.data fails its sha256 check"):
         open_bundle(out)
+
+
+def test_what_is_not_a_bundle_says_what_it_is_and_what_to_pass(built, tmp_path):
+    """`lineside serve model.gguf` (or a checkpoint directory, or a file inside a bundle) names the right next step:
+    build a bundle from the checkpoint, or pass the bundle's directory — never `lineside build ... -o model.gguf`."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(20))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(bytes(8))
+    cases = [
+        (gguf, f"is a checkpoint, not a bundle; build a bundle from it first: `lineside build {gguf} -o BUNDLE`"),
+        (hf, f"is a checkpoint, not a bundle; build a bundle from it first: `lineside build {hf} -o BUNDLE`"),
+        (built / MANIFEST, f"pass the bundle directory ({built}), not a file inside it"),
+        (built / "graphs", f"pass the bundle directory ({built}), not a directory inside it"),
+        (tmp_path / "nope", "not a bundle directory (it does not exist)"),
+    ]
+    for path, needle in cases:
+        with pytest.raises(BundleError) as e:
+            read_manifest(path)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert path.exists() is (f"-o {path}`" not in str(e.value))  # only a path not there yet is one to build to
