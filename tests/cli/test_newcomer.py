@@ -237,3 +237,12 @@ def test_kv_cache_that_cannot_fit_is_refused(bundle):
     assert str(e.value) == ("the KV cache for --num-slots 9 needs 3.0 GiB, and 1.0 GiB of memory is available; "
                             "lower --num-slots")
     assert cli_checks.available_memory_bytes(Path("/nonexistent/meminfo")) is None
+
+
+def test_build_from_a_bundle_says_it_is_one(bundle, tmp_path):
+    """`lineside build BUNDLE -o OUT` (a bundle taken for the checkpoint) said the directory had no
+    model.safetensors and that lineside reads safetensors checkpoints: true, and no help."""
+    proc = run_cli("build", str(bundle), "-o", str(tmp_path / "out"))
+    line = assert_one_line_error(proc, "is a lineside bundle", code=1)
+    assert "safetensors" not in line
+    assert tree_snapshot(tmp_path) == set()

@@ -52,6 +52,9 @@ class CheckpointReader(Protocol):
 def open_checkpoint(path: str | Path) -> CheckpointReader:
     """Open a Hugging Face checkpoint directory or a .gguf file; CheckpointError (one line) otherwise."""
     p = Path(path).expanduser()
+    if (p / "manifest.json").is_file() and (p / "graphs").is_dir():
+        raise CheckpointError(f"{p} is a lineside bundle (built already), not a checkpoint; run it as it is "
+                              f"(`lineside serve {p}`) or build from the checkpoint it was made from")
     if p.is_dir():
         from lineside.build.checkpoint.hf import HFCheckpoint
 
