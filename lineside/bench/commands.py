@@ -40,7 +40,7 @@ def _tokenizer(tokenizer: Path | None, bundle: Path | None):
 
 
 def bench(
-    url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server."),
+    url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server: http://HOST:PORT (a trailing /v1 is fine)."),
     bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
     compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two result JSONs: A B."),
     pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency | chunked (prompts fed to "
@@ -114,6 +114,9 @@ def bench(
         raise LinesideError("give exactly one of --url http://HOST:PORT (a running server) or --bundle DIR")
     if url is not None and not url.startswith(("http://", "https://")):
         raise LinesideError(f"--url {url!r} must start with http:// or https://")
+    if url is not None:
+        # the server's root; the openai client's base_url ends in /v1 (what its users copy), every path here adds it
+        url = url.rstrip("/").removesuffix("/v1")
     if endpoint not in ("completions", "chat"):
         raise LinesideError(f"--endpoint {endpoint!r} is not completions or chat")
 

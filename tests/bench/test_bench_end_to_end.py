@@ -153,6 +153,18 @@ def test_cli_url_sends_the_servers_api_key(tmp_path, monkeypatch):
         assert r.exit_code == 0, r.output
 
 
+def test_cli_url_with_the_openai_clients_v1_suffix(server, tmp_path):
+    """`--url http://HOST:PORT/v1` (the openai client's base_url, the README's snippet) listed models at
+    /v1/v1/models and failed with a 404 asking whether it was an OpenAI-compatible server."""
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "3", "--warmup", "0", "--no-plots"]
+    for i, suffix in enumerate(("/v1", "/v1/")):
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url + suffix, *args, "--out", str(tmp_path / str(i))])
+        assert r.exit_code == 0, (r.output, r.exception)
+        summary = json.loads((tmp_path / str(i) / "report.json").read_text())["summary"]
+        assert summary["completed"] == 2 and summary["failed"] == 0
+
+
 def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
     from lineside.bundle import FORMAT_VERSION
 
