@@ -95,6 +95,10 @@ def bench(
     # Every path first: a bad --out must not cost a whole run (and leaves nothing behind).
     if out is not None:
         checks.output_dir(out, "--out", force=force, what="report directory")
+        if not no_plots:
+            from lineside.bench.plots import check_available
+
+            check_available()
     if bundle is not None:
         from lineside.bundle import read_manifest
 

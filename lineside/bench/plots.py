@@ -10,11 +10,19 @@ from lineside.bench.metrics import RequestRecord, e2e, itls, throughput_timeline
 from lineside.errors import LinesideError
 
 
-def _plt():
+def check_available() -> None:
+    """Raise before a run, not after it: matplotlib is an extra (dev, bench), not a dependency of lineside."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise LinesideError("plots need matplotlib: pip install matplotlib (or pass --no-plots)") from None
+        raise LinesideError("the report's plots need matplotlib: pip install matplotlib (or pass --no-plots)") \
+            from None
+
+
+def _plt():
+    check_available()
+    import matplotlib
+
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

@@ -165,6 +165,18 @@ def test_cli_url_with_the_openai_clients_v1_suffix(server, tmp_path):
         assert summary["completed"] == 2 and summary["failed"] == 0
 
 
+def test_cli_without_matplotlib_stops_before_the_run(server, tmp_path, monkeypatch):
+    """matplotlib is not one of lineside's dependencies (only the dev/bench extras'): `bench --out DIR` without it
+    ran the whole load, then refused to write the plots — and with them the report, the run's records lost."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    sent = server.app.state.requests
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url, "--pattern", "concurrency", "--num-requests",
+                                       "2", "--duration", "0", "--max-tokens", "3", "--out", str(tmp_path / "o")])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "matplotlib" in said and "--no-plots" in said, said
+    assert server.app.state.requests == sent and not (tmp_path / "o").exists()
+
+
 def test_cli_bundle_mode_serves_create_app_in_process(tmp_path, monkeypatch):
     from lineside.bundle import FORMAT_VERSION
 
