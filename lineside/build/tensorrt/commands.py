@@ -38,8 +38,14 @@ def register(app: typer.Typer) -> None:
 
         checks.input_dir(bundle, "BUNDLE", "bundle directory")
 
-        out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
-                                                max_loras=max_loras, max_lora_rank=max_lora_rank))
+        try:
+            out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
+                                                    max_loras=max_loras, max_lora_rank=max_lora_rank))
+        except LinesideError as e:  # the backend's lines end in advice for serve/generate, which have --backend
+            if "use --backend onnxruntime" not in str(e):
+                raise
+            raise LinesideError(str(e).replace("use --backend onnxruntime", "run the bundle without an engine "
+                                               f"(`lineside serve {bundle} --backend onnxruntime`)")) from None
         typer.echo(f"engine written to {out}")
 
     @app.command("check")

@@ -139,3 +139,5 @@ def test_cli_engine_without_tensorrt(trt_bundle, monkeypatch, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: TensorRT is not installed")
+    # `lineside engine` has no --backend: the way round is to serve without an engine, named as a command
+    assert "use --backend" not in err[0] and "`lineside serve " in err[0] and "--backend onnxruntime`" in err[0], err
