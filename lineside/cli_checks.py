@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -239,8 +240,13 @@ def apart_from(output: Path, option: str, inputs: dict[str, Path | None]) -> Non
 def staged_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically, on failure it is
     removed (an interrupted write never leaves a truncated file under the name asked for)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    os.close(fd)
+    while True:  # mkstemp would make it 0600, a mode the file keeps when renamed: open it as a plain file would be
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.partial"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         yield Path(tmp)
         os.replace(tmp, path)

@@ -87,6 +87,23 @@ def test_logits_writes_exactly_the_path_given(bundle, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # no out.txt.npy, no temp file
 
 
+def test_staged_output_file_gets_the_mode_of_a_file_written_in_place(tmp_path):
+    """`logits -o out.npy` was written through mkstemp and renamed, so it kept mkstemp's 0600 (other users could
+    not read it); a file opened in place gets 0666 less the umask, as numpy.save's would."""
+    import os
+
+    from lineside.cli_checks import staged_file
+
+    old = os.umask(0o022)
+    try:
+        with staged_file(tmp_path / "out.npy") as tmp:
+            tmp.write_bytes(b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out.npy").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["out.npy"]
+
+
 def test_logits_into_a_directory_is_refused(bundle, tmp_path):
     proc = run_cli("logits", str(bundle), "--ids", "1,2", "-o", str(tmp_path))
     assert_one_line_error(proc, "is a directory", code=1)
