@@ -204,7 +204,8 @@ def manifest_flavor(path: Path, manifest: Manifest, name: str) -> FlavorEntry:
     """The bundle's ``name`` graph; one line naming what it has when it was not built."""
     if name not in manifest.flavors:
         have = ", ".join(sorted(manifest.flavors)) or "none"
-        raise BundleError(f"bundle {path} has no {name!r} graph (it has: {have}); rebuild with --flavors {name}")
+        wanted = ",".join(sorted({*manifest.flavors, name}))  # keep what it has: cpu sorts before trt
+        raise BundleError(f"bundle {path} has no {name!r} graph (it has: {have}); rebuild with --flavors {wanted}")
     return manifest.flavors[name]
 
 

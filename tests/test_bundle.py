@@ -134,3 +134,13 @@ def test_what_is_not_a_bundle_says_what_it_is_and_what_to_pass(built, tmp_path):
             read_manifest(path)
         assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert path.exists() is (f"-o {path}`" not in str(e.value))  # only a path not there yet is one to build to
+
+
+def test_a_missing_flavor_names_a_rebuild_that_keeps_the_others(tiny_bundle):
+    """`lineside check` / `engine` / `serve --backend tensorrt` on a cpu bundle said 'rebuild with --flavors trt':
+    followed literally, the cpu graph is gone and onnxruntime runs the trt graph (dequantizing every step)."""
+    from lineside.bundle import manifest_flavor
+
+    with pytest.raises(BundleError) as e:
+        manifest_flavor(tiny_bundle, read_manifest(tiny_bundle), "trt")
+    assert str(e.value).endswith("rebuild with --flavors cpu,trt"), str(e.value)
