@@ -75,7 +75,20 @@ def one_line(text: str) -> str:
 def usage_line(e: UsageError, prog: str = PROG) -> str:
     """typer's usage error (unknown option, missing argument, bad value) as one line naming where help is."""
     path = e.ctx.command_path if e.ctx is not None else prog
-    return f"error: {one_line(e.format_message()).rstrip('.')}; see `{path} --help`"
+    return f"error: {one_line(e.format_message()).rstrip('.')}{_repeat_hint(e)}; see `{path} --help`"
+
+
+def _repeat_hint(e: UsageError) -> str:
+    """Extra arguments after a list option given once are vLLM's `--served-model-name a b` (nargs): here each
+    value takes the option again, which the parser's own message does not say."""
+    if e.ctx is None or "unexpected extra argument" not in e.format_message():
+        return ""
+    given = [p for p in e.ctx.command.params if p.param_type_name == "option" and getattr(p, "multiple", False)
+             and e.ctx.params.get(p.name)]
+    if len(given) != 1:
+        return ""
+    opt = max(given[0].opts, key=len)
+    return f" (a list option takes one value each time: repeat {opt} before each value)"
 
 
 def os_error_line(e: OSError) -> str:

@@ -121,3 +121,14 @@ def test_usage_errors_from_the_real_command(argv, needle):
     proc = run_cli(*argv, fresh=True)
     line = assert_one_line_error(proc, needle, code=2)
     assert line.startswith("error: ") and "--help`" in line
+
+
+@pytest.mark.parametrize("option", ["--served-model-name", "--allowed-hosts", "--lora-modules"])
+def test_a_list_option_given_vllms_space_separated_values_says_to_repeat_it(option, capsys):
+    """vLLM reads `--served-model-name a b` (nargs); here `b` was 'an unexpected extra argument' and nothing said
+    that each value needs the option again."""
+    code, err = _in_process(["serve", "ARG", option, "a=x", "b=y"], capsys)
+    _assert_usage_line(code, err, "serve", "(b=y)", f"repeat {option} before each value")
+    code, err = _in_process(["serve", "ARG", "extra"], capsys)  # no list option given: no such hint
+    _assert_usage_line(code, err, "serve", "(extra)")
+    assert "repeat" not in err
