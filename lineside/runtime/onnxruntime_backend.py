@@ -413,7 +413,11 @@ class OnnxRuntimeBackend:
             "input_ids": np.ascontiguousarray(batch.input_ids, dtype=np.int64),
             "logits_positions": np.ascontiguousarray(batch.logits_positions, dtype=np.int64)}
         if "position_ids" in self.input_names:
-            feeds["position_ids"] = past[:, None] + np.arange(s, dtype=np.int64)[None, :]
+            # Right-padding of a row shorter than the step's widest (a verification beside others) lies past its
+            # tokens, beyond the context for a row at its end: clamped into the rotary table (the mask hides those
+            # entries and they are never stored), as the TensorRT backend does (tensorrt/arena.py).
+            feeds["position_ids"] = np.minimum(past[:, None] + np.arange(s, dtype=np.int64)[None, :],
+                                               self.max_seq_len - 1)
         if "attention_mask" in self.input_names:
             mask = np.zeros((b, p_max + s), dtype=np.int64)
             mask[:, :p_max] = np.arange(p_max)[None, :] < past[:, None]

@@ -43,6 +43,31 @@ def test_rejected_drafts_kv_is_overwritten(tiny_bundles, flavor):
 
 
 
+def test_a_padded_row_at_the_end_of_the_context_verifies_beside_a_longer_one(tiny_bundles):
+    """A verification step right-pads rows to its widest (the trt graph takes them in one run): a row whose one
+    token sits at the last position of the context must not give its padding positions past the rotary table
+    (onnxruntime failed the whole step: Gather index 64 out of [-64, 63]); each row scores as it does alone."""
+    b = open_bundle(tiny_bundles(quant="w4a16", accuracy_level=0, flavors=("trt",), group_size=64,
+                                 max_seq_len=64))
+    be = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor="trt")
+    rng = np.random.default_rng(5)
+    long, short = rng.integers(3, 259, 63).tolist(), rng.integers(3, 259, 9).tolist()
+    be.forward(StepBatch.single(0, long, 0))
+    be.forward(StepBatch.single(1, short, 0))
+    last, drafts = [int(rng.integers(3, 259))], rng.integers(3, 259, 4).tolist()
+    ids = np.zeros((2, 4), dtype=np.int64)
+    ids[0, :1], ids[1] = last, drafts
+    new = np.array([1, 4])
+    out = be.forward(StepBatch(slots=[0, 1], input_ids=ids, past_lengths=np.array([63, 9]), new_lengths=new,
+                               logits_positions=np.minimum(np.arange(4)[None, :], (new - 1)[:, None])))
+    alone = OnnxRuntimeBackend(b, num_slots=2, threads=2, flavor="trt")
+    alone.forward(StepBatch.single(0, long, 0))
+    alone.forward(StepBatch.single(1, short, 0))
+    np.testing.assert_allclose(out[0, 0], alone.forward(StepBatch.single(0, last, 63))[0, 0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[1], alone.forward(StepBatch.single(1, drafts, 9, all_logits=True))[0],
+                               rtol=1e-4, atol=1e-4)
+
+
 async def engine_outputs(bundle, prompts, n, *, spec, proposer=None, slots=3, **kw):
     eng = LLMEngine(bundle, backend="onnxruntime", threads=2, num_slots=slots, speculative=spec, **kw)
     if proposer is not None:
