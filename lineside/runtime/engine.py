@@ -264,7 +264,10 @@ class LLMEngine:
         validate_request(req, self.vocab_size, self.max_seq_len)
         if req.session_id is not None:
             check_session_id(req.session_id)
-        if len(self._incoming) + len(self.scheduler.waiting) >= self.max_waiting:
+        # Queued requests that free slots will take at the next step do not wait: the bound counts the rest (else a
+        # burst, or an n > 1 request, on an idle engine was refused, and --max-waiting 0 refused every request).
+        free = self.arena.num_slots - len(self.scheduler.running)
+        if len(self._incoming) + len(self.scheduler.waiting) - free >= self.max_waiting:
             raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
         if req.request_id in self._seqs:
             raise LinesideError(f"request id {req.request_id!r} is already running; use a new id")

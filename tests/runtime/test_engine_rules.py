@@ -370,16 +370,34 @@ def test_submit_errors(tiny_bundle):
             eng.submit(req([1], priority="urgent"))
         with pytest.raises(LinesideError, match="temperature"):
             eng.submit(req([1], sampling=SamplingParams(temperature=-1)))
-        hs = [eng.submit(req([1, 5])), eng.submit(req([1, 6]))]
+        hs = [eng.submit(req([1, 5])), eng.submit(req([1, 6])), eng.submit(req([1, 7]))]  # 1 slot, 2 waiting
         with pytest.raises(QueueFullError):
-            eng.submit(req([1, 7]))
+            eng.submit(req([1, 9]))
         await eng.start()
         await eng.stop(drain_timeout=5)
         with pytest.raises(EngineDraining):
             eng.submit(req([1, 8]))
         return [h.finish_reason for h in hs]
 
-    assert run(main()) == ["length", "length"]
+    assert run(main()) == ["length", "length", "length"]
+
+
+@pytest.mark.parametrize("max_waiting", [0, 1])
+def test_requests_that_free_slots_will_take_do_not_count_as_waiting(tiny_bundle, max_waiting):
+    """The waiting-queue bound counts the requests beyond the free slots: a burst (or an n > 1 request) that the
+    next step admits at once is not refused (with 4 free slots, --max-waiting 1 refused the third of a burst, and
+    --max-waiting 0 every request, as "0 requests are already waiting")."""
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=4, max_waiting=max_waiting)
+        hs = [eng.submit(req([1, 5 + i])) for i in range(4 + max_waiting)]
+        with pytest.raises(QueueFullError, match=f"{max_waiting} requests are already waiting"):
+            eng.submit(req([1, 20]))
+        await eng.start()
+        outs = await asyncio.gather(*(h.result() for h in hs))
+        await eng.stop()
+        return [last.finish_reason for _, _, last in outs]
+
+    assert run(main()) == ["length"] * (4 + max_waiting)
 
 
 def test_stop_cancels_what_does_not_drain(tiny_bundle):
