@@ -199,11 +199,11 @@ def chat(
             break
         turns = [*messages, {"role": "user", "content": line}]
         ids = gen.tokenizer.encode_chat(turns)
-        room = limit - len(ids) - 1
+        room = limit - len(ids)
         while room < 16 and len(turns) > 2:  # forget the oldest turns when the context fills up
             turns = turns[:1] + turns[3:] if system else turns[2:]
             ids = gen.tokenizer.encode_chat(turns)
-            room = limit - len(ids) - 1
+            room = limit - len(ids)
         if room < 1:  # this line alone fills the context: say so, and keep the conversation as it was
             print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
                   f"{limit}; type a shorter one (or build with a larger --max-seq-len)",

@@ -77,6 +77,20 @@ def test_a_fixed_prompt_past_the_context_is_one_line_up_front(tiny_bundle, args)
     assert "you> " not in proc.stdout
 
 
+def test_a_line_that_leaves_one_token_of_context_is_answered(tiny_bundle, monkeypatch, capsys):
+    """A prompt of context - 1 tokens leaves room for one token (as `lineside generate` and the server answer it):
+    chat refused that line as too long ("a prompt of 255 tokens, and the bundle's context is 256; type a shorter
+    one"), and capped every answer one token short of the context."""
+    tok = Tokenizer.from_bundle(open_bundle(tiny_bundle))
+    limit = open_bundle(tiny_bundle).max_seq_len
+    line = next(x for n in range(limit) if len(tok.encode_chat([{"role": "user", "content": (x := "a" * n)}]))
+                == limit - 1)
+    prompts = _interrupt_first_answer(monkeypatch, lambda: None, after=limit)
+    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, line + "\n")
+    assert rc == 0 and "shorter" not in err, err
+    assert out.count("model> ") == 1 and len(prompts) == 1 and len(prompts[0]) == limit - 1, (out, err)
+
+
 def test_forgetting_the_oldest_turns_is_said_once(tiny_bundle):
     """A conversation past the context (256) dropped its oldest turns without a word: the model then 'forgot'
     what the user said at the start, and nothing told them why."""
