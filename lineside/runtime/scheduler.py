@@ -12,10 +12,10 @@ sequences (stop / length / error) and frees their slots; ``expire`` and ``abort`
 cancelled and timed-out ones. Every time comes from one injected clock.
 
 Waiting requests are ordered by rank (realtime high/normal/low, then batch), lowered by
-``aging_s`` per second waited so none starves. When the best waiting request does not fit,
-running requests ranked at least one class below it are preempted (their tokens are kept; they
-are re-admitted later and rebuild their KV, usually from the prefix cache) — a realtime request
-never waits behind a batch job.
+``aging_s`` per second waited so none starves; the prefills under way share a step's budget in the
+same order. When the best waiting request does not fit, running requests ranked at least one class
+below it are preempted (their tokens are kept; they are re-admitted later and rebuild their KV, usually
+from the prefix cache) — a realtime request never waits behind a batch job.
 
 Single-token steps: a backend may compute a 1-token step by another path than a multi-token one
 (onnxruntime's GroupQueryAttention has a token-generation path; with int8-activation MatMulNBits
@@ -104,7 +104,7 @@ class Scheduler(SessionSlots):
 
     @property
     def prefilling(self) -> list[Sequence]:
-        """The sequences admitted whose prompt is not all computed yet, oldest admission first."""
+        """The sequences admitted whose prompt is not all computed yet (``schedule`` serves them by ``_order``)."""
         return [s for s in self.running if s.status == Status.PREFILL]
 
     # ---- one step ----------------------------------------------------------------------------
@@ -119,7 +119,7 @@ class Scheduler(SessionSlots):
         if self.proposer is not None:
             self._drafts(plan)
         budget = self.prefill_chunk
-        for pf in self.prefilling:
+        for pf in sorted(self.prefilling, key=lambda s: self._order(s, now)):
             if budget < 2:  # never a 1-token chunk (module docstring)
                 break
             start = pf.computed
@@ -306,27 +306,33 @@ class Scheduler(SessionSlots):
     # ---- admission and preemption -------------------------------------------------------------
     def _admit_within_budget(self, now: float) -> None:
         """Admit waiting requests while this step's prefill budget has room for more than the prefills under way
-        (one admission at least, when none is under way). The next in line is held back when its prompt starts
-        with a block an admitted prompt is still computing: the step after, it reuses that block."""
-        if not self.waiting:  # most steps: nothing to admit
-            return
-        room = self.prefill_chunk - sum(len(s.fill) - s.computed for s in self.prefilling)
-        while self.waiting and room >= 2:
+        that rank before them (one admission at least, when none is under way). The next in line is held back when
+        its prompt starts with a block an admitted prompt is still computing: the step after, it reuses that block."""
+        while self.waiting:
             best = self._next_waiting(now)
-            if self.prefilling and self.arena.free_slots <= 1 and len(best.prompt) > room:
+            key = self._order(best, now)
+            # only the prefills served before it in a step's budget (``schedule``) take its room: a realtime request
+            # does not wait for a batch job's long prompt to be computed (it may preempt the job for its slot)
+            ahead = [s for s in self.prefilling if self._order(s, now) <= key]
+            room = self.prefill_chunk - sum(len(s.fill) - s.computed for s in ahead)
+            if room < 2:
+                return
+            jumps = len(ahead) < len(self.prefilling)  # it goes before a prefill under way
+            if self.prefilling and not jumps and self.arena.free_slots <= 1 and len(best.prompt) > room:
                 # the last free slot, and some prefill would go on past this step: keep the slot, so that a prefill
                 # ending before one in a lower slot can move out of the decode range through it (``_compact``)
                 return
             if self._awaits_shared_prefix(best):
                 return
-            admitted = self._admit(best, now)
-            if admitted is None:
+            if self._admit(best, now) is None:
                 return
-            if admitted.status == Status.PREFILL:
-                room -= len(admitted.fill) - admitted.computed
+
+    def _order(self, seq: Sequence, now: float) -> tuple[float, float]:
+        """Who goes first: in the waiting queue, and for a step's prefill budget (lower first)."""
+        return seq.effective_rank(now, self.aging_s), seq.arrival
 
     def _next_waiting(self, now: float) -> Sequence:
-        return min(self.waiting, key=lambda s: (s.effective_rank(now, self.aging_s), s.arrival))
+        return min(self.waiting, key=lambda s: self._order(s, now))
 
     def _awaits_shared_prefix(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prompt shares a full block with a prefill in flight (same adapter) beyond what that

@@ -338,6 +338,32 @@ def test_chunked_prefill_interleaves_with_decode(tiny_bundle):
     assert all(d == 2 for d, _ in prefill_steps)  # both streams decoded in every prefill step
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_realtime_request_does_not_wait_for_a_batch_jobs_long_prefill(tiny_bundle, slots):
+    """A batch job's 200-token prompt prefills 8 tokens a step (25 steps); a short realtime request that comes after
+    its first chunk is admitted at once (in the free slot, or preempting the job) and its chunks come first in the
+    step's budget: its first token comes before the job's. It waited for the job's whole prefill, free slot or not
+    (admission saw no budget left beside the prefill under way, so it never even tried to preempt)."""
+    long = [1] + [3 + i % 250 for i in range(199)]
+
+    async def main():
+        eng, be = engine(tiny_bundle, slots=slots, clock=FakeClock(), max_seq_len=256, prefill_chunk=8)
+        await eng.start()
+        be.pause(lambda b: int(b.past_lengths[0]) == 8)  # the job's second chunk waits until the request is in
+        job = eng.submit(req(long, n=4, mode="batch"))
+        await be.until_paused()
+        rt = eng.submit(req(PROMPTS[3], n=4, priority="high"))
+        be.resume()
+        r_rt, r_job = await asyncio.gather(rt.result(), job.result())
+        await eng.stop()
+        return r_rt, r_job, rt.metrics, job.metrics
+
+    r_rt, r_job, mr, mj = run(main())
+    assert mr.first_token < mj.first_token
+    assert r_rt[1] == run(alone(tiny_bundle, req(PROMPTS[3], n=4), max_seq_len=256))[1]
+    assert r_job[1] == run(alone(tiny_bundle, req(long, n=4), max_seq_len=256))[1]
+
+
 def test_preemption_resumes_batch_job_with_same_output(tiny_bundle):
     async def main():
         eng, be = engine(tiny_bundle, slots=1, clock=FakeClock(), step_s=0.003)
