@@ -25,6 +25,7 @@ class ServingEngine(Protocol):
     bundle: Bundle  # the manifest's model name is a served alias
     model_name: str  # the name served when no bundle path is known
     backend_name: str  # "onnxruntime" | "tensorrt", for /health and the log
+    backend_reason: str | None  # why --backend auto chose it (/health/ready, bench); None: the caller gave it
     tokenizer: Tokenizer  # encode / encode_chat / vocab_size for request mapping
     max_seq_len: int  # the context budgets are checked against
     vocab_size: int  # prompt token ids are checked against
