@@ -400,6 +400,8 @@ class ToolCallStream:
         while True:
             p = _skip(buf, p, " \t\r\n,;")
             if p >= len(buf) or buf[p] != "{":
+                if not calls and (p < len(buf) or final):
+                    return _Scan(buf, [])  # an array that holds no call ([1, 2], [], ["a"]): the answer is text
                 break
             try:
                 _, end = _DECODER.raw_decode(buf, p)

@@ -248,3 +248,14 @@ def test_tool_schemas_with_local_refs_constrain_required_and_named(tiny, seed, c
         else:
             assert set(args) == {"id"} and 1 <= args["id"] <= 9
     assert tools[0].parameters == LOCATE["function"]["parameters"]  # the request's schema is left as it was
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", "[]", '["Lyon", "Oslo"]', "[[1], {}]", "  [\n  true\n]"])
+def test_a_json_array_holding_no_call_is_content(text):
+    """Llama 3.x's format with tools offered, and the model answers a JSON array that holds no call object (a list
+    the user asked for): it is the answer's content, whole and streamed alike. It was dropped: content "" and no
+    calls, the answer lost."""
+    assert parse(text, CallFormat.JSON, TOOLS) == (text, [])
+    for step in (1, 2, 5):
+        content, calls, _ = _stream(text, CallFormat.JSON, step=step)
+        assert (content, calls) == (text, [])
