@@ -279,8 +279,7 @@ def _template_call(c: Any) -> dict[str, Any]:
 
 # ---- response side ---------------------------------------------------------------------------------------
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_KEY_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_KEY_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_MEMBER_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*')
 
 
 @dataclass
@@ -475,21 +474,26 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         return None, "", False, not complete
     if body[i] != "{":
         return None, "", False, False
-    m = _KEY_NAME.search(body, i)
+    members = _members(body, i)
+    inner = members.get("function")
+    if "name" not in members and inner is not None and body[inner:inner + 1] == "{":
+        members = _members(body, inner)  # {"type": "function", "function": {...}}: a call as OpenAI's messages carry it
     name = None
-    if m is not None:
+    if "name" in members:
         try:
-            name = json.loads(f'"{m.group(1)}"')
+            value, _ = _DECODER.raw_decode(body, members["name"])
         except json.JSONDecodeError:
-            return None, "", False, False
-        if name not in names:
-            return None, "", False, False
-    a = _KEY_ARGS.search(body, i)
-    if a is None:
+            if complete:
+                return None, "", False, False
+        else:
+            if not isinstance(value, str) or value not in names:
+                return None, "", False, False
+            name = value
+    v = members.get("arguments", members.get("parameters"))
+    if v is None:
         if complete:  # a finished object with no arguments: a call with none, if it named a function
             return name, "{}" if name else "", True, name is not None
         return name, "", False, True
-    v = a.end()
     try:
         value, end = _DECODER.raw_decode(body, v)
         args = value if isinstance(value, str) else body[v:end]
@@ -500,6 +504,30 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         if body[v:v + 1] != "{":  # a string or other value: wait for all of it
             return name, "", False, True
         return name, body[v:], False, True
+
+
+def _members(body: str, i: int) -> dict[str, int]:
+    """The keys of the JSON object opening at ``body[i]`` read so far, each with where its value starts: its own
+    keys only, so a parameter called "name" (or an "arguments" key deeper down) is not taken for the call's."""
+    found: dict[str, int] = {}
+    p = i + 1
+    while True:
+        m = _MEMBER_KEY.match(body, p)
+        if m is None:
+            return found
+        try:
+            key = json.loads(f'"{m.group(1)}"')
+        except json.JSONDecodeError:
+            return found
+        found.setdefault(key, m.end())
+        try:
+            _, end = _DECODER.raw_decode(body, m.end())
+        except json.JSONDecodeError:
+            return found  # the value is still arriving (or is not JSON)
+        p = _skip(body, end, " \t\r\n")
+        if body[p:p + 1] != ",":
+            return found
+        p += 1
 
 
 def _skip(s: str, i: int, chars: str) -> int:

@@ -259,3 +259,30 @@ def test_a_json_array_holding_no_call_is_content(text):
     for step in (1, 2, 5):
         content, calls, _ = _stream(text, CallFormat.JSON, step=step)
         assert (content, calls) == (text, [])
+
+
+GREET = parse_tools([{"type": "function", "function": {"name": "greet", "parameters": {
+    "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}, STOP])
+
+
+@pytest.mark.parametrize("text, fmt, calls", [
+    # the arguments first, with a parameter called "name": the call is greet's, not a call of whatever it holds
+    ('<tool_call>{"arguments": {"name": "Bob"}, "name": "greet"}</tool_call>', CallFormat.TAGGED,
+     [("greet", '{"name": "Bob"}')]),
+    ('<tool_call>{"arguments": {"name": "stop_line"}, "name": "greet"}</tool_call>', CallFormat.TAGGED,
+     [("greet", '{"name": "stop_line"}')]),
+    ('{"parameters": {"name": "stop_line"}, "name": "greet"}', CallFormat.JSON, [("greet", '{"name": "stop_line"}')]),
+    # an "arguments" key inside another member's value is not the call's arguments
+    ('<tool_call>{"name": "greet", "meta": {"arguments": 5}, "arguments": {"name": "Al"}}</tool_call>',
+     CallFormat.TAGGED, [("greet", '{"name": "Al"}')]),
+])
+def test_only_the_call_objects_own_keys_name_the_function(text, fmt, calls):
+    """A key "name" inside the arguments was taken for the function's name (the first "name" anywhere in the
+    object): a call listing its arguments first was lost as text, or named the wrong function."""
+    content, got = parse(text, fmt, GREET)
+    assert (content, [(c.name, c.arguments) for c in got]) == (None, calls)
+    for step in (1, 4):
+        s = ToolCallStream(fmt, GREET)
+        deltas = [d for i in range(0, len(text), step) for d in s.feed(text[i:i + step])[1]] + s.close()[1]
+        assert [(d.name, d.arguments) for d in deltas if d.name] == [(n, "") for n, _ in calls]
+        assert "".join(d.arguments for d in deltas) == "".join(a for _, a in calls)
