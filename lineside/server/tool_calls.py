@@ -496,14 +496,27 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         return name, "", False, True
     try:
         value, end = _DECODER.raw_decode(body, v)
-        args = value if isinstance(value, str) else body[v:end]
-        return name, args, True, name is not None or not complete
+        return name, _arguments_text(value, body[v:end]), True, name is not None or not complete
     except json.JSONDecodeError:
         if complete:  # the object ended with arguments that are not JSON (cut off, or malformed): no call
             return None, "", False, False
         if body[v:v + 1] != "{":  # a string or other value: wait for all of it
             return name, "", False, True
         return name, body[v:], False, True
+
+
+def _arguments_text(value: Any, text: str) -> str:
+    """The arguments as JSON text: as written, or the text a string holds when it holds JSON (a model writing
+    ``"arguments": "{\\"city\\": ...}"``); a blank string is no arguments, another string stays a JSON string."""
+    if not isinstance(value, str):
+        return text
+    if not value.strip():
+        return "{}"
+    try:
+        json.loads(value)
+    except json.JSONDecodeError:
+        return text
+    return value
 
 
 def _members(body: str, i: int) -> dict[str, int]:

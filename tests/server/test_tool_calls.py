@@ -286,3 +286,21 @@ def test_only_the_call_objects_own_keys_name_the_function(text, fmt, calls):
         deltas = [d for i in range(0, len(text), step) for d in s.feed(text[i:i + step])[1]] + s.close()[1]
         assert [(d.name, d.arguments) for d in deltas if d.name] == [(n, "") for n, _ in calls]
         assert "".join(d.arguments for d in deltas) == "".join(a for _, a in calls)
+
+
+@pytest.mark.parametrize("text, fmt, arguments", [
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Lyon\\"}"}</tool_call>', CallFormat.TAGGED,
+     '{"city": "Lyon"}'),  # JSON text in a string: the text
+    ('<tool_call>{"name": "get_weather", "arguments": "Lyon"}</tool_call>', CallFormat.TAGGED, '"Lyon"'),
+    ('{"name": "get_weather", "parameters": "{\\"city\\": \\"Ly"}', CallFormat.JSON, '"{\\"city\\": \\"Ly"'),
+    ('{"name": "get_weather", "parameters": ""}', CallFormat.JSON, '{}'),  # none, as history's "" is read
+])
+def test_arguments_given_as_a_string_are_always_json(text, fmt, arguments):
+    """A string that holds JSON is the arguments' text; one that does not (plain words, JSON cut short) was passed
+    on as it was, so ``json.loads(function.arguments)`` failed in the client: it stays a JSON string."""
+    _, calls = parse(text, fmt, TOOLS)
+    assert [c.arguments for c in calls] == [arguments]
+    json.loads(calls[0].arguments)
+    for step in (1, 3):
+        content, streamed, _ = _stream(text, fmt, step=step)
+        assert (content, [c["arguments"] for c in streamed]) == ("", [arguments])
