@@ -156,17 +156,24 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
     """The grammar for ``required`` / a named function; None for auto and none (the model is free)."""
     if choice.kind == ToolChoiceKind.NAMED:
         tool = next(t for t in tools if t.name == choice.name)
-        return Constraint.json_schema(tool.parameters, param=f"tools[{tools.index(tool)}].function.parameters")
+        return Constraint.json_schema(_object_schema(tool.parameters),
+                                      param=f"tools[{tools.index(tool)}].function.parameters")
     if choice.kind != ToolChoiceKind.REQUIRED:
         return None
     at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t.name},
-                                               "arguments": rerooted(t.parameters, at.format(i))},
+                                               "arguments": rerooted(_object_schema(t.parameters), at.format(i))},
               "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1,
                               "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
     return Constraint.json_schema(schema, param="tools")
+
+
+def _object_schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The arguments' schema: a call's arguments are a JSON object, so a schema that names no type ({}, properties
+    without ``"type": "object"``, a bare ``$schema``) is made one; under it the grammar could write a string."""
+    return parameters if "type" in parameters else {**parameters, "type": "object"}
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas

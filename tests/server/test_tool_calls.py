@@ -304,3 +304,19 @@ def test_arguments_given_as_a_string_are_always_json(text, fmt, arguments):
     for step in (1, 3):
         content, streamed, _ = _stream(text, fmt, step=step)
         assert (content, [c["arguments"] for c in streamed]) == ("", [arguments])
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("choice", ["required", "anything"])
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"path": {"type": "string"}}},
+                                        {"$schema": "http://json-schema.org/draft-07/schema#"}])
+def test_arguments_are_an_object_when_the_schema_gives_no_type(tiny, seed, choice, parameters):
+    """Function arguments are a JSON object (OpenAI's contract; clients call ``fn(**json.loads(arguments))``). A
+    tool whose parameters schema names no type ({} for "any arguments", properties without "type": "object", a
+    bare $schema as agent SDKs send for tools without parameters) let the grammar write a string or a number."""
+    tools = parse_tools([{"type": "function", "function": {"name": "anything", "parameters": parameters}}])
+    tc = parse_tool_choice("required" if choice == "required" else
+                           {"type": "function", "function": {"name": choice}}, tools)
+    _, calls = _random_walk(tiny, tools, tc, True, seed)
+    assert calls and all(isinstance(json.loads(c.arguments), dict) for c in calls)
+    assert tools[0].parameters == parameters  # the request's schema (what the template shows) is left as it was
