@@ -373,16 +373,15 @@ class ToolCallStream:
             content.append(buf[pos:j])
             k = buf.find(_CLOSE, j)
             body = buf[j + len(_OPEN):k if k >= 0 else len(buf)]
+            if k < 0 and not final:  # the closing tag may be arriving: what could be its start is not the body's
+                body = body[:len(body) - _partial_suffix(body, _CLOSE)]
             found, ok, whole = _tagged_calls(body, complete=k >= 0 or final, names=self.names)
-            if not ok:  # not a call after all (or an unknown function): its text is content
-                if k < 0 and not final:
-                    break
-                content.append(buf[j:k + len(_CLOSE) if k >= 0 else len(buf)])
-            else:
-                calls.extend(found)
-                if not whole:
-                    break
-            if k < 0:
+            if not ok:  # not a call after all (the tag in prose, written twice, an unknown function): the tag is
+                content.append(_OPEN)  # text, and what follows it is scanned as any text is (a call may come next)
+                pos = j + len(_OPEN)
+                continue
+            calls.extend(found)
+            if not whole or k < 0:
                 break
             pos = k + len(_CLOSE)
         return _Scan(_drop_blank("".join(content), bool(calls), final), calls)

@@ -320,3 +320,28 @@ def test_arguments_are_an_object_when_the_schema_gives_no_type(tiny, seed, choic
     _, calls = _random_walk(tiny, tools, tc, True, seed)
     assert calls and all(isinstance(json.loads(c.arguments), dict) for c in calls)
     assert tools[0].parameters == parameters  # the request's schema (what the template shows) is left as it was
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('Write the <tool_call> tag, like this:\n<tool_call>{"name": "stop_line", "arguments": {"station": 2}}</tool_call>',
+     "Write the <tool_call> tag, like this:", [("stop_line", '{"station": 2}')]),
+    ('<tool_call>\n<tool_call>\n{"name": "stop_line", "arguments": {"station": 3}}\n</tool_call>', "<tool_call>",
+     [("stop_line", '{"station": 3}')]),  # a stuttered opening tag
+])
+def test_a_tag_that_opens_no_call_does_not_swallow_the_next_call(text, content, calls):
+    """A ``<tool_call>`` that is not followed by a call (the tag named in prose, or written twice) made everything up
+    to the next ``</tool_call>`` text, the real call after it included."""
+    got_content, got = parse(text, CallFormat.TAGGED, TOOLS)
+    assert (got_content, [(c.name, c.arguments) for c in got]) == (content, calls)
+    for step in (1, 3):
+        s_content, s_calls, _ = _stream(text, CallFormat.TAGGED, step=step)
+        assert (s_content, [(c["name"], c["arguments"]) for c in s_calls]) == (content, calls)
+
+
+def test_text_after_a_tag_that_opens_no_call_streams_as_it_comes():
+    """The tag named in prose held back the rest of the answer until its very end (waiting for a ``</tool_call>``
+    that never came): a streaming client saw nothing more until the model finished."""
+    s = ToolCallStream(CallFormat.TAGGED, TOOLS)
+    shown = "".join(s.feed(piece)[0] for piece in ["Tools are called with the <tool_call> tag", ", which wraps",
+                                                   " a JSON object naming the function and its arguments."])
+    assert shown.startswith("Tools are called with the <tool_call> tag, which wraps a JSON object")
