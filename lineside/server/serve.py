@@ -1,6 +1,8 @@
 """Run the app under uvicorn with a graceful drain: on SIGTERM (or Ctrl-C) the server keeps listening but
 answers 503 to new generation requests, lets in-flight ones finish for up to the drain timeout,
-cancels what is left, then exits 0. A second signal exits at once."""
+cancels what is left, then exits 0. A second signal ends the drain at once: what is in flight is cancelled
+(each answer ends with an error event, as at the drain timeout) and the server exits 0 within ~2 s; a third
+(or those 2 s passing) stops it where it is."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from lineside.server.state import ServerState
 __all__ = ["DrainingServer", "bind_error_line", "bind_socket", "run"]
 
 log = logging.getLogger("lineside.server")
+HURRY_S = 2.0  # after a second signal: how long the cancelled requests get to end before the exit is forced
 
 
 class DrainingServer(uvicorn.Server):
@@ -32,6 +35,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self.drain_started = False
+        self.hurried = False
         state.on_load_error = self._load_failed
 
     async def serve(self, sockets: Any = None) -> None:
@@ -39,13 +43,30 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.drain_started or self._loop is None:
+        if self._loop is None:
             self.should_exit = True
-            self.force_exit = self.drain_started
+            return
+        if self.drain_started and not self.hurried:
+            # uvicorn's own forced exit drops the running responses mid-write (a stream cut with no error event)
+            # and logs a CancelledError traceback for each: cancel them through the engine instead, then exit
+            self.hurried = True
+            log.info("received %s again: cancelling what is in flight and stopping", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(self._hurry)
+            return
+        if self.drain_started:
+            self.should_exit = self.force_exit = True
             return
         self.drain_started = True
         log.info("received %s: draining (up to %.1fs)", signal.Signals(sig).name, self.state.drain_timeout)
         self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _hurry(self) -> None:
+        self.state.hurry()
+        assert self._loop is not None
+        self._loop.call_later(HURRY_S, self._force)
+
+    def _force(self) -> None:
+        self.should_exit = self.force_exit = True
 
     def _begin_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())

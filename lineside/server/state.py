@@ -79,6 +79,7 @@ class ServerState:
         self._idle = asyncio.Event()
         self._idle.set()
         self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
+        self._hurry = asyncio.Event()  # a second exit signal: the drain stops waiting for what is in flight
         self._load_task: asyncio.Task | None = None
         self._warm_task: asyncio.Future | None = None
         self.tokenizer_processes = tokenizer_processes
@@ -184,11 +185,14 @@ class ServerState:
         self.drain_started.set()
         timeout = self.drain_timeout if timeout is None else timeout
         log.info("draining: %d request(s) in flight, waiting up to %.1fs", self.inflight, timeout)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+        idle, hurry = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())
+        await asyncio.wait({idle, hurry}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in (idle, hurry):
+            waiter.cancel()
+        if self._idle.is_set():
             return True
-        except asyncio.TimeoutError:
-            log.warning("drain timeout: %d request(s) still in flight are cancelled", self.inflight)
+        log.warning("%s: %d request(s) still in flight are cancelled",
+                    "second exit signal" if self._hurry.is_set() else "drain timeout", self.inflight)
         if self.engine is not None:
             await self.engine.stop(0.0)  # cancels what is left; their responses end with an error
         if self.slo is not None:
@@ -198,6 +202,10 @@ class ServerState:
         except asyncio.TimeoutError:
             pass
         return False
+
+    def hurry(self) -> None:
+        """End a drain now: what is in flight is cancelled as at its timeout (a second SIGTERM or Ctrl-C)."""
+        self._hurry.set()
 
     async def stop(self) -> None:
         """Stop the engine (cancelling anything still running) if this server started it."""

@@ -118,3 +118,37 @@ def test_drain_timeout_cancels_the_rest(tiny_bundle):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_second_signal_cancels_what_is_in_flight_and_exits_cleanly(tiny_bundle):
+    """The second SIGTERM (or Ctrl-C) of a drain: uvicorn's own forced exit cut streams with no error event and
+    logged a CancelledError traceback per response; now each answer ends with the `cancelled` error and [DONE],
+    and the process exits 0 without a traceback."""
+    proc, url = _start(tiny_bundle, "--num-slots", "1", "--drain-timeout", "60")
+    try:
+        async def scenario() -> list[dict]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                started, accepted = asyncio.Event(), Accepted(24)
+                tasks = [asyncio.create_task(_stream(c, url, i, 230, started, accepted)) for i in range(24)]
+                await asyncio.wait_for(started.wait(), 30)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(accepted.all.wait(), 60)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks)
+
+        results = asyncio.run(scenario())
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "Traceback" not in out and "CancelledError" not in out, out
+        cut = [r for r in results if any(isinstance(e, dict) and "error" in e for e in r["events"])]
+        assert cut, "the second signal cancelled nothing (the drain had 60 s)"
+        for r in results:  # every stream ends properly: finished, or cancelled with its error event
+            assert r["events"][-1] == "[DONE]"
+        for r in cut:
+            err = next(e for e in r["events"] if isinstance(e, dict) and "error" in e)["error"]
+            assert err["code"] == "cancelled"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
