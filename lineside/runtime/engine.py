@@ -278,7 +278,8 @@ class LLMEngine:
                                f"of {self.arena.block_size}; lower max_tokens")
         handle = RequestHandle(req, on_cancel=self._kick, loop=self._loop)
         handle.metrics.arrival = self.clock()
-        matcher = self.grammar.matcher(req.constraint) if req.constraint is not None else None
+        matcher = (self.grammar.matcher(req.constraint, after=req.constraint_after) if req.constraint is not None
+                   else None)
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
         with self._state:
             if self.draining:  # again under the lock: close() on another thread may have let the step thread go

@@ -72,6 +72,8 @@ class GenerationRequest:
     speculative: bool = True  # False: never speculate for this request (the engine's --speculative otherwise)
     request_id: str = field(default_factory=lambda: uuid4().hex)
     constraint: Constraint | None = None  # the output follows this grammar and ends when it is complete
+    # the grammar starts after this token (a reasoning model's </think>): the text before it is free
+    constraint_after: int | None = None
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
     session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
     keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
@@ -133,6 +135,8 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
         raise LinesideError("stop strings must be non-empty strings")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise LinesideError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
+    if req.constraint_after is not None and not (is_int(req.constraint_after) and 0 <= req.constraint_after < vocab_size):
+        raise LinesideError(f"constraint_after must be a token id in 0..{vocab_size - 1}, got {req.constraint_after!r}")
     req.sampling.validate()
 
 

@@ -128,8 +128,10 @@ def _propose(proposer: ModelProposer, plan: StepPlan) -> None:
 
 def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:
     """bool ``[len(seqs), vocab]`` allowed tokens for the rows under a grammar (others all True); None when
-    no row has one, so unconstrained steps do no mask work at all."""
-    rows = [(seq.matcher, r) for r, seq in enumerate(seqs) if seq.matcher is not None and seq.samples]
+    no row has one (or none has started: a reasoning model's still thinking), so unconstrained steps do no mask
+    work at all."""
+    rows = [(seq.matcher, r) for r, seq in enumerate(seqs)
+            if seq.matcher is not None and seq.matcher.active and seq.samples]
     if not rows:
         return None
     bitmask = new_bitmask(len(seqs), vocab_size)

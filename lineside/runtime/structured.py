@@ -254,47 +254,75 @@ class PaddingMask:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar: the next-token mask, advanced by each sampled token."""
+    """One request's position in its grammar: the next-token mask, advanced by each sampled token.
 
-    def __init__(self, matcher: Any, vocab_size: int, padding: PaddingMask | None = None):
+    ``after``: a token id the grammar waits for (a reasoning model's ``</think>``): until it is sampled the
+    output is free (no mask; ``active`` False), and the grammar starts with the token after it, as vLLM applies a
+    structured output to the answer of a reasoning model only."""
+
+    def __init__(self, matcher: Any, vocab_size: int, padding: PaddingMask | None = None, after: int | None = None):
         self._m = matcher
         self.vocab_size = vocab_size
         self.padding = padding
+        self.after = after
+        self.active = after is None
+        self._taken = 0  # tokens the grammar accepted since it started: a rollback past them waits again
 
     def fill_mask(self, bitmask: np.ndarray, row: int = 0) -> None:
         """Write this matcher's allowed-token bits into ``bitmask[row]`` (int32, 32 tokens per word)."""
+        if not self.active:
+            bitmask[row] = -1
+            return
         v = bitmask[row]
         self._m.unsafe_compute_mask_ptr(v.ctypes.data, v.size * v.itemsize)
         if self.padding is not None:
             self.padding.clear(bitmask, row)
 
-    def allowed(self) -> np.ndarray:
-        """The mask as bools over the vocabulary (one row; the batched path is ``fill_masks``)."""
+    def allowed(self) -> np.ndarray | None:
+        """The mask as bools over the vocabulary (one row; the batched path is ``fill_masks``); None while the
+        grammar waits for its ``after`` token (every token allowed)."""
+        if not self.active:
+            return None
         bm = new_bitmask(1, self.vocab_size)
         self.fill_mask(bm, 0)
         return unpack_bitmask(bm, self.vocab_size)[0]
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False when the grammar forbids it (the matcher is then in error)."""
-        return bool(self._m.consume_token(int(token)))
+        if not self.active:
+            self.active = int(token) == self.after
+            return True
+        ok = bool(self._m.consume_token(int(token)))
+        self._taken += ok
+        return ok
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (speculative proposals the target rejected)."""
-        if n and not self._m.rollback(n):
-            raise LinesideError(f"grammar matcher could not roll back {n} tokens: {self._m.get_error()}")
+        inside = min(n, self._taken)
+        if inside and not self._m.rollback(inside):
+            raise LinesideError(f"grammar matcher could not roll back {inside} tokens: {self._m.get_error()}")
+        self._taken -= inside
+        if n > inside:  # back past the ``after`` token: waiting for it again
+            self.active = False
 
     def validate(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (a proposal) the grammar accepts in a row, without advancing."""
-        return int(self._m.validate_tokens(list(tokens)))
+        tokens = [int(t) for t in tokens]
+        if self.active:
+            return int(self._m.validate_tokens(tokens))
+        if self.after not in tokens:
+            return len(tokens)
+        start = tokens.index(self.after) + 1
+        return start + int(self._m.validate_tokens(tokens[start:])) if start < len(tokens) else start
 
     @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more than ending: the request stops here."""
-        return bool(self._m.is_stopped())
+        return self.active and bool(self._m.is_stopped())
 
     @property
     def accepting(self) -> bool:
-        return bool(self._m.is_accepting())
+        return self.active and bool(self._m.is_accepting())
 
     @property
     def error(self) -> str | None:
@@ -342,9 +370,9 @@ class GrammarCompiler:
         """Check and cache ``constraint`` (raises ConstraintError naming its field); a no-op when cached."""
         self._template(constraint)
 
-    def matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher at the start of ``constraint``'s grammar."""
-        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding)
+    def matcher(self, constraint: Constraint, after: int | None = None) -> GrammarMatcher:
+        """A fresh matcher at the start of ``constraint``'s grammar (``after``: which starts after that token)."""
+        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding, after)
 
     def _template(self, c: Constraint) -> Any:
         with self._lock:
@@ -385,9 +413,10 @@ _executor_lock = threading.Lock()
 
 
 def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
-    """Every constrained row's mask into ``bitmask`` (rows not listed keep theirs) at once: llguidance's
-    thread pool, GIL released; one row is computed inline."""
+    """Every constrained row's mask into ``bitmask`` (rows not listed, and rows whose grammar has not started,
+    keep theirs) at once: llguidance's thread pool, GIL released; one row is computed inline."""
     global _executor
+    rows = [(m, r) for m, r in rows if m.active]
     if not rows:
         return
     if len(rows) == 1:

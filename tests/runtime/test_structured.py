@@ -311,3 +311,26 @@ def test_objects_applied_together_are_closed_together(tiny, schema, seed):
     jsonschema.validate(out, schema)
     obj = out.get("pet", out)
     assert set(obj) in ({"a", "b"}, {"id", "name"}, {"kind", "n"}, {"kind", "ok"})  # no invented keys
+
+
+def test_a_grammar_after_a_token_leaves_the_text_before_it_free(tiny):
+    """``after``: a reasoning model's grammar starts once it has written ``</think>`` (here "#"): before, every
+    token is allowed and nothing is masked; proposals are validated across the switch; a rollback past it waits
+    again."""
+    tok, comp = tiny
+    x, y, z, mark = (tok.encode(ch, add_special=False)[0] for ch in "xyz#")
+    m = comp.matcher(Constraint.regex("xy"), after=mark)
+    assert not m.active and m.allowed() is None and not m.finished
+    assert m.validate([z, z, mark, x, y]) == 5 and m.validate([z, mark, y]) == 2 and m.validate([z, x]) == 2
+    assert m.accept(z) and m.accept(y) and not m.finished  # free text, even what the grammar forbids
+    bm = new_bitmask(2, VOCAB)
+    fill_masks([(m, 1)], bm)
+    assert unpack_bitmask(bm, VOCAB).all()  # a waiting row is left allowing everything
+    assert m.accept(mark) and m.active
+    assert m.allowed()[x] and m.allowed().sum() == 1
+    assert m.accept(x) and m.accept(y) and m.finished
+    m.rollback(2)
+    assert m.active and m.allowed()[x] and not m.finished
+    m.rollback(1)
+    assert not m.active and m.allowed() is None
+    assert m.accept(mark) and m.accept(x) and m.accept(y) and m.finished
