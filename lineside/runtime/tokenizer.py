@@ -124,6 +124,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def token_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one token of the vocabulary (an added token such as ``</think>``)."""
+        return self._tok.token_to_id(text)
+
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
 

@@ -40,7 +40,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
-               max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None) -> FastAPI:
+               max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
+               reasoning_parser: str = "none") -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -55,7 +56,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     runtime/chat_template.py); ``trust_request_chat_template``: accept a request's own ``chat_template``;
     ``tool_call_parser``: how ``auto`` tool calls are read (tool_calls.PARSERS; auto: from the template);
     ``max_stored_responses``: /v1/responses kept for ``previous_response_id`` and GET (0: none);
-    ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: OpenAI's defaults)."""
+    ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: OpenAI's defaults);
+    ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -70,7 +72,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                         tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora,
                         chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
                         tool_call_parser=tool_call_parser, max_stored_responses=max_stored_responses,
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults, reasoning_parser=reasoning_parser)
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]
                          if isinstance(fallback, (str, os.PathLike)) else None)

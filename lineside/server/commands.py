@@ -97,6 +97,10 @@ def serve(
              "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON)")] = "auto",
     trust_request_chat_template: Annotated[bool, typer.Option(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
+    reasoning_parser: Annotated[str, typer.Option(
+        help="a reasoning model's thinking apart from its answer, as vLLM's parser: deepseek_r1 (text before "
+             "</think> in message.reasoning_content, the answer alone in content; tool calls and structured outputs "
+             "apply to the answer) | auto (deepseek_r1 when the chat template has <think> or </think>) | none")] = "none",
     generation_config: Annotated[str, typer.Option(
         help="auto: a request's missing temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
              "generation_config.json (vLLM's default); none: OpenAI's defaults")] = "auto",
@@ -111,6 +115,9 @@ def serve(
 
     tool_call_parser = checks.choice(tool_call_parser, "--tool-call-parser", tuple(PARSERS))
     generation_config = checks.choice(generation_config, "--generation-config", ("auto", "none"))
+    from lineside.server.reasoning import PARSERS as REASONING_PARSERS
+
+    reasoning_parser = checks.choice(reasoning_parser, "--reasoning-parser", REASONING_PARSERS)
     template_text = None
     if chat_template is not None:
         from lineside.runtime.chat_template import template_option
@@ -130,6 +137,12 @@ def serve(
     # A missing or truncated file fails here, not after "serving on ..." (sizes only: the load checks the hashes).
     verify_files(Path(bundle), manifest, check_hash=False)
     from lineside.bundle import Bundle
+
+    if reasoning_parser == "deepseek_r1":  # a model without the tags: one line now, not a failed load later
+        from lineside.runtime.tokenizer import Tokenizer
+        from lineside.server.reasoning import resolve
+
+        resolve(reasoning_parser, Tokenizer.from_bundle(Bundle(path=Path(bundle), manifest=manifest)), None)
     from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
 
     sampling_defaults = SamplingDefaults()
@@ -243,7 +256,8 @@ def serve(
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                         max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults)
+                         max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
+                         reasoning_parser=reasoning_parser)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

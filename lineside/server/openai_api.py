@@ -12,6 +12,7 @@ cancels its engine requests so their slots and KV are freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import time
@@ -30,6 +31,7 @@ from lineside.server import (
     chat_rendering,
     constraints,
     prompt_limits,
+    reasoning,
     request_mapping,
     responses,
     responses_api,
@@ -101,6 +103,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
                                                 param=param, prompt_param="messages")]
+        output = dataclasses.replace(output, reasoning=reasoning.for_prompt(state.think, ids, body.include_reasoning))
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
@@ -171,6 +174,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                                max_tokens=_prompt_limit(state)), param="input")
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")
+        thinking = reasoning.for_prompt(state.think, ids)
         priority, mode = request_mapping.priority(request.headers)
         given = state.sampling_defaults  # the model's recommendation (serve --generation-config) for what is left out
         sampling = SamplingParams(temperature=given.temperature if body.temperature is None else body.temperature,
@@ -179,6 +183,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
+            constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
             adapter=adapter)
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)
@@ -213,9 +218,9 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     if slo_plan is not None:
         slo_plan.note(record)
         state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
-    choice = Choice(0, handle, record)
+    choice = Choice(0, handle, record, options=OutputOptions(chat=True, reasoning=thinking))
     builder = responses_api.ResponseBuilder(body, model, request_id, store=state.responses,
-                                            conversation=responses_api.conversation(turn, previous))
+                                            conversation=responses_api.conversation(turn, previous), reasoning=thinking)
     if body.stream:
         stream = responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
         if slo_plan is not None:
@@ -224,8 +229,10 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     gone = await responses.collect(request, state, [choice])
     if gone is not None:
         return gone
-    answer = builder.final("".join(choice.text_parts), (choice.record.prompt_tokens, choice.record.completion_tokens),
-                           choice.finish_reason or FinishReason.STOP)
+    split = choice.output.reasoning  # the answer apart from the reasoning (collect fed it), with a reasoning parser
+    text = "".join(choice.text_parts) if split is None else split.result()[1] or ""
+    answer = builder.final(text, (choice.record.prompt_tokens, choice.record.completion_tokens),
+                           choice.finish_reason or FinishReason.STOP, split)
     return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)
 
 
@@ -284,7 +291,9 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 request_id=f"{choice_id}#{next(_serial)}", copy=copy, constraint=constraint,
                 logprobs=None if output is None else output.top_logprobs,
                 session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
-                adapter=adapter, bias=bias, defaults=state.sampling_defaults)))
+                adapter=adapter, bias=bias, defaults=state.sampling_defaults,
+                constraint_after=None if output is None or output.reasoning is None
+                else output.reasoning.constraint_after)))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
         # model only: an adapter's request stays on the primary, gated and marked as the level says) and may
         # answer from cache

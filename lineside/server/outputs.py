@@ -1,5 +1,6 @@
-"""What a response makes of each choice's events besides plain text: tool calls parsed out of the text
-(``tool_calls``), logprobs in OpenAI's shape, and the finish reason ``tool_calls``.
+"""What a response makes of each choice's events besides plain text: a reasoning model's thinking apart from its
+answer (``reasoning``), tool calls parsed out of the answer (``tool_calls``), logprobs in OpenAI's shape, and the
+finish reason ``tool_calls``.
 
 ``OutputOptions`` is decided once per request from its fields; each choice gets a ``ChoiceOutput`` that
 turns its events into stream chunks, or at the end into the message, the same way.
@@ -15,6 +16,7 @@ from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sampling import TokenLogprob
 from lineside.server import sse
 from lineside.server.logprobs import LogprobFormatter, TextOffsets
+from lineside.server.reasoning import Reasoning
 from lineside.server.tool_calls import CallFormat, Tool, ToolCallStream
 
 
@@ -27,6 +29,7 @@ class OutputOptions:
     max_calls: int | None = None  # parallel_tool_calls false: 1
     top_logprobs: int | None = None  # None: no logprobs
     formatter: LogprobFormatter | None = None
+    reasoning: Reasoning | None = None  # --reasoning-parser: the thinking apart from the answer (None: off)
 
 
 class ChoiceOutput:
@@ -36,6 +39,7 @@ class ChoiceOutput:
         self.options = options
         self.calls = (ToolCallStream(options.call_format, options.tools, options.named, options.max_calls)
                       if options.call_format is not None else None)
+        self.reasoning = options.reasoning.splitter() if options.reasoning is not None else None
         self.logprobs: list[TokenLogprob] = []
         self._offsets = TextOffsets()  # completions' text_offset: where the next token starts in the text
 
@@ -52,16 +56,29 @@ class ChoiceOutput:
             return {"content": o.formatter.chat(lps, o.top_logprobs), "refusal": None}
         return o.formatter.completion(lps, o.top_logprobs, self._offsets)
 
+    def _split(self, event: TokenEvent) -> tuple[str, str]:
+        """(reasoning, answer) text of one event (all answer without a reasoning parser)."""
+        if self.reasoning is None:
+            return "", event.text
+        reasoning, text = self.reasoning.feed(event.text, event.token_ids)
+        if event.finish_reason is not None:
+            reasoning += self.reasoning.close()[0]
+        return reasoning, text
+
     def chunks(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
-        """The stream chunks for one event (text, tool-call deltas, logprobs), before any finish chunk."""
+        """The stream chunks for one event (reasoning, text, tool-call deltas, logprobs), before any finish chunk."""
         lp = self._logprobs_json(event.logprobs)
+        reasoning, text = self._split(event)
+        out = []
+        if reasoning and self.options.reasoning is not None and self.options.reasoning.include:
+            out.append(writer.reasoning(index, reasoning, lp))
+            lp = None
         if self.calls is None:
-            return [writer.text(index, event.text, lp)] if event.text or lp is not None else []
-        content, deltas = self.calls.feed(event.text) if event.text else ("", [])
+            return [*out, writer.text(index, text, lp)] if text or lp is not None else out
+        content, deltas = self.calls.feed(text) if text else ("", [])
         if event.finish_reason is not None:
             more, tail = self.calls.close()
             content, deltas = content + more, deltas + tail
-        out = []
         if content:
             out.append(writer.text(index, content, lp))
             lp = None
@@ -73,18 +90,27 @@ class ChoiceOutput:
         return out
 
     def collect(self, event: TokenEvent) -> None:
-        """Non-streamed: keep the event's logprobs for the message."""
+        """Non-streamed: keep the event's logprobs for the message (and split its reasoning off)."""
         if self.wants_logprobs:
             self.logprobs.extend(event.logprobs)
+        if self.reasoning is not None:
+            self._split(event)
 
     def message(self, text: str) -> tuple[dict[str, Any], Any]:
-        """(the chat message, its logprobs) of a whole non-streamed answer."""
+        """(the chat message, its logprobs) of a whole non-streamed answer (``text``: all of it; with a reasoning
+        parser the answer is what ``collect`` split off)."""
         msg: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.result()
+            include = self.options.reasoning is not None and self.options.reasoning.include
+            msg = {"role": "assistant", "content": text, "reasoning_content": reasoning if include else None,
+                   "reasoning": reasoning if include else None, "refusal": None}
+            text = text or ""
         if self.calls is not None:
             self.calls.feed(text)
             self.calls.close()
             content, calls = self.calls.result()
-            msg["content"] = content
+            msg["content"] = content if content or msg["content"] is not None else None  # null stays null
             if calls:
                 msg["tool_calls"] = [c.openai() for c in calls]
         return msg, self._logprobs_json(self.logprobs)

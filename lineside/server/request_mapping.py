@@ -316,15 +316,18 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                    copy: int = 0, constraint: Constraint | None = None,
                    logprobs: int | None = None, session: str | None = None,
                    adapter: str | None = None, bias: tuple[tuple[int, float], ...] = (),
-                   defaults: SamplingDefaults = SamplingDefaults()) -> GenerationRequest:
+                   defaults: SamplingDefaults = SamplingDefaults(),
+                   constraint_after: int | None = None) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
-    (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``."""
+    (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``; ``constraint_after``:
+    the token the constraint starts after (a reasoning model's ``</think>``)."""
     sampling = sampling_params(req, bias, defaults)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
     return GenerationRequest(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=stops,
                              priority=priority, mode=mode, timeout_s=timeout, request_id=request_id,
-                             constraint=constraint, logprobs=logprobs, speculative=req.speculative is not False,
+                             constraint=constraint, constraint_after=constraint_after if constraint is not None else None,
+                             logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
                              adapter=adapter, ignore_eos=bool(req.ignore_eos),
                              stop_token_ids=list(req.stop_token_ids or []))

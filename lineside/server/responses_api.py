@@ -1,5 +1,7 @@
 """OpenAI's Responses API (``POST /v1/responses``) on the chat path: text input and output, ``instructions``,
-``text.format`` (json_schema / json_object, grammar-constrained), streaming events.
+``text.format`` (json_schema / json_object, grammar-constrained), streaming events. With ``serve
+--reasoning-parser`` a reasoning model's thinking is a ``reasoning`` output item (its text as ``reasoning_text``
+content, as OpenAI's open-weight models return it) before the message, which holds the answer alone.
 
 ``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
 What this server cannot honour there is a 400 naming the field: ``tools``, ``reasoning``, ``background``,
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
+from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure, observe_finished
 from lineside.server.schemas import INT32_MAX
@@ -160,37 +163,45 @@ def text_constraint(req: ResponsesRequest) -> Constraint | None:
 
 
 class ResponseBuilder:
-    """The response object and its stream events for one request (one output message); a finished one is kept
-    in ``store`` (unless the request says ``store: false``) with the conversation it ends."""
+    """The response object and its stream events for one request (one output message, after a reasoning item when
+    the output starts in a reasoning model's thinking); a finished one is kept in ``store`` (unless the request says
+    ``store: false``) with the conversation it ends (the answer, not the reasoning, as the next turn's history)."""
 
     def __init__(self, req: ResponsesRequest, model: str, rid: str, *, store: ResponseStore,
-                 conversation: list[dict[str, Any]]):
+                 conversation: list[dict[str, Any]], reasoning: Reasoning | None = None):
         self.req = req
         # its own id, not the X-Request-Id a client may send (or resend): the store keys the conversation on it
         self.id = "resp_" + uuid.uuid4().hex
         self.msg_id = "msg_" + uuid.uuid4().hex
+        self.rs_id = "rs_" + uuid.uuid4().hex
+        self.thinks = reasoning is not None and reasoning.thinking
+        self.msg_index = 1 if self.thinks else 0  # the message's output_index
         self.created = int(time.time())
         self.model = model
         self.seq = 0
         self.store = store if req.store is not False and store.capacity > 0 else None
         self.conversation = tuple(conversation)  # the kept turns before this one + this one's input
 
-    def final(self, text: str, usage: tuple[int, int], finish_reason: FinishReason) -> dict[str, Any]:
-        """The finished response (completed, or incomplete at max_output_tokens), kept when it is to be."""
+    def final(self, text: str, usage: tuple[int, int], finish_reason: FinishReason,
+              split: ReasoningSplitter | None = None) -> dict[str, Any]:
+        """The finished response (completed, or incomplete at max_output_tokens), kept when it is to be;
+        ``split``: the output's reasoning, when it started in it."""
         incomplete = finish_reason == FinishReason.LENGTH
         body = self.body(text, "incomplete" if incomplete else "completed", usage,
-                         "max_output_tokens" if incomplete else None)
+                         "max_output_tokens" if incomplete else None, split)
         if self.store is not None:
             self.store.put(self.id, StoredResponse(
                 body, (*self.conversation, {"role": "assistant", "content": text})))
         return body
 
-    def body(self, text: str, status: str, usage: tuple[int, int] | None, reason: str | None = None
-             ) -> dict[str, Any]:
+    def body(self, text: str, status: str, usage: tuple[int, int] | None, reason: str | None = None,
+             split: ReasoningSplitter | None = None) -> dict[str, Any]:
         r = self.req
         fmt = (r.text or {}).get("format") or {"type": "text"}
-        output = [] if status == "in_progress" else [self.item(text, "completed" if status == "completed"
-                                                                else "incomplete")]
+        item_status = "completed" if status == "completed" else "incomplete"
+        thought = [] if split is None or not self.thinks else [self.reasoning_item(
+            split.result()[0] or "", item_status if split.thinking else "completed")]
+        output = [] if status == "in_progress" else [*thought, self.item(text, item_status)]
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": output, "instructions": r.instructions,
@@ -202,13 +213,18 @@ class ResponseBuilder:
             "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
                 "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": usage[1], "output_tokens_details": {
+                    "reasoning_tokens": split.reasoning_tokens if split is not None else 0},
                 "total_tokens": usage[0] + usage[1]},
         }
 
     def item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
                 "content": [self.part(text)]}
+
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.rs_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
 
     @staticmethod
     def part(text: str) -> dict[str, Any]:
@@ -221,25 +237,49 @@ class ResponseBuilder:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     def opening(self) -> list[str]:
+        """created / in_progress, then the first item and its part: the reasoning when the output starts in it
+        (the message comes with ``message_opening`` once it ends), else the message."""
         body = self.body("", "in_progress", None)
-        return [self.event("response.created", response=body), self.event("response.in_progress", response=body),
-                self.event("response.output_item.added", output_index=0,
+        head = [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
+        if not self.thinks:
+            return [*head, *self.message_opening()]
+        return [*head, self.event("response.output_item.added", output_index=0,
+                                  item={"type": "reasoning", "id": self.rs_id, "summary": [], "status": "in_progress",
+                                        "content": [], "encrypted_content": None}),
+                self.event("response.content_part.added", item_id=self.rs_id, output_index=0, content_index=0,
+                           part={"type": "reasoning_text", "text": ""})]
+
+    def message_opening(self) -> list[str]:
+        return [self.event("response.output_item.added", output_index=self.msg_index,
                            item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant",
                                  "content": []}),
-                self.event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
-                           part=self.part(""))]
+                self.event("response.content_part.added", item_id=self.msg_id, output_index=self.msg_index,
+                           content_index=0, part=self.part(""))]
+
+    def reasoning_delta(self, text: str) -> str:
+        return self.event("response.reasoning_text.delta", item_id=self.rs_id, output_index=0, content_index=0,
+                          delta=text)
+
+    def reasoning_closing(self, text: str, status: str) -> list[str]:
+        return [self.event("response.reasoning_text.done", item_id=self.rs_id, output_index=0, content_index=0,
+                           text=text),
+                self.event("response.content_part.done", item_id=self.rs_id, output_index=0, content_index=0,
+                           part={"type": "reasoning_text", "text": text}),
+                self.event("response.output_item.done", output_index=0, item=self.reasoning_item(text, status))]
 
     def delta(self, text: str) -> str:
-        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
-                          delta=text, logprobs=[])
+        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=self.msg_index,
+                          content_index=0, delta=text, logprobs=[])
 
-    def closing(self, text: str, usage: tuple[int, int], finish_reason: FinishReason) -> list[str]:
-        body = self.final(text, usage, finish_reason)
-        return [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                           text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                           part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.item(text, body["status"])),
+    def closing(self, text: str, usage: tuple[int, int], finish_reason: FinishReason,
+                split: ReasoningSplitter | None = None) -> list[str]:
+        body = self.final(text, usage, finish_reason, split)
+        return [self.event("response.output_text.done", item_id=self.msg_id, output_index=self.msg_index,
+                           content_index=0, text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=self.msg_id, output_index=self.msg_index,
+                           content_index=0, part=self.part(text)),
+                self.event("response.output_item.done", output_index=self.msg_index,
+                           item=self.item(text, body["status"])),
                 self.event(f"response.{body['status']}", response=body)]
 
     def failed(self, message: str, code: str) -> str:
@@ -250,22 +290,37 @@ class ResponseBuilder:
 
 
 async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -> AsyncIterator[str]:
-    """The SSE body of a streamed response: created / in_progress, the output item and part, text deltas,
-    then done events and completed (or incomplete at max_output_tokens; failed on an engine failure)."""
+    """The SSE body of a streamed response: created / in_progress, the output item and part (the reasoning item's
+    first, its text deltas and done events, then the message's), text deltas, then done events and completed (or
+    incomplete at max_output_tokens; failed on an engine failure)."""
     for e in builder.opening():
         yield e
+    splitter = choice.output.reasoning if builder.thinks else None
     text: list[str] = []
+    reasoning: list[str] = []
+    message_open = splitter is None
     async for event in choice.handle:
         choice.note(event, time.perf_counter())
-        if event.text:
-            text.append(event.text)
-            yield builder.delta(event.text)
+        thought, answer = ("", event.text) if splitter is None else splitter.feed(event.text, event.token_ids)
+        if splitter is not None and event.finish_reason is not None:
+            thought += splitter.close()[0]
+        if thought:
+            reasoning.append(thought)
+            yield builder.reasoning_delta(thought)
+        if not message_open and (splitter is not None and not splitter.thinking or event.finish_reason is not None):
+            message_open = True
+            status = "incomplete" if event.finish_reason == FinishReason.LENGTH and splitter.thinking else "completed"
+            for e in [*builder.reasoning_closing("".join(reasoning), status), *builder.message_opening()]:
+                yield e
+        if answer:
+            text.append(answer)
+            yield builder.delta(answer)
         if event.finish_reason is None:
             continue
         observe_finished(state.metrics, [choice])
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             for e in builder.closing("".join(text), (choice.record.prompt_tokens, choice.record.completion_tokens),
-                                     event.finish_reason):
+                                     event.finish_reason, splitter):
                 yield e
         else:
             err = failure(state, event)

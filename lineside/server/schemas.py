@@ -116,6 +116,8 @@ class ChatCompletionRequest(_Sampling):
                                                         "server's --trust-request-chat-template)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: extra variables for the chat "
                                                                           "template, e.g. {\"enable_thinking\": false}")
+    include_reasoning: bool | None = Field(None, description="vLLM's: false leaves a reasoning model's thinking out "
+                                                             "of the response (serve --reasoning-parser)")
 
 
 class CompletionRequest(_Sampling):
@@ -137,6 +139,9 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, description="serve --reasoning-parser: the thinking before the "
+                                                            "answer (vLLM's field; also as 'reasoning')")
+    reasoning: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 

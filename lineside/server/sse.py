@@ -53,6 +53,12 @@ class ChunkWriter:
                                 "finish_reason": None})
         return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
 
+    def reasoning(self, index: int, text: str, logprobs: Any = None) -> str:
+        """Chat only: a piece of a reasoning model's thinking (vLLM's ``reasoning_content``, and ``reasoning``, its
+        newer name, both sent while clients move from one to the other)."""
+        return self._chunk({"index": index, "delta": {"reasoning_content": text, "reasoning": text},
+                            "logprobs": logprobs, "finish_reason": None})
+
     def tool_calls(self, index: int, deltas: list[dict[str, Any]], logprobs: Any = None) -> str:
         """Chat only: tool-call deltas (the first of a call has id, type and name; later ones arguments)."""
         return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": logprobs,

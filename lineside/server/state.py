@@ -19,6 +19,7 @@ from lineside.bundle import default_model_names
 from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
+from lineside.server.reasoning import ThinkTokens, resolve
 from lineside.server.response_store import ResponseStore
 from lineside.server.tokenize_pool import PooledTokenizer
 
@@ -48,7 +49,7 @@ class ServerState:
                  engine_future: Future[ServingEngine] | None = None, lora: Any = None,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
                  tool_call_parser: str = "auto", max_stored_responses: int = 256,
-                 sampling_defaults: SamplingDefaults | None = None):
+                 sampling_defaults: SamplingDefaults | None = None, reasoning_parser: str = "none"):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
         self.engine_future = engine_future
@@ -60,6 +61,8 @@ class ServerState:
         self.chat_template = chat_template  # --chat-template's text (None: the bundle's own renders chats)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
+        self.reasoning_parser = reasoning_parser  # none | deepseek_r1 | auto (reasoning.py)
+        self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed
         # what a request gets for a sampling field it leaves out (serve --generation-config)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.responses = ResponseStore(max_stored_responses)  # /v1/responses kept for previous_response_id
@@ -131,6 +134,9 @@ class ServerState:
 
                 extra = {} if self.lora is None else {"lora": self.lora}
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs, **extra)
+            if self.reasoning_parser != "none":
+                self.think = resolve(self.reasoning_parser, self.engine.tokenizer,
+                                     self.chat_template or self.engine.tokenizer.chat_template)
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)

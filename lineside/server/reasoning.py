@@ -1,0 +1,150 @@
+"""A reasoning model's thinking apart from its answer: ``serve --reasoning-parser deepseek_r1`` (vLLM's parser).
+
+DeepSeek-R1 and its Distill models (QwQ, Qwen3 in thinking mode too) write their reasoning, then ``</think>``, then
+the answer; R1's chat template opens ``<think>\\n`` in the generation prompt, so the output usually holds only the
+closing tag. As vLLM's ``deepseek_r1`` parser: the text before ``</think>`` is the message's ``reasoning_content``
+(and ``reasoning``, vLLM's newer name for it), the text after it the ``content``; a ``<think>`` the model writes
+itself is dropped; an output that never closes its reasoning is all reasoning (content null). Where the prompt has
+already closed it (its last tag is ``</think>``: a template with thinking switched off, an assistant prefill past
+it) the whole output is the answer. Tool calls are read from the answer only, and a structured output's grammar
+starts after ``</think>`` (``GenerationRequest.constraint_after``), as vLLM applies both with a reasoning parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lineside.errors import LinesideError
+
+START, END = "<think>", "</think>"
+PARSERS = ("none", "deepseek_r1", "auto")  # --reasoning-parser; auto: deepseek_r1 when the template knows the tags
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """The tokenizer's ids of ``<think>`` and ``</think>`` (each one token in R1's vocabulary)."""
+
+    start_id: int
+    end_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ThinkTokens | None:
+        """The tags' ids when both are single tokens of ``tokenizer`` (lineside's Tokenizer), else None."""
+        start, end = tokenizer.token_id(START), tokenizer.token_id(END)
+        return None if start is None or end is None else cls(int(start), int(end))
+
+    def thinking_after(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the output begins inside the reasoning: the prompt's last tag is not ``</think>`` (no tag at all
+        counts as inside, as vLLM's parser assumes R1's reasoning comes first)."""
+        for t in reversed(prompt_ids):
+            if t == self.end_id:
+                return False
+            if t == self.start_id:
+                return True
+        return True
+
+
+def resolve(name: str, tokenizer: Any, chat_template: str | None) -> ThinkTokens | None:
+    """The parser ``serve --reasoning-parser NAME`` runs (None: none). ``auto`` is deepseek_r1 when the chat
+    template knows a tag (R1's opens ``<think>``; its first release only cut earlier turns at ``</think>``) and the
+    tokenizer has both, else none; deepseek_r1 on a tokenizer without them is one line (as vLLM refuses to start)."""
+    if name == "none":
+        return None
+    think = ThinkTokens.of(tokenizer)
+    if name == "auto":
+        return think if think is not None and (START in (chat_template or "") or END in (chat_template or "")) else None
+    if think is None:
+        raise LinesideError(f"--reasoning-parser deepseek_r1: this model's tokenizer has no {START} / {END} tokens "
+                            "(it is not a reasoning model such as DeepSeek-R1-Distill); leave the option out")
+    return think
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """One request's reasoning handling: the tags, whether its output starts inside the reasoning, and whether the
+    response carries the reasoning (vLLM's ``include_reasoning``; false: the answer alone)."""
+
+    think: ThinkTokens
+    thinking: bool
+    include: bool = True
+
+    @property
+    def constraint_after(self) -> int | None:
+        """The token a structured output waits for: ``</think>`` while the output starts in the reasoning."""
+        return self.think.end_id if self.thinking else None
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.think, self.thinking)
+
+
+def for_prompt(think: ThinkTokens | None, prompt_ids: Sequence[int], include: bool | None = True) -> Reasoning | None:
+    """The request's ``Reasoning`` on a server that parses reasoning (None on one that does not)."""
+    if think is None:
+        return None
+    return Reasoning(think, think.thinking_after(prompt_ids), include is not False)
+
+
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags`` (a tag still coming)."""
+    for n in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
+        if any(len(t) > n and t.startswith(text[-n:]) for t in tags):
+            return n
+    return 0
+
+
+@dataclass
+class ReasoningSplitter:
+    """Splits one choice's output, fed as it comes, into (reasoning, answer) pieces: pieces concatenate to what
+    ``result`` returns for the whole. Text that may be the start of a tag waits for the next piece."""
+
+    think: ThinkTokens
+    thinking: bool
+    reasoning_tokens: int = 0  # tokens written inside the reasoning, </think> included (usage's reasoning_tokens)
+    _held: str = ""
+    _reasoning: list[str] = field(default_factory=list)
+    _content: list[str] = field(default_factory=list)
+    _closed: bool = False  # the output closed its reasoning (content is "" rather than null when empty)
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """(reasoning, answer) of the next piece of output (``token_ids``: the tokens it came from)."""
+        if not self.thinking:
+            self._content.append(text)
+            return "", text
+        self.reasoning_tokens += len(token_ids)
+        buf = self._held + text
+        self._held = ""
+        end = buf.find(END)
+        if end < 0 and self.think.end_id in token_ids:  # a special-marked </think>, decoded to nothing: it ends here
+            end, tag = len(buf), 0
+        else:
+            tag = len(END)
+        if end >= 0:
+            self.thinking, self._closed = False, True
+            reasoning, answer = buf[:end].replace(START, ""), buf[end + tag:]
+            self._reasoning.append(reasoning)
+            self._content.append(answer)
+            return reasoning, answer
+        keep = _partial_suffix(buf, (START, END))
+        reasoning = buf[:len(buf) - keep]
+        self._held = buf[len(buf) - keep:]
+        # a <think> whose end is held back is dropped once whole; the part before it goes now
+        if START in reasoning:
+            reasoning = reasoning.replace(START, "")
+        self._reasoning.append(reasoning)
+        return reasoning, ""
+
+    def close(self) -> tuple[str, str]:
+        """The end of the output: text held back as a possible tag is reasoning after all."""
+        held, self._held = self._held, ""
+        if held:
+            self._reasoning.append(held)
+        return held, ""
+
+    def result(self) -> tuple[str | None, str | None]:
+        """(reasoning_content, content) of the whole output, as vLLM's parser returns them: reasoning None when the
+        output started in the answer; content None when nothing (or nothing but ``</think>``) came after it."""
+        reasoning = "".join(self._reasoning) if (self._reasoning or self._closed or self.thinking) else None
+        content = "".join(self._content)
+        return reasoning, (content or None)

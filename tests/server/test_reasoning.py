@@ -1,0 +1,457 @@
+"""``serve --reasoning-parser deepseek_r1``: an R1-Distill model's thinking in ``reasoning_content`` (and vLLM's newer
+``reasoning``), its answer alone in ``content``, streamed and not, n > 1, logprobs unchanged; tool calls and
+structured outputs on the answer only (the grammar starts after ``</think>``); /v1/responses' reasoning item.
+
+No R1 model can be installed here, so a scripted backend plays one: through R1-Distill's real chat template (which
+opens ``<think>\\n`` in the generation prompt), a tokenizer with R1's added tokens (``<think>``/``</think>`` and the
+role markers, not special, as released), the engine, the detokenizer and the server, to the real ``openai``
+client. The script is forced by its logits, so a grammar applied too early shows as a garbled output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import openai
+import pytest
+
+from tests.runtime.fakes import FakeBackend
+from tests.server.conftest import running_server
+
+# DeepSeek-R1-Distill-Qwen / -Llama's chat template, as their tokenizer_config.json ships it (one line there).
+R1_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}"
+    "{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜>"
+    "<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' "
+    "+ tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}"
+    "{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}"
+    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}"
+    "{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}"
+    "{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}"
+    "{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}"
+    "{%- set ns.is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}"
+    "{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+
+CONTEXT = 2048  # one token per byte: the tools' system prompt alone is ~600
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+SCRIPTS = {  # what the model writes after the template's "<｜Assistant｜><think>\n"
+    "[think]": "The user asks 2+2.\nThat is 4.\n</think>\n\nIt is 4.",
+    "[own-open]": "<think>\nHmm, <tool_call> is only a thought.\n</think>The answer.",  # writes its own <think>
+    "[unclosed]": "Thinking and thinking",
+    "[empty-answer]": "Done thinking.</think>",
+    "[json]": 'They want JSON.\n</think>{"city": "Lyon"}',
+    "[choice]": "Pick one.\n</think>yes",
+    "[tool]": 'I should call <tool_call> in my head only.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Lyon"}}\n</tool_call>',
+    "[args]": 'Arguments next.\n</think>{"city": "Lyon"}',
+}
+SPLIT = {  # (reasoning, content) as vLLM's deepseek_r1 parser splits each script
+    "[think]": ("The user asks 2+2.\nThat is 4.\n", "\n\nIt is 4."),
+    "[own-open]": ("\nHmm, <tool_call> is only a thought.\n", "The answer."),
+    "[unclosed]": ("Thinking and thinking", None),
+    "[empty-answer]": ("Done thinking.", None),
+    "[json]": ("They want JSON.\n", '{"city": "Lyon"}'),
+}
+
+
+class ThinkingModel(FakeBackend):
+    """Plays R1-Distill: after the prompt's last "<｜Assistant｜><think>\\n", the script named in the last user turn,
+    token by token, then EOS (logits -1e9 but for the script's token: a grammar mask that forbids it shows)."""
+
+    def __init__(self, tokenizer, **kw):
+        super().__init__(**kw)
+        self.tok = tokenizer
+        self.turn = tokenizer.encode(ASSISTANT + "<think>\n", add_special=False)
+        self.eos = tokenizer.eos_token_ids[0]
+
+    def logits(self, seq: list[int]) -> np.ndarray:
+        n = len(self.turn)
+        starts = [i for i in range(len(seq) - n + 1) if seq[i:i + n] == self.turn]
+        x = np.full(self.vocab_size, -1e9, dtype=np.float32)
+        if not starts:
+            return x
+        cut = starts[-1] + n
+        last_user = self.tok.decode(seq[:cut], skip_special=False).rsplit(USER, 1)[-1]
+        key = next((k for k in SCRIPTS if k in last_user), None)
+        script = self.tok.encode(SCRIPTS[key], add_special=False) if key else []
+        i = len(seq) - cut
+        x[script[i] if i < len(script) else self.eos] = 0.0
+        return x
+
+
+def _bundle(tiny_dense, tmp_path):
+    from tokenizers import AddedToken, Tokenizer
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dense("llama-gqa"), ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": CONTEXT}))
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    # as released: the role markers and the think tags are added tokens not marked special (they show in the text)
+    tok.add_tokens([AddedToken(t, special=False) for t in (USER, ASSISTANT, "<think>", "</think>", "<tool_call>",
+                                                           "</tool_call>")])
+    assert tok.get_vocab_size() <= 300  # the checkpoint's vocabulary
+    tok.save(str(ckpt / "tokenizer.json"))
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "add_bos_token": False, "chat_template": R1_TEMPLATE}))
+    (ckpt / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS)}))
+    return build_bundle(ckpt, tmp_path / "r1", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def r1_bundle(tiny_dense, tmp_path_factory):
+    return _bundle(tiny_dense, tmp_path_factory.mktemp("r1"))
+
+
+def _serve(bundle, speculative=None, **app_kw):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(bundle)
+    be = ThinkingModel(Tokenizer.from_bundle(b), num_slots=4, max_seq_len=CONTEXT)
+    return running_server(LLMEngine(b, backend=be, num_slots=4, speculative=speculative), **app_kw)
+
+
+@pytest.fixture(scope="module")
+def r1(r1_bundle):
+    with _serve(r1_bundle, reasoning_parser="deepseek_r1") as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        yield srv
+
+
+def _ask(srv, script: str, **kw):
+    kw.setdefault("messages", [{"role": "user", "content": f"{script} What is 2+2?"}])
+    return srv.client.chat.completions.create(model="r1", temperature=0, max_tokens=300, **kw)
+
+
+def _streamed(srv, script: str, **kw):
+    """Per choice: (reasoning_content, reasoning, content, finish_reason) joined from the deltas."""
+    out: dict[int, list] = {}
+    for c in _ask(srv, script, stream=True, **kw):
+        for ch in c.choices:
+            e = out.setdefault(ch.index, ["", "", "", None])
+            d = ch.delta.model_dump()
+            assert "</think>" not in (d.get("content") or "") + (d.get("reasoning_content") or "")
+            assert d.get("reasoning_content") == d.get("reasoning")  # vLLM's two names, kept in step
+            e[0] += d.get("reasoning_content") or ""
+            e[1] += d.get("reasoning") or ""
+            e[2] += d.get("content") or ""
+            e[3] = ch.finish_reason or e[3]
+    return [tuple(out[i]) for i in sorted(out)]
+
+
+@pytest.mark.parametrize("script", sorted(SPLIT))
+def test_reasoning_and_answer_are_apart(r1, script):
+    reasoning, content = SPLIT[script]
+    m = _ask(r1, script).choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["reasoning"], m["content"]) == (reasoning, reasoning, content)
+    ((r, r2, c, finish),) = _streamed(r1, script)
+    assert (r, r2, c, finish) == (reasoning, reasoning, content or "", "stop")
+
+
+def test_the_prompt_opens_the_think_block(r1):
+    """R1's template ends the prompt inside ``<think>``: the output has only the closing tag (the model's text)."""
+    from lineside.server.reasoning import ThinkTokens
+
+    tok = r1.state.engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids, skip_special=False).endswith(ASSISTANT + "<think>\n")
+    think = ThinkTokens.of(tok)
+    assert think.thinking_after(ids)
+
+
+def test_n_choices_each_split(r1):
+    r = _ask(r1, "[think]", n=2)
+    assert [(c.message.model_dump()["reasoning_content"], c.message.content) for c in r.choices] == [SPLIT["[think]"]] * 2
+    assert _streamed(r1, "[think]", n=2) == [(*SPLIT["[think]"][:1], SPLIT["[think]"][0], SPLIT["[think]"][1],
+                                               "stop")] * 2
+
+
+def test_logprobs_cover_every_token_reasoning_included(r1):
+    """logprobs are the tokens the model wrote, as without the parser: reasoning, ``</think>`` and answer."""
+    r = _ask(r1, "[think]", logprobs=True, top_logprobs=1)
+    assert "".join(t.token for t in r.choices[0].logprobs.content) == SCRIPTS["[think]"]
+    streamed = []
+    for c in _ask(r1, "[think]", logprobs=True, top_logprobs=1, stream=True):
+        if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content:
+            streamed += [t.token for t in c.choices[0].logprobs.content]
+    assert "".join(streamed) == SCRIPTS["[think]"]
+
+
+def test_include_reasoning_false_drops_it(r1):
+    """vLLM's ``include_reasoning: false``: the answer alone, the reasoning neither returned nor streamed."""
+    m = _ask(r1, "[think]", extra_body={"include_reasoning": False}).choices[0].message.model_dump()
+    assert m["content"] == SPLIT["[think]"][1] and not m.get("reasoning_content") and not m.get("reasoning")
+    ((r, _, c, _),) = _streamed(r1, "[think]", extra_body={"include_reasoning": False})
+    assert (r, c) == ("", SPLIT["[think]"][1])
+
+
+@pytest.mark.parametrize("fmt", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+    {"response_format": {"type": "json_object"}},
+    {"extra_body": {"guided_json": SCHEMA}},
+])
+def test_structured_output_starts_after_the_reasoning(r1, fmt):
+    """vLLM with a reasoning parser: the grammar applies from ``</think>`` on; the reasoning is free text."""
+    m = _ask(r1, "[json]", **fmt).choices[0].message
+    assert m.model_dump()["reasoning_content"] == "They want JSON.\n"
+    assert json.loads(m.content) == {"city": "Lyon"}
+    ((r, _, c, finish),) = _streamed(r1, "[json]", **fmt)
+    assert (r, json.loads(c), finish) == ("They want JSON.\n", {"city": "Lyon"}, "stop")
+
+
+def test_speculative_proposals_across_the_end_of_the_reasoning(r1_bundle):
+    """Prompt lookup proposes an earlier turn's output (in the prompt with its ``</think>`` token) across the tag:
+    the grammar validates the drafts from the tag on, and a rejected tail rolls it back, past the tag too: the
+    output is plain decoding's, with and without speculation."""
+    import asyncio
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.request import FinishReason, GenerationRequest
+    from lineside.runtime.sampling import SamplingParams
+    from lineside.runtime.speculative.config import parse_speculative
+    from lineside.runtime.structured import Constraint
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(r1_bundle)
+    tok = Tokenizer.from_bundle(b)
+    end = tok.token_id("</think>")
+    echo = SCRIPTS["[json]"].replace("Lyon", "Oslo").replace("JSON", "YAML")  # drafts that go wrong mid-way
+    turn = ASSISTANT + "<think>\n"
+
+    async def run(spec, before: str) -> tuple[str, FinishReason, int]:
+        engine = LLMEngine(b, backend=ThinkingModel(tok, num_slots=2, max_seq_len=CONTEXT), num_slots=2,
+                           speculative=spec)
+        await engine.start()
+        try:
+            ids = tok.encode(f"{USER}[json] x{turn}{before}{EOS}{USER}[json] again{turn}", add_special=False)
+            assert end in ids
+            handle = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=100, constraint=Constraint.json_object(),
+                                                     constraint_after=end, sampling=SamplingParams(temperature=0)))
+            text, _, last = await handle.result()
+            return text, last.finish_reason, engine.stats().spec_accepted_tokens_total
+        finally:
+            await engine.stop(0.0)
+
+    for before in (SCRIPTS["[json]"], echo):
+        plain = asyncio.run(run(None, before))
+        assert plain == (SCRIPTS["[json]"], FinishReason.STOP, 0)
+        text, reason, accepted = asyncio.run(run(parse_speculative("ngram", 8), before))
+        assert (text, reason) == plain[:2] and accepted > 0
+
+
+def test_guided_choice_after_the_reasoning(r1):
+    m = _ask(r1, "[choice]", extra_body={"guided_choice": ["yes", "no"]}).choices[0].message
+    assert (m.model_dump()["reasoning_content"], m.content) == ("Pick one.\n", "yes")
+
+
+def test_tool_calls_are_read_from_the_answer_only(r1):
+    """A ``<tool_call>`` the model only thinks about stays reasoning; the one in its answer is the call."""
+    ch = _ask(r1, "[tool]", tools=TOOLS).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert ch.message.model_dump()["reasoning_content"] == "I should call <tool_call> in my head only.\n"
+    (call,) = ch.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Lyon"})
+    args, reasoning, finish = "", "", None
+    for c in _ask(r1, "[tool]", tools=TOOLS, stream=True):
+        for t in c.choices[0].delta.tool_calls or []:
+            args += t.function.arguments or ""
+        reasoning += c.choices[0].delta.model_dump().get("reasoning_content") or ""
+        finish = c.choices[0].finish_reason or finish
+    assert (json.loads(args), reasoning, finish) == ({"city": "Lyon"}, "I should call <tool_call> in my head only.\n",
+                                                     "tool_calls")
+    m = _ask(r1, "[own-open]", tools=TOOLS).choices[0].message
+    assert not m.tool_calls and m.content == "The answer."
+
+
+def test_a_named_tool_call_is_constrained_after_the_reasoning(r1):
+    ch = _ask(r1, "[args]", tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    assert ch.message.model_dump()["reasoning_content"] == "Arguments next.\n"
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Lyon"}
+
+
+def test_the_next_turn_carries_the_answer_not_the_reasoning(r1):
+    """The assistant message sent back (reasoning_content included, as clients echo it) renders as its answer."""
+    first = _ask(r1, "[think]").choices[0].message
+    history = [{"role": "user", "content": "[think] What is 2+2?"}, first.model_dump(exclude_none=True),
+               {"role": "user", "content": "[json] And as JSON?"}]
+    m = _ask(r1, "", messages=history, response_format={"type": "json_object"}).choices[0].message
+    assert json.loads(m.content) == {"city": "Lyon"}
+
+
+def test_without_the_parser_the_text_is_as_before(r1_bundle):
+    """The default (no --reasoning-parser): the model's text whole in content, no reasoning fields."""
+    with _serve(r1_bundle) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        m = _ask(srv, "[think]").choices[0].message.model_dump()
+        assert m["content"] == SCRIPTS["[think]"] and "reasoning_content" not in m and "reasoning" not in m
+
+
+def test_auto_turns_it_on_for_a_template_that_thinks(r1_bundle, tiny_bundle):
+    with _serve(r1_bundle, reasoning_parser="auto") as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert _ask(srv, "[think]").choices[0].message.content == SPLIT["[think]"][1]
+    with running_server(tiny_bundle, threads=1, reasoning_parser="auto") as srv:  # no <think>: off
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        m = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=0).choices[0].message.model_dump()
+        assert "reasoning_content" not in m
+
+
+def test_deepseek_r1_on_a_tokenizer_without_think_tokens_is_one_line(tiny_bundle):
+    from lineside.bundle import open_bundle
+    from lineside.errors import LinesideError
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.reasoning import resolve
+
+    tok = Tokenizer.from_bundle(open_bundle(tiny_bundle))
+    with pytest.raises(LinesideError, match="--reasoning-parser deepseek_r1.*</think>") as e:
+        resolve("deepseek_r1", tok, tok.chat_template)
+    assert "\n" not in str(e.value)
+    assert resolve("auto", tok, tok.chat_template) is None and resolve("none", tok, tok.chat_template) is None
+
+
+def test_serve_refuses_a_parser_it_cannot_run_in_one_line(tiny_bundle, tmp_path):
+    """Before the socket opens and the model loads: an unknown name, or deepseek_r1 on a model without the tags."""
+    from tests.cli.cli_run import assert_one_line_error, run_cli
+
+    proc = run_cli("serve", tmp_path / "no-such-bundle", "--reasoning-parser", "qwen3")
+    assert_one_line_error(proc, "--reasoning-parser", "deepseek_r1", code=1)
+    proc = run_cli("serve", tiny_bundle, "--reasoning-parser", "deepseek_r1", "--port", "1")
+    assert_one_line_error(proc, "--reasoning-parser deepseek_r1", "</think>", code=1)
+
+
+def test_auto_reads_either_tag_in_the_template():
+    """R1-Distill's first template opened no ``<think>`` (the model wrote it) but cut earlier turns at ``</think>``."""
+    from lineside.server.reasoning import ThinkTokens, resolve
+
+    class Tok:
+        def token_id(self, text):
+            return {"<think>": 10, "</think>": 11}.get(text)
+
+    old = "{% set content = content.split('</think>')[-1] %}{{ content }}{% if add_generation_prompt %}A:{% endif %}"
+    assert resolve("auto", Tok(), old) == ThinkTokens(10, 11)
+    assert resolve("auto", Tok(), "{{ messages[0].content }}") is None
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------------------------
+def test_responses_carry_a_reasoning_item(r1):
+    r = r1.client.responses.create(model="r1", input="[think] What is 2+2?", temperature=0, max_output_tokens=300)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", SPLIT["[think]"][0])]
+    assert message.type == "message" and r.output_text == SPLIT["[think]"][1]
+    assert r.usage.output_tokens_details.reasoning_tokens == len(
+        r1.state.engine.tokenizer.encode(SCRIPTS["[think]"].split("</think>")[0] + "</think>", add_special=False))
+    events = list(r1.client.responses.create(model="r1", input="[think] What is 2+2?", temperature=0,
+                                             max_output_tokens=300, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == SPLIT["[think]"][0]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == SPLIT["[think]"][1]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "message")]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == SPLIT["[think]"][1] and final.output[0].content[0].text == SPLIT["[think]"][0]
+
+
+def test_responses_json_format_after_the_reasoning(r1):
+    r = r1.client.responses.create(model="r1", input="[json] weather?", temperature=0, max_output_tokens=300,
+                                   text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}})
+    assert json.loads(r.output_text) == {"city": "Lyon"} and r.output[0].content[0].text == "They want JSON.\n"
+
+
+def test_responses_previous_turn_keeps_the_answer(r1):
+    first = r1.client.responses.create(model="r1", input="[think] What is 2+2?", temperature=0, max_output_tokens=300)
+    stored = r1.state.responses.get(first.id)
+    assert stored.conversation[-1] == {"role": "assistant", "content": SPLIT["[think]"][1]}
+
+
+def test_the_slo_cache_keys_on_the_reasoning_options():
+    """A cached answer with the reasoning is not served for include_reasoning: false (or the other way round)."""
+    from lineside.server.outputs import OutputOptions
+    from lineside.server.reasoning import Reasoning, ThinkTokens
+    from lineside.server.slo.routing import output_key
+
+    think = ThinkTokens(10, 11)
+    keys = {output_key(OutputOptions(chat=True, reasoning=r)) for r in (
+        None, Reasoning(think, True), Reasoning(think, True, include=False), Reasoning(think, False))}
+    assert len(keys) == 4
+
+
+# ---- the splitter on its own --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, thinking, want", [
+    ("abc</think>xyz", True, ("abc", "xyz")),
+    ("<think>abc</think>xyz", True, ("abc", "xyz")),
+    ("abc", True, ("abc", None)),
+    ("</think>", True, ("", None)),
+    ("abc</think>xyz", False, (None, "abc</think>xyz")),  # the prompt already closed the reasoning
+    ("a</think>b</think>c", True, ("a", "b</think>c")),
+    ("abc<think>", True, ("abc", None)),  # a whole <think> at the end is a tag, not a tag still coming
+    ("<think><think>", True, ("", None)),
+    ("a <thin", True, ("a <thin", None)),  # cut off while it looked like a tag: it was text
+])
+def test_split_whole_and_piece_by_piece_agree(text, thinking, want):
+    from lineside.server.reasoning import ReasoningSplitter, ThinkTokens
+
+    think = ThinkTokens(start_id=10, end_id=11)
+    for size in (1, 2, 3, len(text)):
+        s = ReasoningSplitter(think, thinking)
+        r, c = "", ""
+        for i in range(0, len(text), size):
+            a, b = s.feed(text[i:i + size])
+            r, c = r + a, c + b
+        a, b = s.close()
+        assert s.result() == want, size
+        assert (r + a, c + b) == (want[0] or "", want[1] or ""), size
+
+
+def test_a_think_tag_decoded_to_nothing_still_ends_the_reasoning():
+    """A tokenizer that marks ``</think>`` special drops its text (skip_special_tokens): its id ends the reasoning."""
+    from lineside.server.reasoning import ReasoningSplitter, ThinkTokens
+
+    s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11), True)
+    assert s.feed("abc", [5]) == ("abc", "")
+    assert s.feed("", [11]) == ("", "")
+    assert s.feed("xyz", [6]) == ("", "xyz")
+    assert s.result() == ("abc", "xyz") and s.reasoning_tokens == 2
+
+
+@pytest.mark.parametrize("prompt, thinking", [
+    ([1, 2, 10, 3], True),  # R1: "<｜Assistant｜><think>\n"
+    ([1, 2, 10, 3, 11, 4], False),  # thinking switched off in the template ("<think>\n\n</think>\n\n")
+    ([1, 2, 3], True),  # no tag at all: R1's reasoning comes first (vLLM's assumption)
+    ([1, 11, 5, 10, 3], True),  # an earlier turn's tag, then a new <think>
+])
+def test_where_the_output_starts(prompt, thinking):
+    from lineside.server.reasoning import ThinkTokens
+
+    assert ThinkTokens(start_id=10, end_id=11).thinking_after(prompt) is thinking
