@@ -89,6 +89,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
+        if kind == "reasoning":  # an earlier turn's thinking, handed back as OpenAI asks: R1 drops it from history
+            continue
         if kind != "message":
             raise _bad(f"{where}.type: {kind!r} items are not supported; send messages with text", f"{where}.type")
         role = item.get("role")

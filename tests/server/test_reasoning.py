@@ -395,6 +395,17 @@ def test_responses_previous_turn_keeps_the_answer(r1):
     assert stored.conversation[-1] == {"role": "assistant", "content": SPLIT["[think]"][1]}
 
 
+def test_responses_output_handed_back_as_input(r1):
+    """OpenAI's way of carrying a conversation by hand: the previous output items, reasoning item included, as the
+    next input (the reasoning is dropped from the history, as R1's template drops it)."""
+    first = r1.client.responses.create(model="r1", input="[think] What is 2+2?", temperature=0, max_output_tokens=300)
+    context = [{"role": "user", "content": "[think] What is 2+2?"}, *first.output,
+               {"role": "user", "content": "[json] And as JSON?"}]
+    r = r1.client.responses.create(model="r1", input=context, temperature=0, max_output_tokens=300,
+                                   text={"format": {"type": "json_object"}})
+    assert json.loads(r.output_text) == {"city": "Lyon"}
+
+
 def test_the_slo_cache_keys_on_the_reasoning_options():
     """A cached answer with the reasoning is not served for include_reasoning: false (or the other way round)."""
     from lineside.server.outputs import OutputOptions
