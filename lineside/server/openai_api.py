@@ -338,8 +338,10 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                        if isinstance(e, ConstraintError) else None) from None
     created = int(time.time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        writer = sse.ChunkWriter(chat, response_id, created, model=model, include_usage=include_usage)
+        options = body.stream_options
+        writer = sse.ChunkWriter(chat, response_id, created, model=model,
+                                 include_usage=bool(options and options.include_usage),
+                                 continuous_usage=bool(options and options.continuous_usage_stats))
         stream = responses.GenerationStream(responses.stream_events(state, writer, choices), choices, state)
         if slo_plan is not None:
             stream.headers.update(slo_plan.headers)

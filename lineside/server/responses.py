@@ -144,18 +144,23 @@ def failure(state: ServerState, event: TokenEvent) -> APIError:
 
 async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: list[Choice]) -> AsyncIterator[str]:
     """The SSE body: each choice's chunks as its tokens come, then the usage (if asked) and [DONE]."""
+    def counted(choice: Choice, chunk: str) -> str:  # continuous_usage_stats: the choice's usage so far
+        if not writer.continuous_usage:
+            return chunk
+        return writer.with_usage(chunk, choice.record.prompt_tokens, choice.record.completion_tokens)
+
     if writer.chat:
         for choice in choices:
-            yield writer.role(choice.index)
+            yield counted(choice, writer.role(choice.index))
     async for choice, event in _merged(choices):
         choice.note(event, time.perf_counter())
         for chunk in choice.output.chunks(writer, choice.index, event):
-            yield chunk
+            yield counted(choice, chunk)
         if event.finish_reason is None:
             continue
         observe_finished(state.metrics, choices)
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            yield writer.finish(choice.index, choice.output.finish_reason(event.finish_reason))
+            yield counted(choice, writer.finish(choice.index, choice.output.finish_reason(event.finish_reason)))
         else:
             error = failure(state, event)
             cancel_all(choices)

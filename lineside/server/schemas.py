@@ -18,6 +18,8 @@ _REQ = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # no boolâ†
 class StreamOptions(BaseModel):
     model_config = _REQ
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool | None = False
 
 
 class TextPart(BaseModel):

@@ -2,7 +2,8 @@
 
 Chat: the first chunk of each choice carries the role, content chunks follow, the last chunk has an
 empty delta and the finish_reason; with stream_options.include_usage every chunk has "usage": null
-and one extra chunk with no choices carries the usage. Text completions stream `text` per choice.
+and one extra chunk with no choices carries the usage (with vLLM's continuous_usage_stats, each chunk carries its
+choice's usage so far instead of null). Text completions stream `text` per choice.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ class ChunkWriter:
     """Builds the chunks of one streamed response (chat or text completion)."""
 
     def __init__(self, chat: bool, response_id: str, created: int, *, model: str, include_usage: bool,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, continuous_usage: bool = False):
         self.chat = chat
         self.base: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                                      "created": created, "model": model, "system_fingerprint": fingerprint}
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage  # vLLM's: only together with include_usage
         # Every chunk of a stream shares its fields but the choice: encoded once, not once per token.
         head = event(self.base)
         self._head = head[:-len("}\n\n")] + ',"choices":['
@@ -72,9 +74,19 @@ class ChunkWriter:
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
         obj = dict(self.base)
         obj["choices"] = []
-        obj["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens}
+        obj["usage"] = _usage(prompt_tokens, completion_tokens)
         return event(obj)
+
+    def with_usage(self, chunk: str, prompt_tokens: int, completion_tokens: int) -> str:
+        """A chunk of this writer's with its ``"usage": null`` filled in (continuous_usage_stats)."""
+        assert self.include_usage and chunk.endswith(self._tail)
+        usage = json.dumps(_usage(prompt_tokens, completion_tokens), separators=(",", ":"))
+        return chunk[:-len(self._tail)] + '],"usage":' + usage + "}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def parse(body: str) -> list[dict[str, Any] | str]:

@@ -130,3 +130,31 @@ def test_logit_bias_shifts_the_logits_as_openai_defines_it(client, server):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                            logit_bias=bias)
         assert e.value.param == "logit_bias" and "\n" not in e.value.message
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_continuous_usage_stats_puts_each_choices_usage_in_every_chunk(server, chat):
+    """vLLM's stream_options.continuous_usage_stats (it was accepted and silently ignored): with include_usage, every
+    chunk carries its choice's usage so far; the last chunk still carries the whole request's."""
+    import httpx
+
+    from lineside.server import sse
+
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "count"}]}) if chat
+                  else ("/v1/completions", {"prompt": "count"}))
+    body = {**body, "max_tokens": 5, "n": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    events = [e for e in sse.parse(r.text) if e != "[DONE]"]
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    seen: dict[int, int] = {}
+    for e in chunks:
+        (choice,) = e["choices"]
+        u = e["usage"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        assert u["completion_tokens"] >= seen.get(choice["index"], 0)
+        seen[choice["index"]] = u["completion_tokens"]
+    assert seen == {0: 5, 1: 5} and u["prompt_tokens"] == last["usage"]["prompt_tokens"]  # one prompt, n = 2
+    plain = httpx.post(server.url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60)
+    assert all(e["usage"] is None for e in sse.parse(plain.text)[:-2])
