@@ -137,6 +137,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                         output=output, adapter=adapter)
 
 
+def _end_untaken_session(state: ServerState, session: str | None) -> None:
+    """A session the completion names ends with it (README), also when no choice can take its KV: else it stayed
+    pinned in the arena until its TTL."""
+    if session is not None:
+        state.engine.release_session(session)
+
+
 async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:
     """Compile the request's constraint before anything is queued (a 400 naming the field when it is bad).
     The first one builds the grammar compiler for this tokenizer (about a second): in a worker thread."""
@@ -302,8 +309,11 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                                           response_id=response_id, draining=lambda: state.draining,
                                           primary_only=adapter is not None)
         if slo_plan.cached is not None:
+            _end_untaken_session(state, session)
             return slo_plan.cached
         engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
+    if session is not None and (len(prompts) * n > 1 or adapter is not None or engine is not state.engine):
+        _end_untaken_session(state, session)  # no choice takes it (n > 1, an adapter's KV, the fallback's engine)
     try:
         for index, (_, copy, engine_request) in enumerate(planned):
             handle = engine.submit(engine_request)

@@ -90,6 +90,20 @@ def test_progressive_completion_equals_prompt_at_once(srv):
     assert hits == 1 and saved >= cold["usage"]["prompt_tokens"] - 4
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_session_ends_with_its_completion_also_when_no_choice_takes_it(srv, n):
+    """n > 1: no choice extends the session (each copy runs as any request); it still ends with the completion, as
+    the README says, instead of staying pinned in the arena until its TTL."""
+    text = "the line stops at station 12"
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/prefill", json={"prompt": text, "session_id": f"ends-{n}"}).status_code == 202
+        settle(c, f"ends-{n}")
+        r = c.post("/v1/completions", json={"prompt": text, "n": n, **GREEDY}, headers={"X-Session-Id": f"ends-{n}"})
+        assert r.status_code == 200 and len(r.json()["choices"]) == n
+        assert c.get(f"/v1/prefill/ends-{n}").status_code == 404
+        assert metric(c.get("/metrics").text, "lineside_prefill_session_pinned_blocks") == 0
+
+
 def test_rewritten_text_and_chat_markup(srv):
     """Chat: the user's message grows, one chunk rewrites earlier text, another types template markup as text;
     the completion (session_id in the body) keeps the session for the next turn, which reuses it again."""
