@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
+import json
 import time
 from typing import Any
 
@@ -24,7 +25,14 @@ from fastapi.responses import JSONResponse
 from lineside.errors import LinesideError
 from lineside.runtime.adapter_slots import AdapterSlotsFull, UnknownAdapter
 from lineside.runtime.bounded_encode import PromptTooLong
-from lineside.runtime.request import EngineDraining, FinishReason, GenerationRequest, QueueFullError
+from lineside.runtime.request import (
+    EngineDraining,
+    FinishReason,
+    GenerationRequest,
+    Mode,
+    Priority,
+    QueueFullError,
+)
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
@@ -135,6 +143,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise
     return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
                         output=output, adapter=adapter)
+
+
+def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,
+                  priority: Priority, mode: Mode, arrival: float, body: Any) -> None:
+    """A level-2 cache answer is a request too: counted (outcome ``cached``) and logged with its level, its usage
+    the cached answer's. The SLO guard's signals skip it: no model ran, its latency says nothing of the load."""
+    usage = json.loads(slo_plan.cached.body).get("usage") or {}
+    record = RequestRecord(request_id, endpoint, priority, mode=mode, stream=bool(body.stream), arrival=arrival,
+                           outcome="cached", prompt_tokens=usage.get("prompt_tokens", 0),
+                           completion_tokens=usage.get("completion_tokens", 0))
+    slo_plan.note(record)
+    state.metrics.observe(record)
 
 
 def _end_untaken_session(state: ServerState, session: str | None) -> None:
@@ -310,6 +330,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                                           primary_only=adapter is not None)
         if slo_plan.cached is not None:
             _end_untaken_session(state, session)
+            _count_cached(state, slo_plan, request_id, endpoint, priority, mode, arrival, body)
             return slo_plan.cached
         engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
     if session is not None and (len(prompts) * n > 1 or adapter is not None or engine is not state.engine):

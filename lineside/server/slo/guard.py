@@ -230,8 +230,8 @@ class SloGuard:
 
     # ---- what finished requests tell the signals -------------------------------------------------------
     def observe(self, record: RequestRecord) -> None:
-        if record.outcome == "cancelled" and record.first_token is None:
-            return  # a client that left says nothing about latency
+        if record.outcome == "cached" or (record.outcome == "cancelled" and record.first_token is None):
+            return  # an answer from the cache, or a client that left, says nothing about the engine's latency
         self.signals.observe(ttft_s=record.ttft_s, queue_s=record.queue_s)
         if record.outcome == FinishReason.TIMEOUT and record.first_token is None:
             self.metrics.first_token_timeouts.inc()

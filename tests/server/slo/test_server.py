@@ -100,6 +100,11 @@ def test_levels_headers_model_health_metrics_and_log(guarded):
     assert metric(text, "lineside_slo_transitions_total", 'level="2",reason="ttft_p90_s"') == 1
     assert metric(text, "lineside_slo_fallback_requests_total") >= 3
     assert metric(text, "lineside_slo_cache_lookups_total", 'result="hit"') == 1
+    # the cache's answer is a request too (it was not counted, nor logged): outcome cached, its level in the log
+    assert metric(text, "lineside_requests_total", 'outcome="cached"') == 1
+    cached = [row for row in map(json.loads, srv.log.read_text().splitlines()) if row["outcome"] == "cached"]
+    assert len(cached) == 1 and cached[0]["slo_level"] == 2 and cached[0]["bundle"] == "tiny-fallback"
+    assert cached[0]["completion_tokens"] == again.json()["usage"]["completion_tokens"]
 
     # recovery: one level per recover_after, measured on the fake clock
     srv.clock.now += 40  # the slow samples leave the 30 s window
