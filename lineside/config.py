@@ -22,6 +22,8 @@ ARCHITECTURES = {
 }
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "deepseek_v4": "deepseek_v4"}
 DENSE_FAMILIES = ("llama", "qwen2")
+# transformers' own default context for a config.json without max_position_embeddings (LlamaConfig, Qwen2Config)
+DEFAULT_CONTEXT = {"llama": 2048, "qwen2": 32768}
 
 
 @dataclass
@@ -134,7 +136,7 @@ class ModelConfig:
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(d),
             rope_scaling=_rope_scaling(d),
-            max_position_embeddings=_opt_int(d, "max_position_embeddings") or 4096,
+            max_position_embeddings=_opt_int(d, "max_position_embeddings") or DEFAULT_CONTEXT[arch],
             tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             attention_bias=attn_bias,
             o_proj_bias=attn_bias and arch == "llama",

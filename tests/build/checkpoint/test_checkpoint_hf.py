@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from lineside.build.checkpoint import CheckpointReader, open_checkpoint
 from lineside.config import ModelConfig
 from lineside.errors import CheckpointError
+from tests.conftest import DENSE_VARIANTS
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
@@ -322,3 +323,15 @@ def test_mxfp4_with_e8m0_scales(tmp_path):
     assert ck.get_raw("e.weight").dtype == np.int8 and ck.shape("e.weight") == (4, 32)
     want = lut[codes] * np.repeat(2.0 ** exps, 32, axis=1).astype(np.float32)
     np.testing.assert_array_equal(ck.get("e.weight"), want)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_config_without_max_position_embeddings_takes_transformers_default(tiny_dense, family):
+    """lineside assumed 4096; transformers reads the same config.json as 2048 (Llama) or 32768 (Qwen2)."""
+    import transformers
+
+    variant = next(v for v, (f, _) in DENSE_VARIANTS.items() if f == family)
+    d = json.loads((tiny_dense(variant) / "config.json").read_text())
+    d.pop("max_position_embeddings")
+    want = transformers.AutoConfig.for_model(**d).max_position_embeddings
+    assert ModelConfig.from_hf_dict(d).max_position_embeddings == want
