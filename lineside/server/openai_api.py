@@ -247,7 +247,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
     choice = Choice(0, handle, record, options=OutputOptions(chat=True, reasoning=thinking))
     builder = responses_api.ResponseBuilder(body, model, request_id, store=state.responses,
-                                            conversation=responses_api.conversation(turn, previous), reasoning=thinking)
+                                            conversation=responses_api.conversation(turn, previous), reasoning=thinking,
+                                            sampling=sampling)
     if body.stream:
         stream = responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
         if slo_plan is not None:

@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from lineside.runtime.request import FinishReason
+from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server.errors import APIError
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
@@ -170,8 +171,14 @@ class ResponseBuilder:
     ``store: false``) with the conversation it ends (the answer, not the reasoning, as the next turn's history)."""
 
     def __init__(self, req: ResponsesRequest, model: str, rid: str, *, store: ResponseStore,
-                 conversation: list[dict[str, Any]], reasoning: Reasoning | None = None):
+                 conversation: list[dict[str, Any]], reasoning: Reasoning | None = None,
+                 sampling: SamplingParams | None = None):
+        """``sampling``: what the request samples with (the model's recommendation where it left a field out), which
+        the response names (OpenAI's defaults when not given)."""
         self.req = req
+        self.temperature = sampling.temperature if sampling is not None else (
+            req.temperature if req.temperature is not None else 1.0)
+        self.top_p = sampling.top_p if sampling is not None else req.top_p if req.top_p is not None else 1.0
         # its own id, not the X-Request-Id a client may send (or resend): the store keys the conversation on it
         self.id = "resp_" + uuid.uuid4().hex
         self.msg_id = "msg_" + uuid.uuid4().hex
@@ -210,9 +217,9 @@ class ResponseBuilder:
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "parallel_tool_calls": True, "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": r.temperature if r.temperature is not None else 1.0,
+            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": self.temperature,
             "text": {"format": fmt}, "tool_choice": "auto", "tools": [],
-            "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled", "user": r.user,
+            "top_p": self.top_p, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
                 "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": usage[1], "output_tokens_details": {

@@ -105,3 +105,22 @@ def test_serve_reads_the_bundles_generation_config(tiny_dense, tmp_path, monkeyp
     with pytest.raises(SystemExit) as e:
         main(["serve", str(bundle), "--generation-config", choice])
     assert e.value.code == 0 and got["state"].sampling_defaults == want
+
+
+def test_a_response_object_names_the_sampling_it_was_made_with(tiny_bundle):
+    """/v1/responses echoes temperature and top_p in its Response object (as vLLM does, from the sampling it ran):
+    a request that leaves them out samples with the model's recommendation, and the object must say so, not
+    OpenAI's 1.0 / 1.0, streamed or not."""
+    given = SamplingDefaults(temperature=0.6, top_p=0.95)
+    with running_server(make_engine(tiny_bundle), sampling_defaults=given) as srv:
+        body = {"input": "hi", "max_output_tokens": 2, "store": False}
+        r = httpx.post(f"{srv.url}/v1/responses", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.6, 0.95)
+        with httpx.stream("POST", f"{srv.url}/v1/responses", json={**body, "stream": True}, timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        for e in events:
+            if "response" in e:
+                assert (e["response"]["temperature"], e["response"]["top_p"]) == (0.6, 0.95), e["type"]
+        r = httpx.post(f"{srv.url}/v1/responses", json={**body, "temperature": 0.2, "top_p": 0.5}, timeout=60)
+        assert (r.json()["temperature"], r.json()["top_p"]) == (0.2, 0.5)
