@@ -180,3 +180,24 @@ def test_latency_log_follows_logrotate(tmp_path):
     finish("deleted")
     m.close()
     assert ids(log) == ["deleted"]
+
+
+def test_slow_token_gaps_land_in_a_finite_bucket():
+    """Between tokens a CPU-served request can wait seconds (a 7B model's step at 8 rows) or minutes (a batch job
+    preempted for realtime work, rebuilding its KV): TPOT and the inter-token gaps past 2.5 s all fell into +Inf,
+    so every quantile of a stalled server read 2.5 s. vLLM's TPOT and inter-token buckets reach 80 s."""
+    from lineside.server.metrics import RequestRecord, ServerMetrics
+
+    m = ServerMetrics()
+    m.observe(RequestRecord("slow", "chat", "normal", mode="batch", stream=True, arrival=0.0, outcome="length",
+                            prompt_tokens=10, completion_tokens=3, first_token=1.0, end=9.0, itl=[3.0, 5.0]))
+    m.observe(RequestRecord("stalled", "chat", "normal", mode="batch", stream=True, arrival=0.0, outcome="length",
+                            prompt_tokens=10, completion_tokens=2, first_token=1.0, end=61.0, itl=[60.0]))
+    text = m.render().decode()
+    for name, values in (("lineside_time_per_output_token_seconds", (4.0, 60.0)),
+                         ("lineside_inter_token_latency_seconds", (3.0, 5.0, 60.0))):
+        bounds = [float(line.split('le="')[1].split('"')[0]) for line in text.splitlines()
+                  if line.startswith(name + "_bucket{") and 'le="+Inf"' not in line]
+        for value in values:
+            upper = min((b for b in bounds if b >= value), default=None)
+            assert upper is not None and upper <= 2 * value, (name, value, bounds)
