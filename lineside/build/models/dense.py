@@ -99,20 +99,24 @@ def check_shapes(cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
                                   "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")
 
 
-# quantization_config methods whose weights the reader dequantizes (a `.weight` with its scale); (method, format)
+# quantization_config methods whose weights the reader dequantizes (a `.weight` with its scale); (method, format),
+# the format being compressed-tensors' ``format`` (ModelOpt's ``quant_algo``: its FP8 ones, checked apart)
 _READABLE_QUANT = {("fp8", None), ("fbgemm_fp8", None), ("modelopt", None), ("compressed-tensors", "float-quantized"),
                    ("compressed-tensors", "int-quantized"), ("compressed-tensors", "naive-quantized")}
 
 
 def _prequantized(hf_config: dict[str, Any]) -> str | None:
     """config.json's quantization method when the reader cannot read its weights ("gptq", "compressed-tensors
-    pack-quantized", ...); None without a quantization_config or for a format it reads (FP8, scaled INT8)."""
+    pack-quantized", "modelopt NVFP4", ...); None without a quantization_config or for a format it reads (FP8, scaled
+    INT8)."""
     qc = hf_config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
-    method, fmt = qc.get("quant_method"), qc.get("format")
-    if (method, fmt if method == "compressed-tensors" else None) in _READABLE_QUANT:
-        return None
+    method = qc.get("quant_method")
+    fmt = {"compressed-tensors": qc.get("format"), "modelopt": qc.get("quant_algo")}.get(method)
+    fmt = fmt if isinstance(fmt, str) else None
+    if (method, fmt) in _READABLE_QUANT or (method == "modelopt" and fmt.upper().startswith("FP8")):
+        return None  # ModelOpt FP8 (per tensor, FP8_PB_WO per block); its NVFP4 / INT4 AWQ weights are packed
     return " ".join(str(v) for v in (method, fmt) if isinstance(v, str)) or "quantization_config"
 
 

@@ -117,11 +117,19 @@ def bnb_4bit(prefix, w):  # bitsandbytes nf4 as saved: the weight flattened into
             prefix + ".weight.absmax": torch.ones(w.numel() // 64)}, w
 
 
+def nvfp4_packed(prefix, w):  # ModelOpt NVFP4: two e2m1 codes a byte, an FP8 scale per 16 inputs, a global scale
+    o, i = w.shape
+    return {prefix + ".weight": torch.zeros(o, i // 2, dtype=torch.uint8),
+            prefix + ".weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
+            prefix + ".weight_scale_2": torch.ones(()), prefix + ".input_scale": torch.ones(())}, w
+
+
 @pytest.mark.parametrize("quantize,config,method", [
     (gptq_packed, {"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq"),
     (gptq_packed, {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "awq"),
     (ct_packed, {**FP8_CT, "format": "pack-quantized"}, "compressed-tensors"),
     (bnb_4bit, {"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    (nvfp4_packed, {"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
 ])
 def test_packed_int4_checkpoints_are_refused_as_such(base, tmp_path, quantize, config, method):
     ckpt, _ = _requantized(base, tmp_path / "q", quantize, config)
