@@ -10,6 +10,20 @@ detokenizer checks only the text after min_tokens, looking back a stop string's 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+
+def partial_suffix(text: str, tags: Iterable[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags``: text to hold back
+    while a stop string or a markup tag (``<tool_call>``, ``</think>``) may still be arriving."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
 
 class StopMatcher:
     """Feed complete text pieces; get back the part that is safe to emit and whether a stop string hit."""
@@ -35,7 +49,7 @@ class StopMatcher:
             self.stopped = True
             self.held, self.unarmed = "", 0
             return buf[:hit]
-        keep = self._partial_suffix(buf)
+        keep = partial_suffix(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         self.unarmed = max(0, floor - (len(buf) - keep))
         return buf[:len(buf) - keep]
@@ -44,13 +58,3 @@ class StopMatcher:
         """At the end of generation (no stop hit): the held-back text is output after all."""
         out, self.held, self.unarmed = ("" if self.stopped else self.held), "", 0
         return out
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best

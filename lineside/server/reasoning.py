@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lineside.errors import LinesideError
+from lineside.runtime.stop import partial_suffix
 
 START, END = "<think>", "</think>"
 PARSERS = ("none", "deepseek_r1", "auto")  # --reasoning-parser; auto: deepseek_r1 when the template knows the tags
@@ -86,14 +87,6 @@ def for_prompt(think: ThinkTokens | None, prompt_ids: Sequence[int], include: bo
     return Reasoning(think, think.thinking_after(prompt_ids), include is not False)
 
 
-def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags`` (a tag still coming)."""
-    for n in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
-        if any(len(t) > n and t.startswith(text[-n:]) for t in tags):
-            return n
-    return 0
-
-
 @dataclass
 class ReasoningSplitter:
     """Splits one choice's output, fed as it comes, into (reasoning, answer) pieces: pieces concatenate to what
@@ -126,7 +119,7 @@ class ReasoningSplitter:
             self._reasoning.append(reasoning)
             self._content.append(answer)
             return reasoning, answer
-        keep = _partial_suffix(buf, (START, END))
+        keep = partial_suffix(buf, (START, END))
         reasoning = buf[:len(buf) - keep]
         self._held = buf[len(buf) - keep:]
         # a <think> whose end is held back is dropped once whole; the part before it goes now

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from lineside.runtime.stop import partial_suffix
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
 
@@ -367,14 +368,14 @@ class ToolCallStream:
             if j < 0:
                 tail = buf[pos:]
                 if not final:  # a tag may be arriving: hold back what could be its start
-                    tail = tail[:len(tail) - _partial_suffix(tail, _OPEN)]
+                    tail = tail[:len(tail) - partial_suffix(tail, (_OPEN,))]
                 content.append(tail)
                 break
             content.append(buf[pos:j])
             k = buf.find(_CLOSE, j)
             body = buf[j + len(_OPEN):k if k >= 0 else len(buf)]
             if k < 0 and not final:  # the closing tag may be arriving: what could be its start is not the body's
-                body = body[:len(body) - _partial_suffix(body, _CLOSE)]
+                body = body[:len(body) - partial_suffix(body, (_CLOSE,))]
             found, ok, whole = _tagged_calls(body, complete=k >= 0 or final, names=self.names)
             if not ok:  # not a call after all (the tag in prose, written twice, an unknown function): the tag is
                 content.append(_OPEN)  # text, and what follows it is scanned as any text is (a call may come next)
@@ -553,14 +554,6 @@ def _skip(s: str, i: int, chars: str) -> int:
     while i < len(s) and s[i] in chars:
         i += 1
     return i
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def _drop_blank(content: str, has_calls: bool, final: bool) -> str:
