@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from lineside.bundle import default_model_names
 from lineside.runtime.engine import LoraServing
-from lineside.runtime.sampling_defaults import SamplingDefaults
+from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.server import errors, health, openai_api, prefill_api
@@ -56,12 +56,18 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     runtime/chat_template.py); ``trust_request_chat_template``: accept a request's own ``chat_template``;
     ``tool_call_parser``: how ``auto`` tool calls are read (tool_calls.PARSERS; auto: from the template);
     ``max_stored_responses``: /v1/responses kept for ``previous_response_id`` and GET (0: none);
-    ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: OpenAI's defaults);
+    ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: the bundle's
+    generation_config.json, as `serve --generation-config auto`);
     ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
     metrics = ServerMetrics(latency_log)
+    if sampling_defaults is None:  # the bundle's own (an engine built elsewhere: the one it was built from)
+        tokenizer_dir = (Path(source) / "tokenizer" if isinstance(source, (str, Path))
+                         else getattr(getattr(source, "bundle", None), "tokenizer_dir", None))
+        sampling_defaults = (SamplingDefaults() if tokenizer_dir is None
+                             else read_sampling_defaults(tokenizer_dir / "generation_config.json"))
     engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
                          session_ttl=session_ttl, max_sessions=max_sessions)
     if speculative is not None:

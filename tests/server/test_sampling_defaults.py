@@ -124,3 +124,23 @@ def test_a_response_object_names_the_sampling_it_was_made_with(tiny_bundle):
                 assert (e["response"]["temperature"], e["response"]["top_p"]) == (0.6, 0.95), e["type"]
         r = httpx.post(f"{srv.url}/v1/responses", json={**body, "temperature": 0.2, "top_p": 0.5}, timeout=60)
         assert (r.json()["temperature"], r.json()["top_p"]) == (0.2, 0.5)
+
+
+def test_create_app_reads_the_bundles_own_by_default(tiny_dense, tmp_path):
+    """The Python API (create_app on a bundle or an engine) samples as `serve` does unless told otherwise."""
+    import shutil
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.server.app import create_app
+    from tests.conftest import TINY_BUNDLE
+
+    ckpt = tmp_path / "r1-style"
+    shutil.copytree(tiny_dense(TINY_BUNDLE["variant"]), ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps(R1_DISTILL | {"bos_token_id": 1, "eos_token_id": 2}))
+    bundle = build_bundle(ckpt, tmp_path / "bundle",
+                          BuildOptions(**{k: v for k, v in TINY_BUNDLE.items() if k != "variant"}))
+    want = SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert create_app(bundle).state.lineside.sampling_defaults == want
+    assert create_app(make_engine(bundle)).state.lineside.sampling_defaults == want
+    assert create_app(bundle, sampling_defaults=SamplingDefaults()).state.lineside.sampling_defaults == \
+        SamplingDefaults()
