@@ -62,6 +62,7 @@ from lineside.server.schemas import (
 )
 from lineside.server.slo import routing as slo_routing
 from lineside.server.state import ServerState
+from lineside.server.unicode_check import check_unicode
 
 router = APIRouter()
 _serial = itertools.count()  # engine ids stay unique even when clients reuse an X-Request-Id
@@ -191,6 +192,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         previous = responses_api.previous_response(body, state.responses)
         turn = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
                 for m in responses_api.input_messages(body)]
+        check_unicode(body)  # the other strings: instructions (rendered), metadata and user (echoed)
         messages = responses_api.messages(body, turn, previous)
         prompt_limits.check_texts([m["content"] for m in messages], state.engine.tokenizer,
                                   state.engine.max_seq_len, param="input")

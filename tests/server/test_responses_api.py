@@ -161,3 +161,22 @@ def test_a_server_without_a_store_says_so(tiny_bundle):
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.create(model=MODEL, input="hi", max_output_tokens=2, previous_response_id=r.id)
         assert "keeps its last 0" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("instructions", "a\ud800b", "instructions"),
+    ("metadata", {"k": "a\ud800b"}, "metadata.k"),
+    ("user", "a\ud800b", "user"),
+    ("input", [{"role": "user", "content": [{"type": "input_text", "text": "a\ud800b"}]}], "input"),
+])
+def test_a_lone_surrogate_anywhere_is_400_naming_the_field(server, field, value, param):
+    """A JSON escape such as \\ud800 parses to a lone surrogate, which no tokenizer, template or JSON encoder takes:
+    in ``instructions`` it was a 500 TypeError from the tokenizer, in ``metadata`` or ``user`` (echoed in the
+    response) a 500 from the response's serialization; now the 400 invalid_utf8 the input's text gets, naming it."""
+    import httpx
+
+    raw = json.dumps({"input": "hi", "max_output_tokens": 2, field: value})  # escapes the surrogate as \ud800
+    r = httpx.post(f"{server.url}/v1/responses", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("invalid_utf8", param) and "\n" not in err["message"]
