@@ -43,6 +43,7 @@ from lineside.server import (
     request_mapping,
     responses,
     responses_api,
+    responses_tools,
     sse,
     tool_calls,
 )
@@ -191,16 +192,24 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         responses_api.check(body)
         previous = responses_api.previous_response(body, state.responses)
         turn = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
-                for m in responses_api.input_messages(body)]
-        check_unicode(body)  # the other strings: instructions (rendered), metadata and user (echoed)
+                for m in responses_api.input_messages(body, previous)]
+        check_unicode(body)  # the other strings: instructions (rendered), metadata and user (echoed), tools, calls
         messages = responses_api.messages(body, turn, previous)
-        prompt_limits.check_texts([m["content"] for m in messages], state.engine.tokenizer,
-                                  state.engine.max_seq_len, param="input")
-        constraint = await _checked(state, responses_api.text_constraint(body))
-        ids = await _offload(sum(len(m["content"]) for m in messages),
-                             functools.partial(state.tokenizer.encode_chat, messages,
-                                               **chat_rendering.server_rendering(state).options(),
-                                               max_tokens=_prompt_limit(state)), param="input")
+        texts = responses_api.prompt_texts(messages)
+        prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
+        functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        render = chat_rendering.server_rendering(state)
+        messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice)
+        text_constraint = responses_api.text_constraint(body)
+        call_constraint = tool_calls.tool_constraint(functions.tools, functions.choice,
+                                                     parallel=functions.max_calls is None, flat=True)
+        if call_constraint is not None and text_constraint is not None:
+            raise request_mapping.bad(f"tool_choice {functions.choice.kind.value!r} constrains the output to function "
+                                      "calls; it cannot be combined with text.format", "tool_choice")
+        constraint = await _checked(state, call_constraint or text_constraint)
+        ids = await _offload(sum(map(len, texts)),
+                             functools.partial(state.tokenizer.encode_chat, messages, tools=listed,
+                                               **render.options(), max_tokens=_prompt_limit(state)), param="input")
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
                                               param="max_output_tokens", prompt_param="input")
         thinking = reasoning.for_prompt(state.think, ids)
@@ -247,10 +256,14 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     if slo_plan is not None:
         slo_plan.note(record)
         state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
-    choice = Choice(0, handle, record, options=OutputOptions(chat=True, reasoning=thinking))
+    options = OutputOptions(chat=True, reasoning=thinking, tools=tuple(functions.tools), named=functions.choice.name,
+                            max_calls=functions.max_calls,
+                            call_format=tool_calls.call_format(functions.choice, render.effective,
+                                                               state.tool_call_parser) if functions.calling else None)
+    choice = Choice(0, handle, record, options=options)
     builder = responses_api.ResponseBuilder(body, model, request_id, store=state.responses,
                                             conversation=responses_api.conversation(turn, previous), reasoning=thinking,
-                                            sampling=sampling)
+                                            sampling=sampling, calling=functions.calling)
     if body.stream:
         stream = responses.GenerationStream(responses_api.stream(state, builder, choice), [choice], state)
         if slo_plan is not None:
@@ -261,8 +274,9 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         return gone
     split = choice.output.reasoning  # the answer apart from the reasoning (collect fed it), with a reasoning parser
     text = "".join(choice.text_parts) if split is None else split.result()[1] or ""
-    answer = builder.final(text, (choice.record.prompt_tokens, choice.record.completion_tokens),
-                           choice.finish_reason or FinishReason.STOP, split)
+    content, calls = responses_api.answer(choice.output.calls, text)
+    answer = builder.final(content, (choice.record.prompt_tokens, choice.record.completion_tokens),
+                           choice.finish_reason or FinishReason.STOP, split, calls)
     return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)
 
 

@@ -3,9 +3,13 @@
 --reasoning-parser`` a reasoning model's thinking is a ``reasoning`` output item (its text as ``reasoning_text``
 content, as OpenAI's open-weight models return it) before the message, which holds the answer alone.
 
+Function ``tools`` (``tool_choice``, ``parallel_tool_calls``, ``function_call`` / ``function_call_output`` input
+items, ``function_call`` output items) run on chat's tool calling (responses_tools.py, tool_calls.py).
+
 ``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
-What this server cannot honour there is a 400 naming the field: ``tools``, ``reasoning``, ``background``,
-``include``, ``conversation``, stored ``prompt`` templates, non-text input parts, ``truncation: auto``.
+What this server cannot honour there is a 400 naming the field: hosted tools (web_search, file_search, ...),
+``reasoning``, ``background``, ``include``, ``conversation``, stored ``prompt`` templates, non-text input parts,
+``truncation: auto``.
 The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
 ``responses.stream`` read them.
 """
@@ -23,12 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
+from lineside.server import responses_tools
 from lineside.server.errors import APIError
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure, observe_finished
 from lineside.server.schemas import INT32_MAX
 from lineside.server.state import ServerState
+from lineside.server.tool_calls import ToolCall, ToolCallDelta, ToolCallStream
 
 
 class ResponsesRequest(BaseModel):
@@ -46,10 +52,10 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # keep the response for previous_response_id / GET (default true, as OpenAI's)
     user: str | None = None
     previous_response_id: str | None = None
-    # refused with a 400 naming them when set
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # functions (responses_tools.py); hosted tool types are refused
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # refused with a 400 naming them when set
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
@@ -68,10 +74,6 @@ def check(req: ResponsesRequest) -> None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
     if req.prompt is not None:
         raise _bad("prompt: stored prompt templates are not supported; send the text in 'input'", "prompt")
-    if req.tools:
-        raise _bad("tools: not supported on /v1/responses here; use /v1/chat/completions with tools", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _bad("tool_choice: no tools on /v1/responses here", "tool_choice")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):
         raise _bad("reasoning: reasoning options are not supported by this model server", "reasoning")
     if req.background:
@@ -82,18 +84,34 @@ def check(req: ResponsesRequest) -> None:
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """``input`` as chat messages (text parts only; ``instructions`` apart: a later turn does not inherit them)."""
+def input_messages(req: ResponsesRequest, previous: StoredResponse | None = None) -> list[dict[str, Any]]:
+    """``input`` as chat messages (text parts only; ``instructions`` apart: a later turn does not inherit them).
+    ``function_call`` items are the assistant's ``tool_calls`` (calls next to each other, or after the assistant's
+    text, one assistant turn, as the chat message they came from), ``function_call_output`` items ``tool`` messages
+    answering a call made before them, here or in ``previous``."""
     out: list[dict[str, Any]] = []
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    known = responses_tools.call_ids(previous.conversation) if previous is not None else []
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind == "reasoning":  # an earlier turn's thinking, handed back as OpenAI asks: R1 drops it from history
             continue
+        if kind == "function_call":
+            call = responses_tools.call_of(item, where)
+            known.append(call["id"])
+            if out and out[-1]["role"] == "assistant":
+                out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", ()), call]}
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            out.append(responses_tools.result_of(item, where, known))
+            continue
         if kind != "message":
-            raise _bad(f"{where}.type: {kind!r} items are not supported; send messages with text", f"{where}.type")
+            raise _bad(f"{where}.type: {kind!r} items are not supported; send messages (with text), function_call "
+                       "and function_call_output items", f"{where}.type")
         role = item.get("role")
         if role not in ("system", "developer", "user", "assistant"):
             raise _bad(f"{where}.role: {role!r} is not system, developer, user or assistant", f"{where}.role")
@@ -132,6 +150,23 @@ def messages(req: ResponsesRequest, turn: list[dict[str, Any]],
     return [*head, *conversation(turn, previous)]
 
 
+def prompt_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """Every text the prompt renders from ``messages``: contents and the calls' arguments (what bounds its length)."""
+    return [*(m["content"] or "" for m in messages),
+            *(c["function"]["arguments"] for m in messages for c in m.get("tool_calls") or ()
+              if isinstance(c.get("function", {}).get("arguments"), str))]
+
+
+def answer(calls: ToolCallStream | None, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer's message text and calls: all text without function tools; with them, what chat's parser
+    reads (text None when the answer is only calls)."""
+    if calls is None:
+        return text, []
+    calls.feed(text)
+    calls.close()
+    return calls.result()
+
+
 def previous_response(req: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:
     """The kept response ``previous_response_id`` names (None without one); a 400 naming it when none is kept."""
     if req.previous_response_id is None:
@@ -166,13 +201,19 @@ def text_constraint(req: ResponsesRequest) -> Constraint | None:
 
 
 class ResponseBuilder:
-    """The response object and its stream events for one request (one output message, after a reasoning item when
-    the output starts in a reasoning model's thinking); a finished one is kept in ``store`` (unless the request says
-    ``store: false``) with the conversation it ends (the answer, not the reasoning, as the next turn's history)."""
+    """The response object and its stream events for one request: a reasoning item first when the output starts in
+    a reasoning model's thinking, then the answer's items — one message, or with function tools the message (when
+    there is text) and a ``function_call`` item per call. A finished one is kept in ``store`` (unless the request
+    says ``store: false``) with the conversation it ends (the answer and its calls, not the reasoning, as the next
+    turn's history).
+
+    Streamed, items are added, filled and done one after the other, as OpenAI streams them: text after a call opens
+    a new message. With function tools the message opens with the first text (an answer that is only calls has no
+    message); without, as soon as the answer starts."""
 
     def __init__(self, req: ResponsesRequest, model: str, rid: str, *, store: ResponseStore,
                  conversation: list[dict[str, Any]], reasoning: Reasoning | None = None,
-                 sampling: SamplingParams | None = None):
+                 sampling: SamplingParams | None = None, calling: bool = False):
         """``sampling``: what the request samples with (the model's recommendation where it left a field out), which
         the response names (OpenAI's defaults when not given)."""
         self.req = req
@@ -184,41 +225,57 @@ class ResponseBuilder:
         self.msg_id = "msg_" + uuid.uuid4().hex
         self.rs_id = "rs_" + uuid.uuid4().hex
         self.thinks = reasoning is not None and reasoning.thinking
-        self.msg_index = 1 if self.thinks else 0  # the message's output_index
+        self.calling = calling
         self.created = int(time.time())
         self.model = model
         self.seq = 0
         self.store = store if req.store is not False and store.capacity > 0 else None
         self.conversation = tuple(conversation)  # the kept turns before this one + this one's input
+        # streaming: the item being filled, those done (in output_index order), the next output_index
+        self._open: dict[str, Any] | None = None
+        self._done: list[dict[str, Any]] = []
+        self._next = 1 if self.thinks else 0
+        self._valid: set[str] | None = None  # the calls that stand, once the output is complete
 
-    def final(self, text: str, usage: tuple[int, int], finish_reason: FinishReason,
-              split: ReasoningSplitter | None = None) -> dict[str, Any]:
+    def final(self, content: str | None, usage: tuple[int, int], finish_reason: FinishReason,
+              split: ReasoningSplitter | None = None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         """The finished response (completed, or incomplete at max_output_tokens), kept when it is to be;
-        ``split``: the output's reasoning, when it started in it."""
+        ``content``: the answer's text (None: the answer is only ``calls``); ``split``: the output's reasoning,
+        when it started in it."""
+        calls = calls or []
+        status = "incomplete" if finish_reason == FinishReason.LENGTH else "completed"
+        message = [] if content is None else [self.item(content, status)]
+        return self._finished([*message, *(responses_tools.call_item(c) for c in calls)], content, calls, usage,
+                              finish_reason, split)
+
+    def _finished(self, answer: list[dict[str, Any]], content: str | None, calls: list[ToolCall],
+                  usage: tuple[int, int], finish_reason: FinishReason,
+                  split: ReasoningSplitter | None) -> dict[str, Any]:
         incomplete = finish_reason == FinishReason.LENGTH
-        body = self.body(text, "incomplete" if incomplete else "completed", usage,
-                         "max_output_tokens" if incomplete else None, split)
+        body = self.body("incomplete" if incomplete else "completed", usage,
+                         "max_output_tokens" if incomplete else None, split, answer)
         if self.store is not None:
             self.store.put(self.id, StoredResponse(
-                body, (*self.conversation, {"role": "assistant", "content": text})))
+                body, (*self.conversation, responses_tools.assistant_turn(content, calls))))
         return body
 
-    def body(self, text: str, status: str, usage: tuple[int, int] | None, reason: str | None = None,
-             split: ReasoningSplitter | None = None) -> dict[str, Any]:
+    def body(self, status: str, usage: tuple[int, int] | None, reason: str | None = None,
+             split: ReasoningSplitter | None = None, answer: list[dict[str, Any]] = ()) -> dict[str, Any]:
         r = self.req
         fmt = (r.text or {}).get("format") or {"type": "text"}
         item_status = "completed" if status == "completed" else "incomplete"
         thought = [] if split is None or not self.thinks else [self.reasoning_item(
             split.result()[0] or "", item_status if split.thinking else "completed")]
-        output = [] if status == "in_progress" else [*thought, self.item(text, item_status)]
+        output = [] if status == "in_progress" else [*thought, *answer]
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.model, "output": output, "instructions": r.instructions,
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
-            "parallel_tool_calls": True, "previous_response_id": r.previous_response_id,
+            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": self.temperature,
-            "text": {"format": fmt}, "tool_choice": "auto", "tools": [],
+            "text": {"format": fmt}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
+            "tools": responses_tools.echoed_tools(r.tools),
             "top_p": self.top_p, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
                 "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -227,8 +284,8 @@ class ResponseBuilder:
                 "total_tokens": usage[0] + usage[1]},
         }
 
-    def item(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
+    def item(self, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+        return {"type": "message", "id": item_id or self.msg_id, "status": status, "role": "assistant",
                 "content": [self.part(text)]}
 
     def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
@@ -246,23 +303,30 @@ class ResponseBuilder:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
     def opening(self) -> list[str]:
-        """created / in_progress, then the first item and its part: the reasoning when the output starts in it
-        (the message comes with ``message_opening`` once it ends), else the message."""
-        body = self.body("", "in_progress", None)
+        """created / in_progress, then the first item: the reasoning when the output starts in it, else the message
+        (unless function tools open it with the first text)."""
+        body = self.body("in_progress", None)
         head = [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
         if not self.thinks:
-            return [*head, *self.message_opening()]
+            return [*head, *self.answer_opening()]
         return [*head, self.event("response.output_item.added", output_index=0,
                                   item={"type": "reasoning", "id": self.rs_id, "summary": [], "status": "in_progress",
                                         "content": [], "encrypted_content": None}),
                 self.event("response.content_part.added", item_id=self.rs_id, output_index=0, content_index=0,
                            part={"type": "reasoning_text", "text": ""})]
 
-    def message_opening(self) -> list[str]:
-        return [self.event("response.output_item.added", output_index=self.msg_index,
-                           item={"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant",
+    def answer_opening(self) -> list[str]:
+        """Where the answer starts: its message opens, unless function tools open it with the first text."""
+        return [] if self.calling else self._open_message()
+
+    def _open_message(self) -> list[str]:
+        item_id = self.msg_id if not any(i["type"] == "message" for i in self._done) else "msg_" + uuid.uuid4().hex
+        self._open = {"type": "message", "id": item_id, "index": self._next, "text": []}
+        self._next += 1
+        return [self.event("response.output_item.added", output_index=self._open["index"],
+                           item={"type": "message", "id": item_id, "status": "in_progress", "role": "assistant",
                                  "content": []}),
-                self.event("response.content_part.added", item_id=self.msg_id, output_index=self.msg_index,
+                self.event("response.content_part.added", item_id=item_id, output_index=self._open["index"],
                            content_index=0, part=self.part(""))]
 
     def reasoning_delta(self, text: str) -> str:
@@ -276,38 +340,88 @@ class ResponseBuilder:
                            part={"type": "reasoning_text", "text": text}),
                 self.event("response.output_item.done", output_index=0, item=self.reasoning_item(text, status))]
 
-    def delta(self, text: str) -> str:
-        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=self.msg_index,
-                          content_index=0, delta=text, logprobs=[])
+    def delta(self, text: str) -> list[str]:
+        """The answer's text: into the open message, or a message opened for it (after a call)."""
+        out = [] if self._open is not None and self._open["type"] == "message" else [*self._close(), *self._open_message()]
+        self._open["text"].append(text)
+        out.append(self.event("response.output_text.delta", item_id=self._open["id"], output_index=self._open["index"],
+                              content_index=0, delta=text, logprobs=[]))
+        return out
 
-    def closing(self, text: str, usage: tuple[int, int], finish_reason: FinishReason,
-                split: ReasoningSplitter | None = None) -> list[str]:
-        body = self.final(text, usage, finish_reason, split)
-        return [self.event("response.output_text.done", item_id=self.msg_id, output_index=self.msg_index,
-                           content_index=0, text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=self.msg_id, output_index=self.msg_index,
-                           content_index=0, part=self.part(text)),
-                self.event("response.output_item.done", output_index=self.msg_index,
-                           item=self.item(text, body["status"])),
-                self.event(f"response.{body['status']}", response=body)]
+    def call_delta(self, d: ToolCallDelta) -> list[str]:
+        """A piece of a call: its first opens its ``function_call`` item (closing the one before), the rest are its
+        arguments."""
+        out: list[str] = []
+        if d.id is not None:
+            out += self._close()
+            item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": d.id, "name": d.name,
+                    "arguments": "", "status": "in_progress"}
+            self._open = {"type": "function_call", "index": self._next, "item": item}
+            self._next += 1
+            out.append(self.event("response.output_item.added", output_index=self._open["index"], item=dict(item)))
+        if d.arguments and self._open is not None and self._open["type"] == "function_call":
+            self._open["item"]["arguments"] += d.arguments
+            out.append(self.event("response.function_call_arguments.delta", item_id=self._open["item"]["id"],
+                                  output_index=self._open["index"], delta=d.arguments))
+        return out
+
+    def calls_settled(self, calls: list[ToolCall]) -> None:
+        """The output is complete and these are its calls: an item opened for any other (it turned out malformed:
+        cut off, not JSON) is done ``incomplete`` and left out of the response, its text the message's."""
+        self._valid = {c.id for c in calls}
+
+    def _close(self, status: str = "completed") -> list[str]:
+        """The open item's done events (none open: nothing)."""
+        o, self._open = self._open, None
+        if o is None:
+            return []
+        if o["type"] == "function_call":
+            valid = self._valid is None or o["item"]["call_id"] in self._valid
+            item = {**o["item"], "status": "completed" if valid else "incomplete"}
+            self._done.append(item)
+            return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=o["index"],
+                               name=item["name"], arguments=item["arguments"]),  # name: in OpenAI's spec, not all types
+                    self.event("response.output_item.done", output_index=o["index"], item=item)]
+        text = "".join(o["text"])
+        item = self.item(text, status, o["id"])
+        self._done.append(item)
+        return [self.event("response.output_text.done", item_id=o["id"], output_index=o["index"], content_index=0,
+                           text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=o["id"], output_index=o["index"], content_index=0,
+                           part=self.part(text)),
+                self.event("response.output_item.done", output_index=o["index"], item=item)]
+
+    def closing(self, usage: tuple[int, int], finish_reason: FinishReason, split: ReasoningSplitter | None = None,
+                calls: list[ToolCall] | None = None) -> list[str]:
+        """The last item's done events, then completed (or incomplete): the response holds the items streamed (an
+        empty message when the answer had nothing), less the calls that did not stand."""
+        calls = calls or []
+        out = [] if self._done or self._open is not None else self._open_message()
+        out += self._close("incomplete" if finish_reason == FinishReason.LENGTH else "completed")
+        answer = [i for i in self._done if i["type"] != "function_call" or i["status"] == "completed"]
+        texts = [i["content"][0]["text"] for i in answer if i["type"] == "message"]
+        content = "".join(texts) if texts else None
+        body = self._finished(answer, content, calls, usage, finish_reason, split)
+        return [*out, self.event(f"response.{body['status']}", response=body)]
 
     def failed(self, message: str, code: str) -> str:
-        body = self.body("", "failed", None)
+        body = self.body("failed", None)
         body["error"] = {"code": code, "message": message}
         body["output"] = []
         return self.event("response.failed", response=body)
 
 
 async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -> AsyncIterator[str]:
-    """The SSE body of a streamed response: created / in_progress, the output item and part (the reasoning item's
-    first, its text deltas and done events, then the message's), text deltas, then done events and completed (or
-    incomplete at max_output_tokens; failed on an engine failure)."""
+    """The SSE body of a streamed response: created / in_progress, the reasoning item's events when the output
+    starts in it, then the answer's items (a message's text deltas, a function_call's arguments deltas, each
+    item's done events before the next is added), then completed (or incomplete at max_output_tokens; failed on an
+    engine failure)."""
     for e in builder.opening():
         yield e
     splitter = choice.output.reasoning if builder.thinks else None
-    text: list[str] = []
+    calls = choice.output.calls  # None: no function tools (or tool_choice none), the answer is the message's text
     reasoning: list[str] = []
-    message_open = splitter is None
+    answering = splitter is None
     async for event in choice.handle:
         choice.note(event, time.perf_counter())
         thought, answer = ("", event.text) if splitter is None else splitter.feed(event.text, event.token_ids)
@@ -316,22 +430,41 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
         if thought:
             reasoning.append(thought)
             yield builder.reasoning_delta(thought)
-        if not message_open and (splitter is not None and not splitter.thinking or event.finish_reason is not None):
-            message_open = True
+        if not answering and (splitter is not None and not splitter.thinking or event.finish_reason is not None):
+            answering = True
             status = "incomplete" if event.finish_reason == FinishReason.LENGTH and splitter.thinking else "completed"
-            for e in [*builder.reasoning_closing("".join(reasoning), status), *builder.message_opening()]:
+            for e in [*builder.reasoning_closing("".join(reasoning), status), *builder.answer_opening()]:
                 yield e
-        if answer:
-            text.append(answer)
-            yield builder.delta(answer)
+        for e in _answer_events(builder, calls, answer, event.finish_reason is not None):
+            yield e
         if event.finish_reason is None:
             continue
         observe_finished(state.metrics, [choice])
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            for e in builder.closing("".join(text), (choice.record.prompt_tokens, choice.record.completion_tokens),
-                                     event.finish_reason, splitter):
+            for e in builder.closing((choice.record.prompt_tokens, choice.record.completion_tokens),
+                                     event.finish_reason, splitter, calls.calls if calls is not None else None):
                 yield e
         else:
             err = failure(state, event)
             yield builder.failed(err.message, err.code or "server_error")
         return
+
+
+def _answer_events(builder: ResponseBuilder, calls: ToolCallStream | None, answer: str, last: bool) -> list[str]:
+    """The events for a piece of the answer: its text, or with function tools its text and call pieces as chat's
+    parser reads them (``last``: the output is complete, so the calls are settled and a malformed one's text is
+    the message's)."""
+    if calls is None:
+        return builder.delta(answer) if answer else []
+    pieces = [calls.feed(answer)] if answer else []
+    if last:
+        pieces.append(calls.close())
+        builder.calls_settled(calls.calls)
+        pieces = [(text, [d for d in deltas if d.index < len(calls.calls)]) for text, deltas in pieces]
+    out: list[str] = []
+    for text, deltas in pieces:
+        if text:
+            out += builder.delta(text)
+        for d in deltas:
+            out += builder.call_delta(d)
+    return out

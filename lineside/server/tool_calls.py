@@ -99,42 +99,62 @@ class ToolCallDelta:
 
 
 # ---- request side ----------------------------------------------------------------------------------------
-def parse_tools(tools: Sequence[Any] | None, param: str = "tools") -> list[Tool]:
-    """OpenAI ``tools`` → typed tools; a 400 naming the entry for a malformed one or a name used twice."""
+def parse_tools(tools: Sequence[Any] | None, param: str = "tools", *, flat: bool = False) -> list[Tool]:
+    """OpenAI ``tools`` → typed tools; a 400 naming the entry for a malformed one or a name used twice.
+    ``flat``: the Responses API's shape, ``{"type": "function", "name": ..., "parameters": ...}`` (chat's nests the
+    function under ``"function"``); any other type there is a hosted tool (web_search, file_search, ...), a 400."""
     out: list[Tool] = []
     seen: dict[str, int] = {}
     for i, t in enumerate(tools or []):
         where = f"{param}[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
-            raise _bad(f"{where}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
-        f = t["function"]
+        if flat:
+            if not isinstance(t, dict):
+                raise _bad(f"{where}: each tool is an object, {{\"type\": \"function\", \"name\": ..., "
+                           "\"parameters\": {...}}", where)
+            kind = t.get("type")
+            if kind != "function":
+                raise APIError(400, f"{where}.type: {kind!r} tools are not supported; this server runs the model "
+                                    "alone and calls no hosted tools: give functions, {\"type\": \"function\", "
+                                    "\"name\": ..., \"parameters\": {...}}", "unsupported_value", param=f"{where}.type")
+            f, at = t, where
+            if "name" not in f and isinstance(f.get("function"), dict):
+                raise _bad(f"{where}.name: missing; on /v1/responses a function tool is {{\"type\": \"function\", "
+                           "\"name\": ..., \"parameters\": {...}}, not nested under \"function\" as chat's",
+                           f"{where}.name")
+        else:
+            if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                    or not isinstance(t.get("function"), dict)):
+                raise _bad(f"{where}: each tool must be {{\"type\": \"function\", \"function\": {{...}}}}", where)
+            f, at = t["function"], f"{where}.function"
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _bad(f"{where}.function.name: a function name is 1-64 letters, digits, '_', '.' or '-'",
-                       f"{where}.function.name")
+            raise _bad(f"{at}.name: a function name is 1-64 letters, digits, '_', '.' or '-'", f"{at}.name")
         if name in seen:
-            raise _bad(f"{where}.function.name: {name!r} is already the name of {param}[{seen[name]}]; "
-                       "tool names must be unique", f"{where}.function.name")
+            raise _bad(f"{at}.name: {name!r} is already the name of {param}[{seen[name]}]; "
+                       "tool names must be unique", f"{at}.name")
         seen[name] = i
         params = f.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise _bad(f"{where}.function.parameters: must be a JSON schema object", f"{where}.function.parameters")
+            raise _bad(f"{at}.parameters: must be a JSON schema object", f"{at}.parameters")
         desc = f.get("description") or ""
         if not isinstance(desc, str):
-            raise _bad(f"{where}.function.description: must be a string", f"{where}.function.description")
+            raise _bad(f"{at}.description: must be a string", f"{at}.description")
         out.append(Tool(name, desc, params))
     return out
 
 
-def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_choice") -> ToolChoice:
-    """OpenAI ``tool_choice`` (default: auto with tools, none without)."""
+def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_choice", *,
+                      flat: bool = False) -> ToolChoice:
+    """OpenAI ``tool_choice`` (default: auto with tools, none without). ``flat``: the Responses API's shape, where
+    a named function is ``{"type": "function", "name": ...}`` (chat's: ``{"function": {"name": ...}}``)."""
     if choice is None:
         return ToolChoice(ToolChoiceKind.AUTO if tools else ToolChoiceKind.NONE)
+    named = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise _bad(f"{param}: {choice!r} is not none, auto, required or {{\"type\": \"function\", ...}}", param)
+            raise _bad(f"{param}: {choice!r} is not none, auto, required or {named}", param)
         kind = ToolChoiceKind(choice)
         if kind == ToolChoiceKind.AUTO and not tools:  # auto with nothing to call: plain text, as clients expect
             return ToolChoice(ToolChoiceKind.NONE)
@@ -143,22 +163,29 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool], param: str = "tool_cho
                        param)
         return ToolChoice(kind)
     name = None
-    if isinstance(choice, dict) and choice.get("type", "function") == "function":
-        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+    kind = choice.get("type", "function") if isinstance(choice, dict) else None
+    if kind == "function":
+        inner = choice if flat else choice.get("function")
+        name = inner.get("name") if isinstance(inner, dict) else None
+    elif kind is not None:  # allowed_tools, a hosted tool, mcp, custom: this server has functions only
+        raise _bad(f"{param}: type {kind!r} is not supported; give none, auto, required or {named}", param)
     if not isinstance(name, str):
-        raise _bad(f"{param}: a named choice is {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param)
+        raise _bad(f"{param}: a named choice is {named}", param)
     if name not in {t.name for t in tools}:
         raise _bad(f"{param}: function {name!r} is not in tools ({', '.join(t.name for t in tools) or 'none given'})",
                    param)
     return ToolChoice(ToolChoiceKind.NAMED, name)
 
 
-def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True) -> Constraint | None:
-    """The grammar for ``required`` / a named function; None for auto and none (the model is free)."""
+def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True, *,
+                    flat: bool = False) -> Constraint | None:
+    """The grammar for ``required`` / a named function; None for auto and none (the model is free). ``flat``: the
+    tools came in the Responses API's shape (a bad schema is named ``tools[i].parameters``)."""
     if choice.kind == ToolChoiceKind.NAMED:
         tool = next(t for t in tools if t.name == choice.name)
+        where = "" if flat else ".function"
         return Constraint.json_schema(_object_schema(tool.parameters),
-                                      param=f"tools[{tools.index(tool)}].function.parameters")
+                                      param=f"tools[{tools.index(tool)}]{where}.parameters")
     if choice.kind != ToolChoiceKind.REQUIRED:
         return None
     at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"

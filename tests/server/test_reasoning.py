@@ -406,6 +406,29 @@ def test_responses_output_handed_back_as_input(r1):
     assert json.loads(r.output_text) == {"city": "Lyon"}
 
 
+def test_responses_function_calls_after_the_reasoning(r1):
+    """/v1/responses with function tools: the reasoning item, then the call read from the answer only (the
+    ``<tool_call>`` the model only thinks about stays reasoning); a named function is constrained after the reasoning;
+    streamed, the call's item comes after the reasoning's, at output_index 1."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = r1.client.responses.create(model="r1", input="[tool] weather?", tools=tools, temperature=0,
+                                   max_output_tokens=300)
+    reasoning, call = r.output
+    assert reasoning.content[0].text == "I should call <tool_call> in my head only.\n"
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Lyon"})
+    events = list(r1.client.responses.create(model="r1", input="[tool] weather?", tools=tools, temperature=0,
+                                             max_output_tokens=300, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [(e.output_index, e.item.type) for e in done] == [(0, "reasoning"), (1, "function_call")]
+    assert json.loads("".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")) == {
+        "city": "Lyon"}
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]
+    named = r1.client.responses.create(model="r1", input="[args] weather?", tools=tools, temperature=0,
+                                       max_output_tokens=300, tool_choice={"type": "function", "name": "get_weather"})
+    assert [o.type for o in named.output] == ["reasoning", "function_call"]
+    assert json.loads(named.output[1].arguments) == {"city": "Lyon"}
+
+
 def test_the_slo_cache_keys_on_the_reasoning_options():
     """A cached answer with the reasoning is not served for include_reasoning: false (or the other way round)."""
     from lineside.server.outputs import OutputOptions
