@@ -115,23 +115,7 @@ def input_messages(req: ResponsesRequest, previous: StoredResponse | None = None
         role = item.get("role")
         if role not in ("system", "developer", "user", "assistant"):
             raise _bad(f"{where}.role: {role!r} is not system, developer, user or assistant", f"{where}.role")
-        content = item.get("content")
-        if isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                    t = p.get("type") if isinstance(p, dict) else type(p).__name__
-                    raise _bad(f"{where}.content[{j}]: {t!r} parts are not supported; this model reads text only",
-                               f"{where}.content[{j}].type")
-                if not isinstance(p.get("text"), str):
-                    raise _bad(f"{where}.content[{j}].text: give the part's text as a string (got "
-                               f"{type(p.get('text')).__name__})", f"{where}.content[{j}].text")
-                parts.append(p["text"])
-            text = "\n".join(parts)  # as chat content parts are joined (request_mapping.chat_messages)
-        else:
-            raise _bad(f"{where}.content: give a string or a list of input_text parts", f"{where}.content")
+        text = responses_tools.text_of(item.get("content"), f"{where}.content", "the message's text")
         out.append({"role": "system" if role == "developer" else role, "content": text})
     if not out or all(m["role"] == "system" for m in out):
         raise _bad("input: give at least one message", "input")

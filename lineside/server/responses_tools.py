@@ -80,24 +80,29 @@ def result_of(item: dict[str, Any], where: str, known: Iterable[str]) -> dict[st
         raise _bad(f"{where}.call_id: no function_call with call_id {call_id!r} comes before this output in the "
                    "conversation; send the function_call item first (or continue its response with "
                    "previous_response_id)", f"{where}.call_id")
-    output = item.get("output")
-    if isinstance(output, str):
-        text = output
-    elif isinstance(output, list):
-        parts = []
-        for j, p in enumerate(output):
-            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise APIError(400, f"{where}.output[{j}]: {kind!r} parts are not supported; this model reads text "
-                                    "only", "unsupported_parameter", param=f"{where}.output[{j}].type")
-            if not isinstance(p.get("text"), str):
-                raise _bad(f"{where}.output[{j}].text: give the part's text as a string", f"{where}.output[{j}].text")
-            parts.append(p["text"])
-        text = "\n".join(parts)  # as a message's text parts are joined
-    else:
-        raise _bad(f"{where}.output: give the function's output as a string or a list of input_text parts "
-                   f"(got {type(output).__name__})", f"{where}.output")
+    text = text_of(item.get("output"), f"{where}.output", "the function's output")
     return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def text_of(value: Any, where: str, what: str) -> str:
+    """An input item's text: a string, or a list of text parts joined by newlines (as a chat message's parts are
+    joined, request_mapping.chat_messages); any other part is a 400 naming it (this model reads text only)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad(f"{where}: give {what} as a string or a list of input_text parts (got {type(value).__name__})",
+                   where)
+    parts = []
+    for j, p in enumerate(value):
+        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise APIError(400, f"{where}[{j}]: {kind!r} parts are not supported; this model reads text only",
+                           "unsupported_parameter", param=f"{where}[{j}].type")
+        if not isinstance(p.get("text"), str):
+            raise _bad(f"{where}[{j}].text: give the part's text as a string (got {type(p.get('text')).__name__})",
+                       f"{where}[{j}].text")
+        parts.append(p["text"])
+    return "\n".join(parts)
 
 
 def call_ids(messages: Iterable[dict[str, Any]]) -> list[str]:
