@@ -298,6 +298,35 @@ def _is_gguf(path: Path) -> bool:
         return path.suffix.lower() == ".gguf" or f.read(4) == b"GGUF"
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def leaves_bundle(rel: str) -> bool:
+    """Whether a manifest path fails to name a file inside the bundle: empty, absolute, with a ``..`` (or ``.``, or
+    empty) part, or a control character (a newline would split the file lists push hands to rsync and sha256sum).
+
+    The manifest is not checksummed and a bundle arrives from another machine; its paths are joined to the
+    bundle's directory to read, to copy (`jetson push`) and to write beside (onnxruntime's graph cache), so one
+    that leaves the directory would read or write wherever it points."""
+    return (not rel or rel.startswith("/") or _CONTROL.search(rel) is not None
+            or any(part in ("", ".", "..") for part in rel.split("/")))
+
+
+def _manifest_paths(m: Manifest) -> list[tuple[str, str]]:
+    """(what, path) of every bundle-relative path the manifest names."""
+    paths = [("file", rel) for rel in m.files] + [("config", m.config)]
+    for name, fl in m.flavors.items():
+        paths.append((f"{name} graph", fl.graph))
+        if fl.extra.get("lora_graph"):
+            paths.append((f"{name} LoRA graph", str(fl.lora_graph)))
+        drafts = fl.extra.get(DRAFT_GRAPHS)
+        records = [(f"{name} draft graph {n}", r) for n, r in drafts.items()] if isinstance(drafts, dict) else []
+        records.append((f"{name} MTP graph", fl.extra.get(MTP_GRAPH)))
+        paths += [(what, str(r["graph"])) for what, r in records if isinstance(r, dict) and "graph" in r]
+    paths += [(f"adapter {name!r}", a.dir) for name, a in m.adapters.items()]
+    return paths
+
+
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and check ``manifest.json`` (format version, file list, required fields); one line if it is wrong."""
     path = Path(path)
@@ -314,19 +343,28 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if fv != FORMAT_VERSION:
         raise BundleError(f"{mf}: bundle format {fv!r}, this lineside reads {FORMAT_VERSION}; rebuild the bundle")
     try:
-        return Manifest.from_json_dict(manifest)
+        parsed = Manifest.from_json_dict(manifest)
     except ValueError as e:
         raise BundleError(f"{mf}: manifest is incomplete or from a newer lineside ({e}); rebuild the bundle") from None
+    for what, rel in _manifest_paths(parsed):
+        if leaves_bundle(rel):
+            raise BundleError(f"{mf}: {what} {rel!r} is not a path inside the bundle; a bundle lists only its own "
+                              "files — rebuild it or copy it again from where it was built")
+    return parsed
 
 
 def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> None:
     """Check every listed file exists with its size (and sha256); raise naming the first that fails.
     A file unchanged since it last matched is not hashed again (checksum_cache)."""
     cache = ChecksumCache(path) if check_hash else None
+    root = path.resolve()
     for rel, meta in manifest.files.items():
         p = path / rel
         if not p.is_file():
             raise BundleError(f"bundle file {rel} is missing from {path}; copy the bundle again")
+        if not p.resolve().is_relative_to(root):  # a symlink (or a linked folder) in the bundle leading out of it
+            raise BundleError(f"bundle file {rel} is a link to {p.resolve()}, outside the bundle {path}; copy the "
+                              "bundle again without links (cp -rL, rsync -L)")
         st = p.stat()
         if st.st_size != meta.size:
             raise BundleError(

@@ -144,3 +144,47 @@ def test_a_missing_flavor_names_a_rebuild_that_keeps_the_others(tiny_bundle):
     with pytest.raises(BundleError) as e:
         manifest_flavor(tiny_bundle, read_manifest(tiny_bundle), "trt")
     assert str(e.value).endswith("rebuild with --flavors cpu,trt"), str(e.value)
+
+
+def _graph_record(raw, key, value):
+    raw["flavors"]["cpu"][key] = value
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    # the manifest is not checksummed: a bundle copied from elsewhere may name any path in it
+    (lambda raw: raw["files"].update({"../outside.bin": {"size": 1, "sha256": "0" * 64}}), "'../outside.bin'"),
+    (lambda raw: raw["files"].update({"/etc/hostname": {"size": 1, "sha256": "0" * 64}}), "'/etc/hostname'"),
+    (lambda raw: raw["files"].update({"tokenizer/a\n../../x": {"size": 1, "sha256": "0" * 64}}), "file"),
+    (lambda raw: raw.update(config="/etc/hostname"), "config '/etc/hostname'"),
+    (lambda raw: raw["flavors"]["cpu"].update(graph="graphs/../../victim/model.onnx"), "cpu graph"),
+    (lambda raw: _graph_record(raw, "lora_graph", "../../../x.onnx"), "cpu LoRA graph"),
+    (lambda raw: _graph_record(raw, "draft_graphs", {"1": {"graph": "/tmp/draft.onnx"}}), "cpu draft graph 1"),
+    (lambda raw: _graph_record(raw, "mtp_graph", {"graph": "graphs/cpu/../../../m.onnx"}), "cpu MTP graph"),
+    (lambda raw: raw.update(adapters={"a": {"dir": "../adapters/a", "rank": 1, "lora_alpha": 1, "use_rslora": False,
+                                            "targets": ["q"]}}), "adapter 'a'"),
+])
+def test_a_path_leaving_the_bundle_is_refused(built, tmp_path, edit, named):
+    """Paths are joined to the bundle's directory to read, copy and write beside: one leaving it is refused by
+    name when the manifest is read, before anything opens it."""
+    path = _copy(built, tmp_path, edit)
+    with pytest.raises(BundleError, match="not a path inside the bundle") as e:
+        read_manifest(path)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_listed_file_linked_outside_the_bundle_is_refused(built, tmp_path):
+    """A symlink in a copied bundle (or a linked folder) that leads out of it is refused by name, even when the
+    file it reaches has the listed bytes."""
+    path = _copy(built, tmp_path, lambda raw: None)
+    outside = tmp_path / "elsewhere"
+    shutil.move(path / "tokenizer", outside)
+    (path / "tokenizer").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(BundleError, match=r"bundle file tokenizer/\S+ is a link to .*elsewhere.*outside the bundle"):
+        open_bundle(path)
+    # a link inside the bundle, or to the bundle itself, is no escape
+    shutil.move(outside, path / "tok-real")
+    (path / "tokenizer").unlink()
+    (path / "tokenizer").symlink_to("tok-real", target_is_directory=True)
+    link = tmp_path / "current"
+    link.symlink_to(path, target_is_directory=True)
+    assert open_bundle(link).manifest.files

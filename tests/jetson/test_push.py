@@ -262,3 +262,22 @@ def test_ssh_url_target_with_a_port(tmp_path, sshd, bundle_factory):
     port = re.search(r"-p (\d+)", ssh).group(1)
     r = push(bundle_factory(tmp_path / "a", 16), f"ssh://{host}:{port}{tmp_path}/dev", ssh=ssh.replace(f"-p {port} ", ""))
     assert os.readlink(tmp_path / "dev" / "current") == f"versions/{r.version}"
+
+
+def test_a_manifest_path_leaving_the_bundle_writes_nothing_outside(tmp_path, bundle_factory):
+    """A bundle copied from elsewhere whose manifest lists ``../x``: push read it beside the bundle and wrote it
+    beside the version directories (LocalTarget), outside the version it installs."""
+    import hashlib
+    import json
+
+    a = bundle_factory(tmp_path / "a", 11)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not part of the bundle")
+    raw = json.loads((a / "manifest.json").read_text())
+    raw["files"]["../secret.txt"] = {"size": secret.stat().st_size,
+                                     "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    (a / "manifest.json").write_text(json.dumps(raw))
+    target = tmp_path / "device"
+    with pytest.raises(BundleError, match="'../secret.txt' is not a path inside the bundle"):
+        push(a, str(target))
+    assert not target.exists() or not any(p.is_file() for p in target.rglob("*"))
