@@ -4,13 +4,14 @@ version does not know (an older producer's version key, a newer one's fields) st
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from lineside.bundle import MANIFEST, FlavorEntry, Manifest, open_bundle, read_manifest
-from lineside.errors import BundleError
+from lineside.errors import BundleError, LinesideError
 from lineside.graph_io import StateUpdate
 
 
@@ -188,3 +189,31 @@ def test_a_listed_file_linked_outside_the_bundle_is_refused(built, tmp_path):
     link = tmp_path / "current"
     link.symlink_to(path, target_is_directory=True)
     assert open_bundle(link).manifest.files
+
+
+def _state(raw, flavor, **fields):
+    raw["flavors"][flavor]["state"][0].update(fields)
+
+
+@pytest.mark.parametrize(("flavor", "fields"), [
+    ("cpu", dict(shape=["batch", 2, "max_seq", -1])),  # numpy: "negative dimensions are not allowed"
+    ("cpu", dict(shape=["batch", 2, "max_seq", 10 ** 13])),  # terabytes asked of the allocator
+    ("cpu", dict(shape=["batch", 2, "max_seq", "heads"])),  # KeyError
+    ("cpu", dict(shape=["batch", 2, "max_seq", float("inf")])),  # OverflowError
+    ("cpu", dict(shape=["batch", 2, "max_seq", 17])),  # onnxruntime refused it in the first step only
+    ("cpu", dict(shape=["batch", 2, "max_seq"])),
+    ("cpu", dict(dtype="float16")),
+    ("cpu", dict(input="past_key.99")),
+    ("trt", dict(shape=["batch", 2, "past_seq", 5])),
+])
+def test_a_state_the_graph_does_not_take_is_one_line(built, tmp_path, flavor, fields):
+    """The manifest's decode-state shapes size the KV arena; one that disagrees with the graph's input is refused
+    naming the state when the backend loads, not a traceback or a failing first step."""
+    from lineside.runtime.backend import StepBatch
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(_copy(built, tmp_path, lambda raw: _state(raw, flavor, **fields)))
+    name = fields.get("input", b.flavor(flavor).state[0].input)
+    with pytest.raises(LinesideError, match=rf"state {re.escape(name)} in the manifest .*rebuild the bundle") as e:
+        OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=1).forward(StepBatch.single(0, [1, 2, 3], 0))
+    assert "\n" not in str(e.value)

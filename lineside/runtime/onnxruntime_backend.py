@@ -16,7 +16,7 @@ import numpy as np
 
 from lineside.bundle import Bundle, FlavorEntry
 from lineside.errors import LinesideError
-from lineside.graph_io import PACKED_INT4, StateUpdate, resolve_shape
+from lineside.graph_io import PACKED_INT4, StateTensor, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.graph_context import check_rope_positions
@@ -130,9 +130,10 @@ class OnnxRuntimeBackend:
             raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
                                 "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
+        declared = {i.name: (i.shape, i.type) for i in self.session.get_inputs()}
         self.arena: dict[str, np.ndarray] = {}
         for st in self.states:
-            shape, dtype = resolve_shape(st.shape, dims), _NP[st.dtype]
+            shape, dtype = _state_shape(st, declared.get(st.input), dims, graph), _NP[st.dtype]
             have = (shared or {}).get(st.input)
             if have is not None and (have.shape != shape or have.dtype != dtype):
                 raise LinesideError(f"state {st.input} of {entry.graph} is {shape} {np.dtype(dtype)}, the graph it "
@@ -543,6 +544,31 @@ def _input_binder(io: Any) -> Any:
 
 # Below this a state tensor is plain np.zeros: no 2 MB huge page would hold it anyway.
 _SMALL_STATE = 1 << 21
+
+
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
+              "int32": "tensor(int32)", "uint8": "tensor(uint8)", PACKED_INT4: "tensor(uint8)"}
+
+
+def _state_shape(st: StateTensor, declared: tuple[list[Any], str] | None, dims: dict[str, int],
+                 graph: str) -> tuple[int, ...]:
+    """The arena shape of ``st``: the manifest's shape resolved, once it agrees with the graph's own input (its
+    rank, its fixed dims, its type). The manifest is not checksummed: a hand-edited or mismatched shape reached
+    numpy (a traceback for a negative or unknown dim, terabytes asked of the allocator for a huge one) or failed
+    only in onnxruntime's first step, on every request."""
+    if declared is None:
+        raise LinesideError(f"state {st.input} in the manifest is not an input of {graph}; the manifest belongs to "
+                            "another build: rebuild the bundle or copy it again")
+    have, have_type = declared
+    ok = len(st.shape) == len(have) and all((isinstance(d, str) and d in dims) or (type(d) is int and d >= 0)
+                                            for d in st.shape)
+    shape = resolve_shape(st.shape, dims) if ok else ()
+    if not ok or _ORT_TYPES[st.dtype] != have_type or \
+            any(type(g) is int and g != d for g, d in zip(have, shape, strict=True)):
+        raise LinesideError(f"state {st.input} in the manifest is {st.dtype} {st.shape}, but {graph} takes "
+                            f"{have_type} {have}; the manifest was edited or belongs to another build: rebuild the "
+                            "bundle or copy it again")
+    return shape
 
 
 def arena_zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
