@@ -196,7 +196,7 @@ class Manifest:
                        lora=LoraGraphs.from_json_dict(d["lora"]) if d.get("lora") else None,
                        adapters={str(k): AdapterEntry.from_json_dict(v) for k, v in (d.get("adapters") or {}).items()},
                        extra={k: v for k, v in d.items() if k not in known})
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:  # OverflowError: a size of Infinity
             raise ValueError(f"malformed entry ({type(e).__name__}: {e})") from None
 
 

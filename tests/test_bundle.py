@@ -79,6 +79,10 @@ def test_partial_manifest_round_trips():
     (lambda raw: raw.update(max_seq_len=3.7), "max_seq_len 3.7"),
     (lambda raw: raw.update(max_seq_len="big"), "max_seq_len 'big'"),
     (lambda raw: raw["flavors"]["trt"]["state"][0].update(update="rotate"), "rotate"),
+    # json reads Infinity: int() of it was an OverflowError traceback
+    (lambda raw: raw["files"]["config.json"].update(size=float("inf")), "infinity"),
+    (lambda raw: raw.update(adapters={"a": {"dir": "adapters/a", "rank": float("inf"), "lora_alpha": 1,
+                                            "use_rslora": False, "targets": ["q"]}}), "infinity"),
 ])
 def test_incomplete_or_unknown_is_one_line(built, tmp_path, edit, match):
     path = _copy(built, tmp_path, edit)
@@ -217,3 +221,12 @@ def test_a_state_the_graph_does_not_take_is_one_line(built, tmp_path, flavor, fi
     with pytest.raises(LinesideError, match=rf"state {re.escape(name)} in the manifest .*rebuild the bundle") as e:
         OnnxRuntimeBackend(b, num_slots=1, flavor=flavor, threads=1).forward(StepBatch.single(0, [1, 2, 3], 0))
     assert "\n" not in str(e.value)
+
+
+def test_a_manifest_without_graphs_is_one_line(built, tmp_path):
+    """``flavors: {}`` (a hand-made or cut manifest) was a StopIteration traceback when a backend picked its graph."""
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(_copy(built, tmp_path, lambda raw: raw.update(flavors={})))
+    with pytest.raises(BundleError, match="has no 'cpu' graph \\(it has: none\\); rebuild with --flavors cpu"):
+        OnnxRuntimeBackend(b, num_slots=1, threads=1)

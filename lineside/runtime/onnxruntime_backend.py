@@ -70,7 +70,7 @@ class OnnxRuntimeBackend:
         ``lora``: the adapter slots to serve (the bundle's LoRA graph runs instead of the base graph)."""
         import onnxruntime as ort
 
-        flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors)))
+        flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors), "cpu"))  # none: refused
         entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
         if accuracy_level is None and flavor == "trt":
