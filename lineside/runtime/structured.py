@@ -26,6 +26,15 @@ from lineside.errors import LinesideError
 # JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
 # small models given free whitespace can pad a value with newlines until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance compiles a grammar by recursing along its references: a chain of a thousand $refs to objects (or a
+# few thousand Lark rules) overflowed the 8 MB stack of the thread compiling it, and the SIGSEGV took the whole
+# server down with no exception to turn into a 400. Grammars are compiled on a thread with a larger stack, and
+# what one request may send is capped well inside it (and inside seconds of compile time): JSON objects in a
+# schema (OpenAI allows 5,000 properties), and definitions in a grammar (its lines, plus any JSON object an
+# inline %json schema may hold).
+MAX_SCHEMA_OBJECTS = 10_000
+MAX_GRAMMAR_DEFINITIONS = 2_000
+COMPILE_STACK_BYTES = 256 << 20  # reserved address space; only the pages a deep grammar reaches are touched
 
 
 class ConstraintKind(str, Enum):
@@ -71,6 +80,9 @@ class Constraint:
             schema = {}
         if not isinstance(schema, dict):
             raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        if _objects(schema) > MAX_SCHEMA_OBJECTS:
+            raise ConstraintError(f"{param}: the schema holds more than {MAX_SCHEMA_OBJECTS} JSON objects; split it "
+                                  "or share subschemas through $defs", param)
         # Key order is kept: it is the order the model writes properties in.
         return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
 
@@ -91,6 +103,9 @@ class Constraint:
     def grammar(cls, text: Any, param: str = "guided_grammar") -> Constraint:
         if not isinstance(text, str) or not text.strip():
             raise ConstraintError(f"{param}: give the grammar as non-empty Lark or GBNF text", param)
+        if text.count("\n") + text.count("{") >= MAX_GRAMMAR_DEFINITIONS:
+            raise ConstraintError(f"{param}: the grammar has more than {MAX_GRAMMAR_DEFINITIONS} lines and inline "
+                                  "JSON objects; give a smaller one", param)
         return cls(ConstraintKind.GRAMMAR, text, param)
 
     def llguidance_grammar(self) -> str:
@@ -107,6 +122,20 @@ class Constraint:
             return grammar_from("grammar", self.text)
         except ValueError as e:
             raise ConstraintError(f"{self.param or self.kind.value}: {_first_line(str(e))}", self.param) from None
+
+
+def _objects(value: Any) -> int:
+    """How many JSON objects ``value`` holds, itself included (counted without recursion: a schema may nest
+    deeper than Python's stack)."""
+    n, todo = 0, [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            n += 1
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return n
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
@@ -392,6 +421,9 @@ class GrammarCompiler:
         return m
 
     def _build(self, c: Constraint) -> Any:
+        return _on_large_stack(lambda: self._build_here(c))
+
+    def _build_here(self, c: Constraint) -> Any:
         where = c.param or c.kind.value
         grammar = c.llguidance_grammar()
         m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -406,6 +438,32 @@ class GrammarCompiler:
             why = f": {_first_line(m.get_error())}" if m.is_error() else ""
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
         return m
+
+
+_stack_size_lock = threading.Lock()
+
+
+def _on_large_stack(fn: Any) -> Any:
+    """``fn()`` on a fresh thread with COMPILE_STACK_BYTES of stack (its result or its exception)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    with _stack_size_lock:  # the size applies to threads started while it is set: only this one
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="lineside-grammar", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(previous)
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 _executor: Any = None

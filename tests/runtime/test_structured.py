@@ -236,6 +236,13 @@ def test_a_tokenizer_bigger_than_the_model_is_one_line(tiny):
     (lambda: Constraint.regex("[a&&b]"), "guided_regex", "never be matched"),
     (lambda: Constraint.choice([]), "guided_choice", "non-empty list"),
     (lambda: Constraint.grammar("start: undefined_rule"), "guided_grammar", "invalid grammar"),
+    # past what a compile may hold: refused before llguidance sees it (see the deep-chain test below)
+    (lambda: Constraint.json_schema({"anyOf": [{"type": "integer"}] * 10_000}, param="tools"), "tools",
+     "more than 10000 JSON objects"),
+    (lambda: Constraint.grammar("start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(2000))),
+     "guided_grammar", "more than 2000 lines"),
+    (lambda: Constraint.grammar('start: %json {"properties": {' + ", ".join(f'"p{i}": {{}}' for i in range(2000))
+                                + "}}"), "guided_grammar", "inline JSON objects"),
 ])
 def test_bad_constraints_are_one_line_naming_the_field(tiny, make, param, words):
     _, comp = tiny
@@ -244,6 +251,46 @@ def test_bad_constraints_are_one_line_naming_the_field(tiny, make, param, words)
     assert e.value.param == param
     msg = str(e.value)
     assert msg.startswith(param + ":") and words in msg and "\n" not in msg
+
+
+_DEEP_CHAIN = """
+import sys, threading
+from pathlib import Path
+from lineside.runtime.structured import Constraint, ConstraintError, GrammarCompiler
+from tests.tiny_tokenizer import write_byte_tokenizer
+
+write_byte_tokenizer(Path(sys.argv[1]), 300)
+comp = GrammarCompiler((Path(sys.argv[1]) / "tokenizer.json").read_text(), 300, [2])
+n = 1500  # 4,502 JSON objects: a chain of objects each reached through a $ref
+schema = {"$defs": {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+                              "required": ["a"]} for i in range(n)} | {f"d{n}": {"type": "string"}},
+          "$ref": "#/$defs/d0"}
+grammar = "start: r0\\n" + "".join(f"r{i}: r{i + 1}\\n" for i in range(1900)) + 'r1900: "a"'
+def compile_all():  # on a worker thread with the default stack, as the server's asyncio.to_thread
+    for c in (Constraint.json_schema(schema), Constraint.grammar(grammar)):
+        comp.compile(c)
+        print("compiled", comp.matcher(c).allowed().any(), flush=True)
+t = threading.Thread(target=compile_all)
+t.start()
+t.join()
+"""
+
+
+def test_a_deep_reference_chain_compiles_instead_of_killing_the_process(tmp_path):
+    """A schema whose $refs chain 1,500 objects deep (or a Lark grammar of 1,900 chained rules) overflowed the
+    8 MB stack of the thread llguidance compiled it on: SIGSEGV, the whole server gone, no 400. Compiles run on
+    a thread with a larger stack; the run is a child process so a crash fails this test, not the session."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _DEEP_CHAIN, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=root)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-800:]}"
+    assert r.stdout.split() == ["compiled", "True", "compiled", "True"], r.stderr[-800:]
 
 
 def test_constraint_values():
