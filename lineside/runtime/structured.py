@@ -329,7 +329,7 @@ class GrammarMatcher:
         """Undo the last ``n`` accepted tokens (speculative proposals the target rejected)."""
         inside = min(n, self._taken)
         if inside and not self._m.rollback(inside):
-            raise LinesideError(f"grammar matcher could not roll back {inside} tokens: {self._m.get_error()}")
+            raise LinesideError(f"grammar matcher could not roll back {inside} tokens: {_first_line(self._m.get_error())}")
         self._taken -= inside
         if n > inside:  # back past the ``after`` token: waiting for it again
             self.active = False
@@ -355,7 +355,9 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+        """llguidance's reason, its first line: the rest is a dump of its parser state and the whole grammar
+        (verbose errors), which reached clients in the request's error message."""
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
 
 
 class GrammarCompiler:

@@ -93,3 +93,16 @@ def test_submit_refuses_a_constraint_that_cannot_match(tiny_bundle):
     with pytest.raises(Exception, match="logprobs"):
         eng.submit(GenerationRequest(prompt_ids=[5, 6], logprobs=21))
     eng.close()
+
+
+def test_a_grammar_past_llguidance_limits_mid_generation_is_one_line(tiny_bundle):
+    """``a{1000000}`` compiles (its first mask allows 'a'), then llguidance's lexer gives up on the first token
+    ("too many expressions constructed"): the request ends in error with that line, not with llguidance's
+    multi-line dump of its parser state (which reached clients in the 500's message)."""
+    eng = _engine(tiny_bundle)
+    ids = eng.tokenizer.encode("go")
+    out = run(_collect(eng, [GenerationRequest(prompt_ids=ids, max_tokens=4,
+                                               constraint=Constraint.regex("a{1000000}"))]))[0]
+    last = out[2]
+    assert last.finish_reason == FinishReason.ERROR
+    assert "too many expressions" in last.error and "\n" not in last.error
