@@ -30,7 +30,7 @@ from lineside.bundle import (
 )
 from lineside.cli_checks import normalized, replace_dir
 from lineside.config import DENSE_FAMILIES, ModelConfig
-from lineside.errors import LinesideError
+from lineside.errors import CheckpointError, LinesideError
 from lineside.lora import ALL_TARGETS, LoraTarget
 
 if TYPE_CHECKING:  # the calibrations are imported only when a build asks for one
@@ -133,6 +133,11 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     tmp: Path | None = None
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
+        held = len(ckpt.names())
+        if cfg.num_layers > held:  # each layer is tensors of its own: listing a config of 2**31 layers ran for minutes
+            raise CheckpointError(f"{checkpoint}: the config has {cfg.num_layers} layers but the checkpoint holds "
+                                  f"{held} tensors in all; config.json (a GGUF's block_count) describes another "
+                                  "model or the checkpoint is incomplete (re-download it)")
         family = model_family(cfg.architecture)
         family.check_config(cfg, opts.flavors)
         _check_draft_layers(opts.draft_layers, cfg, family)

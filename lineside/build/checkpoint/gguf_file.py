@@ -69,7 +69,7 @@ class GGUFCheckpoint:
         hidden = self._req("embedding_length")
         heads = self._req("attention.head_count")
         kv = _uniform(self._a("attention.head_count_kv", heads), self.path, "attention.head_count_kv")
-        head_dim = int(self._a("attention.key_length") or hidden // heads)
+        head_dim = int(self._a("attention.key_length") or (hidden // heads if heads else 0))  # 0 heads: refused
         emb = self._tensors.get("model.embed_tokens.weight")
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = self._a("vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -116,10 +116,17 @@ class GGUFCheckpoint:
         tokens = self.meta("tokenizer.ggml.tokens") or []
         return eog_ids(self, tokens, self.meta("tokenizer.ggml.eos_token_id"))
 
-    def _req(self, key: str) -> Any:
+    def _req(self, key: str) -> int:
+        """A size the config is made of: an integer (a string or a per-layer array reached arithmetic as it was:
+        tracebacks, not a line). Zero passes (a vocabulary-only GGUF has no blocks); the model config refuses it
+        when a build needs it."""
         v = self._a(key)
         if v is None:
             raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.{key} is missing; re-convert the model")
+        if type(v) is not int or v < 0:
+            raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.{key} is {v!r}, not a non-negative "
+                                  "integer; the GGUF is corrupt or not a llama/qwen2 model lineside reads (re-convert "
+                                  "it)")
         return v
 
     def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -281,3 +282,50 @@ def test_yarn_rope_scaling_from_metadata(tmp_path):
     cfg = ModelConfig.from_hf_dict(open_checkpoint(out).hf_config)
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert cfg.architecture == "qwen2" and cfg.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(("key", "add", "value", "match"), [
+    # hidden // heads: ZeroDivisionError
+    ("llama.attention.head_count", "add_uint32", 0, "'num_attention_heads' must be a positive integer, got 0"),
+    # "64" // 4: TypeError
+    ("llama.embedding_length", "add_string", "64", "llama.embedding_length is '64', not a non-negative integer"),
+    ("llama.feed_forward_length", "add_int32", -96, "llama.feed_forward_length is -96, not a non-negative integer"),
+    ("llama.block_count", "add_array", [2, 2], "llama.block_count is [2, 2], not a non-negative integer"),
+])
+def test_a_size_that_is_not_a_positive_integer_is_one_line(tmp_path, tiny_llama, key, add, value, match):
+    """A GGUF from elsewhere with absurd metadata: one line naming the key, not a traceback."""
+    import gguf
+
+    cfg = _hf_cfg(tiny_llama[0])
+    sizes = {"llama.block_count": cfg["num_hidden_layers"], "llama.embedding_length": cfg["hidden_size"],
+             "llama.feed_forward_length": cfg["intermediate_size"],
+             "llama.attention.head_count": cfg["num_attention_heads"]}
+    out = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    for k, v in sizes.items():
+        if k == key:
+            getattr(w, add)(k, value)
+        else:
+            w.add_uint32(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from lineside.errors import LinesideError
+
+    with pytest.raises(LinesideError, match=re.escape(match)) as e:
+        ModelConfig.from_hf_dict(open_checkpoint(out).hf_config)
+    assert "\n" not in str(e.value)
+
+
+def test_a_block_count_beyond_the_tensors_is_refused_before_listing_them(tmp_path, tiny_llama):
+    """block_count 2**31 made the build list nine tensor names per layer (minutes, gigabytes) before saying one was
+    missing; a config with more layers than the checkpoint has tensors is refused at once."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    path, state = tiny_llama
+    out = tmp_path / "huge.gguf"
+    write_model_gguf(out, "llama", {**_hf_cfg(path), "num_hidden_layers": 100_000}, state)
+    with pytest.raises(CheckpointError, match="the config has 100000 layers but the checkpoint holds 21 tensors") as e:
+        build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
+    assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
