@@ -168,7 +168,8 @@ def _is_regex(key: Any) -> bool:
 
 
 def _base_architecture(conf: dict[str, Any]) -> str | None:
-    cls = (conf.get("auto_mapping") or {}).get("base_model_class")
+    mapping = conf.get("auto_mapping")  # PEFT writes an object or null; it only informs, so anything else is ignored
+    cls = mapping.get("base_model_class") if isinstance(mapping, dict) else None
     from lineside.config import ARCHITECTURES
 
     return ARCHITECTURES.get(cls, cls.lower()) if isinstance(cls, str) else None

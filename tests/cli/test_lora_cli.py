@@ -146,3 +146,15 @@ def test_add_a_bfloat16_adapter(lora_bundle_copy, peft_adapter, tmp_path):
     proc = run_cli("lora", "add", str(lora_bundle_copy), str(adapter), "--name", "bf16-line", fresh=True)
     assert proc.returncode == 0, proc.stderr
     assert "adapter bf16-line added" in proc.stdout
+
+
+def test_an_auto_mapping_that_is_not_an_object_is_ignored(lora_bundle_copy, peft_adapter, tmp_path):
+    """adapter_config.json's auto_mapping only informs (PEFT reads the base model from base_model_name_or_path);
+    a hand-written one holding a class name as a string was an AttributeError traceback."""
+    odd = tmp_path / "odd"
+    shutil.copytree(peft_adapter("llama-gqa", "qv"), odd)
+    conf = json.loads((odd / "adapter_config.json").read_text())
+    (odd / "adapter_config.json").write_text(json.dumps({**conf, "auto_mapping": "LlamaForCausalLM"}))
+    proc = run_cli("lora", "add", str(lora_bundle_copy), str(odd), "--name", "odd-mapping")
+    assert proc.returncode == 0, proc.stderr
+    assert "odd-mapping" in open_bundle(lora_bundle_copy).manifest.adapters
