@@ -170,3 +170,20 @@ def test_developer_messages_render_as_system_ones(tok, template):
 def test_a_template_that_knows_the_developer_role_gets_it(tok):
     msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(msgs, chat_template=KNOWS_DEVELOPER) == "[dev]Be brief.[user]Hi"
+
+
+def test_the_sandbox_refuses_the_known_escapes_and_pyproject_pins_a_jinja2_that_does():
+    """Bundle templates and trusted request templates run in Jinja's sandbox; jinja2 3.1.4 let a template reach
+    str.format unsandboxed through an indirect call (CVE-2024-56326) and 3.1.5 through the |attr filter
+    (CVE-2025-27516), from there any attribute of any object. pyproject allowed any 3.1.x."""
+    import re
+    from pathlib import Path
+
+    from lineside.runtime.chat_template import compile_template
+
+    escape = '{{ ("{0.__class__.__mro__}"|attr("format"))(messages) }}'
+    with pytest.raises(Exception, match="unsafe"):
+        compile_template(escape, "t").render(messages=[1])
+    pin = re.search(r'"jinja2\s*>=\s*([\d.]+)', (Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pin is not None and tuple(int(p) for p in pin.group(1).split(".")) >= (3, 1, 6), \
+        f"pyproject must require jinja2>=3.1.6, has {pin and pin.group(0)!r}"
