@@ -230,3 +230,28 @@ def test_a_manifest_without_graphs_is_one_line(built, tmp_path):
     b = open_bundle(_copy(built, tmp_path, lambda raw: raw.update(flavors={})))
     with pytest.raises(BundleError, match="has no 'cpu' graph \\(it has: none\\); rebuild with --flavors cpu"):
         OnnxRuntimeBackend(b, num_slots=1, threads=1)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: "tokenizer", "tokenizer record is 'tokenizer', not an object"),  # dict("tokenizer"): ValueError
+    (lambda t: {**t, "eos_token_ids": 2}, "eos_token_ids 2"),  # list(2): TypeError
+    (lambda t: {**t, "bos_token_id": "<s>"}, "bos_token_id '<s>'"),
+    (lambda t: {**t, "chat_template": [1, 2]}, "chat template is list"),  # t.get on an int: AttributeError
+    (lambda t: {**t, "chat_template": 5}, "chat template is int"),  # `"developer" in 5`: TypeError
+])
+def test_a_malformed_tokenizer_record_is_one_line(built, tmp_path, edit, match):
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(_copy(built, tmp_path, lambda raw: raw.update(tokenizer=edit(raw["tokenizer"]))))
+    with pytest.raises(BundleError, match=re.escape(match)) as e:
+        Tokenizer.from_bundle(b).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value) and "rebuild the bundle" in str(e.value)
+
+
+def test_named_chat_templates_take_default(built, tmp_path):
+    from lineside.runtime.tokenizer import Tokenizer
+
+    named = [{"name": "tool_use", "template": "T{{ messages[0].content }}"},
+             {"name": "default", "template": "D{{ messages[0].content }}"}]
+    b = open_bundle(_copy(built, tmp_path, lambda raw: raw["tokenizer"].update(chat_template=named)))
+    assert Tokenizer.from_bundle(b).chat_template == "D{{ messages[0].content }}"

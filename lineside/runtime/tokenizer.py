@@ -49,11 +49,10 @@ class Tokenizer:
                 cfg = json.loads(tc.read_text(encoding="utf-8"))
             except (ValueError, UnicodeDecodeError) as e:
                 raise BundleError(f"{tc}: not valid JSON ({e}); rebuild the bundle") from None
-        info = dict(manifest_tok or {})
-        self.chat_template: str | None = info.get("chat_template") or cfg.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in self.chat_template}
-            self.chat_template = named.get("default") or next(iter(named.values()), None)
+        if not isinstance(cfg, dict):
+            raise BundleError(f"{tc}: not a JSON object; rebuild the bundle")
+        info = _checked_record(manifest_tok)
+        self.chat_template: str | None = _template_text(info.get("chat_template") or cfg.get("chat_template"), tok_dir)
         self.bos_token_id: int | None = info.get("bos_token_id")
         self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
         self.add_bos: bool = bool(info.get("add_bos_token", cfg.get("add_bos_token", False)))
@@ -371,6 +370,34 @@ def _common_prefix(a: Any, b: Any) -> int:
 
 
 _TAIL_CHARS = 256
+def _checked_record(record: Any) -> dict[str, Any]:
+    """The manifest's tokenizer record (the manifest is not checksummed: hand edits reach here): an object whose
+    bos_token_id is an id and eos_token_ids a list of ids. A string, a bare number or a list where the build writes
+    one of those were tracebacks. (An EOS id may lie past the tokenizer, in the model's padding rows.)"""
+    if record is None:
+        return {}
+    if not isinstance(record, dict):
+        raise BundleError(f"the manifest's tokenizer record is {record!r}, not an object; rebuild the bundle")
+    bos, eos = record.get("bos_token_id"), record.get("eos_token_ids")
+    ids = ([bos] if bos is not None else []) + (eos if isinstance(eos, list) else [])
+    if not (eos is None or isinstance(eos, list)) or not all(type(i) is int and i >= 0 for i in ids):
+        raise BundleError(f"the manifest's tokenizer record has bos_token_id {bos!r} and eos_token_ids {eos!r}; "
+                          "token ids are integers from 0: rebuild the bundle")
+    return record
+
+
+def _template_text(template: Any, where: Path) -> str | None:
+    """A chat template as text: named templates (a list of {name, template}, as transformers saves several) give
+    their "default", else their first."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), template)
+    if template is not None and not isinstance(template, str):
+        raise BundleError(f"{where}: the chat template is {type(template).__name__} {str(template)[:40]!r}, not "
+                          "Jinja text; rebuild the bundle")
+    return template or None
+
+
 _PARTIAL_WORD = re.compile(r"\w+\Z")
 _WORD_START = re.compile(r"(?<=\n)[^\s]|(?<=\w) (?=\w)")
 
