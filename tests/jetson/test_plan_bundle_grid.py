@@ -27,7 +27,7 @@ def _bundle(tmp_path, quantization, max_seq_len=2048, flavors=None):
 
 def _manifest(quantization, flavors=None, max_seq_len=2048) -> Manifest:
     return Manifest(architecture="qwen2", config="config.json", max_seq_len=max_seq_len,
-                    flavors={f: FlavorEntry(inputs=[], state=[]) for f in flavors or ("cpu",)},
+                    flavors={f: FlavorEntry(inputs=[], state=[], graph=f"graphs/{f}/model.onnx") for f in flavors or ("cpu",)},
                     quantization=quantization)
 
 
