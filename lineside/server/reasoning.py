@@ -25,24 +25,32 @@ PARSERS = ("none", "deepseek_r1", "auto")  # --reasoning-parser; auto: deepseek_
 
 @dataclass(frozen=True)
 class ThinkTokens:
-    """The tokenizer's ids of ``<think>`` and ``</think>`` (each one token in R1's vocabulary)."""
+    """The tokenizer's ids of ``<think>`` and ``</think>`` (each one token in R1's vocabulary), and its
+    end-of-sequence ids, which end a chat template's earlier turns."""
 
     start_id: int
     end_id: int
+    turn_ends: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, tokenizer: Any) -> ThinkTokens | None:
         """The tags' ids when both are single tokens of ``tokenizer`` (lineside's Tokenizer), else None."""
         start, end = tokenizer.token_id(START), tokenizer.token_id(END)
-        return None if start is None or end is None else cls(int(start), int(end))
+        ends = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", None) or ())
+        return None if start is None or end is None else cls(int(start), int(end), ends)
 
     def thinking_after(self, prompt_ids: Sequence[int]) -> bool:
-        """Whether the output begins inside the reasoning: the prompt's last tag is not ``</think>`` (no tag at all
-        counts as inside, as vLLM's parser assumes R1's reasoning comes first)."""
+        """Whether the output begins inside the reasoning: the prompt's last tag is not a ``</think>`` of the turn
+        being generated (no tag at all counts as inside, as vLLM's parser assumes R1's reasoning comes first). A
+        ``</think>`` with an end-of-sequence token after it closed an earlier, ended turn — Qwen3's template keeps
+        the reasoning of a tool loop's earlier steps and opens no ``<think>`` for the next, which the model writes."""
+        ended = False
         for t in reversed(prompt_ids):
-            if t == self.end_id:
-                return False
-            if t == self.start_id:
+            if t in self.turn_ends:
+                ended = True
+            elif t == self.end_id:
+                return ended
+            elif t == self.start_id:
                 return True
         return True
 

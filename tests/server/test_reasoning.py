@@ -484,8 +484,66 @@ def test_a_think_tag_decoded_to_nothing_still_ends_the_reasoning():
     ([1, 2, 10, 3, 11, 4], False),  # thinking switched off in the template ("<think>\n\n</think>\n\n")
     ([1, 2, 3], True),  # no tag at all: R1's reasoning comes first (vLLM's assumption)
     ([1, 11, 5, 10, 3], True),  # an earlier turn's tag, then a new <think>
+    ([1, 10, 4, 11, 5, 2, 6, 7], True),  # an earlier turn's </think>, ended by EOS (2): the model opens its own
+    ([1, 2, 6, 10, 11, 7], False),  # an EOS before the generation prompt's closed block
 ])
 def test_where_the_output_starts(prompt, thinking):
     from lineside.server.reasoning import ThinkTokens
 
-    assert ThinkTokens(start_id=10, end_id=11).thinking_after(prompt) is thinking
+    assert ThinkTokens(start_id=10, end_id=11, turn_ends=frozenset({2})).thinking_after(prompt) is thinking
+
+
+# ---- a </think> in an earlier, ended turn ----------------------------------------------------------------------
+# Qwen3's template (on R1's markers here) keeps the reasoning of the assistant turns after the last user query (a
+# tool loop's earlier steps) and opens no <think> in the generation prompt: the model writes it, and the prompt's last
+# tag is that earlier turn's </think>, followed by the turn's end-of-sequence token.
+KEPT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% if enable_thinking is defined and "
+    "enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
+class OpensItsOwnThink(ThinkingModel):
+    """Plays Qwen3: after the prompt's last "<｜Assistant｜>", "<think>\\n" and then the script named in the last
+    user turn, then EOS."""
+
+    def logits(self, seq: list[int]) -> np.ndarray:
+        turn = self.tok.encode(ASSISTANT, add_special=False)
+        starts = [i for i in range(len(seq) - len(turn) + 1) if seq[i:i + len(turn)] == turn]
+        x = np.full(self.vocab_size, -1e9, dtype=np.float32)
+        if not starts:
+            return x
+        cut = starts[-1] + len(turn)
+        last_user = self.tok.decode(seq[:cut], skip_special=False).rsplit(USER, 1)[-1]
+        key = next((k for k in SCRIPTS if k in last_user), None)
+        script = self.tok.encode("<think>\n" + SCRIPTS[key], add_special=False) if key else []
+        i = len(seq) - cut
+        x[script[i] if i < len(script) else self.eos] = 0.0
+        return x
+
+
+def test_a_think_block_of_an_ended_turn_does_not_close_the_new_ones(r1_bundle):
+    """An earlier turn's ``</think>`` (its end-of-sequence token after it) says nothing about the turn being
+    generated: the model opens its own reasoning, which is split off, and the grammar waits for its ``</think>``.
+    A ``</think>`` the generation prompt itself holds (thinking switched off) still starts the output in the answer."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(r1_bundle)
+    be = OpensItsOwnThink(Tokenizer.from_bundle(b), num_slots=2, max_seq_len=CONTEXT)
+    with running_server(LLMEngine(b, backend=be, num_slots=2), reasoning_parser="deepseek_r1",
+                        chat_template=KEPT_TEMPLATE) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        history = [{"role": "user", "content": "[think] What is 2+2?"},
+                   {"role": "assistant", "content": "<think>\nAdd them.</think>It is 4."},
+                   {"role": "user", "content": "[json] And as JSON?"}]
+        m = _ask(srv, "", messages=history, response_format={"type": "json_object"}).choices[0].message
+        assert (m.model_dump()["reasoning_content"], json.loads(m.content)) == ("\nThey want JSON.\n", {"city": "Lyon"})
+        tok = srv.state.engine.tokenizer
+        rendered = BOS + "".join(f"{USER}{m['content']}" if m["role"] == "user" else f"{ASSISTANT}{m['content']}{EOS}"
+                                 for m in history)
+        think = srv.state.think
+        assert think.thinking_after(tok.encode(rendered + ASSISTANT, add_special=False))
+        assert not think.thinking_after(tok.encode(rendered + ASSISTANT + "<think>\n\n</think>\n\n", add_special=False))
