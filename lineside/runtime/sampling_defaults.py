@@ -69,3 +69,20 @@ def read_sampling_defaults(path: Path) -> SamplingDefaults:
     if chosen.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
         chosen["top_k"] = 0
     return SamplingDefaults(**chosen)
+
+
+def resolve_generation_config(option: str, tokenizer_dir: Path) -> SamplingDefaults:
+    """``serve --generation-config``, as vLLM spells it: ``auto`` (the bundle's own file), ``vllm`` or ``none``
+    (OpenAI's defaults), or a folder holding a generation_config.json (or the file itself)."""
+    choice = option.strip()
+    if choice.lower() == "auto":
+        return read_sampling_defaults(tokenizer_dir / "generation_config.json")
+    if choice.lower() in ("vllm", "none"):
+        return SamplingDefaults()
+    path = Path(choice).expanduser()
+    if path.is_dir():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        raise LinesideError(f"--generation-config {option!r}: not auto, vllm or none, nor a folder with a "
+                            "generation_config.json (or the file itself)")
+    return read_sampling_defaults(path)

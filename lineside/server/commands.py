@@ -103,7 +103,8 @@ def serve(
              "apply to the answer) | auto (deepseek_r1 when the chat template has <think> or </think>) | none")] = "none",
     generation_config: Annotated[str, typer.Option(
         help="auto: a request's missing temperature/top_p/top_k/min_p/repetition_penalty come from the model's "
-             "generation_config.json (vLLM's default); none: OpenAI's defaults")] = "auto",
+             "generation_config.json (vLLM's default); vllm or none: OpenAI's defaults; a folder (or file): its "
+             "generation_config.json")] = "auto",
 ) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (SSE streaming, /health, /metrics)."""
     from lineside.bundle import read_manifest, verify_files
@@ -114,7 +115,6 @@ def serve(
     from lineside.server.tool_calls import PARSERS
 
     tool_call_parser = checks.choice(tool_call_parser, "--tool-call-parser", tuple(PARSERS))
-    generation_config = checks.choice(generation_config, "--generation-config", ("auto", "none"))
     from lineside.server.reasoning import PARSERS as REASONING_PARSERS
 
     reasoning_parser = checks.choice(reasoning_parser, "--reasoning-parser", REASONING_PARSERS)
@@ -143,12 +143,10 @@ def serve(
         from lineside.server.reasoning import resolve
 
         resolve(reasoning_parser, Tokenizer.from_bundle(Bundle(path=Path(bundle), manifest=manifest)), None)
-    from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
+    from lineside.runtime.sampling_defaults import resolve_generation_config
 
-    sampling_defaults = SamplingDefaults()
-    if generation_config == "auto":
-        tokenizer_dir = Bundle(path=Path(bundle), manifest=manifest).tokenizer_dir
-        sampling_defaults = read_sampling_defaults(tokenizer_dir / "generation_config.json")
+    sampling_defaults = resolve_generation_config(generation_config,
+                                                  Bundle(path=Path(bundle), manifest=manifest).tokenizer_dir)
     if backend == "tensorrt":
         from lineside.bundle import manifest_flavor
 

@@ -79,9 +79,28 @@ def test_every_generation_route_samples_with_the_defaults(tiny_bundle):
     assert [(s.temperature, s.top_p) for s in seen] == [(0.6, 0.95), (0, 0.95)] * 3
 
 
-def test_serve_refuses_an_unknown_choice():
-    r = run_cli("serve", "no-such-bundle", "--generation-config", "vllm")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--generation-config" in r.stderr and "auto, none" in r.stderr
+def test_the_option_takes_vllms_spellings_and_a_folder(tmp_path):
+    """vLLM's --generation-config takes auto, vllm (its own defaults: OpenAI's here) or a folder."""
+    from lineside.runtime.sampling_defaults import resolve_generation_config
+
+    bundle_tok, other = tmp_path / "tokenizer", tmp_path / "other"
+    for d, config in ((bundle_tok, R1_DISTILL), (other, {"temperature": 0.3})):
+        d.mkdir()
+        (d / "generation_config.json").write_text(json.dumps(config))
+    assert resolve_generation_config("auto", bundle_tok) == SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert resolve_generation_config("vllm", bundle_tok) == resolve_generation_config("None", bundle_tok) == \
+        SamplingDefaults()
+    assert resolve_generation_config(str(other), bundle_tok) == SamplingDefaults(temperature=0.3)
+    assert resolve_generation_config(str(other / "generation_config.json"), bundle_tok) == \
+        SamplingDefaults(temperature=0.3)
+    with pytest.raises(LinesideError, match="not auto, vllm or none, nor a folder"):
+        resolve_generation_config(str(tmp_path / "missing"), bundle_tok)
+
+
+def test_serve_refuses_an_unknown_choice(tiny_bundle):
+    r = run_cli("serve", tiny_bundle, "--generation-config", "bogus")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "--generation-config" in r.stderr
+    assert "not auto, vllm or none" in r.stderr
 
 
 @pytest.mark.parametrize("choice,want", [("auto", SamplingDefaults(temperature=0.6, top_p=0.95)),
