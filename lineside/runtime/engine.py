@@ -256,6 +256,12 @@ class LLMEngine:
                 if self._model_proposer is not None:
                     self._model_proposer.close()
 
+    @property
+    def capacity(self) -> int:
+        """Sequences it holds at once: every slot running and ``max_waiting`` waiting (what ``submit`` admits from
+        idle). A request of more choices can never be admitted."""
+        return self.arena.num_slots + self.max_waiting
+
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
         if self.draining:

@@ -31,6 +31,7 @@ class ServingEngine(Protocol):
     vocab_size: int  # prompt token ids are checked against
     ready: bool  # warmed up and stepping (/health/ready)
     grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
+    capacity: int  # sequences it holds at once, running and waiting: more choices in one request never fit
     adapter_slots: AdapterSlots | None  # the LoRA adapters it serves (each a model named by the adapter), or None
 
     def warm_up(self) -> None:

@@ -353,6 +353,11 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     if session is not None and (len(prompts) * n > 1 or adapter is not None or engine is not state.engine):
         _end_untaken_session(state, session)  # no choice takes it (n > 1, an adapter's KV, the fallback's engine)
     try:
+        request_mapping.check_capacity(n, len(prompts), engine.capacity)
+    except APIError:
+        state.metrics.reject("invalid")
+        raise
+    try:
         for index, (_, copy, engine_request) in enumerate(planned):
             handle = engine.submit(engine_request)
             record = RequestRecord(request_id, endpoint, priority, mode=mode, stream=bool(body.stream),

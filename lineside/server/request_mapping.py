@@ -340,3 +340,12 @@ def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: 
         raise bad(f"n={n} x {prompts} prompt(s) asks for {n * prompts} choices; at most {MAX_PROMPTS} per request",
                   "n", "too_many_choices")
     return n
+
+
+def check_capacity(n: int, prompts: int, capacity: int) -> None:
+    """Choices beyond what the engine holds at once (slots + waiting places) are never admitted, even when it is
+    idle: a 400 naming the limit, not a 429 whose "retry later" a client would follow in vain."""
+    if n * prompts > capacity:
+        raise bad(f"n={n} x {prompts} prompt(s) asks for {n * prompts} choices; this server holds at most {capacity} "
+                  "sequences at once (serve --num-slots + --max-waiting): lower n or split the prompts",
+                  "n" if n > 1 else "prompt", "too_many_choices")

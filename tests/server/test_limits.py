@@ -209,3 +209,21 @@ def test_ready_503_while_loading_and_draining(tiny_bundle):
         assert drained is True
     finally:
         srv.stop()
+
+
+def test_more_choices_than_the_server_can_ever_hold_is_a_400_not_a_429(slow_server):
+    """n × prompts beyond slots + waiting places (here 1 + 1) can never be admitted, even on an idle server: a 429
+    ("retry later") sent the openai client into retries that could not succeed; a 400 says what to change."""
+    assert _wait(lambda: _stats(slow_server).running == 0 and _stats(slow_server).waiting == 0)
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 3}),
+                       ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "n": 3})):
+        r = httpx.post(slow_server.url + path, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == ("n" if "n" in body else "prompt")
+        assert "3" in err["message"] and "2" in err["message"] and "\n" not in err["message"], err["message"]
+    ok = httpx.post(slow_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
+    assert _wait(lambda: _stats(slow_server).running == 0 and _stats(slow_server).waiting == 0)
