@@ -47,9 +47,12 @@ class ChoiceOutput:
     def wants_logprobs(self) -> bool:
         return self.options.top_logprobs is not None and self.options.formatter is not None
 
-    def _logprobs_json(self, lps: Sequence[TokenLogprob]) -> Any:
+    def _logprobs_json(self, lps: Sequence[TokenLogprob], *, whole: bool = False) -> Any:
+        """The logprobs block for ``lps`` (None when not asked for). A stream chunk without tokens has none; a
+        ``whole`` answer has one even when empty (the model ended at once), as vLLM and OpenAI send it: a client
+        reads ``logprobs.content`` / ``.tokens`` of every answer it asked logprobs for."""
         o = self.options
-        if not self.wants_logprobs or not lps:
+        if not self.wants_logprobs or not (lps or whole):
             return None
         assert o.formatter is not None and o.top_logprobs is not None
         if o.chat:
@@ -113,11 +116,11 @@ class ChoiceOutput:
             msg["content"] = content if content or msg["content"] is not None else None  # null stays null
             if calls:
                 msg["tool_calls"] = [c.openai() for c in calls]
-        return msg, self._logprobs_json(self.logprobs)
+        return msg, self._logprobs_json(self.logprobs, whole=True)
 
     def text_logprobs(self) -> Any:
         """Non-streamed completions: the whole choice's logprobs block."""
-        return self._logprobs_json(self.logprobs)
+        return self._logprobs_json(self.logprobs, whole=True)
 
     def finish_reason(self, reason: FinishReason | str) -> str:
         """``tool_calls`` when the answer ended with calls (as OpenAI reports it), else the engine's reason."""

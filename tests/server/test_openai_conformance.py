@@ -158,3 +158,22 @@ def test_continuous_usage_stats_puts_each_choices_usage_in_every_chunk(server, c
     assert seen == {0: 5, 1: 5} and u["prompt_tokens"] == last["usage"]["prompt_tokens"]  # one prompt, n = 2
     plain = httpx.post(server.url + path, json={**body, "stream_options": {"include_usage": True}}, timeout=60)
     assert all(e["usage"] is None for e in sse.parse(plain.text)[:-2])
+
+
+def test_logprobs_asked_for_are_an_object_even_when_the_answer_is_empty(client):
+    """A model that ends at once (its first token is the end of turn, not shown) answers empty text. The logprobs
+    block was ``null`` then, so a client reading ``choice.logprobs.content`` / ``.tokens`` as it does for every
+    other answer raised AttributeError; vLLM (and OpenAI) send the block with empty lists whenever logprobs were
+    asked for."""
+    eos = {"2": 100}  # the tiny model's end-of-sequence id, made certain
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, logprobs=True, logit_bias=eos,
+                                          messages=[{"role": "user", "content": "Say nothing."}])
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content == []
+    text = client.completions.create(model=MODEL, prompt="Say nothing.", max_tokens=4, temperature=0, logprobs=2,
+                                     logit_bias=eos)
+    assert text.choices[0].text == "" and text.choices[0].finish_reason == "stop"
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens == [] and lp.token_logprobs == [] and lp.text_offset == []
+    plain = client.completions.create(model=MODEL, prompt="Say nothing.", max_tokens=4, temperature=0, logit_bias=eos)
+    assert plain.choices[0].logprobs is None  # not asked for: still null
