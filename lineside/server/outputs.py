@@ -80,8 +80,9 @@ class ChoiceOutput:
             return [*out, writer.text(index, text, lp)] if text or lp is not None else out
         content, deltas = self.calls.feed(text) if text else ("", [])
         if event.finish_reason is not None:
-            more, tail = self.calls.close()
-            content, deltas = content + more, deltas + tail
+            more, tail = self.calls.close()  # drops the calls that turn out malformed: this event's deltas too
+            standing = len(self.calls.calls)
+            content, deltas = content + more, [d for d in deltas if d.index < standing] + tail
         if content:
             out.append(writer.text(index, content, lp))
             lp = None

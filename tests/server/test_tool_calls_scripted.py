@@ -295,3 +295,24 @@ def test_langchain_bind_tools_auto(model):
     for c in chunks[1:]:
         merged = merged + c
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == [("get_weather", {"city": "Lyon", "unit": "C"})]
+
+
+def test_a_call_cut_by_max_tokens_sends_no_deltas_after_its_text(model):
+    """max_tokens ends the answer inside a call's arguments: the call is malformed, so its text comes as content.
+    The last token's piece of the arguments went out after that content all the same (a ``tool_calls`` delta
+    following the fallback text), so a client saw the call grow after it had been given up; ``close`` drops the
+    deltas of a call that does not stand, and the last token's must go with them."""
+    text = SCRIPTS[model.family]["[one]"]
+    cut = text[:text.index('"Ly') + 3]
+    budget = len(model.backend.tok.encode(cut, add_special=False))
+    msgs = [{"role": "user", "content": "[one] What should we do?"}]
+    ask = dict(model="scripted", messages=msgs, tools=TOOLS, temperature=0, max_tokens=budget)
+    ch = model.client.chat.completions.create(**ask).choices[0]
+    assert ch.finish_reason == "length" and not ch.message.tool_calls and ch.message.content == cut
+    deltas = []  # (content, tool_calls) of each chunk
+    for c in model.client.chat.completions.create(**ask, stream=True):
+        if c.choices:
+            deltas.append((c.choices[0].delta.content or "", c.choices[0].delta.tool_calls or []))
+    assert "".join(t for t, _ in deltas).endswith(cut.split("<tool_call>")[-1])
+    last_text = max(i for i, (t, _) in enumerate(deltas) if t)  # the fallback: the call's text as content
+    assert not [calls for _, calls in deltas[last_text:] if calls]
