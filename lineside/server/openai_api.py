@@ -275,6 +275,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     split = choice.output.reasoning  # the answer apart from the reasoning (collect fed it), with a reasoning parser
     text = "".join(choice.text_parts) if split is None else split.result()[1] or ""
     content, calls = responses_api.answer(choice.output.calls, text)
+    builder.cached_tokens = choice.handle.metrics.prefix_reused_tokens
     answer = builder.final(content, (choice.record.prompt_tokens, choice.record.completion_tokens),
                            choice.finish_reason or FinishReason.STOP, split, calls)
     return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)

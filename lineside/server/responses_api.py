@@ -220,6 +220,9 @@ class ResponseBuilder:
         self._done: list[dict[str, Any]] = []
         self._next = 1 if self.thinks else 0
         self._valid: set[str] | None = None  # the calls that stand, once the output is complete
+        # usage.input_tokens_details.cached_tokens: prompt tokens whose KV came from the prefix cache (the caller sets
+        # it from the engine request's metrics before the response is finished)
+        self.cached_tokens = 0
 
     def final(self, content: str | None, usage: tuple[int, int], finish_reason: FinishReason,
               split: ReasoningSplitter | None = None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
@@ -262,7 +265,8 @@ class ResponseBuilder:
             "tools": responses_tools.echoed_tools(r.tools),
             "top_p": self.top_p, "truncation": "disabled", "user": r.user,
             "usage": None if usage is None else {
-                "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens": usage[0],
+                "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage[1], "output_tokens_details": {
                     "reasoning_tokens": split.reasoning_tokens if split is not None else 0},
                 "total_tokens": usage[0] + usage[1]},
@@ -425,6 +429,7 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
             continue
         observe_finished(state.metrics, [choice])
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            builder.cached_tokens = choice.handle.metrics.prefix_reused_tokens
             for e in builder.closing((choice.record.prompt_tokens, choice.record.completion_tokens),
                                      event.finish_reason, splitter, calls.calls if calls is not None else None):
                 yield e

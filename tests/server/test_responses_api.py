@@ -31,6 +31,19 @@ def test_create_and_stream_agree(client):
     assert events[-1].response.output_text == r.output_text
 
 
+def test_cached_tokens_count_the_prompt_the_prefix_cache_gave(client):
+    """usage.input_tokens_details.cached_tokens was always 0; a repeated long input reuses its prefix's KV and says so
+    (what the engine's prefix cache gave the request), streamed and not."""
+    kw = dict(model=MODEL, input="the line stops at station twelve when the oven runs hot " * 2, max_output_tokens=2,
+              temperature=0)
+    first = client.responses.create(**kw)
+    again = client.responses.create(**kw)
+    streamed = [e for e in client.responses.create(stream=True, **kw) if e.type.startswith("response.")][-1]
+    for r in (again, streamed.response):
+        cached = r.usage.input_tokens_details.cached_tokens
+        assert 0 < cached < r.usage.input_tokens, (first.usage, r.usage)
+
+
 def test_json_schema_format(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "x"}]}],
