@@ -159,8 +159,10 @@ class ServerMetrics:
         if record.end is None:
             record.end = time.perf_counter()
         self.requests.labels(record.outcome).inc()
-        self.prompt_tokens.inc(record.prompt_tokens)
-        self.generation_tokens.inc(record.completion_tokens)
+        if record.queue_s is not None or record.first_token is not None:  # its prompt ran (a request cancelled
+            self.prompt_tokens.inc(record.prompt_tokens)  # while it waited, or a cache answer, processed none)
+        if record.outcome != "cached":  # an SLO cache answer's tokens were generated for an earlier request
+            self.generation_tokens.inc(record.completion_tokens)
         if record.ttft_s is not None:
             self.ttft.observe(record.ttft_s)
         if record.tpot_s is not None:

@@ -201,3 +201,20 @@ def test_slow_token_gaps_land_in_a_finite_bucket():
         for value in values:
             upper = min((b for b in bounds if b >= value), default=None)
             assert upper is not None and upper <= 2 * value, (name, value, bounds)
+
+
+def test_a_prompt_that_never_ran_is_not_counted_as_processed():
+    """A request cancelled while it waited (no slot, no token) counted its prompt in lineside_prompt_tokens_total,
+    which vLLM counts as prompt tokens processed; one admitted (a queue time) or answered counts it."""
+    from lineside.server.metrics import RequestRecord, ServerMetrics
+
+    m = ServerMetrics()
+    base = dict(mode="realtime", stream=True, arrival=0.0, end=1.0, prompt_tokens=100)
+    m.observe(RequestRecord("waited", "chat", "normal", outcome="cancelled", **base))
+    assert metric(m.render().decode(), "lineside_prompt_tokens_total") == 0
+    m.observe(RequestRecord("ran", "chat", "normal", outcome="cancelled", queue_s=0.2, **base))
+    m.observe(RequestRecord("done", "chat", "normal", outcome="stop", queue_s=0.0, first_token=0.5,
+                            completion_tokens=3, **base))
+    text = m.render().decode()
+    assert metric(text, "lineside_prompt_tokens_total") == 200 and metric(text, "lineside_requests_total",
+                                                                          'outcome="cancelled"') == 2

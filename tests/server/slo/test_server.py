@@ -102,6 +102,9 @@ def test_levels_headers_model_health_metrics_and_log(guarded):
     assert metric(text, "lineside_slo_cache_lookups_total", 'result="hit"') == 1
     # the cache's answer is a request too (it was not counted, nor logged): outcome cached, its level in the log
     assert metric(text, "lineside_requests_total", 'outcome="cached"') == 1
+    generated = sum(json.loads(row)["completion_tokens"] for row in srv.log.read_text().splitlines()
+                    if json.loads(row)["outcome"] != "cached")
+    assert metric(text, "lineside_generation_tokens_total") == generated  # the cache generated nothing
     cached = [row for row in map(json.loads, srv.log.read_text().splitlines()) if row["outcome"] == "cached"]
     assert len(cached) == 1 and cached[0]["slo_level"] == 2 and cached[0]["bundle"] == "tiny-fallback"
     assert cached[0]["completion_tokens"] == again.json()["usage"]["completion_tokens"]
