@@ -134,7 +134,11 @@ def test_a_second_signal_cancels_what_is_in_flight_and_exits_cleanly(tiny_bundle
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(accepted.all.wait(), 60)
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                for _ in range(1000):  # the second signal once the first one's drain has begun (readiness says so)
+                    if (await c.get(url + "/health/ready")).status_code == 503:
+                        break
+                else:
+                    raise AssertionError("the first SIGTERM never started a drain")
                 proc.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*tasks)
 

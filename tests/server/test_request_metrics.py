@@ -4,7 +4,9 @@ included: one response), its prompt and completion tokens as its usage says, its
 from __future__ import annotations
 
 import json
-import time
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -35,14 +37,21 @@ def _log_lines(srv) -> list[dict]:
     return [json.loads(x) for x in srv.latency_log.read_text().splitlines()] if srv.latency_log.exists() else []
 
 
-def _wait_for(srv, name: str, at_least: float) -> str:
-    """/metrics once ``name`` reaches ``at_least`` (a stream the client left is counted when the server notices)."""
-    deadline = time.monotonic() + 20
-    while True:
-        text = _scrape(srv)
-        if metric(text, name) >= at_least or time.monotonic() > deadline:
-            return text
-        time.sleep(0.02)
+@contextmanager
+def _counted(srv) -> Iterator[threading.Event]:
+    """An event the server sets when it counts a finished request (a metrics listener: a stream the client left is
+    counted when the server notices, after the client is gone)."""
+    seen = threading.Event()
+    listeners = srv.app.state.lineside.metrics.listeners
+
+    def listener(record) -> None:
+        seen.set()
+
+    listeners.append(listener)
+    try:
+        yield seen
+    finally:
+        listeners.remove(listener)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -75,12 +84,13 @@ def test_one_http_request_is_one_request_in_metrics_and_log(srv, body, stream):
 def test_a_streamed_n_request_the_client_leaves_is_one_cancelled_request(srv):
     before = _scrape(srv)
     body = {"prompt": "leave early", "n": 2, "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                break  # a token came: leave
-    after = _wait_for(srv, "lineside_e2e_request_latency_seconds_count",
-                      metric(before, "lineside_e2e_request_latency_seconds_count") + 1)
+    with _counted(srv) as counted:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # a token came: leave
+        assert counted.wait(20), "the request the client left was never counted"
+    after = _scrape(srv)
     assert metric(after, "lineside_requests_total", 'outcome="cancelled"') \
         - metric(before, "lineside_requests_total", 'outcome="cancelled"') == 1
     assert _requests(after) - _requests(before) == 1
