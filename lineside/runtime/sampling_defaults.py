@@ -31,6 +31,10 @@ class SamplingDefaults:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
 
+    def filled(self, **given: float | int | None) -> dict[str, float | int]:
+        """Every field, as a request gives it (``given``, by name) or else this default: SamplingParams' keywords."""
+        return {f.name: getattr(self, f.name) if given.get(f.name) is None else given[f.name] for f in fields(self)}
+
     def changed(self) -> dict[str, float | int]:
         """The fields that differ from OpenAI's defaults (what the startup log says was taken from the model)."""
         base = SamplingDefaults()

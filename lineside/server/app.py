@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from lineside.bundle import default_model_names
 from lineside.runtime.engine import LoraServing
-from lineside.runtime.sampling_defaults import SamplingDefaults, read_sampling_defaults
+from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generation_config
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.server import errors, health, openai_api, prefill_api
@@ -67,7 +67,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
         tokenizer_dir = (Path(source) / "tokenizer" if isinstance(source, (str, Path))
                          else getattr(getattr(source, "bundle", None), "tokenizer_dir", None))
         sampling_defaults = (SamplingDefaults() if tokenizer_dir is None
-                             else read_sampling_defaults(tokenizer_dir / "generation_config.json"))
+                             else resolve_generation_config("auto", tokenizer_dir))
     engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
                          session_ttl=session_ttl, max_sessions=max_sessions)
     if speculative is not None:

@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-import json
 import time
 from typing import Any
 
@@ -151,7 +150,7 @@ def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id:
                   priority: Priority, mode: Mode, arrival: float, body: Any) -> None:
     """A level-2 cache answer is a request too: counted (outcome ``cached``) and logged with its level, its usage
     the cached answer's. The SLO guard's signals skip it: no model ran, its latency says nothing of the load."""
-    usage = json.loads(slo_plan.cached.body).get("usage") or {}
+    usage = slo_plan.cached_usage
     record = RequestRecord(request_id, endpoint, priority, mode=mode, stream=bool(body.stream), arrival=arrival,
                            outcome="cached", prompt_tokens=usage.get("prompt_tokens", 0),
                            completion_tokens=usage.get("completion_tokens", 0))
@@ -214,10 +213,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                               param="max_output_tokens", prompt_param="input")
         thinking = reasoning.for_prompt(state.think, ids)
         priority, mode = request_mapping.priority(request.headers)
-        given = state.sampling_defaults  # the model's recommendation (serve --generation-config) for what is left out
-        sampling = SamplingParams(temperature=given.temperature if body.temperature is None else body.temperature,
-                                  top_p=given.top_p if body.top_p is None else body.top_p, top_k=given.top_k,
-                                  min_p=given.min_p, repetition_penalty=given.repetition_penalty)
+        # what the request leaves out: the model's recommendation (serve --generation-config)
+        sampling = SamplingParams(**state.sampling_defaults.filled(temperature=body.temperature, top_p=body.top_p))
         engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,

@@ -111,9 +111,7 @@ class ChoiceOutput:
                    "reasoning": reasoning if include else None, "refusal": None}
             text = text or ""
         if self.calls is not None:
-            self.calls.feed(text)
-            self.calls.close()
-            content, calls = self.calls.result()
+            content, calls = self.calls.finish(text)
             msg["content"] = content if content or msg["content"] is not None else None  # null stays null
             if calls:
                 msg["tool_calls"] = [c.openai() for c in calls]

@@ -221,13 +221,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest,
                     defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
     """The request's sampling; a field it leaves out takes ``defaults`` (the model's generation_config.json under
     ``serve --generation-config auto``, else OpenAI's)."""
-    top_k = defaults.top_k if req.top_k is None else req.top_k
+    given = defaults.filled(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                            repetition_penalty=req.repetition_penalty)
+    given["top_k"] = max(0, given["top_k"])  # -1: off, as 0
     return SamplingParams(
-        temperature=defaults.temperature if req.temperature is None else req.temperature,
-        top_k=0 if top_k < 0 else top_k,
-        top_p=defaults.top_p if req.top_p is None else req.top_p,
-        min_p=defaults.min_p if req.min_p is None else req.min_p,
-        repetition_penalty=defaults.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty,
+        **given,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned

@@ -146,9 +146,7 @@ def answer(calls: ToolCallStream | None, text: str) -> tuple[str | None, list[To
     reads (text None when the answer is only calls)."""
     if calls is None:
         return text, []
-    calls.feed(text)
-    calls.close()
-    return calls.result()
+    return calls.finish(text)
 
 
 def previous_response(req: ResponsesRequest, store: ResponseStore) -> StoredResponse | None:

@@ -457,14 +457,18 @@ class ToolCallStream:
         content = self._scan(True).content
         return (content if content.strip() or not self.calls else None), list(self.calls)
 
+    def finish(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The rest of the output, all at once: (content, calls) of the whole answer (``feed``, ``close``,
+        ``result``)."""
+        self.feed(text)
+        self.close()
+        return self.result()
+
 
 def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None = None,
           max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """Whole-output parse: (content, calls)."""
-    s = ToolCallStream(fmt, tools, named, max_calls)
-    s.feed(text)
-    s.close()
-    return s.result()
+    return ToolCallStream(fmt, tools, named, max_calls).finish(text)
 
 
 def _tagged_calls(body: str, complete: bool,

@@ -28,6 +28,7 @@ class SloPlan:
     key: Hashable | None  # set when the answer is reproducible and not streamed: it may be cached
     headers: dict[str, str] = field(default_factory=dict)
     cached: JSONResponse | None = None
+    cached_usage: dict[str, int] = field(default_factory=dict)  # the cached answer's usage (its latency-log line)
 
     def note(self, record: Any) -> None:
         """The latency log's per-request fields: the level and the bundle that answered."""
@@ -57,6 +58,7 @@ async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest],
         if hit is not None:
             answer = {**hit, "id": response_id, "created": int(time.time())}
             result.cached = JSONResponse(answer, headers={**headers, "X-Lineside-Cache": "hit"})
+            result.cached_usage = hit.get("usage") or {}
             return result
     if route.engine is not guard.primary:
         await _compile_on(route.engine, requests)
