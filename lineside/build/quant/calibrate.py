@@ -99,14 +99,16 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int | None) 
     b, s, h, d = q.shape
     g = h // k.shape[2]
     k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    # matmul on [B, H, S, D] (BLAS); einsum of the same took 8x as long (SmolLM2, 512 tokens: 2.2 s of 2.7)
+    qh, kh, vh = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    scores = np.matmul(qh, kh.transpose(0, 1, 3, 2)) / np.sqrt(d)
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
     allowed = j <= i if window is None else (j <= i) & (j > i - window)
     scores = np.where(allowed, scores, -np.inf)
     scores -= scores.max(-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, h * d)
+    return np.matmul(p, vh).transpose(0, 2, 1, 3).reshape(b, s, h * d)
 
 
 def _sample(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
