@@ -39,6 +39,7 @@ def main(
     draft_layers: b.DraftLayersOpt = None,
     max_lora_rank: b.MaxLoraRankOpt = 0,
     lora_targets: b.LoraTargetsOpt = None,
+    prefill_graph: b.PrefillGraphOpt = True,
     force: b.ForceOpt = False,
     quiet: b.QuietOpt = False,
     engine: Annotated[bool, typer.Option(help="also build the TensorRT engine when TensorRT is importable")] = True,
@@ -47,7 +48,8 @@ def main(
     b.build(checkpoint, output, quant=quant, group_size=group_size, method=method, calib=calib, flavors=flavors,
             max_seq_len=max_seq_len, requantize=requantize, accuracy_level=accuracy_level,
             lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=draft_layers,
-            max_lora_rank=max_lora_rank, lora_targets=lora_targets, force=force, quiet=quiet)
+            max_lora_rank=max_lora_rank, lora_targets=lora_targets, prefill_graph=prefill_graph, force=force,
+            quiet=quiet)
     if not engine or "trt" not in flavors:
         return
     from lineside.runtime.tensorrt import key

@@ -7,6 +7,7 @@ reference, and greedy answers to a few chat prompts. Optionally onnxruntime-gena
 
     python benchmarks/quality_smollm2.py [--tokens 2048] [--variants fp32,q41,rtn128,...] [--bundle B ...]
     python benchmarks/quality_smollm2.py --variants kvfp16,kvint8,kvint4 --long-tokens 2048   # KV dtypes
+    python benchmarks/quality_smollm2.py --variants q41noprefill,q41,q41int8 --tokens 4096 --continuation  # prefill graph
 
 ``--long-tokens N`` also scores one long document (pydoc's format-string topic, not in the fixed text) in a
 single chunk of N tokens, where every prediction reads up to N-1 cached entries, so the cache matters.
@@ -35,6 +36,9 @@ from lineside.runtime.tokenizer import Tokenizer
 VARIANTS = {
     "fp32": ("float32 reference (GGUF dequantized)", dict(quant="fp32")),
     "q41": ("Q4_1 grid carried (demo default)", dict(quant="w4a16")),
+    # every logit from the int8 prefill graph (build/graph/prefill.py): what a prompt's cache is computed with
+    "q41int8": ("Q4_1 carried, scored on its int8 prefill graph", dict(quant="w4a16", score="prefill")),
+    "q41noprefill": ("Q4_1 carried, no prefill graph", dict(quant="w4a16", prefill_graph=False)),
     "rtn128": ("W4A16 RTN g128", dict(quant="w4a16", requantize=True, group_size=128)),
     "rtn64": ("W4A16 RTN g64", dict(quant="w4a16", requantize=True, group_size=64)),
     "rtn32": ("W4A16 RTN g32", dict(quant="w4a16", requantize=True, group_size=32)),
@@ -105,6 +109,23 @@ def perplexity(logits_fn, ids: list[int], chunk: int) -> float:
     return math.exp(nll / count)
 
 
+def continuation_perplexity(be: OnnxRuntimeBackend, ids: list[int], prompt: int = 384, scored: int = 128) -> float:
+    """Perplexity of ``scored`` tokens after a ``prompt``-token prefix, per window of the text: the prefix as a prompt
+    chunk (served bundles: on their int8 prefill graph), the continuation scored in one step with a logit at each
+    position (the 4-bit graph) reading the prefix's cache. What the prefill graph changes for a served answer."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - prompt - scored, prompt + scored):
+        be.reset_slot(0)
+        be.forward(StepBatch.single(0, ids[start:start + prompt], 0))
+        cont = ids[start + prompt:start + prompt + scored + 1]
+        logits = be.forward(StepBatch.single(0, cont[:-1], prompt, all_logits=True))[0].astype(np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= float(logp[np.arange(scored), cont[1:]].sum())
+        count += scored
+    return math.exp(nll / count)
+
+
 def ort_backend(bundle) -> OnnxRuntimeBackend:
     """onnxruntime on the bundle's cpu graph, else its trt graph at accuracy level 0: TensorRT keeps float
     activations, and onnxruntime's level-4 fusion of the trt graph's DequantizeLinear → MatMul returned all-zero
@@ -114,12 +135,19 @@ def ort_backend(bundle) -> OnnxRuntimeBackend:
     return OnnxRuntimeBackend(bundle, num_slots=1, flavor="trt", accuracy_level=0)
 
 
-def lineside_logits_fn(bundle):
+def lineside_logits_fn(bundle, score: str = "base"):
+    """Logits at every position from the base graph, or (``score="prefill"``) from the int8 prefill graph, which
+    serving uses only for a prompt chunk's cache and its last position."""
     be = ort_backend(bundle)
+    if score == "prefill" and be.prefill_session is None:
+        raise SystemExit("the bundle has no prefill graph: build it with --prefill-graph (the default)")
 
     def fn(ids: list[int]) -> np.ndarray:
         be.reset_slot(0)
-        return be.forward(StepBatch.single(0, ids, 0, all_logits=True))[0]
+        batch = StepBatch.single(0, ids, 0, all_logits=True)
+        if score == "prefill":
+            return be._run(batch, session=be.prefill_session)[0][0]
+        return be.forward(batch)[0]
 
     return fn
 
@@ -157,6 +185,8 @@ def main() -> None:
     ap.add_argument("--calib", type=Path, default=None, help="calibration text for the AWQ/GPTQ variants")
     ap.add_argument("--bundle", type=Path, action="append", default=[],
                     help="also score this prebuilt bundle (repeatable), after the variants")
+    ap.add_argument("--continuation", action="store_true",
+                    help="also the perplexity of 128 tokens after each 384-token prompt (continuation_perplexity)")
     ap.add_argument("--long-tokens", type=int, default=0,
                     help="also score this many tokens of one long document in a single chunk (0: skip)")
     args = ap.parse_args()
@@ -169,6 +199,8 @@ def main() -> None:
         jobs += [(str(b), f"bundle {b}", None) for b in args.bundle]
         for key, label, kw in jobs:
             t0 = time.time()
+            kw = dict(kw) if kw is not None else None
+            score = kw.pop("score", "base") if kw is not None else "base"
             if kw is None:
                 out = Path(key)
             else:
@@ -180,9 +212,10 @@ def main() -> None:
                 tok = Tokenizer.from_bundle(bundle)
                 ids = tok.encode(eval_text(), add_special=False)[: args.tokens]
                 long_ids = tok.encode(long_text(), add_special=False)[: args.long_tokens + 1]
-            logits_fn = lineside_logits_fn(bundle)
+            logits_fn = lineside_logits_fn(bundle, score)
             ppl = perplexity(logits_fn, ids, args.chunk)
             long_ppl = perplexity(logits_fn, long_ids, len(long_ids)) if args.long_tokens else None
+            cont_ppl = continuation_perplexity(ort_backend(bundle), ids) if args.continuation else None
             answers, answer_ids = [], []
             if args.answers:
                 gen = Generator(bundle, backend=ort_backend(bundle))
@@ -194,7 +227,10 @@ def main() -> None:
             records.append({"variant": key, "label": label, "perplexity": ppl, "build_seconds": round(build_s, 1),
                             **({"long_perplexity": long_ppl} if long_ppl is not None else {}),
                             **({"guard": guard} if guard else {}), "answers": answers})
+            if cont_ppl is not None:
+                records[-1]["continuation_perplexity"] = cont_ppl
             print(f"{label:40s} ppl {ppl:8.3f}" + (f"   long {long_ppl:8.3f}" if long_ppl is not None else "")
+                  + (f"   continuation {cont_ppl:8.3f}" if cont_ppl is not None else "")
                   + f"   (build {build_s:.1f}s)"
                   + (f"   calibration NLL rtn {guard['nll_rtn']:.4f} vs {guard['nll_method']:.4f}"
                      f"{' → fell back to RTN' if guard['fell_back_to_rtn'] else ''}" if guard else ""), flush=True)

@@ -71,7 +71,14 @@ class FlavorEntry:
     @property
     def lora_graph(self) -> str | None:
         """The bundle-relative path of this flavor's LoRA variant (beside ``graph``), None when it was not built."""
-        name = self.extra.get("lora_graph")
+        return self._beside(self.extra.get("lora_graph"))
+
+    @property
+    def prefill_graph(self) -> str | None:
+        """The bundle-relative path of this flavor's int8 prompt-chunk variant (cpu flavor), None when not built."""
+        return self._beside(self.extra.get("prefill_graph"))
+
+    def _beside(self, name: Any) -> str | None:
         return None if not name else f"{self.graph.rpartition('/')[0]}/{name}".lstrip("/")
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -319,6 +326,8 @@ def _manifest_paths(m: Manifest) -> list[tuple[str, str]]:
         paths.append((f"{name} graph", fl.graph))
         if fl.extra.get("lora_graph"):
             paths.append((f"{name} LoRA graph", str(fl.lora_graph)))
+        if fl.extra.get("prefill_graph"):
+            paths.append((f"{name} prefill graph", str(fl.prefill_graph)))
         drafts = fl.extra.get(DRAFT_GRAPHS)
         records = [(f"{name} draft graph {n}", r) for n, r in drafts.items()] if isinstance(drafts, dict) else []
         records.append((f"{name} MTP graph", fl.extra.get(MTP_GRAPH)))

@@ -59,6 +59,7 @@ class BuildOptions:
     force: bool = False
     max_lora_rank: int = 0  # > 0: also emit each flavor's LoRA graph (graph/lora.py); the slots' default rank
     lora_targets: tuple[LoraTarget, ...] | None = None  # None: ALL_TARGETS; given, it needs max_lora_rank
+    prefill_graph: bool = True  # the cpu flavor's int8 variant for prompt chunks (graph/prefill.py), dense families
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -197,6 +198,13 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         from lineside.build.quant.kv_calib import key_means_for
 
         key_means = key_means_for(cfg, ckpt, opts.calib, log)
+    prefill_act_max = None
+    if opts.prefill_graph and "cpu" in opts.flavors and spec.quantized and cfg.architecture in DENSE_FAMILIES:
+        from lineside.build.quant.smooth import prefill_calibration
+
+        # the linears' inputs as the graph computes them: AWQ's scales folded into norms and up_proj change them
+        get = ckpt.get if plan is None else (lambda n: plan.transform(n, ckpt.get(n)))
+        prefill_act_max = prefill_calibration(cfg, ckpt, get, opts.calib, progress)
     carried: dict[str, str] = {}
     flavors: dict[str, FlavorEntry] = {}
     for flavor in opts.flavors:
@@ -214,6 +222,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
                 kw["lora_x_scales"] = plan.col_scale
         if key_means is not None and flavor == "trt":
             kw["key_means"] = key_means
+        if flavor == "cpu" and prefill_act_max is not None:
+            kw["prefill_act_max"] = prefill_act_max
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
                                   max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **kw)
         for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file

@@ -31,6 +31,13 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32":
 
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
+PREFILL_ENV = "LINESIDE_PREFILL_GRAPH"  # 0: prompt chunks on the 4-bit graph too (an A/B switch for benchmarks)
+# A row of several new tokens with a logit wanted at fewer of them (a prompt chunk; a verification wants one at each)
+# runs on the bundle's int8 prefill graph when it has one (build/graph/prefill.py). Every chunk of two tokens or more,
+# not only long ones: a token's cache entry must not depend on how the scheduler cut its prompt (it keeps 1-token
+# steps for decode, scheduler.py), or batching and prefix reuse would change a greedy answer. At 8 tokens the two
+# graphs cost the same; at 512 the int8 one is 2x faster (SmolLM2, 2 threads, benchmarks/prefill_graph.py).
+PREFILL_MIN_TOKENS = 2
 # Steps of one row with up to this many new tokens (a verification: 1 + at most 16 drafts) reuse a cached binding.
 FAST_VERIFY_TOKENS = 17
 
@@ -122,6 +129,16 @@ class OnnxRuntimeBackend:
                 providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for bad graphs
             raise LinesideError(f"onnxruntime could not load {graph}: {str(e).splitlines()[0]}") from None
+        # Prompt chunks on the int8 variant (a second session over the same data file); not with adapters (the
+        # LoRA graph has no such variant) nor for a draft graph (its record names none).
+        self.prefill_session: Any = None
+        prefill = entry.prefill_graph if self.lora is None and os.environ.get(PREFILL_ENV, "1") != "0" else None
+        if prefill:
+            try:
+                self.prefill_session, _ = open_session(ort, bundle.file(prefill), _graph_files_sha(bundle, prefill),
+                                                       options, config, providers=["CPUExecutionProvider"])
+            except Exception as e:
+                raise LinesideError(f"onnxruntime could not load {prefill}: {str(e).splitlines()[0]}") from None
         advise_huge_pages()  # the weights it just packed: 2 MB pages (huge_pages.py)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
@@ -247,6 +264,9 @@ class OnnxRuntimeBackend:
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
             # in runs of adjacent slots, so they keep the batched decode path.
             return self._split(batch)
+        if self.prefill_session is not None and b == 1 and s >= PREFILL_MIN_TOKENS \
+                and batch.logits_positions.shape[1] < s:  # a prompt chunk (not a verification: logits at each)
+            return self._run(batch, session=self.prefill_session)[0]
         verify = b == 1 and s <= FAST_VERIFY_TOKENS and batch.logits_positions.shape[1] == s  # logits at each
         slots = list(batch.slots)
         adjacent = slots == list(range(slots[0], slots[0] + b))
@@ -359,17 +379,20 @@ class OnnxRuntimeBackend:
 
     def close(self) -> None:
         self.session = None  # type: ignore[assignment]
+        self.prefill_session = None
 
     # ---- one step -----------------------------------------------------------------------
-    def _run(self, batch: StepBatch, want: tuple[str, ...] = ()) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Logits and the outputs named in ``want``; the taps get theirs."""
+    def _run(self, batch: StepBatch, want: tuple[str, ...] = (), session: Any = None
+             ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Logits and the outputs named in ``want``; the taps get theirs. ``session``: another graph's (prefill)."""
+        session = session or self.session
         b, s = batch.input_ids.shape
         slots = list(batch.slots)
         contiguous = slots == list(range(slots[0], slots[0] + b))
         past = batch.past_lengths.astype(np.int64)
         p_max = int(past.max()) if b else 0
         lora = self._uses_lora(batch)
-        io = self.session.io_binding()
+        io = session.io_binding()
         self._bound_outputs: list[str] = []
         self._keep_alive: list[np.ndarray] = []
         for name, arr in self._feeds(batch, past, p_max).items():
@@ -394,7 +417,7 @@ class OnnxRuntimeBackend:
         extra = list(dict.fromkeys([*want, *(n for tap in self.taps for n in tap.outputs)]))
         for name in extra:
             self._bind_new(io, name)
-        self.session.run_with_iobinding(io)
+        session.run_with_iobinding(io)
         outs = dict(zip(self._bound_outputs, io.get_outputs(), strict=True))
         for st in self.states:
             if st.update == StateUpdate.INPLACE and not contiguous:

@@ -77,7 +77,9 @@ def test_draft_kv_follows_the_accepted_length(target, small_draft):
     # a sampled draft reports q = the draft's own distribution at that position
     s1, s2 = Sampler(params), Sampler(params)
     d = fresh.propose_rows([DraftRow(0, accepted, 1, s1, 1)])[0]
-    logits = OnnxRuntimeBackend(b, num_slots=1, threads=2).forward(StepBatch.single(0, accepted, 0))[0, -1]
+    be = OnnxRuntimeBackend(b, num_slots=1, threads=2)  # as the proposer runs: the text a prompt, its last token a step
+    be.forward(StepBatch.single(0, accepted[:-1], 0))
+    logits = be.forward(StepBatch.single(0, accepted[-1:], len(accepted) - 1))[0, -1]
     np.testing.assert_allclose(d.probs[0], s2.distribution(logits, accepted, 1), rtol=1e-5, atol=1e-7)
 
 

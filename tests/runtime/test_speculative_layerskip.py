@@ -42,10 +42,12 @@ def test_draft_graph_shares_the_weight_data(tiny_bundles):
 
 
 @pytest.mark.parametrize(("flavor", "kv"), [("cpu", "fp16"), ("trt", "fp16"), ("trt", "int4")])
-def test_draft_on_the_targets_kv_equals_the_draft_on_its_own(tiny_bundles, flavor, kv):
+def test_draft_on_the_targets_kv_equals_the_draft_on_its_own(tiny_bundles, flavor, kv, monkeypatch):
     """The target computes the prompt; the draft, reading those layers' KV from the target, scores the next
     tokens exactly as the draft graph run on its own KV from scratch (int4: the scales and the fp16 sink
-    entries shared too)."""
+    entries shared too). The target's prompt runs on its 4-bit graph here, as the draft's own does: a served
+    target computes prompts on its int8 prefill graph, and the draft reads those entries (they are the target's)."""
+    monkeypatch.setenv("LINESIDE_PREFILL_GRAPH", "0")
     b = open_bundle(layerskip_bundle(tiny_bundles, flavor=flavor, kv_dtype=kv))
     entry = b.flavor(flavor).extra[DRAFT_GRAPHS]["1"]
     if kv == "int4":

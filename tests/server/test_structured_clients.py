@@ -160,9 +160,10 @@ def test_tool_results_in_history_and_langchain_bind_tools(smol):
 
 def test_greedy_logprobs_are_top_and_sum_to_the_log_likelihood(exact):
     """chat logprobs of greedy tokens: each is the max of its top_logprobs, and their sum is the completion's
-    log-likelihood computed from `lineside logits` (decode mode: one token per step, as the engine runs)."""
+    log-likelihood computed as the engine runs: the prompt as one chunk (the prefill graph), then one token per
+    step."""
     from lineside.bundle import open_bundle
-    from lineside.runtime.generate import compute_logits
+    from lineside.runtime.backend import StepBatch
     from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
     from lineside.runtime.sampling import log_softmax
     from lineside.runtime.tokenizer import Tokenizer
@@ -180,8 +181,10 @@ def test_greedy_logprobs_are_top_and_sum_to_the_log_likelihood(exact):
     prompt = tok.encode_chat(msgs)
     gen = tok.encode(r.choices[0].message.content, add_special=False)
     assert "".join(bytes(e.bytes).decode("utf-8", "replace") for e in content) == r.choices[0].message.content
-    logits = compute_logits(OnnxRuntimeBackend(b, num_slots=1, threads=1), prompt + gen, mode="decode")
-    ll = sum(log_softmax(logits[len(prompt) - 1 + i])[t] for i, t in enumerate(gen))
+    be = OnnxRuntimeBackend(b, num_slots=1, threads=1)
+    rows = [be.forward(StepBatch.single(0, prompt, 0))[0, 0]]
+    rows += [be.forward(StepBatch.single(0, [t], len(prompt) + i))[0, 0] for i, t in enumerate(gen[:-1])]
+    ll = sum(log_softmax(rows[i])[t] for i, t in enumerate(gen))
     assert sum(e.logprob for e in content) == pytest.approx(ll, abs=1e-3)
     streamed = [e for c in exact.client.chat.completions.create(
         model="smollm2", messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=True)

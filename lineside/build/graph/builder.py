@@ -91,6 +91,12 @@ class GraphBuilder:
         self.initializers.append(t)
         return name
 
+    def detached_weight(self, name: str, array: np.ndarray) -> TensorProto:
+        """An initializer written as ``weight`` writes one (large ones into the data file), left out of this graph:
+        a variant's own weight (graph/prefill.py)."""
+        self.weight(name, array)
+        return self.initializers.pop()
+
     def const(self, value: Any, dtype: Any = np.int64) -> str:
         """A small constant (shape vectors, scalars), de-duplicated."""
         arr = np.asarray(value, dtype=dtype)

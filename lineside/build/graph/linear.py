@@ -19,6 +19,7 @@ from dataclasses import replace
 import numpy as np
 from onnx import TensorProto
 
+from lineside.build.graph import prefill
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
 from lineside.build.graph.table8 import (
     concat_out_features,
@@ -235,6 +236,15 @@ def emit_linear(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBl
 
 def _emit(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks | Int4Grid, spec: QuantSpec,
           flavor: str, bias: np.ndarray | None, awq_scale: np.ndarray | None, share: bool) -> str:
+    y = _emit_decode(gb, x, name, weight, spec, flavor, bias, awq_scale, share)
+    if flavor == "cpu" and spec.quantized and not share:  # the LM head reads a row or two: it keeps its grid
+        bias_f = None if bias is None else np.asarray(bias, dtype=np.float32).reshape(-1)
+        prefill.record_linear(gb, x, y, name, lambda: float_weight(weight), bias_f)
+    return y
+
+
+def _emit_decode(gb: GraphBuilder, x: str, name: str, weight: np.ndarray | GGMLBlocks | Int4Grid, spec: QuantSpec,
+                 flavor: str, bias: np.ndarray | None, awq_scale: np.ndarray | None, share: bool) -> str:
     spec.check()
     if flavor not in FLAVORS:
         raise LinesideError(f"unknown graph flavor {flavor!r} for {name}; use one of {', '.join(FLAVORS)}")

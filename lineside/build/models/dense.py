@@ -136,7 +136,9 @@ class DenseEmitter:
     def __init__(self, cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str,
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
                  draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = (),
-                 key_means: np.ndarray | None = None, lora_x_scales: dict[str, np.ndarray] | None = None):
+                 key_means: np.ndarray | None = None, lora_x_scales: dict[str, np.ndarray] | None = None,
+                 prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None):
+        from lineside.build.graph import prefill
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
         from lineside.build.quant.kv import FORMATS, KvDtype
@@ -147,6 +149,11 @@ class DenseEmitter:
         self.awq = awq_scales or {}
         self.key_means = key_means if flavor == "trt" and spec.kv_dtype == "int4" else None
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
+        if prefill_act_max is not None and flavor == "cpu" and spec.quantized:
+            # every linear also recorded on int8, for the prompt's variant (graph/prefill.py), smoothed by its input's
+            # channel maxima (quant/smooth.py), looked up by the names the linears are emitted under
+            prefill.enable(self.gb, {name: m for (i, group), m in prefill_act_max.items()
+                                     for name in linear_names(cfg, i, group)})
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
         # LoRA: the adapted matmuls by (layer, site), and where each reads x and writes y (graph/lora.py)
@@ -242,7 +249,7 @@ class DenseEmitter:
             attn = self.attention(i, x, n, states)
             x, residual = self.skip_norm(attn, residual, self.norm_weight(n["ln2"]))
             gate_up = self.adapted(i, "gate_up", x, self.fused_linear(
-                x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")], f"model.layers.{i}.mlp.gate_up_proj"))
+                x, [n["gate"], n["up"]], [n.get("gateb"), n.get("upb")], fused_name(i, "gate_up")))
             inter = cfg.intermediate_size
             gate, up = g.op("Split", [gate_up, g.const([inter, inter])], n_out=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
@@ -270,6 +277,11 @@ class DenseEmitter:
 
             lora = write_lora_graph(g, self.lora_tensors, g.onnx_path.with_name(g.onnx_path.stem + ".lora.onnx"))
             extra["lora_graph"] = lora.name  # beside the base graph, reading its external data
+        from lineside.build.graph.prefill import PREFILL_GRAPH, write_prefill_graph
+
+        variant = write_prefill_graph(g, g.onnx_path.with_name(g.onnx_path.stem + ".prefill.onnx"))
+        if variant is not None:
+            extra[PREFILL_GRAPH] = variant.name  # beside the base graph, its int8 weights in the same data file
         return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32", extra=extra)
 
     def _gather_positions(self, h: str) -> str:
@@ -284,7 +296,7 @@ class DenseEmitter:
         cfg, g = self.cfg, self.gb
         qkv = self.adapted(i, "qkv", x, self.fused_linear(x, [n["q"], n["k"], n["v"]],
                                                           [n.get("qb"), n.get("kb"), n.get("vb")],
-                                                          f"model.layers.{i}.self_attn.qkv_proj"))
+                                                          fused_name(i, "qkv")))
         pk, pv, ok, ov = f"past_key.{i}", f"past_value.{i}", f"present_key.{i}", f"present_value.{i}"
         kvh, d = cfg.num_kv_heads, cfg.head_dim
         if self.flavor == "cpu":
@@ -507,17 +519,32 @@ class DenseEmitter:
         return g.op("Reshape", [ctx, g.const([0, 0, nh * d])])
 
 
+def fused_name(layer: int, group: str) -> str:
+    """The name a fused linear (``qkv``, ``gate_up``) is emitted under."""
+    return {"qkv": f"model.layers.{layer}.self_attn.qkv_proj", "gate_up": f"model.layers.{layer}.mlp.gate_up_proj"}[group]
+
+
+def linear_names(cfg: ModelConfig, layer: int, group: str) -> list[str]:
+    """Every name a linear of ``group`` (calibrate.dense_forward's: qkv, o, gate_up, down) may be emitted under:
+    the fused one, and each layer's own (GGUF blocks of different types are not fused)."""
+    n = layer_tensor_names(cfg, layer)
+    own = {"qkv": ["q", "k", "v"], "o": ["o"], "gate_up": ["gate", "up"], "down": ["down"]}[group]
+    return [n[k] for k in own] + ([fused_name(layer, group)] if len(own) > 1 else [])
+
+
 def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flavor: str, onnx_path: Path,
                max_seq_len: int, progress: Callable[[int], None] | None = None,
                awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
                lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
-               lora_x_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+               lora_x_scales: dict[str, np.ndarray] | None = None,
+               prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
     variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
     cache subtracts from its keys (quant/kv_calib.py). ``lora_x_scales``: linear → s where AWQ folded 1/s into
-    its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s."""
+    its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s. ``prefill_act_max`` (layer,
+    group) → channel maxima (quant/smooth.py): also the cpu flavor's int8 variant for prompt chunks (graph/prefill.py)."""
     return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
-                        key_means=key_means, lora_x_scales=lora_x_scales).emit(progress)
+                        key_means=key_means, lora_x_scales=lora_x_scales, prefill_act_max=prefill_act_max).emit(progress)
 
 
 class DenseFamily(ModelFamily):
@@ -556,10 +583,11 @@ class DenseFamily(ModelFamily):
                    onnx_path: Path, max_seq_len: int, *, progress: Callable[[int], None] | None = None,
                    awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
                    lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
-                   lora_x_scales: dict[str, np.ndarray] | None = None) -> FlavorEntry:
+                   lora_x_scales: dict[str, np.ndarray] | None = None,
+                   prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
         return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
-                          lora_targets, key_means, lora_x_scales)
+                          lora_targets, key_means, lora_x_scales, prefill_act_max)
 
 
 FAMILY = DenseFamily()

@@ -1,0 +1,201 @@
+"""The cpu flavor's int8 prefill graph: its linears against numpy and transformers, and where the runtime uses it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto
+
+from lineside.build.graph import prefill
+from lineside.build.graph.builder import GraphBuilder
+from lineside.build.quant.smooth import smooth_scales
+from lineside.bundle import open_bundle
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import PREFILL_MIN_TOKENS, OnnxRuntimeBackend
+
+IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 90, 120, 7, 64, 31, 222]
+
+
+def rel_err(a, ref):
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+# ---- one linear, against numpy ---------------------------------------------------------------------------------
+def run_linear(tmp_path, x, w, bias=None, act_max=None):
+    """x [B, S, K] through one recorded linear of a variant graph (the base graph's node is an Identity)."""
+    gb = GraphBuilder(tmp_path / "m.onnx")
+    prefill.enable(gb, {} if act_max is None else {"lin": act_max})
+    xin = gb.input("x", TensorProto.FLOAT, ["b", "s", w.shape[1]])
+    y = gb.op("Identity", [xin], name="lin/base")  # what the base graph computes does not matter here
+    prefill.record_linear(gb, xin, y, "lin", lambda: w, bias)
+    gb.op("Identity", [y], outputs=["y"])
+    gb.output("y", TensorProto.FLOAT, ["b", "s", w.shape[0]])
+    gb.save()
+    path = prefill.write_prefill_graph(gb, tmp_path / "m.prefill.onnx")
+    assert path is not None
+    onnx.checker.check_model(str(path))
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def test_linear_is_within_int8_rounding_of_the_float_product(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 40)).astype(np.float32)
+    x = rng.standard_normal((2, 5, 40)).astype(np.float32)
+    bias = rng.standard_normal(48).astype(np.float32)
+    y = run_linear(tmp_path, x, w, bias)
+    ref = x @ w.T + bias
+    assert y.shape == (2, 5, 48)
+    # each product term is off by at most half a step of x's row and of w's column
+    step_x = np.abs(x).max(-1, keepdims=True) / 127
+    step_w = np.abs(w).max(1) / 127
+    bound = 0.5 * (step_x * np.abs(w).sum(1) + np.abs(x) @ step_w[:, None].repeat(40, 1).T) * 1.01 + 1e-5
+    assert (np.abs(y - ref) <= bound).all(), float((np.abs(y - ref) - bound).max())
+    assert rel_err(y, ref) < 0.02
+
+
+def test_zero_rows_and_zero_weights_give_no_nan(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 32)).astype(np.float32)
+    w[3] = 0  # an all-zero output channel: scale 1, codes 0
+    x = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    x[0, 1] = 0  # an all-zero row (a padded position): codes all 128, output exactly the bias
+    bias = np.arange(16, dtype=np.float32)
+    y = run_linear(tmp_path, x, w, bias)
+    assert np.isfinite(y).all()
+    np.testing.assert_array_equal(y[0, 1], bias)
+    np.testing.assert_array_equal(y[0, :, 3], np.full(4, 3.0, np.float32))
+
+
+def test_smoothing_keeps_the_product_and_tames_an_outlier_channel(tmp_path):
+    rng = np.random.default_rng(2)
+    w = (0.1 * rng.standard_normal((64, 96))).astype(np.float32)
+    x = rng.standard_normal((1, 32, 96)).astype(np.float32)
+    x[..., 7] *= 200  # one channel far larger than the rest, as LLM activations have
+    ref = x @ w.T
+    plain = run_linear(tmp_path / "plain", x, w)
+    smoothed = run_linear(tmp_path / "smooth", x, w, act_max=np.abs(x).reshape(-1, 96).max(0))
+    assert rel_err(smoothed, ref) < 0.5 * rel_err(plain, ref)
+    assert rel_err(smoothed, ref) < 0.02
+
+
+def test_smooth_scales_fall_back_to_one_where_statistics_say_nothing():
+    w = np.ones((4, 5), np.float32)
+    w[:, 1] = 0  # a dead input channel
+    act = np.array([4.0, 9.0, 0.0, np.inf, np.nan], np.float32)
+    s = smooth_scales(act, w, alpha=0.5)
+    assert s[0] == pytest.approx(2.0)
+    assert s[1] == 1.0 and s[2] == 1.0 and s[3] == 1.0 and s[4] == 1.0
+
+
+def test_quantize_columns_round_trip():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((10, 7)).astype(np.float32)
+    codes, scales = prefill.quantize_columns(w)
+    assert codes.dtype == np.int8 and codes.shape == (7, 10) and np.abs(codes).max() == 127
+    np.testing.assert_allclose(codes.T * scales[:, None], w, atol=float(scales.max()) / 2 + 1e-7)
+
+
+# ---- whole bundles ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def w4_bundle(tiny_bundles):
+    def get(variant="llama-gqa", **kw):
+        return open_bundle(tiny_bundles(variant=variant, quant="w4a16", group_size=32, max_seq_len=64, **kw))
+    return get
+
+
+def reference_logits(ckpt, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def prefill_logits(be, ids):
+    be.reset_slot(0)
+    return be._run(StepBatch.single(0, ids, 0, all_logits=True), session=be.prefill_session)[0][0]
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama-bias"])
+def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tiny_dense, variant):
+    bundle = w4_bundle(variant)
+    entry = bundle.flavor("cpu")
+    assert entry.prefill_graph == "graphs/cpu/model.prefill.onnx"
+    assert bundle.file(entry.prefill_graph).exists()
+    be = OnnxRuntimeBackend(bundle)
+    assert be.prefill_session is not None
+    ref = reference_logits(tiny_dense(variant), IDS)
+    base = compute_logits(be, IDS, "prefill")  # every logit asked for: the 4-bit graph
+    int8 = prefill_logits(be, IDS)
+    # int8 weights per channel and int8 rows (smoothed): no further from float32 than the 4-bit grid is
+    assert rel_err(int8, ref) < 0.03, (rel_err(int8, ref), rel_err(base, ref))
+
+
+def test_a_prompt_chunk_runs_on_the_prefill_graph_and_decode_reads_its_cache(w4_bundle, tiny_dense):
+    bundle = w4_bundle()
+    be = OnnxRuntimeBackend(bundle)
+    calls = {"prefill": 0, "base": 0}
+    for key, name in (("prefill", "prefill_session"), ("base", "session")):
+        real = getattr(be, name)
+
+        class Counting:
+            def __init__(self, real, key):
+                self.real, self.key = real, key
+
+            def __getattr__(self, attr):
+                return getattr(self.real, attr)
+
+            def run_with_iobinding(self, io, *a):
+                calls[self.key] += 1
+                return self.real.run_with_iobinding(io, *a)
+
+        setattr(be, name, Counting(real, key))
+    n = len(IDS)
+    assert n >= PREFILL_MIN_TOKENS
+    be.reset_slot(0)
+    last = be.forward(StepBatch.single(0, IDS[:-1], 0))  # a prompt: logits at its last position only
+    assert calls == {"prefill": 1, "base": 0}
+    step = be.forward(StepBatch.single(0, IDS[-1:], n - 1))
+    assert calls == {"prefill": 1, "base": 1}
+    ref = reference_logits(tiny_dense("llama-gqa"), IDS)
+    base = compute_logits(be, IDS, "prefill")  # all logits: the base graph, and a fresh cache
+    assert calls["prefill"] == 1
+    assert rel_err(last[0, 0], ref[n - 2]) < rel_err(base[n - 2], ref[n - 2]) + 0.03
+    # the decode step after the int8 prompt reads the cache it wrote
+    assert rel_err(step[0, 0], ref[n - 1]) < rel_err(base[n - 1], ref[n - 1]) + 0.03
+    # so does a 2-token chunk; a 1-token step and a verification (a logit at every position) stay on the 4-bit graph
+    assert PREFILL_MIN_TOKENS == 2
+    be.reset_slot(0)
+    be.forward(StepBatch.single(0, IDS[:2], 0))
+    assert calls["prefill"] == 2
+    be.forward(StepBatch.single(0, IDS[2:3], 2))
+    be.forward(StepBatch.single(0, IDS[3:8], 3, all_logits=True))
+    assert calls["prefill"] == 2
+
+
+def test_switches_that_leave_the_prefill_graph_out(w4_bundle, tiny_bundles, monkeypatch):
+    monkeypatch.setenv("LINESIDE_PREFILL_GRAPH", "0")
+    assert OnnxRuntimeBackend(w4_bundle()).prefill_session is None
+    monkeypatch.delenv("LINESIDE_PREFILL_GRAPH")
+    off = w4_bundle(prefill_graph=False)
+    assert off.flavor("cpu").prefill_graph is None
+    assert not (off.path / "graphs/cpu/model.prefill.onnx").exists()
+    fp32 = open_bundle(tiny_bundles(quant="fp32"))  # float weights: the float graph's prompt is no slower
+    assert fp32.flavor("cpu").prefill_graph is None
+    manifest = json.loads((w4_bundle().path / "manifest.json").read_text())
+    assert manifest["flavors"]["cpu"]["prefill_graph"] == "model.prefill.onnx"
+    assert "graphs/cpu/model.prefill.onnx" in manifest["files"]
+
+
+def test_adapters_run_their_own_graph_without_it(w4_bundle):
+    from lineside.runtime.lora_stack import LoraSlotsConfig
+
+    bundle = w4_bundle(max_lora_rank=4)
+    be = OnnxRuntimeBackend(bundle, lora=LoraSlotsConfig(max_loras=1, max_rank=4))
+    assert be.prefill_session is None
