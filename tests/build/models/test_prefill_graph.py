@@ -122,9 +122,12 @@ def prefill_logits(be, ids):
     return be._run(StepBatch.single(0, ids, 0, all_logits=True), session=be.prefill_session)[0][0]
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias-tied", "llama-bias"])
-def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tiny_dense, variant):
-    bundle = w4_bundle(variant)
+@pytest.mark.parametrize(("variant", "method"), [("llama-gqa", "rtn"), ("qwen2-bias-tied", "rtn"), ("llama-bias", "rtn"),
+                                                 ("llama-gqa", "awq"), ("qwen2-bias-tied", "gptq")])
+def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tiny_dense, variant, method):
+    """AWQ folds scales into norms and up_proj (the statistics are taken on the graph's own inputs); GPTQ's grids
+    are dequantized exactly."""
+    bundle = w4_bundle(variant, method=method)
     entry = bundle.flavor("cpu")
     assert entry.prefill_graph == "graphs/cpu/model.prefill.onnx"
     assert bundle.file(entry.prefill_graph).exists()
@@ -133,8 +136,9 @@ def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tin
     ref = reference_logits(tiny_dense(variant), IDS)
     base = compute_logits(be, IDS, "prefill")  # every logit asked for: the 4-bit graph
     int8 = prefill_logits(be, IDS)
-    # int8 weights per channel and int8 rows (smoothed): no further from float32 than the 4-bit grid is
-    assert rel_err(int8, ref) < 0.03, (rel_err(int8, ref), rel_err(base, ref))
+    # int8 weights per channel and int8 rows (smoothed): within 3% of float32 from float weights; a GPTQ grid's
+    # own error stays (its values are what the int8 graph quantizes), plus int8 rounding
+    assert rel_err(int8, ref) < max(0.03, rel_err(base, ref) + 0.01), (rel_err(int8, ref), rel_err(base, ref))
 
 
 def test_a_prompt_chunk_runs_on_the_prefill_graph_and_decode_reads_its_cache(w4_bundle, tiny_dense):
@@ -199,3 +203,25 @@ def test_adapters_run_their_own_graph_without_it(w4_bundle):
     bundle = w4_bundle(max_lora_rank=4)
     be = OnnxRuntimeBackend(bundle, lora=LoraSlotsConfig(max_loras=1, max_rank=4))
     assert be.prefill_session is None
+
+
+@pytest.mark.slow
+def test_smollm2_prefill_graph_predicts_as_its_4bit_graph(smol_bundle):
+    """The real model on real text: the int8 graph's next-token choices agree with the 4-bit graph's nearly
+    everywhere, and its log-likelihood of the text is within a percent (benchmarks/quality_smollm2.py measures it)."""
+    from lineside.runtime.sampling import log_softmax
+    from lineside.runtime.tokenizer import Tokenizer
+
+    bundle = open_bundle(smol_bundle)
+    tok = Tokenizer.from_bundle(bundle)
+    text = ("The maintenance team checks every conveyor belt at the start of each shift. A worn belt is replaced "
+            "before it tears, because a stopped line costs far more than a spare part. Bearings are greased weekly, "
+            "and any motor that runs hot is logged, inspected and, if needed, swapped during the next planned stop.")
+    ids = tok.encode(text, add_special=False)
+    be = OnnxRuntimeBackend(bundle)
+    base = compute_logits(be, ids, "prefill")
+    int8 = prefill_logits(be, ids)
+    agree = float((base.argmax(-1) == int8.argmax(-1)).mean())
+    nll = [-sum(log_softmax(lg[i])[t] for i, t in enumerate(ids[1:])) / (len(ids) - 1) for lg in (base, int8)]
+    assert agree >= 0.85, agree
+    assert abs(nll[1] - nll[0]) < 0.01 * nll[0] + 0.01, nll
