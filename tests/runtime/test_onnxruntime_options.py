@@ -1,4 +1,5 @@
-"""onnxruntime session settings the backend chooses: intra-op spinning is on unless LINESIDE_ORT_SPIN=0 or spin=False."""
+"""onnxruntime session settings the backend chooses: intra-op spinning is on (within a run) unless LINESIDE_ORT_SPIN=0 or
+spin=False."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def test_spinning(tiny_bundle, monkeypatch, env, arg, want):
         monkeypatch.setenv(SPIN_ENV, env)
     be = OnnxRuntimeBackend(open_bundle(tiny_bundle), spin=arg)
     assert _spin(be) == want and be.spinning == (want == "1")
+    # a spinning pool stops when its run ends: a second session's pool (the prefill graph) must not spin against it
+    assert be.session.get_session_options().get_session_config_entry("session.force_spinning_stop") == want
 
 
 def test_a_trt_only_w4a16_bundle_runs_exact_on_onnxruntime(tiny_bundles):
