@@ -39,7 +39,7 @@ def main(
     draft_layers: b.DraftLayersOpt = None,
     max_lora_rank: b.MaxLoraRankOpt = 0,
     lora_targets: b.LoraTargetsOpt = None,
-    prefill_graph: b.PrefillGraphOpt = True,
+    prefill_graph: b.PrefillGraphOpt = None,
     force: b.ForceOpt = False,
     quiet: b.QuietOpt = False,
     engine: Annotated[bool, typer.Option(help="also build the TensorRT engine when TensorRT is importable")] = True,

@@ -58,8 +58,9 @@ MaxLoraRankOpt = Annotated[int, checks.number_option(
     low=0, high=1024, help="also build LoRA graphs (multi-adapter serving); the adapter slots' default rank (0: none)")]
 LoraTargetsOpt = Annotated[str | None, typer.Option(help="linears the LoRA graphs adapt: comma list of "
                                                          "q,k,v,o,gate,up,down or all (the default)")]
-PrefillGraphOpt = Annotated[bool, typer.Option(help="cpu flavor: also an int8 graph for prompt chunks (3x faster "
-                                                   "prefill; the bundle holds an int8 copy of every linear)")]
+PrefillGraphOpt = Annotated[bool | None, typer.Option(help="cpu flavor: also an int8 graph for prompt chunks (3x faster "
+                                                          "prefill; the bundle holds an int8 copy of every linear); "
+                                                          "default: on at --accuracy-level 4")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
@@ -80,7 +81,7 @@ def build(
     draft_layers: DraftLayersOpt = None,
     max_lora_rank: MaxLoraRankOpt = 0,
     lora_targets: LoraTargetsOpt = None,
-    prefill_graph: PrefillGraphOpt = True,
+    prefill_graph: PrefillGraphOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

@@ -59,7 +59,15 @@ class BuildOptions:
     force: bool = False
     max_lora_rank: int = 0  # > 0: also emit each flavor's LoRA graph (graph/lora.py); the slots' default rank
     lora_targets: tuple[LoraTarget, ...] | None = None  # None: ALL_TARGETS; given, it needs max_lora_rank
-    prefill_graph: bool = True  # the cpu flavor's int8 variant for prompt chunks (graph/prefill.py), dense families
+    # the cpu flavor's int8 variant for prompt chunks (graph/prefill.py), dense families; None: at accuracy level 4
+    prefill_graph: bool | None = None
+
+    @property
+    def builds_prefill_graph(self) -> bool:
+        """Whether the cpu flavor gets the int8 prompt graph: asked for, or by default where the 4-bit graph's
+        activations are int8 already (accuracy level 4). Levels 0-3 keep float activations, the exactness the
+        option promises: int8 prompts would put every answer's first token ~5% off its decode steps' logits."""
+        return self.accuracy_level == 4 if self.prefill_graph is None else self.prefill_graph
 
     def validate(self) -> None:
         if self.quant not in ("fp32", "fp16", "w8a16", "w4a16"):
@@ -199,7 +207,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
 
         key_means = key_means_for(cfg, ckpt, opts.calib, log)
     prefill_act_max = None
-    if opts.prefill_graph and "cpu" in opts.flavors and spec.quantized and cfg.architecture in DENSE_FAMILIES:
+    if opts.builds_prefill_graph and "cpu" in opts.flavors and spec.quantized and cfg.architecture in DENSE_FAMILIES:
         from lineside.build.quant.smooth import prefill_calibration
 
         # the linears' inputs as the graph computes them: AWQ's scales folded into norms and up_proj change them

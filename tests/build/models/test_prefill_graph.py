@@ -225,3 +225,19 @@ def test_smollm2_prefill_graph_predicts_as_its_4bit_graph(smol_bundle):
     nll = [-sum(log_softmax(lg[i])[t] for i, t in enumerate(ids[1:])) / (len(ids) - 1) for lg in (base, int8)]
     assert agree >= 0.85, agree
     assert abs(nll[1] - nll[0]) < 0.01 * nll[0] + 0.01, nll
+
+
+def test_accuracy_level_0_keeps_prompts_exact(w4_bundle, tiny_dense):
+    """--accuracy-level 0 asks for float32 activations (exact): its prompts ran on the int8 graph all the same,
+    a prompt's last logits 5% off what the same bundle's decode steps give (tiny Llama). At level 0 no prefill graph is
+    built unless asked for (--prefill-graph), and a prompt chunk equals one-token steps to float32 rounding."""
+    exact = w4_bundle(accuracy_level=0)
+    assert exact.flavor("cpu").prefill_graph is None
+    be = OnnxRuntimeBackend(exact)
+    assert be.prefill_session is None
+    be.reset_slot(0)
+    last = be.forward(StepBatch.single(0, IDS, 0))[0, -1]
+    steps = compute_logits(be, IDS, "decode")
+    assert rel_err(last, steps[-1]) < 1e-4
+    assert w4_bundle(accuracy_level=0, prefill_graph=True).flavor("cpu").prefill_graph is not None
+    assert w4_bundle().flavor("cpu").prefill_graph is not None  # level 4 (the default): int8 activations anyway
