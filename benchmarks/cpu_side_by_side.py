@@ -275,16 +275,6 @@ def weight_bytes(paths: list[Path]) -> int:
                if p.is_file() and p.suffix in (".gguf", ".data", ".onnx", ".bin", ".safetensors"))
 
 
-def graph_weight_bytes(graph: Path) -> int:
-    """Bytes of the initializers one ONNX graph reads (a bundle's data file also holds its prefill graph's int8
-    weights, which decode never touches)."""
-    import onnx
-
-    model = onnx.load(str(graph), load_external_data=False)
-    return sum(int({e.key: e.value for e in t.external_data}.get("length", 0)) if t.external_data
-               else len(t.raw_data) for t in model.graph.initializer)
-
-
 def boost_priority() -> bool:
     """On a shared machine, run in a new session whose autogroup gets nice -20 (root only); True if done.
 
@@ -385,11 +375,14 @@ def _main() -> None:
     results = measure(runners, args.repeats)
     files = {"ort-genai": [args.work / f"ortgenai_int4_b{args.block_size}_acc{args.accuracy_level}"],
              "llama.cpp": [gguf]}
+    from lineside.bundle import open_bundle as read_bundle
+
     bandwidth = copy_bandwidth(args.threads)
     for name, r in results.items():
         r["config"] = configs[name]
-        r["weight_bytes"] = graph_weight_bytes(args.bundle / "graphs" / "cpu" / "model.onnx") if name == "lineside" \
-            else weight_bytes(files[name])
+        # a bundle's data file also holds its prefill graph's int8 weights, which decode never touches
+        r["weight_bytes"] = read_bundle(args.bundle).graph_weight_bytes("graphs/cpu/model.onnx") \
+            if name == "lineside" else weight_bytes(files[name])
         r["floor_tps"] = bandwidth / r["weight_bytes"] if r["weight_bytes"] else None
         print(f"[{name}] {_brief(r)}", flush=True)
 

@@ -245,6 +245,15 @@ class Bundle:
     def file(self, rel: str) -> Path:
         return self.path / rel
 
+    def graph_weight_bytes(self, rel: str) -> int:
+        """Bytes of the initializers the graph ``rel`` reads (a decode step reads them all): not the size of its data
+        file, which a flavor's graphs share (the cpu flavor's int8 prefill weights sit in it too)."""
+        import onnx
+
+        model = onnx.load(str(self.file(rel)), load_external_data=False)
+        return sum(int({e.key: e.value for e in t.external_data}.get("length", 0)) if t.external_data
+                   else len(t.raw_data) for t in model.graph.initializer)
+
     @property
     def tokenizer_dir(self) -> Path:
         return self.path / "tokenizer"

@@ -135,8 +135,7 @@ def _cost(spec: SpeculativeConfig, estimate: float) -> float:
 def _size_ratio(draft: Bundle, target: Bundle) -> float:
     """A draft step's cost in target decode steps, estimated from the graphs' weight bytes (decode reads them all)."""
     def weight_bytes(b: Bundle) -> int:
-        g = b.flavor("cpu" if "cpu" in b.flavors else next(iter(b.flavors), "cpu")).graph
-        return sum(f.size for rel, f in b.manifest.files.items() if rel == g or rel.startswith(g + "."))
+        return b.graph_weight_bytes(b.flavor("cpu" if "cpu" in b.flavors else next(iter(b.flavors), "cpu")).graph)
 
     t = weight_bytes(target)
     return min(1.0, weight_bytes(draft) / t) if t else 1.0

@@ -241,3 +241,15 @@ def test_accuracy_level_0_keeps_prompts_exact(w4_bundle, tiny_dense):
     assert rel_err(last, steps[-1]) < 1e-4
     assert w4_bundle(accuracy_level=0, prefill_graph=True).flavor("cpu").prefill_graph is not None
     assert w4_bundle().flavor("cpu").prefill_graph is not None  # level 4 (the default): int8 activations anyway
+
+
+def test_a_drafts_cost_counts_the_decode_graphs_weights_only(w4_bundle):
+    """The data file holds the prefill graph's int8 weights too: a draft's cost in target steps (adaptive draft
+    length) is judged on what a decode step reads, so a bundle with and one without a prefill graph cost the same."""
+    from lineside.runtime.speculative.proposers import _size_ratio
+
+    with_graph, without = w4_bundle(), w4_bundle(prefill_graph=False)
+    assert with_graph.file("graphs/cpu/model.onnx.data").stat().st_size > \
+        1.5 * without.file("graphs/cpu/model.onnx.data").stat().st_size
+    assert _size_ratio(without, with_graph) == pytest.approx(1.0)
+    assert with_graph.graph_weight_bytes("graphs/cpu/model.onnx") == without.graph_weight_bytes("graphs/cpu/model.onnx")
