@@ -206,13 +206,13 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         from lineside.build.quant.kv_calib import key_means_for
 
         key_means = key_means_for(cfg, ckpt, opts.calib, log)
-    prefill_act_max = None
+    prefill_stats = None
     if opts.builds_prefill_graph and "cpu" in opts.flavors and spec.quantized and cfg.architecture in DENSE_FAMILIES:
         from lineside.build.quant.smooth import prefill_calibration
 
         # the linears' inputs as the graph computes them: AWQ's scales folded into norms and up_proj change them
         get = ckpt.get if plan is None else (lambda n: plan.transform(n, ckpt.get(n)))
-        prefill_act_max = prefill_calibration(cfg, ckpt, get, opts.calib, progress)
+        prefill_stats = prefill_calibration(cfg, ckpt, get, opts.calib, progress)
     carried: dict[str, str] = {}
     flavors: dict[str, FlavorEntry] = {}
     for flavor in opts.flavors:
@@ -230,8 +230,8 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
                 kw["lora_x_scales"] = plan.col_scale
         if key_means is not None and flavor == "trt":
             kw["key_means"] = key_means
-        if flavor == "cpu" and prefill_act_max is not None:
-            kw["prefill_act_max"] = prefill_act_max
+        if flavor == "cpu" and prefill_stats is not None:
+            kw["prefill_stats"] = prefill_stats
         entry = family.emit_graph(cfg, source if source is not None else getter, spec, flavor, tmp / rel,
                                   max_seq, progress=tick, awq_scales=plan.input_scale if plan else None, **kw)
         for draft in entry.extra.get(DRAFT_GRAPHS, {}).values():  # written beside the graph, named by file

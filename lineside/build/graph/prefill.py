@@ -26,9 +26,10 @@ import onnx
 from onnx import helper
 
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
-from lineside.build.quant.smooth import smooth_scales
+from lineside.build.quant.smooth import InputStats, Int8Form, choose_form
 
 PREFILL_GRAPH = "prefill_graph"  # the flavor record's key: the variant's file name beside the base graph
+PREFILL_FORMS = "prefill_forms"  # ... and how many linears took each int8 form (quant/smooth.Int8Form)
 
 
 @dataclass
@@ -39,16 +40,23 @@ class _Variant:
     initializers: list[onnx.TensorProto] = field(default_factory=list)
     quantized_inputs: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # x -> (q 2-D, scale, lead shape)
     names: set[str] = field(default_factory=set)  # of ``initializers``
-    act_max: dict[str, np.ndarray] = field(default_factory=dict)  # linear name -> its input's channel maxima
+    stats: dict[str, InputStats] = field(default_factory=dict)  # linear name -> its input on calibration text
+    forms: dict[str, Int8Form] = field(default_factory=dict)  # linear name -> the form it took
 
 
 _VARIANTS: weakref.WeakKeyDictionary[GraphBuilder, _Variant] = weakref.WeakKeyDictionary()
 
 
-def enable(gb: GraphBuilder, act_max: dict[str, np.ndarray] | None = None) -> None:
-    """Record the linears ``gb`` emits from now on, for ``write_prefill_graph``; ``act_max``: by linear name, its
-    input channels' largest magnitudes on calibration text (quant/smooth.py), for SmoothQuant."""
-    _VARIANTS.setdefault(gb, _Variant()).act_max.update(act_max or {})
+def enable(gb: GraphBuilder, stats: dict[str, InputStats] | None = None) -> None:
+    """Record the linears ``gb`` emits from now on, for ``write_prefill_graph``; ``stats``: by linear name, its
+    input on calibration text (quant/smooth.py), which picks each linear's int8 form (a linear without: plain)."""
+    _VARIANTS.setdefault(gb, _Variant()).stats.update(stats or {})
+
+
+def forms(gb: GraphBuilder) -> dict[str, Int8Form]:
+    """The int8 form each recorded linear took, by name."""
+    variant = _VARIANTS.get(gb)
+    return {} if variant is None else dict(variant.forms)
 
 
 def enabled(gb: GraphBuilder) -> bool:
@@ -74,10 +82,13 @@ def record_linear(gb: GraphBuilder, x: str, y: str, name: str, weight: Callable[
     w = weight()
     n, k = w.shape
     nodes: list[onnx.NodeProto] = []
-    act_max = variant.act_max.get(name)
-    if act_max is not None and act_max.shape == (k,):
+    stats = variant.stats.get(name)
+    form, s = (Int8Form.PLAIN, None) if stats is None or stats.amax.shape != (k,) else choose_form(stats, w)[:2]
+    variant.forms[name] = form
+    if form == Int8Form.KEEP_4BIT:
+        return  # the variant keeps the base graph's node for this linear
+    if s is not None:
         # SmoothQuant (quant/smooth.py): x / s quantized per row, W * s per output channel; its own row quantizer
-        s = smooth_scales(act_max, w)
         w = w * s[None, :]
         inv = _weight(gb, variant, f"{name}.prefill_inv_smooth", (1.0 / s).astype(np.float32))
         smoothed = f"{name}/prefill_smoothed"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from onnx import TensorProto
@@ -28,6 +28,9 @@ from lineside.config import ModelConfig
 from lineside.errors import CheckpointError, ConfigError
 from lineside.graph_io import StateTensor, StateUpdate
 from lineside.lora import SITES, LoraTarget, lora_sites
+
+if TYPE_CHECKING:  # quant/smooth.py runs the float forward through quant/calibrate.py, which reads this module
+    from lineside.build.quant.smooth import InputStats
 
 F32 = TensorProto.FLOAT
 
@@ -137,7 +140,7 @@ class DenseEmitter:
                  onnx_path: Path, max_seq_len: int, awq_scales: dict[str, np.ndarray] | None = None,
                  draft_layers: tuple[int, ...] = (), lora_targets: tuple[LoraTarget, ...] = (),
                  key_means: np.ndarray | None = None, lora_x_scales: dict[str, np.ndarray] | None = None,
-                 prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None):
+                 prefill_stats: dict[tuple[int, str], InputStats] | None = None):
         from lineside.build.graph import prefill
         from lineside.build.graph.embedding import emit_embedding
         from lineside.build.graph.linear import emit_linear, emit_lm_head
@@ -149,10 +152,10 @@ class DenseEmitter:
         self.awq = awq_scales or {}
         self.key_means = key_means if flavor == "trt" and spec.kv_dtype == "int4" else None
         self.gb = GraphBuilder(onnx_path, name=f"{cfg.architecture}-{flavor}")
-        if prefill_act_max is not None and flavor == "cpu" and spec.quantized:
-            # every linear also recorded on int8, for the prompt's variant (graph/prefill.py), smoothed by its input's
-            # channel maxima (quant/smooth.py), looked up by the names the linears are emitted under
-            prefill.enable(self.gb, {name: m for (i, group), m in prefill_act_max.items()
+        if prefill_stats is not None and flavor == "cpu" and spec.quantized:
+            # every linear also recorded on int8, for the prompt's variant (graph/prefill.py), in the form its input on
+            # calibration text favours (quant/smooth.py), looked up by the names the linears are emitted under
+            prefill.enable(self.gb, {name: m for (i, group), m in prefill_stats.items()
                                      for name in linear_names(cfg, i, group)})
         self._emit_linear, self._emit_embedding, self._emit_lm_head = emit_linear, emit_embedding, emit_lm_head
         self.rot_dim = cfg.rotary_dim or cfg.head_dim
@@ -277,11 +280,18 @@ class DenseEmitter:
 
             lora = write_lora_graph(g, self.lora_tensors, g.onnx_path.with_name(g.onnx_path.stem + ".lora.onnx"))
             extra["lora_graph"] = lora.name  # beside the base graph, reading its external data
-        from lineside.build.graph.prefill import PREFILL_GRAPH, write_prefill_graph
+        from lineside.build.graph import prefill
+        from lineside.build.graph.prefill import PREFILL_FORMS, PREFILL_GRAPH, write_prefill_graph
+        from lineside.build.quant.smooth import Int8Form
 
         variant = write_prefill_graph(g, g.onnx_path.with_name(g.onnx_path.stem + ".prefill.onnx"))
         if variant is not None:
             extra[PREFILL_GRAPH] = variant.name  # beside the base graph, its int8 weights in the same data file
+            forms = prefill.forms(g)  # how many linears took each int8 form, and which kept their 4-bit node
+            extra[PREFILL_FORMS] = {str(f): sum(v == f for v in forms.values()) for f in Int8Form}
+            kept = sorted(n for n, f in forms.items() if f == Int8Form.KEEP_4BIT)
+            if kept:
+                extra[PREFILL_FORMS]["kept_4bit"] = kept
         return FlavorEntry(inputs=[v.name for v in g.inputs], state=states, activation_dtype="float32", extra=extra)
 
     def _gather_positions(self, h: str) -> str:
@@ -537,14 +547,14 @@ def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flav
                awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
                lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
                lora_x_scales: dict[str, np.ndarray] | None = None,
-               prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None) -> FlavorEntry:
+               prefill_stats: dict[tuple[int, str], InputStats] | None = None) -> FlavorEntry:
     """Write the dense graph for ``flavor`` to ``onnx_path`` (its layerskip drafts and, given LoRA targets, its LoRA
     variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
     cache subtracts from its keys (quant/kv_calib.py). ``lora_x_scales``: linear → s where AWQ folded 1/s into
-    its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s. ``prefill_act_max`` (layer,
-    group) → channel maxima (quant/smooth.py): also the cpu flavor's int8 variant for prompt chunks (graph/prefill.py)."""
+    its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s. ``prefill_stats`` (layer,
+    group) → its input on calibration text (quant/smooth.py): also the cpu flavor's int8 variant for prompt chunks (graph/prefill.py)."""
     return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
-                        key_means=key_means, lora_x_scales=lora_x_scales, prefill_act_max=prefill_act_max).emit(progress)
+                        key_means=key_means, lora_x_scales=lora_x_scales, prefill_stats=prefill_stats).emit(progress)
 
 
 class DenseFamily(ModelFamily):
@@ -584,10 +594,10 @@ class DenseFamily(ModelFamily):
                    awq_scales: dict[str, np.ndarray] | None = None, draft_layers: tuple[int, ...] = (),
                    lora_targets: tuple[LoraTarget, ...] = (), key_means: np.ndarray | None = None,
                    lora_x_scales: dict[str, np.ndarray] | None = None,
-                   prefill_act_max: dict[tuple[int, str], np.ndarray] | None = None) -> FlavorEntry:
+                   prefill_stats: dict[tuple[int, str], InputStats] | None = None) -> FlavorEntry:
         get = weights if callable(weights) else weights.get  # a WeightSource reads by name too
         return emit_graph(cfg, get, spec, flavor, onnx_path, max_seq_len, progress, awq_scales, draft_layers,
-                          lora_targets, key_means, lora_x_scales, prefill_act_max)
+                          lora_targets, key_means, lora_x_scales, prefill_stats)
 
 
 FAMILY = DenseFamily()

@@ -1,14 +1,18 @@
-"""SmoothQuant for the int8 prefill graph: activations' largest magnitude per input channel, on calibration text.
+"""SmoothQuant for the int8 prefill graph, and each linear's choice of int8 form, judged on calibration text.
 
 A prompt row quantized to int8 as a whole loses its small channels to its few large ones (SmolLM2: +2.1%
 perplexity with every linear's row quantized plainly, half of it from ``down_proj``). Dividing each input channel
 by ``s = amax_x^alpha / amax_w^(1-alpha)`` and multiplying the weight's column by it (Xiao et al., SmoothQuant,
-2023) moves that range into the weights, which are quantized per output channel and so barely mind it.
+2023) moves that range into the weights, which are quantized per output channel and so barely mind it. Where the
+inputs have no such channels smoothing can cost more than it gives, and where a weight mixes scales thousands apart
+in one output channel (a GGUF's extreme blocks) no int8 form holds it: each linear takes whichever of smoothed,
+plain or its 4-bit node (kept in the prefill graph) is closest to the float product on sampled calibration rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,19 +20,38 @@ import numpy as np
 from lineside.build.checkpoint import CheckpointReader
 from lineside.build.quant.calibrate import checkpoint_calibration_ids, dense_forward
 from lineside.config import ModelConfig
+from lineside.strenum import StrEnum
 
 SMOOTH_SEQS = 2  # calibration sequences (of calibrate.SEQ_LEN tokens): the large channels are the same on any text
 ALPHA = 0.5  # SmoothQuant's balance between the activations' range and the weights'
+SAMPLE_ROWS = 64  # calibration rows per linear input on which the int8 forms are judged
+MAX_INT8_ERROR = 0.05  # relative output error on those rows above which a linear keeps its 4-bit node
 
 
-def activation_max(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray
-                   ) -> dict[tuple[int, str], np.ndarray]:
-    """(layer, group) → float32 ``[in_features]``: each input channel's largest magnitude over ``ids``; groups are
-    dense_forward's (``qkv``, ``o``, ``gate_up``, ``down``)."""
-    stats: dict[tuple[int, str], np.ndarray] = {}
+@dataclass(frozen=True)
+class InputStats:
+    """A linear input on calibration text: each channel's largest magnitude, and a sample of its rows."""
+
+    amax: np.ndarray  # float32 [in_features]
+    rows: np.ndarray  # float32 [<= SAMPLE_ROWS, in_features]
+
+
+class Int8Form(StrEnum):
+    SMOOTHED = "smoothed"
+    PLAIN = "plain"
+    KEEP_4BIT = "4-bit"  # no int8 form is close enough: the prefill graph keeps the base graph's node
+
+
+def activation_stats(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray
+                     ) -> dict[tuple[int, str], InputStats]:
+    """(layer, group) → InputStats over ``ids``; groups are dense_forward's (``qkv``, ``o``, ``gate_up``, ``down``)."""
+    stats: dict[tuple[int, str], InputStats] = {}
+    rng = np.random.default_rng(0)
 
     def hook(layer: int, group: str, _names: list[str], x: np.ndarray, _n: dict[str, str]) -> None:
-        stats[layer, group] = np.abs(x).reshape(-1, x.shape[-1]).max(axis=0).astype(np.float32)
+        flat = x.reshape(-1, x.shape[-1]).astype(np.float32)
+        pick = np.sort(rng.choice(len(flat), min(SAMPLE_ROWS, len(flat)), replace=False))
+        stats[layer, group] = InputStats(np.abs(flat).max(axis=0), np.ascontiguousarray(flat[pick]))
 
     dense_forward(cfg, get, ids, hook)
     return stats
@@ -36,12 +59,12 @@ def activation_max(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.n
 
 def prefill_calibration(cfg: ModelConfig, ckpt: CheckpointReader, get: Callable[[str], np.ndarray],
                         calib: Path | None, progress: Callable[[str, int], Callable[[int], None]]
-                        ) -> dict[tuple[int, str], np.ndarray]:
-    """activation_max (weights read through ``get``) over SMOOTH_SEQS sequences of --calib or the shipped text, in
+                        ) -> dict[tuple[int, str], InputStats]:
+    """activation_stats (weights read through ``get``) over SMOOTH_SEQS sequences of --calib or the shipped text, in
     ``ckpt``'s tokens: one float forward (~1 s for 135M parameters)."""
     ids = checkpoint_calibration_ids(ckpt, cfg, calib, max_seqs=SMOOTH_SEQS)
     tick = progress("prefill graph calibration", 1)
-    stats = activation_max(cfg, get, ids)
+    stats = activation_stats(cfg, get, ids)
     tick(1)
     return stats
 
@@ -53,3 +76,31 @@ def smooth_scales(act_max: np.ndarray, w: np.ndarray, alpha: float = ALPHA) -> n
         s = np.power(np.asarray(act_max, dtype=np.float32), alpha) / np.power(w_max, 1.0 - alpha)
     ok = np.isfinite(s) & (s > 0)
     return np.where(ok, np.clip(s, 1e-4, 1e4), 1.0).astype(np.float32)
+
+
+def int8_error(rows: np.ndarray, w: np.ndarray, s: np.ndarray | None) -> float:
+    """Relative error of the prefill graph's int8 product (rows / s quantized per row, W * s per output channel)
+    against ``rows @ W^T`` in float; 0 for rows whose product is all zero."""
+    ref = rows @ w.T
+    x, wq = (rows, w) if s is None else (rows / s, w * s[None, :])
+    row_step = np.abs(x).max(axis=1, keepdims=True) / 127
+    row_step = np.where(row_step > 0, row_step, 1.0)
+    col_step = np.abs(wq).max(axis=1) / 127
+    col_step = np.where(col_step > 0, col_step, 1.0)
+    got = (np.rint(x / row_step) * row_step) @ (np.rint(wq / col_step[:, None]) * col_step[:, None]).T
+    norm = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(got - ref)) / norm if norm > 0 else 0.0
+
+
+def choose_form(stats: InputStats, w: np.ndarray) -> tuple[Int8Form, np.ndarray | None, float]:
+    """(form, smoothing scales for SMOOTHED else None, its error on the sampled rows): the closer of smoothed and
+    plain int8, or KEEP_4BIT when even that is off by more than MAX_INT8_ERROR."""
+    s = smooth_scales(stats.amax, w)
+    with np.errstate(all="ignore"):
+        smoothed, plain = int8_error(stats.rows, w, s), int8_error(stats.rows, w, None)
+    if not np.isfinite(smoothed) and not np.isfinite(plain):
+        return Int8Form.KEEP_4BIT, None, float("inf")
+    form, err = (Int8Form.SMOOTHED, smoothed) if smoothed <= plain or not np.isfinite(plain) else (Int8Form.PLAIN, plain)
+    if err > MAX_INT8_ERROR:
+        return Int8Form.KEEP_4BIT, None, err
+    return form, (s if form == Int8Form.SMOOTHED else None), err

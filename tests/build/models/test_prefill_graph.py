@@ -13,7 +13,7 @@ from onnx import TensorProto
 
 from lineside.build.graph import prefill
 from lineside.build.graph.builder import GraphBuilder
-from lineside.build.quant.smooth import smooth_scales
+from lineside.build.quant.smooth import InputStats, Int8Form, choose_form, int8_error, smooth_scales
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.generate import compute_logits
@@ -27,16 +27,19 @@ def rel_err(a, ref):
 
 
 # ---- one linear, against numpy ---------------------------------------------------------------------------------
-def run_linear(tmp_path, x, w, bias=None, act_max=None):
-    """x [B, S, K] through one recorded linear of a variant graph (the base graph's node is an Identity)."""
+def run_linear(tmp_path, x, w, bias=None, stats=None, forms=None):
+    """x [B, S, K] through one recorded linear of a variant graph (the base graph's node is an Identity); the form
+    the linear took goes into ``forms``."""
     gb = GraphBuilder(tmp_path / "m.onnx")
-    prefill.enable(gb, {} if act_max is None else {"lin": act_max})
+    prefill.enable(gb, {} if stats is None else {"lin": stats})
     xin = gb.input("x", TensorProto.FLOAT, ["b", "s", w.shape[1]])
     y = gb.op("Identity", [xin], name="lin/base")  # what the base graph computes does not matter here
     prefill.record_linear(gb, xin, y, "lin", lambda: w, bias)
     gb.op("Identity", [y], outputs=["y"])
     gb.output("y", TensorProto.FLOAT, ["b", "s", w.shape[0]])
     gb.save()
+    if forms is not None:
+        forms.update(prefill.forms(gb))
     path = prefill.write_prefill_graph(gb, tmp_path / "m.prefill.onnx")
     assert path is not None
     onnx.checker.check_model(str(path))
@@ -79,9 +82,43 @@ def test_smoothing_keeps_the_product_and_tames_an_outlier_channel(tmp_path):
     x[..., 7] *= 200  # one channel far larger than the rest, as LLM activations have
     ref = x @ w.T
     plain = run_linear(tmp_path / "plain", x, w)
-    smoothed = run_linear(tmp_path / "smooth", x, w, act_max=np.abs(x).reshape(-1, 96).max(0))
+    forms = {}
+    flat = x.reshape(-1, 96)
+    smoothed = run_linear(tmp_path / "smooth", x, w, stats=InputStats(np.abs(flat).max(0), flat[::2]), forms=forms)
+    assert forms == {"lin": Int8Form.SMOOTHED}
     assert rel_err(smoothed, ref) < 0.5 * rel_err(plain, ref)
     assert rel_err(smoothed, ref) < 0.02
+
+
+def test_each_linear_takes_the_int8_form_its_calibration_rows_favour(tmp_path):
+    """Each linear takes the closer of smoothed and plain int8 on its calibration rows; a weight no int8 form holds
+    keeps the base graph's node in the variant."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 64, 96)).astype(np.float32)
+    flat = x.reshape(-1, 96)
+    w = (0.1 * rng.standard_normal((32, 96))).astype(np.float32)
+    stats = InputStats(np.abs(flat).max(0), flat)
+    form, _, err = choose_form(stats, w)
+    assert form in (Int8Form.PLAIN, Int8Form.SMOOTHED) and err < 0.02
+    assert int8_error(flat, w, None) <= int8_error(flat, w, smooth_scales(stats.amax, w)) or form == Int8Form.SMOOTHED
+    # an input channel that is zero on every calibration row meets weights 1e6 times the rest: each output
+    # channel's int8 step is then larger than all its other weights, and no per-input-channel scale helps
+    wild = w.copy()
+    wild[:, 0] = 1e6
+    x2 = x.copy()
+    x2[..., 0] = 0
+    flat2 = x2.reshape(-1, 96)
+    stats2 = InputStats(np.abs(flat2).max(0), flat2)
+    form, _, err = choose_form(stats2, wild)
+    assert form == Int8Form.KEEP_4BIT and err > 0.5
+    gb = GraphBuilder(tmp_path / "m.onnx")
+    prefill.enable(gb, {"lin": stats2})
+    xin = gb.input("x", TensorProto.FLOAT, ["b", "s", 96])
+    prefill.record_linear(gb, xin, gb.op("Identity", [xin]), "lin", lambda: wild, None)
+    assert prefill.forms(gb) == {"lin": Int8Form.KEEP_4BIT}
+    gb.save()
+    # its 4-bit node stays; with nothing else to replace, no prefill graph is written at all
+    assert prefill.write_prefill_graph(gb, tmp_path / "m.prefill.onnx") is None
 
 
 def test_smooth_scales_fall_back_to_one_where_statistics_say_nothing():
