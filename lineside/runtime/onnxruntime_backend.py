@@ -111,7 +111,9 @@ class OnnxRuntimeBackend:
         # machine (benchmarks/served_side_by_side.py --lineside-env spin:LINESIDE_ORT_SPIN=1). On a machine
         # shared with other work a descheduled spinner stalls every kernel after it (2-3x slower measured
         # under load): LINESIDE_ORT_SPIN=0 turns it off there.
-        spin_flag = os.environ.get(SPIN_ENV, "1") if spin is None else ("1" if spin else "0")
+        spin_env = os.environ.get(SPIN_ENV, "1") if spin is None else ("1" if spin else "0")
+        # "keep": threads also spin between runs (the behaviour before force_spinning_stop, for comparison)
+        spin_flag, stop_flag = ("1", "0") if spin_env == "keep" else (spin_env, spin_env)
         self.spinning = spin_flag == "1"
 
         def options() -> Any:
@@ -125,7 +127,7 @@ class OnnxRuntimeBackend:
             # took a core from the other (the prefill graph's after a prompt chunk, the decode graph's after a step):
             # the first decode steps after a 64-token chunk cost 10.5 ms instead of 6.6, the chunk after decode
             # steps 63-70 ms instead of 38; steady decode the same (6.2-6.5 ms a step either way).
-            so.add_session_config_entry("session.force_spinning_stop", spin_flag)
+            so.add_session_config_entry("session.force_spinning_stop", stop_flag)
             return so
 
         def load(rel: str) -> tuple[Any, str]:

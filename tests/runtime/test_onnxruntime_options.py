@@ -26,6 +26,14 @@ def test_spinning(tiny_bundle, monkeypatch, env, arg, want):
     assert be.session.get_session_options().get_session_config_entry("session.force_spinning_stop") == want
 
 
+def test_spinning_between_runs_on_request(tiny_bundle, monkeypatch):
+    """LINESIDE_ORT_SPIN=keep: threads spin and keep spinning after a run (what the default was, to compare)."""
+    monkeypatch.setenv(SPIN_ENV, "keep")
+    be = OnnxRuntimeBackend(open_bundle(tiny_bundle))
+    assert _spin(be) == "1" and be.spinning
+    assert be.session.get_session_options().get_session_config_entry("session.force_spinning_stop") == "0"
+
+
 def test_a_trt_only_w4a16_bundle_runs_exact_on_onnxruntime(tiny_bundles):
     """onnxruntime fuses the trt graph's fp16 DequantizeLinear+MatMul into MatMulNBits at its own default accuracy
     level 4 unless told otherwise (SmolLM2's trt-only bundle then answered all-zero logits); the backend runs the
