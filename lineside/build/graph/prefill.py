@@ -59,10 +59,6 @@ def forms(gb: GraphBuilder) -> dict[str, Int8Form]:
     return {} if variant is None else dict(variant.forms)
 
 
-def enabled(gb: GraphBuilder) -> bool:
-    return gb in _VARIANTS
-
-
 def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float ``[N, K]`` → (int8 ``[K, N]``, float32 scales ``[N]``): 127 steps of each output's largest magnitude."""
     w = np.asarray(w, dtype=np.float32)

@@ -531,7 +531,8 @@ class DenseEmitter:
 
 def fused_name(layer: int, group: str) -> str:
     """The name a fused linear (``qkv``, ``gate_up``) is emitted under."""
-    return {"qkv": f"model.layers.{layer}.self_attn.qkv_proj", "gate_up": f"model.layers.{layer}.mlp.gate_up_proj"}[group]
+    return {"qkv": f"model.layers.{layer}.self_attn.qkv_proj",
+            "gate_up": f"model.layers.{layer}.mlp.gate_up_proj"}[group]
 
 
 def linear_names(cfg: ModelConfig, layer: int, group: str) -> list[str]:
@@ -552,7 +553,8 @@ def emit_graph(cfg: ModelConfig, get_weight: WeightGetter, spec: QuantSpec, flav
     variant beside it); returns its manifest entry. ``key_means`` [layers, kv_heads, head_dim]: what an int4
     cache subtracts from its keys (quant/kv_calib.py). ``lora_x_scales``: linear → s where AWQ folded 1/s into
     its input (AwqPlan.col_scale); the LoRA variant multiplies that input back by s. ``prefill_stats`` (layer,
-    group) → its input on calibration text (quant/smooth.py): also the cpu flavor's int8 variant for prompt chunks (graph/prefill.py)."""
+    group) → its input on calibration text (quant/smooth.py): also the cpu flavor's int8 variant for prompt
+    chunks (graph/prefill.py)."""
     return DenseEmitter(cfg, get_weight, spec, flavor, onnx_path, max_seq_len, awq_scales, draft_layers, lora_targets,
                         key_means=key_means, lora_x_scales=lora_x_scales, prefill_stats=prefill_stats).emit(progress)
 

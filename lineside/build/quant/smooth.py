@@ -44,7 +44,7 @@ class Int8Form(StrEnum):
 
 def activation_stats(cfg: ModelConfig, get: Callable[[str], np.ndarray], ids: np.ndarray
                      ) -> dict[tuple[int, str], InputStats]:
-    """(layer, group) → InputStats over ``ids``; groups are dense_forward's (``qkv``, ``o``, ``gate_up``, ``down``)."""
+    """(layer, group) → InputStats over ``ids``; the groups are dense_forward's (qkv, o, gate_up, down)."""
     stats: dict[tuple[int, str], InputStats] = {}
     rng = np.random.default_rng(0)
 
@@ -100,7 +100,8 @@ def choose_form(stats: InputStats, w: np.ndarray) -> tuple[Int8Form, np.ndarray 
         smoothed, plain = int8_error(stats.rows, w, s), int8_error(stats.rows, w, None)
     if not np.isfinite(smoothed) and not np.isfinite(plain):
         return Int8Form.KEEP_4BIT, None, float("inf")
-    form, err = (Int8Form.SMOOTHED, smoothed) if smoothed <= plain or not np.isfinite(plain) else (Int8Form.PLAIN, plain)
+    smoother = smoothed <= plain or not np.isfinite(plain)
+    form, err = (Int8Form.SMOOTHED, smoothed) if smoother else (Int8Form.PLAIN, plain)
     if err > MAX_INT8_ERROR:
         return Int8Form.KEEP_4BIT, None, err
     return form, (s if form == Int8Form.SMOOTHED else None), err

@@ -159,8 +159,9 @@ def prefill_logits(be, ids):
     return be._run(StepBatch.single(0, ids, 0, all_logits=True), session=be.prefill_session)[0][0]
 
 
-@pytest.mark.parametrize(("variant", "method"), [("llama-gqa", "rtn"), ("qwen2-bias-tied", "rtn"), ("llama-bias", "rtn"),
-                                                 ("llama-gqa", "awq"), ("qwen2-bias-tied", "gptq")])
+@pytest.mark.parametrize(("variant", "method"), [("llama-gqa", "rtn"), ("qwen2-bias-tied", "rtn"),
+                                                 ("llama-bias", "rtn"), ("llama-gqa", "awq"),
+                                                 ("qwen2-bias-tied", "gptq")])
 def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tiny_dense, variant, method):
     """AWQ folds scales into norms and up_proj (the statistics are taken on the graph's own inputs); GPTQ's grids
     are dequantized exactly."""
