@@ -375,13 +375,13 @@ def _main() -> None:
     results = measure(runners, args.repeats)
     files = {"ort-genai": [args.work / f"ortgenai_int4_b{args.block_size}_acc{args.accuracy_level}"],
              "llama.cpp": [gguf]}
-    from lineside.bundle import open_bundle as read_bundle
+    from lineside.bundle import open_bundle
 
     bandwidth = copy_bandwidth(args.threads)
     for name, r in results.items():
         r["config"] = configs[name]
         # a bundle's data file also holds its prefill graph's int8 weights, which decode never touches
-        r["weight_bytes"] = read_bundle(args.bundle).graph_weight_bytes("graphs/cpu/model.onnx") \
+        r["weight_bytes"] = open_bundle(args.bundle).graph_weight_bytes("graphs/cpu/model.onnx") \
             if name == "lineside" else weight_bytes(files[name])
         r["floor_tps"] = bandwidth / r["weight_bytes"] if r["weight_bytes"] else None
         print(f"[{name}] {_brief(r)}", flush=True)

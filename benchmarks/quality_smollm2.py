@@ -135,10 +135,10 @@ def ort_backend(bundle) -> OnnxRuntimeBackend:
     return OnnxRuntimeBackend(bundle, num_slots=1, flavor="trt", accuracy_level=0)
 
 
-def lineside_logits_fn(bundle, score: str = "base"):
+def lineside_logits_fn(bundle, score: str = "base", be: OnnxRuntimeBackend | None = None):
     """Logits at every position from the base graph, or (``score="prefill"``) from the int8 prefill graph, which
-    serving uses only for a prompt chunk's cache and its last position."""
-    be = ort_backend(bundle)
+    serving uses only for a prompt chunk's cache and its last position; ``be``: the bundle's backend, if open."""
+    be = be or ort_backend(bundle)
     if score == "prefill" and be.prefill_session is None:
         raise SystemExit("the bundle has no prefill graph: build it with --prefill-graph (the default)")
 
@@ -212,13 +212,14 @@ def main() -> None:
                 tok = Tokenizer.from_bundle(bundle)
                 ids = tok.encode(eval_text(), add_special=False)[: args.tokens]
                 long_ids = tok.encode(long_text(), add_special=False)[: args.long_tokens + 1]
-            logits_fn = lineside_logits_fn(bundle, score)
+            be = ort_backend(bundle)  # one session pair per bundle, for every score below
+            logits_fn = lineside_logits_fn(bundle, score, be)
             ppl = perplexity(logits_fn, ids, args.chunk)
             long_ppl = perplexity(logits_fn, long_ids, len(long_ids)) if args.long_tokens else None
-            cont_ppl = continuation_perplexity(ort_backend(bundle), ids) if args.continuation else None
+            cont_ppl = continuation_perplexity(be, ids) if args.continuation else None
             answers, answer_ids = [], []
             if args.answers:
-                gen = Generator(bundle, backend=ort_backend(bundle))
+                gen = Generator(bundle, backend=be)
                 outs = [gen.generate(p, args.answers, chat=True) for p in PROMPTS]
                 answers = [o.text.strip().replace("\n", " ") for o in outs]
                 answer_ids = [list(o.token_ids) for o in outs]

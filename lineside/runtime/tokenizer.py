@@ -370,6 +370,8 @@ def _common_prefix(a: Any, b: Any) -> int:
 
 
 _TAIL_CHARS = 256
+
+
 def _checked_record(record: Any) -> dict[str, Any]:
     """The manifest's tokenizer record (the manifest is not checksummed: hand edits reach here): an object whose
     bos_token_id is an id and eos_token_ids a list of ids. A string, a bare number or a list where the build writes

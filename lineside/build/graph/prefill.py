@@ -26,7 +26,7 @@ import onnx
 from onnx import helper
 
 from lineside.build.graph.builder import MS_DOMAIN, GraphBuilder
-from lineside.build.quant.smooth import InputStats, Int8Form, choose_form
+from lineside.build.quant.smooth import InputStats, Int8Form, choose_form, quantize_columns
 
 PREFILL_GRAPH = "prefill_graph"  # the flavor record's key: the variant's file name beside the base graph
 PREFILL_FORMS = "prefill_forms"  # ... and how many linears took each int8 form (quant/smooth.Int8Form)
@@ -57,15 +57,6 @@ def forms(gb: GraphBuilder) -> dict[str, Int8Form]:
     """The int8 form each recorded linear took, by name."""
     variant = _VARIANTS.get(gb)
     return {} if variant is None else dict(variant.forms)
-
-
-def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float ``[N, K]`` → (int8 ``[K, N]``, float32 scales ``[N]``): 127 steps of each output's largest magnitude."""
-    w = np.asarray(w, dtype=np.float32)
-    amax = np.abs(w).max(axis=1)
-    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    codes = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(codes.T), scales
 
 
 def record_linear(gb: GraphBuilder, x: str, y: str, name: str, weight: Callable[[], np.ndarray],

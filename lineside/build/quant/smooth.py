@@ -78,6 +78,15 @@ def smooth_scales(act_max: np.ndarray, w: np.ndarray, alpha: float = ALPHA) -> n
     return np.where(ok, np.clip(s, 1e-4, 1e4), 1.0).astype(np.float32)
 
 
+def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float ``[N, K]`` → (int8 ``[K, N]``, float32 scales ``[N]``): 127 steps of each output's largest magnitude."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = np.abs(w).max(axis=1)
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    codes = np.clip(np.rint(w / scales[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(codes.T), scales
+
+
 def int8_error(rows: np.ndarray, w: np.ndarray, s: np.ndarray | None) -> float:
     """Relative error of the prefill graph's int8 product (rows / s quantized per row, W * s per output channel)
     against ``rows @ W^T`` in float; 0 for rows whose product is all zero."""
@@ -85,9 +94,8 @@ def int8_error(rows: np.ndarray, w: np.ndarray, s: np.ndarray | None) -> float:
     x, wq = (rows, w) if s is None else (rows / s, w * s[None, :])
     row_step = np.abs(x).max(axis=1, keepdims=True) / 127
     row_step = np.where(row_step > 0, row_step, 1.0)
-    col_step = np.abs(wq).max(axis=1) / 127
-    col_step = np.where(col_step > 0, col_step, 1.0)
-    got = (np.rint(x / row_step) * row_step) @ (np.rint(wq / col_step[:, None]) * col_step[:, None]).T
+    codes, scales = quantize_columns(wq)  # the weights exactly as the prefill graph stores them
+    got = (np.rint(x / row_step) * row_step) @ (codes.astype(np.float32) * scales[None, :])
     norm = float(np.linalg.norm(ref))
     return float(np.linalg.norm(got - ref)) / norm if norm > 0 else 0.0
 

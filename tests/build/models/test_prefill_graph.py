@@ -13,7 +13,14 @@ from onnx import TensorProto
 
 from lineside.build.graph import prefill
 from lineside.build.graph.builder import GraphBuilder
-from lineside.build.quant.smooth import InputStats, Int8Form, choose_form, int8_error, smooth_scales
+from lineside.build.quant.smooth import (
+    InputStats,
+    Int8Form,
+    choose_form,
+    int8_error,
+    quantize_columns,
+    smooth_scales,
+)
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.generate import compute_logits
@@ -133,7 +140,7 @@ def test_smooth_scales_fall_back_to_one_where_statistics_say_nothing():
 def test_quantize_columns_round_trip():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((10, 7)).astype(np.float32)
-    codes, scales = prefill.quantize_columns(w)
+    codes, scales = quantize_columns(w)
     assert codes.dtype == np.int8 and codes.shape == (7, 10) and np.abs(codes).max() == 127
     np.testing.assert_allclose(codes.T * scales[:, None], w, atol=float(scales.max()) / 2 + 1e-7)
 
