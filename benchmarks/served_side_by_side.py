@@ -6,8 +6,9 @@ same threads; rounds alternate between them, lineside's serving engine in-proces
 direct loop in-process (`Generator`), in an order that changes each round (``round_order``), so a busy spell on a
 shared machine hits all alike and no side always runs right after the same one; medians and the ratios are printed
 (served / engine: what HTTP costs; engine / in-process: what the engine's batching machinery costs one stream). Then N concurrent
-streams through each server (aggregate tokens/s; lineside's outputs checked against sequential runs),
-and each server's time from spawn to ready.
+streams through each server in ``--batch-rounds`` rounds (each: the N prompts one at a time, then all at once, the
+order flipping each round; the median of the per-round ratios is printed; lineside's outputs checked against the
+sequential runs), and each server's time from spawn to ready.
 
   python benchmarks/served_side_by_side.py --bundle B [--gguf G] --threads 2 --rounds 7
 
@@ -253,6 +254,46 @@ def inprocess_concurrent(bundle: Path, threads: int, prompts: list[str], max_tok
     return asyncio.run(run())
 
 
+@dataclass
+class BatchRounds:
+    """One server's batching phase, round by round: one stream's tokens/s (median of the prompts run one at a time,
+    end to end), the aggregate of all of them at once, and whether each concurrent text matched its sequential one."""
+
+    one_stream: list[float] = field(default_factory=list)
+    aggregate: list[float] = field(default_factory=list)
+    identical: list[bool] = field(default_factory=list)
+
+    def ratio(self) -> float:
+        """The median of the per-round ratios: a round's two halves ran back to back, so a slow spell of the
+        machine hits both (one concurrent run of ~4 s alone moved the ratio from 2.5x to 3.2x minutes apart)."""
+        return statistics.median(a / o for a, o in zip(self.aggregate, self.one_stream, strict=True))
+
+    def spread(self) -> str:
+        r = sorted(a / o for a, o in zip(self.aggregate, self.one_stream, strict=True))
+        return f"{r[0]:.2f}..{r[-1]:.2f}"
+
+
+def batch_rounds(server: Server, prompts: list[str], max_tokens: int, rounds: int) -> BatchRounds:
+    """``rounds`` rounds of: every prompt alone, then all at once (the order flips each round, so neither half
+    always runs right after the other)."""
+    out = BatchRounds()
+    for i in range(rounds):
+        one: list[Stream] = []
+        many: list[Stream] = []
+        for half in (("one", "many") if i % 2 == 0 else ("many", "one")):
+            if half == "one":
+                one = [stream_completion(server.url, server.model, p, max_tokens) for p in prompts]
+            else:
+                agg, many = concurrent(server.url, server.model, prompts, max_tokens)
+                out.aggregate.append(agg)
+            time.sleep(0.2)
+        out.one_stream.append(med([x.tokens / x.end_s for x in one]))
+        out.identical.append(all(a.text == b.text for a, b in zip(one, many, strict=True)))
+        print(f"batch round {i + 1} {server.name}: one stream {out.one_stream[-1]:.1f} tok/s, {len(prompts)} at once "
+              f"{out.aggregate[-1]:.1f} tok/s = {out.aggregate[-1] / out.one_stream[-1]:.2f}x", flush=True)
+    return out
+
+
 def ready_times(spawn_one: Callable[[], Server], runs: int) -> tuple[float, Server]:
     """Median seconds from spawn to ready over ``runs`` starts after an uncounted first one; the last start
     keeps running (returned)."""
@@ -267,7 +308,7 @@ def ready_times(spawn_one: Callable[[], Server], runs: int) -> tuple[float, Serv
     return statistics.median(times), server
 
 
-def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dict[str, tuple[float, float, bool | None]],
+def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dict[str, BatchRounds],
                    inproc_batch: float | None, concurrency: int) -> str:
     """The README's speed table: one row per side, decode of one stream, N streams aggregate, time to ready."""
     rows = [("lineside", "`lineside serve`, the demo bundle"),
@@ -280,8 +321,7 @@ def markdown_table(decode: dict[str, float], ready: dict[str, float], batch: dic
         if key not in decode:
             continue
         if key in batch:
-            seq, agg, same = batch[key]
-            many = f"{agg:.1f} ({agg / seq:.2f}× one stream)"
+            many = f"{med(batch[key].aggregate):.1f} ({batch[key].ratio():.2f}× one stream)"
         elif key == "lineside engine" and inproc_batch is not None:
             many = f"{inproc_batch:.1f}"
         else:
@@ -312,6 +352,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=at_least(1), default=7)
     ap.add_argument("--max-tokens", type=at_least(1), default=128)
     ap.add_argument("--concurrency", type=at_least(0), default=8, help="streams at once in the batching phase (0: skip)")
+    ap.add_argument("--batch-rounds", type=at_least(1), default=3,
+                    help="rounds of the batching phase (each: the prompts one at a time, then all at once)")
     ap.add_argument("--batch-peers", action="store_true",
                     help="also run the concurrent phase on llama.cpp's server (it serves one request at a time)")
     ap.add_argument("--prompt", default=PROMPT)
@@ -398,7 +440,7 @@ def run(args: argparse.Namespace, gguf: Path) -> None:
         if stop_engine is not None:
             stop_engine()  # before the batching phase: its memory and threads
             stop_engine = None
-        batch: dict[str, tuple[float, float, bool | None]] = {}
+        batch: dict[str, BatchRounds] = {}
         if args.concurrency > 0:
             prompts = [f"{args.prompt} {w}" for w in ("red", "blue", "green", "gold", "grey", "pink", "teal",
                                                        "white", "black", "brown", "amber", "olive")]
@@ -406,11 +448,7 @@ def run(args: argparse.Namespace, gguf: Path) -> None:
             for name, s in servers.items():
                 if not name.startswith("lineside") and not args.batch_peers:
                     continue
-                one = [stream_completion(s.url, s.model, p, args.max_tokens) for p in prompts]
-                seq_tps = med([x.tokens / x.end_s for x in one])
-                agg, streams = concurrent(s.url, s.model, prompts, args.max_tokens)
-                same = [a.text == b.text for a, b in zip(one, streams, strict=True)]
-                batch[name] = (seq_tps, agg, all(same))
+                batch[name] = batch_rounds(s, prompts, args.max_tokens, args.batch_rounds)
             if not args.no_inprocess:
                 for s in servers.values():  # the in-process engine gets the machine to itself, as the servers did
                     s.stop()
@@ -447,9 +485,10 @@ def run(args: argparse.Namespace, gguf: Path) -> None:
         print(f"engine / in-process (what the engine costs one stream): {paired('lineside engine', 'lineside in-process')}")
         if results["lineside"][-1].text != results["lineside engine"][-1].text:
             print("note: lineside's served text differs from its engine's text")
-    for name, (seq_tps, agg, same) in batch.items():
-        print(f"{name}: {args.concurrency} concurrent streams {agg:.1f} tok/s aggregate vs one stream "
-              f"{seq_tps:.1f} tok/s (end to end) = {agg / seq_tps:.2f}x; outputs identical to sequential: {same}")
+    for name, b in batch.items():
+        print(f"{name}: {args.concurrency} concurrent streams {med(b.aggregate):.1f} tok/s aggregate vs one stream "
+              f"{med(b.one_stream):.1f} tok/s (end to end), per round {b.ratio():.2f}x (median of {len(b.aggregate)}; "
+              f"{b.spread()}); outputs identical to sequential: {all(b.identical)}")
     if inproc_batch is not None:
         print(f"lineside engine (in-process): {args.concurrency} concurrent streams {inproc_batch:.1f} tok/s aggregate")
     if args.markdown:
@@ -463,7 +502,8 @@ def run(args: argparse.Namespace, gguf: Path) -> None:
             "threads": args.threads, "rounds": args.rounds, "client": args.client, "decode_tps": decode,
             "runs": {n: [x.decode_tps() for x in r] for n, r in results.items()},
             "ready_s": ready, "inprocess_batch_tps": inproc_batch,
-            "batch": {n: {"one_stream_tps": a, "aggregate_tps": b, "identical": c} for n, (a, b, c) in batch.items()},
+            "batch": {n: {"one_stream_tps": b.one_stream, "aggregate_tps": b.aggregate, "identical": b.identical,
+                          "ratio": b.ratio()} for n, b in batch.items()},
         }, indent=1))
 
 
