@@ -8,6 +8,7 @@ the new entries written back; ``replace`` states are swapped whole.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from lineside.errors import LinesideError
 from lineside.graph_io import PACKED_INT4, StateTensor, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.cpu_features import host_int8_gemm_exact
 from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.huge_pages import advise_huge_pages
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
@@ -30,6 +32,8 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32":
        "uint8": np.uint8,  # the trt flavor's int8 KV cache (grid + 128)
        PACKED_INT4: np.uint8}  # its int4 KV cache: two 4-bit grid values per byte
 
+
+log = logging.getLogger("lineside.runtime")
 
 SPIN_ENV = "LINESIDE_ORT_SPIN"
 PREFILL_ENV = "LINESIDE_PREFILL_GRAPH"  # 0: prompt chunks on the 4-bit graph too (an A/B switch for benchmarks)
@@ -139,9 +143,14 @@ class OnnxRuntimeBackend:
                 raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
 
         # Prompt chunks on the int8 variant (a second session over the same data file); not with adapters (the
-        # LoRA graph has no such variant) nor for a draft graph (its record names none). Opened beside the main
-        # session on a thread of its own (onnxruntime packs weights without the GIL): 0.1-0.2 s less to ready.
+        # LoRA graph has no such variant) nor for a draft graph (its record names none), nor on a CPU whose int8
+        # product saturates (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime
+        # packs weights without the GIL): 0.1-0.2 s less to ready.
         prefill = entry.prefill_graph if self.lora is None and os.environ.get(PREFILL_ENV, "1") != "0" else None
+        if prefill and not host_int8_gemm_exact():
+            log.info("prompts run on the 4-bit graph: this CPU has no VNNI, and onnxruntime's int8 product saturates "
+                     "without it (the bundle's int8 prefill graph is left unused)")
+            prefill = None
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(load, prefill) if prefill else None
             self.session, self.session_source = load(graph)

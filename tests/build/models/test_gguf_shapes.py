@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
+from lineside.runtime.cpu_features import host_int8_gemm_exact
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from tests.build.checkpoint.ckpt_gguf_writer import write_model_gguf
@@ -138,7 +139,9 @@ def test_gguf_build_matches_transformers(gguf_case, tmp_path, name):
             got = compute_logits(be, ids, mode)
             err = float(np.abs(got - ref).max() / np.abs(ref).max())
             assert err < tol, (name, level, mode, err)
-        if level == 4:  # a prompt chunk runs on the int8 prefill graph: its logits at every position, to compare
+        if level == 4 and not host_int8_gemm_exact():  # its int8 product saturates here: prompts on the 4-bit graph
+            assert be.prefill_session is None
+        elif level == 4:  # a prompt chunk runs on the int8 prefill graph: its logits at every position, to compare
             assert be.prefill_session is not None
             be.reset_slot(0)
             got = be._run(StepBatch.single(0, ids, 0, all_logits=True), session=be.prefill_session)[0][0]

@@ -25,6 +25,7 @@ from lineside.bundle import open_bundle
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import PREFILL_MIN_TOKENS, OnnxRuntimeBackend
+from tests.host_cpu import needs_exact_int8
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 90, 120, 7, 64, 31, 222]
 
@@ -53,6 +54,7 @@ def run_linear(tmp_path, x, w, bias=None, stats=None, forms=None):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
+@needs_exact_int8
 def test_linear_is_within_int8_rounding_of_the_float_product(tmp_path):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 40)).astype(np.float32)
@@ -82,6 +84,7 @@ def test_zero_rows_and_zero_weights_give_no_nan(tmp_path):
     np.testing.assert_array_equal(y[0, :, 3], np.full(4, 3.0, np.float32))
 
 
+@needs_exact_int8
 def test_smoothing_keeps_the_product_and_tames_an_outlier_channel(tmp_path):
     rng = np.random.default_rng(2)
     w = (0.1 * rng.standard_normal((64, 96))).astype(np.float32)
@@ -166,6 +169,7 @@ def prefill_logits(be, ids):
     return be._run(StepBatch.single(0, ids, 0, all_logits=True), session=be.prefill_session)[0][0]
 
 
+@needs_exact_int8
 @pytest.mark.parametrize(("variant", "method"), [("llama-gqa", "rtn"), ("qwen2-bias-tied", "rtn"),
                                                  ("llama-bias", "rtn"), ("llama-gqa", "awq"),
                                                  ("qwen2-bias-tied", "gptq")])
@@ -186,6 +190,7 @@ def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tin
     assert rel_err(int8, ref) < max(0.03, rel_err(base, ref) + 0.01), (rel_err(int8, ref), rel_err(base, ref))
 
 
+@needs_exact_int8
 def test_a_prompt_chunk_runs_on_the_prefill_graph_and_decode_reads_its_cache(w4_bundle, tiny_dense):
     bundle = w4_bundle()
     be = OnnxRuntimeBackend(bundle)
@@ -242,6 +247,30 @@ def test_switches_that_leave_the_prefill_graph_out(w4_bundle, tiny_bundles, monk
     assert "graphs/cpu/model.prefill.onnx" in manifest["files"]
 
 
+def test_a_cpu_whose_int8_product_saturates_runs_prompts_on_the_4bit_graph(w4_bundle, monkeypatch, caplog):
+    """x86 without VNNI: onnxruntime adds pairs of int8 products in 16 bits and saturates (cpu_features.py), so the
+    runtime leaves the prefill graph unused, says so in one line, and a prompt chunk equals the 4-bit graph's."""
+    from lineside.runtime import onnxruntime_backend
+
+    bundle = w4_bundle()
+    monkeypatch.setattr(onnxruntime_backend, "host_int8_gemm_exact", lambda: False)
+    with caplog.at_level("INFO", logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(bundle)
+    assert be.prefill_session is None
+    assert [r.getMessage() for r in caplog.records if "VNNI" in r.getMessage()] == [
+        "prompts run on the 4-bit graph: this CPU has no VNNI, and onnxruntime's int8 product saturates without it "
+        "(the bundle's int8 prefill graph is left unused)"]
+    be.reset_slot(0)
+    chunk = be.forward(StepBatch.single(0, IDS, 0))[0, -1]
+    monkeypatch.setenv("LINESIDE_PREFILL_GRAPH", "0")
+    off = OnnxRuntimeBackend(bundle)
+    off.reset_slot(0)
+    assert np.array_equal(chunk, off.forward(StepBatch.single(0, IDS, 0))[0, -1])
+    monkeypatch.delenv("LINESIDE_PREFILL_GRAPH")
+    monkeypatch.setattr(onnxruntime_backend, "host_int8_gemm_exact", lambda: True)
+    assert OnnxRuntimeBackend(bundle).prefill_session is not None
+
+
 def test_adapters_run_their_own_graph_without_it(w4_bundle):
     from lineside.runtime.lora_stack import LoraSlotsConfig
 
@@ -250,6 +279,7 @@ def test_adapters_run_their_own_graph_without_it(w4_bundle):
     assert be.prefill_session is None
 
 
+@needs_exact_int8
 @pytest.mark.slow
 def test_smollm2_prefill_graph_predicts_as_its_4bit_graph(smol_bundle):
     """The real model on real text: the int8 graph's next-token choices agree with the 4-bit graph's nearly
