@@ -41,7 +41,7 @@ def logits(
     flavor: Annotated[str | None, typer.Option(help="graph flavor to run: cpu | trt (default: cpu when the "
                                                     "bundle has it, else trt)")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
-                                                        help="onnxruntime intra-op threads")] = None,
+                                                        help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     lora: Annotated[str | None, typer.Option(help="apply this adapter of the bundle (`lineside lora list`)")] = None,
 ) -> None:
     """Write float32 logits for every position (parity checks against a reference)."""
@@ -87,7 +87,7 @@ def generate(
     seed: Annotated[int | None, checks.number_option(low=0, high=2**63 - 1,
                                                      help="random seed (same seed, same output)")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
-                                                        help="onnxruntime intra-op threads")] = None,
+                                                        help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
     speculative: Annotated[str | None, typer.Option(
@@ -149,7 +149,7 @@ def chat(
     *,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
-                                                        help="onnxruntime intra-op threads")] = None,
+                                                        help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
                                               "onnxruntime | tensorrt")] = "auto",
     lora: Annotated[str | None, typer.Option(help="chat with this adapter of the bundle (`lineside lora list`)")] = None,

@@ -1,4 +1,10 @@
-"""Whether this CPU's int8 matrix product sums exactly in onnxruntime, which decides if the int8 prompt graph may run.
+"""What this CPU offers onnxruntime: how many cores to run on, and whether its int8 product sums exactly.
+
+Threads: one per physical core the process may run on, as onnxruntime's own default and llama.cpp's do. A
+hyperthread shares its core's load ports and caches, and a decode step is bound by memory: the logical count put
+two threads on every core of an SMT line PC (8 on a 4-core i7), each spinning between kernels.
+
+Int8 product: whether the int8 prompt graph may run.
 
 The prefill graph (build/graph/prefill.py) multiplies uint8 activations (+128) by full-range int8 weights with
 ``MatMulIntegerToFloat``. onnxruntime's MLAS sums those products exactly only with a dot-product instruction:
@@ -12,9 +18,36 @@ every one of its 120 linears had saturated pairs, up to 5% relative error in a l
 
 from __future__ import annotations
 
+import os
 import platform
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
+
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def physical_cores(cpus: Iterable[int], sysfs: Path | None = None) -> int:
+    """How many distinct cores (package, core id) the logical ``cpus`` sit on; 0 where the topology is not readable."""
+    cores: set[tuple[str, str]] = set()
+    for cpu in cpus:
+        topology = (sysfs or SYSFS_CPU) / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            return 0
+    return len(cores)
+
+
+def default_threads() -> int:
+    """One onnxruntime thread per physical core this process may use (its affinity); the logical count where the
+    topology is unknown (onnxruntime would otherwise run as if single-threaded without an explicit value)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, os.cpu_count() or 1)
+    cpus = os.sched_getaffinity(0)
+    return max(1, physical_cores(cpus) or len(cpus))
+
 
 X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 ARM64 = frozenset({"aarch64", "arm64"})

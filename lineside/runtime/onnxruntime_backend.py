@@ -21,7 +21,7 @@ from lineside.errors import LinesideError
 from lineside.graph_io import PACKED_INT4, StateTensor, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
 from lineside.runtime.backend import StepBatch
-from lineside.runtime.cpu_features import host_int8_gemm_exact
+from lineside.runtime.cpu_features import default_threads, host_int8_gemm_exact
 from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.huge_pages import advise_huge_pages
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
@@ -61,11 +61,6 @@ class StepTap(Protocol):
 
     def on_reset(self, slot: int) -> None:
         ...
-
-
-def default_threads() -> int:
-    """Physical-ish core count: onnxruntime runs as if single-threaded without an explicit value."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
 class OnnxRuntimeBackend:

@@ -56,7 +56,7 @@ def serve(
         help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
     latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
-                                                        help="onnxruntime intra-op threads")] = None,
+                                                        help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     log_level: Annotated[str, typer.Option(help="critical | error | warning | info | debug")] = "info",
     access_log: Annotated[bool, typer.Option(help="log every HTTP request")] = False,
     served_model_name: Annotated[list[str] | None, typer.Option(

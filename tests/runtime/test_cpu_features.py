@@ -38,3 +38,35 @@ def test_flags_come_from_the_first_processor():
     assert "asimddp" in cpu_flags(arm)
     assert cpu_flags("") == frozenset()
 
+
+
+def fake_topology(root, cores):
+    """``cores``: logical cpu -> (package, core id), as Linux lays out /sys/devices/system/cpu."""
+    for cpu, (package, core) in cores.items():
+        topology = root / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    return root
+
+
+def test_threads_count_physical_cores_of_the_affinity(tmp_path, monkeypatch):
+    from lineside.runtime import cpu_features
+
+    # a 4-core, 8-thread line PC: cpu k and k+4 are one core's two hyperthreads
+    smt = fake_topology(tmp_path / "smt", {k: (0, k % 4) for k in range(8)})
+    assert cpu_features.physical_cores(range(8), smt) == 4
+    assert cpu_features.physical_cores({0, 4}, smt) == 1
+    assert cpu_features.physical_cores({0, 1, 5}, smt) == 2
+    two_sockets = fake_topology(tmp_path / "numa", {0: (0, 0), 1: (1, 0)})  # core ids repeat across packages
+    assert cpu_features.physical_cores({0, 1}, two_sockets) == 2
+    assert cpu_features.physical_cores({0, 9}, smt) == 0  # a cpu without topology: unknown
+
+    monkeypatch.setattr(cpu_features, "SYSFS_CPU", smt)
+    monkeypatch.setattr(cpu_features.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_features.default_threads() == 4
+    monkeypatch.setattr(cpu_features.os, "sched_getaffinity", lambda pid: {1, 5})
+    assert cpu_features.default_threads() == 1
+    monkeypatch.setattr(cpu_features, "SYSFS_CPU", tmp_path / "absent")  # a container without /sys: logical count
+    monkeypatch.setattr(cpu_features.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert cpu_features.default_threads() == 3
