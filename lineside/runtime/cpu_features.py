@@ -8,7 +8,7 @@ Int8 product: whether the int8 prompt graph may run.
 
 The prefill graph (build/graph/prefill.py) multiplies uint8 activations (+128) by full-range int8 weights with
 ``MatMulIntegerToFloat``. onnxruntime's MLAS sums those products exactly only with a dot-product instruction:
-VNNI's ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), AMX, or ARM's widening NEON / UDOT kernels. On x86 without VNNI
+VNNI's ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), AMX, or ARM's kernels. On x86 without VNNI
 (AVX2 parts such as AMD Zen 1-3 and Intel before Ice Lake, and AVX-512 parts without VNNI) it uses ``vpmaddubsw``,
 which adds each pair of products into int16 with saturation: with weights near a channel's largest and positive
 activations a pair passes 32767 and is cut off. Emulated on the demo bundle's prompt graph (a 256-token prompt)
@@ -60,7 +60,9 @@ def int8_gemm_exact(machine: str, flags: frozenset[str]) -> bool:
     part its VNNI kernel or its saturating one; else AVX-VNNI or AVX2's saturating one. Unknown: not exact."""
     arch = machine.lower()
     if arch in ARM64:
-        return True  # NEON widens each product to 16 bits unsigned and adds pairs into 32 bits; UDOT sums in 32
+        # UDOT/SDOT sum in 32 bits; plain NEON adds two s8 products in 16 bits, which holds 2*127*127 (the graph's
+        # activation codes 1..255 shifted to -127..127, its weights -127..127: no -128*-128)
+        return True
     if arch not in X86:
         return False
     if {"amx_tile", "amx_int8"} <= flags:
