@@ -23,6 +23,17 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
       >/dev/null 2>&1 || echo "note: could not install prometheus (promtool); the alert-rule tests will skip"
   fi
 fi
+# qemu-user runs onnxruntime as on an x86 CPU without VNNI (-cpu Haswell), where its int8 product saturates: the
+# test that the runtime notices (lineside/runtime/cpu_features.py); without it that test skips.
+if [ "$(uname -m)" = x86_64 ] && ! command -v qemu-x86_64 >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test.sh: apt-get installing qemu-user (an emulated x86 CPU without VNNI for the int8 probe's test)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user) \
+      >/dev/null 2>&1 || echo "note: could not install qemu-user; the int8 probe's emulated-CPU test will skip"
+  else
+    echo "note: qemu-x86_64 missing (install qemu-user as root); the int8 probe's emulated-CPU test will skip"
+  fi
+fi
 ruff check lineside tests build_engine.py benchmarks || exit 1
 # Two workers (pytest-xdist), a whole file per worker: many tests wait on servers, subprocesses and sockets,
 # so a 2-core machine runs two at once; LINESIDE_TEST_WORKERS=0 runs them in this process, one by one.

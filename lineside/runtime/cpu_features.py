@@ -4,22 +4,23 @@ Threads: one per physical core the process may run on, as onnxruntime's own defa
 hyperthread shares its core's load ports and caches, and a decode step is bound by memory: the logical count put
 two threads on every core of an SMT line PC (8 on a 4-core i7), each spinning between kernels.
 
-Int8 product: whether the int8 prompt graph may run.
-
-The prefill graph (build/graph/prefill.py) multiplies uint8 activations (+128) by full-range int8 weights with
-``MatMulIntegerToFloat``. onnxruntime's MLAS sums those products exactly only with a dot-product instruction:
-VNNI's ``vpdpbusd`` (AVX-512 VNNI, AVX-VNNI), AMX, or ARM's kernels. On x86 without VNNI
-(AVX2 parts such as AMD Zen 1-3 and Intel before Ice Lake, and AVX-512 parts without VNNI) it uses ``vpmaddubsw``,
-which adds each pair of products into int16 with saturation: with weights near a channel's largest and positive
+Int8 product: whether the int8 prompt graph may run. The prefill graph (build/graph/prefill.py) multiplies uint8
+activations (+128) by full-range int8 weights with ``MatMulIntegerToFloat``. onnxruntime's MLAS sums those products
+exactly with a dot-product instruction (VNNI's ``vpdpbusd``, AMX, ARM's SDOT/UDOT), but on x86 without VNNI (AVX2
+parts such as AMD Zen 1-3 and Intel before Ice Lake, and AVX-512 parts without VNNI) it uses ``vpmaddubsw``, which
+adds each pair of products into int16 with saturation: with weights near a channel's largest and positive
 activations a pair passes 32767 and is cut off. Emulated on the demo bundle's prompt graph (a 256-token prompt)
 every one of its 120 linears had saturated pairs, up to 5% relative error in a linear's output
-(``benchmarks/int8_saturation.py``). There the prompt runs on the 4-bit graph instead.
+(``benchmarks/int8_saturation.py``); on a Haswell emulated by qemu, 64 products of 127 * 127 summed to 8160 instead
+of 1,032,256. There prompts run on the 4-bit graph instead (MatMulNBits' 4- and 8-bit kernels keep their pair sums
+in range: exact on that Haswell too). Rather than mirror MLAS's choice of kernel from the CPU's flags (an emulator
+or a hypervisor can show flags the code path does not follow: qemu passes the host's /proc/cpuinfo through), the
+answer comes from running the product once.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -49,43 +50,41 @@ def default_threads() -> int:
     return max(1, physical_cores(cpus) or len(cpus))
 
 
-X86 = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
-ARM64 = frozenset({"aarch64", "arm64"})
-AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # MLAS's "AVX-512 core" kernels need all
-
-
-def int8_gemm_exact(machine: str, flags: frozenset[str]) -> bool:
-    """Whether MLAS's u8 x s8 GEMM sums exactly on a CPU of this architecture (``platform.machine()``) and these
-    ``/proc/cpuinfo`` flags, following the kernel choice in MLAS's platform.cpp: AMX wins; else on an AVX-512 core
-    part its VNNI kernel or its saturating one; else AVX-VNNI or AVX2's saturating one. Unknown: not exact."""
-    arch = machine.lower()
-    if arch in ARM64:
-        # UDOT/SDOT sum in 32 bits; plain NEON adds two s8 products in 16 bits, which holds 2*127*127 (the graph's
-        # activation codes 1..255 shifted to -127..127, its weights -127..127: no -128*-128)
-        return True
-    if arch not in X86:
-        return False
-    if {"amx_tile", "amx_int8"} <= flags:
-        return True
-    if AVX512_CORE <= flags:
-        return "avx512_vnni" in flags
-    return "avx_vnni" in flags
-
-
-def cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The feature flags of the first processor in a ``/proc/cpuinfo`` text (x86: ``flags``; ARM: ``Features``)."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+PROBE_K = 64  # 32 pairs of products 127 * 127 (32258 each; int16 holds 32767): the sum passes int16 many times
 
 
 @cache
 def host_int8_gemm_exact() -> bool:
-    """``int8_gemm_exact`` for this machine (x86 without a readable /proc/cpuinfo: not exact)."""
+    """Whether onnxruntime's ``MatMulIntegerToFloat`` sums this machine's int8 products exactly, called as the
+    prefill graph calls it (uint8 rows with a per-row scale and zero point 128, int8 weights with a per-column scale):
+    one run of 1 row (MLAS's GEMV kernel) and one of 4 (its GEMM) on codes a saturating kernel gets wrong. An
+    onnxruntime that cannot run it: not exact."""
     try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    return int8_gemm_exact(platform.machine(), cpu_flags(text))
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        n = 8
+        node = helper.make_node("MatMulIntegerToFloat", ["a", "b", "a_scale", "b_scale", "a_zero"], ["y"],
+                                domain="com.microsoft")
+        graph = helper.make_graph(
+            [node], "int8_probe",
+            [helper.make_tensor_value_info("a", TensorProto.UINT8, ["rows", PROBE_K]),
+             helper.make_tensor_value_info("a_scale", TensorProto.FLOAT, ["rows", 1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
+            [numpy_helper.from_array(np.full((PROBE_K, n), 127, np.int8), "b"),
+             numpy_helper.from_array(np.ones(n, np.float32), "b_scale"),
+             numpy_helper.from_array(np.array(128, np.uint8), "a_zero")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        for rows in (1, 4):
+            y = session.run(None, {"a": np.full((rows, PROBE_K), 255, np.uint8),
+                                   "a_scale": np.ones((rows, 1), np.float32)})[0]
+            if not np.all(y == 127 * 127 * PROBE_K):
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - any failure to run it: prompts on the 4-bit graph, which needs none of it
+        return False

@@ -142,14 +142,18 @@ class OnnxRuntimeBackend:
         # product saturates (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime
         # packs weights without the GIL): 0.1-0.2 s less to ready.
         prefill = entry.prefill_graph if self.lora is None and os.environ.get(PREFILL_ENV, "1") != "0" else None
-        if prefill and not host_int8_gemm_exact():
-            log.info("prompts run on the 4-bit graph: this CPU has no VNNI, and onnxruntime's int8 product saturates "
-                     "without it (the bundle's int8 prefill graph is left unused)")
-            prefill = None
+
+        def load_prefill(rel: str) -> Any:
+            if not host_int8_gemm_exact():  # one run of the int8 product (~13 ms, cached per process)
+                log.info("prompts run on the 4-bit graph: onnxruntime's int8 product saturates on this CPU (x86 "
+                         "without VNNI), so the bundle's int8 prefill graph is left unused")
+                return None
+            return load(rel)[0]
+
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(load, prefill) if prefill else None
+            pending = pool.submit(load_prefill, prefill) if prefill else None
             self.session, self.session_source = load(graph)
-            self.prefill_session: Any = pending.result()[0] if pending is not None else None
+            self.prefill_session: Any = pending.result() if pending is not None else None
         advise_huge_pages()  # the weights it just packed: 2 MB pages (huge_pages.py)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)

@@ -258,8 +258,8 @@ def test_a_cpu_whose_int8_product_saturates_runs_prompts_on_the_4bit_graph(w4_bu
         be = OnnxRuntimeBackend(bundle)
     assert be.prefill_session is None
     assert [r.getMessage() for r in caplog.records if "VNNI" in r.getMessage()] == [
-        "prompts run on the 4-bit graph: this CPU has no VNNI, and onnxruntime's int8 product saturates without it "
-        "(the bundle's int8 prefill graph is left unused)"]
+        "prompts run on the 4-bit graph: onnxruntime's int8 product saturates on this CPU (x86 without VNNI), so the "
+        "bundle's int8 prefill graph is left unused"]
     be.reset_slot(0)
     chunk = be.forward(StepBatch.single(0, IDS, 0))[0, -1]
     monkeypatch.setenv("LINESIDE_PREFILL_GRAPH", "0")
