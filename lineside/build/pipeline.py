@@ -105,6 +105,12 @@ class BuildOptions:
         if self.calib is not None and self.method == "rtn" and not self._calibrates_kv():
             raise LinesideError("--calib: --method rtn reads no calibration text; pass --method awq or gptq, or leave "
                                 "--calib out")
+        if self.prefill_graph and (self.quant not in ("w4a16", "w8a16") or "cpu" not in self.flavors):
+            # the int8 prompt graph is the cpu flavor's, beside its integer linears: asked for elsewhere, it was
+            # silently not built
+            raise LinesideError(f"--prefill-graph: the int8 prompt graph is built for the cpu flavor of a w4a16 or "
+                                f"w8a16 build, not --quant {self.quant} --flavors {','.join(self.flavors)}; leave "
+                                "the option out")
         if self.lora_targets is not None and not self.max_lora_rank:
             raise LinesideError("--lora-targets: no LoRA graphs are built without --max-lora-rank R; pass one, or "
                                 "leave --lora-targets out")
@@ -153,6 +159,9 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         _check_kv_shape(opts.kv_dtype, cfg)
         if opts.max_lora_rank and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--max-lora-rank: LoRA graphs are built for Llama and Qwen2 models, not "
+                                f"{cfg.architecture}; leave the option out")
+        if opts.prefill_graph and cfg.architecture not in DENSE_FAMILIES:
+            raise LinesideError(f"--prefill-graph: the int8 prompt graph is built for Llama and Qwen2 models, not "
                                 f"{cfg.architecture}; leave the option out")
         if opts.lm_head_bits == 4 and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--lm-head-bits 4: {cfg.architecture} keeps its LM head at 8 bits (only Llama and "

@@ -107,6 +107,8 @@ DOES_NOTHING = [
     (["--lora-targets", "q,v"], "--max-lora-rank"),
     (["--quant", "fp16", "--method", "awq"], "w8a16"),  # AWQ scales weights for integer quantization only
     (["--requantize"], "GGUF"),  # an HF checkpoint has no GGUF blocks to carry or re-quantize
+    (["--quant", "fp16", "--prefill-graph"], "w4a16"),  # float weights: no int8 prompt graph is built
+    (["--flavors", "trt", "--group-size", "64", "--prefill-graph"], "cpu flavor"),  # the prompt graph is cpu's
 ]
 
 
@@ -114,7 +116,8 @@ DOES_NOTHING = [
 def test_options_that_would_do_nothing_are_refused(ckpt, tmp_path, extra, needle):
     (tmp_path / "calib.txt").write_text("some calibration text\n")
     argv = [str(tmp_path / "calib.txt") if a == "CALIB" else a for a in extra]
-    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets", "--method", "--requantize"))
+    option = next(a for a in extra if a in ("--calib", "--lm-head-bits", "--lora-targets", "--method", "--requantize",
+                                            "--prefill-graph"))
     root = Path(__file__).resolve().parents[2]
     for proc in (run_cli("build", str(ckpt), "-o", str(tmp_path / "o"), *argv),
                  subprocess.run([sys.executable, str(root / "build_engine.py"), str(ckpt), "-o", str(tmp_path / "o"),
@@ -135,6 +138,7 @@ def test_options_used_in_their_combination_pass_validation(tmp_path):
                 BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
                 BuildOptions(quant="w8a16", method="awq", calib=calib),
                 BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it
+                BuildOptions(prefill_graph=True, accuracy_level=0), BuildOptions(quant="fp16", prefill_graph=False),
                 BuildOptions(max_lora_rank=8, lora_targets=parse_targets("q,v")))
     refused = []
     for opts in accepted:

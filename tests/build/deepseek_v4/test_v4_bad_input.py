@@ -116,6 +116,17 @@ def test_a_4bit_head_it_would_not_build_is_refused(v4, tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
+def test_a_prefill_graph_it_would_not_build_is_refused(v4, tmp_path):
+    """The int8 prompt graph is built for Llama and Qwen2 only: --prefill-graph on DeepSeek-V4 is refused in one
+    line, not dropped (the bundle came out without one)."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    with pytest.raises(LinesideError) as e:
+        build_bundle(v4.hf_dir("a"), tmp_path / "o", BuildOptions(quant="w4a16", group_size=64, prefill_graph=True))
+    _one_line(e, "--prefill-graph", "Llama and Qwen2")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
 @pytest.mark.parametrize("kind,patch,name", [  # names as saved (transformers saves DeepSeek's names)
     ("hf", {"o_groups": 4}, "model.layers.0.attn.wo_a.weight"),  # was built with the wrong head groups
     ("hf", {"moe_intermediate_size": 32}, "model.layers.0.ffn.experts.0.w1.weight"),  # wrong gate/up split
