@@ -40,7 +40,7 @@ QuantOpt = Annotated[str, typer.Option(help="fp32 | fp16 | w8a16 | w4a16")]
 GroupSizeOpt = Annotated[int, checks.number_option(low=16, help="INT4 group size along in_features, a power of two "
                                                                 "(64 or 128 for trt)")]
 MethodOpt = Annotated[str, typer.Option(help="rtn | awq | gptq (w4a16, Llama/Qwen2)")]
-CalibOpt = Annotated[Path | None, typer.Option(help="calibration text for AWQ/GPTQ (default: shipped text)")]
+CalibOpt = Annotated[Path | None, typer.Option(help="calibration text for AWQ/GPTQ and the int8 prefill graph (default: shipped text)")]
 FlavorsOpt = Annotated[str, typer.Option(help="comma list of graph flavors: cpu,trt")]
 MaxSeqLenOpt = Annotated[int | None, checks.number_option(
     low=2, help="context length the bundle supports (at most the model's own; default: min(model's, 4096))")]

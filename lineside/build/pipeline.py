@@ -102,9 +102,9 @@ class BuildOptions:
             raise LinesideError(f"--max-lora-rank {self.max_lora_rank} must be 0 (no LoRA graphs) to 1024")
         if self.calib is not None and not Path(self.calib).is_file():
             raise LinesideError(f"--calib {self.calib}: file not found")
-        if self.calib is not None and self.method == "rtn" and not self._calibrates_kv():
-            raise LinesideError("--calib: --method rtn reads no calibration text; pass --method awq or gptq, or leave "
-                                "--calib out")
+        if self.calib is not None and self.method == "rtn" and not (self._calibrates_kv() or self.calibrates_prefill):
+            raise LinesideError("--calib: --method rtn reads no calibration text here (no int8 prefill graph is "
+                                "built); pass --method awq or gptq, or leave --calib out")
         if self.prefill_graph and (self.quant not in ("w4a16", "w8a16") or "cpu" not in self.flavors):
             # the int8 prompt graph is the cpu flavor's, beside its integer linears: asked for elsewhere, it was
             # silently not built
@@ -114,6 +114,12 @@ class BuildOptions:
         if self.lora_targets is not None and not self.max_lora_rank:
             raise LinesideError("--lora-targets: no LoRA graphs are built without --max-lora-rank R; pass one, or "
                                 "leave --lora-targets out")
+
+    @property
+    def calibrates_prefill(self) -> bool:
+        """The cpu flavor's int8 prefill graph picks each linear's int8 form on the calibration text
+        (quant/smooth.py), whatever the method; Llama and Qwen2 only (build_bundle checks the model)."""
+        return self.builds_prefill_graph and "cpu" in self.flavors and self.quant in ("w4a16", "w8a16")
 
     def _calibrates_kv(self) -> bool:
         """An int4 KV cache in the trt flavor centres its keys on the calibration text (quant/kv_calib.py)."""
@@ -163,6 +169,10 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         if opts.prefill_graph and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--prefill-graph: the int8 prompt graph is built for Llama and Qwen2 models, not "
                                 f"{cfg.architecture}; leave the option out")
+        if opts.calib is not None and opts.method == "rtn" and cfg.architecture not in DENSE_FAMILIES:
+            # what an rtn build calibrates on it (the prefill graph, an int4 trt KV cache) is Llama and Qwen2's
+            raise LinesideError(f"--calib: --method rtn reads no calibration text for {cfg.architecture}; leave "
+                                "--calib out")
         if opts.lm_head_bits == 4 and cfg.architecture not in DENSE_FAMILIES:
             raise LinesideError(f"--lm-head-bits 4: {cfg.architecture} keeps its LM head at 8 bits (only Llama and "
                                 "Qwen2 have the 4-bit choice); leave the option out")

@@ -101,7 +101,8 @@ def test_bad_options(ckpt, tmp_path):
 
 # Options that would do nothing in the combination given are refused before any work, not dropped.
 DOES_NOTHING = [
-    (["--calib", "CALIB"], "--method rtn"),  # RTN reads no calibration text
+    (["--calib", "CALIB", "--no-prefill-graph"], "--method rtn"),  # RTN reads no calibration text (the prefill
+    (["--calib", "CALIB", "--quant", "fp16"], "--method rtn"),  # graph's forms are chosen on it: w4a16/w8a16 cpu)
     (["--quant", "fp16", "--lm-head-bits", "4"], "--quant w4a16"),
     (["--quant", "w8a16", "--lm-head-bits", "8"], "--quant w4a16"),
     (["--lora-targets", "q,v"], "--max-lora-rank"),
@@ -135,6 +136,7 @@ def test_options_used_in_their_combination_pass_validation(tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text("some calibration text\n")
     accepted = (BuildOptions(), BuildOptions(quant="fp16"), BuildOptions(lm_head_bits=4),
+                BuildOptions(calib=calib), BuildOptions(quant="w8a16", calib=calib),  # the prefill graph reads it
                 BuildOptions(method="awq", calib=calib), BuildOptions(method="gptq", calib=calib),
                 BuildOptions(quant="w8a16", method="awq", calib=calib),
                 BuildOptions(kv_dtype="int4", flavors=("trt",), calib=calib),  # int4 KV centres keys on it

@@ -127,6 +127,19 @@ def test_a_prefill_graph_it_would_not_build_is_refused(v4, tmp_path):
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
+def test_calibration_text_it_would_not_read_is_refused(v4, tmp_path):
+    """An rtn build reads --calib only for a Llama/Qwen2 int8 prefill graph (or int4 trt KV): for DeepSeek-V4 the
+    text would be ignored, so it is refused in one line."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("Pump 4 tripped at 03:12; the bearing ran at 91 C before the alarm. " * 40)
+    with pytest.raises(LinesideError) as e:
+        build_bundle(v4.hf_dir("a"), tmp_path / "o", BuildOptions(quant="w4a16", group_size=64, calib=calib))
+    _one_line(e, "--calib", "rtn")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
 @pytest.mark.parametrize("kind,patch,name", [  # names as saved (transformers saves DeepSeek's names)
     ("hf", {"o_groups": 4}, "model.layers.0.attn.wo_a.weight"),  # was built with the wrong head groups
     ("hf", {"moe_intermediate_size": 32}, "model.layers.0.ffn.experts.0.w1.weight"),  # wrong gate/up split

@@ -328,3 +328,16 @@ def test_a_drafts_cost_counts_the_decode_graphs_weights_only(w4_bundle):
         1.5 * without.file("graphs/cpu/model.onnx.data").stat().st_size
     assert _size_ratio(without, with_graph) == pytest.approx(1.0)
     assert with_graph.graph_weight_bytes("graphs/cpu/model.onnx") == without.graph_weight_bytes("graphs/cpu/model.onnx")
+
+
+def test_an_rtn_build_chooses_the_int8_forms_on_its_calib_text(w4_bundle, tiny_bundles, tmp_path_factory):
+    """The prefill graph's smoothing scales come from --calib or the shipped text (quant/smooth.py), RTN builds
+    included: `--calib` with the default --method rtn was refused ("rtn reads no calibration text")."""
+    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
+    calib.write_text("Pump 4 tripped at 03:12; the bearing ran at 91 C before the alarm. " * 40)
+    own = open_bundle(tiny_bundles(variant="llama-gqa", quant="w4a16", group_size=32, max_seq_len=64, calib=calib))
+    shipped = w4_bundle()
+    data = "graphs/cpu/model.onnx.data"
+    assert own.flavor("cpu").prefill_graph is not None
+    assert own.manifest.files[data].sha256 != shipped.manifest.files[data].sha256  # other smoothing scales
+    assert own.manifest.files["graphs/cpu/model.onnx"].sha256 == shipped.manifest.files["graphs/cpu/model.onnx"].sha256
