@@ -548,7 +548,9 @@ class LLMEngine:
             if self._warmed:
                 return
             be = self.backend
-            ids = [int(self.bundle.config.bos_token_id or 0)] * 4
+            # a prompt chunk (the int8 prefill graph's first run) and a decode step after it, within the context
+            # (a bundle may be built with --max-seq-len 2)
+            ids = [int(self.bundle.config.bos_token_id or 0)] * max(1, min(4, self.max_seq_len - 1))
             be.reset_slot(0)
             be.forward(StepBatch.single(0, ids, 0))
             be.forward(StepBatch.single(0, ids[:1], len(ids)))

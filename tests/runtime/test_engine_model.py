@@ -62,6 +62,25 @@ def test_prefix_copy_gives_same_logits(tiny_bundle):
     np.testing.assert_allclose(tail, full[32:], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("max_seq_len", [2, 3, 4])
+def test_a_bundle_with_a_tiny_context_warms_up_and_serves(tiny_bundles, max_seq_len):
+    """The warm-up ran a 4-token prompt and a decode step after it (5 positions): an engine over a bundle built with
+    --max-seq-len 2-4 (which the builder allows) failed to start ("sequence of 5 tokens exceeds ..."), so `lineside
+    serve` exited. The warm-up stays within the context, and the int8 prefill graph still gets its run."""
+    bundle = tiny_bundles(quant="w4a16", group_size=32, max_seq_len=max_seq_len)
+    prompt = [1, 17][:max_seq_len - 1]
+    want = sequential(bundle, [prompt], 1)
+
+    async def main():
+        eng = LLMEngine(bundle, backend="onnxruntime", threads=2, num_slots=1)
+        await eng.start()
+        out = await eng.submit(GenerationRequest(prompt, max_tokens=1)).result()
+        await eng.stop()
+        return out[1]
+
+    assert run(main()) == want[0] and len(want[0]) == 1
+
+
 @pytest.mark.slow
 def test_smollm2_concurrent_greedy_equals_sequential(smol_bundle, monkeypatch):
     """Batching, chunked prefill, a shared system prompt from the prefix cache and a preempted (then
