@@ -69,12 +69,17 @@ def read_calibration_text(path: Path) -> str:
     return text
 
 
-def calibration_ids(tokenize: Callable[[str], list[int]], text: str, max_seqs: int | None = None) -> np.ndarray:
-    """Token ids [n_seq, SEQ_LEN]; a text longer than max_seqs sequences gives ones spread over all of it."""
+def calibration_ids(tokenize: Callable[[str], list[int]], text: str, max_seqs: int | None = None,
+                    strict: bool = True) -> np.ndarray:
+    """Token ids [n_seq, SEQ_LEN]; a text longer than max_seqs sequences gives ones spread over all of it.
+    ``strict`` false: whatever the text gives (no ids: an empty [0, 0] array), without the length and variety
+    checks meant for a --calib file (through a tokenizer of a dozen tokens the shipped text is a few ids)."""
     ids = tokenize(text)
-    if len(ids) < 16:
+    if not ids and not strict:
+        return np.zeros((0, 0), dtype=np.int64)
+    if strict and len(ids) < 16:
         raise LinesideError("calibration text is too short (fewer than 16 tokens); give a longer --calib file")
-    if len(set(ids)) < 16:  # one character or word repeated: every layer would be fitted to a single input
+    if strict and len(set(ids)) < 16:  # one character or word repeated: every layer would be fitted to one input
         raise LinesideError(f"calibration text has only {len(set(ids))} distinct tokens; give --calib varied text "
                             "like what the model will serve")
     length = min(SEQ_LEN, len(ids))
@@ -236,9 +241,9 @@ def _fake_quant_getter(cfg: ModelConfig, get: Callable[[str], np.ndarray], bits:
 
 
 def checkpoint_calibration_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: Path | None,
-                               max_seqs: int | None = None) -> np.ndarray:
+                               max_seqs: int | None = None, strict: bool = True) -> np.ndarray:
     """calibration_ids of --calib or the shipped text, tokenized by the checkpoint's own tokenizer, clipped to
-    the vocabulary."""
+    the vocabulary (``strict``: see calibration_ids)."""
     import tempfile
 
     from tokenizers import Tokenizer as HFTokenizer
@@ -247,7 +252,8 @@ def checkpoint_calibration_ids(ckpt: CheckpointReader, cfg: ModelConfig, calib: 
     with tempfile.TemporaryDirectory() as td:
         ckpt.write_tokenizer(Path(td))
         tok = HFTokenizer.from_file(str(Path(td) / "tokenizer.json"))
-    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text, max_seqs=max_seqs)
+    ids = calibration_ids(lambda t: tok.encode(t, add_special_tokens=False).ids, text, max_seqs=max_seqs,
+                          strict=strict)
     return np.clip(ids, 0, cfg.vocab_size - 1)
 
 

@@ -61,8 +61,13 @@ def prefill_calibration(cfg: ModelConfig, ckpt: CheckpointReader, get: Callable[
                         calib: Path | None, progress: Callable[[str, int], Callable[[int], None]]
                         ) -> dict[tuple[int, str], InputStats]:
     """activation_stats (weights read through ``get``) over SMOOTH_SEQS sequences of --calib or the shipped text, in
-    ``ckpt``'s tokens: one float forward (~1 s for 135M parameters)."""
-    ids = checkpoint_calibration_ids(ckpt, cfg, calib, max_seqs=SMOOTH_SEQS)
+    ``ckpt``'s tokens: one float forward (~1 s for 135M parameters). The shipped text is taken as it tokenizes:
+    the prefill graph is built by default, and a model of a dozen tokens (characters, DNA) sees only a few of them
+    in it — statistics from those, or none (every linear plain), rather than a failed build. A --calib file
+    keeps calibration_ids' checks."""
+    ids = checkpoint_calibration_ids(ckpt, cfg, calib, max_seqs=SMOOTH_SEQS, strict=calib is not None)
+    if ids.size == 0:
+        return {}
     tick = progress("prefill graph calibration", 1)
     stats = activation_stats(cfg, get, ids)
     tick(1)

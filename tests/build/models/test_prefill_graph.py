@@ -341,3 +341,25 @@ def test_an_rtn_build_chooses_the_int8_forms_on_its_calib_text(w4_bundle, tiny_b
     assert own.flavor("cpu").prefill_graph is not None
     assert own.manifest.files[data].sha256 != shipped.manifest.files[data].sha256  # other smoothing scales
     assert own.manifest.files["graphs/cpu/model.onnx"].sha256 == shipped.manifest.files["graphs/cpu/model.onnx"].sha256
+
+
+@needs_exact_int8
+def test_a_model_with_a_tiny_vocabulary_builds_its_prefill_graph_by_default(dense_checkpoint, tmp_path, monkeypatch):
+    """The shipped calibration text says little through a tokenizer of 12 tokens (8 distinct ids, a character or
+    DNA model): the default build failed ("calibration text has only 8 distinct tokens; give --calib varied text"),
+    which no --calib could satisfy. The prefill graph's statistics take what the shipped text gives."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    ck = dense_checkpoint("llama-vocab12", "llama", vocab_size=12)
+    bundle = open_bundle(build_bundle(ck, tmp_path / "b", BuildOptions(quant="w4a16", group_size=32, max_seq_len=64)))
+    assert bundle.flavor("cpu").prefill_graph is not None
+    be = OnnxRuntimeBackend(bundle)
+    ids = [i % 12 for i in IDS]
+    ref = reference_logits(ck, ids)
+    base = compute_logits(be, ids, "prefill")
+    int8 = prefill_logits(be, ids)
+    assert rel_err(int8, ref) < max(0.03, rel_err(base, ref) + 0.01), (rel_err(int8, ref), rel_err(base, ref))
+    # a text its tokenizer gives no id for: no statistics, every linear plain int8
+    monkeypatch.setattr("lineside.build.quant.calibrate.default_calibration_text", lambda: "\u2603" * 100)
+    plain = open_bundle(build_bundle(ck, tmp_path / "p", BuildOptions(quant="w4a16", group_size=32, max_seq_len=64)))
+    assert plain.flavor("cpu").extra["prefill_forms"] == {"smoothed": 0, "plain": 8, "4-bit": 0}
