@@ -20,7 +20,9 @@ answer comes from running the product once.
 
 from __future__ import annotations
 
+import base64
 import os
+import zlib
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -51,35 +53,33 @@ def default_threads() -> int:
 
 
 PROBE_K = 64  # 32 pairs of products 127 * 127 (32258 each; int16 holds 32767): the sum passes int16 many times
+# One MatMulIntegerToFloat as the prefill graph calls it: a uint8 [rows, 64] with a per-row scale a_scale [rows, 1]
+# and zero point 128, times int8 b [64, 8] (every value 127) with a per-column scale of ones; y float [rows, 8].
+# Serialized (zlib, base64) because the onnx package takes ~0.8 s to import and the runtime does not otherwise
+# need it: tests/runtime/test_cpu_features.py builds it with onnx.helper and checks this is that model.
+PROBE_MODEL = (
+    "eNrj4LD6xsrlwcWYyMWYxMWeGF+cnJiTysWeBGWwJcZXpRblCzFWKon4Jpb4luZ45pWkpqcWheS75eQnlljxJufn6uVmJhflF+en"
+    "lQhxZeaVWMQXFOUnpWr1sHA4cHAIMDsxJnk1sNSPghENtPSBaYHRCZayvBQYGBrs8WEtXgEmJ2j682JsiBIHJlIhIS4BDiYhHi42"
+    "IZai/PJiLiYOhyhZeLoFSzOiSDMmAfVVYpHgcGLhYhAQdBLkQk3CAowAoLU+Pw==")
+
+
+def probe_model() -> bytes:
+    """The serialized int8 probe (``PROBE_MODEL``)."""
+    return zlib.decompress(base64.b64decode(PROBE_MODEL))
 
 
 @cache
 def host_int8_gemm_exact() -> bool:
     """Whether onnxruntime's ``MatMulIntegerToFloat`` sums this machine's int8 products exactly, called as the
-    prefill graph calls it (uint8 rows with a per-row scale and zero point 128, int8 weights with a per-column scale):
-    one run of 1 row (MLAS's GEMV kernel) and one of 4 (its GEMM) on codes a saturating kernel gets wrong. An
-    onnxruntime that cannot run it: not exact."""
+    prefill graph calls it: one run of 1 row (MLAS's GEMV kernel) and one of 4 (its GEMM) on codes a saturating
+    kernel gets wrong. An onnxruntime that cannot run it: not exact."""
     try:
         import numpy as np
         import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
 
-        n = 8
-        node = helper.make_node("MatMulIntegerToFloat", ["a", "b", "a_scale", "b_scale", "a_zero"], ["y"],
-                                domain="com.microsoft")
-        graph = helper.make_graph(
-            [node], "int8_probe",
-            [helper.make_tensor_value_info("a", TensorProto.UINT8, ["rows", PROBE_K]),
-             helper.make_tensor_value_info("a_scale", TensorProto.FLOAT, ["rows", 1])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
-            [numpy_helper.from_array(np.full((PROBE_K, n), 127, np.int8), "b"),
-             numpy_helper.from_array(np.ones(n, np.float32), "b_scale"),
-             numpy_helper.from_array(np.array(128, np.uint8), "a_zero")])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                        helper.make_opsetid("com.microsoft", 1)])
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(probe_model(), options, providers=["CPUExecutionProvider"])
         for rows in (1, 4):
             y = session.run(None, {"a": np.full((rows, PROBE_K), 255, np.uint8),
                                    "a_scale": np.ones((rows, 1), np.float32)})[0]
