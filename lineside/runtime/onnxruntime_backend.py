@@ -137,11 +137,12 @@ class OnnxRuntimeBackend:
             except Exception as e:  # onnxruntime raises its own exception types for bad graphs
                 raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
 
-        # Prompt chunks on the int8 variant (a second session over the same data file); not with adapters (the
-        # LoRA graph has no such variant) nor for a draft graph (its record names none), nor on a CPU whose int8
-        # product saturates (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime
-        # packs weights without the GIL): 0.1-0.2 s less to ready.
-        prefill = entry.prefill_graph if self.lora is None and os.environ.get(PREFILL_ENV, "1") != "0" else None
+        # Prompt chunks on the int8 variant (a second session over the same data file): the base model's, so with
+        # adapter slots the base requests' chunks take it and the adapters' run on the LoRA graph (it has no int8
+        # variant); not for a draft graph (its record names none), nor on a CPU whose int8 product saturates
+        # (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime packs weights
+        # without the GIL): 0.1-0.2 s less to ready.
+        prefill = entry.prefill_graph if os.environ.get(PREFILL_ENV, "1") != "0" else None
 
         def load_prefill(rel: str) -> Any:
             if not host_int8_gemm_exact():  # one run of the int8 product (~13 ms, cached per process)
@@ -280,7 +281,8 @@ class OnnxRuntimeBackend:
             # in runs of adjacent slots, so they keep the batched decode path.
             return self._split(batch)
         if self.prefill_session is not None and b == 1 and s >= PREFILL_MIN_TOKENS \
-                and batch.logits_positions.shape[1] < s:  # a prompt chunk (not a verification: logits at each)
+                and batch.logits_positions.shape[1] < s and not batch.adapter_rows().any():
+            # a base model's prompt chunk (not a verification: logits at each; not an adapter's: the LoRA graph)
             return self._run(batch, session=self.prefill_session)[0]
         verify = b == 1 and s <= FAST_VERIFY_TOKENS and batch.logits_positions.shape[1] == s  # logits at each
         slots = list(batch.slots)
@@ -412,7 +414,8 @@ class OnnxRuntimeBackend:
         self._keep_alive: list[np.ndarray] = []
         for name, arr in self._feeds(batch, past, p_max).items():
             io.bind_cpu_input(name, arr)
-        self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
+        if session is self.session:  # the prefill graph is the base model's: no adapter inputs
+            self._bind_lora(io, np.ascontiguousarray(batch.adapter_rows()), lora)
         views: dict[str, np.ndarray] = {}
         rows = slice(slots[0], slots[0] + b) if contiguous else slots  # a slice: views, no copy of whole slots
         for st in self.states:

@@ -190,26 +190,31 @@ def test_prefill_graph_tracks_transformers_as_the_4bit_graph_does(w4_bundle, tin
     assert rel_err(int8, ref) < max(0.03, rel_err(base, ref) + 0.01), (rel_err(int8, ref), rel_err(base, ref))
 
 
+def count_runs(be):
+    """Runs of ``be``'s decode-graph session ("base") and prefill-graph session ("prefill"), counted from now on."""
+    calls = {"prefill": 0, "base": 0}
+
+    class Counting:
+        def __init__(self, real, key):
+            self.real, self.key = real, key
+
+        def __getattr__(self, attr):
+            return getattr(self.real, attr)
+
+        def run_with_iobinding(self, io, *a):
+            calls[self.key] += 1
+            return self.real.run_with_iobinding(io, *a)
+
+    for key, name in (("prefill", "prefill_session"), ("base", "session")):
+        setattr(be, name, Counting(getattr(be, name), key))
+    return calls
+
+
 @needs_exact_int8
 def test_a_prompt_chunk_runs_on_the_prefill_graph_and_decode_reads_its_cache(w4_bundle, tiny_dense):
     bundle = w4_bundle()
     be = OnnxRuntimeBackend(bundle)
-    calls = {"prefill": 0, "base": 0}
-    for key, name in (("prefill", "prefill_session"), ("base", "session")):
-        real = getattr(be, name)
-
-        class Counting:
-            def __init__(self, real, key):
-                self.real, self.key = real, key
-
-            def __getattr__(self, attr):
-                return getattr(self.real, attr)
-
-            def run_with_iobinding(self, io, *a):
-                calls[self.key] += 1
-                return self.real.run_with_iobinding(io, *a)
-
-        setattr(be, name, Counting(real, key))
+    calls = count_runs(be)
     n = len(IDS)
     assert n >= PREFILL_MIN_TOKENS
     be.reset_slot(0)
@@ -271,12 +276,41 @@ def test_a_cpu_whose_int8_product_saturates_runs_prompts_on_the_4bit_graph(w4_bu
     assert OnnxRuntimeBackend(bundle).prefill_session is not None
 
 
-def test_adapters_run_their_own_graph_without_it(w4_bundle):
+@needs_exact_int8
+def test_with_adapter_slots_base_prompts_take_it_and_adapter_prompts_the_lora_graph(w4_bundle, peft_adapter,
+                                                                                   monkeypatch):
+    """The prefill graph is the base model's: on a server with adapter slots a base request's prompt runs on it (as on
+    a server without: the same logits), an adapter's on the LoRA graph (as with the prefill graph switched off)."""
+    from lineside.lora import read_adapter
     from lineside.runtime.lora_stack import LoraSlotsConfig
+    from tests.conftest import LORA_ADAPTERS
 
-    bundle = w4_bundle(max_lora_rank=4)
-    be = OnnxRuntimeBackend(bundle, lora=LoraSlotsConfig(max_loras=1, max_rank=4))
-    assert be.prefill_session is None
+    bundle = w4_bundle(max_lora_rank=8)
+    name = sorted(LORA_ADAPTERS)[0]
+    adapter = read_adapter(peft_adapter("llama-gqa", name), bundle.config, name)
+
+    def served(**env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        be = OnnxRuntimeBackend(bundle, num_slots=2, lora=LoraSlotsConfig(max_loras=1, max_rank=8))
+        be.load_adapter(1, adapter)
+        for slot in (0, 1):
+            be.reset_slot(slot)
+        return be
+
+    be = served()
+    calls = count_runs(be)
+    base = be.forward(StepBatch.single(0, IDS, 0))[0, -1]
+    assert calls == {"prefill": 1, "base": 0}
+    tuned = be.forward(StepBatch.single(1, IDS, 0, adapter=1))[0, -1]
+    assert calls == {"prefill": 1, "base": 1}
+    plain = OnnxRuntimeBackend(w4_bundle())  # the same model without LoRA graphs
+    plain.reset_slot(0)
+    assert np.array_equal(base, plain.forward(StepBatch.single(0, IDS, 0))[0, -1])
+    off = served(LINESIDE_PREFILL_GRAPH="0")
+    assert off.prefill_session is None
+    assert np.array_equal(tuned, off.forward(StepBatch.single(1, IDS, 0, adapter=1))[0, -1])
+    assert not np.allclose(base, tuned, atol=1e-3)  # the adapter changes the answer: its rows did read the adapter
 
 
 @needs_exact_int8
