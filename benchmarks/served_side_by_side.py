@@ -263,13 +263,17 @@ class BatchRounds:
     aggregate: list[float] = field(default_factory=list)
     identical: list[bool] = field(default_factory=list)
 
+    def ratios(self) -> list[float]:
+        """Each round's aggregate over its one stream, sorted."""
+        return sorted(a / o for a, o in zip(self.aggregate, self.one_stream, strict=True))
+
     def ratio(self) -> float:
         """The median of the per-round ratios: a round's two halves ran back to back, so a slow spell of the
         machine hits both (one concurrent run of ~4 s alone moved the ratio from 2.5x to 3.2x minutes apart)."""
-        return statistics.median(a / o for a, o in zip(self.aggregate, self.one_stream, strict=True))
+        return statistics.median(self.ratios())
 
     def spread(self) -> str:
-        r = sorted(a / o for a, o in zip(self.aggregate, self.one_stream, strict=True))
+        r = self.ratios()
         return f"{r[0]:.2f}..{r[-1]:.2f}"
 
 
