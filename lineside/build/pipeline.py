@@ -226,7 +226,7 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
 
         key_means = key_means_for(cfg, ckpt, opts.calib, log)
     prefill_stats = None
-    if opts.builds_prefill_graph and "cpu" in opts.flavors and spec.quantized and cfg.architecture in DENSE_FAMILIES:
+    if opts.calibrates_prefill and cfg.architecture in DENSE_FAMILIES:
         from lineside.build.quant.smooth import prefill_calibration
 
         # the linears' inputs as the graph computes them: AWQ's scales folded into norms and up_proj change them

@@ -32,9 +32,10 @@ SYSFS_CPU = Path("/sys/devices/system/cpu")
 
 def physical_cores(cpus: Iterable[int], sysfs: Path | None = None) -> int:
     """How many distinct cores (package, core id) the logical ``cpus`` sit on; 0 where the topology is not readable."""
+    root = sysfs or SYSFS_CPU
     cores: set[tuple[str, str]] = set()
     for cpu in cpus:
-        topology = (sysfs or SYSFS_CPU) / f"cpu{cpu}" / "topology"
+        topology = root / f"cpu{cpu}" / "topology"
         try:
             cores.add(((topology / "physical_package_id").read_text().strip(),
                        (topology / "core_id").read_text().strip()))

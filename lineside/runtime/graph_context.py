@@ -9,14 +9,12 @@ DeepSeek-V4's graphs compute their angles from the positions and hold no table: 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from lineside.errors import BundleError
+from lineside.onnx_wire import initializers, walk
 
 ROPE_TABLES = ("rope_cos", "rope_sin")  # the initializers build/models/dense.py names
-TRUNCATED = "a graph file ends inside a field: it is truncated; rebuild or re-copy the bundle"
 
 
 def rope_positions(graph: Path) -> int | None:
@@ -25,66 +23,19 @@ def rope_positions(graph: Path) -> int | None:
     Read from the ONNX file's protobuf wire format (ModelProto.graph → GraphProto.initializer → TensorProto
     dims/name) rather than with ``onnx.load``: importing onnx costs ~0.65 s, which `serve` would pay on its path to
     ready (13's cold start); the weights stay in their external-data file either way."""
-    data = graph.read_bytes()
     rows = []
-    graph_msg = b"".join(_fields(data, 7))  # ModelProto.graph (a message given twice is merged: concatenated)
-    for tensor in _fields(graph_msg, 5):  # GraphProto.initializer
+    for tensor in initializers(graph.read_bytes()):
         name, dims = b"", []
-        for number, wire, value in _walk(tensor):
+        for number, wire, value in walk(tensor):
             if number == 8 and wire == 2:  # TensorProto.name
                 name = value
             elif number == 1 and wire == 0:  # dims, one varint each (proto2's default)
                 dims.append(value)
             elif number == 1 and wire == 2:  # dims packed
-                dims.extend(v for _, _, v in _walk(value, packed=True))
+                dims.extend(v for _, _, v in walk(value, packed=True))
         if name.decode("utf-8", "replace") in ROPE_TABLES and dims:
             rows.append(int(dims[0]))
     return min(rows) if rows else None
-
-
-def _fields(data: bytes, number: int) -> list[bytes]:
-    """The length-delimited values of field ``number`` in one message."""
-    return [v for n, w, v in _walk(data) if n == number and w == 2]
-
-
-def _walk(data: bytes, packed: bool = False) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of each field of a protobuf message (``packed``: bare varints)."""
-    i, end = 0, len(data)
-    while i < end:
-        if packed:
-            v, i = _varint(data, i)
-            yield 1, 0, v
-            continue
-        key, i = _varint(data, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            v, i = _varint(data, i)
-            yield number, wire, v
-            continue
-        if wire == 2:
-            n, i = _varint(data, i)
-        elif wire in (1, 5):
-            n = 8 if wire == 1 else 4
-        else:
-            raise BundleError(f"a graph file this reader cannot parse (field {number}, wire type {wire}); rebuild "
-                              "or re-copy the bundle")
-        if i + n > end:
-            raise BundleError(TRUNCATED)
-        yield number, wire, data[i:i + n]
-        i += n
-
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
-        if i >= len(data):
-            raise BundleError(TRUNCATED)
-        b = data[i]
-        v |= (b & 0x7F) << shift
-        i += 1
-        if b < 0x80:
-            return v, i
-        shift += 7
 
 
 def check_rope_positions(graph: Path, rel: str, max_seq_len: int, context_limit: int | None = None) -> None:
