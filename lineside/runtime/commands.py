@@ -124,7 +124,7 @@ def generate(
     if chat and not tok.chat_template:
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, prompt_ids=ids)
     made = 0
     for t in gen.stream(ids, max_tokens, params):
         made += 1
@@ -214,7 +214,7 @@ def chat(
             print(f"note: the conversation outgrew the bundle's context of {limit} tokens; from here on the oldest "
                   f"turns are forgotten{' (the system prompt is kept)' if system else ''}", file=sys.stderr)
         messages = turns
-        detok = IncrementalDetokenizer(gen.tokenizer)
+        detok = IncrementalDetokenizer(gen.tokenizer, prompt_ids=ids)
         sys.stdout.write("model> ")
         answer, stopped = [], False
         try:

@@ -3,43 +3,69 @@
 Byte-level BPE splits one character (Chinese, emoji) across tokens; decoding a partial
 sequence yields U+FFFD. Text is released only once it no longer ends in a replacement
 character, decoding from a short window so each step stays O(1).
+
+The window starts in the prompt's last tokens, as vLLM's detokenizer does: a SentencePiece decoder drops the space
+in front of the first token it decodes ("▁Paris" alone is "Paris"), and a completion's first token is not the
+first of the text (the prompt goes on with " Paris"); and a prompt given as token ids may end inside a character
+whose remaining bytes the first generated tokens carry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT = 6  # prompt tokens decoded in front of the first generated ones (vLLM's slow path takes 5)
+_LOOK_BACK = 16  # further prompt tokens searched for a character's start
 
 
 class _Decodes(Protocol):
     def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
 
 
-class IncrementalDetokenizer:
-    """Feed token ids one at a time; get back only text that is complete."""
+def _prompt_tail(tok: _Decodes, prompt: list[int], skip_special: bool) -> list[int]:
+    """The prompt's last few tokens, from the first byte of a character: a window that starts inside one decodes to
+    U+FFFD there (with byte fallback, every byte of the run it starts in does). Empty when no such start is near."""
+    for start in range(len(prompt) - _PROMPT_CONTEXT, len(prompt) - _PROMPT_CONTEXT - _LOOK_BACK, -1):
+        if start <= 0:
+            return prompt
+        if not tok.decode(prompt[start:], skip_special).startswith(_REPLACEMENT):
+            return prompt[start:]
+    return []
 
-    def __init__(self, tokenizer: _Decodes, skip_special: bool = True):
+
+class IncrementalDetokenizer:
+    """Feed token ids one at a time; get back only text that is complete (``prompt_ids``: what they follow)."""
+
+    def __init__(self, tokenizer: _Decodes, skip_special: bool = True, prompt_ids: Sequence[int] = ()):
         self.tok = tokenizer
         self.skip_special = skip_special
-        self.ids: list[int] = []
+        self.ids: list[int] = _prompt_tail(tokenizer, [int(i) for i in prompt_ids], skip_special)
         self.prefix_offset = 0  # start of the window decoded for context
-        self.read_offset = 0  # ids up to here have been emitted
+        self.read_offset = len(self.ids)  # ids up to here have been emitted (or are the prompt's)
+
+    def _done(self) -> tuple[str, str]:
+        """(the window's text already out, as decoded; the same without a character the prompt leaves incomplete,
+        which the tokens completing it release)."""
+        done = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        return done, done.rstrip(_REPLACEMENT)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        done, prefix = self._done()
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             new = full[len(prefix):]
-            self.prefix_offset = self.read_offset
+            if prefix == done:  # the next window starts where the text is whole, never inside a character
+                self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
             return new
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end is dropped)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
+        _, prefix = self._done()
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):].rstrip(_REPLACEMENT)

@@ -210,7 +210,7 @@ class Generator:
         tok = self.tokenizer
         ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
         out = GenerationResult(prompt_tokens=len(ids))
-        detok = IncrementalDetokenizer(tok)
+        detok = IncrementalDetokenizer(tok, prompt_ids=ids)
         for t in self.stream(ids, max_tokens, params):
             out.token_ids.append(t)
             out.text += detok.add(t)

@@ -56,3 +56,77 @@ def test_truncated_character_is_dropped_at_the_end(tiny_bundle):
     ids = tok.encode("ok 😀", add_special=False)[:-1]  # the emoji's last byte never comes
     pieces, whole = stream(tok, ids)
     assert whole == "ok " and all("\ufffd" not in p for p in pieces)
+
+
+def llama2_dir(tmp_path):
+    """A Llama 2 / Mistral-style SentencePiece vocabulary as transformers (and gguf_spm) write it: "▁" prepended to
+    the text, byte fallback, and a decoder that strips the space this adds in front of the first token."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "T", "h", "e", "c", "a", "p", "i", "t", "l", "s", "P", "r", "o", "k", "▁T", "▁c", "▁i", "▁P"):
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "T"), ("▁", "c"), ("▁", "i"), ("▁", "P")]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in ("<unk>", "<s>", "</s>")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return Tokenizer(tmp_path, {"bos_token_id": 1, "eos_token_ids": [2], "add_bos_token": True})
+
+
+def sequence_text(tok, prompt, generated):
+    """The text a request's events carry for ``generated`` after ``prompt`` (what the server streams)."""
+    from lineside.runtime.request import GenerationRequest, RequestHandle
+    from lineside.runtime.sequence import Sequence
+
+    seq = Sequence(RequestHandle(GenerationRequest(prompt_ids=prompt, max_tokens=len(generated))), tok, {2}, 256)
+    pieces = [seq.on_token(i, 0.0).text for i in generated]
+    return pieces, "".join(pieces)
+
+
+def test_completion_keeps_the_space_its_first_token_starts_with(tmp_path):
+    """On a SentencePiece vocabulary the decoder drops the space in front of the first token of a text; a
+    completion's first token is not the first of the text, so "The capital is" goes on with " Paris", as vLLM,
+    llama.cpp's server and transformers' text-generation pipeline return it. It was "Paris": prompt + completion
+    read "The capital isParis"."""
+    tok = llama2_dir(tmp_path)
+    prompt = tok.encode("The capital is")
+    generated = tok.encode("The capital is Paris")[len(prompt):]
+    assert tok.id_to_token(generated[0]) == "▁P"
+    expected = tok.decode(prompt + generated)[len(tok.decode(prompt)):]
+    assert expected == " Paris"
+    assert sequence_text(tok, prompt, generated)[1] == expected
+
+
+@pytest.mark.parametrize("make", ["byte_level", "byte_fallback"])
+def test_prompt_ending_inside_a_character_is_completed_not_replaced(tmp_path, tiny_bundle, make):
+    """A prompt given as token ids may end inside a character (the emoji's first bytes); the tokens that complete
+    it decode alone to U+FFFD, which was streamed as text. As vLLM's detokenizer (primed with the prompt's tail),
+    the completed character is the completion's text."""
+    tok = Tokenizer(tiny_bundle / "tokenizer") if make == "byte_level" else llama2_dir(tmp_path)
+    ids = tok.encode("ok 😀!", add_special=False)
+    cut = next(i for i in range(len(ids), 0, -1) if tok.decode(ids[:i]).endswith("\ufffd"))
+    prompt, generated = ids[:cut], ids[cut:]
+    pieces, text = sequence_text(tok, prompt, generated)
+    assert text == "😀!" and all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("make", ["byte_level", "byte_fallback"])
+def test_completion_after_any_whole_prompt_is_the_rest_of_the_text(tmp_path, tiny_bundle, make):
+    """Cut anywhere a long run of multi-byte characters (byte tokens, several per character) is whole, the generated
+    tokens give exactly the rest of the text: the prompt's tokens decoded for context start at a character's first
+    byte (a run of byte-fallback tokens that starts inside one decodes to U+FFFD throughout)."""
+    tok = Tokenizer(tiny_bundle / "tokenizer") if make == "byte_level" else llama2_dir(tmp_path)
+    ids = tok.encode("a 👨\u200d👩\u200d👧 中文 ok", add_special=False)
+    cuts = [i for i in range(1, len(ids)) if "\ufffd" not in tok.decode(ids[:i])]
+    assert len(cuts) >= 6 and max(cuts) > 12
+    for cut in cuts:
+        pieces, text = sequence_text(tok, ids[:cut], ids[cut:])
+        assert text == tok.decode(ids)[len(tok.decode(ids[:cut])):], cut
+        assert all("\ufffd" not in p for p in pieces), cut
