@@ -66,10 +66,12 @@ class TextOffsets:
 
 
 class LogprobFormatter:
-    """Turns the sampler's ``TokenLogprob``s into response JSON; ``token_bytes`` maps an id to its raw bytes."""
+    """Turns the sampler's ``TokenLogprob``s into response JSON; ``token_bytes`` maps an id to its raw bytes;
+    ``skipped``: whether a token is left out of the text (a special token, skipped when decoding)."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes]):
+    def __init__(self, token_bytes: Callable[[int], bytes], skipped: Callable[[int], bool] = lambda _: False):
         self._bytes = token_bytes
+        self._skipped = skipped
 
     def _one(self, tid: int, lp: float) -> dict[str, Any]:
         b = self._bytes(tid)
@@ -99,5 +101,5 @@ class LogprobFormatter:
                 top.setdefault(token_text(self._bytes(i)), v)
             top.setdefault(tokens[-1], t.logprob)  # OpenAI's "up to logprobs+1": the sampled token is always there
             tops.append(top)
-            offsets.append(where.advance(raw))
+            offsets.append(where.advance(b"" if self._skipped(t.token) else raw))  # no text: the next starts here
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -177,7 +177,7 @@ async def _formatter(state: ServerState, top_n: int | None) -> LogprobFormatter 
     if top_n is None:
         return None
     compiler = await asyncio.to_thread(lambda: state.engine.grammar)
-    return LogprobFormatter(compiler.token_bytes)
+    return LogprobFormatter(compiler.token_bytes, state.engine.tokenizer.is_special)
 
 
 @router.post("/v1/responses", responses={**ERROR_RESPONSES, **_STREAM_DOC})

@@ -177,3 +177,19 @@ def test_logprobs_asked_for_are_an_object_even_when_the_answer_is_empty(client):
     assert lp is not None and lp.tokens == [] and lp.token_logprobs == [] and lp.text_offset == []
     plain = client.completions.create(model=MODEL, prompt="Say nothing.", max_tokens=4, temperature=0, logit_bias=eos)
     assert plain.choices[0].logprobs is None  # not asked for: still null
+
+
+def test_text_offset_of_a_special_token_adds_no_text(client):
+    """A special token the model generates (ignore_eos) is not in the text (skipped when decoding, as vLLM's default
+    skip_special_tokens), so the tokens after it start where it did. text_offset added its display string
+    ("</s>": 4 characters), and every offset after it pointed past the text's end."""
+    eos = {"2": 100}  # the tiny model's end-of-sequence id, every time
+    r = client.completions.create(model=MODEL, prompt="Say nothing.", max_tokens=3, temperature=0, logprobs=0,
+                                  logit_bias=eos, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "" and lp.tokens == ["</s>"] * 3
+    assert lp.text_offset == [0, 0, 0]
+    streamed = client.completions.create(model=MODEL, prompt="Say nothing.", max_tokens=3, temperature=0,
+                                         logprobs=0, logit_bias=eos, extra_body={"ignore_eos": True}, stream=True)
+    assert [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] \
+        == [0, 0, 0]
