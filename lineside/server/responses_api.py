@@ -16,7 +16,6 @@ The request and the events follow OpenAI's shapes so the ``openai`` client's ``r
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
-from lineside.server import responses_tools
+from lineside.server import responses_tools, sse
 from lineside.server.errors import APIError
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
@@ -286,7 +285,7 @@ class ResponseBuilder:
         """One SSE event (``event:`` line + ``data:``), numbered as OpenAI numbers them."""
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {kind}\ndata: {sse.dumps(data)}\n\n"
 
     def opening(self) -> list[str]:
         """created / in_progress, then the first item: the reasoning when the output starts in it, else the message

@@ -14,9 +14,20 @@ from typing import Any
 DONE = "data: [DONE]\n\n"
 
 
+# Line breaks to Python's str.splitlines (httpx's iter_lines, requests' iter_lines(decode_unicode=True)) that JSON
+# leaves raw: inside a data line they would cut the event in two. Escaped, they decode to the same text.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON for one SSE data line: UTF-8 kept as is, but never a character a client splits lines at."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return text if text.isascii() else text.translate(_LINE_BREAKS)
+
+
 def event(obj: dict[str, Any]) -> str:
     """One SSE event carrying a JSON object (compact, UTF-8 kept as is)."""
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return "data: " + dumps(obj) + "\n\n"
 
 
 def error_event(message: str, type: str, code: str | None) -> str:
@@ -41,7 +52,7 @@ class ChunkWriter:
 
     def _chunk(self, choice: dict[str, Any]) -> str:
         """The same bytes as ``event({**base, "choices": [choice], "usage": None})``, encoding only the choice."""
-        return self._head + json.dumps(choice, ensure_ascii=False, separators=(",", ":")) + self._tail
+        return self._head + dumps(choice) + self._tail
 
     def role(self, index: int) -> str:
         """Chat only: the first chunk of a choice, announcing the assistant role."""

@@ -3,6 +3,8 @@ with it: roles, content parts, and the client's own helpers over a served tiny b
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -193,3 +195,22 @@ def test_text_offset_of_a_special_token_adds_no_text(client):
                                          logprobs=0, logit_bias=eos, extra_body={"ignore_eos": True}, stream=True)
     assert [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] \
         == [0, 0, 0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_text_with_unicode_line_separators_stays_one_line_per_event(server, path):
+    """U+2028, U+2029 and U+0085 are line breaks to Python's str.splitlines, which httpx's ``iter_lines`` and requests'
+    ``iter_lines(decode_unicode=True)`` split a stream with: written raw inside a ``data:`` line, a delta holding one
+    (a model echoing pasted text) cut the event in two and the client's json.loads failed on each half. JSON may
+    escape any character: they are sent as \\u escapes, and the text a client decodes is the same."""
+    import httpx
+
+    text = "a\u2028b\u2029c\x85d"
+    body = {"max_tokens": 12, "temperature": 0, "stream": True, "guided_regex": text.replace("\x85", "\\x85")}
+    body |= {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
+    got = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
+    assert got == text
