@@ -29,6 +29,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, code: str | None = None, *, param: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
+        message, param = _encodable(message), None if param is None else _encodable(param)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -39,6 +40,16 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+def _encodable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape (``\\ud800``): a message or param naming what the
+    client sent (an object's key holding a ``\\ud800`` JSON escape) must still encode as UTF-8, or the 400 is a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def error_response(status: int, message: str, code: str | None = None, *, param: str | None = None,

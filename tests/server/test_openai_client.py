@@ -203,6 +203,20 @@ def test_lone_surrogate_anywhere_is_400_naming_the_field(server, path, body, par
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("path, raw", [
+    ("completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"a\\ud800b": 1}}'),
+    ("chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+                         '"chat_template_kwargs": {"a\\ud800b": 1}}'),
+])
+def test_a_lone_surrogate_in_a_key_is_a_400_too(server, path, raw):
+    """A lone surrogate in an object's key is named in the error's message and param; the error body could not be
+    encoded as UTF-8 then, and the answer was a 500 UnicodeEncodeError. It is written as its escape."""
+    r = httpx.post(f"{server.url}/v1/{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "\\ud800" in err["message"] and "\\ud800" in err["param"]
+
+
 def test_a_server_bug_closes_its_connection_saying_so(server, monkeypatch):
     """After a handler's unexpected exception Starlette re-raises it and uvicorn drops the keep-alive connection; the
     500 said nothing, so the client's next request on that connection (any client that pools them) was reset.
