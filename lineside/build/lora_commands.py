@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from lineside import cli_checks as checks
-from lineside.bundle import AdapterEntry, add_to_manifest, default_model_names, open_bundle
+from lineside.bundle import AdapterEntry, Manifest, add_to_manifest, default_model_names, open_bundle
 from lineside.errors import LinesideError
 from lineside.lora import CONFIG_FILE, WEIGHTS_FILE, LoraTarget, check_fits, check_name, read_adapter
 
@@ -52,9 +52,15 @@ def add(
     tmp = b.path / f"adapters/.{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    manifest = b.manifest
     try:
         for f in (CONFIG_FILE, WEIGHTS_FILE):
             shutil.copyfile(Path(adapter_dir) / f, tmp / f)
+        if name in manifest.adapters:
+            # The manifest stops listing the adapter it replaces before its files change: an interruption or a
+            # full disk from here on leaves the bundle without that adapter (`lora add` puts it back), never
+            # listing a sha256 its files no longer have (which refuses the whole bundle).
+            manifest = _without_adapter(b.path, manifest, name)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
     except BaseException:
@@ -63,10 +69,18 @@ def add(
     r = adapter.record()
     entry = AdapterEntry(dir=rel, rank=r["rank"], lora_alpha=r["lora_alpha"], use_rslora=r["use_rslora"],
                          targets=tuple(r["targets"]), bytes=r["bytes"])
-    add_to_manifest(b.path, replace(b.manifest, adapters={**b.manifest.adapters, name: entry}),
+    add_to_manifest(b.path, replace(manifest, adapters={**manifest.adapters, name: entry}),
                     [f"{rel}/{f}" for f in (CONFIG_FILE, WEIGHTS_FILE)])
     size = sum((dest / f).stat().st_size for f in (CONFIG_FILE, WEIGHTS_FILE))
     print(f"{bundle}: adapter {name} added (rank {adapter.rank}, {','.join(r['targets'])}, {size / 1e6:.2f} MB)")
+
+
+def _without_adapter(bundle: Path, manifest: Manifest, name: str) -> Manifest:
+    """Save the manifest without adapter ``name`` and the files of its directory; returns what was saved."""
+    prefix = manifest.adapters[name].dir.rstrip("/") + "/"
+    kept = replace(manifest, adapters={k: v for k, v in manifest.adapters.items() if k != name},
+                   files={rel: f for rel, f in manifest.files.items() if not rel.startswith(prefix)})
+    return add_to_manifest(bundle, kept, [])
 
 
 @lora_app.command("list")

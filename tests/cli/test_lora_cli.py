@@ -158,3 +158,37 @@ def test_an_auto_mapping_that_is_not_an_object_is_ignored(lora_bundle_copy, peft
     proc = run_cli("lora", "add", str(lora_bundle_copy), str(odd), "--name", "odd-mapping")
     assert proc.returncode == 0, proc.stderr
     assert "odd-mapping" in open_bundle(lora_bundle_copy).manifest.adapters
+
+
+def test_replacing_an_adapter_that_fails_midway_leaves_a_bundle_that_opens(tiny_bundles, peft_adapter, tiny_dense,
+                                                                           tmp_path, monkeypatch):
+    """`lora add --force` over an adapter swapped its files in, then rewrote the manifest: a disk full (or a
+    Ctrl-C) between the two left the manifest holding the old adapter's sha256 for the new files, and every
+    command then refused the whole bundle ("fails its sha256 check")."""
+    import errno
+
+    from lineside.build import lora_commands
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu", "trt"), max_seq_len=64,
+                                 accuracy_level=0, max_lora_rank=8), bundle)
+    lora_commands.add(bundle, peft_adapter("llama-gqa", "qv"), name="line-3")
+    other = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "other", seed=7, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "v_proj"])
+    real = lora_commands.add_to_manifest
+
+    def full_disk(bundle_dir, manifest, files):
+        if files:  # the write that lists the new adapter's files
+            raise OSError(errno.ENOSPC, "No space left on device", "manifest.json.tmp")
+        return real(bundle_dir, manifest, files)
+
+    monkeypatch.setattr(lora_commands, "add_to_manifest", full_disk)
+    with pytest.raises(OSError):
+        lora_commands.add(bundle, other, name="line-3", force=True)
+    open_bundle(bundle)  # still whole: it may lack the adapter, but what it lists is what it holds
+    monkeypatch.setattr(lora_commands, "add_to_manifest", real)
+    proc = run_cli("lora", "add", str(bundle), str(other), "--name", "line-3")  # again, once there is room
+    assert proc.returncode == 0, proc.stderr
+    b = open_bundle(bundle)
+    assert (bundle / b.manifest.adapters["line-3"].dir / "adapter_model.safetensors").read_bytes() == \
+        (other / "adapter_model.safetensors").read_bytes()
