@@ -8,6 +8,7 @@ into one line plus "see `lineside CMD --help`"), raised before a model is read o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import math
 import os
 import secrets
@@ -278,20 +279,70 @@ def replace_dir(new: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def claim_staging(tmp: Path, path: Path) -> int:
+    """Make ``tmp`` (``<path>.partial``) a fresh, empty directory this process alone writes: returns a descriptor
+    holding an flock on it (the kernel drops it when the process dies, SIGKILL included). One an interrupted
+    run left is removed; one another run is writing now is refused, since removing it would pull the files
+    from under that run and leave a bundle with some of them missing."""
+    while True:
+        try:
+            tmp.mkdir(parents=True)
+        except FileExistsError:
+            if tmp.is_symlink() or not tmp.is_dir():  # not one a run left: nothing to remove
+                raise LinesideError(f"{tmp} is in the way: {path} is staged there; move it away or choose another "
+                                    "output") from None
+            fd = _lock_dir(tmp, path)
+            if fd is not None:  # no one holds it: an interrupted run's
+                try:
+                    shutil.rmtree(tmp)  # what cannot be removed is reported, not tried again forever
+                finally:
+                    os.close(fd)
+            continue
+        fd = _lock_dir(tmp, path)
+        if fd is not None:
+            return fd
+
+
+def _lock_dir(tmp: Path, path: Path) -> int | None:
+    """An flock on the directory ``tmp`` (None when it went away or changed under us: try again)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LinesideError(f"another lineside command is writing {path} now ({tmp.name} is in use); wait for it to "
+                            "finish, or choose another output") from None
+    except OSError:  # a filesystem without locks (some network mounts): go on unguarded, as before
+        pass
+    try:
+        same = os.path.samestat(os.fstat(fd), os.stat(tmp))
+    except FileNotFoundError:
+        same = False
+    if not same:  # removed (and maybe made again) by another run between our open and lock
+        os.close(fd)
+        return None
+    return fd
+
+
 @contextlib.contextmanager
 def staged_dir(path: Path) -> Iterator[Path]:
     """Yield ``<path>.partial`` (fresh); on success it takes ``path``'s place (replacing an existing one), on
     failure it is removed, so a half-written directory is never left behind."""
     path = normalized(path)
     tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    lock = claim_staging(tmp, path)
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, path)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        replace_dir(tmp, path)
+    finally:
+        os.close(lock)
 
 
 # ----------------------------------------------------------------------------------------------- memory

@@ -6,6 +6,7 @@ or interrupted build never leaves a half-written bundle where a good one is expe
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from lineside.bundle import (
     read_manifest,
     write_manifest,
 )
-from lineside.cli_checks import normalized, replace_dir
+from lineside.cli_checks import claim_staging, normalized, replace_dir
 from lineside.config import DENSE_FAMILIES, ModelConfig
 from lineside.errors import CheckpointError, LinesideError
 from lineside.lora import ALL_TARGETS, LoraTarget
@@ -152,6 +153,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         ckpt.close()
         raise LinesideError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
     tmp: Path | None = None
+    lock: int | None = None  # held while <out>.partial is this build's
     try:
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         held = len(ckpt.names())
@@ -189,18 +191,20 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         if source is None:
             _check_shapes(ckpt, family.required_tensors(cfg), spec,
                           tuple(f for f in opts.flavors if not (f == "cpu" and carry_cpu and _is_gguf(checkpoint))))
-        tmp = out.with_name(out.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        staging = out.with_name(out.name + ".partial")
+        lock = claim_staging(staging, out)  # refused while another build writes there (never removed under it)
+        tmp = staging
         _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
+        replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
     except BaseException:
         # A failed or interrupted build leaves nothing behind (no half-written <out>.partial either).
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        if lock is not None:
+            os.close(lock)
         ckpt.close()
-    replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
 

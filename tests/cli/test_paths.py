@@ -247,3 +247,55 @@ def test_replace_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(t
         replace_dir(new, old)
     assert (old / "keep.txt").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_second_build_into_the_same_output_is_refused_while_the_first_runs(ckpt, tmp_path, monkeypatch):
+    """Two builds into one -o at once: the second removed the first's OUT.partial and staged its own there; the
+    first went on writing into a directory that was gone or was the second's, and both said they succeeded,
+    leaving a bundle without its tokenizer that every check accepted. The second is now refused, the first
+    finishes whole."""
+    import lineside.build.pipeline as pipeline
+    from lineside.bundle import open_bundle
+    from lineside.errors import LinesideError
+
+    out = tmp_path / "b"
+    opts = BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16, force=True)
+    write, second = pipeline._write_bundle, []
+
+    def write_while_another_build_starts(ckpt_reader, *args, **kwargs):
+        if not second:  # the first build is under way: its tokenizer is written (tmp is args[-4])
+            second.append("started")
+            ckpt_reader.write_tokenizer(args[-4] / "tokenizer")
+            try:
+                build_bundle(ckpt, out, opts)
+            except LinesideError as e:
+                second[0] = str(e)
+        write(ckpt_reader, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_write_bundle", write_while_another_build_starts)
+    build_bundle(ckpt, out, opts)
+    assert len(second) == 1 and "another lineside command is writing" in second[0] and str(out) in second[0], second
+    b = open_bundle(out)
+    assert (b.tokenizer_dir / "tokenizer.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_a_build_killed_earlier_does_not_block_the_next(ckpt, tmp_path):
+    """What a SIGKILLed build left (OUT.partial, no one writing it) is removed by the next build, not refused."""
+    out = tmp_path / "b"
+    (tmp_path / "b.partial" / "graphs").mkdir(parents=True)
+    (tmp_path / "b.partial" / "graphs" / "half.onnx").write_bytes(b"\0" * 10)
+    build_bundle(ckpt, out, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    assert (out / "manifest.json").is_file() and not (out / "graphs" / "half.onnx").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_a_link_where_the_build_stages_is_refused_and_kept(ckpt, tmp_path):
+    """OUT.partial that no build made (a link to someone's directory) is one line, and stays as it was."""
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "keep.txt").write_text("keep")
+    (tmp_path / "b.partial").symlink_to(tmp_path / "theirs")
+    proc = run_cli("build", str(ckpt), "-o", str(tmp_path / "b"), "--quant", "fp32", "--max-seq-len", "16", "-q",
+                   timeout=60)
+    assert_one_line_error(proc, "b.partial", "in the way")
+    assert (tmp_path / "theirs" / "keep.txt").read_text() == "keep" and (tmp_path / "b.partial").is_symlink()
