@@ -161,6 +161,10 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
             f"TensorRT {key.tensorrt} built no engine for {key.gpu_name} (SM {key.compute_capability}); the "
             "log above names the layer — often no INT4 weight-only tactic on this GPU: rebuild the bundle with "
             "--quant w8a16 or fp16, or use --backend onnxruntime")
+    # engine.json is what makes the directory an engine (key.list_engines): the one of an engine being replaced
+    # goes first, so an interruption before the new one is written leaves no engine, not the new engine under
+    # the old record's slots and profiles.
+    (out / ENGINE_JSON).unlink(missing_ok=True)
     _atomic_write(out / ENGINE_FILE, bytes(serialized))
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
     meta = engine_meta(key, lim, profiles, opts, graph_sha, time.time() - t0, kv_dtype=kv_dtype_of(fl.state))

@@ -327,3 +327,34 @@ def test_int4_sink_entries_in_a_bucket_with_a_dummy_row_short_copy_and_rejected_
     be.forward(StepBatch.single(0, [250, 251, 252], 1, all_logits=True))
     assert rel(be.forward(StepBatch.single(0, IDS[1:8], 1, all_logits=True))[0], ref[1:8]) < 1e-4
     be.close()
+
+
+def test_a_rebuild_that_fails_after_writing_the_engine_leaves_no_stale_engine_json(trt_bundle, monkeypatch, tmp_path):
+    """`lineside engine` rebuilding over an engine wrote the new model.engine, then the timing cache, then
+    engine.json: a full disk (or a Ctrl-C) after the first left the old engine.json — the old slots, prefill
+    limit and profiles — beside the new engine, which the backend then loaded as a matching pair and drove
+    with shapes outside the engine's profiles. Now there is no engine.json until the engine it describes is
+    complete, and the backend asks for a rebuild."""
+    import errno
+    import shutil
+
+    import lineside.build.tensorrt.builder as builder
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    dst = tmp_path / "b"
+    shutil.copytree(trt_bundle("fp16").path, dst)
+    fake_trt.install(monkeypatch)
+    build_engine(dst, BuildOptions(num_slots=4, max_prefill=16, first_bucket=8, bucket_step=16))
+    write = builder._atomic_write
+
+    def full_after_the_engine(path, data):
+        if path.name == TIMING_CACHE:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write(path, data)
+
+    monkeypatch.setattr(builder, "_atomic_write", full_after_the_engine)
+    with pytest.raises(OSError):
+        build_engine(dst, BuildOptions(num_slots=1, max_prefill=8, first_bucket=8, bucket_step=16))
+    with pytest.raises(BundleError, match="lineside engine"):
+        TensorRTBackend(open_bundle(dst), num_slots=4)
