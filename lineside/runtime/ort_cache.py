@@ -12,6 +12,7 @@ directory that can't be written to just goes without one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any
 log = logging.getLogger("lineside.runtime")
 
 SUFFIX = ".ort-opt.onnx"
+TMP_SUFFIX = ".tmp.onnx"  # an optimized graph being written (its weights beside it in <name>.data)
 ENV_DISABLE = "LINESIDE_ORT_CACHE"  # "0" turns the cache off
 
 
@@ -78,11 +80,12 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
             log.warning("ignoring onnxruntime's cached graph %s (%s)", cached.path.name, str(e).splitlines()[0])
             _remove(cached.path)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=".tmp.onnx", dir=graph.parent)
-        os.close(fd)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=TMP_SUFFIX, dir=graph.parent)
     except OSError:  # a read-only bundle runs without a cache
         return plain(), "plain"
     tmp = Path(tmp_name)
+    _hold(fd)  # ours while this process writes it: _remove_abandoned leaves it alone
+    _remove_abandoned(graph, tmp)
     data = tmp.with_name(tmp.name + ".data")
     so = make_options()
     # Extended is everything the CPU provider does short of layout changes tied to this CPU (NCHWc).
@@ -108,6 +111,38 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
     finally:
         _remove(tmp)
         _remove(data)
+        os.close(fd)
+
+
+def _hold(fd: int) -> None:
+    """An flock on a temporary copy being written (the kernel drops it when the process dies, however)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a filesystem without locks: the copy is only unguarded
+        pass
+
+
+def _remove_abandoned(graph: Path, mine: Path) -> None:
+    """The temporary copies of ``graph`` (and their data files, as large as the weights) that a start killed
+    mid-write left behind (SIGKILL, the OOM killer, a start timeout): one pair per killed start, which filled the
+    disk. A copy another process holds locked is being written now and stays."""
+    for p in graph.parent.glob(f".{graph.name}.*{TMP_SUFFIX}"):
+        if p == mine:
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a live writer (or no locks here: left, to be safe)
+            os.close(fd)
+            continue
+        try:
+            _remove(p.with_name(p.name + ".data"))
+            _remove(p)
+        finally:
+            os.close(fd)
 
 
 def _point_at_source(optimized: Path, data: Path, graph: Path) -> None:

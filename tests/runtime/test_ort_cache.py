@@ -88,3 +88,26 @@ def test_key_covers_version_graph_and_settings():
     assert len({k, ort_cache.cache_key("1.33.0", "a" * 64, {"x": "1"}),
                 ort_cache.cache_key("1.32.0", "b" * 64, {"x": "1"}),
                 ort_cache.cache_key("1.32.0", "a" * 64, {"x": "0"})}) == 4
+
+
+def test_temporary_copies_a_killed_start_left_are_removed(bundle):
+    """A start killed while onnxruntime wrote its optimized graph (SIGKILL, the OOM killer, a unit's start
+    timeout) left the temporary graph and its data file — as large as the weights — in the bundle, one pair per
+    killed start, until the disk was full. The next start that writes a cache removes them; a copy another
+    process is writing now (it holds a lock on it) is left alone."""
+    import fcntl
+    import os
+
+    cpu = bundle / "graphs" / "cpu"
+    for tag in ("abandon1", "writing2"):
+        (cpu / f".model.onnx.{tag}.tmp.onnx").write_bytes(b"half a graph")
+        (cpu / f".model.onnx.{tag}.tmp.onnx.data").write_bytes(b"\0" * 4096)
+    other = cpu / ".model.onnx.writing2.tmp.onnx"
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a start still writing it holds it
+        assert OnnxRuntimeBackend(open_bundle(bundle)).session_source == "saved"
+    finally:
+        os.close(fd)
+    left = sorted(p.name for p in cpu.iterdir() if ".tmp.onnx" in p.name)
+    assert left == [".model.onnx.writing2.tmp.onnx", ".model.onnx.writing2.tmp.onnx.data"]
