@@ -6,10 +6,13 @@ Opening a bundle verifies the manifest; a file that fails its checksum is refuse
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -288,6 +291,20 @@ def add_to_manifest(bundle_dir: Path, manifest: Manifest, files: list[str]) -> M
     tmp.write_text(json.dumps(manifest.to_json_dict(), indent=2, sort_keys=True))
     os.replace(tmp, Path(bundle_dir) / MANIFEST)
     return manifest
+
+
+@contextlib.contextmanager
+def manifest_lock(bundle_dir: Path) -> Iterator[None]:
+    """Held while a command reads a bundle's manifest, changes the bundle and writes the manifest back (`lora
+    add`): a second one waits, so it reads what the first wrote instead of writing back a manifest without it.
+    An flock on the bundle directory, which the kernel drops when the holder dies."""
+    fd = os.open(bundle_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without locks: unguarded, as before
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _not_a_bundle(path: Path) -> str:

@@ -15,7 +15,14 @@ from typing import Annotated
 import typer
 
 from lineside import cli_checks as checks
-from lineside.bundle import AdapterEntry, Manifest, add_to_manifest, default_model_names, open_bundle
+from lineside.bundle import (
+    AdapterEntry,
+    Manifest,
+    add_to_manifest,
+    default_model_names,
+    manifest_lock,
+    open_bundle,
+)
 from lineside.errors import LinesideError
 from lineside.lora import CONFIG_FILE, WEIGHTS_FILE, LoraTarget, check_fits, check_name, read_adapter
 
@@ -33,6 +40,11 @@ def add(
     """Add a LoRA adapter to a bundle (checked against the base model, checksummed into the manifest)."""
     checks.input_dir(bundle, "BUNDLE", "bundle directory")
     checks.input_dir(adapter_dir, "ADAPTER_DIR", "adapter directory")
+    with manifest_lock(Path(bundle)):  # a second add at once reads the manifest this one writes
+        _add(bundle, adapter_dir, name, force)
+
+
+def _add(bundle: Path, adapter_dir: Path, name: str, force: bool) -> None:
     b = open_bundle(bundle)
     check_name(name)
     if b.manifest.lora is None:

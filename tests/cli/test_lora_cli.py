@@ -192,3 +192,43 @@ def test_replacing_an_adapter_that_fails_midway_leaves_a_bundle_that_opens(tiny_
     b = open_bundle(bundle)
     assert (bundle / b.manifest.adapters["line-3"].dir / "adapter_model.safetensors").read_bytes() == \
         (other / "adapter_model.safetensors").read_bytes()
+
+
+def test_adapters_added_at_the_same_time_are_all_kept(tiny_bundles, peft_adapter, tmp_path, monkeypatch):
+    """`lora add` read the manifest, checked and copied the adapter, then wrote the manifest back: two adds at
+    once (a script adding adapters with `&`) each wrote the manifest it had read plus its own adapter, so all
+    said "added" and the bundle listed one (the others' files sat there unlisted, never served)."""
+    import threading
+
+    from lineside.build import lora_commands
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu", "trt"), max_seq_len=64,
+                                 accuracy_level=0, max_lora_rank=8), bundle)
+    adapter = peft_adapter("llama-gqa", "qv")
+    read, inside, second = lora_commands.read_adapter, threading.Event(), threading.Event()
+
+    def read_while_another_add_runs(path, cfg, name):
+        if name == "first":
+            inside.set()
+            second.wait(timeout=2)  # the other add, unless it waits for this one to finish
+        else:
+            second.set()
+        return read(path, cfg, name)
+
+    monkeypatch.setattr(lora_commands, "read_adapter", read_while_another_add_runs)
+    errors = []
+
+    def add(name):
+        try:
+            lora_commands.add(bundle, adapter, name=name)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    first = threading.Thread(target=add, args=("first",))
+    first.start()
+    assert inside.wait(timeout=30)
+    add("second")
+    first.join(timeout=30)
+    assert not errors, errors
+    assert set(open_bundle(bundle).manifest.adapters) == {"first", "second"}
