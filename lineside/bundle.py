@@ -7,7 +7,6 @@ Opening a bundle verifies the manifest; a file that fails its checksum is refuse
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ from lineside.checksum_cache import NAME as CHECKSUM_STAMPS
 from lineside.checksum_cache import ChecksumCache
 from lineside.config import ModelConfig
 from lineside.errors import BundleError
+from lineside.file_lock import lock_exclusive
 from lineside.graph_io import StateTensor
 
 FORMAT_VERSION = 1
@@ -298,10 +298,9 @@ def manifest_lock(bundle_dir: Path) -> Iterator[None]:
     """Held while a command reads a bundle's manifest, changes the bundle and writes the manifest back (`lora
     add`): a second one waits, so it reads what the first wrote instead of writing back a manifest without it.
     An flock on the bundle directory, which the kernel drops when the holder dies."""
-    fd = os.open(bundle_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(bundle_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        with contextlib.suppress(OSError):  # a filesystem without locks: unguarded, as before
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        lock_exclusive(fd, wait=True)  # no locks here: unguarded, as before
         yield
     finally:
         os.close(fd)

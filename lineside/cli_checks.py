@@ -8,7 +8,6 @@ into one line plus "see `lineside CMD --help`"), raised before a model is read o
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import secrets
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from lineside.errors import LinesideError
+from lineside.file_lock import LockState, lock_exclusive
 
 if TYPE_CHECKING:
     from lineside.bundle import Manifest
@@ -306,17 +306,13 @@ def claim_staging(tmp: Path, path: Path) -> int:
 def _lock_dir(tmp: Path, path: Path) -> int | None:
     """An flock on the directory ``tmp`` (None when it went away or changed under us: try again)."""
     try:
-        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except FileNotFoundError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if lock_exclusive(fd, wait=False) == LockState.BUSY:  # UNSUPPORTED: go on unguarded, as before
         os.close(fd)
         raise LinesideError(f"another lineside command is writing {path} now ({tmp.name} is in use); wait for it to "
-                            "finish, or choose another output") from None
-    except OSError:  # a filesystem without locks (some network mounts): go on unguarded, as before
-        pass
+                            "finish, or choose another output")
     try:
         same = os.path.samestat(os.fstat(fd), os.stat(tmp))
     except FileNotFoundError:

@@ -12,7 +12,6 @@ directory that can't be written to just goes without one.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -22,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lineside.file_lock import LockState, lock_exclusive
 
 log = logging.getLogger("lineside.runtime")
 
@@ -84,7 +85,7 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
     except OSError:  # a read-only bundle runs without a cache
         return plain(), "plain"
     tmp = Path(tmp_name)
-    _hold(fd)  # ours while this process writes it: _remove_abandoned leaves it alone
+    lock_exclusive(fd, wait=False)  # ours while this process writes it: _remove_abandoned leaves it alone
     _remove_abandoned(graph, tmp)
     data = tmp.with_name(tmp.name + ".data")
     so = make_options()
@@ -114,14 +115,6 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         os.close(fd)
 
 
-def _hold(fd: int) -> None:
-    """An flock on a temporary copy being written (the kernel drops it when the process dies, however)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a filesystem without locks: the copy is only unguarded
-        pass
-
-
 def _remove_abandoned(graph: Path, mine: Path) -> None:
     """The temporary copies of ``graph`` (and their data files, as large as the weights) that a start killed
     mid-write left behind (SIGKILL, the OOM killer, a start timeout): one pair per killed start, which filled the
@@ -133,9 +126,7 @@ def _remove_abandoned(graph: Path, mine: Path) -> None:
             fd = os.open(p, os.O_RDONLY)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held by a live writer (or no locks here: left, to be safe)
+        if lock_exclusive(fd, wait=False) != LockState.HELD:  # a live writer's (or no locks here: left, to be safe)
             os.close(fd)
             continue
         try:
