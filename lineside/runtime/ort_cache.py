@@ -82,7 +82,10 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
             _remove(cached.path)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=TMP_SUFFIX, dir=graph.parent)
-    except OSError:  # a read-only bundle runs without a cache
+    except OSError as e:  # a read-only bundle runs without a cache, and says why each start optimizes the graph
+        log.warning("no onnxruntime graph cache for %s: %s is not writable (%s); every start optimizes the graph "
+                    "again: make the bundle directory writable to cache it", graph.name, graph.parent,
+                    e.strerror or type(e).__name__)
         return plain(), "plain"
     tmp = Path(tmp_name)
     lock_exclusive(fd, wait=False)  # ours while this process writes it: _remove_abandoned leaves it alone

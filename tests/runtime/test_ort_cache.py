@@ -73,14 +73,18 @@ def test_new_key_replaces_the_old_cache(bundle, monkeypatch):
     assert new != old
 
 
-def test_unwritable_bundle_runs_without_cache(bundle, monkeypatch):
+def test_unwritable_bundle_runs_without_cache(bundle, monkeypatch, caplog):
     def refuse(*a, **k):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(ort_cache.tempfile, "mkstemp", refuse)  # what a read-only bundle directory answers
-    be = OnnxRuntimeBackend(open_bundle(bundle))
+    with caplog.at_level("WARNING", logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(open_bundle(bundle))
     assert be.session_source == "plain" and not caches(bundle)
     assert logits(be).shape[0] == len(IDS) + 1
+    # one line per graph saying why every start optimizes again, and what to do
+    [line] = [r.getMessage() for r in caplog.records if "no onnxruntime graph cache" in r.getMessage()]
+    assert "Permission denied" in line and "make the bundle directory writable" in line
 
 
 def test_key_covers_version_graph_and_settings():
