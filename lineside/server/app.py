@@ -25,7 +25,11 @@ from lineside.server.slo.guard import SloGuard
 from lineside.server.slo.policy import SloPolicy
 from lineside.server.state import ServerState
 
-_CORS_HEADERS = ["authorization", "content-type", "x-request-id", "x-priority", "x-mode", "x-session-id"]
+# A page on an allowed origin may send any request header (vLLM's default, and the OpenAI JS SDK sends its own
+# x-stainless-* set): the origin is what is trusted, a header adds nothing a trusted page couldn't send. Exposed: the
+# headers clients act on (the SDKs' retries read Retry-After and x-should-retry), which a browser hides otherwise.
+_CORS_HEADERS = ["*"]
+_CORS_EXPOSED = ["x-request-id", "retry-after", "x-should-retry", "x-lineside-degraded"]
 
 
 def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *, api_key: str | None = None,
@@ -117,7 +121,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     policy = BrowserPolicy.for_bind(bind_host, allowed_hosts, allowed_origins)
     if policy.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=_CORS_HEADERS, expose_headers=["x-request-id"], max_age=600)
+                           allow_headers=_CORS_HEADERS, expose_headers=_CORS_EXPOSED, max_age=600)
     app.add_middleware(BrowserGuard, policy=policy)
     return app
 

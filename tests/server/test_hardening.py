@@ -222,6 +222,31 @@ def test_allowed_origin_gets_cors_and_others_do_not(tiny_bundle):
             assert r.status_code == 401 and "allow" not in r.headers, (headers, r.status_code, r.headers)
 
 
+# What a browser asks before the official OpenAI JS SDK's first call (openai 6.x, dangerouslyAllowBrowser): its
+# platform headers, the retry count and timeout, the organization/project a caller may set.
+_JS_SDK_HEADERS = ("authorization, content-type, openai-organization, openai-project, x-stainless-arch, "
+                   "x-stainless-lang, x-stainless-os, x-stainless-package-version, x-stainless-retry-count, "
+                   "x-stainless-runtime, x-stainless-runtime-version, x-stainless-timeout")
+
+
+def test_allowed_origin_takes_the_openai_js_sdk(tiny_bundle):
+    """A dashboard page on an allowed origin calling through the OpenAI JS SDK: its preflight passes, and its
+    retry logic can read Retry-After and x-should-retry (a browser hides response headers CORS doesn't expose)."""
+    origin = "http://dash.local:3000"
+    with running_server(make_engine(tiny_bundle, num_slots=1), allowed_origins=[origin]) as srv:
+        url = srv.url + "/v1/chat/completions"
+        pre = httpx.options(url, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                          "Access-Control-Request-Headers": _JS_SDK_HEADERS})
+        assert pre.status_code == 200, pre.text
+        allowed = {h.strip().lower() for h in pre.headers["access-control-allow-headers"].split(",")}
+        assert {h.strip() for h in _JS_SDK_HEADERS.split(",")} <= allowed
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+                       headers={"Origin": origin, "X-Stainless-Retry-Count": "0"})
+        assert r.status_code == 200
+        exposed = {h.strip().lower() for h in r.headers["access-control-expose-headers"].split(",")}
+        assert {"x-request-id", "retry-after", "x-should-retry"} <= exposed
+
+
 def test_non_loopback_bind_takes_allowed_hosts():
     from lineside.server.browser_guard import BrowserPolicy
 
