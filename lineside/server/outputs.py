@@ -86,8 +86,8 @@ class ChoiceOutput:
         if content:
             out.append(writer.text(index, content, lp))
             lp = None
-        if deltas:
-            out.append(writer.tool_calls(index, [d.openai() for d in deltas], lp))
+        for d in deltas:  # one entry a chunk, as OpenAI streams them: a client may read delta.tool_calls[0] only
+            out.append(writer.tool_calls(index, [d.openai()], lp))
             lp = None
         if lp is not None:  # the tokens' text is held back (a call may be starting): their logprobs go now
             out.append(writer.text(index, "", lp))

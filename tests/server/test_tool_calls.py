@@ -345,3 +345,36 @@ def test_text_after_a_tag_that_opens_no_call_streams_as_it_comes():
     shown = "".join(s.feed(piece)[0] for piece in ["Tools are called with the <tool_call> tag", ", which wraps",
                                                    " a JSON object naming the function and its arguments."])
     assert shown.startswith("Tools are called with the <tool_call> tag, which wraps a JSON object")
+
+
+@pytest.mark.parametrize("fmt, named, pieces", [
+    (CallFormat.ARGUMENTS, "stop_line", ['{"station": 4', "}"]),  # the name is known before the first token
+    (CallFormat.TAGGED, None, [QWEN[:40], QWEN[40:130], QWEN[130:]]),  # a call ends and the next starts in one event
+])
+def test_each_streamed_chunk_carries_one_tool_call_delta(fmt, named, pieces):
+    """OpenAI streams a call's id and name in one chunk and its arguments in later ones, one entry per chunk; an
+    event that both opened a call and carried its arguments (or ended one call and opened the next) put two entries
+    in one ``delta.tool_calls``, and a client reading ``delta.tool_calls[0]`` (common in Node-RED flows and hand
+    SSE parsers) lost the arguments ('{"station": 4' never reached it) or the second call."""
+    from lineside.runtime.request import FinishReason, TokenEvent
+    from lineside.server import sse
+    from lineside.server.outputs import ChoiceOutput, OutputOptions
+
+    out = ChoiceOutput(OutputOptions(chat=True, call_format=fmt, tools=tuple(TOOLS), named=named))
+    writer = sse.ChunkWriter(True, "chatcmpl-1", 0, model="m", include_usage=False)
+    calls: dict[str, dict[str, str]] = {}
+    ids: list[str] = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        event = TokenEvent(piece, [0], FinishReason.STOP if last else None, 1, i + 1)
+        for chunk in out.chunks(writer, 0, event):
+            entries = json.loads(chunk.removeprefix("data: "))["choices"][0]["delta"].get("tool_calls") or []
+            assert len(entries) <= 1, entries
+            for e in entries:  # the naive client: a delta with an id starts a call, the others add to the last
+                if e.get("id"):
+                    ids.append(e["id"])
+                    calls[e["id"]] = {"name": e["function"]["name"], "arguments": e["function"].get("arguments", "")}
+                else:
+                    calls[ids[-1]]["arguments"] += e["function"]["arguments"]
+    want = parse("".join(pieces), fmt, TOOLS, named=named)[1]
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.name, c.arguments) for c in want]
