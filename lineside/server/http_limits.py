@@ -332,9 +332,12 @@ def protocol_class(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
 def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str = "info",
                    access_log: bool = False, graceful_shutdown: float = 5.0) -> uvicorn.Config:
     """The uvicorn.Config `lineside serve` and the tests' servers share: guarded httptools, no WebSockets,
-    no server header (nothing to fingerprint), and the keep-alive timeout from ``limits``."""
+    no server header (nothing to fingerprint), and the keep-alive timeout from ``limits``, announced in every answer
+    (``Keep-Alive: timeout=N``, whole seconds rounded down, as Node's server sends it): Node's http.Agent and undici
+    then drop an idle socket before the server does, instead of reusing one it is closing (ECONNRESET)."""
+    announce = [("keep-alive", f"timeout={int(limits.keep_alive_timeout)}")]
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
-                          http=protocol_class(limits), ws="none", server_header=False,
+                          http=protocol_class(limits), ws="none", server_header=False, headers=announce,
                           timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=graceful_shutdown,  # type: ignore[arg-type]
                           h11_max_incomplete_event_size=limits.max_header_bytes)

@@ -157,6 +157,19 @@ def test_idle_keep_alive_is_closed_and_a_normal_request_still_served(guarded):
     assert closed and len(lines) == 1 and lines[0].startswith(b"HTTP/1.1 200"), raw[:300]
 
 
+def test_answers_announce_the_keep_alive_timeout(guarded):
+    """Node's http.Agent (axios, Node-RED, got: keepAlive on, 5 s idle by default since Node 19) reused a socket the
+    server was closing at the same 5 s and failed with ECONNRESET (seen polling every ~5 s); it, undici (the fetch
+    the OpenAI JS SDK uses) and others close an idle socket ahead of a server's ``Keep-Alive: timeout=N``, as Node's
+    own server and Apache send it. N is whole seconds, never more than the server waits."""
+    from lineside.server.http_limits import uvicorn_config
+
+    r = httpx.get(guarded.url + "/health")
+    assert r.status_code == 200 and r.headers.get("keep-alive") == "timeout=0"  # 0.5 s: no socket is worth keeping
+    config = uvicorn_config(None, host="127.0.0.1", port=0, limits=HttpLimits(keep_alive_timeout=75.9))
+    assert ("keep-alive", "timeout=75") in config.headers
+
+
 def test_a_request_answered_before_its_body_arrived_does_not_hold_the_connection(guarded):
     """A 404 is answered without reading the body: the body sent after it was left on a connection no timer
     watched (held open for good), and a body never sent got a 408 after the 404 (two answers to one request)."""
