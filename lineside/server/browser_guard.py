@@ -114,13 +114,19 @@ class BrowserGuard:
                                      "off); start the server with --allowed-origins ORIGIN to allow one",
                           code="origin_not_allowed")
             return
-        if scope.get("method") in _BODY_METHODS:
+        if scope.get("method") in _BODY_METHODS and _has_body(headers):
             why = json_content_type(headers.get("content-type"))
             if why is not None:
                 await _refuse(send, 415, f"{why}; send the body as JSON with 'Content-Type: application/json' "
                                          "(UTF-8)", code="unsupported_media_type")
                 return
         await self.app(scope, receive, send)
+
+
+def _has_body(headers: dict[str, str]) -> bool:
+    """Whether the request carries a body (chunked, or a Content-Length other than 0). One without (the OpenAI JS
+    SDK's ``responses.cancel``) holds nothing to misread as JSON: its route answers it, not a 415 asking for JSON."""
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
 
 
 async def _refuse(send: Any, status: int, message: str, *, code: str) -> None:

@@ -354,6 +354,19 @@ def test_only_json_bodies_are_read(server):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
+def test_a_post_without_a_body_is_answered_for_what_it_asks(server):
+    """The OpenAI JS SDK's ``responses.cancel(id)`` posts no body and no Content-Type: it got a 415 telling it to
+    send its (absent) body as JSON, which no caller can act on. With no body there is nothing to misread as JSON:
+    the path answers (no cancel here: 404 listing what is), and a generation route says its body is missing."""
+    for headers in ({}, {"content-length": "0"}):
+        r = httpx.post(server.url + "/v1/responses/resp_1/cancel", headers=headers)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", (headers, r.text)
+        r = httpx.post(server.url + "/v1/completions", headers=headers)
+        assert r.status_code == 400 and "body is empty" in r.json()["error"]["message"], (headers, r.text)
+    r = httpx.post(server.url + "/v1/completions", content=b"", headers={"transfer-encoding": "chunked"})
+    assert r.status_code == 415  # a body may follow: only JSON is read
+
+
 def test_n_choices_per_prompt(client, server):
     """n > 1: independent samples per prompt (seed + j for copy j, so a seeded request repeats), indexed
     prompt * n + copy; usage counts each prompt once, as OpenAI does."""
