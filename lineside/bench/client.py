@@ -68,8 +68,12 @@ def _payload(cfg: ClientConfig, prompts: list[Prompt]) -> dict:
 
 
 def _chunk_text(choice: dict, chat: bool) -> str:
+    """The output a chunk carries. Chat: the answer, or a reasoning model's thinking (`reasoning_content`, vLLM's
+    and `serve --reasoning-parser`'s, or `reasoning`, its newer name): thinking is generated output, and vLLM's
+    bench counts it toward TTFT and ITL too."""
     if chat:
-        return (choice.get("delta") or {}).get("content") or ""
+        delta = choice.get("delta") or {}
+        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
     return choice.get("text") or ""
 
 

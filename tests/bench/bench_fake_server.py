@@ -1,7 +1,8 @@
 """A tiny fake OpenAI-compatible SSE server with known timings, for the bench's end-to-end tests.
 
 Every choice streams `max_tokens` chunks of one token: the first after `ttft` seconds, then one per
-`step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s. With
+`step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s; THINK (chat)
+streams every token as a reasoning model's thinking (`delta.reasoning_content`, as `serve --reasoning-parser`). With
 ``api_key`` every route but /health/ready wants 'Authorization: Bearer <api_key>' (an OpenAI-shaped 401), as
 `lineside serve --api-key` does.
 """
@@ -51,6 +52,7 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
         app.state.max_inflight = max(app.state.max_inflight, app.state.inflight)
         try:
             slow = any("SLOW" in p for p in prompts)
+            think = chat and any("THINK" in p for p in prompts)
             created = int(time.time())
             if chat:  # a role-only first delta carries no token and must not be counted
                 yield _sse({"object": "chat.completion.chunk", "created": created,
@@ -60,7 +62,8 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
                 if s:
                     await asyncio.sleep(1.0 if slow else step)
                 for i in range(len(prompts)):
-                    choice = {"index": i, "delta": {"content": f" t{s}"}} if chat else {"index": i, "text": f" t{s}"}
+                    delta = {"reasoning_content": f" t{s}", "reasoning": f" t{s}"} if think else {"content": f" t{s}"}
+                    choice = {"index": i, "delta": delta} if chat else {"index": i, "text": f" t{s}"}
                     yield _sse({"object": "text_completion", "created": created, "choices": [choice]})
             if include_usage:
                 yield _sse({"choices": [], "usage": {"prompt_tokens": sum(len(p.split()) for p in prompts),

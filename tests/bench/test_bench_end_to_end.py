@@ -71,6 +71,18 @@ def test_chat_multi_prompt_request_is_one_record(server):
     assert r.prompt_tokens == 2 + 1 + 3
 
 
+def test_chat_reasoning_tokens_are_output(server):
+    """A reasoning model's thinking (`serve --reasoning-parser`: `delta.reasoning_content`) is output: its first
+    token is the TTFT and its chunks the ITL, as vLLM's bench counts them (they were skipped: a run whose
+    max_tokens ended inside the thinking had no TTFT, TPOT or ITL at all)."""
+    sched = load.Schedule("poisson", (load.Arrival(0.0),), duration=1.0, max_requests=1)
+    cfg = ClientConfig(base_url="", endpoint="chat", max_tokens=6, timeout=10)
+    res = run(server.url, sched, PromptPool([Prompt("THINK about it")]), cfg, deadline=10)
+    (r,) = res.records
+    assert r.ok and len(r.chunk_times[0]) == 6 and r.output_tokens == 6
+    assert ttft(r) >= TTFT and tpot(r) is not None
+
+
 def test_closed_loop_concurrency_is_respected(server):
     server.app.state.max_inflight = 0
     sched = load.concurrency(2, max_requests=7)
