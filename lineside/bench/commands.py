@@ -72,7 +72,7 @@ def bench(
     tpot_ms: float = num(None, kind=float, above=0, help="Goodput target: TPOT at most this many ms."),
     timeout: float = num(60.0, kind=float, above=0, high=checks.MAX_SECONDS, help="Per-request timeout (s)."),
     max_time: float = num(600.0, kind=float, above=0, high=checks.MAX_SECONDS,
-                          help="Hard cap on the whole run (s); in-flight requests are cancelled."),
+                          help="Hard cap on the whole run (s), past the last send; in-flight requests are cancelled."),
     warmup: int = num(1, low=0, help="Requests sent (and not counted) before the run."),
     threads: int = num(None, low=1, high=checks.MAX_THREADS,
                        help="--bundle only: CPU threads for the in-process runtime."),
@@ -168,6 +168,9 @@ def bench(
     span = schedule.arrivals[-1].time if schedule.arrivals else duration
     if pattern == "chunked":
         span += (chunks - 1) * chunk_interval  # the last prompt's feeding
+    if span >= max_time:  # the runner sends nothing past it: the rest would be missing from the report, not failed
+        raise LinesideError(f"--max-time {max_time:g} s would end the run before it sends everything (its requests "
+                            f"go out over {span:.1f} s); raise --max-time or lower --duration / --num-requests")
     deadline = min(max_time, (span + timeout) if span else max_time)
     cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
                        temperature=temperature, ignore_eos=ignore_eos, timeout=timeout,

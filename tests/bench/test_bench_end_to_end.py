@@ -177,6 +177,22 @@ def test_cli_url_with_the_openai_clients_v1_suffix(server, tmp_path):
         assert summary["completed"] == 2 and summary["failed"] == 0
 
 
+@pytest.mark.parametrize("args", [["--pattern", "poisson", "--rate", "5", "--duration", "3"],
+                                  ["--pattern", "poisson", "--rate", "5", "--duration", "0", "--num-requests", "40"],
+                                  ["--pattern", "concurrency", "--duration", "3"],
+                                  ["--pattern", "chunked", "--rate", "5", "--duration", "0.5", "--chunks", "3",
+                                   "--chunk-interval", "0.5"]])
+def test_cli_refuses_a_max_time_that_would_cut_the_schedule_short(server, args):
+    """`--duration 3 --max-time 1` sent one second of arrivals and dropped the rest unrecorded: the report said
+    duration 3, 0 failed, with a third of the requests (so did --duration 900 under the default --max-time 600)."""
+    sent = server.app.state.requests
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url, *args, "--max-time", "1", "--max-tokens", "2",
+                                       "--prompt-len", "2:4"])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "--max-time 1" in said and "raise --max-time" in said, said
+    assert server.app.state.requests == sent
+
+
 def test_cli_without_matplotlib_stops_before_the_run(server, tmp_path, monkeypatch):
     """matplotlib is not one of lineside's dependencies (only the dev/bench extras'): `bench --out DIR` without it
     ran the whole load, then refused to write the plots — and with them the report, the run's records lost."""
