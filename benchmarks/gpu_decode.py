@@ -19,9 +19,10 @@ from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.build.tensorrt.builder import BuildOptions as EngineOptions
 from lineside.build.tensorrt.builder import build_engine
 from lineside.bundle import open_bundle
+from lineside.errors import LinesideError
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.tensorrt.backend import TensorRTBackend
-from lineside.runtime.tensorrt.env import probe_gpu, tensorrt_version
+from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu, tensorrt_version
 
 
 def _test_helpers():
@@ -88,8 +89,13 @@ def main() -> None:
     ap.add_argument("--tests-rc", type=int, default=0, help="exit status of the GPU tests, shown in the table")
     ap.add_argument("--tiny", action="store_true", help="the tiny random Llama even when SmolLM2 is installed")
     args = ap.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
-    print(run(args.work, args.tests_rc, args.tiny))
+    try:  # before the minutes of bundle building: without TensorRT or a GPU say so in one line
+        import_tensorrt()
+        probe_gpu()
+        args.work.mkdir(parents=True, exist_ok=True)
+        print(run(args.work, args.tests_rc, args.tiny))
+    except LinesideError as e:
+        raise SystemExit(f"gpu_decode: {e}") from None
 
 
 if __name__ == "__main__":

@@ -30,3 +30,22 @@ def test_gpu_decode_benchmark_runs_through_the_backend(monkeypatch, tmp_path, de
         assert eager == slots  # the prompts ran eagerly, every decode step from a CUDA Graph
         assert replays + captures >= mod.STEPS
     assert dev.launched_graphs >= 2 * mod.STEPS - 4
+
+
+def test_gpu_decode_without_tensorrt_refuses_in_one_line_before_building(monkeypatch, tmp_path):
+    """On a machine without TensorRT (or a GPU) the script built the whole bundle, then died in a traceback from
+    the engine build; it says why in one line first."""
+    import sys
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["gpu_decode.py", str(tmp_path / "w"), "--tiny"])
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    said = str(e.value.code)
+    assert said.startswith("gpu_decode: TensorRT is not installed") and "\n" not in said, said
+    assert not (tmp_path / "w" / "b").exists() and not (tmp_path / "w" / "ck").exists()
