@@ -163,8 +163,13 @@ def bench(
     if not schedule.closed_loop and not schedule.arrivals:
         raise LinesideError("the schedule sends no request; raise --rate, --duration or --num-requests")
     needed = sum(a.prompts for a in schedule.arrivals) or (num_requests or 256)
-    pool = PromptPool(_prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed,
-                               _tokenizer(tokenizer, bundle)))
+    prompts = _prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed, _tokenizer(tokenizer, bundle))
+    if endpoint == "completions" and any(a.prompts > 1 for a in schedule.arrivals) and \
+            len({p.max_tokens or max_tokens for p in prompts}) > 1:  # a list prompt has one max_tokens
+        raise LinesideError(f"{prompts_file}: its lines ask for different \"max_tokens\", and one /v1/completions "
+                            "request with several prompts carries only one; use --prompts-per-request 1 or "
+                            "--endpoint chat (a call per prompt)")
+    pool = PromptPool(prompts)
     span = schedule.arrivals[-1].time if schedule.arrivals else duration
     if pattern == "chunked":
         span += (chunks - 1) * chunk_interval  # the last prompt's feeding

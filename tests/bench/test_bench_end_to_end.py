@@ -193,6 +193,30 @@ def test_cli_refuses_a_max_time_that_would_cut_the_schedule_short(server, args):
     assert server.app.state.requests == sent
 
 
+def test_cli_per_line_max_tokens_that_a_list_prompt_cannot_carry_are_refused(server, tmp_path):
+    """A list `prompt` has one max_tokens: a burst request carrying prompts whose lines ask for different ones sent
+    the first line's for all of them (the others' output lengths silently wrong). Refused before the run; chat
+    (one call per prompt), one prompt per request and equal max_tokens run."""
+    pf = tmp_path / "p.jsonl"
+    pf.write_text('{"prompt": "a b", "max_tokens": 2}\n{"prompt": "c d", "max_tokens": 5}\n')
+    args = ["bench", "--url", server.url, "--prompts-file", str(pf), "--pattern", "burst", "--rate", "1",
+            "--duration", "1", "--warmup", "0", "--no-plots"]
+    sent = server.app.state.requests
+    r = CliRunner().invoke(cli_app(), [*args, "--prompts-per-request", "2"])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "max_tokens" in said and "--prompts-per-request 1" in said, said
+    assert server.app.state.requests == sent
+    for i, extra in enumerate((["--prompts-per-request", "2", "--endpoint", "chat"], ["--prompts-per-request", "1"])):
+        r = CliRunner().invoke(cli_app(), [*args, *extra, "--out", str(tmp_path / str(i))])
+        assert r.exit_code == 0, (r.output, r.exception)
+        (rec,) = json.loads((tmp_path / str(i) / "report.json").read_text())["records"]
+        assert rec["choice_tokens"] == ({"0": 2, "1": 5} if i == 0 else {"0": 2})
+    pf.write_text('{"prompt": "a b", "max_tokens": 3}\n{"prompt": "c d"}\n')
+    r = CliRunner().invoke(cli_app(), [*args, "--prompts-per-request", "2", "--max-tokens", "3",
+                                       "--out", str(tmp_path / "same")])
+    assert r.exit_code == 0, (r.output, r.exception)
+
+
 def test_cli_without_matplotlib_stops_before_the_run(server, tmp_path, monkeypatch):
     """matplotlib is not one of lineside's dependencies (only the dev/bench extras'): `bench --out DIR` without it
     ran the whole load, then refused to write the plots — and with them the report, the run's records lost."""
