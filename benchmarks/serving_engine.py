@@ -56,6 +56,18 @@ def chat(tok, q: str, system: str | None = None) -> list[int]:
     return tok.encode_chat(msgs)
 
 
+def steady_rate(token_times: list[list[float]], tokens: int) -> float:
+    """Tokens/s of every stream together over the window in which all of them are decoding: from the last stream's
+    first token to the first stream's last. A short --tokens can leave no such window (one stream ends before
+    another starts): that is one line asking for more tokens, not a division by zero or a negative rate."""
+    t0 = max(times[0] for times in token_times)
+    t1 = min(times[-1] for times in token_times)
+    if t1 <= t0:
+        sys.exit(f"serving_engine: --tokens {tokens} is too few for {len(token_times)} streams to decode at once "
+                 "(one ended before another began); raise --tokens")
+    return sum(sum(t0 < t <= t1 for t in times) for times in token_times) / (t1 - t0)
+
+
 async def scaling(bundle: str, threads: int | None, n_tokens: int, repeat: int) -> None:
     print("1. aggregate decode tokens/s (greedy, ignore_eos, steady-state window with every stream decoding, "
           "best of --repeat)")
@@ -69,10 +81,7 @@ async def scaling(bundle: str, threads: int | None, n_tokens: int, repeat: int) 
             hs = [eng.submit(GenerationRequest(chat(tok, QUESTIONS[i]), max_tokens=n_tokens, ignore_eos=True))
                   for i in range(n)]
             outs = await asyncio.gather(*(h.result() for h in hs))
-            t0 = max(h.metrics.token_times[0] for h in hs)
-            t1 = min(h.metrics.token_times[-1] for h in hs)
-            count = sum(sum(t0 < t <= t1 for t in h.metrics.token_times) for h in hs)
-            rate = count / (t1 - t0)
+            rate = steady_rate([h.metrics.token_times for h in hs], n_tokens)
             itl = statistics.median(g for h in hs for g in h.metrics.itl)
             best = max(best or (rate, itl), (rate, itl))
         rate, itl = best
