@@ -87,7 +87,8 @@ def _grown(cfg: ClientConfig, prompt: Prompt, text: str) -> dict:
 
 async def feed(client: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt, session_id: str) -> None:
     """Send ``prompt`` to /v1/prefill in ``cfg.chunks`` growing pieces, ``cfg.chunk_interval`` s apart."""
-    messages = list(prompt.messages)
+    # chat grows the last message; completions send prompt.text (every message joined), so that is what grows
+    messages = list(prompt.messages) if cfg.endpoint == "chat" else []
     whole = str(messages[-1].get("content") or "") if messages else prompt.text
     cuts = [round(len(whole) * (i + 1) / cfg.chunks) for i in range(cfg.chunks)]
     for i, cut in enumerate(cuts):
