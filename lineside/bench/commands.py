@@ -150,6 +150,9 @@ def bench(
     from lineside.bench.runner import run
 
     ppr = parse_range(prompts_per_request, "--prompts-per-request") if prompts_per_request else None
+    if ppr is not None and pattern in ("concurrency", "chunked"):  # the report would claim what was not sent
+        raise LinesideError(f"--prompts-per-request applies to burst, poisson and gamma; --pattern {pattern} sends "
+                            "one prompt per request: leave it out")
     longest = parse_range(prompt_len, "--prompt-len")[1]
     if bundle is not None and bundle_max_seq and prompts_file is None:
         checks.at_most(longest + max_tokens, bundle_max_seq - 1, "--prompt-len MAX + --max-tokens",

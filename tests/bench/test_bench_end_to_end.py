@@ -217,6 +217,18 @@ def test_cli_per_line_max_tokens_that_a_list_prompt_cannot_carry_are_refused(ser
     assert r.exit_code == 0, (r.output, r.exception)
 
 
+@pytest.mark.parametrize("pattern", ["concurrency", "chunked"])
+def test_cli_refuses_prompts_per_request_a_pattern_does_not_use(server, pattern):
+    """concurrency and chunked send one prompt per request: `--prompts-per-request 3` was ignored, and the
+    report's setup still said prompts_per_request 3 over records that carried 1."""
+    sent = server.app.state.requests
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url, "--pattern", pattern, "--num-requests", "2",
+                                       "--duration", "0", "--prompts-per-request", "3", "--max-tokens", "2"])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "--prompts-per-request" in said and pattern in said, said
+    assert server.app.state.requests == sent
+
+
 def test_cli_without_matplotlib_stops_before_the_run(server, tmp_path, monkeypatch):
     """matplotlib is not one of lineside's dependencies (only the dev/bench extras'): `bench --out DIR` without it
     ran the whole load, then refused to write the plots — and with them the report, the run's records lost."""
