@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from lineside.bench.inprocess import free_port, wait_ready
+from lineside.errors import LinesideError
 
 
 def main() -> None:
@@ -54,6 +55,8 @@ def main() -> None:
     try:
         wait_ready(url, 300, alive=lambda: server.poll() is None)
         run(url, args)
+    except LinesideError as e:  # the server said why above (a bundle it refused): one line here, no traceback
+        sys.exit(f"slo_ladder: {e}")
     finally:
         server.send_signal(signal.SIGTERM)
         try:
