@@ -96,7 +96,7 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
     if not p.is_file():
         raise LinesideError(f"prompts file {path} does not exist; pass a JSONL file with one prompt per line")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors) is not part of line 1
     except UnicodeDecodeError as e:
         raise LinesideError(f"prompts file {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
                             "UTF-8") from None
@@ -116,9 +116,13 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise LinesideError(f"{path}:{lineno}: \"messages\" must be a list of {{\"role\", \"content\"}} objects")
         messages = tuple(messages)
-        text = obj.get("prompt", obj.get("text"))
+        key = "prompt" if "prompt" in obj else "text"
+        text = obj.get(key)
         if text is None and messages:
-            text = "\n".join(str(m.get("content", "")) for m in messages)
+            text = "\n".join(_content_text(m.get("content")) for m in messages)
+        elif text is not None and not isinstance(text, str):
+            raise LinesideError(f"{path}:{lineno}: \"{key}\" must be a string, got {type(text).__name__}; write one "
+                                "prompt per line")
         if not isinstance(text, str) or not text:
             raise LinesideError(f"{path}:{lineno}: no \"prompt\", \"text\" or \"messages\" in this line")
         n = len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else 0
@@ -129,6 +133,14 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
     if not out:
         raise LinesideError(f"prompts file {path} holds no prompts")
     return out
+
+
+def _content_text(content: object) -> str:
+    """A message's text: a string, or the text parts of OpenAI's list-of-parts content (not its Python repr)."""
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content
+                       if isinstance(part, dict) and part.get("type") == "text")
+    return "" if content is None else str(content)
 
 
 class PromptPool:

@@ -60,6 +60,8 @@ def test_jsonl_forms(tmp_path, word_tokenizer):
     ('{"prompt": "a"}\n[1, 2]\n', ":2: expected an object"),
     ('{"other": 1}\n', "no \"prompt\""),
     ("\n\n", "holds no prompts"),
+    ('{"prompt": ["a", "b"]}\n', ':1: "prompt" must be a string, got list'),
+    ('{"text": 3}\n', ':1: "text" must be a string, got int'),
     ('{"messages": "hello"}\n', ':1: "messages" must be a list'),
     ('{"messages": ["hello"]}\n', ':1: "messages" must be a list'),
     ('{"prompt": "a"}\n{"prompt": "b", "max_tokens": "x"}\n', ':2: "max_tokens" must be an integer'),
@@ -71,6 +73,17 @@ def test_jsonl_errors_name_the_line(tmp_path, content, msg):
     f.write_bytes(content) if isinstance(content, bytes) else f.write_text(content)
     with pytest.raises(LinesideError, match=msg.replace("[", r"\[")):
         P.from_jsonl(f)
+
+
+def test_jsonl_bom_and_content_parts(tmp_path):
+    """A Windows editor's UTF-8 BOM is not part of the first line; a message's list-of-parts content is its text."""
+    f = tmp_path / "p.jsonl"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello "},
+                                                       {"type": "image_url", "image_url": {"url": "x"}},
+                                                       {"type": "text", "text": "robot"}]}]}
+    f.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"prompt": "first"}) + "\n" + json.dumps(parts) + "\n").encode())
+    ps = P.from_jsonl(f)
+    assert [p.text for p in ps] == ["first", "hello robot"]
 
 
 def test_missing_files_are_user_errors(tmp_path):
