@@ -102,9 +102,14 @@ class SampleResult:
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
-    """float64 log-softmax of one row (-inf entries stay -inf; NaN counts as -inf)."""
+    """float64 log-softmax of one row (-inf entries stay -inf; NaN counts as -inf). Where some entries are +inf
+    (a logit that overflowed), those share all the probability equally, as the sampler draws them (``_sanitize``):
+    inf - inf was NaN, and the chosen token's logprob the floor of an impossible one."""
     x = np.asarray(x, dtype=np.float64)
     x = np.where(np.isnan(x), -np.inf, x)
+    pos = np.isposinf(x)
+    if pos.any():
+        return np.where(pos, -np.log(np.count_nonzero(pos)), -np.inf)
     m = np.max(x)
     if not np.isfinite(m):
         m = 0.0

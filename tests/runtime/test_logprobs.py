@@ -54,3 +54,14 @@ def test_no_logprobs_unless_asked_and_floor_for_impossible():
     assert Sampler(SamplingParams()).step(x).logprob is None
     assert token_logprob(np.array([0.0, -np.inf]), 1, 2).logprob == LOGPROB_FLOOR
     assert token_logprob(np.array([np.nan, 0.0]), 1, 1).logprob == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_overflowed_to_inf_report_the_share_they_are_drawn_with(temperature):
+    """A model row with +inf logits (an fp16 overflow) samples among those tokens only, each equally likely; their
+    logprob is log(1 / count), not the floor for an impossible token, and they head the top list."""
+    x = np.array([1.0, np.inf, 2.0, np.inf], dtype=np.float32)
+    r = Sampler(SamplingParams(temperature=temperature, seed=3)).step(x, logprobs=3)
+    assert r.token in (1, 3)
+    assert r.logprob.logprob == pytest.approx(np.log(0.5))
+    assert r.logprob.top == ((1, pytest.approx(np.log(0.5))), (3, pytest.approx(np.log(0.5))))
