@@ -200,8 +200,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
 
 def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias as (token id, bias) pairs: keys are token ids written as JSON strings, each below the
-    vocabulary size (vLLM refuses the others too), biases within -100..100; anything else a 400 naming it."""
-    pairs = []
+    vocabulary size (vLLM refuses the others too), biases within -100..100; anything else a 400 naming it. Keys
+    naming one id twice ("2" and "02") keep the last bias, as vLLM's dict of ids does (summed, they passed the range)."""
+    pairs: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()):
             raise bad(f"logit_bias key {key!r} is not a token id; send token ids as strings, e.g. {{\"1234\": -100}}",
@@ -212,8 +213,8 @@ def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) 
                       f"{vocab_size - 1})", "logit_bias")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise bad(f"logit_bias for token {token} is {value}; a bias is between -100 and 100", "logit_bias")
-        pairs.append((token, float(value)))
-    return tuple(sorted(pairs))
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest,

@@ -321,3 +321,10 @@ def test_ignore_eos_reaches_the_engine_request():
                                                 ignore_eos=True)).ignore_eos is True
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", ignore_eos="yes")
+
+
+def test_logit_bias_naming_one_token_twice_takes_the_last_bias_not_their_sum():
+    """"2" and "02" are the same token id: vLLM keeps the last bias given (its dict of int keys); summed, the
+    token got 200, past the -100..100 the request may ask for."""
+    req = CompletionRequest(prompt="hi", logit_bias={"2": 100.0, "5": 1.0, "02": 80.0})
+    assert request_mapping.logit_bias(req, vocab_size=10) == ((2, 80.0), (5, 1.0))
