@@ -3,7 +3,9 @@ leaves out: vLLM's ``--generation-config auto`` (its default). DeepSeek-R1-Disti
 0.95 because it repeats itself endlessly at OpenAI's default of 1.0 / 1.0 without them.
 
 As vLLM reads it: only the sampling fields the file sets to something other than transformers' own defaults
-(``GenerationConfig.to_diff_dict``), so a ``top_k: 50`` written out by ``save_pretrained`` changes nothing.
+(``GenerationConfig.to_diff_dict``), so a ``top_k: 50`` written out by ``save_pretrained`` changes nothing; and
+``max_new_tokens`` (SmolLM-135M-Instruct ships 40), the length of a chat or responses answer whose request sends
+no max_tokens (vLLM's ``get_max_tokens`` fallback; /v1/completions keeps OpenAI's 16, which its requests carry).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from lineside.errors import LinesideError
 
 # generation_config.json's field -> transformers' default (a field at its default is not a recommendation)
 _TRANSFORMERS_DEFAULTS: dict[str, float | int | None] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+    "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0, "max_new_tokens": None}
+# the fields that are SamplingParams' keywords (max_tokens is the request's length, not a sampling setting)
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,13 @@ class SamplingDefaults:
     top_k: int = 0  # 0: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # generation_config's max_new_tokens; None: the context's room (chat, responses)
 
     def filled(self, **given: float | int | None) -> dict[str, float | int]:
         """Every field, as a request gives it (``given``, by name) or else this default: SamplingParams' keywords."""
-        return {f.name: getattr(self, f.name) if given.get(f.name) is None else given[f.name] for f in fields(self)}
+        return {name: getattr(self, name) if given.get(name) is None else given[name] for name in _SAMPLING}
 
-    def changed(self) -> dict[str, float | int]:
+    def changed(self) -> dict[str, float | int | None]:
         """The fields that differ from OpenAI's defaults (what the startup log says was taken from the model)."""
         base = SamplingDefaults()
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
@@ -46,11 +51,12 @@ def _checked(name: str, value: Any, where: str) -> float | int:
     if ok:
         ok = {"temperature": 0 <= value <= 2, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,  # a request's ranges
               "repetition_penalty": 0 < value <= 10,
-              "top_k": float(value).is_integer() and value >= -1}[name]
+              "top_k": float(value).is_integer() and value >= -1,
+              "max_new_tokens": float(value).is_integer() and value >= 1}[name]
     if not ok:
         raise LinesideError(f"{where}: {name} is {value!r}, not a valid {name}; fix the file or serve with "
                             "--generation-config none to ignore it")
-    return int(value) if name == "top_k" else float(value)
+    return int(value) if name in ("top_k", "max_new_tokens") else float(value)
 
 
 def read_sampling_defaults(path: Path) -> SamplingDefaults:
@@ -72,7 +78,9 @@ def read_sampling_defaults(path: Path) -> SamplingDefaults:
         chosen[name] = _checked(name, value, str(path))
     if chosen.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
         chosen["top_k"] = 0
-    return SamplingDefaults(**chosen)
+    if "max_new_tokens" in chosen:  # transformers' name for a request's max_tokens
+        chosen["max_tokens"] = chosen.pop("max_new_tokens")
+    return SamplingDefaults(**chosen)  # type: ignore[arg-type]
 
 
 def resolve_generation_config(option: str, tokenizer_dir: Path) -> SamplingDefaults:

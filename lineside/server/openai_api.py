@@ -110,8 +110,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                  param="messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        budgets = [request_mapping.token_budget(len(ids), requested, None, context=state.engine.max_seq_len,
-                                                param=param, prompt_param="messages")]
+        budgets = [request_mapping.token_budget(len(ids), requested, state.sampling_defaults.max_tokens,
+                                                context=state.engine.max_seq_len, param=param, prompt_param="messages")]
         output = dataclasses.replace(output, reasoning=reasoning.for_prompt(state.think, ids, body.include_reasoning))
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
@@ -209,8 +209,9 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         ids = await _offload(sum(map(len, texts)),
                              functools.partial(state.tokenizer.encode_chat, messages, tools=listed,
                                                **render.options(), max_tokens=_prompt_limit(state)), param="input")
-        budget = request_mapping.token_budget(len(ids), body.max_output_tokens, None, context=state.engine.max_seq_len,
-                                              param="max_output_tokens", prompt_param="input")
+        budget = request_mapping.token_budget(len(ids), body.max_output_tokens, state.sampling_defaults.max_tokens,
+                                              context=state.engine.max_seq_len, param="max_output_tokens",
+                                              prompt_param="input")
         thinking = reasoning.for_prompt(state.think, ids)
         priority, mode = request_mapping.priority(request.headers)
         # what the request leaves out: the model's recommendation (serve --generation-config)

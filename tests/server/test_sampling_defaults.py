@@ -163,3 +163,23 @@ def test_create_app_reads_the_bundles_own_by_default(tiny_dense, tmp_path):
     assert create_app(make_engine(bundle)).state.lineside.sampling_defaults == want
     assert create_app(bundle, sampling_defaults=SamplingDefaults()).state.lineside.sampling_defaults == \
         SamplingDefaults()
+
+
+def test_max_new_tokens_is_the_default_length_where_the_request_gives_none(tiny_bundle, tmp_path):
+    """vLLM's --generation-config auto also reads max_new_tokens (SmolLM-135M-Instruct ships 40): the length of a
+    chat or responses answer whose request sends no max_tokens. /v1/completions keeps OpenAI's 16, and a request's
+    own max_tokens wins."""
+    assert _read(tmp_path, {"max_new_tokens": 40, "temperature": 0.6}) == SamplingDefaults(temperature=0.6, max_tokens=40)
+    with pytest.raises(LinesideError, match="max_new_tokens"):
+        _read(tmp_path, {"max_new_tokens": 0})
+    engine = make_engine(tiny_bundle)
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda req: (seen.append(req.max_tokens), submit(req))[1]
+    with running_server(engine, sampling_defaults=SamplingDefaults(max_tokens=3)) as srv:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/responses", {"input": "hi"}), ("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})):
+            r = httpx.post(f"{srv.url}{path}", json={**body, "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+    assert seen == [3, 3, 16, 5]
