@@ -65,3 +65,15 @@ def test_logits_overflowed_to_inf_report_the_share_they_are_drawn_with(temperatu
     assert r.token in (1, 3)
     assert r.logprob.logprob == pytest.approx(np.log(0.5))
     assert r.logprob.top == ((1, pytest.approx(np.log(0.5))), (3, pytest.approx(np.log(0.5))))
+
+
+def test_min_tokens_hold_on_the_stop_tokens_is_in_the_logprobs_as_documented():
+    """README: logprobs come after the masks, min_tokens' included: while it holds EOS back, EOS is out of the top
+    list and the rest renormalise over what may be drawn; once it lets go, the model's own log-softmax."""
+    x = np.array([3.0, 1.0, 0.5, -1.0], dtype=np.float32)  # token 0 is EOS
+    s = Sampler(SamplingParams(min_tokens=2), stop_ids=[0])
+    held = s.step(x, [9], prompt_len=1, logprobs=4)
+    assert held.token == 1 and [i for i, _ in held.logprob.top] == [1, 2, 3]
+    assert held.logprob.logprob == pytest.approx(_ref(x[1:])[0])
+    free = s.step(x, [9, 1, 2], prompt_len=1, logprobs=4)
+    assert free.token == 0 and free.logprob.logprob == pytest.approx(_ref(x)[0])
