@@ -157,7 +157,7 @@ class Sampler:
         holding = self._holding(history, prompt_len)
         if self._plain_greedy and allowed is None and logprobs is None:
             tok = int(np.argmax(logits))  # float32 argmax = float64 argmax; it lands on a NaN if there is one
-            if not np.isnan(logits[tok]) and not (holding and tok in self._held_set):
+            if logits[tok] > -np.inf and not (holding and tok in self._held_set):  # not NaN, not a row of -inf
                 return SampleResult(tok)
         if holding:
             allowed = self._min_tokens_mask(allowed, logits.shape[-1])
@@ -243,13 +243,11 @@ class Sampler:
         """From processed logits: the greedy token, or the probabilities after temperature/top-k/top-p/min-p."""
         p = self.p
         if p.greedy:
-            return int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
+            tok = int(np.argmax(np.nan_to_num(x, nan=-np.inf)))
+            return tok if x[tok] > -np.inf else _fallback(logits, allowed)
         x = _sanitize(x)
         if x is None:  # nothing finite left (extreme penalties): fall back to greedy
-            raw = np.nan_to_num(np.asarray(logits, dtype=np.float64), nan=-np.inf)
-            if allowed is not None:  # ... among the tokens the grammar allows
-                raw = np.where(allowed[:raw.shape[0]], np.nan_to_num(raw, neginf=np.finfo(np.float64).min), -np.inf)
-            return int(np.argmax(raw))
+            return _fallback(logits, allowed)
         # the max is subtracted before dividing: softmax is unchanged, and a tiny temperature sends the others to
         # -inf (its limit, the argmax) where x / T alone overflowed every positive logit to +inf
         x = (x - x.max()) / p.temperature
@@ -269,6 +267,20 @@ class Sampler:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
         return probs
+
+
+def _fallback(logits: np.ndarray, allowed: np.ndarray | None) -> int:
+    """No candidate left after the processing: the raw argmax among the tokens the grammar allows. A row with no
+    number in it at all (every logit NaN or -inf: a numerical failure in the model) is an error, where argmax gave
+    token 0 every step, an answer of <unk> or an EOS that ends it empty."""
+    raw = np.asarray(logits, dtype=np.float64)
+    raw = np.where(np.isnan(raw), -np.inf, raw)  # (nan_to_num(nan=-inf) made the -inf entries finite)
+    if not (raw > -np.inf).any():
+        raise LinesideError("the model's logits at this position are all NaN or -inf (a numerical failure in the "
+                            "model), so no token can be sampled")
+    if allowed is not None:
+        raw = np.where(allowed[:raw.shape[0]], np.nan_to_num(raw, neginf=np.finfo(np.float64).min), -np.inf)
+    return int(np.argmax(raw))
 
 
 def _sanitize(x: np.ndarray) -> np.ndarray | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lineside.errors import LinesideError
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob
@@ -61,18 +62,10 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
             logits = backend.forward(plan.decode_batch())
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
-                drafts = plan.drafts.get(seq)
-                if drafts:  # nothing past a token the grammar rejects (Scheduler._drafts, scorable); each masked
-                    v = verify_drafts(seq.sampler, logits[r], drafts, seq.tokens, len(seq.prompt), matcher=seq.matcher,
-                                      first_allowed=None if masks is None else masks[r], logprobs=seq.logprobs,
-                                      probs=plan.draft_probs.get(seq))
-                    out.accepted[seq], out.sampled[seq] = v.kept, v.token
-                    if v.logprobs:
-                        out.logprobs[seq] = v.logprobs
-                    if saved is not None and len(v.kept) < len(drafts):
-                        _rewind(backend, saved, seq, v.kept)
-                elif seq.samples:
-                    _sample(out, seq, logits[r, 0], None if masks is None else masks[r])
+                try:
+                    _decode_row(out, backend, plan, saved, seq, logits[r], None if masks is None else masks[r])
+                except LinesideError as e:  # the row's own (the sampler: a row of NaN logits), not the batch's
+                    out.errors[seq] = error_line(e)
         except Exception as e:  # a backend failure ends the requests in this call, not the server
             out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
     for chunk in plan.prefills:  # one forward each: GroupQueryAttention takes one past length per batch
@@ -90,6 +83,22 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
         except Exception as e:
             out.session_error = error_line(e)
     return out
+
+
+def _decode_row(out: StepOutcome, backend: Backend, plan: StepPlan, saved: dict | None, seq: Sequence,
+                logits: np.ndarray, allowed: np.ndarray | None) -> None:
+    """Verify a decode row's drafts, or sample its next token, from its logits."""
+    drafts = plan.drafts.get(seq)
+    if drafts:  # nothing past a token the grammar rejects (Scheduler._drafts, scorable); each masked
+        v = verify_drafts(seq.sampler, logits, drafts, seq.tokens, len(seq.prompt), matcher=seq.matcher,
+                          first_allowed=allowed, logprobs=seq.logprobs, probs=plan.draft_probs.get(seq))
+        out.accepted[seq], out.sampled[seq] = v.kept, v.token
+        if v.logprobs:
+            out.logprobs[seq] = v.logprobs
+        if saved is not None and len(v.kept) < len(drafts):
+            _rewind(backend, saved, seq, v.kept)
+    elif seq.samples:
+        _sample(out, seq, logits[0], allowed)
 
 
 def _save_whole_state(backend: Backend, plan: StepPlan) -> dict | None:

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections import deque
 
+import numpy as np
 import pytest
 
 from lineside.bundle import open_bundle
@@ -509,3 +510,23 @@ def test_random_mix_keeps_every_invariant(tiny_bundle, seed):
             assert ids == solo[1], spec["request_id"]
         else:
             assert last.finish_reason == "cancelled"
+
+
+def test_a_row_of_nan_logits_fails_only_its_request(tiny_bundle):
+    """A model row that is all NaN (a numerical failure in one sequence) ends that request with a one-line error;
+    the request decoding beside it in the same batch goes on."""
+    async def main():
+        eng, be = engine(tiny_bundle, slots=2)
+        plain = be.logits
+        be.logits = lambda seq: np.full(be.vocab_size, np.nan, np.float32) if 251 in seq and len(seq) > 4 \
+            else plain(seq)
+        await eng.start()
+        good = eng.submit(req(PROMPTS[1], n=6))
+        bad = eng.submit(req([1, 251, 3], n=6))
+        rg, rb = await asyncio.gather(good.result(), bad.result())
+        await eng.stop()
+        return rg[2], rb[2]
+
+    g, b = run(main())
+    assert g.finish_reason == "length"
+    assert b.finish_reason == "error" and "NaN" in b.error and "\n" not in b.error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lineside.errors import LinesideError
 from lineside.runtime.sampling import Sampler, SamplingParams
 
 
@@ -43,3 +44,26 @@ def test_tiny_temperature_is_the_greedy_limit_not_overflow(temperature):
     neg = np.array([-2.0, -3.0, -0.9, -1.5, -0.5], np.float32)
     s = Sampler(SamplingParams(temperature=temperature, repetition_penalty=2.0, seed=0))
     assert s(neg, [4], prompt_len=1) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("row", [np.full(6, np.nan), np.full(6, -np.inf), np.array([np.nan, -np.inf] * 3)])
+def test_a_row_with_no_number_in_it_is_an_error_not_token_0(temperature, row):
+    """A model whose logits are all NaN (a numerical failure) gave token 0 every step, greedy or not: an answer
+    of whatever token 0 is (<unk>, or an EOS that ends it empty) instead of an error saying what went wrong."""
+    s = Sampler(SamplingParams(temperature=temperature, seed=0))
+    with pytest.raises(LinesideError, match="NaN or -inf"):
+        s(row.astype(np.float32))
+    with pytest.raises(LinesideError, match="NaN or -inf"):
+        s.step(row.astype(np.float32), logprobs=2)
+    partial = row.astype(np.float32).copy()
+    partial[4] = 0.5  # one number left: that is the token, as NaN counts as -inf
+    assert s(partial) == 4
+
+
+def test_the_fallback_never_lands_on_a_nan():
+    """Extreme penalties leave no finite logit: the raw argmax decides, among numbers, never at a NaN's index."""
+    x = np.array([np.nan, 1.0, 3.0, np.nan], np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, repetition_penalty=1e308, presence_penalty=1e308,
+                               frequency_penalty=-1e308))
+    assert s(x, history=[1, 2, 2], prompt_len=1) == 2
