@@ -6,6 +6,7 @@ As vLLM reads it: only the sampling fields the file sets to something other than
 (``GenerationConfig.to_diff_dict``), so a ``top_k: 50`` written out by ``save_pretrained`` changes nothing; and
 ``max_new_tokens`` (SmolLM-135M-Instruct ships 40), the length of a chat or responses answer whose request sends
 no max_tokens (vLLM's ``get_max_tokens`` fallback; /v1/completions keeps OpenAI's 16, which its requests carry).
+vLLM takes the smaller of it and a request's own max_tokens; here a request that asks for a length gets it.
 """
 
 from __future__ import annotations
