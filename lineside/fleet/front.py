@@ -375,9 +375,11 @@ class Front:
                             "/fleet/health and passes everything else to a pool", "not_found")
 
     async def health(self) -> Answer:
+        """Each pool: whether its router can serve, i.e. has a healthy node. SMG's /health is the router's own
+        liveness (200 with every worker down); its /readiness is 503 until a worker of the pool is healthy."""
         async def one(url: str) -> bool:
             try:
-                return (await self.upstream.read("GET", url + "/health", [], b"", timeout_s=3.0))[0] == 200
+                return (await self.upstream.read("GET", url + "/readiness", [], b"", timeout_s=3.0))[0] == 200
             except UpstreamError:
                 return False
 

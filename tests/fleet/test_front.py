@@ -53,7 +53,15 @@ def pool_app(name: str, seen: list[dict]) -> Starlette:
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/hang", hang, methods=["POST"]),
-                             Route("/health", lambda r: JSONResponse({"ok": True}))])
+                             Route("/health", lambda r: JSONResponse({"ok": True})),
+                             Route("/readiness", lambda r: JSONResponse({"status": "ready"}))])
+
+
+def router_without_workers() -> Starlette:
+    """What an SMG router answers when no worker of its pool is healthy: alive (/health 200), not ready."""
+    return Starlette(routes=[Route("/health", lambda r: JSONResponse({"ok": True})),
+                             Route("/readiness", lambda r: JSONResponse(
+                                 {"status": "not ready", "reason": "insufficient healthy workers"}, 503))])
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +255,29 @@ def test_own_endpoints_and_keep_alive_framing(make):
         "realtime": True, "batch": True, "candidate-same": True}
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
     assert posted.status_code == 405 and set(posted.json()["error"]) == {"message", "type", "code", "param"}
+
+
+def test_fleet_health_says_which_pools_have_no_healthy_node(upstreams):
+    """SMG's /health is its own liveness and answers 200 with every worker down; /fleet/health must say the
+    pool cannot serve (its router's /readiness), and 503 when no pool can."""
+    urls, _ = upstreams
+    empty = [BackgroundServer(router_without_workers(), ready_path="/health").start() for _ in range(2)]
+    try:
+        async def health(pools: dict[str, str]):
+            front = Front(FrontConfig(pools=pools, default_pool=next(iter(pools))))
+            try:
+                return await front.health()
+            finally:
+                await front.aclose()
+
+        some = run(health({"realtime": urls["realtime"], "batch": empty[0].url}))
+        none = run(health({"realtime": empty[0].url, "batch": empty[1].url}))
+    finally:
+        for s in empty:
+            s.stop()
+    assert some.status == 200 and json.loads(some.body) == {"status": "degraded",
+                                                             "pools": {"realtime": True, "batch": False}}
+    assert none.status == 503 and json.loads(none.body)["pools"] == {"realtime": False, "batch": False}
 
 
 @pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])
