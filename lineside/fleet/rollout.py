@@ -8,7 +8,6 @@ previous swapped, the restart hook run again) and the rollout stops there.
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from lineside.errors import LinesideError
 from lineside.fleet.health import NodeHealth, wait_healthy
 from lineside.fleet.spec import FleetError, FleetFile, Node
 from lineside.jetson.push import push, rollback
-from lineside.jetson.targets import _REMOTE, open_target
+from lineside.jetson.targets import SshTarget, open_target
 from lineside.strenum import StrEnum
 
 
@@ -83,13 +82,15 @@ def run_restart(node: Node, ssh: str) -> None:
     """The node's restart hook: over ssh for user@host targets, in a local shell otherwise."""
     if not node.restart:
         return
-    m = _REMOTE.match(node.target or "")
-    argv = [*shlex.split(ssh), "-o", "BatchMode=yes", m.group("host"), node.restart] if m else ["sh", "-c",
-                                                                                                node.restart]
+    # the target parsed as `jetson push` parses it: ssh://user@host:port/dir and user@[v6]:/dir are ssh targets too
+    t = open_target(node.target or "", ssh)
+    argv = [*t.ssh, t.host, node.restart] if isinstance(t, SshTarget) else ["sh", "-c", node.restart]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise LinesideError(f"restart on {node.name} failed ({e})") from None
+    finally:
+        t.close()
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or [p.stdout.strip() or f"exit {p.returncode}"])[-1]
         raise LinesideError(f"restart on {node.name} failed ({last})")

@@ -230,3 +230,44 @@ def test_ssh_canary_rolled_back_over_ssh(tmp_path, sshd):
             ("a", Outcome.ROLLED_BACK), ("b", Outcome.NOT_STARTED), ("c", Outcome.NOT_STARTED)]
         assert {n: _current(t) for n, t in targets.items()} == before
         assert log.read_text().splitlines()[-1].split() == ["a", before["a"]]  # the hook ran on the node
+
+
+@pytest.mark.parametrize(("target", "host", "port"), [
+    ("ssh://lineside@orin-7:2222/opt/lineside", "lineside@orin-7", "2222"),
+    ("lineside@[fe80::1%eth0]:/opt/lineside", "lineside@fe80::1%eth0", None),
+    ("lineside@10.0.0.11:/opt/lineside", "lineside@10.0.0.11", None),
+])
+def test_the_restart_hook_goes_to_the_host_push_went_to(tmp_path, target, host, port):
+    """Every TARGET form `jetson push` takes: the hook ran on host 'ssh' (ssh://...), on host 'lineside@[fe80'
+    (an IPv6 target) or, for neither, in a local shell, while the push itself went to the device."""
+    from lineside.fleet.rollout import run_restart
+    from lineside.fleet.spec import Node
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake-ssh"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *"-O exit"*) exit 0;; esac\nfor a in "$@"; do printf "%s\\n" "$a"; done > {calls}\n')
+    fake.chmod(0o755)
+    run_restart(Node(name="a", kind="jetson", url="http://127.0.0.1:1", target=target, restart="systemctl restart x"),
+                str(fake))
+    argv = calls.read_text().splitlines()
+    assert argv[-2:] == [host, "systemctl restart x"]
+    assert (argv[argv.index("-p") + 1] if "-p" in argv else None) == port
+
+
+def test_restart_hook_over_an_ssh_url_target(tmp_path, sshd):
+    """The canary's target is ssh://user@host:port/dir (no -p in --ssh): the hook runs over ssh on that port."""
+    import re
+
+    host, ssh = sshd
+    port = re.search(r"-p (\d+)", ssh).group(1)
+    log = tmp_path / "restarts.log"
+    v1 = make_bundle(tmp_path / "v1", 11, weight_bytes=4096, name="model-v1")
+    with node_server(tmp_path / "dev") as url:
+        fleet = FleetFile.model_validate({
+            "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64",
+                       "target": f"ssh://{host}:{port}{tmp_path / 'dev'}", "bundle": str(v1),
+                       "restart": f'echo "over ssh: ${{SSH_CONNECTION:+yes}}" >> {log}'}],
+            "pools": {"realtime": {"members": ["a"]}}})
+        r = rolling_push(fleet, ssh=ssh.replace(f"-p {port} ", ""), health=_wait(FakeClock()))
+    assert r.ok, r.stopped
+    assert log.read_text().splitlines() == ["over ssh: yes"]
