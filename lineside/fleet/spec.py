@@ -88,6 +88,15 @@ class Node(_Strict):
         url_key(v)
         return v
 
+    @field_validator("health_path")
+    @classmethod
+    def _health_path(cls, v: str) -> str:
+        # it is appended to the url: "health" would probe http://host:8000health (or the host orin.localhealth)
+        if not v.startswith("/"):
+            path = urlsplit(v).path if "://" in v else "/" + v
+            raise ValueError(f"a path on the node's server starts with '/'; write {path or '/health/ready'}")
+        return v
+
     @property
     def needs_adapter(self) -> bool:
         return self.health_adapter if self.health_adapter is not None else self.engine == Engine.LLAMA_CPP

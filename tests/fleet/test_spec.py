@@ -94,6 +94,12 @@ def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_mem
     (("gateway", {"shadow": {"source": "realtime", "candidate": "nope", "share": 0.1}}),
      "fleet.yaml: gateway.shadow.candidate 'nope' is not a pool"),
     (("nodes.2.target", "/opt/x"), "a datacenter node runs its own engine and is never pushed to"),
+    # appended to the url it made http://10.0.0.11:8000health: `fleet status` crashed (port '8000health'), a
+    # url without a port probed another host (http://orin.localhealth)
+    (("nodes.0.health_path", "health/ready"), "fleet.yaml: nodes[0].health_path: a path on the node's server "
+                                              "starts with '/'; write /health/ready; got 'health/ready'"),
+    (("nodes.0.health_path", "http://10.0.0.11:8000/health"), "nodes[0].health_path: a path on the node's server "
+                                                              "starts with '/'"),
 ])
 def test_bad_files_are_one_line_each(change, expected):
     msg = _err(_with(*change))
