@@ -6,6 +6,7 @@ names the place in the file (``nodes[2].bundel``) and what to do. docs/fleet.md 
 
 from __future__ import annotations
 
+import datetime
 import re
 import types
 import typing
@@ -274,6 +275,14 @@ def _one_line(path: Path, e: ValidationError) -> str:
         return f"{path}: unknown key {where!r}" + (f"; the keys allowed there are: {known}" if known else "")
     if err["type"] == "missing":
         return f"{path}: {where} is required; add it (see docs/fleet.md)"
+    got = err.get("input")
+    if err["type"] == "string_type" and isinstance(got, (bool, int, float, datetime.date)):
+        # YAML reads an unquoted on/off/yes/no as a boolean, 1 or 1.5 as a number, 2024-01-01 as a date
+        if loc[-1:] == ("[key]",):  # pydantic puts the key itself (True as 1) where an index would go
+            where = f"{_loc(loc[:-2])} key"
+        kind = "boolean" if isinstance(got, bool) else "date" if isinstance(got, datetime.date) else "number"
+        shown = got.isoformat() if isinstance(got, datetime.date) else repr(got)
+        return f"{path}: {where} {shown} is a {kind} in YAML, not text; put it in quotes"
     msg = err["msg"].removeprefix("Value error, ")
     more = f" (and {len(e.errors()) - 1} more problem(s))" if len(e.errors()) > 1 else ""
     return f"{path}: {where}: {msg}; got {err.get('input')!r}{more}"

@@ -285,3 +285,16 @@ def test_a_router_that_dies_stops_the_gateway_with_one_line(tmp_path):
     assert p.stdout.strip() == ("the SMG router of pool 'realtime' exited (3) while serving (its log ends: fake "
                                 "router: out of memory); the gateway stopped (run it under a service manager that "
                                 "restarts it)"), p
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # YAML 1.1 reads an unquoted on/yes/no as a boolean: pydantic put the key's value where an index goes
+    ("pools: {on: {members: [a]}}", "fleet.yaml: pools key True is a boolean in YAML, not text"),
+    ("pools: {realtime: {members: [no]}}", "fleet.yaml: pools.realtime.members[0] False is a boolean in YAML, not text"),
+    ("pools: {realtime: {members: [1]}}", "fleet.yaml: pools.realtime.members[0] 1 is a number in YAML, not text"),
+])
+def test_a_name_yaml_reads_as_a_boolean_or_number_says_to_quote_it(text, expected):
+    head = "nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9001'}]\n"
+    with pytest.raises(FleetError) as e:
+        parse_fleet(head + text + "\n", Path("fleet.yaml"))
+    assert str(e.value).startswith(expected) and "put it in quotes" in str(e.value), str(e.value)
