@@ -347,10 +347,32 @@ def check_references(fleet: FleetFile, path: Path) -> None:
         if g.shadow.source == g.shadow.candidate:
             raise FleetError(f"{path}: gateway.shadow mirrors pool {g.shadow.source!r} onto itself; "
                              "name a different candidate pool")
+    uses = gateway_ports(fleet)
+    on_loopback = g.host in ("", "0.0.0.0", "::", "localhost", "::1") or g.host.startswith("127.")  # noqa: S104
+    if g.port in uses and on_loopback:  # the routers listen on 127.0.0.1
+        raise FleetError(f"{path}: gateway.port {g.port} is also {uses[g.port]} (gateway.smg_base_port "
+                         f"{g.smg_base_port} + {g.port - g.smg_base_port}); move gateway.port or gateway.smg_base_port")
+    if max(uses) > 65535:
+        raise FleetError(f"{path}: gateway.smg_base_port {g.smg_base_port} leaves no room for the gateway's "
+                         f"{len(uses)} ports (up to {max(uses)}); lower it")
     if fleet.rollout.canary is not None and fleet.rollout.canary not in seen:
         raise FleetError(f"{path}: rollout.canary {fleet.rollout.canary!r} is not a node ({', '.join(seen)})")
     if fleet.rollout.canary is not None and fleet.nodes[seen[fleet.rollout.canary]].bundle is None:
         raise FleetError(f"{path}: rollout.canary {fleet.rollout.canary!r} serves no bundle; pick a node with one")
+
+
+def gateway_ports(fleet: FleetFile) -> dict[int, str]:
+    """The loopback ports `fleet gateway` takes from smg_base_port, and what each is: pool i's SMG router on
+    base + 2i, its Prometheus metrics on base + 2i + 1, then one health adapter per node that needs one."""
+    base = fleet.gateway.smg_base_port
+    out: dict[int, str] = {}
+    for i, pname in enumerate(fleet.pools):
+        out[base + 2 * i] = f"the port of the SMG router of pool {pname!r}"
+        out[base + 2 * i + 1] = f"the Prometheus port of the SMG router of pool {pname!r}"
+    adapted = [n.name for n in fleet.nodes if n.needs_adapter]
+    for j, name in enumerate(adapted):
+        out[base + 2 * len(fleet.pools) + j] = f"the health adapter port of node {name!r}"
+    return out
 
 
 def _check_node(n: Node, path: Path) -> None:

@@ -98,6 +98,14 @@ def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_mem
     # url without a port probed another host (http://orin.localhealth)
     (("nodes.0.health_path", "health/ready"), "fleet.yaml: nodes[0].health_path: a path on the node's server "
                                               "starts with '/'; write /health/ready; got 'health/ready'"),
+    # the front binds it first, then that router's SMG cannot (fleet check said the file was valid); the pools
+    # are in the order yaml.safe_dump sorts them: batch is pool 0
+    (("gateway", {"port": 30103, "smg_base_port": 30100}),
+     "fleet.yaml: gateway.port 30103 is also the Prometheus port of the SMG router of pool 'realtime' "
+     "(gateway.smg_base_port 30100 + 3); move gateway.port or gateway.smg_base_port"),
+    (("gateway", {"port": 30104, "smg_base_port": 30100}),
+     "fleet.yaml: gateway.port 30104 is also the health adapter port of node 'line-pc' (gateway.smg_base_port 30100 "
+     "+ 4)"),
     (("nodes.0.health_path", "http://10.0.0.11:8000/health"), "nodes[0].health_path: a path on the node's server "
                                                               "starts with '/'"),
 ])
@@ -285,6 +293,11 @@ def test_a_router_that_dies_stops_the_gateway_with_one_line(tmp_path):
     assert p.stdout.strip() == ("the SMG router of pool 'realtime' exited (3) while serving (its log ends: fake "
                                 "router: out of memory); the gateway stopped (run it under a service manager that "
                                 "restarts it)"), p
+
+
+def test_a_gateway_port_beside_the_routers_is_fine_on_another_address():
+    d = _with("gateway", {"host": "10.0.0.5", "port": 30101, "smg_base_port": 30100})  # the routers: 127.0.0.1
+    assert _parse(d).gateway.port == 30101
 
 
 @pytest.mark.parametrize(("text", "expected"), [
