@@ -38,6 +38,7 @@ def status_json(fleet: FleetFile, health: list[NodeHealth]) -> dict[str, Any]:
 
 
 def status_table(fleet: FleetFile, health: list[NodeHealth]) -> Any:
+    from rich.markup import escape
     from rich.table import Table
 
     pools = pool_of(fleet)
@@ -45,9 +46,10 @@ def status_table(fleet: FleetFile, health: list[NodeHealth]) -> Any:
     for col in ("node", "pools", "health", "model", "bundle version", "degradation", "running", "waiting", "ms"):
         t.add_column(col)
     for h in health:
-        state = "[green]ready[/green]" if h.ready else f"[red]{h.status}[/red]"
-        t.add_row(h.node, ",".join(pools[h.node]), state, h.model or "-", h.version or "-", h.degradation or "-",
-                  _num(h.running), _num(h.waiting), _num(h.latency_ms))
+        # what the node says (its status, model id, level) is text, not rich markup: "[q4]" would be a style tag
+        state = "[green]ready[/green]" if h.ready else f"[red]{escape(h.status)}[/red]"
+        t.add_row(h.node, ",".join(pools[h.node]), state, escape(h.model or "-"), escape(h.version or "-"),
+                  escape(h.degradation or "-"), _num(h.running), _num(h.waiting), _num(h.latency_ms))
     return t
 
 

@@ -8,10 +8,11 @@ import os
 import threading
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import httpx
 
-from lineside.fleet.health import _load, bundle_version, probe
+from lineside.fleet.health import NodeHealth, _load, bundle_version, probe
 from lineside.fleet.spec import Node
 from lineside.jetson.push import push
 from tests.jetson.conftest import make_bundle
@@ -107,3 +108,23 @@ def test_bundle_version_is_what_current_points_at(tmp_path):
     assert bundle_version(node, "ssh") is None
     r = push(make_bundle(tmp_path / "b", 1, weight_bytes=1024, name="model-v7"), str(target))
     assert bundle_version(node, "ssh") == r.version and r.version.startswith("model-v7-")
+
+
+def test_status_table_shows_what_nodes_report_as_text_not_rich_markup():
+    """A node's own words go into the table: its status "[warming up]" vanished and a model id ending in "[q4]"
+    lost it (rich read them as style tags); a status "[/]" stopped `fleet status` with a MarkupError."""
+    from rich.console import Console
+
+    from lineside.fleet.spec import parse_fleet
+    from lineside.fleet.status import status_table
+
+    fleet = parse_fleet("nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9'},"
+                        " {name: b, kind: x86, engine: openai, url: 'http://127.0.0.1:10'}]\n"
+                        "pools: {realtime: {members: [a, b]}}\n", Path("fleet.yaml"))
+    health = [NodeHealth("a", "http://127.0.0.1:9", True, False, "[warming up]", model="org/r1[q4]",
+                         degradation="[1]"),
+              NodeHealth("b", "http://127.0.0.1:10", True, False, "[/]")]
+    console = Console(width=200, record=True)
+    console.print(status_table(fleet, health))
+    text = console.export_text()
+    assert "[warming up]" in text and "org/r1[q4]" in text and "[1]" in text and "[/]" in text
