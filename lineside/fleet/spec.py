@@ -205,6 +205,10 @@ def url_key(url: str) -> tuple[str, str, int, str]:
         if u.netloc.count(":") > 1 and "[" not in u.netloc:
             raise ValueError("an IPv6 address goes in brackets: http://[::1]:8000")
         raise ValueError("has no host; give scheme://host:port")
+    if m["v6"] and "%" in m["v6"]:  # SMG parses worker urls with Rust's url crate: no zone ids (RFC 6874)
+        zone = m["v6"][m["v6"].index("%"):]
+        raise ValueError(f"has an IPv6 zone ({zone}), which SMG (the gateway's router) cannot route to; give the "
+                         "node's global or unique-local address, or its host name")
     port_s = m["port"]
     if port_s is None or port_s == "":
         port = 443 if scheme == "https" else 80

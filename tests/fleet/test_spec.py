@@ -219,6 +219,8 @@ def test_a_key_written_twice_is_refused_not_silently_overwritten():
     ("http://10.0.0.11:8000/v1", "ends in /v1: give the server's root (http://10.0.0.11:8000)"),
     ("http://10.0.0.11:8000/?x=1", "has a query or fragment"),
     ("http://::1:8000", "an IPv6 address goes in brackets: http://[::1]:8000"),
+    # accepted, then the pool's SMG router exited at start ("Invalid URL format: invalid IPv6 address")
+    ("http://[fe80::1%eth0]:8000", "has an IPv6 zone (%eth0), which SMG (the gateway's router) cannot route to"),
 ])
 def test_a_url_that_is_not_a_server_root_is_one_line(url, expected):
     msg = _err(_with("nodes.0.url", url))
