@@ -132,7 +132,16 @@ class Health(_Strict):
     timeout_s: Annotated[int, Field(ge=1)] = 3
     failure_threshold: Annotated[int, Field(ge=1)] = 2
     success_threshold: Annotated[int, Field(ge=1)] = 1
-    path: str = "/health"
+    # SMG probes each pool's nodes on their own health_path; a gateway-wide path did nothing (and was documented)
+    path: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError("the gateway probes each node on its own health_path; set nodes[].health_path instead "
+                             "and remove gateway.health.path")
+        return v
 
 
 class Shadow(_Strict):

@@ -108,6 +108,9 @@ def test_gateway_writes_the_body_priority_only_for_pools_with_vllm_or_sglang_mem
      "+ 4)"),
     (("nodes.0.health_path", "http://10.0.0.11:8000/health"), "nodes[0].health_path: a path on the node's server "
                                                               "starts with '/'"),
+    # documented, but SMG probes each node's own health_path: the key did nothing
+    (("gateway", {"health": {"path": "/health"}}), "fleet.yaml: gateway.health.path: the gateway probes "
+                                                    "each node on its own health_path"),
 ])
 def test_bad_files_are_one_line_each(change, expected):
     msg = _err(_with(*change))
