@@ -389,11 +389,15 @@ class ResponseBuilder:
         body = self._finished(answer, content, calls, usage, finish_reason, split)
         return [*out, self.event(f"response.{body['status']}", response=body)]
 
-    def failed(self, message: str, code: str) -> str:
-        body = self.body("failed", None)
-        body["error"] = {"code": code, "message": message}
-        body["output"] = []
-        return self.event("response.failed", response=body)
+    def failed(self, error: APIError, usage: tuple[int, int], split: ReasoningSplitter | None = None) -> list[str]:
+        """The open item's done events (``incomplete``: the output stopped inside it), then failed with the output
+        and usage so far, as OpenAI ends a failed stream. The error's ``code`` is ``server_error`` (the SDK's
+        ``ResponseError.code`` is an enum that has none of this server's codes); its ``type`` says which failure."""
+        self._valid = {i["call_id"] for i in self._done if i["type"] == "function_call"}  # an open call is cut off
+        out = self._close("incomplete")
+        body = self.body("failed", usage, None, split, list(self._done))
+        body["error"] = {"code": "server_error", "message": error.message, "type": error.type, "param": None}
+        return [*out, self.event("response.failed", response=body)]
 
 
 async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -> AsyncIterator[str]:
@@ -417,7 +421,8 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
             yield builder.reasoning_delta(thought)
         if not answering and (splitter is not None and not splitter.thinking or event.finish_reason is not None):
             answering = True
-            status = "incomplete" if event.finish_reason == FinishReason.LENGTH and splitter.thinking else "completed"
+            status = "incomplete" if event.finish_reason not in (None, FinishReason.STOP) and splitter.thinking \
+                else "completed"
             for e in [*builder.reasoning_closing("".join(reasoning), status), *builder.answer_opening()]:
                 yield e
         for e in _answer_events(builder, calls, answer, event.finish_reason is not None):
@@ -431,8 +436,9 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
                                      event.finish_reason, splitter, calls.calls if calls is not None else None):
                 yield e
         else:
-            err = failure(state, event)
-            yield builder.failed(err.message, err.code or "server_error")
+            for e in builder.failed(failure(state, event), (choice.record.prompt_tokens,
+                                                            choice.record.completion_tokens), splitter):
+                yield e
         return
 
 

@@ -193,3 +193,26 @@ def test_a_lone_surrogate_anywhere_is_400_naming_the_field(server, field, value,
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("invalid_utf8", param) and "\n" not in err["message"]
+
+
+def test_a_stream_that_fails_midway_ends_failed_with_the_output_so_far(tiny_bundle):
+    """A timeout mid-stream ends in response.failed holding the text streamed so far (its message done
+    ``incomplete``), the tokens used, and an error the SDK's Response type reads (its code is one of OpenAI's);
+    it ended with an empty output, no usage and a code outside the SDK's enum."""
+    from openai.types.responses import Response
+
+    from tests.server.conftest import make_engine, running_server
+
+    with running_server(make_engine(tiny_bundle, num_slots=1, delay=0.02), request_timeout=0.3) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        events = list(c.responses.create(model=MODEL, input="hi", max_output_tokens=200, temperature=0, stream=True))
+    last = events[-1]
+    assert last.type == "response.failed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    body = Response.model_validate(last.response.model_dump())
+    assert body.error.code == "server_error" and "timeout" in body.error.message
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed and body.output_text == streamed and body.output[0].status == "incomplete"
+    assert [e.type for e in events[-4:-1]] == ["response.output_text.done", "response.content_part.done",
+                                               "response.output_item.done"]
+    assert body.usage.output_tokens > 0 and body.usage.total_tokens == body.usage.input_tokens + body.usage.output_tokens
