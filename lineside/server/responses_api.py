@@ -45,6 +45,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # not OpenAI's here, but chat's: sent, it is honoured
     stream: bool | None = False
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None

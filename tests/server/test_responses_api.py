@@ -216,3 +216,15 @@ def test_a_stream_that_fails_midway_ends_failed_with_the_output_so_far(tiny_bund
     assert [e.type for e in events[-4:-1]] == ["response.output_text.done", "response.content_part.done",
                                                "response.output_item.done"]
     assert body.usage.output_tokens > 0 and body.usage.total_tokens == body.usage.input_tokens + body.usage.output_tokens
+
+
+def test_seed_samples_as_chat_samples_it(client):
+    """``seed`` (extra_body, as on chat) was dropped with the unknown fields: a seeded response did not repeat.
+    Now it seeds the sampler as chat's does: the same prompt, seed and temperature write chat's text."""
+    kw = dict(temperature=1.0, extra_body={"seed": 1234})
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, **kw)
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=8, **kw)
+    assert r.output_text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_body={"seed": "1"})
+    assert e.value.body["param"] == "seed"
