@@ -40,6 +40,7 @@ from lineside.server import (
     prompt_limits,
     reasoning,
     request_mapping,
+    response_items,
     responses,
     responses_api,
     responses_tools,
@@ -287,6 +288,25 @@ async def get_response(response_id: str, request: Request) -> Any:
     if stored is None:
         raise _no_response(response_id)
     return stored.body
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
+async def list_input_items(response_id: str, request: Request) -> Any:
+    """A kept response's input items (the SDK's ``responses.input_items.list``), paged by ``after`` / ``limit`` /
+    ``order`` as OpenAI pages them; ``include`` is refused as on create."""
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise _no_response(response_id)
+    query = request.query_params
+    include = query.getlist("include") + query.getlist("include[]")
+    if include:
+        raise APIError(400, f"include: {include[0]!r} is not supported", "unsupported_parameter", param="include")
+    limit = query.get("limit", "20")
+    if not limit.isdigit():
+        raise APIError(400, f"limit: {limit!r} is not a whole number from 1 to {response_items.MAX_LIMIT}",
+                       "invalid_value", param="limit")
+    return response_items.page(stored.input_items, after=query.get("after"), limit=int(limit),
+                               order=query.get("order", "desc"))
 
 
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)

@@ -16,10 +16,12 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """One finished response: its body as it was answered and the conversation up to and including its output."""
+    """One finished response: its body as it was answered, the conversation up to and including its output, and its
+    request's input as ``input_items`` lists it (response_items.py)."""
 
     body: dict[str, Any]
     conversation: tuple[dict[str, Any], ...]
+    input_items: tuple[dict[str, Any], ...] = ()
 
 
 class ResponseStore:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
-from lineside.server import responses_tools, sse
+from lineside.server import response_items, responses_tools, sse
 from lineside.server.errors import APIError
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
@@ -213,6 +213,7 @@ class ResponseBuilder:
         self.seq = 0
         self.store = store if req.store is not False and store.capacity > 0 else None
         self.conversation = tuple(conversation)  # the kept turns before this one + this one's input
+        self.input_items = response_items.input_items(req.input)  # ids given now: every listing of it agrees
         # streaming: the item being filled, those done (in output_index order), the next output_index
         self._open: dict[str, Any] | None = None
         self._done: list[dict[str, Any]] = []
@@ -241,7 +242,7 @@ class ResponseBuilder:
                          "max_output_tokens" if incomplete else None, split, answer)
         if self.store is not None:
             self.store.put(self.id, StoredResponse(
-                body, (*self.conversation, responses_tools.assistant_turn(content, calls))))
+                body, (*self.conversation, responses_tools.assistant_turn(content, calls)), self.input_items))
         return body
 
     def body(self, status: str, usage: tuple[int, int] | None, reason: str | None = None,

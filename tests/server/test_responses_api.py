@@ -120,12 +120,35 @@ def test_kept_responses_are_retrieved_and_deleted(client):
     assert "\n" not in e.value.body["message"]
 
 
-def test_input_items_is_not_served_and_the_404_names_the_responses_api(client):
-    """input_items.list is not served; its 404 listed the endpoints there are without /v1/responses."""
-    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+def test_input_items_lists_the_requests_input_in_pages(client):
+    """input_items.list was a 404 ("no such endpoint"): the SDK exposes it, the store has the input. Now it lists the
+    request's input items (ids, roles, text parts as the SDK's ResponseItem types read them), newest first by
+    default, paged by after / limit as the SDK's cursor page follows them; a response not kept is a 404."""
+    given = [{"role": "developer", "content": "be brief"},
+             {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "input_text", "text": "x"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "hello", "annotations": []}]},
+             {"type": "message", "role": "user", "content": "again"}]
+    r = client.responses.create(model=MODEL, input=given, max_output_tokens=2)
+    items = list(client.responses.input_items.list(r.id, order="asc", limit=2))  # two pages, then one of none
+    assert [(i.type, i.role) for i in items] == [("message", "developer"), ("message", "user"),
+                                                 ("message", "assistant"), ("message", "user")]
+    assert [[p.text for p in i.content] for i in items] == [["be brief"], ["hi", "x"], ["hello"], ["again"]]
+    assert items[1].content[0].type == "input_text" and items[2].content[0].type == "output_text"
+    assert len({i.id for i in items}) == 4
+    newest = client.responses.input_items.list(r.id)
+    assert [i.id for i in newest.data] == [i.id for i in reversed(items)] and not newest.has_more
+    one = client.responses.input_items.list(r.id, limit=1)
+    assert one.has_more and one.data[0].id == items[-1].id
+    assert [i.content[0].text for i in client.responses.input_items.list(
+        client.responses.create(model=MODEL, input="solo", max_output_tokens=2).id).data] == ["solo"]
+    for bad, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.input_items.list(r.id, **bad)
+        assert e.value.body["param"] == param
     with pytest.raises(openai.NotFoundError) as e:
-        client.responses.input_items.list(r.id)
-    assert "/v1/responses" in e.value.body["message"]
+        client.responses.input_items.list(
+            client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False).id)
+    assert e.value.body["param"] == "response_id"
 
 
 def test_a_resent_request_id_does_not_replace_a_kept_response(client):
