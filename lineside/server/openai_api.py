@@ -198,6 +198,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         texts = responses_api.prompt_texts(messages)
         prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
         functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        top_n = responses_api.top_logprobs(body, calling=functions.calling)
         render = chat_rendering.server_rendering(state)
         messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice)
         text_constraint = responses_api.text_constraint(body)
@@ -214,6 +215,9 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                               context=state.engine.max_seq_len, param="max_output_tokens",
                                               prompt_param="input")
         thinking = reasoning.for_prompt(state.think, ids)
+        if top_n is not None and thinking is not None and thinking.thinking:  # its thinking's tokens are no text's
+            raise responses_api.logprobs_refused(body, "when the model thinks (serve --reasoning-parser)")
+        formatter = await _formatter(state, top_n)
         priority, mode = request_mapping.priority(request.headers)
         # what the request leaves out: the model's recommendation (serve --generation-config)
         sampling = SamplingParams(**state.sampling_defaults.filled(temperature=body.temperature, top_p=body.top_p),
@@ -222,7 +226,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
-            adapter=adapter)
+            adapter=adapter, logprobs=top_n)
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)
             slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,
@@ -257,6 +261,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         slo_plan.note(record)
         state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
     options = OutputOptions(chat=True, reasoning=thinking, tools=tuple(functions.tools), named=functions.choice.name,
+                            top_logprobs=top_n, formatter=formatter,
                             max_calls=functions.max_calls,
                             call_format=tool_calls.call_format(functions.choice, render.effective,
                                                                state.tool_call_parser) if functions.calling else None)
@@ -276,6 +281,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     text = "".join(choice.text_parts) if split is None else split.result()[1] or ""
     content, calls = responses_api.answer(choice.output.calls, text)
     builder.cached_tokens = choice.handle.metrics.prefix_reused_tokens
+    if formatter is not None and top_n is not None:
+        builder.add_logprobs(formatter.chat(choice.output.logprobs, top_n))
     answer = builder.final(content, (choice.record.prompt_tokens, choice.record.completion_tokens),
                            choice.finish_reason or FinishReason.STOP, split, calls)
     return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)

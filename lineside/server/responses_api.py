@@ -8,7 +8,8 @@ items, ``function_call`` output items) run on chat's tool calling (responses_too
 
 ``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
 What this server cannot honour there is a 400 naming the field: hosted tools (web_search, file_search, ...),
-``reasoning``, ``background``, ``include``, ``conversation``, stored ``prompt`` templates, non-text input parts,
+``reasoning``, ``background``, ``include`` (but ``message.output_text.logprobs``: with ``top_logprobs``, the text's
+logprobs), ``conversation``, stored ``prompt`` templates, non-text input parts,
 ``truncation: auto``.
 The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
 ``responses.stream`` read them.
@@ -28,6 +29,7 @@ from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import response_items, responses_tools, sse
 from lineside.server.errors import APIError
+from lineside.server.logprobs import MAX_TOP_LOGPROBS
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure, observe_finished
@@ -55,6 +57,7 @@ class ResponsesRequest(BaseModel):
     tools: list[Any] | None = None  # functions (responses_tools.py); hosted tool types are refused
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the text's logprobs (TEXT_LOGPROBS too)
     # refused with a 400 naming them when set
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
@@ -62,6 +65,9 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     conversation: Any = None
     prompt: Any = None
+
+
+TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server honours
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -78,10 +84,27 @@ def check(req: ResponsesRequest) -> None:
         raise _bad("reasoning: reasoning options are not supported by this model server", "reasoning")
     if req.background:
         raise _bad("background: background responses are not supported; stream instead", "background")
-    if req.include:
-        raise _bad(f"include: {req.include[0]!r} is not supported", "include")
+    for name in req.include or ():
+        if name != TEXT_LOGPROBS:
+            raise _bad(f"include: {name!r} is not supported (only {TEXT_LOGPROBS!r})", "include")
     if req.truncation not in (None, "disabled"):
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
+
+
+def top_logprobs(req: ResponsesRequest, *, calling: bool) -> int | None:
+    """Alternatives per token of the message text's logprobs (None: none asked for): ``include`` names them or
+    ``top_logprobs`` is set. A 400 with function tools, whose calls' tokens are not the message's text."""
+    if req.top_logprobs is None and TEXT_LOGPROBS not in (req.include or ()):
+        return None
+    if calling:
+        raise logprobs_refused(req, "with function tools (tool_choice other than 'none')")
+    return req.top_logprobs or 0
+
+
+def logprobs_refused(req: ResponsesRequest, why: str) -> APIError:
+    """The 400 for logprobs asked for where the output is not only the message's text (``why``)."""
+    param = "top_logprobs" if req.top_logprobs is not None else "include"
+    return _bad(f"{param}: the text's logprobs are not given {why}", param)
 
 
 def input_messages(req: ResponsesRequest, previous: StoredResponse | None = None) -> list[dict[str, Any]]:
@@ -222,6 +245,14 @@ class ResponseBuilder:
         # usage.input_tokens_details.cached_tokens: prompt tokens whose KV came from the prefix cache (the caller sets
         # it from the engine request's metrics before the response is finished)
         self.cached_tokens = 0
+        # the message text's token logprobs in OpenAI's shape (when asked for: the caller adds them), and those not
+        # yet sent on a delta (a token whose text is held back, part of a character)
+        self.logprobs: list[dict[str, Any]] = []
+        self._unsent: list[dict[str, Any]] = []
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        self.logprobs += entries
+        self._unsent += entries
 
     def final(self, content: str | None, usage: tuple[int, int], finish_reason: FinishReason,
               split: ReasoningSplitter | None = None, calls: list[ToolCall] | None = None) -> dict[str, Any]:
@@ -262,7 +293,7 @@ class ResponseBuilder:
             "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": self.temperature,
             "text": {"format": fmt}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
             "tools": responses_tools.echoed_tools(r.tools),
-            "top_p": self.top_p, "truncation": "disabled", "user": r.user,
+            "top_p": self.top_p, "truncation": "disabled", "user": r.user, "top_logprobs": r.top_logprobs,
             "usage": None if usage is None else {
                 "input_tokens": usage[0],
                 "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
@@ -273,15 +304,17 @@ class ResponseBuilder:
 
     def item(self, text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
         return {"type": "message", "id": item_id or self.msg_id, "status": status, "role": "assistant",
-                "content": [self.part(text)]}
+                "content": [self.part(text, self.logprobs)]}
 
     def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "reasoning", "id": self.rs_id, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None}
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[dict[str, Any]] = ()) -> dict[str, Any]:
+        """An output_text part (``logprobs``: its tokens', when asked for; only a response without function tools
+        or thinking has them, so its one message)."""
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
     def event(self, kind: str, **fields: Any) -> str:
         """One SSE event (``event:`` line + ``data:``), numbered as OpenAI numbers them."""
@@ -332,7 +365,8 @@ class ResponseBuilder:
         out = [] if self._open is not None and self._open["type"] == "message" else [*self._close(), *self._open_message()]
         self._open["text"].append(text)
         out.append(self.event("response.output_text.delta", item_id=self._open["id"], output_index=self._open["index"],
-                              content_index=0, delta=text, logprobs=[]))
+                              content_index=0, delta=text, logprobs=self._unsent))
+        self._unsent = []
         return out
 
     def call_delta(self, d: ToolCallDelta) -> list[str]:
@@ -372,10 +406,14 @@ class ResponseBuilder:
         text = "".join(o["text"])
         item = self.item(text, status, o["id"])
         self._done.append(item)
-        return [self.event("response.output_text.done", item_id=o["id"], output_index=o["index"], content_index=0,
-                           text=text, logprobs=[]),
+        # logprobs of tokens whose text never came (the output ended inside a character) go on an empty delta
+        flush = [self.event("response.output_text.delta", item_id=o["id"], output_index=o["index"], content_index=0,
+                            delta="", logprobs=self._unsent)] if self._unsent else []
+        self._unsent = []
+        return [*flush, self.event("response.output_text.done", item_id=o["id"], output_index=o["index"], content_index=0,
+                           text=text, logprobs=self.logprobs),
                 self.event("response.content_part.done", item_id=o["id"], output_index=o["index"], content_index=0,
-                           part=self.part(text)),
+                           part=self.part(text, self.logprobs)),
                 self.event("response.output_item.done", output_index=o["index"], item=item)]
 
     def closing(self, usage: tuple[int, int], finish_reason: FinishReason, split: ReasoningSplitter | None = None,
@@ -411,10 +449,13 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
         yield e
     splitter = choice.output.reasoning if builder.thinks else None
     calls = choice.output.calls  # None: no function tools (or tool_choice none), the answer is the message's text
+    options = choice.output.options  # top_logprobs and its formatter when the text's logprobs are asked for
     reasoning: list[str] = []
     answering = splitter is None
     async for event in choice.handle:
         choice.note(event, time.perf_counter())
+        if options.formatter is not None and options.top_logprobs is not None:
+            builder.add_logprobs(options.formatter.chat(event.logprobs, options.top_logprobs))
         thought, answer = ("", event.text) if splitter is None else splitter.feed(event.text, event.token_ids)
         if splitter is not None and event.finish_reason is not None:
             thought += splitter.close()[0]

@@ -383,6 +383,14 @@ def test_responses_carry_a_reasoning_item(r1):
     assert final.output_text == SPLIT["[think]"][1] and final.output[0].content[0].text == SPLIT["[think]"][0]
 
 
+def test_responses_logprobs_of_a_thinking_model_are_a_400(r1):
+    """The thinking's tokens are not the message text's: logprobs are refused in one line, not mixed in."""
+    with pytest.raises(openai.BadRequestError) as e:
+        r1.client.responses.create(model="r1", input="[think] What is 2+2?", max_output_tokens=30,
+                                   include=["message.output_text.logprobs"])
+    assert e.value.body["param"] == "include" and "thinks" in e.value.body["message"]
+
+
 def test_responses_json_format_after_the_reasoning(r1):
     r = r1.client.responses.create(model="r1", input="[json] weather?", temperature=0, max_output_tokens=300,
                                    text={"format": {"type": "json_schema", "name": "w", "schema": SCHEMA}})

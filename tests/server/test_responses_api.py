@@ -251,3 +251,31 @@ def test_seed_samples_as_chat_samples_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="hi", max_output_tokens=8, extra_body={"seed": "1"})
     assert e.value.body["param"] == "seed"
+
+
+def test_top_logprobs_are_the_output_texts_logprobs(client):
+    """top_logprobs was accepted and ignored (the text's logprobs stayed []), and include's
+    message.output_text.logprobs was a 400. Now either asks for them: each output token's logprob with its
+    alternatives, as chat gives them for the same greedy answer, streamed on the deltas and done events too."""
+    kw = dict(model=MODEL, input="hi", max_output_tokens=5, temperature=0, include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    r = client.responses.create(top_logprobs=2, **kw)
+    got = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 2 and len(got) == 5
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in got] == [
+        (t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat]
+    events = list(client.responses.create(top_logprobs=2, stream=True, **kw))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [t.logprob for t in deltas] == [t.logprob for t in done.logprobs] == [t.logprob for t in got]
+    assert [t.logprob for t in events[-1].response.output[0].content[0].logprobs] == [t.logprob for t in got]
+    alone = client.responses.create(**kw).output[0].content[0].logprobs  # include alone: no alternatives
+    assert [t.logprob for t in alone] == [t.logprob for t in got] and all(not t.top_logprobs for t in alone)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    with pytest.raises(openai.BadRequestError) as e:  # the calls' tokens are not the text's: refused, not mixed in
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=2, top_logprobs=1, tools=[tool])
+    assert e.value.body["param"] == "top_logprobs", e.value.body
