@@ -316,6 +316,17 @@ async def list_input_items(response_id: str, request: Request) -> Any:
                                order=query.get("order", "desc"))
 
 
+@router.post("/v1/responses/{response_id}/cancel", responses=ERROR_RESPONSES)
+async def cancel_response(response_id: str, request: Request) -> Any:
+    """The SDK's ``responses.cancel``: OpenAI cancels only background responses, which this server does not make
+    (a kept response has finished), so a kept one is a 400 saying so, as OpenAI answers a synchronous one."""
+    stored = _state(request).responses.get(response_id)
+    if stored is None:
+        raise _no_response(response_id)
+    raise APIError(400, f"cannot cancel response {response_id!r}: only background responses can be cancelled, and "
+                        f"this one is already {stored.body['status']}", "invalid_request", param="response_id")
+
+
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
 async def delete_response(response_id: str, request: Request) -> Any:
     """Forget a kept response (a later previous_response_id naming it gets a 400)."""

@@ -279,3 +279,16 @@ def test_top_logprobs_are_the_output_texts_logprobs(client):
     with pytest.raises(openai.BadRequestError) as e:  # the calls' tokens are not the text's: refused, not mixed in
         client.responses.create(model=MODEL, input="hi", max_output_tokens=2, top_logprobs=1, tools=[tool])
     assert e.value.body["param"] == "top_logprobs", e.value.body
+
+
+def test_cancel_says_only_background_responses_cancel(client):
+    """responses.cancel was a 404 'no such endpoint' even for a kept response. As OpenAI's, cancel is for
+    background responses (which this server refuses): a kept one is a 400 saying so, an unknown one a 404."""
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(r.id)
+    assert "background" in e.value.body["message"] and e.value.body["param"] == "response_id"
+    assert client.responses.retrieve(r.id).status == r.status  # untouched
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.cancel("resp_nope")
+    assert e.value.body["param"] == "response_id" and "resp_nope" in e.value.body["message"]
