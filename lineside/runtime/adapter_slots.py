@@ -3,8 +3,9 @@
 The engine owns one ``AdapterSlots``: a request naming an adapter takes a reference on its slot at submit
 and gives it back when it finishes, so an adapter never leaves its slot under a running or waiting
 request. An adapter not in a slot goes into a free one, else into the least recently used slot nobody
-references (its adapter is unloaded); when every slot is referenced the request is refused
-(``AdapterSlotsFull``: the server's 429). The writes themselves are queued and run by the step runner in
+references (its adapter is unloaded); when every slot is referenced ``acquire`` raises ``AdapterSlotsFull`` and
+the request waits in the scheduler's queue (``Scheduler.adapter_gate``) until a request's end frees one, as vLLM's
+scheduler holds a request whose LoRA does not fit. The writes themselves are queued and run by the step runner in
 the step thread before the step's forward calls, the only place the backend's tensors change.
 """
 
@@ -23,7 +24,7 @@ class UnknownAdapter(LinesideError):
 
 
 class AdapterSlotsFull(QueueFullError):
-    """Every LoRA slot holds an adapter some request is using: retry later (429)."""
+    """Every LoRA slot holds an adapter some request is using: the request waits for one."""
 
 
 @dataclass(frozen=True)

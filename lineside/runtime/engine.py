@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.lora import LoraAdapter
-from lineside.runtime.adapter_slots import AdapterSlots, UnknownAdapter
+from lineside.runtime.adapter_slots import AdapterSlots, AdapterSlotsFull, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.fair_lock import FairLock
 from lineside.runtime.kv_bytes import KvArenaBytes
@@ -174,6 +174,8 @@ class LLMEngine:
                                    verify_token_cost=float(getattr(self.backend, "verify_token_cost", 0.0)),
                                    sessions=sessions, session_every=session_every,
                                    session_busy_chunk=session_busy_chunk)
+        if self.adapter_slots is not None:
+            self.scheduler.adapter_gate = self._adapter_gate
         self.max_waiting = max_waiting
         self.ready = False
         self.draining = False
@@ -290,9 +292,10 @@ class LLMEngine:
         with self._state:
             if self.draining:  # again under the lock: close() on another thread may have let the step thread go
                 raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
-            if req.adapter is not None:
+            if req.adapter is not None:  # last: nothing after it can refuse
                 assert self.adapter_slots is not None
-                seq.adapter_slot = self.adapter_slots.acquire(req.adapter)  # last: nothing after it can refuse
+                with contextlib.suppress(AdapterSlotsFull):  # every slot in use: it waits for one (_adapter_gate)
+                    seq.adapter_slot = self.adapter_slots.acquire(req.adapter)
             self._seqs[req.request_id] = seq
             self._incoming.append(seq)
         self._kick()
@@ -495,6 +498,16 @@ class LLMEngine:
         if loop is None or not loop.is_closed():
             return False
         self.draining, self.ready, self._exit = True, False, True
+        return True
+
+    def _adapter_gate(self, seq: Sequence) -> bool:
+        """(Under the state lock, from ``schedule``) give a waiting request the slot its adapter needs, if one is free
+        or idle now; the write is queued and runs before this step's forward calls."""
+        assert self.adapter_slots is not None and seq.req.adapter is not None
+        try:
+            seq.adapter_slot = self.adapter_slots.acquire(seq.req.adapter)
+        except AdapterSlotsFull:
+            return False
         return True
 
     def _intake(self) -> None:

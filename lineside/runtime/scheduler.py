@@ -92,6 +92,10 @@ class Scheduler(SessionSlots):
         self.session_every = max(1, int(session_every))
         self.session_busy_chunk = max(2, int(session_busy_chunk))  # session chunk size while requests decode
         self._quiet_steps = 0  # steps since the last session chunk
+        # A LoRA adapter's request runs once its adapter holds a backend slot: ``adapter_gate(seq)`` tries to give it
+        # one (the engine's AdapterSlots); a request it refuses waits, skipped by admission as vLLM's scheduler skips
+        # a request whose LoRA does not fit this step, until a finished request frees a slot.
+        self.adapter_gate: Callable[[Sequence], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -310,6 +314,8 @@ class Scheduler(SessionSlots):
         its prompt starts with a block an admitted prompt is still computing: the step after, it reuses that block."""
         while self.waiting:
             best = self._next_waiting(now)
+            if best is None:  # every waiting request waits for an adapter slot
+                return
             key = self._order(best, now)
             # only the prefills served before it in a step's budget (``schedule``) take its room: a realtime request
             # does not wait for a batch job's long prompt to be computed (it may preempt the job for its slot)
@@ -331,8 +337,14 @@ class Scheduler(SessionSlots):
         """Who goes first: in the waiting queue, and for a step's prefill budget (lower first)."""
         return seq.effective_rank(now, self.aging_s), seq.arrival
 
-    def _next_waiting(self, now: float) -> Sequence:
-        return min(self.waiting, key=lambda s: self._order(s, now))
+    def _next_waiting(self, now: float) -> Sequence | None:
+        """The first in line that can run: a LoRA adapter's request once its adapter has a slot (``adapter_gate``)."""
+        if self.adapter_gate is None:
+            return min(self.waiting, key=lambda s: self._order(s, now))
+        for seq in sorted(self.waiting, key=lambda s: self._order(s, now)):
+            if seq.req.adapter is None or seq.adapter_slot or self.adapter_gate(seq):
+                return seq
+        return None
 
     def _awaits_shared_prefix(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prompt shares a full block with a prefill in flight (same adapter) beyond what that

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from lineside.errors import LinesideError
-from lineside.runtime.adapter_slots import AdapterSlotsFull, UnknownAdapter
+from lineside.runtime.adapter_slots import UnknownAdapter
 from lineside.runtime.bounded_encode import PromptTooLong
 from lineside.runtime.request import (
     EngineDraining,
@@ -235,9 +235,6 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
                                               primary_only=adapter is not None)
             engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
         handle = engine.submit(engine_request)
-    except AdapterSlotsFull as e:
-        state.metrics.reject("queue_full")
-        raise _slots_full(e) from None
     except UnknownAdapter as e:
         state.metrics.reject("invalid")
         raise _unknown_adapter(e) from None
@@ -404,10 +401,6 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 slo_plan.note(record)
                 state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
             choices.append(Choice(index, handle, record, copy=copy, options=output))
-    except AdapterSlotsFull as e:
-        responses.cancel_all(choices)
-        state.metrics.reject("queue_full")
-        raise _slots_full(e) from None
     except UnknownAdapter as e:
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
@@ -479,10 +472,6 @@ def _check_model(state: ServerState, model: str | None) -> str | None:
 
 def _unknown_adapter(e: Exception) -> APIError:
     return APIError(404, str(e), "model_not_found", param="model", type="invalid_request_error")
-
-
-def _slots_full(e: Exception) -> APIError:
-    return APIError(429, str(e), "adapter_slots_full", headers={"Retry-After": "1"})
 
 
 @router.get("/v1/models", response_model=ModelList)

@@ -1,5 +1,5 @@
 """The engine with LoRA slots: rows of different adapters (and none) batch in one step and give each request
-the tokens it gets alone; adapters swap in LRU, refuse when every slot is in use; prefix reuse is per adapter."""
+the tokens it gets alone; adapters swap in LRU, a request waits when every slot is in use; prefix reuse is per adapter."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_mixed_adapters_batch_and_match_each_alone(lora_setup):
     assert len({tuple(t) for t in got}) == 4
 
 
-def test_lru_unload_and_refusal_when_all_slots_are_busy(lora_setup):
+def test_lru_unload_and_waiting_when_all_slots_are_busy(lora_setup):
     bundle, adapters = lora_setup
     engine = make_engine(bundle, adapters, max_loras=2)
     slots = engine.adapter_slots
@@ -108,13 +108,13 @@ def test_lru_unload_and_refusal_when_all_slots_are_busy(lora_setup):
             c = await collect(engine.submit(req(PROMPTS[1], NAMES[2])))
             assert slots.slot_of(NAMES[0]) is None and slots.slot_of(NAMES[1]) and slots.slot_of(NAMES[2])
             assert slots.evictions == 1
-            # two requests hold both slots: a third adapter is refused at once (the server's 429)
+            # two requests hold both slots: a third adapter's request waits for one (not refused)
             h1 = engine.submit(req(PROMPTS[2], NAMES[1], n=4))
             h2 = engine.submit(req(PROMPTS[2], NAMES[2], n=4))
-            with pytest.raises(AdapterSlotsFull, match="slots are in use"):
-                engine.submit(req(PROMPTS[2], NAMES[0]))
+            h3 = engine.submit(req(PROMPTS[2], NAMES[0], n=4))
             base = engine.submit(req(PROMPTS[2], None, n=4))  # the base model needs no slot
-            await asyncio.gather(collect(h1), collect(h2), collect(base))
+            *_, waited = await asyncio.gather(collect(h1), collect(h2), collect(base), collect(h3))
+            assert waited == greedy_alone(bundle, adapters[NAMES[0]], PROMPTS[2], 4)
             again = await collect(engine.submit(req(PROMPTS[1], NAMES[0])))  # slots idle again: reloads
             with pytest.raises(UnknownAdapter):
                 engine.submit(req(PROMPTS[1], "nope"))
@@ -299,3 +299,27 @@ def test_an_adapter_completion_never_leaves_its_kv_in_a_session(lora_setup):
     assert nexts == [ref, ref]
     # "made" kept its base KV (one hit, its prompt); "new" was never made from adapter KV
     assert st.session_hits == 1 and st.session_tokens_saved <= len(PROMPTS[0])
+
+
+def test_more_adapters_than_slots_wait_for_a_slot_and_each_gets_its_own_tokens(lora_setup):
+    """vLLM's scheduler: a request whose adapter finds every slot held by running requests waits in the queue until
+    one frees (it used to be refused with AdapterSlotsFull, a 429, while the server could run it a moment later).
+    Three adapters and the base model, one slot, all submitted at once: each gets the tokens it gets alone."""
+    bundle, adapters = lora_setup
+    mix = [NAMES[0], NAMES[1], None, NAMES[2], NAMES[0], NAMES[1]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(mix))]
+    engine = make_engine(bundle, adapters, max_loras=1, num_slots=6)
+
+    async def main():
+        await engine.start()
+        try:
+            handles = [engine.submit(req(p, a, n=5)) for a, p in zip(mix, prompts, strict=True)]
+            return await asyncio.gather(*(collect(h) for h in handles))
+        finally:
+            await engine.stop()
+
+    got = asyncio.run(main())
+    want = [greedy_alone(bundle, adapters[a] if a else None, p, 5) for a, p in zip(mix, prompts, strict=True)]
+    assert got == want
+    slots = engine.adapter_slots
+    assert slots.refs == [0, 0] and slots.loads >= 3  # each adapter swapped into the one slot in turn
