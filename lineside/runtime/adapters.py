@@ -6,6 +6,7 @@ and a request never waits on disk); which of them sit in the backend's slots is 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +44,32 @@ def parse_lora_module(text: str) -> LoraModule:
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise LinesideError(f"--lora-modules {text!r}: give NAME=ADAPTER_DIR (a PEFT adapter directory)")
+    return LoraModule(check_name(name.strip()), Path(path.strip()).expanduser())
+
+
+def parse_lora_modules(values: list[str]) -> list[LoraModule]:
+    """Every ``--lora-modules`` value: ``NAME=DIR`` (several joined by commas) or vLLM's JSON form
+    ``{"name": ..., "path": ..., "base_model_name": ...}`` (its commas are the object's; ``base_model_name`` is the
+    base this server serves anyway, so it is not read)."""
+    out: list[LoraModule] = []
+    for value in values:
+        if value.strip().startswith("{"):
+            out.append(_json_module(value))
+        else:
+            out += [parse_lora_module(m) for m in value.split(",") if m.strip()]
+    return out
+
+
+def _json_module(text: str) -> LoraModule:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LinesideError(f"--lora-modules {text!r}: not valid JSON ({e.msg}); give NAME=ADAPTER_DIR or "
+                            '\'{"name": "NAME", "path": "ADAPTER_DIR"}\'') from None
+    name, path = (obj.get("name"), obj.get("path")) if isinstance(obj, dict) else (None, None)
+    if not (isinstance(name, str) and name.strip() and isinstance(path, str) and path.strip()):
+        raise LinesideError(f'--lora-modules {text!r}: the JSON form needs "name" and "path" strings (vLLM\'s '
+                            '{"name": "NAME", "path": "ADAPTER_DIR"})')
     return LoraModule(check_name(name.strip()), Path(path.strip()).expanduser())
 
 

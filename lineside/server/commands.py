@@ -75,7 +75,8 @@ def serve(
              "\"speculative\": false turns it off")] = None,
     spec_tokens: Annotated[int | None, checks.number_option(low=1, high=16, help="most tokens proposed per step (default 8)")] = None,
     lora_modules: Annotated[list[str] | None, typer.Option(
-        help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR (repeat; the bundle's own adapters, "
+        help="LoRA adapter to serve as a model of its own: NAME=PEFT_DIR, or vLLM's JSON form '{\"name\": ..., "
+             "\"path\": ...}' (repeat; the bundle's own adapters, "
              "`lineside lora list`, are served too)")] = None,
     max_loras: Annotated[int | None, checks.number_option(
         low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
@@ -159,9 +160,9 @@ def serve(
     lora = None
     if lora_modules or manifest.adapters or max_loras or max_lora_rank:
         from lineside.bundle import Bundle
-        from lineside.runtime.adapters import parse_lora_module, serving_config
+        from lineside.runtime.adapters import parse_lora_modules, serving_config
 
-        modules = [parse_lora_module(m) for v in lora_modules or [] for m in v.split(",") if m.strip()]
+        modules = parse_lora_modules(lora_modules or [])
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
                               max_rank=max_lora_rank)
         if lora is not None:  # the base model wins a name both answer to: the adapter would be unreachable

@@ -4,6 +4,7 @@ evictions), and `serve` refuses bad adapters in one line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 
@@ -174,3 +175,17 @@ def test_adapter_requests_go_through_the_slo_ladder_on_the_primary(lora_served_b
             assert any('"finish_reason":"length"' in line for line in lines)
         text = httpx.get(f"{srv.url}/metrics").text
     assert metric(text, "lineside_slo_batch_held_total") == 1
+
+
+def test_lora_modules_take_vllms_json_form(lora_served_bundle, tmp_path):
+    """vLLM's --lora-modules also takes '{"name": ..., "path": ..., "base_model_name": ...}': its commas were split
+    as separate NAME=DIR items ("give NAME=ADAPTER_DIR"), so a vLLM command line failed here."""
+    from lineside.runtime.adapters import parse_lora_modules
+
+    bundle_dir, extra = lora_served_bundle
+    given = [json.dumps({"name": "line-b", "path": str(extra), "base_model_name": "tiny-llama"}), "x=/a,y=/b"]
+    assert [(m.name, str(m.path)) for m in parse_lora_modules(given)] == [("line-b", str(extra)), ("x", "/a"),
+                                                                         ("y", "/b")]
+    bad = '{"name": "line-b"}'
+    assert_one_line_error(run_cli("serve", str(bundle_dir), "--port", "1", "--lora-modules", bad), '"path"')
+    assert_one_line_error(run_cli("serve", str(bundle_dir), "--port", "1", "--lora-modules", "{nope"), "JSON")
