@@ -226,7 +226,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
-            adapter=adapter, logprobs=top_n)
+            adapter=adapter, logprobs=top_n, speculative=body.speculative is not False)
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)
             slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,

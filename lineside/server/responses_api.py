@@ -58,6 +58,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the text's logprobs (TEXT_LOGPROBS too)
+    speculative: bool | None = None  # false: this request does not speculate (as chat's)
     # refused with a 400 naming them when set
     reasoning: dict[str, Any] | None = None
     background: bool | None = None

@@ -69,3 +69,23 @@ def test_draft_bundle_path_and_build_draft_layers_are_one_line(tiny_bundle, tiny
                           "--draft-layers", "layer counts")
     assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "b"), "--draft-layers", "2"),
                           "--draft-layers 2", "1 to 1")
+
+
+def test_responses_endpoint_honours_speculative_false(tiny_bundle):
+    """/v1/responses ignores fields it does not know: "speculative": false was dropped there, and the request
+    speculated although the server's help and the README say a request's false turns it off."""
+    body = {"input": "abcdabcdabcdabcdabcd", "max_output_tokens": 24, "temperature": 0, "store": False}
+    drafted = "lineside_spec_decode_num_draft_tokens_total"
+    with running_server(tiny_bundle, num_slots=2, threads=1,
+                        speculative=SpeculativeConfig(SpecMethod.NGRAM, 4)) as srv:
+        off = httpx.post(srv.url + "/v1/responses", json={**body, "speculative": False}, timeout=60)
+        m0 = httpx.get(srv.url + "/metrics").text
+        on = httpx.post(srv.url + "/v1/responses", json=body, timeout=60)
+        m1 = httpx.get(srv.url + "/metrics").text
+        bad = httpx.post(srv.url + "/v1/responses", json={**body, "speculative": "no"}, timeout=60)
+    assert off.status_code == on.status_code == 200, off.text
+    text = [r.json()["output"][0]["content"][0]["text"] for r in (off, on)]
+    assert text[0] == text[1] and text[0]
+    assert metric(m0, drafted) == 0  # the request that said no did not speculate
+    assert metric(m1, drafted) > 0
+    assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
