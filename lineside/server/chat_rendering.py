@@ -18,7 +18,7 @@ from lineside.server.errors import APIError
 @dataclass(frozen=True)
 class Rendering:
     given: str | None  # the template text to render with; None: the bundle's own
-    effective: str | None  # the template that renders (what tool-call detection reads)
+    effective: str  # the template that renders (what tool-call detection reads)
     kwargs: dict[str, Any] | None
     param: str | None  # the request field a render failure is blamed on
 
@@ -63,9 +63,23 @@ def rendering(state: Any, body: Any) -> Rendering:
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_value", param="chat_template") from None
         given, param = body.chat_template, "chat_template"
-    return Rendering(given, given or state.engine.tokenizer.chat_template, kwargs, param)
+    return Rendering(given, _effective(state, given), kwargs, param)
 
 
 def server_rendering(state: Any) -> Rendering:
     """The server's template, for bodies that carry no template fields (/v1/responses)."""
-    return Rendering(state.chat_template, state.chat_template or state.engine.tokenizer.chat_template, None, None)
+    return Rendering(state.chat_template, _effective(state, state.chat_template), None, None)
+
+
+NO_TEMPLATE = ("this model has no chat template (its tokenizer defines none), so chat messages cannot be rendered "
+               "into its prompt format; start the server with --chat-template FILE (or builtin:NAME), or send the "
+               "prompt text to /v1/completions")
+
+
+def _effective(state: Any, given: str | None) -> str:
+    """The template that renders: ``given``, else the bundle's; a bundle without one refuses chat (a 400, as
+    vLLM refuses it) instead of a made-up transcript the model was never trained on."""
+    template = given or state.engine.tokenizer.chat_template
+    if not template:
+        raise APIError(400, NO_TEMPLATE, "invalid_value", param="messages")
+    return template

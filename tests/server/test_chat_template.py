@@ -191,3 +191,41 @@ def test_prefill_renders_with_the_server_template(servers):
             counts[name] = p.json()["prompt_tokens"]
             assert (SMOL_PROMPT in srv.backend.prompts[-1]) == (name == "smol")
     assert counts["smol"] != counts["plain"]
+
+
+def test_a_bundle_without_a_chat_template_refuses_chat_in_one_line(tiny_dense, tmp_path_factory):
+    """A bundle whose tokenizer has no chat template rendered chat messages as a made-up "role: text" transcript
+    the model was never trained on, silently; vLLM refuses such a chat (400: give a chat template). Chat,
+    /v1/responses and /v1/prefill chat bodies are a 400 saying what to do; completions still work, and a
+    --chat-template (or a request's template on a trusting server) renders the chat."""
+    from contextlib import ExitStack
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp("bare"), ""))
+    assert Tokenizer.from_bundle(b).chat_template is None
+    msgs = [{"role": "user", "content": "[text] Station 4?"}]
+    with ExitStack() as stack:
+        def start(**kw):
+            be = ScriptedModel(Tokenizer.from_bundle(b), SCRIPTS, TURN, num_slots=2, max_seq_len=CONTEXT)
+            return stack.enter_context(running_server(LLMEngine(b, backend=be, num_slots=2), **kw))
+
+        bare, given = start(trust_request_chat_template=True), start(chat_template=REQUEST_TEMPLATE)
+        with httpx.Client(base_url=bare.url, timeout=30) as c:
+            for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 4}),
+                               ("/v1/responses", {"input": "[text] Station 4?", "max_output_tokens": 4}),
+                               ("/v1/prefill", {"messages": msgs, "session_id": "s"})):
+                r = c.post(path, json=body)
+                assert r.status_code == 400, (path, r.text)
+                err = r.json()["error"]
+                assert "no chat template" in err["message"] and "--chat-template" in err["message"], err
+                assert "\n" not in err["message"]
+            assert c.post("/v1/completions", json={"prompt": "[text] hi", "max_tokens": 4}).status_code == 200
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4,
+                                                     "chat_template": REQUEST_TEMPLATE})
+            assert r.status_code == 200, r.text
+        with httpx.Client(base_url=given.url, timeout=30) as c:
+            r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+            assert r.status_code == 200, r.text
