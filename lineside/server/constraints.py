@@ -17,6 +17,10 @@ _GUIDED = (("guided_json", Constraint.json_schema), ("guided_regex", Constraint.
            ("guided_choice", Constraint.choice), ("guided_grammar", Constraint.grammar))
 _STRUCTURED = (("json", Constraint.json_schema), ("regex", Constraint.regex), ("choice", Constraint.choice),
                ("grammar", Constraint.grammar))
+# vLLM's StructuredOutputsParams options that change nothing here: JSON is always written without free whitespace
+# and objects are closed (xgrammar's and llguidance's whitespace_pattern is ignored by vLLM too)
+_STRUCTURED_OPTIONS = frozenset({"json_object", "disable_fallback", "disable_any_whitespace",
+                                 "disable_additional_properties", "whitespace_pattern"})
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -60,6 +64,12 @@ def request_constraint(req: Any) -> Constraint | None:
         if so is not None:
             if not isinstance(so, dict):
                 raise _bad("structured_outputs: must be an object such as {\"json\": {...}}", "structured_outputs")
+            for key in so:  # vLLM refuses a key it lacks; dropped, a misspelt one left the answer unconstrained
+                if key not in _STRUCTURED_OPTIONS and key not in dict(_STRUCTURED):
+                    what = ("structural tags are not supported" if key == "structural_tag" else
+                            "not a structured_outputs field")
+                    raise _bad(f"structured_outputs.{key}: {what}; give one of json, regex, choice, grammar or "
+                               "json_object", f"structured_outputs.{key}")
             for name, make in _STRUCTURED:
                 if so.get(name) is not None:
                     found.append(make(so[name], param=f"structured_outputs.{name}"))

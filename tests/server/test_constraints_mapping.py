@@ -62,3 +62,21 @@ def test_bad_fields_are_400_naming_them(compiler, kw, param):
     with pytest.raises(APIError) as e:
         checked(compiler, request_constraint(_req(**kw)))
     assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+
+
+@pytest.mark.parametrize("so, param", [
+    ({"json_schema": {"type": "object"}}, "structured_outputs.json_schema"),  # a misspelt field: not free text
+    ({"structural_tag": '{"type": "structural_tag"}'}, "structured_outputs.structural_tag"),
+    ({"regex": "x+", "choise": ["a"]}, "structured_outputs.choise"),
+])
+def test_structured_outputs_keys_it_cannot_honour_are_400(compiler, so, param):
+    """vLLM's StructuredOutputsParams refuses a key it does not have; dropped here, the answer was unconstrained."""
+    with pytest.raises(APIError) as e:
+        checked(compiler, request_constraint(_req(structured_outputs=so)))
+    assert e.value.status == 400 and e.value.param == param and e.value.message.startswith(param)
+
+
+def test_structured_outputs_options_this_server_always_has_are_accepted(compiler):
+    so = {"json": {"type": "object"}, "disable_any_whitespace": True, "disable_additional_properties": True,
+          "disable_fallback": True}
+    assert checked(compiler, request_constraint(_req(structured_outputs=so))).param == "structured_outputs.json"
