@@ -198,11 +198,12 @@ def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool, 
     # the keys this object may have: its own, its siblings' (as a branch), its allOf members' and (when it
     # lists properties) its anyOf / oneOf branches'
     parts = [*(out.get("allOf") or []), *((out.get("anyOf") or []) + (out.get("oneOf") or []) if branch_of else [])]
+    # a member that is only a $ref is the definition it names (pydantic before 2.9 wraps a described model so)
+    parts = [defs.get(p.get("$ref")) if isinstance(p, dict) and set(p) == {"$ref"} else p for p in parts]
     if props is None and not any(isinstance(p, dict) and "properties" in p for p in parts):
         return out
     names = dict.fromkeys([*(props or {}), *siblings])
     for p in parts:
-        p = defs.get(p.get("$ref")) if isinstance(p, dict) and set(p) == {"$ref"} else p
         if not isinstance(p, dict) or _OPEN_MEMBER_KEYS & p.keys() or not isinstance(p.get("properties", {}), dict):
             return out
         names.update(dict.fromkeys(p.get("properties", {})))

@@ -345,6 +345,12 @@ ALL_OF = [
     {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}}, "required": ["kind"],
      "oneOf": [{"properties": {"kind": {"const": "x"}, "n": {"type": "integer"}}, "required": ["n"]},
                {"properties": {"kind": {"const": "y"}, "ok": {"type": "boolean"}}, "required": ["ok"]}]},
+    # pydantic before 2.9 (and v1) wraps a nested model's $ref in allOf to give it a description
+    {"$defs": {"Pet": {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string",
+                                                                                          "maxLength": 5}},
+                       "required": ["id", "name"]}},
+     "type": "object", "properties": {"pet": {"allOf": [{"$ref": "#/$defs/Pet"}], "description": "the pet"}},
+     "required": ["pet"]},
 ]
 
 
@@ -358,6 +364,16 @@ def test_objects_applied_together_are_closed_together(tiny, schema, seed):
     jsonschema.validate(out, schema)
     obj = out.get("pet", out)
     assert set(obj) in ({"a", "b"}, {"id", "name"}, {"kind", "n"}, {"kind", "ok"})  # no invented keys
+
+
+@pytest.mark.parametrize("schema, invented", [
+    (ALL_OF[1], '{"pet": {"id": 1, "name": "a", "x": 1}}'),
+    (ALL_OF[3], '{"pet": {"id": 1, "name": "a", "x": 1}}'),
+])
+def test_an_invented_key_in_objects_applied_together_is_masked(tiny, schema, invented):
+    tok, comp = tiny
+    ids = tok.encode(invented, add_special=False)
+    assert comp.matcher(Constraint.json_schema(schema)).validate(ids) < len(ids)
 
 
 def test_a_grammar_after_a_token_leaves_the_text_before_it_free(tiny):
