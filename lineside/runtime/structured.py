@@ -152,11 +152,35 @@ def closed_objects(schema: Any) -> Any:
     and its ``anyOf`` / ``oneOf`` branches: closing each alone would forbid the others' keys. So members are
     not closed, a branch is closed over its keys and its object's, and the object over all of them (left open
     when some member's or branch's keys cannot be listed)."""
-    defs = {f"#/{k}/{n}": d for k in ("$defs", "definitions") if isinstance(schema, dict)
-            and isinstance(schema.get(k), dict) for n, d in schema[k].items()}
-    members: set[str] = set()  # the $defs named as allOf members: closed with their siblings, not alone
-    _all_of_refs(schema, members)
+    defs = _definitions(schema)
+    refs: set[str] = set()
+    _all_of_refs(schema, refs)
+    members = {id(defs[r]) for r in refs if r in defs}  # $defs named as allOf members: closed with their siblings
     return _closed(schema, defs, members, member=False)
+
+
+def _definitions(schema: Any) -> dict[str, Any]:
+    """Every ``$defs`` / ``definitions`` entry by the pointer a local ``$ref`` names it with, wherever it sits: a
+    tool's parameters under the ``required`` grammar keep theirs below the root (``rerooted``)."""
+    out: dict[str, Any] = {}
+    todo = [(schema, "#")]
+    while todo:
+        v, at = todo.pop()
+        if isinstance(v, list):
+            todo.extend((s, f"{at}/{i}") for i, s in enumerate(v))
+        elif isinstance(v, dict):
+            for k, s in v.items():
+                if k in _DATA_KEYS:
+                    continue
+                here = f"{at}/{_pointer_token(k)}"
+                if k in ("$defs", "definitions") and isinstance(s, dict):
+                    out.update((f"{here}/{_pointer_token(n)}", d) for n, d in s.items())
+                todo.append((s, here))
+    return out
+
+
+def _pointer_token(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _all_of_refs(schema: Any, out: set[str]) -> None:
@@ -171,7 +195,7 @@ def _all_of_refs(schema: Any, out: set[str]) -> None:
                 _all_of_refs(v, out)
 
 
-def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool, siblings: tuple = ()) -> Any:
+def _closed(schema: Any, defs: dict[str, Any], members: set[int], member: bool, siblings: tuple = ()) -> Any:
     """``member``: an allOf member (closed by the object holding it); ``siblings``: the properties of the object
     whose anyOf / oneOf branch this is (the branch's keys as far as closing it goes)."""
     if isinstance(schema, list):
@@ -190,7 +214,7 @@ def _closed(schema: Any, defs: dict[str, Any], members: set[str], member: bool, 
         elif k in ("anyOf", "oneOf") and isinstance(v, list) and branch_of:
             out[k] = [_closed(s, defs, members, False, branch_of) for s in v]
         elif k in ("$defs", "definitions") and isinstance(v, dict):
-            out[k] = {n: _closed(d, defs, members, f"#/{k}/{n}" in members) for n, d in v.items()}
+            out[k] = {n: _closed(d, defs, members, id(d) in members) for n, d in v.items()}
         else:
             out[k] = _closed(v, defs, members, False)
     if member or _EXTRA_KEYS & out.keys():

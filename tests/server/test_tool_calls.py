@@ -378,3 +378,34 @@ def test_each_streamed_chunk_carries_one_tool_call_delta(fmt, named, pieces):
                     calls[ids[-1]]["arguments"] += e["function"]["arguments"]
     want = parse("".join(pieces), fmt, TOOLS, named=named)[1]
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.name, c.arguments) for c in want]
+
+
+# OpenAPI inheritance / zod's .and(): a base model by $ref plus the object's own fields, applied together
+PET = {"type": "function", "function": {"name": "add_pet", "parameters": {
+    "$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+    "type": "object", "properties": {"pet": {"allOf": [
+        {"$ref": "#/$defs/Base"},
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"]}]}},
+    "required": ["pet"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "add_pet"])
+def test_a_tool_whose_allof_refers_to_its_defs_can_be_called(tiny, choice):
+    """Under required the parameters sit off the root, where closing objects did not find the $defs its allOf
+    names: the base was closed alone, the call could never be written, and the request was a 400 (with another
+    tool beside it, that tool was silently never called)."""
+    import jsonschema
+
+    tok, comp = tiny
+    tools = parse_tools([PET, {"type": "function", "function": {"name": "noop", "parameters": {}}}])
+    tc = parse_tool_choice(choice if choice == "required" else {"type": "function", "function": {"name": choice}},
+                           tools)
+    c = tool_constraint(tools, tc)
+    args = {"pet": {"id": 1, "name": "rex"}}
+    text = json.dumps([{"name": "add_pet", "arguments": args}] if choice == "required" else args)
+    ids = tok.encode(text, add_special=False)
+    m = comp.matcher(c)
+    assert m.validate(ids) == len(ids)
+    jsonschema.validate(args, PET["function"]["parameters"])
+    bad = text.replace('"rex"}', '"rex", "x": 1}')  # still closed: no invented key in the pet
+    assert comp.matcher(c).validate(tok.encode(bad, add_special=False)) < len(bad)
