@@ -226,15 +226,22 @@ def _closed(schema: Any, defs: dict[str, Any], members: set[int], member: bool, 
     parts = [defs.get(p.get("$ref")) if isinstance(p, dict) and set(p) == {"$ref"} else p for p in parts]
     if props is None and not any(isinstance(p, dict) and "properties" in p for p in parts):
         return out
-    names = dict.fromkeys([*(props or {}), *siblings])
+    # ... and the keys ``required`` names, listed in ``properties`` or not (a loose schema's: closing over the
+    # properties alone made them impossible)
+    names = dict.fromkeys([*(props or {}), *siblings, *_required(schema)])
     for p in parts:
         if not isinstance(p, dict) or _OPEN_MEMBER_KEYS & p.keys() or not isinstance(p.get("properties", {}), dict):
             return out
-        names.update(dict.fromkeys(p.get("properties", {})))
+        names.update(dict.fromkeys([*p.get("properties", {}), *_required(p)]))
     own = out.get("properties") if isinstance(out.get("properties"), dict) else {}
     out["properties"] = {**own, **{n: {} for n in names if n not in own}}
     out["additionalProperties"] = False
     return out
+
+
+def _required(schema: dict[str, Any]) -> list[str]:
+    r = schema.get("required")
+    return [n for n in r if isinstance(n, str)] if isinstance(r, list) else []
 
 
 _WHAT = {ConstraintKind.JSON_OBJECT: "JSON object", ConstraintKind.JSON_SCHEMA: "JSON schema",

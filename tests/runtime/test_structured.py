@@ -376,6 +376,16 @@ def test_an_invented_key_in_objects_applied_together_is_masked(tiny, schema, inv
     assert comp.matcher(Constraint.json_schema(schema)).validate(ids) < len(ids)
 
 
+def test_a_required_key_the_properties_do_not_list_may_still_be_written(tiny):
+    """Closing an object over its properties alone made a key that ``required`` names but ``properties`` does not
+    (a loose hand-written or MCP tool schema) impossible: a valid schema was a 400 "Unsatisfiable schema"."""
+    tok, comp = tiny
+    c = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]})
+    ok, extra = '{"a": 1, "b": [true]}', '{"a": 1, "b": 2, "c": 3}'
+    assert comp.matcher(c).validate(ids := tok.encode(ok, add_special=False)) == len(ids)
+    assert comp.matcher(c).validate(ids := tok.encode(extra, add_special=False)) < len(ids)
+
+
 def test_a_grammar_after_a_token_leaves_the_text_before_it_free(tiny):
     """``after``: a reasoning model's grammar starts once it has written ``</think>`` (here "#"): before, every
     token is allowed and nothing is masked; proposals are validated across the switch; a rollback past it waits
