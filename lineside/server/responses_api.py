@@ -66,9 +66,18 @@ class ResponsesRequest(BaseModel):
     truncation: str | None = None
     conversation: Any = None
     prompt: Any = None
+    # chat's output constraints: refused (OpenAI: "this parameter has moved to 'text.format'"), not dropped
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server honours
+CHAT_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -90,6 +99,11 @@ def check(req: ResponsesRequest) -> None:
             raise _bad(f"include: {name!r} is not supported (only {TEXT_LOGPROBS!r})", "include")
     if req.truncation not in (None, "disabled"):
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
+    for name in CHAT_CONSTRAINTS:
+        if getattr(req, name) is not None:
+            raise _bad(f"{name}: not a /v1/responses parameter; give the output's format in 'text.format' "
+                       "({\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}} or {\"type\": \"json_object\"})",
+                       name)
 
 
 def top_logprobs(req: ResponsesRequest, *, calling: bool) -> int | None:

@@ -63,6 +63,11 @@ def test_json_schema_format(client):
     (dict(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
     (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": 5}]}]), "input[0].content[0].text"),
     (dict(text={"format": {"type": "json_schema", "name": "r", "schema": {"type": "nope"}}}), "text.format.schema"),
+    # chat's and vLLM's output constraints: read by nothing here, the answer came back unconstrained
+    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    (dict(extra_body={"guided_choice": ["a", "b"]}), "guided_choice"),
+    (dict(extra_body={"structured_outputs": {"regex": "a+"}}), "structured_outputs"),
 ])
 def test_unsupported_is_400_naming_it(client, kw, param):
     kw = {"input": "hi", **kw}
