@@ -67,14 +67,11 @@ def _body(info: SessionInfo) -> dict[str, Any]:
             "prompt_tokens": info.prompt_tokens, "expires_in": round(info.expires_in_s, 3)}
 
 
-def _session_param(value: Any) -> str:
+def _session_param(value: str | None) -> str:
     if value is None:
-        raise APIError(400, "missing required field 'session_id': name the session this prompt belongs to",
-                       "missing_field", param="session_id")
-    try:
-        return check_session_id(value)
-    except LinesideError as e:
-        raise APIError(400, str(e), "invalid_session_id", param="session_id") from None
+        raise APIError(400, "missing required field 'session_id' (or an X-Session-Id header): name the session "
+                            "this prompt belongs to", "missing_field", param="session_id")
+    return value
 
 
 async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], int]:
@@ -140,11 +137,8 @@ async def prefill(request: Request) -> Any:
         if _check_model(state, body.model) is not None:  # a session's KV is the base model's (scheduler.py)
             raise APIError(400, f"prefill sessions run on the base model, not on the LoRA adapter {body.model!r}; "
                                 "send the base model's name (or none)", "unsupported_value", param="model")
-        session = _session_param(body.session_id)
-        header = request.headers.get("x-session-id")
-        if header is not None and header != session:
-            raise APIError(400, "X-Session-Id and the body's session_id name different sessions; send one",
-                           "invalid_session_id", param="session_id")
+        # body session_id or X-Session-Id, as on the completion routes (both: they must agree)
+        session = _session_param(request_mapping.session_id(body, request.headers))
         priority, mode = request_mapping.priority(request.headers)
         engine = _engine_sessions(state)
         ids, stable = await _tokens(state, body)

@@ -248,3 +248,16 @@ def test_bench_cli_chunked(srv, tmp_path):
     assert r.exit_code == 0, r.output
     meta = json.loads((out / "report.json").read_text())["meta"]
     assert meta["pattern"] == "chunked" and meta["chunks"] == 3 and meta["chunk_interval"] == 0
+
+
+def test_x_session_id_header_alone_names_the_prefill_session(srv):
+    """The README's headers (X-Session-Id among them) apply to /v1/prefill too: a body without session_id takes the
+    header's, as the completion routes do, instead of a 400 saying the field is missing."""
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/prefill", json={"prompt": "the line stops at station 12"}, headers={"X-Session-Id": "hdr-1"})
+        assert r.status_code == 202, r.text
+        assert r.json()["session_id"] == "hdr-1"
+        assert c.delete("/v1/prefill/hdr-1").json()["deleted"] is True
+        r = c.post("/v1/prefill", json={"prompt": "x"}, headers={"X-Session-Id": "bad id!"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id", r.text
+
