@@ -149,6 +149,8 @@ class SessionSlots:
         computed = common_prefix(kept, target)
         self.arena.hand_over(slot, s, len(target), computed)
         s.slot, s.lent_to, s.target, s.computed = slot, None, list(target), computed
+        if not newer:  # it now caches this completion's prompt (a newer prefill's count stands)
+            s.prompt_tokens = len(seq.prompt)
         s.touch(now)
         seq.slot = None
 

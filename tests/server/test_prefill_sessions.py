@@ -261,3 +261,19 @@ def test_x_session_id_header_alone_names_the_prefill_session(srv):
         r = c.post("/v1/prefill", json={"prompt": "x"}, headers={"X-Session-Id": "bad id!"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id", r.text
 
+
+def test_a_kept_session_counts_the_prompt_it_kept(srv):
+    """keep_session: the session now caches the completion's prompt, so GET shows that prompt's length as
+    prompt_tokens (never fewer tokens than it caches), also for a session the completion made."""
+    text = "the prefill session keeps the history"
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/prefill", json={"prompt": text, "session_id": "kept-1"}).status_code == 202
+        settle(c, "kept-1")
+        for sid in ("kept-1", "kept-new"):
+            r = c.post("/v1/completions", json={"prompt": text + " while the technician talks", "keep_session": True,
+                                                 "session_id": sid, **GREEDY})
+            assert r.status_code == 200, r.text
+            info = c.get(f"/v1/prefill/{sid}").json()
+            assert info["prompt_tokens"] == r.json()["usage"]["prompt_tokens"], info
+            assert info["cached_tokens"] + info["pending_tokens"] <= info["prompt_tokens"]
+            assert c.delete(f"/v1/prefill/{sid}").status_code == 200
