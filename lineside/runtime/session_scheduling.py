@@ -115,9 +115,13 @@ class SessionSlots:
     def _session_done(self, seq: Sequence, now: float) -> None:
         """``seq`` has ended and still holds its slot: the session it named keeps that slot's prefill-written KV
         (asked with keep_session, or a prefill came for the session meanwhile) or ends with it."""
-        if self.sessions is None or seq.req.session_id is None or seq.req.adapter is not None:
-            return  # a session holds base-model KV: an adapter's KV never becomes (or replaces) a session's
+        if self.sessions is None or seq.req.session_id is None:
+            return
         s = self.sessions.get(seq.req.session_id)
+        if seq.req.adapter is not None:  # a session holds base-model KV: an adapter's never becomes (or replaces) it
+            if s is not None and not seq.req.keep_session and s.lent_to is None and s.updated <= seq.arrival:
+                self.release_session(s)  # ... but the session it named ends with it, as after a base completion
+            return
         mine = s is not None and s.lent_to is seq
         if seq.slot is None:  # it holds no KV now (ended while preempted)
             if mine:

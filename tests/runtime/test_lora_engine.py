@@ -323,3 +323,27 @@ def test_more_adapters_than_slots_wait_for_a_slot_and_each_gets_its_own_tokens(l
     assert got == want
     slots = engine.adapter_slots
     assert slots.refs == [0, 0] and slots.loads >= 3  # each adapter swapped into the one slot in turn
+
+
+def test_an_adapter_completion_ends_the_session_it_names(lora_setup):
+    """"The session ends with the completion unless it sends keep_session": an adapter's completion too (it never
+    uses the base model's KV, but it named the session), else the session stayed pinned until its TTL."""
+    bundle, adapters = lora_setup
+    engine = make_engine(bundle, adapters, max_loras=2)
+    prompt = PROMPTS[0]
+
+    async def main():
+        await engine.start()
+        try:
+            engine.prefill("s", prompt, len(prompt))
+            while engine.session("s").pending_tokens:
+                await asyncio.sleep(0)
+            await collect(engine.submit(GenerationRequest(
+                prompt_ids=prompt, max_tokens=3, sampling=SamplingParams(temperature=0.0), ignore_eos=True,
+                adapter=NAMES[0], session_id="s")))
+            return engine.session("s"), engine.stats()
+        finally:
+            await engine.stop()
+
+    info, st = asyncio.run(main())
+    assert info is None and st.sessions == 0 and st.session_pinned_blocks == 0
