@@ -68,17 +68,18 @@ class SloController:
         self.history: list[Transition] = []
 
     def target(self, signals: Signals, local_time: dt.time) -> tuple[Level, Reason]:
-        """The level the signals (and pins) ask for right now."""
-        reason = breached(self.policy.level_2, signals)
-        if reason is not None:
-            return Level.FALLBACK, reason
-        reason = breached(self.policy.level_1, signals)
-        if reason is not None:
-            return Level.PROTECT_REALTIME, reason
+        """The level the signals (and pins) ask for right now: the higher of the two (a pin is a floor, also
+        above a level the signals ask for)."""
+        want, reason = Level.NORMAL, Reason.NORMAL
+        for level, thresholds in ((Level.FALLBACK, self.policy.level_2), (Level.PROTECT_REALTIME, self.policy.level_1)):
+            crossed = breached(thresholds, signals)
+            if crossed is not None:
+                want, reason = level, crossed
+                break
         pinned = self.policy.pinned_level(local_time)
-        if pinned:
+        if pinned > want:
             return Level(pinned), Reason.PINNED
-        return Level.NORMAL, Reason.NORMAL
+        return want, reason
 
     def evaluate(self, signals: Signals, *, now: float, local_time: dt.time) -> Level:
         """One controller step; returns the (possibly new) level."""

@@ -148,3 +148,14 @@ def test_only_greedy_or_seeded_sampling_is_cacheable():
     # ids and scheduling are not keyed; everything else is, a field added later included
     assert key(request_id="a", priority=Priority.HIGH, timeout_s=3.0) == key(request_id="b")
     assert key(stop_token_ids=[5]) != key() != key(ignore_eos=True)
+
+
+def test_a_level_2_pin_is_a_floor_even_while_a_level_1_threshold_is_crossed():
+    # the pin holds level 2 all day; a TTFT between level 1's and level 2's thresholds must not hold it at 1
+    policy = parse_policy({"pins": [{"start": "00:00", "end": "23:59:59", "level": 2}]})
+    c = SloController(policy, now=0.0)
+    assert c.evaluate(slow(1.0), now=1, local_time=NOON) == Level.FALLBACK
+    assert c.evaluate(slow(1.0), now=2, local_time=NOON) == Level.FALLBACK
+    c = SloController(policy, now=0.0)
+    assert c.evaluate(slow(0.1), now=1, local_time=NOON) == Level.FALLBACK
+    assert c.evaluate(slow(1.0), now=400, local_time=NOON) == Level.FALLBACK  # and it is not left
