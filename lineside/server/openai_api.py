@@ -374,12 +374,13 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 constraint_after=None if output is None or output.reasoning is None
                 else output.reasoning.constraint_after)))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
-        # model only: an adapter's request stays on the primary, gated and marked as the level says) and may
-        # answer from cache
+        # model only: an adapter's request stays on the primary, gated and marked as the level says, and so does
+        # one keeping its session's KV: sessions live in the primary, where /v1/prefill sees them) and may answer
+        # from cache
         slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],
                                           output=output, chat=chat, priority=priority, mode=mode, n=n,
                                           response_id=response_id, draining=lambda: state.draining,
-                                          primary_only=adapter is not None)
+                                          primary_only=adapter is not None or bool(body.keep_session))
         if slo_plan.cached is not None:
             _end_untaken_session(state, session)
             _count_cached(state, slo_plan, request_id, endpoint, priority, mode, arrival, body)

@@ -194,3 +194,28 @@ def test_the_responses_route_is_guarded_as_the_completion_routes_are(guarded):
             _push(guard, 0.01, count=0)
             srv.clock.now += 10_000
         assert _push(guard, 0.01, count=0) == 0
+
+
+def test_a_request_keeping_its_session_stays_on_the_primary_that_holds_it(guarded):
+    """keep_session asks this server to keep the turn's KV for the next one, in the session /v1/prefill shows and
+    ends; at level 2 it went to the fallback: the primary's session ended, a hidden one opened on the fallback
+    (pinning its KV, seen by no /v1/prefill call) and the next turn at level 0 found none."""
+    srv, guard = guarded, guarded.guard
+    assert _push(guard, 2.0) == 2
+    try:
+        text = "the line stops at station 12"
+        assert httpx.post(f"{srv.url}/v1/prefill", timeout=30,
+                          json={"messages": [{"role": "user", "content": text}], "session_id": "kept"}).status_code == 202
+        r = _chat(srv.url, text, keep_session=True, session_id="kept")
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "tiny-llama" and r.headers["x-lineside-degraded"] == "2"
+        assert httpx.get(f"{srv.url}/v1/prefill/kept", timeout=30).status_code == 200  # kept, as asked
+        assert srv.fallback.session("kept") is None
+        plain = _chat(srv.url, text, session_id="kept")  # no keep_session: the fallback may take it, the session ends
+        assert plain.status_code == 200 and plain.json()["model"] == "tiny-fallback"
+        assert httpx.get(f"{srv.url}/v1/prefill/kept", timeout=30).status_code == 404
+    finally:
+        for _ in range(3):
+            _push(guard, 0.01, count=0)
+            srv.clock.now += 10_000
+        assert _push(guard, 0.01, count=0) == 0
