@@ -8,13 +8,18 @@ from pathlib import Path
 
 from lineside.errors import LinesideError
 
+# In the tokenizer folder but not the tokenizer: the model's sampling recommendation (the server samples with the
+# primary's), which siblings of one family often set apart (Qwen2.5-0.5B-Instruct's repetition_penalty is not 7B's)
+NOT_TOKENIZER = frozenset({"tokenizer/generation_config.json"})
+
 
 def tokenizer_fingerprint(bundle: str | os.PathLike[str]) -> tuple:
     """The manifest's hashes of the tokenizer files and its tokenizer settings (BOS/EOS, chat template)."""
     from lineside.bundle import read_manifest
 
     manifest = read_manifest(bundle)
-    files = tuple(sorted((rel, entry.sha256) for rel, entry in manifest.files.items() if rel.startswith("tokenizer/")))
+    files = tuple(sorted((rel, entry.sha256) for rel, entry in manifest.files.items()
+                         if rel.startswith("tokenizer/") and rel not in NOT_TOKENIZER))
     settings = repr(sorted((manifest.tokenizer or {}).items()))
     return files, settings
 

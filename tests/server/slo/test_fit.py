@@ -59,3 +59,38 @@ def test_a_damaged_fallback_is_refused_naming_the_fallback(tiny_bundle, tmp_path
         asyncio.run(guard.start(object(), "tiny-llama"))
     assert str(e.value).startswith(f"--fallback {changed}:") and "sha256" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_fallback_with_the_same_tokenizer_but_its_own_sampling_defaults_is_taken(tiny_dense, tmp_path):
+    """generation_config.json sits in the bundle's tokenizer/ folder, but it is the model's sampling recommendation,
+    not its tokenizer (requests are tokenized once and sampled with the primary's defaults): a smaller sibling with
+    its own (Qwen2.5-0.5B-Instruct's repetition_penalty is not 7B's) was refused as 'its tokenizer differs'."""
+    import hashlib
+    import json
+    import shutil
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.server.slo.fallback import check_fallback
+    from tests.conftest import TINY_BUNDLE
+
+    options = {k: v for k, v in TINY_BUNDLE.items() if k != "variant"}
+    bundles = []
+    for name, extra in (("primary", {}), ("fallback", {"temperature": 0.7, "repetition_penalty": 1.1})):
+        ckpt = tmp_path / f"{name}-ckpt"
+        shutil.copytree(tiny_dense(TINY_BUNDLE["variant"]), ckpt)
+        gen = ckpt / "generation_config.json"
+        gen.write_text(json.dumps({**json.loads(gen.read_text()), **extra}))
+        bundles.append(build_bundle(ckpt, tmp_path / name, BuildOptions(**options)))
+    primary, fallback = bundles
+    check_fallback(primary, fallback)
+    other = tmp_path / "other-tokenizer"  # a tokenizer that differs is still refused, in one line
+    shutil.copytree(fallback, other)
+    tok = other / "tokenizer" / "tokenizer.json"
+    tok.write_text(tok.read_text().replace('"model"', '"model" ', 1))
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["files"]["tokenizer/tokenizer.json"] = {"size": tok.stat().st_size,
+                                                     "sha256": hashlib.sha256(tok.read_bytes()).hexdigest()}
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LinesideError, match="its tokenizer differs") as e:
+        check_fallback(primary, other)
+    assert "\n" not in str(e.value)
