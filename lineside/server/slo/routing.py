@@ -45,7 +45,10 @@ async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest],
     Responses API: its answers have another shape and are kept for ``previous_response_id`` under their own id).
     ``primary_only``: the fallback cannot serve it (a LoRA adapter), the rest of the ladder still applies."""
     tokens = max(len(r.prompt_ids) + r.max_tokens for r in requests)
-    top = max((max(r.prompt_ids) for r in requests if r.prompt_ids), default=-1)
+    # the largest id the fallback would read: the prompt's, and a logit_bias id (past its vocabulary the sampler
+    # skips the bias, so the answer would silently differ from the primary's)
+    top = max([max(r.prompt_ids) for r in requests if r.prompt_ids]
+              + [t for r in requests for t, _ in r.sampling.logit_bias], default=-1)
     route = guard.route(mode=mode, priority=priority, tokens=tokens, top_token=top, primary_only=primary_only)
     headers = {DEGRADED_HEADER: str(int(route.level))} if route.level > Level.NORMAL else {}
     key = None

@@ -80,3 +80,28 @@ def test_a_structured_request_sent_to_the_fallback_compiles_its_grammar_off_the_
         assert primary.threads == []  # the primary's constraints were compiled before routing, by the caller
 
     asyncio.run(scenario())
+
+
+def test_a_logit_bias_past_the_fallbacks_vocabulary_stays_on_the_primary():
+    """A logit_bias id the primary has but the fallback's smaller embedding lacks: the fallback's sampler skips it,
+    so the answer silently ignored the bias. Such a request is the primary's, as a prompt id past it is."""
+    from lineside.runtime.sampling import SamplingParams
+
+    async def scenario() -> tuple[bool, bool]:
+        fallback, primary = FakeEngine(256, 280), FakeEngine(256, 300)
+        guard = SloGuard(SloPolicy(pins=(Pin(start=dt.time(0), end=dt.time(23, 59, 59), level=2),)),
+                         fallback=fallback, fallback_name="small", device=lambda: (None, None),
+                         local_time=lambda: dt.time(12), ticking=False)
+        await guard.start(primary, "big")
+        assert guard.tick(device=(None, None)) == 2
+        body = SimpleNamespace(stream=True, model="big")
+
+        async def to_fallback(bias: tuple[tuple[int, float], ...]) -> bool:
+            r = GenerationRequest(prompt_ids=[1, 2], max_tokens=4, sampling=SamplingParams(logit_bias=bias))
+            plan = await routing.plan(guard, body, requests=[r], output=None, chat=True, priority=Priority.NORMAL,
+                                      mode=Mode.REALTIME, n=1, response_id="r", draining=lambda: False)
+            return plan.route.fallback
+
+        return await to_fallback(((279, 5.0),)), await to_fallback(((290, -100.0),))
+
+    assert asyncio.run(scenario()) == (True, False)
