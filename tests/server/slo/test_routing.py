@@ -23,15 +23,21 @@ class FakeEngine:
         pass
 
 
+async def level2_guard(fallback: FakeEngine, primary: FakeEngine) -> SloGuard:
+    """A guard pinned at level 2 all day (the fallback serves what fits it), started on ``primary``."""
+    guard = SloGuard(SloPolicy(pins=(Pin(start=dt.time(0), end=dt.time(23, 59, 59), level=2),)),
+                     fallback=fallback, fallback_name="small", device=lambda: (None, None),
+                     local_time=lambda: dt.time(12), ticking=False)
+    await guard.start(primary, "big")
+    assert guard.tick(device=(None, None)) == 2
+    return guard
+
+
 def test_a_request_the_fallback_cannot_read_stays_on_the_primary():
     """One tokenizer, fewer embedding rows in the fallback (R1-Distill-Qwen-1.5B behind -7B): a token-id prompt past
     them was routed there and refused (400 'token id 290 is out of vocabulary'), though the primary serves it."""
     async def scenario() -> None:
-        guard = SloGuard(SloPolicy(pins=(Pin(start=dt.time(0), end=dt.time(23, 59, 59), level=2),)),
-                         fallback=FakeEngine(256, 280), fallback_name="small", device=lambda: (None, None),
-                         local_time=lambda: dt.time(12), ticking=False)
-        await guard.start(FakeEngine(256, 300), "big")
-        assert guard.tick(device=(None, None)) == 2
+        guard = await level2_guard(FakeEngine(256, 280), FakeEngine(256, 300))
         route = dict(mode=Mode.REALTIME, priority=Priority.NORMAL)
         assert guard.route(**route, tokens=8, top_token=279).fallback
         assert not guard.route(**route, tokens=8, top_token=290).fallback
@@ -63,11 +69,7 @@ def test_a_structured_request_sent_to_the_fallback_compiles_its_grammar_off_the_
     a structured request's constraint is compiled in a worker thread, not by ``submit`` on the event loop."""
     async def scenario() -> None:
         fallback, primary = GrammarEngine(256, 300), GrammarEngine(256, 300)
-        guard = SloGuard(SloPolicy(pins=(Pin(start=dt.time(0), end=dt.time(23, 59, 59), level=2),)),
-                         fallback=fallback, fallback_name="small", device=lambda: (None, None),
-                         local_time=lambda: dt.time(12), ticking=False)
-        await guard.start(primary, "big")
-        assert guard.tick(device=(None, None)) == 2
+        guard = await level2_guard(fallback, primary)
         schema = Constraint.json_schema({"type": "object"})
         requests = [GenerationRequest(prompt_ids=[1, 2], max_tokens=4, constraint=schema),
                     GenerationRequest(prompt_ids=[3], max_tokens=4)]
@@ -88,12 +90,7 @@ def test_a_logit_bias_past_the_fallbacks_vocabulary_stays_on_the_primary():
     from lineside.runtime.sampling import SamplingParams
 
     async def scenario() -> tuple[bool, bool]:
-        fallback, primary = FakeEngine(256, 280), FakeEngine(256, 300)
-        guard = SloGuard(SloPolicy(pins=(Pin(start=dt.time(0), end=dt.time(23, 59, 59), level=2),)),
-                         fallback=fallback, fallback_name="small", device=lambda: (None, None),
-                         local_time=lambda: dt.time(12), ticking=False)
-        await guard.start(primary, "big")
-        assert guard.tick(device=(None, None)) == 2
+        guard = await level2_guard(FakeEngine(256, 280), FakeEngine(256, 300))
         body = SimpleNamespace(stream=True, model="big")
 
         async def to_fallback(bias: tuple[tuple[int, float], ...]) -> bool:
