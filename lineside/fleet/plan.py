@@ -101,6 +101,7 @@ def _nowhere(fleet: FleetFile, bad: NodePlan) -> str:
 def format_plans(plans: list[NodePlan]) -> Any:
     """A rich table of the plans."""
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(title="fleet plan")
     for col in ("node", "kind", "pools", "runs", "on", "fits", "needs / has", "max ctx", "detail"):
@@ -109,6 +110,7 @@ def format_plans(plans: list[NodePlan]) -> Any:
         fits = "-" if p.fits is None else ("yes" if p.fits else "NO")
         nh = (f"{p.needs_bytes / GIB:.1f} / {p.has_bytes / GIB:.1f} GiB" if p.needs_bytes is not None
               and p.has_bytes is not None else "-")
-        t.add_row(p.node, str(p.kind), ",".join(p.pools), p.runs, p.where, fits, nh,
-                  str(p.max_context or "-"), p.detail)
+        # names, paths and details are the fleet file's text, not rich markup ("bundles/r1[q4]" lost its "[q4]")
+        t.add_row(*(Text(c) for c in (p.node, str(p.kind), ",".join(p.pools), p.runs, p.where, fits, nh,
+                                      str(p.max_context or "-"), p.detail)))
     return t

@@ -316,3 +316,18 @@ def test_a_name_yaml_reads_as_a_boolean_or_number_says_to_quote_it(text, expecte
     with pytest.raises(FleetError) as e:
         parse_fleet(head + text + "\n", Path("fleet.yaml"))
     assert str(e.value).startswith(expected) and "put it in quotes" in str(e.value), str(e.value)
+
+
+def test_plan_table_shows_names_and_paths_as_text():
+    """`fleet plan` printed a bundle path or detail holding brackets as rich markup: "bundles/r1[q4]" lost "[q4]",
+    and "[/]" would raise a MarkupError."""
+    from rich.console import Console
+
+    from lineside.fleet.plan import NodePlan, format_plans
+
+    plan = NodePlan(node="orin-[1]", kind="jetson", pools=["rt"], runs="bundles/r1[q4]", where="agx-orin-64",
+                    fits=True, detail="[/] odd")
+    console = Console(record=True, width=200)
+    console.print(format_plans([plan]))
+    shown = console.export_text()
+    assert "bundles/r1[q4]" in shown and "orin-[1]" in shown and "[/] odd" in shown
