@@ -106,6 +106,7 @@ def generate(
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
     checks.utf8_text(prompt, "--prompt")
+    _check_stdout("generate")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
     if spec is not None and lora is not None:
@@ -166,6 +167,7 @@ def chat(
     if sys.stdin is None or sys.stdin.closed:  # started with fd 0 closed (`<&-`, some service managers)
         raise LinesideError("chat reads what you type from stdin, and stdin is closed; run it in a terminal, pipe "
                             "the lines into it, or use `lineside generate --prompt TEXT`")
+    _check_stdout("chat")
     template = _chat_template(chat_template)
     gen = _generator(bundle, backend, threads, lora)
     if template is not None:
@@ -234,6 +236,14 @@ def chat(
         if stopped:  # what was shown stays in the conversation
             print("answer stopped (Ctrl-C); an empty line or Ctrl-D quits", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _check_stdout(command: str) -> None:
+    """One line before the model loads when fd 1 is closed (`>&-`, some service managers): Python then has no
+    sys.stdout, and the first write of the answer died on an AttributeError (input() on "lost sys.stdout")."""
+    if sys.stdout is None or sys.stdout.closed:
+        raise LinesideError(f"{command} writes the model's text to stdout, and stdout is closed; redirect it to a file "
+                            "(> out.txt) or to /dev/null")
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -236,6 +236,18 @@ def test_chat_with_stdin_closed_is_one_line_before_loading(bundle):
     assert "chatting with" not in proc.stderr  # refused before the model loads
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["chat"]])
+def test_generate_and_chat_with_stdout_closed_are_one_line_before_loading(bundle, command):
+    """`lineside generate BUNDLE --prompt hi >&-` (a cron job or service with fd 1 closed) loaded the model, generated,
+    then died on an AttributeError traceback ('NoneType' object has no attribute 'write'); `chat >&-` died in
+    input() on "RuntimeError: lost sys.stdout"."""
+    proc = subprocess.run([sys.executable, "-m", "lineside", command[0], str(bundle), *command[1:], "--max-tokens",
+                           "3"], input="hi\n", capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert_one_line_error(proc, "stdout", "closed")
+    assert "chatting with" not in proc.stderr  # refused before the model loads
+
+
 def test_bench_on_a_damaged_bundle_says_why(bundle, tmp_path):
     """`bench --bundle` on a bundle failing its checksum logged why, then waited out the 120 s startup timeout and
     ended on "the in-process server was not ready within 120s"."""
