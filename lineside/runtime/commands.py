@@ -183,6 +183,11 @@ def chat(
     print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
     if not gen.tokenizer.chat_template:
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
+    if sys.stdin.isatty() and sys.stdout.isatty():  # input() edits lines (arrows, history) only with readline loaded
+        try:
+            import readline  # noqa: F401
+        except ImportError:  # a Python built without it: lines are read as before
+            pass
     forgetting = False
     while True:
         try:

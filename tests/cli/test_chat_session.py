@@ -101,3 +101,58 @@ def test_forgetting_the_oldest_turns_is_said_once(tiny_bundle):
     assert proc.returncode == 0 and proc.stdout.count("model> ") == 4, proc.stderr
     notes = [ln for ln in proc.stderr.splitlines() if "oldest" in ln]
     assert len(notes) == 1 and "256" in notes[0], proc.stderr
+
+
+_SHOW_PROMPTS = """
+import sys
+from lineside.cli import run_app
+from lineside.runtime.generate import Generator
+from tests.cli.cli_run import lineside_app
+real = Generator.stream
+def stream(self, ids, *a, **k):
+    sys.stderr.write("PROMPT=" + repr(self.tokenizer.decode(ids)) + "\\n")
+    return real(self, ids, *a, **k)
+Generator.stream = stream
+sys.exit(run_app(lineside_app(), sys.argv[1:]))
+"""
+
+
+def test_arrow_keys_at_a_terminal_edit_the_line(tiny_bundle):
+    """At a terminal, chat read lines without line editing: "helo", Left, "l" sent the model "helo\\x1b[Dl" (the
+    arrow's escape code as text) instead of "hello", and Up put "\\x1b[A" in the message instead of recalling a line."""
+    import os
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: chat on the pty, printing each prompt the model is given
+        os.execv(sys.executable, [sys.executable, "-c", _SHOW_PROMPTS, "chat", str(tiny_bundle), "--backend",
+                                  "onnxruntime", "--max-tokens", "2"])
+    seen = b""
+
+    def until(needle: bytes, count: int = 1) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + 120
+        while seen.count(needle) < count and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # the child exited
+                    return
+                if not chunk:
+                    return
+                seen += chunk
+
+    try:
+        until(b"you> ")
+        os.write(fd, b"helo\x1b[Dl\r")
+        until(b"you> ", 2)
+        os.write(fd, b"\x04")
+        until(b"no such text")  # to EOF
+    finally:
+        _, status = os.waitpid(pid, 0)
+    text = seen.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    prompts = [ln.split("PROMPT=", 1)[1] for ln in text.splitlines() if "PROMPT=" in ln]  # after "model> "
+    assert len(prompts) == 1 and "hello" in prompts[0] and "\\x1b" not in prompts[0], text
