@@ -221,7 +221,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         priority, mode = request_mapping.priority(request.headers)
         # what the request leaves out: the model's recommendation (serve --generation-config)
         sampling = SamplingParams(**state.sampling_defaults.filled(temperature=body.temperature, top_p=body.top_p),
-                                  seed=None if body.seed is None else body.seed % 2**64)  # signed int64, as chat's
+                                  seed=request_mapping.sampler_seed(body.seed))  # as chat's
         engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,

@@ -49,6 +49,11 @@ def clean_text(text: str, param: str) -> str:
     return _JOINER.sub("", _INVISIBLE.sub("", text))
 
 
+def sampler_seed(seed: int | None) -> int | None:
+    """A request's seed for the sampler: OpenAI's seed is a signed int64, numpy's generator takes it unsigned."""
+    return None if seed is None else seed % 2**64
+
+
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code, param=param)
 
@@ -229,7 +234,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest,
         **given,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        seed=None if req.seed is None else req.seed % 2**64,  # OpenAI's seed is a signed int64; numpy's unsigned
+        seed=sampler_seed(req.seed),
         min_tokens=req.min_tokens or 0,
         logit_bias=bias,
     )
