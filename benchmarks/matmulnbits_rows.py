@@ -4,7 +4,10 @@ GGUF Q4_1 carry's correction (block-sum MatMul + offset MatMul + Add) and GroupQ
 M = 1, 2, 4, 8 decode rows. Which kernel is cheap per row says where batch-8 decode goes.
 
     python benchmarks/matmulnbits_rows.py [--threads 2] [--m 1,2,4,8] [--levels 0,1,2,4] [--blocks 32,64,128]
-        [--shapes 576x960,576x576,576x3072,1536x576] [--iters 400] [--rounds 3]
+        [--shapes 576x960,576x576,576x3072,1536x576] [--iters 400] [--rounds 3] [--attention24]
+
+``--attention24`` also times ONNX's own Attention op with an in-place TensorScatter (opset 24) at the same rows
+and past: the standard way to write GroupQueryAttention's decode step, had it been cheaper per row.
 
 Kernel µs per call: the 10th percentile over ``--iters`` calls, the minimum over ``--rounds`` interleaved rounds
 (on a shared machine the slow calls are the interrupted ones; ``--threads 1`` shows a kernel's own cost per row
@@ -76,6 +79,29 @@ def gqa_graph(*, heads: int = 9, kv_heads: int = 3, head: int = 64, max_seq: int
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
 
 
+def attention24_graph(*, heads: int = 9, kv_heads: int = 3, head: int = 64, max_seq: int = 2048) -> onnx.ModelProto:
+    """The same decode step on ONNX's own ops (opset 24): TensorScatter writes the new K/V into the cache in place,
+    Attention reads each row's first ``nonpad_kv_seqlen`` entries (no rotary: it would only add to its cost)."""
+    cache = ["b", kv_heads, max_seq, head]
+    nodes = [helper.make_node("TensorScatter", ["pk", "kn", "pos"], ["k_out"], axis=2, name="scatter_k"),
+             helper.make_node("TensorScatter", ["pv", "vn", "pos"], ["v_out"], axis=2, name="scatter_v"),
+             helper.make_node("Attention", ["q", "k_out", "v_out", "", "", "", "lens"], ["y"], scale=head ** -0.5,
+                              name="attention")]
+    g = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", heads, 1, head]),
+         helper.make_tensor_value_info("kn", TensorProto.FLOAT, ["b", kv_heads, 1, head]),
+         helper.make_tensor_value_info("vn", TensorProto.FLOAT, ["b", kv_heads, 1, head]),
+         helper.make_tensor_value_info("pos", TensorProto.INT64, ["b"]),
+         helper.make_tensor_value_info("lens", TensorProto.INT64, ["b"]),
+         helper.make_tensor_value_info("pk", TensorProto.FLOAT, cache),
+         helper.make_tensor_value_info("pv", TensorProto.FLOAT, cache)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", heads, 1, head]),
+         helper.make_tensor_value_info("k_out", TensorProto.FLOAT, cache),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, cache)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 24)])
+
+
 def kernel_us(model: onnx.ModelProto, feeds: Callable[[], dict[str, np.ndarray]], threads: int, iters: int,
               tmp: Path, spin: bool = True, alias: dict[str, str] | None = None) -> dict[str, float]:
     """Kernel time per node name (10th percentile) (µs) over ``iters`` profiled runs after a warm-up; ``alias``: outputs
@@ -129,6 +155,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--spin", type=int, default=1)
     ap.add_argument("--no-gqa", action="store_true")
+    ap.add_argument("--attention24", action="store_true",
+                    help="also time ONNX's own Attention + TensorScatter (opset 24) in GroupQueryAttention's place")
     a = ap.parse_args()
     ms = [int(v) for v in a.m.split(",")]
     tmp = Path(tempfile.mkdtemp())
@@ -170,6 +198,21 @@ def main() -> None:
             us = min(kernel_us(model, feeds, a.threads, a.iters, tmp, bool(a.spin),
                                alias={"k_out": "pk", "v_out": "pv"})["gqa"] for _ in range(a.rounds))
             print(f"  batch {b}: {us:8.1f} µs  ({us / b:.1f} µs per row)")
+        if a.attention24:
+            print("ONNX Attention (opset 24) + TensorScatter in place, same shapes and past")
+            model = attention24_graph()
+            for b in ms:
+                cache = np.zeros((b, 3, 2048, 64), np.float32)
+
+                def feeds24(b: int = b, cache: np.ndarray = cache) -> dict[str, np.ndarray]:
+                    return {"q": rng.standard_normal((b, 9, 1, 64)).astype(np.float32),
+                            "kn": rng.standard_normal((b, 3, 1, 64)).astype(np.float32),
+                            "vn": rng.standard_normal((b, 3, 1, 64)).astype(np.float32),
+                            "pos": np.full((b,), 128, np.int64), "lens": np.full((b,), 129, np.int64),
+                            "pk": cache, "pv": cache.copy()}
+                us = min(sum(kernel_us(model, feeds24, a.threads, a.iters, tmp, bool(a.spin),
+                                       alias={"k_out": "pk", "v_out": "pv"}).values()) for _ in range(a.rounds))
+                print(f"  batch {b}: {us:8.1f} µs  ({us / b:.1f} µs per row)")
 
 
 if __name__ == "__main__":
