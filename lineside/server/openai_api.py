@@ -271,13 +271,20 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         if slo_plan is not None:
             stream.headers.update(slo_plan.headers)
         return stream
-    gone = await responses.collect(request, state, [choice])
+    failure: APIError | None = None
+    try:
+        gone = await responses.collect(request, state, [choice])
+    except APIError as e:  # the generation failed (collect raises nothing else): kept failed, as OpenAI keeps it
+        failure, gone = e, None
     if gone is not None:
         return gone
     split = choice.output.reasoning  # the answer apart from the reasoning (collect fed it), with a reasoning parser
     text = "".join(choice.text_parts) if split is None else split.result()[1] or ""
     content, calls = responses_api.answer(choice.output.calls, text)
     builder.cached_tokens = choice.handle.metrics.prefix_reused_tokens
+    if failure is not None:
+        raise builder.failed_final(failure, content, (choice.record.prompt_tokens, choice.record.completion_tokens),
+                                   split, calls) from None
     if formatter is not None and top_n is not None:
         builder.add_logprobs(formatter.chat(choice.output.logprobs, top_n))
     answer = builder.final(content, (choice.record.prompt_tokens, choice.record.completion_tokens),

@@ -286,10 +286,41 @@ class ResponseBuilder:
         incomplete = finish_reason == FinishReason.LENGTH
         body = self.body("incomplete" if incomplete else "completed", usage,
                          "max_output_tokens" if incomplete else None, split, answer)
-        if self.store is not None:
-            self.store.put(self.id, StoredResponse(
-                body, (*self.conversation, responses_tools.assistant_turn(content, calls)), self.input_items))
+        self._keep(body, content, calls)
         return body
+
+    def _keep(self, body: dict[str, Any], content: str | None, calls: list[ToolCall]) -> None:
+        """Keep the response (unless ``store: false``) with the conversation it ends: its input, then its answer (none
+        when a failed one produced nothing)."""
+        if self.store is None:
+            return
+        turn = (responses_tools.assistant_turn(content, calls),) if content or calls else ()
+        self.store.put(self.id, StoredResponse(body, (*self.conversation, *turn), self.input_items))
+
+    def _failed(self, error: APIError, usage: tuple[int, int], split: ReasoningSplitter | None,
+                answer: list[dict[str, Any]]) -> dict[str, Any]:
+        """The failed response, kept as OpenAI keeps one (GET finds it ``failed``, with its error and the output and
+        usage so far). The error's ``code`` is ``server_error`` (the SDK's ``ResponseError.code`` is an enum that has
+        none of this server's codes); its ``type`` says which failure."""
+        body = self.body("failed", usage, None, split, answer)
+        body["error"] = {"code": "server_error", "message": error.message, "type": error.type, "param": None}
+        texts = [i["content"][0]["text"] for i in answer if i["type"] == "message"]
+        calls = [ToolCall(i["name"], i["arguments"], i["call_id"]) for i in answer
+                 if i["type"] == "function_call" and i["status"] == "completed"]
+        self._keep(body, "".join(texts) if texts else None, calls)
+        return body
+
+    def failed_final(self, error: APIError, content: str | None, usage: tuple[int, int],
+                     split: ReasoningSplitter | None = None, calls: list[ToolCall] | None = None) -> APIError:
+        """A non-streamed response whose generation failed: kept failed with what was produced (``content``, the
+        ``calls`` that stand), and the error to answer, which names the kept response (the client has no other way
+        to learn its id)."""
+        message = [] if not content else [self.item(content, "incomplete")]
+        self._failed(error, usage, split, [*message, *(responses_tools.call_item(c) for c in calls or ())])
+        if self.store is None:
+            return error
+        return APIError(error.status, f"{error.message} (the response so far is kept as failed: GET /v1/responses/"
+                                      f"{self.id})", error.code, type=error.type, headers=error.headers)
 
     def body(self, status: str, usage: tuple[int, int] | None, reason: str | None = None,
              split: ReasoningSplitter | None = None, answer: list[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -446,12 +477,10 @@ class ResponseBuilder:
 
     def failed(self, error: APIError, usage: tuple[int, int], split: ReasoningSplitter | None = None) -> list[str]:
         """The open item's done events (``incomplete``: the output stopped inside it), then failed with the output
-        and usage so far, as OpenAI ends a failed stream. The error's ``code`` is ``server_error`` (the SDK's
-        ``ResponseError.code`` is an enum that has none of this server's codes); its ``type`` says which failure."""
+        and usage so far, as OpenAI ends a failed stream (and keeps it: ``_failed``)."""
         self._valid = {i["call_id"] for i in self._done if i["type"] == "function_call"}  # an open call is cut off
         out = self._close("incomplete")
-        body = self.body("failed", usage, None, split, list(self._done))
-        body["error"] = {"code": "server_error", "message": error.message, "type": error.type, "param": None}
+        body = self._failed(error, usage, split, list(self._done))
         return [*out, self.event("response.failed", response=body)]
 
 

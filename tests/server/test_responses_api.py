@@ -4,6 +4,7 @@ order, json_schema text format honoured, and a 400 naming each field it cannot h
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -297,3 +298,67 @@ def test_cancel_says_only_background_responses_cancel(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.cancel("resp_nope")
     assert e.value.body["param"] == "response_id" and "resp_nope" in e.value.body["message"]
+
+
+class _FailsOnce:
+    """A backend whose ``fail_at``-th step raises once (an engine error mid-generation: every request in flight ends
+    with finish_reason error), then steps as usual."""
+
+    def __init__(self, inner, fail_at: int):
+        self.inner, self.calls, self.fail_at = inner, 0, fail_at
+        for name in ("name", "flavor", "num_slots", "max_seq_len", "vocab_size"):
+            setattr(self, name, getattr(inner, name))
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected device fault")
+        return self.inner.forward(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_failed_response_is_kept_and_retrieved_failed(tiny_bundle, stream):
+    """A response whose generation fails (an engine error after some tokens) is kept as OpenAI keeps one: GET
+    answers it with status failed, its error, the output produced so far and the usage; it was never stored, so
+    ``responses.retrieve`` got a 404. ``store: false`` still keeps nothing."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from tests.server.conftest import running_server
+
+    b = open_bundle(tiny_bundle)
+    backend = _FailsOnce(OnnxRuntimeBackend(b, num_slots=1, threads=1), fail_at=8)
+    with running_server(LLMEngine(b, backend=backend, num_slots=1)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        kw = dict(model=MODEL, input="hi", max_output_tokens=50, temperature=0)
+        if stream:
+            events = list(c.responses.create(**kw, stream=True))
+            assert events[-1].type == "response.failed"
+            rid = events[-1].response.id
+            streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        else:
+            with pytest.raises(openai.InternalServerError) as e:
+                c.responses.create(**kw)
+            assert e.value.body["code"] == "engine_error"  # the error, as chat's; its message names what was kept
+            rid = re.search(r"GET /v1/responses/(resp_\w+)", e.value.body["message"]).group(1)
+            streamed = None
+        got = c.responses.retrieve(rid)
+        assert got.status == "failed" and got.id == rid
+        assert got.error.code == "server_error" and "injected device fault" in got.error.message
+        assert got.usage.output_tokens > 0 and got.usage.input_tokens > 0
+        assert got.output and got.output[0].status == "incomplete"
+        assert got.output_text and (streamed is None or got.output_text == streamed)
+        assert [i.content[0].text for i in c.responses.input_items.list(rid).data] == ["hi"]
+        backend.calls, backend.fail_at = 0, 8
+        if stream:
+            events = list(c.responses.create(**kw, stream=True, store=False))
+            assert events[-1].type == "response.failed" and events[-1].response.store is False
+            with pytest.raises(openai.NotFoundError):
+                c.responses.retrieve(events[-1].response.id)
+        else:
+            with pytest.raises(openai.InternalServerError) as e:
+                c.responses.create(**kw, store=False)
+            assert "resp_" not in e.value.body["message"]
