@@ -53,6 +53,24 @@ def _parse(raw: Any) -> ChatCompletionRequest | CompletionRequest:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
+def _completion_only(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 naming a field that asks a prefill for what only the completion does: a prefill answers 202 JSON at
+    once, samples nothing and keeps the session anyway, so a stream, several choices or keep_session sent here would
+    be silently dropped. The fields that only shape the answer (max_tokens, sampling, stop, logprobs, a format) are
+    accepted and ignored, so one body can go to both calls (README)."""
+    misled = ("stream" if body.stream else "n" if (body.n or 1) > 1 else "keep_session" if body.keep_session
+              else None)
+    if misled is None:
+        return
+    what = {"stream": "a prefill answers at once with JSON (202), never a stream",
+            "n": "a prefill samples nothing; several choices are the completion's",
+            "keep_session": "a session outlives each prefill anyway; keep_session says whether it outlives the "
+                            "completion"}[misled]
+    raise APIError(400, f"{misled}: {what}; send {misled} with the completion (/v1/chat/completions or "
+                        "/v1/completions naming the session), not with /v1/prefill", "unsupported_parameter",
+                   param=misled)
+
+
 def _engine_sessions(state: ServerState) -> Any:
     engine = state.engine
     if not hasattr(engine, "prefill"):
@@ -134,6 +152,7 @@ async def prefill(request: Request) -> Any:
     state = _state(request)
     try:
         body = _parse(await request.json())
+        _completion_only(body)
         if _check_model(state, body.model) is not None:  # a session's KV is the base model's (scheduler.py)
             raise APIError(400, f"prefill sessions run on the base model, not on the LoRA adapter {body.model!r}; "
                                 "send the base model's name (or none)", "unsupported_value", param="model")

@@ -277,3 +277,36 @@ def test_a_kept_session_counts_the_prompt_it_kept(srv):
             assert info["prompt_tokens"] == r.json()["usage"]["prompt_tokens"], info
             assert info["cached_tokens"] + info["pending_tokens"] <= info["prompt_tokens"]
             assert c.delete(f"/v1/prefill/{sid}").status_code == 200
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"),
+    ({"stream": True, "stream_options": {"include_usage": True}}, "stream"),
+    ({"n": 2}, "n"),
+    ({"keep_session": True}, "keep_session"),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prefill_refuses_what_only_a_completion_does(srv, extra, param, chat):
+    """``stream: true``, ``n`` > 1 and ``keep_session: true`` ask for what only the completion does (a stream, several
+    choices, keeping its KV); a prefill answers 202 JSON at once and made no stream, no choice and no promise, which
+    the client only learnt later, if ever. Now a 400 naming the field and where to send it, and no session made."""
+    prompt = {"messages": [{"role": "user", "content": "hello world"}]} if chat else {"prompt": "hello world"}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/prefill", json={**prompt, "session_id": "misled", **extra})
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["param"] == param and "completion" in e["message"] and "\n" not in e["message"]
+        assert c.get("/v1/prefill/misled").status_code == 404
+
+
+def test_a_prefill_accepts_the_completions_other_fields(srv):
+    """A prefill body may be the completion's own (README): what only shapes the answer (max_tokens, sampling, stop,
+    logprobs, a format) is accepted and left for the completion, as are stream false, n 1 and keep_session false."""
+    extra = {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": ["x"], "logprobs": True,
+             "top_logprobs": 2, "response_format": {"type": "json_object"}, "stream": False, "n": 1,
+             "keep_session": False, "presence_penalty": 0.5}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/prefill", json={"messages": [{"role": "user", "content": "hello"}], "session_id": "kind",
+                                        **extra})
+        assert r.status_code == 202, r.text
+        assert c.delete("/v1/prefill/kind").status_code == 200
