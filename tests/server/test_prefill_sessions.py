@@ -310,3 +310,29 @@ def test_a_prefill_accepts_the_completions_other_fields(srv):
                                         **extra})
         assert r.status_code == 202, r.text
         assert c.delete("/v1/prefill/kind").status_code == 200
+
+
+def test_past_the_slots_a_new_session_ends_the_least_recently_used(merging_bundle):
+    """--max-sessions above --num-slots (README): each session with KV holds a slot; a new one with work to do takes
+    the slot of the least recently used idle session, which ends at once as if expired — GET and DELETE 404
+    session_not_found, a completion naming it runs as any request (the same answer, no error), a prefill naming it
+    again starts it anew — and /metrics counts it evicted."""
+    texts = {sid: f"the line stopped at station {i} while the technician talks" for i, sid in enumerate("abc")}
+    with running_server(merging_bundle, num_slots=2, threads=1, max_sessions=4) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        cold = c.post("/v1/completions", json={"prompt": texts["a"] + " hello", **GREEDY}).json()
+        for sid in ("a", "b"):
+            assert c.post("/v1/prefill", json={"prompt": texts[sid], "session_id": sid}).status_code == 202
+            settle(c, sid)
+        settle(c, "b")  # b used last: a is the least recently used
+        assert c.post("/v1/prefill", json={"prompt": texts["c"], "session_id": "c"}).status_code == 202
+        settle(c, "c")
+        assert c.get("/v1/prefill/a").json()["error"]["code"] == "session_not_found"
+        assert c.delete("/v1/prefill/a").status_code == 404
+        assert c.get("/v1/prefill/b").status_code == 200
+        assert metric(c.get("/metrics").text, "lineside_prefill_sessions_evicted_total") == 1
+        r = c.post("/v1/completions", json={"prompt": texts["a"] + " hello", **GREEDY}, headers={"X-Session-Id": "a"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == cold["choices"][0]["text"]
+        r = c.post("/v1/prefill", json={"prompt": texts["a"], "session_id": "a"})
+        assert r.status_code == 202 and r.json()["session_id"] == "a"
+        assert settle(c, "a")["cached_tokens"] > 0
