@@ -77,7 +77,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0: the argmax (ties to the lowest id). ``top_k`` 1 with a temperature is not: it keeps every
+        token tied at the top and samples among them, as transformers' and vLLM's top-k keep a tied k-th value."""
+        return self.temperature == 0
 
 
 # Logprobs a server may ask for per token (OpenAI's chat top_logprobs bound).
@@ -141,8 +143,9 @@ class Sampler:
         self._held_set = frozenset(self._held)
         self._bias = (np.array([t for t, _ in params.logit_bias], dtype=np.int64),
                       np.array([b for _, b in params.logit_bias], dtype=np.float64)) if params.logit_bias else None
-        # Greedy with no penalty: the argmax of the raw row, without the float64 copy (~4% of a decode step)
-        self._plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not (
+        # Greedy (or top_k 1) with no penalty: the argmax of the raw row, without the float64 copy (~4% of a decode
+        # step); top_k 1 takes it only when no other token ties the top
+        self._plain_greedy = (params.greedy or params.top_k == 1) and params.repetition_penalty == 1.0 and not (
             params.presence_penalty or params.frequency_penalty or params.logit_bias)
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None, prompt_len: int = 0) -> int:
@@ -157,7 +160,8 @@ class Sampler:
         holding = self._holding(history, prompt_len)
         if self._plain_greedy and allowed is None and logprobs is None:
             tok = int(np.argmax(logits))  # float32 argmax = float64 argmax; it lands on a NaN if there is one
-            if logits[tok] > -np.inf and not (holding and tok in self._held_set):  # not NaN, not a row of -inf
+            if logits[tok] > -np.inf and not (holding and tok in self._held_set) and (  # not NaN, not a row of -inf
+                    self.p.greedy or np.count_nonzero(logits == logits[tok]) == 1):
                 return SampleResult(tok)
         if holding:
             allowed = self._min_tokens_mask(allowed, logits.shape[-1])
@@ -248,6 +252,8 @@ class Sampler:
         x = _sanitize(x)
         if x is None:  # nothing finite left (extreme penalties): fall back to greedy
             return _fallback(logits, allowed)
+        if p.top_k == 1 and np.count_nonzero(x == x.max()) == 1:
+            return int(np.argmax(x))  # one token at the top: the choice is deterministic (a draft's q = 1)
         # the max is subtracted before dividing: softmax is unchanged, and a tiny temperature sends the others to
         # -inf (its limit, the argmax) where x / T alone overflowed every positive logit to +inf
         x = (x - x.max()) / p.temperature

@@ -93,6 +93,8 @@ MASKED = np.array([1.0, -np.inf, 3.0, -np.inf])
     (P, dict(top_k=6), [0, 1, 2, 3, 4]),  # top_k past the vocabulary: off
     (P, dict(top_k=4), [0, 1, 2, 3, 4]),  # the k-th value is tied: all of the tie stays, as transformers / vLLM
     (TIES, dict(top_k=2), [1, 2]),
+    (TIES, dict(top_k=1), [1, 2]),  # top_k 1 with two tokens tied at the top: both stay (it took the lower id)
+    (P, dict(top_k=1), [0]),
     (MASKED, dict(top_k=3), [0, 2]),
     (MASKED, dict(top_p=0.999), [0, 2]),
     (P, dict(min_p=1.0), [0]),
@@ -103,9 +105,22 @@ def test_kept_tokens_at_the_boundaries(x, kw, kept):
     params = SamplingParams(temperature=1.0, **kw)
     x = x.astype(np.float32)
     got = Sampler(params).distribution(x)
+    got = np.eye(len(x))[got] if isinstance(got, int) else got  # one token left: the token itself
     assert list(np.nonzero(got)[0]) == kept
     want, _ = _reference(x, [], 0, params)
     assert np.count_nonzero(want) == len(kept)
+
+
+def test_top_k_one_samples_among_the_tokens_tied_at_the_top():
+    """top_k 1 with a temperature keeps every token tied with the top logit and samples among them, as
+    transformers' TopKLogitsWarper and vLLM's top-k (``logits < kth`` masked) do; it was argmax, the lowest id every
+    time. Also with the logits as the model gives them (float32, the greedy shortcut) and speculation's ``draw``."""
+    x = TIES.astype(np.float32)
+    s = Sampler(SamplingParams(temperature=0.7, top_k=1, seed=5))
+    draws = [s(x) for _ in range(200)]
+    assert set(draws) == {1, 2} and 60 < draws.count(1) < 140
+    assert {s.draw(x)[0] for _ in range(100)} == {1, 2}
+    assert Sampler(SamplingParams(temperature=0.0, top_k=1, seed=5))(x) == 1  # greedy: the lowest id, as vLLM's
 
 
 @pytest.mark.parametrize("kw,n_kept", [(dict(temperature=1.0), 7), (dict(temperature=1.3, top_k=5, top_p=0.8, min_p=0.45), 3)])
