@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import BackendUnavailable
-from lineside.runtime.tensorrt.env import import_driver, import_nvrtc
+from lineside.runtime.tensorrt.env import check, import_cudart, import_driver, import_nvrtc
 
 SOURCE = r"""
 extern "C" __global__ void append_rows(const unsigned char* src, unsigned char* dst, const long long* pos,
@@ -129,6 +129,11 @@ class StateKernels:
     def _build(self, sm: str) -> None:
         self.cu = import_driver()
         image, self.target = compile_state_kernels(sm)
+        # cuModuleLoadData loads into the current context and fails (CUDA_ERROR_INVALID_CONTEXT) without one;
+        # device queries such as probe_gpu's create none. cudaFree(0) makes the current device's primary context
+        # (the one the runtime and TensorRT use) current on this thread, as any runtime call needing one does.
+        cudart = import_cudart()
+        check(cudart, cudart.cudaFree(0), "cudaFree(0)")
         self._image = np.frombuffer(image, dtype=np.uint8).copy()  # the driver reads it by address
         self.module = _ok(self.cu.cuModuleLoadData(self._image.ctypes.data), "cuModuleLoadData")
         self.append = _ok(self.cu.cuModuleGetFunction(self.module, b"append_rows"), "cuModuleGetFunction")
