@@ -10,29 +10,31 @@ Needs a GPU, cuda-python and TensorRT; the CPU tests run it against tests/runtim
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# Run as a script (scripts/gpu_check.sh), sys.path starts at benchmarks/: the checkout this file is in must be the
+# lineside benchmarked (and tests.conftest importable), installed or not.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from lineside.build.pipeline import BuildOptions, build_bundle
-from lineside.build.tensorrt.builder import BuildOptions as EngineOptions
-from lineside.build.tensorrt.builder import build_engine
-from lineside.bundle import open_bundle
-from lineside.errors import LinesideError
-from lineside.runtime.backend import StepBatch
-from lineside.runtime.tensorrt.backend import TensorRTBackend
-from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu, tensorrt_version
+import numpy as np  # noqa: E402
+
+from lineside.build.pipeline import BuildOptions, build_bundle  # noqa: E402
+from lineside.build.tensorrt.builder import BuildOptions as EngineOptions  # noqa: E402
+from lineside.build.tensorrt.builder import build_engine  # noqa: E402
+from lineside.bundle import open_bundle  # noqa: E402
+from lineside.errors import LinesideError  # noqa: E402
+from lineside.runtime.backend import StepBatch  # noqa: E402
+from lineside.runtime.tensorrt.backend import TensorRTBackend  # noqa: E402
+from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu, tensorrt_version  # noqa: E402
 
 
 def _test_helpers():
     """tests/conftest.py (the tiny-checkpoint makers), imported as the package module ``tests.conftest``."""
     import importlib
-    import sys
 
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
     return importlib.import_module("tests.conftest")
 
 PROMPT, STEPS = 128, 128

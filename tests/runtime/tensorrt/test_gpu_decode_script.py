@@ -49,3 +49,23 @@ def test_gpu_decode_without_tensorrt_refuses_in_one_line_before_building(monkeyp
     said = str(e.value.code)
     assert said.startswith("gpu_decode: TensorRT is not installed") and "\n" not in said, said
     assert not (tmp_path / "w" / "b").exists() and not (tmp_path / "w" / "ck").exists()
+
+
+def test_gpu_decode_runs_the_checkout_it_lives_in(tmp_path):
+    """scripts/gpu_check.sh runs ``python benchmarks/gpu_decode.py``: Python puts benchmarks/ (not the repo root)
+    first on sys.path, so without the repo root the script failed with ModuleNotFoundError on a checkout whose
+    lineside is not pip-installed (a copied tree, an editable install pointing elsewhere) — or benchmarked another
+    installed lineside than the one the GPU tests just ran. A stand-in that refuses to be imported shadows any
+    installed one here."""
+    import os
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "shadow" / "lineside"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not the checkout lineside')\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    res = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-500:]
+    assert "scratch directory" in res.stdout
