@@ -26,7 +26,7 @@ from lineside.build.tensorrt.profiles import (
     derive_limits,
     derive_profiles,
 )
-from lineside.build.tensorrt.progress import make_monitor
+from lineside.build.tensorrt.progress import end_build, make_monitor
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
 from lineside.runtime.graph_context import check_rope_positions
@@ -147,7 +147,8 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     cache_path = out / TIMING_CACHE
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
     config.set_timing_cache(cache, ignore_mismatch=False)
-    config.progress_monitor = make_monitor(trt, console)
+    monitor = make_monitor(trt, console)
+    config.progress_monitor = monitor
     for spec in profiles:
         prof = builder.create_optimization_profile()
         for name, (mn, op, mx) in spec.shapes.items():
@@ -155,7 +156,10 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
         config.add_optimization_profile(prof)
 
     t0 = time.time()
-    serialized = builder.build_serialized_network(network, config)
+    try:
+        serialized = builder.build_serialized_network(network, config)
+    finally:
+        end_build(monitor)  # a Ctrl-C during the build cancelled it: an interrupt, not "built no engine"
     if serialized is None:
         raise EngineBuildError(
             f"TensorRT {key.tensorrt} built no engine for {key.gpu_name} (SM {key.compute_capability}); the "

@@ -43,22 +43,52 @@ class PhaseBars:
         if not self.tasks:
             self.progress.stop()
 
+    def close(self) -> None:
+        """Stop the bars of phases TensorRT left open (a cancelled or failed build need not finish them)."""
+        for task in self.tasks.values():
+            self.progress.remove_task(task)
+        self.tasks.clear()
+        self.progress.stop()
+
 
 def make_monitor(trt: Any, console: Console | None = None) -> Any:
-    """A trt.IProgressMonitor that drives PhaseBars (TensorRT ≥ 10.0)."""
+    """A trt.IProgressMonitor that drives PhaseBars (TensorRT ≥ 10.0).
+
+    TensorRT calls these methods from inside build_serialized_network, and its binding swallows whatever they
+    raise (printing "[ERROR] Exception caught in step_complete()"). A Ctrl-C or SIGTERM (raised as an interrupt by
+    the CLI) that lands in one would vanish into a build that merely "built no engine"; the monitor keeps it in
+    ``interrupted``, cancels the build (step_complete answers False), and ``end_build`` re-raises it after."""
 
     class RichMonitor(trt.IProgressMonitor):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             trt.IProgressMonitor.__init__(self)
             self.bars = PhaseBars(console)
+            self.interrupted: BaseException | None = None
 
         def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
-            self.bars.start(phase_name, parent_phase, num_steps)
+            try:
+                self.bars.start(phase_name, parent_phase, num_steps)
+            except KeyboardInterrupt as e:
+                self.interrupted = e
 
         def step_complete(self, phase_name: str, step: int) -> bool:
-            return self.bars.step(phase_name, step)
+            try:
+                return self.bars.step(phase_name, step) and self.interrupted is None
+            except KeyboardInterrupt as e:
+                self.interrupted = e
+                return False
 
         def phase_finish(self, phase_name: str) -> None:
-            self.bars.finish(phase_name)
+            try:
+                self.bars.finish(phase_name)
+            except KeyboardInterrupt as e:
+                self.interrupted = e
 
     return RichMonitor()
+
+
+def end_build(monitor: Any) -> None:
+    """After build_serialized_network: stop the bars; re-raise an interrupt that arrived during the build."""
+    monitor.bars.close()
+    if monitor.interrupted is not None:
+        raise monitor.interrupted

@@ -9,6 +9,7 @@ addresses, shapes, re-layouts, append kernels and graph replays are all exercise
 from __future__ import annotations
 
 import ctypes
+import sys
 import types
 from enum import IntEnum
 from pathlib import Path
@@ -213,6 +214,17 @@ class _Engine:
         return _Ctx(self, strategy)
 
 
+def _callback(fn: Any, *args: Any, failed: Any = None) -> Any:
+    """A progress-monitor callback as TensorRT's pybind trampoline (PyProgressMonitor, python/src/infer/pyCore.cpp)
+    makes it: an exception from the Python override — KeyboardInterrupt included — is printed and swallowed there;
+    step_complete then answers False, which cancels the build."""
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001 - what the C++ catch (...) does
+        print(f"[ERROR] Exception caught in {fn.__name__}(): {e!r}", file=sys.stderr)
+        return failed
+
+
 def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
     """Builder + runtime: the 'engine' is a JSON record of the graph path and the profiles it was built with."""
     import json
@@ -315,9 +327,11 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
             if m.fail == "build":
                 return None
             mon = config.progress_monitor
-            mon.phase_start("Building engine", None, 2)
-            mon.step_complete("Building engine", 0)
-            mon.phase_finish("Building engine")
+            _callback(mon.phase_start, "Building engine", None, 2)
+            for step in range(2):
+                if not _callback(mon.step_complete, "Building engine", step, failed=False):
+                    return None  # cancelled: TensorRT builds no engine (phase_finish may or may not come)
+            _callback(mon.phase_finish, "Building engine")
             rec = {"graph": network.graph, "profiles": [{k: [list(x) for x in v] for k, v in p.shapes.items()}
                                                         for p in config.profiles],
                    "fp16": "FP16" in config.flags}

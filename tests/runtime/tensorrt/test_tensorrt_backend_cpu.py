@@ -358,3 +358,35 @@ def test_a_rebuild_that_fails_after_writing_the_engine_leaves_no_stale_engine_js
         build_engine(dst, BuildOptions(num_slots=1, max_prefill=8, first_bucket=8, bucket_step=16))
     with pytest.raises(BundleError, match="lineside engine"):
         TensorRTBackend(open_bundle(dst), num_slots=4)
+
+
+def test_ctrl_c_during_the_engine_build_is_an_interrupt_not_a_failed_build(trt_bundle, monkeypatch, tmp_path, capsys):
+    """TensorRT calls the progress monitor's Python methods during build_serialized_network; its pybind trampoline
+    swallows what they raise and a failing step_complete cancels the build. So a Ctrl-C (or SIGTERM, which the CLI
+    raises as an interrupt) landing in a callback came back as 'built no engine ... often no INT4 weight-only
+    tactic: rebuild the bundle with --quant w8a16' and exit 1. It is an interrupt (exit 130), the progress bars
+    are stopped, and nothing is written."""
+    import shutil
+
+    from lineside.build.tensorrt import progress
+
+    dst = tmp_path / "b"
+    shutil.copytree(trt_bundle("w4a16").path, dst)
+    fake_trt.install(monkeypatch)
+    made = []
+    init = progress.PhaseBars.__init__
+    monkeypatch.setattr(progress.PhaseBars, "__init__", lambda self, *a: (made.append(self), init(self, *a))[1])
+
+    def ctrl_c(self, phase, step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress.PhaseBars, "step", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        build_engine(dst, BuildOptions(num_slots=1))
+    assert made and not made[0].progress.live.is_started  # the bars TensorRT left mid-phase are stopped
+    assert not list(dst.glob("engines/*/engine.json")) and not list(dst.glob("engines/*/model.engine"))
+    with pytest.raises(SystemExit) as e:
+        main(["engine", str(dst), "--slots", "1"])
+    assert e.value.code == 130
+    assert "built no engine" not in capsys.readouterr().err
+
