@@ -48,8 +48,12 @@ class DeviceArrays:
         return p
 
     def set(self, p: int, a: np.ndarray) -> None:
+        # On the kernels' own stream, then waited for: a cudaMemcpy from pageable memory may still be in flight when
+        # it returns, and the legacy stream it runs on does not order a non-blocking stream's launches after it.
         a = np.ascontiguousarray(a)
-        check(cr, cr.cudaMemcpy(p, a.ctypes.data, a.nbytes, cr.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
+        check(cr, cr.cudaMemcpyAsync(p, a.ctypes.data, a.nbytes, cr.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                                     self.stream), "cudaMemcpyAsync")
+        self.sync()
 
     def get(self, p: int, like: np.ndarray) -> np.ndarray:
         self.sync()
