@@ -12,9 +12,10 @@ X-Session-Id) and starts from its KV when its prompt extends it.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -39,6 +40,22 @@ router = APIRouter()
 
 def _state(request: Request) -> ServerState:
     return request.app.state.lineside
+
+
+async def _json_body(request: Request) -> Any:
+    """The body as JSON, refused as FastAPI refuses a model-typed route's (errors.py words each): this route reads
+    the body itself, and ``request.json()``'s own errors (an empty body, malformed or too deeply nested JSON) would
+    otherwise be a 500."""
+    raw = await request.body()
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": e.msg}}]) from e
+    except Exception as e:  # noqa: BLE001 - RecursionError, a number past int()'s digit limit: FastAPI's catch-all
+        raise HTTPException(400, "There was an error parsing the body") from e
 
 
 def _parse(raw: Any) -> ChatCompletionRequest | CompletionRequest:
@@ -151,7 +168,7 @@ async def prefill(request: Request) -> Any:
     """Cache the KV of a prompt still being written under ``session_id``; answers at once."""
     state = _state(request)
     try:
-        body = _parse(await request.json())
+        body = _parse(await _json_body(request))
         _completion_only(body)
         if _check_model(state, body.model) is not None:  # a session's KV is the base model's (scheduler.py)
             raise APIError(400, f"prefill sessions run on the base model, not on the LoRA adapter {body.model!r}; "
