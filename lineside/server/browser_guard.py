@@ -86,6 +86,17 @@ def json_content_type(value: str | None) -> str | None:
     return None
 
 
+def content_coding(value: str | None) -> str | None:
+    """The first content coding other than identity in a Content-Encoding header, or None. The body is read as the
+    bytes sent (as vLLM, llama.cpp's server and Ollama read it): a gzip body would otherwise be refused as UTF-16
+    (its header holds NUL bytes) or malformed JSON, saying nothing of the compression (RFC 9110: 415)."""
+    for coding in (value or "").split(","):
+        name = coding.strip().lower()
+        if name and name != "identity":
+            return name
+    return None
+
+
 class BrowserGuard:
     """Pure-ASGI middleware applying a BrowserPolicy before anything else runs."""
 
@@ -120,6 +131,12 @@ class BrowserGuard:
                 await _refuse(send, 415, f"{why}; send the body as JSON with 'Content-Type: application/json' "
                                          "(UTF-8)", code="unsupported_media_type")
                 return
+            coding = content_coding(headers.get("content-encoding"))
+            if coding is not None:
+                await _refuse(send, 415, f"Content-Encoding {coding!r} is not accepted; send the body uncompressed "
+                                         "(no Content-Encoding)", code="unsupported_content_encoding",
+                              headers=[(b"accept-encoding", b"identity")])
+                return
         await self.app(scope, receive, send)
 
 
@@ -129,11 +146,12 @@ def _has_body(headers: dict[str, str]) -> bool:
     return "transfer-encoding" in headers or headers.get("content-length", "0").strip() != "0"
 
 
-async def _refuse(send: Any, status: int, message: str, *, code: str) -> None:
+async def _refuse(send: Any, status: int, message: str, *, code: str,
+                  headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(APIError(status, message, code).body()).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
