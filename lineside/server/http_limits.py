@@ -140,6 +140,21 @@ def _refusal(status: int, message: str, code: str) -> bytes:
             % (status, _REASONS[status], len(body), retry)) + body
 
 
+def _malformed_hint(error: Exception, reason: str) -> str:
+    """What to do about a request llhttp refused, from what it found: the framing advice fits only framing errors
+    (a URL holding a raw space or UTF-8, which curl sends as typed, is not one)."""
+    if isinstance(error, httptools.HttpParserInvalidURLError) or reason.startswith("Expected HTTP/"):
+        return ("the request line is METHOD URL HTTP/1.1, and the URL is ASCII: percent-encode spaces and "
+                "non-ASCII characters in it")
+    if isinstance(error, httptools.HttpParserInvalidMethodError):
+        return "use a standard method (GET, POST, DELETE)"
+    if "PRI" in reason:
+        return "this server speaks HTTP/1.1 (and HTTP/1.0) only, not HTTP/2 with prior knowledge (h2c)"
+    if any(word in reason for word in ("Content-Length", "Transfer-Encoding", "chunk")):
+        return "send one framing (Content-Length or chunked Transfer-Encoding) and valid chunk sizes"
+    return "send a well-formed HTTP/1.1 request (CRLF line ends, header names without spaces)"
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing; httptools re-raises it wrapped in HttpParserError."""
 
@@ -261,8 +276,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if _sampled(self.counter.malformed):
                 log.info("refused a malformed HTTP request from %s: %s; %d refused so far", self.client, reason,
                          self.counter.malformed)
-            self._close_with(400, f"malformed HTTP/1.1 request ({reason}); send one framing (Content-Length or "
-                                  "chunked Transfer-Encoding) and valid chunk sizes", "malformed_http")
+            self._close_with(400, f"malformed HTTP/1.1 request ({reason}); {_malformed_hint(e, reason)}",
+                             "malformed_http")
 
     # ---- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:

@@ -46,3 +46,34 @@ def test_a_compressed_body_is_a_415_naming_the_coding(server, coding):
         # identity is no coding at all
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"Content-Encoding": "identity"})
         assert r.status_code == 200, r.text
+
+
+def _raw(server, data: bytes) -> tuple[bytes, dict]:
+    """Send ``data`` on a fresh connection and read until the server closes: (status line, error object)."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(data)
+        got = bytearray()
+        while chunk := s.recv(65536):
+            got.extend(chunk)
+    head, _, body = bytes(got).partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("request_bytes, words", [
+    (b"GET /v1/models/caf\xc3\xa9 HTTP/1.1\r\nHost: localhost\r\n\r\n", "percent-encode"),  # curl sends it raw
+    (b"GET /v1/models/a b HTTP/1.1\r\nHost: localhost\r\n\r\n", "percent-encode"),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "HTTP/2"),  # curl --http2-prior-knowledge, an h2 upstream
+    (b"BREW /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", "method"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+     "framing"),
+])
+def test_a_malformed_request_is_told_what_was_wrong_with_it(server, request_bytes, words):
+    """The refusal's advice fits what the parser found: a URL with a raw space or UTF-8 is not a framing problem."""
+    status, e = _raw(server, request_bytes)
+    assert status.startswith(b"HTTP/1.1 400") and e["code"] == "malformed_http", (status, e)
+    assert words in e["message"], e
+    if words != "framing":
+        assert "chunk" not in e["message"], e
