@@ -45,7 +45,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
                max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
-               reasoning_parser: str = "none") -> FastAPI:
+               reasoning_parser: str = "none", root_path: str = "") -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -62,7 +62,9 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``max_stored_responses``: /v1/responses kept for ``previous_response_id`` and GET (0: none);
     ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: the bundle's
     generation_config.json, as `serve --generation-config auto`);
-    ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py)."""
+    ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py);
+    ``root_path``: the path prefix a reverse proxy serves this under (vLLM's --root-path, as `serve` checks it): routes
+    answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -104,6 +106,9 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     app = FastAPI(title="lineside", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible API for a lineside bundle", docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if openapi else None)
+    # set on the app (as vLLM does), not through the constructor's deprecated parameter: FastAPI puts it in each
+    # request's scope, and Starlette's routing matches the path with the prefix removed when it is there
+    app.root_path = root_path
     app.state.lineside = state
     errors.install(app)
 

@@ -32,6 +32,9 @@ def serve(
         help="browser origins allowed to call (CORS, e.g. http://dash.local:3000; repeat); default: none")] = None,
     metrics_public: Annotated[bool, typer.Option(help="serve /metrics without the API key")] = False,
     openapi: Annotated[bool, typer.Option(help="serve the schema at /openapi.json (behind the key)")] = False,
+    root_path: Annotated[str, typer.Option(
+        help="path prefix a reverse proxy serves this under (e.g. /llm): requests may carry it (a proxy that keeps "
+             "it) or not (one that strips it)")] = "",
     header_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds a client has to send a request's headers")] = 10.0,
     body_timeout: Annotated[float, checks.number_option(
@@ -126,6 +129,7 @@ def serve(
         from lineside.runtime.chat_template import template_option
 
         template_text = template_option(chat_template)
+    root_path = root_path_option(root_path)
     for opt, path in (("--api-key-file", api_key_file), ("--slo-policy", slo_policy)):
         if path is not None:
             checks.input_file(path, opt)
@@ -258,7 +262,7 @@ def serve(
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                          max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
-                         reasoning_parser=reasoning_parser)
+                         reasoning_parser=reasoning_parser, root_path=root_path)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)
@@ -268,6 +272,22 @@ def serve(
     from lineside.server.serve import run  # uvicorn: imported while the engine loads
 
     run(app, sock, log_level=log_level, access_log=access_log, limits=limits)
+
+
+def root_path_option(value: str) -> str:
+    """--root-path as the router compares it: '' or '/a/b' (a trailing '/' dropped); a value no request path can
+    begin with (no leading '/', a query, a fragment, whitespace) is one line here, not every request a 404 later."""
+    from lineside.errors import LinesideError
+
+    path = value.strip()
+    if not path:
+        return ""
+    if not path.startswith("/"):
+        raise LinesideError(f"--root-path {value!r}: the prefix must begin with '/' (e.g. /{path.lstrip('/')})")
+    if any(ch in path for ch in "?#%") or any(ch.isspace() or not ch.isprintable() for ch in path):
+        raise LinesideError(f"--root-path {value!r}: give the URL path prefix alone (e.g. /llm), without a query, "
+                            "fragment, percent-escapes or spaces")
+    return path.rstrip("/")
 
 
 def load_in_background(bundle: Path, engine_kwargs: dict) -> Future:

@@ -103,9 +103,19 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
     return msg, param, "invalid_value" if kind != "missing" else "missing_field"
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The request's path without the ``--root-path`` prefix when it carries it (a proxy that keeps the prefix), as
+    Starlette's router matches it: what the middleware's decisions by path (key, body limit, drain) must read."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 def _count_invalid(request: Request) -> None:
     state = getattr(request.app.state, "lineside", None)
-    if state is not None and request.url.path.startswith("/v1/"):
+    if state is not None and route_path(request.scope).startswith("/v1/"):
         state.metrics.reject("invalid")
 
 

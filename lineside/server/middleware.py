@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from lineside.server import prompt_limits
 from lineside.server.auth import AccessPolicy
+from lineside.server.errors import route_path
 from lineside.server.state import ServerState
 
 # every route that runs a generation: counted in flight (what a drain waits for), refused while loading or draining
@@ -62,7 +63,7 @@ class ServerMiddleware:
             id_header = [(b"x-request-id", request_id.encode())]
         request_state = scope.setdefault("state", {})
         request_state["request_id"], request_state["t0"] = request_id, t0
-        path: str = scope.get("path", "")
+        path = route_path(scope)  # behind --root-path: the route's path, as the router matches it
         state = self.state
 
         if self.access.needs_key(path):

@@ -77,3 +77,37 @@ def test_a_malformed_request_is_told_what_was_wrong_with_it(server, request_byte
     assert words in e["message"], e
     if words != "framing":
         assert "chunk" not in e["message"], e
+
+
+def test_root_path_serves_behind_a_proxy_that_keeps_the_prefix(tiny_bundle):
+    """vLLM's --root-path: a proxy that forwards /llm/v1/... as it came (no prefix stripping) reaches the routes, and
+    what the server decides by path (the key's exemptions, the body limit, refusing work while draining) sees the
+    route's path, not the prefixed one; one that strips the prefix still reaches them too."""
+    from tests.server.conftest import running_server
+
+    with running_server(tiny_bundle, num_slots=1, threads=1, api_key="k", root_path="/llm",
+                        max_body_bytes=4096) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        key = {"Authorization": "Bearer k"}
+        assert c.get("/llm/health").status_code == 200  # a probe needs no key under the prefix either
+        assert c.get("/llm/health/ready").status_code == 200
+        _error(c.get("/llm/v1/models"), 401, "invalid_api_key")
+        assert c.get("/llm/v1/models", headers=key).json()["data"]
+        assert c.get("/v1/models", headers=key).status_code == 200  # a stripping proxy
+        r = c.post("/llm/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=key)
+        assert r.status_code == 200 and r.json()["choices"], r.text
+        _error(c.post("/llm/v1/completions", json={"prompt": "x" * 5000}, headers=key), 413, "body_too_large")
+        srv.state.draining = True
+        try:
+            _error(c.post("/llm/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=key), 503, "draining")
+        finally:
+            srv.state.draining = False
+
+
+@pytest.mark.parametrize("value, words", [("llm", "begin with '/'"), ("/llm?x=1", "path"), ("/a b", "path")])
+def test_serve_root_path_that_cannot_match_is_one_line(tiny_bundle, value, words, capsys):
+    from lineside.cli import run_app
+    from tests.server.test_units import _cli
+
+    code = run_app(_cli(), ["serve", str(tiny_bundle), "--root-path", value])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "--root-path" in err and words in err and len(err.splitlines()) == 1, err
