@@ -7,6 +7,7 @@ runtime) is a 400 with one clear line, never a 500; only a real server bug answe
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -141,9 +142,14 @@ def install(app: FastAPI) -> None:
         if status == 400 and "parsing the body" in detail:
             # FastAPI's catch-all around json.loads: malformed JSON and bad UTF-8 are answered before it, so what
             # lands here is mostly a body nested past the parser's recursion limit
-            detail = ("request body is JSON nested too deeply to parse; send a flatter JSON object"
-                      if isinstance(exc.__cause__, RecursionError) else
-                      "request body could not be parsed; send a JSON object encoded as UTF-8")
+            cause = exc.__cause__
+            if isinstance(cause, RecursionError):
+                detail = "request body is JSON nested too deeply to parse; send a flatter JSON object"
+            elif isinstance(cause, ValueError) and "digits" in str(cause):  # int()'s limit (sys.get_int_max_str_digits)
+                detail = (f"request body holds a number of more than {sys.get_int_max_str_digits()} digits, longer "
+                          "than the parser reads; send numbers that fit the fields")
+            else:
+                detail = "request body could not be parsed; send a JSON object encoded as UTF-8"
             return error_response(400, detail, "invalid_json", headers=exc.headers)
         if status == 404:
             detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/responses "

@@ -111,3 +111,13 @@ def test_serve_root_path_that_cannot_match_is_one_line(tiny_bundle, value, words
     code = run_app(_cli(), ["serve", str(tiny_bundle), "--root-path", value])
     err = capsys.readouterr().err.strip()
     assert code == 1 and "--root-path" in err and words in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/prefill"])
+def test_a_number_too_long_to_read_is_named_as_such(server, path):
+    """Python's json refuses an integer of more than 4,300 digits (a denial-of-service guard): the body is valid JSON
+    in UTF-8, so the answer must name the number, not ask for what was sent."""
+    body = b'{"prompt": "x", "session_id": "s", "max_tokens": 1' + b"0" * 5000 + b"}"
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        e = _error(c.post(path, content=body, headers=JSON), 400, "invalid_json")
+    assert "digits" in e["message"] and "UTF-8" not in e["message"], e
