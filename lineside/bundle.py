@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lineside import __version__
 from lineside.checksum_cache import NAME as CHECKSUM_STAMPS
 from lineside.checksum_cache import ChecksumCache
 from lineside.config import ModelConfig
@@ -373,17 +374,34 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not isinstance(manifest, dict) or "files" not in manifest:
         raise BundleError(f"{mf}: manifest has no file list; rebuild the bundle")
     fv = manifest.get("format_version")
+    producer = manifest.get("lineside_version")
+    by = f" (written by lineside {producer})" if isinstance(producer, str) and producer else ""
+    if type(fv) is int and fv > FORMAT_VERSION:
+        raise BundleError(f"{mf}: bundle format {fv}{by} is newer than lineside {__version__} reads "
+                          f"({FORMAT_VERSION}); upgrade lineside (`pip install -U lineside`) or rebuild the bundle "
+                          "with this one")
     if fv != FORMAT_VERSION:
         raise BundleError(f"{mf}: bundle format {fv!r}, this lineside reads {FORMAT_VERSION}; rebuild the bundle")
     try:
         parsed = Manifest.from_json_dict(manifest)
     except ValueError as e:
-        raise BundleError(f"{mf}: manifest is incomplete or from a newer lineside ({e}); rebuild the bundle") from None
+        upgrade = (f"written by lineside {producer}, this is {__version__}: upgrade lineside or rebuild the bundle"
+                   if _newer(producer) else "rebuild the bundle")
+        raise BundleError(f"{mf}: manifest is incomplete or from a newer lineside ({e}); {upgrade}") from None
     for what, rel in _manifest_paths(parsed):
         if leaves_bundle(rel):
             raise BundleError(f"{mf}: {what} {rel!r} is not a path inside the bundle; a bundle lists only its own "
                               "files — rebuild it or copy it again from where it was built")
     return parsed
+
+
+def _newer(version: Any) -> bool:
+    """Whether a manifest's ``lineside_version`` is later than this lineside (release numbers compared; anything
+    unparsable is not newer): a record this version cannot read then calls for an upgrade, not only a rebuild."""
+    def release(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", v.split("+")[0])[:3])
+
+    return isinstance(version, str) and release(version) > release(__version__)
 
 
 def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> None:

@@ -255,3 +255,29 @@ def test_named_chat_templates_take_default(built, tmp_path):
              {"name": "default", "template": "D{{ messages[0].content }}"}]
     b = open_bundle(_copy(built, tmp_path, lambda raw: raw["tokenizer"].update(chat_template=named)))
     assert Tokenizer.from_bundle(b).chat_template == "D{{ messages[0].content }}"
+
+
+@pytest.mark.parametrize(("edit", "needles"), [
+    # a bundle from a lineside whose format moved on: the way forward is this runtime's upgrade, not a rebuild
+    # (the machine running it often has no checkpoint to rebuild from)
+    (lambda raw: raw.update(format_version=2, lineside_version="0.9.0"),
+     ["bundle format 2", "lineside 0.9.0", "upgrade lineside", "pip install -U lineside"]),
+    (lambda raw: raw.update(format_version=3), ["bundle format 3", "upgrade lineside"]),
+    # same format, a newer producer's record this version cannot read: upgrade named before the rebuild
+    (lambda raw: (raw.update(lineside_version="99.1.0"),
+                  raw["flavors"]["trt"]["state"][0].update(update="rotate")),
+     ["lineside 99.1.0", "upgrade lineside", "rebuild the bundle"]),
+])
+def test_a_bundle_from_a_newer_lineside_says_to_upgrade(built, tmp_path, edit, needles):
+    path = _copy(built, tmp_path, edit)
+    with pytest.raises(BundleError) as e:
+        open_bundle(path)
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+def test_an_older_format_still_says_to_rebuild(built, tmp_path):
+    path = _copy(built, tmp_path, lambda raw: raw.update(format_version=0))
+    with pytest.raises(BundleError, match="bundle format 0, this lineside reads 1; rebuild the bundle") as e:
+        open_bundle(path)
+    assert "upgrade" not in str(e.value)
