@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import typer
 
+from lineside import __version__
 from lineside.errors import LinesideError
 
 try:  # typer ≥ 0.2x carries its own copy of click
@@ -53,10 +54,17 @@ _COMMANDS = {"build": "lineside.build.commands", "engine": "lineside.build.tenso
              "deploy": "lineside.deploy.commands"}
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"{PROG} {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                           help="print lineside's version and exit")) -> None:
     """A group callback keeps `lineside CMD` a group when only CMD's module is registered (typer runs a lone
-    command without its name otherwise)."""
+    command without its name otherwise). ``--version``: what a bug report or an upgrade check asks first."""
 
 
 def _register(argv: list[str] | None = None) -> None:

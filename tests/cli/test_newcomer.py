@@ -238,6 +238,20 @@ def test_license_metadata_is_an_spdx_string():
     assert int(re.search(r">=\s*(\d+)", req).group(1)) >= 77  # SPDX strings need setuptools 77
 
 
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_printed_and_matches_the_package(flag):
+    """`lineside --version` (what an upgrading user, a bug report or a deploy script asks first, as `vllm --version`
+    and `llama-server --version` answer) prints the installed release: the one pyproject.toml gives pip."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    release = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    proc = run_cli(flag)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"lineside {release}" and proc.stderr == ""
+
 # The same class as item 1: a size that cannot fit is refused before it is allocated (not an OOM kill).
 def test_kv_cache_that_cannot_fit_is_refused(bundle):
     from lineside import cli_checks
