@@ -196,5 +196,9 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; a user error is one line on stderr and a non-zero exit."""
+    from lineside.legacy_env import adopt_old_names
+
+    for note in adopt_old_names():  # TRTEDGE_* from before the rename: read, and said to be renamed
+        print(note, file=sys.stderr)
     _register(argv)
     sys.exit(run_app(app, argv))  # SystemExit(0) on success too, as typer's standalone mode does
