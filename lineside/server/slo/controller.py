@@ -10,10 +10,11 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 
 from lineside.server.slo.policy import SIGNAL_NAMES, SloPolicy, Thresholds
 from lineside.server.slo.signals import Signals
+from lineside.strenum import StrEnum
 
 
 class Level(IntEnum):
