@@ -149,7 +149,13 @@ class OnnxRuntimeBackend:
                 log.info("prompts run on the 4-bit graph: onnxruntime's int8 product saturates on this CPU (x86 "
                          "without VNNI), so the bundle's int8 prefill graph is left unused")
                 return None
-            return load(rel)[0]
+            try:
+                return load(rel)[0]
+            except LinesideError as e:  # an onnxruntime that runs the main graph but not this one (Python 3.10's
+                # newest, 1.23, fails its shape inference): the graph is only a faster way to the same prompts
+                log.warning("prompts run on the 4-bit graph: %s (onnxruntime %s); upgrade onnxruntime to use the "
+                            "int8 prefill graph", e, ort.__version__)
+                return None
 
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(load_prefill, prefill) if prefill else None

@@ -83,3 +83,36 @@ def test_the_kv_arena_is_not_on_huge_pages(tiny_bundle):
     be = OnnxRuntimeBackend(open_bundle(tiny_bundle), num_slots=128)
     large = [a for a in be.arena.values() if a.nbytes >= 1 << 21]
     assert large and all("nh" in _vm_flags(a) for a in large)
+
+
+def test_a_prefill_graph_this_onnxruntime_cannot_load_leaves_prompts_on_the_4bit_graph(tiny_bundles, monkeypatch,
+                                                                                        caplog):
+    """The int8 prefill graph only speeds prompts up. Python 3.10's newest onnxruntime (1.23; pyproject allows
+    >= 1.20) refuses it at load ('[ShapeInferenceError] Incompatible dimensions' at an o_proj smoothing Mul) while
+    it runs the bundle's main graph: generate and serve failed on the whole bundle. Prompts then run on the 4-bit
+    graph, as on a CPU whose int8 product saturates, and a warning names why."""
+    import logging
+
+    from lineside.runtime import onnxruntime_backend as mod
+    from lineside.runtime.backend import StepBatch
+
+    bundle = open_bundle(tiny_bundles(quant="w4a16", group_size=32, max_seq_len=64))
+    assert bundle.flavor("cpu").prefill_graph  # built by default at accuracy level 4
+    monkeypatch.setenv(mod.PREFILL_ENV, "0")
+    want = OnnxRuntimeBackend(bundle, num_slots=1, threads=1).forward(StepBatch.single(0, [1, 2, 3, 4, 5], 0))
+    monkeypatch.delenv(mod.PREFILL_ENV)
+    monkeypatch.setattr(mod, "host_int8_gemm_exact", lambda: True)  # the graph would be used on this CPU
+    real = mod.open_session
+
+    def older_onnxruntime(ort, graph, *args, **kwargs):
+        if graph.name == "model.prefill.onnx":
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model failed:Node (x/prefill_smoothed) Op (Mul) "
+                               "[ShapeInferenceError] Incompatible dimensions")
+        return real(ort, graph, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "open_session", older_onnxruntime)
+    with caplog.at_level(logging.WARNING, logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(bundle, num_slots=1, threads=1)
+    assert be.prefill_session is None
+    assert "model.prefill.onnx" in caplog.text and "Incompatible dimensions" in caplog.text
+    np.testing.assert_array_equal(be.forward(StepBatch.single(0, [1, 2, 3, 4, 5], 0)), want)
