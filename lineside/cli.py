@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import importlib
@@ -150,11 +151,38 @@ def _sigterm_interrupts() -> Iterator[None]:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _escape_unencodable(e: UnicodeError) -> tuple[str | bytes, int]:
+    """Error handler for stdout: a lone surrogate that stands for an undecodable byte (a file name read under
+    surrogateescape) is written as that byte, as Python does; any other character the encoding lacks as its
+    Python escape (\\xe9, \\u65e5)."""
+    if not isinstance(e, UnicodeEncodeError):
+        raise e
+    bad = e.object[e.start:e.end]
+    if all("\udc80" <= ch <= "\udcff" for ch in bad):
+        return bytes(ord(ch) - 0xDC00 for ch in bad), e.end
+    return codecs.backslashreplace_errors(e)
+
+
+codecs.register_error("lineside.escape", _escape_unencodable)
+
+
+def tolerant_stdout() -> None:
+    """Under a stdout encoding that lacks some characters (PYTHONIOENCODING=ascii, a C or Latin-1 locale, a pipe
+    to a file there), the first one in the model's text or a help page died on a UnicodeEncodeError traceback.
+    They are escaped instead, as Python's own stderr does: the locale says what the reader decodes, so UTF-8
+    bytes would be mojibake there, while an escape is visible and keeps the code point. Every character the
+    encoding has is written as before."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None and not sys.stdout.closed and sys.stdout.errors in ("strict", "surrogateescape"):
+        reconfigure(errors="lineside.escape")
+
+
 def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
     """Run a typer app and return its exit code, every failure printed as one line on stderr (no rich box,
     no traceback; LINESIDE_DEBUG=1 re-raises unexpected ones). Also used by build_engine.py."""
     debug = os.environ.get("LINESIDE_DEBUG", "") not in ("", "0")
     _terminated_by.clear()
+    tolerant_stdout()
     try:
         with _sigterm_interrupts():
             rv = cli(args=argv, prog_name=prog, standalone_mode=False)
