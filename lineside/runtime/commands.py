@@ -188,6 +188,9 @@ def chat(
             import readline  # noqa: F401
         except ImportError:  # a Python built without it: lines are read as before
             pass
+    # the room an answer is given before older turns are forgotten: all of --max-tokens, up to a quarter of the
+    # context (more would forget the whole conversation at every turn of a small bundle)
+    reserve = min(max_tokens, limit // 4)
     forgetting = False
     while True:
         try:
@@ -207,7 +210,7 @@ def chat(
         turns = [*messages, {"role": "user", "content": line}]
         ids = gen.tokenizer.encode_chat(turns)
         room = limit - len(ids)
-        while room < 16 and len(turns) > 2:  # forget the oldest turns when the context fills up
+        while room < reserve and len(turns) > 2:  # forget the oldest turns when the context fills up
             turns = turns[:1] + turns[3:] if system else turns[2:]
             ids = gen.tokenizer.encode_chat(turns)
             room = limit - len(ids)
@@ -223,9 +226,10 @@ def chat(
         messages = turns
         detok = IncrementalDetokenizer(gen.tokenizer, prompt_ids=ids)
         sys.stdout.write("model> ")
-        answer, stopped = [], False
+        answer, stopped, made = [], False, 0
         try:
             for t in gen.stream(ids, min(max_tokens, room), params):
+                made += 1
                 piece = detok.add(t)
                 answer.append(piece)
                 sys.stdout.write(piece)
@@ -240,6 +244,10 @@ def chat(
         sys.stdout.flush()
         if stopped:  # what was shown stays in the conversation
             print("answer stopped (Ctrl-C); an empty line or Ctrl-D quits", file=sys.stderr)
+        elif room < max_tokens and made >= room:  # not EOS, not --max-tokens: the context ran out mid-answer
+            print(f"note: the answer was cut after {made} tokens: with the prompt ({len(ids)} tokens) it filled the "
+                  f"bundle's context of {limit}; say less per line (or in --system), or build the bundle with a "
+                  "larger --max-seq-len", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 

@@ -156,3 +156,44 @@ def test_arrow_keys_at_a_terminal_edit_the_line(tiny_bundle):
     assert os.waitstatus_to_exitcode(status) == 0, text
     prompts = [ln.split("PROMPT=", 1)[1] for ln in text.splitlines() if "PROMPT=" in ln]  # after "model> "
     assert len(prompts) == 1 and "hello" in prompts[0] and "\\x1b" not in prompts[0], text
+
+
+def _long_answers(monkeypatch) -> list[int]:
+    """Generator.stream answers every prompt with as many tokens as it may ("a", never EOS); returns the prompt
+    length of each call."""
+    lengths: list[int] = []
+
+    def stream(self, ids, max_tokens=128, *args, **kwargs):
+        lengths.append(len(ids))
+        yield from self.tokenizer.encode("a" * max_tokens, add_special=False)[:max_tokens]
+
+    monkeypatch.setattr(Generator, "stream", stream)
+    return lengths
+
+
+def _chat_with(monkeypatch, capsys, bundle, lines: str, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    rc = run_app(lineside_app(), ["chat", str(bundle), "--backend", "onnxruntime", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_an_answer_cut_by_the_context_is_said(tiny_bundle, monkeypatch, capsys):
+    """An answer that ran into the bundle's context (256) before --max-tokens ended mid-sentence without a word,
+    like a complete one; `lineside generate` says so."""
+    _long_answers(monkeypatch)
+    rc, out, err = _chat_with(monkeypatch, capsys, tiny_bundle, "hi\n\n", "--max-tokens", "1000")
+    assert rc == 0 and out.count("model> ") == 1, err
+    notes = [ln for ln in err.splitlines() if "context" in ln]
+    assert len(notes) == 1 and "256" in notes[0] and "--max-seq-len" in notes[0], err
+
+
+def test_a_full_context_leaves_each_answer_room(tiny_bundle, monkeypatch, capsys):
+    """Once the conversation filled the context, the oldest turns were forgotten only until 16 tokens were free:
+    every later answer was cut at 16-odd tokens, mid-sentence, turn after turn. Older turns make room for the answer
+    (--max-tokens, up to a quarter of the context) instead."""
+    lengths = _long_answers(monkeypatch)
+    rc, out, err = _chat_with(monkeypatch, capsys, tiny_bundle, "hi\n" * 6 + "\n", "--max-tokens", "64")
+    assert rc == 0 and out.count("model> ") == 6, err
+    assert all(256 - n >= 64 for n in lengths), lengths  # each answer had its 64 tokens of room
+    assert "cut" not in err and sum("oldest" in ln for ln in err.splitlines()) == 1, err

@@ -208,7 +208,8 @@ def test_text_that_is_not_utf8_is_one_line(bundle):
     assert_one_line_error(run_cli("generate", str(bundle), "--prompt", bad, fresh=True), "--prompt", "UTF-8")
     assert_one_line_error(run_cli("chat", str(bundle), "--system", bad, fresh=True), "--system", "UTF-8")
     # a chat line: one line on stderr, and the chat goes on (the next line is answered; the conversation is kept)
-    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle)], input=b"caf\xe9\nhi\n\n",
+    proc = subprocess.run([sys.executable, "-m", "lineside", "chat", str(bundle), "--max-tokens", "3"],
+                          input=b"caf\xe9\nhi\n\n",
                           capture_output=True, timeout=120)
     err = proc.stderr.decode(errors="replace").split("empty line to quit", 1)[-1].strip().splitlines()
     assert proc.returncode == 0, proc.stderr
