@@ -147,6 +147,20 @@ def check_chat_template(text: str, what: str, *, bos_token: str = "", eos_token:
                                 "(it must write each message's 'content')")
 
 
+@functools.lru_cache(maxsize=32)
+def shows_system(text: str) -> bool:
+    """Whether the template ``text`` writes a leading system message into the prompt. Gemma's raises on a system
+    role ("System role not supported"), and a template may drop one: what the server itself means for the model
+    there (the tools' description) must go into a user turn instead."""
+    probe = [{"role": "system", "content": "SYSTEM-PROBE"}, *_PROBE]
+    try:
+        out = compile_template(text, "chat template").render(messages=probe, tools=None, add_generation_prompt=True,
+                                                             bos_token="", eos_token="")
+    except Exception:  # noqa: BLE001 - whatever the template raises, it does not take a system message
+        return False
+    return "SYSTEM-PROBE" in out
+
+
 def check_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
     """A request's extra template variables: a JSON object of names the server does not set itself."""
     if not isinstance(kwargs, dict):

@@ -6,7 +6,8 @@ model write the function's arguments as JSON for its parameter schema; ``require
 ``[{"name": ..., "arguments": {...}}, ...]`` over the tools' schemas. ``auto`` lets the model choose and
 parses what it writes: Qwen2.5 / R1-Distill-Qwen / Hermes ``<tool_call>{json}</tool_call>`` (or a JSON array of
 calls in the tags, as SmolLM2 was trained to write) or Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}``. A template that knows nothing of tools (SmolLM2's) gets
-the tools described in a system message, asking for the ``<tool_call>`` format.
+the tools described in a system message (in the first user turn when it refuses a system role, as Gemma's does),
+asking for the ``<tool_call>`` format.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from lineside.runtime.chat_template import shows_system
 from lineside.runtime.stop import partial_suffix
 from lineside.runtime.structured import Constraint
 from lineside.server.errors import APIError
@@ -268,18 +270,22 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
                 m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
             out.append(m)
         return out, listed
-    out = []
-    for m in messages:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
         m = dict(m)
         if m.get("tool_calls"):
             calls = "\n".join(f"<tool_call>\n{json.dumps(_template_call(c)['function'], ensure_ascii=False)}\n"
                               "</tool_call>" for c in m.pop("tool_calls"))
             m["content"] = ((m.get("content") or "") + "\n" + calls).strip()
         elif m.get("role") == "tool":
-            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            response = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if i and messages[i - 1].get("role") == "tool":  # results in a row share one user turn, as Qwen2.5's
+                out[-1]["content"] += "\n" + response  # and Hermes' templates write them (and Gemma's alternation
+                continue  # of user and assistant turns holds)
+            m = {"role": "user", "content": response}
         out.append(m)
     if listed:
-        out = _with_system(out, tools_system_prompt(tools))
+        out = _with_tools_text(out, tools_system_prompt(tools), chat_template)
     return out, None
 
 
@@ -291,6 +297,18 @@ def tools_system_prompt(tools: Sequence[Tool]) -> str:
             "For each function call, return a json object with function name and arguments within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
             "\n</tool_call>")
+
+
+def _with_tools_text(messages: list[dict[str, Any]], text: str, chat_template: str | None) -> list[dict[str, Any]]:
+    """The tools' description in a system message; at the start of the first user turn for a template that
+    refuses a system role or leaves it out (Gemma's), unless the client sent a system message of its own."""
+    first_user = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if (not chat_template or shows_system(chat_template) or first_user is None
+            or messages[0].get("role") in ("system", "developer")):
+        return _with_system(messages, text)
+    m = dict(messages[first_user])
+    m["content"] = f"{text}\n\n{m.get('content') or ''}".strip()
+    return [*messages[:first_user], m, *messages[first_user + 1:]]
 
 
 def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:

@@ -1,0 +1,75 @@
+"""Tools with chat templates that refuse a system role or roles out of user/assistant order (Gemma's, Mistral's,
+Llama 2's): a template without a tools section of its own gets the tools described in a system message, which
+such a template refused with its own role error, blamed on a system message the client never sent."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.server.conftest import running_server
+from tests.server.test_tool_calls_scripted import CONTEXT, TOOLS, ScriptedModel, _bundle
+
+# google/gemma-2-2b-it's tokenizer_config.json chat_template
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+TURN = "<start_of_turn>model\n"
+SCRIPTS = {"[one]": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}\n</tool_call>',
+           "[two]": '<tool_call>\n{"name": "stop_line", "arguments": {"line": 4}}\n</tool_call>\n<tool_call>\n'
+                    '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "F"}}\n</tool_call>',
+           "[text]": "Line 4 is stopped."}
+
+
+@pytest.fixture(scope="module")
+def gemma(tiny_dense, tmp_path_factory):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp("gemma"), GEMMA_TEMPLATE))
+    be = ScriptedModel(Tokenizer.from_bundle(b), SCRIPTS, TURN, num_slots=2, max_seq_len=CONTEXT)
+    with running_server(LLMEngine(b, backend=be, num_slots=2)) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        srv.backend = be
+        yield srv
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def test_tools_with_a_template_that_refuses_a_system_role(gemma):
+    """400 "chat template: System role not supported" for a request with no system message: the tools' system
+    message was the server's own. They go into the first user turn instead."""
+    r = gemma.client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "[one] Weather?"}],
+                                             tools=TOOLS, max_tokens=200)
+    assert _calls(r.choices[0].message) == [("get_weather", {"city": "Lyon", "unit": "C"})]
+    prompt = gemma.backend.prompts[-1]
+    assert prompt.count("<start_of_turn>user\n") == 1 and "<start_of_turn>system" not in prompt, prompt
+    user = prompt.split("<start_of_turn>user\n", 1)[1]
+    assert user.index('"name": "get_weather"') < user.index("[one] Weather?"), prompt  # the tools, then the question
+
+
+def test_two_tool_results_with_a_template_that_wants_alternating_roles(gemma):
+    """Each tool result became a user turn of its own: two results in a row broke the alternation the template
+    demands (400 "Conversation roles must alternate"). Consecutive results share one user turn, as Qwen2.5's and
+    Hermes' own templates write them."""
+    first = gemma.client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "[two] Go"}],
+                                                 tools=TOOLS, max_tokens=200).choices[0].message
+    assert len(first.tool_calls) == 2
+    history = [{"role": "user", "content": "[two] Go"}, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "line 4 stopped"},
+               {"role": "tool", "tool_call_id": first.tool_calls[1].id, "content": "snow"}]
+    r = gemma.client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=200)
+    prompt = gemma.backend.prompts[-1]
+    results = prompt.rsplit("<start_of_turn>user\n", 1)[1]
+    assert "line 4 stopped" in results and "snow" in results, prompt
+    assert r.choices[0].finish_reason in ("stop", "tool_calls")
+
