@@ -12,6 +12,7 @@ asking for the ``<tool_call>`` format.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -263,11 +264,16 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
     HF templates expect); a template without tool support gets tools, calls and results written as text."""
     listed = [t.openai() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
     if template_knows_tools(chat_template):
+        short = bool(_NINE_CHAR_IDS.search(chat_template or ""))
         out = []
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
                 m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+                if short:
+                    m["tool_calls"] = [{**c, "id": _nine_chars(c["id"])} for c in m["tool_calls"]]
+            if short and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+                m["tool_call_id"] = _nine_chars(m["tool_call_id"])
             out.append(m)
         return out, listed
     out: list[dict[str, Any]] = []
@@ -287,6 +293,19 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
     if listed:
         out = _with_tools_text(out, tools_system_prompt(tools), chat_template)
     return out, None
+
+
+# Mistral's templates (7B v0.3, Nemo, Small) raise unless each tool call id is 9 characters
+_NINE_CHAR_IDS = re.compile(r"id\s*\|\s*length\s*!=\s*9")
+
+
+def _nine_chars(call_id: Any) -> Any:
+    """A tool call id as Mistral's templates take it (9 letters or digits), the same id always to the same one:
+    this server's ids (OpenAI's "call_" + 24) and most clients' were refused with "Tool call IDs should be
+    alphanumeric strings with length 9!", so no tool result could be sent back (vLLM cuts them for Mistral)."""
+    if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
+        return call_id
+    return hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:9]
 
 
 def tools_system_prompt(tools: Sequence[Tool]) -> str:

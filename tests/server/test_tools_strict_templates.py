@@ -5,6 +5,7 @@ such a template refused with its own role error, blamed on a system message the 
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -73,3 +74,127 @@ def test_two_tool_results_with_a_template_that_wants_alternating_roles(gemma):
     assert "line 4 stopped" in results and "snow" in results, prompt
     assert r.choices[0].finish_reason in ("stop", "tool_calls")
 
+
+
+# mistralai/Mistral-7B-Instruct-v0.3's tokenizer_config.json chat_template (it takes tools itself)
+MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS] [" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.fixture(scope="module")
+def mistral(tiny_dense, tmp_path_factory):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp("mistral"), MISTRAL_TEMPLATE))
+    be = ScriptedModel(Tokenizer.from_bundle(b), {"[text]": "Done."}, "[/INST]", num_slots=2, max_seq_len=CONTEXT)
+    with running_server(LLMEngine(b, backend=be, num_slots=2)) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        srv.backend = be
+        yield srv
+
+
+def test_a_tool_round_trip_with_mistrals_template(mistral):
+    """Mistral's template takes only 9-character tool call ids ("Tool call IDs should be alphanumeric strings with
+    length 9!"); this server's are OpenAI's "call_" + 24, so every history that sent a call's result back was a
+    400 the client could not fix. Ids are mapped to 9 characters for such a template (as vLLM truncates them for
+    Mistral), the same id to the same one."""
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Stop line 4"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0123456789abcdef01234567", "type": "function",
+                    "function": {"name": "stop_line", "arguments": '{"line": 4}'}}]},
+               {"role": "tool", "tool_call_id": "call_0123456789abcdef01234567", "content": "stopped"},
+               {"role": "assistant", "content": "Stopped."}, {"role": "user", "content": "[text] thanks"}]
+    r = mistral.client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=50)
+    assert r.choices[0].message.content == "Done."
+    prompt = mistral.backend.prompts[-1]
+    ids = re.findall(r'"id": "(\w+)"', prompt) + re.findall(r'"call_id": "(\w+)"', prompt)
+    assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum(), prompt
+    assert "[AVAILABLE_TOOLS]" in prompt and '"name": "stop_line", "arguments": {"line": 4}' in prompt, prompt
