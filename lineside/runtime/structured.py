@@ -83,6 +83,7 @@ class Constraint:
         if _objects(schema) > MAX_SCHEMA_OBJECTS:
             raise ConstraintError(f"{param}: the schema holds more than {MAX_SCHEMA_OBJECTS} JSON objects; split it "
                                   "or share subschemas through $defs", param)
+        check_enforceable(schema, param)
         # Key order is kept: it is the order the model writes properties in.
         return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
 
@@ -122,6 +123,44 @@ class Constraint:
             return grammar_from("grammar", self.text)
         except ValueError as e:
             raise ConstraintError(f"{self.param or self.kind.value}: {_first_line(str(e))}", self.param) from None
+
+
+# JSON Schema keywords the grammar engine cannot enforce while generating (llguidance: "Unimplemented keys"); a
+# test checks each against the installed llguidance
+UNENFORCEABLE = frozenset({"not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
+                           "contains", "minContains", "maxContains", "uniqueItems", "propertyNames",
+                           "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$dynamicAnchor",
+                           "$recursiveRef", "$recursiveAnchor"})
+_SUBSCHEMA = frozenset({"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
+                        "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
+_SUBSCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})  # lists of schemas
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def check_enforceable(schema: Any, param: str) -> None:
+    """One line naming the first keyword of ``schema`` that structured outputs cannot enforce and the JSON pointer
+    of the subschema holding it (the grammar engine's own "Unimplemented keys" named neither). Only schema
+    positions are searched: a property named "not" is a name. Walked without recursion (schemas nest deep)."""
+    todo: list[tuple[Any, str]] = [(schema, "#")]
+    while todo:
+        node, at = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        found = next((k for k in node if k in UNENFORCEABLE), None)
+        if found is not None:
+            where = "the schema's root" if at == "#" else at
+            raise ConstraintError(f"{param}: the keyword \"{found}\" at {where} cannot be enforced while the answer is "
+                                  "generated; remove it from the schema (and check that rule on the answer)", param)
+        children: list[tuple[Any, str]] = []
+        for k, v in node.items():
+            here = f"{at}/{_pointer_token(k)}"
+            if k in _NAMED_SUBSCHEMAS and isinstance(v, dict):
+                children.extend((s, f"{here}/{_pointer_token(n)}") for n, s in v.items())
+            elif k in _SUBSCHEMAS and isinstance(v, list):
+                children.extend((s, f"{here}/{i}") for i, s in enumerate(v))
+            elif k in _SUBSCHEMA:
+                children.append((v, here))
+        todo.extend(reversed(children))  # depth first, in the schema's key order
 
 
 def _objects(value: Any) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 from lineside.runtime.chat_template import shows_system
 from lineside.runtime.stop import partial_suffix
-from lineside.runtime.structured import Constraint
+from lineside.runtime.structured import Constraint, ConstraintError, check_enforceable
 from lineside.server.errors import APIError
 
 # ``required`` with parallel calls: at most this many in one answer. A small model given an open array
@@ -187,10 +187,18 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
     if choice.kind == ToolChoiceKind.NAMED:
         tool = next(t for t in tools if t.name == choice.name)
         where = "" if flat else ".function"
-        return Constraint.json_schema(_object_schema(tool.parameters),
-                                      param=f"tools[{tools.index(tool)}]{where}.parameters")
+        try:
+            return Constraint.json_schema(_object_schema(tool.parameters),
+                                          param=f"tools[{tools.index(tool)}]{where}.parameters")
+        except ConstraintError as e:
+            raise _bad(str(e), e.param or "tools") from None
     if choice.kind != ToolChoiceKind.REQUIRED:
         return None
+    for i, t in enumerate(tools):  # named by the tool, not by where the grammar below nests its parameters
+        try:
+            check_enforceable(t.parameters, f"tools[{i}]{'' if flat else '.function'}.parameters")
+        except ConstraintError as e:
+            raise _bad(str(e), e.param or "tools") from None
     at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t.name},
                                                "arguments": rerooted(_object_schema(t.parameters), at.format(i))},
