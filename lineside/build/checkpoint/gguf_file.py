@@ -130,9 +130,17 @@ class GGUFCheckpoint:
         return v
 
     def _rope_scaling(self, head_dim: int, theta: float) -> dict[str, Any] | None:
+        """As llama.cpp's load_hparams reads it: the factor is rope.scaling.factor or the older rope.scale_linear,
+        and applies as "linear" when rope.scaling.type is missing; "none" never scales."""
         kind = self._a("rope.scaling.type")
+        factor = self._a("rope.scaling.factor") or self._a("rope.scale_linear")
+        if kind is None and factor:
+            kind = "linear"
+        if kind not in (None, "none", "linear", "yarn"):
+            raise CheckpointError(f"{self.path}: GGUF {self.arch}.rope.scaling.type {kind!r} is not supported "
+                                  "(supported: none, linear, yarn)")
         if kind in ("linear", "yarn"):
-            rs: dict[str, Any] = {"rope_type": kind, "factor": float(self._a("rope.scaling.factor", 1.0))}
+            rs: dict[str, Any] = {"rope_type": kind, "factor": float(factor or 1.0)}
             orig = self._a("rope.scaling.original_context_length")
             if orig:
                 rs["original_max_position_embeddings"] = int(orig)

@@ -43,7 +43,7 @@ def write_model_gguf(
     tokenizer: dict | None = None, metadata: dict[str, float | int] | None = None,
 ) -> None:
     """state: HF names → float32; qtypes: HF name → GGML type name (default F32); metadata: more keys (a float
-    as float32, an int as uint32)."""
+    as float32, an int as uint32, a str as a string)."""
     qtypes = qtypes or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -58,7 +58,10 @@ def write_model_gguf(
     if tokenizer:
         add_tokenizer(w, **tokenizer)
     for key, value in (metadata or {}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            (w.add_float32 if isinstance(value, float) else w.add_uint32)(key, value)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, arr in state.items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):

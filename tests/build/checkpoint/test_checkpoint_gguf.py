@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -282,6 +283,62 @@ def test_yarn_rope_scaling_from_metadata(tmp_path):
     cfg = ModelConfig.from_hf_dict(open_checkpoint(out).hf_config)
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     assert cfg.architecture == "qwen2" and cfg.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(("metadata", "want"), [
+    ({"llama.rope.scaling.factor": 2.0}, {"rope_type": "linear", "factor": 2.0}),  # no type: llama.cpp's "linear"
+    ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # the key older converters wrote
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 2.0}, None),  # "none" never scales
+])
+def test_linear_rope_scaling_as_llamacpp_reads_it(tmp_path, tiny_llama, metadata, want):
+    """llama.cpp scales positions by 1/factor when a GGUF has rope.scaling.factor (or the older rope.scale_linear)
+    whatever rope.scaling.type says, "linear" when it is missing, unless it is "none". Such a GGUF built with no
+    rope_scaling: logits off by 1.7% at 40 tokens against llama.cpp's, more the longer the context."""
+    path, state = tiny_llama
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, "llama", _hf_cfg(path), state, metadata=metadata)
+    assert open_checkpoint(out).hf_config.get("rope_scaling") == want
+
+
+def test_an_unknown_rope_scaling_type_is_refused_in_one_line(tmp_path, tiny_llama):
+    """llama.cpp runs an unknown rope.scaling.type as linear; building it without scaling would be silently wrong."""
+    path, state = tiny_llama
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, "llama", _hf_cfg(path), state,
+                     metadata={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0})
+    with pytest.raises(CheckpointError, match="rope.scaling.type 'longrope' is not supported") as e:
+        open_checkpoint(out)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_rope_scaling_factor_without_type_matches_llamacpp(tmp_path, tiny_dense):
+    """The bundle of a GGUF with only rope.scaling.factor computes llama.cpp's logits for it (float32 weights)."""
+    from llama_cpp import Llama
+    from safetensors.numpy import load_file
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from lineside.bundle import open_bundle
+    from lineside.runtime.generate import compute_logits
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+    from tests.build.models.test_build_summary import _tokenizer
+
+    ck = tiny_dense("llama-gqa")
+    cfg = _hf_cfg(ck)
+    tok = _tokenizer()
+    pad = cfg["vocab_size"] - len(tok["tokens"])  # llama.cpp wants one token per embedding row
+    tok = {**tok, "tokens": [*tok["tokens"], *(f"[PAD{i}]" for i in range(pad))], "types": [*tok["types"], *[5] * pad]}
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, "llama", cfg, load_file(str(ck / "model.safetensors")), tokenizer=tok,
+                     metadata={"llama.rope.scaling.factor": 4.0})
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, cfg["vocab_size"], 40)]
+    llm = Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(ids)
+    ref = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    bundle = open_bundle(build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", max_seq_len=64)))
+    got = compute_logits(OnnxRuntimeBackend(bundle, threads=1), ids, "prefill")
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    assert err < 2e-3, err  # llama.cpp keeps its KV cache in float16 (3e-4 here); unscaled positions: 1.7e-2
 
 
 @pytest.mark.parametrize(("key", "add", "value", "match"), [
