@@ -208,17 +208,29 @@ class GGUFCheckpoint:
         return t
 
     def _dequant(self, t: Any) -> np.ndarray:
+        """float32 values in GGUF order; a NaN or inf (a corrupt scale or value) is refused here, naming where: an
+        fp32 build would carry it into a bundle computing NaN, a quantizer would stop without naming the tensor."""
         kind = t.tensor_type.name
         if kind in ("F32", "F16"):
-            return np.asarray(t.data, dtype=np.float32)
-        from gguf.quants import dequantize
+            w = np.asarray(t.data, dtype=np.float32)
+        else:
+            from gguf.quants import dequantize
 
-        try:
-            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError:  # the gguf package has no dequantizer for this GGML type
-            raise CheckpointError(f"{self.path}: tensor {t.name!r} has GGML type {kind}, which gguf cannot dequantize; "
-                                  "re-export the GGUF as F16, Q8_0 or Q4_0, or build from the Hugging Face "
-                                  "checkpoint") from None
+            try:
+                with np.errstate(over="ignore", invalid="ignore"):  # a corrupt d: reported below, in one line
+                    w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            except NotImplementedError:  # the gguf package has no dequantizer for this GGML type
+                raise CheckpointError(f"{self.path}: tensor {t.name!r} has GGML type {kind}, which gguf cannot "
+                                      "dequantize; re-export the GGUF as F16, Q8_0 or Q4_0, or build from the Hugging "
+                                      "Face checkpoint") from None
+        i = _first_non_finite(w)
+        if i is not None:
+            cols = int(t.shape[0])  # ne0: the values of one row, contiguous
+            at = f"row {i // cols}, column {i % cols}" if len(t.shape) > 1 else f"element {i}"
+            raise CheckpointError(f"{self.path}: tensor {t.name!r} ({kind}) has a non-finite value "
+                                  f"({w.reshape(-1)[i]}) at {at}; the GGUF is corrupt (llama.cpp's --check-tensors "
+                                  "refuses it too); re-download or re-convert it")
+        return w
 
 
 def _open_reader(path: Path) -> Any:
@@ -258,6 +270,16 @@ def _field_value(f: Any) -> Any:
     if f.types[0] == GGUFValueType.ARRAY:
         return [one(f.parts[i], f.types[-1]) for i in f.data]
     return one(f.parts[f.data[0]], f.types[0])
+
+
+def _first_non_finite(w: np.ndarray, chunk: int = 1 << 22) -> int | None:
+    """Flat index of the first NaN/inf in w, else None; checked in chunks so no tensor-sized mask is made."""
+    flat = w.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        bad = np.flatnonzero(~np.isfinite(flat[start : start + chunk]))
+        if bad.size:
+            return start + int(bad[0])
+    return None
 
 
 def _uniform(v: Any, path: Path, key: str) -> int:

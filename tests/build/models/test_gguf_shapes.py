@@ -187,3 +187,33 @@ def test_a_non_finite_block_scale_is_refused_in_one_line(tiny_dense, tmp_path):
     assert lines[0].startswith("error: ") and "'blk.0.ffn_up.weight'" in lines[0], lines[0]
     assert "non-finite m (inf) in block 1 of row 0" in lines[0] and "corrupt" in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("qtype", "offset", "where"), [
+    ("Q5_0", 22, "row 0, column 32"),  # block 1's float16 d (blocks of 22 bytes): all 32 of its weights inf or NaN
+    ("F16", 2 * 5, "row 0, column 5"),  # the 6th weight of row 0
+])
+@pytest.mark.parametrize("quant", ["fp32", "w4a16"])
+def test_a_non_finite_dequantized_weight_is_refused_in_one_line(tiny_dense, tmp_path, qtype, offset, where, quant):
+    """A corrupt GGUF tensor of a type that is dequantized (F16, Q5_0, the K-quants of a Q4_K_M file): --quant fp32
+    built it with exit 0 into a bundle computing NaN, w4a16 stopped on "a weight holds NaN" naming no tensor, under
+    numpy RuntimeWarnings. The build names the tensor and where, in one line, and leaves nothing behind."""
+    import gguf
+
+    from tests.cli.cli_run import run_cli
+
+    ck = tiny_dense("llama-gqa")
+    state = load_file(str(ck / "model.safetensors"))
+    path = tmp_path / "bad.gguf"
+    write_model_gguf(path, "llama", json.loads((ck / "config.json").read_text()), state,
+                     {n: qtype for n in state if n.endswith("proj.weight")}, tokenizer=_tokenizer())
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up.weight")
+    with open(path, "r+b") as f:
+        f.seek(int(t.data_offset) + offset)
+        f.write(np.array([np.inf], np.float16).tobytes())
+    proc = run_cli("build", path, "-o", tmp_path / "out", "--quant", quant, "--max-seq-len", "16")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and f"'blk.0.ffn_up.weight' ({qtype})" in lines[0], lines[0]
+    assert "non-finite value" in lines[0] and where in lines[0] and "corrupt" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
