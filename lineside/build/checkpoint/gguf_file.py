@@ -111,10 +111,10 @@ class GGUFCheckpoint:
 
     def _eos_ids(self) -> list[int]:
         """The ids llama.cpp ends generation on (eos, eot, <|im_end|>, <|endoftext|>, ...)."""
-        from lineside.build.checkpoint.gguf_tokenizer import eog_ids
+        from lineside.build.checkpoint.gguf_tokenizer import eog_ids, special_id
 
         tokens = self.meta("tokenizer.ggml.tokens") or []
-        return eog_ids(self, tokens, self.meta("tokenizer.ggml.eos_token_id"))
+        return eog_ids(self, tokens, special_id(self, "eos_token_id", tokens))
 
     def _req(self, key: str) -> int:
         """A size the config is made of: an integer (a string or a per-layer array reached arithmetic as it was:

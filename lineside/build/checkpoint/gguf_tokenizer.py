@@ -99,8 +99,8 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
             f"{ck.path}: GGUF tokenizer model {model!r} is not supported (supported: gpt2 BPE, llama SPM)"
         )
 
-    bos = ck.meta("tokenizer.ggml.bos_token_id", opts.get("default_bos"))
-    eos = ck.meta("tokenizer.ggml.eos_token_id", opts.get("default_eos"))
+    bos = special_id(ck, "bos_token_id", tokens, opts.get("default_bos"))
+    eos = special_id(ck, "eos_token_id", tokens, opts.get("default_eos"))
     add_bos = bool(ck.meta("tokenizer.ggml.add_bos_token", opts["add_bos"]))
     add_eos = bool(ck.meta("tokenizer.ggml.add_eos_token", False))
     if add_bos and bos is None:
@@ -219,11 +219,11 @@ def eog_ids(ck: GGUFCheckpoint, tokens: list[str], eos: int | None) -> list[int]
     ids: list[int] = [eos] if eos is not None else []
     fim = []
     for key, texts in FIM_EOG.items():
-        v = ck.meta(f"tokenizer.ggml.{key}_token_id")
+        v = special_id(ck, f"{key}_token_id", tokens)
         if v is None:  # llama.cpp keeps the last match it meets; for these short lists, the highest id
             v = max((i for i, t in enumerate(tokens) if t in texts), default=None)
         fim.append(v)
-    for v in [ck.meta("tokenizer.ggml.eot_token_id"), ck.meta("tokenizer.ggml.eom_token_id"), *fim]:
+    for v in [special_id(ck, "eot_token_id", tokens), special_id(ck, "eom_token_id", tokens), *fim]:
         if v is not None and v not in ids:
             ids.append(int(v))
     for i, t in enumerate(tokens):
@@ -236,6 +236,17 @@ def eog_ids(ck: GGUFCheckpoint, tokens: list[str], eos: int | None) -> list[int]
     if "</s>" in named and "<|tool_response>" in named:
         ids.remove(named["</s>"])
     return ids
+
+
+def special_id(ck: GGUFCheckpoint, field: str, tokens: list[str], default: int | None = None) -> int | None:
+    """``tokenizer.ggml.<field>`` (bos_token_id, eos_token_id, ...), refused in one line when it lies past the token
+    list: a BOS/EOS the tokenizer adds would fail on it, a stop id would never come (llama.cpp's loader calls it a
+    bad special token). Not checked without a token list (a vocabulary-only reader has none to check against)."""
+    v = ck.meta(f"tokenizer.ggml.{field}", default)
+    if v is not None and tokens and not (type(v) is int and 0 <= v < len(tokens)):
+        raise CheckpointError(f"{ck.path}: GGUF tokenizer.ggml.{field} {v!r} is not an id among its {len(tokens)} "
+                              "tokens; the GGUF is corrupt, re-convert it")
+    return v
 
 
 def _dump(path: Path, obj: dict[str, Any]) -> None:

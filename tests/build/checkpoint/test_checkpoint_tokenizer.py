@@ -335,3 +335,20 @@ def test_field_fallback_matches_contents(tmp_path, tiny_llama):
     assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token"} <= set(fields)
     for f in fields.values():
         assert _field_value(f) == f.contents(), f.name
+
+
+@pytest.mark.parametrize(("tok", "metadata", "key"), [
+    ({"bos": 900, "add_bos": True}, None, "bos_token_id"),  # IndexError in the BOS post-processor: a traceback
+    ({"eos": 900}, {"tokenizer.ggml.add_eos_token": 1}, "eos_token_id"),  # the same for EOS
+    ({"eos": 900}, None, "eos_token_id"),  # built, its bundle stopping on an id the model never produces
+    ({}, {"tokenizer.ggml.eot_token_id": 900}, "eot_token_id"),
+])
+def test_a_special_token_id_beyond_the_vocabulary_is_one_line(tmp_path, tiny_llama, tok, metadata, key):
+    """A GGUF whose bos/eos/eot id lies past its token list (a corrupt or hand-edited file; llama.cpp's loader calls
+    it a "bad special token") is refused in one line naming the key, not a traceback or a stop id that never comes."""
+    vocab = _tiny_bpe()
+    path = _tiny_gguf(tmp_path, tiny_llama, **vocab, pre="qwen2", **{"bos": 1, "eos": 2, **tok}, metadata=metadata)
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    msg = str(e.value)
+    assert f"tokenizer.ggml.{key} 900" in msg and f"{len(vocab['tokens'])} tokens" in msg and "\n" not in msg, msg
