@@ -92,11 +92,13 @@ def check_shapes(cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
     """Every tensor has the shape config.json implies and a float dtype, so a bad checkpoint fails here
     (one line) and not in onnxruntime or, worse, not at all."""
     dtype = getattr(ckpt, "dtype", None)  # safetensors readers; GGUF types are checked by the reader
+    # a GGUF has no config.json: its config is made from its metadata (vocabulary size, head counts, ...)
+    src = "its GGUF metadata" if str(getattr(ckpt, "path", "")).lower().endswith(".gguf") else "its config.json"
     for name, want in expected_shapes(cfg).items():
         got = tuple(int(v) for v in ckpt.shape(name))
         if got != want:
-            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(got)} but config.json implies "
-                                  f"{list(want)}; the checkpoint and its config.json disagree")
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(got)} but {src.removeprefix('its ')} "
+                                  f"implies {list(want)}; the checkpoint and {src} disagree")
         if dtype is not None and dtype(name) in _NOT_WEIGHTS:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype(name)}, which is not a weight type "
                                   "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")

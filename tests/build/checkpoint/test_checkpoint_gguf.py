@@ -386,3 +386,19 @@ def test_a_block_count_beyond_the_tensors_is_refused_before_listing_them(tmp_pat
     with pytest.raises(CheckpointError, match="the config has 100000 layers but the checkpoint holds 21 tensors") as e:
         build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
     assert "\n" not in str(e.value) and not (tmp_path / "b").exists()
+
+
+def test_a_tensor_disagreeing_with_the_gguf_metadata_names_the_metadata(tmp_path, tiny_llama):
+    """A GGUF whose vocabulary size disagrees with its token_embd rows was told "the checkpoint and its config.json
+    disagree": a GGUF has no config.json to look at; the line says the GGUF's metadata."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    path, state = tiny_llama
+    cfg = _hf_cfg(path)
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, "llama", {**cfg, "vocab_size": cfg["vocab_size"] - 7}, state)
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=32))
+    msg = str(e.value)
+    assert "'model.embed_tokens.weight'" in msg and "GGUF metadata" in msg and "config.json" not in msg, msg
+    assert "\n" not in msg and not (tmp_path / "b").exists()
