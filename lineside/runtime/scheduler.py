@@ -378,8 +378,8 @@ class Scheduler(SessionSlots):
             # KV computed under one adapter is another model's: prefix reuse stays within the adapter
             slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest, namespace=best.req.adapter or "")
         best.slot, best.computed = slot, reused
-        best.handle.metrics.prefix_reused_tokens += reused if not best.generated else 0
-        if best.handle.metrics.scheduled is None:
+        if best.handle.metrics.scheduled is None:  # a re-admission reuses what it computed itself: not cached
+            best.handle.metrics.prefix_reused_tokens = reused  # (usage's cached_tokens, as vLLM counts it)
             best.handle.metrics.scheduled = now
         best.status = Status.PREFILL if reused < len(fill) else Status.DECODE
         self.running.append(best)

@@ -253,3 +253,30 @@ def test_a_session_does_not_take_the_slot_a_prefill_needs_to_leave_the_decode_ra
     for t in (2.0, 3.0):  # a ended in slot 3 while b, in slot 1, still prefills: b moves up, a down
         p = step(sch, t)
         assert p.decode and [s.slot for s in p.decode] == list(range(len(p.decode)))
+
+
+def test_cached_tokens_count_the_first_admission_only_when_preempted_before_the_first_token():
+    """A request preempted mid-prefill and admitted again reuses the prefix cache twice (what it had cached at first,
+    then its own computed prompt): prefix_reused_tokens (usage's cached_tokens) added both, 16 + 18 = 34 of a
+    20-token prompt. It is what the cache gave the request when it was first scheduled, as vLLM counts it."""
+    arena = KVCacheArena(2, 64, 4, num_blocks=8)
+    head = list(range(50, 66))  # four blocks cached in slot 1
+    arena.allocate("x", [], 16, 0, lowest=1)
+    arena.append(1, head)
+    arena.free(1)
+    arena.take_pending()
+    sch = Scheduler(arena, prefill_chunk=2)
+    h = RequestHandle(GenerationRequest(prompt_ids=head + [70, 71, 72, 73], max_tokens=4, mode="batch"))
+    h.metrics.arrival = 0.0
+    job = Sequence(h, Letters(), {2}, max_seq_len=64)
+    sch.add(job)
+    step(sch, 0.0)  # reuses the 16 cached tokens, computes 2 of the last 4
+    assert job.slot == 1 and job.status == Status.PREFILL and job.handle.metrics.prefix_reused_tokens == 16
+    rt = prompt_seq([5, 6, 7, 8, 9, 10, 11, 12], n=4, t=1.0)
+    sch.add(rt)
+    step(sch, 1.0)
+    assert job.status == Status.WAITING and sch.preemptions == 1
+    for t in range(2, 12):
+        step(sch, float(t))
+    assert rt.status == Status.FINISHED and job.status != Status.WAITING and arena.prefix_hits == 2
+    assert job.handle.metrics.prefix_reused_tokens == 16
