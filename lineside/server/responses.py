@@ -84,6 +84,12 @@ def prompt_usage(choices: list[Choice]) -> int:
     return sum(c.record.prompt_tokens for c in choices if not c.copy)
 
 
+def cached_usage(choices: list[Choice]) -> int:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's, llama.cpp's): the prompt tokens whose KV the prefix cache
+    (or a prefill session) gave, counted as prompt_tokens is: once per prompt, from its first choice."""
+    return sum(c.handle.metrics.prefix_reused_tokens for c in choices if not c.copy)
+
+
 def completion_usage(choices: list[Choice]) -> int:
     return sum(c.record.completion_tokens for c in choices)
 
@@ -168,7 +174,7 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             yield sse.DONE
             return
     if writer.include_usage:
-        yield writer.usage(prompt_usage(choices), completion_usage(choices))
+        yield writer.usage(prompt_usage(choices), completion_usage(choices), cached_usage(choices))
     yield sse.DONE
 
 
@@ -216,6 +222,7 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
         return gone
     usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"] = {"cached_tokens": cached_usage(choices)}
     body_choices = []
     for c in choices:
         if chat:

@@ -82,10 +82,13 @@ class ChunkWriter:
             return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason})
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> str:
+        """The usage chunk; ``cached_tokens``: OpenAI's usage.prompt_tokens_details.cached_tokens (None: left out)."""
         obj = dict(self.base)
         obj["choices"] = []
         obj["usage"] = _usage(prompt_tokens, completion_tokens)
+        if cached_tokens is not None:
+            obj["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return event(obj)
 
     def with_usage(self, chunk: str, prompt_tokens: int, completion_tokens: int) -> str:

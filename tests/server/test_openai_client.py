@@ -297,6 +297,25 @@ def test_prefix_cache_counters_in_metrics(server, client):
     assert "lineside_num_preemptions_total" in after
 
 
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_gave(client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field, llama.cpp's too) was left out of chat and completions
+    answers (the client read None): a repeated prompt now says what the prefix cache gave it, streamed and not, and
+    n > 1 counts the prompt once, as prompt_tokens does."""
+    msgs = [{"role": "system", "content": "the line stops at station twelve when the oven runs hot " * 3},
+            {"role": "user", "content": "why?"}]
+    kw = dict(model="tiny-llama", messages=msgs, max_tokens=2, temperature=0)
+    first = client.chat.completions.create(**kw).usage
+    again = client.chat.completions.create(**kw).usage
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = chunks[-1].usage
+    several = client.chat.completions.create(n=3, **kw).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    for u in (again, streamed, several):
+        assert first.prompt_tokens // 2 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens, u
+    text = client.completions.create(model="tiny-llama", prompt=msgs[0]["content"], max_tokens=2, temperature=0)
+    assert 0 <= text.usage.prompt_tokens_details.cached_tokens < text.usage.prompt_tokens
+
+
 def test_reused_request_id_concurrently(server):
     import asyncio
 

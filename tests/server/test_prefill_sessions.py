@@ -83,7 +83,9 @@ def test_progressive_completion_equals_prompt_at_once(srv):
         after = c.get("/metrics").text
         assert c.get("/v1/prefill/ocr-1").status_code == 404  # it ended with its completion
     assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    details = warm["usage"].pop("prompt_tokens_details"), cold["usage"].pop("prompt_tokens_details")
     assert warm["usage"] == cold["usage"]
+    assert details[0]["cached_tokens"] >= cold["usage"]["prompt_tokens"] - 4  # what the session gave it
     hits = metric(after, "lineside_prefill_session_hits_total") - metric(before, "lineside_prefill_session_hits_total")
     saved = metric(after, "lineside_prefill_session_tokens_saved_total") - \
         metric(before, "lineside_prefill_session_tokens_saved_total")
