@@ -193,10 +193,12 @@ class Sampler:
     def draw(self, logits: np.ndarray, history: list[int] | None = None,
              prompt_len: int = 0) -> tuple[int, np.ndarray | None]:
         """A draft token and the probabilities it was drawn from (None when greedy): a proposer's q, which the
-        speculative-sampling rule divides by (speculative/verify.py)."""
+        speculative-sampling rule divides by (speculative/verify.py). A sampled row's deterministic pick (top_k 1
+        with one token at the top, the fallback) is a one-hot q, not None: a proposer lists q per draft only when
+        the row samples, so each of its drafts needs one."""
         d = self.distribution(logits, history, prompt_len)
         if isinstance(d, int):
-            return d, None
+            return d, None if self.p.greedy else np.eye(1, logits.shape[-1], d, dtype=np.float64)[0]
         return int(self.rng.choice(d.shape[0], p=d)), d
 
     def _holding(self, history: list[int] | None, prompt_len: int) -> bool:

@@ -169,6 +169,41 @@ def test_sampled_verify_with_top_k_and_temperature_matches_plain_sampling():
     assert chi_square(counts[keep], want[keep]) < CHI2_999[9]
 
 
+class _ScriptedDraft:
+    """A draft backend whose step i's logits are ``rows[i]`` (one row, own KV)."""
+
+    def __init__(self, rows):
+        self.rows, self.calls, self.max_seq_len, self.vocab_size = rows, 0, 64, rows[0].shape[0]
+
+    def reset_slot(self, slot):
+        pass
+
+    def forward(self, batch):
+        if batch.input_ids.shape[1] > 1:  # the catch-up prefill: its logits are not read
+            return np.zeros((1, 1, self.vocab_size), np.float32)
+        self.calls += 1
+        return self.rows[self.calls - 1][None, None]
+
+
+def test_top_k_one_draft_reports_q_at_every_position_when_the_draft_ties_at_one():
+    """top_k 1 with a temperature samples among tokens tied at the top: a draft model whose top is unique at one
+    position and tied at the next drew deterministically, then from q. Its q list had one entry for two drafts,
+    so verification read q of the wrong draft, or past the list (IndexError: the engine step failed)."""
+    from lineside.runtime.speculative.config import DraftRow
+    from lineside.runtime.speculative.draft_model import DraftModelProposer
+
+    unique = np.array([0.0, 3.0, 1.0, 0.0], np.float32)
+    tied = np.array([0.0, 2.0, 2.0, 0.0], np.float32)
+    params = SamplingParams(temperature=0.8, top_k=1, seed=1)
+    proposer = DraftModelProposer(_ScriptedDraft([unique, tied]), 4)
+    d = proposer.propose_rows([DraftRow(0, [3, 0, 1], 2, Sampler(params), 1)])[0]
+    assert d.tokens[0] == 1 and d.tokens[1] in (1, 2)
+    assert d.probs is not None and len(d.probs) == 2 and list(d.probs[0]) == [0, 1, 0, 0]
+    target = np.stack([unique, tied, unique])  # the target as the draft: the first draft is kept, q read for both
+    kept, _ = verify(Sampler(params), target, d.tokens, [3, 0, 1], 1, d.probs)
+    assert kept == d.tokens
+
+
 # ---- adaptive draft length ------------------------------------------------------------------------
 def test_draft_length_drops_to_zero_below_the_verify_cost_and_comes_back():
     dl = DraftLength(8, verify_cost=2.0)
