@@ -134,18 +134,23 @@ UNENFORCEABLE = frozenset({"not", "if", "then", "else", "dependentSchemas", "dep
 _SUBSCHEMA = frozenset({"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
                         "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
 _SUBSCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})  # lists of schemas
-_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "dependentSchemas"})
 
 
 def check_enforceable(schema: Any, param: str) -> None:
     """One line naming the first keyword of ``schema`` that structured outputs cannot enforce and the JSON pointer
     of the subschema holding it (the grammar engine's own "Unimplemented keys" named neither). Only schema
-    positions are searched: a property named "not" is a name. Walked without recursion (schemas nest deep)."""
+    positions are searched: a property named "not" is a name. A ``$defs`` / ``definitions`` entry is searched
+    when a ``$ref`` reaches it: the grammar engine compiles only those, so one nothing uses constrains nothing
+    (a shared block of definitions). Walked without recursion (schemas nest deep)."""
+    defs = _definitions(schema)
     todo: list[tuple[Any, str]] = [(schema, "#")]
+    seen: set[int] = set()
     while todo:
         node, at = todo.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:
             continue
+        seen.add(id(node))
         found = next((k for k in node if k in UNENFORCEABLE), None)
         if found is not None:
             where = "the schema's root" if at == "#" else at
@@ -160,6 +165,8 @@ def check_enforceable(schema: Any, param: str) -> None:
                 children.extend((s, f"{here}/{i}") for i, s in enumerate(v))
             elif k in _SUBSCHEMA:
                 children.append((v, here))
+            elif k == "$ref" and isinstance(v, str) and v in defs:
+                children.append((defs[v], v))
         todo.extend(reversed(children))  # depth first, in the schema's key order
 
 

@@ -92,3 +92,20 @@ def test_each_listed_keyword_is_one_the_grammar_engine_refuses(compiler, keyword
     assert m.is_error() and keyword in m.get_error(), m.get_error()
     with pytest.raises(ConstraintError):
         compiler.compile(Constraint.json_schema({"type": "object", keyword: {}}))
+
+
+SHARED_DEFS = {"Tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+               "Name": {"type": "string"}, "Named": {"$ref": "#/$defs/Name"}}
+
+
+def test_a_definition_no_ref_reaches_is_not_refused(compiler):
+    """A schema that carries a shared ``$defs`` block but references only some of it: the grammar engine compiles
+    only what the schema reaches, so an unenforceable keyword in an unused definition constrains nothing and the
+    schema was accepted before the keyword walk; the walk refused it for a definition nothing uses."""
+    schema = {"type": "object", "properties": {"name": {"$ref": "#/$defs/Named"}}, "required": ["name"],
+              "$defs": SHARED_DEFS}
+    compiler.compile(Constraint.json_schema(schema))
+    used = {**schema, "properties": {**schema["properties"], "tags": {"$ref": "#/$defs/Tags"}}}
+    with pytest.raises(ConstraintError) as e:  # once a ref reaches it, it is refused where it is
+        Constraint.json_schema(used)
+    _check(str(e.value), "uniqueItems", "#/$defs/Tags")
