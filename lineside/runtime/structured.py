@@ -131,8 +131,9 @@ UNENFORCEABLE = frozenset({"not", "if", "then", "else", "dependentSchemas", "dep
                            "contains", "minContains", "maxContains", "uniqueItems", "propertyNames",
                            "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$dynamicAnchor",
                            "$recursiveRef", "$recursiveAnchor"})
+# (not contentSchema: an annotation on a string's content, which neither JSON Schema nor the engine enforces)
 _SUBSCHEMA = frozenset({"items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else",
-                        "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"})
+                        "propertyNames", "unevaluatedItems", "unevaluatedProperties"})
 _SUBSCHEMAS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})  # lists of schemas
 _NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "dependentSchemas"})
 

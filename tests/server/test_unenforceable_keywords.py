@@ -109,3 +109,11 @@ def test_a_definition_no_ref_reaches_is_not_refused(compiler):
     with pytest.raises(ConstraintError) as e:  # once a ref reaches it, it is refused where it is
         Constraint.json_schema(used)
     _check(str(e.value), "uniqueItems", "#/$defs/Tags")
+
+
+def test_a_keyword_inside_content_schema_is_not_refused(compiler):
+    """``contentSchema`` describes the JSON a string holds (with ``contentMediaType``): an annotation, which JSON
+    Schema does not validate and the grammar engine does not read, so a keyword inside it constrains nothing."""
+    schema = {"type": "object", "properties": {"doc": {"type": "string", "contentMediaType": "application/json",
+                                                       "contentSchema": {"type": "array", "uniqueItems": True}}}}
+    compiler.compile(Constraint.json_schema(schema))
