@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     be = OnnxRuntimeBackend(open_bundle(a.bundle), num_slots=a.rows, threads=a.threads)
+    if a.prompt_tokens + a.steps > be.max_seq_len:
+        raise SystemExit(f"--prompt-tokens {a.prompt_tokens} + --steps {a.steps} pass the bundle's context of "
+                         f"{be.max_seq_len}; ask for fewer")
     for rows in (1, a.rows):  # warm-up: the first runs of a shape allocate
         decode_ms(be, rows, a.prompt_tokens, 8)
     one, many = [], []
