@@ -198,8 +198,7 @@ class SloGuard:
         fits = (self.fallback is not None and not primary_only
                 and tokens <= int(getattr(self.fallback, "max_seq_len", 0))
                 and top_token < int(getattr(self.fallback, "vocab_size", top_token + 1)))
-        if wants_fallback and fits:
-            self.metrics.fallback.inc()
+        if wants_fallback and fits:  # counted by routing.plan once no cache answer stands in for the bundle
             return Route(self.fallback, self.fallback_name, level, fallback=True)
         return Route(self.primary, self.primary_name, level, fallback=False)
 

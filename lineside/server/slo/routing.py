@@ -63,6 +63,8 @@ async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest],
             result.cached = JSONResponse(answer, headers={**headers, "X-Lineside-Cache": "hit"})
             result.cached_usage = hit.get("usage") or {}
             return result
+    if route.fallback:  # after the cache lookup: a cache answer ran on no bundle
+        guard.metrics.fallback.inc()
     if route.engine is not guard.primary:
         await _compile_on(route.engine, requests)
     if mode == Mode.BATCH:
