@@ -65,7 +65,9 @@ async def metrics(request: Request) -> Response:
     state = _state(request)
     if state.engine is not None:
         try:
-            state.metrics.update_engine(state.engine.stats())
+            fallback = state.slo.fallback if state.slo is not None else None
+            others = [fallback.stats()] if fallback is not None and fallback is not state.engine else []
+            state.metrics.update_engine(state.engine.stats(), others=others)
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is stopping
             pass
     if state.tegrastats:

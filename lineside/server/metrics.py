@@ -222,11 +222,16 @@ class ServerMetrics:
             pass
         self._log = None
 
-    def update_engine(self, stats: Any) -> None:
-        """Copy the engine's live counters into the gauges (called at scrape time)."""
-        get = stats.get if isinstance(stats, dict) else lambda k, d=None: getattr(stats, k, d)
-        self.running.set(get("running", 0) or 0)
-        self.waiting.set(get("waiting", 0) or 0)
+    def update_engine(self, stats: Any, *, others: list[Any] | tuple[Any, ...] = ()) -> None:
+        """Copy the engine's live counters into the gauges (called at scrape time). ``others``: the stats of the
+        other engines serving requests (the SLO guard's fallback): their requests run and wait too, so they add to
+        the running / waiting gauges; the arena and cache families stay the primary's."""
+        def reader(s: Any) -> Callable[..., Any]:
+            return s.get if isinstance(s, dict) else lambda k, d=None: getattr(s, k, d)
+
+        get = reader(stats)
+        self.running.set(sum(reader(s)("running", 0) or 0 for s in (stats, *others)))
+        self.waiting.set(sum(reader(s)("waiting", 0) or 0 for s in (stats, *others)))
         self.kv_usage.set(get("kv_usage", 0.0) or 0.0)
         kv_dtype = get("kv_dtype", "") or ""
         if kv_dtype:

@@ -1,4 +1,5 @@
-"""/metrics while the guard sends work to the fallback: a level-2 cache answer is no request the fallback served."""
+"""/metrics while the guard sends work to the fallback: requests running there are requests running (the gauges
+are not only the primary's), and a level-2 cache answer is no request the fallback served."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def degraded(tiny_bundle, tmp_path_factory):
 
 def _scrape(srv) -> str:
     return httpx.get(srv.url + "/metrics").text
+
+
+def test_a_request_running_on_the_fallback_is_in_the_running_gauge(degraded):
+    body = {"prompt": "keep going", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", degraded.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.headers["x-lineside-degraded"] == "2"
+        lines = r.iter_lines()  # held: a generator dropped mid-stream closes the response (the client leaves)
+        next(line for line in lines if line.startswith("data: {"))  # a token came: it holds a fallback slot
+        text = _scrape(degraded)
+    assert metric(text, "lineside_num_requests_running") == 1
+    assert metric(text, "lineside_num_requests_waiting") == 0
 
 
 def test_a_cache_answer_is_not_counted_as_a_fallback_request(degraded):
