@@ -127,7 +127,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     if policy.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=_CORS_HEADERS, expose_headers=_CORS_EXPOSED, max_age=600)
-    app.add_middleware(BrowserGuard, policy=policy)
+    # a body refused there (415) is an invalid request, counted as a malformed body's 400 is
+    app.add_middleware(BrowserGuard, policy=policy, on_invalid=lambda scope: errors.count_invalid(state, scope))
     return app
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,9 +101,10 @@ def content_coding(value: str | None) -> str | None:
 class BrowserGuard:
     """Pure-ASGI middleware applying a BrowserPolicy before anything else runs."""
 
-    def __init__(self, app: Any, policy: BrowserPolicy):
+    def __init__(self, app: Any, policy: BrowserPolicy, on_invalid: Callable[[dict], None] | None = None):
         self.app = app
         self.policy = policy
+        self.on_invalid = on_invalid  # told of each body refused as not JSON (415): the server counts it
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -128,16 +130,22 @@ class BrowserGuard:
         if scope.get("method") in _BODY_METHODS and _has_body(headers):
             why = json_content_type(headers.get("content-type"))
             if why is not None:
+                self._invalid(scope)
                 await _refuse(send, 415, f"{why}; send the body as JSON with 'Content-Type: application/json' "
                                          "(UTF-8)", code="unsupported_media_type")
                 return
             coding = content_coding(headers.get("content-encoding"))
             if coding is not None:
+                self._invalid(scope)
                 await _refuse(send, 415, f"Content-Encoding {coding!r} is not accepted; send the body uncompressed "
                                          "(no Content-Encoding)", code="unsupported_content_encoding",
                               headers=[(b"accept-encoding", b"identity")])
                 return
         await self.app(scope, receive, send)
+
+    def _invalid(self, scope: dict) -> None:
+        if self.on_invalid is not None:
+            self.on_invalid(scope)
 
 
 def _has_body(headers: dict[str, str]) -> bool:

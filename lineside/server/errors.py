@@ -114,10 +114,15 @@ def route_path(scope: dict[str, Any]) -> str:
     return path
 
 
-def _count_invalid(request: Request) -> None:
-    state = getattr(request.app.state, "lineside", None)
-    if state is not None and route_path(request.scope).startswith("/v1/"):
+def count_invalid(state: Any, scope: dict[str, Any]) -> None:
+    """Count a refused API request (any /v1/ path) as ``invalid`` in lineside_requests_total, whichever layer
+    refused it (a handler, the body checks, the middleware, the browser guard)."""
+    if state is not None and route_path(scope).startswith("/v1/"):
         state.metrics.reject("invalid")
+
+
+def _count_invalid(request: Request) -> None:
+    count_invalid(getattr(request.app.state, "lineside", None), request.scope)
 
 
 def install(app: FastAPI) -> None:

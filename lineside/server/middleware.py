@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 from lineside.server import prompt_limits
 from lineside.server.auth import AccessPolicy
-from lineside.server.errors import route_path
+from lineside.server.errors import count_invalid, route_path
 from lineside.server.state import ServerState
 
 # every route that runs a generation: counted in flight (what a drain waits for), refused while loading or draining
@@ -55,6 +55,7 @@ class ServerMiddleware:
         id_header = [(b"x-request-id", (request_id or "").encode("latin-1"))]
         if request_id is not None and not _RID_OK.fullmatch(request_id):
             id_header = []
+            count_invalid(self.state, scope)
             await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces",
                          code="invalid_request_id", headers=id_header)
             return

@@ -228,3 +228,20 @@ def test_a_prompt_that_never_ran_is_not_counted_as_processed():
     text = m.render().decode()
     assert metric(text, "lineside_prompt_tokens_total") == 200 and metric(text, "lineside_requests_total",
                                                                           'outcome="cancelled"') == 2
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415),  # curl -d without -H
+    ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, 415),
+    ({"Content-Type": "application/json", "X-Request-Id": "two words"}, 400),
+], ids=["form", "gzip", "request-id"])
+def test_every_refused_generation_request_is_counted_invalid(srv, headers, status):
+    """A request refused before its body is read is a refused request as a malformed body's 400 is, whichever layer
+    refuses it (the browser guard's 415, the request-id check)."""
+    before = _scrape(srv)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=b'{"messages": []}', headers=headers, timeout=30)
+    assert r.status_code == status, r.text
+    after = _scrape(srv)
+    assert metric(after, "lineside_requests_total", 'outcome="invalid"') \
+        - metric(before, "lineside_requests_total", 'outcome="invalid"') == 1
+    assert _requests(after) - _requests(before) == 1
