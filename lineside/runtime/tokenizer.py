@@ -52,7 +52,11 @@ class Tokenizer:
         if not isinstance(cfg, dict):
             raise BundleError(f"{tc}: not a JSON object; rebuild the bundle")
         info = _checked_record(manifest_tok)
-        self.chat_template: str | None = _template_text(info.get("chat_template") or cfg.get("chat_template"), tok_dir)
+        named = _named_templates(cfg.get("chat_template"), tok_dir)
+        default = _template_text(info.get("chat_template") or cfg.get("chat_template"), tok_dir)
+        self.chat_template = default  # the "default" template; setting it (--chat-template) drops the named ones
+        self.chat_templates = {**({"default": default} if default else {}),
+                               **{k: v for k, v in named.items() if k != "default"}}
         self.bos_token_id: int | None = info.get("bos_token_id")
         self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
         self.add_bos: bool = bool(info.get("add_bos_token", cfg.get("add_bos_token", False)))
@@ -71,6 +75,23 @@ class Tokenizer:
         state.pop("_plan_cache", None)  # keyed by object id: decided again in the process that gets the copy
         state.pop("_prepends_cache", None)
         return state
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template a chat without tools renders (the checkpoint's "default")."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, text: str | None) -> None:
+        self._chat_template = text
+        self.chat_templates = {"default": text} if text else {}
+
+    def template_for(self, tools: list[dict[str, Any]] | None) -> str | None:
+        """The bundle's template that renders a chat: its "tool_use" one when the chat has tools (as transformers'
+        apply_chat_template and vLLM pick it for Hermes-2-Pro or Command-R), else the default."""
+        if tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_template
 
     def _token_text(self, v: Any, tid: int | None) -> str | None:
         if isinstance(v, dict):
@@ -144,7 +165,7 @@ class Tokenizer:
         function list) is passed to templates that have a tool section, as transformers does. ``chat_template``:
         another template's text to render with (``--chat-template``, a request's); ``template_kwargs``: extra
         variables for the template (a request's ``chat_template_kwargs``)."""
-        template = chat_template or self.chat_template
+        template = chat_template or self.template_for(tools)
         messages = _developer_as_system(messages, template)
         if not template:
             # No template: a plain transcript the model can still continue.
@@ -188,7 +209,7 @@ class Tokenizer:
         message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special.
         ``tools``: OpenAI's function list, for templates with a tool section. ``max_tokens``: as for encode.
         ``chat_template`` / ``template_kwargs``: as for apply_chat_template."""
-        messages, literals = self._mask_special_text(messages, chat_template)
+        messages, literals = self._mask_special_text(messages, chat_template or self.template_for(tools))
         text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools,
                                         chat_template=chat_template, template_kwargs=template_kwargs)
         if continue_final_message:
@@ -212,7 +233,7 @@ class Tokenizer:
         """The leading ids of ``encode_chat(messages)`` that every later chat extending the last message's text
         (or adding messages after it) shares: the rendering up to the end of that text, without the trailing
         tokens a continuation could re-tokenize. What a prefill session caches."""
-        masked, literals = self._mask_special_text(messages, chat_template)
+        masked, literals = self._mask_special_text(messages, chat_template or self.template_for(tools))
         opts: dict[str, Any] = {"chat_template": chat_template, "template_kwargs": template_kwargs}
         full = self.apply_chat_template(masked, True, tools, **opts)
         last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
@@ -386,6 +407,15 @@ def _checked_record(record: Any) -> dict[str, Any]:
         raise BundleError(f"the manifest's tokenizer record has bos_token_id {bos!r} and eos_token_ids {eos!r}; "
                           "token ids are integers from 0: rebuild the bundle")
     return record
+
+
+def _named_templates(template: Any, where: Path) -> dict[str, str]:
+    """The named templates of tokenizer_config.json's list form (transformers' for several: "default",
+    "tool_use", ...); a lone template's text is the default alone."""
+    if not isinstance(template, list):
+        return {}
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    return {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str) and v}
 
 
 def _template_text(template: Any, where: Path) -> str | None:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lineside.build.checkpoint.hf_tokenizer import default_template, template_record
 from lineside.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -107,7 +108,8 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{ck.path}: GGUF sets add_bos_token but has no bos_token_id; re-convert the model")
     _post_process(tok, tokens, bos if add_bos else None, eos if add_eos else None, model == "gpt2")
     eos_ids = eog_ids(ck, tokens, eos)
-    chat_template = ck.meta("tokenizer.chat_template")
+    templates = _chat_templates(ck)
+    chat_template = default_template(templates)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
@@ -125,8 +127,8 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
         i = ck.meta(f"tokenizer.ggml.{field}")
         if i is not None and 0 <= i < len(tokens):
             tcfg[key] = tokens[i]
-    if chat_template:
-        tcfg["chat_template"] = chat_template
+    if templates:
+        tcfg["chat_template"] = template_record(templates)
     _dump(out_dir / "tokenizer_config.json", tcfg)
     gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
     pad = ck.meta("tokenizer.ggml.padding_token_id")
@@ -138,6 +140,22 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
             gen[field] = value
     _dump(out_dir / "generation_config.json", gen)
     return {"bos_token_id": bos, "eos_token_ids": eos_ids, "chat_template": chat_template, "add_bos_token": add_bos}
+
+
+def _chat_templates(ck: GGUFCheckpoint) -> dict[str, Any]:
+    """The GGUF's chat templates by name: ``tokenizer.chat_template`` (the default) and, for each name listed in
+    ``tokenizer.chat_templates``, ``tokenizer.chat_template.<name>`` (gguf-py's add_chat_template writes them so
+    from transformers' named list, e.g. Hermes-2-Pro's "tool_use", which llama.cpp's server renders for tools)."""
+    out: dict[str, Any] = {}
+    default = ck.meta("tokenizer.chat_template")
+    if default:
+        out["default"] = default
+    names = ck.meta("tokenizer.chat_templates")
+    for name in names if isinstance(names, list) else []:
+        text = ck.meta(f"tokenizer.chat_template.{name}") if isinstance(name, str) and name != "default" else None
+        if isinstance(text, str) and text:
+            out[name] = text
+    return out
 
 
 def _bpe_tokenizer(ck: GGUFCheckpoint, tokens: list[str], types: list[int]) -> tuple[Any, dict[str, Any]]:

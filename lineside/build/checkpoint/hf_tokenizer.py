@@ -22,7 +22,8 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
     tcfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
     gen = _read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else {}
 
-    chat_template = _chat_template(src, tcfg)
+    templates = _chat_templates(src, tcfg)
+    chat_template = default_template(templates)
     vocab = _token_ids(tok)
     # The tokenizer's own BOS before config.json's: R1-Distill-Qwen's config.json says bos_token_id 151643, its EOS,
     # while the tokenizer (what transformers and vLLM encode with) starts prompts with <｜begin▁of▁sentence｜>.
@@ -40,8 +41,8 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
 
     id_to_text = {v: k for k, v in vocab.items()}
     tcfg = dict(tcfg)
-    if chat_template is not None:
-        tcfg["chat_template"] = chat_template
+    if templates:
+        tcfg["chat_template"] = template_record(templates)
     if tcfg.get("bos_token") is None and bos_id in id_to_text:
         tcfg["bos_token"] = id_to_text[bos_id]
     if tcfg.get("eos_token") is None and eos_ids and eos_ids[0] in id_to_text:
@@ -86,35 +87,48 @@ def _read_json(p: Path) -> dict[str, Any]:
     return d
 
 
-def _chat_template(src: Path, tcfg: dict[str, Any]) -> str | None:
-    """tokenizer_config.json's template, else chat_template.jinja, else chat_template.json's (each a string or a
-    list of named ones)."""
-    ct = _template_value(tcfg.get("chat_template"), src / "tokenizer_config.json")
-    if ct:
-        return ct
+def _chat_templates(src: Path, tcfg: dict[str, Any]) -> dict[str, str]:
+    """tokenizer_config.json's templates, else chat_template.jinja's, else chat_template.json's (each a string or a
+    list of named ones), by name: a single template is "default"."""
+    named = _template_value(tcfg.get("chat_template"), src / "tokenizer_config.json")
+    if named:
+        return named
     jinja = src / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        text = jinja.read_text(encoding="utf-8")
+        return {"default": text} if text else {}
     cj = src / "chat_template.json"
     if cj.is_file():
-        return _template_value(_read_json(cj).get("chat_template"), cj) or None
-    return None
+        return _template_value(_read_json(cj).get("chat_template"), cj)
+    return {}
 
 
-def _template_value(ct: Any, path: Path) -> str | None:
-    """A chat_template value as ``path`` holds it: a string, or a list of {"name", "template"} objects (the one
-    named default, else the first); anything else is refused naming the file, as copied it would fail only when
-    a chat is rendered (serve, chat, generate --chat)."""
+def default_template(templates: dict[str, str]) -> str | None:
+    """The template a chat without tools renders: the one named "default", else the first (as before)."""
+    return templates.get("default") or next((t for t in templates.values() if t), None)
+
+
+def template_record(templates: dict[str, str]) -> str | list[dict[str, str]]:
+    """tokenizer_config.json's ``chat_template`` as transformers saves it: the text of a lone default template,
+    else the list of {"name", "template"} (every name kept: a request with tools renders "tool_use")."""
+    if set(templates) == {"default"}:
+        return templates["default"]
+    return [{"name": k, "template": v} for k, v in templates.items()]
+
+
+def _template_value(ct: Any, path: Path) -> dict[str, str]:
+    """A chat_template value as ``path`` holds it: a string, or a list of {"name", "template"} objects (what
+    transformers saves for several, e.g. "default" and "tool_use"); anything else is refused naming the file, as
+    copied it would fail only when a chat is rendered (serve, chat, generate --chat)."""
     if isinstance(ct, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
                                     and isinstance(t.get("template"), str) for t in ct):
-        named = {t["name"]: t["template"] for t in ct}
-        return named.get("default") or next(iter(named.values()), None)
+        return {t["name"]: t["template"] for t in ct}
     if ct is not None and not isinstance(ct, str):
         shown = json.dumps(ct)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise CheckpointError(f"{path}: chat_template must be a string or a list of "
                               f"{{\"name\": ..., \"template\": ...}} objects, not {shown}; fix it or remove the key")
-    return ct
+    return {"default": ct} if ct else {}
 
 
 def _token_ids(tok: dict[str, Any]) -> dict[str, int]:

@@ -297,11 +297,12 @@ def test_hf_chat_template_of_another_type_is_one_line(tiny_llama, tmp_path, temp
 
 
 def test_hf_chat_template_list_of_named_templates(tiny_llama, tmp_path):
-    """transformers' list form: the one named "default" (else the first) becomes the bundle's template."""
+    """transformers' list form: the one named "default" (else the first) becomes the bundle's template; the list is
+    kept whole (a chat with tools renders "tool_use": test_named_chat_templates.py)."""
     named = [{"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": "{{ messages }}"}]
     info = open_checkpoint(_with_template(tiny_llama, tmp_path, named)).write_tokenizer(tmp_path / "tok")
     assert info["chat_template"] == "{{ messages }}"
-    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["chat_template"] == "{{ messages }}"
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["chat_template"] == named
     info = open_checkpoint(_with_template(tiny_llama, tmp_path / "n", None)).write_tokenizer(tmp_path / "tok2")
     assert info["chat_template"] is None
 
