@@ -37,8 +37,9 @@ class Rendering:
             raise APIError(400, str(e), "invalid_value", param=self.param) from None
 
 
-def rendering(state: Any, body: Any) -> Rendering:
-    """The template and variables ``body`` (a chat request) renders with on this server."""
+def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) -> Rendering:
+    """The template and variables ``body`` (a chat request) renders with on this server; ``tools``: what the
+    template is given as its tools (tool_calls.offered), which picks the bundle's "tool_use" template."""
     given = state.chat_template
     param = None
     kwargs = None
@@ -63,12 +64,12 @@ def rendering(state: Any, body: Any) -> Rendering:
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_value", param="chat_template") from None
         given, param = body.chat_template, "chat_template"
-    return Rendering(given, _effective(state, given), kwargs, param)
+    return Rendering(given, _effective(state, given, tools), kwargs, param)
 
 
-def server_rendering(state: Any) -> Rendering:
+def server_rendering(state: Any, tools: list[dict[str, Any]] | None = None) -> Rendering:
     """The server's template, for bodies that carry no template fields (/v1/responses)."""
-    return Rendering(state.chat_template, _effective(state, state.chat_template), None, None)
+    return Rendering(state.chat_template, _effective(state, state.chat_template, tools), None, None)
 
 
 NO_TEMPLATE = ("this model has no chat template (its tokenizer defines none), so chat messages cannot be rendered "
@@ -76,10 +77,11 @@ NO_TEMPLATE = ("this model has no chat template (its tokenizer defines none), so
                "prompt text to /v1/completions")
 
 
-def _effective(state: Any, given: str | None) -> str:
-    """The template that renders: ``given``, else the bundle's; a bundle without one refuses chat (a 400, as
-    vLLM refuses it) instead of a made-up transcript the model was never trained on."""
-    template = given or state.engine.tokenizer.chat_template
+def _effective(state: Any, given: str | None, tools: list[dict[str, Any]] | None) -> str:
+    """The template that renders: ``given``, else the bundle's for these tools (its "tool_use" one for a chat with
+    tools, as the tokenizer picks it); a bundle without one refuses chat (a 400, as vLLM refuses it) instead of a
+    made-up transcript the model was never trained on."""
+    template = given or state.engine.tokenizer.template_for(tools)
     if not template:
         raise APIError(400, NO_TEMPLATE, "invalid_value", param="messages")
     return template

@@ -86,9 +86,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                   param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
-        render = chat_rendering.rendering(state, body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
         template = render.effective
         messages, listed = tool_calls.template_messages(messages, tools, template, tool_choice)
         constraint = constraints.request_constraint(body)
@@ -113,7 +113,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, state.sampling_defaults.max_tokens,
                                                 context=state.engine.max_seq_len, param=param, prompt_param="messages")]
-        output = dataclasses.replace(output, reasoning=reasoning.for_prompt(state.think, ids, body.include_reasoning))
+        thinking = reasoning.for_prompt(state.think_for(template), ids, body.include_reasoning)
+        output = dataclasses.replace(output, reasoning=thinking)
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
@@ -199,7 +200,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
         functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         top_n = responses_api.top_logprobs(body, calling=functions.calling)
-        render = chat_rendering.server_rendering(state)
+        render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice))
         messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice)
         text_constraint = responses_api.text_constraint(body)
         call_constraint = tool_calls.tool_constraint(functions.tools, functions.choice,
@@ -214,7 +215,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, state.sampling_defaults.max_tokens,
                                               context=state.engine.max_seq_len, param="max_output_tokens",
                                               prompt_param="input")
-        thinking = reasoning.for_prompt(state.think, ids)
+        thinking = reasoning.for_prompt(state.think_for(render.effective), ids)
         if top_n is not None and thinking is not None and thinking.thinking:  # its thinking's tokens are no text's
             raise responses_api.logprobs_refused(body, "when the model thinks (serve --reasoning-parser)")
         formatter = await _formatter(state, top_n)

@@ -117,9 +117,9 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         prompt_limits.check_texts(prompt_limits.chat_texts(body), tok, context, param="messages")
         messages = request_mapping.chat_messages(body)
         options = request_mapping.chat_template_options(body)
-        render = chat_rendering.rendering(state, body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
         messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
         size = sum(len(m["content"] or "") for m in messages)
         with render.blamed():

@@ -63,11 +63,16 @@ def resolve(name: str, tokenizer: Any, chat_template: str | None) -> ThinkTokens
         return None
     think = ThinkTokens.of(tokenizer)
     if name == "auto":
-        return think if think is not None and (START in (chat_template or "") or END in (chat_template or "")) else None
+        return think if think is not None and knows_tags(chat_template) else None
     if think is None:
         raise LinesideError(f"--reasoning-parser deepseek_r1: this model's tokenizer has no {START} / {END} tokens "
                             "(it is not a reasoning model such as DeepSeek-R1-Distill); leave the option out")
     return think
+
+
+def knows_tags(chat_template: str | None) -> bool:
+    """Whether a chat template writes or cuts at a reasoning tag (what ``auto`` turns the parser on for)."""
+    return START in (chat_template or "") or END in (chat_template or "")
 
 
 @dataclass(frozen=True)

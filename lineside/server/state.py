@@ -19,7 +19,7 @@ from lineside.bundle import default_model_names
 from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
-from lineside.server.reasoning import ThinkTokens, resolve
+from lineside.server.reasoning import ThinkTokens, knows_tags, resolve
 from lineside.server.response_store import ResponseStore
 from lineside.server.tokenize_pool import PooledTokenizer
 
@@ -135,8 +135,11 @@ class ServerState:
                 extra = {} if self.lora is None else {"lora": self.lora}
                 self.engine = await asyncio.to_thread(LLMEngine, self.source, **self.engine_kwargs, **extra)
             if self.reasoning_parser != "none":
-                self.think = resolve(self.reasoning_parser, self.engine.tokenizer,
-                                     self.chat_template or self.engine.tokenizer.chat_template)
+                # auto: on when a template that may render knows a tag; think_for asks the one a request renders
+                tok = self.engine.tokenizer
+                templates = [self.chat_template] if self.chat_template else list(tok.chat_templates.values())
+                found = [resolve(self.reasoning_parser, tok, t) for t in templates or [None]]
+                self.think = next((t for t in found if t is not None), None)
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)
@@ -160,6 +163,14 @@ class ServerState:
         log.error("%s", msg)
         if self.on_load_error is not None:
             self.on_load_error(msg)
+
+    def think_for(self, template: str | None) -> ThinkTokens | None:
+        """The reasoning tags a request rendered with ``template`` is parsed by: ``auto`` reads that template (a
+        bundle's "tool_use" template may know no tag while its default cuts at ``</think>``: a tool call would
+        otherwise be taken for reasoning)."""
+        if self.reasoning_parser == "auto" and not knows_tags(template):
+            return None
+        return self.think
 
     @property
     def tokenizer(self) -> PooledTokenizer:

@@ -266,11 +266,17 @@ def template_knows_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
+def offered(tools: Sequence[Tool], choice: ToolChoice) -> list[dict[str, Any]] | None:
+    """The tools a chat template is given (none with tool_choice none); with some, a bundle's "tool_use" template
+    renders (chat_rendering)."""
+    return [t.openai() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
+
+
 def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], chat_template: str | None,
                       choice: ToolChoice) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. Assistant ``tool_calls`` get their arguments as objects (what
     HF templates expect); a template without tool support gets tools, calls and results written as text."""
-    listed = [t.openai() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
+    listed = offered(tools, choice)
     if template_knows_tools(chat_template):
         short = bool(_NINE_CHAR_IDS.search(chat_template or ""))
         out = []
