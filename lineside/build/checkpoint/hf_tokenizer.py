@@ -88,19 +88,32 @@ def _read_json(p: Path) -> dict[str, Any]:
 
 
 def _chat_templates(src: Path, tcfg: dict[str, Any]) -> dict[str, str]:
-    """tokenizer_config.json's templates, else chat_template.jinja's, else chat_template.json's (each a string or a
-    list of named ones), by name: a single template is "default"."""
+    """The checkpoint's templates by name (a single one is "default"), where transformers loads them from:
+    chat_template.jinja (the default) and additional_chat_templates/<name>.jinja (save_pretrained's files for
+    several) when there are any, winning over tokenizer_config.json's, else tokenizer_config.json's (a string or a
+    list of named ones), else chat_template.json's."""
+    files = {"default": src / "chat_template.jinja"}
+    extra = src / "additional_chat_templates"
+    if extra.is_dir():
+        files.update({f.name.removesuffix(".jinja"): f for f in sorted(extra.glob("*.jinja"))})
+    named = {name: _read_text(f) for name, f in files.items() if f.is_file()}
+    named = {name: text for name, text in named.items() if text}
+    if named:
+        return named
     named = _template_value(tcfg.get("chat_template"), src / "tokenizer_config.json")
     if named:
         return named
-    jinja = src / "chat_template.jinja"
-    if jinja.is_file():
-        text = jinja.read_text(encoding="utf-8")
-        return {"default": text} if text else {}
     cj = src / "chat_template.json"
     if cj.is_file():
         return _template_value(_read_json(cj).get("chat_template"), cj)
     return {}
+
+
+def _read_text(p: Path) -> str:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{p}: not UTF-8 text ({e}); re-download or fix the file") from None
 
 
 def default_template(templates: dict[str, str]) -> str | None:

@@ -92,3 +92,34 @@ def test_a_built_bundle_keeps_every_named_template(tiny_llama, tmp_path):
     assert tok.template_for(TOOLS) == TOOL_USE and tok.template_for(None) == tok.chat_template == DEFAULT
     tok.chat_template = "{{ messages[0].content }}"  # --chat-template on `lineside chat`: it renders every chat
     assert tok.template_for(TOOLS) == "{{ messages[0].content }}"
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no-tools", "tools"])
+def test_templates_saved_as_jinja_files_render_as_transformers(tiny_llama, tmp_path, tools):
+    """transformers' save_pretrained writes several as chat_template.jinja (the default) and
+    additional_chat_templates/<name>.jinja; the named ones were dropped."""
+    from transformers import AutoTokenizer
+
+    src, _ = tiny_llama
+    d = tmp_path / "ck"
+    shutil.copytree(src, d)
+    theirs = AutoTokenizer.from_pretrained(d)
+    theirs.chat_template = {**NAMED, "rag": "{{ bos_token }}RAG"}
+    theirs.save_pretrained(d)
+    assert (d / "additional_chat_templates" / "tool_use.jinja").is_file()
+    info = open_checkpoint(d).write_tokenizer(tmp_path / "tok")
+    ours = Tokenizer(tmp_path / "tok", info)
+    assert ours.chat_templates == {**NAMED, "rag": "{{ bos_token }}RAG"}
+    theirs = AutoTokenizer.from_pretrained(d)
+    assert ours.encode_chat(MESSAGES, tools=tools) == _transformers_ids(theirs, tools)
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tiny_llama, tmp_path):
+    """transformers renders chat_template.jinja when tokenizer_config.json holds an (older) template too."""
+    from transformers import AutoTokenizer
+
+    d = _hf_dir(tiny_llama, tmp_path)
+    (d / "chat_template.jinja").write_text(TOOL_USE)
+    info = open_checkpoint(d).write_tokenizer(tmp_path / "tok")
+    assert AutoTokenizer.from_pretrained(d).chat_template == TOOL_USE
+    assert info["chat_template"] == TOOL_USE and Tokenizer(tmp_path / "tok", info).chat_templates == {"default": TOOL_USE}
