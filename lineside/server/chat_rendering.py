@@ -58,12 +58,17 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
             raise APIError(400, "chat_template is empty; send the template's text or leave it out", "invalid_value",
                            param="chat_template")
         tok = state.engine.tokenizer
-        try:
-            check_chat_template(body.chat_template, "chat_template", bos_token=tok.bos_token or "",
-                                eos_token=tok.eos_token or "", kwargs=kwargs)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "invalid_value", param="chat_template") from None
-        given, param = body.chat_template, "chat_template"
+        # the name of one of the bundle's templates ("tool_use", "rag"), as transformers' apply_chat_template
+        # (which vLLM hands the field to) takes it; else Jinja text, checked here
+        given = getattr(tok, "chat_templates", {}).get(body.chat_template)
+        if given is None:
+            try:
+                check_chat_template(body.chat_template, "chat_template", bos_token=tok.bos_token or "",
+                                    eos_token=tok.eos_token or "", kwargs=kwargs)
+            except ChatTemplateError as e:
+                raise APIError(400, str(e), "invalid_value", param="chat_template") from None
+            given = body.chat_template
+        param = "chat_template"
     return Rendering(given, _effective(state, given, tools), kwargs, param)
 
 

@@ -114,8 +114,9 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
     add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
     continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")
-    chat_template: str | None = Field(None, description="vLLM's: Jinja text to render this chat with (needs the "
-                                                        "server's --trust-request-chat-template)")
+    chat_template: str | None = Field(None, description="vLLM's: Jinja text to render this chat with, or the name "
+                                                        "of one of the bundle's templates (needs the server's "
+                                                        "--trust-request-chat-template)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: extra variables for the chat "
                                                                           "template, e.g. {\"enable_thinking\": false}")
     include_reasoning: bool | None = Field(None, description="vLLM's: false leaves a reasoning model's thinking out "

@@ -55,6 +55,8 @@ PLAIN = _LOOP
 # "default" that has a tool section of its own, asking for Llama 3.x's bare JSON calls
 JSON_CALLS = ("{% if tools %}<|im_start|>system\nReply with JSON {\"name\": function name, \"parameters\": arguments} to "
               "call one of: {% for t in tools %}{{ t | tojson }}{% endfor %}<|im_end|>\n{% endif %}" + _LOOP)
+# Command-R's third: documents to ground the answer in
+RAG = "RAG-TEMPLATE" + _LOOP
 TURN = "<|im_start|>assistant\n"
 SCRIPTS = {
     "[one]": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}\n</tool_call>',
@@ -93,9 +95,10 @@ def srv(request, tiny_dense, tmp_path_factory):
 
     default = PLAIN if request.param == "plain" else JSON_CALLS
     b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp(request.param),
-                            {"default": default, "tool_use": TOOL_USE}))
+                            {"default": default, "tool_use": TOOL_USE, "rag": RAG}))
     be = ScriptedModel(Tokenizer.from_bundle(b), SCRIPTS, TURN, num_slots=2, max_seq_len=CONTEXT)
-    with running_server(LLMEngine(b, backend=be, num_slots=2), reasoning_parser="auto") as s:
+    with running_server(LLMEngine(b, backend=be, num_slots=2), reasoning_parser="auto",
+                        trust_request_chat_template=True) as s:
         s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
         s.backend = be
         yield s
@@ -152,3 +155,14 @@ def test_responses_and_prefill_render_tool_use(srv):
                                                      "temperature": 0})
         assert "# Tools" in srv.backend.prompts[-1]
         assert p.json()["prompt_tokens"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_a_request_chat_template_may_name_one_of_the_bundles(srv):
+    """vLLM hands a request's chat_template to transformers' apply_chat_template, which takes a template's name
+    too: "rag" rendered Command-R's rag template there, and was refused here as a template without the messages."""
+    r = _ask(srv, "[think]", extra_body={"chat_template": "rag"})
+    assert r.choices[0].message.content == "Line 4 runs."  # rag cuts at </think> too: auto parses its reasoning
+    assert srv.backend.prompts[-1].startswith("RAG-TEMPLATE<|im_start|>user")
+    with pytest.raises(openai.BadRequestError) as e:  # not a name here: Jinja text, checked as before
+        _ask(srv, "[text]", extra_body={"chat_template": "summary"})
+    assert e.value.body["param"] == "chat_template"
