@@ -17,7 +17,7 @@ from lineside.runtime.engine import LoraServing
 from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generation_config
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
-from lineside.server import errors, health, openai_api, prefill_api
+from lineside.server import errors, health, openai_api, prefill_api, tokenize_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
@@ -120,6 +120,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
 
     app.include_router(openai_api.router)
     app.include_router(prefill_api.router)
+    app.include_router(tokenize_api.router)
     app.include_router(health.router)
     # the last added runs first: Host / Origin / Content-Type, then CORS (preflights), then key, drain, body
     app.add_middleware(ServerMiddleware, state=state, max_body_bytes=max_body_bytes, metrics_public=metrics_public)

@@ -158,7 +158,8 @@ def install(app: FastAPI) -> None:
             return error_response(400, detail, "invalid_json", headers=exc.headers)
         if status == 404:
             detail = ("no such endpoint; this server has /v1/chat/completions, /v1/completions, /v1/responses "
-                      "(create, GET and DELETE by id, GET its input_items, POST cancel), /v1/prefill, /v1/models")
+                      "(create, GET and DELETE by id, GET its input_items, POST cancel), /v1/prefill, /v1/models, "
+                      "/tokenize, /detokenize, /version")
         elif status == 405:
             allowed = (exc.headers or {}).get("Allow") or (exc.headers or {}).get("allow")
             detail = f"{request.method} is not allowed on {request.url.path}" + (f"; send {allowed}" if allowed

@@ -21,6 +21,8 @@ from lineside.server.state import ServerState
 
 # every route that runs a generation: counted in flight (what a drain waits for), refused while loading or draining
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/prefill", "/v1/responses"})
+# routes that read a prompt with the engine's tokenizer: the same readiness, drain and body limits
+ENGINE_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
 PREFILL_PATH = "/v1/prefill"
 _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 
@@ -76,7 +78,7 @@ class ServerMiddleware:
                              extra=[(b"www-authenticate", b"Bearer")])
                 return
 
-        generating = path in GENERATION_PATHS and scope.get("method") == "POST"
+        generating = path in ENGINE_PATHS and scope.get("method") == "POST"
         if generating:
             if state.draining and path == PREFILL_PATH:  # a session here would die with the server: 4xx, not retry
                 state.metrics.reject("draining")

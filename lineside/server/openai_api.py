@@ -84,13 +84,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         request_mapping.check_chat(body)
         prompt_limits.check_texts(prompt_limits.chat_texts(body), state.engine.tokenizer, state.engine.max_seq_len,
                                   param="messages")
-        messages = request_mapping.chat_messages(body)
-        options = request_mapping.chat_template_options(body)
-        tools = tool_calls.parse_tools(body.tools)
-        tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-        render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
-        template = render.effective
-        messages, listed = tool_calls.template_messages(messages, tools, template, tool_choice)
+        prompt = chat_prompt(state, body)
+        tools, tool_choice, template = prompt.tools, prompt.tool_choice, prompt.render.effective
         constraint = constraints.request_constraint(body)
         call_constraint = tool_calls.tool_constraint(tools, tool_choice, parallel=body.parallel_tool_calls is not False)
         if call_constraint is not None and constraint is not None:
@@ -104,11 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                if calling else None,
                                tools=tuple(tools), named=tool_choice.name,
                                max_calls=1 if body.parallel_tool_calls is False else None)
-        size = sum(len(m["content"] or "") for m in messages)
-        with render.blamed():
-            ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
-                                                         **render.options(), max_tokens=_prompt_limit(state)),
-                                 param="messages")
+        ids = await encode_chat_prompt(state, prompt, max_tokens=_prompt_limit(state))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, state.sampling_defaults.max_tokens,
@@ -146,6 +137,39 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise
     return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
                         output=output, adapter=adapter)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A chat body as its template renders it: what /v1/chat/completions encodes, and /tokenize counts."""
+
+    messages: list[dict[str, Any]]  # as the template gets them (tool calls and results in its form)
+    listed: list[dict[str, Any]] | None  # the tools the template lists
+    options: dict[str, bool]  # add_generation_prompt / continue_final_message
+    render: chat_rendering.Rendering
+    tools: list[tool_calls.Tool]
+    tool_choice: tool_calls.ToolChoice
+
+
+def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
+    """Messages, template options, template and tools of a chat body (each bad value a 400 naming it); one place,
+    so a /tokenize count is the chat request's prompt_tokens."""
+    messages = request_mapping.chat_messages(body)
+    options = request_mapping.chat_template_options(body)
+    tools = tool_calls.parse_tools(body.tools)
+    tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+    render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))  # picks "tool_use"
+    messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
+    return ChatPrompt(messages, listed, options, render, tools, tool_choice)
+
+
+async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_tokens: int | None) -> list[int]:
+    """The rendered chat's token ids (long ones off the event loop); ``max_tokens``: PromptTooLong past it."""
+    size = sum(len(m["content"] or "") for m in prompt.messages)
+    with prompt.render.blamed():
+        return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
+                                                      **prompt.options, **prompt.render.options(),
+                                                      max_tokens=max_tokens), param="messages")
 
 
 def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,

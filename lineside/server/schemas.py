@@ -218,3 +218,34 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                        (413, "request body too large"), (429, "waiting queue full"),
                        (503, "model loading or server draining"))
 }
+
+
+# ---- token counting (vLLM's /tokenize and /detokenize) --------------------------------------------------
+class _TokenizeCommon(BaseModel):
+    model_config = _REQ
+    model: str | None = Field(None, description="as on the generation routes; a LoRA adapter counts as its base")
+    return_token_strs: bool | None = Field(False, description="vLLM's: also the vocabulary entry of each token")
+    with_pieces: bool | None = Field(False, description="llama.cpp's: each token as {id, piece}, piece its text "
+                                                        "(or its bytes as a list when they are not UTF-8)")
+
+
+class TokenizeCompletionRequest(_TokenizeCommon):
+    prompt: str = Field(..., description="text, counted as /v1/completions counts a prompt")
+    add_special_tokens: bool | None = Field(True, description="true: BOS where the model wants one (as completions)")
+
+
+class TokenizeChatRequest(_TokenizeCommon):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = Field(False, description="true: BOS on top of what the template writes")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _REQ
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

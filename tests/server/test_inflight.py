@@ -65,3 +65,18 @@ def test_reads_are_not_counted():
     state = _state()
     seen, _ = _call(state, "/v1/responses/resp_1", "DELETE")
     assert seen == [0]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_tokenize_routes_wait_for_the_model_and_the_drain_waits_for_them(path):
+    """They read the loaded tokenizer (503 until it is there) and must not outlive the tokenizer worker a drain
+    ends with, so they count in flight and are refused once the drain starts, as the generation routes."""
+    state = _state()
+    seen, sent = _call(state, path)
+    assert seen == [1] and sent[0]["status"] == 200
+    state.ready = False
+    seen, sent = _call(state, path)
+    assert seen == [] and sent[0]["status"] == 503 and json.loads(sent[1]["body"])["error"]["code"] == "not_ready"
+    state.ready, state.draining = True, True
+    seen, sent = _call(state, path)
+    assert seen == [] and sent[0]["status"] == 503

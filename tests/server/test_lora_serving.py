@@ -85,6 +85,14 @@ def test_adapters_are_models_and_model_selects_one(lora_served_bundle):
         chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
             "model": "line-a", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 200 and chat.json()["model"] == "line-a"
+        # /tokenize and /detokenize take an adapter's name and count with its base model's tokenizer
+        counted = {model: httpx.post(f"{srv.url}/tokenize", timeout=60, json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}]}).json() for model in answers}
+        assert len({str(c) for c in counted.values()}) == 1
+        assert counted["line-a"]["count"] == chat.json()["usage"]["prompt_tokens"]
+        r = httpx.post(f"{srv.url}/detokenize", timeout=60, json={"model": "line-b", "tokens": PROMPT})
+        assert r.status_code == 200 and isinstance(r.json()["prompt"], str)
+        assert httpx.post(f"{srv.url}/tokenize", json={"model": "line-z", "prompt": "a"}).status_code == 404
 
 
 def test_a_request_waits_while_every_slot_is_in_use(lora_served_bundle):

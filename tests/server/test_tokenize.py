@@ -1,0 +1,195 @@
+"""POST /tokenize, POST /detokenize, GET /version in vLLM's shapes: a count is exactly the prompt_tokens the
+generation routes report for the same input (text, unicode, chats with a system prompt, tools, an assistant
+prefill), ids go back to text, and bad bodies, unknown models, a missing key and oversized bodies are answered as
+on the other routes."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import lineside
+from tests.server.conftest import running_server
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
+
+
+@pytest.fixture(scope="module")
+def smol_server(smol_bundle):
+    """SmolLM2's real tokenizer (BPE merges, a chat template with a default system prompt and a tool section)."""
+    with running_server(smol_bundle, num_slots=1, threads=1) as srv:
+        yield srv
+
+
+def _post(url: str, path: str, body: object) -> httpx.Response:
+    """``body`` as JSON with ASCII escapes (a lone surrogate travels as its ``\\ud800`` escape)."""
+    return httpx.post(f"{url}{path}", content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=60)
+
+
+def _usage(url: str, path: str, body: dict) -> int:
+    r = _post(url, path, {**body, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("text", ["Hello world", "naïve café 🙂 日本語 über", "\ufeffzero\u200bwidth and a BOM",
+                                  "<s>text that spells the BOS token", "  two  spaces\n\nand lines\t",
+                                  "<|im_start|>user\nspecial-token text<|im_end|>"])
+@pytest.mark.parametrize("which", ["server", "smol_server"])
+def test_prompt_count_is_the_completion_usage(request, which, text):
+    server = request.getfixturevalue(which)
+    r = _post(server.url, "/tokenize", {"prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == _usage(server.url, "/v1/completions", {"prompt": text})
+    assert body["max_model_len"] == server.state.engine.max_seq_len
+    assert body["token_strs"] is None
+    # the same ids sent as a token-id prompt are the same prompt
+    assert _usage(server.url, "/v1/completions", {"prompt": body["tokens"]}) == body["count"]
+
+
+CHATS = [
+    ({"messages": [{"role": "system", "content": "You answer in one word."},
+                   {"role": "user", "content": "Colour of the sky? 🙂 ¿qué?"}]}),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "part one"},
+                                                {"type": "text", "text": "part two"}]}]}),
+    ({"messages": [{"role": "user", "content": "Weather in Lyon?"}], "tools": TOOLS}),
+    ({"messages": [{"role": "user", "content": "Weather in Lyon?"},
+                   {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": TOOLS}),
+    ({"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}],
+      "continue_final_message": True, "add_generation_prompt": False}),
+    ({"messages": [{"role": "user", "content": "Say hi"}], "add_generation_prompt": False}),
+]
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_chat_count_is_the_chat_usage(smol_server, chat):
+    server = smol_server
+    r = _post(server.url, "/tokenize", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == _usage(server.url, "/v1/chat/completions", chat)
+
+
+def test_add_special_tokens_and_token_strings(server):
+    tok = server.state.engine.tokenizer
+    plain = _post(server.url, "/tokenize", {"prompt": "abc", "add_special_tokens": False}).json()["tokens"]
+    with_bos = _post(server.url, "/tokenize", {"prompt": "abc"}).json()["tokens"]
+    assert plain == tok.encode("abc", add_special=False) and with_bos == [tok.bos_token_id, *plain]
+    body = _post(server.url, "/tokenize", {"prompt": "a é", "return_token_strs": True}).json()
+    assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]]
+    pieces = _post(server.url, "/tokenize", {"prompt": "a é", "with_pieces": True,
+                                             "add_special_tokens": False}).json()["tokens"]
+    ids = [p["id"] for p in pieces]
+    assert ids == tok.encode("a é", add_special=False)
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw == "a é".encode()  # a piece that is part of a character comes as its bytes, as llama.cpp's
+
+
+def test_a_prompt_longer_than_the_context_is_counted_not_refused(server):
+    context = server.state.engine.max_seq_len
+    r = _post(server.url, "/tokenize", {"prompt": "x" * (context + 10), "add_special_tokens": False})
+    assert r.status_code == 200 and r.json()["count"] == context + 10 > r.json()["max_model_len"]
+
+
+def test_detokenize_gives_back_the_rendered_text(server):
+    chat = {"messages": [{"role": "user", "content": "héllo 🙂"}]}
+    ids = _post(server.url, "/tokenize", chat).json()["tokens"]
+    r = _post(server.url, "/detokenize", {"tokens": ids})
+    assert r.status_code == 200
+    text = r.json()["prompt"]
+    assert "héllo 🙂" in text and text.startswith(server.state.engine.tokenizer.bos_token)  # specials kept
+    assert _post(server.url, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(("tokens", "param", "words"), [
+    ([1, 2, 10**6, 10**7], "tokens", "tokens.2: token id 1000000 is outside the vocabulary"),
+    ([1, 2**70], "tokens", "token id 1180591620717411303424 is outside"),
+    ([1, -3], "tokens.1", "greater than or equal to 0"),
+    ([1, True], "tokens.1", "valid integer"),
+    ([1, 2.0], "tokens.1", "valid integer"),
+    (["1"], "tokens.0", "valid integer"),
+    ("1 2 3", "tokens", "valid list"),
+    (None, "tokens", "valid list"),
+])
+def test_detokenize_bad_ids_are_a_400_naming_the_first(server, tokens, param, words):
+    r = _post(server.url, "/detokenize", {"tokens": tokens})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({}, "prompt", "'prompt' (text to count) or 'messages'"),
+    ({"model": "tiny-llama"}, "prompt", "or 'messages'"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages", "not both"),
+    ({"prompt": ["a", "b"]}, "prompt", "valid string"),
+    ({"prompt": 5}, "prompt", "valid string"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"messages": "hi"}, "messages", "valid list"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+      "continue_final_message": True}, "add_generation_prompt", "cannot both be true"),
+    ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens", "valid boolean"),
+    ({"prompt": "bad \ud800"}, "prompt", "not valid UTF-8"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]", None),
+    ([1, 2], None, "JSON object"),
+])
+def test_tokenize_bad_bodies_are_one_line_400s(server, body, param, words):
+    r = _post(server.url, "/tokenize", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"]
+    assert words is None or words in error["message"]
+
+
+def test_malformed_json_and_empty_bodies(server):
+    for path in ("/tokenize", "/detokenize"):
+        r = httpx.post(f"{server.url}{path}", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        r = httpx.post(f"{server.url}{path}", content=b"", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("request body is empty")
+
+
+def test_model_names_as_on_the_generation_routes(server):
+    for path, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [5]})):
+        assert _post(server.url, path, {**body, "model": server.state.model_name}).status_code == 200
+        assert _post(server.url, path, {**body, "model": ""}).status_code == 200
+        r = _post(server.url, path, {**body, "model": "gpt-4o"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_version(server):
+    r = httpx.get(f"{server.url}/version")
+    assert r.status_code == 200 and r.json() == {"version": lineside.__version__}
+
+
+def test_key_and_body_limit_as_on_the_other_routes(tiny_bundle):
+    with running_server(tiny_bundle, num_slots=1, threads=1, api_key="k", max_body_bytes=4096) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        for method, path, body in (("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [5]}),
+                                   ("GET", "/version", None)):
+            r = c.request(method, path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = c.request(method, path, json=body, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200, r.text
+        key = {"Authorization": "Bearer k"}
+        r = c.post("/detokenize", json={"tokens": [5] * 5000}, headers=key)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = c.post("/tokenize", json={"prompt": "a" * 5000}, headers=key)
+        assert r.status_code == 413
+
+        def chunked():  # no Content-Length: the limit holds while the body is read
+            yield b'{"tokens": ['
+            for _ in range(2000):
+                yield b"5, "
+            yield b"5]}"
+
+        r = c.post("/detokenize", content=chunked(), headers={**key, "content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
