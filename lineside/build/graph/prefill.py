@@ -78,9 +78,7 @@ def record_linear(gb: GraphBuilder, x: str, y: str, name: str, weight: Callable[
         # SmoothQuant (quant/smooth.py): x / s quantized per row, W * s per output channel; its own row quantizer
         w = w * s[None, :]
         inv = _weight(gb, variant, f"{name}.prefill_inv_smooth", (1.0 / s).astype(np.float32))
-        smoothed = f"{name}/prefill_smoothed"
-        nodes.append(helper.make_node("Mul", [x, inv], [smoothed], name=smoothed))
-        q, scale, lead = _quantize_rows(gb, variant, smoothed, k, nodes)
+        q, scale, lead = _quantize_rows(gb, variant, x, k, nodes, smooth=inv)
     else:
         if x not in variant.quantized_inputs:
             variant.quantized_inputs[x] = _quantize_rows(gb, variant, x, k, nodes)
@@ -104,9 +102,12 @@ def record_linear(gb: GraphBuilder, x: str, y: str, name: str, weight: Callable[
     gb.uses_ms_domain = True
 
 
-def _quantize_rows(gb: GraphBuilder, variant: _Variant, x: str, k: int,
-                   nodes: list[onnx.NodeProto]) -> tuple[str, str, str]:
-    """Nodes quantizing ``x [..., K]`` per row: (uint8 codes ``[rows, K]``, scales ``[rows, 1]``, x's leading shape)."""
+def _quantize_rows(gb: GraphBuilder, variant: _Variant, x: str, k: int, nodes: list[onnx.NodeProto],
+                   smooth: str | None = None) -> tuple[str, str, str]:
+    """Nodes quantizing ``x [..., K]`` per row, times ``smooth [K]`` if given: (uint8 codes ``[rows, K]``, scales
+    ``[rows, 1]``, x's leading shape). The smoothing scales the ``[rows, K]`` rows, not ``x``: onnxruntime 1.20-1.23
+    infer a GroupQueryAttention output (o_proj's x) as ``[b, s, 0]`` when its packed query's width is not static (a
+    prefill linear's Reshape), and refused the graph at a Mul broadcasting that against ``[K]``."""
     p = gb.fresh("prefill/x")
 
     def const(tag: str, value: np.ndarray) -> str:
@@ -117,6 +118,8 @@ def _quantize_rows(gb: GraphBuilder, variant: _Variant, x: str, k: int,
         return f"{p}/{tag}"
 
     x2 = node("Reshape", [x, const(f"rows_{k}", np.array([-1, k], np.int64))], "rows")
+    if smooth is not None:
+        x2 = node("Mul", [x2, smooth], "smoothed")
     amax = node("ReduceMax", [node("Abs", [x2], "abs"), const("last_axis", np.array([-1], np.int64))], "amax",
                 keepdims=0)
     # an all-zero row keeps a positive scale (its codes are all 128): no 0/0

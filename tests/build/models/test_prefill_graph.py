@@ -397,3 +397,42 @@ def test_a_model_with_a_tiny_vocabulary_builds_its_prefill_graph_by_default(dens
     monkeypatch.setattr("lineside.build.quant.calibrate.default_calibration_text", lambda: "\u2603" * 100)
     plain = open_bundle(build_bundle(ck, tmp_path / "p", BuildOptions(quant="w4a16", group_size=32, max_seq_len=64)))
     assert plain.flavor("cpu").extra["prefill_forms"] == {"smoothed": 0, "plain": 8, "4-bit": 0}
+
+
+def _as_older_onnxruntime_infers_attention(graph, out):
+    """``graph`` saved to ``out`` with each GroupQueryAttention replaced by a stand-in whose output has what
+    onnxruntime 1.20-1.23 infer for it when its packed query's width is not known statically: [b, s, 0] (their
+    inference divides that unknown width, read as 0, by the heads). The stand-in is only for loading."""
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(graph), load_external_data=False)
+    nodes = []
+    for n in model.graph.node:
+        if n.op_type != "GroupQueryAttention":
+            nodes.append(n)
+            continue
+        none = f"{n.name}/no_columns"
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(0, np.int64), none))
+        nodes += [helper.make_node("Gather", [n.input[0], none], [n.output[0]], axis=2),
+                  helper.make_node("Identity", [n.input[3]], [n.output[1]]),
+                  helper.make_node("Identity", [n.input[4]], [n.output[2]])]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.save(model, str(out))
+    return out
+
+
+def test_the_prefill_graph_does_not_rely_on_the_attention_width_older_onnxruntime_infers(w4_bundle, tmp_path):
+    """onnxruntime 1.20-1.23 (1.23.2 is Python 3.10's newest, JetPack 6's) refused the prefill graph at load:
+    '[ShapeInferenceError] Incompatible dimensions' at o_proj's smoothing Mul, which broadcast the attention's
+    output (inferred [b, s, 0] from a packed query whose width the prefill linear's Reshape leaves unknown) against
+    its [hidden] scales; prompts fell back to the 4-bit graph. The smoothing now scales the [rows, hidden] rows its
+    quantizer reshapes anyway."""
+    import shutil
+
+    bundle = w4_bundle()
+    entry = bundle.flavor("cpu")
+    assert entry.extra["prefill_forms"]["smoothed"] > 0
+    shutil.copy(bundle.file("graphs/cpu/model.onnx.data"), tmp_path / "model.onnx.data")
+    older = _as_older_onnxruntime_infers_attention(bundle.file(entry.prefill_graph), tmp_path / "model.prefill.onnx")
+    ort.InferenceSession(str(older), providers=["CPUExecutionProvider"])  # raised: Incompatible dimensions
