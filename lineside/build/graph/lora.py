@@ -68,6 +68,11 @@ def write_lora_graph(gb: GraphBuilder, sites: list[SiteTensors], path: Path) -> 
                   helper.make_node("Equal", [f"lora/cols{p}_k1", "lora/slots_tok"], [f"lora/eq{p}"], name=f"lora/eq{p}"),
                   helper.make_node("Cast", [f"lora/eq{p}"], [f"lora/mask{p}"], name=f"lora/mask{p}", to=F32)]
         masks[p] = f"lora/mask{p}"  # [P·K, tokens]
+        if p > 1:  # the sizes a P-part site's Split takes: [K] * P
+            nodes += [helper.make_node("Shape", [cols_input(p)], [f"lora/width{p}"], name=f"lora/width{p}"),
+                      helper.make_node("Div", [f"lora/width{p}", const(f"lora/parts_{p}", np.array([p], np.int64))],
+                                       [f"lora/k{p}"], name=f"lora/k{p}"),
+                      helper.make_node("Concat", [f"lora/k{p}"] * p, [_split_sizes(p)], name=_split_sizes(p), axis=0)]
     for s in sites:
         inputs.append(helper.make_tensor_value_info(s.site.a_input, F32, [_width_dim(len(s.site.parts)),
                                                                           s.site.in_features]))
@@ -93,6 +98,13 @@ def _width_dim(parts: int) -> str:
     return "lora_k" if parts == 1 else f"lora_k{parts}"
 
 
+def _split_sizes(parts: int) -> str:
+    """[K] * P: the sizes a P-part site's Split takes. Given as an input rather than ``num_outputs``: a step with no
+    adapter row binds the stack at width 0, and onnxruntime 1.20-1.23 refuse ``num_outputs`` over an empty
+    dimension ("Invalid num_outputs value of 3. Size of dimension being split is 0")."""
+    return f"lora/split_sizes{parts}"
+
+
 def _site_delta(site: SiteTensors, mask: str, nodes: list[onnx.NodeProto], const: Callable[[str, np.ndarray], str]) -> str:
     """Append the nodes of one site's masked delta (shaped like its fused output y); return its name."""
     s, tag = site.site, f"lora/{site.site.layer}.{site.site.site}"
@@ -108,8 +120,8 @@ def _site_delta(site: SiteTensors, mask: str, nodes: list[onnx.NodeProto], const
     per_part = [f"{tag}/xam"]
     if len(s.parts) > 1:  # every part's block is K rows: an even split
         per_part = [f"{tag}/xam.{p.value}" for p in s.parts]
-        nodes.append(helper.make_node("Split", [f"{tag}/xam"], per_part, name=f"{tag}/split", axis=0,
-                                      num_outputs=len(s.parts)))
+        nodes.append(helper.make_node("Split", [f"{tag}/xam", _split_sizes(len(s.parts))], per_part,
+                                      name=f"{tag}/split", axis=0))
     pieces, end = [], 0
     for j, (part, b, offset, width) in enumerate(zip(s.parts, s.b_inputs, s.offsets, s.part_widths, strict=True)):
         d = f"{tag}/delta.{part.value}"

@@ -223,3 +223,20 @@ def test_adapter_configs_users_bring_match_peft(lora_bundle, tiny_dense, tmp_pat
     base_out = compute_logits(be, IDS, "prefill", adapter=0)
     assert rel_err(ref, base_out) > 0.05  # the adapter really changes the model
     assert rel_err(compute_logits(be, IDS, "prefill", adapter=1), ref) < 1e-4
+
+
+def test_lora_graph_splits_name_their_sizes(lora_bundle):
+    """A step with no adapter row binds the stack at width 0, and onnxruntime 1.20-1.23 refuse a Split by
+    ``num_outputs`` of an empty dimension ('Invalid num_outputs value of 3. Size of dimension being split is 0'):
+    every base-model request of `serve --lora-modules` failed there, on both flavors' LoRA graphs. Splits into
+    sizes given as an input (the stack's width per part, computed once per step) take a width of 0 on every
+    version."""
+    import onnx
+
+    bundle = lora_bundle("llama-gqa")
+    for flavor in ("cpu", "trt"):
+        g = onnx.load(bundle.file(bundle.flavor(flavor).lora_graph), load_external_data=False).graph
+        splits = [n for n in g.node if n.op_type == "Split"]
+        assert splits, flavor  # the fused q/k/v and gate/up sites
+        for n in splits:
+            assert len(n.input) == 2 and n.input[1] and not any(a.name == "num_outputs" for a in n.attribute), n.name
