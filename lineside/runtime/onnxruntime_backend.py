@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -43,8 +44,22 @@ PREFILL_ENV = "LINESIDE_PREFILL_GRAPH"  # 0: prompt chunks on the 4-bit graph to
 # steps for decode, scheduler.py), or batching and prefix reuse would change a greedy answer. At 8 tokens the two
 # graphs cost the same; at 512 the int8 one is 2x faster (SmolLM2, 2 threads, benchmarks/prefill_graph.py).
 PREFILL_MIN_TOKENS = 2
+# The oldest onnxruntime that runs every graph a build writes: 1.20 and 1.21 have no 8-bit MatMulNBits (a w4a16
+# bundle's LM head, every w8a16 linear). Checked per version, graph by graph, against 1.32's logits: README
+# "Requirements". pyproject.toml asks for the same.
+MIN_ONNXRUNTIME = (1, 22)
 # Steps of one row with up to this many new tokens (a verification: 1 + at most 16 drafts) reuse a cached binding.
 FAST_VERIFY_TOKENS = 17
+
+
+def check_onnxruntime_version(version: str) -> None:
+    """Refuse an onnxruntime older than MIN_ONNXRUNTIME in one line, before it fails on a graph with a C++
+    assertion that names no version (a Jetson's NVIDIA wheel, an environment pinned long ago)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is not None and (int(m[1]), int(m[2])) < MIN_ONNXRUNTIME:
+        need = ".".join(map(str, MIN_ONNXRUNTIME))
+        raise LinesideError(f"onnxruntime {version} is too old: lineside's graphs need {need} or newer (8-bit "
+                            f"MatMulNBits); pip install -U onnxruntime")
 
 
 class StepTap(Protocol):
@@ -77,6 +92,7 @@ class OnnxRuntimeBackend:
         ``lora``: the adapter slots to serve (the bundle's LoRA graph runs instead of the base graph)."""
         import onnxruntime as ort
 
+        check_onnxruntime_version(ort.__version__)
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors), "cpu"))  # none: refused
         entry = entry or bundle.flavor(flavor)
         self.flavor = flavor

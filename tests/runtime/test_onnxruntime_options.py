@@ -116,3 +116,37 @@ def test_a_prefill_graph_this_onnxruntime_cannot_load_leaves_prompts_on_the_4bit
     assert be.prefill_session is None
     assert "model.prefill.onnx" in caplog.text and "Incompatible dimensions" in caplog.text
     np.testing.assert_array_equal(be.forward(StepBatch.single(0, [1, 2, 3, 4, 5], 0)), want)
+
+
+@pytest.mark.parametrize("version", ["1.20.1", "1.21.1", "1.19.2+cu118"])
+def test_an_onnxruntime_older_than_lineside_needs_is_refused_in_one_line(tiny_bundle, monkeypatch, version):
+    """onnxruntime 1.20 and 1.21 (Jetson's NVIDIA wheels are of that era) run no 8-bit MatMulNBits (a w4a16 bundle's
+    LM head, every w8a16 linear): loading failed with a C++ assertion and no word of which version works."""
+    import onnxruntime as ort
+
+    from lineside.errors import LinesideError
+
+    monkeypatch.setattr(ort, "__version__", version)
+    with pytest.raises(LinesideError) as e:
+        OnnxRuntimeBackend(open_bundle(tiny_bundle))
+    msg = str(e.value)
+    assert "\n" not in msg and version in msg and "1.22" in msg and "pip install -U onnxruntime" in msg
+
+
+@pytest.mark.parametrize("version", ["1.22.0", "1.23.2", "1.32.0", "2.0.0", "1.24.0.dev20260101"])
+def test_onnxruntime_1_22_and_newer_are_taken(monkeypatch, version):
+    from lineside.runtime.onnxruntime_backend import check_onnxruntime_version
+
+    check_onnxruntime_version(version)
+
+
+def test_pyproject_asks_for_the_onnxruntime_the_backend_takes():
+    """pip must not resolve an onnxruntime the backend then refuses (pyproject said >= 1.20)."""
+    import re
+    from pathlib import Path
+
+    from lineside.runtime.onnxruntime_backend import MIN_ONNXRUNTIME
+
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    pins = re.findall(r'^\s*"onnxruntime([^"]*)"', text, re.MULTILINE)  # tomllib is 3.11+
+    assert pins == [">={}.{}".format(*MIN_ONNXRUNTIME)], pins
