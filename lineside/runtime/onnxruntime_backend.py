@@ -167,10 +167,11 @@ class OnnxRuntimeBackend:
                 return None
             try:
                 return load(rel)[0]
-            except LinesideError as e:  # an onnxruntime that runs the main graph but not this one (Python 3.10's
-                # newest, 1.23, fails its shape inference): the graph is only a faster way to the same prompts
-                log.warning("prompts run on the 4-bit graph: %s (onnxruntime %s); upgrade onnxruntime to use the "
-                            "int8 prefill graph", e, ort.__version__)
+            except LinesideError as e:  # an onnxruntime that runs the main graph but not this one: only a faster
+                # way to the same prompts. Bundles built before the prefill emitter stopped broadcasting against a
+                # shape older inference gets wrong load it on onnxruntime >= 1.31 only (Python 3.10's newest is 1.23)
+                log.warning("prompts run on the 4-bit graph: %s (onnxruntime %s); rebuild the bundle with this "
+                            "lineside (or upgrade onnxruntime) to use the int8 prefill graph", e, ort.__version__)
                 return None
 
         with ThreadPoolExecutor(max_workers=1) as pool:
