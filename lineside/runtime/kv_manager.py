@@ -11,6 +11,10 @@ after its request ends: full blocks are hashed (chained, so a hash names the who
 new prompt that starts with a cached prefix copies those positions instead of recomputing them. KV is
 kept per ``namespace`` (a LoRA adapter's name; "" for the base model): the chain starts from it and a
 lookup matches only slots of the same one, since another adapter's KV of the same tokens differs.
+A request that reuses nothing takes the free slot whose cache is worth least (``victim``): one holding no
+reusable KV, else the least recently used, so recently used prefixes survive unrelated requests while free slots
+can hold them (vLLM's prefix cache is LRU over all free blocks); the lowest free slot would overwrite the same
+prefix every time requests come one at a time.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class KVCacheArena:
         self.space = [""] * num_slots  # the namespace (adapter) the slot's KV was computed under
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]
         self._index: dict[int, set[int]] = {}
+        self.used = [0] * num_slots  # when each slot was last given out, reused or released: LRU order of free slots
+        self._clock = 0
         self.pending: list[SlotOp] = []
         self.prefix_hits = 0
         self.prefix_hit_tokens = 0
@@ -97,16 +103,19 @@ class KVCacheArena:
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int,
-                 lowest: int = 0, namespace: str = "") -> tuple[int, int]:
-        """Give ``owner`` the lowest free slot (from ``lowest`` on when there is one); returns
-        (slot, positions reused from the prefix cache of ``namespace``)."""
+                 lowest: int = 0, namespace: str = "", near: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Give ``owner`` a free slot (from ``lowest`` on when there is one): the one caching the longest prefix of
+        ``tokens`` in ``namespace`` if it is free, else ``victim(lowest, near)``; returns (slot, positions reused)."""
         free = [i for i, o in enumerate(self.owner) if o is None]
         src, reuse = self.lookup(tokens, max_reuse, namespace) if self.prefix_cache else (-1, 0)
         if len(tokens) - reuse == 1 and len(tokens) > 1:
             reuse -= 1  # never leave a 1-token prefill: see ``single-token steps`` in the scheduler
         if reuse <= 0:
             src, reuse = -1, 0
-        slot = src if reuse and src in free and src >= lowest else next((i for i in free if i >= lowest), free[0])
+        slot = src if reuse and src in free and src >= lowest else self.victim(lowest, near)
+        if reuse:
+            self._touch(src)  # a hit: the source's prefix is in use again
+        self._touch(slot)
         self.owner[slot] = owner
         self.reserved[slot] = self.blocks_for(reserve_tokens)
         if self.space[slot] != namespace:
@@ -124,15 +133,37 @@ class KVCacheArena:
             self.prefix_hit_tokens += reuse
         return slot, reuse
 
+    def victim(self, lowest: int = 0, near: tuple[int, int] | None = None, avoid: range = range(0)) -> int:
+        """The free slot (from ``lowest`` on and outside ``avoid`` when there is one) whose cached KV is worth least:
+        one holding no reusable block, else the least recently used. With ``near`` (the lowest and highest slot of
+        the running requests, for a backend that decodes one range of slots) a free slot within one of that span is
+        taken first: it joins the decode batch without a move, and a move would overwrite a free slot there anyway."""
+        free = [i for i, o in enumerate(self.owner) if o is None]
+        pool = [i for i in free if i >= lowest and i not in avoid] or [i for i in free if i not in avoid] or free
+        if near is not None:
+            pool = [i for i in pool if near[0] - 1 <= i <= near[1] + 1] or pool
+        return min(pool, key=self.worth)
+
+    def worth(self, slot: int) -> tuple[int, int]:
+        """What overwriting ``slot``'s KV loses, for ordering: (holds a reusable block, last use); nothing without
+        the prefix cache (then the lowest free slot is taken, as before)."""
+        return (1, self.used[slot]) if self.prefix_cache and self._hashes[slot] else (0, 0)
+
+    def _touch(self, slot: int) -> None:
+        self._clock += 1
+        self.used[slot] = self._clock
+
     def free(self, slot: int) -> None:
         """Release ``slot``; its KV stays cached for prefix reuse until the slot is given out again."""
         self.owner[slot], self.reserved[slot] = None, 0
+        self._touch(slot)
 
     def hand_over(self, slot: int, owner: Any, reserve_tokens: int, keep: int) -> None:
         """Give ``slot`` (free, or held by a prefill session or a request) to ``owner`` with its first ``keep``
         positions' KV: a session lending its KV to the completion that extends it, or keeping a finished one's."""
         self.owner[slot], self.reserved[slot] = owner, self.blocks_for(reserve_tokens)
         self.truncate(slot, keep)
+        self._touch(slot)
 
     def move(self, src: int, dst: int) -> None:
         """Move a request (its KV, reservation and ownership) from ``src`` to the free slot ``dst``."""
@@ -140,6 +171,7 @@ class KVCacheArena:
         self.pending.append(SlotOp(SlotOpKind.COPY, src, dst, len(self.tokens[src])))
         self.owner[dst], self.reserved[dst] = self.owner[src], self.reserved[src]
         self.owner[src], self.reserved[src] = None, 0
+        self.used[dst], self.used[src] = self.used[src], 0  # src keeps a copy of dst's KV: the first to overwrite
         self._set_tokens(dst, [])
         self.space[dst] = self.space[src]
         self._set_tokens(dst, list(self.tokens[src]), self.shared[src])  # src keeps its tokens: still cached

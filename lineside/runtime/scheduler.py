@@ -1,7 +1,8 @@
 """Which sequences run in the next step, and what a step did to them: the one owner of sequence state.
 
 ``schedule`` plans a step: the decode batch (all sequences past prefill, one token each, slots in
-ascending order — moved to 0..k-1 when a hole opens, if the backend ``needs_contiguous_slots``)
+ascending order — moved into one range of slots when a hole opens, if the backend ``needs_contiguous_slots``;
+the range stays where most of them already are, so the free slots keep their cached prefixes)
 plus prefill chunks of the sequences being admitted, ``prefill_chunk`` tokens in all (step_plan.py): a burst of
 short prompts is admitted in one step, as vLLM's token budget does, so the requests decode together from the
 next step instead of joining one a step (fewer, fuller decode steps; the last request's first token 1 step
@@ -283,29 +284,47 @@ class Scheduler(SessionSlots):
         seq.slot = dst
 
     def _compact(self) -> None:
-        """Move decoding sequences into slots 0..k-1 (k = how many decode), the prefilling one out of the way."""
+        """Move decoding sequences into one range of slots (``_window``), the prefilling ones and sessions out of it."""
         decode = [s for s in self.running if s.status == Status.DECODE]
-        k = len(decode)
+        if not decode:
+            return
+        window = self._window(decode)
         while True:
             by_slot = {s.slot: s for s in self.running}
-            hole = next((h for h in range(k) if h not in by_slot or by_slot[h].status != Status.DECODE), None)
+            hole = next((h for h in window if h not in by_slot or by_slot[h].status != Status.DECODE), None)
             if hole is None:
                 return
             held = self.arena.owner[hole]
-            if isinstance(held, PrefillSession):  # a session's pinned slot sits in the decode range
-                free = [i for i in range(k, self.arena.num_slots) if self.arena.owner[i] is None]
+            if held is not None:  # a prefilling sequence or a session's pinned slot sits in the decode range
+                free = [i for i, o in enumerate(self.arena.owner) if o is None and i not in window]
                 if free:
-                    self.arena.move(hole, free[0])
-                    held.slot = free[0]
-                else:
+                    dst = self.arena.victim(avoid=window)
+                    if isinstance(held, PrefillSession):
+                        self.arena.move(hole, dst)
+                        held.slot = dst
+                    else:
+                        self._move(by_slot[hole], dst)
+                elif isinstance(held, PrefillSession):
                     self.release_session(held, evicted=True)
-            elif hole in by_slot:  # the prefilling sequence sits in the decode range
-                free = [i for i in range(k, self.arena.num_slots) if self.arena.owner[i] is None]
-                if not free:
+                else:
                     return  # every slot is taken: contiguous again once its prefill ends
-                self._move(by_slot[hole], free[0])
-            outside = max((s for s in decode if s.slot >= k), key=lambda s: s.slot)
+            outside = max((s for s in decode if s.slot not in window), key=lambda s: s.slot)
             self._move(outside, hole)
+
+    def _window(self, decode: list[Sequence]) -> range:
+        """Where the decode batch goes: the range of its size needing the fewest moves (decoders to bring in, others
+        to move out), then overwriting the least valuable free slots' cached KV. A batch already in one range (one
+        decoder, say) stays where it is: moving it to slot 0 would overwrite the prefix cached there for nothing."""
+        k, owner = len(decode), self.arena.owner
+        mine = {s.slot for s in decode}
+
+        def cost(w: int) -> tuple[int, tuple[int, int], int]:
+            r = range(w, w + k)
+            moves = sum(s not in r for s in mine) + sum(owner[i] is not None and i not in mine for i in r)
+            lost = max((self.arena.worth(i) for i in r if owner[i] is None), default=(0, 0))
+            return moves, lost, w
+
+        return range(w := min(range(self.arena.num_slots - k + 1), key=cost), w + k)
 
     # ---- admission and preemption -------------------------------------------------------------
     def _admit_within_budget(self, now: float) -> None:
@@ -373,10 +392,12 @@ class Scheduler(SessionSlots):
         if lend is not None:
             slot, reused = self._lend(lend[0], best, need, lend[1], now), lend[1]
         else:
-            # With contiguous slots the decode batch will be 0..k-1: start the newcomer past it.
-            lowest = sum(s.status == Status.DECODE for s in self.running) if self.contiguous_slots else 0
+            # With contiguous slots the newcomer will join the decode batch: beside the running requests, no move then
+            held = [s.slot for s in self.running if s.slot is not None]
+            near = (min(held), max(held)) if self.contiguous_slots and held else None
             # KV computed under one adapter is another model's: prefix reuse stays within the adapter
-            slot, reused = self.arena.allocate(best, fill, need, max_reuse, lowest, namespace=best.req.adapter or "")
+            slot, reused = self.arena.allocate(best, fill, need, max_reuse, namespace=best.req.adapter or "",
+                                               near=near)
         best.slot, best.computed = slot, reused
         if best.handle.metrics.scheduled is None:  # a re-admission reuses what it computed itself: not cached
             best.handle.metrics.prefix_reused_tokens = reused  # (usage's cached_tokens, as vLLM counts it)

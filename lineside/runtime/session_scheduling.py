@@ -177,8 +177,7 @@ class SessionSlots:
                 self.release_session(old, evicted=True)
             if not self.arena.can_admit(len(s.target)):
                 return
-            lowest = len(self.running) if self.contiguous_slots else 0  # above the decode batch and the prefill
-            slot, reuse = self.arena.allocate(s, s.target, len(s.target), len(s.target), lowest)
+            slot, reuse = self.arena.allocate(s, s.target, len(s.target), len(s.target))  # the least valuable slot
             s.slot, s.computed = slot, reuse
 
     def _session_chunk(self, plan: StepPlan) -> None:

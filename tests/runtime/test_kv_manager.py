@@ -95,3 +95,27 @@ def test_no_prefix_cache_resets_slot():
     a.take_pending()
     s, reused = a.allocate("b", [1] * 8, 10, 7)
     assert reused == 0 and [o.kind for o in a.take_pending()] == ["reset"]
+
+
+def test_a_request_reusing_nothing_takes_the_least_valuable_free_slot():
+    """Empty slots first, then the least recently used (given out, hit or released), never simply the lowest: a
+    recently used prefix survives unrelated requests while free slots can hold it."""
+    a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4)
+
+    def serve(prompt: list[int]) -> tuple[int, int]:
+        s, reused = a.allocate(prompt[0], prompt, 20, len(prompt) - 1)
+        a.append(s, prompt[reused:])
+        a.free(s)
+        return s, reused
+
+    p, q, r = ([k] * 8 for k in (10, 20, 30))
+    assert [serve(x) for x in (p, q)] == [(0, 0), (1, 0)]  # empty slots, lowest first
+    assert serve(p + [11]) == (0, 7)  # a hit: p is now the most recently used
+    assert serve(r) == (2, 0) and serve([40] * 8) == (1, 0)  # q was the least recently used
+    assert serve(p + [12])[1] == 7 and serve(r + [31])[1] == 7
+    off = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4, prefix_cache=False)
+    for k in (1, 2):
+        off.append(off.allocate(k, [k] * 8, 20, 7)[0], [k] * 8)
+    off.free(1)
+    off.free(0)
+    assert off.allocate(3, [3] * 8, 20, 7) == (0, 0)  # without the prefix cache nothing is worth keeping: the lowest

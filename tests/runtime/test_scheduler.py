@@ -147,17 +147,24 @@ def test_expire_cancels_and_times_out():
 
 def test_only_a_backend_that_needs_contiguous_slots_gets_moves():
     for contiguous in (False, True):
-        sch = Scheduler(KVCacheArena(2, 64, 4, prefix_cache=False), prefill_chunk=16, contiguous_slots=contiguous)
-        a, b = seq(n=2), seq(n=8)
-        sch.add(a)
-        sch.postprocess(sch.schedule(now=0.0), {a: 10}, {}, now=0.0)
-        sch.add(b)
-        p = sch.schedule(now=1.0)  # a decodes in slot 0, b prefills in slot 1
-        sch.postprocess(p, {a: 11, b: 12}, {}, now=1.0)  # a ends: slot 0 is a hole
-        assert a.status == Status.FINISHED and b.slot == 1
+        sch = Scheduler(KVCacheArena(3, 64, 4, prefix_cache=False), prefill_chunk=32, contiguous_slots=contiguous)
+        a, b, c = (prompt_seq(list(range(10 * i, 10 * i + 8)), n=n) for i, n in ((1, 8), (2, 2), (3, 8)))
+        for s in (a, b, c):
+            sch.add(s)
+        p = sch.schedule(now=0.0)  # all three prefill at once, in slots 0, 1, 2
+        sch.postprocess(p, {a: 10, b: 10, c: 10}, {}, now=0.0)
+        p = sch.schedule(now=1.0)
+        assert p.ops == [] and [s.slot for s in p.decode] == [0, 1, 2]
+        sch.postprocess(p, {a: 11, b: 11, c: 11}, {}, now=1.0)  # b ends: slot 1 is a hole
+        assert b.status == Status.FINISHED
         p = sch.schedule(now=2.0)
-        assert [(o.kind, o.src, o.dst) for o in p.ops] == ([(SlotOpKind.COPY, 1, 0)] if contiguous else [])
-        assert [s.slot for s in p.decode] == [0 if contiguous else 1]
+        assert [(o.kind, o.src, o.dst) for o in p.ops] == ([(SlotOpKind.COPY, 2, 1)] if contiguous else [])
+        assert [s.slot for s in p.decode] == ([0, 1] if contiguous else [0, 2])
+        sch.postprocess(p, {a: 12, c: 12}, {}, now=2.0)
+        a.handle.cancel()
+        sch.expire(now=3.0)  # a ends: c decodes alone, in one range of slots already, where it is
+        p = sch.schedule(now=3.0)
+        assert p.ops == [] and [s.slot for s in p.decode] == [c.slot] == ([1] if contiguous else [2])
 
 
 def prompt_seq(prompt: list[int], n: int = 4, t: float = 0.0) -> Sequence:
@@ -252,7 +259,7 @@ def test_a_session_does_not_take_the_slot_a_prefill_needs_to_leave_the_decode_ra
     assert [(c.seq, c.seq.slot, c.last) for c in p.prefills] == [(a, 3, True), (b, 1, False)]
     for t in (2.0, 3.0):  # a ended in slot 3 while b, in slot 1, still prefills: b moves up, a down
         p = step(sch, t)
-        assert p.decode and [s.slot for s in p.decode] == list(range(len(p.decode)))
+        assert p.decode and [s.slot for s in p.decode] == list(range(p.decode[0].slot, p.decode[0].slot + len(p.decode)))
 
 
 def test_cached_tokens_count_the_first_admission_only_when_preempted_before_the_first_token():
