@@ -135,14 +135,18 @@ class KVCacheArena:
 
     def victim(self, lowest: int = 0, near: tuple[int, int] | None = None, avoid: range = range(0)) -> int:
         """The free slot (from ``lowest`` on and outside ``avoid`` when there is one) whose cached KV is worth least:
-        one holding no reusable block, else the least recently used. With ``near`` (the lowest and highest slot of
-        the running requests, for a backend that decodes one range of slots) a free slot within one of that span is
-        taken first: it joins the decode batch without a move, and a move would overwrite a free slot there anyway."""
+        one holding no reusable block, else the least recently used. ``near``: the lowest and highest slot of the
+        running requests, for a backend that decodes one range of slots; among slots worth the same kind, one within
+        one slot of that span goes first: it joins the decode batch without a move (a move would overwrite a free slot
+        there too, while the others still decode)."""
         free = [i for i, o in enumerate(self.owner) if o is None]
         pool = [i for i in free if i >= lowest and i not in avoid] or [i for i in free if i not in avoid] or free
-        if near is not None:
-            pool = [i for i in pool if near[0] - 1 <= i <= near[1] + 1] or pool
-        return min(pool, key=self.worth)
+
+        def key(i: int) -> tuple[int, bool, int]:
+            held, used = self.worth(i)
+            return held, near is not None and not near[0] - 1 <= i <= near[1] + 1, used
+
+        return min(pool, key=key)
 
     def worth(self, slot: int) -> tuple[int, int]:
         """What overwriting ``slot``'s KV loses, for ordering: (holds a reusable block, last use); nothing without

@@ -119,3 +119,21 @@ def test_a_request_reusing_nothing_takes_the_least_valuable_free_slot():
     off.free(1)
     off.free(0)
     assert off.allocate(3, [3] * 8, 20, 7) == (0, 0)  # without the prefix cache nothing is worth keeping: the lowest
+
+
+def test_beside_the_running_requests_only_among_slots_worth_the_same():
+    """``near`` (a backend decoding one range of slots): a free slot beside the running requests joins their batch
+    without a move, but an empty slot anywhere still goes before a cached prefix beside them."""
+    a = KVCacheArena(num_slots=5, max_seq_len=64, block_size=4)
+    for k in range(4):  # slots 0..3 cache a prefix each, 0 the least recently used; slot 4 is empty
+        a.append(a.allocate(k, [k] * 8, 20, 0)[0], [k] * 8)
+    for k in range(4):
+        a.free(k)
+    assert a.allocate("running", [9] * 8, 20, 0) == (4, 0)  # the empty slot
+    assert a.victim(near=(4, 4)) == 3 and a.victim() == 0  # beside it, else the least recently used
+    a.append(4, [9] * 8)
+    a.free(4)
+    a.allocate("running", [1] * 8 + [9], 20, 8)  # in slot 1, reusing its prefix: 0 and 2 are beside it
+    assert a.victim(near=(1, 1)) == 0
+    a.truncate(4, 0)  # slot 4 holds nothing now: it goes first, beside the running request or not
+    assert a.victim(near=(1, 1)) == a.victim() == 4
