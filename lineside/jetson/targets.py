@@ -21,6 +21,7 @@ from lineside.bundle import sha256_file
 from lineside.errors import LinesideError
 
 _CHUNK = 1 << 20
+SSH_CONNECT_TIMEOUT_S = 10  # seconds to reach the host and read its SSH banner (the LAN's devices answer in well under 1)
 Progress = Callable[[int], None]
 
 
@@ -128,8 +129,11 @@ class SshTarget:
         self.root = root[2:] if root.startswith("~/") else root
         # One multiplexed connection for the ~10 commands of a push (each new one costs a handshake).
         control = os.path.join(tempfile.gettempdir(), "lineside-ssh-%C")
+        # ConnectTimeout: ssh has none of its own, so a host that takes the connection and never speaks SSH held
+        # `fleet status` (and a push) for the whole command timeout. An --ssh command's own -o comes first and wins.
         self.ssh = shlex.split(ssh) + (["-p", str(port)] if port else []) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
-                                       "-o", f"ControlPath={control}", "-o", "ControlPersist=30"]
+                                       "-o", f"ControlPath={control}", "-o", "ControlPersist=30",
+                                       "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
         self.label = f"{host}:{root}"
         self._q = shlex.quote(self.root)
         self._installed: dict[str, str] = {}

@@ -128,3 +128,29 @@ def test_status_table_shows_what_nodes_report_as_text_not_rich_markup():
     console.print(status_table(fleet, health))
     text = console.export_text()
     assert "[warming up]" in text and "org/r1[q4]" in text and "[1]" in text and "[/]" in text
+
+
+def test_bundle_version_of_a_host_that_never_answers_ssh_gives_up(monkeypatch):
+    """`fleet status` on a node whose address takes the connection but never speaks SSH (a hung sshd, a
+    firewall that black-holes the handshake) hung for ssh's own 600 s timeout (ssh sets no connect timeout
+    of its own); now ssh gives up after ConnectTimeout and the node's version is unknown ("-")."""
+    import socket
+
+    from lineside.jetson import targets
+
+    monkeypatch.setattr(targets, "SSH_CONNECT_TIMEOUT_S", 1, raising=False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    node = Node(name="n", kind="jetson", url="http://127.0.0.1:1", target="nobody@127.0.0.1:/opt/lineside")
+    result: list[str | None] = []
+    t = threading.Thread(target=lambda: result.append(bundle_version(node, f"ssh -p {port}")), daemon=True)
+    try:
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "ssh is still waiting for the host's banner"
+        assert result == [None]
+    finally:
+        for s in (listener, *accepted):
+            s.close()
