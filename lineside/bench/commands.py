@@ -82,7 +82,7 @@ def bench(
     out: Path = typer.Option(None, help="Write report.json, report.md and PNG plots into this directory "
                                         "(its parent must exist)."),
     force: bool = typer.Option(False, help="Replace an existing, non-empty --out directory."),
-    no_plots: bool = typer.Option(False, help="Skip the PNG plots."),
+    no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
     """Load-test a server and report TTFT/TPOT/ITL/E2E percentiles, throughput and goodput."""
     console = Console()

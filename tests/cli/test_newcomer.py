@@ -277,3 +277,12 @@ def test_build_from_a_bundle_says_it_is_one(bundle, tmp_path):
     line = assert_one_line_error(proc, "is a lineside bundle", code=1)
     assert "safetensors" not in line
     assert tree_snapshot(tmp_path) == set()
+
+
+def test_no_flag_offers_a_double_negative():
+    """`lineside bench --help` listed `--no-plots / --no-no-plots [default: no-no-plots]`: a flag whose name is
+    already a negation gets no generated opposite (there is nothing a user would mean by --no-no-plots)."""
+    doubled = [f"{name} {o}" for name, cmd in all_commands(lineside_app()).items() for p in cmd.params
+               for o in getattr(p, "secondary_opts", []) if o.startswith("--no-no-")]
+    assert not doubled, doubled
+    assert "--no-no-" not in run_cli("bench", "--help").stdout
