@@ -286,3 +286,22 @@ def test_no_flag_offers_a_double_negative():
                for o in getattr(p, "secondary_opts", []) if o.startswith("--no-no-")]
     assert not doubled, doubled
     assert "--no-no-" not in run_cli("bench", "--help").stdout
+
+
+def test_doc_commands_make_the_output_parent_they_need():
+    """README's one-command serving report (`lineside bench ... --out reports/smollm2`) failed on a fresh clone
+    with "directory reports does not exist" (an output's parent must exist, as README's Command line says):
+    a documented command that writes under a relative directory the clone lacks makes it first."""
+    tracked = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    have = {str(p) for f in tracked.splitlines() for p in Path(f).parents}  # the clone's directories, "." too
+    bad = []
+    for doc in ("README.md", "benchmarks/README.md"):
+        text = (REPO / doc).read_text()
+        for m in re.finditer(r"lineside (?:bench|build)\b[^`\n]*?(?:--out|-o) ([\w./-]+)", text):
+            parent = str(Path(m.group(1)).parent)
+            if parent in have or parent.startswith(("/", "$")) or parent.isupper():
+                continue
+            made = rf"mkdir -p [^\n`]*(?<![\w/]){re.escape(parent)}(?![\w/])"
+            if not re.search(made, text[max(0, m.start() - 400):m.start()]):
+                bad.append(f"{doc}: {m.group(0)}")
+    assert not bad, bad
