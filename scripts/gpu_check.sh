@@ -4,10 +4,14 @@
 # Prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The venv scripts/setup.sh makes (the system python3 lacks lineside's dependencies), else python3: JetPack's
+# Ubuntu and Debian have no `python` command.
+PY=python3
+if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 # A GPU is required; TensorRT is not: without it the CUDA half (NVRTC kernels, graph capture) still runs.
-python -c "
+"$PY" -c "
 import sys
 from lineside.errors import LinesideError
 from lineside.runtime.tensorrt.env import probe_gpu
@@ -17,11 +21,11 @@ except LinesideError as e:
     sys.exit(f'gpu_check: {e}')
 " || exit 2
 HAVE_TRT=1
-python -c "from lineside.runtime.tensorrt.env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
-timeout 150 python -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
+"$PY" -c "from lineside.runtime.tensorrt.env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
+timeout 150 "$PY" -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
 if [ "$HAVE_TRT" = 0 ]; then
-  python -c "
+  "$PY" -c "
 from lineside.runtime.tensorrt.env import import_tensorrt, probe_gpu
 g = probe_gpu()
 try:
@@ -35,6 +39,6 @@ print('| ran: CUDA kernels + graph capture only; engine build, TensorRT logits a
 "
   exit $(( TESTS_RC != 0 ))
 fi
-timeout 140 python benchmarks/gpu_decode.py "$WORK" --tests-rc "$TESTS_RC"
+timeout 140 "$PY" benchmarks/gpu_decode.py "$WORK" --tests-rc "$TESTS_RC"
 BENCH_RC=$?
 exit $(( TESTS_RC != 0 || BENCH_RC != 0 ))

@@ -305,3 +305,20 @@ def test_doc_commands_make_the_output_parent_they_need():
             if not re.search(made, text[max(0, m.start() - 400):m.start()]):
                 bad.append(f"{doc}: {m.group(0)}")
     assert not bad, bad
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: gpu_check.sh would run its checks")
+def test_gpu_check_runs_where_there_is_no_python_command(tmp_path):
+    """JetPack's Ubuntu (and Debian) ship `python3` but no `python`: scripts/gpu_check.sh called `python` and
+    stopped with "python: command not found" before saying anything about the GPU. It runs the venv that
+    scripts/setup.sh makes, else python3; here (no GPU) that gets as far as its one line on what is missing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "command not found" not in out, out
+    assert out.strip().startswith("gpu_check: ") and len(out.strip().splitlines()) == 1, out
