@@ -266,3 +266,19 @@ def test_ensure_engine_takes_the_planners_prefill_chunk_on_a_jetson(tmp_path):
     assert planned_engine_args(bundle, "--slots 1", PC) == ("--slots 1", "")  # not a Jetson: the engine's defaults
     args, why = planned_engine_args(bundle, "", NANO)  # 4 slots of 12k do not fit at any chunk
     assert args == "" and why.startswith("note: the planner finds no prefill chunk")
+
+
+def test_docs_install_steps_for_the_unit_work_as_written(tmp_path):
+    """docs/jetson.md said "Install it with `sudo cp lineside.service ...`", but `lineside jetson service` without
+    -o prints the unit: there was no lineside.service to copy. The documented steps write the file they copy."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "jetson.md").read_text()
+    install = re.search(r"install it with\s+((?:`[^`]+`[^`]*?)+?)`sudo cp (\S+) ", doc, re.S | re.I)
+    assert install, "no install steps in docs/jetson.md"
+    steps = re.findall(r"`lineside (jetson service[^`]*)`", install.group(1))
+    assert steps, install.group(0)
+    for step in steps:
+        proc = run_cli(*shlex.split(step), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / install.group(2)).is_file()
