@@ -22,6 +22,10 @@ except LinesideError as e:
 " || exit 2
 HAVE_TRT=1
 "$PY" -c "from lineside.runtime.tensorrt.env import import_tensorrt; import_tensorrt()" 2>/dev/null || HAVE_TRT=0
+if [ "$HAVE_TRT" = 0 ] && [ "$PY" != python3 ] && python3 -c "import tensorrt" 2>/dev/null; then
+  # JetPack's python3-libnvinfer lives in the system's packages, which a plain venv does not see
+  echo "gpu_check: python3 imports tensorrt but .venv does not: recreate it with 'python3 -m venv --system-site-packages .venv' (docs/jetson.md), then rerun"
+fi
 timeout 150 "$PY" -m pytest -q -rs tests/gpu -p no:cacheprovider 2>&1 | tail -15
 TESTS_RC=${PIPESTATUS[0]}
 if [ "$HAVE_TRT" = 0 ]; then
