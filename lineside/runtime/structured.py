@@ -34,6 +34,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # inline %json schema may hold).
 MAX_SCHEMA_OBJECTS = 10_000
 MAX_GRAMMAR_DEFINITIONS = 2_000
+# llguidance intersects the ``pattern``s that apply to one string together (allOf members, a $ref beside other
+# keywords, properties merged across them), and its emptiness check of that intersection costs time and memory
+# exponential in how many there are, past every limit it takes: 20 cost 0.6 s and 200 MB, 24 cost 17 s and 2 GB,
+# 30 ran a server out of memory. Below this the check takes milliseconds.
+MAX_MERGED_PATTERNS = 10
 COMPILE_STACK_BYTES = 256 << 20  # reserved address space; only the pages a deep grammar reaches are touched
 
 
@@ -84,6 +89,10 @@ class Constraint:
             raise ConstraintError(f"{param}: the schema holds more than {MAX_SCHEMA_OBJECTS} JSON objects; split it "
                                   "or share subschemas through $defs", param)
         check_enforceable(schema, param)
+        if merged_patterns(schema) > MAX_MERGED_PATTERNS:
+            raise ConstraintError(f"{param}: more than {MAX_MERGED_PATTERNS} \"pattern\"s apply to one string "
+                                  "together (through allOf or $ref), more than the grammar engine can intersect; "
+                                  "merge them into fewer patterns", param)
         # Key order is kept: it is the order the model writes properties in.
         return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
 
@@ -169,6 +178,58 @@ def check_enforceable(schema: Any, param: str) -> None:
             elif k == "$ref" and isinstance(v, str) and v in defs:
                 children.append((defs[v], v))
         todo.extend(reversed(children))  # depth first, in the schema's key order
+
+
+_MERGED_CHILDREN = ("items", "additionalProperties", "contains", "propertyNames")
+
+
+def merged_patterns(schema: Any) -> int:
+    """The most ``pattern`` keywords that apply to one value together, as the grammar engine merges schemas: a
+    subschema with its ``allOf`` members and the ``$ref`` it names (and theirs), the same property (items,
+    prefixItems entry) across those, and one branch of each ``anyOf`` / ``oneOf`` among them. Positions are
+    walked without recursion (schemas nest deep), each set of subschemas once (a $ref may be reached often)."""
+    defs = _definitions(schema)
+
+    def together(nodes: list[Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        todo, seen = list(nodes), set()
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            out.append(node)
+            if isinstance(node.get("allOf"), list):
+                todo.extend(node["allOf"])
+            if isinstance(node.get("$ref"), str):
+                todo.append(defs.get(node["$ref"]))
+        return out
+
+    def own(nodes: list[dict[str, Any]]) -> int:
+        return sum(isinstance(n.get("pattern"), str) for n in nodes)
+
+    most, todo, done = 0, [[schema]], set()
+    while todo and len(done) < 4 * MAX_SCHEMA_OBJECTS:
+        nodes = together(todo.pop())
+        key = frozenset(map(id, nodes))
+        if not nodes or key in done:
+            continue
+        done.add(key)
+        groups = [n[k] for n in nodes for k in ("anyOf", "oneOf") if isinstance(n.get(k), list)]
+        most = max(most, own(nodes) + sum(max((own(together([b])) for b in g), default=0) for g in groups))
+        props: dict[str, list[Any]] = {}
+        for n in nodes:
+            for name, sub in (n.get("properties") if isinstance(n.get("properties"), dict) else {}).items():
+                props.setdefault(name, []).append(sub)
+            for k in ("prefixItems", "items"):  # (items as a list: the older prefixItems)
+                for i, sub in enumerate(n.get(k) if isinstance(n.get(k), list) else []):
+                    props.setdefault(f"/{i}", []).append(sub)
+        todo.extend(props.values())
+        todo.extend([n[k] for n in nodes if isinstance(n.get(k), dict)] for k in _MERGED_CHILDREN)
+        todo.extend([b] for g in groups for b in g)
+        todo.extend([s] for n in nodes if isinstance(n.get("patternProperties"), dict)
+                    for s in n["patternProperties"].values())
+    return most
 
 
 def _objects(value: Any) -> int:
