@@ -116,6 +116,9 @@ class Constraint:
         if text.count("\n") + text.count("{") >= MAX_GRAMMAR_DEFINITIONS:
             raise ConstraintError(f"{param}: the grammar has more than {MAX_GRAMMAR_DEFINITIONS} lines and inline "
                                   "JSON objects; give a smaller one", param)
+        if text.count("&") > MAX_MERGED_PATTERNS and _intersections(text) > MAX_MERGED_PATTERNS:
+            raise ConstraintError(f"{param}: the grammar intersects (&) more than {MAX_MERGED_PATTERNS} times, more "
+                                  "than the grammar engine can check; give fewer intersections", param)
         return cls(ConstraintKind.GRAMMAR, text, param)
 
     def llguidance_grammar(self) -> str:
@@ -178,6 +181,26 @@ def check_enforceable(schema: Any, param: str) -> None:
             elif k == "$ref" and isinstance(v, str) and v in defs:
                 children.append((defs[v], v))
         todo.extend(reversed(children))  # depth first, in the schema's key order
+
+
+def _intersections(grammar: str) -> int:
+    """How many ``&`` (llguidance's Lark intersection of lexemes, as costly as intersected patterns) ``grammar``
+    holds outside its string literals, regular expressions, character classes and ``//`` comments."""
+    n, i, size = 0, 0, len(grammar)
+    while i < size:
+        ch = grammar[i]
+        if grammar.startswith("//", i):
+            i = grammar.find("\n", i)
+            i = size if i < 0 else i
+        elif ch in "\"/[":
+            close = "]" if ch == "[" else ch
+            i += 1
+            while i < size and grammar[i] != close:
+                i += 2 if grammar[i] == "\\" else 1
+        elif ch == "&":
+            n += 1
+        i += 1
+    return n
 
 
 _MERGED_CHILDREN = ("items", "additionalProperties", "contains", "propertyNames")
