@@ -28,9 +28,37 @@ def bind_error_line(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {where}: {exc.strerror or exc}; choose another --host or --port"
 
 
+def bind_host(host: str) -> str:
+    """The address to resolve from --host as users paste it: '[::1]' (a URL's bracketed IPv6) is '::1'; one
+    with a port ('[::1]:8000', '127.0.0.1:8000') is one line naming --port, not a resolver error."""
+    h = host.strip()
+    if "://" in h:
+        where = h.split("://", 1)[1].split("/", 1)[0]
+        name, _, port = where.rpartition(":") if where.rpartition(":")[2].isdigit() else (where, "", "")
+        raise LinesideError(f"--host {host!r} is a URL; give the address alone (--host {name}"
+                            + (f" --port {port})" if port else ")"))
+    if h.startswith("[") and h.endswith("]"):
+        return h[1:-1].strip()
+    if h.startswith("[") and "]:" in h:
+        raise LinesideError(f"--host {host!r} holds a port; give the address alone and the port apart "
+                            f"(--host {h[:h.index(']') + 1]} --port {h.rsplit(':', 1)[1]})")
+    if h.count(":") == 1 and h.split(":")[1].isdigit():
+        name, port = h.split(":")
+        raise LinesideError(f"--host {host!r} holds a port; give the address alone and the port apart "
+                            f"(--host {name} --port {port})")
+    return h
+
+
+def url_of(address: tuple) -> str:
+    """http://host:port for a bound socket's address, an IPv6 host in brackets (http://[::1]:8000)."""
+    host, port = address[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """Resolve, bind and listen before any work (the model is not loaded yet), so a busy port, a privileged
     port or a host that is not this machine's is one line (LinesideError), not uvicorn's log and exit 3."""
+    host = bind_host(host)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:

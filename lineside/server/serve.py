@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 
 from lineside.errors import LinesideError
-from lineside.server.bind import bind_error_line, bind_socket
+from lineside.server.bind import bind_error_line, bind_socket, url_of
 from lineside.server.http_limits import HttpLimits, uvicorn_config
 from lineside.server.state import ServerState
 
@@ -90,8 +90,8 @@ def run(app: Any, sock: socket.socket, *, log_level: str = "info", access_log: b
     config = uvicorn_config(app, host=host, port=port, limits=limits or HttpLimits(), log_level=log_level,
                             access_log=access_log)
     server = DrainingServer(config, state)
-    shown = f"[{host}]" if ":" in host else host
-    log.info("serving on http://%s:%d (Ctrl-C or SIGTERM drains, then stops)", shown, port)
+    url = url_of(sock.getsockname())
+    log.info("serving on %s (Ctrl-C or SIGTERM drains, then stops)", url)
     try:
         server.run(sockets=[sock])
     finally:
@@ -99,4 +99,4 @@ def run(app: Any, sock: socket.socket, *, log_level: str = "info", access_log: b
     if state.load_error:
         raise LinesideError(state.load_error)
     if not server.started:
-        raise LinesideError(f"the server on {shown}:{port} did not start (see the log above)")
+        raise LinesideError(f"the server on {url} did not start (see the log above)")
