@@ -121,3 +121,52 @@ def test_a_number_too_long_to_read_is_named_as_such(server, path):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         e = _error(c.post(path, content=body, headers=JSON), 400, "invalid_json")
     assert "digits" in e["message"] and "UTF-8" not in e["message"], e
+
+
+@pytest.mark.parametrize("path", ["/health", "/health/ready", "/v1/models", "/metrics", "/version"])
+def test_head_on_a_get_route_answers_as_get_without_a_body(server, path):
+    """Load balancers and uptime checkers probe with HEAD: the GET's status and headers, no body (not a 405)."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        got, head = c.get(path), c.head(path)
+    assert head.status_code == got.status_code == 200, (head.status_code, head.text)
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # the scrape's own counters move between the two
+        assert head.headers["content-length"] == got.headers["content-length"]
+
+
+def test_head_on_a_post_route_is_a_405_naming_head(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.head("/v1/chat/completions")
+        assert r.status_code == 405 and r.content == b"" and r.headers["allow"] == "POST"
+        assert c.head("/v1/nowhere").status_code == 404
+
+
+def test_head_keeps_the_key_and_the_readiness(tiny_bundle):
+    from tests.server.conftest import make_engine, running_server
+
+    with running_server(make_engine(tiny_bundle, num_slots=1), api_key="k") as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.head("/v1/models")
+        assert r.status_code == 401 and r.content == b"" and r.headers["www-authenticate"] == "Bearer"
+        assert c.head("/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        srv.state.draining = True
+        try:  # a draining server leaves the load balancer's pool: HEAD sees the 503 GET does
+            assert c.head("/health/ready").status_code == c.get("/health/ready").status_code == 503
+        finally:
+            srv.state.draining = False
+
+
+def test_a_raw_head_ends_after_the_headers(server):
+    """Over the wire the HEAD answer has a Content-Length and no body, so a keep-alive connection's next answer
+    is not misread (a body sent after a HEAD would be)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\nGET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Connection: close\r\n\r\n")
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    first, _, rest = raw.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200") and b"content-length: " in first.lower(), raw
+    assert rest.startswith(b"HTTP/1.1 200"), raw  # the GET's answer follows the HEAD's headers at once
