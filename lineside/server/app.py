@@ -10,7 +10,6 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from starlette.middleware.cors import CORSMiddleware
 
 from lineside.bundle import default_model_names
 from lineside.runtime.engine import LoraServing
@@ -18,7 +17,7 @@ from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generat
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.server import errors, health, openai_api, prefill_api, tokenize_api
-from lineside.server.browser_guard import BrowserGuard, BrowserPolicy
+from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, GuardedCors
 from lineside.server.head_requests import HeadAsGet
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
@@ -123,16 +122,18 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     app.include_router(prefill_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(health.router)
-    # the last added runs first: Host / Origin / Content-Type, then CORS (preflights), then key, drain, body, and
-    # last HEAD as GET (so the key and the browser checks see the HEAD the client sent)
+    # the last added runs first: CORS (preflights, and its headers on every answer, refusals included), then
+    # Host / Origin / Content-Type, then key, drain, body, and last HEAD as GET (the checks see the client's HEAD)
     app.add_middleware(HeadAsGet, router=app.router)
     app.add_middleware(ServerMiddleware, state=state, max_body_bytes=max_body_bytes, metrics_public=metrics_public)
     policy = BrowserPolicy.for_bind(bind_host, allowed_hosts, allowed_origins)
-    if policy.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=sorted(policy.allowed_origins), allow_methods=["GET", "HEAD", "POST", "DELETE"],
-                           allow_headers=_CORS_HEADERS, expose_headers=_CORS_EXPOSED, max_age=600)
     # a body refused there (415) is an invalid request, counted as a malformed body's 400 is
-    app.add_middleware(BrowserGuard, policy=policy, on_invalid=lambda scope: errors.count_invalid(state, scope))
+    app.add_middleware(BrowserGuard, policy=policy, on_invalid=lambda scope: errors.count_invalid(state, scope),
+                       on_forbidden=lambda scope: errors.count_invalid(state, scope, outcome="forbidden"))
+    if policy.allowed_origins:
+        app.add_middleware(GuardedCors, allow_origins=sorted(policy.allowed_origins),
+                           allow_methods=["GET", "HEAD", "POST", "DELETE"], allow_headers=_CORS_HEADERS,
+                           expose_headers=_CORS_EXPOSED, max_age=600)
     return app
 
 

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+
 from lineside.errors import LinesideError
 from lineside.server.errors import APIError
 
@@ -101,10 +104,12 @@ def content_coding(value: str | None) -> str | None:
 class BrowserGuard:
     """Pure-ASGI middleware applying a BrowserPolicy before anything else runs."""
 
-    def __init__(self, app: Any, policy: BrowserPolicy, on_invalid: Callable[[dict], None] | None = None):
+    def __init__(self, app: Any, policy: BrowserPolicy, on_invalid: Callable[[dict], None] | None = None,
+                 on_forbidden: Callable[[dict], None] | None = None):
         self.app = app
         self.policy = policy
         self.on_invalid = on_invalid  # told of each body refused as not JSON (415): the server counts it
+        self.on_forbidden = on_forbidden  # told of each request refused for its Host or Origin (403)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -117,12 +122,14 @@ class BrowserGuard:
         if not self.policy.host_allowed(host):
             allowed = ", ".join(sorted(self.policy.allowed_hosts or ()))
             what = "a request without a Host header is" if not host else f"Host {host!r} is"
+            self._forbidden(scope)
             await _refuse(send, 403, f"{what} not one this server answers to ({allowed}); send the server's name "
                                      "as Host, or start it with --allowed-hosts NAME to add one",
                           code="host_not_allowed")
             return
         origin = headers.get("origin")
         if origin is not None and not self.policy.origin_allowed(origin):
+            self._forbidden(scope)
             await _refuse(send, 403, f"requests from the web origin {origin!r} are refused (cross-origin calls are "
                                      "off); start the server with --allowed-origins ORIGIN to allow one",
                           code="origin_not_allowed")
@@ -146,6 +153,25 @@ class BrowserGuard:
     def _invalid(self, scope: dict) -> None:
         if self.on_invalid is not None:
             self.on_invalid(scope)
+
+    def _forbidden(self, scope: dict) -> None:
+        if self.on_forbidden is not None:
+            self.on_forbidden(scope)
+
+
+class GuardedCors(CORSMiddleware):
+    """Starlette's CORS placed outside the BrowserGuard, so every refusal an allowed origin gets (403, 415, and the
+    401/413/503 within) carries its CORS headers (a browser shows a refusal without them as an opaque network
+    error); a preflight from a foreign origin goes on to the guard's OpenAI-shaped 403, not CORS's plain 400."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") == "OPTIONS":
+            headers = Headers(scope=scope)
+            origin = headers.get("origin")
+            if origin is not None and "access-control-request-method" in headers and not self.is_allowed_origin(origin):
+                await self.app(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _has_body(headers: dict[str, str]) -> bool:

@@ -114,11 +114,12 @@ def route_path(scope: dict[str, Any]) -> str:
     return path
 
 
-def count_invalid(state: Any, scope: dict[str, Any]) -> None:
-    """Count a refused API request (any /v1/ path) as ``invalid`` in lineside_requests_total, whichever layer
-    refused it (a handler, the body checks, the middleware, the browser guard)."""
+def count_invalid(state: Any, scope: dict[str, Any], *, outcome: str = "invalid") -> None:
+    """Count a refused API request (any /v1/ path) as ``outcome`` (``invalid`` unless told) in
+    lineside_requests_total, whichever layer refused it (a handler, the body checks, the middleware, the browser
+    guard)."""
     if state is not None and route_path(scope).startswith("/v1/"):
-        state.metrics.reject("invalid")
+        state.metrics.reject(outcome)
 
 
 def _count_invalid(request: Request) -> None:

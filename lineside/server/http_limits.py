@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -155,6 +156,12 @@ def _malformed_hint(error: Exception, reason: str) -> str:
     return "send a well-formed HTTP/1.1 request (CRLF line ends, header names without spaces)"
 
 
+# the lineside_requests_total outcome a refusal made here is counted under, by its code: as the app's own refusals
+# (a malformed or oversized request is ``invalid``, as a 400 / 413 / 415 is)
+REFUSAL_OUTCOMES = {"malformed_http": "invalid", "headers_too_large": "invalid", "request_timeout": "request_timeout",
+                    "too_many_connections": "too_many_connections", "server_busy": "server_busy"}
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing; httptools re-raises it wrapped in HttpParserError."""
 
@@ -164,6 +171,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: HttpLimits = HttpLimits()
     counter: ConnectionCounter = ConnectionCounter(HttpLimits.max_connections_per_client, HttpLimits.max_connections)
+    on_refusal: Callable[[str], None] | None = None  # told the outcome of each request refused here (/metrics)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -219,8 +227,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _close_with(self, status: int, message: str, code: str) -> None:
         self._disarm()
         if not self.transport.is_closing():
+            if not self._in_body:  # the app never got this request (past its head, the app counts it itself)
+                self._count_refusal(code)
             self.transport.write(_refusal(status, message, code))
             self.transport.close()
+
+    def _count_refusal(self, code: str) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(REFUSAL_OUTCOMES.get(code, "invalid"))
 
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -250,6 +264,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         is closed and what it still sends is read and dropped until it closes or the linger ends."""
         refusal, self._over_limit = self._over_limit, None
         if refusal is not None and not self.transport.is_closing():
+            self._count_refusal(refusal[2])
             self.transport.write(_refusal(*refusal))
             if self.transport.can_write_eof():
                 self.transport.write_eof()
@@ -331,8 +346,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.keep_alive_timeout, "idle")
 
 
-def protocol_class(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class uvicorn instantiates per connection, carrying these limits and one server's counts."""
+def protocol_class(limits: HttpLimits, on_refusal: Callable[[str], None] | None = None
+                   ) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class uvicorn instantiates per connection, carrying these limits and one server's counts;
+    ``on_refusal`` is told the outcome of each request refused here (the server's lineside_requests_total)."""
     limits.check()
     check_uvicorn()
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -341,7 +358,8 @@ def protocol_class(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
                  max(soft - 64, 1), soft)
         limits = replace(limits, max_connections=max(soft - 64, 1))
     counter = ConnectionCounter(limits.max_connections_per_client, limits.max_connections)
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "counter": counter})
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
+                {"limits": limits, "counter": counter, "on_refusal": staticmethod(on_refusal) if on_refusal else None})
 
 
 def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str = "info",
@@ -351,8 +369,9 @@ def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_le
     (``Keep-Alive: timeout=N``, whole seconds rounded down, as Node's server sends it): Node's http.Agent and undici
     then drop an idle socket before the server does, instead of reusing one it is closing (ECONNRESET)."""
     announce = [("keep-alive", f"timeout={int(limits.keep_alive_timeout)}")]
+    metrics = getattr(getattr(getattr(app, "state", None), "lineside", None), "metrics", None)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
-                          http=protocol_class(limits), ws="none", server_header=False, headers=announce,
+                          http=protocol_class(limits, metrics.reject if metrics is not None else None), ws="none", server_header=False, headers=announce,
                           timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=graceful_shutdown,  # type: ignore[arg-type]
                           h11_max_incomplete_event_size=limits.max_header_bytes)

@@ -95,6 +95,7 @@ class ServerMiddleware:
             if not state.engine_ready:
                 msg = (f"model failed to load: {state.load_error}" if state.load_error
                        else "model is still loading; retry when GET /health/ready answers 200")
+                state.metrics.reject("not_ready")
                 await _reply(send, 503, msg, code="not_ready", headers=id_header, extra=[(b"retry-after", b"1")])
                 return
             length = headers.get("content-length")
