@@ -36,7 +36,11 @@ def check_cmd(fleet_file: Annotated[Path, FLEET_ARG]) -> None:
     from lineside.fleet.spec import load_fleet
 
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
-    plan_fleet(f)
+    plans = plan_fleet(f)
+    unbuilt = [p.node for p in plans if p.unbuilt_bundle]
+    if unbuilt:
+        print(f"note: the bundles of {', '.join(unbuilt)} are not built yet (planned from their model:); "
+              "build them before `fleet push`", file=sys.stderr)
     print(f"{fleet_file}: {len(f.nodes)} nodes in {len(f.pools)} pools; valid, every model fits its node")
 
 
@@ -65,12 +69,16 @@ def push_cmd(
 ) -> None:
     """Rolling push: the canary first, then the rest in waves while each comes back healthy."""
     from lineside.errors import LinesideError
-    from lineside.fleet.plan import plan_fleet
+    from lineside.fleet.plan import plan_fleet, unbuilt_bundle
     from lineside.fleet.rollout import rolling_push
     from lineside.fleet.spec import load_fleet
 
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     plan_fleet(f)
+    missing = [f"{n.name} ({n.bundle})" for n in f.nodes if unbuilt_bundle(n) and (not node or n.name in node)]
+    if missing:  # before the canary: a rollout must not stop half-way over a bundle that was never built
+        raise LinesideError(f"nothing pushed: no bundle for {', '.join(missing)}; build it (`lineside build "
+                            "CHECKPOINT -o BUNDLE`) or push only the other nodes (--node)")
     report = rolling_push(f, ssh=_ssh(ssh), only=node or None,
                           log=(lambda s: None) if as_json else (lambda s: print(s, file=sys.stderr)))
     if as_json:
@@ -92,21 +100,23 @@ def gateway_cmd(
     log_level: Annotated[str, typer.Option(help="front log level")] = "warning",
 ) -> None:
     """Write the gateway configuration (one SMG router per pool + the header/session/shadow front), start it."""
-    import importlib.util
-
+    from lineside.fleet.gateway import gateway_plan, run_gateway, write_gateway
+    from lineside.fleet.smg import missing_fleet_extra, smg_command
     from lineside.fleet.spec import FleetError, load_fleet
 
-    if importlib.util.find_spec("aiohttp") is None:
-        raise FleetError("aiohttp is not installed (the gateway front's upstream client); "
-                         "`pip install 'lineside[fleet]'`")
-    from lineside.fleet.gateway import gateway_plan, run_gateway, write_gateway
-
+    missing = missing_fleet_extra()
+    if missing and not dry_run:  # a dry run only writes the configuration: it runs none of them
+        raise FleetError(f"{' and '.join(missing)} not installed (the gateway's routers and front); "
+                         "`pip install 'lineside[fleet]'`, or --dry-run to only write the configuration")
     checks.target_dir(output, "--output")  # before anything is written or started
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
-    plan = gateway_plan(f)
+    plan = gateway_plan(f, base_cmd=["smg"] if "smg" in missing else smg_command())
     written = write_gateway(plan, output)
     print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     if dry_run:
+        if missing:
+            print(f"note: {' and '.join(missing)} not installed here; the gateway needs them where it runs "
+                  "(`pip install 'lineside[fleet]'`)", file=sys.stderr)
         return
     print(f"gateway on http://{plan.host}:{plan.port} (pools: " +
           ", ".join(f"{r.pool} -> {r.url}" for r in plan.routers) + ")", file=sys.stderr)

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import cookie_parser
 
+from lineside.fleet.front_config import FrontConfig
 from lineside.fleet.passthrough import (
     REQUEST_DROP,
     Answer,
@@ -54,28 +55,6 @@ _BATCH_OFFSET = 10
 
 def body_priority(priority: str | None, mode: str | None) -> int:
     return _BODY_RANK[priority or "normal"] + (_BATCH_OFFSET if mode == "batch" else 0)
-
-
-@dataclass(frozen=True)
-class ShadowSpec:
-    source: str
-    candidate: str
-    share: float
-    max_in_flight: int = 32  # copies beyond this are dropped (counted), never queued behind clients
-
-
-@dataclass(frozen=True)
-class FrontConfig:
-    pools: dict[str, str]  # pool → its SMG router's base URL
-    default_pool: str
-    session_header: str = "x-session-id"
-    session_cookie: str = "lineside_session"
-    session_idle_s: int = 300
-    issue_cookie: bool = True
-    priority: bool = True  # X-Priority → SMG's X-SMG-Priority and the nodes' tracestate / body priority
-    shadow: ShadowSpec | None = None
-    request_timeout_s: float = 600.0
-    body_priority_pools: frozenset[str] = frozenset()  # pools with vLLM/SGLang members: priority in the body
 
 
 class ShareSampler:

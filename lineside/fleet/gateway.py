@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from lineside.fleet.front import Front, FrontConfig, ShadowSpec
+from lineside.fleet.front_config import FrontConfig, ShadowSpec
 from lineside.fleet.smg import PoolRouter, adapter_ports, pool_routers
 from lineside.fleet.spec import Engine, FleetError, FleetFile, node
 
@@ -160,6 +160,7 @@ def run_gateway(plan: GatewayPlan, log_dir: Path, log_level: str = "warning") ->
     import uvicorn
 
     from lineside.fleet.adapter import HealthAdapter
+    from lineside.fleet.front import Front
 
     def server(app: object, host: str, port: int) -> uvicorn.Server:
         return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lineside.errors import LinesideError
@@ -24,6 +25,7 @@ class NodePlan:
     max_context: int | None = None
     detail: str = ""
     notes: list[str] = field(default_factory=list)
+    unbuilt_bundle: str | None = None  # the bundle it names, not built yet (planned from its model meanwhile)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,15 +46,30 @@ def plan_node(n: Node, pools: list[str]) -> NodePlan:
                         detail=f"{p.weight_format}; {layout}; {p.seqs_at_max_len} seqs at {p.max_model_len} tokens",
                         notes=p.notes)
     source = n.bundle or n.model
+    unbuilt = unbuilt_bundle(n)
+    if unbuilt and not n.model:
+        raise LinesideError(f"its bundle {unbuilt} does not exist; build it (`lineside build CHECKPOINT -o "
+                            f"{unbuilt}`) or add a `model:` to plan the node from until it is built")
+    if unbuilt:  # planned from the model the bundle will hold; `fleet push` still needs the bundle
+        source = n.model
     if not source:
         return NodePlan(n.name, n.kind, pools, f"its own model ({n.engine})", n.device or "-", None,
                         detail="foreign server, no model named: not planned")
     from lineside.jetson.planner import plan
 
     p = plan(source, n.device or "", n.quant, n.ctx, n.batch, n.kv_dtype)
+    notes = ([f"bundle {unbuilt} not built yet: planned from model {n.model}"] if unbuilt else []) + p.notes
     return NodePlan(n.name, n.kind, pools, source, p.device, p.fits, p.total_bytes, p.device_bytes,
                     p.max_context_at_batch, detail=f"{p.quant}, ctx {p.ctx} x batch {p.batch}, kv {p.kv_dtype}",
-                    notes=p.notes)
+                    notes=notes, unbuilt_bundle=unbuilt)
+
+
+def unbuilt_bundle(n: Node) -> str | None:
+    """The node's bundle path when it names one that is not on this machine yet (a fleet file is often written
+    before its bundles are built), else None."""
+    if n.bundle is None or Path(n.bundle).exists():
+        return None
+    return n.bundle
 
 
 def plan_fleet(fleet: FleetFile, *, strict: bool = True) -> list[NodePlan]:

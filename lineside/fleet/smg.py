@@ -37,6 +37,12 @@ class PoolRouter:
         return d
 
 
+def missing_fleet_extra() -> list[str]:
+    """What of the fleet extra that running the gateway needs is absent here (smg, aiohttp), in that order."""
+    missing = [] if importlib.util.find_spec("smg") is not None or shutil.which("smg") else ["smg"]
+    return missing + ([] if importlib.util.find_spec("aiohttp") is not None else ["aiohttp"])
+
+
 def smg_command() -> list[str]:
     """How to run smg here: its module under this Python, else the `smg` on PATH; one line if neither."""
     if importlib.util.find_spec("smg") is not None:

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from lineside.bench.inprocess import BackgroundServer, free_port
-from lineside.fleet.front import Front, FrontConfig, ShadowSpec, ShareSampler, answer_text, sse_text
+from lineside.fleet.front import Front, ShareSampler, answer_text, sse_text
+from lineside.fleet.front_config import FrontConfig, ShadowSpec
 
 HANG_CLOSED = threading.Event()  # a pool's never-ending stream (/v1/hang) was closed by its client
 

@@ -9,7 +9,7 @@ import yaml
 
 from lineside.fleet.plan import plan_fleet
 from lineside.fleet.spec import FleetError, load_fleet, parse_fleet
-from tests.cli.cli_run import run_cli
+from tests.cli.cli_run import assert_one_line_error, run_cli
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "fleet.example.yaml"
 
@@ -331,3 +331,53 @@ def test_plan_table_shows_names_and_paths_as_text():
     console.print(format_plans([plan]))
     shown = console.export_text()
     assert "bundles/r1[q4]" in shown and "orin-[1]" in shown and "[/] odd" in shown
+
+
+def test_the_shipped_example_checks_on_a_fresh_clone_and_push_refuses_its_unbuilt_bundles(tmp_path):
+    # its own comment says to check it; its Jetsons' bundle is not built in a fresh clone
+    assert not (EXAMPLE.parent / "../bundles/r1-qwen-7b").exists()
+    p = run_cli("fleet", "check", EXAMPLE)
+    assert p.returncode == 0 and "valid, every model fits its node" in p.stdout, p.stderr
+    assert p.stderr.strip() == ("note: the bundles of orin-1, orin-2 are not built yet (planned from their model:); "
+                                "build them before `fleet push`")
+    p = run_cli("fleet", "push", EXAMPLE, "--ssh", "false")
+    assert_one_line_error(p, "nothing pushed: no bundle for orin-1", "orin-2", "lineside build")
+    assert "planned from model deepseek-r1-distill-qwen-7b" in plan_fleet(load_fleet(EXAMPLE))[1].notes[0]
+
+
+def test_an_unbuilt_bundle_without_a_model_is_one_line(tmp_path):
+    d = _with("nodes.0.model", KeyError)
+    d["nodes"][0].update(bundle="bundles/not-yet", target="lineside@10.0.0.11:/opt/lineside")
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump(d))
+    p = run_cli("fleet", "check", f)
+    assert_one_line_error(p, f"node 'orin-1': its bundle {tmp_path / 'bundles/not-yet'} does not exist",
+                          "lineside build", "model:", code=1)
+
+
+# A child lineside that finds neither the fleet extra's modules (sys.modules[...] = None: not importable, and
+# importlib.util.find_spec says None) nor an smg on PATH: a base `pip install lineside`, as setup.sh makes.
+_WITHOUT_FLEET_EXTRA = ("import sys; sys.modules['aiohttp'] = sys.modules['smg'] = None; "
+                        "from lineside.cli import main; main(sys.argv[1:])")
+
+
+def test_gateway_dry_run_needs_no_fleet_extra_and_a_real_run_says_what_to_install(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+
+    def gateway(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _WITHOUT_FLEET_EXTRA, "fleet", "gateway", str(EXAMPLE), *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    p = gateway("-o", str(tmp_path / "gw"), "--dry-run")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "note: smg and aiohttp not installed here" in p.stderr and "lineside[fleet]" in p.stderr
+    cfg = json.loads((tmp_path / "gw" / "gateway.json").read_text())
+    assert [r["argv"][:2] for r in cfg["routers"]] == [["smg", "launch"]] * 2, cfg["routers"]
+    p = gateway("-o", str(tmp_path / "gw2"))
+    assert_one_line_error(p, "smg and aiohttp not installed", "pip install 'lineside[fleet]'", "--dry-run", code=1)
+    assert not (tmp_path / "gw2").exists()  # refused before anything was written
