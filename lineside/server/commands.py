@@ -100,7 +100,8 @@ def serve(
              "a shipped one (builtin:smollm2_tools: SmolLM2's own tool-calling prompt)")] = None,
     tool_call_parser: Annotated[str, typer.Option(
         help="how tool_choice auto reads the model's calls: auto (from the chat template) | hermes "
-             "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON)")] = "auto",
+             "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON) | mistral "
+             "([TOOL_CALLS] [{json}, ...] or [TOOL_CALLS]name[ARGS]{json})")] = "auto",
     trust_request_chat_template: Annotated[bool, typer.Option(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
     reasoning_parser: Annotated[str, typer.Option(

@@ -5,7 +5,8 @@ the model's own call formats parsed (streaming too) into OpenAI ``tool_calls``.
 model write the function's arguments as JSON for its parameter schema; ``required`` makes it write
 ``[{"name": ..., "arguments": {...}}, ...]`` over the tools' schemas. ``auto`` lets the model choose and
 parses what it writes: Qwen2.5 / R1-Distill-Qwen / Hermes ``<tool_call>{json}</tool_call>`` (or a JSON array of
-calls in the tags, as SmolLM2 was trained to write) or Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}``. A template that knows nothing of tools (SmolLM2's) gets
+calls in the tags, as SmolLM2 was trained to write), Llama 3.x's bare JSON ``{"name": ..., "parameters": {...}}`` or
+Mistral's ``[TOOL_CALLS]`` (a JSON array after it, or ``name[ARGS]{...}``). A template that knows nothing of tools (SmolLM2's) gets
 the tools described in a system message (in the first user turn when it refuses a system role, as Gemma's does),
 asking for the ``<tool_call>`` format.
 """
@@ -68,6 +69,7 @@ class CallFormat(str, Enum):
     TAGGED = "tagged"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5, Hermes)
     JSON = "json"  # bare JSON objects or an array of them (Llama 3.x; the ``required`` grammar)
     ARGUMENTS = "arguments"  # the whole output is one call's arguments (a named function's grammar)
+    MISTRAL = "mistral"  # [TOOL_CALLS] [{"name": ..., "arguments": ...}] (v3) or [TOOL_CALLS]name[ARGS]{...} (v11+)
 
 
 @dataclass
@@ -243,13 +245,14 @@ def rerooted(schema: Any, at: str, *, names: bool = False) -> Any:
 
 
 # ``--tool-call-parser`` (vLLM's names): how ``auto`` reads the model's calls; ``auto`` infers it from the template.
-PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON}
+PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON, "mistral": CallFormat.MISTRAL}
 
 
 def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "auto") -> CallFormat:
     """Where the calls are in this output: fixed by the grammar for required / named, else the model's own —
-    ``parser``'s format, or (auto) the one the chat template writes: ``<tool_call>`` tags (Qwen2.5, Hermes, SmolLM2's
-    ``<tool_call>[...]</tool_call>``) or, for a template with tools and no tags, Llama 3.x's bare JSON."""
+    ``parser``'s format, or (auto) the one the chat template writes: Mistral's ``[TOOL_CALLS]``, ``<tool_call>`` tags
+    (Qwen2.5, Hermes, SmolLM2's ``<tool_call>[...]</tool_call>``) or, for a template with tools and no tags, Llama
+    3.x's bare JSON."""
     if choice.kind == ToolChoiceKind.NAMED:
         return CallFormat.ARGUMENTS
     if choice.kind == ToolChoiceKind.REQUIRED:
@@ -257,6 +260,8 @@ def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "au
     if PARSERS.get(parser) is not None:
         return PARSERS[parser]
     t = chat_template or ""
+    if _MISTRAL_CALLS in t:
+        return CallFormat.MISTRAL  # Mistral 7B v0.3, Nemo, Small: the template writes past calls after the marker
     if "<tool_call>" in t or not template_knows_tools(t):
         return CallFormat.TAGGED  # Qwen / Hermes, and what the fallback system prompt asks for
     return CallFormat.JSON  # Llama 3.x: {"name": ..., "parameters": ...}
@@ -365,6 +370,7 @@ def _template_call(c: Any) -> dict[str, Any]:
 
 # ---- response side ---------------------------------------------------------------------------------------
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _MEMBER_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*')
 
 
@@ -434,7 +440,10 @@ class ToolCallStream:
     def _scan(self, final: bool) -> _Scan:
         if self.fmt == CallFormat.ARGUMENTS:
             return _Scan("", [(self.named, self._buf.lstrip(), final)])
-        s = self._scan_tagged(final) if self.fmt == CallFormat.TAGGED else self._scan_json(final)
+        if self.fmt == CallFormat.MISTRAL:
+            s = self._scan_mistral(final)
+        else:
+            s = self._scan_tagged(final) if self.fmt == CallFormat.TAGGED else self._scan_json(final)
         if self.max_calls is not None:
             del s.calls[self.max_calls:]
         return s
@@ -464,6 +473,27 @@ class ToolCallStream:
                 break
             pos = k + len(_CLOSE)
         return _Scan(_drop_blank("".join(content), bool(calls), final), calls)
+
+    def _scan_mistral(self, final: bool) -> _Scan:
+        """Mistral's calls after ``[TOOL_CALLS]``: a JSON array (v3 tokenizer) or ``name[ARGS]{...}`` each (v11+,
+        a ``[CALL_ID]id`` after the name in v13), text before the marker the content. Without the marker (decoded
+        away as a special token) an answer that is a bare array of calls is read as the JSON format reads it."""
+        buf = self._buf
+        j = buf.find(_MISTRAL_CALLS)
+        if j < 0:
+            held = 0 if final else partial_suffix(buf, (_MISTRAL_CALLS,))
+            if buf.lstrip()[:1] in ("[", "{") and len(buf.lstrip()) > held:
+                return self._scan_json(final)
+            return _Scan(_drop_blank(buf[:len(buf) - held], False, final), [])
+        body = buf[j + len(_MISTRAL_CALLS):]
+        if body.lstrip()[:1] in ("[", "{"):  # v3: one JSON array of calls (or one call) after the marker
+            found, ok, _whole = _tagged_calls(body, complete=final, names=self.names)
+            calls = found if ok else []
+        else:
+            calls, ok = _named_calls(body, final, self.names)
+        if not ok:  # not a call after all (cut off, malformed, an unknown function): the whole answer is content
+            return _Scan(buf if final else _drop_blank(buf[:j], False, final), [])
+        return _Scan(_drop_blank(buf[:j], bool(calls), final), calls)
 
     def _scan_json(self, final: bool) -> _Scan:
         buf = self._buf
@@ -554,6 +584,45 @@ def _tagged_calls(body: str, complete: bool,
         if not done or name is None:
             return calls, True, False
         p = end
+
+
+def _named_calls(body: str, final: bool, names: set[str]) -> tuple[list[tuple[str | None, str, bool]], bool]:
+    """Mistral v11+'s calls, ``name[ARGS]{...}`` each, the next after its own ``[TOOL_CALLS]``: (calls, still
+    valid). A name that is no tool's, arguments that are not a JSON object, or other text between calls is no
+    call."""
+    calls: list[tuple[str | None, str, bool]] = []
+    p = 0
+    while True:
+        a = body.find(_MISTRAL_ARGS, p)
+        if a < 0:  # the name is still arriving
+            if final:
+                return [], False
+            calls.append((None, "", False))
+            return calls, True
+        name = body[p:a].split(_MISTRAL_ID, 1)[0].strip()
+        if name not in names:
+            return [], False
+        v = _skip(body, a + len(_MISTRAL_ARGS), " \t\r\n")
+        if v >= len(body) or body[v] != "{":
+            if final or v < len(body):
+                return [], False
+            calls.append((name, "", False))
+            return calls, True
+        try:
+            _, end = _DECODER.raw_decode(body, v)
+        except json.JSONDecodeError:
+            if final:
+                return [], False
+            calls.append((name, body[v:], False))
+            return calls, True
+        calls.append((name, body[v:end], True))
+        p = _skip(body, end, " \t\r\n")
+        if p >= len(body):
+            return calls, True
+        if body.startswith(_MISTRAL_CALLS, p):
+            p += len(_MISTRAL_CALLS)
+        elif final or not _MISTRAL_CALLS.startswith(body[p:]):
+            return [], False
 
 
 def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None, str, bool, bool]:

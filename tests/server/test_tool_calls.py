@@ -57,6 +57,7 @@ def _stream(text: str, fmt: CallFormat, named: str | None = None, step: int = 1)
 
 QWEN = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}\n'
         '</tool_call>\n<tool_call>\n{"name": "stop_line", "arguments": {"station": 7}}\n</tool_call>')
+MISTRAL = '[TOOL_CALLS]stop_line[ARGS]{"station": 12}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "F"}'
 LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}'
 
 
@@ -82,6 +83,19 @@ LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_wea
     ('<tool_call>[{"name": "stop_line", "arguments": {"station": 1}}]</tool_call> then <tool_call>'
      '{"name": "stop_line", "arguments": {"station": 2}}</tool_call>', CallFormat.TAGGED, " then",
      [("stop_line", '{"station": 1}'), ("stop_line", '{"station": 2}')]),
+    # Mistral: v3's JSON array after [TOOL_CALLS], v11's name[ARGS]{...} per marker (v13: a [CALL_ID] after the name)
+    ('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}, '
+     '{"name": "stop_line", "arguments": {"station": 7}}]', CallFormat.MISTRAL, "Checking.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon", "unit": "C"}[TOOL_CALLS]stop_line[ARGS]{"station": 7}',
+     CallFormat.MISTRAL, None, [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    ('[TOOL_CALLS]stop_line[CALL_ID]a1b2c3d4e[ARGS]{"station": 2}', CallFormat.MISTRAL, None,
+     [("stop_line", '{"station": 2}')]),
+    (' [{"name": "stop_line", "arguments": {"station": 1}}]', CallFormat.MISTRAL, None,  # the marker decoded away
+     [("stop_line", '{"station": 1}')]),
+    ('[TOOL_CALLS]launch_rocket[ARGS]{}', CallFormat.MISTRAL, "[TOOL_CALLS]launch_rocket[ARGS]{}", []),
+    ("Use [x] and [TOOL", CallFormat.MISTRAL, "Use [x] and [TOOL", []),
+    ("It is sunny. ", CallFormat.MISTRAL, "It is sunny. ", []),
 ])
 def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
     got_content, got_calls = parse(text, fmt, TOOLS)
@@ -94,7 +108,7 @@ def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
         assert [c["id"] for c in s_calls] == [c.id for c in s.calls]
 
 
-@pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON)])
+@pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON), (MISTRAL, CallFormat.MISTRAL)])
 def test_one_call_at_most_without_parallel_calls(text, fmt):
     """``parallel_tool_calls: false`` (max_calls 1): the first call only, whole and streamed alike."""
     content, calls = parse(text, fmt, TOOLS, max_calls=1)
@@ -160,6 +174,8 @@ def test_history_rendering_with_and_without_template_support():
     assert "<tool_call>" in plain[2]["content"] and plain[3] == {
         "role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
     assert call_format(auto, "{{ messages }}") == CallFormat.TAGGED
+    assert call_format(auto, "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS] [") == CallFormat.MISTRAL
+    assert call_format(auto, "{{ messages }}", "mistral") == CallFormat.MISTRAL
     assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}") == CallFormat.JSON
     # --tool-call-parser: what the template cannot say
     assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}", "hermes") == CallFormat.TAGGED
@@ -409,3 +425,16 @@ def test_a_tool_whose_allof_refers_to_its_defs_can_be_called(tiny, choice):
     jsonschema.validate(args, PET["function"]["parameters"])
     bad = text.replace('"rex"}', '"rex", "x": 1}')  # still closed: no invented key in the pet
     assert comp.matcher(c).validate(tok.encode(bad, add_special=False)) < len(bad)
+
+
+@pytest.mark.parametrize("text", ['[TOOL_CALLS]get_weather[ARGS]{"city": "Ly',
+                                  '[TOOL_CALLS]stop_line[ARGS]{"station": 2} and then',
+                                  'Sure [TOOL_CALLS] [{"name": "stop_line", "arguments": {"station": 2}}',
+                                  "[TOOL_CALLS]stop_line"])
+def test_a_mistral_call_cut_off_or_malformed_is_content(text):
+    """Arguments cut at max_tokens, text after a call, an unclosed array or a name with no [ARGS]: no call (as
+    vLLM's parser answers then), the whole output the content, streamed or not."""
+    assert parse(text, CallFormat.MISTRAL, TOOLS) == (text, [])
+    for step in (1, 4):
+        content, _, s = _stream(text, CallFormat.MISTRAL, step=step)
+        assert content == text and s.calls == []

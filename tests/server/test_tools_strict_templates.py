@@ -167,6 +167,14 @@ MISTRAL_TEMPLATE = """{%- if messages[0]["role"] == "system" %}
 """
 
 
+# what Mistral models write for calls: v3 tokenizers (7B v0.3) a JSON array, v11+ (Small 3.1+) name[ARGS]{...}
+MISTRAL_SCRIPTS = {"[text]": "Done.",
+                   "[v3]": 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}, '
+                           '{"name": "stop_line", "arguments": {"line": 4}}]',
+                   "[v11]": '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "F"}[TOOL_CALLS]stop_line[ARGS]'
+                            '{"line": 2}'}
+
+
 @pytest.fixture(scope="module")
 def mistral(tiny_dense, tmp_path_factory):
     from lineside.bundle import open_bundle
@@ -174,7 +182,7 @@ def mistral(tiny_dense, tmp_path_factory):
     from lineside.runtime.tokenizer import Tokenizer
 
     b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp("mistral"), MISTRAL_TEMPLATE))
-    be = ScriptedModel(Tokenizer.from_bundle(b), {"[text]": "Done."}, "[/INST]", num_slots=2, max_seq_len=CONTEXT)
+    be = ScriptedModel(Tokenizer.from_bundle(b), MISTRAL_SCRIPTS, "[/INST]", num_slots=2, max_seq_len=CONTEXT)
     with running_server(LLMEngine(b, backend=be, num_slots=2)) as srv:
         srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         srv.backend = be
@@ -198,3 +206,27 @@ def test_a_tool_round_trip_with_mistrals_template(mistral):
     ids = re.findall(r'"id": "(\w+)"', prompt) + re.findall(r'"call_id": "(\w+)"', prompt)
     assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum(), prompt
     assert "[AVAILABLE_TOOLS]" in prompt and '"name": "stop_line", "arguments": {"line": 4}' in prompt, prompt
+
+
+@pytest.mark.parametrize("script, content, calls", [
+    ("[v3]", "Checking.", [("get_weather", {"city": "Lyon", "unit": "C"}), ("stop_line", {"line": 4})]),
+    ("[v11]", None, [("get_weather", {"city": "Oslo", "unit": "F"}), ("stop_line", {"line": 2})]),
+])
+def test_mistral_tool_calls_are_parsed(mistral, script, content, calls):
+    """A Mistral model's calls after [TOOL_CALLS] came back as the message's text with finish_reason stop: the
+    parser is picked from the template (it writes [TOOL_CALLS]), as vLLM's --tool-call-parser mistral reads them."""
+    msgs = [{"role": "user", "content": f"{script} Weather, then stop a line"}]
+    r = mistral.client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS, max_tokens=200)
+    m = r.choices[0]
+    assert (m.message.content, _calls(m.message), m.finish_reason) == (content, calls, "tool_calls")
+    got, text, finish = {}, "", None
+    for chunk in mistral.client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS,
+                                                        max_tokens=200, stream=True):
+        d = chunk.choices[0].delta
+        text += d.content or ""
+        for t in d.tool_calls or []:
+            e = got.setdefault(t.index, {"name": t.function.name, "arguments": ""})
+            e["arguments"] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert text == (content or "") and finish == "tool_calls"
+    assert [(got[i]["name"], json.loads(got[i]["arguments"])) for i in sorted(got)] == calls
