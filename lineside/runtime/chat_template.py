@@ -161,6 +161,22 @@ def shows_system(text: str) -> bool:
     return "SYSTEM-PROBE" in out
 
 
+@functools.lru_cache(maxsize=32)
+def alternates(text: str) -> bool:
+    """Whether the template ``text`` demands user and assistant turns in turn (Gemma's, Mistral's, Llama 2's raise
+    on two user messages in a row) while it takes them alternating: there consecutive user messages must be one."""
+    def renders(messages: list[dict[str, Any]]) -> bool:
+        try:
+            compile_template(text, "chat template").render(messages=messages, tools=None, add_generation_prompt=True,
+                                                           bos_token="", eos_token="")
+        except Exception:  # noqa: BLE001 - whatever the template raises, it refuses this conversation
+            return False
+        return True
+
+    turns = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}, {"role": "user", "content": "C"}]
+    return renders(turns) and not renders([turns[0], turns[2]])
+
+
 def check_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
     """A request's extra template variables: a JSON object of names the server does not set itself."""
     if not isinstance(kwargs, dict):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from lineside.runtime.chat_template import shows_system
+from lineside.runtime.chat_template import alternates, shows_system
 from lineside.runtime.stop import partial_suffix
 from lineside.runtime.structured import Constraint, ConstraintError, check_enforceable
 from lineside.server.errors import APIError
@@ -294,7 +294,7 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
             if short and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
                 m["tool_call_id"] = _nine_chars(m["tool_call_id"])
             out.append(m)
-        return out, listed
+        return _alternating(out, chat_template), listed
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         m = dict(m)
@@ -311,7 +311,25 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
         out.append(m)
     if listed:
         out = _with_tools_text(out, tools_system_prompt(tools), chat_template)
-    return out, None
+    return _alternating(out, chat_template), None
+
+
+def _alternating(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:
+    """Consecutive user messages as one (texts joined by a blank line) for a template that refuses them in a row
+    (Gemma's, Mistral's): OpenAI takes them, and tool results written as a user turn, or a failed response's input
+    before the next turn's (/v1/responses), put them there; other templates get them as sent."""
+    pairs = zip(messages, messages[1:], strict=False)
+    if not chat_template or not any(a.get("role") == b.get("role") == "user" for a, b in pairs) \
+            or not alternates(chat_template):
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if out and m.get("role") == out[-1].get("role") == "user":
+            out[-1] = {**out[-1], "content": "\n\n".join(t for t in (out[-1].get("content") or "",
+                                                                      m.get("content") or "") if t)}
+        else:
+            out.append(m)
+    return out
 
 
 # Mistral's templates (7B v0.3, Nemo, Small) raise unless each tool call id is 9 characters

@@ -438,3 +438,17 @@ def test_a_mistral_call_cut_off_or_malformed_is_content(text):
     for step in (1, 4):
         content, _, s = _stream(text, CallFormat.MISTRAL, step=step)
         assert content == text and s.calls == []
+
+
+def test_consecutive_user_messages_are_one_only_where_the_template_refuses_them():
+    """Gemma-style templates (raise unless roles alternate) get two user messages in a row as one; a template that
+    takes them (ChatML) gets them as sent."""
+    from lineside.runtime.chat_template import alternates
+    from tests.server.test_tools_strict_templates import GEMMA_TEMPLATE
+
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    assert alternates(GEMMA_TEMPLATE) and not alternates(chatml)
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    none = parse_tool_choice(None, [])
+    assert template_messages(msgs, [], GEMMA_TEMPLATE, none)[0] == [{"role": "user", "content": "a\n\nb"}]
+    assert template_messages(msgs, [], chatml, none)[0] == msgs

@@ -230,3 +230,64 @@ def test_mistral_tool_calls_are_parsed(mistral, script, content, calls):
         finish = chunk.choices[0].finish_reason or finish
     assert text == (content or "") and finish == "tool_calls"
     assert [(got[i]["name"], json.loads(got[i]["arguments"])) for i in sorted(got)] == calls
+
+
+def _reference(template: str, messages: list[dict]) -> str:
+    """transformers' rendering of ``messages`` with ``template`` (bos "<s>"), the reference the server must match."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
+                                        bos_token="<s>", eos_token="</s>")
+    return rendered[0]
+
+
+def test_a_user_turn_after_a_tool_result_with_a_template_that_wants_alternating_roles(gemma):
+    """tool → user: the tool result is written as a user turn (Gemma's template has no tool role), so the next user
+    message made two user turns in a row and Gemma's template raised ("Conversation roles must alternate"), a 400
+    the client could not fix. The question joins the results' turn, and the prompt is transformers' rendering of
+    that conversation."""
+    from lineside.server.tool_calls import parse_tool_choice, parse_tools, template_messages
+
+    first = gemma.client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "[one] Go"}],
+                                                 tools=TOOLS, max_tokens=200).choices[0].message
+    history = [{"role": "user", "content": "[one] Go"}, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny, 21C"},
+               {"role": "user", "content": "[text] So, is line 4 stopped?"}]
+    r = gemma.client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=200)
+    assert r.choices[0].message.content == "Line 4 is stopped."
+    prompt = gemma.backend.prompts[-1]
+    last = prompt.rsplit("<start_of_turn>user\n", 1)[1]
+    assert last.index("sunny, 21C") < last.index("[text] So, is line 4 stopped?"), prompt
+    tools = parse_tools(TOOLS)
+    rendered, _ = template_messages(history, tools, GEMMA_TEMPLATE, parse_tool_choice(None, tools))
+    assert [m["role"] for m in rendered] == ["user", "assistant", "user"]
+    assert prompt == _reference(GEMMA_TEMPLATE, rendered)
+
+
+def test_continuing_a_response_that_failed_with_no_output_on_a_strict_template(tiny_dense, tmp_path):
+    """/v1/responses: a response that failed before its first token keeps its input (as OpenAI keeps a failed
+    response's), so continuing it with previous_response_id put two user turns in a row, and Gemma's template
+    raised ("Conversation roles must alternate"). They render as one user turn, transformers' rendering of it."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+    from tests.server.test_responses_api import _FailsOnce
+
+    b = open_bundle(_bundle(tiny_dense, tmp_path, GEMMA_TEMPLATE))
+    scripted = ScriptedModel(Tokenizer.from_bundle(b), SCRIPTS, TURN, num_slots=1, max_seq_len=CONTEXT)
+    failing = _FailsOnce(scripted, fail_at=0)
+    with running_server(LLMEngine(b, backend=failing, num_slots=1)) as srv:
+        failing.calls, failing.fail_at = 0, 1  # the first step after loading: the prefill, before any token
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.InternalServerError) as e:
+            client.responses.create(model="scripted", input="Is line 4 running?", max_output_tokens=20)
+        rid = re.search(r"GET /v1/responses/(resp_\w+)", e.value.body["message"]).group(1)
+        failed = client.responses.retrieve(rid)
+        assert failed.status == "failed" and failed.output == []
+        r = client.responses.create(model="scripted", input="[text] Please answer.", previous_response_id=rid,
+                                    max_output_tokens=50)
+        assert r.status == "completed" and r.output_text == "Line 4 is stopped."
+        assert scripted.prompts[-1] == _reference(GEMMA_TEMPLATE, [
+            {"role": "user", "content": "Is line 4 running?\n\n[text] Please answer."}])
+        assert [i.content[0].text for i in client.responses.input_items.list(r.id).data] == \
+            ["[text] Please answer."]  # its own input, as it was sent
