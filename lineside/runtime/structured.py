@@ -39,6 +39,18 @@ MAX_GRAMMAR_DEFINITIONS = 2_000
 # exponential in how many there are, past every limit it takes: 20 cost 0.6 s and 200 MB, 24 cost 17 s and 2 GB,
 # 30 ran a server out of memory. Below this the check takes milliseconds.
 MAX_MERGED_PATTERNS = 10
+# llguidance builds its lexer lazily: a regex past its size limits (``a{300000}`` in a guided_regex or a schema's
+# "pattern": "lexer error: too many expressions constructed") compiles and gives a first mask, then fails on the
+# first generated token, which ended the request as an engine error. A compile walks this many tokens past the
+# first mask, on copies, along the lowest and the highest allowed id, so such a grammar is a 400 before admission.
+PROBE_TOKENS = 8
+# guided_choice: the grammar engine keeps one parser item per choice in a row of at most 2,000 (max_items_in_row),
+# one taken by the rule itself, so 2,000 choices compiled and failed at the first token; 100,000 ran 20 s into a
+# panic ("assertion failed: grammar.symbols.len() < u16::MAX"). A schema's "enum" is one lexeme: 10,000 values
+# compile in about 0.05 s on a 2-core x86 machine, 100,000 in 0.4 s into "grammar too big". (OpenAI allows 1,000
+# enum values per strict schema.)
+MAX_CHOICES = 1_999
+MAX_ENUM_VALUES = 10_000
 COMPILE_STACK_BYTES = 256 << 20  # reserved address space; only the pages a deep grammar reaches are touched
 
 
@@ -85,6 +97,9 @@ class Constraint:
             schema = {}
         if not isinstance(schema, dict):
             raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        if _largest_enum(schema) > MAX_ENUM_VALUES:
+            raise ConstraintError(f"{param}: an \"enum\" lists more than {MAX_ENUM_VALUES} values, more than structured "
+                                  "outputs compile; give fewer values (or a \"pattern\")", param)
         if _objects(schema) > MAX_SCHEMA_OBJECTS:
             raise ConstraintError(f"{param}: the schema holds more than {MAX_SCHEMA_OBJECTS} JSON objects; split it "
                                   "or share subschemas through $defs", param)
@@ -107,6 +122,9 @@ class Constraint:
         if (not isinstance(options, list | tuple) or not options
                 or not all(isinstance(o, str) and o for o in options)):
             raise ConstraintError(f"{param}: give a non-empty list of non-empty strings", param)
+        if len(options) > MAX_CHOICES:
+            raise ConstraintError(f"{param}: {len(options)} choices are more than the {MAX_CHOICES} structured "
+                                  "outputs compile; give fewer (or a guided_json enum, up to {MAX_ENUM_VALUES})", param)
         return cls(ConstraintKind.CHOICE, json.dumps(list(options), ensure_ascii=False), param)
 
     @classmethod
@@ -267,6 +285,24 @@ def _objects(value: Any) -> int:
         elif isinstance(v, list):
             todo.extend(v)
     return n
+
+
+def _largest_enum(schema: Any) -> int:
+    """The length of the longest ``enum`` list anywhere in ``schema`` (walked without recursion: schemas nest
+    deep); a value under a data keyword such as ``const`` is not searched."""
+    most = 0
+    todo = [schema]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            for k, s in v.items():
+                if k == "enum" and isinstance(s, list):
+                    most = max(most, len(s))
+                elif k not in _DATA_KEYS:
+                    todo.append(s)
+    return most
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
@@ -543,6 +579,9 @@ class GrammarCompiler:
         tokenizer_json, self.tokenizer_size = padded_tokenizer_json(tokenizer_json, self.vocab_size)
         self.padding = PaddingMask.of(self.tokenizer_size, self.vocab_size, eos)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        # the token of each byte that has one alone (byte-level BPE: all but a few invalid UTF-8 bytes), by byte
+        self._byte_tokens = [t[0] for b in range(256) if len(t := self.tokenizer.tokenize_bytes(bytes([b]))) == 1
+                             and bytes(self.tokenizer.decode_bytes(t)) == bytes([b])]
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
@@ -602,7 +641,26 @@ class GrammarCompiler:
         if m.is_error() or not bm.any():
             why = f": {_first_line(m.get_error())}" if m.is_error() else ""
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
+        self._probe(m, c)
         return m
+
+    def _probe(self, m: Any, c: Constraint) -> None:
+        """Walk PROBE_TOKENS one-byte tokens on copies of ``m`` (the lowest, then the highest byte the grammar takes
+        at each step): a limit the grammar engine hits only once generating (a huge counted repetition) is a
+        ConstraintError naming it here, not an engine error at the first token. Bytes, not masks: a mask over a
+        large vocabulary costs milliseconds in free text, a rejected byte microseconds."""
+        bm = new_bitmask(1, self.vocab_size)
+        for order in (self._byte_tokens, self._byte_tokens[::-1]):
+            w = m.deep_copy()
+            for _ in range(PROBE_TOKENS):
+                if w.is_stopped() or not any(w.try_consume_tokens([t]) for t in order if not w.is_error()):
+                    break
+                if order is self._byte_tokens:  # a lexeme's later states are built for masks (precomputed)
+                    w.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
+            if w.is_error():
+                raise ConstraintError(f"{c.param or c.kind.value}: this {_WHAT[c.kind]} is past the grammar engine's "
+                                      f"limits once generating ({_first_line(w.get_error())}); use smaller repetition "
+                                      "counts ({n}) and lengths", c.param)
 
 
 _stack_size_lock = threading.Lock()
