@@ -17,6 +17,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 import lineside
@@ -34,7 +35,7 @@ from lineside.server.state import ServerState
 from lineside.server.unicode_check import check_unicode
 
 router = APIRouter()
-_INLINE_IDS = 8192  # decode longer id lists in a thread
+_INLINE_IDS = 8192  # decode (and answer) longer id lists in a thread
 
 
 def _state(request: Request) -> ServerState:
@@ -85,19 +86,27 @@ async def tokenize(request: Request) -> Any:
         text = request_mapping.clean_text(body.prompt, "prompt")  # as /v1/completions cleans it
         add = None if body.add_special_tokens is not False else False  # None: what the model adds (completions)
         ids = await _offload(len(text), functools.partial(state.tokenizer.encode, text, add), param="prompt")
-    answer: dict[str, Any] = {"count": len(ids), "max_model_len": int(state.engine.max_seq_len), "tokens": ids,
-                              "token_strs": None}
-    if body.return_token_strs:
-        tok = state.engine.tokenizer
+    compiler = await asyncio.to_thread(lambda: state.engine.grammar) if body.with_pieces else None
+    answer = functools.partial(_answer, state.engine.tokenizer, compiler, ids, int(state.engine.max_seq_len),
+                               bool(body.return_token_strs))
+    # a long prompt's strings, pieces and JSON (600 k tokens: about 0.5 s of Python) are built off the event loop,
+    # which meanwhile answers /health and streams
+    return await asyncio.to_thread(answer) if len(ids) > _INLINE_IDS else answer()
+
+
+def _answer(tok: Any, compiler: Any, ids: list[int], max_model_len: int, token_strs: bool) -> JSONResponse:
+    """The /tokenize answer, rendered (``compiler``: the token → bytes table when pieces are asked for)."""
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": None}
+    if token_strs:
         answer["token_strs"] = [tok.id_to_token(i) or "" for i in ids]
-    if body.with_pieces:
-        answer["tokens"] = await _pieces(state, ids)
-    return answer
+    if compiler is not None:
+        answer["tokens"] = _pieces(compiler, ids)
+    return JSONResponse(answer)
 
 
-async def _pieces(state: ServerState, ids: list[int]) -> list[dict[str, Any]]:
-    """llama.cpp's ``with_pieces``: each id with its text, or its bytes as a list when they are not UTF-8 alone."""
-    compiler = await asyncio.to_thread(lambda: state.engine.grammar)  # the token → bytes table logprobs use
+def _pieces(compiler: Any, ids: list[int]) -> list[dict[str, Any]]:
+    """llama.cpp's ``with_pieces``: each id with its text, or its bytes as a list when they are not UTF-8 alone
+    (the token → bytes table logprobs use)."""
     out = []
     for i in ids:
         raw = compiler.token_bytes(i)

@@ -193,3 +193,34 @@ def test_key_and_body_limit_as_on_the_other_routes(tiny_bundle):
 
         r = c.post("/detokenize", content=chunked(), headers={**key, "content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_a_long_prompts_strings_and_pieces_are_built_off_the_event_loop(server, monkeypatch):
+    """A ~2.4 MB prompt's token strings / pieces (and their JSON) were built on the event loop: /health stalled for
+    their ~0.5 s. Where the work runs is checked, not how long it takes: a running event loop in the thread that
+    looks a token up means the loop itself is doing it."""
+    import asyncio
+
+    tok, compiler = server.state.engine.tokenizer, server.state.engine.grammar
+    on_loop: list[str] = []
+
+    def watched(name, fn):
+        def call(i):
+            try:
+                asyncio.get_running_loop()
+                on_loop.append(name)
+            except RuntimeError:
+                pass
+            return fn(i)
+        return call
+
+    monkeypatch.setattr(tok, "id_to_token", watched("id_to_token", tok.id_to_token))
+    monkeypatch.setattr(compiler, "token_bytes", watched("token_bytes", compiler.token_bytes))
+    text = "x" * 20_000  # one token per character with the tiny tokenizer: past the inline limit
+    body = _post(server.url, "/tokenize", {"prompt": text, "return_token_strs": True, "with_pieces": True,
+                                           "add_special_tokens": False}).json()
+    assert body["count"] == 20_000 and body["token_strs"] == ["x"] * 20_000, body["count"]
+    assert body["tokens"][:2] == [{"id": tok.encode("x", add_special=False)[0], "piece": "x"}] * 2
+    assert on_loop == [], f"{len(on_loop)} lookups ran on the event loop"
+    short = _post(server.url, "/tokenize", {"prompt": "xy", "return_token_strs": True}).json()
+    assert short["token_strs"] == [tok.id_to_token(i) for i in short["tokens"]]  # short ones stay inline
