@@ -659,8 +659,8 @@ class GrammarCompiler:
                     w.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
             if w.is_error():
                 raise ConstraintError(f"{c.param or c.kind.value}: this {_WHAT[c.kind]} is past the grammar engine's "
-                                      f"limits once generating ({_first_line(w.get_error())}); use smaller repetition "
-                                      "counts ({n}) and lengths", c.param)
+                                      f"limits once generating ({_first_line(w.get_error())}); give a smaller one "
+                                      "(fewer choices, smaller repetition counts {n} and lengths)", c.param)
 
 
 _stack_size_lock = threading.Lock()

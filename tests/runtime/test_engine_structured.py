@@ -96,13 +96,14 @@ def test_submit_refuses_a_constraint_that_cannot_match(tiny_bundle):
 
 
 def test_a_grammar_past_llguidance_limits_mid_generation_is_one_line(tiny_bundle):
-    """``a{1000000}`` compiles (its first mask allows 'a'), then llguidance's lexer gives up on the first token
-    ("too many expressions constructed"): the request ends in error with that line, not with llguidance's
-    multi-line dump of its parser state (which reached clients in the 500's message)."""
+    """A huge repetition past the compile's walk (``[bc]{12}a{1000000}``: the walk takes 8 one-byte tokens; at the
+    start, ``a{1000000}`` is refused at compile) compiles, then llguidance's lexer gives up at the first 'a' ("too
+    many expressions constructed"): the request ends in error with that line, not with llguidance's multi-line
+    dump of its parser state (which reached clients in the 500's message)."""
     eng = _engine(tiny_bundle)
     ids = eng.tokenizer.encode("go")
-    out = run(_collect(eng, [GenerationRequest(prompt_ids=ids, max_tokens=4,
-                                               constraint=Constraint.regex("a{1000000}"))]))[0]
+    out = run(_collect(eng, [GenerationRequest(prompt_ids=ids, max_tokens=20,
+                                               constraint=Constraint.regex("[bc]{12}a{1000000}"))]))[0]
     last = out[2]
     assert last.finish_reason == FinishReason.ERROR
     assert "too many expressions" in last.error and "\n" not in last.error
