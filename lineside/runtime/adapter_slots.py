@@ -7,11 +7,17 @@ references (its adapter is unloaded); when every slot is referenced ``acquire`` 
 the request waits in the scheduler's queue (``Scheduler.adapter_gate``) until a request's end frees one, as vLLM's
 scheduler holds a request whose LoRA does not fit. The writes themselves are queued and run by the step runner in
 the step thread before the step's forward calls, the only place the backend's tensors change.
+
+Adapters may come and go at runtime (``serve --allow-runtime-lora``): ``add`` serves a new one, ``remove`` stops
+serving one; requests already holding it (``hold``, taken at submit) keep it until the last of them ends
+(``drop``), then its slot frees. Each load gets its own prefix-cache namespace, so an adapter loaded again under
+the same name never reuses KV the old one computed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from lineside.errors import LinesideError
@@ -29,15 +35,23 @@ class AdapterSlotsFull(QueueFullError):
 
 @dataclass(frozen=True)
 class AdapterLoad:
-    """Write ``adapter`` into backend slot ``slot`` before the next forward call."""
+    """Write ``adapter`` into backend slot ``slot`` before the next forward call (None: empty the slot)."""
 
     slot: int
-    adapter: LoraAdapter
+    adapter: LoraAdapter | None
+
+
+class AdapterInUse(LinesideError):
+    """An adapter name that cannot be (re)loaded now: it is served, or still finishing requests after an unload."""
 
 
 class AdapterSlots:
     def __init__(self, adapters: dict[str, LoraAdapter], num_slots: int):
-        self.adapters = adapters
+        self.adapters = dict(adapters)  # served: new requests may name these
+        self.retiring: dict[str, LoraAdapter] = {}  # removed, still held by requests in flight
+        self.holds: Counter[str] = Counter()  # requests in flight (waiting or running) per adapter name
+        self.namespaces = {name: name for name in adapters}  # prefix-cache namespace of each adapter's KV
+        self._generation = itertools.count(1)
         self.num_slots = num_slots
         self.resident: dict[int, str] = {}  # slot (1..num_slots) -> adapter name
         self.refs = [0] * (num_slots + 1)
@@ -54,11 +68,65 @@ class AdapterSlots:
     def slot_of(self, name: str) -> int | None:
         return next((s for s, n in self.resident.items() if n == name), None)
 
+    def _unknown(self, name: str) -> UnknownAdapter:
+        return UnknownAdapter(f"adapter {name!r} is not served here (served: {', '.join(self.adapters) or 'none'})")
+
+    def hold(self, name: str) -> str:
+        """A new request names ``name``: count it in flight (its adapter stays until ``drop``); returns the prefix
+        namespace its KV belongs to. Only a served adapter can be held."""
+        if name not in self.adapters:
+            raise self._unknown(name)
+        self.holds[name] += 1
+        return self.namespaces[name]
+
+    def drop(self, name: str) -> None:
+        """A request that held ``name`` ended (after ``release`` of its slot): a removed adapter goes when the last
+        one has ended, and its slot is emptied."""
+        if self.holds[name] > 0:
+            self.holds[name] -= 1
+        if self.holds[name] == 0:
+            del self.holds[name]
+            if self.retiring.pop(name, None) is not None:
+                self._forget(name)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` from now on (runtime loading); a name served, or still in use after its removal, is
+        refused."""
+        name = adapter.name
+        if name in self.adapters:
+            raise AdapterInUse(f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) "
+                               "or choose another lora_name")
+        if name in self.retiring:
+            raise AdapterInUse(f"adapter {name!r} was unloaded but {self.holds[name]} request(s) still use it; retry "
+                               "after they finish")
+        self.adapters[name] = adapter
+        self.namespaces[name] = f"{name}#{next(self._generation)}"  # '#' is never in a name: no clash
+
+    def remove(self, name: str) -> None:
+        """Stop serving ``name``: new requests get UnknownAdapter; those in flight finish with it."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded (loaded: {', '.join(self.adapters) or 'none'})")
+        if self.holds[name] > 0:
+            self.retiring[name] = adapter
+        else:
+            self.holds.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """Empty the slot of an adapter nobody uses any more (the backend write is queued like a load)."""
+        self.namespaces.pop(name, None)
+        slot = self.slot_of(name)
+        if slot is not None:
+            del self.resident[slot]
+            self.refs[slot] = 0
+            self.pending.append(AdapterLoad(slot, None))
+
     def acquire(self, name: str) -> int:
         """The slot holding ``name`` (queued for loading if it was not resident), with a reference taken."""
-        adapter = self.adapters.get(name)
+        adapter = self.adapters.get(name) or self.retiring.get(name)
         if adapter is None:
-            raise UnknownAdapter(f"adapter {name!r} is not served here (served: {', '.join(self.adapters) or 'none'})")
+            raise self._unknown(name)
         slot = self.slot_of(name)
         if slot is None:
             free = [s for s in range(1, self.num_slots + 1) if s not in self.resident]

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from lineside.bundle import Bundle, open_bundle
 from lineside.errors import LinesideError
-from lineside.lora import LoraAdapter
+from lineside.lora import LoraAdapter, LoraTarget, check_fits
 from lineside.runtime.adapter_slots import AdapterSlots, AdapterSlotsFull, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.fair_lock import FairLock
@@ -294,6 +294,7 @@ class LLMEngine:
                 raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
             if req.adapter is not None:  # last: nothing after it can refuse
                 assert self.adapter_slots is not None
+                seq.lora_namespace = self.adapter_slots.hold(req.adapter)  # kept until it ends, even if unloaded
                 with contextlib.suppress(AdapterSlotsFull):  # every slot in use: it waits for one (_adapter_gate)
                     seq.adapter_slot = self.adapter_slots.acquire(req.adapter)
             self._seqs[req.request_id] = seq
@@ -337,6 +338,34 @@ class LLMEngine:
             info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
         self._kick()
         return info
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` from now on (a runtime load; already read and checked against the slots): requests may
+        name it at once; it is written into a slot when the first one runs."""
+        slots = self._runtime_slots()
+        check_fits(adapter, int(getattr(self.backend, "max_lora_rank", 0) or 0), self._lora_targets(),
+                   "this server's adapter slots (--max-lora-rank)")
+        with self._state:
+            slots.add(adapter)
+        self._kick()
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving ``name``: new requests naming it are refused (UnknownAdapter); requests already waiting or
+        running finish with it, and its slot frees when the last of them ends."""
+        slots = self._runtime_slots()
+        with self._state:
+            slots.remove(name)
+        self._kick()  # an idle adapter's slot is emptied at the next step
+
+    def _runtime_slots(self) -> AdapterSlots:
+        if self.adapter_slots is None:
+            raise LinesideError("this engine has no LoRA adapter slots; start it with lora=LoraServing(...) on a "
+                                "bundle built with --max-lora-rank")
+        return self.adapter_slots
+
+    def _lora_targets(self) -> tuple[LoraTarget, ...]:
+        lg = self.bundle.manifest.lora
+        return () if lg is None else tuple(LoraTarget(t) for t in lg.targets)
 
     def session(self, session_id: str) -> SessionInfo | None:
         """A session's state, or None when there is no such session (never made, expired, released)."""
@@ -529,6 +558,8 @@ class LLMEngine:
                 self._seqs.pop(seq.req.request_id, None)
                 if self.adapter_slots is not None and seq.adapter_slot:
                     self.adapter_slots.release(seq.adapter_slot)  # once: a request has one final event
+                if self.adapter_slots is not None and seq.req.adapter is not None and seq.lora_namespace:
+                    self.adapter_slots.drop(seq.req.adapter)  # an unloaded adapter goes with its last request
             out.append((seq, ev))
         return out
 

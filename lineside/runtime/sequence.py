@@ -57,6 +57,7 @@ class Sequence:
         self.draft_length: DraftLength | None = None  # set by the scheduler when this request speculates
         self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
         self.adapter_slot = 0  # the backend's LoRA slot holding req.adapter (set at submit; 0: the base model)
+        self.lora_namespace = ""  # whose KV this is for prefix reuse: "" the base model, else one load of req.adapter
 
     # ---- scheduling ------------------------------------------------------------------------
     @property

@@ -44,7 +44,10 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
     out = StepOutcome()
     try:
         for load in plan.adapter_loads:
-            backend.load_adapter(load.slot, load.adapter)  # type: ignore[attr-defined] (a LoraBackend)
+            if load.adapter is None:  # an unloaded adapter's slot, emptied once its last request ended
+                backend.unload_adapter(load.slot)  # type: ignore[attr-defined] (a LoraBackend)
+            else:
+                backend.load_adapter(load.slot, load.adapter)  # type: ignore[attr-defined] (a LoraBackend)
         for op in plan.ops:
             if op.kind == SlotOpKind.COPY:
                 backend.copy_slot(op.src, op.dst, op.length)
