@@ -19,6 +19,25 @@ if TYPE_CHECKING:
     from lineside.runtime.engine import LoraServing
 
 
+DEFAULT_RUNTIME_SLOTS = 4  # --max-loras when it is not given: up to this many slots (as many as there are adapters)
+
+
+def runtime_adapter(bundle: Bundle, name: str, path: str, *, max_rank: int) -> LoraAdapter:
+    """An adapter loaded into a running server (POST /v1/load_lora_adapter), checked as ``--lora-modules`` checks
+    one (its name is checked by the caller): the PEFT directory, every shape against the base, its rank and linears against the slots."""
+    from lineside.lora import LoraTarget, check_fits
+
+    if not path.strip():
+        raise AdapterError("lora_path is empty; give the PEFT adapter directory (adapter_config.json and "
+                           "adapter_model.safetensors) as the server sees it")
+    lg = bundle.manifest.lora
+    if lg is None:
+        raise AdapterError(f"bundle {bundle.path} has no LoRA graphs; rebuild it with --max-lora-rank R")
+    adapter = read_adapter(Path(path.strip()).expanduser(), bundle.config, name)
+    check_fits(adapter, max_rank, tuple(LoraTarget(t) for t in lg.targets), "this server's --max-lora-rank")
+    return adapter
+
+
 def bundle_adapter(bundle: Bundle, name: str) -> LoraAdapter:
     """The adapter ``name`` carried in the bundle (``lineside lora add``)."""
     entry = bundle.manifest.adapters.get(name)
@@ -105,28 +124,32 @@ class AdapterCatalog:
 
 
 def serving_config(bundle: Bundle, modules: list[LoraModule], *, max_loras: int | None,
-                   max_rank: int | None) -> LoraServing | None:
+                   max_rank: int | None, runtime: bool = False) -> LoraServing | None:
     """What `serve` serves besides the base model: the bundle's adapters and ``--lora-modules``, in
     ``max_loras`` slots of rank ``max_rank`` (defaults: up to 4 slots, the bundle's slot rank). None when there
-    are no adapters. Every adapter is read and checked here, before the server binds its socket."""
+    are no adapters. Every adapter is read and checked here, before the server binds its socket. ``runtime``
+    (``--allow-runtime-lora``): slots even with no adapter yet (4 by default), for adapters loaded later."""
     from lineside.lora import LoraTarget, check_fits
     from lineside.runtime.engine import LoraServing
     from lineside.runtime.lora_stack import LoraSlotsConfig
 
-    if not modules and not bundle.manifest.adapters:
+    if not modules and not bundle.manifest.adapters and not runtime:
         if max_loras:
             raise LinesideError("--max-loras: there are no adapters to serve; add one to the bundle with `lineside "
-                                "lora add` or name one with --lora-modules NAME=DIR")
+                                "lora add`, name one with --lora-modules NAME=DIR, or load them at runtime with "
+                                "--allow-runtime-lora")
         return None
     lg = bundle.manifest.lora
     if lg is None:
-        raise LinesideError(f"bundle {bundle.path} has no LoRA graphs, so it cannot serve --lora-modules; rebuild it "
+        what = "--lora-modules" if modules or bundle.manifest.adapters else "--allow-runtime-lora"
+        raise LinesideError(f"bundle {bundle.path} has no LoRA graphs, so it cannot serve {what}; rebuild it "
                             "with --max-lora-rank R (R: the largest adapter rank to serve)")
     catalog = AdapterCatalog.load(bundle, modules)
     rank = int(max_rank or lg.max_rank)
     targets = tuple(LoraTarget(t) for t in lg.targets)
     for adapter in catalog.adapters.values():
         check_fits(adapter, rank, targets, "--max-lora-rank" if max_rank else f"bundle {bundle.path}")
-    slots = LoraSlotsConfig(max_loras=int(max_loras or min(len(catalog.adapters), 4)), max_rank=rank)
+    default = DEFAULT_RUNTIME_SLOTS if runtime else min(len(catalog.adapters), DEFAULT_RUNTIME_SLOTS)
+    slots = LoraSlotsConfig(max_loras=int(max_loras or default), max_rank=rank)
     slots.check()
     return LoraServing(adapters=catalog.adapters, slots=slots)

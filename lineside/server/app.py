@@ -16,7 +16,7 @@ from lineside.runtime.engine import LoraServing
 from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generation_config
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
-from lineside.server import errors, health, openai_api, prefill_api, tokenize_api
+from lineside.server import errors, health, lora_api, openai_api, prefill_api, tokenize_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, GuardedCors
 from lineside.server.head_requests import HeadAsGet
 from lineside.server.metrics import ServerMetrics
@@ -45,7 +45,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
                max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
-               reasoning_parser: str = "none", root_path: str = "") -> FastAPI:
+               reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -64,7 +64,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     generation_config.json, as `serve --generation-config auto`);
     ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py);
     ``root_path``: the path prefix a reverse proxy serves this under (vLLM's --root-path, as `serve` checks it): routes
-    answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them."""
+    answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them;
+    ``allow_runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 404 otherwise)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -122,6 +123,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     app.include_router(prefill_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(health.router)
+    if allow_runtime_lora:  # not mounted otherwise: the routes are 404, as vLLM's without its env var
+        app.include_router(lora_api.router)
     # the last added runs first: CORS (preflights, and its headers on every answer, refusals included), then
     # Host / Origin / Content-Type, then key, drain, body, and last HEAD as GET (the checks see the client's HEAD)
     app.add_middleware(HeadAsGet, router=app.router)

@@ -85,6 +85,10 @@ def serve(
         low=1, high=64, help="adapters held at once (slots; more are swapped in LRU; default: up to 4)")] = None,
     max_lora_rank: Annotated[int | None, checks.number_option(
         low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
+    allow_runtime_lora: Annotated[bool, typer.Option(
+        "--allow-runtime-lora", help="serve POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} and /v1/unload_lora_adapter "
+             "{\"lora_name\"} (vLLM's, behind the API key) to add and remove adapters while running; needs a "
+             "bundle built with --max-lora-rank (default: off, the routes are 404)")] = False,
     session_ttl: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS,
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
@@ -165,13 +169,13 @@ def serve(
 
         check_proposer(spec, open_bundle(bundle, verify=False))
     lora = None
-    if lora_modules or manifest.adapters or max_loras or max_lora_rank:
+    if lora_modules or manifest.adapters or max_loras or max_lora_rank or allow_runtime_lora:
         from lineside.bundle import Bundle
         from lineside.runtime.adapters import parse_lora_modules, serving_config
 
         modules = parse_lora_modules(lora_modules or [])
         lora = serving_config(Bundle(path=Path(bundle), manifest=manifest), modules, max_loras=max_loras,
-                              max_rank=max_lora_rank)
+                              max_rank=max_lora_rank, runtime=allow_runtime_lora)
         if lora is not None:  # the base model wins a name both answer to: the adapter would be unreachable
             from lineside.bundle import default_model_names
             from lineside.errors import LinesideError
@@ -263,7 +267,8 @@ def serve(
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                          max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
-                         reasoning_parser=reasoning_parser, root_path=root_path)
+                         reasoning_parser=reasoning_parser, root_path=root_path,
+                         allow_runtime_lora=allow_runtime_lora)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

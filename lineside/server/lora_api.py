@@ -1,0 +1,98 @@
+"""POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters added to and removed from a running server.
+
+vLLM's routes (its VLLM_ALLOW_RUNTIME_LORA_UPDATING; here `serve --allow-runtime-lora`, and the app mounts this
+router only then, so they are 404 otherwise), with its bodies and its plain-text "Success: ..." answers. A loaded
+adapter is checked exactly as ``--lora-modules`` checks one and is a model at once; an unloaded one is refused to new
+requests while those already waiting or running on it finish with it (the engine keeps it for them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from lineside.errors import LinesideError
+from lineside.lora import check_name
+from lineside.runtime.adapter_slots import AdapterInUse, UnknownAdapter
+from lineside.runtime.adapters import runtime_adapter
+from lineside.server.errors import APIError
+from lineside.server.schemas import _REQ, ERROR_RESPONSES
+from lineside.server.state import ServerState
+
+router = APIRouter()
+log = logging.getLogger("lineside.server")
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's body (its ``load_inplace`` and other extras are ignored)."""
+
+    model_config = _REQ
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's body (``lora_int_id`` is ignored: adapters are named here)."""
+
+    model_config = _REQ
+    lora_name: str
+
+
+def _engine(request: Request) -> Any:
+    """The primary engine, ready and serving adapter slots (503 while it loads or drains, 400 without slots)."""
+    state: ServerState = request.app.state.lineside
+    if state.draining:
+        raise APIError(503, "server is shutting down; adapters cannot be loaded or unloaded now", "draining")
+    if not state.engine_ready or state.engine is None:
+        raise APIError(503, "model is still loading; retry when GET /health/ready answers 200", "not_ready",
+                       headers={"retry-after": "1"})
+    if getattr(state.engine, "adapter_slots", None) is None:
+        raise APIError(400, "this server has no LoRA adapter slots; start `lineside serve` with --allow-runtime-lora "
+                            "on a bundle built with --max-lora-rank", "lora_not_enabled")
+    return state.engine
+
+
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+    state: ServerState = request.app.state.lineside
+    engine = _engine(request)
+    name = body.lora_name.strip()
+    try:
+        check_name(name)
+    except LinesideError as e:
+        raise APIError(400, f"lora_name: {e}", "invalid_lora_name", param="lora_name") from None
+    if name in state.served_names:
+        raise APIError(400, f"lora_name {name!r} is a name of the base model; give the adapter another name",
+                       "invalid_lora_name", param="lora_name")
+    if name in engine.adapter_slots.adapters:
+        raise APIError(400, f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) or "
+                            "choose another lora_name", "lora_already_loaded", param="lora_name")
+    rank = int(getattr(engine.backend, "max_lora_rank", 0) or 0)
+    try:  # reading the files and checking every shape: off the event loop
+        adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path, max_rank=rank)
+    except LinesideError as e:
+        raise APIError(400, str(e), "invalid_lora_adapter", param="lora_path") from None
+    try:
+        engine.add_adapter(adapter)  # refuses a name loaded meanwhile, or still finishing after an unload
+    except AdapterInUse as e:
+        raise APIError(400, str(e), "lora_already_loaded", param="lora_name") from None
+    log.info("loaded LoRA adapter %s from %s (rank %d, %s)", name, body.lora_path, adapter.rank,
+             ",".join(t.value for t in adapter.targets))
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> PlainTextResponse:
+    engine = _engine(request)
+    name = body.lora_name.strip()
+    try:
+        engine.remove_adapter(name)
+    except UnknownAdapter as e:
+        raise APIError(404, str(e), "model_not_found", param="lora_name") from None
+    log.info("unloaded LoRA adapter %s (requests already using it finish with it)", name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -1,0 +1,218 @@
+"""Runtime LoRA loading (`serve --allow-runtime-lora`, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter):
+a loaded adapter answers as the same adapter given with --lora-modules, a bad one is a one-line 400, an unloaded
+one is refused to new requests while those already running or waiting on it finish with it, and the slots and
+/metrics follow."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from lineside.bundle import open_bundle
+from lineside.lora import read_adapter
+from lineside.runtime.adapter_slots import AdapterInUse, AdapterLoad, AdapterSlots, UnknownAdapter
+from lineside.runtime.adapters import LoraModule, serving_config
+from tests.cli.cli_run import assert_one_line_error, run_cli
+from tests.conftest import make_peft_adapter
+from tests.server.conftest import SlowBackend, running_server
+from tests.server.test_lora_serving import _lora_metrics
+
+PROMPT = [1, 17, 42, 5, 99, 250, 3, 77]
+
+
+@pytest.fixture(scope="module")
+def runtime_bundle(tiny_bundles, peft_adapter):
+    """The tiny Llama with LoRA graphs (rank 8) and no adapter of its own; two PEFT adapters to load."""
+    bundle = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64, accuracy_level=0,
+                          max_lora_rank=8)
+    return bundle, peft_adapter("llama-gqa", "qv"), peft_adapter("llama-gqa", "all-rslora")
+
+
+def _engine(bundle_dir, modules=(), *, runtime=False, max_loras=None, delay=0.0):
+    """An engine as `serve` makes it: --lora-modules ``modules`` (name, dir), --allow-runtime-lora when ``runtime``."""
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+    b = open_bundle(bundle_dir)
+    lora = serving_config(b, [LoraModule(n, p) for n, p in modules], max_loras=max_loras, max_rank=None,
+                          runtime=runtime)
+    be = OnnxRuntimeBackend(b, num_slots=4, threads=1, accuracy_level=0, lora=None if lora is None else lora.slots)
+    return LLMEngine(b, backend=SlowBackend(be, delay) if delay else be, num_slots=4, lora=lora)
+
+
+def _complete(url, model, n=6, **extra):
+    return httpx.post(f"{url}/v1/completions", timeout=60, headers=extra.pop("headers", None),
+                      json={"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0, **extra})
+
+
+def _answer(url, model, n=6):
+    """Greedy text and per-token top-3 logprobs: the numbers compared between servers."""
+    r = _complete(url, model, n, logprobs=3)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"], choice["logprobs"]["top_logprobs"]
+
+
+def _load(url, name, path, headers=None):
+    return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                      headers=headers, timeout=60)
+
+
+def _unload(url, name, headers=None):
+    return httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=headers, timeout=60)
+
+
+def test_a_runtime_adapter_answers_as_lora_modules_and_the_base_is_unchanged(runtime_bundle):
+    bundle_dir, qv, _ = runtime_bundle
+    with running_server(_engine(bundle_dir)) as srv:  # no LoRA at all: the base graph
+        base = _answer(srv.url, srv.state.model_name)
+        assert _load(srv.url, "line-b", qv).status_code == 404  # the routes exist only with the flag
+    with running_server(_engine(bundle_dir, [("line-b", qv)])) as srv:  # --lora-modules line-b=DIR
+        given = _answer(srv.url, "line-b")
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True) as srv:
+        name = srv.state.model_name
+        assert srv.state.engine.backend.max_loras == 4  # slots, empty, for adapters that come later
+        assert _answer(srv.url, name) == base  # the LoRA graph's slots with no adapter: the base model's numbers
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == [name]
+        assert _complete(srv.url, "line-b").status_code == 404
+        assert _lora_metrics(srv.url) == {"served": 0, "slots": 4, "loaded": 0, "in_use": 0, "loads": 0,
+                                          "evictions": 0}
+        r = _load(srv.url, "line-b", qv)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'line-b' added successfully."
+        models = httpx.get(f"{srv.url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [(name, None), ("line-b", name)]
+        runtime = _answer(srv.url, "line-b")
+        assert runtime == given  # same greedy tokens, same logprobs as --lora-modules
+        assert runtime[0] != base[0]  # and the adapter really changes the model
+        assert _answer(srv.url, name) == base
+        assert _lora_metrics(srv.url) == {"served": 1, "slots": 4, "loaded": 1, "in_use": 0, "loads": 1,
+                                          "evictions": 0}
+
+
+def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, tiny_dense, tmp_path):
+    bundle_dir, qv, rs = runtime_bundle
+    big = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16, target_modules=["q_proj"])
+    key = {"Authorization": "Bearer k1"}
+    with running_server(_engine(bundle_dir, [("line-a", qv)], runtime=True), allow_runtime_lora=True,
+                        api_key="k1") as srv:
+        name = srv.state.model_name
+        assert _load(srv.url, "x", rs).status_code == 401  # under the server's key
+        assert _unload(srv.url, "line-a").status_code == 401
+        cases = [
+            ({"lora_name": "x", "lora_path": str(big)}, "lora_path", ("rank 16", "--max-lora-rank")),
+            ({"lora_name": "x", "lora_path": str(peft_adapter("qwen2-bias-tied", "qv"))}, "lora_path", ("qwen2",)),
+            ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, "lora_path", ("not an adapter directory",)),
+            ({"lora_name": "x", "lora_path": " "}, "lora_path", ("lora_path is empty",)),
+            ({"lora_name": "x/y", "lora_path": str(rs)}, "lora_name", ("1-64 letters",)),
+            ({"lora_name": name, "lora_path": str(rs)}, "lora_name", ("base model",)),
+            ({"lora_name": "line-a", "lora_path": str(rs)}, "lora_name", ("already loaded",)),
+            ({"lora_name": "x"}, "lora_path", ("lora_path",)),
+            ({"lora_name": 3, "lora_path": str(rs)}, "lora_name", ("lora_name",)),
+        ]
+        for body, param, needles in cases:
+            r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json=body, headers=key, timeout=60)
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "\n" not in err["message"], (body, err)
+            assert all(n in err["message"] for n in needles), (body, err)
+        r = _unload(srv.url, "line-z", headers=key)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found" and "line-a" in r.text
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models", headers=key).json()["data"]] == [name, "line-a"]
+        # the bundle's own and --lora-modules adapters can be unloaded too
+        assert _unload(srv.url, "line-a", headers=key).status_code == 200
+        assert _complete(srv.url, "line-a", headers=key).status_code == 404
+
+
+def _wait_for(cond, what):
+    """Poll the server's state until ``cond()`` (a bound on a deadline, never a timing assertion)."""
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, f"never saw {what}"
+        time.sleep(0.02)
+
+
+def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(runtime_bundle):
+    """One slot: line-a streams in it while a line-b request waits for it; both are unloaded. New requests naming
+    either get 404 at once; the running one finishes with line-a, the waiting one then loads line-b and finishes
+    with it (its own answer), and the slot is empty when the last ends. Loaded again, line-b answers as before."""
+    bundle_dir, qv, rs = runtime_bundle
+    with running_server(_engine(bundle_dir, [("line-a", qv), ("line-b", rs)], max_loras=1)) as srv:
+        alone_a = _complete(srv.url, "line-a", n=40).json()["choices"][0]["text"]
+        alone_b = _complete(srv.url, "line-b").json()["choices"][0]["text"]
+    engine = _engine(bundle_dir, runtime=True, max_loras=1, delay=0.05)
+    with running_server(engine, allow_runtime_lora=True) as srv:
+        assert _load(srv.url, "line-a", qv).status_code == 200 and _load(srv.url, "line-b", rs).status_code == 200
+        body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        waited: list[httpx.Response] = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            seen = [next(lines)]
+            other = threading.Thread(target=lambda: waited.append(_complete(srv.url, "line-b")))
+            other.start()
+            _wait_for(lambda: engine.stats().waiting == 1, "line-b waiting for the slot")
+            assert _unload(srv.url, "line-b").status_code == 200
+            assert _unload(srv.url, "line-a").status_code == 200
+            for model in ("line-a", "line-b"):
+                r = _complete(srv.url, model)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert httpx.get(f"{srv.url}/v1/models").json()["data"][1:] == []
+            assert _lora_metrics(srv.url) | {"loads": 0} == {"served": 0, "slots": 1, "loaded": 1, "in_use": 1,
+                                                             "loads": 0, "evictions": 0}
+            # a name still finishing requests cannot be loaded again yet (its old requests hold it)
+            r = _load(srv.url, "line-b", rs)
+            assert r.status_code == 400 and "still use it" in r.json()["error"]["message"]
+            seen += list(lines)
+        other.join(60)
+        assert waited and waited[0].status_code == 200, waited and waited[0].text
+        assert waited[0].json()["choices"][0]["text"] == alone_b  # line-b's own answer, after line-a went
+        chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone_a  # line-a's to the end
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        _wait_for(lambda: engine.stats().lora_adapters_loaded == 0, "the slot emptied")
+        # line-a's slot was emptied when its request ended, so line-b took a free slot: a load, no eviction
+        assert _lora_metrics(srv.url) == {"served": 0, "slots": 1, "loaded": 0, "in_use": 0, "loads": 2,
+                                          "evictions": 0}
+        assert engine.backend.inner.lora.width == 0  # the backend's stack is empty again
+        assert _load(srv.url, "line-b", rs).status_code == 200
+        assert _complete(srv.url, "line-b").json()["choices"][0]["text"] == alone_b
+        assert _complete(srv.url, "line-a").status_code == 404
+
+
+def test_slots_keep_an_unloaded_adapter_until_its_last_request_ends(runtime_bundle):
+    """AdapterSlots alone: hold/drop count requests, remove defers while held, the slot empties with the last."""
+    bundle_dir, qv, rs = runtime_bundle
+    cfg = open_bundle(bundle_dir).config
+    a, b = read_adapter(qv, cfg, "a"), read_adapter(rs, cfg, "b")
+    s = AdapterSlots({}, 1)
+    s.add(a)
+    assert s.hold("a") == "a#1" and s.acquire("a") == 1 and s.take_pending() == [AdapterLoad(1, a)]
+    s.remove("a")
+    with pytest.raises(UnknownAdapter):
+        s.hold("a")  # new requests: refused
+    with pytest.raises(AdapterInUse, match="still use it"):
+        s.add(a)
+    assert s.slot_of("a") == 1 and s.take_pending() == []  # the running request keeps it
+    s.release(1)
+    s.drop("a")
+    assert s.slot_of("a") is None and s.take_pending() == [AdapterLoad(1, None)] and s.stats()["lora_adapters_loaded"] == 0
+    s.add(a)  # loaded again: a new prefix namespace (the old KV was another load's)
+    assert s.hold("a") == "a#2"
+    s.add(b)
+    s.remove("b")  # nobody held it: gone at once, nothing to write
+    assert s.names == ["a"] and s.take_pending() == []
+    with pytest.raises(UnknownAdapter):
+        s.remove("b")
+
+
+def test_serve_allow_runtime_lora_needs_a_lora_graph(tiny_bundles):
+    plain = tiny_bundles(variant="llama-gqa", quant="fp32", flavors=("cpu",), max_seq_len=64)
+    assert_one_line_error(run_cli("serve", str(plain), "--port", "1", "--allow-runtime-lora"),
+                          "--allow-runtime-lora", "--max-lora-rank")
+    shown = run_cli("serve", "--help", env={**os.environ, "COLUMNS": "250"}).stdout
+    assert "--allow-runtime-lora" in shown and "/v1/load_lora_adapter" in shown
