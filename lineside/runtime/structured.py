@@ -124,7 +124,7 @@ class Constraint:
             raise ConstraintError(f"{param}: give a non-empty list of non-empty strings", param)
         if len(options) > MAX_CHOICES:
             raise ConstraintError(f"{param}: {len(options)} choices are more than the {MAX_CHOICES} structured "
-                                  "outputs compile; give fewer (or a guided_json enum, up to {MAX_ENUM_VALUES})", param)
+                                  f"outputs compile; give fewer (or a guided_json enum, up to {MAX_ENUM_VALUES})", param)
         return cls(ConstraintKind.CHOICE, json.dumps(list(options), ensure_ascii=False), param)
 
     @classmethod

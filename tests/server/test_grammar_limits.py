@@ -62,8 +62,9 @@ def test_choice_and_enum_count_is_capped(compiler):
     with pytest.raises(ConstraintError, match="Current row has"):  # past the limit, the engine's own refusal
         compiler.compile(Constraint(Constraint.choice(choices[:MAX_CHOICES]).kind, json.dumps(choices), "x"))
     with pytest.raises(ConstraintError, match=rf"^guided_choice: {MAX_CHOICES + 1} choices are more than the "
-                                              rf"{MAX_CHOICES}"):
+                                              rf"{MAX_CHOICES}") as refused:
         Constraint.choice(choices)
+    assert f"up to {MAX_ENUM_VALUES})" in str(refused.value) and "{" not in str(refused.value)  # the numbers, filled in
     values = [f"option {i}" for i in range(MAX_ENUM_VALUES + 1)]
     compiler.compile(Constraint.json_schema({"enum": values[:MAX_ENUM_VALUES]}))
     with pytest.raises(ConstraintError, match=rf'^guided_json: an "enum" lists more than {MAX_ENUM_VALUES} values'):
