@@ -30,6 +30,9 @@ def runtime_adapter(bundle: Bundle, name: str, path: str, *, max_rank: int) -> L
     if not path.strip():
         raise AdapterError("lora_path is empty; give the PEFT adapter directory (adapter_config.json and "
                            "adapter_model.safetensors) as the server sees it")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path.strip()):  # it is echoed in every refusal and logged: one line
+        raise AdapterError("lora_path holds a control character (a newline, a tab, ...); give the adapter "
+                           "directory's path as the server sees it")
     lg = bundle.manifest.lora
     if lg is None:
         raise AdapterError(f"bundle {bundle.path} has no LoRA graphs; rebuild it with --max-lora-rank R")

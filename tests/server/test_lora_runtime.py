@@ -108,6 +108,7 @@ def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, ti
             ({"lora_name": "x", "lora_path": str(peft_adapter("qwen2-bias-tied", "qv"))}, "lora_path", ("qwen2",)),
             ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, "lora_path", ("not an adapter directory",)),
             ({"lora_name": "x", "lora_path": " "}, "lora_path", ("lora_path is empty",)),
+            ({"lora_name": "x", "lora_path": f"{tmp_path}/a\nb"}, "lora_path", ("control character",)),
             ({"lora_name": "x/y", "lora_path": str(rs)}, "lora_name", ("1-64 letters",)),
             ({"lora_name": name, "lora_path": str(rs)}, "lora_name", ("base model",)),
             ({"lora_name": "line-a", "lora_path": str(rs)}, "lora_name", ("already loaded",)),
