@@ -149,6 +149,9 @@ class TokenEvent:
     completion_tokens: int  # tokens the model generated so far, counting a final EOS / stop token
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token in token_ids, when asked for
+    # with ``error``: the request's own input ended it (its grammar past the grammar engine's limits once
+    # generating), so servers answer it as the client's error (400 invalid_request_error), not their own failure
+    client_error: bool = False
 
 
 @dataclass

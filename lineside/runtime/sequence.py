@@ -15,7 +15,7 @@ from lineside.runtime.request import FinishReason, GenerationRequest, RequestHan
 from lineside.runtime.sampling import Sampler, TokenLogprob
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.stop import StopMatcher
-from lineside.runtime.structured import GrammarMatcher
+from lineside.runtime.structured import GrammarMatcher, is_limit_error, limit_message
 from lineside.strenum import StrEnum
 
 
@@ -89,10 +89,10 @@ class Sequence:
 
     # ---- outputs ------------------------------------------------------------------------------
     def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
-               logprob: TokenLogprob | None = None) -> TokenEvent:
+               logprob: TokenLogprob | None = None, client_error: bool = False) -> TokenEvent:
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error,
-                          logprobs=[logprob] if logprob is not None and ids else [])
+                          logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error)
 
     def on_token(self, tok: int, now: float, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``
@@ -108,8 +108,7 @@ class Sequence:
         self.tokens.append(tok)
         self.pending = tok
         if self.matcher is not None and not self.matcher.accept(tok):  # the mask allows only what it accepts
-            return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: "
-                               f"{self.matcher.error}")
+            return self._grammar_failed(tok)
         past_min = len(self.generated) > self.min_tokens
         if tok in self.stop_ids and (past_min or self.matcher is not None):
             return self._event(self._flush(), [], FinishReason.STOP)
@@ -121,6 +120,16 @@ class Sequence:
         if len(self.generated) >= self.max_tokens:
             return self._event(text + self._flush(), [tok], FinishReason.LENGTH, logprob=logprob)
         return self._event(text, [tok], None, logprob=logprob)
+
+    def _grammar_failed(self, tok: int) -> TokenEvent:
+        """The final event when the grammar took no token: past the grammar engine's limits (a huge repetition the
+        compile's walk did not reach) it is the request's grammar at fault, a client error naming its field; any
+        other rejection (the mask allowed only what the grammar takes) is the engine's."""
+        why = self.matcher.error if self.matcher is not None else None
+        c = self.req.constraint
+        if c is not None and is_limit_error(why):
+            return self._event(self._flush(), [], FinishReason.ERROR, limit_message(c, why or ""), client_error=True)
+        return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: {why}")
 
     def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         """Final event for cancel / timeout / error (text held back so far is released)."""

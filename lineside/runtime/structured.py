@@ -11,6 +11,7 @@ by every sampled token until the grammar is complete.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +52,17 @@ PROBE_TOKENS = 8
 # enum values per strict schema.)
 MAX_CHOICES = 1_999
 MAX_ENUM_VALUES = 10_000
+# A counted repetition is spelt out by the grammar engine at its lower bound: a{100000} (or (ab){50000}) took 0.5 s
+# to compile and 25 ms a token to mask on SmolLM2's vocabulary (2-core x86), slowing every request in the batch,
+# and a{300000} is past its limits; a{10000} costs 0.04 s and under 3 ms a token. Counts multiply through nesting
+# (a{1000}{1000} is a million). What a bounded range leaves optional ({0,n}) is not spelt out and is not counted.
+MAX_REPEATED_LENGTH = 10_000
+# llguidance's own texts for a grammar past its limits (derivre's lexer expressions and states, the Earley parser's
+# items per row and per step, lexer fuel, grammar size): hit while generating they mean the request's grammar is too
+# big (a huge repetition behind more free bytes than PROBE_TOKENS), so the request ends as the client's error.
+LIMIT_ERRORS = ("too many expressions constructed", "too many states", "items; max is", "Too many items (limit",
+                "fuel exhausted", "lex fuel", "derivatives with total fuel", "too big (limit for this grammar",
+                "lexer precomputation failed", "relevance check fuel")
 COMPILE_STACK_BYTES = 256 << 20  # reserved address space; only the pages a deep grammar reaches are touched
 
 
@@ -104,6 +116,8 @@ class Constraint:
             raise ConstraintError(f"{param}: the schema holds more than {MAX_SCHEMA_OBJECTS} JSON objects; split it "
                                   "or share subschemas through $defs", param)
         check_enforceable(schema, param)
+        for pattern in _patterns(schema):
+            _check_repetitions(pattern, param)
         if merged_patterns(schema) > MAX_MERGED_PATTERNS:
             raise ConstraintError(f"{param}: more than {MAX_MERGED_PATTERNS} \"pattern\"s apply to one string "
                                   "together (through allOf or $ref), more than the grammar engine can intersect; "
@@ -115,6 +129,7 @@ class Constraint:
     def regex(cls, pattern: Any, param: str = "guided_regex") -> Constraint:
         if not isinstance(pattern, str):
             raise ConstraintError(f"{param}: a regular expression must be a string", param)
+        _check_repetitions(pattern, param)
         return cls(ConstraintKind.REGEX, pattern, param)
 
     @classmethod
@@ -137,6 +152,7 @@ class Constraint:
         if text.count("&") > MAX_MERGED_PATTERNS and _intersections(text) > MAX_MERGED_PATTERNS:
             raise ConstraintError(f"{param}: the grammar intersects (&) more than {MAX_MERGED_PATTERNS} times, more "
                                   "than the grammar engine can check; give fewer intersections", param)
+        _check_repetitions(text, param, grammar=True)
         return cls(ConstraintKind.GRAMMAR, text, param)
 
     def llguidance_grammar(self) -> str:
@@ -287,6 +303,88 @@ def _objects(value: Any) -> int:
     return n
 
 
+_QUANTIFIER = re.compile(r"\{(\d+)(?:,\d*)?\}")
+_GROUP_OPENING = re.compile(r"\((?:\?(?:P?<[^>]*>|[a-zA-Z-]*:?))?")
+
+
+def largest_repetition(text: str, grammar: bool = False) -> int:
+    """The most characters one counted repetition of ``text`` (a regex; ``grammar``: Lark/GBNF text, whose quoted
+    strings are one item) spells out at its lower bound, counts multiplied through nesting (``(ab){3}`` 6,
+    ``a{10}{10}`` 100). A character class, escape or literal character is one; alternatives add up (an upper
+    bound); a group's length includes its own repetitions."""
+    stack = [[0, 0]]  # per open group: [its length so far, the length of its last item]
+    largest, i, n = 0, 0, len(text)
+    while i < n:
+        ch, top = text[i], stack[-1]
+        if ch == "\\":
+            j = i + 2
+            if j < n and text[i + 1] in "pPxu" and text[j] == "{":
+                j = text.find("}", j) + 1 or n
+            item, i = 1, j
+        elif ch == "[":
+            j, depth = i + 1, 1
+            j += j < n and text[j] == "^"
+            j += j < n and text[j] == "]"
+            while j < n and depth:
+                depth += {"[": 1, "]": -1}.get(text[j], 0)
+                j += 2 if text[j] == "\\" else 1
+            item, i = 1, j
+        elif grammar and ch == '"':
+            j = i + 1
+            while j < n and text[j] not in '"\n':
+                j += 2 if text[j] == "\\" else 1
+            item, i = max(1, j - i - 1), j + 1
+        elif ch == "(":
+            stack.append([0, 0])
+            i = _GROUP_OPENING.match(text, i).end()  # type: ignore[union-attr] - "(" always matches
+            continue
+        elif ch == ")" and len(stack) > 1:
+            item, i = stack.pop()[0], i + 1
+            top = stack[-1]
+        elif ch == "{" and (m := _QUANTIFIER.match(text, i)):
+            times = int(m.group(1))
+            top[0] += top[1] * (times - 1)
+            top[1] *= times
+            largest = max(largest, top[1])
+            i = m.end()
+            continue
+        else:
+            item, i = 1, i + 1
+        top[0] += item
+        top[1] = item
+    return largest
+
+
+def _check_repetitions(text: str, param: str, grammar: bool = False) -> None:
+    """A ConstraintError when a counted repetition of ``text`` spells out more than MAX_REPEATED_LENGTH
+    characters: the grammar engine would compile it for seconds and slow every token of the batch."""
+    if "{" in text and (most := largest_repetition(text, grammar)) > MAX_REPEATED_LENGTH:
+        raise ConstraintError(f"{param}: a counted repetition spells out {most} characters, more than the "
+                              f"{MAX_REPEATED_LENGTH} structured outputs allow; give smaller counts {{n}} (an "
+                              "optional part {0,n} costs nothing) or a character class with *", param)
+
+
+def _patterns(schema: Any) -> list[str]:
+    """Every regex in ``schema``: ``pattern`` values and ``patternProperties`` names (walked without recursion;
+    a value under a data keyword such as ``const`` is not one)."""
+    found: list[str] = []
+    todo = [schema]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            for k, s in v.items():
+                if k == "pattern" and isinstance(s, str):
+                    found.append(s)
+                elif k == "patternProperties" and isinstance(s, dict):
+                    found.extend(str(name) for name in s)
+                    todo.extend(s.values())
+                elif k not in _DATA_KEYS:
+                    todo.append(s)
+    return found
+
+
 def _largest_enum(schema: Any) -> int:
     """The length of the longest ``enum`` list anywhere in ``schema`` (walked without recursion: schemas nest
     deep); a value under a data keyword such as ``const`` is not searched."""
@@ -430,7 +528,9 @@ def _first_line(msg: str) -> str:
 class CompileStats:
     compiled: int = 0  # distinct constraints compiled
     hits: int = 0  # matchers made from the cache
-    compile_s: float = 0.0  # total seconds spent compiling
+    compile_s: float = 0.0  # total seconds spent compiling (refusals included)
+    refused: int = 0  # distinct constraints the compile refused
+    refusal_hits: int = 0  # refusals answered from the cache
 
 
 PAD_TOKEN = "<|lineside_padding_{}|>"  # the name a padding id is given in the grammar engine's tokenizer
@@ -583,6 +683,9 @@ class GrammarCompiler:
         self._byte_tokens = [t[0] for b in range(256) if len(t := self.tokenizer.tokenize_bytes(bytes([b]))) == 1
                              and bytes(self.tokenizer.decode_bytes(t)) == bytes([b])]
         self._cache: OrderedDict[Constraint, Any] = OrderedDict()
+        # refused constraints → their reason without the field: a refusal took up to seconds of compile, which one
+        # client repeating it could otherwise make a worker spend again and again (LRU, as many as compiled ones)
+        self._refused: OrderedDict[Constraint, str] = OrderedDict()
         self._lock = threading.Lock()
         self.max_entries = max_entries
         self.stats = CompileStats()
@@ -608,14 +711,29 @@ class GrammarCompiler:
         return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding, after)
 
     def _template(self, c: Constraint) -> Any:
+        where = c.param or c.kind.value
         with self._lock:
             hit = self._cache.get(c)
             if hit is not None:
                 self._cache.move_to_end(c)
                 self.stats.hits += 1
                 return hit
+            refusal = self._refused.get(c)
+            if refusal is not None:  # the same refusal, named after this request's field
+                self._refused.move_to_end(c)
+                self.stats.refusal_hits += 1
+                raise ConstraintError(f"{where}: {refusal}", c.param)
         t0 = time.perf_counter()
-        m = self._build(c)
+        try:
+            m = self._build(c)
+        except ConstraintError as e:
+            with self._lock:
+                self.stats.refused += 1
+                self.stats.compile_s += time.perf_counter() - t0
+                self._refused[c] = str(e).removeprefix(f"{where}: ")
+                while len(self._refused) > self.max_entries:
+                    self._refused.popitem(last=False)
+            raise
         with self._lock:
             self.stats.compiled += 1
             self.stats.compile_s += time.perf_counter() - t0
@@ -658,9 +776,19 @@ class GrammarCompiler:
                 if order is self._byte_tokens:  # a lexeme's later states are built for masks (precomputed)
                     w.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
             if w.is_error():
-                raise ConstraintError(f"{c.param or c.kind.value}: this {_WHAT[c.kind]} is past the grammar engine's "
-                                      f"limits once generating ({_first_line(w.get_error())}); give a smaller one "
-                                      "(fewer choices, smaller repetition counts {n} and lengths)", c.param)
+                raise ConstraintError(limit_message(c, _first_line(w.get_error())), c.param)
+
+
+def is_limit_error(why: str | None) -> bool:
+    """Whether a grammar engine error (one line) is one of its limits (LIMIT_ERRORS), not a grammar it rejects."""
+    return why is not None and any(m in why for m in LIMIT_ERRORS)
+
+
+def limit_message(c: Constraint, why: str) -> str:
+    """The one line a grammar past the engine's limits is refused with, at compile or mid-generation: the field,
+    the engine's reason, what to send instead."""
+    return (f"{c.param or c.kind.value}: this {_WHAT[c.kind]} is past the grammar engine's limits once generating "
+            f"({why}); give a smaller one (fewer choices, smaller repetition counts {{n}} and lengths)")
 
 
 _stack_size_lock = threading.Lock()

@@ -140,6 +140,10 @@ _FAILURES = {
 
 
 def failure(state: ServerState, event: TokenEvent) -> APIError:
+    """The error a request that ended without stop or length answers with (streamed: its error event)."""
+    if event.client_error and event.error:  # the request's grammar past the engine's limits: the client's mistake
+        return APIError(400, event.error, "grammar_too_large", type="invalid_request_error",
+                        headers={"x-should-retry": "false"})
     status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
     headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None

@@ -95,15 +95,23 @@ def test_submit_refuses_a_constraint_that_cannot_match(tiny_bundle):
     eng.close()
 
 
-def test_a_grammar_past_llguidance_limits_mid_generation_is_one_line(tiny_bundle):
-    """A huge repetition past the compile's walk (``[bc]{12}a{1000000}``: the walk takes 8 one-byte tokens; at the
-    start, ``a{1000000}`` is refused at compile) compiles, then llguidance's lexer gives up at the first 'a' ("too
-    many expressions constructed"): the request ends in error with that line, not with llguidance's multi-line
-    dump of its parser state (which reached clients in the 500's message)."""
+# 2,500 alternatives behind 12 free bytes: past the engine's 2,000 items per parser row, met only once generating
+# (the compile walks 8 one-byte tokens; repetitions this large are refused at validation)
+LATE_LIMIT = 'start: /[bc]{12}/ (' + " | ".join(f'"o{i}"' for i in range(2500)) + ')\n'
+
+
+def test_a_grammar_past_llguidance_limits_mid_generation_is_the_clients_error(tiny_bundle):
+    """The grammar compiles, then llguidance gives up 12 bytes in ("Current row has 2501 items; max is 2000"): that
+    request ends as the client's error, one line naming its field, and the unconstrained request in the same
+    batch runs to its length."""
     eng = _engine(tiny_bundle)
     ids = eng.tokenizer.encode("go")
-    out = run(_collect(eng, [GenerationRequest(prompt_ids=ids, max_tokens=20,
-                                               constraint=Constraint.regex("[bc]{12}a{1000000}"))]))[0]
-    last = out[2]
-    assert last.finish_reason == FinishReason.ERROR
-    assert "too many expressions" in last.error and "\n" not in last.error
+    bad, free = run(_collect(eng, [
+        GenerationRequest(prompt_ids=ids, max_tokens=20, constraint=Constraint.grammar(LATE_LIMIT)),
+        GenerationRequest(prompt_ids=ids, max_tokens=24, sampling=SamplingParams(temperature=0.0), ignore_eos=True)]))
+    last = bad[2]
+    assert last.finish_reason == FinishReason.ERROR and last.client_error, last
+    assert last.error.startswith("guided_grammar: this grammar is past the grammar engine's limits once generating "
+                                 "(Parser Error: Current row has 2501 items; max is 2000"), last.error
+    assert "\n" not in last.error
+    assert free[2].finish_reason == FinishReason.LENGTH and free[2].completion_tokens == 24 and not free[2].client_error

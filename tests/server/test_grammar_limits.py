@@ -14,8 +14,10 @@ import pytest
 from lineside.runtime.structured import (
     MAX_CHOICES,
     MAX_ENUM_VALUES,
+    MAX_REPEATED_LENGTH,
     Constraint,
     ConstraintError,
+    ConstraintKind,
     GrammarCompiler,
 )
 from tests.tiny_tokenizer import write_byte_tokenizer
@@ -32,10 +34,17 @@ def compiler(tmp_path_factory):
     return GrammarCompiler.for_tokenizer(Tokenizer(d, {"eos_token_ids": [2]}), 300, [2])
 
 
+def _unchecked(kind: ConstraintKind, text: str, param: str) -> Constraint:
+    """A constraint past the validation's repetition cap, to test the compile's walk behind it."""
+    return Constraint(kind, text, param)
+
+
 @pytest.mark.parametrize("constraint", [
-    Constraint.regex(HUGE), Constraint.regex(f"(b|{HUGE})"), Constraint.regex(f"[0-9]{{3}}-{HUGE}"),
-    Constraint.json_schema({"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{HUGE}$"}},
-                            "required": ["s"]}),
+    _unchecked(ConstraintKind.REGEX, HUGE, "guided_regex"),
+    _unchecked(ConstraintKind.REGEX, f"(b|{HUGE})", "guided_regex"),
+    _unchecked(ConstraintKind.REGEX, f"[0-9]{{3}}-{HUGE}", "guided_regex"),
+    _unchecked(ConstraintKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"s": {
+        "type": "string", "pattern": f"^{HUGE}$"}}, "required": ["s"]}), "guided_json"),
 ])
 def test_a_limit_hit_once_generating_is_refused_at_compile(compiler, constraint):
     with pytest.raises(ConstraintError) as e:
@@ -73,6 +82,58 @@ def test_choice_and_enum_count_is_capped(compiler):
     Constraint.json_schema({"const": {"enum": values}})
 
 
+@pytest.mark.parametrize("make, value, param, most", [
+    (Constraint.regex, "a{10001}", "guided_regex", 10_001),
+    (Constraint.regex, "[bc]{12}a{1000000}", "guided_regex", 1_000_000),  # behind more than the walk's 8 bytes
+    (Constraint.regex, "a{1000}{1000}", "guided_regex", 1_000_000),
+    (Constraint.regex, "(ab){99999}", "guided_regex", 199_998),
+    (Constraint.regex, "(?:x(?P<y>yz){100}){60}", "guided_regex", 12_060),
+    (Constraint.json_schema, {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{200}){60}$"}}},
+     "guided_json", 12_000),
+    (Constraint.json_schema, {"type": "object", "patternProperties": {"^k{20000}$": {"type": "integer"}}},
+     "guided_json", 20_000),
+    (Constraint.grammar, 'start: "ab"{6000}\n', "guided_grammar", 12_000),
+    (Constraint.grammar, "start: /x{3}(yz){9000}/\n", "guided_grammar", 18_000),
+])
+def test_repetitions_past_the_cap_are_refused_at_validation(make, value, param, most):
+    """Counts multiplied through nesting, at their lower bound: such a grammar never reaches the compiler."""
+    with pytest.raises(ConstraintError) as e:
+        make(value, param=param)
+    assert str(e.value) == (f"{param}: a counted repetition spells out {most} characters, more than the "
+                            f"{MAX_REPEATED_LENGTH} structured outputs allow; give smaller counts {{n}} (an optional "
+                            "part {0,n} costs nothing) or a character class with *"), str(e.value)
+
+
+@pytest.mark.parametrize("pattern", ["a{10000}", "a{0,100000}", "[a-z]{3,}x{2}", r"\p{L}{5}\x{41}{3}", "(ab){5000}",
+                                     r"\{2000000\}", "[{]{7}"])
+def test_repetitions_within_the_cap_compile(compiler, pattern):
+    """The cap counts only what is spelt out: optional parts, escaped or bracketed braces are not repetitions."""
+    compiler.compile(Constraint.regex(pattern))
+
+
+def test_a_refusal_is_cached_and_named_after_each_request_field(compiler):
+    """A refused grammar is compiled once: a client repeating it gets the cached refusal, under its own field."""
+    text = HUGE + "b"
+    before = compiler.stats.refused
+    for param in ("guided_regex", "structured_outputs.regex", "guided_regex"):
+        with pytest.raises(ConstraintError) as e:
+            compiler.compile(_unchecked(ConstraintKind.REGEX, text, param))
+        assert str(e.value).startswith(param + ": this regular expression is past the grammar engine's limits"), e.value
+        assert e.value.param == param
+    assert compiler.stats.refused == before + 1 and compiler.stats.refusal_hits >= 2
+
+
+def test_the_refusal_cache_is_bounded(tmp_path):
+    from lineside.runtime.tokenizer import Tokenizer
+
+    write_byte_tokenizer(tmp_path, 300)
+    small = GrammarCompiler(Tokenizer(tmp_path, {"eos_token_ids": [2]})._tok.to_str(), 300, [2], max_entries=2)
+    for i in range(4):
+        with pytest.raises(ConstraintError):
+            small.compile(Constraint.regex(f"a{i}(" ))  # does not parse
+    assert small.stats.refused == 4 and len(small._refused) == 2
+
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 PATTERN = {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{HUGE}$"}}, "required": ["s"]}
 CASES = [  # (path, body, the field the 400 names)
@@ -104,4 +165,39 @@ def test_openai_client_sees_a_bad_request(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-llama", messages=CHAT["messages"], max_tokens=4, stream=True,
                                        extra_body={"guided_regex": HUGE})
-    assert "too many expressions constructed" in e.value.message
+    assert "counted repetition spells out 300000 characters" in e.value.message
+
+
+# past the engine's 2,000 items per parser row 12 bytes in: compiles, then fails while generating
+LATE = 'start: /[bc]{12}/ (' + " | ".join(f'"o{i}"' for i in range(2500)) + ')\n'
+LATE_CASES = [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 20, "guided_grammar": LATE}, "guided_grammar"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 20, "structured_outputs": {"grammar": LATE}},
+     "structured_outputs.grammar"),
+]
+LATE_MESSAGE = "this grammar is past the grammar engine's limits once generating (Parser Error: Current row has 2501"
+
+
+@pytest.mark.parametrize("path, body, param", LATE_CASES)
+def test_a_limit_met_mid_generation_is_a_400_before_anything_is_sent(server, path, body, param):
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "grammar_too_large", err
+    assert err["message"].startswith(f"{param}: {LATE_MESSAGE}") and "\n" not in err["message"], err
+
+
+@pytest.mark.parametrize("path, body, param", LATE_CASES)
+def test_a_limit_met_mid_stream_is_an_invalid_request_error_event_then_done(server, path, body, param):
+    """As vLLM ends a stream that fails once started: an error event, then [DONE]; the other requests go on."""
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + path, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = [ln.removeprefix("data: ") for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]", lines
+        err = json.loads(lines[-2])["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "grammar_too_large", err
+        assert err["message"].startswith(f"{param}: {LATE_MESSAGE}"), err
+        ok = client.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length"), ok.text
+
