@@ -16,7 +16,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 def serve(
     bundle: Annotated[Path, typer.Argument(help="bundle directory (from `lineside build`)")],
-    host: Annotated[str, typer.Option(help="address to bind; 0.0.0.0 serves the local network")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help=(
+        "address to bind: 127.0.0.1 or ::1 (alone or as [::1]) this machine only; 0.0.0.0 every IPv4 address, "
+        ":: (or [::]) every address, IPv4 included on Linux; a name or address of this machine, no port or URL"))] = "127.0.0.1",
     port: Annotated[int, checks.number_option(low=1, high=65535, help="TCP port")] = 8000,
     *,
     backend: Annotated[str, typer.Option(help="auto | onnxruntime | tensorrt")] = "auto",

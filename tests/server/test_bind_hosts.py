@@ -3,12 +3,14 @@ a host with a port glued on (one line naming --port); the URL the server prints 
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 
 from lineside.errors import LinesideError
 from lineside.server.bind import bind_socket, url_of
+from tests.cli.cli_run import run_cli
 
 
 def _has_ipv6_loopback() -> bool:
@@ -70,3 +72,11 @@ def test_a_wrong_host_is_one_line(host, words):
         bind_socket(host, 0).close()
     msg = str(e.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_serve_help_names_the_ipv6_and_wildcard_hosts():
+    """--help says what README says: IPv6 bracketed or not, and what 0.0.0.0 and :: bind."""
+    shown = " ".join(run_cli("serve", "--help", env={**os.environ, "COLUMNS": "250"}).stdout.split())
+    host = shown[shown.index("--host"):shown.index("--port")]
+    for words in ("[::1]", "0.0.0.0 every IPv4 address", ":: (or [::]) every address", "no port or URL"):
+        assert words in host, host
