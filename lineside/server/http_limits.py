@@ -36,7 +36,8 @@ _PROTOCOL_METHODS = ("connection_made", "connection_lost", "data_received", "on_
                      "_unset_keepalive_if_required", "shutdown")
 # per connection, after connection_made: and the request cycle's, once a head is parsed
 PROTOCOL_ATTRIBUTES = ("loop", "transport", "parser", "flow", "client", "cycle", "server_state", "connections")
-CYCLE_ATTRIBUTES = ("response_complete", "response_started", "disconnected", "message_event")
+CYCLE_ATTRIBUTES = ("response_complete", "response_started", "disconnected", "message_event", "send", "keep_alive",
+                    "chunked_encoding", "expected_content_length")
 
 
 def check_uvicorn(protocol: Any = None, *, strict_version: bool = False) -> None:
@@ -160,6 +161,30 @@ def _malformed_hint(error: Exception, reason: str) -> str:
 # (a malformed or oversized request is ``invalid``, as a 400 / 413 / 415 is)
 REFUSAL_OUTCOMES = {"malformed_http": "invalid", "headers_too_large": "invalid", "request_timeout": "request_timeout",
                     "too_many_connections": "too_many_connections", "server_busy": "server_busy"}
+
+
+def _unframed_for_http10(cycle: Any) -> None:
+    """HTTP/1.0 has no chunked coding, and uvicorn's httptools protocol chunks every answer without a length (a
+    stream): for a 1.0 request such an answer goes unframed and ends when the connection closes (as h11 and nginx
+    do; uvicorn already closes every 1.0 connection after its answer). Answers with a Content-Length are untouched."""
+    send = cycle.send
+    unframed = False
+
+    async def send_unframed(message: Any) -> None:
+        nonlocal unframed
+        if message["type"] == "http.response.start" and not cycle.response_started:
+            names = {bytes(name).lower() for name, _ in message.get("headers", [])}
+            unframed = not names & {b"content-length", b"transfer-encoding"}
+            if unframed:
+                cycle.keep_alive = False  # the close is what ends the body
+                cycle.chunked_encoding = False  # decided: uvicorn adds no Transfer-Encoding and writes bytes as they are
+        elif unframed and message["type"] == "http.response.body" and not cycle.response_complete:
+            # uvicorn counts unchunked bytes against a Content-Length: let it expect this piece, and after the last
+            # one nothing, so it completes the response (and closes the connection) as for a sized body
+            cycle.expected_content_length = len(message.get("body", b"")) + (1 if message.get("more_body") else 0)
+        await send(message)
+
+    cycle.send = send_unframed
 
 
 class _HeadTooLarge(Exception):
@@ -325,6 +350,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_started = False
         self._in_body = True
         super().on_headers_complete()
+        if self.parser.get_http_version() == "1.0" and self.cycle is not None and self.cycle.scope is self.scope:
+            _unframed_for_http10(self.cycle)
         self._body_deadline = self.loop.time() + self.limits.body_deadline
         self._arm_body()
 

@@ -197,6 +197,46 @@ def test_request_without_host_header_is_named_as_such(guarded):
     assert b"without a Host header" in raw and b"None" not in raw, raw[:400]
 
 
+def _split_answers(raw: bytes) -> tuple[bytes, bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.lower(), body
+
+
+STREAM = b'{"prompt": "x", "max_tokens": 3, "stream": true}'
+
+
+def test_a_stream_to_an_http10_client_is_not_chunked(guarded):
+    """HTTP/1.0 has no chunked coding (a 1.0 client shows the chunk sizes as text): the stream goes unframed and
+    ends when the server closes the connection; a 1.0 answer with a known length still carries Content-Length."""
+    request = (b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM))
+    _lines, raw, closed = _exchange(guarded, request)
+    head, body = _split_answers(raw)
+    assert closed and head.startswith(b"http/1.1 200"), raw[:300]
+    assert b"transfer-encoding" not in head and b"content-length" not in head and b"connection: close" in head, head
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events and all(e.startswith(b"data: ") for e in events), body[:300]
+    assert events[-1] == b"data: [DONE]" and json.loads(events[0][6:])["object"] == "text_completion", body[-300:]
+
+    plain = (b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    _lines, raw, closed = _exchange(guarded, plain)
+    head, body = _split_answers(raw)
+    assert closed and head.startswith(b"http/1.1 200") and b"transfer-encoding" not in head, raw[:300]
+    assert f"content-length: {len(body)}".encode() in head.split(b"\r\n"), raw[:300]
+    assert json.loads(body)["object"] == "text_completion"
+
+
+def test_a_stream_to_an_http11_client_stays_chunked_and_keeps_the_connection(guarded):
+    """HTTP/1.1 is unchanged: the stream is chunked and the connection serves the next (pipelined) request."""
+    request = HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(STREAM), STREAM)
+    lines, raw, _closed = _exchange(guarded, request + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert [ln[9:12] for ln in lines] == [b"200", b"200"], raw[:600]
+    head, body = _split_answers(raw)
+    assert b"transfer-encoding: chunked" in head and b"connection: close" not in head, head
+    assert b"\r\n0\r\n\r\nHTTP/1.1 200" in body, body[-400:]
+
+
 # ---- browsers --------------------------------------------------------------------------------------------
 def test_page_style_requests_are_refused(guarded):
     url = guarded.url + "/v1/completions"
