@@ -78,7 +78,8 @@ class ServerMiddleware:
                              extra=[(b"www-authenticate", b"Bearer")])
                 return
 
-        generating = path in ENGINE_PATHS and scope.get("method") == "POST"
+        posted = scope.get("method") == "POST"  # every POST body is bounded, not only a generation's
+        generating = path in ENGINE_PATHS and posted
         if generating:
             if state.draining and path == PREFILL_PATH:  # a session here would die with the server: 4xx, not retry
                 state.metrics.reject("draining")
@@ -98,6 +99,7 @@ class ServerMiddleware:
                 state.metrics.reject("not_ready")
                 await _reply(send, 503, msg, code="not_ready", headers=id_header, extra=[(b"retry-after", b"1")])
                 return
+        if posted:
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 state.metrics.reject("invalid")
@@ -111,7 +113,8 @@ class ServerMiddleware:
             await send(message)
 
         if not generating:
-            await self.app(scope, receive, send_with_id)
+            body = _guarded_body(receive, self.max_body, state, drain=False) if posted else receive
+            await self.app(scope, body, send_with_id)
             return
         state.enter()
         try:
@@ -129,31 +132,36 @@ class BodyRefused(HTTPException):
         self.code = code
 
 
-def _guarded_body(receive: Any, limit: int, state: ServerState) -> Any:
+def _guarded_body(receive: Any, limit: int, state: ServerState, *, drain: bool = True) -> Any:
     """receive() that enforces the body limit on bodies without a Content-Length (chunked uploads) too,
-    refuses bytes that are not UTF-8 (JSON's only encoding here: no UTF-16 sniffing), and answers 503 to a
-    body still arriving when a drain starts, so a half-sent upload cannot hold the drain."""
+    refuses bytes that are not UTF-8 (JSON's only encoding here: no UTF-16 sniffing), and (``drain``: a request
+    the drain waits for) answers 503 to a body still arriving when a drain starts, so a half-sent upload cannot
+    hold the drain."""
     seen = 0
     utf8 = codecs.getincrementaldecoder("utf-8")()
 
     body_done = False
 
     async def wrapped() -> dict:
-        nonlocal seen, body_done
         if body_done:  # later calls wait for a disconnect (streaming responses): nothing to guard
             return await receive()
+        if not drain:
+            return check(await receive())
         if state.draining:
             raise _draining()
         pending = asyncio.ensure_future(receive())
-        drain = asyncio.ensure_future(state.drain_started.wait())
+        drain_started = asyncio.ensure_future(state.drain_started.wait())
         try:
-            done, _ = await asyncio.wait({pending, drain}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({pending, drain_started}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            drain.cancel()
+            drain_started.cancel()
         if pending not in done:
             pending.cancel()
             raise _draining()
-        message = pending.result()
+        return check(pending.result())
+
+    def check(message: dict) -> dict:
+        nonlocal seen, body_done
         if message["type"] == "http.request":
             chunk = message.get("body", b"")
             seen += len(chunk)

@@ -217,3 +217,29 @@ def test_serve_allow_runtime_lora_needs_a_lora_graph(tiny_bundles):
                           "--allow-runtime-lora", "--max-lora-rank")
     shown = run_cli("serve", "--help", env={**os.environ, "COLUMNS": "250"}).stdout
     assert "--allow-runtime-lora" in shown and "/v1/load_lora_adapter" in shown
+
+
+def test_every_post_is_held_to_the_body_limit(runtime_bundle):
+    """The adapter routes (and the other POSTs that run no generation) read their bodies under the server's body
+    limit as the generation routes do: a 413 in one line, sized or chunked, counted as an invalid request."""
+    from tests.server.conftest import metric
+
+    bundle_dir, qv, _ = runtime_bundle
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, max_body_bytes=1024) as srv:
+        def invalid() -> float:
+            return metric(httpx.get(f"{srv.url}/metrics").text, "lineside_requests_total", 'outcome="invalid"')
+
+        big = json.dumps({"lora_name": "line-b", "lora_path": "x" * 2000}).encode()
+        paths = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/responses/resp_x/cancel"]
+        before = invalid()
+        for path in paths:
+            r = httpx.post(srv.url + path, content=big, headers={"Content-Type": "application/json"}, timeout=60)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (path, r.text)
+            assert "1024" in r.json()["error"]["message"] and "\n" not in r.text, r.text
+        for path in paths[:2]:  # chunked: no Content-Length to refuse up front, the bytes are counted as they come
+            r = httpx.post(srv.url + path, content=iter([big[:600], big[600:]]),
+                           headers={"Content-Type": "application/json"}, timeout=60)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", (path, r.text)
+        assert invalid() - before == len(paths) + 2
+        assert _load(srv.url, "line-b", qv).status_code == 200  # a body under the limit is read as before
+        assert _unload(srv.url, "line-b").status_code == 200
