@@ -17,7 +17,7 @@ from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generat
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.server import errors, health, lora_api, openai_api, prefill_api, tokenize_api
-from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, GuardedCors
+from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, CorsSettings, GuardedCors
 from lineside.server.head_requests import HeadAsGet
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
@@ -133,10 +133,13 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     # a body refused there (415) is an invalid request, counted as a malformed body's 400 is
     app.add_middleware(BrowserGuard, policy=policy, on_invalid=lambda scope: errors.count_invalid(state, scope),
                        on_forbidden=lambda scope: errors.count_invalid(state, scope, outcome="forbidden"))
+    # the protocol layer's refusals made before the app runs (431) read it too, to carry the same headers
+    app.state.cors = None
     if policy.allowed_origins:
-        app.add_middleware(GuardedCors, allow_origins=sorted(policy.allowed_origins),
+        app.state.cors = cors = CorsSettings(tuple(sorted(policy.allowed_origins)), tuple(_CORS_EXPOSED))
+        app.add_middleware(GuardedCors, allow_origins=list(cors.origins),
                            allow_methods=["GET", "HEAD", "POST", "DELETE"], allow_headers=_CORS_HEADERS,
-                           expose_headers=_CORS_EXPOSED, max_age=600)
+                           expose_headers=list(cors.expose), max_age=600)
     return app
 
 

@@ -159,6 +159,30 @@ class BrowserGuard:
             self.on_forbidden(scope)
 
 
+@dataclass(frozen=True)
+class CorsSettings:
+    """The CORS the app answers with (allowed origins, "*" for any; exposed headers), kept as a value so the HTTP
+    protocol layer, which refuses some requests before the app runs (431), can add the same headers."""
+
+    origins: tuple[str, ...]
+    expose: tuple[str, ...] = ()
+
+    def headers_for(self, origin: str | None) -> list[tuple[bytes, bytes]]:
+        """What Starlette's CORSMiddleware adds to a (non-preflight) answer for this request Origin: nothing
+        without one; the exposed headers and ``Vary: Origin`` for any; the allowed origin echoed (or "*")."""
+        if origin is None:
+            return []
+        headers: list[tuple[bytes, bytes]] = []
+        if "*" in self.origins:
+            headers.append((b"access-control-allow-origin", b"*"))
+        elif origin in self.origins:
+            headers.append((b"access-control-allow-origin", origin.encode("latin-1")))
+        if self.expose:
+            headers.append((b"access-control-expose-headers", ", ".join(self.expose).encode("latin-1")))
+        headers.append((b"vary", b"Origin"))
+        return headers
+
+
 class GuardedCors(CORSMiddleware):
     """Starlette's CORS placed outside the BrowserGuard, so every refusal an allowed origin gets (403, 415, and the
     401/413/503 within) carries its CORS headers (a browser shows a refusal without them as an opaque network

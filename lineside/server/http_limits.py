@@ -25,6 +25,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from lineside.errors import LinesideError
+from lineside.server.browser_guard import CorsSettings
 from lineside.server.errors import APIError
 
 log = logging.getLogger("lineside.server")
@@ -135,11 +136,12 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 429: b"Too Many Reques
             431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
-def _refusal(status: int, message: str, code: str) -> bytes:
+def _refusal(status: int, message: str, code: str, extra: list[tuple[bytes, bytes]] | None = None) -> bytes:
     body = json.dumps(APIError(status, message, code).body()).encode()
     retry = b"retry-after: 1\r\n" if status in (429, 503) else b""
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%sconnection: close\r\n\r\n"
-            % (status, _REASONS[status], len(body), retry)) + body
+    more = b"".join(b"%s: %s\r\n" % pair for pair in extra or [])
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s%sconnection: close\r\n"
+            b"\r\n" % (status, _REASONS[status], len(body), retry, more)) + body
 
 
 def _malformed_hint(error: Exception, reason: str) -> str:
@@ -197,6 +199,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits: HttpLimits = HttpLimits()
     counter: ConnectionCounter = ConnectionCounter(HttpLimits.max_connections_per_client, HttpLimits.max_connections)
     on_refusal: Callable[[str], None] | None = None  # told the outcome of each request refused here (/metrics)
+    cors: CorsSettings | None = None  # the app's CORS, for the refusals written here (None: not configured)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -210,6 +213,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refused: tuple[int, str, str] | None = None
         self._body_deadline = 0.0
         self._in_body = False
+        self._origin: str | None = None  # the request's Origin, once its header is parsed (for CORS on a refusal)
 
     # ---- timers ---------------------------------------------------------------------------------
     def _arm(self, delay: float, why: str) -> None:
@@ -254,7 +258,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             if not self._in_body:  # the app never got this request (past its head, the app counts it itself)
                 self._count_refusal(code)
-            self.transport.write(_refusal(status, message, code))
+            cors = self.cors.headers_for(self._origin) if self.cors is not None else []
+            self.transport.write(_refusal(status, message, code, cors))
             self.transport.close()
 
     def _count_refusal(self, code: str) -> None:
@@ -323,6 +328,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = self._head_count = 0
+        self._origin = None
         self._head_started = True
         if self._timer is None or self._timer_why == "idle":
             self._arm(self.limits.header_timeout, "head")
@@ -332,6 +338,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._origin is None and name.lower() == b"origin":  # read whole, even if it is the header over the limit
+            self._origin = value.decode("latin-1")
         self._count(len(name) + len(value) + 4, 1)
         super().on_header(name, value)
 
@@ -373,10 +381,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.keep_alive_timeout, "idle")
 
 
-def protocol_class(limits: HttpLimits, on_refusal: Callable[[str], None] | None = None
-                   ) -> type[GuardedHttpToolsProtocol]:
+def protocol_class(limits: HttpLimits, on_refusal: Callable[[str], None] | None = None,
+                   cors: CorsSettings | None = None) -> type[GuardedHttpToolsProtocol]:
     """The protocol class uvicorn instantiates per connection, carrying these limits and one server's counts;
-    ``on_refusal`` is told the outcome of each request refused here (the server's lineside_requests_total)."""
+    ``on_refusal`` is told the outcome of each request refused here (the server's lineside_requests_total), and
+    ``cors`` (the app's) gives those refusals the CORS headers the app would."""
     limits.check()
     check_uvicorn()
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -386,7 +395,8 @@ def protocol_class(limits: HttpLimits, on_refusal: Callable[[str], None] | None 
         limits = replace(limits, max_connections=max(soft - 64, 1))
     counter = ConnectionCounter(limits.max_connections_per_client, limits.max_connections)
     return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"limits": limits, "counter": counter, "on_refusal": staticmethod(on_refusal) if on_refusal else None})
+                {"limits": limits, "counter": counter, "on_refusal": staticmethod(on_refusal) if on_refusal else None,
+                 "cors": cors})
 
 
 def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_level: str = "info",
@@ -396,9 +406,11 @@ def uvicorn_config(app: Any, *, host: str, port: int, limits: HttpLimits, log_le
     (``Keep-Alive: timeout=N``, whole seconds rounded down, as Node's server sends it): Node's http.Agent and undici
     then drop an idle socket before the server does, instead of reusing one it is closing (ECONNRESET)."""
     announce = [("keep-alive", f"timeout={int(limits.keep_alive_timeout)}")]
-    metrics = getattr(getattr(getattr(app, "state", None), "lineside", None), "metrics", None)
+    app_state = getattr(app, "state", None)
+    metrics = getattr(getattr(app_state, "lineside", None), "metrics", None)
+    http = protocol_class(limits, metrics.reject if metrics is not None else None, getattr(app_state, "cors", None))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",
-                          http=protocol_class(limits, metrics.reject if metrics is not None else None), ws="none", server_header=False, headers=announce,
+                          http=http, ws="none", server_header=False, headers=announce,
                           timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]
                           timeout_graceful_shutdown=graceful_shutdown,  # type: ignore[arg-type]
                           h11_max_incomplete_event_size=limits.max_header_bytes)

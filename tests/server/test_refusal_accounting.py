@@ -132,3 +132,39 @@ def test_a_connection_over_the_per_client_limit_is_counted(srv):
         for s in held:
             s.close()
     assert _outcome(srv, "too_many_connections") - before == 1
+
+
+def _cors_of(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.startswith("access-control-") or k == "vary"}
+
+
+def _raw_headers(raw: bytes) -> dict[str, str]:
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head)}
+
+
+def test_a_431_carries_the_cors_headers_the_app_would_send(srv):
+    """The protocol layer refuses too many headers before the app runs: an allowed Origin read before the limit
+    still gets the CORS headers the app gives it (else the browser reports a network error, not the 431)."""
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(30))
+    start = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    app_refusal = httpx.post(srv.url + URL, json=BODY, headers={"Origin": ORIGIN}, timeout=30)  # a 401 (no key)
+    assert app_refusal.status_code == 401 and _cors_of(dict(app_refusal.headers)), app_refusal.headers
+    raw = _raw(srv, start + b"Origin: " + ORIGIN.encode() + b"\r\n" + many + b"\r\n")
+    assert raw.startswith(b"HTTP/1.1 431"), raw[:200]
+    assert _cors_of(_raw_headers(raw)) == _cors_of(dict(app_refusal.headers)), raw[:600]
+
+    foreign = httpx.post(srv.url + URL, json=BODY, headers={"Origin": "http://evil.example", **KEY}, timeout=30)
+    raw = _raw(srv, start + b"Origin: http://evil.example\r\n" + many + b"\r\n")
+    assert raw.startswith(b"HTTP/1.1 431") and "access-control-allow-origin" not in _raw_headers(raw), raw[:600]
+    assert _cors_of(_raw_headers(raw)) == _cors_of(dict(foreign.headers)), raw[:600]
+    raw = _raw(srv, start + many + b"Origin: " + ORIGIN.encode() + b"\r\n\r\n")  # never read: the limit came first
+    assert raw.startswith(b"HTTP/1.1 431") and not _cors_of(_raw_headers(raw)), raw[:600]
+
+
+def test_a_431_carries_no_cors_when_none_is_configured(tiny_bundle):
+    with running_server(make_engine(tiny_bundle, num_slots=1), limits=LIMITS) as plain:
+        many = b"".join(b"X-H%d: v\r\n" % i for i in range(30))
+        raw = _raw(plain, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: " + ORIGIN.encode() + b"\r\n" + many
+                   + b"\r\n")
+    assert raw.startswith(b"HTTP/1.1 431") and not _cors_of(_raw_headers(raw)), raw[:600]
