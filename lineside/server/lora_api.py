@@ -77,6 +77,9 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
         adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path, max_rank=rank)
     except LinesideError as e:
         raise APIError(400, str(e), "invalid_lora_adapter", param="lora_path") from None
+    except OSError as e:  # a path the OS refuses to look up (too long, a bad component): the client's path, not a 500
+        raise APIError(400, f"lora_path cannot be read ({e.strerror or e}); give the PEFT adapter directory as the "
+                            "server sees it", "invalid_lora_adapter", param="lora_path") from None
     try:
         engine.add_adapter(adapter)  # refuses a name loaded meanwhile, or still finishing after an unload
     except AdapterInUse as e:
