@@ -8,6 +8,9 @@ The window starts in the prompt's last tokens, as vLLM's detokenizer does: a Sen
 in front of the first token it decodes ("▁Paris" alone is "Paris"), and a completion's first token is not the
 first of the text (the prompt goes on with " Paris"); and a prompt given as token ids may end inside a character
 whose remaining bytes the first generated tokens carry.
+
+``keep``: special tokens whose text stays in the output while the others are skipped (the markers a tool-call
+parser reads, Mistral's ``[TOOL_CALLS]``), as vLLM keeps special tokens for its Mistral parser.
 """
 
 from __future__ import annotations
@@ -24,6 +27,27 @@ class _Decodes(Protocol):
     def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
 
 
+class _KeepingDecoder:
+    """Decodes with special tokens skipped except those in ``keep``, written as their own text: the runs between
+    kept tokens are decoded apart (a kept marker ends a character and a word anyway)."""
+
+    def __init__(self, tok: _Decodes, keep: frozenset[int]):
+        self.tok, self.keep = tok, keep
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        if not skip_special or not self.keep.intersection(ids):
+            return self.tok.decode(ids, skip_special)
+        out, run = [], []
+        for i in ids:
+            if i in self.keep:
+                out += [self.tok.decode(run, True) if run else "", self.tok.decode([i], False)]
+                run = []
+            else:
+                run.append(i)
+        out.append(self.tok.decode(run, True) if run else "")
+        return "".join(out)
+
+
 def _prompt_tail(tok: _Decodes, prompt: list[int], skip_special: bool) -> list[int]:
     """The prompt's last few tokens, from the first byte of a character: a window that starts inside one decodes to
     U+FFFD there (with byte fallback, every byte of the run it starts in does). Empty when no such start is near."""
@@ -38,10 +62,11 @@ def _prompt_tail(tok: _Decodes, prompt: list[int], skip_special: bool) -> list[i
 class IncrementalDetokenizer:
     """Feed token ids one at a time; get back only text that is complete (``prompt_ids``: what they follow)."""
 
-    def __init__(self, tokenizer: _Decodes, skip_special: bool = True, prompt_ids: Sequence[int] = ()):
-        self.tok = tokenizer
+    def __init__(self, tokenizer: _Decodes, skip_special: bool = True, prompt_ids: Sequence[int] = (),
+                 keep: frozenset[int] = frozenset()):
+        self.tok: _Decodes = _KeepingDecoder(tokenizer, keep) if keep and skip_special else tokenizer
         self.skip_special = skip_special
-        self.ids: list[int] = _prompt_tail(tokenizer, [int(i) for i in prompt_ids], skip_special)
+        self.ids: list[int] = _prompt_tail(self.tok, [int(i) for i in prompt_ids], skip_special)
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.ids)  # ids up to here have been emitted (or are the prompt's)
 

@@ -78,6 +78,8 @@ class GenerationRequest:
     session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
     keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
     adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
+    # special tokens the text keeps (a tool parser's markers, Mistral's [TOOL_CALLS]); all others are skipped
+    keep_special_ids: frozenset[int] = frozenset()
 
 
 def base_rank(req: GenerationRequest) -> int:

@@ -247,11 +247,14 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         # what the request leaves out: the model's recommendation (serve --generation-config)
         sampling = SamplingParams(**state.sampling_defaults.filled(temperature=body.temperature, top_p=body.top_p),
                                   seed=request_mapping.sampler_seed(body.seed))  # as chat's
+        call_format = (tool_calls.call_format(functions.choice, render.effective, state.tool_call_parser)
+                       if functions.calling else None)
         engine_request = GenerationRequest(
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
-            adapter=adapter, logprobs=top_n, speculative=body.speculative is not False)
+            adapter=adapter, logprobs=top_n, speculative=body.speculative is not False,
+            keep_special_ids=tool_calls.kept_special_ids(call_format, state.engine.tokenizer))
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)
             slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,
@@ -285,8 +288,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     options = OutputOptions(chat=True, reasoning=thinking, tools=tuple(functions.tools), named=functions.choice.name,
                             top_logprobs=top_n, formatter=formatter,
                             max_calls=functions.max_calls,
-                            call_format=tool_calls.call_format(functions.choice, render.effective,
-                                                               state.tool_call_parser) if functions.calling else None)
+                            call_format=call_format)
     choice = Choice(0, handle, record, options=options)
     builder = responses_api.ResponseBuilder(body, model, request_id, store=state.responses,
                                             conversation=responses_api.conversation(turn, previous), reasoning=thinking,
@@ -404,7 +406,9 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 session=session if len(prompts) * n == 1 else None,  # one choice can extend a session
                 adapter=adapter, bias=bias, defaults=state.sampling_defaults,
                 constraint_after=None if output is None or output.reasoning is None
-                else output.reasoning.constraint_after)))
+                else output.reasoning.constraint_after,
+                keep_special_ids=tool_calls.kept_special_ids(None if output is None else output.call_format,
+                                                             state.engine.tokenizer))))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
         # model only: an adapter's request stays on the primary, gated and marked as the level says, and so does
         # one keeping its session's KV: sessions live in the primary, where /v1/prefill sees them) and may answer

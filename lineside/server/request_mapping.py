@@ -321,10 +321,12 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                    logprobs: int | None = None, session: str | None = None,
                    adapter: str | None = None, bias: tuple[tuple[int, float], ...] = (),
                    defaults: SamplingDefaults = SamplingDefaults(),
-                   constraint_after: int | None = None) -> GenerationRequest:
+                   constraint_after: int | None = None,
+                   keep_special_ids: frozenset[int] = frozenset()) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``; ``constraint_after``:
-    the token the constraint starts after (a reasoning model's ``</think>``)."""
+    the token the constraint starts after (a reasoning model's ``</think>``); ``keep_special_ids``: the special
+    tokens the text keeps (the tool parser's markers)."""
     sampling = sampling_params(req, bias, defaults)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
@@ -334,7 +336,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
                              adapter=adapter, ignore_eos=bool(req.ignore_eos),
-                             stop_token_ids=list(req.stop_token_ids or []))
+                             stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

@@ -267,6 +267,17 @@ def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "au
     return CallFormat.JSON  # Llama 3.x: {"name": ..., "parameters": ...}
 
 
+def kept_special_ids(fmt: CallFormat | None, tokenizer: Any) -> frozenset[int]:
+    """The ids of the markers ``fmt``'s parser reads that are special tokens of ``tokenizer`` (Mistral's
+    ``[TOOL_CALLS]``, ``[ARGS]``, ``[CALL_ID]`` in v3+ tokenizers): the detokenizer keeps their text, else v11+
+    calls came out as ``get_weather{...}`` and were no calls (vLLM keeps special tokens for its Mistral parser).
+    Other special tokens stay out of the text."""
+    if fmt != CallFormat.MISTRAL:
+        return frozenset()
+    ids = (tokenizer.token_id(t) for t in (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID))
+    return frozenset(i for i in ids if i is not None and tokenizer.is_special(i))
+
+
 def template_knows_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 

@@ -140,7 +140,8 @@ class ScriptedModel(FakeBackend):
         return x
 
 
-def _bundle(tiny_dense, tmp_path, template: str):
+def _bundle(tiny_dense, tmp_path, template: str, specials: tuple[str, ...] = ()):
+    """A tiny bundle rendering with ``template``; ``specials``: more special tokens (Mistral's control tokens)."""
     from tokenizers import AddedToken, Tokenizer
 
     from lineside.build.pipeline import BuildOptions, build_bundle
@@ -152,7 +153,7 @@ def _bundle(tiny_dense, tmp_path, template: str):
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     tok.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
-                            "<|eot_id|>"])
+                            "<|eot_id|>", *specials])
     assert tok.get_vocab_size() <= 300  # the checkpoint's vocabulary
     tok.save(str(ckpt / "tokenizer.json"))
     (ckpt / "tokenizer_config.json").write_text(json.dumps(

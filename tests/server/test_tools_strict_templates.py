@@ -232,6 +232,80 @@ def test_mistral_tool_calls_are_parsed(mistral, script, content, calls):
     assert [(got[i]["name"], json.loads(got[i]["arguments"])) for i in sorted(got)] == calls
 
 
+# Mistral's control tokens, special in its v3+ tokenizers (tokenizer.json "special": true)
+MISTRAL_SPECIALS = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+
+
+@pytest.fixture(scope="module")
+def mistral_special(tiny_dense, tmp_path_factory):
+    """A Mistral bundle whose [TOOL_CALLS], [ARGS], [CALL_ID] (and [INST], ...) are special tokens, as in the real
+    tokenizers; a script's markers are emitted as those tokens."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    b = open_bundle(_bundle(tiny_dense, tmp_path_factory.mktemp("mistral-special"), MISTRAL_TEMPLATE,
+                            specials=MISTRAL_SPECIALS))
+    scripts = {**MISTRAL_SCRIPTS,
+               "[v13]": '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo", "unit": "F"}',
+               "[other]": "Done[INST].<|im_end|>"}
+    tok = Tokenizer.from_bundle(b)
+    for marker in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[INST]"):
+        assert tok.is_special(tok.token_id(marker)) and tok.encode(marker, add_special=False) == [tok.token_id(marker)]
+    be = ScriptedModel(tok, scripts, "[/INST]", num_slots=2, max_seq_len=CONTEXT)
+    with running_server(LLMEngine(b, backend=be, num_slots=2)) as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        srv.backend = be
+        yield srv
+
+
+def _streamed(srv, msgs: list[dict], **kw) -> tuple[str, list[tuple[str, dict]], str | None]:
+    got, text, finish = {}, "", None
+    for chunk in srv.client.chat.completions.create(model="scripted", messages=msgs, max_tokens=200, stream=True,
+                                                    **kw):
+        d = chunk.choices[0].delta
+        text += d.content or ""
+        for t in d.tool_calls or []:
+            e = got.setdefault(t.index, {"name": t.function.name, "arguments": ""})
+            e["arguments"] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return text, [(got[i]["name"], json.loads(got[i]["arguments"])) for i in sorted(got)], finish
+
+
+@pytest.mark.parametrize("script, content, calls", [
+    ("[v3]", "Checking.", [("get_weather", {"city": "Lyon", "unit": "C"}), ("stop_line", {"line": 4})]),
+    ("[v11]", None, [("get_weather", {"city": "Oslo", "unit": "F"}), ("stop_line", {"line": 2})]),
+    ("[v13]", None, [("get_weather", {"city": "Oslo", "unit": "F"})]),
+])
+def test_mistral_calls_whose_markers_are_special_tokens(mistral_special, script, content, calls):
+    """With a real Mistral tokenizer [TOOL_CALLS], [ARGS], [CALL_ID] are special tokens, and the detokenizer
+    skipped them: a v11+ call came out as the text 'get_weather{...}stop_line{...}' with finish_reason stop. The
+    markers the Mistral parser reads are kept (as vLLM keeps special tokens for it), streamed and not."""
+    msgs = [{"role": "user", "content": f"{script} Weather, then stop a line"}]
+    r = mistral_special.client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS, max_tokens=200)
+    m = r.choices[0]
+    assert (m.message.content, _calls(m.message), m.finish_reason) == (content, calls, "tool_calls")
+    assert _streamed(mistral_special, msgs, tools=TOOLS) == (content or "", calls, "tool_calls")
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    out = mistral_special.client.responses.create(model="scripted", input=msgs[0]["content"], tools=flat,
+                                                  max_output_tokens=200).output
+    assert [(o.name, json.loads(o.arguments)) for o in out if o.type == "function_call"] == calls
+
+
+def test_only_the_parsers_markers_are_kept(mistral_special):
+    """Other special tokens ([INST], <|im_end|>) stay out of the content with tools, and without tools the markers
+    are skipped too (no parser reads them)."""
+    msgs = [{"role": "user", "content": "[other] Hi"}]
+    for kw in ({"tools": TOOLS}, {}):
+        r = mistral_special.client.chat.completions.create(model="scripted", messages=msgs, max_tokens=50, **kw)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Done.", "stop")
+        assert _streamed(mistral_special, msgs, **kw) == ("Done.", [], "stop")
+    r = mistral_special.client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "[v11] Go"}], max_tokens=200)
+    assert r.choices[0].message.content == 'get_weather{"city": "Oslo", "unit": "F"}stop_line{"line": 2}'
+
+
 def _reference(template: str, messages: list[dict]) -> str:
     """transformers' rendering of ``messages`` with ``template`` (bos "<s>"), the reference the server must match."""
     from transformers.utils.chat_template_utils import render_jinja_template
