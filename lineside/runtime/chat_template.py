@@ -177,6 +177,45 @@ def alternates(text: str) -> bool:
     return renders(turns) and not renders([turns[0], turns[2]])
 
 
+_PROBE_CALL = {"id": "probe0001", "type": "function", "function": {"name": "probe", "arguments": {}}}
+# a call and its result (ids of 9 characters: Mistral's templates raise on others)
+_CALLED = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+           {"role": "tool", "tool_call_id": "probe0001", "content": "R"}]
+
+
+def _rendered(text: str, messages: list[dict[str, Any]], *, generation: bool = True) -> str | None:
+    """``messages`` rendered with the template ``text``; None when it raises (it refuses the conversation)."""
+    try:
+        return compile_template(text, "chat template").render(messages=messages, tools=None,
+                                                              add_generation_prompt=generation, bos_token="",
+                                                              eos_token="")
+    except Exception:  # noqa: BLE001 - whatever the template raises, it refuses this conversation
+        return None
+
+
+@functools.lru_cache(maxsize=32)
+def system_only_with_last_user(text: str) -> bool:
+    """Whether the template writes the system message only when the conversation ends with a user turn
+    (Mistral-7B-Instruct-v0.3's writes it into the last user turn): after a tool result, or with the assistant's
+    turn to continue, it drops the client's system text without a word."""
+    system = {"role": "system", "content": "SYSTEM-PROBE"}
+    shown = _rendered(text, [system, *_PROBE, {"role": "assistant", "content": "B"}, {"role": "user", "content": "C"}])
+    if shown is None or "SYSTEM-PROBE" not in shown:
+        return False
+    ends = (_rendered(text, [system, *_PROBE, {"role": "assistant", "content": "B"}], generation=False),
+            _rendered(text, [system, *_CALLED]))
+    return any(out is not None and "SYSTEM-PROBE" not in out for out in ends)
+
+
+@functools.lru_cache(maxsize=32)
+def refuses_user_after_tool(text: str) -> bool:
+    """Whether the template takes a tool result, an assistant answer, then a user turn, but refuses the user turn
+    right after the tool result (Mistral-7B-Instruct-v0.3's role-alternation check skips tool messages)."""
+    user = {"role": "user", "content": "C"}
+    return (_rendered(text, [*_CALLED, {"role": "assistant", "content": "B"}, user]) is not None
+            and _rendered(text, [*_CALLED, user]) is None)
+
+
 def check_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
     """A request's extra template variables: a JSON object of names the server does not set itself."""
     if not isinstance(kwargs, dict):

@@ -225,7 +225,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         top_n = responses_api.top_logprobs(body, calling=functions.calling)
         render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice))
-        messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice)
+        messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice,
+                                                        param="input")
         text_constraint = responses_api.text_constraint(body)
         call_constraint = tool_calls.tool_constraint(functions.tools, functions.choice,
                                                      parallel=functions.max_calls is None, flat=True)

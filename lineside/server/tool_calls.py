@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from lineside.runtime.chat_template import alternates, shows_system
+from lineside.runtime.chat_template import (
+    alternates,
+    refuses_user_after_tool,
+    shows_system,
+    system_only_with_last_user,
+)
 from lineside.runtime.stop import partial_suffix
 from lineside.runtime.structured import Constraint, ConstraintError, check_enforceable
 from lineside.server.errors import APIError
@@ -289,9 +294,11 @@ def offered(tools: Sequence[Tool], choice: ToolChoice) -> list[dict[str, Any]] |
 
 
 def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], chat_template: str | None,
-                      choice: ToolChoice) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+                      choice: ToolChoice, param: str = "messages") -> tuple[list[dict[str, Any]],
+                                                                            list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. Assistant ``tool_calls`` get their arguments as objects (what
-    HF templates expect); a template without tool support gets tools, calls and results written as text."""
+    HF templates expect); a template without tool support gets tools, calls and results written as text.
+    ``param``: the request field holding the messages, named by a 400."""
     listed = offered(tools, choice)
     if template_knows_tools(chat_template):
         short = bool(_NINE_CHAR_IDS.search(chat_template or ""))
@@ -305,7 +312,8 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
             if short and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
                 m["tool_call_id"] = _nine_chars(m["tool_call_id"])
             out.append(m)
-        return _alternating(out, chat_template), listed
+        _check_user_after_tool(out, chat_template, param)
+        return _system_kept(_alternating(out, chat_template), chat_template, param), listed
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         m = dict(m)
@@ -322,7 +330,39 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
         out.append(m)
     if listed:
         out = _with_tools_text(out, tools_system_prompt(tools), chat_template)
-    return _alternating(out, chat_template), None
+    return _system_kept(_alternating(out, chat_template), chat_template, param), None
+
+
+def _check_user_after_tool(messages: list[dict[str, Any]], chat_template: str | None, param: str) -> None:
+    """A 400 saying what to send for a user message right after a tool result where the template refuses it
+    (Mistral-7B-Instruct-v0.3's: "conversation roles must alternate", though the client's roles do); the result
+    is its own [TOOL_RESULTS] block there, so unlike user → user there is no turn to join the text to."""
+    if not chat_template:
+        return
+    at = next((i for i in range(1, len(messages))
+               if messages[i].get("role") == "user" and messages[i - 1].get("role") == "tool"), None)
+    if at is None or not refuses_user_after_tool(chat_template):
+        return
+    where = f"{param}[{at}]" if param == "messages" else param
+    raise _bad(f"{where}: this model's chat template takes no user message right after a tool result; send the "
+               "assistant's answer to the tool result (an assistant message) before it, or send the tool result "
+               "and let the model answer first", param)
+
+
+def _system_kept(messages: list[dict[str, Any]], chat_template: str | None, param: str) -> list[dict[str, Any]]:
+    """The system text in the last user turn (as mistral_common places it) for a template that writes it only when
+    the conversation ends with a user turn (Mistral-7B-Instruct-v0.3's), when it ends otherwise (a tool result,
+    an assistant turn to continue): the template dropped it without a word."""
+    if (not chat_template or len(messages) < 2 or messages[0].get("role") != "system"
+            or messages[-1].get("role") == "user" or not system_only_with_last_user(chat_template)):
+        return messages
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise _bad(f"{param}: this model's chat template writes the system message into a user turn, and there is "
+                   "none; add a user message", param)
+    user = messages[last]
+    text = "\n\n".join(t for t in (messages[0].get("content") or "", user.get("content") or "") if t)
+    return [*messages[1:last], {**user, "content": text}, *messages[last + 1:]]
 
 
 def _alternating(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:

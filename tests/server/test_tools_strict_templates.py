@@ -306,13 +306,80 @@ def test_only_the_parsers_markers_are_kept(mistral_special):
     assert r.choices[0].message.content == 'get_weather{"city": "Oslo", "unit": "F"}stop_line{"line": 2}'
 
 
-def _reference(template: str, messages: list[dict]) -> str:
+def _reference(template: str, messages: list[dict], tools: list[dict] | None = None) -> str:
     """transformers' rendering of ``messages`` with ``template`` (bos "<s>"), the reference the server must match."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, add_generation_prompt=True,
-                                        bos_token="<s>", eos_token="</s>")
+                                        bos_token="<s>", eos_token="</s>", tools=tools)
     return rendered[0]
+
+
+_CALL = {"id": "call_0123456789abcdef01234567", "type": "function",
+         "function": {"name": "stop_line", "arguments": '{"line": 4}'}}
+_CALLED = [{"role": "user", "content": "[text] Stop line 4"}, {"role": "assistant", "content": None,
+                                                                "tool_calls": [_CALL]},
+           {"role": "tool", "tool_call_id": _CALL["id"], "content": "stopped"}]
+
+
+def _prompt(srv, messages: list[dict], **kw) -> str:
+    """The prompt a chat request renders, as /tokenize encodes it (the backend sees it only at a generation prompt:
+    Mistral's template writes none after a tool result)."""
+    import httpx
+
+    r = httpx.post(srv.url + "/tokenize", json={"model": "scripted", "messages": messages,
+                                                "add_special_tokens": False, **kw}, timeout=60)
+    assert r.status_code == 200, r.text
+    return srv.backend.tok.decode(r.json()["tokens"], skip_special=False)
+
+
+def test_the_system_text_reaches_the_model_after_a_tool_result_on_mistrals_template(mistral):
+    """Mistral-7B-Instruct-v0.3's template writes the system message only into a last user turn: after a tool result
+    transformers' rendering has no trace of it, so the client's instructions were dropped without a word. It goes
+    into the last user turn (where mistral_common puts it), and the prompt is transformers' rendering of that."""
+    from lineside.server.tool_calls import parse_tool_choice, parse_tools, template_messages
+
+    history = [{"role": "system", "content": "Answer in French."}, *_CALLED]
+    tools = parse_tools(TOOLS)
+    sent, listed = template_messages(history, tools, MISTRAL_TEMPLATE, parse_tool_choice(None, tools))
+    as_sent = template_messages(history[1:], tools, MISTRAL_TEMPLATE, parse_tool_choice(None, tools))[0]
+    assert "Answer in French." not in _reference(MISTRAL_TEMPLATE, [history[0], *as_sent], listed)  # dropped
+    r = mistral.client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=50)
+    assert r.choices[0].finish_reason == "stop"
+    prompt = _prompt(mistral, history, tools=TOOLS)  # what the chat request renders (its prompt_tokens)
+    assert len(mistral.backend.tok.encode(prompt, add_special=False)) == r.usage.prompt_tokens
+    assert "[INST] Answer in French.\n\n[text] Stop line 4[/INST]" in prompt, prompt
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert prompt == _reference(MISTRAL_TEMPLATE, sent, listed)
+    r = mistral.client.chat.completions.create(  # a user turn last: the template's own placement, unchanged
+        model="scripted", messages=[history[0], {"role": "user", "content": "[text] Hi"}], max_tokens=50)
+    assert mistral.backend.prompts[-1] == _reference(MISTRAL_TEMPLATE, [history[0],
+                                                                        {"role": "user", "content": "[text] Hi"}])
+
+
+def test_a_system_message_with_no_user_turn_on_mistrals_template_is_one_400(mistral):
+    with pytest.raises(openai.BadRequestError) as e:
+        mistral.client.chat.completions.create(model="scripted", max_tokens=5, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Hello"}])
+    msg = e.value.body["message"]
+    assert "system message" in msg and "add a user message" in msg and "\n" not in msg, msg
+
+
+def test_a_user_message_right_after_a_tool_result_on_mistrals_template_is_one_400(mistral):
+    """Mistral-7B-Instruct-v0.3's alternation check skips tool messages, so tool → user raised "conversation roles
+    must alternate" though the client's roles do: a 400 naming the message and what to send instead."""
+    history = [*_CALLED, {"role": "user", "content": "[text] And line 5?"}]
+    with pytest.raises(Exception, match="roles must alternate"):
+        _reference(MISTRAL_TEMPLATE, [*_CALLED[:1], {**_CALLED[1], "tool_calls": [
+            {**_CALL, "id": "abcdefghi"}]}, {**_CALLED[2], "tool_call_id": "abcdefghi"}, history[-1]])
+    with pytest.raises(openai.BadRequestError) as e:
+        mistral.client.chat.completions.create(model="scripted", messages=history, tools=TOOLS, max_tokens=50)
+    body = e.value.body
+    assert body["param"] == "messages" and "\n" not in body["message"], body
+    assert body["message"].startswith("messages[3]: ") and "send the assistant's answer" in body["message"], body
+    answered = [*_CALLED, {"role": "assistant", "content": "Line 4 is stopped."}, history[-1]]
+    r = mistral.client.chat.completions.create(model="scripted", messages=answered, tools=TOOLS, max_tokens=50)
+    assert r.choices[0].message.content == "Done."
 
 
 def test_a_user_turn_after_a_tool_result_with_a_template_that_wants_alternating_roles(gemma):
