@@ -38,6 +38,12 @@ if [ -f "$STAMP" ] && .venv/bin/python -c "import lineside" 2>/dev/null; then
 fi
 rm -f .venv/.lineside-setup-*
 if [ "${1:-}" = "--dev" ]; then
+  # The dev extra's llama-cpp-python (the fleet tests' foreign server) compiles llama.cpp with -march=native; on an
+  # x86 CPU with AMX (Sapphire Rapids and newer) its AMX matmul segfaults on every prompt of two or more tokens
+  # (0.3.36, seen 2026-12-06), so it is built without AMX there, unless CMAKE_ARGS is set already.
+  if [ -z "${CMAKE_ARGS:-}" ] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    export CMAKE_ARGS="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+  fi
   # torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
   pip_install -e '.[dev]' 'torch==2.13.0'
 else
