@@ -155,6 +155,10 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     tmp: Path | None = None
     lock: int | None = None  # held while <out>.partial is this build's
     try:
+        from lineside.build.checkpoint.gguf_file import GGUFCheckpoint
+
+        if isinstance(ckpt, GGUFCheckpoint):
+            ckpt.check_model_metadata()
         cfg = ModelConfig.from_hf_dict(ckpt.hf_config, name=_model_name(checkpoint, ckpt.hf_config))
         held = len(ckpt.names())
         if cfg.num_layers > held:  # each layer is tensors of its own: listing a config of 2**31 layers ran for minutes

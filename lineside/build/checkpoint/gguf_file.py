@@ -116,6 +116,16 @@ class GGUFCheckpoint:
         tokens = self.meta("tokenizer.ggml.tokens") or []
         return eog_ids(self, tokens, special_id(self, "eos_token_id", tokens))
 
+    def check_model_metadata(self) -> None:
+        """What llama.cpp refuses to load a llama/qwen2 GGUF without, beyond the sizes _synth_config requires: the
+        RMSNorm epsilon (the config's 1e-6 stand-in moved a 1e-5 model's logits 0.9%) and the trained context
+        (4096 stood in for it, so a bundle could claim more context than the model has). A build needs both; opening
+        the file for its tokenizer or sizes does not."""
+        for key in ("attention.layer_norm_rms_epsilon", "context_length"):
+            if self._a(key) is None:
+                raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.{key} is missing (llama.cpp refuses "
+                                      "such a file too); re-convert the model")
+
     def _req(self, key: str) -> int:
         """A size the config is made of: an integer (a string or a per-layer array reached arithmetic as it was:
         tracebacks, not a line). Zero passes (a vocabulary-only GGUF has no blocks); the model config refuses it

@@ -402,3 +402,29 @@ def test_a_tensor_disagreeing_with_the_gguf_metadata_names_the_metadata(tmp_path
     msg = str(e.value)
     assert "'model.embed_tokens.weight'" in msg and "GGUF metadata" in msg and "config.json" not in msg, msg
     assert "\n" not in msg and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(("writer_method", "key"), [
+    ("add_layer_norm_rms_eps", "llama.attention.layer_norm_rms_epsilon"),
+    ("add_context_length", "llama.context_length"),
+])
+def test_a_build_refuses_a_gguf_without_what_llamacpp_requires(tmp_path, tiny_llama, monkeypatch, writer_method, key):
+    """llama.cpp refuses a llama/qwen2 GGUF without its RMSNorm epsilon or trained context. The build stood 1e-6 in
+    for the epsilon (a 1e-5 model's logits 0.9% off, silently) and 4096 for the context; now one line naming the
+    key, before any work. Opening the file (tokenizer, sizes) still works."""
+    import gguf
+
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    path, state = tiny_llama
+    cfg = {**_hf_cfg(path), "rms_norm_eps": 1e-5}  # Llama-2's; the stand-in was 1e-6
+    out = tmp_path / "m.gguf"
+    monkeypatch.setattr(gguf.GGUFWriter, writer_method, lambda self, *a, **k: None)
+    write_model_gguf(out, "llama", cfg, state)
+    monkeypatch.undo()
+    assert open_checkpoint(out).meta(key) is None
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and key in msg and "missing" in msg, msg
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
