@@ -109,3 +109,45 @@ def test_partial_rotary_factor_is_refused_in_one_line(dense_checkpoint, tmp_path
     (cfg if where == "top" else rp)["partial_rotary_factor"] = 1.0
     (d / "config.json").write_text(json.dumps(cfg))
     assert ModelConfig.from_hf_dict(cfg).rotary_dim is None
+
+
+def _unsupported_rope_types() -> list[str]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lineside.build.models.rope import SUPPORTED
+
+    return sorted(set(ROPE_INIT_FUNCTIONS) - set(SUPPORTED))
+
+
+def test_supported_rope_types_are_ones_transformers_computes():
+    """Every type the build accepts has a transformers reference (the parity tests above check linear, llama3, yarn)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lineside.build.models.rope import SUPPORTED
+
+    assert set(SUPPORTED) - {"default"} <= set(ROPE_INIT_FUNCTIONS)
+    assert {"dynamic", "longrope"} <= set(_unsupported_rope_types())
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("kind", _unsupported_rope_types())
+def test_every_other_transformers_rope_type_is_refused_by_name(dense_checkpoint, tmp_path, kind, spelling):
+    """dynamic (NTK rescaled by the running length), longrope (short/long factors switched by length) and whatever
+    else transformers computes for Llama/Qwen2 beyond the static tables: one line naming the type, before any work."""
+    ckpt = dense_checkpoint("rope-refused", "llama", **{**BASE, "num_hidden_layers": 1})
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    fields = {"factor": 2.0, "original_max_position_embeddings": 32, "short_factor": [1.0] * 8,
+              "long_factor": [2.0] * 8}
+    if spelling == "rope_scaling":
+        cfg.update(rope_theta=10000.0, rope_scaling={"type": kind, **fields})
+    else:
+        cfg["rope_parameters"] = {"rope_type": kind, "rope_theta": 10000.0, **fields}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu", "trt"), max_seq_len=32))
+    msg = str(e.value)
+    assert "\n" not in msg and repr(kind) in msg and "not supported" in msg, msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
