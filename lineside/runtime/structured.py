@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -364,10 +364,9 @@ def _check_repetitions(text: str, param: str, grammar: bool = False) -> None:
                               "optional part {0,n} costs nothing) or a character class with *", param)
 
 
-def _patterns(schema: Any) -> list[str]:
-    """Every regex in ``schema``: ``pattern`` values and ``patternProperties`` names (walked without recursion;
-    a value under a data keyword such as ``const`` is not one)."""
-    found: list[str] = []
+def _schema_entries(schema: Any) -> Iterator[tuple[str, Any]]:
+    """Every (keyword, value) of ``schema`` and its subschemas, walked without recursion (schemas nest deep); a data
+    keyword's value (``enum``, ``const``, ...) is yielded but not walked into."""
     todo = [schema]
     while todo:
         v = todo.pop()
@@ -375,32 +374,25 @@ def _patterns(schema: Any) -> list[str]:
             todo.extend(v)
         elif isinstance(v, dict):
             for k, s in v.items():
-                if k == "pattern" and isinstance(s, str):
-                    found.append(s)
-                elif k == "patternProperties" and isinstance(s, dict):
-                    found.extend(str(name) for name in s)
-                    todo.extend(s.values())
-                elif k not in _DATA_KEYS:
+                yield k, s
+                if k not in _DATA_KEYS:
                     todo.append(s)
+
+
+def _patterns(schema: Any) -> list[str]:
+    """Every regex in ``schema``: ``pattern`` values and ``patternProperties`` names."""
+    found: list[str] = []
+    for k, s in _schema_entries(schema):
+        if k == "pattern" and isinstance(s, str):
+            found.append(s)
+        elif k == "patternProperties" and isinstance(s, dict):
+            found.extend(str(name) for name in s)
     return found
 
 
 def _largest_enum(schema: Any) -> int:
-    """The length of the longest ``enum`` list anywhere in ``schema`` (walked without recursion: schemas nest
-    deep); a value under a data keyword such as ``const`` is not searched."""
-    most = 0
-    todo = [schema]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            for k, s in v.items():
-                if k == "enum" and isinstance(s, list):
-                    most = max(most, len(s))
-                elif k not in _DATA_KEYS:
-                    todo.append(s)
-    return most
+    """The length of the longest ``enum`` list anywhere in ``schema``."""
+    return max((len(s) for k, s in _schema_entries(schema) if k == "enum" and isinstance(s, list)), default=0)
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
