@@ -1,6 +1,6 @@
 """What a response makes of each choice's events besides plain text: a reasoning model's thinking apart from its
 answer (``reasoning``), tool calls parsed out of the answer (``tool_calls``), logprobs in OpenAI's shape, and the
-finish reason ``tool_calls``.
+finish reason ``tool_calls`` (``stop`` for a call a named tool_choice forced, as OpenAI's).
 
 ``OutputOptions`` is decided once per request from its fields; each choice gets a ``ChoiceOutput`` that
 turns its events into stream chunks, or at the end into the message, the same way.
@@ -122,7 +122,8 @@ class ChoiceOutput:
         return self._logprobs_json(self.logprobs, whole=True)
 
     def finish_reason(self, reason: FinishReason | str) -> str:
-        """``tool_calls`` when the answer ended with calls (as OpenAI reports it), else the engine's reason."""
-        if self.calls is not None and self.calls.calls and reason == FinishReason.STOP:
+        """``tool_calls`` when the answer ended with calls (as OpenAI reports it), else the engine's reason. A call
+        forced by a named tool_choice ends with ``stop``, as OpenAI (and vLLM, to match it) ends it."""
+        if self.calls is not None and self.calls.calls and reason == FinishReason.STOP and self.options.named is None:
             return "tool_calls"
         return str(reason)

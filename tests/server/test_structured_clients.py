@@ -138,7 +138,7 @@ def test_required_and_named_tool_calls_parse(smol, choice, stream):
         r = smol.client.chat.completions.create(**kw)
         finish = r.choices[0].finish_reason
         got = [(t.function.name, t.function.arguments, t.id) for t in r.choices[0].message.tool_calls]
-    assert finish == "tool_calls" and got
+    assert finish == ("stop" if isinstance(choice, dict) else "tool_calls") and got  # OpenAI's, for a named call
     for name, args, cid in got:
         assert cid and name in names
         a = json.loads(args)

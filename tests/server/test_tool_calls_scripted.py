@@ -99,6 +99,7 @@ SCRIPTS = {
         "[cut]": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ly',
         "[unknown]": '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',
         "[after-result]": "Line 4 is stopped.",
+        "[args]": '{"city": "Lyon", "unit": "C"}',  # what a named tool_choice's grammar lets through
     },
     "llama": {
         "[one]": '{"name": "get_weather", "parameters": {"city": "Lyon", "unit": "C"}}',
@@ -108,6 +109,7 @@ SCRIPTS = {
         "[cut]": '{"name": "get_weather", "parameters": {"city": "Ly',
         "[unknown]": '{"answer": 42}',
         "[after-result]": "Line 4 is stopped.",
+        "[args]": '{"city": "Lyon", "unit": "C"}',
     },
 }
 
@@ -243,6 +245,23 @@ def test_no_parallel_calls_keeps_the_first(model):
     r = _ask(model, "[two]", parallel_tool_calls=False)
     got = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
     assert got == [("stop_line", {"line": 4})] and r.choices[0].finish_reason == "tool_calls"
+
+
+def test_finish_reason_of_a_forced_call_is_openais(model):
+    """A call forced by a named tool_choice ends with finish_reason "stop", streamed or not, as OpenAI ends it (and
+    vLLM, which changed to match it in its PR 25054); "required" and auto calls end with "tool_calls". The named
+    call answered "tool_calls"."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, want in ((named, "stop"), ("required", "tool_calls")):
+        ch = _ask(model, "[args]" if choice is named else "[one]", tool_choice=choice,
+                  parallel_tool_calls=False).choices[0]
+        assert [c.function.name for c in ch.message.tool_calls] == ["get_weather"]
+        assert ch.finish_reason == want
+    ch = _ask(model, "[args]", tool_choice=named).choices[0]
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Lyon", "unit": "C"}
+    finishes = [c.choices[0].finish_reason for c in _ask(model, "[args]", stream=True, tool_choice=named)
+                if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
 
 
 def test_plain_answer_stays_content(model):
