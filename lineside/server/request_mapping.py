@@ -100,6 +100,16 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if req.function_call not in (None, "none", "auto"):
         raise bad("'function_call' is OpenAI's deprecated form; send 'tool_choice' instead", "function_call",
                   "unsupported_value")
+    for modality in req.modalities or ():
+        if modality != "text":
+            raise bad(f"modalities: {modality!r} output is not supported (this server writes text only); send "
+                      "[\"text\"] or leave modalities out", "modalities", "unsupported_value")
+    if req.audio is not None:
+        raise bad("audio output is not supported (this server writes text only); leave 'audio' out", "audio",
+                  "unsupported_value")
+    if req.web_search_options is not None:
+        raise bad("web_search_options: this server has no web search; leave it out", "web_search_options",
+                  "unsupported_value")
 
 
 def check_completion(req: CompletionRequest) -> None:

@@ -121,6 +121,11 @@ class ChatCompletionRequest(_Sampling):
                                                                           "template, e.g. {\"enable_thinking\": false}")
     include_reasoning: bool | None = Field(None, description="vLLM's: false leaves a reasoning model's thinking out "
                                                              "of the response (serve --reasoning-parser)")
+    # OpenAI's output modalities and hosted web search: only text is served, so asking for more is refused
+    # (request_mapping.check_chat) rather than dropped with the unknown fields
+    modalities: list[str] | None = Field(None, description="[\"text\"] only: this server writes no audio")
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

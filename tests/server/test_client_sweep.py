@@ -100,6 +100,16 @@ FIELDS = [
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {"stream": False, "stream_options": {"include_usage": False}}, 400, "stream_options"),
     ("chat", {"stream": False, "stream_options": None}, 200, None),
+    # OpenAI's output modalities and hosted search: text only is served; asking for audio or a web search was
+    # silently answered with plain text
+    ("chat", {"modalities": ["text"], "audio": None, "web_search_options": None}, 200, None),
+    ("chat", {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, 400, "modalities"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("chat", {"modalities": ["image"]}, 400, "modalities"),
+    ("chat", {"web_search_options": {}}, 400, "web_search_options"),
+    # metadata, store, service_tier, user, prediction change nothing in the answer: accepted (as vLLM)
+    ("chat", {"metadata": {"k": "v"}, "store": False, "service_tier": "auto", "user": "u",
+              "prediction": {"type": "content", "content": "hi"}}, 200, None),
 ]
 
 
