@@ -19,7 +19,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions
 
 def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
     """How many alternatives a chat request wants per token (None: no logprobs); 400 naming the field."""
-    if logprobs not in (None, True, False):
+    if logprobs is not None and not isinstance(logprobs, bool):  # 1 == True: a test by value let integers in
         raise APIError(400, "logprobs: must be true or false (top_logprobs says how many alternatives)",
                        "invalid_value", param="logprobs")
     if top_logprobs is not None:

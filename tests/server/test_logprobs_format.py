@@ -32,7 +32,8 @@ def test_completion_block():
 
 
 @pytest.mark.parametrize("lp, top, param", [(True, 21, "top_logprobs"), (True, -1, "top_logprobs"),
-                                            (False, 3, "top_logprobs"), ("yes", None, "logprobs")])  # 0 without logprobs is fine
+                                            (False, 3, "top_logprobs"), ("yes", None, "logprobs"),
+                                            (1, None, "logprobs"), (0, 2, "logprobs")])  # a boolean, as OpenAI's  # 0 without logprobs is fine
 def test_bad_chat_logprobs(lp, top, param):
     with pytest.raises(APIError) as e:
         chat_top_n(lp, top)
