@@ -1,7 +1,10 @@
 """Stop strings matched on the decoded text, across token boundaries.
 
 Text that could still be the start of a stop string is held back until the next token decides
-it; once a stop string appears, everything from it on is dropped (OpenAI semantics).
+it; once a stop string appears, everything from it on is dropped (OpenAI semantics). Generation stops as soon as
+a stop string is complete, so where one token's text completes several, the one that ends first wins (of those
+ending together, the one that starts first): the cut is the one the text fed a character at a time gives, however
+the tokens split it.
 
 Text fed unarmed (vLLM's ``min_tokens``: the first min_tokens tokens' text) cannot end a stop string: only a
 stop string that ends in armed text stops, though it may begin in the unarmed text before it (as vLLM's
@@ -33,6 +36,7 @@ class StopMatcher:
         self.held = ""
         self.unarmed = 0  # how many of ``held``'s first characters were fed unarmed
         self.stopped = False
+        self.hit: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
 
     def feed(self, text: str, armed: bool = True) -> str:
         """Text safe to emit now; sets ``stopped`` when a stop string completed (the rest is discarded).
@@ -43,12 +47,13 @@ class StopMatcher:
             return text
         buf = self.held + text
         floor = len(buf) if not armed else self.unarmed  # a hit must end past this many characters
-        hits = (buf.find(s, max(0, floor - len(s) + 1)) for s in self.stops)
-        hit = min((i for i in hits if i >= 0), default=-1)
-        if hit >= 0:
+        found = ((buf.find(s, max(0, floor - len(s) + 1)), s) for s in self.stops)
+        hits = [(i + len(s), i, s) for i, s in found if i >= 0]
+        if hits:
+            _, start, self.hit = min(hits)  # the first to end; of those, the first to start
             self.stopped = True
             self.held, self.unarmed = "", 0
-            return buf[:hit]
+            return buf[:start]
         keep = partial_suffix(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         self.unarmed = max(0, floor - (len(buf) - keep))

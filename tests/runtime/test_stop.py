@@ -52,3 +52,19 @@ def test_unarmed_text_cannot_end_a_stop_string():
     assert m.feed("ab", armed=False) == "" and m.feed("x") == "abx" and not m.stopped  # "ab" ended unarmed
     m = StopMatcher(["ab", "abc"])
     assert m.feed("ab", armed=False) == "" and m.feed("c") == "" and m.stopped
+
+
+def test_where_a_stop_cuts_does_not_depend_on_how_the_text_arrives():
+    """Generation stops as soon as a stop string is complete; one token's text may complete several at once. The
+    cut was the earliest *start* among those a piece completed, so a stop string that began earlier but ended
+    later won only when its end came in the same token: "x\\nUser: hi" with stops ["\\nUser:", "User"] gave "x" fed
+    whole and "x\\n" fed a character at a time. Whatever the pieces, the answer is the one a character at a time
+    gives (the stop that ends first; of those ending together, the one that starts first), and it names it."""
+    cases = [("x\nUser: hi", ["\nUser:", "User"], "x\n", "User"), ("abcd", ["abcd", "b"], "a", "b"),
+             ("abcd", ["b", "abcd"], "a", "b"), ("abc", ["c", "bc"], "a", "bc"), ("a\n\nb", ["\n\n", "\n"], "a", "\n"),
+             ("日本語です", ["語です", "本語"], "日", "本語"), ("ok 👍🏽 yes", ["🏽 y", "👍"], "ok ", "👍")]
+    for text, stops, expect, which in cases:
+        for size in (1, 2, 3, len(text)):
+            m = StopMatcher(stops)
+            out = "".join(m.feed(text[i:i + size]) for i in range(0, len(text), size))
+            assert (out, m.stopped, m.hit) == (expect, True, which), (text, stops, size)
