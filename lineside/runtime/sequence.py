@@ -41,7 +41,8 @@ class Sequence:
         self.sampler = Sampler(req.sampling, stop_ids=set(req.stop_token_ids) | set(eos_ids))
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=self.prompt, keep=req.keep_special_ids)
         self.stopper = StopMatcher(req.stop)
-        self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_ids))
+        self.eos_ids = set(eos_ids)
+        self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         self.min_tokens = req.sampling.min_tokens
         self.rank = base_rank(req)
         self.arrival = handle.metrics.arrival
@@ -89,10 +90,12 @@ class Sequence:
 
     # ---- outputs ------------------------------------------------------------------------------
     def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
-               logprob: TokenLogprob | None = None, client_error: bool = False) -> TokenEvent:
+               logprob: TokenLogprob | None = None, client_error: bool = False,
+               stop_reason: int | str | None = None) -> TokenEvent:
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error,
-                          logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error)
+                          logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error,
+                          stop_reason=stop_reason)
 
     def on_token(self, tok: int, now: float, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``
@@ -111,15 +114,27 @@ class Sequence:
             return self._grammar_failed(tok)
         past_min = len(self.generated) > self.min_tokens
         if tok in self.stop_ids and (past_min or self.matcher is not None):
-            return self._event(self._flush(), [], FinishReason.STOP)
+            # the model's EOS is no stop_reason (vLLM checks it before the request's stop_token_ids)
+            eos = tok not in self.req.stop_token_ids or (tok in self.eos_ids and not self.req.ignore_eos)
+            return self._last(FinishReason.STOP, "", [], None if eos else tok)
         text = self.stopper.feed(self.detok.add(tok), armed=past_min)
         if self.stopper.stopped:
-            return self._event(text, [tok], FinishReason.STOP, logprob=logprob)
+            return self._event(text, [tok], FinishReason.STOP, logprob=logprob, stop_reason=self.stopper.hit)
         if self.matcher is not None and self.matcher.finished:
-            return self._event(text + self._flush(), [tok], FinishReason.STOP, logprob=logprob)
+            return self._last(FinishReason.STOP, text, [tok], None, logprob)
         if len(self.generated) >= self.max_tokens:
-            return self._event(text + self._flush(), [tok], FinishReason.LENGTH, logprob=logprob)
+            return self._last(FinishReason.LENGTH, text, [tok], None, logprob)
         return self._event(text, [tok], None, logprob=logprob)
+
+    def _last(self, reason: FinishReason, text: str, ids: list[int], stop_reason: int | None,
+              logprob: TokenLogprob | None = None) -> TokenEvent:
+        """The event that ends the request: the text still held back goes out, and where it completes a stop
+        string (the last token's text behind the first bytes of a character it leaves unfinished, " " of
+        " \xf0"), the answer is cut there and ends as that stop, as it would have had the character not begun."""
+        text += self._flush()
+        if self.stopper.hit is not None:
+            reason, stop_reason = FinishReason.STOP, self.stopper.hit
+        return self._event(text, ids, reason, logprob=logprob, stop_reason=stop_reason)
 
     def _grammar_failed(self, tok: int) -> TokenEvent:
         """The final event when the grammar took no token: past the grammar engine's limits (a huge repetition the

@@ -68,3 +68,65 @@ def test_where_a_stop_cuts_does_not_depend_on_how_the_text_arrives():
             m = StopMatcher(stops)
             out = "".join(m.feed(text[i:i + size]) for i in range(0, len(text), size))
             assert (out, m.stopped, m.hit) == (expect, True, which), (text, stops, size)
+
+
+def merged_byte_level(tmp_path):
+    """A byte-level BPE vocabulary whose one merge puts a space and an emoji's first byte in one token (as
+    SmolLM2's "Ġð"): a token whose text is whole up to a character it leaves unfinished."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from lineside.runtime.tokenizer import Tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, **{ch: 2 + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    vocab["Ġð"] = len(vocab)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "ð")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return Tokenizer(tmp_path, {"bos_token_id": 0, "eos_token_ids": [1]}), tok
+
+
+def events(tok, generated, **request):
+    from lineside.runtime.request import GenerationRequest, RequestHandle
+    from lineside.runtime.sequence import Sequence
+
+    req = GenerationRequest(prompt_ids=tok.encode("hi", add_special=False), **{"max_tokens": 16, **request})
+    seq = Sequence(RequestHandle(req), tok, {1}, 256)
+    out = []
+    for i in generated:
+        out.append(seq.on_token(i, 0.0))
+        if out[-1].finish_reason is not None:
+            break
+    return out
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_it(tmp_path):
+    """vLLM's stop_reason: the stop string, or the request's stop token id; None for the model's EOS and length."""
+    tok, _ = merged_byte_level(tmp_path)
+    ids = tok.encode("ab. cd", add_special=False)
+    last = events(tok, ids, stop=[". c", "d"])[-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", ". c")
+    dot = tok.encode(".", add_special=False)[0]
+    evs = events(tok, ids, stop_token_ids=[dot])
+    assert "".join(e.text for e in evs) == "ab" and (evs[-1].finish_reason, evs[-1].stop_reason) == ("stop", dot)
+    assert [(e.finish_reason, e.stop_reason) for e in events(tok, [*ids[:2], 1])][-1] == ("stop", None)
+    assert [(e.finish_reason, e.stop_reason) for e in events(tok, [*ids[:2], 1], stop_token_ids=[1])][-1] == \
+        ("stop", None)  # the EOS sent as a stop token too is still the model's EOS, as vLLM checks it first
+    assert [(e.finish_reason, e.stop_reason) for e in events(tok, ids, max_tokens=3)][-1] == ("length", None)
+
+
+def test_text_released_at_the_end_is_still_checked_for_stop_strings(tmp_path):
+    """The last token " \\xf0" (a space, then an emoji's first byte) is held back whole while the emoji may go on;
+    when the answer ends there (length, EOS) the space is released and cut by stop [" "], but the answer said
+    finish_reason length. The space is text the tokenizers decode has ("ab \ufffd"), so the answer stopped there."""
+    tok, raw = merged_byte_level(tmp_path)
+    ids = tok.encode("ab 😀", add_special=False)
+    assert raw.id_to_token(ids[2]) == "Ġð" and tok.decode(ids[:3]) == "ab \ufffd"
+    evs = events(tok, ids[:3], max_tokens=3, stop=[" "])
+    assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab", "stop", " ")
+    evs = events(tok, [*ids[:3], 1], stop=[" "])
+    assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab", "stop", " ")
+    evs = events(tok, ids[:3], max_tokens=3)
+    assert ("".join(e.text for e in evs), evs[-1].finish_reason) == ("ab ", "length")  # no stop: the space stays
