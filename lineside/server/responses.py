@@ -35,6 +35,7 @@ class Choice:
     copy: int = 0
     text_parts: list[str] = field(default_factory=list)  # a non-streamed response's text, as it came
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     options: OutputOptions | None = None  # tool calls / logprobs this response reports
     output: ChoiceOutput = field(init=False)
     counted: bool = field(default=False, init=False)  # its request is in the metrics (observe_finished)
@@ -170,7 +171,8 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             continue
         observe_finished(state.metrics, choices)
         if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-            yield counted(choice, writer.finish(choice.index, choice.output.finish_reason(event.finish_reason)))
+            yield counted(choice, writer.finish(choice.index, choice.output.finish_reason(event.finish_reason),
+                                                event.stop_reason))
         else:
             error = failure(state, event)
             cancel_all(choices)
@@ -232,11 +234,13 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
         if chat:
             message, logprobs = c.output.message("".join(c.text_parts))  # first: it parses the tool calls
             reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
-            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason})
+            body_choices.append({"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason,
+                                 "stop_reason": c.stop_reason})
         else:
             reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
             body_choices.append({"index": c.index, "text": "".join(c.text_parts),
-                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason})
+                                 "logprobs": c.output.text_logprobs(), "finish_reason": reason,
+                                 "stop_reason": c.stop_reason})
     obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
                          "system_fingerprint": None, "choices": body_choices, "usage": usage})
@@ -253,7 +257,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice]) -
             if event.text:
                 choice.text_parts.append(event.text)
             if event.finish_reason is not None:
-                choice.finish_reason = event.finish_reason
+                choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
                 observe_finished(state.metrics, choices)
                 if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     cancel_all(choices)

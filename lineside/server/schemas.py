@@ -159,6 +159,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop string or stop token id "
+                                                           "that ended the answer (null: EOS, length)")
 
 
 class ChatCompletion(BaseModel):
@@ -176,6 +178,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str
+    stop_reason: int | str | None = Field(None, description="vLLM's: the stop string or stop token id "
+                                                           "that ended the answer (null: EOS, length)")
 
 
 class Completion(BaseModel):

@@ -77,10 +77,13 @@ class ChunkWriter:
         return self._chunk({"index": index, "delta": {"tool_calls": deltas}, "logprobs": logprobs,
                             "finish_reason": None})
 
-    def finish(self, index: int, reason: str) -> str:
+    def finish(self, index: int, reason: str, stop_reason: int | str | None = None) -> str:
+        """A choice's last chunk; ``stop_reason``: vLLM's (the stop string or stop token id that ended it)."""
         if self.chat:
-            return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
-        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason})
+            return self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                "stop_reason": stop_reason})
+        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason,
+                            "stop_reason": stop_reason})
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> str:
         """The usage chunk; ``cached_tokens``: OpenAI's usage.prompt_tokens_details.cached_tokens (None: left out)."""

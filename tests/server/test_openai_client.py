@@ -107,6 +107,37 @@ def test_stop_sequences(client, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_reason_says_which_stop_ended_the_answer(server, reference):
+    """vLLM's ``stop_reason`` next to ``finish_reason``, streamed (on the finishing chunk) and not: the stop string
+    that cut the answer, the request's stop token id that was sampled, null for the model's EOS and for length."""
+    full = reference("stop test", 40)[0]
+    # an ASCII character (one byte token of the tiny vocabulary, never inside another character), its first, after
+    # a whole one (a stop token drops invalid bytes just before it, as an answer's end drops an unfinished character)
+    at = next((i for i in range(1, len(full)) if full[i].isascii() and full[i].isprintable() and not full[i].isspace()
+               and full.index(full[i]) == i and full[i - 1] != "\ufffd"), None)
+    if at is None:
+        pytest.skip("the random model produced no printable character to stop on")
+    stop = full[at]
+
+    def ask(stream: bool, **kw):
+        body = {"prompt": "stop test", "max_tokens": 40, "temperature": 0, "stream": stream, **kw}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if not stream:
+            c = r.json()["choices"][0]
+            return c["text"], c["finish_reason"], c["stop_reason"]
+        objs = [o for o in sse.parse(r.text) if o != "[DONE]"]
+        last = objs[-1]["choices"][0]
+        return "".join(o["choices"][0]["text"] for o in objs), last["finish_reason"], last["stop_reason"]
+
+    token = server.state.engine.tokenizer.encode(stop, add_special=False)
+    assert len(token) == 1
+    for stream in (False, True):
+        assert ask(stream, stop=["\u2603", stop]) == (full[:at], "stop", stop)
+        assert ask(stream, stop_token_ids=[token[0]]) == (full[:at], "stop", token[0])
+        assert ask(stream, max_tokens=1)[1:] == ("length", None)
+
+
 def test_prompt_list_and_token_ids(server, reference):
     a, b = reference("one", 8)[0], reference("two two", 8)[0]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ["one", "two two"], "max_tokens": 8,
