@@ -12,6 +12,7 @@ import typer
 
 from lineside import cli_checks as checks
 from lineside.errors import LinesideError
+from lineside.runtime.invisible import strip_invisible
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
@@ -105,7 +106,7 @@ def generate(
 
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
-    checks.utf8_text(prompt, "--prompt")
+    prompt = strip_invisible(checks.utf8_text(prompt, "--prompt"))  # as the server strips a request's text
     _check_stdout("generate")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)
@@ -163,7 +164,7 @@ def chat(
     from lineside.runtime.sampling import SamplingParams
 
     if system is not None:
-        checks.utf8_text(system, "--system")
+        system = strip_invisible(checks.utf8_text(system, "--system"))
     if sys.stdin is None or sys.stdin.closed:  # started with fd 0 closed (`<&-`, some service managers)
         raise LinesideError("chat reads what you type from stdin, and stdin is closed; run it in a terminal, pipe "
                             "the lines into it, or use `lineside generate --prompt TEXT`")
@@ -194,7 +195,7 @@ def chat(
     forgetting = False
     while True:
         try:
-            line = checks.utf8_text(input("you> "), "the chat line").strip()
+            line = strip_invisible(checks.utf8_text(input("you> "), "the chat line")).strip()
         except (EOFError, KeyboardInterrupt) as e:  # Ctrl-D / Ctrl-C at the prompt: quit on a fresh line
             sys.stdout.write("\n")
             if isinstance(e, KeyboardInterrupt):

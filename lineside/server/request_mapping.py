@@ -5,12 +5,12 @@ Every refusal is an APIError(400) with one line naming the parameter and what to
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Any
 
 from lineside.errors import LinesideError
 from lineside.request_class import read_member
+from lineside.runtime.invisible import strip_invisible
 from lineside.runtime.request import (
     EMPTY_PROMPT,
     MODES,
@@ -30,11 +30,6 @@ from lineside.server.unicode_check import check_unicode
 
 MAX_STOP = 16
 MAX_PROMPTS = 64
-# BOM, zero-width space, word joiner, Mongolian vowel separator, soft hyphen: invisible, never meant.
-_INVISIBLE = re.compile("[\ufeff\u200b\u2060\u180e\u00ad]")
-# ZWJ / ZWNJ carry meaning inside emoji sequences and Indic / Persian words: removed only where they
-# touch ASCII or the ends of the text (pasted artefacts), kept between two non-ASCII characters.
-_JOINER = re.compile(r"(?:(?<=[\x00-\x7f])|^)[\u200c\u200d]+|[\u200c\u200d]+(?=[\x00-\x7f]|$)")
 
 
 def clean_text(text: str, param: str) -> str:
@@ -44,9 +39,7 @@ def clean_text(text: str, param: str) -> str:
     except UnicodeEncodeError:
         raise APIError(400, f"'{param}' is not valid UTF-8 (it contains a lone surrogate escape); "
                             "send valid Unicode text", "invalid_utf8", param=param) from None
-    if text.isascii():
-        return text
-    return _JOINER.sub("", _INVISIBLE.sub("", text))
+    return strip_invisible(text)
 
 
 def sampler_seed(seed: int | None) -> int | None:
