@@ -50,7 +50,7 @@ from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.runtime.speculative.proposers import check_speculation, make_proposer
 from lineside.runtime.step_plan import StepPlan
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
-from lineside.runtime.structured import GrammarCompiler
+from lineside.runtime.structured import DEFAULT_CACHED_GRAMMARS, GrammarCompiler
 
 log = logging.getLogger("lineside.engine")
 T = TypeVar("T")
@@ -103,6 +103,8 @@ class EngineStats:
     lora_adapters_in_use: int = 0  # resident and held by a waiting or running request
     lora_slot_loads: int = 0  # adapters written into a slot so far
     lora_slot_evictions: int = 0  # of those, loads that replaced an idle adapter
+    grammars_cached: int = 0  # compiled structured-output grammars held (at most max_cached_grammars)
+    grammar_compiles: int = 0  # constraints compiled so far, refusals included (cache misses)
 
 
 class LLMEngine:
@@ -113,7 +115,8 @@ class LLMEngine:
                  prefix_cache: bool = True, threads: int | None = None, kv_blocks: int | None = None,
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
-                 session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None):
+                 session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None,
+                 max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS):
         import tokenizers  # noqa: F401 - imported on this thread, not beside other threads' imports
 
         from lineside.runtime.tokenizer import Tokenizer
@@ -147,6 +150,9 @@ class LLMEngine:
         self.vocab_size = int(self.backend.vocab_size)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.bundle.config.eos_token_ids)
         self._grammar: GrammarCompiler | None = None
+        if max_cached_grammars < 1:  # a request's grammar is compiled when checked, then taken from the cache
+            raise LinesideError(f"max_cached_grammars must be >= 1, got {max_cached_grammars}")
+        self.max_cached_grammars = max_cached_grammars  # compiled structured-output grammars kept (LRU)
         self._grammar_lock = threading.Lock()
         # Whole-state tensors (DeepSeek-V4 compressor state) cannot be cut at a prefix: no prefix reuse there.
         self.whole_state = has_whole_state(self.backend)
@@ -413,7 +419,8 @@ class LLMEngine:
         reads the whole vocabulary); its cache makes a repeated constraint cost a copy."""
         with self._grammar_lock:
             if self._grammar is None:
-                self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+                self._grammar = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids,
+                                                              self.max_cached_grammars)
             return self._grammar
 
     @property
@@ -444,6 +451,9 @@ class LLMEngine:
                 kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token
                                     + a.occupied * self.kv_bytes.sequence_bytes / max(1, a.num_slots)))),
             requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
+            **({} if self._grammar is None else dict(
+                grammars_cached=self._grammar.cached,
+                grammar_compiles=self._grammar.stats.compiled + self._grammar.stats.refused)),
             **({} if self.adapter_slots is None else self.adapter_slots.stats()),
             **({} if store is None else dict(
                 sessions=len(store), session_hits=store.hits, session_tokens_saved=store.tokens_saved,

@@ -16,6 +16,7 @@ from lineside.runtime.engine import LoraServing
 from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generation_config
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
+from lineside.runtime.structured import DEFAULT_CACHED_GRAMMARS
 from lineside.server import errors, health, lora_api, openai_api, prefill_api, tokenize_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, CorsSettings, GuardedCors
 from lineside.server.head_requests import HeadAsGet
@@ -45,7 +46,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
                max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
-               reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False) -> FastAPI:
+               reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False,
+               max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -65,7 +67,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py);
     ``root_path``: the path prefix a reverse proxy serves this under (vLLM's --root-path, as `serve` checks it): routes
     answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them;
-    ``allow_runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 404 otherwise)."""
+    ``allow_runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 404 otherwise);
+    ``max_cached_grammars``: compiled structured-output grammars the engine built here keeps (LRU, >= 1)."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -76,7 +79,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
         sampling_defaults = (SamplingDefaults() if tokenizer_dir is None
                              else resolve_generation_config("auto", tokenizer_dir))
     engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
-                         session_ttl=session_ttl, max_sessions=max_sessions)
+                         session_ttl=session_ttl, max_sessions=max_sessions, max_cached_grammars=max_cached_grammars)
     if speculative is not None:
         engine_kwargs["speculative"] = speculative
     state = ServerState(source, engine_kwargs,

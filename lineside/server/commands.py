@@ -101,6 +101,10 @@ def serve(
     max_stored_responses: Annotated[int, checks.number_option(
         low=0, high=1000000, help="/v1/responses kept in memory for previous_response_id and GET /v1/responses/ID "
                                   "(the least recently used dropped first; 0: none)")] = 256,
+    max_cached_grammars: Annotated[int, checks.number_option(
+        low=1, high=100000, help="compiled structured-output grammars kept for repeats (response_format, guided_*, "
+                                 "required tools; the least recently used dropped first). Each costs "
+                                 "~0.1-2 MB with a 49k vocabulary, more for bigger schemas")] = 64,  # structured.DEFAULT_CACHED_GRAMMARS
     chat_template: Annotated[str | None, typer.Option(
         help="render chats with this Jinja template instead of the bundle's: a file, the template text itself, or "
              "a shipped one (builtin:smollm2_tools: SmolLM2's own tool-calling prompt)")] = None,
@@ -246,7 +250,8 @@ def serve(
         # Cold start: the engine (checksums, onnxruntime session, tokenizer) builds on its own thread while this
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
         engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
-                             session_ttl=session_ttl, max_sessions=max_sessions)
+                             session_ttl=session_ttl, max_sessions=max_sessions,
+                             max_cached_grammars=max_cached_grammars)
         if spec is not None:
             engine_kwargs["speculative"] = spec
         engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
@@ -270,7 +275,7 @@ def serve(
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                          max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
                          reasoning_parser=reasoning_parser, root_path=root_path,
-                         allow_runtime_lora=allow_runtime_lora)
+                         allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

@@ -144,6 +144,8 @@ class ServerMetrics:
         registry.register(self._lora)
         self._cache = _PrefixCacheCollector()
         registry.register(self._cache)
+        self._grammars = _GrammarCollector()
+        registry.register(self._grammars)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -242,6 +244,7 @@ class ServerMetrics:
         self._sessions.stats = stats
         self._lora.stats = stats
         self._cache.stats = stats
+        self._grammars.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>; a gauge the
@@ -342,6 +345,15 @@ class _PrefixCacheCollector(_StatsCollector):
                 ("lineside_prefix_cache_hit_requests", "prefix_cache_hits", "Requests that reused a cached prefix"),
                 ("lineside_num_preemptions", "preemptions",
                  "Running requests paused to free KV memory (resumed later from their tokens)"))
+
+
+class _GrammarCollector(_StatsCollector):
+    """The structured-output grammar cache (serve --max-cached-grammars): what it holds and how often it missed."""
+
+    GAUGES = (("lineside_grammar_cache_entries", "grammars_cached",
+               "Compiled structured-output grammars held (at most --max-cached-grammars)"),)
+    COUNTERS = (("lineside_grammar_compiles", "grammar_compiles",
+                 "Constraints compiled, refusals included (a cache miss each)"),)
 
 
 class _SessionCollector(_StatsCollector):
