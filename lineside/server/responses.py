@@ -95,6 +95,15 @@ def completion_usage(choices: list[Choice]) -> int:
     return sum(c.record.completion_tokens for c in choices)
 
 
+def reasoning_usage(choices: list[Choice]) -> int | None:
+    """usage.completion_tokens_details.reasoning_tokens (OpenAI's): the tokens each choice wrote inside its reasoning,
+    ``</think>`` included, whether or not the response carries the reasoning; None without a reasoning parser."""
+    splits = [c.output.reasoning for c in choices]
+    if any(s is None for s in splits):
+        return None
+    return sum(s.reasoning_tokens for s in splits if s is not None)
+
+
 def cancel_all(choices: list[Choice]) -> None:
     for choice in choices:
         choice.handle.cancel()
@@ -180,7 +189,8 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
             yield sse.DONE
             return
     if writer.include_usage:
-        yield writer.usage(prompt_usage(choices), completion_usage(choices), cached_usage(choices))
+        yield writer.usage(prompt_usage(choices), completion_usage(choices), cached_usage(choices),
+                           reasoning_usage(choices))
     yield sse.DONE
 
 
@@ -229,6 +239,8 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
     usage = {"prompt_tokens": prompt_usage(choices), "completion_tokens": completion_usage(choices)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     usage["prompt_tokens_details"] = {"cached_tokens": cached_usage(choices)}
+    if chat and (reasoning := reasoning_usage(choices)) is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     body_choices = []
     for c in choices:
         if chat:

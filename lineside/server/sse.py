@@ -85,13 +85,17 @@ class ChunkWriter:
         return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": reason,
                             "stop_reason": stop_reason})
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> str:
-        """The usage chunk; ``cached_tokens``: OpenAI's usage.prompt_tokens_details.cached_tokens (None: left out)."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+              reasoning_tokens: int | None = None) -> str:
+        """The usage chunk; ``cached_tokens``: OpenAI's usage.prompt_tokens_details.cached_tokens, ``reasoning_tokens``
+        its usage.completion_tokens_details.reasoning_tokens (None: left out)."""
         obj = dict(self.base)
         obj["choices"] = []
         obj["usage"] = _usage(prompt_tokens, completion_tokens)
         if cached_tokens is not None:
             obj["usage"]["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        if reasoning_tokens is not None:
+            obj["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return event(obj)
 
     def with_usage(self, chunk: str, prompt_tokens: int, completion_tokens: int) -> str:

@@ -143,7 +143,8 @@ def r1(r1_bundle):
 
 def _ask(srv, script: str, **kw):
     kw.setdefault("messages", [{"role": "user", "content": f"{script} What is 2+2?"}])
-    return srv.client.chat.completions.create(model="r1", temperature=0, max_tokens=300, **kw)
+    kw.setdefault("max_tokens", 300)
+    return srv.client.chat.completions.create(model="r1", temperature=0, **kw)
 
 
 def _streamed(srv, script: str, **kw):
@@ -198,6 +199,36 @@ def test_logprobs_cover_every_token_reasoning_included(r1):
         if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content:
             streamed += [t.token for t in c.choices[0].logprobs.content]
     assert "".join(streamed) == SCRIPTS["[think]"]
+
+
+def test_usage_counts_the_reasoning_tokens(r1):
+    """OpenAI's usage.completion_tokens_details.reasoning_tokens: the tokens up to and including ``</think>`` (those
+    of every choice), in the body and in the streamed usage chunk; the reasoning a request leaves out is counted
+    still (it was generated)."""
+    tok = r1.state.engine.tokenizer
+    thought = len(tok.encode(SCRIPTS["[think]"].split("</think>")[0] + "</think>", add_special=False))
+    for kw, want in (({}, thought), ({"n": 2}, 2 * thought), ({"extra_body": {"include_reasoning": False}}, thought),
+                     ({"max_tokens": 5}, 5)):
+        r = _ask(r1, "[think]", **kw)
+        assert r.usage.completion_tokens_details.reasoning_tokens == want, kw
+        assert r.usage.completion_tokens == want + (len(r.choices) * (len(tok.encode(SPLIT["[think]"][1],
+                                                    add_special=False)) + 1) if "max_tokens" not in kw else 0)
+        (last,) = [c for c in _ask(r1, "[think]", stream=True, stream_options={"include_usage": True}, **kw)
+                   if c.usage is not None]
+        assert last.usage.completion_tokens_details.reasoning_tokens == want, kw
+
+
+@pytest.mark.parametrize("kw, reasoning, finish, stop_reason", [
+    ({"max_tokens": 5}, "The u", "length", None),  # cut inside the reasoning: all reasoning, content null
+    ({"stop": ["That"]}, "The user asks 2+2.\n", "stop", "That"),  # vLLM applies stops to the whole output
+])
+def test_an_output_that_ends_inside_the_reasoning(r1, kw, reasoning, finish, stop_reason):
+    ch = _ask(r1, "[think]", **kw).choices[0]
+    m = ch.message.model_dump()
+    assert (m["reasoning_content"], m["content"], ch.finish_reason, ch.model_dump()["stop_reason"]) == (
+        reasoning, None, finish, stop_reason)
+    ((r, _, c, f),) = _streamed(r1, "[think]", **kw)
+    assert (r, c, f) == (reasoning, "", finish)
 
 
 def test_include_reasoning_false_drops_it(r1):
