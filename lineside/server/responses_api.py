@@ -276,7 +276,8 @@ class ResponseBuilder:
         when it started in it."""
         calls = calls or []
         status = "incomplete" if finish_reason == FinishReason.LENGTH else "completed"
-        message = [] if content is None else [self.item(content, status)]
+        # after a reasoning item, a message only when the answer has text (OpenAI, vLLM)
+        message = [] if content is None or (self.thinks and not content) else [self.item(content, status)]
         return self._finished([*message, *(responses_tools.call_item(c) for c in calls)], content, calls, usage,
                               finish_reason, split)
 
@@ -382,8 +383,9 @@ class ResponseBuilder:
                            part={"type": "reasoning_text", "text": ""})]
 
     def answer_opening(self) -> list[str]:
-        """Where the answer starts: its message opens, unless function tools open it with the first text."""
-        return [] if self.calling else self._open_message()
+        """Where the answer starts: its message opens, unless function tools open it with the first text, or the
+        output began with reasoning: then its first text opens it (none when the answer has none)."""
+        return [] if self.calling or self.thinks else self._open_message()
 
     def _open_message(self) -> list[str]:
         item_id = self.msg_id if not any(i["type"] == "message" for i in self._done) else "msg_" + uuid.uuid4().hex
@@ -465,9 +467,10 @@ class ResponseBuilder:
     def closing(self, usage: tuple[int, int], finish_reason: FinishReason, split: ReasoningSplitter | None = None,
                 calls: list[ToolCall] | None = None) -> list[str]:
         """The last item's done events, then completed (or incomplete): the response holds the items streamed (an
-        empty message when the answer had nothing), less the calls that did not stand."""
+        empty message when the answer had nothing and no reasoning came before it), less the calls that did not
+        stand."""
         calls = calls or []
-        out = [] if self._done or self._open is not None else self._open_message()
+        out = [] if self._done or self._open is not None or self.thinks else self._open_message()
         out += self._close("incomplete" if finish_reason == FinishReason.LENGTH else "completed")
         answer = [i for i in self._done if i["type"] != "function_call" or i["status"] == "completed"]
         texts = [i["content"][0]["text"] for i in answer if i["type"] == "message"]

@@ -414,6 +414,26 @@ def test_responses_carry_a_reasoning_item(r1):
     assert final.output_text == SPLIT["[think]"][1] and final.output[0].content[0].text == SPLIT["[think]"][0]
 
 
+@pytest.mark.parametrize("script, limit, status, text", [
+    ("[think]", 5, "incomplete", "The u"),  # max_output_tokens spent inside the reasoning
+    ("[empty-answer]", 300, "completed", "Done thinking."),  # nothing after </think>
+])
+def test_responses_without_an_answer_hold_the_reasoning_alone(r1, script, limit, status, text):
+    """As OpenAI (a response cut while reasoning holds the reasoning item, no message) and vLLM (a message only
+    when the answer has text): no empty message item after the reasoning, streamed or not."""
+    ask = {"model": "r1", "input": f"{script} What is 2+2?", "temperature": 0, "max_output_tokens": limit}
+    r = r1.client.responses.create(**ask)
+    assert (r.status, [o.type for o in r.output], r.output[0].content[0].text, r.output_text) == (
+        status, ["reasoning"], text, "")
+    events = list(r1.client.responses.create(**ask, stream=True))
+    assert [e.item.type for e in events if e.type in ("response.output_item.added", "response.output_item.done")] == [
+        "reasoning", "reasoning"]
+    final = events[-1].response
+    assert (final.status, [o.type for o in final.output], final.output[0].content[0].text) == (
+        status, ["reasoning"], text)
+    assert final.output[0].status == ("incomplete" if status == "incomplete" else "completed")
+
+
 def test_responses_logprobs_of_a_thinking_model_are_a_400(r1):
     """The thinking's tokens are not the message text's: logprobs are refused in one line, not mixed in."""
     with pytest.raises(openai.BadRequestError) as e:
