@@ -606,3 +606,78 @@ def test_a_think_block_of_an_ended_turn_does_not_close_the_new_ones(r1_bundle):
         think = srv.state.think
         assert think.thinking_after(tok.encode(rendered + ASSISTANT, add_special=False))
         assert not think.thinking_after(tok.encode(rendered + ASSISTANT + "<think>\n\n</think>\n\n", add_special=False))
+
+
+# ---- R1-Distill's other template releases -------------------------------------------------------------------------
+# The first R1-Distill release (Jan 2025) opened no <think> in the generation prompt (the model wrote it); the same
+# template otherwise, as above.
+R1_FIRST_TEMPLATE = R1_TEMPLATE.replace("{{'<｜Assistant｜><think>\\n'}}", "{{'<｜Assistant｜>'}}")
+# DeepSeek-R1-0528's template (R1-0528-Qwen3-8B's): the user turn itself ends "<｜Assistant｜>", no <think> opened
+# (the model writes "<think>\n"), earlier answers cut at </think>, content alongside tool calls.
+R1_0528_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true, "
+    "is_last_user=false) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}{%- else %}"
+    "{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}{%- endif %}"
+    "{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{%- set ns.is_first = false -%}"
+    "{%- set ns.is_last_user = true -%}{{'<｜User｜>' + message['content'] + '<｜Assistant｜>'}}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] is not none %}"
+    "{%- set ns.is_last_user = false -%}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{%- endif %}"
+    "{%- set ns.is_first = false %}{%- set ns.is_tool = false -%}{%- set ns.is_output_first = true %}"
+    "{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message['content'] is none %}"
+    "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- else %}"
+    "{{message['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+    "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>'}}{%- endif %}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + "
+    "tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + "
+    "tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}"
+    "{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- if message['role'] == 'assistant' and "
+    "(message['tool_calls'] is not defined or message['tool_calls'] is none)%}{%- set ns.is_last_user = false -%}"
+    "{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}"
+    "{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}{{content + '<｜end▁of▁sentence｜>'}}{%- endif %}"
+    "{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_last_user = false -%}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + "
+    "message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}"
+    "{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_last_user and not ns.is_tool %}"
+    "{{'<｜Assistant｜>'}}{% endif %}")
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "[think] What is 2+2?"},
+           {"role": "assistant", "content": "\n\nIt is 4.", "reasoning_content": "Add them.\n"},  # as clients echo it
+           {"role": "user", "content": "[think] Again?"},
+           {"role": "assistant", "content": "<think>\nStill 4.\n</think>\n\nFour."},  # the reasoning left in content
+           {"role": "user", "content": "[json] And as JSON?"}]
+
+
+@pytest.mark.parametrize("template", [R1_TEMPLATE, R1_FIRST_TEMPLATE, R1_0528_TEMPLATE], ids=["r1", "first", "0528"])
+def test_each_r1_template_renders_as_transformers_and_splits(r1_bundle, template):
+    """Each release's template: the server's prompt for a history with earlier reasoning (in ``reasoning_content`` or
+    before ``</think>`` in the content) is transformers' apply_chat_template's, which drops that reasoning; ``auto``
+    turns the parser on; the output (the model writing its own ``<think>`` where the template opens none) splits."""
+    import httpx
+    from transformers import PreTrainedTokenizerFast
+
+    from lineside.bundle import open_bundle
+    from lineside.runtime.engine import LLMEngine
+    from lineside.runtime.tokenizer import Tokenizer
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(r1_bundle / "tokenizer" / "tokenizer.json"), bos_token=BOS,
+                                 eos_token=EOS)
+    want = hf.apply_chat_template(HISTORY, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert "Add them" not in want and "Still 4" not in want and "Four." in want
+    b = open_bundle(r1_bundle)
+    tok = Tokenizer.from_bundle(b)
+    opens = template.endswith("<think>\\n'}}{% endif %}")
+    be = (ThinkingModel if opens else OpensItsOwnThink)(tok, num_slots=2, max_seq_len=CONTEXT)
+    with running_server(LLMEngine(b, backend=be, num_slots=2), reasoning_parser="auto", chat_template=template) as srv:
+        ids = httpx.post(srv.url + "/tokenize", json={"model": "r1", "messages": HISTORY}).json()["tokens"]
+        assert tok.decode(ids, skip_special=False) == want
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        m = _ask(srv, "", messages=HISTORY).choices[0].message.model_dump()
+        thought = "They want JSON.\n" if opens else "\nThey want JSON.\n"
+        assert (m["reasoning_content"], json.loads(m["content"])) == (thought, {"city": "Lyon"})
+        ((r, _, c, _),) = _streamed(srv, "", messages=HISTORY)
+        assert (r, json.loads(c)) == (thought, {"city": "Lyon"})
