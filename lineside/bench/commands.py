@@ -10,6 +10,7 @@ from rich.console import Console
 from lineside import cli_checks as checks
 from lineside.bench.load import PATTERNS
 from lineside.bench.spec_metrics import spec_counters
+from lineside.console_line import say
 from lineside.errors import LinesideError
 
 MAX_REQUESTS = 1_000_000  # one run's schedule is held in memory
@@ -190,7 +191,7 @@ def bench(
     if bundle is not None:
         from lineside.bench.inprocess import BackgroundServer, bundle_app
 
-        console.print(f"starting lineside's server for {bundle} in-process ...")
+        say(console, f"starting lineside's server for {bundle} in-process ...")
         with BackgroundServer(bundle_app(bundle, threads=threads, num_slots=num_slots,
                                          speculative=spec)) as server:
             ready_s = server.start_to_ready_s
@@ -226,16 +227,15 @@ def bench(
         meta["prompts_per_request"] = prompts_per_request or "1:3"
     meta["machine"] = machine_record(load_before, load_after)
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
-    console.print(f"backend: {backend} ({backend_reason})" if backend and backend_reason else
-                  f"backend: {backend}" if backend else "backend: not reported by the server (not lineside's?)",
-                  markup=False, highlight=False)
+    say(console, f"backend: {backend} ({backend_reason})" if backend and backend_reason else
+        f"backend: {backend}" if backend else "backend: not reported by the server (not lineside's?)")
     if spec_delta.steps:
         meta["speculative"] = spec_delta.report()
-        console.print(f"speculative decoding: {spec_delta.describe()}")
+        say(console, f"speculative decoding: {spec_delta.describe()}")
     if out is not None:
         with checks.staged_dir(out) as tmp:  # complete or absent: never a half-written report
             written = write_report(tmp, result.records, summary, meta, plots=not no_plots)
-        console.print(f"wrote {', '.join(str(out / p.name) for p in written.values())}")
+        say(console, f"wrote {', '.join(str(out / p.name) for p in written.values())}")
     if summary.completed == 0:
         raise LinesideError(f"no request succeeded out of {summary.requests}; first error: "
                            f"{next((r.error for r in result.records if r.error), 'none')}")

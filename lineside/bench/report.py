@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lineside.bench.metrics import RequestRecord, Summary, summarize
+from lineside.console_line import say
 from lineside.errors import LinesideError
 
 FORMAT_VERSION = 1
@@ -193,11 +194,10 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
         def why(meta: dict) -> str:
             return f" ({meta['backend_reason']})" if meta.get("backend_reason") else ""
 
-        console.print(f"note: backends differ: A ran on {ba}{why(meta_a)}, B on {bb}{why(meta_b)}", markup=False,
-                      highlight=False)
+        say(console, f"note: backends differ: A ran on {ba}{why(meta_a)}, B on {bb}{why(meta_b)}")
     ma, mb = meta_a.get("machine") or {}, meta_b.get("machine") or {}
     if ma.get("loaded") or mb.get("loaded") or bool(ma) != bool(mb):
-        console.print(f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "
+        say(console, f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "
                       f"{ma.get('cpu_count', '?')} CPUs, B {_loads(mb.get('loadavg_before'))} on {mb.get('cpu_count', '?')} CPUs; a loaded run "
                       "is slower for reasons outside the server")
     return rows
@@ -236,7 +236,7 @@ def loaded_warning(load: dict) -> str | None:
 def warn_if_loaded(load: dict, console: Console) -> None:
     msg = loaded_warning(load)
     if msg:
-        console.print(f"[yellow]{msg}[/yellow]")
+        say(console, msg, style="yellow")
 
 
 def machine_record(before: dict, after: dict) -> dict:

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lineside import cli_checks as checks
 from lineside.build.pipeline import BuildOptions, build_bundle, describe
+from lineside.console_line import say
 from lineside.errors import LinesideError
 from lineside.lora import parse_targets
 
@@ -95,7 +96,7 @@ def build(
                         lora_targets=None if lora_targets is None else parse_targets(lora_targets))
     with rich_progress(not quiet and err.is_terminal) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
-                           log=(lambda m: None) if quiet else err.print)
+                           log=(lambda m: None) if quiet else (lambda m: say(err, m)))
     print(f"{out}: {describe(out)}")
 
 

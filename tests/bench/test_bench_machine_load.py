@@ -47,3 +47,13 @@ def test_report_records_and_shows_the_load(tmp_path):
     console = Console(record=True, width=200)
     compare(a, b, console)
     assert "machine load at start, A 4.30/2.15/1.07 on 2 CPUs, B 0.10/0.05/0.03" in console.export_text()
+
+
+def test_loaded_warning_is_one_line_on_a_narrow_console():
+    """A log file or CI (not a terminal) gets rich's 80 columns: the warning is still one line, kept whole."""
+    from lineside.bench.report import warn_if_loaded
+
+    console = Console(record=True, width=40)
+    warn_if_loaded(_load(4.3), console)
+    text = console.export_text()
+    assert text == loaded_warning(_load(4.3)) + "\n"

@@ -28,6 +28,7 @@ from lineside.build.tensorrt.profiles import (
 )
 from lineside.build.tensorrt.progress import end_build, make_monitor
 from lineside.bundle import Bundle, open_bundle
+from lineside.console_line import say
 from lineside.errors import LinesideError
 from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.tensorrt.buffers import check_kv_support, kv_dtype_of
@@ -114,9 +115,9 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     pre = check_bundle(bundle, table_for(key.tensorrt))
     if not pre.ok:  # advisory: the documented tables can lag the parser, which has the last word below
         for o in pre.offenders[:5]:
-            console.print(f"[yellow]warning:[/] node {o.node} ({o.op}, {o.dtypes}): {o.reason}")
-        console.print(f"[yellow]warning:[/] {pre.summary()} per onnx-tensorrt's documentation "
-                      f"(`lineside check {bundle_path} --trt {table_for(key.tensorrt)}` lists all); building anyway")
+            say(console, f"warning: node {o.node} ({o.op}, {o.dtypes}): {o.reason}", style="yellow")
+        say(console, f"warning: {pre.summary()} per onnx-tensorrt's documentation "
+                      f"(`lineside check {bundle_path} --trt {table_for(key.tensorrt)}` lists all); building anyway", style="yellow")
     cfg = bundle.config
     lim = derive_limits(bundle.max_seq_len, cfg.vocab_size, opts.num_slots, opts.max_prefill, opts.max_logits,
                         opts.first_bucket, opts.bucket_step)

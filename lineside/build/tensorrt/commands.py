@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lineside import cli_checks as checks
+from lineside.console_line import say
 from lineside.errors import LinesideError
 
 
@@ -66,11 +67,11 @@ def register(app: typer.Typer) -> None:
         console = Console()
         for rep in reps:  # the trt graph, then its LoRA graph when the bundle has one
             for n in rep.notes:
-                console.print(f"note: {n}")
+                say(console, f"note: {n}")
             if rep.offenders:
                 t = Table("node", "op", "dtype", "why")
                 for o in rep.offenders:
                     t.add_row(o.node, o.op, o.dtypes, o.reason)
                 console.print(t)
                 raise LinesideError(f"{rep.summary()}; fix the graph emitter or use --backend onnxruntime")
-            console.print(rep.summary())
+            say(console, rep.summary())

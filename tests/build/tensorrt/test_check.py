@@ -164,3 +164,15 @@ def test_lora_graph_parses_in_trt_10_3(tiny_bundles):
     assert [r.graph for r in reps] == ["model.onnx", "model.lora.onnx"]
     assert all(r.ok for r in reps), [r.summary() for r in reps]
     assert reps[1].op_counts["MatMul"] > reps[0].op_counts["MatMul"]
+
+
+def test_cli_check_notes_stay_one_line_when_piped(trt_bundle, capsys, monkeypatch):
+    """Piped or logged (not a terminal) rich wraps at 80 columns: each note and the summary must stay one line."""
+    monkeypatch.setenv("COLUMNS", "60")
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(trt_bundle("w4a16").path), "--trt", "10.3"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    note = [ln for ln in lines if ln.startswith("note: graph opset 21")]
+    assert len(note) == 1 and note[0].endswith("which TensorRT parses since 10.0"), lines
+    assert lines[-1].startswith("model.onnx: all ") and lines[-1].endswith("parse in TensorRT 10.3"), lines
