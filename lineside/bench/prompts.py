@@ -93,8 +93,11 @@ def synthetic(count: int, length_range: tuple[int, int], seed: int = 0, tokenize
 def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
     """Each line: {"prompt": "..."} or {"text": "..."} or {"messages": [...]}, optional "max_tokens"."""
     p = Path(path)
-    if not p.is_file():
+    # A pipe is a prompts file too (`--prompts-file <(jq ...)`): only a missing path or a directory is refused.
+    if not p.exists():
         raise LinesideError(f"prompts file {path} does not exist; pass a JSONL file with one prompt per line")
+    if p.is_dir():
+        raise LinesideError(f"prompts file {path} is a directory; pass a JSONL file with one prompt per line")
     try:
         lines = p.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors) is not part of line 1
     except UnicodeDecodeError as e:
@@ -131,7 +134,8 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
             raise LinesideError(f"{path}:{lineno}: \"max_tokens\" must be an integer ≥ 1, got {mt!r}")
         out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=mt))
     if not out:
-        raise LinesideError(f"prompts file {path} holds no prompts")
+        raise LinesideError(f"prompts file {path} holds no prompts; write one JSON object per line, "
+                            '{"prompt": ...}, {"text": ...} or {"messages": [...]}')
     return out
 
 

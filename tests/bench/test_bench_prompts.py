@@ -93,6 +93,23 @@ def test_missing_files_are_user_errors(tmp_path):
         P.load_tokenizer(tmp_path)
 
 
+def test_a_pipe_is_a_prompts_file_and_an_empty_one_says_what_to_write(tmp_path):
+    """`--prompts-file <(jq ...)` reads a FIFO; /dev/null (exists, not a regular file) is empty, not missing."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt": "from a pipe"}\n'))
+    writer.start()
+    assert [p.text for p in P.from_jsonl(fifo)] == ["from a pipe"]
+    writer.join()
+    with pytest.raises(LinesideError, match=r"holds no prompts; write one JSON object per line, \{\"prompt\""):
+        P.from_jsonl(os.devnull)
+    with pytest.raises(LinesideError, match="is a directory"):
+        P.from_jsonl(tmp_path)
+
+
 def test_pool_wraps_around():
     pool = P.PromptPool([P.Prompt("a"), P.Prompt("b"), P.Prompt("c")])
     assert [p.text for p in pool.take(2)] == ["a", "b"]
