@@ -282,3 +282,19 @@ def test_docs_install_steps_for_the_unit_work_as_written(tmp_path):
         proc = run_cli(*shlex.split(step), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
     assert (tmp_path / install.group(2)).is_file()
+
+
+def test_docs_name_every_option_of_jetson_service_and_the_user_it_needs():
+    """docs/jetson.md listed five of `jetson service`'s options and never said the unit's `User=lineside` must exist
+    and own the pushed bundle: copied as written, `systemctl enable --now` stopped at 217/USER."""
+    from tests.cli.cli_run import all_commands, lineside_app
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "jetson.md").read_text()
+    section = doc.split("## Service (systemd)", 1)[1].split("\n## ", 1)[0]
+    cmd = all_commands(lineside_app())["jetson service"]
+    for param in cmd.params:
+        if param.name in ("help", "sysroot"):  # --sysroot is for the tests
+            continue
+        names = param.opts + param.secondary_opts  # -o counts for --output
+        assert any(n in section for n in names), f"docs/jetson.md's Service section does not name {names}"
+    assert "217/USER" in section and "--user jetson" in section
