@@ -134,7 +134,8 @@ class SshTarget:
         self.ssh = shlex.split(ssh) + (["-p", str(port)] if port else []) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
                                        "-o", f"ControlPath={control}", "-o", "ControlPersist=30",
                                        "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
-        self.label = f"{host}:{root}"
+        # what the user can paste back (rollback, the next push): a port only fits the ssh:// form
+        self.label = f"ssh://{_bracketed(host)}:{port}{urllib.parse.quote(root)}" if port else f"{_bracketed(host)}:{root}"
         self._q = shlex.quote(self.root)
         self._installed: dict[str, str] = {}
 

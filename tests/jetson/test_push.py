@@ -244,6 +244,9 @@ def test_ssh_target_forms_with_ipv6_and_ports(target, host, root, rsync_dest):
     t = open_target(target, "ssh -i key")
     assert (t.host, t.root, t.rsync_host + ":") == (host, root, rsync_dest)
     assert ("-p" in t.ssh and t.ssh[t.ssh.index("-p") + 1] == "2222") == (":2222" in target)
+    # the label a push prints is a target the user can paste back (rollback): with its port, and to the same place
+    again = open_target(t.label, "ssh -i key")
+    assert (again.host, again.root, again.ssh) == (t.host, t.root, t.ssh), t.label
 
 
 def test_a_port_in_an_scp_style_target_is_refused(tmp_path, bundle_factory):
