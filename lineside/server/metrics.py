@@ -76,7 +76,7 @@ class RequestRecord:
 
 
 # the outcome a request of several choices is counted under: its worst choice's
-_OUTCOME_RANK = {"stop": 0, "length": 1, "cancelled": 2, "timeout": 3, "error": 4}
+_OUTCOME_RANK = {"stop": 0, "length": 1, "cancelled": 2, "timeout": 3, "error": 4, "invalid": 5}
 
 
 def combined(records: list[RequestRecord], *, prompt_tokens: int) -> RequestRecord:

@@ -56,7 +56,9 @@ class Choice:
         record.completion_tokens = event.completion_tokens
         record.prompt_tokens = event.prompt_tokens or record.prompt_tokens
         if event.finish_reason is not None:
-            record.outcome = event.finish_reason
+            # a request its own grammar ended (past the grammar engine's limits once generating) is answered as the
+            # client's error (failure()): counted as the 400s are, not as the engine's failure
+            record.outcome = "invalid" if event.client_error else event.finish_reason
             record.end = now
             record.queue_s = getattr(self.handle.metrics, "queue_time", None)
             record.extra["engine_ttft_s"] = getattr(self.handle.metrics, "ttft", None)  # submit → token, in the engine

@@ -20,6 +20,7 @@ from lineside.runtime.structured import (
     ConstraintKind,
     GrammarCompiler,
 )
+from tests.server.conftest import metric
 from tests.tiny_tokenizer import write_byte_tokenizer
 
 HUGE = "a{300000}"  # llguidance: "lexer error: too many expressions constructed" at the first 'a'
@@ -201,3 +202,18 @@ def test_a_limit_met_mid_stream_is_an_invalid_request_error_event_then_done(serv
         ok = client.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length"), ok.text
 
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_limit_met_mid_generation_is_counted_as_the_clients_not_the_engines(server, stream):
+    """/metrics counts it as the 400s are (outcome "invalid"), not as the engine's failure (outcome "error")."""
+    path, body, _ = LATE_CASES[1]
+    before = httpx.get(server.url + "/metrics").text
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", server.url + path, json={**body, "stream": stream}) as r:
+            text = r.read().decode()
+    assert "grammar_too_large" in text, text
+    after = httpx.get(server.url + "/metrics").text
+    counted = {o: metric(after, "lineside_requests_total", f'outcome="{o}"')
+               - metric(before, "lineside_requests_total", f'outcome="{o}"') for o in ("invalid", "error")}
+    assert counted == {"invalid": 1, "error": 0}, counted
