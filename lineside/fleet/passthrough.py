@@ -6,6 +6,8 @@ Why not ASGI + an HTTP client: on a 2-core box the front's CPU per request compe
 scope/receive/send layers and the client library's response objects were most of it. Here a response chunk is
 written to the client inside the upstream socket's ``data_received``: no task, no await, no re-encoding
 (chunked framing passes through as is). httptools (llhttp) does all the parsing and framing on both sides.
+HTTP/1.0 has no chunked coding: a chunked answer to a 1.0 client goes on unframed, ended by the connection's close
+(as the server's own HTTP layer and nginx answer one).
 """
 
 from __future__ import annotations
@@ -175,6 +177,11 @@ class Exchange:
         self.heads = 0  # response heads parsed and not yet written on or dropped
         self.interim = 0  # of those, 1xx heads (dropped: the front asked for no 100-continue)
         self.framed = False  # Content-Length or chunked: the end is in the bytes, not the connection's close
+        self.chunked = False
+        # a chunked answer to an HTTP/1.0 client (which knows no chunked coding): its body goes on unframed, as
+        # parsed out of the chunks, and the client's connection closes after it (the close is what ends it)
+        self.unframed = False
+        self._pieces: list[bytes] = []  # unframed body parsed from the bytes being fed, not yet written
         self.status = 0
         self.ctype = b""
         self.kept: list[bytes] | None = [] if fwd.keep_body else None
@@ -192,20 +199,26 @@ class Exchange:
             self.ctype = value
         elif n in (b"content-length", b"transfer-encoding"):
             self.framed = True
+            if n == b"transfer-encoding" and b"chunked" in value.lower():
+                self.chunked = True
 
     def on_headers_complete(self) -> None:
         self.heads += 1
         self.status = self.parser.get_status_code()
         self.upstream_keep_alive = self.parser.should_keep_alive()
+        if self.status >= 200 and self.chunked and self.head.version == "1.0" and self.head.method != "HEAD":
+            self.unframed = True
 
     def on_body(self, body: bytes) -> None:
         if self.kept is not None:
             self.kept.append(body)
+        if self.unframed:
+            self._pieces.append(body)
 
     def on_message_complete(self) -> None:
         if self.status < 200:  # an interim 1xx response: dropped, the real one follows
             self.interim += 1
-            self.framed = False
+            self.framed = self.chunked = False
             return
         if not self.finished.done():
             self.finished.set_result(True)
@@ -221,7 +234,10 @@ class Exchange:
             self.fail()
             return
         if self.head_sent:
-            self.client.write(data)
+            if self.unframed:
+                self._write_pieces()
+            else:
+                self.client.write(data)
             return
         assert self.buf is not None
         self.buf += data
@@ -235,12 +251,24 @@ class Exchange:
         extra = b"".join(k + b": " + v + b"\r\n" for k, v in self.fwd.add_response)
         if not self.keep_alive and self.head.version == "1.1":
             extra += b"connection: close\r\n"
-        out = bytes(self.buf[:end]) + extra + bytes(self.buf[end:])
+        if self.unframed:  # no Transfer-Encoding (nor the upstream's keep-alive): the close ends the body
+            kept = [line for line in bytes(self.buf[:end]).split(b"\r\n")[:-1]
+                    if line.split(b":", 1)[0].strip().lower() not in (b"transfer-encoding", b"connection", b"keep-alive")]
+            out = b"\r\n".join(kept) + b"\r\n" + extra + b"connection: close\r\n\r\n"
+        else:
+            out = bytes(self.buf[:end]) + extra + bytes(self.buf[end:])
         self.buf = None
         self.head_sent = True
         self.client.write(out)
+        if self.unframed:
+            self._write_pieces()
         if self.head.method == "HEAD" and not self.finished.done():  # no body follows, whatever the head says
             self.finished.set_result(True)
+
+    def _write_pieces(self) -> None:
+        if self._pieces:
+            self.client.write(b"".join(self._pieces))
+            self._pieces.clear()
 
     def upstream_lost(self) -> None:
         if self.finished.done():  # closed after a complete response: only that connection is done
@@ -422,8 +450,9 @@ class ClientConn(asyncio.Protocol):
                 if fwd.done is not None:
                     body_kept = b"".join(ex.kept) if ex.kept is not None else None
                     fwd.done(ex.status, ex.ctype, body_kept, time.perf_counter() - ex.t0, body)
-                # the client's connection outlives the router's unless the body was delimited by its close
-                return keep_alive and (ex.framed or head.method == "HEAD")
+                # the client's connection outlives the router's unless the body was delimited by its close (the
+                # router's, or, to an HTTP/1.0 client, the front's)
+                return keep_alive and not ex.unframed and (ex.framed or head.method == "HEAD")
             conn.abort()
             if self.gone:
                 return False

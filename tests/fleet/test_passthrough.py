@@ -21,11 +21,13 @@ except ImportError:
 
 class FakeUpstream:
     """Answers by path: /cl (Content-Length, kept alive), /chunked (two chunks), /close (HTTP/1.0-style body
-    ended by closing), /once (answers, then closes the kept-alive connection)."""
+    ended by closing), /once (answers, then closes the kept-alive connection), /stream (chunked, whatever the
+    request's version, as uvicorn's httptools protocol answers: one chunk, the rest once ``release`` is set)."""
 
     def __init__(self) -> None:
         self.heads: list[bytes] = []
         self.connections = 0
+        self.release = asyncio.Event()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -42,6 +44,12 @@ class FakeUpstream:
             if path == b"/chunked":
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
                              b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+            elif path == b"/stream":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                             b"connection: keep-alive\r\n\r\n7\r\ndata: 1\r\n")
+                await writer.drain()
+                await self.release.wait()
+                writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
             elif path == b"/close":
                 writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
                 await writer.drain()
@@ -87,6 +95,7 @@ def gateway():
         writer.close()
         return data
 
+    up.loop, up.front_port = loop, port
     yield (lambda raw, **kw: loop.run_until_complete(exchange(raw, **kw))), up
     front.close()
     upstream.close()
@@ -134,6 +143,39 @@ def test_an_http10_client_gets_a_close_delimited_answer_whole(gateway):
     out = call(post(b"/close", b"", version=b"1.0"), until_close=True)
     assert out.startswith(b"HTTP/1.0 200 OK") and b"x-front: 1" in out and out.endswith(b"until the end")
     assert up.heads[-1].split(b"\r\n")[0] == b"POST /close HTTP/1.0"
+
+
+@pytest.mark.parametrize("extra", [b"", b"connection: keep-alive\r\n"])
+def test_a_chunked_answer_to_an_http10_client_goes_unframed_and_ends_with_the_close(gateway, extra):
+    """HTTP/1.0 has no chunked coding: the client gets the body as parsed out of the chunks, each piece as it comes,
+    no Transfer-Encoding, and the front closes the connection after it (even one the client asked to keep)."""
+    _, up = gateway
+
+    async def stream() -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", up.front_port)
+        writer.write(post(b"/stream", b"", extra=extra, version=b"1.0"))
+        first = b""
+        while b"data: 1" not in first:  # the first piece arrives before the upstream sends the rest
+            piece = await asyncio.wait_for(reader.read(65536), 10)
+            assert piece, first
+            first += piece
+        up.release.set()
+        rest = await asyncio.wait_for(reader.read(-1), 10)  # returns only once the front closes the connection
+        writer.close()
+        return first, rest
+
+    first, rest = up.loop.run_until_complete(stream())
+    head, body = first.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding" not in head.lower() and b"keep-alive" not in head.lower(), head
+    assert b"connection: close" in head and b"x-front: 1" in head, head
+    assert body + rest == b"data: 1data: 2", (body, rest)
+
+
+def test_a_chunked_answer_to_an_http11_client_stays_chunked(gateway):
+    call, up = gateway
+    up.release.set()
+    out = call(b"POST /stream HTTP/1.1\r\nhost: gw\r\ncontent-length: 0\r\n\r\n")
+    assert b"transfer-encoding: chunked" in out.lower() and out.endswith(b"7\r\ndata: 1\r\n7\r\ndata: 2\r\n0\r\n\r\n")
 
 
 def test_an_upstream_that_closes_its_kept_alive_connection_is_not_reused(gateway):
