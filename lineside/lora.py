@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,17 +121,39 @@ def _pattern(patterns: dict[str, Any], module: str) -> Any:
     return None
 
 
+def _short(path: Path) -> str:
+    """A path for a message: its middle elided when it is long (a path too long to look up is echoed back)."""
+    text = str(path)
+    return text if len(text) <= 160 else f"{text[:60]}...{text[-80:]}"
+
+
+def _lookup_error(path: Path, e: OSError) -> AdapterError:
+    """An adapter path the OS refuses to look up or read (too long, a symlink loop, no permission), in one line."""
+    return AdapterError(f"{_short(path)}: the adapter directory cannot be read ({e.strerror or type(e).__name__}); "
+                        f"give the PEFT adapter directory ({CONFIG_FILE} and {WEIGHTS_FILE}) by a path this process "
+                        "can read")
+
+
 def read_adapter_config(path: Path) -> dict[str, Any]:
     """adapter_config.json of ``path`` (a directory), refusing what these graphs cannot compute."""
     cfg_file = path / CONFIG_FILE
-    if not path.is_dir():
-        raise AdapterError(f"{path}: not an adapter directory (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
-    if not cfg_file.is_file():
-        raise AdapterError(f"{path}: no {CONFIG_FILE}; save the adapter with PEFT's save_pretrained")
     try:
+        # Path.is_dir() answers False for a symlink loop and raises for a name too long: stat says which
+        is_dir = stat.S_ISDIR(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = False
+    except OSError as e:
+        raise _lookup_error(path, e) from None
+    if not is_dir:
+        raise AdapterError(f"{path}: not an adapter directory (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        if not cfg_file.is_file():
+            raise AdapterError(f"{path}: no {CONFIG_FILE}; save the adapter with PEFT's save_pretrained")
         conf = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_file}: malformed JSON ({e})") from None
+    except OSError as e:
+        raise _lookup_error(path, e) from None
     if not isinstance(conf, dict):
         raise AdapterError(f"{cfg_file}: expected a JSON object")
     if str(conf.get("peft_type", "LORA")).upper() != "LORA":
@@ -181,12 +204,18 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     wf = path / WEIGHTS_FILE
-    if not wf.is_file():
+    try:
+        present = wf.is_file()
+    except OSError as e:
+        raise _lookup_error(path, e) from None
+    if not present:
         raise AdapterError(f"{path}: no {WEIGHTS_FILE} (adapter_model.bin is not read: re-save with "
                            "safe_serialization=True)")
     try:
         return {k: _widened(v) for k, v in load_file(str(wf)).items()}
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
+    except OSError as e:
+        raise (_lookup_error(path, e) if e.errno is not None else _unreadable(wf, e)) from None
+    except (SafetensorError, ValueError, TypeError) as e:
         raise _unreadable(wf, e) from None
 
 

@@ -75,11 +75,8 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
     rank = int(getattr(engine.backend, "max_lora_rank", 0) or 0)
     try:  # reading the files and checking every shape: off the event loop
         adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path, max_rank=rank)
-    except LinesideError as e:
+    except LinesideError as e:  # a path the OS refuses to look up (too long, a loop) included: lora.py's one line
         raise APIError(400, str(e), "invalid_lora_adapter", param="lora_path") from None
-    except OSError as e:  # a path the OS refuses to look up (too long, a bad component): the client's path, not a 500
-        raise APIError(400, f"lora_path cannot be read ({e.strerror or e}); give the PEFT adapter directory as the "
-                            "server sees it", "invalid_lora_adapter", param="lora_path") from None
     try:
         engine.add_adapter(adapter)  # refuses a name loaded meanwhile, or still finishing after an unload
     except AdapterInUse as e:

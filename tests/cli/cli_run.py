@@ -85,3 +85,16 @@ def lineside_app() -> typer.Typer:
         _register()
         app._registered_for_tests = True
     return app
+
+
+def unreadable_dirs(root: Path) -> dict[str, Path]:
+    """Paths the OS refuses to look up, made under ``root``: a name past NAME_MAX ("too long"), a symlink that
+    points at itself ("loop"), and a real directory so deep that its files' paths pass PATH_MAX ("deep": the
+    directory itself can be looked up, ``deep/adapter_config.json`` cannot)."""
+    loop = root / "loop"
+    loop.symlink_to(loop)
+    deep = str(root)
+    while len(deep) < 4080:  # the directory under PATH_MAX (4096 with its NUL), "/adapter_config.json" past it
+        deep += "/" + "d" * min(200, max(1, 4080 - len(deep) - 1))
+    Path(deep).mkdir(parents=True)
+    return {"too long": root / ("a" * 300), "loop": loop / "adapter", "deep": Path(deep)}

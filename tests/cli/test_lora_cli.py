@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lineside.bundle import open_bundle
-from tests.cli.cli_run import assert_one_line_error, run_cli, tree_snapshot
+from tests.cli.cli_run import assert_one_line_error, run_cli, tree_snapshot, unreadable_dirs
 from tests.conftest import make_peft_adapter
 
 IDS = [1, 17, 42, 5, 99, 250, 3]
@@ -124,6 +124,20 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
         conf = json.loads((broken / "adapter_config.json").read_text())
         (broken / "adapter_config.json").write_text(json.dumps({**conf, **edit}))
         assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(broken), "--name", "d"), *needles)
+
+
+def test_an_adapter_path_the_os_cannot_look_up_is_one_line(lora_bundle_copy, tmp_path):
+    """A path too long, a symlink loop, or a directory whose files' paths pass PATH_MAX: the OSError of looking
+    up adapter_config.json escaped lora.py and printed as a bare OS error with the whole 4 KB path."""
+    before = _bundle_files(lora_bundle_copy)
+    paths = unreadable_dirs(tmp_path)
+    line = assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(paths["deep"]), "--name", "d"),
+                                 "the adapter directory cannot be read (File name too long)", "PEFT adapter directory")
+    assert len(line) < 400, line  # the 4 KB path is elided, not echoed whole
+    assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(paths["too long"]), "--name", "d"),
+                          "File name too long")
+    assert_one_line_error(run_cli("lora", "add", str(lora_bundle_copy), str(paths["loop"]), "--name", "d"))
+    assert _bundle_files(lora_bundle_copy) == before
 
 
 def _bundle_files(bundle) -> set[str]:

@@ -13,7 +13,7 @@ import pytest
 
 from lineside.bundle import open_bundle
 from lineside.runtime.adapters import LoraModule, serving_config
-from tests.cli.cli_run import assert_one_line_error, run_cli
+from tests.cli.cli_run import assert_one_line_error, run_cli, unreadable_dirs
 from tests.conftest import make_peft_adapter
 from tests.server.conftest import SlowBackend, running_server
 
@@ -146,6 +146,13 @@ def test_serve_refuses_bad_adapters_in_one_line(lora_served_bundle, tiny_bundles
         (("--lora-modules", f"tiny-llama={extra}"), ("'tiny-llama'", "base model", "another name")),
         (("--served-model-name", "plant", "--lora-modules", f"plant={extra}"), ("'plant'", "base model")),
         (("--lora-modules", f"x={tmp_path / 'none'}"), ("not an adapter directory",)),
+    ]
+    # paths the OS refuses to look up: the OSError escaped lora.py (a bare OS error with the whole path)
+    paths = unreadable_dirs(tmp_path)
+    cases += [
+        (("--lora-modules", f"x={paths['too long']}"), ("the adapter directory cannot be read (File name too long)",)),
+        (("--lora-modules", f"x={paths['loop']}"), ("cannot be read (Too many levels of symbolic links)",)),
+        (("--lora-modules", f"x={paths['deep']}"), ("the adapter directory cannot be read (File name too long)",)),
     ]
     for args, needles in cases:
         assert_one_line_error(run_cli("serve", str(bundle_dir), "--port", "1", *args), *needles)
