@@ -50,7 +50,7 @@ def plan_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
 ) -> None:
     """Which model each node runs and whether it fits there (the memory planner per node)."""
-    from lineside.fleet.plan import format_plans, plan_fleet
+    from lineside.fleet.plan import format_plans, plan_fleet, plan_notes
     from lineside.fleet.spec import load_fleet
 
     plans = plan_fleet(load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file")))
@@ -58,6 +58,8 @@ def plan_cmd(
         print(json.dumps([p.to_dict() for p in plans], indent=2))
     else:
         _print(format_plans(plans))
+        for line in plan_notes(plans):  # plain lines: a path in a note is not wrapped or read as markup
+            print(line)
 
 
 @fleet.command("push")

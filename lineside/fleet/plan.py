@@ -131,3 +131,9 @@ def format_plans(plans: list[NodePlan]) -> Any:
         t.add_row(*(Text(c) for c in (p.node, str(p.kind), ",".join(p.pools), p.runs, p.where, fits, nh,
                                       str(p.max_context or "-"), p.detail)))
     return t
+
+
+def plan_notes(plans: list[NodePlan]) -> list[str]:
+    """The plans' notes (an unbuilt bundle planned from its model, the planner's caveats) as lines for under the
+    table, each naming its node (``--json`` carries them in each plan's ``notes``)."""
+    return [f"note: {p.node}: {n}" for p in plans for n in p.notes]

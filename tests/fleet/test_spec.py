@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -343,6 +344,21 @@ def test_the_shipped_example_checks_on_a_fresh_clone_and_push_refuses_its_unbuil
     p = run_cli("fleet", "push", EXAMPLE, "--ssh", "false")
     assert_one_line_error(p, "nothing pushed: no bundle for orin-1", "orin-2", "lineside build")
     assert "planned from model deepseek-r1-distill-qwen-7b" in plan_fleet(load_fleet(EXAMPLE))[1].notes[0]
+
+
+def test_plan_shows_the_notes_under_its_table():
+    """`fleet plan`'s table showed none of the plans' notes (--json has them): an unbuilt bundle planned from its
+    model read as if the bundle were what was planned."""
+    p = run_cli("fleet", "plan", EXAMPLE)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    bottom = max(i for i, line in enumerate(lines) if line.startswith("\u2514"))  # the table's last line
+    notes = lines[bottom + 1:]
+    want = [f"note: {n['node']}: {note}" for n in json.loads(run_cli("fleet", "plan", EXAMPLE, "--json").stdout)
+            for note in n["notes"]]
+    assert notes == want and len(want) >= 2, (notes, want)
+    assert any(line.startswith("note: orin-1: bundle ") and "not built yet: planned from model "
+               "deepseek-r1-distill-qwen-7b" in line for line in notes), notes
 
 
 def test_an_unbuilt_bundle_without_a_model_is_one_line(tmp_path):
