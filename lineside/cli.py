@@ -230,3 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         print(note, file=sys.stderr)
     _register(argv)
     sys.exit(run_app(app, argv))  # SystemExit(0) on success too, as typer's standalone mode does
+
+
+if __name__ == "__main__":  # `python -m lineside.cli ...`, as `python -m lineside ...`
+    # run the package's module, not this __main__ copy of it: the command modules import lineside.cli (its app, its
+    # Terminated), and run_app must catch the classes they raise
+    from lineside.cli import main as _main
+
+    _main()

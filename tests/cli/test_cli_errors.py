@@ -197,6 +197,18 @@ def test_ids_separated_by_spaces_are_each_an_id(bundle, tmp_path, ids):
     assert np.load(tmp_path / "x.npy").shape == (3, 300)
 
 
+@pytest.mark.parametrize("args", [["--help"], ["lora", "list", "nope"]])
+def test_python_m_lineside_cli_runs_the_cli_as_python_m_lineside(tmp_path, args):
+    """`python -m lineside.cli ...` exited 0 having done nothing: cli.py had no __main__ block."""
+    def run(module: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path)
+
+    want, got = run("lineside"), run("lineside.cli")
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert (want.returncode, bool(want.stdout)) == ((0, True) if args == ["--help"] else (1, False)), want
+
+
 def test_not_a_bundle(tmp_path):
     assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "manifest")
 
