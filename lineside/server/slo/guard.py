@@ -234,6 +234,8 @@ class SloGuard:
         self.signals.observe(ttft_s=record.ttft_s, queue_s=record.queue_s)
         if record.outcome == FinishReason.TIMEOUT and record.first_token is None:
             self.metrics.first_token_timeouts.inc()
+        if record.outcome == "invalid":
+            return  # the client's own grammar ended it mid-generation: not late, not on time (its latency counted)
         on_time = record.outcome in (FinishReason.STOP, FinishReason.LENGTH)
         self.metrics.finished.labels(record.mode, "true" if on_time else "false").inc()
 
