@@ -68,7 +68,9 @@ REFUSED = {"echo": {"echo": True}, "suffix": {"suffix": "end"},
            "prompt_logprobs": {"prompt_logprobs": 1}, "skip_special_tokens": {"skip_special_tokens": False},
            "logits_processors": {"logits_processors": ["x"]}, "functions": {"functions": [TOOL["function"]]},
            "function_call": {"function_call": {"name": "f"}}, "chat_template": {"chat_template": "{{ 1 }}"},
-           "stream_options": {"stream_options": {"include_usage": True}}}
+           "stream_options": {"stream_options": {"include_usage": True}},
+           "modalities": {"modalities": ["text", "audio"]}, "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+           "web_search_options": {"web_search_options": {}}}
 # Change nothing in the answer: the same cached answer is right.
 NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"}}
 # Keyed by what they change, tested where the key is: the prompt ids they render (a template's extra variables,
