@@ -114,3 +114,37 @@ def test_official_style_config_parses_like_transformers():
                 "attention_factor"):
         assert ours.rope["compress"][key] == ref.rope_parameters["compress"][key], key
     assert ours.rope["main"]["rope_theta"] == ref.rope_parameters["main"]["rope_theta"]
+
+
+_ROPE_BASE = dict(BASE, num_hidden_layers=3, partial_rotary_factor=0.25, max_position_embeddings=8192,
+                  layer_types=[SLIDING, CSA, HCA])
+
+
+@pytest.mark.parametrize("rope", [
+    # V4-Flash's flat rope_scaling (mscale keys included: transformers forces the compress attention_factor to 1)
+    dict(rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # truncate: false is not honoured by V4 (transformers reads it from the top level of rope_parameters, which V4
+    # nests; DeepSeek's reference always floors / ceils the correction range). Was: our yarn table used it.
+    dict(compress_rope_theta=10000, rope_parameters={"type": "yarn", "factor": 4.0, "truncate": False,
+                                                     "original_max_position_embeddings": 4096}),
+    dict(rope_parameters={"main": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "truncate": False,
+                                   "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.5},
+                          "compress": {"rope_type": "linear", "rope_theta": 3000.0, "factor": 2.0}}),
+])
+def test_rope_tables_match_transformers(rope):
+    """The graph's inverse frequencies and cos/sin factor per rope label equal DeepseekV4RotaryEmbedding's."""
+    import numpy as np
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    from lineside.build.models.deepseek_v4.graph import rope_frequencies
+
+    kw = {k: v for k, v in dict(_ROPE_BASE, **rope).items() if k not in ("model_type", "architectures")}
+    hf = DeepseekV4Config(**kw)
+    emb = DeepseekV4RotaryEmbedding(hf)
+    ours = rope_frequencies(parse_config(json.loads(hf.to_json_string())))
+    for label in ("main", "compress"):
+        inv, factor = ours[label]
+        np.testing.assert_allclose(inv, getattr(emb, f"{label}_inv_freq").numpy(), rtol=1e-6, err_msg=label)
+        assert factor == pytest.approx(getattr(emb, f"{label}_attention_scaling"), rel=1e-9), label

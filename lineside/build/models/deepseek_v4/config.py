@@ -150,6 +150,9 @@ def _rope(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["compress"].setdefault("attention_factor", 1.0)
     for label, p in out.items():
         p.setdefault("rope_type", p.pop("type", "default"))
+        # YaRN always floors / ceils its correction range here: DeepSeek's reference does, and transformers reads
+        # ``truncate`` from the top level of rope_parameters, which V4 nests, so a ``truncate`` given is never used.
+        p.pop("truncate", None)
         for key in ("rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                     "attention_factor"):
             if p.get(key) is not None:

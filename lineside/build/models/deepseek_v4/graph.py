@@ -69,7 +69,8 @@ def _mlp_weights(src: V4Source, cfg: V4Config, i: int) -> dict[str, Any]:
     return w
 
 
-def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
+def rope_frequencies(cfg: V4Config) -> dict[str, tuple[np.ndarray, float]]:
+    """label ("main" / "compress") → (inverse frequencies float32 [rope_dim/2], attention factor on cos/sin)."""
     out = {}
     for label, p in cfg.rope.items():
         kind = p.get("rope_type", "default")
@@ -77,8 +78,12 @@ def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
         inv, factor = rope_inv_freq(cfg.rope_dim, float(p["rope_theta"]), scaling, cfg.max_position_embeddings)
         if kind == "default":  # transformers computes these in float32
             inv = 1.0 / (np.float32(p["rope_theta"]) ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float32) / np.float32(cfg.rope_dim)))
-        out[label] = (o.w(f"rope.{label}.inv_freq", np.asarray(inv, np.float32)), float(factor))
+        out[label] = (np.asarray(inv, np.float32), float(factor))
     return out
+
+
+def _rope_consts(o: Ops, cfg: V4Config) -> dict[str, tuple[str, float]]:
+    return {label: (o.w(f"rope.{label}.inv_freq", inv), factor) for label, (inv, factor) in rope_frequencies(cfg).items()}
 
 
 def emit_v4_graph(cfg: V4Config, src: V4Source, spec: QuantSpec, flavor: str, onnx_path: Path, max_seq_len: int,
