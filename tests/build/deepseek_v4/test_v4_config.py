@@ -148,3 +148,18 @@ def test_rope_tables_match_transformers(rope):
         inv, factor = ours[label]
         np.testing.assert_allclose(inv, getattr(emb, f"{label}_inv_freq").numpy(), rtol=1e-6, err_msg=label)
         assert factor == pytest.approx(getattr(emb, f"{label}_attention_scaling"), rel=1e-9), label
+
+
+def test_per_layer_lists_may_carry_the_mtp_layers_entries_like_transformers():
+    """layer_types / mlp_layer_types with the MTP layer's entry appended (as compress_ratios carries it) parse to the
+    first num_hidden_layers entries, as transformers truncates them; was refused as a length mismatch."""
+    from transformers import DeepseekV4Config
+
+    d = dict(BASE, num_nextn_predict_layers=1, layer_types=[SLIDING, CSA, HCA, CSA, SLIDING],
+             mlp_layer_types=["hash_moe", "moe", "moe", "moe", "moe"])
+    ours = parse_config(d)
+    ref = DeepseekV4Config(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    assert ours.layer_types == ref.layer_types == [SLIDING, CSA, HCA, CSA]
+    assert ours.mlp_layer_types == ref.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
+    with pytest.raises(ConfigError, match="layer_types has 6 entries but num_hidden_layers is 4"):
+        parse_config(dict(d, layer_types=[SLIDING] * 6))  # more than the MTP layers add

@@ -85,11 +85,16 @@ def _flag(d: dict[str, Any], key: str) -> bool:
     return bool(v)
 
 
+def _mtp_extra(d: dict[str, Any]) -> int:
+    """Trailing per-layer entries a config may carry for its MTP layers (DeepSeek's compress_ratios does)."""
+    return _pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0
+
+
 def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
     types = d.get("layer_types")
     if types is None and d.get("compress_ratios") is not None:
         ratios = d["compress_ratios"]
-        extra = _pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0
+        extra = _mtp_extra(d)
         if not isinstance(ratios, list) or len(ratios) not in (n, n + extra):
             raise ConfigError(
                 f"config.json: compress_ratios has {len(ratios) if isinstance(ratios, list) else ratios!r} entries "
@@ -103,7 +108,7 @@ def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
     if types is None:
         rest = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         return [HCA] * min(n, 2) + rest
-    return _per_layer(types, n, "layer_types", LAYER_TYPES)
+    return _per_layer(types, n, "layer_types", LAYER_TYPES, _mtp_extra(d))
 
 
 def _mlp_types(d: dict[str, Any], n: int) -> list[str]:
@@ -114,18 +119,19 @@ def _mlp_types(d: dict[str, Any], n: int) -> list[str]:
         if isinstance(n_hash, bool) or not isinstance(n_hash, int) or n_hash < 0:
             raise ConfigError(f"config.json: num_hash_layers must be a non-negative integer, got {n_hash!r}")
         return ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-    return _per_layer(types, n, "mlp_layer_types", MLP_TYPES)
+    return _per_layer(types, n, "mlp_layer_types", MLP_TYPES, _mtp_extra(d))
 
 
-def _per_layer(types: Any, n: int, key: str, allowed: tuple[str, ...]) -> list[str]:
-    """A config list with one entry per layer, each one of ``allowed``."""
-    if not isinstance(types, list) or len(types) != n:
+def _per_layer(types: Any, n: int, key: str, allowed: tuple[str, ...], extra: int = 0) -> list[str]:
+    """A config list with one entry per layer, each one of ``allowed`` (``extra`` trailing MTP entries dropped, as
+    transformers keeps the first num_hidden_layers)."""
+    if not isinstance(types, list) or len(types) not in (n, n + extra):
         got = len(types) if isinstance(types, list) else types
         raise ConfigError(f"config.json: {key} has {got!r} entries but num_hidden_layers is {n}; make them agree")
     bad = [t for t in types if t not in allowed]
     if bad:
         raise ConfigError(f"config.json: {key} entry {bad[0]!r} is not one of {', '.join(allowed)}")
-    return list(types)
+    return list(types[:n])
 
 
 def _rope(d: dict[str, Any]) -> dict[str, dict[str, Any]]:
