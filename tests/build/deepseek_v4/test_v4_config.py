@@ -69,6 +69,8 @@ def test_model_config_route():
     (dict(compress_ratios=[0, 4, 16, 0]), "compress_ratios value 16"),
     (dict(compress_ratios=[0, [4], 128, 0]), "compress_ratios value [4]"),  # was a TypeError traceback
     (dict(compress_ratios=[0, 4]), "compress_ratios has 2 entries"),
+    # both rates equal: a ratio cannot say which type (was: every such layer became HCA, transformers makes 4 CSA)
+    (dict(compress_ratios=[0, 4, 4, 0], compress_rate_hca=4), "compress_ratios cannot tell"),
     (dict(num_key_value_heads=2), "one shared KV head"),
     (dict(o_groups=3), "o_groups 3 does not divide"),
     (dict(num_experts_per_tok=8), "exceeds n_routed_experts"),

@@ -100,6 +100,11 @@ def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
                 f"config.json: compress_ratios has {len(ratios) if isinstance(ratios, list) else ratios!r} entries "
                 f"but num_hidden_layers is {n}; give one ratio (0, {rates[CSA]} or {rates[HCA]}) per layer"
             )
+        if rates[CSA] == rates[HCA]:
+            raise ConfigError(
+                f"config.json: compress_ratios cannot tell compressed_sparse_attention from heavily_compressed_attention "
+                f"when both compress rates are {rates[CSA]}; give layer_types instead"
+            )
         by_rate = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
         bad = [r for r in ratios if not isinstance(r, (int, float)) or r not in by_rate]  # a list is unhashable
         if bad:
