@@ -64,7 +64,8 @@ def test_model_config_route():
 
 @pytest.mark.parametrize("patch,words", [
     (dict(layer_types=[SLIDING, CSA]), "layer_types has 2 entries but num_hidden_layers is 4"),
-    (dict(mlp_layer_types=["moe"] * 5), "mlp_layer_types has 5 entries"),
+    # 5 entries are the 4 layers' and the MTP layer's (num_nextn_predict_layers defaults to 1): accepted
+    (dict(mlp_layer_types=["moe"] * 6), "mlp_layer_types has 6 entries"),
     (dict(layer_types=[SLIDING, "full_attention", CSA, HCA]), "'full_attention' is not one of"),
     (dict(compress_ratios=[0, 4, 16, 0]), "compress_ratios value 16"),
     (dict(compress_ratios=[0, [4], 128, 0]), "compress_ratios value [4]"),  # was a TypeError traceback
@@ -165,3 +166,16 @@ def test_per_layer_lists_may_carry_the_mtp_layers_entries_like_transformers():
     assert ours.mlp_layer_types == ref.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
     with pytest.raises(ConfigError, match="layer_types has 6 entries but num_hidden_layers is 4"):
         parse_config(dict(d, layer_types=[SLIDING] * 6))  # more than the MTP layers add
+
+
+def test_mtp_entries_without_num_nextn_predict_layers_use_transformers_default():
+    """num_nextn_predict_layers absent means transformers' default, 1: compress_ratios with the MTP layer's ratio
+    appended parses as transformers does (was refused: 'compress_ratios has 5 entries')."""
+    from transformers import DeepseekV4Config
+
+    d = dict(BASE, compress_ratios=[0, 4, 128, 4, 0])
+    ours = parse_config(d)
+    ref = DeepseekV4Config(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
+    assert ours.layer_types == ref.layer_types == [SLIDING, CSA, HCA, CSA]
+    assert ours.mtp_layers == ref.num_nextn_predict_layers == 1
+    assert parse_config(dict(d, num_nextn_predict_layers=0, compress_ratios=[0, 4, 128, 4])).mtp_layers == 0

@@ -53,7 +53,7 @@ class V4Config:
     rope: dict[str, dict[str, Any]] = field(default_factory=dict)  # "main" / "compress" → rope params
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
-    mtp_layers: int = 0  # num_nextn_predict_layers: multi-token-prediction blocks the checkpoint may carry (mtp.*)
+    mtp_layers: int = 1  # num_nextn_predict_layers: multi-token-prediction blocks the checkpoint may carry (mtp.*)
 
     def rate(self, layer: int) -> int:
         """Compression rate of a layer (0 for sliding-only layers)."""
@@ -86,8 +86,12 @@ def _flag(d: dict[str, Any], key: str) -> bool:
 
 
 def _mtp_extra(d: dict[str, Any]) -> int:
-    """Trailing per-layer entries a config may carry for its MTP layers (DeepSeek's compress_ratios does)."""
-    return _pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0
+    """num_nextn_predict_layers (transformers' default 1 when absent): the MTP layers, whose per-layer entries a
+    config may carry after the main layers' (DeepSeek's compress_ratios does)."""
+    v = d.get("num_nextn_predict_layers")
+    if v is None:
+        return 1
+    return 0 if v == 0 and not isinstance(v, bool) else _pos_int(d, "num_nextn_predict_layers")
 
 
 def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
@@ -236,7 +240,7 @@ def parse_config(d: dict[str, Any]) -> V4Config:
         rope=_rope(d),
         max_position_embeddings=_pos_int(d, "max_position_embeddings", 1048576),
         tie_word_embeddings=_flag(d, "tie_word_embeddings"),
-        mtp_layers=_pos_int(d, "num_nextn_predict_layers") if d.get("num_nextn_predict_layers") else 0,
+        mtp_layers=_mtp_extra(d),
     )
     _check(cfg)
     return cfg
