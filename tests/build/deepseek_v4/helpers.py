@@ -53,6 +53,13 @@ SCHEDULES.update(
                                          "beta_fast": 16, "beta_slow": 2}}),
     f=dict(_A, mlp_layer_types=["moe", "hash_moe", "moe"], index_topk=1, sliding_window=40, num_experts_per_tok=4,
            compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5}),
+    # g: one attention head (one output group), 8 experts top-3 with a MoE width no group size tiles, an indexer top-k
+    # one below the compressed entries at the end, hc_sinkhorn_iters 0 (transformers runs it as 1), and a flat yarn
+    # with "truncate": false, which V4 does not honour (transformers reads it only at rope_parameters' top level).
+    g=dict(_A, num_attention_heads=1, o_groups=1, hc_sinkhorn_iters=0, index_topk=6, n_routed_experts=8,
+           num_experts_per_tok=3, moe_intermediate_size=40, compress_rope_theta=1000.0,
+           rope_parameters={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 8,
+                            "beta_slow": 2, "truncate": False}),
 )
 BASE = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, head_dim=32,
             q_lora_rank=64, partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=4,

@@ -38,7 +38,7 @@ def _n_linears(cfg) -> int:
     return n
 
 
-@pytest.mark.parametrize("schedule", ["a", "b", "c"])  # c: 96 inputs, ragged groups of 64
+@pytest.mark.parametrize("schedule", ["a", "b", "c", "g"])  # c: 96 inputs, g: MoE width 40, ragged groups of 64
 def test_w4a16_cpu_equals_rtn_reference(v4, schedule):
     """cpu flavor (MatMulNBits, accuracy level 0) = transformers with the same RTN-rounded weights."""
     ids, float_ref, _ = v4.ref(schedule)

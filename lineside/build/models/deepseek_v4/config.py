@@ -94,6 +94,13 @@ def _mtp_extra(d: dict[str, Any]) -> int:
     return 0 if v == 0 and not isinstance(v, bool) else _pos_int(d, "num_nextn_predict_layers")
 
 
+def _sinkhorn_iters(d: dict[str, Any]) -> int:
+    """hc_sinkhorn_iters: 0 runs like 1 (transformers and DeepSeek's reference normalise once, then iters - 1 more)."""
+    if d.get("hc_sinkhorn_iters") == 0 and not isinstance(d["hc_sinkhorn_iters"], bool):
+        return 1
+    return _pos_int(d, "hc_sinkhorn_iters", 20)
+
+
 def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
     types = d.get("layer_types")
     if types is None and d.get("compress_ratios") is not None:
@@ -228,7 +235,7 @@ def parse_config(d: dict[str, Any]) -> V4Config:
         index_head_dim=_pos_int(d, "index_head_dim", 128),
         index_topk=_pos_int(d, "index_topk", 512),
         hc_mult=_pos_int(d, "hc_mult", 4),
-        hc_sinkhorn_iters=_pos_int(d, "hc_sinkhorn_iters", 20),
+        hc_sinkhorn_iters=_sinkhorn_iters(d),
         hc_eps=_pos_num(d, "hc_eps", 1e-6),
         n_routed_experts=_pos_int(d, "n_routed_experts", 256),
         num_experts_per_tok=_pos_int(d, "num_experts_per_tok", 6),
