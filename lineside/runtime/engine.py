@@ -345,11 +345,16 @@ class LLMEngine:
         self._kick()
         return info
 
+    @property
+    def max_lora_rank(self) -> int:
+        """The adapter slots' rank (0: the backend has no LoRA graph)."""
+        return int(getattr(self.backend, "max_lora_rank", 0) or 0)
+
     def add_adapter(self, adapter: LoraAdapter) -> None:
         """Serve ``adapter`` from now on (a runtime load; already read and checked against the slots): requests may
         name it at once; it is written into a slot when the first one runs."""
         slots = self._runtime_slots()
-        check_fits(adapter, int(getattr(self.backend, "max_lora_rank", 0) or 0), self._lora_targets(),
+        check_fits(adapter, self.max_lora_rank, self._lora_targets(),
                    "this server's adapter slots (--max-lora-rank)")
         with self._state:
             slots.add(adapter)

@@ -14,6 +14,7 @@ from lineside.runtime.structured import GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the stats type lives with the engine that counts them
+    from lineside.lora import LoraAdapter
     from lineside.runtime.adapter_slots import AdapterSlots
     from lineside.runtime.engine import EngineStats
 
@@ -65,4 +66,20 @@ class ServingEngine(Protocol):
 
     def release_session(self, session_id: str) -> bool:
         """End a prefill session now; False when there is none."""
+        ...
+
+
+@runtime_checkable
+class AdapterServing(ServingEngine, Protocol):
+    """What `serve --allow-runtime-lora`'s routes use besides (server/lora_api.py): an engine without these simply
+    serves no runtime adapters."""
+
+    max_lora_rank: int  # the slots' rank: a runtime adapter above it is refused
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` from now on; raises AdapterInUse for a name still loaded or finishing."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving ``name`` (requests already using it finish with it); raises UnknownAdapter."""
         ...

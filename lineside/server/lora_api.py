@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -20,6 +19,7 @@ from lineside.errors import LinesideError
 from lineside.lora import check_name
 from lineside.runtime.adapter_slots import AdapterInUse, UnknownAdapter
 from lineside.runtime.adapters import runtime_adapter
+from lineside.runtime.serving import AdapterServing
 from lineside.server.errors import APIError
 from lineside.server.schemas import _REQ, ERROR_RESPONSES
 from lineside.server.state import ServerState
@@ -43,7 +43,7 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_name: str
 
 
-def _engine(request: Request) -> Any:
+def _engine(request: Request) -> AdapterServing:
     """The primary engine, ready and serving adapter slots (503 while it loads or drains, 400 without slots)."""
     state: ServerState = request.app.state.lineside
     if state.draining:
@@ -51,7 +51,7 @@ def _engine(request: Request) -> Any:
     if not state.engine_ready or state.engine is None:
         raise APIError(503, "model is still loading; retry when GET /health/ready answers 200", "not_ready",
                        headers={"retry-after": "1"})
-    if getattr(state.engine, "adapter_slots", None) is None:
+    if not isinstance(state.engine, AdapterServing) or state.engine.adapter_slots is None:
         raise APIError(400, "this server has no LoRA adapter slots; start `lineside serve` with --allow-runtime-lora "
                             "on a bundle built with --max-lora-rank", "lora_not_enabled")
     return state.engine
@@ -72,9 +72,9 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
     if name in engine.adapter_slots.adapters:
         raise APIError(400, f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) or "
                             "choose another lora_name", "lora_already_loaded", param="lora_name")
-    rank = int(getattr(engine.backend, "max_lora_rank", 0) or 0)
     try:  # reading the files and checking every shape: off the event loop
-        adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path, max_rank=rank)
+        adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path,
+                                          max_rank=engine.max_lora_rank)
     except LinesideError as e:  # a path the OS refuses to look up (too long, a loop) included: lora.py's one line
         raise APIError(400, str(e), "invalid_lora_adapter", param="lora_path") from None
     try:

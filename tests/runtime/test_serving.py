@@ -7,14 +7,18 @@ import ast
 import inspect
 from pathlib import Path
 
-from lineside.runtime.serving import ServingEngine
+from lineside.runtime.serving import AdapterServing, ServingEngine
 
 SERVER = Path(__file__).resolve().parents[2] / "lineside" / "server"
 
 
 def _members() -> set[str]:
-    declared = set(inspect.get_annotations(ServingEngine))
-    return declared | {n for n, v in vars(ServingEngine).items() if inspect.isfunction(v) and not n.startswith("_")}
+    """ServingEngine's members and those of its optional extension AdapterServing (the runtime LoRA routes)."""
+    out: set[str] = set()
+    for proto in (ServingEngine, AdapterServing):
+        out |= set(inspect.get_annotations(proto))
+        out |= {n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")}
+    return out
 
 
 def _engine_uses() -> dict[str, str]:
@@ -50,7 +54,7 @@ def test_llm_engine_is_a_serving_engine(tiny_bundle):
     b = open_bundle(tiny_bundle)
     eng = LLMEngine(b, backend=OnnxRuntimeBackend(b, num_slots=1, threads=1), num_slots=1)
     try:
-        assert isinstance(eng, ServingEngine)
+        assert isinstance(eng, ServingEngine) and isinstance(eng, AdapterServing)
         assert not [m for m in _members() if not hasattr(eng, m)]
     finally:
         eng.close()
