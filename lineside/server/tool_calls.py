@@ -75,6 +75,11 @@ class CallFormat(str, Enum):
     JSON = "json"  # bare JSON objects or an array of them (Llama 3.x; the ``required`` grammar)
     ARGUMENTS = "arguments"  # the whole output is one call's arguments (a named function's grammar)
     MISTRAL = "mistral"  # [TOOL_CALLS] [{"name": ..., "arguments": ...}] (v3) or [TOOL_CALLS]name[ARGS]{...} (v11+)
+    # DeepSeek's markup between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, each call in <｜tool▁call▁begin｜>
+    # ... <｜tool▁call▁end｜>: V3 / R1 (and R1-Distill's templates) write function<｜tool▁sep｜>NAME\n```json\n{...}\n```,
+    # V3.1 NAME<｜tool▁sep｜>{...}
+    DEEPSEEK_V3 = "deepseek_v3"
+    DEEPSEEK_V31 = "deepseek_v31"
 
 
 @dataclass
@@ -250,14 +255,15 @@ def rerooted(schema: Any, at: str, *, names: bool = False) -> Any:
 
 
 # ``--tool-call-parser`` (vLLM's names): how ``auto`` reads the model's calls; ``auto`` infers it from the template.
-PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON, "mistral": CallFormat.MISTRAL}
+PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON, "mistral": CallFormat.MISTRAL,
+           "deepseek_v3": CallFormat.DEEPSEEK_V3, "deepseek_v31": CallFormat.DEEPSEEK_V31}
 
 
 def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "auto") -> CallFormat:
     """Where the calls are in this output: fixed by the grammar for required / named, else the model's own —
-    ``parser``'s format, or (auto) the one the chat template writes: Mistral's ``[TOOL_CALLS]``, ``<tool_call>`` tags
-    (Qwen2.5, Hermes, SmolLM2's ``<tool_call>[...]</tool_call>``) or, for a template with tools and no tags, Llama
-    3.x's bare JSON."""
+    ``parser``'s format, or (auto) the one the chat template writes: DeepSeek's ``<｜tool▁call▁begin｜>`` markup (V3's
+    with a fenced ```json block, else V3.1's), Mistral's ``[TOOL_CALLS]``, ``<tool_call>`` tags (Qwen2.5, Hermes,
+    SmolLM2's ``<tool_call>[...]</tool_call>``) or, for a template with tools and no tags, Llama 3.x's bare JSON."""
     if choice.kind == ToolChoiceKind.NAMED:
         return CallFormat.ARGUMENTS
     if choice.kind == ToolChoiceKind.REQUIRED:
@@ -265,6 +271,8 @@ def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "au
     if PARSERS.get(parser) is not None:
         return PARSERS[parser]
     t = chat_template or ""
+    if _DS_CALL in t:  # DeepSeek V3 / R1 / R1-Distill / V3.1: the template writes past calls in the markup
+        return CallFormat.DEEPSEEK_V3 if "```json" in t else CallFormat.DEEPSEEK_V31
     if _MISTRAL_CALLS in t:
         return CallFormat.MISTRAL  # Mistral 7B v0.3, Nemo, Small: the template writes past calls after the marker
     if "<tool_call>" in t or not template_knows_tools(t):
@@ -276,10 +284,15 @@ def kept_special_ids(fmt: CallFormat | None, tokenizer: Any) -> frozenset[int]:
     """The ids of the markers ``fmt``'s parser reads that are special tokens of ``tokenizer`` (Mistral's
     ``[TOOL_CALLS]``, ``[ARGS]``, ``[CALL_ID]`` in v3+ tokenizers): the detokenizer keeps their text, else v11+
     calls came out as ``get_weather{...}`` and were no calls (vLLM keeps special tokens for its Mistral parser).
-    Other special tokens stay out of the text."""
-    if fmt != CallFormat.MISTRAL:
+    Other special tokens stay out of the text. DeepSeek's ``<｜tool▁calls▁begin｜>``, ``<｜tool▁call▁begin｜>``,
+    ``<｜tool▁sep｜>``, ... likewise, for its formats (vLLM's deepseek parsers read them in the text)."""
+    if fmt == CallFormat.MISTRAL:
+        markers: tuple[str, ...] = (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID)
+    elif fmt in (CallFormat.DEEPSEEK_V3, CallFormat.DEEPSEEK_V31):
+        markers = _DS_MARKERS
+    else:
         return frozenset()
-    ids = (tokenizer.token_id(t) for t in (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID))
+    ids = (tokenizer.token_id(t) for t in markers)
     return frozenset(i for i in ids if i is not None and tokenizer.is_special(i))
 
 
@@ -297,22 +310,32 @@ def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], cha
                       choice: ToolChoice, param: str = "messages") -> tuple[list[dict[str, Any]],
                                                                             list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. Assistant ``tool_calls`` get their arguments as objects (what
-    HF templates expect); a template without tool support gets tools, calls and results written as text.
-    ``param``: the request field holding the messages, named by a 400."""
+    HF templates expect; as the client's text for a template that joins them to strings with ``+``, R1-Distill's);
+    a template without tool support gets tools, calls and results written as text. A template that writes past calls
+    in DeepSeek's markup but has no tools section (R1-Distill's) renders calls and results itself, the tools described
+    in a system message asking for that markup. ``param``: the request field holding the messages, named by a 400."""
     listed = offered(tools, choice)
-    if template_knows_tools(chat_template):
+    ds_markup = _DS_CALL in (chat_template or "")
+    deepseek = ds_markup and not template_knows_tools(chat_template)
+    if template_knows_tools(chat_template) or deepseek:
         short = bool(_NINE_CHAR_IDS.search(chat_template or ""))
+        as_text = bool(_JOINED_ARGUMENTS.search(chat_template or ""))
         out = []
         for m in messages:
             m = dict(m)
             if m.get("tool_calls"):
-                m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+                m["tool_calls"] = [_template_call(c, as_text) for c in m["tool_calls"]]
+                if ds_markup and not m.get("content"):  # DeepSeek's templates write the calls only for content
+                    m["content"] = None  # none (as OpenAI's message has it); for "" they left them out of the prompt
                 if short:
                     m["tool_calls"] = [{**c, "id": _nine_chars(c["id"])} for c in m["tool_calls"]]
             if short and m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
                 m["tool_call_id"] = _nine_chars(m["tool_call_id"])
             out.append(m)
         _check_user_after_tool(out, chat_template, param)
+        if deepseek and listed:
+            out = _with_tools_text(out, deepseek_tools_prompt(tools, v3="```json" in (chat_template or "")),
+                                   chat_template)
         return _system_kept(_alternating(out, chat_template), chat_template, param), listed
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -426,10 +449,31 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
     return [{"role": "system", "content": text}, *messages]
 
 
-def _template_call(c: Any) -> dict[str, Any]:
+def deepseek_tools_prompt(tools: Sequence[Tool], v3: bool) -> str:
+    """The tools and DeepSeek's call markup (V3 / R1's, or V3.1's), for a template that writes past calls in it but
+    describes no tools (R1-Distill's)."""
+    sigs = "\n".join(json.dumps(t.openai(), ensure_ascii=False) for t in tools)
+    call = ("function<｜tool▁sep｜>FUNCTION_NAME\n```json\n{ARGUMENTS}\n```" if v3
+            else "FUNCTION_NAME<｜tool▁sep｜>{ARGUMENTS}")
+    return ("You may call one or more functions to assist with the user query. The functions, as JSON signatures:\n"
+            f"{sigs}\n\nTo call functions, write exactly:\n{_DS_CALLS}{_DS_CALL}{call}{_DS_CALL_END}{_DS_CALLS_END}\n"
+            f"with one {_DS_CALL}...{_DS_CALL_END} per call, where FUNCTION_NAME is one of the functions above and "
+            "ARGUMENTS is a JSON object of its arguments that follows its parameters schema.")
+
+
+# a template that joins a call's arguments to text (``+ tool['function']['arguments'] +``, R1-Distill's and V3.1's
+# own) wants them as the string the client sent; one that writes them with ``|tojson`` or iterates them, an object
+_ARGUMENTS = r"""(?:\[\s*['"]arguments['"]\s*\]|\.arguments\b)"""
+_JOINED_ARGUMENTS = re.compile(_ARGUMENTS + r"\s*\+|\+\s*[\w.]+(?:\[[^\]]*\])*" + _ARGUMENTS + r"\s*\}\}")
+
+
+def _template_call(c: Any, as_text: bool = False) -> dict[str, Any]:
     f = dict(c.get("function") or {}) if isinstance(c, dict) else {}
     args = f.get("arguments")
-    if isinstance(args, str):
+    if as_text:  # the text as the client sent it (an object it sent written as JSON)
+        if not isinstance(args, str):
+            f["arguments"] = json.dumps({} if args is None else args, ensure_ascii=False)
+    elif isinstance(args, str):
         try:
             f["arguments"] = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
@@ -440,6 +484,10 @@ def _template_call(c: Any) -> dict[str, Any]:
 # ---- response side ---------------------------------------------------------------------------------------
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DS_MARKERS = (_DS_CALLS, _DS_CALLS_END, _DS_CALL, _DS_CALL_END, _DS_SEP)
+_DS_FENCE = "```json\n"
 _MEMBER_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*')
 
 
@@ -511,6 +559,8 @@ class ToolCallStream:
             return _Scan("", [(self.named, self._buf.lstrip(), final)])
         if self.fmt == CallFormat.MISTRAL:
             s = self._scan_mistral(final)
+        elif self.fmt in (CallFormat.DEEPSEEK_V3, CallFormat.DEEPSEEK_V31):
+            s = self._scan_deepseek(final)
         else:
             s = self._scan_tagged(final) if self.fmt == CallFormat.TAGGED else self._scan_json(final)
         if self.max_calls is not None:
@@ -563,6 +613,23 @@ class ToolCallStream:
         if not ok:  # not a call after all (cut off, malformed, an unknown function): the whole answer is content
             return _Scan(buf if final else _drop_blank(buf[:j], False, final), [])
         return _Scan(_drop_blank(buf[:j], bool(calls), final), calls)
+
+    def _scan_deepseek(self, final: bool) -> _Scan:
+        """DeepSeek's calls after ``<｜tool▁calls▁begin｜>``, text before it the content (vLLM's deepseek_v3 /
+        deepseek_v31 parsers). A call that is cut off, malformed, or names no tool makes no calls: the whole answer
+        is content, as vLLM gives it when its parse fails. Text after ``<｜tool▁calls▁end｜>`` (blank as a rule) is
+        content too, after the text before the calls."""
+        buf = self._buf
+        j = buf.find(_DS_CALLS)
+        if j < 0:
+            held = 0 if final else partial_suffix(buf, (_DS_CALLS,))
+            return _Scan(_drop_blank(buf[:len(buf) - held], False, final), [])
+        calls, ok, after = _deepseek_calls(buf[j + len(_DS_CALLS):], final, self.names,
+                                           v3=self.fmt == CallFormat.DEEPSEEK_V3)
+        if not ok:
+            return _Scan(buf if final else _drop_blank(buf[:j], False, final), [])
+        before = _drop_blank(buf[:j], bool(calls), final)
+        return _Scan(before + after if after.strip() else before, calls)
 
     def _scan_json(self, final: bool) -> _Scan:
         buf = self._buf
@@ -692,6 +759,88 @@ def _named_calls(body: str, final: bool, names: set[str]) -> tuple[list[tuple[st
             p += len(_MISTRAL_CALLS)
         elif final or not _MISTRAL_CALLS.startswith(body[p:]):
             return [], False
+
+
+def _deepseek_calls(body: str, final: bool, names: set[str],
+                    v3: bool) -> tuple[list[tuple[str | None, str, bool]], bool, str]:
+    """DeepSeek's calls after ``<｜tool▁calls▁begin｜>``: (calls, still valid, text after ``<｜tool▁calls▁end｜>``).
+    Each is ``<｜tool▁call▁begin｜>`` + (V3) ``function<｜tool▁sep｜>NAME``, a newline and the arguments fenced as a
+    json code block, or (V3.1)
+    ``NAME<｜tool▁sep｜>{...}`` + ``<｜tool▁call▁end｜>``, whitespace between calls (R1's template writes a newline);
+    the closing ``<｜tool▁calls▁end｜>`` may be missing at the end (R1-Distill's template leaves it out after a lone
+    call, and a model may stop at the end of sentence right away). The arguments are a JSON object."""
+    calls: list[tuple[str | None, str, bool]] = []
+
+    def arriving(rest: str, *expected: str) -> bool:  # what is left may still become one of ``expected``
+        return not final and any(e.startswith(rest) for e in expected)
+
+    p = 0
+    while True:
+        p = _skip(body, p, " \t\r\n")
+        if body.startswith(_DS_CALLS_END, p):
+            return calls, bool(calls), body[p + len(_DS_CALLS_END):]
+        if p >= len(body):
+            return calls, bool(calls) or not final, ""
+        if not body.startswith(_DS_CALL, p):
+            return (calls, True, "") if arriving(body[p:], _DS_CALL, _DS_CALLS_END) else ([], False, "")
+        p += len(_DS_CALL)
+        s = body.find(_DS_SEP, p)
+        if s < 0:  # the name (V3.1) or the type (V3) is still arriving
+            if final or "\n" in body[p:]:
+                return [], False, ""
+            calls.append((None, "", False))
+            return calls, True, ""
+        head, p = body[p:s], s + len(_DS_SEP)
+        if v3:
+            if head.strip() != "function":
+                return [], False, ""
+            nl = body.find("\n", p)
+            if nl < 0:  # the name is still arriving
+                if final:
+                    return [], False, ""
+                calls.append((None, "", False))
+                return calls, True, ""
+            name, p = body[p:nl].strip(), nl + 1
+            if not body.startswith(_DS_FENCE, p):
+                if not arriving(body[p:], _DS_FENCE):
+                    return [], False, ""
+                if name not in names:
+                    return [], False, ""
+                calls.append((name, "", False))
+                return calls, True, ""
+            p += len(_DS_FENCE)
+        else:
+            name = head.strip()
+        if name not in names:
+            return [], False, ""
+        v = _skip(body, p, " \t\r\n")
+        if v >= len(body) or body[v] != "{":
+            if final or v < len(body):
+                return [], False, ""
+            calls.append((name, "", False))
+            return calls, True, ""
+        try:
+            _, end = _DECODER.raw_decode(body, v)
+        except json.JSONDecodeError:
+            if final:
+                return [], False, ""
+            calls.append((name, body[v:], False))  # inside the object: all of it so far is the arguments'
+            return calls, True, ""
+        args, p = body[v:end], _skip(body, end, " \t\r\n")
+        if v3:  # the closing fence
+            if not body.startswith("```", p):
+                if arriving(body[p:], "```"):
+                    calls.append((name, args, False))
+                    return calls, True, ""
+                return [], False, ""
+            p = _skip(body, p + 3, " \t\r\n")
+        if not body.startswith(_DS_CALL_END, p):
+            if arriving(body[p:], _DS_CALL_END):
+                calls.append((name, args, False))
+                return calls, True, ""
+            return [], False, ""
+        calls.append((name, args, True))
+        p += len(_DS_CALL_END)
 
 
 def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None, str, bool, bool]:

@@ -58,6 +58,11 @@ def _stream(text: str, fmt: CallFormat, named: str | None = None, step: int = 1)
 QWEN = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}\n'
         '</tool_call>\n<tool_call>\n{"name": "stop_line", "arguments": {"station": 7}}\n</tool_call>')
 MISTRAL = '[TOOL_CALLS]stop_line[ARGS]{"station": 12}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "F"}'
+DS_V3 = ('Let me check.\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+         '{"city": "Lyon", "unit": "C"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>stop_line\n'
+         '```json\n{\n  "station": 7\n}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "F"}'
+          '<｜tool▁call▁end｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>{"station": 12}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}'
 
 
@@ -96,6 +101,21 @@ LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_wea
     ('[TOOL_CALLS]launch_rocket[ARGS]{}', CallFormat.MISTRAL, "[TOOL_CALLS]launch_rocket[ARGS]{}", []),
     ("Use [x] and [TOOL", CallFormat.MISTRAL, "Use [x] and [TOOL", []),
     ("It is sunny. ", CallFormat.MISTRAL, "It is sunny. ", []),
+    # DeepSeek V3 / R1: function<｜tool▁sep｜>NAME, a fenced json block; calls apart by a newline (R1's template)
+    (DS_V3, CallFormat.DEEPSEEK_V3, "Let me check.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{\n  "station": 7\n}')]),
+    # R1-Distill's template leaves <｜tool▁calls▁end｜> out after a lone call
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>stop_line\n```json\n{"station": 2}\n```'
+     '<｜tool▁call▁end｜>', CallFormat.DEEPSEEK_V3, None, [("stop_line", '{"station": 2}')]),
+    (DS_V31, CallFormat.DEEPSEEK_V31, None,
+     [("get_weather", '{"city": "Oslo", "unit": "F"}'), ("stop_line", '{"station": 12}')]),
+    # text after the calls' end is content, after the text before them
+    ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>{"station": 1}<｜tool▁call▁end｜>'
+     '<｜tool▁calls▁end｜> Done.', CallFormat.DEEPSEEK_V31, "Sure. Done.", [("stop_line", '{"station": 1}')]),
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch_rocket<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     CallFormat.DEEPSEEK_V31,  # an unknown function: content
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch_rocket<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),
+    ("a <｜tool▁ b", CallFormat.DEEPSEEK_V3, "a <｜tool▁ b", []),
 ])
 def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
     got_content, got_calls = parse(text, fmt, TOOLS)
@@ -108,7 +128,8 @@ def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
         assert [c["id"] for c in s_calls] == [c.id for c in s.calls]
 
 
-@pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON), (MISTRAL, CallFormat.MISTRAL)])
+@pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON), (MISTRAL, CallFormat.MISTRAL),
+                                       (DS_V3, CallFormat.DEEPSEEK_V3), (DS_V31, CallFormat.DEEPSEEK_V31)])
 def test_one_call_at_most_without_parallel_calls(text, fmt):
     """``parallel_tool_calls: false`` (max_calls 1): the first call only, whole and streamed alike."""
     content, calls = parse(text, fmt, TOOLS, max_calls=1)
@@ -181,6 +202,13 @@ def test_history_rendering_with_and_without_template_support():
     assert call_format(auto, "{% if tools %}{{ tools | tojson }}{% endif %}", "hermes") == CallFormat.TAGGED
     assert call_format(auto, "<tool_call>{% if tools %}{% endif %}", "llama3_json") == CallFormat.JSON
     assert call_format(parse_tool_choice("required", TOOLS), None, "hermes") == CallFormat.JSON  # the grammar's
+    # DeepSeek's markup in the template: V3 / R1's fenced json, else V3.1's; or named by --tool-call-parser
+    r1_like = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + '```json'}}"
+    assert call_format(auto, r1_like) == CallFormat.DEEPSEEK_V3
+    assert call_format(auto, "{% if tools %}{% endif %}{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>'}}") == \
+        CallFormat.DEEPSEEK_V31
+    assert call_format(auto, "{{ messages }}", "deepseek_v3") == CallFormat.DEEPSEEK_V3
+    assert call_format(auto, r1_like, "deepseek_v31") == CallFormat.DEEPSEEK_V31
 
 
 @pytest.fixture(scope="module")
@@ -437,6 +465,41 @@ def test_a_mistral_call_cut_off_or_malformed_is_content(text):
     assert parse(text, CallFormat.MISTRAL, TOOLS) == (text, [])
     for step in (1, 4):
         content, _, s = _stream(text, CallFormat.MISTRAL, step=step)
+        assert content == text and s.calls == []
+
+
+@pytest.mark.parametrize("text, fmt", [(DS_V3, CallFormat.DEEPSEEK_V3), (DS_V31, CallFormat.DEEPSEEK_V31)])
+def test_deepseek_arguments_stream_before_the_call_ends(text, fmt):
+    """Fed a character at a time, the first call's name goes out once known and its arguments in pieces, each
+    before the call's end marker arrives, not all at once when it is whole."""
+    s = ToolCallStream(fmt, TOOLS)
+    end = text.index("<｜tool▁call▁end｜>")
+    pieces = [d for ch in text[:end] for d in s.feed(ch)[1]]
+    assert pieces[0].name == "get_weather" and len([d for d in pieces if d.arguments]) > 5
+    assert "".join(d.arguments for d in pieces) == parse(text, fmt, TOOLS)[1][0].arguments
+
+
+@pytest.mark.parametrize("text, fmt", [
+    (DS_V31, CallFormat.DEEPSEEK_V3),  # V3.1's markup read as V3's
+    (DS_V3, CallFormat.DEEPSEEK_V31),
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>{station: 1}<｜tool▁call▁end｜>',
+     CallFormat.DEEPSEEK_V31),  # arguments that are no JSON
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>"go"<｜tool▁call▁end｜>', CallFormat.DEEPSEEK_V31),
+    ('OK <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>stop_line\n```json\n{"station": ',
+     CallFormat.DEEPSEEK_V3),  # cut off at max_tokens
+    (DS_V31[:DS_V31.rindex("<｜tool▁call▁end｜>")], CallFormat.DEEPSEEK_V31),  # the second call cut off
+    (DS_V3.replace("```<｜tool▁call▁end｜>\n", "<｜tool▁call▁end｜>\n"), CallFormat.DEEPSEEK_V3),  # no closing fence
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>{"station": 1}<｜tool▁call▁end｜> and then',
+     CallFormat.DEEPSEEK_V31),  # text where the next call or the calls' end belongs
+    ("<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>", CallFormat.DEEPSEEK_V31),
+])
+def test_a_deepseek_call_cut_off_or_malformed_is_content(text, fmt):
+    """A call cut off at max_tokens, markup of the other version, arguments that are no JSON object, a fence or an
+    end marker missing, no call in the markers: no call, the whole output the content (as vLLM's deepseek parsers
+    answer when their parse fails), streamed or not."""
+    assert parse(text, fmt, TOOLS) == (text, [])
+    for step in (1, 4):
+        content, _, s = _stream(text, fmt, step=step)
         assert content == text and s.calls == []
 
 
