@@ -43,4 +43,4 @@ def test_generate_template_without_chat_is_one_line(tmp_path):
 
 def test_serve_rejects_an_unknown_tool_call_parser(tmp_path):
     proc = run_cli("serve", tmp_path / "no-such-bundle", "--tool-call-parser", "pythonic")
-    assert_one_line_error(proc, "--tool-call-parser", "hermes", code=1)
+    assert_one_line_error(proc, "--tool-call-parser", "hermes", "deepseek_v3", "deepseek_v31", code=1)

@@ -47,6 +47,7 @@ R1_TEMPLATE = (
 CONTEXT = 2048  # one token per byte: the tools' system prompt alone is ~600
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+CALLS = "<｜tool▁calls▁begin｜>"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -58,8 +59,9 @@ SCRIPTS = {  # what the model writes after the template's "<｜Assistant｜><thi
     "[empty-answer]": "Done thinking.</think>",
     "[json]": 'They want JSON.\n</think>{"city": "Lyon"}',
     "[choice]": "Pick one.\n</think>yes",
-    "[tool]": 'I should call <tool_call> in my head only.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
-              '"arguments": {"city": "Lyon"}}\n</tool_call>',
+    # R1's own call markup (the template's); one the model only thinks about stays reasoning
+    "[tool]": f'I should call {CALLS} in my head only.\n</think>\n\n{CALLS}<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+              'get_weather\n```json\n{"city": "Lyon"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "[args]": 'Arguments next.\n</think>{"city": "Lyon"}',
 }
 SPLIT = {  # (reasoning, content) as vLLM's deepseek_r1 parser splits each script
@@ -75,9 +77,9 @@ class ThinkingModel(FakeBackend):
     """Plays R1-Distill: after the prompt's last "<｜Assistant｜><think>\\n", the script named in the last user turn,
     token by token, then EOS (logits -1e9 but for the script's token: a grammar mask that forbids it shows)."""
 
-    def __init__(self, tokenizer, **kw):
+    def __init__(self, tokenizer, scripts: dict[str, str] | None = None, **kw):
         super().__init__(**kw)
-        self.tok = tokenizer
+        self.tok, self.scripts = tokenizer, SCRIPTS if scripts is None else scripts
         self.turn = tokenizer.encode(ASSISTANT + "<think>\n", add_special=False)
         self.eos = tokenizer.eos_token_ids[0]
 
@@ -89,8 +91,8 @@ class ThinkingModel(FakeBackend):
             return x
         cut = starts[-1] + n
         last_user = self.tok.decode(seq[:cut], skip_special=False).rsplit(USER, 1)[-1]
-        key = next((k for k in SCRIPTS if k in last_user), None)
-        script = self.tok.encode(SCRIPTS[key], add_special=False) if key else []
+        key = next((k for k in self.scripts if k in last_user), None)
+        script = self.tok.encode(self.scripts[key], add_special=False) if key else []
         i = len(seq) - cut
         x[script[i] if i < len(script) else self.eos] = 0.0
         return x
@@ -300,10 +302,11 @@ def test_guided_choice_after_the_reasoning(r1):
 
 
 def test_tool_calls_are_read_from_the_answer_only(r1):
-    """A ``<tool_call>`` the model only thinks about stays reasoning; the one in its answer is the call."""
+    """A call the model only thinks about stays reasoning; the one in its answer (R1's markup, which its template
+    writes, so ``auto`` reads it) is the call."""
     ch = _ask(r1, "[tool]", tools=TOOLS).choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None
-    assert ch.message.model_dump()["reasoning_content"] == "I should call <tool_call> in my head only.\n"
+    assert ch.message.model_dump()["reasoning_content"] == f"I should call {CALLS} in my head only.\n"
     (call,) = ch.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Lyon"})
     args, reasoning, finish = "", "", None
@@ -312,7 +315,7 @@ def test_tool_calls_are_read_from_the_answer_only(r1):
             args += t.function.arguments or ""
         reasoning += c.choices[0].delta.model_dump().get("reasoning_content") or ""
         finish = c.choices[0].finish_reason or finish
-    assert (json.loads(args), reasoning, finish) == ({"city": "Lyon"}, "I should call <tool_call> in my head only.\n",
+    assert (json.loads(args), reasoning, finish) == ({"city": "Lyon"}, f"I should call {CALLS} in my head only.\n",
                                                      "tool_calls")
     m = _ask(r1, "[own-open]", tools=TOOLS).choices[0].message
     assert not m.tool_calls and m.content == "The answer."
@@ -467,13 +470,13 @@ def test_responses_output_handed_back_as_input(r1):
 
 def test_responses_function_calls_after_the_reasoning(r1):
     """/v1/responses with function tools: the reasoning item, then the call read from the answer only (the
-    ``<tool_call>`` the model only thinks about stays reasoning); a named function is constrained after the reasoning;
+    call markup the model only thinks about stays reasoning); a named function is constrained after the reasoning;
     streamed, the call's item comes after the reasoning's, at output_index 1."""
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     r = r1.client.responses.create(model="r1", input="[tool] weather?", tools=tools, temperature=0,
                                    max_output_tokens=300)
     reasoning, call = r.output
-    assert reasoning.content[0].text == "I should call <tool_call> in my head only.\n"
+    assert reasoning.content[0].text == f"I should call {CALLS} in my head only.\n"
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Lyon"})
     events = list(r1.client.responses.create(model="r1", input="[tool] weather?", tools=tools, temperature=0,
                                              max_output_tokens=300, stream=True))
