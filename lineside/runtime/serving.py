@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lineside.bundle import Bundle
@@ -83,3 +84,11 @@ class AdapterServing(ServingEngine, Protocol):
     def remove_adapter(self, name: str) -> None:
         """Stop serving ``name`` (requests already using it finish with it); raises UnknownAdapter."""
         ...
+
+
+def serves_adapters(engine: ServingEngine) -> bool:
+    """Whether ``engine`` has AdapterServing's members besides ServingEngine's, looked up without running them:
+    ``isinstance`` with a runtime-checkable protocol reads every member on Python 3.11, and the engine's ``grammar``
+    property builds the structured-output compiler (about a second of reading the vocabulary)."""
+    return all(inspect.getattr_static(engine, name, None) is not None
+               for name in ("max_lora_rank", "add_adapter", "remove_adapter"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
@@ -19,7 +20,7 @@ from lineside.errors import LinesideError
 from lineside.lora import check_name
 from lineside.runtime.adapter_slots import AdapterInUse, UnknownAdapter
 from lineside.runtime.adapters import runtime_adapter
-from lineside.runtime.serving import AdapterServing
+from lineside.runtime.serving import AdapterServing, serves_adapters
 from lineside.server.errors import APIError
 from lineside.server.schemas import _REQ, ERROR_RESPONSES
 from lineside.server.state import ServerState
@@ -51,10 +52,11 @@ def _engine(request: Request) -> AdapterServing:
     if not state.engine_ready or state.engine is None:
         raise APIError(503, "model is still loading; retry when GET /health/ready answers 200", "not_ready",
                        headers={"retry-after": "1"})
-    if not isinstance(state.engine, AdapterServing) or state.engine.adapter_slots is None:
+    # not isinstance(engine, AdapterServing): on Python 3.11 that reads every property, building the grammar compiler
+    if not serves_adapters(state.engine) or state.engine.adapter_slots is None:
         raise APIError(400, "this server has no LoRA adapter slots; start `lineside serve` with --allow-runtime-lora "
                             "on a bundle built with --max-lora-rank", "lora_not_enabled")
-    return state.engine
+    return cast(AdapterServing, state.engine)
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)

@@ -7,7 +7,7 @@ import ast
 import inspect
 from pathlib import Path
 
-from lineside.runtime.serving import AdapterServing, ServingEngine
+from lineside.runtime.serving import AdapterServing, ServingEngine, serves_adapters
 
 SERVER = Path(__file__).resolve().parents[2] / "lineside" / "server"
 
@@ -55,6 +55,7 @@ def test_llm_engine_is_a_serving_engine(tiny_bundle):
     eng = LLMEngine(b, backend=OnnxRuntimeBackend(b, num_slots=1, threads=1), num_slots=1)
     try:
         assert isinstance(eng, ServingEngine) and isinstance(eng, AdapterServing)
+        assert serves_adapters(eng) and not serves_adapters(object())  # the routes' check, which runs no property
         assert not [m for m in _members() if not hasattr(eng, m)]
     finally:
         eng.close()

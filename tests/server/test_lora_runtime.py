@@ -245,3 +245,15 @@ def test_every_post_is_held_to_the_body_limit(runtime_bundle):
         assert invalid() - before == len(paths) + 2
         assert _load(srv.url, "line-b", qv).status_code == 200  # a body under the limit is read as before
         assert _unload(srv.url, "line-b").status_code == 200
+
+
+def test_the_adapter_routes_leave_the_grammar_compiler_unbuilt(runtime_bundle):
+    """The routes check the engine serves adapters without reading its properties: the structured-output compiler,
+    made on first use (a second of reading the vocabulary, on the event loop here), stays unmade."""
+    bundle_dir, qv, _ = runtime_bundle
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True) as srv:
+        assert not srv.state.engine.grammar_ready
+        assert _unload(srv.url, "line-z").status_code == 404
+        assert _load(srv.url, "line-b", qv).status_code == 200
+        assert _unload(srv.url, "line-b").status_code == 200
+        assert not srv.state.engine.grammar_ready
