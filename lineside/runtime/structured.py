@@ -310,9 +310,9 @@ _GROUP_OPENING = re.compile(r"\((?:\?(?:P?<[^>]*>|[a-zA-Z-]*:?))?")
 def largest_repetition(text: str, grammar: bool = False) -> int:
     """The most characters one counted repetition of ``text`` (a regex; ``grammar``: Lark/GBNF text, whose quoted
     strings are one item) spells out at its lower bound, counts multiplied through nesting (``(ab){3}`` 6,
-    ``a{10}{10}`` 100). A character class, escape or literal character is one; alternatives add up (an upper
-    bound); a group's length includes its own repetitions."""
-    stack = [[0, 0]]  # per open group: [its length so far, the length of its last item]
+    ``a{10}{10}`` 100). A character class, escape or literal character is one; a group of alternatives is as long
+    as its longest (``(a|bc){3}`` 6); a group's length includes its own repetitions."""
+    stack = [[0, 0, 0]]  # per open group: [this alternative's length so far, its last item's, the longest before]
     largest, i, n = 0, 0, len(text)
     while i < n:
         ch, top = text[i], stack[-1]
@@ -334,12 +334,17 @@ def largest_repetition(text: str, grammar: bool = False) -> int:
             while j < n and text[j] not in '"\n':
                 j += 2 if text[j] == "\\" else 1
             item, i = max(1, j - i - 1), j + 1
+        elif ch == "|":
+            top[2], top[0], top[1] = max(top[2], top[0]), 0, 0
+            i += 1
+            continue
         elif ch == "(":
-            stack.append([0, 0])
+            stack.append([0, 0, 0])
             i = _GROUP_OPENING.match(text, i).end()  # type: ignore[union-attr] - "(" always matches
             continue
         elif ch == ")" and len(stack) > 1:
-            item, i = stack.pop()[0], i + 1
+            closed = stack.pop()
+            item, i = max(closed[0], closed[2]), i + 1
             top = stack[-1]
         elif ch == "{" and (m := _QUANTIFIER.match(text, i)):
             times = int(m.group(1))

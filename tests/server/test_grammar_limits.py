@@ -89,6 +89,7 @@ def test_choice_and_enum_count_is_capped(compiler):
     (Constraint.regex, "a{1000}{1000}", "guided_regex", 1_000_000),
     (Constraint.regex, "(ab){99999}", "guided_regex", 199_998),
     (Constraint.regex, "(?:x(?P<y>yz){100}){60}", "guided_regex", 12_060),
+    (Constraint.regex, "(yes|no){4000}", "guided_regex", 12_000),  # a group of alternatives: its longest
     (Constraint.json_schema, {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{200}){60}$"}}},
      "guided_json", 12_000),
     (Constraint.json_schema, {"type": "object", "patternProperties": {"^k{20000}$": {"type": "integer"}}},
@@ -106,9 +107,10 @@ def test_repetitions_past_the_cap_are_refused_at_validation(make, value, param, 
 
 
 @pytest.mark.parametrize("pattern", ["a{10000}", "a{0,100000}", "[a-z]{3,}x{2}", r"\p{L}{5}\x{41}{3}", "(ab){5000}",
-                                     r"\{2000000\}", "[{]{7}"])
+                                     r"\{2000000\}", "[{]{7}", "(a|b){6000}", "(x|(ab){5}){900}"])
 def test_repetitions_within_the_cap_compile(compiler, pattern):
-    """The cap counts only what is spelt out: optional parts, escaped or bracketed braces are not repetitions."""
+    """The cap counts only what is spelt out: optional parts, escaped or bracketed braces are not repetitions, and
+    a group of alternatives counts its longest (it spelt out their sum with the "|")."""
     compiler.compile(Constraint.regex(pattern))
 
 
