@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from lineside.runtime.engine import LLMEngine
-from lineside.runtime.request import GenerationRequest
+from lineside.runtime.request import GenerationRequest, Mode, Priority
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
 
@@ -35,11 +35,13 @@ class EngineSetup:
     prefill_chunk: int
     kv_block_size: int
     speculative: bool
+    kv_blocks: int | None = None  # None: every slot's full context; fewer: running requests get preempted
 
     def engine(self, bundle, threads: int = 2) -> LLMEngine:
         spec = SpeculativeConfig(SpecMethod.NGRAM, num_tokens=4) if self.speculative else None
         return LLMEngine(bundle, backend="onnxruntime", threads=threads, num_slots=self.num_slots,
-                         prefill_chunk=self.prefill_chunk, kv_block_size=self.kv_block_size, speculative=spec)
+                         prefill_chunk=self.prefill_chunk, kv_block_size=self.kv_block_size, speculative=spec,
+                         kv_blocks=self.kv_blocks)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Ask:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
     logprobs: int | None = None
     stop_from_answer: bool = False  # stop at a piece of the request's own answer (found by a solo run first)
     stop: list[str] = field(default_factory=list)
@@ -60,11 +64,15 @@ class Ask:
     session_stable: int = 0
     use_session: bool = True  # False: the session is made and abandoned, the request sends its prompt plainly
     release_session: bool = False  # abandoned sessions: released at once (else left to hold their slot)
+    priority: Priority = Priority.NORMAL  # a later high-priority arrival preempts running batch-mode requests
+    mode: Mode = Mode.REALTIME
 
     def request(self, rid: str) -> GenerationRequest:
-        sp = SamplingParams(temperature=self.temperature, seed=self.seed)
+        sp = SamplingParams(temperature=self.temperature, seed=self.seed, repetition_penalty=self.repetition_penalty,
+                            presence_penalty=self.presence_penalty)
         return GenerationRequest(prompt_ids=list(self.prompt), max_tokens=self.max_tokens, sampling=sp,
                                  stop=list(self.stop), logprobs=self.logprobs, request_id=rid,
+                                 priority=self.priority, mode=self.mode,
                                  session_id=self.session if (self.session and self.use_session) else None)
 
 
@@ -111,6 +119,12 @@ def draw_mix(rng: random.Random, vocab: int, ctx: int, long_ok: bool = True,
         prompt = prompt[:ctx - 2] or tokens(1)
         max_tokens = rng.choice([1, 1, rng.randint(2, 8), rng.randint(8, 24)])
         ask = Ask(f"r{i}", prompt, max_tokens, delay_s=rng.choice([0.0, 0.0, rng.uniform(0, 0.05)]))
+        if rng.random() < 0.2:
+            ask.mode = Mode.BATCH
+        elif ask.delay_s and rng.random() < 0.4:
+            ask.priority = Priority.HIGH
+        if rng.random() < 0.15:
+            ask.repetition_penalty, ask.presence_penalty = rng.choice([(1.3, 0.0), (1.0, 1.5), (1.2, 0.5)])
         if rng.random() < 0.25:
             ask.logprobs = rng.choice([0, 3])
         if rng.random() < 0.2:
@@ -129,6 +143,9 @@ def draw_mix(rng: random.Random, vocab: int, ctx: int, long_ok: bool = True,
                 asks.append(replace(ask, name=f"r{i}.{j}", temperature=temp, seed=seed + j, session=None))
             continue
         asks.append(ask)
+    if rng.random() < 0.3:  # a tight arena: room for the largest request and a little more, so others preempt
+        need = max(-(-(len(a.prompt) + a.max_tokens) // setup.kv_block_size) for a in asks)
+        setup = replace(setup, kv_blocks=need + rng.randint(0, 4))
     return setup, asks
 
 
@@ -150,8 +167,14 @@ async def _pending(eng: LLMEngine, sid: str) -> None:
         await asyncio.sleep(0.001)
 
 
-async def run_mix(bundle, setup: EngineSetup, asks: list[Ask]) -> dict[str, Answer]:
-    """Every ask on one engine, arriving at its delay; sessions prefilled (and for some awaited) before."""
+COUNTED = ("preemptions", "prefix_cache_hits", "session_hits", "sessions_evicted", "spec_draft_tokens_total",
+           "spec_accepted_tokens_total")
+
+
+async def run_mix(bundle, setup: EngineSetup, asks: list[Ask],
+                  counts: dict[str, int] | None = None) -> dict[str, Answer]:
+    """Every ask on one engine, arriving at its delay; sessions prefilled (and for some awaited) before. ``counts``
+    adds up the engine's counters of COUNTED (what the mix exercised)."""
     eng = setup.engine(bundle)
     await eng.start()
 
@@ -167,6 +190,10 @@ async def run_mix(bundle, setup: EngineSetup, asks: list[Ask]) -> dict[str, Answ
 
     try:
         outs = await asyncio.gather(*(one(a) for a in asks))
+        if counts is not None:
+            st = eng.stats()
+            for k in COUNTED:
+                counts[k] = counts.get(k, 0) + int(getattr(st, k))
     finally:
         await eng.stop()
     return {a.name: o for a, o in zip(asks, outs, strict=True)}
@@ -206,13 +233,14 @@ def compare(ask: Ask, got: Answer, want: Answer, lp_tol: float) -> str | None:
 
 
 async def check_mix(bundle, rng: random.Random, vocab: int, ctx: int, lp_tol: float = 1e-4,
-                    long_ok: bool = True, speculative: bool | None = None) -> tuple[EngineSetup, list[Ask], list[str]]:
+                    long_ok: bool = True, speculative: bool | None = None,
+                    counts: dict[str, int] | None = None) -> tuple[EngineSetup, list[Ask], list[str]]:
     """Draw a mix, run it and each request alone; the differences found (empty: every answer as alone)."""
     setup, asks = draw_mix(rng, vocab, ctx, long_ok, speculative)
     for a in asks:
         if a.stop_from_answer:
             a.stop = stop_string(rng, await run_alone(bundle, a))
-    got = await run_mix(bundle, setup, asks)
+    got = await run_mix(bundle, setup, asks, counts)
     diffs = []
     for a in asks:
         why = compare(a, got[a.name], await run_alone(bundle, a), lp_tol)
@@ -235,17 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     bundle = open_bundle(args.bundle)
     ctx = args.ctx or bundle.manifest.max_seq_len
     vocab = bundle.config.vocab_size
-    total, failed = 0, 0
+    total, failed, counts = 0, 0, {}
     for m in range(args.mixes):
         rng = random.Random(args.seed * 100_003 + m)
         setup, asks, diffs = asyncio.run(check_mix(bundle, rng, vocab, ctx, args.logprob_tol, True,
-                                                       {"drawn": None, "on": True, "off": False}[args.speculative]))
+                                                       {"drawn": None, "on": True, "off": False}[args.speculative],
+                                                       counts))
         total += len(asks)
         failed += len(diffs)
         print(f"mix {m}: {setup}, {len(asks)} requests, {len(diffs)} differ", flush=True)
         for d in diffs:
             print("  " + d, flush=True)
-    print(f"{args.mixes} mixes, {total} requests, {failed} differ")
+    print(f"{args.mixes} mixes, {total} requests, {failed} differ; engines counted {counts}")
     return 1 if failed else 0
 
 
