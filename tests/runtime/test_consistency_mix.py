@@ -9,6 +9,7 @@ import random
 import pytest
 
 from lineside.bundle import open_bundle
+from lineside.runtime.request import Mode, Priority
 from tests.runtime.conftest import run
 from tests.runtime.consistency_mix import Answer, Ask, check_mix, compare, draw_mix
 
@@ -27,7 +28,11 @@ def test_random_mix_answers_as_alone(tiny_bundle, seed, speculative):
 def test_the_mixes_cover_what_they_claim(tiny_bundle):
     """The draws of the seeds above (and more) hold each kind of request the README's promise is about."""
     bundle = open_bundle(tiny_bundle)
-    asks = [a for s in range(40) for a in draw_mix(random.Random(s), bundle.config.vocab_size, bundle.max_seq_len)[1]]
+    mixes = [draw_mix(random.Random(s), bundle.config.vocab_size, bundle.max_seq_len) for s in range(40)]
+    asks = [a for _, mix in mixes for a in mix]
+    assert any(setup.kv_blocks is not None for setup, _ in mixes) and any(setup.speculative for setup, _ in mixes)
+    assert any(a.mode == Mode.BATCH for a in asks) and any(a.priority == Priority.HIGH for a in asks)
+    assert any(a.repetition_penalty != 1.0 or a.presence_penalty for a in asks)
     assert any(len(a.prompt) == 1 for a in asks) and any(len(a.prompt) >= bundle.max_seq_len - 12 for a in asks)
     assert any(a.max_tokens == 1 for a in asks) and any(a.cancel_after is not None for a in asks)
     assert any(a.stop_from_answer for a in asks) and any(a.logprobs is not None for a in asks)
