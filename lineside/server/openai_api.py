@@ -322,10 +322,22 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
 
 @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
 async def get_response(response_id: str, request: Request) -> Any:
-    """A response this server kept (``store`` was not false), as it was answered."""
+    """A response this server kept (``store`` was not false), as it was answered. ``stream=true`` is a 400: OpenAI
+    streams only a background response again, and this server makes none (answered with the JSON body, the SDK's
+    stream read no events at all); an ``include`` other than the text's logprobs (kept when they were asked for) is
+    refused as on create."""
     stored = _state(request).responses.get(response_id)
     if stored is None:
         raise _no_response(response_id)
+    query = request.query_params
+    for name in query.getlist("include") + query.getlist("include[]"):
+        if name != responses_api.TEXT_LOGPROBS:
+            raise APIError(400, f"include: {name!r} is not supported (only {responses_api.TEXT_LOGPROBS!r})",
+                           "unsupported_parameter", param="include")
+    if query.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError(400, f"stream: response {response_id!r} is already {stored.body['status']}; only background "
+                            "responses stream again, and this server makes none: retrieve it without stream",
+                       "unsupported_parameter", param="stream")
     return stored.body
 
 

@@ -362,3 +362,19 @@ def test_a_failed_response_is_kept_and_retrieved_failed(tiny_bundle, stream):
             with pytest.raises(openai.InternalServerError) as e:
                 c.responses.create(**kw, store=False)
             assert "resp_" not in e.value.body["message"]
+
+
+def test_retrieve_streamed_is_refused_for_a_finished_response(client):
+    """responses.retrieve(id, stream=True) got the JSON body, which the SDK's stream reads as no events at all (an
+    app waiting on them saw an empty stream). As OpenAI's, only a background response streams again (this server
+    makes none): a 400 naming stream; an include other than the text's logprobs a 400 naming include."""
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(r.id, stream=True))
+    assert e.value.body["param"] == "stream" and "background" in e.value.body["message"]
+    assert "\n" not in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.retrieve(r.id, include=["reasoning.encrypted_content"])
+    assert e.value.body["param"] == "include"
+    assert client.responses.retrieve(r.id, include=["message.output_text.logprobs"]).id == r.id
+    assert client.responses.retrieve(r.id, stream=False).id == r.id
