@@ -333,6 +333,8 @@ class ResponseBuilder:
         output = [] if status == "in_progress" else [*thought, *answer]
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            # OpenAI's: when it completed, only once completed (null while in progress, incomplete or failed)
+            "completed_at": int(time.time()) if status == "completed" else None,
             "model": self.model, "output": output, "instructions": r.instructions,
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},

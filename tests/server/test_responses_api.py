@@ -378,3 +378,18 @@ def test_retrieve_streamed_is_refused_for_a_finished_response(client):
     assert e.value.body["param"] == "include"
     assert client.responses.retrieve(r.id, include=["message.output_text.logprobs"]).id == r.id
     assert client.responses.retrieve(r.id, stream=False).id == r.id
+
+
+def test_completed_at_is_set_when_the_response_completed(client):
+    """completed_at was always null; OpenAI's is the Unix time the response completed (only when completed), which
+    apps read for how long a response took. Created, streamed and retrieved alike; null for an incomplete one."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}  # ends: completed
+    kw = dict(model=MODEL, input="hi", temperature=0, text={"format": {"type": "json_schema", "name": "r", "schema": schema}})
+    done = client.responses.create(max_output_tokens=30, **kw)
+    assert done.status == "completed", done.incomplete_details
+    streamed = list(client.responses.create(stream=True, max_output_tokens=30, **kw))
+    assert streamed[0].response.completed_at is None  # response.created: not yet
+    for r in (done, streamed[-1].response, client.responses.retrieve(done.id)):
+        assert r.completed_at is not None and r.created_at <= r.completed_at
+    cut = client.responses.create(max_output_tokens=1, **kw)
+    assert cut.status == "incomplete" and cut.completed_at is None
