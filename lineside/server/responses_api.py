@@ -8,9 +8,9 @@ items, ``function_call`` output items) run on chat's tool calling (responses_too
 
 ``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
 What this server cannot honour there is a 400 naming the field: hosted tools (web_search, file_search, ...),
-``reasoning``, ``background``, ``include`` (but ``message.output_text.logprobs``: with ``top_logprobs``, the text's
-logprobs), ``conversation``, stored ``prompt`` templates, non-text input parts,
-``truncation: auto``.
+``reasoning``, ``background``, ``context_management`` (compaction), ``include`` (but
+``message.output_text.logprobs``: with ``top_logprobs``, the text's logprobs), ``conversation``, stored ``prompt``
+templates, non-text input parts, ``truncation: auto``.
 The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
 ``responses.stream`` read them.
 """
@@ -64,6 +64,7 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     include: list[str] | None = None
     truncation: str | None = None
+    context_management: Any = None  # server-side compaction of the conversation
     conversation: Any = None
     prompt: Any = None
     # chat's output constraints: refused (OpenAI: "this parameter has moved to 'text.format'"), not dropped
@@ -97,6 +98,9 @@ def check(req: ResponsesRequest) -> None:
     for name in req.include or ():
         if name != TEXT_LOGPROBS:
             raise _bad(f"include: {name!r} is not supported (only {TEXT_LOGPROBS!r})", "include")
+    if req.context_management:
+        raise _bad("context_management: this server does not compact conversations; send a shorter 'input' (or "
+                   "start a new chain without previous_response_id) when it nears the context", "context_management")
     if req.truncation not in (None, "disabled"):
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
     for name in CHAT_CONSTRAINTS:

@@ -58,6 +58,8 @@ def test_json_schema_format(client):
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),  # hosted tools: functions only
     (dict(reasoning={"effort": "high"}), "reasoning"),
     (dict(background=True), "background"),
+    # server-side compaction: was dropped, the kept conversation grew past the context instead of being compacted
+    (dict(context_management=[{"type": "compaction", "compact_threshold": 1000}]), "context_management"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0].type"),
     # a text part without a string: was read as "" (null, missing) or "5" (a number), a reply to another input
     (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": None}]}]), "input[0].content[0].text"),
