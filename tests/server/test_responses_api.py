@@ -395,3 +395,19 @@ def test_completed_at_is_set_when_the_response_completed(client):
         assert r.completed_at is not None and r.created_at <= r.completed_at
     cut = client.responses.create(max_output_tokens=1, **kw)
     assert cut.status == "incomplete" and cut.completed_at is None
+
+
+@pytest.mark.parametrize("metadata, param", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata"),
+    ({"k" * 65: "v"}, "metadata"),
+    ({"k": "v" * 513}, "metadata.k"),
+])
+def test_metadata_past_openais_limits_is_400(client, metadata, param):
+    """metadata of any size was kept and echoed; OpenAI's is at most 16 pairs, keys up to 64 characters, values up to
+    512, and past them a 400 (an app that worked here failed there). Within them it is echoed and kept."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=1, metadata=metadata)
+    assert e.value.body["param"] == param and "\n" not in e.value.body["message"]
+    most = {f"{i:064d}": "v" * 512 for i in range(16)}
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, metadata=most)
+    assert r.metadata == most and client.responses.retrieve(r.id).metadata == most
