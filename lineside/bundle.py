@@ -434,8 +434,14 @@ def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> Non
 
 
 def open_bundle(path: str | os.PathLike[str], verify: bool = True) -> Bundle:
-    """Open a bundle, verifying sizes and checksums of every file it lists."""
+    """Open a bundle, verifying sizes and checksums of every file it lists.
+
+    A bundle named through a link (a Jetson's ``current``, which `jetson push` switches by renaming another link
+    over it) is opened at the version the link leads to now: the manifest, the check and every file read later
+    (graphs, tokenizer) come from that one version, not partly from the next one the link is switched to."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     manifest = read_manifest(path)
     verify_files(path, manifest, check_hash=verify)
     try:

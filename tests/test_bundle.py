@@ -281,3 +281,31 @@ def test_an_older_format_still_says_to_rebuild(built, tmp_path):
     with pytest.raises(BundleError, match="bundle format 0, this lineside reads 1; rebuild the bundle") as e:
         open_bundle(path)
     assert "upgrade" not in str(e.value)
+
+
+def test_a_bundle_opened_through_a_link_stays_the_version_it_was_when_opened(built, tmp_path, monkeypatch):
+    """`serve /opt/lineside/current` while `jetson push` switches current to another version: the manifest read
+    through the link and the files read through it later (the check, then the graphs, the tokenizer) are one
+    version's, never the old manifest's checksums held against the new version's files."""
+    import lineside.bundle as bundle_mod
+
+    old = _copy(built, tmp_path, lambda raw: None)
+    new = tmp_path / "new"
+    shutil.copytree(built, new)
+    (new / "config.json").write_text((new / "config.json").read_text() + "\n")  # another version: other bytes
+    bundle_mod.write_manifest(new, read_manifest(new))
+    current = tmp_path / "current"
+    current.symlink_to(old, target_is_directory=True)
+    real = bundle_mod.read_manifest
+
+    def read_then_switch(path):
+        m = real(path)
+        flipped = tmp_path / "current.new"
+        flipped.symlink_to(new, target_is_directory=True)
+        flipped.replace(current)  # what push's switch does: a rename over the link
+        return m
+
+    monkeypatch.setattr(bundle_mod, "read_manifest", read_then_switch)
+    b = open_bundle(current)
+    assert b.file("config.json").read_bytes() == (old / "config.json").read_bytes()
+    assert b.manifest.files["config.json"].size == (old / "config.json").stat().st_size
