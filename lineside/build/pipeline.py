@@ -149,9 +149,9 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     out = normalized(Path(out))  # `-o .` / `-o ..`: staged beside the directory it replaces, not inside it
     t0 = time.time()
     ckpt = open_checkpoint(checkpoint)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not opts.force:
+    if _taken(out, opts.force):
         ckpt.close()
-        raise LinesideError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
+        raise LinesideError(_TAKEN.format(out=out))
     tmp: Path | None = None
     lock: int | None = None  # held while <out>.partial is this build's
     try:
@@ -198,6 +198,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         staging = out.with_name(out.name + ".partial")
         lock = claim_staging(staging, out)  # refused while another build writes there (never removed under it)
         tmp = staging
+        if _taken(out, opts.force):  # another build into -o finished since the look above: its bundle stays
+            raise LinesideError(_TAKEN.format(out=out))
         _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
         replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
     except BaseException:
@@ -211,6 +213,14 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         ckpt.close()
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
+
+
+_TAKEN = "{out} exists and is not empty; choose another -o or pass --force to replace it"
+
+
+def _taken(out: Path, force: bool) -> bool:
+    """Whether ``out`` holds something a build without --force must keep."""
+    return not force and out.exists() and (not out.is_dir() or any(out.iterdir()))
 
 
 def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConfig, family: ModelFamily,

@@ -280,6 +280,31 @@ def test_a_second_build_into_the_same_output_is_refused_while_the_first_runs(ckp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
 
 
+def test_a_build_without_force_never_replaces_a_bundle_finished_while_it_started(ckpt, tmp_path, monkeypatch):
+    """Two builds into one new -o, no --force: the second looked at -o (empty) before the first put its bundle
+    there and staged after it had; it then replaced the first's bundle, which --force alone may do. It is now
+    refused once it holds OUT.partial, and the first's bundle stays."""
+    import lineside.build.pipeline as pipeline
+    from lineside.errors import LinesideError
+
+    out = tmp_path / "b"
+    opts = BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16)
+    claim = pipeline.claim_staging
+
+    def first_build_finishes_meanwhile(staging, path):
+        monkeypatch.setattr(pipeline, "claim_staging", claim)
+        build_bundle(ckpt, out, opts)  # the first build: done between the second's look at -o and its staging
+        (out / "first.txt").write_text("the first build's")
+        return claim(staging, path)
+
+    monkeypatch.setattr(pipeline, "claim_staging", first_build_finishes_meanwhile)
+    with pytest.raises(LinesideError, match=r"exists and is not empty.*--force") as e:
+        build_bundle(ckpt, out, opts)
+    assert "\n" not in str(e.value)
+    assert (out / "first.txt").read_text() == "the first build's" and (out / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
 def test_a_build_killed_earlier_does_not_block_the_next(ckpt, tmp_path):
     """What a SIGKILLed build left (OUT.partial, no one writing it) is removed by the next build, not refused."""
     out = tmp_path / "b"
