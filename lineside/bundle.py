@@ -371,7 +371,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         manifest = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{mf}: malformed manifest ({e}); rebuild the bundle") from None
-    if not isinstance(manifest, dict) or "files" not in manifest:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise BundleError(f"{mf}: manifest has no file list; rebuild the bundle")
     fv = manifest.get("format_version")
     producer = manifest.get("lineside_version")
@@ -407,6 +407,10 @@ def _newer(version: Any) -> bool:
 def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> None:
     """Check every listed file exists with its size (and sha256); raise naming the first that fails.
     A file unchanged since it last matched is not hashed again (checksum_cache)."""
+    for what, rel in _manifest_paths(manifest):
+        if what != "file" and not what.startswith("adapter ") and rel not in manifest.files:
+            raise BundleError(f"{path / MANIFEST}: the {what} {rel} is not among the manifest's files, so nothing "
+                              "checks it; rebuild the bundle or copy it again from where it was built")
     cache = ChecksumCache(path) if check_hash else None
     root = path.resolve()
     for rel, meta in manifest.files.items():

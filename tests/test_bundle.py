@@ -309,3 +309,21 @@ def test_a_bundle_opened_through_a_link_stays_the_version_it_was_when_opened(bui
     b = open_bundle(current)
     assert b.file("config.json").read_bytes() == (old / "config.json").read_bytes()
     assert b.manifest.files["config.json"].size == (old / "config.json").stat().st_size
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    # each opened with nothing checked: an emptied or mistyped file list checks no file at all
+    (lambda raw: raw.update(files={}), "config.json is not among"),
+    (lambda raw: raw.update(files=[]), "no file list"),
+    (lambda raw: raw.update(files=None), "no file list"),
+    (lambda raw: raw["files"].pop("config.json"), "config.json is not among"),
+    (lambda raw: raw["files"].pop("graphs/cpu/model.onnx"), "cpu graph graphs/cpu/model.onnx is not among"),
+    (lambda raw: raw["files"].pop("graphs/trt/model.onnx"), "trt graph graphs/trt/model.onnx is not among"),
+])
+def test_a_file_list_that_leaves_out_what_is_read_is_refused(built, tmp_path, edit, match):
+    """The manifest is not checksummed: a file list that lost the config or a graph (a hand edit, a bad merge)
+    opened the bundle and ran whatever bytes those files held, unchecked."""
+    path = _copy(built, tmp_path, edit)
+    with pytest.raises(BundleError, match=match) as e:
+        open_bundle(path)
+    assert "\n" not in str(e.value)
