@@ -106,7 +106,9 @@ def os_error_line(e: OSError) -> str:
     what = e.strerror or one_line(str(e)) or type(e).__name__
     hint = {errno.ENOSPC: "free some space or write elsewhere", errno.EDQUOT: "free some space or write elsewhere",
             errno.EACCES: "check the permissions", errno.EPERM: "check the permissions",
-            errno.EROFS: "write somewhere else"}.get(e.errno or 0, "check the path")
+            errno.EROFS: "write somewhere else",
+            errno.EFBIG: "a file reached the size limit (`ulimit -f`, or the filesystem's largest file); raise the "
+                         "limit or write elsewhere"}.get(e.errno or 0, "check the path")
     return f"error: {where}{what}; {hint}"
 
 

@@ -324,3 +324,18 @@ def test_a_link_where_the_build_stages_is_refused_and_kept(ckpt, tmp_path):
                    timeout=60)
     assert_one_line_error(proc, "b.partial", "in the way")
     assert (tmp_path / "theirs" / "keep.txt").read_text() == "keep" and (tmp_path / "b.partial").is_symlink()
+
+
+def test_a_file_size_limit_during_a_build_is_one_line_that_names_it(ckpt, tmp_path):
+    """`ulimit -f` (or a filesystem's largest file) reached while writing the bundle: Python ignores SIGXFSZ, so
+    the write fails with EFBIG, which said only "File too large; check the path" (no path to check)."""
+    import resource
+
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+              "from lineside.cli import main\nmain(sys.argv[1:])\n")
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] != 0
+    proc = subprocess.run([sys.executable, "-c", script, "build", str(ckpt), "-o", str(tmp_path / "b"), "--quant",
+                           "fp32", "--max-seq-len", "16", "-q"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert_one_line_error(proc, "file too large", "ulimit -f", code=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
