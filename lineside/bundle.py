@@ -316,6 +316,10 @@ def _not_a_bundle(path: Path) -> str:
         return f"{path}: pass the bundle directory ({inside}), not {what} inside it"
     if _is_gguf(path) or (path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors*"))):
         return f"{path} is a checkpoint, not a bundle; build a bundle from it first: `lineside build {path} -o BUNDLE`"
+    aside = path.with_name(f".{path.name}.replaced")  # cli_checks.replace_dir's name for what it replaces
+    if not path.exists() and (aside / MANIFEST).is_file():
+        return (f"{path} does not exist: a `build --force` into it was killed while replacing it and left the "
+                f"previous bundle at {aside}; put it back (`mv {aside} {path}`) or build again")
     if not path.exists():
         return f"{path}: not a bundle directory (it does not exist); build one with `lineside build CHECKPOINT -o {path}`"
     if path.is_dir():

@@ -261,7 +261,8 @@ def replace_dir(new: Path, path: Path) -> None:
     """Put the complete directory ``new`` at ``path``. An existing ``path`` is renamed aside and deleted only once
     ``new`` is in place, so an interruption or an error leaves the old directory or the new one at ``path``, never
     a half-deleted one; ``new`` is removed when it could not be put in place."""
-    old = path.with_name(f".{path.name}.replaced") if path.exists() or path.is_symlink() else None
+    aside = path.with_name(f".{path.name}.replaced")  # bundle.py names it to a user who finds ``path`` gone
+    old = aside if path.exists() or path.is_symlink() else None
     try:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)  # one an earlier interrupted replace left
@@ -275,8 +276,8 @@ def replace_dir(new: Path, path: Path) -> None:
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # what it replaced, or what a replace killed between its two renames set aside (``path`` was gone then)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def claim_staging(tmp: Path, path: Path) -> int:

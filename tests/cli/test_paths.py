@@ -339,3 +339,15 @@ def test_a_file_size_limit_during_a_build_is_one_line_that_names_it(ckpt, tmp_pa
                            "fp32", "--max-seq-len", "16", "-q"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert_one_line_error(proc, "file too large", "ulimit -f", code=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_bundle_set_aside_by_a_killed_replace_is_named_then_cleared(ckpt, bundle, tmp_path):
+    """SIGKILL between `build --force` setting the old bundle aside (.OUT.replaced) and renaming the new one in:
+    OUT is gone and the good old bundle hides under a dot name. Opening OUT said only "it does not exist"; the
+    next build into OUT then left the old one there for good (a whole bundle's bytes on a device's disk)."""
+    aside = tmp_path / ".b.replaced"
+    shutil.copytree(bundle, aside)
+    proc = run_cli("logits", str(tmp_path / "b"), "--ids", "1,2", "-o", str(tmp_path / "x.npy"))
+    assert_one_line_error(proc, ".b.replaced", "mv ")
+    build_bundle(ckpt, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
