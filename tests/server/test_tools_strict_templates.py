@@ -219,17 +219,7 @@ def test_mistral_tool_calls_are_parsed(mistral, script, content, calls):
     r = mistral.client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS, max_tokens=200)
     m = r.choices[0]
     assert (m.message.content, _calls(m.message), m.finish_reason) == (content, calls, "tool_calls")
-    got, text, finish = {}, "", None
-    for chunk in mistral.client.chat.completions.create(model="scripted", messages=msgs, tools=TOOLS,
-                                                        max_tokens=200, stream=True):
-        d = chunk.choices[0].delta
-        text += d.content or ""
-        for t in d.tool_calls or []:
-            e = got.setdefault(t.index, {"name": t.function.name, "arguments": ""})
-            e["arguments"] += t.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
-    assert text == (content or "") and finish == "tool_calls"
-    assert [(got[i]["name"], json.loads(got[i]["arguments"])) for i in sorted(got)] == calls
+    assert _streamed(mistral, msgs, tools=TOOLS) == (content or "", calls, "tool_calls")
 
 
 # Mistral's control tokens, special in its v3+ tokenizers (tokenizer.json "special": true)
