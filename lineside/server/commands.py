@@ -113,7 +113,8 @@ def serve(
              "(<tool_call>{json}</tool_call>, or a JSON array in the tags) | llama3_json (bare JSON) | mistral "
              "([TOOL_CALLS] [{json}, ...] or [TOOL_CALLS]name[ARGS]{json}) | deepseek_v3 (DeepSeek V3 / R1's "
              "<｜tool▁call▁begin｜>function<｜tool▁sep｜>name + a json block) | deepseek_v31 "
-             "(<｜tool▁call▁begin｜>name<｜tool▁sep｜>{json})")] = "auto",
+             "(<｜tool▁call▁begin｜>name<｜tool▁sep｜>{json}) | deepseek_v32 / deepseek_v4 (V3.2's / V4's DSML: "
+             "<｜DSML｜function_calls> / <｜DSML｜tool_calls> blocks of <｜DSML｜invoke name=...>)")] = "auto",
     trust_request_chat_template: Annotated[bool, typer.Option(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
     reasoning_parser: Annotated[str, typer.Option(

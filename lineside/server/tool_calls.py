@@ -80,6 +80,12 @@ class CallFormat(str, Enum):
     # V3.1 NAME<｜tool▁sep｜>{...}
     DEEPSEEK_V3 = "deepseek_v3"
     DEEPSEEK_V31 = "deepseek_v31"
+    # DeepSeek-V3.2 / V4's DSML markup, written by their Python encoders (encoding_dsv32.py / encoding_dsv4.py in the
+    # model repos; no Jinja template): a block <｜DSML｜function_calls> (V3.2) / <｜DSML｜tool_calls> (V4) holding
+    # <｜DSML｜invoke name="NAME"> ... </｜DSML｜invoke> per call, each argument
+    # <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter> (true: the text as is; false: JSON)
+    DEEPSEEK_V32 = "deepseek_v32"
+    DEEPSEEK_V4 = "deepseek_v4"
 
 
 @dataclass
@@ -256,7 +262,8 @@ def rerooted(schema: Any, at: str, *, names: bool = False) -> Any:
 
 # ``--tool-call-parser`` (vLLM's names): how ``auto`` reads the model's calls; ``auto`` infers it from the template.
 PARSERS = {"auto": None, "hermes": CallFormat.TAGGED, "llama3_json": CallFormat.JSON, "mistral": CallFormat.MISTRAL,
-           "deepseek_v3": CallFormat.DEEPSEEK_V3, "deepseek_v31": CallFormat.DEEPSEEK_V31}
+           "deepseek_v3": CallFormat.DEEPSEEK_V3, "deepseek_v31": CallFormat.DEEPSEEK_V31,
+           "deepseek_v32": CallFormat.DEEPSEEK_V32, "deepseek_v4": CallFormat.DEEPSEEK_V4}
 
 
 def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "auto") -> CallFormat:
@@ -271,6 +278,9 @@ def call_format(choice: ToolChoice, chat_template: str | None, parser: str = "au
     if PARSERS.get(parser) is not None:
         return PARSERS[parser]
     t = chat_template or ""
+    for fmt, (block, _end) in _DSML_BLOCKS.items():  # a port of V3.2's / V4's encoder writing their DSML block
+        if block in t:
+            return fmt
     if _DS_CALL in t:  # DeepSeek V3 / R1 / R1-Distill / V3.1: the template writes past calls in the markup
         return CallFormat.DEEPSEEK_V3 if "```json" in t else CallFormat.DEEPSEEK_V31
     if _MISTRAL_CALLS in t:
@@ -290,6 +300,8 @@ def kept_special_ids(fmt: CallFormat | None, tokenizer: Any) -> frozenset[int]:
         markers: tuple[str, ...] = (_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_ID)
     elif fmt in (CallFormat.DEEPSEEK_V3, CallFormat.DEEPSEEK_V31):
         markers = _DS_MARKERS
+    elif fmt in _DSML_BLOCKS:
+        markers = (*_DSML_BLOCKS[fmt], _DSML, _DSML_INVOKE_END, _DSML_PARAM_END)
     else:
         return frozenset()
     ids = (tokenizer.token_id(t) for t in markers)
@@ -488,6 +500,13 @@ _DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁e
 _DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 _DS_MARKERS = (_DS_CALLS, _DS_CALLS_END, _DS_CALL, _DS_CALL_END, _DS_SEP)
 _DS_FENCE = "```json\n"
+_DSML = "｜DSML｜"
+_DSML_BLOCKS = {CallFormat.DEEPSEEK_V32: (f"<{_DSML}function_calls>", f"</{_DSML}function_calls>"),
+                CallFormat.DEEPSEEK_V4: (f"<{_DSML}tool_calls>", f"</{_DSML}tool_calls>")}
+_DSML_INVOKE, _DSML_INVOKE_END = f"<{_DSML}invoke", f"</{_DSML}invoke>"
+_DSML_PARAM, _DSML_PARAM_END = f"<{_DSML}parameter", f"</{_DSML}parameter>"
+_DSML_INVOKE_RE = re.compile(rf'<{_DSML}invoke\s+name="([^"]+)"\s*>')
+_DSML_PARAM_RE = re.compile(rf'<{_DSML}parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>')
 _MEMBER_KEY = re.compile(r'\s*"((?:[^"\\]|\\.)*)"\s*:\s*')
 
 
@@ -559,7 +578,7 @@ class ToolCallStream:
             return _Scan("", [(self.named, self._buf.lstrip(), final)])
         if self.fmt == CallFormat.MISTRAL:
             s = self._scan_mistral(final)
-        elif self.fmt in (CallFormat.DEEPSEEK_V3, CallFormat.DEEPSEEK_V31):
+        elif self.fmt in (CallFormat.DEEPSEEK_V3, CallFormat.DEEPSEEK_V31) or self.fmt in _DSML_BLOCKS:
             s = self._scan_deepseek(final)
         else:
             s = self._scan_tagged(final) if self.fmt == CallFormat.TAGGED else self._scan_json(final)
@@ -620,12 +639,16 @@ class ToolCallStream:
         is content, as vLLM gives it when its parse fails. Text after ``<｜tool▁calls▁end｜>`` (blank as a rule) is
         content too, after the text before the calls."""
         buf = self._buf
-        j = buf.find(_DS_CALLS)
+        start, end = _DSML_BLOCKS.get(self.fmt, (_DS_CALLS, _DS_CALLS_END))
+        j = buf.find(start)
         if j < 0:
-            held = 0 if final else partial_suffix(buf, (_DS_CALLS,))
+            held = 0 if final else partial_suffix(buf, (start,))
             return _Scan(_drop_blank(buf[:len(buf) - held], False, final), [])
-        calls, ok, after = _deepseek_calls(buf[j + len(_DS_CALLS):], final, self.names,
-                                           v3=self.fmt == CallFormat.DEEPSEEK_V3)
+        body = buf[j + len(start):]
+        if self.fmt in _DSML_BLOCKS:
+            calls, ok, after = _dsml_calls(body, final, self.names, end)
+        else:
+            calls, ok, after = _deepseek_calls(body, final, self.names, v3=self.fmt == CallFormat.DEEPSEEK_V3)
         if not ok:
             return _Scan(buf if final else _drop_blank(buf[:j], False, final), [])
         before = _drop_blank(buf[:j], bool(calls), final)
@@ -841,6 +864,74 @@ def _deepseek_calls(body: str, final: bool, names: set[str],
             return [], False, ""
         calls.append((name, args, True))
         p += len(_DS_CALL_END)
+
+
+def _dsml_calls(body: str, final: bool, names: set[str],
+                end: str) -> tuple[list[tuple[str | None, str, bool]], bool, str]:
+    """V3.2's / V4's DSML calls after the block's opening tag: (calls, still valid, text after its closing tag ``end``).
+    Whitespace between the tags (the encoders write newlines); each parameter's value is the text between its tags,
+    a JSON string for ``string="true"``, else JSON itself; the arguments are the JSON object of the parameters in
+    order, as the encoder's decode_dsml_to_arguments builds them. Streamed, they go out a parameter at a time. As
+    vLLM's deepseek_v32 parser, a block that never closes makes no call, and so does a call to an unknown function,
+    a parameter written twice or a non-string value that is no JSON: the whole answer is then content."""
+    calls: list[tuple[str | None, str, bool]] = []
+
+    def arriving(rest: str, *expected: str) -> bool:  # what is left may still become one of ``expected``
+        return not final and any(e.startswith(rest) for e in expected)
+
+    def tag_arriving(rest: str) -> bool:  # an opening tag whose attributes are still arriving
+        return not final and ">" not in rest
+
+    p = 0
+    while True:
+        p = _skip(body, p, " \t\r\n")
+        if body.startswith(end, p):
+            return calls, bool(calls), body[p + len(end):]
+        if p >= len(body):
+            return calls, not final, ""
+        if not body.startswith(_DSML_INVOKE, p):
+            return (calls, True, "") if arriving(body[p:], _DSML_INVOKE, end) else ([], False, "")
+        m = _DSML_INVOKE_RE.match(body, p)
+        if m is None:
+            return (calls, True, "") if tag_arriving(body[p:]) else ([], False, "")
+        name = m.group(1)
+        if name not in names:
+            return [], False, ""
+        p, params, closed = m.end(), {}, False
+        while True:
+            p = _skip(body, p, " \t\r\n")
+            if body.startswith(_DSML_INVOKE_END, p):
+                p, closed = p + len(_DSML_INVOKE_END), True
+                break
+            if p >= len(body) or arriving(body[p:], _DSML_PARAM, _DSML_INVOKE_END):
+                break
+            pm = _DSML_PARAM_RE.match(body, p) if body.startswith(_DSML_PARAM, p) else None
+            if pm is None:
+                if body.startswith(_DSML_PARAM, p) and tag_arriving(body[p:]):
+                    break
+                return [], False, ""
+            key, string = pm.groups()
+            e = body.find(_DSML_PARAM_END, pm.end())
+            if e < 0:
+                break  # the value is still arriving
+            raw = body[pm.end():e]
+            if key in params:
+                return [], False, ""
+            if string == "true":
+                params[key] = raw
+            else:
+                try:
+                    params[key] = json.loads(raw)
+                except json.JSONDecodeError:
+                    return [], False, ""
+            p = e + len(_DSML_PARAM_END)
+        args = json.dumps(params, ensure_ascii=False)
+        if not closed:
+            if final:
+                return [], False, ""
+            calls.append((name, args[:-1], False))  # the object so far, its closing brace not yet known
+            return calls, True, ""
+        calls.append((name, args, True))
 
 
 def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None, str, bool, bool]:

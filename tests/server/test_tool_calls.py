@@ -63,6 +63,14 @@ DS_V3 = ('Let me check.\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin�
          '```json\n{\n  "station": 7\n}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
 DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "F"}'
           '<｜tool▁call▁end｜><｜tool▁call▁begin｜>stop_line<｜tool▁sep｜>{"station": 12}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+# DeepSeek-V4's DSML calls as its encoder (encoding_dsv4.py) writes an assistant turn's: content, a blank line, the
+# block; V3.2's (encoding_dsv32.py) the same in a function_calls block
+DS_V4 = ('Let me check.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+         '<｜DSML｜parameter name="city" string="true">Lyon</｜DSML｜parameter>\n'
+         '<｜DSML｜parameter name="unit" string="true">C</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+         '<｜DSML｜invoke name="stop_line">\n<｜DSML｜parameter name="station" string="false">7</｜DSML｜parameter>\n'
+         '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+DS_V32 = DS_V4.replace("tool_calls>", "function_calls>")
 LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "F"}}'
 
 
@@ -116,6 +124,19 @@ LLAMA = '{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_wea
      CallFormat.DEEPSEEK_V31,  # an unknown function: content
      '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch_rocket<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),
     ("a <｜tool▁ b", CallFormat.DEEPSEEK_V3, "a <｜tool▁ b", []),
+    # V3.2 / V4 DSML: string="true" values as text (JSON-escaped), string="false" as JSON; no parameter is {}
+    (DS_V4, CallFormat.DEEPSEEK_V4, "Let me check.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    (DS_V32, CallFormat.DEEPSEEK_V32, "Let me check.",
+     [("get_weather", '{"city": "Lyon", "unit": "C"}'), ("stop_line", '{"station": 7}')]),
+    ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">'
+     'Saint "Malo"\n<b></｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="stop_line">\n</｜DSML｜invoke>\n'
+     '</｜DSML｜tool_calls>', CallFormat.DEEPSEEK_V4, None,
+     [("get_weather", '{"city": "Saint \\"Malo\\"\\n<b>"}'), ("stop_line", "{}")]),
+    ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="stop_line">\n<｜DSML｜parameter name="station" string="false">'
+     '[1, {"a": null}]</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\nDone.', CallFormat.DEEPSEEK_V4,
+     "\n\nDone.", [("stop_line", '{"station": [1, {"a": null}]}')]),
+    ("a <｜DSML｜tool b", CallFormat.DEEPSEEK_V4, "a <｜DSML｜tool b", []),
 ])
 def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
     got_content, got_calls = parse(text, fmt, TOOLS)
@@ -129,7 +150,8 @@ def test_formats_parse_whole_and_streamed_alike(text, fmt, content, calls):
 
 
 @pytest.mark.parametrize("text, fmt", [(QWEN, CallFormat.TAGGED), (LLAMA, CallFormat.JSON), (MISTRAL, CallFormat.MISTRAL),
-                                       (DS_V3, CallFormat.DEEPSEEK_V3), (DS_V31, CallFormat.DEEPSEEK_V31)])
+                                       (DS_V3, CallFormat.DEEPSEEK_V3), (DS_V31, CallFormat.DEEPSEEK_V31),
+                                       (DS_V4, CallFormat.DEEPSEEK_V4), (DS_V32, CallFormat.DEEPSEEK_V32)])
 def test_one_call_at_most_without_parallel_calls(text, fmt):
     """``parallel_tool_calls: false`` (max_calls 1): the first call only, whole and streamed alike."""
     content, calls = parse(text, fmt, TOOLS, max_calls=1)
@@ -501,6 +523,49 @@ def test_a_deepseek_call_cut_off_or_malformed_is_content(text, fmt):
     for step in (1, 4):
         content, _, s = _stream(text, fmt, step=step)
         assert content == text and s.calls == []
+
+
+@pytest.mark.parametrize("text", [
+    DS_V32,  # V3.2's block read as V4's: no call
+    DS_V4[:DS_V4.rindex("</｜DSML｜tool_calls>")],  # the block never closes (cut off at max_tokens)
+    DS_V4[:DS_V4.rindex('<｜DSML｜parameter name="station"')],  # the second call cut off
+    DS_V4.replace('string="false">7<', 'string="false">seven<'),  # a non-string value that is no JSON
+    DS_V4.replace('name="unit" string="true">C', 'name="city" string="true">Oslo'),  # a parameter twice
+    DS_V4.replace('"stop_line"', '"launch_rocket"'),  # an unknown function
+    DS_V4.replace('name="unit" string="true"', 'name="unit"'),  # no string attribute
+    DS_V4.replace("</｜DSML｜invoke>\n<｜DSML｜invoke", "</｜DSML｜invoke>\nand<｜DSML｜invoke"),  # text between calls
+    "<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",  # no call in the block
+])
+def test_a_dsml_call_cut_off_or_malformed_is_content(text):
+    """As vLLM's deepseek_v32 / deepseek_v4 parsers answer when their parse fails: no call, the whole output the
+    content, streamed or not."""
+    assert parse(text, CallFormat.DEEPSEEK_V4, TOOLS) == (text, [])
+    for step in (1, 5):
+        content, _, s = _stream(text, CallFormat.DEEPSEEK_V4, step=step)
+        assert content == text and s.calls == []
+
+
+def test_dsml_arguments_stream_a_parameter_at_a_time():
+    """Fed a character at a time, the first call's name goes out with its invoke tag and its arguments as each
+    parameter closes, before the invoke's end arrives; together they are the whole parse's arguments."""
+    s = ToolCallStream(CallFormat.DEEPSEEK_V4, TOOLS)
+    end = DS_V4.index("</｜DSML｜invoke>")
+    pieces = [d for ch in DS_V4[:end] for d in s.feed(ch)[1]]
+    assert pieces[0].name == "get_weather"
+    assert [d.arguments for d in pieces[1:]] == ["{", '"city": "Lyon"', ', "unit": "C"']
+    rest = [d for d in s.feed(DS_V4[end:])[1] if d.index == 0]
+    assert "".join(d.arguments for d in pieces + rest) == parse(DS_V4, CallFormat.DEEPSEEK_V4, TOOLS)[1][0].arguments
+
+
+def test_dsml_parser_names_and_auto():
+    """--tool-call-parser deepseek_v32 / deepseek_v4 (vLLM's names); auto picks them from a template that writes the
+    block (a Jinja port of the encoder), and V3's markup stays V3's."""
+    auto = parse_tool_choice("auto", TOOLS)
+    assert call_format(auto, None, "deepseek_v4") == CallFormat.DEEPSEEK_V4
+    assert call_format(auto, None, "deepseek_v32") == CallFormat.DEEPSEEK_V32
+    assert call_format(auto, "{{ '<｜DSML｜tool_calls>' }}") == CallFormat.DEEPSEEK_V4
+    assert call_format(auto, "{{ '<｜DSML｜function_calls>' }}") == CallFormat.DEEPSEEK_V32
+    assert call_format(auto, "{{ '<｜tool▁call▁begin｜>' }}") == CallFormat.DEEPSEEK_V31
 
 
 def test_consecutive_user_messages_are_one_only_where_the_template_refuses_them():
