@@ -1,0 +1,69 @@
+"""builtin:deepseek_v4, lineside's Jinja port of DeepSeek-V4's prompt format, against prompts the release's own
+Python encoder wrote (tests/runtime/data/deepseek_v4_chat_template.json names the copies it was run from), and the
+template a DeepSeek-V4 bundle without one of its own gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lineside.runtime.chat_template import check_chat_template, compile_template, load_chat_template
+from lineside.server.tool_calls import _template_call
+
+FIXTURE = json.loads((Path(__file__).parent / "data" / "deepseek_v4_chat_template.json").read_text(encoding="utf-8"))
+CASES = FIXTURE["cases"]
+
+
+def _as_served(messages: list[dict]) -> list[dict]:
+    """The messages as the server hands them to a template that iterates a call's arguments (an object)."""
+    return [{**m, "tool_calls": [_template_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
+@pytest.fixture(scope="module")
+def template():
+    return compile_template(load_chat_template("builtin:deepseek_v4"), "builtin:deepseek_v4")
+
+
+def test_fixture_names_its_sources_and_covers_the_format():
+    assert len(FIXTURE["sources"]) >= 2 and all(len(s["commit"]) == 40 for s in FIXTURE["sources"])
+    assert 10 <= len(CASES) <= 20
+    prompts = "".join(c["prompt"] for c in CASES)
+    for piece in ("<｜DSML｜tool_calls>", "<tool_result>", "<think>", "## Tools", "<｜User｜>"):
+        assert piece in prompts
+    assert any(c["thinking"] for c in CASES) and any(not c["thinking"] for c in CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_renders_as_the_encoder(template, case):
+    got = template.render(messages=_as_served(case["messages"]), tools=case["tools"], add_generation_prompt=True,
+                          thinking=case["thinking"], bos_token="<｜begin▁of▁sentence｜>",
+                          eos_token="<｜end▁of▁sentence｜>")
+    assert got == case["prompt"]
+
+
+@pytest.mark.parametrize("kwargs", [{"thinking": True}, {"enable_thinking": True}])
+def test_thinking_as_vllm_passes_it(template, kwargs):
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert template.render(messages=msgs, add_generation_prompt=True, **kwargs).endswith("<｜Assistant｜><think>")
+    assert template.render(messages=msgs, add_generation_prompt=True).endswith("<｜Assistant｜></think>")
+
+
+def test_no_generation_prompt_without_add_generation_prompt(template):
+    out = template.render(messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert out == "<｜begin▁of▁sentence｜><｜User｜>Hi"
+
+
+def test_reasoning_field_as_vllm_names_it(template):
+    """vLLM hands an earlier turn's thinking back as ``reasoning``; it is kept where ``reasoning_content`` is."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning": "because"}]
+    out = template.render(messages=msgs, tools=tools, add_generation_prompt=False, thinking=True)
+    assert out.endswith("<｜User｜>Q<｜Assistant｜><think>because</think>A<｜end▁of▁sentence｜>")
+
+
+def test_shipped_template_passes_the_startup_check():
+    check_chat_template(load_chat_template("builtin:deepseek_v4"), "builtin:deepseek_v4")
+
