@@ -27,8 +27,15 @@ class Tokenizer:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> Tokenizer:
-        """The bundle's tokenizer: its ``tokenizer/`` files plus the manifest's BOS/EOS and chat template."""
-        return cls(bundle.tokenizer_dir, bundle.manifest.tokenizer)
+        """The bundle's tokenizer: its ``tokenizer/`` files plus the manifest's BOS/EOS and chat template. A
+        DeepSeek-V4 bundle whose checkpoint has no chat template (V4 ships a Python encoder instead) gets the shipped
+        port of that encoder's format, ``builtin:deepseek_v4``; a checkpoint's own template still wins."""
+        tok = cls(bundle.tokenizer_dir, bundle.manifest.tokenizer)
+        if not tok.chat_templates and bundle.architecture == "deepseek_v4":
+            from lineside.runtime.chat_template import load_chat_template
+
+            tok.chat_template = load_chat_template("builtin:deepseek_v4")
+        return tok
 
     def __init__(self, tok_dir: Path, manifest_tok: dict[str, Any] | None = None):
         from tokenizers import Tokenizer as HFTokenizer

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from lineside.runtime.chat_template import check_chat_template, compile_template, load_chat_template
+from lineside.runtime.tokenizer import Tokenizer
 from lineside.server.tool_calls import _template_call
+from tests.tiny_tokenizer import write_byte_tokenizer
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "deepseek_v4_chat_template.json").read_text(encoding="utf-8"))
 CASES = FIXTURE["cases"]
@@ -67,3 +70,22 @@ def test_reasoning_field_as_vllm_names_it(template):
 def test_shipped_template_passes_the_startup_check():
     check_chat_template(load_chat_template("builtin:deepseek_v4"), "builtin:deepseek_v4")
 
+
+def _bundle(tmp_path: Path, architecture: str, template: str | None) -> SimpleNamespace:
+    d = tmp_path / "tokenizer"
+    d.mkdir(parents=True)
+    write_byte_tokenizer(d, 300)
+    cfg = {"chat_template": template} if template is not None else {}  # write_byte_tokenizer's has one
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    return SimpleNamespace(tokenizer_dir=d, architecture=architecture, manifest=SimpleNamespace(tokenizer={}))
+
+
+def test_v4_bundle_without_a_template_gets_the_port(tmp_path):
+    tok = Tokenizer.from_bundle(_bundle(tmp_path, "deepseek_v4", None))
+    assert tok.chat_template == load_chat_template("builtin:deepseek_v4")
+
+
+def test_checkpoint_template_wins_and_other_architectures_get_none(tmp_path):
+    own = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert Tokenizer.from_bundle(_bundle(tmp_path / "a", "deepseek_v4", own)).chat_template == own
+    assert Tokenizer.from_bundle(_bundle(tmp_path / "b", "llama", None)).chat_template is None
