@@ -20,6 +20,7 @@ log = logging.getLogger("lineside.runtime")
 
 if TYPE_CHECKING:
     from lineside.bundle import Bundle
+    from lineside.runtime.chat_template import TemplateLimits
 
 
 class Tokenizer:
@@ -167,19 +168,29 @@ class Tokenizer:
     # ---- chat ------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, *, chat_template: str | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            template_limits: TemplateLimits | None = None) -> str:
         """Render messages with the model's template (OpenAI-style role/content dicts); ``tools`` (OpenAI's
         function list) is passed to templates that have a tool section, as transformers does. ``chat_template``:
         another template's text to render with (``--chat-template``, a request's); ``template_kwargs``: extra
-        variables for the template (a request's ``chat_template_kwargs``)."""
+        variables for the template (a request's ``chat_template_kwargs``); ``template_limits``: ``chat_template`` is
+        a request's, rendered in the bounded sandbox (runtime/chat_template.render_bounded)."""
         template = chat_template or self.template_for(tools)
         messages = _developer_as_system(messages, template)
         if not template:
             # No template: a plain transcript the model can still continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return text + ("assistant:" if add_generation_prompt else "")
-        compiled = self._compiled_template(template, chat_template is None)
+        bounded = template_limits if chat_template else None
+        compiled = self._compiled_template(template, chat_template is None, bounded)
         try:  # tools=None when there are none, as transformers renders (a template may test `tools is not none`)
+            if bounded is not None:
+                from lineside.runtime.chat_template import render_bounded
+
+                return render_bounded(compiled, bounded, dict(
+                    **(template_kwargs or {}), messages=messages, tools=tools or None,
+                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                    eos_token=self.eos_token or ""))
             return compiled.render(**(template_kwargs or {}), messages=messages, tools=tools or None,
                                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                                    eos_token=self.eos_token or "")
@@ -188,37 +199,41 @@ class Tokenizer:
         except Exception as e:  # jinja raises many types; the user sees one line
             raise LinesideError(f"chat template failed on these messages: {e}") from None
 
-    def _compiled_template(self, template: str, own: bool) -> Any:
-        """Compiled once per template text (the bundle's and a few given ones, newest kept)."""
+    def _compiled_template(self, template: str, own: bool, limits: TemplateLimits | None = None) -> Any:
+        """Compiled once per template text and sandbox (the bundle's and a few given ones, newest kept)."""
         from lineside.runtime.chat_template import ChatTemplateError, compile_template
 
         with _TEMPLATE_LOCK:  # request threads share the tokenizer
             if self._compiled is None:
                 self._compiled = {}
-            compiled = self._compiled.get(template)
+            key = (template, limits)
+            compiled = self._compiled.get(key)
             if compiled is None:
                 try:
-                    compiled = compile_template(template, "the bundle's chat template" if own else "chat template")
+                    compiled = compile_template(template, "the bundle's chat template" if own else "chat template",
+                                                limits)
                 except ChatTemplateError as e:
                     raise (BundleError(f"{e}; rebuild the bundle or serve with --chat-template") if own
                            else e) from None
                 if len(self._compiled) >= _COMPILED_TEMPLATES:
                     self._compiled.pop(next(iter(self._compiled)))
-                self._compiled[template] = compiled
+                self._compiled[key] = compiled
             return compiled
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                     max_tokens: int | None = None, *, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None,
+                    template_limits: TemplateLimits | None = None) -> list[int]:
         """``continue_final_message``: the prompt ends inside the last message (an assistant prefill the
         model continues), cut as transformers' apply_chat_template does. Special-token text inside a
         message (``<|im_start|>`` typed by a user) is encoded as text; only the template's markup is special.
         ``tools``: OpenAI's function list, for templates with a tool section. ``max_tokens``: as for encode.
-        ``chat_template`` / ``template_kwargs``: as for apply_chat_template."""
+        ``chat_template`` / ``template_kwargs`` / ``template_limits``: as for apply_chat_template."""
         messages, literals = self._mask_special_text(messages, chat_template or self.template_for(tools))
         text = self.apply_chat_template(messages, add_generation_prompt and not continue_final_message, tools,
-                                        chat_template=chat_template, template_kwargs=template_kwargs)
+                                        chat_template=chat_template, template_kwargs=template_kwargs,
+                                        template_limits=template_limits)
         if continue_final_message:
             text = _cut_after_final(text, str(messages[-1].get("content") or ""))
         return self._chat_ids(text, literals, max_tokens)
@@ -236,12 +251,14 @@ class Tokenizer:
 
     # ---- stable prefixes (prefill sessions) ------------------------------------------------------------
     def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                        template_limits: TemplateLimits | None = None) -> list[int]:
         """The leading ids of ``encode_chat(messages)`` that every later chat extending the last message's text
         (or adding messages after it) shares: the rendering up to the end of that text, without the trailing
         tokens a continuation could re-tokenize. What a prefill session caches."""
         masked, literals = self._mask_special_text(messages, chat_template or self.template_for(tools))
-        opts: dict[str, Any] = {"chat_template": chat_template, "template_kwargs": template_kwargs}
+        opts: dict[str, Any] = {"chat_template": chat_template, "template_kwargs": template_kwargs,
+                                "template_limits": template_limits}
         full = self.apply_chat_template(masked, True, tools, **opts)
         last = {**masked[-1], "content": str(masked[-1].get("content") or "") + _GROWS}
         grown = self.apply_chat_template([*masked[:-1], last], True, tools, **opts)

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from lineside.errors import LinesideError
-from lineside.runtime.chat_template import ChatTemplateError, check_chat_template, check_kwargs
+from lineside.runtime.chat_template import (
+    ChatTemplateError,
+    TemplateLimits,
+    check_chat_template,
+    check_kwargs,
+)
 from lineside.server.errors import APIError
 
 
@@ -21,10 +26,11 @@ class Rendering:
     effective: str  # the template that renders (what tool-call detection reads)
     kwargs: dict[str, Any] | None
     param: str | None  # the request field a render failure is blamed on
+    limits: TemplateLimits | None = None  # a request's own template text: rendered within these (bounded sandbox)
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for Tokenizer.encode_chat / stable_chat_ids."""
-        return {"chat_template": self.given, "template_kwargs": self.kwargs}
+        return {"chat_template": self.given, "template_kwargs": self.kwargs, "template_limits": self.limits}
 
     @contextmanager
     def blamed(self) -> Iterator[None]:
@@ -43,6 +49,7 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
     given = state.chat_template
     param = None
     kwargs = None
+    limits = None
     if body.chat_template_kwargs is not None:  # first: a request's template is checked with its variables
         try:
             kwargs = check_kwargs(body.chat_template_kwargs) or None
@@ -62,14 +69,27 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
         # (which vLLM hands the field to) takes it; else Jinja text, checked here
         given = getattr(tok, "chat_templates", {}).get(body.chat_template)
         if given is None:
+            limits = request_template_limits(state)
             try:
                 check_chat_template(body.chat_template, "chat_template", bos_token=tok.bos_token or "",
-                                    eos_token=tok.eos_token or "", kwargs=kwargs)
+                                    eos_token=tok.eos_token or "", kwargs=kwargs, limits=limits)
             except ChatTemplateError as e:
                 raise APIError(400, str(e), "invalid_value", param="chat_template") from None
             given = body.chat_template
         param = "chat_template"
-    return Rendering(given, _effective(state, given, tools), kwargs, param)
+    return Rendering(given, _effective(state, given, tools), kwargs, param, limits)
+
+
+def request_template_limits(state: Any) -> TemplateLimits:
+    """What one render of a request's own template may do on this server: the server's ``template_limits`` when
+    set (tests set small ones), else runtime/chat_template's defaults for the model's context."""
+    return getattr(state, "template_limits", None) or TemplateLimits.for_context(state.engine.max_seq_len)
+
+
+def renders_request_template(state: Any, body: Any) -> bool:
+    """Whether rendering ``body`` runs a template the request sent (then off the event loop: it may take up to
+    its limits' deadline)."""
+    return getattr(body, "chat_template", None) is not None and bool(state.trust_request_chat_template)
 
 
 def server_rendering(state: Any, tools: list[dict[str, Any]] | None = None) -> Rendering:

@@ -84,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         request_mapping.check_chat(body)
         prompt_limits.check_texts(prompt_limits.chat_texts(body), state.engine.tokenizer, state.engine.max_seq_len,
                                   param="messages")
-        prompt = chat_prompt(state, body)
+        prompt = await chat_prompt_off_loop(state, body)
         tools, tool_choice, template = prompt.tools, prompt.tool_choice, prompt.render.effective
         constraint = constraints.request_constraint(body)
         call_constraint = tool_calls.tool_constraint(tools, tool_choice, parallel=body.parallel_tool_calls is not False)
@@ -163,13 +163,23 @@ def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
     return ChatPrompt(messages, listed, options, render, tools, tool_choice)
 
 
+async def chat_prompt_off_loop(state: ServerState, body: Any) -> ChatPrompt:
+    """chat_prompt(state, body), in a worker thread when the body carries its own template: its checks render it
+    (each render bounded by the server's template limits, yet up to their deadline of work)."""
+    if chat_rendering.renders_request_template(state, body):
+        return await asyncio.to_thread(chat_prompt, state, body)
+    return chat_prompt(state, body)
+
+
 async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_tokens: int | None) -> list[int]:
-    """The rendered chat's token ids (long ones off the event loop); ``max_tokens``: PromptTooLong past it."""
+    """The rendered chat's token ids (long ones, and any rendered with a request's own template, off the event
+    loop); ``max_tokens``: PromptTooLong past it."""
     size = sum(len(m["content"] or "") for m in prompt.messages)
     with prompt.render.blamed():
         return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
                                                       **prompt.options, **prompt.render.options(),
-                                                      max_tokens=max_tokens), param="messages")
+                                                      max_tokens=max_tokens), param="messages",
+                              off_loop=prompt.render.limits is not None)
 
 
 def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,
@@ -485,11 +495,12 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
-async def _offload(size: int, fn: Any, *, param: str) -> Any:
-    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster). A prompt
-    found longer than the context while tokenizing is a 400 context_length_exceeded naming ``param``."""
+async def _offload(size: int, fn: Any, *, param: str, off_loop: bool = False) -> Any:
+    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster), unless
+    ``off_loop`` (a request's own template renders). A prompt found longer than the context while tokenizing is a
+    400 context_length_exceeded naming ``param``."""
     try:
-        if size > _INLINE_CHARS:
+        if off_loop or size > _INLINE_CHARS:
             return await asyncio.to_thread(fn)
         return fn()
     except PromptTooLong as e:

@@ -11,6 +11,7 @@ X-Session-Id) and starts from its KV when its prompt extends it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from typing import Any
@@ -119,15 +120,21 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         options = request_mapping.chat_template_options(body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-        render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
-        messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
+        def rendered() -> tuple[chat_rendering.Rendering, list[dict[str, Any]], list[dict[str, Any]] | None]:
+            render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
+            return render, *tool_calls.template_messages(messages, tools, render.effective, tool_choice)
+
+        # a request's own template renders in its checks: off the event loop (bounded, yet up to its deadline)
+        ours = chat_rendering.renders_request_template(state, body)
+        render, messages, listed = await asyncio.to_thread(rendered) if ours else rendered()
         size = sum(len(m["content"] or "") for m in messages)
+        off_loop = render.limits is not None
         with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
-                                 param="messages")
+                                 param="messages", off_loop=off_loop)
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
-                                                            **render.options()), param="messages")
+                                                            **render.options()), param="messages", off_loop=off_loop)
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lineside.bundle import default_model_names
+from lineside.runtime.chat_template import TemplateLimits
 from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
@@ -60,6 +61,8 @@ class ServerState:
         self.lora = lora  # the primary engine's LoraServing (never the fallback's: another bundle)
         self.chat_template = chat_template  # --chat-template's text (None: the bundle's own renders chats)
         self.trust_request_chat_template = trust_request_chat_template
+        # what one render of a request's own template may do (None: runtime/chat_template's defaults for the context)
+        self.template_limits: TemplateLimits | None = None
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
         self.reasoning_parser = reasoning_parser  # none | deepseek_r1 | auto (reasoning.py)
         self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed

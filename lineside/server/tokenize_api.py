@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 import lineside
 from lineside.server import request_mapping
 from lineside.server.errors import APIError
-from lineside.server.openai_api import _check_model, _offload, chat_prompt, encode_chat_prompt
+from lineside.server.openai_api import _check_model, _offload, chat_prompt_off_loop, encode_chat_prompt
 from lineside.server.prefill_api import _json_body
 from lineside.server.schemas import (
     ERROR_RESPONSES,
@@ -78,7 +78,7 @@ async def tokenize(request: Request) -> Any:
     _check_model(state, body.model)  # an adapter shares its base model's tokenizer
     check_unicode(body)
     if isinstance(body, TokenizeChatRequest):
-        ids = await encode_chat_prompt(state, chat_prompt(state, body), max_tokens=None)
+        ids = await encode_chat_prompt(state, await chat_prompt_off_loop(state, body), max_tokens=None)
         bos = state.engine.tokenizer.bos_token_id
         if body.add_special_tokens and bos is not None and ids[:1] != [bos]:  # vLLM: on top of the template's
             ids = [bos, *ids]

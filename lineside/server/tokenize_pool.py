@@ -103,7 +103,7 @@ class PooledTokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                     max_tokens: int | None = None, *, chat_template: str | None = None,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    template_kwargs: dict[str, Any] | None = None, template_limits: Any = None) -> list[int]:
         options: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
                                    "continue_final_message": continue_final_message, "max_tokens": max_tokens}
         if tools:
@@ -112,6 +112,8 @@ class PooledTokenizer:
             options["chat_template"] = chat_template
         if template_kwargs:
             options["template_kwargs"] = template_kwargs
+        if template_limits is not None:
+            options["template_limits"] = template_limits
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)
@@ -124,8 +126,10 @@ class PooledTokenizer:
         return self._run(_stable_text, (text,), lambda: self._inner.stable_text_ids(text))
 
     def stable_chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
-                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        options = {k: v for k, v in (("chat_template", chat_template), ("template_kwargs", template_kwargs)) if v}
+                        chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                        template_limits: Any = None) -> list[int]:
+        options = {k: v for k, v in (("chat_template", chat_template), ("template_kwargs", template_kwargs),
+                                     ("template_limits", template_limits)) if v}
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= self.inline_chars or self.processes < 1:
             return self._inner.stable_chat_ids(messages, tools, **options)

@@ -229,3 +229,97 @@ def test_a_bundle_without_a_chat_template_refuses_chat_in_one_line(tiny_dense, t
         with httpx.Client(base_url=given.url, timeout=30) as c:
             r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
             assert r.status_code == 200, r.text
+
+
+# ---- a request's own template is bounded (runtime/chat_template.bounded_environment) ----------------------------
+HOSTILE = {
+    "range": ("{% for i in range(10**9) %}x{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}", "characters"),
+    "nested loops": ("{% for i in range(60000) %}{% for j in range(60000) %}{% endfor %}{% endfor %}"
+                     "{% for m in messages %}{{ m.content }}{% endfor %}", "steps"),
+    "multiplication": ("{{ 'x' * 10**10 }}{% for m in messages %}{{ m.content }}{% endfor %}", "characters"),
+    "doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+                 "{% for m in messages %}{{ m.content }}{% endfor %}", "characters"),
+    "exponential macro": ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}"
+                          "{% for m in messages %}{{ m.content }}{% endfor %}", "steps"),
+    "deep recursion": ("{% macro f(n) %}{{ f(n+1) }}{% endmacro %}{{ f(0) }}{% for m in messages %}{{ m.content }}"
+                       "{% endfor %}", "recursion limit"),
+    # passes the one-message check, loops on the real conversation
+    "long only": ("{% if messages|length > 1 %}{% for i in range(60000) %}{% for j in range(60000) %}{% endfor %}"
+                  "{% endfor %}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}", "steps"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_request_template_is_one_400_naming_chat_template_and_its_limit(servers, name):
+    template, limit = HOSTILE[name]
+    smol = servers["smol"]
+    msgs = [{"role": "user", "content": "[text] a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "[text] c"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(smol, "[text]", tools=None, messages=msgs, extra_body={"chat_template": template})
+    err = e.value.body
+    assert err["param"] == "chat_template" and "chat_template" in err["message"], err
+    assert limit in err["message"] and "the limit on a request's template" in err["message"], err
+    assert "\n" not in err["message"]
+    # and the server still answers, with the bundle's / server's own template as before
+    assert httpx.get(smol.url + "/health", timeout=30).status_code == 200
+    assert _ask(smol, "[text]", tools=None).choices[0].message.content == "Line 4 is stopped."
+
+
+def test_request_template_limits_are_the_servers(servers):
+    """Limits injected small: a template within the defaults but past them is refused by the one it passes."""
+    from lineside.runtime.chat_template import TemplateLimits
+
+    smol = servers["smol"]
+    loops = ("{% for i in range(50) %}{% endfor %}{{ 'y' * 300 }}" + REQUEST_TEMPLATE)
+    r = _ask(smol, "[text]", tools=None, extra_body={"chat_template": loops})
+    assert r.choices[0].message.content == "Line 4 is stopped." and "y" * 300 in smol.backend.prompts[-1]
+    for limits, words in [(TemplateLimits(max_chars=10_000, max_steps=20), "more than 20 steps"),
+                          (TemplateLimits(max_chars=200), "more than 200 characters"),
+                          (TemplateLimits(max_chars=10_000, deadline_s=0), "ran past 0 s")]:
+        smol.state.template_limits = limits
+        try:
+            with pytest.raises(openai.BadRequestError) as e:
+                _ask(smol, "[text]", tools=None, extra_body={"chat_template": loops})
+        finally:
+            smol.state.template_limits = None
+        assert e.value.body["param"] == "chat_template" and words in e.value.body["message"], e.value.body
+
+
+def test_the_server_answers_while_a_request_template_renders(servers, monkeypatch):
+    """By ordering, not timing: the hostile render is held inside its loop until /health and a chat with the
+    server's template have been answered; it then runs into its step limit (a 400). Rendered on the event loop,
+    /health could not answer while it is held."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lineside.runtime import chat_template
+    from lineside.runtime.chat_template import TemplateLimits
+
+    smol = servers["smol"]
+    inside, release = threading.Event(), threading.Event()
+    step = chat_template._Budget.step
+
+    def held(self):
+        if self.steps == 100:
+            inside.set()
+            release.wait(60)
+        step(self)
+
+    monkeypatch.setattr(chat_template._Budget, "step", held)
+    smol.state.template_limits = TemplateLimits(max_chars=100_000, max_steps=1000, deadline_s=600)
+    template = HOSTILE["nested loops"][0]
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            hostile = pool.submit(_ask, smol, "[text]", tools=None, extra_body={"chat_template": template})
+            assert inside.wait(60), hostile.exception(0) if hostile.done() else "the render never started"
+            assert httpx.get(smol.url + "/health", timeout=30).status_code == 200
+            assert _ask(smol, "[text]", tools=None).choices[0].message.content == "Line 4 is stopped."
+            assert not hostile.done()  # still held in its render
+            release.set()
+            with pytest.raises(openai.BadRequestError) as e:
+                hostile.result(60)
+    finally:
+        release.set()
+        smol.state.template_limits = None
+    assert "more than 1000 steps" in e.value.body["message"]
