@@ -13,6 +13,7 @@ import codecs
 import contextvars
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -354,7 +355,10 @@ def bounded_environment(limits: TemplateLimits) -> Any:
     return env
 
 
-_PROBE_LIMITS = TemplateLimits(max_chars=MIN_CHARS)  # the probes' conversations are a few short messages
+# the probes' conversations are a few short messages; no wall-clock deadline: their answers are cached per template
+# text and decide how the bundle's own template renders, so a stalled process must not cache a wrong one (the
+# steps and sizes still bound a request's template)
+_PROBE_LIMITS = TemplateLimits(max_chars=MIN_CHARS, deadline_s=math.inf)
 
 
 def render_bounded(compiled: Any, limits: TemplateLimits, variables: dict[str, Any]) -> str:

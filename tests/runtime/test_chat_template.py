@@ -187,3 +187,32 @@ def test_the_sandbox_refuses_the_known_escapes_and_pyproject_pins_a_jinja2_that_
     pin = re.search(r'"jinja2\s*>=\s*([\d.]+)', (Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pin is not None and tuple(int(p) for p in pin.group(1).split(".")) >= (3, 1, 6), \
         f"pyproject must require jinja2>=3.1.6, has {pin and pin.group(0)!r}"
+
+
+class _Jumping:
+    """A clock that moves 10 s at every read: any wall-clock deadline has passed by the next check."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 10.0
+        return self.now
+
+
+def test_probes_of_a_template_do_not_depend_on_the_wall_clock(monkeypatch):
+    """shows_system / alternates / ... are cached per template text and decide how the bundle's own (trusted)
+    template renders: a stalled process (a clock past the request deadline) must not cache a wrong answer."""
+    import lineside.runtime.chat_template as ct
+
+    gemma = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('alternate') }}{% endif %}<t>{{ m['content'] }}</t>{% endfor %}")
+    monkeypatch.setattr(ct, "time", _Jumping())
+    for probe in (ct.shows_system, ct.alternates):
+        probe.cache_clear()
+    try:
+        assert ct.shows_system(SMOLLM2_GGUF_TEMPLATE)
+        assert ct.alternates(gemma)
+    finally:
+        for probe in (ct.shows_system, ct.alternates):
+            probe.cache_clear()
