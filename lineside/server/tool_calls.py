@@ -920,9 +920,9 @@ def _dsml_calls(body: str, final: bool, names: set[str],
             if string == "true":
                 params[key] = raw
             else:
-                try:
-                    params[key] = json.loads(raw)
-                except json.JSONDecodeError:
+                try:  # NaN / Infinity are not JSON: arguments holding them would not parse for the client
+                    params[key] = json.loads(raw, parse_constant=_no_constant)
+                except (json.JSONDecodeError, ValueError):
                     return [], False, ""
             p = e + len(_DSML_PARAM_END)
         args = json.dumps(params, ensure_ascii=False)
@@ -970,6 +970,11 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         if body[v:v + 1] != "{":  # a string or other value: wait for all of it
             return name, "", False, True
         return name, body[v:], False, True
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads' hook for NaN / Infinity / -Infinity, which Python accepts and JSON does not."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def _arguments_text(value: Any, text: str) -> str:

@@ -530,6 +530,8 @@ def test_a_deepseek_call_cut_off_or_malformed_is_content(text, fmt):
     DS_V4[:DS_V4.rindex("</｜DSML｜tool_calls>")],  # the block never closes (cut off at max_tokens)
     DS_V4[:DS_V4.rindex('<｜DSML｜parameter name="station"')],  # the second call cut off
     DS_V4.replace('string="false">7<', 'string="false">seven<'),  # a non-string value that is no JSON
+    DS_V4.replace('string="false">7<', 'string="false">NaN<'),  # Python's json reads NaN; JSON has none
+    DS_V4.replace('string="false">7<', 'string="false">-Infinity<'),
     DS_V4.replace('name="unit" string="true">C', 'name="city" string="true">Oslo'),  # a parameter twice
     DS_V4.replace('"stop_line"', '"launch_rocket"'),  # an unknown function
     DS_V4.replace('name="unit" string="true"', 'name="unit"'),  # no string attribute
