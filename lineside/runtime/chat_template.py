@@ -126,7 +126,13 @@ def _generation_extension() -> type:
 
 
 # ---- the bounded sandbox a request's own template renders in ------------------------------------------------
-STEPS = 500_000  # loop iterations and calls (a chat template on a long conversation with tools: a few thousand)
+# Steps: loop iterations and calls, per token of the model's context. Measured (tests/server/
+# test_request_template_parity.py) on the real templates the tests carry, conversations filling the context with the
+# fewest tokens a turn can take (empty messages, one-letter names, `{}` arguments): at most 5.5 steps per token on
+# plain turns (builtin:deepseek_v4, whose merging of tool results and user text makes it the costliest), 16.7 with
+# eight parallel calls a turn; every other template 2.6 or less. 256 per token leaves 15 times the worst of these.
+STEPS_PER_TOKEN = 256
+STEPS = 500_000  # the least a server gets (a small context)
 DEADLINE_S = 2.0  # wall-clock seconds of one render
 CHARS_PER_TOKEN = 32  # the rendered text and every string in between: this many characters per context token
 MIN_CHARS = 1 << 16
@@ -144,7 +150,10 @@ class TemplateLimits:
 
     @classmethod
     def for_context(cls, max_seq_len: int) -> TemplateLimits:
-        return cls(max_chars=max(CHARS_PER_TOKEN * int(max_seq_len), MIN_CHARS))
+        """The defaults for a model of ``max_seq_len`` tokens: size and steps grow with the context (a longer
+        conversation fits), the deadline does not."""
+        return cls(max_chars=max(CHARS_PER_TOKEN * int(max_seq_len), MIN_CHARS),
+                   max_steps=max(STEPS_PER_TOKEN * int(max_seq_len), STEPS))
 
 
 class TemplateLimitError(ChatTemplateError):
