@@ -251,12 +251,21 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_request_template_is_one_400_naming_chat_template_and_its_limit(servers, name):
+    import dataclasses
+
+    from lineside.runtime.chat_template import TemplateLimits
+
     template, limit = HOSTILE[name]
     smol = servers["smol"]
     msgs = [{"role": "user", "content": "[text] a"}, {"role": "assistant", "content": "b"},
             {"role": "user", "content": "[text] c"}]
-    with pytest.raises(openai.BadRequestError) as e:
-        _ask(smol, "[text]", tools=None, messages=msgs, extra_body={"chat_template": template})
+    if limit == "steps":  # the server's own limits, its deadline far off: whether the steps ran out, not how fast
+        smol.state.template_limits = dataclasses.replace(TemplateLimits.for_context(CONTEXT), deadline_s=600)
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            _ask(smol, "[text]", tools=None, messages=msgs, extra_body={"chat_template": template})
+    finally:
+        smol.state.template_limits = None
     err = e.value.body
     assert err["param"] == "chat_template" and "chat_template" in err["message"], err
     assert limit in err["message"] and "the limit on a request's template" in err["message"], err
