@@ -63,6 +63,7 @@ from lineside.server.schemas import (
 )
 from lineside.server.slo import routing as slo_routing
 from lineside.server.state import ServerState
+from lineside.server.template_renders import TemplateRenders
 from lineside.server.unicode_check import check_unicode
 
 router = APIRouter()
@@ -167,7 +168,7 @@ async def chat_prompt_off_loop(state: ServerState, body: Any) -> ChatPrompt:
     """chat_prompt(state, body), in a worker thread when the body carries its own template: its checks render it
     (each render bounded by the server's template limits, yet up to their deadline of work)."""
     if chat_rendering.renders_request_template(state, body):
-        return await asyncio.to_thread(chat_prompt, state, body)
+        return await state.template_renders.run(chat_prompt, state, body)
     return chat_prompt(state, body)
 
 
@@ -179,7 +180,7 @@ async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_toke
         return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
                                                       **prompt.options, **prompt.render.options(),
                                                       max_tokens=max_tokens), param="messages",
-                              off_loop=prompt.render.limits is not None)
+                              renders=state.template_renders if prompt.render.limits is not None else None)
 
 
 def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,
@@ -495,12 +496,14 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
-async def _offload(size: int, fn: Any, *, param: str, off_loop: bool = False) -> Any:
-    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster), unless
-    ``off_loop`` (a request's own template renders). A prompt found longer than the context while tokenizing is a
-    400 context_length_exceeded naming ``param``."""
+async def _offload(size: int, fn: Any, *, param: str, renders: TemplateRenders | None = None) -> Any:
+    """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster). ``renders``:
+    ``fn`` renders a request's own template, on those threads whatever its size. A prompt found longer than the
+    context while tokenizing is a 400 context_length_exceeded naming ``param``."""
     try:
-        if off_loop or size > _INLINE_CHARS:
+        if renders is not None:
+            return await renders.run(fn)
+        if size > _INLINE_CHARS:
             return await asyncio.to_thread(fn)
         return fn()
     except PromptTooLong as e:

@@ -11,7 +11,6 @@ X-Session-Id) and starts from its KV when its prompt extends it.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from typing import Any
@@ -126,15 +125,15 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
 
         # a request's own template renders in its checks: off the event loop (bounded, yet up to its deadline)
         ours = chat_rendering.renders_request_template(state, body)
-        render, messages, listed = await asyncio.to_thread(rendered) if ours else rendered()
+        render, messages, listed = await state.template_renders.run(rendered) if ours else rendered()
         size = sum(len(m["content"] or "") for m in messages)
-        off_loop = render.limits is not None
+        renders = state.template_renders if render.limits is not None else None
         with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
-                                 param="messages", off_loop=off_loop)
+                                 param="messages", renders=renders)
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
-                                                            **render.options()), param="messages", off_loop=off_loop)
+                                                            **render.options()), param="messages", renders=renders)
         return ids, _agreeing(ids, stable)
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):

@@ -22,6 +22,7 @@ from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import ServerMetrics
 from lineside.server.reasoning import ThinkTokens, knows_tags, resolve
 from lineside.server.response_store import ResponseStore
+from lineside.server.template_renders import TemplateRenders
 from lineside.server.tokenize_pool import PooledTokenizer
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class ServerState:
         self.trust_request_chat_template = trust_request_chat_template
         # what one render of a request's own template may do (None: runtime/chat_template's defaults for the context)
         self.template_limits: TemplateLimits | None = None
+        # where those renders run: a few threads of their own (asyncio's default pool serves every request)
+        self.template_renders = TemplateRenders()
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
         self.reasoning_parser = reasoning_parser  # none | deepseek_r1 | auto (reasoning.py)
         self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed
@@ -250,6 +253,7 @@ class ServerState:
                 pass
         if self._tokenizer is not None:
             await asyncio.to_thread(self._tokenizer.close)
+        self.template_renders.close()
         if self.tegrastats:
             from lineside.jetson.gpu_health import stop_tegrastats
 

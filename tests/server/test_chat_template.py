@@ -332,3 +332,72 @@ def test_the_server_answers_while_a_request_template_renders(servers, monkeypatc
         release.set()
         smol.state.template_limits = None
     assert "more than 1000 steps" in e.value.body["message"]
+
+
+def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(servers, monkeypatch):
+    """By ordering, not timing: with one render slot and one waiting place, a hostile render is held inside its
+    loop on a render thread (not asyncio's default pool, which long prompts' tokenization and /health/gpu use), a
+    second request waits for the slot, a third is one 429 naming chat_template; meanwhile /health, a chat with the
+    server's template and a long /tokenize (the default pool) answer. Released, both held requests get their 400."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lineside.runtime import chat_template
+    from lineside.runtime.chat_template import TemplateLimits
+    from lineside.server.template_renders import TemplateRenders
+
+    smol = servers["smol"]
+    inside, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    step = chat_template._Budget.step
+
+    def held(self):
+        if self.steps == 100:
+            threads.append(threading.current_thread().name)
+            inside.set()
+            release.wait(60)
+        step(self)
+
+    monkeypatch.setattr(chat_template._Budget, "step", held)
+    usual, renders = smol.state.template_renders, TemplateRenders(slots=1, waiting=1)
+    smol.state.template_renders = renders
+    smol.state.template_limits = TemplateLimits(max_chars=100_000, max_steps=1000, deadline_s=600)
+    template = HOSTILE["nested loops"][0]
+
+    def hostile():
+        return _ask(smol, "[text]", tools=None, extra_body={"chat_template": template})
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(hostile)
+            assert inside.wait(60), first.exception(0) if first.done() else "the render never started"
+            second = pool.submit(hostile)
+            for _ in range(600):  # until the second is admitted, waiting for the slot
+                if renders.admitted == 2 or second.done():
+                    break
+                time.sleep(0.1)
+            assert renders.admitted == 2 and not second.done()
+            with pytest.raises(openai.RateLimitError) as e:
+                hostile()
+            err = e.value.body
+            assert err["param"] == "chat_template" and err["code"] == "too_many_template_renders", err
+            assert "1 at once and 1 waiting" in err["message"] and "\n" not in err["message"], err
+            assert e.value.response.headers["retry-after"] == "1"
+            assert httpx.get(smol.url + "/health", timeout=30).status_code == 200
+            assert _ask(smol, "[text]", tools=None).choices[0].message.content == "Line 4 is stopped."
+            long = httpx.post(smol.url + "/tokenize", json={"model": "scripted", "prompt": "ab " * 4000}, timeout=30)
+            assert long.status_code == 200 and long.json()["count"] >= 4000, long.text
+            assert not first.done() and not second.done()  # one still held in its render, one waiting for it
+            release.set()
+            for held_request in (first, second):
+                with pytest.raises(openai.BadRequestError) as e:
+                    held_request.result(60)
+                assert "more than 1000 steps" in e.value.body["message"]
+    finally:
+        release.set()
+        smol.state.template_renders = usual
+        smol.state.template_limits = None
+        renders.close()
+    assert threads and all(t.startswith("lineside-request-template") for t in threads), threads
+    assert renders.admitted == 0
