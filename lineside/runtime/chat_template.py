@@ -295,6 +295,7 @@ def bounded_environment(limits: TemplateLimits) -> Any:
     each); ``*``, ``**``, ``%``, ``+``, ``~``, the filters and the calls the template makes refuse to build a
     value beyond ``limits.max_chars``. What it renders is what environment() renders, or a TemplateLimitError."""
     from jinja2 import nodes
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     base = environment()
@@ -322,6 +323,8 @@ def bounded_environment(limits: TemplateLimits) -> Any:
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             _step()
+            if isinstance(__obj, LoopContext) and args:  # a recursive loop's loop(items): those items counted too
+                args = (_counted(args[0]), *args[1:])
             method = getattr(__obj, "__wrapped__", __obj)  # the sandbox wraps str.format, keeping the method
             receiver = getattr(method, "__self__", None)
             name = getattr(method, "__name__", "")

@@ -190,3 +190,16 @@ def test_a_conversation_filling_the_context_takes_a_fraction_of_the_step_limit(t
         pytest.skip(f"{template} refuses {shape} ({e})")  # Gemma's: no tool roles of its own
     n = math.ceil(16 * CONTEXT / max(few, 1))
     assert _least_tokens(render(n)) >= CONTEXT  # the whole context, and no step limit met on the way
+
+
+def test_a_recursive_loops_inner_items_are_steps_too():
+    """``loop(items)`` in a recursive for loop iterates items the template built: each is a step, as the outer
+    loop's are (uncounted, a nested list could loop far past the step limit); the loop still renders as Jinja does."""
+    from lineside.runtime.chat_template import TemplateLimitError, compile_template, render_bounded
+
+    text = "{% for x in items recursive %}{% if x is iterable %}[{{ loop(x) }}]{% else %}{{ x }}{% endif %}{% endfor %}"
+    small = TemplateLimits(max_chars=1 << 16, max_steps=50)
+    nested = {"items": [[1, [2, 3]], 4]}
+    assert render_bounded(compile_template(text, "t", small), small, nested) == "[1[23]]4"
+    with pytest.raises(TemplateLimitError, match="more than 50 steps"):
+        render_bounded(compile_template(text, "t", small), small, {"items": [list(range(3000))]})
