@@ -64,6 +64,7 @@ from lineside.server.schemas import (
 from lineside.server.slo import routing as slo_routing
 from lineside.server.state import ServerState
 from lineside.server.template_renders import TemplateRenders
+from lineside.server.tokenize_pool import chat_work_size
 from lineside.server.unicode_check import check_unicode
 
 router = APIRouter()
@@ -175,7 +176,7 @@ async def chat_prompt_off_loop(state: ServerState, body: Any) -> ChatPrompt:
 async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_tokens: int | None) -> list[int]:
     """The rendered chat's token ids (long ones, and any rendered with a request's own template, off the event
     loop); ``max_tokens``: PromptTooLong past it."""
-    size = sum(len(m["content"] or "") for m in prompt.messages)
+    size = chat_work_size(prompt.messages)
     with prompt.render.blamed():
         return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
                                                       **prompt.options, **prompt.render.options(),

@@ -22,6 +22,14 @@ from typing import Any
 log = logging.getLogger("lineside.server")
 
 INLINE_CHARS = 8192
+# What a message costs a chat template beyond its text, in characters: some templates rescan the conversation per
+# turn, so thousands of empty messages render as slowly as a long text and must leave the event loop as one does.
+MESSAGE_CHARS = 64
+
+
+def chat_work_size(messages: list[dict[str, Any]]) -> int:
+    """A conversation's rendering and tokenizing work in characters: its texts plus MESSAGE_CHARS a message."""
+    return sum(len(str(m.get("content") or "")) + MESSAGE_CHARS for m in messages)
 NICENESS_ENV = "LINESIDE_TOKENIZER_NICENESS"  # how far the worker lowers its priority (0: not at all)
 WORKER_NICENESS = 5
 
@@ -114,8 +122,7 @@ class PooledTokenizer:
             options["template_kwargs"] = template_kwargs
         if template_limits is not None:
             options["template_limits"] = template_limits
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size <= self.inline_chars or self.processes < 1:
+        if chat_work_size(messages) <= self.inline_chars or self.processes < 1:
             return self._inner.encode_chat(messages, **options)
         return self._run(_encode_chat, (messages, options), lambda: self._inner.encode_chat(messages, **options))
 
@@ -130,8 +137,7 @@ class PooledTokenizer:
                         template_limits: Any = None) -> list[int]:
         options = {k: v for k, v in (("chat_template", chat_template), ("template_kwargs", template_kwargs),
                                      ("template_limits", template_limits)) if v}
-        size = sum(len(str(m.get("content") or "")) for m in messages)
-        if size <= self.inline_chars or self.processes < 1:
+        if chat_work_size(messages) <= self.inline_chars or self.processes < 1:
             return self._inner.stable_chat_ids(messages, tools, **options)
         return self._run(_stable_chat, (messages, tools, options),
                          lambda: self._inner.stable_chat_ids(messages, tools, **options))

@@ -224,3 +224,29 @@ def test_a_long_prompts_strings_and_pieces_are_built_off_the_event_loop(server, 
     assert on_loop == [], f"{len(on_loop)} lookups ran on the event loop"
     short = _post(server.url, "/tokenize", {"prompt": "xy", "return_token_strs": True}).json()
     assert short["token_strs"] == [tok.id_to_token(i) for i in short["tokens"]]  # short ones stay inline
+
+
+def test_a_chat_of_many_empty_messages_is_rendered_off_the_event_loop(server, monkeypatch):
+    """Only the messages' text decided: thousands of empty turns (which some templates rescan turn by turn) were
+    rendered on the event loop. Where the work runs is checked, not how long it takes."""
+    import asyncio
+
+    tok = server.state.engine.tokenizer
+    on_loop: list[bool] = []
+    encode_chat = tok.encode_chat
+
+    def watched(*a, **k):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return encode_chat(*a, **k)
+
+    monkeypatch.setattr(tok, "encode_chat", watched)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": ""} for i in range(301)]
+    r = _post(server.url, "/tokenize", {"messages": many})
+    assert r.status_code == 200, r.text
+    short = _post(server.url, "/tokenize", {"messages": many[:3]})
+    assert short.status_code == 200, short.text
+    assert on_loop == [False, True], on_loop  # the long conversation in a worker, a short one inline (faster)
