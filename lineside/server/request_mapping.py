@@ -171,6 +171,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             plain["tool_calls"] = message.tool_calls
         if message.tool_call_id:
             plain["tool_call_id"] = message.tool_call_id
+        if message.role == "assistant":  # the turn's thinking, for templates that write it back (as vLLM)
+            for key in ("reasoning_content", "reasoning"):
+                if getattr(message, key) is not None:
+                    plain[key] = clean_text(getattr(message, key), f"messages.{i}.{key}")
         out.append(plain)
     return out
 

@@ -42,6 +42,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool result: which call it answers
+    # an earlier assistant turn's thinking, as vLLM takes it back (templates such as builtin:deepseek_v4 keep it
+    # within a tool-call chain)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _Sampling(BaseModel):
