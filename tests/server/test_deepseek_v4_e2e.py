@@ -206,3 +206,17 @@ def test_a_second_turn_renders_as_the_template(v4):
     assert v4.backend.prompts[n:] == [want]
     assert (ch.message.model_dump()["reasoning_content"], ch.message.content, ch.finish_reason) == (
         "Got it.", "Lyon is sunny for two days.", "stop")
+
+
+def test_the_thinking_as_vllm_names_it_and_a_bad_one(v4):
+    """``reasoning`` (vLLM's newer name) is taken back as ``reasoning_content`` is; a non-string is one 400 line."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "reasoning": "Lyon it is.", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    want = _reference(history, TOOLS, thinking=True)
+    assert "<think>Lyon it is.</think>" in want
+    assert _served_prompt(v4, history, tools=TOOLS, chat_template_kwargs={"thinking": True}) == want
+    history[1] = {**history[1], "reasoning": 3}
+    r = httpx.post(v4.url + "/tokenize", json={"model": "v4", "messages": history}, timeout=60)
+    assert r.status_code == 400 and "messages.1.reasoning" in r.text and "\n" not in r.json()["error"]["message"]
