@@ -65,7 +65,8 @@ class ServerState:
         # what one render of a request's own template may do (None: runtime/chat_template's defaults for the context)
         self.template_limits: TemplateLimits | None = None
         # where those renders run: a few threads of their own (asyncio's default pool serves every request)
-        self.template_renders = TemplateRenders()
+        # (each refused one counted in lineside_requests_total, as a full waiting queue's 429 is)
+        self.template_renders = TemplateRenders(on_refused=lambda: self.metrics.reject("too_many_template_renders"))
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
         self.reasoning_parser = reasoning_parser  # none | deepseek_r1 | auto (reasoning.py)
         self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed

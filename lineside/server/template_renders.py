@@ -3,7 +3,8 @@ asyncio's default pool. Each render may take up to its limits' deadline (runtime
 renders on the default pool could hold all of its threads at once, and the work that pool does for every request
 (long prompts' tokenization, grammar compilation, /health/gpu, the SLO guard's device readings) would wait behind
 them. Here at most ``slots`` render at once and ``waiting`` more wait their turn; beyond that a request is one 429
-naming ``chat_template`` (retry shortly), as the engine's full waiting queue is."""
+naming ``chat_template`` (retry shortly), as the engine's full waiting queue is, and counted as such a refusal is
+(``on_refused``: lineside_requests_total's ``too_many_template_renders``)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ WAITING = 32  # requests that wait for a slot; beyond: 429
 class TemplateRenders:
     """A bounded pool for the renders of requests' own templates (one per server)."""
 
-    def __init__(self, slots: int = SLOTS, waiting: int = WAITING):
+    def __init__(self, slots: int = SLOTS, waiting: int = WAITING, on_refused: Callable[[], None] | None = None):
         if slots < 1 or waiting < 0:
             raise ValueError(f"template render slots {slots} (at least 1) and waiting {waiting} (at least 0)")
         self.slots = slots
         self.waiting = waiting
+        self.on_refused = on_refused  # told of each 429 (the server counts it in /metrics)
         self._pool = ThreadPoolExecutor(slots, thread_name_prefix="lineside-request-template")
         self._lock = threading.Lock()
         self._admitted = 0  # rendering or waiting for a slot (released when the render ends, not when its caller goes)
@@ -42,11 +44,15 @@ class TemplateRenders:
         """``fn(*args)`` on one of the render threads (in the caller's context, as asyncio.to_thread runs it); a
         429 when ``slots`` render and ``waiting`` wait already."""
         with self._lock:
-            if self._admitted >= self.slots + self.waiting:
-                raise APIError(429, f"too many requests are rendering their own chat_template: {self.slots} at once "
-                                    f"and {self.waiting} waiting; retry shortly", "too_many_template_renders",
-                               param="chat_template", headers={"Retry-After": "1"})
-            self._admitted += 1
+            refused = self._admitted >= self.slots + self.waiting
+            if not refused:
+                self._admitted += 1
+        if refused:
+            if self.on_refused is not None:
+                self.on_refused()
+            raise APIError(429, f"too many requests are rendering their own chat_template: {self.slots} at once "
+                                f"and {self.waiting} waiting; retry shortly", "too_many_template_renders",
+                           param="chat_template", headers={"Retry-After": "1"})
         try:
             future = self._pool.submit(contextvars.copy_context().run, fn, *args)
         except BaseException:

