@@ -169,7 +169,8 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
     def counted(choice: Choice, chunk: str) -> str:  # continuous_usage_stats: the choice's usage so far
         if not writer.continuous_usage:
             return chunk
-        return writer.with_usage(chunk, choice.record.prompt_tokens, choice.record.completion_tokens)
+        return writer.with_usage(chunk, choice.record.prompt_tokens, choice.record.completion_tokens,
+                                 reasoning_usage([choice]))
 
     if writer.chat:
         for choice in choices:

@@ -98,10 +98,15 @@ class ChunkWriter:
             obj["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return event(obj)
 
-    def with_usage(self, chunk: str, prompt_tokens: int, completion_tokens: int) -> str:
-        """A chunk of this writer's with its ``"usage": null`` filled in (continuous_usage_stats)."""
+    def with_usage(self, chunk: str, prompt_tokens: int, completion_tokens: int,
+                   reasoning_tokens: int | None = None) -> str:
+        """A chunk of this writer's with its ``"usage": null`` filled in (continuous_usage_stats); ``reasoning_tokens``:
+        its completion_tokens_details.reasoning_tokens so far (None: left out), as the usage chunk carries them."""
         assert self.include_usage and chunk.endswith(self._tail)
-        usage = json.dumps(_usage(prompt_tokens, completion_tokens), separators=(",", ":"))
+        counts: dict[str, Any] = _usage(prompt_tokens, completion_tokens)
+        if reasoning_tokens is not None:
+            counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        usage = json.dumps(counts, separators=(",", ":"))
         return chunk[:-len(self._tail)] + '],"usage":' + usage + "}\n\n"
 
 

@@ -220,6 +220,20 @@ def test_usage_counts_the_reasoning_tokens(r1):
         assert last.usage.completion_tokens_details.reasoning_tokens == want, kw
 
 
+def test_continuous_usage_counts_the_reasoning_tokens_so_far(r1):
+    """With continuous_usage_stats each streamed chunk's usage carries completion_tokens_details.reasoning_tokens as
+    the usage chunk does: the choice's tokens inside its reasoning so far (all of them until ``</think>``)."""
+    tok = r1.state.engine.tokenizer
+    thought = len(tok.encode(SCRIPTS["[think]"].split("</think>")[0] + "</think>", add_special=False))
+    chunks = list(_ask(r1, "[think]", stream=True,
+                       stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counted = [(c.usage.completion_tokens, c.usage.completion_tokens_details) for c in chunks if c.choices]
+    assert len(counted) > 2 and counted[-1][0] > thought, counted
+    for completion, details in counted:
+        assert details is not None and details.reasoning_tokens == min(completion, thought), counted
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == thought
+
+
 @pytest.mark.parametrize("kw, reasoning, finish, stop_reason", [
     ({"max_tokens": 5}, "The u", "length", None),  # cut inside the reasoning: all reasoning, content null
     ({"stop": ["That"]}, "The user asks 2+2.\n", "stop", "That"),  # vLLM applies stops to the whole output
