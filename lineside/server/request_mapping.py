@@ -84,8 +84,26 @@ def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, budgets: li
                   "send max_tokens", "min_tokens")
 
 
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits on metadata
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """A 400 naming ``metadata`` past OpenAI's limits (16 pairs, keys up to 64 characters, values up to 512), as
+    OpenAI answers, on /v1/chat/completions and /v1/responses alike (the schemas make its keys and values strings)."""
+    meta = metadata or {}
+    if len(meta) > METADATA_PAIRS:
+        raise bad(f"metadata: {len(meta)} pairs; at most {METADATA_PAIRS}", "metadata")
+    for key, value in meta.items():
+        if len(key) > METADATA_KEY:
+            raise bad(f"metadata: a key of {len(key)} characters; at most {METADATA_KEY}", "metadata")
+        if len(value) > METADATA_VALUE:
+            raise bad(f"metadata: the value of {key!r} has {len(value)} characters; at most {METADATA_VALUE}",
+                      f"metadata.{key}")
+
+
 def check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
+    check_metadata(req.metadata)
     # the deprecated functions / function_call: tools / tool_choice say the same
     if req.functions:
         raise bad("'functions' is OpenAI's deprecated form; send them as 'tools' "

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lineside.runtime.request import FinishReason
 from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
-from lineside.server import response_items, responses_tools, sse
+from lineside.server import request_mapping, response_items, responses_tools, sse
 from lineside.server.errors import APIError
 from lineside.server.logprobs import MAX_TOP_LOGPROBS
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
@@ -85,21 +85,9 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, "unsupported_parameter", param=param)
 
 
-METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits on metadata
-
-
 def check(req: ResponsesRequest) -> None:
     """400 for what this server does not do on /v1/responses, and for metadata past OpenAI's limits."""
-    meta = req.metadata or {}
-    if len(meta) > METADATA_PAIRS:
-        raise APIError(400, f"metadata: {len(meta)} pairs; at most {METADATA_PAIRS}", "invalid_value", param="metadata")
-    for key, value in meta.items():
-        if len(key) > METADATA_KEY:
-            raise APIError(400, f"metadata: a key of {len(key)} characters; at most {METADATA_KEY}", "invalid_value",
-                           param="metadata")
-        if len(value) > METADATA_VALUE:
-            raise APIError(400, f"metadata: the value of {key!r} has {len(value)} characters; at most {METADATA_VALUE}", "invalid_value",
-                           param=f"metadata.{key}")
+    request_mapping.check_metadata(req.metadata)
     if req.conversation is not None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
     if req.prompt is not None:

@@ -115,6 +115,8 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # OpenAI's: string pairs within its limits (request_mapping.check_metadata), as /v1/responses takes them
+    metadata: dict[str, str] | None = None
     # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
     add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
     continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")

@@ -111,6 +111,29 @@ def test_responses_fields_are_typed_as_strictly_as_chat_fields(server, extra, pa
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("path, body", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("responses", {"input": "hi", "max_output_tokens": 1, "store": False}),
+])
+@pytest.mark.parametrize("metadata, param", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata"),
+    ({"k" * 65: "v"}, "metadata"),
+    ({"k": "v" * 513}, "metadata.k"),
+    ({"shift": 3}, "metadata.shift"),
+])
+def test_metadata_past_openais_limits_is_the_same_400_on_both_endpoints(server, path, body, metadata, param):
+    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values up to 512; past them one 400
+    naming it, on chat completions (which took anything) as on responses. Within them both answer."""
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/{path}", json={**body, "metadata": metadata}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "\n" not in err["message"], err
+    most = {f"{i:064d}": "v" * 512 for i in range(16)}
+    assert httpx.post(f"{server.url}/v1/{path}", json={**body, "metadata": most}, timeout=30).status_code == 200
+
+
 def test_logit_bias_shifts_the_logits_as_openai_defines_it(client, server):
     """OpenAI's (and vLLM's, llama.cpp's) logit_bias: token id → a bias added to its logit before sampling; +100
     makes a token the only choice, -100 bans it. Token ids are strings in JSON; an id past the vocabulary, a key
