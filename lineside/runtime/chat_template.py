@@ -133,7 +133,10 @@ def _generation_extension() -> type:
 # eight parallel calls a turn; every other template 2.6 or less. 256 per token leaves 15 times the worst of these.
 STEPS_PER_TOKEN = 256
 STEPS = 500_000  # the least a server gets (a small context)
-DEADLINE_S = 2.0  # wall-clock seconds of one render
+DEADLINE_S = 2.0  # wall-clock seconds of one render: the least a server gets (a small context)
+# the deadline grows with the context as the steps do, from the same base: 2 s for the 500,000 steps of a
+# 1,953-token context, so 1.024 ms per context token (a 4,096-token model: 4.2 s; 32,768 tokens: 33.6 s)
+DEADLINE_PER_TOKEN_S = DEADLINE_S * STEPS_PER_TOKEN / STEPS
 CHARS_PER_TOKEN = 32  # the rendered text and every string in between: this many characters per context token
 MIN_CHARS = 1 << 16
 _LIMIT = "the limit on a request's template"
@@ -150,10 +153,11 @@ class TemplateLimits:
 
     @classmethod
     def for_context(cls, max_seq_len: int) -> TemplateLimits:
-        """The defaults for a model of ``max_seq_len`` tokens: size and steps grow with the context (a longer
-        conversation fits), the deadline does not."""
+        """The defaults for a model of ``max_seq_len`` tokens: size, steps and deadline grow with the context (a
+        longer conversation fits, and its steps take their time), each from its floor."""
         return cls(max_chars=max(CHARS_PER_TOKEN * int(max_seq_len), MIN_CHARS),
-                   max_steps=max(STEPS_PER_TOKEN * int(max_seq_len), STEPS))
+                   max_steps=max(STEPS_PER_TOKEN * int(max_seq_len), STEPS),
+                   deadline_s=max(DEADLINE_PER_TOKEN_S * int(max_seq_len), DEADLINE_S))
 
 
 class TemplateLimitError(ChatTemplateError):

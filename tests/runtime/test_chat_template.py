@@ -216,3 +216,20 @@ def test_probes_of_a_template_do_not_depend_on_the_wall_clock(monkeypatch):
     finally:
         for probe in (ct.shows_system, ct.alternates):
             probe.cache_clear()
+
+
+@pytest.mark.parametrize("context, steps, deadline", [
+    (512, 500_000, 2.0),  # small contexts: the floors
+    (1953, 500_000, 2.0),
+    (4096, 256 * 4096, 2.0 * 4096 * 256 / 500_000),  # 4.19 s
+    (131_072, 256 * 131_072, 2.0 * 131_072 * 256 / 500_000),  # 134 s
+])
+def test_the_render_deadline_grows_with_the_context_as_the_steps_do(context, steps, deadline):
+    """A longer context's conversation takes more steps to render, and so more time: the deadline scales from the
+    same base as the step limit (2 s for 500,000 steps), each with its floor; checked on the limits, not a clock."""
+    from lineside.runtime.chat_template import TemplateLimits
+
+    limits = TemplateLimits.for_context(context)
+    assert limits.max_steps == steps
+    assert limits.deadline_s == pytest.approx(deadline)
+    assert limits.deadline_s / 2.0 == pytest.approx(limits.max_steps / 500_000)
