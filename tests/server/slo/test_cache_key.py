@@ -72,7 +72,8 @@ REFUSED = {"echo": {"echo": True}, "suffix": {"suffix": "end"},
            "modalities": {"modalities": ["text", "audio"]}, "audio": {"audio": {"voice": "alloy", "format": "wav"}},
            "web_search_options": {"web_search_options": {}}}
 # Change nothing in the answer: the same cached answer is right.
-NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"}}
+NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
+             "metadata": {"metadata": {"line": "3"}}}
 # Keyed by what they change, tested where the key is: the prompt ids they render (a template's extra variables,
 # continuing the last message), the output options (include_reasoning: their Reasoning, on a server with
 # --reasoning-parser; no effect without one), or never cached (streamed; bound to a prefill session, whose KV a
