@@ -106,12 +106,17 @@ def test_repetitions_past_the_cap_are_refused_at_validation(make, value, param, 
                             "part {0,n} costs nothing) or a character class with *"), str(e.value)
 
 
-@pytest.mark.parametrize("pattern", ["a{10000}", "a{0,100000}", "[a-z]{3,}x{2}", r"\p{L}{5}\x{41}{3}", "(ab){5000}",
-                                     r"\{2000000\}", "[{]{7}", "(a|b){6000}", "(x|(ab){5}){900}"])
-def test_repetitions_within_the_cap_compile(compiler, pattern):
+@pytest.mark.parametrize("pattern, match", [
+    ("a{10000}", "a" * 10000), ("a{0,100000}", "aaa"), ("[a-z]{3,}x{2}", "abcxx"), (r"\p{L}{5}\x{41}{3}", "abcdeAAA"),
+    ("(ab){5000}", "ab" * 5000), (r"\{2000000\}", "{2000000}"), ("[{]{7}", "{" * 7), ("(a|b){6000}", "ab" * 3000),
+    ("(x|(ab){5}){900}", "x" * 900)])
+def test_repetitions_within_the_cap_compile(compiler, pattern, match):
     """The cap counts only what is spelt out: optional parts, escaped or bracketed braces are not repetitions, and
-    a group of alternatives counts its longest (it spelt out their sum with the "|")."""
-    compiler.compile(Constraint.regex(pattern))
+    a group of alternatives counts its longest (it spelt out their sum with the "|"). Each compiles, and its matcher
+    takes a whole match."""
+    m = compiler.matcher(Constraint.regex(pattern))
+    ids = compiler.tokenizer.tokenize_bytes(match.encode())
+    assert all(m.accept(t) for t in ids) and m.error is None and m.accepting, pattern
 
 
 def test_a_refusal_is_cached_and_named_after_each_request_field(compiler):
