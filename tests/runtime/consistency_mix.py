@@ -163,7 +163,12 @@ async def _collect(handle, cancel_after: int | None) -> Answer:
 
 
 async def _pending(eng: LLMEngine, sid: str) -> None:
+    """Until the session's prompt is in its KV: the engine announces it by no event, so its state is read again
+    after each yield (a bound of 60 s of them, never a timing assertion)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
     while (info := eng.session(sid)) is not None and info.pending_tokens:
+        assert loop.time() < deadline, f"session {sid} never finished its prefill"
         await asyncio.sleep(0.001)
 
 

@@ -341,7 +341,6 @@ def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(
     too_many_template_renders; meanwhile /health, a chat with the server's template and a long /tokenize (the default
     pool) answer. Released, both held requests get their 400."""
     import threading
-    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from lineside.runtime import chat_template
@@ -363,6 +362,16 @@ def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(
     monkeypatch.setattr(chat_template._Budget, "step", held)
     usual = smol.state.template_renders
     renders = TemplateRenders(slots=1, waiting=1, on_refused=usual.on_refused)
+    queued = threading.Event()  # the second render handed to the pool: admitted, waiting for the slot
+    submit = renders._pool.submit
+
+    def counted_submit(*a, **k):
+        future = submit(*a, **k)
+        if renders.admitted == 2:
+            queued.set()
+        return future
+
+    renders._pool.submit = counted_submit
     smol.state.template_renders = renders
     smol.state.template_limits = TemplateLimits(max_chars=100_000, max_steps=1000, deadline_s=600)
     template = HOSTILE["nested loops"][0]
@@ -375,10 +384,7 @@ def test_request_templates_render_on_slots_of_their_own_and_the_excess_is_a_429(
             first = pool.submit(hostile)
             assert inside.wait(60), first.exception(0) if first.done() else "the render never started"
             second = pool.submit(hostile)
-            for _ in range(600):  # until the second is admitted, waiting for the slot
-                if renders.admitted == 2 or second.done():
-                    break
-                time.sleep(0.1)
+            assert queued.wait(60), second.exception(0) if second.done() else "the second render was never admitted"
             assert renders.admitted == 2 and not second.done()
 
             def refused() -> float:

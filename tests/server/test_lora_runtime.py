@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 
 import httpx
 import pytest
@@ -131,14 +130,6 @@ def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, ti
         assert _complete(srv.url, "line-a", headers=key).status_code == 404
 
 
-def _wait_for(cond, what):
-    """Poll the server's state until ``cond()`` (a bound on a deadline, never a timing assertion)."""
-    deadline = time.monotonic() + 60
-    while not cond():
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.02)
-
-
 def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(runtime_bundle):
     """One slot: line-a streams in it while a line-b request waits for it; both are unloaded. New requests naming
     either get 404 at once; the running one finishes with line-a, the waiting one then loads line-b and finishes
@@ -148,6 +139,22 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
         alone_a = _complete(srv.url, "line-a", n=40).json()["choices"][0]["text"]
         alone_b = _complete(srv.url, "line-b").json()["choices"][0]["text"]
     engine = _engine(bundle_dir, runtime=True, max_loras=1, delay=0.05)
+    # events, not polls: line-b's request queued behind line-a's, and line-b's slot emptied when its last request ended
+    queued_b, emptied_b = threading.Event(), threading.Event()
+    submit, forget = engine.submit, engine.adapter_slots._forget
+
+    def watched_submit(req):
+        handle = submit(req)
+        if req.adapter == "line-b":
+            queued_b.set()
+        return handle
+
+    def watched_forget(name):
+        forget(name)
+        if name == "line-b" and not engine.adapter_slots.resident:
+            emptied_b.set()
+
+    engine.submit, engine.adapter_slots._forget = watched_submit, watched_forget
     with running_server(engine, allow_runtime_lora=True) as srv:
         assert _load(srv.url, "line-a", qv).status_code == 200 and _load(srv.url, "line-b", rs).status_code == 200
         body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
@@ -158,7 +165,8 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
             seen = [next(lines)]
             other = threading.Thread(target=lambda: waited.append(_complete(srv.url, "line-b")))
             other.start()
-            _wait_for(lambda: engine.stats().waiting == 1, "line-b waiting for the slot")
+            assert queued_b.wait(60), "line-b's request never reached the engine"
+            assert engine.stats().waiting == 1  # behind line-a, which holds the only slot
             assert _unload(srv.url, "line-b").status_code == 200
             assert _unload(srv.url, "line-a").status_code == 200
             for model in ("line-a", "line-b"):
@@ -177,7 +185,8 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
         chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone_a  # line-a's to the end
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-        _wait_for(lambda: engine.stats().lora_adapters_loaded == 0, "the slot emptied")
+        assert emptied_b.wait(60), "line-b's slot was never emptied"
+        assert engine.stats().lora_adapters_loaded == 0
         # line-a's slot was emptied when its request ended, so line-b took a free slot: a load, no eviction
         assert _lora_metrics(srv.url) == {"served": 0, "slots": 1, "loaded": 0, "in_use": 0, "loads": 2,
                                           "evictions": 0}
