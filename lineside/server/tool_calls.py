@@ -794,9 +794,6 @@ def _deepseek_calls(body: str, final: bool, names: set[str],
     call, and a model may stop at the end of sentence right away). The arguments are a JSON object."""
     calls: list[tuple[str | None, str, bool]] = []
 
-    def arriving(rest: str, *expected: str) -> bool:  # what is left may still become one of ``expected``
-        return not final and any(e.startswith(rest) for e in expected)
-
     p = 0
     while True:
         p = _skip(body, p, " \t\r\n")
@@ -805,7 +802,7 @@ def _deepseek_calls(body: str, final: bool, names: set[str],
         if p >= len(body):
             return calls, bool(calls) or not final, ""
         if not body.startswith(_DS_CALL, p):
-            return (calls, True, "") if arriving(body[p:], _DS_CALL, _DS_CALLS_END) else ([], False, "")
+            return (calls, True, "") if _arriving(final, body[p:], _DS_CALL, _DS_CALLS_END) else ([], False, "")
         p += len(_DS_CALL)
         s = body.find(_DS_SEP, p)
         if s < 0:  # the name (V3.1) or the type (V3) is still arriving
@@ -825,7 +822,7 @@ def _deepseek_calls(body: str, final: bool, names: set[str],
                 return calls, True, ""
             name, p = body[p:nl].strip(), nl + 1
             if not body.startswith(_DS_FENCE, p):
-                if not arriving(body[p:], _DS_FENCE):
+                if not _arriving(final, body[p:], _DS_FENCE):
                     return [], False, ""
                 if name not in names:
                     return [], False, ""
@@ -852,13 +849,13 @@ def _deepseek_calls(body: str, final: bool, names: set[str],
         args, p = body[v:end], _skip(body, end, " \t\r\n")
         if v3:  # the closing fence
             if not body.startswith("```", p):
-                if arriving(body[p:], "```"):
+                if _arriving(final, body[p:], "```"):
                     calls.append((name, args, False))
                     return calls, True, ""
                 return [], False, ""
             p = _skip(body, p + 3, " \t\r\n")
         if not body.startswith(_DS_CALL_END, p):
-            if arriving(body[p:], _DS_CALL_END):
+            if _arriving(final, body[p:], _DS_CALL_END):
                 calls.append((name, args, False))
                 return calls, True, ""
             return [], False, ""
@@ -876,9 +873,6 @@ def _dsml_calls(body: str, final: bool, names: set[str],
     a parameter written twice or a non-string value that is no JSON: the whole answer is then content."""
     calls: list[tuple[str | None, str, bool]] = []
 
-    def arriving(rest: str, *expected: str) -> bool:  # what is left may still become one of ``expected``
-        return not final and any(e.startswith(rest) for e in expected)
-
     def tag_arriving(rest: str) -> bool:  # an opening tag whose attributes are still arriving
         return not final and ">" not in rest
 
@@ -890,7 +884,7 @@ def _dsml_calls(body: str, final: bool, names: set[str],
         if p >= len(body):
             return calls, not final, ""
         if not body.startswith(_DSML_INVOKE, p):
-            return (calls, True, "") if arriving(body[p:], _DSML_INVOKE, end) else ([], False, "")
+            return (calls, True, "") if _arriving(final, body[p:], _DSML_INVOKE, end) else ([], False, "")
         m = _DSML_INVOKE_RE.match(body, p)
         if m is None:
             return (calls, True, "") if tag_arriving(body[p:]) else ([], False, "")
@@ -903,7 +897,7 @@ def _dsml_calls(body: str, final: bool, names: set[str],
             if body.startswith(_DSML_INVOKE_END, p):
                 p, closed = p + len(_DSML_INVOKE_END), True
                 break
-            if p >= len(body) or arriving(body[p:], _DSML_PARAM, _DSML_INVOKE_END):
+            if p >= len(body) or _arriving(final, body[p:], _DSML_PARAM, _DSML_INVOKE_END):
                 break
             pm = _DSML_PARAM_RE.match(body, p) if body.startswith(_DSML_PARAM, p) else None
             if pm is None:
@@ -1013,6 +1007,11 @@ def _members(body: str, i: int) -> dict[str, int]:
         if body[p:p + 1] != ",":
             return found
         p += 1
+
+
+def _arriving(final: bool, rest: str, *expected: str) -> bool:
+    """Whether ``rest``, the output's unread tail, may still become one of ``expected`` (never once it is final)."""
+    return not final and any(e.startswith(rest) for e in expected)
 
 
 def _skip(s: str, i: int, chars: str) -> int:
