@@ -32,12 +32,12 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
     eos_ids = _id_list(gen.get("eos_token_id"))
     if not eos_ids:
         eos_ids = _id_list(hf_config.get("eos_token_id"))
-    if not eos_ids and _tok_text(tcfg.get("eos_token")) in vocab:
-        eos_ids = [vocab[_tok_text(tcfg.get("eos_token"))]]
     add_bos = tcfg.get("add_bos_token")
     if add_bos is None:
         add_bos = _post_processor_adds_bos(tok)
+    # the configured ends are checked alone: an id the model has no logit for there is a config mistake
     _check_in_vocabulary(src, hf_config.get("vocab_size"), bos_id if add_bos else None, eos_ids)
+    eos_ids = _with_turn_ends(eos_ids, vocab.get(_tok_text(tcfg.get("eos_token"))), tok, chat_template)
 
     id_to_text = {v: k for k, v in vocab.items()}
     tcfg = dict(tcfg)
@@ -60,6 +60,28 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
         "chat_template": chat_template,
         "add_bos_token": bool(add_bos),
     }
+
+
+# End-of-turn tokens of the families served: a chat template that closes turns with one of these has the model end
+# its answer with it, whatever generation_config.json lists (Qwen2.5 base lists <|endoftext|> alone).
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<｜end▁of▁sentence｜>")
+
+
+def _with_turn_ends(eos_ids: list[int], eos_token_id: int | None, tok: dict[str, Any],
+                    chat_template: str | None) -> list[int]:
+    """The ids generation ends on: generation_config.json's (else config.json's), then tokenizer_config.json's
+    eos_token (vLLM stops on the tokenizer's EOS too; a fine-tune often changes only that), then the special
+    end-of-turn tokens the chat template writes (as llama.cpp ends on <|im_end|> / <|eot_id|>)."""
+    ids = list(eos_ids)
+    extra = [eos_token_id] if eos_token_id is not None else []
+    if chat_template:
+        special = {at.get("content"): at.get("id") for at in tok.get("added_tokens") or []
+                   if isinstance(at, dict) and at.get("special") and isinstance(at.get("id"), int)}
+        extra += [special[t] for t in TURN_ENDS if t in special and t in chat_template]
+    for i in extra:
+        if i not in ids:
+            ids.append(i)
+    return ids
 
 
 def _check_in_vocabulary(src: Path, vocab_size: Any, bos_id: int | None, eos_ids: list[int]) -> None:

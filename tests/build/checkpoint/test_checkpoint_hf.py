@@ -223,8 +223,8 @@ def test_hf_write_tokenizer(tiny_llama, tmp_path):
     # ids the 96-token model has (ones past it are refused: test_bad_checkpoints.py)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 90, "eos_token_id": [91, 5]}))
     info = open_checkpoint(path).write_tokenizer(tmp_path / "tok")
-    assert info == {
-        "bos_token_id": 90, "eos_token_ids": [91, 5],
+    assert info == {  # generation_config.json's ends, then the tokenizer's EOS </s> (257), as vLLM stops on both
+        "bos_token_id": 90, "eos_token_ids": [91, 5, 257],
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}", "add_bos_token": True,
     }
     tcfg = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
