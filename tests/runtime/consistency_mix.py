@@ -6,10 +6,11 @@ on the demo bundle (longer):
     PYTHONPATH=$PWD python -m tests.runtime.consistency_mix BUNDLE --mixes 20 --seed 1
 
 A mix draws an engine (slots, prefill chunk, KV block size, speculative ngram or not) and 4-10 requests: prompt
-lengths of 1 token, at a block or chunk boundary, one past it, near the context; prompts sharing a random prefix
-of another; arrivals at random delays; cancellation after a random number of streamed tokens; stop strings
-taken from the request's own answer; max_tokens 1; n > 1 as the server makes it (copies sampling with seed + j);
-logprobs; a prefill session used by the request or left abandoned (released or not).
+lengths of 1 token, at a block or chunk boundary, one past it, near the context (down to one token short of it);
+prompts sharing a random prefix of another; arrivals at random delays; cancellation after a random number of
+streamed tokens; stop strings taken from the request's own answer; max_tokens 1, or what the context leaves (the
+server's default: the answer ends with "length" exactly at the context); n > 1 as the server makes it (copies
+sampling with seed + j); logprobs; a prefill session used by the request or left abandoned (released or not).
 """
 
 from __future__ import annotations
@@ -112,12 +113,13 @@ def draw_mix(rng: random.Random, vocab: int, ctx: int, long_ok: bool = True,
             cut = rng.choice([rng.randint(1, len(base)), min(len(base), setup.kv_block_size),
                               len(base) // setup.kv_block_size * setup.kv_block_size or 1, len(base)])
             prompt = base[:cut] + tokens(rng.choice([0, 1, rng.randint(1, 20)]))
-        elif long_ok and kind < 0.45:  # near the context limit
-            prompt = tokens(ctx - rng.randint(2, 12))
+        elif long_ok and kind < 0.45:  # near the context limit, down to one token short of it
+            prompt = tokens(ctx - rng.choice([1, 2, rng.randint(2, 12)]))
         else:
             prompt = tokens(rng.choice(edges + [rng.randint(1, min(80, ctx - 2))]))
-        prompt = prompt[:ctx - 2] or tokens(1)
-        max_tokens = rng.choice([1, 1, rng.randint(2, 8), rng.randint(8, 24)])
+        prompt = prompt[:ctx - 1] or tokens(1)
+        room = ctx - len(prompt)  # what the server asks for when a request sends no max_tokens
+        max_tokens = rng.choice([1, 1, rng.randint(2, 8), rng.randint(8, 24), room if room <= 32 else 24])
         ask = Ask(f"r{i}", prompt, max_tokens, delay_s=rng.choice([0.0, 0.0, rng.uniform(0, 0.05)]))
         if rng.random() < 0.2:
             ask.mode = Mode.BATCH
