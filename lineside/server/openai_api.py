@@ -105,7 +105,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         budgets = [request_mapping.token_budget(len(ids), requested, state.sampling_defaults.max_tokens,
-                                                context=state.engine.max_seq_len, param=param, prompt_param="messages")]
+                                                context=state.engine.max_seq_len, param=param, prompt_param="messages",
+                                                tools=prompt.tool_count)]
         thinking = reasoning.for_prompt(state.think_for(template), ids, body.include_reasoning)
         output = dataclasses.replace(output, reasoning=thinking)
     except (APIError, LinesideError):
@@ -152,6 +153,11 @@ class ChatPrompt:
     tools: list[tool_calls.Tool]
     tool_choice: tool_calls.ToolChoice
 
+    @property
+    def tool_count(self) -> int:
+        """The tools rendered into the prompt (listed by the template or described as text): a context 400 names them."""
+        return len(tool_calls.offered(self.tools, self.tool_choice) or ())
+
 
 def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
     """Messages, template options, template and tools of a chat body (each bad value a 400 naming it); one place,
@@ -181,7 +187,8 @@ async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_toke
         return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
                                                       **prompt.options, **prompt.render.options(),
                                                       max_tokens=max_tokens), param="messages",
-                              renders=state.template_renders if prompt.render.limits is not None else None)
+                              renders=state.template_renders if prompt.render.limits is not None else None,
+                              tools=prompt.tool_count)
 
 
 def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,
@@ -248,10 +255,11 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         constraint = await _checked(state, call_constraint or text_constraint)
         ids = await _offload(sum(map(len, texts)),
                              functools.partial(state.tokenizer.encode_chat, messages, tools=listed,
-                                               **render.options(), max_tokens=_prompt_limit(state)), param="input")
+                                               **render.options(), max_tokens=_prompt_limit(state)), param="input",
+                             tools=len(tool_calls.offered(functions.tools, functions.choice) or ()))
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, state.sampling_defaults.max_tokens,
                                               context=state.engine.max_seq_len, param="max_output_tokens",
-                                              prompt_param="input")
+                                              prompt_param="input", tools=len(tool_calls.offered(functions.tools, functions.choice) or ()))
         thinking = reasoning.for_prompt(state.think_for(render.effective), ids)
         if top_n is not None and thinking is not None and thinking.thinking:  # its thinking's tokens are no text's
             raise responses_api.logprobs_refused(body, "when the model thinks (serve --reasoning-parser)")
@@ -497,10 +505,10 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     return response if slo_plan is None else slo_routing.store(state.slo, slo_plan, response)
 
 
-async def _offload(size: int, fn: Any, *, param: str, renders: TemplateRenders | None = None) -> Any:
+async def _offload(size: int, fn: Any, *, param: str, renders: TemplateRenders | None = None, tools: int = 0) -> Any:
     """Tokenize long texts in a worker thread so other streams keep flowing; short ones inline (faster). ``renders``:
     ``fn`` renders a request's own template, on those threads whatever its size. A prompt found longer than the
-    context while tokenizing is a 400 context_length_exceeded naming ``param``."""
+    context while tokenizing is a 400 context_length_exceeded naming ``param`` (and the ``tools`` rendered in it)."""
     try:
         if renders is not None:
             return await renders.run(fn)
@@ -508,7 +516,7 @@ async def _offload(size: int, fn: Any, *, param: str, renders: TemplateRenders |
             return await asyncio.to_thread(fn)
         return fn()
     except PromptTooLong as e:
-        raise prompt_limits.too_long(e, param=param) from None
+        raise prompt_limits.too_long(e, param=param, tools=tools) from None
 
 
 def _prompt_limit(state: ServerState) -> int:

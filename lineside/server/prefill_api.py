@@ -109,8 +109,9 @@ def _session_param(value: str | None) -> str:
     return value
 
 
-async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], int]:
-    """(the prompt's ids as its completion endpoint makes them, how many of them are stable)."""
+async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> tuple[list[int], int, int]:
+    """(the prompt's ids as its completion endpoint makes them, how many of them are stable, how many tools are rendered
+    into them: a context 400 names those too)."""
     tok, context = state.engine.tokenizer, state.engine.max_seq_len
     if isinstance(body, ChatCompletionRequest):
         request_mapping.check_chat(body)
@@ -131,10 +132,10 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
-                                 param="messages", renders=renders)
+                                 param="messages", renders=renders, tools=len(tool_calls.offered(tools, tool_choice) or ()))
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
                                                             **render.options()), param="messages", renders=renders)
-        return ids, _agreeing(ids, stable)
+        return ids, _agreeing(ids, stable), len(tool_calls.offered(tools, tool_choice) or ())
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
         raise APIError(400, "prefill takes one prompt (a string or one list of token ids), not a list of prompts",
@@ -146,10 +147,10 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
                                             _vocab_size(state), max_tokens=_prompt_limit(state)),
                           param="prompt"))[0]
     if not isinstance(body.prompt, str):
-        return ids, len(ids)  # token ids do not re-tokenize
+        return ids, len(ids), 0  # token ids do not re-tokenize
     text = request_mapping.clean_text(body.prompt, "prompt")
     stable = await _offload(len(text), functools.partial(state.tokenizer.stable_text_ids, text), param="prompt")
-    return ids, _agreeing(ids, stable)
+    return ids, _agreeing(ids, stable), 0
 
 
 def _agreeing(ids: list[int], stable: list[int]) -> int:
@@ -183,9 +184,10 @@ async def prefill(request: Request) -> Any:
         session = _session_param(request_mapping.session_id(body, request.headers))
         priority, mode = request_mapping.priority(request.headers)
         engine = _engine_sessions(state)
-        ids, stable = await _tokens(state, body)
+        ids, stable, tools = await _tokens(state, body)
         request_mapping.token_budget(len(ids), None, 1, context=engine.max_seq_len, param="max_tokens",
-                                     prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+                                     prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                                     tools=tools)
         info = engine.prefill(session, ids, stable, rank=rank_of(priority, mode))
     except SessionLimitError as e:
         state.metrics.reject("too_many_sessions")

@@ -66,11 +66,27 @@ def check_texts(texts: list[str], tokenizer: Any, max_seq_len: int, *, param: st
                             "can fit); shorten it", "context_length_exceeded", param=param)
 
 
-def too_long(e: PromptTooLong, *, param: str) -> APIError:
-    """The 400 for a prompt found, while tokenizing, to have more tokens than the context leaves room for."""
-    return APIError(400, f"'{param}' has more than {e.limit} tokens (its first {e.chars_read} characters already "
-                         f"make at least {e.tokens}), but the model's context is {e.limit + 1} tokens, which leaves "
-                         "no room to generate; shorten it", "context_length_exceeded", param=param)
+def prompt_named(param: str, tools: int = 0) -> str:
+    """How a context 400 names the prompt: ``'param'``, or with the tools rendered into it (listed by the chat
+    template or described in a system message: their schemas can be most of a short chat's tokens, as OpenAI's
+    error counts tokens "in the functions")."""
+    if not tools:
+        return f"'{param}'"
+    return f"'{param}' with the {tools} tool{'' if tools == 1 else 's'} rendered into the prompt"
+
+
+def shorten(param: str, tools: int = 0, plain: str = "shorten it") -> str:
+    """What a context 400 asks the client to cut: ``plain`` without tools, else the messages or the tools."""
+    return f"shorten '{param}' or send fewer or shorter tools" if tools else plain
+
+
+def too_long(e: PromptTooLong, *, param: str, tools: int = 0) -> APIError:
+    """The 400 for a prompt found, while tokenizing, to have more tokens than the context leaves room for
+    (``tools``: how many tools are rendered into it)."""
+    return APIError(400, f"{prompt_named(param, tools)} has more than {e.limit} tokens (its first {e.chars_read} "
+                         f"characters already make at least {e.tokens}), but the model's context is {e.limit + 1} "
+                         f"tokens, which leaves no room to generate; {shorten(param, tools)}",
+                    "context_length_exceeded", param=param)
 
 
 def chat_texts(body: Any) -> list[str]:

@@ -24,6 +24,7 @@ from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
+from lineside.server import prompt_limits
 from lineside.server.errors import APIError
 from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
 from lineside.server.unicode_check import check_unicode
@@ -278,20 +279,23 @@ def stop_list(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
 
 
 def token_budget(prompt_len: int, requested: int | None, default: int | None, *, context: int, param: str,
-                 prompt_param: str) -> int:
-    """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context."""
+                 prompt_param: str, tools: int = 0) -> int:
+    """max_tokens for one prompt; 400 with the numbers when prompt + max_tokens exceed the context. ``tools``: how
+    many tools are rendered into the prompt (the 400 says they count, and may be cut)."""
     if prompt_len == 0:
         raise bad(EMPTY_PROMPT, prompt_param)
     room = context - prompt_len
+    whose = f" ({prompt_limits.prompt_named(prompt_param, tools)})" if tools else ""
     if room < 1:
-        raise bad(f"prompt has {prompt_len} tokens but the model's context is {context} tokens, which leaves "
-                  "no room to generate; shorten the prompt", prompt_param, "context_length_exceeded")
+        raise bad(f"prompt{whose} has {prompt_len} tokens but the model's context is {context} tokens, which leaves "
+                  f"no room to generate; {prompt_limits.shorten(prompt_param, tools, 'shorten the prompt')}", prompt_param,
+                  "context_length_exceeded")
     if requested is None:
         return room if default is None else min(default, room)
     if prompt_len + requested > context:
-        raise bad(f"prompt ({prompt_len} tokens) + {param} ({requested}) = {prompt_len + requested} tokens "
+        raise bad(f"prompt{whose} ({prompt_len} tokens) + {param} ({requested}) = {prompt_len + requested} tokens "
                   f"exceeds the model's context of {context} tokens; lower {param} to at most {room} "
-                  "or shorten the prompt", param, "context_length_exceeded")
+                  f"or {prompt_limits.shorten(prompt_param, tools, 'shorten the prompt')}", param, "context_length_exceeded")
     return requested
 
 

@@ -227,3 +227,33 @@ def test_more_choices_than_the_server_can_ever_hold_is_a_400_not_a_429(slow_serv
     ok = httpx.post(slow_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2}, timeout=30)
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2, ok.text
     assert _wait(lambda: _stats(slow_server).running == 0 and _stats(slow_server).waiting == 0)
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "d" * 400,
+                                         "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+def _context_400(r, param: str) -> str:
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == param, r.text
+    assert "\n" not in err["message"]
+    return err["message"]
+
+
+def test_a_prompt_over_the_context_by_its_tools_says_so(server):
+    """A short chat whose tools' schemas fill the context: the 400 says the tools count and may be cut (as OpenAI's
+    error counts tokens "in the functions"), on each route that renders tools; with tool_choice none they are not
+    listed, and the 400 is about the messages alone."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "max_tokens": 4}
+    msg = _context_400(httpx.post(server.url + "/v1/chat/completions", json=chat), "messages")
+    assert "'messages' with the 1 tool rendered into the prompt" in msg and "fewer or shorter tools" in msg, msg
+    msg = _context_400(httpx.post(server.url + "/v1/prefill", json={**chat, "session_id": "tools"}), "messages")
+    assert "1 tool rendered into the prompt" in msg and "fewer or shorter tools" in msg, msg
+    flat = {k: v for k, v in TOOL["function"].items()}
+    resp = {"input": "hi", "tools": [{"type": "function", **flat}, {"type": "function", **flat, "name": "again"}]}
+    msg = _context_400(httpx.post(server.url + "/v1/responses", json=resp), "input")
+    assert "'input' with the 2 tools rendered into the prompt" in msg and "fewer or shorter tools" in msg, msg
+    unlisted = httpx.post(server.url + "/v1/chat/completions", json={**chat, "tool_choice": "none",
+                                                                     "messages": [{"role": "user", "content": "y" * 300}]})
+    msg = _context_400(unlisted, "messages")
+    assert "tool" not in msg, msg

@@ -86,6 +86,27 @@ def test_token_budget_numbers():
         request_mapping.token_budget(0, 5, None, context=256, param="max_tokens", prompt_param="prompt")
 
 
+def test_token_budget_names_the_tools_rendered_into_the_prompt():
+    """Tools count toward the prompt (their schemas rendered with the messages): a 400 says so and offers cutting
+    them, both when nothing is left to generate and when max_tokens asks too much; without tools, as before."""
+    with pytest.raises(APIError) as e:
+        request_mapping.token_budget(300, None, None, context=256, param="max_tokens", prompt_param="messages", tools=2)
+    assert e.value.message == ("prompt ('messages' with the 2 tools rendered into the prompt) has 300 tokens but the "
+                               "model's context is 256 tokens, which leaves no room to generate; shorten 'messages' "
+                               "or send fewer or shorter tools")
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    with pytest.raises(APIError) as e:
+        request_mapping.token_budget(200, 57, None, context=256, param="max_output_tokens", prompt_param="input",
+                                     tools=1)
+    assert e.value.message == ("prompt ('input' with the 1 tool rendered into the prompt) (200 tokens) + "
+                               "max_output_tokens (57) = 257 tokens exceeds the model's context of 256 tokens; lower "
+                               "max_output_tokens to at most 56 or shorten 'input' or send fewer or shorter tools")
+    assert e.value.param == "max_output_tokens"
+    with pytest.raises(APIError) as e:
+        request_mapping.token_budget(300, None, None, context=256, param="max_tokens", prompt_param="messages")
+    assert "tool" not in e.value.message and e.value.message.endswith("shorten the prompt")
+
+
 def test_sampling_defaults_follow_openai():
     p = request_mapping.sampling_params(CompletionRequest(prompt="x"))
     assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0 and p.seed is None
