@@ -268,8 +268,10 @@ QUANTIZED = ("q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "gate_proj.
              "o_b_proj.weight", "up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
 
 
-def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: type = np.float32) -> Any:
-    """transformers' model with every weight a W4A16 build quantizes replaced by its RTN round trip."""
+def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: type = np.float32,
+                     bits: int = 4) -> Any:
+    """transformers' model with every weight a W4A16 (bits 4) or W8A16 (bits 8, per channel) build quantizes
+    replaced by its RTN round trip."""
     import torch
 
     from lineside.build.graph.embedding import embedding_reference
@@ -280,13 +282,14 @@ def fake_quant_model(schedule: str, group_size: int, flavor: str, scale_dtype: t
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name == "model.embed_tokens.weight":  # exactly the rows emit_embedding stores (cpu 8-bit, trt fp16)
-                spec = QuantSpec(scheme="w4a16", group_size=group_size)
+                spec = QuantSpec(scheme=f"w{bits}a16", group_size=group_size)
                 p.copy_(torch.from_numpy(embedding_reference(p.numpy().copy(), spec, flavor)))
             elif name == "lm_head.weight":  # the LM head stays 8-bit per channel (emit_lm_head)
                 p.copy_(torch.from_numpy(fake_quantize(p.numpy(), 8, None, scale_dtype)))
             elif name.endswith(QUANTIZED):
                 w = p.numpy()
-                q = (np.stack([fake_quantize(x, 4, group_size, scale_dtype) for x in w]) if w.ndim == 3
-                     else fake_quantize(w, 4, group_size, scale_dtype))
+                gs = group_size if bits == 4 else None
+                q = (np.stack([fake_quantize(x, bits, gs, scale_dtype) for x in w]) if w.ndim == 3
+                     else fake_quantize(w, bits, gs, scale_dtype))
                 p.copy_(torch.from_numpy(q))
     return model

@@ -74,3 +74,21 @@ def test_w4a16_trt(v4, schedule, trt_dtype):
     assert np.isfinite(pre).all() and np.isfinite(dec).all()
     tol = 1e-4 if trt_dtype == "fp32" else 1e-3  # fp16 scales; onnxruntime computes the MatMul in fp32 on CPU
     assert e_pre < tol and e_dec < tol
+
+
+@pytest.mark.parametrize("schedule,flavor", [("a", "cpu"), ("g", "cpu"), ("g", "trt")])
+def test_w8a16_equals_int8_rtn_reference(v4, schedule, flavor):
+    """W8A16 (per-channel INT8) = transformers with the same rounded weights. g's MoE width 40 has no MatMulNBits
+    block (16..128): its routed experts' down projections, inside the cpu flavor's If branches, were an INT8
+    DequantizeLinear on an outer-scope weight, which onnxruntime's MatMulNBits fusion cannot load."""
+    ids, _, _ = v4.ref(schedule)
+    sdt = np.float16 if flavor == "trt" else np.float32
+    ref, gap = reference(fake_quant_model(schedule, 64, flavor, sdt, bits=8), ids)
+    assert gap > 1e-4
+    r = v4.runner(v4.hf_dir(schedule), flavor, "w8a16", 64)
+    pre, _ = r.prefill(ids)
+    dec, _ = r.decode(ids)
+    e_pre, e_dec = rel_err(pre[0], ref), rel_err(dec, ref)
+    print(f"w8a16 {flavor} {schedule}: vs INT8 RTN reference prefill {e_pre:.2e} decode {e_dec:.2e}")
+    tol = 1e-4 if flavor == "cpu" else 1e-3  # trt: fp16 scales and activations
+    assert e_pre < tol and e_dec < tol

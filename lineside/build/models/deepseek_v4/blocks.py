@@ -69,12 +69,12 @@ class MoE:
     def __init__(self, o: Ops, cfg: V4Config) -> None:
         self.o, self.cfg = o, cfg
 
-    def mlp(self, x: str, name: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> str:
-        """Clamped SwiGLU (routed experts and the shared expert alike)."""
+    def mlp(self, x: str, name: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray, branch: bool = False) -> str:
+        """Clamped SwiGLU (routed experts and the shared expert alike); ``branch``: inside an If (Ops.linear)."""
         o, lim = self.o, self.cfg.swiglu_limit
-        g = o.clip(o.linear(x, f"{name}.gate", gate), None, lim)
-        u = o.clip(o.linear(x, f"{name}.up", up), -lim, lim)
-        return o.linear(o.mul(o.silu(g), u), f"{name}.down", down)
+        g = o.clip(o.linear(x, f"{name}.gate", gate, branch=branch), None, lim)
+        u = o.clip(o.linear(x, f"{name}.up", up, branch=branch), -lim, lim)
+        return o.linear(o.mul(o.silu(g), u), f"{name}.down", down, branch=branch)
 
     def _scores(self, logits: str) -> str:
         o, f = self.o, self.cfg.scoring_func
@@ -127,7 +127,7 @@ class MoE:
         gb.nodes = []
         try:
             rows = o.reshape(o.op("NonZero", routed), [-1])
-            y = self.mlp(o.gather(flat, rows, 0), name, *w)
+            y = self.mlp(o.gather(flat, rows, 0), name, *w, branch=True)
             y = o.mul(y, o.unsqueeze(o.gather(cw, rows, 0), [1]))
             then_out = gb.op("ScatterND", [acc, o.unsqueeze(rows, [1]), y], reduction="add")
             then_nodes = gb.nodes

@@ -13,6 +13,8 @@ from onnx import TensorProto
 from lineside.build.graph.builder import GraphBuilder
 from lineside.build.graph.embedding import emit_embedding
 from lineside.build.graph.linear import emit_linear, emit_lm_head
+from lineside.build.graph.table8 import w8_block
+from lineside.build.quant.rtn import fake_quantize
 from lineside.build.quant.spec import QuantSpec
 
 # Masked logits / gates: exp() underflows to exactly 0 in float32; finite, so a row with nothing
@@ -144,10 +146,18 @@ class Ops:
         return self.concat([lead, self.i64([-1, 2])], 0)
 
     # ---- linear layers -------------------------------------------------------------------
-    def linear(self, x: str, name: str, weight: np.ndarray, quantize: bool = True) -> str:
-        """y = x @ weight.T; large weights use the build's quant scheme, small routing ones stay fp32."""
+    def linear(self, x: str, name: str, weight: np.ndarray, quantize: bool = True, branch: bool = False) -> str:
+        """y = x @ weight.T; large weights use the build's quant scheme, small routing ones stay fp32.
+
+        ``branch``: the node sits in an ``If`` branch. A W8A16 weight no MatMulNBits block divides would be an INT8
+        DequantizeLinear there, on an outer-scope initializer, which onnxruntime's MatMulNBits fusion cannot find
+        (the graph fails to load); it goes in as float32 weights on the same per-channel INT8 grid instead.
+        """
         spec = self.spec if quantize and self.spec is not None else QuantSpec(scheme="fp32")
-        return emit_linear(self.gb, x, name, np.asarray(weight, dtype=np.float32), spec, self.flavor)
+        w = np.asarray(weight, dtype=np.float32)
+        if branch and self.flavor == "cpu" and spec.scheme == "w8a16" and w8_block(w.shape[1], spec) is None:
+            return emit_linear(self.gb, x, name, fake_quantize(w, 8, None), QuantSpec(scheme="fp32"), self.flavor)
+        return emit_linear(self.gb, x, name, w, spec, self.flavor)
 
     def embedding(self, ids: str, weight: np.ndarray) -> str:
         """Embedding rows (8-bit on the cpu flavor, fp16 on trt for quantized builds; exact for fp32)."""
