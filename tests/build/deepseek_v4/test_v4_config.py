@@ -187,3 +187,21 @@ def test_zero_sinkhorn_iterations_run_as_one():
     assert parse_config(dict(BASE, hc_sinkhorn_iters=0)).hc_sinkhorn_iters == 1
     with pytest.raises(ConfigError, match="'hc_sinkhorn_iters' must be a positive integer, got -1"):
         parse_config(dict(BASE, hc_sinkhorn_iters=-1))
+
+
+def test_an_unknown_compress_ratio_says_which_rate_to_set():
+    """A smaller V4 whose compress_ratios use another heavy rate (8, not 128): the refusal names the field to set
+    (was only 'is not 0, 4 or 128'), and with compress_rate_hca set the layers parse as transformers' (which has
+    no mapping for 8 at all: KeyError) parses the same schedule given as layer_types."""
+    from transformers import DeepseekV4Config
+
+    d = dict(BASE, compress_ratios=[0, 4, 8, 0])
+    with pytest.raises(ConfigError) as e:
+        parse_config(d)
+    assert "compress_ratios value 8 is not 0, 4 or 128" in str(e.value) and "compress_rate_hca" in str(e.value)
+    assert "\n" not in str(e.value)
+    ours = parse_config(dict(d, compress_rate_hca=8))
+    kw = {k: v for k, v in BASE.items() if k not in ("model_type", "architectures")}
+    ref = DeepseekV4Config(**kw, layer_types=ours.layer_types, compress_rates={CSA: 4, HCA: 8})
+    assert ours.layer_types == ref.layer_types == [SLIDING, CSA, HCA, SLIDING]
+    assert ours.compress_rates == ref.compress_rates

@@ -119,7 +119,10 @@ def _layer_types(d: dict[str, Any], n: int, rates: dict[str, int]) -> list[str]:
         by_rate = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
         bad = [r for r in ratios if not isinstance(r, (int, float)) or r not in by_rate]  # a list is unhashable
         if bad:
-            raise ConfigError(f"config.json: compress_ratios value {bad[0]!r} is not 0, {rates[CSA]} or {rates[HCA]}")
+            raise ConfigError(
+                f"config.json: compress_ratios value {bad[0]!r} is not 0, {rates[CSA]} or {rates[HCA]} (the compress "
+                f"rates); set compress_rate_csa (its layers have an indexer) or compress_rate_hca to the rate it uses"
+            )
         return [by_rate[r] for r in ratios[:n]]
     if types is None:
         rest = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
