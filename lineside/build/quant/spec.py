@@ -89,6 +89,8 @@ class QuantSpec:
         if in_features % gs:
             ok = [g for g in _pow2_divisors(in_features) if flavor != "trt" or g in TRT_GROUP_SIZES]
             hint = f"use --group-size {' or '.join(map(str, ok))}" if ok else "use --quant w8a16 or fp16"
+            if flavor == "trt":  # the cpu flavor takes a ragged last block (above): a cpu-only bundle builds
+                hint += ", or build --flavors cpu"
             raise LinesideError(
                 f"group size {gs} does not divide in_features {in_features} of layer {name}; {hint}"
             )

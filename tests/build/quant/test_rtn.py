@@ -98,6 +98,7 @@ def test_quantized_bytes_and_note():
     [
         (QuantSpec("w4a16", 128), 577, "cpu", "group size 128 does not divide in_features 577"),
         (QuantSpec("w4a16", 128), 96, "trt", "does not divide in_features 96"),
+        (QuantSpec("w4a16", 128), 96, "trt", "or build --flavors cpu"),  # the cpu flavor takes a ragged block
         (QuantSpec("w4a16", 32), 576, "trt", "not supported by TensorRT"),
         (QuantSpec("w4a16", 48), 576, None, "power of two"),
         (QuantSpec("int3"), 576, None, "unknown quantization scheme"),

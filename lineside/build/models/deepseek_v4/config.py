@@ -219,7 +219,8 @@ def parse_config(d: dict[str, Any]) -> V4Config:
     if _flag(d, "attention_bias") or _flag(d, "mlp_bias"):
         raise ConfigError("config.json: attention_bias / mlp_bias are not used by DeepSeek-V4; set them to false")
     if d.get("n_shared_experts", 1) != 1:
-        raise ConfigError(f"config.json: n_shared_experts is {d.get('n_shared_experts')!r}; DeepSeek-V4 has exactly 1")
+        raise ConfigError(f"config.json: n_shared_experts is {d.get('n_shared_experts')!r}; DeepSeek-V4 has exactly 1 "
+                          "(of moe_intermediate_size), as transformers builds it; this checkpoint is not one lineside can build")
     cfg = V4Config(
         vocab_size=_pos_int(d, "vocab_size"),
         hidden_size=hidden,
