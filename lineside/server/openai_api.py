@@ -253,13 +253,14 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             raise request_mapping.bad(f"tool_choice {functions.choice.kind.value!r} constrains the output to function "
                                       "calls; it cannot be combined with text.format", "tool_choice")
         constraint = await _checked(state, call_constraint or text_constraint)
+        tool_count = len(tool_calls.offered(functions.tools, functions.choice) or ())  # a context 400 names them
         ids = await _offload(sum(map(len, texts)),
                              functools.partial(state.tokenizer.encode_chat, messages, tools=listed,
                                                **render.options(), max_tokens=_prompt_limit(state)), param="input",
-                             tools=len(tool_calls.offered(functions.tools, functions.choice) or ()))
+                             tools=tool_count)
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, state.sampling_defaults.max_tokens,
                                               context=state.engine.max_seq_len, param="max_output_tokens",
-                                              prompt_param="input", tools=len(tool_calls.offered(functions.tools, functions.choice) or ()))
+                                              prompt_param="input", tools=tool_count)
         thinking = reasoning.for_prompt(state.think_for(render.effective), ids)
         if top_n is not None and thinking is not None and thinking.thinking:  # its thinking's tokens are no text's
             raise responses_api.logprobs_refused(body, "when the model thinks (serve --reasoning-parser)")

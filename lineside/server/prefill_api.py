@@ -129,13 +129,14 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         render, messages, listed = await state.template_renders.run(rendered) if ours else rendered()
         size = sum(len(m["content"] or "") for m in messages)
         renders = state.template_renders if render.limits is not None else None
+        tool_count = len(tool_calls.offered(tools, tool_choice) or ())
         with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),
-                                 param="messages", renders=renders, tools=len(tool_calls.offered(tools, tool_choice) or ()))
+                                 param="messages", renders=renders, tools=tool_count)
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
                                                             **render.options()), param="messages", renders=renders)
-        return ids, _agreeing(ids, stable), len(tool_calls.offered(tools, tool_choice) or ())
+        return ids, _agreeing(ids, stable), tool_count
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
         raise APIError(400, "prefill takes one prompt (a string or one list of token ids), not a list of prompts",
