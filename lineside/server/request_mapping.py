@@ -126,13 +126,26 @@ def check_chat(req: ChatCompletionRequest) -> None:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
-    if req.best_of not in (None, 1):
-        raise bad(f"best_of={req.best_of} is not supported; send best_of=1", "best_of", "unsupported_value")
+    check_best_of(req)
     if req.echo:
         raise bad("echo is not supported by this server; remove it", "echo", "unsupported_value")
     if req.suffix:
         raise bad("suffix (fill-in-the-middle) is not supported by this server; remove it", "suffix",
                   "unsupported_value")
+
+
+def check_best_of(req: CompletionRequest) -> None:
+    """OpenAI's and vLLM's ``best_of``: how many samples to draw for the ``n`` returned, n when left out. best_of
+    equal to n returns every sample (what n alone does); fewer than n is a 400 as there; more needs ranking the
+    samples, which this server does not do."""
+    n = req.n or 1
+    if req.best_of is None or req.best_of == n:
+        return
+    if req.best_of < n:
+        raise bad(f"best_of ({req.best_of}) must be at least n ({n}): it counts the samples n are returned from; "
+                  f"send best_of={n} or leave it out", "best_of")
+    raise bad(f"best_of={req.best_of} with n={n} (keeping the best {n} of {req.best_of} samples) is not supported; "
+              f"send best_of={n} or leave it out", "best_of", "unsupported_value")
 
 
 def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:

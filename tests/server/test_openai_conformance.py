@@ -237,3 +237,19 @@ def test_streamed_text_with_unicode_line_separators_stays_one_line_per_event(ser
     events = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
     got = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
     assert got == text
+
+
+def test_best_of_equal_to_n_is_n_and_fewer_than_n_is_refused(client):
+    """OpenAI's and vLLM's best_of defaults to n: best_of == n returns every sample, the answer n alone gives (the
+    same seeded choices); best_of < n is a 400 there, and so is one past n here (ranking samples is not done)."""
+    def ask(**kw):
+        return client.completions.create(model=MODEL, prompt="Pump 4 is", max_tokens=5, n=2, seed=11, **kw)
+
+    plain, same = ask(), ask(best_of=2)
+    assert [c.text for c in same.choices] == [c.text for c in plain.choices] and len(same.choices) == 2
+    assert same.usage == plain.usage
+    for best_of, code in ((1, "invalid_value"), (3, "unsupported_value")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(best_of=best_of)
+        assert e.value.body["param"] == "best_of" and e.value.body["code"] == code
+        assert "best_of=2" in e.value.body["message"]  # what to send instead
