@@ -216,8 +216,9 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int,
     """Token ids for each prompt: a string, strings, token ids, or lists of token ids. ``max_tokens``: a text
     prompt past it raises PromptTooLong once that is known (runtime/bounded_encode)."""
     prompt = req.prompt
+    add = None if req.add_special_tokens is not False else False  # None: the BOS the model wants (vLLM's default)
     if isinstance(prompt, str):
-        return [tokenizer.encode(clean_text(prompt, "prompt"), max_tokens=max_tokens)]
+        return [tokenizer.encode(clean_text(prompt, "prompt"), add_special=add, max_tokens=max_tokens)]
     if not prompt:
         raise bad("prompt is an empty list; send a string or a list of strings", "prompt")
     if all(isinstance(item, int) for item in prompt):  # one prompt as token ids: its length is the context's business
@@ -225,7 +226,7 @@ def completion_prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int,
     if len(prompt) > MAX_PROMPTS:
         raise bad(f"prompt lists {len(prompt)} prompts; at most {MAX_PROMPTS} per request", "prompt")
     if all(isinstance(item, str) for item in prompt):
-        return [tokenizer.encode(clean_text(text, f"prompt.{i}"), max_tokens=max_tokens)  # type: ignore[arg-type]
+        return [tokenizer.encode(clean_text(text, f"prompt.{i}"), add_special=add, max_tokens=max_tokens)  # type: ignore[arg-type]
                 for i, text in enumerate(prompt)]
     return [_token_id_prompt(ids, vocab_size) for ids in prompt]  # type: ignore[arg-type]
 

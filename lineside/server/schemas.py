@@ -139,6 +139,8 @@ class CompletionRequest(_Sampling):
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="default 16, as OpenAI's")
     echo: bool | None = False
+    add_special_tokens: bool | None = Field(True, description="vLLM's: false leaves out the BOS the model adds in front "
+                                                              "of a text prompt, as /tokenize counts")
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     suffix: str | None = None
 

@@ -250,3 +250,17 @@ def test_a_chat_of_many_empty_messages_is_rendered_off_the_event_loop(server, mo
     short = _post(server.url, "/tokenize", {"messages": many[:3]})
     assert short.status_code == 200, short.text
     assert on_loop == [False, True], on_loop  # the long conversation in a worker, a short one inline (faster)
+
+
+def test_add_special_tokens_on_completions_is_what_tokenize_counts(server):
+    """vLLM's ``add_special_tokens`` on /v1/completions (false: no BOS in front of the text, for a client that
+    writes its own) is taken as /tokenize takes it: the count is the prompt_tokens, and the answer that of the same
+    ids sent as a token-id prompt (the field was dropped: BOS went in all the same)."""
+    for body in ({"prompt": "abc", "add_special_tokens": False}, {"prompt": ["abc", "de"], "add_special_tokens": False}):
+        counted = [_post(server.url, "/tokenize", {"prompt": p, "add_special_tokens": False}).json()["tokens"]
+                   for p in ([body["prompt"]] if isinstance(body["prompt"], str) else body["prompt"])]
+        assert server.state.engine.tokenizer.bos_token_id not in counted[0]
+        assert _usage(server.url, "/v1/completions", body) == sum(map(len, counted))
+        text = _post(server.url, "/v1/completions", {**body, "max_tokens": 4, "temperature": 0}).json()
+        ids = _post(server.url, "/v1/completions", {"prompt": counted, "max_tokens": 4, "temperature": 0}).json()
+        assert [c["text"] for c in text["choices"]] == [c["text"] for c in ids["choices"]]

@@ -177,7 +177,7 @@ def test_stop_and_priority():
 
 def test_completion_prompt_forms():
     class Tok:
-        def encode(self, text, max_tokens=None):
+        def encode(self, text, add_special=None, max_tokens=None):  # the Tokenizer's signature
             return [1, *[ord(c) % 50 for c in text]]
 
     f = request_mapping.completion_prompts
