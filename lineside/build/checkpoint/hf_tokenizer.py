@@ -19,12 +19,12 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
             "(AutoTokenizer.from_pretrained(...).save_pretrained(dir)) and build again"
         )
     tok = _read_json(tok_json)
+    vocab = _loaded_vocab(tok_json)
     tcfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
     gen = _read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else {}
 
     templates = _chat_templates(src, tcfg)
     chat_template = default_template(templates)
-    vocab = _token_ids(tok)
     # The tokenizer's own BOS before config.json's: R1-Distill-Qwen's config.json says bos_token_id 151643, its EOS,
     # while the tokenizer (what transformers and vLLM encode with) starts prompts with <｜begin▁of▁sentence｜>.
     bos_id = _first_int(gen.get("bos_token_id"), vocab.get(_tok_text(tcfg.get("bos_token"))),
@@ -166,13 +166,18 @@ def _template_value(ct: Any, path: Path) -> dict[str, str]:
     return {"default": ct} if ct else {}
 
 
-def _token_ids(tok: dict[str, Any]) -> dict[str, int]:
-    model_vocab = (tok.get("model") or {}).get("vocab")
-    vocab = dict(model_vocab) if isinstance(model_vocab, dict) else {}
-    for at in tok.get("added_tokens") or []:
-        if isinstance(at, dict) and "content" in at and "id" in at:
-            vocab[at["content"]] = int(at["id"])
-    return vocab
+def _loaded_vocab(tok_json: Path) -> dict[str, int]:
+    """Text → id of every token (added ones included), as the tokenizers library loads the file: a tokenizer.json
+    it cannot load (no model, a post-processor of another shape) is refused here, not when the bundle is served."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        tok = HFTokenizer.from_file(str(tok_json))
+    except Exception as e:  # the Rust parser raises plain Exception; its first line says what is wrong
+        raise CheckpointError(f"{tok_json}: not a tokenizer the tokenizers library can load "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); re-download it or save "
+                              "the tokenizer again (AutoTokenizer.from_pretrained(...).save_pretrained(dir))") from None
+    return tok.get_vocab(with_added_tokens=True)
 
 
 def _tok_text(t: Any) -> str | None:

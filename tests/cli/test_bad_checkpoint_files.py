@@ -1,0 +1,53 @@
+"""Checkpoint companion files a bundle would carry unusable (a tokenizer.json the tokenizers library cannot load, a
+generation_config.json serve refuses) are refused by the build in one line naming the file — not after it, by serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.errors import CheckpointError
+from tests.cli.cli_run import assert_one_line_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_dense):
+    return tiny_dense("llama-gqa")
+
+
+def _edit_json(src, dst, fname, edit):
+    shutil.copytree(src, dst)
+    data = json.loads((dst / fname).read_text())
+    edit(data)
+    (dst / fname).write_text(json.dumps(data))
+    return dst
+
+
+TOKENIZER_CASES = {
+    # id: an edit of tokenizer.json's object (each one loaded before, and the bundle failed only when served)
+    "no-model": lambda t: t.clear(),
+    "model-a-list": lambda t: t.__setitem__("model", []),
+    "post-processor-of-another-shape": lambda t: t.__setitem__(
+        "post_processor", {"type": "TemplateProcessing", "single": [1]}),
+    "added-token-id-not-a-number": lambda t: t.__setitem__("added_tokens", [{"content": "<x>", "id": "abc"}]),
+}
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_CASES))
+def test_a_tokenizer_json_the_tokenizers_library_cannot_load_is_refused(ckpt, tmp_path, case):
+    d = _edit_json(ckpt, tmp_path / "c", "tokenizer.json", TOKENIZER_CASES[case])
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and str(d / "tokenizer.json") in msg and "not a tokenizer the tokenizers library can load" in msg, msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_bad_tokenizer_json_is_one_line_from_the_cli(ckpt, tmp_path):
+    d = _edit_json(ckpt, tmp_path / "c", "tokenizer.json", TOKENIZER_CASES["no-model"])
+    assert_one_line_error(run_cli("build", d, "-o", tmp_path / "o", "--quant", "fp32", "--max-seq-len", "16"),
+                          "tokenizer.json", "re-download", code=1)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
