@@ -47,7 +47,10 @@ class SamplingDefaults:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)}
 
 
-def _checked(name: str, value: Any, where: str) -> float | int:
+SERVE_ADVICE = "fix the file or serve with --generation-config none to ignore it"
+
+
+def _checked(name: str, value: Any, where: str, advice: str = SERVE_ADVICE) -> float | int:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = {"temperature": 0 <= value <= 2, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,  # a request's ranges
@@ -55,13 +58,13 @@ def _checked(name: str, value: Any, where: str) -> float | int:
               "top_k": float(value).is_integer() and value >= -1,
               "max_new_tokens": float(value).is_integer() and value >= 1}[name]
     if not ok:
-        raise LinesideError(f"{where}: {name} is {value!r}, not a valid {name}; fix the file or serve with "
-                            "--generation-config none to ignore it")
+        raise LinesideError(f"{where}: {name} is {value!r}, not a valid {name}; {advice}")
     return int(value) if name in ("top_k", "max_new_tokens") else float(value)
 
 
-def read_sampling_defaults(path: Path) -> SamplingDefaults:
-    """``generation_config.json`` at ``path`` → SamplingDefaults (OpenAI's where the file is absent or silent)."""
+def read_sampling_defaults(path: Path, advice: str = SERVE_ADVICE) -> SamplingDefaults:
+    """``generation_config.json`` at ``path`` → SamplingDefaults (OpenAI's where the file is absent or silent);
+    ``advice``: what a field out of range says to do (the build checks a checkpoint's file with its own)."""
     if not path.is_file():
         return SamplingDefaults()
     try:
@@ -76,7 +79,7 @@ def read_sampling_defaults(path: Path) -> SamplingDefaults:
         value = config.get(name)
         if value is None or value == default:
             continue
-        chosen[name] = _checked(name, value, str(path))
+        chosen[name] = _checked(name, value, str(path), advice)
     if chosen.get("top_k") == -1:  # vLLM's and llama.cpp's "off"
         chosen["top_k"] = 0
     if "max_new_tokens" in chosen:  # transformers' name for a request's max_tokens

@@ -51,3 +51,26 @@ def test_a_bad_tokenizer_json_is_one_line_from_the_cli(ckpt, tmp_path):
     assert_one_line_error(run_cli("build", d, "-o", tmp_path / "o", "--quant", "fp32", "--max-seq-len", "16"),
                           "tokenizer.json", "re-download", code=1)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "hot"), ("top_p", 5), ("top_k", 2.5),
+                                         ("repetition_penalty", -1)])
+def test_a_sampling_field_serve_would_refuse_is_refused_by_the_build(ckpt, tmp_path, field, value):
+    """serve (--generation-config auto, its default) reads the copied generation_config.json and refused to start on
+    such a field; the build says so first, naming the checkpoint's file and the field."""
+    d = _edit_json(ckpt, tmp_path / "c", "generation_config.json", lambda g: g.__setitem__(field, value))
+    line = assert_one_line_error(run_cli("build", d, "-o", tmp_path / "o", "--quant", "fp32", "--max-seq-len", "16"),
+                                 str(d / "generation_config.json"), f"{field} is {value!r}", "build again", code=1)
+    assert "--generation-config" not in line
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_sampling_fields_in_range_are_carried(ckpt, tmp_path):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.sampling_defaults import read_sampling_defaults
+
+    d = _edit_json(ckpt, tmp_path / "c", "generation_config.json", lambda g: g.update(temperature=0.6, top_p=0.95))
+    out = build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    tok_dir = open_bundle(out).path / "tokenizer"
+    got = read_sampling_defaults(tok_dir / "generation_config.json")
+    assert (got.temperature, got.top_p) == (0.6, 0.95)

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lineside.errors import CheckpointError
+from lineside.errors import CheckpointError, LinesideError
 
 
 def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -22,6 +22,7 @@ def write_hf_tokenizer(src: Path, out_dir: Path, hf_config: dict[str, Any]) -> d
     vocab = _loaded_vocab(tok_json)
     tcfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
     gen = _read_json(src / "generation_config.json") if (src / "generation_config.json").is_file() else {}
+    _check_sampling(src / "generation_config.json")
 
     templates = _chat_templates(src, tcfg)
     chat_template = default_template(templates)
@@ -97,6 +98,17 @@ def _check_in_vocabulary(src: Path, vocab_size: Any, bos_id: int | None, eos_ids
         shown = eos_ids[0] if len(eos_ids) == 1 else eos_ids
         raise CheckpointError(f"{src}: eos_token_id {shown} is outside the model's vocabulary (vocab_size "
                               f"{vocab_size}), so the model could never end an answer; fix {where}")
+
+
+def _check_sampling(gen_path: Path) -> None:
+    """The recommended sampling serve takes from the copied generation_config.json (a temperature of "hot", a top_p
+    of 5) is checked as serve reads it: the bundle would otherwise refuse to start under serve's defaults."""
+    from lineside.runtime.sampling_defaults import read_sampling_defaults
+
+    try:
+        read_sampling_defaults(gen_path, advice="fix the field (or remove it) and build again")
+    except LinesideError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _read_json(p: Path) -> dict[str, Any]:
