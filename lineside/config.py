@@ -153,21 +153,44 @@ class ModelConfig:
         return cfg
 
 
+# `architectures` class names of heads that do not generate text (a classifier's `score`, a bare model): such a
+# checkpoint has no LM head, so the build would only say lm_head.weight is missing
+NOT_GENERATIVE = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+BARE_MODELS = {name.removesuffix("ForCausalLM") + "Model" for name in ARCHITECTURES}  # LlamaModel, Qwen2Model, ...
+
+
 def family_of(d: dict[str, Any]) -> str:
     """Map a HF config dict to a supported family name, or raise a ConfigError naming it."""
-    archs = d.get("architectures") or []
+    archs = _architectures(d.get("architectures"))
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
+    supported = ", ".join(sorted(ARCHITECTURES))
+    headless = next((a for a in archs if a.endswith(NOT_GENERATIVE) or a in BARE_MODELS), None)
+    if headless is not None:  # vLLM, too, goes by `architectures` (model_type would only pick the family)
+        raise ConfigError(f"config.json: architectures {headless} has no LM head to generate text with; build from "
+                          f"the model's causal-LM checkpoint ({supported})")
     mt = d.get("model_type")
+    if mt is not None and not isinstance(mt, str):
+        raise ConfigError(f"config.json: field 'model_type' must be a string such as \"llama\", got {mt!r}")
     if mt in MODEL_TYPES:
         return MODEL_TYPES[mt]
-    supported = ", ".join(sorted(ARCHITECTURES))
     if not archs and mt is None:
         raise ConfigError(f"config.json has no 'architectures' or 'model_type' field, so the model is unknown; add "
                           f"the one the model was saved with (supported: {supported})")
     named = ", ".join(archs) if archs else repr(mt)
     raise ConfigError(f"unsupported architecture {named}; supported: {supported}")
+
+
+def _architectures(value: Any) -> list[str]:
+    """config.json's `architectures`: a list of class names (a lone name is taken as one; absent or null: none)."""
+    if value is None:
+        return []
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(a, str) for a in names):
+        raise ConfigError(f"config.json: field 'architectures' must be a list of class names such as "
+                          f"[\"LlamaForCausalLM\"], got {value!r}")
+    return names
 
 
 def load_hf_config(path: Path) -> dict[str, Any]:

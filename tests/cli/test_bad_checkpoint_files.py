@@ -74,3 +74,51 @@ def test_sampling_fields_in_range_are_carried(ckpt, tmp_path):
     tok_dir = open_bundle(out).path / "tokenizer"
     got = read_sampling_defaults(tok_dir / "generation_config.json")
     assert (got.temperature, got.top_p) == (0.6, 0.95)
+
+
+ARCHITECTURE_CASES = {
+    # id: (config.json edit, words of the one line); each was a TypeError traceback or a garbled line before
+    "architectures-ints": (lambda c: (c.update(architectures=[5]), c.pop("model_type")),
+                           ["'architectures'", "list of class names", "[5]"]),
+    "architectures-object": (lambda c: c.update(architectures={"LlamaForCausalLM": 1}), ["'architectures'"]),
+    "model-type-list": (lambda c: (c.pop("architectures"), c.update(model_type=["llama"])),
+                        ["'model_type'", "string", "['llama']"]),
+    "lone-unsupported-name": (lambda c: (c.update(architectures="MistralForCausalLM"), c.pop("model_type")),
+                              ["unsupported architecture MistralForCausalLM;"]),
+    # a classifier / bare model checkpoint: it has no lm_head.weight, which was all the build said
+    "classifier": (lambda c: c.update(architectures=["LlamaForSequenceClassification"]),
+                   ["LlamaForSequenceClassification", "no LM head", "LlamaForCausalLM"]),
+    "bare-model": (lambda c: c.update(architectures=["Qwen2Model"], model_type="qwen2"), ["Qwen2Model", "no LM head"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ARCHITECTURE_CASES))
+def test_architectures_and_model_type_of_another_shape_are_one_line(ckpt, tmp_path, case):
+    from lineside.errors import ConfigError
+
+    edit, words = ARCHITECTURE_CASES[case]
+    d = _edit_json(ckpt, tmp_path / "c", "config.json", edit)
+    with pytest.raises(ConfigError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+
+
+def test_a_lone_architecture_name_is_taken_as_a_list(ckpt, tmp_path):
+    """`"architectures": "LlamaForCausalLM"` (a string, not a list) names the model as clearly as the list does."""
+    d = _edit_json(ckpt, tmp_path / "c", "config.json",
+                   lambda c: (c.update(architectures="LlamaForCausalLM"), c.pop("model_type")))
+    out = build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16))
+    from lineside.bundle import open_bundle
+
+    assert open_bundle(out).manifest.architecture == "llama"
+
+
+def test_another_generators_model_class_is_unsupported_not_headless():
+    """GPT2LMHeadModel ends in "Model" yet generates: it is named as unsupported, not as a model without a head."""
+    from lineside.config import family_of
+    from lineside.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unsupported architecture GPT2LMHeadModel;"):
+        family_of({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
