@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from lineside import __version__
 from lineside.build.checkpoint import CheckpointReader, open_checkpoint
 from lineside.build.models import model_family
@@ -166,6 +168,8 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
                                   f"{held} tensors in all; config.json (a GGUF's block_count) describes another "
                                   "model or the checkpoint is incomplete (re-download it)")
         family = model_family(cfg.architecture)
+        if cfg.architecture in DENSE_FAMILIES:
+            cfg = _untied_if_head_differs(ckpt, cfg, log)
         family.check_config(cfg, opts.flavors)
         _check_draft_layers(opts.draft_layers, cfg, family)
         _check_kv_shape(opts.kv_dtype, cfg)
@@ -293,6 +297,23 @@ def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConf
         lora=LoraGraphs(max_rank=opts.max_lora_rank, targets=opts.targets) if opts.max_lora_rank else None,
     )
     write_manifest(tmp, manifest)
+
+
+def _untied_if_head_differs(ckpt: CheckpointReader, cfg: ModelConfig, log: Callable[[str], None]) -> ModelConfig:
+    """A config with tied embeddings whose checkpoint stores an lm_head.weight of other values: transformers (5.x)
+    then keeps the stored head (it does not tie them), so the bundle computes with it too, and says so."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not (cfg.tie_word_embeddings and ckpt.has(head) and ckpt.has(embed)):
+        return cfg
+    if tuple(ckpt.shape(head)) != tuple(ckpt.shape(embed)):
+        return cfg  # not a head of this vocabulary: ignored, as a tied model ignores any stored head
+    a, b = ckpt.get_raw(head), ckpt.get_raw(embed)
+    if not isinstance(a, GGMLBlocks) and not isinstance(b, GGMLBlocks) and a.dtype == b.dtype \
+            and np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+        return cfg  # the tied head stored anyway: the embedding is it
+    log(f"note: config.json ties the embeddings but the checkpoint's {head} differs from {embed}; using the stored "
+        "head, as transformers does (set tie_word_embeddings to false in config.json to silence this)")
+    return replace(cfg, tie_word_embeddings=False)
 
 
 def _check_draft_layers(layers: tuple[int, ...], cfg: ModelConfig, family: ModelFamily) -> None:
