@@ -96,6 +96,9 @@ TENSOR_CASES = {
     "head-vocab": ("lm_head.weight", np.zeros((200, 64), np.float32), "[200, 64]"),
     "norm-2d": ("model.layers.0.input_layernorm.weight", np.ones((1, 64), np.float32), "[1, 64]"),
     "int-weight": ("model.layers.0.self_attn.o_proj.weight", np.zeros((64, 64), np.int32), "I32"),
+    # int8 codes with no scale beside them (no weight_scale / scale tensor): they were built as the weights' values
+    "int8-embed-unscaled": ("model.embed_tokens.weight", np.ones((300, 64), np.int8), "I8"),
+    "uint8-weight-unscaled": ("model.layers.1.mlp.up_proj.weight", np.ones((128, 64), np.uint8), "U8"),
 }
 
 

@@ -99,9 +99,19 @@ def check_shapes(cfg: ModelConfig, ckpt: CheckpointReader, where: str) -> None:
         if got != want:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {list(got)} but {src.removeprefix('its ')} "
                                   f"implies {list(want)}; the checkpoint and {src} disagree")
-        if dtype is not None and dtype(name) in _NOT_WEIGHTS:
+        if dtype is not None and (dtype(name) in _NOT_WEIGHTS or (dtype(name) in _CODES and not _scaled(ckpt, name))):
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype(name)}, which is not a weight type "
                                   "(expected F32/F16/BF16 or block-scaled FP8); re-export the checkpoint")
+
+
+# int8 / uint8 tensors are weights only beside their scale (scaled INT8, MXFP4 pairs); alone they are codes
+_CODES = ("I8", "U8")
+_SCALES = (".weight_scale", ".weight_scale_inv", ".scale")
+
+
+def _scaled(ckpt: CheckpointReader, name: str) -> bool:
+    prefix = name.removesuffix(".weight")
+    return name.endswith(".weight") and any(ckpt.has(prefix + s) for s in _SCALES)
 
 
 # quantization_config methods whose weights the reader dequantizes (a `.weight` with its scale); (method, format),
