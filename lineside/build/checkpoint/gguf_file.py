@@ -125,6 +125,33 @@ class GGUFCheckpoint:
             if self._a(key) is None:
                 raise CheckpointError(f"{self.path}: GGUF metadata {self.arch}.{key} is missing (llama.cpp refuses "
                                       "such a file too); re-convert the model")
+        self._check_head_dims()
+        self._check_token_count()
+
+    def _check_head_dims(self) -> None:
+        """The config has one head_dim, rotated whole: a GGUF rotating part of each head (rope.dimension_count below
+        key_length, which llama.cpp's qwen2 honours) or with values sized apart from keys built silently into a
+        model that computes something else, or failed on a tensor shape without saying why."""
+        head_dim = int(self.hf_config["head_dim"])
+        for key, what in (("rope.dimension_count", "rotates"), ("attention.value_length", "has values of")):
+            v = self._a(key)
+            if v is not None and v != head_dim:
+                raise CheckpointError(f"{self.path}: GGUF {self.arch}.{key} is {v!r} but its heads are {head_dim} wide; "
+                                      f"a model that {what} {v!r} of them per head is not supported "
+                                      "(lineside builds Llama/Qwen2 heads rotated whole, values as wide as keys)")
+
+    def _check_token_count(self) -> None:
+        """More tokens than embedding rows: the tokenizer would give ids the model has no row for (llama.cpp refuses
+        the file; lineside built it, and a prompt holding such a token failed at serve time instead)."""
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        emb = self._tensors.get("model.embed_tokens.weight")
+        if tokens is None or emb is None:
+            return
+        n, rows = len(tokens.data), int(emb.shape[-1])
+        if n > rows:
+            raise CheckpointError(f"{self.path}: GGUF tokenizer has {n} tokens but token_embd.weight has {rows} rows, "
+                                  f"so ids {rows}..{n - 1} have no embedding (llama.cpp refuses such a file too); "
+                                  "re-convert the model")
 
     def _req(self, key: str) -> int:
         """A size the config is made of: an integer (a string or a per-layer array reached arithmetic as it was:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from safetensors.numpy import load_file
 
 from lineside.build.checkpoint import open_checkpoint
 from lineside.build.checkpoint.gguf_names import permute_rows, unpermute_rows
@@ -428,3 +429,60 @@ def test_a_build_refuses_a_gguf_without_what_llamacpp_requires(tmp_path, tiny_ll
     msg = str(e.value)
     assert "\n" not in msg and key in msg and "missing" in msg, msg
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+@pytest.mark.parametrize(("family", "key", "value"), [
+    ("qwen2", "rope.dimension_count", 8),  # llama.cpp's qwen2 rotates 8 of each head's 16 dims; lineside all 16
+    ("llama", "rope.dimension_count", 8),  # llama.cpp refuses this one ("invalid n_rot")
+    ("qwen2", "attention.value_length", 32),  # values wider than keys: one head_dim cannot hold both
+])
+def test_heads_lineside_cannot_build_as_the_gguf_says_are_refused_in_one_line(tmp_path, tiny_llama, tiny_qwen2,
+                                                                              family, key, value):
+    """A GGUF rotating part of each head (rope.dimension_count below the head width) built with exit 0 into a bundle
+    rotating whole heads, off from llama.cpp's logits without a word; the build names the key and stops first."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+
+    path, state = tiny_llama if family == "llama" else tiny_qwen2
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, family, _hf_cfg(path), state, metadata={f"{family}.{key}": value})
+    assert open_checkpoint(out).hf_config["head_dim"] == 16  # opening it (tokenizer, sizes) still works
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and f"{family}.{key} is {value}" in msg and "16 wide" in msg, msg
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_gguf_head_dimension_counts_it_writes_build(tmp_path, tiny_dense):
+    """convert_hf_to_gguf.py writes rope.dimension_count = key_length = value_length = head_dim: those build."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from tests.build.models.test_build_summary import _tokenizer
+
+    ck = tiny_dense("llama-gqa")
+    out = tmp_path / "m.gguf"
+    meta = {f"llama.{k}": 16 for k in ("rope.dimension_count", "attention.key_length", "attention.value_length")}
+    write_model_gguf(out, "llama", _hf_cfg(ck), load_file(str(ck / "model.safetensors")), tokenizer=_tokenizer(),
+                     metadata=meta)
+    assert build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", max_seq_len=16)).is_dir()
+
+
+def test_more_tokens_than_embedding_rows_is_refused_in_one_line(tmp_path, tiny_dense):
+    """A token list longer than token_embd built (vocab_size from the metadata) and the tokenizer then gave ids with
+    no embedding row: a prompt holding one failed at serve time. llama.cpp refuses the file; so does the build."""
+    from lineside.build.pipeline import BuildOptions, build_bundle
+    from tests.build.models.test_build_summary import _tokenizer
+
+    ck = tiny_dense("llama-gqa")
+    state = load_file(str(ck / "model.safetensors"))
+    rows = state["model.embed_tokens.weight"].shape[0]
+    tok = _tokenizer()
+    extra = rows + 3 - len(tok["tokens"])
+    tok["tokens"] += [f"<extra_{i}>" for i in range(extra)]
+    tok["types"] += [4] * extra
+    out = tmp_path / "m.gguf"
+    write_model_gguf(out, "llama", _hf_cfg(ck), state, tokenizer=tok)
+    with pytest.raises(CheckpointError) as e:
+        build_bundle(out, tmp_path / "b", BuildOptions(quant="fp32", max_seq_len=16))
+    msg = str(e.value)
+    assert "\n" not in msg and f"{rows + 3} tokens" in msg and f"{rows} rows" in msg, msg
+    assert f"ids {rows}..{rows + 2}" in msg and not (tmp_path / "b").exists()
