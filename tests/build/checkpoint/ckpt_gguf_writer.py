@@ -38,6 +38,33 @@ def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Byte offsets of the float16 super-block scales (d, dmin) of the types gguf-py dequantizes but cannot quantize.
+SYNTH_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+                "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ3_S": (0,)}
+
+
+def synth_blocks(shape: tuple[int, ...], qtype: str, seed: int = 0, peak: float = 0.3) -> np.ndarray:
+    """Random blocks of a GGML type gguf-py has no quantizer for (K-quants, IQ): random codes and sub-scales, the
+    float16 super-block scales set so the tensor's largest weight is about `peak` (the writer passes the float
+    tensor's, so the model keeps its scale). Its values are whatever gguf's dequantize makes of them; readers are
+    compared on those."""
+    from gguf.quants import dequantize
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    rows, k = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, k // block, nbytes), dtype=np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    for at in SYNTH_SCALES[qtype]:
+        raw[:, :, at : at + 2] = one
+    top = float(np.abs(dequantize(raw.reshape(rows, -1), qt)).max())
+    for at in SYNTH_SCALES[qtype]:
+        d = (peak / top * rng.uniform(0.5, 1.0, raw.shape[:2])).astype(np.float16)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
 def write_model_gguf(
     path: Path, arch: str, cfg: dict, state: dict[str, np.ndarray], qtypes: dict[str, str] | None = None,
     tokenizer: dict | None = None, metadata: dict[str, float | int] | None = None,
@@ -52,7 +79,7 @@ def write_model_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
@@ -76,7 +103,8 @@ def write_model_gguf(
             w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
         else:
             qt = gguf.GGMLQuantizationType[q]
-            w.add_tensor(gguf_name(name), quantize(a, qt), raw_dtype=qt)
+            data = synth_blocks(a.shape, q, peak=float(np.abs(a).max())) if q in SYNTH_SCALES else quantize(a, qt)
+            w.add_tensor(gguf_name(name), data, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
