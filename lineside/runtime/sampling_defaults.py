@@ -51,6 +51,7 @@ SERVE_ADVICE = "fix the file or serve with --generation-config none to ignore it
 
 
 def _checked(name: str, value: Any, where: str, advice: str = SERVE_ADVICE) -> float | int:
+    """``value`` as generation_config.json's field ``name`` takes it, or one line naming ``where`` and ``advice``."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = {"temperature": 0 <= value <= 2, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,  # a request's ranges
@@ -60,6 +61,9 @@ def _checked(name: str, value: Any, where: str, advice: str = SERVE_ADVICE) -> f
     if not ok:
         raise LinesideError(f"{where}: {name} is {value!r}, not a valid {name}; {advice}")
     return int(value) if name in ("top_k", "max_new_tokens") else float(value)
+
+
+check_field = _checked  # the build checks a GGUF's recommended sampling keys, field by field, as serve will read them
 
 
 def read_sampling_defaults(path: Path, advice: str = SERVE_ADVICE) -> SamplingDefaults:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lineside.build.checkpoint.hf_tokenizer import default_template, template_record
-from lineside.errors import CheckpointError
+from lineside.errors import CheckpointError, LinesideError
 
 if TYPE_CHECKING:
     from lineside.build.checkpoint.gguf_file import GGUFCheckpoint
@@ -136,10 +136,22 @@ def write_gguf_tokenizer(ck: GGUFCheckpoint, out_dir: Path) -> dict[str, Any]:
         gen["pad_token_id"] = pad
     for key, field in SAMPLING_KEYS.items():  # the model's recommended sampling, as llama.cpp reads it
         value = ck.meta(key)
-        if value is not None:
-            gen[field] = value
+        if value is not None:  # checked as serve reads it: a bundle serve refuses to start is no bundle
+            gen[field] = _sampling_value(ck, key, field, value)
     _dump(out_dir / "generation_config.json", gen)
     return {"bos_token_id": bos, "eos_token_ids": eos_ids, "chat_template": chat_template, "add_bos_token": add_bos}
+
+
+def _sampling_value(ck: GGUFCheckpoint, key: str, field: str, value: Any) -> Any:
+    """A general.sampling.* value serve's --generation-config auto would take, or one line naming the key."""
+    from lineside.runtime.sampling_defaults import check_field
+
+    try:
+        check_field(field, value, f"{ck.path}: {key}", advice="remove the key (gguf-py's gguf_new_metadata.py "
+                    f"--remove-metadata {key}) and build again")
+    except LinesideError as e:
+        raise CheckpointError(str(e)) from None
+    return value
 
 
 def _chat_templates(ck: GGUFCheckpoint) -> dict[str, Any]:

@@ -352,3 +352,15 @@ def test_a_special_token_id_beyond_the_vocabulary_is_one_line(tmp_path, tiny_lla
         open_checkpoint(path).write_tokenizer(tmp_path / "out")
     msg = str(e.value)
     assert f"tokenizer.ggml.{key} 900" in msg and f"{len(vocab['tokens'])} tokens" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(("key", "value"), [("general.sampling.temp", 5.0), ("general.sampling.top_p", 0.0),
+                                            ("general.sampling.penalty_repeat", 50.0), ("general.sampling.min_p", 1.5)])
+def test_recommended_sampling_out_of_range_is_refused_naming_the_key(tmp_path, tiny_llama, key, value):
+    """A general.sampling.* value serve's --generation-config auto would refuse (so the bundle would not start under
+    serve's defaults) is one line at build time naming the GGUF key and how to drop it."""
+    path = _tiny_gguf(tmp_path, tiny_llama, **_tiny_bpe(), pre="qwen2", bos=1, eos=2, metadata={key: value})
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    msg = str(e.value)
+    assert key in msg and "--remove-metadata" in msg and "\n" not in msg
