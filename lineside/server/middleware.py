@@ -53,12 +53,15 @@ class ServerMiddleware:
             return
         t0 = time.perf_counter()
         headers = _headers(scope)
-        request_id = headers.get("x-request-id")
+        # an empty header is an absent one: a proxy that forwards an unset variable (X-Request-Id: $id) sends it empty,
+        # and a 400 then refused every request through it, health probes included
+        request_id = headers.get("x-request-id") or None
         id_header = [(b"x-request-id", (request_id or "").encode("latin-1"))]
         if request_id is not None and not _RID_OK.fullmatch(request_id):
             id_header = []
             count_invalid(self.state, scope)
-            await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces",
+            await _reply(send, 400, "X-Request-Id must be 1-200 printable ASCII characters without spaces; send such "
+                                    "an id or leave the header out (the server then makes one)",
                          code="invalid_request_id", headers=id_header)
             return
         if request_id is None:

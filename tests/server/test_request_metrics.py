@@ -245,3 +245,20 @@ def test_every_refused_generation_request_is_counted_invalid(srv, headers, statu
     assert metric(after, "lineside_requests_total", 'outcome="invalid"') \
         - metric(before, "lineside_requests_total", 'outcome="invalid"') == 1
     assert _requests(after) - _requests(before) == 1
+
+
+def test_an_empty_request_id_header_is_an_absent_one(srv):
+    """A proxy that forwards an unset variable sends ``X-Request-Id:`` empty (or blank): that was a 400 for every
+    request through it, health probes included. It is served under an id the server makes, echoed and logged."""
+    before, lines_before = _scrape(srv), len(_log_lines(srv))
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "no id", "max_tokens": 2},
+                   headers={"X-Request-Id": ""}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"].startswith("req-") and r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
+    assert [line["request_id"] for line in _log_lines(srv)[lines_before:]] == [r.headers["x-request-id"]]
+    assert metric(_scrape(srv), "lineside_requests_total", 'outcome="length"') \
+        - metric(before, "lineside_requests_total", 'outcome="length"') == 1
+    probe = httpx.get(srv.url + "/health/ready", headers={"X-Request-Id": ""}, timeout=30)
+    assert probe.status_code == 200 and probe.headers["x-request-id"].startswith("req-"), probe.text
+    bad = httpx.get(srv.url + "/health", headers={"X-Request-Id": "two words"}, timeout=30)
+    assert bad.status_code == 400 and "leave the header out" in bad.json()["error"]["message"]
