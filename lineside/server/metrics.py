@@ -133,7 +133,8 @@ class ServerMetrics:
         self.requests = Counter("lineside_requests", "Finished requests by outcome", ["outcome"], registry=registry)
         self.prompt_tokens = Counter("lineside_prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("lineside_generation_tokens", "Tokens generated", registry=registry)
-        self.http_inflight = Gauge("lineside_http_requests_in_flight", "Generation requests being served",
+        self.http_inflight = Gauge("lineside_http_requests_in_flight",
+                                   "Requests a drain waits for being served (generation, /tokenize, /detokenize)",
                                    registry=registry)
         self._device: dict[str, Gauge] = {}
         self._spec = _SpecDecodeCollector()
