@@ -32,6 +32,9 @@ class StepBatch:
     adapters: np.ndarray | None = None  # int64 [B]: each row's LoRA adapter slot (0 or None: the base model)
     # Inputs a graph takes beyond the control inputs, by name (the MTP graph's hidden_streams [B, S, N, D]).
     extra_inputs: dict[str, np.ndarray] | None = None
+    # A prompt chunk (one row), even with logits at every position (a request scoring its prompt): it runs as any
+    # prompt chunk does (onnxruntime's int8 prefill graph), so its KV is the one every other request's prompt gets.
+    prompt: bool = False
 
     def adapter_rows(self) -> np.ndarray:
         """int64 [B] adapter slots, zeros when the step names none."""
@@ -40,7 +43,7 @@ class StepBatch:
 
     @staticmethod
     def single(slot: int, token_ids: list[int] | np.ndarray, past_length: int, all_logits: bool = False,
-               adapter: int = 0) -> StepBatch:
+               adapter: int = 0, prompt: bool = False) -> StepBatch:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         n = ids.shape[1]
         pos = np.arange(n, dtype=np.int64) if all_logits else np.array([n - 1], dtype=np.int64)
@@ -51,6 +54,7 @@ class StepBatch:
             new_lengths=np.array([n], dtype=np.int64),
             logits_positions=pos.reshape(1, -1),
             adapters=np.array([adapter], dtype=np.int64) if adapter else None,
+            prompt=prompt,
         )
 
 

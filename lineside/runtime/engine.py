@@ -48,7 +48,7 @@ from lineside.runtime.sequence import Sequence, SequenceStatus
 from lineside.runtime.sessions import SessionInfo, SessionStore, SessionsUnsupported, check_session_id
 from lineside.runtime.speculative.config import SpeculativeConfig
 from lineside.runtime.speculative.proposers import check_speculation, make_proposer
-from lineside.runtime.step_plan import StepPlan
+from lineside.runtime.step_plan import StepPlan, prompt_logit_rows
 from lineside.runtime.step_runner import StepOutcome, error_line, run_step
 from lineside.runtime.structured import DEFAULT_CACHED_GRAMMARS, GrammarCompiler
 
@@ -295,6 +295,8 @@ class LLMEngine:
         matcher = (self.grammar.matcher(req.constraint, after=req.constraint_after) if req.constraint is not None
                    else None)
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
+        if req.prompt_logprobs is not None:
+            seq.prompt_rows = prompt_logit_rows(self.vocab_size)
         with self._state:
             if self.draining:  # again under the lock: close() on another thread may have let the step thread go
                 raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
@@ -525,7 +527,8 @@ class LLMEngine:
     def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:
         """(Under the state lock) apply a step's outcome to its sequences; their events, retired where final."""
         return self._retire(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
-                                                       accepted=out.accepted, session_error=out.session_error))
+                                                       accepted=out.accepted, session_error=out.session_error,
+                                                       prompt_logprobs=out.prompt_logprobs))
 
     def _idle(self) -> None:
         """Wait for work; with sessions held, wake by their next expiry to release their blocks."""

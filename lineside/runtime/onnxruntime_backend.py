@@ -303,11 +303,13 @@ class OnnxRuntimeBackend:
             # (prefill, speculative verification) run one by one; the 1-token rows beside them run together,
             # in runs of adjacent slots, so they keep the batched decode path.
             return self._split(batch)
-        if self.prefill_session is not None and b == 1 and s >= PREFILL_MIN_TOKENS \
-                and batch.logits_positions.shape[1] < s and not batch.adapter_rows().any():
-            # a base model's prompt chunk (not a verification: logits at each; not an adapter's: the LoRA graph)
+        chunk = batch.prompt or batch.logits_positions.shape[1] < s  # a prompt's: flagged, or logits at fewer
+        if self.prefill_session is not None and b == 1 and s >= PREFILL_MIN_TOKENS and chunk \
+                and not batch.adapter_rows().any():
+            # a base model's prompt chunk, scored at every position or not (not a verification, not an adapter's: the
+            # LoRA graph has no int8 variant)
             return self._run(batch, session=self.prefill_session)[0]
-        verify = b == 1 and s <= FAST_VERIFY_TOKENS and batch.logits_positions.shape[1] == s  # logits at each
+        verify = b == 1 and s <= FAST_VERIFY_TOKENS and not chunk  # a verification: logits at each new token
         slots = list(batch.slots)
         adjacent = slots == list(range(slots[0], slots[0] + b))
         if self._decode_ready and (s == 1 or verify) and adjacent:

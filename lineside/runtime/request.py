@@ -75,6 +75,9 @@ class GenerationRequest:
     # the grammar starts after this token (a reasoning model's </think>): the text before it is free
     constraint_after: int | None = None
     logprobs: int | None = None  # None: no logprobs; n: each token's logprob and its n most likely alternatives
+    # None: none; n: each prompt token's logprob after the first (the model's own, from the logits at the position
+    # before it) and its n most likely alternatives, on the request's first event (completions' ``echo``)
+    prompt_logprobs: int | None = None
     session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
     keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
     adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
@@ -127,8 +130,8 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
     req.prompt_ids = [int(i) for i in req.prompt_ids]
     if not is_int(req.max_tokens):
         raise LinesideError(f"max_tokens must be an integer, got {req.max_tokens!r}")
-    if req.max_tokens < 1:
-        raise LinesideError(f"max_tokens must be ≥ 1, got {req.max_tokens}")
+    if req.max_tokens < 0:  # 0: the prompt is computed (scored, cached) and nothing is generated
+        raise LinesideError(f"max_tokens must be ≥ 0, got {req.max_tokens}")
     if req.sampling.min_tokens > req.max_tokens:
         raise LinesideError(f"min_tokens ({req.sampling.min_tokens}) must be ≤ max_tokens ({req.max_tokens})")
     if req.timeout_s is not None and not (isinstance(req.timeout_s, (int, float)) and req.timeout_s > 0):
@@ -137,6 +140,10 @@ def validate_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) 
         raise LinesideError("stop strings must be non-empty strings")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise LinesideError(f"logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, got {req.logprobs}")
+    if req.prompt_logprobs is not None and not (is_int(req.prompt_logprobs)
+                                                and 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS):
+        raise LinesideError(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS} alternatives per token, "
+                            f"got {req.prompt_logprobs!r}")
     if req.constraint_after is not None and not (is_int(req.constraint_after) and 0 <= req.constraint_after < vocab_size):
         raise LinesideError(f"constraint_after must be a token id in 0..{vocab_size - 1}, got {req.constraint_after!r}")
     req.sampling.validate()
@@ -157,6 +164,8 @@ class TokenEvent:
     # vLLM's stop_reason, on a STOP event: the stop string that ended the text, or the request's stop token id
     # that was sampled; None when the model's EOS (or a grammar, or anything else) ended it
     stop_reason: int | str | None = None
+    # the request's first event, when it asked for prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

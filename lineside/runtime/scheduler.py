@@ -128,7 +128,8 @@ class Scheduler(SessionSlots):
             if budget < 2:  # never a 1-token chunk (module docstring)
                 break
             start = pf.computed
-            tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, budget)]
+            room = budget if pf.prompt_rows is None else min(budget, pf.prompt_rows)  # logits at each: bounded
+            tokens = pf.fill[start:start + prefill_take(len(pf.fill) - start, room)]
             plan.prefills.append(PrefillChunk(pf, start, tokens, last=start + len(tokens) >= len(pf.fill)))
             budget -= len(tokens)
         self._session_chunk(plan)
@@ -137,12 +138,14 @@ class Scheduler(SessionSlots):
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
                     now: float | None = None, logprobs: dict[Sequence, list[TokenLogprob]] | None = None,
                     accepted: dict[Sequence, list[int]] | None = None,
-                    session_error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
+                    session_error: str | None = None,
+                    prompt_logprobs: dict[Sequence, list[TokenLogprob]] | None = None
+                    ) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
         sequences whose backend call failed, ``logprobs`` of the emitted tokens for the rows that asked
         (one per kept draft, then the sampled token's), ``accepted``: the drafts each verifying row kept
-        (they come before its sampled token), ``session_error``: the session chunk failed. Returns the
-        events to deliver, in order."""
+        (they come before its sampled token), ``session_error``: the session chunk failed, ``prompt_logprobs``:
+        the prompt tokens each scoring chunk scored. Returns the events to deliver, in order."""
         now = self.clock() if now is None else now
         accepted = accepted or {}
         self._session_applied(plan, session_error)
@@ -175,8 +178,12 @@ class Scheduler(SessionSlots):
                 continue
             self.arena.append(pf.slot, chunk.tokens, shareable=len(chunk.tokens) > 1)
             pf.computed += len(chunk.tokens)
+            pf.prompt_logprobs.extend((prompt_logprobs or {}).get(pf, []))
             if chunk.last:
                 pf.status = Status.DECODE
+                if pf.max_tokens == 0:  # nothing to generate: the prompt (and its scores) is the answer
+                    events.append((pf, pf.prompt_done()))
+                    self._finish(pf, now)
         for seq, tok in sampled.items():
             kept = accepted.get(seq, [])
             lps = (logprobs or {}).get(seq, [])

@@ -18,6 +18,8 @@ from lineside.runtime.stop import StopMatcher
 from lineside.runtime.structured import GrammarMatcher, is_limit_error, limit_message
 from lineside.strenum import StrEnum
 
+_FAILED = (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.ERROR)  # events that carry no prompt scores
+
 
 class SequenceStatus(StrEnum):
     """Where a sequence is in its life; the scheduler moves it from one to the next."""
@@ -55,6 +57,9 @@ class Sequence:
         self.deadline = None if req.timeout_s is None else self.arrival + req.timeout_s
         self.matcher = matcher  # the request's grammar state (structured output), advanced by each token
         self.logprobs = req.logprobs  # alternatives per token to report (None: no logprobs)
+        self.prompt_logprobs: list[TokenLogprob] = []  # scored so far (req.prompt_logprobs), prompt token 1 on
+        self._prompt_logprobs_sent = False
+        self.prompt_rows: int | None = None  # most positions a prompt chunk may take logits at (set at submit)
         self.draft_length: DraftLength | None = None  # set by the scheduler when this request speculates
         self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
         self.adapter_slot = 0  # the backend's LoRA slot holding req.adapter (set at submit; 0: the base model)
@@ -73,11 +78,22 @@ class Sequence:
         back one per decode step (``replay``), so its KV is rebuilt by the same kinds of steps that
         built it the first time and its continuation is the one it would have had."""
         self.fill = list(self.prompt)
+        if self.scores_prompt:
+            # every prompt position computed here, to give its logits: nothing from the prefix cache or a session
+            # (the KV it writes is the prefill graph's, as any prompt's, so it is offered to the cache as theirs)
+            self.pending, self.replay, self.prompt_logprobs = None, deque(), []
+            return self.fill, 0
         if self.generated:
             self.pending, self.replay = self.generated[0], deque(self.generated[1:])
             return self.fill, len(self.fill)
         self.pending, self.replay = None, deque()
         return self.fill, len(self.fill) - 1  # the last prompt token must run to give logits
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt chunks give logits at every position: the request asked for prompt_logprobs and has not
+        generated yet (re-admitted after a preemption, its prompt was scored already)."""
+        return self.req.prompt_logprobs is not None and not self.generated and not self._prompt_logprobs_sent
 
     @property
     def samples(self) -> bool:
@@ -92,10 +108,17 @@ class Sequence:
     def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
                logprob: TokenLogprob | None = None, client_error: bool = False,
                stop_reason: int | str | None = None) -> TokenEvent:
+        scored = None
+        if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent and reason not in _FAILED:
+            scored, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error,
                           logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error,
-                          stop_reason=stop_reason)
+                          stop_reason=stop_reason, prompt_logprobs=scored)
+
+    def prompt_done(self) -> TokenEvent:
+        """The final event of a request for no tokens (max_tokens 0): its prompt is computed (and scored)."""
+        return self._event("", [], FinishReason.LENGTH)
 
     def on_token(self, tok: int, now: float, logprob: TokenLogprob | None = None) -> TokenEvent:
         """Record a sampled token at ``now`` (the engine's clock); returns its event (with ``finish_reason``

@@ -43,7 +43,8 @@ class PrefillChunk:
 
     def batch(self) -> StepBatch:
         assert self.seq.slot is not None
-        return StepBatch.single(self.seq.slot, self.tokens, self.start, adapter=self.seq.adapter_slot)
+        return StepBatch.single(self.seq.slot, self.tokens, self.start, adapter=self.seq.adapter_slot,
+                                all_logits=self.seq.scores_prompt, prompt=True)
 
 
 @dataclass
@@ -87,6 +88,17 @@ class StepPlan:
             adapters=np.array([s.adapter_slot for s in self.decode], dtype=np.int64)
             if any(s.adapter_slot for s in self.decode) else None,
         )
+
+
+# A prompt scored at every position (completions' echo with logprobs) takes logits [chunk, vocab] per step: its
+# chunks hold at most this many float32 logits (64 MiB; 341 tokens of SmolLM2's 49,152-token vocabulary, 107 of
+# Qwen2's 151,936), so a long prompt costs more steps, never more memory.
+PROMPT_LOGIT_FLOATS = 1 << 24
+
+
+def prompt_logit_rows(vocab_size: int) -> int:
+    """Most tokens in a chunk of a prompt scored at every position (at least 2: chunks are never 1 token)."""
+    return max(2, PROMPT_LOGIT_FLOATS // max(1, int(vocab_size)))
 
 
 def prefill_take(remaining: int, chunk: int) -> int:

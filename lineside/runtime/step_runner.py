@@ -18,7 +18,7 @@ import numpy as np
 from lineside.errors import LinesideError
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
 from lineside.runtime.kv_manager import SlotOpKind
-from lineside.runtime.sampling import TokenLogprob
+from lineside.runtime.sampling import TokenLogprob, token_logprob
 from lineside.runtime.sequence import Sequence
 from lineside.runtime.speculative.config import DraftRow, ModelProposer
 from lineside.runtime.speculative.verify import scorable, verify_drafts
@@ -36,6 +36,8 @@ class StepOutcome:
     # for the sequences that asked: one per emitted token (the kept drafts', then the sampled one's)
     logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
     session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
+    # for the sequences scoring their prompt: the prompt tokens a chunk's logits scored (those after its first token)
+    prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
 
 
 def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = None) -> StepOutcome:
@@ -75,7 +77,9 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
         seq = chunk.seq
         try:
             logits = backend.forward(chunk.batch())
-            if chunk.last and seq.pending is None:
+            if seq.scores_prompt:
+                out.prompt_logprobs[seq] = score_prompt(seq, chunk.start, logits[0])
+            if chunk.last and seq.pending is None and seq.max_tokens > 0:
                 masks = grammar_masks([seq], logits.shape[-1])
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
         except Exception as e:
@@ -149,6 +153,15 @@ def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:
     bitmask = new_bitmask(len(seqs), vocab_size)
     fill_masks(rows, bitmask)
     return unpack_bitmask(bitmask, vocab_size)
+
+
+def score_prompt(seq: Sequence, start: int, logits: np.ndarray) -> list[TokenLogprob]:
+    """The prompt tokens a chunk at ``start`` scores: the logits at position p give token p + 1's logprob (the model's
+    own, before any of the request's sampling settings), with the request's number of alternatives."""
+    top_n = int(seq.req.prompt_logprobs or 0)
+    prompt = seq.prompt
+    return [token_logprob(logits[j], prompt[start + j + 1], top_n)
+            for j in range(logits.shape[0]) if start + j + 1 < len(prompt)]
 
 
 def _sample(out: StepOutcome, seq: Sequence, logits: np.ndarray, allowed: np.ndarray | None) -> None:
