@@ -103,3 +103,19 @@ class LogprobFormatter:
             tops.append(top)
             offsets.append(where.advance(b"" if self._skipped(t.token) else raw))  # no text: the next starts here
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def echoed_prompt(self, first: int, lps: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
+        """The completions block of an echoed prompt: its ``first`` token has no logprob (nothing comes before it:
+        null in token_logprobs and top_logprobs, as OpenAI's legacy completions and vLLM write it), ``lps`` score
+        the rest; text_offset counts from the start of the prompt."""
+        where = TextOffsets()
+        raw = self._bytes(first)
+        head = {"tokens": [token_text(raw)], "token_logprobs": [None], "top_logprobs": [None],
+                "text_offset": [where.advance(b"" if self._skipped(first) else raw)]}
+        return joined(head, self.completion(lps, top_n, where))
+
+
+def joined(*blocks: dict[str, Any]) -> dict[str, Any]:
+    """Completions logprobs blocks one after the other (an echoed prompt's, then its completion's)."""
+    return {key: [v for b in blocks for v in b[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                  "text_offset")}

@@ -50,7 +50,7 @@ from lineside.server import (
 from lineside.server.errors import APIError
 from lineside.server.logprobs import LogprobFormatter, chat_top_n, completion_top_n
 from lineside.server.metrics import RequestRecord
-from lineside.server.outputs import OutputOptions
+from lineside.server.outputs import Echo, OutputOptions
 from lineside.server.responses import Choice
 from lineside.server.schemas import (
     ERROR_RESPONSES,
@@ -124,7 +124,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         request_mapping.check_completion(body)
         constraint = await _checked(state, constraints.request_constraint(body))
         top_n = completion_top_n(body.logprobs)
-        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n))
+        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n),
+                               echo=bool(body.echo))
         for text in prompt_limits.prompt_texts(body):
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
@@ -135,11 +136,21 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         budgets = [request_mapping.token_budget(len(ids), body.max_tokens, 16, context=state.engine.max_seq_len,
                                                 param="max_tokens", prompt_param="prompt")
                    for ids in prompts]
+        echoes = echoed_prompts(body, prompts, state.engine.tokenizer) if body.echo else None
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
         raise
     return await _serve(request, state, body, prompts=prompts, budgets=budgets, chat=False, constraint=constraint,
-                        output=output, adapter=adapter)
+                        output=output, adapter=adapter, echoes=echoes)
+
+
+def echoed_prompts(body: CompletionRequest, prompts: list[list[int]], tokenizer: Any) -> list[Echo]:
+    """What echo puts in front of each prompt's choices: a text prompt as sent (as OpenAI and vLLM echo it), one sent
+    as token ids decoded (special tokens skipped, as in every text this server writes)."""
+    sent = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+    texts = [p if isinstance(p, str) else None for p in sent] if len(sent) == len(prompts) else [None] * len(prompts)
+    return [Echo(text if text is not None else tokenizer.decode(ids), ids[0])
+            for text, ids in zip(texts, prompts, strict=True)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,8 +419,10 @@ def _no_response(response_id: str) -> APIError:
 # ---- one engine request per choice, then the response ---------------------------------------------------
 async def _serve(request: Request, state: ServerState, body: ChatCompletionRequest | CompletionRequest, *,
                  prompts: list[list[int]], budgets: list[int], chat: bool, constraint: Constraint | None = None,
-                 output: OutputOptions | None = None, adapter: str | None = None) -> Any:
-    """Submit every choice (n per prompt) to the engine and answer with their merged events."""
+                 output: OutputOptions | None = None, adapter: str | None = None,
+                 echoes: list[Echo] | None = None) -> Any:
+    """Submit every choice (n per prompt) to the engine and answer with their merged events; ``echoes``: each
+    prompt's echo (completions), scored when logprobs are asked for."""
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
     try:
@@ -442,7 +455,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 constraint_after=None if output is None or output.reasoning is None
                 else output.reasoning.constraint_after,
                 keep_special_ids=tool_calls.kept_special_ids(None if output is None else output.call_format,
-                                                             state.engine.tokenizer))))
+                                                             state.engine.tokenizer),
+                prompt_logprobs=None if echoes is None or output is None else output.top_logprobs)))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
         # model only: an adapter's request stays on the primary, gated and marked as the level says, and so does
         # one keeping its session's KV: sessions live in the primary, where /v1/prefill sees them) and may answer
@@ -471,7 +485,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
             if slo_plan is not None:
                 slo_plan.note(record)
                 state.slo.admitted(handle, mode, fallback=slo_plan.route.fallback)
-            choices.append(Choice(index, handle, record, copy=copy, options=output))
+            choices.append(Choice(index, handle, record, copy=copy, options=output,
+                                  echo=None if echoes is None else echoes[index // n]))
     except UnknownAdapter as e:
         responses.cancel_all(choices)
         state.metrics.reject("invalid")

@@ -15,9 +15,20 @@ from typing import Any
 from lineside.runtime.request import FinishReason, TokenEvent
 from lineside.runtime.sampling import TokenLogprob
 from lineside.server import sse
-from lineside.server.logprobs import LogprobFormatter, TextOffsets
+from lineside.server.logprobs import LogprobFormatter, TextOffsets, joined
 from lineside.server.reasoning import Reasoning
 from lineside.server.tool_calls import CallFormat, Tool, ToolCallStream
+
+_ANSWERED = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """Completions' ``echo``: the prompt as it goes in front of a choice's text, and its first token (the one no
+    logprob scores)."""
+
+    text: str
+    first: int
 
 
 @dataclass(frozen=True)
@@ -30,18 +41,24 @@ class OutputOptions:
     top_logprobs: int | None = None  # None: no logprobs
     formatter: LogprobFormatter | None = None
     reasoning: Reasoning | None = None  # --reasoning-parser: the thinking apart from the answer (None: off)
+    echo: bool = False  # completions' echo: each choice's prompt in front of its text (keys the response cache)
 
 
 class ChoiceOutput:
     """One choice's running output."""
 
-    def __init__(self, options: OutputOptions):
+    def __init__(self, options: OutputOptions, echo: Echo | None = None):
+        """``echo``: completions' echo, the prompt that goes in front of the text (and its logprobs)."""
         self.options = options
+        self.echo = echo
+        self.prompt_logprobs: list[TokenLogprob] = []  # the echoed prompt's, from the engine's first event
+        self._echoed = False  # streamed: the prompt's chunk is out
         self.calls = (ToolCallStream(options.call_format, options.tools, options.named, options.max_calls)
                       if options.call_format is not None else None)
         self.reasoning = options.reasoning.splitter() if options.reasoning is not None else None
         self.logprobs: list[TokenLogprob] = []
-        self._offsets = TextOffsets()  # completions' text_offset: where the next token starts in the text
+        # completions' text_offset: where the next token starts in the text (after an echoed prompt)
+        self._offsets = TextOffsets(len(echo.text) if echo is not None else 0)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -68,11 +85,24 @@ class ChoiceOutput:
             reasoning += self.reasoning.close()[0]
         return reasoning, text
 
+    def _echo_logprobs(self) -> Any:
+        """The echoed prompt's logprobs block (None when logprobs were not asked for)."""
+        o = self.options
+        if self.echo is None or not self.wants_logprobs:
+            return None
+        assert o.formatter is not None and o.top_logprobs is not None
+        return o.formatter.echoed_prompt(self.echo.first, self.prompt_logprobs, o.top_logprobs)
+
     def chunks(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
-        """The stream chunks for one event (reasoning, text, tool-call deltas, logprobs), before any finish chunk."""
+        """The stream chunks for one event (reasoning, text, tool-call deltas, logprobs), before any finish chunk;
+        with echo, the first one's prompt goes first in a chunk of its own, as vLLM streams it."""
+        out = []
+        if self.echo is not None and not self._echoed and event.finish_reason in (None, *_ANSWERED):
+            self._echoed = True
+            self.prompt_logprobs = event.prompt_logprobs or []
+            out.append(writer.text(index, self.echo.text, self._echo_logprobs()))
         lp = self._logprobs_json(event.logprobs)
         reasoning, text = self._split(event)
-        out = []
         if reasoning and self.options.reasoning is not None and self.options.reasoning.include:
             out.append(writer.reasoning(index, reasoning, lp))
             lp = None
@@ -95,6 +125,8 @@ class ChoiceOutput:
 
     def collect(self, event: TokenEvent) -> None:
         """Non-streamed: keep the event's logprobs for the message (and split its reasoning off)."""
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if self.wants_logprobs:
             self.logprobs.extend(event.logprobs)
         if self.reasoning is not None:
@@ -118,8 +150,14 @@ class ChoiceOutput:
         return msg, self._logprobs_json(self.logprobs, whole=True)
 
     def text_logprobs(self) -> Any:
-        """Non-streamed completions: the whole choice's logprobs block."""
-        return self._logprobs_json(self.logprobs, whole=True)
+        """Non-streamed completions: the whole choice's logprobs block (an echoed prompt's first)."""
+        block = self._logprobs_json(self.logprobs, whole=True)
+        head = self._echo_logprobs()
+        return block if head is None else joined(head, block)
+
+    def text(self, parts: list[str]) -> str:
+        """Non-streamed completions: the choice's text (behind the echoed prompt)."""
+        return (self.echo.text if self.echo is not None else "") + "".join(parts)
 
     def finish_reason(self, reason: FinishReason | str) -> str:
         """``tool_calls`` when the answer ended with calls (as OpenAI reports it), else the engine's reason. A call

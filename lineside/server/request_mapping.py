@@ -127,8 +127,9 @@ def check_chat(req: ChatCompletionRequest) -> None:
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
     check_best_of(req)
-    if req.echo:
-        raise bad("echo is not supported by this server; remove it", "echo", "unsupported_value")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad("max_tokens 0 generates nothing; send at least 1, or echo: true to get the prompt back (with "
+                  "logprobs: its tokens' logprobs)", "max_tokens")
     if req.suffix:
         raise bad("suffix (fill-in-the-middle) is not supported by this server; remove it", "suffix",
                   "unsupported_value")
@@ -365,11 +366,13 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                    adapter: str | None = None, bias: tuple[tuple[int, float], ...] = (),
                    defaults: SamplingDefaults = SamplingDefaults(),
                    constraint_after: int | None = None,
-                   keep_special_ids: frozenset[int] = frozenset()) -> GenerationRequest:
+                   keep_special_ids: frozenset[int] = frozenset(),
+                   prompt_logprobs: int | None = None) -> GenerationRequest:
     """One engine request; ``copy`` j of n > 1 samples with seed + j so a seeded request's n choices differ
     (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``; ``constraint_after``:
     the token the constraint starts after (a reasoning model's ``</think>``); ``keep_special_ids``: the special
-    tokens the text keeps (the tool parser's markers)."""
+    tokens the text keeps (the tool parser's markers); ``prompt_logprobs``: alternatives per scored prompt token
+    (completions' echo with logprobs)."""
     sampling = sampling_params(req, bias, defaults)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)
@@ -379,7 +382,8 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
                              adapter=adapter, ignore_eos=bool(req.ignore_eos),
-                             stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids)
+                             stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids,
+                             prompt_logprobs=prompt_logprobs)
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

@@ -16,7 +16,7 @@ from lineside.runtime.request import FinishReason, RequestHandle, TokenEvent
 from lineside.server import sse
 from lineside.server.errors import APIError
 from lineside.server.metrics import RequestRecord, ServerMetrics, combined
-from lineside.server.outputs import ChoiceOutput, OutputOptions
+from lineside.server.outputs import ChoiceOutput, Echo, OutputOptions
 from lineside.server.state import ServerState
 
 
@@ -37,11 +37,12 @@ class Choice:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     options: OutputOptions | None = None  # tool calls / logprobs this response reports
+    echo: Echo | None = None  # completions' echo: the prompt in front of the text
     output: ChoiceOutput = field(init=False)
     counted: bool = field(default=False, init=False)  # its request is in the metrics (observe_finished)
 
     def __post_init__(self) -> None:
-        self.output = ChoiceOutput(self.options or OutputOptions(chat=True))
+        self.output = ChoiceOutput(self.options or OutputOptions(chat=True), self.echo)
 
     def note(self, event: TokenEvent, now: float) -> None:
         """Fold one engine event into the metrics record (first token, gaps between tokens, token counts, outcome at
@@ -253,7 +254,7 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
                                  "stop_reason": c.stop_reason})
         else:
             reason = c.output.finish_reason(c.finish_reason or FinishReason.STOP)
-            body_choices.append({"index": c.index, "text": "".join(c.text_parts),
+            body_choices.append({"index": c.index, "text": c.output.text(c.text_parts),
                                  "logprobs": c.output.text_logprobs(), "finish_reason": reason,
                                  "stop_reason": c.stop_reason})
     obj = "chat.completion" if chat else "text_completion"

@@ -137,8 +137,10 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="a string, a list of strings, token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="default 16, as OpenAI's")
-    echo: bool | None = False
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="default 16, as OpenAI's; 0 only with echo "
+                                                                         "(the prompt, scored, and nothing more)")
+    echo: bool | None = Field(False, description="the prompt in front of the text (with logprobs: its tokens' too, "
+                                                 "the first one's null)")
     add_special_tokens: bool | None = Field(True, description="vLLM's: false leaves out the BOS the model adds in front "
                                                               "of a text prompt, as /tokenize counts")
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)

@@ -59,9 +59,10 @@ DIFFERING = {
     "add_generation_prompt": ("chat", {}, {"add_generation_prompt": False}),
     "prompt": ("completions", {}, {"prompt": "another"}),
     "completion_logprobs": ("completions", {}, {"logprobs": 1}),
+    "echo": ("completions", {}, {"echo": True}),  # the same engine request: the prompt in front of the text
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
-REFUSED = {"echo": {"echo": True}, "suffix": {"suffix": "end"},
+REFUSED = {"suffix": {"suffix": "end"},
            "best_of": {"best_of": 2}, "include_stop_str_in_output": {"include_stop_str_in_output": True},
            "bad_words": {"bad_words": ["x"]}, "allowed_token_ids": {"allowed_token_ids": [5]},
            "truncate_prompt_tokens": {"truncate_prompt_tokens": 4}, "use_beam_search": {"use_beam_search": True},
@@ -140,7 +141,7 @@ def test_stop_token_ids_end_the_answer_rather_than_the_cached_one(level2):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_fields_are_a_400_at_level_2(level2, name):
-    endpoint = "completions" if name in {"echo", "suffix", "best_of"} else "chat"
+    endpoint = "completions" if name in {"suffix", "best_of"} else "chat"
     hit(ask(level2, endpoint, "refused probe"))  # 200, cached from here on
     r = ask(level2, endpoint, "refused probe", **REFUSED[name])
     assert r.status_code == 400, r.text
