@@ -60,6 +60,7 @@ DIFFERING = {
     "prompt": ("completions", {}, {"prompt": "another"}),
     "completion_logprobs": ("completions", {}, {"logprobs": 1}),
     "echo": ("completions", {}, {"echo": True}),  # the same engine request: the prompt in front of the text
+    "add_special_tokens": ("completions", {}, {"add_special_tokens": False}),  # no BOS: other prompt ids
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
 REFUSED = {"suffix": {"suffix": "end"},
