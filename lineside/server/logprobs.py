@@ -14,7 +14,7 @@ from typing import Any
 from lineside.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 from lineside.server.errors import APIError
 
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions
+MAX_COMPLETION_LOGPROBS = MAX_TOP_LOGPROBS  # vLLM's bound (its max_logprobs, 20); OpenAI's own API stops at 5
 
 
 def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
@@ -32,7 +32,7 @@ def chat_top_n(logprobs: Any, top_logprobs: Any) -> int | None:
 
 
 def completion_top_n(logprobs: Any) -> int | None:
-    """/v1/completions ``logprobs`` (an integer 0..5: alternatives per token, besides the chosen one)."""
+    """/v1/completions ``logprobs`` (an integer 0..20, as vLLM takes it: alternatives per token, besides the chosen one)."""
     if logprobs is None or logprobs is False:
         return None
     if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:

@@ -151,7 +151,7 @@ def test_n_choices_each_echo_their_prompt(client):
 
 
 @pytest.mark.parametrize(("body", "param"), [({"max_tokens": 0}, "max_tokens"),
-                                             ({"echo": True, "logprobs": 6}, "logprobs")])
+                                             ({"echo": True, "logprobs": 21}, "logprobs")])
 def test_bad_echo_requests_are_one_line_400s(server, body, param):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": TEXT, **body})
     assert r.status_code == 400
