@@ -30,6 +30,13 @@ from lineside.errors import LinesideError
 from lineside.lora import LoraAdapter, LoraTarget, check_fits
 from lineside.runtime.adapter_slots import AdapterSlots, AdapterSlotsFull, UnknownAdapter
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
+from lineside.runtime.engine_health import (
+    DEFAULT_MAX_FAILED_STEPS,
+    BackendLost,
+    EngineFailed,
+    StepHealth,
+    StepVerdict,
+)
 from lineside.runtime.fair_lock import FairLock
 from lineside.runtime.kv_bytes import KvArenaBytes
 from lineside.runtime.kv_manager import KVCacheArena
@@ -105,6 +112,9 @@ class EngineStats:
     lora_slot_evictions: int = 0  # of those, loads that replaced an idle adapter
     grammars_cached: int = 0  # compiled structured-output grammars held (at most max_cached_grammars)
     grammar_compiles: int = 0  # constraints compiled so far, refusals included (cache misses)
+    failed_steps_consecutive: int = 0  # steps in a row whose backend calls all failed (engine_health.py)
+    failed_steps_total: int = 0
+    engine_failed: bool = False  # past --max-failed-steps (or a fatal error): the engine serves no more
 
 
 class LLMEngine:
@@ -116,11 +126,15 @@ class LLMEngine:
                  aging_s: float = 10.0, preemption: bool = True, clock: Clock = time.monotonic,
                  speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0, max_sessions: int = 64,
                  session_every: int = 4, session_busy_chunk: int = 32, lora: LoraServing | None = None,
-                 max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS):
+                 max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS,
+                 max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS):
         import tokenizers  # noqa: F401 - imported on this thread, not beside other threads' imports
 
         from lineside.runtime.tokenizer import Tokenizer
 
+        self.health = StepHealth(max_failed_steps)  # checked first: a bad value is refused before anything loads
+        # told (from the step thread) once the engine fails, with the failure's line: the server stops being ready
+        self.on_failure: Callable[[str], None] | None = None
         self.bundle = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
         if num_slots < 1:
             raise LinesideError(f"num_slots must be ≥ 1, got {num_slots}")
@@ -270,8 +284,20 @@ class LLMEngine:
         idle). A request of more choices can never be admitted."""
         return self.arena.num_slots + self.max_waiting
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (one line), or None while it serves: see engine_health.py."""
+        return self.health.failure
+
+    def _refuse_failed(self) -> None:
+        if self.health.failure is not None:
+            raise EngineFailed(f"the model engine failed ({self.health.failure}) and takes no new requests; retry on "
+                               "another instance (the server restarts under a supervisor)")
+
     def submit(self, req: GenerationRequest) -> RequestHandle:
-        """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused."""
+        """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused
+        (EngineFailed, one, once the engine failed)."""
+        self._refuse_failed()
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
         self._check_loop()
@@ -298,6 +324,7 @@ class LLMEngine:
         if req.prompt_logprobs is not None:
             seq.prompt_rows = prompt_logit_rows(self.vocab_size)
         with self._state:
+            self._refuse_failed()  # again under the lock: the step thread may have failed the engine meanwhile
             if self.draining:  # again under the lock: close() on another thread may have let the step thread go
                 raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
             if req.adapter is not None:  # last: nothing after it can refuse
@@ -458,6 +485,8 @@ class LLMEngine:
                 kv_bytes_used=round(a.held_tokens * self.kv_bytes.bytes_per_token
                                     + a.occupied * self.kv_bytes.sequence_bytes / max(1, a.num_slots)))),
             requests=dict(self._outcomes), session_pinned_blocks=s.session_pinned_blocks(),
+            failed_steps_consecutive=self.health.consecutive, failed_steps_total=self.health.failed_total,
+            engine_failed=self.health.failure is not None,
             **({} if self._grammar is None else dict(
                 grammars_cached=self._grammar.cached,
                 grammar_compiles=self._grammar.stats.compiled + self._grammar.stats.refused)),
@@ -502,11 +531,18 @@ class LLMEngine:
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), plan.prefill_tokens))
+                if self.health.record(done[1].verdict()):
+                    with self._state:
+                        events += self._postprocess(*done)  # the failing step's requests end with its error
+                        done = None
+                    events += self._fail()
             except Exception as e:  # an engine bug must not leave clients waiting forever
                 done = None
                 msg = error_line(e)
                 with self._state:
                     events += self._end_all(FinishReason.ERROR, msg)
+                if self.health.record(StepVerdict(failed=1, error=msg, fatal=isinstance(e, BackendLost))):
+                    events += self._fail()
                 self._post(events)
                 events = []
         with self._state:
@@ -515,13 +551,33 @@ class LLMEngine:
             events += self._end_all(FinishReason.CANCELLED)  # close() without stop: nothing will step them again
         self._post(events)
 
-    def _end_all(self, reason: FinishReason, error: str | None = None) -> list[tuple[Sequence, TokenEvent]]:
+    def _end_all(self, reason: FinishReason, error: str | None = None, *,
+                 engine_failed: bool = False) -> list[tuple[Sequence, TokenEvent]]:
         """(Under the state lock) end every request in flight, each on its own: one that fails to end can't keep
         the others waiting."""
         events: list[tuple[Sequence, TokenEvent]] = []
         for seq in list(self._seqs.values()):
             with contextlib.suppress(Exception):
-                events += self._retire([(seq, self.scheduler.abort(seq, reason, error))])
+                ev = self.scheduler.abort(seq, reason, error)
+                if ev is not None:
+                    ev.engine_failed = engine_failed
+                events += self._retire([(seq, ev)])
+        return events
+
+    def _fail(self) -> list[tuple[Sequence, TokenEvent]]:
+        """(Step thread) the engine just failed: stop stepping, refuse new requests, and end the ones still waiting
+        or running as refused by a failed engine (a server's 503: retry elsewhere) rather than leave them hanging."""
+        failure = self.health.failure
+        assert failure is not None
+        log.error("the model engine failed and serves no more requests: %s", failure)
+        self.ready, self._exit = False, True
+        with self._state:
+            events = self._end_all(FinishReason.ERROR, f"the model engine failed: {failure}", engine_failed=True)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(failure)
+            except Exception:  # noqa: BLE001 - the engine has failed either way; the listener's bug is logged
+                log.exception("engine failure listener failed")
         return events
 
     def _postprocess(self, plan: StepPlan, out: StepOutcome) -> list[tuple[Sequence, TokenEvent]]:

@@ -161,6 +161,9 @@ class TokenEvent:
     # with ``error``: the request's own input ended it (its grammar past the grammar engine's limits once
     # generating), so servers answer it as the client's error (400 invalid_request_error), not their own failure
     client_error: bool = False
+    # with ``error``: the engine failed (engine_health.py), not this request: servers answer 503 so the client
+    # retries on another instance, as a refused request would be
+    engine_failed: bool = False
     # vLLM's stop_reason, on a STOP event: the stop string that ended the text, or the request's stop token id
     # that was sampled; None when the model's EOS (or a grammar, or anything else) ended it
     stop_reason: int | str | None = None

@@ -17,6 +17,7 @@ import numpy as np
 
 from lineside.errors import LinesideError
 from lineside.runtime.backend import Backend, StepBatch, has_whole_state
+from lineside.runtime.engine_health import BackendLost, StepVerdict
 from lineside.runtime.kv_manager import SlotOpKind
 from lineside.runtime.sampling import TokenLogprob, token_logprob
 from lineside.runtime.sequence import Sequence
@@ -38,6 +39,22 @@ class StepOutcome:
     session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
     # for the sequences scoring their prompt: the prompt tokens a chunk's logits scored (those after its first token)
     prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
+    calls_ok: int = 0  # backend forwards that succeeded (a slot op alone proves little): the engine's health reads these
+    calls_failed: int = 0  # ... and that raised
+    call_error: str | None = None  # the first failed call's line
+    fatal: bool = False  # a call raised BackendLost: the backend cannot be trusted again
+
+    def failed_call(self, e: Exception) -> str:
+        """Count a backend call that raised ``e``; its one line."""
+        msg = error_line(e)
+        self.calls_failed += 1
+        self.call_error = self.call_error or msg
+        self.fatal = self.fatal or isinstance(e, BackendLost)
+        return msg
+
+    def verdict(self) -> StepVerdict:
+        """What this step tells about the backend (engine_health.py)."""
+        return StepVerdict(ok=self.calls_ok, failed=self.calls_failed, error=self.call_error, fatal=self.fatal)
 
 
 def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = None) -> StepOutcome:
@@ -56,15 +73,17 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
             else:
                 backend.reset_slot(op.dst)
     except Exception as e:
-        msg = error_line(e)
-        return StepOutcome(errors={s: msg for s in [*plan.decode, *(c.seq for c in plan.prefills)]},
-                           session_error=msg if plan.session is not None else None)
+        msg = out.failed_call(e)
+        out.errors = {s: msg for s in [*plan.decode, *(c.seq for c in plan.prefills)]}
+        out.session_error = msg if plan.session is not None else None
+        return out
     if plan.draft_budget and proposer is not None:
         _propose(proposer, plan)
     if plan.decode:
         try:
             saved = _save_whole_state(backend, plan)
             logits = backend.forward(plan.decode_batch())
+            out.calls_ok += 1
             masks = grammar_masks(plan.decode, logits.shape[-1])
             for r, seq in enumerate(plan.decode):
                 try:
@@ -72,23 +91,30 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
                 except LinesideError as e:  # the row's own (the sampler: a row of NaN logits), not the batch's
                     out.errors[seq] = error_line(e)
         except Exception as e:  # a backend failure ends the requests in this call, not the server
-            out.errors.update((s, error_line(e)) for s in plan.decode if s not in out.sampled)
+            msg = out.failed_call(e)
+            out.errors.update((s, msg) for s in plan.decode if s not in out.sampled)
     for chunk in plan.prefills:  # one forward each: GroupQueryAttention takes one past length per batch
         seq = chunk.seq
         try:
             logits = backend.forward(chunk.batch())
+        except Exception as e:
+            out.errors[seq] = out.failed_call(e)
+            continue
+        out.calls_ok += 1
+        try:
             if seq.scores_prompt:
                 out.prompt_logprobs[seq] = score_prompt(seq, chunk.start, logits[0])
             if chunk.last and seq.pending is None and seq.max_tokens > 0:
                 masks = grammar_masks([seq], logits.shape[-1])
                 _sample(out, seq, logits[0, -1], None if masks is None else masks[0])
-        except Exception as e:
+        except Exception as e:  # the row's own (its sampler or grammar), not the backend's
             out.errors[seq] = error_line(e)
     if plan.session is not None:
         try:
             backend.forward(plan.session.batch())
+            out.calls_ok += 1
         except Exception as e:
-            out.session_error = error_line(e)
+            out.session_error = out.failed_call(e)
     return out
 
 

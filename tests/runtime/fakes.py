@@ -48,6 +48,7 @@ class FakeBackend:
         self.scripts: dict[tuple[int, ...], list[int]] = {}
         self.calls: list[tuple[list[int], list[int], list[int]]] = []  # (slots, past, new) per forward
         self.poison: int | None = None  # a token whose presence in a step's input makes forward raise
+        self.broken: Exception | None = None  # while set, every forward raises it (a device that died)
         # The engine steps in a thread of its own: a test holds it at a chosen forward (``pause``) to act between
         # two steps, then lets it go on (``resume``).
         self._pause_when: Callable[[StepBatch], bool] | None = None
@@ -87,6 +88,8 @@ class FakeBackend:
         self.calls.append((list(batch.slots), batch.past_lengths.tolist(), batch.new_lengths.tolist()))
         if self.poison is not None and (batch.input_ids == self.poison).any():
             raise RuntimeError("fake device fault\nsecond line")
+        if self.broken is not None:
+            raise self.broken
         out = np.zeros((len(batch.slots), batch.logits_positions.shape[1], self.vocab_size), dtype=np.float32)
         for r, slot in enumerate(batch.slots):
             p, n = int(batch.past_lengths[r]), int(batch.new_lengths[r])
