@@ -34,6 +34,7 @@ from lineside.runtime.engine_health import (
     DEFAULT_MAX_FAILED_STEPS,
     BackendLost,
     EngineFailed,
+    Judgement,
     StepHealth,
     StepVerdict,
 )
@@ -531,17 +532,20 @@ class LLMEngine:
                 self._steps += 1
                 if self.step_log is not None:
                     self.step_log.append((len(plan.decode), plan.prefill_tokens))
-                if self.health.record(done[1].verdict()):
-                    with self._state:
-                        events += self._postprocess(*done)  # the failing step's requests end with its error
+                judgement = self.health.record(done[1].verdict())
+                if judgement != Judgement.SERVING:
+                    with self._state:  # the failing step's requests end with its error, freeing their slots
+                        events += self._postprocess(*done)
                         done = None
-                    events += self._fail()
+                    if self._judge(judgement) == Judgement.FAILED:
+                        events += self._fail()
             except Exception as e:  # an engine bug must not leave clients waiting forever
                 done = None
                 msg = error_line(e)
                 with self._state:
                     events += self._end_all(FinishReason.ERROR, msg)
-                if self.health.record(StepVerdict(failed=1, error=msg, fatal=isinstance(e, BackendLost))):
+                verdict = StepVerdict(failed=1, error=msg, fatal=isinstance(e, BackendLost))
+                if self._judge(self.health.record(verdict)) == Judgement.FAILED:
                     events += self._fail()
                 self._post(events)
                 events = []
@@ -563,6 +567,34 @@ class LLMEngine:
                     ev.engine_failed = engine_failed
                 events += self._retire([(seq, ev)])
         return events
+
+    def _judge(self, judgement: Judgement) -> Judgement:
+        """(Step thread) the limit of failed steps reached: the probe decides whether the engine failed."""
+        return self.health.judge_probe(self._probe()) if judgement == Judgement.PROBE else judgement
+
+    def _probe(self) -> str | None:
+        """(Step thread, after a step) the warm-up's forward on a free slot: None when the backend answers (the
+        failing requests were their own), else its error's line. A slot's cached KV is forgotten before it is
+        overwritten; with no slot free (sessions hold them), the backend can't be told apart from its requests."""
+        with self._state:
+            free = [i for i, owner in enumerate(self.arena.owner) if owner is None]
+            if not free:
+                return "no free slot to probe the backend with"
+            slot = free[0]
+            self.arena.truncate(slot, 0)  # its prefix-cache entry would name KV the probe overwrites
+        ids = [int(self.bundle.config.bos_token_id or 0)] * max(1, min(4, self.max_seq_len - 1))
+        try:
+            with self._step_lock:
+                if self._closed:
+                    return "the engine was closed"
+                self.backend.reset_slot(slot)
+                self.backend.forward(StepBatch.single(slot, ids, 0))
+                self.backend.reset_slot(slot)
+        except Exception as e:  # noqa: BLE001 - the probe's answer is whether it raises
+            return error_line(e)
+        log.warning("%d model steps failed in a row, but a probe forward worked: the failing requests were their "
+                    "own; the engine keeps serving", self.health.consecutive)
+        return None
 
     def _fail(self) -> list[tuple[Sequence, TokenEvent]]:
         """(Step thread) the engine just failed: stop stepping, refuse new requests, and end the ones still waiting

@@ -2,9 +2,11 @@
 
 A backend that fails on every step (onnxruntime raising, a TensorRT context lost, out of memory) would otherwise
 answer each request with a 500 while the node stays ready, so a gateway or probe kept sending traffic to a node
-that can only fail. One failed step (a request the backend chokes on) is not that: only ``max_failed_steps`` in a
-row with no step succeeding between, or an error the backend declares unrecoverable (``BackendLost``), fail the
-engine; a step in which any backend call succeeds resets the count.
+that can only fail. One failed step (a request the backend chokes on) is not that. After ``max_failed_steps`` in a
+row with no step succeeding between, the engine runs a probe (the warm-up's tiny forward on a free slot): if it
+works, the failures were the requests' own (an OpenAI client retries a 500 twice: one bad prompt is three failed
+steps) and the count restarts; if it fails too, the engine failed. An error the backend declares unrecoverable
+(``BackendLost``) fails it at once. A step in which any backend forward succeeds resets the count.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import EngineDraining
+from lineside.strenum import StrEnum
 
 DEFAULT_MAX_FAILED_STEPS = 3  # consecutive failed steps that fail the engine (serve --max-failed-steps)
 
@@ -38,8 +41,17 @@ class StepVerdict:
     fatal: bool = False
 
 
+class Judgement(StrEnum):
+    """What a step's outcome means for the engine."""
+
+    SERVING = "serving"  # nothing to do
+    PROBE = "probe"  # the limit was reached: a known-good forward decides (the failures may be the requests' own)
+    FAILED = "failed"  # the engine failed (a fatal error, or the probe failed too)
+
+
 class StepHealth:
-    """Counts consecutive failed steps; past ``max_failed_steps`` (or on a fatal error) holds the failure's line."""
+    """Counts consecutive failed steps; past ``max_failed_steps`` asks for a probe, and holds the failure's line
+    once the engine failed (at once on a fatal error)."""
 
     def __init__(self, max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS):
         if isinstance(max_failed_steps, bool) or not isinstance(max_failed_steps, int) or max_failed_steps < 1:
@@ -47,22 +59,33 @@ class StepHealth:
         self.max_failed_steps = max_failed_steps
         self.consecutive = 0  # failed steps since the last one in which the backend succeeded
         self.failed_total = 0
+        self.probes_passed = 0  # limits reached whose probe forward worked: the failing requests were their own
         self.failure: str | None = None  # set once: the engine failed, and why (one line)
+        self._last: str | None = None
 
-    def record(self, verdict: StepVerdict) -> bool:
-        """Count one step; True when it is the one that fails the engine (only once)."""
+    def record(self, verdict: StepVerdict) -> Judgement:
+        """Count one step."""
         if self.failure is not None:
-            return False
+            return Judgement.SERVING  # reported once
         if verdict.ok and not verdict.fatal:  # the backend works: a failing request was that request's
             self.consecutive = 0
-            return False
+            return Judgement.SERVING
         if not verdict.failed:
-            return False
+            return Judgement.SERVING
         self.consecutive += 1
         self.failed_total += 1
-        if verdict.fatal or self.consecutive >= self.max_failed_steps:
-            why = verdict.error or "model step failed"
-            self.failure = (why if verdict.fatal else
-                            f"{self.consecutive} consecutive model steps failed, the last with: {why}")
-            return True
-        return False
+        self._last = verdict.error or "model step failed"
+        if verdict.fatal:
+            self.failure = self._last
+            return Judgement.FAILED
+        return Judgement.PROBE if self.consecutive >= self.max_failed_steps else Judgement.SERVING
+
+    def judge_probe(self, probe_error: str | None) -> Judgement:
+        """The probe's outcome after ``PROBE``: None (it worked) resets the count; an error fails the engine."""
+        if probe_error is None:
+            self.consecutive = 0
+            self.probes_passed += 1
+            return Judgement.SERVING
+        self.failure = (f"{self.consecutive} consecutive model steps failed, the last with: {self._last}; "
+                        f"a probe forward failed too ({probe_error})")
+        return Judgement.FAILED

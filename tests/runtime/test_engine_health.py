@@ -10,7 +10,7 @@ import pytest
 
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
-from lineside.runtime.engine_health import BackendLost, EngineFailed, StepHealth, StepVerdict
+from lineside.runtime.engine_health import BackendLost, EngineFailed, Judgement, StepHealth, StepVerdict
 from lineside.runtime.request import EngineDraining, GenerationRequest
 from tests.runtime.conftest import run
 from tests.runtime.fakes import FakeBackend
@@ -50,6 +50,24 @@ def test_transient_failures_leave_the_engine_serving(tiny_bundle):
     assert st.failed_steps_consecutive == 0 and st.failed_steps_total == 8 and not st.engine_failed
 
 
+def test_one_bad_request_retried_up_to_the_limit_leaves_the_engine_serving(tiny_bundle):
+    """An OpenAI client retries a 500 twice: one bad prompt is 3 failed steps in a row on an idle engine. The probe
+    forward then works, so the engine keeps serving and the count restarts (it would take 3 more to probe again)."""
+    async def main():
+        eng, be = engine(tiny_bundle, max_failed_steps=3)
+        await eng.start()
+        ends = [(await eng.submit(req(BAD)).result())[2] for _ in range(4)]
+        good = (await eng.submit(req(GOOD)).result())[2]
+        health = eng.health
+        await eng.stop()
+        return ends, good, health, eng.ready, be.calls
+
+    ends, good, health, ready, calls = run(main())
+    assert [e.finish_reason for e in ends] == ["error"] * 4 and good.finish_reason == "length"
+    assert health.failure is None and health.probes_passed == 1 and health.failed_total == 4
+    assert len(calls) == 2 + 4 + 1 + 3  # warm-up, 4 failed prefills, the probe, the good request's 3 steps
+
+
 def test_persistent_failure_fails_the_engine_and_refuses_new_requests(tiny_bundle):
     """A backend that fails every forward: the first 3 requests end with the step's error (one failed step each),
     the 3rd failure fails the engine, the requests still waiting end at once as refused by a failed engine, and
@@ -74,12 +92,12 @@ def test_persistent_failure_fails_the_engine_and_refuses_new_requests(tiny_bundl
     assert [e.finish_reason for e in ends] == ["error"] * 5
     assert [e.error for e in ends[:3]] == ["model step failed: CUDA error: an illegal memory access was encountered"] * 3
     assert [e.engine_failed for e in ends] == [False] * 3 + [True] * 2
-    assert failure == ("3 consecutive model steps failed, the last with: model step failed: CUDA error: an illegal "
-                       "memory access was encountered")
+    cause = "model step failed: CUDA error: an illegal memory access was encountered"
+    assert failure == f"3 consecutive model steps failed, the last with: {cause}; a probe forward failed too ({cause})"
     assert ends[3].error == f"the model engine failed: {failure}"
     assert failures == [failure] and not ready
     assert st.engine_failed and st.failed_steps_consecutive == 3 and st.failed_steps_total == 3
-    assert forwards == 2 + 3  # the warm-up's two, then one per failed step: nothing ran after the failure
+    assert forwards == 2 + 3 + 1  # the warm-up's two, one per failed step, the probe: nothing ran after the failure
 
 
 def test_backend_lost_fails_the_engine_at_once(tiny_bundle):
@@ -114,18 +132,22 @@ def test_failures_within_a_busy_step_do_not_count_while_others_succeed(tiny_bund
     assert sorted(reasons) == ["error", "error", "length", "length"]
 
 
-def test_step_health_counts_and_resets():
+def test_step_health_counts_resets_and_asks_for_a_probe():
     h = StepHealth(2)
-    assert not h.record(StepVerdict(failed=1, error="x"))
-    assert not h.record(StepVerdict())  # a step with no backend call (sampling only) says nothing
+    assert h.record(StepVerdict(failed=1, error="x")) == Judgement.SERVING
+    assert h.record(StepVerdict()) == Judgement.SERVING  # a step with no backend call (sampling only) says nothing
     assert h.consecutive == 1
-    assert not h.record(StepVerdict(ok=1, failed=1, error="y"))  # the backend worked for someone
+    assert h.record(StepVerdict(ok=1, failed=1, error="y")) == Judgement.SERVING  # the backend worked for someone
     assert h.consecutive == 0
-    assert not h.record(StepVerdict(failed=1, error="a"))
-    assert h.record(StepVerdict(failed=2, error="b"))
-    assert h.failure == "2 consecutive model steps failed, the last with: b"
-    assert not h.record(StepVerdict(failed=1, error="c"))  # reported once
-    assert h.failure.endswith(": b")
+    assert h.record(StepVerdict(failed=1, error="a")) == Judgement.SERVING
+    assert h.record(StepVerdict(failed=2, error="b")) == Judgement.PROBE
+    assert h.judge_probe(None) == Judgement.SERVING and h.consecutive == 0 and h.failure is None
+    h.record(StepVerdict(failed=1, error="c"))
+    assert h.record(StepVerdict(failed=1, error="d")) == Judgement.PROBE
+    assert h.judge_probe("p") == Judgement.FAILED
+    assert h.failure == "2 consecutive model steps failed, the last with: d; a probe forward failed too (p)"
+    assert h.record(StepVerdict(failed=1, error="e", fatal=True)) == Judgement.SERVING  # reported once
+    assert StepHealth(9).record(StepVerdict(ok=1, failed=1, error="lost", fatal=True)) == Judgement.FAILED
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
