@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from lineside.bundle import default_model_names
 from lineside.runtime.engine import LoraServing
+from lineside.runtime.engine_health import DEFAULT_MAX_FAILED_STEPS
 from lineside.runtime.sampling_defaults import SamplingDefaults, resolve_generation_config
 from lineside.runtime.serving import ServingEngine
 from lineside.runtime.speculative.config import SpeculativeConfig
@@ -47,7 +48,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
                max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
                reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False,
-               max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS) -> FastAPI:
+               max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS,
+               max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
     (so /health answers and /health/ready is 503 meanwhile); given an engine, it is started and used.
     ``bind_host`` decides the default Host allow-list; ``openapi`` serves /openapi.json (behind the key when one
@@ -68,7 +70,9 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``root_path``: the path prefix a reverse proxy serves this under (vLLM's --root-path, as `serve` checks it): routes
     answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them;
     ``allow_runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 404 otherwise);
-    ``max_cached_grammars``: compiled structured-output grammars the engine built here keeps (LRU, >= 1)."""
+    ``max_cached_grammars``: compiled structured-output grammars the engine built here keeps (LRU, >= 1);
+    ``max_failed_steps``: model steps failing in a row after which that engine is failed (runtime/engine_health.py):
+    /health and /health/ready answer 503, and `serve` exits 1."""
     source = bundle_path_or_engine
     if isinstance(source, os.PathLike):
         source = Path(source)
@@ -79,7 +83,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
         sampling_defaults = (SamplingDefaults() if tokenizer_dir is None
                              else resolve_generation_config("auto", tokenizer_dir))
     engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
-                         session_ttl=session_ttl, max_sessions=max_sessions, max_cached_grammars=max_cached_grammars)
+                         session_ttl=session_ttl, max_sessions=max_sessions, max_cached_grammars=max_cached_grammars,
+                         max_failed_steps=max_failed_steps)
     if speculative is not None:
         engine_kwargs["speculative"] = speculative
     state = ServerState(source, engine_kwargs,

@@ -59,6 +59,10 @@ def serve(
     drain_timeout: Annotated[float, checks.number_option(
         kind=float, low=0, high=checks.MAX_SECONDS,
         help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
+    max_failed_steps: Annotated[int, checks.number_option(
+        low=1, high=1_000_000,
+        help="model steps failing in a row (no step working between) after which the engine is failed: /health and "
+             "/health/ready answer 503 and the server exits 1 for its supervisor to restart it")] = 3,
     latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads (default: one per physical core)")] = None,
@@ -254,7 +258,7 @@ def serve(
         # one imports the web stack; onnxruntime and hashlib release the GIL, so on two cores the two overlap.
         engine_kwargs = dict(backend=backend, num_slots=num_slots, max_waiting=max_waiting, threads=threads,
                              session_ttl=session_ttl, max_sessions=max_sessions,
-                             max_cached_grammars=max_cached_grammars)
+                             max_cached_grammars=max_cached_grammars, max_failed_steps=max_failed_steps)
         if spec is not None:
             engine_kwargs["speculative"] = spec
         engine = load_in_background(bundle, {**engine_kwargs, **({"lora": lora} if lora is not None else {})})
@@ -278,7 +282,8 @@ def serve(
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
                          max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
                          reasoning_parser=reasoning_parser, root_path=root_path,
-                         allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars)
+                         allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars,
+                         max_failed_steps=max_failed_steps)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)

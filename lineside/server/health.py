@@ -1,4 +1,9 @@
-"""/health (alive), /health/ready (503 until loaded and warm, and while draining), /health/gpu, /metrics."""
+"""/health (alive), /health/ready (503 until loaded and warm, while draining, and once the engine failed),
+/health/gpu, /metrics.
+
+A failed engine (runtime/engine_health.py: its backend failed step after step) makes both /health and /health/ready
+answer 503 naming the cause: the process can only fail requests, so a probe, gateway or supervisor must stop sending
+it traffic and restart it (`serve` also exits 1 by itself)."""
 
 from __future__ import annotations
 
@@ -18,9 +23,21 @@ def _state(request: Request) -> ServerState:
     return request.app.state.lineside
 
 
-@router.get("/health", summary="Liveness: the process answers")
-async def health(request: Request) -> dict[str, Any]:
+def engine_failed(failure: str) -> JSONResponse:
+    """The 503 a failed engine's health routes answer: status and reason (what `lineside fleet` reads), and the
+    cause as an OpenAI error object."""
+    return JSONResponse({"status": "failed", "reason": failure,
+                         "error": {"message": f"the model engine failed: {failure}; restart the server",
+                                   "type": "service_unavailable", "param": None, "code": "engine_failed"}},
+                        status_code=503)
+
+
+@router.get("/health", summary="Liveness: the process answers (503 once its engine failed)",
+            responses={503: {"description": "the engine failed; restart the process"}})
+async def health(request: Request) -> Any:
     state = _state(request)
+    if state.engine_failure is not None:
+        return engine_failed(state.engine_failure)
     body = {"status": "ok", "ready": state.engine_ready and not state.draining, "draining": state.draining}
     if state.slo is not None:
         body["slo"] = state.slo.status().to_json()
@@ -28,9 +45,11 @@ async def health(request: Request) -> dict[str, Any]:
 
 
 @router.get("/health/ready", summary="Readiness: 200 once the model is loaded and warm; 503 otherwise",
-            responses={503: {"description": "loading, failed to load, or draining"}})
+            responses={503: {"description": "loading, failed to load, draining, or the engine failed"}})
 async def ready(request: Request) -> JSONResponse:
     state = _state(request)
+    if state.engine_failure is not None:
+        return engine_failed(state.engine_failure)
     if state.draining:
         return JSONResponse({"status": "draining", "in_flight": state.inflight}, status_code=503)
     if state.load_error:

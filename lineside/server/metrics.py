@@ -147,6 +147,8 @@ class ServerMetrics:
         registry.register(self._cache)
         self._grammars = _GrammarCollector()
         registry.register(self._grammars)
+        self._engine_health = _EngineHealthCollector()
+        registry.register(self._engine_health)
         self.listeners: list[Callable[[RequestRecord], None]] = []  # told of every finished request (SLO guard)
         self._log_path = Path(latency_log) if latency_log else None
         self._log = None
@@ -246,6 +248,7 @@ class ServerMetrics:
         self._lora.stats = stats
         self._cache.stats = stats
         self._grammars.stats = stats
+        self._engine_health.stats = stats
 
     def update_device(self, values: dict[str, float]) -> None:
         """Device gauges (Jetson tegrastats: RAM, GPU load, rails, temperatures) as lineside_<name>; a gauge the
@@ -355,6 +358,16 @@ class _GrammarCollector(_StatsCollector):
                "Compiled structured-output grammars held (at most --max-cached-grammars)"),)
     COUNTERS = (("lineside_grammar_compiles", "grammar_compiles",
                  "Constraints compiled, refusals included (a cache miss each)"),)
+
+
+class _EngineHealthCollector(_StatsCollector):
+    """The engine's step health (runtime/engine_health.py): failed 1 once it serves no more (alert on it)."""
+
+    GAUGES = (("lineside_engine_failed", "engine_failed",
+               "1 once the engine failed (--max-failed-steps steps in a row, or a lost device) and serves no more"),
+              ("lineside_engine_consecutive_failed_steps", "failed_steps_consecutive",
+               "Model steps in a row whose backend calls all failed (0 after any step that worked)"))
+    COUNTERS = (("lineside_engine_failed_steps", "failed_steps_total", "Model steps whose backend calls all failed"),)
 
 
 class _SessionCollector(_StatsCollector):

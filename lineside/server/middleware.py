@@ -96,6 +96,12 @@ class ServerMiddleware:
                                         "instance or after it restarts", code="draining", headers=id_header,
                              extra=[(b"retry-after", b"5"), (b"connection", b"close")])
                 return
+            if state.engine_failure is not None:
+                state.metrics.reject("engine_failed")
+                await _reply(send, 503, f"the model engine failed ({state.engine_failure}) and takes no requests; "
+                                        "retry on another instance", code="engine_failed", headers=id_header,
+                             extra=[(b"connection", b"close")])
+                return
             if not state.engine_ready:
                 msg = (f"model failed to load: {state.load_error}" if state.load_error
                        else "model is still loading; retry when GET /health/ready answers 200")

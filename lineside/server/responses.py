@@ -157,6 +157,8 @@ def failure(state: ServerState, event: TokenEvent) -> APIError:
     if event.client_error and event.error:  # the request's grammar past the engine's limits: the client's mistake
         return APIError(400, event.error, "grammar_too_large", type="invalid_request_error",
                         headers={"x-should-retry": "false"})
+    if event.engine_failed and event.error:  # not this request's failure: the engine's; retry elsewhere
+        return APIError(503, f"{event.error}; retry on another instance", "engine_failed", type="service_unavailable")
     status, error_type, code, message = _FAILURES[event.finish_reason]
     # openai clients retry 408 by default; the same request would time out again
     headers = {"x-should-retry": "false"} if event.finish_reason == FinishReason.TIMEOUT else None

@@ -2,7 +2,8 @@
 answers 503 to new generation requests, lets in-flight ones finish for up to the drain timeout,
 cancels what is left, then exits 0. A second signal ends the drain at once: what is in flight is cancelled
 (each answer ends with an error event, as at the drain timeout) and the server exits 0 within ~2 s; a third
-(or those 2 s passing) stops it where it is."""
+(or those 2 s passing) stops it where it is. An engine that failed (runtime/engine_health.py) stops the server too,
+which then exits 1: a supervisor restarts it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_started = False
         self.hurried = False
         state.on_load_error = self._load_failed
+        state.on_engine_failure = self._engine_failed
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -80,6 +82,12 @@ class DrainingServer(uvicorn.Server):
     def _load_failed(self, msg: str) -> None:
         self.should_exit = True
 
+    def _engine_failed(self, msg: str) -> None:
+        """The engine failed (runtime/engine_health.py): as vLLM does when its engine dies, stop serving and exit
+        non-zero, so a supervisor (systemd's Restart=on-failure, Kubernetes, Docker's restart policy) starts a
+        fresh process; its requests have all ended already (503 / 500), and /health answers 503 until the end."""
+        self.should_exit = True
+
 
 def run(app: Any, sock: socket.socket, *, log_level: str = "info", access_log: bool = False,
         limits: HttpLimits | None = None) -> None:
@@ -98,5 +106,8 @@ def run(app: Any, sock: socket.socket, *, log_level: str = "info", access_log: b
         sock.close()
     if state.load_error:
         raise LinesideError(state.load_error)
+    if state.engine_failure is not None:
+        raise LinesideError(f"the model engine failed: {state.engine_failure}; exiting 1 so a supervisor restarts "
+                            "the server (see the log above for the traceback)")
     if not server.started:
         raise LinesideError(f"the server on {url} did not start (see the log above)")

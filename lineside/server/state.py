@@ -86,6 +86,8 @@ class ServerState:
         self.tegrastats = False
         self.started_at = int(time.time())
         self.on_load_error: Callable[[str], None] | None = None
+        # told on the event loop once the engine failed (its step failures past --max-failed-steps): `serve` exits 1
+        self.on_engine_failure: Callable[[str], None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self.drain_started = asyncio.Event()  # requests whose body is still arriving give up when it is set
@@ -147,6 +149,9 @@ class ServerState:
                 templates = [self.chat_template] if self.chat_template else list(tok.chat_templates.values())
                 found = [resolve(self.reasoning_parser, tok, t) for t in templates or [None]]
                 self.think = next((t for t in found if t is not None), None)
+            if hasattr(self.engine, "on_failure"):  # an engine that can fail (LLMEngine): hear of it on this loop
+                loop = asyncio.get_running_loop()
+                self.engine.on_failure = lambda msg: loop.call_soon_threadsafe(self._engine_failed, msg)
             await self.engine.start()  # warms the backend up before it reports ready
             if self.slo is not None:  # the fallback loads and warms before the server reports ready
                 await self.slo.start(self.engine, self.model_name)
@@ -170,6 +175,17 @@ class ServerState:
         log.error("%s", msg)
         if self.on_load_error is not None:
             self.on_load_error(msg)
+
+    def _engine_failed(self, msg: str) -> None:
+        log.error("the model engine failed: %s; readiness and liveness now answer 503", msg)
+        if self.on_engine_failure is not None:
+            self.on_engine_failure(msg)
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the engine failed and serves no more (one line), or None: /health and /health/ready answer 503."""
+        failure = getattr(self.engine, "failure", None)
+        return failure if isinstance(failure, str) else None
 
     def think_for(self, template: str | None) -> ThinkTokens | None:
         """The reasoning tags a request rendered with ``template`` is parsed by: ``auto`` reads that template (a
