@@ -88,6 +88,7 @@ def render_unit(spec: ServiceSpec) -> str:
         # $LINESIDE_SERVE_ARGS (from the environment file) adds options, e.g. --backend tensorrt
         f"ExecStart={exe} serve {bundle} --host {_literal(spec.host)} --port {spec.port} "
         f"--drain-timeout {spec.drain_timeout_s} $LINESIDE_SERVE_ARGS",
+        # a failed engine (its backend failing step after step) makes `serve` exit 1: restarted here
         "Restart=on-failure",
         "RestartSec=5",
         "KillSignal=SIGTERM",

@@ -61,8 +61,9 @@ def serve(
         help="on SIGTERM, seconds to let in-flight requests finish")] = 30.0,
     max_failed_steps: Annotated[int, checks.number_option(
         low=1, high=1_000_000,
-        help="model steps failing in a row (no step working between) after which the engine is failed: /health and "
-             "/health/ready answer 503 and the server exits 1 for its supervisor to restart it")] = 3,
+        help="model steps failing in a row (no step working between) after which a probe forward tests the backend; "
+             "if it fails too, the engine is failed: /health and /health/ready answer 503 and the server exits 1 for "
+             "its supervisor to restart it")] = 3,
     latency_log: Annotated[Path | None, typer.Option(help="append one JSON line per finished request")] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads (default: one per physical core)")] = None,
