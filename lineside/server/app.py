@@ -46,7 +46,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
-               max_stored_responses: int = 256, sampling_defaults: SamplingDefaults | None = None,
+               max_stored_responses: int = 256, max_stored_responses_mb: int = 64,
+               sampling_defaults: SamplingDefaults | None = None,
                reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False,
                max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS,
                max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS) -> FastAPI:
@@ -64,6 +65,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     runtime/chat_template.py); ``trust_request_chat_template``: accept a request's own ``chat_template``;
     ``tool_call_parser``: how ``auto`` tool calls are read (tool_calls.PARSERS; auto: from the template);
     ``max_stored_responses``: /v1/responses kept for ``previous_response_id`` and GET (0: none);
+    ``max_stored_responses_mb``: and at most this many MiB of their JSON (the newest kept whatever its size);
     ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: the bundle's
     generation_config.json, as `serve --generation-config auto`);
     ``reasoning_parser``: none | deepseek_r1 | auto, a reasoning model's thinking apart from its answer (reasoning.py);
@@ -93,6 +95,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                         tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora,
                         chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
                         tool_call_parser=tool_call_parser, max_stored_responses=max_stored_responses,
+                        max_stored_responses_mb=max_stored_responses_mb,
                         sampling_defaults=sampling_defaults, reasoning_parser=reasoning_parser)
     if slo_guard is None and (fallback is not None or slo_policy is not None):
         fallback_name = (default_model_names(Path(fallback), None)[0]

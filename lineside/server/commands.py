@@ -106,6 +106,10 @@ def serve(
     max_stored_responses: Annotated[int, checks.number_option(
         low=0, high=1000000, help="/v1/responses kept in memory for previous_response_id and GET /v1/responses/ID "
                                   "(the least recently used dropped first; 0: none)")] = 256,
+    max_stored_responses_mb: Annotated[int, checks.number_option(
+        low=1, high=1000000, help="MiB of stored /v1/responses (their JSON: a long answer with top_logprobs is "
+                                  "~1.3 KB a token) held at most, the least recently used dropped first; the newest "
+                                  "is kept whatever its size")] = 64,
     max_cached_grammars: Annotated[int, checks.number_option(
         low=1, high=100000, help="compiled structured-output grammars kept for repeats (response_format, guided_*, "
                                  "required tools; the least recently used dropped first). Each costs "
@@ -281,7 +285,8 @@ def serve(
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
-                         max_stored_responses=max_stored_responses, sampling_defaults=sampling_defaults,
+                         max_stored_responses=max_stored_responses,
+                         max_stored_responses_mb=max_stored_responses_mb, sampling_defaults=sampling_defaults,
                          reasoning_parser=reasoning_parser, root_path=root_path,
                          allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars,
                          max_failed_steps=max_failed_steps)

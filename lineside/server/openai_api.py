@@ -367,7 +367,7 @@ async def get_response(response_id: str, request: Request) -> Any:
             raise APIError(400, f"include: {name!r} is not supported (only {responses_api.TEXT_LOGPROBS!r})",
                            "unsupported_parameter", param="include")
     if query.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError(400, f"stream: response {response_id!r} is already {stored.body['status']}; only background "
+        raise APIError(400, f"stream: response {response_id!r} is already {stored.status}; only background "
                             "responses stream again, and this server makes none: retrieve it without stream",
                        "unsupported_parameter", param="stream")
     return stored.body
@@ -400,7 +400,7 @@ async def cancel_response(response_id: str, request: Request) -> Any:
     if stored is None:
         raise _no_response(response_id)
     raise APIError(400, f"cannot cancel response {response_id!r}: only background responses can be cancelled, and "
-                        f"this one is already {stored.body['status']}", "invalid_request", param="response_id")
+                        f"this one is already {stored.status}", "invalid_request", param="response_id")
 
 
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)

@@ -51,6 +51,7 @@ class ServerState:
                  engine_future: Future[ServingEngine] | None = None, lora: Any = None,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
                  tool_call_parser: str = "auto", max_stored_responses: int = 256,
+                 max_stored_responses_mb: int = 64,
                  sampling_defaults: SamplingDefaults | None = None, reasoning_parser: str = "none"):
         self.source = source  # a bundle path, or an LLMEngine the caller built
         # An engine already being built on another thread (`serve` starts it before importing the web stack).
@@ -72,7 +73,8 @@ class ServerState:
         self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed
         # what a request gets for a sampling field it leaves out (serve --generation-config)
         self.sampling_defaults = sampling_defaults or SamplingDefaults()
-        self.responses = ResponseStore(max_stored_responses)  # /v1/responses kept for previous_response_id
+        # /v1/responses kept for previous_response_id
+        self.responses = ResponseStore(max_stored_responses, max_stored_responses_mb << 20)
         self.engine: ServingEngine | None = None if isinstance(source, (str, Path)) else source
         self.owns_engine = self.engine is None
         self.metrics = metrics
