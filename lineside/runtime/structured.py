@@ -34,6 +34,11 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # schema (OpenAI allows 5,000 properties), and definitions in a grammar (its lines, plus any JSON object an
 # inline %json schema may hold).
 MAX_SCHEMA_OBJECTS = 10_000
+# The grammar engine reads a schema with serde_json, whose recursion limit (128) leaves 124 levels of nested JSON
+# objects and arrays for the schema itself (about 60 nested object properties: each is two levels). Past it the
+# engine's "recursion limit exceeded at line 1 column N" named no limit and no remedy, and a schema nested a few
+# hundred levels overflowed Python's own recursion in the walks below (a 500). Checked first, without recursion.
+MAX_SCHEMA_DEPTH = 124
 MAX_GRAMMAR_DEFINITIONS = 2_000
 # llguidance intersects the ``pattern``s that apply to one string together (allOf members, a $ref beside other
 # keywords, properties merged across them), and its emptiness check of that intersection costs time and memory
@@ -109,6 +114,7 @@ class Constraint:
             schema = {}
         if not isinstance(schema, dict):
             raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        check_depth(schema, param)
         if _largest_enum(schema) > MAX_ENUM_VALUES:
             raise ConstraintError(f"{param}: an \"enum\" lists more than {MAX_ENUM_VALUES} values, more than structured "
                                   "outputs compile; give fewer values (or a \"pattern\")", param)
@@ -287,6 +293,26 @@ def merged_patterns(schema: Any) -> int:
         todo.extend([s] for n in nodes if isinstance(n.get("patternProperties"), dict)
                     for s in n["patternProperties"].values())
     return most
+
+
+def nesting_depth(value: Any) -> int:
+    """How many JSON objects and arrays deep ``value`` nests (a scalar 0, ``{}`` 1, ``{"a": []}`` 2), counted
+    without recursion: a request body may nest deeper than Python's stack."""
+    most, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict | list):
+            most = max(most, depth)
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return most
+
+
+def check_depth(schema: Any, param: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """A ConstraintError when ``schema`` nests deeper than ``limit`` levels (what the grammar engine reads)."""
+    if (depth := nesting_depth(schema)) > limit:
+        raise ConstraintError(f"{param}: the schema nests {depth} levels of JSON objects and arrays, more than the "
+                              f"{limit} structured outputs read; move nested subschemas into $defs and refer to them "
+                              "with $ref (a $ref adds no nesting)", param)
 
 
 def _objects(value: Any) -> int:

@@ -29,7 +29,13 @@ from lineside.runtime.chat_template import (
     system_only_with_last_user,
 )
 from lineside.runtime.stop import partial_suffix
-from lineside.runtime.structured import Constraint, ConstraintError, check_enforceable
+from lineside.runtime.structured import (
+    MAX_SCHEMA_DEPTH,
+    Constraint,
+    ConstraintError,
+    check_depth,
+    check_enforceable,
+)
 from lineside.server.errors import APIError
 
 # ``required`` with parallel calls: at most this many in one answer. A small model given an open array
@@ -212,12 +218,15 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
             raise _bad(str(e), e.param or "tools") from None
     if choice.kind != ToolChoiceKind.REQUIRED:
         return None
+    at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
     for i, t in enumerate(tools):  # named by the tool, not by where the grammar below nests its parameters
         try:
-            check_enforceable(t.parameters, f"tools[{i}]{'' if flat else '.function'}.parameters")
+            where = f"tools[{i}]{'' if flat else '.function'}.parameters"
+            # before ``rerooted`` recurses through it; the levels the pointer ``at`` names wrap the parameters
+            check_depth(t.parameters, where, MAX_SCHEMA_DEPTH - at.count("/"))
+            check_enforceable(t.parameters, where)
         except ConstraintError as e:
             raise _bad(str(e), e.param or "tools") from None
-    at = "#/items/properties/arguments" if len(tools) == 1 else "#/items/anyOf/{}/properties/arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t.name},
                                                "arguments": rerooted(_object_schema(t.parameters), at.format(i))},
               "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
