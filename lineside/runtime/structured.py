@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import LinesideError
+from lineside.runtime.schema_numbers import fix_number_ranges
 
 # JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
 # small models given free whitespace can pad a value with newlines until max_tokens.
@@ -129,7 +130,8 @@ class Constraint:
                                   "together (through allOf or $ref), more than the grammar engine can intersect; "
                                   "merge them into fewer patterns", param)
         # Key order is kept: it is the order the model writes properties in.
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(closed_objects(schema), ensure_ascii=False), param)
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(fix_number_ranges(closed_objects(schema)), ensure_ascii=False),
+                   param)
 
     @classmethod
     def regex(cls, pattern: Any, param: str = "guided_regex") -> Constraint:
