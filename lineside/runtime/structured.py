@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import LinesideError
+from lineside.runtime.schema_formats import no_leap_seconds
 from lineside.runtime.schema_numbers import fix_number_ranges
 
 # JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
@@ -130,7 +131,8 @@ class Constraint:
                                   "together (through allOf or $ref), more than the grammar engine can intersect; "
                                   "merge them into fewer patterns", param)
         # Key order is kept: it is the order the model writes properties in.
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(fix_number_ranges(closed_objects(schema)), ensure_ascii=False),
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(no_leap_seconds(fix_number_ranges(closed_objects(schema))),
+                                                   ensure_ascii=False),
                    param)
 
     @classmethod

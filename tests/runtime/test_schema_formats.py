@@ -1,0 +1,60 @@
+"""``date-time`` / ``time`` strings kept off the leap second (:60) that RFC 3339's grammar, and so the grammar
+engine, allows in any minute, which pydantic (OpenAI's ``.parse()``) and Python's datetime refuse."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+
+import numpy as np
+import pytest
+from pydantic import TypeAdapter
+
+from lineside.runtime.schema_formats import no_leap_seconds
+from lineside.runtime.structured import Constraint, GrammarCompiler
+from tests.tiny_tokenizer import write_byte_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    from lineside.runtime.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(d, 300)
+    return GrammarCompiler.for_tokenizer(Tokenizer(d, {"eos_token_ids": [EOS]}), 300, [EOS])
+
+
+def _takes(compiler, c: Constraint, text: str) -> bool:
+    m = compiler.matcher(c)
+    return all(m.accept(compiler.tokenizer.tokenize_bytes(bytes([b]))[0]) for b in text.encode()) and m.accepting
+
+
+@pytest.mark.parametrize("fmt, kind, leap, ok", [
+    ("date-time", dt.datetime, "2024-06-30T12:34:60Z", "2024-06-30t12:34:59.5+02:00"),
+    ("time", dt.time, "12:34:60Z", "23:59:59z"),
+])
+def test_no_leap_second_and_pydantic_reads_every_walk(compiler, fmt, kind, leap, ok):
+    c = Constraint.json_schema({"type": "string", "format": fmt})
+    assert not _takes(compiler, c, json.dumps(leap)) and _takes(compiler, c, json.dumps(ok))
+    reader = TypeAdapter(kind)
+    for seed in range(150):  # answers drawn uniformly from each step's mask
+        rng, m, out = random.Random(seed), compiler.matcher(c), []
+        while not m.finished and len(out) < 60:
+            t = int(rng.choice(np.flatnonzero(m.allowed())))
+            if t == EOS:
+                break
+            assert m.accept(t)
+            out.append(t)
+        if m.accepting:
+            reader.validate_json(bytes(compiler.tokenizer.decode_bytes(out)))
+
+
+def test_a_pattern_already_there_is_kept(compiler):
+    schema = {"type": ["string", "null"], "format": "time", "pattern": "^0"}
+    c = Constraint.json_schema(schema)
+    assert _takes(compiler, c, '"09:00:00Z"') and _takes(compiler, c, "null")
+    assert not _takes(compiler, c, '"19:00:00Z"') and not _takes(compiler, c, '"09:00:60Z"')
+    assert no_leap_seconds({"enum": [{"format": "time"}]}) == {"enum": [{"format": "time"}]}  # data, not a schema
