@@ -551,6 +551,23 @@ def _first_line(msg: str) -> str:
     return " ".join([lines[0].removesuffix(":"), *cause[:1]])
 
 
+# String formats the grammar engine enforces (llguidance 1.x), named in the refusal of any other
+ENFORCED_FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+
+
+def _schema_advice(reason: str) -> str:
+    """The engine's refusal of a JSON schema with what to do where the engine's own text names an option clients
+    cannot set (``coerce_one_of``) or no remedy (an unknown ``format``)."""
+    m = re.match(r"Unknown format: (.+)$", reason)
+    if m:
+        return (f"format {m[1].strip()!r} is not one this server can enforce (it enforces {', '.join(ENFORCED_FORMATS)}); "
+                "remove that 'format' from the schema or give a 'pattern' instead")
+    if "coerce_one_of" in reason:
+        return ("oneOf whose branches can match the same value cannot be enforced exactly (one and only one branch); "
+                "write it as anyOf, or make the branches disjoint (e.g. a 'const' discriminator property in each)")
+    return reason
+
+
 @dataclass
 class CompileStats:
     compiled: int = 0  # distinct constraints compiled
@@ -792,7 +809,11 @@ class GrammarCompiler:
         grammar = c.llguidance_grammar()
         m = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise ConstraintError(f"{where}: invalid {_WHAT[c.kind]}: {_first_line(m.get_error())}", c.param)
+            reason = _first_line(m.get_error())
+            advice = _schema_advice(reason) if c.kind == ConstraintKind.JSON_SCHEMA else reason
+            # a schema the engine cannot enforce is no invalid one: say what to change instead
+            raise ConstraintError(f"{where}: " + (advice if advice != reason else f"invalid {_WHAT[c.kind]}: {reason}"),
+                                  c.param)
         # Satisfiable at all? The first mask allows some token (EOS when only the empty string matches).
         bm = new_bitmask(1, self.vocab_size)
         m.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
