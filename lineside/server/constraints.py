@@ -12,10 +12,17 @@ from typing import Any
 
 from lineside.runtime.structured import Constraint, ConstraintError, GrammarCompiler
 from lineside.server.errors import APIError
+from lineside.server.schema_formats import without_unenforced_formats
 
-_GUIDED = (("guided_json", Constraint.json_schema), ("guided_regex", Constraint.regex),
+
+def _json_schema(schema: Any, param: str) -> Constraint:
+    """A JSON-schema constraint, with the formats the grammar engine cannot enforce left out (annotations)."""
+    return Constraint.json_schema(without_unenforced_formats(schema), param=param)
+
+
+_GUIDED = (("guided_json", _json_schema), ("guided_regex", Constraint.regex),
            ("guided_choice", Constraint.choice), ("guided_grammar", Constraint.grammar))
-_STRUCTURED = (("json", Constraint.json_schema), ("regex", Constraint.regex), ("choice", Constraint.choice),
+_STRUCTURED = (("json", _json_schema), ("regex", Constraint.regex), ("choice", Constraint.choice),
                ("grammar", Constraint.grammar))
 # vLLM's StructuredOutputsParams options that change nothing here: JSON is always written without free whitespace
 # and objects are closed (xgrammar's and llguidance's whitespace_pattern is ignored by vLLM too)
@@ -45,7 +52,7 @@ def response_format_constraint(rf: Any) -> Constraint | None:
         if "schema" not in js:
             raise _bad("response_format.json_schema.schema: missing; give the JSON schema the output must follow",
                        "response_format.json_schema.schema")
-        return Constraint.json_schema(js["schema"], param="response_format.json_schema.schema")
+        return _json_schema(js["schema"], param="response_format.json_schema.schema")
     raise _bad(f"response_format.type: {kind!r} is not text, json_object or json_schema", "response_format.type")
 
 
