@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import LinesideError
-from lineside.runtime.schema_formats import no_leap_seconds
+from lineside.runtime.schema_formats import no_leap_seconds, without_unenforced_formats
 from lineside.runtime.schema_numbers import fix_number_ranges
 
 # JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
@@ -117,6 +117,7 @@ class Constraint:
         if not isinstance(schema, dict):
             raise ConstraintError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
         check_depth(schema, param)
+        schema = without_unenforced_formats(schema)  # an annotation the engine would refuse (schema_formats.py)
         if _largest_enum(schema) > MAX_ENUM_VALUES:
             raise ConstraintError(f"{param}: an \"enum\" lists more than {MAX_ENUM_VALUES} values, more than structured "
                                   "outputs compile; give fewer values (or a \"pattern\")", param)
@@ -551,17 +552,9 @@ def _first_line(msg: str) -> str:
     return " ".join([lines[0].removesuffix(":"), *cause[:1]])
 
 
-# String formats the grammar engine enforces (llguidance 1.x), named in the refusal of any other
-ENFORCED_FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
-
-
 def _schema_advice(reason: str) -> str:
     """The engine's refusal of a JSON schema with what to do where the engine's own text names an option clients
-    cannot set (``coerce_one_of``) or no remedy (an unknown ``format``)."""
-    m = re.match(r"Unknown format: (.+)$", reason)
-    if m:
-        return (f"format {m[1].strip()!r} is not one this server can enforce (it enforces {', '.join(ENFORCED_FORMATS)}); "
-                "remove that 'format' from the schema or give a 'pattern' instead")
+    cannot set (``coerce_one_of``)."""
     if "coerce_one_of" in reason:
         return ("oneOf whose branches can match the same value cannot be enforced exactly (one and only one branch); "
                 "write it as anyOf, or make the branches disjoint (e.g. a 'const' discriminator property in each)")

@@ -12,12 +12,11 @@ from typing import Any
 
 from lineside.runtime.structured import Constraint, ConstraintError, GrammarCompiler
 from lineside.server.errors import APIError
-from lineside.server.schema_formats import without_unenforced_formats
 
 
 def _json_schema(schema: Any, param: str) -> Constraint:
     """A JSON-schema constraint, with the formats the grammar engine cannot enforce left out (annotations)."""
-    return Constraint.json_schema(without_unenforced_formats(schema), param=param)
+    return Constraint.json_schema(schema, param=param)
 
 
 _GUIDED = (("guided_json", _json_schema), ("guided_regex", Constraint.regex),

@@ -33,7 +33,6 @@ from lineside.server.logprobs import MAX_TOP_LOGPROBS
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure, observe_finished
-from lineside.server.schema_formats import without_unenforced_formats
 from lineside.server.schemas import INT32_MAX
 from lineside.server.state import ServerState
 from lineside.server.tool_calls import ToolCall, ToolCallDelta, ToolCallStream
@@ -220,7 +219,7 @@ def text_constraint(req: ResponsesRequest) -> Constraint | None:
         if "schema" not in fmt:
             raise _bad("text.format.schema: missing; give the JSON schema the output must follow", "text.format.schema")
         try:
-            return Constraint.json_schema(without_unenforced_formats(fmt["schema"]), param="text.format.schema")
+            return Constraint.json_schema(fmt["schema"], param="text.format.schema")
         except ConstraintError as e:
             raise APIError(400, str(e), "invalid_value", param=e.param) from None
     raise _bad(f"text.format.type: {kind!r} is not text, json_object or json_schema", "text.format.type")

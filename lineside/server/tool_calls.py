@@ -37,7 +37,6 @@ from lineside.runtime.structured import (
     check_enforceable,
 )
 from lineside.server.errors import APIError
-from lineside.server.schema_formats import without_unenforced_formats
 
 # ``required`` with parallel calls: at most this many in one answer. A small model given an open array
 # repeats its call until max_tokens and the last one is cut mid-arguments; a bound keeps every call whole.
@@ -240,8 +239,7 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = 
 def _object_schema(parameters: dict[str, Any]) -> dict[str, Any]:
     """The arguments' schema: a call's arguments are a JSON object, so a schema that names no type ({}, properties
     without ``"type": "object"``, a bare ``$schema``) is made one; under it the grammar could write a string. Formats
-    the grammar engine cannot enforce are left out (schema_formats)."""
-    parameters = without_unenforced_formats(parameters)
+    the grammar engine cannot enforce are left out when it is compiled (runtime/schema_formats)."""
     return parameters if "type" in parameters else {**parameters, "type": "object"}
 
 
