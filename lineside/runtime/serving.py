@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from lineside.bundle import Bundle
@@ -85,6 +86,14 @@ class AdapterServing(ServingEngine, Protocol):
         """Stop serving ``name`` (requests already using it finish with it); raises UnknownAdapter."""
         ...
 
+
+@runtime_checkable
+class ReportsFailure(ServingEngine, Protocol):
+    """An engine that can fail for good (LLMEngine past --max-failed-steps, engine_health.py): the server reads
+    ``failure`` for /health and sets ``on_failure`` to hear of it; an engine without these never fails so."""
+
+    failure: str | None  # why it failed (one line), or None while it serves
+    on_failure: Callable[[str], None] | None  # called from the step thread once it fails
 
 def serves_adapters(engine: ServingEngine) -> bool:
     """Whether ``engine`` has AdapterServing's members besides ServingEngine's, looked up without running them:

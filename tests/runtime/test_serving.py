@@ -7,15 +7,16 @@ import ast
 import inspect
 from pathlib import Path
 
-from lineside.runtime.serving import AdapterServing, ServingEngine, serves_adapters
+from lineside.runtime.serving import AdapterServing, ReportsFailure, ServingEngine, serves_adapters
 
 SERVER = Path(__file__).resolve().parents[2] / "lineside" / "server"
 
 
 def _members() -> set[str]:
-    """ServingEngine's members and those of its optional extension AdapterServing (the runtime LoRA routes)."""
+    """ServingEngine's members and those of its optional extensions AdapterServing (the runtime LoRA routes) and
+    ReportsFailure (/health of an engine that failed)."""
     out: set[str] = set()
-    for proto in (ServingEngine, AdapterServing):
+    for proto in (ServingEngine, AdapterServing, ReportsFailure):
         out |= set(inspect.get_annotations(proto))
         out |= {n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_")}
     return out
@@ -54,7 +55,7 @@ def test_llm_engine_is_a_serving_engine(tiny_bundle):
     b = open_bundle(tiny_bundle)
     eng = LLMEngine(b, backend=OnnxRuntimeBackend(b, num_slots=1, threads=1), num_slots=1)
     try:
-        assert isinstance(eng, ServingEngine) and isinstance(eng, AdapterServing)
+        assert isinstance(eng, ServingEngine) and isinstance(eng, AdapterServing) and isinstance(eng, ReportsFailure)
         assert serves_adapters(eng) and not serves_adapters(object())  # the routes' check, which runs no property
         assert not [m for m in _members() if not hasattr(eng, m)]
     finally:
