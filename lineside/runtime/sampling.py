@@ -90,11 +90,13 @@ LOGPROB_FLOOR = -9999.0
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """The chosen token's logprob and the ``top`` most likely tokens' (id, logprob), highest first."""
+    """The chosen token's logprob and the ``top`` most likely tokens' (id, logprob), highest first; ``rank``: the
+    chosen token's 1-based place among all tokens in that order (set where asked: vLLM's prompt_logprobs report it)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.sum(np.exp(x - m))))
 
 
-def token_logprob(x: np.ndarray, token: int, top_n: int) -> TokenLogprob:
-    """Chosen + top-``top_n`` logprobs of a row of (processed) logits; ties keep the lower id first, as argmax."""
+def token_logprob(x: np.ndarray, token: int, top_n: int, *, ranked: bool = False) -> TokenLogprob:
+    """Chosen + top-``top_n`` logprobs of a row of (processed) logits; ties keep the lower id first, as argmax.
+    ``ranked``: also the chosen token's rank in that order (so a token in ``top`` at place i has rank i + 1)."""
     lp = log_softmax(x)
     top: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
@@ -128,7 +131,8 @@ def token_logprob(x: np.ndarray, token: int, top_n: int) -> TokenLogprob:
         idx = idx[np.lexsort((idx, -lp[idx]))]
         top = tuple((int(i), float(lp[i])) for i in idx if np.isfinite(lp[i]))
     v = float(lp[token])
-    return TokenLogprob(int(token), v if np.isfinite(v) else LOGPROB_FLOOR, top)
+    rank = int(np.count_nonzero(lp > v) + np.count_nonzero(lp[:token] == v)) + 1 if ranked else None
+    return TokenLogprob(int(token), v if np.isfinite(v) else LOGPROB_FLOOR, top, rank)
 
 
 class Sampler:

@@ -183,10 +183,10 @@ def grammar_masks(seqs: list[Sequence], vocab_size: int) -> np.ndarray | None:
 
 def score_prompt(seq: Sequence, start: int, logits: np.ndarray) -> list[TokenLogprob]:
     """The prompt tokens a chunk at ``start`` scores: the logits at position p give token p + 1's logprob (the model's
-    own, before any of the request's sampling settings), with the request's number of alternatives."""
+    own, before any of the request's sampling settings), with the request's number of alternatives and its rank."""
     top_n = int(seq.req.prompt_logprobs or 0)
     prompt = seq.prompt
-    return [token_logprob(logits[j], prompt[start + j + 1], top_n)
+    return [token_logprob(logits[j], prompt[start + j + 1], top_n, ranked=True)
             for j in range(logits.shape[0]) if start + j + 1 < len(prompt)]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from lineside.runtime.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 from lineside.server.errors import APIError
+from lineside.server.prompt_logprobs import prompt_logprobs_json
 
 MAX_COMPLETION_LOGPROBS = MAX_TOP_LOGPROBS  # vLLM's bound (its max_logprobs, 20); OpenAI's own API stops at 5
 
@@ -67,11 +68,18 @@ class TextOffsets:
 
 class LogprobFormatter:
     """Turns the sampler's ``TokenLogprob``s into response JSON; ``token_bytes`` maps an id to its raw bytes;
-    ``skipped``: whether a token is left out of the text (a special token, skipped when decoding)."""
+    ``skipped``: whether a token is left out of the text (a special token, skipped when decoding); ``decode``: one
+    token id's text, special tokens kept (vLLM's ``decoded_token`` in prompt_logprobs)."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes], skipped: Callable[[int], bool] = lambda _: False):
+    def __init__(self, token_bytes: Callable[[int], bytes], skipped: Callable[[int], bool] = lambda _: False,
+                 decode: Callable[[int], str] | None = None):
         self._bytes = token_bytes
         self._skipped = skipped
+        self._decode = decode or (lambda tid: token_text(token_bytes(tid)))
+
+    def prompt(self, lps: Sequence[TokenLogprob], top_n: int) -> list[Any]:
+        """vLLM's ``prompt_logprobs`` list of a prompt whose tokens 1 on ``lps`` score."""
+        return prompt_logprobs_json(lps, top_n, self._decode)
 
     def _one(self, tid: int, lp: float) -> dict[str, Any]:
         b = self._bytes(tid)

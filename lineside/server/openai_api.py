@@ -38,6 +38,7 @@ from lineside.server import (
     chat_rendering,
     constraints,
     prompt_limits,
+    prompt_logprobs,
     reasoning,
     request_mapping,
     response_items,
@@ -95,8 +96,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                       f"it cannot be combined with {constraint.param}", "tool_choice")
         constraint = await _checked(state, call_constraint or constraint)
         top_n = chat_top_n(body.logprobs, body.top_logprobs)
+        prompt_n = prompt_logprobs.requested(body.prompt_logprobs)
         calling = bool(tools) and tool_choice.kind != tool_calls.ToolChoiceKind.NONE
-        output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n),
+        output = OutputOptions(chat=True, top_logprobs=top_n, formatter=await _formatter(state, top_n, prompt_n),
+                               prompt_logprobs=prompt_n,
                                call_format=tool_calls.call_format(tool_choice, template, state.tool_call_parser)
                                if calling else None,
                                tools=tuple(tools), named=tool_choice.name,
@@ -124,8 +127,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         request_mapping.check_completion(body)
         constraint = await _checked(state, constraints.request_constraint(body))
         top_n = completion_top_n(body.logprobs)
-        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n),
-                               echo=bool(body.echo))
+        prompt_n = prompt_logprobs.requested(body.prompt_logprobs)
+        output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n, prompt_n),
+                               echo=bool(body.echo), prompt_logprobs=prompt_n)
         for text in prompt_limits.prompt_texts(body):
             prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
         size = len(body.prompt) if isinstance(body.prompt, str) else sum(
@@ -229,11 +233,24 @@ async def _checked(state: ServerState, constraint: Constraint | None) -> Constra
     return await asyncio.to_thread(constraints.checked, state.engine.grammar, constraint)
 
 
-async def _formatter(state: ServerState, top_n: int | None) -> LogprobFormatter | None:
-    if top_n is None:
+async def _formatter(state: ServerState, top_n: int | None, prompt_n: int | None = None) -> LogprobFormatter | None:
+    """The logprob formatter when the request asks for logprobs or prompt_logprobs (None: neither)."""
+    if top_n is None and prompt_n is None:
         return None
     compiler = await asyncio.to_thread(lambda: state.engine.grammar)
-    return LogprobFormatter(compiler.token_bytes, state.engine.tokenizer.is_special)
+    tokenizer = state.engine.tokenizer
+    return LogprobFormatter(compiler.token_bytes, tokenizer.is_special,
+                            decode=lambda tid: tokenizer.decode([tid], skip_special=False))
+
+
+def _scored_alternatives(output: OutputOptions | None, echoes: list[Echo] | None) -> int | None:
+    """Alternatives per prompt token the engine scores: what an echo with logprobs shows, or prompt_logprobs asks
+    for, the larger (None: the prompt is not scored)."""
+    if output is None:
+        return None
+    wanted = [n for n in (output.top_logprobs if echoes is not None else None, output.prompt_logprobs)
+              if n is not None]
+    return max(wanted) if wanted else None
 
 
 @router.post("/v1/responses", responses={**ERROR_RESPONSES, **_STREAM_DOC})
@@ -456,7 +473,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
                 else output.reasoning.constraint_after,
                 keep_special_ids=tool_calls.kept_special_ids(None if output is None else output.call_format,
                                                              state.engine.tokenizer),
-                prompt_logprobs=None if echoes is None or output is None else output.top_logprobs)))
+                prompt_logprobs=_scored_alternatives(output, echoes))))
     if state.slo is not None:  # the SLO ladder picks the engine (primary or fallback; the fallback serves the base
         # model only: an adapter's request stays on the primary, gated and marked as the level says, and so does
         # one keeping its session's KV: sessions live in the primary, where /v1/prefill sees them) and may answer

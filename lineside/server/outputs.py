@@ -42,6 +42,7 @@ class OutputOptions:
     formatter: LogprobFormatter | None = None
     reasoning: Reasoning | None = None  # --reasoning-parser: the thinking apart from the answer (None: off)
     echo: bool = False  # completions' echo: each choice's prompt in front of its text (keys the response cache)
+    prompt_logprobs: int | None = None  # vLLM's: alternatives per scored prompt token (None: not asked for)
 
 
 class ChoiceOutput:
@@ -53,6 +54,7 @@ class ChoiceOutput:
         self.echo = echo
         self.prompt_logprobs: list[TokenLogprob] = []  # the echoed prompt's, from the engine's first event
         self._echoed = False  # streamed: the prompt's chunk is out
+        self._prompt_sent = False  # streamed: the prompt_logprobs are out (or not this choice's to send)
         self.calls = (ToolCallStream(options.call_format, options.tools, options.named, options.max_calls)
                       if options.call_format is not None else None)
         self.reasoning = options.reasoning.splitter() if options.reasoning is not None else None
@@ -85,6 +87,27 @@ class ChoiceOutput:
             reasoning += self.reasoning.close()[0]
         return reasoning, text
 
+    def prompt_block(self) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` of this choice's prompt (None when not asked for)."""
+        o = self.options
+        if o.prompt_logprobs is None or o.formatter is None:
+            return None
+        return o.formatter.prompt(self.prompt_logprobs, o.prompt_logprobs)
+
+    def _prompt_chunk(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
+        """Streamed: the prompt_logprobs in a chunk of their own before the first event's text (the first chunk
+        carrying them; chat: once a response, top-level as its non-streamed body has them), with the echoed prompt."""
+        if self._prompt_sent or event.prompt_logprobs is None or self.options.prompt_logprobs is None:
+            return []
+        self._prompt_sent = True
+        if self.options.chat and not writer.claim_prompt_logprobs():
+            return []
+        self.prompt_logprobs = event.prompt_logprobs
+        echo = ""
+        if self.echo is not None and not self._echoed:
+            self._echoed, echo = True, self.echo.text
+        return [writer.text(index, echo, self._echo_logprobs() if echo else None, prompt_logprobs=self.prompt_block())]
+
     def _echo_logprobs(self) -> Any:
         """The echoed prompt's logprobs block (None when logprobs were not asked for)."""
         o = self.options
@@ -96,7 +119,7 @@ class ChoiceOutput:
     def chunks(self, writer: sse.ChunkWriter, index: int, event: TokenEvent) -> list[str]:
         """The stream chunks for one event (reasoning, text, tool-call deltas, logprobs), before any finish chunk;
         with echo, the first one's prompt goes first in a chunk of its own, as vLLM streams it."""
-        out = []
+        out = self._prompt_chunk(writer, index, event) if event.finish_reason in (None, *_ANSWERED) else []
         if self.echo is not None and not self._echoed and event.finish_reason in (None, *_ANSWERED):
             self._echoed = True
             self.prompt_logprobs = event.prompt_logprobs or []

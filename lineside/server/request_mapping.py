@@ -54,7 +54,7 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 
 # vLLM's extras this server does not do, with the value that means "off" (what clients send by default)
 VLLM_UNSUPPORTED = {"include_stop_str_in_output": False, "bad_words": [], "allowed_token_ids": [],
-                    "truncate_prompt_tokens": None, "use_beam_search": False, "prompt_logprobs": None,
+                    "truncate_prompt_tokens": None, "use_beam_search": False,
                     "skip_special_tokens": True, "logits_processors": []}
 
 
@@ -372,7 +372,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
     (and repeat exactly with the same seed). ``bias``: the request's checked ``logit_bias``; ``constraint_after``:
     the token the constraint starts after (a reasoning model's ``</think>``); ``keep_special_ids``: the special
     tokens the text keeps (the tool parser's markers); ``prompt_logprobs``: alternatives per scored prompt token
-    (completions' echo with logprobs)."""
+    (completions' echo with logprobs, vLLM's prompt_logprobs: the larger of the two)."""
     sampling = sampling_params(req, bias, defaults)
     if copy and sampling.seed is not None:
         sampling = replace(sampling, seed=(sampling.seed + copy) % 2**64)

@@ -259,9 +259,14 @@ async def complete(request: Request, state: ServerState, choices: list[Choice], 
             body_choices.append({"index": c.index, "text": c.output.text(c.text_parts),
                                  "logprobs": c.output.text_logprobs(), "finish_reason": reason,
                                  "stop_reason": c.stop_reason})
+            if (block := c.output.prompt_block()) is not None:  # vLLM's: each choice its prompt's
+                body_choices[-1]["prompt_logprobs"] = block
     obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
-                         "system_fingerprint": None, "choices": body_choices, "usage": usage})
+    body = {"id": response_id, "object": obj, "created": created, "model": model or state.model_name,
+            "system_fingerprint": None, "choices": body_choices, "usage": usage}
+    if chat and choices and (block := choices[0].output.prompt_block()) is not None:
+        body["prompt_logprobs"] = block  # vLLM's: the one prompt's, beside the choices
+    return JSONResponse(body)
 
 
 async def collect(request: Request, state: ServerState, choices: list[Choice]) -> JSONResponse | None:

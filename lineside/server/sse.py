@@ -49,6 +49,12 @@ class ChunkWriter:
         head = event(self.base)
         self._head = head[:-len("}\n\n")] + ',"choices":['
         self._tail = "]" + (',"usage":null' if include_usage else "") + "}\n\n"
+        self._prompt_logprobs_claimed = False
+
+    def claim_prompt_logprobs(self) -> bool:
+        """Chat: True the first time only (its prompt_logprobs are the response's, sent once, top-level)."""
+        claimed, self._prompt_logprobs_claimed = self._prompt_logprobs_claimed, True
+        return not claimed
 
     def _chunk(self, choice: dict[str, Any]) -> str:
         """The same bytes as ``event({**base, "choices": [choice], "usage": None})``, encoding only the choice."""
@@ -59,12 +65,20 @@ class ChunkWriter:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def text(self, index: int, text: str, logprobs: Any = None) -> str:
-        """``logprobs``: the chunk's tokens' logprobs (chat: ``{"content": [...]}``; completions: the block)."""
+    def text(self, index: int, text: str, logprobs: Any = None, prompt_logprobs: list[Any] | None = None) -> str:
+        """``logprobs``: the chunk's tokens' logprobs (chat: ``{"content": [...]}``; completions: the block);
+        ``prompt_logprobs``: vLLM's, in the choice (completions) or beside the choices (chat), as its bodies have them."""
         if self.chat:
-            return self._chunk({"index": index, "delta": {"content": text}, "logprobs": logprobs,
-                                "finish_reason": None})
-        return self._chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+            chunk = self._chunk({"index": index, "delta": {"content": text}, "logprobs": logprobs,
+                                 "finish_reason": None})
+            if prompt_logprobs is None:
+                return chunk
+            cut = len(self._head) - len('"choices":[')
+            return chunk[:cut] + '"prompt_logprobs":' + dumps(prompt_logprobs) + "," + chunk[cut:]
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+        return self._chunk(choice)
 
     def reasoning(self, index: int, text: str, logprobs: Any = None) -> str:
         """Chat only: a piece of a reasoning model's thinking (vLLM's ``reasoning_content``, and ``reasoning``, its

@@ -97,7 +97,7 @@ FIELDS = [
     ("completions", {"allowed_token_ids": [5]}, 400, "allowed_token_ids"),
     ("completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),
     ("chat", {"use_beam_search": True}, 400, "use_beam_search"),
-    ("completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("chat", {"skip_special_tokens": False}, 400, "skip_special_tokens"),
     ("completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
     # stream_options without stream: true is a 400 at OpenAI and vLLM (nothing would read it)

@@ -60,6 +60,10 @@ DIFFERING = {
     "prompt": ("completions", {}, {"prompt": "another"}),
     "completion_logprobs": ("completions", {}, {"logprobs": 1}),
     "echo": ("completions", {}, {"echo": True}),  # the same engine request: the prompt in front of the text
+    "prompt_logprobs": ("chat", {}, {"prompt_logprobs": 1}),
+    # the same engine request (echo's logprobs 2 already score the prompt with 2 alternatives): the output differs
+    "echo_prompt_logprobs": ("completions", {"echo": True, "logprobs": 2},
+                             {"echo": True, "logprobs": 2, "prompt_logprobs": 1}),
     "add_special_tokens": ("completions", {}, {"add_special_tokens": False}),  # no BOS: other prompt ids
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
@@ -67,7 +71,7 @@ REFUSED = {"suffix": {"suffix": "end"},
            "best_of": {"best_of": 2}, "include_stop_str_in_output": {"include_stop_str_in_output": True},
            "bad_words": {"bad_words": ["x"]}, "allowed_token_ids": {"allowed_token_ids": [5]},
            "truncate_prompt_tokens": {"truncate_prompt_tokens": 4}, "use_beam_search": {"use_beam_search": True},
-           "prompt_logprobs": {"prompt_logprobs": 1}, "skip_special_tokens": {"skip_special_tokens": False},
+           "skip_special_tokens": {"skip_special_tokens": False},
            "logits_processors": {"logits_processors": ["x"]}, "functions": {"functions": [TOOL["function"]]},
            "function_call": {"function_call": {"name": "f"}}, "chat_template": {"chat_template": "{{ 1 }}"},
            "stream_options": {"stream_options": {"include_usage": True}},
@@ -86,7 +90,7 @@ ELSEWHERE = {"chat_template_kwargs", "continue_final_message", "include_reasonin
 
 def test_every_request_field_is_classified():
     fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-    classified = {k for k in DIFFERING if k != "completion_logprobs"} | set(REFUSED) | set(NO_EFFECT) | ELSEWHERE
+    classified = {k for k in DIFFERING if k not in ("completion_logprobs", "echo_prompt_logprobs")} | set(REFUSED) | set(NO_EFFECT) | ELSEWHERE
     assert fields - classified == set(), "classify the new request field here: does it change the answer?"
     assert classified - fields == set()
 
