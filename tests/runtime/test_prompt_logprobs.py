@@ -145,3 +145,58 @@ def test_a_long_scored_prompt_is_cut_into_chunks_of_bounded_logits():
     assert step_plan.prompt_logit_rows(49152) * 49152 <= step_plan.PROMPT_LOGIT_FLOATS
     assert step_plan.prompt_logit_rows(151936) == 110
     assert step_plan.prompt_logit_rows(10**9) == 2  # never a 1-token chunk
+
+
+def test_a_scoring_request_preempted_mid_prompt_scores_it_as_an_unpreempted_one(tiny_bundle):
+    """The engine's step (schedule, run_step on the real backend, postprocess) driven by hand, so the preemption
+    lands mid-prompt for sure: a batch request scoring its prompt in chunks of 6 has scored part of it when a
+    realtime request needs its KV blocks; re-admitted, it scores the prompt from the start (none of its first,
+    partial scores is kept or repeated) and gets the prompt logprobs and answer of an engine that never preempts it."""
+    from lineside.runtime.kv_manager import KVCacheArena
+    from lineside.runtime.request import RequestHandle
+    from lineside.runtime.scheduler import Scheduler
+    from lineside.runtime.sequence import Sequence
+    from lineside.runtime.sequence import SequenceStatus as Status
+    from lineside.runtime.step_runner import run_step
+    from lineside.runtime.tokenizer import Tokenizer
+
+    [want] = serve(tiny_bundle, [GenerationRequest(IDS, max_tokens=3, prompt_logprobs=2)], prefill_chunk=6,
+                   kv_block_size=4)
+    bundle = open_bundle(tiny_bundle)
+    be = OnnxRuntimeBackend(bundle, num_slots=2, threads=1)
+    tok = Tokenizer.from_bundle(bundle)
+    eos = set(tok.eos_token_ids) | set(bundle.config.eos_token_ids)
+    # 12 blocks of 4: the job's 44 positions (11 blocks) and the realtime request's 12 (3) do not fit together
+    sch = Scheduler(KVCacheArena(2, be.max_seq_len, 4, num_blocks=12, prefix_cache=False), prefill_chunk=6)
+
+    def admit(req: GenerationRequest, now: float) -> Sequence:
+        handle = RequestHandle(req)
+        handle.metrics.arrival = now
+        seq = Sequence(handle, tok, eos, be.max_seq_len)
+        seq.prompt_rows = step_plan.prompt_logit_rows(be.vocab_size)
+        sch.add(seq)
+        return seq
+
+    evs: dict[Sequence, list[TokenEvent]] = {}
+
+    def step(now: float) -> None:
+        plan = sch.schedule(now=now)
+        out = run_step(be, plan)
+        for seq, ev in sch.postprocess(plan, out.sampled, out.errors, now=now, logprobs=out.logprobs,
+                                       prompt_logprobs=out.prompt_logprobs):
+            evs.setdefault(seq, []).append(ev)
+
+    job = admit(GenerationRequest(IDS, max_tokens=3, prompt_logprobs=2, mode="batch"), 0.0)
+    step(0.0)
+    step(0.1)
+    assert job.status == Status.PREFILL and 0 < len(job.prompt_logprobs) < len(IDS) - 1  # scored in part
+    rt = admit(GenerationRequest([1, 5, 6, 7, 8, 9, 10, 11], max_tokens=4, priority="low"), 1.0)
+    step(1.0)
+    assert job.status == Status.WAITING and sch.preemptions == 1 and rt.slot is not None
+    for t in range(2, 40):
+        if job.status == Status.FINISHED and rt.status == Status.FINISHED:
+            break
+        step(float(t))
+    assert job.status == Status.FINISHED and job.handle.metrics.preemptions == 1
+    assert scored(evs[job]) == scored(want)
+    assert tokens(evs[job]) == tokens(want)
