@@ -338,3 +338,28 @@ def test_past_the_slots_a_new_session_ends_the_least_recently_used(merging_bundl
         r = c.post("/v1/prefill", json={"prompt": texts["a"], "session_id": "a"})
         assert r.status_code == 202 and r.json()["session_id"] == "a"
         assert settle(c, "a")["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("scoring", [{"prompt_logprobs": 2}, {"echo": True, "logprobs": 2}])
+def test_a_scoring_completion_keeps_its_session_and_scores_as_without_one(srv, scoring):
+    """Scoring needs every prompt position computed, so a completion with prompt_logprobs (or echo + logprobs) takes
+    nothing from its session's KV and runs as any request: its scores and answer are those without a session. With
+    keep_session the session then keeps that prompt's KV, and the next turn takes it (usage's cached_tokens)."""
+    text = "the prefill session keeps the history while the technician talks"
+    sid = "score-" + "-".join(scoring)
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        alone = c.post("/v1/completions", json={"prompt": text, **scoring, **GREEDY}).json()
+        assert c.post("/v1/prefill", json={"prompt": text[:30], "session_id": sid}).status_code == 202
+        settle(c, sid)
+        r = c.post("/v1/completions", json={"prompt": text, "session_id": sid, "keep_session": True, **scoring,
+                                             **GREEDY})
+        assert r.status_code == 200, r.text
+        kept = r.json()
+        for key in ("text", "logprobs", "prompt_logprobs"):
+            assert kept["choices"][0].get(key) == alone["choices"][0].get(key), key
+        info = settle(c, sid)
+        assert info["prompt_tokens"] == kept["usage"]["prompt_tokens"] and info["cached_tokens"] > 0, info
+        turn = c.post("/v1/completions", json={"prompt": text + " about station 12", "session_id": sid, **GREEDY})
+        assert turn.status_code == 200, turn.text
+        assert turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= info["cached_tokens"] - 4
+        assert c.get(f"/v1/prefill/{sid}").status_code == 404  # it ended with that turn
