@@ -25,6 +25,7 @@ from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_dtype_of, plan_buffers
+from lineside.runtime.tensorrt.cuda_errors import lost, sticky
 from lineside.runtime.tensorrt.env import check, import_cudart, import_tensorrt, probe_gpu
 from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
 from lineside.runtime.tensorrt.kernels import StateKernels
@@ -233,15 +234,19 @@ class TensorRTBackend:
         if self.lora is not None:
             shapes[LORA_SLOTS_INPUT] = (bb,)
             shapes.update({n: tuple(a.shape) for n, a in self.lora.arrays.items()})
-        for n in self.input_names:
-            if n in shapes:
-                ctx.set_input_shape(n, shapes[n])
         for lay in self.plan.states:
             if lay.update == StateUpdate.APPEND:
                 full = self.plan.buffers[lay.state.input].shape
-                ctx.set_input_shape(lay.state.input, self._state_shape(lay.state, bb, p, full))
+                shapes[lay.state.input] = self._state_shape(lay.state, bb, p, full)
             else:
-                ctx.set_input_shape(lay.state.input, (bb, *self._replace_dims(lay.state)))
+                shapes[lay.state.input] = (bb, *self._replace_dims(lay.state))
+        for n in [*self.input_names, *(lay.state.input for lay in self.plan.states)]:
+            # TensorRT answers False (and logs) for a shape outside the context's profile: this step fails, and
+            # says which input, instead of running with the last shape set
+            if n in shapes and not ctx.set_input_shape(n, shapes[n]):
+                raise LinesideError(f"input {n} shape {tuple(shapes[n])} is outside the TensorRT engine's profile "
+                                    f"(built for at most {self.num_slots} slots, {self.max_prefill} prefill tokens); "
+                                    f"rebuild with `lineside engine {self.bundle.path}` and larger limits")
 
     def _state_shape(self, st: StateTensor, bb: int, p: int, full: tuple[int, ...]) -> tuple[int, ...]:
         from lineside.runtime.tensorrt.buffers import state_dims
@@ -256,7 +261,7 @@ class TensorRTBackend:
     def _launch_fn(self, ctx: Any, bb: int, s: int, p: int) -> Any:
         def launch() -> None:
             if not ctx.execute_async_v3(int(self.stream)):
-                raise LinesideError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+                self._execute_failed(bb, s, p)
             for lay in self.plan.states:
                 src, dst = self._addr(lay.state.output), self._addr(lay.state.input)
                 if lay.update == StateUpdate.APPEND:
@@ -265,6 +270,17 @@ class TensorRTBackend:
                 else:
                     self.kernels.copy_rows(self.stream, src, dst, self._addr("write_pos"), bb, lay.row_bytes(p))
         return launch
+
+    def _execute_failed(self, bb: int, s: int, p: int) -> None:
+        """execute_async_v3 answered False: after a sticky CUDA error (a fault in an earlier step's kernel) the
+        context is lost (BackendLost); anything else (out of memory at a larger shape) fails only this step."""
+        err = self.cr.cudaGetLastError()[0]  # returns a sticky error, clears a recoverable one
+        gone = sticky(err)
+        if gone is not None:
+            raise lost(gone, "TensorRT execute_async_v3")
+        cause = "" if int(err) == 0 else f", last CUDA error {getattr(err, 'name', err)}"
+        raise LinesideError(f"TensorRT execute_async_v3 failed for {bb} rows x {s} tokens after {p} cached "
+                            f"positions{cause} (see the TensorRT log above)")
 
     # ---- Backend interface ----------------------------------------------------------------
     def kv_arena_bytes(self) -> KvArenaBytes:

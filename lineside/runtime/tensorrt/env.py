@@ -8,6 +8,7 @@ from types import ModuleType
 from typing import Any
 
 from lineside.errors import BackendUnavailable
+from lineside.runtime.tensorrt.cuda_errors import lost, sticky
 
 NO_TENSORRT = (
     "TensorRT is not installed (import tensorrt failed: {err}); on Jetson install JetPack's python3-libnvinfer, "
@@ -67,12 +68,16 @@ def err_name(cudart: Any, err: Any) -> str:
 
 
 def check(cudart: Any, result: Any, what: str) -> Any:
-    """Unpack a cuda-python ``(err, values...)`` tuple; raise one line naming the call on error."""
+    """Unpack a cuda-python ``(err, values...)`` tuple; raise one line naming the call on error (``BackendLost``
+    for a sticky error, cuda_errors.py)."""
     if isinstance(result, tuple):
         err, rest = result[0], result[1:]
     else:
         err, rest = result, ()
     if int(err) != 0:
+        gone = sticky(err)
+        if gone is not None:  # the context is unusable: the engine fails (BackendLost), a supervisor restarts
+            raise lost(gone, what)
         name = err_name(cudart, err)
         if "InsufficientDriver" in name:
             raise BackendUnavailable(NO_DRIVER)

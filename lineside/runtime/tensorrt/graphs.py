@@ -8,9 +8,16 @@ addresses are fixed inside a key, so a replay only needs the new inputs copied i
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from lineside.runtime.engine_health import BackendLost
+from lineside.runtime.tensorrt.cuda_errors import sticky
+from lineside.runtime.tensorrt.env import check
+
+log = logging.getLogger("lineside.tensorrt")
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -61,33 +68,60 @@ class CapturedGraph:
 
 @dataclass
 class GraphCache:
-    """CUDA Graphs per key; a key whose capture failed is remembered and runs eagerly from then on."""
+    """CUDA Graphs per key; a key whose capture failed (or whose replay failed twice) runs eagerly from then on."""
 
     cudart: Any
     stream: Any
     graphs: dict[tuple[int, ...], CapturedGraph] = field(default_factory=dict)
     failed: dict[tuple[int, ...], str] = field(default_factory=dict)
+    recaptured: set[tuple[int, ...]] = field(default_factory=set)  # keys captured again after a failed replay
 
     def run(self, key: tuple[int, ...], launch: Callable[[], None]) -> str:
-        """Replay the graph for ``key`` (capturing it on first use, after one eager run); returns how it ran."""
+        """Replay the graph for ``key`` (capturing it on first use, after one eager run); returns how it ran.
+
+        A replay that fails with a recoverable error runs the step eagerly and captures the key again, once; a
+        second failing replay leaves the key eager for good. A sticky error raises BackendLost (cuda_errors.py)."""
         if key in self.graphs:
-            self._check(self.cudart.cudaGraphLaunch(self.graphs[key].exec, self.stream), "cudaGraphLaunch")
-            return "replay"
+            res = self.cudart.cudaGraphLaunch(self.graphs[key].exec, self.stream)
+            err = res[0] if isinstance(res, tuple) else res
+            if int(err) == 0:
+                return "replay"
+            if sticky(err) is not None:
+                check(self.cudart, res, "cudaGraphLaunch")  # raises BackendLost
+            self._replay_failed(key, getattr(err, "name", str(err)))
+            if key in self.failed:
+                launch()
+                return "eager"
         if key in self.failed:
             launch()
             return "eager"
         launch()  # the eager run TensorRT needs before capture (allocations, shape-dependent setup)
-        self._check(self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        check(self.cudart, self.cudart.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         try:
             self.graphs[key] = self._capture(launch)
+        except BackendLost:
+            raise
         except Exception as e:  # capture is an optimization: fall back to eager for this key
             self.failed[key] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("CUDA graph capture for bucket %s failed (%s); that bucket runs eagerly", key, self.failed[key])
         return "captured"
+
+    def _replay_failed(self, key: tuple[int, ...], err: str) -> None:
+        """Drop ``key``'s graph after a failed replay: captured again once, then eager (and say which)."""
+        self.drop(lambda k: k == key)
+        if key in self.recaptured:
+            self.failed[key] = f"cudaGraphLaunch failed again after a recapture: {err}"
+            log.warning("CUDA graph replay for bucket %s failed again (%s); that bucket runs eagerly from now on",
+                        key, err)
+        else:
+            self.recaptured.add(key)
+            log.warning("CUDA graph replay for bucket %s failed (%s); running the step eagerly and capturing the "
+                        "bucket again", key, err)
 
     def _capture(self, launch: Callable[[], None]) -> CapturedGraph:
         cr = self.cudart
         mode = cr.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
-        self._check(cr.cudaStreamBeginCapture(self.stream, mode), "cudaStreamBeginCapture")
+        check(cr, cr.cudaStreamBeginCapture(self.stream, mode), "cudaStreamBeginCapture")
         try:
             launch()
         finally:
@@ -99,11 +133,6 @@ class GraphCache:
             cr.cudaGraphDestroy(graph)
             raise RuntimeError(f"cudaGraphInstantiate failed: {getattr(err, 'name', err)}")
         return CapturedGraph(graph, gexec)
-
-    def _check(self, res: Any, what: str) -> None:
-        err = res[0] if isinstance(res, tuple) else res
-        if int(err) != 0:
-            raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
 
     def drop(self, predicate: Callable[[tuple[int, ...]], bool] = lambda k: True) -> None:
         """Destroy graphs whose key matches (their buffers moved or were resized)."""

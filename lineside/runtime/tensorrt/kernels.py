@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import BackendUnavailable
+from lineside.runtime.tensorrt.cuda_errors import lost, sticky
 from lineside.runtime.tensorrt.env import check, import_cudart, import_driver, import_nvrtc
 
 SOURCE = r"""
@@ -52,6 +53,9 @@ THREADS = 256
 def _ok(res: Any, what: str) -> Any:
     err = res[0] if isinstance(res, tuple) else res
     if int(err) != 0:
+        gone = sticky(err)  # a launch into a context a fault already broke: the engine has failed
+        if gone is not None:
+            raise lost(gone, what)
         raise BackendUnavailable(f"{what} failed ({getattr(err, 'name', err)}); the TensorRT backend cannot start")
     return res[1] if isinstance(res, tuple) and len(res) == 2 else (res[1:] if isinstance(res, tuple) else None)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import types
-from enum import IntEnum
+from enum import Enum, IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,38 @@ ORT_TO_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor
 
 
 class Err(IntEnum):
+    """cuda-python's cudaError_t members the fake returns (real names and values)."""
+
     cudaSuccess = 0
+    cudaErrorMemoryAllocation = 2
+    cudaErrorECCUncorrectable = 214
+    cudaErrorInvalidResourceHandle = 400
+    cudaErrorIllegalAddress = 700
+    cudaErrorHardwareStackError = 714
+    cudaErrorLaunchFailure = 719
     cudaErrorStreamCaptureUnsupported = 900
 
 
+class Fault(Enum):
+    """What ``Device.inject`` makes go wrong, as it does on a GPU."""
+
+    # a kernel of the next engine run faults: the error is sticky, every later CUDA call returns it and TensorRT's
+    # execute_async_v3 answers False (the fault itself surfaces asynchronously, at the next synchronising call)
+    ILLEGAL_ADDRESS = Err.cudaErrorIllegalAddress
+    LAUNCH_FAILURE = Err.cudaErrorLaunchFailure
+    ECC_UNCORRECTABLE = Err.cudaErrorECCUncorrectable
+    HARDWARE_STACK_ERROR = Err.cudaErrorHardwareStackError
+    # execute_async_v3 on more rows than ``above_batch`` answers False, cudaGetLastError cudaErrorMemoryAllocation
+    OUT_OF_MEMORY = Err.cudaErrorMemoryAllocation
+    # the next ``count`` cudaGraphLaunch calls fail (recoverably) with cudaErrorInvalidResourceHandle
+    GRAPH_REPLAY = Err.cudaErrorInvalidResourceHandle
+
+
+STICKY_FAULTS = (Fault.ILLEGAL_ADDRESS, Fault.LAUNCH_FAILURE, Fault.ECC_UNCORRECTABLE, Fault.HARDWARE_STACK_ERROR)
+
+
 class Device:
-    """Allocations, the current capture, and what ran."""
+    """Allocations, the current capture, what ran, and the faults injected (``inject``)."""
 
     def __init__(self, capture_ok: bool = True):
         self.keep: list[np.ndarray] = []
@@ -39,6 +65,26 @@ class Device:
         self.capture_ok = capture_ok
         self.launched_graphs = 0
         self.eager_engine_runs = 0
+        self.free_mem = 1 << 34  # cudaMemGetInfo's free bytes
+        self.sticky: Err | None = None  # set once a sticky fault happened: the context is lost
+        self.last_error = Err.cudaSuccess  # what cudaGetLastError returns (and clears, unless sticky)
+        self.pending_fault: Fault | None = None  # a sticky fault waiting for the next engine run
+        self.enqueue_fault: Fault | None = None  # ... for the next execute_async_v3 call
+        self.oom_above_batch: int | None = None
+        self.failing_replays = 0
+
+    def inject(self, fault: Fault, *, above_batch: int = 1, count: int = 1, at_enqueue: bool = False) -> None:
+        """The one switch for failures: a sticky fault at the next engine run (``at_enqueue``: reported by the next
+        execute_async_v3 itself, which answers False, as when TensorRT finds an earlier kernel's fault), out of
+        memory above a batch size, or ``count`` failing graph replays."""
+        if fault in STICKY_FAULTS and at_enqueue:
+            self.enqueue_fault = fault
+        elif fault in STICKY_FAULTS:
+            self.pending_fault = fault
+        elif fault == Fault.OUT_OF_MEMORY:
+            self.oom_above_batch = above_batch
+        else:
+            self.failing_replays = count
 
     def alloc(self, n: int) -> int:
         a = np.zeros(max(n, 1) + 256, dtype=np.uint8)
@@ -110,6 +156,9 @@ def make_cudart(dev: Device, name: str = "Fake GPU", sm: tuple[int, int] = (8, 7
         return (ok, ops)
 
     def launch_graph(gexec, stream):
+        if dev.failing_replays:
+            dev.failing_replays -= 1
+            return (Err.cudaErrorInvalidResourceHandle,)
         dev.launched_graphs += 1
         for fn in gexec:
             fn()
@@ -120,11 +169,36 @@ def make_cudart(dev: Device, name: str = "Fake GPU", sm: tuple[int, int] = (8, 7
     m.cudaMemsetAsync = memset
     m.cudaStreamBeginCapture = begin
     m.cudaStreamEndCapture = end
+    def last_error():
+        err = dev.last_error
+        if dev.sticky is None:
+            dev.last_error = ok
+        return (err,)
+
     m.cudaGraphInstantiate = lambda g, flags: (ok, list(g))
     m.cudaGraphLaunch = launch_graph
     m.cudaGraphDestroy = lambda g: (ok,)
     m.cudaGraphExecDestroy = lambda g: (ok,)
+    m.cudaMemGetInfo = lambda: (ok, dev.free_mem, 1 << 34)
+    m.cudaGetLastError = last_error
+    # a lost context: every call returns the sticky error (with None for the values it would have returned)
+    for fname, values in ((n, RETURNS.get(n, 0)) for n in dir(m) if n.startswith("cuda") and callable(getattr(m, n))):
+        setattr(m, fname, _sticky_wrapped(dev, getattr(m, fname), values))
     return m
+
+
+RETURNS = {"cudaGetDeviceCount": 1, "cudaGetDeviceProperties": 1, "cudaRuntimeGetVersion": 1,
+           "cudaDriverGetVersion": 1, "cudaMalloc": 1, "cudaMallocHost": 1, "cudaStreamCreateWithFlags": 1,
+           "cudaStreamEndCapture": 1, "cudaGraphInstantiate": 1, "cudaMemGetInfo": 2}
+
+
+def _sticky_wrapped(dev: Device, fn: Any, values: int) -> Any:
+    def call(*args: Any) -> Any:
+        if dev.sticky is not None and fn.__name__ != "last_error":
+            return (dev.sticky, *([None] * values))
+        return fn(*args)
+    call.__name__ = fn.__name__
+    return call
 
 
 class FakeKernels:
@@ -133,8 +207,18 @@ class FakeKernels:
     def __init__(self, dev: Device):
         self.dev = dev
 
+    def _launched(self) -> None:
+        """cuLaunchKernel into a lost context returns its sticky error, which StateKernels reports as it would."""
+        if self.dev.sticky is not None:
+            from lineside.runtime.tensorrt.kernels import _ok
+            _ok((self.dev.sticky,), "cuLaunchKernel")
+
     def append_rows(self, stream, src, dst, pos, nnew, rows, outer, seq, pitch, inner_bytes):
+        self._launched()
+
         def go():
+            if self.dev.sticky is not None:
+                return
             p, n = read(pos, np.int64, (rows,)), read(nnew, np.int64, (rows,))
             for b in range(rows):
                 if p[b] < 0:
@@ -147,7 +231,11 @@ class FakeKernels:
         self.dev.run(go)
 
     def copy_rows(self, stream, src, dst, pos, rows, row_bytes):
+        self._launched()
+
         def go():
+            if self.dev.sticky is not None:
+                return
             p = read(pos, np.int64, (rows,))
             for b in range(rows):
                 if p[b] >= 0:
@@ -175,7 +263,8 @@ class _Ctx:
 
     def set_input_shape(self, name, shape):
         mn, _, mx = self.eng.profiles[self.profile][name]
-        assert all(a <= s <= b for a, s, b in zip(mn, shape, mx, strict=True)), (name, shape, mn, mx)
+        if not all(a <= s <= b for a, s, b in zip(mn, shape, mx, strict=True)):
+            return False  # TensorRT logs the profile's bounds and answers False
         self.shape[name] = tuple(int(s) for s in shape)
         return True
 
@@ -183,8 +272,23 @@ class _Ctx:
         assert isinstance(stream, int)
         assert self.strategy != 2 or self.memory is not None, "USER_MANAGED context run without device memory"
         addr, shape = dict(self.addr), dict(self.shape)
+        dev = self.eng.dev
+        if dev.enqueue_fault is not None:
+            dev.sticky = dev.last_error = dev.enqueue_fault.value
+            dev.enqueue_fault = None
+        if dev.sticky is not None:  # TensorRT checks the stream first: the error of an earlier fault
+            return False
+        if dev.oom_above_batch is not None and shape["input_ids"][0] > dev.oom_above_batch:
+            dev.last_error = Err.cudaErrorMemoryAllocation
+            return False
 
         def go():
+            if dev.sticky is not None:
+                return
+            if dev.pending_fault is not None:  # the kernel faults: nothing written, the context is lost
+                dev.sticky, dev.last_error = dev.pending_fault.value, dev.pending_fault.value
+                dev.pending_fault = None
+                return
             sess = self.eng.sess
             feed = {i.name: read(addr[i.name], ORT_TO_NP[i.type], shape[i.name]) for i in sess.get_inputs()}
             outs = sess.run(None, feed)

@@ -1,0 +1,134 @@
+"""The TensorRT backend when the GPU fails, on the strict fake with its injected faults (fake_trt.Device.inject): a
+sticky CUDA error is BackendLost (the engine fails at once), out of memory or a shape outside the profile fails only
+its step, and a failed CUDA graph replay runs eagerly and captures again once."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from lineside.build.tensorrt.builder import BuildOptions, build_engine
+from lineside.errors import LinesideError
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.engine_health import BackendLost
+from lineside.runtime.generate import compute_logits
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.runtime.tensorrt import fake_trt
+from tests.runtime.tensorrt.fake_trt import Fault
+
+IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150]
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture
+def engine_bundle(trt_bundle, monkeypatch, tmp_path):
+    import shutil
+
+    from lineside.bundle import open_bundle
+
+    dst = tmp_path / "bundle"
+    shutil.copytree(trt_bundle("fp16").path, dst)
+    dev = fake_trt.install(monkeypatch)
+    build_engine(dst, BuildOptions(num_slots=2, max_prefill=16, first_bucket=8, bucket_step=16))
+    return open_bundle(dst), dev
+
+
+def decode(slots, ids, past):
+    n = len(slots)
+    return StepBatch(slots=list(slots), input_ids=np.array(ids, dtype=np.int64).reshape(n, 1),
+                     past_lengths=np.array(past, dtype=np.int64), new_lengths=np.ones(n, np.int64),
+                     logits_positions=np.zeros((n, 1), np.int64))
+
+
+@pytest.mark.parametrize("fault", fake_trt.STICKY_FAULTS, ids=lambda f: f.name)
+def test_sticky_fault_is_backend_lost_with_one_line(engine_bundle, fault):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    be = TensorRTBackend(b, num_slots=2)
+    be.forward(StepBatch.single(0, IDS[:5], 0))
+    dev.inject(fault)
+    with pytest.raises(BackendLost) as lost:  # the decode step replays its graph; the fault shows at the sync
+        be.forward(decode([0], [IDS[5]], [5]))
+    msg = str(lost.value)
+    assert "\n" not in msg and f"CUDA context is lost ({fault.value.name} in " in msg and "restart" in msg
+    with pytest.raises(BackendLost, match=fault.value.name):  # every later step: the context stays lost
+        be.forward(StepBatch.single(1, IDS[:3], 0))
+    be.close()
+
+
+@pytest.mark.parametrize("fault", fake_trt.STICKY_FAULTS, ids=lambda f: f.name)
+def test_execute_answering_false_after_a_sticky_error_is_backend_lost(engine_bundle, fault):
+    """TensorRT's execute_async_v3 itself answers False: cudaGetLastError tells a lost context from a step's own."""
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    be = TensorRTBackend(b, num_slots=2)
+    dev.inject(fault, at_enqueue=True)
+    with pytest.raises(BackendLost, match=f"{fault.value.name} in TensorRT execute_async_v3"):
+        be.forward(StepBatch.single(1, IDS[:3], 0))  # a prefill: eager
+    be.close()
+
+
+def test_out_of_memory_on_a_larger_batch_fails_only_that_step(engine_bundle):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
+    be = TensorRTBackend(b, num_slots=2)
+    be.forward(StepBatch.single(0, IDS[:9], 0))
+    be.forward(StepBatch.single(1, IDS[:9], 0))
+    dev.inject(Fault.OUT_OF_MEMORY, above_batch=1)
+    with pytest.raises(LinesideError) as failed:  # 2 rows past 9 positions: a new length bucket, run eagerly first
+        be.forward(decode([0, 1], [IDS[9], IDS[9]], [9, 9]))
+    assert not isinstance(failed.value, BackendLost)
+    assert "cudaErrorMemoryAllocation" in str(failed.value) and "\n" not in str(failed.value)
+    got = be.forward(decode([0], [IDS[9]], [9]))  # one row still runs, and right
+    assert rel(got[0, 0], ref[9]) < 1e-4
+    be.close()
+
+
+def test_shape_outside_the_profile_fails_the_step_with_its_input(engine_bundle):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    be = TensorRTBackend(b, num_slots=2)
+    with pytest.raises(LinesideError, match=r"input input_ids shape \(4, 1\) is outside the TensorRT engine's "
+                                            r"profile .* rebuild with `lineside engine"):
+        be._set_shapes(be.contexts["decode"], 4, 1, 8, 1)  # 4 rows on an engine built for 2
+    be.close()
+
+
+def test_failed_replay_recaptures_once_then_runs_eagerly(engine_bundle, caplog):
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    ref = compute_logits(OnnxRuntimeBackend(b, flavor="trt", accuracy_level=0), IDS, "prefill")
+    be = TensorRTBackend(b, num_slots=2)
+    be.forward(StepBatch.single(0, IDS[:5], 0))
+    dev.inject(Fault.GRAPH_REPLAY, count=1)
+    with caplog.at_level(logging.WARNING, logger="lineside.tensorrt"):
+        got = be.forward(decode([0], [IDS[5]], [5]))
+    assert rel(got[0, 0], ref[5]) < 1e-4  # the step ran eagerly instead
+    assert "replay for bucket (1, 1, 1, 8) failed (cudaErrorInvalidResourceHandle); running the step eagerly and " \
+           "capturing the bucket again" in caplog.text
+    assert (1, 1, 1, 8) in be.graphs.graphs  # captured again ...
+    launched = dev.launched_graphs
+    got = be.forward(decode([0], [IDS[6]], [6]))
+    assert dev.launched_graphs == launched + 1 and rel(got[0, 0], ref[6]) < 1e-4  # ... and replayed
+    caplog.clear()
+    dev.inject(Fault.GRAPH_REPLAY, count=1)  # fails again: that bucket runs eagerly for good
+    with caplog.at_level(logging.WARNING, logger="lineside.tensorrt"):
+        got = be.forward(decode([0], [IDS[7]], [7]))
+    assert rel(got[0, 0], ref[7]) < 1e-4 and "runs eagerly from now on" in caplog.text
+    assert (1, 1, 1, 8) in be.graphs.failed and (1, 1, 1, 8) not in be.graphs.graphs
+    be.forward(StepBatch.single(1, IDS[:5], 0))
+    eager, launched = be.stats["eager"], dev.launched_graphs
+    got = be.forward(decode([1], [IDS[5]], [5]))  # the same bucket, another sequence
+    assert be.stats["eager"] == eager + 1 and dev.launched_graphs == launched and rel(got[0, 0], ref[5]) < 1e-4
+    be.close()
