@@ -106,6 +106,12 @@ class TensorRTBackend:
         self.contexts: dict[str, Any] = {}
         user_managed = self.trt.ExecutionContextAllocationStrategy.USER_MANAGED
         self.context_memory_bytes = max(int(self.engine.device_memory_size_v2), 1)
+        self.plan: BufferPlan = plan_buffers(
+            self.states, bundle.config, num_slots=num_slots, max_seq=self.max_seq_len, max_prefill=self.max_prefill,
+            max_logits=self.max_logits, vocab=self.vocab_size, input_names=self.input_names)
+        if self.lora is not None:
+            add_lora_buffers(self.plan, self.lora.arrays, num_slots)
+        self._check_memory(device)
         self.context_memory = check(self.cr, self.cr.cudaMalloc(self.context_memory_bytes), "cudaMalloc")
         for i, n in enumerate(names):
             ctx = self.engine.create_execution_context(user_managed)
@@ -116,11 +122,6 @@ class TensorRTBackend:
             ctx.set_optimization_profile_async(i, int(self.stream))
             self.contexts[n] = ctx
 
-        self.plan: BufferPlan = plan_buffers(
-            self.states, bundle.config, num_slots=num_slots, max_seq=self.max_seq_len, max_prefill=self.max_prefill,
-            max_logits=self.max_logits, vocab=self.vocab_size, input_names=self.input_names)
-        if self.lora is not None:
-            add_lora_buffers(self.plan, self.lora.arrays, num_slots)
         self.base = check(self.cr, self.cr.cudaMalloc(self.plan.total), "cudaMalloc")
         # whole-state rows kept across a verification step (speculation only: allocated by reserve_rewind)
         self.saves: SavePlan = plan_saves(self.plan.states, num_slots)
@@ -145,6 +146,22 @@ class TensorRTBackend:
             self._upload_lora()  # the column -> slot maps (and zeros for the empty slots)
         if warmup:
             self.warmup()
+
+    def _check_memory(self, device: int) -> None:
+        """Refuse, before allocating, a KV arena and buffers that the GPU's free memory cannot hold: one line with
+        the numbers and the flag to lower, instead of cudaMalloc's cudaErrorMemoryAllocation."""
+        free, total = check(self.cr, self.cr.cudaMemGetInfo(), "cudaMemGetInfo")
+        arena = sum(b.nbytes for b in self.plan.buffers.values() if b.role == "arena")
+        need = self.plan.total + self.context_memory_bytes
+        if need <= int(free):
+            return
+        gib = 1 << 30
+        raise BackendUnavailable(
+            f"the TensorRT backend needs {need / gib:.2f} GiB of GPU memory for --num-slots {self.num_slots} (KV "
+            f"cache {arena / gib:.2f} GiB for {self.num_slots} x {self.max_seq_len} positions, other buffers "
+            f"{(self.plan.total - arena) / gib:.2f} GiB, TensorRT activations {self.context_memory_bytes / gib:.2f} "
+            f"GiB) but GPU {device} has {int(free) / gib:.2f} GiB free of {int(total) / gib:.2f} GiB; lower "
+            f"--num-slots, or rebuild the bundle with a smaller --max-seq-len")
 
     # ---- LoRA slots (LoraBackend) ------------------------------------------------------
     @property

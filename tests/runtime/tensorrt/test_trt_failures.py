@@ -132,3 +132,30 @@ def test_failed_replay_recaptures_once_then_runs_eagerly(engine_bundle, caplog):
     got = be.forward(decode([1], [IDS[5]], [5]))  # the same bucket, another sequence
     assert be.stats["eager"] == eager + 1 and dev.launched_graphs == launched and rel(got[0, 0], ref[5]) < 1e-4
     be.close()
+
+
+def test_gpu_memory_too_small_for_the_kv_arena_is_one_line_before_allocating(engine_bundle):
+    from lineside.errors import BackendUnavailable
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, dev = engine_bundle
+    dev.free_mem = 4096  # the tiny model needs a few hundred KiB
+    allocated = len(dev.keep)
+    with pytest.raises(BackendUnavailable) as refused:
+        TensorRTBackend(b, num_slots=2)
+    msg = str(refused.value)
+    assert "\n" not in msg and "GiB of GPU memory for --num-slots 2 (KV cache" in msg
+    assert "for 2 x 64 positions" in msg and "GPU 0 has 0.00 GiB free of 16.00 GiB" in msg
+    assert "lower --num-slots" in msg and "--max-seq-len" in msg
+    assert len(dev.keep) == allocated  # refused before any device allocation
+
+
+def test_cli_generate_on_too_small_a_gpu_exits_1_with_the_line(engine_bundle, capsys):
+    from lineside.cli import main
+
+    b, dev = engine_bundle
+    dev.free_mem = 4096  # the tiny model needs a few hundred KiB
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(b.path), "--backend", "tensorrt", "--prompt", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("error: the TensorRT backend needs ") and "\n" not in err
