@@ -32,6 +32,7 @@ from lineside.runtime.tensorrt.kernels import StateKernels
 from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
 from lineside.runtime.tensorrt.lora_buffers import add_lora_buffers
 from lineside.runtime.tensorrt.saved_rows import SavePlan, plan_saves
+from lineside.runtime.tensorrt.trt_log import capturing_logger
 
 
 class TensorRTBackend:
@@ -91,12 +92,7 @@ class TensorRTBackend:
         self.input_names = list(fl.inputs) + ([LORA_SLOTS_INPUT, *self.lora.arrays] if self.lora else [])
         self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
 
-        logger = self.trt.Logger(self.trt.Logger.WARNING)
-        self.runtime = self.trt.Runtime(logger)
-        self.engine = self.runtime.deserialize_cuda_engine(Path(edir, ENGINE_FILE).read_bytes())
-        if self.engine is None:
-            raise BackendUnavailable(f"TensorRT could not load {edir / ENGINE_FILE} (corrupt, or built by another "
-                                     f"TensorRT); rebuild with `lineside engine {bundle.path}`")
+        self.engine = self._deserialize(Path(edir, ENGINE_FILE))
         names = [p["name"] for p in meta["profiles"]]
         self.stream = check(self.cr, self.cr.cudaStreamCreateWithFlags(self.cr.cudaStreamNonBlocking),
                             "cudaStreamCreateWithFlags")
@@ -162,6 +158,23 @@ class TensorRTBackend:
             f"{(self.plan.total - arena) / gib:.2f} GiB, TensorRT activations {self.context_memory_bytes / gib:.2f} "
             f"GiB) but GPU {device} has {int(free) / gib:.2f} GiB free of {int(total) / gib:.2f} GiB; lower "
             f"--num-slots, or rebuild the bundle with a smaller --max-seq-len")
+
+    def _deserialize(self, plan: Path) -> Any:
+        """The engine from its plan file, or one line naming the file, TensorRT's reason (a plan built by another
+        TensorRT or for another GPU, a corrupt file) and the rebuild command."""
+        rebuild = f"rebuild it on this machine with `lineside engine {self.bundle.path}`"
+        try:
+            data = plan.read_bytes()
+        except OSError as e:
+            raise BackendUnavailable(f"cannot read the TensorRT engine {plan} ({e.strerror or e}); {rebuild}") from None
+        logger = capturing_logger(self.trt)
+        self.runtime = self.trt.Runtime(logger)
+        engine = self.runtime.deserialize_cuda_engine(data) if data else None
+        if engine is None:
+            why = logger.errors[-1] if logger.errors else ("the file is empty" if not data else
+                                                           "corrupt, or built by another TensorRT")
+            raise BackendUnavailable(f"TensorRT could not load the engine {plan} ({why}); {rebuild}")
+        return engine
 
     # ---- LoRA slots (LoraBackend) ------------------------------------------------------
     @property

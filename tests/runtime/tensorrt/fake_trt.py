@@ -9,6 +9,7 @@ addresses, shapes, re-layouts, append kernels and graph replays are all exercise
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import types
 from enum import Enum, IntEnum
@@ -193,11 +194,11 @@ RETURNS = {"cudaGetDeviceCount": 1, "cudaGetDeviceProperties": 1, "cudaRuntimeGe
 
 
 def _sticky_wrapped(dev: Device, fn: Any, values: int) -> Any:
+    @functools.wraps(fn)  # the signature stays the real call's (test_cuda_real checks the arities)
     def call(*args: Any) -> Any:
         if dev.sticky is not None and fn.__name__ != "last_error":
             return (dev.sticky, *([None] * values))
         return fn(*args)
-    call.__name__ = fn.__name__
     return call
 
 
@@ -335,7 +336,7 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
 
     m = types.ModuleType("tensorrt")
     m.__version__ = version
-    m.fail = None  # "parse" | "build": make the parser or the builder fail
+    m.fail = None  # "parse" | "build" | "plan-version" | "plan-gpu" | "plan-corrupt": make that step fail
 
     class Logger:
         WARNING = 2
@@ -344,6 +345,12 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
             pass
 
     class IProgressMonitor:
+        def __init__(self):
+            pass
+
+    class ILogger:  # lineside subclasses it (a real class, as in TensorRT's bindings); severities as TensorRT's
+        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
         def __init__(self):
             pass
 
@@ -443,12 +450,24 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
 
     class Runtime:
         def __init__(self, logger):
-            pass
+            self.logger = logger
 
         def deserialize_cuda_engine(self, data):
+            # m.fail: "plan-version" / "plan-gpu" (a plan from another TensorRT / GPU), "plan-corrupt": TensorRT logs
+            # its reason and answers None (the messages are TensorRT 10's)
+            reason = {"plan-version": "The engine plan file is not compatible with this version of TensorRT, "
+                                      "expecting library version 10.3.0.30 got 10.0.1.6, please rebuild.",
+                      "plan-gpu": "The engine plan file is generated on an incompatible device, expecting compute "
+                                  "8.7 got compute 8.9, please rebuild.",
+                      "plan-corrupt": "IRuntime::deserializeCudaEngine: Error Code 1: Serialization (Serialization "
+                                      "assertion magicTagRead == kMAGIC_TAG failed.Magic tag does not match)"}.get(m.fail)
+            if reason is not None:
+                self.logger.log(m.ILogger.ERROR, reason)
+                return None
             rec = json.loads(bytes(data))
             return _Engine(dev, Path(rec["graph"]), rec["profiles"])
 
+    m.ILogger = ILogger
     m.Logger, m.IProgressMonitor, m.Builder, m.OnnxParser, m.Runtime = Logger, IProgressMonitor, Builder, OnnxParser, Runtime
     m.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
     m.BuilderFlag = types.SimpleNamespace(FP16="FP16")
@@ -456,7 +475,7 @@ def make_tensorrt(dev: Device, version: str = "10.3.0") -> StrictModule:
     m.ExecutionContextAllocationStrategy = types.SimpleNamespace(STATIC=0, ON_PROFILE_CHANGE=1, USER_MANAGED=2)
     # lineside sees the fake through the real API of the release it claims to be (tests/runtime/tensorrt/trt_api.py);
     # IProgressMonitor stays a real class because lineside subclasses it.
-    return StrictModule(m, load_api(release_for(version)), passthrough=("IProgressMonitor", "fail"))
+    return StrictModule(m, load_api(release_for(version)), passthrough=("IProgressMonitor", "ILogger", "fail"))
 
 
 def install(monkeypatch: Any, capture_ok: bool = True, gpu: str = "Fake GPU", trt_version: str = "10.3.0") -> Device:

@@ -74,6 +74,22 @@ def test_fake_runtime_has_only_real_names_and_arities():
             assert int(real) == value, name
 
 
+def test_fake_and_sticky_error_codes_are_cuda_pythons():
+    """The fake's errors and the sticky set (cuda_errors.py) are cudaError_t members with the same values, and the
+    driver API numbers its sticky errors alike (a kernel launch's CUresult is classified by the same table)."""
+    from cuda.bindings import driver
+
+    from lineside.runtime.tensorrt.cuda_errors import StickyError, sticky
+
+    for member in [*fake_trt.Err, *StickyError]:
+        assert int(getattr(cudart.cudaError_t, member.name)) == int(member), member.name
+    assert sticky(driver.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS) == StickyError.cudaErrorIllegalAddress
+    assert sticky(driver.CUresult.CUDA_ERROR_LAUNCH_FAILED) == StickyError.cudaErrorLaunchFailure
+    assert sticky(driver.CUresult.CUDA_ERROR_ECC_UNCORRECTABLE) == StickyError.cudaErrorECCUncorrectable
+    assert sticky(cudart.cudaError_t.cudaErrorMemoryAllocation) is None
+    assert sticky(cudart.cudaError_t.cudaErrorLaunchOutOfResources) is None
+
+
 def test_real_runtime_without_driver_is_one_line():
     err = cudart.cudaGetDeviceCount()[0]
     if int(err) == 0:

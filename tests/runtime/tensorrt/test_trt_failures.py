@@ -159,3 +159,38 @@ def test_cli_generate_on_too_small_a_gpu_exits_1_with_the_line(engine_bundle, ca
         main(["generate", str(b.path), "--backend", "tensorrt", "--prompt", "hi", "--max-tokens", "2"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("error: the TensorRT backend needs ") and "\n" not in err
+
+
+@pytest.mark.parametrize(("fail", "why"), [
+    ("plan-version", "not compatible with this version of TensorRT, expecting library version 10.3.0.30 got 10.0.1.6"),
+    ("plan-gpu", "generated on an incompatible device, expecting compute 8.7 got compute 8.9"),
+    ("plan-corrupt", "Magic tag does not match"),
+])
+def test_engine_that_fails_to_deserialize_names_file_reason_and_rebuild(engine_bundle, fail, why):
+    """engine.json matches this machine but the plan does not (copied from elsewhere, TensorRT updated in place, a
+    torn write): TensorRT's own reason, caught from its log, in the one line."""
+    import sys
+
+    from lineside.errors import BackendUnavailable
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    sys.modules["tensorrt"].fail = fail
+    with pytest.raises(BackendUnavailable) as refused:
+        TensorRTBackend(b, num_slots=2)
+    msg = str(refused.value)
+    [plan] = (b.path / "engines").glob("*/model.engine")
+    assert "\n" not in msg and f"TensorRT could not load the engine {plan} (" in msg and why in msg
+    assert msg.endswith(f"rebuild it on this machine with `lineside engine {b.path}`")
+
+
+def test_empty_engine_file_is_one_line(engine_bundle):
+    from lineside.errors import BackendUnavailable
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b, _ = engine_bundle
+    [plan] = (b.path / "engines").glob("*/model.engine")
+    plan.write_bytes(b"")
+    with pytest.raises(BackendUnavailable, match=r"could not load the engine .*model.engine \(the file is empty\); "
+                                                 r"rebuild it on this machine"):
+        TensorRTBackend(b, num_slots=2)
