@@ -26,7 +26,13 @@ from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
 from lineside.runtime.tensorrt.arena import ArenaLayout, Relayout, Swap, chunks, gather_chunk_logits
 from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_dtype_of, plan_buffers
 from lineside.runtime.tensorrt.cuda_errors import lost, sticky
-from lineside.runtime.tensorrt.env import check, import_cudart, import_tensorrt, probe_gpu
+from lineside.runtime.tensorrt.env import (
+    check,
+    host_memory_available,
+    import_cudart,
+    import_tensorrt,
+    probe_gpu,
+)
 from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
 from lineside.runtime.tensorrt.kernels import StateKernels
 from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
@@ -107,7 +113,7 @@ class TensorRTBackend:
             max_logits=self.max_logits, vocab=self.vocab_size, input_names=self.input_names)
         if self.lora is not None:
             add_lora_buffers(self.plan, self.lora.arrays, num_slots)
-        self._check_memory(device)
+        self._check_memory(device, integrated=gpu.integrated)
         self.context_memory = check(self.cr, self.cr.cudaMalloc(self.context_memory_bytes), "cudaMalloc")
         for i, n in enumerate(names):
             ctx = self.engine.create_execution_context(user_managed)
@@ -143,10 +149,13 @@ class TensorRTBackend:
         if warmup:
             self.warmup()
 
-    def _check_memory(self, device: int) -> None:
+    def _check_memory(self, device: int, *, integrated: bool = False) -> None:
         """Refuse, before allocating, a KV arena and buffers that the GPU's free memory cannot hold: one line with
-        the numbers and the flag to lower, instead of cudaMalloc's cudaErrorMemoryAllocation."""
+        the numbers and the flag to lower, instead of cudaMalloc's cudaErrorMemoryAllocation. On an integrated GPU
+        (Jetson) the host's MemAvailable counts too: the bundle just read sits in page cache the kernel gives back."""
         free, total = check(self.cr, self.cr.cudaMemGetInfo(), "cudaMemGetInfo")
+        if integrated:
+            free = max(int(free), host_memory_available() or 0)
         arena = sum(b.nbytes for b in self.plan.buffers.values() if b.role == "arena")
         need = self.plan.total + self.context_memory_bytes
         if need <= int(free):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -96,6 +97,7 @@ class GpuInfo:
     cuda_runtime: str  # "12.6"
     driver: str  # CUDA version the driver supports, "12.6"
     total_mem: int
+    integrated: bool = False  # memory shared with the CPU (Jetson): cudaMemGetInfo's "free" leaves out page cache
 
 
 def _ver(v: int) -> str:
@@ -139,7 +141,20 @@ def probe_gpu(device: int = 0) -> GpuInfo:
     drv = check(cudart, cudart.cudaDriverGetVersion(), "cudaDriverGetVersion")
     name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
     return GpuInfo(name=name.strip("\x00").strip(), sm=f"{props.major}.{props.minor}", cuda_runtime=_ver(int(rt)),
-                   driver=_ver(int(drv)), total_mem=int(props.totalGlobalMem))
+                   driver=_ver(int(drv)), total_mem=int(props.totalGlobalMem),
+                   integrated=bool(getattr(props, "integrated", 0)))
+
+
+def host_memory_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable (bytes): on an integrated GPU what the GPU can still get, page cache the kernel would drop
+    included, which cudaMemGetInfo's free leaves out (NVIDIA's Jetson guidance); None off Linux."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def tensorrt_version() -> str:

@@ -67,6 +67,7 @@ class Device:
         self.launched_graphs = 0
         self.eager_engine_runs = 0
         self.free_mem = 1 << 34  # cudaMemGetInfo's free bytes
+        self.integrated = False  # cudaDeviceProp.integrated: memory shared with the CPU (a Jetson)
         self.sticky: Err | None = None  # set once a sticky fault happened: the context is lost
         self.last_error = Err.cudaSuccess  # what cudaGetLastError returns (and clears, unless sticky)
         self.pending_fault: Fault | None = None  # a sticky fault waiting for the next engine run
@@ -117,9 +118,10 @@ def make_cudart(dev: Device, name: str = "Fake GPU", sm: tuple[int, int] = (8, 7
     m.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2,
                                              cudaMemcpyDeviceToDevice=3)
     m.cudaStreamCaptureMode = types.SimpleNamespace(cudaStreamCaptureModeThreadLocal=1)
-    props = types.SimpleNamespace(name=name.encode(), major=sm[0], minor=sm[1], totalGlobalMem=1 << 34)
     m.cudaGetDeviceCount = lambda: (ok, 1)
-    m.cudaGetDeviceProperties = lambda d: (ok, props)
+    m.cudaGetDeviceProperties = lambda d: (ok, types.SimpleNamespace(name=name.encode(), major=sm[0], minor=sm[1],
+                                                                     totalGlobalMem=1 << 34,
+                                                                     integrated=int(dev.integrated)))
     m.cudaRuntimeGetVersion = lambda: (ok, 12060)
     m.cudaDriverGetVersion = lambda: (ok, 12060)
     m.cudaSetDevice = lambda d: (ok,)
