@@ -2,18 +2,24 @@
 requests but for their ids and scheduling, and output options), only when the answer is reproducible (greedy or
 seeded) and no prefill session is involved.
 
-Bounded (least recently used goes first) and every entry expires after its TTL on an injected clock.
+Bounded by entries and by the bytes of the answers' JSON (least recently used goes first; an answer bigger than
+the whole byte bound is not kept), as the responses store is: a count alone let 512 long answers with
+``top_logprobs`` (~0.6 MB of JSON, ~2 MB as Python objects, each) take a gigabyte. Answers are held as compact JSON (a quarter of the
+memory their dicts take) and every entry expires after its TTL on an injected clock.
 """
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from lineside.runtime.request import GenerationRequest
 from lineside.runtime.sampling import SamplingParams
+
+DEFAULT_CACHE_MB = 64  # the byte bound's default, as the responses store's
 
 # The GenerationRequest fields that do not change the answer: who asked, when it is due, how it is scheduled.
 # Every other field is keyed (prompt ids, max_tokens, sampling with its seed and min_tokens, stop strings and
@@ -43,14 +49,25 @@ def cache_key(*, model: str, endpoint: str, requests: Sequence[GenerationRequest
     return (model, endpoint, n, tuple(request_key(r) for r in requests), output)
 
 
-class ResponseCache:
-    """key → (stored at, body); ``get`` counts hits and misses for /metrics."""
+class _Entry(NamedTuple):
+    stored_at: float
+    body: bytes  # the answer as compact UTF-8 JSON
 
-    def __init__(self, *, max_entries: int, ttl_s: float, clock: Callable[[], float]):
+
+class ResponseCache:
+    """key → (stored at, body as JSON), at most ``max_entries`` of them and ``max_bytes`` of their JSON; ``get``
+    counts hits and misses for /metrics."""
+
+    def __init__(self, *, max_entries: int, ttl_s: float, clock: Callable[[], float],
+                 max_bytes: int = DEFAULT_CACHE_MB << 20):
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
-        self._entries: OrderedDict[Hashable, tuple[float, dict[str, Any]]] = OrderedDict()
+        self.bytes = 0  # the JSON bytes of what is held
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -58,19 +75,31 @@ class ResponseCache:
         return len(self._entries)
 
     def put(self, key: Hashable, body: dict[str, Any]) -> None:
-        self._entries[key] = (self.clock(), body)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        """Keep ``body`` for ``key`` (replacing what was), dropping the least recently used past the bounds; an
+        answer bigger than ``max_bytes`` alone is not kept (nor is the older one for its key)."""
+        self._drop(key)
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        if len(data) > self.max_bytes:
+            return
+        self._entries[key] = _Entry(self.clock(), data)
+        self.bytes += len(data)
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= len(self._entries.popitem(last=False)[1].body)
 
     def get(self, key: Hashable) -> dict[str, Any] | None:
+        """The answer kept for ``key`` (a fresh copy), marked recently used; None when absent or expired."""
         entry = self._entries.get(key)
-        if entry is not None and self.clock() - entry[0] > self.ttl_s:
-            del self._entries[key]
+        if entry is not None and self.clock() - entry.stored_at > self.ttl_s:
+            self._drop(key)
             entry = None
         if entry is None:
             self.misses += 1
             return None
         self._entries.move_to_end(key)
         self.hits += 1
-        return entry[1]
+        return json.loads(entry.body)
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= len(entry.body)

@@ -93,7 +93,8 @@ class SloGuard:
         self.signals = SignalSource(window_s=policy.window_s, min_samples=policy.min_samples, clock=clock,
                                     device=device)
         self.controller = SloController(policy, now=clock(), on_transition=self._transition)
-        self.cache = ResponseCache(max_entries=policy.cache.max_entries, ttl_s=policy.cache.ttl_s, clock=clock)
+        self.cache = ResponseCache(max_entries=policy.cache.max_entries, ttl_s=policy.cache.ttl_s, clock=clock,
+                                   max_bytes=max(int(policy.cache.max_mb * (1 << 20)), 1))
         self._fallback_source = fallback
         self.fallback: ServingEngine | None = None if isinstance(fallback, (str, os.PathLike)) else fallback
         self._owns_fallback = self.fallback is None and fallback is not None

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lineside.errors import LinesideError
 from lineside.runtime.request import Mode, Priority
+from lineside.server.slo.cache import DEFAULT_CACHE_MB
 
 
 class _Strict(BaseModel):
@@ -88,9 +89,11 @@ class Pin(_Strict):
 
 
 class CachePolicy(_Strict):
-    """The level-2 response cache: at most ``max_entries`` answers, each for ``ttl_s`` seconds."""
+    """The level-2 response cache: at most ``max_entries`` answers and ``max_mb`` MiB of their JSON, each for
+    ``ttl_s`` seconds."""
 
     max_entries: int = Field(default=512, ge=1)
+    max_mb: float = Field(default=DEFAULT_CACHE_MB, gt=0, description="MiB of the answers' JSON held at most")
     ttl_s: float = Field(default=300.0, gt=0)
 
 

@@ -159,3 +159,40 @@ def test_a_level_2_pin_is_a_floor_even_while_a_level_1_threshold_is_crossed():
     c = SloController(policy, now=0.0)
     assert c.evaluate(slow(0.1), now=1, local_time=NOON) == Level.FALLBACK
     assert c.evaluate(slow(1.0), now=400, local_time=NOON) == Level.FALLBACK  # and it is not left
+
+
+def test_response_cache_is_bounded_by_the_bytes_of_its_answers():
+    """512 long logprob answers must not take a gigabyte: past max_bytes of JSON the least recently used go, and
+    an answer bigger than the whole bound is not kept."""
+    import json
+
+    now = [0.0]
+    cache = ResponseCache(max_entries=512, ttl_s=10, clock=lambda: now[0], max_bytes=1000)
+    answer = {"text": "é" * 140}  # 280 bytes of UTF-8 in its JSON
+    size = len(json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode())
+    for key in "abc":
+        cache.put(key, answer)
+    assert cache.bytes == 3 * size and len(cache) == 3
+    assert cache.get("a") == answer  # a is the most recent now
+    cache.put("d", answer)  # a fourth goes past 1000 bytes: b, the least recently used, goes
+    assert cache.get("b") is None and cache.get("a") == answer and len(cache) == 3
+    assert cache.bytes == 3 * size <= 1000
+    cache.put("a", {"text": "x"})  # replacing an answer counts its bytes once
+    assert cache.bytes == 2 * size + len(b'{"text":"x"}')
+    cache.put("huge", {"text": "x" * 2000})  # bigger than the whole bound: not kept, nothing else dropped
+    assert cache.get("huge") is None and len(cache) == 3
+    got = cache.get("c")
+    got["text"] = "changed"  # a caller's change does not reach the kept answer
+    assert cache.get("c") == answer
+    now[0] = 10.5
+    assert cache.get("c") is None and cache.bytes == size + len(b'{"text":"x"}')  # expired: its bytes freed
+
+
+def test_slo_policy_sizes_the_cache_in_mib(tmp_path):
+    from lineside.server.slo.policy import load_policy
+
+    (tmp_path / "p.json").write_text('{"cache": {"max_mb": 0.5}}')
+    assert load_policy(tmp_path / "p.json").cache.max_mb == 0.5
+    (tmp_path / "bad.json").write_text('{"cache": {"max_mb": 0}}')
+    with pytest.raises(Exception, match="max_mb"):
+        load_policy(tmp_path / "bad.json")
