@@ -43,6 +43,10 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS, help="longest pause, in seconds, inside a request body")] = 10.0,
     keep_alive_timeout: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS, help="seconds an idle keep-alive connection stays")] = 5.0,
+    send_timeout: Annotated[float, checks.number_option(
+        kind=float, above=0, high=checks.MAX_SECONDS,
+        help="seconds a client may take none of its answer (a stream it stopped reading) before its connection is "
+             "reset and its generation cancelled")] = 60.0,
     max_connections_per_client: Annotated[int, checks.number_option(
         low=0, high=1_000_000, help="open connections one client address may hold (beyond: 429, closed; 0: no "
                                      "limit, e.g. behind a gateway that is one address)")] = 128,
@@ -291,7 +295,7 @@ def serve(
                          allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars,
                          max_failed_steps=max_failed_steps)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
-                            keep_alive_timeout=keep_alive_timeout,
+                            keep_alive_timeout=keep_alive_timeout, send_timeout=send_timeout,
                             max_connections_per_client=max_connections_per_client, max_connections=max_connections)
     except BaseException:
         sock.close()

@@ -1,8 +1,9 @@
 """HTTP/1.1 connection hygiene under uvicorn: the parser is httptools (llhttp, Node.js's parser), which
 already refuses Content-Length together with Transfer-Encoding and malformed or overflowing chunk sizes;
 this subclass adds what no stack we measured does (benchmarks/http_stacks.py): a deadline for the
-request head, a header count and size limit, a body-progress timeout, and OpenAI-shaped refusals that
-close the connection, so nothing after a bad message is ever parsed as a request. It also caps open
+request head, a header count and size limit, a body-progress timeout, a send timeout for a client that stops
+taking its answer, and OpenAI-shaped refusals that close the connection, so nothing after a bad message is ever
+parsed as a request. It also caps open
 connections per client address and in all (as nginx's limit_conn does): one client cannot take every
 socket the server has.
 
@@ -13,9 +14,12 @@ It relies on uvicorn's HttpToolsProtocol internals (its callbacks and per-connec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
+import socket
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -74,6 +78,9 @@ class HttpLimits:
     body_timeout: float = 10.0  # longest pause between two pieces of a request body
     body_deadline: float = 120.0  # whole body, however steadily it trickles
     keep_alive_timeout: float = 5.0  # idle keep-alive connection between requests
+    # a client that takes none of its answer (a stream or a body it stopped reading, its TCP window full) this long
+    # is cut off: nginx's send_timeout. Without it the connection, and a stream's tokens, were held forever.
+    send_timeout: float = 60.0
     max_header_bytes: int = 16 * 1024  # request line + all header lines
     max_header_count: int = 100
     max_connections_per_client: int = 128  # open connections from one address (0: no limit, e.g. behind a gateway)
@@ -81,7 +88,8 @@ class HttpLimits:
     refusal_linger: float = 1.0  # seconds a refused connection may take to send its request and read the answer
 
     def check(self) -> None:
-        for name in ("header_timeout", "body_timeout", "body_deadline", "keep_alive_timeout", "refusal_linger"):
+        for name in ("header_timeout", "body_timeout", "body_deadline", "keep_alive_timeout", "send_timeout",
+                     "refusal_linger"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("max_header_bytes", "max_header_count", "max_connections"):
@@ -100,6 +108,7 @@ class ConnectionCounter:
         self.open = 0
         self.refused = 0
         self.malformed = 0  # requests refused as malformed HTTP (logged sampled, as refusals are)
+        self.stalled = 0  # connections cut off because the client took none of its answer for the send timeout
 
     def admit(self, client: str | None) -> tuple[int, str, str] | None:
         """None (counted in: release it when it closes), or the refusal (status, message, code)."""
@@ -189,6 +198,32 @@ def _unframed_for_http10(cycle: Any) -> None:
     cycle.send = send_unframed
 
 
+class _CountingTransport:
+    """The connection's transport as uvicorn writes to it, counting what it is given: that less what it still
+    buffers is what the kernel has taken, i.e. what the client read (asyncio itself tells only high/low water)."""
+
+    def __init__(self, inner: asyncio.Transport, on_write: Callable[[], None]):
+        self.inner = inner
+        self.written = 0
+        self._on_write = on_write
+
+    @property
+    def taken(self) -> int:
+        return self.written - self.inner.get_write_buffer_size()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += len(data)
+        self.inner.write(data)
+        self._on_write()
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def __getattr__(self, name: str) -> Any:  # close, is_closing, get_extra_info, ... as the transport's own
+        return getattr(self.inner, name)
+
+
 class _HeadTooLarge(Exception):
     """Raised from a parser callback to stop parsing; httptools re-raises it wrapped in HttpParserError."""
 
@@ -214,6 +249,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._body_deadline = 0.0
         self._in_body = False
         self._origin: str | None = None  # the request's Origin, once its header is parsed (for CORS on a refusal)
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while written bytes wait for the client
+        self._send_taken = 0  # what the client had taken at the last check
+        self._send_since = 0.0  # loop time it last took something (or the buffer began to fill)
 
     # ---- timers ---------------------------------------------------------------------------------
     def _arm(self, delay: float, why: str) -> None:
@@ -262,6 +300,42 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(_refusal(status, message, code, cors))
             self.transport.close()
 
+    # ---- send timeout -----------------------------------------------------------------------------
+    def _wrote(self) -> None:
+        """After each write: unsent bytes arm the watch (so every byte left in the buffer is watched, through a
+        close too: asyncio's close waits for the buffer to drain, and never ends for a client that does not read)."""
+        if self._send_timer is None and self._raw.get_write_buffer_size() > 0:
+            self._send_taken, self._send_since = self._counting.taken, self.loop.time()
+            self._send_timer = self.loop.call_later(self.limits.send_timeout / 4, self._check_send)
+
+    def _check_send(self) -> None:
+        """Every quarter of the send timeout while bytes wait: cut the connection off once the client has taken
+        none of them for the whole timeout."""
+        self._send_timer = None
+        if self._raw.get_write_buffer_size() == 0:
+            return  # all taken: the next write that leaves some arms the watch again
+        now, taken = self.loop.time(), self._counting.taken
+        if taken > self._send_taken:
+            self._send_taken, self._send_since = taken, now
+        elif now - self._send_since >= self.limits.send_timeout:
+            self._stalled()
+            return
+        self._send_timer = self.loop.call_later(self.limits.send_timeout / 4, self._check_send)
+
+    def _stalled(self) -> None:
+        """Reset, not close: a close waits for the client to take the buffer (asyncio's, then the kernel's for
+        minutes). uvicorn's connection_lost tells the app the client is gone, so a stream's engine requests are
+        cancelled and their slots freed."""
+        self.counter.stalled += 1
+        if _sampled(self.counter.stalled):
+            log.warning("reset the connection to %s: the client took none of its answer for %g s (--send-timeout); "
+                        "%d reset so far", self.client, self.limits.send_timeout, self.counter.stalled)
+        sock = self._raw.get_extra_info("socket")
+        if sock is not None:  # linger 0: the kernel drops what it holds and sends RST, as nginx's reset_timedout_connection
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._raw.abort()
+
     def _count_refusal(self, code: str) -> None:
         if self.on_refusal is not None:
             self.on_refusal(REFUSAL_OUTCOMES.get(code, "invalid"))
@@ -269,6 +343,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     # ---- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._raw = transport
+        self._counting = _CountingTransport(transport, self._wrote)
+        self.transport = self._counting  # type: ignore[assignment]  # what uvicorn (and its cycles) write to
         address = self.client[0] if self.client else None
         refusal = self.counter.admit(address)
         if refusal is None:
@@ -284,6 +361,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self._admitted:
             self._admitted = False
             self.counter.release(self.client[0] if self.client else None)

@@ -527,6 +527,7 @@ def test_api_key_sources(tmp_path, monkeypatch, caplog):
 @pytest.mark.parametrize("extra,needle", [
     (["--header-timeout", "0"], "--header-timeout"), (["--body-timeout", "-1"], "--body-timeout"),
     (["--keep-alive-timeout", "0"], "--keep-alive-timeout"), (["--tokenizer-processes", "-1"], "--tokenizer-processes"),
+    (["--send-timeout", "0"], "--send-timeout"),
     (["--api-key-file", "/no/such/key"], "--api-key-file"),
 ])
 def test_serve_hardening_options_fail_in_one_line(tiny_bundle, extra, needle, capsys):
