@@ -21,6 +21,7 @@ import typer
 
 from lineside.errors import LinesideError
 from lineside.file_lock import LockState, lock_exclusive
+from lineside.host_memory import available_memory_bytes
 
 if TYPE_CHECKING:
     from lineside.bundle import Manifest
@@ -346,17 +347,6 @@ def staged_dir(path: Path) -> Iterator[Path]:
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1,
                 "uint4x2": 1}  # a packed int4 KV state: its shape counts bytes (two values each)
-
-
-def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none: not Linux)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def decode_state_bytes(manifest: Manifest, num_slots: int) -> int:

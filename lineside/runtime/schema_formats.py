@@ -17,28 +17,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lineside.runtime.schema_walk import schema_nodes
+
 # the seconds' first digit sits at a fixed place: "YYYY-MM-DDTHH:MM:" and "HH:MM:"
 SECONDS_PATTERNS = {"date-time": "^.{17}[0-5].*$", "time": "^.{6}[0-5].*$"}
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
 
 
 def no_leap_seconds(schema: Any) -> Any:
     """``schema`` (a copy the caller owns: changed in place and returned) with every ``date-time`` / ``time``
     string kept off second 60; a pattern already there is kept, the new one joining it through ``allOf``."""
-    todo = [schema]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            pattern = SECONDS_PATTERNS.get(v.get("format")) if isinstance(v.get("format"), str) else None
-            t = v.get("type", "string")
-            if pattern is not None and (t == "string" or isinstance(t, list) and "string" in t):
-                if "pattern" not in v:
-                    v["pattern"] = pattern
-                elif isinstance(v.get("allOf", []), list):
-                    v["allOf"] = [*v.get("allOf", []), {"pattern": pattern}]
-            todo.extend(s for k, s in v.items() if k not in _DATA_KEYS)
+    for v in schema_nodes(schema):
+        pattern = SECONDS_PATTERNS.get(v.get("format")) if isinstance(v.get("format"), str) else None
+        t = v.get("type", "string")
+        if pattern is not None and (t == "string" or isinstance(t, list) and "string" in t):
+            if "pattern" not in v:
+                v["pattern"] = pattern
+            elif isinstance(v.get("allOf", []), list):
+                v["allOf"] = [*v.get("allOf", []), {"pattern": pattern}]
     return schema
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lineside.runtime.schema_walk import schema_nodes
+
 # How far a whole-number exclusive bound is moved inward (or half the range, when that is narrower): the numbers
 # lost, (n, n + 1e-10), need ten decimals; a nearer bound still compiles to a small regular expression.
 EPSILON = 1e-10
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
 
 
 def _number(v: Any) -> float | None:
@@ -56,13 +57,7 @@ def _fixed(node: dict[str, Any]) -> None:
 def fix_number_ranges(schema: Any) -> Any:
     """``schema`` (a copy the caller owns: changed in place and returned) with every number range the grammar engine
     would widen moved inward; walked without recursion, data values (enum, const, ...) left alone."""
-    todo = [schema]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            if any(k in v for k in ("exclusiveMinimum", "exclusiveMaximum")):
-                _fixed(v)
-            todo.extend(s for k, s in v.items() if k not in _DATA_KEYS)
+    for v in schema_nodes(schema):
+        if any(k in v for k in ("exclusiveMinimum", "exclusiveMaximum")):
+            _fixed(v)
     return schema

@@ -25,6 +25,7 @@ import numpy as np
 from lineside.errors import LinesideError
 from lineside.runtime.schema_formats import no_leap_seconds, without_unenforced_formats
 from lineside.runtime.schema_numbers import fix_number_ranges
+from lineside.runtime.schema_walk import DATA_KEYS, schema_nodes
 
 # JSON is generated compactly but readably (the separators of json.dumps), with no free whitespace:
 # small models given free whitespace can pad a value with newlines until max_tokens.
@@ -403,16 +404,8 @@ def _check_repetitions(text: str, param: str, grammar: bool = False) -> None:
 def _schema_entries(schema: Any) -> Iterator[tuple[str, Any]]:
     """Every (keyword, value) of ``schema`` and its subschemas, walked without recursion (schemas nest deep); a data
     keyword's value (``enum``, ``const``, ...) is yielded but not walked into."""
-    todo = [schema]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, list):
-            todo.extend(v)
-        elif isinstance(v, dict):
-            for k, s in v.items():
-                yield k, s
-                if k not in _DATA_KEYS:
-                    todo.append(s)
+    for v in schema_nodes(schema):
+        yield from v.items()
 
 
 def _patterns(schema: Any) -> list[str]:
@@ -431,7 +424,6 @@ def _largest_enum(schema: Any) -> int:
     return max((len(s) for k, s in _schema_entries(schema) if k == "enum" and isinstance(s, list)), default=0)
 
 
-_DATA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})  # values, not subschemas
 _EXTRA_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
 _OPEN_MEMBER_KEYS = _EXTRA_KEYS | {"allOf", "anyOf", "oneOf", "$ref"}  # a member whose keys this cannot list
 
@@ -463,7 +455,7 @@ def _definitions(schema: Any) -> dict[str, Any]:
             todo.extend((s, f"{at}/{i}") for i, s in enumerate(v))
         elif isinstance(v, dict):
             for k, s in v.items():
-                if k in _DATA_KEYS:
+                if k in DATA_KEYS:
                     continue
                 here = f"{at}/{_pointer_token(k)}"
                 if k in ("$defs", "definitions") and isinstance(s, dict):
@@ -484,7 +476,7 @@ def _all_of_refs(schema: Any, out: set[str]) -> None:
         for k, v in schema.items():
             if k == "allOf" and isinstance(v, list):
                 out.update(m["$ref"] for m in v if isinstance(m, dict) and isinstance(m.get("$ref"), str))
-            if k not in _DATA_KEYS:
+            if k not in DATA_KEYS:
                 _all_of_refs(v, out)
 
 
@@ -500,7 +492,7 @@ def _closed(schema: Any, defs: dict[str, Any], members: set[int], member: bool, 
     branch_of = tuple(props) if props is not None and not _EXTRA_KEYS & schema.keys() else ()
     out = {}
     for k, v in schema.items():
-        if k in _DATA_KEYS:
+        if k in DATA_KEYS:
             out[k] = v
         elif k == "allOf" and isinstance(v, list):
             out[k] = [_closed(s, defs, members, True) for s in v]

@@ -18,6 +18,7 @@ import numpy as np
 from lineside.bundle import Bundle
 from lineside.errors import BackendUnavailable, BundleError, LinesideError
 from lineside.graph_io import StateTensor, StateUpdate
+from lineside.host_memory import available_memory_bytes
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.graph_context import check_rope_positions
@@ -28,7 +29,6 @@ from lineside.runtime.tensorrt.buffers import BufferPlan, check_kv_support, kv_d
 from lineside.runtime.tensorrt.cuda_errors import lost, sticky
 from lineside.runtime.tensorrt.env import (
     check,
-    host_memory_available,
     import_cudart,
     import_tensorrt,
     probe_gpu,
@@ -155,7 +155,7 @@ class TensorRTBackend:
         (Jetson) the host's MemAvailable counts too: the bundle just read sits in page cache the kernel gives back."""
         free, total = check(self.cr, self.cr.cudaMemGetInfo(), "cudaMemGetInfo")
         if integrated:
-            free = max(int(free), host_memory_available() or 0)
+            free = max(int(free), available_memory_bytes() or 0)
         arena = sum(b.nbytes for b in self.plan.buffers.values() if b.role == "arena")
         need = self.plan.total + self.context_memory_bytes
         if need <= int(free):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -145,15 +144,6 @@ def probe_gpu(device: int = 0) -> GpuInfo:
                    integrated=bool(getattr(props, "integrated", 0)))
 
 
-def host_memory_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable (bytes): on an integrated GPU what the GPU can still get, page cache the kernel would drop
-    included, which cudaMemGetInfo's free leaves out (NVIDIA's Jetson guidance); None off Linux."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
     return None
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from lineside.errors import LinesideError
+from lineside.host_memory import available_memory_bytes
 
 # In the tokenizer folder but not the tokenizer: the model's sampling recommendation (the server samples with the
 # primary's), which siblings of one family often set apart (Qwen2.5-0.5B-Instruct's repetition_penalty is not 7B's)
@@ -60,12 +61,7 @@ def planned_bytes(bundle: str | os.PathLike[str], *, num_slots: int) -> int:
 
 def available_bytes() -> int | None:
     """Memory the two engines load into: the host's MemAvailable (CPU backends and Jetson unified memory)."""
-    try:
-        from lineside.jetson.probe import parse_meminfo
-
-        return parse_meminfo(Path("/proc/meminfo").read_text()).get("MemAvailable")
-    except (OSError, ImportError):
-        return None
+    return available_memory_bytes()
 
 
 def check_fits(primary: str | os.PathLike[str], fallback: str | os.PathLike[str], *, num_slots: int,

@@ -154,13 +154,13 @@ def test_an_integrated_gpu_counts_the_memory_the_kernel_would_give_back(engine_b
     """A Jetson's cudaMemGetInfo leaves page cache out of "free" (the bundle just read sits there): the host's
     MemAvailable counts on an integrated GPU, so the check does not refuse what the allocation would get."""
     from lineside.errors import BackendUnavailable
+    from lineside.host_memory import available_memory_bytes
     from lineside.runtime.tensorrt import backend as trt_backend
-    from lineside.runtime.tensorrt.env import host_memory_available
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       65536000 kB\nMemFree:           1000 kB\nMemAvailable:   32000000 kB\n")
-    assert host_memory_available(meminfo) == 32000000 * 1024
-    monkeypatch.setattr(trt_backend, "host_memory_available", lambda: host_memory_available(meminfo))
+    assert available_memory_bytes(meminfo) == 32000000 * 1024
+    monkeypatch.setattr(trt_backend, "available_memory_bytes", lambda: available_memory_bytes(meminfo))
     b, dev = engine_bundle
     dev.free_mem = 4096  # cudaMemGetInfo on a Jetson whose memory is page cache
     with pytest.raises(BackendUnavailable):  # a discrete GPU: its free memory is all there is
