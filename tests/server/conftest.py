@@ -77,3 +77,37 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    """The real openai client on the shared ``server`` (no retries: a test sees the first answer)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ref_logprobs(tiny_dense):
+    """ids -> log_softmax of transformers' float32 logits of the tiny bundle's checkpoint (row p scores token p + 1):
+    the reference prompt scores (echo, prompt_logprobs) are checked against."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dense("llama-gqa"), dtype=torch.float32).eval()
+
+    def get(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+    return get
+
+
+def tokenize(server, text: str) -> list[int]:
+    """The server's own ids for ``text`` (/tokenize)."""
+    import httpx
+
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]

@@ -6,38 +6,12 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-import openai
 import pytest
-import torch
 
 from lineside.server import sse
+from tests.server.conftest import tokenize
 
 TEXT = "The bearing on line 3 runs hot"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def ref_logprobs(tiny_dense):
-    """ids -> log_softmax of transformers' float32 logits (row p scores token p + 1)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dense("llama-gqa"), dtype=torch.float32).eval()
-
-    def get(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
-
-    return get
-
-
-def encode(server, text: str) -> list[int]:
-    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
 
 
 def post(server, **body) -> dict:
@@ -58,9 +32,9 @@ def parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
     return res
 
 
-def test_max_tokens_0_returns_the_prompt_scored_as_transformers_does(client, server, ref_logprobs):
-    ids = encode(server, TEXT)
-    out = client.completions.create(model="tiny-llama", prompt=TEXT, echo=True, logprobs=3, max_tokens=0,
+def test_max_tokens_0_returns_the_prompt_scored_as_transformers_does(openai_client, server, ref_logprobs):
+    ids = tokenize(server, TEXT)
+    out = openai_client.completions.create(model="tiny-llama", prompt=TEXT, echo=True, logprobs=3, max_tokens=0,
                                     temperature=0)
     c = out.choices[0]
     assert c.text == TEXT and c.finish_reason == "length"
@@ -139,8 +113,8 @@ def test_streamed_max_tokens_0_is_the_prompt_then_length(server):
     assert [c["text"] for c in chunks] == [TEXT, ""] and chunks[-1]["finish_reason"] == "length"
 
 
-def test_n_choices_each_echo_their_prompt(client):
-    out = client.completions.create(model="tiny-llama", prompt=["a valve", "the pump"], n=2, echo=True, logprobs=0,
+def test_n_choices_each_echo_their_prompt(openai_client):
+    out = openai_client.completions.create(model="tiny-llama", prompt=["a valve", "the pump"], n=2, echo=True, logprobs=0,
                                     max_tokens=3, temperature=0.9, seed=5)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for c in out.choices:

@@ -1,45 +1,19 @@
 """vLLM's ``prompt_logprobs`` on /v1/completions and /v1/chat/completions: null for the first prompt token, then per
 position a dict from token id (a string key) to {logprob, rank, decoded_token}, the prompt's token first; numbers
-against transformers' float32 log_softmax, exact ranks, through raw JSON and the openai client, streamed (once, in the
+against transformers' float32 log_softmax, exact ranks, through raw JSON and the openai openai_client, streamed (once, in the
 first chunk that carries them), n > 1, beside echo, and bad values as one-line 400s."""
 
 from __future__ import annotations
 
 import httpx
 import numpy as np
-import openai
 import pytest
-import torch
 
 from lineside.server import sse
+from tests.server.conftest import tokenize
 
 TEXT = "The bearing on line 3 runs hot"
 MESSAGES = [{"role": "user", "content": "Why does the spindle on line 3 rattle?"}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def ref_logprobs(tiny_dense):
-    """ids -> log_softmax of transformers' float32 logits (row p scores token p + 1)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_dense("llama-gqa"), dtype=torch.float32).eval()
-
-    def get(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
-
-    return get
-
-
-def encode(server, text: str) -> list[int]:
-    r = httpx.post(server.url + "/tokenize", json={"prompt": text})
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
 
 
 def chat_ids(server) -> list[int]:
@@ -81,7 +55,7 @@ def decode(server):
 
 
 def test_completions_prompt_logprobs_equal_transformers_and_change_no_answer(server, ref_logprobs, decode):
-    ids = encode(server, TEXT)
+    ids = tokenize(server, TEXT)
     plain = post(server, prompt=TEXT, max_tokens=5)
     out = post(server, prompt=TEXT, max_tokens=5, prompt_logprobs=3)
     choice = out["choices"][0]
@@ -91,7 +65,7 @@ def test_completions_prompt_logprobs_equal_transformers_and_change_no_answer(ser
 
 
 def test_prompt_logprobs_0_is_each_prompt_token_alone(server, ref_logprobs):
-    ids = encode(server, TEXT)
+    ids = tokenize(server, TEXT)
     block = post(server, prompt=TEXT, max_tokens=1, prompt_logprobs=0)["choices"][0]["prompt_logprobs"]
     ref = ref_logprobs(ids)
     assert [list(pos) for pos in block[1:]] == [[str(t)] for t in ids[1:]]
@@ -99,9 +73,9 @@ def test_prompt_logprobs_0_is_each_prompt_token_alone(server, ref_logprobs):
     np.testing.assert_allclose(got, [ref[p - 1, t] for p, t in enumerate(ids) if p], atol=1e-4)
 
 
-def test_chat_prompt_logprobs_are_the_responses_through_the_openai_client(client, server, ref_logprobs, decode):
+def test_chat_prompt_logprobs_are_the_responses_through_the_openai_client(openai_client, server, ref_logprobs, decode):
     ids = chat_ids(server)
-    out = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, temperature=0, n=2,
+    out = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=3, temperature=0, n=2,
                                          extra_body={"prompt_logprobs": 2})
     block = out.model_extra["prompt_logprobs"]  # vLLM's: one for the request, beside the choices
     assert out.usage.prompt_tokens == len(ids) == len(block)
@@ -109,13 +83,13 @@ def test_chat_prompt_logprobs_are_the_responses_through_the_openai_client(client
     assert all("prompt_logprobs" not in (c.model_extra or {}) for c in out.choices)
 
 
-def test_completions_n_and_prompt_lists_each_choice_its_prompts(client, server):
+def test_completions_n_and_prompt_lists_each_choice_its_prompts(openai_client, server):
     texts = [TEXT, "Coolant pressure dropped at noon"]
-    out = client.completions.create(model="tiny-llama", prompt=texts, max_tokens=2, temperature=0, n=2,
+    out = openai_client.completions.create(model="tiny-llama", prompt=texts, max_tokens=2, temperature=0, n=2,
                                     extra_body={"prompt_logprobs": 1})
     assert len(out.choices) == 4
     for c in out.choices:
-        ids = encode(server, texts[c.index // 2])
+        ids = tokenize(server, texts[c.index // 2])
         block = c.model_extra["prompt_logprobs"]
         assert block[0] is None and [next(iter(pos)) for pos in block[1:]] == [str(t) for t in ids[1:]]
     first = [c.model_extra["prompt_logprobs"] for c in out.choices]
