@@ -12,24 +12,13 @@ import pytest
 from pydantic import TypeAdapter
 
 from lineside.runtime.schema_formats import no_leap_seconds
-from lineside.runtime.structured import Constraint, ConstraintError, GrammarCompiler
-from tests.tiny_tokenizer import write_byte_tokenizer
-
-EOS = 2
+from lineside.runtime.structured import Constraint, ConstraintError
+from tests.runtime.conftest import BYTE_EOS, grammar_takes
 
 
 @pytest.fixture(scope="module")
-def compiler(tmp_path_factory):
-    from lineside.runtime.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_byte_tokenizer(d, 300)
-    return GrammarCompiler.for_tokenizer(Tokenizer(d, {"eos_token_ids": [EOS]}), 300, [EOS])
-
-
-def _takes(compiler, c: Constraint, text: str) -> bool:
-    m = compiler.matcher(c)
-    return all(m.accept(compiler.tokenizer.tokenize_bytes(bytes([b]))[0]) for b in text.encode()) and m.accepting
+def compiler(byte_grammar):
+    return byte_grammar
 
 
 @pytest.mark.parametrize("fmt, kind, leap, ok", [
@@ -38,13 +27,13 @@ def _takes(compiler, c: Constraint, text: str) -> bool:
 ])
 def test_no_leap_second_and_pydantic_reads_every_walk(compiler, fmt, kind, leap, ok):
     c = Constraint.json_schema({"type": "string", "format": fmt})
-    assert not _takes(compiler, c, json.dumps(leap)) and _takes(compiler, c, json.dumps(ok))
+    assert not grammar_takes(compiler, c, json.dumps(leap)) and grammar_takes(compiler, c, json.dumps(ok))
     reader = TypeAdapter(kind)
     for seed in range(150):  # answers drawn uniformly from each step's mask
         rng, m, out = random.Random(seed), compiler.matcher(c), []
         while not m.finished and len(out) < 60:
             t = int(rng.choice(np.flatnonzero(m.allowed())))
-            if t == EOS:
+            if t == BYTE_EOS:
                 break
             assert m.accept(t)
             out.append(t)
@@ -55,8 +44,8 @@ def test_no_leap_second_and_pydantic_reads_every_walk(compiler, fmt, kind, leap,
 def test_a_pattern_already_there_is_kept(compiler):
     schema = {"type": ["string", "null"], "format": "time", "pattern": "^0"}
     c = Constraint.json_schema(schema)
-    assert _takes(compiler, c, '"09:00:00Z"') and _takes(compiler, c, "null")
-    assert not _takes(compiler, c, '"19:00:00Z"') and not _takes(compiler, c, '"09:00:60Z"')
+    assert grammar_takes(compiler, c, '"09:00:00Z"') and grammar_takes(compiler, c, "null")
+    assert not grammar_takes(compiler, c, '"19:00:00Z"') and not grammar_takes(compiler, c, '"09:00:60Z"')
     assert no_leap_seconds({"enum": [{"format": "time"}]}) == {"enum": [{"format": "time"}]}  # data, not a schema
 
 

@@ -13,25 +13,13 @@ from jsonschema import validators
 from pydantic import BaseModel, Field, ValidationError
 
 from lineside.runtime.schema_numbers import EPSILON, fix_number_ranges
-from lineside.runtime.structured import Constraint, GrammarCompiler
-from tests.tiny_tokenizer import write_byte_tokenizer
-
-EOS = 2
+from lineside.runtime.structured import Constraint
+from tests.runtime.conftest import BYTE_EOS, grammar_takes
 
 
 @pytest.fixture(scope="module")
-def compiler(tmp_path_factory):
-    from lineside.runtime.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    write_byte_tokenizer(d, 300)
-    return GrammarCompiler.for_tokenizer(Tokenizer(d, {"eos_token_ids": [EOS]}), 300, [EOS])
-
-
-def _takes(compiler, c: Constraint, text: str) -> bool:
-    """Whether the grammar accepts ``text`` as a whole answer (byte tokenizer: token = byte + 3)."""
-    m = compiler.matcher(c)
-    return all(m.accept(compiler.tokenizer.tokenize_bytes(bytes([b]))[0]) for b in text.encode()) and m.accepting
+def compiler(byte_grammar):
+    return byte_grammar
 
 
 class Rate(BaseModel):
@@ -56,9 +44,9 @@ CASES = [
 @pytest.mark.parametrize("schema, bound, inside", CASES)
 def test_the_exclusive_bound_is_refused_and_the_range_kept(compiler, schema, bound, inside):
     c = Constraint.json_schema(schema)
-    assert not _takes(compiler, c, bound), f"{bound} is outside {schema}"
+    assert not grammar_takes(compiler, c, bound), f"{bound} is outside {schema}"
     for text in inside:
-        assert _takes(compiler, c, text), f"{text} is inside {schema}"
+        assert grammar_takes(compiler, c, text), f"{text} is inside {schema}"
 
 
 def test_random_walks_validate(compiler):
@@ -69,7 +57,7 @@ def test_random_walks_validate(compiler):
             rng, m, out = random.Random(seed), compiler.matcher(c), []
             for _ in range(12):
                 t = int(rng.choice(np.flatnonzero(m.allowed())))
-                if t == EOS:
+                if t == BYTE_EOS:
                     break
                 assert m.accept(t)
                 out.append(t)
@@ -80,10 +68,10 @@ def test_random_walks_validate(compiler):
 
 def test_pydantic_reads_every_answer_a_pydantic_range_allows(compiler):
     c = Constraint.json_schema(Rate.model_json_schema())
-    assert not _takes(compiler, c, '{"rate": 0}')
+    assert not grammar_takes(compiler, c, '{"rate": 0}')
     with pytest.raises(ValidationError):
         Rate.model_validate_json('{"rate": 0}')
-    assert Rate.model_validate_json('{"rate": 0.05}').rate == 0.05 and _takes(compiler, c, '{"rate": 0.05}')
+    assert Rate.model_validate_json('{"rate": 0.05}').rate == 0.05 and grammar_takes(compiler, c, '{"rate": 0.05}')
 
 
 def test_ranges_the_engine_gets_right_are_left_as_given():
