@@ -77,7 +77,16 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
                 raise APIError(400, str(e), "invalid_value", param="chat_template") from None
             given = body.chat_template
         param = "chat_template"
-    return Rendering(given, _effective(state, given, tools), kwargs, param, limits)
+    return Rendering(given, _effective(state, given, tools), _with_effort(kwargs, body), param, limits)
+
+
+def _with_effort(kwargs: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:
+    """The request's ``reasoning_effort`` as the template variable of that name, as vLLM hands it to a chat template
+    (DeepSeek-V4's reads it); a ``reasoning_effort`` in ``chat_template_kwargs`` is the request's own choice and wins."""
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None or (kwargs and "reasoning_effort" in kwargs):
+        return kwargs
+    return {**(kwargs or {}), "reasoning_effort": effort}
 
 
 def request_template_limits(state: Any) -> TemplateLimits:

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# OpenAI's reasoning_effort values, and DeepSeek's "max" (its V4 encoder's strongest setting)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 INT32_MAX = 2**31 - 1  # the largest count a field may give: beyond it a 400 names the field, nothing is clamped
 _REQ = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # no bool→int, no "yes"→true
 
@@ -127,6 +129,9 @@ class ChatCompletionRequest(_Sampling):
                                                                           "template, e.g. {\"enable_thinking\": false}")
     include_reasoning: bool | None = Field(None, description="vLLM's: false leaves a reasoning model's thinking out "
                                                              "of the response (serve --reasoning-parser)")
+    reasoning_effort: ReasoningEffort | None = Field(None, description="OpenAI's; handed to the chat template as the "
+                                                                     "variable reasoning_effort, as vLLM does (DeepSeek-V4: "
+                                                                     "thinking on, 'none' off, 'max' the encoder's prefix)")
     # OpenAI's output modalities and hosted web search: only text is served, so asking for more is refused
     # (request_mapping.check_chat) rather than dropped with the unknown fields
     modalities: list[str] | None = Field(None, description="[\"text\"] only: this server writes no audio")
@@ -255,6 +260,7 @@ class TokenizeCompletionRequest(_TokenizeCommon):
 
 class TokenizeChatRequest(_TokenizeCommon):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    reasoning_effort: ReasoningEffort | None = None  # as chat completions render it
     add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
     continue_final_message: bool | None = None
     add_special_tokens: bool | None = Field(False, description="true: BOS on top of what the template writes")

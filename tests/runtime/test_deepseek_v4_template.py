@@ -54,6 +54,35 @@ def test_thinking_as_vllm_passes_it(template, kwargs):
     assert template.render(messages=msgs, add_generation_prompt=True).endswith("<｜Assistant｜></think>")
 
 
+# vLLM's copy of the encoder (vllm/tokenizers/deepseek_v4_encoding.py): written before the first message in thinking
+# mode when the request's reasoning_effort is "max"
+EFFORT_MAX = ("Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+              "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+              "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+              "scenarios.\nExplicitly write out your entire deliberation process, documenting every intermediate step, "
+              "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+
+
+@pytest.mark.parametrize(("kwargs", "thinking"), [
+    ({"reasoning_effort": "high"}, True), ({"reasoning_effort": "low"}, True), ({"reasoning_effort": "max"}, True),
+    ({"reasoning_effort": "high", "enable_thinking": True}, True), ({"reasoning_effort": "none"}, False),
+    ({"reasoning_effort": "none", "thinking": True}, False), ({"reasoning_effort": "high", "thinking": False}, False),
+    ({"reasoning_effort": "max", "thinking": False}, False), ({"reasoning_effort": None}, False)])
+def test_reasoning_effort_as_vllm_maps_it(template, kwargs, thinking):
+    """vLLM's DeepSeek-V4 tokenizer: an effort turns thinking on unless thinking / enable_thinking say otherwise,
+    "none" turns it off, "max" in thinking mode puts the encoder's prefix first; the rest renders as the encoder."""
+    bos = "<｜begin▁of▁sentence｜>"
+    cases = [c for c in CASES if c["thinking"] == thinking]
+    assert len(cases) >= 5
+    for case in cases:
+        got = template.render(messages=_as_served(case["messages"]), tools=case["tools"], add_generation_prompt=True,
+                              bos_token=bos, eos_token="<｜end▁of▁sentence｜>", **kwargs)
+        want = case["prompt"]
+        if thinking and kwargs["reasoning_effort"] == "max":
+            want = bos + EFFORT_MAX + want[len(bos):]
+        assert got == want, case["name"]
+
+
 def test_no_generation_prompt_without_add_generation_prompt(template):
     out = template.render(messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=False)
     assert out == "<｜begin▁of▁sentence｜><｜User｜>Hi"

@@ -220,3 +220,27 @@ def test_the_thinking_as_vllm_names_it_and_a_bad_one(v4):
     history[1] = {**history[1], "reasoning": 3}
     r = httpx.post(v4.url + "/tokenize", json={"model": "v4", "messages": history}, timeout=60)
     assert r.status_code == 400 and "messages.1.reasoning" in r.text and "\n" not in r.json()["error"]["message"]
+
+
+def test_reasoning_effort_as_vllm_passes_it(v4):
+    """OpenAI's ``reasoning_effort`` reaches the template as vLLM hands it over: an effort opens the thinking (split
+    out by the reasoning parser), ``none`` closes it, ``max`` adds the encoder's prefix; a bad value is one 400."""
+    msgs = [{"role": "user", "content": "[think] Weather?"}]
+    n = len(v4.backend.prompts)
+    m = _ask(v4, "", messages=msgs, reasoning_effort="high").choices[0].message
+    assert v4.backend.prompts[n:] == [_reference(msgs, reasoning_effort="high")]
+    assert v4.backend.prompts[-1].endswith("<｜Assistant｜><think>")
+    assert (m.model_dump().get("reasoning_content"), m.content) == ("Easy one.", "It is sunny.")
+    r, c, _, _ = _streamed(v4, "", messages=msgs, reasoning_effort="low")
+    assert (r, c) == ("Easy one.", "It is sunny.")
+    m = _ask(v4, "", messages=msgs, reasoning_effort="none",
+             extra_body={"chat_template_kwargs": {"thinking": True}}).choices[0].message
+    assert v4.backend.prompts[-1].endswith("<｜Assistant｜></think>") and m.model_dump().get("reasoning_content") is None
+    _ask(v4, "", messages=msgs, extra_body={"reasoning_effort": "max"})
+    assert v4.backend.prompts[-1].startswith(BOS + "Reasoning Effort: Absolute maximum")
+    assert _served_prompt(v4, msgs, reasoning_effort="max") == v4.backend.prompts[-1]
+    for bad in ("extreme", 3):
+        r = httpx.post(v4.url + "/v1/chat/completions", json={"model": "v4", "messages": msgs, "reasoning_effort": bad},
+                       timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "reasoning_effort" and "\n" not in err["message"], r.text
