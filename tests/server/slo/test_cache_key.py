@@ -84,8 +84,8 @@ NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_deco
 # continuing the last message), the output options (include_reasoning: their Reasoning, on a server with
 # --reasoning-parser; no effect without one), or never cached (streamed; bound to a prefill session, whose KV a
 # cached answer would not keep).
-ELSEWHERE = {"chat_template_kwargs", "continue_final_message", "include_reasoning", "stream", "session_id",
-             "keep_session"}
+ELSEWHERE = {"chat_template_kwargs", "reasoning_effort", "continue_final_message", "include_reasoning", "stream",
+             "session_id", "keep_session"}
 
 
 def test_every_request_field_is_classified():
