@@ -101,9 +101,10 @@ def renders_request_template(state: Any, body: Any) -> bool:
     return getattr(body, "chat_template", None) is not None and bool(state.trust_request_chat_template)
 
 
-def server_rendering(state: Any, tools: list[dict[str, Any]] | None = None) -> Rendering:
-    """The server's template, for bodies that carry no template fields (/v1/responses)."""
-    return Rendering(state.chat_template, _effective(state, state.chat_template, tools), None, None)
+def server_rendering(state: Any, tools: list[dict[str, Any]] | None = None, body: Any = None) -> Rendering:
+    """The server's template, for bodies that carry no template fields (/v1/responses); a ``reasoning_effort`` the
+    body has (/v1/responses' reasoning.effort) reaches it as chat's does."""
+    return Rendering(state.chat_template, _effective(state, state.chat_template, tools), _with_effort(None, body), None)
 
 
 NO_TEMPLATE = ("this model has no chat template (its tokenizer defines none), so chat messages cannot be rendered "

@@ -271,7 +271,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
         functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         top_n = responses_api.top_logprobs(body, calling=functions.calling)
-        render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice))
+        render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice), body)
         messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice,
                                                         param="input")
         text_constraint = responses_api.text_constraint(body)

@@ -7,8 +7,8 @@ Function ``tools`` (``tool_choice``, ``parallel_tool_calls``, ``function_call`` 
 items, ``function_call`` output items) run on chat's tool calling (responses_tools.py, tool_calls.py).
 
 ``previous_response_id`` continues a response the server kept (response_store.py; ``store: false`` keeps none).
-What this server cannot honour there is a 400 naming the field: hosted tools (web_search, file_search, ...),
-``reasoning``, ``background``, ``context_management`` (compaction), ``include`` (but
+``reasoning.effort`` renders as chat's reasoning_effort. What this server cannot honour there is a 400 naming the
+field: hosted tools (web_search, file_search, ...), ``background``, ``context_management`` (compaction), ``include`` (but
 ``message.output_text.logprobs``: with ``top_logprobs``, the text's logprobs), ``conversation``, stored ``prompt``
 templates, non-text input parts, ``truncation: auto``.
 The request and the events follow OpenAI's shapes so the ``openai`` client's ``responses.create`` and
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,7 +33,7 @@ from lineside.server.logprobs import MAX_TOP_LOGPROBS
 from lineside.server.reasoning import Reasoning, ReasoningSplitter
 from lineside.server.response_store import ResponseStore, StoredResponse
 from lineside.server.responses import Choice, failure, observe_finished
-from lineside.server.schemas import INT32_MAX
+from lineside.server.schemas import INT32_MAX, ReasoningEffort
 from lineside.server.state import ServerState
 from lineside.server.tool_calls import ToolCall, ToolCallDelta, ToolCallStream
 
@@ -59,8 +59,10 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the text's logprobs (TEXT_LOGPROBS too)
     speculative: bool | None = None  # false: this request does not speculate (as chat's)
-    # refused with a 400 naming them when set
+    # OpenAI's {"effort", "summary"}: the effort reaches the chat template as chat's reasoning_effort does (vLLM's
+    # mapping; DeepSeek-V4's template turns thinking on by it); a summary asked for is answered by the full thinking
     reasoning: dict[str, Any] | None = None
+    # refused with a 400 naming them when set
     background: bool | None = None
     include: list[str] | None = None
     truncation: str | None = None
@@ -75,6 +77,11 @@ class ResponsesRequest(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
 
+    @property
+    def reasoning_effort(self) -> str | None:
+        """``reasoning.effort`` (checked by ``check``), read by the chat rendering as chat's field of that name."""
+        return (self.reasoning or {}).get("effort")
+
 
 TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server honours
 CHAT_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -85,6 +92,26 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, "unsupported_parameter", param=param)
 
 
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _check_reasoning(reasoning: dict[str, Any] | None) -> None:
+    """OpenAI's ``reasoning``: ``effort`` one of chat's reasoning_effort values, ``summary`` one of OpenAI's (the
+    reasoning item carries the whole thinking, not a summary of it); anything else a 400 naming it."""
+    for key, value in (reasoning or {}).items():
+        if value is None:
+            continue
+        if key == "effort" and value not in get_args(ReasoningEffort):
+            raise APIError(400, f"reasoning.effort: {value!r} is not one of {', '.join(get_args(ReasoningEffort))}",
+                           "invalid_value", param="reasoning.effort")
+        if key == "summary" and value not in REASONING_SUMMARIES:
+            raise APIError(400, f"reasoning.summary: {value!r} is not one of {', '.join(REASONING_SUMMARIES)}",
+                           "invalid_value", param="reasoning.summary")
+        if key not in ("effort", "summary", "generate_summary"):
+            raise _bad(f"reasoning.{key}: not a reasoning option this server knows; send effort and/or summary",
+                       f"reasoning.{key}")
+
+
 def check(req: ResponsesRequest) -> None:
     """400 for what this server does not do on /v1/responses, and for metadata past OpenAI's limits."""
     request_mapping.check_metadata(req.metadata)
@@ -92,8 +119,7 @@ def check(req: ResponsesRequest) -> None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
     if req.prompt is not None:
         raise _bad("prompt: stored prompt templates are not supported; send the text in 'input'", "prompt")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise _bad("reasoning: reasoning options are not supported by this model server", "reasoning")
+    _check_reasoning(req.reasoning)
     if req.background:
         raise _bad("background: background responses are not supported; stream instead", "background")
     for name in req.include or ():
@@ -344,7 +370,7 @@ class ResponseBuilder:
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": self.store is not None, "temperature": self.temperature,
+            "reasoning": {"effort": self.req.reasoning_effort, "summary": (self.req.reasoning or {}).get("summary")}, "store": self.store is not None, "temperature": self.temperature,
             "text": {"format": fmt}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
             "tools": responses_tools.echoed_tools(r.tools),
             "top_p": self.top_p, "truncation": "disabled", "user": r.user, "top_logprobs": r.top_logprobs,

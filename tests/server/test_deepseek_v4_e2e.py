@@ -244,3 +244,21 @@ def test_reasoning_effort_as_vllm_passes_it(v4):
                        timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "reasoning_effort" and "\n" not in err["message"], r.text
+
+
+def test_responses_reasoning_effort_reaches_the_template_as_chats_does(v4):
+    """/v1/responses' ``reasoning.effort`` (what OpenAI's agents and LangChain's responses mode send) was a 400; it
+    renders as chat's reasoning_effort (thinking on: its reasoning item split out), and the response names it."""
+    msgs = [{"role": "user", "content": "[think] Weather?"}]
+    n = len(v4.backend.prompts)
+    r = v4.client.responses.create(model="v4", input=msgs, reasoning={"effort": "high", "summary": "auto"},
+                                   max_output_tokens=40, temperature=0)
+    assert v4.backend.prompts[n:] == [_reference(msgs, reasoning_effort="high")]
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "It is sunny."
+    assert (r.reasoning.effort, r.reasoning.summary) == ("high", "auto")
+    for reasoning, param in (({"effort": "extreme"}, "reasoning.effort"), ({"summary": "long"}, "reasoning.summary"),
+                             ({"budget": 3}, "reasoning.budget")):
+        bad = httpx.post(v4.url + "/v1/responses", json={"model": "v4", "input": "hi", "reasoning": reasoning},
+                         timeout=60)
+        err = bad.json()["error"]
+        assert bad.status_code == 400 and err["param"] == param and "\n" not in err["message"], bad.text

@@ -56,7 +56,7 @@ def test_json_schema_format(client):
 @pytest.mark.parametrize("kw, param", [
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),  # hosted tools: functions only
-    (dict(reasoning={"effort": "high"}), "reasoning"),
+    (dict(reasoning={"effort": "extreme"}), "reasoning.effort"),  # effort is taken (rendered as chat's), checked
     (dict(background=True), "background"),
     # server-side compaction: was dropped, the kept conversation grew past the context instead of being compacted
     (dict(context_management=[{"type": "compaction", "compact_threshold": 1000}]), "context_management"),
