@@ -158,14 +158,12 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
         raise AdapterError(f"{cfg_file}: expected a JSON object")
     if str(conf.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{cfg_file}: peft_type {conf.get('peft_type')!r}; only LoRA adapters are supported")
-    for key, why in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save (full copies of layers)"),
-                     ("lora_bias", "LoRA biases"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D layers)"),
-                     ("layer_replication", "layer_replication"), ("target_parameters", "target_parameters"),
-                     ("use_qalora", "QA-LoRA"),
-                     ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens: it adapts only the tokens "
-                                                 "from its invocation sequence on)")):
+    # fan_in_fan_out is not refused: it only concerns GPT-2's Conv1D, and PEFT turns it off (with a warning) on the
+    # nn.Linear projections of Llama and Qwen2, so such an adapter's tensors are a plain LoRA's
+    for key, why in _REFUSED_FIELDS:
         if conf.get(key):
-            raise AdapterError(f"{cfg_file}: {why} is not supported; train a plain LoRA adapter")
+            raise AdapterError(f"{cfg_file}: {key} {_brief(conf[key])} ({why}) is not supported; train a plain LoRA "
+                               f"adapter (without {key}) on q/k/v/o/gate/up/down_proj")
     if conf.get("bias", "none") != "none":
         raise AdapterError(f"{cfg_file}: bias {conf.get('bias')!r} is not supported; train with bias='none'")
     if not _is_number(conf.get("lora_alpha", 8)):
@@ -176,6 +174,25 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
         raise AdapterError(f"{cfg_file}: alpha_pattern {patterns!r} must map module names (regular expressions) "
                            "to numbers")
     return conf
+
+
+# adapter_config.json fields whose adapters these graphs cannot compute: (field, what it is)
+_REFUSED_FIELDS = (
+    ("use_dora", "DoRA: a per-column magnitude renormalises the update"),
+    ("modules_to_save", "full trained copies of layers"),
+    ("trainable_token_indices", "trained rows of the token embedding"),
+    ("lora_bias", "a bias on lora_B"),
+    ("layer_replication", "layers stacked more than once"),
+    ("target_parameters", "LoRA on raw parameters, such as MoE experts"),
+    ("use_qalora", "QA-LoRA"),
+    ("alora_invocation_tokens", "activated LoRA: it adapts only the tokens from its invocation sequence on"),
+)
+
+
+def _brief(value: Any) -> str:
+    """A config value for a message: its JSON, cut short (a modules_to_save list can be long)."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_number(value: Any) -> bool:
@@ -196,6 +213,40 @@ def _base_architecture(conf: dict[str, Any]) -> str | None:
     from lineside.config import ARCHITECTURES
 
     return ARCHITECTURES.get(cls, cls.lower()) if isinstance(cls, str) else None
+
+
+def _check_local_base(path: Path, conf: dict[str, Any], cfg: ModelConfig) -> None:
+    """Refuse an adapter whose base_model_name_or_path is a local checkpoint of another model. PEFT writes
+    auto_mapping only for adapters made without a task_type, so an SFT adapter (task_type CAUSAL_LM) of another
+    architecture or vocabulary whose A/B shapes happen to fit would otherwise pass; a Hub id is not looked up."""
+    base = conf.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.startswith(("/", "~")):  # a relative path depends on the cwd
+        return
+    try:
+        hf = json.loads((Path(base).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # not there on this machine (or unreadable): nothing to compare with
+        return
+    if not isinstance(hf, dict):
+        return
+    from lineside.config import ARCHITECTURES, MODEL_TYPES
+
+    archs = hf.get("architectures")
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    family = next((ARCHITECTURES[a] for a in names if a in ARCHITECTURES), None)
+    model_type = hf.get("model_type")
+    if family is None and isinstance(model_type, str):
+        family = MODEL_TYPES.get(model_type, model_type)
+    theirs: dict[str, Any] = {"architecture": family or (names[0] if names else None),
+                              "hidden_size": hf.get("hidden_size"), "num_hidden_layers": hf.get("num_hidden_layers"),
+                              "vocab_size": hf.get("vocab_size")}
+    ours = {"architecture": cfg.architecture, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "vocab_size": cfg.vocab_size}
+    wrong = [k for k, v in theirs.items() if v is not None and v != ours[k]]
+    if wrong:
+        raise AdapterError(f"{path}: the adapter was trained on {_short(Path(base))} (adapter_config.json "
+                           f"base_model_name_or_path), whose " + ", ".join(f"{k} is {theirs[k]}" for k in wrong)
+                           + " where the bundle's is " + ", ".join(str(ours[k]) for k in wrong)
+                           + "; use an adapter trained on the bundle's base model")
 
 
 def _load_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -237,7 +288,9 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
     conf = read_adapter_config(path)
     arch = _base_architecture(conf)
     if arch is not None and arch != cfg.architecture:
-        raise AdapterError(f"{path}: the adapter was made for a {arch} model, the bundle is {cfg.architecture}")
+        raise AdapterError(f"{path}: the adapter was made for a {arch} model (adapter_config.json auto_mapping), "
+                           f"the bundle is {cfg.architecture}; use an adapter trained on the bundle's base model")
+    _check_local_base(path, conf, cfg)
     alpha = float(conf.get("lora_alpha", 8))
     rslora = bool(conf.get("use_rslora", False))
     alpha_pattern = conf.get("alpha_pattern") or {}  # ranks come from the tensors (what rank_pattern set)
@@ -245,8 +298,10 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
     for key, arr in _load_tensors(path).items():
         m = _KEY.match(key)
         if m is None:
-            raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection; "
-                               "only those layers can be adapted")
+            raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B of a q/k/v/o/gate/up/down projection "
+                               f"(adapter_config.json target_modules {_brief(conf.get('target_modules'))}); only "
+                               "those layers can be adapted: train with target_modules limited to them (no "
+                               "embed_tokens or lm_head)")
         layer, target = int(m.group(1)), m.group(3)
         if target not in {t.value for t in ALL_TARGETS}:
             raise AdapterError(f"{path}: tensor {key!r} adapts {target}_proj, which is not a linear of this model")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -200,7 +202,13 @@ def test_packed_empty_slot_and_base_only_steps(lora_bundle, peft_adapter):
     dict(r=4, lora_alpha=6, target_modules=r".*\.layers\.1\..*(q|v|down)_proj"),
     # layers_to_transform: only layer 0 is adapted
     dict(r=2, lora_alpha=8, target_modules=["k_proj", "gate_proj"], layers_to_transform=[0]),
-], ids=["r1-all-linear-fp16", "regex", "layers-to-transform"])
+    # an odd rank, alpha unrelated to it, targets as full module paths, per-module rank/alpha by regex, rsLoRA
+    dict(r=3, lora_alpha=7, use_rslora=True, target_modules=["model.layers.0.self_attn.v_proj",
+                                                             "model.layers.1.mlp.up_proj"],
+         rank_pattern={r"layers\.1\..*": 5}, alpha_pattern={"v_proj": 2}),
+    # fan_in_fan_out true in the file: peft turns it off on nn.Linear (a plain LoRA), so it was wrongly refused
+    dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], fan_in_fan_out_in_file=True),
+], ids=["r1-all-linear-fp16", "regex", "layers-to-transform", "r3-paths-patterns-rslora", "fan-in-fan-out"])
 def test_adapter_configs_users_bring_match_peft(lora_bundle, tiny_dense, tmp_path, lora):
     """Other ways real adapters are made (what the reader must map to the same layers and scalings as peft)."""
     from peft import PeftModel
@@ -210,7 +218,11 @@ def test_adapter_configs_users_bring_match_peft(lora_bundle, tiny_dense, tmp_pat
     from tests.conftest import make_peft_adapter
 
     fp16 = lora.pop("fp16", False)
+    fifo = lora.pop("fan_in_fan_out_in_file", False)
     adapter = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "adapter", seed=5, **lora)
+    if fifo:
+        conf = adapter / "adapter_config.json"
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "fan_in_fan_out": True}))
     if fp16:
         weights = adapter / "adapter_model.safetensors"
         save_file({k: v.half() for k, v in load_file(str(weights)).items()}, str(weights))
