@@ -320,6 +320,10 @@ def read_adapter(path: str | Path, cfg: ModelConfig, name: str) -> LoraAdapter:
         a, b = ab["A"], ab["B"]
         if a.dtype.kind != "f" or b.dtype.kind != "f":
             raise AdapterError(f"{path}: {where} is {a.dtype}; LoRA weights must be float tensors")
+        if a.size == 0 or b.size == 0:  # peft itself warns of these at save time
+            raise AdapterError(f"{path}: {where} has empty tensors (A {list(a.shape)}, B {list(b.shape)}): the "
+                               "adapter was saved from DeepSpeed ZeRO-3 or FSDP shards that were not gathered; save "
+                               "it again inside deepspeed.zero.GatheredParameters or FSDP's summon_full_params")
         fin, fout = in_out(cfg, target)
         r = a.shape[0] if a.ndim == 2 else -1
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != fin or b.shape != (fout, r) or r < 1:

@@ -171,3 +171,18 @@ def test_adapter_whose_base_is_a_hub_id_or_gone_is_read(tiny_dense, tmp_path):
     for base in ("meta-llama/Llama-3.2-1B", "./base", str(tmp_path / "gone"), None):
         _edit_config(base_model_name_or_path=base)(adapter)
         assert read_adapter(adapter, model_config(ckpt), "a").targets, base
+
+
+def test_adapter_saved_from_unsharded_zero3_shards_is_refused_saying_so(tiny_dense, tmp_path):
+    """DeepSpeed ZeRO-3 / FSDP save_pretrained without gathering writes zero-size lora_A/B: it was refused as
+    'the adapter was made for another model', sending the user after the wrong cause."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tiny_dense("llama-gqa")
+    adapter = make_peft_adapter(ckpt, tmp_path / "z3", seed=3, r=4, lora_alpha=8, target_modules=["q_proj"])
+    w = adapter / "adapter_model.safetensors"
+    save_file({k: torch.empty(0) for k in load_file(str(w))}, str(w))
+    with pytest.raises(AdapterError) as e:
+        read_adapter(adapter, model_config(ckpt), "z3")
+    msg = str(e.value)
+    assert "\n" not in msg and "empty tensors" in msg and "ZeRO-3" in msg and "another model" not in msg, msg
