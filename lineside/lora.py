@@ -23,6 +23,7 @@ from lineside.strenum import StrEnum
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"  # PEFT before 0.6 saved this pickle by default
 
 
 class AdapterError(LinesideError):
@@ -260,8 +261,11 @@ def _load_tensors(path: Path) -> dict[str, np.ndarray]:
     except OSError as e:
         raise _lookup_error(path, e) from None
     if not present:
-        raise AdapterError(f"{path}: no {WEIGHTS_FILE} (adapter_model.bin is not read: re-save with "
-                           "safe_serialization=True)")
+        if (path / BIN_FILE).is_file():  # a pickle (older PEFT's default): reading it would run its code
+            raise AdapterError(f"{path}: {BIN_FILE} is not read (a pickle), only {WEIGHTS_FILE}; convert it in that "
+                               "directory with python -c \"import torch; from safetensors.torch import save_file; "
+                               f"save_file(torch.load('{BIN_FILE}'), '{WEIGHTS_FILE}')\"")
+        raise AdapterError(f"{path}: no {WEIGHTS_FILE}; save the adapter with PEFT's save_pretrained")
     try:
         return {k: _widened(v) for k, v in load_file(str(wf)).items()}
     except OSError as e:

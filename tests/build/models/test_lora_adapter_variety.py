@@ -186,3 +186,30 @@ def test_adapter_saved_from_unsharded_zero3_shards_is_refused_saying_so(tiny_den
         read_adapter(adapter, model_config(ckpt), "z3")
     msg = str(e.value)
     assert "\n" not in msg and "empty tensors" in msg and "ZeRO-3" in msg and "another model" not in msg, msg
+
+
+def test_adapter_saved_as_adapter_model_bin_is_refused_with_the_conversion(tiny_dense, tmp_path):
+    """Older PEFT saved adapter_model.bin (a pickle): the refusal gives the command that converts it, and the
+    converted adapter reads as the original."""
+    import shlex
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    ckpt = tiny_dense("llama-gqa")
+    adapter = make_peft_adapter(ckpt, tmp_path / "bin", seed=3, r=4, lora_alpha=8, target_modules=["q_proj"])
+    w = adapter / "adapter_model.safetensors"
+    want = read_adapter(adapter, model_config(ckpt), "bin")
+    torch.save(load_file(str(w)), adapter / "adapter_model.bin")
+    w.unlink()
+    with pytest.raises(AdapterError) as e:
+        read_adapter(adapter, model_config(ckpt), "bin")
+    msg = str(e.value)
+    assert "\n" not in msg and "adapter_model.bin is not read" in msg, msg
+    command = shlex.split(msg.split("convert it in that directory with ", 1)[1])
+    assert command[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", command[2]], cwd=adapter, check=True)
+    got = read_adapter(adapter, model_config(ckpt), "bin")
+    assert got.weights.keys() == want.weights.keys()
+    assert all(np.array_equal(got.weights[k][1], want.weights[k][1]) for k in want.weights)
