@@ -96,6 +96,11 @@ def test_a_runtime_adapter_answers_as_lora_modules_and_the_base_is_unchanged(run
 def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, tiny_dense, tmp_path):
     bundle_dir, qv, rs = runtime_bundle
     big = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "r16", r=16, lora_alpha=16, target_modules=["q_proj"])
+    dora = make_peft_adapter(tiny_dense("llama-gqa"), tmp_path / "dora", r=4, lora_alpha=8, use_dora=True,
+                             target_modules=["q_proj"])
+    # an SFT adapter (task_type: no auto_mapping) of a Qwen2 model whose A/B shapes fit the Llama bundle
+    sft_qwen = make_peft_adapter(tiny_dense("qwen2-bias-tied"), tmp_path / "sft-qwen", r=4, lora_alpha=8,
+                                 target_modules=["q_proj"], task_type="CAUSAL_LM")
     key = {"Authorization": "Bearer k1"}
     with running_server(_engine(bundle_dir, [("line-a", qv)], runtime=True), allow_runtime_lora=True,
                         api_key="k1") as srv:
@@ -105,6 +110,9 @@ def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, ti
         cases = [
             ({"lora_name": "x", "lora_path": str(big)}, "lora_path", ("rank 16", "--max-lora-rank")),
             ({"lora_name": "x", "lora_path": str(peft_adapter("qwen2-bias-tied", "qv"))}, "lora_path", ("qwen2",)),
+            ({"lora_name": "x", "lora_path": str(dora)}, "lora_path", ("use_dora true", "plain LoRA")),
+            ({"lora_name": "x", "lora_path": str(sft_qwen)}, "lora_path",
+             ("base_model_name_or_path", "architecture is qwen2")),
             ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, "lora_path", ("not an adapter directory",)),
             ({"lora_name": "x", "lora_path": " "}, "lora_path", ("lora_path is empty",)),
             ({"lora_name": "x", "lora_path": f"{tmp_path}/a\nb"}, "lora_path", ("control character",)),
