@@ -46,6 +46,7 @@ from lineside.request_class import tracestate_member, with_member
 SHADOW_HEADER = "x-lineside-shadow"
 # lineside's X-Priority values → SMG's admission classes (middleware/scheduler/class.rs: X-SMG-Priority)
 SMG_PRIORITY = {"high": "interactive", "normal": "default", "low": "bulk"}
+NOT_FOUND = frozenset({404})  # the router's answers the front looks at before passing them on
 NODE_MODES = ("realtime", "batch")  # the pools whose name is also the nodes' X-Mode
 # vLLM's / SGLang's body ``priority`` (lower is served first; SGLang with --schedule-low-priority-values-first):
 # lineside's order — every realtime level before any batch one
@@ -114,6 +115,16 @@ class _Metrics:
                                            buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0))
         self.shadow_latency = Histogram("lineside_fleet_shadow_latency_seconds",
                                         "End-to-end latency of shadowed requests", ["pool", "role"], registry=r)
+
+
+def _error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-shaped error body (None when it is not one)."""
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return None
+    err = d.get("error") if isinstance(d, dict) else None
+    return str(err.get("code")) if isinstance(err, dict) else None
 
 
 def answer_text(body: bytes) -> str:
@@ -279,8 +290,31 @@ class Front:
             return error_answer(502, f"the {pool!r} pool's router is unreachable ({why}); check `lineside fleet status`",
                                 "pool_unreachable", kind="server_error")
 
+        async def replace(status: int, body: bytes) -> Answer | None:
+            a = await self._no_node_answer(pool, body)
+            if a is not None:
+                a.headers.extend(extra)
+            return a
+
         return Forward(host, port, headers, prefix=prefix, body=rewrite, add_response=extra, keep_body=shadow,
-                       done=done, unreachable=unreachable)
+                       done=done, unreachable=unreachable, replace_statuses=NOT_FOUND, replace=replace)
+
+    async def _no_node_answer(self, pool: str, body: bytes) -> Answer | None:
+        """SMG answers 404 ``model_not_found`` for a model no node serves and, alike, while no node of its pool has
+        registered (none answered its health check since the router started): that one is an outage, a 503 an
+        OpenAI client retries, not a wrong model name it would give up on. None: the router's answer stands."""
+        if _error_code(body) != "model_not_found" or await self._router_ready(self.cfg.pools[pool]):
+            return None
+        return error_answer(503, f"no node of pool {pool!r} is ready (none has passed its health check since the "
+                            "gateway started, or all are down); retry later, and see `lineside fleet status`",
+                            "no_ready_node", kind="server_error")
+
+    async def _router_ready(self, url: str) -> bool:
+        """Whether a pool's router has a healthy node: SMG's /readiness (its /health is only its own liveness)."""
+        try:
+            return (await self.upstream.read("GET", url + "/readiness", [], b"", timeout_s=3.0))[0] == 200
+        except UpstreamError:
+            return False
 
     # ----- shadow -----
 
@@ -356,14 +390,8 @@ class Front:
     async def health(self) -> Answer:
         """Each pool: whether its router can serve, i.e. has a healthy node. SMG's /health is the router's own
         liveness (200 with every worker down); its /readiness is 503 until a worker of the pool is healthy."""
-        async def one(url: str) -> bool:
-            try:
-                return (await self.upstream.read("GET", url + "/readiness", [], b"", timeout_s=3.0))[0] == 200
-            except UpstreamError:
-                return False
-
         names = list(self.cfg.pools)
-        oks = await asyncio.gather(*(one(self.cfg.pools[p]) for p in names))
+        oks = await asyncio.gather(*(self._router_ready(self.cfg.pools[p]) for p in names))
         pools = dict(zip(names, oks, strict=True))
         return _json_answer(200 if any(oks) else 503, {"status": "ok" if all(oks) else "degraded", "pools": pools})
 

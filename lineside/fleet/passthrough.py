@@ -78,6 +78,10 @@ class Forward:
     keep_body: bool = False
     done: Callable[[int, bytes, bytes | None, float, bytes], None] | None = None
     unreachable: Callable[[str], Answer] | None = None  # the answer when the upstream cannot be reached
+    # a response with one of these statuses is held whole (not streamed on) and handed to ``replace``, which may
+    # answer in its place (an upstream's error that means something else to the client); None: sent as it came
+    replace_statuses: frozenset[int] = frozenset()
+    replace: Callable[[int, bytes], Awaitable[Answer | None]] | None = None
 
 
 Decide = Callable[[RequestHead], "Forward | Answer | Awaitable[Answer]"]
@@ -185,6 +189,7 @@ class Exchange:
         self.status = 0
         self.ctype = b""
         self.kept: list[bytes] | None = [] if fwd.keep_body else None
+        self.held: list[bytes] | None = None  # the body of a response held for ``fwd.replace``
         self.upstream_keep_alive = True
         self.finished: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.conn: UpstreamConn | None = None
@@ -208,12 +213,16 @@ class Exchange:
         self.upstream_keep_alive = self.parser.should_keep_alive()
         if self.status >= 200 and self.chunked and self.head.version == "1.0" and self.head.method != "HEAD":
             self.unframed = True
+        if self.status in self.fwd.replace_statuses and not self.unframed and self.head.method != "HEAD":
+            self.held = []
 
     def on_body(self, body: bytes) -> None:
         if self.kept is not None:
             self.kept.append(body)
         if self.unframed:
             self._pieces.append(body)
+        if self.held is not None:
+            self.held.append(body)
 
     def on_message_complete(self) -> None:
         if self.status < 200:  # an interim 1xx response: dropped, the real one follows
@@ -245,8 +254,12 @@ class Exchange:
             del self.buf[:self.buf.find(b"\r\n\r\n") + 4]
             self.interim -= 1
             self.heads -= 1
-        if not self.heads:
-            return
+        if self.heads and self.held is None:
+            self.send_head()
+
+    def send_head(self) -> None:
+        """Write the response head (with the front's headers) and the body bytes buffered after it."""
+        assert self.buf is not None
         end = self.buf.find(b"\r\n\r\n") + 2  # the head without its final CRLF (llhttp wants CRLF there)
         extra = b"".join(k + b": " + v + b"\r\n" for k, v in self.fwd.add_response)
         if not self.keep_alive and self.head.version == "1.1":
@@ -274,7 +287,7 @@ class Exchange:
         if self.finished.done():  # closed after a complete response: only that connection is done
             return
         self.upstream_keep_alive = False
-        if self.head_sent and not self.framed:  # a response delimited by the connection's end: complete
+        if (self.head_sent or self.held is not None) and not self.framed:  # delimited by the connection's end
             self.finished.set_result(True)
             return
         self.fail()
@@ -442,6 +455,14 @@ class ClientConn(asyncio.Protocol):
             ok = await self._wait(ex)
             conn.exchange = None
             self.current = None
+            if ok and ex.held is not None:  # held for the front: its answer, or the response as it came
+                a = await fwd.replace(ex.status, b"".join(ex.held)) if fwd.replace is not None else None
+                if a is not None:
+                    ex.status, ex.ctype, ex.kept = a.status, a.content_type, None
+                    self.write(encode_answer(a, head.version, keep_alive))
+                    ex.framed = True
+                else:
+                    ex.send_head()
             if ok:
                 if ex.upstream_keep_alive and head.version == "1.1":
                     self.pool.put(conn)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lineside.bench.inprocess import BackgroundServer, free_port
@@ -58,11 +58,23 @@ def pool_app(name: str, seen: list[dict]) -> Starlette:
                              Route("/readiness", lambda r: JSONResponse({"status": "ready"}))])
 
 
-def router_without_workers() -> Starlette:
-    """What an SMG router answers when no worker of its pool is healthy: alive (/health 200), not ready."""
+# SMG 1.13's answer to a request whose model no registered worker serves, byte for byte
+SMG_NO_WORKER = (b'{"error":{"type":"invalid_request_error","code":"model_not_found",'
+                 b'"message":"No worker available for model \'m\'","param":null}}')
+
+
+def router_without_workers(ready: bool = False) -> Starlette:
+    """What an SMG router answers when no worker of its pool is healthy: alive (/health 200), not ready; and
+    SMG's 404 model_not_found to a request (also its answer to an unknown model when workers are ready)."""
+    def no_worker(r: Request) -> Response:
+        return Response(SMG_NO_WORKER, 404, media_type="application/json")
+
     return Starlette(routes=[Route("/health", lambda r: JSONResponse({"ok": True})),
+                             Route("/v1/chat/completions", no_worker, methods=["POST"]),
                              Route("/readiness", lambda r: JSONResponse(
-                                 {"status": "not ready", "reason": "insufficient healthy workers"}, 503))])
+                                 {"status": "ready"} if ready else
+                                 {"status": "not ready", "reason": "insufficient healthy workers"},
+                                 200 if ready else 503))])
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +291,42 @@ def test_fleet_health_says_which_pools_have_no_healthy_node(upstreams):
     assert some.status == 200 and json.loads(some.body) == {"status": "degraded",
                                                              "pools": {"realtime": True, "batch": False}}
     assert none.status == 503 and json.loads(none.body)["pools"] == {"realtime": False, "batch": False}
+
+
+def test_a_pool_with_no_node_registered_is_a_503_not_a_wrong_model(upstreams):
+    """SMG answers 404 model_not_found while none of its pool's nodes has passed a health check (a gateway started
+    during an outage): the client would take its model name for wrong and not retry. The front answers 503
+    no_ready_node there, and passes the 404 on unchanged when the pool has ready nodes (a model none serves)."""
+    down, up = (BackgroundServer(router_without_workers(ready), ready_path="/health").start() for ready in (0, 1))
+    try:
+        async def go(router: str) -> list[httpx.Response]:
+            front = Front(FrontConfig(pools={"realtime": router}, default_pool="realtime", session_idle_s=90))
+            port = free_port("127.0.0.1")
+            listener = await front.serve("127.0.0.1", port)
+            try:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as c:
+                    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                    out = [await c.post("/v1/chat/completions", json=body),  # two over one kept-alive connection
+                           await c.post("/v1/chat/completions", json={**body, "stream": True})]
+                    out.append(await c.get("/fleet/metrics"))
+                    return out
+            finally:
+                listener.close()
+                await front.aclose()
+
+        outage, streamed, metrics = run(go(down.url))
+        unknown, _, _ = run(go(up.url))
+    finally:
+        down.stop()
+        up.stop()
+    for r in (outage, streamed):
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "no_ready_node" and err["type"] == "server_error"
+        assert "no node of pool 'realtime' is ready" in err["message"] and "fleet status" in err["message"]
+    assert outage.headers["set-cookie"].startswith("lineside_session=")  # the front's own headers still go on
+    assert 'lineside_fleet_requests_total{pool="realtime",status="5xx"} 2.0' in metrics.text
+    assert unknown.status_code == 404 and unknown.content == SMG_NO_WORKER
 
 
 @pytest.mark.parametrize(("share", "n", "expected"), [(0.5, 10, 5), (0.05, 100, 5), (1.0, 3, 3), (0.3, 10, 3)])
