@@ -134,11 +134,12 @@ def status_cmd(
         "--api-key", envvar="LINESIDE_API_KEY", show_envvar=True,
         help="the nodes' key (`serve --api-key`), sent as 'Authorization: Bearer KEY' for their load and model")] = None,
 ) -> None:
-    """Every node's health, bundle version, degradation level and load in one table."""
+    """Every node's health, bundle version, degradation level and load in one table; under it, why each node
+    that is not ready is not (its engine's failure, a load error, unreachable)."""
     import sys
 
     from lineside.fleet.spec import load_fleet
-    from lineside.fleet.status import fleet_status, status_json, status_table
+    from lineside.fleet.status import fleet_status, status_json, status_notes, status_table
 
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     health = fleet_status(f, ssh=_ssh(ssh), api_key=api_key)
@@ -146,6 +147,8 @@ def status_cmd(
         print(json.dumps(status_json(f, health), indent=2))
     else:
         _print(status_table(f, health))
+        for line in status_notes(health):  # plain lines: a node's reason is its own text, not wrapped or markup
+            print(line)
     locked = [h.node for h in health if h.unauthorized]
     if locked:
         print(f"note: {', '.join(locked)} answered 401 for their load and model: "

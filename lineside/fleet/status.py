@@ -53,5 +53,11 @@ def status_table(fleet: FleetFile, health: list[NodeHealth]) -> Any:
     return t
 
 
+def status_notes(health: list[NodeHealth]) -> list[str]:
+    """One line per node that is not ready, with what it said (an engine's failure, a load error) or why it could
+    not be asked: the table's health column has room for the state only."""
+    return [f"{h.node}: {h.status}: {h.error}" for h in health if not h.ready and h.error and h.error != h.status]
+
+
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:g}"

@@ -154,3 +154,28 @@ def test_bundle_version_of_a_host_that_never_answers_ssh_gives_up(monkeypatch):
     finally:
         for s in (listener, *accepted):
             s.close()
+
+
+def test_fleet_status_says_why_a_node_is_not_ready(tmp_path):
+    """A node whose engine failed answers 503 with its reason (`serve`'s own body); `fleet status` showed only
+    "failed" in red, and the reason was in --json alone. Now a line under the table names it, as it does the
+    cause of an unreachable node; a ready node gets no line."""
+    from lineside.server.health import engine_failed
+    from tests.cli.cli_run import run_cli
+
+    why = "3 consecutive model steps failed, the last with: CUDA error: an illegal memory access was encountered"
+    failed = (503, J, engine_failed(why).body.decode())
+    routes = {"/health/ready": failed, "/health": failed, "/v1/models": (200, J, json.dumps({"data": [{"id": "m"}]}))}
+    ok = {"/health/ready": (200, J, json.dumps({"status": "ready"}))}
+    with server(routes) as bad_url, server(ok) as ok_url:
+        fleet = tmp_path / "fleet.yaml"
+        fleet.write_text(f"nodes:\n  - {{name: orin-1, kind: x86, url: '{bad_url}'}}\n"
+                         f"  - {{name: orin-2, kind: x86, url: '{ok_url}'}}\n"
+                         "  - {name: orin-3, kind: x86, url: 'http://127.0.0.1:1'}\n"
+                         "pools: {realtime: {members: [orin-1, orin-2, orin-3]}}\n")
+        p = run_cli("fleet", "status", fleet)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert f"orin-1: failed: {why}" in lines
+    assert any(line.startswith("orin-3: unreachable: ") for line in lines)
+    assert not any(line.startswith("orin-2:") for line in lines)
