@@ -103,7 +103,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                call_format=tool_calls.call_format(tool_choice, template, state.tool_call_parser)
                                if calling else None,
                                tools=tuple(tools), named=tool_choice.name,
-                               max_calls=1 if body.parallel_tool_calls is False else None)
+                               max_calls=1 if body.parallel_tool_calls is False else None,
+                               chat_echo=echoed_message(body, prompt.messages))
         ids = await encode_chat_prompt(state, prompt, max_tokens=_prompt_limit(state))
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -155,6 +156,15 @@ def echoed_prompts(body: CompletionRequest, prompts: list[list[int]], tokenizer:
     texts = [p if isinstance(p, str) else None for p in sent] if len(sent) == len(prompts) else [None] * len(prompts)
     return [Echo(text if text is not None else tokenizer.decode(ids), ids[0])
             for text, ids in zip(texts, prompts, strict=True)]
+
+
+def echoed_message(body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str:
+    """Chat's echo as vLLM does it: the last message's text when it is the assistant's (a message being continued),
+    else nothing; a client continuing a message gets it back whole, not only the added part."""
+    if not body.echo or not messages or messages[-1].get("role") != "assistant":
+        return ""
+    content = messages[-1].get("content")
+    return content if isinstance(content, str) else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ class OutputOptions:
     formatter: LogprobFormatter | None = None
     reasoning: Reasoning | None = None  # --reasoning-parser: the thinking apart from the answer (None: off)
     echo: bool = False  # completions' echo: each choice's prompt in front of its text (keys the response cache)
+    chat_echo: str = ""  # chat's echo (vLLM's): the trailing assistant message's text in front of each answer
     prompt_logprobs: int | None = None  # vLLM's: alternatives per scored prompt token (None: not asked for)
 
 
@@ -120,6 +121,9 @@ class ChoiceOutput:
         """The stream chunks for one event (reasoning, text, tool-call deltas, logprobs), before any finish chunk;
         with echo, the first one's prompt goes first in a chunk of its own, as vLLM streams it."""
         out = self._prompt_chunk(writer, index, event) if event.finish_reason in (None, *_ANSWERED) else []
+        if self.options.chat_echo and not self._echoed and event.finish_reason in (None, *_ANSWERED):
+            self._echoed = True  # the continued message's text, in a chunk of its own after the role's (vLLM's)
+            out.append(writer.text(index, self.options.chat_echo))
         if self.echo is not None and not self._echoed and event.finish_reason in (None, *_ANSWERED):
             self._echoed = True
             self.prompt_logprobs = event.prompt_logprobs or []
@@ -170,6 +174,8 @@ class ChoiceOutput:
             msg["content"] = content if content or msg["content"] is not None else None  # null stays null
             if calls:
                 msg["tool_calls"] = [c.openai() for c in calls]
+        if self.options.chat_echo:
+            msg["content"] = self.options.chat_echo + (msg["content"] or "")
         return msg, self._logprobs_json(self.logprobs, whole=True)
 
     def text_logprobs(self) -> Any:

@@ -131,3 +131,43 @@ def test_bad_echo_requests_are_one_line_400s(server, body, param):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and "\n" not in err["message"]
+
+
+# Chat's echo (vLLM's): a trailing assistant message, continued, comes back whole in front of the answer's content.
+CONTINUED = [{"role": "user", "content": "What runs hot?"}, {"role": "assistant", "content": TEXT}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def chat(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"temperature": 0, "max_tokens": 5, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_echo_puts_the_continued_message_in_front(server):
+    plain = chat(server, messages=CONTINUED, **CONTINUE)
+    echoed = chat(server, messages=CONTINUED, echo=True, **CONTINUE)
+    answer = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == TEXT + answer
+    assert echoed["usage"] == plain["usage"] | {"prompt_tokens_details": echoed["usage"]["prompt_tokens_details"]}
+
+
+def test_streamed_chat_echo_sends_the_message_first(server):
+    whole = chat(server, messages=CONTINUED, echo=True, **CONTINUE)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": CONTINUED, "echo": True, "temperature": 0, "max_tokens": 5, "stream": True,
+                         **CONTINUE})
+    assert r.status_code == 200
+    deltas = [o["choices"][0]["delta"] for o in sse.parse(r.text) if o != "[DONE]" and o["choices"]]
+    contents = [d["content"] for d in deltas if d.get("content")]
+    assert deltas[0]["role"] == "assistant" and contents[0] == TEXT
+    assert "".join(contents) == whole["choices"][0]["message"]["content"]
+
+
+def test_chat_echo_after_a_user_message_changes_nothing(openai_client):
+    """Nothing is being continued: vLLM echoes only a last message of the answer's role."""
+    messages = [{"role": "user", "content": TEXT}]
+    plain = openai_client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=5, temperature=0)
+    echoed = openai_client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=5, temperature=0,
+                                                   extra_body={"echo": True})
+    assert echoed.choices[0].message.content == plain.choices[0].message.content

@@ -22,6 +22,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 TEMPLATE = ("{% if tools %}T{% endif %}{% for m in messages %}<s>{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 SEEDED = {"temperature": 0.8, "seed": 7}
+CONTINUED = {"messages": [{"role": "user", "content": "probe chat echo"}, {"role": "assistant", "content": "The"}],
+             "continue_final_message": True, "add_generation_prompt": False}
 
 # (endpoint, the first request's extra fields, the second's): each pair differs in the named field only
 DIFFERING = {
@@ -60,6 +62,8 @@ DIFFERING = {
     "prompt": ("completions", {}, {"prompt": "another"}),
     "completion_logprobs": ("completions", {}, {"logprobs": 1}),
     "echo": ("completions", {}, {"echo": True}),  # the same engine request: the prompt in front of the text
+    # chat's echo: the same engine request, the continued assistant message in front of the content
+    "chat_echo": ("chat", CONTINUED, {**CONTINUED, "echo": True}),
     "prompt_logprobs": ("chat", {}, {"prompt_logprobs": 1}),
     # the same engine request (echo's logprobs 2 already score the prompt with 2 alternatives): the output differs
     "echo_prompt_logprobs": ("completions", {"echo": True, "logprobs": 2},
@@ -90,7 +94,7 @@ ELSEWHERE = {"chat_template_kwargs", "reasoning_effort", "continue_final_message
 
 def test_every_request_field_is_classified():
     fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-    classified = {k for k in DIFFERING if k not in ("completion_logprobs", "echo_prompt_logprobs")} | set(REFUSED) | set(NO_EFFECT) | ELSEWHERE
+    classified = {k for k in DIFFERING if k not in ("completion_logprobs", "echo_prompt_logprobs", "chat_echo")} | set(REFUSED) | set(NO_EFFECT) | ELSEWHERE
     assert fields - classified == set(), "classify the new request field here: does it change the answer?"
     assert classified - fields == set()
 
