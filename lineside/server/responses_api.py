@@ -82,6 +82,13 @@ class ResponsesRequest(BaseModel):
         """``reasoning.effort`` (checked by ``check``), read by the chat rendering as chat's field of that name."""
         return (self.reasoning or {}).get("effort")
 
+    @property
+    def reasoning_summary(self) -> str | None:
+        """``reasoning.summary``, or its deprecated name ``generate_summary`` (older openai SDKs and clients still
+        send it; OpenAI reads it as summary), reported back in the response as ``summary``."""
+        reasoning = self.reasoning or {}
+        return reasoning.get("summary") if reasoning.get("summary") is not None else reasoning.get("generate_summary")
+
 
 TEXT_LOGPROBS = "message.output_text.logprobs"  # the one ``include`` this server honours
 CHAT_CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -104,9 +111,9 @@ def _check_reasoning(reasoning: dict[str, Any] | None) -> None:
         if key == "effort" and value not in get_args(ReasoningEffort):
             raise APIError(400, f"reasoning.effort: {value!r} is not one of {', '.join(get_args(ReasoningEffort))}",
                            "invalid_value", param="reasoning.effort")
-        if key == "summary" and value not in REASONING_SUMMARIES:
-            raise APIError(400, f"reasoning.summary: {value!r} is not one of {', '.join(REASONING_SUMMARIES)}",
-                           "invalid_value", param="reasoning.summary")
+        if key in ("summary", "generate_summary") and value not in REASONING_SUMMARIES:
+            raise APIError(400, f"reasoning.{key}: {value!r} is not one of {', '.join(REASONING_SUMMARIES)}",
+                           "invalid_value", param=f"reasoning.{key}")
         if key not in ("effort", "summary", "generate_summary"):
             raise _bad(f"reasoning.{key}: not a reasoning option this server knows; send effort and/or summary",
                        f"reasoning.{key}")
@@ -370,7 +377,7 @@ class ResponseBuilder:
             "error": None, "incomplete_details": {"reason": reason} if reason else None,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": self.req.reasoning_effort, "summary": (self.req.reasoning or {}).get("summary")}, "store": self.store is not None, "temperature": self.temperature,
+            "reasoning": {"effort": self.req.reasoning_effort, "summary": self.req.reasoning_summary}, "store": self.store is not None, "temperature": self.temperature,
             "text": {"format": fmt}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
             "tools": responses_tools.echoed_tools(r.tools),
             "top_p": self.top_p, "truncation": "disabled", "user": r.user, "top_logprobs": r.top_logprobs,

@@ -45,6 +45,14 @@ def test_cached_tokens_count_the_prompt_the_prefix_cache_gave(client):
         assert 0 < cached < r.usage.input_tokens, (first.usage, r.usage)
 
 
+def test_generate_summary_is_read_as_summary(client):
+    """OpenAI's deprecated name of reasoning.summary, which older clients send: reported back as the summary taken,
+    as one sent as summary is (it was accepted and dropped: the response said summary null)."""
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=2,
+                                reasoning={"effort": "low", "generate_summary": "concise"})
+    assert (r.reasoning.effort, r.reasoning.summary) == ("low", "concise")
+
+
 def test_json_schema_format(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     r = client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "x"}]}],
@@ -57,6 +65,7 @@ def test_json_schema_format(client):
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),  # hosted tools: functions only
     (dict(reasoning={"effort": "extreme"}), "reasoning.effort"),  # effort is taken (rendered as chat's), checked
+    (dict(reasoning={"generate_summary": "long"}), "reasoning.generate_summary"),  # summary's old name: checked too
     (dict(background=True), "background"),
     # server-side compaction: was dropped, the kept conversation grew past the context instead of being compacted
     (dict(context_management=[{"type": "compaction", "compact_threshold": 1000}]), "context_management"),
