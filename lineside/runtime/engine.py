@@ -616,7 +616,7 @@ class LLMEngine:
         """(Under the state lock) apply a step's outcome to its sequences; their events, retired where final."""
         return self._retire(self.scheduler.postprocess(plan, out.sampled, out.errors, logprobs=out.logprobs,
                                                        accepted=out.accepted, session_error=out.session_error,
-                                                       prompt_logprobs=out.prompt_logprobs))
+                                                       settle_error=out.settle_error, prompt_logprobs=out.prompt_logprobs))
 
     def _idle(self) -> None:
         """Wait for work; with sessions held, wake by their next expiry to release their blocks."""

@@ -15,6 +15,9 @@ A request that reuses nothing takes the free slot whose cache is worth least (``
 reusable KV, else the least recently used, so recently used prefixes survive unrelated requests while free slots
 can hold them (vLLM's prefix cache is LRU over all free blocks); the lowest free slot would overwrite the same
 prefix every time requests come one at a time.
+A finished request's answer was written by decode steps, which are not offered for reuse (the scheduler's
+``single-token steps``); ``keep_answer`` notes the ids to recompute it from with prefill chunks while the engine idles
+(``settled``), so a chat's next turn reuses its prompt and the answer, as vLLM's prefix cache does.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class KVCacheArena:
         self.used = [0] * num_slots  # when each slot was last given out, reused or released: LRU order of free slots
         self._clock = 0
         self.pending: list[SlotOp] = []
+        self.unsettled: dict[int, list[int]] = {}  # free slots whose tail is decode-written: the ids to prefill it from
         self.prefix_hits = 0
         self.prefix_hit_tokens = 0
 
@@ -166,6 +170,7 @@ class KVCacheArena:
         """Give ``slot`` (free, or held by a prefill session or a request) to ``owner`` with its first ``keep``
         positions' KV: a session lending its KV to the completion that extends it, or keeping a finished one's."""
         self.owner[slot], self.reserved[slot] = owner, self.blocks_for(reserve_tokens)
+        self.unsettled.pop(slot, None)
         self.truncate(slot, keep)
         self._touch(slot)
 
@@ -184,11 +189,37 @@ class KVCacheArena:
         ops, self.pending = self.pending, []
         return ops
 
+    # ---- a finished answer's KV --------------------------------------------------------------------
+    def keep_answer(self, slot: int, ids: list[int]) -> None:
+        """``slot``'s request has ended; ``ids``: its prompt and every generated token (the last one's KV was never
+        written). Its decode-written tail is worth recomputing when two or more ids lie past the shared run."""
+        toks = self.tokens[slot]
+        if (self.prefix_cache and not self.space[slot] and len(ids) <= self.max_seq_len
+                and len(ids) - self.shared[slot] >= 2 and ids[:len(toks)] == toks):
+            self.unsettled[slot] = list(ids)
+
+    def next_unsettled(self) -> int | None:
+        """The free slot to settle next: the latest answer (the likeliest to be continued by a next turn)."""
+        free = [s for s in self.unsettled if self.owner[s] is None]
+        return max(free, key=lambda s: self.used[s]) if free else None
+
+    def settled(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Prefill wrote ``tokens``' KV at ``start``.. of the free ``slot``: they join its shared run, if the slot
+        still holds that answer (it was not given out meanwhile)."""
+        ids = self.unsettled.get(slot)
+        end = start + len(tokens)
+        if ids is None or self.owner[slot] is not None or self.shared[slot] != start or ids[start:end] != tokens:
+            return
+        self._set_tokens(slot, ids[:max(end, len(self.tokens[slot]))], shared=end)
+        if end < len(ids):
+            self.unsettled[slot] = ids
+
     # ---- contents -------------------------------------------------------------------------
     def append(self, slot: int, new_tokens: list[int], shareable: bool = True) -> None:
         """Record that positions len(tokens).. now hold ``new_tokens``' KV. Only a slot's leading
         ``shareable`` run (KV written by multi-token prefill calls) is offered for prefix reuse."""
         toks = self.tokens[slot]
+        self.unsettled.pop(slot, None)
         if shareable and self.shared[slot] == len(toks):
             self.shared[slot] += len(new_tokens)
         toks.extend(new_tokens)
@@ -229,6 +260,7 @@ class KVCacheArena:
         return best_slot, best_len
 
     def _set_tokens(self, slot: int, toks: list[int], shared: int | None = None) -> None:
+        self.unsettled.pop(slot, None)  # its contents change: an answer noted for it no longer matches
         for h in self._hashes[slot]:
             s = self._index.get(h)
             if s is not None:

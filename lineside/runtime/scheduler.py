@@ -27,6 +27,12 @@ is), only prefill-written KV is offered for prefix reuse, and a preempted reques
 generated tokens through decode steps. Then batching, chunking and prefix reuse give exactly the
 tokens of `Generator`.
 
+A finished answer: its KV came from decode steps, so it is not offered for reuse as written; while the engine has
+nothing else to run, ``settle_chunk``-token prefill chunks recompute it from the answer's ids (its last token
+included, whose KV no step wrote), and then a chat's next turn (the prompt, the answer, the new message) reuses all
+but the new message — what vLLM's prefix cache reuses — with the KV a fresh prefill of that prompt computes, so
+the answer stays the same. A request arriving meanwhile waits at most one such chunk.
+
 Speculation (given a ``proposer``): ``schedule`` asks it for up to the row's draft length
 (speculative/adaptive.py) of proposed tokens per decoding row — never more than max_tokens or the
 context leave room for, none while replaying — and the step scores them with the pending token in one
@@ -54,8 +60,9 @@ from lineside.runtime.session_scheduling import SessionSlots
 from lineside.runtime.sessions import PrefillSession, SessionStore, common_prefix
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.speculative.config import ModelProposer, Proposer
-from lineside.runtime.step_plan import PrefillChunk, StepPlan, prefill_take
+from lineside.runtime.step_plan import PrefillChunk, SettleChunk, StepPlan, prefill_take
 
+SETTLE_CHUNK = 32  # tokens per settle chunk: a request arriving during one waits for it (~20 ms on 2 cores)
 ACCEPTANCE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # per verifying row and step
 Clock = Callable[[], float]  # seconds, monotonic: time.monotonic in service, a fake in tests
 
@@ -68,7 +75,8 @@ class Scheduler(SessionSlots):
                  preemption: bool = True, contiguous_slots: bool = False, clock: Clock = time.monotonic,
                  proposer: Proposer | ModelProposer | None = None, spec_tokens: int = 0,
                  spec_max_rows: int | None = None, verify_cost: float = 1.0, verify_token_cost: float = 0.0,
-                 sessions: SessionStore | None = None, session_every: int = 4, session_busy_chunk: int = 32):
+                 sessions: SessionStore | None = None, session_every: int = 4, session_busy_chunk: int = 32,
+                 settle_chunk: int = SETTLE_CHUNK):
         self.arena = arena
         self.prefill_chunk = max(2, int(prefill_chunk))
         self.aging_s = aging_s
@@ -93,6 +101,8 @@ class Scheduler(SessionSlots):
         self.session_every = max(1, int(session_every))
         self.session_busy_chunk = max(2, int(session_busy_chunk))  # session chunk size while requests decode
         self._quiet_steps = 0  # steps since the last session chunk
+        self.settle_chunk = max(2, int(settle_chunk))  # 0 or 1: 2 (a chunk is never 1 token)
+        self.settled_tokens = 0  # answer tokens recomputed by settle chunks (their KV is now reusable)
         # A LoRA adapter's request runs once its adapter holds a backend slot: ``adapter_gate(seq)`` tries to give it
         # one (the engine's AdapterSlots); a request it refuses waits, skipped by admission as vLLM's scheduler skips
         # a request whose LoRA does not fit this step, until a finished request frees a slot.
@@ -133,12 +143,33 @@ class Scheduler(SessionSlots):
             plan.prefills.append(PrefillChunk(pf, start, tokens, last=start + len(tokens) >= len(pf.fill)))
             budget -= len(tokens)
         self._session_chunk(plan)
+        self._settle(plan)
         return plan
+
+    def _settle(self, plan: StepPlan) -> None:
+        """Plan a chunk of the latest finished answer's KV (module docstring) into a step that has nothing else."""
+        if not plan.empty or self.waiting or self.running:
+            return
+        slot = self.arena.next_unsettled()
+        if slot is None:
+            return
+        ids, start = self.arena.unsettled[slot], self.arena.shared[slot]
+        plan.settle = SettleChunk(slot, start, ids[start:start + prefill_take(len(ids) - start, self.settle_chunk)])
+
+    def _settle_applied(self, plan: StepPlan, error: str | None) -> None:
+        sc = plan.settle
+        if sc is None:
+            return
+        if error is not None:  # what the failed call wrote there is unknown: nothing past its start is kept
+            self.arena.truncate(sc.slot, sc.start)
+            return
+        self.arena.settled(sc.slot, sc.start, sc.tokens)
+        self.settled_tokens += len(sc.tokens)
 
     def postprocess(self, plan: StepPlan, sampled: dict[Sequence, int], errors: dict[Sequence, str],
                     now: float | None = None, logprobs: dict[Sequence, list[TokenLogprob]] | None = None,
                     accepted: dict[Sequence, list[int]] | None = None,
-                    session_error: str | None = None,
+                    session_error: str | None = None, settle_error: str | None = None,
                     prompt_logprobs: dict[Sequence, list[TokenLogprob]] | None = None
                     ) -> list[tuple[Sequence, TokenEvent]]:
         """Apply a step's outcome: ``sampled`` tokens by sequence, ``errors`` (one line each) for the
@@ -149,6 +180,7 @@ class Scheduler(SessionSlots):
         now = self.clock() if now is None else now
         accepted = accepted or {}
         self._session_applied(plan, session_error)
+        self._settle_applied(plan, settle_error)
         events = [(seq, ev) for seq, msg in errors.items() if (ev := self.abort(seq, FinishReason.ERROR, msg, now=now))]
         for seq in plan.decode:  # each fed ``pending`` (or the next replayed token), then its drafts
             if seq.status != Status.DECODE or seq.slot is None or seq in errors:
@@ -262,27 +294,31 @@ class Scheduler(SessionSlots):
         if seq.status == Status.FINISHED:
             return None
         ev = seq.abort(reason, error)
-        self._finish(seq, self.clock() if now is None else now)
+        # a failed call's ids are not settled: recomputing them would likely fail again (and count as failed steps)
+        self._finish(seq, self.clock() if now is None else now, answer=reason != FinishReason.ERROR)
         return ev
 
-    def _finish(self, seq: Sequence, now: float) -> None:
+    def _finish(self, seq: Sequence, now: float, answer: bool = True) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
             self._session_done(seq, now)  # a session it named may keep its slot for the next turn
             if seq.slot is not None:
-                self._release(seq)  # its KV stays in the prefix cache
+                self._release(seq, answer)  # its KV stays in the prefix cache, its answer's settled
         else:
             self._session_done(seq, now)  # ended while waiting (preempted): a session lent to it ends too
         seq.status = Status.FINISHED
         seq.handle.metrics.finished = now
 
     # ---- slots ---------------------------------------------------------------------------------
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, answer: bool = False) -> None:
+        """Free ``seq``'s slot; ``answer``: it has ended (not preempted), so its answer is worth settling."""
         assert seq.slot is not None
         self.arena.truncate(seq.slot, seq.computed)
         self.arena.free(seq.slot)
+        if answer:
+            self.arena.keep_answer(seq.slot, [*seq.prompt, *seq.generated])
         seq.slot = None
 
     def _move(self, seq: Sequence, dst: int) -> None:

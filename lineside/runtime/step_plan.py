@@ -33,6 +33,19 @@ class SessionChunk:
 
 
 @dataclass
+class SettleChunk:
+    """A finished answer's ids ``start..start+len(tokens)`` recomputed by prefill into the free ``slot`` (its
+    decode-written KV becomes reusable: kv_manager's ``keep_answer``); no logits are used."""
+
+    slot: int
+    start: int
+    tokens: list[int]
+
+    def batch(self) -> StepBatch:
+        return StepBatch.single(self.slot, self.tokens, self.start, prompt=True)
+
+
+@dataclass
 class PrefillChunk:
     """Prompt tokens ``start..start+len(tokens)`` of a request being admitted, computed into its slot."""
 
@@ -56,6 +69,7 @@ class StepPlan:
     prefills: list[PrefillChunk] = field(default_factory=list)  # within the step's prefill budget, oldest first
     drafts: dict[Sequence, list[int]] = field(default_factory=dict)  # proposed tokens to verify, by decode row
     session: SessionChunk | None = None  # idle-capacity work: only in a step without a request's prefill chunk
+    settle: SettleChunk | None = None  # idle-engine work: only in a step with nothing else to run
     # A model proposer's rows: how many tokens each may propose. The step runner runs the proposer and
     # fills ``drafts`` (and ``draft_probs``) before the decode batch is made; postprocess reads them back.
     draft_budget: dict[Sequence, int] = field(default_factory=dict)
@@ -64,7 +78,8 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefills or self.ops or self.session or self.adapter_loads)
+        return not (self.decode or self.prefills or self.ops or self.session or self.settle
+                    or self.adapter_loads)
 
     @property
     def prefill_tokens(self) -> int:

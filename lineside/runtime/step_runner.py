@@ -37,6 +37,7 @@ class StepOutcome:
     # for the sequences that asked: one per emitted token (the kept drafts', then the sampled one's)
     logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
     session_error: str | None = None  # the prefill session's chunk failed (the session is released, no request)
+    settle_error: str | None = None  # the settle chunk failed (its answer's tail is dropped from the cache)
     # for the sequences scoring their prompt: the prompt tokens a chunk's logits scored (those after its first token)
     prompt_logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
     calls_ok: int = 0  # backend forwards that succeeded (a slot op alone proves little): the engine's health reads these
@@ -76,6 +77,7 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
         msg = out.failed_call(e)
         out.errors = {s: msg for s in [*plan.decode, *(c.seq for c in plan.prefills)]}
         out.session_error = msg if plan.session is not None else None
+        out.settle_error = msg if plan.settle is not None else None
         return out
     if plan.draft_budget and proposer is not None:
         _propose(proposer, plan)
@@ -115,6 +117,12 @@ def run_step(backend: Backend, plan: StepPlan, proposer: ModelProposer | None = 
             out.calls_ok += 1
         except Exception as e:
             out.session_error = out.failed_call(e)
+    if plan.settle is not None:
+        try:
+            backend.forward(plan.settle.batch())
+            out.calls_ok += 1
+        except Exception as e:
+            out.settle_error = out.failed_call(e)
     return out
 
 

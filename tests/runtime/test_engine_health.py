@@ -65,7 +65,9 @@ def test_one_bad_request_retried_up_to_the_limit_leaves_the_engine_serving(tiny_
     ends, good, health, ready, calls = run(main())
     assert [e.finish_reason for e in ends] == ["error"] * 4 and good.finish_reason == "length"
     assert health.failure is None and health.probes_passed == 1 and health.failed_total == 4
-    assert len(calls) == 2 + 4 + 1 + 3  # warm-up, 4 failed prefills, the probe, the good request's 3 steps
+    # warm-up, 4 failed prefills (their ids are never settled), the probe, the good request's 3 steps, the chunk that
+    # settles its answer (planned in the step that finishes it, before its result is delivered)
+    assert len(calls) == 2 + 4 + 1 + 3 + 1
 
 
 def test_persistent_failure_fails_the_engine_and_refuses_new_requests(tiny_bundle):

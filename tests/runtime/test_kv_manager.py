@@ -137,3 +137,42 @@ def test_beside_the_running_requests_only_among_slots_worth_the_same():
     assert a.victim(near=(1, 1)) == 0
     a.truncate(4, 0)  # slot 4 holds nothing now: it goes first, beside the running request or not
     assert a.victim(near=(1, 1)) == a.victim() == 4
+
+
+def test_a_finished_answer_is_settled_into_the_shared_run():
+    """A request's answer was decode-written (not shared); prefill chunks recomputing it from its ids make it
+    reusable, its last token too (no step wrote that one's KV)."""
+    a = KVCacheArena(num_slots=2, max_seq_len=64, block_size=4)
+    s, _ = a.allocate("r", [1] * 6, 16, 0)
+    a.append(s, [1] * 6)  # the prompt's prefill
+    a.append(s, [5], shareable=False)  # decode steps fed the first 3 of 4 generated tokens
+    a.append(s, [6], shareable=False)
+    a.append(s, [7], shareable=False)
+    a.free(s)
+    a.keep_answer(s, [1] * 6 + [5, 6, 7, 8])
+    assert a.lookup([1] * 6 + [5, 6, 7, 8, 9], 64) == (s, 6)
+    assert a.next_unsettled() == s and a.unsettled[s][a.shared[s]:] == [5, 6, 7, 8]
+    a.settled(s, 6, [5, 6])
+    assert a.lookup([1] * 6 + [5, 6, 7, 8, 9], 64) == (s, 8) and a.next_unsettled() == s
+    a.settled(s, 8, [7, 8])
+    assert a.lookup([1] * 6 + [5, 6, 7, 8, 9], 64) == (s, 10) and a.next_unsettled() is None
+    assert a.tokens[s] == [1] * 6 + [5, 6, 7, 8]
+
+
+def test_a_settle_landing_after_its_slot_was_given_out_is_ignored():
+    a = KVCacheArena(num_slots=1, max_seq_len=64, block_size=4)
+    s, _ = a.allocate("r", [1] * 6, 16, 0)
+    a.append(s, [1] * 6)
+    a.append(s, [5], shareable=False)
+    a.free(s)
+    a.keep_answer(s, [1] * 6 + [5, 6])
+    a.keep_answer(s, [9] * 8)  # ids that are not the slot's: never noted
+    assert a.unsettled[s] == [1] * 6 + [5, 6]
+    a.allocate("next", [2] * 5, 16, 4)
+    assert a.next_unsettled() is None and s not in a.unsettled
+    a.settled(s, 6, [5, 6])
+    assert a.tokens[s] == [] and a.shared[s] == 0
+    a.append(s, [2] * 5)
+    a.free(s)
+    a.keep_answer(s, [2] * 5 + [3])  # one id past the shared run: not worth a chunk (never 1 token)
+    assert not a.unsettled

@@ -117,3 +117,38 @@ def test_concurrent_requests_still_decode_in_one_range(tiny_bundle):
     solo, _ = run(one_at_a_time(make(tiny_bundle, "fake-any-slots", prefix_cache=False), prompts,
                                 [3 + 2 * i for i in range(len(prompts))]))
     assert outs == solo
+
+
+async def chat_turns(eng: LLMEngine, first: list[int], news: list[list[int]], n: int,
+                     settle: bool = True) -> tuple[list[list[int]], list[int]]:
+    """A chat: each turn's prompt is the one before + its answer's ids + a new message; waits (event-loop turns, no
+    clock) until the engine has settled the answer before the next turn, as a user reading it gives it time to."""
+    await eng.start()
+    ids, cached, prompt = [], [], list(first)
+    for new in [[], *news]:
+        prompt = [*prompt, *(ids[-1] if ids else []), *new]
+        h = eng.submit(GenerationRequest(prompt, max_tokens=n))
+        ids.append((await h.result())[1])
+        cached.append(h.metrics.prefix_reused_tokens)
+        for _ in range(2_000_000 if settle else 0):  # bounded: an engine that never settles fails, never hangs
+            if eng.arena.next_unsettled() is None:
+                break
+            await asyncio.sleep(0)
+    await eng.stop()
+    return ids, cached
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "fake-any-slots"])
+def test_a_chats_next_turn_reuses_the_answer_too(tiny_bundle, backend):
+    """Turn N reuses turn N-1's prompt and all of its answer's ids (the last one's too, whose KV no decode step wrote),
+    as vLLM's prefix cache does; it used to reuse the prompt only (an answer's KV came from decode steps). The
+    answers equal a fresh engine's without any prefix cache."""
+    first = [1, *SYSTEM[1], 210, 211]
+    news = [[220 + i, 221 + i, 222 + i] for i in range(3)]
+    ids, cached = run(chat_turns(make(tiny_bundle, backend), first, news, n=7))
+    lens = [len(first)]
+    for turn, new in zip(ids, news, strict=False):
+        lens.append(lens[-1] + len(turn) + len(new))
+    assert cached[1:] == [lens[k + 1] - len(news[k]) for k in range(3)], (cached, lens)
+    want, _ = run(chat_turns(make(tiny_bundle, backend, prefix_cache=False), first, news, n=7, settle=False))
+    assert ids == want
