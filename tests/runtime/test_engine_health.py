@@ -107,8 +107,12 @@ def test_backend_lost_fails_the_engine_at_once(tiny_bundle):
         eng, be = engine(tiny_bundle, max_failed_steps=5)
         await eng.start()
         be.broken = BackendLost("the TensorRT execution context was lost")
-        waiting = [eng.submit(req(GOOD)) for _ in range(2)]
-        ends = [(await h.result())[2] for h in waiting]
+        be.pause(lambda batch: True)  # the first step waits until the second request is queued behind it: else
+        first = eng.submit(req(GOOD))  # the engine could fail before it arrived and refuse it (EngineFailed)
+        await be.until_paused()
+        second = eng.submit(req(GOOD))
+        be.resume()
+        ends = [(await h.result())[2] for h in (first, second)]
         failure = eng.failure
         await eng.stop()
         return ends, failure
