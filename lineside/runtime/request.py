@@ -80,6 +80,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     session_id: str | None = None  # a prefill session whose KV this prompt may extend (sessions.py)
     keep_session: bool = False  # keep this prompt's KV in that session for the next turn (else it ends with it)
+    # a next turn will likely extend this answer (a chat): its KV is recomputed for prefix reuse while the engine idles
+    # (scheduler.py); False spares that prefill where no next turn comes (a one-off completion)
+    settle_answer: bool = True
     adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
     # special tokens the text keeps (a tool parser's markers, Mistral's [TOOL_CALLS]); all others are skipped
     keep_special_ids: frozenset[int] = frozenset()

@@ -317,7 +317,7 @@ class Scheduler(SessionSlots):
         assert seq.slot is not None
         self.arena.truncate(seq.slot, seq.computed)
         self.arena.free(seq.slot)
-        if answer:
+        if answer and seq.req.settle_answer:
             self.arena.keep_answer(seq.slot, [*seq.prompt, *seq.generated])
         seq.slot = None
 

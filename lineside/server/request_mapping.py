@@ -383,7 +383,9 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
                              adapter=adapter, ignore_eos=bool(req.ignore_eos),
                              stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             # a chat's answer is what its next turn extends; a completion is rarely continued
+                             settle_answer=isinstance(req, ChatCompletionRequest))
 
 
 def choices_per_prompt(req: ChatCompletionRequest | CompletionRequest, prompts: int) -> int:

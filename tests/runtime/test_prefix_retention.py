@@ -152,3 +152,21 @@ def test_a_chats_next_turn_reuses_the_answer_too(tiny_bundle, backend):
     assert cached[1:] == [lens[k + 1] - len(news[k]) for k in range(3)], (cached, lens)
     want, _ = run(chat_turns(make(tiny_bundle, backend, prefix_cache=False), first, news, n=7, settle=False))
     assert ids == want
+
+
+def test_an_answer_not_to_be_continued_is_not_recomputed(tiny_bundle):
+    """settle_answer=False (a one-off completion, request_mapping) spares the idle recompute of its answer: nothing
+    is left to settle, and the next request reuses the prompt alone."""
+    async def main():
+        eng = make(tiny_bundle, "fake-any-slots")
+        await eng.start()
+        prompt = [1, *SYSTEM[1], 210, 211]
+        ids = (await eng.submit(GenerationRequest(prompt, max_tokens=7, settle_answer=False)).result())[1]
+        pending = eng.arena.next_unsettled()
+        h = eng.submit(GenerationRequest([*prompt, *ids, 230], max_tokens=2))
+        await h.result()
+        await eng.stop()
+        return pending, h.metrics.prefix_reused_tokens, len(prompt)
+
+    pending, reused, prompt_len = run(main())
+    assert pending is None and reused <= prompt_len

@@ -349,3 +349,16 @@ def test_logit_bias_naming_one_token_twice_takes_the_last_bias_not_their_sum():
     token got 200, past the -100..100 the request may ask for."""
     req = CompletionRequest(prompt="hi", logit_bias={"2": 100.0, "5": 1.0, "02": 80.0})
     assert request_mapping.logit_bias(req, vocab_size=10) == ((2, 80.0), (5, 1.0))
+
+
+def test_a_chat_answer_is_settled_for_its_next_turn_and_a_completion_is_not():
+    """The idle recompute of an answer's KV (scheduler.py) is spent where a next turn extends it: chat, not a
+    one-off completion."""
+    from lineside.runtime.request import Mode, Priority
+    from lineside.server.request_mapping import engine_request
+    from lineside.server.schemas import ChatCompletionRequest, CompletionRequest
+
+    common = dict(stops=[], priority=Priority.NORMAL, mode=Mode.REALTIME, timeout=None, request_id="r")
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    assert engine_request([1, 2], 4, chat, **common).settle_answer
+    assert not engine_request([1, 2], 4, CompletionRequest(prompt="hi"), **common).settle_answer
