@@ -175,8 +175,8 @@ def engine_runner(bundle: Path, threads: int, prompt: str, max_tokens: int) -> t
         s = Stream()
         t0 = time.perf_counter()
         first = last = None
-        handle = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens,
-                                                 sampling=SamplingParams(temperature=0.0)))
+        handle = engine.submit(GenerationRequest(prompt_ids=ids, max_tokens=max_tokens,  # as served completions:
+                                                 sampling=SamplingParams(temperature=0.0), settle_answer=False))
         async for event in handle:
             if event.text:
                 last = time.perf_counter()
@@ -237,7 +237,8 @@ def inprocess_concurrent(bundle: Path, threads: int, prompts: list[str], max_tok
 
             async def one(prompt_ids: list[int]) -> int:
                 handle = engine.submit(GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens,
-                                                         sampling=SamplingParams(temperature=0.0)))
+                                                         sampling=SamplingParams(temperature=0.0),
+                                                         settle_answer=False))  # as served completions
                 n = 0
                 async for event in handle:
                     n = event.completion_tokens
