@@ -70,6 +70,15 @@ def _loc_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+# What a union field takes, said when a value matches none of its forms: pydantic names only the first form it tried
+# ("Input should be a valid string" for a prompt list that mixes text and token ids)
+UNION_FORMS = {
+    "prompt": "send a string, a list of strings, a list of token ids, or a list of token-id lists (not a mix)",
+    "stop": "send a string or a list of strings",
+    "tool_choice": 'send "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+}
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     """One line from pydantic's error list: the first problem, where it is, and a code."""
     errs = exc.errors()
@@ -95,6 +104,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None, st
         msg = f"request body must be a JSON object ({first.get('msg', 'invalid')})"
     elif len(same) > 1:
         msg = f"invalid value for '{param}': it matches none of the accepted types ({first.get('msg', 'invalid')})"
+        if param in UNION_FORMS:
+            msg += f"; {UNION_FORMS[param]}"
     else:
         msg = f"invalid value for '{param}': {first.get('msg', 'invalid')}"
     # other fields that failed (a union field fails once per member, a non-object body once in all)

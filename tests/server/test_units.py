@@ -216,6 +216,12 @@ def _validation(model, data) -> RequestValidationError:
 def test_validation_messages_are_one_line_with_the_parameter():
     msg, param, code = validation_message(_validation(CompletionRequest, {"prompt": 5}))
     assert param == "prompt" and "matches none of the accepted types" in msg and code == "invalid_value"
+    # a list mixing text and token ids: pydantic names only "a valid string"; the line says what a prompt may be
+    msg, param, _ = validation_message(_validation(CompletionRequest, {"prompt": ["hi", [1, 2]]}))
+    assert param == "prompt" and "a list of token-id lists (not a mix)" in msg and "\n" not in msg
+    msg, param, _ = validation_message(_validation(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                                          "stop": [1]}))
+    assert param == "stop" and "send a string or a list of strings" in msg
     msg, param, code = validation_message(_validation(ChatCompletionRequest, {}))
     assert msg == "missing required field 'messages'" and code == "missing_field"
     msg, param, _ = validation_message(_validation(ChatCompletionRequest, {"messages": [{"role": "robot"}]}))
