@@ -131,16 +131,17 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt_n = prompt_logprobs.requested(body.prompt_logprobs)
         output = OutputOptions(chat=False, top_logprobs=top_n, formatter=await _formatter(state, top_n, prompt_n),
                                echo=bool(body.echo), prompt_logprobs=prompt_n)
-        for text in prompt_limits.prompt_texts(body):
-            prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len, param="prompt")
-        size = len(body.prompt) if isinstance(body.prompt, str) else sum(
-            len(p) for p in body.prompt if isinstance(p, str))
+        texts = prompt_limits.prompt_texts(body)
+        for i, text in enumerate(texts):
+            prompt_limits.check_texts([text], state.engine.tokenizer, state.engine.max_seq_len,
+                                      param=_nth_prompt(body, i))
+        size = sum(map(len, texts))
         prompts = await _offload(size, functools.partial(request_mapping.completion_prompts, body, state.tokenizer,
                                                          _vocab_size(state), max_tokens=_prompt_limit(state)),
                                  param="prompt")
         budgets = [request_mapping.token_budget(len(ids), body.max_tokens, 16, context=state.engine.max_seq_len,
-                                                param="max_tokens", prompt_param="prompt")
-                   for ids in prompts]
+                                                param="max_tokens", prompt_param=_nth_prompt(body, i))
+                   for i, ids in enumerate(prompts)]
         echoes = echoed_prompts(body, prompts, state.engine.tokenizer) if body.echo else None
     except (APIError, LinesideError):
         state.metrics.reject("invalid")
@@ -165,6 +166,13 @@ def echoed_message(body: ChatCompletionRequest, messages: list[dict[str, Any]]) 
         return ""
     content = messages[-1].get("content")
     return content if isinstance(content, str) else ""
+
+
+def _nth_prompt(body: CompletionRequest, i: int) -> str:
+    """The parameter a context 400 names: ``prompt``, or ``prompt.i`` in a list of several prompts (which one)."""
+    several = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
+        and len(body.prompt) > 1
+    return f"prompt.{i}" if several else "prompt"
 
 
 @dataclasses.dataclass(frozen=True)

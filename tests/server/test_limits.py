@@ -133,6 +133,17 @@ def test_overlong_prompt_gives_numbers(server):
     assert "+ max_tokens (100)" in err["message"] and "256" in err["message"]
 
 
+def test_the_overlong_prompt_of_several_is_named(server):
+    """A list of prompts with one past the context: the 400 names which ("prompt.1"), as a text check, as token ids,
+    and as a prompt that fits but leaves no room for max_tokens; a lone prompt stays "prompt"."""
+    for prompts, param in ((["short", "x" * 300], "prompt.1"), ([[5] * 300, [6]], "prompt.0"),
+                           (["a", "b", "x" * 255], "prompt.2"), ("x" * 300, "prompt")):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompts, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "\n" not in err["message"], r.text
+
+
 def test_api_key(tiny_bundle, monkeypatch):
     with running_server(make_engine(tiny_bundle, num_slots=1), api_key="s3cret") as srv:
         body = {"prompt": "k", "max_tokens": 2}
