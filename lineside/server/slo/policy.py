@@ -141,25 +141,31 @@ def load_policy(path: str | Path) -> SloPolicy:
     """A policy from a YAML or JSON file; any problem is one LinesideError line naming the file and the key."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # Windows editors start a file with a BOM; json.loads refuses it
     except OSError as e:
         raise LinesideError(f"--slo-policy {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise LinesideError(f"--slo-policy {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as "
                             "UTF-8") from None
+    import yaml
+
     from lineside.yaml_keys import DuplicateKey, load_unique  # (yaml: imported only when a policy is read)
 
+    is_json = path.suffix.lower() == ".json"
     try:
-        if path.suffix.lower() == ".json":
-            data = json.loads(text, object_pairs_hook=_once)
-        else:
-            data = load_unique(text)
+        data = json.loads(text, object_pairs_hook=_once) if is_json else load_unique(text)
     except (_Repeated, DuplicateKey) as e:
         raise LinesideError(f"--slo-policy {path}: key {e} is written twice; only the last would count: remove one "
                             "or merge them") from None
-    except Exception as e:  # noqa: BLE001 - json and yaml raise several types; the first line says where
-        raise LinesideError(f"--slo-policy {path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
-                            f"({str(e).splitlines()[0]})") from None
+    except json.JSONDecodeError as e:
+        raise LinesideError(f"--slo-policy {path}: not valid JSON at line {e.lineno} ({e.msg}); fix the syntax, or "
+                            "name the file .yaml if it is YAML") from None
+    except yaml.YAMLError as e:  # the problem and its line: "while scanning for the next token" said neither
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        hint = "; indent with spaces, not tabs" if "'\\t'" in problem else "; fix the syntax"
+        raise LinesideError(f"--slo-policy {path}: not valid YAML{at} ({problem}){hint}") from None
     return parse_policy({} if data is None else data, source=str(path))  # an empty file: the defaults
 
 
@@ -182,12 +188,30 @@ def parse_policy(data: Any, *, source: str = "policy") -> SloPolicy:
         return SloPolicy.model_validate(data)
     except ValidationError as e:
         error = e.errors()[0]
-        where = ".".join(str(p) for p in error["loc"]) or "thresholds"
+        where = _where(error["loc"]) or "thresholds"
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             known = _known_keys(error["loc"])
             message = f"unknown key; known keys here: {', '.join(known)}"
+        elif error["type"] in _SHAPES:  # pydantic's "a valid tuple" / "instance of Thresholds" is Python talk
+            message = f"{_SHAPES[error['type']]}; got {error.get('input')!r}"
         raise LinesideError(f"--slo-policy {source}: {where}: {message}") from None
+
+
+_SHAPES = {
+    "tuple_type": "give a list (- item lines, or [a, b])",
+    "list_type": "give a list (- item lines, or [a, b])",
+    "dict_type": "give a mapping of keys (key: value lines)",
+    "model_type": "give a mapping of keys (key: value lines)",
+}
+
+
+def _where(loc: tuple) -> str:
+    """``pins[0].start``: the key's path as the fleet file's errors and the docs write it."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
 def _known_keys(loc: tuple) -> list[str]:

@@ -37,28 +37,35 @@ def test_yaml_and_json_files_load(tmp_path):
     ("level_1: {ttft_p90_s: 2.0}\n", "level_2.ttft_p90_s (1.5) must be above level_1.ttft_p90_s (2.0)"),
     ("recover_afetr_s: 10\n", "recover_afetr_s: unknown key; known keys here: level_1"),
     ("level_2: {ttft: 1}\n", "level_2.ttft: unknown key; known keys here: ttft_p90_s"),
-    ("pins: [{start: '25:00', end: '06:00', level: 1}]\n", "pins.0.start"),
+    ("pins: [{start: '25:00', end: '06:00', level: 1}]\n", "pins[0].start"),
     ("level_1: [\n", "not valid YAML"),
     ("- 1\n", "the top level must be a mapping"),
     (b"\xff\xfelevel_1: {}\n", "not UTF-8"),  # a UTF-16 editor's save
     # YAML 1.1 reads an unquoted 22:00 as the base-60 number 1320 (pydantic took it as 00:22 UTC, and the
     # controller's naive local time could not be compared with it)
-    ("pins: [{start: 22:00, end: '06:00', level: 1}]\n", 'pins.0.start: YAML read 22:00 unquoted as the number'),
+    ("pins: [{start: 22:00, end: '06:00', level: 1}]\n", 'pins[0].start: YAML read 22:00 unquoted as the number'),
     ("pins: [{start: '22:00', end: 6:30, level: 1}]\n", 'quote it: "HH:MM"'),
-    ("pins: [{start: '22:00+02:00', end: '06:00', level: 1}]\n", "pins.0.start: a local time has no zone"),
+    ("pins: [{start: '22:00+02:00', end: '06:00', level: 1}]\n", "pins[0].start: a local time has no zone"),
     # YAML 1.1 reads yes/on/true as a boolean, which pydantic took as the number 1
     ("level_1: {ttft_p90_s: yes}\n", "level_1.ttft_p90_s: true is not a number"),
     ("min_samples: on\n", "min_samples: true is not a number"),
-    ("pins: [{start: '22:00', end: '06:00', level: true}]\n", "pins.0.level: true is not a number"),
+    ("pins: [{start: '22:00', end: '06:00', level: true}]\n", "pins[0].level: true is not a number"),
     ("window_s: .inf\n", "window_s: Input should be a finite number"),  # kept every sample forever
     ("level_2: {ttft_p90_s: .inf}\n", "level_2.ttft_p90_s: Input should be a finite number"),
-    ("pins: [{start: '08:00', end: '08:00', level: 1}]\n", "pins.0: start and end are the same time"),
+    ("pins: [{start: '08:00', end: '08:00', level: 1}]\n", "pins[0]: start and end are the same time"),
     ("level_1: {}\nlevel_2: {}\n", "no level has a threshold"),  # a guard that could never degrade
     # YAML keeps the last of two equal keys: the first level_1 was dropped without a word
     ("level_1: {ttft_p90_s: 0.5}\nwindow_s: 30\nlevel_1: {memory_ratio: 0.9}\n",
      "key 'level_1' (lines 1 and 3) is written twice"),
     ("pins: [{start: '22:00', end: '06:00', level: 1, level: 2}]\n", "key 'level' (lines 1 and 1) is written twice"),
     ("[]\n", "the top level must be a mapping"),  # an empty list was read as no settings: the defaults
+    # a tab indent: the line and the fix, not PyYAML's "while scanning for the next token"
+    ("level_1:\n\tttft_p90_s: 0.5\n", "not valid YAML at line 2 (found character '\\t' that cannot start any token); "
+     "indent with spaces, not tabs"),
+    # one pin written as a mapping, a mode as a word: say "a list", not pydantic's "a valid tuple"
+    ("pins:\n  start: '22:00'\n", "pins: give a list (- item lines, or [a, b]); got {'start': '22:00'}"),
+    ("fallback_modes: batch\n", "fallback_modes: give a list"),
+    ("level_1: [0.5]\n", "level_1: give a mapping of keys"),
 ])
 def test_bad_policies_are_one_line(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
@@ -66,6 +73,15 @@ def test_bad_policies_are_one_line(tmp_path, text, needle):
     with pytest.raises(LinesideError) as e:
         load_policy(path)
     assert needle in str(e.value) and "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_a_json_policy_saved_with_a_bom_loads_and_bad_json_names_its_line(tmp_path):
+    # Notepad writes UTF-8 with a BOM; the YAML reader took it and json.loads refused the same file
+    (tmp_path / "p.json").write_bytes(b"\xef\xbb\xbf" + b'{"level_1": {"ttft_p90_s": 0.5}}')
+    assert load_policy(tmp_path / "p.json").level_1.ttft_p90_s == 0.5
+    (tmp_path / "y.JSON").write_text("level_1:\n  ttft_p90_s: 0.5\n")  # YAML in a .json file (any case)
+    with pytest.raises(LinesideError, match=r"not valid JSON at line 1 \(Expecting value\); .*name the file \.yaml"):
+        load_policy(tmp_path / "y.JSON")
 
 
 def test_a_pin_compares_with_the_controllers_local_time():
