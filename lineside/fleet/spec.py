@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from lineside.errors import LinesideError
 from lineside.strenum import StrEnum
@@ -58,7 +58,16 @@ class SmgPolicy(StrEnum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads yes/on/true unquoted as a boolean, which pydantic took as the number 1 (batch: yes → 1)
+        if isinstance(value, bool) and _unwrap(cls.model_fields[str(info.field_name)].annotation) in (int, float):
+            raise ValueError(f"{str(value).lower()} is not a number (YAML reads yes/no/on/off unquoted as true/"
+                             "false); give a number")
+        return value
 
 
 class Node(_Strict):

@@ -319,6 +319,29 @@ def test_a_name_yaml_reads_as_a_boolean_or_number_says_to_quote_it(text, expecte
     assert str(e.value).startswith(expected) and "put it in quotes" in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    # YAML 1.1 reads yes/on unquoted as true, which pydantic took as the number 1: a batch of 1, silently
+    ("nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9001', batch: yes}]",
+     "fleet.yaml: nodes[0].batch: true is not a number (YAML reads yes/no/on/off unquoted as true/false); give a number"),
+    ("nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9001'}]\ngateway: {retry: {max_retries: on}}",
+     "fleet.yaml: gateway.retry.max_retries: true is not a number"),
+    # .inf seconds: a rollout that waits for a dead canary forever
+    ("nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9001'}]\nrollout: {health_timeout_s: .inf}",
+     "fleet.yaml: rollout.health_timeout_s: Input should be a finite number"),
+])
+def test_a_boolean_or_infinity_where_a_number_goes_is_refused(text, expected):
+    with pytest.raises(FleetError) as e:
+        parse_fleet(text + "\npools: {realtime: {members: [a]}}\n", Path("fleet.yaml"))
+    assert str(e.value).startswith(expected) and "\n" not in str(e.value), str(e.value)
+
+
+def test_yes_no_still_set_the_yes_no_keys():
+    text = ("nodes: [{name: a, kind: x86, engine: openai, url: 'http://127.0.0.1:9001', health_adapter: yes}]\n"
+            "pools: {realtime: {members: [a]}}\ngateway: {priority: off}\n")
+    f = parse_fleet(text, Path("fleet.yaml"))
+    assert (f.nodes[0].health_adapter, f.gateway.priority) == (True, False)
+
+
 def test_plan_table_shows_names_and_paths_as_text():
     """`fleet plan` printed a bundle path or detail holding brackets as rich markup: "bundles/r1[q4]" lost "[q4]",
     and "[/]" would raise a MarkupError."""
