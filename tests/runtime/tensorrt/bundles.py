@@ -34,3 +34,20 @@ def v4_bundle(tmp_path: Path, quant: str = "fp16") -> Path:
         write_manifest(out, Manifest(architecture="deepseek_v4", config="config.json", max_seq_len=MAX_SEQ,
                                      flavors={"trt": replace(entry, graph="graphs/trt/model.onnx")}))
     return out
+
+
+def fake_engine_bundle(trt_bundle, monkeypatch, tmp_path: Path, *, num_slots: int) -> tuple:
+    """A copy of the tiny fp16 trt bundle with its engine built over the strict fake (installed here): (the opened
+    bundle, the fake's device), as the TensorRT backend tests start from."""
+    import shutil
+
+    from lineside.build.tensorrt.builder import BuildOptions as EngineOptions
+    from lineside.build.tensorrt.builder import build_engine
+    from lineside.bundle import open_bundle
+    from tests.runtime.tensorrt import fake_trt
+
+    dst = tmp_path / "bundle"
+    shutil.copytree(trt_bundle("fp16").path, dst)
+    dev = fake_trt.install(monkeypatch)
+    build_engine(dst, EngineOptions(num_slots=num_slots, max_prefill=16, first_bucket=8, bucket_step=16))
+    return open_bundle(dst), dev

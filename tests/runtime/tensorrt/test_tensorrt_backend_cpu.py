@@ -16,6 +16,7 @@ from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from lineside.runtime.tensorrt.key import ENGINE_JSON, TIMING_CACHE
 from tests.runtime.tensorrt import fake_trt
+from tests.runtime.tensorrt.bundles import fake_engine_bundle
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150, 61, 12, 200, 33, 7, 9, 11, 13, 21, 4, 70, 71, 72, 73, 74, 75,
        76, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 100, 101,
@@ -28,15 +29,7 @@ def rel(a, b):
 
 @pytest.fixture
 def engine_bundle(trt_bundle, monkeypatch, tmp_path):
-    import shutil
-
-    from lineside.bundle import open_bundle
-
-    dst = tmp_path / "bundle"
-    shutil.copytree(trt_bundle("fp16").path, dst)
-    dev = fake_trt.install(monkeypatch)
-    build_engine(dst, BuildOptions(num_slots=4, max_prefill=16, first_bucket=8, bucket_step=16))
-    return open_bundle(dst), dev
+    return fake_engine_bundle(trt_bundle, monkeypatch, tmp_path, num_slots=4)
 
 
 def test_engine_build_writes_engine_json_and_timing_cache(engine_bundle):

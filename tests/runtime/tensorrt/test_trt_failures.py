@@ -9,13 +9,13 @@ import logging
 import numpy as np
 import pytest
 
-from lineside.build.tensorrt.builder import BuildOptions, build_engine
 from lineside.errors import LinesideError
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.engine_health import BackendLost
 from lineside.runtime.generate import compute_logits
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 from tests.runtime.tensorrt import fake_trt
+from tests.runtime.tensorrt.bundles import fake_engine_bundle
 from tests.runtime.tensorrt.fake_trt import Fault
 
 IDS = [1, 17, 42, 5, 99, 250, 3, 77, 8, 150]
@@ -27,15 +27,7 @@ def rel(a, b):
 
 @pytest.fixture
 def engine_bundle(trt_bundle, monkeypatch, tmp_path):
-    import shutil
-
-    from lineside.bundle import open_bundle
-
-    dst = tmp_path / "bundle"
-    shutil.copytree(trt_bundle("fp16").path, dst)
-    dev = fake_trt.install(monkeypatch)
-    build_engine(dst, BuildOptions(num_slots=2, max_prefill=16, first_bucket=8, bucket_step=16))
-    return open_bundle(dst), dev
+    return fake_engine_bundle(trt_bundle, monkeypatch, tmp_path, num_slots=2)
 
 
 def decode(slots, ids, past):

@@ -11,10 +11,9 @@ import httpx
 import pytest
 
 from lineside.bench.inprocess import wait_ready
-from lineside.build.tensorrt.builder import BuildOptions, build_engine
 from lineside.errors import LinesideError
 from lineside.runtime.engine import LLMEngine
-from tests.runtime.tensorrt import fake_trt
+from tests.runtime.tensorrt.bundles import fake_engine_bundle
 from tests.runtime.tensorrt.fake_trt import Fault
 from tests.server.conftest import metric, running_server
 
@@ -22,16 +21,9 @@ from tests.server.conftest import metric, running_server
 @pytest.fixture
 def trt_engine(trt_bundle, monkeypatch, tmp_path):
     """An LLMEngine on the TensorRT backend (2 slots) over the fake, and the fake's device."""
-    import shutil
-
-    from lineside.bundle import open_bundle
     from lineside.runtime.tensorrt.backend import TensorRTBackend
 
-    dst = tmp_path / "bundle"
-    shutil.copytree(trt_bundle("fp16").path, dst)
-    dev = fake_trt.install(monkeypatch)
-    build_engine(dst, BuildOptions(num_slots=2, max_prefill=16, first_bucket=8, bucket_step=16))
-    b = open_bundle(dst)
+    b, dev = fake_engine_bundle(trt_bundle, monkeypatch, tmp_path, num_slots=2)
     return LLMEngine(b, backend=TensorRTBackend(b, num_slots=2), num_slots=2, max_failed_steps=3), dev
 
 
