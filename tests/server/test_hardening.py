@@ -379,7 +379,7 @@ def test_overlong_prompts_are_refused_without_tokenizing(guarded, monkeypatch):
     bound = text_bound(tok, guarded.state.engine.max_seq_len)
     huge = "ab " * (bound // 3 + 1)
     for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
-                              ("/v1/completions", {"prompt": ["ok", huge]}, "prompt"),
+                              ("/v1/completions", {"prompt": ["ok", huge]}, "prompt.1"),  # which of several
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge[: bound // 2]},
                                                                      {"role": "user", "content": huge}]}, "messages")):
         r = httpx.post(guarded.url + path, json=body, timeout=60)
