@@ -50,6 +50,10 @@ def resolve_api_key(cli_key: str | None, key_file: Path | None) -> str | None:
         log.warning("--api-key on the command line is visible to every user in `ps`; use --api-key-file FILE "
                     "or the %s environment variable", API_KEY_ENV)
     key = cli_key if cli_key is not None else env_key
+    if key is None and API_KEY_ENV in os.environ:
+        # set but empty (a secret that was never filled in, an EnvironmentFile line without a value): serving with no
+        # key would open the server where its operator meant to close it, with nobody watching
+        raise LinesideError(f"{API_KEY_ENV} is set but empty; give it the key, or unset it to serve without one")
     if key is None:
         return None
     if not key.strip():

@@ -498,6 +498,11 @@ def test_api_key_sources(tmp_path, monkeypatch, caplog):
     key.chmod(0o600)
     assert resolve_api_key(None, key) == "s3cret"
     assert resolve_api_key(None, None) is None
+    monkeypatch.setenv("LINESIDE_API_KEY", "")  # set but empty (typer passes no value): refused, not served open
+    with pytest.raises(LinesideError) as e:
+        resolve_api_key(None, None)
+    assert "LINESIDE_API_KEY is set but empty" in str(e.value) and "\n" not in str(e.value)
+    assert resolve_api_key(None, key) == "s3cret"  # a key file given beside it wins
     monkeypatch.setenv("LINESIDE_API_KEY", "from-env")
     caplog.clear()
     assert resolve_api_key("from-env", None) == "from-env" and "ps" not in caplog.text  # typer passes the env value
