@@ -128,13 +128,22 @@ def _short(e: Exception) -> str:
     return msg.splitlines()[0][:160]
 
 
+# Probes in a row that answer "failed" (a lineside node whose bundle did not load or whose engine failed) that end
+# the wait at once: such a process does not recover by waiting. Two, not one: a restart hook that returns before the
+# old process has gone may let it answer once more.
+FAILED_PROBES = 2
+
+
 def wait_healthy(node: Node, client: httpx.Client, timeout_s: float, *, interval_s: float = 1.0,
                  clock: Any = time.monotonic, sleep: Any = time.sleep) -> NodeHealth:
-    """Poll readiness until ready or ``timeout_s`` passes (clock and sleep are injectable for tests)."""
+    """Poll readiness until ready, ``timeout_s`` passes, or the node says it failed ``FAILED_PROBES`` times in a row
+    (clock and sleep are injectable for tests)."""
     deadline = clock() + timeout_s
+    failed = 0
     while True:
         h = probe(node, client, with_details=False)
-        if h.ready or clock() >= deadline:
+        failed = failed + 1 if h.status == "failed" else 0
+        if h.ready or failed >= FAILED_PROBES or clock() >= deadline:
             return h
         sleep(interval_s)
 

@@ -141,7 +141,8 @@ def test_rollout_updates_all_then_a_broken_canary_stops_it(fleet3, tmp_path):
     assert [(n.node, n.outcome) for n in r2.nodes] == [
         ("b", Outcome.ROLLED_BACK), ("a", Outcome.NOT_STARTED), ("c", Outcome.NOT_STARTED)]
     assert "failed" in r2.nodes[0].error and "back on versions/model-v1-" in r2.nodes[0].error
-    assert clock.slept >= 30  # it waited the whole health timeout (on the injected clock) before giving up
+    # the node said "failed" twice in a row: the wait ended then, not after the whole 30 s health timeout
+    assert clock.slept == 1.0
     # every node serves v1 again; the ones after the canary never saw v2
     assert {n: _current(t) for n, t in targets.items()} == v1_links
     for n in "ac":
@@ -271,3 +272,49 @@ def test_restart_hook_over_an_ssh_url_target(tmp_path, sshd):
         r = rolling_push(fleet, ssh=ssh.replace(f"-p {port} ", ""), health=_wait(FakeClock()))
     assert r.ok, r.stopped
     assert log.read_text().splitlines() == ["over ssh: yes"]
+
+
+@contextmanager
+def scripted_health(answers: list[tuple[int, str]]):
+    """A node whose /health/ready gives ``answers`` in turn (the last one from then on)."""
+    seen = []
+
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            code, status = answers[min(len(seen), len(answers) - 1)]
+            seen.append(status)
+            data = json.dumps({"status": status}).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", seen
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize(("answers", "ready", "probes"), [
+    # the old process answering once more after the restart hook returned is not a verdict
+    ([(503, "failed"), (503, "loading"), (503, "loading"), (200, "ready")], True, 4),
+    # two "failed" in a row end the wait long before the timeout: a failed node does not recover by waiting
+    ([(503, "loading"), (503, "failed"), (503, "failed")], False, 3),
+    # "loading" for ever: the whole timeout (10 probes 1 s apart, then the last one at the deadline)
+    ([(503, "loading")], False, 11),
+])
+def test_health_wait_ends_on_ready_a_repeated_failure_or_the_timeout(answers, ready, probes):
+    from lineside.fleet.spec import Node
+
+    clock = FakeClock()
+    with scripted_health(answers) as (url, seen), httpx.Client(timeout=5.0, trust_env=False) as client:
+        node = Node.model_validate({"name": "n", "kind": "jetson", "url": url})
+        h = wait_healthy(node, client, 10.0, interval_s=1.0, clock=clock.clock, sleep=clock.sleep)
+    assert h.ready is ready and len(seen) == probes
