@@ -44,12 +44,39 @@ PREFILL_ENV = "LINESIDE_PREFILL_GRAPH"  # 0: prompt chunks on the 4-bit graph to
 # steps for decode, scheduler.py), or batching and prefix reuse would change a greedy answer. At 8 tokens the two
 # graphs cost the same; at 512 the int8 one is 2x faster (SmolLM2, 2 threads, benchmarks/prefill_graph.py).
 PREFILL_MIN_TOKENS = 2
+# "int8": every step of the base model (decode too) on the int8 prefill graph, and the 4-bit graph not loaded. A
+# throughput mode: MatMulNBits' cost grows almost linearly with decode rows on x86 (each pair of rows re-reads and
+# re-scales every 4-bit block), the int8 product (MatMulIntegerToFloat) far less, so 8 streams gain ~20% and one
+# stream loses ~10% (twice the weight bytes); outputs stay identical to sequential runs in the same mode (the graph
+# quantizes activations per row). `python benchmarks/decode_rows.py` measures both.
+DECODE_GRAPH_ENV = "LINESIDE_DECODE_GRAPH"
 # The oldest onnxruntime that runs every graph a build writes: 1.20 and 1.21 have no 8-bit MatMulNBits (a w4a16
 # bundle's LM head, every w8a16 linear). Checked per version, graph by graph, against 1.32's logits: README
 # "Requirements". pyproject.toml asks for the same.
 MIN_ONNXRUNTIME = (1, 22)
 # Steps of one row with up to this many new tokens (a verification: 1 + at most 16 drafts) reuse a cached binding.
 FAST_VERIFY_TOKENS = 17
+
+
+def decode_graph_int8(entry: FlavorEntry, *, lora: bool) -> bool:
+    """Whether ``DECODE_GRAPH_ENV`` asks every step on the int8 graph; refused in one line where it cannot be had."""
+    value = os.environ.get(DECODE_GRAPH_ENV, "").strip().lower()
+    if value in ("", "4bit", "default"):
+        return False
+    if value != "int8":
+        raise LinesideError(f"{DECODE_GRAPH_ENV}={value!r} is not a decode graph: use int8, or 4bit (the default)")
+    if entry.prefill_graph is None:
+        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8: this bundle has no int8 graph (build it with --prefill-graph "
+                            f"for the cpu flavor), or unset {DECODE_GRAPH_ENV}")
+    if lora:
+        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8 runs the base model only (the LoRA graph has no int8 variant): "
+                            f"serve without --max-loras, or unset {DECODE_GRAPH_ENV}")
+    if os.environ.get(PREFILL_ENV, "1") == "0":
+        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8 and {PREFILL_ENV}=0 ask for opposite graphs: unset one")
+    if not host_int8_gemm_exact():
+        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8: onnxruntime's int8 product saturates on this CPU (x86 without "
+                            f"VNNI); unset {DECODE_GRAPH_ENV}")
+    return True
 
 
 def check_onnxruntime_version(version: str) -> None:
@@ -94,6 +121,7 @@ class OnnxRuntimeBackend:
 
         check_onnxruntime_version(ort.__version__)
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors), "cpu"))  # none: refused
+        own_graph = entry is None  # the flavor's model graph (not a draft graph: DECODE_GRAPH_ENV is for it only)
         entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
         if accuracy_level is None and flavor == "trt":
@@ -159,6 +187,8 @@ class OnnxRuntimeBackend:
         # (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime packs weights
         # without the GIL): 0.1-0.2 s less to ready.
         prefill = entry.prefill_graph if os.environ.get(PREFILL_ENV, "1") != "0" else None
+        if own_graph and decode_graph_int8(entry, lora=lora is not None):
+            graph, prefill = str(entry.prefill_graph), None  # the main session is the int8 graph: nothing beside it
 
         def load_prefill(rel: str) -> Any:
             if not host_int8_gemm_exact():  # one run of the int8 product (~13 ms, cached per process)
