@@ -129,6 +129,7 @@ class OnnxRuntimeBackend:
             # default accuracy level 4, which on CPU returns all-zero logits for them (onnxruntime 1.32, SmolLM2
             # W4A16): a bundle with only the trt flavor served on onnxruntime answered nothing. Level 0 is exact.
             accuracy_level = 0
+        check_state_dtypes(entry.state)  # before loading a graph whose cache it could not hold
         self.accuracy_level = accuracy_level
         graph = entry.graph
         # A LoRA graph (built with --max-lora-rank) when adapters are served: the base graph otherwise, as fast
@@ -211,10 +212,6 @@ class OnnxRuntimeBackend:
         advise_huge_pages()  # the weights it just packed: 2 MB pages (huge_pages.py)
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.states = list(entry.state)
-        unknown = [s for s in self.states if s.dtype not in _NP]
-        if unknown:
-            raise LinesideError(f"state {unknown[0].input} is {unknown[0].dtype}, which onnxruntime's CPU backend "
-                                "cannot hold (fp8 KV runs on TensorRT, SM >= 8.9); rebuild with --kv-dtype int8")
         dims = {"batch": self.num_slots, "max_seq": self.max_seq_len, "past_seq": self.max_seq_len}
         declared = {i.name: (i.shape, i.type) for i in self.session.get_inputs()}
         self.arena: dict[str, np.ndarray] = {}
@@ -623,6 +620,18 @@ class OnnxRuntimeBackend:
     def _bind_new(self, io: Any, name: str) -> None:
         io.bind_output(name, "cpu")
         self._bound_outputs.append(name)
+
+
+def check_state_dtypes(states: list[StateTensor]) -> None:
+    """Refuse in one line a state (KV cache) dtype onnxruntime's CPU arena cannot hold: fp8 is TensorRT's (SM >= 8.9),
+    anything else comes from another lineside's build."""
+    st = next((s for s in states if s.dtype not in _NP), None)
+    if st is None:
+        return
+    why = ("fp8 KV runs on TensorRT only, on a GPU of SM >= 8.9; serve it there (--backend tensorrt) or rebuild with "
+           "--kv-dtype int8" if st.dtype == "float8_e4m3fn" else
+           f"it holds {', '.join(sorted(_NP))}; rebuild the bundle with this lineside (--kv-dtype fp16, int8 or int4)")
+    raise LinesideError(f"state {st.input} is {st.dtype}, which onnxruntime's CPU backend cannot hold: {why}")
 
 
 def _input_binder(io: Any) -> Any:

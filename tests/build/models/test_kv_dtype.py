@@ -75,6 +75,45 @@ def test_fp8_kv_is_refused_for_orin_and_by_onnxruntime(trt_bundle):
     check_kv_support(trt_bundle("fp16").flavor("trt").state, "8.7")
 
 
+def _with_state_dtype(bundle, dtype: str, dst):
+    """A copy of ``bundle`` whose manifest says its KV states are ``dtype`` (another build's cache)."""
+    import json
+    import shutil
+
+    shutil.copytree(bundle.path, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    for st in man["flavors"]["trt"]["state"]:
+        st["dtype"] = dtype
+    (dst / "manifest.json").write_text(json.dumps(man))
+    return dst
+
+
+@pytest.mark.parametrize("dtype,msg", [
+    ("float8_e4m3fn", r"is float8_e4m3fn, .*cannot hold: fp8 KV runs on TensorRT only, on a GPU of SM >= 8.9"),
+    ("uint2x4", r"is uint2x4, .*cannot hold: it holds .*uint4x2.*; rebuild the bundle with this lineside"),
+])
+def test_a_kv_dtype_onnxruntime_cannot_hold_is_one_line_before_the_graph_loads(trt_bundle, tmp_path, monkeypatch,
+                                                                               dtype, msg):
+    """A bundle whose cache onnxruntime's CPU arena cannot hold (fp8, or a dtype of another lineside's build) is
+    refused in one line naming the state and what to do, before its graph is loaded (seconds to minutes for a real
+    model); it said "fp8 KV runs on TensorRT" whatever the dtype, after loading the graph."""
+    import lineside.runtime.onnxruntime_backend as ob
+
+    path = _with_state_dtype(trt_bundle("fp16"), dtype, tmp_path / "b")
+
+    def loaded(*_a, **_k):
+        raise AssertionError("the graph was loaded before the state dtypes were checked")
+
+    monkeypatch.setattr(ob, "open_session", loaded)
+    with pytest.raises(LinesideError, match=rf"state past_key\.0 {msg}") as e:
+        OnnxRuntimeBackend(open_bundle(path), flavor="trt")
+    assert "\n" not in str(e.value)
+    from tests.cli.cli_run import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("generate", path, "--prompt", "hi", "--max-tokens", "2", "--backend", "onnxruntime"),
+                          f"state past_key.0 is {dtype}")
+
+
 @pytest.mark.parametrize("kv,flavors,msg", [
     ("fp8", ("trt",), "TensorRT takes FP8 only from a QuantizeLinear inside the network.*Orin.*--kv-dtype int8"),
     ("int8", ("cpu", "trt"), "the cpu flavor keeps a float32 cache"),
