@@ -51,6 +51,7 @@ def test_parse_speculative_one_line_errors(tiny_bundle, tmp_path):
     for method, k, words in (("medusa", 4, "not a known method"), ("ngram", 0, "between 1 and 16"),
                              ("ngram", MAX_SPEC_TOKENS + 1, "between 1 and 16"), ("layerskip", 4, "layerskip:N"),
                              ("layerskip:0", 4, "N ≥ 1"), ("layerskip:x", 4, "layerskip:N"),
+                             ("layerskip:²", 4, "layerskip:N"), ("layerskip:-1", 4, "layerskip:N"),
                              ("draft:", 4, "draft:BUNDLE"), (f"draft:{tmp_path}", 4, "not a bundle directory"),
                              ("ngram:3", 4, "takes no argument"), (None, 4, "needs --speculative")):
         with pytest.raises(LinesideError, match=words) as e:

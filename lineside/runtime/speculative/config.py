@@ -114,7 +114,7 @@ def parse_speculative(method: str | None, spec_tokens: int | None = None) -> Spe
             raise LinesideError(f"--speculative {method!r}: {name} takes no argument; write --speculative {name}")
         return SpeculativeConfig(kind, k)
     if kind == SpecMethod.LAYERSKIP:
-        if not arg.isdigit() or int(arg) < 1:
+        if not arg.isdecimal() or int(arg) < 1:  # isdigit() takes "²", which int() refuses
             raise LinesideError(f"--speculative {method!r}: write layerskip:N with N ≥ 1 draft layers (the bundle "
                                 "must be built with --draft-layers N)")
         return SpeculativeConfig(kind, k, draft_layers=int(arg))
