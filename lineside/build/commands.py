@@ -105,7 +105,7 @@ def parse_draft_layers(value: str | None) -> tuple[int, ...]:
     if not value:
         return ()
     parts = [p.strip() for p in value.split(",") if p.strip()]
-    if not parts or not all(p.isdigit() for p in parts):
+    if not parts or not all(p.isdecimal() for p in parts):  # isdigit() takes "²", which int() refuses
         raise LinesideError(f"--draft-layers {value!r}: give layer counts, e.g. --draft-layers 4 or 2,4")
     return tuple(sorted({int(p) for p in parts}))
 

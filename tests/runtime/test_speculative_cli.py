@@ -67,6 +67,8 @@ def test_draft_bundle_path_and_build_draft_layers_are_one_line(tiny_bundle, tiny
     ckpt = tiny_dense("llama-gqa")
     assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "a"), "--draft-layers", "x"),
                           "--draft-layers", "layer counts")
+    assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "c"), "--draft-layers", "1,²"),
+                          "--draft-layers", "layer counts")  # str.isdigit takes "²"; int() does not
     assert_one_line_error(run_cli("build", str(ckpt), "-o", str(tmp_path / "b"), "--draft-layers", "2"),
                           "--draft-layers 2", "1 to 1")
 
