@@ -88,7 +88,7 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
 
 # chi-square critical values at p = 0.001 (df = vocab - 1): a correct rule fails once in a thousand seeds,
 # a wrong one (e.g. accepting the draft always, or sampling the residual from p unmodified) fails by far.
-CHI2_999 = {1: 10.83, 4: 18.47, 9: 27.88}
+CHI2_999 = {1: 10.83, 3: 16.27, 4: 18.47, 9: 27.88}
 
 
 def test_verify_holds_stop_tokens_back_until_min_tokens_at_every_position():
@@ -469,3 +469,56 @@ def test_random_mix_with_drafts_keeps_every_invariant(tiny_bundle, seed):
             assert last.completion_tokens <= spec["max_tokens"]
         else:
             assert last.finish_reason == "cancelled"
+
+
+class _TableBackend(FakeBackend):
+    """A 4-token model: the next token's distribution depends on the last token only (``table[last]``), so every
+    position's p is known exactly."""
+
+    def __init__(self, num_slots: int, table: np.ndarray):
+        super().__init__(num_slots)
+        self.table = table
+
+    def logits(self, seq: list[int]) -> np.ndarray:
+        x = np.full(self.vocab_size, -np.inf, dtype=np.float32)
+        x[3:7] = np.log(self.table[min(max(seq[-1] - 3, 0), 3)])
+        return x
+
+
+P_TABLE = np.array([[0.1, 0.4, 0.2, 0.3], [0.35, 0.05, 0.3, 0.3], [0.25, 0.25, 0.4, 0.1], [0.2, 0.3, 0.1, 0.4]])
+Q_TABLE = np.array([[0.6, 0.1, 0.1, 0.2], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7], [0.4, 0.4, 0.1, 0.1]])
+
+
+def test_engine_sampling_with_a_draft_model_keeps_the_models_joint_distribution(tiny_bundle):
+    """Through the engine (scheduler, step runner, a draft model's q per row): requests with seeds 0..N-1 whose
+    two drafts per step come from a model far from the target emit every token with the target's law p(t | last)
+    (chi-square at p = 0.001 on fixed seeds: deterministic, it cannot flake). A rule that keeps drafts too often,
+    samples rejections from p instead of the residual, or reads another row's or position's q fails it by far."""
+    from lineside.runtime.speculative.draft_model import DraftModelProposer
+
+    n = 3000
+
+    async def main():
+        be = _TableBackend(16, P_TABLE)
+        eng = LLMEngine(tiny_bundle, backend=be, speculative=SpeculativeConfig(SpecMethod.NGRAM, 2, max_rows=16),
+                        max_waiting=n)
+        proposer = DraftModelProposer(_TableBackend(16, Q_TABLE), be.vocab_size, cost=0.0)
+        eng.scheduler.proposer = eng._model_proposer = proposer
+        await eng.start()
+        reqs = [GenerationRequest(prompt_ids=[1, 3], max_tokens=4, sampling=SamplingParams(temperature=1.0, seed=s))
+                for s in range(n)]
+        outs = await asyncio.gather(*(eng.submit(r).result() for r in reqs))
+        st = eng.stats()
+        await eng.stop()
+        return [o[1] for o in outs], st
+
+    outs, st = run(main())
+    assert st.spec_draft_tokens_total >= 2 * n and 0 < st.spec_accepted_tokens_total < st.spec_draft_tokens_total
+    pairs = np.zeros((3, 4, 4))  # [i, a, b]: token i + 1 was a, token i + 2 b
+    for ids in outs:
+        assert len(ids) == 4
+        for i in range(3):
+            pairs[i, ids[i] - 3, ids[i + 1] - 3] += 1
+    for i in range(3):  # the 2nd token: a draft or a residual sample; the 3rd: after a kept draft too; the 4th
+        for a in range(4):
+            assert chi_square(pairs[i, a], P_TABLE[a]) < CHI2_999[3], (i, a, pairs[i, a] / pairs[i, a].sum())
