@@ -85,7 +85,9 @@ async def metrics(request: Request) -> Response:
     if state.engine is not None:
         try:
             fallback = state.slo.fallback if state.slo is not None else None
-            others = [fallback.stats()] if fallback is not None and fallback is not state.engine else []
+            others: list[Any] = [fallback.stats()] if fallback is not None and fallback is not state.engine else []
+            if state.slo is not None and state.slo.held:  # batch requests held at the level-1 gate wait too
+                others.append({"waiting": state.slo.held})
             state.metrics.update_engine(state.engine.stats(), others=others)
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is stopping
             pass

@@ -63,6 +63,7 @@ from lineside.server.schemas import (
     ModelList,
 )
 from lineside.server.slo import routing as slo_routing
+from lineside.server.slo.guard import ClientGone
 from lineside.server.state import ServerState
 from lineside.server.template_renders import TemplateRenders
 from lineside.server.tokenize_pool import chat_work_size
@@ -328,16 +329,18 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             slo_plan = await slo_routing.plan(state.slo, body, requests=[engine_request], output=None, chat=True,
                                               priority=priority, mode=mode, n=1, response_id=request_id,
                                               draining=lambda: state.draining, cache=False,
-                                              primary_only=adapter is not None)
+                                              primary_only=adapter is not None,
+                                              client_gone=functools.partial(responses.client_left, request))
             engine, model = slo_plan.route.engine, adapter or slo_plan.route.model
         handle = engine.submit(engine_request)
     except UnknownAdapter as e:
         state.metrics.reject("invalid")
         raise _unknown_adapter(e) from None
     except QueueFullError as e:
-        state.metrics.reject("queue_full")
-        raise APIError(429, f"the server's waiting queue is full: {e}",
-                       "queue_full", headers={"Retry-After": "1"}) from None
+        raise _queue_full(state, e) from None
+    except ClientGone:  # left while held at the SLO gate: no engine took it
+        state.metrics.reject("cancelled")
+        return responses.client_gone()
     except EngineDraining:
         state.metrics.reject("draining")
         raise APIError(503, "server is shutting down and takes no new requests", "draining",
@@ -496,10 +499,17 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         # model only: an adapter's request stays on the primary, gated and marked as the level says, and so does
         # one keeping its session's KV: sessions live in the primary, where /v1/prefill sees them) and may answer
         # from cache
-        slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],
-                                          output=output, chat=chat, priority=priority, mode=mode, n=n,
-                                          response_id=response_id, draining=lambda: state.draining,
-                                          primary_only=adapter is not None or bool(body.keep_session))
+        try:
+            slo_plan = await slo_routing.plan(state.slo, body, requests=[r for _, copy, r in planned if copy == 0],
+                                              output=output, chat=chat, priority=priority, mode=mode, n=n,
+                                              response_id=response_id, draining=lambda: state.draining,
+                                              primary_only=adapter is not None or bool(body.keep_session),
+                                              client_gone=functools.partial(responses.client_left, request))
+        except QueueFullError as e:  # the level-1 batch gate is full: held requests wait as queued ones do
+            raise _queue_full(state, e) from None
+        except ClientGone:  # left while held at the gate: no engine took it
+            state.metrics.reject("cancelled")
+            return responses.client_gone()
         if slo_plan.cached is not None:
             _end_untaken_session(state, session)
             _count_cached(state, slo_plan, request_id, endpoint, priority, mode, arrival, body)
@@ -528,9 +538,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         raise _unknown_adapter(e) from None
     except QueueFullError as e:
         responses.cancel_all(choices)
-        state.metrics.reject("queue_full")
-        raise APIError(429, f"the server's waiting queue is full: {e}",
-                       "queue_full", headers={"Retry-After": "1"}) from None
+        raise _queue_full(state, e) from None
     except EngineDraining:
         responses.cancel_all(choices)
         state.metrics.reject("draining")
@@ -592,6 +600,12 @@ def _check_model(state: ServerState, model: str | None) -> str | None:
                             "(send one of those names, or leave 'model' out)", "model_not_found", param="model",
                        type="invalid_request_error")
     return None
+
+
+def _queue_full(state: ServerState, e: QueueFullError) -> APIError:
+    """The 429 a full waiting queue answers (counted as queue_full); Retry-After: the openai client waits that."""
+    state.metrics.reject("queue_full")
+    return APIError(429, f"the server's waiting queue is full: {e}", "queue_full", headers={"Retry-After": "1"})
 
 
 def _unknown_adapter(e: Exception) -> APIError:

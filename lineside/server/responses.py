@@ -227,13 +227,22 @@ def _abandon(state: ServerState, choices: list[Choice]) -> None:
     observe_finished(state.metrics, choices)
 
 
+async def client_left(request: Request) -> None:
+    """Return once the client disconnects (its body read: what receive() answers then is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def client_gone() -> JSONResponse:
+    """The answer to a request whose client went away: nobody reads it (499, nginx's "client closed request")."""
+    return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
+                                   "code": "client_disconnected", "param": None}}, status_code=499)
+
+
 async def _watch_disconnect(request: Request, choices: list[Choice]) -> None:
     """Cancel the generation when the client of a non-streaming request disconnects."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            cancel_all(choices)
-            return
+    await client_left(request)
+    cancel_all(choices)
 
 
 async def complete(request: Request, state: ServerState, choices: list[Choice], *, chat: bool, response_id: str,
@@ -285,9 +294,7 @@ async def collect(request: Request, state: ServerState, choices: list[Choice]) -
                 if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                     cancel_all(choices)
                     if watcher.done():  # the client left: nobody reads this answer
-                        return JSONResponse({"error": {"message": "client disconnected", "type": "cancelled",
-                                                       "code": "client_disconnected", "param": None}},
-                                            status_code=499)
+                        return client_gone()
                     raise failure(state, event)
     finally:
         watcher.cancel()

@@ -13,14 +13,14 @@ import datetime as dt
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from lineside.runtime.request import FinishReason, Mode, Priority, RequestHandle
+from lineside.runtime.request import FinishReason, Mode, Priority, QueueFullError, RequestHandle
 from lineside.runtime.serving import ServingEngine
 from lineside.server.metrics import RequestRecord
 from lineside.server.slo.cache import ResponseCache
@@ -30,6 +30,10 @@ from lineside.server.slo.signals import Signals, SignalSource, read_device
 from lineside.server.slo.view import SloStatus
 
 log = logging.getLogger("lineside.server.slo")
+
+
+class ClientGone(Exception):
+    """A request's client disconnected before it reached an engine (while held at the level-1 batch gate)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class SloGuard:
         self.ticking = ticking
         self._task: asyncio.Task | None = None
         self._batch_running: set[RequestHandle] = set()
+        self.held = 0  # batch requests waiting at the level-1 gate (they count as waiting: /metrics, the bound)
 
     def attach(self, registry: CollectorRegistry) -> None:
         """Export the guard's families in the server's registry (create_app calls it before serving)."""
@@ -203,25 +208,46 @@ class SloGuard:
             return Route(self.fallback, self.fallback_name, level, fallback=True)
         return Route(self.primary, self.primary_name, level, fallback=False)
 
-    async def admit_batch(self, route: Route, *, draining: Callable[[], bool]) -> None:
+    async def admit_batch(self, route: Route, *, draining: Callable[[], bool],
+                          client_gone: Callable[[], Awaitable[object]] | None = None) -> None:
         """At level ≥ 1 a batch request for the primary waits while requests wait in its queue or the running
-        batch is at the policy's cap; it is never dropped (it goes in once there is room, or the drain ends it)."""
+        batch is at the policy's cap; it is never dropped (it goes in once there is room, or the drain ends it). Held
+        requests are waiting ones: past the primary's ``max_waiting`` (held ones and its queue together) the request
+        is refused (QueueFullError, a 429) as the engine's full queue refuses it, and a held request whose client
+        left (``client_gone`` returned) ends at once (ClientGone), not when the gate would have let it in."""
         if route.fallback:
             return
-        held = False
-        while self.controller.level >= Level.PROTECT_REALTIME and not draining():
-            self._batch_running = {h for h in self._batch_running if not h.finished}
-            waiting = 0
-            try:
-                waiting = int(getattr(self.primary.stats(), "waiting", 0) or 0)
-            except Exception:  # noqa: BLE001
+        held, watch = False, None
+        try:
+            while self.controller.level >= Level.PROTECT_REALTIME and not draining():
+                self._batch_running = {h for h in self._batch_running if not h.finished}
                 waiting = 0
-            if waiting == 0 and len(self._batch_running) < self.policy.batch_running_cap:
-                break
-            if not held:
-                self.metrics.batch_held.inc()
-                held = True
-            await asyncio.sleep(min(self.policy.tick_s, 0.02))
+                try:
+                    waiting = int(getattr(self.primary.stats(), "waiting", 0) or 0)
+                except Exception:  # noqa: BLE001
+                    waiting = 0
+                if waiting == 0 and len(self._batch_running) < self.policy.batch_running_cap:
+                    break
+                if not held:
+                    bound = getattr(self.primary, "max_waiting", None)
+                    if isinstance(bound, int) and self.held + waiting >= bound:
+                        raise QueueFullError(f"{bound} requests are already waiting (batch requests held at SLO "
+                                             f"level {int(self.controller.level)} included); retry later")
+                    self.metrics.batch_held.inc()
+                    self.held += 1
+                    held = True
+                    if client_gone is not None:
+                        watch = asyncio.ensure_future(client_gone())
+                pause = min(self.policy.tick_s, 0.02)
+                if watch is None:
+                    await asyncio.sleep(pause)
+                elif (await asyncio.wait({watch}, timeout=pause))[0]:
+                    raise ClientGone("the client disconnected while its batch request was held")
+        finally:
+            if held:
+                self.held -= 1
+            if watch is not None:
+                watch.cancel()
 
     def admitted(self, handle: RequestHandle, mode: Mode, *, fallback: bool) -> None:
         """A batch request went into the primary: it counts toward the level-1 cap until it finishes."""
@@ -256,4 +282,4 @@ class SloGuard:
                          kv_usage=signals.kv_usage, memory_ratio=signals.memory_ratio, gpu_load=signals.gpu_load)
 
 
-__all__ = ["Level", "Reason", "Route", "SloGuard"]
+__all__ = ["ClientGone", "Level", "Reason", "Route", "SloGuard"]

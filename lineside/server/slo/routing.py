@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -38,12 +38,15 @@ class SloPlan:
 
 async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest], output: OutputOptions | None,
                chat: bool, priority: Priority, mode: Mode, n: int, response_id: str, draining: Any,
-               cache: bool = True, primary_only: bool = False) -> SloPlan:
+               cache: bool = True, primary_only: bool = False,
+               client_gone: Callable[[], Awaitable[object]] | None = None) -> SloPlan:
     """Route the request (``requests``: the first choice's engine request for each prompt); at level 2 answer an
     exact repeat from the cache (its own id and time, the cached answer's ``model``: the bundle that made it); at
     level 1 hold batch work for the primary at the gate. ``cache`` False: never from the cache, nor into it (the
     Responses API: its answers have another shape and are kept for ``previous_response_id`` under their own id).
-    ``primary_only``: the fallback cannot serve it (a LoRA adapter), the rest of the ladder still applies."""
+    ``primary_only``: the fallback cannot serve it (a LoRA adapter), the rest of the ladder still applies.
+    ``client_gone`` returns once the client disconnects: a request held at the gate then ends (ClientGone); a full
+    gate refuses it (QueueFullError)."""
     tokens = max(len(r.prompt_ids) + r.max_tokens for r in requests)
     # the largest id the fallback would read: the prompt's, and a logit_bias id (past its vocabulary the sampler
     # skips the bias, so the answer would silently differ from the primary's)
@@ -68,7 +71,7 @@ async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest],
     if route.engine is not guard.primary:
         await _compile_on(route.engine, requests)
     if mode == Mode.BATCH:
-        await guard.admit_batch(route, draining=draining)
+        await guard.admit_batch(route, draining=draining, client_gone=client_gone)
     return result
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import pytest
+
 from lineside.runtime.request import Mode, Priority
 from lineside.server.slo.guard import SloGuard
 from lineside.server.slo.policy import SloPolicy
@@ -79,6 +81,44 @@ def test_batch_waits_for_realtime_and_the_cap_at_level_1():
         assert await _blocked(third, primary)
         draining[0] = True  # the drain lets it through to the engine, which answers 503 draining
         await asyncio.wait_for(third, 1)
+        await guard.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_gate_counts_its_held_requests_against_the_queue_bound_and_lets_a_gone_client_go():
+    """Held requests are waiting ones: with the primary's queue and the held ones at its max_waiting the next is
+    refused at once (QueueFullError: the server's 429), and one whose client disconnects ends (ClientGone) and
+    frees its place, without waiting for the gate to open."""
+    from lineside.runtime.request import QueueFullError
+    from lineside.server.slo.guard import ClientGone
+
+    async def scenario() -> None:
+        guard = SloGuard(SloPolicy(fallback_modes=(), min_samples=1), clock=lambda: 0.0,
+                         device=lambda: (None, None), ticking=False)
+        primary = FakePrimary()
+        primary.max_waiting = 3
+        await guard.start(primary, "primary")
+        guard.signals.observe(ttft_s=1.0, queue_s=0.0)
+        assert guard.tick(device=(None, None)) == 1
+        route = guard.route(mode=Mode.BATCH, priority=Priority.NORMAL, tokens=8)
+        primary.current = Stats(running=4, waiting=1)
+        left = asyncio.Event()
+        first = asyncio.create_task(guard.admit_batch(route, draining=lambda: False, client_gone=left.wait))
+        second = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))
+        assert await _blocked(first, primary) and await _blocked(second, primary)
+        assert guard.held == 2
+        with pytest.raises(QueueFullError, match="3 requests are already waiting"):
+            await asyncio.wait_for(guard.admit_batch(route, draining=lambda: False), 1)
+        left.set()
+        with pytest.raises(ClientGone):
+            await asyncio.wait_for(first, 1)
+        assert guard.held == 1 and not second.done()
+        third = asyncio.create_task(guard.admit_batch(route, draining=lambda: False))  # room again
+        assert await _blocked(third, primary)
+        primary.current = Stats(running=4, waiting=0)
+        await asyncio.wait_for(asyncio.gather(second, third), 1)
+        assert guard.held == 0
         await guard.stop()
 
     asyncio.run(scenario())
