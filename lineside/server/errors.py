@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from lineside.errors import LinesideError
 
@@ -153,6 +154,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's 400 for a body its client stopped sending
+            # the client went away (nobody reads this answer): counted as a client that left, not as a bad request
+            count_invalid(getattr(request.app.state, "lineside", None), request.scope, outcome="cancelled")
+            return error_response(499, "client disconnected while sending the request body", "client_disconnected")
         if status in (400, 413):
             _count_invalid(request)
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
