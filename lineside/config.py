@@ -63,9 +63,12 @@ class ModelConfig:
     @property
     def context_limit(self) -> int:
         """Longest context the model is made for: max_position_embeddings, or what its RoPE scaling stretches the
-        original length to (linear/dynamic/yarn/llama3/longrope ``factor`` × original), whichever is larger."""
+        original length to (linear/yarn/llama3/longrope ``factor`` × original), whichever is larger. ``dynamic``
+        stays at max_position_embeddings: past it transformers rescales by the running length (no fixed table)."""
         rs = self.rope_scaling or {}
         factor = rs.get("factor")
+        if rs.get("rope_type") == "dynamic":
+            return self.max_position_embeddings
         if rs.get("rope_type", "default") == "default" or not isinstance(factor, (int, float)) or factor <= 1:
             return self.max_position_embeddings
         original = rs.get("original_max_position_embeddings") or self.max_position_embeddings

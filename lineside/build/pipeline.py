@@ -20,6 +20,7 @@ from lineside import __version__
 from lineside.build.checkpoint import CheckpointReader, open_checkpoint
 from lineside.build.models import model_family
 from lineside.build.models.family import ModelFamily, Weight, WeightGetter, WeightSource
+from lineside.build.models.rope import dynamic_past_context
 from lineside.build.quant.spec import QuantSpec
 from lineside.build.tensors import GGMLBlocks
 from lineside.bundle import (
@@ -341,6 +342,8 @@ def _check_kv_shape(kv_dtype: str, cfg: ModelConfig) -> None:
 def _check_context(max_seq: int, cfg: ModelConfig) -> None:
     """--max-seq-len no longer than the model's own context (RoPE tables and caches grow with it)."""
     limit = cfg.context_limit
+    if max_seq > limit and (cfg.rope_scaling or {}).get("rope_type") == "dynamic":
+        raise LinesideError(dynamic_past_context(max_seq, limit, cfg.name or "the checkpoint"))
     if max_seq > limit:
         how = ("max_position_embeddings" if limit == cfg.max_position_embeddings
                else f"RoPE {cfg.rope_scaling.get('rope_type')} scaling" if cfg.rope_scaling else "")

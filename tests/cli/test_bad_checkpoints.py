@@ -65,7 +65,9 @@ CONFIG_CASES = {
     "rope-factor-string": (_set("rope_scaling", {"rope_type": "linear", "factor": "2"}), ["'factor'"]),
     "rope-llama3-missing": (_set("rope_scaling", {"rope_type": "llama3", "factor": 8.0}), ["llama3",
                                                                                          "low_freq_factor"]),
-    "rope-dynamic": (_set("rope_scaling", {"type": "dynamic", "factor": 2.0}), ["'dynamic'", "not supported"]),
+    "rope-longrope": (_set("rope_scaling", {"type": "longrope", "factor": 2.0, "short_factor": [1.0] * 8,
+                                            "long_factor": [2.0] * 8}), ["'longrope'", "not supported"]),
+    "rope-dynamic-no-factor": (_set("rope_scaling", {"type": "dynamic"}), ["dynamic", "'factor'"]),
     # a required field left out: named as missing (not "got None"), and where to get it
     "no-hidden-size": (_drop("hidden_size"), ["'hidden_size'", "is missing", "original config.json"]),
     "no-architecture": (lambda c: (c.pop("architectures"), c.pop("model_type")),
@@ -212,10 +214,10 @@ def test_cli_exit_1_one_line(ckpt, tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "model.layers.1.mlp.up_proj.weight" in lines[0] and "[96, 64]" in lines[0]
-    d2 = _edit_config(ckpt, tmp_path / "c2", _set("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}))
+    d2 = _edit_config(ckpt, tmp_path / "c2", _set("rope_scaling", {"rope_type": "longrope", "factor": 2.0}))
     proc = run_cli("build", d2, "-o", tmp_path / "o2")
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 1 and len(lines) == 1 and "dynamic" in lines[0], proc.stderr
+    assert proc.returncode == 1 and len(lines) == 1 and "longrope" in lines[0], proc.stderr
     assert not (tmp_path / "o2.partial").exists()
 
 

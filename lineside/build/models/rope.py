@@ -1,7 +1,9 @@
-"""RoPE tables for the rope-scaling types dense checkpoints use (default, linear, llama3, yarn).
+"""RoPE tables for the rope-scaling types dense checkpoints use (default, linear, llama3, yarn, dynamic).
 
 The tables are baked into the graph as cos/sin caches ``[max_seq, rotary_dim/2]``, so every
 static scaling type costs nothing at run time. Formulas follow transformers' modeling_rope_utils.
+``dynamic`` (NTK) is static up to max_position_embeddings, where its frequencies are the default
+ones; past it transformers recomputes them from the running length, so no table goes there.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from lineside.errors import ConfigError
 
-SUPPORTED = ("default", "linear", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -22,7 +24,7 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
     check_scaling(scaling)
     kind = (scaling or {}).get("rope_type", "default")
     base = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    if kind == "default":
+    if kind in ("default", "dynamic"):  # dynamic: its frequencies up to max_position_embeddings, where bundles stop
         return base, 1.0
     s = scaling or {}
     if kind == "linear":
@@ -47,7 +49,7 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None,
 
 # Fields each scaling type needs (transformers' modeling_rope_utils; yarn derives a missing factor from
 # max_position_embeddings), checked before any work.
-_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                                 "original_max_position_embeddings"), "yarn": ()}
 _OPTIONAL = ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim")
@@ -74,6 +76,14 @@ def check_scaling(scaling: dict[str, Any] | None) -> None:
             raise ConfigError(f"config.json: rope scaling field {key!r} must be a positive number, got {v!r}")
     if kind == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
         raise ConfigError("config.json: llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+
+def dynamic_past_context(max_seq: int, max_position_embeddings: int, name: str = "the checkpoint") -> str:
+    """The one line refusing a context past max_position_embeddings under dynamic RoPE scaling."""
+    return (f"--max-seq-len {max_seq} is above the model's context limit {max_position_embeddings} "
+            f"(max_position_embeddings of {name}: past it, its 'dynamic' RoPE scaling recomputes the frequencies "
+            f"from the running length, which a bundle's fixed tables cannot follow); choose at most "
+            f"{max_position_embeddings}")
 
 
 def _yarn(dim: int, theta: float, s: dict[str, Any], max_pos: int) -> tuple[np.ndarray, float]:

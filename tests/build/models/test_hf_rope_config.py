@@ -17,7 +17,7 @@ import torch
 from lineside.build.pipeline import BuildOptions, build_bundle
 from lineside.bundle import open_bundle
 from lineside.config import ModelConfig
-from lineside.errors import ConfigError
+from lineside.errors import ConfigError, LinesideError
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
 
@@ -64,6 +64,53 @@ def test_decode_past_original_context_matches_transformers(dense_checkpoint, tmp
         dec = np.stack([be.forward(StepBatch.single(0, [t], 20 + i))[0, 0] for i, t in enumerate(ids[20:])])
         assert _rel(pre, ref[:20]) < 1e-4, (flavor, "prefill", _rel(pre, ref[:20]))
         assert _rel(dec, ref[20:]) < 1e-4, (flavor, "decode", _rel(dec, ref[20:]))
+
+
+# transformers' "dynamic" (NTK) RoPE keeps the default frequencies up to max_position_embeddings and recomputes them
+# from the running length past it: built exactly up to it (both spellings), refused past it.
+DYNAMIC = {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+           "rope_scaling": {"type": "dynamic", "factor": 2.0}}
+
+
+@pytest.mark.parametrize("spelling", list(DYNAMIC))
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dynamic_rope_matches_transformers_up_to_max_position_embeddings(dense_checkpoint, tmp_path, family,
+                                                                          spelling):
+    from transformers import AutoModelForCausalLM
+
+    # the sequence fills the whole context: positions 0..31 of max_position_embeddings 32
+    ckpt = dense_checkpoint(f"rope-dynamic-{family}", family, **{**BASE, "num_hidden_layers": 1,
+                                                                 "max_position_embeddings": 32})
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    if spelling == "rope_scaling":  # transformers 4's spelling, beside a top-level theta
+        cfg.pop("rope_parameters", None)
+        cfg["rope_theta"] = 10000.0
+    cfg[spelling] = DYNAMIC[spelling]
+    (d / "config.json").write_text(json.dumps(cfg))
+    ids = [int(t) for t in np.random.default_rng(9).integers(3, 300, 32)]
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert model.config.rope_parameters["rope_type"] == "dynamic"
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    # no --max-seq-len: the model's own context, max_position_embeddings
+    bundle = open_bundle(build_bundle(d, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu", "trt"))))
+    assert bundle.max_seq_len == 32
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0, threads=1)
+        be.reset_slot(0)
+        pre = be.forward(StepBatch.single(0, ids[:20], 0, all_logits=True))[0]
+        dec = np.stack([be.forward(StepBatch.single(0, [t], 20 + i))[0, 0] for i, t in enumerate(ids[20:])])
+        assert _rel(pre, ref[:20]) < 1e-4, (flavor, "prefill", _rel(pre, ref[:20]))
+        assert _rel(dec, ref[20:]) < 1e-4, (flavor, "decode", _rel(dec, ref[20:]))
+    # past max_position_embeddings transformers rescales by the running length: refused in one line, by name
+    with pytest.raises(LinesideError) as e:
+        build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=33))
+    msg = str(e.value)
+    assert "\n" not in msg and "--max-seq-len 33" in msg and "'dynamic'" in msg and "at most 32" in msg, msg
+    assert "max_position_embeddings" in msg, msg
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 def _hf_config(family: str, d: dict):
@@ -126,14 +173,14 @@ def test_supported_rope_types_are_ones_transformers_computes():
     from lineside.build.models.rope import SUPPORTED
 
     assert set(SUPPORTED) - {"default"} <= set(ROPE_INIT_FUNCTIONS)
-    assert {"dynamic", "longrope"} <= set(_unsupported_rope_types())
+    assert "longrope" in _unsupported_rope_types() and "dynamic" in SUPPORTED
 
 
 @pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize("kind", _unsupported_rope_types())
 def test_every_other_transformers_rope_type_is_refused_by_name(dense_checkpoint, tmp_path, kind, spelling):
-    """dynamic (NTK rescaled by the running length), longrope (short/long factors switched by length) and whatever
-    else transformers computes for Llama/Qwen2 beyond the static tables: one line naming the type, before any work."""
+    """longrope (short/long factors switched by length) and whatever else transformers computes for Llama/Qwen2
+    beyond the static tables: one line naming the type, before any work."""
     ckpt = dense_checkpoint("rope-refused", "llama", **{**BASE, "num_hidden_layers": 1})
     d = tmp_path / "c"
     shutil.copytree(ckpt, d)
