@@ -56,3 +56,25 @@ def test_variant_builds_and_matches_transformers(tiny_dense, tmp_path, variant, 
     got = compute_logits(be, IDS, "prefill")
     assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 1e-4
     assert any("differs from" in n for n in notes) == (edit is _other_head), notes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_shards_with_index_match_transformers(tiny_dense, tmp_path, dtype):
+    """A checkpoint saved as bf16 / fp16 shards with model.safetensors.index.json (how 7B+ models ship): both flavors
+    compute what transformers computes from the same files, read in float32."""
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_dense("qwen2-bias-tied")
+    d = tmp_path / "c"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("model*.safetensors*"))
+    AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)).save_pretrained(d, max_shard_size="40KB")
+    assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("model-*.safetensors"))) > 2
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([IDS])).logits[0].numpy()
+    out = build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu", "trt"), max_seq_len=32))
+    for flavor in ("cpu", "trt"):
+        be = OnnxRuntimeBackend(open_bundle(out), flavor=flavor, accuracy_level=0, threads=1)
+        for mode in ("prefill", "decode"):
+            got = compute_logits(be, IDS, mode)
+            assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 1e-4, (flavor, mode)
