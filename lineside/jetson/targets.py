@@ -131,6 +131,7 @@ class SshTarget:
         control = os.path.join(tempfile.gettempdir(), "lineside-ssh-%C")
         # ConnectTimeout: ssh has none of its own, so a host that takes the connection and never speaks SSH held
         # `fleet status` (and a push) for the whole command timeout. An --ssh command's own -o comes first and wins.
+        self.login = shlex.join([*shlex.split(ssh), *(["-p", str(port)] if port else []), host])  # for hints
         self.ssh = shlex.split(ssh) + (["-p", str(port)] if port else []) + ["-o", "BatchMode=yes", "-o", "ControlMaster=auto",
                                        "-o", f"ControlPath={control}", "-o", "ControlPersist=30",
                                        "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
@@ -148,8 +149,7 @@ class SshTarget:
         except subprocess.TimeoutExpired:
             raise LinesideError(f"ssh to {self.host} timed out; check the network and retry (push resumes)") from None
         if p.returncode == 255:
-            last = (p.stderr.strip().splitlines() or ["no message"])[-1]
-            raise LinesideError(f"cannot reach {self.host} over ssh ({last}); check the address, port and keys")
+            raise LinesideError(ssh_failure(self.host, p.stderr, self.login))
         if check and p.returncode != 0:
             last = (p.stderr.strip().splitlines() or [p.stdout.strip() or "no message"])[-1]
             raise LinesideError(f"command on {self.host} failed ({last})")
@@ -236,6 +236,26 @@ class SshTarget:
             parts.append(f"ln -sfn -- {shlex.quote(target)} .{name}.tmp && mv -Tf -- .{name}.tmp {name}")
         parts.append("(sync . 2>/dev/null || sync)")
         self._run(" && ".join(parts))
+
+
+def ssh_failure(host: str, stderr: str, login: str = "") -> str:
+    """One line for an ssh that exited 255: a changed or unknown host key and a refused login each say what to do,
+    since BatchMode (no prompts) turns both into a bare failure."""
+    last = (stderr.strip().splitlines() or ["no message"])[-1].strip()
+    name, login = host.rpartition("@")[2], login or f"ssh {host}"
+    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in stderr:
+        fix = re.search(r"ssh-keygen -f .+ -R \S+", stderr)
+        remove = fix.group(0).strip() if fix else f"ssh-keygen -R {name}"
+        return (f"the ssh host key of {host} has changed since it was accepted (a reinstalled device, or another "
+                f"machine at that address); if that is expected, run `{remove}`, then `{login}` once to accept "
+                "the new key, and push again")
+    if "Host key verification failed" in stderr:
+        return (f"the ssh host key of {host} is not known here and push cannot ask (BatchMode); run `{login}` "
+                "once to check and accept it, then push again")
+    if "Permission denied" in stderr or "Too many authentication failures" in stderr:
+        return (f"ssh login to {host} was refused ({last}); push logs in without prompting (BatchMode): install "
+                f"your key with `ssh-copy-id {host}`, or name one with --ssh 'ssh -i KEY'")
+    return f"cannot reach {host} over ssh ({last}); check the address, port and keys"
 
 
 _REMOTE = re.compile(r"^(?P<host>(?:[^@/:\s]+@)?[^@/:\s]+):(?P<path>.+)$")

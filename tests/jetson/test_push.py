@@ -284,3 +284,41 @@ def test_a_manifest_path_leaving_the_bundle_writes_nothing_outside(tmp_path, bun
     with pytest.raises(BundleError, match="'../secret.txt' is not a path inside the bundle"):
         push(a, str(target))
     assert not target.exists() or not any(p.is_file() for p in target.rglob("*"))
+
+
+def _ssh_parts(ssh: str) -> tuple[str, str]:
+    """(port, client key) of the sshd fixture's ssh command."""
+    return re.search(r"-p (\d+)", ssh).group(1), re.search(r"-i (\S+)", ssh).group(1)
+
+
+def test_a_changed_host_key_and_a_refused_login_say_what_to_do(tmp_path, sshd, bundle_factory):
+    """Both came out as 'cannot reach HOST over ssh (...); check the address, port and keys': BatchMode turns a
+    reinstalled device's new host key and a missing key into a bare failure, and the fix for each is a command."""
+    import subprocess
+
+    host, ssh = sshd
+    port, key = _ssh_parts(ssh)
+    a = bundle_factory(tmp_path / "a", 31, weight_bytes=1000)
+    other = tmp_path / "other_host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{port} {other.with_suffix('.pub').read_text()}")
+    strict = f"ssh -p {port} -i {key} -o StrictHostKeyChecking=yes -o UserKnownHostsFile={known}"
+    with pytest.raises(LinesideError) as e:
+        push(a, f"{host}:{tmp_path}/dev", ssh=strict)
+    msg = str(e.value)
+    assert "host key of" in msg and "has changed" in msg and "\n" not in msg
+    assert re.search(rf"`ssh-keygen .*-R ['\"]?\[127\.0\.0\.1\]:{port}['\"]?`", msg)  # the command that removes it
+    assert f"`{strict} {host}` once" in msg  # how to accept the new key: the user's own ssh, with its port
+
+    known.write_text("")
+    with pytest.raises(LinesideError, match=r"is not known here .* run `ssh [^`]+` once") as e:
+        push(a, f"{host}:{tmp_path}/dev", ssh=strict)
+    assert "\n" not in str(e.value)
+
+    stranger = tmp_path / "stranger"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
+    with pytest.raises(LinesideError, match=r"login to .* was refused \(.*Permission denied.*ssh-copy-id") as e:
+        push(a, f"{host}:{tmp_path}/dev", ssh=ssh.replace(key, str(stranger)) + " -o IdentitiesOnly=yes")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "dev").exists()
