@@ -19,6 +19,7 @@ from typing import Any
 
 from lineside.bundle import MANIFEST, Manifest, read_manifest, verify_files
 from lineside.errors import BundleError, LinesideError
+from lineside.jetson.push_lock import push_lock
 from lineside.jetson.targets import LocalTarget, Progress, SshTarget, open_target
 
 
@@ -74,7 +75,8 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
             if root == home or home in root.parents:  # versions/ and current would be written into the bundle
                 raise LinesideError(f"TARGET {target} is inside the bundle {bundle} being pushed; push to the "
                                     "device's directory (e.g. /opt/lineside), not into the bundle")
-        return _push(t, src, manifest, digest, expected, files, total, progress)
+        with push_lock(t):  # a second push to the same target at once shared the staging dir and the links
+            return _push(t, src, manifest, digest, expected, files, total, progress)
     finally:
         t.close()
 
@@ -121,12 +123,13 @@ def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:
     """Swap current and previous; returns (new current, new previous)."""
     t = open_target(target, ssh)
     try:
-        current, previous = t.links()
-        if previous is None:
-            raise LinesideError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
-        if not t.exists(previous):
-            raise LinesideError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
-        t.switch(previous, current)
-        return previous, current or ""
+        with push_lock(t, create=False):
+            current, previous = t.links()
+            if previous is None:
+                raise LinesideError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
+            if not t.exists(previous):
+                raise LinesideError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
+            t.switch(previous, current)
+            return previous, current or ""
     finally:
         t.close()

@@ -322,3 +322,29 @@ def test_a_changed_host_key_and_a_refused_login_say_what_to_do(tmp_path, sshd, b
         push(a, f"{host}:{tmp_path}/dev", ssh=ssh.replace(key, str(stranger)) + " -o IdentitiesOnly=yes")
     assert "\n" not in str(e.value)
     assert not (tmp_path / "dev").exists()
+
+
+@pytest.mark.parametrize("over_ssh", [False, True])
+def test_a_second_push_while_one_runs_is_refused_and_copies_nothing(tmp_path, bundle_factory, request, over_ssh):
+    """Two pushes to one device at once shared versions/.incoming-<hash> (the first renamed it under the second's
+    copy: 'Directory not empty') and raced on current/previous. The second now stops in one line, before copying."""
+    import fcntl
+
+    a, b = bundle_factory(tmp_path / "a", 41, weight_bytes=1000), bundle_factory(tmp_path / "b", 42, name="b")
+    dev = tmp_path / "dev"
+    target, ssh = str(dev), "ssh"
+    if over_ssh:
+        host, ssh = request.getfixturevalue("sshd")
+        target = f"{host}:{dev}"
+    r1 = push(a, target, ssh=ssh)
+    with open(dev / ".push.lock", "a") as held:  # what the running push holds (the device is this machine)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for op in (lambda: push(b, target, ssh=ssh), lambda: rollback(target, ssh=ssh)):
+            with pytest.raises(LinesideError, match="another push or rollback to .* is running") as e:
+                op()
+            assert "\n" not in str(e.value)
+        assert not list((dev / "versions").glob(".incoming-*")) and os.readlink(dev / "current") == \
+            f"versions/{r1.version}"
+    r2 = push(b, target, ssh=ssh)  # released with the process or fd that held it: nothing stale to remove
+    assert r2.previous == f"versions/{r1.version}"
+    assert rollback(target, ssh=ssh)[0] == f"versions/{r1.version}"
