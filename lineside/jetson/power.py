@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,16 +26,25 @@ def _tool(name: str) -> str:
     return exe
 
 
+def _key(name: str) -> str:
+    """A mode name as compared: case, spaces/dashes and the MODE_ prefix ignored, since boards spell the same
+    mode differently (AGX Orin's MODE_30W, Orin NX/Nano's 15W, MAXN_SUPER) and the help says '30W'."""
+    return re.sub(r"[\s-]+", "_", name.strip().upper()).removeprefix("MODE_")
+
+
 def resolve_mode(mode: str, sysroot: Path) -> int:
-    """A mode id ('0') or name ('MAXN', '30W', case-insensitive) -> nvpmodel id via /etc/nvpmodel.conf."""
-    if mode.strip().isdigit():
-        return int(mode)
+    """A mode id ('0') or name ('MAXN', '30W', 'mode_15w') -> nvpmodel id via /etc/nvpmodel.conf."""
     names = parse_nvpmodel_conf((sysroot / "etc/nvpmodel.conf").read_text()
                                 if (sysroot / "etc/nvpmodel.conf").is_file() else "")
-    for mid, name in names.items():
-        if name.lower() == mode.strip().lower():
-            return mid
     known = ", ".join(f"{i}={n}" for i, n in sorted(names.items())) or "none listed in /etc/nvpmodel.conf"
+    if mode.strip().isdigit():
+        if names and int(mode) not in names:  # nvpmodel -m with an unknown id fails with a less direct message
+            raise LinesideError(f"power mode id {int(mode)} is not one of this device's: {known}")
+        return int(mode)
+    exact = [mid for mid, name in names.items() if name.lower() == mode.strip().lower()]
+    loose = [mid for mid, name in names.items() if _key(name) == _key(mode)]
+    if exact or len(loose) == 1:
+        return (exact or loose)[0]
     raise LinesideError(f"unknown power mode {mode!r}; this device has: {known}")
 
 

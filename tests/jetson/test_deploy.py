@@ -123,6 +123,18 @@ def test_power_modes_with_fake_tools(fake_l4t_tools):
                                      "3=MODE_50W")
 
 
+def test_power_mode_names_as_each_board_spells_them(fake_l4t_tools):
+    """AGX Orin names MODE_30W, Orin Nano 15W: `--mode 30W` (the --help example) was unknown on an AGX Orin and
+    `--mode MODE_15W` on a Nano; an id the device lacks went to nvpmodel."""
+    assert resolve_mode("30W", AGX) == 2 and resolve_mode("mode-50w", AGX) == 3 and resolve_mode("Mode 15W", AGX) == 1
+    assert resolve_mode("MODE_15W", NANO) == 0 and resolve_mode("7w", NANO) == 1
+    with pytest.raises(LinesideError, match=r"power mode id 9 is not one of this device's: 0=MAXN, 1=MODE_15W") as e:
+        set_power("9", None, str(AGX))
+    assert "\n" not in str(e.value) and not fake_l4t_tools.exists()
+    with pytest.raises(LinesideError, match="unknown power mode '20W'"):
+        resolve_mode("20W", AGX)
+
+
 def test_power_errors_are_one_line(tmp_path, fake_l4t_tools, monkeypatch):
     with pytest.raises(LinesideError, match="not a Jetson") as e:
         set_power("MAXN", None, str(PC))
