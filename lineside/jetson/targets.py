@@ -181,7 +181,7 @@ class SshTarget:
 
     def upload(self, src: Path, staging: str, files: list[str], progress: Progress | None) -> dict[str, int]:
         dest = f"{self.rsync_host}:{self.root}/versions/{staging}/"
-        cmd = ["rsync", "--partial", "--append-verify", "--stats", "--files-from=-", "--chmod=Du=rwx,Dgo=rx",
+        cmd = ["rsync", "--protect-args", "--partial", "--append-verify", "--stats", "--files-from=-", "--chmod=Du=rwx,Dgo=rx",
                "-e", shlex.join(self.ssh), f"{src}/", dest]
         try:
             p = subprocess.run(cmd, input="\n".join(files) + "\n", capture_output=True, text=True)

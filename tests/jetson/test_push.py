@@ -348,3 +348,19 @@ def test_a_second_push_while_one_runs_is_refused_and_copies_nothing(tmp_path, bu
     r2 = push(b, target, ssh=ssh)  # released with the process or fd that held it: nothing stale to remove
     assert r2.previous == f"versions/{r1.version}"
     assert rollback(target, ssh=ssh)[0] == f"versions/{r1.version}"
+
+
+@pytest.mark.parametrize("old_rsync", [False, True])
+def test_ssh_push_to_a_directory_with_spaces_quotes_and_non_ascii(tmp_path, sshd, bundle_factory, monkeypatch,
+                                                                    old_rsync):
+    """An rsync before 3.2.4 (Ubuntu 20.04, JetPack 5 hosts) lets the remote shell split the destination, so
+    'my dir' became two arguments and the copy landed elsewhere (RSYNC_OLD_ARGS=1 makes today's rsync do that)."""
+    host, ssh = sshd
+    if old_rsync:
+        monkeypatch.setenv("RSYNC_OLD_ARGS", "1")
+    a = bundle_factory(tmp_path / "bündle 'a'", 51, weight_bytes=1000)
+    dev = tmp_path / "my dir" / "l'usine $HOME é"
+    r = push(a, f"{host}:{dev}", ssh=ssh)
+    assert os.readlink(dev / "current") == f"versions/{r.version}"
+    assert open_bundle(dev / "current").config.name == "tiny"
+    assert not (tmp_path / "my").exists()
