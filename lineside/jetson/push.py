@@ -20,7 +20,7 @@ from typing import Any
 from lineside.bundle import MANIFEST, Manifest, read_manifest, verify_files
 from lineside.errors import BundleError, LinesideError
 from lineside.jetson.push_lock import push_lock
-from lineside.jetson.targets import LocalTarget, Progress, SshTarget, open_target
+from lineside.jetson.targets import DiskFull, LocalTarget, Progress, SshTarget, open_target
 
 
 @dataclass
@@ -99,11 +99,11 @@ def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str
         raise LinesideError(f"{t.label} has {_gib(free)} free but the bundle needs {_gib(total - have)} more; "
                             f"free space there (old bundles under versions/ other than current and previous "
                             f"can go) and push again")
-    stats = t.upload(src, staging, files, progress)
+    stats = _upload(t, src, staging, files, progress)
     bad = t.verify(staging, expected)
     if bad:  # a changed or corrupt copy: fetch those files again from scratch, once
         t.discard(staging, bad)
-        more = t.upload(src, staging, files, progress)
+        more = _upload(t, src, staging, files, progress)
         stats["bytes_sent"] += more["bytes_sent"]
         bad = t.verify(staging, expected)
         if bad:
@@ -117,6 +117,19 @@ def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str
     previous = _activate(t, f"versions/{version}")
     return PushResult(t.label, version, previous, len(files), total, stats["bytes_sent"],
                       stats["resumed_files"], False)
+
+
+def _upload(t: LocalTarget | SshTarget, src: Path, staging: str, files: list[str],
+            progress: Progress | None) -> dict[str, int]:
+    """Copy into the staging dir; a disk that fills meanwhile gets its space back (it is the running bundle's disk:
+    its engines and logs need it) and no half-written bundle stays behind."""
+    try:
+        return t.upload(src, staging, files, progress)
+    except DiskFull:
+        t.remove_staging(staging)
+        raise LinesideError(f"{t.label} ran out of disk space during the copy (something else filled it after the "
+                            f"free-space check); the partial copy was removed and nothing was activated; free space "
+                            f"there and push again") from None
 
 
 def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:

@@ -7,6 +7,7 @@ sshd, rsync and coreutils.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
@@ -23,6 +24,10 @@ from lineside.errors import LinesideError
 _CHUNK = 1 << 20
 SSH_CONNECT_TIMEOUT_S = 10  # seconds to reach the host and read its SSH banner (the LAN's devices answer in well under 1)
 Progress = Callable[[int], None]
+
+
+class DiskFull(LinesideError):
+    """The target's disk filled during the copy (df showed room: another writer took it meanwhile)."""
 
 
 class LocalTarget:
@@ -69,16 +74,24 @@ class LocalTarget:
             if have > size:
                 have = 0
             resumed += have > 0
-            with open(s, "rb") as fi, open(d, "ab" if have else "wb") as fo:
-                fi.seek(have)
-                while chunk := fi.read(_CHUNK):
-                    fo.write(chunk)
-                    sent += len(chunk)
-                    if progress:
-                        progress(len(chunk))
-                fo.flush()
-                os.fsync(fo.fileno())
+            try:
+                with open(s, "rb") as fi, open(d, "ab" if have else "wb") as fo:
+                    fi.seek(have)
+                    while chunk := fi.read(_CHUNK):
+                        fo.write(chunk)
+                        sent += len(chunk)
+                        if progress:
+                            progress(len(chunk))
+                    fo.flush()
+                    os.fsync(fo.fileno())
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise DiskFull(str(d)) from None
+                raise
         return {"bytes_sent": sent, "resumed_files": resumed}
+
+    def remove_staging(self, staging: str) -> None:
+        shutil.rmtree(self.root / "versions" / staging, ignore_errors=True)
 
     def verify(self, staging: str, expected: dict[str, str]) -> list[str]:
         """Files in versions/<staging> whose sha256 differs from ``expected`` (or that are missing)."""
@@ -187,6 +200,8 @@ class SshTarget:
             p = subprocess.run(cmd, input="\n".join(files) + "\n", capture_output=True, text=True)
         except FileNotFoundError:
             raise LinesideError("rsync not found on this machine; install it (apt-get install rsync)") from None
+        if p.returncode != 0 and "No space left on device" in p.stderr:
+            raise DiskFull(p.stderr.strip().splitlines()[0])
         if p.returncode != 0:
             err = " ".join(p.stderr.strip().splitlines()[-2:]) or f"exit {p.returncode}"
             hint = " (is rsync installed on the device?)" if "command not found" in p.stderr else ""
@@ -196,6 +211,9 @@ class SshTarget:
         if progress:
             progress(sent)
         return {"bytes_sent": sent, "resumed_files": -1}  # rsync does not report appended files
+
+    def remove_staging(self, staging: str) -> None:
+        self._run(f"rm -rf -- {self._q}/versions/{shlex.quote(staging)}")
 
     def verify(self, staging: str, expected: dict[str, str]) -> list[str]:
         listing = "".join(f"{sha}  {rel}\n" for rel, sha in expected.items())

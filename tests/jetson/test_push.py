@@ -364,3 +364,39 @@ def test_ssh_push_to_a_directory_with_spaces_quotes_and_non_ascii(tmp_path, sshd
     assert os.readlink(dev / "current") == f"versions/{r.version}"
     assert open_bundle(dev / "current").config.name == "tiny"
     assert not (tmp_path / "my").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs at tmp_path/dev (the device's disk); skips where mounting is not allowed."""
+    import subprocess
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(dev)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield dev
+    subprocess.run(["umount", str(dev)], check=True)
+
+
+@pytest.mark.parametrize("over_ssh", [False, True])
+def test_a_disk_that_fills_during_the_copy_gets_its_space_back(tmp_path, bundle_factory, small_disk, monkeypatch,
+                                                                request, over_ssh):
+    """df showed room, then something else took it: rsync stopped with 'No space left on device', the partial copy
+    (manifest.json included: rsync goes on with the other files) stayed on the running bundle's full disk, and the
+    message said 'run push again to resume', which could only fail again."""
+    import shutil
+
+    from lineside.jetson.targets import LocalTarget, SshTarget
+
+    a = bundle_factory(tmp_path / "a", 61, weight_bytes=3 << 20)
+    target, ssh = str(small_disk), "ssh"
+    if over_ssh:
+        host, ssh = request.getfixturevalue("sshd")
+        target = f"{host}:{small_disk}"
+    monkeypatch.setattr(SshTarget if over_ssh else LocalTarget, "space", lambda self, staging: (1 << 40, 0))
+    with pytest.raises(LinesideError, match="ran out of disk space during the copy.*partial copy was removed") as e:
+        push(a, target, ssh=ssh)
+    assert "\n" not in str(e.value)
+    assert not list((small_disk / "versions").iterdir()) and not (small_disk / "current").exists()
+    assert shutil.disk_usage(small_disk).used < 64 << 10
