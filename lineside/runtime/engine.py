@@ -305,11 +305,6 @@ class LLMEngine:
         validate_request(req, self.vocab_size, self.max_seq_len)
         if req.session_id is not None:
             check_session_id(req.session_id)
-        # Queued requests that free slots will take at the next step do not wait: the bound counts the rest (else a
-        # burst, or an n > 1 request, on an idle engine was refused, and --max-waiting 0 refused every request).
-        free = self.arena.num_slots - len(self.scheduler.running)
-        if len(self._incoming) + len(self.scheduler.waiting) - free >= self.max_waiting:
-            raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
         if req.request_id in self._seqs:
             raise LinesideError(f"request id {req.request_id!r} is already running; use a new id")
         if req.adapter is not None and self.adapter_slots is None:
@@ -328,6 +323,13 @@ class LLMEngine:
             self._refuse_failed()  # again under the lock: the step thread may have failed the engine meanwhile
             if self.draining:  # again under the lock: close() on another thread may have let the step thread go
                 raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
+            # Under the lock: the step thread moves requests from _incoming to the scheduler's queue under it, and a
+            # count taken halfway missed one. Queued requests that free slots will take at the next step do not
+            # wait: the bound counts the rest (else a burst, or an n > 1 request, on an idle engine was refused,
+            # and --max-waiting 0 refused every request).
+            free = self.arena.num_slots - len(self.scheduler.running)
+            if len(self._incoming) + len(self.scheduler.waiting) - free >= self.max_waiting:
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
             if req.adapter is not None:  # last: nothing after it can refuse
                 assert self.adapter_slots is not None
                 seq.lora_namespace = self.adapter_slots.hold(req.adapter)  # kept until it ends, even if unloaded

@@ -427,6 +427,33 @@ def test_requests_that_free_slots_will_take_do_not_count_as_waiting(tiny_bundle,
     assert run(main()) == ["length"] * (4 + max_waiting)
 
 
+def test_the_waiting_bound_is_counted_under_the_state_lock(tiny_bundle):
+    """The step thread moves requests from the incoming queue to the scheduler's under the state lock; a bound counted
+    without it could see a request in neither (one too few: the bound passed by one) or in both (a wrong 429)."""
+    import collections
+    import threading
+
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=1, max_waiting=1)
+        unlocked = []
+
+        class Watched(collections.deque):
+            def __len__(self):
+                if eng._state._owner != threading.get_ident():
+                    unlocked.append("len")
+                return super().__len__()
+
+        eng._incoming = Watched()
+        hs = [eng.submit(req([1, 5])), eng.submit(req([1, 6]))]
+        with pytest.raises(QueueFullError):
+            eng.submit(req([1, 7]))
+        for h in hs:
+            h.cancel()
+        return unlocked
+
+    assert run(main()) == []
+
+
 def test_stop_cancels_what_does_not_drain(tiny_bundle):
     async def main():
         # 100 steps of 10 simulated ms, 1 real ms each: the 50 ms drain ends after ~5 of them.
