@@ -71,17 +71,26 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)  # ids up to here have been emitted (or are the prompt's)
 
     def _done(self) -> tuple[str, str]:
-        """(the window's text already out, as decoded; the same without a character the prompt leaves incomplete,
-        which the tokens completing it release)."""
+        """(the window's text already out, as decoded; the same without the U+FFFD run it may end in: a character the
+        prompt leaves incomplete, which the tokens completing it release, or U+FFFD the prompt really holds)."""
         done = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
         return done, done.rstrip(_REPLACEMENT)
+
+    def _out(self, done: str, prefix: str, full: str) -> int:
+        """Where the new text starts in ``full``: after the prompt's U+FFFD that the new tokens left as they were (a
+        real U+FFFD of the prompt, a stray byte), so only those that became a character are text of the completion."""
+        at = len(prefix)
+        while at < len(done) and at < len(full) and full[at] == done[at]:
+            at += 1
+        return at
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         done, prefix = self._done()
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            new = full[len(prefix):]
+        at = self._out(done, prefix, full)
+        if len(full) > at and not full.endswith(_REPLACEMENT):
+            new = full[at:]
             if prefix == done:  # the next window starts where the text is whole, never inside a character
                 self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
@@ -90,7 +99,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end is dropped)."""
-        _, prefix = self._done()
+        done, prefix = self._done()
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special)
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):].rstrip(_REPLACEMENT)
+        return full[self._out(done, prefix, full):].rstrip(_REPLACEMENT)

@@ -130,3 +130,32 @@ def test_completion_after_any_whole_prompt_is_the_rest_of_the_text(tmp_path, tin
         pieces, text = sequence_text(tok, ids[:cut], ids[cut:])
         assert text == tok.decode(ids)[len(tok.decode(ids[:cut])):], cut
         assert all("\ufffd" not in p for p in pieces), cut
+
+
+@pytest.mark.parametrize("make", ["byte_level", "byte_fallback"])
+@pytest.mark.parametrize("text", ["caf\ufffd then more", "\ufffd\ufffd ok", "x \ufffd😀 y", "日本\ufffd語"])
+def test_prompt_ending_in_a_real_replacement_character_is_not_repeated(tmp_path, tiny_bundle, make, text):
+    """A prompt may hold U+FFFD itself (text pasted from a broken encoding): a whole character, not one the prompt
+    leaves incomplete. Its last U+FFFD was taken for an incomplete character and streamed again as the first text
+    of the completion ("caf\ufffd" went on with "\ufffd then more")."""
+    tok = Tokenizer(tiny_bundle / "tokenizer") if make == "byte_level" else llama2_dir(tmp_path)
+    ids = tok.encode(text, add_special=False)
+    assert tok.decode(ids) == text
+    cuts = [i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd") and
+            tok.decode(ids[:i]).count("\ufffd") == text[:len(tok.decode(ids[:i]))].count("\ufffd")]
+    assert cuts  # prompts that end on a real U+FFFD
+    for cut in cuts:
+        pieces, out = sequence_text(tok, ids[:cut], ids[cut:])
+        assert out == text[len(tok.decode(ids[:cut])):], cut
+
+
+def test_prompt_ending_in_a_stray_byte_then_inside_a_character_streams_only_the_character(tiny_bundle):
+    """Prompt ids that end in a stray continuation byte (U+FFFD for good) and the first bytes of an emoji: the tokens
+    completing the emoji give the emoji, not the stray byte's U+FFFD again in front of it."""
+    tok = Tokenizer(tiny_bundle / "tokenizer")
+    emoji = tok.encode("😀!", add_special=False)
+    stray = emoji[1]  # the emoji's second byte (0x9F) alone: no character starts so
+    prompt = [*tok.encode("a ", add_special=False), stray, *emoji[:2]]
+    assert tok.decode(prompt) == "a \ufffd\ufffd" and tok.decode(prompt + emoji[2:]) == "a \ufffd😀!"
+    pieces, text = sequence_text(tok, prompt, emoji[2:])
+    assert text == "😀!" and all("\ufffd" not in p for p in pieces)
