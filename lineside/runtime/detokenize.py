@@ -69,12 +69,26 @@ class IncrementalDetokenizer:
         self.ids: list[int] = _prompt_tail(self.tok, [int(i) for i in prompt_ids], skip_special)
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.ids)  # ids up to here have been emitted (or are the prompt's)
+        self._done_at: tuple[tuple[int, int], str, str] = ((-1, -1), "", "")  # _done's answer, by window
 
     def _done(self) -> tuple[str, str]:
-        """(the window's text already out, as decoded; the same without the U+FFFD run it may end in: a character the
-        prompt leaves incomplete, which the tokens completing it release, or U+FFFD the prompt really holds)."""
-        done = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special)
-        return done, done.rstrip(_REPLACEMENT)
+        """(the window's text already out, as decoded; the text before the character the prompt may leave incomplete,
+        which the tokens completing it release). That text is the window decoded without its last tokens (at most 3:
+        a character's bytes but its last), not the decode cut before its U+FFFD: a byte-fallback decoder turns a run
+        of byte tokens that is not UTF-8 as a whole into U+FFFD throughout, the whole characters before it included."""
+        key = (self.prefix_offset, self.read_offset)
+        if self._done_at[0] != key:
+            window = self.ids[self.prefix_offset:self.read_offset]
+            done = prefix = self.tok.decode(window, self.skip_special)
+            if done.endswith(_REPLACEMENT):
+                prefix = done.rstrip(_REPLACEMENT)
+                for k in range(len(window) - 1, max(len(window) - 4, 0) - 1, -1):
+                    text = self.tok.decode(window[:k], self.skip_special)
+                    if not text.endswith(_REPLACEMENT):
+                        prefix = text if len(text) > len(prefix) else prefix
+                        break
+            self._done_at = (key, done, prefix)
+        return self._done_at[1], self._done_at[2]
 
     def _out(self, done: str, prefix: str, full: str) -> int:
         """Where the new text starts in ``full``: after the prompt's U+FFFD that the new tokens left as they were (a

@@ -159,3 +159,15 @@ def test_prompt_ending_in_a_stray_byte_then_inside_a_character_streams_only_the_
     assert tok.decode(prompt) == "a \ufffd\ufffd" and tok.decode(prompt + emoji[2:]) == "a \ufffd😀!"
     pieces, text = sequence_text(tok, prompt, emoji[2:])
     assert text == "😀!" and all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("make", ["byte_level", "byte_fallback"])
+def test_prompt_ending_inside_a_character_after_a_whole_one_does_not_repeat_it(tmp_path, tiny_bundle, make):
+    """Prompt ids that end in 👨 and the first byte of the ZWJ after it: a byte-fallback decoder turns a run of byte
+    tokens that is not UTF-8 as a whole into U+FFFD throughout, 👨 included, so 👨 was taken for part of the
+    incomplete character and streamed again in front of the ZWJ that completes it."""
+    tok = Tokenizer(tiny_bundle / "tokenizer") if make == "byte_level" else llama2_dir(tmp_path)
+    ids = tok.encode("ok 👨\u200d👩 end", add_special=False)
+    cut = next(i for i in range(len(ids)) if tok.decode(ids[:i]) == "ok 👨") + 1  # and the ZWJ's first byte
+    pieces, text = sequence_text(tok, ids[:cut], ids[cut:])
+    assert text == "\u200d👩 end" and all("\ufffd" not in p for p in pieces)
