@@ -50,12 +50,19 @@ class _KeepingDecoder:
 
 def _prompt_tail(tok: _Decodes, prompt: list[int], skip_special: bool) -> list[int]:
     """The prompt's last few tokens, from the first byte of a character: a window that starts inside one decodes to
-    U+FFFD there (with byte fallback, every byte of the run it starts in does). Empty when no such start is near."""
+    U+FFFD there (with byte fallback, every byte of the run it starts in does). Empty when no such start is near.
+    A start is tried also without the prompt's last 1-3 tokens: with byte fallback, a character the prompt leaves
+    incomplete turns the whole run it ends into U+FFFD, its start included."""
     for start in range(len(prompt) - _PROMPT_CONTEXT, len(prompt) - _PROMPT_CONTEXT - _LOOK_BACK, -1):
         if start <= 0:
             return prompt
         if not tok.decode(prompt[start:], skip_special).startswith(_REPLACEMENT):
             return prompt[start:]
+    for start in range(len(prompt) - _PROMPT_CONTEXT, len(prompt) - _PROMPT_CONTEXT - _LOOK_BACK, -1):
+        for end in range(len(prompt) - 1, len(prompt) - 4, -1):
+            text = tok.decode(prompt[start:end], skip_special)
+            if text and not text.startswith(_REPLACEMENT):
+                return prompt[start:]
     return []
 
 

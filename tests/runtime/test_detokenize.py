@@ -171,3 +171,22 @@ def test_prompt_ending_inside_a_character_after_a_whole_one_does_not_repeat_it(t
     cut = next(i for i in range(len(ids)) if tok.decode(ids[:i]) == "ok 👨") + 1  # and the ZWJ's first byte
     pieces, text = sequence_text(tok, ids[:cut], ids[cut:])
     assert text == "\u200d👩 end" and all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("make", ["byte_level", "byte_fallback"])
+def test_prompt_ending_inside_a_character_of_a_long_byte_run_is_completed(tmp_path, tiny_bundle, make):
+    """Prompt ids that end inside a character, the last of a run of byte tokens longer than the context window
+    decoded in front of the completion: the window had to start at a character's first byte, which it looked
+    for as a start that does not decode to U+FFFD; a byte-fallback decoder turns the whole run into U+FFFD while
+    its last character is incomplete, so none was found and "字符 end" came out as "�������� end"."""
+    tok = Tokenizer(tiny_bundle / "tokenizer") if make == "byte_level" else llama2_dir(tmp_path)
+    text = "ok 中文字符中文字符中文字符 end"
+    ids = tok.encode(text, add_special=False)
+    cuts = [i for i in range(len(ids) - 12, len(ids) - 4) if tok.decode(ids[:i]) != text[:len(tok.decode(ids[:i]))]]
+    assert len(cuts) >= 4  # prompts that end inside a character
+    for cut in cuts:
+        pieces, out = sequence_text(tok, ids[:cut], ids[cut:])
+        whole = max(n for n in range(len(text)) if ids[:cut][:len(tok.encode(text[:n], add_special=False))] ==
+                    tok.encode(text[:n], add_special=False))  # the prompt's whole characters
+        assert out == text[whole:], cut
+        assert "\ufffd" not in out, cut
