@@ -41,14 +41,23 @@ class PromptStream:
         if api_key:
             hdrs["Authorization"] = f"Bearer {api_key}"
         self._own = client is None
-        self._http = client or httpx.Client(base_url=url.rstrip("/"), timeout=timeout)
+        # the server's root, also when given as an OpenAI client's base_url (".../v1"), as `bench --url` takes it
+        root = url.rstrip("/").removesuffix("/v1")
+        self._http = client or httpx.Client(base_url=root, timeout=timeout)
         self._headers = hdrs
         self._utf8 = codecs.getincrementaldecoder("utf-8")()  # bytes may split a character between chunks
 
     # ---- feeding ---------------------------------------------------------------------------------------
     def feed(self, chunk: str | bytes) -> dict[str, Any]:
         """Append ``chunk`` (text, or UTF-8 bytes that may end inside a character) and send the prompt so far."""
-        piece = self._utf8.decode(chunk) if isinstance(chunk, (bytes, bytearray)) else chunk
+        if isinstance(chunk, (bytes, bytearray)):
+            try:
+                piece = self._utf8.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"feed: the bytes are not UTF-8 ({e.reason}); feed text, or the prompt's UTF-8 "
+                                 "bytes") from None
+        else:
+            piece = chunk
         return self.update(self.text + piece)
 
     def update(self, text: str) -> dict[str, Any]:
@@ -63,12 +72,13 @@ class PromptStream:
 
     # ---- the answer ----------------------------------------------------------------------------------------
     def complete(self, stream: bool = False, *, keep: bool = False, **params: Any) -> Any:
-        """The completion of the whole prompt (pending bytes of a split character are flushed first). ``keep``:
+        """The completion of the whole prompt (bytes fed must not end inside a character: ValueError). ``keep``:
         the session keeps this prompt's KV for a next turn. Returns the response body, or with ``stream`` an
         iterator of text pieces."""
-        tail = self._utf8.decode(b"", final=True)
-        if tail:
-            self.text += tail
+        pending = self._utf8.getstate()[0]
+        if pending:  # a character's first bytes with nothing after them: not text the server could read
+            raise ValueError(f"complete: the bytes fed end inside a UTF-8 character ({pending!r} is its start); "
+                             "feed the rest of the character first")
         body = {**self._prompt(), **params, "stream": stream}
         if keep:
             body["keep_session"] = True

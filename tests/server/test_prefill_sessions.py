@@ -216,6 +216,30 @@ def test_prompt_stream_client(srv):
         assert c.get("/v1/prefill/client-2").status_code == 404  # leaving without complete() deletes it
 
 
+def test_prompt_stream_client_openai_base_url_and_bad_bytes(srv):
+    """The client takes the URL an OpenAI client is given (".../v1/"), as `lineside bench --url` does; bytes that
+    are not UTF-8, or that end inside a character when the answer is asked for, are one clear ValueError (not a
+    codec's traceback, nor a prompt cut silently)."""
+    from lineside.client import PromptStream
+
+    text = "hello world, the line stops"
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        cold = c.post("/v1/completions", json={"prompt": text, **GREEDY}).json()["choices"][0]["text"]
+    with PromptStream(srv.url + "/v1/", None, "client-v1") as s:
+        assert s.feed(text)["session_id"] == "client-v1"
+        assert s.complete(**GREEDY)["choices"][0]["text"] == cold
+    with PromptStream(srv.url, None, "client-bad") as s:
+        with pytest.raises(ValueError, match="not UTF-8"):
+            s.feed(b"caf\xff")
+        s.feed("Temp")
+        s.feed("érature".encode()[:1])  # the first byte of "é" alone
+        with pytest.raises(ValueError, match="end inside a UTF-8 character"):
+            s.complete(**GREEDY)
+        s.feed("érature".encode()[1:])  # the rest: now it completes
+        assert s.text == "Température"
+        assert s.complete(**GREEDY)["choices"][0]["text"]
+
+
 def test_bench_chunked_pattern_feeds_then_completes(srv):
     """`lineside bench --pattern chunked`'s client: each prompt goes through /v1/prefill in pieces, then its
     streamed completion names the session (one hit per request)."""
