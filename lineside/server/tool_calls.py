@@ -54,11 +54,19 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # JSON schema of the arguments
+    # the tool object as a chat request sent it (its keys, their order, "strict"): what the chat template lists, as
+    # transformers' apply_chat_template renders the client's dicts; None for /v1/responses' flat tools
+    sent: dict[str, Any] | None = field(default=None, compare=False)
 
     def openai(self) -> dict[str, Any]:
-        """The tool as OpenAI's request carries it (what chat templates iterate over)."""
+        """The tool in OpenAI's chat shape, every field filled (this server's own descriptions of the tools)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": self.parameters}}
+
+    def listed(self) -> dict[str, Any]:
+        """What a chat template gets for this tool: the client's object as sent (a template that writes tools with
+        ``tojson`` writes what transformers writes), else the OpenAI shape."""
+        return self.sent if self.sent is not None else self.openai()
 
 
 class ToolChoiceKind(str, Enum):
@@ -168,7 +176,7 @@ def parse_tools(tools: Sequence[Any] | None, param: str = "tools", *, flat: bool
         desc = f.get("description") or ""
         if not isinstance(desc, str):
             raise _bad(f"{at}.description: must be a string", f"{at}.description")
-        out.append(Tool(name, desc, params))
+        out.append(Tool(name, desc, params, sent=None if flat else t))
     return out
 
 
@@ -325,7 +333,7 @@ def template_knows_tools(chat_template: str | None) -> bool:
 def offered(tools: Sequence[Tool], choice: ToolChoice) -> list[dict[str, Any]] | None:
     """The tools a chat template is given (none with tool_choice none); with some, a bundle's "tool_use" template
     renders (chat_rendering)."""
-    return [t.openai() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
+    return [t.listed() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
 
 
 def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], chat_template: str | None,

@@ -1,0 +1,158 @@
+"""Real models' chat templates render a chat body as transformers' apply_chat_template renders the same conversation
+(text and token ids), given the conversation as vLLM hands it to transformers (text parts joined by newlines, string
+tool-call arguments parsed as JSON): tools as the client sent them (``strict``, key order, no description); where
+the template itself raises, one 400.
+
+The templates (tests/server/data/real_templates/), as their checkpoints' tokenizer_config.json ship them:
+llama-3.2-instruct.jinja (meta-llama/Llama-3.2-1B-Instruct, also Llama-3.3-70B-Instruct's with strftime_now),
+qwen2.5-instruct.jinja (Qwen/Qwen2.5-0.5B-Instruct and the other Qwen2.5 Instruct sizes), qwen3.jinja
+(Qwen/Qwen3-8B).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lineside.errors import LinesideError
+from lineside.runtime.tokenizer import Tokenizer
+from lineside.server.openai_api import chat_prompt
+from lineside.server.schemas import ChatCompletionRequest
+from tests.tiny_tokenizer import write_family_tokenizer
+
+DATA = Path(__file__).parent / "data" / "real_templates"
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+FAMILIES = {  # template file: special tokens, BOS, EOS
+    "llama-3.2-instruct": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                            "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>"),
+    "qwen2.5-instruct": (CHATML, None, "<|im_end|>"),
+    "qwen3": (CHATML, None, "<|im_end|>"),
+}
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+STRICT = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": WEATHER["function"]["parameters"], "strict": True}}
+BARE = {"type": "function", "function": {"name": "now"}}  # no description, no parameters
+REORDERED = {"function": {"parameters": {"type": "object", "properties": {}}, "name": "now", "description": "Time"},
+             "type": "function"}
+
+
+def _call(i: int, args: object) -> dict:
+    return {"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+
+
+ASKED = {"role": "user", "content": "Weather in Lyon?"}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}
+CHATS = {
+    "system-multi-turn": {"messages": [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": " Hi "},
+                                       {"role": "assistant", "content": "Hello."},
+                                       {"role": "user", "content": "And ünïcode?"}]},
+    "text-parts-and-name": {"messages": [{"role": "user", "name": "ann", "content": [{"type": "text", "text": "one"},
+                                                                                    {"type": "text", "text": "two"}]}]},
+    "empty-content": {"messages": [{"role": "user", "content": ""}]},
+    "no-generation-prompt": {"messages": [ASKED, {"role": "assistant", "content": "Sunny."}],
+                             "add_generation_prompt": False},
+    "tools": {"messages": [{"role": "system", "content": "Plant bot."}, ASKED], "tools": [WEATHER]},
+    "call-arguments-as-string": {"messages": [ASKED, {"role": "assistant", "content": None,
+                                                      "tool_calls": [_call(1, '{"city": "Lyon"}')]}, RESULT],
+                                 "tools": [WEATHER]},
+    "call-arguments-as-object": {"messages": [ASKED, {"role": "assistant", "content": "Checking.",
+                                                      "tool_calls": [_call(1, {"city": "Lyon"})]}, RESULT,
+                                              {"role": "assistant", "content": "21 C."}, {"role": "user", "content": "Ta"}],
+                                 "tools": [WEATHER]},
+    # the tools as the client sent them: OpenAI Agents SDK's "strict", a function without description or parameters,
+    # keys in the client's order (transformers writes each dict as it is)
+    "strict-tool": {"messages": [ASKED], "tools": [STRICT]},
+    "bare-tool": {"messages": [ASKED], "tools": [BARE]},
+    "reordered-tool": {"messages": [ASKED], "tools": [REORDERED]},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """One byte-level tokenizer per family with its special tokens, its template in tokenizer_config.json (as the
+    bundle carries it)."""
+    dirs = {}
+    for name, (special, bos, eos) in FAMILIES.items():
+        d = tmp_path_factory.mktemp(name)
+        template = (DATA / f"{name}.jinja").read_text(encoding="utf-8")
+        write_family_tokenizer(d, special, bos=bos, eos=eos, template=template, gen_eos=[eos])
+        cfg = json.loads((d / "tokenizer_config.json").read_text(encoding="utf-8"))
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}), encoding="utf-8")
+        dirs[name] = d
+    return dirs
+
+
+def _ours(d: Path, body: dict) -> tuple[str, list[int]]:
+    """The prompt the server renders for ``body`` (chat_prompt, then the tokenizer's encode_chat)."""
+    tok = Tokenizer(d)
+    state = SimpleNamespace(chat_template=None, trust_request_chat_template=False,
+                            engine=SimpleNamespace(tokenizer=tok, max_seq_len=4096))
+    prompt = chat_prompt(state, ChatCompletionRequest(**body))
+    with prompt.render.blamed():
+        text = tok.apply_chat_template(prompt.messages, prompt.options["add_generation_prompt"], prompt.listed,
+                                       chat_template=prompt.render.given, template_kwargs=prompt.render.kwargs)
+        ids = tok.encode_chat(prompt.messages, tools=prompt.listed, **prompt.options, **prompt.render.options())
+    return text, ids
+
+
+def _as_vllm_hands_it(messages: list[dict]) -> list[dict]:
+    out = copy.deepcopy(messages)
+    for m in out:
+        if isinstance(m.get("content"), list):
+            m["content"] = "\n".join(p["text"] for p in m["content"])
+        elif m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or []:
+            if isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return out
+
+
+def _theirs(d: Path, body: dict) -> tuple[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(d)
+    kw = dict(tools=body.get("tools"),
+              add_generation_prompt=body.get("add_generation_prompt", True))
+    text = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=False, **kw)
+    ids = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=True, return_dict=True, **kw)
+    return text, list(ids["input_ids"])
+
+
+CASES = [(t, c) for t in FAMILIES for c in CHATS]
+
+
+@pytest.mark.parametrize(("template", "chat"), CASES, ids=[f"{t}-{c}" for t, c in CASES])
+def test_renders_text_and_ids_as_transformers(tokenizer_dirs, template, chat):
+    d = tokenizer_dirs[template]
+    theirs = _theirs(d, CHATS[chat])
+    assert _ours(d, CHATS[chat]) == theirs
+
+
+def test_the_cases_exercise_what_they_name(tokenizer_dirs):
+    """The cases are not vacuous: the strict flag reaches the prompt."""
+    assert '"strict": true' in _theirs(tokenizer_dirs["qwen2.5-instruct"], CHATS["strict-tool"])[0]
+
+
+@pytest.mark.parametrize(("body", "said"), [
+    ({"messages": [ASKED, {"role": "assistant", "content": None, "tool_calls": [_call(1, "{}"), _call(2, "{}")]}],
+      "tools": [WEATHER]}, "only supports single tool-calls"),
+    ({"messages": [{"role": "system", "content": "S"}], "tools": [WEATHER]}, "no first user message"),
+], ids=["parallel-calls", "tools-without-a-user-turn"])
+def test_where_llamas_template_raises_the_request_is_refused_in_one_line(tokenizer_dirs, body, said):
+    """Llama 3.2's template raises on these (transformers' TemplateError): one line with its words, a 400 at the
+    HTTP layer (LinesideError's handler)."""
+    with pytest.raises(Exception) as hf:
+        _theirs(tokenizer_dirs["llama-3.2-instruct"], body)
+    assert said in str(hf.value)
+    with pytest.raises(LinesideError) as e:
+        _ours(tokenizer_dirs["llama-3.2-instruct"], body)
+    assert said in str(e.value) and len(str(e.value).splitlines()) == 1
+
