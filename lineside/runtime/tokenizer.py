@@ -176,7 +176,7 @@ class Tokenizer:
         variables for the template (a request's ``chat_template_kwargs``); ``template_limits``: ``chat_template`` is
         a request's, rendered in the bounded sandbox (runtime/chat_template.render_bounded)."""
         template = chat_template or self.template_for(tools)
-        messages = _developer_as_system(messages, template)
+        messages = _reasoning_aliased(_developer_as_system(messages, template))
         if not template:
             # No template: a plain transcript the model can still continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
@@ -404,6 +404,20 @@ def _developer_as_system(messages: list[dict[str, Any]], template: str | None) -
     if not any(m.get("role") == "developer" for m in messages):
         return messages
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, the one templates read first
+
+
+def _reasoning_aliased(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An earlier turn's thinking under each name templates read, as transformers' apply_chat_template aliases it:
+    a client echoing vLLM's newer ``reasoning`` field reaches Qwen3's template (it reads ``reasoning_content``), and
+    gpt-oss-style templates read ``thinking``."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
 
 
 def _common_prefix(a: Any, b: Any) -> int:

@@ -1,7 +1,7 @@
 """Real models' chat templates render a chat body as transformers' apply_chat_template renders the same conversation
 (text and token ids), given the conversation as vLLM hands it to transformers (text parts joined by newlines, string
-tool-call arguments parsed as JSON): tools as the client sent them (``strict``, key order, no description); where
-the template itself raises, one 400.
+tool-call arguments parsed as JSON): tools as the client sent them (``strict``, key order, no description), an earlier
+turn's thinking under vLLM's newer ``reasoning`` name; where the template itself raises, one 400.
 
 The templates (tests/server/data/real_templates/), as their checkpoints' tokenizer_config.json ship them:
 llama-3.2-instruct.jinja (meta-llama/Llama-3.2-1B-Instruct, also Llama-3.3-70B-Instruct's with strftime_now),
@@ -71,6 +71,11 @@ CHATS = {
     "strict-tool": {"messages": [ASKED], "tools": [STRICT]},
     "bare-tool": {"messages": [ASKED], "tools": [BARE]},
     "reordered-tool": {"messages": [ASKED], "tools": [REORDERED]},
+    # a tool loop's earlier thinking echoed back under vLLM's newer name: transformers gives it to the template as
+    # reasoning_content too (Qwen3's keeps it after the last user query)
+    "reasoning-echoed": {"messages": [ASKED, {"role": "assistant", "content": None, "reasoning": "Need the weather.",
+                                              "tool_calls": [_call(1, '{"city": "Lyon"}')]}, RESULT],
+                         "tools": [WEATHER]},
 }
 
 
@@ -137,8 +142,9 @@ def test_renders_text_and_ids_as_transformers(tokenizer_dirs, template, chat):
 
 
 def test_the_cases_exercise_what_they_name(tokenizer_dirs):
-    """The cases are not vacuous: the strict flag reaches the prompt."""
+    """The cases are not vacuous: the strict flag and the echoed reasoning reach the prompt."""
     assert '"strict": true' in _theirs(tokenizer_dirs["qwen2.5-instruct"], CHATS["strict-tool"])[0]
+    assert "Need the weather." in _theirs(tokenizer_dirs["qwen3"], CHATS["reasoning-echoed"])[0]
 
 
 @pytest.mark.parametrize(("body", "said"), [
