@@ -415,8 +415,8 @@ def check_chat_template(text: str, what: str, *, bos_token: str = "", eos_token:
     """Compile ``text`` and render a one-message conversation with it (and ``kwargs``, the variables the request
     renders it with); one line saying what failed. ``limits``: in the bounded sandbox (a request's template)."""
     compiled = compile_template(text, what, limits)
-    variables = dict(**(kwargs or {}), messages=_PROBE, tools=None, add_generation_prompt=True, bos_token=bos_token,
-                     eos_token=eos_token)
+    variables = {"documents": None, **(kwargs or {}), "messages": _PROBE, "tools": None, "add_generation_prompt": True,
+                 "bos_token": bos_token, "eos_token": eos_token}
     try:
         out = compiled.render(**variables) if limits is None else render_bounded(compiled, limits, variables)
     except TemplateLimitError as e:
@@ -461,8 +461,8 @@ def _rendered(text: str, messages: list[dict[str, Any]], *, generation: bool = T
     bounded sandbox: ``text`` may be a request's (these probes run once per template text, cached)."""
     try:
         return render_bounded(compile_template(text, "chat template", _PROBE_LIMITS), _PROBE_LIMITS,
-                              dict(messages=messages, tools=None, add_generation_prompt=generation, bos_token="",
-                                   eos_token=""))
+                              dict(messages=messages, tools=None, documents=None, add_generation_prompt=generation,
+                                   bos_token="", eos_token=""))
     except Exception:  # noqa: BLE001 - whatever the template raises (a limit too), it refuses this conversation
         return None
 

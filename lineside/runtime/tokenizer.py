@@ -183,17 +183,17 @@ class Tokenizer:
             return text + ("assistant:" if add_generation_prompt else "")
         bounded = template_limits if chat_template else None
         compiled = self._compiled_template(template, chat_template is None, bounded)
-        try:  # tools=None when there are none, as transformers renders (a template may test `tools is not none`)
+        # tools=None when there are none and documents=None unless the request sends some, as transformers renders (a
+        # template may test `tools is not none`, `documents is not none`)
+        variables = {"documents": None, **(template_kwargs or {}), "messages": messages, "tools": tools or None,
+                     "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                     "eos_token": self.eos_token or ""}
+        try:
             if bounded is not None:
                 from lineside.runtime.chat_template import render_bounded
 
-                return render_bounded(compiled, bounded, dict(
-                    **(template_kwargs or {}), messages=messages, tools=tools or None,
-                    add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                    eos_token=self.eos_token or ""))
-            return compiled.render(**(template_kwargs or {}), messages=messages, tools=tools or None,
-                                   add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                                   eos_token=self.eos_token or "")
+                return render_bounded(compiled, bounded, variables)
+            return compiled.render(**variables)
         except LinesideError:
             raise
         except Exception as e:  # jinja raises many types; the user sees one line

@@ -77,7 +77,24 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
                 raise APIError(400, str(e), "invalid_value", param="chat_template") from None
             given = body.chat_template
         param = "chat_template"
-    return Rendering(given, _effective(state, given, tools), _with_effort(kwargs, body), param, limits)
+    return Rendering(given, _effective(state, given, tools), _with_documents(_with_effort(kwargs, body), body), param,
+                     limits)
+
+
+def _with_documents(kwargs: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:
+    """The request's ``documents`` as the template variable of that name, as vLLM and transformers hand them to a
+    retrieval template (Command-R's, Granite's); each an object of strings, else a 400 naming it. A ``documents``
+    in ``chat_template_kwargs`` wins, as vLLM merges those last."""
+    docs = getattr(body, "documents", None)
+    if docs is None or (kwargs and "documents" in kwargs):
+        return kwargs
+    for i, doc in enumerate(docs):
+        bad = next((k for k, v in doc.items() if not isinstance(v, str)), None)
+        if bad is not None:
+            raise APIError(400, f"documents[{i}].{bad}: a document is an object of strings, e.g. "
+                                "{\"title\": \"...\", \"text\": \"...\"}; send its value as text", "invalid_value",
+                           param=f"documents[{i}].{bad}")
+    return {**(kwargs or {}), "documents": [dict(d) for d in docs]}
 
 
 def _with_effort(kwargs: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:

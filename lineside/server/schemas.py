@@ -129,6 +129,9 @@ class ChatCompletionRequest(_Sampling):
                                                         "--trust-request-chat-template)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: extra variables for the chat "
                                                                           "template, e.g. {\"enable_thinking\": false}")
+    documents: list[dict[str, Any]] | None = Field(None, description="vLLM's: documents for a retrieval chat template "
+                                                                   "(its variable documents), each an object of "
+                                                                   "strings, e.g. {\"title\": ..., \"text\": ...}")
     include_reasoning: bool | None = Field(None, description="vLLM's: false leaves a reasoning model's thinking out "
                                                              "of the response (serve --reasoning-parser)")
     reasoning_effort: ReasoningEffort | None = Field(None, description="OpenAI's; handed to the chat template as the "

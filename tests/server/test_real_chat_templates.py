@@ -1,12 +1,14 @@
 """Real models' chat templates render a chat body as transformers' apply_chat_template renders the same conversation
 (text and token ids), given the conversation as vLLM hands it to transformers (text parts joined by newlines, string
 tool-call arguments parsed as JSON): tools as the client sent them (``strict``, key order, no description), an earlier
-turn's thinking under vLLM's newer ``reasoning`` name; where the template itself raises, one 400.
+turn's thinking under vLLM's newer ``reasoning`` name, a request's ``documents``; where the template itself raises,
+one 400.
 
 The templates (tests/server/data/real_templates/), as their checkpoints' tokenizer_config.json ship them:
 llama-3.2-instruct.jinja (meta-llama/Llama-3.2-1B-Instruct, also Llama-3.3-70B-Instruct's with strftime_now),
 qwen2.5-instruct.jinja (Qwen/Qwen2.5-0.5B-Instruct and the other Qwen2.5 Instruct sizes), qwen3.jinja
-(Qwen/Qwen3-8B).
+(Qwen/Qwen3-8B), granite-3.1-documents.jinja (ibm-granite/granite-3.1-8b-instruct's system and documents blocks,
+its tools and controls branches left out).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from lineside.errors import LinesideError
 from lineside.runtime.tokenizer import Tokenizer
+from lineside.server.errors import APIError
 from lineside.server.openai_api import chat_prompt
 from lineside.server.schemas import ChatCompletionRequest
 from tests.tiny_tokenizer import write_family_tokenizer
@@ -31,6 +34,8 @@ FAMILIES = {  # template file: special tokens, BOS, EOS
                             "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"], "<|begin_of_text|>", "<|eot_id|>"),
     "qwen2.5-instruct": (CHATML, None, "<|im_end|>"),
     "qwen3": (CHATML, None, "<|im_end|>"),
+    "granite-3.1-documents": (["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"], "<|end_of_text|>",
+                              "<|end_of_text|>"),
 }
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -76,6 +81,9 @@ CHATS = {
     "reasoning-echoed": {"messages": [ASKED, {"role": "assistant", "content": None, "reasoning": "Need the weather.",
                                               "tool_calls": [_call(1, '{"city": "Lyon"}')]}, RESULT],
                          "tools": [WEATHER]},
+    "documents": {"messages": [{"role": "user", "content": "When does line 4 stop?"}],
+                  "documents": [{"title": "Shifts", "text": "Line 4 stops at 18:00."},
+                                {"title": "Holidays", "text": "Closed on May 1."}]},
 }
 
 
@@ -124,14 +132,15 @@ def _theirs(d: Path, body: dict) -> tuple[str, list[int]]:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(d)
-    kw = dict(tools=body.get("tools"),
+    kw = dict(tools=body.get("tools"), documents=body.get("documents"),
               add_generation_prompt=body.get("add_generation_prompt", True))
     text = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=False, **kw)
     ids = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=True, return_dict=True, **kw)
     return text, list(ids["input_ids"])
 
 
-CASES = [(t, c) for t in FAMILIES for c in CHATS]
+# the Granite excerpt has no tools section (the server describes tools to such a template itself): its chats without
+CASES = [(t, c) for t in FAMILIES for c in CHATS if not (t.startswith("granite") and "tools" in CHATS[c])]
 
 
 @pytest.mark.parametrize(("template", "chat"), CASES, ids=[f"{t}-{c}" for t, c in CASES])
@@ -142,9 +151,25 @@ def test_renders_text_and_ids_as_transformers(tokenizer_dirs, template, chat):
 
 
 def test_the_cases_exercise_what_they_name(tokenizer_dirs):
-    """The cases are not vacuous: the strict flag and the echoed reasoning reach the prompt."""
+    """The cases are not vacuous: the strict flag, the echoed reasoning and the documents reach the prompt."""
     assert '"strict": true' in _theirs(tokenizer_dirs["qwen2.5-instruct"], CHATS["strict-tool"])[0]
     assert "Need the weather." in _theirs(tokenizer_dirs["qwen3"], CHATS["reasoning-echoed"])[0]
+    assert "Line 4 stops at 18:00." in _theirs(tokenizer_dirs["granite-3.1-documents"], CHATS["documents"])[0]
+
+
+def test_a_documents_key_in_chat_template_kwargs_wins(tokenizer_dirs):
+    """vLLM merges chat_template_kwargs over the request's own fields."""
+    body = {**CHATS["documents"], "chat_template_kwargs": {"documents": [{"text": "From kwargs."}]}}
+    text, _ = _ours(tokenizer_dirs["granite-3.1-documents"], body)
+    assert "From kwargs." in text and "18:00" not in text
+
+
+@pytest.mark.parametrize("documents", [[{"title": "x", "text": 3}], [{"text": {"nested": "x"}}]])
+def test_a_document_that_is_not_strings_is_a_400_naming_it(tokenizer_dirs, documents):
+    with pytest.raises(APIError) as e:
+        _ours(tokenizer_dirs["granite-3.1-documents"], {**CHATS["documents"], "documents": documents})
+    assert e.value.status == 400 and e.value.param.startswith("documents[0].")
+    assert len(str(e.value).splitlines()) == 1
 
 
 @pytest.mark.parametrize(("body", "said"), [
@@ -162,3 +187,13 @@ def test_where_llamas_template_raises_the_request_is_refused_in_one_line(tokeniz
         _ours(tokenizer_dirs["llama-3.2-instruct"], body)
     assert said in str(e.value) and len(str(e.value).splitlines()) == 1
 
+
+def test_documents_is_none_without_documents_as_transformers_renders(tokenizer_dirs):
+    """transformers renders every chat with ``documents=None`` when none are given: a template testing ``documents is
+    not none`` (not merely its truth) writes no documents section."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = "{% if documents is not none %}DOCS {% endif %}{{ messages[0].content }}"
+    messages = [{"role": "user", "content": "Hi"}]
+    theirs = render_jinja_template(conversations=[messages], chat_template=template)[0][0]
+    assert Tokenizer(tokenizer_dirs["qwen3"]).apply_chat_template(messages, chat_template=template) == theirs == "Hi"
