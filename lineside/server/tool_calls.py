@@ -176,7 +176,10 @@ def parse_tools(tools: Sequence[Any] | None, param: str = "tools", *, flat: bool
         desc = f.get("description") or ""
         if not isinstance(desc, str):
             raise _bad(f"{at}.description: must be a string", f"{at}.description")
-        out.append(Tool(name, desc, params, sent=None if flat else t))
+        # As sent, but with the parameters OpenAI reads into a function sent without any (none: an empty list of
+        # arguments): templates that walk tool.function.parameters.properties (Hermes-style) raise without the key
+        sent = None if flat else t if "parameters" in f else {**t, "function": {**f, "parameters": params}}
+        out.append(Tool(name, desc, params, sent=sent))
     return out
 
 

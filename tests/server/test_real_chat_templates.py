@@ -128,11 +128,18 @@ def _as_vllm_hands_it(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _with_parameters(tool: dict) -> dict:
+    """A function sent without parameters is one of no arguments (OpenAI): the server hands templates that schema."""
+    f = tool["function"]
+    return tool if "parameters" in f else {**tool, "function": {**f, "parameters": {"type": "object", "properties": {}}}}
+
+
 def _theirs(d: Path, body: dict) -> tuple[str, list[int]]:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(d)
-    kw = dict(tools=body.get("tools"), documents=body.get("documents"),
+    kw = dict(tools=[_with_parameters(t) for t in body["tools"]] if body.get("tools") else None,
+              documents=body.get("documents"),
               add_generation_prompt=body.get("add_generation_prompt", True))
     text = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=False, **kw)
     ids = hf.apply_chat_template(_as_vllm_hands_it(body["messages"]), tokenize=True, return_dict=True, **kw)
@@ -155,6 +162,24 @@ def test_the_cases_exercise_what_they_name(tokenizer_dirs):
     assert '"strict": true' in _theirs(tokenizer_dirs["qwen2.5-instruct"], CHATS["strict-tool"])[0]
     assert "Need the weather." in _theirs(tokenizer_dirs["qwen3"], CHATS["reasoning-echoed"])[0]
     assert "Line 4 stops at 18:00." in _theirs(tokenizer_dirs["granite-3.1-documents"], CHATS["documents"])[0]
+
+
+def test_a_function_sent_without_parameters_renders_in_a_template_that_walks_them(tmp_path):
+    """Hermes-style templates read tool.function.parameters.properties: with the key missing transformers' renderer
+    raises; the server gives such a function OpenAI's reading, no arguments, and the template renders."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    walks = ("{% for t in tools %}{{ t.function.name }}({% for k, v in t.function.parameters.properties|items %}{{ k }}"
+             "{% endfor %}){% endfor %}|{{ messages[0].content }}")
+    special, bos, eos = FAMILIES["qwen2.5-instruct"]
+    write_family_tokenizer(tmp_path, special, bos=bos, eos=eos, template=walks, gen_eos=[eos])
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": walks}), encoding="utf-8")
+    body = {"messages": [ASKED], "tools": [BARE, WEATHER]}
+    with pytest.raises(Exception, match="has no attribute 'parameters'"):
+        render_jinja_template(conversations=[body["messages"]], tools=body["tools"], chat_template=walks)
+    text, _ = _ours(tmp_path, body)
+    assert text.startswith("now()get_weather(city)|")
 
 
 def test_a_documents_key_in_chat_template_kwargs_wins(tokenizer_dirs):
