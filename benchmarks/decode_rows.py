@@ -7,7 +7,10 @@ interleave 1 row and N rows, so both see the same machine. The ratio ``N * t(1) 
 tokens/s of N streams over one stream, whatever serves them.
 
     python benchmarks/decode_rows.py --bundle B [--threads 2] [--rows 8] [--prompt-tokens 12] [--steps 128]
-        [--rounds 5]
+        [--rounds 5] [--int8]
+
+``--int8`` also times the same steps with ``LINESIDE_DECODE_GRAPH=int8`` (every step on the bundle's int8 graph), in
+the same rounds: what that throughput mode costs one stream and gives eight.
 
 Timing only: no pass/fail.
 """
@@ -15,6 +18,7 @@ Timing only: no pass/fail.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from lineside.bundle import open_bundle  # noqa: E402
 from lineside.runtime.backend import StepBatch  # noqa: E402
-from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
+from lineside.runtime.onnxruntime_backend import DECODE_GRAPH_ENV, OnnxRuntimeBackend  # noqa: E402
 
 
 def decode_ms(be: OnnxRuntimeBackend, rows: int, prompt: int, steps: int) -> float:
@@ -53,25 +57,37 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=12, help="past length of the first decode step")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--int8", action="store_true", help="also time LINESIDE_DECODE_GRAPH=int8, interleaved")
     a = ap.parse_args()
-    be = OnnxRuntimeBackend(open_bundle(a.bundle), num_slots=a.rows, threads=a.threads)
+    bundle = open_bundle(a.bundle)
+    graphs = {"4-bit": OnnxRuntimeBackend(bundle, num_slots=a.rows, threads=a.threads)}
+    if a.int8:
+        os.environ[DECODE_GRAPH_ENV] = "int8"
+        graphs["int8"] = OnnxRuntimeBackend(bundle, num_slots=a.rows, threads=a.threads)
+        del os.environ[DECODE_GRAPH_ENV]
+    be = graphs["4-bit"]
     if a.prompt_tokens + a.steps > be.max_seq_len:
         raise SystemExit(f"--prompt-tokens {a.prompt_tokens} + --steps {a.steps} pass the bundle's context of "
                          f"{be.max_seq_len}; ask for fewer")
-    for rows in (1, a.rows):  # warm-up: the first runs of a shape allocate
-        decode_ms(be, rows, a.prompt_tokens, 8)
-    one, many = [], []
+    for g in graphs.values():
+        for rows in (1, a.rows):  # warm-up: the first runs of a shape allocate
+            decode_ms(g, rows, a.prompt_tokens, 8)
+    one: dict[str, list[float]] = {name: [] for name in graphs}
+    many: dict[str, list[float]] = {name: [] for name in graphs}
     for r in range(a.rounds):
-        order = (1, a.rows) if r % 2 == 0 else (a.rows, 1)
-        for rows in order:
-            (one if rows == 1 else many).append(decode_ms(be, rows, a.prompt_tokens, a.steps))
-        print(f"round {r + 1}: 1 row {one[-1]:.2f} ms/step, {a.rows} rows {many[-1]:.2f} ms/step = "
-              f"{a.rows * one[-1] / many[-1]:.2f}x one row's tokens/s", flush=True)
-    ratios = sorted(a.rows * o / m for o, m in zip(one, many, strict=True))
-    print(f"threads {a.threads}, past {a.prompt_tokens}..{a.prompt_tokens + a.steps - 1}: 1 row "
-          f"{statistics.median(one):.2f} ms/step ({1e3 / statistics.median(one):.1f} tok/s), {a.rows} rows "
-          f"{statistics.median(many):.2f} ms/step ({a.rows * 1e3 / statistics.median(many):.1f} tok/s); "
-          f"{a.rows} rows / 1 row: median {statistics.median(ratios):.2f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})")
+        runs = [(name, rows) for name in graphs for rows in (1, a.rows)]
+        for name, rows in (runs if r % 2 == 0 else runs[::-1]):
+            (one if rows == 1 else many)[name].append(decode_ms(graphs[name], rows, a.prompt_tokens, a.steps))
+        print(f"round {r + 1}: " + "; ".join(
+            f"{name}: 1 row {one[name][-1]:.2f} ms/step, {a.rows} rows {many[name][-1]:.2f} ms/step = "
+            f"{a.rows * one[name][-1] / many[name][-1]:.2f}x" for name in graphs), flush=True)
+    for name in graphs:
+        o, m = one[name], many[name]
+        ratios = sorted(a.rows * x / y for x, y in zip(o, m, strict=True))
+        print(f"{name} graph, threads {a.threads}, past {a.prompt_tokens}..{a.prompt_tokens + a.steps - 1}: 1 row "
+              f"{statistics.median(o):.2f} ms/step ({1e3 / statistics.median(o):.1f} tok/s), {a.rows} rows "
+              f"{statistics.median(m):.2f} ms/step ({a.rows * 1e3 / statistics.median(m):.1f} tok/s); "
+              f"{a.rows} rows / 1 row: median {statistics.median(ratios):.2f}x ({ratios[0]:.2f}..{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":
