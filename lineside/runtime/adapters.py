@@ -7,6 +7,7 @@ and a request never waits on disk); which of them sit in the backend's slots is 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,9 +23,11 @@ if TYPE_CHECKING:
 DEFAULT_RUNTIME_SLOTS = 4  # --max-loras when it is not given: up to this many slots (as many as there are adapters)
 
 
-def runtime_adapter(bundle: Bundle, name: str, path: str, *, max_rank: int) -> LoraAdapter:
+def runtime_adapter(bundle: Bundle, name: str, path: str, *, max_rank: int,
+                    locate: Callable[[str], Path] | None = None) -> LoraAdapter:
     """An adapter loaded into a running server (POST /v1/load_lora_adapter), checked as ``--lora-modules`` checks
-    one (its name is checked by the caller): the PEFT directory, every shape against the base, its rank and linears against the slots."""
+    one (its name is checked by the caller): the PEFT directory, every shape against the base, its rank and linears
+    against the slots. ``locate``: the directory a client's path names, raising where it may not be read."""
     from lineside.lora import LoraTarget, check_fits
 
     if not path.strip():
@@ -36,7 +39,8 @@ def runtime_adapter(bundle: Bundle, name: str, path: str, *, max_rank: int) -> L
     lg = bundle.manifest.lora
     if lg is None:
         raise AdapterError(f"bundle {bundle.path} has no LoRA graphs; rebuild it with --max-lora-rank R")
-    adapter = read_adapter(Path(path.strip()).expanduser(), bundle.config, name)
+    where = locate(path.strip()) if locate is not None else Path(path.strip()).expanduser()
+    adapter = read_adapter(where, bundle.config, name)
     check_fits(adapter, max_rank, tuple(LoraTarget(t) for t in lg.targets), "this server's --max-lora-rank")
     return adapter
 

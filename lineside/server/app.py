@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +21,7 @@ from lineside.runtime.structured import DEFAULT_CACHED_GRAMMARS
 from lineside.server import errors, health, lora_api, openai_api, prefill_api, tokenize_api
 from lineside.server.browser_guard import BrowserGuard, BrowserPolicy, CorsSettings, GuardedCors
 from lineside.server.head_requests import HeadAsGet
+from lineside.server.lora_dirs import AdapterDirs
 from lineside.server.metrics import ServerMetrics
 from lineside.server.middleware import BodyRefused, ServerMiddleware
 from lineside.server.slo.guard import SloGuard
@@ -49,6 +50,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                max_stored_responses: int = 256, max_stored_responses_mb: int = 64,
                sampling_defaults: SamplingDefaults | None = None,
                reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False,
+               lora_dirs: Sequence[str | os.PathLike[str]] = (),
                max_cached_grammars: int = DEFAULT_CACHED_GRAMMARS,
                max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS) -> FastAPI:
     """The OpenAI-compatible app. Given a path, the engine loads in the background after startup
@@ -72,6 +74,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``root_path``: the path prefix a reverse proxy serves this under (vLLM's --root-path, as `serve` checks it): routes
     answer with it and without it, so a proxy that keeps the prefix and one that strips it both reach them;
     ``allow_runtime_lora``: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 404 otherwise);
+    ``lora_dirs``: the directories those loads may read adapters from (none given: every lora_path is refused);
     ``max_cached_grammars``: compiled structured-output grammars the engine built here keeps (LRU, >= 1);
     ``max_failed_steps``: model steps failing in a row after which that engine is failed (runtime/engine_health.py):
     /health and /health/ready answer 503, and `serve` exits 1."""
@@ -122,6 +125,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     # request's scope, and Starlette's routing matches the path with the prefix removed when it is there
     app.root_path = root_path
     app.state.lineside = state
+    app.state.lora_dirs = AdapterDirs.of(lora_dirs)
     errors.install(app)
 
     @app.exception_handler(BodyRefused)

@@ -98,8 +98,12 @@ def serve(
         low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
     allow_runtime_lora: Annotated[bool, typer.Option(
         "--allow-runtime-lora", help="serve POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} and /v1/unload_lora_adapter "
-             "{\"lora_name\"} (vLLM's, behind the API key) to add and remove adapters while running; needs a "
-             "bundle built with --max-lora-rank (default: off, the routes are 404)")] = False,
+             "{\"lora_name\"} (vLLM's, behind the API key) to add and remove adapters while running, reading "
+             "them only under --lora-dir; needs a bundle built with --max-lora-rank, and an API key unless bound "
+             "to loopback (default: off, the routes are 404)")] = False,
+    lora_dir: Annotated[list[str] | None, typer.Option(
+        "--lora-dir", help="directory --allow-runtime-lora may load adapters from (repeat for more); a lora_path "
+             "is relative to the first, or absolute under one, symlinks followed")] = None,
     session_ttl: Annotated[float, checks.number_option(
         kind=float, above=0, high=checks.MAX_SECONDS,
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
@@ -251,8 +255,10 @@ def serve(
     check_browser_lists([h for v in allowed_hosts or [] for h in v.split(",") if h.strip()],
                         [o for v in allowed_origins or [] for o in v.split(",") if o.strip()])
     from lineside.server.auth import resolve_api_key
+    from lineside.server.lora_dirs import runtime_lora_dirs
 
     key = resolve_api_key(api_key, api_key_file)
+    lora_dirs = runtime_lora_dirs(allow_runtime_lora, lora_dir or [], host, key)
     from lineside.server.bind import bind_socket
 
     sock = bind_socket(host, port)  # a busy/privileged port or a foreign host: one line, before the model loads
@@ -292,7 +298,8 @@ def serve(
                          max_stored_responses=max_stored_responses,
                          max_stored_responses_mb=max_stored_responses_mb, sampling_defaults=sampling_defaults,
                          reasoning_parser=reasoning_parser, root_path=root_path,
-                         allow_runtime_lora=allow_runtime_lora, max_cached_grammars=max_cached_grammars,
+                         allow_runtime_lora=allow_runtime_lora, lora_dirs=lora_dirs.given,
+                         max_cached_grammars=max_cached_grammars,
                          max_failed_steps=max_failed_steps)
         limits = HttpLimits(header_timeout=header_timeout, body_timeout=body_timeout,
                             keep_alive_timeout=keep_alive_timeout, send_timeout=send_timeout,

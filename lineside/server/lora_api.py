@@ -1,7 +1,7 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters added to and removed from a running server.
 
 vLLM's routes (its VLLM_ALLOW_RUNTIME_LORA_UPDATING; here `serve --allow-runtime-lora`, and the app mounts this
-router only then, so they are 404 otherwise), with its bodies and its plain-text "Success: ..." answers. A loaded
+router only then, so they are 404 otherwise), reading only under `--lora-dir` (lora_dirs.py), with its bodies and its plain-text "Success: ..." answers. A loaded
 adapter is checked exactly as ``--lora-modules`` checks one and is a model at once; an unloaded one is refused to new
 requests while those already waiting or running on it finish with it (the engine keeps it for them).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import cast
 
 from fastapi import APIRouter, Request
@@ -22,6 +23,7 @@ from lineside.runtime.adapter_slots import AdapterInUse, UnknownAdapter
 from lineside.runtime.adapters import runtime_adapter
 from lineside.runtime.serving import AdapterServing, serves_adapters
 from lineside.server.errors import APIError
+from lineside.server.lora_dirs import AdapterDirs, AdapterPathRefused
 from lineside.server.schemas import _REQ, ERROR_RESPONSES
 from lineside.server.state import ServerState
 
@@ -74,11 +76,21 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
     if name in engine.adapter_slots.adapters:
         raise APIError(400, f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) or "
                             "choose another lora_name", "lora_already_loaded", param="lora_name")
+    dirs: AdapterDirs = request.app.state.lora_dirs
+    located: list[Path] = []
+
+    def locate(text: str) -> Path:
+        located.append(dirs.locate(text))
+        return located[0]
+
     try:  # reading the files and checking every shape: off the event loop
         adapter = await asyncio.to_thread(runtime_adapter, engine.bundle, name, body.lora_path,
-                                          max_rank=engine.max_lora_rank)
+                                          max_rank=engine.max_lora_rank, locate=locate)
+    except AdapterPathRefused as e:
+        raise APIError(403, str(e), "lora_path_not_allowed", param="lora_path") from None
     except LinesideError as e:  # a path the OS refuses to look up (too long, a loop) included: lora.py's one line
-        raise APIError(400, str(e), "invalid_lora_adapter", param="lora_path") from None
+        msg = dirs.client_view(str(e), located[0], body.lora_path.strip()) if located else str(e)
+        raise APIError(400, msg, "invalid_lora_adapter", param="lora_path") from None
     try:
         engine.add_adapter(adapter)  # refuses a name loaded meanwhile, or still finishing after an unload
     except AdapterInUse as e:

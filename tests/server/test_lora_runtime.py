@@ -44,6 +44,11 @@ def _engine(bundle_dir, modules=(), *, runtime=False, max_loras=None, delay=0.0)
     return LLMEngine(b, backend=SlowBackend(be, delay) if delay else be, num_slots=4, lora=lora)
 
 
+def _roots(*paths):
+    """--lora-dir for adapters made in the run's temporary directories: the one directory above them all."""
+    return [os.path.commonpath([str(p) for p in paths])]
+
+
 def _complete(url, model, n=6, **extra):
     return httpx.post(f"{url}/v1/completions", timeout=60, headers=extra.pop("headers", None),
                       json={"model": model, "prompt": PROMPT, "max_tokens": n, "temperature": 0, **extra})
@@ -73,7 +78,7 @@ def test_a_runtime_adapter_answers_as_lora_modules_and_the_base_is_unchanged(run
         assert _load(srv.url, "line-b", qv).status_code == 404  # the routes exist only with the flag
     with running_server(_engine(bundle_dir, [("line-b", qv)])) as srv:  # --lora-modules line-b=DIR
         given = _answer(srv.url, "line-b")
-    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True) as srv:
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, lora_dirs=_roots(qv)) as srv:
         name = srv.state.model_name
         assert srv.state.engine.backend.max_loras == 4  # slots, empty, for adapters that come later
         assert _answer(srv.url, name) == base  # the LoRA graph's slots with no adapter: the base model's numbers
@@ -102,8 +107,9 @@ def test_bad_loads_and_unloads_are_one_line_4xx(runtime_bundle, peft_adapter, ti
     sft_qwen = make_peft_adapter(tiny_dense("qwen2-bias-tied"), tmp_path / "sft-qwen", r=4, lora_alpha=8,
                                  target_modules=["q_proj"], task_type="CAUSAL_LM")
     key = {"Authorization": "Bearer k1"}
+    roots = _roots(qv, rs, tmp_path, peft_adapter("qwen2-bias-tied", "qv"))
     with running_server(_engine(bundle_dir, [("line-a", qv)], runtime=True), allow_runtime_lora=True,
-                        api_key="k1") as srv:
+                        api_key="k1", lora_dirs=roots) as srv:
         name = srv.state.model_name
         assert _load(srv.url, "x", rs).status_code == 401  # under the server's key
         assert _unload(srv.url, "line-a").status_code == 401
@@ -163,7 +169,7 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
             emptied_b.set()
 
     engine.submit, engine.adapter_slots._forget = watched_submit, watched_forget
-    with running_server(engine, allow_runtime_lora=True) as srv:
+    with running_server(engine, allow_runtime_lora=True, lora_dirs=_roots(qv, rs)) as srv:
         assert _load(srv.url, "line-a", qv).status_code == 200 and _load(srv.url, "line-b", rs).status_code == 200
         body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
         waited: list[httpx.Response] = []
@@ -244,7 +250,8 @@ def test_every_post_is_held_to_the_body_limit(runtime_bundle):
     from tests.server.conftest import metric
 
     bundle_dir, qv, _ = runtime_bundle
-    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, max_body_bytes=1024) as srv:
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, max_body_bytes=1024,
+                        lora_dirs=_roots(qv)) as srv:
         def invalid() -> float:
             return metric(httpx.get(f"{srv.url}/metrics").text, "lineside_requests_total", 'outcome="invalid"')
 
@@ -268,9 +275,65 @@ def test_the_adapter_routes_leave_the_grammar_compiler_unbuilt(runtime_bundle):
     """The routes check the engine serves adapters without reading its properties: the structured-output compiler,
     made on first use (a second of reading the vocabulary, on the event loop here), stays unmade."""
     bundle_dir, qv, _ = runtime_bundle
-    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True) as srv:
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, lora_dirs=_roots(qv)) as srv:
         assert not srv.state.engine.grammar_ready
         assert _unload(srv.url, "line-z").status_code == 404
         assert _load(srv.url, "line-b", qv).status_code == 200
         assert _unload(srv.url, "line-b").status_code == 200
         assert not srv.state.engine.grammar_ready
+
+
+def test_loads_read_only_under_lora_dir(runtime_bundle, tmp_path):
+    """A lora_path resolving outside every --lora-dir (``..``, absolute, a symlinked directory or weights file) is
+    a one-line 403 before anything is read; paths under it load, relative to it too; no refusal names the server's
+    directories (a client learns no path it did not send)."""
+    import shutil
+
+    bundle_dir, qv, _ = runtime_bundle
+    root, outside = tmp_path / "adapters", tmp_path / "outside"
+    shutil.copytree(qv, root / "line-b")
+    shutil.copytree(qv, outside / "secret")
+    (root / "escape").symlink_to(outside / "secret", target_is_directory=True)
+    (root / "inner").symlink_to(root / "line-b", target_is_directory=True)
+    (root / "planted").mkdir()
+    shutil.copy(qv / "adapter_config.json", root / "planted")
+    (root / "planted" / "adapter_model.safetensors").symlink_to(outside / "secret" / "adapter_model.safetensors")
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True, lora_dirs=[root]) as srv:
+        refused = [str(outside / "secret"), "../outside/secret", f"{root}/../outside/secret", "escape", "planted",
+                   "/", "line-b/../../outside/secret", str(root / "escape")]
+        for path in refused:
+            r = _load(srv.url, "x", path)
+            assert r.status_code == 403, (path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "lora_path_not_allowed" and err["param"] == "lora_path", (path, err)
+            assert "--lora-dir" in err["message"] and "\n" not in err["message"], (path, err)
+            assert str(root) not in err["message"].replace(path, ""), (path, err)  # only what the client sent
+        for path in ["nope", "x" * 2000, "line-b/adapter_config.json"]:  # under the directory: lora.py's own 400
+            r = _load(srv.url, "x", path)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_lora_adapter", (path, r.text)
+            assert str(tmp_path) not in r.text and str(tmp_path)[:40] not in r.text, (path, r.text)
+        assert _load(srv.url, "x", "nope").json()["error"]["message"].startswith("nope: not an adapter directory")
+        assert _load(srv.url, "line-b", "line-b").status_code == 200  # relative to --lora-dir
+        assert _load(srv.url, "line-c", str(root / "line-b")).status_code == 200  # absolute under it
+        assert _load(srv.url, "line-d", "inner").status_code == 200  # a symlink that stays inside
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]][1:] == ["line-b", "line-c",
+                                                                                             "line-d"]
+    with running_server(_engine(bundle_dir, runtime=True), allow_runtime_lora=True) as srv:  # no --lora-dir
+        r = _load(srv.url, "line-b", str(qv))
+        assert r.status_code == 403 and "--lora-dir" in r.json()["error"]["message"], r.text
+
+
+def test_serve_checks_lora_dir_and_the_key(runtime_bundle, tmp_path):
+    """--allow-runtime-lora needs --lora-dir (an existing directory), --lora-dir needs the flag, and off loopback
+    the flag needs an API key: each one line before the model loads."""
+    bundle_dir, qv, _ = runtime_bundle
+    b = str(bundle_dir)
+    env = {k: v for k, v in os.environ.items() if k != "LINESIDE_API_KEY"}
+    cases = [
+        (("--allow-runtime-lora",), ("--lora-dir DIR",)),
+        (("--lora-dir", str(tmp_path)), ("--allow-runtime-lora",)),
+        (("--allow-runtime-lora", "--lora-dir", str(tmp_path / "none")), ("not a directory",)),
+        (("--allow-runtime-lora", "--lora-dir", str(tmp_path), "--host", "0.0.0.0"), ("API key", "--api-key-file")),
+    ]
+    for args, needles in cases:
+        assert_one_line_error(run_cli("serve", b, "--port", "1", *args, env=env), *needles)
