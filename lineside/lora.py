@@ -361,11 +361,12 @@ def check_fits(adapter: LoraAdapter, max_rank: int, targets: tuple[LoraTarget, .
                            "--lora-targets all")
 
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def check_name(name: str) -> str:
-    if not NAME.match(name or ""):
+    """An adapter name is a model name and a directory: the whole of it must match (``$`` let a trailing newline in)."""
+    if not NAME.fullmatch(name or ""):
         raise LinesideError(f"adapter name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (it becomes a model "
                             "name and a directory)")
     return name

@@ -89,6 +89,9 @@ def test_refusals_are_one_line(lora_bundle_copy, tiny_bundles, peft_adapter, tin
          ("rank 16", "rebuild the bundle with --max-lora-rank 16")),  # `lora add` has no such flag: say `build`'s
         ((str(tmp_path / "nowhere"), "--name", "x"), ("no such adapter directory",)),
         ((str(peft_adapter("llama-gqa", "qv")), "--name", "bad/name"), ("adapter name",)),
+        # a trailing newline: the name's pattern ended in "$", which matches before one ("adapters/x\n", a model
+        # name with a newline in /v1/models)
+        ((str(peft_adapter("llama-gqa", "qv")), "--name", "line-3\n"), ("adapter name", "'line-3\\n'")),
         # the bundle's own served name: `serve` would answer it with the base model (and now refuses the bundle)
         ((str(peft_adapter("llama-gqa", "qv")), "--name", "tiny-llama"), ("'tiny-llama'", "base model")),
     ]
