@@ -10,8 +10,10 @@ the step thread before the step's forward calls, the only place the backend's te
 
 Adapters may come and go at runtime (``serve --allow-runtime-lora``): ``add`` serves a new one, ``remove`` stops
 serving one; requests already holding it (``hold``, taken at submit) keep it until the last of them ends
-(``drop``), then its slot frees. Each load gets its own prefix-cache namespace, so an adapter loaded again under
-the same name never reuses KV the old one computed.
+(``drop``), then its slot frees. Everything past ``hold`` is keyed by the *load* (its prefix-cache namespace), not
+the name: a name loaded again (after ``remove``, or ``add(replace=True)``, vLLM's load_inplace) while its old load's
+requests still run is a new load beside the old one, so those finish on the old weights, new requests get the new
+ones at once, and neither reuses KV the other computed.
 """
 
 from __future__ import annotations
@@ -42,18 +44,18 @@ class AdapterLoad:
 
 
 class AdapterInUse(LinesideError):
-    """An adapter name that cannot be (re)loaded now: it is served, or still finishing requests after an unload."""
+    """An adapter name that cannot be loaded now: it is served already (and the load does not replace it)."""
 
 
 class AdapterSlots:
     def __init__(self, adapters: dict[str, LoraAdapter], num_slots: int):
-        self.adapters = dict(adapters)  # served: new requests may name these
-        self.retiring: dict[str, LoraAdapter] = {}  # removed, still held by requests in flight
-        self.holds: Counter[str] = Counter()  # requests in flight (waiting or running) per adapter name
-        self.namespaces = {name: name for name in adapters}  # prefix-cache namespace of each adapter's KV
+        # a load's key is its prefix-cache namespace: the name for the adapters served from the start, name#N later
+        self.served: dict[str, str] = {name: name for name in adapters}  # name -> key of the load requests get
+        self.by_key: dict[str, LoraAdapter] = dict(adapters)  # key -> adapter: served, or retiring (held, unloaded)
+        self.holds: Counter[str] = Counter()  # requests in flight (waiting or running) per load
         self._generation = itertools.count(1)
         self.num_slots = num_slots
-        self.resident: dict[int, str] = {}  # slot (1..num_slots) -> adapter name
+        self.resident: dict[int, str] = {}  # slot (1..num_slots) -> key of the load it holds
         self.refs = [0] * (num_slots + 1)
         self.used = [0] * (num_slots + 1)  # LRU clock per slot
         self._tick = itertools.count(1)
@@ -63,82 +65,103 @@ class AdapterSlots:
 
     @property
     def names(self) -> list[str]:
-        return list(self.adapters)
+        return list(self.served)
 
-    def slot_of(self, name: str) -> int | None:
-        return next((s for s, n in self.resident.items() if n == name), None)
+    @property
+    def adapters(self) -> dict[str, LoraAdapter]:
+        """The served adapters by name (what new requests may name)."""
+        return {name: self.by_key[key] for name, key in self.served.items()}
+
+    @property
+    def namespaces(self) -> dict[str, str]:
+        """Each served name's current load key (its prefix-cache namespace)."""
+        return dict(self.served)
+
+    @property
+    def retiring(self) -> dict[str, LoraAdapter]:
+        """Loads no longer served that requests in flight still hold, by key."""
+        current = set(self.served.values())
+        return {key: a for key, a in self.by_key.items() if key not in current}
+
+    def slot_of(self, key: str) -> int | None:
+        return next((s for s, k in self.resident.items() if k == key), None)
 
     def _unknown(self, name: str) -> UnknownAdapter:
-        return UnknownAdapter(f"adapter {name!r} is not served here (served: {', '.join(self.adapters) or 'none'})")
+        return UnknownAdapter(f"adapter {name!r} is not served here (served: {', '.join(self.served) or 'none'})")
 
     def hold(self, name: str) -> str:
-        """A new request names ``name``: count it in flight (its adapter stays until ``drop``); returns the prefix
-        namespace its KV belongs to. Only a served adapter can be held."""
-        if name not in self.adapters:
+        """A new request names ``name``: count it in flight on the current load of ``name`` (kept until ``drop``);
+        returns that load's key (its KV's prefix namespace), which ``acquire`` and ``drop`` take. Only a served
+        adapter can be held."""
+        key = self.served.get(name)
+        if key is None:
             raise self._unknown(name)
-        self.holds[name] += 1
-        return self.namespaces[name]
+        self.holds[key] += 1
+        return key
 
-    def drop(self, name: str) -> None:
-        """A request that held ``name`` ended (after ``release`` of its slot): a removed adapter goes when the last
-        one has ended, and its slot is emptied."""
-        if self.holds[name] > 0:
-            self.holds[name] -= 1
-        if self.holds[name] == 0:
-            del self.holds[name]
-            if self.retiring.pop(name, None) is not None:
-                self._forget(name)
+    def drop(self, key: str) -> None:
+        """A request that held load ``key`` ended (after ``release`` of its slot): an unloaded or replaced load goes
+        when the last one has ended, and its slot is emptied."""
+        if self.holds[key] > 0:
+            self.holds[key] -= 1
+        if self.holds[key] == 0:
+            del self.holds[key]
+            if key not in self.served.values():
+                self._forget(key)
 
-    def add(self, adapter: LoraAdapter) -> None:
-        """Serve ``adapter`` from now on (runtime loading); a name served, or still in use after its removal, is
-        refused."""
+    def add(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
+        """Serve ``adapter`` from now on (runtime loading) as a new load; a name served already is refused unless
+        ``replace`` (vLLM's load_inplace): then its old load retires as ``remove`` retires one."""
         name = adapter.name
-        if name in self.adapters:
-            raise AdapterInUse(f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) "
-                               "or choose another lora_name")
-        if name in self.retiring:
-            raise AdapterInUse(f"adapter {name!r} was unloaded but {self.holds[name]} request(s) still use it; retry "
-                               "after they finish")
-        self.adapters[name] = adapter
-        self.namespaces[name] = f"{name}#{next(self._generation)}"  # '#' is never in a name: no clash
+        if name in self.served and not replace:
+            raise AdapterInUse(f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter), "
+                               "reload it with load_inplace true, or choose another lora_name")
+        old = self.served.get(name)
+        key = f"{name}#{next(self._generation)}"  # '#' is never in a name: no clash with another's key
+        self.served[name], self.by_key[key] = key, adapter
+        if old is not None:
+            self._retire(old)
 
     def remove(self, name: str) -> None:
         """Stop serving ``name``: new requests get UnknownAdapter; those in flight finish with it."""
-        adapter = self.adapters.pop(name, None)
-        if adapter is None:
-            raise UnknownAdapter(f"adapter {name!r} is not loaded (loaded: {', '.join(self.adapters) or 'none'})")
-        if self.holds[name] > 0:
-            self.retiring[name] = adapter
-        else:
-            self.holds.pop(name, None)
-            self._forget(name)
+        key = self.served.pop(name, None)
+        if key is None:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded (loaded: {', '.join(self.served) or 'none'})")
+        self._retire(key)
 
-    def _forget(self, name: str) -> None:
-        """Empty the slot of an adapter nobody uses any more (the backend write is queued like a load)."""
-        self.namespaces.pop(name, None)
-        slot = self.slot_of(name)
+    def _retire(self, key: str) -> None:
+        """A load no longer served: gone now if nobody holds it, else when its last request ends (``drop``)."""
+        if self.holds[key] == 0:
+            self.holds.pop(key, None)
+            self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        """Empty the slot of a load nobody uses any more (the backend write is queued like a load)."""
+        self.by_key.pop(key, None)
+        slot = self.slot_of(key)
         if slot is not None:
             del self.resident[slot]
             self.refs[slot] = 0
             self.pending.append(AdapterLoad(slot, None))
 
-    def acquire(self, name: str) -> int:
-        """The slot holding ``name`` (queued for loading if it was not resident), with a reference taken."""
-        adapter = self.adapters.get(name) or self.retiring.get(name)
+    def acquire(self, key: str) -> int:
+        """The slot holding load ``key`` (queued for loading if it was not resident), with a reference taken."""
+        adapter = self.by_key.get(key)
         if adapter is None:
-            raise self._unknown(name)
-        slot = self.slot_of(name)
+            raise self._unknown(_name(key))
+        slot = self.slot_of(key)
         if slot is None:
             free = [s for s in range(1, self.num_slots + 1) if s not in self.resident]
             idle = sorted((s for s in self.resident if self.refs[s] == 0), key=lambda s: self.used[s])
             if not free and not idle:
+                held = sorted(_name(k) for k in self.resident.values())
                 raise AdapterSlotsFull(f"all {self.num_slots} LoRA adapter slots are in use by running requests "
-                                       f"(adapters {', '.join(sorted(self.resident.values()))}); retry after they "
-                                       "finish or start the server with a larger --max-loras")
+                                       f"(adapters {', '.join(held)}); retry after they finish or start the server "
+                                       "with a larger --max-loras")
             slot = free[0] if free else idle[0]
             if slot in self.resident:
                 self.evictions += 1
-            self.resident[slot] = name
+            self.resident[slot] = key
             self.pending.append(AdapterLoad(slot, adapter))
             self.loads += 1
         self.refs[slot] += 1
@@ -152,10 +175,15 @@ class AdapterSlots:
     def stats(self) -> dict[str, int]:
         """The engine's ``lora_*`` stats (what /metrics shows)."""
         resident = list(self.resident)
-        return dict(lora_adapters_served=len(self.adapters), lora_slots=self.num_slots,
+        return dict(lora_adapters_served=len(self.served), lora_slots=self.num_slots,
                     lora_adapters_loaded=len(resident), lora_adapters_in_use=sum(1 for s in resident if self.refs[s] > 0),
                     lora_slot_loads=self.loads, lora_slot_evictions=self.evictions)
 
     def take_pending(self) -> list[AdapterLoad]:
         ops, self.pending = self.pending, []
         return ops
+
+
+def _name(key: str) -> str:
+    """The adapter name of a load's key (name, or name#N)."""
+    return key.partition("#")[0]

@@ -332,9 +332,10 @@ class LLMEngine:
                 raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
             if req.adapter is not None:  # last: nothing after it can refuse
                 assert self.adapter_slots is not None
-                seq.lora_namespace = self.adapter_slots.hold(req.adapter)  # kept until it ends, even if unloaded
+                # the adapter's current load, kept until it ends (even if unloaded or replaced meanwhile)
+                seq.lora_namespace = self.adapter_slots.hold(req.adapter)
                 with contextlib.suppress(AdapterSlotsFull):  # every slot in use: it waits for one (_adapter_gate)
-                    seq.adapter_slot = self.adapter_slots.acquire(req.adapter)
+                    seq.adapter_slot = self.adapter_slots.acquire(seq.lora_namespace)
             self._seqs[req.request_id] = seq
             self._incoming.append(seq)
         self._kick()
@@ -382,14 +383,15 @@ class LLMEngine:
         """The adapter slots' rank (0: the backend has no LoRA graph)."""
         return int(getattr(self.backend, "max_lora_rank", 0) or 0)
 
-    def add_adapter(self, adapter: LoraAdapter) -> None:
+    def add_adapter(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
         """Serve ``adapter`` from now on (a runtime load; already read and checked against the slots): requests may
-        name it at once; it is written into a slot when the first one runs."""
+        name it at once; it is written into a slot when the first one runs. ``replace`` (vLLM's load_inplace): a
+        served adapter of that name is replaced, its requests in flight finishing on the old weights."""
         slots = self._runtime_slots()
         check_fits(adapter, self.max_lora_rank, self._lora_targets(),
                    "this server's adapter slots (--max-lora-rank)")
         with self._state:
-            slots.add(adapter)
+            slots.add(adapter, replace=replace)
         self._kick()
 
     def remove_adapter(self, name: str) -> None:
@@ -642,7 +644,7 @@ class LLMEngine:
         or idle now; the write is queued and runs before this step's forward calls."""
         assert self.adapter_slots is not None and seq.req.adapter is not None
         try:
-            seq.adapter_slot = self.adapter_slots.acquire(seq.req.adapter)
+            seq.adapter_slot = self.adapter_slots.acquire(seq.lora_namespace)
         except AdapterSlotsFull:
             return False
         return True
@@ -667,7 +669,7 @@ class LLMEngine:
                 if self.adapter_slots is not None and seq.adapter_slot:
                     self.adapter_slots.release(seq.adapter_slot)  # once: a request has one final event
                 if self.adapter_slots is not None and seq.req.adapter is not None and seq.lora_namespace:
-                    self.adapter_slots.drop(seq.req.adapter)  # an unloaded adapter goes with its last request
+                    self.adapter_slots.drop(seq.lora_namespace)  # an unloaded load goes with its last request
             out.append((seq, ev))
         return out
 

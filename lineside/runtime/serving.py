@@ -78,8 +78,8 @@ class AdapterServing(ServingEngine, Protocol):
 
     max_lora_rank: int  # the slots' rank: a runtime adapter above it is refused
 
-    def add_adapter(self, adapter: LoraAdapter) -> None:
-        """Serve ``adapter`` from now on; raises AdapterInUse for a name still loaded or finishing."""
+    def add_adapter(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
+        """Serve ``adapter`` from now on; raises AdapterInUse for a name served already, unless ``replace``."""
         ...
 
     def remove_adapter(self, name: str) -> None:

@@ -97,10 +97,10 @@ def serve(
     max_lora_rank: Annotated[int | None, checks.number_option(
         low=1, high=1024, help="largest adapter rank a slot holds (default: the bundle's --max-lora-rank)")] = None,
     allow_runtime_lora: Annotated[bool, typer.Option(
-        "--allow-runtime-lora", help="serve POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"} and /v1/unload_lora_adapter "
-             "{\"lora_name\"} (vLLM's, behind the API key) to add and remove adapters while running, reading "
-             "them only under --lora-dir; needs a bundle built with --max-lora-rank, and an API key unless bound "
-             "to loopback (default: off, the routes are 404)")] = False,
+        "--allow-runtime-lora", help="serve POST /v1/load_lora_adapter {\"lora_name\", \"lora_path\"[, \"load_inplace\"]} "
+             "and /v1/unload_lora_adapter {\"lora_name\"} (vLLM's, behind the API key) to add, replace and remove "
+             "adapters while running, reading them only under --lora-dir; needs a bundle built with --max-lora-rank, "
+             "and an API key unless bound to loopback (default: off, the routes are 404)")] = False,
     lora_dir: Annotated[list[str] | None, typer.Option(
         "--lora-dir", help="directory --allow-runtime-lora may load adapters from (repeat for more); a lora_path "
              "is relative to the first, or absolute under one, symlinks followed")] = None,

@@ -3,7 +3,8 @@
 vLLM's routes (its VLLM_ALLOW_RUNTIME_LORA_UPDATING; here `serve --allow-runtime-lora`, and the app mounts this
 router only then, so they are 404 otherwise), reading only under `--lora-dir` (lora_dirs.py), with its bodies and its plain-text "Success: ..." answers. A loaded
 adapter is checked exactly as ``--lora-modules`` checks one and is a model at once; an unloaded one is refused to new
-requests while those already waiting or running on it finish with it (the engine keeps it for them).
+requests while those already waiting or running on it finish with it (the engine keeps it for them). A name can be
+loaded again at once, or replaced with ``load_inplace``: new requests get the new weights, those in flight the old.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ log = logging.getLogger("lineside.server")
 
 
 class LoadLoraAdapterRequest(BaseModel):
-    """vLLM's body (its ``load_inplace`` and other extras are ignored)."""
+    """vLLM's body (other extras are ignored). ``load_inplace``: replace an adapter already served under the name
+    (new requests get the new weights; those in flight finish on the old)."""
 
     model_config = _REQ
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
@@ -73,9 +76,10 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
     if name in state.served_names:
         raise APIError(400, f"lora_name {name!r} is a name of the base model; give the adapter another name",
                        "invalid_lora_name", param="lora_name")
-    if name in engine.adapter_slots.adapters:
-        raise APIError(400, f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter) or "
-                            "choose another lora_name", "lora_already_loaded", param="lora_name")
+    if name in engine.adapter_slots.served and not body.load_inplace:
+        raise APIError(400, f"adapter {name!r} is already loaded; unload it first (POST /v1/unload_lora_adapter), "
+                            "send load_inplace true to replace it, or choose another lora_name", "lora_already_loaded",
+                       param="lora_name")
     dirs: AdapterDirs = request.app.state.lora_dirs
     located: list[Path] = []
 
@@ -92,7 +96,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> P
         msg = dirs.client_view(str(e), located[0], body.lora_path.strip()) if located else str(e)
         raise APIError(400, msg, "invalid_lora_adapter", param="lora_path") from None
     try:
-        engine.add_adapter(adapter)  # refuses a name loaded meanwhile, or still finishing after an unload
+        engine.add_adapter(adapter, replace=body.load_inplace)  # refuses a name loaded meanwhile (unless replacing)
     except AdapterInUse as e:
         raise APIError(400, str(e), "lora_already_loaded", param="lora_name") from None
     log.info("loaded LoRA adapter %s from %s (rank %d, %s)", name, body.lora_path, adapter.rank,

@@ -347,3 +347,41 @@ def test_an_adapter_completion_ends_the_session_it_names(lora_setup):
 
     info, st = asyncio.run(main())
     assert info is None and st.sessions == 0 and st.session_pinned_blocks == 0
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_a_name_reloaded_while_its_old_requests_run_serves_the_new_weights_at_once(lora_setup, max_loras):
+    """vLLM lets a name be loaded again right after its unload (and replaced with load_inplace): a request already
+    running on the old weights finishes on them, new ones get the new weights at once (with one slot, after the old
+    request frees it), and neither reuses the other's KV of the same prompt. It was refused until the old ended."""
+    import dataclasses
+
+    bundle, adapters = lora_setup
+    old, new = adapters[NAMES[0]], dataclasses.replace(adapters[NAMES[1]], name="x")
+    prompt = PROMPTS[0] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 33 tokens: two full blocks
+    engine = make_engine(bundle, {"x": dataclasses.replace(old, name="x")}, max_loras=max_loras)
+    slots = engine.adapter_slots
+
+    async def main():
+        await engine.start()
+        try:
+            warm = await collect(engine.submit(req(prompt, "x", n=3)))  # the old weights' KV of the prompt, cached
+            h_old = engine.submit(req(prompt, "x", n=12))
+            engine.remove_adapter("x")
+            engine.add_adapter(new)  # at once: h_old still runs (or waits) on the old weights
+            h_new = engine.submit(req(prompt, "x", n=6))
+            got = await asyncio.gather(collect(h_old), collect(h_new))
+            again = engine.submit(req(prompt, "x", n=6))  # the new load's own KV is reused
+            return warm, got, await collect(again), h_new.metrics.prefix_reused_tokens, again.metrics
+        finally:
+            await engine.stop()
+
+    warm, (got_old, got_new), got_again, new_reused, again_metrics = asyncio.run(main())
+    want_old, want_new = greedy_alone(bundle, old, prompt, 12), greedy_alone(bundle, new, prompt, 6)
+    assert warm == want_old[:3] and got_old == want_old
+    assert got_new == got_again == want_new != want_old[:6]
+    assert new_reused == 0 and again_metrics.prefix_reused_tokens > 0
+    # nothing left behind: one load served, in one slot, no reference, the old load forgotten
+    assert slots.names == ["x"] and not slots.holds and not slots.retiring and slots.refs == [0] * (max_loras + 1)
+    assert list(slots.resident.values()) == [slots.namespaces["x"]] and len(slots.namespaces) == 1
+    assert engine.backend.lora.loaded.count("x") == 1

@@ -14,7 +14,13 @@ import pytest
 
 from lineside.bundle import open_bundle
 from lineside.lora import read_adapter
-from lineside.runtime.adapter_slots import AdapterInUse, AdapterLoad, AdapterSlots, UnknownAdapter
+from lineside.runtime.adapter_slots import (
+    AdapterInUse,
+    AdapterLoad,
+    AdapterSlots,
+    AdapterSlotsFull,
+    UnknownAdapter,
+)
 from lineside.runtime.adapters import LoraModule, serving_config
 from tests.cli.cli_run import assert_one_line_error, run_cli
 from tests.conftest import make_peft_adapter
@@ -163,9 +169,9 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
             queued_b.set()
         return handle
 
-    def watched_forget(name):
-        forget(name)
-        if name == "line-b" and not engine.adapter_slots.resident:
+    def watched_forget(key):
+        forget(key)
+        if key.startswith("line-b#") and not engine.adapter_slots.resident:
             emptied_b.set()
 
     engine.submit, engine.adapter_slots._forget = watched_submit, watched_forget
@@ -189,9 +195,6 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
             assert httpx.get(f"{srv.url}/v1/models").json()["data"][1:] == []
             assert _lora_metrics(srv.url) | {"loads": 0} == {"served": 0, "slots": 1, "loaded": 1, "in_use": 1,
                                                              "loads": 0, "evictions": 0}
-            # a name still finishing requests cannot be loaded again yet (its old requests hold it)
-            r = _load(srv.url, "line-b", rs)
-            assert r.status_code == 400 and "still use it" in r.json()["error"]["message"]
             seen += list(lines)
         other.join(60)
         assert waited and waited[0].status_code == 200, waited and waited[0].text
@@ -211,27 +214,37 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
 
 
 def test_slots_keep_an_unloaded_adapter_until_its_last_request_ends(runtime_bundle):
-    """AdapterSlots alone: hold/drop count requests, remove defers while held, the slot empties with the last."""
+    """AdapterSlots alone: hold/drop count requests per load, remove defers while held, the slot empties with the
+    last; the name can be loaded again meanwhile, as a new load (its own key and KV namespace) beside the old."""
     bundle_dir, qv, rs = runtime_bundle
     cfg = open_bundle(bundle_dir).config
-    a, b = read_adapter(qv, cfg, "a"), read_adapter(rs, cfg, "b")
+    a, b, a2 = read_adapter(qv, cfg, "a"), read_adapter(rs, cfg, "b"), read_adapter(rs, cfg, "a")
     s = AdapterSlots({}, 1)
     s.add(a)
-    assert s.hold("a") == "a#1" and s.acquire("a") == 1 and s.take_pending() == [AdapterLoad(1, a)]
+    assert s.hold("a") == "a#1" and s.acquire("a#1") == 1 and s.take_pending() == [AdapterLoad(1, a)]
+    with pytest.raises(AdapterInUse, match="load_inplace"):
+        s.add(a2)  # served: only a replacing load takes the name
     s.remove("a")
     with pytest.raises(UnknownAdapter):
         s.hold("a")  # new requests: refused
-    with pytest.raises(AdapterInUse, match="still use it"):
-        s.add(a)
-    assert s.slot_of("a") == 1 and s.take_pending() == []  # the running request keeps it
+    assert s.slot_of("a#1") == 1 and s.take_pending() == []  # the running request keeps it
+    s.add(a2)  # loaded again at once: a new load, which waits for the slot the old one's request holds
+    assert s.hold("a") == "a#2" and s.retiring == {"a#1": a} and s.adapters == {"a": a2}
+    with pytest.raises(AdapterSlotsFull):
+        s.acquire("a#2")
     s.release(1)
-    s.drop("a")
-    assert s.slot_of("a") is None and s.take_pending() == [AdapterLoad(1, None)] and s.stats()["lora_adapters_loaded"] == 0
-    s.add(a)  # loaded again: a new prefix namespace (the old KV was another load's)
-    assert s.hold("a") == "a#2"
+    s.drop("a#1")
+    assert s.slot_of("a#1") is None and s.take_pending() == [AdapterLoad(1, None)] and not s.retiring
+    assert s.acquire("a#2") == 1 and s.take_pending() == [AdapterLoad(1, a2)]
+    s.add(a, replace=True)  # load_inplace: a#2 retires (its request holds it), a#3 is served
+    assert s.hold("a") == "a#3" and s.namespaces == {"a": "a#3"} and list(s.retiring) == ["a#2"]
+    s.release(1)
+    s.drop("a#2")
+    s.drop("a#3")  # a request that never got a slot
+    assert not s.holds and not s.retiring and not s.resident and s.take_pending() == [AdapterLoad(1, None)]
     s.add(b)
     s.remove("b")  # nobody held it: gone at once, nothing to write
-    assert s.names == ["a"] and s.take_pending() == []
+    assert s.names == ["a"] and s.take_pending() == [] and list(s.by_key) == ["a#3"]
     with pytest.raises(UnknownAdapter):
         s.remove("b")
 
@@ -337,3 +350,44 @@ def test_serve_checks_lora_dir_and_the_key(runtime_bundle, tmp_path):
     ]
     for args, needles in cases:
         assert_one_line_error(run_cli("serve", b, "--port", "1", *args, env=env), *needles)
+
+
+def test_load_inplace_replaces_a_served_adapter_and_never_reuses_its_kv(runtime_bundle, peft_adapter):
+    """vLLM's ``load_inplace: true`` loads new weights under a name already served (an RL loop's weight sync):
+    it was ignored, so the load was a 400 'already loaded'. Answers after it equal a fresh server's with the new
+    weights, though the old weights' KV of the same prompt sat in the prefix cache; without it the 400 says how."""
+    bundle_dir, qv, rs = runtime_bundle
+    pat = peft_adapter("llama-gqa", "patterns")
+    prompt = PROMPT + list(range(100, 116))  # 24 tokens: a full block of 16 for the prefix cache
+
+    def answer(url):
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "line-a", "prompt": prompt,
+                                                                 "max_tokens": 6, "temperature": 0, "logprobs": 2})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["top_logprobs"], r.json()["usage"]
+
+    with running_server(_engine(bundle_dir, [("line-a", rs)])) as srv:
+        fresh = answer(srv.url)[:2]
+    engine = _engine(bundle_dir, runtime=True, max_loras=2)
+    dirs = sorted({p.parent for p in (qv, rs, pat)})
+    with running_server(engine, allow_runtime_lora=True, lora_dirs=dirs) as srv:
+        assert _load(srv.url, "line-a", qv).status_code == 200
+        old, cached = answer(srv.url), answer(srv.url)
+        assert cached[:2] == old[:2] and cached[2]["prompt_tokens_details"]["cached_tokens"] > 0  # reused
+        r = _load(srv.url, "line-a", rs)
+        assert r.status_code == 400 and "load_inplace" in r.json()["error"]["message"], r.text
+        body = {"lora_name": "line-a", "lora_path": str(rs), "load_inplace": True}
+        r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 200 and r.text == "Success: LoRA adapter 'line-a' added successfully.", r.text
+        new = answer(srv.url)
+        assert new[:2] == fresh and new[:2] != old[:2]
+        assert new[2]["prompt_tokens_details"]["cached_tokens"] == 0  # the old weights' KV was not reused
+        # a name not served yet: load_inplace is a plain load
+        r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={**body, "lora_name": "line-p", "lora_path": str(pat)},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]][1:] == ["line-a", "line-p"]
+        slots = engine.adapter_slots
+        assert not slots.retiring and not slots.holds and sorted(slots.resident.values()) == [slots.served["line-a"]]
+        assert engine.backend.lora.loaded.count("line-a") == 1
