@@ -22,7 +22,7 @@ from lineside.server.state import ServerState
 # every route that runs a generation: counted in flight (what a drain waits for), refused while loading or draining
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/prefill", "/v1/responses"})
 # routes that read a prompt with the engine's tokenizer: the same readiness, drain and body limits
-ENGINE_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize"}
+ENGINE_PATHS = GENERATION_PATHS | {"/tokenize", "/detokenize", "/v1/responses/input_tokens"}
 PREFILL_PATH = "/v1/prefill"
 _RID_OK = re.compile(r"^[\x21-\x7e]{1,200}$")
 

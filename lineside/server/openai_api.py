@@ -52,6 +52,7 @@ from lineside.server.errors import APIError
 from lineside.server.logprobs import LogprobFormatter, chat_top_n, completion_top_n
 from lineside.server.metrics import RequestRecord
 from lineside.server.outputs import Echo, OutputOptions
+from lineside.server.response_store import StoredResponse
 from lineside.server.responses import Choice
 from lineside.server.schemas import (
     ERROR_RESPONSES,
@@ -272,6 +273,54 @@ def _scored_alternatives(output: OutputOptions | None, echoes: list[Echo] | None
     return max(wanted) if wanted else None
 
 
+@dataclasses.dataclass
+class ResponsePrompt:
+    """A /v1/responses body as its template renders it: what create encodes (``usage.input_tokens``) and
+    ``POST /v1/responses/input_tokens`` counts, built in one place so the two agree."""
+
+    adapter: str | None  # the LoRA adapter ``model`` names, if any
+    previous: StoredResponse | None  # the kept response previous_response_id continues
+    turn: list[dict[str, Any]]  # this request's input as chat messages (what its kept response adds)
+    functions: responses_tools.FunctionTools
+    render: chat_rendering.Rendering
+    messages: list[dict[str, Any]]  # as the template gets them (instructions, kept turns, this input)
+    listed: list[dict[str, Any]] | None  # the tools the template lists
+    size: int  # the characters of text the prompt renders (whether to tokenize it off the event loop)
+
+    @property
+    def tool_count(self) -> int:
+        """The tools rendered into the prompt: a context 400 names them."""
+        return len(tool_calls.offered(self.functions.tools, self.functions.choice) or ())
+
+
+def response_prompt(state: ServerState, body: responses_api.ResponsesRequest, *, within_context: bool) -> ResponsePrompt:
+    """The prompt of a /v1/responses body, each bad field a 400 naming it; ``within_context``: a text that alone
+    passes the context is a 400 before anything is tokenized (create; a count counts it instead)."""
+    adapter = _check_model(state, body.model)
+    responses_api.check(body)
+    previous = responses_api.previous_response(body, state.responses)
+    turn = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
+            for m in responses_api.input_messages(body, previous)]
+    check_unicode(body)  # the other strings: instructions (rendered), metadata and user (echoed), tools, calls
+    messages = responses_api.messages(body, turn, previous)
+    texts = responses_api.prompt_texts(messages)
+    if within_context:
+        prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
+    functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice), body)
+    messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice,
+                                                    param="input")
+    return ResponsePrompt(adapter, previous, turn, functions, render, messages, listed, sum(map(len, texts)))
+
+
+async def encode_response_prompt(state: ServerState, prompt: ResponsePrompt, *, max_tokens: int | None) -> list[int]:
+    """The rendered prompt's token ids (long ones off the event loop); ``max_tokens``: a 400 past it."""
+    return await _offload(prompt.size, functools.partial(state.tokenizer.encode_chat, prompt.messages,
+                                                         tools=prompt.listed, **prompt.render.options(),
+                                                         max_tokens=max_tokens),
+                          param="input", tools=prompt.tool_count)
+
+
 @router.post("/v1/responses", responses={**ERROR_RESPONSES, **_STREAM_DOC})
 async def create_response(body: responses_api.ResponsesRequest, request: Request) -> Any:
     """OpenAI's Responses API on the chat path: one text output (``responses_api`` says what is refused)."""
@@ -279,20 +328,10 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     request_id: str = request.scope["state"]["request_id"]
     arrival: float = request.scope["state"].get("t0", time.perf_counter())
     try:
-        adapter = _check_model(state, body.model)
-        responses_api.check(body)
-        previous = responses_api.previous_response(body, state.responses)
-        turn = [{**m, "content": request_mapping.clean_text(m["content"], "input")}
-                for m in responses_api.input_messages(body, previous)]
-        check_unicode(body)  # the other strings: instructions (rendered), metadata and user (echoed), tools, calls
-        messages = responses_api.messages(body, turn, previous)
-        texts = responses_api.prompt_texts(messages)
-        prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
-        functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        prompt = response_prompt(state, body, within_context=True)
+        adapter, previous, turn, functions, render = (prompt.adapter, prompt.previous, prompt.turn, prompt.functions,
+                                                      prompt.render)
         top_n = responses_api.top_logprobs(body, calling=functions.calling)
-        render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice), body)
-        messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice,
-                                                        param="input")
         text_constraint = responses_api.text_constraint(body)
         call_constraint = tool_calls.tool_constraint(functions.tools, functions.choice,
                                                      parallel=functions.max_calls is None, flat=True)
@@ -300,11 +339,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             raise request_mapping.bad(f"tool_choice {functions.choice.kind.value!r} constrains the output to function "
                                       "calls; it cannot be combined with text.format", "tool_choice")
         constraint = await _checked(state, call_constraint or text_constraint)
-        tool_count = len(tool_calls.offered(functions.tools, functions.choice) or ())  # a context 400 names them
-        ids = await _offload(sum(map(len, texts)),
-                             functools.partial(state.tokenizer.encode_chat, messages, tools=listed,
-                                               **render.options(), max_tokens=_prompt_limit(state)), param="input",
-                             tools=tool_count)
+        tool_count = prompt.tool_count  # a context 400 names them
+        ids = await encode_response_prompt(state, prompt, max_tokens=_prompt_limit(state))
         budget = request_mapping.token_budget(len(ids), body.max_output_tokens, state.sampling_defaults.max_tokens,
                                               context=state.engine.max_seq_len, param="max_output_tokens",
                                               prompt_param="input", tools=tool_count)
@@ -388,6 +424,21 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     answer = builder.final(content, (choice.record.prompt_tokens, choice.record.completion_tokens),
                            choice.finish_reason or FinishReason.STOP, split, calls)
     return answer if slo_plan is None or not slo_plan.headers else JSONResponse(answer, headers=slo_plan.headers)
+
+
+@router.post("/v1/responses/input_tokens", responses=ERROR_RESPONSES)
+async def count_response_input_tokens(body: responses_api.ResponsesRequest, request: Request) -> Any:
+    """OpenAI's input token count (the SDK's ``responses.input_tokens.count``): the ``usage.input_tokens`` that
+    ``POST /v1/responses`` reports for the same body, so a client can budget a conversation before sending it. An
+    input past the context is counted, not refused (as /tokenize counts it); every other bad field is create's 400."""
+    state = _state(request)
+    try:
+        prompt = response_prompt(state, body, within_context=False)
+        responses_api.text_constraint(body)  # a bad text.format is the same 400 as on create
+        ids = await encode_response_prompt(state, prompt, max_tokens=None)
+    except LinesideError as e:
+        raise APIError(400, str(e), "invalid_request", param=getattr(e, "param", None)) from None
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 
 @router.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)

@@ -420,3 +420,34 @@ def test_metadata_past_openais_limits_is_400(client, metadata, param):
     most = {f"{i:064d}": "v" * 512 for i in range(16)}
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, metadata=most)
     assert r.metadata == most and client.responses.retrieve(r.id).metadata == most
+
+
+def test_input_tokens_count_is_what_create_reports(client, server):
+    """The SDK's ``responses.input_tokens.count`` (POST /v1/responses/input_tokens) was a 405 saying to send GET;
+    it is the ``usage.input_tokens`` create reports for the same body: instructions, message items, a call and its
+    output, a kept conversation. An input past the context is counted, not refused."""
+    first = client.responses.create(model=MODEL, input="name a colour", max_output_tokens=3, temperature=0)
+    bodies = [
+        dict(input="hi"),
+        dict(input=[{"role": "developer", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "input_text", "text": "stop line 4"}]}],
+             instructions="you run a factory"),
+        dict(input=[{"role": "user", "content": "stop line 4"},
+                    {"type": "function_call", "call_id": "call_1", "name": "stop_line", "arguments": '{"line": 4}'},
+                    {"type": "function_call_output", "call_id": "call_1", "output": "stopped"}]),
+        dict(input="and another", previous_response_id=first.id),
+    ]
+    for body in bodies:
+        counted = client.responses.input_tokens.count(model=MODEL, **body)
+        assert counted.object == "response.input_tokens"
+        made = client.responses.create(model=MODEL, max_output_tokens=1, **body)
+        assert counted.input_tokens == made.usage.input_tokens, body
+    context = server.state.engine.max_seq_len
+    long = client.responses.input_tokens.count(model=MODEL, input="station " * context)
+    assert long.input_tokens > context
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input="x", previous_response_id="resp_gone")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=MODEL, input=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "input[0].role" and "\n" not in e.value.body["message"]
