@@ -119,9 +119,26 @@ def _check_reasoning(reasoning: dict[str, Any] | None) -> None:
                        f"reasoning.{key}")
 
 
+VERBOSITIES = ("low", "medium", "high")
+
+
+def _check_text(text: dict[str, Any] | None) -> None:
+    """OpenAI's ``text``: ``format`` (text_constraint reads it) and ``verbosity`` (low / medium / high: taken and
+    echoed, a hint this server does not act on); any other key a 400 naming it: a misspelt ``format`` was dropped
+    silently and the output came unconstrained."""
+    for key, value in (text or {}).items():
+        if key == "verbosity" and value is not None and value not in VERBOSITIES:
+            raise APIError(400, f"text.verbosity: {value!r} is not one of {', '.join(VERBOSITIES)}", "invalid_value",
+                           param="text.verbosity")
+        if key not in ("format", "verbosity"):
+            raise _bad(f"text.{key}: not a text option; send format ({{\"type\": \"json_schema\", ...}}) and/or "
+                       "verbosity", f"text.{key}")
+
+
 def check(req: ResponsesRequest) -> None:
     """400 for what this server does not do on /v1/responses, and for metadata past OpenAI's limits."""
     request_mapping.check_metadata(req.metadata)
+    _check_text(req.text)
     if req.conversation is not None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")
     if req.prompt is not None:
@@ -378,7 +395,7 @@ class ResponseBuilder:
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": self.req.reasoning_effort, "summary": self.req.reasoning_summary}, "store": self.store is not None, "temperature": self.temperature,
-            "text": {"format": fmt}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
+            "text": {"format": fmt, "verbosity": (r.text or {}).get("verbosity") or "medium"}, "tool_choice": "auto" if r.tool_choice is None else r.tool_choice,
             "tools": responses_tools.echoed_tools(r.tools),
             "top_p": self.top_p, "truncation": "disabled", "user": r.user, "top_logprobs": r.top_logprobs,
             "usage": None if usage is None else {

@@ -451,3 +451,19 @@ def test_input_tokens_count_is_what_create_reports(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_tokens.count(model=MODEL, input=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "input[0].role" and "\n" not in e.value.body["message"]
+
+
+@pytest.mark.parametrize("text, param", [
+    ({"fromat": {"type": "json_object"}}, "text.fromat"),
+    ({"format": {"type": "json_object"}, "schema": {"type": "object"}}, "text.schema"),
+    ({"verbosity": "loud"}, "text.verbosity"),
+])
+def test_a_text_option_it_cannot_read_is_400_naming_it(client, text, param):
+    """``text`` keys other than format were dropped silently: a misspelt ``format`` gave unconstrained output with
+    a 200. Now a 400 names them; OpenAI's ``verbosity`` (low / medium / high) is taken and echoed."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=1, text=text)
+    assert e.value.body["param"] == param and "\n" not in e.value.body["message"]
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, text={"verbosity": "low"})
+    assert r.text.verbosity == "low" and r.text.format.type == "text"
+    assert client.responses.create(model=MODEL, input="hi", max_output_tokens=1).text.verbosity == "medium"
