@@ -50,9 +50,9 @@ def test_fuzz_no_server_errors(server):
 
     assert not failures, "\n".join(failures[:10])
     posts = [k for k in seen if k.startswith("POST") and not k.endswith("/cancel")]
-    # chat, completions, responses, tokenize answer 200; prefill (a session) 202; detokenize's random ids are past
-    # the vocabulary (which the schema cannot know), so only its 400s are sure
-    assert len(posts) == 6 and all({202 if k.endswith("/prefill") else 200, 400} <= seen[k]
+    # chat, completions, responses, responses/input_tokens, tokenize answer 200; prefill (a session) 202; detokenize's
+    # random ids are past the vocabulary (which the schema cannot know), so only its 400s are sure
+    assert len(posts) == 7 and all({202 if k.endswith("/prefill") else 200, 400} <= seen[k]
                                    for k in posts if not k.endswith("/detokenize")), seen
     assert 400 in seen["POST /detokenize"], seen
     assert seen["POST /v1/responses/{response_id}/cancel"] == {404}, seen  # no such (random) response id
