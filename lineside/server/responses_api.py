@@ -42,7 +42,7 @@ class ResponsesRequest(BaseModel):
     # strict as the chat request's fields (schemas.py): no true for 1, no "no" for false
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # items: objects, each checked by input_messages (a 400 naming input[i])
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -188,6 +188,10 @@ def input_messages(req: ResponsesRequest, previous: StoredResponse | None = None
     known = responses_tools.call_ids(previous.conversation) if previous is not None else []
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where}: give each input item as an object (a message {{\"role\", \"content\"}}, "
+                                f"a function_call or a function_call_output), not a {type(item).__name__}",
+                           "invalid_value", param=where)
         kind = item.get("type", "message")
         if kind == "reasoning":  # an earlier turn's thinking, handed back as OpenAI asks: R1 drops it from history
             continue

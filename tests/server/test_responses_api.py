@@ -467,3 +467,14 @@ def test_a_text_option_it_cannot_read_is_400_naming_it(client, text, param):
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1, text={"verbosity": "low"})
     assert r.text.verbosity == "low" and r.text.format.type == "text"
     assert client.responses.create(model=MODEL, input="hi", max_output_tokens=1).text.verbosity == "medium"
+
+
+@pytest.mark.parametrize("given", [["hi"], [{"role": "user", "content": "hi"}, 5], [None]])
+def test_an_input_item_not_an_object_is_400_naming_it(client, given):
+    """An item that is no object was refused as the whole 'input' ("Input should be a valid string"), naming
+    neither the item nor what to send; now the 400 names input[i]."""
+    i = next(j for j, item in enumerate(given) if not isinstance(item, dict))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=given, max_output_tokens=1)
+    assert e.value.body["param"] == f"input[{i}]" and "\n" not in e.value.body["message"]
+    assert "object" in e.value.body["message"]
