@@ -7,7 +7,6 @@ import json
 import os
 import threading
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -15,34 +14,21 @@ import httpx
 from lineside.fleet.health import NodeHealth, _load, bundle_version, probe
 from lineside.fleet.spec import Node
 from lineside.jetson.push import push
+from tests.fleet.http_stub import answering
 from tests.jetson.conftest import make_bundle
 
 
 @contextmanager
 def server(routes: dict[str, tuple[int, str, str]], key: str = ""):
     """``key``: every path but /health* wants 'Authorization: Bearer <key>' (401 otherwise), as `serve --api-key`."""
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            code, ctype, body = routes.get(self.path, (404, "text/plain", "no"))
-            if key and not self.path.startswith("/health") and self.headers.get("authorization") != f"Bearer {key}":
-                code, ctype, body = 401, J, json.dumps({"error": {"message": "wrong API key"}})
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("content-type", ctype)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def reply(path, headers):
+        code, ctype, body = routes.get(path, (404, "text/plain", "no"))
+        if key and not path.startswith("/health") and headers.get("authorization") != f"Bearer {key}":
+            code, ctype, body = 401, J, json.dumps({"error": {"message": "wrong API key"}})
+        return code, ctype, body.encode()
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with answering(reply) as url:
+        yield url
 
 
 J = "application/json"

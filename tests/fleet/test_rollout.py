@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from contextlib import ExitStack, contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,41 +20,25 @@ from lineside.fleet.health import wait_healthy
 from lineside.fleet.rollout import Outcome, rolling_push, waves
 from lineside.fleet.spec import FleetFile
 from tests.cli.cli_run import run_cli
+from tests.fleet.http_stub import answering
 from tests.jetson.conftest import make_bundle
 
 
 @contextmanager
 def node_server(target: Path):
     """A stand-in for `lineside serve TARGET/current`: ready iff that bundle loads."""
+    def reply(path, headers):
+        if path != "/health/ready":
+            return 404, "text/plain", b"no"
+        try:
+            b = open_bundle(target / "current")
+            code, body = 200, {"status": "ready", "model": b.config.name}
+        except (LinesideError, OSError) as e:
+            code, body = 503, {"status": "failed", "reason": str(e)[:200]}
+        return code, "application/json", json.dumps(body).encode()
 
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            if self.path != "/health/ready":
-                self.send_error(404)
-                return
-            try:
-                b = open_bundle(target / "current")
-                code, body = 200, {"status": "ready", "model": b.config.name}
-            except (LinesideError, OSError) as e:
-                code, body = 503, {"status": "failed", "reason": str(e)[:200]}
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with answering(reply) as url:
+        yield url
 
 
 class FakeClock:
@@ -279,27 +261,13 @@ def scripted_health(answers: list[tuple[int, str]]):
     """A node whose /health/ready gives ``answers`` in turn (the last one from then on)."""
     seen = []
 
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            code, status = answers[min(len(seen), len(answers) - 1)]
-            seen.append(status)
-            data = json.dumps({"status": status}).encode()
-            self.send_response(code)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def reply(path, headers):
+        code, status = answers[min(len(seen), len(answers) - 1)]
+        seen.append(status)
+        return code, "application/json", json.dumps({"status": status}).encode()
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", seen
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with answering(reply) as url:
+        yield url, seen
 
 
 @pytest.mark.parametrize(("answers", "ready", "probes"), [
