@@ -3,6 +3,7 @@ backend."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lineside.bench.inprocess import BackgroundServer
+from lineside.runtime.engine import LLMEngine
 
 
 class SlowBackend:
@@ -111,3 +113,20 @@ def tokenize(server, text: str) -> list[int]:
     r = httpx.post(server.url + "/tokenize", json={"prompt": text})
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
+
+
+class CountingEngine(LLMEngine):
+    """Sets ``all_in`` once ``expect`` requests were submitted: the test acts when every one is in the engine."""
+
+    expect = 0
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.submitted, self.all_in = 0, threading.Event()
+
+    def submit(self, req):
+        handle = super().submit(req)
+        self.submitted += 1
+        if self.submitted >= self.expect:
+            self.all_in.set()
+        return handle

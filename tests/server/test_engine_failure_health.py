@@ -13,28 +13,11 @@ import pytest
 
 from lineside.bench.inprocess import wait_ready
 from lineside.errors import LinesideError
-from lineside.runtime.engine import LLMEngine
 from tests.runtime.fakes import FakeBackend
-from tests.server.conftest import metric, running_server
+from tests.server.conftest import CountingEngine, metric, running_server
 
 BROKEN = "CUDA error: an illegal memory access was encountered"
 
-
-class CountingEngine(LLMEngine):
-    """Sets ``all_in`` once ``expect`` requests were submitted: the test acts when every one is in the engine."""
-
-    expect = 0
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.submitted, self.all_in = 0, threading.Event()
-
-    def submit(self, req):
-        handle = super().submit(req)
-        self.submitted += 1
-        if self.submitted >= self.expect:
-            self.all_in.set()
-        return handle
 
 
 def fake_engine(bundle, slots=1, **kw) -> tuple[CountingEngine, FakeBackend]:

@@ -57,6 +57,11 @@ def test_decode_past_original_context_matches_transformers(dense_checkpoint, tmp
         ref = model(torch.tensor([ids])).logits[0].numpy()
     bundle = open_bundle(build_bundle(ckpt, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu", "trt"),
                                                                          max_seq_len=64)))
+    _assert_flavors_match(bundle, ids, ref)
+
+
+def _assert_flavors_match(bundle, ids, ref) -> None:
+    """Both flavors' float graphs against transformers' logits: a 20-token prompt, then one token a step."""
     for flavor in ("cpu", "trt"):
         be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0, threads=1)
         be.reset_slot(0)
@@ -97,13 +102,7 @@ def test_dynamic_rope_matches_transformers_up_to_max_position_embeddings(dense_c
     # no --max-seq-len: the model's own context, max_position_embeddings
     bundle = open_bundle(build_bundle(d, tmp_path / "b", BuildOptions(quant="fp32", flavors=("cpu", "trt"))))
     assert bundle.max_seq_len == 32
-    for flavor in ("cpu", "trt"):
-        be = OnnxRuntimeBackend(bundle, flavor=flavor, accuracy_level=0, threads=1)
-        be.reset_slot(0)
-        pre = be.forward(StepBatch.single(0, ids[:20], 0, all_logits=True))[0]
-        dec = np.stack([be.forward(StepBatch.single(0, [t], 20 + i))[0, 0] for i, t in enumerate(ids[20:])])
-        assert _rel(pre, ref[:20]) < 1e-4, (flavor, "prefill", _rel(pre, ref[:20]))
-        assert _rel(dec, ref[20:]) < 1e-4, (flavor, "decode", _rel(dec, ref[20:]))
+    _assert_flavors_match(bundle, ids, ref)
     # past max_position_embeddings transformers rescales by the running length: refused in one line, by name
     with pytest.raises(LinesideError) as e:
         build_bundle(d, tmp_path / "o", BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=33))

@@ -15,29 +15,20 @@ import httpx
 import openai
 import pytest
 
-from lineside.runtime.engine import LLMEngine
 from lineside.server.slo.guard import SloGuard
 from lineside.server.slo.policy import SloPolicy
 from tests.runtime.fakes import FakeBackend
-from tests.server.conftest import metric, running_server
+from tests.server.conftest import CountingEngine, metric, running_server
 
 
-class WatchedEngine(LLMEngine):
+class WatchedEngine(CountingEngine):
     """Tells the test when ``expect`` requests were submitted, and when the gate, polling stats(), has seen a held
     count that ``held_ok`` accepts."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.guard: SloGuard | None = None
-        self.expect, self.submitted, self.all_in = 0, 0, threading.Event()
         self.held_ok, self.held_seen = (lambda n: False), threading.Event()
-
-    def submit(self, req):
-        handle = super().submit(req)
-        self.submitted += 1
-        if self.submitted >= self.expect:
-            self.all_in.set()
-        return handle
 
     def stats(self):
         if self.guard is not None and self.held_ok(self.guard.held):
