@@ -195,18 +195,24 @@ class SloGuard:
         priorities; the primary when there is no fallback or the request does not fit the fallback: its context
         (``tokens``: prompt + budget) or its vocabulary (``top_token``: the prompt's largest id; one tokenizer, but
         the fallback may have fewer embedding rows), or only the primary can serve it (``primary_only``: a LoRA
-        adapter)."""
+        adapter), or the fallback failed for good (it would refuse every request while the primary still serves)."""
         assert self.primary is not None
         level = self.controller.level
         wants_fallback = level >= Level.FALLBACK or (
             level >= Level.PROTECT_REALTIME and (mode in self.policy.fallback_modes
                                                  or priority in self.policy.fallback_priorities))
-        fits = (self.fallback is not None and not primary_only
+        fits = (self.fallback is not None and self.fallback_failure is None and not primary_only
                 and tokens <= int(getattr(self.fallback, "max_seq_len", 0))
                 and top_token < int(getattr(self.fallback, "vocab_size", top_token + 1)))
         if wants_fallback and fits:  # counted by routing.plan once no cache answer stands in for the bundle
             return Route(self.fallback, self.fallback_name, level, fallback=True)
         return Route(self.primary, self.primary_name, level, fallback=False)
+
+    @property
+    def fallback_failure(self) -> str | None:
+        """Why the fallback engine failed for good (its ``failure`` line, engine_health.py), or None while it serves."""
+        failure = getattr(self.fallback, "failure", None)
+        return failure if isinstance(failure, str) else None
 
     async def admit_batch(self, route: Route, *, draining: Callable[[], bool],
                           client_gone: Callable[[], Awaitable[object]] | None = None) -> None:
@@ -278,6 +284,7 @@ class SloGuard:
         return SloStatus(level=int(controller.level), reason=controller.reason.value,
                          since_s=round(self.clock() - controller.since, 3),
                          recover_after_s=controller.recover_after_s, fallback=self.fallback_name,
+                         fallback_failure=self.fallback_failure,
                          ttft_p90_s=signals.ttft_p90_s, queue_wait_p90_s=signals.queue_wait_p90_s,
                          kv_usage=signals.kv_usage, memory_ratio=signals.memory_ratio, gpu_load=signals.gpu_load)
 

@@ -21,6 +21,7 @@ class SloStatus:
     kv_usage: float | None
     memory_ratio: float | None
     gpu_load: float | None
+    fallback_failure: str | None = None  # why the fallback failed for good (requests then stay on the primary)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
