@@ -262,9 +262,13 @@ class SloGuard:
 
     # ---- what finished requests tell the signals -------------------------------------------------------
     def observe(self, record: RequestRecord) -> None:
+        """A finished request: the signals hear of the primary's only (the ladder protects the primary: a slow
+        fallback's latency would hold level 2 while the primary idles, and batch work sent to a busy fallback at
+        level 1 would push every request onto it); the on-time and timeout counters count every request."""
         if record.outcome == "cached" or (record.outcome == "cancelled" and record.first_token is None):
             return  # an answer from the cache, or a client that left, says nothing about the engine's latency
-        self.signals.observe(ttft_s=record.ttft_s, queue_s=record.queue_s)
+        if not record.extra.get("slo_fallback"):
+            self.signals.observe(ttft_s=record.ttft_s, queue_s=record.queue_s)
         if record.outcome == FinishReason.TIMEOUT and record.first_token is None:
             self.metrics.first_token_timeouts.inc()
         if record.outcome == "invalid":

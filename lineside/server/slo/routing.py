@@ -31,9 +31,11 @@ class SloPlan:
     cached_usage: dict[str, int] = field(default_factory=dict)  # the cached answer's usage (its latency-log line)
 
     def note(self, record: Any) -> None:
-        """The latency log's per-request fields: the level and the bundle that answered."""
+        """The latency log's per-request fields: the level, the bundle that answered and whether it was the
+        fallback (the guard's signals read the primary's requests only: guard.observe)."""
         record.extra["slo_level"] = int(self.route.level)
         record.extra["bundle"] = self.route.model
+        record.extra["slo_fallback"] = self.route.fallback
 
 
 async def plan(guard: SloGuard, body: Any, *, requests: list[GenerationRequest], output: OutputOptions | None,
