@@ -321,10 +321,17 @@ def priority(headers: Any) -> tuple[Priority, Mode]:
     level = (headers.get("x-priority") or carried.get("priority") or "normal").strip().lower()
     mode = (headers.get("x-mode") or carried.get("mode") or "realtime").strip().lower()
     if level not in PRIORITIES:
-        raise bad(f"X-Priority {level!r} is not one of {', '.join(PRIORITIES)}", "X-Priority")
+        raise bad(f"X-Priority {level!r}{_carried_in('x-priority', headers)} is not one of {', '.join(PRIORITIES)}",
+                  "X-Priority")
     if mode not in MODES:
-        raise bad(f"X-Mode {mode!r} is not one of {', '.join(MODES)}", "X-Mode")
+        raise bad(f"X-Mode {mode!r}{_carried_in('x-mode', headers)} is not one of {', '.join(MODES)}", "X-Mode")
     return Priority(level), Mode(mode)
+
+
+def _carried_in(header: str, headers: Any) -> str:
+    """Where a bad class value came from when the request sent no such header: a client that never wrote X-Mode
+    is told its tracestate header carried it."""
+    return "" if headers.get(header) else " (read from the tracestate header's lineside member)"
 
 
 def session_id(req: ChatCompletionRequest | CompletionRequest, headers: Any) -> str | None:

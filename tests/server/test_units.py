@@ -171,8 +171,12 @@ def test_stop_and_priority():
     assert request_mapping.priority(carried) == ("low", "batch")
     assert request_mapping.priority({**carried, "x-priority": "high"}) == ("high", "batch")
     assert request_mapping.priority({"tracestate": "lineside=garbage"}) == ("normal", "realtime")
-    with pytest.raises(APIError, match="X-Priority 'urgent'"):
+    with pytest.raises(APIError, match=r"X-Priority 'urgent' \(read from the tracestate header's lineside member\)"):
         request_mapping.priority({"tracestate": "lineside=priority:urgent"})
+    with pytest.raises(APIError, match=r"X-Mode 'bulk' \(read from the tracestate"):
+        request_mapping.priority({"tracestate": "lineside=mode:bulk", "x-priority": "high"})
+    with pytest.raises(APIError, match=r"^X-Mode 'bulk' is not one of realtime, batch$"):  # its own header: no hint
+        request_mapping.priority({"tracestate": "lineside=mode:batch", "x-mode": "bulk"})
 
 
 def test_completion_prompt_forms():
