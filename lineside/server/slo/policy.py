@@ -126,7 +126,10 @@ class SloPolicy(_Strict):
         for name in SIGNAL_NAMES:
             one, two = getattr(self.level_1, name), getattr(self.level_2, name)
             if one is not None and two is not None and not two > one:
-                raise ValueError(f"level_2.{name} ({two}) must be above level_1.{name} ({one})")
+                # a file giving one block meets the other's default: say so, it is not in the file to look at
+                unset = next((key for key in ("level_1", "level_2") if key not in self.model_fields_set), None)
+                hint = f" ({unset} is not in the file: its default block counts; give {unset} too)" if unset else ""
+                raise ValueError(f"level_2.{name} ({two}) must be above level_1.{name} ({one}){hint}")
         if self.max_recover_after_s < self.recover_after_s:
             raise ValueError(f"max_recover_after_s ({self.max_recover_after_s}) must be at least recover_after_s "
                              f"({self.recover_after_s})")

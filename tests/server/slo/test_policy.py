@@ -34,7 +34,9 @@ def test_yaml_and_json_files_load(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "needle"), [
-    ("level_1: {ttft_p90_s: 2.0}\n", "level_2.ttft_p90_s (1.5) must be above level_1.ttft_p90_s (2.0)"),
+    ("level_1: {ttft_p90_s: 2.0}\n", "level_2.ttft_p90_s (1.5) must be above level_1.ttft_p90_s (2.0) (level_2 is "
+     "not in the file: its default block counts; give level_2 too)"),  # the file has no level_2 to look at
+    ("level_2: {ttft_p90_s: 0.5}\n", "(level_1 is not in the file: its default block counts; give level_1 too)"),
     ("recover_afetr_s: 10\n", "recover_afetr_s: unknown key; known keys here: level_1"),
     ("level_2: {ttft: 1}\n", "level_2.ttft: unknown key; known keys here: ttft_p90_s"),
     ("pins: [{start: '25:00', end: '06:00', level: 1}]\n", "pins[0].start"),
@@ -73,6 +75,12 @@ def test_bad_policies_are_one_line(tmp_path, text, needle):
     with pytest.raises(LinesideError) as e:
         load_policy(path)
     assert needle in str(e.value) and "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_out_of_order_blocks_both_in_the_file_get_no_default_hint():
+    with pytest.raises(LinesideError) as e:
+        parse_policy({"level_1": {"ttft_p90_s": 2.0}, "level_2": {"ttft_p90_s": 1.0}})
+    assert str(e.value).endswith("level_2.ttft_p90_s (1.0) must be above level_1.ttft_p90_s (2.0)")
 
 
 def test_a_json_policy_saved_with_a_bom_loads_and_bad_json_names_its_line(tmp_path):
