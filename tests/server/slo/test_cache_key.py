@@ -84,12 +84,12 @@ REFUSED = {"suffix": {"suffix": "end"},
 # Change nothing in the answer: the same cached answer is right.
 NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
              "metadata": {"metadata": {"line": "3"}}}
-# Keyed by what they change, tested where the key is: the prompt ids they render (a template's extra variables,
-# continuing the last message), the output options (include_reasoning: their Reasoning, on a server with
+# Keyed by what they change, tested where the key is: the prompt ids they render (a template's extra variables and
+# vLLM's documents, continuing the last message), the output options (include_reasoning: their Reasoning, on a server with
 # --reasoning-parser; no effect without one), or never cached (streamed; bound to a prefill session, whose KV a
 # cached answer would not keep).
-ELSEWHERE = {"chat_template_kwargs", "reasoning_effort", "continue_final_message", "include_reasoning", "stream",
-             "session_id", "keep_session"}
+ELSEWHERE = {"chat_template_kwargs", "documents", "reasoning_effort", "continue_final_message", "include_reasoning",
+             "stream", "session_id", "keep_session"}
 
 
 def test_every_request_field_is_classified():
