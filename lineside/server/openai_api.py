@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from lineside.errors import LinesideError
 from lineside.runtime.adapter_slots import UnknownAdapter
 from lineside.runtime.bounded_encode import PromptTooLong
+from lineside.runtime.engine_health import EngineFailed
 from lineside.runtime.request import (
     EngineDraining,
     FinishReason,
@@ -377,6 +378,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     except ClientGone:  # left while held at the SLO gate: no engine took it
         state.metrics.reject("cancelled")
         return responses.client_gone()
+    except EngineFailed as e:  # failed between the middleware's check and here (or a fallback's engine did)
+        raise _engine_failed(state, e) from None
     except EngineDraining:
         state.metrics.reject("draining")
         raise APIError(503, "server is shutting down and takes no new requests", "draining",
@@ -590,6 +593,9 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
     except QueueFullError as e:
         responses.cancel_all(choices)
         raise _queue_full(state, e) from None
+    except EngineFailed as e:  # failed between the middleware's check and here (or a fallback's engine did)
+        responses.cancel_all(choices)
+        raise _engine_failed(state, e) from None
     except EngineDraining:
         responses.cancel_all(choices)
         state.metrics.reject("draining")
@@ -651,6 +657,12 @@ def _check_model(state: ServerState, model: str | None) -> str | None:
                             "(send one of those names, or leave 'model' out)", "model_not_found", param="model",
                        type="invalid_request_error")
     return None
+
+
+def _engine_failed(state: ServerState, e: EngineFailed) -> APIError:
+    """A failed engine's refusal, as the middleware answers once it knows (not a shutting-down server's)."""
+    state.metrics.reject("engine_failed")
+    return APIError(503, f"{e}; retry on another instance", "engine_failed", type="service_unavailable")
 
 
 def _queue_full(state: ServerState, e: QueueFullError) -> APIError:

@@ -130,3 +130,28 @@ def test_serve_exits_with_one_line_once_the_engine_failed(tiny_bundle):
     message = str(exited.value)
     assert "\n" not in message and message.startswith("the model engine failed: 2 consecutive model steps failed")
     assert "supervisor restarts" in message
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_an_engine_that_fails_as_a_request_arrives_is_a_503_engine_failed_not_draining(tiny_bundle, route):
+    """The middleware refuses requests once the server knows the engine failed; one that arrives as it fails reaches
+    submit, which raises EngineFailed — a subclass of the draining refusal, so it was answered 'server is shutting
+    down' (code draining, Retry-After) for a server that was not."""
+    from lineside.runtime.engine_health import EngineFailed
+
+    class FailingAtSubmit(CountingEngine):
+        def submit(self, req):
+            raise EngineFailed("the model engine failed: CUDA error: an illegal memory access was encountered")
+
+    be = FakeBackend(1, max_seq_len=128, vocab_size=300)
+    body = {"/v1/completions": {"prompt": [1, 5], "max_tokens": 2},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/responses": {"input": "hi", "max_output_tokens": 2}}[route]
+    with running_server(FailingAtSubmit(tiny_bundle, backend=be, num_slots=1)) as srv:
+        r = httpx.post(srv.url + route, json={"model": "tiny-llama", **body}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "engine_failed", r.text
+        assert "illegal memory access" in err["message"] and "shutting down" not in err["message"]
+        scrape = httpx.get(srv.url + "/metrics").text
+        assert metric(scrape, "lineside_requests_total", 'outcome="engine_failed"') == 1
+        assert metric(scrape, "lineside_requests_total", 'outcome="draining"') == 0
