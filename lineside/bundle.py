@@ -307,6 +307,22 @@ def manifest_lock(bundle_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def holds_bundle(path: Path) -> bool:
+    """Whether the directory ``path`` is a lineside bundle (its manifest.json names an architecture and a file list,
+    or a damaged one sits beside its graphs/): what `build --force` may replace. Anything else is a user's own
+    directory, which a build must not delete to put a bundle there."""
+    mf = Path(path) / MANIFEST
+    if not mf.is_file():
+        return False
+    if (Path(path) / "graphs").is_dir():
+        return True
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return False
+    return isinstance(manifest, dict) and "architecture" in manifest and isinstance(manifest.get("files"), dict)
+
+
 def _not_a_bundle(path: Path) -> str:
     """Why ``path`` is not a bundle, and what to pass instead: the commands that take a bundle are often handed the
     checkpoint it is built from (a .gguf, a Hugging Face directory) or a file inside it."""

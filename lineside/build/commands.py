@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lineside import cli_checks as checks
-from lineside.build.pipeline import BuildOptions, build_bundle, describe
+from lineside.build.pipeline import BuildOptions, build_bundle, describe, refuse_taken
 from lineside.console_line import say
 from lineside.errors import LinesideError
 from lineside.lora import parse_targets
@@ -62,7 +62,7 @@ LoraTargetsOpt = Annotated[str | None, typer.Option(help="linears the LoRA graph
 PrefillGraphOpt = Annotated[bool | None, typer.Option(help="cpu flavor: also an int8 graph for prompt chunks (3x faster "
                                                           "prefill; the bundle holds an int8 copy of every linear); "
                                                           "default: on at --accuracy-level 4")]
-ForceOpt = Annotated[bool, typer.Option(help="replace an existing output directory")]
+ForceOpt = Annotated[bool, typer.Option(help="replace an existing bundle at -o (never a directory that is not one)")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
 
 
@@ -114,10 +114,11 @@ def check_build_paths(checkpoint: Path, output: Path, calib: Path | None, force:
     """Every path option of a build, before the checkpoint is read (one line each; nothing is written)."""
     if not Path(checkpoint).expanduser().exists():
         raise LinesideError(f"{checkpoint}: no such file or directory; pass a Hugging Face directory or a .gguf file")
-    checks.output_dir(output, "-o", force=force, what="bundle")
+    out = checks.output_dir(output, "-o", force=force, what="bundle")
     if calib is not None:
         checks.input_file(calib, "--calib", "calibration text file")
     checks.apart_from(output, "-o", {"the checkpoint": checkpoint, "--calib": calib})
+    refuse_taken(out, force)  # --force replaces a bundle, never a directory of the user's
 
 
 def register(app: typer.Typer) -> None:

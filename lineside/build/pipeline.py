@@ -29,6 +29,7 @@ from lineside.bundle import (
     FlavorEntry,
     LoraGraphs,
     Manifest,
+    holds_bundle,
     read_manifest,
     write_manifest,
 )
@@ -152,9 +153,11 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     out = normalized(Path(out))  # `-o .` / `-o ..`: staged beside the directory it replaces, not inside it
     t0 = time.time()
     ckpt = open_checkpoint(checkpoint)
-    if _taken(out, opts.force):
+    try:
+        refuse_taken(out, opts.force)
+    except LinesideError:
         ckpt.close()
-        raise LinesideError(_TAKEN.format(out=out))
+        raise
     tmp: Path | None = None
     lock: int | None = None  # held while <out>.partial is this build's
     try:
@@ -203,8 +206,7 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         staging = out.with_name(out.name + ".partial")
         lock = claim_staging(staging, out)  # refused while another build writes there (never removed under it)
         tmp = staging
-        if _taken(out, opts.force):  # another build into -o finished since the look above: its bundle stays
-            raise LinesideError(_TAKEN.format(out=out))
+        refuse_taken(out, opts.force)  # something put in -o since the look above (another build's bundle) stays
         _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
         replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
     except BaseException:
@@ -220,12 +222,16 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
     return out
 
 
-_TAKEN = "{out} exists and is not empty; choose another -o or pass --force to replace it"
-
-
-def _taken(out: Path, force: bool) -> bool:
-    """Whether ``out`` holds something a build without --force must keep."""
-    return not force and out.exists() and (not out.is_dir() or any(out.iterdir()))
+def refuse_taken(out: Path, force: bool) -> None:
+    """One line when ``out`` holds something the build must keep: anything without --force, and with it anything
+    but a bundle (a user's directory named by mistake is never deleted to make room)."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise LinesideError(f"{out} exists and is not empty; choose another -o or pass --force to replace it")
+    if not out.is_dir() or not holds_bundle(out):
+        raise LinesideError(f"-o {out} is not a lineside bundle (no lineside manifest.json), so --force does not replace it: "
+                            "it may hold your own files; choose another -o, or remove it yourself")
 
 
 def _write_bundle(ckpt: CheckpointReader, checkpoint: str | Path, cfg: ModelConfig, family: ModelFamily,

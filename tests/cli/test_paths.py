@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from lineside.build.pipeline import BuildOptions, build_bundle
+from lineside.bundle import open_bundle
+from lineside.errors import LinesideError
 from tests.cli.cli_run import (
     REPO,
     all_commands,
@@ -58,6 +60,7 @@ OUTPUT_CASES = [
     ("build -o is-a-file", "build", lambda c, b, w: ["build", c, "-o", w / "afile"], ["-o", "is a file"]),
     ("build -o unwritable", "build", lambda c, b, w: ["build", c, "-o", UNWRITABLE], ["cannot write"]),
     ("build -o existing", "build", lambda c, b, w: ["build", c, "-o", w / "full"], ["not empty", "--force"]),
+    ("build -o not-a-bundle --force", "build", lambda c, b, w: ["build", c, "-o", w / "full", "--force"], ["not a lineside bundle", "remove it yourself"]),
     ("build -o a-symlink --force", "build", lambda c, b, w: ["build", c, "-o", w / "link", "--force"], ["symbolic link", "full"]),
     ("build -o the-checkpoint --force", "build", lambda c, b, w: ["build", c, "-o", c, "--force"], ["would replace", "checkpoint"]),
     ("build -o above-the-calib --force", "build", lambda c, b, w: ["build", c, "-o", w, "--force", "--calib", w / "afile"], ["would replace", "--calib"]),
@@ -164,12 +167,52 @@ def test_every_path_option_is_covered_here():
     assert not missing, missing
 
 
-def test_force_replaces_only_once_the_new_bundle_is_complete(ckpt, ws):
+def _bundle_at(bundle: Path, ws: Path, name: str = "full") -> Path:
+    """``ws/name`` made a bundle (a copy of ``bundle``) holding also a file of the user's (keep.txt)."""
+    shutil.rmtree(ws / name, ignore_errors=True)
+    shutil.copytree(bundle, ws / name)
+    (ws / name / "keep.txt").write_text("keep me\n")
+    return ws / name
+
+
+def test_force_replaces_only_once_the_new_bundle_is_complete(ckpt, bundle, ws):
+    _bundle_at(bundle, ws)
     proc = run_cli("build", str(ckpt), "-o", str(ws / "full"), "--quant", "fp32", "--max-seq-len", "16", "-q",
                    "--force")
     assert proc.returncode == 0, proc.stderr
     assert (ws / "full" / "manifest.json").is_file() and not (ws / "full" / "keep.txt").exists()
     assert not list(ws.glob("*.partial"))
+
+
+# A directory of the user's own named by mistake: --force replaced it with a bundle, deleting whatever it held.
+NOT_BUNDLES = {
+    "plain files": {"thesis.txt": "years of work\n"},
+    "another tool's manifest.json": {"manifest.json": '{"name": "my web app", "icons": []}', "index.html": "<p>"},
+    "a manifest.json that is not JSON": {"manifest.json": "not json", "notes.txt": "mine"},
+}
+
+
+@pytest.mark.parametrize("kind", NOT_BUNDLES, ids=list(NOT_BUNDLES))
+def test_force_never_replaces_a_directory_that_is_not_a_bundle(ckpt, tmp_path, kind):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, text in NOT_BUNDLES[kind].items():
+        (mine / name).write_text(text)
+    before = tree_snapshot(tmp_path)
+    proc = run_cli("build", str(ckpt), "-o", str(mine), "--quant", "fp32", "--max-seq-len", "16", "-q", "--force")
+    assert_one_line_error(proc, "not a lineside bundle", "--force", str(mine), code=1)
+    with pytest.raises(LinesideError, match="not a lineside bundle"):  # the library call refuses it too
+        build_bundle(ckpt, mine, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16, force=True))
+    assert tree_snapshot(tmp_path) == before
+    assert all((mine / n).read_text() == t for n, t in NOT_BUNDLES[kind].items())
+
+
+def test_force_replaces_a_bundle_whose_manifest_is_damaged(ckpt, bundle, ws):
+    """A bundle is still one when its manifest.json was truncated: --force rebuilds it rather than refusing."""
+    old = _bundle_at(bundle, ws)
+    (old / "manifest.json").write_text('{"architecture": "lla')
+    build_bundle(ckpt, old, BuildOptions(quant="fp32", flavors=("cpu",), max_seq_len=16, force=True))
+    assert not (old / "keep.txt").exists() and open_bundle(old).architecture == "llama"
 
 
 def test_build_into_an_existing_empty_directory(ckpt, ws):
@@ -188,9 +231,10 @@ def test_copy_of_bundle_keeps_working(bundle, tmp_path):
 
 
 @pytest.mark.parametrize("rel", [".", ".."])
-def test_build_into_dot_or_dotdot(ckpt, ws, rel):
+def test_build_into_dot_or_dotdot(ckpt, bundle, ws, rel):
     """`-o .` / `-o ..` name a directory like any other (they crashed on an empty name, or staged the new bundle
     inside the directory --force then deleted, leaving neither)."""
+    _bundle_at(bundle, ws)
     cwd = ws / "full" if rel == "." else ws / "full" / "sub"
     cwd.mkdir(exist_ok=True)
     proc = run_cli("build", str(ckpt), "-o", rel, "--quant", "fp32", "--max-seq-len", "16", "-q", "--force", cwd=cwd)
