@@ -6,6 +6,7 @@ or interrupted build never leaves a half-written bundle where a good one is expe
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -209,10 +210,12 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         refuse_taken(out, opts.force)  # something put in -o since the look above (another build's bundle) stays
         _write_bundle(ckpt, checkpoint, cfg, family, source, spec, opts, max_seq, tmp, t0, progress, log)
         replace_dir(tmp, out)  # an existing bundle goes only once the new one is in its place
-    except BaseException:
+    except BaseException as e:
         # A failed or interrupted build leaves nothing behind (no half-written <out>.partial either).
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise LinesideError(_disk_full(out, e)) from None
         raise
     finally:
         if lock is not None:
@@ -220,6 +223,15 @@ def build_bundle(checkpoint: str | Path, out: str | Path, opts: BuildOptions,
         ckpt.close()
     log(f"bundle written to {out} in {time.time() - t0:.1f}s")
     return out
+
+
+def _disk_full(out: Path, e: OSError) -> str:
+    """The line for a disk (or quota) that filled while the bundle was written: the error alone named no file, or
+    the checkpoint's file a copy was reading, and did not say that the partial bundle is gone."""
+    kept = (" (the bundle that was there is kept: --force needs room for both until the new one is complete)"
+            if out.exists() else "")
+    return (f"{e.strerror or 'no space left'} in {out.parent} while writing the bundle {out.name}; the partial bundle "
+            f"was removed{kept} — free some space there (df -h {out.parent}) or choose another -o")
 
 
 def refuse_taken(out: Path, force: bool) -> None:
