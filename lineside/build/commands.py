@@ -1,37 +1,22 @@
-"""`lineside build`: checkpoint → bundle, with progress bars on the long steps."""
+"""`lineside build`: checkpoint → bundle, with progress on the long steps (bars on a terminal, lines in a log)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import contextmanager
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lineside import cli_checks as checks
 from lineside.build.pipeline import BuildOptions, build_bundle, describe, refuse_taken
+from lineside.build.progress import build_progress, progress_mode
 from lineside.console_line import say
 from lineside.errors import LinesideError
 from lineside.lora import parse_targets
 
 err = Console(stderr=True)
-
-
-@contextmanager
-def rich_progress(enabled: bool = True):
-    """Yield a factory (description, total) → advance(n) backed by one rich progress display."""
-    if not enabled:
-        yield lambda _d, _t: (lambda _n: None)
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=err, transient=False) as prog:
-        def factory(desc: str, total: int) -> Callable[[int], None]:
-            task = prog.add_task(desc, total=total)
-            return lambda n: prog.advance(task, n)
-        yield factory
 
 
 # The options of a build, declared once: `lineside build` and build_engine.py take the same ones.
@@ -63,7 +48,7 @@ PrefillGraphOpt = Annotated[bool | None, typer.Option(help="cpu flavor: also an 
                                                           "prefill; the bundle holds an int8 copy of every linear); "
                                                           "default: on at --accuracy-level 4")]
 ForceOpt = Annotated[bool, typer.Option(help="replace an existing bundle at -o (never a directory that is not one)")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bars or log lines")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress (bars on a terminal, plain lines in a log) or log lines")]
 
 
 def build(
@@ -94,7 +79,7 @@ def build(
                         lm_head_bits=lm_head_bits, kv_dtype=kv_dtype, draft_layers=parse_draft_layers(draft_layers),
                         force=force, max_lora_rank=max_lora_rank, prefill_graph=prefill_graph,
                         lora_targets=None if lora_targets is None else parse_targets(lora_targets))
-    with rich_progress(not quiet and err.is_terminal) as progress:
+    with build_progress(progress_mode(quiet, err, sys.stderr), err) as progress:
         out = build_bundle(checkpoint, output, opts, progress=progress,
                            log=(lambda m: None) if quiet else (lambda m: say(err, m)))
     print(f"{out}: {describe(out)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -79,3 +80,65 @@ def test_a_disk_that_fills_under_force_keeps_the_old_bundle_and_says_so(ckpt, tm
     assert "bundle that was there is kept" in line and "room for both" in line
     assert tree_snapshot(tmp_path) == {str(p.relative_to(tmp_path)) for p in [out, *out.rglob("*")]}
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # anything but tab and newline: escapes, carriage returns
+
+
+@pytest.mark.parametrize("env", [{}, {"FORCE_COLOR": "1"}, {"TTY_COMPATIBLE": "1"}],
+                         ids=["plain", "FORCE_COLOR", "TTY_COMPATIBLE"])
+def test_progress_in_a_log_is_plain_lines_and_quiet_is_silent(ckpt, tmp_path, env):
+    """stderr to a file or a CI log: CI runners set FORCE_COLOR for coloured logs, which made rich take the log for
+    a terminal, and every redraw of the bars went into it with cursor codes and carriage returns. Now a log gets a
+    few plain lines per stage; --quiet gets nothing but the summary on stdout."""
+    base = ["build", str(ckpt), "--quant", "w4a16", "--max-seq-len", "32"]
+    run_env = {**_env(), **env}
+    proc = subprocess.run([sys.executable, "-m", "lineside", *base, "-o", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, env=run_env)
+    assert proc.returncode == 0, proc.stderr
+    assert not CONTROL.search(proc.stderr), repr(proc.stderr[:300])
+    lines = proc.stderr.splitlines()
+    assert "emit cpu graph: 0/2" in lines and "emit cpu graph: 1/2" in lines
+    assert any(re.fullmatch(r"emit cpu graph: 2/2 done in \d+\.\ds", ln) for ln in lines), lines
+    quiet = subprocess.run([sys.executable, "-m", "lineside", *base, "-o", str(tmp_path / "b"), "--quiet"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=run_env)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert quiet.stdout.startswith(f"{tmp_path / 'b'}: llama w4a16") and quiet.stdout.count("\n") == 1
+
+
+def test_progress_lines_mark_start_quarters_and_end_with_the_injected_clock():
+    """A long stage (80 layers) writes five lines, not eighty; its end line times it on the clock given."""
+    from lineside.build.progress import line_progress
+
+    said: list[str] = []
+    now = iter([100.0, 112.5])
+    advance = line_progress(said.append, clock=lambda: next(now))("emit cpu graph", 80)
+    for _ in range(80):
+        advance(1)
+    advance(1)  # past the end: nothing more
+    assert said == ["emit cpu graph: 0/80", "emit cpu graph: 20/80", "emit cpu graph: 40/80",
+                    "emit cpu graph: 60/80", "emit cpu graph: 80/80 done in 12.5s"]
+
+
+def test_bars_only_on_an_interactive_terminal(tmp_path, monkeypatch):
+    """The mode is chosen from the stream itself (a TTY) and rich's interactivity (TERM=dumb, TTY_INTERACTIVE)."""
+    from rich.console import Console
+
+    from lineside.build.progress import ProgressMode, progress_mode
+
+    class Stream:
+        def __init__(self, tty: bool):
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    monkeypatch.delenv("TTY_INTERACTIVE", raising=False)
+    term = Console(force_terminal=True, force_interactive=True)
+    assert progress_mode(False, term, Stream(True)) is ProgressMode.BARS
+    assert progress_mode(True, term, Stream(True)) is ProgressMode.NONE
+    assert progress_mode(False, term, Stream(False)) is ProgressMode.LINES  # FORCE_COLOR over a log
+    assert progress_mode(False, Console(force_terminal=True, force_interactive=False), Stream(True)) \
+        is ProgressMode.LINES  # TERM=dumb, TTY_INTERACTIVE=0
+    monkeypatch.setenv("TTY_INTERACTIVE", "1")
+    assert progress_mode(False, term, Stream(False)) is ProgressMode.BARS  # asked for in so many words
