@@ -106,6 +106,20 @@ def utf8_text(value: str, option: str) -> str:
     return value
 
 
+def utf8_path(path: Path, option: str) -> Path:
+    """``path`` when its name is UTF-8. A name with other bytes (a Latin-1 directory from an older system) reaches
+    Python as lone surrogates, which onnx, onnxruntime and the tokenizers library cannot take (a TypeError
+    traceback, or a tokenizer called broken): for the paths they open, refused up front, with the bytes shown."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+        raise LinesideError(f"{option} {shown}: the path is not UTF-8, and onnxruntime and the tokenizers library "
+                            "take only UTF-8 paths; rename it (e.g. convmv -f latin1 -t utf8) or choose another") \
+            from None
+    return path
+
+
 def at_most(value: int, limit: int, option: str, why: str, fix: str) -> int:
     """``value`` when ≤ ``limit`` (a limit that comes from the model or the machine, named in the error)."""
     if value > limit:

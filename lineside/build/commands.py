@@ -97,6 +97,10 @@ def parse_draft_layers(value: str | None) -> tuple[int, ...]:
 
 def check_build_paths(checkpoint: Path, output: Path, calib: Path | None, force: bool) -> None:
     """Every path option of a build, before the checkpoint is read (one line each; nothing is written)."""
+    # absolute: a relative path's directory counts too. A GGUF file is read by Python alone, which takes any name.
+    checks.utf8_path(checks.normalized(output), "-o")
+    if Path(checkpoint).expanduser().is_dir():
+        checks.utf8_path(checks.normalized(checkpoint), "CHECKPOINT")
     if not Path(checkpoint).expanduser().exists():
         raise LinesideError(f"{checkpoint}: no such file or directory; pass a Hugging Face directory or a .gguf file")
     out = checks.output_dir(output, "-o", force=force, what="bundle")

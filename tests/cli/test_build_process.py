@@ -142,3 +142,25 @@ def test_bars_only_on_an_interactive_terminal(tmp_path, monkeypatch):
         is ProgressMode.LINES  # TERM=dumb, TTY_INTERACTIVE=0
     monkeypatch.setenv("TTY_INTERACTIVE", "1")
     assert progress_mode(False, term, Stream(False)) is ProgressMode.BARS  # asked for in so many words
+
+
+@pytest.mark.parametrize("where", ["CHECKPOINT", "-o", "-o relative, in a non-UTF-8 cwd"])
+def test_a_path_that_is_not_utf8_is_one_line_before_any_work(ckpt, tmp_path, where):
+    """A directory named in Latin-1 (b'Mod\\xe8le'): as -o the build wrote the whole bundle, then onnx's checker
+    died on the path with a TypeError traceback (onnxruntime could not have loaded it either); as the checkpoint,
+    the tokenizer was called broken and to be re-downloaded."""
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/Mod\xe8le")
+    os.mkdir(odd)
+    ck, out, cwd = str(ckpt), str(tmp_path / "b"), str(REPO)
+    if where == "CHECKPOINT":
+        ck = os.path.join(odd, "ck")
+        shutil.copytree(ckpt, ck)
+    elif where == "-o":
+        out = os.path.join(odd, "b")
+    else:
+        out, cwd = "b", odd
+    before = tree_snapshot(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "lineside", "build", ck, "-o", out, "--max-seq-len", "16", "-q"],
+                          capture_output=True, text=True, timeout=120, cwd=cwd, env=_env())
+    assert_one_line_error(proc, "not UTF-8", "Mod\\xe8le", "rename it", code=1)
+    assert tree_snapshot(tmp_path) == before
