@@ -338,6 +338,10 @@ def _not_a_bundle(path: Path) -> str:
                 f"previous bundle at {aside}; put it back (`mv {aside} {path}`) or build again")
     if not path.exists():
         return f"{path}: not a bundle directory (it does not exist); build one with `lineside build CHECKPOINT -o {path}`"
+    if path.is_dir() and path.name.endswith(".partial"):  # where build assembles a bundle (cli_checks.staged_dir)
+        done = path.with_name(path.name[:-len(".partial")])
+        return (f"{path} is an unfinished build (stopped before its manifest was written), not a bundle; build "
+                f"again with -o {done} (which removes it), or serve {done} if that is complete")
     if path.is_dir():
         return f"{path}: no manifest.json; this is not a lineside bundle (rebuild it)"
     return f"{path}: not a bundle directory; pass the directory `lineside build CHECKPOINT -o BUNDLE` wrote"

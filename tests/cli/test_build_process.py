@@ -164,3 +164,15 @@ def test_a_path_that_is_not_utf8_is_one_line_before_any_work(ckpt, tmp_path, whe
                           capture_output=True, text=True, timeout=120, cwd=cwd, env=_env())
     assert_one_line_error(proc, "not UTF-8", "Mod\\xe8le", "rename it", code=1)
     assert tree_snapshot(tmp_path) == before
+
+
+def test_what_a_killed_build_left_is_refused_as_unfinished(ckpt, tmp_path):
+    """SIGKILL (the OOM killer, a closed ssh session) mid-build leaves OUT.partial; `serve OUT.partial` said only
+    "not a lineside bundle (rebuild it)", as if it were anything. It now says what it is and what to do."""
+    from tests.cli.cli_run import run_cli
+
+    half = tmp_path / "b.partial"
+    (half / "graphs" / "cpu").mkdir(parents=True)
+    (half / "graphs" / "cpu" / "model.onnx").write_bytes(b"\0" * 64)
+    proc = run_cli("serve", str(half))
+    assert_one_line_error(proc, "unfinished build", f"-o {tmp_path / 'b'}", code=1)
