@@ -690,14 +690,17 @@ class ToolCallStream:
             return _Scan(buf if final else "", [])
         if buf[p] not in "{[":
             return _Scan(buf, [])  # plain content
-        if buf[p] == "[":
+        array = buf[p] == "["
+        if array:
             p += 1
-        calls = []
+        calls: list[tuple[str | None, str, bool]] = []
         while True:
             p = _skip(buf, p, " \t\r\n,;")
             if p >= len(buf) or buf[p] != "{":
                 if not calls and (p < len(buf) or final):
                     return _Scan(buf, [])  # an array that holds no call ([1, 2], [], ["a"]): the answer is text
+                if array and buf[p:p + 1] == "]":
+                    p += 1
                 break
             try:
                 _, end = _DECODER.raw_decode(buf, p)
@@ -711,9 +714,11 @@ class ToolCallStream:
                 break
             calls.append((name, args, done))
             if not done:
-                break
+                return _Scan("", calls)  # still arriving
             p = end
-        return _Scan("", calls)
+        # What follows the calls (prose, or an object that is no call: cut off, malformed, an unknown function) is
+        # content, as the other formats keep text after their calls; it was dropped without a word
+        return _Scan(_drop_blank(buf[p:].lstrip(), True, final), calls)
 
     def result(self) -> tuple[str | None, list[ToolCall]]:
         """After ``close``: the message content (None when it is only calls) and the calls."""

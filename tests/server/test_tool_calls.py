@@ -582,3 +582,30 @@ def test_consecutive_user_messages_are_one_only_where_the_template_refuses_them(
     none = parse_tool_choice(None, [])
     assert template_messages(msgs, [], GEMMA_TEMPLATE, none)[0] == [{"role": "user", "content": "a\n\nb"}]
     assert template_messages(msgs, [], chatml, none)[0] == msgs
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # Llama 3.x: a call, then prose about it
+    ('{"name": "stop_line", "parameters": {"station": 12}}\n\nI asked for line 12 to stop.',
+     "I asked for line 12 to stop.", [("stop_line", '{"station": 12}')]),
+    # two calls, the second cut off by max_tokens: the first stands, the second's text is content
+    ('{"name": "stop_line", "parameters": {"station": 12}}; {"name": "get_weather", "parameters": {"city": "Os',
+     '{"name": "get_weather", "parameters": {"city": "Os', [("stop_line", '{"station": 12}')]),
+    # the required grammar's array cut inside its second call
+    ('[{"name": "stop_line", "arguments": {"station": 2}}, {"name": "get_weather", "arguments": {"ci',
+     '{"name": "get_weather", "arguments": {"ci', [("stop_line", '{"station": 2}')]),
+    # a second object naming no tool, and text after a closed array
+    ('{"name": "stop_line", "parameters": {"station": 3}} {"name": "launch", "parameters": {}}',
+     '{"name": "launch", "parameters": {}}', [("stop_line", '{"station": 3}')]),
+    ('[{"name": "stop_line", "arguments": {"station": 4}}]\nDone.', "Done.", [("stop_line", '{"station": 4}')]),
+])
+def test_json_text_after_the_calls_is_content(text, content, calls):
+    """What follows Llama-style JSON calls (prose, a call cut off or naming no tool) is the content, streamed or
+    not, as the other formats keep text after their calls: it was dropped, so a client lost the model's words
+    (and a cut second call vanished without a trace while finish_reason said length)."""
+    got_content, got_calls = parse(text, CallFormat.JSON, TOOLS)
+    assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
+    for step in (1, 5):
+        s_content, s_calls, s = _stream(text, CallFormat.JSON, step=step)
+        assert s_content == content
+        assert [(c.name, c.arguments) for c in s.calls] == calls
