@@ -1009,16 +1009,20 @@ def _no_constant(name: str) -> Any:
 
 def _arguments_text(value: Any, text: str) -> str:
     """The arguments as JSON text: as written, or the text a string holds when it holds JSON (a model writing
-    ``"arguments": "{\\"city\\": ...}"``); a blank string is no arguments, another string stays a JSON string."""
+    ``"arguments": "{\\"city\\": ...}"``); a blank string or null is no arguments (``{}``, as OpenAI sends a call
+    without any: clients that read the arguments into an object fail on ``null``), another string stays a JSON
+    string."""
+    if value is None:
+        return "{}"
     if not isinstance(value, str):
         return text
     if not value.strip():
         return "{}"
     try:
-        json.loads(value)
+        inner = json.loads(value)
     except json.JSONDecodeError:
         return text
-    return value
+    return "{}" if inner is None else value
 
 
 def _members(body: str, i: int) -> dict[str, int]:

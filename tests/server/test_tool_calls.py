@@ -609,3 +609,19 @@ def test_json_text_after_the_calls_is_content(text, content, calls):
         s_content, s_calls, s = _stream(text, CallFormat.JSON, step=step)
         assert s_content == content
         assert [(c.name, c.arguments) for c in s.calls] == calls
+
+
+@pytest.mark.parametrize("text, fmt", [
+    ('<tool_call>\n{"name": "stop_line", "arguments": null}\n</tool_call>', CallFormat.TAGGED),
+    ('{"name": "stop_line", "parameters": null}', CallFormat.JSON),
+    ('<tool_call>{"name": "stop_line", "arguments": "null"}</tool_call>', CallFormat.TAGGED),
+    ('[TOOL_CALLS] [{"name": "stop_line", "arguments": null}]', CallFormat.MISTRAL),
+])
+def test_null_arguments_are_an_empty_object(text, fmt):
+    """A model writing ``"arguments": null`` for a call without arguments: ``{}``, what OpenAI sends then; "null"
+    went to the client, whose ``json.loads`` gave None where every SDK reads an object of arguments."""
+    _, calls = parse(text, fmt, TOOLS)
+    assert [(c.name, c.arguments) for c in calls] == [("stop_line", "{}")]
+    for step in (1, 4):
+        content, streamed, _ = _stream(text, fmt, step=step)
+        assert (content, [(c["name"], c["arguments"]) for c in streamed]) == ("", [("stop_line", "{}")])
