@@ -620,7 +620,7 @@ class ToolCallStream:
                 content.append(tail)
                 break
             content.append(buf[pos:j])
-            k = buf.find(_CLOSE, j)
+            k = _closing_tag(buf, j + len(_OPEN), final)
             body = buf[j + len(_OPEN):k if k >= 0 else len(buf)]
             if k < 0 and not final:  # the closing tag may be arriving: what could be its start is not the body's
                 body = body[:len(body) - partial_suffix(body, (_CLOSE,))]
@@ -727,8 +727,9 @@ class ToolCallStream:
 
     def finish(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The rest of the output, all at once: (content, calls) of the whole answer (``feed``, ``close``,
-        ``result``)."""
-        self.feed(text)
+        ``result``). Read as final only: a non-final pass would send calls that the final text makes no calls, and
+        the calls after one that ``close`` drops would go with it (a stream cannot take them back; a whole answer can)."""
+        self._buf += text
         self.close()
         return self.result()
 
@@ -737,6 +738,26 @@ def parse(text: str, fmt: CallFormat, tools: Sequence[Tool], named: str | None =
           max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
     """Whole-output parse: (content, calls)."""
     return ToolCallStream(fmt, tools, named, max_calls).finish(text)
+
+
+_STRING_OR_CLOSE = re.compile(r'"(?:[^"\\]|\\.)*(?:"|$)|' + re.escape(_CLOSE), re.S)
+
+
+def _closing_tag(buf: str, i: int, final: bool) -> int:
+    """Where the ``</tool_call>`` closing the call whose body starts at ``i`` is (-1: not yet). Arguments may hold
+    the tag's text (code, a prompt about tool calls): one inside a JSON string of the body does not end the call
+    (it made the whole call text), unless the output ends with that string never closed (malformed: as before)."""
+    first = buf.find(_CLOSE, i)
+    p = _skip(buf, i, " \t\r\n")
+    if first < 0 or buf[p:p + 1] not in ("{", "["):
+        return first
+    try:
+        _, end = _DECODER.raw_decode(buf, p)
+    except json.JSONDecodeError:
+        outside = next((m.start() for m in _STRING_OR_CLOSE.finditer(buf, p, first + len(_CLOSE))
+                        if m.group() == _CLOSE), -1)
+        return first if final or outside == first else -1  # in a string still arriving: wait for its end
+    return first if first >= end else buf.find(_CLOSE, end)  # the JSON is whole: the tag after it
 
 
 def _tagged_calls(body: str, complete: bool,

@@ -625,3 +625,29 @@ def test_null_arguments_are_an_empty_object(text, fmt):
     for step in (1, 4):
         content, streamed, _ = _stream(text, fmt, step=step)
         assert (content, [(c["name"], c["arguments"]) for c in streamed]) == ("", [("stop_line", "{}")])
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> b", "unit": "C"}}\n</tool_call>',
+     None, [("get_weather", '{"city": "a </tool_call> b", "unit": "C"}')]),
+    ('Sure.\n<tool_call>[{"name": "stop_line", "arguments": {"station": 2}}, {"name": "get_weather", "arguments": '
+     '{"city": "x</tool_call><tool_call>y", "unit": "F"}}]</tool_call>\nDone.', "Sure.\n\nDone.",
+     [("stop_line", '{"station": 2}'), ("get_weather", '{"city": "x</tool_call><tool_call>y", "unit": "F"}')]),
+])
+def test_a_closing_tag_inside_the_arguments_strings_does_not_end_the_call(text, content, calls):
+    """Arguments that hold ``</tool_call>`` in a string (code, a prompt about tool calls): the call ends at the tag
+    after its JSON, streamed or not; the tag in the string ended it there, and the whole call was text."""
+    got_content, got_calls = parse(text, CallFormat.TAGGED, TOOLS)
+    assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
+    for step in (1, 3, 8):
+        s_content, s_calls, _ = _stream(text, CallFormat.TAGGED, step=step)
+        assert (s_content, [(c["name"], c["arguments"]) for c in s_calls]) == (content or "", calls)
+
+
+def test_a_string_never_closed_before_the_tag_is_still_no_call():
+    """The other side: a string that never closes (malformed) does not swallow the tag and the call after it in
+    the whole answer; the broken call is text, the next one a call."""
+    broken = '<tool_call>{"name": "stop_line", "arguments": {"station": "2}}</tool_call>'
+    text = broken + '\n<tool_call>{"name": "stop_line", "arguments": {"station": 3}}</tool_call>'
+    content, calls = parse(text, CallFormat.TAGGED, TOOLS)
+    assert (content, [(c.name, c.arguments) for c in calls]) == (broken, [("stop_line", '{"station": 3}')])
