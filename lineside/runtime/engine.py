@@ -430,6 +430,10 @@ class LLMEngine:
             if s is None:
                 return False
             self.scheduler.release_session(s)
+            # a completion already here that names it (running on its KV or not) must not keep it alive again
+            for seq in self._seqs.values():
+                if seq.req.session_id == session_id:
+                    seq.session_deleted = True
         self._kick()
         return True
 

@@ -64,6 +64,8 @@ class Sequence:
         self.shadow: int | None = None  # at draft length 0: the 1-token guess to check against the next sample
         self.adapter_slot = 0  # the backend's LoRA slot holding req.adapter (set at submit; 0: the base model)
         self.lora_namespace = ""  # whose KV this is for prefix reuse: "" the base model, else one load of req.adapter
+        # its session was ended (DELETE) after it came: keep_session no longer keeps (or re-makes) it when it ends
+        self.session_deleted = False
 
     # ---- scheduling ------------------------------------------------------------------------
     @property

@@ -122,13 +122,14 @@ class SessionSlots:
             if s is not None and not seq.req.keep_session and s.lent_to is None and s.updated <= seq.arrival:
                 self.release_session(s)  # ... but the session it named ends with it, as after a base completion
             return
+        keep = seq.req.keep_session and not seq.session_deleted  # a DELETE since it came ends the session for good
         mine = s is not None and s.lent_to is seq
         if seq.slot is None:  # it holds no KV now (ended while preempted)
             if mine:
                 self.release_session(s)
             return
         if s is None:
-            if not seq.req.keep_session:
+            if not keep:
                 return
             try:
                 s = self.sessions.open(seq.req.session_id, now, seq.rank)
@@ -139,7 +140,7 @@ class SessionSlots:
             return  # another request holds the session: it decides
         since = s.lent_at if mine else seq.arrival
         newer = s.updated > since  # a prefill call came after this request started: its target stands
-        if not (seq.req.keep_session or newer):
+        if not (keep or newer):
             if mine or s.updated <= since:
                 self.release_session(s)
             return

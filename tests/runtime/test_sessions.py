@@ -369,3 +369,36 @@ def test_session_lent_to_a_preempted_request_ends_with_it(tiny_bundle):
     rt, want, last, st = run(main())
     assert rt == want and last.finish_reason == "cancelled"
     assert st.sessions == 0 and st.session_pinned_blocks == 0 and st.kv_blocks_reserved == 0
+
+
+@pytest.mark.parametrize("lent", [True, False])
+def test_a_session_deleted_while_its_completion_runs_stays_deleted(tiny_bundle, lent):
+    """DELETE while a keep_session completion naming the session runs (on the session's KV, or beside it when its
+    prompt differs): the completion finishes as usual, and when it ends the session is not made again from its KV —
+    DELETE answered that it ended, so nothing stays pinned until a TTL the client no longer expects."""
+    ids = prompt(40, 3)
+
+    async def main():
+        eng, be = engine(tiny_bundle, slots=2, prefill_chunk=16)
+        await eng.start()
+        eng.prefill("b", ids, 40)
+        await settled(eng, "b")
+        be.pause(lambda b: int(b.new_lengths.max()) == 1)  # the completion's first decode step waits
+        asked = ids + prompt(5, 4)[1:] if lent else [2, *prompt(44, 5)[1:]]
+        h = eng.submit(GenerationRequest(prompt_ids=asked, max_tokens=5, session_id="b", keep_session=True))
+        await be.until_paused()
+        hits = eng.stats().session_hits
+        assert eng.release_session("b") is True and eng.session("b") is None
+        be.resume()
+        _, out, _ = await h.result()
+        st, info = eng.stats(), eng.session("b")
+        ref, _ = engine(tiny_bundle, slots=1)
+        await ref.start()
+        want = await answer(ref, asked, n=5)
+        await ref.stop()
+        await eng.stop()
+        return hits, out, want, st, info
+
+    hits, out, want, st, info = run(main())
+    assert hits == int(lent) and out == want
+    assert info is None and st.sessions == 0 and st.session_pinned_blocks == 0 and st.kv_blocks_reserved == 0
