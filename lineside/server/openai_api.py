@@ -34,6 +34,7 @@ from lineside.runtime.request import (
     QueueFullError,
 )
 from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.sessions import SessionsUnsupported
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
     chat_rendering,
@@ -241,9 +242,14 @@ def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id:
 
 def _end_untaken_session(state: ServerState, session: str | None) -> None:
     """A session the completion names ends with it (README), also when no choice can take its KV: else it stayed
-    pinned in the arena until its TTL."""
-    if session is not None:
+    pinned in the arena until its TTL. An engine that keeps no sessions (max_sessions 0, DeepSeek-V4) has none to end:
+    the request runs as any (README), never a 400 for the name."""
+    if session is None:
+        return
+    try:
         state.engine.release_session(session)
+    except SessionsUnsupported:
+        pass
 
 
 async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:

@@ -387,3 +387,21 @@ def test_a_scoring_completion_keeps_its_session_and_scores_as_without_one(srv, s
         assert turn.status_code == 200, turn.text
         assert turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= info["cached_tokens"] - 4
         assert c.get(f"/v1/prefill/{sid}").status_code == 404  # it ended with that turn
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_session_named_on_a_server_without_sessions_runs_as_usual_with_n(merging_bundle, chat):
+    """--max-sessions 0 (as a DeepSeek-V4 bundle, which keeps none): a completion naming a session runs as any request
+    (README), also with n > 1 — where the route ends the session no choice can take, and there is none to end:
+    the same choices as without the name, not a 400 telling the client to send it to the completion endpoint."""
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "station 12 reports"}]})
+                  if chat else ("/v1/completions", {"prompt": "station 12 reports"}))
+    with running_server(merging_bundle, num_slots=2, threads=1, max_sessions=0) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        plain = c.post(path, json={**body, "n": 2, **GREEDY})
+        named = c.post(path, json={**body, "n": 2, "session_id": "none-here", **GREEDY})
+        assert c.post("/v1/prefill", json={**body, "session_id": "x"}).json()["error"]["code"] == \
+            "sessions_unsupported"
+    assert plain.status_code == 200 and named.status_code == 200, named.text
+    assert [ch.get("text", ch.get("message")) for ch in named.json()["choices"]] == \
+        [ch.get("text", ch.get("message")) for ch in plain.json()["choices"]]
