@@ -58,11 +58,15 @@ class PromptStream:
                                  "bytes") from None
         else:
             piece = chunk
-        return self.update(self.text + piece)
+        return self._send(self.text + piece)
 
     def update(self, text: str) -> dict[str, Any]:
         """Replace the prompt so far (a later chunk rewrote earlier text): the server keeps the KV up to the first
-        token that differs."""
+        token that differs. A character's first bytes fed before are dropped with the text they would have ended."""
+        self._utf8.reset()
+        return self._send(text)
+
+    def _send(self, text: str) -> dict[str, Any]:
         self.text = text
         r = self._http.post("/v1/prefill", json={**self._prompt(), "session_id": self.session_id},
                             headers=self._headers)

@@ -240,6 +240,22 @@ def test_prompt_stream_client_openai_base_url_and_bad_bytes(srv):
         assert s.complete(**GREEDY)["choices"][0]["text"]
 
 
+def test_prompt_stream_update_drops_the_bytes_of_a_character_it_replaced(srv):
+    """update() rewrites the whole prompt: the first bytes of a character fed before it belonged to the old text, so
+    they neither block complete() nor get glued to the next piece fed."""
+    from lineside.client import PromptStream
+
+    text = "Température élevée"
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        cold = c.post("/v1/completions", json={"prompt": text, **GREEDY}).json()["choices"][0]["text"]
+    with PromptStream(srv.url, None, "client-upd") as s:
+        s.feed(b"caf\xc3")  # "café" cut inside its "é"
+        s.update("Température")
+        s.feed(" élevée".encode())
+        assert s.text == text
+        assert s.complete(**GREEDY)["choices"][0]["text"] == cold
+
+
 def test_bench_chunked_pattern_feeds_then_completes(srv):
     """`lineside bench --pattern chunked`'s client: each prompt goes through /v1/prefill in pieces, then its
     streamed completion names the session (one hit per request)."""
