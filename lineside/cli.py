@@ -121,6 +121,7 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+INTERRUPTED = 128 + signal.SIGINT  # a command stopped by Ctrl-C: what shells report for it (no command returns it)
 _terminated_by: list[int] = []  # the signal that interrupted the running command (typer turns it into exit 130)
 
 
@@ -190,6 +191,8 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
             rv = cli(args=argv, prog_name=prog, standalone_mode=False)
         if _terminated_by:
             return _terminated_line()
+        if rv == INTERRUPTED:  # typer turns a KeyboardInterrupt that leaves a command into exit 130 without a word
+            print("interrupted", file=sys.stderr)
         return rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
     except UsageError as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # nothing given: the help is the answer (click ≥ 8.2)
@@ -207,7 +210,7 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
         return _terminated_line()
     except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except BrokenPipeError:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the reader went away (e.g. `| head`)
         return 1

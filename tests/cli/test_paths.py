@@ -272,6 +272,17 @@ def test_sigterm_during_build_leaves_nothing_and_keeps_the_old_bundle(ckpt, bund
         assert run_cli("logits", str(out), "--ids", "1,2", "-o", str(ws / "x.npy")).returncode == 0
 
 
+def test_ctrl_c_during_build_is_one_line_and_leaves_nothing(ckpt, ws):
+    """Ctrl-C (SIGINT) mid-build: typer turns the KeyboardInterrupt into exit 130 and printed nothing at all."""
+    out = ws / "b"
+    before = tree_snapshot(ws)
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_BUILD.replace("SIGTERM", "SIGINT"), "build", str(ckpt), "-o",
+                           str(out), "--quant", "fp32", "--max-seq-len", "16", "-q"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert_one_line_error(proc, "interrupted", code=128 + signal.SIGINT)
+    assert tree_snapshot(ws) == before  # no b.partial
+
+
 def test_replace_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(tmp_path, monkeypatch):
     from lineside.cli_checks import replace_dir
 
