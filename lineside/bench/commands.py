@@ -141,6 +141,7 @@ def bench(
     from lineside.bench.load import make_schedule
     from lineside.bench.prompts import PromptPool, parse_range
     from lineside.bench.report import (
+        failure_line,
         machine_load,
         machine_record,
         print_summary,
@@ -236,9 +237,10 @@ def bench(
         with checks.staged_dir(out) as tmp:  # complete or absent: never a half-written report
             written = write_report(tmp, result.records, summary, meta, plots=not no_plots)
         say(console, f"wrote {', '.join(str(out / p.name) for p in written.values())}")
-    if summary.completed == 0:
-        raise LinesideError(f"no request succeeded out of {summary.requests}; first error: "
-                           f"{next((r.error for r in result.records if r.error), 'none')}")
+    failed = failure_line(result.records, summary)
+    if failed is not None:  # the report is written, and says the same; the exit status says the run was not clean
+        raise LinesideError(failed + (f" (the report's Errors section lists them: {out / 'report.md'})"
+                                      if out is not None else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -203,6 +203,26 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
     return rows
 
 
+def failure_line(records: list[RequestRecord], summary: Summary) -> str | None:
+    """One line when any request failed (the run then exits non-zero): a load test whose server refused or dropped
+    requests part-way is not a clean measurement, and its table alone (ok / failed) was easy to read past."""
+    if summary.completed and not summary.failed:
+        return None
+    if not summary.requests:
+        return "no request was sent before the run ended; raise --max-time or --duration"
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            what = r.error or "the answer had no output tokens"
+            errors[what] = errors.get(what, 0) + 1
+    common, n = max(errors.items(), key=lambda kv: kv[1])
+    others = f"; {len(errors) - 1} other error(s) besides" if len(errors) > 1 else ""
+    if summary.completed == 0:
+        return f"no request succeeded out of {summary.requests} ({n} of them: {common}{others})"
+    return (f"{summary.failed} of {summary.requests} requests failed ({n} of them: {common}{others}); the numbers "
+            f"above count only the {summary.completed} that succeeded")
+
+
 def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float | None,
                   tpot_ms: float | None) -> Summary:
     """summarize() with the CLI's millisecond targets."""

@@ -304,3 +304,21 @@ def test_cli_url_reports_the_servers_backend_or_that_it_gave_none(server, tmp_pa
     assert r.exit_code == 0, r.output
     assert "backend: not reported by the server" in r.output
     assert json.loads((tmp_path / "b" / "report.json").read_text())["meta"]["backend"] is None
+
+
+def test_cli_a_run_with_failed_requests_exits_non_zero_and_says_why(server, tmp_path):
+    """A server that refused some requests part-way through a run exited 0 (only an "ok / failed" cell of the
+    table said so): a CI job or script read the run as a clean measurement. The report is still written; the run
+    ends with one line naming the commonest error and a non-zero exit."""
+    pf = tmp_path / "p.jsonl"
+    pf.write_text('{"prompt": "ok one"}\n{"prompt": "FAIL two"}\n{"prompt": "ok three"}\n')
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", server.url, "--prompts-file", str(pf), "--pattern",
+                                       "concurrency", "--concurrency", "1", "--num-requests", "3", "--duration", "0",
+                                       "--max-tokens", "2", "--warmup", "0", "--no-plots", "--out", str(out)])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "\n" not in said, (r.output, said)
+    assert "1 of 3 requests failed" in said and "HTTP 500: injected failure" in said and "2 that succeeded" in said
+    data = json.loads((out / "report.json").read_text())
+    assert (data["summary"]["completed"], data["summary"]["failed"]) == (2, 1)
+    assert "injected failure" in (out / "report.md").read_text()
