@@ -174,6 +174,29 @@ def compare_rows(a: Summary, b: Summary) -> list[tuple[str, float | None, float 
     return out
 
 
+# meta keys that shape the load or the work each request asks for (not when or where it ran: that is noted apart)
+COMPARED_SETTINGS = ("model", "endpoint", "pattern", "rate", "burstiness", "concurrency", "duration", "num_requests",
+                     "prompts", "prompts_per_request", "max_tokens", "seed", "chunks", "chunk_interval", "threads",
+                     "num_slots")
+
+
+def _setting(value: object) -> str:
+    return "-" if value is None else (f"{value:g}" if isinstance(value, float) else str(value))
+
+
+def setting_differences(meta_a: dict, meta_b: dict, a: Summary, b: Summary) -> list[str]:
+    """'NAME A x, B y' for every setting the two runs did not share; goodput's targets too (goodput against
+    different targets is two different numbers, not a change)."""
+    def differ(name: str, va: object, vb: object) -> str | None:
+        return None if va == vb else f"{name} A {_setting(va)}, B {_setting(vb)}"
+
+    out = [differ(k, meta_a.get(k), meta_b.get(k)) for k in COMPARED_SETTINGS]
+    if a.goodput is not None or b.goodput is not None:
+        out += [differ("--ttft-ms", _ms(a.ttft_target), _ms(b.ttft_target)),
+                differ("--tpot-ms", _ms(a.tpot_target), _ms(b.tpot_target))]
+    return [d for d in out if d is not None]
+
+
 def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[tuple]:
     """Print how run B differs from run A (green = better, red = worse); returns the rows."""
     _, a, meta_a = load_json(path_a)
@@ -195,6 +218,10 @@ def compare(path_a: Path, path_b: Path, console: Console | None = None) -> list[
             return f" ({meta['backend_reason']})" if meta.get("backend_reason") else ""
 
         say(console, f"note: backends differ: A ran on {ba}{why(meta_a)}, B on {bb}{why(meta_b)}")
+    differ = setting_differences(meta_a, meta_b, a, b)
+    if differ:  # a faster B at half the --max-tokens is no speed-up of the server
+        say(console, f"note: the runs were made with different settings ({'; '.join(differ)}); a change above may "
+                     "come from them, not from the server", style="yellow")
     ma, mb = meta_a.get("machine") or {}, meta_b.get("machine") or {}
     if ma.get("loaded") or mb.get("loaded") or bool(ma) != bool(mb):
         say(console, f"note: machine load at start, A {_loads(ma.get('loadavg_before'))} on "

@@ -79,6 +79,24 @@ def test_compare_says_when_the_runs_had_different_backends(tmp_path):
     assert "backends differ" not in buf.getvalue()
 
 
+def test_compare_says_which_settings_the_runs_did_not_share(tmp_path):
+    """`--compare` of a run at --max-tokens 64 against one at 128 (or another rate, pattern, goodput target) showed
+    every change in green or red as if the server had changed; it now names each setting that differs."""
+    meta = {"model": "m", "endpoint": "completions", "pattern": "burst", "rate": 2.0, "duration": 20.0,
+            "max_tokens": 64, "seed": 0, "prompts": "synthetic 32:192 tokens", "started_at": 1.0}
+    write_json(tmp_path / "a.json", records(1.0), summarize(records(1.0), ttft_target=0.3), meta)
+    write_json(tmp_path / "b.json", records(0.5), summarize(records(0.5), ttft_target=0.5),
+               {**meta, "rate": 4.0, "max_tokens": 128, "started_at": 2.0})
+    write_json(tmp_path / "c.json", records(0.5), summarize(records(0.5), ttft_target=0.3), {**meta, "started_at": 3.0})
+    buf = io.StringIO()
+    compare(tmp_path / "a.json", tmp_path / "b.json", Console(file=buf, width=400))
+    text = " ".join(buf.getvalue().split())
+    assert "different settings (rate A 2, B 4; max_tokens A 64, B 128; --ttft-ms A 300.0, B 500.0)" in text, text
+    buf = io.StringIO()
+    compare(tmp_path / "a.json", tmp_path / "c.json", Console(file=buf, width=400))  # only the start time differs
+    assert "different settings" not in buf.getvalue()
+
+
 def test_load_json_rejects_foreign_files(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"hello": 1}))
     (tmp_path / "y.json").write_text("{")
