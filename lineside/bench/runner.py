@@ -68,13 +68,26 @@ async def _closed_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: fl
     await asyncio.gather(*(worker() for _ in range(schedule.concurrency)))
 
 
+async def _reachable(client: httpx.AsyncClient, url: str) -> None:
+    """With --model given nothing was asked of the server before the run: a server that is down cost the whole
+    --duration and ended as "no request succeeded". One GET first; only no connection (or no HTTP on it) is refused:
+    an error status or a slow answer comes from a server that is up (some gateways do not list models)."""
+    try:
+        await client.get(url + "/v1/models")
+    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+        raise LinesideError(f"cannot reach {url} ({type(e).__name__}: {e or 'no answer'}); is the server running "
+                            "and is --url right?") from None
+
+
 async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientConfig,
                     deadline: float, warmup: int = 0) -> RunResult:
     """Execute the schedule; `deadline` (s from start) caps the whole run including the drain."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits, headers=cfg.headers()) as client:
         model = cfg.model
-        if not model:
+        if model:
+            await _reachable(client, url)
+        else:
             try:
                 model = await first_model(client, url)
             except httpx.HTTPStatusError as e:

@@ -322,3 +322,17 @@ def test_cli_a_run_with_failed_requests_exits_non_zero_and_says_why(server, tmp_
     data = json.loads((out / "report.json").read_text())
     assert (data["summary"]["completed"], data["summary"]["failed"]) == (2, 1)
     assert "injected failure" in (out / "report.md").read_text()
+
+
+def test_cli_a_server_that_is_down_is_one_line_before_the_run_with_model_given(tmp_path):
+    """With --model, nothing was asked of the server before the run: a server that was down cost the whole
+    --duration, then ended as "no request succeeded". Now one line up front, and nothing written."""
+    from lineside.bench.inprocess import free_port
+
+    r = CliRunner().invoke(cli_app(), ["bench", "--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+                                       "--pattern", "concurrency", "--num-requests", "2", "--duration", "0",
+                                       "--max-tokens", "2", "--warmup", "0", "--no-plots",
+                                       "--out", str(tmp_path / "o")])
+    said = str(r.exception)
+    assert isinstance(r.exception, LinesideError) and "cannot reach" in said and "is the server running" in said, said
+    assert not (tmp_path / "o").exists()
