@@ -159,7 +159,7 @@ def chat(
         help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
     """Interactive chat in the terminal (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt
-    quits)."""
+    quits). Piped input: each line is a turn, blank lines are skipped, the end of the input quits."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
@@ -181,10 +181,14 @@ def chat(
         what, fix = ("--system", "system prompt") if system else ("the chat template", "--chat-template")
         raise LinesideError(f"{what} makes a prompt of {fixed} tokens before anything is typed, and the bundle's "
                             f"context is {limit}; give a shorter {fix} (or build with a larger --max-seq-len)")
-    print(f"chatting with {gen.bundle.config.name or bundle} — empty line to quit", file=sys.stderr)
+    # at a terminal an empty line quits; piped lines (a file of questions) are each a turn until the input ends, and
+    # a blank line between them is skipped (it quit there, dropping every question after it without a word)
+    typed = sys.stdin.isatty()
+    print(f"chatting with {gen.bundle.config.name or bundle} — "
+          f"{'empty line to quit' if typed else 'each line of stdin is a turn, until its end'}", file=sys.stderr)
     if not gen.tokenizer.chat_template:
         print(NO_TEMPLATE_NOTE.replace("--chat falls", "chat falls"), file=sys.stderr)
-    if sys.stdin.isatty() and sys.stdout.isatty():  # input() edits lines (arrows, history) only with readline loaded
+    if typed and sys.stdout.isatty():  # input() edits lines (arrows, history) only with readline loaded
         try:
             import readline  # noqa: F401
         except ImportError:  # a Python built without it: lines are read as before
@@ -207,7 +211,9 @@ def chat(
                   "encoding)", file=sys.stderr)
             continue
         if not line:
-            break
+            if typed:
+                break
+            continue
         turns = [*messages, {"role": "user", "content": line}]
         ids = gen.tokenizer.encode_chat(turns)
         room = limit - len(ids)

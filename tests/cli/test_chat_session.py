@@ -59,6 +59,28 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_bundle, monkeypatch, 
     assert "user: first" in second and "assistant: " in second, second  # the stopped turn is kept
 
 
+class _Terminal(io.StringIO):
+    """Typed lines: stdin at a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("at_a_terminal", [False, True])
+def test_a_blank_line_quits_at_a_terminal_and_is_skipped_in_piped_input(tiny_bundle, monkeypatch, capsys,
+                                                                         at_a_terminal):
+    """`lineside chat B < questions.txt` stopped at the first blank line between two questions, exit 0, every
+    question after it dropped without a word. Piped, each line is a turn until the input ends; typed, an empty
+    line still quits."""
+    lines = "first\n\n   \nsecond\n"
+    monkeypatch.setattr(sys, "stdin", _Terminal(lines) if at_a_terminal else io.StringIO(lines))
+    rc = run_app(lineside_app(), ["chat", str(tiny_bundle), "--backend", "onnxruntime", "--max-tokens", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.count("model> ") == (1 if at_a_terminal else 2), out
+    assert ("empty line to quit" in err) == at_a_terminal and "Traceback" not in err, err
+
+
 def test_sigterm_during_an_answer_still_ends_the_chat(tiny_bundle, monkeypatch, capsys):
     _interrupt_first_answer(monkeypatch, lambda: _raise_terminated(signal.SIGTERM, None))
     rc, out, _ = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n\n")
