@@ -128,10 +128,15 @@ def generate(
     ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     detok = IncrementalDetokenizer(tok, prompt_ids=ids)
     made = 0
-    for t in gen.stream(ids, max_tokens, params):
-        made += 1
-        sys.stdout.write(detok.add(t))
+    try:
+        for t in gen.stream(ids, max_tokens, params):
+            made += 1
+            sys.stdout.write(detok.add(t))
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: what was generated ends its line (the shell prompt gets its own)
+        sys.stdout.write(detok.flush() + "\n")
         sys.stdout.flush()
+        raise
     sys.stdout.write(detok.flush() + "\n")
     limit = gen.backend.max_seq_len
     if made < max_tokens and len(ids) + made >= limit:  # not EOS, not --max-tokens: the context ran out

@@ -87,6 +87,20 @@ def test_sigterm_during_an_answer_still_ends_the_chat(tiny_bundle, monkeypatch, 
     assert rc == 143 and out.count("model> ") == 1, out
 
 
+def test_ctrl_c_during_generate_ends_the_text_on_its_own_line(tiny_bundle, monkeypatch, capsys):
+    """Ctrl-C while `generate` streamed left the text without its newline: the shell prompt was glued to the last
+    word on the terminal. The exit stays 130."""
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    _interrupt_first_answer(monkeypatch, ctrl_c)
+    rc = run_app(lineside_app(), ["generate", str(tiny_bundle), "--prompt", "hello", "--backend", "onnxruntime",
+                                  "--max-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert rc == 130 and "Traceback" not in err, (rc, err, out)
+    assert out.endswith("\n") and out.count("\n") == 1, repr(out)
+
+
 @pytest.mark.parametrize("args", [["--system", "x" * 400], ["--chat-template", "{% for m in messages %}" + "pad " * 300
                                                                + "{{ m.content }}{% endfor %}"]])
 def test_a_fixed_prompt_past_the_context_is_one_line_up_front(tiny_bundle, args):
