@@ -596,8 +596,6 @@ class ToolCallStream:
 
     def _scan(self, final: bool) -> _Scan:
         if self.fmt == CallFormat.ARGUMENTS:
-            if final and not _is_object(self._buf):  # cut off by max_tokens or a stop string: text, not a call
-                return _Scan(self._buf, [])
             return _Scan("", [(self.named, self._buf.lstrip(), final)])
         if self.fmt == CallFormat.MISTRAL:
             s = self._scan_mistral(final)
@@ -1013,14 +1011,6 @@ def _call_object(body: str, complete: bool, names: set[str]) -> tuple[str | None
         if body[v:v + 1] != "{":  # a string or other value: wait for all of it
             return name, "", False, True
         return name, body[v:], False, True
-
-
-def _is_object(text: str) -> bool:
-    """Whether ``text`` is one whole JSON object (what a named call's grammar writes when it is not cut off)."""
-    try:
-        return isinstance(json.loads(text, parse_constant=_no_constant), dict)
-    except (json.JSONDecodeError, ValueError):
-        return False
 
 
 def _no_constant(name: str) -> Any:

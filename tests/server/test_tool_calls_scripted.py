@@ -336,26 +336,3 @@ def test_a_call_cut_by_max_tokens_sends_no_deltas_after_its_text(model):
     assert "".join(t for t, _ in deltas).endswith(cut.split("<tool_call>")[-1])
     last_text = max(i for i, (t, _) in enumerate(deltas) if t)  # the fallback: the call's text as content
     assert not [calls for _, calls in deltas[last_text:] if calls]
-
-
-def test_a_named_call_cut_by_max_tokens_is_no_call(model):
-    """A named tool_choice whose arguments max_tokens cuts off: the grammar never got to close the object, so
-    (as for ``auto``'s calls, and /v1/responses' function_call items) it is no call but text, finish_reason
-    "length". It came back as a call whose arguments were half a JSON object, which json.loads (and LangChain's
-    tool_calls) fail on."""
-    text = SCRIPTS[model.family]["[args]"]
-    cut = text[:text.index('"Ly') + 3]
-    budget = len(model.backend.tok.encode(cut, add_special=False))
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    msgs = [{"role": "user", "content": "[args] What should we do?"}]
-    ask = dict(model="scripted", messages=msgs, tools=TOOLS, temperature=0, max_tokens=budget, tool_choice=named)
-    ch = model.client.chat.completions.create(**ask).choices[0]
-    assert (ch.finish_reason, ch.message.tool_calls, ch.message.content) == ("length", None, cut)
-    whole = model.client.chat.completions.create(**{**ask, "max_tokens": 200}).choices[0]  # not cut: still a call
-    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [("get_weather", text)]
-    content, finishes = "", []
-    for c in model.client.chat.completions.create(**ask, stream=True):
-        if c.choices:
-            content += c.choices[0].delta.content or ""
-            finishes.append(c.choices[0].finish_reason)
-    assert (content, finishes[-1]) == (cut, "length")
