@@ -20,12 +20,13 @@ from lineside.console_line import say
 
 Advance = Callable[[int], None]
 ProgressFactory = Callable[[str, int], Advance]
-LINE_MARKS = (0.25, 0.5, 0.75)  # fractions of a stage a log line is written at (and at its start and end)
+LINE_MARKS = (0.25, 0.5, 0.75)  # fractions of a stage a log line is written at (and at its end)
+LOG_AFTER_S = 10.0  # a stage writes log lines only once it has run this long
 
 
 class ProgressMode(enum.Enum):
     BARS = "bars"  # an interactive terminal: rich bars, redrawn in place
-    LINES = "lines"  # a log, a pipe, CI: a plain line at a stage's start, quarters and end
+    LINES = "lines"  # a log, a pipe, CI: plain lines for a stage that lasts (line_progress)
     NONE = "none"  # --quiet
 
 
@@ -45,21 +46,27 @@ def progress_mode(quiet: bool, console: Console, stream: TextIO) -> ProgressMode
 
 
 def line_progress(log: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> ProgressFactory:
-    """A progress factory that writes plain lines: ``desc: 0/N`` at the start, at each quarter, and ``desc: N/N
-    done in S s`` at the end (at most five lines a stage, however long, and no control characters)."""
+    """A progress factory that writes plain lines for stages that last: nothing for a stage's first
+    ``LOG_AFTER_S``, then ``desc: n/N`` at once and at each quarter after, and ``desc: N/N done in S s`` at its end
+    (at most five lines a stage, however long, and no control characters). A short build (or one that fails early)
+    writes none, so its one error line stays the whole of stderr; a long one shows a log it is alive."""
 
     def factory(desc: str, total: int) -> Advance:
-        done, start = 0, clock()
+        done, start, spoke = 0, clock(), False
         marks = sorted({int(total * f) for f in LINE_MARKS} - {0, total})
-        log(f"{desc}: 0/{total}")
 
         def advance(n: int) -> None:
-            nonlocal done
+            nonlocal done, spoke
             before, done = done, min(done + n, total)
-            if done >= total > before:
-                log(f"{desc}: {total}/{total} done in {clock() - start:.1f}s")
-            elif any(before < m <= done for m in marks):
+            if done == before:
+                return
+            elapsed = clock() - start
+            if done >= total:
+                if spoke or elapsed >= LOG_AFTER_S:
+                    log(f"{desc}: {total}/{total} done in {elapsed:.1f}s")
+            elif elapsed >= LOG_AFTER_S and (not spoke or any(before < m <= done for m in marks)):
                 log(f"{desc}: {done}/{total}")
+                spoke = True
 
         return advance
 
