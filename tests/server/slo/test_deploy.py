@@ -19,7 +19,7 @@ import yaml
 
 from lineside.bench.inprocess import free_port
 from lineside.server.slo.policy import SloPolicy
-from tests.server.conftest import running_server
+from tests.server.conftest import metric, running_server
 
 ROOT = Path(__file__).resolve().parents[3]
 ALERTS = ROOT / "deploy/prometheus/alerts.yml"
@@ -102,8 +102,12 @@ def test_prometheus_scrapes_a_degrading_server_and_the_alert_fires(tiny_bundle, 
         # no more load: the window empties and the ladder steps down, one level per recover_after
         _wait(lambda: _get(f"{url}/health").json()["slo"]["level"] == 0, 30, "recovery to level 0")
         text = _get(f"{url}/metrics").text
-        assert 'lineside_slo_transitions_total{level="0",reason="recovered"} 1.0' in text
-        assert 'lineside_slo_transitions_total{level="1",reason="recovered"} 1.0' in text
+        # it stepped down through level 1 to 0; under the load above it may have done so more than once: at level 2
+        # only the primary's latency is read and the fallback takes every request, so with flap_window_s 0 (no
+        # backoff) the ladder tries level 1 again after each recover_after_s, as a breaker's half-open state does
+        recovered = {lv: metric(text, "lineside_slo_transitions_total", f'level="{lv}",reason="recovered"')
+                     for lv in ("0", "1")}
+        assert recovered["0"] == 1 and recovered["1"] >= 1, recovered
         _wait(lambda: "LinesideDegraded" not in _firing(prom_url), 60, "the alert to resolve")
     finally:
         for process in (prom, server):
