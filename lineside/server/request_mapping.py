@@ -241,13 +241,14 @@ def _token_id_prompt(ids: list[int], vocab_size: int) -> list[int]:
     return list(ids)
 
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100: a bias past it is clamped to it, as vLLM does
 
 
 def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias as (token id, bias) pairs: keys are token ids written as JSON strings, each below the
-    vocabulary size (vLLM refuses the others too), biases within -100..100; anything else a 400 naming it. Keys
-    naming one id twice ("2" and "02") keep the last bias, as vLLM's dict of ids does (summed, they passed the range)."""
+    vocabulary size (vLLM refuses the others too), anything else a 400 naming it; a bias past -100..100 is clamped
+    to it, as vLLM and llama.cpp's server take one (a client banning a token with -1e9 works). Keys naming one id
+    twice ("2" and "02") keep the last bias, as vLLM's dict of ids does."""
     pairs: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit()):
@@ -257,9 +258,7 @@ def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) 
         if token >= vocab_size:
             raise bad(f"logit_bias names token {token}, but the vocabulary has {vocab_size} tokens (ids 0 to "
                       f"{vocab_size - 1})", "logit_bias")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad(f"logit_bias for token {token} is {value}; a bias is between -100 and 100", "logit_bias")
-        pairs[token] = float(value)
+        pairs[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))  # finite: the schema refuses inf
     return tuple(sorted(pairs.items()))
 
 

@@ -70,7 +70,7 @@ class _Sampling(BaseModel):
     n: int | None = Field(1, ge=1, le=64, description="choices per prompt (independent samples; n x prompts <= 64)")
     logprobs: Any = None
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → a bias of -100..100 "
-                                                               "added to its logit before sampling")
+                                                               "(clamped to it) added to its logit before sampling")
     user: str | None = None
     # OpenAI's, on completions too as vLLM takes it (undeclared there it was an unknown field, silently dropped)
     response_format: dict[str, Any] | None = Field(None, description="text | json_object | json_schema: the "

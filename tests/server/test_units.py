@@ -356,9 +356,18 @@ def test_ignore_eos_reaches_the_engine_request():
 
 def test_logit_bias_naming_one_token_twice_takes_the_last_bias_not_their_sum():
     """"2" and "02" are the same token id: vLLM keeps the last bias given (its dict of int keys); summed, the
-    token got 200, past the -100..100 the request may ask for."""
+    token got 180, past the -100..100 OpenAI defines."""
     req = CompletionRequest(prompt="hi", logit_bias={"2": 100.0, "5": 1.0, "02": 80.0})
     assert request_mapping.logit_bias(req, vocab_size=10) == ((2, 80.0), (5, 1.0))
+
+
+@pytest.mark.parametrize("value, kept", [(150.0, 100.0), (-1e9, -100.0), (100.0, 100.0), (-100.0, -100.0),
+                                         (3.5, 3.5)])
+def test_logit_bias_past_100_is_clamped_to_it_as_vllm_does(value, kept):
+    """OpenAI defines biases from -100 to 100; vLLM (its "clamp ... per OpenAI API spec") and llama.cpp's server take
+    a larger one rather than refuse the request, so a client that bans a token with -1e9 works against them."""
+    req = CompletionRequest(prompt="hi", logit_bias={"3": value})
+    assert request_mapping.logit_bias(req, vocab_size=10) == ((3, kept),)
 
 
 def test_a_chat_answer_is_settled_for_its_next_turn_and_a_completion_is_not():
