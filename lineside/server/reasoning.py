@@ -25,19 +25,24 @@ PARSERS = ("none", "deepseek_r1", "auto")  # --reasoning-parser; auto: deepseek_
 
 @dataclass(frozen=True)
 class ThinkTokens:
-    """The tokenizer's ids of ``<think>`` and ``</think>`` (each one token in R1's vocabulary), and its
-    end-of-sequence ids, which end a chat template's earlier turns."""
+    """The tokenizer's ids of ``<think>`` and ``</think>`` (each one token in R1's vocabulary), its
+    end-of-sequence ids, which end a chat template's earlier turns, and whether ``</think>`` is a special token
+    (``end_hidden``: decoding drops its text, so only its id can end the reasoning)."""
 
     start_id: int
     end_id: int
     turn_ends: frozenset[int] = frozenset()
+    end_hidden: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any) -> ThinkTokens | None:
         """The tags' ids when both are single tokens of ``tokenizer`` (lineside's Tokenizer), else None."""
         start, end = tokenizer.token_id(START), tokenizer.token_id(END)
         ends = frozenset(int(t) for t in getattr(tokenizer, "eos_token_ids", None) or ())
-        return None if start is None or end is None else cls(int(start), int(end), ends)
+        if start is None or end is None:
+            return None
+        is_special = getattr(tokenizer, "is_special", None)
+        return cls(int(start), int(end), ends, bool(is_special(int(end))) if is_special is not None else False)
 
     def thinking_after(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the output begins inside the reasoning: the prompt's last tag is not a ``</think>`` of the turn
@@ -112,20 +117,21 @@ class ReasoningSplitter:
     _reasoning: list[str] = field(default_factory=list)
     _content: list[str] = field(default_factory=list)
     _closed: bool = False  # the output closed its reasoning (content is "" rather than null when empty)
+    _end_counted: bool = False  # the </think> token was seen: reasoning_tokens is final
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
         """(reasoning, answer) of the next piece of output (``token_ids``: the tokens it came from)."""
         if not self.thinking:
             self._content.append(text)
             return "", text
-        self.reasoning_tokens += len(token_ids)
+        self._count(token_ids)
         buf = self._held + text
         self._held = ""
-        end = buf.find(END)
-        if end < 0 and self.think.end_id in token_ids:  # a special-marked </think>, decoded to nothing: it ends here
+        end, tag = buf.find(END), len(END)
+        # a special-marked </think> decodes to nothing: its id ends the reasoning here. An ordinary one ends it
+        # where its text is, which a stop string's held-back prefix may deliver with a later token's text.
+        if end < 0 and self.think.end_hidden and self.think.end_id in token_ids:
             end, tag = len(buf), 0
-        else:
-            tag = len(END)
         if end >= 0:
             self.thinking, self._closed = False, True
             reasoning, answer = buf[:end].replace(START, ""), buf[end + tag:]
@@ -140,6 +146,18 @@ class ReasoningSplitter:
             reasoning = reasoning.replace(START, "")
         self._reasoning.append(reasoning)
         return reasoning, ""
+
+    def _count(self, token_ids: Sequence[int]) -> None:
+        """Add the tokens written inside the reasoning: those up to and including the ``</think>`` token (a piece of
+        several tokens may go on past it); without that token (a tag spelled in ordinary tokens) every token fed
+        while the text has not closed the reasoning."""
+        if self._end_counted:
+            return
+        ids = list(token_ids)
+        if self.think.end_id in ids:
+            self._end_counted = True
+            ids = ids[:ids.index(self.think.end_id) + 1]
+        self.reasoning_tokens += len(ids)
 
     def close(self) -> tuple[str, str]:
         """The end of the output: text held back as a possible tag is reasoning after all."""

@@ -247,6 +247,20 @@ def test_an_output_that_ends_inside_the_reasoning(r1, kw, reasoning, finish, sto
     assert (r, c, f) == (reasoning, "", finish)
 
 
+@pytest.mark.parametrize("stop", [["</think>Z"], ["4.\n</think>\n\nX"]])
+def test_a_stop_string_held_across_the_end_of_the_reasoning(r1, stop):
+    """A stop string that may begin at ``</think>`` holds the tag's text back until a later token decides it: the
+    reasoning still ends at the tag's text, which stays out of the answer, and the count ends at its token."""
+    tok = r1.state.engine.tokenizer
+    thought = len(tok.encode(SCRIPTS["[think]"].split("</think>")[0] + "</think>", add_special=False))
+    r = _ask(r1, "[think]", stop=stop)
+    m = r.choices[0].message.model_dump()
+    assert (m["reasoning_content"], m["content"], r.choices[0].finish_reason) == (*SPLIT["[think]"], "stop")
+    assert r.usage.completion_tokens_details.reasoning_tokens == thought
+    ((rs, _, c, f),) = _streamed(r1, "[think]", stop=stop)
+    assert (rs, c, f) == (*SPLIT["[think]"], "stop")
+
+
 def test_include_reasoning_false_drops_it(r1):
     """vLLM's ``include_reasoning: false``: the answer alone, the reasoning neither returned nor streamed."""
     m = _ask(r1, "[think]", extra_body={"include_reasoning": False}).choices[0].message.model_dump()
@@ -548,11 +562,44 @@ def test_a_think_tag_decoded_to_nothing_still_ends_the_reasoning():
     """A tokenizer that marks ``</think>`` special drops its text (skip_special_tokens): its id ends the reasoning."""
     from lineside.server.reasoning import ReasoningSplitter, ThinkTokens
 
-    s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11), True)
+    s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11, end_hidden=True), True)
     assert s.feed("abc", [5]) == ("abc", "")
     assert s.feed("", [11]) == ("", "")
     assert s.feed("xyz", [6]) == ("", "xyz")
     assert s.result() == ("abc", "xyz") and s.reasoning_tokens == 2
+
+
+def test_an_ordinary_think_tag_ends_the_reasoning_where_its_text_is():
+    """An ordinary ``</think>`` whose text comes later (held back by a stop string) ends the reasoning there, not at
+    its id; usage counts the tokens up to and including the tag's, however the pieces group them."""
+    from lineside.server.reasoning import ReasoningSplitter, ThinkTokens
+
+    s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11), True)
+    assert s.feed("abc", [5]) == ("abc", "")
+    assert s.feed("", [11]) == ("", "")  # the tag's text held back
+    assert s.feed("</think>xyz", [6]) == ("", "xyz")
+    assert s.result() == ("abc", "xyz") and s.reasoning_tokens == 2
+    s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11), True)
+    assert s.feed("ab</think>xy", [5, 11, 6]) == ("ab", "xy")  # one piece of several tokens (speculative)
+    assert s.reasoning_tokens == 2
+
+
+def test_the_tokenizer_says_whether_the_tag_is_hidden(r1_bundle):
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tokenizer import Tokenizer
+    from lineside.server.reasoning import ThinkTokens
+
+    tok = Tokenizer.from_bundle(open_bundle(r1_bundle))
+    assert ThinkTokens.of(tok).end_hidden is False  # R1 releases the tags as ordinary added tokens
+
+    class Special:  # a tokenizer that marks them special (skipped when decoding)
+        def token_id(self, text):
+            return {"<think>": 10, "</think>": 11}.get(text)
+
+        def is_special(self, i):
+            return i in (10, 11)
+
+    assert ThinkTokens.of(Special()).end_hidden is True
 
 
 @pytest.mark.parametrize("prompt, thinking", [
