@@ -98,7 +98,8 @@ def test_smollm2_vs_llamacpp_live(smollm2_tok):
         assert tok.encode(text, add_special_tokens=False).ids == want, repr(text)
 
 
-PRE_NAMES = ["default", "gpt-2", "smollm", "starcoder", "llama-bpe", "qwen2", "deepseek-r1-qwen", "deepseek-v3"]
+PRE_NAMES = ["default", "gpt-2", "smollm", "starcoder", "llama-bpe", "qwen2", "deepseek-r1-qwen", "deepseek-v3",
+             "deepseek-llm", "deepseek-coder"]
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,32 @@ def test_tiny_llama3_adds_bos(tmp_path, tiny_llama):
     assert enc.tokens[1:] == ["t", "he", "Ġ", "202", "4"]  # \p{N}{1,3} chunks, merges apply
     tcfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
     assert tcfg["add_bos_token"] is True and tcfg["bos_token"] == "<|im_start|>"
+
+
+# (pre, text, tokens as llama.cpp gives them on _tiny_bpe() plus the merge "Ġ Ġ"): DeepSeek LLM keeps digit runs whole
+# and a run of spaces before U+3000 (whitespace to llama.cpp, not a punctuation char) in one piece; Coder splits digits.
+DEEPSEEK_CASES = [
+    ("deepseek-llm", "the 2024\nthe  \u3000\"", ["<|im_start|>", "t", "he", "Ġ", "202", "4", "Ċ", "t", "he", "ĠĠ",
+                                               "ã", "Ģ", "Ģ", '"']),
+    ("deepseek-coder", "the 2024 the", ["<|im_start|>", "t", "he", "Ġ", "2", "0", "2", "4", "Ġthe"]),
+]
+
+
+@pytest.mark.parametrize(("pre", "text", "want"), DEEPSEEK_CASES)
+def test_tiny_deepseek_llm_and_coder_pre_tokenizers(pre, text, want, tmp_path, tiny_llama):
+    """DeepSeek LLM 7B / Coder 6.7B GGUFs (llama architecture) name these pre-tokenizers; once refused as unknown."""
+    vocab = _tiny_bpe()
+    vocab = {**vocab, "merges": [*vocab["merges"], "Ġ Ġ"], "tokens": [*vocab["tokens"], "ĠĠ"], "types": [*vocab["types"], 1]}
+    path = _tiny_gguf(tmp_path, tiny_llama, **vocab, pre=pre, bos=1, eos=2, add_bos=True)
+    open_checkpoint(path).write_tokenizer(tmp_path / "out")
+    tok = _load(tmp_path / "out")
+    assert tok.encode(text).tokens == want
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=True) == text
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=str(path), vocab_only=True, verbose=False)
+        assert tok.encode(text).ids == llm.tokenize(text.encode(), add_bos=True, special=True)
 
 
 def test_unsupported_tokenizers(tmp_path, tiny_llama):
