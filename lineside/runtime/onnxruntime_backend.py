@@ -113,15 +113,18 @@ class OnnxRuntimeBackend:
     def __init__(self, bundle: Bundle, num_slots: int = 1, flavor: str | None = None, threads: int | None = None,
                  max_seq_len: int | None = None, accuracy_level: int | None = None, spin: bool | None = None,
                  entry: FlavorEntry | None = None, shared: dict[str, np.ndarray] | None = None,
-                 lora: LoraSlotsConfig | None = None):
+                 lora: LoraSlotsConfig | None = None, draft_model: bool = False):
         """``entry``: another graph of the bundle than the flavor's own (a layerskip draft graph); ``shared``:
         state arrays, by input name, to use instead of allocating them (the target's KV for the draft's layers);
-        ``lora``: the adapter slots to serve (the bundle's LoRA graph runs instead of the base graph)."""
+        ``lora``: the adapter slots to serve (the bundle's LoRA graph runs instead of the base graph);
+        ``draft_model``: a draft:BUNDLE model's backend, on its default graphs (DECODE_GRAPH_ENV is the served
+        model's: a draft's one-row steps are faster on the 4-bit graph, and it need not have an int8 one)."""
         import onnxruntime as ort
 
         check_onnxruntime_version(ort.__version__)
         flavor = flavor or ("cpu" if "cpu" in bundle.flavors else next(iter(bundle.flavors), "cpu"))  # none: refused
-        own_graph = entry is None  # the flavor's model graph (not a draft graph: DECODE_GRAPH_ENV is for it only)
+        # the served model's own graph (not a draft graph nor a draft model's: DECODE_GRAPH_ENV is for it only)
+        own_graph = entry is None and not draft_model
         entry = entry or bundle.flavor(flavor)
         self.flavor = flavor
         if accuracy_level is None and flavor == "trt":

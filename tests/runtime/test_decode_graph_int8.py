@@ -101,3 +101,21 @@ def test_adapter_slots_are_refused(w4, monkeypatch):
     monkeypatch.setenv(DECODE_GRAPH_ENV, "int8")
     with pytest.raises(LinesideError, match="runs the base model only .* serve without --max-loras"):
         OnnxRuntimeBackend(bundle, lora=LoraSlotsConfig(max_loras=2, max_rank=8))
+
+
+@needs_exact_int8
+def test_a_draft_bundle_without_an_int8_graph_serves_beside_an_int8_target(w4, monkeypatch):
+    """The mode is the served model's: a draft:BUNDLE built without an int8 graph (--no-prefill-graph, or at
+    accuracy level 0) was refused as if the target lacked one. Greedy answers equal the mode's without drafts."""
+    from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
+    from tests.runtime.conftest import run
+    from tests.runtime.test_speculative_model import engine_outputs, tiny_prompts
+
+    target, draft = w4(), w4(prefill_graph=False)
+    monkeypatch.setenv(DECODE_GRAPH_ENV, "int8")
+    prompts, n = tiny_prompts(), 12
+    plain, _ = run(engine_outputs(target.path, prompts, n, spec=None))
+    spec = SpeculativeConfig(SpecMethod.DRAFT, 4, max_rows=8, draft_bundle=draft.path, draft_cost=0.0)
+    got, st = run(engine_outputs(target.path, prompts, n, spec=spec))
+    assert got == plain
+    assert st.spec_accepted_tokens_total > 0  # the same weights: the draft's guesses are mostly the target's

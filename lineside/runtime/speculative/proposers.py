@@ -84,7 +84,7 @@ def make_proposer(spec: SpeculativeConfig, bundle: Bundle, backend: Backend, *,
                                   cost=_cost(spec, float(entry.get("weight_fraction", 1.0))))
     assert draft is not None
     draft_be = OnnxRuntimeBackend(draft, num_slots=backend.num_slots, threads=threads,
-                                  max_seq_len=min(draft.max_seq_len, backend.max_seq_len))
+                                  max_seq_len=min(draft.max_seq_len, backend.max_seq_len), draft_model=True)
     if any(st.update == "replace" for st in draft_be.states):
         draft_be.close()
         raise LinesideError(f"--speculative {spec.label}: the draft bundle's model keeps whole-state tensors "
