@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lineside.bundle import Bundle, FlavorEntry
+from lineside.config import DENSE_FAMILIES
 from lineside.errors import LinesideError
 from lineside.graph_io import PACKED_INT4, StateTensor, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
@@ -58,16 +59,29 @@ MIN_ONNXRUNTIME = (1, 22)
 FAST_VERIFY_TOKENS = 17
 
 
-def decode_graph_int8(entry: FlavorEntry, *, lora: bool) -> bool:
-    """Whether ``DECODE_GRAPH_ENV`` asks every step on the int8 graph; refused in one line where it cannot be had."""
+def no_int8_graph_hint(architecture: str, scheme: str | None, flavor: str) -> str:
+    """What would give a bundle an int8 graph: `build --prefill-graph` refuses other models, quants and flavors,
+    so the refusal must not send a DeepSeek-V4, fp32 or trt-only bundle's user there."""
+    if architecture not in DENSE_FAMILIES:
+        return f"it is built for Llama and Qwen2 models only, not {architecture}"
+    if scheme not in ("w4a16", "w8a16"):
+        return f"it is built for w4a16 and w8a16 bundles only, not {scheme}"
+    if flavor != "cpu":
+        return f"it is the cpu flavor's, not the {flavor} flavor's: rebuild with --flavors cpu"
+    return "rebuild it with --prefill-graph"
+
+
+def decode_graph_int8(entry: FlavorEntry, *, lora: bool, hint: str = "rebuild it with --prefill-graph") -> bool:
+    """Whether ``DECODE_GRAPH_ENV`` asks every step on the int8 graph; refused in one line where it cannot be had
+    (``hint``: what would give this bundle an int8 graph, no_int8_graph_hint)."""
     value = os.environ.get(DECODE_GRAPH_ENV, "").strip().lower()
     if value in ("", "4bit", "default"):
         return False
     if value != "int8":
         raise LinesideError(f"{DECODE_GRAPH_ENV}={value!r} is not a decode graph: use int8, or 4bit (the default)")
     if entry.prefill_graph is None:
-        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8: this bundle has no int8 graph (build it with --prefill-graph "
-                            f"for the cpu flavor), or unset {DECODE_GRAPH_ENV}")
+        raise LinesideError(f"{DECODE_GRAPH_ENV}=int8: this bundle has no int8 graph ({hint}); unset "
+                            f"{DECODE_GRAPH_ENV}")
     if lora:
         raise LinesideError(f"{DECODE_GRAPH_ENV}=int8 runs the base model only (the LoRA graph has no int8 variant): "
                             f"serve without --max-loras, or unset {DECODE_GRAPH_ENV}")
@@ -191,7 +205,9 @@ class OnnxRuntimeBackend:
         # (cpu_features.py). Opened beside the main session on a thread of its own (onnxruntime packs weights
         # without the GIL): 0.1-0.2 s less to ready.
         prefill = entry.prefill_graph if os.environ.get(PREFILL_ENV, "1") != "0" else None
-        if own_graph and decode_graph_int8(entry, lora=lora is not None):
+        scheme = (self.quantization or {}).get("scheme")
+        if own_graph and decode_graph_int8(entry, lora=lora is not None,
+                                           hint=no_int8_graph_hint(bundle.architecture, scheme, flavor)):
             graph, prefill = str(entry.prefill_graph), None  # the main session is the int8 graph: nothing beside it
 
         def load_prefill(rel: str) -> Any:

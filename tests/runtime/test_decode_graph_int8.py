@@ -77,10 +77,15 @@ def test_refusals_are_one_line(w4, tiny_bundles, monkeypatch):
     with pytest.raises(LinesideError, match=r"^LINESIDE_DECODE_GRAPH='fp8' is not a decode graph: use int8"):
         OnnxRuntimeBackend(bundle)
     monkeypatch.setenv(DECODE_GRAPH_ENV, "int8")
-    with pytest.raises(LinesideError, match="this bundle has no int8 graph"):
+    with pytest.raises(LinesideError, match=r"this bundle has no int8 graph \(rebuild it with --prefill-graph\)"):
         OnnxRuntimeBackend(w4(prefill_graph=False))
-    with pytest.raises(LinesideError, match="has no int8 graph"):
+    # where `build --prefill-graph` would refuse, the line does not send the user there
+    with pytest.raises(LinesideError, match=r"has no int8 graph \(it is built for w4a16 and w8a16 bundles only, "
+                                            r"not fp32\); unset LINESIDE_DECODE_GRAPH$"):
         OnnxRuntimeBackend(open_bundle(tiny_bundles(quant="fp32")))
+    assert "Llama and Qwen2 models only, not deepseek_v4" in onnxruntime_backend.no_int8_graph_hint(
+        "deepseek_v4", "w4a16", "cpu")
+    assert "rebuild with --flavors cpu" in onnxruntime_backend.no_int8_graph_hint("llama", "w4a16", "trt")
     monkeypatch.setenv("LINESIDE_PREFILL_GRAPH", "0")
     with pytest.raises(LinesideError, match="ask for opposite graphs"):
         OnnxRuntimeBackend(bundle)
