@@ -209,6 +209,8 @@ class OnnxRuntimeBackend:
         if own_graph and decode_graph_int8(entry, lora=lora is not None,
                                            hint=no_int8_graph_hint(bundle.architecture, scheme, flavor)):
             graph, prefill = str(entry.prefill_graph), None  # the main session is the int8 graph: nothing beside it
+            log.info("every step runs on the bundle's int8 graph (%s=int8): throughput over one stream's speed",
+                     DECODE_GRAPH_ENV)
 
         def load_prefill(rel: str) -> Any:
             if not host_int8_gemm_exact():  # one run of the int8 product (~13 ms, cached per process)

@@ -35,7 +35,7 @@ def rel_err(a, ref):
 
 
 @needs_exact_int8
-def test_every_step_runs_on_the_int8_graph_and_rows_do_not_see_each_other(w4, tiny_dense, monkeypatch):
+def test_every_step_runs_on_the_int8_graph_and_rows_do_not_see_each_other(w4, tiny_dense, monkeypatch, caplog):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -45,7 +45,9 @@ def test_every_step_runs_on_the_int8_graph_and_rows_do_not_see_each_other(w4, ti
     real_open = onnxruntime_backend.open_session
     monkeypatch.setattr(onnxruntime_backend, "open_session",
                         lambda ort, path, *a, **kw: opened.append(path.name) or real_open(ort, path, *a, **kw))
-    be = OnnxRuntimeBackend(bundle, num_slots=4)
+    with caplog.at_level("INFO", logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(bundle, num_slots=4)
+    assert any("every step runs on the bundle's int8 graph" in r.getMessage() for r in caplog.records)  # said once
     # the int8 graph is the one session: the 4-bit graph is not even loaded
     assert opened == ["model.prefill.onnx"] and be.prefill_session is None
     for slot, ids in enumerate(PROMPTS):
