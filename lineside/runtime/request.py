@@ -66,6 +66,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)  # stop strings: matched across tokens, not in the output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's include_stop_str_in_output: the stop string (or stop token's text) that ended the answer is kept in it
+    include_stop_str: bool = False
     priority: Priority = Priority.NORMAL
     mode: Mode = Mode.REALTIME
     timeout_s: float | None = None  # from arrival (submit) to the last token

@@ -42,7 +42,7 @@ class Sequence:
         # min_tokens holds back EOS even with ignore_eos (vLLM's all_stop_token_ids), and the stop token ids
         self.sampler = Sampler(req.sampling, stop_ids=set(req.stop_token_ids) | set(eos_ids))
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=self.prompt, keep=req.keep_special_ids)
-        self.stopper = StopMatcher(req.stop)
+        self.stopper = StopMatcher(req.stop, include=req.include_stop_str)
         self.eos_ids = set(eos_ids)
         self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)
         self.min_tokens = req.sampling.min_tokens
@@ -141,7 +141,9 @@ class Sequence:
         if tok in self.stop_ids and (past_min or self.matcher is not None):
             # the model's EOS is no stop_reason (vLLM checks it before the request's stop_token_ids)
             eos = tok not in self.req.stop_token_ids or (tok in self.eos_ids and not self.req.ignore_eos)
-            return self._last(FinishReason.STOP, "", [], None if eos else tok)
+            # include_stop_str_in_output keeps the stop token's text (vLLM decodes it then; a skipped special's is "")
+            text = self.stopper.feed(self.detok.add(tok), armed=past_min) if self.req.include_stop_str else ""
+            return self._last(FinishReason.STOP, text, [], None if eos else tok)
         text = self.stopper.feed(self.detok.add(tok), armed=past_min)
         if self.stopper.stopped:
             return self._event(text, [tok], FinishReason.STOP, logprob=logprob, stop_reason=self.stopper.hit)

@@ -1,7 +1,8 @@
 """Stop strings matched on the decoded text, across token boundaries.
 
 Text that could still be the start of a stop string is held back until the next token decides
-it; once a stop string appears, everything from it on is dropped (OpenAI semantics). Generation stops as soon as
+it; once a stop string appears, everything from it on is dropped (OpenAI semantics), or, with vLLM's
+``include_stop_str_in_output``, everything after it (the stop string ends the text). Generation stops as soon as
 a stop string is complete, so where one token's text completes several, the one that ends first wins (of those
 ending together, the one that starts first): the cut is the one the text fed a character at a time gives, however
 the tokens split it.
@@ -31,8 +32,9 @@ def partial_suffix(text: str, tags: Iterable[str]) -> int:
 class StopMatcher:
     """Feed complete text pieces; get back the part that is safe to emit and whether a stop string hit."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the text is cut after the stop string, not before
         self.held = ""
         self.unarmed = 0  # how many of ``held``'s first characters were fed unarmed
         self.stopped = False
@@ -50,10 +52,10 @@ class StopMatcher:
         found = ((buf.find(s, max(0, floor - len(s) + 1)), s) for s in self.stops)
         hits = [(i + len(s), i, s) for i, s in found if i >= 0]
         if hits:
-            _, start, self.hit = min(hits)  # the first to end; of those, the first to start
+            end, start, self.hit = min(hits)  # the first to end; of those, the first to start
             self.stopped = True
             self.held, self.unarmed = "", 0
-            return buf[:start]
+            return buf[:end] if self.include else buf[:start]
         keep = partial_suffix(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         self.unarmed = max(0, floor - (len(buf) - keep))

@@ -89,9 +89,10 @@ class _Sampling(BaseModel):
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's: EOS and stop_token_ids are masked "
                                    "and stop strings do not match until this many tokens are generated (at most "
                                    "max_tokens; a complete structured output still ends the answer)")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's: keep the stop string (or the stop "
+                                                    "token's text) that ended the answer at its end")
     # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
     # (request_mapping.check_common) rather than dropped with the unknown fields; at their defaults they pass
-    include_stop_str_in_output: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None

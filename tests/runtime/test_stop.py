@@ -130,3 +130,36 @@ def test_text_released_at_the_end_is_still_checked_for_stop_strings(tmp_path):
     assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab", "stop", " ")
     evs = events(tok, ids[:3], max_tokens=3)
     assert ("".join(e.text for e in evs), evs[-1].finish_reason) == ("ab ", "length")  # no stop: the space stays
+
+
+def test_include_stop_str_cuts_after_the_stop_string():
+    """vLLM's include_stop_str_in_output: the text ends with the stop string that ended it (nothing after it), the
+    same stop winning as without it, however the pieces split the text; a stop that began in unarmed text counts."""
+    cases = [("x\nUser: hi", ["\nUser:", "User"], "x\nUser", "User"), ("abcd", ["abcd", "b"], "ab", "b"),
+             ("abc", ["c", "bc"], "abc", "bc"), ("Hello ### tail", ["###"], "Hello ###", "###"),
+             ("ok 👍🏽 yes", ["🏽 y", "👍"], "ok 👍", "👍")]
+    for text, stops, expect, which in cases:
+        for size in (1, 2, 3, len(text)):
+            m = StopMatcher(stops, include=True)
+            out = "".join(m.feed(text[i:i + size]) for i in range(0, len(text), size)) + m.flush()
+            assert (out, m.stopped, m.hit) == (expect, True, which), (text, stops, size)
+    m = StopMatcher(["ab"], include=True)
+    assert m.feed("xa", armed=False) == "x" and m.feed("b") == "ab" and m.stopped
+
+
+def test_include_stop_str_keeps_the_stop_text_or_token(tmp_path):
+    """Through a sequence: the stop string stays in the answer (stop_reason still names it), and a stop_token_ids
+    token's text is kept, as vLLM decodes the stop token under include_stop_str_in_output; the model's EOS (a
+    skipped special token) adds nothing."""
+    tok, _ = merged_byte_level(tmp_path)
+    ids = tok.encode("ab. cd", add_special=False)
+    evs = events(tok, ids, stop=[". c", "d"], include_stop_str=True)
+    assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab. c", "stop", ". c")
+    assert evs[-1].completion_tokens == 5  # the token that completed the stop counts
+    dot = tok.encode(".", add_special=False)[0]
+    evs = events(tok, ids, stop_token_ids=[dot], include_stop_str=True)
+    assert ("".join(e.text for e in evs), evs[-1].stop_reason) == ("ab.", dot)
+    evs = events(tok, [*ids[:2], 1], include_stop_str=True)
+    assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab", "stop", None)
+    evs = events(tok, ids, stop_token_ids=[dot], stop=["b."], include_stop_str=True)  # the token completes a stop
+    assert ("".join(e.text for e in evs), evs[-1].stop_reason) == ("ab.", "b.")

@@ -92,7 +92,8 @@ FIELDS = [
     ("completions", {"min_tokens": 2, "stop_token_ids": [5]}, 200, None),
     ("completions", {"min_tokens": 2, "guided_choice": ["a", "b"]}, 200, None),
     ("completions", {"min_tokens": -1}, 400, "min_tokens"),
-    ("completions", {"include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("completions", {"include_stop_str_in_output": True, "stop": ["x"]}, 200, None),  # vLLM's, honoured
+    ("completions", {"include_stop_str_in_output": "yes please"}, 400, "include_stop_str_in_output"),
     ("chat", {"bad_words": ["x"]}, 400, "bad_words"),
     ("completions", {"allowed_token_ids": [5]}, 400, "allowed_token_ids"),
     ("completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),

@@ -138,6 +138,49 @@ def test_stop_reason_says_which_stop_ended_the_answer(server, reference):
         assert ask(stream, max_tokens=1)[1:] == ("length", None)
 
 
+def test_include_stop_str_in_output_keeps_the_stop(server, reference):
+    """vLLM's include_stop_str_in_output: the answer runs to the end of the stop string that ended it (a stop token
+    id's text kept too), on completions and chat, streamed and not; stop_reason still names it."""
+
+    def first_ascii(full: str, whole_before: bool = True) -> int | None:  # as the stop_reason test above picks
+        return next((i for i in range(1, len(full)) if full[i].isascii() and full[i].isprintable()
+                     and not full[i].isspace() and full.index(full[i]) == i
+                     and (full[i - 1] != "\ufffd" or not whole_before)), None)
+
+    def ask(path: str, stream: bool, **kw):
+        r = httpx.post(server.url + path, json={"max_tokens": 40, "temperature": 0, "stream": stream,
+                                                "include_stop_str_in_output": True, **kw}, timeout=30)
+        assert r.status_code == 200, r.text
+        key = "text" if "prompt" in kw else None
+        pick = (lambda c: c[key]) if key else (lambda c: (c.get("message") or c.get("delta") or {}).get("content") or "")
+        if not stream:
+            c = r.json()["choices"][0]
+            return pick(c), c["finish_reason"], c["stop_reason"]
+        objs = [o for o in sse.parse(r.text) if o != "[DONE]" and o.get("choices")]
+        last = objs[-1]["choices"][0]
+        return "".join(pick(o["choices"][0]) for o in objs), last["finish_reason"], last["stop_reason"]
+
+    tok = server.state.engine.tokenizer
+    full = reference("stop test", 40)[0]
+    at = first_ascii(full)
+    chat_full = reference("stop test", 40, chat=True)[0]
+    chat_at = first_ascii(chat_full, whole_before=False)  # a stop string only: no stop token drops bytes
+    if at is None or chat_at is None:
+        pytest.skip("the random model produced no printable character to stop on")
+    stop, chat_stop = full[at], chat_full[chat_at]
+    msgs = [{"role": "user", "content": "stop test"}]
+    for stream in (False, True):
+        assert ask("/v1/completions", stream, prompt="stop test", stop=["\u2603", stop]) == \
+            (full[:at + 1], "stop", stop)
+        token = tok.encode(stop, add_special=False)[0]
+        assert ask("/v1/completions", stream, prompt="stop test", stop_token_ids=[token]) == \
+            (full[:at + 1], "stop", token)
+        assert ask("/v1/chat/completions", stream, messages=msgs, stop=[chat_stop]) == \
+            (chat_full[:chat_at + 1], "stop", chat_stop)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "include_stop_str_in_output": "maybe"})
+    assert r.status_code == 400 and "include_stop_str_in_output" in r.text
+
+
 def test_prompt_list_and_token_ids(server, reference):
     a, b = reference("one", 8)[0], reference("two two", 8)[0]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ["one", "two two"], "max_tokens": 8,

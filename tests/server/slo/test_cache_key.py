@@ -56,6 +56,7 @@ DIFFERING = {
     "parallel_tool_calls": ("chat", {"tools": [TOOL], "tool_choice": "required"},
                             {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}),
     "speculative": ("chat", {}, {"speculative": False}),
+    "include_stop_str_in_output": ("completions", {"stop": ["a"]}, {"stop": ["a"], "include_stop_str_in_output": True}),
     "model": ("chat", {}, {"model": "tiny-llama"}),  # the same model by name: kept apart, which costs only a miss
     "messages": ("chat", {}, {"messages": [{"role": "user", "content": "another"}]}),
     "add_generation_prompt": ("chat", {}, {"add_generation_prompt": False}),
@@ -72,7 +73,7 @@ DIFFERING = {
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
 REFUSED = {"suffix": {"suffix": "end"},
-           "best_of": {"best_of": 2}, "include_stop_str_in_output": {"include_stop_str_in_output": True},
+           "best_of": {"best_of": 2},
            "bad_words": {"bad_words": ["x"]}, "allowed_token_ids": {"allowed_token_ids": [5]},
            "truncate_prompt_tokens": {"truncate_prompt_tokens": 4}, "use_beam_search": {"use_beam_search": True},
            "skip_special_tokens": {"skip_special_tokens": False},
