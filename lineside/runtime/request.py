@@ -68,6 +68,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     # vLLM's include_stop_str_in_output: the stop string (or stop token's text) that ended the answer is kept in it
     include_stop_str: bool = False
+    # vLLM's skip_special_tokens: False writes every special token's text into the answer (True: only keep_special_ids)
+    skip_special: bool = True
     priority: Priority = Priority.NORMAL
     mode: Mode = Mode.REALTIME
     timeout_s: float | None = None  # from arrival (submit) to the last token

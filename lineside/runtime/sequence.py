@@ -41,7 +41,8 @@ class Sequence:
         self.max_tokens = min(req.max_tokens, max_seq_len - len(self.prompt))
         # min_tokens holds back EOS even with ignore_eos (vLLM's all_stop_token_ids), and the stop token ids
         self.sampler = Sampler(req.sampling, stop_ids=set(req.stop_token_ids) | set(eos_ids))
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=self.prompt, keep=req.keep_special_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special=req.skip_special, prompt_ids=self.prompt,
+                                            keep=req.keep_special_ids)
         self.stopper = StopMatcher(req.stop, include=req.include_stop_str)
         self.eos_ids = set(eos_ids)
         self.stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos_ids)

@@ -55,7 +55,7 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 # vLLM's extras this server does not do, with the value that means "off" (what clients send by default)
 VLLM_UNSUPPORTED = {"bad_words": [], "allowed_token_ids": [],
                     "truncate_prompt_tokens": None, "use_beam_search": False,
-                    "skip_special_tokens": True, "logits_processors": []}
+                    "logits_processors": []}
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -389,6 +389,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
                              adapter=adapter, ignore_eos=bool(req.ignore_eos),
                              include_stop_str=bool(req.include_stop_str_in_output),
+                             skip_special=req.skip_special_tokens is not False,
                              stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids,
                              prompt_logprobs=prompt_logprobs,
                              # a chat's answer is what its next turn extends; a completion is rarely continued

@@ -91,6 +91,8 @@ class _Sampling(BaseModel):
                                    "max_tokens; a complete structured output still ends the answer)")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's: keep the stop string (or the stop "
                                                     "token's text) that ended the answer at its end")
+    skip_special_tokens: bool | None = Field(None, description="vLLM's: false writes special tokens' text into the "
+                                             "answer (default true: skipped)")
     # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
     # (request_mapping.check_common) rather than dropped with the unknown fields; at their defaults they pass
     bad_words: Any = None
@@ -98,7 +100,6 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
-    skip_special_tokens: Any = None
     logits_processors: Any = None
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")

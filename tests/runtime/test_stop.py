@@ -163,3 +163,16 @@ def test_include_stop_str_keeps_the_stop_text_or_token(tmp_path):
     assert ("".join(e.text for e in evs), evs[-1].finish_reason, evs[-1].stop_reason) == ("ab", "stop", None)
     evs = events(tok, ids, stop_token_ids=[dot], stop=["b."], include_stop_str=True)  # the token completes a stop
     assert ("".join(e.text for e in evs), evs[-1].stop_reason) == ("ab.", "b.")
+
+
+def test_special_tokens_kept_in_the_text_when_not_skipped(tmp_path):
+    """vLLM's skip_special_tokens false: a special token's text is in the answer, where a stop string can match it;
+    the stop token that ends the answer (the model's EOS) still adds its text only under include_stop_str."""
+    tok, _ = merged_byte_level(tmp_path)
+    ab, c = tok.encode("ab", add_special=False), tok.encode("c", add_special=False)
+    text = lambda evs: "".join(e.text for e in evs)  # noqa: E731
+    assert text(events(tok, [*ab, 0, *c, 1])) == "abc"
+    assert text(events(tok, [*ab, 0, *c, 1], skip_special=False)) == "ab<s>c"
+    assert text(events(tok, [*ab, 0, *c, 1], skip_special=False, include_stop_str=True)) == "ab<s>c</s>"
+    evs = events(tok, [*ab, 0, *c, 1], skip_special=False, stop=["<s>"])
+    assert (text(evs), evs[-1].stop_reason) == ("ab", "<s>")

@@ -99,7 +99,8 @@ FIELDS = [
     ("completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),
     ("chat", {"use_beam_search": True}, 400, "use_beam_search"),
     ("completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
-    ("chat", {"skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("chat", {"skip_special_tokens": False}, 200, None),  # vLLM's, honoured
+    ("chat", {"skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
     # stream_options without stream: true is a 400 at OpenAI and vLLM (nothing would read it)
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),

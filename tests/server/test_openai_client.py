@@ -181,6 +181,34 @@ def test_include_stop_str_in_output_keeps_the_stop(server, reference):
     assert r.status_code == 400 and "include_stop_str_in_output" in r.text
 
 
+def test_skip_special_tokens_false_writes_special_tokens(server):
+    """vLLM's skip_special_tokens false: a sampled special token's text is in the answer (skipped by default); the
+    EOS that ends it adds its text only under include_stop_str_in_output, as vLLM decodes a stop token then."""
+    engine = server.state.engine
+    eos = min(engine.eos_ids)
+    eos_text = engine.tokenizer.decode([eos], skip_special=False)
+    assert eos_text and engine.tokenizer.decode([eos]) == ""
+
+    def text(path: str, stream: bool, **kw) -> str:
+        body = {"max_tokens": 3, "temperature": 0, "logit_bias": {str(eos): 100}, "stream": stream, **kw}
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        pick = (lambda c: c["text"]) if "prompt" in kw else (
+            lambda c: (c.get("message") or c.get("delta") or {}).get("content") or "")
+        if not stream:
+            return pick(r.json()["choices"][0])
+        return "".join(pick(o["choices"][0]) for o in sse.parse(r.text) if o != "[DONE]" and o.get("choices"))
+
+    for stream in (False, True):
+        for path, kw in (("/v1/completions", {"prompt": "hi"}),
+                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            assert text(path, stream, **kw) == ""
+            assert text(path, stream, skip_special_tokens=False, **kw) == ""  # the EOS ends it, its text left out
+            assert text(path, stream, skip_special_tokens=False, include_stop_str_in_output=True, **kw) == eos_text
+            assert text(path, stream, skip_special_tokens=False, ignore_eos=True, **kw) == eos_text * 3
+            assert text(path, stream, ignore_eos=True, **kw) == ""
+
+
 def test_prompt_list_and_token_ids(server, reference):
     a, b = reference("one", 8)[0], reference("two two", 8)[0]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ["one", "two two"], "max_tokens": 8,
