@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,12 @@ def smg_argv(workers: list[str], policy: str = "cache_aware") -> list[str]:
             "--health-check-interval-secs", "10", "--cb-failure-threshold", "5", "--cb-timeout-duration-secs", "30",
             "--retry-max-retries", "3", "--prometheus-host", "0.0.0.0", "--prometheus-port", str(METRICS_PORT),
             "--worker-startup-timeout-secs", "3600"]
+
+
+def project_name(served_name: str) -> str:
+    """docker compose's project name: compose-spec allows only [a-z0-9_-], first a letter or digit, and refuses
+    the whole file otherwise (a served name such as deepseek-r1-distill-qwen-1.5b has a dot)."""
+    return "lineside-" + (re.sub(r"[^a-z0-9_-]+", "-", served_name.lower()).strip("-_") or "model")
 
 
 def compose(d: Deployment) -> dict[str, Any]:
@@ -53,7 +60,7 @@ def compose(d: Deployment) -> dict[str, Any]:
         "depends_on": {r.name: {"condition": "service_healthy"} for r in d.replicas},
         "restart": "unless-stopped",
     }
-    return {"name": f"lineside-{d.served_name}", "services": services}
+    return {"name": project_name(d.served_name), "services": services}
 
 
 def deployment_files(d: Deployment) -> dict[str, str]:

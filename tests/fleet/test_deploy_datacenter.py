@@ -236,3 +236,19 @@ def test_memory_math_against_hand_numbers():
     assert not pro.attention_dp and any("attention-DP does not fit" in n for n in pro.notes)
     dense = plan_datacenter("deepseek-r1-distill-qwen-32b", "8xH100")
     assert dense.tp == 2 and dense.dp == 4 and dense.max_model_len == 131072
+
+
+COMPOSE_NAME = r"[a-z0-9][a-z0-9_-]*"  # compose-spec 04-version-and-name.md: the top-level `name`
+
+
+@pytest.mark.parametrize("model", [*V4, *DENSE, "deepseek-r1-distill-qwen-7b"])
+def test_the_compose_project_name_is_one_compose_accepts(model):
+    """docker compose refuses the whole file for a project name with a dot (Qwen-1.5B) or a capital."""
+    import re
+
+    from lineside.deploy.compose import compose
+
+    d = build_deployment(model, "8xH200", "vllm")
+    name = compose(d)["name"]
+    assert re.fullmatch(COMPOSE_NAME, name), name
+    assert name.startswith("lineside-deepseek-")
