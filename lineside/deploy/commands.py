@@ -15,7 +15,8 @@ deploy = typer.Typer(help="Deploy models lineside does not serve itself (DeepSee
 
 @deploy.command("datacenter")
 def datacenter_cmd(
-    model: Annotated[str, typer.Argument(help="a shipped config name as `jetson plan` takes it, e.g. deepseek-v4-flash")],
+    model: Annotated[str, typer.Argument(help="a shipped config name as `jetson plan` takes it (e.g. deepseek-v4-flash) "
+                                               "or a Hugging Face checkpoint directory; not a bundle or GGUF")],
     gpus: Annotated[str, typer.Option(help="COUNTxGPU: 8xH200, 8xB200, 8xH100, ...")],
     engine: Annotated[str, typer.Option(help="vllm | sglang | trtllm")],
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for the config, launch.sh and compose")],

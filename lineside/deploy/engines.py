@@ -9,8 +9,10 @@ the dashes (`vllm serve --config`, `sglang.launch_server --config`); trtllm-serv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from lineside.bundle import MANIFEST
 from lineside.deploy.sizing import DcPlan, GpuSet, parse_gpus, plan_datacenter
 from lineside.errors import LinesideError
 from lineside.jetson.planner import load_model
@@ -60,10 +62,32 @@ class Deployment:
     notes: list[str] = field(default_factory=list)
 
 
-def hf_id(model: str) -> tuple[str, str]:
-    """(Hugging Face id, served model name) for a shipped config name such as deepseek-v4-flash."""
-    spec = load_model(model)
-    return f"deepseek-ai/{spec.name}", spec.name.lower()
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where the engine finds the weights: the directory's name under --model-dir, and what it serves them as."""
+
+    hf_id: str  # Hugging Face id of a shipped config, or the local directory's name
+    dir_name: str  # the checkpoint directory's name under --model-dir (the engine's model path)
+    served_name: str
+
+
+def checkpoint(model: str) -> Checkpoint:
+    """A shipped config name (deepseek-v4-flash, deepseek-ai/DeepSeek-V4-Flash) or a Hugging Face checkpoint
+    directory / its config.json; an engine cannot load a lineside bundle or a GGUF, so those are refused."""
+    p = Path(model)
+    if not p.exists():
+        spec = load_model(model)  # a shipped name, or its one-line error
+        return Checkpoint(f"deepseek-ai/{spec.name}", spec.name, spec.name.lower())
+    if p.is_file() and p.name == MANIFEST:
+        p = p.parent
+    if p.is_dir() and (p / MANIFEST).is_file():
+        raise LinesideError(f"{model}: a lineside bundle (lineside serves it itself); vLLM, SGLang and TensorRT-LLM "
+                            "load the Hugging Face checkpoint: pass its directory or a shipped config name")
+    if p.suffix == ".gguf":
+        raise LinesideError(f"{model}: a GGUF file; vLLM, SGLang and TensorRT-LLM load the Hugging Face checkpoint "
+                            "here: pass its directory or a shipped config name")
+    d = p if p.is_dir() else p.resolve().parent  # a config.json names its checkpoint directory
+    return Checkpoint(d.name, d.name, d.name.lower())
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -93,6 +117,7 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     except ValueError:
         raise LinesideError(f"--engine {engine!r}: choose vllm, sglang or trtllm") from None
     gs = parse_gpus(gpus)
+    ckpt = checkpoint(model)
     spec = load_model(model)
     refuse_unsupported(eng, spec.architecture, gs)
     plan = plan_datacenter(model, gs, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
@@ -100,8 +125,8 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     if not plan.fits:
         raise LinesideError(f"{spec.name} does not fit {gs.label}: {plan.notes[-1]}; use more or larger GPUs "
                             "(e.g. 8xH200 or 8xB200)")
-    hf, served = hf_id(model)
-    path = f"{model_dir.rstrip('/')}/{spec.name}"
+    hf, served = ckpt.hf_id, ckpt.served_name
+    path = f"{model_dir.rstrip('/')}/{ckpt.dir_name}"
     v4 = spec.architecture == "deepseek_v4"
     k = (mtp_tokens if mtp_tokens is not None else (1 if profile == "throughput" else 3)) if plan.mtp_layers else 0
     if mtp_tokens and not plan.mtp_layers:

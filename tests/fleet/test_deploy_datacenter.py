@@ -252,3 +252,36 @@ def test_the_compose_project_name_is_one_compose_accepts(model):
     name = compose(d)["name"]
     assert re.fullmatch(COMPOSE_NAME, name), name
     assert name.startswith("lineside-deepseek-")
+
+
+def test_a_checkpoint_directory_is_served_from_its_own_name(tmp_path):
+    """A Hugging Face checkpoint directory (or its config.json): the engine loads MODEL_DIR/<its name> and serves
+    it under that name (a guard beside the bundle refusal below, which shares the path handling)."""
+    import shutil
+
+    from lineside.jetson.planner import CONFIGS_DIR
+
+    ckpt = tmp_path / "My-Qwen2.5-7B"
+    ckpt.mkdir()
+    shutil.copy(CONFIGS_DIR / "DeepSeek-R1-Distill-Qwen-7B" / "config.json", ckpt / "config.json")
+    for model in (ckpt, ckpt / "config.json"):
+        d = build_deployment(str(model), "2xH100", "vllm", model_dir="/ckpts/")
+        assert d.config["model"] == "/ckpts/My-Qwen2.5-7B" and d.config["served-model-name"] == "my-qwen2.5-7b"
+        assert vllm_errors(d.config) == []
+        s = build_deployment(str(model), "2xH100", "sglang")
+        assert s.config["model-path"] == "/models/My-Qwen2.5-7B" and sglang_errors(s.config) == []
+
+
+def test_a_bundle_or_gguf_is_refused_in_one_line(tmp_path):
+    """The engines load Hugging Face checkpoints, never lineside's INT4 bundle nor a GGUF: one line, no files."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in (bundle, bundle / "manifest.json", gguf):
+        out = tmp_path / "out"
+        p = run_cli("deploy", "datacenter", model, "--gpus", "1xH100", "--engine", "vllm", "-o", out)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
+        assert "Hugging Face checkpoint" in p.stderr and "Traceback" not in p.stderr
+        assert not out.exists()
