@@ -91,27 +91,45 @@ def plan_fleet(fleet: FleetFile, *, strict: bool = True) -> list[NodePlan]:
     return plans
 
 
+def _fits_on(n: Node, src: Node, model: str) -> bool:
+    """Whether ``model`` (the source node's) fits node ``n``: the datacenter math on a GPU set, else the planner."""
+    if n.kind == NodeKind.DATACENTER:
+        if not n.gpus:
+            return False
+        from lineside.deploy.sizing import plan_datacenter
+
+        return plan_datacenter(model, n.gpus).fits
+    if not n.device:
+        return False
+    from lineside.jetson.planner import plan
+
+    return plan(model, n.device, src.quant, src.ctx, src.batch, src.kv_dtype).fits
+
+
 def _nowhere(fleet: FleetFile, bad: NodePlan) -> str:
-    """One line for a node whose model does not fit: the numbers, and the fleet's nodes where it would."""
-    elsewhere = []
+    """One line for a node whose model does not fit: the numbers, and the fleet's nodes where it would (a
+    datacenter node's GPU set included: V4 on an Orin belongs there)."""
+    src = next(x for x in fleet.nodes if x.name == bad.node)
+    dc = src.kind == NodeKind.DATACENTER
+    fits: dict[bool, list[str]] = {True: [], False: []}  # datacenter node? -> nodes where it fits
     for n in fleet.nodes:
-        if n.name == bad.node or n.kind == NodeKind.DATACENTER:
-            continue
-        if not n.device:
+        if n.name == bad.node:
             continue
         try:
-            from lineside.jetson.planner import plan
-
-            src = next(x for x in fleet.nodes if x.name == bad.node)
-            if plan(bad.runs, n.device, src.quant, src.ctx, src.batch, src.kv_dtype).fits:
-                elsewhere.append(n.name)
-        except (LinesideError, StopIteration):
+            if _fits_on(n, src, bad.runs):
+                fits[n.kind == NodeKind.DATACENTER].append(n.name)
+        except LinesideError:
             continue
+    elsewhere = fits[dc] or fits[not dc]  # nodes of its own kind first: an edge model stays on the edge
     need = f"{bad.needs_bytes / GIB:.1f} GiB" if bad.needs_bytes else "?"
     has = f"{bad.has_bytes / GIB:.1f} GiB" if bad.has_bytes else "?"
-    where = (f"it would fit on {', '.join(elsewhere)}" if elsewhere else
-             "it fits no node of this fleet: serve it from a datacenter node (`lineside deploy datacenter`) "
-             "or pick a smaller model")
+    if elsewhere:
+        where = f"it would fit on {', '.join(elsewhere)}"
+    elif src.kind == NodeKind.DATACENTER:  # it is on a datacenter node already: more or larger GPUs
+        where = "it fits no node of this fleet: give the node more or larger GPUs (gpus: 8xH200 or 8xB200)"
+    else:
+        where = ("it fits no node of this fleet: serve it from a datacenter node (`lineside deploy datacenter`) "
+                 "or pick a smaller model")
     return f"node {bad.node!r}: {bad.runs} needs {need} ({bad.detail}) but {bad.where} has {has}; {where}"
 
 

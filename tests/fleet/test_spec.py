@@ -119,8 +119,31 @@ def test_bad_files_are_one_line_each(change, expected):
 
 
 def test_model_that_fits_nowhere_names_the_numbers():
-    msg = _err(_with("nodes.0.model", "deepseek-v4-flash"))
+    d = _with("nodes.0.model", "deepseek-v4-flash")
+    d["nodes"][2]["gpus"] = "8xH100"  # V4-Flash fits 8xH100 too: no GPU set of this fleet holds V4-Pro
+    d["nodes"][0]["model"] = "deepseek-v4-pro"
+    msg = _err(d)
     assert "agx-orin-64 has 60.0 GiB" in msg and "fits no node of this fleet" in msg
+    assert "serve it from a datacenter node" in msg
+
+
+def test_a_model_too_big_for_an_orin_names_the_fleets_datacenter_node():
+    """V4-Flash on an Orin, with an 8xH200 datacenter node in the fleet: that node is where it fits (the line
+    said "fits no node of this fleet" and sent the user to deploy one)."""
+    assert _err(_with("nodes.0.model", "deepseek-v4-flash")).endswith("it would fit on gpu")
+
+
+def test_a_datacenter_node_too_small_is_told_to_grow_not_to_use_a_datacenter_node():
+    """V4-Pro on 8xH100: the line sent a datacenter node to `deploy datacenter`; it names the fleet's node that
+    holds it, else more or larger GPUs."""
+    d = _with("nodes.2.model", "deepseek-v4-pro")
+    d["nodes"][2]["gpus"] = "8xH100"
+    msg = _err(d)
+    assert "8xH100" in msg and "more or larger GPUs" in msg and "serve it from a datacenter node" not in msg
+    d["nodes"].append({"name": "gpu-2", "kind": "datacenter", "engine": "sglang", "url": "http://10.0.1.6:8000",
+                       "model": "deepseek-v4-flash", "gpus": "8xH200"})
+    d["pools"]["batch"]["members"].append("gpu-2")
+    assert _err(d).endswith("it would fit on gpu-2")
 
 
 def test_model_too_big_for_its_node_names_where_it_would_fit():
