@@ -123,7 +123,8 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     plan = plan_datacenter(model, gs, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
                            max_num_tokens=MAX_NUM_TOKENS)
     if not plan.fits:
-        raise LinesideError(f"{spec.name} does not fit {gs.label}: {plan.notes[-1]}; use more or larger GPUs "
+        why = plan.notes[-1].removeprefix("does not fit: ")  # the planner's note starts with the same words
+        raise LinesideError(f"{spec.name} does not fit {gs.label}: {why}; use more or larger GPUs "
                             "(e.g. 8xH200 or 8xB200)")
     hf, served = ckpt.hf_id, ckpt.served_name
     path = f"{model_dir.rstrip('/')}/{ckpt.dir_name}"

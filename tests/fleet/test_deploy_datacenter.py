@@ -211,8 +211,9 @@ def test_a_rerun_keeps_files_edited_since(tmp_path):
 
 
 def test_what_does_not_fit_is_refused():
-    with pytest.raises(LinesideError, match="does not fit 8xH100"):
+    with pytest.raises(LinesideError, match="does not fit 8xH100") as e:
         build_deployment("deepseek-v4-pro", "8xH100", "vllm")
+    assert str(e.value).count("does not fit") == 1, str(e.value)  # the planner's note is not repeated word for word
     with pytest.raises(LinesideError, match="COUNTxGPU"):
         build_deployment("deepseek-v4-flash", "8xA7", "vllm")
     with pytest.raises(LinesideError, match="choose vllm, sglang or trtllm"):
