@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from lineside.errors import LinesideError
+from lineside.runtime.grammar_vocab import readable_tokenizer_json
 from lineside.runtime.schema_formats import no_leap_seconds, without_unenforced_formats
 from lineside.runtime.schema_numbers import fix_number_ranges
 from lineside.runtime.schema_walk import DATA_KEYS, schema_nodes
@@ -714,9 +715,15 @@ class GrammarCompiler:
         # The model's vocabulary may outnumber the tokenizer's (padding rows in the embedding, as Qwen2's 151936
         # for 151665 tokens), and an EOS id from generation_config may lie among them: llguidance checks EOS ids
         # against the tokenizer before it pads to n_vocab, so the padding ids are named here as special tokens.
-        tokenizer_json, self.tokenizer_size = padded_tokenizer_json(tokenizer_json, self.vocab_size)
+        tokenizer_json, self.tokenizer_size = padded_tokenizer_json(readable_tokenizer_json(tokenizer_json),
+                                                                    self.vocab_size)
         self.padding = PaddingMask.of(self.tokenizer_size, self.vocab_size, eos)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        try:
+            self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+        except ValueError as e:  # a decoder it cannot read (WordPiece, none): every request using it was a 500
+            raise LinesideError(f"structured outputs and logprobs cannot read this model's tokenizer "
+                                f"({_first_line(str(e))}); they need a byte-level BPE or SentencePiece tokenizer.json"
+                                ) from None
         # the token of each byte that has one alone (byte-level BPE: all but a few invalid UTF-8 bytes), by byte
         self._byte_tokens = [t[0] for b in range(256) if len(t := self.tokenizer.tokenize_bytes(bytes([b]))) == 1
                              and bytes(self.tokenizer.decode_bytes(t)) == bytes([b])]

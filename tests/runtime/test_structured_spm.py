@@ -1,0 +1,147 @@
+"""Grammar-constrained decoding on SentencePiece vocabularies (``▁`` word starts): with byte fallback (Llama 2 /
+Mistral, ``<0xE2>`` byte tokens), with transformers' ``Metaspace`` decoder, and without byte fallback. Random
+allowed paths through the mask, decoded as the server decodes them (after a prompt), must match the constraint;
+EOS is allowed exactly when the output is complete."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from lineside.errors import LinesideError
+from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.grammar_vocab import readable_tokenizer_json
+from lineside.runtime.sampling import Sampler, SamplingParams
+from lineside.runtime.structured import Constraint, GrammarCompiler
+from lineside.runtime.tokenizer import Tokenizer
+
+SPACE = "\u2581"
+EOS = 2
+VOCAB = 400  # the model's rows: more than any tokenizer here (padding ids past it)
+PIECES = [*"abcdefghijklmnopqrstuvwxyz0123456789{}[]\":,.-_", SPACE, f"{SPACE}{{", f"{SPACE}\"", "\":", f"{SPACE}the",
+          "name", f"{SPACE}ok", "é", f"{SPACE}é", "ok"]
+
+
+def _spm_dir(tmp_path, family: str):
+    """A SentencePiece-style BPE saved as tokenizer.json: ``bytes`` (Llama 2: ``<0xNN>`` pieces, a Sequence decoder
+    with ByteFallback), ``metaspace`` (the same vocabulary with the Metaspace decoder of transformers' generic SPM
+    conversion) or ``no_bytes`` (no byte pieces: Replace/Fuse/Strip, as an SPM model trained without them)."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HF
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    if family != "no_bytes":
+        vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for p in PIECES:
+        vocab.setdefault(p, len(vocab))
+    tok = HF(models.BPE(vocab=vocab, merges=[], byte_fallback=family != "no_bytes", unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    if family == "metaspace":
+        tok.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    else:
+        steps = [decoders.Replace(SPACE, " "), *([decoders.ByteFallback()] if family == "bytes" else []),
+                 decoders.Fuse(), decoders.Strip(content=" ", left=1, right=0)]
+        tok.decoder = decoders.Sequence(steps)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ["<unk>", "<s>", "</s>"]])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path, {"bos_token_id": 1, "eos_token_ids": [EOS]})
+    return tokenizer, GrammarCompiler.for_tokenizer(tokenizer, VOCAB, [EOS])
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "tags": {"type": "array", "items": {"enum": ["é", "a b", "ok"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "tags"]}
+# every character here has a piece in all three vocabularies (a byte-less one cannot spell "!" or "ö")
+CASES = {
+    "schema": (Constraint.json_schema(SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+    "regex": (Constraint.regex(r"(é|ok)[a-z ]{1,4}\."), lambda t: re.fullmatch(r"(é|ok)[a-z ]{1,4}\.", t)),
+    "choice": (Constraint.choice(["héllo", "a b", "ok the"]), lambda t: t in ("héllo", "a b", "ok the")),
+    "lark": (Constraint.grammar('start: "ok " W\nW: /[a-zé ]{1,5}/'), lambda t: re.fullmatch("ok [a-zé ]{1,5}", t)),
+}
+
+
+def _walk(tok, comp, c: Constraint, seed: int) -> tuple[str, bool]:
+    """Random logits through the sampler under the mask; the text as the server streams it after a prompt, and
+    whether the walk ended on EOS or a finished grammar."""
+    rng = np.random.default_rng(seed)
+    m = comp.matcher(c)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+    det = IncrementalDetokenizer(tok, prompt_ids=tok.encode("[INST] go [/INST]", add_special=True))
+    text = ""
+    for _ in range(120):
+        allowed = m.allowed()
+        assert allowed[EOS] == m.accepting  # EOS exactly when the output is complete
+        assert not allowed[comp.tokenizer_size:].any()  # padding ids past the tokenizer
+        logits = rng.standard_normal(VOCAB).astype(np.float32) * 3
+        logits[3:259] += 2.0  # byte pieces (where there are) and the first pieces: multi-byte characters get built
+        logits[EOS] += 2.0
+        t = sampler.step(logits, allowed=allowed).token
+        assert m.accept(t), m.error
+        if t == EOS:
+            return text + det.flush(), True
+        text += det.add(t)
+        if m.finished:
+            return text + det.flush(), True
+    return text + det.flush(), False
+
+
+@pytest.mark.parametrize("family", ["bytes", "metaspace", "no_bytes"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_random_allowed_paths_decode_to_valid_outputs(tmp_path, family, case):
+    tok, comp = _spm_dir(tmp_path, family)
+    c, valid = CASES[case]
+    ended = 0
+    for seed in range(12):
+        text, done = _walk(tok, comp, c, seed)
+        ended += done
+        if done:
+            assert valid(text), (family, case, seed, text)
+    assert ended >= 6
+
+
+def test_a_non_ascii_value_is_written_through_the_byte_pieces_that_spell_it(tmp_path):
+    tok, comp = _spm_dir(tmp_path, "bytes")
+    m = comp.matcher(Constraint.choice(["€uro"]))
+    euro = tok.encode("€uro", add_special=False)[1:]  # without the normalizer's ▁ in front
+    assert [tok.id_to_token(i) for i in euro[:3]] == ["<0xE2>", "<0x82>", "<0xAC>"]
+    for i, t in enumerate(euro[:3]):
+        allowed = m.allowed()
+        assert allowed[t] and allowed.sum() == 1, i  # the only way on is the next byte of the character
+        assert m.accept(t)
+    assert all(m.accept(t) for t in euro[3:]) and m.allowed()[EOS] and tok.decode(euro) == "€uro"
+
+
+def test_piece_named_like_a_byte_is_never_allowed_where_the_decoder_writes_it_literally():
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "</s>": 1, "<0x41>": 2, "a": 3, SPACE: 4}
+    tok = HF(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="first", split=False)
+    spec = json.loads(readable_tokenizer_json(tok.to_str()))
+    assert spec["decoder"]["decoders"][1] == {"type": "ByteFallback"}
+    assert {"<0x41>"} == {t["content"] for t in spec["added_tokens"] if t["special"]} - {"<unk>", "</s>"}
+
+
+def test_a_decoder_llguidance_reads_is_left_alone(tmp_path):
+    from tests.tiny_tokenizer import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path, 300)
+    text = (tmp_path / "tokenizer.json").read_text()
+    assert readable_tokenizer_json(text) == text
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_one_line(tmp_path):
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models
+
+    tok = HF(models.WordPiece(vocab={"[UNK]": 0, "</s>": 1, "a": 2, "##b": 3}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    with pytest.raises(LinesideError, match=r"^structured outputs and logprobs cannot read this model's tokenizer "
+                                            r"\(can't determine decoder type[^\n]*\); they need a byte-level BPE"):
+        GrammarCompiler(tok.to_str(), 8, [1])
