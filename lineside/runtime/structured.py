@@ -811,6 +811,9 @@ class GrammarCompiler:
         m.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
         if self.padding is not None:
             self.padding.clear(bm, 0)
+        if not m.is_error() and bm.any() and not _takes_one(m, bm):
+            raise ConstraintError(f"{where}: this {_WHAT[c.kind]} starts with text this model's vocabulary has no "
+                                  "tokens for (a character with no piece and no byte fallback); leave it out", c.param)
         if m.is_error() or not bm.any():
             why = f": {_first_line(m.get_error())}" if m.is_error() else ""
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
@@ -832,6 +835,14 @@ class GrammarCompiler:
                     w.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
             if w.is_error():
                 raise ConstraintError(limit_message(c, _first_line(w.get_error())), c.param)
+
+
+def _takes_one(m: Any, bm: np.ndarray) -> bool:
+    """Whether the grammar takes one of the first mask's few tokens: where the vocabulary cannot spell the text the
+    grammar forces ("!" with no piece and no byte fallback), llguidance's mask holds the tokenizer's encoding of it,
+    <unk>, which it then rejects (a request failing at its first token). A mask of many tokens is taken as it is."""
+    ids = np.flatnonzero(unpack_bitmask(bm, bm.shape[1] * 32)[0])
+    return len(ids) > 8 or any(m.validate_tokens([int(t)]) for t in ids)
 
 
 def is_limit_error(why: str | None) -> bool:

@@ -16,7 +16,7 @@ from lineside.errors import LinesideError
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.grammar_vocab import readable_tokenizer_json
 from lineside.runtime.sampling import Sampler, SamplingParams
-from lineside.runtime.structured import Constraint, GrammarCompiler
+from lineside.runtime.structured import Constraint, ConstraintError, GrammarCompiler
 from lineside.runtime.tokenizer import Tokenizer
 
 SPACE = "\u2581"
@@ -145,3 +145,13 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_one_line(tmp_path):
     with pytest.raises(LinesideError, match=r"^structured outputs and logprobs cannot read this model's tokenizer "
                                             r"\(can't determine decoder type[^\n]*\); they need a byte-level BPE"):
         GrammarCompiler(tok.to_str(), 8, [1])
+
+
+@pytest.mark.parametrize("make", [lambda: Constraint.regex("!+"), lambda: Constraint.choice(["€uro"])])
+def test_a_grammar_starting_with_text_the_vocabulary_cannot_spell_is_refused_at_compile(tmp_path, make):
+    tok, comp = _spm_dir(tmp_path, "no_bytes")  # no piece for "!", "€" or "ö", and no byte pieces
+    c = make()
+    with pytest.raises(ConstraintError, match=rf"^{c.param}: this .* starts with text this model's vocabulary has "
+                                              r"no tokens for \(a character with no piece and no byte fallback\)"):
+        comp.compile(c)
+    comp.compile(Constraint.regex("(ok)?"))  # a grammar it can write, or end at once, still compiles
