@@ -168,6 +168,8 @@ class TokenEvent:
     # with ``error``: the request's own input ended it (its grammar past the grammar engine's limits once
     # generating), so servers answer it as the client's error (400 invalid_request_error), not their own failure
     client_error: bool = False
+    # with ``client_error``: the OpenAI error code servers answer with (grammar_too_large, grammar_dead_end)
+    error_code: str | None = None
     # with ``error``: the engine failed (engine_health.py), not this request: servers answer 503 so the client
     # retries on another instance, as a refused request would be
     engine_failed: bool = False

@@ -15,7 +15,13 @@ from lineside.runtime.request import FinishReason, GenerationRequest, RequestHan
 from lineside.runtime.sampling import Sampler, TokenLogprob
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.stop import StopMatcher
-from lineside.runtime.structured import GrammarMatcher, is_limit_error, limit_message
+from lineside.runtime.structured import (
+    GrammarMatcher,
+    dead_end_message,
+    is_dead_end,
+    is_limit_error,
+    limit_message,
+)
 from lineside.strenum import StrEnum
 
 _FAILED = (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.ERROR)  # events that carry no prompt scores
@@ -110,13 +116,14 @@ class Sequence:
     # ---- outputs ------------------------------------------------------------------------------
     def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
                logprob: TokenLogprob | None = None, client_error: bool = False,
-               stop_reason: int | str | None = None) -> TokenEvent:
+               stop_reason: int | str | None = None, error_code: str | None = None) -> TokenEvent:
         scored = None
         if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent and reason not in _FAILED:
             scored, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error,
                           logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error,
+                          error_code=error_code,
                           stop_reason=stop_reason, prompt_logprobs=scored)
 
     def prompt_done(self) -> TokenEvent:
@@ -166,12 +173,16 @@ class Sequence:
 
     def _grammar_failed(self, tok: int) -> TokenEvent:
         """The final event when the grammar took no token: past the grammar engine's limits (a huge repetition the
-        compile's walk did not reach) it is the request's grammar at fault, a client error naming its field; any
-        other rejection (the mask allowed only what the grammar takes) is the engine's."""
+        compile's walk did not reach), or at text this vocabulary cannot spell (the mask held only <unk>), it is the
+        request's grammar at fault, a client error naming its field; any other rejection is the engine's."""
         why = self.matcher.error if self.matcher is not None else None
         c = self.req.constraint
         if c is not None and is_limit_error(why):
-            return self._event(self._flush(), [], FinishReason.ERROR, limit_message(c, why or ""), client_error=True)
+            return self._event(self._flush(), [], FinishReason.ERROR, limit_message(c, why or ""), client_error=True,
+                               error_code="grammar_too_large")
+        if c is not None and is_dead_end(why):
+            return self._event(self._flush(), [], FinishReason.ERROR, dead_end_message(c, why or ""),
+                               client_error=True, error_code="grammar_dead_end")
         return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: {why}")
 
     def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:

@@ -850,6 +850,25 @@ def is_limit_error(why: str | None) -> bool:
     return why is not None and any(m in why for m in LIMIT_ERRORS)
 
 
+# llguidance's text when a grammar forces bytes the vocabulary cannot spell: the mask then held the tokenizer's
+# encoding of them (<unk> on a SentencePiece vocabulary without byte pieces), which decodes to other bytes
+_FORCED_BYTES = re.compile(r"forced bytes: got '(.*)'; applying")
+
+
+def is_dead_end(why: str | None) -> bool:
+    """Whether a grammar engine error (one line) means the vocabulary cannot spell what the grammar needs next: the
+    request's grammar at a dead end with this model, not the engine failing."""
+    return why is not None and _FORCED_BYTES.search(why) is not None
+
+
+def dead_end_message(c: Constraint, why: str) -> str:
+    """The one line a request ends with when its grammar needs text no token of this vocabulary spells."""
+    found = _FORCED_BYTES.search(why)
+    needed = f" ({found.group(1)!r} next)" if found else ""
+    return (f"{c.param or c.kind.value}: this {_WHAT[c.kind]} cannot be completed with this model's vocabulary: it "
+            f"needs text no token spells{needed} (a character with no piece and no byte fallback); leave that text out")
+
+
 def limit_message(c: Constraint, why: str) -> str:
     """The one line a grammar past the engine's limits is refused with, at compile or mid-generation: the field,
     the engine's reason, what to send instead."""

@@ -155,3 +155,50 @@ def test_a_grammar_starting_with_text_the_vocabulary_cannot_spell_is_refused_at_
                                               r"no tokens for \(a character with no piece and no byte fallback\)"):
         comp.compile(c)
     comp.compile(Constraint.regex("(ok)?"))  # a grammar it can write, or end at once, still compiles
+
+
+def _sequence(tok, comp, c: Constraint, max_tokens: int = 40):
+    from lineside.runtime.request import GenerationRequest, RequestHandle
+    from lineside.runtime.sequence import Sequence
+
+    req = GenerationRequest(prompt_ids=tok.encode("[INST] go [/INST]", add_special=True), max_tokens=max_tokens,
+                            constraint=c)
+    return Sequence(RequestHandle(req), tok, {EOS}, 256, matcher=comp.matcher(c))
+
+
+def _only_allowed(seq) -> int:
+    ids = np.flatnonzero(seq.matcher.allowed())
+    return int(ids[0])
+
+
+@pytest.mark.parametrize("make, needed", [
+    (lambda: Constraint.regex("(o|k)!"), "'!' next"),  # not forced from the start: compiles, then a dead end
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"enum": ["x!", "y!"]}},
+                                     "required": ["a"]}), "'!' next"),
+])
+def test_a_grammar_at_text_the_vocabulary_cannot_spell_ends_as_the_clients_error(tmp_path, make, needed):
+    """Mid-output, the mask holds only <unk> (the tokenizer's encoding of "!"), which the grammar rejects: the request
+    ends with one line naming its field, as the client's error (400 grammar_dead_end), not the engine's."""
+    from lineside.runtime.request import FinishReason
+
+    tok, comp = _spm_dir(tmp_path, "no_bytes")
+    c = make()
+    comp.compile(c)
+    seq = _sequence(tok, comp, c)
+    for _ in range(20):
+        ev = seq.on_token(_only_allowed(seq), 0.0)
+        if ev.finish_reason is not None:
+            break
+    assert ev.finish_reason == FinishReason.ERROR and ev.client_error and ev.error_code == "grammar_dead_end", ev
+    assert ev.error.startswith(f"{c.param}: this ") and "cannot be completed with this model's vocabulary" in ev.error
+    assert needed in ev.error and "\n" not in ev.error, ev.error
+
+
+def test_a_dead_end_is_answered_400_grammar_dead_end():
+    from lineside.runtime.request import FinishReason, TokenEvent
+    from lineside.server.responses import failure
+
+    ev = TokenEvent("", [], FinishReason.ERROR, 3, 2, error="guided_regex: cannot be completed", client_error=True,
+                    error_code="grammar_dead_end")
+    err = failure(None, ev)  # type: ignore[arg-type] (a client error reads nothing of the server's state)
+    assert (err.status, err.code, err.type) == (400, "grammar_dead_end", "invalid_request_error")
