@@ -72,6 +72,9 @@ MAX_REPEATED_LENGTH = 10_000
 LIMIT_ERRORS = ("too many expressions constructed", "too many states", "items; max is", "Too many items (limit",
                 "fuel exhausted", "lex fuel", "derivatives with total fuel", "too big (limit for this grammar",
                 "lexer precomputation failed", "relevance check fuel")
+# A compile follows the text every output of a grammar must write, token by token while the mask holds one, this
+# far: text this vocabulary cannot spell on it (a constant "x!" without a "!" piece) is a 400 before admission.
+FORCED_STEPS = 64
 COMPILE_STACK_BYTES = 256 << 20  # reserved address space; only the pages a deep grammar reaches are touched
 
 
@@ -814,11 +817,28 @@ class GrammarCompiler:
         if not m.is_error() and bm.any() and not _takes_one(m, bm):
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} starts with text this model's vocabulary has no "
                                   "tokens for (a character with no piece and no byte fallback); leave it out", c.param)
+        if not m.is_error() and bm.any() and (dead := self._forced_dead_end(m)) is not None:
+            raise ConstraintError(dead_end_message(c, dead), c.param)
         if m.is_error() or not bm.any():
             why = f": {_first_line(m.get_error())}" if m.is_error() else ""
             raise ConstraintError(f"{where}: this {_WHAT[c.kind]} can never be matched by any text{why}", c.param)
         self._probe(m, c)
         return m
+
+    def _forced_dead_end(self, m: Any) -> str | None:
+        """Follow the text every output must write (masks of one token, on a copy, at most FORCED_STEPS): the grammar
+        engine's error where that text reaches a character the vocabulary cannot spell (``ok!`` without a "!"
+        piece or byte pieces), so the request is a 400 before generating; None when the path branches first."""
+        w, bm = m.deep_copy(), new_bitmask(1, self.vocab_size)
+        for _ in range(FORCED_STEPS):
+            w.unsafe_compute_mask_ptr(bm[0].ctypes.data, bm[0].size * 4)
+            ids = np.flatnonzero(unpack_bitmask(bm, self.vocab_size)[0])
+            if w.is_error() or len(ids) != 1 or int(ids[0]) in self.eos_ids:
+                return None
+            if not w.consume_token(int(ids[0])):
+                why = _first_line(w.get_error())
+                return why if is_dead_end(why) else None
+        return None
 
     def _probe(self, m: Any, c: Constraint) -> None:
         """Walk PROBE_TOKENS one-byte tokens on copies of ``m`` (the lowest, then the highest byte the grammar takes

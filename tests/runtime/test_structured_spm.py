@@ -202,3 +202,19 @@ def test_a_dead_end_is_answered_400_grammar_dead_end():
                     error_code="grammar_dead_end")
     err = failure(None, ev)  # type: ignore[arg-type] (a client error reads nothing of the server's state)
     assert (err.status, err.code, err.type) == (400, "grammar_dead_end", "invalid_request_error")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Constraint.regex("ok!"),
+    lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"const": "x!"}}, "required": ["a"]}),
+    lambda: Constraint.grammar('start: "ok" "!"'),
+])
+def test_forced_text_the_vocabulary_cannot_spell_is_refused_at_compile(tmp_path, make):
+    """What every output must write is known before generating: its dead end is a 400 naming the field."""
+    tok, comp = _spm_dir(tmp_path, "no_bytes")
+    c = make()
+    with pytest.raises(ConstraintError, match=rf"^{re.escape(c.param)}: this .* cannot be completed with this model's "
+                                              r"vocabulary: it needs text no token spells \('!' next\)"):
+        comp.compile(c)
+    _, with_bytes = _spm_dir(tmp_path, "bytes")
+    with_bytes.compile(c)  # byte pieces spell it
