@@ -298,10 +298,44 @@ class LLMEngine:
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request; raises LinesideError if it is malformed, QueueFullError / EngineDraining if refused
         (EngineFailed, one, once the engine failed)."""
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: list[GenerationRequest]) -> list[RequestHandle]:
+        """Queue every request (a request's n choices) or none: all are checked, then admitted under one look at
+        the queue, so a request refused partway never holds queue places that refuse the next one."""
         self._refuse_failed()
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests; retry on another instance")
         self._check_loop()
+        ids = [req.request_id for req in reqs]
+        if len(set(ids)) < len(ids):
+            raise LinesideError("two requests submitted together share a request id; give each its own")
+        seqs = [self._sequence(req) for req in reqs]
+        with self._state:
+            self._refuse_failed()  # again under the lock: the step thread may have failed the engine meanwhile
+            if self.draining:  # again under the lock: close() on another thread may have let the step thread go
+                raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
+            # Under the lock: the step thread moves requests from _incoming to the scheduler's queue under it, and a
+            # count taken halfway missed one. Queued requests that free slots will take at the next step do not
+            # wait: the bound counts the rest (else a burst, or an n > 1 request, on an idle engine was refused,
+            # and --max-waiting 0 refused every request). All of them fit or none is taken.
+            free = self.arena.num_slots - len(self.scheduler.running)
+            if len(self._incoming) + len(self.scheduler.waiting) + len(seqs) - free > self.max_waiting:
+                raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
+            for seq in seqs:  # last: nothing after the check above refuses, so all are taken
+                if seq.req.adapter is not None:
+                    assert self.adapter_slots is not None
+                    # the adapter's current load, kept until it ends (even if unloaded or replaced meanwhile)
+                    seq.lora_namespace = self.adapter_slots.hold(seq.req.adapter)
+                    with contextlib.suppress(AdapterSlotsFull):  # every slot in use: it waits for one (_adapter_gate)
+                        seq.adapter_slot = self.adapter_slots.acquire(seq.lora_namespace)
+                self._seqs[seq.req.request_id] = seq
+                self._incoming.append(seq)
+        self._kick()
+        return [seq.handle for seq in seqs]
+
+    def _sequence(self, req: GenerationRequest) -> Sequence:
+        """``req`` checked (LinesideError / UnknownAdapter if malformed) and made into a Sequence not yet queued."""
         validate_request(req, self.vocab_size, self.max_seq_len)
         if req.session_id is not None:
             check_session_id(req.session_id)
@@ -319,27 +353,7 @@ class LLMEngine:
         seq = Sequence(handle, self.tokenizer, self.eos_ids, self.max_seq_len, matcher=matcher)
         if req.prompt_logprobs is not None:
             seq.prompt_rows = prompt_logit_rows(self.vocab_size)
-        with self._state:
-            self._refuse_failed()  # again under the lock: the step thread may have failed the engine meanwhile
-            if self.draining:  # again under the lock: close() on another thread may have let the step thread go
-                raise EngineDraining("the engine was closed and takes no new requests; retry on another instance")
-            # Under the lock: the step thread moves requests from _incoming to the scheduler's queue under it, and a
-            # count taken halfway missed one. Queued requests that free slots will take at the next step do not
-            # wait: the bound counts the rest (else a burst, or an n > 1 request, on an idle engine was refused,
-            # and --max-waiting 0 refused every request).
-            free = self.arena.num_slots - len(self.scheduler.running)
-            if len(self._incoming) + len(self.scheduler.waiting) - free >= self.max_waiting:
-                raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
-            if req.adapter is not None:  # last: nothing after it can refuse
-                assert self.adapter_slots is not None
-                # the adapter's current load, kept until it ends (even if unloaded or replaced meanwhile)
-                seq.lora_namespace = self.adapter_slots.hold(req.adapter)
-                with contextlib.suppress(AdapterSlotsFull):  # every slot in use: it waits for one (_adapter_gate)
-                    seq.adapter_slot = self.adapter_slots.acquire(seq.lora_namespace)
-            self._seqs[req.request_id] = seq
-            self._incoming.append(seq)
-        self._kick()
-        return handle
+        return seq
 
     def _check_loop(self) -> None:
         """A started engine hands its events to the event loop that started it: a request submitted from another

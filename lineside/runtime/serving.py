@@ -54,6 +54,10 @@ class ServingEngine(Protocol):
         """Queue a request; raises QueueFullError / EngineDraining / LinesideError (a 4xx/5xx)."""
         ...
 
+    def submit_all(self, reqs: list[GenerationRequest]) -> list[RequestHandle]:
+        """Queue every request (one request's n choices) or none, raising as ``submit`` does."""
+        ...
+
     def stats(self) -> EngineStats:
         """Live counters for /metrics."""
         ...

@@ -583,8 +583,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         state.metrics.reject("invalid")
         raise
     try:
-        for index, (_, copy, engine_request) in enumerate(planned):
-            handle = engine.submit(engine_request)
+        handles = engine.submit_all([engine_request for _, _, engine_request in planned])  # all choices or none
+        for index, ((_, copy, engine_request), handle) in enumerate(zip(planned, handles, strict=True)):
             record = RequestRecord(request_id, endpoint, priority, mode=mode, stream=bool(body.stream),
                                    arrival=arrival, prompt_tokens=len(engine_request.prompt_ids))
             if slo_plan is not None:

@@ -124,9 +124,9 @@ class CountingEngine(LLMEngine):
         super().__init__(*a, **kw)
         self.submitted, self.all_in = 0, threading.Event()
 
-    def submit(self, req):
-        handle = super().submit(req)
-        self.submitted += 1
+    def submit_all(self, reqs):
+        handles = super().submit_all(reqs)  # submit() goes through here too
+        self.submitted += len(handles)
         if self.submitted >= self.expect:
             self.all_in.set()
-        return handle
+        return handles

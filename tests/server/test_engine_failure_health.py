@@ -140,7 +140,7 @@ def test_an_engine_that_fails_as_a_request_arrives_is_a_503_engine_failed_not_dr
     from lineside.runtime.engine_health import EngineFailed
 
     class FailingAtSubmit(CountingEngine):
-        def submit(self, req):
+        def submit_all(self, reqs):  # submit() goes through here too
             raise EngineFailed("the model engine failed: CUDA error: an illegal memory access was encountered")
 
     be = FakeBackend(1, max_seq_len=128, vocab_size=300)

@@ -65,8 +65,8 @@ def test_what_the_request_says_wins_and_the_rest_is_the_models():
 def test_every_generation_route_samples_with_the_defaults(tiny_bundle):
     engine = make_engine(tiny_bundle)
     seen = []
-    submit = engine.submit
-    engine.submit = lambda req: (seen.append(req.sampling), submit(req))[1]
+    submit_all = engine.submit_all  # every route's submit goes through it
+    engine.submit_all = lambda reqs: (seen.extend(r.sampling for r in reqs), submit_all(reqs))[1]
     given = SamplingDefaults(temperature=0.6, top_p=0.95)
     with running_server(engine, sampling_defaults=given) as srv:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -174,8 +174,8 @@ def test_max_new_tokens_is_the_default_length_where_the_request_gives_none(tiny_
         _read(tmp_path, {"max_new_tokens": 0})
     engine = make_engine(tiny_bundle)
     seen = []
-    submit = engine.submit
-    engine.submit = lambda req: (seen.append(req.max_tokens), submit(req))[1]
+    submit_all = engine.submit_all  # every route's submit goes through it
+    engine.submit_all = lambda reqs: (seen.extend(r.max_tokens for r in reqs), submit_all(reqs))[1]
     with running_server(engine, sampling_defaults=SamplingDefaults(max_tokens=3)) as srv:
         for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                            ("/v1/responses", {"input": "hi"}), ("/v1/completions", {"prompt": "hi"}),
