@@ -119,7 +119,10 @@ class SessionStore:
         if s is not None:
             return s
         if len(self.by_id) >= self.max_sessions:
-            soonest = min((x.expires_at for x in self.by_id.values()), default=now + self.ttl_s)
+            # one lent to a running request never expires while it runs (even past its TTL): the soonest any
+            # other can; with none, a TTL (a lent one is kept for one more, or ends, when its request does)
+            soonest = self.next_expiry()
+            soonest = now + self.ttl_s if soonest is None else soonest
             raise SessionLimitError(f"the server already holds {self.max_sessions} prefill sessions (the limit); "
                                     "finish or delete one, or retry when one expires", max(0.0, soonest - now))
         s = self.by_id[session_id] = PrefillSession(session_id, now, self.ttl_s, rank)

@@ -402,3 +402,20 @@ def test_a_session_deleted_while_its_completion_runs_stays_deleted(tiny_bundle, 
     hits, out, want, st, info = run(main())
     assert hits == int(lent) and out == want
     assert info is None and st.sessions == 0 and st.session_pinned_blocks == 0 and st.kv_blocks_reserved == 0
+
+
+def test_the_cap_retry_after_is_the_soonest_expiry_of_a_session_that_can_expire():
+    """A session lent to a running request does not expire, even past its TTL: the 429's Retry-After once came from
+    its stale expiry (0 s: 'retry in 1 s', for a server still full then)."""
+    from lineside.runtime.sessions import SessionStore
+
+    store = SessionStore(ttl_s=10, max_sessions=2)
+    store.open("lent", now=0.0).lent_to = object()  # in use by a running completion
+    store.open("idle", now=5.0)  # expires at 15
+    with pytest.raises(SessionLimitError) as full:
+        store.open("new", now=12.0)
+    assert full.value.retry_after_s == pytest.approx(3.0)
+    store.by_id["idle"].lent_to = object()  # both in use: none expires until its request ends
+    with pytest.raises(SessionLimitError) as full:
+        store.open("new", now=20.0)
+    assert full.value.retry_after_s == pytest.approx(10.0)
