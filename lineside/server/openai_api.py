@@ -240,6 +240,17 @@ def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id:
     state.metrics.observe(record)
 
 
+def _check_keeps_sessions(state: ServerState) -> None:
+    """keep_session on an engine that keeps no sessions (--max-sessions 0, DeepSeek-V4) would be dropped unseen: a
+    400 naming it, as /v1/prefill answers there (a session named without it still runs as any request)."""
+    try:
+        state.engine.session("keep-session-check")
+    except SessionsUnsupported:
+        raise APIError(400, "keep_session asks to keep this answer's KV in a session, and this server keeps no "
+                            "sessions (--max-sessions 0, or a model whose decode state cannot be kept); leave "
+                            "keep_session out", "sessions_unsupported", param="keep_session") from None
+
+
 def _end_untaken_session(state: ServerState, session: str | None) -> None:
     """A session the completion names ends with it (README), also when no choice can take its KV: else it stayed
     pinned in the arena until its TTL. An engine that keeps no sessions (max_sessions 0, DeepSeek-V4) has none to end:
@@ -531,6 +542,8 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         n = request_mapping.choices_per_prompt(body, len(prompts))
         session = request_mapping.session_id(body, request.headers)
         request_mapping.check_keep_session(body, session, n * len(prompts), adapter)
+        if body.keep_session and session is not None:
+            _check_keeps_sessions(state)
     except APIError:
         state.metrics.reject("invalid")
         raise

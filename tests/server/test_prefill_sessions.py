@@ -421,3 +421,19 @@ def test_a_session_named_on_a_server_without_sessions_runs_as_usual_with_n(mergi
     assert plain.status_code == 200 and named.status_code == 200, named.text
     assert [ch.get("text", ch.get("message")) for ch in named.json()["choices"]] == \
         [ch.get("text", ch.get("message")) for ch in plain.json()["choices"]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_keep_session_on_a_server_without_sessions_is_a_400_not_dropped(merging_bundle, chat):
+    """--max-sessions 0: keep_session asks for what the server cannot do; it was silently dropped (the next turn then
+    recomputed the whole prompt unawares). A 400 naming keep_session, counted invalid; naming a session alone still
+    runs (above)."""
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "station 12 reports"}]})
+                  if chat else ("/v1/completions", {"prompt": "station 12 reports"}))
+    with running_server(merging_bundle, num_slots=2, threads=1, max_sessions=0) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        r = c.post(path, json={**body, "session_id": "s1", "keep_session": True, **GREEDY})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "sessions_unsupported" and err["param"] == "keep_session"
+        assert "\n" not in err["message"] and "leave keep_session out" in err["message"]
+        assert metric(c.get("/metrics").text, "lineside_requests_total", 'outcome="invalid"') == 1
