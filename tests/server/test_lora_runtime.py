@@ -161,20 +161,20 @@ def test_unload_lets_running_and_waiting_requests_finish_then_frees_the_slot(run
     engine = _engine(bundle_dir, runtime=True, max_loras=1, delay=0.05)
     # events, not polls: line-b's request queued behind line-a's, and line-b's slot emptied when its last request ended
     queued_b, emptied_b = threading.Event(), threading.Event()
-    submit, forget = engine.submit, engine.adapter_slots._forget
+    submit_all, forget = engine.submit_all, engine.adapter_slots._forget
 
-    def watched_submit(req):
-        handle = submit(req)
-        if req.adapter == "line-b":
+    def watched_submit_all(reqs):
+        handles = submit_all(reqs)
+        if any(req.adapter == "line-b" for req in reqs):
             queued_b.set()
-        return handle
+        return handles
 
     def watched_forget(key):
         forget(key)
         if key.startswith("line-b#") and not engine.adapter_slots.resident:
             emptied_b.set()
 
-    engine.submit, engine.adapter_slots._forget = watched_submit, watched_forget
+    engine.submit_all, engine.adapter_slots._forget = watched_submit_all, watched_forget
     with running_server(engine, allow_runtime_lora=True, lora_dirs=_roots(qv, rs)) as srv:
         assert _load(srv.url, "line-a", qv).status_code == 200 and _load(srv.url, "line-b", rs).status_code == 200
         body = {"model": "line-a", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
