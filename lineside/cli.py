@@ -81,10 +81,29 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def usage_line(e: UsageError, prog: str = PROG) -> str:
+def usage_line(e: UsageError, prog: str = PROG, cli: object = None, argv: list[str] | None = None) -> str:
     """typer's usage error (unknown option, missing argument, bad value) as one line naming where help is."""
-    path = e.ctx.command_path if e.ctx is not None else prog
+    path = e.ctx.command_path if e.ctx is not None else _argv_command_path(cli, argv, prog)
     return f"error: {one_line(e.format_message()).rstrip('.')}{_repeat_hint(e)}; see `{path} --help`"
+
+
+def _argv_command_path(cli: object, argv: list[str] | None, prog: str) -> str:
+    """The command ``argv`` names (`lineside chat`), for a parser error that carries no context: an option given
+    last without its value ("requires an argument") pointed at `lineside --help`, which lists no options."""
+    try:
+        cmd = typer.main.get_command(cli) if isinstance(cli, typer.Typer) else cli
+    except Exception:  # noqa: BLE001 - only a nicer hint is lost
+        return prog
+    words = [prog]
+    for arg in sys.argv[1:] if argv is None else argv:
+        sub = getattr(cmd, "commands", {}).get(arg) if not arg.startswith("-") else None
+        if sub is None:
+            if arg.startswith("-"):
+                continue  # a group's own flag (`--version`) before the command's name
+            break  # the command's first argument: the path is complete
+        cmd = sub
+        words.append(arg)
+    return " ".join(words)
 
 
 def _repeat_hint(e: UsageError) -> str:
@@ -198,7 +217,7 @@ def run_app(cli: typer.Typer, argv: list[str] | None, prog: str = PROG) -> int:
         if type(e).__name__ == "NoArgsIsHelpError":  # nothing given: the help is the answer (click ≥ 8.2)
             print(e.format_message(), file=sys.stderr)
             return 2
-        print(usage_line(e, prog), file=sys.stderr)
+        print(usage_line(e, prog, cli, argv), file=sys.stderr)
         return 2
     except ClickException as e:
         print(f"error: {one_line(e.format_message())}", file=sys.stderr)

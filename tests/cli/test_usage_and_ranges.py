@@ -72,6 +72,23 @@ def test_missing_argument_is_one_line(command, capsys):
     _assert_usage_line(code, err, command, "Missing")
 
 
+def _first_value_option(cmd) -> str | None:
+    """A command's first option that takes a value (not a flag), by its longest name."""
+    for p in cmd.params:
+        if p.param_type_name == "option" and not getattr(p, "is_flag", False) and p.nargs == 1:
+            return max(p.opts, key=len)
+    return None
+
+
+@pytest.mark.parametrize("command", sorted(c for c, cmd in COMMANDS.items() if _first_value_option(cmd)))
+def test_an_option_given_last_without_its_value_names_the_commands_help(command, capsys):
+    """`lineside chat B --system` (the value forgotten): the parser's error carries no context, and the line said
+    "see `lineside --help`", the top-level help, which lists no option of chat."""
+    option = _first_value_option(COMMANDS[command])
+    code, err = _in_process([*command.split(), *_fill_arguments(COMMANDS[command]), option], capsys)
+    _assert_usage_line(code, err, command, option, "requires an argument")
+
+
 def _bad_values(p) -> list[str]:
     b = p.type_descriptor.parameter_info.parser.bounds
     kind = b["kind"]
