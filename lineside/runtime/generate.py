@@ -30,6 +30,16 @@ if TYPE_CHECKING:
     from lineside.runtime.structured import GrammarMatcher
 
 
+def _rejected(matcher: GrammarMatcher, tok: int) -> LinesideError:
+    """The error a stream ends with when its grammar took no sampled token: the server's one line (a
+    ConstraintError naming the field, for a grammar past its limits or at text the vocabulary cannot spell)."""
+    from lineside.runtime.grammar_failure import grammar_failure
+    from lineside.runtime.structured import ConstraintError
+
+    f = grammar_failure(matcher.constraint, tok, matcher.error)
+    return ConstraintError(f.message, f.param) if f.client_error else LinesideError(f.message)
+
+
 def compute_logits(backend: Backend, ids: list[int], mode: str = "prefill", *, slot: int = 0,
                    adapter: int = 0) -> np.ndarray:
     """float32 logits [T, vocab] for every position: one prefill step, or one decode step per token.
@@ -120,7 +130,7 @@ class Generator:
             allowed = None if matcher is None else matcher.allowed()
             tok = sampler.step(logits, history, len(prompt_ids), allowed=allowed).token
             if matcher is not None and not matcher.accept(tok):
-                raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
+                raise _rejected(matcher, tok)
             if stop_at_eos and tok in self.eos_ids:
                 return
             yield tok
@@ -169,7 +179,7 @@ class Generator:
         while True:
             for tok in new:
                 if matcher is not None and not matcher.accept(tok):
-                    raise LinesideError(f"grammar rejected token {tok}: {matcher.error}")
+                    raise _rejected(matcher, tok)
                 if stop_at_eos and tok in self.eos_ids:
                     return
                 yield tok

@@ -170,6 +170,8 @@ class TokenEvent:
     client_error: bool = False
     # with ``client_error``: the OpenAI error code servers answer with (grammar_too_large, grammar_dead_end)
     error_code: str | None = None
+    # with ``client_error``: the request field that carried the grammar (the OpenAI error's ``param``)
+    error_param: str | None = None
     # with ``error``: the engine failed (engine_health.py), not this request: servers answer 503 so the client
     # retries on another instance, as a refused request would be
     engine_failed: bool = False

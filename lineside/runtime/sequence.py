@@ -11,17 +11,12 @@ from collections import deque
 from typing import Any
 
 from lineside.runtime.detokenize import IncrementalDetokenizer
+from lineside.runtime.grammar_failure import grammar_failure
 from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler, TokenLogprob
 from lineside.runtime.speculative.adaptive import DraftLength
 from lineside.runtime.stop import StopMatcher
-from lineside.runtime.structured import (
-    GrammarMatcher,
-    dead_end_message,
-    is_dead_end,
-    is_limit_error,
-    limit_message,
-)
+from lineside.runtime.structured import GrammarMatcher
 from lineside.strenum import StrEnum
 
 _FAILED = (FinishReason.CANCELLED, FinishReason.TIMEOUT, FinishReason.ERROR)  # events that carry no prompt scores
@@ -116,14 +111,15 @@ class Sequence:
     # ---- outputs ------------------------------------------------------------------------------
     def _event(self, text: str, ids: list[int], reason: FinishReason | None, error: str | None = None,
                logprob: TokenLogprob | None = None, client_error: bool = False,
-               stop_reason: int | str | None = None, error_code: str | None = None) -> TokenEvent:
+               stop_reason: int | str | None = None, error_code: str | None = None,
+               error_param: str | None = None) -> TokenEvent:
         scored = None
         if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent and reason not in _FAILED:
             scored, self._prompt_logprobs_sent = list(self.prompt_logprobs), True
         return TokenEvent(text=text, token_ids=ids, finish_reason=reason, prompt_tokens=len(self.prompt),
                           completion_tokens=len(self.generated), error=error,
                           logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error,
-                          error_code=error_code,
+                          error_code=error_code, error_param=error_param,
                           stop_reason=stop_reason, prompt_logprobs=scored)
 
     def prompt_done(self) -> TokenEvent:
@@ -175,15 +171,9 @@ class Sequence:
         """The final event when the grammar took no token: past the grammar engine's limits (a huge repetition the
         compile's walk did not reach), or at text this vocabulary cannot spell (the mask held only <unk>), it is the
         request's grammar at fault, a client error naming its field; any other rejection is the engine's."""
-        why = self.matcher.error if self.matcher is not None else None
-        c = self.req.constraint
-        if c is not None and is_limit_error(why):
-            return self._event(self._flush(), [], FinishReason.ERROR, limit_message(c, why or ""), client_error=True,
-                               error_code="grammar_too_large")
-        if c is not None and is_dead_end(why):
-            return self._event(self._flush(), [], FinishReason.ERROR, dead_end_message(c, why or ""),
-                               client_error=True, error_code="grammar_dead_end")
-        return self._event(self._flush(), [], FinishReason.ERROR, f"grammar rejected token {tok}: {why}")
+        f = grammar_failure(self.req.constraint, tok, self.matcher.error if self.matcher is not None else None)
+        return self._event(self._flush(), [], FinishReason.ERROR, f.message, client_error=f.client_error,
+                           error_code=f.code, error_param=f.param if f.client_error else None)
 
     def abort(self, reason: FinishReason, error: str | None = None) -> TokenEvent:
         """Final event for cancel / timeout / error (text held back so far is released)."""

@@ -621,8 +621,10 @@ class GrammarMatcher:
     output is free (no mask; ``active`` False), and the grammar starts with the token after it, as vLLM applies a
     structured output to the answer of a reasoning model only."""
 
-    def __init__(self, matcher: Any, vocab_size: int, padding: PaddingMask | None = None, after: int | None = None):
+    def __init__(self, matcher: Any, vocab_size: int, padding: PaddingMask | None = None, after: int | None = None,
+                 constraint: Constraint | None = None):
         self._m = matcher
+        self.constraint = constraint  # what it enforces: a rejection's message names its field (grammar_failure.py)
         self.vocab_size = vocab_size
         self.padding = padding
         self.after = after
@@ -762,7 +764,8 @@ class GrammarCompiler:
 
     def matcher(self, constraint: Constraint, after: int | None = None) -> GrammarMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar (``after``: which starts after that token)."""
-        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding, after)
+        return GrammarMatcher(self._template(constraint).deep_copy(), self.vocab_size, self.padding, after,
+                              constraint)
 
     def _template(self, c: Constraint) -> Any:
         where = c.param or c.kind.value

@@ -155,8 +155,8 @@ _FAILURES = {
 def failure(state: ServerState, event: TokenEvent) -> APIError:
     """The error a request that ended without stop or length answers with (streamed: its error event)."""
     if event.client_error and event.error:  # the request's grammar past the engine's limits or at a dead end
-        return APIError(400, event.error, event.error_code or "grammar_too_large", type="invalid_request_error",
-                        headers={"x-should-retry": "false"})
+        return APIError(400, event.error, event.error_code or "grammar_too_large", param=event.error_param,
+                        type="invalid_request_error", headers={"x-should-retry": "false"})
     if event.engine_failed and event.error:  # not this request's failure: the engine's; retry elsewhere
         return APIError(503, f"{event.error}; retry on another instance", "engine_failed", type="service_unavailable")
     status, error_type, code, message = _FAILURES[event.finish_reason]
@@ -191,7 +191,7 @@ async def stream_events(state: ServerState, writer: sse.ChunkWriter, choices: li
         else:
             error = failure(state, event)
             cancel_all(choices)
-            yield sse.error_event(error.message, error.type, error.code)
+            yield sse.error_event(error.message, error.type, error.code, error.param)
             yield sse.DONE
             return
     if writer.include_usage:

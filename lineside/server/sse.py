@@ -30,9 +30,10 @@ def event(obj: dict[str, Any]) -> str:
     return "data: " + dumps(obj) + "\n\n"
 
 
-def error_event(message: str, type: str, code: str | None) -> str:
-    """A mid-stream error (the openai client raises APIError on it), as OpenAI sends one."""
-    return event({"error": {"message": message, "type": type, "code": code, "param": None}})
+def error_event(message: str, type: str, code: str | None, param: str | None = None) -> str:
+    """A mid-stream error (the openai client raises APIError on it), as OpenAI sends one; ``param``: the request
+    field at fault (a grammar's), as its 400 before streaming names it."""
+    return event({"error": {"message": message, "type": type, "code": code, "param": param}})
 
 
 class ChunkWriter:

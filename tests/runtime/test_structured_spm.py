@@ -194,14 +194,51 @@ def test_a_grammar_at_text_the_vocabulary_cannot_spell_ends_as_the_clients_error
     assert needed in ev.error and "\n" not in ev.error, ev.error
 
 
+@pytest.mark.parametrize("make", [
+    lambda: Constraint.regex("(o|k)!"),
+    lambda: Constraint.json_schema({"type": "object", "properties": {"a": {"enum": ["x!", "y!"]}}, "required": ["a"]},
+                                   param="tools[0].function.parameters"),
+])
+def test_a_dead_end_event_names_the_field_that_carried_the_grammar(tmp_path, make):
+    """The mid-generation 400 names its field in the error's ``param``, as the compile-time 400s do."""
+    tok, comp = _spm_dir(tmp_path, "no_bytes")
+    c = make()
+    seq = _sequence(tok, comp, c)
+    for _ in range(20):
+        ev = seq.on_token(_only_allowed(seq), 0.0)
+        if ev.finish_reason is not None:
+            break
+    assert ev.client_error and ev.error_param == c.param, ev
+
+
 def test_a_dead_end_is_answered_400_grammar_dead_end():
     from lineside.runtime.request import FinishReason, TokenEvent
     from lineside.server.responses import failure
 
     ev = TokenEvent("", [], FinishReason.ERROR, 3, 2, error="guided_regex: cannot be completed", client_error=True,
-                    error_code="grammar_dead_end")
+                    error_code="grammar_dead_end", error_param="guided_regex")
     err = failure(None, ev)  # type: ignore[arg-type] (a client error reads nothing of the server's state)
-    assert (err.status, err.code, err.type) == (400, "grammar_dead_end", "invalid_request_error")
+    assert (err.status, err.code, err.type, err.param) == (400, "grammar_dead_end", "invalid_request_error",
+                                                           "guided_regex")
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_generator_ends_at_a_dead_end_with_the_servers_one_line(tmp_path, tiny_bundles, speculative):
+    """The offline path (Generator, `lineside generate`'s) says what the server's 400 says, as a ConstraintError
+    naming the field, not the engine's "grammar rejected token N" (plain and speculative loops alike)."""
+    from lineside.runtime.generate import Generator
+    from lineside.runtime.speculative.config import SpecMethod, SpeculativeConfig
+
+    spec = SpeculativeConfig(SpecMethod.NGRAM, 2, max_rows=4) if speculative else None
+    gen = Generator(tiny_bundles(quant="w4a16", accuracy_level=0, group_size=32, max_seq_len=256), threads=2,
+                    speculative=spec)
+    tok, _ = _spm_dir(tmp_path, "no_bytes")
+    comp = GrammarCompiler.for_tokenizer(tok, gen.backend.vocab_size, [EOS])
+    c = Constraint.regex("(o|k)!")
+    with pytest.raises(ConstraintError) as e:
+        list(gen.stream([1, 5, 6], 10, matcher=comp.matcher(c)))
+    assert str(e.value).startswith("guided_regex: this regular expression cannot be completed with this model's vocabulary"), e.value
+    assert "'!' next" in str(e.value) and "\n" not in str(e.value) and e.value.param == "guided_regex"
 
 
 @pytest.mark.parametrize("make", [

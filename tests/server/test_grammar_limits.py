@@ -193,6 +193,7 @@ def test_a_limit_met_mid_generation_is_a_400_before_anything_is_sent(server, pat
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "grammar_too_large", err
     assert err["message"].startswith(f"{param}: {LATE_MESSAGE}") and "\n" not in err["message"], err
+    assert err["param"] == param, err  # as the compile-time 400s name the field
 
 
 @pytest.mark.parametrize("path, body, param", LATE_CASES)
@@ -205,7 +206,7 @@ def test_a_limit_met_mid_stream_is_an_invalid_request_error_event_then_done(serv
         assert lines[-1] == "[DONE]", lines
         err = json.loads(lines[-2])["error"]
         assert err["type"] == "invalid_request_error" and err["code"] == "grammar_too_large", err
-        assert err["message"].startswith(f"{param}: {LATE_MESSAGE}"), err
+        assert err["message"].startswith(f"{param}: {LATE_MESSAGE}") and err["param"] == param, err
         ok = client.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length"), ok.text
 
