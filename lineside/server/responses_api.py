@@ -363,7 +363,7 @@ class ResponseBuilder:
         usage so far). The error's ``code`` is ``server_error`` (the SDK's ``ResponseError.code`` is an enum that has
         none of this server's codes); its ``type`` says which failure."""
         body = self.body("failed", usage, None, split, answer)
-        body["error"] = {"code": "server_error", "message": error.message, "type": error.type, "param": None}
+        body["error"] = {"code": "server_error", "message": error.message, "type": error.type, "param": error.param}
         texts = [i["content"][0]["text"] for i in answer if i["type"] == "message"]
         calls = [ToolCall(i["name"], i["arguments"], i["call_id"]) for i in answer
                  if i["type"] == "function_call" and i["status"] == "completed"]
@@ -380,7 +380,8 @@ class ResponseBuilder:
         if self.store is None:
             return error
         return APIError(error.status, f"{error.message} (the response so far is kept as failed: GET /v1/responses/"
-                                      f"{self.id})", error.code, type=error.type, headers=error.headers)
+                                      f"{self.id})", error.code, param=error.param, type=error.type,
+                        headers=error.headers)
 
     def body(self, status: str, usage: tuple[int, int] | None, reason: str | None = None,
              split: ReasoningSplitter | None = None, answer: list[dict[str, Any]] = ()) -> dict[str, Any]:

@@ -478,3 +478,23 @@ def test_an_input_item_not_an_object_is_400_naming_it(client, given):
         client.responses.create(model=MODEL, input=given, max_output_tokens=1)
     assert e.value.body["param"] == f"input[{i}]" and "\n" not in e.value.body["message"]
     assert "object" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_grammar_failure_mid_response_keeps_its_param(stored):
+    """A non-streamed /v1/responses whose schema fails mid-generation answers the 400 naming text.format.schema (as
+    chat's does), and the kept failed response's error names it too."""
+    from lineside.server.errors import APIError
+    from lineside.server.response_store import ResponseStore
+    from lineside.server.responses_api import ResponseBuilder, ResponsesRequest
+
+    store = ResponseStore(4)
+    b = ResponseBuilder(ResponsesRequest(input="hi", store=stored), "m", "r1", store=store, conversation=[])
+    error = APIError(400, "text.format.schema: cannot be completed", "grammar_dead_end", param="text.format.schema",
+                     type="invalid_request_error")
+    out = b.failed_final(error, "{\"a\": ", (3, 4))
+    assert (out.status, out.code, out.param) == (400, "grammar_dead_end", "text.format.schema"), vars(out)
+    events = ResponseBuilder(ResponsesRequest(input="hi", stream=True), "m", "r2", store=store,
+                             conversation=[]).failed(error, (3, 4))
+    failed = json.loads(events[-1].split("data: ", 1)[1])["response"]
+    assert failed["error"]["param"] == "text.format.schema" and failed["usage"]["output_tokens"] == 4, failed
