@@ -229,15 +229,16 @@ def _check_local_base(path: Path, conf: dict[str, Any], cfg: ModelConfig) -> Non
         return
     if not isinstance(hf, dict):
         return
-    from lineside.config import ARCHITECTURES, MODEL_TYPES
+    from lineside.config import family_of
+    from lineside.errors import ConfigError
 
-    archs = hf.get("architectures")
-    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
-    family = next((ARCHITECTURES[a] for a in names if a in ARCHITECTURES), None)
-    model_type = hf.get("model_type")
-    if family is None and isinstance(model_type, str):
-        family = MODEL_TYPES.get(model_type, model_type)
-    theirs: dict[str, Any] = {"architecture": family or (names[0] if names else None),
+    try:
+        family: str | None = family_of(hf)
+    except ConfigError:  # a family lineside does not build: named by its model_type, else its first class
+        archs, model_type = hf.get("architectures"), hf.get("model_type")
+        names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        family = model_type if isinstance(model_type, str) else names[0] if names else None
+    theirs: dict[str, Any] = {"architecture": family,
                               "hidden_size": hf.get("hidden_size"), "num_hidden_layers": hf.get("num_hidden_layers"),
                               "vocab_size": hf.get("vocab_size")}
     ours = {"architecture": cfg.architecture, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,

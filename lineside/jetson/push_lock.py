@@ -7,7 +7,6 @@ connection) releases it with its process: nothing stale is left for the operator
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shlex
 import subprocess
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lineside.errors import LinesideError
+from lineside.file_lock import LockState, lock_exclusive
 from lineside.jetson.targets import LocalTarget, SshTarget, ssh_failure
 
 LOCK_NAME = ".push.lock"
@@ -47,10 +47,9 @@ def _local_lock(t: LocalTarget, create: bool) -> Iterator[None]:
     t.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(t.root / LOCK_NAME, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(t.label) from None
+        # a filesystem without locks (some network mounts) is pushed to unlocked, as a device without flock is
+        if lock_exclusive(fd, wait=False) is LockState.BUSY:
+            raise _busy(t.label)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -456,8 +456,13 @@ class LLMEngine:
         with self._state:
             return self.scheduler.expire_sessions(self.clock())
 
+    @property
+    def keeps_sessions(self) -> bool:
+        """Whether prefill sessions can be kept (not with --max-sessions 0, nor with whole-state tensors)."""
+        return self.scheduler.sessions is not None
+
     def _check_sessions(self) -> None:
-        if self.scheduler.sessions is None:
+        if not self.keeps_sessions:
             why = ("its decode state has whole-state tensors (DeepSeek-V4's compressor state and window are replaced "
                    "each step), which cannot be cut back to a shared prefix" if self.whole_state
                    else "it was started with no sessions (max_sessions 0)")

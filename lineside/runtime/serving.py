@@ -36,6 +36,7 @@ class ServingEngine(Protocol):
     grammar: GrammarCompiler  # structured outputs and tool calls: checks constraints; token bytes for logprobs
     capacity: int  # sequences it holds at once, running and waiting: more choices in one request never fit
     adapter_slots: AdapterSlots | None  # the LoRA adapters it serves (each a model named by the adapter), or None
+    keeps_sessions: bool  # prefill sessions can be kept (POST /v1/prefill, keep_session)
 
     def warm_up(self) -> None:
         """Run the backend once so its first request does not allocate (`serve` calls it on the loading thread;

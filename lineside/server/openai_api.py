@@ -34,7 +34,6 @@ from lineside.runtime.request import (
     QueueFullError,
 )
 from lineside.runtime.sampling import SamplingParams
-from lineside.runtime.sessions import SessionsUnsupported
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
     chat_rendering,
@@ -243,24 +242,18 @@ def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id:
 def _check_keeps_sessions(state: ServerState) -> None:
     """keep_session on an engine that keeps no sessions (--max-sessions 0, DeepSeek-V4) would be dropped unseen: a
     400 naming it, as /v1/prefill answers there (a session named without it still runs as any request)."""
-    try:
-        state.engine.session("keep-session-check")
-    except SessionsUnsupported:
+    if not state.engine.keeps_sessions:
         raise APIError(400, "keep_session asks to keep this answer's KV in a session, and this server keeps no "
                             "sessions (--max-sessions 0, or a model whose decode state cannot be kept); leave "
-                            "keep_session out", "sessions_unsupported", param="keep_session") from None
+                            "keep_session out", "sessions_unsupported", param="keep_session")
 
 
 def _end_untaken_session(state: ServerState, session: str | None) -> None:
     """A session the completion names ends with it (README), also when no choice can take its KV: else it stayed
     pinned in the arena until its TTL. An engine that keeps no sessions (max_sessions 0, DeepSeek-V4) has none to end:
     the request runs as any (README), never a 400 for the name."""
-    if session is None:
-        return
-    try:
+    if session is not None and state.engine.keeps_sessions:
         state.engine.release_session(session)
-    except SessionsUnsupported:
-        pass
 
 
 async def _checked(state: ServerState, constraint: Constraint | None) -> Constraint | None:
@@ -398,9 +391,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
     except EngineFailed as e:  # failed between the middleware's check and here (or a fallback's engine did)
         raise _engine_failed(state, e) from None
     except EngineDraining:
-        state.metrics.reject("draining")
-        raise APIError(503, "server is shutting down and takes no new requests", "draining",
-                       headers={"Retry-After": "5"}) from None
+        raise _draining(state) from None
     except APIError:
         state.metrics.reject("invalid")
         raise
@@ -617,9 +608,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         raise _engine_failed(state, e) from None
     except EngineDraining:
         responses.cancel_all(choices)
-        state.metrics.reject("draining")
-        raise APIError(503, "server is shutting down and takes no new requests", "draining",
-                       headers={"Retry-After": "5"}) from None
+        raise _draining(state) from None
     except LinesideError as e:
         responses.cancel_all(choices)
         state.metrics.reject("invalid")
@@ -682,6 +671,12 @@ def _engine_failed(state: ServerState, e: EngineFailed) -> APIError:
     """A failed engine's refusal, as the middleware answers once it knows (not a shutting-down server's)."""
     state.metrics.reject("engine_failed")
     return APIError(503, f"{e}; retry on another instance", "engine_failed", type="service_unavailable")
+
+
+def _draining(state: ServerState) -> APIError:
+    """The 503 a shutting-down engine's refusal answers (counted as draining): retry on another instance."""
+    state.metrics.reject("draining")
+    return APIError(503, "server is shutting down and takes no new requests", "draining", headers={"Retry-After": "5"})
 
 
 def _queue_full(state: ServerState, e: QueueFullError) -> APIError:
