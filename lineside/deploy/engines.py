@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from lineside.bundle import MANIFEST
-from lineside.deploy.sizing import DcPlan, GpuSet, parse_gpus, plan_datacenter
+from lineside.deploy.parallel import MAX_GPUS
+from lineside.deploy.sizing import GPUS, DcPlan, GpuSet, parse_gpus, plan_datacenter
 from lineside.errors import LinesideError
 from lineside.jetson.planner import load_model
 from lineside.strenum import StrEnum
@@ -124,8 +125,8 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
                            max_num_tokens=MAX_NUM_TOKENS)
     if not plan.fits:
         why = plan.notes[-1].removeprefix("does not fit: ")  # the planner's note starts with the same words
-        raise LinesideError(f"{spec.name} does not fit {gs.label}: {why}; use more or larger GPUs "
-                            "(e.g. 8xH200 or 8xB200)")
+        raise LinesideError(f"{spec.name} does not fit {gs.label}: {why}; "
+                            + fits_instead(model, gs, profile, gpu_memory_utilization))
     hf, served = ckpt.hf_id, ckpt.served_name
     path = f"{model_dir.rstrip('/')}/{ckpt.dir_name}"
     v4 = spec.architecture == "deepseek_v4"
@@ -135,13 +136,27 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     max_batch = 128 if profile == "throughput" else 32
     builder = {EngineName.VLLM: _vllm, EngineName.SGLANG: _sglang, EngineName.TRTLLM: _trtllm}[eng]
     config, replicas, notes = builder(plan, path=path, served=served, port=port, v4=v4, mtp=k, max_batch=max_batch,
-                                      n=gs.count)
+                                      n=plan.gpus_per_server)
     notes = [*plan.notes, *notes]
     if k:
         notes.append(f"MTP: {k} draft token(s) per step ({'throughput' if profile == 'throughput' else 'latency'} "
                      "setting; 1 for throughput, 3 for low latency)")
     return Deployment(eng, spec.name, hf, served, gs.label, plan, CONFIG_FILES[eng], config, replicas, IMAGES[eng],
                       notes)
+
+
+def fits_instead(model: str, gs: GpuSet, profile: str, gpu_memory_utilization: float) -> str:
+    """What to ask for instead: the fewest GPUs of this kind that hold the model, else the smallest node of a
+    larger kind; fewer GPUs never help (every split of fewer is among the ones already tried)."""
+    kinds = [gs.gpu, *sorted((g for g in GPUS.values() if g.memory_bytes > gs.gpu.memory_bytes),
+                             key=lambda g: g.memory_bytes)]
+    for gpu in kinds:
+        for count in range(gs.count + 1 if gpu == gs.gpu else 1, MAX_GPUS + 1):
+            if plan_datacenter(model, GpuSet(count, gpu), profile=profile,
+                               gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=MAX_NUM_TOKENS).fits:
+                return f"use --gpus {GpuSet(count, gpu).label}"
+    return (f"no node of up to {MAX_GPUS} {', '.join(g.key.upper() for g in kinds)} GPUs holds it at "
+            f"--gpu-memory-utilization {gpu_memory_utilization}")
 
 
 def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
@@ -169,7 +184,7 @@ def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, m
     if mtp:
         c["speculative-config"] = {"method": "mtp", "num_speculative_tokens": mtp}
     cmd = ["vllm", "serve", "--config", "/config/vllm.yaml"]
-    return c, [Replica("engine", list(range(n)), cmd)], ["vLLM: data parallel ranks share one API server"]
+    return c, servers(p, cmd), ["vLLM: data parallel ranks share one API server"] if p.dp > 1 else []
 
 
 def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
@@ -199,7 +214,7 @@ def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
         c.update({"speculative-algorithm": "EAGLE", "speculative-num-steps": mtp, "speculative-eagle-topk": 1,
                   "speculative-num-draft-tokens": mtp + 1})
     cmd = ["python3", "-m", "sglang.launch_server", "--config", "/config/sglang.yaml"]
-    return c, [Replica("engine", list(range(n)), cmd)], []
+    return c, servers(p, cmd), []
 
 
 def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
@@ -227,13 +242,20 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
             notes.append("TensorRT-LLM attention-DP: max_batch_size is per rank")
         if mtp:  # num_nextn_predict_layers is read from the checkpoint ("do not set manually")
             c["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": mtp}
-        replicas = [Replica("engine", list(range(n)), _trt_cmd(path, served, port))]
-    else:
-        replicas = [Replica(f"engine-{i}" if p.dp > 1 else "engine", list(range(i * p.tp, (i + 1) * p.tp)),
-                            _trt_cmd(path, served, port)) for i in range(p.dp)]
+        replicas = servers(p, _trt_cmd(path, served, port))
+    else:  # trtllm-serve has no data parallelism for a dense model: one server per TP group
+        replicas = servers(p, _trt_cmd(path, served, port), count=p.dp, group=p.tp)
         if p.dp > 1:
             notes.append(f"TensorRT-LLM: {p.dp} servers of TP {p.tp}, one per GPU group, all behind the gateway")
     return c, replicas, notes
+
+
+def servers(p: DcPlan, command: list[str], *, count: int | None = None, group: int | None = None) -> list[Replica]:
+    """The engine servers on consecutive GPUs from 0 (``count`` of ``group`` GPUs; the plan's by default);
+    GPUs the plan leaves idle are given to none, so compose reserves only the ones used."""
+    count, group = count or p.servers, group or p.gpus_per_server
+    return [Replica(f"engine-{i}" if count > 1 else "engine", list(range(i * group, (i + 1) * group)), command)
+            for i in range(count)]
 
 
 def _trt_cmd(path: str, served: str, port: int) -> list[str]:

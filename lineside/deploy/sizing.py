@@ -12,6 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from lineside.deploy.parallel import MAX_GPUS, Placement, Shape
 from lineside.errors import LinesideError
 from lineside.jetson.planner import _largest, load_model
 from lineside.jetson.sizes import EXTERNAL_KV_DTYPES, KvStorage, WeightSizes, check_kv_dtype
@@ -51,12 +52,17 @@ class GpuSet:
 
 
 def parse_gpus(text: str) -> GpuSet:
-    """'8xH200' → GpuSet(8, H200); one-line error otherwise."""
+    """'8xH200' → GpuSet(8, H200), any count 1..8 (one node); one-line error otherwise."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*([A-Za-z0-9]+)\s*", text or "")
-    if not m or m.group(2).lower() not in GPUS or int(m.group(1)) not in (1, 2, 4, 8):
-        raise LinesideError(f"--gpus {text!r}: give COUNTxGPU with COUNT 1, 2, 4 or 8 and GPU one of "
-                            f"{', '.join(g.upper() for g in GPUS)} (e.g. 8xH200)")
-    return GpuSet(int(m.group(1)), GPUS[m.group(2).lower()])
+    kinds = ", ".join(g.upper() for g in GPUS)
+    if not m or m.group(2).lower() not in GPUS:
+        raise LinesideError(f"--gpus {text!r}: give COUNTxGPU with COUNT 1 to {MAX_GPUS} and GPU one of {kinds} "
+                            "(e.g. 8xH200)")
+    count = int(m.group(1))
+    if not 1 <= count <= MAX_GPUS:
+        raise LinesideError(f"--gpus {text!r}: {count} GPUs; give 1 to {MAX_GPUS}, the GPUs of one node "
+                            f"(e.g. {MAX_GPUS}x{m.group(2).upper()})")
+    return GpuSet(count, GPUS[m.group(2).lower()])
 
 
 @dataclass
@@ -83,6 +89,9 @@ class DcPlan:
     model_max_context: int
     seqs_at_max_len: int  # whole fleet of ranks, sequences of max_model_len
     fits: bool
+    servers: int = 1  # engine server processes, each a whole copy of the model (V4 groups)
+    gpus_per_server: int = 1
+    idle_gpus: int = 0  # GPUs of the set no whole replica could use
     breakdown: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -133,40 +142,43 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
         raise LinesideError(f"--gpu-memory-utilization {gpu_memory_utilization}: give a share between 0.5 and 0.98")
     spec = load_model(model)
     raw = raw_config(model)
+    shape = Shape.of(raw)
     w, fmt, mtp_layers = official_weights(model)
     mtp_layers = mtp_layers if mtp else 0
     n = gs.count
     ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype, external=True), gpu_memory_utilization, max_num_tokens,
-               min(spec.max_positions, max_len or spec.max_positions))
-    notes: list[str] = []
-    if spec.architecture == "deepseek_v4":
+               min(spec.max_positions, max_len or spec.max_positions), shape)
+    v4 = spec.architecture == "deepseek_v4"
+    if v4:
         layers = int(raw.get("num_hidden_layers", 1))
-        mtp_bytes = w.total // max(layers, 1) * mtp_layers  # one more decoder layer per MTP module
-        dp_layout = ctx.layout(tp=1, dp=n, ep=n, attention_dp=True, extra=mtp_bytes) if n > 1 else None
-        tp_layout = ctx.layout(tp=n, dp=1, ep=n, attention_dp=False, extra=mtp_bytes)
-        if profile == "throughput" and dp_layout is not None and dp_layout["fits"]:
-            lay = dp_layout
-            notes.append("attention-DP: each rank holds the attention/dense weights and its own sequences' KV "
-                         "(one KV head: TP would replicate it on every rank)")
-        else:
-            lay = tp_layout
-            if profile == "throughput" and dp_layout is not None:
-                notes.append(f"attention-DP does not fit ({dp_layout['per_gpu'] / GIB:.1f} GiB of weights per "
-                             "GPU with attention replicated): TP attention instead")
-            notes.append("TP attention: the single KV head is replicated on every rank")
+        extra = w.total // max(layers, 1) * mtp_layers  # one more decoder layer per MTP module
+        options, refused = _v4_options(ctx, shape, n, profile, extra)
     else:
         mtp_layers = 0
-        kv_heads = int(raw.get("num_key_value_heads") or raw.get("num_attention_heads") or 1)
-        lay = None
-        tp = 1
-        while tp <= n:
-            if kv_heads % tp == 0:
-                lay = ctx.layout(tp=tp, dp=n // tp, ep=1, attention_dp=False, extra=0)
-                if lay["fits"] and lay["max_len"] >= min(TARGET_LEN, ctx.cap):
-                    break
-            tp *= 2
-        assert lay is not None
+        options, refused = _dense_options(ctx, shape, n)
+    fitting = [o for o in options if o.lay["fits"]]
+    if not fitting:
+        best = max(options, key=lambda o: o.place.group)  # the most GPUs one replica may span
+    elif v4:
+        # throughput: use as many GPUs as whole replicas can, then the widest replica (one EP group if it can);
+        # latency: the widest replica (fastest tokens), even if GPUs are left over
+        key = ((lambda o: (o.place.idle, -o.place.group)) if profile == "throughput"
+               else (lambda o: (-o.place.group, o.place.idle)))
+        best = min(fitting, key=key)
+    else:
+        good = [o for o in fitting if o.lay["max_len"] >= min(TARGET_LEN, ctx.cap)] or fitting
+        best = min(good, key=lambda o: (o.place.idle, o.place.group))  # all GPUs busy, then the narrowest TP
+    lay, place = best.lay, best.place
+    notes = list(best.notes)
+    if v4:
+        if place.replicas > 1:
+            notes.append(f"{place.replicas} engine servers of {place.group} GPUs (EP {place.group} each), "
+                         "all behind the gateway")
+    else:
         notes.append(f"dense: TP {lay['tp']} per replica, {lay['dp']} replica(s) (engine data parallelism)")
+    idle = _idle_note(place, refused, options)
+    if idle:
+        notes.append(idle)
     if not lay["fits"]:
         notes.append(f"does not fit: {lay['per_gpu'] / GIB:.1f} GiB of weights per GPU + "
                      f"{lay['overhead'] / GIB:.1f} GiB overhead vs {ctx.usable / GIB:.1f} GiB usable per GPU")
@@ -176,8 +188,90 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
         tp=lay["tp"], dp=lay["dp"], ep=lay["ep"], attention_dp=lay["attention_dp"], mtp_layers=mtp_layers,
         kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization, overhead_per_gpu_bytes=lay["overhead"],
         kv_budget_per_gpu_bytes=lay["budget"], max_model_len=lay["max_len"], model_max_context=spec.max_positions,
-        seqs_at_max_len=lay["seqs"], fits=lay["fits"], breakdown=w.breakdown, notes=notes,
+        seqs_at_max_len=lay["seqs"] * (place.replicas if v4 else 1), fits=lay["fits"],
+        servers=place.replicas if v4 else 1, gpus_per_server=place.group if v4 else place.used,
+        idle_gpus=place.idle, breakdown=w.breakdown, notes=notes,
     )
+
+
+@dataclass
+class _Option:
+    """One way to place the model: replicas of ``place.group`` GPUs, and that group's layout."""
+
+    place: Placement
+    lay: dict[str, Any]
+    notes: list[str]
+
+
+def _v4_options(ctx: _Ctx, shape: Shape, n: int, profile: str,
+                extra: int) -> tuple[list[_Option], dict[int, str]]:
+    """DeepSeek-V4 on groups of g GPUs (EP g, attention-DP or TP g), for every g the experts split evenly over."""
+    options, refused = [], {}
+    for g in range(1, n + 1):
+        why_ep = shape.ep_problem(g)
+        if why_ep:
+            refused[g] = why_ep
+            continue
+        dp_lay = ctx.layout(tp=1, dp=g, ep=g, attention_dp=True, extra=extra) if g > 1 else None
+        why_tp = shape.tp_problem(g)
+        tp_lay = None if why_tp else ctx.layout(tp=g, dp=1, ep=g, attention_dp=False, extra=extra)
+        notes = []
+        if profile == "throughput" and dp_lay is not None and (dp_lay["fits"] or tp_lay is None):
+            lay = dp_lay
+            notes.append("attention-DP: each rank holds the attention/dense weights and its own sequences' KV "
+                         "(one KV head: TP would replicate it on every rank)")
+        elif tp_lay is not None:
+            lay = tp_lay
+            if profile == "throughput" and dp_lay is not None:
+                notes.append(f"attention-DP does not fit ({dp_lay['per_gpu'] / GIB:.1f} GiB of weights per "
+                             "GPU with attention replicated): TP attention instead")
+            notes.append("TP attention: the single KV head is replicated on every rank")
+        else:
+            refused[g] = str(why_tp)  # latency wants TP attention, which this g cannot split
+            continue
+        options.append(_Option(Placement(n, g), lay, notes))
+    return options, refused
+
+
+def _dense_options(ctx: _Ctx, shape: Shape, n: int) -> tuple[list[_Option], dict[int, str]]:
+    """A dense model at every TP its heads, KV heads and MLP split evenly over; the rest as replicas."""
+    options, refused = [], {}
+    for tp in range(1, n + 1):
+        why = shape.tp_problem(tp)
+        if why:
+            refused[tp] = why
+            continue
+        place = Placement(n, tp)
+        options.append(_Option(place, ctx.layout(tp=tp, dp=place.replicas, ep=1, attention_dp=False, extra=0), []))
+    return options, refused
+
+
+def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option]) -> str | None:
+    """One line for GPUs the plan leaves unused: which, and why no other split takes them."""
+    if not place.idle:
+        return None
+    ids = f"GPU {place.used}" if place.idle == 1 else f"GPUs {place.used}-{place.gpus - 1}"
+    by_reason: dict[str, list[int]] = {}
+    for g, r in sorted(refused.items()):
+        if g > place.group:
+            by_reason.setdefault(r, []).append(g)
+    why = [f"{r} do not split evenly over {_or(gs)} GPUs" for r, gs in by_reason.items()]
+    too_small = [o.place.group for o in options if o.place.group > place.group and not o.lay["fits"]]
+    if too_small:
+        why.append(f"the model does not fit replicas of {_or(too_small)} GPUs")
+    busier = [o for o in options if o.lay["fits"] and o.place.idle < place.idle]
+    if busier:  # the latency profile chose the widest replica over using every GPU
+        o = min(busier, key=lambda o: o.place.idle)
+        why.append(f"the latency profile takes the widest replica; --profile throughput runs {o.place.replicas} "
+                   f"replicas of {o.place.group} on {o.place.used}")
+    return (f"{ids} idle: {place.replicas} replica(s) of {place.group} GPU(s) use {place.used} of {place.gpus}"
+            + (f" ({'; '.join(why)})" if why else ""))
+
+
+def _or(values: list[int]) -> str:
+    """'3', '3 or 6', '3, 6 or 7'."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 @dataclass
@@ -189,6 +283,7 @@ class _Ctx:
     util: float
     max_num_tokens: int
     cap: int
+    shape: Shape
 
     @property
     def usable(self) -> int:
@@ -203,7 +298,7 @@ class _Ctx:
                                     every_token_logits=True)
         overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
         budget = self.usable - per_gpu - overhead
-        kv_shard = 1 if self.spec.architecture == "deepseek_v4" else tp  # MQA's one head is not split by TP
+        kv_shard = self.shape.kv_shard(tp)  # by KV head, never finer: MQA's one head is whole on every rank
         max_len = _largest(lambda c: self.spec.kv(c, 1, self.kvb).total // kv_shard <= budget,
                            self.cap) if budget > 0 else 0
         per_seq = self.spec.kv(max_len, 1, self.kvb).total // kv_shard if max_len else 0
