@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from lineside.deploy.engines import Deployment
+from lineside.deploy.engines import PORT, Deployment
 from lineside.errors import LinesideError
 
 SMG_PIN = "smg==1.13.0"
@@ -66,8 +66,13 @@ def compose(d: Deployment) -> dict[str, Any]:
 def deployment_files(d: Deployment) -> dict[str, str]:
     """What `deploy datacenter` writes into its directory: file name -> text (launch.sh is made executable)."""
     lines = ["#!/bin/sh", f"# {d.model} on {d.gpus} with {d.engine}; the config is ./{d.config_file}", "set -e"]
-    for r in d.replicas:
+    if len(d.replicas) > 1:
+        lines.insert(2, f"# {len(d.replicas)} servers on ports {PORT}-{PORT + len(d.replicas) - 1}: give each to the "
+                        "gateway (smg --worker-urls)")
+    for i, r in enumerate(d.replicas):
         cmd = [a.replace(f"/config/{d.config_file}", f"$(dirname \"$0\")/{d.config_file}") for a in r.command]
+        if len(d.replicas) > 1:  # one host: each server its own port (in compose each has its own container)
+            cmd = with_port(cmd, PORT + i)
         env = f"CUDA_VISIBLE_DEVICES={','.join(map(str, r.gpu_ids))} "
         lines.append(env + " ".join(a if a.startswith("$(") else shlex.quote(a) for a in cmd)
                      + (" &" if len(d.replicas) > 1 else ""))
@@ -82,6 +87,15 @@ def deployment_files(d: Deployment) -> dict[str, str]:
         "plan.json": json.dumps({"engine": d.engine, "model": d.model, "hf_id": d.hf_id, "gpus": d.gpus,
                                  "image": d.image, "plan": d.plan.to_dict(), "notes": d.notes}, indent=2) + "\n",
     }
+
+
+def with_port(command: list[str], port: int) -> list[str]:
+    """The command listening on ``port``: its --port replaced, or added (vLLM and SGLang take a command-line
+    option over the same one in --config)."""
+    if "--port" in command:
+        i = command.index("--port")
+        return [*command[:i + 1], str(port), *command[i + 2:]]
+    return [*command, "--port", str(port)]
 
 
 def write_deployment(d: Deployment, out: Path, *, force: bool = False) -> list[Path]:

@@ -144,3 +144,23 @@ def test_the_shape_rules_match_the_engines():
     assert s.tp_problem(5) == "12 attention heads"
     v4 = Shape.of(raw_config("deepseek-v4-pro"))
     assert v4.ep_problem(6) is None and v4.ep_problem(5) == "384 routed experts" and v4.tp_problem(6)
+
+
+@pytest.mark.parametrize(("model", "gpus", "engine"), [("deepseek-v4-flash", "6xH200", "vllm"),
+                                                      ("deepseek-v4-flash", "6xB200", "sglang"),
+                                                      ("deepseek-r1-distill-qwen-7b", "3xH200", "trtllm")])
+def test_launch_sh_gives_each_server_on_the_host_its_own_port(model, gpus, engine):
+    """launch.sh starts every server on one host: all on port 8000, every one after the first failed to bind."""
+    import re
+
+    from lineside.deploy.compose import deployment_files
+
+    d = build_deployment(model, gpus, engine)
+    assert len(d.replicas) == 3
+    text = deployment_files(d)["launch.sh"]
+    servers = [x for x in text.splitlines() if x.startswith("CUDA_VISIBLE_DEVICES=")]
+    ports = [re.findall(r"--port (\d+)", x) for x in servers]
+    assert ports == [["8000"], ["8001"], ["8002"]], servers
+    assert "# 3 servers on ports 8000-8002" in text
+    # compose keeps 8000 in each container: the gateway reaches them by service name
+    assert all(a != "8001" for r in d.replicas for a in r.command)
