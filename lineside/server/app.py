@@ -47,6 +47,7 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                speculative: SpeculativeConfig | None = None, session_ttl: float = 30.0,
                max_sessions: int = 64, lora: LoraServing | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, tool_call_parser: str = "auto",
+               exclude_tools_when_tool_choice_none: bool = False,
                max_stored_responses: int = 256, max_stored_responses_mb: int = 64,
                sampling_defaults: SamplingDefaults | None = None,
                reasoning_parser: str = "none", root_path: str = "", allow_runtime_lora: bool = False,
@@ -66,6 +67,8 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
     ``chat_template``: template text that renders chats instead of the bundle's (checked by the caller:
     runtime/chat_template.py); ``trust_request_chat_template``: accept a request's own ``chat_template``;
     ``tool_call_parser``: how ``auto`` tool calls are read (tool_calls.PARSERS; auto: from the template);
+    ``exclude_tools_when_tool_choice_none``: tool_choice none leaves the tools out of the prompt (vLLM's flag; by
+    default they are rendered and only not parsed);
     ``max_stored_responses``: /v1/responses kept for ``previous_response_id`` and GET (0: none);
     ``max_stored_responses_mb``: and at most this many MiB of their JSON (the newest kept whatever its size);
     ``sampling_defaults``: what a request gets for a sampling field it leaves out (None: the bundle's
@@ -97,7 +100,9 @@ def create_app(bundle_path_or_engine: str | os.PathLike[str] | ServingEngine, *,
                         api_key=api_key or None, served_model_names=served_model_names,
                         tokenizer_processes=tokenizer_processes, engine_future=engine_future, lora=lora,
                         chat_template=chat_template, trust_request_chat_template=trust_request_chat_template,
-                        tool_call_parser=tool_call_parser, max_stored_responses=max_stored_responses,
+                        tool_call_parser=tool_call_parser,
+                        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+                        max_stored_responses=max_stored_responses,
                         max_stored_responses_mb=max_stored_responses_mb,
                         sampling_defaults=sampling_defaults, reasoning_parser=reasoning_parser)
     if slo_guard is None and (fallback is not None or slo_policy is not None):

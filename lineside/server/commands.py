@@ -134,6 +134,9 @@ def serve(
              "<｜DSML｜function_calls> / <｜DSML｜tool_calls> blocks of <｜DSML｜invoke name=...>)")] = "auto",
     trust_request_chat_template: Annotated[bool, typer.Option(
         help="accept a request's own chat_template (vLLM's flag; refused with a 400 otherwise)")] = False,
+    exclude_tools_when_tool_choice_none: Annotated[bool, typer.Option(
+        help="leave a request's tools out of the prompt when its tool_choice is none (vLLM's flag; by default "
+             "they are rendered, as OpenAI and vLLM do, and the answer is not read for calls)")] = False,
     reasoning_parser: Annotated[str, typer.Option(
         help="a reasoning model's thinking apart from its answer, as vLLM's parser: deepseek_r1 (text before "
              "</think> in message.reasoning_content, the answer alone in content; tool calls and structured outputs "
@@ -295,6 +298,7 @@ def serve(
                          slo_policy=policy, engine_future=engine, speculative=spec, session_ttl=session_ttl,
                          max_sessions=max_sessions, lora=lora, chat_template=template_text,
                          trust_request_chat_template=trust_request_chat_template, tool_call_parser=tool_call_parser,
+                         exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
                          max_stored_responses=max_stored_responses,
                          max_stored_responses_mb=max_stored_responses_mb, sampling_defaults=sampling_defaults,
                          reasoning_parser=reasoning_parser, root_path=root_path,

@@ -188,11 +188,7 @@ class ChatPrompt:
     render: chat_rendering.Rendering
     tools: list[tool_calls.Tool]
     tool_choice: tool_calls.ToolChoice
-
-    @property
-    def tool_count(self) -> int:
-        """The tools rendered into the prompt (listed by the template or described as text): a context 400 names them."""
-        return len(tool_calls.offered(self.tools, self.tool_choice) or ())
+    tool_count: int  # the tools rendered into the prompt (listed by the template or described as text): a 400 names them
 
 
 def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
@@ -202,9 +198,11 @@ def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
     options = request_mapping.chat_template_options(body)
     tools = tool_calls.parse_tools(body.tools)
     tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
-    render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))  # picks "tool_use"
-    messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice)
-    return ChatPrompt(messages, listed, options, render, tools, tool_choice)
+    given = tool_calls.offered(tools, tool_choice, state.exclude_tools_when_tool_choice_none)
+    render = chat_rendering.rendering(state, body, given)  # picks "tool_use"
+    messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice,
+                                                    exclude_none=state.exclude_tools_when_tool_choice_none)
+    return ChatPrompt(messages, listed, options, render, tools, tool_choice, len(given or ()))
 
 
 async def chat_prompt_off_loop(state: ServerState, body: Any) -> ChatPrompt:
@@ -297,11 +295,7 @@ class ResponsePrompt:
     messages: list[dict[str, Any]]  # as the template gets them (instructions, kept turns, this input)
     listed: list[dict[str, Any]] | None  # the tools the template lists
     size: int  # the characters of text the prompt renders (whether to tokenize it off the event loop)
-
-    @property
-    def tool_count(self) -> int:
-        """The tools rendered into the prompt: a context 400 names them."""
-        return len(tool_calls.offered(self.functions.tools, self.functions.choice) or ())
+    tool_count: int  # the tools rendered into the prompt: a context 400 names them
 
 
 def response_prompt(state: ServerState, body: responses_api.ResponsesRequest, *, within_context: bool) -> ResponsePrompt:
@@ -318,10 +312,12 @@ def response_prompt(state: ServerState, body: responses_api.ResponsesRequest, *,
     if within_context:
         prompt_limits.check_texts(texts, state.engine.tokenizer, state.engine.max_seq_len, param="input")
     functions = responses_tools.function_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    render = chat_rendering.server_rendering(state, tool_calls.offered(functions.tools, functions.choice), body)
+    given = tool_calls.offered(functions.tools, functions.choice, state.exclude_tools_when_tool_choice_none)
+    render = chat_rendering.server_rendering(state, given, body)
     messages, listed = tool_calls.template_messages(messages, functions.tools, render.effective, functions.choice,
-                                                    param="input")
-    return ResponsePrompt(adapter, previous, turn, functions, render, messages, listed, sum(map(len, texts)))
+                                                    param="input", exclude_none=state.exclude_tools_when_tool_choice_none)
+    return ResponsePrompt(adapter, previous, turn, functions, render, messages, listed, sum(map(len, texts)),
+                          len(given or ()))
 
 
 async def encode_response_prompt(state: ServerState, prompt: ResponsePrompt, *, max_tokens: int | None) -> list[int]:

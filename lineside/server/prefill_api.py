@@ -120,16 +120,18 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         options = request_mapping.chat_template_options(body)
         tools = tool_calls.parse_tools(body.tools)
         tool_choice = tool_calls.parse_tool_choice(body.tool_choice, tools)
+        exclude_none = state.exclude_tools_when_tool_choice_none
         def rendered() -> tuple[chat_rendering.Rendering, list[dict[str, Any]], list[dict[str, Any]] | None]:
-            render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice))
-            return render, *tool_calls.template_messages(messages, tools, render.effective, tool_choice)
+            render = chat_rendering.rendering(state, body, tool_calls.offered(tools, tool_choice, exclude_none))
+            return render, *tool_calls.template_messages(messages, tools, render.effective, tool_choice,
+                                                         exclude_none=exclude_none)
 
         # a request's own template renders in its checks: off the event loop (bounded, yet up to its deadline)
         ours = chat_rendering.renders_request_template(state, body)
         render, messages, listed = await state.template_renders.run(rendered) if ours else rendered()
         size = sum(len(m["content"] or "") for m in messages)
         renders = state.template_renders if render.limits is not None else None
-        tool_count = len(tool_calls.offered(tools, tool_choice) or ())
+        tool_count = len(tool_calls.offered(tools, tool_choice, exclude_none) or ())
         with render.blamed():
             ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, messages, tools=listed, **options,
                                                          **render.options(), max_tokens=_prompt_limit(state)),

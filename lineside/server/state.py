@@ -50,7 +50,8 @@ class ServerState:
                  served_model_names: list[str] | None = None, tokenizer_processes: int = 0,
                  engine_future: Future[ServingEngine] | None = None, lora: Any = None,
                  chat_template: str | None = None, trust_request_chat_template: bool = False,
-                 tool_call_parser: str = "auto", max_stored_responses: int = 256,
+                 tool_call_parser: str = "auto", exclude_tools_when_tool_choice_none: bool = False,
+                 max_stored_responses: int = 256,
                  max_stored_responses_mb: int = 64,
                  sampling_defaults: SamplingDefaults | None = None, reasoning_parser: str = "none"):
         self.source = source  # a bundle path, or an LLMEngine the caller built
@@ -69,6 +70,8 @@ class ServerState:
         # (each refused one counted in lineside_requests_total, as a full waiting queue's 429 is)
         self.template_renders = TemplateRenders(on_refused=lambda: self.metrics.reject("too_many_template_renders"))
         self.tool_call_parser = tool_call_parser  # auto (from the template) | hermes | llama3_json
+        # vLLM's opt-out: tool_choice none leaves the tools out of the prompt (by default rendered, not parsed)
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.reasoning_parser = reasoning_parser  # none | deepseek_r1 | auto (reasoning.py)
         self.think: ThinkTokens | None = None  # the <think> / </think> ids once loaded, when reasoning is parsed
         # what a request gets for a sampling field it leaves out (serve --generation-config)

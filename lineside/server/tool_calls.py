@@ -333,21 +333,25 @@ def template_knows_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def offered(tools: Sequence[Tool], choice: ToolChoice) -> list[dict[str, Any]] | None:
-    """The tools a chat template is given (none with tool_choice none); with some, a bundle's "tool_use" template
-    renders (chat_rendering)."""
-    return [t.listed() for t in tools] if tools and choice.kind != ToolChoiceKind.NONE else None
+def offered(tools: Sequence[Tool], choice: ToolChoice, exclude_none: bool = False) -> list[dict[str, Any]] | None:
+    """The tools a chat template is given; with some, a bundle's "tool_use" template renders (chat_rendering).
+    tool_choice none still lists them (the model is told of tools it may not call now, as OpenAI and vLLM render
+    them); ``exclude_none`` (serve --exclude-tools-when-tool-choice-none, vLLM's flag) leaves them out then."""
+    if not tools or (exclude_none and choice.kind == ToolChoiceKind.NONE):
+        return None
+    return [t.listed() for t in tools]
 
 
 def template_messages(messages: list[dict[str, Any]], tools: Sequence[Tool], chat_template: str | None,
-                      choice: ToolChoice, param: str = "messages") -> tuple[list[dict[str, Any]],
-                                                                            list[dict[str, Any]] | None]:
+                      choice: ToolChoice, param: str = "messages", *,
+                      exclude_none: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. Assistant ``tool_calls`` get their arguments as objects (what
     HF templates expect; as the client's text for a template that joins them to strings with ``+``, R1-Distill's);
     a template without tool support gets tools, calls and results written as text. A template that writes past calls
     in DeepSeek's markup but has no tools section (R1-Distill's) renders calls and results itself, the tools described
-    in a system message asking for that markup. ``param``: the request field holding the messages, named by a 400."""
-    listed = offered(tools, choice)
+    in a system message asking for that markup. ``param``: the request field holding the messages, named by a 400;
+    ``exclude_none``: as offered's."""
+    listed = offered(tools, choice, exclude_none)
     ds_markup = _DS_CALL in (chat_template or "")
     deepseek = ds_markup and not template_knows_tools(chat_template)
     if template_knows_tools(chat_template) or deepseek:

@@ -55,7 +55,8 @@ FIELDS = [
      400, "response_format.json_schema.schema"),
     ("chat", {"response_format": {"type": "xml"}}, 400, "response_format.type"),
     ("chat", {"guided_regex": "[a&&b]"}, 400, "guided_regex"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 200, None),
+    # tool_choice none still renders the tools (as vLLM): described as text, they outgrow this server's 256 tokens
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, 400, "messages"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, 400, "tools[1].function.name"),
     ("chat", {"tool_choice": "required"}, 400, "tool_choice"),
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice"),

@@ -253,8 +253,8 @@ def _context_400(r, param: str) -> str:
 
 def test_a_prompt_over_the_context_by_its_tools_says_so(server):
     """A short chat whose tools' schemas fill the context: the 400 says the tools count and may be cut (as OpenAI's
-    error counts tokens "in the functions"), on each route that renders tools; with tool_choice none they are not
-    listed, and the 400 is about the messages alone."""
+    error counts tokens "in the functions"), on each route that renders tools, tool_choice none included; without
+    tools the 400 is about the messages alone."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "max_tokens": 4}
     msg = _context_400(httpx.post(server.url + "/v1/chat/completions", json=chat), "messages")
     assert "'messages' with the 1 tool rendered into the prompt" in msg and "fewer or shorter tools" in msg, msg
@@ -264,7 +264,10 @@ def test_a_prompt_over_the_context_by_its_tools_says_so(server):
     resp = {"input": "hi", "tools": [{"type": "function", **flat}, {"type": "function", **flat, "name": "again"}]}
     msg = _context_400(httpx.post(server.url + "/v1/responses", json=resp), "input")
     assert "'input' with the 2 tools rendered into the prompt" in msg and "fewer or shorter tools" in msg, msg
-    unlisted = httpx.post(server.url + "/v1/chat/completions", json={**chat, "tool_choice": "none",
-                                                                     "messages": [{"role": "user", "content": "y" * 300}]})
+    # tool_choice none still renders them (as vLLM and OpenAI): they count
+    msg = _context_400(httpx.post(server.url + "/v1/chat/completions", json={**chat, "tool_choice": "none"}), "messages")
+    assert "'messages' with the 1 tool rendered into the prompt" in msg, msg
+    unlisted = httpx.post(server.url + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "y" * 300}], "max_tokens": 4})
     msg = _context_400(unlisted, "messages")
     assert "tool" not in msg, msg

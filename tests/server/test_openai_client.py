@@ -302,7 +302,10 @@ def test_lone_surrogate_anywhere_is_400_naming_the_field(server, path, body, par
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("invalid_utf8", param) and param in err["message"]
     ok = httpx.post(f"{server.url}/v1/{path}", json={**body, "max_tokens": 2})
-    assert ok.status_code == 200, ok.text
+    if "tools" in body:  # rendered (tool_choice none too, as vLLM), the tools alone outgrow this server's 256 tokens
+        assert ok.status_code == 400 and ok.json()["error"]["code"] == "context_length_exceeded", ok.text
+    else:
+        assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("path, raw", [

@@ -64,6 +64,10 @@ CHATS = {
     "no-generation-prompt": {"messages": [ASKED, {"role": "assistant", "content": "Sunny."}],
                              "add_generation_prompt": False},
     "tools": {"messages": [{"role": "system", "content": "Plant bot."}, ASKED], "tools": [WEATHER]},
+    # tool_choice none still lists the tools (vLLM renders them unless --exclude-tools-when-tool-choice-none): the
+    # model knows of tools it may not call now, as OpenAI's
+    "tools-choice-none": {"messages": [{"role": "system", "content": "Plant bot."}, ASKED], "tools": [WEATHER],
+                          "tool_choice": "none"},
     "call-arguments-as-string": {"messages": [ASKED, {"role": "assistant", "content": None,
                                                       "tool_calls": [_call(1, '{"city": "Lyon"}')]}, RESULT],
                                  "tools": [WEATHER]},
@@ -102,10 +106,12 @@ def tokenizer_dirs(tmp_path_factory):
     return dirs
 
 
-def _ours(d: Path, body: dict) -> tuple[str, list[int]]:
-    """The prompt the server renders for ``body`` (chat_prompt, then the tokenizer's encode_chat)."""
+def _ours(d: Path, body: dict, *, exclude_none: bool = False) -> tuple[str, list[int]]:
+    """The prompt the server renders for ``body`` (chat_prompt, then the tokenizer's encode_chat); ``exclude_none``:
+    serve --exclude-tools-when-tool-choice-none."""
     tok = Tokenizer(d)
     state = SimpleNamespace(chat_template=None, trust_request_chat_template=False,
+                            exclude_tools_when_tool_choice_none=exclude_none,
                             engine=SimpleNamespace(tokenizer=tok, max_seq_len=4096))
     prompt = chat_prompt(state, ChatCompletionRequest(**body))
     with prompt.render.blamed():
@@ -180,6 +186,17 @@ def test_a_function_sent_without_parameters_renders_in_a_template_that_walks_the
         render_jinja_template(conversations=[body["messages"]], tools=body["tools"], chat_template=walks)
     text, _ = _ours(tmp_path, body)
     assert text.startswith("now()get_weather(city)|")
+
+
+@pytest.mark.parametrize("template", ["qwen2.5-instruct", "llama-3.2-instruct"])
+def test_tool_choice_none_leaves_tools_out_only_with_the_servers_flag(tokenizer_dirs, template):
+    """serve --exclude-tools-when-tool-choice-none (vLLM's opt-out) renders the chat as if it had sent no tools; the
+    default lists them (the tools-choice-none case), and the prompts differ by the tools section."""
+    d = tokenizer_dirs[template]
+    without = {"messages": CHATS["tools-choice-none"]["messages"]}
+    assert _ours(d, CHATS["tools-choice-none"], exclude_none=True) == _theirs(d, without)
+    assert "get_weather" in _ours(d, CHATS["tools-choice-none"])[0]
+    assert "get_weather" not in _theirs(d, without)[0]
 
 
 def test_a_documents_key_in_chat_template_kwargs_wins(tokenizer_dirs):

@@ -171,9 +171,10 @@ def test_past_calls_and_results_render_as_transformers(ds):
 
     want = _reference(HISTORY)
     assert '<｜tool▁sep｜>stop_line\n```json\n{"line": 4}\n```' in want and "18 C, sunny<｜tool▁output▁end｜>" in want
-    assert prompt(tool_choice="none", tools=TOOLS) == want
+    assert prompt() == want
     system = deepseek_tools_prompt(parse_tools(TOOLS), v3=True)
     assert prompt(tools=TOOLS) == _reference([{"role": "system", "content": system}, *HISTORY], TOOLS)
+    assert prompt(tool_choice="none", tools=TOOLS) == prompt(tools=TOOLS)  # listed, not parsed (as vLLM)
     # a client sending "" beside the calls: still rendered (the template writes calls only for content none)
     empty = [{**m, "content": ""} if m.get("tool_calls") else m for m in HISTORY]
     r = httpx.post(ds.url + "/tokenize", json={"model": "r1", "messages": empty, "tools": TOOLS}, timeout=60)
