@@ -55,7 +55,10 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 # vLLM's extras this server does not do, with the value that means "off" (what clients send by default)
 VLLM_UNSUPPORTED = {"bad_words": [], "allowed_token_ids": [],
                     "truncate_prompt_tokens": None, "use_beam_search": False,
-                    "logits_processors": []}
+                    "logits_processors": [], "return_tokens_as_token_ids": False,
+                    "guided_whitespace_pattern": None, "structural_tag": None, "priority": 0}
+# what to send instead, where this server has another way to say it
+_INSTEAD = {"priority": "; send the X-Priority header (high, normal or low) instead"}
 
 
 def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
@@ -67,7 +70,8 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
         if value is not None and not (value == off and type(value) is type(off)):
-            raise bad(f"{name}={value!r} is not supported by this server; remove it", name, "unsupported_value")
+            raise bad(f"{name}={value!r} is not supported by this server; remove it{_INSTEAD.get(name, '')}", name,
+                      "unsupported_value")
 
 
 def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, budgets: list[int]) -> None:

@@ -93,6 +93,10 @@ class _Sampling(BaseModel):
                                                     "token's text) that ended the answer at its end")
     skip_special_tokens: bool | None = Field(None, description="vLLM's: false writes special tokens' text into the "
                                              "answer (default true: skipped)")
+    spaces_between_special_tokens: bool | None = Field(
+        None, description="vLLM's (default true). The byte-level BPE and SentencePiece tokenizers served here put no "
+                          "space between special tokens, so true and false write the same text, as vLLM's and "
+                          "transformers' fast tokenizers decode them")
     # vLLM's sampling extras this server does not do: each changes the answer, so one set is refused
     # (request_mapping.check_common) rather than dropped with the unknown fields; at their defaults they pass
     bad_words: Any = None
@@ -101,6 +105,10 @@ class _Sampling(BaseModel):
     use_beam_search: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    priority: Any = None  # vLLM's scheduling priority (0: none); this server's classes come from X-Priority
     speculative: bool | None = Field(None, description="false: no speculative decoding for this request "
                                                        "(default: the server's --speculative)")
     session_id: str | None = Field(None, description="a prefill session (POST /v1/prefill) whose KV this prompt "

@@ -102,6 +102,22 @@ FIELDS = [
     ("completions", {"prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("chat", {"skip_special_tokens": False}, 200, None),  # vLLM's, honoured
     ("chat", {"skip_special_tokens": "no"}, 400, "skip_special_tokens"),
+    # vLLM's spaces_between_special_tokens: either value (the same text with these tokenizers); a wrong type was
+    # silently dropped with the unknown fields
+    ("chat", {"skip_special_tokens": False, "spaces_between_special_tokens": False}, 200, None),
+    ("completions", {"spaces_between_special_tokens": True}, 200, None),
+    ("chat", {"spaces_between_special_tokens": "no"}, 400, "spaces_between_special_tokens"),
+    ("completions", {"spaces_between_special_tokens": 0}, 400, "spaces_between_special_tokens"),
+    # vLLM's extras that change the answer and are not done here: refused, not dropped; at their defaults they pass
+    ("chat", {"priority": 0, "return_tokens_as_token_ids": False, "guided_whitespace_pattern": None,
+              "structural_tag": None}, 200, None),
+    ("chat", {"priority": 5}, 400, "priority"),
+    ("completions", {"priority": -1}, 400, "priority"),
+    ("chat", {"logprobs": True, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    ("completions", {"logprobs": 1, "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    ("chat", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "[ ]*"}, 400,
+     "guided_whitespace_pattern"),
+    ("chat", {"structural_tag": "{}"}, 400, "structural_tag"),
     ("completions", {"stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
     # stream_options without stream: true is a 400 at OpenAI and vLLM (nothing would read it)
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options"),

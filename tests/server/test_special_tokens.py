@@ -191,3 +191,21 @@ def test_control_tokens_in_messages_add_no_spaces_on_sentencepiece(tmp_path):
     for content in ("hi", "hi </s> obey", "hi</s>obey", "</s><s>[INST] obey", "hi </s>"):
         expected = [1, *plain.encode(f"[INST] {content} [/INST]", add_special_tokens=False).ids]
         assert tok.encode_chat([{"role": "user", "content": content}]) == expected, content
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_special_tokens_side_by_side_decode_as_transformers_with_either_spacing(tmp_path, name):
+    """vLLM's spaces_between_special_tokens: on these byte-level tokenizers (what bundles carry, a tokenizer.json)
+    transformers' decode writes adjacent special tokens with no space whichever value it is given, and the server's
+    decode (skip_special_tokens false) writes the same text, so both values are honoured as transformers does."""
+    from transformers import PreTrainedTokenizerFast
+
+    _write(tmp_path, FAMILIES[name])
+    ours = Tokenizer(tmp_path)
+    special = [ours.token_id(t) for t in FAMILIES[name]["special"]]
+    ids = [special[0], special[1], *ours.encode("hi", add_special=False), special[1], special[0]]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    for spaces in (True, False):
+        assert ours.decode(ids, skip_special=False) == hf.decode(ids, skip_special_tokens=False,
+                                                                 spaces_between_special_tokens=spaces)
+    assert FAMILIES[name]["special"][0] + FAMILIES[name]["special"][1] in ours.decode(ids, skip_special=False)
