@@ -116,3 +116,42 @@ def test_the_command_check_finds_an_unknown_command():
     assert {"serve", "jetson push", "jetson frobnicate", "nosuch", "fleet check", "fleet bogus"} <= named
     commands = all_commands(lineside_app())
     assert "jetson frobnicate" not in commands and "nosuch" not in commands
+
+
+def readme_options(text: str) -> set[tuple[str, str]]:
+    """(command, --option) for every option the README writes after `lineside COMMAND` on one command line
+    (a fenced usage block's continuation lines joined; another command, `&&`, `;` or a comment ends it)."""
+    text = text.replace("\\|", "|")
+    spans = [m.group(0) for m in FENCE.finditer(text)] + re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+    out = set()
+    for span in spans:
+        span = re.sub(r"\n\s+\[", " [", re.sub(r"\\\n\s*", " ", span))
+        for line in span.splitlines():
+            for m in re.finditer(r"(?<![\w/.-])lineside ([a-z][a-z-]*(?: [a-z][a-z-]*)?)(.*)", line):
+                rest = re.split(r"&&|;|#|(?<![\w/.-])lineside ", m.group(2))[0]
+                out.update((m.group(1), o) for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest))
+    return out
+
+
+def unknown_options(text: str) -> list[str]:
+    """The README's `lineside CMD ... --opt` whose CMD has no such option."""
+    commands = all_commands(lineside_app())
+    bad = []
+    for words, opt in sorted(readme_options(text)):
+        cmd = words if words in commands else words.split()[0]
+        if cmd not in commands:
+            continue  # an unknown command is test_every_command_the_readme_names_exists's to report
+        params = commands[cmd].params
+        if opt != "--help" and not any(opt in (*p.opts, *getattr(p, "secondary_opts", ())) for p in params):
+            bad.append(f"lineside {cmd} {opt}")
+    return bad
+
+
+def test_every_option_the_readme_gives_a_command_exists():
+    assert not unknown_options((REPO / "README.md").read_text())
+
+
+def test_the_option_check_finds_an_option_of_another_command():
+    text = ("`lineside serve B --port 1 --max-seq-len 9` and\n```\nlineside build C -o B \\\n    --quant w4a16 --frobnicate\n"
+            "lineside jetson plan M --device orin-nano-8 && lineside serve B --threads 2\n```\n")
+    assert unknown_options(text) == ["lineside build --frobnicate", "lineside serve --max-seq-len"]
