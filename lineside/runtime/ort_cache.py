@@ -6,8 +6,9 @@ file wherever the bytes are unchanged, so the cache costs kilobytes, not a secon
 Later sessions load the cached graph with optimizations off. The cache lives beside the graph (onnxruntime
 only reads external data inside the model's directory) but is not one of the bundle's checksummed files:
 its name carries a key of the onnxruntime version, the graph's sha256, the session settings that change
-the optimized graph, and the machine; a cache that fails to load is deleted and rebuilt, and a bundle
-directory that can't be written to just goes without one.
+the optimized graph, and the machine. Each cache is sealed with a digest of its bytes and key (cache_seal): one
+that changed on disk, was cut short or sits under another key's name is deleted and rebuilt, as is one that fails
+to load, and a bundle directory that can't be written to just goes without one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from lineside.file_lock import LockState, lock_exclusive
+from lineside.runtime.cache_seal import seal_file, sealed
 
 log = logging.getLogger("lineside.runtime")
 
@@ -48,6 +50,9 @@ class CachedGraph:
 
 
 def cache_key(ort_version: str, graph_sha: str, settings: dict[str, str]) -> str:
+    """The cache's name tag. The CPU's features are not in it: the cache is optimized at ORT_ENABLE_EXTENDED, short
+    of the CPU-tied layouts, and prepacked weights are not saved; onnxruntime 1.32 wrote the same bytes for a tiny
+    W4A16 bundle's graphs on an AVX-512/VNNI/AMX host and under qemu's Haswell (no AVX-512, no VNNI)."""
     parts = [ort_version, graph_sha, platform.machine(), *(f"{k}={v}" for k, v in sorted(settings.items()))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -73,13 +78,17 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         return plain(), "plain"
     cached = CachedGraph(graph, cache_key(ort.__version__, graph_sha, settings))
     if cached.path.is_file():
-        so = make_options()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:
-            return ort.InferenceSession(str(cached.path), so, providers=providers), "cache"
+            why = None if sealed(cached.path.read_bytes(), cached.key) else \
+                "its checksum does not match: changed on disk, or written by another lineside or for other settings"
+            if why is None:
+                so = make_options()
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+                return ort.InferenceSession(str(cached.path), so, providers=providers), "cache"
         except Exception as e:  # noqa: BLE001 - a bad cache is rebuilt, never fatal
-            log.warning("ignoring onnxruntime's cached graph %s (%s)", cached.path.name, str(e).splitlines()[0])
-            _remove(cached.path)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.warning("ignoring onnxruntime's cached graph %s (%s); optimizing the graph again", cached.path.name, why)
+        _remove(cached.path)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=TMP_SUFFIX, dir=graph.parent)
     except OSError as e:  # a read-only bundle runs without a cache, and says why each start optimizes the graph
@@ -104,6 +113,7 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
             return plain(), "plain"
         try:
             _point_at_source(tmp, data, graph)
+            seal_file(tmp, cached.key)  # checked before every load: a cache that changed is rebuilt, not run
             tmp.chmod(0o644)  # mkstemp's 0600 would hide it from other users serving the same bundle
             os.replace(tmp, cached.path)
         except Exception as e:  # noqa: BLE001 - the session is fine; only the cache is lost

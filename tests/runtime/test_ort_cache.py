@@ -115,3 +115,41 @@ def test_temporary_copies_a_killed_start_left_are_removed(bundle):
         os.close(fd)
     left = sorted(p.name for p in cpu.iterdir() if ".tmp.onnx" in p.name)
     assert left == [".model.onnx.writing2.tmp.onnx", ".model.onnx.writing2.tmp.onnx.data"]
+
+
+def _flip_inline_norm_weight(cached) -> None:
+    """Change one bit of a norm weight the cached graph holds inline (below onnxruntime's external-data size): what a
+    bad sector or a broken copy does to the file; the result still parses."""
+    model = onnx.load(str(cached), load_external_data=False)
+    norm = next(t for t in model.graph.initializer
+                if t.data_location != onnx.TensorProto.EXTERNAL and "norm" in t.name and len(t.raw_data) >= 16)
+    data = cached.read_bytes()
+    at = data.index(norm.raw_data) + 2  # a float32's high mantissa byte: the weight moves, it stays finite
+    cached.write_bytes(data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])
+
+
+def test_cache_changed_on_disk_is_rebuilt_not_run(bundle):
+    """A cache whose inline tensors changed still loads in onnxruntime and gives other answers (a norm weight bit:
+    logits moved 0.11 on a tiny W4A16 bundle); the bundle's files are checksummed, so the cache is sealed too."""
+    import onnxruntime as ort
+
+    ref = logits(OnnxRuntimeBackend(open_bundle(bundle)))
+    [cached] = caches(bundle)
+    _flip_inline_norm_weight(cached)
+    ort.InferenceSession(str(cached), providers=["CPUExecutionProvider"])  # the damage alone is not a load error
+    be = OnnxRuntimeBackend(open_bundle(bundle))
+    assert be.session_source == "saved"
+    np.testing.assert_allclose(logits(be), ref, rtol=0, atol=1e-6)
+    assert OnnxRuntimeBackend(open_bundle(bundle)).session_source == "cache"  # the rebuilt one is used again
+
+
+def test_cache_under_another_key_is_not_loaded(bundle):
+    """A cache put under another key's name (written with other settings, renamed or copied by hand) is rebuilt:
+    its name says which settings it was optimized for, its seal says which it was."""
+    OnnxRuntimeBackend(open_bundle(bundle))
+    [default] = caches(bundle)
+    written_for_default = default.read_bytes()
+    OnnxRuntimeBackend(open_bundle(bundle), accuracy_level=0)
+    [level0] = caches(bundle)
+    level0.write_bytes(written_for_default)
+    assert OnnxRuntimeBackend(open_bundle(bundle), accuracy_level=0).session_source == "saved"
