@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,10 +92,8 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         _remove(cached.path)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=TMP_SUFFIX, dir=graph.parent)
-    except OSError as e:  # a read-only bundle runs without a cache, and says why each start optimizes the graph
-        log.warning("no onnxruntime graph cache for %s: %s is not writable (%s); every start optimizes the graph "
-                    "again: make the bundle directory writable to cache it", graph.name, graph.parent,
-                    e.strerror or type(e).__name__)
+    except OSError as e:  # a read-only bundle runs without a cache, and says why each start optimizes its graphs
+        _say_unwritable(graph.parent, e)
         return plain(), "plain"
     tmp = Path(tmp_name)
     lock_exclusive(fd, wait=False)  # ours while this process writes it: _remove_abandoned leaves it alone
@@ -126,6 +125,21 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         _remove(tmp)
         _remove(data)
         os.close(fd)
+
+
+_unwritable_said: set[Path] = set()
+_unwritable_lock = threading.Lock()
+
+
+def _say_unwritable(folder: Path, e: OSError) -> None:
+    """One warning per folder and process: a flavor's graphs (the 4-bit one, its int8 prefill graph, drafts, the
+    LoRA graph) share a folder and open at once, and a read-only bundle is one fact, not a line per graph."""
+    with _unwritable_lock:
+        if folder in _unwritable_said:
+            return
+        _unwritable_said.add(folder)
+    log.warning("no onnxruntime graph cache in %s: it is not writable (%s); every start optimizes the bundle's "
+                "graphs again: make the bundle directory writable to cache them", folder, e.strerror or type(e).__name__)
 
 
 def _remove_abandoned(graph: Path, mine: Path) -> None:

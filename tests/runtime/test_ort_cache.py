@@ -153,3 +153,23 @@ def test_cache_under_another_key_is_not_loaded(bundle):
     [level0] = caches(bundle)
     level0.write_bytes(written_for_default)
     assert OnnxRuntimeBackend(open_bundle(bundle), accuracy_level=0).session_source == "saved"
+
+
+def test_unwritable_bundle_says_so_once_for_all_its_graphs(tiny_bundles, tmp_path, monkeypatch, caplog):
+    """A read-only bundle (a read-only mount, another user's files) is served without a cache; a W4A16 bundle opens
+    two graphs from one folder (the 4-bit graph and its int8 prefill graph), and that is still one line."""
+    out = tmp_path / "w4"
+    shutil.copytree(tiny_bundles(quant="w4a16", group_size=32), out,
+                    ignore=shutil.ignore_patterns(f"*{ort_cache.SUFFIX}"))
+
+    def refuse(*a, **k):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(ort_cache.tempfile, "mkstemp", refuse)
+    with caplog.at_level("INFO", logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(open_bundle(out))
+        assert be.prefill_session is not None  # both graphs opened
+        OnnxRuntimeBackend(open_bundle(out))  # a second backend in this process (draft, adapters): said already
+    lines = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert str(out / "graphs" / "cpu") in lines[0] and "Read-only file system" in lines[0]
