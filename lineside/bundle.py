@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -440,7 +441,7 @@ def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> Non
     for rel, meta in manifest.files.items():
         p = path / rel
         if not p.is_file():
-            raise BundleError(f"bundle file {rel} is missing from {path}; copy the bundle again")
+            raise BundleError(f"bundle file {rel} is missing from {path}; {_good_copy(path, manifest)}")
         if not p.resolve().is_relative_to(root):  # a symlink (or a linked folder) in the bundle leading out of it
             raise BundleError(f"bundle file {rel} is a link to {p.resolve()}, outside the bundle {path}; copy the "
                               "bundle again without links (cp -rL, rsync -L)")
@@ -448,17 +449,25 @@ def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> Non
         if st.st_size != meta.size:
             raise BundleError(
                 f"bundle file {rel} has {st.st_size} bytes, the manifest says {meta.size}; "
-                "it was changed or truncated — copy the bundle again"
+                f"it was changed or truncated — {_good_copy(path, manifest)}"
             )
         if cache is None or cache.known_good(rel, st, meta.sha256):
             continue
         if sha256_file(p) != meta.sha256:
             raise BundleError(
-                f"bundle file {rel} fails its sha256 check (changed after build); copy or rebuild the bundle"
+                f"bundle file {rel} fails its sha256 check (changed after build); {_good_copy(path, manifest)}"
             )
         cache.add(rel, st, meta.sha256)
     if cache is not None:
         cache.save()
+
+
+def _good_copy(path: Path, manifest: Manifest) -> str:
+    """What to do about a listed file that is missing or changed: there is no re-verifying a changed file (the
+    manifest's digest is the build's word), so a good copy from the build machine, or the build command again."""
+    source = (manifest.source or {}).get("path") or "CHECKPOINT"
+    return (f"copy the bundle again from where it was built, or rebuild it from its checkpoint: "
+            f"`lineside build {shlex.quote(str(source))} -o {shlex.quote(str(path))} --force` (with its build options)")
 
 
 def open_bundle(path: str | os.PathLike[str], verify: bool = True) -> Bundle:

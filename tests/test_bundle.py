@@ -327,3 +327,20 @@ def test_a_file_list_that_leaves_out_what_is_read_is_refused(built, tmp_path, ed
     with pytest.raises(BundleError, match=match) as e:
         open_bundle(path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["edit", "truncate"])
+def test_a_changed_file_is_refused_with_how_to_rebuild(built, tmp_path, damage):
+    """A file edited after the build (a hand-tuned chat template, a bad copy) is one line naming it, how to get a good
+    copy and the command that rebuilds the bundle from the checkpoint it was built from."""
+    out = tmp_path / "b"
+    shutil.copytree(built, out)
+    f = out / "tokenizer" / "tokenizer_config.json"
+    text = f.read_text()
+    f.write_text(text.replace("{", "[", 1) if damage == "edit" else text[:-2])
+    source = read_manifest(out).source["path"]
+    with pytest.raises(BundleError) as e:
+        open_bundle(out)
+    msg = str(e.value)
+    assert "\n" not in msg and "tokenizer/tokenizer_config.json" in msg and "copy the bundle again" in msg
+    assert f"lineside build {source} -o {out} --force" in msg, msg
