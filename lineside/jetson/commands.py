@@ -97,21 +97,30 @@ def push_cmd(
     target: Annotated[str, typer.Argument(help="user@host:/dir or a local/mounted directory")],
     ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    force: Annotated[bool, typer.Option(help="push even when the device's lineside (the one lineside.service runs) "
+                                             "is missing, too old for the bundle, or on an unsupported Python")]
+    = False,
 ) -> None:
-    """Copy a bundle to TARGET/versions/ (resumable), verify every sha256 there, switch TARGET/current."""
+    """Copy a bundle to TARGET/versions/ (resumable), verify every sha256 there, switch TARGET/current.
+
+    Over ssh it first asks the device's lineside whether it can open the bundle and refuses before copying if not."""
     from lineside.jetson.push import push
 
     checks.input_dir(bundle, "BUNDLE", "bundle directory")
     if not _is_remote(target):
         checks.target_dir(Path(target), "TARGET")
 
-    r = push(bundle, target, _ssh(ssh))
+    r = push(bundle, target, _ssh(ssh), force=force)
+    if r.device_warning:
+        print(f"warning: pushed anyway (--force): {r.device_warning}", file=sys.stderr)
     if as_json:
         print(json.dumps(r.to_dict(), indent=2))
         return
     how = "already installed" if r.already_installed else f"{r.bytes_sent} of {r.bytes_total} bytes sent"
     print(f"{r.target}: current -> versions/{r.version} ({r.files} files verified, {how})"
           + (f"; previous -> {r.previous}" if r.previous else ""))
+    if r.device:
+        print(f"  served by {r.device}")
 
 
 @jetson.command("rollback")

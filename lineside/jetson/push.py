@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from lineside.bundle import MANIFEST, Manifest, read_manifest, verify_files
 from lineside.errors import BundleError, LinesideError
+from lineside.jetson.device_runtime import FORCE, refusal
+from lineside.jetson.device_runtime import probe as probe_runtime
 from lineside.jetson.push_lock import push_lock
 from lineside.jetson.targets import DiskFull, LocalTarget, Progress, SshTarget, open_target
 
@@ -33,6 +35,8 @@ class PushResult:
     bytes_sent: int
     resumed_files: int
     already_installed: bool
+    device: str | None = None  # the device's lineside and Python as probed (ssh targets), e.g. for `--json`
+    device_warning: str | None = None  # why the device may not open it, when --force pushed anyway
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,8 +61,12 @@ def _activate(t: LocalTarget | SshTarget, version_rel: str) -> str | None:
     return current
 
 
-def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress | None = None) -> PushResult:
-    """Install ``bundle`` under ``target`` and make it current; an interrupted push resumes on rerun."""
+def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress | None = None,
+         force: bool = False) -> PushResult:
+    """Install ``bundle`` under ``target`` and make it current; an interrupted push resumes on rerun.
+
+    Over ssh the device's lineside (the one its lineside.service runs) must be able to open the bundle, else nothing
+    is copied or switched; ``force`` pushes anyway and reports the problem in ``device_warning``."""
     src = Path(bundle)
     manifest = read_manifest(src)
     verify_files(src, manifest, check_hash=False)  # sizes here; every sha256 is checked on the target
@@ -75,8 +83,15 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
             if root == home or home in root.parents:  # versions/ and current would be written into the bundle
                 raise LinesideError(f"TARGET {target} is inside the bundle {bundle} being pushed; push to the "
                                     "device's directory (e.g. /opt/lineside), not into the bundle")
+        device = warning = None
+        if isinstance(t, SshTarget):  # a local or mounted directory: which runtime will serve it is unknown here
+            rt = probe_runtime(t, (src / MANIFEST).read_text())
+            device, warning = rt.describe(), refusal(rt, manifest, t.label)
+            if warning and not force:
+                raise LinesideError(f"{warning}; nothing was copied (pass {FORCE} to push anyway)")
         with push_lock(t):  # a second push to the same target at once shared the staging dir and the links
-            return _push(t, src, manifest, digest, expected, files, total, progress)
+            r = _push(t, src, manifest, digest, expected, files, total, progress)
+        return replace(r, device=device, device_warning=warning)
     finally:
         t.close()
 

@@ -168,6 +168,10 @@ class SshTarget:
             raise LinesideError(f"command on {self.host} failed ({last})")
         return p
 
+    def command(self, script: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a shell command on the device and return it whatever its exit status (ssh's own failure still raises)."""
+        return self._run(script, stdin, check=False)
+
     def prepare(self) -> None:
         """Create versions/ and list what is installed there (one round trip)."""
         script = (f"mkdir -p -- {self._q}/versions && cd {self._q}/versions && for d in */; do "

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import smollm2_gguf
-from tests.jetson.conftest import sshd  # noqa: F401 - the loopback sshd the push tests use
+from tests.jetson.conftest import sshd, sshd_device  # noqa: F401 - the loopback sshd the push tests use
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "fleet-model"  # every worker serves under this name, so SMG sees one model per pool

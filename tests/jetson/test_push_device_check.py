@@ -1,0 +1,158 @@
+"""`jetson push` over ssh asks the device's lineside (the one lineside.service runs) whether it can open the bundle,
+and refuses before copying when it cannot; the device is a loopback sshd with fake Pythons on its PATH."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from lineside.bundle import FORMAT_VERSION, Manifest
+from lineside.errors import LinesideError
+from lineside.jetson.device_runtime import MIN_PYTHON, DeviceRuntime, Source, interpreter_of, refusal
+from lineside.jetson.push import push
+from tests.cli.cli_run import REPO, assert_one_line_error, run_cli, tree_snapshot
+from tests.jetson.conftest import _script, fake_device_python, fake_systemctl
+
+
+def _old_lineside(root: Path, version: str = "0.1.0", reads: int = 0) -> Path:
+    """A lineside package as an older release would be: its own version and format, refusing a newer bundle."""
+    pkg = root / "lineside"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (pkg / "bundle.py").write_text(
+        "import json, os\n"
+        f"FORMAT_VERSION = {reads}\n"
+        "def read_manifest(d):\n"
+        "    fv = json.load(open(os.path.join(d, 'manifest.json')))['format_version']\n"
+        "    if fv != FORMAT_VERSION:\n"
+        "        raise ValueError('%s: bundle format %r, this lineside reads %d; rebuild the bundle'\n"
+        "                         % (os.path.join(d, 'manifest.json'), fv, FORMAT_VERSION))\n")
+    return root
+
+
+def _old_python(bin_dir: Path, version: str = "3.8.10") -> Path:
+    """A python3 as JetPack 5 ships it: answers the probe with its version, and its lineside would not import."""
+    parts = [int(x) for x in version.split(".")]
+    out = json.dumps({"python": parts, "import_error": "SyntaxError: invalid syntax"})
+    exe = _script(bin_dir / "python3", f"#!/bin/sh\ncat >/dev/null\necho '{out}'\n")
+    _script(bin_dir / "lineside", f"#!{exe}\nimport sys\n")
+    return exe
+
+
+def _cli_push(bundle: Path, target: str, ssh: str, *extra: str):
+    return run_cli("jetson", "push", bundle, target, "--ssh", ssh, *extra)
+
+
+def test_min_python_is_the_one_pyproject_requires():
+    req = re.search(r'^requires-python = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert req and req.group(1) == ">=" + ".".join(map(str, MIN_PYTHON))
+
+
+@pytest.mark.parametrize("head, interp", [
+    ("#!/opt/lineside/venv/bin/python3\nimport sys\n", ("/opt/lineside/venv/bin/python3",)),
+    ("#!/usr/bin/env python3.10\n", ("/usr/bin/env", "python3.10")),
+    ("#!/usr/bin/env -S python3 -E\n", ("/usr/bin/env", "-S", "python3")),
+    ("#!/opt/my venv/bin/python3\n", None),  # the kernel runs /opt/my with one argument: pip never writes it
+    ("#!/bin/sh\n'''exec' \"/very/long/venv path/bin/python\" \"$0\" \"$@\"\n' '''\n", ("/very/long/venv path/bin/python",)),
+    ("#!/bin/sh\nexec /opt/venv/bin/lineside \"$@\"\n", None),  # a shell wrapper: which Python is not said
+    ("\x7fELF\x02\x01", None),
+])
+def test_interpreter_of_a_console_script(head, interp):
+    assert interpreter_of(head) == interp
+
+
+def test_a_device_lineside_reading_an_older_format_is_refused_with_the_upgrade_command():
+    m = Manifest(architecture="llama", config="config.json", max_seq_len=8, lineside_version="0.2.0")
+    rt = DeviceRuntime(("/opt/venv/bin/python3",), Source.UNIT, (3, 10, 12), "0.1.5", FORMAT_VERSION - 1)
+    line = refusal(rt, m, "orin:/opt/lineside")
+    assert line and "\n" not in line
+    assert f"bundle format {FORMAT_VERSION - 1}" in line
+    assert "`/opt/venv/bin/python3 -m pip install -U 'lineside>=0.2.0'`" in line
+    ok = DeviceRuntime(("/opt/venv/bin/python3",), Source.UNIT, (3, 10, 12), "0.2.0", FORMAT_VERSION)
+    assert refusal(ok, m, "orin:/opt/lineside") is None
+
+
+def test_a_device_without_lineside_is_refused_before_copying_and_force_pushes_anyway(tmp_path, sshd_device,
+                                                                                    bundle_factory):
+    host, ssh, bin_dir = sshd_device
+    py = fake_device_python(tmp_path / "venv" / "bin", lineside=None)  # a venv lineside was never installed into
+    fake_systemctl(bin_dir, f"{py} -m lineside serve /opt/lineside/current")
+    a = bundle_factory(tmp_path / "a", 1)
+    device = tmp_path / "device"
+    target = f"{host}:{device}"
+
+    p = _cli_push(a, target, ssh)
+    line = assert_one_line_error(p, "has no lineside", f"{py} -m pip install -U 'lineside>=", "--force")
+    assert "nothing was copied" in line
+    assert tree_snapshot(device) == set()  # not even versions/ or the lock
+
+    p = _cli_push(a, target, ssh, "--force", "--json")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("warning: pushed anyway (--force): ") and "has no lineside" in p.stderr
+    r = json.loads(p.stdout)
+    assert os.readlink(device / "current") == f"versions/{r['version']}"
+    assert "has no lineside" in r["device_warning"] and r["device"].startswith("lineside none on Python ")
+
+
+def test_an_unsupported_python_on_the_device_is_refused(tmp_path, sshd_device, bundle_factory):
+    host, ssh, bin_dir = sshd_device
+    _old_python(bin_dir, "3.8.10")
+    a = bundle_factory(tmp_path / "a", 2)
+    with pytest.raises(LinesideError) as e:
+        push(a, f"{host}:{tmp_path / 'device'}", ssh=ssh)
+    msg = str(e.value)
+    assert "Python 3.8.10" in msg and "needs Python >= 3.10" in msg and "`python3.10 -m pip install 'lineside>=" in msg
+    assert not (tmp_path / "device").exists()
+
+
+def test_a_device_lineside_too_old_for_the_bundle_keeps_the_running_version(tmp_path, sshd_device, bundle_factory):
+    host, ssh, bin_dir = sshd_device
+    a, b = bundle_factory(tmp_path / "a", 3, name="model-a"), bundle_factory(tmp_path / "b", 4, name="model-b")
+    device = tmp_path / "device"
+    target = f"{host}:{device}"
+    r1 = push(a, target, ssh=ssh)
+    assert r1.device and r1.device.startswith("lineside 0.2.0 on Python ") and r1.device_warning is None
+
+    py = fake_device_python(bin_dir, lineside=_old_lineside(tmp_path / "old"))  # the device was downgraded
+    before = tree_snapshot(device)
+    with pytest.raises(LinesideError) as e:
+        push(b, target, ssh=ssh)
+    msg = str(e.value)
+    assert re.search(r"has lineside 0\.1\.0 .*cannot open this bundle \(manifest\.json: bundle format 1, this "
+                     r"lineside reads 0", msg), msg
+    assert f"`{py} -m pip install -U 'lineside>=" in msg and str(tmp_path / "tmp") not in msg
+    assert tree_snapshot(device) == before and os.readlink(device / "current") == f"versions/{r1.version}"
+    with pytest.raises(LinesideError, match="cannot open this bundle"):  # nor is it switched back onto an old copy
+        push(a, target, ssh=ssh)
+
+
+def test_the_interpreter_the_unit_runs_is_asked_not_the_one_on_path(tmp_path, sshd_device, bundle_factory):
+    """PATH's python3 has a current lineside; the unit runs a venv whose lineside is old: the venv decides."""
+    host, ssh, bin_dir = sshd_device
+    venv = tmp_path / "opt venv" / "bin"
+    venv_py = fake_device_python(venv, lineside=_old_lineside(tmp_path / "old"))
+    fake_systemctl(bin_dir, f'"{venv / "lineside"}" serve /opt/lineside/current --port 8000 $LINESIDE_SERVE_ARGS')
+    a = bundle_factory(tmp_path / "a", 5)
+    target = f"{host}:{tmp_path / 'device'}"
+    with pytest.raises(LinesideError) as e:
+        push(a, target, ssh=ssh)
+    assert "has lineside 0.1.0" in str(e.value) and "ExecStart of lineside.service" in str(e.value)
+    assert f"'{venv_py}' -m pip install -U" in str(e.value)
+
+    fake_device_python(venv)  # the venv upgraded; PATH's python3 now has none: the push goes through
+    fake_device_python(bin_dir, lineside=None)
+    r = push(a, target, ssh=ssh)
+    assert r.device == f"lineside 0.2.0 on Python {r.device.split()[4]} ('{venv_py}', the ExecStart of lineside.service)"
+
+
+def test_a_unit_running_a_missing_lineside_is_refused(tmp_path, sshd_device, bundle_factory):
+    host, ssh, bin_dir = sshd_device
+    fake_systemctl(bin_dir, "-/opt/gone/bin/lineside serve /opt/lineside/current")
+    with pytest.raises(LinesideError) as e:
+        push(bundle_factory(tmp_path / "a", 6), f"{host}:{tmp_path / 'device'}", ssh=ssh)
+    assert "has no /opt/gone/bin/lineside" in str(e.value)
+    assert "`/opt/gone/bin/python3 -m pip install -U 'lineside>=" in str(e.value)
