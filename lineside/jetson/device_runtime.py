@@ -54,6 +54,7 @@ class Source(str, Enum):
 
     UNIT = f"the ExecStart of {UNIT}"
     PATH_LINESIDE = "`lineside` on the ssh PATH"
+    CONTAINER = "the container serving it"
     PATH_PYTHON = "`python3` on the ssh PATH (no lineside.service, no lineside)"
 
 
@@ -113,16 +114,38 @@ def interpreter_of(script_head: str) -> tuple[str, ...] | None:
     return None
 
 
+# Each running container and its mounts' host paths, tab-separated: the Dockerfile.jetson way serves TARGET/current
+# from a container, whose lineside the host has no trace of.
+_CONTAINERS = ("command -v docker >/dev/null 2>&1 && docker ps -q 2>/dev/null | while read -r id; do "
+               "printf 'docker\\t%s\\n' \"$(docker inspect --format "
+               "'{{.Id}}{{range .Mounts}}{{printf \"\\t%s\" .Source}}{{end}}' \"$id\" 2>/dev/null)\"; done; true")
+
+
+def _container_serving(lines: list[str], root: str) -> str | None:
+    """The id of a running container with TARGET (or a version under it: docker resolves `current`) mounted."""
+    base = root.rstrip("/")
+    for ln in lines:
+        kind, _, rest = ln.partition("\t")
+        cid, *sources = rest.split("\t")
+        if kind == "docker" and cid and any(s.rstrip("/") == base or s.startswith(base + "/") for s in sources):
+            return cid
+    return None
+
+
 def probe(t: SshTarget, manifest_text: str) -> DeviceRuntime:
     """Find the interpreter the service runs and ask its lineside about this manifest (three short ssh commands)."""
     found = t.command(
         f"u=$({{ systemctl cat {UNIT} 2>/dev/null || cat /etc/systemd/system/{UNIT} 2>/dev/null; }} "
         "| sed -n 's/^[[:space:]]*ExecStart=//p' | tail -n 1); "
-        "printf 'unit\\t%s\\nlineside\\t%s\\npython3\\t%s\\n' \"$u\" \"$(command -v lineside)\" \"$(command -v python3)\""
+        "printf 'unit\\t%s\\nlineside\\t%s\\npython3\\t%s\\n' \"$u\" \"$(command -v lineside)\" \"$(command -v python3)\"; "
+        + _CONTAINERS
     ).stdout
     where = dict(ln.split("\t", 1) for ln in found.splitlines() if "\t" in ln)
     exe = _unit_exe(where.get("unit", "").strip())
     source = Source.UNIT
+    container = _container_serving(found.splitlines(), t.root) if exe is None else None
+    if container:  # the image's PATH puts its venv first (Dockerfile.jetson)
+        return _ask(t, ("docker", "exec", "-i", container, "python3"), Source.CONTAINER, manifest_text)
     if exe is None and where.get("lineside", "").strip():
         exe, source = where["lineside"].strip(), Source.PATH_LINESIDE
     if exe is None:
@@ -167,6 +190,9 @@ def refusal(rt: DeviceRuntime, manifest: Manifest, where: str) -> str | None:
     """One line saying why the device cannot serve this bundle and the pip command that fixes it; None if it can."""
     need = _needed(manifest)
     pip = f"`{shlex.join([*rt.interpreter, '-m', 'pip', 'install', '-U', f'lineside>={need}'])}`"
+    if rt.source is Source.CONTAINER:  # pip inside a container is lost when it is recreated: the image is the fix
+        pip = (f"a lineside:jetson image of lineside >= {need} (`docker build -f Dockerfile.jetson -t lineside:jetson .` "
+               "from that source), then recreate the container")
     if rt.problem:
         return f"{where} {rt.problem}: install lineside there ({pip})"
     assert rt.python is not None

@@ -156,3 +156,29 @@ def test_a_unit_running_a_missing_lineside_is_refused(tmp_path, sshd_device, bun
         push(bundle_factory(tmp_path / "a", 6), f"{host}:{tmp_path / 'device'}", ssh=ssh)
     assert "has no /opt/gone/bin/lineside" in str(e.value)
     assert "`/opt/gone/bin/python3 -m pip install -U 'lineside>=" in str(e.value)
+
+
+def _fake_docker(bin_dir: Path, python: Path, mounts: list[str]) -> None:
+    """`docker` with one running container mounting ``mounts``, whose python3 is ``python``."""
+    listed = "\\t".join(["c0ffee0123456789", *mounts])
+    _script(bin_dir / "docker", "#!/bin/sh\ncase \"$1\" in\n  ps) echo c0ffee012345 ;;\n"
+                                f"  inspect) printf '{listed}\\n' ;;\n"
+                                f"  exec) shift 4; exec '{python}' \"$@\" ;;\n  *) exit 1 ;;\nesac\n")
+
+
+def test_a_container_serving_the_target_is_asked(tmp_path, sshd_device, bundle_factory):
+    """Dockerfile.jetson's way: no unit, no lineside on the host; the container mounting TARGET decides."""
+    host, ssh, bin_dir = sshd_device
+    device = tmp_path / "device"
+    image_py = fake_device_python(tmp_path / "image" / "bin", lineside=_old_lineside(tmp_path / "old"))
+    _fake_docker(bin_dir, image_py, ["/var/lib/other", f"{device}/versions/tiny-abc"])
+    a = bundle_factory(tmp_path / "a", 7)
+    with pytest.raises(LinesideError) as e:
+        push(a, f"{host}:{device}", ssh=ssh)
+    msg = str(e.value)
+    assert "has lineside 0.1.0 (docker exec -i c0ffee0123456789 python3, the container serving it)" in msg
+    assert "docker build -f Dockerfile.jetson -t lineside:jetson ." in msg and "pip install" not in msg
+
+    _fake_docker(bin_dir, image_py, [str(tmp_path / "elsewhere")])  # a container serving another directory
+    r = push(a, f"{host}:{device}", ssh=ssh)
+    assert r.device and "`lineside` on the ssh PATH" in r.device
