@@ -120,7 +120,7 @@ def push_cmd(
     print(f"{r.target}: current -> versions/{r.version} ({r.files} files verified, {how})"
           + (f"; previous -> {r.previous}" if r.previous else ""))
     if r.device:
-        print(f"  served by {r.device}")
+        print(f"  device runtime: {r.device}")
 
 
 @jetson.command("rollback")

@@ -96,6 +96,9 @@ def test_a_device_without_lineside_is_refused_before_copying_and_force_pushes_an
     r = json.loads(p.stdout)
     assert os.readlink(device / "current") == f"versions/{r['version']}"
     assert "has no lineside" in r["device_warning"] and r["device"].startswith("lineside none on Python ")
+    p = _cli_push(a, target, ssh, "--force")  # already installed: still checked, still said
+    assert p.returncode == 0 and "already installed" in p.stdout and "has no lineside" in p.stderr
+    assert "  device runtime: lineside none on Python " in p.stdout and "ExecStart of lineside.service" in p.stdout
 
 
 def test_an_unsupported_python_on_the_device_is_refused(tmp_path, sshd_device, bundle_factory):
