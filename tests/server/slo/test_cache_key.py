@@ -71,6 +71,8 @@ DIFFERING = {
     "echo_prompt_logprobs": ("completions", {"echo": True, "logprobs": 2},
                              {"echo": True, "logprobs": 2, "prompt_logprobs": 1}),
     "add_special_tokens": ("completions", {}, {"add_special_tokens": False}),  # no BOS: other prompt ids
+    # another tenant's salt: its own cached answers, as its own prefix KV (a hit's speed would leak the prompt)
+    "cache_salt": ("chat", {}, {"cache_salt": "tenant-b"}),
 }
 # Refused (a 400 before any cache lookup) unless absent or their no-op value.
 REFUSED = {"suffix": {"suffix": "end"},
@@ -81,10 +83,15 @@ REFUSED = {"suffix": {"suffix": "end"},
            "function_call": {"function_call": {"name": "f"}}, "chat_template": {"chat_template": "{{ 1 }}"},
            "stream_options": {"stream_options": {"include_usage": True}},
            "modalities": {"modalities": ["text", "audio"]}, "audio": {"audio": {"voice": "alloy", "format": "wav"}},
-           "web_search_options": {"web_search_options": {}}}
+           "web_search_options": {"web_search_options": {}},
+           "priority": {"priority": 1}, "return_tokens_as_token_ids": {"return_tokens_as_token_ids": True},
+           "guided_whitespace_pattern": {"guided_whitespace_pattern": " "},
+           "structural_tag": {"structural_tag": "{}"}}
 # Change nothing in the answer: the same cached answer is right.
 NO_EFFECT = {"user": {"user": "alice"}, "guided_decoding_backend": {"guided_decoding_backend": "xgrammar"},
-             "metadata": {"metadata": {"line": "3"}}}
+             "metadata": {"metadata": {"line": "3"}},
+             # the served tokenizers put no space between special tokens either way (schemas.py)
+             "spaces_between_special_tokens": {"spaces_between_special_tokens": False}}
 # Keyed by what they change, tested where the key is: the prompt ids they render (a template's extra variables and
 # vLLM's documents, continuing the last message), the output options (include_reasoning: their Reasoning, on a server with
 # --reasoning-parser; no effect without one), or never cached (streamed; bound to a prefill session, whose KV a
