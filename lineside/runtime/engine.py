@@ -40,7 +40,7 @@ from lineside.runtime.engine_health import (
 )
 from lineside.runtime.fair_lock import FairLock
 from lineside.runtime.kv_bytes import KvArenaBytes
-from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.kv_manager import KVCacheArena, salted
 from lineside.runtime.lora_stack import LoraSlotsConfig
 from lineside.runtime.request import (
     EngineDraining,
@@ -373,9 +373,10 @@ class LLMEngine:
                                 "thread, through asyncio.run_coroutine_threadsafe)")
 
     # ---- prefill sessions ---------------------------------------------------------------------------
-    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1,
+                cache_salt: str | None = None) -> SessionInfo:
         """Have ``session_id`` cache the KV of ``prompt_ids[:stable]`` (computed in idle capacity; this returns at
-        once). Raises EngineDraining, SessionsUnsupported, SessionLimitError or LinesideError (bad input)."""
+        once), lent only to a completion of the same ``cache_salt``. Raises EngineDraining, SessionsUnsupported, SessionLimitError or LinesideError (bad input)."""
         if self.draining:
             raise EngineDraining("the server is shutting down: prefill sessions cannot be made or extended here; "
                                  "send the prompt to another instance")
@@ -388,7 +389,8 @@ class LLMEngine:
         with self._state:
             now = self.clock()
             self.expire_sessions()
-            info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank)
+            info = self.scheduler.update_session(session_id, list(prompt_ids[:stable]), len(prompt_ids), now, rank,
+                                                 salted("", cache_salt))
         self._kick()
         return info
 

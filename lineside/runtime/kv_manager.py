@@ -10,7 +10,8 @@ decode batch in one range of slots (``Backend.needs_contiguous_slots``). A slot'
 after its request ends: full blocks are hashed (chained, so a hash names the whole prefix) and a
 new prompt that starts with a cached prefix copies those positions instead of recomputing them. KV is
 kept per ``namespace`` (a LoRA adapter's name; "" for the base model): the chain starts from it and a
-lookup matches only slots of the same one, since another adapter's KV of the same tokens differs.
+lookup matches only slots of the same one, since another adapter's KV of the same tokens differs. A request's
+vLLM ``cache_salt`` joins its namespace (``salted``): KV is then shared only between requests of that salt.
 A request that reuses nothing takes the free slot whose cache is worth least (``victim``): one holding no
 reusable KV, else the least recently used, so recently used prefixes survive unrelated requests while free slots
 can hold them (vLLM's prefix cache is LRU over all free blocks); the lowest free slot would overwrite the same
@@ -27,6 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lineside.strenum import StrEnum
+
+# whose KV a slot holds: an adapter load's name ("" the base model), or (that name, a cache_salt)
+Namespace = str | tuple[str, str]
+
+
+def salted(namespace: str, salt: str | None) -> Namespace:
+    """``namespace`` kept apart by ``salt`` (vLLM's cache_salt); no salt: the namespace itself, shared as before.
+    A tuple, so no adapter name can spell another's salted namespace."""
+    return namespace if salt is None else (namespace, salt)
 
 
 class SlotOpKind(StrEnum):
@@ -58,7 +68,7 @@ class KVCacheArena:
         self.reserved = [0] * num_slots  # blocks reserved by the owner
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose KV the slot holds
         self.shared = [0] * num_slots  # leading tokens of ``tokens`` whose KV may be reused
-        self.space = [""] * num_slots  # the namespace (adapter) the slot's KV was computed under
+        self.space: list[Namespace] = [""] * num_slots  # the namespace (adapter, salt) the slot's KV was computed under
         self._hashes: list[list[int]] = [[] for _ in range(num_slots)]
         self._index: dict[int, set[int]] = {}
         self.used = [0] * num_slots  # when each slot was last given out, reused or released: LRU order of free slots
@@ -107,7 +117,7 @@ class KVCacheArena:
 
     # ---- allocation ---------------------------------------------------------------------
     def allocate(self, owner: Any, tokens: list[int], reserve_tokens: int, max_reuse: int,
-                 lowest: int = 0, namespace: str = "", near: tuple[int, int] | None = None) -> tuple[int, int]:
+                 lowest: int = 0, namespace: Namespace = "", near: tuple[int, int] | None = None) -> tuple[int, int]:
         """Give ``owner`` a free slot (from ``lowest`` on when there is one): the one caching the longest prefix of
         ``tokens`` in ``namespace`` if it is free, else ``victim(lowest, near)``; returns (slot, positions reused)."""
         free = [i for i, o in enumerate(self.owner) if o is None]
@@ -234,7 +244,7 @@ class KVCacheArena:
         if length < len(self.tokens[slot]):
             self._set_tokens(slot, self.tokens[slot][:length], min(self.shared[slot], length))
 
-    def lookup(self, tokens: list[int], max_reuse: int, namespace: str = "") -> tuple[int, int]:
+    def lookup(self, tokens: list[int], max_reuse: int, namespace: Namespace = "") -> tuple[int, int]:
         """(slot, length) of the longest cached full-block prefix of ``tokens`` in ``namespace``, capped at
         ``max_reuse``."""
         bs = self.block_size
@@ -273,6 +283,7 @@ class KVCacheArena:
         self.append(slot, toks[n:], shareable=False)
 
 
-def _seed(namespace: str) -> int:
-    """Where a slot's hash chain starts: 0 for the base model (as before adapters), else the adapter's name."""
+def _seed(namespace: Namespace) -> int:
+    """Where a slot's hash chain starts: 0 for the base model unsalted (as before adapters), else its namespace
+    (salting the first block's hash, as vLLM salts it: every later block's hash chains from it)."""
     return hash(("lora", namespace)) if namespace else 0

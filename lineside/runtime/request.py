@@ -88,6 +88,9 @@ class GenerationRequest:
     # (scheduler.py); False spares that prefill where no next turn comes (a one-off completion)
     settle_answer: bool = True
     adapter: str | None = None  # the LoRA adapter to generate with (a served model name); None: the base model
+    # vLLM's cache_salt: only requests with this same salt reuse each other's cached prefix KV (None: the shared
+    # pool), so another tenant cannot learn from a prefix hit's speed what someone else's prompt began with
+    cache_salt: str | None = None
     # special tokens the text keeps (a tool parser's markers, Mistral's [TOOL_CALLS]); all others are skipped
     keep_special_ids: frozenset[int] = frozenset()
 

@@ -413,7 +413,7 @@ class Scheduler(SessionSlots):
         prefill has computed: admitting it now would compute the block twice."""
         bs = self.arena.block_size
         for pf in self.prefilling:
-            if pf.lora_namespace == seq.lora_namespace and common_prefix(seq.prompt, pf.fill) // bs * bs > pf.computed:
+            if pf.cache_namespace == seq.cache_namespace and common_prefix(seq.prompt, pf.fill) // bs * bs > pf.computed:
                 return True
         return False
 
@@ -438,8 +438,8 @@ class Scheduler(SessionSlots):
             # With contiguous slots the newcomer will join the decode batch: beside the running requests, no move then
             held = [s.slot for s in self.running if s.slot is not None]
             near = (min(held), max(held)) if self.contiguous_slots and held else None
-            # KV computed under one adapter is another model's: prefix reuse stays within the adapter
-            slot, reused = self.arena.allocate(best, fill, need, max_reuse, namespace=best.lora_namespace,
+            # KV computed under one adapter is another model's: prefix reuse stays within the adapter (and salt)
+            slot, reused = self.arena.allocate(best, fill, need, max_reuse, namespace=best.cache_namespace,
                                                near=near)
         best.slot, best.computed = slot, reused
         if best.handle.metrics.scheduled is None:  # a re-admission reuses what it computed itself: not cached

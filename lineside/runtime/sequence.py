@@ -12,6 +12,7 @@ from typing import Any
 
 from lineside.runtime.detokenize import IncrementalDetokenizer
 from lineside.runtime.grammar_failure import grammar_failure
+from lineside.runtime.kv_manager import Namespace, salted
 from lineside.runtime.request import FinishReason, GenerationRequest, RequestHandle, TokenEvent, base_rank
 from lineside.runtime.sampling import Sampler, TokenLogprob
 from lineside.runtime.speculative.adaptive import DraftLength
@@ -70,6 +71,12 @@ class Sequence:
         self.session_deleted = False
 
     # ---- scheduling ------------------------------------------------------------------------
+    @property
+    def cache_namespace(self) -> Namespace:
+        """Whose cached prefix KV this request may reuse and offer: its adapter's load, salted by its cache_salt
+        (vLLM salts the first block's hash, so no block of a salted chain matches another salt's or none)."""
+        return salted(self.lora_namespace, self.req.cache_salt)
+
     @property
     def reserve_tokens(self) -> int:
         """Positions to reserve at admission: everything it may ever hold."""

@@ -63,8 +63,10 @@ class ServingEngine(Protocol):
         """Live counters for /metrics."""
         ...
 
-    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1) -> SessionInfo:
-        """Cache ``prompt_ids[:stable]``'s KV under a prefill session (POST /v1/prefill); returns at once."""
+    def prefill(self, session_id: str, prompt_ids: list[int], stable: int, *, rank: int = 1,
+                cache_salt: str | None = None) -> SessionInfo:
+        """Cache ``prompt_ids[:stable]``'s KV under a prefill session (POST /v1/prefill), for completions of the
+        same ``cache_salt``; returns at once."""
         ...
 
     def session(self, session_id: str) -> SessionInfo | None:

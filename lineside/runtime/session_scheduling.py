@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lineside.runtime.kv_manager import Namespace
 from lineside.runtime.sequence import SequenceStatus
 from lineside.runtime.sessions import PrefillSession, SessionInfo, SessionStore, common_prefix
 from lineside.runtime.step_plan import SessionChunk, StepPlan, prefill_take
@@ -38,13 +39,20 @@ class SessionSlots:
 
     # ---- what the engine calls (under its state lock, between steps) ---------------------------
     def update_session(self, session_id: str, target: list[int], prompt_tokens: int, now: float,
-                       rank: int = 1) -> SessionInfo:
+                       rank: int = 1, namespace: Namespace = "") -> SessionInfo:
         """Set what ``session_id`` should cache: its KV up to the first differing token is kept, the rest is
-        pending. Raises SessionLimitError for a new session past the cap."""
+        pending; under another ``namespace`` (cache_salt) none is kept. Raises SessionLimitError for a new session
+        past the cap."""
         assert self.sessions is not None
         s = self.sessions.open(session_id, now, rank)
         s.rank, s.prompt_tokens = rank, prompt_tokens
         s.touch(now)
+        if s.namespace != namespace:  # KV computed under another salt is not this prompt's to reuse
+            s.namespace, s.target = namespace, []
+            if s.slot is not None:  # a slot of the new namespace is given when it has work (_place_sessions)
+                self.arena.truncate(s.slot, 0)
+                self.arena.free(s.slot)
+                s.slot, s.computed = None, 0
         if len(target) < 2:
             target = []  # one token is never prefilled alone, and not worth a slot
         keep = common_prefix(s.target, target)
@@ -84,8 +92,8 @@ class SessionSlots:
         if self.sessions is None or seq.req.session_id is None:
             return None
         s = self.sessions.get(seq.req.session_id)
-        if s is None or s.slot is None or s.lent_to is not None:
-            return None
+        if s is None or s.slot is None or s.lent_to is not None or s.namespace != seq.cache_namespace:
+            return None  # (another cache_salt's KV is never lent)
         reuse = min(common_prefix(self.arena.tokens[s.slot][:s.computed], seq.prompt), max_reuse)
         if fill_len - reuse == 1 and fill_len > 1:
             reuse -= 1  # never leave a 1-token prefill (see the scheduler's ``single-token steps``)
@@ -144,6 +152,8 @@ class SessionSlots:
             if mine or s.updated <= since:
                 self.release_session(s)
             return
+        if newer and s.namespace != seq.cache_namespace:
+            return  # a prefill under another cache_salt came meanwhile: this KV is not what it caches
         if s.slot is not None:  # a fallback completion keeps its own slot: the session's older one goes
             old, s.slot = s.slot, None
             self.arena.truncate(old, s.computed)
@@ -154,6 +164,7 @@ class SessionSlots:
         computed = common_prefix(kept, target)
         self.arena.hand_over(slot, s, len(target), computed)
         s.slot, s.lent_to, s.target, s.computed = slot, None, list(target), computed
+        s.namespace = seq.cache_namespace
         if not newer:  # it now caches this completion's prompt (a newer prefill's count stands)
             s.prompt_tokens = len(seq.prompt)
         s.touch(now)
@@ -178,7 +189,8 @@ class SessionSlots:
                 self.release_session(old, evicted=True)
             if not self.arena.can_admit(len(s.target)):
                 return
-            slot, reuse = self.arena.allocate(s, s.target, len(s.target), len(s.target))  # the least valuable slot
+            slot, reuse = self.arena.allocate(s, s.target, len(s.target), len(s.target),  # the least valuable
+                                              namespace=s.namespace)  # slot
             s.slot, s.computed = slot, reuse
 
     def _session_chunk(self, plan: StepPlan) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lineside.errors import LinesideError
+from lineside.runtime.kv_manager import Namespace
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 SESSION_ID_RULE = "1-128 characters: letters, digits and . _ : - (starting with a letter or digit)"
@@ -77,6 +78,7 @@ class PrefillSession:
         self.updated = now  # when its target last changed (older pending work computes first)
         self.expires_at = now + ttl_s
         self.alive = True
+        self.namespace: Namespace = ""  # the cache_salt its KV was computed under (kv_manager.salted); lent only within it
 
     @property
     def pending(self) -> int:

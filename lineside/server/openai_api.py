@@ -365,7 +365,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             prompt_ids=ids, max_tokens=budget, sampling=sampling, priority=priority, mode=mode,
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
-            adapter=adapter, logprobs=top_n, speculative=body.speculative is not False,
+            adapter=adapter, logprobs=top_n, speculative=body.speculative is not False, cache_salt=body.cache_salt,
             keep_special_ids=tool_calls.kept_special_ids(call_format, state.engine.tokenizer))
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)

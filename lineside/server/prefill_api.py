@@ -170,7 +170,9 @@ _BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {
     "type": "object", "required": ["prompt", "session_id"],
     "properties": {"prompt": {"type": "string", "description": "the prompt so far (or 'messages', as in chat)"},
                    "session_id": {"type": "string", "pattern": SESSION_ID.pattern},
-                   "model": {"type": "string"}}}}}}}
+                   "model": {"type": "string"},
+                   "cache_salt": {"type": "string", "minLength": 1,
+                                  "description": "vLLM's: lent only to completions sending the same salt"}}}}}}}
 
 
 @router.post("/v1/prefill", status_code=202, responses=ERROR_RESPONSES, openapi_extra=_BODY_DOC)
@@ -191,7 +193,7 @@ async def prefill(request: Request) -> Any:
         request_mapping.token_budget(len(ids), None, 1, context=engine.max_seq_len, param="max_tokens",
                                      prompt_param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                                      tools=tools)
-        info = engine.prefill(session, ids, stable, rank=rank_of(priority, mode))
+        info = engine.prefill(session, ids, stable, rank=rank_of(priority, mode), cache_salt=body.cache_salt)
     except SessionLimitError as e:
         state.metrics.reject("too_many_sessions")
         raise APIError(429, str(e), "too_many_sessions",

@@ -391,7 +391,7 @@ def engine_request(ids: list[int], max_tokens: int, req: ChatCompletionRequest |
                              constraint=constraint, constraint_after=constraint_after if constraint is not None else None,
                              logprobs=logprobs, speculative=req.speculative is not False,
                              session_id=session, keep_session=bool(req.keep_session) and session is not None,
-                             adapter=adapter, ignore_eos=bool(req.ignore_eos),
+                             adapter=adapter, ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt,
                              include_stop_str=bool(req.include_stop_str_in_output),
                              skip_special=req.skip_special_tokens is not False,
                              stop_token_ids=list(req.stop_token_ids or []), keep_special_ids=keep_special_ids,

@@ -59,6 +59,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the text's logprobs (TEXT_LOGPROBS too)
     speculative: bool | None = None  # false: this request does not speculate (as chat's)
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's, as chat's: prefix KV shared only within the salt
     # OpenAI's {"effort", "summary"}: the effort reaches the chat template as chat's reasoning_effort does (vLLM's
     # mapping; DeepSeek-V4's template turns thinking on by it); a summary asked for is answered by the full thinking
     reasoning: dict[str, Any] | None = None

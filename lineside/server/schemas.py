@@ -115,6 +115,9 @@ class _Sampling(BaseModel):
                                                      "extends; the X-Session-Id header says the same")
     keep_session: bool | None = Field(None, description="true: the session keeps this prompt's KV for the next "
                                                         "turn (default: it ends with this completion)")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's: only requests sending this same salt "
+                                   "reuse each other's cached prompt prefix (and prefill sessions), so another "
+                                   "user cannot time a cache hit to learn a prompt; a non-empty string")
 
 
 class ChatCompletionRequest(_Sampling):

@@ -1,4 +1,4 @@
-from lineside.runtime.kv_manager import KVCacheArena
+from lineside.runtime.kv_manager import KVCacheArena, salted
 
 
 def test_block_accounting_and_admission():
@@ -61,6 +61,21 @@ def test_prefix_lookup_uses_full_block_hashes_and_extends():
     assert a.take_pending() == []  # no copy, no reset
     a.free(s2)
     assert a.allocate("c", sys_prompt + [60], 20, 10)[1] == 9  # never leaves a 1-token prefill
+
+
+def test_a_salted_prefix_is_found_only_under_the_same_salt_and_adapter():
+    """vLLM's cache_salt: the salt joins the namespace, so its chain's first block hash (and every later one) differs
+    from another salt's, no salt's, and an adapter whose name spells the salt."""
+    a = KVCacheArena(num_slots=3, max_seq_len=64, block_size=4, prefix_cache=True)
+    prompt = list(range(10, 22))
+    assert salted("", None) == "" and salted("x", "s") != salted("", "s") != "s"
+    s, _ = a.allocate("a", prompt, 20, 11, namespace=salted("", "tenant-a"))
+    a.append(s, prompt)
+    a.free(s)
+    assert a.lookup(prompt, 11, salted("", "tenant-a")) == (s, 11)
+    for other in ("", salted("", "tenant-b"), "tenant-a", salted("tenant-a", None), salted("x", "tenant-a")):
+        assert a.lookup(prompt, 11, other) == (-1, 0), other
+    assert a.allocate("b", prompt, 20, 11, namespace=salted("", "tenant-b"))[1] == 0 and a.prefix_hits == 0
 
 
 def test_only_prefill_written_kv_is_shared():
