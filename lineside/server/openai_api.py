@@ -189,6 +189,7 @@ class ChatPrompt:
     tools: list[tool_calls.Tool]
     tool_choice: tool_calls.ToolChoice
     tool_count: int  # the tools rendered into the prompt (listed by the template or described as text): a 400 names them
+    add_special: bool = False  # vLLM's add_special_tokens: the tokenizer's BOS on top of the template's text
 
 
 def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
@@ -202,7 +203,8 @@ def chat_prompt(state: ServerState, body: Any) -> ChatPrompt:
     render = chat_rendering.rendering(state, body, given)  # picks "tool_use"
     messages, listed = tool_calls.template_messages(messages, tools, render.effective, tool_choice,
                                                     exclude_none=state.exclude_tools_when_tool_choice_none)
-    return ChatPrompt(messages, listed, options, render, tools, tool_choice, len(given or ()))
+    return ChatPrompt(messages, listed, options, render, tools, tool_choice, len(given or ()),
+                      getattr(body, "add_special_tokens", None) is True)
 
 
 async def chat_prompt_off_loop(state: ServerState, body: Any) -> ChatPrompt:
@@ -218,11 +220,12 @@ async def encode_chat_prompt(state: ServerState, prompt: ChatPrompt, *, max_toke
     loop); ``max_tokens``: PromptTooLong past it."""
     size = chat_work_size(prompt.messages)
     with prompt.render.blamed():
-        return await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
-                                                      **prompt.options, **prompt.render.options(),
-                                                      max_tokens=max_tokens), param="messages",
-                              renders=state.template_renders if prompt.render.limits is not None else None,
-                              tools=prompt.tool_count)
+        ids = await _offload(size, functools.partial(state.tokenizer.encode_chat, prompt.messages, tools=prompt.listed,
+                                                     **prompt.options, **prompt.render.options(),
+                                                     max_tokens=max_tokens), param="messages",
+                             renders=state.template_renders if prompt.render.limits is not None else None,
+                             tools=prompt.tool_count)
+    return request_mapping.with_special_tokens(ids, state.engine.tokenizer, prompt.add_special)
 
 
 def _count_cached(state: ServerState, slo_plan: slo_routing.SloPlan, request_id: str, endpoint: str,

@@ -138,6 +138,9 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
                                  param="messages", renders=renders, tools=tool_count)
             stable = await _offload(size, functools.partial(state.tokenizer.stable_chat_ids, messages, listed,
                                                             **render.options()), param="messages", renders=renders)
+        add, bos_tok = body.add_special_tokens is True, state.engine.tokenizer  # BOS on top, as chat encodes it
+        ids = request_mapping.with_special_tokens(ids, bos_tok, add)
+        stable = request_mapping.with_special_tokens(stable, bos_tok, add)
         return ids, _agreeing(ids, stable), tool_count
     request_mapping.check_completion(body)
     if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):

@@ -163,6 +163,14 @@ def chat_template_options(req: ChatCompletionRequest) -> dict[str, bool]:
     return {"add_generation_prompt": new_turn, "continue_final_message": continuing}
 
 
+def with_special_tokens(ids: list[int], tokenizer: Any, add: bool | None) -> list[int]:
+    """vLLM's chat ``add_special_tokens: true``: the BOS the tokenizer adds to a text (transformers'
+    encode(add_special_tokens=True): only a model that adds one) in front of the template's; never doubled."""
+    bos = tokenizer.bos_token_id
+    wants = bool(getattr(tokenizer, "add_bos", False))
+    return [bos, *ids] if add and wants and bos is not None and ids[:1] != [bos] else ids
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as plain role/content dicts for the chat template (text parts joined by newlines, as vLLM and
     llama.cpp's server join them: separate pieces of text, not one word)."""

@@ -135,6 +135,8 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's extras for an assistant prefill: the prompt ends inside the last message, which the model continues
     add_generation_prompt: bool | None = Field(None, description="default true; false with continue_final_message")
     continue_final_message: bool | None = Field(None, description="continue the last message (assistant prefill)")
+    add_special_tokens: bool | None = Field(False, description="vLLM's: true puts the BOS the tokenizer adds to a "
+                                                               "text (if any) in front of the template's, not doubled")
     echo: bool | None = Field(False, description="vLLM's: a last message of the assistant's role goes in front of "
                                                  "the answer's content (the whole message, not only what was added)")
     chat_template: str | None = Field(None, description="vLLM's: Jinja text to render this chat with, or the name "

@@ -78,10 +78,8 @@ async def tokenize(request: Request) -> Any:
     _check_model(state, body.model)  # an adapter shares its base model's tokenizer
     check_unicode(body)
     if isinstance(body, TokenizeChatRequest):
+        # add_special_tokens: BOS on top of the template's, as chat completions encode it
         ids = await encode_chat_prompt(state, await chat_prompt_off_loop(state, body), max_tokens=None)
-        bos = state.engine.tokenizer.bos_token_id
-        if body.add_special_tokens and bos is not None and ids[:1] != [bos]:  # vLLM: on top of the template's
-            ids = [bos, *ids]
     else:
         text = request_mapping.clean_text(body.prompt, "prompt")  # as /v1/completions cleans it
         add = None if body.add_special_tokens is not False else False  # None: what the model adds (completions)

@@ -264,3 +264,41 @@ def test_add_special_tokens_on_completions_is_what_tokenize_counts(server):
         text = _post(server.url, "/v1/completions", {**body, "max_tokens": 4, "temperature": 0}).json()
         ids = _post(server.url, "/v1/completions", {"prompt": counted, "max_tokens": 4, "temperature": 0}).json()
         assert [c["text"] for c in text["choices"]] == [c["text"] for c in ids["choices"]]
+
+
+@pytest.fixture(scope="module")
+def bos_on_request_bundle(tiny_bundle, tmp_path_factory):
+    """The tiny bundle as a model with a BOS token it does not add by itself (add_bos_token false, as Qwen2's or
+    SmolLM2's), so a chat's BOS comes only from its template or add_special_tokens."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("bos-on-request") / tiny_bundle.name
+    shutil.copytree(tiny_bundle, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["add_bos_token"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_chat_add_special_tokens_adds_what_the_tokenizer_adds(bos_on_request_bundle):
+    """vLLM's chat ``add_special_tokens: true`` adds what transformers' encode(add_special_tokens=True) adds to the
+    rendered text: nothing for a model with a BOS token it does not add. /tokenize put that BOS in front anyway, so
+    its count was one more than the chat's prompt_tokens; chat dropped the field untyped ("yes" was no 400)."""
+    from transformers import AutoTokenizer
+
+    plain_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+    hf = AutoTokenizer.from_pretrained(bos_on_request_bundle / "tokenizer")
+    msgs = [{"role": "user", "content": "the oven runs hot"}]
+    text = hf.apply_chat_template(msgs, chat_template=plain_template, tokenize=False, add_generation_prompt=True)
+    with running_server(bos_on_request_bundle, num_slots=2, threads=1, chat_template=plain_template) as srv:
+        for add in (False, True):
+            counted = _post(srv.url, "/tokenize", {"messages": msgs, "add_special_tokens": add}).json()["tokens"]
+            assert counted == hf.encode(text, add_special_tokens=add), add
+            r = _post(srv.url, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "temperature": 0,
+                                                        "add_special_tokens": add})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(counted), r.text
+            r = _post(srv.url, "/v1/prefill", {"messages": msgs, "session_id": f"bos-{add}", "add_special_tokens": add})
+            assert r.status_code == 202 and r.json()["prompt_tokens"] == len(counted), r.text
+        bad = _post(srv.url, "/v1/chat/completions", {"messages": msgs, "add_special_tokens": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "add_special_tokens", bad.text
