@@ -23,3 +23,10 @@ class ConfigError(LinesideError):
 
 class BackendUnavailable(LinesideError):
     """The requested backend (TensorRT, a GPU, a driver) is not available on this machine."""
+
+
+class ArgumentsError(LinesideError):
+    """A combination of arguments the parser alone cannot refuse (a prompt given twice, or not at all): exit 2, as
+    the parser's own usage errors, so a script tells a wrong call from a failed run."""
+
+    exit_code = 2

@@ -78,7 +78,10 @@ def logits(
 
 def generate(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
-    prompt: Annotated[str, typer.Option(help="prompt text")],
+    prompt_arg: Annotated[str | None, typer.Argument(
+        metavar="PROMPT", show_default=False,
+        help="prompt text; - reads it from stdin, as does a piped stdin when no prompt is given")] = None,
+    prompt: Annotated[str | None, typer.Option(help="prompt text (the same as PROMPT; - reads stdin)")] = None,
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = False,
     *,
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens")] = 128,
@@ -99,14 +102,19 @@ def generate(
     chat_template: Annotated[str | None, typer.Option(
         help="with --chat: this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
-    """Generate text from a prompt, streaming it to stdout."""
+    """Generate text from a prompt, streaming it to stdout. The prompt is PROMPT, --prompt, or stdin (PROMPT -, or
+    piped with no prompt given: `lineside generate BUNDLE < prompt.txt`; its trailing newlines are dropped)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
     from lineside.runtime.speculative.config import parse_speculative
 
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
-    prompt = strip_invisible(checks.utf8_text(prompt, "--prompt"))  # as the server strips a request's text
+    from lineside.runtime.prompt_input import prompt_text
+
+    given = "--prompt" if prompt is not None else "PROMPT"
+    prompt = prompt_text(prompt_arg, prompt)  # before the model loads: a missing or unreadable prompt is one line
+    prompt = strip_invisible(checks.utf8_text(prompt, given))  # as the server strips a request's text
     _check_stdout("generate")
     template = _chat_template(chat_template)
     spec = parse_speculative(speculative, spec_tokens)

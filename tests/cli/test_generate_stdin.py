@@ -1,0 +1,96 @@
+"""`lineside generate` takes its prompt as PROMPT, --prompt, or from stdin (`-`, or piped with no prompt), as `llm`,
+`ollama run MODEL < file` and llama.cpp's `-f` users expect; a prompt that is missing, empty, not UTF-8 or given
+twice is one line before the model loads."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from lineside.cli import run_app
+from tests.cli.cli_run import assert_one_line_error, lineside_app
+
+ARGS = ["--max-tokens", "6", "--backend", "onnxruntime"]
+
+
+class _Terminal(io.TextIOWrapper):
+    """stdin at a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _stdin(data: bytes, terminal: bool = False) -> io.TextIOWrapper:
+    """A piped stdin as Python opens it: text over a byte buffer."""
+    return (_Terminal if terminal else io.TextIOWrapper)(io.BytesIO(data), encoding="utf-8")
+
+
+def _generate(monkeypatch, capsys, args: list, stdin: io.TextIOBase | None) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", stdin)
+    rc = run_app(lineside_app(), ["generate", *map(str, args), *ARGS])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_the_prompt_from_stdin_is_the_prompt_given_as_text(tiny_bundle, monkeypatch, capsys):
+    """`lineside generate B < prompt.txt` and `lineside generate B - < prompt.txt` were refused ("Missing option
+    '--prompt'"); they answer as `--prompt "$(cat prompt.txt)"` does (the shell drops the trailing newlines too),
+    and as PROMPT given as text."""
+    rc, want, err = _generate(monkeypatch, capsys, [tiny_bundle, "--prompt", "the quick brown fox"], _stdin(b""))
+    assert rc == 0 and want.strip(), err
+    for args, data in (([tiny_bundle], b"the quick brown fox\n"), ([tiny_bundle, "-"], b"the quick brown fox\n\n"),
+                       ([tiny_bundle, "--prompt", "-"], b"the quick brown fox"),
+                       ([tiny_bundle, "the quick brown fox"], b"ignored: the prompt is given")):
+        rc, out, err = _generate(monkeypatch, capsys, args, _stdin(data))
+        assert (rc, out) == (0, want), (args, err)
+
+
+def test_a_multi_line_prompt_from_stdin_keeps_its_lines(tiny_bundle, monkeypatch, capsys):
+    text = "first line\nsecond line\n\nthird"
+    rc, want, _ = _generate(monkeypatch, capsys, [tiny_bundle, text], _stdin(b""))
+    rc2, got, err = _generate(monkeypatch, capsys, [tiny_bundle, "-"], _stdin(text.encode() + b"\r\n"))
+    assert rc == rc2 == 0 and got == want, err
+
+
+@pytest.mark.parametrize(("args", "data", "needles", "code"), [
+    ([], b"", ("stdin is empty", "--prompt"), 1),  # cron's </dev/null with no prompt given
+    (["-"], b" \n\n", ("stdin is empty",), 1),
+    (["-"], b"caf\xe9 au lait\n", ("not valid UTF-8", "byte 4", "0xe9", "iconv"), 1),
+    (["x", "--prompt", "y"], b"", ("given twice", "generate --help"), 2),
+])
+def test_a_bad_prompt_on_stdin_is_one_line_before_the_model_loads(tiny_bundle, monkeypatch, capsys, args, data,
+                                                                  needles, code):
+    rc, out, err = _generate(monkeypatch, capsys, [tiny_bundle, *args], _stdin(data))
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), *needles, code=code)
+    assert out == "" and "backend" not in err
+
+
+def test_no_prompt_at_a_terminal_says_how_to_give_one(tiny_bundle, monkeypatch, capsys):
+    """At a terminal, no prompt is a usage error (exit 2), not a silent wait for Ctrl-D that looks like a hang."""
+    rc, out, err = _generate(monkeypatch, capsys, [tiny_bundle], _stdin(b"never read", terminal=True))
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "no prompt", "PROMPT", "--prompt",
+                          "generate BUNDLE -", code=2)
+
+
+def test_an_explicit_dash_at_a_terminal_reads_what_is_typed(tiny_bundle, monkeypatch, capsys):
+    rc, want, _ = _generate(monkeypatch, capsys, [tiny_bundle, "typed prompt"], _stdin(b""))
+    rc2, out, err = _generate(monkeypatch, capsys, [tiny_bundle, "-"], _stdin(b"typed prompt\n", terminal=True))
+    assert rc == rc2 == 0 and out == want and "Ctrl-D" in err, err
+
+
+def test_a_closed_stdin_is_one_line(tiny_bundle, monkeypatch, capsys):
+    rc, out, err = _generate(monkeypatch, capsys, [tiny_bundle], None)  # `<&-`: Python has no sys.stdin
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "stdin is closed", "--prompt", code=1)
+
+
+def test_a_real_pipe(tiny_bundle):
+    """The bytes of a real pipe, through a fresh interpreter: the prompt is read before the model loads."""
+    cmd = [sys.executable, "-m", "lineside", "generate", str(tiny_bundle), *ARGS]
+    piped = subprocess.run(cmd, input=b"hello there\n", capture_output=True, timeout=120)
+    given = subprocess.run([*cmd, "--prompt", "hello there"], stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=120)
+    assert piped.returncode == given.returncode == 0, piped.stderr
+    assert piped.stdout == given.stdout
