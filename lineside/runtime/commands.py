@@ -15,6 +15,7 @@ from lineside.errors import LinesideError
 from lineside.runtime.invisible import strip_invisible
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
+YOU = "you> "  # chat's prompt for a line, shown only when stdin is a terminal
 NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
 
 
@@ -172,7 +173,8 @@ def chat(
         help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
     """Interactive chat in the terminal (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt
-    quits). Piped input: each line is a turn, blank lines are skipped, the end of the input quits."""
+    quits). Piped input: each line is a turn, blank lines are skipped, the end of the input quits, and stdout
+    holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
@@ -212,9 +214,12 @@ def chat(
     forgetting = False
     while True:
         try:
-            line = strip_invisible(checks.utf8_text(input("you> "), "the chat line")).strip()
+            # the prompt is for someone typing: piped, it was written before every line read (skipped blank ones
+            # too), glued to the answers ("you> you> model> ..."), and stdout holds only the answers
+            line = strip_invisible(checks.utf8_text(input(YOU if typed else ""), "the chat line")).strip()
         except (EOFError, KeyboardInterrupt) as e:  # Ctrl-D / Ctrl-C at the prompt: quit on a fresh line
-            sys.stdout.write("\n")
+            if typed or isinstance(e, KeyboardInterrupt):
+                sys.stdout.write("\n")
             if isinstance(e, KeyboardInterrupt):
                 raise
             break

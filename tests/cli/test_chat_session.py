@@ -18,6 +18,13 @@ from lineside.runtime.tokenizer import Tokenizer
 from tests.cli.cli_run import assert_one_line_error, lineside_app
 
 
+class _Terminal(io.StringIO):
+    """Typed lines: stdin at a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def _interrupt_first_answer(monkeypatch, interrupt: Callable[[], None], after: int = 2) -> list[list[int]]:
     """Generator.stream calls ``interrupt`` (which raises) after ``after`` tokens of its first answer (as Ctrl-C lands between two
     steps); returns the prompts each call was given."""
@@ -35,8 +42,8 @@ def _interrupt_first_answer(monkeypatch, interrupt: Callable[[], None], after: i
     return prompts
 
 
-def _chat(monkeypatch, capsys, bundle, lines: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+def _chat(monkeypatch, capsys, bundle, lines: str, at_a_terminal: bool = False) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", _Terminal(lines) if at_a_terminal else io.StringIO(lines))
     rc = run_app(lineside_app(), ["chat", str(bundle), "--backend", "onnxruntime", "--max-tokens", "6"])
     out, err = capsys.readouterr()
     return rc, out, err
@@ -49,7 +56,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_bundle, monkeypatch, 
         raise KeyboardInterrupt
 
     prompts = _interrupt_first_answer(monkeypatch, ctrl_c)
-    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n")  # then EOF (Ctrl-D)
+    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, "first\nsecond\n", at_a_terminal=True)  # then Ctrl-D
     assert rc == 0, err
     assert out.count("you> ") == 3 and out.count("model> ") == 2, out
     assert out.endswith("you> \n"), out  # Ctrl-D leaves the terminal on a fresh line
@@ -57,13 +64,6 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(tiny_bundle, monkeypatch, 
     assert len(prompts) == 2
     second = Tokenizer.from_bundle(open_bundle(tiny_bundle)).decode(prompts[1])
     assert "user: first" in second and "assistant: " in second, second  # the stopped turn is kept
-
-
-class _Terminal(io.StringIO):
-    """Typed lines: stdin at a terminal."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 @pytest.mark.parametrize("at_a_terminal", [False, True])
@@ -79,6 +79,9 @@ def test_a_blank_line_quits_at_a_terminal_and_is_skipped_in_piped_input(tiny_bun
     assert rc == 0, err
     assert out.count("model> ") == (1 if at_a_terminal else 2), out
     assert ("empty line to quit" in err) == at_a_terminal and "Traceback" not in err, err
+    if not at_a_terminal:  # no one reads a prompt: stdout holds only the answers (one "you> " per line read it had,
+        # blank ones too, glued to the answers: "you> you> you> model> ...")
+        assert "you> " not in out and out.startswith("model> ") and out.count("\nmodel> ") == 1, out
 
 
 def test_sigterm_during_an_answer_still_ends_the_chat(tiny_bundle, monkeypatch, capsys):
