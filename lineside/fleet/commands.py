@@ -135,11 +135,13 @@ def status_cmd(
         help="the nodes' key (`serve --api-key`), sent as 'Authorization: Bearer KEY' for their load and model")] = None,
 ) -> None:
     """Every node's health, bundle version, degradation level and load in one table; under it, why each node
-    that is not ready is not (its engine's failure, a load error, unreachable)."""
+    that is not ready is not (its engine's failure, a load error, unreachable). Exit status: 0 when every node is
+    ready, 3 when any is not (loading, draining, failed, unreachable; the table or JSON is printed all the same,
+    and a line on stderr names them), 1 when the fleet file cannot be read."""
     import sys
 
     from lineside.fleet.spec import load_fleet
-    from lineside.fleet.status import fleet_status, status_json, status_notes, status_table
+    from lineside.fleet.status import check_ready, fleet_status, status_json, status_notes, status_table
 
     f = load_fleet(checks.input_file(fleet_file, "FLEET_FILE", "fleet file"))
     health = fleet_status(f, ssh=_ssh(ssh), api_key=api_key)
@@ -154,6 +156,8 @@ def status_cmd(
         print(f"note: {', '.join(locked)} answered 401 for their load and model: "
               + ("a wrong key (--api-key)" if api_key else "pass the nodes' key with --api-key (or LINESIDE_API_KEY)"),
               file=sys.stderr)
+    sys.stdout.flush()  # the report comes before the exit's line, also where stdout and stderr share a file
+    check_ready(health)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,8 +7,16 @@ from typing import Any
 
 import httpx
 
+from lineside.errors import LinesideError
 from lineside.fleet.health import NodeHealth, bundle_version, probe
 from lineside.fleet.spec import FleetFile, pool_of
+
+
+class NodesNotReady(LinesideError):
+    """Some node is not ready: exit 3, as `systemctl is-active` (LSB "not running") does, so a cron job or CI step
+    can act on `fleet status` alone and still tell an unhealthy fleet from a fleet file it could not read (1)."""
+
+    exit_code = 3
 
 
 def fleet_status(fleet: FleetFile, *, ssh: str = "ssh", timeout_s: float | None = None,
@@ -61,3 +69,12 @@ def status_notes(health: list[NodeHealth]) -> list[str]:
 
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:g}"
+
+
+def check_ready(health: list[NodeHealth]) -> None:
+    """Raise NodesNotReady (one line naming each node that is not ready and its state) unless every node is."""
+    down = [h for h in health if not h.ready]
+    if down:
+        which = ", ".join(f"{h.node}: {h.status}" for h in down)
+        raise NodesNotReady(f"{len(down)} of {len(health)} nodes not ready ({which}); the report above says why "
+                            "(`error` in --json)")

@@ -160,8 +160,32 @@ def test_fleet_status_says_why_a_node_is_not_ready(tmp_path):
                          "  - {name: orin-3, kind: x86, url: 'http://127.0.0.1:1'}\n"
                          "pools: {realtime: {members: [orin-1, orin-2, orin-3]}}\n")
         p = run_cli("fleet", "status", fleet)
-    assert p.returncode == 0, p.stderr
+        as_json = run_cli("fleet", "status", fleet, "--json")
+    # a status that reports failures fails (exit 3, as `systemctl is-active`): it exited 0, and a cron job or CI
+    # step had to parse the table to notice; the report is printed all the same, the nodes named in one line
+    assert p.returncode == 3, p.stderr
     lines = p.stdout.splitlines()
     assert f"orin-1: failed: {why}" in lines
     assert any(line.startswith("orin-3: unreachable: ") for line in lines)
     assert not any(line.startswith("orin-2:") for line in lines)
+    assert p.stderr.strip().splitlines() == ["error: 2 of 3 nodes not ready (orin-1: failed, orin-3: unreachable); "
+                                             "the report above says why (`error` in --json)"]
+    assert as_json.returncode == 3, as_json.stderr
+    assert [n["ready"] for n in json.loads(as_json.stdout)["nodes"]] == [False, True, False]
+
+
+def test_fleet_status_exits_0_only_when_every_node_is_ready(tmp_path):
+    """A loading node is not ready yet: exit 3 until it is, then 0 (what `until lineside fleet status F; do sleep
+    5; done` waits on); a fleet file that cannot be read stays exit 1."""
+    from tests.cli.cli_run import run_cli
+
+    routes = {"/health/ready": (503, J, json.dumps({"status": "loading"}))}
+    with server(routes) as url:
+        fleet = tmp_path / "fleet.yaml"
+        fleet.write_text(f"nodes:\n  - {{name: n1, kind: x86, url: '{url}'}}\npools: {{realtime: {{members: [n1]}}}}\n")
+        loading = run_cli("fleet", "status", fleet)
+        routes["/health/ready"] = (200, J, json.dumps({"status": "ready"}))
+        ready = run_cli("fleet", "status", fleet)
+    assert loading.returncode == 3 and "n1: loading" in loading.stderr, loading.stderr
+    assert ready.returncode == 0 and ready.stderr == "", ready.stderr
+    assert run_cli("fleet", "status", tmp_path / "nope.yaml").returncode == 1
