@@ -12,6 +12,9 @@ STDIN = "-"  # the PROMPT (or --prompt) that means "read it from stdin", as cat,
 HOW = ("give it as PROMPT (lineside generate BUNDLE \"TEXT\"), with --prompt TEXT, or on stdin "
        "(lineside generate BUNDLE - < prompt.txt)")
 HELP = "see `lineside generate --help`"
+# the most of stdin read as a prompt: as much as `serve` reads of a request body, more than any context holds;
+# `< /dev/zero` or a log file by mistake is refused instead of read until memory runs out
+MAX_STDIN_BYTES = 32 << 20
 
 
 def prompt_text(argument: str | None, option: str | None, stdin: IO[str] | None = None) -> str:
@@ -38,15 +41,23 @@ def _read(stdin: IO[str]) -> str:
     ways give one prompt the same answer); empty is an error, not a prompt of nothing."""
     buffer = getattr(stdin, "buffer", None)
     if buffer is not None:
-        raw = buffer.read()
+        raw = _bounded(buffer.read(MAX_STDIN_BYTES + 1))
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise LinesideError(f"the prompt on stdin is not valid UTF-8 (byte {e.start + 1} is 0x{raw[e.start]:02x}); "
                                 "convert it first (e.g. iconv -f latin1 -t utf-8)") from None
     else:  # a text stream without bytes under it (tests, embedding): already decoded
-        text = stdin.read()
+        text = _bounded(stdin.read(MAX_STDIN_BYTES + 1))
     text = text.rstrip("\r\n")
     if not text.strip():
         raise LinesideError(f"the prompt on stdin is empty; {HOW}")
     return text
+
+
+def _bounded(data: bytes | str) -> bytes | str:
+    """``data`` when it is at most MAX_STDIN_BYTES long; one line otherwise (it was read one unit past the limit)."""
+    if len(data) > MAX_STDIN_BYTES:
+        raise LinesideError(f"the prompt on stdin is over {MAX_STDIN_BYTES >> 20} MiB, more than any bundle's context "
+                            "holds; give a shorter one (e.g. head -c 100000 FILE | lineside generate BUNDLE -)")
+    return data

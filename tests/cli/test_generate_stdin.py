@@ -94,3 +94,28 @@ def test_a_real_pipe(tiny_bundle):
                            timeout=120)
     assert piped.returncode == given.returncode == 0, piped.stderr
     assert piped.stdout == given.stdout
+
+
+def test_a_stdin_past_any_context_is_refused_unread(tiny_bundle, monkeypatch, capsys):
+    """`lineside generate B < /dev/zero` (or a log file by mistake) read stdin until memory ran out: it is read up
+    to 32 MiB (what `serve` takes of a request body) and refused past that, before the model loads."""
+    from lineside.runtime import prompt_input
+
+    class Endless(io.RawIOBase):
+        """/dev/zero: never ends; counts what was read of it."""
+
+        read_bytes = 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b) -> int:
+            b[:] = b"a" * len(b)
+            Endless.read_bytes += len(b)
+            return len(b)
+
+    assert prompt_input.MAX_STDIN_BYTES == 32 << 20
+    rc, out, err = _generate(monkeypatch, capsys, [tiny_bundle, "-"],
+                             io.TextIOWrapper(io.BufferedReader(Endless()), encoding="utf-8"))
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "over 32 MiB", "shorter", code=1)
+    assert Endless.read_bytes <= (32 << 20) + (1 << 20) and "backend" not in err
