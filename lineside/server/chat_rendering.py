@@ -47,15 +47,9 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
     """The template and variables ``body`` (a chat request) renders with on this server; ``tools``: what the
     template is given as its tools (tool_calls.offered), which picks the bundle's "tool_use" template."""
     given = state.chat_template
-    param = None
-    kwargs = None
     limits = None
-    if body.chat_template_kwargs is not None:  # first: a request's template is checked with its variables
-        try:
-            kwargs = check_kwargs(body.chat_template_kwargs) or None
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
-        param = "chat_template_kwargs" if kwargs else None  # {} adds nothing a failure could be blamed on
+    kwargs = request_kwargs(body)  # first: a request's template is checked with its variables
+    param = "chat_template_kwargs" if kwargs else None  # {} adds nothing a failure could be blamed on
     if body.chat_template is not None:
         if not state.trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: this server renders with its own template "
@@ -79,6 +73,17 @@ def rendering(state: Any, body: Any, tools: list[dict[str, Any]] | None = None) 
         param = "chat_template"
     return Rendering(given, _effective(state, given, tools), _with_documents(_with_effort(kwargs, body), body), param,
                      limits)
+
+
+def request_kwargs(body: Any) -> dict[str, Any] | None:
+    """vLLM's ``chat_template_kwargs`` of a chat or /v1/responses body, checked (a 400 naming it); None for none."""
+    given = getattr(body, "chat_template_kwargs", None)
+    if given is None:
+        return None
+    try:
+        return check_kwargs(given) or None
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "invalid_value", param="chat_template_kwargs") from None
 
 
 def _with_documents(kwargs: dict[str, Any] | None, body: Any) -> dict[str, Any] | None:
@@ -119,9 +124,11 @@ def renders_request_template(state: Any, body: Any) -> bool:
 
 
 def server_rendering(state: Any, tools: list[dict[str, Any]] | None = None, body: Any = None) -> Rendering:
-    """The server's template, for bodies that carry no template fields (/v1/responses); a ``reasoning_effort`` the
-    body has (/v1/responses' reasoning.effort) reaches it as chat's does."""
-    return Rendering(state.chat_template, _effective(state, state.chat_template, tools), _with_effort(None, body), None)
+    """The server's template, for bodies that carry no template of their own (/v1/responses): its
+    ``chat_template_kwargs`` and ``reasoning_effort`` (/v1/responses' reasoning.effort) reach it as chat's do."""
+    kwargs = request_kwargs(body)
+    return Rendering(state.chat_template, _effective(state, state.chat_template, tools), _with_effort(kwargs, body),
+                     "chat_template_kwargs" if kwargs else None)
 
 
 NO_TEMPLATE = ("this model has no chat template (its tokenizer defines none), so chat messages cannot be rendered "

@@ -33,7 +33,6 @@ from lineside.runtime.request import (
     Priority,
     QueueFullError,
 )
-from lineside.runtime.sampling import SamplingParams
 from lineside.runtime.structured import Constraint, ConstraintError
 from lineside.server import (
     chat_rendering,
@@ -359,9 +358,11 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             raise responses_api.logprobs_refused(body, "when the model thinks (serve --reasoning-parser)")
         formatter = await _formatter(state, top_n)
         priority, mode = request_mapping.priority(request.headers)
-        # what the request leaves out: the model's recommendation (serve --generation-config)
-        sampling = SamplingParams(**state.sampling_defaults.filled(temperature=body.temperature, top_p=body.top_p),
-                                  seed=request_mapping.sampler_seed(body.seed))  # as chat's
+        # as chat's: what the request leaves out is the model's recommendation (serve --generation-config)
+        stops = request_mapping.stop_list(body)
+        request_mapping.check_min_tokens(body, [budget])
+        sampling = request_mapping.sampling_params(body, request_mapping.logit_bias(body, _vocab_size(state)),
+                                                   state.sampling_defaults)
         call_format = (tool_calls.call_format(functions.choice, render.effective, state.tool_call_parser)
                        if functions.calling else None)
         engine_request = GenerationRequest(
@@ -369,6 +370,8 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
             timeout_s=state.request_timeout, request_id=f"{request_id}#{next(_serial)}", constraint=constraint,
             constraint_after=thinking.constraint_after if thinking is not None and constraint is not None else None,
             adapter=adapter, logprobs=top_n, speculative=body.speculative is not False, cache_salt=body.cache_salt,
+            stop=stops, ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []),
+            include_stop_str=bool(body.include_stop_str_in_output), skip_special=body.skip_special_tokens is not False,
             keep_special_ids=tool_calls.kept_special_ids(call_format, state.engine.tokenizer))
         engine, model, slo_plan = state.engine, adapter or state.model_name, None
         if state.slo is not None:  # the SLO ladder, as on the completion routes (no cache)

@@ -67,6 +67,12 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options is only allowed when stream is true; send \"stream\": true or leave "
                   "stream_options out", "stream_options")
+    check_unsupported(req)
+
+
+def check_unsupported(req: Any) -> None:
+    """A 400 naming the first of vLLM's extras this server does not do that ``req`` (chat, completions or
+    /v1/responses) sets to anything but its default: each changes the answer, so none is silently dropped."""
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
         if value is not None and not (value == off and type(value) is type(off)):
@@ -74,13 +80,17 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
                       "unsupported_value")
 
 
-def check_min_tokens(req: ChatCompletionRequest | CompletionRequest, budgets: list[int]) -> None:
-    """vLLM's min_tokens may not exceed max_tokens: the one asked for, else what each prompt leaves of the context
-    (its default max_tokens, as vLLM's)."""
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")  # the first one set counts
+
+
+def check_min_tokens(req: Any, budgets: list[int]) -> None:
+    """vLLM's min_tokens may not exceed max_tokens: the one asked for (chat's max_completion_tokens or max_tokens,
+    completions' max_tokens, /v1/responses' max_output_tokens), else what each prompt leaves of the context (its
+    default max_tokens, as vLLM's)."""
     n = req.min_tokens or 0
-    requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    param = next((name for name in MAX_TOKENS_FIELDS if getattr(req, name, None)), None)
+    requested = None if param is None else getattr(req, param)
     if requested is not None and n > requested:
-        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise bad(f"min_tokens ({n}) is more than {param} ({requested}); lower min_tokens to at most {requested}",
                   "min_tokens")
     if budgets and n > min(budgets):
@@ -256,7 +266,7 @@ def _token_id_prompt(ids: list[int], vocab_size: int) -> list[int]:
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100: a bias past it is clamped to it, as vLLM does
 
 
-def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def logit_bias(req: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's logit_bias as (token id, bias) pairs: keys are token ids written as JSON strings, each below the
     vocabulary size (vLLM refuses the others too), anything else a 400 naming it; a bias past -100..100 is clamped
     to it, as vLLM and llama.cpp's server take one (a client banning a token with -1e9 works). Keys naming one id
@@ -274,7 +284,7 @@ def logit_bias(req: ChatCompletionRequest | CompletionRequest, vocab_size: int) 
     return tuple(sorted(pairs.items()))
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest,
+def sampling_params(req: Any,
                     bias: tuple[tuple[int, float], ...] = (),
                     defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
     """The request's sampling; a field it leaves out takes ``defaults`` (the model's generation_config.json under
@@ -292,7 +302,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest,
     )
 
 
-def stop_list(req: ChatCompletionRequest | CompletionRequest) -> list[str]:
+def stop_list(req: Any) -> list[str]:
     stop = req.stop
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     stops = [text for text in stops if text != ""]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,6 +59,31 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the text's logprobs (TEXT_LOGPROBS too)
     speculative: bool | None = None  # false: this request does not speculate (as chat's)
+    # vLLM's sampling extras, checked and honoured as on chat (vLLM's /v1/responses takes them too): left out of
+    # the model they were silently dropped and the answer changed
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, as chat's
+    # vLLM's extras this server does not do: refused off their defaults (request_mapping.check_unsupported)
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    use_beam_search: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    priority: Any = None
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's, as chat's: prefix KV shared only within the salt
     # OpenAI's {"effort", "summary"}: the effort reaches the chat template as chat's reasoning_effort does (vLLM's
     # mapping; DeepSeek-V4's template turns thinking on by it); a summary asked for is answered by the full thinking
@@ -139,6 +164,7 @@ def _check_text(text: dict[str, Any] | None) -> None:
 def check(req: ResponsesRequest) -> None:
     """400 for what this server does not do on /v1/responses, and for metadata past OpenAI's limits."""
     request_mapping.check_metadata(req.metadata)
+    request_mapping.check_unsupported(req)
     _check_text(req.text)
     if req.conversation is not None:
         raise _bad("conversation: this server keeps no conversations; send the messages in 'input'", "conversation")

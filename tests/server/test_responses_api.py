@@ -498,3 +498,82 @@ def test_a_grammar_failure_mid_response_keeps_its_param(stored):
                              conversation=[]).failed(error, (3, 4))
     failed = json.loads(events[-1].split("data: ", 1)[1])["response"]
     assert failed["error"]["param"] == "text.format.schema" and failed["usage"]["output_tokens"] == 4, failed
+
+
+def _chat_and_response(client, **extra):
+    """The same greedy request on chat and on /v1/responses with vLLM's fields ``extra``: (chat's content and
+    completion tokens, the response's text and output tokens)."""
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, extra_body=extra)
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=6, temperature=0, extra_body=extra)
+    return (chat.choices[0].message.content, chat.usage.completion_tokens), (r.output_text, r.usage.output_tokens)
+
+
+def test_vllm_sampling_fields_sample_as_chat_samples_them(client, server):
+    """vLLM's /v1/responses takes top_k, the penalties, logit_bias, stop, ignore_eos, ... as its chat does; here they
+    were dropped with the unknown fields and the answer changed silently. Each now gives chat's answer, and one
+    the plain request does not give (so none is ignored)."""
+    eos = server.state.engine.tokenizer.eos_token_ids[0]
+    plain = _chat_and_response(client)[0]
+    forced = 70  # "d", a byte token of the tiny vocabulary
+    seeded = {"temperature": 1.0, "seed": 7}
+    cases = {  # name: (the fields, the request they change the answer of)
+        "top_k": ({**seeded, "top_k": 1}, seeded),  # top_k 1 is greedy whatever the temperature
+        "min_p": ({**seeded, "min_p": 0.5}, seeded),
+        "repetition_penalty": ({"repetition_penalty": 0.1}, {}),
+        "presence_penalty": ({"presence_penalty": -2.0}, {}),
+        "frequency_penalty": ({"frequency_penalty": 2.0, "logit_bias": {str(forced): 3}},
+                              {"logit_bias": {str(forced): 3}}),
+        "logit_bias": ({"logit_bias": {str(forced): 100}}, {}),
+        "stop_token_ids": ({"logit_bias": {str(forced): 100}, "stop_token_ids": [forced]},
+                           {"logit_bias": {str(forced): 100}}),
+        "stop": ({"stop": [plain[0][-1]]}, {}),
+        "include_stop_str_in_output": ({"stop": [plain[0][-1]], "include_stop_str_in_output": True},
+                                       {"stop": [plain[0][-1]]}),
+        "min_tokens": ({"logit_bias": {str(eos): 100}, "min_tokens": 3}, {"logit_bias": {str(eos): 100}}),
+        "ignore_eos": ({"logit_bias": {str(eos): 100}, "ignore_eos": True}, {"logit_bias": {str(eos): 100}}),
+    }
+    answers = {}
+    for name, (extra, without) in cases.items():
+        chat, response = _chat_and_response(client, **extra)
+        assert response == chat, name
+        assert chat != _chat_and_response(client, **without)[0], name  # the field changed the answer
+        answers[name] = chat
+    # EOS first: masked for 3 tokens, then it ends the answer (4 tokens); ignored, the answer runs to max_tokens
+    assert answers["min_tokens"][1] == 4 and answers["ignore_eos"][1] == 6, answers
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": "x"}, "frequency_penalty"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"stop": ["a"] * 17}, "stop"), ({"stop": [1]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"ignore_eos": "true"}, "ignore_eos"), ({"min_tokens": 5}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"bad_words": ["x"]}, "bad_words"), ({"allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 2}, "truncate_prompt_tokens"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"priority": 1}, "priority"), ({"chat_template_kwargs": 1}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+])
+def test_a_bad_vllm_sampling_field_is_400_naming_it(client, extra, param):
+    """Each was dropped with the unknown fields (a 200 whatever its value); now checked as chat checks it."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_bundle):
+    """vLLM's chat_template_kwargs on /v1/responses render as chat's: a variable the template reads changes the
+    prompt (here its length, as /v1/responses/input_tokens counts it and usage reports it)."""
+    from tests.server.conftest import running_server
+
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if extra %}{{ extra }}{% endif %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    with running_server(tiny_bundle, num_slots=1, threads=1, chat_template=template) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        kw = dict(model=MODEL, input="hi", max_output_tokens=1, temperature=0)
+        base = c.responses.create(**kw).usage.input_tokens
+        more = c.responses.create(**kw, extra_body={"chat_template_kwargs": {"extra": "abcde"}}).usage.input_tokens
+        ignored = c.responses.create(**kw, extra_body={"chat_template_kwargs": {"unread": 1}}).usage.input_tokens
+    assert more == base + 5 and ignored == base
