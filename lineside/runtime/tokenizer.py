@@ -495,10 +495,17 @@ _TEXT_TOKENIZER_LOCK = threading.Lock()
 _TEMPLATE_LOCK = threading.Lock()
 
 
+class NothingToContinue(LinesideError):
+    """continue_final_message on a last message whose text the rendered chat does not hold (empty, or dropped by
+    the template); ``param`` names the request field, so the server's 400 names it."""
+
+    param = "continue_final_message"
+
+
 def _cut_after_final(text: str, final: str) -> str:
     """The rendered chat up to the end of the final message's text (what follows closes the turn)."""
     if not final.strip() or final.strip() not in text:
-        raise LinesideError("continue_final_message: the chat template does not keep the last message's text "
+        raise NothingToContinue("continue_final_message: the chat template does not keep the last message's text "
                            "(or it is empty), so there is nothing to continue; send it without that option")
     at = text.rindex(final.strip())
     if text[at:at + len(final.lstrip())] == final.lstrip():  # the template kept trailing spaces

@@ -38,7 +38,7 @@ class Rendering:
         try:
             yield
         except LinesideError as e:
-            if self.param is None:
+            if self.param is None or getattr(e, "param", None):  # an error naming its own field is that field's
                 raise
             raise APIError(400, str(e), "invalid_value", param=self.param) from None
 

@@ -185,7 +185,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(LinesideError)
     async def _user(_: Request, exc: LinesideError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request")
+        param = getattr(exc, "param", None)  # an error that knows the request field it is about names it
+        return error_response(400, str(exc), "invalid_request", param=param if isinstance(param, str) else None)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:

@@ -256,9 +256,13 @@ def test_assistant_prefill_with_vllms_continue_final_message(server):
     err = _err(httpx.post(url, json={"messages": msgs, "max_tokens": 1, "continue_final_message": True,
                                      "add_generation_prompt": True}), 400)
     assert err["param"] == "add_generation_prompt"
-    err = _err(httpx.post(url, json={"messages": [*msgs[:1], {"role": "assistant", "content": ""}], "max_tokens": 1,
-                                     "continue_final_message": True}), 400)
-    assert "continue_final_message" in err["message"]
+    # nothing to continue: the 400 names continue_final_message (its param was null), even when the request's
+    # template variables would otherwise be blamed for a failed render
+    empty = [*msgs[:1], {"role": "assistant", "content": ""}]
+    for extra in ({}, {"chat_template_kwargs": {"unread": 1}}):
+        err = _err(httpx.post(url, json={"messages": empty, "max_tokens": 1, "continue_final_message": True,
+                                         **extra}), 400)
+        assert "continue_final_message" in err["message"] and err["param"] == "continue_final_message", err
 
 
 def test_seed_is_any_int64_like_openai(server):
