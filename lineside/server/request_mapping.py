@@ -5,6 +5,7 @@ Every refusal is an APIError(400) with one line naming the parameter and what to
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import replace
 from typing import Any
 
@@ -76,7 +77,9 @@ def check_unsupported(req: Any) -> None:
     for name, off in VLLM_UNSUPPORTED.items():
         value = getattr(req, name)
         if value is not None and not (value == off and type(value) is type(off)):
-            raise bad(f"{name}={value!r} is not supported by this server; remove it{_INSTEAD.get(name, '')}", name,
+            # reprlib: a 10,000-word bad_words list is named by its first few, not echoed whole into one line
+            raise bad(f"{name}={reprlib.repr(value)} is not supported by this server; remove it"
+                      f"{_INSTEAD.get(name, '')}", name,
                       "unsupported_value")
 
 

@@ -236,6 +236,17 @@ def test_chunked_body_over_the_limit_is_413(tiny_bundle):
         assert ok.status_code == 200, ok.text
 
 
+def test_a_huge_unsupported_value_is_named_in_one_short_line(server):
+    """A refused vLLM extra was echoed whole into the message: 10,000 bad words made a 50 kB "one line". Now its
+    first few items are shown (reprlib), the param still names it."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+        for field, value in (("bad_words", ["word"] * 10_000), ("allowed_token_ids", list(range(10_000))),
+                             ("logits_processors", ["x" * 10_000])):
+            err = _err(httpx.post(server.url + path, json={**body, field: value}), 400)
+            assert err["param"] == field and len(err["message"]) < 200 and "\n" not in err["message"], err
+
+
 def test_assistant_prefill_with_vllms_continue_final_message(server):
     """By default a trailing assistant message is a closed turn (OpenAI); vLLM's continue_final_message makes
     the model continue it: the prompt is the rendered chat cut right after that message's text."""
