@@ -14,7 +14,7 @@ from typing import Any
 
 from lineside.bundle import MANIFEST
 from lineside.deploy.parallel import MAX_GPUS
-from lineside.deploy.sizing import GPUS, DcPlan, GpuSet, parse_gpus, plan_datacenter
+from lineside.deploy.sizing import GPUS, DcPlan, Gpu, GpuSet, parse_gpus, plan_datacenter
 from lineside.errors import LinesideError
 from lineside.jetson.planner import load_model
 from lineside.strenum import StrEnum
@@ -145,17 +145,30 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
                       notes)
 
 
-def fits_instead(model: str, gs: GpuSet, profile: str, gpu_memory_utilization: float) -> str:
-    """What to ask for instead: the fewest GPUs of this kind that hold the model, else the smallest node of a
-    larger kind; fewer GPUs never help (every split of fewer is among the ones already tried)."""
-    kinds = [gs.gpu, *sorted((g for g in GPUS.values() if g.memory_bytes > gs.gpu.memory_bytes),
-                             key=lambda g: g.memory_bytes)]
-    for gpu in kinds:
+def smallest_fit(model: str, gs: GpuSet, profile: str = "throughput",
+                 gpu_memory_utilization: float = 0.90) -> GpuSet | None:
+    """The fewest GPUs of this kind that hold the model, else the smallest node of a larger kind, else None;
+    fewer GPUs never help (every split of fewer is among the ones already tried)."""
+    for gpu in larger_kinds(gs):
         for count in range(gs.count + 1 if gpu == gs.gpu else 1, MAX_GPUS + 1):
             if plan_datacenter(model, GpuSet(count, gpu), profile=profile,
                                gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=MAX_NUM_TOKENS).fits:
-                return f"use --gpus {GpuSet(count, gpu).label}"
-    return (f"no node of up to {MAX_GPUS} {', '.join(g.key.upper() for g in kinds)} GPUs holds it at "
+                return GpuSet(count, gpu)
+    return None
+
+
+def larger_kinds(gs: GpuSet) -> list[Gpu]:
+    """The set's GPU kind, then every kind with more memory, smallest first: where a model too big may go."""
+    return [gs.gpu, *sorted((g for g in GPUS.values() if g.memory_bytes > gs.gpu.memory_bytes),
+                            key=lambda g: g.memory_bytes)]
+
+
+def fits_instead(model: str, gs: GpuSet, profile: str, gpu_memory_utilization: float) -> str:
+    """What to ask for instead: ``use --gpus`` with :func:`smallest_fit`'s set, or why no node of one holds it."""
+    fit = smallest_fit(model, gs, profile, gpu_memory_utilization)
+    if fit is not None:
+        return f"use --gpus {fit.label}"
+    return (f"no node of up to {MAX_GPUS} {', '.join(g.key.upper() for g in larger_kinds(gs))} GPUs holds it at "
             f"--gpu-memory-utilization {gpu_memory_utilization}")
 
 

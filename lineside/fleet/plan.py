@@ -126,11 +126,24 @@ def _nowhere(fleet: FleetFile, bad: NodePlan) -> str:
     if elsewhere:
         where = f"it would fit on {', '.join(elsewhere)}"
     elif src.kind == NodeKind.DATACENTER:  # it is on a datacenter node already: more or larger GPUs
-        where = "it fits no node of this fleet: give the node more or larger GPUs (gpus: 8xH200 or 8xB200)"
+        where = "it fits no node of this fleet: " + _grow(src, bad.runs)
     else:
         where = ("it fits no node of this fleet: serve it from a datacenter node (`lineside deploy datacenter`) "
                  "or pick a smaller model")
     return f"node {bad.node!r}: {bad.runs} needs {need} ({bad.detail}) but {bad.where} has {has}; {where}"
+
+
+def _grow(node: Node, model: str) -> str:
+    """Advice for a datacenter node too small for its model: the smallest GPU set that holds it (as
+    `deploy datacenter` names one), or that none of one node does."""
+    from lineside.deploy.engines import smallest_fit
+    from lineside.deploy.parallel import MAX_GPUS
+    from lineside.deploy.sizing import parse_gpus
+
+    fit = smallest_fit(model, parse_gpus(node.gpus or ""))
+    if fit is None:
+        return f"no node of up to {MAX_GPUS} GPUs of a kind lineside knows holds it: pick a smaller model"
+    return f"give the node more or larger GPUs (gpus: {fit.label})"
 
 
 def format_plans(plans: list[NodePlan]) -> Any:

@@ -146,6 +146,21 @@ def test_a_datacenter_node_too_small_is_told_to_grow_not_to_use_a_datacenter_nod
     assert _err(d).endswith("it would fit on gpu-2")
 
 
+@pytest.mark.parametrize(("model", "gpus", "grow_to"), [("deepseek-v4-flash", "2xH100", "4xH100"),
+                                                     ("deepseek-v4-pro", "8xH100", "8xH200"),
+                                                     ("deepseek-v4-flash", "3xH100", "4xH100")])
+def test_a_datacenter_node_too_small_is_told_the_smallest_gpu_set_that_holds_its_model(model, gpus, grow_to):
+    """The advice said "gpus: 8xH200 or 8xB200" whatever the model: V4-Flash on 2xH100
+    and 3xH100 need 4xH100; it names the set `deploy datacenter` would (which does fit), and not the old guess."""
+    from lineside.deploy.sizing import plan_datacenter
+
+    d = _with("nodes.2.model", model)
+    d["nodes"][2]["gpus"] = gpus
+    msg = _err(d)
+    assert msg.endswith(f"it fits no node of this fleet: give the node more or larger GPUs (gpus: {grow_to})"), msg
+    assert plan_datacenter(model, grow_to).fits and not plan_datacenter(model, gpus).fits
+
+
 def test_model_too_big_for_its_node_names_where_it_would_fit():
     d = _with("nodes.0.device", "orin-nano-4")
     d["nodes"].append({"name": "orin-2", "kind": "jetson", "url": "http://10.0.0.12:8000", "device": "agx-orin-64",
