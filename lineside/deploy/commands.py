@@ -20,7 +20,8 @@ def datacenter_cmd(
     gpus: Annotated[str, typer.Option(help="COUNTxGPU, COUNT 1 to 8 (one node): 8xH200, 6xB200, 3xH100, ...; GPUs the model cannot split over are left idle and named")],
     engine: Annotated[str, typer.Option(help="vllm | sglang | trtllm")],
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for the config, launch.sh and compose")],
-    profile: Annotated[str, typer.Option(help="throughput (attention-DP, MTP 1; batch pools) | latency (TP, MTP 3)")]
+    profile: Annotated[str, typer.Option(help="throughput (attention-DP, MTP 1; batch pools; dense models pipelined "
+                                               "onto GPUs TP leaves idle) | latency (TP, MTP 3)")]
     = "throughput",
     mtp_tokens: Annotated[int | None, checks.number_option(
         low=0, high=16, help="MTP draft tokens (default: 1 throughput, 3 latency)")] = None,

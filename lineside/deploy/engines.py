@@ -181,7 +181,9 @@ def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, m
         "port": port,
         "tensor-parallel-size": p.tp,
     }
-    if p.dp > 1:
+    if p.pp > 1:  # each replica its own server (the plan's servers), so no data parallelism inside one
+        c["pipeline-parallel-size"] = p.pp
+    elif p.dp > 1:
         c["data-parallel-size"] = p.dp
     if v4:
         c["enable-expert-parallel"] = True
@@ -197,7 +199,7 @@ def _vllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, m
     if mtp:
         c["speculative-config"] = {"method": "mtp", "num_speculative_tokens": mtp}
     cmd = ["vllm", "serve", "--config", "/config/vllm.yaml"]
-    return c, servers(p, cmd), ["vLLM: data parallel ranks share one API server"] if p.dp > 1 else []
+    return c, servers(p, cmd), ["vLLM: data parallel ranks share one API server"] if p.dp > 1 and p.pp == 1 else []
 
 
 def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int, max_batch: int,
@@ -211,13 +213,15 @@ def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
             c["attn-dp-size"] = p.dp
     else:
         c["tp-size"] = p.tp
-        if p.dp > 1:
+        if p.pp > 1:  # one server per replica, as for vLLM
+            c["pp-size"] = p.pp
+        elif p.dp > 1:
             c["dp-size"] = p.dp
     c.update({
         "kv-cache-dtype": "fp8_e4m3",
         "context-length": p.max_model_len,
         "mem-fraction-static": round(p.gpu_memory_utilization - 0.05, 2),
-        "max-running-requests": max_batch * max(p.dp, 1),
+        "max-running-requests": max_batch * (max(p.dp, 1) if p.pp == 1 else 1),  # PP: a server per replica
         "chunked-prefill-size": MAX_NUM_TOKENS,
         "cuda-graph-max-bs-decode": max_batch,
         "enable-priority-scheduling": True,
@@ -234,6 +238,7 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
             n: int) -> tuple[dict[str, Any], list[Replica], list[str]]:
     c: dict[str, Any] = {
         "tensor_parallel_size": p.tp if not v4 else n,
+        **({"pipeline_parallel_size": p.pp} if p.pp > 1 else {}),
         "max_batch_size": max_batch,
         "max_num_tokens": MAX_NUM_TOKENS,
         "max_seq_len": p.max_model_len,
@@ -257,9 +262,10 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
             c["speculative_config"] = {"decoding_type": "MTP", "max_draft_len": mtp}
         replicas = servers(p, _trt_cmd(path, served, port))
     else:  # trtllm-serve has no data parallelism for a dense model: one server per TP group
-        replicas = servers(p, _trt_cmd(path, served, port), count=p.dp, group=p.tp)
+        replicas = servers(p, _trt_cmd(path, served, port), count=p.dp, group=p.tp * p.pp)
         if p.dp > 1:
-            notes.append(f"TensorRT-LLM: {p.dp} servers of TP {p.tp}, one per GPU group, all behind the gateway")
+            notes.append(f"TensorRT-LLM: {p.dp} servers of TP {p.tp}" + (f" x PP {p.pp}" if p.pp > 1 else "")
+                         + ", one per GPU group, all behind the gateway")
     return c, replicas, notes
 
 
@@ -282,7 +288,8 @@ def format_deployment(d: Deployment) -> str:
         f"{d.model} on {d.gpus} with {d.engine}: {p.weight_format}",
         f"  weights {p.weights_total_bytes / GIB:.1f} GiB in all, {p.weights_per_gpu_bytes / GIB:.1f} GiB per GPU; "
         f"KV ({p.kv_dtype}) budget {p.kv_budget_per_gpu_bytes / GIB:.1f} GiB per GPU",
-        f"  TP {p.tp}, DP {p.dp}, EP {p.ep}" + (", attention-DP" if p.attention_dp else "")
+        f"  TP {p.tp}" + (f", PP {p.pp}" if p.pp > 1 else "") + f", DP {p.dp}, EP {p.ep}"
+        + (", attention-DP" if p.attention_dp else "")
         + f"; max context {p.max_model_len} ({p.seqs_at_max_len} sequences of it fit)",
     ]
     lines += [f"  note: {n}" for n in d.notes]

@@ -3,7 +3,8 @@
 vLLM, SGLang and TensorRT-LLM shard attention heads, KV heads and MLP columns evenly over the tensor-parallel
 ranks (vLLM: "Total number of attention heads (28) must be divisible by tensor parallel size (3)"); a TP wider
 than the KV heads replicates them, which needs TP to be a multiple of the KV heads. Routed experts are split
-evenly over the expert-parallel ranks. GPUs left over once whole replicas are placed stay idle, and the plan
+evenly over the expert-parallel ranks. Pipeline parallelism splits the decoder layers
+into stages (at most one layer a stage). GPUs left over once whole replicas are placed stay idle, and the plan
 says so in one line.
 """
 
@@ -24,13 +25,15 @@ class Shape:
     intermediate: int  # dense MLP columns (0 for a MoE-only FFN)
     experts: int  # routed experts (0 for a dense model)
     o_groups: int  # DeepSeek-V4's grouped output projection (0 otherwise)
+    layers: int = 1  # decoder layers: what pipeline parallelism splits into stages
 
     @classmethod
     def of(cls, raw: dict[str, Any]) -> Shape:
         heads = int(raw.get("num_attention_heads") or 1)
         return cls(heads=heads, kv_heads=int(raw.get("num_key_value_heads") or heads),
                    intermediate=int(raw.get("intermediate_size") or 0) if not raw.get("n_routed_experts") else 0,
-                   experts=int(raw.get("n_routed_experts") or 0), o_groups=int(raw.get("o_groups") or 0))
+                   experts=int(raw.get("n_routed_experts") or 0), o_groups=int(raw.get("o_groups") or 0),
+                   layers=max(1, int(raw.get("num_hidden_layers") or 1)))
 
     def tp_problem(self, tp: int) -> str | None:
         """Why tensor parallelism of ``tp`` cannot split this model, or None when it can."""
@@ -49,6 +52,10 @@ class Shape:
         if self.experts and self.experts % ep:
             return f"{self.experts} routed experts"
         return None
+
+    def stage_layers(self, pp: int) -> int:
+        """Decoder layers on the fullest of ``pp`` pipeline stages (the engines give the remainder to some)."""
+        return -(-self.layers // pp)
 
     def kv_shard(self, tp: int) -> int:
         """How many ways TP splits the KV cache: by KV head, never finer (a replicated head is whole on each rank)."""

@@ -92,6 +92,7 @@ class DcPlan:
     servers: int = 1  # engine server processes, each a whole copy of the model (V4 groups)
     gpus_per_server: int = 1
     idle_gpus: int = 0  # GPUs of the set no whole replica could use
+    pp: int = 1  # pipeline stages per replica (dense models only; each stage TP wide)
     breakdown: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -131,7 +132,9 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     (``profile=throughput``, when it fits) each rank keeps the attention/dense weights whole and only its own
     sequences' KV; with TP attention (``latency``, or when attention-DP does not fit) the single KV head is
     replicated on every rank, so KV capacity does not grow with TP. Dense models: the smallest TP (dividing
-    the KV heads) at which a TARGET_LEN sequence fits; the other GPUs serve as data-parallel replicas.
+    the KV heads) at which a TARGET_LEN sequence fits; the other GPUs serve as data-parallel replicas. TP × PP
+    (pipeline stages) when no TP alone fits, or (throughput) when it runs as many replicas on GPUs TP leaves idle.
+    V4 is never pipelined: vLLM cannot run MTP drafting under PP (vllm-project/vllm#14089, #52069).
     """
     gs = parse_gpus(gpus) if isinstance(gpus, str) else gpus
     if profile not in ("throughput", "latency"):
@@ -157,8 +160,9 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
         mtp_layers = 0
         options, refused = _dense_options(ctx, shape, n)
     fitting = [o for o in options if o.lay["fits"]]
-    if not fitting:
-        best = max(options, key=lambda o: o.place.group)  # the most GPUs one replica may span
+    pp_reason = "the widest split tried"
+    if not fitting:  # the most GPUs one replica may span, TP alone where it can
+        best = max(options, key=lambda o: (o.place.group, -o.lay["pp"]))
     elif v4:
         # throughput: use as many GPUs as whole replicas can, then the widest replica (one EP group if it can);
         # latency: the widest replica (fastest tokens), even if GPUs are left over
@@ -166,17 +170,20 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
                else (lambda o: (-o.place.group, o.place.idle)))
         best = min(fitting, key=key)
     else:
-        good = [o for o in fitting if o.lay["max_len"] >= min(TARGET_LEN, ctx.cap)] or fitting
-        best = min(good, key=lambda o: (o.place.idle, o.place.group))  # all GPUs busy, then the narrowest TP
+        best, pp_reason = _dense_choice(fitting, profile, min(TARGET_LEN, ctx.cap))
     lay, place = best.lay, best.place
     notes = list(best.notes)
     if v4:
         if place.replicas > 1:
             notes.append(f"{place.replicas} engine servers of {place.group} GPUs (EP {place.group} each), "
                          "all behind the gateway")
+    elif lay["pp"] > 1:
+        notes.append(f"pipeline parallel: TP {lay['tp']} x PP {lay['pp']} per replica ({pp_reason}), "
+                     f"{place.replicas} replica(s), one engine server each; up to "
+                     f"{shape.stage_layers(lay['pp'])} of {shape.layers} layers per stage")
     else:
         notes.append(f"dense: TP {lay['tp']} per replica, {lay['dp']} replica(s) (engine data parallelism)")
-    idle = _idle_note(place, refused, options)
+    idle = _idle_note(place, refused, options, profile)
     if idle:
         notes.append(idle)
     if not lay["fits"]:
@@ -189,8 +196,9 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
         kv_dtype=kv_dtype, gpu_memory_utilization=gpu_memory_utilization, overhead_per_gpu_bytes=lay["overhead"],
         kv_budget_per_gpu_bytes=lay["budget"], max_model_len=lay["max_len"], model_max_context=spec.max_positions,
         seqs_at_max_len=lay["seqs"] * (place.replicas if v4 else 1), fits=lay["fits"],
-        servers=place.replicas if v4 else 1, gpus_per_server=place.group if v4 else place.used,
-        idle_gpus=place.idle, breakdown=w.breakdown, notes=notes,
+        servers=place.replicas if v4 or lay["pp"] > 1 else 1,
+        gpus_per_server=place.group if v4 or lay["pp"] > 1 else place.used,
+        idle_gpus=place.idle, pp=lay["pp"], breakdown=w.breakdown, notes=notes,
     )
 
 
@@ -234,19 +242,44 @@ def _v4_options(ctx: _Ctx, shape: Shape, n: int, profile: str,
 
 
 def _dense_options(ctx: _Ctx, shape: Shape, n: int) -> tuple[list[_Option], dict[int, str]]:
-    """A dense model at every TP its heads, KV heads and MLP split evenly over; the rest as replicas."""
+    """A dense model at every TP its heads, KV heads and MLP split evenly over, each also as 2.. pipeline
+    stages (no more stages than layers) where TP × PP GPUs are there; the rest as replicas."""
     options, refused = [], {}
     for tp in range(1, n + 1):
         why = shape.tp_problem(tp)
         if why:
             refused[tp] = why
             continue
-        place = Placement(n, tp)
-        options.append(_Option(place, ctx.layout(tp=tp, dp=place.replicas, ep=1, attention_dp=False, extra=0), []))
+        for pp in range(1, min(n // tp, shape.layers) + 1):
+            place = Placement(n, tp * pp)
+            options.append(_Option(place, ctx.layout(tp=tp, dp=place.replicas, ep=1, attention_dp=False, extra=0,
+                                                     pp=pp), []))
     return options, refused
 
 
-def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option]) -> str | None:
+def _dense_choice(fitting: list[_Option], profile: str, target: int) -> tuple[_Option, str]:
+    """TP alone when it fits: all GPUs busy, then the narrowest TP. Pipeline stages when no TP alone fits, or,
+    for throughput, when a TP × PP split runs as many replicas on GPUs the TP choice leaves idle. The second
+    value says why PP was taken ("" when it was not)."""
+    def pick(opts: list[_Option]) -> _Option:
+        good = [o for o in opts if o.lay["max_len"] >= target] or opts
+        return min(good, key=lambda o: (o.place.idle, o.place.group, o.lay["pp"]))  # fewest stages per group
+
+    tp_only = [o for o in fitting if o.lay["pp"] == 1]
+    if not tp_only:
+        return pick(fitting), "the model fits no tensor-parallel split of these GPUs alone"
+    best = pick(tp_only)
+    if profile != "throughput" or not best.place.idle:
+        return best, ""
+    busier = [o for o in fitting if o.lay["pp"] > 1 and o.place.idle < best.place.idle
+              and o.place.replicas >= best.place.replicas and o.lay["max_len"] >= min(target, best.lay["max_len"])]
+    if not busier:
+        return best, ""
+    return pick(busier), (f"uses the {best.place.idle} GPU(s) TP {best.lay['tp']} alone leaves idle; "
+                          "--profile latency keeps TP only")
+
+
+def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option], profile: str) -> str | None:
     """One line for GPUs the plan leaves unused: which, and why no other split takes them."""
     if not place.idle:
         return None
@@ -256,14 +289,22 @@ def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option]
         if g > place.group:
             by_reason.setdefault(r, []).append(g)
     why = [f"{r} do not split evenly over {_or(gs)} GPUs" for r, gs in by_reason.items()]
-    too_small = [o.place.group for o in options if o.place.group > place.group and not o.lay["fits"]]
+    too_small = sorted({o.place.group for o in options if o.place.group > place.group and not o.lay["fits"]})
     if too_small:
         why.append(f"the model does not fit replicas of {_or(too_small)} GPUs")
     busier = [o for o in options if o.lay["fits"] and o.place.idle < place.idle]
-    if busier:  # the latency profile chose the widest replica over using every GPU
-        o = min(busier, key=lambda o: o.place.idle)
-        why.append(f"the latency profile takes the widest replica; --profile throughput runs {o.place.replicas} "
-                   f"replicas of {o.place.group} on {o.place.used}")
+    if busier and profile == "latency":  # it chose the widest replica, or TP alone, over using every GPU
+        o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
+        if o.lay["pp"] > 1:
+            why.append(f"the latency profile keeps TP alone; --profile throughput runs {o.place.replicas} "
+                       f"replica(s) of TP {o.lay['tp']} x PP {o.lay['pp']} on {o.place.used}")
+        else:
+            why.append(f"the latency profile takes the widest replica; --profile throughput runs "
+                       f"{o.place.replicas} replicas of {o.place.group} on {o.place.used}")
+    elif busier:  # throughput keeps the most replicas: a pipelined split over these GPUs has fewer
+        o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
+        why.append(f"TP {o.lay['tp']} x PP {o.lay['pp']} would use them but runs {o.place.replicas} replica(s), "
+                   f"not {place.replicas}")
     return (f"{ids} idle: {place.replicas} replica(s) of {place.group} GPU(s) use {place.used} of {place.gpus}"
             + (f" ({'; '.join(why)})" if why else ""))
 
@@ -289,20 +330,28 @@ class _Ctx:
     def usable(self) -> int:
         return int(self.gs.gpu.memory_bytes * self.util)
 
-    def layout(self, *, tp: int, dp: int, ep: int, attention_dp: bool, extra: int) -> dict[str, Any]:
-        """Per-GPU weights, KV budget and the longest sequence for one parallel layout."""
+    def layout(self, *, tp: int, dp: int, ep: int, attention_dp: bool, extra: int, pp: int = 1) -> dict[str, Any]:
+        """Per-GPU weights, KV budget and the longest sequence for one parallel layout; with ``pp`` stages a GPU
+        holds its stage's layers (the fullest stage's) and the first's embedding or the last's lm_head."""
         experts = self.w.breakdown.get("routed_experts (MXFP4)", 0)
         rest = self.w.total - experts + extra
         per_gpu = experts // ep + (rest if attention_dp else rest // tp)
+        layers, stage = self.shape.layers, self.shape.stage_layers(pp)
+        if pp > 1:
+            ends = self.w.breakdown.get("embedding", 0) + self.w.breakdown.get("lm_head", 0)
+            end = max(self.w.breakdown.get("embedding", 0), self.w.breakdown.get("lm_head", 0))
+            per_gpu = ((rest - ends) * stage // layers + end) // tp
         act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens,
                                     every_token_logits=True)
         overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
         budget = self.usable - per_gpu - overhead
         kv_shard = self.shape.kv_shard(tp)  # by KV head, never finer: MQA's one head is whole on every rank
-        max_len = _largest(lambda c: self.spec.kv(c, 1, self.kvb).total // kv_shard <= budget,
-                           self.cap) if budget > 0 else 0
-        per_seq = self.spec.kv(max_len, 1, self.kvb).total // kv_shard if max_len else 0
-        return {"tp": tp, "dp": dp, "ep": ep, "attention_dp": attention_dp, "total": self.w.total + extra,
+        def kv(c: int) -> int:  # one sequence's KV on one GPU: its KV-head shard of its stage's layers
+            return -(-self.spec.kv(c, 1, self.kvb).total * stage // layers) // kv_shard
+
+        max_len = _largest(lambda c: kv(c) <= budget, self.cap) if budget > 0 else 0
+        per_seq = kv(max_len) if max_len else 0
+        return {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "attention_dp": attention_dp, "total": self.w.total + extra,
                 "per_gpu": per_gpu, "overhead": overhead, "budget": budget, "max_len": max_len,
                 "seqs": (budget // per_seq) * dp if per_seq else 0,
                 "fits": budget > 0 and max_len >= min(4096, self.cap)}

@@ -40,7 +40,7 @@ def plan_node(n: Node, pools: list[str]) -> NodePlan:
         from lineside.deploy.sizing import plan_datacenter
 
         p = plan_datacenter(n.model, n.gpus or "")
-        layout = f"TP{p.tp} DP{p.dp} EP{p.ep}" + (" attention-DP" if p.attention_dp else "")
+        layout = f"TP{p.tp}" + (f" PP{p.pp}" if p.pp > 1 else "") + f" DP{p.dp} EP{p.ep}" + (" attention-DP" if p.attention_dp else "")
         return NodePlan(n.name, n.kind, pools, n.model, p.gpus, p.fits, p.weights_per_gpu_bytes,
                         int(p.gpu_memory_bytes * p.gpu_memory_utilization), p.max_model_len,
                         detail=f"{p.weight_format}; {layout}; {p.seqs_at_max_len} seqs at {p.max_model_len} tokens",

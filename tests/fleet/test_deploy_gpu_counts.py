@@ -20,11 +20,13 @@ MODELS = [*V4, *DENSE, "deepseek-r1-distill-qwen-7b", "deepseek-r1-distill-qwen-
 def attention_tp(engine: str, c: dict) -> tuple[int, int]:
     """(GPUs one server spans, ranks its attention heads are split over), read back from the engine's config."""
     if engine == "vllm":
-        return c["tensor-parallel-size"] * c.get("data-parallel-size", 1), c["tensor-parallel-size"]
+        pp = c.get("pipeline-parallel-size", 1)
+        return c["tensor-parallel-size"] * pp * c.get("data-parallel-size", 1), c["tensor-parallel-size"]
     if engine == "sglang":
-        return c["tp-size"] * c.get("dp-size", 1), c["tp-size"] // c.get("attn-dp-size", 1)
+        pp = c.get("pp-size", 1)
+        return c["tp-size"] * pp * c.get("dp-size", 1), c["tp-size"] // c.get("attn-dp-size", 1)
     tp = c["tensor_parallel_size"]
-    return tp, 1 if c.get("enable_attention_dp") else tp
+    return tp * c.get("pipeline_parallel_size", 1), 1 if c.get("enable_attention_dp") else tp
 
 
 def expert_ranks(engine: str, c: dict) -> int:
@@ -106,7 +108,7 @@ def test_seven_gpus_for_a_40_head_model_run_three_tp2_replicas_and_say_why_one_i
 
 def test_the_cli_prints_the_idle_line_and_writes_one_service_per_server(tmp_path):
     p = run_cli("deploy", "datacenter", "deepseek-r1-distill-qwen-32b", "--gpus", "3xH100", "--engine", "vllm",
-                "-o", tmp_path)
+                "--profile", "latency", "-o", tmp_path)  # throughput pipelines it over all three
     assert p.returncode == 0, p.stderr
     assert "note: GPU 2 idle: 1 replica(s) of 2 GPU(s) use 2 of 3" in p.stdout
     dc = yaml.safe_load((tmp_path / "docker-compose.yaml").read_text())
