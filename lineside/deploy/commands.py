@@ -17,7 +17,9 @@ deploy = typer.Typer(help="Deploy models lineside does not serve itself (DeepSee
 def datacenter_cmd(
     model: Annotated[str, typer.Argument(help="a shipped config name as `jetson plan` takes it (e.g. deepseek-v4-flash) "
                                                "or a Hugging Face checkpoint directory; not a bundle or GGUF")],
-    gpus: Annotated[str, typer.Option(help="COUNTxGPU, COUNT 1 to 8 (one node): 8xH200, 6xB200, 3xH100, ...; GPUs the model cannot split over are left idle and named")],
+    gpus: Annotated[str, typer.Option(help="COUNTxGPU, COUNT 1 to 8 (one node): 8xH200, 6xB200, 3xH100, ...; or auto: this host's "
+                                         "GPUs from nvidia-smi (one kind of H100, H200, B200). GPUs the model cannot "
+                                         "split over are left idle and named")],
     engine: Annotated[str, typer.Option(help="vllm | sglang | trtllm")],
     output: Annotated[Path, typer.Option("--output", "-o", help="directory for the config, launch.sh and compose")],
     profile: Annotated[str, typer.Option(help="throughput (attention-DP, MTP 1; batch pools; dense models pipelined "

@@ -117,6 +117,11 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
         eng = EngineName(engine)
     except ValueError:
         raise LinesideError(f"--engine {engine!r}: choose vllm, sglang or trtllm") from None
+    auto = gpus.strip().lower() == "auto"
+    if auto:  # this host's GPUs, as nvidia-smi lists them
+        from lineside.deploy.detect import detect_gpus
+
+        gpus = detect_gpus()
     gs = parse_gpus(gpus)
     ckpt = checkpoint(model)
     spec = load_model(model)
@@ -137,7 +142,7 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     builder = {EngineName.VLLM: _vllm, EngineName.SGLANG: _sglang, EngineName.TRTLLM: _trtllm}[eng]
     config, replicas, notes = builder(plan, path=path, served=served, port=port, v4=v4, mtp=k, max_batch=max_batch,
                                       n=plan.gpus_per_server)
-    notes = [*plan.notes, *notes]
+    notes = [*([f"--gpus auto: nvidia-smi lists {gs.label}"] if auto else []), *plan.notes, *notes]
     if k:
         notes.append(f"MTP: {k} draft token(s) per step ({'throughput' if profile == 'throughput' else 'latency'} "
                      "setting; 1 for throughput, 3 for low latency)")
