@@ -171,10 +171,11 @@ def chat(
     lora: Annotated[str | None, typer.Option(help="chat with this adapter of the bundle (`lineside lora list`)")] = None,
     chat_template: Annotated[str | None, typer.Option(
         help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
-) -> None:
+) -> int:
     """Interactive chat in the terminal (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt
     quits). Piped input: each line is a turn, blank lines are skipped, the end of the input quits, and stdout
-    holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts)."""
+    holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts); a line that
+    cannot be answered is skipped with its error on stderr, and the exit status is then 1."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
@@ -212,6 +213,7 @@ def chat(
     # context (more would forget the whole conversation at every turn of a small bundle)
     reserve = min(max_tokens, limit // 4)
     forgetting = False
+    skipped = 0  # piped lines refused (too long, not UTF-8): the answers file lacks them, so the exit says so
     while True:
         try:
             # the prompt is for someone typing: piped, it was written before every line read (skipped blank ones
@@ -227,6 +229,7 @@ def chat(
             # one line, and the conversation goes on: a mistyped line must not lose what was said so far
             print("error: the chat line is not valid UTF-8 text; type it again in UTF-8 (the terminal's or file's "
                   "encoding)", file=sys.stderr)
+            skipped += 1
             continue
         if not line:
             if typed:
@@ -243,6 +246,7 @@ def chat(
             print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
                   f"{limit}; type a shorter one (or build with a larger --max-seq-len)",
                   file=sys.stderr)
+            skipped += 1
             continue
         if len(turns) <= len(messages) and not forgetting:  # once: the model no longer sees the start, and why
             forgetting = True
@@ -274,6 +278,7 @@ def chat(
                   f"bundle's context of {limit}; say less per line (or in --system), or build the bundle with a "
                   "larger --max-seq-len", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(answer)})
+    return 1 if skipped and not typed else 0
 
 
 def _check_stdout(command: str) -> None:

@@ -236,3 +236,15 @@ def test_a_full_context_leaves_each_answer_room(tiny_bundle, monkeypatch, capsys
     assert rc == 0 and out.count("model> ") == 6, err
     assert all(256 - n >= 64 for n in lengths), lengths  # each answer had its 64 tokens of room
     assert "cut" not in err and sum("oldest" in ln for ln in err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("at_a_terminal", [False, True])
+def test_a_piped_line_that_cannot_be_answered_makes_the_exit_non_zero(tiny_bundle, monkeypatch, capsys, at_a_terminal):
+    """`lineside chat B < questions.txt > answers.txt` with one question past the context printed its error, skipped
+    it and exited 0: a script saw success and an answers file one answer short. Piped, the other lines are still
+    answered and the exit is 1 at the end; typed, the user sees the error and types again (exit 0 on quitting)."""
+    lines = "first\n" + "a" * 600 + "\nsecond\n"
+    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, lines, at_a_terminal=at_a_terminal)
+    assert out.count("model> ") == 2, out
+    assert err.count("error: ") == 1 and "Traceback" not in err, err
+    assert rc == (0 if at_a_terminal else 1), err
