@@ -103,8 +103,9 @@ def generate(
     chat_template: Annotated[str | None, typer.Option(
         help="with --chat: this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> None:
-    """Generate text from a prompt, streaming it to stdout. The prompt is PROMPT, --prompt, or stdin (PROMPT -, or
-    piped with no prompt given: `lineside generate BUNDLE < prompt.txt`; its trailing newlines are dropped)."""
+    """Generate text from a prompt, streaming it to stdout.
+
+    The prompt is PROMPT, --prompt, or stdin (PROMPT -, or piped with no prompt given: `lineside generate BUNDLE < prompt.txt`; its trailing newlines are dropped)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
     from lineside.runtime.speculative.config import parse_speculative
@@ -172,8 +173,9 @@ def chat(
     chat_template: Annotated[str | None, typer.Option(
         help="this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
 ) -> int:
-    """Interactive chat in the terminal (Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt
-    quits). Piped input: each line is a turn, blank lines are skipped, the end of the input quits, and stdout
+    """Chat with a bundle in the terminal, or answer piped lines a turn each.
+
+    Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt quits. Piped input: each line is a turn, blank lines are skipped, the end of the input quits, and stdout
     holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts); a line that
     cannot be answered is skipped with its error on stderr, and the exit status is then 1."""
     from lineside.runtime.detokenize import IncrementalDetokenizer

@@ -398,3 +398,16 @@ def test_setup_after_dev_setup_installs_nothing(tmp_path):
     (tmp_path / "pyproject.toml").write_text((tmp_path / "pyproject.toml").read_text() + "\n")
     assert not any("[dev]" in line for line in setup())  # a changed pyproject: the plain install runs
     assert any("[dev]" in line for line in setup("--dev"))  # and --dev after it installs the dev extra
+
+
+def test_top_level_help_lists_each_command_on_one_line():
+    """`lineside --help` is the first thing a newcomer reads: chat's and generate's rows carried their whole
+    docstrings, broken where the source lines broke ("an empty │ line, Ctrl-D ... prompt" / "quits). Piped ...").
+    On a wide terminal each command is one row, its one-sentence summary."""
+    env = {**__import__("os").environ, "COLUMNS": "250", "TERM": "dumb"}
+    out = subprocess.run([sys.executable, "-m", "lineside", "--help"], capture_output=True, text=True, env=env,
+                         timeout=60, cwd=REPO).stdout
+    panel = out[out.index("Commands"):]
+    rows = [ln.strip("│ ").rstrip() for ln in panel.splitlines()[1:] if ln.startswith("│")]
+    names = {name.split()[0] for name in all_commands(lineside_app())}
+    assert rows and all(r.split()[0] in names for r in rows), rows
