@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,30 @@ from tests.tiny_tokenizer import write_byte_tokenizer
 
 # Keep torch and onnxruntime from fighting over the two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _user_cache_off_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The per-user cache of read-only bundles (lineside.user_cache) in a temporary folder, never the real home;
+    subprocess servers inherit it. Tests of the cache itself point it at their own tmp_path."""
+    os.environ["LINESIDE_CACHE_DIR"] = str(tmp_path_factory.mktemp("user-cache"))
+
+
+@pytest.fixture
+def read_only(monkeypatch, tmp_path):
+    """``read_only(bundle)``: its folders refuse new files as a read-only mount does (EROFS), while the per-user
+    cache (pointed at tmp_path/user-cache) takes them. Root ignores chmod, so the refusal is made here."""
+    monkeypatch.setenv("LINESIDE_CACHE_DIR", str(tmp_path / "user-cache"))
+    real, refused = tempfile.mkstemp, []
+
+    def mkstemp(*a, dir=None, **k):  # noqa: A002 - tempfile's own name
+        if dir is not None and any(Path(dir).resolve().is_relative_to(b) for b in refused):
+            raise OSError(30, "Read-only file system")
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    return lambda bundle: refused.append(Path(bundle).resolve()) or bundle
+
 
 DENSE_VARIANTS = {
     # name: (family, config overrides)

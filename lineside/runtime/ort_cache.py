@@ -8,7 +8,10 @@ only reads external data inside the model's directory) but is not one of the bun
 its name carries a key of the onnxruntime version, the graph's sha256, the session settings that change
 the optimized graph, and the machine. Each cache is sealed with a digest of its bytes and key (cache_seal): one
 that changed on disk, was cut short or sits under another key's name is deleted and rebuilt, as is one that fails
-to load, and a bundle directory that can't be written to just goes without one.
+to load. A bundle directory that can't be written to (read-only storage) keeps its caches in the per-user cache
+(user_cache) instead, named by the graph files' sha256 and the same key, and loaded from bytes with onnxruntime told
+to read the weights from the bundle's graph folder: a copy of the bundle elsewhere shares them (same bytes, read
+from its own files), a rebuilt one never does. Without a writable cache either, the graphs are optimized each start.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lineside import user_cache
 from lineside.file_lock import LockState, lock_exclusive
 from lineside.runtime.cache_seal import seal_file, sealed
 
@@ -32,22 +36,36 @@ log = logging.getLogger("lineside.runtime")
 SUFFIX = ".ort-opt.onnx"
 TMP_SUFFIX = ".tmp.onnx"  # an optimized graph being written (its weights beside it in <name>.data)
 ENV_DISABLE = "LINESIDE_ORT_CACHE"  # "0" turns the cache off
+USER_FOLDER = "ort"  # under the per-user cache directory, for bundles that can't be written to
+# onnxruntime >= 1.20: where a model loaded from bytes finds its external data (else it refuses any)
+_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
 class CachedGraph:
-    """Where a graph's optimized copy lives for one key."""
+    """Where a graph's optimized copy lives for one key: beside the graph, or in the per-user ``folder``, where
+    ``tag`` (the graph files' sha256) tells one bundle's graphs from another's of the same name."""
 
     graph: Path
     key: str
+    folder: Path | None = None
+    tag: str = ""
+
+    @property
+    def directory(self) -> Path:
+        return self.folder if self.folder is not None else self.graph.parent
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.tag}.{self.graph.name}" if self.tag else self.graph.name
 
     @property
     def path(self) -> Path:
-        return self.graph.with_name(f"{self.graph.name}.{self.key}{SUFFIX}")
+        return self.directory / f"{self.prefix}.{self.key}{SUFFIX}"
 
     def stale(self) -> list[Path]:
         """Caches of the same graph under other keys (an older onnxruntime, other settings)."""
-        return [p for p in self.graph.parent.glob(f"{self.graph.name}.*{SUFFIX}") if p != self.path]
+        return [p for p in self.directory.glob(f"{self.prefix}.*{SUFFIX}") if p != self.path]
 
 
 def cache_key(ort_version: str, graph_sha: str, settings: dict[str, str]) -> str:
@@ -77,27 +95,26 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
 
     if not (enabled() and graph_sha):
         return plain(), "plain"
-    cached = CachedGraph(graph, cache_key(ort.__version__, graph_sha, settings))
-    if cached.path.is_file():
-        try:
-            why = None if sealed(cached.path.read_bytes(), cached.key) else \
-                "its checksum does not match: changed on disk, or written by another lineside or for other settings"
-            if why is None:
-                so = make_options()
-                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-                return ort.InferenceSession(str(cached.path), so, providers=providers), "cache"
-        except Exception as e:  # noqa: BLE001 - a bad cache is rebuilt, never fatal
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        log.warning("ignoring onnxruntime's cached graph %s (%s); optimizing the graph again", cached.path.name, why)
-        _remove(cached.path)
+    key = cache_key(ort.__version__, graph_sha, settings)
+    beside = CachedGraph(graph, key)
+    base = user_cache.root()
+    candidates = [beside] + ([CachedGraph(graph, key, base / USER_FOLDER, graph_sha[:16])] if base else [])
+    for cached in candidates:
+        if cached.path.is_file():
+            session = _load(ort, cached, make_options, providers)
+            if session is not None:
+                return session, "cache"
+    cached = beside
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{graph.name}.", suffix=TMP_SUFFIX, dir=graph.parent)
-    except OSError as e:  # a read-only bundle runs without a cache, and says why each start optimizes its graphs
-        _say_unwritable(graph.parent, e)
-        return plain(), "plain"
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{cached.prefix}.", suffix=TMP_SUFFIX, dir=cached.directory)
+    except OSError as e:  # a read-only bundle: its caches go to the per-user cache, or it goes without
+        fallback = _in_user_cache(graph, key, graph_sha, e)
+        if fallback is None:
+            return plain(), "plain"
+        cached, fd, tmp_name = fallback
     tmp = Path(tmp_name)
     lock_exclusive(fd, wait=False)  # ours while this process writes it: _remove_abandoned leaves it alone
-    _remove_abandoned(graph, tmp)
+    _remove_abandoned(cached, tmp)
     data = tmp.with_name(tmp.name + ".data")
     so = make_options()
     # Extended is everything the CPU provider does short of layout changes tied to this CPU (NCHWc).
@@ -116,7 +133,7 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
             tmp.chmod(0o644)  # mkstemp's 0600 would hide it from other users serving the same bundle
             os.replace(tmp, cached.path)
         except Exception as e:  # noqa: BLE001 - the session is fine; only the cache is lost
-            log.info("not caching onnxruntime's optimized graph next to %s (%s)", graph, e)
+            log.info("not caching onnxruntime's optimized graph of %s in %s (%s)", graph, cached.directory, e)
             return session, "plain"
         for old in cached.stale():
             _remove(old)
@@ -127,26 +144,72 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         os.close(fd)
 
 
+def _load(ort: Any, cached: CachedGraph, make_options: Callable[[], Any], providers: list[str]) -> Any:
+    """A session on the cached graph, or None (said, and the cache removed) when it is not the sealed copy for
+    its key or fails to load. One in the per-user cache is loaded from the bytes just checked, its weights read
+    from the bundle's graph folder (onnxruntime reads external data only beside the model file otherwise)."""
+    try:
+        raw = cached.path.read_bytes()
+        why = None if sealed(raw, cached.key) else \
+            "its checksum does not match: changed on disk, or written by another lineside or for other settings"
+        if why is None:
+            so = make_options()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            if cached.folder is None:
+                return ort.InferenceSession(str(cached.path), so, providers=providers)
+            so.add_session_config_entry(_DATA_FOLDER, str(cached.graph.parent))
+            return ort.InferenceSession(raw, so, providers=providers)
+    except Exception as e:  # noqa: BLE001 - a bad cache is rebuilt, never fatal
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    log.warning("ignoring onnxruntime's cached graph %s (%s); optimizing the graph again", cached.path, why)
+    _remove(cached.path)
+    return None
+
+
+def _in_user_cache(graph: Path, key: str, graph_sha: str, e: OSError) -> tuple[CachedGraph, int, str] | None:
+    """Where a graph whose folder can't be written to is cached instead: (cache, fd, temporary file), or None when
+    the per-user cache can't be written either (said once per folder, with what to do)."""
+    folder = user_cache.folder(USER_FOLDER)
+    if folder is not None:
+        cached = CachedGraph(graph, key, folder, graph_sha[:16])
+        try:
+            fd, tmp_name = tempfile.mkstemp(prefix=f".{cached.prefix}.", suffix=TMP_SUFFIX, dir=folder)
+        except OSError as e2:
+            _say_unwritable(graph.parent, e, f"nor is the per-user cache {folder} ({e2.strerror or type(e2).__name__})")
+        else:
+            _say_unwritable(graph.parent, e, "", folder)
+            return cached, fd, tmp_name
+    else:
+        _say_unwritable(graph.parent, e, "and there is no per-user cache")
+    return None
+
+
 _unwritable_said: set[Path] = set()
 _unwritable_lock = threading.Lock()
 
 
-def _say_unwritable(folder: Path, e: OSError) -> None:
-    """One warning per folder and process: a flavor's graphs (the 4-bit one, its int8 prefill graph, drafts, the
-    LoRA graph) share a folder and open at once, and a read-only bundle is one fact, not a line per graph."""
+def _say_unwritable(folder: Path, e: OSError, why_not: str, kept_in: Path | None = None) -> None:
+    """One line per folder and process: a flavor's graphs (the 4-bit one, its int8 prefill graph, drafts, the LoRA
+    graph) share a folder and open at once, and a read-only bundle is one fact, not a line per graph."""
     with _unwritable_lock:
         if folder in _unwritable_said:
             return
         _unwritable_said.add(folder)
-    log.warning("no onnxruntime graph cache in %s: it is not writable (%s); every start optimizes the bundle's "
-                "graphs again: make the bundle directory writable to cache them", folder, e.strerror or type(e).__name__)
+    reason = e.strerror or type(e).__name__
+    if kept_in is not None:
+        log.info("onnxruntime's graph cache for %s is kept in %s: the bundle directory is not writable (%s)",
+                 folder, kept_in, reason)
+        return
+    log.warning("no onnxruntime graph cache in %s: it is not writable (%s), %s; every start optimizes the bundle's "
+                "graphs again: make the bundle directory writable, or set %s to a writable directory",
+                folder, reason, why_not, user_cache.ENV_DIR)
 
 
-def _remove_abandoned(graph: Path, mine: Path) -> None:
-    """The temporary copies of ``graph`` (and their data files, as large as the weights) that a start killed
+def _remove_abandoned(cached: CachedGraph, mine: Path) -> None:
+    """The temporary copies of ``cached``'s graph (and their data files, as large as the weights) that a start killed
     mid-write left behind (SIGKILL, the OOM killer, a start timeout): one pair per killed start, which filled the
     disk. A copy another process holds locked is being written now and stays."""
-    for p in graph.parent.glob(f".{graph.name}.*{TMP_SUFFIX}"):
+    for p in cached.directory.glob(f".{cached.prefix}.*{TMP_SUFFIX}"):
         if p == mine:
             continue
         try:

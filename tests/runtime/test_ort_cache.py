@@ -4,6 +4,7 @@ the way (stale, corrupt, read-only, disabled)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -173,3 +174,73 @@ def test_unwritable_bundle_says_so_once_for_all_its_graphs(tiny_bundles, tmp_pat
     lines = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
     assert len(lines) == 1, lines
     assert str(out / "graphs" / "cpu") in lines[0] and "Read-only file system" in lines[0]
+
+
+def user_caches(tmp_path) -> list:
+    return sorted((tmp_path / "user-cache" / ort_cache.USER_FOLDER).glob(f"*{ort_cache.SUFFIX}"))
+
+
+def test_read_only_bundle_caches_in_the_user_cache_with_the_same_logits(bundle, read_only, tmp_path, caplog,
+                                                                        monkeypatch):
+    """A bundle on read-only storage optimized its graphs on every start; its cache now lives in the per-user cache
+    and reads the bundle's own weights (kilobytes), with the logits of the plain graph."""
+    read_only(bundle)
+    monkeypatch.setenv(ort_cache.ENV_DISABLE, "0")
+    plain = OnnxRuntimeBackend(open_bundle(bundle))
+    monkeypatch.delenv(ort_cache.ENV_DISABLE)
+    with caplog.at_level("INFO", logger="lineside.runtime"):
+        first = OnnxRuntimeBackend(open_bundle(bundle))
+    assert first.session_source == "saved" and not caches(bundle)
+    [cached] = user_caches(tmp_path)
+    assert cached.stat().st_size < (bundle / "graphs" / "cpu" / "model.onnx").stat().st_size * 4
+    assert not [p for p in cached.parent.iterdir() if p.name.endswith((".tmp.onnx", ".tmp.onnx.data"))]
+    assert any(str(cached.parent) in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
+    second = OnnxRuntimeBackend(open_bundle(bundle))
+    assert second.session_source == "cache"
+    np.testing.assert_allclose(logits(second), logits(first), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(logits(second), logits(plain), rtol=0, atol=1e-5)
+
+
+def test_user_cache_is_shared_by_copies_but_not_by_another_build(bundle, tiny_bundles, read_only, tmp_path):
+    """A copy at another path has the same graph bytes and reads its own weights: it uses the entry. A different
+    build put where the first was (a new graph sha) never loads the first one's entry."""
+    read_only(bundle)
+    OnnxRuntimeBackend(open_bundle(bundle))
+    copy = read_only(tmp_path / "copy")
+    shutil.copytree(bundle, copy)
+    be = OnnxRuntimeBackend(open_bundle(copy))
+    assert be.session_source == "cache"
+    shutil.rmtree(bundle)  # the entry reads the copy's weights, not the first bundle's
+    np.testing.assert_array_equal(logits(be), logits(OnnxRuntimeBackend(open_bundle(copy))))
+    shutil.copytree(tiny_bundles(max_seq_len=128), bundle, ignore=shutil.ignore_patterns(f"*{ort_cache.SUFFIX}"))
+    other = OnnxRuntimeBackend(open_bundle(bundle))
+    assert other.session_source == "saved" and len(user_caches(tmp_path)) == 2
+    assert OnnxRuntimeBackend(open_bundle(bundle)).session_source == "cache"
+
+
+def test_corrupt_user_cache_entry_is_rebuilt_not_run(bundle, read_only, tmp_path):
+    read_only(bundle)
+    OnnxRuntimeBackend(open_bundle(bundle))
+    [cached] = user_caches(tmp_path)
+    raw = bytearray(cached.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # a flipped bit that may still load: the seal says no
+    cached.write_bytes(bytes(raw))
+    be = OnnxRuntimeBackend(open_bundle(bundle))
+    assert be.session_source == "saved" and user_caches(tmp_path) == [cached] and cached.read_bytes() != bytes(raw)
+
+
+@pytest.mark.parametrize("where", ["a file", "unset home"])
+def test_no_writable_user_cache_runs_plain_in_one_line(bundle, read_only, tmp_path, monkeypatch, caplog, where):
+    read_only(bundle)
+    if where == "a file":
+        (tmp_path / "user-cache").write_text("not a folder")
+    else:  # no LINESIDE_CACHE_DIR, XDG_CACHE_HOME nor a home to find
+        monkeypatch.delenv("LINESIDE_CACHE_DIR")
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setattr(Path, "home", lambda: (_ for _ in ()).throw(RuntimeError("no home")))
+    monkeypatch.setattr(ort_cache, "_unwritable_said", set())
+    with caplog.at_level("WARNING"):
+        be = OnnxRuntimeBackend(open_bundle(bundle))
+    assert be.session_source == "plain"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said and all("\n" not in m for m in said) and "LINESIDE_CACHE_DIR" in said[-1], said
