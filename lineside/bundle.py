@@ -436,7 +436,7 @@ def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> Non
         if what != "file" and not what.startswith("adapter ") and rel not in manifest.files:
             raise BundleError(f"{path / MANIFEST}: the {what} {rel} is not among the manifest's files, so nothing "
                               "checks it; rebuild the bundle or copy it again from where it was built")
-    cache = ChecksumCache(path) if check_hash else None
+    cache = ChecksumCache(path, _manifest_sha256(path)) if check_hash else None
     root = path.resolve()
     for rel, meta in manifest.files.items():
         p = path / rel
@@ -460,6 +460,15 @@ def verify_files(path: Path, manifest: Manifest, check_hash: bool = True) -> Non
         cache.add(rel, st, meta.sha256)
     if cache is not None:
         cache.save()
+
+
+def _manifest_sha256(path: Path) -> str:
+    """The manifest file's sha256 (empty if it is gone): the verification record a read-only bundle keeps in the
+    per-user cache is named by it, so a new build put in the same place never reads the old build's record."""
+    try:
+        return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return ""
 
 
 def _good_copy(path: Path, manifest: Manifest) -> str:
