@@ -39,9 +39,9 @@ class ChecksumCache:
         self._dirty = False
         if self.enabled:
             self._stamps = _read(root / NAME)
-            base = user_cache.root()
-            if manifest_sha256 and base is not None:  # a read-only bundle's record: entries count only where exact
-                self._stamps.update(_read(base / USER_FOLDER / self._user_name()))
+            mine = user_cache.folder(USER_FOLDER, make=False) if manifest_sha256 else None
+            if mine is not None:  # a read-only bundle's record: its entries count only where they match exactly
+                self._stamps.update(_read(mine / self._user_name()))
 
     def _user_name(self) -> str:
         """This bundle's record in the per-user cache: its real path and manifest, so never another's (a copy

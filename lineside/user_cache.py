@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def root() -> Path | None:
     """The cache directory's path (not created); None when there is no home to put it in."""
     chosen = os.environ.get(ENV_DIR, "").strip()
     if chosen:
-        return Path(chosen).expanduser()
+        return Path(chosen).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "lineside"
@@ -36,23 +37,28 @@ def root() -> Path | None:
         return None
 
 
-def folder(kind: str) -> Path | None:
-    """``root()/kind``, made if missing (only the user can read or write the folders it makes: what is cached here
-    is trusted once its key and seal match); None, with one warning per folder and process, when it can't be."""
+def folder(kind: str, make: bool = True) -> Path | None:
+    """``root()/kind``, made if missing and ``make`` (only the user can read or write the folders it makes: what
+    is kept here is trusted once its key and seal match); None when it is missing and not ``make``, and None, with
+    one warning per folder and process, when it can't be made or written, or when every user can write to it."""
     base = root()
     if base is None:
         return None
     path = base / kind
+    if not make and not path.is_dir():
+        return None
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")
+        if path.stat().st_mode & stat.S_IWOTH:  # anyone could put a record or graph there that this one trusts
+            raise PermissionError(1, f"it is writable by every user: `chmod o-w {path}`")
     except OSError as e:
         with _said_lock:
             if path in _said:
                 return None
             _said.add(path)
-        log.warning("no per-user cache in %s (%s): set %s to a writable directory to keep the verification record "
-                    "and optimized graphs of read-only bundles", path, e.strerror or type(e).__name__, ENV_DIR)
+        log.warning("no per-user cache in %s (%s): set %s to a directory only you can write to keep the verification "
+                    "record and optimized graphs of read-only bundles", path, e.strerror or type(e).__name__, ENV_DIR)
         return None
     return path

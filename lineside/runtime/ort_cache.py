@@ -97,8 +97,8 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
         return plain(), "plain"
     key = cache_key(ort.__version__, graph_sha, settings)
     beside = CachedGraph(graph, key)
-    base = user_cache.root()
-    candidates = [beside] + ([CachedGraph(graph, key, base / USER_FOLDER, graph_sha[:16])] if base else [])
+    mine = user_cache.folder(USER_FOLDER, make=False)
+    candidates = [beside] + ([CachedGraph(graph, key, mine, graph_sha[:16])] if mine is not None else [])
     for cached in candidates:
         if cached.path.is_file():
             session = _load(ort, cached, make_options, providers)
