@@ -2,7 +2,9 @@
 
 Each variant is started `--runs` times, interleaved: "first" (onnxruntime's optimized-graph cache removed
 first: what the first start after a build does), "cached" (the cache from an earlier start), "no-cache"
-(LINESIDE_ORT_CACHE=0); `--variants` picks some. With `--tree DIR` (repeatable) the same is done for other checkouts of lineside
+(LINESIDE_ORT_CACHE=0); `--variants` picks some. The servers' per-user cache (LINESIDE_CACHE_DIR, where a
+read-only bundle keeps its verification record and optimized graphs) is a temporary folder, cleared for "first" too,
+so a bundle on a read-only mount is measured as well. With `--tree DIR` (repeatable) the same is done for other checkouts of lineside
 (PYTHONPATH=DIR), e.g. the commit before a change, so before/after come from one run.
 Wall time is what a user waits; CPU seconds (the server and the worker processes it started, at ready) are
 less sensitive to other work on a shared machine.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,10 +89,16 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def clear_cache(bundle: Path) -> None:
-    """What a fresh build leaves: no optimized-graph cache, no checksum stamps (lineside.checksum_cache)."""
+def clear_cache(bundle: Path, user_cache: Path) -> None:
+    """What a fresh build leaves: no optimized-graph cache, no checksum stamps (lineside.checksum_cache), beside the
+    bundle (unless it is read-only) or in the per-user cache."""
     for p in [*bundle.glob(f"graphs/*/*{SUFFIX}"), *bundle.glob(".lineside-verified.json")]:
-        p.unlink()
+        try:
+            p.unlink()
+        except OSError as e:
+            raise SystemExit(f"cannot clear {p} ({e.strerror}): a read-only bundle's own cache stays; copy it "
+                             f"without its *{SUFFIX} and .lineside-verified.json files") from None
+    shutil.rmtree(user_cache, ignore_errors=True)
 
 
 def main() -> None:
@@ -110,15 +119,18 @@ def main() -> None:
                      if v[0].split(" [")[0] in wanted]
     results: dict[str, list[tuple[float, float]]] = {v[0]: [] for v in variants}
     bundle = args.bundle.resolve()  # the servers run in /
-    with tempfile.TemporaryDirectory(prefix="lineside-pycache-") as pycache:
+    with tempfile.TemporaryDirectory(prefix="lineside-pycache-") as pycache, \
+            tempfile.TemporaryDirectory(prefix="lineside-user-cache-") as user_dir:
+        user_cache = {"LINESIDE_CACHE_DIR": user_dir}
         load0 = os.getloadavg()[0]
         for tree in [ROOT, *args.tree]:  # page cache warm for everyone, each checkout's bytecode written
-            start_once(bundle, tree, args.threads, server_env(tree, Path(pycache), {}))
+            start_once(bundle, tree, args.threads, server_env(tree, Path(pycache), user_cache))
         for _ in range(args.runs):
             for name, tree, env, clear in variants:
                 if clear:  # "first" runs right before "cached", which then finds the cache it wrote
-                    clear_cache(bundle)
-                results[name].append(start_once(bundle, tree, args.threads, server_env(tree, Path(pycache), env)))
+                    clear_cache(bundle, Path(user_dir))
+                results[name].append(start_once(bundle, tree, args.threads,
+                                                server_env(tree, Path(pycache), {**user_cache, **env})))
     print(f"{bundle}: {args.runs} interleaved starts each, threads {args.threads}, bytecode cached, load average "
           f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'variant':<48} {'wall to ready s':>15} {'server CPU s':>13}   wall runs  (CPU: server + its workers)")
