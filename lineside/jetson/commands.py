@@ -127,12 +127,20 @@ def push_cmd(
 def rollback_cmd(
     target: Annotated[str, typer.Argument(help="user@host:/dir or a local/mounted directory")],
     ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
+    force: Annotated[bool, typer.Option(help="roll back even when the device's lineside (the one lineside.service "
+                                             "runs) cannot open the previous version")] = False,
 ) -> None:
-    """Point TARGET/current back at the previous version (run again to undo)."""
+    """Point TARGET/current back at the previous version (run again to undo).
+
+    Over ssh it first asks the device's lineside whether it can open that version and refuses if not."""
     from lineside.jetson.push import rollback
 
-    current, previous = rollback(target, _ssh(ssh))
-    print(f"{target}: current -> {current}; previous -> {previous}")
+    r = rollback(target, _ssh(ssh), force=force)
+    if r.device_warning:
+        print(f"warning: rolled back anyway (--force): {r.device_warning}", file=sys.stderr)
+    print(f"{target}: current -> {r.current}; previous -> {r.previous}")
+    if r.device:
+        print(f"  device runtime: {r.device}")
 
 
 @jetson.command("ensure-engine")

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from lineside import __version__
+from lineside.errors import LinesideError
 
 if TYPE_CHECKING:
     from lineside.bundle import Manifest
@@ -47,6 +48,15 @@ except Exception as e:
     out["import_error"] = "%s: %s" % (type(e).__name__, e)
 print(json.dumps(out))
 """
+
+
+class DeviceRefused(LinesideError):
+    """The device's lineside cannot open the bundle: ``reason`` is the one line without `jetson push`'s override
+    hint, so a caller with its own override (`fleet push --force`) can name that instead."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Source(str, Enum):
@@ -206,6 +216,10 @@ def refusal(rt: DeviceRuntime, manifest: Manifest, where: str) -> str | None:
         return f"{where} has no lineside for {shlex.join(rt.interpreter)} ({rt.source.value}): install it with {pip}"
     if rt.read_error or (rt.format_version is not None and rt.format_version < manifest.format_version):
         why = rt.read_error or f"it reads bundle format {rt.format_version}, this bundle is {manifest.format_version}"
+        fix = f"upgrade it with {pip}"
+        if rt.format_version is not None and rt.format_version > manifest.format_version:  # the device is newer
+            fix = (f"rebuild the bundle with lineside {rt.lineside} (it reads bundle format {rt.format_version}) "
+                   "and push that")
         return (f"{where} has lineside {rt.lineside} ({shlex.join(rt.interpreter)}, {rt.source.value}), which cannot "
-                f"open this bundle ({why}): upgrade it with {pip}")
+                f"open this bundle ({why}): {fix}")
     return None

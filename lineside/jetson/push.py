@@ -11,6 +11,7 @@ Layout on the target::
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from dataclasses import asdict, dataclass, replace
@@ -19,7 +20,7 @@ from typing import Any
 
 from lineside.bundle import MANIFEST, Manifest, read_manifest, verify_files
 from lineside.errors import BundleError, LinesideError
-from lineside.jetson.device_runtime import FORCE, refusal
+from lineside.jetson.device_runtime import FORCE, DeviceRefused, refusal
 from lineside.jetson.device_runtime import probe as probe_runtime
 from lineside.jetson.push_lock import push_lock
 from lineside.jetson.targets import DiskFull, LocalTarget, Progress, SshTarget, open_target
@@ -88,7 +89,7 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
             rt = probe_runtime(t, (src / MANIFEST).read_text())
             device, warning = rt.describe(), refusal(rt, manifest, t.label)
             if warning and not force:
-                raise LinesideError(f"{warning}; nothing was copied (pass {FORCE} to push anyway)")
+                raise DeviceRefused(warning, f"{warning}; nothing was copied (pass {FORCE} to push anyway)")
         with push_lock(t):  # a second push to the same target at once shared the staging dir and the links
             r = _push(t, src, manifest, digest, expected, files, total, progress)
         return replace(r, device=device, device_warning=warning)
@@ -147,8 +148,18 @@ def _upload(t: LocalTarget | SshTarget, src: Path, staging: str, files: list[str
                             f"there and push again") from None
 
 
-def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:
-    """Swap current and previous; returns (new current, new previous)."""
+@dataclass
+class RollbackResult:
+    target: str
+    current: str  # what current points at now (the old previous)
+    previous: str  # what previous points at now (the old current)
+    device: str | None = None  # the device's lineside and Python as probed (ssh targets)
+    device_warning: str | None = None  # why the device may not open it, when --force rolled back anyway
+
+
+def rollback(target: str, ssh: str = "ssh", force: bool = False) -> RollbackResult:
+    """Swap current and previous. Over ssh the device's lineside must be able to open the version switched back to
+    (an upgrade since may have dropped its bundle format), as for a push; ``force`` switches anyway."""
     t = open_target(target, ssh)
     try:
         with push_lock(t, create=False):
@@ -157,7 +168,31 @@ def rollback(target: str, ssh: str = "ssh") -> tuple[str, str]:
                 raise LinesideError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
             if not t.exists(previous):
                 raise LinesideError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
+            device = warning = None
+            if isinstance(t, SshTarget):
+                text = t.read_text(f"{previous}/{MANIFEST}")
+                rt = probe_runtime(t, text)
+                device, warning = rt.describe(), refusal(rt, _manifest_for_check(text), t.label)
+                if warning and not force:
+                    raise DeviceRefused(warning, f"cannot roll back to {previous}: {warning}; nothing was switched "
+                                                 f"(pass {FORCE} to roll back anyway)")
             t.switch(previous, current)
-            return previous, current or ""
+            return RollbackResult(t.label, previous, current or "", device, warning)
     finally:
         t.close()
+
+
+def _manifest_for_check(text: str) -> Manifest:
+    """The installed manifest as far as the device check needs it (its format and builder), also when this
+    lineside cannot read all of it: the device's lineside is the one that must."""
+    try:
+        d = json.loads(text)
+    except ValueError:
+        d = None
+    d = d if isinstance(d, dict) else {}
+    try:
+        return Manifest.from_json_dict(d)
+    except ValueError:
+        fv, by = d.get("format_version"), d.get("lineside_version")
+        return Manifest(architecture="", config="", max_seq_len=1, format_version=fv if type(fv) is int else 0,
+                        lineside_version=by if isinstance(by, str) else None)

@@ -246,6 +246,10 @@ class SshTarget:
         cur, prev = (out + ["", ""])[:2]
         return cur.strip() or None, prev.strip() or None
 
+    def read_text(self, rel: str) -> str:
+        """A small file under the root (a manifest), as text; empty when it cannot be read."""
+        return self._run(f"cat -- {self._q}/{shlex.quote(rel)}", check=False).stdout
+
     def exists(self, rel: str) -> bool:
         return self._run(f"test -f {self._q}/{shlex.quote(rel)}/manifest.json", check=False).returncode == 0
 

@@ -56,9 +56,9 @@ def test_local_push_activates_and_keeps_previous(tmp_path, bundle_factory):
     again = push(b, str(target))  # same bundle: nothing copied, stays current
     assert again.already_installed and again.bytes_sent == 0 and again.version == r2.version
 
-    cur, prev = rollback(str(target))
+    rb = rollback(str(target))
     assert open_bundle(target / "current").config.name == "model-a"
-    assert (cur, prev) == (f"versions/{r1.version}", f"versions/{r2.version}")
+    assert (rb.current, rb.previous) == (f"versions/{r1.version}", f"versions/{r2.version}")
     rollback(str(target))  # rolling back twice returns to the newer one
     assert open_bundle(target / "current").config.name == "model-b"
     assert sorted(p.name for p in (target / "versions").iterdir()) == sorted([r1.version, r2.version])
@@ -347,7 +347,7 @@ def test_a_second_push_while_one_runs_is_refused_and_copies_nothing(tmp_path, bu
             f"versions/{r1.version}"
     r2 = push(b, target, ssh=ssh)  # released with the process or fd that held it: nothing stale to remove
     assert r2.previous == f"versions/{r1.version}"
-    assert rollback(target, ssh=ssh)[0] == f"versions/{r1.version}"
+    assert rollback(target, ssh=ssh).current == f"versions/{r1.version}"
 
 
 @pytest.mark.parametrize("old_rsync", [False, True])

@@ -13,7 +13,7 @@ import pytest
 from lineside.bundle import FORMAT_VERSION, Manifest
 from lineside.errors import LinesideError
 from lineside.jetson.device_runtime import MIN_PYTHON, DeviceRuntime, Source, interpreter_of, refusal
-from lineside.jetson.push import push
+from lineside.jetson.push import push, rollback
 from tests.cli.cli_run import REPO, assert_one_line_error, run_cli, tree_snapshot
 from tests.jetson.conftest import _script, fake_device_python, fake_systemctl
 
@@ -185,3 +185,31 @@ def test_a_container_serving_the_target_is_asked(tmp_path, sshd_device, bundle_f
     _fake_docker(bin_dir, image_py, [str(tmp_path / "elsewhere")])  # a container serving another directory
     r = push(a, f"{host}:{device}", ssh=ssh)
     assert r.device and "`lineside` on the ssh PATH" in r.device
+
+
+def test_rollback_to_a_version_the_upgraded_device_cannot_open_is_refused_and_force_rolls_back(
+        tmp_path, sshd_device, bundle_factory):
+    """The device's lineside was upgraded past the old version's bundle format: switching back onto it would leave
+    the service unable to start, so rollback refuses it as push would, naming the rebuild, until --force."""
+    host, ssh, bin_dir = sshd_device
+    a, b = bundle_factory(tmp_path / "a", 8, name="model-a"), bundle_factory(tmp_path / "b", 9, name="model-b")
+    device = tmp_path / "device"
+    target = f"{host}:{device}"
+    r1, r2 = push(a, target, ssh=ssh), push(b, target, ssh=ssh)
+    rb = rollback(target, ssh=ssh)  # the device can open it: switched, and the runtime it asked is said
+    assert rb.current == f"versions/{r1.version}" and rb.device_warning is None and "lineside 0.2.0" in rb.device
+    rollback(target, ssh=ssh)  # back on b
+
+    fake_device_python(bin_dir, lineside=_old_lineside(tmp_path / "new", "9.0.0", reads=FORMAT_VERSION + 1))
+    p = run_cli("jetson", "rollback", target, "--ssh", ssh)
+    line = assert_one_line_error(p, f"cannot roll back to versions/{r1.version}", "has lineside 9.0.0",
+                                 f"bundle format {FORMAT_VERSION}, this lineside reads {FORMAT_VERSION + 1}",
+                                 "rebuild the bundle with lineside 9.0.0", "nothing was switched", "--force")
+    assert "pip install" not in line  # the device is newer than the bundle: upgrading it would not help
+    assert os.readlink(device / "current") == f"versions/{r2.version}"
+
+    p = run_cli("jetson", "rollback", target, "--ssh", ssh, "--force")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("warning: rolled back anyway (--force): ") and "has lineside 9.0.0" in p.stderr
+    assert f"current -> versions/{r1.version}; previous -> versions/{r2.version}" in p.stdout
+    assert os.readlink(device / "current") == f"versions/{r1.version}"
