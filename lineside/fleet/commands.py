@@ -68,6 +68,10 @@ def push_cmd(
     node: Annotated[list[str] | None, typer.Option(help="push only these nodes (repeat)")] = None,
     ssh: Annotated[str | None, typer.Option(help=SSH_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
+    force: Annotated[bool, typer.Option(help="push to a node even when its device's lineside cannot open the "
+                                             "bundle (as `jetson push --force`; with --node, that node alone); its "
+                                             "restart and health check still decide, and it is rolled back if "
+                                             "unhealthy")] = False,
 ) -> None:
     """Rolling push: the canary first, then the rest in waves while each comes back healthy."""
     from lineside.errors import LinesideError
@@ -81,7 +85,7 @@ def push_cmd(
     if missing:  # before the canary: a rollout must not stop half-way over a bundle that was never built
         raise LinesideError(f"nothing pushed: no bundle for {', '.join(missing)}; build it (`lineside build "
                             "CHECKPOINT -o BUNDLE`) or push only the other nodes (--node)")
-    report = rolling_push(f, ssh=_ssh(ssh), only=node or None,
+    report = rolling_push(f, ssh=_ssh(ssh), only=node or None, force=force,
                           log=(lambda s: None) if as_json else (lambda s: print(s, file=sys.stderr)))
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))

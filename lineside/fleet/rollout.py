@@ -3,7 +3,8 @@
 The canary goes first and alone; the other nodes follow in waves of ``rollout.parallel``, and a wave starts
 only when every node of the one before came back healthy. A node that fails its push keeps its old version
 (push activates nothing it could not verify); a node that comes back unhealthy is rolled back (current and
-previous swapped, the restart hook run again) and the rollout stops there.
+previous swapped, the restart hook run again) and the rollout stops there. A node whose device runtime cannot
+open the bundle is refused like `jetson push` refuses it; ``force`` pushes it anyway and lets its health decide.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import httpx
 from lineside.errors import LinesideError
 from lineside.fleet.health import NodeHealth, wait_healthy
 from lineside.fleet.spec import FleetError, FleetFile, Node
+from lineside.jetson.device_runtime import DeviceRefused
 from lineside.jetson.push import push, rollback
 from lineside.jetson.targets import SshTarget, open_target
 from lineside.strenum import StrEnum
@@ -42,6 +44,7 @@ class NodeRollout:
     bytes_sent: int = 0
     health: str | None = None
     error: str | None = None
+    warning: str | None = None  # why its device may not open the bundle, when --force pushed it anyway
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,8 +103,10 @@ HealthWait = Callable[[Node], NodeHealth]
 
 
 def rolling_push(fleet: FleetFile, *, ssh: str = "ssh", only: list[str] | None = None,
-                 health: HealthWait | None = None, log: Callable[[str], None] = lambda s: None) -> RolloutReport:
-    """Push each node's bundle, canary first, stopping at the first node that does not come back healthy."""
+                 health: HealthWait | None = None, log: Callable[[str], None] = lambda s: None,
+                 force: bool = False) -> RolloutReport:
+    """Push each node's bundle, canary first, stopping at the first node that does not come back healthy;
+    ``force`` pushes past a device runtime's refusal (its restart and health check still decide)."""
     plan = waves(fleet, only)
     report = RolloutReport(order=[[n.name for n in w] for w in plan])
     client = httpx.Client(timeout=fleet.gateway.health.timeout_s)
@@ -111,10 +116,12 @@ def rolling_push(fleet: FleetFile, *, ssh: str = "ssh", only: list[str] | None =
             label = "canary" if i == 0 else f"wave {i}"
             log(f"{label}: {', '.join(n.name for n in wave)}")
             with ThreadPoolExecutor(max_workers=len(wave)) as ex:
-                results = list(ex.map(lambda n: _one(n, ssh, wait), wave))
+                results = list(ex.map(lambda n: _one(n, ssh, wait, force), wave))
             report.nodes.extend(results)
             for r in results:
                 log(f"  {r.node}: {r.outcome}" + (f" ({r.error})" if r.error else ""))
+                if r.warning:
+                    log(f"  {r.node}: warning: pushed anyway (--force): {r.warning}")
             bad = [r for r in results if r.outcome not in (Outcome.UPDATED, Outcome.UNCHANGED)]
             if bad:
                 report.stopped = f"{label} {bad[0].node} {bad[0].outcome}: {bad[0].error}"
@@ -134,14 +141,27 @@ def _current(node: Node, ssh: str) -> str | None:
         t.close()
 
 
-def _one(node: Node, ssh: str, wait: HealthWait) -> NodeRollout:
+def _one(node: Node, ssh: str, wait: HealthWait, force: bool = False) -> NodeRollout:
     assert node.bundle and node.target
     try:
         before = _current(node, ssh)
-        r = push(node.bundle, node.target, ssh)
+        r = push(node.bundle, node.target, ssh, force=force)
+    except DeviceRefused as e:  # `jetson push`'s hint names its own --force; this command's takes --node
+        return NodeRollout(node.name, Outcome.PUSH_FAILED, error=f"{e.reason}; nothing was copied (pass --force, "
+                           f"with --node {node.name} for this node alone, to push it anyway; its health check "
+                           "still decides)")
     except (LinesideError, OSError) as e:
         return NodeRollout(node.name, Outcome.PUSH_FAILED, error=str(e))
-    switched = before != f"versions/{r.version}"
+    done = _health_or_rollback(node, ssh, wait, force, r.version, before, r.bytes_sent)
+    done.warning = r.device_warning
+    return done
+
+
+def _health_or_rollback(node: Node, ssh: str, wait: HealthWait, force: bool, version: str, before: str | None,
+                        sent: int) -> NodeRollout:
+    """Restart onto ``version`` if it was switched to, wait for health, and roll back when it does not come."""
+    assert node.target
+    switched = before != f"versions/{version}"
     try:
         if switched:
             run_restart(node, ssh)
@@ -149,17 +169,21 @@ def _one(node: Node, ssh: str, wait: HealthWait) -> NodeRollout:
     except LinesideError as e:
         h = NodeHealth(node.name, node.url, False, False, "failed", error=str(e))
     if h.ready:
-        return NodeRollout(node.name, Outcome.UPDATED if switched else Outcome.UNCHANGED, r.version, before,
-                           r.bytes_sent, h.status)
+        return NodeRollout(node.name, Outcome.UPDATED if switched else Outcome.UNCHANGED, version, before, sent,
+                           h.status)
     why = f"unhealthy after the switch ({h.status}{': ' + h.error if h.error else ''})"
     if not switched:
-        return NodeRollout(node.name, Outcome.ROLLED_BACK, r.version, before, r.bytes_sent, h.status,
+        return NodeRollout(node.name, Outcome.ROLLED_BACK, version, before, sent, h.status,
                            why + "; it was already on this version, nothing to roll back")
     try:
-        rollback(node.target, ssh)
-        run_restart(node, ssh)
+        rollback(node.target, ssh, force=force)
     except LinesideError as e:
-        return NodeRollout(node.name, Outcome.ROLLBACK_FAILED, r.version, before, r.bytes_sent, h.status,
+        return NodeRollout(node.name, Outcome.ROLLBACK_FAILED, version, before, sent, h.status,
                            f"{why}; rollback failed: {e}")
-    return NodeRollout(node.name, Outcome.ROLLED_BACK, r.version, before, r.bytes_sent, h.status,
-                       f"{why}; back on {before}")
+    try:
+        run_restart(node, ssh)
+    except LinesideError as e:  # the links are back: only the process still has to be restarted onto them
+        return NodeRollout(node.name, Outcome.ROLLBACK_FAILED, version, before, sent, h.status,
+                           f"{why}; current is back on {before} but {e}: restart the node's server by hand "
+                           f"(`{node.restart}` there)")
+    return NodeRollout(node.name, Outcome.ROLLED_BACK, version, before, sent, h.status, f"{why}; back on {before}")

@@ -286,3 +286,46 @@ def test_health_wait_ends_on_ready_a_repeated_failure_or_the_timeout(answers, re
         node = Node.model_validate({"name": "n", "kind": "jetson", "url": url})
         h = wait_healthy(node, client, 10.0, interval_s=1.0, clock=clock.clock, sleep=clock.sleep)
     assert h.ready is ready and len(seen) == probes
+
+
+def test_a_node_refused_by_its_device_runtime_says_why_and_force_pushes_it(tmp_path, sshd_device):
+    """The node's device has no lineside: `fleet push` reports the device check's reason for it in one line, with
+    the override this command takes; --force pushes it, and its health check (then the rollback) still decide."""
+    import yaml
+
+    from tests.jetson.conftest import fake_device_python
+
+    host, ssh, bin_dir = sshd_device
+    fake_device_python(bin_dir, lineside=None)
+    dev = tmp_path / "dev-a"
+    v1 = make_bundle(tmp_path / "v1", 21, weight_bytes=4096, name="model-v1")
+    bad = broken_bundle(tmp_path / "bad", 22)
+    path = tmp_path / "fleet.yaml"
+    with node_server(dev) as url:
+        def write(bundle: Path) -> Path:
+            path.write_text(yaml.safe_dump({
+                "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64",
+                           "target": f"{host}:{dev}", "bundle": str(bundle)}],
+                "pools": {"realtime": {"members": ["a"]}}, "rollout": {"health_timeout_s": 5}}))
+            return path
+
+        p = run_cli("fleet", "push", write(v1), "--ssh", ssh)
+        assert p.returncode == 1, p.stderr
+        report = [ln for ln in p.stdout.splitlines() if ln.startswith("a: ")]
+        assert len(report) == 1 and report[0].startswith("a: push_failed (")
+        assert "has no lineside" in report[0] and "pip install -U 'lineside>=" in report[0]
+        assert "nothing was copied (pass --force, with --node a for this node alone" in report[0]
+        assert not dev.exists()
+
+        p = run_cli("fleet", "push", write(v1), "--ssh", ssh, "--force", "--json")
+        assert p.returncode == 0, p.stderr
+        node = json.loads(p.stdout)["nodes"][0]
+        assert node["outcome"] == "updated" and "has no lineside" in node["warning"]
+        v1_link = _current(dev)
+
+        # (the CLI's planner refuses a bundle whose config cannot load before any push: rolling_push directly)
+        fleet = FleetFile.model_validate(yaml.safe_load(write(bad).read_text()))
+        r = rolling_push(fleet, ssh=ssh, health=_wait(FakeClock()), force=True)
+        # unhealthy: rolled back past the same refusal, as it was forced
+        assert r.nodes[0].outcome == Outcome.ROLLED_BACK, r.nodes[0]
+        assert "has no lineside" in r.nodes[0].warning and _current(dev) == v1_link
