@@ -105,6 +105,7 @@ def push_cmd(
 
     Over ssh it first asks the device's lineside whether it can open the bundle and refuses before copying if not."""
     from lineside.jetson.push import push
+    from lineside.jetson.restart_hint import restart_note
 
     checks.input_dir(bundle, "BUNDLE", "bundle directory")
     if not _is_remote(target):
@@ -121,6 +122,8 @@ def push_cmd(
           + (f"; previous -> {r.previous}" if r.previous else ""))
     if r.device:
         print(f"  device runtime: {r.device}")
+    if r.switched:
+        print(restart_note(r.restart, r.target, _ssh(ssh)))
 
 
 @jetson.command("rollback")
@@ -134,6 +137,7 @@ def rollback_cmd(
 
     Over ssh it first asks the device's lineside whether it can open that version and refuses if not."""
     from lineside.jetson.push import rollback
+    from lineside.jetson.restart_hint import restart_note
 
     r = rollback(target, _ssh(ssh), force=force)
     if r.device_warning:
@@ -141,6 +145,7 @@ def rollback_cmd(
     print(f"{target}: current -> {r.current}; previous -> {r.previous}")
     if r.device:
         print(f"  device runtime: {r.device}")
+    print(restart_note(r.restart, r.target, _ssh(ssh), rollback=True))
 
 
 @jetson.command("ensure-engine")

@@ -23,6 +23,7 @@ from lineside.errors import BundleError, LinesideError
 from lineside.jetson.device_runtime import FORCE, DeviceRefused, refusal
 from lineside.jetson.device_runtime import probe as probe_runtime
 from lineside.jetson.push_lock import push_lock
+from lineside.jetson.restart_hint import restart_command
 from lineside.jetson.targets import DiskFull, LocalTarget, Progress, SshTarget, open_target
 
 
@@ -38,6 +39,8 @@ class PushResult:
     already_installed: bool
     device: str | None = None  # the device's lineside and Python as probed (ssh targets), e.g. for `--json`
     device_warning: str | None = None  # why the device may not open it, when --force pushed anyway
+    switched: bool = True  # current moved (False: it already pointed at this version)
+    restart: str | None = None  # the command that restarts the device's server onto it, when known
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,13 +56,13 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"
 
 
-def _activate(t: LocalTarget | SshTarget, version_rel: str) -> str | None:
-    """Make version_rel current, the old current previous; returns the (new) previous."""
+def _activate(t: LocalTarget | SshTarget, version_rel: str) -> tuple[str | None, bool]:
+    """Make version_rel current, the old current previous; returns the (new) previous and whether it switched."""
     current, previous = t.links()
     if current == version_rel:
-        return previous
+        return previous, False
     t.switch(version_rel, current)
-    return current
+    return current, True
 
 
 def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress | None = None,
@@ -84,7 +87,7 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
             if root == home or home in root.parents:  # versions/ and current would be written into the bundle
                 raise LinesideError(f"TARGET {target} is inside the bundle {bundle} being pushed; push to the "
                                     "device's directory (e.g. /opt/lineside), not into the bundle")
-        device = warning = None
+        device = warning = rt = None
         if isinstance(t, SshTarget):  # a local or mounted directory: which runtime will serve it is unknown here
             rt = probe_runtime(t, (src / MANIFEST).read_text())
             device, warning = rt.describe(), refusal(rt, manifest, t.label)
@@ -92,7 +95,8 @@ def push(bundle: str | Path, target: str, ssh: str = "ssh", progress: Progress |
                 raise DeviceRefused(warning, f"{warning}; nothing was copied (pass {FORCE} to push anyway)")
         with push_lock(t):  # a second push to the same target at once shared the staging dir and the links
             r = _push(t, src, manifest, digest, expected, files, total, progress)
-        return replace(r, device=device, device_warning=warning)
+        login = t.login if isinstance(t, SshTarget) else None
+        return replace(r, device=device, device_warning=warning, restart=restart_command(rt, login))
     finally:
         t.close()
 
@@ -106,8 +110,8 @@ def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str
             if bad:
                 raise BundleError(f"installed copy versions/{name} fails the sha256 check for {bad[0]}; "
                                   f"remove {t.label}/versions/{name} and push again")
-            previous = _activate(t, f"versions/{name}")
-            return PushResult(t.label, name, previous, len(files), total, 0, 0, True)
+            previous, switched = _activate(t, f"versions/{name}")
+            return PushResult(t.label, name, previous, len(files), total, 0, 0, True, switched=switched)
 
     staging = f".incoming-{digest[:12]}"
     free, have = t.space(staging)
@@ -130,7 +134,7 @@ def _push(t: LocalTarget | SshTarget, src: Path, manifest: Manifest, digest: str
             )
     version = _version_name(src, manifest, digest)
     t.finalize(staging, version)
-    previous = _activate(t, f"versions/{version}")
+    previous, _ = _activate(t, f"versions/{version}")
     return PushResult(t.label, version, previous, len(files), total, stats["bytes_sent"],
                       stats["resumed_files"], False)
 
@@ -155,6 +159,7 @@ class RollbackResult:
     previous: str  # what previous points at now (the old current)
     device: str | None = None  # the device's lineside and Python as probed (ssh targets)
     device_warning: str | None = None  # why the device may not open it, when --force rolled back anyway
+    restart: str | None = None  # the command that restarts the device's server onto it, when known
 
 
 def rollback(target: str, ssh: str = "ssh", force: bool = False) -> RollbackResult:
@@ -168,16 +173,17 @@ def rollback(target: str, ssh: str = "ssh", force: bool = False) -> RollbackResu
                 raise LinesideError(f"{t.label} has no previous version to roll back to (push a second bundle first)")
             if not t.exists(previous):
                 raise LinesideError(f"{t.label}/{previous} is missing or incomplete; cannot roll back to it")
-            device = warning = None
+            device = warning = restart = None
             if isinstance(t, SshTarget):
                 text = t.read_text(f"{previous}/{MANIFEST}")
                 rt = probe_runtime(t, text)
                 device, warning = rt.describe(), refusal(rt, _manifest_for_check(text), t.label)
+                restart = restart_command(rt, t.login)
                 if warning and not force:
                     raise DeviceRefused(warning, f"cannot roll back to {previous}: {warning}; nothing was switched "
                                                  f"(pass {FORCE} to roll back anyway)")
             t.switch(previous, current)
-            return RollbackResult(t.label, previous, current or "", device, warning)
+            return RollbackResult(t.label, previous, current or "", device, warning, restart)
     finally:
         t.close()
 

@@ -213,3 +213,42 @@ def test_rollback_to_a_version_the_upgraded_device_cannot_open_is_refused_and_fo
     assert p.stderr.startswith("warning: rolled back anyway (--force): ") and "has lineside 9.0.0" in p.stderr
     assert f"current -> versions/{r1.version}; previous -> versions/{r2.version}" in p.stdout
     assert os.readlink(device / "current") == f"versions/{r1.version}"
+
+
+def test_push_and_rollback_say_the_restart_that_serves_the_switched_version(tmp_path, sshd_device, bundle_factory):
+    """lineside.service keeps the bundle it opened: a switch says the exact restart command (over the same ssh)
+    and the rollback that undoes it; a push that switched nothing says nothing of a restart."""
+    import shlex
+
+    host, ssh, bin_dir = sshd_device
+    fake_systemctl(bin_dir, f"{bin_dir / 'lineside'} serve /opt/lineside/current")
+    a, b = bundle_factory(tmp_path / "a", 10, name="model-a"), bundle_factory(tmp_path / "b", 11, name="model-b")
+    target = f"{host}:{tmp_path / 'device'}"
+    restart = f"`{shlex.join([*shlex.split(ssh), host])} sudo systemctl restart lineside`"
+    back = f"`{shlex.join(['lineside', 'jetson', 'rollback', target, '--ssh', ssh])}`"
+
+    p = _cli_push(a, target, ssh)
+    assert p.returncode == 0, p.stderr
+    note = p.stdout.splitlines()[-1]
+    assert note == (f"  the running server keeps the old bundle until restarted: {restart}; if it does not come "
+                    f"back ready, {back} and restart it again")
+    assert "restart" not in _cli_push(a, target, ssh).stdout  # already current: the server already serves it
+    assert json.loads(_cli_push(b, target, ssh, "--json").stdout)["restart"] == restart.strip("`")
+
+    p = run_cli("jetson", "rollback", target, "--ssh", ssh)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == (f"  the running server keeps the old bundle until restarted: {restart}; if "
+                                         f"it does not come back ready, {back} undoes the rollback")
+
+    device = tmp_path / "device2"  # the Dockerfile.jetson way: the container is restarted, not a unit
+    fake_systemctl(bin_dir, "")
+    _fake_docker(bin_dir, fake_device_python(tmp_path / "image" / "bin"), [f"{device}/current"])
+    p = _cli_push(a, f"{host}:{device}", ssh)
+    assert p.returncode == 0, p.stderr
+    assert f"{host} docker restart c0ffee012345`;" in p.stdout.splitlines()[-1]
+
+    local = tmp_path / "mounted"  # which server serves a local directory is not known here: said as much
+    p = run_cli("jetson", "push", a, local)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1].startswith(f"  the running server keeps the old bundle until restarted: "
+                                                f"restart the server that serves {local}/current; ")
