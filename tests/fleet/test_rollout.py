@@ -329,3 +329,26 @@ def test_a_node_refused_by_its_device_runtime_says_why_and_force_pushes_it(tmp_p
         # unhealthy: rolled back past the same refusal, as it was forced
         assert r.nodes[0].outcome == Outcome.ROLLED_BACK, r.nodes[0]
         assert "has no lineside" in r.nodes[0].warning and _current(dev) == v1_link
+
+
+def test_a_restart_that_fails_after_the_rollback_says_current_is_back_and_what_to_run(tmp_path):
+    """The hook restarts onto v1, then fails from then on: v2 is rolled back (the links are back on v1), and the
+    report says so and names the restart still to run, rather than that the rollback failed."""
+    dev, marker = tmp_path / "dev", tmp_path / "restarted-once"
+    hook = f"test -e {marker} && {{ echo 'unit lineside.service is masked' >&2; exit 1; }}; touch {marker}"
+    v1 = make_bundle(tmp_path / "v1", 31, weight_bytes=4096, name="model-v1")
+    v2 = make_bundle(tmp_path / "v2", 32, weight_bytes=4096, name="model-v2")
+    with node_server(dev) as url:
+        def fleet(bundle: Path) -> FleetFile:
+            return FleetFile.model_validate({
+                "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64", "target": str(dev),
+                           "bundle": str(bundle), "restart": hook}],
+                "pools": {"realtime": {"members": ["a"]}}})
+
+        assert rolling_push(fleet(v1), health=_wait(FakeClock())).ok
+        v1_link = _current(dev)
+        r = rolling_push(fleet(v2), health=_wait(FakeClock()))
+    node = r.nodes[0]
+    assert node.outcome == Outcome.ROLLBACK_FAILED and _current(dev) == v1_link
+    assert f"current is back on {v1_link} but restart on a failed (unit lineside.service is masked)" in node.error
+    assert f"restart the node's server by hand (`{hook}` there)" in node.error and "\n" not in node.error
