@@ -92,7 +92,8 @@ def push_cmd(
     else:
         for r in report.nodes:
             ver = f" -> {r.version}" if r.version else ""
-            print(f"{r.node}: {r.outcome}{ver}" + (f" ({r.error})" if r.error else ""))
+            print(f"{r.node}: {r.outcome}{ver}" + (f" ({r.error})" if r.error else "")
+                  + (f" (warning: {r.warning})" if r.warning else ""))
     if not report.ok:
         raise LinesideError(f"rollout stopped: {report.stopped}")
 

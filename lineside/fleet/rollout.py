@@ -44,7 +44,7 @@ class NodeRollout:
     bytes_sent: int = 0
     health: str | None = None
     error: str | None = None
-    warning: str | None = None  # why its device may not open the bundle, when --force pushed it anyway
+    warning: str | None = None  # --force's device refusal, or a switch nothing restarted onto (no restart: hook)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,7 +121,7 @@ def rolling_push(fleet: FleetFile, *, ssh: str = "ssh", only: list[str] | None =
             for r in results:
                 log(f"  {r.node}: {r.outcome}" + (f" ({r.error})" if r.error else ""))
                 if r.warning:
-                    log(f"  {r.node}: warning: pushed anyway (--force): {r.warning}")
+                    log(f"  {r.node}: warning: {r.warning}")
             bad = [r for r in results if r.outcome not in (Outcome.UPDATED, Outcome.UNCHANGED)]
             if bad:
                 report.stopped = f"{label} {bad[0].node} {bad[0].outcome}: {bad[0].error}"
@@ -153,7 +153,14 @@ def _one(node: Node, ssh: str, wait: HealthWait, force: bool = False) -> NodeRol
     except (LinesideError, OSError) as e:
         return NodeRollout(node.name, Outcome.PUSH_FAILED, error=str(e))
     done = _health_or_rollback(node, ssh, wait, force, r.version, before, r.bytes_sent)
-    done.warning = r.device_warning
+    stale = None
+    if r.switched and not node.restart and before and done.outcome is Outcome.UPDATED:
+        # nothing restarted it: the ready answer came from the process still serving the old bundle
+        how = f"`{r.restart}`" if r.restart else f"restart the server that serves {node.target}/current"
+        stale = (f"no restart: hook, so its server still serves {before} until restarted ({how}; or give the node "
+                 "a restart: in the fleet file); its health check saw that old process")
+    forced = f"pushed anyway (--force): {r.device_warning}" if r.device_warning else None
+    done.warning = "; ".join(w for w in (forced, stale) if w) or None
     return done
 
 

@@ -352,3 +352,26 @@ def test_a_restart_that_fails_after_the_rollback_says_current_is_back_and_what_t
     assert node.outcome == Outcome.ROLLBACK_FAILED and _current(dev) == v1_link
     assert f"current is back on {v1_link} but restart on a failed (unit lineside.service is masked)" in node.error
     assert f"restart the node's server by hand (`{hook}` there)" in node.error and "\n" not in node.error
+
+
+def test_a_switch_without_a_restart_hook_says_the_old_bundle_is_still_served(tmp_path):
+    """No restart: hook: the ready answer after the switch came from the process still serving v1, so the node's
+    report says it serves v1 until restarted, and how; the first install (nothing served before) says nothing."""
+    dev = tmp_path / "dev"
+    v1 = make_bundle(tmp_path / "v1", 41, weight_bytes=4096, name="model-v1")
+    v2 = make_bundle(tmp_path / "v2", 42, weight_bytes=4096, name="model-v2")
+    with node_server(dev) as url:
+        def fleet(bundle: Path) -> FleetFile:
+            return FleetFile.model_validate({
+                "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64", "target": str(dev),
+                           "bundle": str(bundle)}],
+                "pools": {"realtime": {"members": ["a"]}}})
+
+        first = rolling_push(fleet(v1), health=_wait(FakeClock()))
+        v1_link = _current(dev)
+        r = rolling_push(fleet(v2), health=_wait(FakeClock()))
+    assert first.nodes[0].warning is None
+    assert r.nodes[0].outcome == Outcome.UPDATED
+    assert r.nodes[0].warning == (f"no restart: hook, so its server still serves {v1_link} until restarted (restart "
+                                  f"the server that serves {dev}/current; or give the node a restart: in the fleet "
+                                  "file); its health check saw that old process")
