@@ -14,7 +14,16 @@ from typing import Any
 
 from lineside.bundle import MANIFEST
 from lineside.deploy.parallel import MAX_GPUS
-from lineside.deploy.sizing import GPUS, DcPlan, Gpu, GpuSet, parse_gpus, plan_datacenter
+from lineside.deploy.sizing import (
+    GPUS,
+    DcPlan,
+    Gpu,
+    GpuSet,
+    default_draft_tokens,
+    default_max_num_seqs,
+    parse_gpus,
+    plan_datacenter,
+)
 from lineside.errors import LinesideError
 from lineside.jetson.planner import load_model
 from lineside.strenum import StrEnum
@@ -126,19 +135,19 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     ckpt = checkpoint(model)
     spec = load_model(model)
     refuse_unsupported(eng, spec.architecture, gs)
+    max_batch = default_max_num_seqs(profile)
     plan = plan_datacenter(model, gs, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
-                           max_num_tokens=MAX_NUM_TOKENS)
+                           max_num_tokens=MAX_NUM_TOKENS, max_num_seqs=max_batch, draft_tokens=mtp_tokens)
     if not plan.fits:
         why = plan.notes[-1].removeprefix("does not fit: ")  # the planner's note starts with the same words
         raise LinesideError(f"{spec.name} does not fit {gs.label}: {why}; "
-                            + fits_instead(model, gs, profile, gpu_memory_utilization))
+                            + fits_instead(model, gs, profile, gpu_memory_utilization, draft_tokens=mtp_tokens))
     hf, served = ckpt.hf_id, ckpt.served_name
     path = f"{model_dir.rstrip('/')}/{ckpt.dir_name}"
     v4 = spec.architecture == "deepseek_v4"
-    k = (mtp_tokens if mtp_tokens is not None else (1 if profile == "throughput" else 3)) if plan.mtp_layers else 0
+    k = (mtp_tokens if mtp_tokens is not None else default_draft_tokens(profile)) if plan.mtp_layers else 0
     if mtp_tokens and not plan.mtp_layers:
         raise LinesideError(f"--mtp-tokens: {spec.name} has no MTP layers (only DeepSeek-V4 checkpoints do)")
-    max_batch = 128 if profile == "throughput" else 32
     builder = {EngineName.VLLM: _vllm, EngineName.SGLANG: _sglang, EngineName.TRTLLM: _trtllm}[eng]
     config, replicas, notes = builder(plan, path=path, served=served, port=port, v4=v4, mtp=k, max_batch=max_batch,
                                       n=plan.gpus_per_server)
@@ -151,13 +160,14 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
 
 
 def smallest_fit(model: str, gs: GpuSet, profile: str = "throughput",
-                 gpu_memory_utilization: float = 0.90) -> GpuSet | None:
+                 gpu_memory_utilization: float = 0.90, *, draft_tokens: int | None = None) -> GpuSet | None:
     """The fewest GPUs of this kind that hold the model, else the smallest node of a larger kind, else None;
     fewer GPUs never help (every split of fewer is among the ones already tried)."""
     for gpu in larger_kinds(gs):
         for count in range(gs.count + 1 if gpu == gs.gpu else 1, MAX_GPUS + 1):
             if plan_datacenter(model, GpuSet(count, gpu), profile=profile,
-                               gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=MAX_NUM_TOKENS).fits:
+                               gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=MAX_NUM_TOKENS,
+                               draft_tokens=draft_tokens).fits:
                 return GpuSet(count, gpu)
     return None
 
@@ -168,9 +178,10 @@ def larger_kinds(gs: GpuSet) -> list[Gpu]:
                             key=lambda g: g.memory_bytes)]
 
 
-def fits_instead(model: str, gs: GpuSet, profile: str, gpu_memory_utilization: float) -> str:
+def fits_instead(model: str, gs: GpuSet, profile: str, gpu_memory_utilization: float, *,
+                 draft_tokens: int | None = None) -> str:
     """What to ask for instead: ``use --gpus`` with :func:`smallest_fit`'s set, or why no node of one holds it."""
-    fit = smallest_fit(model, gs, profile, gpu_memory_utilization)
+    fit = smallest_fit(model, gs, profile, gpu_memory_utilization, draft_tokens=draft_tokens)
     if fit is not None:
         return f"use --gpus {fit.label}"
     return (f"no node of up to {MAX_GPUS} {', '.join(g.key.upper() for g in larger_kinds(gs))} GPUs holds it at "

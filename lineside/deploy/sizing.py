@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lineside.deploy.parallel import MAX_GPUS, Placement, Shape
+from lineside.deploy.step_memory import step_memory
 from lineside.errors import LinesideError
 from lineside.jetson.planner import _largest, load_model
 from lineside.jetson.sizes import EXTERNAL_KV_DTYPES, KvStorage, WeightSizes, check_kv_dtype
@@ -120,12 +121,23 @@ def official_weights(model: str) -> tuple[WeightSizes, str, int]:
     return WeightSizes(sum(parts.values()), parts, []), "FP8 e4m3 block-scaled + MXFP4 experts (as published)", 1
 
 
+def default_max_num_seqs(profile: str) -> int:
+    """Sequences an engine rank batches (vLLM max-num-seqs, TensorRT-LLM max_batch_size): wide for batch pools."""
+    return 128 if profile == "throughput" else 32
+
+
+def default_draft_tokens(profile: str) -> int:
+    """MTP draft tokens a step verifies: 1 for throughput, 3 for low latency."""
+    return 1 if profile == "throughput" else 3
+
+
 TARGET_LEN = 32768  # a layout is good enough once one sequence of this length fits (or the model's maximum)
 
 
 def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughput", kv_dtype: str = "fp8",
                     mtp: bool = True, gpu_memory_utilization: float = 0.90, max_num_tokens: int = 8192,
-                    max_len: int | None = None) -> DcPlan:
+                    max_len: int | None = None, max_num_seqs: int | None = None,
+                    draft_tokens: int | None = None) -> DcPlan:
     """Parallel layout and the largest context that fits, from the planner's per-part sizes.
 
     V4 (one KV head, MoE): routed experts are split by expert parallelism over every GPU. With attention-DP
@@ -135,6 +147,8 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     the KV heads) at which a TARGET_LEN sequence fits; the other GPUs serve as data-parallel replicas. TP × PP
     (pipeline stages) when no TP alone fits, or (throughput) when it runs as many replicas on GPUs TP leaves idle.
     V4 is never pipelined: vLLM cannot run MTP drafting under PP (vllm-project/vllm#14089, #52069).
+    Each GPU keeps one step's memory as the engines size it (lineside.deploy.step_memory): activations at
+    ``max_num_tokens``, logits for ``max_num_seqs`` rows (× 1 + ``draft_tokens`` with MTP), by profile if unset.
     """
     gs = parse_gpus(gpus) if isinstance(gpus, str) else gpus
     if profile not in ("throughput", "latency"):
@@ -149,9 +163,11 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     w, fmt, mtp_layers = official_weights(model)
     mtp_layers = mtp_layers if mtp else 0
     n = gs.count
-    ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype, external=True), gpu_memory_utilization, max_num_tokens,
-               min(spec.max_positions, max_len or spec.max_positions), shape)
     v4 = spec.architecture == "deepseek_v4"
+    seqs = max_num_seqs if max_num_seqs is not None else default_max_num_seqs(profile)
+    drafts = (draft_tokens if draft_tokens is not None else default_draft_tokens(profile)) if v4 and mtp else 0
+    ctx = _Ctx(spec, w, gs, check_kv_dtype(kv_dtype, external=True), gpu_memory_utilization, max_num_tokens,
+               min(spec.max_positions, max_len or spec.max_positions), shape, raw, seqs, drafts)
     if v4:
         layers = int(raw.get("num_hidden_layers", 1))
         extra = w.total // max(layers, 1) * mtp_layers  # one more decoder layer per MTP module
@@ -325,6 +341,9 @@ class _Ctx:
     max_num_tokens: int
     cap: int
     shape: Shape
+    raw: dict[str, Any]
+    max_num_seqs: int  # per engine rank: one logits row each (and one per draft token)
+    draft_tokens: int
 
     @property
     def usable(self) -> int:
@@ -341,9 +360,9 @@ class _Ctx:
             ends = self.w.breakdown.get("embedding", 0) + self.w.breakdown.get("lm_head", 0)
             end = max(self.w.breakdown.get("embedding", 0), self.w.breakdown.get("lm_head", 0))
             per_gpu = ((rest - ends) * stage // layers + end) // tp
-        act = self.spec.activations(min(self.max_num_tokens, self.spec.max_positions), 1, self.max_num_tokens,
-                                    every_token_logits=True)
-        overhead = 3 * GIB + act // tp  # CUDA context, NCCL buffers, CUDA graphs; one step's activations
+        step = step_memory(self.raw, tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs,
+                           draft_tokens=self.draft_tokens, tp=1 if attention_dp else tp)
+        overhead = 3 * GIB + step.total  # CUDA context, NCCL buffers, CUDA graphs; one step's activations + logits
         budget = self.usable - per_gpu - overhead
         kv_shard = self.shape.kv_shard(tp)  # by KV head, never finer: MQA's one head is whole on every rank
         def kv(c: int) -> int:  # one sequence's KV on one GPU: its KV-head shard of its stage's layers

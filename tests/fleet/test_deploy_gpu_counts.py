@@ -97,7 +97,8 @@ def test_six_gpus_for_v4_flash_split_into_whole_replicas_or_leave_two_idle_with_
 
 
 def test_seven_gpus_for_a_40_head_model_run_three_tp2_replicas_and_say_why_one_is_idle():
-    d = build_deployment("deepseek-r1-distill-qwen-32b", "7xH100", "trtllm")
+    # at 0.80 one H100 (63.7 GiB usable) is too small for the 32B's 61 GiB and a step's memory: TP 2
+    d = build_deployment("deepseek-r1-distill-qwen-32b", "7xH100", "trtllm", gpu_memory_utilization=0.8)
     assert [r.gpu_ids for r in d.replicas] == [[0, 1], [2, 3], [4, 5]]
     assert d.config["tensor_parallel_size"] == 2
     (idle,) = [x for x in d.notes if "idle" in x]
@@ -108,7 +109,8 @@ def test_seven_gpus_for_a_40_head_model_run_three_tp2_replicas_and_say_why_one_i
 
 def test_the_cli_prints_the_idle_line_and_writes_one_service_per_server(tmp_path):
     p = run_cli("deploy", "datacenter", "deepseek-r1-distill-qwen-32b", "--gpus", "3xH100", "--engine", "vllm",
-                "--profile", "latency", "-o", tmp_path)  # throughput pipelines it over all three
+                "--profile", "latency", "--gpu-memory-utilization", "0.8", "-o", tmp_path)  # 0.8: TP 1 too small;
+    # throughput pipelines it over all three
     assert p.returncode == 0, p.stderr
     assert "note: GPU 2 idle: 1 replica(s) of 2 GPU(s) use 2 of 3" in p.stdout
     dc = yaml.safe_load((tmp_path / "docker-compose.yaml").read_text())
@@ -132,7 +134,7 @@ def test_what_does_not_fit_names_the_gpu_set_that_does():
         build_deployment("deepseek-v4-pro", "6xB200", "sglang")  # 128 heads: no TP 6; attention-DP 6 too big
     assert str(e.value).endswith("use --gpus 8xB200")
     with pytest.raises(LinesideError) as e:
-        build_deployment("deepseek-r1-distill-qwen-32b", "1xH100", "vllm")
+        build_deployment("deepseek-r1-distill-qwen-32b", "1xH100", "vllm", gpu_memory_utilization=0.8)
     assert str(e.value).endswith("use --gpus 2xH100")
 
 

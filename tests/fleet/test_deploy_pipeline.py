@@ -1,5 +1,6 @@
-"""`deploy datacenter` with pipeline parallelism: TP × PP when no TP alone fits (a 70B on 3xH100, whose 64
-heads split over 1, 2, 4 or 8 GPUs), or, for throughput, when it uses GPUs TP leaves idle; each engine's own
+"""`deploy datacenter` with pipeline parallelism: TP × PP when no TP alone fits (a 70B on 3xH100 at
+--gpu-memory-utilization 0.85: its 64 heads split over 1, 2, 4 or 8 GPUs), or, for throughput, when it uses GPUs TP
+leaves idle (the same 70B at the default 0.90); each engine's own
 option (vLLM --pipeline-parallel-size, SGLang --pp-size, TensorRT-LLM pipeline_parallel_size) held to its
 schema; V4 is never pipelined (MTP drafting under PP does not run in vLLM)."""
 
@@ -36,9 +37,10 @@ def llama70b(tmp_path) -> str:
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
 def test_a_70b_too_big_for_every_tp_split_of_3_gpus_runs_as_3_pipeline_stages(llama70b, engine):
-    """TP 1 holds 131 GiB, TP 2 66 GiB + overhead (over 78 GiB usable), TP 3 does not divide 64 heads: it was
-    refused; one server of TP 1 x PP 3 (27 of 80 layers a stage) fits, in each engine's own option name."""
-    d = build_deployment(llama70b, "3xH100", engine, gpu_memory_utilization=0.98)
+    """TP 1 holds 131 GiB, TP 2 66 GiB + a step's memory (over the 67.7 GiB usable at 0.85), TP 3 does not divide
+    64 heads: it was refused; one server of TP 1 x PP 3 (27 of 80 layers a stage) fits, in each engine's own
+    option name."""
+    d = build_deployment(llama70b, "3xH100", engine, gpu_memory_utilization=0.85)
     p = d.plan
     assert p.fits and (p.tp, p.pp, p.idle_gpus) == (1, 3, 0)
     assert [r.gpu_ids for r in d.replicas] == [[0, 1, 2]]
@@ -54,7 +56,7 @@ def test_a_70b_too_big_for_every_tp_split_of_3_gpus_runs_as_3_pipeline_stages(ll
 
 def test_the_70b_on_2_gpus_is_refused_naming_the_smallest_set_pipeline_stages_make_fit(llama70b):
     with pytest.raises(LinesideError) as e:
-        build_deployment(llama70b, "2xH100", "vllm", gpu_memory_utilization=0.98)
+        build_deployment(llama70b, "2xH100", "vllm", gpu_memory_utilization=0.85)
     assert str(e.value).endswith("use --gpus 3xH100")  # was 4xH100: TP 4 was the only split that held it
 
 
@@ -70,23 +72,27 @@ def test_pipeline_stages_hold_the_kv_cache_of_their_own_layers(llama70b):
     assert p.seqs_at_max_len == p.kv_budget_per_gpu_bytes // per_seq > 0
 
 
-def test_throughput_takes_idle_gpus_with_stages_latency_keeps_tp_and_says_so():
-    """The 32B (40 heads) on 3xH100: TP 2 left GPU 2 idle; throughput runs TP 1 x PP 3 on all three, latency
-    keeps TP 2 (faster per token) and names the pipelined split that would use GPU 2."""
-    d = build_deployment("deepseek-r1-distill-qwen-32b", "3xH100", "sglang")
+def test_throughput_takes_idle_gpus_with_stages_latency_keeps_tp_and_says_so(llama70b):
+    """The 70B (64 heads) on 3xH100 at the default 0.90: TP 2 holds it (66 GiB of weights a GPU) but leaves GPU 2
+    idle; throughput runs TP 1 x PP 3 on all three, latency keeps TP 2 (faster per token) and names the pipelined
+    split that would use GPU 2. It was refused (told 4xH100) while every token's logits and unfused attention
+    scores, 26 GiB, were counted as a step's memory."""
+    d = build_deployment(llama70b, "3xH100", "sglang")
     assert (d.plan.tp, d.plan.pp, d.plan.idle_gpus) == (1, 3, 0) and d.config["pp-size"] == 3
+    assert d.plan.max_model_len == 131072 and d.plan.overhead_per_gpu_bytes < 6 * (1 << 30)
     assert "uses the 1 GPU(s) TP 2 alone leaves idle" in " ".join(d.notes)
-    lat = build_deployment("deepseek-r1-distill-qwen-32b", "3xH100", "sglang", profile="latency")
+    lat = build_deployment(llama70b, "3xH100", "sglang", profile="latency")
     assert (lat.plan.tp, lat.plan.pp, lat.plan.idle_gpus) == (2, 1, 1) and "pp-size" not in lat.config
     (idle,) = [n for n in lat.notes if " idle: " in n]
     assert "--profile throughput runs 1 replica(s) of TP 1 x PP 3 on 3" in idle
 
 
 def test_pipelined_replicas_are_one_server_each(llama70b):
-    """6xH100: TP 4 alone fits but leaves 2 idle; throughput runs two replicas of TP 1 x PP 3, each its own
-    server on GPUs 0-2 and 3-5 (no data-parallel option inside one), both behind the gateway."""
+    """6xH100 at 0.85 (TP 2 too small): TP 4 alone fits but leaves 2 idle; throughput runs two replicas of
+    TP 1 x PP 3, each its own server on GPUs 0-2 and 3-5 (no data-parallel option inside one), both behind the
+    gateway."""
     for engine in ("vllm", "sglang", "trtllm"):
-        d = build_deployment(llama70b, "6xH100", engine, gpu_memory_utilization=0.98)
+        d = build_deployment(llama70b, "6xH100", engine, gpu_memory_utilization=0.85)
         assert (d.plan.tp, d.plan.pp, d.plan.idle_gpus) == (1, 3, 0), engine
         assert [r.gpu_ids for r in d.replicas] == [[0, 1, 2], [3, 4, 5]], engine
         assert "data-parallel-size" not in d.config and "dp-size" not in d.config
