@@ -42,7 +42,7 @@ class ModelSpec:
     max_positions: int
     weights: Callable[[str, Grid], WeightSizes]
     kv: Callable[[int, int, int], KVSizes]
-    activations: Callable[..., int]  # (ctx, batch, prefill_chunk, *, every_token_logits=False)
+    activations: Callable[..., int]  # (ctx, batch, prefill_chunk): lineside's TensorRT step
     quantization: str | None = None  # from a bundle's manifest, when known
     grid: Grid | None = None  # a bundle's real quantization grid, when known
     kv_dtype: str | None = None  # a bundle's KV-cache dtype (`build --kv-dtype`), when known
@@ -99,7 +99,7 @@ def _spec_from_hf(d: dict[str, Any], name: str, quantization: str | None = None)
             name, family, s.max_positions,
             lambda q, g: v4_weights(s, q, g),
             lambda c, b, k: v4_kv(s, c, b, k),
-            lambda c, b, p, **kw: v4_activations(s, c, b, p, **kw),
+            lambda c, b, p: v4_activations(s, c, b, p),
             quantization,
         )
     cfg = ModelConfig.from_hf_dict(d, name=name)
@@ -115,7 +115,7 @@ def _spec_from_config(cfg: ModelConfig, quantization: str | None = None) -> Mode
         cfg.name, cfg.architecture, cfg.max_position_embeddings,
         lambda q, g: dense_weights(cfg, q, g),
         lambda c, b, k: dense_kv(cfg, c, b, k),
-        lambda c, b, p, **kw: dense_activations(cfg, c, b, p, **kw),
+        lambda c, b, p: dense_activations(cfg, c, b, p),
         quantization,
     )
 

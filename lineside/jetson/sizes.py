@@ -193,16 +193,12 @@ def logits_buffer(batch: int, prefill_chunk: int, vocab: int) -> int:
     return batch * lim.max_logits * vocab * 4
 
 
-def step_logits(batch: int, ctx: int, prefill_chunk: int, *, vocab: int, every_token: bool) -> int:
-    """lineside's TensorRT logits buffer, or (``every_token``: the datacenter engines' estimate, deploy/sizing.py)
-    fp16 logits for every token of the step."""
-    if every_token:
-        return step_tokens(ctx, batch, prefill_chunk) * vocab * FP16
+def step_logits(batch: int, ctx: int, prefill_chunk: int, *, vocab: int) -> int:
+    """lineside's TensorRT logits buffer for a step (the datacenter engines' is lineside.deploy.step_memory)."""
     return logits_buffer(batch, min(ctx, prefill_chunk), vocab)
 
 
-def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int = 512, *,
-                      every_token_logits: bool = False) -> int:
+def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int = 512) -> int:
     """Peak live intermediate tensors for one step (TensorRT reuses them across layers) + the logits buffer.
 
     Attention is written from MatMul/Softmax (no fused kernel): fp32 scores + probabilities at 4 + 2 bytes for
@@ -215,4 +211,4 @@ def dense_activations(cfg: ModelConfig, ctx: int, batch: int, prefill_chunk: int
     kv = cfg.num_kv_heads * cfg.head_dim
     attn = t * (2 * h + 2 * q + 2 * kv) * FP16 + cfg.num_heads * t * ctx * (4 + 2)
     mlp = t * (2 * h + 3 * i) * FP16
-    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, vocab=cfg.vocab_size, every_token=every_token_logits)
+    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, vocab=cfg.vocab_size)

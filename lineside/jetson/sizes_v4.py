@@ -190,8 +190,7 @@ def v4_kv(s: V4Shape, ctx: int, batch: int, kv: KvStorage) -> KVSizes:
     return KVSizes(total=sum(parts.values()), breakdown=parts)
 
 
-def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512, *,
-                   every_token_logits: bool = False) -> int:
+def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512) -> int:
     """Peak live intermediates for one step (same upper-bound rules as the dense estimate)."""
     t = step_tokens(ctx, batch, prefill_chunk)
     h, hd = s.hidden, s.head_dim
@@ -208,4 +207,4 @@ def v4_activations(s: V4Shape, ctx: int, batch: int, prefill_chunk: int = 512, *
     attn = t * (streams + h + s.q_lora + 2 * s.heads * hd + s.o_groups * s.o_lora) * FP16
     attn += s.heads * t * attn_len * (4 + 2) + indexer
     mlp = t * (streams + h + (s.top_k + s.shared) * 3 * s.moe_inter) * FP16 + t * s.experts * FP32
-    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, vocab=s.vocab, every_token=every_token_logits)
+    return max(attn, mlp) + step_logits(batch, ctx, prefill_chunk, vocab=s.vocab)
