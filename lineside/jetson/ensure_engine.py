@@ -65,14 +65,14 @@ def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "",
     from lineside.runtime.tensorrt.key import ENGINES_DIR, has_engine_for, machine_key
 
     path = Path(bundle)
-    read_manifest(path)  # one line if this is not a bundle
+    manifest = read_manifest(path)  # one line if this is not a bundle
     try:
         shlex.split(engine_args)
     except ValueError as e:  # an unbalanced quote in the environment file
         raise LinesideError(f"LINESIDE_ENGINE_ARGS {engine_args!r}: {e}; fix the quoting (the engine options are "
                             "split like a shell command line)") from None
     here = machine_key()  # one line if there is no GPU / TensorRT / cuda-python
-    if has_engine_for(path, here):
+    if has_engine_for(path, here, manifest):  # a stale (rebuilt bundle) or damaged engine is rebuilt
         return False, here.key
     engines = path / ENGINES_DIR
     writable = os.access(engines if engines.is_dir() else path, os.W_OK)

@@ -27,7 +27,7 @@ class Decision:
 def decide_backend(bundle: Bundle, requested: str = "auto", lora: LoraSlotsConfig | None = None) -> Decision:
     """Decide without loading anything heavy; raises a one-line error when ``tensorrt`` was asked and can't run;
     ``lora``: TensorRT also needs the LoRA graph's engine for these slots."""
-    from lineside.runtime.tensorrt.key import find_engine, machine_key
+    from lineside.runtime.tensorrt.key import find_engine, graph_files_sha, machine_key
 
     if requested not in CHOICES:
         raise LinesideError(f"--backend {requested!r} is not one of {', '.join(CHOICES)}")
@@ -39,14 +39,16 @@ def decide_backend(bundle: Bundle, requested: str = "auto", lora: LoraSlotsConfi
         return Decision("onnxruntime", "the bundle has no trt graph")
     try:
         here = machine_key()
-        d, _meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"))
+        d, _meta = find_engine(bundle.path, here, bundle.manifest.graph_sha("trt"),
+                               content=graph_files_sha(bundle.manifest))
     except LinesideError as e:
         if requested == "tensorrt":
             raise
         return Decision("onnxruntime", f"TensorRT not used: {e}")
     if lora is not None:  # adapters need the LoRA graph's engine for these slots
         try:
-            find_engine(bundle.path, here, None, lora=(lora.max_loras, lora.max_rank))
+            find_engine(bundle.path, here, None, lora=(lora.max_loras, lora.max_rank),
+                        content=graph_files_sha(bundle.manifest))
         except LinesideError as e:
             if requested == "tensorrt":
                 raise

@@ -8,8 +8,10 @@ TensorRT fuses into weight-only GEMMs; no calibration is involved.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from lineside.build.tensorrt.progress import end_build, make_monitor
 from lineside.bundle import Bundle, open_bundle
 from lineside.console_line import say
 from lineside.errors import LinesideError
+from lineside.file_lock import LockState, lock_exclusive
 from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.tensorrt.buffers import check_kv_support, kv_dtype_of
 from lineside.runtime.tensorrt.env import import_tensorrt
@@ -39,9 +42,13 @@ from lineside.runtime.tensorrt.key import (
     TIMING_CACHE,
     MachineKey,
     engine_dir,
+    engine_seal,
+    graph_files_sha,
     lora_engine_dir,
     machine_key,
 )
+
+BUILD_LOCK = ".build.lock"  # in the engine directory: one build of an engine at a time
 
 
 class EngineBuildError(LinesideError):
@@ -125,10 +132,26 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     if opts.max_loras:
         graph, lora_meta, lora_shapes = _lora_engine_inputs(bundle, opts)
         graph_sha = bundle.manifest.files[graph].sha256
-    profiles = derive_profiles(fl, cfg, lim, lora_shapes)
     out = engine_dir(bundle.path, key) if lora_meta is None else \
         lora_engine_dir(bundle.path, key, lora_meta["max_loras"], lora_meta["max_rank"])
     out.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(out / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if lock_exclusive(lock_fd, wait=False) == LockState.BUSY:
+            say(console, f"waiting for another `lineside engine` building {out} to finish")
+            lock_exclusive(lock_fd, wait=True)
+        _build_locked(trt, key, bundle, fl, graph, graph_sha, lora_meta, lora_shapes, lim, opts, out, console)
+    finally:
+        os.close(lock_fd)  # releases the lock
+    return out
+
+
+def _build_locked(trt: Any, key: MachineKey, bundle: Bundle, fl: Any, graph: str, graph_sha: str | None,
+                  lora_meta: dict[str, int] | None, lora_shapes: dict[str, tuple[int, ...]] | None, lim: Limits,
+                  opts: BuildOptions, out: Path, console: Console) -> None:
+    """Build and write the engine into ``out`` while holding its build lock (a second build waits, so neither
+    writes over the other's files)."""
+    profiles = derive_profiles(fl, bundle.config, lim, lora_shapes)
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -169,14 +192,15 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     # engine.json is what makes the directory an engine (key.list_engines): the one of an engine being replaced
     # goes first, so an interruption before the new one is written leaves no engine, not the new engine under
     # the old record's slots and profiles.
+    plan = bytes(serialized)
     (out / ENGINE_JSON).unlink(missing_ok=True)
-    _atomic_write(out / ENGINE_FILE, bytes(serialized))
+    _atomic_write(out / ENGINE_FILE, plan)
     _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
     meta = engine_meta(key, lim, profiles, opts, graph_sha, time.time() - t0, kv_dtype=kv_dtype_of(fl.state))
+    meta.update(engine_seal(plan), content_sha256=graph_files_sha(bundle.manifest))
     if lora_meta is not None:
         meta["lora"] = lora_meta
     _atomic_write(out / ENGINE_JSON, json.dumps(meta, indent=2).encode())
-    return out
 
 
 def _lora_engine_inputs(bundle: Bundle, opts: BuildOptions) -> tuple[str, dict[str, int], dict[str, tuple[int, ...]]]:
@@ -194,6 +218,21 @@ def _lora_engine_inputs(bundle: Bundle, opts: BuildOptions) -> tuple[str, dict[s
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """``path`` whole or not at all, through a temporary file of its own (removed when the write fails: an engine
+    is gigabytes) and flushed to disk before the rename, so a power cut leaves the old file or the new one."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        need = f" ({len(data) / (1 << 20):.0f} MiB)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise EngineBuildError(f"could not write {path}{need}: {e.strerror or type(e).__name__}; the engine was "
+                               f"built but not kept: free space in {path.parent} (or fix its permissions) and run "
+                               "`lineside engine` again") from None

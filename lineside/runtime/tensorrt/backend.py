@@ -35,7 +35,7 @@ from lineside.runtime.tensorrt.env import (
 )
 from lineside.runtime.tensorrt.graphs import GraphCache, batch_buckets, length_buckets
 from lineside.runtime.tensorrt.kernels import StateKernels
-from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, find_engine
+from lineside.runtime.tensorrt.key import ENGINE_FILE, MachineKey, engine_damage, find_engine, graph_files_sha
 from lineside.runtime.tensorrt.lora_buffers import add_lora_buffers
 from lineside.runtime.tensorrt.saved_rows import SavePlan, plan_saves
 from lineside.runtime.tensorrt.trt_log import capturing_logger
@@ -78,7 +78,8 @@ class TensorRTBackend:
             self.lora = LoraStack(bundle.config, tuple(LoraTarget(t) for t in bundle.manifest.lora.targets), lora,
                                   packed=False)
         edir, meta = find_engine(bundle.path, here, graph_sha,
-                                 lora=None if lora is None else (lora.max_loras, lora.max_rank))
+                                 lora=None if lora is None else (lora.max_loras, lora.max_rank),
+                                 content=graph_files_sha(bundle.manifest))
         if meta.get("kv_dtype", "fp16") != kv_dtype_of(fl.state):
             raise BundleError(f"engine {edir.name} was built for a {meta.get('kv_dtype', 'fp16')} KV cache but the "
                               f"bundle's trt graph stores {kv_dtype_of(fl.state)}; rebuild with `lineside engine "
@@ -98,7 +99,7 @@ class TensorRTBackend:
         self.input_names = list(fl.inputs) + ([LORA_SLOTS_INPUT, *self.lora.arrays] if self.lora else [])
         self.stats = {"replay": 0, "captured": 0, "eager": 0, "relayouts": 0, "swaps": 0}
 
-        self.engine = self._deserialize(Path(edir, ENGINE_FILE))
+        self.engine = self._deserialize(Path(edir, ENGINE_FILE), meta)
         names = [p["name"] for p in meta["profiles"]]
         self.stream = check(self.cr, self.cr.cudaStreamCreateWithFlags(self.cr.cudaStreamNonBlocking),
                             "cudaStreamCreateWithFlags")
@@ -168,14 +169,18 @@ class TensorRTBackend:
             f"GiB) but GPU {device} has {int(free) / gib:.2f} GiB free of {int(total) / gib:.2f} GiB; lower "
             f"--num-slots, or rebuild the bundle with a smaller --max-seq-len")
 
-    def _deserialize(self, plan: Path) -> Any:
+    def _deserialize(self, plan: Path, meta: dict[str, Any]) -> Any:
         """The engine from its plan file, or one line naming the file, TensorRT's reason (a plan built by another
-        TensorRT or for another GPU, a corrupt file) and the rebuild command."""
+        TensorRT or for another GPU, a corrupt file) and the rebuild command. A plan that is not the one its
+        engine.json sealed (cut short, changed) is refused before TensorRT sees it."""
         rebuild = f"rebuild it on this machine with `lineside engine {self.bundle.path}`"
         try:
             data = plan.read_bytes()
         except OSError as e:
             raise BackendUnavailable(f"cannot read the TensorRT engine {plan} ({e.strerror or e}); {rebuild}") from None
+        damage = engine_damage(plan.parent, meta, data)
+        if damage is not None:
+            raise BackendUnavailable(f"TensorRT engine not loaded: {damage}; {rebuild}")
         logger = capturing_logger(self.trt)
         self.runtime = self.trt.Runtime(logger)
         engine = self.runtime.deserialize_cuda_engine(data) if data else None

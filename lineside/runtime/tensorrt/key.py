@@ -1,24 +1,30 @@
 """Engine keys: an engine runs only on the GPU model and TensorRT version it was built with.
 
 Engines live under ``BUNDLE/engines/<key>/`` with ``model.engine`` and a small ``engine.json``
-(GPU name, compute capability, TensorRT and CUDA versions, profile shapes). Loading compares the
-machine with ``engine.json`` and refuses a mismatch with a line naming what differs.
+(GPU name, compute capability, TensorRT and CUDA versions, profile shapes, the digest of the trt graphs'
+files it was built from and of the engine file itself). Loading compares the machine with ``engine.json``
+and refuses a mismatch with a line naming what differs; an engine of older graph files (the bundle rebuilt
+in place, new weights under the same graph) or whose file changed or was cut short counts as no engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lineside.bundle import Manifest
 from lineside.errors import BundleError
 
 ENGINES_DIR = "engines"
 ENGINE_FILE = "model.engine"
 ENGINE_JSON = "engine.json"
 TIMING_CACHE = "timing.cache"
+CONTENT_FIELD = "content_sha256"  # engine.json: digest of the trt graphs' files (graph_files_sha)
+SEAL_FIELDS = ("engine_bytes", "engine_sha256")  # engine.json: the engine file's size and sha256
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,48 @@ def rebuild_hint(bundle_path: Path) -> str:
     return f"rebuild it here with `lineside engine {bundle_path}`"
 
 
+def graph_files_sha(manifest: Manifest) -> str | None:
+    """One digest of every file in the trt graph's folder (the graph, its LoRA graph and their weights) as the
+    manifest lists them: the graph file alone names its weights by offset, not content, so a bundle rebuilt with
+    new weights of the same shapes has the same graph sha256 and needs a new engine all the same."""
+    entry = manifest.flavors.get("trt")
+    if entry is None:
+        return None
+    folder = entry.graph.rpartition("/")[0] + "/"
+    shas = [f"{rel}:{f.sha256}" for rel, f in sorted(manifest.files.items()) if rel.startswith(folder)]
+    return hashlib.sha256("\n".join(shas).encode()).hexdigest() if shas else None
+
+
+def engine_seal(data: bytes) -> dict[str, Any]:
+    """The engine.json fields that tie it to its engine file's exact bytes."""
+    return {"engine_bytes": len(data), "engine_sha256": hashlib.sha256(data).hexdigest()}
+
+
+def engine_damage(d: Path, meta: dict[str, Any], data: bytes | None = None) -> str | None:
+    """Why ``d``'s engine file is not the one its engine.json was written for (cut short by a full disk or a
+    kill, changed on disk, replaced by another build meanwhile), or None when it is (or engine.json predates
+    the seal). TensorRT would deserialize a damaged plan blindly: at best an error, at worst a crash."""
+    if not all(f in meta for f in SEAL_FIELDS):
+        return None
+    path = d / ENGINE_FILE
+    try:
+        raw = path.read_bytes() if data is None else data
+    except OSError as e:
+        return f"cannot read {path} ({e.strerror or type(e).__name__})"
+    if len(raw) != int(meta["engine_bytes"]):
+        return f"{path} has {len(raw)} bytes, {d / ENGINE_JSON} says {meta['engine_bytes']} (cut short or replaced)"
+    if hashlib.sha256(raw).hexdigest() != meta["engine_sha256"]:
+        return f"{path} does not match the sha256 in {d / ENGINE_JSON} (changed on disk or replaced)"
+    return None
+
+
+def _fresh(meta: dict[str, Any], graph_sha256: str | None, content: str | None) -> bool:
+    """Built from the graph files the bundle lists now (a record without a field is not held against it)."""
+    if graph_sha256 and meta.get("graph_sha256") not in (None, graph_sha256):
+        return False
+    return not (content and meta.get(CONTENT_FIELD) not in (None, content))
+
+
 def list_engines(bundle_path: Path) -> list[tuple[Path, dict[str, Any]]]:
     root = Path(bundle_path) / ENGINES_DIR
     out = []
@@ -101,9 +149,9 @@ def lora_engine_dir(bundle_path: Path, key: MachineKey, max_loras: int, max_rank
 
 
 def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = None,
-                lora: tuple[int, int] | None = None) -> tuple[Path, dict[str, Any]]:
+                lora: tuple[int, int] | None = None, content: str | None = None) -> tuple[Path, dict[str, Any]]:
     """The engine directory built for ``here`` (from the LoRA graph with ``lora`` = (slots, rank) when given),
-    or a BundleError saying what differs and how to rebuild."""
+    or a BundleError saying what differs and how to rebuild; ``content``: the bundle's graph_files_sha."""
     bundle_path = Path(bundle_path)
     engines = [(d, m) for d, m in list_engines(bundle_path) if lora_of(m) == lora]
     if lora is not None and not any(key_of(m) == here for _, m in engines):
@@ -113,8 +161,8 @@ def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = 
         if key_of(meta) == here:
             if not (d / ENGINE_FILE).is_file():
                 raise BundleError(f"{d}/{ENGINE_FILE} is missing; {rebuild_hint(bundle_path)}")
-            if graph_sha256 and meta.get("graph_sha256") not in (None, graph_sha256):
-                raise BundleError(f"engine {d.name} was built from an older trt graph of this bundle; "
+            if not _fresh(meta, graph_sha256, content):
+                raise BundleError(f"engine {d.name} was built from an older trt graph or weights of this bundle; "
                                   f"{rebuild_hint(bundle_path)}")
             return d, meta
     if not engines:
@@ -137,5 +185,11 @@ def key_of(meta: dict[str, Any]) -> MachineKey | None:
         return None
 
 
-def has_engine_for(bundle_path: Path, here: MachineKey) -> bool:
-    return any(key_of(m) == here and (d / ENGINE_FILE).is_file() for d, m in list_engines(Path(bundle_path)))
+def has_engine_for(bundle_path: Path, here: MachineKey, manifest: Manifest | None = None) -> bool:
+    """Whether the bundle holds a base-graph engine for ``here`` that can be loaded as it is: built from the graph
+    files ``manifest`` lists now (when given), its file whole. A LoRA engine does not count: serve needs the base."""
+    graph_sha = manifest.graph_sha("trt") if manifest is not None else None
+    content = graph_files_sha(manifest) if manifest is not None else None
+    return any(key_of(m) == here and lora_of(m) is None and (d / ENGINE_FILE).is_file()
+               and _fresh(m, graph_sha, content) and engine_damage(d, m) is None
+               for d, m in list_engines(Path(bundle_path)))
