@@ -1,5 +1,7 @@
 """Build the TensorRT engine only when the bundle has none for this machine (first start on a device).
 
+A read-only bundle's engine is built into, and found in, the per-user cache (see runtime/tensorrt/key.py).
+
 Used by the container entrypoint and the systemd unit's ExecStartPre: `lineside engine` always
 rebuilds (minutes on an Orin), so every restart would otherwise pay for it. On a Jetson the planner
 picks the engine's prefill chunk (``--max-prefill``) when the engine options pin none: the largest that
@@ -62,7 +64,8 @@ def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "",
                   sysroot: str | os.PathLike[str] = "/") -> tuple[bool, str]:
     """(built now?, machine key). Runs `lineside engine BUNDLE ENGINE_ARGS` when no engine matches (with the
     planner's --max-prefill on a Jetson when ENGINE_ARGS pins none)."""
-    from lineside.runtime.tensorrt.key import ENGINES_DIR, has_engine_for, machine_key
+    from lineside import user_cache
+    from lineside.runtime.tensorrt.key import ENGINES_DIR, USER_FOLDER, has_engine_for, machine_key
 
     path = Path(bundle)
     manifest = read_manifest(path)  # one line if this is not a bundle
@@ -76,9 +79,10 @@ def ensure_engine(bundle: str | os.PathLike[str], engine_args: str = "",
         return False, here.key
     engines = path / ENGINES_DIR
     writable = os.access(engines if engines.is_dir() else path, os.W_OK)
-    if not writable:
-        raise LinesideError(f"{path} has no engine for this machine ({here.key}) and is read-only; mount it "
-                           f"writable (the engine is kept in {engines}) or run `lineside engine {path}` elsewhere")
+    if not writable and user_cache.folder(USER_FOLDER) is None:  # else `lineside engine` keeps it in that cache
+        raise LinesideError(f"{path} has no engine for this machine ({here.key}) and is read-only, and there is no "
+                            f"writable per-user cache to build one into; mount the bundle writable (the engine is "
+                            f"kept in {engines}) or set {user_cache.ENV_DIR} to a directory only this user can write to")
     engine_args, why = planned_engine_args(path, engine_args, sysroot)
     if why:
         print(why, file=sys.stderr)

@@ -46,7 +46,9 @@ from lineside.runtime.tensorrt.key import (
     graph_files_sha,
     lora_engine_dir,
     machine_key,
+    user_engines,
 )
+from lineside.user_cache import ENV_DIR as USER_CACHE_ENV
 
 BUILD_LOCK = ".build.lock"  # in the engine directory: one build of an engine at a time
 
@@ -134,7 +136,7 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
         graph_sha = bundle.manifest.files[graph].sha256
     out = engine_dir(bundle.path, key) if lora_meta is None else \
         lora_engine_dir(bundle.path, key, lora_meta["max_loras"], lora_meta["max_rank"])
-    out.mkdir(parents=True, exist_ok=True)
+    out = _writable_out(bundle, out, console)
     lock_fd = os.open(out / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if lock_exclusive(lock_fd, wait=False) == LockState.BUSY:
@@ -144,6 +146,28 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     finally:
         os.close(lock_fd)  # releases the lock
     return out
+
+
+def _writable_out(bundle: Bundle, out: Path, console: Console) -> Path:
+    """``out`` when the bundle's engines/ can be written to; else (a read-only mount, another user's bundle) the
+    same engine directory in the per-user cache, said in one line, before minutes of building are spent."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+        return out
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+    root = user_engines(graph_files_sha(bundle.manifest), make=True)
+    if root is None:
+        raise EngineBuildError(f"{bundle.path} can't be written to ({why}) and there is no per-user cache to keep its "
+                               f"engine in; mount the bundle writable, or set {USER_CACHE_ENV} to a directory only "
+                               "you can write to")
+    mine = root / out.name
+    mine.mkdir(exist_ok=True)
+    say(console, f"note: {bundle.path} can't be written to ({why}): the engine goes to {mine}")
+    return mine
 
 
 def _build_locked(trt: Any, key: MachineKey, bundle: Bundle, fl: Any, graph: str, graph_sha: str | None,

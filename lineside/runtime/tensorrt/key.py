@@ -1,6 +1,7 @@
 """Engine keys: an engine runs only on the GPU model and TensorRT version it was built with.
 
-Engines live under ``BUNDLE/engines/<key>/`` with ``model.engine`` and a small ``engine.json``
+Engines live under ``BUNDLE/engines/<key>/`` (a bundle that can't be written to: under the per-user cache,
+``engines/<digest of the trt graph's files>/<key>/``, see user_cache) with ``model.engine`` and a small ``engine.json``
 (GPU name, compute capability, TensorRT and CUDA versions, profile shapes, the digest of the trt graphs'
 files it was built from and of the engine file itself). Loading compares the machine with ``engine.json``
 and refuses a mismatch with a line naming what differs; an engine of older graph files (the bundle rebuilt
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lineside import user_cache
 from lineside.bundle import Manifest
 from lineside.errors import BundleError
 
@@ -25,6 +27,7 @@ ENGINE_JSON = "engine.json"
 TIMING_CACHE = "timing.cache"
 CONTENT_FIELD = "content_sha256"  # engine.json: digest of the trt graphs' files (graph_files_sha)
 SEAL_FIELDS = ("engine_bytes", "engine_sha256")  # engine.json: the engine file's size and sha256
+USER_FOLDER = "engines"  # under the per-user cache directory, for bundles that can't be written to
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,20 @@ def engine_dir(bundle_path: Path, key: MachineKey) -> Path:
     return Path(bundle_path) / ENGINES_DIR / key.key
 
 
+def user_engines(content: str | None, make: bool = False) -> Path | None:
+    """Where a read-only bundle's engines are kept in the per-user cache: one folder per content of its trt graph
+    files, so a copy of the bundle elsewhere shares them and a rebuilt one never does (None: no such cache)."""
+    if not content:
+        return None
+    base = user_cache.folder(USER_FOLDER, make=make)
+    if base is None:
+        return None
+    path = base / content[:32]
+    if make:
+        path.mkdir(exist_ok=True, mode=0o700)
+    return path if path.is_dir() else None
+
+
 def rebuild_hint(bundle_path: Path) -> str:
     return f"rebuild it here with `lineside engine {bundle_path}`"
 
@@ -121,10 +138,12 @@ def _fresh(meta: dict[str, Any], graph_sha256: str | None, content: str | None) 
     return not (content and meta.get(CONTENT_FIELD) not in (None, content))
 
 
-def list_engines(bundle_path: Path) -> list[tuple[Path, dict[str, Any]]]:
-    root = Path(bundle_path) / ENGINES_DIR
+def list_engines(bundle_path: Path, content: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
+    """The engines beside the bundle, then (given its graph_files_sha ``content``) those in the per-user cache."""
     out = []
-    if root.is_dir():
+    for root in (Path(bundle_path) / ENGINES_DIR, user_engines(content)):
+        if root is None or not root.is_dir():
+            continue
         for d in sorted(root.iterdir()):
             meta = d / ENGINE_JSON
             if meta.is_file():
@@ -153,18 +172,19 @@ def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = 
     """The engine directory built for ``here`` (from the LoRA graph with ``lora`` = (slots, rank) when given),
     or a BundleError saying what differs and how to rebuild; ``content``: the bundle's graph_files_sha."""
     bundle_path = Path(bundle_path)
-    engines = [(d, m) for d, m in list_engines(bundle_path) if lora_of(m) == lora]
+    engines = [(d, m) for d, m in list_engines(bundle_path, content) if lora_of(m) == lora]
     if lora is not None and not any(key_of(m) == here for _, m in engines):
         raise BundleError(f"no TensorRT engine for {lora[0]} LoRA slots of rank {lora[1]} in {bundle_path}; build "
                           f"one with `lineside engine {bundle_path} --max-loras {lora[0]} --max-lora-rank {lora[1]}`")
-    for d, meta in engines:
-        if key_of(meta) == here:
-            if not (d / ENGINE_FILE).is_file():
-                raise BundleError(f"{d}/{ENGINE_FILE} is missing; {rebuild_hint(bundle_path)}")
-            if not _fresh(meta, graph_sha256, content):
-                raise BundleError(f"engine {d.name} was built from an older trt graph or weights of this bundle; "
-                                  f"{rebuild_hint(bundle_path)}")
+    mine = [(d, m) for d, m in engines if key_of(m) == here]
+    for d, meta in mine:  # beside the bundle first; a stale one there does not hide a good one in the user cache
+        if (d / ENGINE_FILE).is_file() and _fresh(meta, graph_sha256, content):
             return d, meta
+    for d, _meta in mine:
+        if not (d / ENGINE_FILE).is_file():
+            raise BundleError(f"{d}/{ENGINE_FILE} is missing; {rebuild_hint(bundle_path)}")
+        raise BundleError(f"engine {d.name} was built from an older trt graph or weights of this bundle; "
+                          f"{rebuild_hint(bundle_path)}")
     if not engines:
         raise BundleError(f"no TensorRT engine in {bundle_path} (this machine's key is {here.key}); "
                           f"build one with `lineside engine {bundle_path}`")
@@ -192,4 +212,4 @@ def has_engine_for(bundle_path: Path, here: MachineKey, manifest: Manifest | Non
     content = graph_files_sha(manifest) if manifest is not None else None
     return any(key_of(m) == here and lora_of(m) is None and (d / ENGINE_FILE).is_file()
                and _fresh(m, graph_sha, content) and engine_damage(d, m) is None
-               for d, m in list_engines(Path(bundle_path)))
+               for d, m in list_engines(Path(bundle_path), content))

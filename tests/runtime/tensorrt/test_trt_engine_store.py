@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,3 +150,80 @@ def test_disk_full_while_writing_the_engine_is_one_line_and_leaves_no_temporary(
     assert "\n" not in msg and "No space left on device" in msg and "free space" in msg
     assert not [p.name for p in d.iterdir() if p.name.endswith(".tmp")]  # an engine-sized temporary is not left
     assert not keymod.has_engine_for(b.path, _here(), b.manifest)  # and the old record does not claim the new file
+
+
+def _build(b):
+    from lineside.build.tensorrt.builder import BuildOptions, build_engine
+
+    out = io.StringIO()
+    d = build_engine(b.path, BuildOptions(**OPTS), console=Console(file=out, width=300))
+    return d, out.getvalue()
+
+
+def test_read_only_bundle_builds_its_engine_into_the_user_cache_and_serves_from_it(engine_bundle, read_only,
+                                                                                  tmp_path):
+    import shutil
+
+    from lineside.runtime.select import decide_backend
+    from lineside.runtime.tensorrt.backend import TensorRTBackend
+
+    b = engine_bundle
+    shutil.rmtree(b.path / keymod.ENGINES_DIR)  # shipped without an engine (jetson push never copies one)
+    read_only(b.path)
+    d, said = _build(b)
+    assert d.is_relative_to(tmp_path / "user-cache" / "engines") and d.name == _here().key
+    assert "can't be written to (Read-only file system): the engine goes to" in said
+    assert not list((b.path / keymod.ENGINES_DIR).glob("*/" + keymod.ENGINE_JSON))
+    assert keymod.has_engine_for(b.path, _here(), b.manifest)
+    assert decide_backend(b, "tensorrt").backend == "tensorrt"
+    TensorRTBackend(b, num_slots=2).close()
+    # a copy of the same bundle elsewhere shares it; a bundle with other weights never does
+    copy = tmp_path / "copy"
+    shutil.copytree(b.path, copy)
+    read_only(copy)
+    assert keymod.has_engine_for(copy, _here(), read_manifest(copy))
+    data = copy / "graphs/trt/model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))
+    write_manifest(copy, read_manifest(copy))
+    assert not keymod.has_engine_for(copy, _here(), read_manifest(copy))
+    # a damaged engine in the user cache is refused before TensorRT reads it, and the next build replaces it
+    (d / keymod.ENGINE_FILE).write_bytes((d / keymod.ENGINE_FILE).read_bytes()[:-7])
+    with pytest.raises(BackendUnavailable, match="cut short"):
+        TensorRTBackend(b, num_slots=2)
+    assert _build(b)[0] == d
+    TensorRTBackend(b, num_slots=2).close()
+
+
+def test_read_only_bundle_without_a_user_cache_is_one_line_before_building(engine_bundle, read_only, tmp_path,
+                                                                          monkeypatch):
+    from lineside import user_cache
+
+    b = engine_bundle
+    read_only(b.path)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(user_cache.ENV_DIR, str(blocker / "cache"))
+    with pytest.raises(LinesideError) as e:
+        _build(b)
+    msg = str(e.value)
+    assert "\n" not in msg and "can't be written to" in msg and "LINESIDE_CACHE_DIR" in msg
+
+
+def test_ensure_engine_builds_a_read_only_bundles_engine_into_the_user_cache(engine_bundle, read_only, monkeypatch):
+    # ensure-engine refused every read-only bundle ("mount it writable"), though `lineside engine` can keep the
+    # engine in the per-user cache
+    import shutil
+
+    from lineside.jetson import ensure_engine as eng
+
+    b = engine_bundle
+    shutil.rmtree(b.path / keymod.ENGINES_DIR)
+    read_only(b.path)
+    real_access = eng.os.access
+    monkeypatch.setattr(eng.os, "access", lambda p, mode: False if Path(p).is_relative_to(b.path)
+                        else real_access(p, mode))  # as on a read-only mount (root passes os.access)
+    calls = []
+    monkeypatch.setattr(eng.subprocess, "run", lambda cmd: calls.append(cmd) or eng.subprocess.CompletedProcess(cmd, 0))
+    assert eng.ensure_engine(b.path) == (True, _here().key) and calls[0][-2:] == ["engine", str(b.path)]
