@@ -13,19 +13,22 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
-from lineside.bench.metrics import RequestRecord
+from lineside.bench.metrics import RequestRecord, TokenSource
 from lineside.bench.prompts import Prompt
+
+__all__ = ["ClientConfig", "TokenSource", "feed", "first_model", "send"]
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """Where and what to send; t0 is the run's perf_counter origin so records share one clock."""
+    """Where and what to send; the run's t0 is a `clock` reading, so records share one clock."""
 
     base_url: str
     endpoint: str = "completions"
@@ -37,6 +40,9 @@ class ClientConfig:
     chunks: int = 0  # > 0: feed each prompt to /v1/prefill in this many pieces first
     chunk_interval: float = 1.0  # seconds between two pieces (the pace the prompt "arrives" at)
     api_key: str = ""  # sent as 'Authorization: Bearer <key>' (a server run with `serve --api-key`)
+    # tokens in a piece of output text (the bundle's or --tokenizer's): counts output when the server sends no usage
+    count_tokens: Callable[[str], int] | None = None
+    clock: Callable[[], float] = time.perf_counter  # every timestamp (tests inject one)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -100,34 +106,90 @@ async def feed(client: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt, ses
             raise RuntimeError(f"prefill HTTP {resp.status_code}: {_refused(resp.status_code, resp.text)}")
 
 
+@dataclass
+class _Streamed:
+    """What one streaming call returned besides its chunk times: its usage, if sent, and each choice's text."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    texts: dict[int, str] = field(default_factory=dict)
+
+
+def _cut_off(done: bool, events: int, finished: set[int], texts: dict[int, str], content_type: str) -> str | None:
+    """Why a stream that ended is not a whole answer, or None: an OpenAI stream ends with [DONE] (or, from servers
+    that leave it out, with a finish_reason on every choice); a body that just stops was cut off."""
+    if done:
+        return None
+    if not events:
+        return (f"the answer was not an SSE stream (Content-Type {content_type or 'none'}, no 'data:' event); "
+                "is --url an OpenAI-compatible server that streams?")
+    if texts and set(texts) <= finished:
+        return None
+    return "the stream ended before [DONE] and with no finish_reason: cut off (a server or proxy dropped it)"
+
+
 async def _stream(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Prompt], t0: float,
-                  rec: RequestRecord, index_offset: int,
-                  headers: dict[str, str] | None = None) -> tuple[int | None, int | None]:
-    """POST one streaming request; append chunk times to rec; returns (prompt, completion) usage if sent."""
+                  rec: RequestRecord, index_offset: int, headers: dict[str, str] | None = None) -> _Streamed:
+    """POST one streaming request; append chunk times to rec; returns its usage (if sent) and choice texts."""
     chat = cfg.endpoint == "chat"
-    usage = (None, None)
+    out = _Streamed()
+    done, events, finished = False, 0, set()
     async with client.stream("POST", cfg.base_url.rstrip("/") + ENDPOINTS[cfg.endpoint],
                              json=_payload(cfg, prompts), headers=headers) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode("utf-8", "replace")
             raise RuntimeError(f"HTTP {resp.status_code}: {_refused(resp.status_code, body)}")
         async for line in resp.aiter_lines():
-            now = time.perf_counter() - t0
+            now = cfg.clock() - t0
             if not line.startswith("data:"):
                 continue
+            events += 1
             data = line[5:].strip()
             if data == "[DONE]":
+                done = True
                 break
             obj = json.loads(data)
             if "error" in obj:
                 raise RuntimeError(f"stream error: {obj['error'].get('message', obj['error'])}")
             for choice in obj.get("choices") or ():
-                if _chunk_text(choice, chat):
-                    rec.chunk_times.setdefault(index_offset + int(choice.get("index", 0)), []).append(now)
+                idx = index_offset + int(choice.get("index", 0))
+                text = _chunk_text(choice, chat)
+                if text:
+                    rec.chunk_times.setdefault(idx, []).append(now)
+                    out.texts[idx] = out.texts.get(idx, "") + text
+                if choice.get("finish_reason"):
+                    finished.add(idx)
             u = obj.get("usage")
             if u:
-                usage = (u.get("prompt_tokens"), u.get("completion_tokens"))
-    return usage
+                out.prompt_tokens, out.completion_tokens = u.get("prompt_tokens"), u.get("completion_tokens")
+        why = _cut_off(done, events, finished, out.texts, resp.headers.get("content-type", ""))
+    if why:
+        raise RuntimeError(why)
+    return out
+
+
+def _count_output(rec: RequestRecord, streams: list[_Streamed], count_tokens: Callable[[str], int] | None) -> None:
+    """Set rec's per-choice and total output tokens as vLLM's bench counts them: the stream's usage, else the
+    generated text's tokens (a chunk may carry several: speculative decoding, a detokenizer holding a partial
+    character back), else one per chunk. A list prompt's usage is the request's total, so its choices are
+    counted from their text when a tokenizer is known."""
+    texts = {i: t for s in streams for i, t in s.texts.items()}
+    chunks = {i: len(t) for i, t in rec.chunk_times.items()}
+    if count_tokens is not None and streams:  # a failed request's texts are not kept: its chunks are counted
+        per_choice, source = {i: max(1, count_tokens(texts.get(i, ""))) for i in chunks}, TokenSource.TOKENIZER
+    else:
+        per_choice, source = chunks, TokenSource.CHUNKS
+    usage = [s.completion_tokens for s in streams]
+    if streams and all(u is not None for u in usage):
+        source = TokenSource.USAGE
+        if len(streams) > 1:  # chat: one call per prompt, each with its own usage
+            per_choice = {i: int(u) for i, u in enumerate(usage) if i in chunks}
+        elif len(chunks) == 1:
+            per_choice = {i: int(usage[0]) for i in chunks}
+        rec.output_tokens = int(sum(usage)) if len(streams) > 1 else int(usage[0])
+    else:
+        rec.output_tokens = sum(per_choice.values())
+    rec.choice_tokens, rec.token_source = per_choice, source
 
 
 async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Prompt], t0: float) -> RequestRecord:
@@ -138,7 +200,7 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Promp
     if sessions:  # each prompt arrives in chunks first; the record starts at its completion
         fed = await asyncio.gather(*(feed(client, cfg, g[0], sid) for g, sid in zip(groups, sessions, strict=True)),
                                    return_exceptions=True)
-    rec = RequestRecord(start=time.perf_counter() - t0, end=0.0, prompts=len(prompts))
+    rec = RequestRecord(start=cfg.clock() - t0, end=0.0, prompts=len(prompts))
     failed = [e for e in fed if isinstance(e, BaseException)]
     if failed:
         outcomes: list = failed
@@ -147,7 +209,7 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Promp
                                                   {"X-Session-Id": sessions[i]} if sessions else None)
                                           for i, g in enumerate(groups)), return_exceptions=True)
     errors = [e for e in outcomes if isinstance(e, BaseException)]
-    results = [] if errors else list(outcomes)
+    streams: list[_Streamed] = [] if errors else list(outcomes)
     if errors:
         e = errors[0]
         if isinstance(e, asyncio.CancelledError):
@@ -156,18 +218,9 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Promp
             rec.error = f"{type(e).__name__}: nothing received for {cfg.timeout:g}s (--timeout)"
         else:
             rec.error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
-    rec.end = time.perf_counter() - t0
-    rec.choice_tokens = {i: len(t) for i, t in rec.chunk_times.items()}
-    completion = [c for _, c in results]
-    if len(groups) == len(completion) == len(rec.chunk_times) and all(c is not None for c in completion):
-        # one choice per stream: the server's own token counts replace chunk counts
-        for i, c in enumerate(completion):
-            if i in rec.choice_tokens:
-                rec.choice_tokens[i] = int(c)
-    rec.output_tokens = sum(rec.choice_tokens.values())
-    if len(groups) == 1 and completion and completion[0] is not None:
-        rec.output_tokens = int(completion[0])  # completions with a list prompt: usage is the total
-    prompt_usage = [p for p, _ in results if p is not None]
+    rec.end = cfg.clock() - t0
+    _count_output(rec, streams, cfg.count_tokens)
+    prompt_usage = [s.prompt_tokens for s in streams if s.prompt_tokens is not None]
     rec.prompt_tokens = sum(prompt_usage) if prompt_usage else sum(p.tokens for p in prompts)
     return rec
 

@@ -40,6 +40,11 @@ def _tokenizer(tokenizer: Path | None, bundle: Path | None):
     return None
 
 
+def _token_counter(tok):
+    """Tokens in a streamed text (no special tokens): the output count where a server sends no usage."""
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
 def bench(
     url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server: http://HOST:PORT (a trailing /v1 is fine)."),
     bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
@@ -141,11 +146,13 @@ def bench(
     from lineside.bench.load import make_schedule
     from lineside.bench.prompts import PromptPool, parse_range
     from lineside.bench.report import (
+        chunk_count_warning,
         failure_line,
         machine_load,
         machine_record,
         print_summary,
         summarize_run,
+        token_sources,
         warn_if_loaded,
         write_report,
     )
@@ -168,7 +175,8 @@ def bench(
     if not schedule.closed_loop and not schedule.arrivals:
         raise LinesideError("the schedule sends no request; raise --rate, --duration or --num-requests")
     needed = sum(a.prompts for a in schedule.arrivals) or (num_requests or 256)
-    prompts = _prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed, _tokenizer(tokenizer, bundle))
+    tok = _tokenizer(tokenizer, bundle)
+    prompts = _prompts(prompts_file, prompt_len, min(needed, 512) + warmup, seed, tok)
     if endpoint == "completions" and any(a.prompts > 1 for a in schedule.arrivals) and \
             len({p.max_tokens or max_tokens for p in prompts}) > 1:  # a list prompt has one max_tokens
         raise LinesideError(f"{prompts_file}: its lines ask for different \"max_tokens\", and one /v1/completions "
@@ -185,7 +193,8 @@ def bench(
     cfg = ClientConfig(base_url=url or "", endpoint=endpoint, model=model, max_tokens=max_tokens,
                        temperature=temperature, ignore_eos=ignore_eos, timeout=timeout,
                        chunks=chunks if pattern == "chunked" else 0, chunk_interval=chunk_interval,
-                       api_key=(api_key or "") if url is not None else "")
+                       api_key=(api_key or "") if url is not None else "",
+                       count_tokens=None if tok is None else _token_counter(tok))
 
     load_before = machine_load()
     warn_if_loaded(load_before, console)
@@ -227,9 +236,14 @@ def bench(
     if ppr or pattern == "burst":
         meta["prompts_per_request"] = prompts_per_request or "1:3"
     meta["machine"] = machine_record(load_before, load_after)
+    sources = token_sources(result.records)
+    meta["output_tokens_from"] = sources
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
     say(console, f"backend: {backend} ({backend_reason})" if backend and backend_reason else
         f"backend: {backend}" if backend else "backend: not reported by the server (not lineside's?)")
+    counted = chunk_count_warning(sources)
+    if counted:
+        say(console, counted, style="yellow")
     if spec_delta.steps:
         meta["speculative"] = spec_delta.report()
         say(console, f"speculative decoding: {spec_delta.describe()}")

@@ -9,10 +9,20 @@ its TPOT and ITL are taken per choice, its output tokens summed over choices.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+
+
+class TokenSource(str, Enum):
+    """Where a request's output token counts came from: a chunk may carry several tokens, so only the first two
+    are token counts; `chunks` (no usage, no tokenizer) is a lower bound."""
+
+    USAGE = "usage"  # the stream's usage (stream_options.include_usage), as vLLM's bench takes it
+    TOKENIZER = "tokenizer"  # the streamed text encoded with the bundle's or --tokenizer's tokenizer, as vLLM falls back
+    CHUNKS = "chunks"  # one per streamed chunk that carried text
 
 
 @dataclass
@@ -26,20 +36,22 @@ class RequestRecord:
     output_tokens: int = 0
     # per choice index: arrival time of every streamed chunk that carried output (same clock as start)
     chunk_times: dict[int, list[float]] = field(default_factory=dict)
-    # per choice index: output tokens of that choice (from the server's usage, else one per chunk)
+    # per choice index: output tokens of that choice (see token_source)
     choice_tokens: dict[int, int] = field(default_factory=dict)
     error: str | None = None
+    token_source: TokenSource = TokenSource.USAGE
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.output_tokens > 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "token_source": self.token_source.value}
 
     @classmethod
     def from_dict(cls, d: dict) -> RequestRecord:
         d = dict(d)
+        d["token_source"] = TokenSource(d.get("token_source", TokenSource.USAGE.value))
         d["chunk_times"] = {int(k): list(v) for k, v in d.get("chunk_times", {}).items()}
         d["choice_tokens"] = {int(k): int(v) for k, v in d.get("choice_tokens", {}).items()}
         return cls(**d)

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from lineside.bench.metrics import RequestRecord, Summary, summarize
+from lineside.bench.metrics import RequestRecord, Summary, TokenSource, summarize
 from lineside.console_line import say
 from lineside.errors import LinesideError
 
@@ -248,6 +248,26 @@ def failure_line(records: list[RequestRecord], summary: Summary) -> str | None:
         return f"no request succeeded out of {summary.requests} ({n} of them: {common}{others})"
     return (f"{summary.failed} of {summary.requests} requests failed ({n} of them: {common}{others}); the numbers "
             f"above count only the {summary.completed} that succeeded")
+
+
+def token_sources(records: list[RequestRecord]) -> dict[str, int]:
+    """How many successful requests had their output tokens from each source (usage, tokenizer, chunks)."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.ok:
+            out[r.token_source.value] = out.get(r.token_source.value, 0) + 1
+    return out
+
+
+def chunk_count_warning(sources: dict[str, int]) -> str | None:
+    """One line when output tokens were counted one per chunk: a chunk may carry several tokens, so output
+    throughput and TPOT are then too low and too high, and not comparable with vLLM's numbers."""
+    n = sources.get(TokenSource.CHUNKS.value, 0)
+    if not n:
+        return None
+    return (f"warning: the server sent no usage for {n} request(s) (stream_options.include_usage) and no tokenizer "
+            "is known, so their output tokens were counted one per streamed chunk (a lower bound: a chunk may carry "
+            "several); pass --tokenizer PATH/tokenizer.json to count them from the text")
 
 
 def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float | None,

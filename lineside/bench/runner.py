@@ -35,7 +35,7 @@ async def _open_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: floa
     for a in schedule.arrivals:
         if a.time >= deadline:
             break
-        delay = a.time - (time.perf_counter() - t0)
+        delay = a.time - (cfg.clock() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(client, cfg, pool.take(a.prompts), t0)))
@@ -50,18 +50,18 @@ async def _closed_loop(client, cfg, schedule: Schedule, pool: PromptPool, t0: fl
         nonlocal issued
         if schedule.max_requests and issued >= schedule.max_requests:
             return False
-        if schedule.duration and time.perf_counter() - t0 >= schedule.duration:
+        if schedule.duration and cfg.clock() - t0 >= schedule.duration:
             return False
         issued += 1
         return True
 
     async def worker() -> None:
         while more():
-            start = time.perf_counter() - t0
+            start = cfg.clock() - t0
             try:
                 records.append(await send(client, cfg, pool.take(1), t0))
             except asyncio.CancelledError:  # the run's deadline: in flight, so failed (as the open loop's)
-                records.append(RequestRecord(start=start, end=time.perf_counter() - t0,
+                records.append(RequestRecord(start=start, end=cfg.clock() - t0,
                                              error="cancelled at the run's deadline"))
                 raise
 
@@ -101,9 +101,9 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
                                    "is the server running? or pass --model") from None
         cfg = ClientConfig(**{**cfg.__dict__, "base_url": url, "model": model})
         for _ in range(warmup):
-            await send(client, cfg, pool.take(1), time.perf_counter())
+            await send(client, cfg, pool.take(1), cfg.clock())
         started = time.time()
-        t0 = time.perf_counter()
+        t0 = cfg.clock()
         records: list[RequestRecord] = []
         if schedule.closed_loop:
             work = asyncio.ensure_future(_closed_loop(client, cfg, schedule, pool, t0, records))
@@ -114,12 +114,12 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
         else:
             scheduler = asyncio.ensure_future(_open_loop(client, cfg, schedule, pool, t0, deadline))
             tasks = await scheduler
-            remaining = max(0.0, deadline - (time.perf_counter() - t0))
+            remaining = max(0.0, deadline - (cfg.clock() - t0))
             done, pending = await asyncio.wait(tasks, timeout=remaining) if tasks else (set(), set())
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            now = time.perf_counter() - t0
+            now = cfg.clock() - t0
             for t in tasks:
                 if t in done:
                     records.append(t.result())
@@ -127,7 +127,7 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
                 if t in pending:
                     records.append(RequestRecord(start=a.time, end=now, prompts=a.prompts,
                                                  error="cancelled at the run's deadline"))
-        duration = time.perf_counter() - t0
+        duration = cfg.clock() - t0
     return RunResult(records=records, duration=duration, model=model, started_at=started)
 
 

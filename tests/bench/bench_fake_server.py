@@ -4,7 +4,8 @@ Every choice streams `max_tokens` chunks of one token: the first after `ttft` se
 `step` seconds. A prompt containing FAIL gets an OpenAI-shaped 500; SLOW makes every step 1 s; THINK (chat)
 streams every token as a reasoning model's thinking (`delta.reasoning_content`, as `serve --reasoning-parser`). With
 ``api_key`` every route but /health/ready wants 'Authorization: Bearer <api_key>' (an OpenAI-shaped 401), as
-`lineside serve --api-key` does.
+`lineside serve --api-key` does. With ``tokens_per_chunk`` k every chunk carries k tokens (speculative decoding's
+way); with ``usage=False`` the server ignores stream_options.include_usage (as some servers do).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 
 def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model", api_key: str = "",
-             ready_body: dict | None = None) -> FastAPI:
+             ready_body: dict | None = None, tokens_per_chunk: int = 1, usage: bool = True) -> FastAPI:
     app = FastAPI()
     app.state.inflight = 0
     app.state.max_inflight = 0
@@ -58,14 +59,15 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
                 yield _sse({"object": "chat.completion.chunk", "created": created,
                             "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
             await asyncio.sleep(1.0 if slow else ttft)
-            for s in range(max_tokens):
+            for s in range(0, max_tokens, tokens_per_chunk):
                 if s:
                     await asyncio.sleep(1.0 if slow else step)
+                text = "".join(f" t{j}" for j in range(s, min(s + tokens_per_chunk, max_tokens)))
                 for i in range(len(prompts)):
-                    delta = {"reasoning_content": f" t{s}", "reasoning": f" t{s}"} if think else {"content": f" t{s}"}
-                    choice = {"index": i, "delta": delta} if chat else {"index": i, "text": f" t{s}"}
+                    delta = {"reasoning_content": text, "reasoning": text} if think else {"content": text}
+                    choice = {"index": i, "delta": delta} if chat else {"index": i, "text": text}
                     yield _sse({"object": "text_completion", "created": created, "choices": [choice]})
-            if include_usage:
+            if include_usage and usage:
                 yield _sse({"choices": [], "usage": {"prompt_tokens": sum(len(p.split()) for p in prompts),
                                                     "completion_tokens": max_tokens * len(prompts)}})
             yield "data: [DONE]\n\n"

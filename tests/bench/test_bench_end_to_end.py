@@ -336,3 +336,28 @@ def test_cli_a_server_that_is_down_is_one_line_before_the_run_with_model_given(t
     said = str(r.exception)
     assert isinstance(r.exception, LinesideError) and "cannot reach" in said and "is the server running" in said, said
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_counts_output_tokens_of_a_server_without_usage_from_the_text(tmp_path):
+    """A server that ignores include_usage and streams 2 tokens per chunk: one per chunk counted 4 of 8 tokens per
+    request (half the output throughput, twice the TPOT) with no word of it. With --tokenizer the streamed text is
+    counted (as vLLM's bench does); without one the run says its counts are chunks."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "8", "--warmup", "0", "--no-plots"]
+    with BackgroundServer(make_app(0.01, 0.002, tokens_per_chunk=2, usage=False), startup_timeout=20) as srv:
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args, "--tokenizer",
+                                           str(tmp_path / "tokenizer.json"), "--out", str(tmp_path / "a")])
+        assert r.exit_code == 0, (r.output, r.exception)
+        assert "counted one per streamed chunk" not in r.output
+        data = json.loads((tmp_path / "a" / "report.json").read_text())
+        assert data["summary"]["output_tokens"] == 16 and data["meta"]["output_tokens_from"] == {"tokenizer": 2}
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args, "--out", str(tmp_path / "b")])
+        assert r.exit_code == 0, (r.output, r.exception)
+        assert "counted one per streamed chunk" in " ".join(r.output.split()) and "--tokenizer" in r.output
+        data = json.loads((tmp_path / "b" / "report.json").read_text())
+        assert data["summary"]["output_tokens"] == 8 and data["meta"]["output_tokens_from"] == {"chunks": 2}
