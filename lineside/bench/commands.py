@@ -65,7 +65,8 @@ def bench(
     prompt_len: str = typer.Option("32:192", help="Synthetic prompt length range in tokens, MIN:MAX."),
     prompts_per_request: str = typer.Option(None, help="MIN:MAX prompts per request (burst default 1:3)."),
     prompts_file: Path = typer.Option(None, help="JSONL prompts ({\"prompt\"|\"text\"|\"messages\"}) instead."),
-    tokenizer: Path = typer.Option(None, help="tokenizer.json for exact synthetic lengths (default: bundle's)."),
+    tokenizer: Path = typer.Option(None, help="tokenizer.json for exact synthetic lengths and for counting output tokens of a server "
+                                                "that sends no usage (default: bundle's)."),
     max_tokens: int = num(64, low=1, help="max_tokens of every request."),
     temperature: float = num(0.0, kind=float, low=0, help="Sampling temperature (0 = greedy)."),
     ignore_eos: bool = typer.Option(False, help="Send ignore_eos=true (servers that support it)."),
@@ -90,7 +91,16 @@ def bench(
     force: bool = typer.Option(False, help="Replace an existing, non-empty --out directory."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Skip the PNG plots."),
 ) -> None:
-    """Load-test a server and report TTFT/TPOT/ITL/E2E percentiles, throughput and goodput."""
+    """Load-test a server and report TTFT/TPOT/ITL/E2E percentiles, throughput and goodput.
+
+    Definitions as vLLM `bench serve`'s (benchmarks/README.md has the table):
+
+    TTFT = send to first output chunk; E2E = send to end of stream; TPOT = (E2E - TTFT) / (output tokens - 1).
+
+    ITL = gaps between streamed chunks, one sample per chunk. Output tokens: usage, else --tokenizer's count.
+
+    Failed or cut-off requests count as failed and enter no latency; percentiles interpolate linearly.
+    """
     console = Console()
     if compare:
         from lineside.bench.report import compare as do_compare

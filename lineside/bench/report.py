@@ -102,9 +102,10 @@ def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRec
     """The human report: what was run, the numbers, the plots, and the errors if any."""
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta.get("started_at", time.time())))
     parts = [f"# lineside bench: {meta.get('model') or meta.get('target', '')}", "",
-             f"Run {when}. Metric definitions as vLLM `bench serve` / NVIDIA AIPerf: TTFT = first token "
-             "time − send time; TPOT = (E2E − TTFT)/(output tokens − 1); ITL = gaps between streamed chunks; "
-             "effective throughput = Σ output tokens / Σ E2E.", "", "## Setup", ""]
+             f"Run {when}. Metric definitions as vLLM `bench serve`: TTFT = first output chunk − send time; "
+             "TPOT = (E2E − TTFT)/(output tokens − 1) (AIPerf calls it ITL); ITL = gaps between streamed chunks, "
+             "one sample per chunk; percentiles by linear interpolation; failed requests are in no latency. "
+             "Effective throughput = Σ output tokens / Σ E2E.", "", "## Setup", ""]
     parts.append(_md_table(["setting", "value"], [[k, f"`{v}`"] for k, v in meta.items()
                                                   if k not in ("started_at", "machine") and v is not None]))
     machine = meta.get("machine")
