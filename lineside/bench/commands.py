@@ -77,6 +77,8 @@ def bench(
     seed: int = num(0, low=0, help="Seeds arrivals and synthetic prompts."),
     ttft_ms: float = num(None, kind=float, above=0, help="Goodput target: TTFT at most this many ms."),
     tpot_ms: float = num(None, kind=float, above=0, help="Goodput target: TPOT at most this many ms."),
+    e2el_ms: float = num(None, kind=float, above=0,
+                         help="Goodput target: E2E latency at most this many ms (vLLM's --goodput e2el:MS)."),
     timeout: float = num(60.0, kind=float, above=0, high=checks.MAX_SECONDS, help="Per-request timeout (s)."),
     max_time: float = num(600.0, kind=float, above=0, high=checks.MAX_SECONDS,
                           help="Hard cap on the whole run (s), past the last send; in-flight requests are cancelled."),
@@ -227,7 +229,7 @@ def bench(
         spec_delta = spec_counters(url, cfg.api_key) - before
     load_after = machine_load()
 
-    summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms)
+    summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms, e2el_ms)
     meta = {"target": url or f"bundle {bundle} (in-process)", "model": result.model,
             "backend": backend, "backend_reason": backend_reason, "endpoint": endpoint,
             "pattern": pattern, "rate": rate, "duration": duration, "num_requests": num_requests,

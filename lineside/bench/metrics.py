@@ -101,9 +101,13 @@ def percentiles(values: list[float], ps: tuple[int, ...] = PERCENTILES) -> dict[
     return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in ps}}
 
 
-def good(rec: RequestRecord, ttft_target: float | None, tpot_target: float | None) -> bool:
-    """A request counts toward goodput when it succeeded and met every target that was set."""
+def good(rec: RequestRecord, ttft_target: float | None, tpot_target: float | None,
+         e2e_target: float | None = None) -> bool:
+    """A request counts toward goodput when it succeeded and met every target that was set (vLLM's
+    `--goodput ttft: tpot: e2el:`; a 1-token answer has no TPOT and meets that target, as vLLM's TPOT 0 does)."""
     if not rec.ok:
+        return False
+    if e2e_target is not None and e2e(rec) > e2e_target:
         return False
     t = ttft(rec)
     if ttft_target is not None and (t is None or t > ttft_target):
@@ -132,13 +136,15 @@ class Summary:
     e2e: dict[str, float | None]
     ttft_target: float | None = None
     tpot_target: float | None = None
+    e2e_target: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def summarize(records: list[RequestRecord], duration: float | None = None,
-              ttft_target: float | None = None, tpot_target: float | None = None) -> Summary:
+              ttft_target: float | None = None, tpot_target: float | None = None,
+              e2e_target: float | None = None) -> Summary:
     """Aggregate request records; duration defaults to first send to last response end."""
     done = [r for r in records if r.ok]
     if duration is None:
@@ -146,7 +152,7 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
     out_tok = sum(r.output_tokens for r in done)
     sum_e2e = sum(e2e(r) for r in done)
     rate = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
-    targets = ttft_target is not None or tpot_target is not None
+    targets = ttft_target is not None or tpot_target is not None or e2e_target is not None
     return Summary(
         requests=len(records),
         completed=len(done),
@@ -157,13 +163,14 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
         request_throughput=rate(len(done)),
         output_throughput=rate(out_tok),
         effective_throughput=out_tok / sum_e2e if sum_e2e > 0 else 0.0,
-        goodput=rate(sum(good(r, ttft_target, tpot_target) for r in records)) if targets else None,
+        goodput=rate(sum(good(r, ttft_target, tpot_target, e2e_target) for r in records)) if targets else None,
         ttft=percentiles([t for r in done if (t := ttft(r)) is not None]),
         tpot=percentiles([t for r in done if (t := tpot(r)) is not None]),
         itl=percentiles([g for r in done for g in itls(r)]),
         e2e=percentiles([e2e(r) for r in done]),
         ttft_target=ttft_target,
         tpot_target=tpot_target,
+        e2e_target=e2e_target,
     )
 
 

@@ -123,8 +123,9 @@ def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRec
     rows += [["Requests completed / failed", f"{s.completed} / {s.failed}", ""],
              ["Prompt tokens / output tokens", f"{s.prompt_tokens} / {s.output_tokens}", "tokens"],
              ["Duration", f"{s.duration:.2f}", "s"]]
-    if s.ttft_target is not None or s.tpot_target is not None:
-        rows.append(["Goodput targets", f"TTFT ≤ {_ms(s.ttft_target)} ms, TPOT ≤ {_ms(s.tpot_target)} ms", ""])
+    if s.goodput is not None:
+        rows.append(["Goodput targets", f"TTFT ≤ {_ms(s.ttft_target)} ms, TPOT ≤ {_ms(s.tpot_target)} ms, "
+                                        f"E2E ≤ {_ms(s.e2e_target)} ms", ""])
     parts.append(_md_table(["metric", "value", "unit"], rows))
     if images:
         parts += ["", "## Plots", ""] + [f"![{Path(i).stem}]({i})" for i in images]
@@ -194,7 +195,8 @@ def setting_differences(meta_a: dict, meta_b: dict, a: Summary, b: Summary) -> l
     out = [differ(k, meta_a.get(k), meta_b.get(k)) for k in COMPARED_SETTINGS]
     if a.goodput is not None or b.goodput is not None:
         out += [differ("--ttft-ms", _ms(a.ttft_target), _ms(b.ttft_target)),
-                differ("--tpot-ms", _ms(a.tpot_target), _ms(b.tpot_target))]
+                differ("--tpot-ms", _ms(a.tpot_target), _ms(b.tpot_target)),
+                differ("--e2el-ms", _ms(a.e2e_target), _ms(b.e2e_target))]
     return [d for d in out if d is not None]
 
 
@@ -272,10 +274,12 @@ def chunk_count_warning(sources: dict[str, int]) -> str | None:
 
 
 def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float | None,
-                  tpot_ms: float | None) -> Summary:
+                  tpot_ms: float | None, e2e_ms: float | None = None) -> Summary:
     """summarize() with the CLI's millisecond targets."""
-    return summarize(records, duration, None if ttft_ms is None else ttft_ms / 1000.0,
-                     None if tpot_ms is None else tpot_ms / 1000.0)
+    def s(ms: float | None) -> float | None:
+        return None if ms is None else ms / 1000.0
+
+    return summarize(records, duration, s(ttft_ms), s(tpot_ms), s(e2e_ms))
 
 
 LOADED_PER_CPU = 0.25  # 1-minute load per CPU above which timings are not the machine's own

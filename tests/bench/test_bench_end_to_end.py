@@ -361,3 +361,18 @@ def test_cli_counts_output_tokens_of_a_server_without_usage_from_the_text(tmp_pa
         assert "counted one per streamed chunk" in " ".join(r.output.split()) and "--tokenizer" in r.output
         data = json.loads((tmp_path / "b" / "report.json").read_text())
         assert data["summary"]["output_tokens"] == 8 and data["meta"]["output_tokens_from"] == {"chunks": 2}
+
+
+def test_cli_goodput_with_an_e2el_target(server, tmp_path):
+    """--e2el-ms (vLLM's --goodput e2el:MS): every request here takes over 30 ms (the fake's TTFT), so a 1 ms target
+    leaves no goodput and a 10 s one keeps every request; the report names the target."""
+    args = ["bench", "--url", server.url, "--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2",
+            "--duration", "0", "--max-tokens", "3", "--warmup", "0", "--no-plots"]
+    for ms, want in (("1", 0.0), ("10000", 2.0)):
+        out = tmp_path / ms
+        r = CliRunner().invoke(cli_app(), [*args, "--e2el-ms", ms, "--out", str(out)])
+        assert r.exit_code == 0, (r.output, r.exception)
+        summary = json.loads((out / "report.json").read_text())["summary"]
+        assert summary["e2e_target"] == float(ms) / 1000
+        assert summary["goodput"] * summary["duration"] == pytest.approx(want)
+        assert f"E2E ≤ {float(ms):.1f} ms" in (out / "report.md").read_text()

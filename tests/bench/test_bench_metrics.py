@@ -120,3 +120,13 @@ def test_throughput_timeline_bins():
     t, rate = throughput_timeline([a, b], bin_s=1.0)
     np.testing.assert_allclose(t, [0.0, 1.0, 2.0])
     np.testing.assert_allclose(rate, [2.0, 1.0, 4.0])
+
+
+def test_goodput_with_an_e2e_target_as_vllms_e2el():
+    """vLLM's `--goodput e2el:MS` (a request good only if it ended within MS); goodput had only TTFT and TPOT."""
+    quick = rec(0.0, [0.1, 0.2], 0.3)           # e2e .3
+    long = rec(0.0, [0.1, 0.2, 0.3, 0.9], 0.9)  # e2e .9, ttft and tpot fine
+    failed = rec(0.0, [], 0.1, tokens=0, error="boom")
+    assert [good(r, 0.5, 0.5, 0.5) for r in (quick, long, failed)] == [True, False, False]
+    s = summarize([quick, long, failed], duration=2.0, e2e_target=0.5)
+    assert s.goodput == pytest.approx(1 / 2.0) and s.e2e_target == 0.5
