@@ -12,7 +12,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -176,6 +176,12 @@ class Manifest:
         entry = self.flavors.get(flavor)
         listed = self.files.get(entry.graph) if entry is not None else None
         return listed.sha256 if listed is not None else None
+
+    def files_digest(self, keep: Callable[[str], bool]) -> str | None:
+        """One sha256 over the listed digests of the files ``keep`` picks (None if it picks none): what a cache
+        built from those files (onnxruntime's optimized graph, a TensorRT engine) is keyed by."""
+        shas = [f"{rel}:{f.sha256}" for rel, f in sorted(self.files.items()) if keep(rel)]
+        return hashlib.sha256("\n".join(shas).encode()).hexdigest() if shas else None
 
     def to_json_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.extra)

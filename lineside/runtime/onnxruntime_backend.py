@@ -732,13 +732,10 @@ def _graph_files_sha(bundle: Bundle, graph: str) -> str | None:
     """One digest of the graph file and its external data files as the manifest lists them (None if it
     lists none): what onnxruntime's cached optimized graph is keyed by. The data files beside it count too
     (a layerskip draft graph reads the full graph's ``model.onnx.data``)."""
-    folder = graph.rpartition("/")[0] + "/"
-    shas = [f"{rel}:{meta.sha256}" for rel, meta in sorted(bundle.manifest.files.items())
-            if rel == graph or rel.startswith(graph + ".")
-            or (rel.startswith(folder) and rel.endswith(".onnx.data") and "/" not in rel[len(folder):])]
-    if not any(rel.startswith(graph + ":") for rel in shas):
+    if graph not in bundle.manifest.files:
         return None
-    import hashlib
-
-    return hashlib.sha256("\n".join(shas).encode()).hexdigest()
+    folder = graph.rpartition("/")[0] + "/"
+    return bundle.manifest.files_digest(
+        lambda rel: rel == graph or rel.startswith(graph + ".")
+        or (rel.startswith(folder) and rel.endswith(".onnx.data") and "/" not in rel[len(folder):]))
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from lineside import user_cache
 from lineside.bundle import Manifest
+from lineside.checksum_cache import ChecksumCache
 from lineside.errors import BundleError
 
 ENGINES_DIR = "engines"
@@ -104,8 +105,7 @@ def graph_files_sha(manifest: Manifest) -> str | None:
     if entry is None:
         return None
     folder = entry.graph.rpartition("/")[0] + "/"
-    shas = [f"{rel}:{f.sha256}" for rel, f in sorted(manifest.files.items()) if rel.startswith(folder)]
-    return hashlib.sha256("\n".join(shas).encode()).hexdigest() if shas else None
+    return manifest.files_digest(lambda rel: rel.startswith(folder))
 
 
 def engine_seal(data: bytes) -> dict[str, Any]:
@@ -116,18 +116,26 @@ def engine_seal(data: bytes) -> dict[str, Any]:
 def engine_damage(d: Path, meta: dict[str, Any], data: bytes | None = None) -> str | None:
     """Why ``d``'s engine file is not the one its engine.json was written for (cut short by a full disk or a
     kill, changed on disk, replaced by another build meanwhile), or None when it is (or engine.json predates
-    the seal). TensorRT would deserialize a damaged plan blindly: at best an error, at worst a crash."""
+    the seal). TensorRT would deserialize a damaged plan blindly: at best an error, at worst a crash. A file
+    hashed once is stamped (checksum_cache: inode, size, times) so later starts don't hash gigabytes again."""
     if not all(f in meta for f in SEAL_FIELDS):
         return None
     path = d / ENGINE_FILE
     try:
+        st = path.stat()
+        if st.st_size != int(meta["engine_bytes"]):
+            return f"{path} has {st.st_size} bytes, {d / ENGINE_JSON} says {meta['engine_bytes']} (cut short or replaced)"
+        sha = str(meta["engine_sha256"])
+        stamps = ChecksumCache(d, sha)
+        if stamps.known_good(ENGINE_FILE, st, sha):
+            return None
         raw = path.read_bytes() if data is None else data
     except OSError as e:
         return f"cannot read {path} ({e.strerror or type(e).__name__})"
-    if len(raw) != int(meta["engine_bytes"]):
-        return f"{path} has {len(raw)} bytes, {d / ENGINE_JSON} says {meta['engine_bytes']} (cut short or replaced)"
-    if hashlib.sha256(raw).hexdigest() != meta["engine_sha256"]:
+    if hashlib.sha256(raw).hexdigest() != sha:
         return f"{path} does not match the sha256 in {d / ENGINE_JSON} (changed on disk or replaced)"
+    stamps.add(ENGINE_FILE, st, sha)
+    stamps.save()
     return None
 
 

@@ -227,3 +227,29 @@ def test_ensure_engine_builds_a_read_only_bundles_engine_into_the_user_cache(eng
     calls = []
     monkeypatch.setattr(eng.subprocess, "run", lambda cmd: calls.append(cmd) or eng.subprocess.CompletedProcess(cmd, 0))
     assert eng.ensure_engine(b.path) == (True, _here().key) and calls[0][-2:] == ["engine", str(b.path)]
+
+
+def test_an_engine_hashed_once_is_not_hashed_again_until_it_changes(tmp_path, monkeypatch):
+    """An engine is gigabytes: hashing it at every start cost seconds on an Orin. The first check stamps it
+    (checksum_cache: inode, size, times); later checks trust the stamp, and a rewrite (same bytes, new ctime) or
+    a record for another digest is hashed again."""
+    d = tmp_path / "engines" / "k"
+    d.mkdir(parents=True)
+    data = bytes(range(256)) * 64
+    (d / keymod.ENGINE_FILE).write_bytes(data)
+    meta = keymod.engine_seal(data)
+    reads: list[Path] = []
+    real = Path.read_bytes
+
+    def counted(self: Path) -> bytes:
+        if self.name == keymod.ENGINE_FILE:
+            reads.append(self)
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    assert keymod.engine_damage(d, meta) is None and len(reads) == 1
+    assert keymod.engine_damage(d, meta) is None and len(reads) == 1  # stamped: not read again
+    (d / keymod.ENGINE_FILE).write_bytes(data)  # rewritten: its ctime moved, so it is hashed again
+    assert keymod.engine_damage(d, meta) is None and len(reads) == 2
+    other = keymod.engine_seal(data[:-1] + b"x")  # engine.json for other bytes of the same size
+    assert "does not match the sha256" in (keymod.engine_damage(d, other) or "") and len(reads) == 3
