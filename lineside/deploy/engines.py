@@ -136,8 +136,10 @@ def build_deployment(model: str, gpus: str, engine: str, *, profile: str = "thro
     spec = load_model(model)
     refuse_unsupported(eng, spec.architecture, gs)
     max_batch = default_max_num_seqs(profile)
+    # max_num_seqs is the profile's default (max_batch), left to the planner so that a note naming the other
+    # profile plans it with that profile's own batch, as `--profile OTHER` would
     plan = plan_datacenter(model, gs, profile=profile, gpu_memory_utilization=gpu_memory_utilization,
-                           max_num_tokens=MAX_NUM_TOKENS, max_num_seqs=max_batch, draft_tokens=mtp_tokens)
+                           max_num_tokens=MAX_NUM_TOKENS, draft_tokens=mtp_tokens)
     if not plan.fits:
         why = plan.notes[-1].removeprefix("does not fit: ")  # the planner's note starts with the same words
         raise LinesideError(f"{spec.name} does not fit {gs.label}: {why}; "
@@ -167,7 +169,7 @@ def smallest_fit(model: str, gs: GpuSet, profile: str = "throughput",
         for count in range(gs.count + 1 if gpu == gs.gpu else 1, MAX_GPUS + 1):
             if plan_datacenter(model, GpuSet(count, gpu), profile=profile,
                                gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=MAX_NUM_TOKENS,
-                               draft_tokens=draft_tokens).fits:
+                               draft_tokens=draft_tokens, other_profile=False).fits:
                 return GpuSet(count, gpu)
     return None
 

@@ -9,6 +9,7 @@ them at those formats. The R1-Distill models ship in BF16. KV cache and activati
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,6 +101,26 @@ class DcPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def replicas(self) -> int:
+        """Whole copies of the model: V4's and pipelined plans' servers, a dense TP plan's data-parallel ranks."""
+        return self.servers if self.architecture == "deepseek_v4" or self.pp > 1 else self.dp
+
+    @property
+    def replica_gpus(self) -> int:
+        """GPUs one copy of the model spans."""
+        return self.gpus_per_server if self.architecture == "deepseek_v4" or self.pp > 1 else self.tp
+
+    def layout_words(self) -> str:
+        """'3 replicas of 2 GPUs (EP 2, attention-DP) on 6 of 6': how a note names this plan's layout."""
+        if self.architecture == "deepseek_v4":
+            split = f"EP {self.ep}, attention-DP" if self.attention_dp else f"TP {self.tp}, EP {self.ep}"
+        else:
+            split = f"TP {self.tp}" + (f" x PP {self.pp}" if self.pp > 1 else "")
+        r, g, n = self.replicas, self.replica_gpus, self.replicas * self.replica_gpus + self.idle_gpus
+        return (f"{r} replica{'s' if r != 1 else ''} of {g} GPU{'s' if g != 1 else ''} ({split}) "
+                f"on {n - self.idle_gpus} of {n}")
+
 
 def official_weights(model: str) -> tuple[WeightSizes, str, int]:
     """(weights, format label, MTP layers) of a shipped model in its published precision."""
@@ -137,7 +158,7 @@ TARGET_LEN = 32768  # a layout is good enough once one sequence of this length f
 def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughput", kv_dtype: str = "fp8",
                     mtp: bool = True, gpu_memory_utilization: float = 0.90, max_num_tokens: int = 8192,
                     max_len: int | None = None, max_num_seqs: int | None = None,
-                    draft_tokens: int | None = None) -> DcPlan:
+                    draft_tokens: int | None = None, other_profile: bool = True) -> DcPlan:
     """Parallel layout and the largest context that fits, from the planner's per-part sizes.
 
     V4 (one KV head, MoE): routed experts are split by expert parallelism over every GPU. With attention-DP
@@ -149,6 +170,8 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     V4 is never pipelined: vLLM cannot run MTP drafting under PP (vllm-project/vllm#14089, #52069).
     Each GPU keeps one step's memory as the engines size it (lineside.deploy.step_memory): activations at
     ``max_num_tokens``, logits for ``max_num_seqs`` rows (× 1 + ``draft_tokens`` with MTP), by profile if unset.
+    A note that names the other profile's layout takes it from this planner run with that profile and the same
+    arguments (``other_profile`` False: that run itself, which names none).
     """
     gs = parse_gpus(gpus) if isinstance(gpus, str) else gpus
     if profile not in ("throughput", "latency"):
@@ -175,6 +198,12 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
     else:
         mtp_layers = 0
         options, refused = _dense_options(ctx, shape, n)
+    def other(name: str) -> DcPlan:  # what `--profile NAME` plans with everything else the same
+        return plan_datacenter(model, gs, profile=name, kv_dtype=kv_dtype, mtp=mtp,
+                               gpu_memory_utilization=gpu_memory_utilization, max_num_tokens=max_num_tokens,
+                               max_len=max_len, max_num_seqs=max_num_seqs, draft_tokens=draft_tokens,
+                               other_profile=False)
+
     fitting = [o for o in options if o.lay["fits"]]
     pp_reason = "the widest split tried"
     if not fitting:  # the most GPUs one replica may span, TP alone where it can
@@ -187,6 +216,10 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
         best = min(fitting, key=key)
     else:
         best, pp_reason = _dense_choice(fitting, profile, min(TARGET_LEN, ctx.cap))
+        if other_profile and profile == "throughput" and best.lay["pp"] > 1 and any(o.lay["pp"] == 1 for o in fitting):
+            lat = other("latency")  # pipelined to take GPUs TP alone leaves idle: latency keeps TP alone
+            if lat.fits:
+                pp_reason += f"; --profile latency runs {lat.layout_words()}"
     lay, place = best.lay, best.place
     notes = list(best.notes)
     if v4:
@@ -199,7 +232,8 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
                      f"{shape.stage_layers(lay['pp'])} of {shape.layers} layers per stage")
     else:
         notes.append(f"dense: TP {lay['tp']} per replica, {lay['dp']} replica(s) (engine data parallelism)")
-    idle = _idle_note(place, refused, options, profile)
+    idle = _idle_note(place, refused, options, profile,
+                      lambda: other("throughput") if other_profile else None)
     if idle:
         notes.append(idle)
     if not lay["fits"]:
@@ -291,12 +325,13 @@ def _dense_choice(fitting: list[_Option], profile: str, target: int) -> tuple[_O
               and o.place.replicas >= best.place.replicas and o.lay["max_len"] >= min(target, best.lay["max_len"])]
     if not busier:
         return best, ""
-    return pick(busier), (f"uses the {best.place.idle} GPU(s) TP {best.lay['tp']} alone leaves idle; "
-                          "--profile latency keeps TP only")
+    return pick(busier), f"uses the {best.place.idle} GPU(s) TP {best.lay['tp']} alone leaves idle"
 
 
-def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option], profile: str) -> str | None:
-    """One line for GPUs the plan leaves unused: which, and why no other split takes them."""
+def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option], profile: str,
+               throughput: Callable[[], DcPlan | None]) -> str | None:
+    """One line for GPUs the plan leaves unused: which, and why no other split takes them; for latency, what
+    ``throughput()`` (the throughput profile's own plan of the same GPUs, None when not asked) runs on them."""
     if not place.idle:
         return None
     ids = f"GPU {place.used}" if place.idle == 1 else f"GPUs {place.used}-{place.gpus - 1}"
@@ -311,16 +346,16 @@ def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option]
     busier = [o for o in options if o.lay["fits"] and o.place.idle < place.idle]
     if busier and profile == "latency":  # it chose the widest replica, or TP alone, over using every GPU
         o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
-        if o.lay["pp"] > 1:
-            why.append(f"the latency profile keeps TP alone; --profile throughput runs {o.place.replicas} "
-                       f"replica(s) of TP {o.lay['tp']} x PP {o.lay['pp']} on {o.place.used}")
-        else:
-            why.append(f"the latency profile takes the widest replica; --profile throughput runs "
-                       f"{o.place.replicas} replicas of {o.place.group} on {o.place.used}")
+        why.append("the latency profile keeps TP alone" if o.lay["pp"] > 1
+                   else "the latency profile takes the widest replica")
     elif busier:  # throughput keeps the most replicas: a pipelined split over these GPUs has fewer
         o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
         why.append(f"TP {o.lay['tp']} x PP {o.lay['pp']} would use them but runs {o.place.replicas} replica(s), "
                    f"not {place.replicas}")
+    if profile == "latency":
+        thr = throughput()
+        if thr is not None and thr.fits and thr.idle_gpus < place.idle:
+            why.append(f"--profile throughput runs {thr.layout_words()}")
     return (f"{ids} idle: {place.replicas} replica(s) of {place.group} GPU(s) use {place.used} of {place.gpus}"
             + (f" ({'; '.join(why)})" if why else ""))
 

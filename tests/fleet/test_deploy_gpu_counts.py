@@ -93,7 +93,7 @@ def test_six_gpus_for_v4_flash_split_into_whole_replicas_or_leave_two_idle_with_
     (idle,) = [x for x in lat.notes if "idle" in x]
     assert idle.startswith("GPUs 4-5 idle: 1 replica(s) of 4 GPU(s) use 4 of 6")
     assert "256 routed experts do not split evenly over 5 or 6 GPUs" in idle
-    assert "--profile throughput runs 3 replicas of 2 on 6" in idle
+    assert "--profile throughput runs 3 replicas of 2 GPUs (EP 2, attention-DP) on 6 of 6" in idle
 
 
 def test_seven_gpus_for_a_40_head_model_run_three_tp2_replicas_and_say_why_one_is_idle():

@@ -84,7 +84,7 @@ def test_throughput_takes_idle_gpus_with_stages_latency_keeps_tp_and_says_so(lla
     lat = build_deployment(llama70b, "3xH100", "sglang", profile="latency")
     assert (lat.plan.tp, lat.plan.pp, lat.plan.idle_gpus) == (2, 1, 1) and "pp-size" not in lat.config
     (idle,) = [n for n in lat.notes if " idle: " in n]
-    assert "--profile throughput runs 1 replica(s) of TP 1 x PP 3 on 3" in idle
+    assert "--profile throughput runs 1 replica of 3 GPUs (TP 1 x PP 3) on 3 of 3" in idle
 
 
 def test_pipelined_replicas_are_one_server_each(llama70b):
