@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lineside.bundle import MANIFEST
+from lineside.deploy.kv_fractions import sglang_mem_fraction_static, trtllm_free_gpu_memory_fraction
 from lineside.deploy.parallel import MAX_GPUS
 from lineside.deploy.sizing import (
     GPUS,
@@ -238,7 +239,7 @@ def _sglang(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
     c.update({
         "kv-cache-dtype": "fp8_e4m3",
         "context-length": p.max_model_len,
-        "mem-fraction-static": round(p.gpu_memory_utilization - 0.05, 2),
+        "mem-fraction-static": sglang_mem_fraction_static(p),  # of the GPU, for weights + KV
         "max-running-requests": max_batch * (max(p.dp, 1) if p.pp == 1 else 1),  # PP: a server per replica
         "chunked-prefill-size": MAX_NUM_TOKENS,
         "cuda-graph-max-bs-decode": max_batch,
@@ -262,7 +263,7 @@ def _trtllm(p: DcPlan, *, path: str, served: str, port: int, v4: bool, mtp: int,
         "max_seq_len": p.max_model_len,
         # off by default in TorchLlmArgs, and then a prompt longer than max_num_tokens is refused
         "enable_chunked_prefill": p.max_model_len > MAX_NUM_TOKENS,
-        "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": round(p.gpu_memory_utilization - 0.05, 2),
+        "kv_cache_config": {"dtype": "fp8", "free_gpu_memory_fraction": trtllm_free_gpu_memory_fraction(p),
                             **({"tokens_per_block": 128} if v4 else {})},
         "cuda_graph_config": {"enable_padding": True, "batch_sizes": graph_sizes(max_batch)},
         "stream_interval": 10 if p.attention_dp else 1,

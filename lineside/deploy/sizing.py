@@ -23,6 +23,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 MXFP4_BITS = 4.25  # 4-bit E2M1 + one 8-bit exponent per 32 weights
 FP8_BLOCK = 1 + 4 / (128 * 128)  # one byte + an fp32 scale per 128×128 block, per weight
+RUNTIME_BYTES = 3 * GIB  # per GPU besides weights, KV and a step: CUDA context, NCCL buffers, CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -397,7 +398,7 @@ class _Ctx:
             per_gpu = ((rest - ends) * stage // layers + end) // tp
         step = step_memory(self.raw, tokens=self.max_num_tokens, max_num_seqs=self.max_num_seqs,
                            draft_tokens=self.draft_tokens, tp=1 if attention_dp else tp)
-        overhead = 3 * GIB + step.total  # CUDA context, NCCL buffers, CUDA graphs; one step's activations + logits
+        overhead = RUNTIME_BYTES + step.total  # one step's activations + logits besides
         budget = self.usable - per_gpu - overhead
         kv_shard = self.shape.kv_shard(tp)  # by KV head, never finer: MQA's one head is whole on every rank
         def kv(c: int) -> int:  # one sequence's KV on one GPU: its KV-head shard of its stage's layers
