@@ -233,7 +233,7 @@ def plan_datacenter(model: str, gpus: str | GpuSet, *, profile: str = "throughpu
                      f"{shape.stage_layers(lay['pp'])} of {shape.layers} layers per stage")
     else:
         notes.append(f"dense: TP {lay['tp']} per replica, {lay['dp']} replica(s) (engine data parallelism)")
-    idle = _idle_note(place, refused, options, profile,
+    idle = _idle_note(best, refused, options, profile, min(TARGET_LEN, ctx.cap),
                       lambda: other("throughput") if other_profile else None)
     if idle:
         notes.append(idle)
@@ -329,10 +329,12 @@ def _dense_choice(fitting: list[_Option], profile: str, target: int) -> tuple[_O
     return pick(busier), f"uses the {best.place.idle} GPU(s) TP {best.lay['tp']} alone leaves idle"
 
 
-def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option], profile: str,
+def _idle_note(best: _Option, refused: dict[int, str], options: list[_Option], profile: str, target: int,
                throughput: Callable[[], DcPlan | None]) -> str | None:
-    """One line for GPUs the plan leaves unused: which, and why no other split takes them; for latency, what
-    ``throughput()`` (the throughput profile's own plan of the same GPUs, None when not asked) runs on them."""
+    """One line for GPUs the plan leaves unused: which, and why no other split takes them (``target``: the context
+    a dense split must hold to be taken); for latency, what ``throughput()`` (the throughput profile's own plan of
+    the same GPUs, None when not asked) runs on them."""
+    place, lay = best.place, best.lay
     if not place.idle:
         return None
     ids = f"GPU {place.used}" if place.idle == 1 else f"GPUs {place.used}-{place.gpus - 1}"
@@ -349,10 +351,14 @@ def _idle_note(place: Placement, refused: dict[int, str], options: list[_Option]
         o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
         why.append("the latency profile keeps TP alone" if o.lay["pp"] > 1
                    else "the latency profile takes the widest replica")
-    elif busier:  # throughput keeps the most replicas: a pipelined split over these GPUs has fewer
+    elif busier:  # throughput keeps the most replicas at the target context: a busier split has fewer, or less
         o = min(busier, key=lambda o: (o.place.idle, o.lay["pp"]))
-        why.append(f"TP {o.lay['tp']} x PP {o.lay['pp']} would use them but runs {o.place.replicas} replica(s), "
-                   f"not {place.replicas}")
+        split = f"TP {o.lay['tp']}" + (f" x PP {o.lay['pp']}" if o.lay["pp"] > 1 else " alone")
+        if o.place.replicas < place.replicas:
+            why.append(f"{split} would use them but runs {o.place.replicas} replica(s), not {place.replicas}")
+        else:  # as many replicas, each short of the context this one holds (_dense_choice's target)
+            why.append(f"{split} would use them but holds {o.lay['max_len']} tokens a sequence, not "
+                       f"{min(target, lay['max_len'])}")
     if profile == "latency":
         thr = throughput()
         if thr is not None and thr.fits and thr.idle_gpus < place.idle:

@@ -4,6 +4,8 @@ what cannot run is refused in one line that names a GPU set that can."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -168,3 +170,27 @@ def test_launch_sh_gives_each_server_on_the_host_its_own_port(model, gpus, engin
     assert "# 3 servers on ports 8000-8002" in text
     # compose keeps 8000 in each container: the gateway reaches them by service name
     assert all(a != "8001" for r in d.replicas for a in r.command)
+
+
+def test_the_busier_split_an_idle_note_names_is_worse_the_way_it_says():
+    """Throughput leaves GPUs idle only when each busier split runs fewer replicas or holds a shorter context; the
+    note says which, with numbers that are so. The 32B on 5xH100 at 0.85 said "TP 1 x PP 1 would use them but runs
+    5 replica(s), not 2": TP 1 runs more replicas, each too short of the 32K a split must hold."""
+    p = plan_datacenter("deepseek-r1-distill-qwen-32b", "5xH100", gpu_memory_utilization=0.85)
+    (idle,) = [x for x in p.notes if " idle: " in x]
+    assert "TP 1 alone would use them but holds " in idle and "tokens a sequence, not 32768" in idle
+    seen = 0
+    for model in MODELS + ["deepseek-r1-distill-qwen-32b"]:
+        for gpu in ("H100", "H200", "B200"):
+            for n in range(1, 9):
+                for util in (0.8, 0.85, 0.9):
+                    p = plan_datacenter(model, f"{n}x{gpu}", gpu_memory_utilization=util)
+                    for note in p.notes:
+                        for fewer, than in re.findall(r"would use them but runs (\d+) replica\(s\), not (\d+)", note):
+                            assert int(fewer) < int(than), note
+                            seen += 1
+                        for short, than in re.findall(r"would use them but holds (\d+) tokens a sequence, not (\d+)",
+                                                      note):
+                            assert int(short) < int(than) <= p.max_model_len, note
+                            seen += 1
+    assert seen >= 2
