@@ -361,6 +361,7 @@ async def create_response(body: responses_api.ResponsesRequest, request: Request
         # as chat's: what the request leaves out is the model's recommendation (serve --generation-config)
         stops = request_mapping.stop_list(body)
         request_mapping.check_min_tokens(body, [budget])
+        request_mapping.check_stop_token_ids(body, _vocab_size(state))
         sampling = request_mapping.sampling_params(body, request_mapping.logit_bias(body, _vocab_size(state)),
                                                    state.sampling_defaults)
         call_format = (tool_calls.call_format(functions.choice, render.effective, state.tool_call_parser)
@@ -531,6 +532,7 @@ async def _serve(request: Request, state: ServerState, body: ChatCompletionReque
         priority, mode = request_mapping.priority(request.headers)
         stops = request_mapping.stop_list(body)
         bias = request_mapping.logit_bias(body, _vocab_size(state))
+        request_mapping.check_stop_token_ids(body, _vocab_size(state))
         request_mapping.check_min_tokens(body, budgets)
         n = request_mapping.choices_per_prompt(body, len(prompts))
         session = request_mapping.session_id(body, request.headers)

@@ -287,6 +287,15 @@ def logit_bias(req: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+def check_stop_token_ids(req: Any, vocab_size: int) -> None:
+    """vLLM's stop_token_ids, each below the vocabulary size as vLLM checks them: an id past it can never be
+    sampled, so the answer it was meant to end ran on to max_tokens."""
+    for token in req.stop_token_ids or ():
+        if token >= vocab_size:
+            raise bad(f"stop_token_ids names token {token}, but the vocabulary has {vocab_size} tokens (ids 0 to "
+                      f"{vocab_size - 1})", "stop_token_ids")
+
+
 def sampling_params(req: Any,
                     bias: tuple[tuple[int, float], ...] = (),
                     defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:

@@ -85,7 +85,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = Field(None, description="vLLM's: go on past the end-of-sequence token (max_tokens "
                                                       "and stop strings still end the answer)")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="vLLM's: token ids that end the answer as EOS does (their text left out)")
+        None, description="vLLM's: token ids that end the answer as EOS does (their text left out); each below "
+                          "the vocabulary size, as vLLM checks them")
     min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's: EOS and stop_token_ids are masked "
                                    "and stop strings do not match until this many tokens are generated (at most "
                                    "max_tokens; a complete structured output still ends the answer)")

@@ -1,0 +1,58 @@
+"""Request-parameter ranges decided against vLLM's sampling_params.py / protocol.py and OpenAI's API, the same on
+chat, completions and /v1/responses: best_of on chat as on completions, repetition_penalty any value > 0,
+temperature 0..2, stop_token_ids inside the vocabulary, seed -1 unseeded, and the chat-only fields /v1/responses
+does not do refused by name rather than dropped. Requests go through the openai client where it shapes them."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "tiny-llama"
+MSGS = [{"role": "user", "content": "hi"}]
+VOCAB = 300  # tests/conftest.py's tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _refused(call, param: str) -> str:
+    """The 400's one-line message, after checking it names ``param``."""
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    body = e.value.body
+    assert body["param"] == param, body
+    assert "\n" not in body["message"]
+    return body["message"]
+
+
+def _chat(client, **extra):
+    return client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2, temperature=0, **extra)
+
+
+def _completion(client, **extra):
+    return client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, **extra)
+
+
+def _response(client, **extra):
+    return client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0, **extra)
+
+
+# ---- temperature: OpenAI's 0..2, which vLLM also enforces since its PR #44965 -----------------------------------
+@pytest.mark.parametrize("call", [_chat, _completion, _response])
+def test_temperature_past_2_is_a_400_on_every_endpoint(client, call):
+    assert call(client, extra_body={"temperature": 2}) is not None
+    message = _refused(lambda: call(client, extra_body={"temperature": 2.5}), "temperature")
+    assert "2" in message
+
+
+# ---- stop_token_ids: vLLM refuses an id past the vocabulary, which could never be sampled ------------------------
+@pytest.mark.parametrize("call", [_chat, _completion, _response])
+def test_stop_token_ids_past_the_vocabulary_are_a_400(client, call):
+    message = _refused(lambda: call(client, extra_body={"stop_token_ids": [5, VOCAB]}), "stop_token_ids")
+    assert str(VOCAB) in message and f"0 to {VOCAB - 1}" in message
+    assert call(client, extra_body={"stop_token_ids": [VOCAB - 1]}) is not None
+
+
