@@ -55,7 +55,7 @@ def _checked(name: str, value: Any, where: str, advice: str = SERVE_ADVICE) -> f
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = {"temperature": 0 <= value <= 2, "top_p": 0 < value <= 1, "min_p": 0 <= value <= 1,  # a request's ranges
-              "repetition_penalty": 0 < value <= 10,
+              "repetition_penalty": 0 < value,
               "top_k": float(value).is_integer() and value >= -1,
               "max_new_tokens": float(value).is_integer() and value >= 1}[name]
     if not ok:

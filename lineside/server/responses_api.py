@@ -65,7 +65,7 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, gt=0)  # any value > 0, as vLLM's
     logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

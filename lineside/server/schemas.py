@@ -64,7 +64,8 @@ class _Sampling(BaseModel):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM's: any value > 0 (1: off); seen tokens' "
+                                             "positive logits are divided by it, negative ones multiplied")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="any 64-bit integer, as OpenAI's")
     stop: str | list[str] | None = None
     n: int | None = Field(1, ge=1, le=64, description="choices per prompt (independent samples; n x prompts <= 64)")

@@ -138,3 +138,17 @@ def test_seeded_draws_follow_the_distribution(kw, n_kept):
     chi2 = float(((draws[kept] - expected) ** 2 / expected).sum())
     critical = {2: 13.816, 6: 22.458}[n_kept - 1]
     assert chi2 < critical
+
+
+@pytest.mark.parametrize("penalty", [12.0, 50.0, 1e6])
+def test_repetition_penalties_past_10_match_transformers(penalty):
+    """The server takes any repetition_penalty > 0, as vLLM does: past 10 the distribution is still transformers'
+    (a seen token's positive logit divided by it, a negative one multiplied), and no NaN comes of a large one."""
+    rng = np.random.default_rng(int(penalty))
+    x = (rng.standard_normal(200) * 3.0).astype(np.float32)
+    history = [int(t) for t in rng.integers(0, 200, size=60)]
+    params = SamplingParams(temperature=1.0, repetition_penalty=penalty)
+    got = Sampler(params).distribution(x, history, 30)
+    want, _ = _reference(x, history, 30, params)
+    assert not isinstance(got, int) and np.isfinite(got).all()
+    assert got == pytest.approx(want, abs=1e-12)

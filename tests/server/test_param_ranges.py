@@ -5,6 +5,8 @@ does not do refused by name rather than dropped. Requests go through the openai 
 
 from __future__ import annotations
 
+import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -38,6 +40,34 @@ def _completion(client, **extra):
 
 def _response(client, **extra):
     return client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0, **extra)
+
+
+# ---- repetition_penalty: vLLM takes any finite value > 0 --------------------------------------------------------
+@pytest.mark.parametrize("value", [10.5, 50, 1e6])
+def test_repetition_penalty_above_10_is_honoured_as_vllm(client, value):
+    """A client tuned on vLLM sends 12 or 20; this server refused anything past 10."""
+    assert _chat(client, extra_body={"repetition_penalty": value}).choices[0].finish_reason in ("stop", "length")
+    assert _completion(client, extra_body={"repetition_penalty": value}).choices[0].text is not None
+    r = _response(client, extra_body={"repetition_penalty": value})
+    assert r.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("value", [0, -1.5])
+def test_repetition_penalty_must_be_above_zero(client, value):
+    _refused(lambda: _chat(client, extra_body={"repetition_penalty": value}), "repetition_penalty")
+    _refused(lambda: _response(client, extra_body={"repetition_penalty": value}), "repetition_penalty")
+
+
+def test_a_huge_repetition_penalty_gives_finite_logprobs(server):
+    """Penalty 1e6 on the prompt's tokens (a seen token's positive logit shrinks to ~0, a negative one is multiplied
+    far down): the answer's logprobs stay numbers, no NaN from the products."""
+    prompt = list(range(3, 40))
+    r = httpx.post(server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "repetition_penalty": 1e6,
+        "ignore_eos": True, "logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    lps = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert all(np.isfinite(lp) for lp in lps)
 
 
 # ---- temperature: OpenAI's 0..2, which vLLM also enforces since its PR #44965 -----------------------------------
