@@ -69,6 +69,7 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise bad("stream_options is only allowed when stream is true; send \"stream\": true or leave "
                   "stream_options out", "stream_options")
     check_unsupported(req)
+    check_best_of(req)
 
 
 def check_unsupported(req: Any) -> None:
@@ -143,7 +144,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
-    check_best_of(req)
     if req.max_tokens == 0 and not req.echo:
         raise bad("max_tokens 0 generates nothing; send at least 1, or echo: true to get the prompt back (with "
                   "logprobs: its tokens' logprobs)", "max_tokens")
@@ -152,10 +152,11 @@ def check_completion(req: CompletionRequest) -> None:
                   "unsupported_value")
 
 
-def check_best_of(req: CompletionRequest) -> None:
+def check_best_of(req: ChatCompletionRequest | CompletionRequest) -> None:
     """OpenAI's and vLLM's ``best_of``: how many samples to draw for the ``n`` returned, n when left out. best_of
     equal to n returns every sample (what n alone does); fewer than n is a 400 as there; more needs ranking the
-    samples, which this server does not do."""
+    samples, which this server does not do. Chat is checked alike: vLLM's chat drops the field, which answered a
+    client asking for the best of several with one plain sample."""
     n = req.n or 1
     if req.best_of is None or req.best_of == n:
         return

@@ -69,6 +69,9 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="any 64-bit integer, as OpenAI's")
     stop: str | list[str] | None = None
     n: int | None = Field(1, ge=1, le=64, description="choices per prompt (independent samples; n x prompts <= 64)")
+    # OpenAI's completions field, on chat too (vLLM's chat drops it): n alone, or a 400 naming it
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX, description="samples the n choices are the best of: only "
+                                                                      "n itself (the default) is served")
     logprobs: Any = None
     logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) → a bias of -100..100 "
                                                                "(clamped to it) added to its logit before sampling")
@@ -170,7 +173,6 @@ class CompletionRequest(_Sampling):
                                                  "the first one's null)")
     add_special_tokens: bool | None = Field(True, description="vLLM's: false leaves out the BOS the model adds in front "
                                                               "of a text prompt, as /tokenize counts")
-    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
     suffix: str | None = None
 
 

@@ -42,6 +42,21 @@ def _response(client, **extra):
     return client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0, **extra)
 
 
+# ---- best_of: chat as completions (vLLM's chat request has no best_of: it drops it with a warning) -------------
+@pytest.mark.parametrize("n,best_of", [(1, 3), (2, 1)])
+def test_chat_best_of_other_than_n_is_refused_as_on_completions(client, n, best_of):
+    """best_of asks for the best n of best_of samples; chat dropped it and answered with n plain samples."""
+    message = _refused(lambda: _chat(client, n=n, extra_body={"best_of": best_of}), "best_of")
+    assert f"best_of={n}" in message  # what to send instead
+    _refused(lambda: _completion(client, n=n, extra_body={"best_of": best_of}), "best_of")
+
+
+def test_chat_best_of_equal_to_n_is_n(client):
+    plain = _chat(client, n=2, seed=4, extra_body={"temperature": 1.0})
+    same = _chat(client, n=2, seed=4, extra_body={"temperature": 1.0, "best_of": 2})
+    assert [c.message.content for c in same.choices] == [c.message.content for c in plain.choices]
+
+
 # ---- repetition_penalty: vLLM takes any finite value > 0 --------------------------------------------------------
 @pytest.mark.parametrize("value", [10.5, 50, 1e6])
 def test_repetition_penalty_above_10_is_honoured_as_vllm(client, value):
