@@ -44,9 +44,13 @@ def clean_text(text: str, param: str) -> str:
     return strip_invisible(text)
 
 
+UNSEEDED = -1  # vLLM's SamplingParams and llama.cpp's server read seed -1 as "no seed" (a random one)
+
+
 def sampler_seed(seed: int | None) -> int | None:
-    """A request's seed for the sampler: OpenAI's seed is a signed int64, numpy's generator takes it unsigned."""
-    return None if seed is None else seed % 2**64
+    """A request's seed for the sampler: OpenAI's seed is a signed int64, numpy's generator takes it unsigned;
+    -1 is none, as vLLM and llama.cpp read it (a client sending it for "random" got one fixed answer)."""
+    return None if seed is None or seed == UNSEEDED else seed % 2**64
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

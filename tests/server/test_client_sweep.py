@@ -277,10 +277,10 @@ def test_assistant_prefill_with_vllms_continue_final_message(server):
 
 
 def test_seed_is_any_int64_like_openai(server):
-    """OpenAI's seed is a signed 64-bit integer (llama.cpp clients send -1): negative seeds are accepted and
-    reproducible; outside int64 is a 400 naming seed."""
+    """OpenAI's seed is a signed 64-bit integer: negative seeds are accepted and reproducible, but -1, which vLLM
+    and llama.cpp's server read as no seed (test_param_ranges.py); outside int64 is a 400 naming seed."""
     url = server.url + "/v1/completions"
-    for seed in (-1, -(2**63), 2**63 - 1):
+    for seed in (-2, -(2**63), 2**63 - 1):
         body = {"prompt": "seed", "max_tokens": 6, "temperature": 1.0, "seed": seed}
         a, b = (httpx.post(url, json=body) for _ in range(2))
         assert a.status_code == 200, a.text

@@ -10,6 +10,10 @@ import numpy as np
 import openai
 import pytest
 
+from lineside.server import request_mapping
+from lineside.server.schemas import ChatCompletionRequest
+from lineside.server.slo.cache import reproducible
+
 MODEL = "tiny-llama"
 MSGS = [{"role": "user", "content": "hi"}]
 VOCAB = 300  # tests/conftest.py's tiny checkpoint
@@ -99,5 +103,27 @@ def test_stop_token_ids_past_the_vocabulary_are_a_400(client, call):
     message = _refused(lambda: call(client, extra_body={"stop_token_ids": [5, VOCAB]}), "stop_token_ids")
     assert str(VOCAB) in message and f"0 to {VOCAB - 1}" in message
     assert call(client, extra_body={"stop_token_ids": [VOCAB - 1]}) is not None
+
+
+# ---- seed: any signed 64-bit integer, -1 meaning none (vLLM's and llama.cpp's "random") ------------------------
+def test_seed_minus_one_is_unseeded_and_not_cached():
+    """-1 is vLLM's SamplingParams (and llama.cpp's server) "no seed": it was the fixed seed 2**64 - 1 here, so
+    every such request repeated one answer and the SLO cache served it as a seeded one."""
+    req = ChatCompletionRequest(messages=MSGS, temperature=0.9, seed=-1)
+    sampling = request_mapping.sampling_params(req)
+    assert sampling.seed is None and not reproducible(sampling)
+    other = request_mapping.sampling_params(ChatCompletionRequest(messages=MSGS, temperature=0.9, seed=-2))
+    assert other.seed == 2**64 - 2 and reproducible(other)  # another negative seed is a seed, as vLLM's
+
+
+@pytest.mark.parametrize("seed,status", [(-(2**63), 200), (2**63 - 1, 200), (2**63, 400), (2**64 + 1, 400),
+                                         (-(2**63) - 1, 400)])
+def test_seed_is_a_signed_64_bit_integer_as_vllm(client, seed, status):
+    if status == 200:
+        assert _chat(client, seed=seed) is not None
+        assert _response(client, extra_body={"seed": seed}) is not None
+    else:
+        _refused(lambda: _chat(client, seed=seed), "seed")
+        _refused(lambda: _response(client, extra_body={"seed": seed}), "seed")
 
 
