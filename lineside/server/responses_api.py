@@ -17,6 +17,7 @@ The request and the events follow OpenAI's shapes so the ``openai`` client's ``r
 
 from __future__ import annotations
 
+import reprlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -88,6 +89,12 @@ class ResponsesRequest(BaseModel):
     # OpenAI's {"effort", "summary"}: the effort reaches the chat template as chat's reasoning_effort does (vLLM's
     # mapping; DeepSeek-V4's template turns thinking on by it); a summary asked for is answered by the full thinking
     reasoning: dict[str, Any] | None = None
+    # chat's fields that have no meaning here (one output; logprobs by top_logprobs / include): refused off their
+    # defaults, where they were dropped and the client got one output and no logprobs without a word
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    prompt_logprobs: Any = None
     # refused with a 400 naming them when set
     background: bool | None = None
     include: list[str] | None = None
@@ -181,11 +188,32 @@ def check(req: ResponsesRequest) -> None:
                    "start a new chain without previous_response_id) when it nears the context", "context_management")
     if req.truncation not in (None, "disabled"):
         raise _bad("truncation: only 'disabled' (the prompt must fit the context)", "truncation")
+    _check_chat_only(req)
     for name in CHAT_CONSTRAINTS:
         if getattr(req, name) is not None:
             raise _bad(f"{name}: not a /v1/responses parameter; give the output's format in 'text.format' "
                        "({\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}} or {\"type\": \"json_object\"})",
                        name)
+
+
+# chat's fields /v1/responses does not do, each with its value that asks for nothing, and what to send instead
+CHAT_ONLY = {
+    "n": (1, "a response has one output; send n=1 or leave it out, or ask /v1/chat/completions for n choices"),
+    "best_of": (1, "a response has one output; leave it out, or ask /v1/chat/completions or /v1/completions"),
+    "logprobs": (False, f"send top_logprobs (0 to {MAX_TOP_LOGPROBS}) and include [\"{TEXT_LOGPROBS}\"], "
+                        "as OpenAI's Responses API asks for them"),
+    "prompt_logprobs": (None, "the prompt's logprobs are not given here; ask /v1/completions or "
+                              "/v1/chat/completions for them"),
+}
+
+
+def _check_chat_only(req: ResponsesRequest) -> None:
+    """A 400 naming chat's n / best_of / logprobs / prompt_logprobs when set to ask for something: OpenAI's
+    Responses API has none of them and vLLM's drops them, which answered without what the client asked for."""
+    for name, (off, instead) in CHAT_ONLY.items():
+        value = getattr(req, name)
+        if value is not None and not (value == off and type(value) is type(off)):
+            raise _bad(f"{name}={reprlib.repr(value)} is not a /v1/responses parameter: {instead}", name)
 
 
 def top_logprobs(req: ResponsesRequest, *, calling: bool) -> int | None:

@@ -127,3 +127,23 @@ def test_seed_is_a_signed_64_bit_integer_as_vllm(client, seed, status):
         _refused(lambda: _response(client, extra_body={"seed": seed}), "seed")
 
 
+# ---- /v1/responses: chat's n / best_of / logprobs / prompt_logprobs are refused by name, not dropped -------------
+@pytest.mark.parametrize("field,value,instead", [
+    ("n", 2, "one output"), ("best_of", 2, "one output"), ("logprobs", True, "top_logprobs"),
+    ("prompt_logprobs", 1, "/v1/completions"),
+])
+def test_responses_refuses_chat_only_fields(client, field, value, instead):
+    message = _refused(lambda: _response(client, extra_body={field: value}), field)
+    assert instead in message
+
+
+@pytest.mark.parametrize("extra", [{"n": 1}, {"best_of": 1}, {"logprobs": False}, {"prompt_logprobs": None}])
+def test_responses_takes_those_fields_at_their_defaults(client, extra):
+    assert _response(client, extra_body=extra).status in ("completed", "incomplete")
+
+
+def test_responses_logprobs_as_the_openai_client_asks_for_them(client):
+    """OpenAI's way: include message.output_text.logprobs with top_logprobs."""
+    r = _response(client, top_logprobs=2, include=["message.output_text.logprobs"])
+    part = r.output[-1].content[0]
+    assert part.logprobs and len(part.logprobs[0].top_logprobs) == 2
