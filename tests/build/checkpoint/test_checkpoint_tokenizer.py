@@ -382,7 +382,7 @@ def test_a_special_token_id_beyond_the_vocabulary_is_one_line(tmp_path, tiny_lla
 
 
 @pytest.mark.parametrize(("key", "value"), [("general.sampling.temp", 5.0), ("general.sampling.top_p", 0.0),
-                                            ("general.sampling.penalty_repeat", 50.0), ("general.sampling.min_p", 1.5)])
+                                            ("general.sampling.penalty_repeat", 0.0), ("general.sampling.min_p", 1.5)])
 def test_recommended_sampling_out_of_range_is_refused_naming_the_key(tmp_path, tiny_llama, key, value):
     """A general.sampling.* value serve's --generation-config auto would refuse (so the bundle would not start under
     serve's defaults) is one line at build time naming the GGUF key and how to drop it."""
