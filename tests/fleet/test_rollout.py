@@ -331,6 +331,14 @@ def test_a_node_refused_by_its_device_runtime_says_why_and_force_pushes_it(tmp_p
         assert "has no lineside" in r.nodes[0].warning and _current(dev) == v1_link
 
 
+def _one_node(url: str, dev: Path, bundle: Path, restart: str | None = None) -> FleetFile:
+    """A fleet of one Jetson node "a" at ``url`` serving ``bundle`` from ``dev`` (with a ``restart:`` hook if given)."""
+    node = {"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64", "target": str(dev), "bundle": str(bundle)}
+    if restart is not None:
+        node["restart"] = restart
+    return FleetFile.model_validate({"nodes": [node], "pools": {"realtime": {"members": ["a"]}}})
+
+
 def test_a_restart_that_fails_after_the_rollback_says_current_is_back_and_what_to_run(tmp_path):
     """The hook restarts onto v1, then fails from then on: v2 is rolled back (the links are back on v1), and the
     report says so and names the restart still to run, rather than that the rollback failed."""
@@ -340,10 +348,7 @@ def test_a_restart_that_fails_after_the_rollback_says_current_is_back_and_what_t
     v2 = make_bundle(tmp_path / "v2", 32, weight_bytes=4096, name="model-v2")
     with node_server(dev) as url:
         def fleet(bundle: Path) -> FleetFile:
-            return FleetFile.model_validate({
-                "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64", "target": str(dev),
-                           "bundle": str(bundle), "restart": hook}],
-                "pools": {"realtime": {"members": ["a"]}}})
+            return _one_node(url, dev, bundle, restart=hook)
 
         assert rolling_push(fleet(v1), health=_wait(FakeClock())).ok
         v1_link = _current(dev)
@@ -362,10 +367,7 @@ def test_a_switch_without_a_restart_hook_says_the_old_bundle_is_still_served(tmp
     v2 = make_bundle(tmp_path / "v2", 42, weight_bytes=4096, name="model-v2")
     with node_server(dev) as url:
         def fleet(bundle: Path) -> FleetFile:
-            return FleetFile.model_validate({
-                "nodes": [{"name": "a", "kind": "jetson", "url": url, "device": "agx-orin-64", "target": str(dev),
-                           "bundle": str(bundle)}],
-                "pools": {"realtime": {"members": ["a"]}}})
+            return _one_node(url, dev, bundle)
 
         first = rolling_push(fleet(v1), health=_wait(FakeClock()))
         v1_link = _current(dev)
