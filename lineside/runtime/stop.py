@@ -2,7 +2,9 @@
 
 Text that could still be the start of a stop string is held back until the next token decides
 it; once a stop string appears, everything from it on is dropped (OpenAI semantics), or, with vLLM's
-``include_stop_str_in_output``, everything after it (the stop string ends the text). Generation stops as soon as
+``include_stop_str_in_output``, everything after it (the stop string ends the text). Under that flag nothing is
+held back: text that may begin a stop string is in the answer whatever follows, so it goes out at once (as vLLM's
+detokenizer sends it) and is kept only as the look-back a stop string spanning tokens is matched in. Generation stops as soon as
 a stop string is complete, so where one token's text completes several, the one that ends first wins (of those
 ending together, the one that starts first): the cut is the one the text fed a character at a time gives, however
 the tokens split it.
@@ -35,7 +37,7 @@ class StopMatcher:
     def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
         self.include = include  # vLLM's include_stop_str_in_output: the text is cut after the stop string, not before
-        self.held = ""
+        self.held = ""  # the text a stop string may have begun in: held back, or under ``include`` already sent
         self.unarmed = 0  # how many of ``held``'s first characters were fed unarmed
         self.stopped = False
         self.hit: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
@@ -54,14 +56,16 @@ class StopMatcher:
         if hits:
             end, start, self.hit = min(hits)  # the first to end; of those, the first to start
             self.stopped = True
+            sent = len(self.held) if self.include else 0  # a hit ends past the look-back (it was checked before)
             self.held, self.unarmed = "", 0
-            return buf[:end] if self.include else buf[:start]
+            return buf[sent:end] if self.include else buf[:start]
         keep = partial_suffix(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         self.unarmed = max(0, floor - (len(buf) - keep))
-        return buf[:len(buf) - keep]
+        return text if self.include else buf[:len(buf) - keep]
 
     def flush(self) -> str:
-        """At the end of generation (no stop hit): the held-back text is output after all."""
-        out, self.held, self.unarmed = ("" if self.stopped else self.held), "", 0
+        """At the end of generation (no stop hit): the held-back text is output after all (under ``include`` it
+        went out as it came)."""
+        out, self.held, self.unarmed = ("" if self.stopped or self.include else self.held), "", 0
         return out

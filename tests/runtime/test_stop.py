@@ -144,7 +144,25 @@ def test_include_stop_str_cuts_after_the_stop_string():
             out = "".join(m.feed(text[i:i + size]) for i in range(0, len(text), size)) + m.flush()
             assert (out, m.stopped, m.hit) == (expect, True, which), (text, stops, size)
     m = StopMatcher(["ab"], include=True)
-    assert m.feed("xa", armed=False) == "x" and m.feed("b") == "ab" and m.stopped
+    assert m.feed("xa", armed=False) == "xa" and m.feed("b") == "b" and m.stopped
+
+
+def test_include_stop_str_holds_nothing_back():
+    """Under include_stop_str_in_output text that may begin a stop string is in the answer whatever follows, so each
+    piece goes out as it comes (as vLLM's detokenizer sends it, no stop buffer); the look-back still finds a stop
+    string spanning pieces and cuts after it, and the text is the one held back text would have given."""
+    cases = [(["Hello #", "#", "# tail"], ["###"], ["Hello #", "#", "#"]),
+             (["a", "b", "c", "d"], ["abcd", "b"], ["a", "b"]),
+             (["x\nUs", "er: hi"], ["\nUser:", "User"], ["x\nUs", "er"]),
+             (["abcE", "N", "x", "EN"], ["END"], ["abcE", "N", "x", "EN"]),  # never completes: all sent at once
+             (["日本", "語で", "す"], ["語です"], ["日本", "語で", "す"])]
+    for pieces, stops, sent in cases:
+        m = StopMatcher(stops, include=True)
+        out = [m.feed(p) for p in pieces]
+        assert out[:len(sent)] == sent and m.flush() == "", (pieces, stops)
+        held = StopMatcher(stops)
+        plain = "".join(held.feed(p) for p in pieces) + held.flush()
+        assert "".join(out) == (plain + m.hit if m.stopped else plain)
 
 
 def test_include_stop_str_keeps_the_stop_text_or_token(tmp_path):

@@ -181,6 +181,49 @@ def test_include_stop_str_in_output_keeps_the_stop(server, reference):
     assert r.status_code == 400 and "include_stop_str_in_output" in r.text
 
 
+def test_include_stop_str_streams_text_a_stop_may_begin_at_once(server):
+    """Under include_stop_str_in_output text that may begin a stop string is in the answer whatever follows, so the
+    stream sends it with its token (vLLM keeps no stop buffer then): chunk by chunk, one per token (logprobs on), each
+    choice of n sends what it sends with no stop strings, until a stop completes; the text is the non-streamed one."""
+
+    def chunks(path: str, **kw) -> dict[int, list[str]]:
+        body = {"max_tokens": 24, "temperature": 0, "n": 2, "stream": True, **kw}
+        if path.endswith("chat/completions"):
+            body.update(messages=[{"role": "user", "content": "stop test"}], logprobs=True)
+        else:
+            body.update(prompt="stop test", logprobs=0)
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        sent: dict[int, list[str]] = {}
+        for o in sse.parse(r.text):
+            for c in o.get("choices", ()) if o != "[DONE]" else ():
+                delta = c.get("delta", {}).get("content") if "delta" in c else c["text"]
+                if c.get("logprobs") or delta:  # a token's chunk (the last may carry no logprobs, only text)
+                    sent.setdefault(c["index"], []).append(delta or "")
+        return sent
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        plain = chunks(path)
+        pieces = plain[0]
+        at = next((k for k, t in enumerate(pieces[:-1]) if t and t[-1].isascii() and t[-1].isprintable()), None)
+        if at is None:
+            pytest.skip("the random model produced no printable character to stop on")
+        ch = pieces[at][-1]
+        # a stop string the answer only begins: every token's text goes out with it, as with no stop at all
+        assert chunks(path, stop=[ch + "\u2603"], include_stop_str_in_output=True) == plain
+        # one that completes: the same chunks up to the token completing it, cut after it
+        hit = chunks(path, stop=[ch], include_stop_str_in_output=True)
+        first = "".join(pieces).index(ch) + 1
+        for i in (0, 1):
+            assert "".join(hit[i]) == "".join(pieces)[:first]
+            assert hit[i][:-1] == plain[i][:len(hit[i]) - 1]
+        body = {"max_tokens": 24, "temperature": 0, "stop": [ch], "include_stop_str_in_output": True}
+        body.update({"messages": [{"role": "user", "content": "stop test"}]} if "chat" in path else
+                    {"prompt": "stop test"})
+        c = httpx.post(server.url + path, json=body, timeout=30).json()["choices"][0]
+        assert (c.get("message") or {}).get("content", c.get("text")) == "".join(hit[0])
+
+
 def test_skip_special_tokens_false_writes_special_tokens(server):
     """vLLM's skip_special_tokens false: a sampled special token's text is in the answer (skipped by default); the
     EOS that ends it adds its text only under include_stop_str_in_output, as vLLM decodes a stop token then."""
