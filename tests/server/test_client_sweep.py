@@ -95,6 +95,11 @@ FIELDS = [
     ("completions", {"min_tokens": -1}, 400, "min_tokens"),
     ("completions", {"include_stop_str_in_output": True, "stop": ["x"]}, 200, None),  # vLLM's, honoured
     ("completions", {"include_stop_str_in_output": "yes please"}, 400, "include_stop_str_in_output"),
+    # stop: up to 16 strings (past OpenAI's 4: vLLM sets no limit) of up to 256 characters; empty ones are dropped
+    ("chat", {"stop": ["\u2603"] * 16}, 200, None),
+    ("chat", {"stop": ["\u2603"] * 17}, 400, "stop"),
+    ("completions", {"stop": ["x" * 257]}, 400, "stop"),
+    ("completions", {"stop": ["", "\u2603"]}, 200, None),
     ("chat", {"bad_words": ["x"]}, 400, "bad_words"),
     ("completions", {"allowed_token_ids": [5]}, 400, "allowed_token_ids"),
     ("completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),
