@@ -4,10 +4,11 @@ Text that could still be the start of a stop string is held back until the next 
 it; once a stop string appears, everything from it on is dropped (OpenAI semantics), or, with vLLM's
 ``include_stop_str_in_output``, everything after it (the stop string ends the text). Under that flag nothing is
 held back: text that may begin a stop string is in the answer whatever follows, so it goes out at once (as vLLM's
-detokenizer sends it) and is kept only as the look-back a stop string spanning tokens is matched in. Generation stops as soon as
-a stop string is complete, so where one token's text completes several, the one that ends first wins (of those
-ending together, the one that starts first): the cut is the one the text fed a character at a time gives, however
-the tokens split it.
+detokenizer sends it) and is kept only as the look-back a stop string spanning tokens is matched in.
+
+Generation stops as soon as a stop string is complete, so where one token's text completes several, the one that
+ends first wins (of those ending together, the one that starts first): the cut is the one the text fed a character
+at a time gives, however the tokens split it.
 
 Text fed unarmed (vLLM's ``min_tokens``: the first min_tokens tokens' text) cannot end a stop string: only a
 stop string that ends in armed text stops, though it may begin in the unarmed text before it (as vLLM's
