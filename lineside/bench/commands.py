@@ -48,7 +48,7 @@ def _token_counter(tok):
 def bench(
     url: str = typer.Option(None, "--url", help="Base URL of a running OpenAI-compatible server: http://HOST:PORT (a trailing /v1 is fine)."),
     bundle: Path = typer.Option(None, "--bundle", help="Serve this bundle in-process on a loopback port."),
-    compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two result JSONs: A B."),
+    compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two runs: A B, each a --out directory or its report.json."),
     pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency | chunked (prompts fed to "
                                                "/v1/prefill in --chunks pieces, --chunk-interval s apart)"),
     rate: float = num(1.0, kind=float, above=0,
@@ -106,9 +106,9 @@ def bench(
     console = Console()
     if compare:
         from lineside.bench.report import compare as do_compare
+        from lineside.bench.report import result_file
 
-        do_compare(checks.input_file(Path(compare[0]), "--compare", "bench result (report.json)"),
-                   checks.input_file(Path(compare[1]), "--compare", "bench result (report.json)"), console)
+        do_compare(result_file(Path(compare[0])), result_file(Path(compare[1])), console)
         return
     # Every path first: a bad --out must not cost a whole run (and leaves nothing behind).
     if out is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from lineside import cli_checks as checks
 from lineside.bench.metrics import RequestRecord, Summary, TokenSource, summarize
 from lineside.console_line import say
 from lineside.errors import LinesideError
@@ -86,6 +87,18 @@ def load_json(path: Path) -> tuple[list[RequestRecord], Summary, dict]:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise LinesideError(f"{path} is an incomplete lineside bench result ({type(e).__name__}: {e}); run "
                             "`lineside bench` again") from None
+
+
+def result_file(path: Path, option: str = "--compare") -> Path:
+    """A bench result to read: a report.json, or a `bench --out` directory holding one (what users have at hand)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        inside = p / "report.json"
+        if not inside.is_file():
+            raise LinesideError(f"{option} {p} is a directory without report.json; give a `lineside bench --out` "
+                                "directory or a report.json file")
+        p = inside
+    return checks.input_file(p, option, "bench result (report.json)")
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
