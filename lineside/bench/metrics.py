@@ -1,9 +1,10 @@
 """Serving metrics with the field's definitions (vLLM `bench serve`, NVIDIA AIPerf).
 
 TTFT = first token time - send time; TPOT = (E2E - TTFT) / (output tokens - 1), i.e. the first
-token is excluded; ITL = gaps between streamed chunks; effective throughput = sum(output tokens) /
-sum(E2E). A request carrying several prompts (OpenAI's list `prompt`) streams several choices:
-its TPOT and ITL are taken per choice, its output tokens summed over choices.
+token is excluded; ITL = gaps between streamed chunks; total token throughput = (prompt + output
+tokens) / duration, as vLLM's; effective throughput = sum(output tokens) / sum(E2E). A request
+carrying several prompts (OpenAI's list `prompt`) streams several choices: its TPOT and ITL are taken
+per choice, its output tokens summed over choices.
 """
 
 from __future__ import annotations
@@ -137,6 +138,14 @@ class Summary:
     ttft_target: float | None = None
     tpot_target: float | None = None
     e2e_target: float | None = None
+    # (prompt + output tokens of completed requests) / duration: vLLM's "Total Token throughput"; None in a report
+    # written before it was kept, so it is worked out from the counts that report has
+    total_token_throughput: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_token_throughput is None:
+            tokens = self.prompt_tokens + self.output_tokens
+            self.total_token_throughput = tokens / self.duration if self.duration > 0 else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,6 +159,7 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
     if duration is None:
         duration = (max(r.end for r in records) - min(r.start for r in records)) if records else 0.0
     out_tok = sum(r.output_tokens for r in done)
+    in_tok = sum(r.prompt_tokens for r in done)
     sum_e2e = sum(e2e(r) for r in done)
     rate = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     targets = ttft_target is not None or tpot_target is not None or e2e_target is not None
@@ -158,10 +168,11 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
         completed=len(done),
         failed=len(records) - len(done),
         duration=float(duration),
-        prompt_tokens=sum(r.prompt_tokens for r in done),
+        prompt_tokens=in_tok,
         output_tokens=out_tok,
         request_throughput=rate(len(done)),
         output_throughput=rate(out_tok),
+        total_token_throughput=rate(in_tok + out_tok),
         effective_throughput=out_tok / sum_e2e if sum_e2e > 0 else 0.0,
         goodput=rate(sum(good(r, ttft_target, tpot_target, e2e_target) for r in records)) if targets else None,
         ttft=percentiles([t for r in done if (t := ttft(r)) is not None]),

@@ -23,6 +23,7 @@ STATS = ("mean", "p50", "p90", "p99")
 RATES = (  # (key, label, unit); higher is better
     ("request_throughput", "Request throughput", "req/s"),
     ("output_throughput", "Output token throughput", "tok/s"),
+    ("total_token_throughput", "Total token throughput (prompt + output)", "tok/s"),
     ("effective_throughput", "Effective throughput (sum tokens / sum E2E)", "tok/s"),
     ("goodput", "Goodput (requests meeting targets)", "req/s"),
 )

@@ -130,3 +130,15 @@ def test_goodput_with_an_e2e_target_as_vllms_e2el():
     assert [good(r, 0.5, 0.5, 0.5) for r in (quick, long, failed)] == [True, False, False]
     s = summarize([quick, long, failed], duration=2.0, e2e_target=0.5)
     assert s.goodput == pytest.approx(1 / 2.0) and s.e2e_target == 0.5
+
+
+def test_total_token_throughput_counts_prompt_and_output_tokens_of_completed_requests():
+    """vLLM's "Total Token throughput" = (input + output tokens of the requests that succeeded) / duration."""
+    a = rec(0.0, [0.5, 1.0, 1.5, 2.0], 2.0)          # 4 tokens
+    b = rec(1.0, [1.2, 1.4], 1.4)                      # 2 tokens
+    c = rec(2.0, [], 2.5, tokens=0, error="HTTP 500")  # failed: its prompt is in no count
+    a.prompt_tokens, b.prompt_tokens, c.prompt_tokens = 30, 14, 1000
+    s = summarize([a, b, c], duration=4.0)
+    assert s.prompt_tokens == 44
+    assert s.total_token_throughput == pytest.approx((44 + 6) / 4.0)  # 12.5 tok/s
+    assert summarize([], duration=0.0).total_token_throughput == 0.0

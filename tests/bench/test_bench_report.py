@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from rich.console import Console
@@ -154,3 +155,27 @@ def test_cli_compare_takes_the_out_directories_themselves(tmp_path):
     r = runner.invoke(_cli(), ["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "empty")])
     assert r.exit_code != 0 and not isinstance(r.exception, AssertionError)
     assert isinstance(r.exception, LinesideError) and "without report.json" in str(r.exception)
+
+
+def test_total_token_throughput_in_the_table_report_json_and_compare(tmp_path):
+    """records(1.0): 6 requests of 12 prompt + 5 output tokens over 3.1 s (first send 0, last end 3.1), so
+    (72 + 30) / 3.1 = 32.90 tok/s, where vLLM prints its "Total Token throughput"; a report written before the
+    number was kept has it worked out from its counts."""
+    from lineside.bench.report import summary_table
+
+    s = summarize(records(1.0))
+    assert s.duration == pytest.approx(3.1) and s.total_token_throughput == pytest.approx(102 / 3.1)
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(summary_table(s))
+    assert re.search(r"Total token throughput \(prompt \+ output\) \(tok/s\) +│ +32\.90 ", buf.getvalue())
+    write_report(tmp_path / "a", records(1.0), s, {"started_at": 0}, plots=False)
+    assert json.loads((tmp_path / "a" / "report.json").read_text())["summary"]["total_token_throughput"] == \
+        pytest.approx(102 / 3.1)
+    assert "| Total token throughput (prompt + output) | 32.90 | tok/s |" in (tmp_path / "a" / "report.md").read_text()
+    old = json.loads((tmp_path / "a" / "report.json").read_text())
+    del old["summary"]["total_token_throughput"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_json(tmp_path / "old.json")[1].total_token_throughput == pytest.approx(102 / 3.1)
+    rows = {r[0]: r for r in compare_rows(summarize(records(1.0)), summarize(records(0.5)))}
+    # 0.5 scale: last end 2.5 + 0.1 + 0.2 = 2.8 s, but the failed record ends at 3.1: duration 3.1 both times
+    assert rows["Total token throughput (prompt + output)"][1:3] == pytest.approx((102 / 3.1, 102 / 3.1))
