@@ -9,7 +9,7 @@ from rich.console import Console
 
 from lineside import cli_checks as checks
 from lineside.bench.load import PATTERNS
-from lineside.bench.spec_metrics import spec_counters
+from lineside.bench.spec_metrics import SpecCounters, spec_counters
 from lineside.console_line import say
 from lineside.errors import LinesideError
 
@@ -43,6 +43,17 @@ def _tokenizer(tokenizer: Path | None, bundle: Path | None):
 def _token_counter(tok):
     """Tokens in a streamed text (no special tokens): the output count where a server sends no usage."""
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def _run_counting_spec(url: str, api_key: str, schedule, pool, cfg, deadline: float, warmup: int):
+    """The run, and the server's speculative-decoding counters over it: read after the warm-up (whose drafts are in
+    no other number either) and after the last answer."""
+    from lineside.bench.runner import run
+
+    before: list[SpecCounters] = []
+    result = run(url, schedule, pool, cfg, deadline, warmup,
+                 at_start=lambda: before.append(spec_counters(url, api_key)))
+    return result, spec_counters(url, api_key) - before[0]
 
 
 def bench(
@@ -168,7 +179,6 @@ def bench(
         warn_if_loaded,
         write_report,
     )
-    from lineside.bench.runner import run
 
     ppr = parse_range(prompts_per_request, "--prompts-per-request") if prompts_per_request else None
     if ppr is not None and pattern in ("concurrency", "chunked"):  # the report would claim what was not sent
@@ -218,15 +228,11 @@ def bench(
                                          speculative=spec)) as server:
             ready_s = server.start_to_ready_s
             backend, backend_reason = server_backend(server.url)
-            before = spec_counters(server.url)
-            result = run(server.url, schedule, pool, cfg, deadline, warmup)
-            spec_delta = spec_counters(server.url) - before
+            result, spec_delta = _run_counting_spec(server.url, "", schedule, pool, cfg, deadline, warmup)
     else:
         ready_s = ready_after_s(url)
         backend, backend_reason = server_backend(url)
-        before = spec_counters(url, cfg.api_key)
-        result = run(url, schedule, pool, cfg, deadline, warmup)
-        spec_delta = spec_counters(url, cfg.api_key) - before
+        result, spec_delta = _run_counting_spec(url, cfg.api_key, schedule, pool, cfg, deadline, warmup)
     load_after = machine_load()
 
     summary = summarize_run(result.records, result.duration, ttft_ms, tpot_ms, e2el_ms)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -80,8 +81,10 @@ async def _reachable(client: httpx.AsyncClient, url: str) -> None:
 
 
 async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientConfig,
-                    deadline: float, warmup: int = 0) -> RunResult:
-    """Execute the schedule; `deadline` (s from start) caps the whole run including the drain."""
+                    deadline: float, warmup: int = 0, at_start: Callable[[], object] | None = None) -> RunResult:
+    """Execute the schedule; `deadline` (s from start) caps the whole run including the drain. `at_start` runs
+    after the warm-up, right before the clock starts: what it reads of the server (its counters) leaves the warm-up
+    out, as every other number does."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits, headers=cfg.headers()) as client:
         model = cfg.model
@@ -102,6 +105,8 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
         cfg = ClientConfig(**{**cfg.__dict__, "base_url": url, "model": model})
         for _ in range(warmup):
             await send(client, cfg, pool.take(1), cfg.clock())
+        if at_start is not None:
+            await asyncio.to_thread(at_start)  # a blocking read of the server: not on the loop's thread
         started = time.time()
         t0 = cfg.clock()
         records: list[RequestRecord] = []
@@ -132,6 +137,6 @@ async def run_async(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientC
 
 
 def run(url: str, schedule: Schedule, pool: PromptPool, cfg: ClientConfig, deadline: float,
-        warmup: int = 0) -> RunResult:
+        warmup: int = 0, at_start: Callable[[], object] | None = None) -> RunResult:
     """Blocking wrapper around run_async (a fresh event loop)."""
-    return asyncio.run(run_async(url, schedule, pool, cfg, deadline, warmup))
+    return asyncio.run(run_async(url, schedule, pool, cfg, deadline, warmup, at_start))

@@ -5,7 +5,9 @@ Every choice streams `max_tokens` chunks of one token: the first after `ttft` se
 streams every token as a reasoning model's thinking (`delta.reasoning_content`, as `serve --reasoning-parser`). With
 ``api_key`` every route but /health/ready wants 'Authorization: Bearer <api_key>' (an OpenAI-shaped 401), as
 `lineside serve --api-key` does. With ``tokens_per_chunk`` k every chunk carries k tokens (speculative decoding's
-way); with ``usage=False`` the server ignores stream_options.include_usage (as some servers do).
+way); with ``usage=False`` the server ignores stream_options.include_usage (as some servers do). With ``spec``
+(drafted, accepted) every request adds that many proposed and kept tokens and one verify step to /metrics'
+speculative-decoding counters (lineside's names).
 """
 
 from __future__ import annotations
@@ -15,15 +17,25 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
 def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model", api_key: str = "",
-             ready_body: dict | None = None, tokens_per_chunk: int = 1, usage: bool = True) -> FastAPI:
+             ready_body: dict | None = None, tokens_per_chunk: int = 1, usage: bool = True,
+             spec: tuple[int, int] | None = None) -> FastAPI:
     app = FastAPI()
     app.state.inflight = 0
     app.state.max_inflight = 0
     app.state.requests = 0
+    app.state.spec = [0, 0, 0]  # drafted, accepted, verify steps: (spec's two) and 1 step more per request
+
+    if spec is not None:
+        @app.get("/metrics")
+        async def metrics():
+            drafted, accepted, steps = app.state.spec
+            return PlainTextResponse(f"lineside_spec_decode_num_draft_tokens_total {drafted}\n"
+                                     f"lineside_spec_decode_num_accepted_tokens_total {accepted}\n"
+                                     f"lineside_spec_decode_acceptance_rate_count {steps}\n")
 
     if api_key:
         @app.middleware("http")
@@ -76,6 +88,8 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
 
     async def _handle(request: Request, chat: bool):
         app.state.requests += 1
+        if spec is not None:  # counted on arrival: done before the answer, so a read after the last answer sees it
+            app.state.spec = [app.state.spec[0] + spec[0], app.state.spec[1] + spec[1], app.state.spec[2] + 1]
         body = await request.json()
         if chat:
             prompts = [" ".join(m["content"] for m in body["messages"])]

@@ -376,3 +376,20 @@ def test_cli_goodput_with_an_e2el_target(server, tmp_path):
         assert summary["e2e_target"] == float(ms) / 1000
         assert summary["goodput"] * summary["duration"] == pytest.approx(want)
         assert f"E2E ≤ {float(ms):.1f} ms" in (out / "report.md").read_text()
+
+
+def test_cli_speculative_counters_leave_the_warm_up_out(tmp_path):
+    """The report's acceptance numbers are the run's, like every other number: the server's counters are read after
+    the warm-up. Each request drafts 4 and keeps 3 in one step: 2 measured requests are 8 drafted, 6 kept, 2 steps
+    (with the 2 warm-ups read in, as before, 16 / 12 / 4)."""
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "3", "--warmup", "2", "--no-plots", "--out", str(tmp_path / "o")]
+    app = make_app(0.01, 0.002, spec=(4, 3))
+    with BackgroundServer(app, startup_timeout=20) as srv:
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args])
+        assert r.exit_code == 0, r.output
+    assert app.state.requests == 4  # 2 warm-ups + 2 measured
+    spec = json.loads((tmp_path / "o" / "report.json").read_text())["meta"]["speculative"]
+    assert spec == {"draft_tokens": 8.0, "accepted_tokens": 6.0, "verify_steps": 2.0, "acceptance": 0.75,
+                    "tokens_per_verify_step": 4.0}  # 6/8 kept; (6 + 2) / 2 tokens per step
+    assert "6/8 proposed tokens accepted (75%)" in r.output
