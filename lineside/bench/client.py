@@ -68,18 +68,36 @@ def _payload(cfg: ClientConfig, prompts: list[Prompt]) -> dict:
     if cfg.endpoint == "chat":
         p = prompts[0]
         body["messages"] = list(p.messages) or [{"role": "user", "content": p.text}]
+        if p.tools:
+            body["tools"] = list(p.tools)
+        if p.tool_choice is not None:
+            body["tool_choice"] = p.tool_choice
     else:
         body["prompt"] = prompts[0].text if len(prompts) == 1 else [p.text for p in prompts]
     return body
 
 
+def _tool_call_text(delta: dict) -> str:
+    """The generated text of a delta's tool calls: each call's name and argument pieces (what the model wrote)."""
+    calls = delta.get("tool_calls")
+    if not isinstance(calls, list):
+        return ""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            out += [v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str)]
+    return "".join(out)
+
+
 def _chunk_text(choice: dict, chat: bool) -> str:
     """The output a chunk carries. Chat: the answer, or a reasoning model's thinking (`reasoning_content`, vLLM's
-    and `serve --reasoning-parser`'s, or `reasoning`, its newer name): thinking is generated output, and vLLM's
-    bench counts it toward TTFT and ITL too."""
+    and `serve --reasoning-parser`'s, or `reasoning`, its newer name), and any tool call's name and arguments: all
+    of it is generated output, and vLLM's bench counts every chunk with choices toward TTFT and ITL."""
     if chat:
         delta = choice.get("delta") or {}
-        return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        text = delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
+        return text + _tool_call_text(delta)
     return choice.get("text") or ""
 
 

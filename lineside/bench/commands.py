@@ -75,7 +75,8 @@ def bench(
     endpoint: str = typer.Option("completions", help="completions | chat"),
     prompt_len: str = typer.Option("32:192", help="Synthetic prompt length range in tokens, MIN:MAX."),
     prompts_per_request: str = typer.Option(None, help="MIN:MAX prompts per request (burst default 1:3)."),
-    prompts_file: Path = typer.Option(None, help="JSONL prompts ({\"prompt\"|\"text\"|\"messages\"}) instead."),
+    prompts_file: Path = typer.Option(None, help="JSONL prompts ({\"prompt\"|\"text\"|\"messages\"}, optional \"max_tokens\", "
+                                                 "chat's \"tools\" and \"tool_choice\") instead."),
     tokenizer: Path = typer.Option(None, help="tokenizer.json for exact synthetic lengths and for counting output tokens of a server "
                                                 "that sends no usage (default: bundle's)."),
     max_tokens: int = num(64, low=1, help="max_tokens of every request."),
@@ -204,6 +205,9 @@ def bench(
         raise LinesideError(f"{prompts_file}: its lines ask for different \"max_tokens\", and one /v1/completions "
                             "request with several prompts carries only one; use --prompts-per-request 1 or "
                             "--endpoint chat (a call per prompt)")
+    if endpoint == "completions" and any(p.tools for p in prompts):  # /v1/completions has no tools
+        raise LinesideError(f"{prompts_file}: its lines carry \"tools\", which only chat requests take; pass "
+                            "--endpoint chat")
     pool = PromptPool(prompts)
     span = schedule.arrivals[-1].time if schedule.arrivals else duration
     if pattern == "chunked":

@@ -27,12 +27,15 @@ _WORDS = (
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: plain text, or chat messages; token count when known; optional per-prompt max_tokens."""
+    """One prompt: plain text, or chat messages; token count when known; optional per-prompt max_tokens; chat's
+    tools (and tool_choice) sent with it, as an agent's requests carry them."""
 
     text: str
     tokens: int = 0
     messages: tuple[dict, ...] = ()
     max_tokens: int | None = None
+    tools: tuple[dict, ...] = ()
+    tool_choice: str | dict | None = None
 
 
 def load_tokenizer(path: str | Path):
@@ -91,7 +94,8 @@ def synthetic(count: int, length_range: tuple[int, int], seed: int = 0, tokenize
 
 
 def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
-    """Each line: {"prompt": "..."} or {"text": "..."} or {"messages": [...]}, optional "max_tokens"."""
+    """Each line: {"prompt": "..."} or {"text": "..."} or {"messages": [...]}, optional "max_tokens", and for chat
+    optional "tools" (OpenAI's function tools) and "tool_choice"."""
     p = Path(path)
     # A pipe is a prompts file too (`--prompts-file <(jq ...)`): only a missing path or a directory is refused.
     if not p.exists():
@@ -132,11 +136,34 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
         mt = obj.get("max_tokens")
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
             raise LinesideError(f"{path}:{lineno}: \"max_tokens\" must be an integer ≥ 1, got {mt!r}")
-        out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=mt))
+        tools, choice = _tools(obj, f"{path}:{lineno}")
+        out.append(Prompt(text=text, tokens=n, messages=messages, max_tokens=mt, tools=tools, tool_choice=choice))
     if not out:
         raise LinesideError(f"prompts file {path} holds no prompts; write one JSON object per line, "
                             '{"prompt": ...}, {"text": ...} or {"messages": [...]}')
     return out
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tools(obj: dict, where: str) -> tuple[tuple[dict, ...], str | dict | None]:
+    """A line's "tools" and "tool_choice", checked as OpenAI's chat API takes them (one line for what is wrong)."""
+    tools = obj.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise LinesideError(f'{where}: "tools" must be a list of {{"type": "function", "function": {{"name": ...}}}} '
+                            "objects (OpenAI's chat tools)")
+    choice = obj.get("tool_choice")
+    if choice is not None and not (choice in TOOL_CHOICES or isinstance(choice, dict)):
+        raise LinesideError(f'{where}: "tool_choice" must be "none", "auto", "required" or '
+                            f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}')
+    if choice not in (None, "none") and not tools:
+        raise LinesideError(f'{where}: "tool_choice" {choice!r} needs "tools" on the same line')
+    return tuple(tools), choice
 
 
 def _content_text(content: object) -> str:

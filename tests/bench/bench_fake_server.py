@@ -7,7 +7,8 @@ streams every token as a reasoning model's thinking (`delta.reasoning_content`, 
 `lineside serve --api-key` does. With ``tokens_per_chunk`` k every chunk carries k tokens (speculative decoding's
 way); with ``usage=False`` the server ignores stream_options.include_usage (as some servers do). With ``spec``
 (drafted, accepted) every request adds that many proposed and kept tokens and one verify step to /metrics'
-speculative-decoding counters (lineside's names).
+speculative-decoding counters (lineside's names). A chat request with "tools" answers with one tool call only
+(`delta.tool_calls`: the name "lookup" as the first token, then one argument token per chunk; no content).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
     def _sse(obj) -> str:
         return "data: " + json.dumps(obj) + "\n\n"
 
-    async def _stream(prompts: list[str], max_tokens: int, chat: bool, include_usage: bool):
+    async def _stream(prompts: list[str], max_tokens: int, chat: bool, include_usage: bool, tools: bool = False):
         app.state.inflight += 1
         app.state.max_inflight = max(app.state.max_inflight, app.state.inflight)
         try:
@@ -77,8 +78,16 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
                 text = "".join(f" t{j}" for j in range(s, min(s + tokens_per_chunk, max_tokens)))
                 for i in range(len(prompts)):
                     delta = {"reasoning_content": text, "reasoning": text} if think else {"content": text}
+                    if tools:  # a call's name is its first token, then its arguments, as vLLM's tool parsers stream
+                        call = {"index": 0, "id": "call_0", "type": "function",
+                                "function": {"name": "lookup", "arguments": ""}} if not s else \
+                            {"index": 0, "function": {"arguments": text}}
+                        delta = {"tool_calls": [call]}
                     choice = {"index": i, "delta": delta} if chat else {"index": i, "text": text}
                     yield _sse({"object": "text_completion", "created": created, "choices": [choice]})
+            if tools:
+                yield _sse({"object": "chat.completion.chunk", "created": created,
+                            "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
             if include_usage and usage:
                 yield _sse({"choices": [], "usage": {"prompt_tokens": sum(len(p.split()) for p in prompts),
                                                     "completion_tokens": max_tokens * len(prompts)}})
@@ -99,7 +108,8 @@ def make_app(ttft: float = 0.03, step: float = 0.005, model: str = "fake-model",
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error", "code": 500}},
                                 status_code=500)
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_stream(prompts, int(body.get("max_tokens", 16)), chat, usage),
+        tools = chat and bool(body.get("tools"))
+        return StreamingResponse(_stream(prompts, int(body.get("max_tokens", 16)), chat, usage, tools),
                                  media_type="text/event-stream")
 
     @app.post("/v1/completions")

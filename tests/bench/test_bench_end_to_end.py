@@ -393,3 +393,42 @@ def test_cli_speculative_counters_leave_the_warm_up_out(tmp_path):
     assert spec == {"draft_tokens": 8.0, "accepted_tokens": 6.0, "verify_steps": 2.0, "acceptance": 0.75,
                     "tokens_per_verify_step": 4.0}  # 6/8 kept; (6 + 2) / 2 tokens per step
     assert "6/8 proposed tokens accepted (75%)" in r.output
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_chat_answer_of_tool_calls_only_is_output(server):
+    """A chat answer that is only a tool call (`delta.tool_calls`, no content) is generated output: its first chunk
+    is the TTFT, its chunks the ITL (vLLM's bench times every chunk with choices). It had no TTFT, TPOT or ITL."""
+    sched = load.Schedule("poisson", (load.Arrival(0.0),), duration=1.0, max_requests=1)
+    cfg = ClientConfig(base_url="", endpoint="chat", max_tokens=5, timeout=10)
+    prompt = Prompt("find it", messages=({"role": "user", "content": "find it"},), tools=(TOOL,))
+    (r,) = run(server.url, sched, PromptPool([prompt]), cfg, deadline=10).records
+    assert r.ok and len(r.chunk_times[0]) == 5 and r.output_tokens == 5
+    assert ttft(r) >= TTFT and tpot(r) is not None
+
+
+def test_cli_prompts_file_with_tools_counts_tool_call_text(tmp_path):
+    """A prompts file's "tools" are sent; a server without usage answering with a tool call only had "no output
+    tokens" for every request (run failed). The call's text is counted: name "lookup" + arguments " t1 .. t5" is
+    6 words with a whitespace tokenizer, 12 over 2 requests. A completions run refuses tools in one line."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "find it"}], "tools": [TOOL]}) + "\n")
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "6", "--warmup", "0", "--no-plots", "--prompts-file", str(prompts),
+            "--tokenizer", str(tmp_path / "tokenizer.json")]
+    with BackgroundServer(make_app(0.01, 0.002, usage=False), startup_timeout=20) as srv:
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, "--endpoint", "chat", *args,
+                                           "--out", str(tmp_path / "a")])
+        assert r.exit_code == 0, (r.output, r.exception)
+        data = json.loads((tmp_path / "a" / "report.json").read_text())
+        assert data["summary"]["completed"] == 2 and data["summary"]["output_tokens"] == 12
+        assert data["summary"]["ttft"]["p50"] is not None
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args])
+        assert isinstance(r.exception, LinesideError) and "--endpoint chat" in str(r.exception)

@@ -114,3 +114,29 @@ def test_pool_wraps_around():
     pool = P.PromptPool([P.Prompt("a"), P.Prompt("b"), P.Prompt("c")])
     assert [p.text for p in pool.take(2)] == ["a", "b"]
     assert [p.text for p in pool.take(3)] == ["c", "a", "b"]
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_jsonl_lines_carry_chat_tools(tmp_path):
+    """An agent's requests carry tools: a line's "tools" and "tool_choice" go with its prompt (they were dropped)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "find it"}], "tools": [TOOL],
+                             "tool_choice": "required"}) + "\n" + json.dumps({"prompt": "plain"}) + "\n")
+    a, b = P.from_jsonl(f)
+    assert a.tools == (TOOL,) and a.tool_choice == "required" and a.text == "find it"
+    assert b.tools == () and b.tool_choice is None
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"tools": {"name": "lookup"}}, '"tools" must be a list of'),
+    ({"tools": [{"type": "function"}]}, '"tools" must be a list of'),
+    ({"tools": [TOOL], "tool_choice": "always"}, '"tool_choice" must be "none", "auto", "required"'),
+    ({"tool_choice": "required"}, '"tool_choice" .required. needs "tools" on the same line'),
+])
+def test_jsonl_tool_errors_name_the_line(tmp_path, extra, msg):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", **extra}) + "\n")
+    with pytest.raises(LinesideError, match=":2: " + msg.replace("(", r"\(")):
+        P.from_jsonl(f)
