@@ -135,7 +135,7 @@ def generate(
         tok.chat_template = template
     if chat and not tok.chat_template:
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
-    ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    ids = _prompt_ids(tok, prompt, chat, gen.backend.max_seq_len)
     detok = IncrementalDetokenizer(tok, prompt_ids=ids)
     made = 0
     try:
@@ -281,6 +281,36 @@ def chat(
                   "larger --max-seq-len", file=sys.stderr)
         messages.append({"role": "assistant", "content": "".join(answer)})
     return 1 if skipped and not typed else 0
+
+
+def _prompt_ids(tok: Any, prompt: str, chat: bool, limit: int) -> list[int]:
+    """The prompt's ids, counted with an early stop at the context (runtime/bounded_encode, as the server counts
+    them): refusing a 30 MB prompt costs the context's worth of tokenizing, not the whole text's."""
+    from lineside.runtime.bounded_encode import PromptTooLong
+
+    most = max(limit - 1, 0)  # one more and nothing can be generated (Generator.stream's rule)
+    try:
+        if chat:
+            return tok.encode_chat([{"role": "user", "content": prompt}], max_tokens=most)
+        return tok.encode(prompt, max_tokens=most)
+    except PromptTooLong as e:
+        chars = len(prompt)  # what was counted: the text, or the text in the template's markup
+        if chat:
+            chars += len(tok.apply_chat_template([{"role": "user", "content": ""}]))
+        raise LinesideError(too_long_text(e, chars, limit)) from None
+
+
+def too_long_text(e: Any, chars: int, limit: int) -> str:
+    """One line for a prompt refused while it was counted: all of it read, a lower bound (counted, or bounded from
+    its bytes); else its first part's count and an estimate for the whole, said to be one."""
+    if e.chars_read >= chars:
+        size = f"the prompt has at least {e.tokens} tokens ({chars} characters)"
+    else:
+        about = round(e.tokens * chars / max(e.chars_read, 1))
+        size = (f"the prompt has about {about} tokens (estimated: its first {e.chars_read} of {chars} characters "
+                f"already make {e.tokens}; the rest was not tokenized)")
+    return (f"{size}, and the bundle's context is {limit} tokens, which leaves no room to generate; shorten it "
+            "(or build the bundle with a larger --max-seq-len)")
 
 
 def _check_stdout(command: str) -> None:
