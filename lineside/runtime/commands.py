@@ -19,6 +19,17 @@ YOU = "you> "  # chat's prompt for a line, shown only when stdin is a terminal
 NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
 
 
+UNSEEDED = -1  # as the server's seed -1, vLLM's and llama.cpp's (`--seed -1`): no seed, a random one each run
+SEED_HELP = ("random seed: the same seed, the same output; any 64-bit integer, as the server's seed; -1 (or none) "
+             "picks a random one each run, as llama.cpp's --seed -1 and the server's seed -1")
+
+
+def sampler_seed(seed: int | None) -> int | None:
+    """--seed for the sampler, read as the server reads a request's seed (server/request_mapping.sampler_seed, not
+    imported: it loads the server's stack): -1 is none; a negative one is its unsigned 64-bit twin."""
+    return None if seed is None or seed == UNSEEDED else seed % 2**64
+
+
 def _parse_ids(text: str) -> list[int]:
     """Token ids separated by commas or spaces ("1,2,3", "1, 2, 3", "1 2 3"); an empty one between commas is an
     error, not skipped."""
@@ -89,8 +100,7 @@ def generate(
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
     top_k: Annotated[int, checks.number_option(low=0, help="0 = off")] = 0,
     top_p: Annotated[float, checks.number_option(kind=float, above=0, high=1, help="nucleus mass")] = 1.0,
-    seed: Annotated[int | None, checks.number_option(low=0, high=2**63 - 1,
-                                                     help="random seed (same seed, same output)")] = None,
+    seed: Annotated[int | None, checks.number_option(low=-(2**63), high=2**63 - 1, help=SEED_HELP)] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
@@ -129,7 +139,7 @@ def generate(
         check_proposer(spec, open_bundle(bundle, verify=False))
     gen = _generator(bundle, backend, threads, lora)
     gen.speculative = spec
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=sampler_seed(seed))
     tok = gen.tokenizer
     if template is not None:
         tok.chat_template = template
@@ -165,6 +175,7 @@ def chat(
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens per answer")] = 256,
     *,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
+    seed: Annotated[int | None, checks.number_option(low=-(2**63), high=2**63 - 1, help=SEED_HELP)] = None,
     threads: Annotated[int | None, checks.number_option(low=1, high=checks.MAX_THREADS,
                                                         help="onnxruntime intra-op threads (default: one per physical core)")] = None,
     backend: Annotated[str, typer.Option(help="auto (TensorRT when an engine for this GPU exists) | "
@@ -192,7 +203,7 @@ def chat(
     if template is not None:
         gen.tokenizer.chat_template = template
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    params = SamplingParams(temperature=temperature)
+    params = SamplingParams(temperature=temperature, seed=sampler_seed(seed))  # each answer samples from it anew
     limit = gen.backend.max_seq_len
     fixed = len(gen.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}]))
     if fixed >= limit - 1:  # no line could be answered: say so once, not "type a shorter one" after every line
