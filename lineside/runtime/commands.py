@@ -188,7 +188,7 @@ def chat(
 
     Ctrl-C stops an answer; an empty line, Ctrl-D or Ctrl-C at the prompt quits. Piped input: each line is a turn, blank lines are skipped, the end of the input quits, and stdout
     holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts); a line that
-    cannot be answered is skipped with its error on stderr, and the exit status is then 1."""
+    cannot be answered is skipped with its error on stderr (naming the line), and the exit status is then 1."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams
 
@@ -227,11 +227,13 @@ def chat(
     reserve = min(max_tokens, limit // 4)
     forgetting = False
     skipped = 0  # piped lines refused (too long, not UTF-8): the answers file lacks them, so the exit says so
+    number = 0  # of the line read (blank ones too): a piped line's error names it, as a compiler names a file's
     while True:
+        number += 1
         try:
             # the prompt is for someone typing: piped, it was written before every line read (skipped blank ones
             # too), glued to the answers ("you> you> model> ..."), and stdout holds only the answers
-            line = strip_invisible(checks.utf8_text(input(YOU if typed else ""), "the chat line")).strip()
+            line = strip_invisible(checks.utf8_text((input(YOU) if typed else _piped_line()), "the chat line")).strip()
         except (EOFError, KeyboardInterrupt) as e:  # Ctrl-D / Ctrl-C at the prompt: quit on a fresh line
             if typed or isinstance(e, KeyboardInterrupt):
                 sys.stdout.write("\n")
@@ -240,8 +242,10 @@ def chat(
             break
         except (LinesideError, UnicodeDecodeError):  # a strict UTF-8 stdin raises the latter
             # one line, and the conversation goes on: a mistyped line must not lose what was said so far
-            print("error: the chat line is not valid UTF-8 text; type it again in UTF-8 (the terminal's or file's "
-                  "encoding)", file=sys.stderr)
+            fix = ("type it again in UTF-8 (the terminal's encoding)" if typed else
+                   "it was skipped (convert the input to UTF-8 first, e.g. iconv -f latin1 -t utf-8)")
+            print(f"error: {'the chat line' if typed else f'line {number}'} is not valid UTF-8 text; {fix}",
+                  file=sys.stderr)
             skipped += 1
             continue
         if not line:
@@ -249,6 +253,11 @@ def chat(
                 break
             continue
         turns = [*messages, {"role": "user", "content": line}]
+        alone = _line_too_long(gen.tokenizer, [*messages[:1 if system else 0], turns[-1]], limit)
+        if alone is not None:  # a long line past the context alone: known from its first part, as serve knows
+            print(f"error: {_line_error(alone, typed, number, limit)}", file=sys.stderr)
+            skipped += 1
+            continue
         ids = gen.tokenizer.encode_chat(turns)
         room = limit - len(ids)
         while room < reserve and len(turns) > 2:  # forget the oldest turns when the context fills up
@@ -256,9 +265,7 @@ def chat(
             ids = gen.tokenizer.encode_chat(turns)
             room = limit - len(ids)
         if room < 1:  # this line alone fills the context: say so, and keep the conversation as it was
-            print(f"error: that message makes a prompt of {len(ids)} tokens, and the bundle's context is "
-                  f"{limit}; type a shorter one (or build with a larger --max-seq-len)",
-                  file=sys.stderr)
+            print(f"error: {_line_error(f'{len(ids)} tokens', typed, number, limit)}", file=sys.stderr)
             skipped += 1
             continue
         if len(turns) <= len(messages) and not forgetting:  # once: the model no longer sees the start, and why
@@ -322,6 +329,44 @@ def too_long_text(e: Any, chars: int, limit: int) -> str:
                 f"already make {e.tokens}; the rest was not tokenized)")
     return (f"{size}, and the bundle's context is {limit} tokens, which leaves no room to generate; shorten it "
             "(or build the bundle with a larger --max-seq-len)")
+
+
+def _piped_line() -> str:
+    """The next line of a piped stdin, decoded on its own: stdin's text layer decodes ahead in 8 KiB chunks, so one
+    Latin-1 byte lost every line of the chunk around it (all of a short questions file), not just its own line."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # a text stream without bytes under it (tests, embedding): already decoded
+        return input()
+    raw = buffer.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8").rstrip("\r\n")
+
+
+def _line_too_long(tok: Any, turns: list[dict[str, str]], limit: int) -> str | None:
+    """How long a long chat line's prompt is (with the system prompt) when it cannot fit the context even alone,
+    counted with an early stop (runtime/bounded_encode): a 30 MB piped line is not tokenized whole to refuse it;
+    None when it fits, or is short enough that the exact count that follows costs as little."""
+    from lineside.runtime.bounded_encode import PromptTooLong
+
+    if len(turns[-1]["content"]) <= limit:
+        return None
+    try:
+        tok.encode_chat(turns, max_tokens=max(limit - 1, 0))
+    except PromptTooLong as e:
+        return f"at least {e.tokens} tokens" + (f" (about {round(e.tokens * len(turns[-1]['content']) / e.chars_read)} "
+                                                 "estimated)" if e.chars_read < len(turns[-1]["content"]) else "")
+    return None
+
+
+def _line_error(size: str, typed: bool, number: int, limit: int) -> str:
+    """One line for a chat line whose prompt (``size``: its tokens) leaves no room to answer: at a terminal, type a
+    shorter one; piped (a file of questions), which line was skipped and what fits."""
+    if typed:
+        return (f"that message makes a prompt of {size}, and the bundle's context is {limit}; type a shorter one "
+                "(or build with a larger --max-seq-len)")
+    return (f"line {number} makes a prompt of {size}, and the bundle's context is {limit} tokens, which leaves no "
+            "room to answer; it was skipped (shorten that line, or build the bundle with a larger --max-seq-len)")
 
 
 def _check_stdout(command: str) -> None:

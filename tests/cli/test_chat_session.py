@@ -248,3 +248,30 @@ def test_a_piped_line_that_cannot_be_answered_makes_the_exit_non_zero(tiny_bundl
     assert out.count("model> ") == 2, out
     assert err.count("error: ") == 1 and "Traceback" not in err, err
     assert rc == (0 if at_a_terminal else 1), err
+
+
+@pytest.mark.parametrize("at_a_terminal", [False, True])
+def test_a_line_past_the_context_is_named_for_the_input_kind(tiny_bundle, monkeypatch, capsys, at_a_terminal):
+    """Piped (a file of questions), "type a shorter one" read oddly: the error names the line, says it was skipped
+    and what to do; at a terminal it still asks for a shorter one. One line either way."""
+    blank = "" if at_a_terminal else "\n"  # (a blank line quits at a terminal)
+    rc, out, err = _chat(monkeypatch, capsys, tiny_bundle, "first\n" + blank + "a " * 200 + "\nsecond\n",
+                         at_a_terminal=at_a_terminal)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, err
+    if at_a_terminal:
+        assert "type a shorter one" in errors[0], errors
+    else:  # line 3 of the input: the blank line between counts, as an editor numbers it
+        assert "line 3 makes a prompt of" in errors[0] and "it was skipped" in errors[0], errors
+        assert "shorten that line" in errors[0] and "type" not in errors[0], errors
+
+
+def test_a_piped_line_that_is_not_utf8_is_named(tiny_bundle, monkeypatch, capsys):
+    """The error names the line, and only that line is lost: stdin's text layer decoded 8 KiB at a time, so the
+    bad byte of line 2 cost lines 1 and 3 too."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"first\ncaf\xe9\nthird\n"), encoding="utf-8"))
+    rc = run_app(lineside_app(), ["chat", str(tiny_bundle), "--backend", "onnxruntime", "--max-tokens", "4"])
+    out, err = capsys.readouterr()
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert rc == 1 and out.count("model> ") == 2, err
+    assert len(errors) == 1 and "line 2" in errors[0] and "skipped" in errors[0] and "type" not in errors[0], errors

@@ -1,6 +1,7 @@
-"""`lineside generate` counts its prompt with an early stop at the bundle's context (runtime/bounded_encode, as the
-server counts a request's): a 30 MB prompt is refused after about the context's worth of tokenizing, not the whole
-text's, and the one line still says how long it is (an estimate, said to be one, when the rest was not read)."""
+"""`lineside generate` and `lineside chat` count a long prompt with an early stop at the bundle's context
+(runtime/bounded_encode, as the server counts a request's): a 30 MB prompt or piped chat line is refused after about
+the context's worth of tokenizing, not the whole text's, and the one line still says how long it is (an estimate,
+said to be one, when the rest was not read)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,22 @@ def test_a_prompt_just_past_the_context_has_its_exact_count(tiny_bundle, monkeyp
 def test_a_prompt_that_fits_is_answered_as_before(tiny_bundle, monkeypatch, capsys, counted):
     proc = _generate(monkeypatch, capsys, [tiny_bundle, "--prompt", "hello " * 30])
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+
+
+def _chat(monkeypatch, capsys, lines: bytes, *args: str) -> subprocess.CompletedProcess:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines), encoding="utf-8"))
+    rc = run_app(lineside_app(), ["chat", *map(str, args), "--backend", "onnxruntime", "--max-tokens", "4"])
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out, err)
+
+
+@pytest.mark.parametrize("text", ["the quick brown fox jumps. " * 40_000, "ab" * 600_000],
+                         ids=["words", "no-spaces"])
+def test_a_huge_piped_chat_line_is_skipped_without_tokenizing_all_of_it(tiny_bundle, monkeypatch, capsys, counted,
+                                                                       text):
+    proc = _chat(monkeypatch, capsys, f"hello\n{text}\nagain\n".encode(), tiny_bundle, "--system", "be brief")
+    assert proc.returncode == 1 and proc.stdout.count("model> ") == 2, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "line 2 makes a prompt of at least" in errors[0] and "skipped" in errors[0], errors
+    tok = counted[0]
+    assert tok.longest < 10_000 and tok.chars < 100_000, (tok.longest, tok.chars)  # the line is over 1M characters
