@@ -19,15 +19,8 @@ YOU = "you> "  # chat's prompt for a line, shown only when stdin is a terminal
 NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
 
 
-UNSEEDED = -1  # as the server's seed -1, vLLM's and llama.cpp's (`--seed -1`): no seed, a random one each run
 SEED_HELP = ("random seed: the same seed, the same output; any 64-bit integer, as the server's seed; -1 (or none) "
              "picks a random one each run, as llama.cpp's --seed -1 and the server's seed -1")
-
-
-def sampler_seed(seed: int | None) -> int | None:
-    """--seed for the sampler, read as the server reads a request's seed (server/request_mapping.sampler_seed, not
-    imported: it loads the server's stack): -1 is none; a negative one is its unsigned 64-bit twin."""
-    return None if seed is None or seed == UNSEEDED else seed % 2**64
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -117,7 +110,7 @@ def generate(
 
     The prompt is PROMPT, --prompt, or stdin (PROMPT -, or piped with no prompt given: `lineside generate BUNDLE < prompt.txt`; its trailing newlines are dropped)."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
-    from lineside.runtime.sampling import SamplingParams
+    from lineside.runtime.sampling import SamplingParams, sampler_seed
     from lineside.runtime.speculative.config import parse_speculative
 
     if chat_template is not None and not chat:
@@ -190,7 +183,7 @@ def chat(
     holds only the answers, each on a line of its own starting `model> ` (no `you> ` prompts); a line that
     cannot be answered is skipped with its error on stderr (naming the line), and the exit status is then 1."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
-    from lineside.runtime.sampling import SamplingParams
+    from lineside.runtime.sampling import SamplingParams, sampler_seed
 
     if system is not None:
         system = strip_invisible(checks.utf8_text(system, "--system"))

@@ -29,6 +29,15 @@ import numpy as np
 
 from lineside.errors import LinesideError
 
+UNSEEDED = -1  # vLLM's SamplingParams and llama.cpp's server (`--seed -1`) read seed -1 as "no seed" (a random one)
+
+
+def sampler_seed(seed: int | None) -> int | None:
+    """A request's or --seed's seed for the sampler: OpenAI's seed is a signed int64, numpy's generator takes it
+    unsigned (a negative one is its unsigned 64-bit twin); -1 is none, as vLLM and llama.cpp read it (a client sending
+    it for "random" got one fixed answer). One rule for the server and the CLI."""
+    return None if seed is None or seed == UNSEEDED else seed % 2**64
+
 
 @dataclass
 class SamplingParams:

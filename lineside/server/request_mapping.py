@@ -21,7 +21,7 @@ from lineside.runtime.request import (
     Priority,
     check_prompt_ids,
 )
-from lineside.runtime.sampling import SamplingParams
+from lineside.runtime.sampling import SamplingParams, sampler_seed
 from lineside.runtime.sampling_defaults import SamplingDefaults
 from lineside.runtime.sessions import check_session_id
 from lineside.runtime.structured import Constraint
@@ -42,15 +42,6 @@ def clean_text(text: str, param: str) -> str:
         raise APIError(400, f"'{param}' is not valid UTF-8 (it contains a lone surrogate escape); "
                             "send valid Unicode text", "invalid_utf8", param=param) from None
     return strip_invisible(text)
-
-
-UNSEEDED = -1  # vLLM's SamplingParams and llama.cpp's server read seed -1 as "no seed" (a random one)
-
-
-def sampler_seed(seed: int | None) -> int | None:
-    """A request's seed for the sampler: OpenAI's seed is a signed int64, numpy's generator takes it unsigned;
-    -1 is none, as vLLM and llama.cpp read it (a client sending it for "random" got one fixed answer)."""
-    return None if seed is None or seed == UNSEEDED else seed % 2**64
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -12,7 +12,7 @@ import pytest
 
 from lineside.cli import run_app
 from lineside.runtime.generate import Generator
-from lineside.server.request_mapping import sampler_seed
+from lineside.runtime.sampling import sampler_seed
 from tests.cli.cli_run import lineside_app
 
 ARGS = ["--max-tokens", "5", "--temperature", "1.5", "--backend", "onnxruntime"]
