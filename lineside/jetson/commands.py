@@ -158,7 +158,8 @@ def ensure_engine_cmd(
     from lineside.jetson.ensure_engine import ensure_engine
 
     built, key = ensure_engine(bundle, engine_args)
-    print(f"{bundle}: engine {key} " + ("built" if built else "already present"), file=sys.stderr)
+    # "ready", not "built": `lineside engine` may have found the engine of a run it waited for (its line says so)
+    print(f"{bundle}: engine {key} " + ("ready" if built else "already present"), file=sys.stderr)
 
 
 @jetson.command("power")

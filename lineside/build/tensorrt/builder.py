@@ -29,6 +29,7 @@ from lineside.build.tensorrt.profiles import (
     derive_profiles,
 )
 from lineside.build.tensorrt.progress import end_build, make_monitor
+from lineside.build.tensorrt.reuse import builder_settings, reusable_engine, wanted_settings
 from lineside.bundle import Bundle, open_bundle
 from lineside.console_line import say
 from lineside.errors import LinesideError
@@ -90,6 +91,7 @@ def engine_meta(key: MachineKey, lim: Limits, profiles: list[ProfileSpec], opts:
         "profiles": [p.to_dict() for p in profiles],
         "fp16": opts.fp16,
         "kv_dtype": kv_dtype,
+        "builder": builder_settings(opts.workspace_gb, opts.opt_level),
         "graph_sha256": graph_sha256,
         "build_seconds": round(build_s, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -110,8 +112,24 @@ def _parse(trt: Any, network: Any, parser: Any, graph: Path) -> None:
     raise EngineBuildError(f"TensorRT could not parse {graph.name}: {first}{more}")
 
 
-def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: Console | None = None) -> Path:
+@dataclass(frozen=True)
+class EngineOutcome:
+    """Where the engine is, and whether this run built it or found one of the same settings (another build's)."""
+
+    path: Path
+    built: bool
+
+
+def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: Console | None = None,
+                 force: bool = False) -> Path:
     """Build ``engines/<key>/model.engine`` for this machine; returns the engine directory."""
+    return ensure_built(bundle_path, opts, console, force).path
+
+
+def ensure_built(bundle_path: Path, opts: BuildOptions | None = None, console: Console | None = None,
+                 force: bool = False) -> EngineOutcome:
+    """Build the engine unless, once its build lock is held, a good one of these settings is there (another
+    `lineside engine` or `jetson ensure-engine` built it meanwhile: minutes saved on an Orin); ``force``: build."""
     opts = opts or BuildOptions()
     console = console or Console(stderr=True)
     bundle: Bundle = open_bundle(bundle_path)
@@ -137,15 +155,25 @@ def build_engine(bundle_path: Path, opts: BuildOptions | None = None, console: C
     out = engine_dir(bundle.path, key) if lora_meta is None else \
         lora_engine_dir(bundle.path, key, lora_meta["max_loras"], lora_meta["max_rank"])
     out = _writable_out(bundle, out, console)
+    profiles = derive_profiles(fl, bundle.config, lim, lora_shapes)
+    wanted = wanted_settings(lim.to_dict(), [p.to_dict() for p in profiles], opts.fp16, kv_dtype_of(fl.state),
+                             lora_meta, builder_settings(opts.workspace_gb, opts.opt_level))
     lock_fd = os.open(out / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        if lock_exclusive(lock_fd, wait=False) == LockState.BUSY:
+        waited = lock_exclusive(lock_fd, wait=False) == LockState.BUSY
+        if waited:
             say(console, f"waiting for another `lineside engine` building {out} to finish")
             lock_exclusive(lock_fd, wait=True)
-        _build_locked(trt, key, bundle, fl, graph, graph_sha, lora_meta, lora_shapes, lim, opts, out, console)
+        # checked under the lock: the other build has written its engine.json (or given up) by now
+        if not force and reusable_engine(out, key, graph_sha, graph_files_sha(bundle.manifest), wanted):
+            who = "another `lineside engine` built it while this one waited" if waited else "already built"
+            say(console, f"{out} holds this machine's engine with these settings ({who}): using it; "
+                         "--force rebuilds it")
+            return EngineOutcome(out, built=False)
+        _build_locked(trt, key, bundle, fl, graph, graph_sha, lora_meta, lim, profiles, opts, out, console)
     finally:
         os.close(lock_fd)  # releases the lock
-    return out
+    return EngineOutcome(out, built=True)
 
 
 def _writable_out(bundle: Bundle, out: Path, console: Console) -> Path:
@@ -171,11 +199,10 @@ def _writable_out(bundle: Bundle, out: Path, console: Console) -> Path:
 
 
 def _build_locked(trt: Any, key: MachineKey, bundle: Bundle, fl: Any, graph: str, graph_sha: str | None,
-                  lora_meta: dict[str, int] | None, lora_shapes: dict[str, tuple[int, ...]] | None, lim: Limits,
+                  lora_meta: dict[str, int] | None, lim: Limits, profiles: list[ProfileSpec],
                   opts: BuildOptions, out: Path, console: Console) -> None:
     """Build and write the engine into ``out`` while holding its build lock (a second build waits, so neither
     writes over the other's files)."""
-    profiles = derive_profiles(fl, bundle.config, lim, lora_shapes)
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

@@ -33,21 +33,25 @@ def register(app: typer.Typer) -> None:
                                                    "(0: the base graph's)"),
         max_lora_rank: int = checks.number_option("--max-lora-rank", default=None, low=1, high=1024,
                                                   help="rank of each adapter slot (default: the bundle's)"),
+        force: bool = typer.Option(False, "--force",
+                                   help="build even when BUNDLE already holds this machine's engine with these "
+                                        "settings (another build's, or an earlier run's)"),
     ) -> None:
-        """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/."""
-        from lineside.build.tensorrt.builder import BuildOptions, build_engine
+        """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/, unless a good one with the
+        same settings is there already (say, built by a run that this one waited for); --force rebuilds it."""
+        from lineside.build.tensorrt.builder import BuildOptions, ensure_built
 
         checks.input_dir(bundle, "BUNDLE", "bundle directory")
 
         try:
-            out = build_engine(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
-                                                    max_loras=max_loras, max_lora_rank=max_lora_rank))
+            done = ensure_built(bundle, BuildOptions(slots, max_prefill, max_logits, fp16, workspace_gb, opt_level,
+                                                     max_loras=max_loras, max_lora_rank=max_lora_rank), force=force)
         except LinesideError as e:  # the backend's lines end in advice for serve/generate, which have --backend
             if "use --backend onnxruntime" not in str(e):
                 raise
             raise LinesideError(str(e).replace("use --backend onnxruntime", "run the bundle without an engine "
                                                f"(`lineside serve {bundle} --backend onnxruntime`)")) from None
-        typer.echo(f"engine written to {out}")
+        typer.echo(f"engine written to {done.path}" if done.built else f"engine kept in {done.path}")
 
     @app.command("check")
     def check(

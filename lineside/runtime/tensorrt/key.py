@@ -139,7 +139,7 @@ def engine_damage(d: Path, meta: dict[str, Any], data: bytes | None = None) -> s
     return None
 
 
-def _fresh(meta: dict[str, Any], graph_sha256: str | None, content: str | None) -> bool:
+def fresh_for(meta: dict[str, Any], graph_sha256: str | None, content: str | None) -> bool:
     """Built from the graph files the bundle lists now (a record without a field is not held against it)."""
     if graph_sha256 and meta.get("graph_sha256") not in (None, graph_sha256):
         return False
@@ -186,7 +186,7 @@ def find_engine(bundle_path: Path, here: MachineKey, graph_sha256: str | None = 
                           f"one with `lineside engine {bundle_path} --max-loras {lora[0]} --max-lora-rank {lora[1]}`")
     mine = [(d, m) for d, m in engines if key_of(m) == here]
     for d, meta in mine:  # beside the bundle first; a stale one there does not hide a good one in the user cache
-        if (d / ENGINE_FILE).is_file() and _fresh(meta, graph_sha256, content):
+        if (d / ENGINE_FILE).is_file() and fresh_for(meta, graph_sha256, content):
             return d, meta
     for d, _meta in mine:
         if not (d / ENGINE_FILE).is_file():
@@ -219,5 +219,5 @@ def has_engine_for(bundle_path: Path, here: MachineKey, manifest: Manifest | Non
     graph_sha = manifest.graph_sha("trt") if manifest is not None else None
     content = graph_files_sha(manifest) if manifest is not None else None
     return any(key_of(m) == here and lora_of(m) is None and (d / ENGINE_FILE).is_file()
-               and _fresh(m, graph_sha, content) and engine_damage(d, m) is None
+               and fresh_for(m, graph_sha, content) and engine_damage(d, m) is None
                for d, m in list_engines(Path(bundle_path), content))

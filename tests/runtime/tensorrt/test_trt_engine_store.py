@@ -91,7 +91,7 @@ def test_lora_engine_alone_is_not_the_base_engine_for_ensure_engine(engine_bundl
     assert not keymod.has_engine_for(b.path, _here(), b.manifest)
 
 
-def test_second_build_of_one_engine_waits_for_the_first(engine_bundle):
+def test_second_forced_build_of_one_engine_waits_for_the_first_then_builds_its_own(engine_bundle):
     from lineside.build.tensorrt.builder import BUILD_LOCK, BuildOptions, build_engine
 
     b = engine_bundle
@@ -113,7 +113,7 @@ def test_second_build_of_one_engine_waits_for_the_first(engine_bundle):
 
     def second():
         try:
-            build_engine(b.path, BuildOptions(**OPTS), console=Console(file=out, width=200))
+            build_engine(b.path, BuildOptions(**OPTS), console=Console(file=out, width=200), force=True)
         except Exception as e:  # noqa: BLE001 - reported to the test thread
             errors.append(e)
             waiting.set()
@@ -145,7 +145,7 @@ def test_disk_full_while_writing_the_engine_is_one_line_and_leaves_no_temporary(
 
     monkeypatch.setattr(builder.os, "replace", full)
     with pytest.raises(LinesideError) as e:
-        build_engine(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO()))
+        build_engine(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO()), force=True)
     msg = str(e.value)
     assert "\n" not in msg and "No space left on device" in msg and "free space" in msg
     assert not [p.name for p in d.iterdir() if p.name.endswith(".tmp")]  # an engine-sized temporary is not left
@@ -253,3 +253,170 @@ def test_an_engine_hashed_once_is_not_hashed_again_until_it_changes(tmp_path, mo
     assert keymod.engine_damage(d, meta) is None and len(reads) == 2
     other = keymod.engine_seal(data[:-1] + b"x")  # engine.json for other bytes of the same size
     assert "does not match the sha256" in (keymod.engine_damage(d, other) or "") and len(reads) == 3
+
+
+class _OtherBuild:
+    """Plays another process building ``d``'s engine: it holds the engine's build lock with the engine files moved
+    aside, and ``finish`` puts them back (marked, so a rebuild shows) and releases the lock."""
+
+    def __init__(self, d: Path, monkeypatch):
+        from lineside.build.tensorrt import builder
+
+        self.d, self.aside = d, d.parent.parent / "engine-aside"  # outside engines/: no engine meanwhile
+        d.rename(self.aside)
+        d.mkdir()
+        self.fd = open(d / builder.BUILD_LOCK, "a+")  # noqa: SIM115 - held until finish()
+        assert lock_exclusive(self.fd.fileno(), wait=False).value == "held"
+        self.waiting = threading.Event()
+        real = builder.lock_exclusive
+
+        def lock(fd, *, wait):  # the waiter blocks on the lock: the moment to finish the "other" build
+            if wait:
+                self.waiting.set()
+            return real(fd, wait=wait)
+
+        monkeypatch.setattr(builder, "lock_exclusive", lock)
+
+    def finish(self) -> str:
+        for name in (keymod.ENGINE_FILE, keymod.ENGINE_JSON):
+            (self.aside / name).rename(self.d / name)
+        meta = json.loads((self.d / keymod.ENGINE_JSON).read_text())
+        (self.d / keymod.ENGINE_JSON).write_text(json.dumps({**meta, "marker": "the other build"}))
+        self.fd.close()
+        return (self.d / keymod.ENGINE_JSON).read_text()
+
+
+def _race(other: _OtherBuild, waiter) -> tuple[str, list]:
+    errors: list = []
+
+    def run():
+        try:
+            waiter()
+        except BaseException as e:  # noqa: BLE001 - reported to the test thread (SystemExit included)
+            errors.append(e)
+            other.waiting.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert other.waiting.wait(60) and not errors
+    written = other.finish()
+    t.join(60)
+    assert not t.is_alive()
+    return written, errors
+
+
+def test_build_that_waited_uses_the_engine_the_other_build_wrote(engine_bundle, monkeypatch):
+    # the second build waited on the lock, then built the same engine again: minutes on an Orin
+    from lineside.build.tensorrt.builder import BuildOptions, build_engine
+
+    b = engine_bundle
+    d = _engine_dir(b)
+    other = _OtherBuild(d, monkeypatch)
+    out = io.StringIO()
+    written, errors = _race(other, lambda: build_engine(b.path, BuildOptions(**OPTS),
+                                                        console=Console(file=out, width=300)))
+    assert not errors
+    assert (d / keymod.ENGINE_JSON).read_text() == written  # not rebuilt
+    lines = [ln for ln in out.getvalue().splitlines() if "using it" in ln]
+    assert len(lines) == 1 and "another `lineside engine` built it while this one waited" in lines[0]
+    assert str(d) in lines[0] and "--force" in lines[0]
+    assert keymod.has_engine_for(b.path, _here(), b.manifest)
+
+
+def test_ensure_engine_racing_another_build_uses_its_engine(engine_bundle, monkeypatch, capsys):
+    # a unit restart racing a manual `jetson ensure-engine`: both find no engine, the second waits, then rebuilds
+    from lineside.cli import main
+    from lineside.jetson import ensure_engine as eng
+
+    b = engine_bundle
+    d = _engine_dir(b)
+    engine_args = "--slots 2 --max-prefill 16"
+    with pytest.raises(SystemExit):  # the engine the other run builds: the CLI's settings (the fixture's differ)
+        main(["engine", str(b.path), *engine_args.split()])
+    other = _OtherBuild(d, monkeypatch)
+    assert not keymod.has_engine_for(b.path, _here(), b.manifest)
+
+    def run_cli(cmd):  # `python -m lineside engine ...`, in this process (the fake TensorRT is installed here)
+        assert cmd[1:4] == ["-m", "lineside", "engine"]
+        try:
+            main(cmd[3:])
+        except SystemExit as e:
+            return eng.subprocess.CompletedProcess(cmd, e.code)
+        return eng.subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(eng.subprocess, "run", run_cli)
+    capsys.readouterr()
+    written, errors = _race(other, lambda: eng.ensure_engine(b.path, engine_args))
+    assert not errors
+    assert (d / keymod.ENGINE_JSON).read_text() == written
+    io_ = capsys.readouterr()
+    assert "built it while this one waited): using it" in io_.err and f"engine kept in {d}" in io_.out
+
+
+@pytest.mark.parametrize("change", [{}, {"num_slots": 3}, {"max_prefill": 8}, {"opt_level": 1},
+                                    {"workspace_gb": 2.0}, {"fp16": False}])
+def test_engine_of_other_settings_is_rebuilt_and_of_the_same_reused(engine_bundle, change):
+    from lineside.build.tensorrt.builder import BuildOptions, ensure_built
+
+    b = engine_bundle
+    d = _engine_dir(b)
+    before = (d / keymod.ENGINE_JSON).read_text()
+    done = ensure_built(b.path, BuildOptions(**{**OPTS, **change}), console=Console(file=io.StringIO()))
+    assert done.path == d and done.built == bool(change)
+    assert ((d / keymod.ENGINE_JSON).read_text() == before) == (not change)
+    if change.get("num_slots"):
+        assert json.loads((d / keymod.ENGINE_JSON).read_text())["limits"]["max_batch"] == 3
+
+
+def test_damaged_or_stale_engine_of_the_same_settings_is_rebuilt_not_reused(engine_bundle):
+    from lineside.build.tensorrt.builder import BuildOptions, ensure_built
+
+    b = engine_bundle
+    plan = _engine_dir(b) / keymod.ENGINE_FILE
+    plan.write_bytes(plan.read_bytes()[:-1])
+    assert ensure_built(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO())).built
+    meta = json.loads((_engine_dir(b) / keymod.ENGINE_JSON).read_text())
+    (_engine_dir(b) / keymod.ENGINE_JSON).write_text(json.dumps({**meta, keymod.CONTENT_FIELD: "0" * 64}))
+    assert ensure_built(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO())).built
+    assert keymod.has_engine_for(b.path, _here(), b.manifest)
+
+
+def test_cli_engine_keeps_a_matching_engine_and_force_rebuilds_it(engine_bundle, monkeypatch, capsys):
+    from lineside.cli import main
+
+    b = engine_bundle
+    d = _engine_dir(b)
+    args = ["engine", str(b.path), "--slots", "2", "--max-prefill", "16"]
+    with pytest.raises(SystemExit) as e:  # the fixture's engine has other past-length buckets: built
+        main(args)
+    assert e.value.code == 0 and f"engine written to {d}" in capsys.readouterr().out
+    before = (d / keymod.ENGINE_JSON).read_text()
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    io_ = capsys.readouterr()
+    assert e.value.code == 0 and f"engine kept in {d}" in io_.out and "(already built): using it" in io_.err
+    assert (d / keymod.ENGINE_JSON).read_text() == before
+    (d / keymod.ENGINE_JSON).write_text(json.dumps({**json.loads(before), "marker": "kept"}))  # a rebuild drops it
+    before = (d / keymod.ENGINE_JSON).read_text()
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--force"])
+    assert e.value.code == 0 and f"engine written to {d}" in capsys.readouterr().out
+    assert (d / keymod.ENGINE_JSON).read_text() != before
+
+
+def test_ensure_engine_with_only_a_lora_engine_builds_the_base_one(engine_bundle, monkeypatch):
+    from lineside.build.tensorrt.builder import BuildOptions, ensure_built
+    from lineside.jetson import ensure_engine as eng
+
+    b = engine_bundle
+    d = _engine_dir(b)
+    lora = d.with_name(d.name + "-lora2x8")
+    d.rename(lora)
+    meta = json.loads((lora / keymod.ENGINE_JSON).read_text())
+    (lora / keymod.ENGINE_JSON).write_text(json.dumps({**meta, "lora": {"max_loras": 2, "max_rank": 8}}))
+    built = []
+    monkeypatch.setattr(eng.subprocess, "run", lambda cmd: built.append(
+        ensure_built(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO())).built)
+        or eng.subprocess.CompletedProcess(cmd, 0))
+    assert eng.ensure_engine(b.path) == (True, _here().key) and built == [True]
+    assert keymod.has_engine_for(b.path, _here(), b.manifest) and (lora / keymod.ENGINE_FILE).is_file()
