@@ -2,8 +2,9 @@
 
 A read-only bundle's engine is built into, and found in, the per-user cache (see runtime/tensorrt/key.py).
 
-Used by the container entrypoint and the systemd unit's ExecStartPre: `lineside engine` always
-rebuilds (minutes on an Orin), so every restart would otherwise pay for it. On a Jetson the planner
+Used by the container entrypoint and the systemd unit's ExecStartPre: `lineside engine` rebuilds an engine of
+other settings (minutes on an Orin), so every restart would otherwise risk paying for it; a run racing another
+takes turns on the engine's build lock and `lineside engine` then uses the engine the other one built. On a Jetson the planner
 picks the engine's prefill chunk (``--max-prefill``) when the engine options pin none: the largest that
 fits the bundle's whole context on this board (`jetson plan` prints the same).
 """

@@ -37,8 +37,9 @@ def register(app: typer.Typer) -> None:
                                    help="build even when BUNDLE already holds this machine's engine with these "
                                         "settings (another build's, or an earlier run's)"),
     ) -> None:
-        """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/, unless a good one with the
-        same settings is there already (say, built by a run that this one waited for); --force rebuilds it."""
+        """Build the TensorRT engine for this machine's GPU into BUNDLE/engines/<key>/.
+
+        A good engine of these settings already there (another run's) is kept; --force rebuilds it."""
         from lineside.build.tensorrt.builder import BuildOptions, ensure_built
 
         checks.input_dir(bundle, "BUNDLE", "bundle directory")
