@@ -239,7 +239,7 @@ def test_a_chat_line_longer_than_the_context_is_one_line_and_the_chat_goes_on(bu
                           input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
     err = proc.stderr.split("chatting with", 1)[-1].strip().splitlines()[1:]
     assert proc.returncode == 1, proc.stderr  # piped: the skipped line makes the exit non-zero at the end
-    assert len(err) == 1 and "context" in err[0] and "256" in err[0] and "shorter" in err[0], proc.stderr
+    assert len(err) == 1 and "context" in err[0] and "256" in err[0] and "skipped" in err[0] and "shorten" in err[0], proc.stderr
     assert "you> " not in proc.stdout and proc.stdout.count("model> ") == 2, proc.stdout  # blank line skipped
 
 
