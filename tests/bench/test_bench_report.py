@@ -12,6 +12,7 @@ from rich.console import Console
 from lineside.bench.metrics import RequestRecord, summarize
 from lineside.bench.report import compare, compare_rows, load_json, write_json, write_report
 from lineside.errors import LinesideError
+from tests.bench.test_bench_end_to_end import cli_app
 
 
 def records(scale: float) -> list[RequestRecord]:
@@ -124,21 +125,6 @@ def test_load_json_refuses_a_cut_or_edited_result_in_one_line(tmp_path, raw):
     assert "\n" not in str(e.value)
 
 
-def _cli():
-    import typer
-
-    from lineside.bench.commands import register
-
-    app = typer.Typer(pretty_exceptions_enable=False)
-    register(app)
-
-    @app.callback()
-    def _root() -> None:  # keep `bench` a subcommand
-        pass
-
-    return app
-
-
 def test_cli_compare_takes_the_out_directories_themselves(tmp_path):
     """`bench --out DIR` is what a user has at hand: `--compare A B` of two such directories reads their report.json
     (it answered "is a directory; give a bench result" before); a directory without one is one line, exit 1."""
@@ -148,11 +134,11 @@ def test_cli_compare_takes_the_out_directories_themselves(tmp_path):
         (tmp_path / name).mkdir()
         write_json(tmp_path / name / "report.json", records(scale), summarize(records(scale)), {})
     runner = CliRunner()
-    r = runner.invoke(_cli(), ["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b" / "report.json")])
+    r = runner.invoke(cli_app(), ["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b" / "report.json")])
     assert r.exit_code == 0, r.output
     assert "TTFT p50 (ms)" in r.output and "-50.0%" in r.output  # 200 ms -> 100 ms
     (tmp_path / "empty").mkdir()
-    r = runner.invoke(_cli(), ["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "empty")])
+    r = runner.invoke(cli_app(), ["bench", "--compare", str(tmp_path / "a"), str(tmp_path / "empty")])
     assert r.exit_code != 0 and not isinstance(r.exception, AssertionError)
     assert isinstance(r.exception, LinesideError) and "without report.json" in str(r.exception)
 

@@ -81,13 +81,20 @@ def test_damaged_engine_file_is_refused_before_tensorrt_and_rebuilt(engine_bundl
     assert eng.ensure_engine(b.path)[0] and calls
 
 
-def test_lora_engine_alone_is_not_the_base_engine_for_ensure_engine(engine_bundle):
-    b = engine_bundle
+def _make_base_engine_a_lora_one(b) -> Path:
+    """Turn the bundle's base engine into a LoRA engine (its directory and engine.json), leaving no base engine;
+    the LoRA engine's directory."""
     d = _engine_dir(b)
     lora = d.with_name(d.name + "-lora2x8")
     d.rename(lora)
     meta = json.loads((lora / keymod.ENGINE_JSON).read_text())
     (lora / keymod.ENGINE_JSON).write_text(json.dumps({**meta, "lora": {"max_loras": 2, "max_rank": 8}}))
+    return lora
+
+
+def test_lora_engine_alone_is_not_the_base_engine_for_ensure_engine(engine_bundle):
+    b = engine_bundle
+    _make_base_engine_a_lora_one(b)
     assert not keymod.has_engine_for(b.path, _here(), b.manifest)
 
 
@@ -409,11 +416,7 @@ def test_ensure_engine_with_only_a_lora_engine_builds_the_base_one(engine_bundle
     from lineside.jetson import ensure_engine as eng
 
     b = engine_bundle
-    d = _engine_dir(b)
-    lora = d.with_name(d.name + "-lora2x8")
-    d.rename(lora)
-    meta = json.loads((lora / keymod.ENGINE_JSON).read_text())
-    (lora / keymod.ENGINE_JSON).write_text(json.dumps({**meta, "lora": {"max_loras": 2, "max_rank": 8}}))
+    lora = _make_base_engine_a_lora_one(b)
     built = []
     monkeypatch.setattr(eng.subprocess, "run", lambda cmd: built.append(
         ensure_built(b.path, BuildOptions(**OPTS), console=Console(file=io.StringIO())).built)
