@@ -73,8 +73,10 @@ def test_repetition_penalty_above_10_is_honoured_as_vllm(client, value):
 
 @pytest.mark.parametrize("value", [0, -1.5])
 def test_repetition_penalty_must_be_above_zero(client, value):
-    _refused(lambda: _chat(client, extra_body={"repetition_penalty": value}), "repetition_penalty")
-    _refused(lambda: _response(client, extra_body={"repetition_penalty": value}), "repetition_penalty")
+    for call in (_chat, _response):
+        message = _refused(lambda call=call: call(client, extra_body={"repetition_penalty": value}),
+                           "repetition_penalty")
+        assert "greater than 0" in message, message
 
 
 def test_a_huge_repetition_penalty_gives_finite_logprobs(server):
