@@ -311,17 +311,20 @@ def _prompt_ids(tok: Any, prompt: str, chat: bool, limit: int) -> list[int]:
         raise LinesideError(too_long_text(e, chars, limit)) from None
 
 
-def too_long_text(e: Any, chars: int, limit: int) -> str:
-    """One line for a prompt refused while it was counted: all of it read, a lower bound (counted, or bounded from
+def counted_size(e: Any, chars: int) -> str:
+    """How long a prompt refused while it was counted is: all of it read, a lower bound (counted, or bounded from
     its bytes); else its first part's count and an estimate for the whole, said to be one."""
     if e.chars_read >= chars:
-        size = f"the prompt has at least {e.tokens} tokens ({chars} characters)"
-    else:
-        about = round(e.tokens * chars / max(e.chars_read, 1))
-        size = (f"the prompt has about {about} tokens (estimated: its first {e.chars_read} of {chars} characters "
-                f"already make {e.tokens}; the rest was not tokenized)")
-    return (f"{size}, and the bundle's context is {limit} tokens, which leaves no room to generate; shorten it "
-            "(or build the bundle with a larger --max-seq-len)")
+        return f"at least {e.tokens} tokens ({chars} characters)"
+    about = round(e.tokens * chars / max(e.chars_read, 1))
+    return (f"about {about} tokens (estimated: its first {e.chars_read} of {chars} characters already make "
+            f"{e.tokens}; the rest was not tokenized)")
+
+
+def too_long_text(e: Any, chars: int, limit: int) -> str:
+    """One line for a prompt refused while it was counted (``counted_size``)."""
+    return (f"the prompt has {counted_size(e, chars)}, and the bundle's context is {limit} tokens, which leaves no "
+            "room to generate; shorten it (or build the bundle with a larger --max-seq-len)")
 
 
 def _piped_line() -> str:
@@ -347,8 +350,7 @@ def _line_too_long(tok: Any, turns: list[dict[str, str]], limit: int) -> str | N
     try:
         tok.encode_chat(turns, max_tokens=max(limit - 1, 0))
     except PromptTooLong as e:
-        return f"at least {e.tokens} tokens" + (f" (about {round(e.tokens * len(turns[-1]['content']) / e.chars_read)} "
-                                                 "estimated)" if e.chars_read < len(turns[-1]["content"]) else "")
+        return counted_size(e, len(turns[-1]["content"]))
     return None
 
 
