@@ -183,6 +183,10 @@ class TokenEvent:
     stop_reason: int | str | None = None
     # the request's first event, when it asked for prompt_logprobs: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
+    # characters of the text decoded so far (this event's tokens' and earlier) that are held back as a possible
+    # stop string's start: a later event sends them before its own text. A reader placing a token that decodes
+    # to nothing (a special </think>) in the text counts them as coming before it
+    held_chars: int = 0
 
 
 @dataclass

@@ -127,7 +127,7 @@ class Sequence:
                           completion_tokens=len(self.generated), error=error,
                           logprobs=[logprob] if logprob is not None and ids else [], client_error=client_error,
                           error_code=error_code, error_param=error_param,
-                          stop_reason=stop_reason, prompt_logprobs=scored)
+                          stop_reason=stop_reason, prompt_logprobs=scored, held_chars=self.stopper.waiting)
 
     def prompt_done(self) -> TokenEvent:
         """The final event of a request for no tokens (max_tokens 0): its prompt is computed (and scored)."""

@@ -65,6 +65,12 @@ class StopMatcher:
         self.unarmed = max(0, floor - (len(buf) - keep))
         return text if self.include else buf[:len(buf) - keep]
 
+    @property
+    def waiting(self) -> int:
+        """Characters fed but not yet returned (held back as a possible stop string's start): a later ``feed`` or
+        ``flush`` returns them first. Under ``include`` the look-back already went out, so none wait."""
+        return 0 if self.include or self.stopped else len(self.held)
+
     def flush(self) -> str:
         """At the end of generation (no stop hit): the held-back text is output after all (under ``include`` it
         went out as it came)."""

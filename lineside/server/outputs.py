@@ -83,7 +83,7 @@ class ChoiceOutput:
         """(reasoning, answer) text of one event (all answer without a reasoning parser)."""
         if self.reasoning is None:
             return "", event.text
-        reasoning, text = self.reasoning.feed(event.text, event.token_ids)
+        reasoning, text = self.reasoning.feed(event.text, event.token_ids, event.held_chars)
         if event.finish_reason is not None:
             reasoning += self.reasoning.close()[0]
         return reasoning, text

@@ -118,9 +118,11 @@ class ReasoningSplitter:
     _content: list[str] = field(default_factory=list)
     _closed: bool = False  # the output closed its reasoning (content is "" rather than null when empty)
     _end_counted: bool = False  # the </think> token was seen: reasoning_tokens is final
+    _hidden_end: int | None = None  # a hidden </think> was generated this many characters of text from here
 
-    def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
-        """(reasoning, answer) of the next piece of output (``token_ids``: the tokens it came from)."""
+    def feed(self, text: str, token_ids: Sequence[int] = (), held: int = 0) -> tuple[str, str]:
+        """(reasoning, answer) of the next piece of output (``token_ids``: the tokens it came from; ``held``: the
+        characters before them that a stop string holds back, sent with a later piece — ``TokenEvent.held_chars``)."""
         if not self.thinking:
             self._content.append(text)
             return "", text
@@ -128,9 +130,17 @@ class ReasoningSplitter:
         buf = self._held + text
         self._held = ""
         end, tag = buf.find(END), len(END)
-        # a special-marked </think> decodes to nothing: its id ends the reasoning here. An ordinary one ends it
-        # where its text is, which a stop string's held-back prefix may deliver with a later token's text.
-        if end < 0 and self.think.end_hidden and self.think.end_id in token_ids:
+        if self._hidden_end is not None:  # the held-back text before a hidden </think> is arriving
+            if len(buf) < self._hidden_end:
+                self._hidden_end -= len(buf)
+                return self._reason(buf)
+            end, tag, self._hidden_end = self._hidden_end, 0, None
+        # a special-marked </think> decodes to nothing: its id ends the reasoning here, or, while a stop string
+        # holds text back, after that text (it comes before the tag). An ordinary one ends it where its text is.
+        elif end < 0 and self.think.end_hidden and self.think.end_id in token_ids:
+            if held > 0:
+                self._hidden_end = held
+                return self._reason(buf)
             end, tag = len(buf), 0
         if end >= 0:
             self.thinking, self._closed = False, True
@@ -144,6 +154,12 @@ class ReasoningSplitter:
         # a <think> whose end is held back is dropped once whole; the part before it goes now
         if START in reasoning:
             reasoning = reasoning.replace(START, "")
+        self._reasoning.append(reasoning)
+        return reasoning, ""
+
+    def _reason(self, text: str) -> tuple[str, str]:
+        """All of ``text`` is reasoning: it comes before a hidden ``</think>`` already generated."""
+        reasoning = text.replace(START, "")
         self._reasoning.append(reasoning)
         return reasoning, ""
 

@@ -620,7 +620,8 @@ async def stream(state: ServerState, builder: ResponseBuilder, choice: Choice) -
         choice.note(event, time.perf_counter())
         if options.formatter is not None and options.top_logprobs is not None:
             builder.add_logprobs(options.formatter.chat(event.logprobs, options.top_logprobs))
-        thought, answer = ("", event.text) if splitter is None else splitter.feed(event.text, event.token_ids)
+        thought, answer = ("", event.text) if splitter is None else splitter.feed(event.text, event.token_ids,
+                                                                                   event.held_chars)
         if splitter is not None and event.finish_reason is not None:
             thought += splitter.close()[0]
         if thought:

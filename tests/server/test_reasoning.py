@@ -98,7 +98,9 @@ class ThinkingModel(FakeBackend):
         return x
 
 
-def _bundle(tiny_dense, tmp_path):
+def _bundle(tiny_dense, tmp_path, special_tags: bool = False):
+    """``special_tags``: ``<think>``/``</think>`` marked special (as Qwen3-style vocabularies may), so decoding drops
+    their text and only ``</think>``'s id ends the reasoning."""
     from tokenizers import AddedToken, Tokenizer
 
     from lineside.build.pipeline import BuildOptions, build_bundle
@@ -108,10 +110,11 @@ def _bundle(tiny_dense, tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": CONTEXT}))
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    tags = ["<think>", "</think>"]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in [BOS, EOS, *(tags if special_tags else [])]])
     # as released: the role markers and the think tags are added tokens not marked special (they show in the text)
-    tok.add_tokens([AddedToken(t, special=False) for t in (USER, ASSISTANT, "<think>", "</think>", "<tool_call>",
-                                                           "</tool_call>")])
+    tok.add_tokens([AddedToken(t, special=False) for t in [USER, ASSISTANT, *([] if special_tags else tags),
+                                                           "<tool_call>", "</tool_call>"]])
     assert tok.get_vocab_size() <= 300  # the checkpoint's vocabulary
     tok.save(str(ckpt / "tokenizer.json"))
     (ckpt / "tokenizer_config.json").write_text(json.dumps(
@@ -259,6 +262,37 @@ def test_a_stop_string_held_across_the_end_of_the_reasoning(r1, stop):
     assert r.usage.completion_tokens_details.reasoning_tokens == thought
     ((rs, _, c, f),) = _streamed(r1, "[think]", stop=stop)
     assert (rs, c, f) == (*SPLIT["[think]"], "stop")
+
+
+@pytest.fixture(scope="module")
+def r1_hidden(tiny_dense, tmp_path_factory):
+    """R1 played on a vocabulary whose think tags are special: ``</think>`` decodes to nothing."""
+    with _serve(_bundle(tiny_dense, tmp_path_factory.mktemp("r1h"), special_tags=True),
+                reasoning_parser="deepseek_r1") as srv:
+        srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        yield srv
+
+
+@pytest.mark.parametrize("stop, split, finish", [
+    (None, SPLIT["[think]"], "stop"),
+    (["4.\nZ"], SPLIT["[think]"], "stop"),  # "4.\n" held back when the hidden </think> comes: it is reasoning still
+    (["4.\n\n\nX"], SPLIT["[think]"], "stop"),
+    (["That is 4.\n\n"], ("The user asks 2+2.\n", None), "stop"),  # matched across the hidden tag, as vLLM's text
+    (["4.\n\n\nIt"], ("The user asks 2+2.\nThat is ", None), "stop"),  # the held text is cut: reasoning alone
+])
+def test_a_held_stop_prefix_before_a_hidden_think_tag_stays_reasoning(r1_hidden, stop, split, finish):
+    """A special ``</think>`` (no text) generated while a stop string holds the reasoning's last characters back
+    ends the reasoning after them when they come: streamed, non-streamed and /v1/responses split alike."""
+    kw = {} if stop is None else {"stop": stop}
+    ch = _ask(r1_hidden, "[think]", **kw).choices[0]
+    m = ch.message.model_dump()
+    assert (m["reasoning_content"], m["content"], ch.finish_reason) == (*split, finish)
+    ((r, _, c, f),) = _streamed(r1_hidden, "[think]", **kw)
+    assert (r, c or None, f) == (*split, finish)
+    out = r1_hidden.client.responses.create(model="r1", input="[think] What is 2+2?", temperature=0,
+                                            extra_body=kw).output
+    assert out[0].content[0].text == split[0]
+    assert [o.content[0].text for o in out[1:]] == [t for t in split[1:] if t]
 
 
 def test_include_reasoning_false_drops_it(r1):
@@ -567,6 +601,21 @@ def test_a_think_tag_decoded_to_nothing_still_ends_the_reasoning():
     assert s.feed("", [11]) == ("", "")
     assert s.feed("xyz", [6]) == ("", "xyz")
     assert s.result() == ("abc", "xyz") and s.reasoning_tokens == 2
+
+
+def test_a_hidden_think_tag_behind_held_text_ends_the_reasoning_after_it():
+    """``held``: characters before the hidden ``</think>`` that a stop string holds back; they are reasoning when
+    they come, however the later pieces split them."""
+    from lineside.server.reasoning import ReasoningSplitter, ThinkTokens
+
+    for pieces in (["4.\nxy"], ["4", ".\nx", "y"], ["4.", "\n", "xy"]):
+        s = ReasoningSplitter(ThinkTokens(start_id=10, end_id=11, end_hidden=True), True)
+        assert s.feed("abc ", [5]) == ("abc ", "")
+        assert s.feed("", [7], held=1) == ("", "")  # "4" held: it is not the tag's
+        assert s.feed("", [11], held=3) == ("", "")  # "4.\n" held when the tag comes
+        got = [s.feed(p, [6]) for p in pieces]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == ("4.\n", "xy"), pieces
+        assert s.result() == ("abc 4.\n", "xy") and s.reasoning_tokens == 3
 
 
 def test_an_ordinary_think_tag_ends_the_reasoning_where_its_text_is():
