@@ -139,10 +139,14 @@ class SessionSlots:
         if s is None:
             if not keep:
                 return
-            try:
-                s = self.sessions.open(seq.req.session_id, now, seq.rank)
-            except Exception:  # noqa: BLE001 - at the session cap: the KV just goes to the prefix cache
-                return
+            if len(self.sessions) >= self.sessions.max_sessions:
+                # at the cap the answer's KV replaces the least recently used idle session, as keep_session asked
+                # (dropping it unseen left the client's next turn to recompute); every session in use: not kept
+                idle = self.sessions.idlest()
+                if idle is None:
+                    return
+                self.release_session(idle, evicted=True)
+            s = self.sessions.open(seq.req.session_id, now, seq.rank)
             s.updated = -float("inf")
         elif s.lent_to is not None and not mine:
             return  # another request holds the session: it decides

@@ -144,5 +144,10 @@ class SessionStore:
         return sorted((s for s in self.by_id.values() if s.slot is not None and s.lent_to is None),
                       key=lambda s: s.last_used)
 
+    def idlest(self) -> PrefillSession | None:
+        """The least recently used session no running request holds (None when each is lent): the one a new kept
+        session replaces at the cap, as a prefix cache drops its least recently used entry."""
+        return min((s for s in self.by_id.values() if s.lent_to is None), key=lambda s: s.last_used, default=None)
+
     def next_expiry(self) -> float | None:
         return min((s.expires_at for s in self.by_id.values() if s.lent_to is None), default=None)

@@ -227,6 +227,54 @@ def test_cap_bad_ids_context_and_drain(tiny_bundle):
     assert st.sessions == 0
 
 
+def test_keep_session_at_the_cap_replaces_the_least_recently_used_idle_session(tiny_bundle):
+    """A completion whose keep_session makes a new session at --max-sessions was answered and its session silently
+    not kept (the next turn recomputed everything); it now takes the place of the least recently used session no
+    request holds (counted evicted), as a prefix cache does, and the next turn starts from its KV."""
+    clock = FakeClock()
+
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=3, clock=clock, max_sessions=2, prefill_chunk=16)
+        await eng.start()
+        for sid, seed in (("a", 1), ("b", 2), ("a", 1)):  # "a" used again after "b": "b" is the least recent
+            eng.prefill(sid, prompt(20, seed), 20)
+            await settled(eng, sid)
+            clock.advance(1)
+        history = prompt(24, 3)
+        out = await answer(eng, history, n=4, session_id="c", keep_session=True)
+        kept = {sid: eng.session(sid) is not None for sid in "abc"}
+        hits = eng.stats().session_hits
+        await answer(eng, history + out + prompt(6, 4)[1:], n=2, session_id="c", keep_session=True)
+        st = eng.stats()
+        await eng.stop()
+        return kept, hits, st
+
+    kept, hits, st = run(main())
+    assert kept == {"a": True, "b": False, "c": True}
+    assert st.sessions_evicted == 1 and st.session_hits == hits + 1 and st.sessions == 2
+
+
+def test_keep_session_at_the_cap_with_every_session_in_use_is_not_kept(tiny_bundle):
+    """No idle session to replace (each is lent to a running request): the answer stands and its KV goes to the
+    prefix cache; no running request's session is taken."""
+    async def main():
+        eng, _ = engine(tiny_bundle, slots=2, max_sessions=1, prefill_chunk=16)
+        await eng.start()
+        eng.prefill("a", prompt(20, 1), 20)
+        await settled(eng, "a")
+        held = eng.submit(GenerationRequest(prompt_ids=prompt(20, 1) + [7, 8], max_tokens=40, session_id="a",
+                                            keep_session=True))
+        out = await answer(eng, prompt(24, 3), n=2, session_id="c", keep_session=True)
+        await held.result()
+        kept = {sid: eng.session(sid) is not None for sid in "ac"}
+        st = eng.stats()
+        await eng.stop()
+        return out, kept, st
+
+    out, kept, st = run(main())
+    assert len(out) == 2 and kept == {"a": True, "c": False} and st.sessions_evicted == 0
+
+
 def test_pending_session_work_does_not_hold_up_shutdown(tiny_bundle):
     async def main():
         be = FakeBackend(2, max_seq_len=1024, delay=0.002)
