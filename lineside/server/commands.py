@@ -108,7 +108,9 @@ def serve(
         kind=float, above=0, high=checks.MAX_SECONDS,
         help="seconds a prefill session's KV stays pinned after its last use (POST /v1/prefill)")] = 30.0,
     max_sessions: Annotated[int, checks.number_option(
-        low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 (0: none). Each "
+        low=0, high=100000, help="prefill sessions held at once; beyond it POST /v1/prefill gets 429 and a keep_session "
+                                       "completion's new session replaces the least recently used idle one (0: none). "
+                                       "Each "
                                        "holding KV takes a slot: past --num-slots a new one ends the least recently "
                                        "used idle one")] = 64,
     max_stored_responses: Annotated[int, checks.number_option(
