@@ -239,7 +239,9 @@ async def send(client: httpx.AsyncClient, cfg: ClientConfig, prompts: list[Promp
     rec.end = cfg.clock() - t0
     _count_output(rec, streams, cfg.count_tokens)
     prompt_usage = [s.prompt_tokens for s in streams if s.prompt_tokens is not None]
-    rec.prompt_tokens = sum(prompt_usage) if prompt_usage else sum(p.tokens for p in prompts)
+    counted = [p.tokens for p in prompts]
+    rec.prompt_tokens = (sum(prompt_usage) if prompt_usage else
+                         None if None in counted else sum(t for t in counted if t is not None))
     return rec
 
 

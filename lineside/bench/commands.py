@@ -177,6 +177,7 @@ def bench(
         print_summary,
         summarize_run,
         token_sources,
+        unknown_prompt_tokens_warning,
         warn_if_loaded,
         write_report,
     )
@@ -263,9 +264,9 @@ def bench(
     print_summary(summary, console, title=f"lineside bench ({pattern}) -> {result.model}")
     say(console, f"backend: {backend} ({backend_reason})" if backend and backend_reason else
         f"backend: {backend}" if backend else "backend: not reported by the server (not lineside's?)")
-    counted = chunk_count_warning(sources)
-    if counted:
-        say(console, counted, style="yellow")
+    for warning in (chunk_count_warning(sources), unknown_prompt_tokens_warning(summary)):
+        if warning:
+            say(console, warning, style="yellow")
     if spec_delta.steps:
         meta["speculative"] = spec_delta.report()
         say(console, f"speculative decoding: {spec_delta.describe()}")

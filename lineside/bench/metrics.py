@@ -33,7 +33,7 @@ class RequestRecord:
     start: float
     end: float
     prompts: int = 1
-    prompt_tokens: int = 0
+    prompt_tokens: int | None = 0  # None: no usage and no tokenizer counted them
     output_tokens: int = 0
     # per choice index: arrival time of every streamed chunk that carried output (same clock as start)
     chunk_times: dict[int, list[float]] = field(default_factory=dict)
@@ -125,7 +125,7 @@ class Summary:
     completed: int
     failed: int
     duration: float
-    prompt_tokens: int
+    prompt_tokens: int | None  # None when a completed request's count is unknown
     output_tokens: int
     request_throughput: float
     output_throughput: float
@@ -139,11 +139,11 @@ class Summary:
     tpot_target: float | None = None
     e2e_target: float | None = None
     # (prompt + output tokens of completed requests) / duration: vLLM's "Total Token throughput"; None in a report
-    # written before it was kept, so it is worked out from the counts that report has
+    # written before it was kept, so it is worked out from the counts that report has; None when prompt_tokens is unknown
     total_token_throughput: float | None = None
 
     def __post_init__(self) -> None:
-        if self.total_token_throughput is None:
+        if self.total_token_throughput is None and self.prompt_tokens is not None:
             tokens = self.prompt_tokens + self.output_tokens
             self.total_token_throughput = tokens / self.duration if self.duration > 0 else 0.0
 
@@ -159,7 +159,8 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
     if duration is None:
         duration = (max(r.end for r in records) - min(r.start for r in records)) if records else 0.0
     out_tok = sum(r.output_tokens for r in done)
-    in_tok = sum(r.prompt_tokens for r in done)
+    counts = [r.prompt_tokens for r in done]
+    in_tok = None if None in counts else sum(c for c in counts if c is not None)  # a wrong 0 reads as real
     sum_e2e = sum(e2e(r) for r in done)
     rate = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     targets = ttft_target is not None or tpot_target is not None or e2e_target is not None
@@ -172,7 +173,7 @@ def summarize(records: list[RequestRecord], duration: float | None = None,
         output_tokens=out_tok,
         request_throughput=rate(len(done)),
         output_throughput=rate(out_tok),
-        total_token_throughput=rate(in_tok + out_tok),
+        total_token_throughput=None if in_tok is None else rate(in_tok + out_tok),
         effective_throughput=out_tok / sum_e2e if sum_e2e > 0 else 0.0,
         goodput=rate(sum(good(r, ttft_target, tpot_target, e2e_target) for r in records)) if targets else None,
         ttft=percentiles([t for r in done if (t := ttft(r)) is not None]),

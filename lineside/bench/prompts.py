@@ -31,7 +31,7 @@ class Prompt:
     tools (and tool_choice) sent with it, as an agent's requests carry them."""
 
     text: str
-    tokens: int = 0
+    tokens: int | None = 0  # None: not counted (no tokenizer), unknown rather than 0
     messages: tuple[dict, ...] = ()
     max_tokens: int | None = None
     tools: tuple[dict, ...] = ()
@@ -132,7 +132,7 @@ def from_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
                                 "prompt per line")
         if not isinstance(text, str) or not text:
             raise LinesideError(f"{path}:{lineno}: no \"prompt\", \"text\" or \"messages\" in this line")
-        n = len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else 0
+        n = len(tokenizer.encode(text, add_special_tokens=False).ids) if tokenizer is not None else None
         mt = obj.get("max_tokens")
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
             raise LinesideError(f"{path}:{lineno}: \"max_tokens\" must be an integer ≥ 1, got {mt!r}")

@@ -135,7 +135,7 @@ def markdown(s: Summary, meta: dict, images: list[str], records: list[RequestRec
     parts += ["", "## Throughput", ""]
     rows = [[label, _num(getattr(s, key)), unit] for key, label, unit in RATES]
     rows += [["Requests completed / failed", f"{s.completed} / {s.failed}", ""],
-             ["Prompt tokens / output tokens", f"{s.prompt_tokens} / {s.output_tokens}", "tokens"],
+             ["Prompt tokens / output tokens", f"{'n/a' if s.prompt_tokens is None else s.prompt_tokens} / {s.output_tokens}", "tokens"],
              ["Duration", f"{s.duration:.2f}", "s"]]
     if s.goodput is not None:
         rows.append(["Goodput targets", f"TTFT ≤ {_ms(s.ttft_target)} ms, TPOT ≤ {_ms(s.tpot_target)} ms, "
@@ -285,6 +285,15 @@ def chunk_count_warning(sources: dict[str, int]) -> str | None:
     return (f"warning: the server sent no usage for {n} request(s) (stream_options.include_usage) and no tokenizer "
             "is known, so their output tokens were counted one per streamed chunk (a lower bound: a chunk may carry "
             "several); pass --tokenizer PATH/tokenizer.json to count them from the text")
+
+
+def unknown_prompt_tokens_warning(summary: Summary) -> str | None:
+    """One line when no completed request's prompt tokens were known (no usage, no tokenizer): the report shows
+    them and the total token throughput as n/a, where a silent 0 would read as a measurement."""
+    if summary.prompt_tokens is not None or not summary.completed:
+        return None
+    return ("warning: the server sent no usage and no tokenizer is known, so prompt tokens are unknown (n/a) and so "
+            "is the total token throughput; pass --tokenizer PATH/tokenizer.json to count them")
 
 
 def summarize_run(records: list[RequestRecord], duration: float, ttft_ms: float | None,

@@ -432,3 +432,22 @@ def test_cli_prompts_file_with_tools_counts_tool_call_text(tmp_path):
         assert data["summary"]["ttft"]["p50"] is not None
         r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args])
         assert isinstance(r.exception, LinesideError) and "--endpoint chat" in str(r.exception)
+
+
+def test_cli_prompt_tokens_of_a_server_without_usage_and_no_tokenizer_are_unknown_not_zero(tmp_path):
+    """A prompts file, no tokenizer, a server that sends no usage: nothing counts the prompts, and the report said
+    "0" prompt tokens and a total token throughput of the output alone. They are unknown: null in report.json,
+    "n/a" in report.md, and one warning line; the output tokens (counted per chunk) are still reported."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two three four"}) + "\n")
+    args = ["--pattern", "concurrency", "--concurrency", "1", "--num-requests", "2", "--duration", "0",
+            "--max-tokens", "4", "--warmup", "0", "--no-plots", "--prompts-file", str(prompts)]
+    with BackgroundServer(make_app(0.01, 0.002, usage=False), startup_timeout=20) as srv:
+        r = CliRunner().invoke(cli_app(), ["bench", "--url", srv.url, *args, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    said = " ".join(r.output.split())
+    assert "prompt tokens are unknown" in said and "--tokenizer" in said, said
+    summary = json.loads((tmp_path / "a" / "report.json").read_text())["summary"]
+    assert summary["completed"] == 2 and summary["output_tokens"] == 8
+    assert summary["prompt_tokens"] is None and summary["total_token_throughput"] is None
+    assert "| Prompt tokens / output tokens | n/a / 8 |" in (tmp_path / "a" / "report.md").read_text()
