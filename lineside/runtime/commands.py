@@ -130,6 +130,8 @@ def generate(
         from lineside.runtime.speculative.proposers import check_proposer
 
         check_proposer(spec, open_bundle(bundle, verify=False))
+    if not prompt and not chat:
+        _check_empty_prompt(bundle)
     gen = _generator(bundle, backend, threads, lora)
     gen.speculative = spec
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=sampler_seed(seed))
@@ -325,6 +327,17 @@ def too_long_text(e: Any, chars: int, limit: int) -> str:
     """One line for a prompt refused while it was counted (``counted_size``)."""
     return (f"the prompt has {counted_size(e, chars)}, and the bundle's context is {limit} tokens, which leaves no "
             "room to generate; shorten it (or build the bundle with a larger --max-seq-len)")
+
+
+def _check_empty_prompt(bundle_path: Path) -> None:
+    """An empty prompt is a BOS token alone, or nothing when the tokenizer adds none (Qwen2's, SmolLM2's): refused
+    then from the tokenizer only, before the model loads (which takes seconds for a real one)."""
+    from lineside.bundle import open_bundle
+    from lineside.runtime.tokenizer import Tokenizer
+
+    if not Tokenizer.from_bundle(open_bundle(bundle_path, verify=False)).encode(""):
+        raise LinesideError("the prompt is empty, and this bundle's tokenizer adds no BOS token, so the model has "
+                            "nothing to continue; give some text (or --chat, to wrap it in the chat template)")
 
 
 def _piped_line() -> str:

@@ -119,3 +119,41 @@ def test_a_stdin_past_any_context_is_refused_unread(tiny_bundle, monkeypatch, ca
                              io.TextIOWrapper(io.BufferedReader(Endless()), encoding="utf-8"))
     assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "over 32 MiB", "shorter", code=1)
     assert Endless.read_bytes <= (32 << 20) + (1 << 20) and "backend" not in err
+
+
+@pytest.fixture(scope="module")
+def no_bos_bundle(tiny_bundle, tmp_path_factory):
+    """The tiny bundle as a model whose tokenizer adds no BOS token (add_bos_token false, as Qwen2's or SmolLM2's):
+    an empty prompt is then no token at all."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("no-bos") / tiny_bundle.name
+    shutil.copytree(tiny_bundle, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["add_bos_token"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.parametrize("prompt", ["", "\u200b\ufeff"])  # nothing, or only invisible characters (stripped)
+def test_an_empty_prompt_on_a_bundle_without_bos_is_refused_before_the_model_loads(no_bos_bundle, monkeypatch,
+                                                                                 capsys, prompt):
+    """Nothing to continue: the model loaded (seconds, for a real one) before "empty after tokenization". One line
+    now, before any backend is made; with a BOS-adding tokenizer, or with --chat (the template's tokens), an empty
+    prompt is still generated from."""
+    from lineside.runtime import select
+
+    made = []
+    real = select.choose_backend
+    monkeypatch.setattr(select, "choose_backend", lambda *a, **k: made.append(1) or real(*a, **k))
+    rc, out, err = _generate(monkeypatch, capsys, [no_bos_bundle, prompt], _stdin(b""))
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), "prompt is empty", "BOS", "--chat", code=1)
+    assert out == "" and not made
+    rc, out, err = _generate(monkeypatch, capsys, [no_bos_bundle, prompt, "--chat"], _stdin(b""))
+    assert rc == 0 and made, err
+
+
+def test_an_empty_prompt_on_a_bundle_that_adds_bos_is_generated_from(tiny_bundle, monkeypatch, capsys):
+    rc, out, err = _generate(monkeypatch, capsys, [tiny_bundle, ""], _stdin(b""))
+    assert rc == 0 and out.strip(), err
