@@ -19,6 +19,7 @@ YOU = "you> "  # chat's prompt for a line, shown only when stdin is a terminal
 NO_TEMPLATE_NOTE = ("note: this bundle has no chat template; --chat falls back to a plain \"role: text\" transcript")
 
 
+SYSTEM_OPTION = {False: "--system", True: "--system-file"}  # which one gave the system prompt: its errors name it
 SEED_HELP = ("random seed: the same seed, the same output; any 64-bit integer, as the server's seed; -1 (or none) "
              "picks a random one each run, as llama.cpp's --seed -1 and the server's seed -1")
 
@@ -105,6 +106,9 @@ def generate(
     lora: Annotated[str | None, typer.Option(help="generate with this adapter of the bundle (`lineside lora list`)")] = None,
     chat_template: Annotated[str | None, typer.Option(
         help="with --chat: this Jinja template instead of the bundle's (a file, the text, or builtin:NAME)")] = None,
+    system: Annotated[str | None, typer.Option(help="with --chat: a system prompt before the prompt")] = None,
+    system_file: Annotated[Path | None, typer.Option(
+        help="with --chat: read the system prompt from this UTF-8 file (instead of --system)")] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout.
 
@@ -115,7 +119,13 @@ def generate(
 
     if chat_template is not None and not chat:
         raise LinesideError("--chat-template needs --chat (the prompt is otherwise given to the model as it is)")
+    if not chat and (system is not None or system_file is not None):
+        raise LinesideError(f"{SYSTEM_OPTION[system_file is not None]} needs --chat (a system prompt is a chat "
+                            "template's message; the prompt is otherwise given to the model as it is)")
     from lineside.runtime.prompt_input import prompt_text
+    from lineside.runtime.system_input import system_text
+
+    system = system_text(system, system_file)
 
     given = "--prompt" if prompt is not None else "PROMPT"
     prompt = prompt_text(prompt_arg, prompt)  # before the model loads: a missing or unreadable prompt is one line
@@ -140,7 +150,7 @@ def generate(
         tok.chat_template = template
     if chat and not tok.chat_template:
         print(NO_TEMPLATE_NOTE, file=sys.stderr)
-    ids = _prompt_ids(tok, prompt, chat, gen.backend.max_seq_len)
+    ids = _prompt_ids(tok, prompt, chat, gen.backend.max_seq_len, system)
     detok = IncrementalDetokenizer(tok, prompt_ids=ids)
     made = 0
     try:
@@ -167,6 +177,8 @@ def generate(
 def chat(
     bundle: Annotated[Path, typer.Argument(help="bundle directory")],
     system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    system_file: Annotated[Path | None, typer.Option(
+        help="read the system prompt from this UTF-8 file (instead of --system)")] = None,
     max_tokens: Annotated[int, checks.number_option(low=1, help="maximum new tokens per answer")] = 256,
     *,
     temperature: Annotated[float, checks.number_option(kind=float, low=0, help="0 = greedy")] = 0.0,
@@ -186,9 +198,9 @@ def chat(
     cannot be answered is skipped with its error on stderr (naming the line), and the exit status is then 1."""
     from lineside.runtime.detokenize import IncrementalDetokenizer
     from lineside.runtime.sampling import SamplingParams, sampler_seed
+    from lineside.runtime.system_input import system_text
 
-    if system is not None:
-        system = strip_invisible(checks.utf8_text(system, "--system"))
+    system = system_text(system, system_file)  # before the model loads: a missing or unreadable file is one line
     if sys.stdin is None or sys.stdin.closed:  # started with fd 0 closed (`<&-`, some service managers)
         raise LinesideError("chat reads what you type from stdin, and stdin is closed; run it in a terminal, pipe "
                             "the lines into it, or use `lineside generate --prompt TEXT`")
@@ -202,7 +214,8 @@ def chat(
     limit = gen.backend.max_seq_len
     fixed = len(gen.tokenizer.encode_chat([*messages, {"role": "user", "content": ""}]))
     if fixed >= limit - 1:  # no line could be answered: say so once, not "type a shorter one" after every line
-        what, fix = ("--system", "system prompt") if system else ("the chat template", "--chat-template")
+        what, fix = ((SYSTEM_OPTION[system_file is not None], "system prompt") if system else
+                     ("the chat template", "--chat-template"))
         raise LinesideError(f"{what} makes a prompt of {fixed} tokens before anything is typed, and the bundle's "
                             f"context is {limit}; give a shorter {fix} (or build with a larger --max-seq-len)")
     # at a terminal an empty line quits; piped lines (a file of questions) are each a turn until the input ends, and
@@ -296,20 +309,22 @@ def chat(
     return 1 if skipped and not typed else 0
 
 
-def _prompt_ids(tok: Any, prompt: str, chat: bool, limit: int) -> list[int]:
-    """The prompt's ids, counted with an early stop at the context (runtime/bounded_encode, as the server counts
-    them): refusing a 30 MB prompt costs the context's worth of tokenizing, not the whole text's."""
+def _prompt_ids(tok: Any, prompt: str, chat: bool, limit: int, system: str | None = None) -> list[int]:
+    """The prompt's ids (with --chat, after ``system`` as the template's system message), counted with an early stop
+    at the context (runtime/bounded_encode, as the server counts them): refusing a 30 MB prompt costs the context's
+    worth of tokenizing, not the whole text's."""
     from lineside.runtime.bounded_encode import PromptTooLong
 
     most = max(limit - 1, 0)  # one more and nothing can be generated (Generator.stream's rule)
+    head = [{"role": "system", "content": system}] if chat and system else []
     try:
         if chat:
-            return tok.encode_chat([{"role": "user", "content": prompt}], max_tokens=most)
+            return tok.encode_chat([*head, {"role": "user", "content": prompt}], max_tokens=most)
         return tok.encode(prompt, max_tokens=most)
     except PromptTooLong as e:
         chars = len(prompt)  # what was counted: the text, or the text in the template's markup
         if chat:
-            chars += len(tok.apply_chat_template([{"role": "user", "content": ""}]))
+            chars += len(tok.apply_chat_template([*head, {"role": "user", "content": ""}]))
         raise LinesideError(too_long_text(e, chars, limit)) from None
 
 
