@@ -15,6 +15,9 @@ from lineside.errors import LinesideError
 
 MAX_REQUESTS = 1_000_000  # one run's schedule is held in memory
 MAX_CONCURRENCY = 10_000
+MAX_PROMPT_LEN = 1 << 20  # synthetic prompt tokens: more than any bundle's context (and 512 of them fit in memory)
+MAX_PROMPTS_PER_REQUEST = 1024  # a list prompt's length: far past what servers take (lineside's: 64)
+MAX_RATE = float(MAX_REQUESTS)  # requests/s: × --duration must stay a finite count for the schedule's cap
 
 
 def num(default, *, kind: type = int, **bounds):
@@ -27,7 +30,7 @@ def _prompts(prompts_file: Path | None, prompt_len: str, count: int, seed: int, 
 
     if prompts_file is not None:
         return from_jsonl(prompts_file, tokenizer)
-    return synthetic(count, parse_range(prompt_len, "--prompt-len"), seed, tokenizer)
+    return synthetic(count, parse_range(prompt_len, "--prompt-len", MAX_PROMPT_LEN), seed, tokenizer)
 
 
 def _tokenizer(tokenizer: Path | None, bundle: Path | None):
@@ -62,7 +65,7 @@ def bench(
     compare: tuple[str, str] | None = typer.Option(None, "--compare", help="Compare two runs: A B, each a --out directory or its report.json."),
     pattern: str = typer.Option("burst", help="burst | poisson | gamma | concurrency | chunked (prompts fed to "
                                                "/v1/prefill in --chunks pieces, --chunk-interval s apart)"),
-    rate: float = num(1.0, kind=float, above=0,
+    rate: float = num(1.0, kind=float, above=0, high=MAX_RATE,
                       help="burst: requests sent each second; poisson/gamma: mean requests/s."),
     burstiness: float = num(1.0, kind=float, above=0, help="gamma shape: 1 = Poisson, < 1 burstier."),
     concurrency: int = num(4, low=1, high=MAX_CONCURRENCY, help="Requests in flight for --pattern concurrency."),
@@ -182,11 +185,12 @@ def bench(
         write_report,
     )
 
-    ppr = parse_range(prompts_per_request, "--prompts-per-request") if prompts_per_request else None
+    ppr = (parse_range(prompts_per_request, "--prompts-per-request", MAX_PROMPTS_PER_REQUEST)
+           if prompts_per_request else None)
     if ppr is not None and pattern in ("concurrency", "chunked"):  # the report would claim what was not sent
         raise LinesideError(f"--prompts-per-request applies to burst, poisson and gamma; --pattern {pattern} sends "
                             "one prompt per request: leave it out")
-    longest = parse_range(prompt_len, "--prompt-len")[1]
+    longest = parse_range(prompt_len, "--prompt-len", MAX_PROMPT_LEN)[1]
     if bundle is not None and bundle_max_seq and prompts_file is None:
         checks.at_most(longest + max_tokens, bundle_max_seq - 1, "--prompt-len MAX + --max-tokens",
                        f"what the bundle's context of {bundle_max_seq} tokens leaves",

@@ -50,8 +50,9 @@ def load_tokenizer(path: str | Path):
     return Tokenizer.from_file(str(p))
 
 
-def parse_range(text: str, what: str) -> tuple[int, int]:
-    """'128:512' -> (128, 512); '256' -> (256, 256)."""
+def parse_range(text: str, what: str, high: int) -> tuple[int, int]:
+    """'128:512' -> (128, 512); '256' -> (256, 256); MAX at most ``high`` (past it, numpy's draw of the lengths
+    raised an int64 overflow, and a schedule or a prompt that size would not fit in memory anyway)."""
     try:
         parts = [int(x) for x in text.split(":")]
     except ValueError:
@@ -60,6 +61,8 @@ def parse_range(text: str, what: str) -> tuple[int, int]:
         parts = parts * 2
     if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
         raise LinesideError(f"{what} {text!r} is not MIN:MAX with 1 <= MIN <= MAX (e.g. 128:512)")
+    if parts[1] > high:
+        raise LinesideError(f"{what} {text!r}: MAX is at most {high}; give a smaller range")
     return parts[0], parts[1]
 
 

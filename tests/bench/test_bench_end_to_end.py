@@ -451,3 +451,21 @@ def test_cli_prompt_tokens_of_a_server_without_usage_and_no_tokenizer_are_unknow
     assert summary["completed"] == 2 and summary["output_tokens"] == 8
     assert summary["prompt_tokens"] is None and summary["total_token_throughput"] is None
     assert "| Prompt tokens / output tokens | n/a / 8 |" in (tmp_path / "a" / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("args", "needles", "code"), [
+    (["--rate", "1e308"], ["--rate", "out of range"], 2),  # × --duration was infinity: int() raised OverflowError
+    (["--prompt-len", "99999999999999999999:99999999999999999999"], ["--prompt-len", "at most"], 1),  # numpy int64
+    (["--prompts-per-request", "1:99999999999"], ["--prompts-per-request", "at most"], 1),
+])
+def test_cli_huge_numbers_are_one_line_before_the_run(args, needles, code, capsys):
+    """Numbers past what a run can hold were tracebacks (an OverflowError, numpy's "high is out of bounds for
+    int64"); each is one line, before anything is sent (the URL has no server)."""
+    import subprocess
+
+    from lineside.cli import run_app
+    from tests.cli.cli_run import assert_one_line_error, lineside_app
+
+    rc = run_app(lineside_app(), ["bench", "--url", "http://127.0.0.1:9", "--no-plots", *args])
+    out, err = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], rc, out, err), *needles, code=code)

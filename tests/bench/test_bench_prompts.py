@@ -37,11 +37,11 @@ def test_synthetic_exact_token_count_with_tokenizer(word_tokenizer):
 
 
 def test_parse_range():
-    assert P.parse_range("128:512", "x") == (128, 512)
-    assert P.parse_range("64", "x") == (64, 64)
-    for bad in ("0:4", "9:3", "a:b", "1:2:3", ""):
+    assert P.parse_range("128:512", "x", 512) == (128, 512)
+    assert P.parse_range("64", "x", 512) == (64, 64)
+    for bad in ("0:4", "9:3", "a:b", "1:2:3", "", "1:513", "513"):
         with pytest.raises(LinesideError):
-            P.parse_range(bad, "--prompt-len")
+            P.parse_range(bad, "--prompt-len", 512)
 
 
 def test_jsonl_forms(tmp_path, word_tokenizer):
