@@ -47,7 +47,11 @@ def load_tokenizer(path: str | Path):
         p = p / "tokenizer.json"
     if not p.is_file():
         raise LinesideError(f"no tokenizer.json at {path}; pass --tokenizer PATH/tokenizer.json or leave it out")
-    return Tokenizer.from_file(str(p))
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust parser raises a bare Exception; its first line says what it met
+        raise LinesideError(f"{p}: not a tokenizer the tokenizers library can load ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+                            "pass a model's tokenizer.json with --tokenizer") from None
 
 
 def parse_range(text: str, what: str, high: int) -> tuple[int, int]:

@@ -140,3 +140,15 @@ def test_jsonl_tool_errors_name_the_line(tmp_path, extra, msg):
     f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b", **extra}) + "\n")
     with pytest.raises(LinesideError, match=":2: " + msg.replace("(", r"\(")):
         P.from_jsonl(f)
+
+
+@pytest.mark.parametrize("data", [b"garbage\n", b"\xff\xfe not UTF-8", b'{"version": "1.0"}'])
+def test_a_file_that_is_no_tokenizer_is_one_line(tmp_path, data):
+    """`--tokenizer config.json` (the wrong file of a checkpoint) or a broken download: the tokenizers library's
+    bare Exception ("expected value at line 1 column 1") was a traceback; one line naming the file instead."""
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(data)
+    with pytest.raises(LinesideError) as e:
+        P.load_tokenizer(path)
+    msg = str(e.value)
+    assert str(path) in msg and "not a tokenizer" in msg and "\n" not in msg, msg
