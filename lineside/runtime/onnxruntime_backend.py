@@ -22,13 +22,14 @@ from lineside.config import DENSE_FAMILIES
 from lineside.errors import LinesideError
 from lineside.graph_io import PACKED_INT4, StateTensor, StateUpdate, resolve_shape
 from lineside.lora import LORA_SLOTS_INPUT, LoraAdapter, LoraTarget
+from lineside.runtime import rows_kernel
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.cpu_features import default_threads, host_int8_gemm_exact
 from lineside.runtime.graph_context import check_rope_positions
 from lineside.runtime.huge_pages import advise_huge_pages
 from lineside.runtime.kv_bytes import KvArenaBytes, arena_bytes, kv_label
 from lineside.runtime.lora_stack import LoraSlotsConfig, LoraStack
-from lineside.runtime.ort_cache import open_session
+from lineside.runtime.ort_cache import GraphRewrite, open_session
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
        "uint8": np.uint8,  # the trt flavor's int8 KV cache (grid + 128)
@@ -191,11 +192,17 @@ class OnnxRuntimeBackend:
             so.add_session_config_entry("session.force_spinning_stop", stop_flag)
             return so
 
+        # 4-bit MatMulNBits on the rows kernel where it is built (rows_kernel.py): several rows cost little more
+        # than one. Part of the graph cache's key, so a cache made without it is not loaded with it, or back.
+        rows_library = rows_kernel.library()
+        rewrite = GraphRewrite(rows_library, rows_kernel.rewritten) if rows_library is not None else None
+        cache_settings = config | ({"rows_kernel": rows_kernel.digest()} if rewrite is not None else {})
+
         def load(rel: str) -> tuple[Any, str]:
             try:
                 # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
-                return open_session(ort, bundle.file(rel), _graph_files_sha(bundle, rel), options, config,
-                                    providers=["CPUExecutionProvider"])
+                return open_session(ort, bundle.file(rel), _graph_files_sha(bundle, rel), options, cache_settings,
+                                    providers=["CPUExecutionProvider"], rewrite=rewrite)
             except Exception as e:  # onnxruntime raises its own exception types for bad graphs
                 raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
 

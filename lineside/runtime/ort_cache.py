@@ -42,6 +42,16 @@ _DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 @dataclass(frozen=True)
+class GraphRewrite:
+    """A custom-op library and what it does to a graph before onnxruntime sees it: ``apply(graph)`` returns the
+    rewritten model's bytes (its weights still read from the graph's folder), or None when nothing changed. The
+    caller puts what identifies the rewrite in the cache key's settings."""
+
+    library: Path
+    apply: Callable[[Path], bytes | None]
+
+
+@dataclass(frozen=True)
 class CachedGraph:
     """Where a graph's optimized copy lives for one key: beside the graph, or in the per-user ``folder``, where
     ``tag`` (the graph files' sha256) tells one bundle's graphs from another's of the same name."""
@@ -81,17 +91,36 @@ def enabled() -> bool:
 
 
 def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Callable[[], Any],
-                 settings: dict[str, str], providers: list[str]) -> tuple[Any, str]:
+                 settings: dict[str, str], providers: list[str],
+                 rewrite: GraphRewrite | None = None) -> tuple[Any, str]:
     """An InferenceSession for ``graph``; ``(session, how)`` with how = "cache" (loaded the optimized copy),
     "saved" (optimized now and cached) or "plain" (no cache: disabled, no sha, or it could not be written).
 
     ``make_options()`` returns fresh SessionOptions (threads, config entries); this sets the optimization
     level and the output path. Errors of the graph itself come from the plain path, as without a cache.
+    ``rewrite``: a custom-op library registered on every session, and the graph rewritten for it before it
+    is optimized (a cached graph holds the rewrite already).
     """
+    if rewrite is not None:
+        made = make_options
+
+        def make_options() -> Any:
+            so = made()
+            so.register_custom_ops_library(str(rewrite.library))
+            return so
+
+    def source(so: Any) -> str | bytes:
+        """What a session is opened on: the graph's path, or its rewritten bytes (weights from its folder)."""
+        raw = rewrite.apply(graph) if rewrite is not None else None
+        if raw is None:
+            return str(graph)
+        so.add_session_config_entry(_DATA_FOLDER, str(graph.parent))
+        return raw
+
     def plain() -> Any:
         so = make_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        return ort.InferenceSession(str(graph), so, providers=providers)
+        return ort.InferenceSession(source(so), so, providers=providers)
 
     if not (enabled() and graph_sha):
         return plain(), "plain"
@@ -124,7 +153,7 @@ def open_session(ort: Any, graph: Path, graph_sha: str | None, make_options: Cal
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     try:
         try:
-            session = ort.InferenceSession(str(graph), so, providers=providers)
+            session = ort.InferenceSession(source(so), so, providers=providers)
         except Exception:  # noqa: BLE001 - saving may be what failed (disk full): the plain path decides
             return plain(), "plain"
         try:

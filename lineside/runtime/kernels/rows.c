@@ -1,0 +1,452 @@
+/* lineside rows: onnxruntime custom op "ai.lineside:MatMulNBits", com.microsoft's 4- or 8-bit MatMulNBits of a
+ * decode graph (block 32..256, optional uint8 zero points and bias; activations rounded to int8 per block as
+ * accuracy level 4 does) computed so that each 16-column weight tile is loaded once for every row of a step.
+ *
+ * Why: onnxruntime's kernel re-reads and re-scales every 4-bit block per row, so 8 decode rows cost ~2.9x one;
+ * here a row costs its dot products only (vpdpbusd on 16 columns at once), and each row's result does not depend
+ * on the other rows (8 streams stay identical to sequential runs). Built by lineside/runtime/rows_kernel.py with
+ * onnxruntime's C API header (Debian's libonnxruntime-dev); x86-64 with AVX-512 VNNI only, else never loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "onnxruntime_c_api.h"
+
+#define ROW_TILE 8
+#define GROUP 16                 /* columns per tile: one zmm of int32 / float32 lanes */
+#define SUB 32                   /* inputs per 256-byte code chunk: 8 dwords x 4 inputs */
+
+static const OrtApi *api;
+
+typedef struct {
+  int64_t k, n, block, bits;     /* attributes */
+  int64_t blocks;                /* ceil(k / block) */
+  int64_t groups;                /* ceil(n / 16) */
+  int64_t subs;                  /* block / 32 */
+  size_t code_bytes;             /* one (group, block)'s codes: subs * 256 (4 bits) or subs * 512 (8 bits) */
+  uint8_t *packed;               /* codes [groups][blocks][code_bytes], then scales and zeros; 64-byte aligned */
+  float *scales;                 /* [groups][blocks][16] */
+  uint8_t *zeros;                /* [groups][blocks][16]: as many bytes per weight as onnxruntime's own layout */
+  const void *packed_from;       /* the B buffer it was packed from */
+  pthread_mutex_t lock;
+} RowsOp;
+
+typedef struct {                 /* one call's activations, rounded per block */
+  int64_t rows, stride;          /* stride: blocks * block bytes per row */
+  int8_t *q;                     /* rows * stride */
+  float *scale;                  /* rows * blocks: the block's step */
+  float *zsum;                   /* rows * blocks: step * sum of the block's codes (the zero point's term) */
+} Acts;
+
+typedef struct {
+  const RowsOp *op;
+  const Acts *acts;
+  const float *bias;
+  float *y;
+  int64_t groups_per_task;
+} Work;
+
+static OrtStatus *fail(const char *msg) { return api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+/* An input's data (API 21 reads inputs through the mutable getter; nothing here writes them). */
+static OrtStatus *data_of(const OrtValue *value, const void **out) {
+  return api->GetTensorMutableData((OrtValue *)value, (void **)out);
+}
+
+/* ---- packing: MatMulNBits' B [N, blocks, block/2], scales [N*blocks], zero points [N, ceil(blocks/2)] ---- */
+
+static void pack(RowsOp *op, const uint8_t *b, const float *scales, const uint8_t *zp) {
+  int64_t block_bytes = op->block * op->bits / 8;
+  int64_t zp_bytes = op->bits == 4 ? (op->blocks + 1) / 2 : op->blocks; /* per column: 4-bit ones two to a byte */
+  for (int64_t g = 0; g < op->groups; g++) {
+    for (int64_t blk = 0; blk < op->blocks; blk++) {
+      int64_t at = g * op->blocks + blk;
+      uint8_t *tile = op->packed + at * op->code_bytes;
+      float *s = op->scales + at * GROUP;
+      uint8_t *z = op->zeros + at * GROUP;
+      memset(tile, 0, op->code_bytes);
+      memset(s, 0, GROUP * sizeof(float));
+      memset(z, 0, GROUP);
+      for (int c = 0; c < GROUP; c++) {
+        int64_t n = g * GROUP + c;
+        if (n >= op->n) continue;
+        const uint8_t *src = b + (n * op->blocks + blk) * block_bytes;
+        if (op->bits == 8) { /* chunk[j*64 + c*4 + t] = code 4j+t of the 32 */
+          for (int64_t sub = 0; sub < op->subs; sub++, src += SUB)
+            for (int j = 0; j < 8; j++) memcpy(tile + sub * 512 + j * 64 + c * 4, src + 4 * j, 4);
+        } else { /* byte j of src: codes 2j (low), 2j+1 (high) */
+          for (int64_t sub = 0; sub < op->subs; sub++, src += SUB / 2) {
+            uint8_t *chunk = tile + sub * 256 + c * 4;
+            /* chunk[k*64 + t]: code 8k+t (low nibble) and code 8k+4+t (high): 8k+t is byte 4k+t/2 of src */
+            for (int k = 0; k < 4; k++)
+              for (int t = 0; t < 4; t++) {
+                uint8_t lo = src[4 * k + t / 2], hi = src[4 * k + 2 + t / 2];
+                lo = (t & 1) ? (lo >> 4) : (lo & 15);
+                hi = (t & 1) ? (hi >> 4) : (hi & 15);
+                chunk[k * 64 + t] = (uint8_t)(lo | (hi << 4));
+              }
+          }
+        }
+        s[c] = scales[n * op->blocks + blk];
+        if (op->bits == 8) {
+          z[c] = zp ? zp[n * zp_bytes + blk] : 128;
+        } else {
+          uint8_t zb = zp ? zp[n * zp_bytes + blk / 2] : 0x88;
+          z[c] = (uint8_t)((blk & 1) ? (zb >> 4) : (zb & 15));
+        }
+      }
+    }
+  }
+}
+
+/* ---- activations: each block of each row rounded to int8 with step amax/127 ---- */
+
+static inline __mmask16 take(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+static int round_rows(const float *x, int64_t rows, const RowsOp *op, Acts *a) {
+  a->rows = rows;
+  a->stride = op->blocks * op->block;
+  a->q = aligned_alloc(64, (size_t)((rows * a->stride + 63) / 64 * 64));
+  a->scale = malloc(sizeof(float) * (size_t)(rows * op->blocks));
+  a->zsum = malloc(sizeof(float) * (size_t)(rows * op->blocks));
+  if (!a->q || !a->scale || !a->zsum) return 0;
+  for (int64_t r = 0; r < rows; r++) {
+    const float *xr = x + r * op->k;
+    for (int64_t blk = 0; blk < op->blocks; blk++) {
+      int64_t lo = blk * op->block;
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t i = lo; i < lo + op->block; i += 16)
+        m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(take(op->k - i), xr + i)));
+      float amax = _mm512_reduce_max_ps(m);
+      float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m512 vinv = _mm512_set1_ps(inv);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t *q = a->q + r * a->stride + lo;
+      for (int64_t i = lo; i < lo + op->block; i += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(take(op->k - i), xr + i), vinv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        sum = _mm512_add_epi32(sum, v);
+        _mm_storeu_si128((__m128i *)(q + (i - lo)), _mm512_cvtepi32_epi8(v));
+      }
+      a->scale[r * op->blocks + blk] = step;
+      a->zsum[r * op->blocks + blk] = step * (float)_mm512_reduce_add_epi32(sum);
+    }
+  }
+  return 1;
+}
+
+static void free_acts(Acts *a) {
+  free(a->q);
+  free(a->scale);
+  free(a->zsum);
+}
+
+/* ---- the product: one 16-column group for up to ROW_TILE rows ---- */
+
+static inline __attribute__((always_inline)) void group_rows(const RowsOp *op, const Acts *a, int64_t g, int64_t r0,
+                                                             const int rows, const int bits, const float *bias,
+                                                             float *y) {
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[ROW_TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+  const uint8_t *tile = op->packed + g * op->blocks * op->code_bytes;
+  const float *sp = op->scales + g * op->blocks * GROUP;
+  const uint8_t *zp = op->zeros + g * op->blocks * GROUP;
+  for (int64_t blk = 0; blk < op->blocks; blk++, tile += op->code_bytes, sp += GROUP, zp += GROUP) {
+    /* integer dot products in `chains` independent accumulators per row (exact: their sum is the same for any
+       count), so few rows are not bound by vpdpbusd's latency */
+    const int chains = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+    __m512i dot[ROW_TILE][4];
+    for (int r = 0; r < rows; r++)
+      for (int c = 0; c < chains; c++) dot[r][c] = _mm512_setzero_si512();
+    for (int64_t sub = 0; sub < op->subs; sub++) {
+      __m512i w[8];
+      if (bits == 8) {
+        const __m512i *chunk = (const __m512i *)(tile + sub * 512);
+        for (int j = 0; j < 8; j++) w[j] = _mm512_load_si512(chunk + j);
+      } else {
+        const __m512i *chunk = (const __m512i *)(tile + sub * 256);
+        for (int k = 0; k < 4; k++) {
+          __m512i p = _mm512_load_si512(chunk + k);
+          w[2 * k] = _mm512_and_si512(p, low);
+          w[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+        }
+      }
+      for (int r = 0; r < rows; r++) {
+        const int32_t *q = (const int32_t *)(a->q + (r0 + r) * a->stride + blk * op->block + sub * SUB);
+        for (int j = 0; j < 8; j++)
+          dot[r][j % chains] = _mm512_dpbusd_epi32(dot[r][j % chains], w[j], _mm512_set1_epi32(q[j]));
+      }
+    }
+    __m512 s = _mm512_load_ps(sp);
+    __m512 sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)zp))));
+    for (int r = 0; r < rows; r++) {
+      int64_t at = (r0 + r) * op->blocks + blk;
+      __m512i d = dot[r][0];
+      for (int c = 1; c < chains; c++) d = _mm512_add_epi32(d, dot[r][c]);
+      /* the same float operations whatever the tile's row count: a row's result never depends on its batch */
+      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(a->scale[at]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_fmsub_ps(s, t, _mm512_mul_ps(sz, _mm512_set1_ps(a->zsum[at]))));
+    }
+  }
+  int64_t c0 = g * GROUP, left = op->n - c0;
+  __mmask16 mask = left >= GROUP ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; r++)
+    _mm512_mask_storeu_ps(y + (r0 + r) * op->n + c0, mask, _mm512_add_ps(acc[r], b));
+}
+
+#define ROWS_CASE(n)                                 \
+  case n:                                            \
+    if (op->bits == 8)                               \
+      group_rows(op, a, g, r0, n, 8, bias, y);       \
+    else                                             \
+      group_rows(op, a, g, r0, n, 4, bias, y);       \
+    break;
+
+static void group_all_rows(const RowsOp *op, const Acts *a, int64_t g, const float *bias, float *y) {
+  for (int64_t r0 = 0; r0 < a->rows; r0 += ROW_TILE) {
+    switch (a->rows - r0 >= ROW_TILE ? ROW_TILE : a->rows - r0) {
+      ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+      default: ROWS_CASE(8)
+    }
+  }
+}
+
+static void run_task(void *data, size_t task) {
+  const Work *w = data;
+  int64_t g0 = (int64_t)task * w->groups_per_task, g1 = g0 + w->groups_per_task;
+  if (g1 > w->op->groups) g1 = w->op->groups;
+  for (int64_t g = g0; g < g1; g++) group_all_rows(w->op, w->acts, g, w->bias, w->y);
+}
+
+/* ---- onnxruntime glue ---- */
+
+#define CHECK(expr)                       \
+  do {                                    \
+    OrtStatus *status_ = (expr);          \
+    if (status_) return status_;          \
+  } while (0)
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtApi *ort, const OrtKernelInfo *info,
+                                             void **out) {
+  (void)self;
+  (void)ort;
+  int64_t accuracy = 0;
+  RowsOp *op = calloc(1, sizeof(RowsOp));
+  if (!op) return fail("lineside rows: out of memory");
+  CHECK(api->KernelInfoGetAttribute_int64(info, "K", &op->k));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "N", &op->n));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "bits", &op->bits));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "block_size", &op->block));
+  if (api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy)) accuracy = 0;
+  if ((op->bits != 4 && op->bits != 8) || op->block < SUB || op->block % SUB || accuracy != 4 || op->k <= 0 || op->n <= 0)
+    return fail("lineside rows: only 4- or 8-bit weights, block a multiple of 32, accuracy level 4");
+  op->blocks = (op->k + op->block - 1) / op->block;
+  op->groups = (op->n + GROUP - 1) / GROUP;
+  op->subs = op->block / SUB;
+  op->code_bytes = (size_t)op->subs * (op->bits == 4 ? 256 : 512);
+  pthread_mutex_init(&op->lock, NULL);
+  *out = op;
+  return NULL;
+}
+
+static OrtStatus *ensure_packed(RowsOp *op, const OrtValue *b, const OrtValue *scales, const OrtValue *zp) {
+  const void *bdata, *sdata, *zdata = NULL;
+  CHECK(data_of(b, &bdata));
+  CHECK(data_of(scales, &sdata));
+  if (zp) CHECK(data_of(zp, &zdata));
+  pthread_mutex_lock(&op->lock);
+  if (op->packed_from != bdata) {
+    free(op->packed);
+    size_t tiles = (size_t)(op->groups * op->blocks);
+    op->packed = aligned_alloc(64, tiles * (op->code_bytes + GROUP * sizeof(float) + GROUP));
+    if (!op->packed) {
+      pthread_mutex_unlock(&op->lock);
+      return fail("lineside rows: out of memory packing weights");
+    }
+    op->scales = (float *)(op->packed + tiles * op->code_bytes);
+    op->zeros = (uint8_t *)(op->scales + tiles * GROUP);
+    pack(op, bdata, sdata, zdata);
+    op->packed_from = bdata;
+  }
+  pthread_mutex_unlock(&op->lock);
+  return NULL;
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+  RowsOp *op = kernel;
+  const OrtValue *x, *b, *scales, *zp = NULL, *gidx = NULL, *bias = NULL;
+  size_t inputs = 0;
+  CHECK(api->KernelContext_GetInputCount(ctx, &inputs));
+  CHECK(api->KernelContext_GetInput(ctx, 0, &x));
+  CHECK(api->KernelContext_GetInput(ctx, 1, &b));
+  CHECK(api->KernelContext_GetInput(ctx, 2, &scales));
+  if (inputs > 3) CHECK(api->KernelContext_GetInput(ctx, 3, &zp));
+  if (inputs > 4) CHECK(api->KernelContext_GetInput(ctx, 4, &gidx));
+  if (inputs > 5) CHECK(api->KernelContext_GetInput(ctx, 5, &bias));
+  if (gidx) return fail("lineside rows: g_idx is not supported");
+  if (zp) {
+    ONNXTensorElementDataType type;
+    OrtTensorTypeAndShapeInfo *zinfo;
+    CHECK(api->GetTensorTypeAndShape(zp, &zinfo));
+    OrtStatus *st = api->GetTensorElementType(zinfo, &type);
+    api->ReleaseTensorTypeAndShapeInfo(zinfo);
+    if (st) return st;
+    if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) return fail("lineside rows: zero points must be uint8");
+  }
+  CHECK(ensure_packed(op, b, scales, zp));
+
+  OrtTensorTypeAndShapeInfo *info;
+  CHECK(api->GetTensorTypeAndShape(x, &info));
+  size_t rank = 0;
+  int64_t dims[8];
+  OrtStatus *st = api->GetDimensionsCount(info, &rank);
+  if (!st && (rank < 1 || rank > 8)) st = fail("lineside rows: input rank must be 1..8");
+  if (!st) st = api->GetDimensions(info, dims, rank);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (st) return st;
+  if (dims[rank - 1] != op->k) return fail("lineside rows: input's last dimension is not K");
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+  dims[rank - 1] = op->n;
+  OrtValue *out;
+  CHECK(api->KernelContext_GetOutput(ctx, 0, dims, rank, &out));
+  float *y;
+  const float *xd, *bd = NULL;
+  CHECK(api->GetTensorMutableData(out, (void **)&y));
+  if (rows == 0) return NULL;
+  CHECK(data_of(x, (const void **)&xd));
+  if (bias) CHECK(data_of(bias, (const void **)&bd));
+
+  Acts acts;
+  if (!round_rows(xd, rows, op, &acts)) {
+    free_acts(&acts);
+    return fail("lineside rows: out of memory");
+  }
+  Work work = {op, &acts, bd, y, 0};
+  /* tasks of ~64 KiB of packed weights: few enough to keep onnxruntime's dispatch cheap, enough to balance */
+  int64_t per = (int64_t)(65536 / ((size_t)op->blocks * op->code_bytes));
+  work.groups_per_task = per < 1 ? 1 : per;
+  size_t tasks = (size_t)((op->groups + work.groups_per_task - 1) / work.groups_per_task);
+  st = tasks > 1 ? api->KernelContext_ParallelFor(ctx, run_task, tasks, 0, &work) : NULL;
+  if (tasks <= 1) run_task(&work, 0);
+  free_acts(&acts);
+  return st;
+}
+
+static void ORT_API_CALL destroy_kernel(void *kernel) {
+  RowsOp *op = kernel;
+  free(op->packed);
+  pthread_mutex_destroy(&op->lock);
+  free(op);
+}
+
+static OrtStatus *ORT_API_CALL infer_shape(const OrtCustomOp *self, OrtShapeInferContext *ctx) {
+  (void)self;
+  int64_t n = 0, dims[8];
+  const char *names[8];
+  const OrtOpAttr *attr;
+  size_t got = 0, rank = 0;
+  CHECK(api->ShapeInferContext_GetAttribute(ctx, "N", &attr));
+  CHECK(api->ReadOpAttr(attr, ORT_OP_ATTR_INT, &n, sizeof(n), &got));
+  OrtTensorTypeAndShapeInfo *in, *out = NULL;
+  CHECK(api->ShapeInferContext_GetInputTypeShape(ctx, 0, &in));
+  OrtStatus *st = api->GetDimensionsCount(in, &rank);
+  if (!st && (rank < 1 || rank > 8)) st = fail("lineside rows: input rank must be 1..8");
+  if (!st) st = api->GetDimensions(in, dims, rank);
+  if (!st) st = api->GetSymbolicDimensions(in, names, rank);
+  if (!st) st = api->CreateTensorTypeAndShapeInfo(&out);
+  if (!st) {
+    dims[rank - 1] = n;
+    names[rank - 1] = "";
+    st = api->SetTensorElementType(out, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
+  }
+  if (!st) st = api->SetDimensions(out, dims, rank);
+  if (!st) st = api->SetSymbolicDimensions(out, names, rank);
+  if (!st) st = api->ShapeInferContext_SetOutputTypeShape(ctx, 0, out);
+  if (out) api->ReleaseTensorTypeAndShapeInfo(out);
+  return st; /* `in` belongs to the context (onnxruntime frees it; releasing it here is a double free) */
+}
+
+static const char *ORT_API_CALL op_name(const OrtCustomOp *self) { (void)self; return "MatMulNBits"; }
+static const char *ORT_API_CALL op_provider(const OrtCustomOp *self) { (void)self; return "CPUExecutionProvider"; }
+static size_t ORT_API_CALL input_count(const OrtCustomOp *self) { (void)self; return 6; }
+static size_t ORT_API_CALL output_count(const OrtCustomOp *self) { (void)self; return 1; }
+
+static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *self, size_t i) {
+  (void)self;
+  switch (i) {
+    case 1: case 3: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+}
+
+static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *self, size_t i) {
+  (void)self;
+  (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL input_kind(const OrtCustomOp *self, size_t i) {
+  (void)self;
+  return i < 3 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+}
+
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL output_kind(const OrtCustomOp *self, size_t i) {
+  (void)self;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+
+static OrtMemType ORT_API_CALL input_memory(const OrtCustomOp *self, size_t i) {
+  (void)self;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+
+static int ORT_API_CALL start_version(const OrtCustomOp *self) { (void)self; return 1; }
+static int ORT_API_CALL end_version(const OrtCustomOp *self) { (void)self; return 2147483647; }
+
+static OrtCustomOp rows_op;
+static OrtCustomOpDomain *domain;
+
+/* Whether this CPU runs the kernel: AVX-512 F/BW/VNNI (the loader also asks before registering). */
+int lineside_rows_supported(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
+  api = base->GetApi(ORT_API_VERSION);
+  if (!api) return NULL; /* cannot even report: onnxruntime older than the header; its own load error follows */
+  if (!lineside_rows_supported()) return api->CreateStatus(ORT_FAIL, "lineside rows: this CPU has no AVX-512 VNNI");
+  if (domain) return api->AddCustomOpDomain(options, domain); /* one op and domain, shared by every session */
+  rows_op.version = ORT_API_VERSION;
+  rows_op.GetName = op_name;
+  rows_op.GetExecutionProviderType = op_provider;
+  rows_op.GetInputType = input_type;
+  rows_op.GetInputTypeCount = input_count;
+  rows_op.GetOutputType = output_type;
+  rows_op.GetOutputTypeCount = output_count;
+  rows_op.KernelDestroy = destroy_kernel;
+  rows_op.GetInputCharacteristic = input_kind;
+  rows_op.GetOutputCharacteristic = output_kind;
+  rows_op.GetInputMemoryType = input_memory;
+  rows_op.CreateKernelV2 = create_kernel;
+  rows_op.KernelComputeV2 = compute;
+  rows_op.InferOutputShapeFn = infer_shape;
+  rows_op.GetStartVersion = start_version;
+  rows_op.GetEndVersion = end_version;
+  CHECK(api->CreateCustomOpDomain("ai.lineside", &domain));
+  CHECK(api->CustomOpDomain_Add(domain, &rows_op));
+  return api->AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,250 @@
+"""The rows kernel (runtime/rows_kernel.py, kernels/rows.c): onnxruntime's own 4-bit MatMulNBits is the reference
+(same int8 rounding of activations, so within float rounding of it), each row independent of the others, only the
+nodes it computes as onnxruntime does moved to it, and a clear line where it cannot be built."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from lineside.bundle import open_bundle
+from lineside.errors import LinesideError
+from lineside.runtime import rows_kernel
+from lineside.runtime.backend import StepBatch
+from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = rows_kernel.library()
+    if path is None:
+        why = rows_kernel.host_ok() or "not built (scripts/setup.sh builds it: python -m lineside.runtime.rows_kernel)"
+        pytest.skip(f"rows kernel unavailable: {why}")
+    return path
+
+
+def matmul_graph(domain: str, k: int, n: int, block: int, *, zero_points: bool, bias: bool, bits: int = 4,
+                 seed: int = 0, **attrs) -> bytes:
+    rng = np.random.default_rng(seed)
+    blocks = -(-k // block)
+    zp_bytes = (blocks + 1) // 2 if bits == 4 else blocks
+    inits = [numpy_helper.from_array(rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8), "B"),
+             numpy_helper.from_array((rng.random(n * blocks, dtype=np.float32) * 0.02 + 1e-3), "S")]
+    inputs = ["x", "B", "S"]
+    if zero_points:
+        inits.append(numpy_helper.from_array(rng.integers(0, 256, n * zp_bytes, dtype=np.uint8), "Z"))
+        inputs.append("Z")
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias"))
+        inputs += [""] * (5 - len(inputs)) + ["bias"]
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain=domain, K=k, N=n, bits=bits, block_size=block,
+                            **{"accuracy_level": 4, **attrs})
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+              helper.make_opsetid(rows_kernel.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def session(model: bytes, library=None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    if library is not None:
+        so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+SHAPES = [  # (K, N, block, zero points, bias, bits): the demo model's fused shapes and 8-bit LM head, a ragged K, a
+    # ragged N, wider blocks
+    (640, 960, 32, True, False, 4), (1664, 576, 32, True, False, 4), (100, 40, 32, True, True, 4),
+    (576, 577, 64, False, True, 4), (1000, 100, 128, True, False, 4), (512, 48, 256, False, False, 4),
+    (576, 1000, 32, False, False, 8), (100, 33, 64, True, True, 8), (256, 64, 128, True, False, 8)]
+
+
+@pytest.mark.parametrize("k,n,block,zero_points,bias,bits", SHAPES)
+def test_matches_onnxruntime_and_rows_are_independent(library, k, n, block, zero_points, bias, bits):
+    ours = session(matmul_graph(rows_kernel.DOMAIN, k, n, block, zero_points=zero_points, bias=bias, bits=bits),
+                   library)
+    ref = session(matmul_graph("com.microsoft", k, n, block, zero_points=zero_points, bias=bias, bits=bits))
+    rng = np.random.default_rng(1)
+    for rows in (1, 3, 8, 11, 40):
+        x = (rng.standard_normal((rows, 1, k)) * rng.choice([0.01, 1.0, 30.0], (rows, 1, 1))).astype(np.float32)
+        x[0, 0, : min(k, 37)] = 0.0  # an all-zero block: step 0, not a division by zero
+        y = ours.run(None, {"x": x})[0]
+        want = ref.run(None, {"x": x})[0]
+        assert y.shape == want.shape == (rows, 1, n)
+        scale = np.abs(want).max(axis=-1, keepdims=True)
+        assert float(np.abs(y - want).max() / scale.max()) < 1e-5
+        alone = np.concatenate([ours.run(None, {"x": x[i:i + 1]})[0] for i in range(rows)])
+        np.testing.assert_array_equal(alone, y)  # bit for bit: a stream's tokens never depend on its batch
+
+
+def test_empty_batch_and_other_ranks(library):
+    ours = session(matmul_graph(rows_kernel.DOMAIN, 64, 32, 32, zero_points=True, bias=False), library)
+    assert ours.run(None, {"x": np.zeros((0, 1, 64), np.float32)})[0].shape == (0, 1, 32)
+    y = ours.run(None, {"x": np.ones((2, 3, 64), np.float32)})[0]
+    assert y.shape == (2, 3, 32) and np.isfinite(y).all()
+
+
+def model_of(nodes, inits, k=64):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info(nd.output[0], TensorProto.FLOAT, None) for nd in nodes],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_rewrite_moves_only_what_it_computes_as_onnxruntime_does(tmp_path):
+    import onnx
+
+    b = numpy_helper.from_array(np.zeros((8, 2, 16), np.uint8), "B")
+    s = numpy_helper.from_array(np.ones(16, np.float32), "S")
+    z = numpy_helper.from_array(np.zeros(8, np.uint8), "Z")
+    zf = numpy_helper.from_array(np.zeros(16, np.float32), "ZF")
+
+    def mm(out, inputs, **attrs):
+        return helper.make_node("MatMulNBits", inputs, [out], domain="com.microsoft",
+                                **{"K": 64, "N": 8, "bits": 4, "block_size": 32, "accuracy_level": 4, **attrs})
+
+    nodes = [mm("moved", ["x", "B", "S", "Z"]), mm("moved_no_zp", ["x", "B", "S"]),
+             mm("level0", ["x", "B", "S"], accuracy_level=0), mm("bits2", ["x", "B", "S"], bits=2),
+             mm("block16", ["x", "B", "S"], block_size=16), mm("float_zp", ["x", "B", "S", "ZF"]),
+             mm("g_idx", ["x", "B", "S", "", "x"]), mm("weights_in", ["x", "x", "S"])]
+    path = tmp_path / "m.onnx"
+    onnx.save(model_of(nodes, [b, s, z, zf]), str(path))
+    raw, moved = rows_kernel.rewrite(path)
+    model = onnx.load_from_string(raw)
+    assert moved == 2
+    assert {nd.output[0] for nd in model.graph.node if nd.domain == rows_kernel.DOMAIN} == {"moved", "moved_no_zp"}
+    assert any(o.domain == rows_kernel.DOMAIN for o in model.opset_import)
+    assert rows_kernel.rewritten(path) == raw
+    onnx.save(model_of([nodes[2]], [b, s]), str(path))
+    assert rows_kernel.rewritten(path) is None  # nothing to move: the graph is opened as it is
+
+
+def decode(be, slots, tokens, pasts):
+    n = len(slots)
+    return be.forward(StepBatch(slots=slots, input_ids=np.array(tokens, np.int64).reshape(n, 1),
+                                past_lengths=np.array(pasts, np.int64), new_lengths=np.ones(n, np.int64),
+                                logits_positions=np.zeros((n, 1), np.int64)))[:, 0]
+
+
+PROMPTS = [[1, 17, 42, 5, 99, 250, 3], [77, 8, 150, 61], [12, 200, 33, 90, 120, 7, 64, 31, 222], [5, 6]]
+
+
+def run_prompts(be):
+    for slot, ids in enumerate(PROMPTS):
+        be.reset_slot(slot)
+        be.forward(StepBatch.single(slot, ids[:-1], 0))
+    pasts = [len(p) - 1 for p in PROMPTS]
+    last = [p[-1] for p in PROMPTS]
+    batched = decode(be, [0, 1, 2, 3], last, pasts)
+    alone = [decode(be, [slot], [last[slot]], [pasts[slot]])[0] for slot in range(4)]
+    return batched, np.stack(alone)
+
+
+def test_the_backend_runs_4bit_steps_on_it_with_the_same_logits(library, tiny_bundles, monkeypatch):
+    bundle = open_bundle(tiny_bundles(variant="llama-gqa", quant="w4a16", group_size=32, max_seq_len=64))
+    opened = []
+    real = rows_kernel.rewrite
+    monkeypatch.setattr(rows_kernel, "rewrite", lambda g: opened.append(g.name) or real(g))
+    monkeypatch.setenv("LINESIDE_ORT_CACHE", "0")
+    monkeypatch.setenv(rows_kernel.ENV, "1")
+    fast = OnnxRuntimeBackend(bundle, num_slots=4)
+    assert "model.onnx" in opened
+    monkeypatch.setenv(rows_kernel.ENV, "0")
+    plain = OnnxRuntimeBackend(bundle, num_slots=4)
+    batched, alone = run_prompts(fast)
+    np.testing.assert_array_equal(batched, alone)  # rows independent through the whole model
+    ref_batched, _ = run_prompts(plain)
+    # Each node is within float rounding of onnxruntime's (test above), but a 1e-7 difference upstream can move an
+    # activation across an int8 rounding boundary downstream: one step of 1/127 of its block's largest value, so
+    # logits agree to the int8 rounding's own scale, not to float rounding.
+    assert float(np.abs(batched - ref_batched).max() / np.abs(ref_batched).max()) < 3e-2
+
+
+def test_the_graph_cache_keeps_each_kernel_choice_apart(library, tiny_bundles, tmp_path, monkeypatch):
+    import shutil
+
+    src = tiny_bundles(variant="llama-gqa", quant="w4a16", group_size=32, max_seq_len=64)
+    copy = tmp_path / "b"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.ort-opt.onnx"))
+    bundle = open_bundle(copy)
+    sources, caches = [], []
+    for env in ("1", "1", "0", "0", "1"):
+        monkeypatch.setenv(rows_kernel.ENV, env)
+        sources.append(OnnxRuntimeBackend(bundle, num_slots=2).session_source)
+        caches.append([p.name for p in (copy / "graphs" / "cpu").glob("model.onnx.*.ort-opt.onnx")])
+    # a cache made with the kernel is never loaded without it (nor the reverse): each choice optimizes its own
+    # (the newest replaces the other, as for any change of settings), and loads it while the choice holds
+    assert sources == ["saved", "cache", "saved", "cache", "saved"]
+    assert all(len(c) == 1 for c in caches) and caches[0] != caches[2] and caches[0] == caches[4]
+
+
+def fake_deb(header: bytes) -> bytes:
+    tar_bytes = io.BytesIO()
+    with tarfile.open(fileobj=tar_bytes, mode="w:xz") as tar:
+        info = tarfile.TarInfo(rows_kernel.HEADER_MEMBER)
+        info.size = len(header)
+        tar.addfile(info, io.BytesIO(header))
+    out = b"!<arch>\n"
+    for name, body in ((b"debian-binary", b"2.0\n"), (b"control.tar.xz", b"x"), (b"data.tar.xz", tar_bytes.getvalue())):
+        out += name.ljust(16) + b"0".ljust(12) + b"0".ljust(6) + b"0".ljust(6) + b"100644".ljust(8) + \
+            str(len(body)).encode().ljust(10) + b"`\n" + body + (b"\n" if len(body) % 2 else b"")
+    return out
+
+
+def test_the_header_comes_out_of_the_debian_package_and_a_wrong_one_is_refused(tmp_path, monkeypatch):
+    deb = fake_deb(b"/* header */\n")
+    assert rows_kernel._member(rows_kernel._deb_data(deb), rows_kernel.HEADER_MEMBER) == b"/* header */\n"
+    with pytest.raises(LinesideError, match="not a .deb"):
+        rows_kernel._deb_data(b"PK\x03\x04")
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(rows_kernel.urllib.request, "urlopen", lambda url, timeout: Response(deb))
+    with pytest.raises(LinesideError, match="sha256 mismatch") as e:
+        rows_kernel._header(tmp_path)
+    assert "\n" not in str(e.value) and str(tmp_path) in str(e.value)  # one line, saying where a header may go
+    assert not (tmp_path / "onnxruntime_c_api.h").exists()
+    monkeypatch.setattr(rows_kernel, "HEADER_SHA256", __import__("hashlib").sha256(deb).hexdigest())
+    assert rows_kernel._header(tmp_path).read_bytes() == b"/* header */\n"
+
+
+def test_build_and_main_say_why_not_in_one_line(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(rows_kernel, "host_ok", lambda: "this CPU lacks avx512_vnni")
+    assert rows_kernel.main() == 0  # onnxruntime's kernel serves: nothing for the user to do
+    assert capsys.readouterr().out.strip() == "rows kernel: not built, this CPU lacks avx512_vnni (onnxruntime's " \
+                                              "4-bit kernel serves)"
+    with pytest.raises(LinesideError, match="not for this host"):
+        rows_kernel.build()
+    monkeypatch.setattr(rows_kernel, "host_ok", lambda: None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(rows_kernel.shutil, "which", lambda name: None)
+    monkeypatch.setattr(rows_kernel, "_candidates", lambda: [tmp_path / "k" / "librows-x.so"])
+    assert rows_kernel.main() == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rows kernel: not built: no C compiler") and "\n" not in err
+
+
+def test_turned_off_or_unsupported_means_onnxruntime_kernel(monkeypatch):
+    monkeypatch.setenv(rows_kernel.ENV, "0")
+    assert rows_kernel.library() is None
+    monkeypatch.setenv(rows_kernel.ENV, "1")
+    monkeypatch.setattr(rows_kernel.platform, "machine", lambda: "aarch64")
+    rows_kernel._library_cached.cache_clear()
+    try:
+        assert rows_kernel.host_ok() == "it is written for x86-64 AVX-512 VNNI, not aarch64"
+        assert rows_kernel.library() is None
+    finally:
+        rows_kernel._library_cached.cache_clear()
