@@ -7,9 +7,10 @@ interleave 1 row and N rows, so both see the same machine. The ratio ``N * t(1) 
 tokens/s of N streams over one stream, whatever serves them.
 
     python benchmarks/decode_rows.py --bundle B [--threads 2] [--rows 8] [--prompt-tokens 12] [--steps 128]
-        [--rounds 5] [--int8]
+        [--rounds 5] [--int8] [--onnxruntime-kernel]
 
-``--int8`` also times the same steps with ``LINESIDE_DECODE_GRAPH=int8`` (every step on the bundle's int8 graph), in
+``--onnxruntime-kernel`` also times the 4-bit graph on onnxruntime's own MatMulNBits (``LINESIDE_ROWS_KERNEL=0``)
+in the same rounds: what the rows kernel (runtime/rows_kernel.py) gives. ``--int8`` also times the same steps with ``LINESIDE_DECODE_GRAPH=int8`` (every step on the bundle's int8 graph), in
 the same rounds: what that throughput mode costs one stream and gives eight.
 
 Timing only: no pass/fail.
@@ -30,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lineside.bundle import open_bundle  # noqa: E402
+from lineside.runtime import rows_kernel  # noqa: E402
 from lineside.runtime.backend import StepBatch  # noqa: E402
 from lineside.runtime.onnxruntime_backend import DECODE_GRAPH_ENV, OnnxRuntimeBackend  # noqa: E402
 
@@ -58,9 +60,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--int8", action="store_true", help="also time LINESIDE_DECODE_GRAPH=int8, interleaved")
+    ap.add_argument("--onnxruntime-kernel", action="store_true",
+                    help="also time the 4-bit graph on onnxruntime's own MatMulNBits (LINESIDE_ROWS_KERNEL=0), "
+                         "interleaved: what the rows kernel gives")
     a = ap.parse_args()
     bundle = open_bundle(a.bundle)
+    kernel = "rows kernel" if rows_kernel.library() is not None else "onnxruntime's kernel"
+    print(f"the default 4-bit graph runs on {kernel} ({rows_kernel.host_ok() or 'this CPU can run the rows kernel'})")
     graphs = {"4-bit": OnnxRuntimeBackend(bundle, num_slots=a.rows, threads=a.threads)}
+    if a.onnxruntime_kernel:
+        os.environ[rows_kernel.ENV] = "0"
+        graphs["4-bit onnxruntime kernel"] = OnnxRuntimeBackend(bundle, num_slots=a.rows, threads=a.threads)
+        del os.environ[rows_kernel.ENV]
     if a.int8:
         os.environ[DECODE_GRAPH_ENV] = "int8"
         graphs["int8"] = OnnxRuntimeBackend(bundle, num_slots=a.rows, threads=a.threads)

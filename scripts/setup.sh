@@ -41,7 +41,10 @@ STAMP="$STAMP_BASE${1:-}"
 # so a failure is one line, not a failed setup.
 build_kernel() {
   local out
-  out=$(.venv/bin/python -m lineside.runtime.rows_kernel 2>&1) || echo "setup: ${out#rows kernel: } (decode runs on onnxruntime's 4-bit kernel)" >&2
+  if ! out=$(.venv/bin/python -m lineside.runtime.rows_kernel 2>&1); then
+    out=${out##*$'\n'}  # its one line (the last, should anything else have printed)
+    echo "setup: rows kernel ${out#rows kernel: }; decode runs on onnxruntime's 4-bit kernel" >&2
+  fi
 }
 if { [ -f "$STAMP" ] || [ -f "$STAMP_BASE--dev" ]; } && .venv/bin/python -c "import lineside" 2>/dev/null; then
   build_kernel

