@@ -41,6 +41,16 @@ USER_FOLDER = "ort"  # under the per-user cache directory, for bundles that can'
 _DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
+KEEP_OTHERS = 2  # caches of one graph kept under other keys than the one just saved (each is kilobytes)
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 @dataclass(frozen=True)
 class GraphRewrite:
     """A custom-op library and what it does to a graph before onnxruntime sees it: ``apply(graph)`` returns the
@@ -74,8 +84,10 @@ class CachedGraph:
         return self.directory / f"{self.prefix}.{self.key}{SUFFIX}"
 
     def stale(self) -> list[Path]:
-        """Caches of the same graph under other keys (an older onnxruntime, other settings)."""
-        return [p for p in self.directory.glob(f"{self.prefix}.*{SUFFIX}") if p != self.path]
+        """Caches of the same graph under other keys (an older onnxruntime, other settings) past the newest
+        KEEP_OTHERS: a switch turned back and forth (LINESIDE_ROWS_KERNEL in an A/B run) finds its own cache."""
+        others = [p for p in self.directory.glob(f"{self.prefix}.*{SUFFIX}") if p != self.path]
+        return sorted(others, key=_mtime, reverse=True)[KEEP_OTHERS:]
 
 
 def cache_key(ort_version: str, graph_sha: str, settings: dict[str, str]) -> str:

@@ -239,6 +239,9 @@ def build(force: bool = False) -> Path:
             raise LinesideError(f"compiling the rows kernel failed ({first})")
         os.chmod(tmp, 0o755)
         os.replace(tmp, dest)
+        for old in dest.parent.glob("librows-*.so"):  # earlier sources' builds (a server running one keeps it open)
+            if old != dest:
+                old.unlink(missing_ok=True)
         _library_cached.cache_clear()
         return dest
     raise LinesideError(f"nowhere to put the rows kernel ({'; '.join(errors)})")

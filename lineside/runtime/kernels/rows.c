@@ -11,6 +11,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -367,6 +368,8 @@ static void ORT_API_CALL destroy_kernel(void *kernel) {
   free(op);
 }
 
+static unsigned long unnamed; /* dimensions named by infer_shape */
+
 static OrtStatus *ORT_API_CALL infer_shape(const OrtCustomOp *self, OrtShapeInferContext *ctx) {
   (void)self;
   int64_t n = 0, dims[8];
@@ -382,7 +385,17 @@ static OrtStatus *ORT_API_CALL infer_shape(const OrtCustomOp *self, OrtShapeInfe
   if (!st) st = api->GetDimensions(in, dims, rank);
   if (!st) st = api->GetSymbolicDimensions(in, names, rank);
   if (!st) st = api->CreateTensorTypeAndShapeInfo(&out);
+  /* an unknown dimension must stay unknown: one without a name would go out as the value -1, which a Shape ->
+     Reshape downstream reads as a second "-1" and refuses. So it gets a name of its own (unique: two such
+     dimensions elsewhere in the graph are not known to be equal). */
+  char own[8][32];
   if (!st) {
+    for (size_t i = 0; i + 1 < rank; i++)
+      if (dims[i] < 0 && (!names[i] || !names[i][0])) {
+        snprintf(own[i], sizeof(own[i]), "lineside_rows_%lu",
+                 (unsigned long)__atomic_add_fetch(&unnamed, 1, __ATOMIC_RELAXED));
+        names[i] = own[i];
+      }
     dims[rank - 1] = n;
     names[rank - 1] = "";
     st = api->SetTensorElementType(out, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
