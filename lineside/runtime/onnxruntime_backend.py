@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -195,8 +196,11 @@ class OnnxRuntimeBackend:
         # 4-bit MatMulNBits on the rows kernel where it is built (rows_kernel.py): several rows cost little more
         # than one. Part of the graph cache's key, so a cache made without it is not loaded with it, or back.
         rows_library = rows_kernel.library()
-        rewrite = GraphRewrite(rows_library, rows_kernel.rewritten) if rows_library is not None else None
-        cache_settings = config | ({"rows_kernel": rows_kernel.digest()} if rewrite is not None else {})
+        rewrite, cache_settings = None, dict(config)
+        if rows_library is not None:
+            kernel_isa = rows_kernel.isa(rows_library)  # AVX2 takes the 4-bit nodes only
+            rewrite = GraphRewrite(rows_library, partial(rows_kernel.rewritten, bits=rows_kernel.bits_for(kernel_isa)))
+            cache_settings["rows_kernel"] = f"{rows_kernel.digest()}-{kernel_isa}"
 
         def load(rel: str) -> tuple[Any, str]:
             try:

@@ -1,15 +1,17 @@
-"""The rows kernel (kernels/rows.c): 4-bit MatMulNBits that unpacks each weight tile once for all rows of a step.
+"""The rows kernel (kernels/rows.c): MatMulNBits that loads each weight tile once for all rows of a step.
 
 onnxruntime's own 4-bit kernel re-reads and re-scales every block per row, so 8 decode streams cost ~2.9x one;
 this one costs one row's weight traffic plus each row's dot products, with each row's result independent of the
 others. It is an onnxruntime custom-op library, compiled here (``python -m lineside.runtime.rows_kernel``, run by
 scripts/setup.sh) against onnxruntime's C API header from Debian's ``libonnxruntime-dev`` (pinned by sha256: no
-PyPI wheel ships the header). The cpu backend uses it on x86-64 CPUs with AVX-512 VNNI when it is built, and
-onnxruntime's kernel otherwise; ``LINESIDE_ROWS_KERNEL=0`` turns it off (an A/B switch).
+PyPI wheel ships the header). The cpu backend uses it on x86-64 CPUs with AVX-512 VNNI (4- and 8-bit nodes) or AVX2
+(4-bit nodes) when it is built, and onnxruntime's kernel otherwise; ``LINESIDE_ROWS_KERNEL=0`` turns it off (an A/B
+switch).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import logging
@@ -35,7 +37,7 @@ ENV = "LINESIDE_ROWS_KERNEL"  # "0": onnxruntime's MatMulNBits everywhere
 DOMAIN = "ai.lineside"
 SOURCE = Path(__file__).with_name("kernels") / "rows.c"
 BUILD_DIR = Path(__file__).with_name("kernels") / "build"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fPIC", "-shared")  # the instruction sets are per function (target attributes), chosen at run time
 # onnxruntime's C API header: Debian 13's libonnxruntime-dev (the API is append-only, so a 1.21 header serves
 # every onnxruntime lineside supports, 1.22 and newer). Should Debian replace the package, the error says where
 # to put the header instead.
@@ -60,14 +62,34 @@ def _candidates() -> list[Path]:
 
 
 def host_ok() -> str | None:
-    """Why this host cannot run the kernel (None: it can)."""
+    """Why this host cannot run the kernel (None: it can, on AVX-512 VNNI or on AVX2 + FMA)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"it is written for x86-64 AVX-512 VNNI, not {platform.machine()}"
+        return f"it is written for x86-64 (AVX-512 VNNI or AVX2), not {platform.machine()}"
     flags = _cpu_flags()
-    missing = [f for f in ("avx512f", "avx512bw", "avx512_vnni") if f not in flags]
+    missing = [f for f in ("avx2", "fma") if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     return None
+
+
+ISA_ENV = "LINESIDE_ROWS_ISA"  # "avx2": the AVX2 path on an AVX-512 CPU (tests, comparisons); read by the library
+
+
+@lru_cache(maxsize=4)
+def _isa_of(path: Path, forced: str) -> str:
+    del forced  # part of the cache key: the library reads the variable itself
+    code = ctypes.CDLL(str(path)).lineside_rows_isa()
+    return {3: "avx512", 2: "avx2"}.get(code, "none")
+
+
+def isa(path: Path) -> str:
+    """The instruction set the library at ``path`` runs in this process: "avx512" (4- and 8-bit nodes) or "avx2"
+    (4-bit nodes only: the 8-bit products would saturate in vpmaddubsw's 16-bit sums)."""
+    return _isa_of(path, os.environ.get(ISA_ENV, ""))
+
+
+def bits_for(kernel_isa: str) -> tuple[int, ...]:
+    return (4, 8) if kernel_isa == "avx512" else (4,)
 
 
 def _cpu_flags() -> set[str]:
@@ -108,7 +130,7 @@ def library() -> Path | None:
     return _library_cached(digest())
 
 
-def eligible(node: Any, initializers: dict[str, Any]) -> bool:
+def eligible(node: Any, initializers: dict[str, Any], bits: tuple[int, ...] = (4, 8)) -> bool:
     """Whether a graph node is a MatMulNBits the kernel computes as onnxruntime's does (to float rounding): 4 or 8 bits,
     accuracy level 4 (int8 activations per block), a block of 32..256, uint8 zero points or none, no g_idx, and
     weights, scales and zero points constant (the kernel repacks them once)."""
@@ -118,7 +140,7 @@ def eligible(node: Any, initializers: dict[str, Any]) -> bool:
         return False
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     block = attrs.get("block_size", 0)
-    if attrs.get("bits", 4) not in (4, 8) or attrs.get("accuracy_level", 0) != 4 or block < 32 or block % 32 or block > 256:
+    if attrs.get("bits", 4) not in bits or attrs.get("accuracy_level", 0) != 4 or block < 32 or block % 32 or block > 256:
         return False
     inputs = list(node.input)
     if len(inputs) > 4 and inputs[4]:
@@ -132,7 +154,7 @@ def eligible(node: Any, initializers: dict[str, Any]) -> bool:
     return True
 
 
-def rewrite(graph: Path) -> tuple[bytes, int]:
+def rewrite(graph: Path, bits: tuple[int, ...] = (4, 8)) -> tuple[bytes, int]:
     """``graph``'s model with every eligible MatMulNBits moved to the kernel's domain (same inputs and
     attributes), serialized; and how many nodes moved. Weights stay external (read from the graph's folder)."""
     import onnx
@@ -142,7 +164,7 @@ def rewrite(graph: Path) -> tuple[bytes, int]:
     inits = {t.name: t for t in model.graph.initializer}
     moved = 0
     for node in model.graph.node:
-        if eligible(node, inits):
+        if eligible(node, inits, bits):
             node.domain = DOMAIN
             moved += 1
     if moved and not any(o.domain == DOMAIN for o in model.opset_import):
@@ -150,9 +172,9 @@ def rewrite(graph: Path) -> tuple[bytes, int]:
     return model.SerializeToString(), moved
 
 
-def rewritten(graph: Path) -> bytes | None:
+def rewritten(graph: Path, bits: tuple[int, ...] = (4, 8)) -> bytes | None:
     """``rewrite`` for ort_cache: the rewritten model, or None when no node of ``graph`` is eligible."""
-    raw, moved = rewrite(graph)
+    raw, moved = rewrite(graph, bits)
     return raw if moved else None
 
 

@@ -66,8 +66,24 @@ SHAPES = [  # (K, N, block, zero points, bias, bits): the demo model's fused sha
     (576, 1000, 32, False, False, 8), (100, 33, 64, True, True, 8), (256, 64, 128, True, False, 8)]
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def kernel_isa(request, library, monkeypatch):
+    """Each path the library has: AVX-512 VNNI where the CPU has it, and AVX2 (forced by LINESIDE_ROWS_ISA)."""
+    if request.param == "avx2":
+        monkeypatch.setenv(rows_kernel.ISA_ENV, "avx2")
+    got = rows_kernel.isa(library)
+    if got != request.param:
+        pytest.skip(f"this CPU runs the rows kernel's {got} path, not {request.param}")
+    return got
+
+
 @pytest.mark.parametrize("k,n,block,zero_points,bias,bits", SHAPES)
-def test_matches_onnxruntime_and_rows_are_independent(library, k, n, block, zero_points, bias, bits):
+def test_matches_onnxruntime_and_rows_are_independent(library, kernel_isa, k, n, block, zero_points, bias, bits):
+    if bits not in rows_kernel.bits_for(kernel_isa):
+        with pytest.raises(Exception, match="only 4-bit weights on AVX2"):  # never moved there: rewrite's bits
+            session(matmul_graph(rows_kernel.DOMAIN, k, n, block, zero_points=zero_points, bias=bias, bits=bits),
+                    library).run(None, {"x": np.zeros((1, 1, k), np.float32)})
+        return
     ours = session(matmul_graph(rows_kernel.DOMAIN, k, n, block, zero_points=zero_points, bias=bias, bits=bits),
                    library)
     ref = session(matmul_graph("com.microsoft", k, n, block, zero_points=zero_points, bias=bias, bits=bits))
@@ -82,6 +98,19 @@ def test_matches_onnxruntime_and_rows_are_independent(library, k, n, block, zero
         assert float(np.abs(y - want).max() / scale.max()) < 1e-5
         alone = np.concatenate([ours.run(None, {"x": x[i:i + 1]})[0] for i in range(rows)])
         np.testing.assert_array_equal(alone, y)  # bit for bit: a stream's tokens never depend on its batch
+
+
+@pytest.mark.parametrize("k,n,block,zero_points,bias,bits", [c for c in SHAPES if c[-1] == 4])
+def test_avx2_and_avx512_agree_bit_for_bit(library, monkeypatch, k, n, block, zero_points, bias, bits):
+    """The same float operations per column on both paths: a bundle gives the same tokens on either CPU."""
+    if rows_kernel.isa(library) != "avx512":
+        pytest.skip("this CPU has no AVX-512 VNNI path to compare with")
+    model = matmul_graph(rows_kernel.DOMAIN, k, n, block, zero_points=zero_points, bias=bias, bits=bits)
+    wide = session(model, library)
+    monkeypatch.setenv(rows_kernel.ISA_ENV, "avx2")
+    narrow = session(model, library)
+    x = np.random.default_rng(2).standard_normal((11, 1, k)).astype(np.float32)
+    np.testing.assert_array_equal(narrow.run(None, {"x": x})[0], wide.run(None, {"x": x})[0])
 
 
 def test_empty_batch_and_other_ranks(library):
@@ -176,15 +205,16 @@ def run_prompts(be):
     return batched, np.stack(alone)
 
 
-def test_the_backend_runs_4bit_steps_on_it_with_the_same_logits(library, tiny_bundles, monkeypatch):
+def test_the_backend_runs_4bit_steps_on_it_with_the_same_logits(library, kernel_isa, tiny_bundles, monkeypatch):
     bundle = open_bundle(tiny_bundles(variant="llama-gqa", quant="w4a16", group_size=32, max_seq_len=64))
     opened = []
     real = rows_kernel.rewrite
-    monkeypatch.setattr(rows_kernel, "rewrite", lambda g: opened.append(g.name) or real(g))
+    monkeypatch.setattr(rows_kernel, "rewrite", lambda g, bits: opened.append((g.name, bits)) or real(g, bits))
     monkeypatch.setenv("LINESIDE_ORT_CACHE", "0")
     monkeypatch.setenv(rows_kernel.ENV, "1")
     fast = OnnxRuntimeBackend(bundle, num_slots=4)
-    assert "model.onnx" in opened
+    # the 8-bit LM head too on AVX-512; on AVX2 it stays onnxruntime's (its products would saturate there)
+    assert ("model.onnx", (4, 8) if kernel_isa == "avx512" else (4,)) in opened
     monkeypatch.setenv(rows_kernel.ENV, "0")
     plain = OnnxRuntimeBackend(bundle, num_slots=4)
     batched, alone = run_prompts(fast)
@@ -250,9 +280,9 @@ def test_the_header_comes_out_of_the_debian_package_and_a_wrong_one_is_refused(t
 
 
 def test_build_and_main_say_why_not_in_one_line(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(rows_kernel, "host_ok", lambda: "this CPU lacks avx512_vnni")
+    monkeypatch.setattr(rows_kernel, "host_ok", lambda: "this CPU lacks avx2, fma")
     assert rows_kernel.main() == 0  # onnxruntime's kernel serves: nothing for the user to do
-    assert capsys.readouterr().out.strip() == "rows kernel: not built, this CPU lacks avx512_vnni (onnxruntime's " \
+    assert capsys.readouterr().out.strip() == "rows kernel: not built, this CPU lacks avx2, fma (onnxruntime's " \
                                               "4-bit kernel serves)"
     with pytest.raises(LinesideError, match="not for this host"):
         rows_kernel.build()
@@ -272,7 +302,40 @@ def test_turned_off_or_unsupported_means_onnxruntime_kernel(monkeypatch):
     monkeypatch.setattr(rows_kernel.platform, "machine", lambda: "aarch64")
     rows_kernel._library_cached.cache_clear()
     try:
-        assert rows_kernel.host_ok() == "it is written for x86-64 AVX-512 VNNI, not aarch64"
+        assert rows_kernel.host_ok() == "it is written for x86-64 (AVX-512 VNNI or AVX2), not aarch64"
         assert rows_kernel.library() is None
     finally:
         rows_kernel._library_cached.cache_clear()
+
+
+def test_an_avx2_cpu_runs_the_avx2_path(library):
+    """qemu-user runs Python and onnxruntime as on a Haswell (AVX2 + FMA, no AVX-512): the library takes its AVX2
+    path there by itself (cpuid, not /proc/cpuinfo, which is the host's under qemu) and matches onnxruntime."""
+    import os
+    import platform
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if platform.machine() != "x86_64" or shutil.which("qemu-x86_64") is None:
+        pytest.skip("needs an x86_64 host and qemu-user (scripts/test.sh installs it)")
+    root = Path(__file__).resolve().parents[2]
+    code = f"""
+import numpy as np
+from pathlib import Path
+from lineside.runtime import rows_kernel
+from tests.runtime.test_rows_kernel import matmul_graph, session
+lib = Path({str(library)!r})
+print(rows_kernel.isa(lib))
+ours = session(matmul_graph(rows_kernel.DOMAIN, 100, 40, 32, zero_points=True, bias=True), lib)
+ref = session(matmul_graph("com.microsoft", 100, 40, 32, zero_points=True, bias=True))
+x = np.random.default_rng(1).standard_normal((5, 1, 100)).astype(np.float32)
+y, want = ours.run(None, {{"x": x}})[0], ref.run(None, {{"x": x}})[0]
+alone = np.concatenate([ours.run(None, {{"x": x[i:i + 1]}})[0] for i in range(5)])
+print(float(np.abs(y - want).max() / np.abs(want).max()) < 1e-5, bool((alone == y).all()))
+"""
+    run = subprocess.run(["qemu-x86_64", "-cpu", "Haswell", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["avx2", "True", "True"]

@@ -1,11 +1,13 @@
 /* lineside rows: onnxruntime custom op "ai.lineside:MatMulNBits", com.microsoft's 4- or 8-bit MatMulNBits of a
  * decode graph (block 32..256, optional uint8 zero points and bias; activations rounded to int8 per block as
- * accuracy level 4 does) computed so that each 16-column weight tile is loaded once for every row of a step.
+ * accuracy level 4 does) computed so that each weight tile (16 columns, 8 on AVX2) is loaded once for every row of
+ * a step.
  *
  * Why: onnxruntime's kernel re-reads and re-scales every 4-bit block per row, so 8 decode rows cost ~2.9x one;
- * here a row costs its dot products only (vpdpbusd on 16 columns at once), and each row's result does not depend
- * on the other rows (8 streams stay identical to sequential runs). Built by lineside/runtime/rows_kernel.py with
- * onnxruntime's C API header (Debian's libonnxruntime-dev); x86-64 with AVX-512 VNNI only, else never loaded.
+ * here a row costs its dot products only (vpdpbusd on 16 columns at once; on AVX2 vpmaddubsw + vpmaddwd on 8, 4-bit
+ * only: 8-bit products would saturate there), and each row's result does not depend on the other rows (8 streams
+ * stay identical to sequential runs). Both paths do the same float operations per column, so they agree bit for
+ * bit. Built by lineside/runtime/rows_kernel.py with onnxruntime's C API header (Debian's libonnxruntime-dev).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -18,20 +20,26 @@
 #include "onnxruntime_c_api.h"
 
 #define ROW_TILE 8
-#define GROUP 16                 /* columns per tile: one zmm of int32 / float32 lanes */
-#define SUB 32                   /* inputs per 256-byte code chunk: 8 dwords x 4 inputs */
+#define GROUP 16                 /* columns per tile on AVX-512: one zmm of int32 / float32 lanes (8 on AVX2) */
+#define SUB 32                   /* inputs per code chunk: 8 dwords x 4 inputs */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+enum { ISA_NONE = 0, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
 static const OrtApi *api;
+static int isa;                  /* what this process runs: lineside_rows_isa() */
 
 typedef struct {
   int64_t k, n, block, bits;     /* attributes */
+  int64_t width;                 /* columns per group: 16 (AVX-512) or 8 (AVX2) */
   int64_t blocks;                /* ceil(k / block) */
-  int64_t groups;                /* ceil(n / 16) */
+  int64_t groups;                /* ceil(n / width) */
   int64_t subs;                  /* block / 32 */
-  size_t code_bytes;             /* one (group, block)'s codes: subs * 256 (4 bits) or subs * 512 (8 bits) */
+  size_t code_bytes;             /* one (group, block)'s codes: subs * width * 16 (4 bits) or * 32 (8 bits) */
   uint8_t *packed;               /* codes [groups][blocks][code_bytes], then scales and zeros; 64-byte aligned */
-  float *scales;                 /* [groups][blocks][16] */
-  uint8_t *zeros;                /* [groups][blocks][16]: as many bytes per weight as onnxruntime's own layout */
+  float *scales;                 /* [groups][blocks][width] */
+  uint8_t *zeros;                /* [groups][blocks][width]: as many bytes per weight as onnxruntime's own layout */
   const void *packed_from;       /* the B buffer it was packed from */
   pthread_mutex_t lock;
 } RowsOp;
@@ -66,51 +74,51 @@ typedef struct {
   const float *scales;
 } PackWork;
 
-/* One column group's tiles (a task of onnxruntime's thread pool: the first run packs on every thread). */
+/* One column group's tiles (a task of onnxruntime's thread pool: the first run packs on every thread). A chunk of
+ * 32 inputs is 8 vectors W_j of `width` dwords, dword c holding column c's codes 4j..4j+3; 4-bit codes are stored two
+ * to a byte, W_2k in the low nibbles and W_2k+1 in the high ones. */
 static void pack_group(void *data, size_t group) {
   const PackWork *w = data;
   RowsOp *op = w->op;
   const uint8_t *b = w->b, *zp = w->zp;
   const float *scales = w->scales;
-  int64_t g = (int64_t)group;
+  int64_t g = (int64_t)group, width = op->width, vec = width * 4; /* bytes of one W_j */
   int64_t block_bytes = op->block * op->bits / 8;
   int64_t zp_bytes = op->bits == 4 ? (op->blocks + 1) / 2 : op->blocks; /* per column: 4-bit ones two to a byte */
-  {
-    for (int64_t blk = 0; blk < op->blocks; blk++) {
-      int64_t at = g * op->blocks + blk;
-      uint8_t *tile = op->packed + at * op->code_bytes;
-      float *s = op->scales + at * GROUP;
-      uint8_t *z = op->zeros + at * GROUP;
-      memset(tile, 0, op->code_bytes);
-      memset(s, 0, GROUP * sizeof(float));
-      memset(z, 0, GROUP);
-      for (int c = 0; c < GROUP; c++) {
-        int64_t n = g * GROUP + c;
-        if (n >= op->n) continue;
-        const uint8_t *src = b + (n * op->blocks + blk) * block_bytes;
-        if (op->bits == 8) { /* chunk[j*64 + c*4 + t] = code 4j+t of the 32 */
-          for (int64_t sub = 0; sub < op->subs; sub++, src += SUB)
-            for (int j = 0; j < 8; j++) memcpy(tile + sub * 512 + j * 64 + c * 4, src + 4 * j, 4);
-        } else { /* byte j of src: codes 2j (low), 2j+1 (high) */
-          for (int64_t sub = 0; sub < op->subs; sub++, src += SUB / 2) {
-            uint8_t *chunk = tile + sub * 256 + c * 4;
-            /* chunk[k*64 + t]: code 8k+t (low nibble) and code 8k+4+t (high): 8k+t is byte 4k+t/2 of src */
-            for (int k = 0; k < 4; k++)
-              for (int t = 0; t < 4; t++) {
-                uint8_t lo = src[4 * k + t / 2], hi = src[4 * k + 2 + t / 2];
-                lo = (t & 1) ? (lo >> 4) : (lo & 15);
-                hi = (t & 1) ? (hi >> 4) : (hi & 15);
-                chunk[k * 64 + t] = (uint8_t)(lo | (hi << 4));
-              }
-          }
+  for (int64_t blk = 0; blk < op->blocks; blk++) {
+    int64_t at = g * op->blocks + blk;
+    uint8_t *tile = op->packed + at * op->code_bytes;
+    float *s = op->scales + at * width;
+    uint8_t *z = op->zeros + at * width;
+    memset(tile, 0, op->code_bytes);
+    memset(s, 0, (size_t)width * sizeof(float));
+    memset(z, 0, (size_t)width);
+    for (int64_t c = 0; c < width; c++) {
+      int64_t n = g * width + c;
+      if (n >= op->n) continue;
+      const uint8_t *src = b + (n * op->blocks + blk) * block_bytes;
+      if (op->bits == 8) { /* chunk[j*vec + c*4 + t] = code 4j+t of the 32 */
+        for (int64_t sub = 0; sub < op->subs; sub++, src += SUB)
+          for (int j = 0; j < 8; j++) memcpy(tile + sub * 8 * vec + j * vec + c * 4, src + 4 * j, 4);
+      } else { /* byte j of src: codes 2j (low), 2j+1 (high) */
+        for (int64_t sub = 0; sub < op->subs; sub++, src += SUB / 2) {
+          uint8_t *chunk = tile + sub * 4 * vec + c * 4;
+          /* chunk[k*vec + t]: code 8k+t (low nibble) and code 8k+4+t (high): 8k+t is byte 4k+t/2 of src */
+          for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) {
+              uint8_t lo = src[4 * k + t / 2], hi = src[4 * k + 2 + t / 2];
+              lo = (t & 1) ? (lo >> 4) : (lo & 15);
+              hi = (t & 1) ? (hi >> 4) : (hi & 15);
+              chunk[k * vec + t] = (uint8_t)(lo | (hi << 4));
+            }
         }
-        s[c] = scales[n * op->blocks + blk];
-        if (op->bits == 8) {
-          z[c] = zp ? zp[n * zp_bytes + blk] : 128;
-        } else {
-          uint8_t zb = zp ? zp[n * zp_bytes + blk / 2] : 0x88;
-          z[c] = (uint8_t)((blk & 1) ? (zb >> 4) : (zb & 15));
-        }
+      }
+      s[c] = scales[n * op->blocks + blk];
+      if (op->bits == 8) {
+        z[c] = zp ? zp[n * zp_bytes + blk] : 128;
+      } else {
+        uint8_t zb = zp ? zp[n * zp_bytes + blk / 2] : 0x88;
+        z[c] = (uint8_t)((blk & 1) ? (zb >> 4) : (zb & 15));
       }
     }
   }
@@ -118,18 +126,27 @@ static void pack_group(void *data, size_t group) {
 
 /* ---- activations: each block of each row rounded to int8 with step amax/127 ---- */
 
-static inline __mmask16 take(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-}
-
-static int round_rows(const float *x, int64_t rows, const RowsOp *op, Acts *a) {
+static int alloc_acts(int64_t rows, const RowsOp *op, Acts *a) {
   a->rows = rows;
   a->stride = op->blocks * op->block;
   a->q = aligned_alloc(64, (size_t)((rows * a->stride + 63) / 64 * 64));
   a->scale = malloc(sizeof(float) * (size_t)(rows * op->blocks));
   a->zsum = malloc(sizeof(float) * (size_t)(rows * op->blocks));
-  if (!a->q || !a->scale || !a->zsum) return 0;
-  for (int64_t r = 0; r < rows; r++) {
+  return a->q && a->scale && a->zsum;
+}
+
+static void free_acts(Acts *a) {
+  free(a->q);
+  free(a->scale);
+  free(a->zsum);
+}
+
+static inline AVX512 __mmask16 take(int64_t left) {
+  return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+static AVX512 void round_rows_avx512(const float *x, const RowsOp *op, Acts *a) {
+  for (int64_t r = 0; r < a->rows; r++) {
     const float *xr = x + r * op->k;
     for (int64_t blk = 0; blk < op->blocks; blk++) {
       int64_t lo = blk * op->block;
@@ -151,20 +168,62 @@ static int round_rows(const float *x, int64_t rows, const RowsOp *op, Acts *a) {
       a->zsum[r * op->blocks + blk] = step * (float)_mm512_reduce_add_epi32(sum);
     }
   }
-  return 1;
 }
 
-static void free_acts(Acts *a) {
-  free(a->q);
-  free(a->scale);
-  free(a->zsum);
+/* AVX2: the same rounding (cvtps_epi32 rounds to nearest even, as above), 8 lanes at a time. */
+static AVX2 void round_rows_avx2(const float *x, const RowsOp *op, Acts *a) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < a->rows; r++) {
+    const float *xr = x + r * op->k;
+    for (int64_t blk = 0; blk < op->blocks; blk++) {
+      int64_t lo = blk * op->block;
+      float part[8] __attribute__((aligned(32)));
+      __m256 m = _mm256_setzero_ps();
+      for (int64_t i = lo; i < lo + op->block; i += 8) {
+        __m256 v;
+        if (i + 8 <= op->k) {
+          v = _mm256_loadu_ps(xr + i);
+        } else {
+          for (int t = 0; t < 8; t++) part[t] = i + t < op->k ? xr[i + t] : 0.f;
+          v = _mm256_load_ps(part);
+        }
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+      }
+      float lanes[8] __attribute__((aligned(32)));
+      _mm256_store_ps(lanes, m);
+      float amax = 0.f;
+      for (int t = 0; t < 8; t++) amax = lanes[t] > amax ? lanes[t] : amax;
+      float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m256 vinv = _mm256_set1_ps(inv);
+      int32_t sum = 0, codes[8] __attribute__((aligned(32)));
+      int8_t *q = a->q + r * a->stride + lo;
+      for (int64_t i = lo; i < lo + op->block; i += 8) {
+        __m256 v;
+        if (i + 8 <= op->k) {
+          v = _mm256_loadu_ps(xr + i);
+        } else {
+          for (int t = 0; t < 8; t++) part[t] = i + t < op->k ? xr[i + t] : 0.f;
+          v = _mm256_load_ps(part);
+        }
+        __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v, vinv));
+        c = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        _mm256_store_si256((__m256i *)codes, c);
+        for (int t = 0; t < 8; t++) {
+          q[i - lo + t] = (int8_t)codes[t];
+          sum += codes[t];
+        }
+      }
+      a->scale[r * op->blocks + blk] = step;
+      a->zsum[r * op->blocks + blk] = step * (float)sum;
+    }
+  }
 }
 
-/* ---- the product: one 16-column group for up to ROW_TILE rows ---- */
+/* ---- the product: one column group for up to ROW_TILE rows ---- */
 
-static inline __attribute__((always_inline)) void group_rows(const RowsOp *op, const Acts *a, int64_t g, int64_t r0,
-                                                             const int rows, const int bits, const float *bias,
-                                                             float *y) {
+static inline __attribute__((always_inline)) AVX512 void group_rows(const RowsOp *op, const Acts *a, int64_t g,
+                                                                    int64_t r0, const int rows, const int bits,
+                                                                    const float *bias, float *y) {
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[ROW_TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
@@ -215,6 +274,59 @@ static inline __attribute__((always_inline)) void group_rows(const RowsOp *op, c
     _mm512_mask_storeu_ps(y + (r0 + r) * op->n + c0, mask, _mm512_add_ps(acc[r], b));
 }
 
+/* AVX2, 4-bit only: 8 columns a group; u8 x s8 pairs added in 16 bits by vpmaddubsw (at most 2*15*127 = 3810: no
+ * saturation for 4-bit codes) and then in 32 bits by vpmaddwd. */
+static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const RowsOp *op, const Acts *a, int64_t g,
+                                                                       int64_t r0, const int rows, const float *bias,
+                                                                       float *y) {
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[ROW_TILE];
+  for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+  const uint8_t *tile = op->packed + g * op->blocks * op->code_bytes;
+  const float *sp = op->scales + g * op->blocks * 8;
+  const uint8_t *zp = op->zeros + g * op->blocks * 8;
+  for (int64_t blk = 0; blk < op->blocks; blk++, tile += op->code_bytes, sp += 8, zp += 8) {
+    __m256i dot[ROW_TILE][2];
+    for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t sub = 0; sub < op->subs; sub++) {
+      const __m256i *chunk = (const __m256i *)(tile + sub * 128);
+      __m256i w[8];
+      for (int k = 0; k < 4; k++) {
+        __m256i p = _mm256_load_si256(chunk + k);
+        w[2 * k] = _mm256_and_si256(p, low);
+        w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      }
+      for (int r = 0; r < rows; r++) {
+        const int32_t *q = (const int32_t *)(a->q + (r0 + r) * a->stride + blk * op->block + sub * SUB);
+        for (int j = 0; j < 8; j++) {
+          __m256i pairs = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(q[j]));
+          dot[r][j & 1] = _mm256_add_epi32(dot[r][j & 1], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    __m256 s = _mm256_load_ps(sp);
+    __m256 sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)zp))));
+    for (int r = 0; r < rows; r++) {
+      int64_t at = (r0 + r) * op->blocks + blk;
+      __m256i d = _mm256_add_epi32(dot[r][0], dot[r][1]);
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(a->scale[at]));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_fmsub_ps(s, t, _mm256_mul_ps(sz, _mm256_set1_ps(a->zsum[at]))));
+    }
+  }
+  int64_t c0 = g * 8, left = op->n - c0;
+  float b[8] = {0}, out[8];
+  for (int c = 0; c < 8 && c < left; c++) b[c] = bias ? bias[c0 + c] : 0.f;
+  __m256 vb = _mm256_loadu_ps(b);
+  for (int r = 0; r < rows; r++) {
+    if (left >= 8) {
+      _mm256_storeu_ps(y + (r0 + r) * op->n + c0, _mm256_add_ps(acc[r], vb));
+    } else {
+      _mm256_storeu_ps(out, _mm256_add_ps(acc[r], vb));
+      memcpy(y + (r0 + r) * op->n + c0, out, sizeof(float) * (size_t)left);
+    }
+  }
+}
+
 #define ROWS_CASE(n)                                 \
   case n:                                            \
     if (op->bits == 8)                               \
@@ -223,7 +335,7 @@ static inline __attribute__((always_inline)) void group_rows(const RowsOp *op, c
       group_rows(op, a, g, r0, n, 4, bias, y);       \
     break;
 
-static void group_all_rows(const RowsOp *op, const Acts *a, int64_t g, const float *bias, float *y) {
+static AVX512 void group_all_rows_avx512(const RowsOp *op, const Acts *a, int64_t g, const float *bias, float *y) {
   for (int64_t r0 = 0; r0 < a->rows; r0 += ROW_TILE) {
     switch (a->rows - r0 >= ROW_TILE ? ROW_TILE : a->rows - r0) {
       ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
@@ -232,11 +344,30 @@ static void group_all_rows(const RowsOp *op, const Acts *a, int64_t g, const flo
   }
 }
 
+#define ROWS_CASE2(n) \
+  case n:             \
+    group_rows_avx2(op, a, g, r0, n, bias, y); \
+    break;
+
+static AVX2 void group_all_rows_avx2(const RowsOp *op, const Acts *a, int64_t g, const float *bias, float *y) {
+  for (int64_t r0 = 0; r0 < a->rows; r0 += ROW_TILE) {
+    switch (a->rows - r0 >= ROW_TILE ? ROW_TILE : a->rows - r0) {
+      ROWS_CASE2(1) ROWS_CASE2(2) ROWS_CASE2(3) ROWS_CASE2(4) ROWS_CASE2(5) ROWS_CASE2(6) ROWS_CASE2(7)
+      default: ROWS_CASE2(8)
+    }
+  }
+}
+
 static void run_task(void *data, size_t task) {
   const Work *w = data;
   int64_t g0 = (int64_t)task * w->groups_per_task, g1 = g0 + w->groups_per_task;
   if (g1 > w->op->groups) g1 = w->op->groups;
-  for (int64_t g = g0; g < g1; g++) group_all_rows(w->op, w->acts, g, w->bias, w->y);
+  for (int64_t g = g0; g < g1; g++) {
+    if (w->op->width == GROUP)
+      group_all_rows_avx512(w->op, w->acts, g, w->bias, w->y);
+    else
+      group_all_rows_avx2(w->op, w->acts, g, w->bias, w->y);
+  }
 }
 
 /* ---- onnxruntime glue ---- */
@@ -251,20 +382,31 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtA
                                              void **out) {
   (void)self;
   (void)ort;
-  int64_t accuracy = 0;
+  int64_t k = 0, n = 0, bits = 0, block = 0, accuracy = 0;
+  CHECK(api->KernelInfoGetAttribute_int64(info, "K", &k));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "N", &n));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "bits", &bits));
+  CHECK(api->KernelInfoGetAttribute_int64(info, "block_size", &block));
+  OrtStatus *none = api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy);
+  if (none) {
+    api->ReleaseStatus(none);
+    accuracy = 0;
+  }
+  int wide = isa == ISA_AVX512;
+  if ((bits != 4 && !(bits == 8 && wide)) || block < SUB || block % SUB || accuracy != 4 || k <= 0 || n <= 0)
+    return fail(wide ? "lineside rows: only 4- or 8-bit weights, block a multiple of 32, accuracy level 4"
+                     : "lineside rows: only 4-bit weights on AVX2, block a multiple of 32, accuracy level 4");
   RowsOp *op = calloc(1, sizeof(RowsOp));
   if (!op) return fail("lineside rows: out of memory");
-  CHECK(api->KernelInfoGetAttribute_int64(info, "K", &op->k));
-  CHECK(api->KernelInfoGetAttribute_int64(info, "N", &op->n));
-  CHECK(api->KernelInfoGetAttribute_int64(info, "bits", &op->bits));
-  CHECK(api->KernelInfoGetAttribute_int64(info, "block_size", &op->block));
-  if (api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy)) accuracy = 0;
-  if ((op->bits != 4 && op->bits != 8) || op->block < SUB || op->block % SUB || accuracy != 4 || op->k <= 0 || op->n <= 0)
-    return fail("lineside rows: only 4- or 8-bit weights, block a multiple of 32, accuracy level 4");
-  op->blocks = (op->k + op->block - 1) / op->block;
-  op->groups = (op->n + GROUP - 1) / GROUP;
-  op->subs = op->block / SUB;
-  op->code_bytes = (size_t)op->subs * (op->bits == 4 ? 256 : 512);
+  op->k = k;
+  op->n = n;
+  op->bits = bits;
+  op->block = block;
+  op->width = wide ? GROUP : 8;
+  op->blocks = (k + block - 1) / block;
+  op->groups = (n + op->width - 1) / op->width;
+  op->subs = block / SUB;
+  op->code_bytes = (size_t)(op->subs * op->width * (bits == 4 ? 16 : 32));
   pthread_mutex_init(&op->lock, NULL);
   *out = op;
   return NULL;
@@ -281,13 +423,14 @@ static OrtStatus *ensure_packed(RowsOp *op, OrtKernelContext *ctx, const OrtValu
     free(op->packed);
     op->packed_from = NULL; /* until the new copy is whole */
     size_t tiles = (size_t)(op->groups * op->blocks);
-    op->packed = aligned_alloc(64, (tiles * (op->code_bytes + GROUP * sizeof(float) + GROUP) + 63) / 64 * 64);
+    size_t width = (size_t)op->width;
+    op->packed = aligned_alloc(64, (tiles * (op->code_bytes + width * sizeof(float) + width) + 63) / 64 * 64);
     if (!op->packed) {
       pthread_mutex_unlock(&op->lock);
       return fail("lineside rows: out of memory packing weights");
     }
     op->scales = (float *)(op->packed + tiles * op->code_bytes);
-    op->zeros = (uint8_t *)(op->scales + tiles * GROUP);
+    op->zeros = (uint8_t *)(op->scales + tiles * width);
     PackWork work = {op, bdata, zdata, sdata};
     OrtStatus *st = api->KernelContext_ParallelFor(ctx, pack_group, (size_t)op->groups, 0, &work);
     if (st) {
@@ -346,10 +489,14 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (bias) CHECK(data_of(bias, (const void **)&bd));
 
   Acts acts;
-  if (!round_rows(xd, rows, op, &acts)) {
+  if (!alloc_acts(rows, op, &acts)) {
     free_acts(&acts);
     return fail("lineside rows: out of memory");
   }
+  if (op->width == GROUP)
+    round_rows_avx512(xd, op, &acts);
+  else
+    round_rows_avx2(xd, op, &acts);
   Work work = {op, &acts, bd, y, 0};
   /* tasks of ~64 KiB of packed weights: few enough to keep onnxruntime's dispatch cheap, enough to balance */
   int64_t per = (int64_t)(65536 / ((size_t)op->blocks * op->code_bytes));
@@ -450,17 +597,23 @@ static int ORT_API_CALL end_version(const OrtCustomOp *self) { (void)self; retur
 static OrtCustomOp rows_op;
 static OrtCustomOpDomain *domain;
 
-/* Whether this CPU runs the kernel: AVX-512 F/BW/VNNI (the loader also asks before registering). */
-int lineside_rows_supported(void) {
+/* What this process runs: 3 AVX-512 VNNI (4- and 8-bit), 2 AVX2 + FMA (4-bit only), 0 neither. LINESIDE_ROWS_ISA=avx2
+   takes the AVX2 path on an AVX-512 CPU (to test it, or compare). rows_kernel.py asks the same before rewriting. */
+int lineside_rows_isa(void) {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
+  const char *forced = getenv("LINESIDE_ROWS_ISA");
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
+  if (avx512 && !(forced && strcmp(forced, "avx2") == 0)) return ISA_AVX512;
+  return avx2 ? ISA_AVX2 : ISA_NONE;
 }
 
 OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   api = base->GetApi(ORT_API_VERSION);
   if (!api) return NULL; /* cannot even report: onnxruntime older than the header; its own load error follows */
-  if (!lineside_rows_supported()) return api->CreateStatus(ORT_FAIL, "lineside rows: this CPU has no AVX-512 VNNI");
+  isa = lineside_rows_isa();
+  if (isa == ISA_NONE) return api->CreateStatus(ORT_FAIL, "lineside rows: this CPU has neither AVX-512 VNNI nor AVX2");
   if (domain) return api->AddCustomOpDomain(options, domain); /* one op and domain, shared by every session */
   rows_op.version = ORT_API_VERSION;
   rows_op.GetName = op_name;
