@@ -275,7 +275,7 @@ static inline __attribute__((always_inline)) AVX512 void group_rows(const RowsOp
 }
 
 /* AVX2, 4-bit only: 8 columns a group; u8 x s8 pairs added in 16 bits by vpmaddubsw (at most 2*15*127 = 3810: no
- * saturation for 4-bit codes) and then in 32 bits by vpmaddwd. */
+ * saturation for 4-bit codes), a chunk's 8 of them in 16 bits too, and then in 32 bits by vpmaddwd. */
 static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const RowsOp *op, const Acts *a, int64_t g,
                                                                        int64_t r0, const int rows, const float *bias,
                                                                        float *y) {
@@ -298,10 +298,14 @@ static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const Row
       }
       for (int r = 0; r < rows; r++) {
         const int32_t *q = (const int32_t *)(a->q + (r0 + r) * a->stride + blk * op->block + sub * SUB);
-        for (int j = 0; j < 8; j++) {
-          __m256i pairs = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(q[j]));
-          dot[r][j & 1] = _mm256_add_epi32(dot[r][j & 1], _mm256_madd_epi16(pairs, ones));
+        /* the 8 pair sums of a column add up in 16 bits (at most 8 * 3810 = 30480), then widen once */
+        __m256i even = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(q[0]));
+        __m256i odd = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(q[1]));
+        for (int j = 2; j < 8; j += 2) {
+          even = _mm256_add_epi16(even, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(q[j])));
+          odd = _mm256_add_epi16(odd, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(q[j + 1])));
         }
+        dot[r][sub & 1] = _mm256_add_epi32(dot[r][sub & 1], _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones));
       }
     }
     __m256 s = _mm256_load_ps(sp);
