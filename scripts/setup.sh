@@ -37,7 +37,7 @@ fi
 STAMP_BASE=".venv/.lineside-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 STAMP="$STAMP_BASE${1:-}"
 # The rows kernel (lineside/runtime/rows_kernel.py): compiled for this CPU once per kernel source; where it can't be
-# (no C compiler, no network for onnxruntime's header, not x86 AVX-512 VNNI) decode runs on onnxruntime's own kernel,
+# (no C compiler, no network for onnxruntime's header, not x86-64 with AVX2) decode runs on onnxruntime's own kernel,
 # so a failure is one line, not a failed setup.
 build_kernel() {
   local out

@@ -197,16 +197,24 @@ class OnnxRuntimeBackend:
         # than one. Part of the graph cache's key, so a cache made without it is not loaded with it, or back.
         rows_library = rows_kernel.library()
         rewrite, cache_settings = None, dict(config)
-        if rows_library is not None:
-            kernel_isa = rows_kernel.isa(rows_library)  # AVX2 takes the 4-bit nodes only
+        kernel_isa = rows_kernel.isa(rows_library) if rows_library is not None else "none"
+        if rows_library is not None and kernel_isa != "none":  # AVX2 takes the 4-bit nodes only
             rewrite = GraphRewrite(rows_library, partial(rows_kernel.rewritten, bits=rows_kernel.bits_for(kernel_isa)))
-            cache_settings["rows_kernel"] = f"{rows_kernel.digest()}-{kernel_isa}"
+            cache_settings["rows_kernel"] = f"{rows_kernel.digest()}-{rows_kernel.RULES}-{kernel_isa}"
 
         def load(rel: str) -> tuple[Any, str]:
+            sha = _graph_files_sha(bundle, rel)
+            if rewrite is not None:
+                try:
+                    return open_session(ort, bundle.file(rel), sha, options, cache_settings,
+                                        providers=["CPUExecutionProvider"], rewrite=rewrite)
+                except Exception as e:  # noqa: BLE001 - the graph as it is decides whether it is a bad graph
+                    log.warning("the rows kernel could not run %s (%s); onnxruntime's own kernel runs it (%s=0 "
+                                "skips the kernel)", rel, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                                rows_kernel.ENV)
             try:
                 # The optimized graph is cached beside the bundle's (ort_cache): later starts skip the optimizer.
-                return open_session(ort, bundle.file(rel), _graph_files_sha(bundle, rel), options, cache_settings,
-                                    providers=["CPUExecutionProvider"], rewrite=rewrite)
+                return open_session(ort, bundle.file(rel), sha, options, config, providers=["CPUExecutionProvider"])
             except Exception as e:  # onnxruntime raises its own exception types for bad graphs
                 raise LinesideError(f"onnxruntime could not load {rel}: {str(e).splitlines()[0]}") from None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import http.client
 import io
 import logging
 import os
@@ -45,6 +46,11 @@ HEADER_DEB = "libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb"
 HEADER_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
 HEADER_URLS = (f"http://deb.debian.org/debian/pool/main/o/onnxruntime/{HEADER_DEB}",)
 HEADER_MEMBER = "./usr/include/onnxruntime/onnxruntime_c_api.h"
+
+
+# What moves a node to the kernel (this module's text): in the graph cache's key beside the kernel's digest, so a
+# cache rewritten by other rules is not loaded.
+RULES = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
 
 
 def digest() -> str:
@@ -124,32 +130,56 @@ def _library_cached(key: str) -> Path | None:
 
 
 def library() -> Path | None:
-    """The built library for this host, or None (not x86 AVX-512 VNNI, not built, or turned off by ``ENV``)."""
+    """The built library for this host, or None (not x86-64 with AVX2, not built, or turned off by ``ENV``)."""
     if os.environ.get(ENV, "1").strip() == "0":
         return None
     return _library_cached(digest())
 
 
-def eligible(node: Any, initializers: dict[str, Any], bits: tuple[int, ...] = (4, 8)) -> bool:
+def _numel(t: Any) -> int:
+    n = 1
+    for d in t.dims:
+        n *= int(d)
+    return n
+
+
+def eligible(node: Any, initializers: dict[str, Any], bits: tuple[int, ...] = (4, 8),
+             overridable: frozenset[str] = frozenset()) -> bool:
     """Whether a graph node is a MatMulNBits the kernel computes as onnxruntime's does (to float rounding): 4 or 8 bits,
-    accuracy level 4 (int8 activations per block), a block of 32..256, uint8 zero points or none, no g_idx, and
-    weights, scales and zero points constant (the kernel repacks them once)."""
+    accuracy level 4 (int8 activations per block), a block of 32..256, float32 (not fp16/bf16), uint8 zero points or
+    none, no g_idx, not prepacked, and weights, scales, zero points and bias constant initializers of exactly the
+    sizes K, N and the block say (the kernel reads that many bytes and repacks them once); ``overridable``: names
+    that are also graph inputs, which a run may replace."""
     from onnx import TensorProto, helper
 
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
         return False
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    block = attrs.get("block_size", 0)
-    if attrs.get("bits", 4) not in bits or attrs.get("accuracy_level", 0) != 4 or block < 32 or block % 32 or block > 256:
+    k, n, block, nbits = attrs.get("K", 0), attrs.get("N", 0), attrs.get("block_size", 0), attrs.get("bits", 4)
+    if nbits not in bits or attrs.get("accuracy_level", 0) != 4 or block < 32 or block % 32 or block > 256:
         return False
-    inputs = list(node.input)
-    if len(inputs) > 4 and inputs[4]:
+    if k <= 0 or n <= 0 or attrs.get("weight_prepacked", 0):
         return False
-    if any(name not in initializers for name in inputs[1:3]):
+    inputs = list(node.input) + [""] * 6
+    b_name, s_name, zp_name, g_idx, bias_name = inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]
+    if g_idx:
         return False
-    if len(inputs) > 3 and inputs[3]:
-        zp = initializers.get(inputs[3])
-        if zp is None or zp.data_type != TensorProto.UINT8:
+    used = [name for name in (b_name, s_name, zp_name, bias_name) if name]
+    if any(name not in initializers or name in overridable for name in used):
+        return False
+    blocks = -(-k // block)
+    b, scales = initializers[b_name], initializers[s_name]
+    if b.data_type != TensorProto.UINT8 or list(b.dims) != [n, blocks, block * nbits // 8]:
+        return False
+    if scales.data_type != TensorProto.FLOAT or _numel(scales) != n * blocks:
+        return False
+    if zp_name:
+        zp = initializers[zp_name]
+        if zp.data_type != TensorProto.UINT8 or _numel(zp) != n * -(-blocks * nbits // 8):
+            return False
+    if bias_name:
+        bias = initializers[bias_name]
+        if bias.data_type != TensorProto.FLOAT or _numel(bias) != n:
             return False
     return True
 
@@ -162,9 +192,10 @@ def rewrite(graph: Path, bits: tuple[int, ...] = (4, 8)) -> tuple[bytes, int]:
 
     model = onnx.load(str(graph), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
+    overridable = frozenset(i.name for i in model.graph.input)
     moved = 0
     for node in model.graph.node:
-        if eligible(node, inits, bits):
+        if eligible(node, inits, bits, overridable):
             node.domain = DOMAIN
             moved += 1
     if moved and not any(o.domain == DOMAIN for o in model.opset_import):
@@ -190,10 +221,10 @@ def _header(into: Path) -> Path:
     errors = []
     for url in HEADER_URLS:
         try:
-            with urllib.request.urlopen(url, timeout=60) as r:  # noqa: S310 - pinned http(s) URLs, sha256-checked
+            with urllib.request.urlopen(url, timeout=20) as r:  # noqa: S310 - pinned http(s) URLs, sha256-checked
                 data = r.read()
-        except OSError as e:
-            errors.append(f"{url}: {e}")
+        except (OSError, http.client.HTTPException) as e:  # an unreachable host, or a download cut short
+            errors.append(f"{url}: {e or type(e).__name__}")
             continue
         if hashlib.sha256(data).hexdigest() != HEADER_SHA256:
             errors.append(f"{url}: sha256 mismatch")
@@ -203,7 +234,9 @@ def _header(into: Path) -> Path:
     if deb is None:
         raise LinesideError(f"could not fetch onnxruntime's C API header ({'; '.join(errors)}): check the network "
                             f"or put onnxruntime_c_api.h in {into}")
-    dest.write_bytes(_member(_deb_data(deb), HEADER_MEMBER))
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(_member(_deb_data(deb), HEADER_MEMBER))
+    os.replace(tmp, dest)  # whole or not there: a cut-short header would fail every later build
     return dest
 
 
@@ -261,9 +294,10 @@ def build(force: bool = False) -> Path:
             raise LinesideError(f"compiling the rows kernel failed ({first})")
         os.chmod(tmp, 0o755)
         os.replace(tmp, dest)
-        for old in dest.parent.glob("librows-*.so"):  # earlier sources' builds (a server running one keeps it open)
-            if old != dest:
-                old.unlink(missing_ok=True)
+        if dest.parent == BUILD_DIR:  # this checkout's earlier builds (a server running one keeps it open); the
+            for old in dest.parent.glob("librows-*.so"):  # per-user cache is shared with other checkouts: kept
+                if old != dest:
+                    old.unlink(missing_ok=True)
         _library_cached.cache_clear()
         return dest
     raise LinesideError(f"nowhere to put the rows kernel ({'; '.join(errors)})")

@@ -113,6 +113,50 @@ def test_avx2_and_avx512_agree_bit_for_bit(library, monkeypatch, k, n, block, ze
     np.testing.assert_array_equal(narrow.run(None, {"x": x})[0], wide.run(None, {"x": x})[0])
 
 
+def test_inputs_of_other_sizes_are_an_error_not_a_read_past_their_end(library):
+    """The kernel reads as many bytes as K, N and the block say: a B, scales, zero points or bias of another size
+    (a graph made by hand, a truncated initializer) is refused in one line at the run."""
+    rng = np.random.default_rng(0)
+
+    def graph(b_shape, s_count, zp_count=None, bias_count=None, **attrs):
+        inits = [numpy_helper.from_array(rng.integers(0, 256, b_shape, dtype=np.uint8), "B"),
+                 numpy_helper.from_array(np.ones(s_count, np.float32), "S")]
+        inputs = ["x", "B", "S"]
+        if zp_count is not None:
+            inits.append(numpy_helper.from_array(np.zeros(zp_count, np.uint8), "Z"))
+            inputs.append("Z")
+        if bias_count is not None:
+            inits.append(numpy_helper.from_array(np.zeros(bias_count, np.float32), "bias"))
+            inputs += [""] * (5 - len(inputs)) + ["bias"]
+        node = helper.make_node("MatMulNBits", inputs, ["y"], domain=rows_kernel.DOMAIN,
+                                **{"K": 64, "N": 32, "block_size": 32, "accuracy_level": 4, **attrs})
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid(rows_kernel.DOMAIN, 1)]).SerializeToString()
+
+    x = {"x": np.ones((1, 64), np.float32)}
+    assert session(graph((32, 2, 16), 64), library).run(None, x)[0].shape == (1, 32)  # no bits attribute: 4
+    for bad, name in [(graph((32, 1, 16), 64), "B"), (graph((32, 2, 16), 63), "scales"),
+                      (graph((32, 2, 16), 64, zp_count=31), "zero_points"),
+                      (graph((32, 2, 16), 64, bias_count=33), "bias"), (graph((0, 2, 16), 0), "B")]:
+        with pytest.raises(Exception, match=f"lineside rows: {name} holds"):
+            session(bad, library).run(None, x)
+
+
+def test_a_graph_the_kernel_cannot_take_runs_on_onnxruntimes_kernel(library, tiny_bundles, monkeypatch, caplog):
+    """Whatever makes a rewritten graph fail to load (a node the rules let through by mistake, an onnxruntime the
+    library cannot register with), the bundle still opens, on onnxruntime's kernel, and says so."""
+    bundle = open_bundle(tiny_bundles(variant="llama-gqa", quant="w4a16", group_size=32, max_seq_len=64))
+    monkeypatch.setenv("LINESIDE_ORT_CACHE", "0")
+    monkeypatch.setattr(rows_kernel, "rewritten", lambda graph, bits: b"not a model")
+    with caplog.at_level("WARNING", logger="lineside.runtime"):
+        be = OnnxRuntimeBackend(bundle, num_slots=2)
+    assert any("the rows kernel could not run graphs/cpu/model.onnx" in r.getMessage() for r in caplog.records)
+    be.reset_slot(0)
+    assert np.isfinite(be.forward(StepBatch.single(0, [1, 2, 3], 0))).all()
+
+
 def test_empty_batch_and_other_ranks(library):
     ours = session(matmul_graph(rows_kernel.DOMAIN, 64, 32, 32, zero_points=True, bias=False), library)
     assert ours.run(None, {"x": np.zeros((0, 1, 64), np.float32)})[0].shape == (0, 1, 32)
@@ -168,12 +212,23 @@ def test_rewrite_moves_only_what_it_computes_as_onnxruntime_does(tmp_path):
         return helper.make_node("MatMulNBits", inputs, [out], domain="com.microsoft",
                                 **{"K": 64, "N": 8, "bits": 4, "block_size": 32, "accuracy_level": 4, **attrs})
 
+    s16 = numpy_helper.from_array(np.ones(16, np.float16), "S16")
+    short = numpy_helper.from_array(np.zeros((8, 1, 16), np.uint8), "Bshort")
+    empty = numpy_helper.from_array(np.zeros((0, 2, 16), np.uint8), "B0")
+    s0 = numpy_helper.from_array(np.ones(0, np.float32), "S0")
+    over = numpy_helper.from_array(np.zeros((8, 2, 16), np.uint8), "Bover")
     nodes = [mm("moved", ["x", "B", "S", "Z"]), mm("moved_no_zp", ["x", "B", "S"]),
              mm("level0", ["x", "B", "S"], accuracy_level=0), mm("bits2", ["x", "B", "S"], bits=2),
              mm("block16", ["x", "B", "S"], block_size=16), mm("float_zp", ["x", "B", "S", "ZF"]),
-             mm("g_idx", ["x", "B", "S", "", "x"]), mm("weights_in", ["x", "x", "S"])]
+             mm("g_idx", ["x", "B", "S", "", "x"]), mm("weights_in", ["x", "x", "S"]),
+             mm("fp16", ["x", "B", "S16"]),  # fp16 activations and scales: the kernel is float32 only
+             mm("short_b", ["x", "Bshort", "S"]),  # B smaller than K, N and the block say
+             mm("omitted", ["x", "B0", "S0"], N=0),  # the schema's omitted projection (N = 0)
+             mm("overridable", ["x", "Bover", "S"])]  # also a graph input: a run may replace it
     path = tmp_path / "m.onnx"
-    onnx.save(model_of(nodes, [b, s, z, zf]), str(path))
+    model_in = model_of(nodes, [b, s, z, zf, s16, short, empty, s0, over])
+    model_in.graph.input.append(helper.make_tensor_value_info("Bover", TensorProto.UINT8, [8, 2, 16]))
+    onnx.save(model_in, str(path))
     raw, moved = rows_kernel.rewrite(path)
     model = onnx.load_from_string(raw)
     assert moved == 2

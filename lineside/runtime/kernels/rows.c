@@ -61,6 +61,25 @@ typedef struct {
 
 static OrtStatus *fail(const char *msg) { return api->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
+/* An input of exactly `count` elements, as K, N, the block and the bits say (a different one is an error, not a
+   read past its end). */
+static OrtStatus *expect_count(const OrtValue *value, int64_t count, const char *name) {
+  OrtTensorTypeAndShapeInfo *info;
+  size_t got = 0;
+  OrtStatus *st = api->GetTensorTypeAndShape(value, &info);
+  if (st) return st;
+  st = api->GetTensorShapeElementCount(info, &got);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (st) return st;
+  if ((int64_t)got != count) {
+    char msg[160];
+    snprintf(msg, sizeof(msg), "lineside rows: %s holds %zu elements, K, N and the block ask for %lld", name, got,
+             (long long)count);
+    return fail(msg);
+  }
+  return NULL;
+}
+
 /* An input's data (API 21 reads inputs through the mutable getter; nothing here writes them). */
 static OrtStatus *data_of(const OrtValue *value, const void **out) {
   return api->GetTensorMutableData((OrtValue *)value, (void **)out);
@@ -389,7 +408,11 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtA
   int64_t k = 0, n = 0, bits = 0, block = 0, accuracy = 0;
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &k));
   CHECK(api->KernelInfoGetAttribute_int64(info, "N", &n));
-  CHECK(api->KernelInfoGetAttribute_int64(info, "bits", &bits));
+  OrtStatus *unset = api->KernelInfoGetAttribute_int64(info, "bits", &bits);
+  if (unset) { /* optional in the schema: 4 */
+    api->ReleaseStatus(unset);
+    bits = 4;
+  }
   CHECK(api->KernelInfoGetAttribute_int64(info, "block_size", &block));
   OrtStatus *none = api->KernelInfoGetAttribute_int64(info, "accuracy_level", &accuracy);
   if (none) {
@@ -423,9 +446,14 @@ static OrtStatus *ensure_packed(RowsOp *op, OrtKernelContext *ctx, const OrtValu
   CHECK(data_of(scales, &sdata));
   if (zp) CHECK(data_of(zp, &zdata));
   pthread_mutex_lock(&op->lock);
+  if (op->packed_from != NULL && op->packed_from != bdata) {
+    /* constant weights never move (rows_kernel.py moves no node whose weights a run may override); repacking here
+       would free what a concurrent run still reads */
+    pthread_mutex_unlock(&op->lock);
+    return fail("lineside rows: the weights changed between runs");
+  }
   if (op->packed_from != bdata) {
     free(op->packed);
-    op->packed_from = NULL; /* until the new copy is whole */
     size_t tiles = (size_t)(op->groups * op->blocks);
     size_t width = (size_t)op->width;
     op->packed = aligned_alloc(64, (tiles * (op->code_bytes + width * sizeof(float) + width) + 63) / 64 * 64);
@@ -468,6 +496,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (st) return st;
     if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) return fail("lineside rows: zero points must be uint8");
   }
+  int64_t zp_count = op->n * ((op->blocks * op->bits + 7) / 8);
+  CHECK(expect_count(b, op->n * op->blocks * (op->block * op->bits / 8), "B"));
+  CHECK(expect_count(scales, op->n * op->blocks, "scales"));
+  if (zp) CHECK(expect_count(zp, zp_count, "zero_points"));
+  if (bias) CHECK(expect_count(bias, op->n, "bias"));
   CHECK(ensure_packed(op, ctx, b, scales, zp));
 
   OrtTensorTypeAndShapeInfo *info;
@@ -532,7 +565,8 @@ static OrtStatus *ORT_API_CALL infer_shape(const OrtCustomOp *self, OrtShapeInfe
   OrtTensorTypeAndShapeInfo *in, *out = NULL;
   CHECK(api->ShapeInferContext_GetInputTypeShape(ctx, 0, &in));
   OrtStatus *st = api->GetDimensionsCount(in, &rank);
-  if (!st && (rank < 1 || rank > 8)) st = fail("lineside rows: input rank must be 1..8");
+  if (!st && rank == 0) return NULL; /* rank unknown here: the output's shape stays unknown too */
+  if (!st && rank > 8) st = fail("lineside rows: input rank must be 1..8");
   if (!st) st = api->GetDimensions(in, dims, rank);
   if (!st) st = api->GetSymbolicDimensions(in, names, rank);
   if (!st) st = api->CreateTensorTypeAndShapeInfo(&out);
@@ -615,7 +649,10 @@ int lineside_rows_isa(void) {
 
 OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
   api = base->GetApi(ORT_API_VERSION);
-  if (!api) return NULL; /* cannot even report: onnxruntime older than the header; its own load error follows */
+  if (!api) { /* older than the header's API: the first API's CreateStatus still reports it */
+    const OrtApi *oldest = base->GetApi(1);
+    return oldest ? oldest->CreateStatus(ORT_FAIL, "lineside rows: onnxruntime older than 1.21") : NULL;
+  }
   isa = lineside_rows_isa();
   if (isa == ISA_NONE) return api->CreateStatus(ORT_FAIL, "lineside rows: this CPU has neither AVX-512 VNNI nor AVX2");
   if (domain) return api->AddCustomOpDomain(options, domain); /* one op and domain, shared by every session */
@@ -635,7 +672,13 @@ OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtA
   rows_op.InferOutputShapeFn = infer_shape;
   rows_op.GetStartVersion = start_version;
   rows_op.GetEndVersion = end_version;
-  CHECK(api->CreateCustomOpDomain("ai.lineside", &domain));
-  CHECK(api->CustomOpDomain_Add(domain, &rows_op));
+  OrtCustomOpDomain *made = NULL;
+  CHECK(api->CreateCustomOpDomain("ai.lineside", &made));
+  OrtStatus *st = api->CustomOpDomain_Add(made, &rows_op);
+  if (st) {
+    api->ReleaseCustomOpDomain(made);
+    return st;
+  }
+  domain = made; /* published whole: a failed registration is tried again next time */
   return api->AddCustomOpDomain(options, domain);
 }
