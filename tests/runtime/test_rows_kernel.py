@@ -17,6 +17,7 @@ from lineside.errors import LinesideError
 from lineside.runtime import rows_kernel
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
+from tests.runtime.test_decode_graph_int8 import PROMPTS, decode_step
 
 
 @pytest.fixture(scope="module")
@@ -239,24 +240,14 @@ def test_rewrite_moves_only_what_it_computes_as_onnxruntime_does(tmp_path):
     assert rows_kernel.rewritten(path) is None  # nothing to move: the graph is opened as it is
 
 
-def decode(be, slots, tokens, pasts):
-    n = len(slots)
-    return be.forward(StepBatch(slots=slots, input_ids=np.array(tokens, np.int64).reshape(n, 1),
-                                past_lengths=np.array(pasts, np.int64), new_lengths=np.ones(n, np.int64),
-                                logits_positions=np.zeros((n, 1), np.int64)))[:, 0]
-
-
-PROMPTS = [[1, 17, 42, 5, 99, 250, 3], [77, 8, 150, 61], [12, 200, 33, 90, 120, 7, 64, 31, 222], [5, 6]]
-
-
 def run_prompts(be):
     for slot, ids in enumerate(PROMPTS):
         be.reset_slot(slot)
         be.forward(StepBatch.single(slot, ids[:-1], 0))
     pasts = [len(p) - 1 for p in PROMPTS]
     last = [p[-1] for p in PROMPTS]
-    batched = decode(be, [0, 1, 2, 3], last, pasts)
-    alone = [decode(be, [slot], [last[slot]], [pasts[slot]])[0] for slot in range(4)]
+    batched = decode_step(be, [0, 1, 2, 3], last, pasts)
+    alone = [decode_step(be, [slot], [last[slot]], [pasts[slot]])[0] for slot in range(4)]
     return batched, np.stack(alone)
 
 
