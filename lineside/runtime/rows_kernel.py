@@ -78,24 +78,24 @@ def host_ok() -> str | None:
     return None
 
 
-ISA_ENV = "LINESIDE_ROWS_ISA"  # "avx2": the AVX2 path on an AVX-512 CPU (tests, comparisons); read by the library
+ISA_ENV = "LINESIDE_ROWS_ISA"  # "avx2" / "avxvnni": that path on a CPU with more (tests, comparisons); the library reads it
 
 
 @lru_cache(maxsize=4)
 def _isa_of(path: Path, forced: str) -> str:
     del forced  # part of the cache key: the library reads the variable itself
     code = ctypes.CDLL(str(path)).lineside_rows_isa()
-    return {3: "avx512", 2: "avx2"}.get(code, "none")
+    return {3: "avx512", 4: "avxvnni", 2: "avx2"}.get(code, "none")
 
 
 def isa(path: Path) -> str:
-    """The instruction set the library at ``path`` runs in this process: "avx512" (4- and 8-bit nodes) or "avx2"
-    (4-bit nodes only: the 8-bit products would saturate in vpmaddubsw's 16-bit sums)."""
+    """The instruction set the library at ``path`` runs in this process: "avx512" or "avxvnni" (4- and 8-bit nodes),
+    or "avx2" (4-bit nodes only: the 8-bit products would saturate in vpmaddubsw's 16-bit sums)."""
     return _isa_of(path, os.environ.get(ISA_ENV, ""))
 
 
 def bits_for(kernel_isa: str) -> tuple[int, ...]:
-    return (4, 8) if kernel_isa == "avx512" else (4,)
+    return (4, 8) if kernel_isa in ("avx512", "avxvnni") else (4,)
 
 
 def _cpu_flags() -> set[str]:

@@ -67,11 +67,12 @@ SHAPES = [  # (K, N, block, zero points, bias, bits): the demo model's fused sha
     (576, 1000, 32, False, False, 8), (100, 33, 64, True, True, 8), (256, 64, 128, True, False, 8)]
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["avx512", "avxvnni", "avx2"])
 def kernel_isa(request, library, monkeypatch):
-    """Each path the library has: AVX-512 VNNI where the CPU has it, and AVX2 (forced by LINESIDE_ROWS_ISA)."""
-    if request.param == "avx2":
-        monkeypatch.setenv(rows_kernel.ISA_ENV, "avx2")
+    """Each path the library has, where this CPU can run it: AVX-512 VNNI, AVX-VNNI and AVX2 (the narrower ones
+    forced by LINESIDE_ROWS_ISA on a CPU with more)."""
+    if request.param != "avx512":
+        monkeypatch.setenv(rows_kernel.ISA_ENV, request.param)
     got = rows_kernel.isa(library)
     if got != request.param:
         pytest.skip(f"this CPU runs the rows kernel's {got} path, not {request.param}")
@@ -101,14 +102,20 @@ def test_matches_onnxruntime_and_rows_are_independent(library, kernel_isa, k, n,
         np.testing.assert_array_equal(alone, y)  # bit for bit: a stream's tokens never depend on its batch
 
 
-@pytest.mark.parametrize("k,n,block,zero_points,bias,bits", [c for c in SHAPES if c[-1] == 4])
-def test_avx2_and_avx512_agree_bit_for_bit(library, monkeypatch, k, n, block, zero_points, bias, bits):
-    """The same float operations per column on both paths: a bundle gives the same tokens on either CPU."""
+@pytest.mark.parametrize("narrower", ["avxvnni", "avx2"])
+@pytest.mark.parametrize("k,n,block,zero_points,bias,bits", SHAPES)
+def test_every_path_agrees_with_avx512_bit_for_bit(library, monkeypatch, narrower, k, n, block, zero_points, bias,
+                                                   bits):
+    """The same float operations per column on every path: a bundle gives the same tokens on any of these CPUs."""
     if rows_kernel.isa(library) != "avx512":
         pytest.skip("this CPU has no AVX-512 VNNI path to compare with")
     model = matmul_graph(rows_kernel.DOMAIN, k, n, block, zero_points=zero_points, bias=bias, bits=bits)
     wide = session(model, library)
-    monkeypatch.setenv(rows_kernel.ISA_ENV, "avx2")
+    monkeypatch.setenv(rows_kernel.ISA_ENV, narrower)
+    if rows_kernel.isa(library) != narrower:
+        pytest.skip(f"this CPU has no {narrower} path")
+    if bits not in rows_kernel.bits_for(narrower):
+        return  # never moved there (test_matches_onnxruntime_and_rows_are_independent checks the refusal)
     narrow = session(model, library)
     x = np.random.default_rng(2).standard_normal((11, 1, k)).astype(np.float32)
     np.testing.assert_array_equal(narrow.run(None, {"x": x})[0], wide.run(None, {"x": x})[0])
@@ -259,8 +266,8 @@ def test_the_backend_runs_4bit_steps_on_it_with_the_same_logits(library, kernel_
     monkeypatch.setenv("LINESIDE_ORT_CACHE", "0")
     monkeypatch.setenv(rows_kernel.ENV, "1")
     fast = OnnxRuntimeBackend(bundle, num_slots=4)
-    # the 8-bit LM head too on AVX-512; on AVX2 it stays onnxruntime's (its products would saturate there)
-    assert ("model.onnx", (4, 8) if kernel_isa == "avx512" else (4,)) in opened
+    # the 8-bit LM head too on AVX-512 and AVX-VNNI; on AVX2 it stays onnxruntime's (its products would saturate)
+    assert ("model.onnx", (4, 8) if kernel_isa in ("avx512", "avxvnni") else (4,)) in opened
     monkeypatch.setenv(rows_kernel.ENV, "0")
     plain = OnnxRuntimeBackend(bundle, num_slots=4)
     batched, alone = run_prompts(fast)

@@ -25,14 +25,15 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
-enum { ISA_NONE = 0, ISA_AVX2 = 2, ISA_AVX512 = 3 };
+enum { ISA_NONE = 0, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVXVNNI = 4 };
 
 static const OrtApi *api;
 static int isa;                  /* what this process runs: lineside_rows_isa() */
 
 typedef struct {
   int64_t k, n, block, bits;     /* attributes */
-  int64_t width;                 /* columns per group: 16 (AVX-512) or 8 (AVX2) */
+  int64_t width;                 /* columns per group: 16 (AVX-512) or 8 (AVX2, AVX-VNNI) */
+  int vnni;                      /* 8-column groups with AVX-VNNI's vpdpbusd (4- and 8-bit) */
   int64_t blocks;                /* ceil(k / block) */
   int64_t groups;                /* ceil(n / width) */
   int64_t subs;                  /* block / 32 */
@@ -293,11 +294,19 @@ static inline __attribute__((always_inline)) AVX512 void group_rows(const RowsOp
     _mm512_mask_storeu_ps(y + (r0 + r) * op->n + c0, mask, _mm512_add_ps(acc[r], b));
 }
 
-/* AVX2, 4-bit only: 8 columns a group; u8 x s8 pairs added in 16 bits by vpmaddubsw (at most 2*15*127 = 3810: no
- * saturation for 4-bit codes), a chunk's 8 of them in 16 bits too, and then in 32 bits by vpmaddwd. */
+/* AVX-VNNI's vpdpbusd on ymm (VEX-encoded: written as asm so this AVX2 function may hold it; it runs only where the
+ * CPU has AVX-VNNI). */
+static inline __attribute__((always_inline)) AVX2 __m256i dpbusd_vex(__m256i acc, __m256i u8, __m256i s8) {
+  __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
+  return acc;
+}
+
+/* 8 columns a group. AVX-VNNI: vpdpbusd, 4- and 8-bit. AVX2, 4-bit only: u8 x s8 pairs added in 16 bits by
+ * vpmaddubsw (at most 2*15*127 = 3810: no saturation for 4-bit codes), a chunk's 8 of them in 16 bits too, and then
+ * in 32 bits by vpmaddwd. */
 static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const RowsOp *op, const Acts *a, int64_t g,
-                                                                       int64_t r0, const int rows, const float *bias,
-                                                                       float *y) {
+                                                                       int64_t r0, const int rows, const int vnni,
+                                                                       const int bits, const float *bias, float *y) {
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256 acc[ROW_TILE];
   for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
@@ -305,18 +314,30 @@ static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const Row
   const float *sp = op->scales + g * op->blocks * 8;
   const uint8_t *zp = op->zeros + g * op->blocks * 8;
   for (int64_t blk = 0; blk < op->blocks; blk++, tile += op->code_bytes, sp += 8, zp += 8) {
-    __m256i dot[ROW_TILE][2];
-    for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    const int chains = vnni ? (rows <= 2 ? 4 : rows <= 4 ? 2 : 1) : 2; /* as on AVX-512: exact integer sums */
+    __m256i dot[ROW_TILE][4];
+    for (int r = 0; r < rows; r++)
+      for (int c = 0; c < chains; c++) dot[r][c] = _mm256_setzero_si256();
     for (int64_t sub = 0; sub < op->subs; sub++) {
-      const __m256i *chunk = (const __m256i *)(tile + sub * 128);
       __m256i w[8];
-      for (int k = 0; k < 4; k++) {
-        __m256i p = _mm256_load_si256(chunk + k);
-        w[2 * k] = _mm256_and_si256(p, low);
-        w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      if (bits == 8) {
+        const __m256i *chunk = (const __m256i *)(tile + sub * 256);
+        for (int j = 0; j < 8; j++) w[j] = _mm256_load_si256(chunk + j);
+      } else {
+        const __m256i *chunk = (const __m256i *)(tile + sub * 128);
+        for (int k = 0; k < 4; k++) {
+          __m256i p = _mm256_load_si256(chunk + k);
+          w[2 * k] = _mm256_and_si256(p, low);
+          w[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
       }
       for (int r = 0; r < rows; r++) {
         const int32_t *q = (const int32_t *)(a->q + (r0 + r) * a->stride + blk * op->block + sub * SUB);
+        if (vnni) {
+          for (int j = 0; j < 8; j++)
+            dot[r][j % chains] = dpbusd_vex(dot[r][j % chains], w[j], _mm256_set1_epi32(q[j]));
+          continue;
+        }
         /* the 8 pair sums of a column add up in 16 bits (at most 8 * 3810 = 30480), then widen once */
         __m256i even = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(q[0]));
         __m256i odd = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(q[1]));
@@ -331,7 +352,8 @@ static inline __attribute__((always_inline)) AVX2 void group_rows_avx2(const Row
     __m256 sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)zp))));
     for (int r = 0; r < rows; r++) {
       int64_t at = (r0 + r) * op->blocks + blk;
-      __m256i d = _mm256_add_epi32(dot[r][0], dot[r][1]);
+      __m256i d = dot[r][0];
+      for (int c = 1; c < chains; c++) d = _mm256_add_epi32(d, dot[r][c]);
       __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(a->scale[at]));
       acc[r] = _mm256_add_ps(acc[r], _mm256_fmsub_ps(s, t, _mm256_mul_ps(sz, _mm256_set1_ps(a->zsum[at]))));
     }
@@ -367,9 +389,14 @@ static AVX512 void group_all_rows_avx512(const RowsOp *op, const Acts *a, int64_
   }
 }
 
-#define ROWS_CASE2(n) \
-  case n:             \
-    group_rows_avx2(op, a, g, r0, n, bias, y); \
+#define ROWS_CASE2(n)                                  \
+  case n:                                              \
+    if (!op->vnni)                                     \
+      group_rows_avx2(op, a, g, r0, n, 0, 4, bias, y); \
+    else if (op->bits == 8)                            \
+      group_rows_avx2(op, a, g, r0, n, 1, 8, bias, y); \
+    else                                               \
+      group_rows_avx2(op, a, g, r0, n, 1, 4, bias, y); \
     break;
 
 static AVX2 void group_all_rows_avx2(const RowsOp *op, const Acts *a, int64_t g, const float *bias, float *y) {
@@ -419,10 +446,10 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtA
     api->ReleaseStatus(none);
     accuracy = 0;
   }
-  int wide = isa == ISA_AVX512;
-  if ((bits != 4 && !(bits == 8 && wide)) || block < SUB || block % SUB || accuracy != 4 || k <= 0 || n <= 0)
-    return fail(wide ? "lineside rows: only 4- or 8-bit weights, block a multiple of 32, accuracy level 4"
-                     : "lineside rows: only 4-bit weights on AVX2, block a multiple of 32, accuracy level 4");
+  int wide = isa == ISA_AVX512, eight = wide || isa == ISA_AVXVNNI;
+  if ((bits != 4 && !(bits == 8 && eight)) || block < SUB || block % SUB || accuracy != 4 || k <= 0 || n <= 0)
+    return fail(eight ? "lineside rows: only 4- or 8-bit weights, block a multiple of 32, accuracy level 4"
+                      : "lineside rows: only 4-bit weights on AVX2, block a multiple of 32, accuracy level 4");
   RowsOp *op = calloc(1, sizeof(RowsOp));
   if (!op) return fail("lineside rows: out of memory");
   op->k = k;
@@ -430,6 +457,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *self, const OrtA
   op->bits = bits;
   op->block = block;
   op->width = wide ? GROUP : 8;
+  op->vnni = isa == ISA_AVXVNNI;
   op->blocks = (k + block - 1) / block;
   op->groups = (n + op->width - 1) / op->width;
   op->subs = block / SUB;
@@ -635,15 +663,19 @@ static int ORT_API_CALL end_version(const OrtCustomOp *self) { (void)self; retur
 static OrtCustomOp rows_op;
 static OrtCustomOpDomain *domain;
 
-/* What this process runs: 3 AVX-512 VNNI (4- and 8-bit), 2 AVX2 + FMA (4-bit only), 0 neither. LINESIDE_ROWS_ISA=avx2
-   takes the AVX2 path on an AVX-512 CPU (to test it, or compare). rows_kernel.py asks the same before rewriting. */
+/* What this process runs: 3 AVX-512 VNNI, 4 AVX-VNNI (AVX2 + FMA + 256-bit vpdpbusd: Intel Core since Alder Lake),
+   both 4- and 8-bit; 2 AVX2 + FMA, 4-bit only; 0 none. LINESIDE_ROWS_ISA=avx2 or avxvnni takes that path on a CPU
+   that has more (to test it, or compare). rows_kernel.py asks the library before rewriting a graph. */
 int lineside_rows_isa(void) {
   __builtin_cpu_init();
   const char *forced = getenv("LINESIDE_ROWS_ISA");
+  forced = forced ? forced : "";
   int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  int avxvnni = avx2 && __builtin_cpu_supports("avxvnni");
   int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vnni");
-  if (avx512 && !(forced && strcmp(forced, "avx2") == 0)) return ISA_AVX512;
+  if (avx512 && strcmp(forced, "avx2") != 0 && strcmp(forced, "avxvnni") != 0) return ISA_AVX512;
+  if (avxvnni && strcmp(forced, "avx2") != 0) return ISA_AVXVNNI;
   return avx2 ? ISA_AVX2 : ISA_NONE;
 }
 
