@@ -143,9 +143,7 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
         stable = request_mapping.with_special_tokens(stable, bos_tok, add)
         return ids, _agreeing(ids, stable), tool_count
     request_mapping.check_completion(body)
-    if not isinstance(body.prompt, str) and not (body.prompt and all(isinstance(t, int) for t in body.prompt)):
-        raise APIError(400, "prefill takes one prompt (a string or one list of token ids), not a list of prompts",
-                       "invalid_value", param="prompt")
+    body = _one_prompt(body)
     for text in prompt_limits.prompt_texts(body):
         prompt_limits.check_texts([text], tok, context, param="prompt")
     ids = (await _offload(len(body.prompt) if isinstance(body.prompt, str) else 0,
@@ -157,6 +155,19 @@ async def _tokens(state: ServerState, body: ChatCompletionRequest | CompletionRe
     text = request_mapping.clean_text(body.prompt, "prompt")
     stable = await _offload(len(text), functools.partial(state.tokenizer.stable_text_ids, text), param="prompt")
     return ids, _agreeing(ids, stable), 0
+
+
+def _one_prompt(body: CompletionRequest) -> CompletionRequest:
+    """The body with its one prompt bare: a list of one prompt is that prompt, as /v1/completions takes it (LangChain's
+    OpenAI LLM always sends ``[text]``), so one body still goes to both calls; an empty list is left for
+    completion_prompts to name; two or more prompts are a 400."""
+    p = body.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+        return body.model_copy(update={"prompt": p[0]})
+    if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+        raise APIError(400, f"prefill takes one prompt (a string or one list of token ids), not a list of {len(p)} "
+                       "prompts; send each prompt under its own session_id", "invalid_value", param="prompt")
+    return body
 
 
 def _agreeing(ids: list[int], stable: list[int]) -> int:

@@ -437,3 +437,35 @@ def test_keep_session_on_a_server_without_sessions_is_a_400_not_dropped(merging_
         assert r.status_code == 400 and err["code"] == "sessions_unsupported" and err["param"] == "keep_session"
         assert "\n" not in err["message"] and "leave keep_session out" in err["message"]
         assert metric(c.get("/metrics").text, "lineside_requests_total", 'outcome="invalid"') == 1
+
+
+@pytest.mark.parametrize("wrap", [lambda text, ids: [text], lambda text, ids: [ids]])
+def test_a_list_of_one_prompt_is_one_prompt(srv, wrap):
+    """/v1/completions takes its prompt as a list of one (LangChain's OpenAI LLM always sends it so), and that one
+    body goes to both calls (README): the prefill took only a bare string or ids and refused ``[text]`` as "a list
+    of prompts". Now the one prompt is unwrapped, and the completion sending the same body takes its KV."""
+    text = "the prefill session keeps the history while the technician talks"
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        ids = c.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        body = {"prompt": wrap(text, ids), "session_id": "one-listed", **GREEDY}
+        cold = c.post("/v1/completions", json={**body, "session_id": "none-such"}).json()
+        r = c.post("/v1/prefill", json=body)
+        assert r.status_code == 202, r.text
+        assert r.json()["prompt_tokens"] == len(ids)
+        settle(c, "one-listed")
+        warm = c.post("/v1/completions", json=body).json()
+        assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, warm["usage"]
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([], "empty"), ([[]], "empty"), (["a b", "c d"], "not a list of 2 prompts"), ([[5, 6], [7]], "not a list of 2 prompts"),
+])
+def test_a_prefill_of_no_prompt_or_several_says_which(srv, prompt, says):
+    """An empty list is no prompt (was told it was "a list of prompts"); two prompts are refused as before."""
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/prefill", json={"prompt": prompt, "session_id": "which"})
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["param"] == "prompt" and says in e["message"] and "\n" not in e["message"], e
+        assert c.get("/v1/prefill/which").status_code == 404
