@@ -205,13 +205,18 @@ class Sampler:
 
     def draw(self, logits: np.ndarray, history: list[int] | None = None,
              prompt_len: int = 0) -> tuple[int, np.ndarray | None]:
-        """A draft token and the probabilities it was drawn from (None when greedy): a proposer's q, which the
-        speculative-sampling rule divides by (speculative/verify.py). A sampled row's deterministic pick (top_k 1
+        """A draft token and the probabilities it was drawn from (None when deterministic): a proposer's q, which
+        the speculative-sampling rule divides by (speculative/verify.py). A sampled row's deterministic pick (top_k 1
         with one token at the top, the fallback) is a one-hot q, not None: a proposer lists q per draft only when
-        the row samples, so each of its drafts needs one."""
+        the row samples, so each of its drafts needs one. A seeded row gets its distribution's most likely token
+        and None, drawing nothing: verification then draws once per token as plain decoding does, so the seed
+        gives plain decoding's text however many steps speculate (a drawn draft would spend the row's generator)."""
         d = self.distribution(logits, history, prompt_len)
         if isinstance(d, int):
-            return d, None if self.p.greedy else np.eye(1, logits.shape[-1], d, dtype=np.float64)[0]
+            return d, None if self.p.greedy or self.p.seed is not None else np.eye(1, logits.shape[-1], d,
+                                                                                   dtype=np.float64)[0]
+        if self.p.seed is not None:
+            return int(np.argmax(d)), None
         return int(self.rng.choice(d.shape[0], p=d)), d
 
     def _holding(self, history: list[int] | None, prompt_len: int) -> bool:

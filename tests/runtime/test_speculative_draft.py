@@ -66,7 +66,7 @@ def test_draft_kv_follows_the_accepted_length(target, small_draft):
     used = DraftModelProposer(OnnxRuntimeBackend(b, num_slots=2, threads=2), 300)
     rng = np.random.default_rng(2)
     text = [1, *rng.integers(3, 259, 9).tolist()]
-    params = SamplingParams(temperature=0.9, seed=3)
+    params = SamplingParams(temperature=0.9)  # unseeded: a seeded row drafts its top token, q None
     first = used.propose_rows([DraftRow(1, text, 4, Sampler(params), 1)])[0]
     assert len(first.tokens) == 4 and first.probs is not None and len(first.probs) == 4
     accepted = [*text, first.tokens[0], 77]  # one draft kept, then the target's own token
