@@ -119,7 +119,11 @@ def test_top_k_one_samples_among_the_tokens_tied_at_the_top():
     s = Sampler(SamplingParams(temperature=0.7, top_k=1, seed=5))
     draws = [s(x) for _ in range(200)]
     assert set(draws) == {1, 2} and 60 < draws.count(1) < 140
-    assert {s.draw(x)[0] for _ in range(100)} == {1, 2}
+    # speculation's draw samples among them too, unseeded; a seeded row drafts the most likely token and draws
+    # nothing (its one draw is verification's, as in plain decoding: sampling.Sampler.draw)
+    unseeded = Sampler(SamplingParams(temperature=0.7, top_k=1))
+    assert {unseeded.draw(x)[0] for _ in range(100)} == {1, 2}
+    assert s.draw(x) == (1, None)
     assert Sampler(SamplingParams(temperature=0.0, top_k=1, seed=5))(x) == 1  # greedy: the lowest id, as vLLM's
 
 
