@@ -30,6 +30,17 @@ def decode_step(be, rows, tokens, pasts):
                                 logits_positions=np.zeros((n, 1), np.int64)))[:, 0]
 
 
+def prompts_then_one_batched_step(be):
+    """Each of PROMPTS but its last token into slots 0..3, then one decode step of the four last tokens together:
+    (its logits, the last tokens, their past lengths) for comparing each row with the same step alone."""
+    for slot, ids in enumerate(PROMPTS):
+        be.reset_slot(slot)
+        be.forward(StepBatch.single(slot, ids[:-1], 0))
+    pasts = [len(p) - 1 for p in PROMPTS]
+    last = [p[-1] for p in PROMPTS]
+    return decode_step(be, [0, 1, 2, 3], last, pasts), last, pasts
+
+
 def rel_err(a, ref):
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
@@ -50,12 +61,7 @@ def test_every_step_runs_on_the_int8_graph_and_rows_do_not_see_each_other(w4, ti
     assert any("every step runs on the bundle's int8 graph" in r.getMessage() for r in caplog.records)  # said once
     # the int8 graph is the one session: the 4-bit graph is not even loaded
     assert opened == ["model.prefill.onnx"] and be.prefill_session is None
-    for slot, ids in enumerate(PROMPTS):
-        be.reset_slot(slot)
-        be.forward(StepBatch.single(slot, ids[:-1], 0))
-    pasts = [len(p) - 1 for p in PROMPTS]
-    last = [p[-1] for p in PROMPTS]
-    batched = decode_step(be, [0, 1, 2, 3], last, pasts)
+    batched, last, pasts = prompts_then_one_batched_step(be)
     for slot in range(4):  # the same step alone rewrites the same cache entry: its logits are the batch row's
         alone = decode_step(be, [slot], [last[slot]], [pasts[slot]])
         assert np.array_equal(alone[0], batched[slot]), slot

@@ -17,7 +17,7 @@ from lineside.errors import LinesideError
 from lineside.runtime import rows_kernel
 from lineside.runtime.backend import StepBatch
 from lineside.runtime.onnxruntime_backend import OnnxRuntimeBackend
-from tests.runtime.test_decode_graph_int8 import PROMPTS, decode_step
+from tests.runtime.test_decode_graph_int8 import decode_step, prompts_then_one_batched_step
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +248,7 @@ def test_rewrite_moves_only_what_it_computes_as_onnxruntime_does(tmp_path):
 
 
 def run_prompts(be):
-    for slot, ids in enumerate(PROMPTS):
-        be.reset_slot(slot)
-        be.forward(StepBatch.single(slot, ids[:-1], 0))
-    pasts = [len(p) - 1 for p in PROMPTS]
-    last = [p[-1] for p in PROMPTS]
-    batched = decode_step(be, [0, 1, 2, 3], last, pasts)
+    batched, last, pasts = prompts_then_one_batched_step(be)
     alone = [decode_step(be, [slot], [last[slot]], [pasts[slot]])[0] for slot in range(4)]
     return batched, np.stack(alone)
 
